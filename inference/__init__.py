@@ -1,0 +1,1 @@
+"""In-flight (continuous) batching generation on the live model, on the packing core."""

@@ -1,0 +1,50 @@
+"""nopad's core: packing algorithms, the varlen metadata record, varlen attention, the block
+allocator and the transformers integration. Both the training side (``dataloaders``) and the
+generation side (``inference``) import from here; nothing here imports them.
+
+Names are loaded lazily so ``import packing`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+_EXPORTS = {
+    "VarlenMeta": "packing.varlen",
+    "varlen_attention": "packing.attention",
+    "store_kv": "packing.attention",
+    "load_smollm2": "packing.models",
+    "load_smollm2_tokenizer": "packing.models",
+}
+
+
+def _export(module: str, *names: str) -> None:
+    """Let a core module add its public names (used by the modules listed in __all__)."""
+    for name in names:
+        _EXPORTS[name] = module
+
+
+# Public names by module. Each entry: module -> names it provides.
+_export("packing.bins", "Bins", "PackStats")
+_export("packing.pack", "pack")
+_export("packing.streaming", "StreamingPacker")
+_export("packing.hf_datasets", "pack_dataset")
+_export("packing.blocks", "BlockAllocator", "OutOfBlocksError")
+_export("packing.hf", "register_nopad_attention", "NOPAD_ATTENTION")
+_export("packing.verify", "verify", "VerifyReport")
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'packing' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,217 @@
+"""The varlen metadata record: the one description of "which tokens belong to which sequence".
+
+The training collator, the generator's step builder and every attention backend speak this one
+type, so a packed training row and a paged generation step are the same thing to the core:
+queries of sequence ``i`` are tokens ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of the flat row, and
+they attend to the ``seqlens_k[i]`` keys of that sequence, the causal mask aligned to the *end*
+of the keys (a decode token is the last key; a prefill chunk is the tail of its context).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+
+def _as_lengths(values: Sequence[int] | np.ndarray | torch.Tensor, name: str) -> np.ndarray:
+    """Validate a 1-D array of non-negative integer lengths and return it as int64 numpy."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D sequence of integers, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and arr.min() < 0:
+        i = int(np.argmin(arr))
+        raise ValueError(f"{name}[{i}] = {arr[i]} is negative; lengths must be >= 0")
+    return arr
+
+
+def _cumsum0(lengths: np.ndarray) -> np.ndarray:
+    out = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class VarlenMeta:
+    """Boundaries of the sequences in one flat row of tokens, for every attention backend.
+
+    Tensors live on ``device``; ``seqlens_q``/``seqlens_k`` are host-side copies so CPU kernels
+    can loop over sequences without a device sync.
+    """
+
+    cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1], leading 0
+    cu_seqlens_k: torch.Tensor  # int32 [num_seqs + 1], leading 0
+    max_seqlen_q: int
+    max_seqlen_k: int
+    position_ids: torch.Tensor  # int64 [total_q]: position of each query token in its sequence
+    seq_idx: torch.Tensor  # int32 [total_q]: which sequence each query token belongs to
+    seqlens_q: tuple[int, ...]
+    seqlens_k: tuple[int, ...]
+    block_table: torch.Tensor | None = None  # int32 [num_seqs, max_blocks]: paged K/V blocks
+    slot_mapping: torch.Tensor | None = None  # int64 [total_q]: cache slot of each new token's K/V
+
+    # ----------------------------------------------------------------- constructors
+    @classmethod
+    def from_lengths(
+        cls, lengths: Sequence[int] | np.ndarray | torch.Tensor, device: torch.device | str = "cpu"
+    ) -> VarlenMeta:
+        """A packed training row: each sequence attends to itself only (queries == keys)."""
+        lens = _as_lengths(lengths, "lengths")
+        return cls.for_step(lens, np.zeros_like(lens), device=device)
+
+    @classmethod
+    def for_step(
+        cls,
+        query_lens: Sequence[int] | np.ndarray | torch.Tensor,
+        context_lens: Sequence[int] | np.ndarray | torch.Tensor,
+        *,
+        block_table: torch.Tensor | None = None,
+        slot_mapping: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+    ) -> VarlenMeta:
+        """A generation step: sequence ``i`` brings ``query_lens[i]`` new tokens on top of
+        ``context_lens[i]`` already cached ones, so its keys are ``context + query`` long and
+        its positions start at ``context_lens[i]``."""
+        q = _as_lengths(query_lens, "query_lens")
+        ctx = _as_lengths(context_lens, "context_lens")
+        if q.shape != ctx.shape:
+            raise ValueError(
+                f"query_lens and context_lens must have the same length, got {q.size} and {ctx.size}"
+            )
+        k = q + ctx
+        cu_q, cu_k = _cumsum0(q), _cumsum0(k)
+        total_q = int(cu_q[-1])
+        if total_q >= 2**31 or int(cu_k[-1]) >= 2**31:
+            raise ValueError("more than 2**31 tokens in one row; split the batch")
+        seq_idx = np.repeat(np.arange(q.size, dtype=np.int64), q)
+        # position of token t of sequence i = ctx[i] + (t - cu_q[i])
+        positions = np.arange(total_q, dtype=np.int64) - np.repeat(cu_q[:-1] - ctx, q)
+        if slot_mapping is not None and slot_mapping.numel() != total_q:
+            raise ValueError(
+                f"slot_mapping has {slot_mapping.numel()} entries but the step has {total_q} tokens"
+            )
+        if block_table is not None and block_table.shape[0] != q.size:
+            raise ValueError(
+                f"block_table has {block_table.shape[0]} rows but the step has {q.size} sequences"
+            )
+        dev = torch.device(device)
+        return cls(
+            cu_seqlens_q=torch.from_numpy(cu_q.astype(np.int32)).to(dev),
+            cu_seqlens_k=torch.from_numpy(cu_k.astype(np.int32)).to(dev),
+            max_seqlen_q=int(q.max()) if q.size else 0,
+            max_seqlen_k=int(k.max()) if k.size else 0,
+            position_ids=torch.from_numpy(positions).to(dev),
+            seq_idx=torch.from_numpy(seq_idx.astype(np.int32)).to(dev),
+            seqlens_q=tuple(q.tolist()),
+            seqlens_k=tuple(k.tolist()),
+            block_table=None if block_table is None else block_table.to(dev, torch.int32),
+            slot_mapping=None if slot_mapping is None else slot_mapping.to(dev, torch.int64),
+        )
+
+    @classmethod
+    def from_position_ids(cls, position_ids: torch.Tensor) -> VarlenMeta:
+        """Recover sequence boundaries from packed ``position_ids`` (a new sequence starts
+        wherever the position is 0), as transformers' own packed path does."""
+        pos = position_ids.reshape(-1).detach().cpu().numpy().astype(np.int64)
+        if pos.size == 0:
+            return cls.from_lengths([], device=position_ids.device)
+        starts = np.flatnonzero(pos == 0)
+        if starts.size == 0 or starts[0] != 0:
+            raise ValueError(
+                "packed position_ids must start at 0 and restart at 0 for every sequence; "
+                f"got first position {int(pos[0])}"
+            )
+        bounds = np.append(starts, pos.size)
+        lengths = np.diff(bounds)
+        expected = np.arange(pos.size) - np.repeat(starts, lengths)
+        if not np.array_equal(pos, expected):
+            bad = int(np.flatnonzero(pos != expected)[0])
+            raise ValueError(
+                f"position_ids are not 0,1,2,... within each packed sequence (token {bad} has "
+                f"position {int(pos[bad])}, expected {int(expected[bad])})"
+            )
+        return cls.from_lengths(lengths, device=position_ids.device)
+
+    # ----------------------------------------------------------------- views
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqlens_q)
+
+    @property
+    def total_q(self) -> int:
+        return sum(self.seqlens_q)
+
+    @property
+    def total_k(self) -> int:
+        return sum(self.seqlens_k)
+
+    @property
+    def is_prefill_only(self) -> bool:
+        """True when queries == keys for every sequence (a training row or a fresh prefill)."""
+        return self.seqlens_q == self.seqlens_k
+
+    @property
+    def document_ids(self) -> torch.Tensor:
+        """Sequence id of each query token, the ``document_id`` a FlexAttention mask compares."""
+        return self.seq_idx
+
+    def cu_seqlens_padded(self, multiple: int) -> torch.Tensor:
+        """``cu_seqlens`` with every sequence's length rounded up to ``multiple``: the layout
+        context parallelism (2 x CP size) and fixed-shape kernels expect."""
+        if multiple < 1:
+            raise ValueError(f"multiple must be >= 1, got {multiple}")
+        lens = np.asarray(self.seqlens_q, dtype=np.int64)
+        padded = -(-lens // multiple) * multiple
+        return torch.from_numpy(_cumsum0(padded).astype(np.int32)).to(self.cu_seqlens_q.device)
+
+    def padded_to(self, multiple: int) -> VarlenMeta:
+        """The same row with its token count rounded up to ``multiple`` by one trailing filler
+        sequence, so shapes fall into a few buckets (CUDA graphs, ``torch.compile``). The
+        filler attends only to itself; its outputs are to be ignored."""
+        if multiple < 1:
+            raise ValueError(f"multiple must be >= 1, got {multiple}")
+        if self.block_table is not None or not self.is_prefill_only:
+            raise ValueError("padded_to is for packed training rows, not paged generation steps")
+        extra = -self.total_q % multiple
+        if extra == 0:
+            return self
+        return VarlenMeta.from_lengths(
+            list(self.seqlens_q) + [extra], device=self.cu_seqlens_q.device
+        )
+
+    def to(self, device: torch.device | str) -> VarlenMeta:
+        dev = torch.device(device)
+        moved = {
+            name: getattr(self, name).to(dev)
+            for name in (
+                "cu_seqlens_q", "cu_seqlens_k", "position_ids", "seq_idx",
+                "block_table", "slot_mapping",
+            )
+            if getattr(self, name) is not None
+        }
+        return replace(self, **moved)
+
+    def flash_kwargs(self) -> dict:
+        """The varlen keyword arguments of ``flash_attn_varlen_func`` and of transformers'
+        flash-attention path (``cu_seq_lens_q`` etc.)."""
+        return {
+            "cu_seq_lens_q": self.cu_seqlens_q,
+            "cu_seq_lens_k": self.cu_seqlens_k,
+            "max_length_q": self.max_seqlen_q,
+            "max_length_k": self.max_seqlen_k,
+        }
+
+    def __repr__(self) -> str:
+        n = self.num_seqs
+        paged = ", paged" if self.block_table is not None else ""
+        return (
+            f"VarlenMeta(num_seqs={n}, total_q={self.total_q}, total_k={self.total_k}, "
+            f"max_seqlen_q={self.max_seqlen_q}, max_seqlen_k={self.max_seqlen_k}{paged})"
+        )

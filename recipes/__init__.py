@@ -1,0 +1,1 @@
+"""Thin scripts over the library: demo, preprocessing, SFT, GRPO, evaluation."""
