@@ -1,0 +1,95 @@
+"""Recipe configs: YAML data plus ``key=value`` overrides, checked against the recipe's defaults.
+
+A recipe's default YAML file lists every key it understands, so a typo (``rollout.max_token=8``)
+is an error naming the key instead of a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import yaml
+
+
+def _read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a YAML mapping at the top level")
+    return data
+
+
+def _merge(base: dict, update: Mapping, prefix: str = "") -> None:
+    for key, value in update.items():
+        name = f"{prefix}{key}"
+        if key not in base:
+            raise KeyError(f"unknown config key {name!r}; known keys here: {sorted(base)}")
+        if isinstance(base[key], dict):
+            if not isinstance(value, Mapping):
+                raise ValueError(f"config key {name!r} is a section; set its fields as {name}.<field>=...")
+            _merge(base[key], value, prefix=f"{name}.")
+        else:
+            base[key] = value
+
+
+def parse_override(text: str) -> dict:
+    """``"a.b=3"`` -> ``{"a": {"b": 3}}``; the value is parsed as YAML (numbers, null, true)."""
+    if "=" not in text:
+        raise ValueError(f"override {text!r} must look like section.key=value")
+    dotted, _, raw = text.partition("=")
+    value = yaml.safe_load(raw) if raw.strip() else None
+    out: dict = value
+    for part in reversed(dotted.strip().split(".")):
+        out = {part: out}
+    return out
+
+
+def load_config(defaults: str | Path, path: str | Path | None = None,
+                overrides: Sequence[str] | Mapping = ()) -> dict:
+    """The defaults file, updated by the user's file (if any) and then by the overrides
+    (``["train.steps=3"]`` or a nested dict)."""
+    cfg = _read_yaml(defaults)
+    if path is not None and Path(path).resolve() != Path(defaults).resolve():
+        _merge(cfg, _read_yaml(path))
+    if isinstance(overrides, Mapping):
+        _merge(cfg, copy.deepcopy(dict(overrides)))
+    else:
+        for text in overrides:
+            _merge(cfg, parse_override(text))
+    return cfg
+
+
+def require(cfg: Mapping, section: str, key: str, minimum: int) -> None:
+    """An integer setting ``section.key`` that must be at least ``minimum``."""
+    value = cfg[section][key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{section}.{key} must be an integer >= {minimum}, got {value!r}")
+
+
+def load_model(model_cfg: Mapping):
+    """``(model, tokenizer)`` for ``model.path``: ``"smollm2"`` is the embedded SmolLM2-135M-Instruct
+    (offline); anything else is a local Hugging Face model directory."""
+    import torch
+
+    dtype = getattr(torch, str(model_cfg.get("dtype", "float32")), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"model.dtype={model_cfg.get('dtype')!r} is not a torch dtype (float32, bfloat16)")
+    path = model_cfg.get("path")
+    if not path:
+        raise ValueError("model.path is missing: set model.path=smollm2 (the embedded demo model) "
+                         "or a local Hugging Face model directory")
+    if path == "smollm2":
+        from packing.models import load_smollm2
+
+        return load_smollm2(dtype=dtype)
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"model.path={path!r} is not a directory; give a local HF model "
+                                "directory or model.path=smollm2")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.eval(), AutoTokenizer.from_pretrained(path)
