@@ -1,0 +1,159 @@
+"""Token-budget batch sampler: each step is one bin of whole sequences that fits the budget.
+
+Every epoch the sampler packs ALL lengths with the core's best-fit-decreasing (``packing.pack``,
+seeded by ``seed + epoch``), then balances the bins over the data-parallel ranks
+(:mod:`dataloaders.balance`). Every rank computes the same plan from the same lengths and seed and
+keeps its own column, so no communication is needed and every rank runs the same number of steps.
+
+It does its own sharding: do NOT also shard it with a ``DistributedSampler`` or by passing the
+DataLoader through ``accelerator.prepare`` (see :mod:`dataloaders.loader`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from dataloaders.balance import RankPlan, balance_bins
+from dataloaders.dataset import PackedItem
+from dataloaders.telemetry import epoch_stats, log_epoch_stats
+
+logger = logging.getLogger(__name__)
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+class PackedBatchSampler(Sampler[list[PackedItem]]):
+    """Yield, for this rank, lists of :class:`PackedItem` whose lengths sum to at most
+    ``tokens_per_batch``.
+
+    ``overflow`` is the core's: ``"error"`` (a sequence longer than the budget is a clear error),
+    ``"truncate"`` or ``"split"``. ``steps_multiple_of`` makes the number of steps per rank a
+    multiple of, e.g., the gradient-accumulation steps, so no optimizer step is left partial.
+    ``shuffle=False`` keeps the costliest steps first (handy to surface out-of-memory early).
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        tokens_per_batch: int,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        max_seqs_per_batch: int | None = None,
+        overflow: str = "error",
+        steps_multiple_of: int = 1,
+        token_cost: float = 1.0,
+        attention_cost: float | None = None,
+    ):
+        world, this_rank = _world()
+        self.num_replicas = world if num_replicas is None else int(num_replicas)
+        self.rank = this_rank if rank is None else int(rank)
+        if not 0 <= self.rank < self.num_replicas:
+            raise ValueError(f"rank {self.rank} is outside [0, num_replicas={self.num_replicas})")
+        if tokens_per_batch < 1:
+            raise ValueError(f"tokens_per_batch must be >= 1, got {tokens_per_batch}")
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        if self.lengths.size == 0:
+            raise ValueError("no sequences to sample: the dataset is empty")
+        self.tokens_per_batch = int(tokens_per_batch)
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self.max_seqs_per_batch = max_seqs_per_batch
+        self.overflow = overflow
+        self.steps_multiple_of = int(steps_multiple_of)
+        self.token_cost = token_cost
+        self.attention_cost = attention_cost
+        self.epoch = 0
+        self.start_step = 0  # set by the loader when resuming mid-epoch
+        self._plan_epoch: int | None = None
+        self._batches: list[list[PackedItem]] = []
+        self.last_stats: dict | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def _plan(self) -> list[list[PackedItem]]:
+        """This rank's batches for ``self.epoch`` (computed once per epoch)."""
+        if self._plan_epoch == self.epoch:
+            return self._batches
+        from packing import pack
+
+        packed = pack(
+            self.lengths,
+            self.tokens_per_batch,
+            strategy="bfd",
+            max_seqs_per_bin=self.max_seqs_per_batch,
+            seed=self.seed + self.epoch if self.shuffle else None,
+            overflow=self.overflow,
+            skip_empty=True,
+        )
+        offsets = np.asarray(packed.offsets)
+        indices, starts, piece_lengths = packed.indices, packed.starts, packed.lengths
+        bins = np.split(np.arange(indices.size, dtype=np.int64), offsets[1:-1])
+        plan: RankPlan = balance_bins(
+            bins,
+            piece_lengths,
+            self.num_replicas,
+            steps_multiple_of=self.steps_multiple_of,
+            token_cost=self.token_cost,
+            attention_cost=self.attention_cost,
+            seed=self.seed + self.epoch if self.shuffle else None,
+        )
+        self._batches = [
+            [
+                PackedItem(int(indices[i]), int(starts[i]), int(piece_lengths[i]), train)
+                for i in plan.bins[bin_id]
+            ]
+            for bin_id in plan.rank_bins(self.rank)
+            for train in [bin_id not in plan.duplicated]
+        ]
+        self._plan_epoch = self.epoch
+        self.last_stats = epoch_stats(
+            epoch=self.epoch,
+            num_sequences=int(self.lengths.size),
+            capacity=self.tokens_per_batch,
+            pack_stats=packed.stats,
+            plan=plan,
+            item_lengths=piece_lengths,
+            item_indices=indices,
+        )
+        log_epoch_stats(self.last_stats, rank=self.rank)
+        return self._batches
+
+    def __iter__(self) -> Iterator[list[PackedItem]]:
+        batches = self._plan()
+        start, self.start_step = self.start_step, 0
+        yield from batches[start:]
+
+    def __len__(self) -> int:
+        return len(self._plan())
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "num_replicas": self.num_replicas,
+            "tokens_per_batch": self.tokens_per_batch,
+            "num_sequences": int(self.lengths.size),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "num_replicas", "tokens_per_batch", "num_sequences"):
+            mine = self.state_dict()[key]
+            if state.get(key) != mine:
+                raise ValueError(
+                    f"cannot resume: the checkpoint was made with {key}={state.get(key)} but this "
+                    f"sampler has {key}={mine}; resume with the same data, budget, seed and world size"
+                )
+        self.set_epoch(state["epoch"])

@@ -1,0 +1,64 @@
+"""Per-epoch packing statistics: one flat dict, logged once per epoch and kept on the sampler
+(``sampler.last_stats``) so training scripts can log it to their tracker."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from dataloaders.balance import RankPlan
+
+logger = logging.getLogger("dataloaders")
+
+
+def epoch_stats(
+    *,
+    epoch: int,
+    num_sequences: int,
+    capacity: int,
+    pack_stats,
+    plan: RankPlan,
+    item_lengths: np.ndarray,
+    item_indices: np.ndarray,
+) -> dict:
+    """What an epoch's packing did. ``efficiency`` is real tokens / (bins x capacity) after the
+    bins were split or duplicated for rank balance; a duplicated bin's tokens count as padding."""
+    trained_bins = [b for i, b in enumerate(plan.bins) if i not in plan.duplicated]
+    tokens = int(sum(int(item_lengths[b].sum()) for b in trained_bins))
+    pieces = np.concatenate(trained_bins) if trained_bins else np.zeros(0, dtype=np.int64)
+    seen = int(np.unique(np.asarray(item_indices)[pieces]).size)
+    return {
+        "epoch": int(epoch),
+        "num_sequences": int(num_sequences),
+        "num_bins": len(plan.bins),
+        "steps_per_rank": plan.num_steps,
+        "num_ranks": len(plan.steps[0]) if plan.steps else 0,
+        "tokens": tokens,
+        "efficiency": tokens / (len(plan.bins) * capacity) if plan.bins else 0.0,
+        "tokens_truncated": int(getattr(pack_stats, "tokens_truncated", 0) or 0),
+        "sequences_split": int(getattr(pack_stats, "num_split", 0) or 0),
+        "sequences_dropped": int(num_sequences - seen),
+        "sequences_duplicated": int(sum(len(plan.bins[i]) for i in plan.duplicated)),
+        "bins_split_for_balance": plan.bins_split,
+        "rank_cost_skew": plan.rank_cost_skew,
+        "step_cost_skew": plan.step_cost_skew,
+    }
+
+
+def log_epoch_stats(stats: dict, rank: int = 0) -> None:
+    """Log once (rank 0), and warn when data was dropped or duplicated."""
+    if rank != 0:
+        return
+    logger.info(
+        "epoch %d: %d sequences -> %d bins, %d steps x %d ranks, efficiency %.2f%%, "
+        "truncated %d tokens, split %d, rank cost skew %.3f, step cost skew %.3f",
+        stats["epoch"], stats["num_sequences"], stats["num_bins"], stats["steps_per_rank"],
+        stats["num_ranks"], 100 * stats["efficiency"], stats["tokens_truncated"],
+        stats["sequences_split"], stats["rank_cost_skew"], stats["step_cost_skew"],
+    )
+    if stats["sequences_dropped"] or stats["sequences_duplicated"]:
+        logger.warning(
+            "epoch %d: %d sequences dropped, %d repeated (loss-masked) to give every rank the same "
+            "number of steps", stats["epoch"], stats["sequences_dropped"], stats["sequences_duplicated"],
+        )
