@@ -42,6 +42,11 @@ def parse_override(text: str) -> dict:
         raise ValueError(f"override {text!r} must look like section.key=value")
     dotted, _, raw = text.partition("=")
     value = yaml.safe_load(raw) if raw.strip() else None
+    if isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-5" as a string
+            value = float(value)
+        except ValueError:
+            pass
     out: dict = value
     for part in reversed(dotted.strip().split(".")):
         out = {part: out}
@@ -78,18 +83,23 @@ def load_model(model_cfg: Mapping):
     dtype = getattr(torch, str(model_cfg.get("dtype", "float32")), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"model.dtype={model_cfg.get('dtype')!r} is not a torch dtype (float32, bfloat16)")
-    path = model_cfg.get("path")
-    if not path:
-        raise ValueError("model.path is missing: set model.path=smollm2 (the embedded demo model) "
-                         "or a local Hugging Face model directory")
+    path = check_model_path(model_cfg.get("path"))
     if path == "smollm2":
         from packing.models import load_smollm2
 
         return load_smollm2(dtype=dtype)
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"model.path={path!r} is not a directory; give a local HF model "
-                                "directory or model.path=smollm2")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.eval(), AutoTokenizer.from_pretrained(path)
+
+
+def check_model_path(path) -> str:
+    """``model.path`` must be ``"smollm2"`` or an existing local model directory."""
+    if not path:
+        raise ValueError("model.path is missing: set model.path=smollm2 (the embedded demo model) "
+                         "or a local Hugging Face model directory")
+    if path != "smollm2" and not Path(path).is_dir():
+        raise FileNotFoundError(f"model.path={path!r} is not a directory; give a local Hugging Face "
+                                "model directory or model.path=smollm2")
+    return str(path)

@@ -1,0 +1,346 @@
+"""GRPO on the live policy: generate with the in-flight generator on the very parameters the
+optimizer updates (no copy, no weight sync), score, pack prompt+completion sequences into varlen
+rows, recompute the log-probs with the training forward and take one optimizer step.
+
+    python -m recipes.grpo [recipes/configs/grpo.yaml] [key=value ...]
+
+Generator and trainer run the same attention core, so in fp32 the generator's sampled-token
+log-probs equal the training forward's (the gap is reported every step). When they are not equal
+(bf16, other kernels), ``train.is_correction`` re-weights each token, e.g. truncated importance
+sampling (``tis``: min(pi_train / pi_gen, cap)).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from recipes.config import check_model_path, load_config, load_model, require
+from recipes.tasks import TASKS, encode_prompt, get_reward, load_examples
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo.yaml"
+ISWeightFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# ----------------------------------------------------------------------------- config
+def validate_config(cfg: Mapping, *, have_model: bool = False) -> None:
+    """Fail before any model is loaded, naming the key and what to do."""
+    if not have_model:
+        check_model_path(cfg["model"]["path"])
+    get_reward(cfg["reward"], key="reward")
+    resolve_is_correction(cfg["train"])
+    ro, gen, tr = cfg["rollout"], cfg["generator"], cfg["train"]
+    task = cfg["task"]
+    if task["prompts"] is None and task["name"] not in TASKS:
+        raise ValueError(f"unknown task.name {task['name']!r}; use one of {sorted(TASKS)} "
+                         "or set task.prompts to a JSONL file")
+    for section, key, low in [("rollout", "prompts_per_step", 1), ("rollout", "num_generations", 2),
+                              ("rollout", "max_prompt_tokens", 1), ("rollout", "max_tokens", 1),
+                              ("generator", "block_size", 1), ("generator", "num_blocks", 1),
+                              ("train", "steps", 0), ("train", "max_tokens_per_batch", 2)]:
+        require(cfg, section, key, low)
+    seq_tokens = ro["max_prompt_tokens"] + ro["max_tokens"]
+    num_seqs = ro["prompts_per_step"] * ro["num_generations"]
+    blocks_needed = num_seqs * math.ceil(seq_tokens / gen["block_size"])
+    if blocks_needed > gen["num_blocks"]:
+        raise ValueError(
+            f"the rollout batch is larger than the KV cache: rollout.prompts_per_step="
+            f"{ro['prompts_per_step']} x rollout.num_generations={ro['num_generations']} sequences of up to "
+            f"{seq_tokens} tokens need {blocks_needed} blocks of {gen['block_size']}, but "
+            f"generator.num_blocks={gen['num_blocks']}; raise generator.num_blocks or lower "
+            "rollout.prompts_per_step / rollout.num_generations / rollout.max_tokens"
+        )
+    if seq_tokens > tr["max_tokens_per_batch"]:
+        raise ValueError(f"train.max_tokens_per_batch={tr['max_tokens_per_batch']} is smaller than one "
+                         f"rollout sequence ({seq_tokens} tokens = rollout.max_prompt_tokens + "
+                         "rollout.max_tokens); raise it")
+    if not 0 < tr["clip_eps"] < 1:
+        raise ValueError(f"train.clip_eps must be in (0, 1), got {tr['clip_eps']}")
+
+
+def truncated_is(cap: float) -> ISWeightFn:
+    """Truncated importance sampling: weight min(pi_train / pi_gen, cap) per token."""
+    def weights(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor) -> torch.Tensor:
+        return torch.exp(train_logprobs - gen_logprobs).clamp(max=cap)
+    return weights
+
+
+def resolve_is_correction(train_cfg: Mapping) -> ISWeightFn | None:
+    spec = train_cfg["is_correction"]
+    if spec in (None, "none"):
+        return None
+    if spec == "tis":
+        if train_cfg["tis_cap"] <= 0:
+            raise ValueError(f"train.tis_cap must be > 0, got {train_cfg['tis_cap']}")
+        return truncated_is(float(train_cfg["tis_cap"]))
+    if callable(spec):
+        return spec
+    return get_reward(spec, key="train.is_correction")  # same import-path resolution
+
+
+# ----------------------------------------------------------------------------- pieces
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO advantages: each reward minus its group's mean, over the group's std.
+    ``rewards`` is ``(num_prompts, num_generations)``; a group with equal rewards gets zeros."""
+    if rewards.ndim != 2 or rewards.shape[1] < 2:
+        raise ValueError(f"rewards must be (num_prompts, num_generations >= 2), got {tuple(rewards.shape)}")
+    mean = rewards.mean(dim=1, keepdim=True)
+    std = rewards.std(dim=1, keepdim=True)
+    return (rewards - mean) / (std + eps)
+
+
+@dataclass
+class Rollout:
+    """One sampled completion and everything the loss needs about it."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    gen_logprobs: list[float]  # raw model log-prob of each sampled token, from the generator
+    reward: float = 0.0
+    advantage: float = 0.0
+
+
+def pack_rollouts(rollouts: list[Rollout], capacity: int) -> list[dict]:
+    """Pack prompt+completion sequences into varlen rows (BFD). Only completion tokens carry the
+    loss: labels are -100 on prompts. Each row also carries, in label order, the generator's
+    log-probs and the advantage of every loss token."""
+    from dataloaders.collator import PackedCollator
+    from packing.binpack import pack
+
+    collate = PackedCollator()
+    lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
+    rows = []
+    for indices in pack(lengths, capacity, strategy="bfd"):
+        examples, gen_lp, adv = [], [], []
+        for i in indices.tolist():
+            r = rollouts[i]
+            labels = [-100] * len(r.prompt_ids) + list(r.completion_ids)
+            examples.append({"input_ids": r.prompt_ids + r.completion_ids, "labels": labels, "index": i})
+            gen_lp += r.gen_logprobs
+            adv += [r.advantage] * len(r.completion_ids)
+        row = collate(examples)
+        row["gen_logprobs"] = torch.tensor(gen_lp, dtype=torch.float32)
+        row["advantages"] = torch.tensor(adv, dtype=torch.float32)
+        rows.append(row)
+    return rows
+
+
+def packed_logprobs(model, row: Mapping) -> torch.Tensor:
+    """Log-probs of the loss tokens of one packed row under ``model`` (the training forward).
+    Only the positions that predict a loss token go through the LM head."""
+    labels = row["labels"][0]
+    targets_at = torch.nonzero(labels != -100).squeeze(1)
+    out = model(input_ids=row["input_ids"], position_ids=row["position_ids"], nopad_meta=row["nopad_meta"],
+                logits_to_keep=targets_at - 1, use_cache=False)
+    logits = out.logits[0].float()
+    return torch.log_softmax(logits, dim=-1).gather(1, labels[targets_at][:, None]).squeeze(1)
+
+
+def grpo_token_loss(logp, old_logp, advantages, clip_eps: float, weights=None, ref_logp=None, beta=0.0):
+    """Clipped policy-gradient loss per token (PPO/GRPO), optionally IS-weighted and with the k3 KL."""
+    ratio = torch.exp(logp - old_logp)
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    loss = -torch.minimum(ratio * advantages, clipped * advantages)
+    if weights is not None:
+        loss = loss * weights
+    if beta:
+        delta = ref_logp - logp
+        loss = loss + beta * (torch.exp(delta) - delta - 1)
+    return loss, (ratio - clipped).abs() > 0
+
+
+# ----------------------------------------------------------------------------- the step
+def sampling_params(cfg: Mapping, step: int):
+    from inference import SamplingParams
+
+    ro = cfg["rollout"]
+    return SamplingParams(n=ro["num_generations"], max_tokens=ro["max_tokens"], temperature=ro["temperature"],
+                          top_p=ro["top_p"], seed=ro["seed"] * 1_000_003 + step)
+
+
+def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[list[int]], reward_fn,
+              tokenizer, cfg: Mapping, step: int = 0, accelerator=None, ref_model=None,
+              is_weights: ISWeightFn | None = None) -> dict:
+    """One GRPO step on ``batch`` (examples with their token ids in ``prompt_ids``); returns metrics."""
+    tr = cfg["train"]
+    n = cfg["rollout"]["num_generations"]
+    # 1. rollouts on the live weights; the KV cache is handed back before any backward pass
+    model.eval()
+    t0 = time.perf_counter()
+    outputs = generator.generate(prompt_ids, sampling_params(cfg, step))
+    rollout_time = time.perf_counter() - t0
+    generator.release()
+    rollouts, rewards = [], []
+    for example, ids, out in zip(batch, prompt_ids, outputs):
+        for c in out.outputs:
+            text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            rewards.append(float(reward_fn(text, example)))
+            rollouts.append(Rollout(list(ids), list(c.token_ids), [float(x) for x in c.logprobs]))
+    rewards_t = torch.tensor(rewards).view(len(batch), n)
+    for r, a in zip(rollouts, group_advantages(rewards_t).flatten().tolist()):
+        r.advantage = a
+    completion_tokens = sum(len(r.completion_ids) for r in rollouts)
+
+    # 2. packed training forward + backward, loss normalised by all completion tokens in the step
+    model.train()
+    t0 = time.perf_counter()
+    rows = pack_rollouts(rollouts, tr["max_tokens_per_batch"])
+    num_loss_tokens = torch.tensor(float(sum(r["num_loss_tokens"] for r in rows)))
+    if accelerator is not None and accelerator.num_processes > 1:
+        num_loss_tokens = accelerator.reduce(num_loss_tokens, reduction="sum")
+    gaps, losses, clipped = [], [], 0
+    for row in rows:
+        logp = packed_logprobs(model, row)
+        gen_lp, adv = row["gen_logprobs"].to(logp.device), row["advantages"].to(logp.device)
+        gaps.append((logp.detach() - gen_lp).abs())
+        if is_weights is None:
+            old, weights = gen_lp, None  # ratio against the generator's own log-probs
+        else:
+            old, weights = logp.detach(), is_weights(logp.detach(), gen_lp).detach()
+        ref_lp = None
+        if ref_model is not None and tr["beta"]:
+            with torch.no_grad():
+                ref_lp = packed_logprobs(ref_model, row)
+        tok_loss, was_clipped = grpo_token_loss(logp, old, adv, tr["clip_eps"], weights, ref_lp, tr["beta"])
+        loss = tok_loss.sum() / num_loss_tokens.clamp(min=1)
+        if accelerator is not None:
+            with accelerator.no_sync(model):  # grads are all-reduced once below: no per-row hangs
+                accelerator.backward(loss)
+        else:
+            loss.backward()
+        losses.append(loss.detach())
+        clipped += int(was_clipped.sum())
+    if accelerator is not None and accelerator.num_processes > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad = accelerator.reduce(p.grad, reduction="sum")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tr["max_grad_norm"])
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    train_time = time.perf_counter() - t0
+    model.eval()
+
+    gap = torch.cat(gaps) if gaps else torch.zeros(1)
+    train_tokens = sum(int(r["input_ids"].numel()) for r in rows)
+    return {
+        "step": step,
+        "reward_mean": float(rewards_t.mean()),
+        "reward_std": float(rewards_t.std()),
+        "loss": float(torch.stack(losses).sum()) if losses else 0.0,
+        "grad_norm": float(grad_norm),
+        "clip_fraction": clipped / max(completion_tokens, 1),
+        "completion_tokens": completion_tokens,
+        "rollout_tokens_per_s": completion_tokens / rollout_time,
+        "train_tokens": train_tokens,
+        "train_rows": len(rows),
+        "train_tokens_per_s": train_tokens / train_time,
+        "logprob_gap_max": float(gap.max()),
+        "logprob_gap_mean": float(gap.mean()),
+        "rollout_s": rollout_time,
+        "train_s": train_time,
+    }
+
+
+# ----------------------------------------------------------------------------- the run
+def build_prompts(cfg: Mapping, tokenizer) -> tuple[list[dict], list[list[int]]]:
+    """The task's examples and their prompt token ids (chat template when configured)."""
+    task = cfg["task"]
+    if task["prompts"] is not None:
+        examples = load_examples(task["prompts"], task["prompt_field"])
+    else:
+        examples = TASKS[task["name"]](num_prompts=task["num_prompts"], seed=task["seed"])
+    limit = cfg["rollout"]["max_prompt_tokens"]
+    ids = []
+    for i, ex in enumerate(examples):
+        tokens = encode_prompt(tokenizer, str(ex[task["prompt_field"]]), chat=cfg["model"]["chat_template"])
+        if not tokens or len(tokens) > limit:
+            raise ValueError(f"prompt {i} has {len(tokens)} tokens; rollout.max_prompt_tokens={limit} "
+                             "(raise it, or shorten the prompt)")
+        ids.append(tokens)
+    return examples, ids
+
+
+def make_generator(model, cfg: Mapping):
+    from inference import Generator
+
+    g = cfg["generator"]
+    return Generator(model, block_size=g["block_size"], num_blocks=g["num_blocks"],
+                     max_num_seqs=g["max_num_seqs"], max_num_batched_tokens=g["max_num_batched_tokens"])
+
+
+def run_grpo(cfg: Mapping, model=None, tokenizer=None, progress: bool = True) -> list[dict]:
+    """Train for ``train.steps`` GRPO steps; returns (and logs) one metrics dict per step.
+    Pass ``model``/``tokenizer`` to train objects you already hold (then ``model.path`` is unused)."""
+    from accelerate import Accelerator
+    from packing.hf import register_nopad_attention
+    from tqdm.auto import tqdm
+
+    validate_config(cfg, have_model=model is not None)
+    if model is None:
+        model, tokenizer = load_model(cfg["model"])
+    elif tokenizer is None:
+        raise ValueError("pass the tokenizer together with the model")
+    reward_fn = get_reward(cfg["reward"])
+    is_weights = resolve_is_correction(cfg["train"])
+    examples, prompt_ids = build_prompts(cfg, tokenizer)
+    tr, ro = cfg["train"], cfg["rollout"]
+
+    register_nopad_attention()
+    model.set_attn_implementation("nopad")
+    ref_model = None
+    if tr["beta"]:
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tr["lr"], weight_decay=tr["weight_decay"])
+    model, optimizer = accelerator.prepare(model, optimizer)
+    policy = accelerator.unwrap_model(model)  # the same parameters: the generator reads them live
+    generator = make_generator(policy, cfg)
+
+    torch.manual_seed(tr["seed"])
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(tr["seed"])).tolist()
+    rank, world = accelerator.process_index, accelerator.num_processes
+    per_step = ro["prompts_per_step"]
+    out_file = None
+    if cfg["output_dir"] and accelerator.is_main_process:
+        Path(cfg["output_dir"]).mkdir(parents=True, exist_ok=True)
+        out_file = open(Path(cfg["output_dir"]) / "metrics.jsonl", "w")
+    history = []
+    bar = tqdm(range(tr["steps"]), desc="grpo", disable=not progress or not accelerator.is_main_process)
+    for step in bar:
+        start = (step * world + rank) * per_step
+        picks = [order[(start + j) % len(order)] for j in range(per_step)]
+        metrics = grpo_step(model, optimizer, generator, [examples[i] for i in picks],
+                            [prompt_ids[i] for i in picks], reward_fn, tokenizer, cfg, step=step,
+                            accelerator=accelerator, ref_model=ref_model, is_weights=is_weights)
+        history.append(metrics)
+        logger.info("grpo step %d: %s", step, json.dumps({k: round(v, 6) for k, v in metrics.items()}))
+        bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", gap=f"{metrics['logprob_gap_max']:.1e}")
+        if out_file is not None:
+            out_file.write(json.dumps(metrics) + "\n")
+            out_file.flush()
+    if out_file is not None:
+        out_file.close()
+    generator.release()
+    return history
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = argv.pop(0) if argv and "=" not in argv[0] else None
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return run_grpo(load_config(DEFAULT_CONFIG, path, argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""GRPO recipe: config validation, advantages, rollout packing, the loss, and one live step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from recipes.config import load_config, parse_override
+from recipes.grpo import (
+    DEFAULT_CONFIG,
+    Rollout,
+    group_advantages,
+    grpo_token_loss,
+    pack_rollouts,
+    truncated_is,
+    validate_config,
+)
+from recipes.tasks import (
+    AsciiTokenizer,
+    arithmetic_task,
+    exact_match,
+    first_number_match,
+    get_reward,
+)
+
+
+def config(**overrides):
+    return load_config(DEFAULT_CONFIG, overrides=[f"{k}={v}" for k, v in overrides.items()])
+
+
+# ----------------------------------------------------------------------------- config
+def test_overrides_parse_yaml_values_and_nest():
+    assert parse_override("train.lr=1e-5") == {"train": {"lr": 1e-5}}
+    assert parse_override("task.prompts=null") == {"task": {"prompts": None}}
+    cfg = config(**{"rollout.num_generations": 8, "train.is_correction": "tis"})
+    assert cfg["rollout"]["num_generations"] == 8
+    assert cfg["train"]["is_correction"] == "tis"
+    assert cfg["rollout"]["max_tokens"] == 16  # untouched defaults survive
+
+
+def test_unknown_key_is_an_error_naming_it():
+    with pytest.raises(KeyError, match=r"rollout.max_token'.*known keys"):
+        config(**{"rollout.max_token": 8})
+    with pytest.raises(ValueError, match="section.key=value"):
+        parse_override("train.steps")
+
+
+def test_missing_model_path_fails_fast():
+    with pytest.raises(ValueError, match=r"model.path is missing: set model.path=smollm2"):
+        validate_config(config(**{"model.path": "null"}))
+    with pytest.raises(FileNotFoundError, match=r"model.path='/no/such/dir' is not a directory"):
+        validate_config(config(**{"model.path": "/no/such/dir"}))
+    validate_config(config(**{"model.path": "null"}), have_model=True)  # a model object was passed
+
+
+def test_batch_larger_than_cache_fails_fast():
+    cfg = config(**{"rollout.prompts_per_step": 8, "rollout.num_generations": 8, "generator.num_blocks": 64})
+    # 64 sequences of up to 64 + 16 tokens = 5 blocks each = 320 blocks > 64
+    with pytest.raises(ValueError) as err:
+        validate_config(cfg)
+    msg = str(err.value)
+    assert "larger than the KV cache" in msg
+    assert "need 320 blocks of 16, but generator.num_blocks=64" in msg
+    assert "raise generator.num_blocks" in msg
+
+
+def test_unknown_reward_fails_fast_with_choices():
+    with pytest.raises(ValueError, match=r"unknown reward 'exactly'.*exact_match.*module:function"):
+        validate_config(config(reward="exactly"))
+    with pytest.raises(ValueError, match=r"reward='no_such_module:fn': cannot import"):
+        validate_config(config(reward="no_such_module:fn"))
+    with pytest.raises(ValueError, match=r"unknown train.is_correction 'tiss'"):
+        validate_config(config(**{"train.is_correction": "tiss"}))
+
+
+def test_other_bad_settings_name_the_key():
+    with pytest.raises(ValueError, match=r"rollout.num_generations must be an integer >= 2, got 1"):
+        validate_config(config(**{"rollout.num_generations": 1}))
+    with pytest.raises(ValueError, match=r"train.max_tokens_per_batch=32 is smaller than one rollout"):
+        validate_config(config(**{"train.max_tokens_per_batch": 32}))
+    with pytest.raises(ValueError, match=r"unknown task.name 'algebra'"):
+        validate_config(config(**{"task.name": "algebra"}))
+
+
+# ----------------------------------------------------------------------------- task and rewards
+def test_arithmetic_task_is_deterministic_and_correct():
+    a, b = arithmetic_task(50, seed=3), arithmetic_task(50, seed=3)
+    assert a == b and len(a) == 50
+    for ex in a:
+        x, op, y = ex["prompt"].removeprefix("What is ").split("?")[0].split()
+        assert ex["answer"] == str(eval(f"{x}{op}{y}"))  # noqa: S307 - our own generated digits
+        assert int(ex["answer"]) >= 0
+    assert arithmetic_task(50, seed=4) != a
+
+
+def test_rewards():
+    ex = {"answer": "19"}
+    assert exact_match(" 19\n", ex) == 1.0
+    assert exact_match("19.", ex) == 0.0
+    assert first_number_match("The answer is 19.", ex) == 1.0
+    assert first_number_match("7 + 12 = 19", ex) == 0.0
+    assert first_number_match("no digits", ex) == 0.0
+    assert get_reward("tests.test_grpo:length_reward")("abc", ex) == 3.0
+    with pytest.raises(KeyError, match="needs an 'answer' field"):
+        exact_match("19", {"prompt": "x"})
+
+
+def length_reward(completion: str, example: dict) -> float:
+    return float(len(completion))
+
+
+# ----------------------------------------------------------------------------- advantages and loss
+def test_group_advantages():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    adv = group_advantages(rewards)
+    std = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
+    expected = torch.tensor([[0.5, -0.5, -0.5, 0.5], [0, 0, 0, 0]]) / torch.tensor([[std + 1e-4], [1e-4]])
+    torch.testing.assert_close(adv, expected)
+    with pytest.raises(ValueError, match="num_generations >= 2"):
+        group_advantages(torch.ones(3, 1))
+
+
+def test_grpo_token_loss_clips_like_ppo():
+    logp = torch.log(torch.tensor([1.5, 0.5, 1.1]))  # ratios against old = 0
+    old = torch.zeros(3)
+    adv = torch.tensor([1.0, -1.0, 1.0])
+    loss, clipped = grpo_token_loss(logp, old, adv, clip_eps=0.2)
+    torch.testing.assert_close(loss, torch.tensor([-1.2, 0.8, -1.1]))
+    assert clipped.tolist() == [True, True, False]
+    w = truncated_is(2.0)(torch.log(torch.tensor([3.0, 1.0])), torch.zeros(2))
+    torch.testing.assert_close(w, torch.tensor([2.0, 1.0]))
+
+
+def test_pack_rollouts_masks_prompts_and_aligns_per_token_data():
+    rollouts = [
+        Rollout([10, 11, 12], [20, 21], [-0.1, -0.2], advantage=1.0),
+        Rollout([13], [22, 23, 24], [-0.3, -0.4, -0.5], advantage=-2.0),
+        Rollout([14, 15, 16, 17, 18], [25], [-0.6], advantage=0.5),
+    ]
+    rows = pack_rollouts(rollouts, capacity=8)
+    assert sum(r["num_loss_tokens"] for r in rows) == 6
+    seen = {}
+    for row in rows:
+        ids, labels = row["input_ids"][0].tolist(), row["labels"][0].tolist()
+        meta = row["nopad_meta"]
+        assert sum(meta.seqlens_q) == len(ids) <= 8
+        loss_at = [t for t, lab in enumerate(labels) if lab != -100]
+        assert [labels[t] for t in loss_at] == [ids[t] for t in loss_at]
+        assert len(loss_at) == len(row["gen_logprobs"]) == len(row["advantages"])
+        for t, lp, a in zip(loss_at, row["gen_logprobs"].tolist(), row["advantages"].tolist()):
+            seen[ids[t]] = (round(lp, 4), a)
+    assert seen == {20: (-0.1, 1.0), 21: (-0.2, 1.0), 22: (-0.3, -2.0), 23: (-0.4, -2.0),
+                    24: (-0.5, -2.0), 25: (-0.6, 0.5)}
+
+
+def test_ascii_tokenizer_round_trips():
+    tok = AsciiTokenizer()
+    ids = tok.encode("What is 2 + 3?")
+    assert ids[:4] == [87, 104, 97, 116]
+    assert tok.decode(ids + [2]) == "What is 2 + 3?"
+    with pytest.raises(ValueError, match="only encodes characters below 128"):
+        tok.encode("é")
+
