@@ -1,0 +1,150 @@
+"""Batched evaluation with the in-flight generator: accuracy under a scorer, tokens/s, and one
+JSONL line per prompt (prompt, completion, score, ...).
+
+    python -m recipes.evaluate [recipes/configs/evaluate.yaml] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from recipes.config import load_config, load_model, require
+from recipes.tasks import TASKS, RewardFn, encode_prompt, get_reward, load_examples
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "evaluate.yaml"
+
+
+def evaluate(
+    generator,
+    tokenizer,
+    examples: Sequence[Mapping],
+    scorer: RewardFn,
+    sampling_params,
+    *,
+    output_path: str | Path | None = None,
+    prompt_field: str = "prompt",
+    chat: bool = True,
+    batch_size: int = 64,
+    progress: bool = True,
+) -> dict:
+    """Generate one completion per example in batches of ``batch_size`` and score it.
+
+    Returns ``accuracy`` (mean score), ``num_prompts``, ``prompt_tokens``, ``completion_tokens``,
+    ``seconds`` (generation only) and ``tokens_per_s`` (completion tokens per generation second).
+    With ``output_path`` each example becomes one JSONL line, in input order.
+    """
+    from tqdm.auto import tqdm
+
+    if getattr(sampling_params, "n", 1) != 1:
+        raise ValueError(f"evaluation scores one completion per prompt; got sampling n={sampling_params.n}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not examples:
+        raise ValueError("nothing to evaluate: the prompt set is empty")
+    prompt_ids = [encode_prompt(tokenizer, str(ex[prompt_field]), chat=chat) for ex in examples]
+    out_file = None
+    if output_path is not None:
+        Path(output_path).parent.mkdir(parents=True, exist_ok=True)
+        out_file = open(output_path, "w")
+    scores, prompt_tokens, completion_tokens, seconds = [], 0, 0, 0.0
+    try:
+        with tqdm(total=len(examples), desc="evaluate", unit="prompt", disable=not progress) as bar:
+            for lo in range(0, len(examples), batch_size):
+                batch_ids = prompt_ids[lo : lo + batch_size]
+                t0 = time.perf_counter()
+                outputs = generator.generate(batch_ids, sampling_params)
+                seconds += time.perf_counter() - t0
+                for i, out in enumerate(outputs, start=lo):
+                    sample = out.outputs[0]
+                    text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+                    score = float(scorer(text, examples[i]))
+                    scores.append(score)
+                    prompt_tokens += len(prompt_ids[i])
+                    completion_tokens += len(sample.token_ids)
+                    if out_file is not None:
+                        line = {"index": i, "prompt": examples[i][prompt_field], "completion": text,
+                                "score": score, "finish_reason": sample.finish_reason,
+                                "num_prompt_tokens": len(prompt_ids[i]),
+                                "num_completion_tokens": len(sample.token_ids)}
+                        if "answer" in examples[i]:
+                            line["answer"] = examples[i]["answer"]
+                        out_file.write(json.dumps(line) + "\n")
+                bar.update(len(outputs))
+                bar.set_postfix(acc=f"{sum(scores) / len(scores):.3f}")
+    finally:
+        if out_file is not None:
+            out_file.close()
+    return {
+        "accuracy": sum(scores) / len(scores),
+        "num_prompts": len(scores),
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "seconds": seconds,
+        "tokens_per_s": completion_tokens / seconds if seconds > 0 else float("nan"),
+    }
+
+
+def validate_config(cfg: Mapping, *, have_model: bool = False) -> None:
+    from recipes.config import check_model_path
+
+    if not have_model:
+        check_model_path(cfg["model"]["path"])
+    get_reward(cfg["scorer"], key="scorer")
+    data = cfg["data"]
+    if data["path"] is None and data["task"] not in TASKS:
+        raise ValueError(f"unknown data.task {data['task']!r}; use one of {sorted(TASKS)} or set data.path")
+    if data["path"] is not None and not Path(data["path"]).exists():
+        raise FileNotFoundError(f"data.path={data['path']!r} does not exist; give a JSONL file or a "
+                                "directory written by datasets' save_to_disk")
+    for section, key, low in [("generator", "block_size", 1), ("generator", "num_blocks", 1),
+                              ("sampling", "max_tokens", 1)]:
+        require(cfg, section, key, low)
+    if isinstance(cfg["batch_size"], bool) or not isinstance(cfg["batch_size"], int) or cfg["batch_size"] < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {cfg['batch_size']!r}")
+
+
+def run_evaluate(cfg: Mapping, model=None, tokenizer=None, progress: bool = True) -> dict:
+    """Evaluate the configured model (or the given ``model``/``tokenizer``) on the prompt set."""
+    from inference import Generator, SamplingParams
+
+    validate_config(cfg, have_model=model is not None)
+    if model is None:
+        model, tokenizer = load_model(cfg["model"])
+    data = cfg["data"]
+    if data["path"] is not None:
+        examples = load_examples(data["path"], data["prompt_field"])
+    else:
+        examples = TASKS[data["task"]](num_prompts=data["num_prompts"], seed=data["seed"])
+    s, g = cfg["sampling"], cfg["generator"]
+    params = SamplingParams(max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"],
+                            seed=s["seed"])
+    generator = Generator(model, block_size=g["block_size"], num_blocks=g["num_blocks"],
+                          max_num_seqs=g["max_num_seqs"], max_num_batched_tokens=g["max_num_batched_tokens"])
+    try:
+        result = evaluate(generator, tokenizer, examples, get_reward(cfg["scorer"], key="scorer"), params,
+                          output_path=cfg["output"], prompt_field=data["prompt_field"],
+                          chat=cfg["model"]["chat_template"], batch_size=cfg["batch_size"], progress=progress)
+    finally:
+        generator.release()
+    logger.info("accuracy %.4f on %d prompts, %.1f completion tokens/s%s", result["accuracy"],
+                result["num_prompts"], result["tokens_per_s"],
+                f", results in {cfg['output']}" if cfg["output"] else "")
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = argv.pop(0) if argv and "=" not in argv[0] else None
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return run_evaluate(load_config(DEFAULT_CONFIG, path, argv))
+
+
+if __name__ == "__main__":
+    main()
