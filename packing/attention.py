@@ -3,6 +3,13 @@
 Tensors are flat, shaped ``(total_tokens, heads, head_dim)``; ``meta`` says where each sequence
 starts. Keys may be longer than queries (cached context); the causal mask is aligned to the end
 of each sequence's keys.
+
+Backends (``backend=``): ``"flash"`` (flash-attn 2, CUDA), ``"sdpa_loop"`` (one SDPA call per
+sequence), ``"sdpa_padded"`` (one padded SDPA call for all sequences), ``"sdpa_dense"`` (one SDPA
+with a block-diagonal mask), ``"flex"`` (FlexAttention with a document mask; forward only on
+CPU), and ``"auto"``: flash-attn on CUDA when installed; otherwise length-1 queries (decode) go
+to one padded call and every longer query (training rows, prefill chunks) to per-sequence SDPA,
+the fastest exact combination measured in ``benchmarks/bench_attention.py``.
 """
 
 from __future__ import annotations
@@ -10,9 +17,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
+from packing import attention_cpu
+from packing.attention_cpu import KeySource
+from packing.flash import FA2_PAGE_MULTIPLE, flash_attn_available, flash_varlen
 from packing.varlen import VarlenMeta
+
+BACKENDS = ("auto", "flash", "sdpa_loop", "sdpa_padded", "sdpa_dense", "flex")
 
 
 def store_kv(
@@ -33,52 +44,22 @@ def gather_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather each sequence's keys out of a paged cache into flat ``(total_k, kv_heads, dim)``."""
     k_cache, v_cache = kv_cache
-    block_size = k_cache.shape[1]
-    slots = []
-    for i, n in enumerate(meta.seqlens_k):
-        pos = torch.arange(n, device=block_table.device)
-        slots.append(block_table[i, pos // block_size].long() * block_size + pos % block_size)
-    slot = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    return flat_k.index_select(0, slot), flat_v.index_select(0, slot)
+    device = k_cache.device
+    lens = torch.tensor(meta.seqlens_k, device=device)
+    seq = torch.repeat_interleave(torch.arange(meta.num_seqs, device=device), lens)
+    pos = torch.arange(meta.total_k, device=device) - meta.cu_seqlens_k.to(device, torch.long)[seq]
+    src = KeySource(k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:]), meta,
+                    block_table.to(device), k_cache.shape[1])
+    rows = src.rows(pos, seq)
+    return src.k.index_select(0, rows), src.v.index_select(0, rows)
 
 
-def _attend_one(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-) -> torch.Tensor:
-    """Exact attention for one sequence: q ``(Lq, H, D)``, k/v ``(Lk, Hkv, D)``."""
-    lq, lk = q.shape[0], k.shape[0]
-    groups = q.shape[1] // k.shape[1]
-    qh = q.transpose(0, 1)  # (H, Lq, D)
-    kh = k.transpose(0, 1).repeat_interleave(groups, dim=0)
-    vh = v.transpose(0, 1).repeat_interleave(groups, dim=0)
-    mask = None
-    if causal or sliding_window is not None:
-        q_pos = torch.arange(lk - lq, lk, device=q.device)[:, None]
-        k_pos = torch.arange(lk, device=q.device)[None, :]
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
-        if causal:
-            mask &= k_pos <= q_pos
-        if sliding_window is not None:
-            mask &= k_pos > q_pos - sliding_window
-    if softcap is None:
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-    else:
-        scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-        scores = softcap * torch.tanh(scores / softcap)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out = torch.matmul(probs, vh)
-    return out.transpose(0, 1)
+def choose_backend(q: torch.Tensor, meta: VarlenMeta, *, paged_block_size: int | None = None) -> str:
+    """The ``"auto"`` rule: flash-attn on CUDA when installed, else the hybrid SDPA path
+    (``"cpu"``: padded for decode tokens, per sequence for the rest)."""
+    if q.is_cuda and flash_attn_available():
+        return "flash"
+    return "cpu"
 
 
 def varlen_attention(
@@ -93,47 +74,132 @@ def varlen_attention(
     softcap: float | None = None,
     kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_table: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Attention over a flat varlen row; returns ``(total_q, heads, head_dim)``.
 
     ``k``/``v`` are the keys of this row, or, with ``kv_cache``, the new tokens' keys, which are
     first written to the cache at ``meta.slot_mapping``; keys are then read through
     ``block_table`` (default ``meta.block_table``). ``sliding_window=W`` lets a query at position
-    ``p`` see keys ``p - W < j <= p``.
+    ``p`` see keys ``p - W < j <= p``; ``softcap=c`` applies ``c * tanh(score / c)``.
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     if q.dim() != 3:
         raise ValueError(f"q must be (total_tokens, heads, head_dim), got shape {tuple(q.shape)}")
     if q.shape[0] != meta.total_q:
         raise ValueError(f"q has {q.shape[0]} tokens but meta describes {meta.total_q}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    softcap = softcap or None  # 0.0 means off, as in flash-attn and HF configs
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    opts = dict(causal=causal, scale=scale, window=sliding_window, softcap=softcap)
+
+    table = None
     if kv_cache is not None:
         table = block_table if block_table is not None else meta.block_table
         if table is None:
             raise ValueError("kv_cache needs a block_table (argument or meta.block_table)")
+        if table.shape[0] != meta.num_seqs:
+            raise ValueError(f"block_table has {table.shape[0]} rows but meta has {meta.num_seqs} sequences")
+        k_cache, v_cache = kv_cache
+        if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+            raise ValueError(
+                "kv_cache must be two tensors shaped (num_blocks, block_size, kv_heads, head_dim), "
+                f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+            )
         if k is not None:
             if meta.slot_mapping is None:
                 raise ValueError("new K/V given with kv_cache but meta.slot_mapping is None")
             store_kv(kv_cache, k, v, meta.slot_mapping)
-        k, v = gather_kv(kv_cache, table, meta)
-    if k is None or v is None:
-        raise ValueError("k and v are required when no kv_cache is given")
-    if k.shape[0] != meta.total_k:
-        raise ValueError(f"k has {k.shape[0]} tokens but meta describes {meta.total_k}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
-    out = torch.empty_like(q)
-    q_start = k_start = 0
-    for lq, lk in zip(meta.seqlens_q, meta.seqlens_k):
-        if lq:
-            out[q_start : q_start + lq] = _attend_one(
-                q[q_start : q_start + lq],
-                k[k_start : k_start + lk],
-                v[k_start : k_start + lk],
-                causal=causal,
-                scale=scale,
-                sliding_window=sliding_window,
-                softcap=softcap,
-            )
-        q_start += lq
-        k_start += lk
-    return out
+        kv_heads = k_cache.shape[2]
+    else:
+        if k is None or v is None:
+            raise ValueError("k and v are required when no kv_cache is given")
+        if k.shape[0] != meta.total_k or v.shape[0] != meta.total_k:
+            raise ValueError(f"k/v have {k.shape[0]}/{v.shape[0]} tokens but meta describes {meta.total_k}")
+        kv_heads = k.shape[1]
+    if q.shape[1] % kv_heads:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({kv_heads})")
+
+    if backend == "auto":
+        backend = choose_backend(q, meta)
+    if backend == "flash":
+        if kv_cache is not None and kv_cache[0].shape[1] % FA2_PAGE_MULTIPLE == 0:
+            return flash_varlen(q, *kv_cache, meta, causal=causal, scale=scale, sliding_window=sliding_window,
+                                softcap=softcap, block_table=table)
+        if kv_cache is not None:
+            k, v = gather_kv(kv_cache, table, meta)
+        return flash_varlen(q, k, v, meta, causal=causal, scale=scale, sliding_window=sliding_window,
+                            softcap=softcap)
+    if backend in ("sdpa_dense", "flex"):
+        if kv_cache is not None:
+            k, v = gather_kv(kv_cache, table, meta)
+        if backend == "sdpa_dense":
+            return attention_cpu.dense(q, k, v, meta, **opts)
+        return _flex(q, k, v, meta, **opts)
+
+    if kv_cache is not None:
+        flat = [c.view(-1, *c.shape[2:]) for c in kv_cache]
+        src = KeySource(flat[0], flat[1], meta, table, kv_cache[0].shape[1], new_k=k, new_v=v)
+    else:
+        src = KeySource(k, v, meta)
+    if backend == "sdpa_padded":
+        return attention_cpu.padded(q, src, **opts)
+    if backend == "sdpa_loop":
+        return _cat(attention_cpu.per_sequence(q, src, **opts), q)
+    # "cpu": decode tokens (q length 1) in one padded call, everything else per sequence
+    single = [i for i, n in enumerate(meta.seqlens_q) if n == 1]
+    if len(single) < 2:
+        return _cat(attention_cpu.per_sequence(q, src, **opts), q)
+    if len(single) == meta.num_seqs:
+        return attention_cpu.padded(q, src, **opts)
+    decoded = attention_cpu.padded(q, src, seqs=single, **opts)
+    single_set = set(single)
+    rest = [i for i in range(meta.num_seqs) if i not in single_set]
+    others = iter(attention_cpu.per_sequence(q, src, seqs=rest, **opts))
+    row = {i: j for j, i in enumerate(single)}
+    pieces = [decoded[row[i] : row[i] + 1] if i in single_set else next(others) for i in range(meta.num_seqs)]
+    return _cat(pieces, q)
+
+
+def _cat(pieces: list, q: torch.Tensor) -> torch.Tensor:
+    if not pieces:
+        return q.new_zeros(q.shape)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+
+def _flex(q, k, v, meta: VarlenMeta, *, causal, scale, window, softcap) -> torch.Tensor:
+    """FlexAttention with a document mask. CPU FlexAttention has no backward (torch 2.13)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        raise ValueError("FlexAttention has no backward on CPU; use backend='auto' or 'sdpa_loop' to train")
+    device = q.device
+    seq_k = torch.repeat_interleave(torch.arange(meta.num_seqs, device=device),
+                                    torch.tensor(meta.seqlens_k, device=device))
+    seq_q = meta.seq_idx.to(device, torch.long)
+    k_pos = torch.arange(k.shape[0], device=device) - meta.cu_seqlens_k.to(device, torch.long)[seq_k]
+    shift = torch.tensor(meta.seqlens_k, device=device) - torch.tensor(meta.seqlens_q, device=device)
+    q_pos = torch.arange(q.shape[0], device=device) - meta.cu_seqlens_q.to(device, torch.long)[seq_q]
+    q_pos = q_pos + shift[seq_q]
+
+    def mask_mod(b, h, qi, ki):
+        keep = seq_q[qi] == seq_k[ki]
+        if causal:
+            keep = keep & (k_pos[ki] <= q_pos[qi])
+        if window is not None:
+            keep = keep & (k_pos[ki] > q_pos[qi] - window)
+        return keep
+
+    score_mod = None
+    if softcap is not None:
+        def score_mod(score, b, h, qi, ki):
+            return softcap * torch.tanh(score / softcap)
+
+    block_mask = create_block_mask(mask_mod, None, None, q.shape[0], k.shape[0], device=device)
+    out = flex_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out[0].transpose(0, 1)

@@ -1,0 +1,193 @@
+"""Exact pure-PyTorch varlen attention kernels (CPU, or any device without flash-attn).
+
+Three ways to run the same maths, chosen by :func:`packing.attention.varlen_attention`:
+
+- ``per_sequence``: one SDPA call per sequence on slices of the flat row. No padding and no mask
+  for training rows (``is_causal``), so it does the least arithmetic; costs one call per sequence.
+- ``padded``: gather all sequences into one padded ``(B, heads, max_q, max_k)`` SDPA call with a
+  key-padding mask. One call for the whole step, the fast path for decode (``max_q == 1``),
+  where a call per sequence would dominate.
+- ``dense``: one SDPA over the whole row with a block-diagonal mask. Quadratic in the row
+  length; kept as a baseline for the benchmark.
+
+All take K/V from a ``KeySource``: either flat ``(total_k, kv_heads, dim)`` tensors indexed by
+``cu_seqlens_k``, or a paged cache read through a block table (see ``key_rows``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from packing.varlen import VarlenMeta
+
+
+@dataclass
+class KeySource:
+    """Where sequence ``i``'s keys live: rows of ``k``/``v`` (flat, or the flattened paged cache)
+    given by ``key_rows(i)``. ``new_k``/``new_v`` are this step's own keys (one per query), used
+    instead of a gather when a sequence has no cached context."""
+
+    k: torch.Tensor  # (rows, kv_heads, dim)
+    v: torch.Tensor
+    meta: VarlenMeta
+    block_table: torch.Tensor | None = None  # int32 [num_seqs, max_blocks] when paged
+    block_size: int = 1
+    new_k: torch.Tensor | None = None
+    new_v: torch.Tensor | None = None
+
+    def rows(self, positions: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+        """Row index (into ``k``/``v``) of key ``positions`` of sequences ``seq``."""
+        if self.block_table is None:
+            return self.meta.cu_seqlens_k.to(torch.long)[seq] + positions
+        blocks = self.block_table[seq, torch.div(positions, self.block_size, rounding_mode="floor")]
+        return blocks.to(torch.long) * self.block_size + positions % self.block_size
+
+    def keys_of(self, i: int, q_start: int, k_start: int, lq: int, lk: int):
+        """K/V ``(lk, kv_heads, dim)`` of sequence ``i``."""
+        if self.block_table is None:
+            return self.k[k_start : k_start + lk], self.v[k_start : k_start + lk]
+        if self.new_k is not None and lq == lk:  # fresh prefill: the keys are this step's tokens
+            return self.new_k[q_start : q_start + lq], self.new_v[q_start : q_start + lq]
+        pos = torch.arange(lk, device=self.k.device)
+        idx = self.rows(pos, torch.full_like(pos, i))
+        return self.k.index_select(0, idx), self.v.index_select(0, idx)
+
+
+def _mask(lq: int, lk: int, causal: bool, window: int | None, device) -> torch.Tensor | None:
+    """Boolean (lq, lk) mask, causal aligned to the end of the keys; None when all-visible."""
+    if not causal and window is None:
+        return None
+    q_pos = torch.arange(lk - lq, lk, device=device)[:, None]
+    k_pos = torch.arange(lk, device=device)[None, :]
+    keep = torch.ones(lq, lk, dtype=torch.bool, device=device)
+    if causal:
+        keep = keep & (k_pos <= q_pos)
+    if window is not None:
+        keep = keep & (k_pos > q_pos - window)
+    return keep
+
+
+def _sdpa(q, k, v, mask, *, scale, softcap, is_causal=False):
+    """SDPA on (..., Hkv*G, Lq, D) vs (..., Hkv, Lk, D), or explicit maths when soft-capping."""
+    groups = q.shape[-3] // k.shape[-3]
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=groups > 1
+        )
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=-3)
+        v = v.repeat_interleave(groups, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if is_causal:
+        lq, lk = scores.shape[-2:]
+        mask = _mask(lq, lk, True, None, q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+
+
+def per_sequence(q, src: KeySource, *, causal, scale, window, softcap, seqs=None) -> list:
+    """Per-sequence SDPA; returns a list of ``(lq, heads, dim)`` outputs for ``seqs``
+    (default: all)."""
+    meta = src.meta
+    q_starts = meta.cu_seqlens_q.tolist()
+    k_starts = meta.cu_seqlens_k.tolist()
+    outs = []
+    for i in range(meta.num_seqs) if seqs is None else seqs:
+        lq, lk = meta.seqlens_q[i], meta.seqlens_k[i]
+        if lq == 0:
+            outs.append(q[q_starts[i] : q_starts[i]])
+            continue
+        k_i, v_i = src.keys_of(i, q_starts[i], k_starts[i], lq, lk)
+        q_i = q[q_starts[i] : q_starts[i] + lq].transpose(0, 1)
+        window_i = window if window is not None and window < lk else None
+        plain_causal = causal and window_i is None and lq == lk
+        sees_all = (not causal or lq == 1) and window_i is None
+        mask = None if plain_causal or sees_all else _mask(lq, lk, causal, window_i, q.device)
+        out = _sdpa(
+            q_i, k_i.transpose(0, 1), v_i.transpose(0, 1), mask,
+            scale=scale, softcap=softcap, is_causal=plain_causal,
+        )
+        outs.append(out.transpose(0, 1))
+    return outs
+
+
+_PADDED_INDEX_MEMO: list = []  # [((meta, block_table, key), index)]: the last step's index
+
+
+def _padded_index(src: KeySource, seqs: tuple[int, ...], causal: bool, window: int | None):
+    """Key rows ``(B, max_k)``, query rows ``(B, max_q)`` and the ``(B, max_q, max_k)`` mask for
+    ``seqs``. Memoised for the last step: every layer of a forward shares it."""
+    table = src.block_table
+    version = None if table is None else table._version  # an in-place edit invalidates the memo
+    key = (src.block_size, seqs, causal, window, version)
+    if _PADDED_INDEX_MEMO:
+        (memo_meta, memo_table, memo_key), result = _PADDED_INDEX_MEMO[0]
+        if memo_meta is src.meta and memo_table is table and memo_key == key:
+            return result
+    meta, device = src.meta, src.k.device
+    sel = torch.tensor(seqs, dtype=torch.long, device=device)
+    lq = torch.tensor([meta.seqlens_q[i] for i in seqs], device=device)
+    lk = torch.tensor([meta.seqlens_k[i] for i in seqs], device=device)
+    max_q, max_k = int(lq.max()), int(lk.max())
+    k_pos = torch.arange(max_k, device=device)
+    k_valid = k_pos[None, :] < lk[:, None]
+    k_rows = src.rows(torch.where(k_valid, k_pos[None, :], 0), sel[:, None].expand(-1, max_k))
+    q_off = torch.arange(max_q, device=device)
+    q_valid = q_off[None, :] < lq[:, None]
+    q_rows = meta.cu_seqlens_q.to(torch.long)[sel][:, None] + torch.where(q_valid, q_off[None, :], 0)
+    q_pos = (lk - lq)[:, None] + q_off[None, :]  # position of each query among its keys
+    keep = k_valid[:, None, :].expand(-1, max_q, -1)
+    if causal:
+        keep = keep & (k_pos[None, None, :] <= q_pos[:, :, None])
+    if window is not None:
+        keep = keep & (k_pos[None, None, :] > q_pos[:, :, None] - window)
+    keep = keep | (~q_valid[:, :, None] & (k_pos == 0))  # padded queries see key 0: no NaN rows
+    result = (k_rows, q_rows, q_valid, keep, max_q, max_k)
+    _PADDED_INDEX_MEMO[:] = [((src.meta, table, key), result)]
+    return result
+
+
+def padded(q, src: KeySource, *, causal, scale, window, softcap, seqs=None) -> torch.Tensor:
+    """All ``seqs`` in one padded SDPA call; returns their outputs ``(sum lq, heads, dim)`` in
+    sequence order. GQA groups are folded into the query axis so K/V are gathered once per KV
+    head, not repeated per query head."""
+    meta = src.meta
+    seqs = tuple(range(meta.num_seqs)) if seqs is None else tuple(seqs)
+    k_rows, q_rows, q_valid, keep, max_q, max_k = _padded_index(src, seqs, causal, window)
+    b, heads, dim = len(seqs), q.shape[1], q.shape[2]
+    kv_heads = src.k.shape[1]
+    groups = heads // kv_heads
+    k = src.k.index_select(0, k_rows.reshape(-1)).view(b, max_k, kv_heads, dim).transpose(1, 2)
+    v = src.v.index_select(0, k_rows.reshape(-1)).view(b, max_k, kv_heads, dim).transpose(1, 2)
+    qp = q.index_select(0, q_rows.reshape(-1)).view(b, max_q, kv_heads, groups, dim)
+    qp = qp.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, groups * max_q, dim)
+    mask = keep[:, None, None].expand(-1, 1, groups, -1, -1).reshape(b, 1, groups * max_q, max_k)
+    out = _sdpa(qp, k, v, mask, scale=scale, softcap=softcap)  # (b, kv_heads, groups*max_q, dim)
+    out = out.view(b, kv_heads, groups, max_q, dim).permute(0, 3, 1, 2, 4).reshape(b * max_q, heads, dim)
+    if max_q == 1:
+        return out
+    return out[q_valid.reshape(-1)]
+
+
+def dense(q, k, v, meta: VarlenMeta, *, causal, scale, window, softcap) -> torch.Tensor:
+    """One SDPA over the whole flat row with a block-diagonal mask (baseline; O(T^2) memory)."""
+    seq_q = meta.seq_idx.to(torch.long)
+    seq_k = torch.repeat_interleave(
+        torch.arange(meta.num_seqs, device=q.device), torch.tensor(meta.seqlens_k, device=q.device)
+    )
+    k_pos = torch.arange(k.shape[0], device=q.device) - meta.cu_seqlens_k.to(torch.long)[seq_k]
+    q_pos = torch.arange(q.shape[0], device=q.device) - meta.cu_seqlens_q.to(torch.long)[seq_q] + (
+        torch.tensor(meta.seqlens_k, device=q.device) - torch.tensor(meta.seqlens_q, device=q.device)
+    )[seq_q]
+    keep = seq_q[:, None] == seq_k[None, :]
+    if causal:
+        keep = keep & (k_pos[None, :] <= q_pos[:, None])
+    if window is not None:
+        keep = keep & (k_pos[None, :] > q_pos[:, None] - window)
+    out = _sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), keep, scale=scale, softcap=softcap)
+    return out.transpose(0, 1)
