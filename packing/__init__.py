@@ -29,7 +29,7 @@ def _export(module: str, *names: str) -> None:
 
 # Public names by module. Each entry: module -> names it provides.
 _export("packing.bins", "Bins", "PackStats")
-_export("packing.pack", "pack")
+_export("packing.binpack", "pack")
 _export("packing.streaming", "StreamingPacker")
 _export("packing.hf_datasets", "pack_dataset")
 _export("packing.blocks", "BlockAllocator", "OutOfBlocksError")
