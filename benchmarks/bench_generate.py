@@ -1,0 +1,432 @@
+"""Output tokens/s of nopad's in-flight generator against HF transformers, measured in ONE run.
+
+Workload 1 (chat): N chat prompts of varied length, max_new_tokens ~ U[16, 256] (fixed seed),
+greedy, ignore_eos, so every system generates exactly the same number of tokens per request.
+Only the requested output tokens count.
+  - HF `generate`, static left-padded batches of 16 in arrival order; each batch runs to its
+    longest request (the extra tokens are computed but not counted).
+  - HF continuous batching (`init_continuous_batching` / `add_request` / `get_result`, sdpa).
+  - nopad `Generator`.
+Workload 2 (GRPO-shaped): P prompts x n samples, fixed new tokens, temperature 1.0, seeded:
+prefill tokens computed vs naive (n * sum of prompt lengths) and tokens/s vs HF
+`generate(num_return_sequences=n, do_sample=True)` and HF continuous batching.
+
+Also: greedy agreement of nopad with HF (a fast but wrong generator is worthless) and a PNG of
+batch-slot occupancy per forward step, static vs in-flight, in benchmarks/out/.
+
+    python benchmarks/bench_generate.py            # full run (~10 min on 2 idle cores)
+    python benchmarks/bench_generate.py --quick    # smoke run (~1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
+
+from benchmarks._workloads import chat_workload, grpo_workload, static_batch_occupancy  # noqa: E402
+
+OUT_DIR = Path(__file__).resolve().parent / "out"
+
+
+@dataclass
+class Run:
+    """One system on one workload: useful output tokens, wall time, and what it computed."""
+
+    name: str
+    tokens: int
+    seconds: float
+    outputs: list[list[int]] = field(default_factory=list)
+    notes: str = ""
+    prefill_tokens: int | None = None
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------
+# HF transformers peers
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def hf_generate(model, prompts, max_new_tokens: int, pad_id: int, **sampling) -> list[list[int]]:
+    """One padded ``model.generate`` call that never stops early (eos_token_id=-1 disables the
+    EOS stopping criterion without masking the EOS logit, like ``ignore_eos``)."""
+    ids, mask = _left_pad(prompts, pad_id)
+    out = model.generate(
+        ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=0,
+        eos_token_id=-1, pad_token_id=pad_id, **sampling,
+    )
+    return out[:, ids.shape[1]:].tolist()
+
+
+def run_hf_static(model, prompts, max_new, batch_size: int, pad_id: int) -> Run:
+    outputs, computed = [], 0
+    start = time.perf_counter()
+    for b in range(0, len(prompts), batch_size):
+        ks = max_new[b:b + batch_size]
+        rows = hf_generate(model, prompts[b:b + batch_size], max(ks), pad_id, do_sample=False)
+        outputs += [row[:k] for row, k in zip(rows, ks)]
+        computed += len(ks) * max(ks)
+    seconds = time.perf_counter() - start
+    useful = sum(max_new)
+    return Run(f"HF generate, static batches of {batch_size}", useful, seconds, outputs,
+               notes=f"computed {computed} tokens, {useful / computed:.0%} useful")
+
+
+def run_hf_cb(model, prompts, max_new, *, gen_config, max_batch_tokens: int, max_seqs: int,
+              num_return_sequences: int = 1, seed: int | None = None) -> Run:
+    """HF continuous batching, sized to the workload (its default reserves 60% of RAM on CPU)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    page = 256
+    pages_per_request = [math.ceil((len(p) + k) / page) for p, k in zip(prompts, max_new)]
+    cb_config = ContinuousBatchingConfig(
+        page_size=page,
+        num_blocks=sum(pages_per_request) * num_return_sequences + 4,
+        max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max_seqs,
+        seed=seed,
+    )
+    manager = model.init_continuous_batching(generation_config=gen_config,
+                                             continuous_batching_config=cb_config)
+    manager.start()
+    try:
+        _hf_cb_collect(manager, [prompts[0]], [4], 1 * num_return_sequences)  # warm-up
+        start = time.perf_counter()
+        results = _hf_cb_collect(manager, prompts, max_new, len(prompts) * num_return_sequences)
+        seconds = time.perf_counter() - start
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+    outputs = [results[rid] for rid in sorted(results, key=_cb_order)]
+    tokens = sum(len(o) for o in outputs)
+    expected = sum(max_new) * num_return_sequences
+    if tokens != expected:
+        raise RuntimeError(f"HF continuous batching produced {tokens} tokens, expected {expected}")
+    return Run("HF continuous batching (sdpa)", tokens, seconds, outputs,
+               notes=f"page {page}, {cb_config.num_blocks} pages, budget {max_batch_tokens}")
+
+
+def _hf_cb_collect(manager, prompts, max_new, expected: int) -> dict[str, list[int]]:
+    first = manager._request_counter
+    for p, k in zip(prompts, max_new):
+        manager.add_request(p, max_new_tokens=k, eos_token_id=-1)  # -1: never stop at EOS
+    results = {}
+    while len(results) < expected:
+        r = manager.get_result(timeout=1)
+        if r is None:
+            if not manager.is_running():
+                raise RuntimeError("HF continuous batching thread died")
+            continue
+        if r.error is not None:
+            raise RuntimeError(f"HF continuous batching request {r.request_id} failed: {r.error}")
+        if r.is_finished():
+            results[r.request_id] = r.generated_tokens
+    return {rid: toks for rid, toks in results.items() if _cb_order(rid)[0] >= first}
+
+
+def _cb_order(request_id: str) -> tuple[int, int]:
+    """``req_12`` / ``req_12__child#3`` -> (12, child index), the parent first."""
+    parent, _, child = request_id.partition("__child#")
+    return int(parent.split("_")[1]), int(child) + 1 if child else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# nopad
+
+
+def make_generator(model, tok, prompts, max_new, n: int, args):
+    from inference.generator import Generator
+
+    blocks = sum(math.ceil((len(p) + k) / args.block_size) for p, k in zip(prompts, max_new)) * n
+    return Generator(model, tok, block_size=args.block_size, max_num_batched_tokens=args.max_batch_tokens,
+                     max_num_seqs=args.max_seqs, num_blocks=blocks + 64)
+
+
+def run_nopad(model, tok, prompts, max_new, args) -> tuple[Run, list[int]]:
+    from inference.sampling_params import SamplingParams
+
+    gen = make_generator(model, tok, prompts, max_new, 1, args)
+    gen.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    gen.reset_stats()
+    params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in max_new]
+    start = time.perf_counter()
+    results = gen.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    stats = gen.stats()
+    outputs = [r.outputs[0].token_ids for r in results]
+    _check_lengths("nopad", outputs, max_new)
+    hits = stats["prefix_cache_hit_tokens"]
+    notes = (f"{stats['steps']} forward steps, block {args.block_size}, budget {args.max_batch_tokens}, "
+             f"{stats['preemptions']} preemptions, prefix-cache hits {hits} tokens")
+    return Run("nopad Generator (in-flight)", sum(max_new), seconds, outputs, notes), stats["seqs_per_step"]
+
+
+def run_nopad_grpo(model, tok, prompts, args) -> Run:
+    from inference.sampling_params import SamplingParams
+
+    n, new = args.grpo_n, args.grpo_new_tokens
+    gen = make_generator(model, tok, prompts, [new] * len(prompts), n, args)
+    gen.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
+    gen.reset_stats()
+    params = [SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True, n=n, seed=args.seed + i)
+              for i in range(len(prompts))]
+    start = time.perf_counter()
+    results = gen.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    stats = gen.stats()
+    outputs = [o.token_ids for r in results for o in r.outputs]
+    _check_lengths("nopad", outputs, [new] * (n * len(prompts)))
+    notes = (f"{stats['steps']} forward steps, {stats['preemptions']} preemptions, "
+             f"prefix-cache hit tokens {stats['prefix_cache_hit_tokens']}")
+    return Run("nopad Generator (n shares the prompt)", len(outputs) * new, seconds, outputs, notes,
+               prefill_tokens=stats["prefill_tokens"])
+
+
+def _check_lengths(name: str, outputs: list[list[int]], expected: list[int]) -> None:
+    got = [len(o) for o in outputs]
+    if got != list(expected):
+        first = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
+        raise RuntimeError(f"{name} generated {sum(got)} tokens, expected {sum(expected)} "
+                           f"(first mismatch at request {first})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Correctness, plot, table
+
+
+def agreement(ref: list[list[int]], out: list[list[int]]) -> tuple[int, float]:
+    """(identical sequences, fraction of tokens before the first divergence) of ``out`` vs ``ref``."""
+    same, prefix, total = 0, 0, 0
+    for a, b in zip(ref, out):
+        same += a == b
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix += k
+        total += len(a)
+    return same, prefix / max(total, 1)
+
+
+def plot_occupancy(static_held, static_useful, inflight, batch_size: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.plot(range(len(static_held)), static_held, color="0.6", lw=1, ls="--",
+            label=f"static batches of {batch_size}: slots held")
+    ax.plot(range(len(static_useful)), static_useful, color="tab:red", lw=1.2,
+            label=f"static: sequences doing useful work ({len(static_useful)} steps)")
+    if inflight:
+        ax.plot(range(len(inflight)), inflight, color="tab:blue", lw=1.2,
+                label=f"nopad in-flight: sequences per step ({len(inflight)} steps)")
+    ax.set_xlabel("forward step")
+    ax.set_ylabel("sequences in the step")
+    ax.set_title("Batch slot occupancy per forward step, chat workload")
+    ax.legend(loc="upper right", fontsize=8)
+    ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_table(title: str, runs: list[Run], peers: list[Run], extra: dict[str, str] | None = None) -> None:
+    peer_cols = [f"vs {p.name.split(',')[0].split(' (')[0]}" for p in peers]
+    head = f"{'system':<40} {'tokens':>7} {'s':>7} {'tok/s':>7} " + " ".join(f"{c:>20}" for c in peer_cols)
+    print(f"\n{title}\n{head}\n{'-' * len(head)}")
+    for r in runs:
+        ratios = " ".join(f"{r.tok_s / p.tok_s:>19.2f}x" for p in peers)
+        print(f"{r.name:<40} {r.tokens:>7} {r.seconds:>7.1f} {r.tok_s:>7.1f} {ratios}")
+        if r.notes or (extra and r.name in extra):
+            print(f"{'':<4}{r.notes}{'; ' if r.notes and extra and r.name in extra else ''}"
+                  f"{(extra or {}).get(r.name, '')}")
+
+
+def print_env(args) -> None:
+    import transformers
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, python "
+          f"{platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPUs, "
+          f"torch threads {torch.get_num_threads()}, load average {load[0]:.2f} at start")
+    print(f"model {args.model_name}, fp32, CPU; seed {args.seed}")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def load_model(args):
+    if args.tiny_model:  # for the smoke test: random weights, real tokenizer and chat template
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from packing.models import load_smollm2_tokenizer
+
+        tok = load_smollm2_tokenizer()
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        args.model_name = "tiny random Llama (smoke test)"
+        return LlamaForCausalLM(config).float().eval(), tok
+    from packing.models import load_smollm2
+
+    args.model_name = "SmolLM2-135M-Instruct"
+    return load_smollm2()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small smoke run (~1 min)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--min-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=16, help="HF generate static batch size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--block-size", type=int, default=16, help="nopad KV block size")
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="token budget per step (nopad, HF CB)")
+    p.add_argument("--max-seqs", type=int, default=64, help="max sequences per step (nopad, HF CB)")
+    p.add_argument("--grpo-prompts", type=int, default=8)
+    p.add_argument("--grpo-n", type=int, default=8)
+    p.add_argument("--grpo-new-tokens", type=int, default=128)
+    p.add_argument("--check-prompts", type=int, default=4, help="prompts re-run alone with HF for agreement")
+    p.add_argument("--skip-hf-generate", action="store_true")
+    p.add_argument("--skip-hf-cb", action="store_true")
+    p.add_argument("--skip-grpo", action="store_true")
+    p.add_argument("--tiny-model", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_prompts, args.min_new_tokens, args.max_new_tokens = 8, 8, 32
+        args.batch_size, args.grpo_prompts, args.grpo_n, args.grpo_new_tokens = 4, 2, 4, 16
+        args.check_prompts = 2
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # eos_token_id=-1 warns on every generate call
+    model, tok = load_model(args)
+    pad_id = tok.pad_token_id
+    print_env(args)
+    report: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
+
+    # ---- workload 1: chat, greedy, mixed output lengths
+    prompts, max_new = chat_workload(tok, args.num_prompts, args.min_new_tokens, args.max_new_tokens,
+                                     args.seed)
+    lens = [len(p) for p in prompts]
+    print(f"\nchat workload: {len(prompts)} prompts of {min(lens)}-{max(lens)} tokens (mean "
+          f"{sum(lens) / len(lens):.0f}), max_new_tokens U[{args.min_new_tokens}, {args.max_new_tokens}] "
+          f"(sum {sum(max_new)}), greedy, ignore_eos")
+    runs: list[Run] = []
+    hf_static = hf_cb = None
+    print("running nopad ...", flush=True)
+    nopad, occupancy = run_nopad(model, tok, prompts, max_new, args)
+    runs.append(nopad)
+    if not args.skip_hf_generate:
+        print("running HF generate (static batches) ...", flush=True)
+        hf_generate(model, [prompts[0]], 2, pad_id, do_sample=False)  # warm-up
+        hf_static = run_hf_static(model, prompts, max_new, args.batch_size, pad_id)
+        runs.insert(0, hf_static)
+    if not args.skip_hf_cb:
+        print("running HF continuous batching ...", flush=True)
+        cfg = transformers.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=pad_id)
+        hf_cb = run_hf_cb(model, prompts, max_new, gen_config=cfg, max_batch_tokens=args.max_batch_tokens,
+                          max_seqs=args.max_seqs)
+        runs.insert(len(runs) - 1, hf_cb)
+    peers = [r for r in (hf_static, hf_cb) if r is not None]
+    print_table("Workload 1: chat, output tokens/s", runs, peers)
+    report["chat"] = {r.name: {"tokens": r.tokens, "seconds": r.seconds, "tok_s": r.tok_s} for r in runs}
+
+    # ---- greedy agreement
+    print("\nGreedy agreement of nopad (identical sequences; tokens before first divergence):")
+    for ref in peers:
+        same, frac = agreement(ref.outputs, nopad.outputs)
+        print(f"  vs {ref.name:<38} {same}/{len(prompts)} sequences, {frac:.1%} of tokens")
+    k = min(args.check_prompts, len(prompts))
+    if k:
+        alone = [hf_generate(model, [p], min(m, 64), pad_id, do_sample=False)[0]
+                 for p, m in zip(prompts[:k], max_new[:k])]
+        same, frac = agreement(alone, [o[:len(a)] for o, a in zip(nopad.outputs, alone)])
+        name = "HF generate, each prompt alone (<=64 tok)"
+        print(f"  vs {name:<38} {same}/{k} sequences, {frac:.1%} of tokens")
+        report["greedy_match_alone"] = {"sequences": f"{same}/{k}", "token_fraction": frac}
+
+    # ---- occupancy plot
+    held, useful = static_batch_occupancy(max_new, args.batch_size)
+    path = args.out_dir / "generate_occupancy.png"
+    plot_occupancy(held, useful, occupancy, args.batch_size, path)
+    print(f"\nstatic batching: {len(useful)} steps, mean {sum(useful) / len(useful):.1f} useful of "
+          f"{sum(held) / len(held):.1f} held slots; nopad: {len(occupancy)} steps, mean "
+          f"{sum(occupancy) / max(len(occupancy), 1):.1f} sequences per step")
+    print(f"occupancy plot: {path}")
+
+    # ---- workload 2: GRPO-shaped groups
+    if not args.skip_grpo:
+        gp = grpo_workload(tok, args.grpo_prompts)
+        n, new = args.grpo_n, args.grpo_new_tokens
+        naive = n * sum(len(p) for p in gp)
+        print(f"\nGRPO workload: {len(gp)} prompts x n={n}, {new} new tokens, temperature 1.0, seeded")
+        print("running nopad ...", flush=True)
+        g_runs = [run_nopad_grpo(model, tok, gp, args)]
+        g_peers = []
+        if not args.skip_hf_generate:
+            print("running HF generate (num_return_sequences) ...", flush=True)
+            torch.manual_seed(args.seed)
+            start = time.perf_counter()
+            rows = hf_generate(model, gp, new, pad_id, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                               num_return_sequences=n)
+            hf_g = Run(f"HF generate, num_return_sequences={n}", len(rows) * new, time.perf_counter() - start,
+                       rows, prefill_tokens=len(rows) * max(len(p) for p in gp))
+            g_peers.append(hf_g)
+        if not args.skip_hf_cb:
+            print("running HF continuous batching (num_return_sequences) ...", flush=True)
+            cfg = transformers.GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                                num_return_sequences=n, eos_token_id=-1, pad_token_id=pad_id)
+            g_peers.append(run_hf_cb(model, gp, [new] * len(gp), gen_config=cfg,
+                                     max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
+                                     num_return_sequences=n, seed=args.seed))
+        extra = {r.name: f"prefill tokens computed {r.prefill_tokens} = {r.prefill_tokens / naive:.3f} of "
+                         f"naive {naive}" for r in g_runs + g_peers if r.prefill_tokens is not None}
+        print_table("Workload 2: GRPO groups, output tokens/s", g_peers + g_runs, g_peers, extra)
+        report["grpo"] = {r.name: {"tokens": r.tokens, "seconds": r.seconds, "tok_s": r.tok_s,
+                                   "prefill_tokens": r.prefill_tokens} for r in g_peers + g_runs}
+        report["grpo"]["naive_prefill_tokens"] = naive
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "bench_generate.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
