@@ -1,0 +1,132 @@
+"""A causal-LM loss normalised by the GLOBAL number of loss tokens (or sequences) of one optimizer
+step: all micro-batches of the gradient-accumulation window, on all data-parallel ranks.
+
+Why: packed batches hold different numbers of loss tokens, so averaging per micro-batch (or per
+rank) weights a token in a sparse batch more than one in a dense batch, and the gradient is no
+longer the one of the unpacked run. Dividing every micro-batch's summed loss by the same global
+count - and undoing the averaging that DDP/DeepSpeed apply to gradients - gives exactly the
+gradient of ``mean over all loss tokens of the step``.
+
+Usage, once per optimizer step::
+
+    loss_fn = PackedLoss(weighting="token")        # world size taken from torch.distributed
+    loss_fn.start_step(window)                     # the step's micro-batches (collator outputs)
+    for batch in window:
+        logits = model(input_ids=..., position_ids=..., nopad_meta=...).logits
+        accelerator.backward(loss_fn(logits, batch))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dataloaders.collator import IGNORE_INDEX
+
+WEIGHTINGS = ("token", "sequence")
+
+
+def causal_lm_loss_sum(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    seq_idx: torch.Tensor | None = None,
+    weighting: str = "token",
+) -> torch.Tensor:
+    """Summed next-token cross-entropy of one packed row (fp32).
+
+    ``labels`` use the transformers convention (shifted here). ``"token"`` sums over loss tokens;
+    ``"sequence"`` weights each sequence's tokens by 1 / (its loss tokens), so the sum is the sum
+    over sequences of their mean loss (needs ``seq_idx``, e.g. ``batch["nopad_meta"].seq_idx``).
+    """
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"unknown weighting {weighting!r}; choose one of {WEIGHTINGS}")
+    logits = logits.reshape(-1, logits.shape[-1])
+    labels = labels.reshape(-1).to(logits.device)
+    if logits.shape[0] != labels.shape[0]:
+        raise ValueError(f"logits have {logits.shape[0]} positions but labels {labels.shape[0]}")
+    targets = labels[1:]
+    losses = F.cross_entropy(logits[:-1].float(), targets, ignore_index=IGNORE_INDEX, reduction="none")
+    if weighting == "token":
+        return losses.sum()
+    if seq_idx is None:
+        raise ValueError("weighting='sequence' needs seq_idx (batch['nopad_meta'].seq_idx)")
+    owner = seq_idx.reshape(-1).to(labels.device).long()[1:]  # the sequence each target belongs to
+    valid = (targets != IGNORE_INDEX).float()
+    per_seq = torch.zeros(int(seq_idx.max()) + 1 if seq_idx.numel() else 1, device=labels.device)
+    per_seq.index_add_(0, owner, valid)
+    weights = valid / per_seq[owner].clamp(min=1)
+    return (losses * weights).sum()
+
+
+def global_count(local: float, group: dist.ProcessGroup | None = None) -> float:
+    """Sum ``local`` over all data-parallel ranks (the identity without torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return float(local)
+    t = torch.tensor([float(local)], dtype=torch.float64)
+    if dist.get_backend(group) == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return float(t.item())
+
+
+class PackedLoss:
+    """Loss for ``backward`` such that the accumulated, rank-averaged gradient equals the gradient
+    of the mean loss over every loss token (or sequence) of the optimizer step.
+
+    ``world_size``: the number of ranks DDP/DeepSpeed average gradients over (default: from
+    torch.distributed); the loss is multiplied by it to undo that averaging.
+    ``backward_divisor``: what the backward path divides the loss by - Accelerate divides by its
+    ``gradient_accumulation_steps`` inside ``accelerator.backward`` (also under DeepSpeed, whose
+    engine does it); the loss is multiplied by it to undo that. 1 for a plain ``loss.backward()``.
+    """
+
+    def __init__(
+        self,
+        weighting: str = "token",
+        *,
+        world_size: int | None = None,
+        backward_divisor: int = 1,
+        group: dist.ProcessGroup | None = None,
+    ):
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"unknown weighting {weighting!r}; choose one of {WEIGHTINGS}")
+        if world_size is None:
+            initialized = dist.is_available() and dist.is_initialized()
+            world_size = dist.get_world_size(group) if initialized else 1
+        self.weighting = weighting
+        self.scale = float(world_size) * float(backward_divisor)
+        self.group = group
+        self.denominator: float | None = None
+
+    @property
+    def count_key(self) -> str:
+        return "num_loss_tokens" if self.weighting == "token" else "num_loss_seqs"
+
+    def start_step(self, micro_batches: Sequence[dict]) -> float:
+        """All-reduce the step's loss-token (or sequence) count; every rank must call this once
+        per optimizer step, with its own micro-batches of that step."""
+        local = sum(int(b[self.count_key]) for b in micro_batches)
+        self.denominator = global_count(local, self.group)
+        return self.denominator
+
+    def __call__(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        if self.denominator is None:
+            raise RuntimeError("call start_step(micro_batches) before computing the loss of a step")
+        meta = batch.get("nopad_meta")
+        total = causal_lm_loss_sum(
+            logits,
+            batch["labels"],
+            seq_idx=None if meta is None else meta.seq_idx,
+            weighting=self.weighting,
+        )
+        # a step with no loss tokens anywhere still runs backward (collectives must match): 0 grad
+        return total * (self.scale / max(self.denominator, 1.0))
+
+    def unscaled(self, loss: torch.Tensor) -> float:
+        """This micro-batch's share of the step's mean loss, for logging (sum over the window and
+        all-reduce across ranks to get the step's loss)."""
+        return float(loss.detach()) / self.scale
