@@ -1,0 +1,89 @@
+import pickle
+
+import datasets
+import numpy as np
+import pytest
+
+from dataloaders.streaming import StreamingPackedLoader
+
+rng = np.random.default_rng(1)
+ROWS = [{"input_ids": rng.integers(3, 100, size=n).tolist()} for n in rng.integers(1, 50, size=150)]
+
+
+def _gen():
+    yield from ROWS
+
+
+def _loader(source=_gen, rank=0, **kw):
+    kw.setdefault("buffer_size", 16)
+    kw.setdefault("balance_window", 2)
+    return StreamingPackedLoader(source, 96, num_replicas=2, rank=rank, seed=4, **kw)
+
+
+def _keys(batches):
+    return [tuple(b["indices"].tolist()) for b in batches]
+
+
+def test_two_ranks_see_every_row_once_in_equal_steps():
+    loaders = [_loader(rank=r) for r in range(2)]
+    epochs = [list(x) for x in loaders]
+    assert len(epochs[0]) == len(epochs[1])
+    seen = sorted(i for e in epochs for b in e for i in b["indices"].tolist())
+    assert seen == list(range(len(ROWS)))
+    assert all(b["input_ids"].shape[1] <= 96 for e in epochs for b in e)
+    stats = loaders[0].last_stats
+    assert stats["tokens"] == sum(len(r["input_ids"]) for r in ROWS)
+    assert stats["sequences_dropped"] == 0 and stats["sequences_duplicated"] == 0
+    assert stats["steps_per_rank"] == len(epochs[0]) and stats["efficiency"] > 0.9
+    assert loaders[0].epoch == 1 and loaders[0].rows == {}
+
+
+def test_hf_iterable_dataset_source_gives_the_same_batches():
+    hf = datasets.Dataset.from_list(ROWS).to_iterable_dataset()
+    assert _keys(_loader(hf)) == _keys(_loader(_gen))
+
+
+@pytest.mark.parametrize("stop", [1, 5, "epoch_end", "next_epoch"])
+def test_resume_is_exact_including_buffer_and_across_epochs(stop):
+    ref = _loader()
+    per_epoch = len(list(_loader()))
+    expected = _keys(list(ref) + list(ref))
+    k = {1: 1, 5: 5, "epoch_end": per_epoch, "next_epoch": per_epoch + 2}[stop]
+    first = _loader()
+    got, it = [], iter(first)
+    for _ in range(k):
+        try:
+            got.append(next(it))
+        except StopIteration:
+            it = iter(first)
+            got.append(next(it))
+    state = pickle.loads(pickle.dumps(first.state_dict()))
+    assert state["packer"]["buffer"] or stop in ("epoch_end",) or k >= per_epoch
+    resumed = _loader()
+    resumed.load_state_dict(state)
+    while len(got) < len(expected):
+        got += list(resumed)
+    assert _keys(got) == expected
+
+
+def test_split_and_duplicates_keep_rows_until_used():
+    rows = [{"input_ids": list(range(1, 200))}]  # one row split into 3 pieces, 2 ranks -> 4 bins
+    loaders = [StreamingPackedLoader(rows, 96, num_replicas=2, rank=r, overflow="split") for r in range(2)]
+    epochs = [list(x) for x in loaders]
+    assert [len(e) for e in epochs] == [2, 2]
+    stats = loaders[0].last_stats
+    assert stats["sequences_split"] == 1 and stats["sequences_duplicated"] == 1
+    assert sum(b["num_loss_tokens"] for e in epochs for b in e) == 199 - 3  # first of each piece
+
+
+def test_bad_inputs():
+    with pytest.raises(TypeError, match="one-shot iterator"):
+        StreamingPackedLoader(iter(ROWS), 96)
+    with pytest.raises(ValueError, match="stream is empty"):
+        list(StreamingPackedLoader([], 96))
+    with pytest.raises(KeyError, match="no 'input_ids'"):
+        list(StreamingPackedLoader([{"text": "hi"}], 96))
+    with pytest.raises(ValueError, match="capacity"):
+        list(StreamingPackedLoader([{"input_ids": list(range(100))}], 96))
+    with pytest.raises(ValueError, match="tokens_per_batch"):
+        _loader().load_state_dict(StreamingPackedLoader(_gen, 64, num_replicas=2, rank=0).state_dict())
