@@ -1,0 +1,226 @@
+"""nopad as a transformers attention implementation: packed training and paged generation on
+any HF decoder that routes attention through ``AttentionInterface`` — no model fork.
+
+Setup::
+
+    from packing.hf import register_nopad_attention, use_nopad_attention
+    register_nopad_attention()                       # idempotent
+    model.set_attn_implementation("nopad")           # or: with use_nopad_attention(model): ...
+
+Contract (keyword arguments of ``model(...)``; transformers forwards unknown keyword arguments
+to every attention call, where ``nopad_attention`` reads them):
+
+Packed training row — ``model(input_ids, position_ids=..., nopad_meta=meta, labels=...)``
+    ``input_ids`` ``(1, T)`` holds the concatenated sequences, ``position_ids`` ``(1, T)`` is
+    ``meta.position_ids[None]`` (RoPE needs it; it is checked against ``meta``), ``nopad_meta`` the
+    row's :class:`~packing.varlen.VarlenMeta`. Without ``nopad_meta`` the boundaries are derived
+    once per forward from ``position_ids`` (a sequence starts where the position is 0). Without
+    either, each batch row is one sequence. A 2-D ``attention_mask`` with padding is refused.
+
+Generation step (paged K/V) — the generator passes::
+
+    model(input_ids=ids[None], position_ids=meta.position_ids[None], use_cache=False,
+          nopad_meta=meta, nopad_kv_cache=kv)
+
+    ``meta = VarlenMeta.for_step(query_lens, context_lens, block_table=..., slot_mapping=...)``;
+    ``kv[layer_idx] -> (k_cache, v_cache)`` each ``(num_blocks, block_size, kv_heads, head_dim)``
+    (a list, a dict, or a callable ``kv(layer_idx)``). Each layer writes the step's new K/V at
+    ``meta.slot_mapping`` and attends through ``meta.block_table``; decode tokens of all
+    sequences run as one padded SDPA call on CPU (flash-attn on CUDA). ``use_cache=False`` keeps
+    transformers from building its own cache. Optional ``nopad_backend="sdpa_loop"`` etc. picks
+    a backend of :func:`packing.attention.varlen_attention` by name.
+
+Layer options come from the module call, as transformers passes them: ``scaling``,
+``sliding_window`` (Mistral; Gemma2/Qwen2 per layer type), ``softcap`` (Gemma2), and
+``module.is_causal`` / ``module.layer_idx``.
+
+Keeping ``attn_implementation="sdpa"``/``"eager"``/``"flash_attention_2"`` instead: transformers'
+own packed path runs (it derives a block-diagonal mask, or FA2 varlen, from packed
+``position_ids``) — but only with ``attention_mask=None`` and ``use_cache=False``; otherwise it
+silently attends across sequences. :func:`packed_forward_guard` turns those cases into errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+import transformers
+from transformers.masking_utils import AttentionMaskInterface
+
+from packing.attention import varlen_attention
+from packing.varlen import VarlenMeta
+
+logger = logging.getLogger(__name__)
+
+NOPAD_ATTENTION = "nopad"
+
+CALLS = {"nopad_attention": 0}  # how many attention calls ran through nopad (for verify)
+_META_MEMO: list = []  # [(position_ids, version, shape, meta)]: boundaries derived this forward
+_CHECKED: list = []  # [(meta, position_ids, version)]: last pair checked for consistency
+
+
+def _derive_meta(position_ids: torch.Tensor | None, batch: int, q_len: int, k_len: int) -> VarlenMeta:
+    """Boundaries when the caller passed no ``nopad_meta``: transformers' own cache (decode with
+    ``generate``), packed ``position_ids``, or one sequence per batch row. Derived once per
+    forward (memoised on the ``position_ids`` tensor every layer receives)."""
+    if k_len != q_len:  # transformers' DynamicCache: each row is one sequence with context
+        return VarlenMeta.for_step([q_len] * batch, [k_len - q_len] * batch)
+    if position_ids is None:
+        return VarlenMeta.from_lengths([q_len] * batch)
+    key = (position_ids._version, tuple(position_ids.shape), batch)
+    if _META_MEMO and _META_MEMO[0][0] is position_ids and _META_MEMO[0][1] == key:
+        return _META_MEMO[0][2]
+    pos = position_ids.expand(batch, -1) if position_ids.shape[0] != batch else position_ids
+    meta = VarlenMeta.from_position_ids(pos.reshape(-1))
+    _META_MEMO[:] = [(position_ids, key, meta)]
+    return meta
+
+
+def _check_positions(meta: VarlenMeta, position_ids: torch.Tensor | None) -> None:
+    """RoPE used ``position_ids``; attention uses ``meta``. They must describe the same row."""
+    if position_ids is None:
+        return
+    if _CHECKED and _CHECKED[0][0] is meta and _CHECKED[0][1] is position_ids \
+            and _CHECKED[0][2] == position_ids._version:
+        return
+    flat = position_ids.reshape(-1)
+    if flat.numel() != meta.total_q or not torch.equal(flat.to(meta.position_ids.device), meta.position_ids):
+        raise ValueError(
+            "position_ids do not match nopad_meta.position_ids; pass position_ids=meta.position_ids[None] "
+            "so rotary embeddings see each sequence's own positions"
+        )
+    _CHECKED[:] = [(meta, position_ids, position_ids._version)]
+
+
+def _layer_cache(kv, layer_idx: int):
+    if kv is None:
+        return None
+    if layer_idx is None:
+        raise ValueError("nopad_kv_cache needs module.layer_idx to pick the layer's cache")
+    return kv(layer_idx) if callable(kv) else kv[layer_idx]
+
+
+def nopad_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    nopad_meta: VarlenMeta | None = None,
+    nopad_kv_cache=None,
+    nopad_backend: str = "auto",
+    position_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query`` ``(B, heads, T, dim)``, ``key``/``value``
+    ``(B, kv_heads, S, dim)``; returns ``((B, T, heads, dim), None)``."""
+    CALLS["nopad_attention"] += 1
+    if dropout:
+        raise ValueError("nopad attention does not implement attention dropout; set attention_dropout=0")
+    if isinstance(attention_mask, torch.Tensor):
+        raise ValueError("nopad attention takes no attention mask; pack the sequences instead of padding")
+    batch, heads, q_len, dim = query.shape
+    if nopad_meta is None:
+        if nopad_kv_cache is not None:
+            raise ValueError("nopad_kv_cache needs nopad_meta (with block_table and slot_mapping)")
+        meta = _derive_meta(position_ids, batch, q_len, key.shape[2])
+    else:
+        meta = nopad_meta
+        _check_positions(meta, position_ids)
+    if meta.total_q != batch * q_len:
+        raise ValueError(f"nopad_meta describes {meta.total_q} tokens but the batch has {batch} x {q_len}")
+    q = query.transpose(1, 2).reshape(batch * q_len, heads, dim)
+    k = key.transpose(1, 2).reshape(-1, key.shape[1], dim)
+    v = value.transpose(1, 2).reshape(-1, value.shape[1], dim)
+    out = varlen_attention(
+        q, k, v, meta,
+        causal=getattr(module, "is_causal", True),
+        softmax_scale=scaling,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        kv_cache=_layer_cache(nopad_kv_cache, getattr(module, "layer_idx", None)),
+        backend=nopad_backend,
+    )
+    return out.view(batch, q_len, heads, -1), None
+
+
+def nopad_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
+    """Mask hook: nopad needs no dense ``T x T`` mask (boundaries come from the meta). A 2-D
+    padding mask with zeros would be silently dropped, so refuse it."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            "nopad attention got a padding attention_mask; pack the sequences into one row "
+            "(see packing.pack) or use attn_implementation='sdpa' for padded batches"
+        )
+    return None
+
+
+def register_nopad_attention() -> str:
+    """Register ``"nopad"`` with transformers' attention and mask interfaces (idempotent)."""
+    transformers.AttentionInterface.register(NOPAD_ATTENTION, nopad_attention)
+    AttentionMaskInterface.register(NOPAD_ATTENTION, nopad_mask)
+    return NOPAD_ATTENTION
+
+
+@contextlib.contextmanager
+def use_nopad_attention(model: transformers.PreTrainedModel):
+    """Switch ``model`` to nopad attention (with :func:`packed_forward_guard`) for the block,
+    then restore its previous implementation."""
+    register_nopad_attention()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(NOPAD_ATTENTION)
+    handle = packed_forward_guard(model)
+    try:
+        yield model
+    finally:
+        handle.remove()
+        model.set_attn_implementation(previous)
+
+
+def _is_packed(position_ids: torch.Tensor | None) -> bool:
+    """True when a row of ``position_ids`` restarts (several sequences in one row)."""
+    if position_ids is None or position_ids.shape[-1] < 2:
+        return False
+    return bool((position_ids[..., 1:] != position_ids[..., :-1] + 1).any())
+
+
+def check_packed_call(model: transformers.PreTrainedModel, kwargs: dict) -> None:
+    """Raise instead of letting a packed forward return wrong logits (see module docstring)."""
+    position_ids = kwargs.get("position_ids")
+    meta = kwargs.get("nopad_meta")
+    impl = model.config._attn_implementation
+    if meta is not None and position_ids is None:
+        raise ValueError("nopad_meta given without position_ids; pass position_ids=meta.position_ids[None]")
+    if meta is None and not _is_packed(position_ids):
+        return
+    if impl == NOPAD_ATTENTION:
+        return  # the nopad path reads the boundaries itself; padding masks are refused there
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        raise ValueError(
+            f"packed row with attention_mask under attn_implementation={impl!r}: transformers then "
+            "ignores the packing and attends across sequences. Pass attention_mask=None (or use 'nopad')."
+        )
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(model.config, "use_cache", False)
+    if use_cache and kwargs.get("past_key_values") is None:
+        raise ValueError(
+            f"packed row with use_cache=True under attn_implementation={impl!r}: transformers 5 only "
+            "honours packed position_ids without a cache. Pass use_cache=False (or use 'nopad')."
+        )
+
+
+def packed_forward_guard(model: transformers.PreTrainedModel):
+    """Install a forward pre-hook that runs :func:`check_packed_call`; returns the hook handle."""
+
+    def hook(module, args, kwargs):
+        check_packed_call(module, kwargs)
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
