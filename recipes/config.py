@@ -60,6 +60,12 @@ def load_config(defaults: str | Path, path: str | Path | None = None,
     cfg = _read_yaml(defaults)
     if path is not None and Path(path).resolve() != Path(defaults).resolve():
         _merge(cfg, _read_yaml(path))
+    return update_config(cfg, overrides)
+
+
+def update_config(cfg: dict, overrides: Sequence[str] | Mapping) -> dict:
+    """Apply ``["section.key=value", ...]`` or a nested dict to ``cfg`` in place (and return it);
+    unknown keys are errors."""
     if isinstance(overrides, Mapping):
         _merge(cfg, copy.deepcopy(dict(overrides)))
     else:

@@ -171,14 +171,13 @@ def sampling_params(cfg: Mapping, step: int):
 
 def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[list[int]], reward_fn,
               tokenizer, cfg: Mapping, step: int = 0, accelerator=None, ref_model=None,
-              is_weights: ISWeightFn | None = None) -> dict:
+              is_weights: ISWeightFn | None = None, use_tqdm: bool = False) -> dict:
     """One GRPO step on ``batch`` (examples with their token ids in ``prompt_ids``); returns metrics."""
     tr = cfg["train"]
     n = cfg["rollout"]["num_generations"]
     # 1. rollouts on the live weights; the KV cache is handed back before any backward pass
-    model.eval()
     t0 = time.perf_counter()
-    outputs = generator.generate(prompt_ids, sampling_params(cfg, step))
+    outputs = generator.generate(prompt_ids, sampling_params(cfg, step), use_tqdm=use_tqdm)
     rollout_time = time.perf_counter() - t0
     generator.release()
     rollouts, rewards = [], []
@@ -229,7 +228,6 @@ def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[l
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     train_time = time.perf_counter() - t0
-    model.eval()
 
     gap = torch.cat(gaps) if gaps else torch.zeros(1)
     train_tokens = sum(int(r["input_ids"].numel()) for r in rows)
@@ -283,8 +281,9 @@ def run_grpo(cfg: Mapping, model=None, tokenizer=None, progress: bool = True) ->
     """Train for ``train.steps`` GRPO steps; returns (and logs) one metrics dict per step.
     Pass ``model``/``tokenizer`` to train objects you already hold (then ``model.path`` is unused)."""
     from accelerate import Accelerator
-    from packing.hf import register_nopad_attention
     from tqdm.auto import tqdm
+
+    from packing.hf import NOPAD_ATTENTION, register_nopad_attention, use_nopad_attention
 
     validate_config(cfg, have_model=model is not None)
     if model is None:
@@ -296,11 +295,11 @@ def run_grpo(cfg: Mapping, model=None, tokenizer=None, progress: bool = True) ->
     examples, prompt_ids = build_prompts(cfg, tokenizer)
     tr, ro = cfg["train"], cfg["rollout"]
 
-    register_nopad_attention()
-    model.set_attn_implementation("nopad")
     ref_model = None
-    if tr["beta"]:
+    if tr["beta"]:  # frozen initial policy for the KL term, also on packed rows
+        register_nopad_attention()
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        ref_model.set_attn_implementation(NOPAD_ATTENTION)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     optimizer = torch.optim.AdamW(model.parameters(), lr=tr["lr"], weight_decay=tr["weight_decay"])
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -317,18 +316,20 @@ def run_grpo(cfg: Mapping, model=None, tokenizer=None, progress: bool = True) ->
         out_file = open(Path(cfg["output_dir"]) / "metrics.jsonl", "w")
     history = []
     bar = tqdm(range(tr["steps"]), desc="grpo", disable=not progress or not accelerator.is_main_process)
-    for step in bar:
-        start = (step * world + rank) * per_step
-        picks = [order[(start + j) % len(order)] for j in range(per_step)]
-        metrics = grpo_step(model, optimizer, generator, [examples[i] for i in picks],
-                            [prompt_ids[i] for i in picks], reward_fn, tokenizer, cfg, step=step,
-                            accelerator=accelerator, ref_model=ref_model, is_weights=is_weights)
-        history.append(metrics)
-        logger.info("grpo step %d: %s", step, json.dumps({k: round(v, 6) for k, v in metrics.items()}))
-        bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", gap=f"{metrics['logprob_gap_max']:.1e}")
-        if out_file is not None:
-            out_file.write(json.dumps(metrics) + "\n")
-            out_file.flush()
+    with use_nopad_attention(policy):  # packed training rows; the generator switches to paged itself
+        for step in bar:
+            start = (step * world + rank) * per_step
+            picks = [order[(start + j) % len(order)] for j in range(per_step)]
+            metrics = grpo_step(model, optimizer, generator, [examples[i] for i in picks],
+                                [prompt_ids[i] for i in picks], reward_fn, tokenizer, cfg, step=step,
+                                accelerator=accelerator, ref_model=ref_model, is_weights=is_weights,
+                                use_tqdm=progress)
+            history.append(metrics)
+            logger.info("grpo step %d: %s", step, json.dumps({k: round(v, 6) for k, v in metrics.items()}))
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", gap=f"{metrics['logprob_gap_max']:.1e}")
+            if out_file is not None:
+                out_file.write(json.dumps(metrics) + "\n")
+                out_file.flush()
     if out_file is not None:
         out_file.close()
     generator.release()

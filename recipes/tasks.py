@@ -126,7 +126,7 @@ def load_examples(path: str | Path, prompt_field: str = "prompt") -> list[dict]:
         raise ValueError(f"prompt set {str(path)!r} is empty")
     for i, ex in enumerate(examples):
         if prompt_field not in ex:
-            raise KeyError(f"example {i} of {path} has no {prompt_field!r} field (keys: {sorted(ex)})")
+            raise ValueError(f"example {i} of {path} has no {prompt_field!r} field (keys: {sorted(ex)})")
     return examples
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
-from recipes.config import load_config, parse_override
+from recipes.config import load_config, parse_override, update_config
 from recipes.grpo import (
     DEFAULT_CONFIG,
     Rollout,
@@ -163,3 +164,95 @@ def test_ascii_tokenizer_round_trips():
     with pytest.raises(ValueError, match="only encodes characters below 128"):
         tok.encode("é")
 
+
+
+# ----------------------------------------------------------------------------- live steps
+def ids_checksum_reward(completion: str, example: dict) -> float:
+    """A reward that varies between random completions, so advantages are non-zero."""
+    return float(sum(map(ord, completion)) % 5)
+
+
+def tiny_config(**overrides):
+    base = {"model": {"path": None, "chat_template": False}, "reward": "tests.test_grpo:ids_checksum_reward",
+            "task": {"num_prompts": 8}, "rollout": {"prompts_per_step": 2, "max_tokens": 8},
+            "generator": {"num_blocks": 64, "max_num_batched_tokens": 256}, "train": {"steps": 1, "lr": 1e-3}}
+    return update_config(load_config(DEFAULT_CONFIG, overrides=base), overrides)
+
+
+@pytest.fixture()
+def policy():
+    torch.set_num_threads(1)
+    from tests.models import tiny_model
+
+    return tiny_model("llama")
+
+
+def test_packed_logprobs_match_unpacked_forwards(policy):
+    from packing.hf import use_nopad_attention
+    from recipes.grpo import packed_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    rollouts = [Rollout(torch.randint(3, 128, (p,), generator=g).tolist(),
+                        torch.randint(3, 128, (c,), generator=g).tolist(), [0.0] * c)
+                for p, c in [(5, 3), (2, 6), (7, 1), (3, 4)]]
+    rows = pack_rollouts(rollouts, capacity=16)
+    assert len(rows) == 2
+    expected = {}
+    with torch.no_grad():
+        for r in rollouts:  # each sequence alone through the model's own (sdpa) attention
+            ids = torch.tensor([r.prompt_ids + r.completion_ids])
+            logp = torch.log_softmax(policy(ids).logits[0].float(), -1)
+            for k, tok in enumerate(r.completion_ids):
+                expected[(tuple(r.prompt_ids), k)] = float(logp[len(r.prompt_ids) + k - 1, tok])
+        got = []
+        with use_nopad_attention(policy):
+            for row in rows:
+                got += packed_logprobs(policy, row).tolist()
+    order = [(tuple(rollouts[i].prompt_ids), k) for row in rows for i in row["indices"].tolist()
+             for k in range(len(rollouts[i].completion_ids))]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor([expected[o] for o in order]),
+                               atol=1e-5, rtol=0)
+
+
+def test_one_grpo_step_on_the_live_model(policy):
+    from accelerate import Accelerator
+
+    from inference import Generator
+    from packing.hf import use_nopad_attention
+    from recipes.grpo import build_prompts, grpo_step
+
+    cfg = tiny_config()
+    tok = AsciiTokenizer()
+    examples, prompt_ids = build_prompts(cfg, tok)
+    gen = Generator(policy, block_size=16, num_blocks=64, max_num_batched_tokens=256)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    before = {name: p.detach().clone() for name, p in policy.named_parameters()}
+    kv_alive_at_backward = []
+    policy.lm_head.weight.register_hook(lambda grad: kv_alive_at_backward.append(gen._kv_cache is not None))
+    with use_nopad_attention(policy):
+        metrics = grpo_step(policy, optimizer, gen, examples[:2], prompt_ids[:2], get_reward(cfg["reward"]),
+                            tok, cfg, accelerator=Accelerator(cpu=True))
+    assert kv_alive_at_backward == [False]  # one packed row, KV cache already handed back
+    assert gen._kv_cache is None and gen.stats()["steps"] > 0
+    assert metrics["completion_tokens"] > 0 and metrics["train_rows"] == 1
+    assert metrics["logprob_gap_max"] <= 1e-5
+    assert metrics["logprob_gap_mean"] <= metrics["logprob_gap_max"]
+    assert metrics["reward_std"] > 0 and metrics["grad_norm"] > 0
+    changed = [name for name, p in policy.named_parameters() if not torch.equal(p, before[name])]
+    assert len(changed) == len(before)
+    assert set(metrics) == {"step", "reward_mean", "reward_std", "loss", "grad_norm", "clip_fraction",
+                            "completion_tokens", "rollout_tokens_per_s", "train_tokens", "train_rows",
+                            "train_tokens_per_s", "logprob_gap_max", "logprob_gap_mean", "rollout_s",
+                            "train_s"}
+
+
+def test_run_grpo_with_tis_and_kl_writes_metrics(policy, tmp_path):
+    from recipes.grpo import run_grpo
+
+    cfg = tiny_config(train={"steps": 2, "is_correction": "tis", "beta": 0.1}, output_dir=str(tmp_path))
+    history = run_grpo(cfg, model=policy, tokenizer=AsciiTokenizer(), progress=False)
+    assert [h["step"] for h in history] == [0, 1]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == history
+    assert all(h["logprob_gap_max"] <= 1e-5 for h in history)
+    assert policy.config._attn_implementation == "sdpa"  # the recipe restores the model's setting
