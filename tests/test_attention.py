@@ -20,6 +20,15 @@ H, HKV, D = 4, 2, 8
 CPU_BACKENDS = ("auto", "sdpa_loop", "sdpa_padded", "sdpa_dense")
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small tensors run faster on one thread, and the machine is shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def naive(q, k, v, meta, *, causal=True, scale=None, window=None, softcap=None):
     """Explicit maths, one sequence at a time, no SDPA."""
     scale = scale or 1 / math.sqrt(q.shape[-1])
