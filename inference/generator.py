@@ -1,0 +1,389 @@
+"""The public in-flight batching generator, run in-process on the live HF model.
+
+``Generator(model, tokenizer)`` borrows the model's parameters as they are (no copy: the next
+training step's weights are used at once), switches its attention to nopad's paged varlen
+implementation only while a step runs, and owns a paged KV cache it allocates lazily and frees
+on :meth:`Generator.release`. Each :meth:`step` plans one varlen forward (scheduler), runs it
+(model runner) and samples (sampler).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+
+import torch
+from tqdm.auto import tqdm
+
+from inference.kv_cache import KVCache, bytes_per_block
+from inference.model_runner import ModelRunner
+from inference.outputs import RequestOutput, StreamDelta
+from inference.request import Request, Sequence, Status
+from inference.sampler import sample
+from inference.sampling_params import SamplingParams
+from inference.scheduler import Scheduler
+from packing.blocks import BlockAllocator
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Seq[int]
+DEFAULT_KV_MEMORY_BYTES = 1 << 30
+
+
+class Generator:
+    """In-flight batching on any HF decoder whose attention goes through ``AttentionInterface``.
+
+    ``max_num_batched_tokens`` is the token budget of one forward (decodes + prefill chunks),
+    ``max_num_seqs`` the most sequences decoding at once. The KV cache holds ``num_blocks``
+    blocks of ``block_size`` tokens, or as many as fit in ``kv_memory_bytes`` (default: 1 GiB,
+    capped at what ``max_num_seqs`` sequences of the model's full length need).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer=None,
+        *,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 128,
+        num_blocks: int | None = None,
+        kv_memory_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+    ):
+        if num_blocks is not None and kv_memory_bytes is not None:
+            raise ValueError("give num_blocks or kv_memory_bytes, not both")
+        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.model, self.tokenizer = model, tokenizer
+        config = model.config
+        self.max_model_len = int(getattr(config, "max_position_embeddings", None) or 1 << 62)
+        self.vocab_size = int(config.vocab_size)
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        if num_blocks is None:
+            per_block = bytes_per_block(config, block_size, self.dtype)
+            num_blocks = (kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES) // per_block
+            if kv_memory_bytes is None:
+                full_length = math.ceil(min(self.max_model_len, 1 << 20) / block_size)
+                num_blocks = min(num_blocks, max_num_seqs * full_length)
+            if num_blocks < 1:
+                raise ValueError(
+                    f"kv_memory_bytes={kv_memory_bytes} is less than one KV block ({per_block} bytes)"
+                )
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, watermark)
+        self._kv_cache: KVCache | None = None
+        self._runner: ModelRunner | None = None
+        self._requests: dict[str, Request] = {}
+        self._ready: list[RequestOutput] = []  # aborted/finished outputs not yet returned by step()
+        self._next_id = 0
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue one prompt; returns its request id. Bad input raises ValueError here."""
+        request = self._make_request(prompt, params, request_id)
+        self._enqueue(request)
+        return request.request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; its output (finish_reason "abort") comes from the next step()."""
+        request = self._requests.get(request_id)
+        if request is None or request.finished:
+            return False
+        for seq in request.samples:
+            if seq is not None and seq.status is not Status.FINISHED:
+                self.scheduler.finish(seq, "abort")
+        request.num_finished = request.params.n
+        self._ready.append(self._output(request))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Plan and run one forward, sample, and return the requests that finished."""
+        finished, self._ready = self._ready, []
+        plan = self.scheduler.schedule()
+        for seq in self.scheduler.finished_by_scheduler:
+            self._sample_finished(seq, finished)
+        self.scheduler.finished_by_scheduler.clear()
+        if not plan.seqs:
+            if self.scheduler.has_work() and not finished:
+                raise RuntimeError("the scheduler could not plan a step; this is a bug")
+            return finished
+        with self._nopad_attention():
+            logits, rows = self._ensure_runner().run(plan)
+        now = time.perf_counter()
+        for seq, n in zip(plan.seqs, plan.query_lens):
+            seq.num_computed += n
+            if self.enable_prefix_caching:
+                self.scheduler.register_full_blocks(seq)
+        to_sample, logit_rows = [], []
+        for j, i in enumerate(rows):
+            seq = plan.seqs[i]
+            group = self.scheduler.fork(seq) if seq.fork_count > 1 else [seq]
+            for s in group:
+                seq.request.samples[s.index] = s
+                to_sample.append(s)
+                logit_rows.append(j)
+        if to_sample:
+            if len(logit_rows) != logits.shape[0]:
+                logits = logits[torch.tensor(logit_rows, device=logits.device)]
+            result = sample(logits, to_sample)
+            for k, seq in enumerate(to_sample):
+                self._append(seq, k, result, now)
+                if seq.status is Status.FINISHED:
+                    self._sample_finished(seq, finished)
+        return finished
+
+    # ----------------------------------------------------------------- high level
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params=None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in prompt order. Validates everything first."""
+        requests = self._make_requests(prompts, sampling_params)
+        for request in requests:
+            self._enqueue(request)
+        order = {r.request_id: i for i, r in enumerate(requests)}
+        results: list[RequestOutput | None] = [None] * len(requests)
+        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm or len(requests) < 2) as bar:
+            while self.has_unfinished():
+                for out in self.step():
+                    results[order[out.request_id]] = out
+                    bar.update(1)
+        return results
+
+    def stream(self, prompts: Prompt | Seq[Prompt], sampling_params=None) -> Iterator[StreamDelta]:
+        """Yield the new tokens of every sample as they are produced (one delta per sample per
+        step that produced tokens); the last delta of a sample carries its finish reason."""
+        requests = self._make_requests(prompts, sampling_params)
+        for request in requests:
+            self._enqueue(request)
+        live = list(requests)
+        while live:
+            self.step()
+            still = []
+            for request in live:
+                for seq in request.samples:
+                    if seq is None or seq.emitted < 0:
+                        continue
+                    new = seq.generated[seq.emitted :]
+                    done = seq.status is Status.FINISHED
+                    if new or done:
+                        reason = seq.finish_reason if done else None
+                        yield StreamDelta(request.request_id, seq.index, new, reason)
+                        seq.emitted = -1 if done else seq.emitted + len(new)
+                if request.finished:
+                    for i, seq in enumerate(request.samples):
+                        if seq is None:  # aborted before forking
+                            yield StreamDelta(request.request_id, i, [], "abort")
+                else:
+                    still.append(request)
+            live = still
+
+    def release(self) -> None:
+        """Free the KV cache memory (e.g. before a training step); the next step re-allocates."""
+        if self.has_unfinished():
+            raise RuntimeError("release() with requests in flight; finish or abort them first")
+        self._kv_cache = self._runner = None
+        self.allocator.reset_prefix_cache()
+
+    def stats(self) -> dict:
+        """Counters since construction or :meth:`reset_stats`."""
+        s = self.scheduler.stats
+        return {
+            "steps": s.steps,
+            "preemptions": s.preemptions,
+            "prefix_cache_hit_blocks": self.allocator.hits,
+            "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
+            "prefill_tokens": s.prefill_tokens,
+            "decode_tokens": s.decode_tokens,
+            "tokens_per_step": list(s.tokens_per_step),
+            "seqs_per_step": list(s.seqs_per_step),
+            "max_num_seqs": self.scheduler.max_num_seqs,
+            "num_blocks": self.allocator.num_blocks,
+            "block_size": self.block_size,
+            "evictions": self.allocator.evictions,
+        }
+
+    def reset_stats(self) -> None:
+        self.scheduler.stats = type(self.scheduler.stats)()
+        self.allocator.hits = self.allocator.evictions = 0
+
+    # ----------------------------------------------------------------- internals
+    def _make_requests(self, prompts, sampling_params) -> list[Request]:
+        if self.has_unfinished():
+            raise RuntimeError("generate()/stream() while add_request() requests are in flight; "
+                               "drive those with step() until has_unfinished() is False")
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                                 "pass one for all or one per prompt")
+        requests = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                requests.append(self._make_request(prompt, p, None))
+            except ValueError as err:
+                raise ValueError(f"prompt {i}: {err}") from None
+        return requests
+
+    def _make_request(self, prompt, params, request_id) -> Request:
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        ids = self._prompt_ids(prompt)
+        capacity = self.allocator.num_blocks * self.block_size
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but the model's max_position_embeddings is "
+                             f"{self.max_model_len} (and at least one token must be generated); shorten it")
+        if len(ids) >= capacity:
+            raise ValueError(f"prompt has {len(ids)} tokens but the whole KV cache holds {capacity} "
+                             f"({self.allocator.num_blocks} blocks of {self.block_size}); give the Generator "
+                             "more num_blocks/kv_memory_bytes or shorten the prompt")
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler.max_num_seqs}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; pass tokenizer= or use stop_token_ids")
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"stop token id {t} is outside the vocabulary (size {self.vocab_size})")
+        if request_id is None:
+            request_id = str(self._next_id)
+            self._next_id += 1
+        elif request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        request = Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, seed,
+                          time.perf_counter(), frozenset(stop_ids))
+        return request
+
+    def _enqueue(self, request: Request) -> None:
+        if not self.has_unfinished() and not self.scheduler.has_work():
+            # idle: cached K/V may come from weights that have since been trained; drop it
+            self.allocator.reset_prefix_cache()
+        seq = Sequence(request=request, index=0, token_ids=list(request.prompt_token_ids),
+                       fork_count=request.params.n)
+        request.samples = [seq] + [None] * (request.params.n - 1)
+        self._requests[request.request_id] = request
+        self.scheduler.add(seq)
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer; pass tokenizer= or token ids")
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
+            ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+            bad = [t for t in ids
+                   if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size}); got {bad[0]!r}")
+        else:
+            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty; give at least one token")
+        return ids
+
+    def _append(self, seq: Sequence, k: int, result, now: float) -> None:
+        token = result.tokens[k]
+        request = seq.request
+        params = request.params
+        seq.token_ids.append(token)
+        seq.logprobs.append(result.logprobs[k])
+        seq.sampling_logprobs.append(result.sampling_logprobs[k])
+        if params.logprobs is not None:
+            seq.top_logprobs.append(result.top_logprobs[k])
+        seq.token_times.append(now - request.arrival_time)
+        reason = None
+        if token in request.stop_ids:
+            reason = "stop"
+        elif params.stop and self._hit_stop_string(seq):
+            reason = "stop"
+        elif seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        stops = seq.request.params.stop
+        window = max(len(s) for s in stops) + 8
+        tail = self.tokenizer.decode(seq.generated[-window:], skip_special_tokens=False)
+        for s in stops:
+            if s in tail:
+                seq.stop_text = s
+                return True
+        return False
+
+    def _sample_finished(self, seq: Sequence, finished: list[RequestOutput]) -> None:
+        request = seq.request
+        request.num_finished += 1
+        if request.finished:
+            finished.append(self._output(request))
+
+    def _output(self, request: Request) -> RequestOutput:
+        self._requests.pop(request.request_id, None)
+        detok = None
+        if self.tokenizer is not None:
+            def detok(ids, skip):
+                return self.tokenizer.decode(ids, skip_special_tokens=skip)
+        return request.output(detok)
+
+    def _ensure_runner(self) -> ModelRunner:
+        if self._runner is None:
+            self._kv_cache = KVCache(self.model.config, self.allocator.num_blocks, self.block_size,
+                                     self.dtype, self.device)
+            self._runner = ModelRunner(self.model, self._kv_cache)
+        return self._runner
+
+    def _nopad_attention(self):
+        return _AttentionSwitch(self.model)
+
+
+class _AttentionSwitch:
+    """Use nopad attention (and eval mode) for one step; restore the user's setting after."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        from packing.hf import NOPAD_ATTENTION, register_nopad_attention
+
+        register_nopad_attention()
+        config = self.model.config
+        self.saved = (config._attn_implementation, self.model.training)
+        config._attn_implementation = NOPAD_ATTENTION
+        self.model.eval()
+
+    def __exit__(self, *exc):
+        attn, training = self.saved
+        self.model.config._attn_implementation = attn
+        self.model.train(training)
+        return False
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    """EOS ids from the generation config, else the model config, else the tokenizer."""
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+    return set()

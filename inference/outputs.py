@@ -1,0 +1,52 @@
+"""What the generator returns: vLLM-shaped request and completion records, and streaming deltas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request.
+
+    ``logprobs[i]`` is the log-prob of ``token_ids[i]`` under the raw model distribution (what a
+    trainer's forward computes); ``sampling_logprobs[i]`` under the processed distribution it was
+    actually drawn from (after repetition penalty, temperature, top-k, top-p, min-p; 0.0 for
+    greedy). ``top_logprobs[i]`` maps the top-k tokens to raw log-probs when requested.
+    Times are seconds since the request arrived.
+    """
+
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None  # "stop", "length" or "abort"
+    logprobs: list[float] = field(default_factory=list)
+    sampling_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """All samples of one request, ordered by sample index."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """New tokens of one sample since the last delta; ``finish_reason`` is set on its last."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = None

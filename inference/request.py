@@ -1,0 +1,130 @@
+"""Request and sequence state: what the scheduler moves between waiting, running and finished.
+
+A request with ``n`` samples enters as ONE sequence holding the prompt (``fork_count = n``);
+when its prompt prefill completes it is forked into ``n`` sequences that share every prompt
+block, so the prompt is computed once. A preempted sequence goes back to waiting as itself,
+with prompt + generated tokens to recompute and its outputs kept.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from inference.outputs import CompletionOutput, RequestOutput
+from inference.sampling_params import SamplingParams
+from packing.blocks import NO_PARENT
+
+_seq_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt and its ``n`` samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the request's seed (given or drawn): sample i draws from (seed, i, position)
+    arrival_time: float
+    stop_ids: frozenset[int]  # eos (unless ignore_eos) + stop_token_ids
+    samples: list[Sequence | None] = field(default_factory=list)
+    num_finished: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == self.params.n
+
+    def output(self, detokenize=None) -> RequestOutput:
+        outs = []
+        for i, seq in enumerate(self.samples):
+            if seq is None:  # aborted before its prompt was prefilled and forked
+                outs.append(CompletionOutput(i, [], "" if detokenize else None, "abort"))
+            else:
+                outs.append(seq.completion(detokenize))
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample: its tokens, how many of them have K/V in the cache, and its blocks."""
+
+    request: Request
+    index: int  # sample index within the request
+    token_ids: list[int]
+    fork_count: int = 1
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose K/V is in the cache
+    block_table: list[int] = field(default_factory=list)
+    num_hashed: int = 0  # leading full blocks registered in the prefix cache
+    last_hash: int = NO_PARENT
+    finish_reason: str | None = None
+    stop_text: str | None = None  # the stop string that ended it, if any
+    logprobs: list[float] = field(default_factory=list)
+    sampling_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    emitted: int = 0  # generated tokens already handed to a stream
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def generated(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to run through the model before this sequence can sample."""
+        return len(self.token_ids) - self.num_computed
+
+    def fork(self, index: int) -> Sequence:
+        """A sibling sample sharing this sequence's blocks (the caller increfs them)."""
+        return Sequence(
+            request=self.request,
+            index=index,
+            token_ids=list(self.token_ids),
+            status=self.status,
+            num_computed=self.num_computed,
+            block_table=list(self.block_table),
+            num_hashed=self.num_hashed,
+            last_hash=self.last_hash,
+        )
+
+    def completion(self, detokenize=None) -> CompletionOutput:
+        text = None
+        if detokenize is not None:
+            text = detokenize(self.generated, self.request.params.skip_special_tokens)
+            if self.stop_text is not None:
+                cut = text.find(self.stop_text)
+                if cut >= 0:
+                    text = text[:cut]
+        return CompletionOutput(
+            index=self.index,
+            token_ids=self.generated,
+            text=text,
+            finish_reason=self.finish_reason,
+            logprobs=list(self.logprobs),
+            sampling_logprobs=list(self.sampling_logprobs),
+            top_logprobs=list(self.top_logprobs) if self.request.params.logprobs is not None else None,
+            first_token_time=self.token_times[0] if self.token_times else None,
+            token_times=list(self.token_times),
+        )

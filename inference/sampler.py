@@ -1,0 +1,116 @@
+"""Token sampling for one step, vectorised over the batch, with counter-based randomness.
+
+Randomness: sample ``i`` of a request with seed ``s`` draws the token at position ``p`` with
+exponential noise from a generator seeded by ``mix(s, i, p)`` (the Gumbel-max / exponential-race
+trick: ``argmax(log p - log E)`` is a draw from ``p``). The draw therefore depends on nothing
+else in the batch, and a preempted sequence redraws the same tokens when it is recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inference.request import Sequence
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def counter_seed(seed: int, index: int, position: int) -> int:
+    """A 63-bit generator seed for (request seed, sample index, token position)."""
+    return _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ index) ^ position) >> 1
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int]
+    logprobs: list[float]  # raw model log-prob of each sampled token
+    sampling_logprobs: list[float]  # log-prob under the processed distribution sampled from
+    top_logprobs: list[dict[int, float] | None]
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    """Draw one token per row of ``logits`` ``(rows, vocab)`` for ``seqs[row]``."""
+    logits = logits.float()
+    raw_lp = torch.log_softmax(logits, dim=-1)
+    params = [s.request.params for s in seqs]
+    rows, vocab = logits.shape
+    x = logits
+    # repetition penalty (over prompt and output, as in vLLM/HF) and min_tokens stop bans
+    for i, (seq, p) in enumerate(zip(seqs, params)):
+        if p.repetition_penalty != 1.0:
+            x = x.clone() if x is logits else x
+            idx = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=x.device)
+            v = x[i, idx]
+            x[i, idx] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if seq.num_generated < p.min_tokens and seq.request.stop_ids:
+            x = x.clone() if x is logits else x
+            x[i, list(seq.request.stop_ids)] = float("-inf")
+
+    tokens = torch.empty(rows, dtype=torch.long, device=x.device)
+    sampling_lp = torch.zeros(rows, dtype=torch.float32, device=x.device)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    rand = [i for i, p in enumerate(params) if not p.greedy]
+    if greedy:
+        g = torch.tensor(greedy, device=x.device)
+        tokens[g] = x[g].argmax(dim=-1)
+    if rand:
+        r = torch.tensor(rand, device=x.device)
+        lp = processed_logprobs(x[r], [params[i] for i in rand])
+        noise = torch.stack([_noise(seqs[i], vocab) for i in rand]).to(x.device)
+        picked = (lp - noise.log()).argmax(dim=-1)
+        tokens[r] = picked
+        sampling_lp[r] = lp.gather(1, picked[:, None])[:, 0]
+    token_list = tokens.tolist()
+    top: list[dict[int, float] | None] = [None] * rows
+    for i, p in enumerate(params):
+        if p.logprobs is not None:
+            vals, ids = raw_lp[i].topk(min(p.logprobs, vocab)) if p.logprobs else (raw_lp[i, :0], tokens[:0])
+            d = dict(zip(ids.tolist(), vals.tolist()))
+            d.setdefault(token_list[i], raw_lp[i, token_list[i]].item())
+            top[i] = d
+    return SampleResult(
+        tokens=token_list,
+        logprobs=raw_lp.gather(1, tokens[:, None])[:, 0].tolist(),
+        sampling_logprobs=sampling_lp.tolist(),
+        top_logprobs=top,
+    )
+
+
+def processed_logprobs(x: torch.Tensor, params: list) -> torch.Tensor:
+    """Log-probs after temperature, top-k, top-p and min-p (rows of ``x`` are logits)."""
+    rows, vocab = x.shape
+    temp = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
+    x = x / temp[:, None]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [float(p.top_p) for p in params]
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=x.device)
+        k = torch.tensor(top_k, device=x.device)
+        sorted_x = sorted_x.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+        if any(p < 1.0 for p in top_p):
+            probs = torch.softmax(sorted_x, dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
+            tp = torch.tensor(top_p, dtype=x.dtype, device=x.device)
+            sorted_x = sorted_x.masked_fill(before >= tp[:, None], float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
+    if any(p.min_p > 0 for p in params):
+        probs = torch.softmax(x, dim=-1)
+        mp = torch.tensor([float(p.min_p) for p in params], dtype=x.dtype, device=x.device)
+        x = x.masked_fill(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+def _noise(seq: Sequence, vocab: int) -> torch.Tensor:
+    gen = torch.Generator()
+    gen.manual_seed(counter_seed(seq.request.seed, seq.index, seq.num_tokens))
+    return torch.empty(vocab).exponential_(generator=gen).clamp_min_(torch.finfo(torch.float32).tiny)

@@ -1,0 +1,247 @@
+"""The step planner: which sequences run in the next forward, with how many tokens each.
+
+Every step is planned anew: running decodes first (one token each), then partly prefilled
+sequences, then waiting ones, their prefill chunked into whatever is left of the token budget.
+All of it becomes ONE varlen forward. When a decode needs a block and none is free, the most
+recently admitted sequence is preempted by recompute: its blocks are freed and it goes back to
+the front of the queue with prompt + generated tokens as its new prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from inference.request import Sequence, Status
+from packing.blocks import NO_PARENT, BlockAllocator, hash_block
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepPlan:
+    """One forward: ``seqs[i]`` runs ``query_lens[i]`` tokens; ``copies`` are (src, dst) blocks
+    to copy before the forward (copy-on-write)."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    num_decodes: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    preemptions: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefill_tokens: int = 0  # prompt/recompute tokens actually run through the model
+    decode_tokens: int = 0
+    tokens_per_step: list[int] = field(default_factory=list)
+    seqs_per_step: list[int] = field(default_factory=list)  # batch occupancy per step
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 watermark: float = 0.01):
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.watermark_blocks = max(1, int(watermark * allocator.num_blocks))
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.stats = SchedulerStats()
+        self.finished_by_scheduler: list[Sequence] = []  # stopped for lack of memory, to report
+
+    # ----------------------------------------------------------------- queue
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _num_running_slots(self) -> int:
+        return sum(s.fork_count for s in self.running)
+
+    # ----------------------------------------------------------------- planning
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_num_batched_tokens
+        # 1. decodes, oldest first; preempt from the newest end when blocks run out
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if seq.num_pending != 1:
+                i += 1
+                continue
+            while not self._reserve(seq, 1, plan):
+                victim = self.running[-1]
+                if victim is seq and len(self.running) == 1:
+                    self._finish_out_of_memory(seq)
+                    break
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                plan.seqs.append(seq)
+                plan.query_lens.append(1)
+                budget -= 1
+                i += 1
+                continue
+            if seq.status is not Status.RUNNING:
+                continue  # it left the running list; index i now holds the next one
+            i += 1
+        plan.num_decodes = len(plan.seqs)
+        # 2. partly prefilled sequences, then 3. new admissions, chunked into the rest of the budget
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.num_pending > 1:
+                budget -= self._schedule_prefill(seq, budget, plan)
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if self.running and self._num_running_slots() + seq.fork_count > self.max_num_seqs:
+                break
+            taken = self._admit(seq, budget, plan)
+            if not taken:
+                break
+            budget -= taken
+        if plan.seqs:
+            self.stats.steps += 1
+            self.stats.tokens_per_step.append(plan.num_tokens)
+            self.stats.seqs_per_step.append(len(plan.seqs))
+            self.stats.decode_tokens += plan.num_decodes
+            self.stats.prefill_tokens += plan.num_tokens - plan.num_decodes
+        return plan
+
+    def _admit(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
+        """Move the head of the queue to running with a prefix-cache lookup and a first chunk."""
+        alloc, bs = self.allocator, self.block_size
+        # full blocks already in the cache; keep at least one token to compute (for its logits)
+        hits, parent = [], seq.last_hash
+        for b in range((seq.num_tokens - 1) // bs):
+            tokens = seq.token_ids[b * bs : (b + 1) * bs]
+            h = hash_block(parent, tokens)
+            block = alloc.lookup(h, tokens)
+            if block is None:
+                break
+            hits.append((block, h))
+            parent = h
+        revived = sum(1 for block, _ in hits if alloc.ref_count[block] == 0)
+        computed = len(hits) * bs
+        reserve = self.watermark_blocks if self.running else 0
+        room = alloc.num_free - revived - reserve  # blocks left for the new tokens
+        chunk = min(seq.num_tokens - computed, budget, room * bs)
+        if chunk <= 0:
+            return 0
+        for b, (block, h) in enumerate(hits):
+            alloc.acquire_cached(h, seq.token_ids[b * bs : (b + 1) * bs])
+            seq.block_table.append(block)
+        seq.num_hashed = len(hits)
+        seq.num_computed = computed
+        if hits:
+            seq.last_hash = hits[-1][1]
+            self.stats.prefix_cache_hit_tokens += computed
+        self.waiting.popleft()
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        ok = self._reserve(seq, chunk, plan)
+        assert ok, "admission reserved blocks it had checked were free"
+        plan.seqs.append(seq)
+        plan.query_lens.append(chunk)
+        return chunk
+
+    def _schedule_prefill(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
+        bs = self.block_size
+        room = len(seq.block_table) * bs - seq.num_computed + self.allocator.num_free * bs
+        if seq.num_computed % bs and self.allocator.ref_count[seq.block_table[-1]] > 1:
+            room -= bs  # the shared partial block must be copied first
+        chunk = min(seq.num_pending, budget, room)
+        if chunk <= 0 or not self._reserve(seq, chunk, plan):
+            return 0
+        plan.seqs.append(seq)
+        plan.query_lens.append(chunk)
+        return chunk
+
+    def _reserve(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
+        """Give ``seq`` writable slots for its next ``num_new`` tokens, or return False."""
+        alloc, bs = self.allocator, self.block_size
+        first = seq.num_computed // bs
+        cow = first < len(seq.block_table) and alloc.ref_count[seq.block_table[first]] > 1
+        needed = alloc.blocks_for(seq.num_computed + num_new) - len(seq.block_table) + int(cow)
+        if needed > alloc.num_free:
+            return False
+        if cow:
+            new, src = alloc.copy_on_write(seq.block_table[first])
+            seq.block_table[first] = new
+            plan.copies.append((src, new))
+        for _ in range(alloc.blocks_for(seq.num_computed + num_new) - len(seq.block_table)):
+            seq.block_table.append(alloc.allocate())
+        return True
+
+    # ----------------------------------------------------------------- leaving
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and requeue it at the front to recompute prompt + generated."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.stats.preemptions += 1
+        logger.debug("preempted sequence %d (%d tokens)", seq.seq_id, seq.num_tokens)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def _finish_out_of_memory(self, seq: Sequence) -> None:
+        logger.warning(
+            "sequence of request %s fills the whole KV cache (%d tokens); stopping it with "
+            "finish_reason='length'. Give the generator more KV memory for longer outputs.",
+            seq.request.request_id, seq.num_tokens,
+        )
+        self.finish(seq, "length")
+        self.finished_by_scheduler.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free_all(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.num_hashed = 0
+        seq.last_hash = NO_PARENT
+
+    # ----------------------------------------------------------------- after the forward
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Put the sequence's newly computed full blocks in the prefix cache."""
+        bs = self.block_size
+        for b in range(seq.num_hashed, seq.num_computed // bs):
+            tokens = seq.token_ids[b * bs : (b + 1) * bs]
+            h = hash_block(seq.last_hash, tokens)
+            self.allocator.register(seq.block_table[b], h, tokens)
+            seq.last_hash = h
+            seq.num_hashed = b + 1
+
+    def fork(self, seq: Sequence) -> list[Sequence]:
+        """Split a group's prefilled prompt into its ``n`` samples, sharing every block."""
+        samples = [seq]
+        for index in range(1, seq.fork_count):
+            child = seq.fork(index)
+            for block in child.block_table:
+                self.allocator.share(block)
+            self.running.append(child)
+            samples.append(child)
+        seq.fork_count = 1
+        return samples
+
+    def owners(self) -> list[list[int]]:
+        """Block lists of every live sequence, for ``BlockAllocator.check(owners=...)``."""
+        return [s.block_table for s in self.running] + [s.block_table for s in self.waiting]
