@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -249,6 +250,34 @@ py::tuple nextfit(const py::array_t<i64, py::array::c_style | py::array::forceca
     return to_csr(order, bin_of, num_bins);
 }
 
+// Concatenate byte ranges src[starts[k] : starts[k] + lengths[k]] in order: the token copy behind
+// pack_dataset (one memcpy per packed sequence, instead of Arrow's element-wise list take).
+py::array_t<uint8_t> gather_bytes(const py::array_t<uint8_t, py::array::c_style>& src,
+                                  const py::array_t<i64, py::array::c_style | py::array::forcecast>& starts,
+                                  const py::array_t<i64, py::array::c_style | py::array::forcecast>& lengths) {
+    const i64 n = static_cast<i64>(starts.size());
+    if (static_cast<i64>(lengths.size()) != n) throw std::invalid_argument("starts and lengths differ in size");
+    const i64* s = starts.data();
+    const i64* l = lengths.data();
+    const i64 size = static_cast<i64>(src.size());
+    i64 total = 0;
+    for (i64 k = 0; k < n; ++k) {
+        if (s[k] < 0 || l[k] < 0 || s[k] + l[k] > size) throw std::out_of_range("byte range outside the source");
+        total += l[k];
+    }
+    py::array_t<uint8_t> out(total);
+    const uint8_t* from = src.data();
+    uint8_t* to = out.mutable_data();
+    {
+        py::gil_scoped_release release;
+        for (i64 k = 0; k < n; ++k) {
+            std::memcpy(to, from + s[k], static_cast<size_t>(l[k]));
+            to += l[k];
+        }
+    }
+    return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_packer, m) {
@@ -258,4 +287,5 @@ PYBIND11_MODULE(_packer, m) {
     m.def("ffd", &ffd, py::arg("lengths"), py::arg("capacity"), py::arg("max_seqs") = 0,
           py::arg("seed") = py::none());
     m.def("nextfit", &nextfit, py::arg("lengths"), py::arg("capacity"), py::arg("max_seqs") = 0);
+    m.def("gather_bytes", &gather_bytes, py::arg("src"), py::arg("starts"), py::arg("lengths"));
 }
