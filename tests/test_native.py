@@ -66,3 +66,26 @@ def test_missing_extension_warns_once_and_falls_back(monkeypatch):
         pack([4, 8], 10)  # no second warning
     with pytest.raises(RuntimeError, match="backend='native' but the compiled packer is not built"):
         pack([4, 8], 10, backend="native")
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    src=st.binary(min_size=1, max_size=64),
+    ranges=st.lists(st.tuples(st.integers(0, 63), st.integers(0, 10)), max_size=20),
+)
+def test_gather_bytes_equals_reference(src, ranges):
+    src = np.frombuffer(src, dtype=np.uint8)
+    ranges = [(s, min(n, len(src) - s)) for s, n in ranges if s < len(src)]
+    starts = np.array([s for s, _ in ranges], dtype=np.int64)
+    lengths = np.array([n for _, n in ranges], dtype=np.int64)
+    expected = b"".join(src[s : s + n].tobytes() for s, n in ranges)
+    assert native.gather_bytes(src, starts, lengths).tobytes() == expected
+    assert algorithms.gather_bytes(src, starts, lengths).tobytes() == expected
+
+
+def test_gather_bytes_rejects_out_of_range():
+    src = np.zeros(4, dtype=np.uint8)
+    with pytest.raises(IndexError, match="outside the source"):
+        native.gather_bytes(src, np.array([2]), np.array([3]))
+    with pytest.raises(IndexError, match="outside the source"):
+        algorithms.gather_bytes(src, np.array([2]), np.array([3]))
