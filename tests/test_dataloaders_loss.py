@@ -88,6 +88,7 @@ def _packed_worker(rank, world, port, attn, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    assert _attn_implementation() == attn  # registration is per process
     try:
         batches = list(packed_dataloader(_rows(), 64, seed=1))  # rank/world from torch.distributed
         result = {"seen": [i for b in batches for i in b["indices"].tolist()], "steps": len(batches)}
@@ -113,6 +114,27 @@ def _accumulate(batches, attn, weighting):
     return {k: p.grad for k, p in model.module.named_parameters()}
 
 
+@pytest.mark.parametrize("weighting", ["token", "sequence"])
+def test_simulated_two_ranks_in_process_match_unpacked(weighting):
+    """The fast version: both ranks' micro-batches run here; gradients averaged as DDP would."""
+    attn = _attn_implementation()
+    per_rank = [list(packed_dataloader(_rows(), 64, seed=1, num_replicas=2, rank=r)) for r in range(2)]
+    grads = []
+    for batches in per_rank:
+        model = tiny_model("llama", attn_implementation=attn)
+        loss_fn = PackedLoss(weighting, world_size=2)
+        loss_fn.start_step(per_rank[0] + per_rank[1])  # what the all-reduce would return
+        for batch in batches:
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                           nopad_meta=batch["nopad_meta"], use_cache=False).logits
+            loss_fn(logits, batch).backward()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+    for name, ref in _reference_grads(_rows(), weighting).items():
+        got = (grads[0][name] + grads[1][name]) / 2
+        assert torch.linalg.norm(got - ref) <= 1e-5 * torch.linalg.norm(ref), name
+
+
+@pytest.mark.slow
 def test_two_ranks_packed_with_accumulation_match_unpacked_single_process(tmp_path):
     attn = _attn_implementation()
     mp.spawn(_packed_worker, args=(2, _free_port(), attn, str(tmp_path)), nprocs=2)
