@@ -235,12 +235,12 @@ def plot_occupancy(static_held, static_useful, inflight, batch_size: int, path: 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 4))
-    ax.plot(range(len(static_held)), static_held, color="0.6", lw=1, ls="--",
+    ax.plot(range(len(static_held)), static_held, color="0.6", lw=1, ls="--", drawstyle="steps-post",
             label=f"static batches of {batch_size}: slots held")
-    ax.plot(range(len(static_useful)), static_useful, color="tab:red", lw=1.2,
+    ax.plot(range(len(static_useful)), static_useful, color="tab:red", lw=1.2, drawstyle="steps-post",
             label=f"static: sequences doing useful work ({len(static_useful)} steps)")
     if inflight:
-        ax.plot(range(len(inflight)), inflight, color="tab:blue", lw=1.2,
+        ax.plot(range(len(inflight)), inflight, color="tab:blue", lw=1.2, drawstyle="steps-post",
                 label=f"nopad in-flight: sequences per step ({len(inflight)} steps)")
     ax.set_xlabel("forward step")
     ax.set_ylabel("sequences in the step")
@@ -254,15 +254,16 @@ def plot_occupancy(static_held, static_useful, inflight, batch_size: int, path: 
 
 
 def print_table(title: str, runs: list[Run], peers: list[Run], extra: dict[str, str] | None = None) -> None:
-    peer_cols = [f"vs {p.name.split(',')[0].split(' (')[0]}" for p in peers]
-    head = f"{'system':<40} {'tokens':>7} {'s':>7} {'tok/s':>7} " + " ".join(f"{c:>20}" for c in peer_cols)
+    """One row per system; a ratio column per peer (tok/s of the row / tok/s of the peer)."""
+    cols = [f"vs {p.name.split(',')[0].split(' (')[0]}" for p in peers]
+    head = f"{'system':<40} {'tokens':>7} {'s':>7} {'tok/s':>7}" + "".join(f" {c:>{len(c)}}" for c in cols)
     print(f"\n{title}\n{head}\n{'-' * len(head)}")
     for r in runs:
-        ratios = " ".join(f"{r.tok_s / p.tok_s:>19.2f}x" for p in peers)
-        print(f"{r.name:<40} {r.tokens:>7} {r.seconds:>7.1f} {r.tok_s:>7.1f} {ratios}")
-        if r.notes or (extra and r.name in extra):
-            print(f"{'':<4}{r.notes}{'; ' if r.notes and extra and r.name in extra else ''}"
-                  f"{(extra or {}).get(r.name, '')}")
+        ratios = "".join(f" {r.tok_s / p.tok_s:>{len(c) - 1}.2f}x" for p, c in zip(peers, cols))
+        print(f"{r.name:<40} {r.tokens:>7} {r.seconds:>7.1f} {r.tok_s:>7.1f}{ratios}")
+        notes = "; ".join(x for x in (r.notes, (extra or {}).get(r.name, "")) if x)
+        if notes:
+            print(f"    {notes}")
 
 
 def print_env(args) -> None:
@@ -372,14 +373,14 @@ def main(argv=None) -> dict:
     print("\nGreedy agreement of nopad (identical sequences; tokens before first divergence):")
     for ref in peers:
         same, frac = agreement(ref.outputs, nopad.outputs)
-        print(f"  vs {ref.name:<38} {same}/{len(prompts)} sequences, {frac:.1%} of tokens")
+        print(f"  vs {ref.name:<42} {same}/{len(prompts)} sequences, {frac:.1%} of tokens")
     k = min(args.check_prompts, len(prompts))
     if k:
         alone = [hf_generate(model, [p], min(m, 64), pad_id, do_sample=False)[0]
                  for p, m in zip(prompts[:k], max_new[:k])]
         same, frac = agreement(alone, [o[:len(a)] for o, a in zip(nopad.outputs, alone)])
         name = "HF generate, each prompt alone (<=64 tok)"
-        print(f"  vs {name:<38} {same}/{k} sequences, {frac:.1%} of tokens")
+        print(f"  vs {name:<42} {same}/{k} sequences, {frac:.1%} of tokens")
         report["greedy_match_alone"] = {"sequences": f"{same}/{k}", "token_fraction": frac}
 
     # ---- occupancy plot
