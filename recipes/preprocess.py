@@ -1,0 +1,155 @@
+"""Tokenize plain-text or chat data, pack it with one global best-fit pass, save it to disk.
+
+    python -m recipes.preprocess [recipes/configs/preprocess.yaml] input=data.jsonl output=packed/
+
+Chat data (a ``messages`` list per row) is rendered with the tokenizer's chat template and only
+assistant turns get labels; prompt tokens are -100. Plain text gets ``input_ids`` only (every
+token is a target). The packed rows keep ``seq_lengths`` so a collator can rebuild per-sequence
+positions and boundaries. Every step is also a function for use from Python.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import datasets
+
+from packing import pack_dataset
+from recipes.config import load_config
+
+logger = logging.getLogger(__name__)
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "preprocess.yaml"
+IGNORE_INDEX = -100
+
+
+def load_records(path: str | Path) -> datasets.Dataset:
+    """A JSONL file, or a dataset directory saved with ``save_to_disk`` (its ``train`` split if it
+    is a DatasetDict)."""
+    path = Path(path)
+    if path.is_dir():
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                raise ValueError(f"{path} holds splits {list(ds)}; save the split to pack on its own")
+            ds = ds["train"]
+        return ds
+    if not path.is_file():
+        raise FileNotFoundError(f"input {str(path)!r} is neither a JSONL file nor a save_to_disk directory")
+    return datasets.load_dataset("json", data_files=str(path), split="train")
+
+
+def load_tokenizer(name: str):
+    if name == "smollm2":
+        from packing.models import load_smollm2_tokenizer
+
+        return load_smollm2_tokenizer()
+    if not Path(name).is_dir():
+        raise FileNotFoundError(f"tokenizer={name!r} is not a directory; give a local tokenizer or 'smollm2'")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)
+
+
+def tokenize_text(texts: list[str], tokenizer, add_eos: bool = True) -> list[list[int]]:
+    ids = tokenizer(texts, add_special_tokens=True)["input_ids"]
+    if add_eos:
+        if tokenizer.eos_token_id is None:
+            raise ValueError("add_eos=True but the tokenizer has no eos_token; set add_eos=false")
+        ids = [row + [tokenizer.eos_token_id] for row in ids]
+    return ids
+
+
+def tokenize_chat(messages: list[Mapping], tokenizer) -> tuple[list[int], list[int]]:
+    """``(input_ids, labels)`` for one conversation; labels are -100 outside assistant turns.
+
+    Each assistant turn's span is found by rendering the conversation up to it (with the generation
+    prompt) and up to its end; the template must render a prefix of the conversation as a prefix
+    of the whole, which chat templates do.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("chat data needs a tokenizer with a chat_template")
+
+    def encode(upto: int, generation_prompt: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(
+            list(messages[:upto]), tokenize=False, add_generation_prompt=generation_prompt
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    input_ids = encode(len(messages), False)
+    labels = [IGNORE_INDEX] * len(input_ids)
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        prompt, upto_turn = encode(i, True), encode(i + 1, False)
+        start, end = len(prompt), len(upto_turn)
+        if input_ids[:start] != prompt or input_ids[:end] != upto_turn or start > end:
+            raise ValueError(
+                "the chat template does not render a conversation's beginning as a prefix of the whole "
+                f"(turn {i}); prompt masking needs a prefix-consistent template"
+            )
+        labels[start:end] = input_ids[start:end]
+    return input_ids, labels
+
+
+def tokenize_dataset(
+    ds: datasets.Dataset,
+    tokenizer,
+    *,
+    text_field: str = "text",
+    messages_field: str = "messages",
+    add_eos: bool = True,
+    num_proc: int | None = None,
+) -> datasets.Dataset:
+    """Chat rows (``messages_field``) -> ``input_ids`` + ``labels``; text rows -> ``input_ids``."""
+    if messages_field in ds.column_names:
+
+        def chat(row):
+            input_ids, labels = tokenize_chat(row[messages_field], tokenizer)
+            return {"input_ids": input_ids, "labels": labels}
+
+        return ds.map(chat, remove_columns=ds.column_names, num_proc=num_proc, desc="tokenizing chats")
+    if text_field in ds.column_names:
+        return ds.map(
+            lambda batch: {"input_ids": tokenize_text(batch[text_field], tokenizer, add_eos)},
+            batched=True,
+            remove_columns=ds.column_names,
+            num_proc=num_proc,
+            desc="tokenizing text",
+        )
+    raise ValueError(
+        f"found neither a {messages_field!r} (chat) nor a {text_field!r} (text) column in {ds.column_names}; "
+        "set messages_field= or text_field="
+    )
+
+
+def run_preprocess(cfg: Mapping) -> datasets.Dataset:
+    if not cfg["input"] or not cfg["output"]:
+        raise ValueError("set both input=<JSONL file or dataset directory> and output=<directory>")
+    tokenizer = load_tokenizer(cfg["tokenizer"])
+    ds = load_records(cfg["input"])
+    tokenized = tokenize_dataset(
+        ds, tokenizer, text_field=cfg["text_field"], messages_field=cfg["messages_field"],
+        add_eos=cfg["add_eos"], num_proc=cfg["num_proc"],
+    )
+    packed, bins = pack_dataset(
+        tokenized, cfg["capacity"], strategy=cfg["strategy"], overflow=cfg["overflow"], seed=cfg["seed"],
+        max_seqs_per_bin=cfg["max_seqs_per_bin"], position_ids=cfg["position_ids"], return_bins=True,
+    )
+    packed.save_to_disk(cfg["output"])
+    print(bins.stats)
+    print(f"saved {len(packed)} packed rows of <= {cfg['capacity']} tokens to {cfg['output']}")
+    return packed
+
+
+def main(argv: list[str] | None = None) -> datasets.Dataset:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = argv.pop(0) if argv and "=" not in argv[0] else None
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return run_preprocess(load_config(DEFAULT_CONFIG, path, argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""recipes.preprocess with a tiny offline word-level tokenizer: chat masking, text, pack, save."""
+
+import json
+
+import datasets
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from recipes.preprocess import load_records, main, tokenize_chat, tokenize_dataset, tokenize_text
+
+WORDS = ["<unk>", "<eos>", "<s>", "</s>", "user", "assistant"] + "hi hello how are you fine ok".split()
+TEMPLATE = (
+    "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<s> assistant {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    model = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    model.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=model, eos_token="<eos>", unk_token="<unk>")
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+CHAT = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "hello"},
+    {"role": "user", "content": "how are you"},
+    {"role": "assistant", "content": "fine ok"},
+]
+
+
+def test_chat_masks_everything_but_assistant_turns(tokenizer):
+    ids, labels = tokenize_chat(CHAT, tokenizer)
+    # <s> user hi </s> <s> assistant hello </s> <s> user how are you </s> <s> assistant fine ok </s>
+    assert ids == [2, 4, 6, 3, 2, 5, 7, 3, 2, 4, 8, 9, 10, 3, 2, 5, 11, 12, 3]
+    assert labels == [-100] * 6 + [7, 3] + [-100] * 8 + [11, 12, 3]
+
+
+def test_chat_needs_a_prefix_consistent_template(tokenizer):
+    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<eos>")
+    tok.chat_template = "{% for m in messages|reverse %}<s> {{ m['content'] }} </s> {% endfor %}"
+    with pytest.raises(ValueError, match="prefix-consistent template"):
+        tokenize_chat(CHAT, tok)
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="needs a tokenizer with a chat_template"):
+        tokenize_chat(CHAT, tok)
+
+
+def test_text_appends_eos(tokenizer):
+    assert tokenize_text(["hi you", "ok"], tokenizer) == [[6, 10, 1], [12, 1]]
+    assert tokenize_text(["hi you"], tokenizer, add_eos=False) == [[6, 10]]
+
+
+def test_tokenize_dataset_picks_the_format(tokenizer):
+    chats = tokenize_dataset(datasets.Dataset.from_dict({"messages": [CHAT[:2]]}), tokenizer)
+    assert chats.column_names == ["input_ids", "labels"]
+    assert chats[0]["labels"] == [-100] * 6 + [7, 3]
+    text = tokenize_dataset(datasets.Dataset.from_dict({"body": ["hi"]}), tokenizer, text_field="body")
+    assert text[:] == {"input_ids": [[6, 1]]}
+    with pytest.raises(ValueError, match=r"found neither a 'messages' \(chat\) nor a 'text'"):
+        tokenize_dataset(datasets.Dataset.from_dict({"x": ["hi"]}), tokenizer)
+
+
+def test_load_records_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither a JSONL file nor a save_to_disk directory"):
+        load_records(tmp_path / "missing.jsonl")
+    datasets.DatasetDict(a=datasets.Dataset.from_dict({"text": ["x"]})).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ValueError, match=r"holds splits \['a'\]"):
+        load_records(tmp_path / "dd")
+
+
+def test_cli_end_to_end(tmp_path, tokenizer, capsys):
+    tok_dir = tmp_path / "tok"
+    tokenizer.save_pretrained(tok_dir)
+    data = tmp_path / "chats.jsonl"
+    rows = [{"messages": CHAT}, {"messages": CHAT[:2]}, {"messages": CHAT[2:]}]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "packed"
+    packed = main([f"input={data}", f"output={out}", f"tokenizer={tok_dir}", "capacity=32"])
+    assert packed[:] == datasets.load_from_disk(str(out))[:]
+    # 19 + 8 + 11 tokens: bfd puts the 19- and 11-token chats together, the 8-token one alone
+    assert packed["seq_lengths"] == [[19, 11], [8]]
+    assert packed[1]["labels"] == [-100] * 6 + [7, 3]
+    assert "saved 2 packed rows of <= 32 tokens" in capsys.readouterr().out
+    # text input from a save_to_disk directory, with overflow split
+    datasets.Dataset.from_dict({"text": ["hi " * 10, "ok"]}).save_to_disk(str(tmp_path / "text"))
+    packed = main([f"input={tmp_path / 'text'}", f"output={tmp_path / 'p2'}", f"tokenizer={tok_dir}",
+                   "capacity=4", "overflow=split"])
+    assert packed["seq_lengths"] == [[4], [4], [3], [2]]  # 11 tokens -> 4 + 4 + 3; then "ok <eos>"
+    with pytest.raises(ValueError, match="set both input="):
+        main([f"tokenizer={tok_dir}"])
