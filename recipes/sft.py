@@ -1,0 +1,291 @@
+"""Supervised fine-tuning of a Hugging Face causal LM on nopad's packed batches, under Accelerate
+(DDP, or DeepSpeed ZeRO-2 with ``accelerate.deepspeed_config``).
+
+Read top to bottom: build the model and the rows, a packed loader that shards itself over the
+ranks (it is NOT passed to ``accelerator.prepare``, which would shard it a second time), then one
+optimizer step per window of ``grad_accum`` micro-batches with the loss normalised by the window's
+global loss-token count. Checkpoints hold model, optimizer, scheduler, RNG and loader position, so
+``checkpoint.resume_from`` continues with exactly the batches the uninterrupted run would see.
+
+    python -m recipes.sft recipes/configs/sft.yaml train.epochs=1 model.path=tiny:llama
+    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m recipes.sft model.path=tiny:llama
+
+``train(cfg, model=..., tokenizer=..., rows=...)`` runs the same loop in-process (the demo uses it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dataloaders.loader import move_batch, packed_dataloader
+from dataloaders.loss import PackedLoss
+from recipes.config import load_config, load_model
+
+logger = logging.getLogger(__name__)
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sft.yaml"
+
+
+# ---------------------------------------------------------------------------------- model and data
+def tiny_causal_lm(family: str = "llama", seed: int = 0):
+    """A tiny random-weight causal LM for smoke runs and tests (no download)."""
+    import transformers
+
+    if family != "llama":
+        raise ValueError(f"model.path=tiny:{family}: only tiny:llama is built in")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return transformers.LlamaForCausalLM(config).float(), None
+
+
+def synthetic_rows(num_rows: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[dict]:
+    """Random token rows whose first quarter is a prompt (masked out of the loss)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for length in rng.integers(min_len, max_len + 1, size=num_rows):
+        ids = rng.integers(3, vocab_size, size=length)
+        labels = ids.copy()
+        labels[: length // 4] = -100
+        rows.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return rows
+
+
+def tokenize_rows(rows, tokenizer, prompt_column: str, completion_column: str) -> list[dict]:
+    """Text rows (prompt, completion) -> token rows with the prompt masked; token rows pass through."""
+    out = []
+    for row in rows:
+        if "input_ids" in row:
+            out.append(row)
+            continue
+        if prompt_column not in row or completion_column not in row:
+            raise KeyError(f"rows need 'input_ids' or text columns {prompt_column!r} and "
+                           f"{completion_column!r}; got {sorted(row)}")
+        if tokenizer is None:
+            raise ValueError("text rows need a tokenizer; this model has none")
+        prompt = tokenizer(row[prompt_column], add_special_tokens=False)["input_ids"]
+        completion = tokenizer(row[completion_column], add_special_tokens=False)["input_ids"]
+        if tokenizer.eos_token_id is not None:
+            completion = completion + [tokenizer.eos_token_id]
+        out.append({"input_ids": prompt + completion, "labels": [-100] * len(prompt) + completion})
+    return out
+
+
+def load_rows(data: Mapping, tokenizer, vocab_size: int) -> list[dict]:
+    source = data["source"]
+    if source == "synthetic":
+        return synthetic_rows(data["num_rows"], data["min_len"], data["max_len"], vocab_size, data["seed"])
+    path = Path(source)
+    if path.suffix == ".jsonl" and path.is_file():
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    elif path.is_dir():
+        import datasets
+
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[data["split"]]
+        rows = list(ds)
+    else:
+        raise FileNotFoundError(
+            f"data.source={source!r}: give 'synthetic', a .jsonl file or a saved dataset dir"
+        )
+    return tokenize_rows(rows, tokenizer, data["prompt_column"], data["completion_column"])
+
+
+def build_model(model_cfg: Mapping):
+    path = str(model_cfg["path"])
+    if path.startswith("tiny:"):
+        model, tokenizer = tiny_causal_lm(path.split(":", 1)[1])
+    else:
+        model, tokenizer = load_model(model_cfg)
+    return model, tokenizer
+
+
+def set_attention(model, name: str) -> None:
+    if name == "nopad":
+        from packing.hf import register_nopad_attention
+
+        register_nopad_attention()
+    model.set_attn_implementation(name)
+
+
+# ---------------------------------------------------------------------------------- training
+class Progress:
+    """Optimizer steps done, checkpointed with the rest so a resumed run knows where it is."""
+
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+def make_accelerator(cfg: Mapping):
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    cpu = not torch.cuda.is_available()
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    kwargs = {}
+    ds_config = cfg["accelerate"]["deepspeed_config"]
+    if ds_config:
+        if not Path(ds_config).is_file():
+            raise FileNotFoundError(f"accelerate.deepspeed_config={ds_config!r} does not exist")
+        if cpu:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=str(ds_config),
+                                                     gradient_accumulation_steps=cfg["train"]["grad_accum"])
+    return Accelerator(
+        cpu=cpu and not ds_config,
+        gradient_accumulation_steps=cfg["train"]["grad_accum"],
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu and distributed else [],
+        **kwargs,
+    )
+
+
+def _latest_checkpoint(output_dir: Path) -> Path:
+    found = sorted(output_dir.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    if not found:
+        raise FileNotFoundError(f"checkpoint.resume_from=latest but {output_dir} has no step_* checkpoints")
+    return found[-1]
+
+
+def _windows(loader, size: int):
+    """The loader's batches of one epoch in lists of ``size`` (one optimizer step each)."""
+    batches = iter(loader)
+    while window := list(itertools.islice(batches, size)):
+        yield window
+
+
+def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=None) -> dict:
+    """Run SFT as configured; returns ``{"losses": [...], "steps": n, "stats": [...], ...}``.
+
+    ``model``/``tokenizer``/``rows`` override ``model.path``/``data.source`` (rows: token dicts
+    with ``input_ids`` and optional ``labels``, or text rows with the prompt/completion columns).
+    """
+    tcfg, dcfg, ccfg = cfg["train"], cfg["data"], cfg["checkpoint"]
+    if tcfg["grad_accum"] < 1:
+        raise ValueError(f"train.grad_accum must be >= 1, got {tcfg['grad_accum']}")
+    if tcfg["weighting"] not in ("token", "sequence"):
+        raise ValueError(f"train.weighting must be 'token' or 'sequence', got {tcfg['weighting']!r}")
+    accelerator = accelerator or make_accelerator(cfg)
+    torch.manual_seed(tcfg["seed"])
+    if model is None:
+        model, tokenizer = build_model(cfg["model"])
+    set_attention(model, cfg["model"]["attn_implementation"])
+    model.config.use_cache = False
+    model.train()
+    if rows is None:
+        rows = load_rows(dcfg, tokenizer, model.config.vocab_size)
+    else:
+        rows = tokenize_rows(rows, tokenizer, dcfg["prompt_column"], dcfg["completion_column"])
+
+    gas = tcfg["grad_accum"]
+    loader = packed_dataloader(
+        rows, dcfg["tokens_per_batch"],
+        num_replicas=accelerator.num_processes, rank=accelerator.process_index,
+        seed=dcfg["seed"], max_seqs_per_batch=dcfg["max_seqs_per_batch"], overflow=dcfg["overflow"],
+        steps_multiple_of=gas, attention_cost=1.0 / (12 * model.config.hidden_size),
+        num_workers=dcfg["num_workers"],
+    )
+    steps_per_epoch = len(loader) // gas
+    total_steps = steps_per_epoch * tcfg["epochs"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg["lr"], weight_decay=tcfg["weight_decay"])
+    warmup = tcfg["warmup_steps"]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, then linear decay to 0
+        optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)) * max(0.0, 1 - s / max(total_steps, 1))
+    )
+    # the loader is not prepared (it shards itself); neither is the scheduler, which Accelerate
+    # would step once per process for every optimizer step
+    model, optimizer = accelerator.prepare(model, optimizer)
+    progress = Progress()
+    for obj in (loader, scheduler, progress):
+        accelerator.register_for_checkpointing(obj)
+
+    output_dir = Path(ccfg["output_dir"])
+    if ccfg["resume_from"]:
+        latest = ccfg["resume_from"] == "latest"
+        resume = _latest_checkpoint(output_dir) if latest else Path(ccfg["resume_from"])
+        accelerator.load_state(str(resume))
+        logger.info("resumed from %s at step %d (epoch %d)", resume, progress.step, loader.epoch)
+
+    # Accelerate (and DeepSpeed inside it) divides the loss by grad_accum; PackedLoss undoes that
+    # and the rank averaging, and divides by the step's global loss-token count instead.
+    loss_fn = PackedLoss(tcfg["weighting"], world_size=accelerator.num_processes, backward_divisor=gas)
+    max_steps = tcfg["max_steps"] or total_steps
+    losses, stats, seen = [], [], []
+    bar = None
+    if tcfg["progress"] and accelerator.is_local_main_process:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=min(max_steps, total_steps), initial=progress.step, desc="sft", unit="step")
+    while loader.epoch < tcfg["epochs"] and progress.step < max_steps:
+        for window in _windows(loader, gas):
+            loss_fn.start_step(window)
+            step_loss = 0.0
+            for batch in window:
+                batch = move_batch(batch, accelerator.device)
+                if cfg["log"]["record_indices"]:
+                    seen += batch["indices"].tolist()
+                with accelerator.accumulate(model):
+                    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                   nopad_meta=batch["nopad_meta"], use_cache=False).logits
+                    loss = loss_fn(logits, batch)
+                    accelerator.backward(loss)
+                    step_loss += loss_fn.unscaled(loss)
+                    if accelerator.sync_gradients and tcfg["max_grad_norm"]:
+                        accelerator.clip_grad_norm_(model.parameters(), tcfg["max_grad_norm"])
+                    optimizer.step()
+                    optimizer.zero_grad()
+            if not accelerator.sync_gradients:
+                raise RuntimeError("internal: an optimizer-step window ended without a gradient sync")
+            scheduler.step()
+            progress.step += 1
+            mean_loss = accelerator.reduce(torch.tensor([step_loss], device=accelerator.device), "sum").item()
+            losses.append(mean_loss)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{mean_loss:.4f}")
+            if ccfg["every"] and progress.step % ccfg["every"] == 0:
+                accelerator.save_state(str(output_dir / f"step_{progress.step}"))
+            if progress.step >= max_steps:
+                break
+        if loader.packed_sampler.last_stats is not None and loader.packed_sampler.last_stats not in stats:
+            stats.append(loader.packed_sampler.last_stats)
+    if bar is not None:
+        bar.close()
+    accelerator.save_state(str(output_dir / f"step_{progress.step}"))
+    accelerator.wait_for_everyone()
+    result = {"losses": losses, "steps": progress.step, "stats": stats, "rank": accelerator.process_index,
+              "micro_batches_per_epoch": len(loader), "world_size": accelerator.num_processes}
+    if cfg["log"]["record_indices"]:
+        result["indices"] = seen
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / f"result_rank{accelerator.process_index}.json").write_text(json.dumps(result))
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = argv.pop(0) if argv and "=" not in argv[0] else None
+    return train(load_config(DEFAULT_CONFIG, path, argv))
+
+
+if __name__ == "__main__":
+    main()
