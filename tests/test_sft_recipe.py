@@ -1,0 +1,145 @@
+"""recipes/sft.py: in-process exact resume (fast); 2-process DDP and DeepSpeed ZeRO-2 runs on CPU
+(slow): every sequence once per epoch, equal steps, first loss == unpacked single-process loss."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from recipes.config import load_config
+from recipes.sft import DEFAULT_CONFIG, synthetic_rows, tiny_causal_lm, tokenize_rows, train
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["model.path=tiny:llama", "data.num_rows=24", "data.min_len=4", "data.max_len=40",
+         "data.tokens_per_batch=96", "train.lr=1.0e-3", "train.progress=false"]
+
+
+def _cfg(tmp_path, *extra):
+    return load_config(DEFAULT_CONFIG, None, SMALL + [f"checkpoint.output_dir={tmp_path}", *extra])
+
+
+def _reset_accelerate():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _params(tmp_path, step):
+    from safetensors.torch import load_file
+
+    return load_file(str(tmp_path / f"step_{step}" / "model.safetensors"))
+
+
+def test_stop_and_resume_gives_the_uninterrupted_run(tmp_path):
+    full = train(_cfg(tmp_path / "full", "train.epochs=2"))
+    per_epoch = full["steps"] // 2
+    assert full["steps"] == 2 * per_epoch and per_epoch >= 2
+    _reset_accelerate()
+    stop = per_epoch + 1  # mid second epoch
+    first = train(_cfg(tmp_path / "cut", "train.epochs=2", f"train.max_steps={stop}"))
+    _reset_accelerate()
+    rest = train(_cfg(tmp_path / "cut", "train.epochs=2", "checkpoint.resume_from=latest"))
+    _reset_accelerate()
+    assert first["losses"] + rest["losses"] == full["losses"]
+    a, b = _params(tmp_path / "full", full["steps"]), _params(tmp_path / "cut", rest["steps"])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert full["stats"][0]["sequences_dropped"] == 0 and full["stats"][0]["tokens"] > 0
+
+
+def test_text_rows_mask_the_prompt():
+    class Tok:
+        eos_token_id = 2
+
+        def __call__(self, text, add_special_tokens):
+            return {"input_ids": [ord(c) for c in text]}
+
+    rows = [{"prompt": "ab", "completion": "c"}, {"input_ids": [5]}]
+    rows = tokenize_rows(rows, Tok(), "prompt", "completion")
+    assert rows == [{"input_ids": [97, 98, 99, 2], "labels": [-100, -100, 99, 2]}, {"input_ids": [5]}]
+    with pytest.raises(KeyError, match="'prompt' and 'completion'"):
+        tokenize_rows([{"text": "x"}], Tok(), "prompt", "completion")
+
+
+def test_bad_config_is_a_clear_error(tmp_path):
+    with pytest.raises(KeyError, match="unknown config key 'train.batch_size'"):
+        load_config(DEFAULT_CONFIG, None, ["train.batch_size=3"])
+    with pytest.raises(ValueError, match="train.weighting"):
+        train(_cfg(tmp_path, "train.weighting=mean"))
+    with pytest.raises(FileNotFoundError, match="data.source"):
+        train(_cfg(tmp_path, "data.source=/nonexistent"))
+    _reset_accelerate()
+
+
+# ---------------------------------------------------------------------------------- 2 processes
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(out_dir, *overrides, deepspeed=False):
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    if deepspeed:
+        env["DS_ACCELERATOR"] = "cpu"
+        ds_config = ROOT / "recipes/configs/deepspeed_zero2.json"
+        overrides = (*overrides, f"accelerate.deepspeed_config={ds_config}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(_free_port()), "-m", "recipes.sft", *SMALL,
+           f"checkpoint.output_dir={out_dir}", "log.record_indices=true", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((Path(out_dir) / f"result_rank{r}.json").read_text()) for r in range(2)]
+
+
+def _unpacked_mean_loss():
+    """Mean loss over every loss token of the synthetic data at the initial weights, one
+    sequence at a time in one process: what the first optimizer step must report."""
+    cfg = load_config(DEFAULT_CONFIG, None, SMALL)
+    model, _ = tiny_causal_lm()
+    rows = synthetic_rows(cfg["data"]["num_rows"], cfg["data"]["min_len"], cfg["data"]["max_len"],
+                          model.config.vocab_size, cfg["data"]["seed"])
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in rows:
+            logits = model(input_ids=torch.tensor(row["input_ids"])[None], use_cache=False).logits[0, :-1]
+            target = torch.tensor(row["labels"])[1:]
+            total += F.cross_entropy(logits, target, ignore_index=-100, reduction="sum").item()
+            count += int((target != -100).sum())
+    return total / count, len(rows)
+
+
+def _check_two_rank_run(results):
+    expected_loss, num_rows = _unpacked_mean_loss()
+    assert results[0]["micro_batches_per_epoch"] == results[1]["micro_batches_per_epoch"]
+    seen = sorted(results[0]["indices"] + results[1]["indices"])
+    assert seen == list(range(num_rows))  # one epoch: every sequence exactly once over both ranks
+    assert results[0]["losses"] == results[1]["losses"]
+    assert results[0]["losses"][0] == pytest.approx(expected_loss, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_loss_matches_unpacked_and_resumes_exactly(tmp_path):
+    # grad_accum large enough that the first epoch is ONE optimizer step: its loss is the mean over
+    # all sequences, which must equal the unpacked single-process mean at the initial weights
+    full = _torchrun(tmp_path / "full", "train.grad_accum=4")
+    _check_two_rank_run(full)
+    assert full[0]["steps"] == 1
+    two = _torchrun(tmp_path / "two", "train.grad_accum=2", "train.epochs=2", "log.record_indices=false")
+    assert two[0]["steps"] >= 4
+    two_epochs = ("train.grad_accum=2", "train.epochs=2", "log.record_indices=false")
+    cut = _torchrun(tmp_path / "cut", *two_epochs, "train.max_steps=3")
+    rest = _torchrun(tmp_path / "cut", *two_epochs, "checkpoint.resume_from=latest")
+    assert cut[0]["losses"] + rest[0]["losses"] == two[0]["losses"]
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_two_processes_loss_matches_unpacked(tmp_path):
+    results = _torchrun(tmp_path / "ds", "train.grad_accum=4", deepspeed=True)
+    _check_two_rank_run(results)
