@@ -63,7 +63,11 @@ def pack_dataset(
 
     table = ds.with_format("arrow")[:]  # zero-copy unless ds has an indices mapping (select/shuffle)
     token_columns = _token_columns(table, columns)
-    lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
+    lengths = pc.list_value_length(table.column("input_ids"))
+    if lengths.null_count:
+        row = pc.index(pc.is_null(lengths), True).as_py()
+        raise ValueError(f"row {row} has no input_ids (null); drop or fix such rows before packing")
+    lengths = lengths.to_numpy(zero_copy_only=False)
     bins = pack(lengths.astype(np.int64, copy=False), capacity, strategy=strategy, seed=seed,
                 overflow=overflow, max_seqs_per_bin=max_seqs_per_bin, skip_empty=skip_empty)
 

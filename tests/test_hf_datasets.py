@@ -79,6 +79,7 @@ def test_boolean_mask_and_nulls_take_the_arrow_path():
         (lambda: datasets.Dataset.from_dict(ROWS), {"columns": ["nope"]}, ValueError, r"\['nope'\] are not"),
         (lambda: datasets.Dataset.from_dict(ROWS), {"columns": ["text"]}, ValueError, r"'text' is not a"),
         (lambda: datasets.Dataset.from_dict({"input_ids": [[1], []]}), {}, ValueError, r"lengths\[1\] is 0"),
+        (lambda: datasets.Dataset.from_dict({"input_ids": [[1], None]}), {}, ValueError, "row 1 has no"),
     ],
 )
 def test_bad_input(make, kwargs, error, message):
