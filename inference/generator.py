@@ -370,13 +370,17 @@ class _AttentionSwitch:
         register_nopad_attention()
         config = self.model.config
         self.saved = (config._attn_implementation, self.model.training)
-        config._attn_implementation = NOPAD_ATTENTION
-        self.model.eval()
+        if config._attn_implementation != NOPAD_ATTENTION:
+            config._attn_implementation = NOPAD_ATTENTION
+        if self.model.training:
+            self.model.eval()
 
     def __exit__(self, *exc):
         attn, training = self.saved
-        self.model.config._attn_implementation = attn
-        self.model.train(training)
+        if self.model.config._attn_implementation != attn:
+            self.model.config._attn_implementation = attn
+        if training:
+            self.model.train()
         return False
 
 

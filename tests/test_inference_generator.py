@@ -149,8 +149,8 @@ def test_seeded_request_is_batch_and_preemption_invariant(llama):
     assert outs[0].outputs[0].sampling_logprobs == pytest.approx(alone.outputs[0].sampling_logprobs, abs=1e-5)
 
     gen = Generator(llama, block_size=2, num_blocks=40, max_num_batched_tokens=64)
-    outs = gen.generate([others[20], prompt, others[5]], [batch_params[1], params, batch_params[2]],
-                        use_tqdm=False)
+    pressure = SamplingParams(max_tokens=20, temperature=1.0, seed=9, ignore_eos=True)
+    outs = gen.generate([others[20], prompt, others[5]], [pressure, params, pressure], use_tqdm=False)
     assert gen.stats()["preemptions"] > 0
     assert outs[1].outputs[0].token_ids == alone.outputs[0].token_ids
 

@@ -1,0 +1,107 @@
+"""Tests of SamplingParams validation and the sampler's maths and counter-based randomness."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from inference.request import Request, Sequence
+from inference.sampler import counter_seed, processed_logprobs, sample
+from inference.sampling_params import SamplingParams
+
+
+def seq_with(params: SamplingParams, tokens=(5, 6), index=0, seed=0, stop_ids=frozenset({2})):
+    request = Request("r", None, list(tokens), params, seed, 0.0, frozenset(stop_ids))
+    return Sequence(request=request, index=index, token_ids=list(tokens))
+
+
+def test_defaults_and_normalisation():
+    p = SamplingParams(stop="x", stop_token_ids=(7,))
+    assert p.stop == ["x"] and p.stop_token_ids == [7] and p.n == 1 and p.max_tokens == 16
+    assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -0.1}, "temperature must be a finite number >= 0"),
+    ({"temperature": math.nan}, "temperature must be a finite number >= 0"),
+    ({"temperature": math.inf}, "temperature must be a finite number >= 0"),
+    ({"top_p": 0}, "top_p must be in (0, 1]"),
+    ({"top_p": 1.01}, "top_p must be in (0, 1]"),
+    ({"min_p": -0.5}, "min_p must be in [0, 1]"),
+    ({"top_k": 2.5}, "top_k must be an int"),
+    ({"n": 0}, "n must be >= 1, got 0"),
+    ({"n": True}, "n must be an int"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be a finite number > 0"),
+    ({"max_tokens": 0}, "max_tokens must be >= 1"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens (5) must be <= max_tokens (4)"),
+    ({"stop": 3}, "stop must be a string or a list of strings, got int"),
+    ({"stop": ["a", 3]}, "stop must be a string or a list of strings"),
+    ({"stop": [""]}, "stop strings must be non-empty"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids must be a list of non-negative ints"),
+    ({"logprobs": -1}, "logprobs must be >= 0"),
+    ({"seed": "7"}, "seed must be an int"),
+])
+def test_invalid_params(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**kwargs)
+    assert message in str(err.value)
+
+
+def test_counter_seed_depends_on_every_key():
+    base = counter_seed(1, 0, 10)
+    assert base == counter_seed(1, 0, 10)
+    assert len({base, counter_seed(2, 0, 10), counter_seed(1, 1, 10), counter_seed(1, 0, 11)}) == 4
+    assert 0 <= base < 2**63
+
+
+def test_processed_logprobs_filters():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    def keep(**kw):
+        return torch.isfinite(processed_logprobs(logits, [SamplingParams(**kw)]))[0].tolist()
+    assert keep(top_k=2) == [True, True, False, False]
+    assert keep(top_p=0.79) == [True, True, False, False]  # 0.5 + 0.3 covers 0.79
+    assert keep(top_p=0.81) == [True, True, True, False]
+    assert keep(top_p=0.1) == [True, False, False, False]
+    assert keep(min_p=0.4) == [True, True, False, False]  # below 0.4 * 0.5 = 0.2 dropped
+    assert keep(min_p=0.25) == [True, True, True, False]
+    lp = processed_logprobs(logits, [SamplingParams(temperature=0.5, top_k=2)])[0]
+    expected = torch.log_softmax(torch.log(torch.tensor([0.5, 0.3])) / 0.5, dim=0)
+    torch.testing.assert_close(lp[:2], expected)
+
+
+def test_sample_greedy_penalty_and_min_tokens():
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0], [0.0, 1.0, 3.0, 2.0], [0.0, 1.0, 3.0, 2.0]])
+    seqs = [
+        seq_with(SamplingParams(temperature=0)),
+        seq_with(SamplingParams(temperature=0, min_tokens=1)),  # token 2 is a stop id: banned
+        seq_with(SamplingParams(temperature=0, repetition_penalty=4.0), tokens=(3,)),  # 2.0 -> 0.5
+    ]
+    out = sample(logits, seqs)
+    assert out.tokens == [2, 3, 2]
+    raw = torch.log_softmax(logits[0], dim=0)
+    assert out.logprobs == pytest.approx([raw[2].item(), raw[3].item(), raw[2].item()])
+    assert out.sampling_logprobs == [0.0, 0.0, 0.0]
+    assert out.top_logprobs == [None, None, None]
+
+
+def test_sample_is_counter_based():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50)
+    params = SamplingParams(temperature=1.0, logprobs=2)
+    a = sample(logits, [seq_with(params, seed=11)])
+    b = sample(torch.cat([torch.randn(3, 50), logits]), [seq_with(params, seed=s) for s in (1, 2, 3, 11)])
+    assert a.tokens[0] == b.tokens[3] and a.sampling_logprobs[0] == pytest.approx(b.sampling_logprobs[3])
+    draws = {sample(logits, [seq_with(params, seed=s)]).tokens[0] for s in range(40)}
+    assert len(draws) > 5  # different seeds draw different tokens
+    assert len(a.top_logprobs[0]) in (2, 3) and a.tokens[0] in a.top_logprobs[0]
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = probs.log()[None]
+    params = SamplingParams(temperature=1.0)
+    tokens = sample(logits.expand(3000, 3), [seq_with(params, seed=s) for s in range(3000)]).tokens
+    counts = torch.bincount(torch.tensor(tokens), minlength=3).float()
+    torch.testing.assert_close(counts / 3000, probs, atol=0.03, rtol=0)
