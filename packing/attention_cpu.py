@@ -74,9 +74,15 @@ def _sdpa(q, k, v, mask, *, scale, softcap, is_causal=False):
     """SDPA on (..., Hkv*G, Lq, D) vs (..., Hkv, Lk, D), or explicit maths when soft-capping."""
     groups = q.shape[-3] // k.shape[-3]
     if softcap is None:
-        return F.scaled_dot_product_attention(
+        # CPU SDPA uses its flash kernel (also with enable_gqa) only for 4-D inputs; 3-D inputs
+        # silently take the slow math path, so add a batch dimension.
+        squeeze = q.dim() == 3
+        if squeeze:
+            q, k, v = q[None], k[None], v[None]
+        out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=groups > 1
         )
+        return out[0] if squeeze else out
     if groups > 1:
         k = k.repeat_interleave(groups, dim=-3)
         v = v.repeat_interleave(groups, dim=-3)
