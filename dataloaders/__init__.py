@@ -1,1 +1,31 @@
-"""Packed-batch data loading for Accelerate and DeepSpeed training, on the packing core."""
+"""Packed-batch data loading for Accelerate and DeepSpeed training, on the packing core.
+
+The usual path: ``packed_dataloader(tokenized_dataset, tokens_per_batch)`` -> batches of one flat
+varlen row each (``input_ids``, ``labels``, ``position_ids``, ``nopad_meta``, counts), sharded and
+balanced over the data-parallel ranks by the loader itself, resumable with ``state_dict()``;
+``PackedLoss`` normalises the loss by the step's global loss-token count.
+``StreamingPackedLoader`` does the same for streams.
+"""
+
+from dataloaders.balance import RankPlan, balance_bins
+from dataloaders.collator import PackedCollator
+from dataloaders.dataset import PackedDataset, PackedItem
+from dataloaders.loader import PackedDataLoader, move_batch, packed_dataloader
+from dataloaders.loss import PackedLoss, causal_lm_loss_sum
+from dataloaders.sampler import PackedBatchSampler
+from dataloaders.streaming import StreamingPackedLoader
+
+__all__ = [
+    "PackedBatchSampler",
+    "PackedCollator",
+    "PackedDataLoader",
+    "PackedDataset",
+    "PackedItem",
+    "PackedLoss",
+    "RankPlan",
+    "StreamingPackedLoader",
+    "balance_bins",
+    "causal_lm_loss_sum",
+    "move_batch",
+    "packed_dataloader",
+]

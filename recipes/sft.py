@@ -10,7 +10,9 @@ global loss-token count. Checkpoints hold model, optimizer, scheduler, RNG and l
     python -m recipes.sft recipes/configs/sft.yaml train.epochs=1 model.path=tiny:llama
     ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m recipes.sft model.path=tiny:llama
 
-``train(cfg, model=..., tokenizer=..., rows=...)`` runs the same loop in-process (the demo uses it).
+``train(default_config([...]), model=..., tokenizer=..., rows=...)`` runs the same loop in-process
+(the demo uses it). DeepSpeed's fixed micro-batch size is one packed row
+(``train_micro_batch_size_per_gpu: 1``); the token budget is ``data.tokens_per_batch``.
 """
 
 from __future__ import annotations
@@ -241,7 +243,7 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
             for batch in window:
                 batch = move_batch(batch, accelerator.device)
                 if cfg["log"]["record_indices"]:
-                    seen += batch["indices"].tolist()
+                    seen.append(batch["indices"].tolist())
                 with accelerator.accumulate(model):
                     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                    nopad_meta=batch["nopad_meta"], use_cache=False).logits
@@ -269,15 +271,22 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
             stats.append(loader.packed_sampler.last_stats)
     if bar is not None:
         bar.close()
-    accelerator.save_state(str(output_dir / f"step_{progress.step}"))
+    if ccfg["save_final"]:
+        accelerator.save_state(str(output_dir / f"step_{progress.step}"))
     accelerator.wait_for_everyone()
     result = {"losses": losses, "steps": progress.step, "stats": stats, "rank": accelerator.process_index,
               "micro_batches_per_epoch": len(loader), "world_size": accelerator.num_processes}
     if cfg["log"]["record_indices"]:
-        result["indices"] = seen
+        result["indices_per_step"] = seen  # dataset rows of each micro-batch, in order
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / f"result_rank{accelerator.process_index}.json").write_text(json.dumps(result))
     return result
+
+
+def default_config(overrides=()) -> dict:
+    """The recipe's defaults with ``key=value`` overrides (or a nested dict), for in-process use:
+    ``train(default_config(["train.max_steps=3"]), model=model, tokenizer=tok, rows=rows)``."""
+    return load_config(DEFAULT_CONFIG, None, overrides)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,0 +1,39 @@
+import logging
+
+import numpy as np
+
+from dataloaders.balance import balance_bins
+from dataloaders.telemetry import epoch_stats, log_epoch_stats
+
+
+class _PackStats:
+    tokens_truncated = 7
+    num_split = 0
+
+
+def _stats():
+    lengths = np.array([5, 4, 3])
+    plan = balance_bins([np.array([0, 1]), np.array([2])], lengths, 4, seed=None, attention_cost=0.0)
+    return epoch_stats(epoch=2, num_sequences=3, capacity=10, pack_stats=_PackStats(), plan=plan,
+                       item_lengths=lengths, item_indices=np.array([0, 1, 2]))
+
+
+def test_epoch_stats_pins_every_field():
+    # 3 bins ([0], [1], [2] after one split) + 1 loss-masked repeat for 4 ranks
+    stats = _stats()
+    assert stats == {
+        "epoch": 2, "num_sequences": 3, "num_bins": 4, "steps_per_rank": 1, "num_ranks": 4,
+        "tokens": 12, "efficiency": 12 / 40, "tokens_truncated": 7, "sequences_split": 0,
+        "sequences_dropped": 0, "sequences_duplicated": 1, "bins_split_for_balance": 1,
+        "rank_cost_skew": stats["rank_cost_skew"], "step_cost_skew": stats["step_cost_skew"],
+    }
+    assert stats["step_cost_skew"] == stats["rank_cost_skew"] == 5 / np.mean([5, 4, 3, 5])
+
+
+def test_log_warns_about_repeats_on_rank_zero_only(caplog):
+    with caplog.at_level(logging.INFO, logger="dataloaders"):
+        log_epoch_stats(_stats(), rank=1)
+        assert caplog.records == []
+        log_epoch_stats(_stats(), rank=0)
+    assert "efficiency 30.00%" in caplog.records[0].getMessage()
+    assert caplog.records[1].levelno == logging.WARNING and "1 repeated" in caplog.records[1].getMessage()
