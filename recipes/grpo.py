@@ -231,6 +231,7 @@ def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[l
 
     gap = torch.cat(gaps) if gaps else torch.zeros(1)
     train_tokens = sum(int(r["input_ids"].numel()) for r in rows)
+    longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
     return {
         "step": step,
         "reward_mean": float(rewards_t.mean()),
@@ -242,6 +243,7 @@ def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[l
         "rollout_tokens_per_s": completion_tokens / rollout_time,
         "train_tokens": train_tokens,
         "train_rows": len(rows),
+        "padded_train_tokens": longest * len(rollouts),  # what one right-padded batch would compute
         "train_tokens_per_s": train_tokens / train_time,
         "logprob_gap_max": float(gap.max()),
         "logprob_gap_mean": float(gap.mean()),

@@ -20,7 +20,7 @@ RewardFn = Callable[[str, Mapping], float]
 ARITHMETIC_TEMPLATE = "What is {a} {op} {b}? Answer with the number only."
 
 
-def arithmetic_task(num_prompts: int = 64, seed: int = 0, max_operand: int = 20) -> list[dict]:
+def arithmetic_task(num_prompts: int = 64, seed: int = 0, max_operand: int = 12) -> list[dict]:
     """Offline arithmetic questions made by code: ``"What is 7 + 12? ..."`` with answer ``"19"``.
 
     Small operands keep the answers within reach of a 135M model, so rewards are not all zero.
@@ -56,15 +56,16 @@ def exact_match(completion: str, example: Mapping) -> float:
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
-def first_number_match(completion: str, example: Mapping) -> float:
-    """1.0 when the first number in the completion equals the answer ("The answer is 19." -> 1)."""
-    found = _NUMBER.search(completion)
-    return float(found is not None and found.group(0) == _answer(example))
+def last_number_match(completion: str, example: Mapping) -> float:
+    """1.0 when the last number in the completion equals the answer: "7 + 12 = 19" and
+    "The answer is 19." both score 1 (small chat models like to restate the question)."""
+    found = _NUMBER.findall(completion)
+    return float(bool(found) and found[-1] == _answer(example))
 
 
 REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match,
-    "first_number_match": first_number_match,
+    "last_number_match": last_number_match,
 }
 
 

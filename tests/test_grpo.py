@@ -22,8 +22,8 @@ from recipes.tasks import (
     AsciiTokenizer,
     arithmetic_task,
     exact_match,
-    first_number_match,
     get_reward,
+    last_number_match,
 )
 
 
@@ -100,9 +100,10 @@ def test_rewards():
     ex = {"answer": "19"}
     assert exact_match(" 19\n", ex) == 1.0
     assert exact_match("19.", ex) == 0.0
-    assert first_number_match("The answer is 19.", ex) == 1.0
-    assert first_number_match("7 + 12 = 19", ex) == 0.0
-    assert first_number_match("no digits", ex) == 0.0
+    assert last_number_match("The answer is 19.", ex) == 1.0
+    assert last_number_match("7 + 12 = 19", ex) == 1.0
+    assert last_number_match("19 - 7 = 12", ex) == 0.0
+    assert last_number_match("no digits", ex) == 0.0
     assert get_reward("tests.test_grpo:length_reward")("abc", ex) == 3.0
     with pytest.raises(KeyError, match="needs an 'answer' field"):
         exact_match("19", {"prompt": "x"})
@@ -235,6 +236,8 @@ def test_one_grpo_step_on_the_live_model(policy):
     assert kv_alive_at_backward == [False]  # one packed row, KV cache already handed back
     assert gen._kv_cache is None and gen.stats()["steps"] > 0
     assert metrics["completion_tokens"] > 0 and metrics["train_rows"] == 1
+    assert metrics["train_tokens"] == sum(map(len, prompt_ids[:2])) * 4 + metrics["completion_tokens"]
+    assert metrics["padded_train_tokens"] >= metrics["train_tokens"]
     assert metrics["logprob_gap_max"] <= 1e-5
     assert metrics["logprob_gap_mean"] <= metrics["logprob_gap_max"]
     assert metrics["reward_std"] > 0 and metrics["grad_norm"] > 0
@@ -242,6 +245,7 @@ def test_one_grpo_step_on_the_live_model(policy):
     assert len(changed) == len(before)
     assert set(metrics) == {"step", "reward_mean", "reward_std", "loss", "grad_norm", "clip_fraction",
                             "completion_tokens", "rollout_tokens_per_s", "train_tokens", "train_rows",
+                            "padded_train_tokens",
                             "train_tokens_per_s", "logprob_gap_max", "logprob_gap_mean", "rollout_s",
                             "train_s"}
 
