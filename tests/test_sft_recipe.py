@@ -115,22 +115,32 @@ def _unpacked_mean_loss():
     return total / count, len(rows)
 
 
+# grad_accum large enough that each epoch is ONE optimizer step: the first step's loss is the mean
+# over all sequences, which must equal the unpacked single-process mean at the initial weights
+ONE_STEP_PER_EPOCH = ("train.grad_accum=4", "train.epochs=2")
+
+
 def _check_two_rank_run(results):
     expected_loss, num_rows = _unpacked_mean_loss()
     assert results[0]["micro_batches_per_epoch"] == results[1]["micro_batches_per_epoch"]
-    seen = sorted(results[0]["indices"] + results[1]["indices"])
-    assert seen == list(range(num_rows))  # one epoch: every sequence exactly once over both ranks
+    assert results[0]["steps"] == results[1]["steps"] == 2
+    for epoch in range(2):  # every sequence exactly once per epoch over both ranks: not sharded twice
+        k = results[0]["micro_batches_per_epoch"]
+        batches = [b for r in results for b in r["indices_per_step"][epoch * k : (epoch + 1) * k]]
+        seen = [i for batch in batches for i in batch]
+        assert sorted(seen) == list(range(num_rows))
     assert results[0]["losses"] == results[1]["losses"]
     assert results[0]["losses"][0] == pytest.approx(expected_loss, rel=1e-5)
 
 
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    return _torchrun(tmp_path_factory.mktemp("ddp"), *ONE_STEP_PER_EPOCH)
+
+
 @pytest.mark.slow
-def test_ddp_two_processes_loss_matches_unpacked_and_resumes_exactly(tmp_path):
-    # grad_accum large enough that the first epoch is ONE optimizer step: its loss is the mean over
-    # all sequences, which must equal the unpacked single-process mean at the initial weights
-    full = _torchrun(tmp_path / "full", "train.grad_accum=4")
-    _check_two_rank_run(full)
-    assert full[0]["steps"] == 1
+def test_ddp_two_processes_loss_matches_unpacked_and_resumes_exactly(tmp_path, ddp_run):
+    _check_two_rank_run(ddp_run)
     two = _torchrun(tmp_path / "two", "train.grad_accum=2", "train.epochs=2", "log.record_indices=false")
     assert two[0]["steps"] >= 4
     two_epochs = ("train.grad_accum=2", "train.epochs=2", "log.record_indices=false")
@@ -140,6 +150,9 @@ def test_ddp_two_processes_loss_matches_unpacked_and_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_two_processes_loss_matches_unpacked(tmp_path):
-    results = _torchrun(tmp_path / "ds", "train.grad_accum=4", deepspeed=True)
+def test_deepspeed_zero2_two_processes_matches_unpacked_and_ddp(tmp_path, ddp_run):
+    results = _torchrun(tmp_path / "ds", *ONE_STEP_PER_EPOCH, deepspeed=True)
     _check_two_rank_run(results)
+    # the second step's loss depends on the first step's gradient: DeepSpeed's own loss scaling by
+    # 1/grad_accum and rank averaging are undone exactly as under DDP
+    assert results[0]["losses"] == pytest.approx(ddp_run[0]["losses"], rel=1e-5)
