@@ -175,6 +175,8 @@ def _flex(q, k, v, meta: VarlenMeta, *, causal, scale, window, softcap) -> torch
 
     if q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         raise ValueError("FlexAttention has no backward on CPU; use backend='auto' or 'sdpa_loop' to train")
+    if not torch.is_grad_enabled():  # CPU flex refuses inputs that require grad even under no_grad
+        q, k, v = q.detach(), k.detach(), v.detach()
     device = q.device
     seq_k = torch.repeat_interleave(torch.arange(meta.num_seqs, device=device),
                                     torch.tensor(meta.seqlens_k, device=device))
