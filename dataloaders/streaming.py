@@ -7,9 +7,13 @@ num_ranks`` and handed out by cost (:mod:`dataloaders.balance`), so every step i
 every rank gets the same number of steps (the last window is split/duplicated as in map-style).
 Each rank keeps the rows only until their bin is handed out and collates only its own bins.
 
-Packing runs in the calling process; do tokenization upstream (``IterableDataset.map``). The
-loader is its own iterable of collated batches - use it directly, not inside a DataLoader with
-workers (each worker would replay the whole stream).
+Packing runs in the calling process; the loader is its own iterable of collated batches - use it
+directly, not inside a DataLoader with workers (each worker would replay the whole stream). To
+read and tokenize in worker processes, make the *source* a DataLoader over the stream
+(``DataLoader(hf_iterable.map(tokenize), batch_size=None, num_workers=k)``): its order is
+deterministic, so resuming by skipping rows still gives exactly the same batches.
+``steps_multiple_of`` (e.g. gradient-accumulation steps) makes every window, and the epoch, a
+whole number of optimizer steps.
 
 Resume: ``state_dict()`` holds the packer's buffer, the rows it refers to, the closed bins not yet
 handed out and the number of rows read, so a resumed run yields exactly the same batches. The
@@ -37,7 +41,8 @@ logger = logging.getLogger(__name__)
 
 class StreamingPackedLoader(IterableDataset):
     """Iterate packed varlen batches (collator output) for this rank from a stream of tokenized
-    rows (dicts with ``input_ids`` and optionally ``labels`` or a loss-mask column)."""
+    rows (dicts with ``input_ids`` and optionally ``labels`` or a loss-mask column). A batch's
+    ``indices`` are positions in the stream (0 = first row of the epoch)."""
 
     def __init__(
         self,
@@ -51,6 +56,7 @@ class StreamingPackedLoader(IterableDataset):
         max_seqs_per_batch: int | None = None,
         overflow: str = "error",
         balance_window: int = 8,
+        steps_multiple_of: int = 1,
         attention_cost: float | None = None,
         collator: PackedCollator | None = None,
     ):
@@ -64,15 +70,17 @@ class StreamingPackedLoader(IterableDataset):
         self.rank = this_rank if rank is None else int(rank)
         if not 0 <= self.rank < self.num_replicas:
             raise ValueError(f"rank {self.rank} is outside [0, num_replicas={self.num_replicas})")
-        if balance_window < 1:
-            raise ValueError(f"balance_window must be >= 1, got {balance_window}")
+        if balance_window < 1 or steps_multiple_of < 1:
+            raise ValueError(f"balance_window and steps_multiple_of must be >= 1, got {balance_window}, "
+                             f"{steps_multiple_of}")
         self.source = source
         self.tokens_per_batch = int(tokens_per_batch)
         self.buffer_size = int(buffer_size)
         self.seed = seed
         self.max_seqs_per_batch = max_seqs_per_batch
         self.overflow = overflow
-        self.window = balance_window * self.num_replicas
+        self.steps_multiple_of = int(steps_multiple_of)
+        self.window = balance_window * self.num_replicas * self.steps_multiple_of
         self.attention_cost = default_attention_cost() if attention_cost is None else attention_cost
         self.collator = collator or PackedCollator()
         self.epoch = 0
@@ -154,8 +162,8 @@ class StreamingPackedLoader(IterableDataset):
         item_bins = [np.arange(offsets[i], offsets[i + 1]) for i in range(len(bins))]
         flat = [item for b in bins for item in b]
         seed = None if self.seed is None else self.seed + 7919 * self.epoch + self.totals["bins"]
-        plan = balance_bins(item_bins, lengths, self.num_replicas, attention_cost=self.attention_cost,
-                            seed=seed)
+        plan = balance_bins(item_bins, lengths, self.num_replicas, steps_multiple_of=self.steps_multiple_of,
+                            attention_cost=self.attention_cost, seed=seed)
         for step in plan.steps:
             costs, per_rank = [], []
             for r, b in enumerate(step):

@@ -1,3 +1,4 @@
+import itertools
 import pickle
 
 import datasets
@@ -64,6 +65,29 @@ def test_resume_is_exact_including_buffer_and_across_epochs(stop):
     while len(got) < len(expected):
         got += list(resumed)
     assert _keys(got) == expected
+
+
+def test_worker_processes_read_the_stream_and_resume_exactly():
+    from torch.utils.data import DataLoader
+
+    hf = datasets.Dataset.from_list(ROWS).to_iterable_dataset(num_shards=2)
+    workers = DataLoader(hf, batch_size=None, num_workers=2)  # rows read in 2 worker processes
+    expected = _keys(_loader(workers))
+    other = _keys(_loader(workers, rank=1))
+    assert sorted(i for k in expected + other for i in k) == list(range(len(ROWS)))  # stream positions
+    first = _loader(workers)
+    got = _keys(itertools.islice(iter(first), 3))
+    resumed = _loader(workers)
+    resumed.load_state_dict(first.state_dict())
+    assert got + _keys(resumed) == expected
+
+
+def test_steps_multiple_of_gives_whole_optimizer_steps():
+    loaders = [_loader(rank=r, steps_multiple_of=3) for r in range(2)]
+    epochs = [list(x) for x in loaders]
+    assert len(epochs[0]) == len(epochs[1]) and len(epochs[0]) % 3 == 0
+    seen = sorted(i for e in epochs for b in e for i in b["indices"].tolist() if b["num_loss_tokens"])
+    assert set(seen) == set(range(len(ROWS)))
 
 
 def test_split_and_duplicates_keep_rows_until_used():
