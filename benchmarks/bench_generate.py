@@ -88,6 +88,7 @@ def run_hf_static(model, prompts, max_new, batch_size: int, pad_id: int) -> Run:
         ks = max_new[b:b + batch_size]
         rows = hf_generate(model, prompts[b:b + batch_size], max(ks), pad_id, do_sample=False)
         outputs += [row[:k] for row, k in zip(rows, ks)]
+        _check_lengths("HF generate", outputs[b:], ks)
         computed += len(ks) * max(ks)
     seconds = time.perf_counter() - start
     useful = sum(max_new)
@@ -121,11 +122,8 @@ def run_hf_cb(model, prompts, max_new, *, gen_config, max_batch_tokens: int, max
         manager.stop(block=True)
         manager.destroy()
     outputs = [results[rid] for rid in sorted(results, key=_cb_order)]
-    tokens = sum(len(o) for o in outputs)
-    expected = sum(max_new) * num_return_sequences
-    if tokens != expected:
-        raise RuntimeError(f"HF continuous batching produced {tokens} tokens, expected {expected}")
-    return Run("HF continuous batching (sdpa)", tokens, seconds, outputs,
+    _check_lengths("HF CB", outputs, [k for k in max_new for _ in range(num_return_sequences)])
+    return Run("HF continuous batching (sdpa)", sum(map(len, outputs)), seconds, outputs,
                notes=f"page {page}, {cb_config.num_blocks} pages, budget {max_batch_tokens}")
 
 
