@@ -33,7 +33,7 @@ _export("packing.binpack", "pack")
 _export("packing.streaming", "StreamingPacker")
 _export("packing.hf_datasets", "pack_dataset")
 _export("packing.blocks", "BlockAllocator", "OutOfBlocksError")
-_export("packing.hf", "register_nopad_attention", "NOPAD_ATTENTION")
+_export("packing.hf", "register_nopad_attention", "NOPAD_ATTENTION", "use_nopad_attention", "packed_forward_guard")
 _export("packing.verify", "verify", "VerifyReport")
 
 __all__ = sorted(_EXPORTS)
