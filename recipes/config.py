@@ -83,13 +83,20 @@ def require(cfg: Mapping, section: str, key: str, minimum: int) -> None:
 
 def load_model(model_cfg: Mapping):
     """``(model, tokenizer)`` for ``model.path``: ``"smollm2"`` is the embedded SmolLM2-135M-Instruct
-    (offline); anything else is a local Hugging Face model directory."""
+    (offline), ``"tiny:llama"`` a tiny random-weight Llama with an ASCII tokenizer (smoke runs);
+    anything else is a local Hugging Face model directory."""
     import torch
 
     dtype = getattr(torch, str(model_cfg.get("dtype", "float32")), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"model.dtype={model_cfg.get('dtype')!r} is not a torch dtype (float32, bfloat16)")
     path = check_model_path(model_cfg.get("path"))
+    if path.startswith("tiny:"):  # smoke runs and multi-process tests: no files, ASCII tokens
+        from recipes.sft import tiny_causal_lm
+        from recipes.tasks import AsciiTokenizer
+
+        model, _ = tiny_causal_lm(path.split(":", 1)[1])
+        return model.eval(), AsciiTokenizer()
     if path == "smollm2":
         from packing.models import load_smollm2
 
@@ -101,11 +108,12 @@ def load_model(model_cfg: Mapping):
 
 
 def check_model_path(path) -> str:
-    """``model.path`` must be ``"smollm2"`` or an existing local model directory."""
+    """``model.path`` must be ``"smollm2"``, ``"tiny:<family>"`` or an existing model directory."""
     if not path:
         raise ValueError("model.path is missing: set model.path=smollm2 (the embedded demo model) "
                          "or a local Hugging Face model directory")
-    if path != "smollm2" and not Path(path).is_dir():
+    path = str(path)
+    if path != "smollm2" and not path.startswith("tiny:") and not Path(path).is_dir():
         raise FileNotFoundError(f"model.path={path!r} is not a directory; give a local Hugging Face "
                                 "model directory or model.path=smollm2")
     return str(path)

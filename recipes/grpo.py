@@ -16,6 +16,7 @@ import copy
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -283,6 +284,7 @@ def run_grpo(cfg: Mapping, model=None, tokenizer=None, progress: bool = True) ->
     """Train for ``train.steps`` GRPO steps; returns (and logs) one metrics dict per step.
     Pass ``model``/``tokenizer`` to train objects you already hold (then ``model.path`` is unused)."""
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
     from tqdm.auto import tqdm
 
     from packing.hf import NOPAD_ATTENTION, register_nopad_attention, use_nopad_attention
@@ -302,7 +304,10 @@ def run_grpo(cfg: Mapping, model=None, tokenizer=None, progress: bool = True) ->
         register_nopad_attention()
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         ref_model.set_attn_implementation(NOPAD_ATTENTION)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    cpu = not torch.cuda.is_available()
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    accelerator = Accelerator(cpu=cpu, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")]
+                              if cpu and distributed else [])
     optimizer = torch.optim.AdamW(model.parameters(), lr=tr["lr"], weight_decay=tr["weight_decay"])
     model, optimizer = accelerator.prepare(model, optimizer)
     policy = accelerator.unwrap_model(model)  # the same parameters: the generator reads them live

@@ -260,3 +260,42 @@ def test_run_grpo_with_tis_and_kl_writes_metrics(policy, tmp_path):
     assert lines == history
     assert all(h["logprob_gap_max"] <= 1e-5 for h in history)
     assert policy.config._attn_implementation == "sdpa"  # the recipe restores the model's setting
+
+
+TWO_RANK_SCRIPT = """
+import json, sys, torch
+from recipes.config import load_config, load_model
+from recipes.grpo import DEFAULT_CONFIG, run_grpo
+cfg = load_config(DEFAULT_CONFIG, overrides=sys.argv[2:])
+model, tok = load_model(cfg["model"])
+before = [p.detach().clone() for p in model.parameters()]
+history = run_grpo(cfg, model=model, tokenizer=tok, progress=False)
+rank = torch.distributed.get_rank()
+params = [p.detach().double().sum().item() for p in model.parameters()]
+changed = sum(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
+    json.dump({"history": history, "params": params, "changed": changed}, f)
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_keep_identical_weights(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(TWO_RANK_SCRIPT)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    overrides = ["model.path=tiny:llama", "model.chat_template=false",
+                 "reward=tests.test_grpo:ids_checksum_reward", "rollout.prompts_per_step=2",
+                 "rollout.max_tokens=8", "generator.num_blocks=64",
+                 "train.steps=2", "train.lr=1e-3"]
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
+                    str(tmp_path), *overrides], check=True, env=env, timeout=600)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["params"] == ranks[1]["params"]  # gradients all-reduced: one model on both ranks
+    assert ranks[0]["changed"] == ranks[1]["changed"] > 0
+    for r in ranks:
+        assert [h["step"] for h in r["history"]] == [0, 1]
+        assert all(h["logprob_gap_max"] <= 1e-5 for h in r["history"])
