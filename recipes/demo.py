@@ -1,11 +1,15 @@
-"""nopad's main job: what packing saves on real text, measured here and now.
+"""nopad's main job, measured here and now on the embedded SmolLM2-135M-Instruct, offline:
 
-    python -m recipes.demo
+    python -m recipes.demo        # or: make demo
 
-Tokenizes the embedded corpus (docstrings of Python's standard library, no downloads) with the
-SmolLM2 tokenizer and compares, for a couple of row capacities, how many token slots a training
-run would compute with nopad's best-fit packing versus padding each random micro-batch to its
-longest sequence and padding every sequence to the capacity.
+1. packing report: tokenizes the embedded corpus (docstrings of Python's standard library) and
+   compares the token slots computed with nopad's best-fit packing versus padding each random
+   micro-batch to its longest sequence and padding every sequence to the capacity;
+2. a few packed SFT steps on those documents (``recipes.sft``), with tokens/s;
+3. GRPO steps on the built-in arithmetic task (``recipes.grpo``): rollouts from the in-flight
+   generator on the very weights being trained, packed into varlen rows for the update, with
+   rollout and training tokens/s, packed vs padded tokens, and the log-prob gap between the
+   generator and the training forward.
 """
 
 from __future__ import annotations
@@ -98,9 +102,77 @@ def packing_report(
     return report
 
 
+def sft_demo(model, tokenizer, *, steps: int = 3, tokens_per_batch: int = 512, max_documents: int = 600,
+             out: TextIO | None = None) -> dict:
+    """A few packed SFT steps on corpus documents (one packed row per optimizer step), timed."""
+    import tempfile
+    import time
+
+    from recipes.sft import default_config, train
+
+    out = out or sys.stdout
+    ids = tokenizer(load_corpus(max_documents), add_special_tokens=False)["input_ids"]
+    rows = [{"input_ids": row[: tokens_per_batch - 1] + [tokenizer.eos_token_id]} for row in ids]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = default_config({
+            "data": {"tokens_per_batch": tokens_per_batch},
+            "train": {"max_steps": steps, "grad_accum": 1, "lr": 1e-5},
+            "checkpoint": {"output_dir": tmp, "save_final": False},
+            "log": {"record_indices": True},
+        })
+        start = time.perf_counter()
+        result = train(cfg, model=model, tokenizer=tokenizer, rows=rows)
+        seconds = time.perf_counter() - start
+    batches = result["indices_per_step"]
+    tokens = sum(len(rows[i]["input_ids"]) for batch in batches for i in batch)
+    longest = sum(len(batch) * max(len(rows[i]["input_ids"]) for i in batch) for batch in batches)
+    losses = result["losses"]
+    summary = {"steps": result["steps"], "tokens": tokens, "seconds": seconds,
+               "tokens_per_s": tokens / seconds, "row_efficiency": tokens / (len(batches) * tokens_per_batch),
+               "padded_tokens": longest, "loss_first": losses[0], "loss_last": losses[-1]}
+    print(f"\npacked SFT: {summary['steps']} steps, {tokens:,} tokens in {len(batches)} rows of "
+          f"{tokens_per_batch} ({summary['row_efficiency']:.1%} full), "
+          f"{summary['tokens_per_s']:.0f} tokens/s;"
+          f" padding the same sequences to their longest would compute {longest:,} tokens "
+          f"({longest / tokens:.1f}x); loss {losses[0]:.3f} -> {losses[-1]:.3f}", file=out)
+    return summary
+
+
+def grpo_demo(model, tokenizer, *, steps: int = 2, out: TextIO | None = None) -> list[dict]:
+    """GRPO steps on the built-in arithmetic task with generator rollouts on the live weights."""
+    from recipes.config import load_config
+    from recipes.grpo import DEFAULT_CONFIG, run_grpo
+
+    out = out or sys.stdout
+    cfg = load_config(DEFAULT_CONFIG, overrides={"model": {"path": None}, "train": {"steps": steps}})
+    history = run_grpo(cfg, model=model, tokenizer=tokenizer)
+    ro = cfg["rollout"]
+    print(f"\nGRPO on the live model ({ro['prompts_per_step']} arithmetic prompts x {ro['num_generations']} "
+          f"samples per step, up to {ro['max_tokens']} new tokens):", file=out)
+    header = (f"{'step':>4} {'reward':>7} {'rollout tok/s':>13} {'train tok/s':>11} {'packed':>7} "
+              f"{'padded':>7} {'logprob gap max':>15} {'mean':>9}")
+    print(header + "\n" + "-" * len(header), file=out)
+    for m in history:
+        print(f"{m['step']:>4} {m['reward_mean']:>7.3f} {m['rollout_tokens_per_s']:>13.1f} "
+              f"{m['train_tokens_per_s']:>11.1f} {m['train_tokens']:>7} {m['padded_train_tokens']:>7} "
+              f"{m['logprob_gap_max']:>15.2e} {m['logprob_gap_mean']:>9.2e}", file=out)
+    print("(gap: the generator's sampled-token log-probs vs the training forward's; same weights)", file=out)
+    return history
+
+
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    packing_report()
+    """The whole job: packing report, packed SFT steps, GRPO steps with in-process rollouts."""
+    import time
+
+    from packing.models import load_smollm2
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    start = time.perf_counter()
+    model, tokenizer = load_smollm2()
+    packing_report(tokenizer)
+    sft_demo(model, tokenizer)
+    grpo_demo(model, tokenizer)
+    print(f"\ndemo finished in {time.perf_counter() - start:.0f} s", file=sys.stdout)
 
 
 if __name__ == "__main__":

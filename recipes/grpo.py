@@ -225,7 +225,7 @@ def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[l
         for p in model.parameters():
             if p.grad is not None:
                 p.grad = accelerator.reduce(p.grad, reduction="sum")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tr["max_grad_norm"])
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tr["max_grad_norm"] or float("inf"))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     train_time = time.perf_counter() - t0
@@ -239,7 +239,7 @@ def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[l
         "reward_std": float(rewards_t.std()),
         "loss": float(torch.stack(losses).sum()) if losses else 0.0,
         "grad_norm": float(grad_norm),
-        "clip_fraction": clipped / max(completion_tokens, 1),
+        "clip_fraction": clipped / max(completion_tokens, 1),  # tokens whose ratio left [1-eps, 1+eps]
         "completion_tokens": completion_tokens,
         "rollout_tokens_per_s": completion_tokens / rollout_time,
         "train_tokens": train_tokens,
