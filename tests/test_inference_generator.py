@@ -284,3 +284,33 @@ def test_bad_input_fails_that_request_only(llama, prompt, params, message):
         with pytest.raises(ValueError, match="prompt 1: "):
             gen.generate([[5, 6], prompt], use_tqdm=False)
         assert not gen.has_unfinished() and gen.allocator.num_free == 16
+
+
+def test_sequence_filling_the_whole_cache_stops_with_length(llama):
+    prompt = prompts_of([9], seed=11)[0]
+    gen = Generator(llama, block_size=4, num_blocks=4)  # 16 slots
+    (out,) = gen.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True, **GREEDY), use_tqdm=False)
+    c = out.outputs[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 16 + 1 - 9
+    ids = torch.tensor([prompt])
+    ref = llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                         do_sample=False, pad_token_id=0)[0, 9:].tolist()
+    assert c.token_ids == ref
+    assert gen.allocator.num_free == 4
+
+
+def test_uses_the_live_weights():
+    model = tiny_model("qwen2")
+    prompt = prompts_of([12], seed=12)[0]
+    gen = Generator(model, block_size=4, num_blocks=32)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, **GREEDY)
+    before = gen.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    with torch.no_grad():  # a "training step": the generator must see it without any sync
+        model.lm_head.weight.mul_(-1.0)
+        model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)  # cached K/V is now stale
+    after = gen.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    ids = torch.tensor([prompt])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+                         do_sample=False, pad_token_id=0)[0, 12:].tolist()
+    assert after == ref and after != before
+    assert gen.stats()["prefix_cache_hit_blocks"] == 0  # stale K/V from the old weights is not reused
