@@ -59,10 +59,12 @@ def packed_efficiency(ds, capacity: int) -> float:
 
 
 def timed(fn):
+    """``(result, wall seconds, CPU seconds of this process)``; CPU time stays meaningful when
+    other jobs share the machine."""
     gc.collect()
-    start = time.perf_counter()
+    cpu, start = time.process_time(), time.perf_counter()
     result = fn()
-    return result, time.perf_counter() - start
+    return result, time.perf_counter() - start, time.process_time() - cpu
 
 
 def run_workload(name: str, sampler, capacity: int, n: int, repeats: int) -> list[tuple]:
@@ -73,9 +75,9 @@ def run_workload(name: str, sampler, capacity: int, n: int, repeats: int) -> lis
     lengths = make_lengths(sampler, capacity, n)
     rows = []
     # (b) bin assignment alone, best of `repeats`
-    best = min(timed(lambda: pack(lengths, capacity))[1] for _ in range(repeats))
-    bins = pack(lengths, capacity)
-    rows.append(("(b) nopad pack() [bfd]", n / best, bins.stats.efficiency, best))
+    runs = [timed(lambda: pack(lengths, capacity)) for _ in range(repeats)]
+    bins, best, cpu = min(runs, key=lambda run: run[1])
+    rows.append(("(b) nopad pack() [bfd]", n / best, bins.stats.efficiency, best, cpu))
 
     # (a) the whole job on a tokenized Dataset; each result is dropped before the next run
     ds = make_dataset(lengths)
@@ -88,22 +90,23 @@ def run_workload(name: str, sampler, capacity: int, n: int, repeats: int) -> lis
     }
     seconds = {}
     for label, job in jobs.items():
-        packed, seconds[label] = timed(job)
-        rows.append((label, n / seconds[label], packed_efficiency(packed, capacity), seconds[label]))
+        packed, seconds[label], cpu = timed(job)
+        rows.append((label, n / seconds[label], packed_efficiency(packed, capacity), seconds[label], cpu))
         del packed
     nopad_seconds = seconds["(a) nopad pack_dataset"]
     trl_global_seconds = seconds["(a) TRL pack_dataset bfd, global"]
     del jobs
 
-    rows.append(("padding to longest, micro-batch 8", None, padded_to_longest(lengths), None))
-    rows.append(("padding to capacity", None, lengths.sum() / (len(lengths) * capacity), None))
+    rows.append(("padding to longest, micro-batch 8", None, padded_to_longest(lengths), None, None))
+    rows.append(("padding to capacity", None, lengths.sum() / (len(lengths) * capacity), None, None))
     print(f"\n== {name}: {n:,} sequences, {int(lengths.sum()):,} tokens ==")
-    print(f"{'method':<38} {'seq/s':>12} {'efficiency':>11} {'seconds':>9}")
-    for method, rate, eff, secs in rows:
+    print(f"{'method':<38} {'seq/s':>12} {'efficiency':>11} {'wall s':>8} {'cpu s':>8}")
+    for method, rate, eff, secs, cpu in rows:
         rate_s = f"{rate:,.0f}" if rate else "-"
         secs_s = f"{secs:.2f}" if secs else "-"
-        print(f"{method:<38} {rate_s:>12} {eff:>10.3%} {secs_s:>9}")
-    eff = {method: e for method, _, e, _ in rows}
+        cpu_s = f"{cpu:.2f}" if cpu else "-"
+        print(f"{method:<38} {rate_s:>12} {eff:>10.3%} {secs_s:>8} {cpu_s:>8}")
+    eff = {row[0]: row[2] for row in rows}
     print(
         f"ratios: pack_dataset nopad/TRL-global speed {trl_global_seconds / nopad_seconds:.1f}x "
         f"(target >= 10x); efficiency nopad - TRL-global "

@@ -106,6 +106,7 @@ struct MaxTree {
     // Same answer when every leaf before `start` is known to hold less than v, found bottom-up
     // from `start` (cheap when the answer is near it, as in best fit where leaf r holds r).
     i64 leftmost_at_least_from(i64 start, i64 v) const {
+        if (tree[1] < v) return -1;  // common for long items: nothing open fits
         i64 i = start + size;
         if (tree[i] >= v) return start;
         for (;;) {
@@ -138,6 +139,7 @@ Input as_input(const py::array_t<i64, py::array::c_style | py::array::forcecast>
 py::tuple bfd(const py::array_t<i64, py::array::c_style | py::array::forcecast>& lengths, i64 capacity,
               i64 max_seqs, py::object seed) {
     Input in = as_input(lengths);
+    if (in.n >= (i64{1} << 31)) throw std::invalid_argument("bfd packs at most 2^31 - 1 sequences per call");
     const bool seeded = !seed.is_none();
     SplitMix64 rng(seeded ? seed.cast<u64>() : 0);
     std::vector<i64> order, sorted_len, bin_of(in.n);
@@ -146,8 +148,8 @@ py::tuple bfd(const py::array_t<i64, py::array::c_style | py::array::forcecast>&
         py::gil_scoped_release release;
         order = decreasing_order(in.len, in.n, capacity, seeded ? &rng : nullptr, &sorted_len);
         MaxTree tree(capacity);  // leaf r-1 <-> remaining room r in [1, capacity]
-        struct Bin {
-            i64 room, count, below;  // `below`: next bin down the stack of bins with this room
+        struct Bin {  // 12 bytes: rooms are <= 2^24 (checked in Python), counts and ids < 2^31
+            int32_t room, count, below;  // `below`: next bin down the stack of bins with this room
         };
         std::vector<Bin> bins;
         // Stacks of bins by room: intrusive lists when unseeded (no allocation), vectors when a
@@ -160,7 +162,7 @@ py::tuple bfd(const py::array_t<i64, py::array::c_style | py::array::forcecast>&
             const i64 leaf = tree.leftmost_at_least_from(l - 1, l);
             if (leaf < 0) {
                 b = num_bins++;
-                bins.push_back({capacity, 0, -1});
+                bins.push_back({static_cast<int32_t>(capacity), 0, -1});
             } else if (!seeded) {
                 b = top[leaf + 1];
                 top[leaf + 1] = bins[b].below;
@@ -175,13 +177,13 @@ py::tuple bfd(const py::array_t<i64, py::array::c_style | py::array::forcecast>&
             }
             bin_of[k] = b;
             Bin& bin = bins[b];
-            bin.room -= l;
+            bin.room -= static_cast<int32_t>(l);
             bin.count += 1;
             if (bin.room > 0 && (max_seqs <= 0 || bin.count < max_seqs)) {
                 const i64 r = bin.room;
                 if (!seeded) {
                     if (top[r] < 0) tree.set(r - 1, r);
-                    bin.below = top[r];
+                    bin.below = static_cast<int32_t>(top[r]);
                     top[r] = b;
                 } else {
                     if (stacks[r].empty()) tree.set(r - 1, r);
