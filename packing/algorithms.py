@@ -158,13 +158,14 @@ def nextfit(lengths: Sequence[int], capacity: int, max_seqs: int = 0):
 
 
 def gather_bytes(src: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenate ``src[starts[k] : starts[k] + lengths[k]]`` for every k (uint8 arrays)."""
+    """Concatenate ``src[starts[k] : starts[k] + lengths[k]]`` for every k (uint8 arrays).
+    One slice per range: memory stays at the size of the output."""
     starts = np.asarray(starts, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
     if len(starts) != len(lengths):
         raise ValueError("starts and lengths differ in size")
     if len(starts) and (starts.min() < 0 or lengths.min() < 0 or (starts + lengths).max() > len(src)):
         raise IndexError("byte range outside the source")
-    first = np.cumsum(lengths) - lengths
-    index = np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(starts - first, lengths)
-    return src[index]
+    if len(starts) == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.concatenate([src[s : s + n] for s, n in zip(starts.tolist(), lengths.tolist())])

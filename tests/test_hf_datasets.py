@@ -113,3 +113,10 @@ def test_at_least_as_dense_as_trl_global_bfd():
     theirs = trl_pack_dataset(ds, 512, "bfd", map_kwargs={"batch_size": len(ds)})
     assert len(ours) <= len(theirs)
     assert sum(map(sum, ours["seq_lengths"])) == sum(map(sum, theirs["seq_lengths"])) == lengths.sum()
+
+
+def test_python_fallback_gives_the_same_rows(monkeypatch):
+    ds = datasets.Dataset.from_dict(ROWS)
+    expected = pack_dataset(ds, 4, overflow="split")[:]
+    monkeypatch.setattr("packing.hf_datasets.native_packer", lambda: None)
+    assert pack_dataset(ds, 4, overflow="split")[:] == expected
