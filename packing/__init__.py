@@ -33,8 +33,11 @@ _export("packing.binpack", "pack")
 _export("packing.streaming", "StreamingPacker")
 _export("packing.hf_datasets", "pack_dataset")
 _export("packing.blocks", "BlockAllocator", "OutOfBlocksError")
-_export("packing.hf", "register_nopad_attention", "NOPAD_ATTENTION", "use_nopad_attention", "packed_forward_guard")
-_export("packing.verify", "verify", "VerifyReport")
+_export(
+    "packing.hf", "register_nopad_attention", "NOPAD_ATTENTION", "use_nopad_attention", "packed_forward_guard"
+)
+# packing/verification.py, not verify.py: an imported submodule would shadow the function
+_export("packing.verification", "verify", "VerifyReport")
 
 __all__ = sorted(_EXPORTS)
 

@@ -1,5 +1,7 @@
 """``packing.verify``: check that a model gives the same logits, loss and gradients on a packed
 row as on each sequence alone — the test a user runs before training a new model family packed.
+(The module is named ``verification`` so importing it never shadows the ``packing.verify``
+function.)
 
     from packing import verify
     report = verify(model, [tok(t).input_ids for t in texts])

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from packing.verify import VerifyReport, verify
+from packing.verification import VerifyReport, verify
 from tests.models import FAMILIES, SLIDING_WINDOW, tiny_model
 
 CAPACITY = 32
