@@ -30,6 +30,7 @@ import torch
 
 from dataloaders.loader import move_batch, packed_dataloader
 from dataloaders.loss import PackedLoss
+from dataloaders.streaming import StreamingPackedLoader
 from recipes.config import load_config, load_model
 
 logger = logging.getLogger(__name__)
@@ -167,6 +168,23 @@ def _latest_checkpoint(output_dir: Path) -> Path:
     return found[-1]
 
 
+def build_loader(dcfg: Mapping, rows, accelerator, gas: int, hidden_size: int):
+    """Map-style (global BFD per epoch) or streaming (bounded buffer) packed loader for this rank;
+    each epoch is a whole number of ``gas``-micro-batch optimizer steps on every rank."""
+    common = dict(num_replicas=accelerator.num_processes, rank=accelerator.process_index,
+                  seed=dcfg["seed"], max_seqs_per_batch=dcfg["max_seqs_per_batch"], overflow=dcfg["overflow"],
+                  steps_multiple_of=gas, attention_cost=1.0 / (12 * hidden_size))
+    if dcfg["streaming"]:
+        return StreamingPackedLoader(rows, dcfg["tokens_per_batch"], buffer_size=dcfg["buffer_size"],
+                                     **common)
+    return packed_dataloader(rows, dcfg["tokens_per_batch"], num_workers=dcfg["num_workers"], **common)
+
+
+def _epoch_stats(loader) -> dict | None:
+    sampler = getattr(loader, "packed_sampler", None)
+    return sampler.last_stats if sampler is not None else loader.last_stats
+
+
 def _windows(loader, size: int):
     """The loader's batches of one epoch in lists of ``size`` (one optimizer step each)."""
     batches = iter(loader)
@@ -198,15 +216,13 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
         rows = tokenize_rows(rows, tokenizer, dcfg["prompt_column"], dcfg["completion_column"])
 
     gas = tcfg["grad_accum"]
-    loader = packed_dataloader(
-        rows, dcfg["tokens_per_batch"],
-        num_replicas=accelerator.num_processes, rank=accelerator.process_index,
-        seed=dcfg["seed"], max_seqs_per_batch=dcfg["max_seqs_per_batch"], overflow=dcfg["overflow"],
-        steps_multiple_of=gas, attention_cost=1.0 / (12 * model.config.hidden_size),
-        num_workers=dcfg["num_workers"],
-    )
-    steps_per_epoch = len(loader) // gas
-    total_steps = steps_per_epoch * tcfg["epochs"]
+    loader = build_loader(dcfg, rows, accelerator, gas, model.config.hidden_size)
+    if dcfg["streaming"]:  # a stream has no length: the schedule spans train.max_steps
+        if not tcfg["max_steps"]:
+            raise ValueError("data.streaming=true needs train.max_steps (a stream's length is unknown)")
+        total_steps = tcfg["max_steps"]
+    else:
+        total_steps = len(loader) // gas * tcfg["epochs"]
     optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg["lr"], weight_decay=tcfg["weight_decay"])
     warmup = tcfg["warmup_steps"]
     scheduler = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, then linear decay to 0
@@ -267,15 +283,17 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
                 accelerator.save_state(str(output_dir / f"step_{progress.step}"))
             if progress.step >= max_steps:
                 break
-        if loader.packed_sampler.last_stats is not None and loader.packed_sampler.last_stats not in stats:
-            stats.append(loader.packed_sampler.last_stats)
+        epoch_stats = _epoch_stats(loader)
+        if epoch_stats is not None and epoch_stats not in stats:
+            stats.append(epoch_stats)
     if bar is not None:
         bar.close()
     if ccfg["save_final"]:
         accelerator.save_state(str(output_dir / f"step_{progress.step}"))
     accelerator.wait_for_everyone()
     result = {"losses": losses, "steps": progress.step, "stats": stats, "rank": accelerator.process_index,
-              "micro_batches_per_epoch": len(loader), "world_size": accelerator.num_processes}
+              "world_size": accelerator.num_processes,
+              "micro_batches_per_epoch": None if dcfg["streaming"] else len(loader)}
     if cfg["log"]["record_indices"]:
         result["indices_per_step"] = seen  # dataset rows of each micro-batch, in order
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -53,6 +53,21 @@ def test_stop_and_resume_gives_the_uninterrupted_run(tmp_path):
     assert full["stats"][0]["sequences_dropped"] == 0 and full["stats"][0]["tokens"] > 0
 
 
+def test_streaming_loader_resumes_exactly_from_a_mid_run_checkpoint(tmp_path):
+    stream = ("data.streaming=true", "data.buffer_size=8", "train.max_steps=7", "train.epochs=5")
+    full = train(_cfg(tmp_path / "full", *stream, "checkpoint.every=4"))
+    _reset_accelerate()
+    rest = train(_cfg(tmp_path / "rest", *stream, f"checkpoint.resume_from={tmp_path / 'full' / 'step_4'}"))
+    _reset_accelerate()
+    # 3 optimizer steps per stream epoch: the checkpoint is mid epoch 1, the run ends in epoch 2
+    assert full["stats"][0]["steps_per_rank"] == 6 and len(full["stats"]) == 2
+    assert full["steps"] == rest["steps"] == 7 and rest["losses"] == full["losses"][4:]
+    assert full["stats"][0]["sequences_dropped"] == 0
+    with pytest.raises(ValueError, match="needs train.max_steps"):
+        train(_cfg(tmp_path / "bad", "data.streaming=true"))
+    _reset_accelerate()
+
+
 def test_text_rows_mask_the_prompt():
     class Tok:
         eos_token_id = 2
