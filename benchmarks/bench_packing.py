@@ -104,7 +104,7 @@ def run_workload(name: str, sampler, capacity: int, n: int, repeats: int) -> lis
     for method, rate, eff, secs, cpu in rows:
         rate_s = f"{rate:,.0f}" if rate else "-"
         secs_s = f"{secs:.2f}" if secs else "-"
-        cpu_s = f"{cpu:.2f}" if cpu else "-"
+        cpu_s = f"{cpu:.3f}" if cpu else "-"
         print(f"{method:<38} {rate_s:>12} {eff:>10.3%} {secs_s:>8} {cpu_s:>8}")
     eff = {row[0]: row[2] for row in rows}
     print(
