@@ -6,7 +6,7 @@ function.)
     from packing import verify
     report = verify(model, [tok(t).input_ids for t in texts])
     print(report)          # worst logit diff, worst relative grad diff, which attention path ran
-    assert report.ok()
+    assert report.ok()     # within fp32 rounding (see VerifyReport.ok)
 """
 
 from __future__ import annotations
@@ -35,13 +35,22 @@ class VerifyReport:
     num_sequences: int
     num_tokens: int
 
-    def ok(self, logit_atol: float = 1e-5, grad_rtol: float = 1e-5) -> bool:
-        return self.max_logit_diff <= logit_atol and self.max_grad_rel_diff <= grad_rtol
+    logit_scale: float = 0.0  # max |logit| of the sequences alone
+
+    def ok(self, logit_rtol: float = 1e-5, grad_rtol: float = 1e-4) -> bool:
+        """Within fp32 rounding? Logits within ``logit_rtol * max(1, logit_scale)``, gradients
+        within ``grad_rtol`` relative. Reordered fp32 sums alone move a deep model this much
+        (SmolLM2-135M: sdpa vs eager on the same sequence differ by 5.5e-5 at logit scale 32;
+        packed vs alone 7e-5 / 3e-5 relative grads); attention leaking across sequences moves
+        logits by 1e-1 and more."""
+        return (self.max_logit_diff <= logit_rtol * max(1.0, self.logit_scale)
+                and self.max_grad_rel_diff <= grad_rtol)
 
     def __str__(self) -> str:
         return (
             f"packed ({self.attention_path}) vs alone ({self.reference_path}) on {self.num_sequences} "
-            f"sequences / {self.num_tokens} tokens: max logit diff {self.max_logit_diff:.2e}, "
+            f"sequences / {self.num_tokens} tokens: max logit diff {self.max_logit_diff:.2e} "
+            f"(logits up to {self.logit_scale:.1f}), "
             f"loss diff {self.loss_diff:.2e}, max relative grad diff {self.max_grad_rel_diff:.2e} "
             f"({self.worst_param})"
         )
@@ -155,4 +164,5 @@ def verify(
         reference_path=reference,
         num_sequences=len(seqs),
         num_tokens=int(ids.numel()),
+        logit_scale=max(float(a.abs().max()) for a in alone_logits),
     )
