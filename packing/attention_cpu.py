@@ -45,15 +45,28 @@ class KeySource:
         blocks = self.block_table[seq, torch.div(positions, self.block_size, rounding_mode="floor")]
         return blocks.to(torch.long) * self.block_size + positions % self.block_size
 
-    def keys_of(self, i: int, q_start: int, k_start: int, lq: int, lk: int):
-        """K/V ``(lk, kv_heads, dim)`` of sequence ``i``."""
+    def splitter(self):
+        """``keys(i) -> (k_i, v_i)``, each ``(lk_i, kv_heads, dim)``. Flat K/V are cut with one
+        ``split`` (its backward is a single concatenation, not one full-size gradient per
+        sequence); paged K/V are gathered per sequence unless the sequence is a fresh prefill
+        whose keys are this step's own tokens."""
+        meta = self.meta
         if self.block_table is None:
-            return self.k[k_start : k_start + lk], self.v[k_start : k_start + lk]
-        if self.new_k is not None and lq == lk:  # fresh prefill: the keys are this step's tokens
-            return self.new_k[q_start : q_start + lq], self.new_v[q_start : q_start + lq]
-        pos = torch.arange(lk, device=self.k.device)
-        idx = self.rows(pos, torch.full_like(pos, i))
-        return self.k.index_select(0, idx), self.v.index_select(0, idx)
+            ks, vs = self.k.split(list(meta.seqlens_k)), self.v.split(list(meta.seqlens_k))
+            return lambda i: (ks[i], vs[i])
+        new = None
+        if self.new_k is not None:
+            new = (self.new_k.split(list(meta.seqlens_q)), self.new_v.split(list(meta.seqlens_q)))
+
+        def keys(i):
+            lq, lk = meta.seqlens_q[i], meta.seqlens_k[i]
+            if new is not None and lq == lk:
+                return new[0][i], new[1][i]
+            pos = torch.arange(lk, device=self.k.device)
+            idx = self.rows(pos, torch.full_like(pos, i))
+            return self.k.index_select(0, idx), self.v.index_select(0, idx)
+
+        return keys
 
 
 def _mask(lq: int, lk: int, causal: bool, window: int | None, device) -> torch.Tensor | None:
@@ -100,22 +113,21 @@ def per_sequence(q, src: KeySource, *, causal, scale, window, softcap, seqs=None
     """Per-sequence SDPA; returns a list of ``(lq, heads, dim)`` outputs for ``seqs``
     (default: all)."""
     meta = src.meta
-    q_starts = meta.cu_seqlens_q.tolist()
-    k_starts = meta.cu_seqlens_k.tolist()
+    q_parts = q.split(list(meta.seqlens_q))
+    keys = src.splitter()
     outs = []
     for i in range(meta.num_seqs) if seqs is None else seqs:
         lq, lk = meta.seqlens_q[i], meta.seqlens_k[i]
         if lq == 0:
-            outs.append(q[q_starts[i] : q_starts[i]])
+            outs.append(q_parts[i])
             continue
-        k_i, v_i = src.keys_of(i, q_starts[i], k_starts[i], lq, lk)
-        q_i = q[q_starts[i] : q_starts[i] + lq].transpose(0, 1)
+        k_i, v_i = keys(i)
         window_i = window if window is not None and window < lk else None
         plain_causal = causal and window_i is None and lq == lk
         sees_all = (not causal or lq == 1) and window_i is None
         mask = None if plain_causal or sees_all else _mask(lq, lk, causal, window_i, q.device)
         out = _sdpa(
-            q_i, k_i.transpose(0, 1), v_i.transpose(0, 1), mask,
+            q_parts[i].transpose(0, 1), k_i.transpose(0, 1), v_i.transpose(0, 1), mask,
             scale=scale, softcap=softcap, is_causal=plain_causal,
         )
         outs.append(out.transpose(0, 1))
