@@ -74,6 +74,16 @@ def test_greedy_matches_hf_generate(model, chunk):
         assert max(gen.stats()["tokens_per_step"]) <= 3
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_greedy_matches_hf_generate_more_families(family):
+    """Qwen3 (q/k norms) and Gemma2 (soft-capping, alternating sliding layers), chunked."""
+    model = tiny_model(family)
+    prompts = prompts_of(LENGTHS)
+    gen = Generator(model, block_size=4, max_num_batched_tokens=5, num_blocks=128)
+    outs = gen.generate(prompts, SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 12) for p in prompts]
+
+
 def test_logprobs_match_training_forward(model):
     prompts = prompts_of([7, 2, 19], seed=1)
     params = SamplingParams(max_tokens=10, temperature=0.8, seed=5, ignore_eos=True)
