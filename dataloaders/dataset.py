@@ -39,6 +39,14 @@ def _column_names(source: Any) -> list[str] | None:
     return list(names) if names is not None else None
 
 
+def _arrow_list_lengths(source: Any, column: str) -> np.ndarray:
+    """Lengths of a list column without turning a million rows into Python lists."""
+    import pyarrow.compute as pc
+
+    table = source.with_format("arrow")[:]  # honours select()/shuffle() index mappings
+    return pc.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
+
+
 class PackedDataset(Dataset):
     """Wrap a tokenized dataset (an HF ``datasets.Dataset``, a list of dicts, anything indexable
     with ``__len__``) whose rows have ``input_ids`` and optionally ``labels`` or a loss mask.
@@ -73,8 +81,8 @@ class PackedDataset(Dataset):
         if lengths is None and "length" in columns and _column_names(source) is not None:
             lengths = source["length"]
         if lengths is None:
-            if _column_names(source) is not None:  # columnar (HF datasets): read one column
-                lengths = [len(ids) for ids in source["input_ids"]]
+            if _column_names(source) is not None:  # columnar (HF datasets): list lengths in Arrow
+                lengths = _arrow_list_lengths(source, "input_ids")
             else:
                 lengths = [len(row["input_ids"]) for row in source]
         arr = np.asarray(lengths, dtype=np.int64)

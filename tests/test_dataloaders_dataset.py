@@ -22,6 +22,13 @@ def test_list_of_dicts_with_labels_column():
     assert packed.label_column == "labels" and packed[0]["labels"].tolist() == [-100, 2]
 
 
+def test_lengths_follow_select_and_shuffle():
+    ds = datasets.Dataset.from_dict({"input_ids": [[1] * n for n in (3, 1, 4, 1, 5)]})
+    assert PackedDataset(ds.select([4, 0])).lengths.tolist() == [5, 3]
+    shuffled = ds.shuffle(seed=0)
+    assert PackedDataset(shuffled).lengths.tolist() == [len(x) for x in shuffled["input_ids"]]
+
+
 def test_length_column_is_used():
     ds = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]], "length": [3]})
     assert PackedDataset(ds).lengths.tolist() == [3]
