@@ -1,9 +1,11 @@
 """Token sampling for one step, vectorised over the batch, with counter-based randomness.
 
-Randomness: sample ``i`` of a request with seed ``s`` draws the token at position ``p`` with
-exponential noise from a generator seeded by ``mix(s, i, p)`` (the Gumbel-max / exponential-race
-trick: ``argmax(log p - log E)`` is a draw from ``p``). The draw therefore depends on nothing
-else in the batch, and a preempted sequence redraws the same tokens when it is recomputed.
+Randomness: sample ``i`` of a request with seed ``s`` draws the token at position ``p`` by
+inverse-CDF sampling with ONE uniform number ``u = mix(s, i, p) / 2**63`` (a splitmix64 hash,
+no generator state). The draw therefore depends on nothing else in the batch, and a preempted
+sequence redraws the same tokens when it is recomputed. Top-k/top-p filter on a candidate set
+from ``topk`` (falling back to a full sort only when the candidates cannot hold the top-p mass),
+which is exact and much cheaper than sorting the vocabulary every step.
 """
 
 from __future__ import annotations
@@ -65,8 +67,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
     if rand:
         r = torch.tensor(rand, device=x.device)
         lp = processed_logprobs(x[r], [params[i] for i in rand])
-        noise = torch.stack([_noise(seqs[i], vocab) for i in rand]).to(x.device)
-        picked = (lp - noise.log()).argmax(dim=-1)
+        picked = _inverse_cdf(lp, [uniform_draw(seqs[i]) for i in rand])
         tokens[r] = picked
         sampling_lp[r] = lp.gather(1, picked[:, None])[:, 0]
     token_list = tokens.tolist()
@@ -92,17 +93,12 @@ def processed_logprobs(x: torch.Tensor, params: list) -> torch.Tensor:
     x = x / temp[:, None]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p = [float(p.top_p) for p in params]
-    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-        sorted_x, order = x.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=x.device)
-        k = torch.tensor(top_k, device=x.device)
-        sorted_x = sorted_x.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
-        if any(p < 1.0 for p in top_p):
-            probs = torch.softmax(sorted_x, dim=-1)
-            before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
-            tp = torch.tensor(top_p, dtype=x.dtype, device=x.device)
-            sorted_x = sorted_x.masked_fill(before >= tp[:, None], float("-inf"))
-        x = torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
+    filtered = [k < vocab or tp < 1.0 for k, tp in zip(top_k, top_p)]
+    if any(filtered):
+        kept = _top_k_top_p(x, top_k, top_p, _candidates(top_k, top_p, vocab))
+        if kept is None:  # the candidates hold less than top_p of the mass: sort everything
+            kept = _top_k_top_p(x, top_k, top_p, vocab)
+        x = torch.where(torch.tensor(filtered, device=x.device)[:, None], kept, x)
     if any(p.min_p > 0 for p in params):
         probs = torch.softmax(x, dim=-1)
         mp = torch.tensor([float(p.min_p) for p in params], dtype=x.dtype, device=x.device)
@@ -110,7 +106,45 @@ def processed_logprobs(x: torch.Tensor, params: list) -> torch.Tensor:
     return torch.log_softmax(x, dim=-1)
 
 
-def _noise(seq: Sequence, vocab: int) -> torch.Tensor:
-    gen = torch.Generator()
-    gen.manual_seed(counter_seed(seq.request.seed, seq.index, seq.num_tokens))
-    return torch.empty(vocab).exponential_(generator=gen).clamp_min_(torch.finfo(torch.float32).tiny)
+TOP_P_CANDIDATES = 1024
+
+
+def _candidates(top_k: list[int], top_p: list[float], vocab: int) -> int:
+    width = max([k for k in top_k if k < vocab], default=0)
+    if any(p < 1.0 for p in top_p):
+        width = max(width, TOP_P_CANDIDATES)
+    return min(width, vocab)
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float], width: int) -> torch.Tensor | None:
+    """``x`` with everything outside each row's top-k / top-p set at -inf, computed on the
+    ``width`` most likely tokens; None if those cannot hold some row's top-p mass."""
+    vocab = x.shape[1]
+    vals, idx = x.topk(width, dim=-1) if width < vocab else x.sort(dim=-1, descending=True)
+    k = torch.tensor(top_k, device=x.device)
+    vals = vals.masked_fill(torch.arange(width, device=x.device)[None, :] >= k[:, None], float("-inf"))
+    if any(p < 1.0 for p in top_p):
+        # probabilities under the top-k-filtered FULL distribution (rows without top-k keep the
+        # mass of the tokens beyond the candidates in their normaliser)
+        norm = torch.where(k < vocab, torch.logsumexp(vals, dim=-1), torch.logsumexp(x, dim=-1))
+        probs = torch.exp(vals - norm[:, None])
+        tp = torch.tensor(top_p, dtype=x.dtype, device=x.device)
+        if width < vocab and bool((probs.sum(dim=-1) < tp).any()):
+            return None
+        before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
+        vals = vals.masked_fill(before >= tp[:, None], float("-inf"))
+    return torch.full_like(x, float("-inf")).scatter(1, idx, vals)
+
+
+def uniform_draw(seq: Sequence) -> float:
+    """The uniform number in [0, 1) of this sample's next token (counter-based)."""
+    return min(counter_seed(seq.request.seed, seq.index, seq.num_tokens) / 2.0**63, 1.0 - 2.0**-40)
+
+
+def _inverse_cdf(logprobs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    """Token ``t`` with ``cdf[t-1] <= u * total < cdf[t]``: a draw from each row's distribution
+    (zero-probability tokens are never picked)."""
+    cdf = torch.exp(logprobs.double()).cumsum(dim=-1)
+    u = torch.tensor(uniforms, dtype=torch.float64, device=logprobs.device) * cdf[:, -1]
+    picked = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
+    return picked.clamp_(max=logprobs.shape[1] - 1)

@@ -71,6 +71,28 @@ def test_processed_logprobs_filters():
     torch.testing.assert_close(lp[:2], expected)
 
 
+def reference_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep-mask by sorting the whole vocabulary (the textbook definition)."""
+    probs = torch.softmax(logits, dim=-1)
+    sorted_probs, order = probs.sort(descending=True)
+    keep_sorted = (sorted_probs.cumsum(0) - sorted_probs) < top_p
+    return torch.zeros_like(keep_sorted).scatter(0, order, keep_sorted)
+
+
+@pytest.mark.parametrize("scale", [0.01, 1.0, 8.0])  # flat (needs the full-sort fallback) .. peaked
+def test_top_p_on_a_large_vocabulary_matches_a_full_sort(scale):
+    torch.manual_seed(1)
+    logits = torch.randn(3, 5000) * scale
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.5, top_k=3000), SamplingParams()]
+    lp = processed_logprobs(logits, params)
+    assert torch.equal(torch.isfinite(lp[0]), reference_top_p(logits[0], 0.9))
+    top3000 = logits[1].masked_fill(logits[1] < logits[1].topk(3000).values[-1], float("-inf"))
+    assert torch.equal(torch.isfinite(lp[1]), reference_top_p(top3000, 0.5))
+    torch.testing.assert_close(lp[2], torch.log_softmax(logits[2], dim=0))
+    kept = torch.isfinite(lp[0])
+    torch.testing.assert_close(lp[0][kept], torch.log_softmax(logits[0][kept], dim=0))
+
+
 def test_sample_greedy_penalty_and_min_tokens():
     logits = torch.tensor([[0.0, 1.0, 3.0, 2.0], [0.0, 1.0, 3.0, 2.0], [0.0, 1.0, 3.0, 2.0]])
     seqs = [
