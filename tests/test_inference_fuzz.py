@@ -32,14 +32,15 @@ request_strategy = st.fixed_dictionaries({
     "abort": st.one_of(st.none(), st.integers(0, 12)),
     "greedy": st.booleans(),
     "ignore_eos": st.booleans(),
+    "shared_prefix": st.booleans(),
 })
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     requests=st.lists(request_strategy, min_size=1, max_size=10),
     block_size=st.sampled_from([1, 2, 4, 16]),
-    cache_tokens=st.integers(48, 200),
+    cache_tokens=st.integers(16, 120),
     max_tokens_per_step=st.integers(1, 40),
     max_seqs=st.integers(3, 8),
     seed=st.integers(0, 1000),
@@ -51,12 +52,15 @@ def test_every_request_finishes_once_and_blocks_come_back(
                     max_num_batched_tokens=max_tokens_per_step, max_num_seqs=max_seqs)
     capacity = gen.allocator.num_blocks * block_size
     g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, 128, (16,), generator=g).tolist()  # exercises prefix-cache hits
     outputs, aborted, added = {}, set(), {}
     step = 0
     while step < 6 or gen.has_unfinished():
         for k, r in enumerate(requests):
             if r["arrive"] == step:
                 prompt = torch.randint(3, 128, (r["length"],), generator=g).tolist()
+                if r["shared_prefix"]:
+                    prompt = (prefix + prompt)[: r["length"]]
                 params = SamplingParams(n=min(r["n"], max_seqs), max_tokens=r["max_tokens"],
                                         temperature=0.0 if r["greedy"] else 1.0, seed=k,
                                         ignore_eos=r["ignore_eos"])
