@@ -51,3 +51,24 @@ def test_packing_report_numbers_and_table():
     text = out.getvalue()
     assert "nopad packing report: 300 documents" in text
     assert "fewer token slots than padding to the longest" in text
+
+
+def test_grpo_demo_prints_one_row_per_step_with_the_gap():
+    import torch
+
+    from recipes.demo import grpo_demo
+    from recipes.tasks import AsciiTokenizer
+    from tests.models import tiny_model
+
+    torch.set_num_threads(1)
+    out = io.StringIO()
+    history = grpo_demo(tiny_model("llama"), AsciiTokenizer(), steps=1, out=out)
+    assert [h["step"] for h in history] == [0]
+    assert history[0]["logprob_gap_max"] <= 1e-5
+    lines = out.getvalue().splitlines()
+    assert lines[1].startswith("GRPO on the live model (4 arithmetic prompts x 4 samples per step")
+    assert lines[2].split() == ["step", "reward", "rollout", "tok/s", "train", "tok/s", "packed", "padded",
+                                "logprob", "gap", "max", "mean"]
+    row = lines[4].split()
+    assert row[0] == "0" and int(row[4]) == history[0]["train_tokens"]
+    assert int(row[5]) == history[0]["padded_train_tokens"]
