@@ -19,9 +19,9 @@ import torch
 from tqdm.auto import tqdm
 
 from inference.kv_cache import KVCache, bytes_per_block
-from inference.model_runner import ModelRunner
+from inference.model_runner import ModelRunner, NopadAttention
 from inference.outputs import RequestOutput, StreamDelta
-from inference.request import Request, Sequence, Status
+from inference.request import Request, Sequence, Status, prompt_token_ids
 from inference.sampler import sample
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
@@ -249,7 +249,7 @@ class Generator:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        ids = self._prompt_ids(prompt)
+        ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
         capacity = self.allocator.num_blocks * self.block_size
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but the model's max_position_embeddings is "
@@ -266,6 +266,8 @@ class Generator:
             if t >= self.vocab_size:
                 raise ValueError(f"stop token id {t} is outside the vocabulary (size {self.vocab_size})")
         if request_id is None:
+            while str(self._next_id) in self._requests:
+                self._next_id += 1
             request_id = str(self._next_id)
             self._next_id += 1
         elif request_id in self._requests:
@@ -285,23 +287,6 @@ class Generator:
         request.samples = [seq] + [None] * (request.params.n - 1)
         self._requests[request.request_id] = request
         self.scheduler.add(seq)
-
-    def _prompt_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer; pass tokenizer= or token ids")
-            ids = list(self.tokenizer(prompt)["input_ids"])
-        elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
-            ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
-            bad = [t for t in ids
-                   if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size}); got {bad[0]!r}")
-        else:
-            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt is empty; give at least one token")
-        return ids
 
     def _append(self, seq: Sequence, k: int, result, now: float) -> None:
         token = result.tokens[k]
@@ -355,33 +340,7 @@ class Generator:
         return self._runner
 
     def _nopad_attention(self):
-        return _AttentionSwitch(self.model)
-
-
-class _AttentionSwitch:
-    """Use nopad attention (and eval mode) for one step; restore the user's setting after."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __enter__(self):
-        from packing.hf import NOPAD_ATTENTION, register_nopad_attention
-
-        register_nopad_attention()
-        config = self.model.config
-        self.saved = (config._attn_implementation, self.model.training)
-        if config._attn_implementation != NOPAD_ATTENTION:
-            config._attn_implementation = NOPAD_ATTENTION
-        if self.model.training:
-            self.model.eval()
-
-    def __exit__(self, *exc):
-        attn, training = self.saved
-        if self.model.config._attn_implementation != attn:
-            self.model.config._attn_implementation = attn
-        if training:
-            self.model.train()
-        return False
+        return NopadAttention(self.model)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

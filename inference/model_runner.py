@@ -66,3 +66,29 @@ class ModelRunner:
         )
         logits = out.logits[0]
         return (logits if rows else logits[:0]), rows
+
+
+class NopadAttention:
+    """Use nopad attention (and eval mode) for one step; restore the user's setting after."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        from packing.hf import NOPAD_ATTENTION, register_nopad_attention
+
+        register_nopad_attention()
+        config = self.model.config
+        self.saved = (config._attn_implementation, self.model.training)
+        if config._attn_implementation != NOPAD_ATTENTION:
+            config._attn_implementation = NOPAD_ATTENTION
+        if self.model.training:
+            self.model.eval()
+
+    def __exit__(self, *exc):
+        attn, training = self.saved
+        if self.model.config._attn_implementation != attn:
+            self.model.config._attn_implementation = attn
+        if training:
+            self.model.train()
+        return False

@@ -12,11 +12,31 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+import torch
+
 from inference.outputs import CompletionOutput, RequestOutput
 from inference.sampling_params import SamplingParams
 from packing.blocks import NO_PARENT
 
 _seq_ids = itertools.count()
+
+
+def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
+    """Validate a prompt (a string, taken as-is, or token ids) and return its token ids."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("string prompts need a tokenizer; pass tokenizer= or token ids")
+        ids = list(tokenizer(prompt)["input_ids"])
+    elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
+        ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab_size}); got {bad[0]!r}")
+    else:
+        raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("prompt is empty; give at least one token")
+    return ids
 
 
 class Status(enum.Enum):
