@@ -59,7 +59,7 @@ def evaluate(
             for lo in range(0, len(examples), batch_size):
                 batch_ids = prompt_ids[lo : lo + batch_size]
                 t0 = time.perf_counter()
-                outputs = generator.generate(batch_ids, sampling_params)
+                outputs = generator.generate(batch_ids, sampling_params, use_tqdm=False)
                 seconds += time.perf_counter() - t0
                 for i, out in enumerate(outputs, start=lo):
                     sample = out.outputs[0]
