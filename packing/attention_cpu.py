@@ -5,8 +5,9 @@ Three ways to run the same maths, chosen by :func:`packing.attention.varlen_atte
 - ``per_sequence``: one SDPA call per sequence on slices of the flat row. No padding and no mask
   for training rows (``is_causal``), so it does the least arithmetic; costs one call per sequence.
 - ``padded``: gather all sequences into one padded ``(B, heads, max_q, max_k)`` SDPA call with a
-  key-padding mask. One call for the whole step, the fast path for decode (``max_q == 1``),
-  where a call per sequence would dominate.
+  key-padding mask. One call for the whole step, but it moves and masks the padding: measured
+  slower than ``per_sequence`` on CPU even for decode steps (64 x ~300 keys: 49 vs 22 ms) and
+  for 100+ short documents, so it is available by name only.
 - ``dense``: one SDPA over the whole row with a block-diagonal mask. Quadratic in the row
   length; kept as a baseline for the benchmark.
 
@@ -58,13 +59,18 @@ class KeySource:
         if self.new_k is not None:
             new = (self.new_k.split(list(meta.seqlens_q)), self.new_v.split(list(meta.seqlens_q)))
 
+        bs = self.block_size
+        k_blocks, v_blocks = self.k.view(-1, bs * self.k[0].numel()), self.v.view(-1, bs * self.v[0].numel())
+
         def keys(i):
             lq, lk = meta.seqlens_q[i], meta.seqlens_k[i]
             if new is not None and lq == lk:
                 return new[0][i], new[1][i]
-            pos = torch.arange(lk, device=self.k.device)
-            idx = self.rows(pos, torch.full_like(pos, i))
-            return self.k.index_select(0, idx), self.v.index_select(0, idx)
+            # whole blocks (one contiguous copy each), then cut to the sequence's length
+            blocks = self.block_table[i, : -(-lk // bs)].to(torch.long)
+            k = k_blocks.index_select(0, blocks).view(-1, *self.k.shape[1:])[:lk]
+            v = v_blocks.index_select(0, blocks).view(-1, *self.v.shape[1:])[:lk]
+            return k, v
 
         return keys
 
@@ -138,8 +144,10 @@ _PADDED_INDEX_MEMO: list = []  # [((meta, block_table, key), index)]: the last s
 
 
 def _padded_index(src: KeySource, seqs: tuple[int, ...], causal: bool, window: int | None):
-    """Key rows ``(B, max_k)``, query rows ``(B, max_q)`` and the ``(B, max_q, max_k)`` mask for
-    ``seqs``. Memoised for the last step: every layer of a forward shares it."""
+    """What one padded call over ``seqs`` gathers, memoised for the last step (every layer of a
+    forward shares it): key rows ``(B, max_k)`` (of the flat K/V or the flattened cache), query
+    rows (None when the queries are already in order, one per sequence) and the
+    ``(B, max_q, max_k)`` mask."""
     table = src.block_table
     version = None if table is None else table._version  # an in-place edit invalidates the memo
     key = (src.block_size, seqs, causal, window, version)
@@ -152,20 +160,26 @@ def _padded_index(src: KeySource, seqs: tuple[int, ...], causal: bool, window: i
     lq = torch.tensor([meta.seqlens_q[i] for i in seqs], device=device)
     lk = torch.tensor([meta.seqlens_k[i] for i in seqs], device=device)
     max_q, max_k = int(lq.max()), int(lk.max())
+    # padded key slots point at the sequence's first key: finite values (masked out below),
+    # whereas unused cache slots may hold anything, NaN included
     k_pos = torch.arange(max_k, device=device)
-    k_valid = k_pos[None, :] < lk[:, None]
-    k_rows = src.rows(torch.where(k_valid, k_pos[None, :], 0), sel[:, None].expand(-1, max_k))
+    k_pos_clamped = torch.where(k_pos[None, :] < lk[:, None], k_pos[None, :], 0)
+    k_index = src.rows(k_pos_clamped, sel[:, None].expand(-1, max_k))
+    keys_len = max_k
+    k_pos = torch.arange(keys_len, device=device)
     q_off = torch.arange(max_q, device=device)
     q_valid = q_off[None, :] < lq[:, None]
     q_rows = meta.cu_seqlens_q.to(torch.long)[sel][:, None] + torch.where(q_valid, q_off[None, :], 0)
+    if max_q == 1 and len(seqs) == meta.num_seqs and seqs == tuple(range(meta.num_seqs)):
+        q_rows = None  # a pure decode step: q is already (B, heads, dim) in order
     q_pos = (lk - lq)[:, None] + q_off[None, :]  # position of each query among its keys
-    keep = k_valid[:, None, :].expand(-1, max_q, -1)
+    keep = (k_pos[None, :] < lk[:, None])[:, None, :].expand(-1, max_q, -1)
     if causal:
         keep = keep & (k_pos[None, None, :] <= q_pos[:, :, None])
     if window is not None:
         keep = keep & (k_pos[None, None, :] > q_pos[:, :, None] - window)
     keep = keep | (~q_valid[:, :, None] & (k_pos == 0))  # padded queries see key 0: no NaN rows
-    result = (k_rows, q_rows, q_valid, keep, max_q, max_k)
+    result = (k_index, keys_len, q_rows, q_valid, keep, max_q)
     _PADDED_INDEX_MEMO[:] = [((src.meta, table, key), result)]
     return result
 
@@ -176,15 +190,19 @@ def padded(q, src: KeySource, *, causal, scale, window, softcap, seqs=None) -> t
     head, not repeated per query head."""
     meta = src.meta
     seqs = tuple(range(meta.num_seqs)) if seqs is None else tuple(seqs)
-    k_rows, q_rows, q_valid, keep, max_q, max_k = _padded_index(src, seqs, causal, window)
+    k_index, keys_len, q_rows, q_valid, keep, max_q = _padded_index(src, seqs, causal, window)
     b, heads, dim = len(seqs), q.shape[1], q.shape[2]
     kv_heads = src.k.shape[1]
     groups = heads // kv_heads
-    k = src.k.index_select(0, k_rows.reshape(-1)).view(b, max_k, kv_heads, dim).transpose(1, 2)
-    v = src.v.index_select(0, k_rows.reshape(-1)).view(b, max_k, kv_heads, dim).transpose(1, 2)
-    qp = q.index_select(0, q_rows.reshape(-1)).view(b, max_q, kv_heads, groups, dim)
-    qp = qp.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, groups * max_q, dim)
-    mask = keep[:, None, None].expand(-1, 1, groups, -1, -1).reshape(b, 1, groups * max_q, max_k)
+    # index_select on 2-D rows is ~2x faster than on (rows, kv_heads, dim)
+    k = src.k.reshape(-1, kv_heads * dim).index_select(0, k_index.reshape(-1))
+    v = src.v.reshape(-1, kv_heads * dim).index_select(0, k_index.reshape(-1))
+    k = k.view(b, keys_len, kv_heads, dim).transpose(1, 2)
+    v = v.view(b, keys_len, kv_heads, dim).transpose(1, 2)
+    qp = q if q_rows is None else q.index_select(0, q_rows.reshape(-1))
+    qp = qp.reshape(b, max_q, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
+    qp = qp.reshape(b, kv_heads, groups * max_q, dim)
+    mask = keep[:, None, None].expand(-1, 1, groups, -1, -1).reshape(b, 1, groups * max_q, keys_len)
     out = _sdpa(qp, k, v, mask, scale=scale, softcap=softcap)  # (b, kv_heads, groups*max_q, dim)
     out = out.view(b, kv_heads, groups, max_q, dim).permute(0, 3, 1, 2, 4).reshape(b * max_q, heads, dim)
     if max_q == 1:

@@ -25,8 +25,8 @@ Generation step (paged K/V) — the generator passes::
     ``meta = VarlenMeta.for_step(query_lens, context_lens, block_table=..., slot_mapping=...)``;
     ``kv[layer_idx] -> (k_cache, v_cache)`` each ``(num_blocks, block_size, kv_heads, head_dim)``
     (a list, a dict, or a callable ``kv(layer_idx)``). Each layer writes the step's new K/V at
-    ``meta.slot_mapping`` and attends through ``meta.block_table``; decode tokens of all
-    sequences run as one padded SDPA call on CPU (flash-attn on CUDA). ``use_cache=False`` keeps
+    ``meta.slot_mapping`` and attends through ``meta.block_table`` (CPU: one SDPA call per
+    sequence on its gathered blocks; CUDA: flash-attn's paged varlen kernel). ``use_cache=False`` keeps
     transformers from building its own cache. Optional ``nopad_backend="sdpa_loop"`` etc. picks
     a backend of :func:`packing.attention.varlen_attention` by name.
 

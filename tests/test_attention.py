@@ -144,11 +144,12 @@ def test_new_kv_is_stored_at_slot_mapping_then_attended(backend):
     torch.testing.assert_close(out, naive(q, k, v, full), atol=1e-5, rtol=1e-5)
 
 
-def test_decode_batch_is_exact_and_differentiable():
+@pytest.mark.parametrize("backend", ["sdpa_loop", "sdpa_padded"])
+def test_decode_batch_is_exact_and_differentiable(backend):
     meta = VarlenMeta.for_step([1] * 6, [3, 40, 1, 0, 12, 7])
     q, k, v = (rand(meta.total_q, H, 13).requires_grad_(), rand(meta.total_k, HKV, 14).requires_grad_(),
                rand(meta.total_k, HKV, 15).requires_grad_())
-    out = varlen_attention(q, k, v, meta)
+    out = varlen_attention(q, k, v, meta, backend=backend)
     torch.testing.assert_close(out, naive(q, k, v, meta), atol=1e-5, rtol=1e-5)
     out.sum().backward()
     assert torch.isfinite(k.grad).all() and torch.isfinite(q.grad).all()
