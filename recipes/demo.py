@@ -134,7 +134,8 @@ def sft_demo(model, tokenizer, *, steps: int = 3, tokens_per_batch: int = 512, m
           f"{tokens_per_batch} ({summary['row_efficiency']:.1%} full), "
           f"{summary['tokens_per_s']:.0f} tokens/s;"
           f" padding the same sequences to their longest would compute {longest:,} tokens "
-          f"({longest / tokens:.1f}x); loss {losses[0]:.3f} -> {losses[-1]:.3f}", file=out)
+          f"({longest / tokens:.1f}x); loss per step (different rows each step): "
+          + ", ".join(f"{x:.3f}" for x in losses), file=out)
     return summary
 
 
