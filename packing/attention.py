@@ -57,8 +57,8 @@ def choose_backend(q: torch.Tensor, meta: VarlenMeta) -> str:
     """The ``"auto"`` rule: flash-attn on CUDA when installed, else per-sequence SDPA for every
     shape. Measured on CPU (benchmarks/bench_attention.py, torch 2.13, 1 thread): per-sequence
     SDPA beats one padded call both for training rows (documents of 8-1,024 tokens: the padded
-    call does up to 4x the work) and for decode steps (64 sequences x ~300 cached tokens: 22 ms
-    vs 49 ms; the padded call gathers and masks the padding), and beats a dense block-diagonal
+    call does up to 4x the work) and for decode steps (64 sequences x ~300 cached tokens: 14 ms
+    vs 41 ms; the padded call gathers and masks the padding), and beats a dense block-diagonal
     mask and compiled FlexAttention (forward only on CPU) by 2.5-20x."""
     if q.is_cuda and flash_attn_available():
         return "flash"
