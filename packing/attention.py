@@ -59,7 +59,8 @@ def choose_backend(q: torch.Tensor, meta: VarlenMeta) -> str:
     SDPA beats one padded call both for training rows (documents of 8-1,024 tokens: the padded
     call does up to 4x the work) and for decode steps (64 sequences x ~300 cached tokens: 14 ms
     vs 41 ms; the padded call gathers and masks the padding), and beats a dense block-diagonal
-    mask and compiled FlexAttention (forward only on CPU) by 2.5-20x."""
+    mask and compiled FlexAttention (forward only on CPU) by 3-30x (8,192 tokens: 134 ms forward,
+    429 ms forward+backward)."""
     if q.is_cuda and flash_attn_available():
         return "flash"
     return "sdpa_loop"
