@@ -1,5 +1,6 @@
-"""Builds the optional C++ hot paths in csrc/. No torch at build time; a failed compile is not fatal
-(`optional=True`) because every compiled routine has a pure-Python fallback in packing/."""
+"""Builds the optional C++ hot paths in csrc/: the bin packer and the CPU paged decode attention.
+No torch at build time; a failed compile is not fatal (`optional=True`) because every compiled
+routine has a pure-Python/PyTorch fallback in packing/."""
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
@@ -11,7 +12,15 @@ ext_modules = [
         cxx_std=17,
         extra_compile_args=["-O3"],
         optional=True,
-    )
+    ),
+    Pybind11Extension(
+        "packing._paged_attention",
+        ["csrc/paged_attention.cpp"],
+        cxx_std=17,
+        extra_compile_args=["-O3", "-fopenmp"],
+        extra_link_args=["-fopenmp"],
+        optional=True,
+    ),
 ]
 
 setup(ext_modules=ext_modules, cmdclass={"build_ext": build_ext})

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-from packing import attention_cpu
+from packing import attention_cpu, paged_decode
 from packing.attention_cpu import KeySource
 from packing.flash import FA2_PAGE_MULTIPLE, flash_attn_available, flash_varlen
 from packing.varlen import VarlenMeta
@@ -126,7 +127,8 @@ def varlen_attention(
     if q.shape[1] % kv_heads:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({kv_heads})")
 
-    if backend == "auto":
+    auto = backend == "auto"
+    if auto:
         backend = choose_backend(q, meta)
     if backend == "flash":
         if kv_cache is not None and kv_cache[0].shape[1] % FA2_PAGE_MULTIPLE == 0:
@@ -150,7 +152,27 @@ def varlen_attention(
         src = KeySource(k, v, meta)
     if backend == "sdpa_padded":
         return attention_cpu.padded(q, src, **opts)
+    if kv_cache is not None and auto and paged_decode.usable(q, kv_cache, meta):
+        return _decode_in_place(q, kv_cache, table, src, meta, opts)
     return _cat(attention_cpu.per_sequence(q, src, **opts), q)  # "sdpa_loop"
+
+
+def _decode_in_place(q, kv_cache, table, src: KeySource, meta: VarlenMeta, opts: dict) -> torch.Tensor:
+    """A generation step on CPU: decode tokens through the compiled paged kernel (keys read in
+    place), prefill chunks of the same step through per-sequence SDPA."""
+    decode, rows, table_rows, lens, others = paged_decode.split_step(meta, table)
+    decoded = paged_decode.attend_decode(
+        q.index_select(0, rows), kv_cache, table_rows, lens,
+        scale=opts["scale"], window=opts["window"], softcap=opts["softcap"],
+    )
+    if not others:
+        return decoded if len(decode) == meta.num_seqs else q.new_zeros(q.shape).index_copy_(0, rows, decoded)
+    pieces = attention_cpu.per_sequence(q, src, **opts, seqs=others)
+    out = q.new_zeros(q.shape)
+    out.index_copy_(0, rows, decoded)
+    starts = np.concatenate(([0], np.cumsum(meta.seqlens_q)))
+    prefill_rows = torch.from_numpy(np.concatenate([np.arange(starts[i], starts[i + 1]) for i in others]))
+    return out.index_copy_(0, prefill_rows, torch.cat(pieces, 0))
 
 
 def _cat(pieces: list, q: torch.Tensor) -> torch.Tensor:
