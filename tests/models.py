@@ -75,3 +75,9 @@ def tiny_model(family: str, seed: int = 0, **overrides) -> transformers.PreTrain
         torch.manual_seed(seed)
         model = model_cls(config)
     return model.float().eval()
+
+
+def random_sequences(lengths, seed=0):
+    """Token-id tensors of the given lengths (ids 3..127, clear of the special tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=g) for n in lengths]

@@ -20,13 +20,7 @@ H, HKV, D = 4, 2, 8
 CPU_BACKENDS = ("auto", "sdpa_loop", "sdpa_padded", "sdpa_dense")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors run faster on one thread, and the machine is shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def naive(q, k, v, meta, *, causal=True, scale=None, window=None, softcap=None):

@@ -16,21 +16,10 @@ from packing.hf import (
     use_nopad_attention,
 )
 from packing.varlen import VarlenMeta
-from tests.models import FAMILIES, SLIDING_WINDOW, tiny_model
+from tests.models import FAMILIES, SLIDING_WINDOW, random_sequences, tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread, and the machine is shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def random_sequences(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 128, (n,), generator=g) for n in lengths]
 
 
 def alone_logits(model, seqs):

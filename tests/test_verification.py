@@ -9,22 +9,13 @@ import torch.nn.functional as F
 import transformers
 
 from packing.verification import VerifyReport, verify
-from tests.models import FAMILIES, SLIDING_WINDOW, tiny_model
+from tests.models import FAMILIES, SLIDING_WINDOW, random_sequences, tiny_model
 
 CAPACITY = 32
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-def random_sequences(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 128, (n,), generator=g) for n in lengths]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
