@@ -8,8 +8,6 @@ import pytest
 from benchmarks._workloads import chat_workload, static_batch_occupancy
 from packing.models import load_smollm2_tokenizer
 
-pytest.importorskip("inference.generator")
-
 
 def test_static_batch_occupancy_counts_held_and_useful_slots():
     held, useful = static_batch_occupancy([3, 1, 2, 5, 2], batch_size=2)
