@@ -145,7 +145,14 @@ def grpo_demo(model, tokenizer, *, steps: int = 2, out: TextIO | None = None) ->
     from recipes.grpo import DEFAULT_CONFIG, run_grpo
 
     out = out or sys.stdout
-    cfg = load_config(DEFAULT_CONFIG, overrides={"model": {"path": None}, "train": {"steps": steps}})
+    # 8 groups of 8 with room to answer (SmolLM2 restates the sum first): with the recipe's small
+    # default (4 x 4, 16 tokens) every group of the demo scored 0 and no step had an advantage.
+    cfg = load_config(DEFAULT_CONFIG, overrides={
+        "model": {"path": None},
+        "train": {"steps": steps},
+        "rollout": {"prompts_per_step": 8, "num_generations": 8, "max_tokens": 48},
+        "generator": {"num_blocks": 512},
+    })
     history = run_grpo(cfg, model=model, tokenizer=tokenizer)
     ro = cfg["rollout"]
     print(f"\nGRPO on the live model ({ro['prompts_per_step']} arithmetic prompts x {ro['num_generations']} "

@@ -66,7 +66,7 @@ def test_grpo_demo_prints_one_row_per_step_with_the_gap():
     assert [h["step"] for h in history] == [0]
     assert history[0]["logprob_gap_max"] <= 1e-5
     lines = out.getvalue().splitlines()
-    assert lines[1].startswith("GRPO on the live model (4 arithmetic prompts x 4 samples per step")
+    assert lines[1].startswith("GRPO on the live model (8 arithmetic prompts x 8 samples per step")
     assert lines[2].split() == ["step", "reward", "rollout", "tok/s", "train", "tok/s", "packed", "padded",
                                 "logprob", "gap", "max", "mean"]
     row = lines[4].split()
