@@ -1,30 +1,34 @@
-"""Loads the compiled packer (``packing._packer``, built from csrc/packer.cpp) if it is there.
+"""Loads nopad's compiled extensions (built from csrc/) when they are there.
 
-Without it nopad still works on the pure-Python reference in ``packing.algorithms``, only slower;
-we say so once, the first time a packer is needed, instead of failing.
+Without them nopad still works — the packer on the pure-Python reference in
+``packing.algorithms``, decode attention on PyTorch — only slower; we say so once per extension,
+the first time it is needed, instead of failing.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import warnings
 from types import ModuleType
 
-_module: ModuleType | None = None
-_checked = False
+
+@functools.cache
+def load_extension(name: str, what: str, fallback: str) -> ModuleType | None:
+    """The compiled module ``name`` (the ``what``), or None with a one-time warning naming the
+    ``fallback`` that runs instead."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as error:
+        warnings.warn(
+            f"nopad's compiled {what} is not available ({error}); using {fallback}. "
+            "Rebuild with `pip install -e .` (needs a C++17 compiler).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
 
 
 def native_packer() -> ModuleType | None:
-    """The compiled module, or None (with a one-time warning) when it is not built."""
-    global _module, _checked
-    if not _checked:
-        _checked = True
-        try:
-            _module = importlib.import_module("packing._packer")
-        except ImportError as error:
-            message = (
-                f"nopad's compiled packer is not available ({error}); using the pure-Python packer, "
-                "which is ~50x slower. Rebuild with `pip install -e .` (needs a C++17 compiler)."
-            )
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-    return _module
+    """The compiled packer, or None (the pure-Python packer is ~50x slower)."""
+    return load_extension("packing._packer", "packer", "the pure-Python packer, ~50x slower")

@@ -11,32 +11,20 @@ the tests compare against.
 
 from __future__ import annotations
 
-import importlib
-import logging
 from types import ModuleType
 
 import numpy as np
 import torch
 
+from packing._native import load_extension
 from packing.varlen import VarlenMeta
 
-logger = logging.getLogger(__name__)
-
-_kernel: ModuleType | None = None
-_checked = False
 _SPLIT_MEMO: list = []  # [(meta, table, split)]: every layer of a step shares the split
 
 
 def kernel() -> ModuleType | None:
-    """The compiled kernel, or None (logged once) when it was not built."""
-    global _kernel, _checked
-    if not _checked:
-        _checked = True
-        try:
-            _kernel = importlib.import_module("packing._paged_attention")
-        except ImportError as error:
-            logger.warning("compiled paged decode attention unavailable (%s); using PyTorch", error)
-    return _kernel
+    """The compiled kernel, or None (warned once) when it was not built."""
+    return load_extension("packing._paged_attention", "paged decode attention", "PyTorch attention")
 
 
 def usable(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: VarlenMeta) -> bool:

@@ -1,5 +1,6 @@
 """The compiled packer (csrc/packer.cpp) against its pure-Python reference, and the fallback."""
 
+import functools
 import sys
 import warnings
 
@@ -55,8 +56,8 @@ def test_splitmix64_matches_reference_values():
 
 
 def test_missing_extension_warns_once_and_falls_back(monkeypatch):
-    monkeypatch.setattr(_native, "_checked", False)
-    monkeypatch.setattr(_native, "_module", None)
+    _native.load_extension.cache_clear()
+    monkeypatch.setattr(_native, "load_extension", functools.cache(_native.load_extension.__wrapped__))
     monkeypatch.setitem(sys.modules, "packing._packer", None)  # makes the import fail
     with pytest.warns(RuntimeWarning, match="compiled packer is not available.*pure-Python"):
         bins = pack([4, 8, 3, 5, 2], 10)
