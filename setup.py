@@ -14,6 +14,14 @@ ext_modules = [
         optional=True,
     ),
     Pybind11Extension(
+        "packing._varlen_attention",
+        ["csrc/varlen_attention.cpp"],
+        cxx_std=17,
+        extra_compile_args=["-O3", "-fopenmp"],
+        extra_link_args=["-fopenmp"],
+        optional=True,
+    ),
+    Pybind11Extension(
         "packing._paged_attention",
         ["csrc/paged_attention.cpp"],
         cxx_std=17,

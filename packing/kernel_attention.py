@@ -1,0 +1,113 @@
+"""The compiled varlen attention forward (``packing._varlen_attention``, csrc/varlen_attention.cpp).
+
+One CPU kernel for every shape the core sees: a packed training row, a prefill chunk and a decode
+token, keys read in place from a flat row or a paged cache, in fp32, bf16 or fp16. Each query's
+result depends only on its own keys (fixed key blocks, fixed order), which is what makes the
+generator's log-probs equal the trainer's in :func:`packing.batch_invariant`. For training the
+forward runs here and the backward recomputes attention with PyTorch's SDPA (any correct backward
+will do: only the forward must match the generator's).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from packing._native import load_extension
+from packing.varlen import VarlenMeta
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_HEAD_DIM = 256
+
+
+def kernel() -> ModuleType | None:
+    """The compiled kernel, or None (warned once) when it was not built."""
+    return load_extension("packing._varlen_attention", "varlen attention kernel", "PyTorch attention")
+
+
+def usable(q: torch.Tensor, kv_dtype: torch.dtype) -> bool:
+    """True when the kernel can serve this call: CPU, a supported dtype shared by q and K/V."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in DTYPE_CODES
+        and kv_dtype == q.dtype
+        and q.shape[-1] <= MAX_HEAD_DIM
+        and kernel() is not None
+    )
+
+
+_STEP_MEMO: list = []  # [(meta, table, arrays)]: every layer of a forward shares the host arrays
+
+
+def _host_arrays(meta: VarlenMeta, table: torch.Tensor | None):
+    if _STEP_MEMO and _STEP_MEMO[0][0] is meta and _STEP_MEMO[0][1] is table:
+        return _STEP_MEMO[0][2]
+    cu_q = np.concatenate(([0], np.cumsum(meta.seqlens_q))).astype(np.int32)
+    lens_k = np.asarray(meta.seqlens_k, dtype=np.int32)
+    if table is None:
+        starts = np.concatenate(([0], np.cumsum(meta.seqlens_k)[:-1])).astype(np.int64)
+        arrays = (cu_q, lens_k, starts, None)
+    else:
+        arrays = (cu_q, lens_k, None, np.ascontiguousarray(table.detach().cpu().numpy(), dtype=np.int32))
+    _STEP_MEMO[:] = [(meta, table, arrays)]
+    return arrays
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: VarlenMeta,
+    *,
+    table: torch.Tensor | None = None,
+    block_size: int = 1,
+    causal: bool = True,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention output ``(total_q, heads, dim)`` in q's dtype. ``k``/``v`` are flat
+    ``(total_k, kv_heads, dim)`` keys, or with ``table`` a paged cache flattened to
+    ``(blocks * block_size, kv_heads, dim)``. No autograd (see :class:`KernelAttention`)."""
+    q = q.detach().contiguous()
+    k, v = k.detach().contiguous(), v.detach().contiguous()
+    out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    cu_q, lens_k, starts, tab = _host_arrays(meta, table)
+    kernel().forward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), DTYPE_CODES[q.dtype],
+        cu_q, lens_k, starts, tab, int(block_size), q.shape[1], k.shape[1], q.shape[2],
+        float(scale), float(softcap or 0.0), int(window or 0), bool(causal), torch.get_num_threads(),
+    )
+    return out
+
+
+class KernelAttention(torch.autograd.Function):
+    """Training rows: forward by the kernel, backward by PyTorch's per-sequence SDPA."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, meta: VarlenMeta, opts: dict):
+        ctx.save_for_backward(q, k, v)
+        ctx.meta, ctx.opts = meta, opts
+        return forward(q, k, v, meta, **opts)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from packing import attention_cpu
+        from packing.attention_cpu import KeySource
+
+        q, k, v = ctx.saved_tensors
+        opts = ctx.opts
+        with torch.enable_grad():
+            q_, k_, v_ = (t.detach().requires_grad_(t.requires_grad) for t in (q, k, v))
+            pieces = attention_cpu.per_sequence(
+                q_, KeySource(k_, v_, ctx.meta), causal=opts["causal"], scale=opts["scale"],
+                window=opts["window"], softcap=opts["softcap"],
+            )
+            out = torch.cat(pieces) if pieces else q_
+            inputs = [t for t in (q_, k_, v_) if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, inputs, grad_out) if inputs else ())
+        return tuple(next(grads) if t.requires_grad else None for t in (q, k, v)) + (None, None)
