@@ -18,12 +18,12 @@ import math
 import numpy as np
 import torch
 
-from packing import attention_cpu, paged_decode
+from packing import attention_cpu, batch_invariant, kernel_attention, paged_decode
 from packing.attention_cpu import KeySource
 from packing.flash import FA2_PAGE_MULTIPLE, flash_attn_available, flash_varlen
 from packing.varlen import VarlenMeta
 
-BACKENDS = ("auto", "flash", "sdpa_loop", "sdpa_padded", "sdpa_dense", "flex")
+BACKENDS = ("auto", "flash", "kernel", "sdpa_loop", "sdpa_padded", "sdpa_dense", "flex", "per_token")
 
 
 def store_kv(
@@ -130,6 +130,29 @@ def varlen_attention(
     auto = backend == "auto"
     if auto:
         backend = choose_backend(q, meta)
+        kv_dtype = (kv_cache[0] if kv_cache is not None else k).dtype
+        if backend != "flash" and (batch_invariant.is_enabled() or kv_cache is not None):
+            # generation steps (paged, any dtype) and batch-invariant mode: the compiled kernel,
+            # or its exact pure-PyTorch twin in batch-invariant mode when it was not built
+            if kernel_attention.usable(q, kv_dtype):
+                backend = "kernel"
+            elif batch_invariant.is_enabled():
+                backend = "per_token"
+    if batch_invariant.is_enabled() and backend not in ("kernel", "per_token"):
+        raise ValueError(
+            f"batch_invariant() needs an attention path with a fixed per-query order, but backend "
+            f"{backend!r} was chosen (device {q.device.type}, dtype {q.dtype}). nopad has one for CPU "
+            "tensors (the compiled kernel, or backend='per_token'); run the mode on CPU or leave it off."
+        )
+    if backend == "kernel":
+        kopts = dict(causal=causal, scale=scale, window=sliding_window, softcap=softcap)
+        if kv_cache is not None:
+            flat = [c.view(-1, *c.shape[2:]) for c in kv_cache]
+            return kernel_attention.forward(q, flat[0], flat[1], meta, table=table,
+                                            block_size=kv_cache[0].shape[1], **kopts)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return kernel_attention.KernelAttention.apply(q, k, v, meta, kopts)
+        return kernel_attention.forward(q, k, v, meta, **kopts)
     if backend == "flash":
         if kv_cache is not None and kv_cache[0].shape[1] % FA2_PAGE_MULTIPLE == 0:
             return flash_varlen(q, *kv_cache, meta, causal=causal, scale=scale, sliding_window=sliding_window,
@@ -152,6 +175,8 @@ def varlen_attention(
         src = KeySource(k, v, meta)
     if backend == "sdpa_padded":
         return attention_cpu.padded(q, src, **opts)
+    if backend == "per_token":
+        return _cat(attention_cpu.per_token(q, src, **opts), q)
     if kv_cache is not None and auto and paged_decode.usable(q, kv_cache, meta):
         return _decode_in_place(q, kv_cache, table, src, meta, opts)
     return _cat(attention_cpu.per_sequence(q, src, **opts), q)  # "sdpa_loop"

@@ -146,6 +146,31 @@ def per_sequence(q, src: KeySource, *, causal, scale, window, softcap, seqs=None
     return outs
 
 
+def per_token(q, src: KeySource, *, causal, scale, window, softcap) -> list:
+    """One SDPA call per query token over exactly the keys it sees: slow, but each token's result
+    depends on nothing else in the call, so it is the pure-PyTorch batch-invariant path (used by
+    :func:`packing.batch_invariant` when the compiled kernel is not built)."""
+    meta = src.meta
+    keys = src.splitter()
+    outs = []
+    for i, q_i in enumerate(q.split(list(meta.seqlens_q))):
+        lq, lk = meta.seqlens_q[i], meta.seqlens_k[i]
+        if lq == 0:
+            outs.append(q_i)
+            continue
+        k_i, v_i = (t.transpose(0, 1) for t in keys(i))  # (kv_heads, lk, dim)
+        rows = []
+        for t in range(lq):
+            pos = lk - lq + t
+            top = pos + 1 if causal else lk
+            bottom = max(0, pos - window + 1) if window is not None else 0
+            out = _sdpa(q_i[t][:, None], k_i[:, bottom:top], v_i[:, bottom:top], None, scale=scale,
+                        softcap=softcap)
+            rows.append(out[:, 0])
+        outs.append(torch.stack(rows))
+    return outs
+
+
 _PADDED_INDEX_MEMO: list = []  # [((meta, block_table, key), index)]: the last step's index
 
 
