@@ -26,7 +26,7 @@ from inference.request import Request, Sequence, Status, prompt_token_ids
 from inference.sampler import sample
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
-from packing.attention import choose_backend
+from packing.attention import BACKENDS, choose_backend
 from packing.blocks import BlockAllocator
 from packing.flash import FA2_PAGE_MULTIPLE, FLASH_DTYPES, can_read_pages, flash_attn_info
 
@@ -73,6 +73,8 @@ class Generator:
             raise ValueError("give num_blocks or kv_memory_bytes, not both")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating torch.dtype (torch.bfloat16, ...), got {dtype!r}")
+        if attn_backend is not None and attn_backend not in BACKENDS:
+            raise ValueError(f"unknown attn_backend {attn_backend!r}; choose one of {BACKENDS}")
         param = next(model.parameters())
         self.device, self.weight_dtype, self.requested_dtype = param.device, param.dtype, dtype
         self.attn_backend = attn_backend

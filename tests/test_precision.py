@@ -296,6 +296,8 @@ def test_generator_honours_attn_backend_and_dtype(monkeypatch, flash_standin):
     assert Generator(model, num_blocks=4).block_size == 16  # CPU, auto: the CPU path's default
     with pytest.raises(ValueError, match="dtype must be a floating"):
         Generator(model, dtype=torch.int8)
+    with pytest.raises(ValueError, match="unknown attn_backend 'fast'"):
+        Generator(model, attn_backend="fast")
 
 
 # ------------------------------------------------------------------ flash-attn versions
