@@ -373,3 +373,15 @@ def test_varlen_meta_to_keeps_int32_and_returns_self_on_the_same_device():
     moved = meta.to("meta")
     assert moved.device == torch.device("meta") and moved.block_table.device == torch.device("meta")
     assert moved.cu_seqlens_q.dtype == torch.int32 and moved.block_table.dtype == torch.int32
+
+
+def test_a_meta_on_another_device_is_moved_once_per_forward():
+    """DDP scatters tensors, not a VarlenMeta: the attention layer moves it to the query's device,
+    once for all layers of a forward (here "meta" stands for the GPU)."""
+    from packing.hf import _on_device
+
+    meta = VarlenMeta.from_lengths([3, 2])
+    assert _on_device(meta, torch.device("cpu")) is meta
+    moved = _on_device(meta, torch.device("meta"))
+    assert moved.device == torch.device("meta") and moved.position_ids.device == torch.device("meta")
+    assert _on_device(meta, torch.device("meta")) is moved  # the next layer reuses it
