@@ -1,4 +1,4 @@
-"""Builds the optional C++ hot paths in csrc/: the bin packer and the CPU paged decode attention.
+"""Builds the optional C++ hot paths in csrc/: the bin packer and the CPU varlen attention kernel.
 No torch at build time; a failed compile is not fatal (`optional=True`) because every compiled
 routine has a pure-Python/PyTorch fallback in packing/."""
 
@@ -16,14 +16,6 @@ ext_modules = [
     Pybind11Extension(
         "packing._varlen_attention",
         ["csrc/varlen_attention.cpp"],
-        cxx_std=17,
-        extra_compile_args=["-O3", "-fopenmp"],
-        extra_link_args=["-fopenmp"],
-        optional=True,
-    ),
-    Pybind11Extension(
-        "packing._paged_attention",
-        ["csrc/paged_attention.cpp"],
         cxx_std=17,
         extra_compile_args=["-O3", "-fopenmp"],
         extra_link_args=["-fopenmp"],

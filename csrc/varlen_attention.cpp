@@ -243,11 +243,14 @@ void run(const Problem& P, i64 num_seqs, int threads) {
 using iarray = py::array_t<i32, py::array::c_style | py::array::forcecast>;
 using larray = py::array_t<i64, py::array::c_style | py::array::forcecast>;
 
-void forward(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, int dtype, iarray cu_q, iarray lens_k,
-             py::object k_start, py::object table, i64 block_size, i64 H, i64 Hkv, i64 D, double scale,
-             double softcap, i64 window, bool causal, int threads) {
+void forward(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, int dtype, i64 key_rows, iarray cu_q,
+             iarray lens_k, py::object k_start, py::object table, i64 block_size, i64 H, i64 Hkv, i64 D,
+             double scale, double softcap, i64 window, bool causal, int threads) {
     const i64 num_seqs = lens_k.size();
     if (cu_q.size() != num_seqs + 1) throw std::invalid_argument("cu_q must have num_seqs + 1 entries");
+    for (i64 i = 0; i < num_seqs; ++i)
+        if (cu_q.data()[i + 1] - cu_q.data()[i] > lens_k.data()[i] || cu_q.data()[i + 1] < cu_q.data()[i])
+            throw std::invalid_argument("a sequence has more queries than keys");
     if (H % Hkv) throw std::invalid_argument("query heads must be a multiple of kv heads");
     larray starts;
     iarray tab;
@@ -264,10 +267,23 @@ void forward(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, int dtype, ia
         P.table = tab.data();
         P.table_width = tab.shape(1);
         P.block_size = block_size;
+        if (block_size < 1 || key_rows % block_size) throw std::invalid_argument("bad block size");
+        for (i64 i = 0; i < num_seqs; ++i) {
+            const i64 used = (lens_k.data()[i] + block_size - 1) / block_size;
+            if (used > P.table_width) throw std::invalid_argument("block table too narrow for the keys");
+            for (i64 b = 0; b < used; ++b) {
+                const i32 id = P.table[i * P.table_width + b];
+                if (id < 0 || id >= key_rows / block_size)
+                    throw std::invalid_argument("block id out of range of the KV cache");
+            }
+        }
     } else {
         starts = k_start.cast<larray>();
         if (starts.size() != num_seqs) throw std::invalid_argument("k_start must have num_seqs entries");
         P.k_start = starts.data();
+        for (i64 i = 0; i < num_seqs; ++i)
+            if (P.k_start[i] < 0 || P.k_start[i] + lens_k.data()[i] > key_rows)
+                throw std::invalid_argument("keys out of range of k/v");
     }
     P.H = H, P.Hkv = Hkv, P.D = D;
     P.scale = static_cast<float>(scale);
@@ -287,7 +303,7 @@ PYBIND11_MODULE(_varlen_attention, m) {
     m.doc() = "Varlen attention forward on CPU with a fixed per-query reduction order (see csrc/).";
     m.attr("BLOCK_KEYS") = BK;
     m.def("forward", &forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("dtype"),
-          py::arg("cu_q"), py::arg("lens_k"), py::arg("k_start"), py::arg("table"), py::arg("block_size"),
+          py::arg("key_rows"), py::arg("cu_q"), py::arg("lens_k"), py::arg("k_start"), py::arg("table"), py::arg("block_size"),
           py::arg("H"), py::arg("Hkv"), py::arg("D"), py::arg("scale"), py::arg("softcap"), py::arg("window"),
           py::arg("causal"), py::arg("threads"));
 }

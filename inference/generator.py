@@ -9,6 +9,7 @@ on :meth:`Generator.release`. Each :meth:`step` plans one varlen forward (schedu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -25,7 +26,9 @@ from inference.request import Request, Sequence, Status, prompt_token_ids
 from inference.sampler import sample
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
+from packing.attention import BACKENDS, choose_backend
 from packing.blocks import BlockAllocator
+from packing.flash import FA2_PAGE_MULTIPLE, FLASH_DTYPES, can_read_pages, flash_attn_info
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,15 @@ class Generator:
     ``max_num_seqs`` the most sequences decoding at once. The KV cache holds ``num_blocks``
     blocks of ``block_size`` tokens, or as many as fit in ``kv_memory_bytes`` (default: 1 GiB,
     capped at what ``max_num_seqs`` sequences of the model's full length need).
+
+    Precision and attention: the KV cache is kept in the compute dtype of attention - ``dtype``
+    if given (steps then run under ``torch.autocast`` in it when the weights are another dtype),
+    else the autocast dtype when the first step runs under ``torch.autocast``, else the weights'
+    dtype - so bf16 autocast over fp32 weights caches bf16 K/V, as the layers produce them.
+    ``attn_backend`` (default: the ``NOPAD_ATTN_BACKEND`` environment variable, else
+    :func:`packing.attention.choose_backend`'s rule) picks the attention backend of every step.
+    ``block_size`` defaults to 256 where flash-attn's paged varlen kernel runs (so it reads the
+    blocks in place; smaller blocks would make every layer gather the context), else 16.
     """
 
     def __init__(
@@ -47,17 +59,29 @@ class Generator:
         model: torch.nn.Module,
         tokenizer=None,
         *,
-        block_size: int = 16,
+        block_size: int | None = None,
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 128,
         num_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
+        dtype: torch.dtype | None = None,
+        attn_backend: str | None = None,
     ):
         if num_blocks is not None and kv_memory_bytes is not None:
             raise ValueError("give num_blocks or kv_memory_bytes, not both")
-        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating torch.dtype (torch.bfloat16, ...), got {dtype!r}")
+        if attn_backend is not None and attn_backend not in BACKENDS:
+            raise ValueError(f"unknown attn_backend {attn_backend!r}; choose one of {BACKENDS}")
+        param = next(model.parameters())
+        self.device, self.weight_dtype, self.requested_dtype = param.device, param.dtype, dtype
+        self.attn_backend = attn_backend
+        self.dtype = self.compute_dtype()
+        if block_size is None:
+            block_size = self.default_block_size()
+        for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -65,8 +89,8 @@ class Generator:
         config = model.config
         self.max_model_len = int(getattr(config, "max_position_embeddings", None) or 1 << 62)
         self.vocab_size = int(config.vocab_size)
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_blocks is None:
             per_block = bytes_per_block(config, block_size, self.dtype)
             num_blocks = (kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES) // per_block
@@ -122,7 +146,7 @@ class Generator:
             if self.scheduler.has_work() and not finished:
                 raise RuntimeError("the scheduler could not plan a step; this is a bug")
             return finished
-        with self._nopad_attention():
+        with self._nopad_attention(), self._autocast():
             logits, rows = self._ensure_runner().run(plan)
         now = time.perf_counter()
         for seq, n in zip(plan.seqs, plan.query_lens):
@@ -272,7 +296,9 @@ class Generator:
             self._next_id += 1
         elif request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        seed = params.seed
+        if seed is None:  # a host-side draw, whatever torch's default device is
+            seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         request = Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, seed,
                           time.perf_counter(), frozenset(stop_ids))
@@ -332,15 +358,44 @@ class Generator:
                 return self.tokenizer.decode(ids, skip_special_tokens=skip)
         return request.output(detok)
 
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype attention computes in now: ``dtype=``, else the autocast dtype, else the
+        weights' dtype (what :func:`packing.hf.compute_dtype` casts q/k/v to)."""
+        if self.requested_dtype is not None:
+            return self.requested_dtype
+        if torch.is_autocast_enabled(self.device.type):
+            return torch.get_autocast_dtype(self.device.type)
+        return self.weight_dtype
+
+    def default_block_size(self) -> int:
+        """256 where flash-attn reads the paged cache in place (FA2's varlen kernel needs a
+        multiple of 256), else 16. Decided for half precision: fp32 weights may run their steps
+        under autocast, which is only known when a step runs (fp32 steps take SDPA, which reads
+        256-token blocks as well)."""
+        half = self.dtype if self.dtype in FLASH_DTYPES else torch.bfloat16
+        backend = choose_backend(self.device, half, override=self.attn_backend)
+        if backend == "flash" and can_read_pages(flash_attn_info(), FA2_PAGE_MULTIPLE):
+            return FA2_PAGE_MULTIPLE
+        return 16
+
     def _ensure_runner(self) -> ModelRunner:
         if self._runner is None:
+            self.dtype = self.compute_dtype()  # autocast may be on now and not at construction
             self._kv_cache = KVCache(self.model.config, self.allocator.num_blocks, self.block_size,
                                      self.dtype, self.device)
-            self._runner = ModelRunner(self.model, self._kv_cache)
+            self._runner = ModelRunner(self.model, self._kv_cache, backend=self.attn_backend)
         return self._runner
 
     def _nopad_attention(self):
         return NopadAttention(self.model)
+
+    def _autocast(self):
+        """``dtype=`` other than the weights' (e.g. bf16 rollouts of an fp32 policy): run the step
+        under autocast in that dtype, as mixed-precision training runs the same layers."""
+        dtype = self.requested_dtype
+        if dtype is None or dtype == self.weight_dtype:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

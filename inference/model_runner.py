@@ -44,10 +44,11 @@ def build_step(
 class ModelRunner:
     """Owns nothing but references: the live model and the generator's KV cache."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache):
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, backend: str | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.device = next(model.parameters()).device
+        self.backend = backend or "auto"  # "auto": NOPAD_ATTN_BACKEND, else choose_backend's rule
 
     @torch.no_grad()
     def run(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
@@ -63,6 +64,7 @@ class ModelRunner:
             logits_to_keep=torch.tensor(keep, device=self.device),
             nopad_meta=meta,
             nopad_kv_cache=self.kv_cache,
+            nopad_backend=self.backend,
         )
         logits = out.logits[0]
         return (logits if rows else logits[:0]), rows

@@ -4,26 +4,33 @@ Tensors are flat, shaped ``(total_tokens, heads, head_dim)``; ``meta`` says wher
 starts. Keys may be longer than queries (cached context); the causal mask is aligned to the end
 of each sequence's keys.
 
-Backends (``backend=``): ``"flash"`` (flash-attn 2, CUDA), ``"sdpa_loop"`` (one SDPA call per
+Backends (``backend=``): ``"flash"`` (flash-attn 2 or 3, CUDA), ``"sdpa_loop"`` (one SDPA call per
 sequence), ``"sdpa_padded"`` (one padded SDPA call for all sequences), ``"sdpa_dense"`` (one SDPA
 with a block-diagonal mask), ``"flex"`` (FlexAttention with a document mask; forward only on
-CPU), and ``"auto"`` (:func:`choose_backend`): flash-attn on CUDA when installed, otherwise
-per-sequence SDPA, the fastest exact CPU path measured in ``benchmarks/bench_attention.py``.
+CPU), and ``"auto"``. Which one runs is decided in one place, :func:`choose_backend`: flash-attn
+for fp16/bf16 on CUDA when installed, otherwise per-sequence SDPA (the fastest exact CPU path
+measured in ``benchmarks/bench_attention.py``); ``NOPAD_ATTN_BACKEND`` overrides ``"auto"``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+import warnings
 
-import numpy as np
 import torch
 
-from packing import attention_cpu, batch_invariant, kernel_attention, paged_decode
+from packing import attention_cpu, batch_invariant, kernel_attention
 from packing.attention_cpu import KeySource
-from packing.flash import FA2_PAGE_MULTIPLE, flash_attn_available, flash_varlen
+from packing.flash import FLASH_DTYPES, can_read_pages, flash_attn_info, flash_varlen
 from packing.varlen import VarlenMeta
 
+logger = logging.getLogger(__name__)
+
 BACKENDS = ("auto", "flash", "kernel", "sdpa_loop", "sdpa_padded", "sdpa_dense", "flex", "per_token")
+BACKEND_ENV = "NOPAD_ATTN_BACKEND"  # overrides backend="auto" everywhere (training and generator)
+_SAID: set = set()  # choices and warnings already logged (each is said once per process)
 
 
 def store_kv(
@@ -54,17 +61,95 @@ def gather_kv(
     return src.k.index_select(0, rows), src.v.index_select(0, rows)
 
 
-def choose_backend(q: torch.Tensor, meta: VarlenMeta) -> str:
-    """The ``"auto"`` rule: flash-attn on CUDA when installed, else per-sequence SDPA for every
-    shape. Measured on CPU (benchmarks/bench_attention.py, torch 2.13, 1 thread): per-sequence
-    SDPA beats one padded call both for training rows (documents of 8-1,024 tokens: the padded
-    call does up to 4x the work) and for decode steps (64 sequences x ~300 cached tokens: 14 ms
-    vs 41 ms; the padded call gathers and masks the padding), and beats a dense block-diagonal
-    mask and compiled FlexAttention (forward only on CPU) by 3-30x (8,192 tokens: 134 ms forward,
-    429 ms forward+backward)."""
-    if q.is_cuda and flash_attn_available():
-        return "flash"
-    return "sdpa_loop"
+def _say_once(key, message: str, *args, warn: bool = False) -> None:
+    if key in _SAID:
+        return
+    _SAID.add(key)
+    if warn:
+        warnings.warn(message % args, RuntimeWarning, stacklevel=3)
+    else:
+        logger.info(message, *args)
+
+
+def choose_backend(
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    override: str | None = None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    paged: bool = False,
+) -> str:
+    """The one rule for which attention path runs, given the query's device and compute dtype,
+    what is installed, what the layer needs, and an override (``override=`` / ``backend=``, else
+    the ``NOPAD_ATTN_BACKEND`` environment variable). Logged once per distinct decision.
+
+    - ``"auto"``: flash-attn only for fp16/bf16 on CUDA when it is installed, imports and has
+      what the layer needs (softcap, window); fp32 on CUDA gets per-sequence SDPA (exact) with a
+      one-time warning saying how to get flash; everything else per-sequence SDPA. Measured on
+      CPU (benchmarks/bench_attention.py, torch 2.13, 1 thread): per-sequence SDPA beats one
+      padded call both for training rows (documents of 8-1,024 tokens: the padded call does up to
+      4x the work) and for decode steps (64 sequences x ~300 cached tokens: 14 ms vs 41 ms), and
+      beats a dense block-diagonal mask and compiled FlexAttention (forward only on CPU) by
+      3-30x (8,192 tokens: 134 ms forward, 429 ms forward+backward).
+    - ``"auto"`` off CUDA for a generation step (``paged``, K/V in blocks) or inside
+      :func:`packing.batch_invariant`: the compiled kernel (``"kernel"``, fp32/bf16/fp16, keys read
+      in place, a fixed per-query order); without the compiled kernel, per-sequence SDPA, or in
+      batch-invariant mode ``"per_token"`` (its exact pure-PyTorch twin, slow).
+    - ``"flash"`` forced: flash-attn on any device (for debugging, and for the tests' CPU
+      stand-in). fp32 still goes to SDPA (flash-attn rejects it); a missing flash-attn or a
+      feature the installed version lacks is an error instead of a fallback.
+    - any other name: that backend.
+    """
+    requested = override if override not in (None, "auto") else (os.environ.get(BACKEND_ENV) or "auto")
+    if requested not in BACKENDS:
+        source = "backend=" if override not in (None, "auto") else f"{BACKEND_ENV}="
+        raise ValueError(f"unknown attention backend {source}{requested!r}; choose one of {BACKENDS}")
+    if requested not in ("auto", "flash"):
+        choice = requested
+    elif requested == "auto" and torch.device(device).type != "cuda":
+        invariant = batch_invariant.is_enabled()
+        choice = "sdpa_loop"
+        if (invariant or paged) and kernel_attention.usable(device, dtype):
+            choice = "kernel"
+        elif invariant:
+            choice = "per_token"
+    else:
+        choice = _flash_or_sdpa(requested, dtype, softcap, sliding_window)
+    _say_once(("choice", str(device), dtype, requested, choice),
+              "nopad attention on %s %s: %s (requested %s)", device, dtype, choice, requested)
+    return choice
+
+
+def _flash_or_sdpa(requested: str, dtype: torch.dtype, softcap, sliding_window) -> str:
+    """flash-attn if it can serve this call, else SDPA (auto) or an error (forced)."""
+    info = flash_attn_info()
+    if info is None:
+        if requested == "flash":
+            raise RuntimeError(f"attention backend 'flash' was requested ({BACKEND_ENV} or backend=) but "
+                               "flash-attn is not installed or does not import; pip install flash-attn")
+        _say_once("no-flash", "nopad: flash-attn is not installed; CUDA attention runs per-sequence SDPA "
+                  "(pip install flash-attn for the varlen kernel)")
+        return "sdpa_loop"
+    if dtype not in FLASH_DTYPES:
+        _say_once(("fp32", dtype),
+                  "nopad: flash-attn runs fp16/bf16 only, so %s attention runs per-sequence SDPA (exact, "
+                  "slower). To use flash-attn, train under torch.autocast('cuda', dtype=torch.bfloat16) "
+                  "(Accelerate mixed_precision='bf16') or load the model with dtype=torch.bfloat16.",
+                  dtype, warn=True)
+        return "sdpa_loop"
+    missing = info.missing(softcap=softcap, sliding_window=sliding_window)
+    if missing is not None:
+        if requested == "flash":
+            raise ValueError(f"attention backend 'flash' was requested but the installed {info} has no "
+                             f"{missing}, which this layer needs; upgrade flash-attn or use "
+                             "backend='sdpa_loop'")
+        _say_once(("missing", missing),
+                  "nopad: the installed %s has no %s; those layers run per-sequence SDPA. Upgrade "
+                  "flash-attn (pip install -U flash-attn) to run them on flash-attn.", info, missing,
+                  warn=True)
+        return "sdpa_loop"
+    return "flash"
 
 
 def varlen_attention(
@@ -127,40 +212,43 @@ def varlen_attention(
     if q.shape[1] % kv_heads:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({kv_heads})")
 
-    auto = backend == "auto"
-    if auto:
-        backend = choose_backend(q, meta)
-        kv_dtype = (kv_cache[0] if kv_cache is not None else k).dtype
-        if backend != "flash" and (batch_invariant.is_enabled() or kv_cache is not None):
-            # generation steps (paged, any dtype) and batch-invariant mode: the compiled kernel,
-            # or its exact pure-PyTorch twin in batch-invariant mode when it was not built
-            if kernel_attention.usable(q, kv_dtype):
-                backend = "kernel"
-            elif batch_invariant.is_enabled():
-                backend = "per_token"
+    backend = choose_backend(q.device, q.dtype, override=backend, softcap=softcap,
+                             sliding_window=sliding_window, paged=kv_cache is not None)
     if batch_invariant.is_enabled() and backend not in ("kernel", "per_token"):
         raise ValueError(
             f"batch_invariant() needs an attention path with a fixed per-query order, but backend "
             f"{backend!r} was chosen (device {q.device.type}, dtype {q.dtype}). nopad has one for CPU "
             "tensors (the compiled kernel, or backend='per_token'); run the mode on CPU or leave it off."
         )
+    if k is not None and (k.dtype != q.dtype or v.dtype != q.dtype):
+        k, v = k.to(q.dtype), v.to(q.dtype)  # one compute dtype, as flash-attn and SDPA require
+    if backend == "flash":
+        flash = dict(causal=causal, scale=scale, sliding_window=sliding_window, softcap=softcap)
+        if kv_cache is None:
+            return flash_varlen(q, k, v, meta, **flash)
+        block_size = kv_cache[0].shape[1]
+        if can_read_pages(flash_attn_info(), block_size) and kv_cache[0].dtype == q.dtype:
+            return flash_varlen(q, *kv_cache, meta, **flash, block_table=table)
+        _say_once(("gather", block_size), "nopad: flash-attn cannot read KV blocks of %d tokens in place; "
+                  "every layer gathers the context first (use Generator(block_size=256) with flash-attn 2)",
+                  block_size)
+        k, v = gather_kv(kv_cache, table, meta)
+        return flash_varlen(q, k, v, meta, **flash)
+    if kv_cache is not None and kv_cache[0].dtype != q.dtype:  # a cache kept in another dtype
+        k, v = (t.to(q.dtype) for t in gather_kv(kv_cache, table, meta))
+        kv_cache = None
     if backend == "kernel":
         kopts = dict(causal=causal, scale=scale, window=sliding_window, softcap=softcap)
-        if kv_cache is not None:
+        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v))
+        if kv_cache is not None and not grad:  # a generation step: keys read in place
             flat = [c.view(-1, *c.shape[2:]) for c in kv_cache]
             return kernel_attention.forward(q, flat[0], flat[1], meta, table=table,
                                             block_size=kv_cache[0].shape[1], **kopts)
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            return kernel_attention.KernelAttention.apply(q, k, v, meta, kopts)
-        return kernel_attention.forward(q, k, v, meta, **kopts)
-    if backend == "flash":
-        if kv_cache is not None and kv_cache[0].shape[1] % FA2_PAGE_MULTIPLE == 0:
-            return flash_varlen(q, *kv_cache, meta, causal=causal, scale=scale, sliding_window=sliding_window,
-                                softcap=softcap, block_table=table)
         if kv_cache is not None:
             k, v = gather_kv(kv_cache, table, meta)
-        return flash_varlen(q, k, v, meta, causal=causal, scale=scale, sliding_window=sliding_window,
-                            softcap=softcap)
+        if grad:
+            return kernel_attention.KernelAttention.apply(q, k, v, meta, kopts)
+        return kernel_attention.forward(q, k, v, meta, **kopts)
     if backend in ("sdpa_dense", "flex"):
         if kv_cache is not None:
             k, v = gather_kv(kv_cache, table, meta)
@@ -177,27 +265,7 @@ def varlen_attention(
         return attention_cpu.padded(q, src, **opts)
     if backend == "per_token":
         return _cat(attention_cpu.per_token(q, src, **opts), q)
-    if kv_cache is not None and auto and paged_decode.usable(q, kv_cache, meta):
-        return _decode_in_place(q, kv_cache, table, src, meta, opts)
     return _cat(attention_cpu.per_sequence(q, src, **opts), q)  # "sdpa_loop"
-
-
-def _decode_in_place(q, kv_cache, table, src: KeySource, meta: VarlenMeta, opts: dict) -> torch.Tensor:
-    """A generation step on CPU: decode tokens through the compiled paged kernel (keys read in
-    place), prefill chunks of the same step through per-sequence SDPA."""
-    decode, rows, table_rows, lens, others = paged_decode.split_step(meta, table)
-    decoded = paged_decode.attend_decode(
-        q.index_select(0, rows), kv_cache, table_rows, lens,
-        scale=opts["scale"], window=opts["window"], softcap=opts["softcap"],
-    )
-    if not others:
-        return decoded if len(decode) == meta.num_seqs else q.new_zeros(q.shape).index_copy_(0, rows, decoded)
-    pieces = attention_cpu.per_sequence(q, src, **opts, seqs=others)
-    out = q.new_zeros(q.shape)
-    out.index_copy_(0, rows, decoded)
-    starts = np.concatenate(([0], np.cumsum(meta.seqlens_q)))
-    prefill_rows = torch.from_numpy(np.concatenate([np.arange(starts[i], starts[i + 1]) for i in others]))
-    return out.index_copy_(0, prefill_rows, torch.cat(pieces, 0))
 
 
 def _cat(pieces: list, q: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,15 @@ Generation step (paged K/V) — the generator passes::
 
 Layer options come from the module call, as transformers passes them: ``scaling``,
 ``sliding_window`` (Mistral; Gemma2/Qwen2 per layer type), ``softcap`` (Gemma2), and
-``module.is_causal`` / ``module.layer_idx``.
+``module.is_causal`` / ``module.layer_idx``. Any other attention argument that carries a value
+(e.g. GPT-OSS's attention sinks ``s_aux``) is an error naming the model: nopad would otherwise
+compute attention without it.
+
+Precision and devices: q, k and v are cast to one compute dtype first, as transformers does for
+flash-attn (the autocast dtype under ``torch.autocast``, else the layer's weight dtype: RoPE
+leaves q/k in fp32 under bf16 autocast while v is bf16). Boundaries derived here are built on
+the query's device, and a ``nopad_meta`` on another device (DDP does not scatter it) is moved
+with :meth:`VarlenMeta.to` once per forward.
 
 Keeping ``attn_implementation="sdpa"``/``"eager"``/``"flash_attention_2"`` instead: transformers'
 own packed path runs (it derives a block-diagonal mask, or FA2 varlen, from packed
@@ -59,23 +67,73 @@ NOPAD_ATTENTION = "nopad"
 CALLS = {"nopad_attention": 0}  # how many attention calls ran through nopad (for verify)
 _META_MEMO: list = []  # [(position_ids, version, shape, meta)]: boundaries derived this forward
 _CHECKED: list = []  # [(meta, position_ids, version)]: last pair checked for consistency
+_MOVED: list = []  # [(meta, device, moved meta)]: the last nopad_meta moved to the query's device
+
+# keyword arguments transformers passes to every attention call that need nothing from us:
+# TransformersKwargs / FlashAttentionKwargs (the boundaries come from nopad_meta/position_ids)
+HARMLESS_KWARGS = frozenset({
+    "use_cache", "cache_position", "past_key_values", "output_attentions", "output_hidden_states",
+    "output_router_logits", "return_dict", "num_items_in_batch", "cu_seq_lens_q", "cu_seq_lens_k",
+    "max_length_q", "max_length_k", "seq_idx", "layer_idx",
+})
 
 
-def _derive_meta(position_ids: torch.Tensor | None, batch: int, q_len: int, k_len: int) -> VarlenMeta:
+def _derive_meta(position_ids: torch.Tensor | None, batch: int, q_len: int, k_len: int,
+                 device: torch.device) -> VarlenMeta:
     """Boundaries when the caller passed no ``nopad_meta``: transformers' own cache (decode with
-    ``generate``), packed ``position_ids``, or one sequence per batch row. Derived once per
-    forward (memoised on the ``position_ids`` tensor every layer receives)."""
+    ``generate``), packed ``position_ids``, or one sequence per batch row, on the query's
+    ``device``. Derived once per forward (memoised on the ``position_ids`` tensor every layer
+    receives)."""
     if k_len != q_len:  # transformers' DynamicCache: each row is one sequence with context
-        return VarlenMeta.for_step([q_len] * batch, [k_len - q_len] * batch)
+        return VarlenMeta.for_step([q_len] * batch, [k_len - q_len] * batch, device=device)
     if position_ids is None:
-        return VarlenMeta.from_lengths([q_len] * batch)
-    key = (position_ids._version, tuple(position_ids.shape), batch)
+        return VarlenMeta.from_lengths([q_len] * batch, device=device)
+    key = (position_ids._version, tuple(position_ids.shape), batch, device)
     if _META_MEMO and _META_MEMO[0][0] is position_ids and _META_MEMO[0][1] == key:
         return _META_MEMO[0][2]
     pos = position_ids.expand(batch, -1) if position_ids.shape[0] != batch else position_ids
-    meta = VarlenMeta.from_position_ids(pos.reshape(-1))
+    meta = VarlenMeta.from_position_ids(pos.reshape(-1)).to(device)
     _META_MEMO[:] = [(position_ids, key, meta)]
     return meta
+
+
+def _on_device(meta: VarlenMeta, device: torch.device) -> VarlenMeta:
+    """``meta`` on the query's device (moved once per forward: every layer gets the same meta)."""
+    if meta.cu_seqlens_q.device == device:
+        return meta
+    if _MOVED and _MOVED[0][0] is meta and _MOVED[0][1] == device:
+        return _MOVED[0][2]
+    moved = meta.to(device)
+    _MOVED[:] = [(meta, device, moved)]
+    return moved
+
+
+def compute_dtype(module: torch.nn.Module, query: torch.Tensor) -> torch.dtype:
+    """The one dtype q, k and v are cast to, chosen as transformers does for flash-attn: the
+    autocast dtype when autocast is on for the query's device, else the layer's weight dtype
+    (for a quantized layer, the model's ``config.dtype``)."""
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    weight = next((p for p in module.parameters() if p.is_floating_point()), None)
+    if weight is not None and weight.dtype.itemsize > 1:
+        return weight.dtype
+    config_dtype = getattr(getattr(module, "config", None), "dtype", None)
+    return config_dtype if isinstance(config_dtype, torch.dtype) else query.dtype
+
+
+def _check_kwargs(module: torch.nn.Module, kwargs: dict) -> None:
+    """An attention argument we do not implement but that carries a value would be silently
+    dropped (e.g. GPT-OSS's attention sinks ``s_aux``): refuse it, naming the model."""
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in HARMLESS_KWARGS)
+    if unknown:
+        config = getattr(module, "config", None)
+        family = getattr(config, "model_type", None) or "unknown"
+        raise ValueError(
+            f"{type(module).__name__} (model_type {family!r}) passes attention argument(s) {unknown} that "
+            "nopad attention does not implement; its output would be wrong without them. Keep this model on "
+            "attn_implementation='eager'/'sdpa', or open an issue to add support."
+        )
 
 
 def _check_positions(meta: VarlenMeta, position_ids: torch.Tensor | None) -> None:
@@ -125,22 +183,26 @@ def nopad_attention(
         raise ValueError("nopad attention does not implement attention dropout; set attention_dropout=0")
     if isinstance(attention_mask, torch.Tensor):
         raise ValueError("nopad attention takes no attention mask; pack the sequences instead of padding")
+    is_causal = kwargs.pop("is_causal", None)
+    _check_kwargs(module, kwargs)
     batch, heads, q_len, dim = query.shape
+    device = query.device
     if nopad_meta is None:
         if nopad_kv_cache is not None:
             raise ValueError("nopad_kv_cache needs nopad_meta (with block_table and slot_mapping)")
-        meta = _derive_meta(position_ids, batch, q_len, key.shape[2])
+        meta = _derive_meta(position_ids, batch, q_len, key.shape[2], device)
     else:
-        meta = nopad_meta
+        meta = _on_device(nopad_meta, device)
         _check_positions(meta, position_ids)
     if meta.total_q != batch * q_len:
         raise ValueError(f"nopad_meta describes {meta.total_q} tokens but the batch has {batch} x {q_len}")
-    q = query.transpose(1, 2).reshape(batch * q_len, heads, dim)
-    k = key.transpose(1, 2).reshape(-1, key.shape[1], dim)
-    v = value.transpose(1, 2).reshape(-1, value.shape[1], dim)
+    dtype = compute_dtype(module, query)
+    q = query.transpose(1, 2).reshape(batch * q_len, heads, dim).to(dtype)
+    k = key.transpose(1, 2).reshape(-1, key.shape[1], dim).to(dtype)
+    v = value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[-1]).to(dtype)
     out = varlen_attention(
         q, k, v, meta,
-        causal=getattr(module, "is_causal", True),
+        causal=getattr(module, "is_causal", True) if is_causal is None else bool(is_causal),
         softmax_scale=scaling,
         sliding_window=sliding_window,
         softcap=softcap,

@@ -27,15 +27,10 @@ def kernel() -> ModuleType | None:
     return load_extension("packing._varlen_attention", "varlen attention kernel", "PyTorch attention")
 
 
-def usable(q: torch.Tensor, kv_dtype: torch.dtype) -> bool:
-    """True when the kernel can serve this call: CPU, a supported dtype shared by q and K/V."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype in DTYPE_CODES
-        and kv_dtype == q.dtype
-        and q.shape[-1] <= MAX_HEAD_DIM
-        and kernel() is not None
-    )
+def usable(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """True when the kernel can serve attention on ``device`` in ``dtype`` (it was built, CPU,
+    fp32/bf16/fp16). Head dims above MAX_HEAD_DIM are refused by :func:`forward`."""
+    return torch.device(device).type == "cpu" and dtype in DTYPE_CODES and kernel() is not None
 
 
 _STEP_MEMO: list = []  # [(meta, table, arrays)]: every layer of a forward shares the host arrays
@@ -71,6 +66,11 @@ def forward(
     """Attention output ``(total_q, heads, dim)`` in q's dtype. ``k``/``v`` are flat
     ``(total_k, kv_heads, dim)`` keys, or with ``table`` a paged cache flattened to
     ``(blocks * block_size, kv_heads, dim)``. No autograd (see :class:`KernelAttention`)."""
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"the attention kernel takes head_dim <= {MAX_HEAD_DIM}, got {q.shape[-1]}")
+    if not (q.dtype == k.dtype == v.dtype) or k.shape != v.shape or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q, k, v must share dtype and head dim: {q.dtype} {tuple(q.shape)}, "
+                         f"{k.dtype} {tuple(k.shape)}, {v.dtype} {tuple(v.shape)}")
     q = q.detach().contiguous()
     k, v = k.detach().contiguous(), v.detach().contiguous()
     out = torch.empty_like(q)
@@ -78,7 +78,7 @@ def forward(
         return out
     cu_q, lens_k, starts, tab = _host_arrays(meta, table)
     kernel().forward(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), DTYPE_CODES[q.dtype],
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), DTYPE_CODES[q.dtype], k.shape[0],
         cu_q, lens_k, starts, tab, int(block_size), q.shape[1], k.shape[1], q.shape[2],
         float(scale), float(softcap or 0.0), int(window or 0), bool(causal), torch.get_num_threads(),
     )

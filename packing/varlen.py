@@ -78,7 +78,8 @@ class VarlenMeta:
     ) -> VarlenMeta:
         """A generation step: sequence ``i`` brings ``query_lens[i]`` new tokens on top of
         ``context_lens[i]`` already cached ones, so its keys are ``context + query`` long and
-        its positions start at ``context_lens[i]``."""
+        its positions start at ``context_lens[i]``. Tensors go to ``device`` (default CPU, where
+        collators build; code that builds a meta for a forward passes the query's device)."""
         q = _as_lengths(query_lens, "query_lens")
         ctx = _as_lengths(context_lens, "context_lens")
         if q.shape != ctx.shape:
@@ -186,10 +187,19 @@ class VarlenMeta:
             list(self.seqlens_q) + [extra], device=self.cu_seqlens_q.device
         )
 
-    def to(self, device: torch.device | str) -> VarlenMeta:
+    @property
+    def device(self) -> torch.device:
+        return self.cu_seqlens_q.device
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> VarlenMeta:
+        """The same record with every tensor on ``device`` (dtypes kept: cu_seqlens and the block
+        table stay int32). The one helper that moves a meta: batches (``move_batch``), DDP inputs
+        and the attention layer itself (a meta on another device than the query) all use it."""
         dev = torch.device(device)
+        if self.device == dev and (self.block_table is None or self.block_table.device == dev):
+            return self
         moved = {
-            name: getattr(self, name).to(dev)
+            name: getattr(self, name).to(dev, non_blocking=non_blocking)
             for name in (
                 "cu_seqlens_q", "cu_seqlens_k", "position_ids", "seq_idx",
                 "block_table", "slot_mapping",

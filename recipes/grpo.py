@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from dataloaders.loader import move_batch
 from recipes.config import check_model_path, load_config, load_model, require
 from recipes.tasks import TASKS, encode_prompt, get_reward, load_examples
 
@@ -200,7 +201,9 @@ def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[l
     if accelerator is not None and accelerator.num_processes > 1:
         num_loss_tokens = accelerator.reduce(num_loss_tokens, reduction="sum")
     gaps, losses, clipped = [], [], 0
+    device = next(model.parameters()).device
     for row in rows:
+        row = move_batch(row, device)  # as SFT does: CPU rows (and their VarlenMeta) to the model
         logp = packed_logprobs(model, row)
         gen_lp, adv = row["gen_logprobs"].to(logp.device), row["advantages"].to(logp.device)
         gaps.append((logp.detach() - gen_lp).abs())

@@ -1,13 +1,10 @@
 """Exactness of every varlen attention backend against a naive per-sequence reference, including
-paged K/V (random block tables, block sizes 1/16/256), decode and chunked prefill, and the
-arguments the flash-attn dispatch hands to ``flash_attn_varlen_func``."""
+paged K/V (random block tables, block sizes 1/16/256), decode and chunked prefill. The flash-attn
+dispatch is tested against a strict stand-in in tests/test_precision.py."""
 
 from __future__ import annotations
 
-import inspect
 import math
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -171,74 +168,3 @@ def test_clear_errors():
         varlen_attention(q, rand(5, 3, 1), rand(5, 3, 1), meta)
     with pytest.raises(ValueError, match="needs a block_table"):
         varlen_attention(q, None, None, meta, kv_cache=(torch.zeros(2, 4, HKV, D),) * 2)
-
-
-# ------------------------------------------------------------------ flash-attn dispatch
-def _fake_flash_attn(calls):
-    """A stand-in ``flash_attn`` module with FA2's documented ``flash_attn_varlen_func``
-    signature; it checks argument types as the CUDA kernel does, records them, and computes the
-    answer with the naive reference so the result can be checked too."""
-
-    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                               softcap=0.0, alibi_slopes=None, deterministic=False,
-                               return_attn_probs=False, block_table=None):
-        calls.append({name: value for name, value in locals().items() if name != "calls"})
-        assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
-        assert type(max_seqlen_q) is int and type(max_seqlen_k) is int
-        assert isinstance(window_size, tuple) and len(window_size) == 2
-        assert all(type(w) is int for w in window_size)
-        assert type(softcap) is float and type(softmax_scale) is float and type(causal) is bool
-        meta = VarlenMeta.for_step(
-            torch.diff(cu_seqlens_q).tolist(),
-            (torch.diff(cu_seqlens_k) - torch.diff(cu_seqlens_q)).tolist(),
-        )
-        if block_table is not None:
-            assert block_table.dtype == torch.int32 and block_table.stride(-1) == 1
-            assert k.dim() == 4 and k.shape[1] % 256 == 0, "FA2 paged varlen needs page size % 256 == 0"
-            k, v = gather_kv((k, v), block_table, meta)
-        window = None if window_size == (-1, -1) else window_size[0] + 1
-        softcap = softcap or None
-        return naive(q, k, v, meta, causal=causal, scale=softmax_scale, window=window, softcap=softcap)
-
-    module = types.ModuleType("flash_attn")
-    module.flash_attn_varlen_func = flash_attn_varlen_func
-    module.__spec__ = types.SimpleNamespace(name="flash_attn")
-    return module
-
-
-def test_flash_dispatch_arguments(monkeypatch):
-    calls = []
-    monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_attn(calls))
-    meta = VarlenMeta.for_step([1, 4, 6], [9, 5, 0])
-    q, k, v = rand(meta.total_q, H, 20), rand(meta.total_k, HKV, 21), rand(meta.total_k, HKV, 22)
-    out = varlen_attention(q, k, v, meta, sliding_window=3, softcap=2.0, softmax_scale=0.25, backend="flash")
-    torch.testing.assert_close(out, naive(q, k, v, meta, scale=0.25, window=3, softcap=2.0))
-    (call,) = calls
-    assert call["window_size"] == (2, 0) and call["softcap"] == 2.0 and call["causal"] is True
-    assert call["dropout_p"] == 0.0 and call["block_table"] is None
-    assert call["cu_seqlens_q"].tolist() == [0, 1, 5, 11] and call["cu_seqlens_k"].tolist() == [0, 10, 19, 25]
-    assert (call["max_seqlen_q"], call["max_seqlen_k"]) == (6, 10)
-    # every argument we pass is a named parameter of the documented signature (else TypeError)
-    assert set(call) == set(inspect.signature(sys.modules["flash_attn"].flash_attn_varlen_func).parameters)
-
-    # no window / no softcap: flash-attn's "off" values
-    calls.clear()
-    varlen_attention(q, k, v, meta, backend="flash")
-    assert calls[0]["window_size"] == (-1, -1) and calls[0]["softcap"] == 0.0
-
-
-@pytest.mark.parametrize("block_size,paged", [(256, True), (16, False)])
-def test_flash_dispatch_paged(monkeypatch, block_size, paged):
-    """Pages that are a multiple of 256 go to the kernel with block_table; smaller pages are
-    gathered first (FA2's varlen kernel rejects them)."""
-    calls = []
-    monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_attn(calls))
-    meta = VarlenMeta.for_step([1, 3], [300, 2])
-    q, k, v = rand(meta.total_q, H, 23), rand(meta.total_k, HKV, 24), rand(meta.total_k, HKV, 25)
-    cache, table, _ = _paged(meta, k, v, block_size, seed=1)
-    out = varlen_attention(q, None, None, meta, kv_cache=cache, block_table=table, backend="flash")
-    torch.testing.assert_close(out, naive(q, k, v, meta), atol=1e-5, rtol=1e-5)
-    (call,) = calls
-    assert (call["block_table"] is not None) == paged
-    assert call["k"].dim() == (4 if paged else 3)

@@ -107,7 +107,8 @@ def test_each_query_is_the_same_alone_packed_chunked_and_paged(lengths, block_si
     start = 0
     for n in lengths:
         sl = slice(start, start + n)
-        alone = kernel_attention.forward(q[sl], k[sl], v[sl], VarlenMeta.from_lengths([n]), **opts)
+        alone = kernel_attention.forward(q[sl], k[sl], v[sl], VarlenMeta.from_lengths([n]),
+                                         **opts)
         assert torch.equal(alone, packed[sl])
         # the sequence's K/V in a paged cache with scattered blocks, queried chunk by chunk
         blocks = -(-n // block_size)
@@ -149,7 +150,8 @@ def test_pure_pytorch_path_is_invariant_too():
     q, k, v = _qkv(14, 14, 4, 2, 16, torch.bfloat16, seed=4)
     opts = dict(causal=True, scale=0.25, window=None, softcap=None)
     packed = torch.cat(attention_cpu.per_token(q, KeySource(k, v, meta), **opts))
-    alone = torch.cat(attention_cpu.per_token(q[5:], KeySource(k[5:], v[5:], VarlenMeta.from_lengths([9])), **opts))
+    second = KeySource(k[5:], v[5:], VarlenMeta.from_lengths([9]))
+    alone = torch.cat(attention_cpu.per_token(q[5:], second, **opts))
     assert torch.equal(packed[5:], alone)
     ref = torch.cat(attention_cpu.per_sequence(q.float(), KeySource(k.float(), v.float(), meta), **opts))
     assert (packed.float() - ref).abs().max() < 2e-2
@@ -195,14 +197,14 @@ def test_op_audit_every_gemm_is_a_fixed_tile_and_every_reduction_is_row_local(fa
     for func, args, kwargs in log.calls:
         seen.add(func)
         if func in GEMMS:
-            a, b = (args[1], args[2]) if func in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default) \
-                else (args[0], args[1])
-            assert a.shape[-2] == TILE_ROWS or a.shape[-1] == 1, f"{func} on {tuple(a.shape)} x {tuple(b.shape)}"
+            with_bias = func in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default)
+            a, b = (args[1], args[2]) if with_bias else (args[0], args[1])
+            assert a.shape[-2] == TILE_ROWS or a.shape[-1] == 1, f"{func}: {tuple(a.shape)} @ {tuple(b.shape)}"
         elif func in REDUCTIONS:
             dims = args[1] if len(args) > 1 else kwargs.get("dim")
             dims = [dims] if isinstance(dims, int) else list(dims or [])
             last = args[0].dim() - 1
-            assert dims and all(d in (-1, last) for d in dims), f"{func} over dims {dims} of {tuple(args[0].shape)}"
+            assert dims and all(d in (-1, last) for d in dims), f"{func} over {dims}"
     assert seen & GEMMS, "the audit saw no GEMM: the forward did not run through the mode"
 
 
