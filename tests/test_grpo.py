@@ -38,7 +38,7 @@ def test_overrides_parse_yaml_values_and_nest():
     cfg = config(**{"rollout.num_generations": 8, "train.is_correction": "tis"})
     assert cfg["rollout"]["num_generations"] == 8
     assert cfg["train"]["is_correction"] == "tis"
-    assert cfg["rollout"]["max_tokens"] == 16  # untouched defaults survive
+    assert cfg["rollout"]["max_tokens"] == 48  # untouched defaults survive
 
 
 def test_unknown_key_is_an_error_naming_it():
@@ -57,7 +57,8 @@ def test_missing_model_path_fails_fast():
 
 
 def test_batch_larger_than_cache_fails_fast():
-    cfg = config(**{"rollout.prompts_per_step": 8, "rollout.num_generations": 8, "generator.num_blocks": 64})
+    cfg = config(**{"rollout.prompts_per_step": 8, "rollout.num_generations": 8, "rollout.max_tokens": 16,
+                    "generator.num_blocks": 64})
     # 64 sequences of up to 64 + 16 tokens = 5 blocks each = 320 blocks > 64
     with pytest.raises(ValueError) as err:
         validate_config(cfg)
@@ -175,7 +176,8 @@ def ids_checksum_reward(completion: str, example: dict) -> float:
 
 def tiny_config(**overrides):
     base = {"model": {"path": None, "chat_template": False}, "reward": "tests.test_grpo:ids_checksum_reward",
-            "task": {"num_prompts": 8}, "rollout": {"prompts_per_step": 2, "max_tokens": 8},
+            "task": {"num_prompts": 8},
+            "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_tokens": 8},
             "generator": {"num_blocks": 64, "max_num_batched_tokens": 256}, "train": {"steps": 1, "lr": 1e-3}}
     return update_config(load_config(DEFAULT_CONFIG, overrides=base), overrides)
 
@@ -289,7 +291,7 @@ def test_two_processes_keep_identical_weights(tmp_path):
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
     overrides = ["model.path=tiny:llama", "model.chat_template=false",
                  "reward=tests.test_grpo:ids_checksum_reward", "rollout.prompts_per_step=2",
-                 "rollout.max_tokens=8", "generator.num_blocks=64",
+                 "rollout.num_generations=4", "rollout.max_tokens=8", "generator.num_blocks=64",
                  "train.steps=2", "train.lr=1e-3"]
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
                     str(tmp_path), *overrides], check=True, env=env, timeout=600)
