@@ -144,8 +144,8 @@ class PackedBatchSampler(Sampler[list[PackedItem]]):
         """Everything that shapes this rank's epoch plan: a checkpoint made under another plan
         cannot be resumed (its position would skip or repeat other rows)."""
         return {
-            "lengths_digest": lengths_digest(self.lengths),
             "num_sequences": int(self.lengths.size),
+            "lengths_digest": lengths_digest(self.lengths),
             "tokens_per_batch": self.tokens_per_batch,
             "max_seqs_per_batch": self.max_seqs_per_batch,
             "overflow": self.overflow,

@@ -8,8 +8,8 @@ global loss-token count. Checkpoints hold model, optimizer, scheduler, RNG and l
 ``checkpoint.resume_from`` continues with exactly the batches the uninterrupted run would see.
 
     python -m recipes.sft recipes/configs/sft.yaml train.epochs=1 model.path=tiny:llama
-    accelerate launch --config_file recipes/configs/accelerate_ddp.yaml -m recipes.sft model.path=tiny:llama
-    accelerate launch --config_file recipes/configs/accelerate_deepspeed.yaml -m recipes.sft model.path=tiny:llama
+    accelerate launch --config_file recipes/configs/accelerate_ddp.yaml -m recipes.sft
+    accelerate launch --config_file recipes/configs/accelerate_deepspeed.yaml -m recipes.sft
 
 Each checkpoint ``step_N`` is a Hugging Face model directory (``model.path=.../step_N`` in
 evaluate, GRPO or ``from_pretrained``) with the resume state in ``step_N/training_state``.
