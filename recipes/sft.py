@@ -315,7 +315,7 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
     progress = Progress(gas)
     info = engine_info(model, accelerator)
     logger.info("training with %s on %d process(es)", info, accelerator.num_processes)
-    for obj in (loader, scheduler, progress):
+    for obj in (progress, loader, scheduler):  # progress first: it names train.grad_accum on a mismatch
         accelerator.register_for_checkpointing(obj)
 
     output_dir = Path(ccfg["output_dir"])

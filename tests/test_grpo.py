@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import pytest
@@ -262,6 +263,41 @@ def test_run_grpo_with_tis_and_kl_writes_metrics(policy, tmp_path):
     assert lines == history
     assert all(h["logprob_gap_max"] <= 1e-5 for h in history)
     assert policy.config._attn_implementation == "sdpa"  # the recipe restores the model's setting
+    # the trained policy is an HF model directory that transformers and the recipes load
+    from transformers import AutoModelForCausalLM
+
+    from recipes.config import load_model
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), policy.state_dict().values()))
+    _, tok = load_model({"path": str(tmp_path)})
+    assert isinstance(tok, AsciiTokenizer)
+
+
+def test_is_correction_typo_names_its_own_choices():
+    with pytest.raises(ValueError, match="unknown train.is_correction 'foo'; use none, tis, or an import"):
+        validate_config(config(**{"train.is_correction": "foo"}))
+
+
+def test_default_config_is_the_demo_shape():
+    cfg = config()
+    ro = cfg["rollout"]
+    assert (ro["prompts_per_step"], ro["num_generations"], ro["max_tokens"]) == (8, 8, 48)
+    validate_config(cfg)  # fits the default KV cache
+
+
+def test_a_step_where_every_group_scores_the_same_warns(policy, caplog):
+    from recipes.grpo import run_grpo
+
+    cfg = tiny_config(reward="tests.test_grpo:zero_reward")
+    with caplog.at_level(logging.WARNING, logger="recipes.grpo"):
+        history = run_grpo(cfg, model=policy, tokenizer=AsciiTokenizer(), progress=False)
+    assert history[0]["grad_norm"] == 0.0
+    assert any("every group's rewards are equal" in r.getMessage() for r in caplog.records)
+
+
+def zero_reward(completion: str, example: dict) -> float:
+    return 0.0
 
 
 TWO_RANK_SCRIPT = """
