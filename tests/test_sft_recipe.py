@@ -173,14 +173,15 @@ def _free_port() -> int:
 
 def _torchrun(out_dir, *overrides, deepspeed=False):
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    if deepspeed:
+    if deepspeed:  # DeepSpeed on CPU: DS_ACCELERATOR=cpu and NOT ACCELERATE_USE_CPU (which drops it)
+        del env["ACCELERATE_USE_CPU"]
         env["DS_ACCELERATOR"] = "cpu"
         ds_config = ROOT / "recipes/configs/deepspeed_zero2.json"
         overrides = (*overrides, f"accelerate.deepspeed_config={ds_config}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(_free_port()), "-m", "recipes.sft", *SMALL,
            f"checkpoint.output_dir={out_dir}", "log.record_indices=true", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((Path(out_dir) / f"result_rank{r}.json").read_text()) for r in range(2)]
 
@@ -239,6 +240,7 @@ def test_ddp_two_processes_loss_matches_unpacked_and_resumes_exactly(tmp_path, d
 @pytest.mark.slow
 def test_deepspeed_zero2_two_processes_matches_unpacked_and_ddp(tmp_path, ddp_run):
     results = _torchrun(tmp_path / "ds", *ONE_STEP_PER_EPOCH, deepspeed=True)
+    assert all(r["deepspeed_engine"] and r["zero_stage"] == 2 for r in results)  # not a silent DDP
     _check_two_rank_run(results)
     # the second step's loss depends on the first step's gradient: DeepSpeed's own loss scaling by
     # 1/grad_accum and rank averaging are undone exactly as under DDP
