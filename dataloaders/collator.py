@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dataloaders.dataset import document_lengths
 from packing.varlen import VarlenMeta
 
 IGNORE_INDEX = -100
@@ -19,11 +20,14 @@ IGNORE_INDEX = -100
 
 class PackedCollator:
     """Concatenate examples (``input_ids``, ``labels``, ``train`` as produced by
-    :class:`~dataloaders.dataset.PackedDataset` or the streaming loader) into a batch dict:
+    :class:`~dataloaders.dataset.PackedDataset` or the streaming loader) into a batch dict.
+    An example of a pre-packed row also carries ``seq_lengths``: its documents become sequences of
+    their own (positions restart, first label -100), exactly as if they had been packed here.
 
     - ``input_ids``, ``labels``, ``position_ids``: ``(1, T)`` int64
     - ``nopad_meta``: the :class:`~packing.varlen.VarlenMeta` of the row
-    - ``seq_lens``: int64 ``[num_seqs]``; ``indices``: source row of each sequence
+    - ``seq_lens``: int64 ``[num_seqs]``; ``indices``: source row of each sequence (documents of
+      one pre-packed row share its index)
     - ``num_loss_tokens`` / ``num_loss_seqs``: how many labels (and sequences with at least one
       label) this batch contributes, for global loss normalisation.
 
@@ -50,13 +54,17 @@ class PackedCollator:
                 raise ValueError(
                     f"example {ex.get('index')}: labels shape {lab.shape} != input_ids {seq.shape}"
                 )
-            lab[0] = IGNORE_INDEX
+            docs = document_lengths(ex, seq.size, f"example {ex.get('index')}")
+            docs = [seq.size] if docs is None else docs.tolist()
+            starts = np.cumsum([0] + docs[:-1])
+            lab[starts] = IGNORE_INDEX  # no document learns to predict its neighbour's first token
             if not ex.get("train", True):
                 lab[:] = IGNORE_INDEX
             ids.append(seq)
-            labels.append(lab)
-            lens.append(seq.size)
-            indices.append(int(ex.get("index", -1)))
+            for start, n in zip(starts, docs):
+                labels.append(lab[start : start + n])
+                lens.append(n)
+                indices.append(int(ex.get("index", -1)))
         num_loss_tokens = int(sum((lab != IGNORE_INDEX).sum() for lab in labels))
         num_loss_seqs = int(sum(bool((lab != IGNORE_INDEX).any()) for lab in labels))
         meta_lens = list(lens)

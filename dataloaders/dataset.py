@@ -20,6 +20,53 @@ logger = logging.getLogger(__name__)
 # with -100 on ignored positions; the masks hold 1 where the token is trained (TRL's
 # ``completion_mask``, transformers' ``assistant_masks`` from ``apply_chat_template``).
 MASK_COLUMNS = ("completion_mask", "assistant_masks", "loss_mask")
+# Columns that say where the documents of a pre-packed row begin (``packing.pack_dataset`` /
+# ``recipes.preprocess`` and TRL's ``pack_dataset`` write ``seq_lengths``; TRL and
+# ``pack_dataset(position_ids=True)`` may write ``position_ids``, restarting at 0 per document).
+BOUNDARY_COLUMNS = ("seq_lengths", "position_ids")
+
+
+def document_lengths(row: dict, num_tokens: int, where: str) -> np.ndarray | None:
+    """Lengths of the documents of a pre-packed row, or ``None`` for a row that is one sequence.
+
+    A row that looks packed but whose boundaries cannot be read is an error: training it as one
+    sequence would let its documents attend to each other and continue each other's positions.
+    """
+    if row.get("seq_lengths") is not None:
+        lengths = np.asarray(row["seq_lengths"], dtype=np.int64)
+        if lengths.ndim != 1 or (lengths < 0).any() or int(lengths.sum()) != num_tokens:
+            raise ValueError(
+                f"{where}: seq_lengths {lengths.tolist()} do not add up to its {num_tokens} tokens; a packed "
+                "row needs the lengths of its documents, in order (as packing.pack_dataset writes them)"
+            )
+        return lengths[lengths > 0]
+    if row.get("position_ids") is not None:
+        pos = np.asarray(row["position_ids"], dtype=np.int64).reshape(-1)
+        continues = pos[1:] == pos[:-1] + 1
+        if pos.size != num_tokens or (num_tokens and pos[0] != 0) or not (continues | (pos[1:] == 0)).all():
+            raise ValueError(
+                f"{where}: position_ids must have one entry per token, start at 0 and count up by 1 "
+                "within each document, restarting at 0 at each new document; fix them or give seq_lengths"
+            )
+        starts = np.flatnonzero(pos == 0)
+        return np.diff(np.append(starts, num_tokens))
+    mask = row.get("attention_mask")
+    if mask is not None and np.asarray(mask).size and int(np.max(mask)) > 1:
+        raise ValueError(
+            f"{where} has an attention_mask with values above 1 (document ids of a packed row), which nopad "
+            "does not read as boundaries; re-pack with packing.pack_dataset / recipes.preprocess, or add "
+            "a seq_lengths column"
+        )
+    return None
+
+
+def slice_lengths(lengths: np.ndarray, start: int, length: int) -> np.ndarray:
+    """The document lengths of tokens ``[start, start + length)`` of a row (a piece of a document
+    cut by truncation or splitting becomes a document of its own)."""
+    ends = np.cumsum(lengths)
+    begins = ends - lengths
+    cut = np.minimum(ends, start + length) - np.maximum(begins, start)
+    return cut[cut > 0]
 
 
 class PackedItem(NamedTuple):
@@ -120,7 +167,11 @@ class PackedDataset(Dataset):
             raise ValueError(
                 f"row {item.index}: labels/mask length {labels.shape[0]} != input_ids {ids.shape[0]}"
             )
-        return {"input_ids": ids[sl], "labels": labels[sl], "index": item.index, "train": item.train}
+        piece = {"input_ids": ids[sl], "labels": labels[sl], "index": item.index, "train": item.train}
+        docs = document_lengths(row, ids.shape[0], f"row {item.index}")
+        if docs is not None:
+            piece["seq_lengths"] = slice_lengths(docs, item.start, item.length)
+        return piece
 
     def __getitem__(self, item: PackedItem | int) -> dict:
         if not isinstance(item, PackedItem):

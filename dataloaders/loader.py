@@ -71,8 +71,15 @@ class PackedDataLoader(DataLoader):
         return {"step": self._step, "sampler": self.packed_sampler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or "sampler" not in state or "step" not in state:
+            keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"not a PackedDataLoader state (expected 'step' and 'sampler', got {keys}); "
+                             "pass what PackedDataLoader.state_dict() returned")
         self.packed_sampler.load_state_dict(state["sampler"])
-        self._step = int(state["step"])
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= len(self):
+            raise ValueError(f"loader state step={step!r} is outside this epoch's 0..{len(self)} batches")
+        self._step = step
 
 
 def packed_dataloader(

@@ -11,6 +11,7 @@ DataLoader through ``accelerator.prepare`` (see :mod:`dataloaders.loader`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Iterator, Sequence
 
@@ -139,21 +140,52 @@ class PackedBatchSampler(Sampler[list[PackedItem]]):
     def __len__(self) -> int:
         return len(self._plan())
 
-    def state_dict(self) -> dict:
+    def fingerprint(self) -> dict:
+        """Everything that shapes this rank's epoch plan: a checkpoint made under another plan
+        cannot be resumed (its position would skip or repeat other rows)."""
         return {
-            "epoch": self.epoch,
+            "num_sequences": int(self.lengths.size),
+            "lengths_digest": lengths_digest(self.lengths),
+            "tokens_per_batch": self.tokens_per_batch,
+            "max_seqs_per_batch": self.max_seqs_per_batch,
+            "overflow": self.overflow,
+            "shuffle": bool(self.shuffle),
             "seed": self.seed,
             "num_replicas": self.num_replicas,
-            "tokens_per_batch": self.tokens_per_batch,
-            "num_sequences": int(self.lengths.size),
+            "steps_multiple_of": self.steps_multiple_of,
+            "token_cost": float(self.token_cost),
+            "attention_cost": None if self.attention_cost is None else float(self.attention_cost),
         }
 
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "fingerprint": self.fingerprint()}
+
     def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "num_replicas", "tokens_per_batch", "num_sequences"):
-            mine = self.state_dict()[key]
-            if state.get(key) != mine:
-                raise ValueError(
-                    f"cannot resume: the checkpoint was made with {key}={state.get(key)} but this "
-                    f"sampler has {key}={mine}; resume with the same data, budget, seed and world size"
-                )
+        if not isinstance(state, dict) or "fingerprint" not in state or "epoch" not in state:
+            keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"not a PackedBatchSampler state (expected 'epoch' and "
+                             f"'fingerprint', got {keys}); pass what state_dict() returned")
+        check_fingerprint(state["fingerprint"], self.fingerprint())
         self.set_epoch(state["epoch"])
+
+
+def lengths_digest(lengths: np.ndarray) -> str:
+    """A short hash of the sequence lengths: different data with the same row count differs."""
+    return hashlib.sha256(np.ascontiguousarray(lengths, dtype=np.int64).tobytes()).hexdigest()[:16]
+
+
+def check_fingerprint(saved: dict, mine: dict) -> None:
+    """Raise naming the first setting that differs between a checkpoint and this loader."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"the checkpoint's loader fingerprint is a {type(saved).__name__}, not a dict; "
+                         "it was not written by this loader")
+    for key, value in mine.items():
+        if key not in saved:
+            raise ValueError(f"cannot resume: the checkpoint's loader state has no {key!r} (it was "
+                             "written by another loader or version); start a new run instead")
+        if saved[key] != value:
+            raise ValueError(
+                f"cannot resume: the checkpoint was made with {key}={saved[key]!r} but this loader has "
+                f"{key}={value!r}; the epoch plan would differ and rows would be skipped or repeated. "
+                "Resume with the same data and settings"
+            )

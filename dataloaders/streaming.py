@@ -23,6 +23,7 @@ function returning a fresh iterator).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator
@@ -32,8 +33,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from dataloaders.balance import balance_bins, bin_cost, default_attention_cost
 from dataloaders.collator import PackedCollator
-from dataloaders.dataset import MASK_COLUMNS
-from dataloaders.sampler import _world
+from dataloaders.dataset import MASK_COLUMNS, document_lengths, slice_lengths
+from dataloaders.sampler import _world, check_fingerprint
 from dataloaders.telemetry import log_epoch_stats
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,9 @@ class StreamingPackedLoader(IterableDataset):
         self.window = balance_window * self.num_replicas * self.steps_multiple_of
         self.attention_cost = default_attention_cost() if attention_cost is None else attention_cost
         self.collator = collator or PackedCollator()
+        self.balance_window = int(balance_window)
         self.epoch = 0
+        self._resume_digest: str | None = None  # lengths digest of the skipped rows, checked on re-read
         self._new_packer()  # validates capacity / buffer / overflow now, not at the first batch
         self._reset_epoch()
         self.last_stats: dict | None = None
@@ -101,6 +104,7 @@ class StreamingPackedLoader(IterableDataset):
     def _reset_epoch(self) -> None:
         self._new_packer()
         self.rows_read = 0
+        self.digest = hashlib.sha256()  # of the lengths of the rows read this epoch
         self.rows: dict[int, dict] = {}  # key (row number) -> row, while some piece is not out
         self.pieces_left: dict[int, int] = {}
         self.closed: list[list[tuple]] = []  # closed bins waiting for a full window
@@ -108,24 +112,37 @@ class StreamingPackedLoader(IterableDataset):
         self.totals = {"steps": 0, "tokens": 0, "bins": 0, "duplicated": 0, "splits": 0, "dropped": 0,
                        "step_max": 0.0, "step_mean": 0.0, "rank_cost": [0.0] * self.num_replicas}
 
+    def fingerprint(self) -> dict:
+        """The settings that shape the bins and steps; a checkpoint made under others cannot resume."""
+        return {
+            "tokens_per_batch": self.tokens_per_batch, "buffer_size": self.buffer_size, "seed": self.seed,
+            "max_seqs_per_batch": self.max_seqs_per_batch, "overflow": self.overflow,
+            "balance_window": self.balance_window, "steps_multiple_of": self.steps_multiple_of,
+            "num_replicas": self.num_replicas, "attention_cost": float(self.attention_cost),
+        }
+
     def state_dict(self) -> dict:
         return {
             "epoch": self.epoch, "rows_read": self.rows_read, "packer": self.packer.state_dict(),
             "rows": dict(self.rows), "pieces_left": dict(self.pieces_left),
             "closed": [list(b) for b in self.closed], "steps": [list(s) for s in self.steps],
             "totals": {**self.totals, "rank_cost": list(self.totals["rank_cost"])},
-            "num_replicas": self.num_replicas, "tokens_per_batch": self.tokens_per_batch,
+            "fingerprint": self.fingerprint(), "lengths_digest": self.digest.hexdigest()[:16],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("num_replicas", "tokens_per_batch"):
-            if state[key] != getattr(self, key):
-                raise ValueError(f"cannot resume: checkpoint has {key}={state[key]}, this loader "
-                                 f"{getattr(self, key)}; resume with the same settings")
+        expected = ("epoch", "rows_read", "packer", "rows", "pieces_left", "closed", "steps", "totals",
+                    "fingerprint", "lengths_digest")
+        if not isinstance(state, dict) or any(k not in state for k in expected):
+            keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"not a StreamingPackedLoader state (expected keys "
+                             f"{list(expected)}, got {keys}); pass what state_dict() returned")
+        check_fingerprint(state["fingerprint"], self.fingerprint())
         self.epoch = state["epoch"]
         self._reset_epoch()
         self.packer.load_state_dict(state["packer"])
         self.rows_read = state["rows_read"]
+        self._resume_digest = state["lengths_digest"]
         self.rows, self.pieces_left = dict(state["rows"]), dict(state["pieces_left"])
         self.closed = [[tuple(i) for i in b] for b in state["closed"]]
         self.steps = [[[tuple(i) for i in b] for b in s] for s in state["steps"]]
@@ -137,7 +154,22 @@ class StreamingPackedLoader(IterableDataset):
             self.source.set_epoch(self.epoch)
         fresh = callable(self.source) and not hasattr(self.source, "__iter__")
         stream = self.source() if fresh else iter(self.source)
-        return itertools.islice(stream, self.rows_read, None)
+        expected = self._resume_digest or self.digest.hexdigest()[:16]
+        if self.rows_read == 0:
+            return stream
+        # resuming: re-read the rows already packed and check they are the ones the checkpoint saw
+        self.digest, skipped = hashlib.sha256(), 0
+        for row in itertools.islice(stream, self.rows_read):
+            self.digest.update(np.int64(len(row["input_ids"])).tobytes())
+            skipped += 1
+        if skipped != self.rows_read or self.digest.hexdigest()[:16] != expected:
+            raise ValueError(
+                f"cannot resume: the stream's first {self.rows_read} rows are not the ones the checkpoint "
+                f"read (lengths_digest {self.digest.hexdigest()[:16]} over {skipped} rows != "
+                f"{expected}); resume with the same data in the same order"
+            )
+        self._resume_digest = None
+        return stream
 
     def _add(self, row: dict) -> None:
         if "input_ids" not in row:
@@ -145,12 +177,16 @@ class StreamingPackedLoader(IterableDataset):
                            "tokenize the stream first, e.g. ds.map(tokenize)")
         key, length = self.rows_read, len(row["input_ids"])
         self.rows_read += 1
+        self.digest.update(np.int64(length).tobytes())
         if length == 0:
             self.totals["dropped"] += 1
             return
         pieces = -(-length // self.tokens_per_batch) if self.overflow == "split" else 1
+        docs = document_lengths(row, length, f"stream row {key}")  # packed rows without boundaries fail
         keep = ["input_ids", "labels"] + [c for c in MASK_COLUMNS if c in row]
         self.rows[key] = {c: row[c] for c in keep if c in row}
+        if docs is not None:
+            self.rows[key]["seq_lengths"] = docs.tolist()
         self.pieces_left[key] = pieces
         self.closed += [[tuple(i) for i in b] for b in self.packer.add(length, key)]
 
@@ -197,7 +233,10 @@ class StreamingPackedLoader(IterableDataset):
                 labels = np.where(np.asarray(row[mask_col], dtype=bool), labels, -100)
             train = len(item) < 4 or item[3]
             piece = slice(start, start + length)
-            examples.append({"input_ids": ids[piece], "labels": labels[piece], "index": key, "train": train})
+            example = {"input_ids": ids[piece], "labels": labels[piece], "index": key, "train": train}
+            if "seq_lengths" in row:
+                example["seq_lengths"] = slice_lengths(np.asarray(row["seq_lengths"]), start, length)
+            examples.append(example)
         for items in step:  # free rows whose every piece has been handed out (on any rank)
             for item in items:
                 if len(item) < 4 or item[3]:  # not a loss-masked repeat

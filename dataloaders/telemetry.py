@@ -57,8 +57,11 @@ def log_epoch_stats(stats: dict, rank: int = 0) -> None:
         stats["num_ranks"], 100 * stats["efficiency"], stats["tokens_truncated"],
         stats["sequences_split"], stats["rank_cost_skew"], stats["step_cost_skew"],
     )
-    if stats["sequences_dropped"] or stats["sequences_duplicated"]:
-        logger.warning(
-            "epoch %d: %d sequences dropped, %d repeated (loss-masked) to give every rank the same "
-            "number of steps", stats["epoch"], stats["sequences_dropped"], stats["sequences_duplicated"],
-        )
+    if stats["sequences_dropped"]:
+        logger.warning("epoch %d: %d empty (zero-length) sequences dropped: they have no tokens to train on",
+                       stats["epoch"], stats["sequences_dropped"])
+    if stats["sequences_duplicated"]:
+        why = ("every rank runs the same number of steps" if stats["num_ranks"] > 1
+               else "the epoch is a whole number of optimizer steps")
+        logger.warning("epoch %d: %d sequences repeated (loss-masked) so that %s", stats["epoch"],
+                       stats["sequences_duplicated"], why)

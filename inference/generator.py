@@ -13,7 +13,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
 
 import torch
@@ -253,6 +253,9 @@ class Generator:
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
         prompts = list(prompts)
+        if isinstance(sampling_params, Mapping):  # list(dict) would iterate its keys
+            raise TypeError(f"sampling_params is a dict/mapping {dict(sampling_params)!r}; pass "
+                            f"SamplingParams(**{dict(sampling_params)!r}) (one for all prompts, or a list)")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -271,6 +274,9 @@ class Generator:
     def _make_request(self, prompt, params, request_id) -> Request:
         if params is None:
             params = SamplingParams()
+        if isinstance(params, Mapping):
+            raise TypeError(f"sampling params is a dict/mapping {dict(params)!r}; "
+                            f"pass SamplingParams(**{dict(params)!r})")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)

@@ -38,8 +38,9 @@ def pack_dataset(
     """Pack the rows of ``ds`` (column ``input_ids``) into rows of at most ``capacity`` tokens.
 
     The result has one row per bin with the packed token columns (``input_ids`` and every other
-    list column aligned with it, e.g. ``labels``, ``attention_mask``, a loss mask; or exactly
-    ``columns``) plus ``seq_lengths`` (the lengths of the sequences in the row, in order) and,
+    list column aligned with it, e.g. ``labels``, a loss mask; or exactly ``columns``; never
+    ``attention_mask``, which would make the packed row one sequence to transformers) plus
+    ``seq_lengths`` (the lengths of the sequences in the row, in order) and,
     if ``position_ids=True``, positions restarting at 0 for every sequence. Other columns (e.g.
     raw text) cannot be concatenated and are dropped with a log message. ``strategy``, ``seed``,
     ``overflow``, ``max_seqs_per_bin`` and ``skip_empty`` mean the same as in :func:`packing.pack`.
@@ -90,6 +91,12 @@ def pack_dataset(
     return (packed, bins) if return_bins else packed
 
 
+# A concatenated all-ones mask over a packed row tells transformers "one sequence": its SDPA/eager
+# paths then attend across the documents. The boundaries live in seq_lengths (and position_ids).
+DROPPED_MASK = ("a packed row cannot carry a concatenated attention_mask (transformers would read the row "
+                "as one sequence and attend across documents; boundaries are in seq_lengths)")
+
+
 def _token_columns(table: pa.Table, columns: list[str] | None) -> list[str]:
     """List columns with one entry per token of ``input_ids`` (checked row by row)."""
     lengths = pc.list_value_length(table.column("input_ids"))
@@ -98,11 +105,16 @@ def _token_columns(table: pa.Table, columns: list[str] | None) -> list[str]:
         if missing:
             raise ValueError(f"columns {missing} are not in the dataset (it has {table.column_names})")
         names = ["input_ids"] + [c for c in columns if c != "input_ids"]
+        if "attention_mask" in names:
+            raise ValueError(DROPPED_MASK + "; leave it out of columns=[...]")
     else:
         names = [c for c in table.column_names if _is_list(table.schema.field(c).type)]
         dropped = [c for c in table.column_names if c not in names]
         if dropped:
             logger.info("pack_dataset drops columns %s (not per-token lists)", dropped)
+        if "attention_mask" in names:
+            names.remove("attention_mask")
+            logger.info(DROPPED_MASK + "; it is dropped")
     for name in names:
         if not _is_list(table.schema.field(name).type):
             raise ValueError(f"column {name!r} is not a list column ({table.schema.field(name).type}); "

@@ -103,8 +103,28 @@ def load_model(model_cfg: Mapping):
         return load_smollm2(dtype=dtype)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from recipes.tasks import AsciiTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if (Path(path) / AsciiTokenizer.SAVED_NAME).is_file():  # a checkpoint of a tiny:* model
+        return model.eval(), AsciiTokenizer.from_pretrained(path)
     return model.eval(), AutoTokenizer.from_pretrained(path)
+
+
+def save_model_dir(accelerator, model, tokenizer, path: str | Path) -> None:
+    """Write an HF model directory (config, safetensors weights, tokenizer) that
+    ``AutoModelForCausalLM.from_pretrained``, ``recipes.evaluate`` and ``recipes.grpo`` load. The
+    weights are consolidated by Accelerate (DDP, DeepSpeed ZeRO, FSDP); every rank must call this."""
+    state = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        use_cache = unwrapped.config.use_cache
+        unwrapped.config.use_cache = True  # training turns the KV cache off; a loaded model wants it
+        unwrapped.save_pretrained(str(path), state_dict=state, safe_serialization=True)
+        unwrapped.config.use_cache = use_cache
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(str(path))
+    accelerator.wait_for_everyone()
 
 
 def check_model_path(path) -> str:

@@ -88,6 +88,9 @@ def resolve_is_correction(train_cfg: Mapping) -> ISWeightFn | None:
         return truncated_is(float(train_cfg["tis_cap"]))
     if callable(spec):
         return spec
+    if not isinstance(spec, str) or (":" not in spec and "." not in spec):
+        raise ValueError(f"unknown train.is_correction {spec!r}; use none, tis, or an import path "
+                         "'module:function' taking (train_logprobs, gen_logprobs) -> per-token weights")
     return get_reward(spec, key="train.is_correction")  # same import-path resolution
 
 
@@ -189,6 +192,12 @@ def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[l
             rewards.append(float(reward_fn(text, example)))
             rollouts.append(Rollout(list(ids), list(c.token_ids), [float(x) for x in c.logprobs]))
     rewards_t = torch.tensor(rewards).view(len(batch), n)
+    if bool((rewards_t.std(dim=1) == 0).all()):
+        logger.warning(
+            "grpo step %d: every group's rewards are equal (all %s), so every advantage is 0 and this step "
+            "does not change the model; give the completions room to answer (rollout.max_tokens), use "
+            "larger groups (rollout.num_generations) or a reward that separates them", step,
+            sorted(set(rewards_t[:, 0].tolist())))
     for r, a in zip(rollouts, group_advantages(rewards_t).flatten().tolist()):
         r.advantage = a
     completion_tokens = sum(len(r.completion_ids) for r in rollouts)
@@ -275,6 +284,14 @@ def build_prompts(cfg: Mapping, tokenizer) -> tuple[list[dict], list[list[int]]]
     return examples, ids
 
 
+def save_model_dir(accelerator, model, tokenizer, path: Path) -> None:
+    """The trained policy as an HF model directory (config, weights, tokenizer)."""
+    from recipes.config import save_model_dir as save
+
+    save(accelerator, model, tokenizer, path)
+    logger.info("saved the policy to %s (load it with model.path=%s)", path, path)
+
+
 def make_generator(model, cfg: Mapping):
     from inference import Generator
 
@@ -343,6 +360,8 @@ def run_grpo(cfg: Mapping, model=None, tokenizer=None, progress: bool = True) ->
     if out_file is not None:
         out_file.close()
     generator.release()
+    if cfg["output_dir"]:  # an HF model directory: model.path=<output_dir> in evaluate / grpo / SFT
+        save_model_dir(accelerator, model, tokenizer, Path(cfg["output_dir"]))
     return history
 
 

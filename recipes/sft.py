@@ -8,7 +8,11 @@ global loss-token count. Checkpoints hold model, optimizer, scheduler, RNG and l
 ``checkpoint.resume_from`` continues with exactly the batches the uninterrupted run would see.
 
     python -m recipes.sft recipes/configs/sft.yaml train.epochs=1 model.path=tiny:llama
-    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m recipes.sft model.path=tiny:llama
+    accelerate launch --config_file recipes/configs/accelerate_ddp.yaml -m recipes.sft
+    accelerate launch --config_file recipes/configs/accelerate_deepspeed.yaml -m recipes.sft
+
+Each checkpoint ``step_N`` is a Hugging Face model directory (``model.path=.../step_N`` in
+evaluate, GRPO or ``from_pretrained``) with the resume state in ``step_N/training_state``.
 
 ``train(default_config([...]), model=..., tokenizer=..., rows=...)`` runs the same loop in-process
 (the demo uses it). DeepSpeed's fixed micro-batch size is one packed row
@@ -31,7 +35,7 @@ import torch
 from dataloaders.loader import move_batch, packed_dataloader
 from dataloaders.loss import PackedLoss
 from dataloaders.streaming import StreamingPackedLoader
-from recipes.config import load_config, load_model
+from recipes.config import load_config, load_model, save_model_dir
 
 logger = logging.getLogger(__name__)
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sft.yaml"
@@ -99,6 +103,8 @@ def load_rows(data: Mapping, tokenizer, vocab_size: int) -> list[dict]:
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
             ds = ds[data["split"]]
+        if "input_ids" in ds.column_names:  # tokenized or pre-packed (seq_lengths): read in place
+            return ds
         rows = list(ds)
     else:
         raise FileNotFoundError(
@@ -108,12 +114,9 @@ def load_rows(data: Mapping, tokenizer, vocab_size: int) -> list[dict]:
 
 
 def build_model(model_cfg: Mapping):
-    path = str(model_cfg["path"])
-    if path.startswith("tiny:"):
-        model, tokenizer = tiny_causal_lm(path.split(":", 1)[1])
-    else:
-        model, tokenizer = load_model(model_cfg)
-    return model, tokenizer
+    """``(model, tokenizer)``; ``tiny:llama`` comes with the ASCII tokenizer, so its checkpoints
+    save and reload like any other model directory."""
+    return load_model(model_cfg)
 
 
 def set_attention(model, name: str) -> None:
@@ -126,39 +129,115 @@ def set_attention(model, name: str) -> None:
 
 # ---------------------------------------------------------------------------------- training
 class Progress:
-    """Optimizer steps done, checkpointed with the rest so a resumed run knows where it is."""
+    """Optimizer steps done, checkpointed with the rest so a resumed run knows where it is, and the
+    accumulation that groups micro-batches into those steps (a different one would regroup them)."""
 
-    def __init__(self):
+    def __init__(self, grad_accum: int = 1):
         self.step = 0
+        self.grad_accum = grad_accum
 
     def state_dict(self) -> dict:
-        return {"step": self.step}
+        return {"step": self.step, "grad_accum": self.grad_accum}
 
     def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or "step" not in state or "grad_accum" not in state:
+            raise ValueError(f"not an SFT progress state: {state!r}")
+        if state["grad_accum"] != self.grad_accum:
+            raise ValueError(f"cannot resume: the checkpoint was made with train.grad_accum="
+                             f"{state['grad_accum']} but this run has train.grad_accum={self.grad_accum}; "
+                             "resume with the same value")
         self.step = int(state["step"])
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
+
+
 def make_accelerator(cfg: Mapping):
+    """An Accelerator for the launch at hand. DeepSpeed is used when ``accelerate.deepspeed_config``
+    is set or when ``accelerate launch`` was given a DeepSpeed config file; on a CPU it runs over
+    gloo with ``DS_ACCELERATOR=cpu``. Asking for DeepSpeed and getting something else is an error,
+    never a silent fallback to DDP."""
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+    from accelerate.utils import DeepSpeedPlugin, DistributedType, InitProcessGroupKwargs
 
     cpu = not torch.cuda.is_available()
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     kwargs = {}
     ds_config = cfg["accelerate"]["deepspeed_config"]
+    use_deepspeed = bool(ds_config) or _env_flag("ACCELERATE_USE_DEEPSPEED")
+    if ds_config and not Path(ds_config).is_file():
+        raise FileNotFoundError(f"accelerate.deepspeed_config={ds_config!r} does not exist")
+    if use_deepspeed and _env_flag("ACCELERATE_USE_CPU"):
+        raise ValueError(
+            "DeepSpeed was asked for (accelerate.deepspeed_config or an Accelerate DeepSpeed config), but "
+            "ACCELERATE_USE_CPU=1 makes Accelerate drop DeepSpeed and run plain DDP. On a CPU, unset it and "
+            "launch: accelerate launch --config_file "
+            "recipes/configs/accelerate_deepspeed.yaml -m recipes.sft"
+        )
+    if use_deepspeed and cpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if ds_config:
-        if not Path(ds_config).is_file():
-            raise FileNotFoundError(f"accelerate.deepspeed_config={ds_config!r} does not exist")
-        if cpu:
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=str(ds_config),
                                                      gradient_accumulation_steps=cfg["train"]["grad_accum"])
-    return Accelerator(
-        cpu=cpu and not ds_config,
+    accelerator = Accelerator(
+        cpu=cpu and not use_deepspeed,
         gradient_accumulation_steps=cfg["train"]["grad_accum"],
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu and distributed else [],
         **kwargs,
     )
+    if use_deepspeed and accelerator.distributed_type != DistributedType.DEEPSPEED:
+        raise RuntimeError(f"DeepSpeed was asked for but Accelerate runs {accelerator.distributed_type}; "
+                           "check the launcher's environment (ACCELERATE_USE_CPU, the config file)")
+    return accelerator
+
+
+def engine_info(model, accelerator) -> dict:
+    """What actually trains the model, for the log and the result file (DeepSpeed engaged or not)."""
+    info = {"distributed_type": str(accelerator.distributed_type), "deepspeed_engine": False,
+            "zero_stage": None}
+    try:
+        import deepspeed
+    except ImportError:
+        return info
+    if isinstance(model, deepspeed.DeepSpeedEngine):
+        info.update(deepspeed_engine=True, zero_stage=int(model.zero_optimization_stage()))
+    return info
+
+
+STATE_DIR = "training_state"  # inside step_N/: what resuming needs beyond the model directory
+
+
+def save_checkpoint(accelerator, model, tokenizer, path: Path) -> None:
+    """``path`` becomes an HF model directory (load it with ``model.path=path``) holding, in
+    ``training_state/``, the optimizer, scheduler, RNG and loader state to resume from."""
+    accelerator.save_state(str(path / STATE_DIR))
+    save_model_dir(accelerator, model, tokenizer, path)
+
+
+def _int_setting(cfg: Mapping, section: str, key: str, minimum: int, optional: bool = False) -> None:
+    value = cfg[section][key]
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{section}.{key} must be an integer >= {minimum}{' or null' if optional else ''}, "
+                         f"got {value!r}")
+
+
+def validate_config(cfg: Mapping) -> None:
+    """Fail before any model is built, naming the key: a wrong value never trains silently."""
+    for section, key, low, optional in [
+        ("train", "epochs", 1, False), ("train", "max_steps", 1, True), ("train", "grad_accum", 1, False),
+        ("train", "warmup_steps", 0, False), ("train", "seed", 0, False),
+        ("data", "tokens_per_batch", 1, False),
+        ("data", "max_seqs_per_batch", 1, True), ("data", "num_workers", 0, False),
+        ("data", "buffer_size", 1, False), ("checkpoint", "every", 0, False),
+    ]:
+        _int_setting(cfg, section, key, low, optional)
+    if cfg["train"]["weighting"] not in ("token", "sequence"):
+        raise ValueError(f"train.weighting must be 'token' or 'sequence', got {cfg['train']['weighting']!r}")
+    if cfg["data"]["overflow"] not in ("error", "truncate", "split"):
+        raise ValueError(f"data.overflow must be error, truncate or split, got {cfg['data']['overflow']!r}")
 
 
 def _latest_checkpoint(output_dir: Path) -> Path:
@@ -199,10 +278,7 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
     with ``input_ids`` and optional ``labels``, or text rows with the prompt/completion columns).
     """
     tcfg, dcfg, ccfg = cfg["train"], cfg["data"], cfg["checkpoint"]
-    if tcfg["grad_accum"] < 1:
-        raise ValueError(f"train.grad_accum must be >= 1, got {tcfg['grad_accum']}")
-    if tcfg["weighting"] not in ("token", "sequence"):
-        raise ValueError(f"train.weighting must be 'token' or 'sequence', got {tcfg['weighting']!r}")
+    validate_config(cfg)
     accelerator = accelerator or make_accelerator(cfg)
     torch.manual_seed(tcfg["seed"])
     if model is None:
@@ -221,8 +297,13 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
         if not tcfg["max_steps"]:
             raise ValueError("data.streaming=true needs train.max_steps (a stream's length is unknown)")
         total_steps = tcfg["max_steps"]
-    else:
-        total_steps = len(loader) // gas * tcfg["epochs"]
+    else:  # max_steps counts optimizer steps; the epochs repeat as needed to reach it
+        steps_per_epoch = len(loader) // gas
+        total_steps = max(steps_per_epoch * tcfg["epochs"], tcfg["max_steps"] or 0)
+        if tcfg["max_steps"] and tcfg["max_steps"] > steps_per_epoch * tcfg["epochs"]:
+            logger.warning("train.max_steps=%d is more than train.epochs=%d x %d steps per epoch: the data "
+                           "repeats for %d epochs", tcfg["max_steps"], tcfg["epochs"], steps_per_epoch,
+                           -(-tcfg["max_steps"] // steps_per_epoch))
     optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg["lr"], weight_decay=tcfg["weight_decay"])
     warmup = tcfg["warmup_steps"]
     scheduler = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, then linear decay to 0
@@ -231,28 +312,37 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
     # the loader is not prepared (it shards itself); neither is the scheduler, which Accelerate
     # would step once per process for every optimizer step
     model, optimizer = accelerator.prepare(model, optimizer)
-    progress = Progress()
-    for obj in (loader, scheduler, progress):
+    progress = Progress(gas)
+    info = engine_info(model, accelerator)
+    logger.info("training with %s on %d process(es)", info, accelerator.num_processes)
+    for obj in (progress, loader, scheduler):  # progress first: it names train.grad_accum on a mismatch
         accelerator.register_for_checkpointing(obj)
 
     output_dir = Path(ccfg["output_dir"])
     if ccfg["resume_from"]:
         latest = ccfg["resume_from"] == "latest"
         resume = _latest_checkpoint(output_dir) if latest else Path(ccfg["resume_from"])
-        accelerator.load_state(str(resume))
+        if not (resume / STATE_DIR).is_dir():
+            raise FileNotFoundError(f"checkpoint.resume_from={str(resume)!r} holds no {STATE_DIR}/ "
+                                    "written by this recipe; give a step_N directory of an earlier run")
+        accelerator.load_state(str(resume / STATE_DIR))
         logger.info("resumed from %s at step %d (epoch %d)", resume, progress.step, loader.epoch)
 
     # Accelerate (and DeepSpeed inside it) divides the loss by grad_accum; PackedLoss undoes that
     # and the rank averaging, and divides by the step's global loss-token count instead.
     loss_fn = PackedLoss(tcfg["weighting"], world_size=accelerator.num_processes, backward_divisor=gas)
     max_steps = tcfg["max_steps"] or total_steps
+    if progress.step >= max_steps:
+        logger.warning("nothing to train: the run is already at optimizer step %d of %d (train.max_steps / "
+                       "train.epochs); raise them to train further", progress.step, max_steps)
     losses, stats, seen = [], [], []
+    saved_at = None
     bar = None
     if tcfg["progress"] and accelerator.is_local_main_process:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=min(max_steps, total_steps), initial=progress.step, desc="sft", unit="step")
-    while loader.epoch < tcfg["epochs"] and progress.step < max_steps:
+        bar = tqdm(total=max_steps, initial=progress.step, desc="sft", unit="step")
+    while progress.step < max_steps:
         for window in _windows(loader, gas):
             loss_fn.start_step(window)
             step_loss = 0.0
@@ -280,7 +370,8 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
                 bar.update(1)
                 bar.set_postfix(loss=f"{mean_loss:.4f}")
             if ccfg["every"] and progress.step % ccfg["every"] == 0:
-                accelerator.save_state(str(output_dir / f"step_{progress.step}"))
+                save_checkpoint(accelerator, model, tokenizer, output_dir / f"step_{progress.step}")
+                saved_at = progress.step
             if progress.step >= max_steps:
                 break
         epoch_stats = _epoch_stats(loader)
@@ -288,11 +379,13 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
             stats.append(epoch_stats)
     if bar is not None:
         bar.close()
-    if ccfg["save_final"]:
-        accelerator.save_state(str(output_dir / f"step_{progress.step}"))
+    final = output_dir / f"step_{progress.step}"
+    if ccfg["save_final"] and saved_at != progress.step:  # (decided the same way on every rank)
+        save_checkpoint(accelerator, model, tokenizer, final)
     accelerator.wait_for_everyone()
     result = {"losses": losses, "steps": progress.step, "stats": stats, "rank": accelerator.process_index,
-              "world_size": accelerator.num_processes,
+              "world_size": accelerator.num_processes, **info,
+              "checkpoint": str(final) if ccfg["save_final"] else None,
               "micro_batches_per_epoch": None if dcfg["streaming"] else len(loader)}
     if cfg["log"]["record_indices"]:
         result["indices_per_step"] = seen  # dataset rows of each micro-batch, in order

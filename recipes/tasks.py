@@ -156,6 +156,24 @@ class AsciiTokenizer:
             ids = [i for i in ids if i >= 32 or i in (9, 10)]
         return "".join(chr(i) for i in ids)
 
+    def __call__(self, text: str | list[str], add_special_tokens: bool = False) -> dict:
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text)}
+        return {"input_ids": [self.encode(t) for t in text]}
+
+    # A model directory saved with this tokenizer carries this file; recipes.config.load_model reads
+    # it back, so checkpoints of tiny:* models chain like any other model directory.
+    SAVED_NAME = "nopad_ascii_tokenizer.json"
+
+    def save_pretrained(self, path: str | Path) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / self.SAVED_NAME).write_text(json.dumps(
+            {"eos_token_id": self.eos_token_id, "vocab_size": self.vocab_size}))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> AsciiTokenizer:
+        return cls(**json.loads((Path(path) / cls.SAVED_NAME).read_text()))
+
 
 def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
     """Token ids of one prompt: through the chat template (user turn + generation prompt) when the

@@ -67,3 +67,45 @@ def test_bad_inputs():
     s = PackedBatchSampler(LENGTHS, 128, seed=1)
     with pytest.raises(ValueError, match="tokens_per_batch=64"):
         s.load_state_dict(PackedBatchSampler(LENGTHS, 64, seed=1).state_dict())
+
+
+# --------------------------------------------------------------------------- resume fingerprint
+BASE = dict(num_replicas=2, rank=0, seed=1, shuffle=True, max_seqs_per_batch=None, overflow="error",
+            steps_multiple_of=1, attention_cost=None)
+
+
+@pytest.mark.parametrize("field, lengths, budget, change", [
+    ("lengths_digest", LENGTHS[::-1].copy(), 128, {}),  # other data, same row count
+    ("num_sequences", LENGTHS[:-1], 128, {}),
+    ("tokens_per_batch", LENGTHS, 64, {}),
+    ("max_seqs_per_batch", LENGTHS, 128, {"max_seqs_per_batch": 3}),
+    ("overflow", LENGTHS, 128, {"overflow": "truncate"}),
+    ("shuffle", LENGTHS, 128, {"shuffle": False}),
+    ("seed", LENGTHS, 128, {"seed": 2}),
+    ("num_replicas", LENGTHS, 128, {"num_replicas": 3}),
+    ("steps_multiple_of", LENGTHS, 128, {"steps_multiple_of": 2}),
+    ("attention_cost", LENGTHS, 128, {"attention_cost": 0.5}),
+])
+def test_resume_under_another_plan_names_the_field_and_both_values(field, lengths, budget, change):
+    saved = PackedBatchSampler(LENGTHS, 128, **BASE).state_dict()
+    other = PackedBatchSampler(lengths, budget, **{**BASE, **change})
+    with pytest.raises(ValueError, match=f"made with {field}=.* but this loader has {field}=") as err:
+        other.load_state_dict(saved)
+    assert "skipped or repeated" in str(err.value)
+    same = PackedBatchSampler(LENGTHS, 128, **BASE)
+    same.load_state_dict({**saved, "epoch": 3})
+    assert same.epoch == 3
+
+
+@pytest.mark.parametrize("garbage", [None, {}, {"epoch": 0}, {"epoch": 0, "fingerprint": "x"},
+                                     {"epoch": 0, "fingerprint": {"seed": 1}}])
+def test_garbage_state_is_a_clear_error(garbage):
+    from dataloaders import packed_dataloader
+
+    with pytest.raises(ValueError, match="state|fingerprint|checkpoint"):
+        PackedBatchSampler(LENGTHS, 128, seed=1).load_state_dict(garbage)
+    loader = packed_dataloader([{"input_ids": [1, 2]}], 8, num_replicas=1, rank=0)
+    with pytest.raises(ValueError, match="not a PackedDataLoader state"):
+        loader.load_state_dict({"sampler": garbage})
+    with pytest.raises(ValueError, match="step="):
+        loader.load_state_dict({**loader.state_dict(), "step": 99})

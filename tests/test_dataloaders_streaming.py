@@ -111,3 +111,38 @@ def test_bad_inputs():
         list(StreamingPackedLoader([{"input_ids": list(range(100))}], 96))
     with pytest.raises(ValueError, match="tokens_per_batch"):
         _loader().load_state_dict(StreamingPackedLoader(_gen, 64, num_replicas=2, rank=0).state_dict())
+
+
+@pytest.mark.parametrize("field, change", [
+    ("tokens_per_batch", {"tokens_per_batch": 64}), ("buffer_size", {"buffer_size": 8}),
+    ("seed", {"seed": 5}),
+    ("max_seqs_per_batch", {"max_seqs_per_batch": 2}), ("overflow", {"overflow": "truncate"}),
+    ("balance_window", {"balance_window": 3}), ("steps_multiple_of", {"steps_multiple_of": 2}),
+    ("num_replicas", {"num_replicas": 1}), ("attention_cost", {"attention_cost": 0.5}),
+])
+def test_streaming_resume_fingerprint_names_the_field(field, change):
+    first = _loader()
+    next(iter(first))
+    kw = {"num_replicas": 2, "rank": 0, "seed": 4, "buffer_size": 16, "balance_window": 2, **change}
+    other = StreamingPackedLoader(_gen, kw.pop("tokens_per_batch", 96), **kw)
+    with pytest.raises(ValueError, match=f"made with {field}=.* but this loader has {field}="):
+        other.load_state_dict(first.state_dict())
+
+
+def test_streaming_resume_on_other_data_or_garbage_is_an_error():
+    first = _loader()
+    next(iter(first))
+    state = first.state_dict()
+    assert state["rows_read"] > 0
+    changed = [dict(r) for r in ROWS]
+    changed[0] = {"input_ids": changed[0]["input_ids"] + [7]}
+    other = _loader(source=changed)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="are not the ones the checkpoint read"):
+        next(iter(other))
+    same = _loader(source=list(ROWS))
+    same.load_state_dict(state)
+    next(iter(same))  # the same rows from another re-iterable: accepted
+    for garbage in (None, {}, {"rows_read": 3}):
+        with pytest.raises(ValueError, match="not a StreamingPackedLoader state"):
+            _loader().load_state_dict(garbage)

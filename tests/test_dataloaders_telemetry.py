@@ -36,4 +36,15 @@ def test_log_warns_about_repeats_on_rank_zero_only(caplog):
         assert caplog.records == []
         log_epoch_stats(_stats(), rank=0)
     assert "efficiency 30.00%" in caplog.records[0].getMessage()
-    assert caplog.records[1].levelno == logging.WARNING and "1 repeated" in caplog.records[1].getMessage()
+    assert caplog.records[1].levelno == logging.WARNING
+    assert "1 sequences repeated" in caplog.records[1].getMessage()
+    assert "every rank runs the same number of steps" in caplog.records[1].getMessage()
+
+
+def test_a_dropped_empty_row_on_one_rank_is_called_empty_not_a_rank_repeat(caplog):
+    stats = {**_stats(), "num_ranks": 1, "sequences_dropped": 1, "sequences_duplicated": 0}
+    with caplog.at_level(logging.WARNING, logger="dataloaders"):
+        log_epoch_stats(stats, rank=0)
+    (record,) = caplog.records
+    assert "1 empty (zero-length) sequences dropped" in record.getMessage()
+    assert "rank" not in record.getMessage()

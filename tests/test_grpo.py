@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import pytest
@@ -38,7 +39,7 @@ def test_overrides_parse_yaml_values_and_nest():
     cfg = config(**{"rollout.num_generations": 8, "train.is_correction": "tis"})
     assert cfg["rollout"]["num_generations"] == 8
     assert cfg["train"]["is_correction"] == "tis"
-    assert cfg["rollout"]["max_tokens"] == 16  # untouched defaults survive
+    assert cfg["rollout"]["max_tokens"] == 48  # untouched defaults survive
 
 
 def test_unknown_key_is_an_error_naming_it():
@@ -57,7 +58,8 @@ def test_missing_model_path_fails_fast():
 
 
 def test_batch_larger_than_cache_fails_fast():
-    cfg = config(**{"rollout.prompts_per_step": 8, "rollout.num_generations": 8, "generator.num_blocks": 64})
+    cfg = config(**{"rollout.prompts_per_step": 8, "rollout.num_generations": 8, "rollout.max_tokens": 16,
+                    "generator.num_blocks": 64})
     # 64 sequences of up to 64 + 16 tokens = 5 blocks each = 320 blocks > 64
     with pytest.raises(ValueError) as err:
         validate_config(cfg)
@@ -175,7 +177,8 @@ def ids_checksum_reward(completion: str, example: dict) -> float:
 
 def tiny_config(**overrides):
     base = {"model": {"path": None, "chat_template": False}, "reward": "tests.test_grpo:ids_checksum_reward",
-            "task": {"num_prompts": 8}, "rollout": {"prompts_per_step": 2, "max_tokens": 8},
+            "task": {"num_prompts": 8},
+            "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_tokens": 8},
             "generator": {"num_blocks": 64, "max_num_batched_tokens": 256}, "train": {"steps": 1, "lr": 1e-3}}
     return update_config(load_config(DEFAULT_CONFIG, overrides=base), overrides)
 
@@ -260,6 +263,41 @@ def test_run_grpo_with_tis_and_kl_writes_metrics(policy, tmp_path):
     assert lines == history
     assert all(h["logprob_gap_max"] <= 1e-5 for h in history)
     assert policy.config._attn_implementation == "sdpa"  # the recipe restores the model's setting
+    # the trained policy is an HF model directory that transformers and the recipes load
+    from transformers import AutoModelForCausalLM
+
+    from recipes.config import load_model
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), policy.state_dict().values()))
+    _, tok = load_model({"path": str(tmp_path)})
+    assert isinstance(tok, AsciiTokenizer)
+
+
+def test_is_correction_typo_names_its_own_choices():
+    with pytest.raises(ValueError, match="unknown train.is_correction 'foo'; use none, tis, or an import"):
+        validate_config(config(**{"train.is_correction": "foo"}))
+
+
+def test_default_config_is_the_demo_shape():
+    cfg = config()
+    ro = cfg["rollout"]
+    assert (ro["prompts_per_step"], ro["num_generations"], ro["max_tokens"]) == (8, 8, 48)
+    validate_config(cfg)  # fits the default KV cache
+
+
+def test_a_step_where_every_group_scores_the_same_warns(policy, caplog):
+    from recipes.grpo import run_grpo
+
+    cfg = tiny_config(reward="tests.test_grpo:zero_reward")
+    with caplog.at_level(logging.WARNING, logger="recipes.grpo"):
+        history = run_grpo(cfg, model=policy, tokenizer=AsciiTokenizer(), progress=False)
+    assert history[0]["grad_norm"] == 0.0
+    assert any("every group's rewards are equal" in r.getMessage() for r in caplog.records)
+
+
+def zero_reward(completion: str, example: dict) -> float:
+    return 0.0
 
 
 TWO_RANK_SCRIPT = """
@@ -289,7 +327,7 @@ def test_two_processes_keep_identical_weights(tmp_path):
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
     overrides = ["model.path=tiny:llama", "model.chat_template=false",
                  "reward=tests.test_grpo:ids_checksum_reward", "rollout.prompts_per_step=2",
-                 "rollout.max_tokens=8", "generator.num_blocks=64",
+                 "rollout.num_generations=4", "rollout.max_tokens=8", "generator.num_blocks=64",
                  "train.steps=2", "train.lr=1e-3"]
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
                     str(tmp_path), *overrides], check=True, env=env, timeout=600)

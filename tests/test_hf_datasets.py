@@ -120,3 +120,11 @@ def test_python_fallback_gives_the_same_rows(monkeypatch):
     expected = pack_dataset(ds, 4, overflow="split")[:]
     monkeypatch.setattr("packing.hf_datasets.native_packer", lambda: None)
     assert pack_dataset(ds, 4, overflow="split")[:] == expected
+
+
+def test_packed_rows_carry_no_attention_mask():
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]], "attention_mask": [[1, 1], [1]]})
+    packed = pack_dataset(ds, 4)
+    assert "attention_mask" not in packed.column_names and packed["seq_lengths"] == [[2, 1]]
+    with pytest.raises(ValueError, match="cannot carry a concatenated attention_mask"):
+        pack_dataset(ds, 4, columns=["attention_mask"])

@@ -324,3 +324,13 @@ def test_uses_the_live_weights():
                          do_sample=False, pad_token_id=0)[0, 12:].tolist()
     assert after == ref and after != before
     assert gen.stats()["prefix_cache_hit_blocks"] == 0  # stale K/V from the old weights is not reused
+
+
+def test_a_dict_of_sampling_settings_is_named_as_a_dict(llama):
+    gen = Generator(llama, block_size=4, num_blocks=16)
+    for call in (lambda: gen.generate(["hi"], {"temperature": 0}, use_tqdm=False),
+                 lambda: gen.generate([[5]], [{"temperature": 0}], use_tqdm=False),
+                 lambda: gen.add_request([5], {"temperature": 0})):
+        with pytest.raises(TypeError, match=r"dict/mapping .*SamplingParams\(\*\*\{'temperature': 0\}\)"):
+            call()
+    assert not gen.has_unfinished()

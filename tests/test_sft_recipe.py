@@ -2,7 +2,9 @@
 (slow): every sequence once per epoch, equal steps, first loss == unpacked single-process loss."""
 
 import json
+import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -92,6 +94,76 @@ def test_bad_config_is_a_clear_error(tmp_path):
     _reset_accelerate()
 
 
+@pytest.mark.parametrize("override, match", [
+    ("train.max_steps=abc", "train.max_steps must be an integer >= 1 or null, got 'abc'"),
+    ("train.max_steps=0", "train.max_steps must be an integer >= 1 or null, got 0"),
+    ("train.epochs=0", "train.epochs must be an integer >= 1, got 0"),
+    ("train.grad_accum=1.5", "train.grad_accum must be an integer >= 1, got 1.5"),
+    ("data.tokens_per_batch=big", "data.tokens_per_batch must be an integer >= 1"),
+    ("data.overflow=drop", "data.overflow must be error, truncate or split"),
+])
+def test_settings_that_would_train_nothing_or_crash_later_fail_first(tmp_path, override, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        train(_cfg(tmp_path, override))
+
+
+def test_max_steps_counts_optimizer_steps_and_repeats_epochs(tmp_path, caplog):
+    one = train(_cfg(tmp_path / "one"))
+    _reset_accelerate()
+    want = one["steps"] * 2 + 1  # more than one epoch holds
+    with caplog.at_level(logging.WARNING, logger="recipes.sft"):
+        more = train(_cfg(tmp_path / "more", f"train.max_steps={want}"))
+    _reset_accelerate()
+    assert more["steps"] == len(more["losses"]) == want and len(more["stats"]) == 3
+    assert any("the data repeats for 3 epochs" in r.getMessage() for r in caplog.records)
+    with caplog.at_level(logging.WARNING, logger="recipes.sft"):  # resuming a finished run says so
+        again = train(_cfg(tmp_path / "more", f"train.max_steps={want}", "checkpoint.resume_from=latest"))
+    _reset_accelerate()
+    assert again["losses"] == [] and any("nothing to train" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("override, field", [
+    ("train.grad_accum=4", "train.grad_accum=2 but this run has train.grad_accum=4"),
+    ("data.tokens_per_batch=128", "tokens_per_batch=96 but this loader has tokens_per_batch=128"),
+    ("data.max_seqs_per_batch=2", "max_seqs_per_batch=None but this loader has max_seqs_per_batch=2"),
+    ("data.num_rows=25", "num_sequences=24 but this loader has num_sequences=25"),
+    ("data.seed=3", "lengths_digest="),
+])
+def test_resume_under_another_plan_is_refused_naming_the_field(tmp_path, override, field):
+    train(_cfg(tmp_path, "train.max_steps=1"))
+    _reset_accelerate()
+    with pytest.raises(ValueError, match=re.escape(field)):
+        train(_cfg(tmp_path, override, "checkpoint.resume_from=latest"))
+    _reset_accelerate()
+
+
+def test_checkpoint_is_an_hf_model_dir_with_the_tiny_tokenizer(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from recipes.config import load_model
+    from recipes.tasks import AsciiTokenizer
+
+    result = train(_cfg(tmp_path, "train.max_steps=1"))
+    _reset_accelerate()
+    step = Path(result["checkpoint"])
+    assert step == tmp_path / "step_1" and result["deepspeed_engine"] is False
+    model = AutoModelForCausalLM.from_pretrained(str(step))
+    saved = _params(tmp_path, 1)
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items() if k in saved)
+    _, tok = load_model({"path": str(step)})
+    assert isinstance(tok, AsciiTokenizer) and tok("hi")["input_ids"] == [104, 105]
+
+
+def test_a_deepspeed_config_under_accelerate_use_cpu_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    ds = ROOT / "recipes/configs/deepspeed_zero2.json"
+    with pytest.raises(ValueError, match="ACCELERATE_USE_CPU=1 makes Accelerate drop DeepSpeed"):
+        train(_cfg(tmp_path, f"accelerate.deepspeed_config={ds}"))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch` sets
+    with pytest.raises(ValueError, match="ACCELERATE_USE_CPU=1 makes Accelerate drop DeepSpeed"):
+        train(_cfg(tmp_path))
+
+
 # ---------------------------------------------------------------------------------- 2 processes
 def _free_port() -> int:
     with socket.socket() as s:
@@ -101,14 +173,15 @@ def _free_port() -> int:
 
 def _torchrun(out_dir, *overrides, deepspeed=False):
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    if deepspeed:
+    if deepspeed:  # DeepSpeed on CPU: DS_ACCELERATOR=cpu and NOT ACCELERATE_USE_CPU (which drops it)
+        del env["ACCELERATE_USE_CPU"]
         env["DS_ACCELERATOR"] = "cpu"
         ds_config = ROOT / "recipes/configs/deepspeed_zero2.json"
         overrides = (*overrides, f"accelerate.deepspeed_config={ds_config}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(_free_port()), "-m", "recipes.sft", *SMALL,
            f"checkpoint.output_dir={out_dir}", "log.record_indices=true", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((Path(out_dir) / f"result_rank{r}.json").read_text()) for r in range(2)]
 
@@ -167,6 +240,7 @@ def test_ddp_two_processes_loss_matches_unpacked_and_resumes_exactly(tmp_path, d
 @pytest.mark.slow
 def test_deepspeed_zero2_two_processes_matches_unpacked_and_ddp(tmp_path, ddp_run):
     results = _torchrun(tmp_path / "ds", *ONE_STEP_PER_EPOCH, deepspeed=True)
+    assert all(r["deepspeed_engine"] and r["zero_stage"] == 2 for r in results)  # not a silent DDP
     _check_two_rank_run(results)
     # the second step's loss depends on the first step's gradient: DeepSpeed's own loss scaling by
     # 1/grad_accum and rank averaging are undone exactly as under DDP
