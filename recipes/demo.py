@@ -145,26 +145,22 @@ def grpo_demo(model, tokenizer, *, steps: int = 2, out: TextIO | None = None) ->
     from recipes.grpo import DEFAULT_CONFIG, run_grpo
 
     out = out or sys.stdout
-    # 8 groups of 8 with room to answer (SmolLM2 restates the sum first): with the recipe's small
-    # default (4 x 4, 16 tokens) every group of the demo scored 0 and no step had an advantage.
-    cfg = load_config(DEFAULT_CONFIG, overrides={
-        "model": {"path": None},
-        "train": {"steps": steps},
-        "rollout": {"prompts_per_step": 8, "num_generations": 8, "max_tokens": 48},
-        "generator": {"num_blocks": 512},
-    })
+    cfg = load_config(DEFAULT_CONFIG, overrides={"model": {"path": None}, "train": {"steps": steps}})
     history = run_grpo(cfg, model=model, tokenizer=tokenizer)
     ro = cfg["rollout"]
     print(f"\nGRPO on the live model ({ro['prompts_per_step']} arithmetic prompts x {ro['num_generations']} "
           f"samples per step, up to {ro['max_tokens']} new tokens):", file=out)
     header = (f"{'step':>4} {'reward':>7} {'rollout tok/s':>13} {'train tok/s':>11} {'packed':>7} "
-              f"{'padded':>7} {'logprob gap max':>15} {'mean':>9}")
+              f"{'padded':>7} {'logprob gap max':>15} {'mean':>9} {'IS ratio range':>16}")
     print(header + "\n" + "-" * len(header), file=out)
     for m in history:
         print(f"{m['step']:>4} {m['reward_mean']:>7.3f} {m['rollout_tokens_per_s']:>13.1f} "
               f"{m['train_tokens_per_s']:>11.1f} {m['train_tokens']:>7} {m['padded_train_tokens']:>7} "
-              f"{m['logprob_gap_max']:>15.2e} {m['logprob_gap_mean']:>9.2e}", file=out)
-    print("(gap: the generator's sampled-token log-probs vs the training forward's; same weights)", file=out)
+              f"{m['logprob_gap_max']:>15.2e} {m['logprob_gap_mean']:>9.2e} "
+              f"{m['is_ratio_min']:>7.5f}-{m['is_ratio_max']:<8.5f}", file=out)
+    mode = "batch-invariant mode" if history and history[0]["batch_invariant"] else "default numerics"
+    print(f"(gap: the generator's sampled-token log-probs vs the training forward's, same weights, {mode}; "
+          "IS ratio: pi_train / pi_rollout per token, 1 = exactly on-policy)", file=out)
     return history
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from dataloaders.loader import move_batch
+from packing.batch_invariant import batch_invariant
 from recipes.config import check_model_path, load_config, load_model, require
 from recipes.tasks import TASKS, encode_prompt, get_reward, load_examples
 
@@ -43,6 +44,8 @@ def validate_config(cfg: Mapping, *, have_model: bool = False) -> None:
     get_reward(cfg["reward"], key="reward")
     resolve_is_correction(cfg["train"])
     ro, gen, tr = cfg["rollout"], cfg["generator"], cfg["train"]
+    if tr["batch_invariant"] not in ("auto", True, False):
+        raise ValueError(f"train.batch_invariant must be auto, true or false, got {tr['batch_invariant']!r}")
     task = cfg["task"]
     if task["prompts"] is None and task["name"] not in TASKS:
         raise ValueError(f"unknown task.name {task['name']!r}; use one of {sorted(TASKS)} "
@@ -92,6 +95,34 @@ def resolve_is_correction(train_cfg: Mapping) -> ISWeightFn | None:
         raise ValueError(f"unknown train.is_correction {spec!r}; use none, tis, or an import path "
                          "'module:function' taking (train_logprobs, gen_logprobs) -> per-token weights")
     return get_reward(spec, key="train.is_correction")  # same import-path resolution
+
+
+def use_batch_invariant(train_cfg: Mapping, model) -> bool:
+    """``train.batch_invariant``: true, false, or auto = on wherever nopad has a batch-invariant
+    attention path (CPU tensors), so rollouts are sampled from exactly the policy being trained."""
+    setting = train_cfg["batch_invariant"]
+    if setting not in ("auto", True, False):
+        raise ValueError(f"train.batch_invariant must be auto, true or false, got {setting!r}")
+    device = next(model.parameters()).device
+    if setting == "auto":
+        if device.type != "cpu":
+            _warn_once(f"train.batch_invariant=auto: off on {device.type} (nopad's batch-invariant kernel is "
+                       "CPU-only), so rollout and trainer log-probs differ slightly; consider "
+                       "train.is_correction=tis")
+        return device.type == "cpu"
+    if setting and device.type != "cpu":
+        raise ValueError(f"train.batch_invariant=true needs the model on CPU (nopad's batch-invariant kernel "
+                         f"is CPU-only), but it is on {device}; set train.batch_invariant=auto or false")
+    return bool(setting)
+
+
+_WARNED: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -182,7 +213,9 @@ def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[l
     n = cfg["rollout"]["num_generations"]
     # 1. rollouts on the live weights; the KV cache is handed back before any backward pass
     t0 = time.perf_counter()
-    outputs = generator.generate(prompt_ids, sampling_params(cfg, step), use_tqdm=use_tqdm)
+    invariant = use_batch_invariant(tr, model)
+    with batch_invariant(invariant):
+        outputs = generator.generate(prompt_ids, sampling_params(cfg, step), use_tqdm=use_tqdm)
     rollout_time = time.perf_counter() - t0
     generator.release()
     rollouts, rewards = [], []
@@ -209,13 +242,15 @@ def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[l
     num_loss_tokens = torch.tensor(float(sum(r["num_loss_tokens"] for r in rows)))
     if accelerator is not None and accelerator.num_processes > 1:
         num_loss_tokens = accelerator.reduce(num_loss_tokens, reduction="sum")
-    gaps, losses, clipped = [], [], 0
+    gaps, ratios, losses, clipped = [], [], [], 0
     device = next(model.parameters()).device
     for row in rows:
         row = move_batch(row, device)  # as SFT does: CPU rows (and their VarlenMeta) to the model
-        logp = packed_logprobs(model, row)
+        with batch_invariant(invariant):  # the forward only; any correct backward will do
+            logp = packed_logprobs(model, row)
         gen_lp, adv = row["gen_logprobs"].to(logp.device), row["advantages"].to(logp.device)
         gaps.append((logp.detach() - gen_lp).abs())
+        ratios.append(torch.exp(logp.detach() - gen_lp))
         if is_weights is None:
             old, weights = gen_lp, None  # ratio against the generator's own log-probs
         else:
@@ -243,6 +278,7 @@ def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[l
     train_time = time.perf_counter() - t0
 
     gap = torch.cat(gaps) if gaps else torch.zeros(1)
+    ratio = torch.cat(ratios) if ratios else torch.ones(1)
     train_tokens = sum(int(r["input_ids"].numel()) for r in rows)
     longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
     return {
@@ -260,6 +296,10 @@ def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[l
         "train_tokens_per_s": train_tokens / train_time,
         "logprob_gap_max": float(gap.max()),
         "logprob_gap_mean": float(gap.mean()),
+        # pi_train / pi_rollout of this (first and only) epoch: exactly 1 in batch-invariant mode
+        "is_ratio_min": float(ratio.min()),
+        "is_ratio_max": float(ratio.max()),
+        "batch_invariant": float(invariant),
         "rollout_s": rollout_time,
         "train_s": train_time,
     }

@@ -64,11 +64,13 @@ def test_grpo_demo_prints_one_row_per_step_with_the_gap():
     out = io.StringIO()
     history = grpo_demo(tiny_model("llama"), AsciiTokenizer(), steps=1, out=out)
     assert [h["step"] for h in history] == [0]
-    assert history[0]["logprob_gap_max"] <= 1e-5
+    assert history[0]["logprob_gap_max"] == 0.0  # batch-invariant mode: exactly on-policy
     lines = out.getvalue().splitlines()
     assert lines[1].startswith("GRPO on the live model (8 arithmetic prompts x 8 samples per step")
     assert lines[2].split() == ["step", "reward", "rollout", "tok/s", "train", "tok/s", "packed", "padded",
-                                "logprob", "gap", "max", "mean"]
+                                "logprob", "gap", "max", "mean", "IS", "ratio", "range"]
     row = lines[4].split()
+    assert row[6:] == ["0.00e+00", "0.00e+00", "1.00000-1.00000"]
+    assert "batch-invariant mode" in lines[5]
     assert row[0] == "0" and int(row[4]) == history[0]["train_tokens"]
     assert int(row[5]) == history[0]["padded_train_tokens"]
