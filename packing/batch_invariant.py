@@ -42,18 +42,33 @@ def is_enabled() -> bool:
 
 
 def _tiled_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for 2-D ``x``, computed on fixed ``TILE_ROWS``-row tiles."""
-    rows = x.shape[0]
-    pad = -rows % TILE_ROWS
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    tiles = x.shape[0] // TILE_ROWS
-    if x.dtype == torch.float32:  # one batched call: as fast as one plain GEMM in fp32
-        w = weight.t().unsqueeze(0).expand(tiles, -1, -1)
-        out = torch.bmm(x.view(tiles, TILE_ROWS, x.shape[1]), w).view(-1, weight.shape[0])
-    else:  # bf16/fp16 batched GEMMs take a slow path on CPU: one plain GEMM per tile
-        out = torch.cat([torch.mm(t, weight.t()) for t in x.split(TILE_ROWS)])
-    return out[:rows] if pad else out
+    """``x @ weight.T`` for 2-D contiguous ``x``, every row computed by the same GEMM call shape:
+    ``TILE_ROWS`` rows (the last tile zero-padded), written straight into one output buffer."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = x.new_empty(rows, n)
+    w = weight.t()
+    batched = x.dtype == torch.float32  # batched GEMMs are as fast as plain ones in fp32 only
+
+    def gemm(src: torch.Tensor, dst: torch.Tensor) -> None:
+        if batched:
+            tiles = src.shape[0] // TILE_ROWS
+            torch.bmm(src.view(tiles, TILE_ROWS, k), w.unsqueeze(0).expand(tiles, k, n),
+                      out=dst.view(tiles, TILE_ROWS, n))
+        else:  # bf16/fp16 batched GEMMs take a slow path on CPU: one plain GEMM per tile
+            for s in range(0, src.shape[0], TILE_ROWS):
+                torch.mm(src[s : s + TILE_ROWS], w, out=dst[s : s + TILE_ROWS])
+
+    full = rows - rows % TILE_ROWS
+    if full:
+        gemm(x[:full], out[:full])
+    if full < rows:
+        last = x.new_zeros(TILE_ROWS, k)
+        last[: rows - full] = x[full:]
+        tail = x.new_empty(TILE_ROWS, n)
+        gemm(last, tail)
+        out[full:] = tail[: rows - full]
+    return out
 
 
 class _TiledLinear(torch.autograd.Function):

@@ -176,7 +176,8 @@ class _OpLog(TorchDispatchMode):
 
 
 GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
-         torch.ops.aten.matmul.default, torch.ops.aten.baddbmm.default}
+         torch.ops.aten.matmul.default, torch.ops.aten.baddbmm.default, torch.ops.aten.mm.out,
+         torch.ops.aten.bmm.out}
 REDUCTIONS = {torch.ops.aten.mean.dim, torch.ops.aten.sum.dim_IntList, torch.ops.aten.amax.default,
               torch.ops.aten._log_softmax.default, torch.ops.aten._softmax.default,
               torch.ops.aten.var_mean.correction, torch.ops.aten.norm.ScalarOpt_dim}
