@@ -25,6 +25,7 @@ from inference.request import Request, Sequence, Status, prompt_token_ids
 from inference.sampler import sample
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
+from inference.sharded import compute_dtype
 from packing.blocks import BlockAllocator
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class Generator:
         self.max_model_len = int(getattr(config, "max_position_embeddings", None) or 1 << 62)
         self.vocab_size = int(config.vocab_size)
         param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        self.device, self.dtype = param.device, compute_dtype(model)  # FSDP2: not the shard's dtype
         if num_blocks is None:
             per_block = bytes_per_block(config, block_size, self.dtype)
             num_blocks = (kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES) // per_block
