@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -37,10 +38,10 @@ ROLLOUT_MODES = ("gather", "lockstep")
 # ----------------------------------------------------------------------------- what is sharded
 def zero3_engine(model) -> object | None:
     """The DeepSpeed engine when ``model`` is one running ZeRO stage 3, else None."""
-    try:
-        from deepspeed import DeepSpeedEngine
-    except ImportError:
+    if "deepspeed" not in sys.modules:  # no engine can exist; importing deepspeed takes seconds
         return None
+    from deepspeed import DeepSpeedEngine
+
     if isinstance(model, DeepSpeedEngine) and model.zero_optimization_stage() == 3:
         return model
     return None
