@@ -10,7 +10,7 @@ process). Peak memory is the rank's resident set sampled every millisecond durin
 minus the resident set just before it: what the rollout regime itself costs. Greedy, ignore_eos:
 every system makes the same tokens.
 
-    python benchmarks/bench_sharded.py            # hidden 512, 8 layers (~30 M parameters)
+    python benchmarks/bench_sharded.py            # hidden 768, 8 layers (~58 M parameters)
     python benchmarks/bench_sharded.py --quick    # hidden 256, 4 layers
 """
 
@@ -71,7 +71,7 @@ def worker(regime: str, quick: bool, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    hidden, layers = (256, 4) if quick else (512, 8)
+    hidden, layers = (256, 4) if quick else (768, 8)
     config = transformers.LlamaConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
                                       num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
                                       max_position_embeddings=1024, pad_token_id=0, bos_token_id=1,
@@ -79,10 +79,15 @@ def worker(regime: str, quick: bool, out_dir: str) -> None:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).float()
     num_params = sum(p.numel() for p in model.parameters())
+    layer_params = sum(p.numel() for p in model.model.layers[0].parameters())
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
         config={"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
-                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                # keep ~one layer live and prefetched, as a model too big for one device would be run
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                      "stage3_max_live_parameters": layer_params,
+                                      "stage3_prefetch_bucket_size": layer_params,
+                                      "stage3_max_reuse_distance": 0},
                 "steps_per_print": 10**9})
     policy = engine.module
     g = torch.Generator().manual_seed(rank)
@@ -118,7 +123,8 @@ def worker(regime: str, quick: bool, out_dir: str) -> None:
 
 
 def launch(regime: str, quick: bool, out_dir: str) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT),
+           "MALLOC_ARENA_MAX": "1"}  # one malloc arena: freed memory is reused, not spread per thread
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29731",
            __file__, "--worker", regime, "--out", out_dir] + (["--quick"] if quick else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

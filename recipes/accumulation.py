@@ -49,6 +49,19 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
+def check_engine_engaged(accelerator) -> None:
+    """Fail when ``accelerate launch`` asked for DeepSpeed or FSDP but Accelerate runs something
+    else: on CPU it silently drops FSDP (and DeepSpeed with ``cpu=True``)."""
+    import os
+
+    engaged = accelerator.distributed_type.name
+    for env, wanted in (("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED"), ("ACCELERATE_USE_FSDP", "FSDP")):
+        if os.environ.get(env, "false").lower() == "true" and engaged != wanted:
+            raise RuntimeError(f"{env}=true but Accelerate runs {engaged}: {wanted} did not engage "
+                               "(on CPU Accelerate cannot run FSDP; use torch.distributed.fsdp.fully_shard "
+                               "under torchrun, and DS_ACCELERATOR=cpu for DeepSpeed)")
+
+
 def pad_rows(rows: list[dict], empty_row, accelerator=None) -> list[dict]:
     """Append ``empty_row()`` rows (zero-weight, tiny) until every rank has as many rows as the
     busiest one, and at least one: under ZeRO-3 / FSDP2 a rank that skips a forward leaves the

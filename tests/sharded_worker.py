@@ -64,6 +64,11 @@ def main(mode: str, out_dir: str) -> None:
             fully_shard(layer)
         fully_shard(model)
         assert all(isinstance(m, FSDPModule) for m in [model, *model.model.layers])
+        # the KV cache follows FSDP2's compute dtype, not the fp32 storage of the shards
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        bf16 = fully_shard(tiny_model("llama"), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        assert Generator(bf16, num_blocks=4).dtype == torch.bfloat16
         accelerator, rank = None, dist.get_rank()
         cfg = config(mode, rank)
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg["train"]["lr"])

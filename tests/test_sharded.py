@@ -154,3 +154,15 @@ def test_empty_row_adds_no_gradient(one_thread):
     with use_nopad_attention(model):
         (packed_logprobs(model, row).sum() * 0.0).backward()
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_an_engine_asked_for_but_not_engaged_is_an_error(monkeypatch):
+    from types import SimpleNamespace
+
+    from recipes.accumulation import check_engine_engaged
+
+    ddp = SimpleNamespace(distributed_type=SimpleNamespace(name="MULTI_CPU"))
+    check_engine_engaged(ddp)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(RuntimeError, match="FSDP did not engage"):
+        check_engine_engaged(ddp)
