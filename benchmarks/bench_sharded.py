@@ -59,6 +59,28 @@ class PeakRSS:
         return False
 
 
+class LiveParams:
+    """Peak bytes of gathered (full, un-partitioned) ZeRO-3 parameters, probed at the start of
+    every submodule's forward: what a rollout regime holds of the weights at once."""
+
+    def __init__(self, model):
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        params = list(model.parameters())
+        self.peak = 0
+
+        def probe(*_):
+            available = ZeroParamStatus.AVAILABLE
+            held = sum(p.ds_numel * p.element_size() for p in params if p.ds_status == available)
+            self.peak = max(self.peak, held)
+
+        self.handles = [m.register_forward_pre_hook(probe) for m in model.modules()]
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
 def worker(regime: str, quick: bool, out_dir: str) -> None:
     import deepspeed
     import torch
@@ -95,6 +117,7 @@ def worker(regime: str, quick: bool, out_dir: str) -> None:
     prompts = [torch.randint(3, 4096, (int(n),), generator=g).tolist()
                for n in torch.randint(16, 48, (num_prompts,), generator=g)]
     new_tokens = 8 if rank == 0 else (32 if quick else 64)
+    live = LiveParams(policy)
     dist.barrier()
     with PeakRSS() as mem:
         t0 = time.perf_counter()
@@ -109,14 +132,17 @@ def worker(regime: str, quick: bool, out_dir: str) -> None:
                                       pad_token_id=0)
             tokens = [row[width:].tolist() for row in out]
         else:
-            gen = Generator(policy, num_blocks=64 * num_prompts, max_num_batched_tokens=512)
+            blocks = sum(-(-(len(p) + new_tokens) // 16) for p in prompts)  # the KV cache the rollout needs
+            gen = Generator(policy, num_blocks=blocks, max_num_batched_tokens=512)
             params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
             outs = sharded_generate(gen, engine, prompts, params, mode=regime)
             gen.release()
             tokens = [o.outputs[0].token_ids for o in outs]
         seconds = time.perf_counter() - t0
     dist.barrier()
+    live.remove()
     result = {"regime": regime, "rank": rank, "seconds": seconds, "peak_bytes": mem.peak - mem.base,
+              "peak_live_param_bytes": live.peak,
               "new_tokens": sum(map(len, tokens)), "num_params": num_params, "tokens": tokens}
     Path(out_dir, f"{regime}_rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -124,7 +150,9 @@ def worker(regime: str, quick: bool, out_dir: str) -> None:
 
 def launch(regime: str, quick: bool, out_dir: str) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT),
-           "MALLOC_ARENA_MAX": "1"}  # one malloc arena: freed memory is reused, not spread per thread
+           # blocks >= 64 KiB are mmapped and unmapped when freed, so RSS follows live memory instead
+           # of glibc's retained heap (which would keep every freed ZeRO-3 gather buffer)
+           "MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29731",
            __file__, "--worker", regime, "--out", out_dir] + (["--quick"] if quick else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -148,14 +176,18 @@ def main() -> None:
     print(f"ZeRO-3, 2 CPU ranks (gloo), Llama {params / 1e6:.1f} M parameters "
           f"({params * 4 / 2**20:.0f} MiB fp32, {params * 2 / 2**20:.0f} MiB per rank when sharded); "
           "rank 0 makes 8 new tokens per prompt, rank 1 many more")
-    print(f"{'regime':<18}{'rank 0 peak MiB':>16}{'rank 1 peak MiB':>16}{'wall s':>9}{'tokens':>8}")
+    print(f"{'regime':<16}{'weights held MiB':>17}{'RSS peak MiB r0':>16}{'RSS peak MiB r1':>16}{'wall s':>8}"
+          f"{'tokens':>7}")
     for regime, ranks in runs.items():
         peaks = [r["peak_bytes"] / 2**20 for r in ranks]
-        print(f"{regime:<18}{peaks[0]:>16.1f}{peaks[1]:>16.1f}{max(r['seconds'] for r in ranks):>9.2f}"
-              f"{sum(r['new_tokens'] for r in ranks):>8}")
+        held = max(r["peak_live_param_bytes"] for r in ranks) / 2**20
+        print(f"{regime:<16}{held:>17.1f}{peaks[0]:>16.1f}{peaks[1]:>16.1f}"
+              f"{max(r['seconds'] for r in ranks):>8.2f}{sum(r['new_tokens'] for r in ranks):>7}")
     same = all(runs["gather"][r]["tokens"] == runs[k][r]["tokens"] for k in REGIMES for r in range(2))
     hf, gather, lock = (max(r["seconds"] for r in runs[k]) for k in ("hf_synced_gpus", "gather", "lockstep"))
     peak = {k: max(r["peak_bytes"] for r in runs[k]) for k in REGIMES}
+    held = {k: max(r["peak_live_param_bytes"] for r in runs[k]) for k in REGIMES}
+    print(f"weights held at once: gather-once / lockstep = {held['gather'] / max(held['lockstep'], 1):.2f}x")
     print(f"greedy tokens identical across the three: {same}")
     print(f"time vs HF synced_gpus: gather-once {hf / gather:.2f}x faster, lockstep {hf / lock:.2f}x faster")
     print(f"peak memory: gather-once / lockstep = {peak['gather'] / max(peak['lockstep'], 1):.2f}x; "

@@ -160,16 +160,32 @@ def dummy_forward(model: torch.nn.Module) -> None:
         model.train(was_training)
 
 
-def generate_lockstep(generator, prompts: Sequence, sampling_params=None, group=None) -> list:
-    """``generator.generate(prompts, sampling_params)`` that keeps all ranks stepping together:
-    each round every rank all-reduces whether it still has work; a rank whose step ran no forward
-    (nothing left, or nothing schedulable this round) runs :func:`dummy_forward`. Every rank calls
-    this the same way, also with no prompts; returns outputs in prompt order."""
-    requests = generator._make_requests(list(prompts), sampling_params) if prompts else []
+def agreed_requests(generator, prompts: Sequence, sampling_params=None, group=None) -> list:
+    """Validate this rank's prompts and agree with the other ranks that all are valid before any
+    rank starts a collective rollout: a rank that raised alone would leave the others waiting."""
+    error = None
+    try:
+        requests = generator._make_requests(list(prompts), sampling_params) if prompts else []
+    except (ValueError, RuntimeError) as err:
+        error, requests = err, []
+    if any_rank(error is not None, generator.device, group):
+        if error is not None:
+            raise error
+        raise RuntimeError("another rank's rollout prompts are invalid (see its error); no rank generates")
+    return requests
+
+
+def _drive(generator, requests: list, lockstep: bool, group=None) -> list:
+    """Run ``requests`` to completion; in lockstep, one forward per round on every rank."""
     for request in requests:
         generator._enqueue(request)
     order = {r.request_id: i for i, r in enumerate(requests)}
     results: list = [None] * len(requests)
+    if not lockstep:
+        while generator.has_unfinished():
+            for out in generator.step():
+                results[order[out.request_id]] = out
+        return results
     forwards = [0]
     handle = generator.model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     rounds = 0
@@ -191,6 +207,14 @@ def generate_lockstep(generator, prompts: Sequence, sampling_params=None, group=
     return results
 
 
+def generate_lockstep(generator, prompts: Sequence, sampling_params=None, group=None) -> list:
+    """``generator.generate(prompts, sampling_params)`` that keeps all ranks stepping together:
+    each round every rank all-reduces whether it still has work; a rank whose step ran no forward
+    (nothing left, or nothing schedulable this round) runs :func:`dummy_forward`. Every rank calls
+    this the same way, also with no prompts; returns outputs in prompt order."""
+    return _drive(generator, agreed_requests(generator, prompts, sampling_params, group), True, group)
+
+
 def sharded_generate(generator, model, prompts: Sequence, sampling_params=None, mode: str = "gather",
                      use_tqdm: bool = False) -> list:
     """Generate on ``model`` (the training engine/module the ``generator`` reads through) in the
@@ -199,7 +223,8 @@ def sharded_generate(generator, model, prompts: Sequence, sampling_params=None, 
         raise ValueError(f"rollout mode must be one of {ROLLOUT_MODES}, got {mode!r}")
     if sharding(model) is None:
         return generator.generate(list(prompts), sampling_params, use_tqdm=use_tqdm) if prompts else []
+    requests = agreed_requests(generator, prompts, sampling_params)
     if mode == "lockstep":
-        return generate_lockstep(generator, prompts, sampling_params)
+        return _drive(generator, requests, lockstep=True)
     with gathered_weights(model):
-        return generator.generate(list(prompts), sampling_params, use_tqdm=use_tqdm) if prompts else []
+        return _drive(generator, requests, lockstep=False)

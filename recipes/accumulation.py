@@ -62,6 +62,15 @@ def check_engine_engaged(accelerator) -> None:
                                "under torchrun, and DS_ACCELERATOR=cpu for DeepSpeed)")
 
 
+def set_deepspeed_clipping(accelerator, max_grad_norm: float | None) -> None:
+    """DeepSpeed clips inside its own step, from its config; Accelerate fills a ``"auto"``
+    gradient_clipping with 1.0 whatever the recipe asked. Set it to ``max_grad_norm`` (0 = off)
+    before ``prepare``; an explicit different value is left for :class:`RowAccumulator` to reject."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None and plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
+        plugin.deepspeed_config["gradient_clipping"] = float(max_grad_norm or 0.0)
+
+
 def pad_rows(rows: list[dict], empty_row, accelerator=None) -> list[dict]:
     """Append ``empty_row()`` rows (zero-weight, tiny) until every rank has as many rows as the
     busiest one, and at least one: under ZeRO-3 / FSDP2 a rank that skips a forward leaves the

@@ -26,7 +26,13 @@ from pathlib import Path
 import torch
 
 from inference.sharded import ROLLOUT_MODES, sharded_generate
-from recipes.accumulation import RowAccumulator, check_engine_engaged, global_sum, pad_rows
+from recipes.accumulation import (
+    RowAccumulator,
+    check_engine_engaged,
+    global_sum,
+    pad_rows,
+    set_deepspeed_clipping,
+)
 from recipes.config import check_model_path, load_config, load_model, require
 from recipes.tasks import TASKS, encode_prompt, get_reward, load_examples
 
@@ -321,9 +327,7 @@ def make_accelerator(cfg: Mapping):
                               kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu and distributed
                               else [], **kwargs)
     check_engine_engaged(accelerator)
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is not None and plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
-        plugin.deepspeed_config["gradient_clipping"] = float(cfg["train"]["max_grad_norm"] or 0.0)
+    set_deepspeed_clipping(accelerator, cfg["train"]["max_grad_norm"])
     return accelerator
 
 

@@ -32,6 +32,7 @@ from dataloaders.balance import attention_cost_from_config
 from dataloaders.loader import move_batch, packed_dataloader
 from dataloaders.loss import PackedLoss
 from dataloaders.streaming import StreamingPackedLoader
+from recipes.accumulation import check_engine_engaged, set_deepspeed_clipping
 from recipes.config import load_config, load_model
 
 logger = logging.getLogger(__name__)
@@ -154,12 +155,15 @@ def make_accelerator(cfg: Mapping):
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=str(ds_config),
                                                      gradient_accumulation_steps=cfg["train"]["grad_accum"])
-    return Accelerator(
+    accelerator = Accelerator(
         cpu=cpu and not ds_config,
         gradient_accumulation_steps=cfg["train"]["grad_accum"],
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu and distributed else [],
         **kwargs,
     )
+    check_engine_engaged(accelerator)
+    set_deepspeed_clipping(accelerator, cfg["train"]["max_grad_norm"])  # else "auto" clips at 1.0
+    return accelerator
 
 
 def _latest_checkpoint(output_dir: Path) -> Path:

@@ -101,6 +101,15 @@ def main(mode: str, out_dir: str) -> None:
         generator.release()
         rollouts[regime] = [o.outputs[0].token_ids for o in outs]
 
+    # a bad prompt on one rank: every rank gets an error before any collective, none hangs
+    errors = []
+    for regime in ("gather", "lockstep"):
+        try:
+            sharded_generate(generator, engine, [[5] * 2000] if rank == 1 else mine, greedy, mode=regime)
+        except (ValueError, RuntimeError) as err:
+            errors.append(str(err))
+        generator.release()
+
     reward_fn = get_reward(cfg["reward"])
     accumulator = RowAccumulator(engine, optimizer, accelerator)
     history = []
@@ -114,7 +123,7 @@ def main(mode: str, out_dir: str) -> None:
                                  accelerator=accelerator, accumulator=accumulator))
     result = {"weights": full_weights(engine, mode), "optimizer_steps": accumulator.optimizer_steps,
               "grpo_steps": len(STEPS), "history": history, "greedy": rollouts, "reference": reference,
-              "global_steps": getattr(engine, "global_steps", None)}
+              "global_steps": getattr(engine, "global_steps", None), "bad_prompt_errors": errors}
     torch.save(result, os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
     dist.barrier()
     if mode == "fsdp2":

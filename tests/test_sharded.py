@@ -87,6 +87,15 @@ def test_sharded_greedy_rollouts_equal_the_unsharded_model(grpo_runs, mode):
     assert min(lengths) < max(lengths)  # the ranks really stopped at different steps
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["zero3", "fsdp2"])
+def test_an_invalid_prompt_on_one_rank_is_an_error_on_every_rank(grpo_runs, mode):
+    rank0, rank1 = (r["bad_prompt_errors"] for r in grpo_runs[mode])
+    assert len(rank0) == len(rank1) == 2  # gather and lockstep: both raised, the run went on
+    assert all("prompt 0: prompt has 2000 tokens" in e for e in rank1)
+    assert all("another rank's rollout prompts are invalid" in e for e in rank0)
+
+
 # ----------------------------------------------------------------------------- packed SFT, 2 processes
 @pytest.mark.slow
 def test_packed_sft_gradients_under_zero3_and_fsdp2_match_unpacked(tmp_path):
