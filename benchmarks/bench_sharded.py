@@ -189,7 +189,8 @@ def main() -> None:
     held = {k: max(r["peak_live_param_bytes"] for r in runs[k]) for k in REGIMES}
     print(f"weights held at once: gather-once / lockstep = {held['gather'] / max(held['lockstep'], 1):.2f}x")
     print(f"greedy tokens identical across the three: {same}")
-    print(f"time vs HF synced_gpus: gather-once {hf / gather:.2f}x faster, lockstep {hf / lock:.2f}x faster")
+    print(f"speed vs HF synced_gpus (its time / ours): gather-once {hf / gather:.2f}x, "
+          f"lockstep {hf / lock:.2f}x")
     print(f"peak memory: gather-once / lockstep = {peak['gather'] / max(peak['lockstep'], 1):.2f}x; "
           f"lockstep / HF synced_gpus = {peak['lockstep'] / max(peak['hf_synced_gpus'], 1):.2f}x")
     print("(a shared 2-core machine: times are noisy; memory is the rank's RSS above its pre-rollout level)")

@@ -120,8 +120,9 @@ class RowAccumulator:
                              "not be reduced otherwise")
         self._zero3 = zero3_engine(model) is not None
         self.optimizer_steps = 0  # counted by a hook on the real torch optimizer
-        _torch_optimizer(optimizer).register_step_post_hook(self._count)
+        self._hook = _torch_optimizer(optimizer).register_step_post_hook(self._count)
         self.num_rows = self._done = 0
+        self._saved_num_steps = None
 
     def _count(self, *_):
         self.optimizer_steps += 1
@@ -132,6 +133,7 @@ class RowAccumulator:
         self.num_rows, self._done = num_rows, 0
         self._steps_before = self.optimizer_steps
         if self.accelerator is not None:  # one accumulation window of exactly num_rows
+            self._saved_num_steps = self.accelerator.gradient_accumulation_steps
             self.accelerator.gradient_accumulation_steps = num_rows
             self.accelerator.step = 0
 
@@ -188,12 +190,19 @@ class RowAccumulator:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.accelerator is not None:  # hand the caller's accelerator back as it was
+            self.accelerator.gradient_accumulation_steps = self._saved_num_steps
         taken = self.optimizer_steps - self._steps_before
         if taken > 1:
             raise RuntimeError(f"{taken} optimizer steps in one accumulation window of {self.num_rows} rows")
         if taken == 0:
             logger.warning("the optimizer step was skipped (DeepSpeed loss-scale overflow?)")
         return _as_float(norm)
+
+
+    def close(self) -> None:
+        """Stop counting (remove the optimizer hook)."""
+        self._hook.remove()
 
 
 def _as_float(norm) -> float:

@@ -225,7 +225,9 @@ def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[l
     rows = pack_rollouts(rollouts, tr["max_tokens_per_batch"])
     num_loss_tokens = global_sum(sum(r["num_loss_tokens"] for r in rows), accelerator)
     rows = pad_rows(rows, empty_rollout_row, accelerator)
-    accumulator = accumulator or RowAccumulator(model, optimizer, accelerator)
+    own_accumulator = accumulator is None
+    if own_accumulator:
+        accumulator = RowAccumulator(model, optimizer, accelerator)
     accumulator.begin(len(rows))
     gaps, losses, clipped = [], [], 0
     for row in rows:
@@ -251,6 +253,8 @@ def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[l
             losses.append(loss.detach())
             clipped += int(was_clipped.sum())
     grad_norm = accumulator.step(tr["max_grad_norm"])
+    if own_accumulator:
+        accumulator.close()
     rows = [r for r in rows if not r.get("empty")]
     train_time = time.perf_counter() - t0
 

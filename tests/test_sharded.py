@@ -175,3 +175,46 @@ def test_an_engine_asked_for_but_not_engaged_is_an_error(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(RuntimeError, match="FSDP did not engage"):
         check_engine_engaged(ddp)
+
+
+def _reset_accelerate():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def test_row_accumulator_one_step_over_rows_and_double_steps_are_errors(one_thread):
+    from accelerate import Accelerator
+
+    from recipes.accumulation import RowAccumulator
+
+    _reset_accelerate()
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 2)
+    expected = torch.nn.Linear(4, 2)
+    expected.load_state_dict(model.state_dict())
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    sum(expected(x).square().sum() for x in xs).backward()  # one backward over the summed loss
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    acc = RowAccumulator(model, optimizer, accelerator)
+    grads = []
+    model.weight.register_hook(lambda g: grads.append(g))
+    acc.begin(3)
+    for x in xs:
+        with acc.row():
+            acc.backward(model(x).square().sum())
+    total = sum(grads)  # the gradient of each row as the optimizer sees it, summed
+    torch.testing.assert_close(total, expected.weight.grad, rtol=1e-6, atol=1e-6)
+    acc.step(max_grad_norm=None)
+    assert acc.optimizer_steps == 1 and accelerator.gradient_accumulation_steps == 1
+    acc.begin(2)
+    for x in xs[:2]:
+        with acc.row():
+            acc.backward(model(x).sum())
+        optimizer.optimizer.step()  # a stray step inside the window
+    with pytest.raises(RuntimeError, match="3 optimizer steps in one accumulation window of 2 rows"):
+        acc.step(max_grad_norm=1.0)
+    acc.close()
+    _reset_accelerate()
