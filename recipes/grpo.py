@@ -3,6 +3,11 @@ optimizer updates (no copy, no weight sync), score, pack prompt+completion seque
 rows, recompute the log-probs with the training forward and take one optimizer step.
 
     python -m recipes.grpo [recipes/configs/grpo.yaml] [key=value ...]
+    accelerate launch --config_file recipes/configs/accelerate_zero3.yaml -m recipes.grpo [...]
+
+Under ZeRO-3 / FSDP2 the rollout gathers the full weights once or keeps the ranks in lockstep
+(``generator.sharded_rollout``, :mod:`inference.sharded`), every rank trains on the same number of
+packed rows and takes exactly one optimizer step per GRPO step (:mod:`recipes.accumulation`).
 
 Generator and trainer run the same attention core, so in fp32 the generator's sampled-token
 log-probs equal the training forward's (the gap is reported every step). When they are not equal
