@@ -97,6 +97,9 @@ def _zero3_gathered(engine) -> Iterator[None]:
     import deepspeed
 
     offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
+    if offload is None or not hasattr(offload, "forward_hooks"):
+        raise ValueError("gather-once rollouts need a ZeRO-3 engine built with an optimizer (its hooks live "
+                         "there); use mode='lockstep' for an engine without one")
     module = offload.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
         # with the hooks attached, each submodule's post-forward hook would re-partition the

@@ -101,7 +101,8 @@ def _free_port() -> int:
 
 def _torchrun(out_dir, *overrides, deepspeed=False):
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    if deepspeed:
+    if deepspeed:  # ACCELERATE_USE_CPU would make Accelerate drop DeepSpeed and run DDP
+        env.pop("ACCELERATE_USE_CPU")
         env["DS_ACCELERATOR"] = "cpu"
         ds_config = ROOT / "recipes/configs/deepspeed_zero2.json"
         overrides = (*overrides, f"accelerate.deepspeed_config={ds_config}")
