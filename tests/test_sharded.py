@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,15 +15,10 @@ import pytest
 import torch
 
 from tests.models import tiny_model
+from tests.test_sft_recipe import _free_port, _reset_accelerate
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 150  # each 2-process run; a deadlock fails here with the ranks' output
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_two_ranks(args: list[str], what: str) -> None:
@@ -175,13 +169,6 @@ def test_an_engine_asked_for_but_not_engaged_is_an_error(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(RuntimeError, match="FSDP did not engage"):
         check_engine_engaged(ddp)
-
-
-def _reset_accelerate():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def test_row_accumulator_one_step_over_rows_and_double_steps_are_errors(one_thread):
