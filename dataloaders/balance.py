@@ -3,7 +3,8 @@
 Synchronous data parallelism waits for the slowest rank at every step, so what matters is the
 cost of each *step* on each rank, not only the per-rank total over an epoch. A bin's cost is
 ``token_cost * tokens + attention_cost * sum(l**2)``: the linear layers scale with tokens, the
-attention with the square of each sequence's length.
+attention with the square of each sequence's length; :func:`attention_cost_from_config` derives
+the ratio from the model's width, depth, heads and vocabulary.
 
 The plan: sort bins by cost, cut the sorted list into steps of ``num_ranks`` consecutive bins
 (neighbours in the sorted order cost nearly the same, so each step is balanced), hand the bins of
@@ -34,6 +35,29 @@ def default_attention_cost(hidden_size: int = DEFAULT_HIDDEN_SIZE) -> float:
     return 1.0 / (12.0 * hidden_size)
 
 
+def attention_cost_from_config(config) -> float:
+    """Weight of ``sum(l**2)`` relative to tokens, from a transformers model config (what slime's
+    ``--balance-by-flops`` does). Forward FLOPs per token: each layer's q/k/v/o projections
+    (``2*d*(heads + 2*kv_heads)*head_dim + 2*heads*head_dim*d``) and gated MLP (``6*d*ffn``), plus
+    the LM head (``2*d*vocab``); causal attention over a sequence of length ``l`` adds
+    ``2*heads*head_dim*l**2`` per layer (QK^T and AV, half the square). Sliding windows are
+    ignored (an upper bound on the attention term)."""
+    d = int(config.hidden_size)
+    layers = int(config.num_hidden_layers)
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or d // heads)
+    ffn = int(getattr(config, "intermediate_size", None) or 4 * d)
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if min(d, layers, heads, head_dim) < 1:
+        raise ValueError(f"config has hidden_size={d}, num_hidden_layers={layers}, "
+                         f"num_attention_heads={heads}: cannot derive the attention cost; "
+                         "pass attention_cost= explicitly")
+    linear = 2 * d * (heads + 2 * kv_heads) * head_dim + 2 * heads * head_dim * d + 6 * d * ffn
+    per_token = layers * linear + 2 * d * vocab
+    return 2.0 * heads * head_dim * layers / per_token
+
+
 def bin_cost(lengths: np.ndarray, token_cost: float, attention_cost: float) -> float:
     lengths = np.asarray(lengths, dtype=np.float64)
     return float(token_cost * lengths.sum() + attention_cost * np.square(lengths).sum())
@@ -50,6 +74,8 @@ class RankPlan:
     bins_split: int  # bins split in two to equalise step counts
     rank_cost_skew: float  # max / mean of the per-rank epoch totals
     step_cost_skew: float  # sum over steps of max rank cost / sum over steps of mean rank cost
+    step_costs: np.ndarray | None = None  # (num_steps, num_ranks) cost of each rank's bin
+    step_tokens: np.ndarray | None = None  # (num_steps, num_ranks) real tokens of each rank's bin
 
     @property
     def num_steps(self) -> int:
@@ -57,6 +83,22 @@ class RankPlan:
 
     def rank_bins(self, rank: int) -> list[int]:
         return [step[rank] for step in self.steps]
+
+    def step_report(self, capacity: int) -> dict:
+        """Per step: max/mean rank cost (1.0 = no rank waits) and pad fraction (empty token slots
+        of the step's ``num_ranks`` rows of ``capacity``); plus the epoch's worst/mean of each and
+        the idle fraction (rank time spent waiting for the step's busiest rank)."""
+        costs, tokens = self.step_costs, self.step_tokens
+        max_over_mean = costs.max(axis=1) / np.maximum(costs.mean(axis=1), 1e-30)
+        pad = 1.0 - tokens.sum(axis=1) / (tokens.shape[1] * capacity)
+        return {
+            "step_max_over_mean": max_over_mean.tolist(),
+            "step_pad_fraction": pad.tolist(),
+            "worst_step_max_over_mean": float(max_over_mean.max()),
+            "mean_step_max_over_mean": float(max_over_mean.mean()),
+            "pad_fraction": float(1.0 - tokens.sum() / tokens.size / capacity),
+            "idle_fraction": float(1.0 - costs.mean(axis=1).sum() / costs.max(axis=1).sum()),
+        }
 
 
 def _split_in_two(items: np.ndarray, item_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -147,6 +189,9 @@ def balance_bins(
         perm = np.random.default_rng(seed).permutation(len(steps))
         steps = [steps[i] for i in perm]
     step_costs = costs[np.array(steps, dtype=np.int64)]  # (num_steps, num_ranks)
+    tokens = np.array([int(item_lengths[x].sum()) for x in bins], dtype=np.int64)
+    step_tokens = tokens[np.array(steps, dtype=np.int64)]
+    step_tokens[np.isin(np.array(steps), list(duplicated))] = 0  # duplicates are loss-masked padding
     return RankPlan(
         steps=steps,
         bins=bins,
@@ -154,6 +199,8 @@ def balance_bins(
         bins_split=splits,
         rank_cost_skew=float(totals.max() / totals.mean()),
         step_cost_skew=float(step_costs.max(axis=1).sum() / step_costs.mean(axis=1).sum()),
+        step_costs=step_costs,
+        step_tokens=step_tokens,
     )
 
 

@@ -43,6 +43,7 @@ def epoch_stats(
         "bins_split_for_balance": plan.bins_split,
         "rank_cost_skew": plan.rank_cost_skew,
         "step_cost_skew": plan.step_cost_skew,
+        **{k: v for k, v in plan.step_report(capacity).items() if not k.startswith("step_")},
     }
 
 
@@ -52,10 +53,12 @@ def log_epoch_stats(stats: dict, rank: int = 0) -> None:
         return
     logger.info(
         "epoch %d: %d sequences -> %d bins, %d steps x %d ranks, efficiency %.2f%%, "
-        "truncated %d tokens, split %d, rank cost skew %.3f, step cost skew %.3f",
+        "truncated %d tokens, split %d, rank cost skew %.3f, step cost skew %.3f "
+        "(worst step max/mean %.3f), pad fraction %.3f",
         stats["epoch"], stats["num_sequences"], stats["num_bins"], stats["steps_per_rank"],
         stats["num_ranks"], 100 * stats["efficiency"], stats["tokens_truncated"],
         stats["sequences_split"], stats["rank_cost_skew"], stats["step_cost_skew"],
+        stats.get("worst_step_max_over_mean", 1.0), stats.get("pad_fraction", 0.0),
     )
     if stats["sequences_dropped"]:
         logger.warning("epoch %d: %d empty (zero-length) sequences dropped: they have no tokens to train on",

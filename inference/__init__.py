@@ -10,6 +10,7 @@ The pipeline, one module per concept: ``sampling_params`` (what to sample) -> ``
 (sequence state) -> ``scheduler`` (plan a step on the core ``BlockAllocator``) ->
 ``model_runner`` (the step's ``VarlenMeta``, one forward through ``packing.hf``'s attention,
 ``kv_cache`` holding the paged K/V) -> ``sampler`` -> ``outputs``; ``generator`` ties them.
+``sharded`` runs the generator on DeepSpeed ZeRO-3 / FSDP2 models (gather-once or lockstep).
 """
 
 from inference.generator import Generator

@@ -26,6 +26,7 @@ from inference.request import Request, Sequence, Status, prompt_token_ids
 from inference.sampler import sample
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
+from inference.sharded import compute_dtype as model_compute_dtype
 from packing.attention import BACKENDS, choose_backend
 from packing.blocks import BlockAllocator
 from packing.flash import FA2_PAGE_MULTIPLE, FLASH_DTYPES, can_read_pages, flash_attn_info
@@ -76,7 +77,8 @@ class Generator:
         if attn_backend is not None and attn_backend not in BACKENDS:
             raise ValueError(f"unknown attn_backend {attn_backend!r}; choose one of {BACKENDS}")
         param = next(model.parameters())
-        self.device, self.weight_dtype, self.requested_dtype = param.device, param.dtype, dtype
+        # FSDP2: the compute dtype of its mixed-precision policy, not the shard's storage dtype
+        self.device, self.weight_dtype, self.requested_dtype = param.device, model_compute_dtype(model), dtype
         self.attn_backend = attn_backend
         self.dtype = self.compute_dtype()
         if block_size is None:

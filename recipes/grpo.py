@@ -3,6 +3,11 @@ optimizer updates (no copy, no weight sync), score, pack prompt+completion seque
 rows, recompute the log-probs with the training forward and take one optimizer step.
 
     python -m recipes.grpo [recipes/configs/grpo.yaml] [key=value ...]
+    accelerate launch --config_file recipes/configs/accelerate_zero3.yaml -m recipes.grpo [...]
+
+Under ZeRO-3 / FSDP2 the rollout gathers the full weights once or keeps the ranks in lockstep
+(``generator.sharded_rollout``, :mod:`inference.sharded`), every rank trains on the same number of
+packed rows and takes exactly one optimizer step per GRPO step (:mod:`recipes.accumulation`).
 
 Generator and trainer run the same attention core, so in fp32 the generator's sampled-token
 log-probs equal the training forward's (the gap is reported every step). When they are not equal
@@ -26,7 +31,15 @@ from pathlib import Path
 import torch
 
 from dataloaders.loader import move_batch
+from inference.sharded import ROLLOUT_MODES, sharded_generate
 from packing.batch_invariant import batch_invariant
+from recipes.accumulation import (
+    RowAccumulator,
+    check_engine_engaged,
+    global_sum,
+    pad_rows,
+    set_deepspeed_clipping,
+)
 from recipes.config import check_model_path, load_config, load_model, require
 from recipes.tasks import TASKS, encode_prompt, get_reward, load_examples
 
@@ -70,6 +83,9 @@ def validate_config(cfg: Mapping, *, have_model: bool = False) -> None:
         raise ValueError(f"train.max_tokens_per_batch={tr['max_tokens_per_batch']} is smaller than one "
                          f"rollout sequence ({seq_tokens} tokens = rollout.max_prompt_tokens + "
                          "rollout.max_tokens); raise it")
+    if gen["sharded_rollout"] not in ROLLOUT_MODES:
+        raise ValueError(f"generator.sharded_rollout must be one of {ROLLOUT_MODES} (gather: full weights "
+                         f"once per rollout; lockstep: memory-lean), got {gen['sharded_rollout']!r}")
     if not 0 < tr["clip_eps"] < 1:
         raise ValueError(f"train.clip_eps must be in (0, 1), got {tr['clip_eps']}")
 
@@ -99,20 +115,26 @@ def resolve_is_correction(train_cfg: Mapping) -> ISWeightFn | None:
 
 def use_batch_invariant(train_cfg: Mapping, model) -> bool:
     """``train.batch_invariant``: true, false, or auto = on wherever nopad has a batch-invariant
-    attention path (CPU tensors), so rollouts are sampled from exactly the policy being trained."""
+    attention path (CPU tensors, no other backend forced by ``NOPAD_ATTN_BACKEND``), so rollouts
+    are sampled from exactly the policy being trained."""
+    from packing.attention import BACKEND_ENV
+
     setting = train_cfg["batch_invariant"]
     if setting not in ("auto", True, False):
         raise ValueError(f"train.batch_invariant must be auto, true or false, got {setting!r}")
     device = next(model.parameters()).device
+    forced = os.environ.get(BACKEND_ENV) or "auto"
+    supported = device.type == "cpu" and forced in ("auto", "kernel", "per_token")
     if setting == "auto":
-        if device.type != "cpu":
-            _warn_once(f"train.batch_invariant=auto: off on {device.type} (nopad's batch-invariant kernel is "
-                       "CPU-only), so rollout and trainer log-probs differ slightly; consider "
-                       "train.is_correction=tis")
-        return device.type == "cpu"
-    if setting and device.type != "cpu":
-        raise ValueError(f"train.batch_invariant=true needs the model on CPU (nopad's batch-invariant kernel "
-                         f"is CPU-only), but it is on {device}; set train.batch_invariant=auto or false")
+        if not supported:
+            _warn_once(f"train.batch_invariant=auto: off (model on {device.type}, {BACKEND_ENV}={forced}); "
+                       "nopad's batch-invariant attention is its CPU kernel, so rollout and trainer "
+                       "log-probs differ slightly here; consider train.is_correction=tis")
+        return supported
+    if setting and not supported:
+        raise ValueError(f"train.batch_invariant=true needs the model on CPU and no other attention backend "
+                         f"forced, but the model is on {device} and {BACKEND_ENV}={forced}; set "
+                         "train.batch_invariant=auto or false")
     return bool(setting)
 
 
@@ -157,6 +179,8 @@ def pack_rollouts(rollouts: list[Rollout], capacity: int) -> list[dict]:
     collate = PackedCollator()
     lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
     rows = []
+    if not rollouts:  # a rank with no prompts this step
+        return rows
     for indices in pack(lengths, capacity, strategy="bfd"):
         examples, gen_lp, adv = [], [], []
         for i in indices.tolist():
@@ -170,6 +194,16 @@ def pack_rollouts(rollouts: list[Rollout], capacity: int) -> list[dict]:
         row["advantages"] = torch.tensor(adv, dtype=torch.float32)
         rows.append(row)
     return rows
+
+
+def empty_rollout_row() -> dict:
+    """A two-token row with one (zero-weight) loss token: what a rank with fewer rows runs so
+    that every rank joins the same forward/backward collectives."""
+    from dataloaders.collator import PackedCollator
+
+    row = PackedCollator()([{"input_ids": [0, 0], "labels": [-100, 0], "index": -1}])
+    row.update(gen_logprobs=torch.zeros(1), advantages=torch.zeros(1), num_loss_tokens=0, empty=True)
+    return row
 
 
 def packed_logprobs(model, row: Mapping) -> torch.Tensor:
@@ -207,15 +241,18 @@ def sampling_params(cfg: Mapping, step: int):
 
 def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[list[int]], reward_fn,
               tokenizer, cfg: Mapping, step: int = 0, accelerator=None, ref_model=None,
-              is_weights: ISWeightFn | None = None, use_tqdm: bool = False) -> dict:
-    """One GRPO step on ``batch`` (examples with their token ids in ``prompt_ids``); returns metrics."""
+              is_weights: ISWeightFn | None = None, use_tqdm: bool = False, accumulator=None) -> dict:
+    """One GRPO step on ``batch`` (examples with their token ids in ``prompt_ids``); returns metrics.
+    Every rank calls it each step, also with an empty ``batch``. Pass the same ``accumulator``
+    (:class:`recipes.accumulation.RowAccumulator`) every step to count the optimizer steps."""
     tr = cfg["train"]
     n = cfg["rollout"]["num_generations"]
     # 1. rollouts on the live weights; the KV cache is handed back before any backward pass
     t0 = time.perf_counter()
     invariant = use_batch_invariant(tr, model)
     with batch_invariant(invariant):
-        outputs = generator.generate(prompt_ids, sampling_params(cfg, step), use_tqdm=use_tqdm)
+        outputs = sharded_generate(generator, model, prompt_ids, sampling_params(cfg, step),
+                                   mode=cfg["generator"]["sharded_rollout"], use_tqdm=use_tqdm)
     rollout_time = time.perf_counter() - t0
     generator.release()
     rollouts, rewards = [], []
@@ -235,52 +272,54 @@ def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[l
         r.advantage = a
     completion_tokens = sum(len(r.completion_ids) for r in rollouts)
 
-    # 2. packed training forward + backward, loss normalised by all completion tokens in the step
+    # 2. packed training forward + backward over equally many rows on every rank (ZeRO-3 / FSDP2
+    # forwards are collectives), loss normalised by all ranks' completion tokens, one optimizer step
     model.train()
     t0 = time.perf_counter()
     rows = pack_rollouts(rollouts, tr["max_tokens_per_batch"])
-    num_loss_tokens = torch.tensor(float(sum(r["num_loss_tokens"] for r in rows)))
-    if accelerator is not None and accelerator.num_processes > 1:
-        num_loss_tokens = accelerator.reduce(num_loss_tokens, reduction="sum")
+    num_loss_tokens = global_sum(sum(r["num_loss_tokens"] for r in rows), accelerator)
+    rows = pad_rows(rows, empty_rollout_row, accelerator)
+    own_accumulator = accumulator is None
+    if own_accumulator:
+        accumulator = RowAccumulator(model, optimizer, accelerator)
+    accumulator.begin(len(rows))
     gaps, ratios, losses, clipped = [], [], [], 0
     device = next(model.parameters()).device
     for row in rows:
         row = move_batch(row, device)  # as SFT does: CPU rows (and their VarlenMeta) to the model
-        with batch_invariant(invariant):  # the forward only; any correct backward will do
-            logp = packed_logprobs(model, row)
-        gen_lp, adv = row["gen_logprobs"].to(logp.device), row["advantages"].to(logp.device)
-        gaps.append((logp.detach() - gen_lp).abs())
-        ratios.append(torch.exp(logp.detach() - gen_lp))
-        if is_weights is None:
-            old, weights = gen_lp, None  # ratio against the generator's own log-probs
-        else:
-            old, weights = logp.detach(), is_weights(logp.detach(), gen_lp).detach()
-        ref_lp = None
-        if ref_model is not None and tr["beta"]:
-            with torch.no_grad():
-                ref_lp = packed_logprobs(ref_model, row)
-        tok_loss, was_clipped = grpo_token_loss(logp, old, adv, tr["clip_eps"], weights, ref_lp, tr["beta"])
-        loss = tok_loss.sum() / num_loss_tokens.clamp(min=1)
-        if accelerator is not None:
-            with accelerator.no_sync(model):  # grads are all-reduced once below: no per-row hangs
-                accelerator.backward(loss)
-        else:
-            loss.backward()
-        losses.append(loss.detach())
-        clipped += int(was_clipped.sum())
-    if accelerator is not None and accelerator.num_processes > 1:
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad = accelerator.reduce(p.grad, reduction="sum")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tr["max_grad_norm"] or float("inf"))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+        with accumulator.row():
+            with batch_invariant(invariant):  # the forward only; any correct backward will do
+                logp = packed_logprobs(model, row)
+            gen_lp, adv = row["gen_logprobs"].to(logp.device), row["advantages"].to(logp.device)
+            if is_weights is None:
+                old, weights = gen_lp, None  # ratio against the generator's own log-probs
+            else:
+                old, weights = logp.detach(), is_weights(logp.detach(), gen_lp).detach()
+            ref_lp = None
+            if ref_model is not None and tr["beta"]:
+                with torch.no_grad():
+                    ref_lp = packed_logprobs(ref_model, row)
+            tok_loss, was_clipped = grpo_token_loss(logp, old, adv, tr["clip_eps"], weights, ref_lp,
+                                                    tr["beta"])
+            loss = tok_loss.sum() / max(num_loss_tokens, 1.0)
+            if row.get("empty"):
+                loss = loss * 0.0  # a padding row: runs the collectives, adds no gradient
+            accumulator.backward(loss)
+        if not row.get("empty"):
+            gaps.append((logp.detach() - gen_lp).abs())
+            ratios.append(torch.exp(logp.detach() - gen_lp))
+            losses.append(loss.detach())
+            clipped += int(was_clipped.sum())
+    grad_norm = accumulator.step(tr["max_grad_norm"])
+    if own_accumulator:
+        accumulator.close()
+    rows = [r for r in rows if not r.get("empty")]
     train_time = time.perf_counter() - t0
 
     gap = torch.cat(gaps) if gaps else torch.zeros(1)
     ratio = torch.cat(ratios) if ratios else torch.ones(1)
     train_tokens = sum(int(r["input_ids"].numel()) for r in rows)
-    longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
+    longest = max((len(r.prompt_ids) + len(r.completion_ids) for r in rollouts), default=0)
     return {
         "step": step,
         "reward_mean": float(rewards_t.mean()),
@@ -340,11 +379,36 @@ def make_generator(model, cfg: Mapping):
                      max_num_seqs=g["max_num_seqs"], max_num_batched_tokens=g["max_num_batched_tokens"])
 
 
+def make_accelerator(cfg: Mapping):
+    """Accelerate as launched (DDP, DeepSpeed ZeRO-1/2/3, FSDP from ``accelerate launch``), or
+    DeepSpeed from ``accelerate.deepspeed_config``; gloo on CPU. DeepSpeed clips inside its own
+    step, so its ``"auto"`` gradient_clipping is set to ``train.max_grad_norm`` here."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    cpu = not torch.cuda.is_available()
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    ds_config = cfg["accelerate"]["deepspeed_config"]
+    use_deepspeed = bool(ds_config) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    kwargs = {}
+    if ds_config:
+        if not Path(ds_config).is_file():
+            raise FileNotFoundError(f"accelerate.deepspeed_config={ds_config!r} does not exist")
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=str(ds_config),
+                                                     gradient_accumulation_steps=1)
+    if use_deepspeed and cpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    accelerator = Accelerator(cpu=cpu and not use_deepspeed,  # cpu=True would silently drop DeepSpeed
+                              kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu and distributed
+                              else [], **kwargs)
+    check_engine_engaged(accelerator)
+    set_deepspeed_clipping(accelerator, cfg["train"]["max_grad_norm"])
+    return accelerator
+
+
 def run_grpo(cfg: Mapping, model=None, tokenizer=None, progress: bool = True) -> list[dict]:
     """Train for ``train.steps`` GRPO steps; returns (and logs) one metrics dict per step.
     Pass ``model``/``tokenizer`` to train objects you already hold (then ``model.path`` is unused)."""
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
     from tqdm.auto import tqdm
 
     from packing.hf import NOPAD_ATTENTION, register_nopad_attention, use_nopad_attention
@@ -364,12 +428,10 @@ def run_grpo(cfg: Mapping, model=None, tokenizer=None, progress: bool = True) ->
         register_nopad_attention()
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         ref_model.set_attn_implementation(NOPAD_ATTENTION)
-    cpu = not torch.cuda.is_available()
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    accelerator = Accelerator(cpu=cpu, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")]
-                              if cpu and distributed else [])
+    accelerator = make_accelerator(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tr["lr"], weight_decay=tr["weight_decay"])
     model, optimizer = accelerator.prepare(model, optimizer)
+    accumulator = RowAccumulator(model, optimizer, accelerator)
     policy = accelerator.unwrap_model(model)  # the same parameters: the generator reads them live
     generator = make_generator(policy, cfg)
 
@@ -390,7 +452,7 @@ def run_grpo(cfg: Mapping, model=None, tokenizer=None, progress: bool = True) ->
             metrics = grpo_step(model, optimizer, generator, [examples[i] for i in picks],
                                 [prompt_ids[i] for i in picks], reward_fn, tokenizer, cfg, step=step,
                                 accelerator=accelerator, ref_model=ref_model, is_weights=is_weights,
-                                use_tqdm=progress)
+                                use_tqdm=progress, accumulator=accumulator)
             history.append(metrics)
             logger.info("grpo step %d: %s", step, json.dumps({k: round(v, 6) for k, v in metrics.items()}))
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", gap=f"{metrics['logprob_gap_max']:.1e}")

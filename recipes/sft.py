@@ -32,9 +32,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dataloaders.balance import attention_cost_from_config
 from dataloaders.loader import move_batch, packed_dataloader
 from dataloaders.loss import PackedLoss
 from dataloaders.streaming import StreamingPackedLoader
+from recipes.accumulation import check_engine_engaged, set_deepspeed_clipping
 from recipes.config import load_config, load_model, save_model_dir
 
 logger = logging.getLogger(__name__)
@@ -189,6 +191,8 @@ def make_accelerator(cfg: Mapping):
     if use_deepspeed and accelerator.distributed_type != DistributedType.DEEPSPEED:
         raise RuntimeError(f"DeepSpeed was asked for but Accelerate runs {accelerator.distributed_type}; "
                            "check the launcher's environment (ACCELERATE_USE_CPU, the config file)")
+    check_engine_engaged(accelerator)
+    set_deepspeed_clipping(accelerator, cfg["train"]["max_grad_norm"])  # else "auto" clips at 1.0
     return accelerator
 
 
@@ -247,12 +251,12 @@ def _latest_checkpoint(output_dir: Path) -> Path:
     return found[-1]
 
 
-def build_loader(dcfg: Mapping, rows, accelerator, gas: int, hidden_size: int):
+def build_loader(dcfg: Mapping, rows, accelerator, gas: int, model_config):
     """Map-style (global BFD per epoch) or streaming (bounded buffer) packed loader for this rank;
     each epoch is a whole number of ``gas``-micro-batch optimizer steps on every rank."""
     common = dict(num_replicas=accelerator.num_processes, rank=accelerator.process_index,
                   seed=dcfg["seed"], max_seqs_per_batch=dcfg["max_seqs_per_batch"], overflow=dcfg["overflow"],
-                  steps_multiple_of=gas, attention_cost=1.0 / (12 * hidden_size))
+                  steps_multiple_of=gas, attention_cost=attention_cost_from_config(model_config))
     if dcfg["streaming"]:
         return StreamingPackedLoader(rows, dcfg["tokens_per_batch"], buffer_size=dcfg["buffer_size"],
                                      **common)
@@ -292,7 +296,7 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
         rows = tokenize_rows(rows, tokenizer, dcfg["prompt_column"], dcfg["completion_column"])
 
     gas = tcfg["grad_accum"]
-    loader = build_loader(dcfg, rows, accelerator, gas, model.config.hidden_size)
+    loader = build_loader(dcfg, rows, accelerator, gas, model.config)
     if dcfg["streaming"]:  # a stream has no length: the schedule spans train.max_steps
         if not tcfg["max_steps"]:
             raise ValueError("data.streaming=true needs train.max_steps (a stream's length is unknown)")

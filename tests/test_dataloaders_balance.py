@@ -70,3 +70,29 @@ def test_bad_inputs():
         balance_bins([], np.array([]), 2)
     with pytest.raises(ValueError, match="num_ranks"):
         balance_bins(_bins([0]), np.array([1]), 0)
+
+
+def test_attention_cost_from_the_model_config():
+    from dataloaders.balance import attention_cost_from_config
+    from tests.models import tiny_config
+
+    # d=64, 2 layers, 4 heads of 16, 2 kv heads, ffn 128, vocab 128: per token 2 * (2*64*8*16 +
+    # 2*64*64 + 6*64*128) + 2*64*128 = 163840 FLOPs; attention 2 * 4*16 * 2 layers = 256 per l^2
+    assert attention_cost_from_config(tiny_config("llama")) == 256 / 163840
+    # a square dense decoder without LM head is the classic 1/(12 d)
+    square = tiny_config("llama", num_key_value_heads=4, intermediate_size=3 * 64, vocab_size=0)
+    linear = 2 * 64 * 12 * 16 + 2 * 64 * 64 + 6 * 64 * 192
+    assert attention_cost_from_config(square) == 2 * 64 / linear
+    assert attention_cost_from_config(tiny_config("llama", num_hidden_layers=8)) > 256 / 163840  # deeper
+
+
+def test_step_report_max_over_mean_and_pad_fraction():
+    lengths = np.array([6, 2, 4, 4])
+    plan = balance_bins(_bins([0], [1], [2], [3]), lengths, 2, seed=None, attention_cost=0.0)
+    report = plan.step_report(capacity=8)
+    # sorted by cost: step 0 = bins of 6 and 4 tokens, step 1 = 4 and 2
+    assert report["step_max_over_mean"] == [6 / 5, 4 / 3]
+    assert report["step_pad_fraction"] == [1 - 10 / 16, 1 - 6 / 16]
+    assert report["pad_fraction"] == 1 - 16 / 32
+    assert report["worst_step_max_over_mean"] == 4 / 3
+    assert report["idle_fraction"] == pytest.approx(1 - (5 + 3) / (6 + 4))

@@ -26,8 +26,11 @@ def test_epoch_stats_pins_every_field():
         "tokens": 12, "efficiency": 12 / 40, "tokens_truncated": 7, "sequences_split": 0,
         "sequences_dropped": 0, "sequences_duplicated": 1, "bins_split_for_balance": 1,
         "rank_cost_skew": stats["rank_cost_skew"], "step_cost_skew": stats["step_cost_skew"],
+        "worst_step_max_over_mean": 5 / 4.25, "mean_step_max_over_mean": 5 / 4.25,
+        "pad_fraction": 1 - 12 / 40, "idle_fraction": stats["idle_fraction"],
     }
     assert stats["step_cost_skew"] == stats["rank_cost_skew"] == 5 / np.mean([5, 4, 3, 5])
+    assert abs(stats["idle_fraction"] - (1 - 4.25 / 5)) < 1e-12  # the repeat costs time, trains nothing
 
 
 def test_log_warns_about_repeats_on_rank_zero_only(caplog):
