@@ -33,7 +33,7 @@ STEPS = [("gather", True), ("lockstep", True), ("gather", False), ("lockstep", F
 def config(mode: str, rank: int) -> dict:
     base = {"model": {"path": None, "chat_template": False}, "reward": "tests.test_grpo:ids_checksum_reward",
             "task": {"num_prompts": 16},
-            "rollout": {"prompts_per_step": 2, "max_tokens": 1 if rank == 0 else 12},
+            "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_tokens": 1 if rank == 0 else 12},
             "generator": {"num_blocks": 64, "max_num_batched_tokens": 256},
             "train": {"lr": 0.5, "max_grad_norm": 0.5}}  # SGD: the clip really shapes the update
     if mode in ("zero2", "zero3"):
