@@ -38,6 +38,7 @@ _export(
 )
 # packing/verification.py, not verify.py: an imported submodule would shadow the function
 _export("packing.verification", "verify", "VerifyReport")
+_export("packing.invariance", "batch_invariant")
 
 __all__ = sorted(_EXPORTS)
 

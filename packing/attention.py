@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from packing import attention_cpu, batch_invariant, kernel_attention
+from packing import attention_cpu, invariance, kernel_attention
 from packing.attention_cpu import KeySource
 from packing.flash import FLASH_DTYPES, can_read_pages, flash_attn_info, flash_varlen
 from packing.varlen import VarlenMeta
@@ -108,7 +108,7 @@ def choose_backend(
     if requested not in ("auto", "flash"):
         choice = requested
     elif requested == "auto" and torch.device(device).type != "cuda":
-        invariant = batch_invariant.is_enabled()
+        invariant = invariance.is_enabled()
         choice = "sdpa_loop"
         if (invariant or paged) and kernel_attention.usable(device, dtype):
             choice = "kernel"
@@ -214,7 +214,7 @@ def varlen_attention(
 
     backend = choose_backend(q.device, q.dtype, override=backend, softcap=softcap,
                              sliding_window=sliding_window, paged=kv_cache is not None)
-    if batch_invariant.is_enabled() and backend not in ("kernel", "per_token"):
+    if invariance.is_enabled() and backend not in ("kernel", "per_token"):
         raise ValueError(
             f"batch_invariant() needs an attention path with a fixed per-query order, but backend "
             f"{backend!r} was chosen (device {q.device.type}, dtype {q.dtype}). nopad has one for CPU "

@@ -32,7 +32,7 @@ import torch
 
 from dataloaders.loader import move_batch
 from inference.sharded import ROLLOUT_MODES, sharded_generate
-from packing.batch_invariant import batch_invariant
+from packing.invariance import batch_invariant
 from recipes.accumulation import (
     RowAccumulator,
     check_engine_engaged,

@@ -15,8 +15,8 @@ from inference import Generator, SamplingParams
 from packing import attention_cpu, kernel_attention
 from packing.attention import varlen_attention
 from packing.attention_cpu import KeySource
-from packing.batch_invariant import TILE_ROWS, batch_invariant, invariant_linear, is_enabled
 from packing.hf import use_nopad_attention
+from packing.invariance import TILE_ROWS, batch_invariant, invariant_linear, is_enabled
 from packing.varlen import VarlenMeta
 from recipes.grpo import Rollout, pack_rollouts, packed_logprobs
 from tests.models import FAMILIES, random_sequences, tiny_model

@@ -16,7 +16,7 @@ log-probs differ by up to 0.31. Under this mode:
 - nopad attention runs the compiled kernel (:mod:`packing.kernel_attention`), whose per-query
   order depends on nothing but the query's own keys, for training rows, prefill chunks and decode.
 - Everything else in the tested families (embedding, RMSNorm's row mean, RoPE, activations,
-  ``log_softmax`` over a row) was audited as row-local: see ``tests/test_batch_invariant.py``.
+  ``log_softmax`` over a row) was audited as row-local: see ``tests/test_invariance.py``.
 
 The mode is process-wide while active (a thread's TorchFunctionMode, plus a flag the attention
 core reads); it costs the padding of the last tile and one Python dispatch per torch call.
