@@ -75,23 +75,23 @@ class NopadRollout:
             raise ValueError("rollout_func got no prompts")
         if self.importance_sampling:
             enable_importance_sampling(trainer)
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        generator = self._generator(model, trainer)
         prompt_ids = tokenize_prompts(prompts, trainer)
         params = sampling_params(trainer)
         groups = _runs(prompt_ids)  # (first index, count) of each run of identical prompts
         requests = [prompt_ids[i] for i, _ in groups]
         per_request = [_with_n(params, n) for _, n in groups]
-        with self._context(trainer):
-            try:
-                outputs = generator.generate(requests, per_request, use_tqdm=False)
-            finally:
-                self.last_stats = generator.stats()
-                if not generator.has_unfinished():
-                    generator.release()  # hand the KV memory to the backward pass
-        completions = [c for out in outputs for c in out.outputs]
-        completion_ids = [list(c.token_ids) for c in completions]
-        logprobs = self._logprobs(model, trainer, params, prompt_ids, completions)
+        with unwrapped_policy(trainer) as model:
+            generator = self._generator(model, trainer)
+            with self._context(trainer):
+                try:
+                    outputs = generator.generate(requests, per_request, use_tqdm=False)
+                finally:
+                    self.last_stats = generator.stats()
+                    if not generator.has_unfinished():
+                        generator.release()  # hand the KV memory to the backward pass
+            completions = [c for out in outputs for c in out.outputs]
+            completion_ids = [list(c.token_ids) for c in completions]
+            logprobs = self._logprobs(model, trainer, params, prompt_ids, completions)
         if len(completion_ids) != len(prompts):
             raise RuntimeError(f"generated {len(completion_ids)} completions for {len(prompts)} prompts; "
                                "this is a bug")
@@ -143,6 +143,22 @@ def nopad_rollout_func(*, importance_sampling: bool = False, batch_invariant: bo
 
 
 # ----------------------------------------------------------------------------- trainer settings
+def unwrapped_policy(trainer):
+    """The live policy module, the way TRL's own generation gets it: unwrapped from DDP/DeepSpeed,
+    ZeRO-3 parameters gathered for the block (``args.ds3_gather_for_generation``), gradient
+    checkpointing off while generating. FSDP-sharded policies are not gathered here."""
+    try:
+        from trl.models import unwrap_model_for_generation
+    except ImportError:  # another TRL layout: plain unwrapping (no ZeRO-3 gathering)
+        return contextlib.nullcontext(trainer.accelerator.unwrap_model(trainer.model))
+    return unwrap_model_for_generation(
+        getattr(trainer, "model_wrapped", trainer.model),
+        trainer.accelerator,
+        gather_deepspeed3_params=getattr(trainer.args, "ds3_gather_for_generation", True),
+        gradient_checkpointing_kwargs=getattr(trainer.args, "gradient_checkpointing_kwargs", None),
+    )
+
+
 def _tokenizer(trainer):
     processing_class = trainer.processing_class
     return getattr(processing_class, "tokenizer", processing_class)
