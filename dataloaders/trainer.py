@@ -22,8 +22,8 @@ What changes against the stock trainer, and nothing else:
   ``global_step`` are a pure function of (data, budget, seed, world size). Trainer's own
   ``resume_from_checkpoint`` skip therefore lands on exactly the batch an uninterrupted run would
   take next - it skips index lists, not data. The loader's state is saved in every checkpoint
-  (``nopad_loader.json``) and checked on resume, so resuming with other data, budget, seed or world
-  size is an error instead of silently different batches.
+  (``nopad_loader.json``) and checked on resume (``PackedBatchSampler.load_state_dict``: budget, seed,
+  world size, dataset size), so such a change is an error instead of silently different batches.
 """
 
 from __future__ import annotations
