@@ -253,3 +253,24 @@ def test_trainer_epochs_are_a_gapless_stream_of_packed_epochs():
         assert len(batches) == steps
         trainer_epochs.extend(batches)
     assert trainer_epochs == stream[: 3 * steps]
+
+
+def test_bf16_autocast_and_bf16_weights(tok, tmp_path, one_thread):
+    """What users train in: GRPO under bf16 autocast (fp32 weights), SFT on bf16 weights."""
+    from trl import SFTConfig
+
+    from dataloaders.trainer import NopadSFTTrainer
+    from inference.trl import nopad_rollout_func
+
+    trainer = _grpo(tok, tmp_path, nopad_rollout_func(importance_sampling=True), bf16=True, max_steps=1)
+    trainer.train()
+    ratio = trainer.state.log_history[0]["sampling/importance_sampling_ratio/mean"]
+    assert abs(ratio - 1) < 0.05  # bf16 numerics: close to, not exactly, 1
+    model = tiny_model("llama").to(torch.bfloat16)
+    model.train()
+    args = SFTConfig(output_dir=str(tmp_path / "sft16"), max_length=64, per_device_train_batch_size=2,
+                     max_steps=2, report_to=[], use_cpu=True, bf16=False, save_strategy="no")
+    sft = NopadSFTTrainer(model=model, args=args, processing_class=tok,
+                          train_dataset=datasets.Dataset.from_dict({"text": _texts(12, 1)}))
+    sft.train()
+    assert np.isfinite(sft.state.log_history[-1]["train_loss"])
