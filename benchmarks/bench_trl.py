@@ -22,8 +22,8 @@ SFT (``SFTTrainer`` / nopad, an offline dataset of mixed-length texts, lognormal
   Reported: trained (non-pad) tokens/s, the share of computed positions that are padding, and the
   bin fill (trained tokens / token budget of the steps: how many steps an epoch takes).
 
-    python benchmarks/bench_trl.py            # full run (~10 min on 2 idle cores)
-    python benchmarks/bench_trl.py --quick    # smoke run (~3 min)
+    python benchmarks/bench_trl.py            # full run (tens of minutes on 2 CPU cores)
+    python benchmarks/bench_trl.py --quick    # smoke run (1 prompt x 4 samples, 256-token SFT steps)
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def run_grpo(name: str, cfg: dict, out_dir: Path) -> dict:
                     per_device_train_batch_size=cfg["prompts_per_step"] * cfg["G"], num_generations=cfg["G"],
                     max_completion_length=cfg["new_tokens"], max_steps=cfg["steps"],
                     learning_rate=1e-6, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
-                    save_strategy="no", seed=0, beta=0.0, temperature=1.0)
+                    save_strategy="no", seed=0, beta=0.0, temperature=1.0, gradient_checkpointing=False)
     rollout = None
     if name == "TRL continuous batching":
         settings["use_transformers_continuous_batching"] = True
@@ -160,7 +160,7 @@ def run_sft(name: str, cfg: dict, texts: list[str], out_dir: Path) -> dict:
     settings = dict(output_dir=str(out_dir / name.replace(" ", "_")), max_length=cfg["max_length"],
                     per_device_train_batch_size=cfg["rows"], max_steps=cfg["sft_steps"], learning_rate=1e-6,
                     report_to=[], use_cpu=True, bf16=False, save_strategy="no", seed=0, logging_steps=1,
-                    dataset_num_proc=None)
+                    dataset_num_proc=None, gradient_checkpointing=False)
     if name == "TRL packing+padding_free":
         settings.update(packing=True, packing_strategy="bfd", padding_free=True)
     clock = StepClock()
@@ -191,8 +191,8 @@ def main() -> None:
     cli = parser.parse_args()
     torch.set_num_threads(cli.threads)
     if cli.quick:
-        cfg = dict(prompts=8, prompts_per_step=2, G=4, new_tokens=16, steps=2, max_num_batched_tokens=1024,
-                   max_length=256, rows=4, sft_docs=120, sft_steps=3)
+        cfg = dict(prompts=8, prompts_per_step=1, G=4, new_tokens=8, steps=2, max_num_batched_tokens=1024,
+                   max_length=128, rows=2, sft_docs=40, sft_steps=3)
     else:
         cfg = dict(prompts=8, prompts_per_step=2, G=8, new_tokens=48, steps=4, max_num_batched_tokens=2048,
                    max_length=512, rows=4, sft_docs=400, sft_steps=6)
