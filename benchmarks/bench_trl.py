@@ -188,6 +188,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small smoke run")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--skip", choices=["grpo", "sft"], default=None)
+    parser.add_argument("--grpo-steps", type=int, default=None, help="override the GRPO step count")
     cli = parser.parse_args()
     torch.set_num_threads(cli.threads)
     if cli.quick:
@@ -196,6 +197,8 @@ def main() -> None:
     else:
         cfg = dict(prompts=8, prompts_per_step=2, G=8, new_tokens=48, steps=4, max_num_batched_tokens=2048,
                    max_length=512, rows=4, sft_docs=400, sft_steps=6)
+    if cli.grpo_steps:
+        cfg["steps"] = cli.grpo_steps
     out_dir = Path("/tmp/nopad_bench_trl")
     print(f"# bench_trl  torch {torch.__version__}  {platform.processor() or platform.machine()}  "
           f"threads={cli.threads}  {'quick' if cli.quick else 'full'}  {cfg}", flush=True)
@@ -212,7 +215,8 @@ def main() -> None:
         print(f"{'system':<28}{'s/step':>9}{'gen s':>9}{'mean len':>10}{'vs best TRL':>13}"
               f"{'logp gap mean':>15}{'max':>10}")
         for r in results:
-            gap = "none fed" if r["gap_mean"] is None else f"{r['gap_mean']:.2e}"
+            unmeasured = "none fed" if r["name"].startswith("TRL") else "IS off"
+            gap = unmeasured if r["gap_mean"] is None else f"{r['gap_mean']:.2e}"
             gmax = "" if r["gap_max"] is None else f"{r['gap_max']:.2e}"
             print(f"{r['name']:<28}{r['s_per_step']:>9.2f}{r['gen_s_per_step']:>9.2f}{r['mean_len']:>10.1f}"
                   f"{best_peer / r['s_per_step']:>12.2f}x{gap:>15}{gmax:>10}")
