@@ -62,23 +62,18 @@ def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = 
 
     tok = load_smollm2_tokenizer()
     cache = _cache_dir()
-    if (cache / "config.json").is_file():
-        model = AutoModelForCausalLM.from_pretrained(
-            cache, dtype=dtype, attn_implementation=attn_implementation
-        )
-    else:
+    if not (cache / "config.json").is_file():
         gguf = smollm2_gguf_path()
-        logger.info("de-quantising %s to %s (once, ~40 s)", gguf.name, dtype)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-            attn_implementation=attn_implementation,
-        )
+        logger.info("de-quantising %s (once, ~40 s)", gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         model.config.quantization_config = None
         if hasattr(model, "hf_quantizer"):
             model.hf_quantizer = None
         cache.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(cache)
-        model = model.to(dtype)
+    # always from the plain cache: a model straight from the GGUF loader stays flagged as
+    # quantized, and transformers' Trainer refuses to fine-tune it
+    model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, attn_implementation=attn_implementation)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model.generation_config.pad_token_id = tok.pad_token_id

@@ -1,0 +1,319 @@
+"""A ready ``rollout_func`` for TRL's ``GRPOTrainer``: nopad's in-flight generator on the live policy.
+
+    from inference.trl import nopad_rollout_func
+    trainer = GRPOTrainer(model, reward_funcs, args=GRPOConfig(...), train_dataset=ds,
+                          processing_class=tok, rollout_func=nopad_rollout_func())
+
+What TRL (1.16) does with it: ``rollout_func(prompts, trainer)`` gets this process's prompts, each
+already repeated ``num_generations`` times in a row by TRL's sampler, and must return one
+completion per entry: ``prompt_ids``, ``completion_ids`` and ``logprobs`` (lists per completion).
+TRL keeps the log-probs as ``sampling_per_token_logps``; its loss uses them for the off-policy mask
+(``off_policy_mask_threshold``) and - only when ``use_vllm=True`` - for the importance-sampling
+correction (``vllm_importance_sampling_*``). ``importance_sampling=True`` here makes TRL apply that
+correction to these log-probs too (see :func:`enable_importance_sampling`).
+
+Which log-probs: TRL scores a completion with ``log_softmax(logits / temperature)``, never
+truncated. vLLM hands TRL *processed* log-probs (after top-p/top-k/min-p renormalisation), which
+biases the ratio whenever those filters are on (TRL #6789). We return the log-prob of the sampled
+token under exactly the trainer's distribution: the generator's raw log-probs at temperature 1,
+its processed ones when temperature is the only processing, and otherwise one extra varlen
+scoring forward (the generator exposes no temperature-scaled log-prob yet).
+
+Consecutive identical prompts become one request with ``n`` samples, so a group's prompt is
+prefilled once and its KV blocks are shared. The KV cache is released before returning, so the
+backward pass gets the memory back; one ``Generator`` is reused across calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from inference.generator import Generator
+from inference.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# GRPOConfig.generation_kwargs keys we can honour, mapped to SamplingParams fields
+_GENERATION_KWARGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+                      "max_tokens": "max_tokens", "min_new_tokens": "min_tokens", "min_tokens": "min_tokens",
+                      "stop": "stop", "stop_strings": "stop", "do_sample": None}
+
+
+def _batch_invariant_context() -> Callable[[], Any] | None:
+    """``packing.batch_invariant`` when this build of nopad has it (it makes every forward give
+    the same bits whatever the batch, so the importance ratio is exactly 1 on-policy)."""
+    import packing
+
+    return getattr(packing, "batch_invariant", None)
+
+
+class NopadRollout:
+    """``rollout_func(prompts, trainer) -> dict`` for ``GRPOTrainer``; build it with
+    :func:`nopad_rollout_func`. ``generator_kwargs`` go to :class:`~inference.Generator`."""
+
+    def __init__(self, *, importance_sampling: bool = False, batch_invariant: bool = False,
+                 autocast: bool = True, **generator_kwargs: Any):
+        if batch_invariant and _batch_invariant_context() is None:
+            raise ValueError("batch_invariant=True needs packing.batch_invariant, which this nopad build "
+                             "lacks; update nopad or drop batch_invariant=True")
+        self.importance_sampling = importance_sampling
+        self.batch_invariant = batch_invariant
+        self.autocast = autocast
+        self.generator_kwargs = generator_kwargs
+        self.generator: Generator | None = None
+        self.last_stats: dict = {}
+
+    # ----------------------------------------------------------------- the hook TRL calls
+    def __call__(self, prompts: list, trainer) -> dict[str, list]:
+        if not prompts:
+            raise ValueError("rollout_func got no prompts")
+        if self.importance_sampling:
+            enable_importance_sampling(trainer)
+        prompt_ids = tokenize_prompts(prompts, trainer)
+        params = sampling_params(trainer)
+        groups = _runs(prompt_ids)  # (first index, count) of each run of identical prompts
+        requests = [prompt_ids[i] for i, _ in groups]
+        per_request = [_with_n(params, n) for _, n in groups]
+        with unwrapped_policy(trainer) as model:
+            generator = self._generator(model, trainer)
+            with self._context(trainer):
+                try:
+                    outputs = generator.generate(requests, per_request, use_tqdm=False)
+                finally:
+                    self.last_stats = generator.stats()
+                    if not generator.has_unfinished():
+                        generator.release()  # hand the KV memory to the backward pass
+            completions = [c for out in outputs for c in out.outputs]
+            completion_ids = [list(c.token_ids) for c in completions]
+            logprobs = self._logprobs(model, trainer, params, prompt_ids, completions)
+        if len(completion_ids) != len(prompts):
+            raise RuntimeError(f"generated {len(completion_ids)} completions for {len(prompts)} prompts; "
+                               "this is a bug")
+        return {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": completion_ids,
+                "logprobs": logprobs}
+
+    # ----------------------------------------------------------------- pieces
+    def _generator(self, model: torch.nn.Module, trainer) -> Generator:
+        """One Generator for the run; a new one only if the trainer's model object changed."""
+        if self.generator is None or self.generator.model is not model:
+            kwargs = dict(self.generator_kwargs)
+            batch = int(getattr(trainer.args, "generation_batch_size", 0) or 0)
+            kwargs.setdefault("max_num_seqs", max(batch, 1))
+            self.generator = Generator(model, _tokenizer(trainer), **kwargs)
+        return self.generator
+
+    def _context(self, trainer):
+        stack = contextlib.ExitStack()
+        if self.autocast:  # the same autocast TRL scores the completions under
+            stack.enter_context(trainer.accelerator.autocast())
+        if self.batch_invariant:
+            stack.enter_context(_batch_invariant_context()())
+        return stack
+
+    def _logprobs(self, model, trainer, params: SamplingParams, prompt_ids, completions) -> list[list[float]]:
+        """Log-prob of each sampled token under ``softmax(logits / temperature)``: what TRL scores."""
+        if params.temperature == 1.0:
+            return [list(c.logprobs) for c in completions]
+        filtered = (params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0
+                    or params.repetition_penalty != 1.0)
+        if not filtered:
+            return [list(c.sampling_logprobs) for c in completions]
+        with self._context(trainer):
+            completion_ids = [c.token_ids for c in completions]
+            return score_completions(model, prompt_ids, completion_ids, params.temperature)
+
+
+def nopad_rollout_func(*, importance_sampling: bool = False, batch_invariant: bool = False,
+                       autocast: bool = True, **generator_kwargs: Any) -> NopadRollout:
+    """A ``rollout_func`` for ``GRPOTrainer`` that generates with nopad in-process on the policy.
+
+    ``generator_kwargs`` size the generator (``max_num_batched_tokens``, ``max_num_seqs``,
+    ``kv_memory_bytes``, ``block_size``...). ``importance_sampling=True`` lets TRL apply its
+    ``vllm_importance_sampling_correction`` to our log-probs; ``batch_invariant=True`` generates
+    inside ``packing.batch_invariant()``; ``autocast`` generates under the trainer's autocast.
+    """
+    return NopadRollout(importance_sampling=importance_sampling, batch_invariant=batch_invariant,
+                        autocast=autocast, **generator_kwargs)
+
+
+# ----------------------------------------------------------------------------- trainer settings
+def unwrapped_policy(trainer):
+    """The live policy module, the way TRL's own generation gets it: unwrapped from DDP/DeepSpeed,
+    ZeRO-3 parameters gathered for the block (``args.ds3_gather_for_generation``), gradient
+    checkpointing off while generating. FSDP-sharded policies are not gathered here."""
+    try:
+        from trl.models import unwrap_model_for_generation
+    except ImportError:  # another TRL layout: plain unwrapping (no ZeRO-3 gathering)
+        return contextlib.nullcontext(trainer.accelerator.unwrap_model(trainer.model))
+    return unwrap_model_for_generation(
+        getattr(trainer, "model_wrapped", trainer.model),
+        trainer.accelerator,
+        gather_deepspeed3_params=getattr(trainer.args, "ds3_gather_for_generation", True),
+        gradient_checkpointing_kwargs=getattr(trainer.args, "gradient_checkpointing_kwargs", None),
+    )
+
+
+def _tokenizer(trainer):
+    processing_class = trainer.processing_class
+    return getattr(processing_class, "tokenizer", processing_class)
+
+
+def tokenize_prompts(prompts: list, trainer) -> list[list[int]]:
+    """Token ids of each prompt the way ``GRPOTrainer`` tokenizes them: the chat template (with the
+    trainer's ``chat_template``, ``tools`` and ``chat_template_kwargs``) for conversational
+    prompts, the tokenizer's defaults for plain text."""
+    tokenizer = _tokenizer(trainer)
+    if isinstance(prompts[0], str):
+        if not all(isinstance(p, str) for p in prompts):
+            raise ValueError("mixed prompt types: give all prompts as strings or all as message lists")
+        return [list(ids) for ids in tokenizer(text=list(prompts))["input_ids"]]
+    if not (isinstance(prompts[0], list) and prompts[0] and isinstance(prompts[0][0], dict)):
+        raise ValueError(f"a prompt must be a string or a list of chat messages, got "
+                         f"{type(prompts[0]).__name__}")
+    kwargs = getattr(trainer, "chat_template_kwargs", None) or trainer.args.chat_template_kwargs
+    tokenized = tokenizer.apply_chat_template(
+        conversation=list(prompts),
+        tools=getattr(trainer, "tools", None) or None,
+        chat_template=getattr(trainer, "chat_template", None),
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        **(kwargs or {}),
+    )
+    return [list(ids) for ids in tokenized["input_ids"]]
+
+
+def sampling_params(trainer) -> SamplingParams:
+    """The trainer's generation settings as one ``SamplingParams`` (n is set per prompt group)."""
+    args = trainer.args
+    values = {
+        "temperature": float(getattr(trainer, "temperature", args.temperature)),
+        "top_p": float(getattr(trainer, "top_p", args.top_p) or 1.0),
+        "top_k": int(getattr(trainer, "top_k", args.top_k) or 0),
+        "min_p": float(getattr(trainer, "min_p", args.min_p) or 0.0),
+        "repetition_penalty": float(getattr(trainer, "repetition_penalty", args.repetition_penalty) or 1.0),
+        "max_tokens": int(getattr(trainer, "max_completion_length", args.max_completion_length)),
+    }
+    extra = getattr(args, "generation_kwargs", None) or {}
+    unknown = sorted(k for k in extra if k not in _GENERATION_KWARGS)
+    if unknown:
+        raise ValueError(f"GRPOConfig.generation_kwargs has keys the nopad rollout cannot honour: {unknown}; "
+                         f"supported: {sorted(_GENERATION_KWARGS)}")
+    if extra.get("do_sample") is False:
+        values["temperature"] = 0.0
+    values.update({_GENERATION_KWARGS[k]: v for k, v in extra.items() if _GENERATION_KWARGS[k]})
+    eos = getattr(trainer, "eos_token_ids", None)
+    if eos is not None:
+        values["stop_token_ids"] = sorted({int(t) for t in eos})
+    if values["temperature"] == 0:
+        raise ValueError("temperature=0 (greedy) makes every completion of a group the same; "
+                         "GRPO needs sampling")
+    return SamplingParams(**values)
+
+
+def _with_n(params: SamplingParams, n: int) -> SamplingParams:
+    fields = {k: getattr(params, k) for k in params.__dataclass_fields__}
+    return SamplingParams(**{**fields, "n": n})
+
+
+def _runs(prompt_ids: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """(start, length) of each run of consecutive identical prompts."""
+    runs: list[tuple[int, int]] = []
+    for i, ids in enumerate(prompt_ids):
+        if runs and list(prompt_ids[runs[-1][0]]) == list(ids):
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+# ----------------------------------------------------------------------------- scoring
+@torch.no_grad()
+def score_completions(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
+                      completion_ids: Sequence[Sequence[int]], temperature: float = 1.0,
+                      tokens_per_forward: int = 4096) -> list[list[float]]:
+    """``log_softmax(logits / temperature)`` of every completion token, from packed varlen forwards
+    through nopad attention (only the completion positions reach the LM head)."""
+    from packing.binpack import pack
+    from packing.hf import use_nopad_attention
+    from packing.varlen import VarlenMeta
+
+    device = next(model.parameters()).device
+    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
+    lengths = [len(s) for s in seqs]
+    rows = pack(lengths, max(tokens_per_forward, max(lengths)), strategy="nextfit")
+    result: list[list[float]] = [[] for _ in seqs]
+    training = model.training
+    model.eval()
+    try:
+        with use_nopad_attention(model):
+            for row in rows:
+                members = [int(i) for i in row]
+                meta = VarlenMeta.from_lengths([lengths[i] for i in members], device=device)
+                keep, targets, start = [], [], 0
+                for i in members:
+                    p, c = len(prompt_ids[i]), len(completion_ids[i])
+                    keep.extend(range(start + p - 1, start + p + c - 1))  # logits that predict the completion
+                    targets.extend(completion_ids[i])
+                    start += lengths[i]
+                ids = torch.tensor([t for i in members for t in seqs[i]], device=device)[None]
+                logits = model(input_ids=ids, position_ids=meta.position_ids[None], nopad_meta=meta,
+                               use_cache=False, logits_to_keep=torch.tensor(keep, device=device)).logits[0]
+                lp = torch.log_softmax(logits.float() / temperature, dim=-1)
+                picked = lp.gather(1, torch.tensor(targets, device=device)[:, None])[:, 0].tolist()
+                for i in members:
+                    c = len(completion_ids[i])
+                    result[i], picked = picked[:c], picked[c:]
+    finally:
+        model.train(training)
+    return result
+
+
+# ----------------------------------------------------------------------------- TRL's IS correction
+class _LiveWeights:
+    """Stands in for TRL's vLLM backend: the generator reads the live parameters, so there is
+    nothing to sync; generating through TRL's vLLM path is not possible."""
+
+    def sync_weights(self) -> None:
+        return None
+
+    def generate(self, *args, **kwargs):
+        raise RuntimeError("the nopad rollout_func generates; TRL's vLLM generation path is not available "
+                           "(tools / environment loops need use_vllm=False and importance_sampling=False)")
+
+
+def enable_importance_sampling(trainer) -> None:
+    """Make ``GRPOTrainer`` apply ``vllm_importance_sampling_correction`` to the rollout's log-probs.
+
+    TRL 1.16 computes that ratio only when ``use_vllm=True``; with a ``rollout_func`` and no vLLM
+    the log-probs reach the loss only through the off-policy mask. This marks the trainer as
+    vLLM-backed with a no-op weight sync (the generator already reads the live weights), so TRL
+    recomputes the old log-probs, builds the ratio from ours and logs
+    ``sampling/sampling_logp_difference`` and ``sampling/importance_sampling_ratio``. Idempotent.
+    """
+    if isinstance(getattr(trainer, "vllm_generation", None), _LiveWeights):
+        return
+    needed = ("use_vllm", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode")
+    missing = [name for name in needed if not hasattr(trainer, name)]
+    if missing:
+        raise RuntimeError(f"this TRL version's GRPOTrainer has no {missing}; importance_sampling=True "
+                           "was written for TRL 1.16's vLLM importance-sampling path: drop the option")
+    if trainer.use_vllm:
+        raise ValueError("importance_sampling=True is for rollouts without vLLM, but the trainer has "
+                         "use_vllm=True")
+    if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None):
+        raise ValueError("importance_sampling=True cannot be combined with tools/environments: TRL would "
+                         "route their follow-up turns to vLLM")
+    if not trainer.vllm_importance_sampling_correction:
+        logger.warning("importance_sampling=True but GRPOConfig.vllm_importance_sampling_correction=False: "
+                       "TRL will not apply the correction")
+    trainer.vllm_generation = _LiveWeights()
+    trainer._last_loaded_step = getattr(trainer.state, "global_step", 0)
+    trainer.vllm_mode = "server"  # only read on TRL's tool path, which is refused above
+    trainer.use_vllm = True

@@ -1,0 +1,276 @@
+"""nopad inside the trainers people use: TRL's GRPOTrainer (rollout_func), SFTTrainer and
+transformers' Trainer, run for real on tiny random models (fp32, CPU, a few steps)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, TrainerCallback, TrainingArguments
+
+from dataloaders.sampler import PackedBatchSampler
+from dataloaders.trainer import NopadTrainer, TrainerEpochSampler
+from tests.models import tiny_model
+
+trl = pytest.importorskip("trl")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    words = ["<pad>", "<bos>", "<eos>", "<unk>", "user", "assistant"] + [f"w{i}" for i in range(122)]
+    vocab = {w: i for i, w in enumerate(words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>",
+                                  eos_token="<eos>", unk_token="<unk>")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _texts(n: int, seed: int, low: int = 3, high: int = 40) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (n,), generator=g)
+    return [" ".join(f"w{int(t)}" for t in torch.randint(6, 120, (int(k),), generator=g)) for k in lengths]
+
+
+# ----------------------------------------------------------------------------- GRPO
+def _grpo(tok, tmp_path, rollout, prompts=None, **config):
+    from trl import GRPOConfig, GRPOTrainer
+
+    prompts = prompts if prompts is not None else _texts(8, seed=3, low=2, high=7)
+    settings = dict(output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=4, num_generations=4,
+                    max_completion_length=6, max_steps=2, logging_steps=1, report_to=[], use_cpu=True,
+                    bf16=False, save_strategy="no", learning_rate=1e-2, seed=0)
+    settings.update(config)
+    model = tiny_model("llama")
+    model.train()
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        args=GRPOConfig(**settings),
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+        processing_class=tok,
+        rollout_func=rollout,
+    )
+    return trainer
+
+
+def test_grpo_trains_and_the_log_probs_make_the_importance_ratio(tok, tmp_path, one_thread):
+    from inference.trl import nopad_rollout_func
+
+    rollout = nopad_rollout_func(importance_sampling=True, max_num_batched_tokens=128)
+    trainer = _grpo(tok, tmp_path, rollout)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())  # it trained
+    batch = trainer._buffered_inputs[0]
+    mask = batch["completion_mask"].bool()
+    # TRL recomputed the log-probs with its own padded forward and built the ratio from ours
+    gap = (batch["sampling_per_token_logps"] - batch["old_per_token_logps"]).abs()[mask]
+    assert gap.max() < 1e-4
+    assert torch.allclose(batch["importance_sampling_ratio"], torch.ones(()), atol=1e-3)
+    logged = [h for h in trainer.state.log_history if "sampling/importance_sampling_ratio/mean" in h]
+    assert len(logged) == 2
+    assert all(abs(h["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3 for h in logged)
+    # one generator for the run, its KV cache handed back before the backward
+    assert rollout.generator is not None and rollout.generator._kv_cache is None
+
+
+def test_rollout_matches_trl_contract_and_settings(tok, tmp_path, one_thread):
+    """Default path (no IS flag): one completion per prompt entry, groups prefilled once, the
+    trainer's sampling settings honoured, and the log-probs are TRL's sampling_per_token_logps."""
+    from inference.trl import nopad_rollout_func, sampling_params, score_completions
+
+    rollout = nopad_rollout_func(max_num_batched_tokens=128)
+    trainer = _grpo(tok, tmp_path, rollout, max_steps=1, temperature=0.7, top_p=0.9, top_k=20, min_p=0.01,
+                    repetition_penalty=1.1, max_completion_length=5)
+    params = sampling_params(trainer)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty,
+            params.max_tokens) == (0.7, 0.9, 20, 0.01, 1.1, 5)
+    assert params.stop_token_ids == [tok.eos_token_id]
+    prompts = ["w10 w11 w12"] * 4 + ["w20 w21"] * 4
+    out = rollout(prompts, trainer)
+    assert len(out["completion_ids"]) == len(out["logprobs"]) == len(out["prompt_ids"]) == 8
+    assert out["prompt_ids"][0] == tok("w10 w11 w12")["input_ids"] and out["prompt_ids"][4] == [26, 27]
+    assert rollout.last_stats["prefill_tokens"] == 3 + 2  # each group's prompt prefilled once
+    for completion, logprobs in zip(out["completion_ids"], out["logprobs"]):
+        assert 1 <= len(completion) <= 5 and len(completion) == len(logprobs)
+    # with temperature and filters on, the log-probs are those of softmax(logits / T): TRL's
+    expect = score_completions(trainer.model, out["prompt_ids"], out["completion_ids"], 0.7)
+    assert np.allclose(np.concatenate(out["logprobs"]), np.concatenate(expect), atol=1e-5)
+    # conversational prompts go through the chat template
+    chat = rollout([[{"role": "user", "content": "w30 w31"}]] * 2, trainer)
+    assert chat["prompt_ids"][0] == tok("user w30 w31 assistant")["input_ids"]
+    trainer.train()
+    assert "sampling_per_token_logps" in trainer._buffered_inputs[0]
+
+
+def test_rollout_refuses_what_it_cannot_honour(tok, tmp_path, monkeypatch):
+    import packing
+    from inference.trl import nopad_rollout_func, sampling_params
+
+    trainer = _grpo(tok, tmp_path, nopad_rollout_func(), generation_kwargs={"typical_p": 0.5})
+    with pytest.raises(ValueError, match="typical_p"):
+        sampling_params(trainer)
+    if not hasattr(packing, "batch_invariant"):
+        with pytest.raises(ValueError, match="packing.batch_invariant"):
+            nopad_rollout_func(batch_invariant=True)
+    entered = []
+
+    @contextlib.contextmanager
+    def fake_batch_invariant():
+        entered.append(True)
+        yield
+
+    monkeypatch.setattr(packing, "batch_invariant", fake_batch_invariant, raising=False)
+    rollout = nopad_rollout_func(batch_invariant=True)
+    trainer = _grpo(tok, tmp_path, rollout)
+    rollout(["w10 w11"] * 4, trainer)
+    assert entered == [True]
+
+
+# ----------------------------------------------------------------------------- SFT / Trainer
+def test_sft_trainer_loss_and_gradients_equal_unpacked(tok, tmp_path, one_thread):
+    from trl import SFTConfig
+
+    from dataloaders.trainer import NopadSFTTrainer
+
+    grads, seen = [], []
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+
+    class Recording(NopadSFTTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            indices = inputs["indices"].tolist()
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            seen.append((indices, float(loss)))
+            return loss
+
+    model = tiny_model("llama")
+    model.train()
+    reference = copy.deepcopy(model)
+    args = SFTConfig(output_dir=str(tmp_path / "sft"), max_length=64, per_device_train_batch_size=2,
+                     gradient_accumulation_steps=2, max_steps=1, learning_rate=1e-3, report_to=[],
+                     use_cpu=True, bf16=False, save_strategy="no", max_grad_norm=0.0)
+    data = datasets.Dataset.from_dict({"text": _texts(24, 0)})
+    trainer = Recording(model=model, args=args, train_dataset=data, processing_class=tok, callbacks=[Grab()])
+    assert model.config._attn_implementation == "nopad" and trainer.nopad_tokens() == 128
+    trainer.train()
+    assert len(seen) == 2 and all(len(indices) > 1 for indices, _ in seen)  # two packed micro-batches
+    # the same sequences, one at a time with eager attention, loss = mean over all their loss tokens
+    rows = trainer.train_dataset
+    ids = [i for indices, _ in seen for i in indices]
+    total = sum(int((torch.tensor(rows[i]["labels"])[1:] != -100).sum()) for i in ids)
+    reference.set_attn_implementation("eager")
+    loss = 0.0
+    for i in ids:
+        logits = reference(input_ids=torch.tensor([rows[i]["input_ids"]])).logits[0, :-1]
+        loss = loss + torch.nn.functional.cross_entropy(logits, torch.tensor(rows[i]["labels"][1:]),
+                                                        ignore_index=-100, reduction="sum")
+    loss = loss / total
+    loss.backward()
+    assert sum(mb_loss for _, mb_loss in seen) == pytest.approx(loss.item(), abs=1e-5)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[0][name], p.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_sft_trainer_refuses_trl_packing(tok, tmp_path):
+    from trl import SFTConfig
+
+    from dataloaders.trainer import NopadSFTTrainer
+
+    with pytest.raises(ValueError, match="packing=False"):
+        NopadSFTTrainer(model=tiny_model("llama"), processing_class=tok,
+                        args=SFTConfig(output_dir=str(tmp_path), packing=True, report_to=[], use_cpu=True),
+                        train_dataset=datasets.Dataset.from_dict({"text": _texts(4, 0)}))
+
+
+class _Recording(NopadTrainer):
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.seen.append(inputs["indices"].tolist())
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def _resume_run(ds, out, resume=None, tokens_per_batch=96):
+    model = tiny_model("llama")
+    model.train()
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=1, gradient_accumulation_steps=2,
+                             max_steps=7, save_steps=2, report_to=[], use_cpu=True, learning_rate=1e-3,
+                             seed=0)
+    trainer = _Recording(model=model, args=args, train_dataset=ds, tokens_per_batch=tokens_per_batch)
+    trainer.seen = []
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def test_trainer_resume_continues_with_the_same_batches(tmp_path, one_thread):
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(3, 40, (30,), generator=g)
+    ds = datasets.Dataset.from_dict({"input_ids": [torch.randint(4, 120, (int(n),), generator=g).tolist()
+                                                   for n in lengths]})
+    out = str(tmp_path / "run")
+    full = _resume_run(ds, out)
+    per_epoch = len(full.nopad_loader)
+    assert per_epoch % 2 == 0 and len(full.seen) == 14 > per_epoch  # 7 steps x 2 micro-batches, > 1 epoch
+    # checkpoint-2 is mid-epoch 0; checkpoint-4 is in epoch 1: both continue exactly
+    for step in (2, 4):
+        checkpoint = os.path.join(out, f"checkpoint-{step}")
+        assert os.path.isfile(os.path.join(checkpoint, "nopad_loader.json"))
+        resumed = _resume_run(ds, str(tmp_path / f"resumed{step}"), resume=checkpoint)
+        assert resumed.seen == full.seen[2 * step:]
+    with pytest.raises(ValueError, match="tokens_per_batch"):
+        _resume_run(ds, str(tmp_path / "other"), resume=os.path.join(out, "checkpoint-2"),
+                    tokens_per_batch=80)
+
+
+def test_trainer_epochs_are_a_gapless_stream_of_packed_epochs():
+    lengths = np.random.default_rng(0).integers(1, 60, size=200)
+    packed = PackedBatchSampler(lengths, 128, num_replicas=1, rank=0, seed=0)
+    stream = []
+    for epoch in range(4):
+        packed.set_epoch(epoch)
+        stream.extend(list(packed))
+    sampler = TrainerEpochSampler(PackedBatchSampler(lengths, 128, num_replicas=1, rank=0, seed=0))
+    steps = len(sampler)
+    trainer_epochs = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        batches = list(sampler)
+        assert len(batches) == steps
+        trainer_epochs.extend(batches)
+    assert trainer_epochs == stream[: 3 * steps]
+
+
+def test_bf16_autocast_and_bf16_weights(tok, tmp_path, one_thread):
+    """What users train in: GRPO under bf16 autocast (fp32 weights), SFT on bf16 weights."""
+    from trl import SFTConfig
+
+    from dataloaders.trainer import NopadSFTTrainer
+    from inference.trl import nopad_rollout_func
+
+    trainer = _grpo(tok, tmp_path, nopad_rollout_func(importance_sampling=True), bf16=True, max_steps=1)
+    trainer.train()
+    ratio = trainer.state.log_history[0]["sampling/importance_sampling_ratio/mean"]
+    assert abs(ratio - 1) < 0.05  # bf16 numerics: close to, not exactly, 1
+    model = tiny_model("llama").to(torch.bfloat16)
+    model.train()
+    args = SFTConfig(output_dir=str(tmp_path / "sft16"), max_length=64, per_device_train_batch_size=2,
+                     max_steps=2, report_to=[], use_cpu=True, bf16=False, save_strategy="no")
+    sft = NopadSFTTrainer(model=model, args=args, processing_class=tok,
+                          train_dataset=datasets.Dataset.from_dict({"text": _texts(12, 1)}))
+    sft.train()
+    assert np.isfinite(sft.state.log_history[-1]["train_loss"])
