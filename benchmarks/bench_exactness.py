@@ -76,7 +76,7 @@ def main() -> None:
     num_prompts, n, max_tokens = (2, 2, 8) if args.quick else (8, 4, 24)
     params = SamplingParams(temperature=1.0, n=n, max_tokens=max_tokens, seed=0, ignore_eos=True)
     print(f"SmolLM2-135M-Instruct, {num_prompts} prompts x {n} samples x {max_tokens} new tokens, T=1, "
-          f"{args.threads} threads, torch {torch.__version__}")
+          f"{args.threads} threads, torch {torch.__version__}", flush=True)
     header = (f"{'dtype':9} {'mode':15} {'gap max':>9} {'gap mean':>9} {'>1e-3':>7} {'exact':>7} "
               f"{'rollout tok/s':>13} {'train tok/s':>11}")
     print(header + "\n" + "-" * len(header))
@@ -97,7 +97,7 @@ def main() -> None:
         d, i = results[False], results[True]
         print(f"{name:9} {'invariant/default':15} {'':>9} {'':>9} {'':>7} {'':>7} "
               f"{i['rollout_tok_s'] / d['rollout_tok_s']:>12.2f}x "
-              f"{i['train_tok_s'] / d['train_tok_s']:>10.2f}x")
+              f"{i['train_tok_s'] / d['train_tok_s']:>10.2f}x", flush=True)
     print("(gap: generator raw log-prob vs the training forward's per sampled token; exact = share of "
           "tokens with gap 0.0; speeds: best of two interleaved runs per mode; target >= 0.8x)")
 

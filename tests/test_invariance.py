@@ -57,14 +57,20 @@ def test_linear_follows_autocast_and_has_the_ordinary_gradient():
 def test_mode_routes_linear_and_is_scoped():
     lin = torch.nn.Linear(8, 4)
     x = torch.randn(5, 8)
+    plain = torch.nn.Linear.forward
     assert not is_enabled()
     with batch_invariant():
+        with batch_invariant():  # nests
+            assert is_enabled()
         assert is_enabled()
         y = lin(x)
-    assert not is_enabled()
+    assert not is_enabled() and torch.nn.Linear.forward is plain
     assert torch.equal(y, invariant_linear(x, lin.weight, lin.bias))
     with batch_invariant(enabled=False):
         assert not is_enabled()
+    with pytest.raises(RuntimeError), batch_invariant():
+        raise RuntimeError("an error inside the block still restores nn.Linear")
+    assert not is_enabled() and torch.nn.Linear.forward is plain
 
 
 # ----------------------------------------------------------------------------- attention kernel
