@@ -138,22 +138,36 @@ def test_no_per_layer_syncs_on_other_backends(backend):
     assert two == six
 
 
-def generate_tokens(**kwargs) -> list[list[int]]:
-    gen = Generator(tiny_model("llama"), block_size=4, max_num_batched_tokens=16, **kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+def generate_tokens(family: str = "llama", **kwargs) -> list[list[int]]:
+    gen = Generator(tiny_model(family), block_size=4, max_num_batched_tokens=16, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     tokens = [out.outputs[0].token_ids for out in gen.generate(PROMPTS[:2] + [[3, 4]], params)]
     static = kwargs.get("static_decode") or kwargs.get("compile_decode")
     assert (gen._runner.static_steps > 0) == bool(static)  # the padded path did run
     return tokens
 
 
-def test_static_decode_gives_the_same_greedy_tokens():
-    """Padded, bucketed decode steps (scratch-block padding rows) pick the default path's tokens."""
-    assert generate_tokens(static_decode=True) == generate_tokens()
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_static_decode_gives_the_same_greedy_tokens(family):
+    """Padded, bucketed decode steps (scratch-block padding rows) pick the default path's tokens,
+    also past a sliding window (Mistral, 8 tokens) and with soft-capping (Gemma2)."""
+    assert generate_tokens(family, static_decode=True) == generate_tokens(family)
+
+
+def test_static_decode_stays_off_in_batch_invariant_mode():
+    """Batch-invariant mode needs the fixed-order kernel: its decode steps are not padded."""
+    from packing.batch_invariant import batch_invariant
+
+    gen = Generator(tiny_model("llama"), block_size=4, static_decode=True)
+    with batch_invariant():
+        gen.generate(PROMPTS[:2], GREEDY)
+    assert gen._runner.static_steps == 0
 
 
 @pytest.mark.slow  # ~70 s of inductor compilation on a shared CPU
 def test_compiled_static_decode_gives_the_same_greedy_tokens():
     """The decode forward under torch.compile (what CUDA graphs capture) picks the same tokens."""
     torch._dynamo.reset()
-    assert generate_tokens(compile_decode=True) == generate_tokens()
+    compiled = generate_tokens(compile_decode=True)
+    torch._dynamo.reset()
+    assert compiled == generate_tokens()
