@@ -133,6 +133,7 @@ class ModelRunner:
         self.max_width = max_blocks_per_seq or kv_cache.num_blocks
         self.decode_forward = model
         self.static_steps = 0  # decode steps that ran padded to a bucket (for tests and stats)
+        self.static_shapes: set[tuple[int, int]] = set()  # (rows, block-table width) buckets seen
         if compile_decode:
             cuda = self.device.type == "cuda"
             if cuda:  # the cache is mutated in place: mark it static so the CUDA graph keeps it
@@ -149,6 +150,7 @@ class ModelRunner:
             step = build_static_decode(plan, self.kv_cache.block_size, self.device, self.scratch_block,
                                        self.max_num_seqs, self.max_width)
             self.static_steps += 1
+            self.static_shapes.add(tuple(step.decode.block_table.shape))
             out = self.decode_forward(
                 input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False,
                 nopad_decode=step.decode, nopad_kv_cache=self.kv_cache,

@@ -184,7 +184,8 @@ def nopad_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query`` ``(B, heads, T, dim)``, ``key``/``value``
     ``(B, kv_heads, S, dim)``; returns ``((B, T, heads, dim), None)``."""
-    CALLS["nopad_attention"] += 1
+    if not torch.compiler.is_compiling():  # a compiled step would guard on the count: recompile each step
+        CALLS["nopad_attention"] += 1
     if dropout:
         raise ValueError("nopad attention does not implement attention dropout; set attention_dropout=0")
     if isinstance(attention_mask, torch.Tensor):
