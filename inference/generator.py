@@ -53,6 +53,13 @@ class Generator:
     :func:`packing.attention.choose_backend`'s rule) picks the attention backend of every step.
     ``block_size`` defaults to 256 where flash-attn's paged varlen kernel runs (so it reads the
     blocks in place; smaller blocks would make every layer gather the context), else 16.
+
+    ``static_decode=True`` pads pure decode steps to bucketed shapes (sequences and block-table
+    width rounded up to powers of two; padding rows write to one extra scratch block) and runs
+    their attention on fixed shapes, so the step can be captured; ``compile_decode=True`` also
+    compiles that forward (``torch.compile(mode="reduce-overhead")`` on CUDA, plain
+    ``torch.compile`` elsewhere; one compilation per bucket). Prefill steps and batch-invariant
+    mode keep the default path.
     """
 
     def __init__(
@@ -69,6 +76,8 @@ class Generator:
         watermark: float = 0.01,
         dtype: torch.dtype | None = None,
         attn_backend: str | None = None,
+        static_decode: bool = False,
+        compile_decode: bool = False,
     ):
         if num_blocks is not None and kv_memory_bytes is not None:
             raise ValueError("give num_blocks or kv_memory_bytes, not both")
@@ -80,6 +89,7 @@ class Generator:
         # FSDP2: the compute dtype of its mixed-precision policy, not the shard's storage dtype
         self.device, self.weight_dtype, self.requested_dtype = param.device, model_compute_dtype(model), dtype
         self.attn_backend = attn_backend
+        self.static_decode, self.compile_decode = static_decode or compile_decode, compile_decode
         self.dtype = self.compute_dtype()
         if block_size is None:
             block_size = self.default_block_size()
@@ -389,9 +399,14 @@ class Generator:
     def _ensure_runner(self) -> ModelRunner:
         if self._runner is None:
             self.dtype = self.compute_dtype()  # autocast may be on now and not at construction
-            self._kv_cache = KVCache(self.model.config, self.allocator.num_blocks, self.block_size,
+            scratch = self.allocator.num_blocks  # one block past the allocator's: padding rows' K/V
+            self._kv_cache = KVCache(self.model.config, scratch + int(self.static_decode), self.block_size,
                                      self.dtype, self.device)
-            self._runner = ModelRunner(self.model, self._kv_cache, backend=self.attn_backend)
+            self._runner = ModelRunner(
+                self.model, self._kv_cache, backend=self.attn_backend, static_decode=self.static_decode,
+                compile_decode=self.compile_decode, max_num_seqs=self.scheduler.max_num_seqs,
+                max_blocks_per_seq=math.ceil(min(self.max_model_len, 1 << 40) / self.block_size),
+                scratch_block=scratch if self.static_decode else None)
         return self._runner
 
     def _nopad_attention(self):

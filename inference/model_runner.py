@@ -1,72 +1,173 @@
-"""Run one planned step through the HF model: build the step's VarlenMeta (block table, slot
-mapping) with numpy, call the model once on the flat row, and return the logits of the last
-token of every sequence that samples this step (the lm_head runs on those rows only)."""
+"""Run one planned step through the HF model: build the step's inputs (token ids, positions,
+boundaries, slot mapping, block table, the rows whose logits are kept) on the host with numpy,
+move them to the device in ONE copy (pinned and non-blocking on CUDA), call the model once on
+the flat row, and return the logits of the last token of every sequence that samples this step
+(the lm_head runs on those rows only).
+
+With ``static_decode`` a pure decode step is padded to bucketed shapes (number of sequences and
+block-table width rounded up to powers of two) so its forward can be captured as a CUDA graph or
+compiled once per bucket (``compile_decode``: ``torch.compile(mode="reduce-overhead")`` on CUDA,
+plain ``torch.compile`` elsewhere). Padding rows write their K/V to a reserved scratch block and
+their logits are dropped.
+"""
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from inference.kv_cache import KVCache
 from inference.scheduler import StepPlan
-from packing.varlen import VarlenMeta
+from packing import batch_invariant
+from packing.attention import DecodeBatch
+from packing.varlen import VarlenMeta, step_layout
+
+logger = logging.getLogger(__name__)
 
 
-def build_step(
-    plan: StepPlan, block_size: int, device
-) -> tuple[torch.Tensor, VarlenMeta, list[int], list[int]]:
-    """Input ids ``(1, T)``, the step's metadata, the flat token indices whose logits are needed
-    and the ``plan.seqs`` index each of them belongs to (the sequences that sample)."""
-    q = np.asarray(plan.query_lens, dtype=np.int64)
-    ctx = np.fromiter((s.num_computed for s in plan.seqs), dtype=np.int64, count=len(plan.seqs))
-    ids: list[int] = []
-    for seq, n in zip(plan.seqs, plan.query_lens):
-        ids.extend(seq.token_ids[seq.num_computed : seq.num_computed + n])
+@dataclass
+class StepInputs:
+    """A step's device tensors (views of one copied buffer) and host bookkeeping."""
+
+    input_ids: torch.Tensor  # (1, T)
+    meta: VarlenMeta | None  # None for a static decode step (``decode`` describes it)
+    logits_index: torch.Tensor | None  # flat token rows whose logits are needed (None: all)
+    sampling_rows: list[int]  # plan.seqs index of each kept row
+    decode: DecodeBatch | None = None
+    position_ids: torch.Tensor | None = None  # (1, T)
+
+
+def _to_device(parts: list[np.ndarray], device) -> list[torch.Tensor]:
+    """Concatenate int64 host arrays into one buffer, copy it once, return device views."""
+    sizes = [a.size for a in parts]
+    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
+    np.concatenate([a.reshape(-1) for a in parts], out=host.numpy())
+    buf = host.to(device, non_blocking=True)
+    views, at = [], 0
+    for a, n in zip(parts, sizes):
+        views.append(buf[at: at + n].view(a.shape))
+        at += n
+    return views
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def build_step(plan: StepPlan, block_size: int, device) -> StepInputs:
+    """The step's inputs, all device tensors from one host buffer and one copy."""
+    lay = step_layout(plan.query_lens, [s.num_computed for s in plan.seqs])
+    num, total = len(plan.seqs), int(lay["cu_q"][-1])
+    ids = np.empty(total, dtype=np.int64)
+    for seq, n, at in zip(plan.seqs, plan.query_lens, lay["cu_q"][:-1]):
+        ids[at: at + n] = seq.token_ids[seq.num_computed: seq.num_computed + n]
     width = max(len(s.block_table) for s in plan.seqs)
-    table = np.zeros((len(plan.seqs), width), dtype=np.int64)
+    table = np.zeros((num, width), dtype=np.int64)
     for i, seq in enumerate(plan.seqs):
         table[i, : len(seq.block_table)] = seq.block_table
-    seq_idx = np.repeat(np.arange(q.size), q)
-    cu_q = np.concatenate(([0], np.cumsum(q)))
-    pos = np.arange(int(cu_q[-1])) - np.repeat(cu_q[:-1] - ctx, q)
-    slots = table[seq_idx, pos // block_size] * block_size + pos % block_size
-    meta = VarlenMeta.for_step(
-        q, ctx, block_table=torch.from_numpy(table), slot_mapping=torch.from_numpy(slots), device=device
-    )
-    ends = cu_q[1:] - 1
+    pos = lay["positions"]
+    slots = table[lay["seq_idx"], pos // block_size] * block_size + pos % block_size
     sampling_rows = [i for i, (seq, n) in enumerate(zip(plan.seqs, plan.query_lens))
                      if seq.num_computed + n == seq.num_tokens]
-    keep = ends[sampling_rows].tolist()
-    input_ids = torch.tensor(ids, dtype=torch.long, device=device)[None]
-    return input_ids, meta, keep, sampling_rows
+    keep = lay["cu_q"][1:][sampling_rows] - 1
+    if keep.size == 0:  # only partial prefill chunks: no logits needed, still one forward
+        keep = np.zeros(1, dtype=np.int64)
+    d_ids, d_pos, d_slots, d_keep, d_table, d_cu, d_seq = _to_device(
+        [ids, pos, slots, keep, table, np.stack([lay["cu_q"], lay["cu_k"]]), lay["seq_idx"]], device)
+    q, k = lay["q"], lay["k"]
+    meta = VarlenMeta(
+        cu_seqlens_q=d_cu[0].to(torch.int32), cu_seqlens_k=d_cu[1].to(torch.int32),
+        max_seqlen_q=int(q.max()), max_seqlen_k=int(k.max()), position_ids=d_pos,
+        seq_idx=d_seq.to(torch.int32), seqlens_q=tuple(q.tolist()), seqlens_k=tuple(k.tolist()),
+        block_table=d_table.to(torch.int32), slot_mapping=d_slots,
+    )
+    meta._derived["block_table_long"] = d_table
+    meta._derived["seq_idx_long"] = d_seq
+    return StepInputs(d_ids[None], meta, d_keep, sampling_rows, position_ids=d_pos[None])
+
+
+def is_decode(plan: StepPlan) -> bool:
+    """Every sequence runs one token and samples from it (no prefill chunk)."""
+    return all(n == 1 and s.num_computed + 1 == s.num_tokens for s, n in zip(plan.seqs, plan.query_lens))
+
+
+def build_static_decode(plan: StepPlan, block_size: int, device, scratch_block: int,
+                        max_num_seqs: int, max_width: int) -> StepInputs:
+    """A pure decode step padded to ``(bucket(num_seqs), bucket(width))``: padding rows run token
+    0 at position 0 with one key, written to and read from ``scratch_block``."""
+    num = len(plan.seqs)
+    rows = min(_pow2(num), max(max_num_seqs, num))
+    width = max(len(s.block_table) for s in plan.seqs)
+    width = min(_pow2(width), max(max_width, width))
+    table = np.full((rows, width), scratch_block, dtype=np.int64)
+    ids = np.zeros(rows, dtype=np.int64)
+    pos = np.zeros(rows, dtype=np.int64)
+    for i, seq in enumerate(plan.seqs):
+        table[i, : len(seq.block_table)] = seq.block_table
+        ids[i] = seq.token_ids[seq.num_computed]
+        pos[i] = seq.num_computed
+    slots = table[np.arange(rows), pos // block_size] * block_size + pos % block_size
+    d_ids, d_pos, d_slots, d_table = _to_device([ids, pos, slots, table], device)
+    decode = DecodeBatch(block_table=d_table, context_lens=d_pos + 1, slot_mapping=d_slots)
+    return StepInputs(d_ids[None], None, None, list(range(num)), decode=decode, position_ids=d_pos[None])
 
 
 class ModelRunner:
     """Owns nothing but references: the live model and the generator's KV cache."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, backend: str | None = None):
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, backend: str | None = None, *,
+                 static_decode: bool = False, compile_decode: bool = False, max_num_seqs: int = 128,
+                 max_blocks_per_seq: int | None = None, scratch_block: int | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.device = next(model.parameters()).device
         self.backend = backend or "auto"  # "auto": NOPAD_ATTN_BACKEND, else choose_backend's rule
+        self.static_decode = static_decode or compile_decode
+        if self.static_decode and scratch_block is None:
+            raise ValueError("static_decode needs a scratch_block in the KV cache for padding rows")
+        self.scratch_block = scratch_block
+        self.max_num_seqs = max_num_seqs
+        self.max_width = max_blocks_per_seq or kv_cache.num_blocks
+        self.decode_forward = model
+        self.static_steps = 0  # decode steps that ran padded to a bucket (for tests and stats)
+        self.static_shapes: set[tuple[int, int]] = set()  # (rows, block-table width) buckets seen
+        if compile_decode:
+            cuda = self.device.type == "cuda"
+            if cuda:  # the cache is mutated in place: mark it static so the CUDA graph keeps it
+                for t in kv_cache.k + kv_cache.v:
+                    torch._dynamo.mark_static_address(t)
+            self.decode_forward = torch.compile(model, dynamic=False,
+                                                mode="reduce-overhead" if cuda else None)
 
     @torch.no_grad()
     def run(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
         """Logits ``(num_sampling, vocab)`` and, for each, its index into ``plan.seqs``."""
         self.kv_cache.copy_blocks(plan.copies)
-        input_ids, meta, keep, rows = build_step(plan, self.kv_cache.block_size, self.device)
-        if not keep:  # only partial prefill chunks: no logits needed, still one forward
-            keep = [0]
+        if self.static_decode and is_decode(plan) and not batch_invariant.is_enabled():
+            step = build_static_decode(plan, self.kv_cache.block_size, self.device, self.scratch_block,
+                                       self.max_num_seqs, self.max_width)
+            self.static_steps += 1
+            self.static_shapes.add(tuple(step.decode.block_table.shape))
+            out = self.decode_forward(
+                input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False,
+                nopad_decode=step.decode, nopad_kv_cache=self.kv_cache,
+            )
+            return out.logits[0, : len(step.sampling_rows)], step.sampling_rows
+        step = build_step(plan, self.kv_cache.block_size, self.device)
         out = self.model(
-            input_ids=input_ids,
-            position_ids=meta.position_ids[None],
+            input_ids=step.input_ids,
+            position_ids=step.position_ids,
             use_cache=False,
-            logits_to_keep=torch.tensor(keep, device=self.device),
-            nopad_meta=meta,
+            logits_to_keep=step.logits_index,
+            nopad_meta=step.meta,
             nopad_kv_cache=self.kv_cache,
             nopad_backend=self.backend,
         )
         logits = out.logits[0]
+        rows = step.sampling_rows
         return (logits if rows else logits[:0]), rows
 
 

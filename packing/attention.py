@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -46,17 +47,57 @@ def store_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+@dataclass
+class DecodeBatch:
+    """A decode step with static shapes (one query per row, a block table of fixed width), all
+    on the device: nothing here is a Python number, so a compiled or CUDA-graph forward does not
+    depend on the context lengths. Padding rows point at a scratch block and have length 1."""
+
+    block_table: torch.Tensor  # int64 (rows, width)
+    context_lens: torch.Tensor  # int64 (rows,): keys of each row, the new token included
+    slot_mapping: torch.Tensor  # int64 (rows,): cache slot of each row's new K/V
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    decode: DecodeBatch,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of ``q`` ``(rows, heads, dim)`` (one token per row) over each row's paged keys,
+    with shapes fixed by ``decode.block_table`` alone: store the new K/V, gather ``width`` whole
+    blocks per row and mask keys past ``context_lens``. Returns ``(rows, heads, dim)``."""
+    store_kv(kv_cache, k, v, decode.slot_mapping)
+    k_cache, v_cache = kv_cache
+    rows, width = decode.block_table.shape
+    keys = width * k_cache.shape[1]
+    kk = k_cache[decode.block_table].reshape(rows, keys, *k_cache.shape[2:]).transpose(1, 2)
+    vv = v_cache[decode.block_table].reshape(rows, keys, *v_cache.shape[2:]).transpose(1, 2)
+    pos = torch.arange(keys, device=q.device)[None, :]
+    lens = decode.context_lens[:, None]
+    keep = pos < lens
+    if sliding_window is not None:
+        keep = keep & (pos > lens - 1 - sliding_window)
+    out = attention_cpu._sdpa(q[:, :, None].to(kk.dtype), kk, vv, keep[:, None, None, :],
+                              scale=scale, softcap=softcap)
+    return out[:, :, 0].to(q.dtype)
+
+
 def gather_kv(
     kv_cache: tuple[torch.Tensor, torch.Tensor], block_table: torch.Tensor, meta: VarlenMeta
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather each sequence's keys out of a paged cache into flat ``(total_k, kv_heads, dim)``."""
     k_cache, v_cache = kv_cache
     device = k_cache.device
-    lens = torch.tensor(meta.seqlens_k, device=device)
-    seq = torch.repeat_interleave(torch.arange(meta.num_seqs, device=device), lens)
-    pos = torch.arange(meta.total_k, device=device) - meta.cu_seqlens_k.to(device, torch.long)[seq]
+    seq, pos = (t.to(device) for t in meta.key_index())  # built once per step, not per layer
+    table = meta.block_table_long() if block_table is meta.block_table else block_table.to(torch.long)
     src = KeySource(k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:]), meta,
-                    block_table.to(device), k_cache.shape[1])
+                    table.to(device), k_cache.shape[1])
     rows = src.rows(pos, seq)
     return src.k.index_select(0, rows), src.v.index_select(0, rows)
 
@@ -283,13 +324,9 @@ def _flex(q, k, v, meta: VarlenMeta, *, causal, scale, window, softcap) -> torch
     if not torch.is_grad_enabled():  # CPU flex refuses inputs that require grad even under no_grad
         q, k, v = q.detach(), k.detach(), v.detach()
     device = q.device
-    seq_k = torch.repeat_interleave(torch.arange(meta.num_seqs, device=device),
-                                    torch.tensor(meta.seqlens_k, device=device))
-    seq_q = meta.seq_idx.to(device, torch.long)
-    k_pos = torch.arange(k.shape[0], device=device) - meta.cu_seqlens_k.to(device, torch.long)[seq_k]
-    shift = torch.tensor(meta.seqlens_k, device=device) - torch.tensor(meta.seqlens_q, device=device)
-    q_pos = torch.arange(q.shape[0], device=device) - meta.cu_seqlens_q.to(device, torch.long)[seq_q]
-    q_pos = q_pos + shift[seq_q]
+    seq_k, k_pos = (t.to(device) for t in meta.key_index())
+    seq_q = meta.seq_idx_long().to(device)
+    q_pos = meta.position_ids.to(device)  # the query's position among its sequence's keys
 
     def mask_mod(b, h, qi, ki):
         keep = seq_q[qi] == seq_k[ki]

@@ -43,8 +43,15 @@ class KeySource:
         """Row index (into ``k``/``v``) of key ``positions`` of sequences ``seq``."""
         if self.block_table is None:
             return self.meta.cu_seqlens_k.to(torch.long)[seq] + positions
-        blocks = self.block_table[seq, torch.div(positions, self.block_size, rounding_mode="floor")]
+        blocks = self.long_table()[seq, torch.div(positions, self.block_size, rounding_mode="floor")]
         return blocks.to(torch.long) * self.block_size + positions % self.block_size
+
+    def long_table(self) -> torch.Tensor:
+        """The block table as int64 for indexing; the meta's own table is converted once per step."""
+        if self.block_table is self.meta.block_table or self.block_table is self.meta._derived.get(
+                "block_table_long"):
+            return self.meta.block_table_long()
+        return self.block_table.to(torch.long)
 
     def splitter(self):
         """``keys(i) -> (k_i, v_i)``, each ``(lk_i, kv_heads, dim)``. Flat K/V are cut with one
@@ -60,6 +67,7 @@ class KeySource:
             new = (self.new_k.split(list(meta.seqlens_q)), self.new_v.split(list(meta.seqlens_q)))
 
         bs = self.block_size
+        table = self.long_table()
         k_blocks, v_blocks = self.k.view(-1, bs * self.k[0].numel()), self.v.view(-1, bs * self.v[0].numel())
 
         def keys(i):
@@ -67,7 +75,7 @@ class KeySource:
             if new is not None and lq == lk:
                 return new[0][i], new[1][i]
             # whole blocks (one contiguous copy each), then cut to the sequence's length
-            blocks = self.block_table[i, : -(-lk // bs)].to(torch.long)
+            blocks = table[i, : -(-lk // bs)]
             k = k_blocks.index_select(0, blocks).view(-1, *self.k.shape[1:])[:lk]
             v = v_blocks.index_select(0, blocks).view(-1, *self.v.shape[1:])[:lk]
             return k, v
@@ -243,14 +251,9 @@ def padded(q, src: KeySource, *, causal, scale, window, softcap, seqs=None) -> t
 
 def dense(q, k, v, meta: VarlenMeta, *, causal, scale, window, softcap) -> torch.Tensor:
     """One SDPA over the whole flat row with a block-diagonal mask (baseline; O(T^2) memory)."""
-    seq_q = meta.seq_idx.to(torch.long)
-    seq_k = torch.repeat_interleave(
-        torch.arange(meta.num_seqs, device=q.device), torch.tensor(meta.seqlens_k, device=q.device)
-    )
-    k_pos = torch.arange(k.shape[0], device=q.device) - meta.cu_seqlens_k.to(torch.long)[seq_k]
-    q_pos = torch.arange(q.shape[0], device=q.device) - meta.cu_seqlens_q.to(torch.long)[seq_q] + (
-        torch.tensor(meta.seqlens_k, device=q.device) - torch.tensor(meta.seqlens_q, device=q.device)
-    )[seq_q]
+    seq_q = meta.seq_idx_long().to(q.device)
+    seq_k, k_pos = (t.to(q.device) for t in meta.key_index())  # built once per meta, not per layer
+    q_pos = meta.position_ids.to(q.device)  # the query's position among its sequence's keys
     keep = seq_q[:, None] == seq_k[None, :]
     if causal:
         keep = keep & (k_pos[None, :] <= q_pos[:, None])

@@ -52,12 +52,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 
 import torch
 import transformers
 from transformers.masking_utils import AttentionMaskInterface
 
-from packing.attention import varlen_attention
+from packing.attention import DecodeBatch, paged_decode_attention, varlen_attention
 from packing.varlen import VarlenMeta
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,10 @@ def _check_positions(meta: VarlenMeta, position_ids: torch.Tensor | None) -> Non
             and _CHECKED[0][2] == position_ids._version:
         return
     flat = position_ids.reshape(-1)
+    mine = meta.position_ids
+    if (flat.device == mine.device and flat.data_ptr() == mine.data_ptr() and flat.shape == mine.shape
+            and flat.stride() == mine.stride() and flat.dtype == mine.dtype):
+        return  # the runner passed meta.position_ids[None] itself: nothing to compare, no sync
     if flat.numel() != meta.total_q or not torch.equal(flat.to(meta.position_ids.device), meta.position_ids):
         raise ValueError(
             "position_ids do not match nopad_meta.position_ids; pass position_ids=meta.position_ids[None] "
@@ -174,11 +179,13 @@ def nopad_attention(
     nopad_kv_cache=None,
     nopad_backend: str = "auto",
     position_ids: torch.Tensor | None = None,
+    nopad_decode: DecodeBatch | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query`` ``(B, heads, T, dim)``, ``key``/``value``
     ``(B, kv_heads, S, dim)``; returns ``((B, T, heads, dim), None)``."""
-    CALLS["nopad_attention"] += 1
+    if not torch.compiler.is_compiling():  # a compiled step would guard on the count: recompile each step
+        CALLS["nopad_attention"] += 1
     if dropout:
         raise ValueError("nopad attention does not implement attention dropout; set attention_dropout=0")
     if isinstance(attention_mask, torch.Tensor):
@@ -187,6 +194,9 @@ def nopad_attention(
     _check_kwargs(module, kwargs)
     batch, heads, q_len, dim = query.shape
     device = query.device
+    if nopad_decode is not None:  # a static-shape decode step (the generator's static_decode)
+        return _static_decode(module, query, key, value, scaling, sliding_window, softcap,
+                              nopad_decode, nopad_kv_cache), None
     if nopad_meta is None:
         if nopad_kv_cache is not None:
             raise ValueError("nopad_kv_cache needs nopad_meta (with block_table and slot_mapping)")
@@ -210,6 +220,26 @@ def nopad_attention(
         backend=nopad_backend,
     )
     return out.view(batch, q_len, heads, -1), None
+
+
+def _static_decode(module, query, key, value, scaling, sliding_window, softcap, decode, kv):
+    """One query per row, keys read through ``decode``'s fixed-width block table."""
+    batch, heads, q_len, dim = query.shape
+    if kv is None:
+        raise ValueError("nopad_decode needs nopad_kv_cache")
+    dtype = compute_dtype(module, query)
+    q = query.transpose(1, 2).reshape(batch * q_len, heads, dim).to(dtype)
+    k = key.transpose(1, 2).reshape(-1, key.shape[1], dim).to(dtype)
+    v = value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[-1]).to(dtype)
+    if q.shape[0] != decode.slot_mapping.shape[0]:
+        raise ValueError(f"nopad_decode describes {decode.slot_mapping.shape[0]} rows but the batch has "
+                         f"{q.shape[0]} tokens; a static decode step runs one token per row")
+    out = paged_decode_attention(
+        q, k, v, _layer_cache(kv, getattr(module, "layer_idx", None)), decode,
+        scale=scaling if scaling is not None else 1.0 / math.sqrt(dim),
+        sliding_window=sliding_window, softcap=softcap or None,
+    )
+    return out.view(batch, q_len, heads, -1)
 
 
 def nopad_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> None:

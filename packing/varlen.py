@@ -10,7 +10,7 @@ of the keys (a decode token is the last key; a prefill chunk is the tail of its 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -38,6 +38,27 @@ def _cumsum0(lengths: np.ndarray) -> np.ndarray:
     return out
 
 
+def step_layout(query_lens, context_lens) -> dict[str, np.ndarray]:
+    """Host (numpy int64) arrays of a step's boundaries: ``q``/``k`` lengths, ``cu_q``/``cu_k``,
+    each query token's ``positions`` and ``seq_idx``. Shared by :meth:`VarlenMeta.for_step` and
+    the generator's step builder, which copies them to the device in one buffer."""
+    q = _as_lengths(query_lens, "query_lens")
+    ctx = _as_lengths(context_lens, "context_lens")
+    if q.shape != ctx.shape:
+        raise ValueError(
+            f"query_lens and context_lens must have the same length, got {q.size} and {ctx.size}"
+        )
+    k = q + ctx
+    cu_q, cu_k = _cumsum0(q), _cumsum0(k)
+    total_q = int(cu_q[-1])
+    if total_q >= 2**31 or int(cu_k[-1]) >= 2**31:
+        raise ValueError("more than 2**31 tokens in one row; split the batch")
+    seq_idx = np.repeat(np.arange(q.size, dtype=np.int64), q)
+    # position of token t of sequence i = ctx[i] + (t - cu_q[i])
+    positions = np.arange(total_q, dtype=np.int64) - np.repeat(cu_q[:-1] - ctx, q)
+    return dict(q=q, k=k, cu_q=cu_q, cu_k=cu_k, positions=positions, seq_idx=seq_idx)
+
+
 @dataclass(frozen=True, eq=False)
 class VarlenMeta:
     """Boundaries of the sequences in one flat row of tokens, for every attention backend.
@@ -56,6 +77,8 @@ class VarlenMeta:
     seqlens_k: tuple[int, ...]
     block_table: torch.Tensor | None = None  # int32 [num_seqs, max_blocks]: paged K/V blocks
     slot_mapping: torch.Tensor | None = None  # int64 [total_q]: cache slot of each new token's K/V
+    # index tensors derived from the host lengths, built once per meta (not once per layer)
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # ----------------------------------------------------------------- constructors
     @classmethod
@@ -80,20 +103,10 @@ class VarlenMeta:
         ``context_lens[i]`` already cached ones, so its keys are ``context + query`` long and
         its positions start at ``context_lens[i]``. Tensors go to ``device`` (default CPU, where
         collators build; code that builds a meta for a forward passes the query's device)."""
-        q = _as_lengths(query_lens, "query_lens")
-        ctx = _as_lengths(context_lens, "context_lens")
-        if q.shape != ctx.shape:
-            raise ValueError(
-                f"query_lens and context_lens must have the same length, got {q.size} and {ctx.size}"
-            )
-        k = q + ctx
-        cu_q, cu_k = _cumsum0(q), _cumsum0(k)
+        lay = step_layout(query_lens, context_lens)
+        q, k, cu_q, cu_k = lay["q"], lay["k"], lay["cu_q"], lay["cu_k"]
+        positions, seq_idx = lay["positions"], lay["seq_idx"]
         total_q = int(cu_q[-1])
-        if total_q >= 2**31 or int(cu_k[-1]) >= 2**31:
-            raise ValueError("more than 2**31 tokens in one row; split the batch")
-        seq_idx = np.repeat(np.arange(q.size, dtype=np.int64), q)
-        # position of token t of sequence i = ctx[i] + (t - cu_q[i])
-        positions = np.arange(total_q, dtype=np.int64) - np.repeat(cu_q[:-1] - ctx, q)
         if slot_mapping is not None and slot_mapping.numel() != total_q:
             raise ValueError(
                 f"slot_mapping has {slot_mapping.numel()} entries but the step has {total_q} tokens"
@@ -190,6 +203,33 @@ class VarlenMeta:
     @property
     def device(self) -> torch.device:
         return self.cu_seqlens_q.device
+
+    def key_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(seq, pos)`` (int64, on :attr:`device`) of every key of the row: which sequence it
+        belongs to and its position there. Built on the host from ``seqlens_k`` and copied once,
+        then memoised, so every layer that gathers keys reuses it (no ``repeat_interleave`` with
+        a data-dependent size, no host sync)."""
+        if "key_index" not in self._derived:
+            lens = np.asarray(self.seqlens_k, dtype=np.int64)
+            seq = np.repeat(np.arange(lens.size, dtype=np.int64), lens)
+            pos = np.arange(seq.size, dtype=np.int64) - np.repeat(_cumsum0(lens)[:-1], lens)
+            both = torch.from_numpy(np.stack([seq, pos])).to(self.device, non_blocking=True)
+            self._derived["key_index"] = (both[0], both[1])
+        return self._derived["key_index"]
+
+    def seq_idx_long(self) -> torch.Tensor:
+        """``seq_idx`` as int64 (for indexing), converted once per meta, not once per layer."""
+        if "seq_idx_long" not in self._derived:
+            self._derived["seq_idx_long"] = self.seq_idx.to(torch.long)
+        return self._derived["seq_idx_long"]
+
+    def block_table_long(self) -> torch.Tensor:
+        """``block_table`` as int64 (for indexing), converted once per meta, not once per layer."""
+        if self.block_table is None:
+            raise ValueError("this meta has no block_table")
+        if "block_table_long" not in self._derived:
+            self._derived["block_table_long"] = self.block_table.to(torch.long)
+        return self._derived["block_table_long"]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> VarlenMeta:
         """The same record with every tensor on ``device`` (dtypes kept: cu_seqlens and the block
