@@ -21,7 +21,7 @@ import torch
 
 from inference.kv_cache import KVCache
 from inference.scheduler import StepPlan
-from packing import batch_invariant
+from packing import invariance
 from packing.attention import DecodeBatch
 from packing.varlen import VarlenMeta, step_layout
 
@@ -146,7 +146,7 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
         """Logits ``(num_sampling, vocab)`` and, for each, its index into ``plan.seqs``."""
         self.kv_cache.copy_blocks(plan.copies)
-        if self.static_decode and is_decode(plan) and not batch_invariant.is_enabled():
+        if self.static_decode and is_decode(plan) and not invariance.is_enabled():
             step = build_static_decode(plan, self.kv_cache.block_size, self.device, self.scratch_block,
                                        self.max_num_seqs, self.max_width)
             self.static_steps += 1

@@ -162,7 +162,7 @@ def test_static_decode_gives_the_same_greedy_tokens(family):
 
 def test_static_decode_stays_off_in_batch_invariant_mode():
     """Batch-invariant mode needs the fixed-order kernel: its decode steps are not padded."""
-    from packing.batch_invariant import batch_invariant
+    from packing import batch_invariant
 
     gen = Generator(tiny_model("llama"), block_size=4, static_decode=True)
     with batch_invariant():
