@@ -159,7 +159,8 @@ def _free_port() -> int:
 
 def readme_launch_lines() -> dict[str, list[str]]:
     """The README's `accelerate launch --config_file ...` lines, word for word, by config file."""
-    lines = re.findall(r"^accelerate launch --config_file \S+ .*$", (ROOT / "README.md").read_text(), re.M)
+    text = (ROOT / "README.md").read_text().replace("\\\n", " ")  # join continued lines
+    lines = re.findall(r"^accelerate launch --config_file \S+ .*$", text, re.M)
     return {shlex.split(line)[3]: shlex.split(line) for line in lines}
 
 
