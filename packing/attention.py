@@ -170,7 +170,9 @@ def varlen_attention(
 
     ``k``/``v`` are the keys of this row, or, with ``kv_cache``, the new tokens' keys, which are
     first written to the cache at ``meta.slot_mapping``; keys are then read through
-    ``block_table`` (default ``meta.block_table``). ``sliding_window=W`` lets a query at position
+    ``block_table`` (default ``meta.block_table``). For a shared-prefix row
+    (:meth:`VarlenMeta.shared_prefix`) ``k``/``v`` hold one key per token of the row and each
+    sequence reads its keys through ``meta.key_index``. ``sliding_window=W`` lets a query at position
     ``p`` see keys ``p - W < j <= p``; ``softcap=c`` applies ``c * tanh(score / c)``.
     """
     if backend not in BACKENDS:
@@ -206,14 +208,19 @@ def varlen_attention(
     else:
         if k is None or v is None:
             raise ValueError("k and v are required when no kv_cache is given")
-        if k.shape[0] != meta.total_k or v.shape[0] != meta.total_k:
+        if meta.key_index is not None:  # a shared-prefix row: keys are rows of this row's own K/V
+            if k.shape[0] != meta.total_q or v.shape[0] != meta.total_q:
+                raise ValueError(f"k/v have {k.shape[0]}/{v.shape[0]} tokens but this shared-prefix row has "
+                                 f"{meta.total_q}; pass the row's own keys (one per token)")
+        elif k.shape[0] != meta.total_k or v.shape[0] != meta.total_k:
             raise ValueError(f"k/v have {k.shape[0]}/{v.shape[0]} tokens but meta describes {meta.total_k}")
         kv_heads = k.shape[1]
     if q.shape[1] % kv_heads:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({kv_heads})")
 
+    shared = meta.key_index is not None and kv_cache is None
     backend = choose_backend(q.device, q.dtype, override=backend, softcap=softcap,
-                             sliding_window=sliding_window, paged=kv_cache is not None)
+                             sliding_window=sliding_window, paged=kv_cache is not None or shared)
     if batch_invariant.is_enabled() and backend not in ("kernel", "per_token"):
         raise ValueError(
             f"batch_invariant() needs an attention path with a fixed per-query order, but backend "
@@ -222,6 +229,15 @@ def varlen_attention(
         )
     if k is not None and (k.dtype != q.dtype or v.dtype != q.dtype):
         k, v = k.to(q.dtype), v.to(q.dtype)  # one compute dtype, as flash-attn and SDPA require
+    if shared and backend == "kernel":  # keys read in place; the backward gathers them
+        kopts = dict(causal=causal, scale=scale, window=sliding_window, softcap=softcap,
+                     table=meta.key_index, block_size=1)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return kernel_attention.KernelAttention.apply(q, k, v, meta, kopts)
+        return kernel_attention.forward(q, k, v, meta, **kopts)
+    if shared:  # every other backend: gather each sequence's keys (index_select: the prompt's
+        # rows receive the gradients of every completion that reads them)
+        k, v = k.index_select(0, meta.key_rows), v.index_select(0, meta.key_rows)
     if backend == "flash":
         flash = dict(causal=causal, scale=scale, sliding_window=sliding_window, softcap=softcap)
         if kv_cache is None:
