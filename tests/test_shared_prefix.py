@@ -67,6 +67,14 @@ def test_meta_layout_and_bad_input():
         varlen_attention(torch.zeros(6, 2, 8), torch.zeros(12, 2, 8), torch.zeros(12, 2, 8), meta)
 
 
+def test_model_loss_on_a_shared_prefix_row_is_refused():
+    model = tiny_model("llama")
+    row = shared_prefix_row([([5, 6, 7], [[8, 9], [10]])])
+    with use_nopad_attention(model), pytest.raises(ValueError, match="previous_rows"):
+        model(input_ids=row["input_ids"], position_ids=row["position_ids"], nopad_meta=row["nopad_meta"],
+              labels=row["labels"])
+
+
 def test_pack_groups_keeps_groups_whole_unless_they_cannot_fit():
     groups = [(6, [3, 3]), (4, [2, 2, 2, 2]), (8, [5, 6, 7])]
     rows = pack_groups(groups, capacity=16)
