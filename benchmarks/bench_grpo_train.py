@@ -13,7 +13,7 @@ of every row of the step, the best of ``--repeats``:
   (c) padded   micro-batches of the same token budget padded to the longest, sdpa attention
 
     python benchmarks/bench_grpo_train.py            # 3 shapes, 2 prompts per step, best of 2
-    python benchmarks/bench_grpo_train.py --quick    # 1 prompt per step, 1 timed run
+    python benchmarks/bench_grpo_train.py --quick    # 1 prompt per step, 1 timed run, no warm-up
 """
 
 from __future__ import annotations
@@ -87,30 +87,30 @@ def padded_step(model, batches):
         surrogate(model, hidden.reshape(-1, hidden.shape[-1]), predict, targets, adv).backward()
 
 
-def best_time(step, model, data, repeats):
+def best_time(step, model, data, repeats, warmup):
     times = []
-    for _ in range(repeats + 1):  # the first run warms up
+    for _ in range(repeats + warmup):
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         step(model, data)
         times.append(time.perf_counter() - t0)
-    return min(times[1:])
+    return min(times[warmup:])
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="1 prompt per step, 1 timed run")
+    parser.add_argument("--quick", action="store_true", help="1 prompt per step, 1 timed run, no warm-up")
     parser.add_argument("--budget", type=int, default=4096, help="tokens per training row / padded batch")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    groups, repeats = (1, 1) if args.quick else (2, 2)
+    groups, repeats, warmup = (1, 1, 0) if args.quick else (2, 2, 1)
     model, _ = load_smollm2(torch.float32)
     model.train()
     vocab = model.config.vocab_size
     print(f"SmolLM2-135M-Instruct fp32, {args.threads} threads, {groups} prompt(s) per step, row budget "
-          f"{args.budget} tokens, best of {repeats} (forward+backward of the whole step)")
+          f"{args.budget} tokens, best of {repeats} after {warmup} warm-up (forward+backward per step)")
     header = (f"{'P/C, n':>14} {'tokens s/p/pad':>20} {'shared s':>9} {'packed s':>9} {'padded s':>9} "
               f"{'packed/shared':>14} {'padded/shared':>14}")
     print(header)
@@ -122,9 +122,9 @@ def main():
         tokens = (sum(r["input_ids"].numel() for r in shared), sum(r["input_ids"].numel() for r in usual),
                   sum(b[0].numel() for b in padded))
         with use_nopad_attention(model):
-            t_shared = best_time(packed_step, model, shared, repeats)
-            t_usual = best_time(packed_step, model, usual, repeats)
-        t_padded = best_time(padded_step, model, padded, repeats)
+            t_shared = best_time(packed_step, model, shared, repeats, warmup)
+            t_usual = best_time(packed_step, model, usual, repeats, warmup)
+        t_padded = best_time(padded_step, model, padded, repeats, warmup)
         print(f"{f'{prompt_len}/{completion_len}, {n}':>14} {'/'.join(map(str, tokens)):>20} {t_shared:9.2f} "
               f"{t_usual:9.2f} {t_padded:9.2f} {t_usual / t_shared:13.2f}x {t_padded / t_shared:13.2f}x",
               flush=True)

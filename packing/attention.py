@@ -218,9 +218,12 @@ def varlen_attention(
     if q.shape[1] % kv_heads:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({kv_heads})")
 
+    # a shared-prefix row takes the ordinary training choice: on CPU per-sequence SDPA on gathered
+    # keys, measured 4-6x faster forward+backward than the kernel reading them in place
+    # (benchmarks/bench_grpo_train.py); the kernel in batch-invariant mode
     shared = meta.key_index is not None and kv_cache is None
     backend = choose_backend(q.device, q.dtype, override=backend, softcap=softcap,
-                             sliding_window=sliding_window, paged=kv_cache is not None or shared)
+                             sliding_window=sliding_window, paged=kv_cache is not None)
     if batch_invariant.is_enabled() and backend not in ("kernel", "per_token"):
         raise ValueError(
             f"batch_invariant() needs an attention path with a fixed per-query order, but backend "

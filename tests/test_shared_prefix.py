@@ -28,7 +28,7 @@ def _close(got, want, rtol=1e-5, what=""):
 
 
 # ----------------------------------------------------------------------------- the attention core
-@pytest.mark.parametrize("backend", ["auto", "sdpa_loop", "sdpa_padded", "per_token"])
+@pytest.mark.parametrize("backend", ["auto", "kernel", "sdpa_loop", "sdpa_padded", "per_token"])
 @pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 20.0)])
 def test_attention_reads_the_prompt_in_place_forward_and_backward(backend, window, softcap, one_thread):
     meta = VarlenMeta.shared_prefix(GROUPS)
@@ -119,7 +119,7 @@ def _row_outputs(model, row, backend, weights):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma2"])
 @pytest.mark.parametrize("layout", ["one_row", "split"])
-@pytest.mark.parametrize("backend", ["auto", "sdpa_loop"])
+@pytest.mark.parametrize("backend", ["kernel", "sdpa_loop"])
 def test_logits_loss_and_gradients_equal_usual_packing(family, layout, backend, one_thread):
     model = tiny_model(family)
     prompts, completions = _data()
