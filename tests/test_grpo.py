@@ -355,9 +355,7 @@ def test_grpo_step_is_exactly_on_policy_in_bf16_too(dtype, one_thread):
     tok = AsciiTokenizer()
     for invariant in (True, False):
         policy = tiny_model("qwen2").to(dtype)
-        # off: usual packing, whose training forward runs per-sequence SDPA (shared-prefix rows run
-        # the compiled kernel on CPU, like the generator, and may show no gap even when off)
-        cfg = tiny_config(train={"batch_invariant": invariant, "shared_prefix": invariant})
+        cfg = tiny_config(train={"batch_invariant": invariant})
         examples, prompt_ids = build_prompts(cfg, tok)
         gen = Generator(policy, block_size=16, num_blocks=64, max_num_batched_tokens=40)
         optimizer = torch.optim.SGD(policy.parameters(), lr=1e-3)
