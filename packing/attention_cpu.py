@@ -252,7 +252,7 @@ def padded(q, src: KeySource, *, causal, scale, window, softcap, seqs=None) -> t
 def dense(q, k, v, meta: VarlenMeta, *, causal, scale, window, softcap) -> torch.Tensor:
     """One SDPA over the whole flat row with a block-diagonal mask (baseline; O(T^2) memory)."""
     seq_q = meta.seq_idx_long().to(q.device)
-    seq_k, k_pos = (t.to(q.device) for t in meta.key_index())  # built once per meta, not per layer
+    seq_k, k_pos = (t.to(q.device) for t in meta.key_positions())  # built once per meta, not per layer
     q_pos = meta.position_ids.to(q.device)  # the query's position among its sequence's keys
     keep = seq_q[:, None] == seq_k[None, :]
     if causal:

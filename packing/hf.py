@@ -289,6 +289,12 @@ def check_packed_call(model: transformers.PreTrainedModel, kwargs: dict) -> None
     impl = model.config._attn_implementation
     if meta is not None and position_ids is None:
         raise ValueError("nopad_meta given without position_ids; pass position_ids=meta.position_ids[None]")
+    if meta is not None and meta.key_index is not None and kwargs.get("labels") is not None:
+        raise ValueError(
+            "labels= with a shared-prefix row: the model's loss predicts token t from t - 1, but a "
+            "completion's first token is predicted by its prompt's last token. Compute the loss from the "
+            "logits at nopad_meta.previous_rows() (see recipes.grpo.packed_logprobs)."
+        )
     if meta is None and not _is_packed(position_ids):
         return
     if impl == NOPAD_ATTENTION:

@@ -86,7 +86,10 @@ def forward(
 
 
 class KernelAttention(torch.autograd.Function):
-    """Training rows: forward by the kernel, backward by PyTorch's per-sequence SDPA."""
+    """Training rows: forward by the kernel, backward by PyTorch's per-sequence SDPA. With
+    ``opts["table"]`` (a shared-prefix row, ``meta.key_rows``) the keys are read in place in the
+    forward and gathered in the backward, whose ``index_select`` sums every completion's gradient
+    into the prompt's K/V rows."""
 
     @staticmethod
     def forward(ctx, q, k, v, meta: VarlenMeta, opts: dict):
@@ -100,11 +103,14 @@ class KernelAttention(torch.autograd.Function):
         from packing.attention_cpu import KeySource
 
         q, k, v = ctx.saved_tensors
-        opts = ctx.opts
+        opts, meta = ctx.opts, ctx.meta
         with torch.enable_grad():
             q_, k_, v_ = (t.detach().requires_grad_(t.requires_grad) for t in (q, k, v))
+            keys = k_, v_
+            if opts.get("table") is not None:  # a shared-prefix row: gather the keys it read in place
+                keys = k_.index_select(0, meta.key_rows), v_.index_select(0, meta.key_rows)
             pieces = attention_cpu.per_sequence(
-                q_, KeySource(k_, v_, ctx.meta), causal=opts["causal"], scale=opts["scale"],
+                q_, KeySource(*keys, meta), causal=opts["causal"], scale=opts["scale"],
                 window=opts["window"], softcap=opts["softcap"],
             )
             out = torch.cat(pieces) if pieces else q_

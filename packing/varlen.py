@@ -79,6 +79,9 @@ class VarlenMeta:
     slot_mapping: torch.Tensor | None = None  # int64 [total_q]: cache slot of each new token's K/V
     # index tensors derived from the host lengths, built once per meta (not once per layer)
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # shared-prefix rows: key p of sequence i is row key_index[i, p] of the row's own K/V
+    key_index: torch.Tensor | None = None  # int32 [num_seqs, max_seqlen_k] (a block table of 1-token blocks)
+    key_rows: torch.Tensor | None = None  # int64 [total_k]: the same rows, sequence after sequence
 
     # ----------------------------------------------------------------- constructors
     @classmethod
@@ -130,6 +133,48 @@ class VarlenMeta:
         )
 
     @classmethod
+    def shared_prefix(
+        cls, groups: Sequence[tuple[int, Sequence[int]]], device: torch.device | str = "cpu"
+    ) -> VarlenMeta:
+        """A row where each group's prompt appears once, followed by its completions:
+        ``groups = [(prompt_len, [completion_len, ...]), ...]`` lays out tokens
+        ``[prompt, c1, c2, ..., next prompt, ...]``. The prompt is a sequence of its own
+        (queries = keys = prompt); completion ``j`` is a sequence whose queries are its tokens and
+        whose keys are the prompt's followed by its own, positions continuing after the prompt -
+        the way the generator's n samples read one prompt's shared KV blocks. Keys are read in
+        place through ``key_index`` (no copy of the prompt's K/V), so the prompt is computed once
+        and receives the gradients of all its completions."""
+        q_lens, ctx_lens, key_lists = [], [], []
+        start = 0
+        for g, group in enumerate(groups):
+            if len(group) != 2:
+                raise ValueError(f"groups[{g}] must be (prompt_len, [completion_len, ...]), got {group!r}")
+            prompt_len = int(group[0])
+            completions = _as_lengths(list(group[1]), f"groups[{g}] completions")
+            if prompt_len < 1:
+                raise ValueError(f"groups[{g}] has prompt_len {prompt_len}; a shared prefix needs >= 1 "
+                                 "token")
+            prompt_rows = np.arange(start, start + prompt_len, dtype=np.int64)
+            q_lens.append(prompt_len)
+            ctx_lens.append(0)
+            key_lists.append(prompt_rows)
+            start += prompt_len
+            for c in completions.tolist():
+                q_lens.append(c)
+                ctx_lens.append(prompt_len)
+                key_lists.append(np.concatenate([prompt_rows, np.arange(start, start + c, dtype=np.int64)]))
+                start += c
+        meta = cls.for_step(np.asarray(q_lens, dtype=np.int64), np.asarray(ctx_lens, dtype=np.int64),
+                            device=device)
+        index = np.zeros((len(key_lists), max(meta.max_seqlen_k, 1)), dtype=np.int32)
+        for i, rows in enumerate(key_lists):
+            index[i, : rows.size] = rows
+        flat = np.concatenate(key_lists) if key_lists else np.zeros(0, dtype=np.int64)
+        dev = torch.device(device)
+        return replace(meta, key_index=torch.from_numpy(index).to(dev),
+                       key_rows=torch.from_numpy(flat).to(dev))
+
+    @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor) -> VarlenMeta:
         """Recover sequence boundaries from packed ``position_ids`` (a new sequence starts
         wherever the position is 0), as transformers' own packed path does."""
@@ -171,6 +216,27 @@ class VarlenMeta:
         """True when queries == keys for every sequence (a training row or a fresh prefill)."""
         return self.seqlens_q == self.seqlens_k
 
+    def previous_rows(self) -> torch.Tensor:
+        """Row of the token before each query token in its own sequence (its keys), -1 for a
+        sequence's first token: the position whose logits predict that token. ``t - 1`` in a
+        plain packed row; in a shared-prefix row a completion's first token is predicted by its
+        prompt's last token."""
+        cu_q = np.asarray(self.cu_seqlens_q.cpu(), dtype=np.int64)
+        lens_q = np.asarray(self.seqlens_q, dtype=np.int64)
+        lens_k = np.asarray(self.seqlens_k, dtype=np.int64)
+        offset = np.arange(self.total_q, dtype=np.int64) - np.repeat(cu_q[:-1], lens_q)
+        key_pos = offset + np.repeat(lens_k - lens_q, lens_q)  # each query's position among its keys
+        if self.key_rows is None:
+            if not self.is_prefill_only:
+                raise ValueError("previous_rows needs every key in the row (a training or shared-prefix "
+                                 "row)")
+            prev = np.arange(self.total_q, dtype=np.int64) - 1
+        else:
+            cu_k = np.concatenate(([0], np.cumsum(lens_k)))
+            flat = self.key_rows.cpu().numpy()
+            prev = flat[np.maximum(np.repeat(cu_k[:-1], lens_q) + key_pos - 1, 0)] if flat.size else key_pos
+        return torch.from_numpy(np.where(key_pos > 0, prev, -1)).to(self.device)
+
     @property
     def document_ids(self) -> torch.Tensor:
         """Sequence id of each query token, the ``document_id`` a FlexAttention mask compares."""
@@ -191,8 +257,9 @@ class VarlenMeta:
         filler attends only to itself; its outputs are to be ignored."""
         if multiple < 1:
             raise ValueError(f"multiple must be >= 1, got {multiple}")
-        if self.block_table is not None or not self.is_prefill_only:
-            raise ValueError("padded_to is for packed training rows, not paged generation steps")
+        if self.block_table is not None or self.key_index is not None or not self.is_prefill_only:
+            raise ValueError("padded_to is for plain packed training rows, not paged generation steps "
+                             "or shared-prefix rows")
         extra = -self.total_q % multiple
         if extra == 0:
             return self
@@ -204,18 +271,18 @@ class VarlenMeta:
     def device(self) -> torch.device:
         return self.cu_seqlens_q.device
 
-    def key_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def key_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(seq, pos)`` (int64, on :attr:`device`) of every key of the row: which sequence it
         belongs to and its position there. Built on the host from ``seqlens_k`` and copied once,
         then memoised, so every layer that gathers keys reuses it (no ``repeat_interleave`` with
         a data-dependent size, no host sync)."""
-        if "key_index" not in self._derived:
+        if "key_positions" not in self._derived:
             lens = np.asarray(self.seqlens_k, dtype=np.int64)
             seq = np.repeat(np.arange(lens.size, dtype=np.int64), lens)
             pos = np.arange(seq.size, dtype=np.int64) - np.repeat(_cumsum0(lens)[:-1], lens)
             both = torch.from_numpy(np.stack([seq, pos])).to(self.device, non_blocking=True)
-            self._derived["key_index"] = (both[0], both[1])
-        return self._derived["key_index"]
+            self._derived["key_positions"] = (both[0], both[1])
+        return self._derived["key_positions"]
 
     def seq_idx_long(self) -> torch.Tensor:
         """``seq_idx`` as int64 (for indexing), converted once per meta, not once per layer."""
@@ -236,13 +303,14 @@ class VarlenMeta:
         table stay int32). The one helper that moves a meta: batches (``move_batch``), DDP inputs
         and the attention layer itself (a meta on another device than the query) all use it."""
         dev = torch.device(device)
-        if self.device == dev and (self.block_table is None or self.block_table.device == dev):
+        if self.device == dev and all(t is None or t.device == dev
+                                      for t in (self.block_table, self.key_index, self.key_rows)):
             return self
         moved = {
             name: getattr(self, name).to(dev, non_blocking=non_blocking)
             for name in (
                 "cu_seqlens_q", "cu_seqlens_k", "position_ids", "seq_idx",
-                "block_table", "slot_mapping",
+                "block_table", "slot_mapping", "key_index", "key_rows",
             )
             if getattr(self, name) is not None
         }
@@ -261,6 +329,7 @@ class VarlenMeta:
     def __repr__(self) -> str:
         n = self.num_seqs
         paged = ", paged" if self.block_table is not None else ""
+        paged += ", shared prefix" if self.key_index is not None else ""
         return (
             f"VarlenMeta(num_seqs={n}, total_q={self.total_q}, total_k={self.total_k}, "
             f"max_seqlen_q={self.max_seqlen_q}, max_seqlen_k={self.max_seqlen_k}{paged})"

@@ -57,6 +57,8 @@ def validate_config(cfg: Mapping, *, have_model: bool = False) -> None:
     get_reward(cfg["reward"], key="reward")
     resolve_is_correction(cfg["train"])
     ro, gen, tr = cfg["rollout"], cfg["generator"], cfg["train"]
+    if tr["shared_prefix"] not in (True, False):
+        raise ValueError(f"train.shared_prefix must be true or false, got {tr['shared_prefix']!r}")
     if tr["batch_invariant"] not in ("auto", True, False):
         raise ValueError(f"train.batch_invariant must be auto, true or false, got {tr['batch_invariant']!r}")
     task = cfg["task"]
@@ -169,10 +171,16 @@ class Rollout:
     advantage: float = 0.0
 
 
-def pack_rollouts(rollouts: list[Rollout], capacity: int) -> list[dict]:
-    """Pack prompt+completion sequences into varlen rows (BFD). Only completion tokens carry the
-    loss: labels are -100 on prompts. Each row also carries, in label order, the generator's
-    log-probs and the advantage of every loss token."""
+def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = True) -> list[dict]:
+    """Pack rollouts into varlen rows. Only completion tokens carry the loss: labels are -100 on
+    prompts. Each row also carries, in label order, the generator's log-probs, the advantage of
+    every loss token and the rollout index of each completion (``indices``).
+
+    ``shared_prefix`` (default): rollouts with the same prompt form a group whose prompt appears
+    once per row, each completion attending to it (:mod:`packing.shared_prefix`); else every
+    rollout is its own prompt+completion sequence (BFD)."""
+    if shared_prefix:
+        return _pack_shared_prefix(rollouts, capacity)
     from dataloaders.collator import PackedCollator
     from packing.binpack import pack
 
@@ -206,13 +214,41 @@ def empty_rollout_row() -> dict:
     return row
 
 
+def _pack_shared_prefix(rollouts: list[Rollout], capacity: int) -> list[dict]:
+    from packing.shared_prefix import pack_groups, shared_prefix_row
+
+    members: dict[tuple, list[int]] = {}  # prompt -> its rollouts, in order of first appearance
+    for i, r in enumerate(rollouts):
+        members.setdefault(tuple(r.prompt_ids), []).append(i)
+    groups = list(members.values())
+    sizes = [(len(rollouts[g[0]].prompt_ids), [len(rollouts[i].completion_ids) for i in g]) for g in groups]
+    rows = []
+    for pieces in pack_groups(sizes, capacity):
+        picked = [[groups[g][j] for j in part] for g, part in pieces]
+        row = shared_prefix_row([(rollouts[idx[0]].prompt_ids, [rollouts[i].completion_ids for i in idx])
+                                 for idx in picked])
+        order = [i for idx in picked for i in idx]
+        row["indices"] = torch.tensor(order, dtype=torch.int64)
+        row["gen_logprobs"] = torch.tensor([lp for i in order for lp in rollouts[i].gen_logprobs],
+                                           dtype=torch.float32)
+        adv = [rollouts[i].advantage for i in order for _ in rollouts[i].completion_ids]
+        row["advantages"] = torch.tensor(adv, dtype=torch.float32)
+        rows.append(row)
+    return rows
+
+
 def packed_logprobs(model, row: Mapping) -> torch.Tensor:
     """Log-probs of the loss tokens of one packed row under ``model`` (the training forward).
-    Only the positions that predict a loss token go through the LM head."""
+    Only the positions that predict a loss token go through the LM head: the token before it in
+    its own sequence (``nopad_meta.previous_rows()``; in a shared-prefix row a completion's first
+    token is predicted by its prompt's last token)."""
     labels = row["labels"][0]
     targets_at = torch.nonzero(labels != -100).squeeze(1)
+    predict_at = row["nopad_meta"].previous_rows().to(targets_at.device)[targets_at]
+    if bool((predict_at < 0).any()):
+        raise ValueError("a loss token is the first token of its sequence: nothing predicts it")
     out = model(input_ids=row["input_ids"], position_ids=row["position_ids"], nopad_meta=row["nopad_meta"],
-                logits_to_keep=targets_at - 1, use_cache=False)
+                logits_to_keep=predict_at, use_cache=False)
     logits = out.logits[0].float()
     return torch.log_softmax(logits, dim=-1).gather(1, labels[targets_at][:, None]).squeeze(1)
 
@@ -276,7 +312,7 @@ def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[l
     # forwards are collectives), loss normalised by all ranks' completion tokens, one optimizer step
     model.train()
     t0 = time.perf_counter()
-    rows = pack_rollouts(rollouts, tr["max_tokens_per_batch"])
+    rows = pack_rollouts(rollouts, tr["max_tokens_per_batch"], shared_prefix=tr["shared_prefix"])
     num_loss_tokens = global_sum(sum(r["num_loss_tokens"] for r in rows), accelerator)
     rows = pad_rows(rows, empty_rollout_row, accelerator)
     own_accumulator = accumulator is None

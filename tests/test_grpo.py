@@ -239,7 +239,8 @@ def test_one_grpo_step_on_the_live_model(policy):
     assert kv_alive_at_backward == [False]  # one packed row, KV cache already handed back
     assert gen._kv_cache is None and gen.stats()["steps"] > 0
     assert metrics["completion_tokens"] > 0 and metrics["train_rows"] == 1
-    assert metrics["train_tokens"] == sum(map(len, prompt_ids[:2])) * 4 + metrics["completion_tokens"]
+    # shared-prefix rows (the default): each prompt once, not once per completion
+    assert metrics["train_tokens"] == sum(map(len, prompt_ids[:2])) + metrics["completion_tokens"]
     assert metrics["padded_train_tokens"] >= metrics["train_tokens"]
     # batch-invariant mode (the default on CPU): the rollouts are exactly the trained policy's
     assert metrics["batch_invariant"] == 1.0

@@ -1,0 +1,221 @@
+"""Shared-prefix rows (a prompt once, each completion attending to it): the same logits, loss and
+gradients as the sequences packed the usual way (prompt repeated per completion), and in
+batch-invariant mode the same log-probs as the generator, bitwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference import Generator, SamplingParams
+from packing import batch_invariant
+from packing.attention import varlen_attention
+from packing.hf import use_nopad_attention
+from packing.shared_prefix import pack_groups, shared_prefix_row
+from packing.varlen import VarlenMeta
+from recipes.grpo import Rollout, pack_rollouts, packed_logprobs
+from tests.models import random_sequences, tiny_model
+
+GROUPS = [(12, [5, 9, 7]), (10, [11, 4])]  # (prompt_len, completion_lens); windows are 8 tokens
+ONE_ROW = [[(0, [0, 1, 2]), (1, [0, 1])]]
+SPLIT = [[(0, [0, 1])], [(0, [2]), (1, [0, 1])]]  # group 0 split across two rows
+
+
+def _close(got, want, rtol=1e-5, what=""):
+    got, want = got.detach(), want.detach()
+    err = float((got - want).abs().max())
+    assert err <= rtol * float(want.abs().max()) + 1e-12, f"{what}: max error {err:.3g}"
+
+
+# ----------------------------------------------------------------------------- the attention core
+@pytest.mark.parametrize("backend", ["auto", "kernel", "sdpa_loop", "sdpa_padded", "per_token"])
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 20.0)])
+def test_attention_reads_the_prompt_in_place_forward_and_backward(backend, window, softcap, one_thread):
+    meta = VarlenMeta.shared_prefix(GROUPS)
+    flat = VarlenMeta.from_lengths(meta.seqlens_k)  # the same sequences, prompt copied per completion
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(meta.total_q, 4, 16, generator=g, requires_grad=True)
+    k = torch.randn(meta.total_q, 2, 16, generator=g, requires_grad=True)
+    v = torch.randn(meta.total_q, 2, 16, generator=g, requires_grad=True)
+    rows = meta.key_rows
+    # reference: every sequence copied out (prompt repeated), keeping the outputs of its own tokens
+    opts = dict(sliding_window=window, softcap=softcap)
+    ref_full = varlen_attention(q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows),
+                                flat, backend="sdpa_loop", **opts)
+    keep = torch.cat([torch.arange(flat.cu_seqlens_q[i + 1] - meta.seqlens_q[i], flat.cu_seqlens_q[i + 1])
+                      for i in range(meta.num_seqs)])
+    ref = ref_full[keep]
+    out = varlen_attention(q, k, v, meta, backend=backend, **opts)
+    _close(out, ref, what="forward")
+    w = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    refs = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for name, got, want in zip("qkv", grads, refs):
+        _close(got, want, what=f"d{name}")
+
+
+def test_meta_layout_and_bad_input():
+    meta = VarlenMeta.shared_prefix([(3, [2, 1])])
+    assert meta.seqlens_q == (3, 2, 1) and meta.seqlens_k == (3, 5, 4)
+    assert meta.position_ids.tolist() == [0, 1, 2, 3, 4, 3]
+    assert meta.key_rows.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 5]
+    assert meta.previous_rows().tolist() == [-1, 0, 1, 2, 3, 2]  # completion 2 is predicted by row 2
+    assert VarlenMeta.from_lengths([2, 3]).previous_rows().tolist() == [-1, 0, -1, 2, 3]
+    with pytest.raises(ValueError, match="prompt_len 0"):
+        VarlenMeta.shared_prefix([(0, [2])])
+    with pytest.raises(ValueError, match="own keys"):
+        varlen_attention(torch.zeros(6, 2, 8), torch.zeros(12, 2, 8), torch.zeros(12, 2, 8), meta)
+
+
+def test_model_loss_on_a_shared_prefix_row_is_refused():
+    model = tiny_model("llama")
+    row = shared_prefix_row([([5, 6, 7], [[8, 9], [10]])])
+    with use_nopad_attention(model), pytest.raises(ValueError, match="previous_rows"):
+        model(input_ids=row["input_ids"], position_ids=row["position_ids"], nopad_meta=row["nopad_meta"],
+              labels=row["labels"])
+
+
+def test_pack_groups_keeps_groups_whole_unless_they_cannot_fit():
+    groups = [(6, [3, 3]), (4, [2, 2, 2, 2]), (8, [5, 6, 7])]
+    rows = pack_groups(groups, capacity=16)
+    seen = sorted((g, j) for row in rows for g, part in row for j in part)
+    assert seen == [(g, j) for g, (_, c) in enumerate(groups) for j in range(len(c))]
+    for row in rows:
+        assert sum(groups[g][0] + sum(groups[g][1][j] for j in part) for g, part in row) <= 16
+    pieces = [(g, part) for row in rows for g, part in row]
+    assert [g for g, _ in pieces].count(0) == 1 and [g for g, _ in pieces].count(1) == 1  # they fit
+    assert [g for g, _ in pieces].count(2) == 3  # 8 + 5 + 6 + 7 > 16: split, prompt in each piece
+    with pytest.raises(ValueError, match="exceed the row capacity"):
+        pack_groups([(10, [7])], capacity=16)
+
+
+# ----------------------------------------------------------------------------- models
+def _data(seed=0):
+    seqs = iter(random_sequences([p for p, _ in GROUPS] + [c for _, cs in GROUPS for c in cs], seed=seed))
+    prompts = [next(seqs).tolist() for _ in GROUPS]
+    completions = [[next(seqs).tolist() for _ in cs] for _, cs in GROUPS]
+    return prompts, completions
+
+
+def _usual_row(prompts, completions):
+    from dataloaders.collator import PackedCollator
+
+    examples = [{"input_ids": prompts[g] + c, "labels": [-100] * len(prompts[g]) + c}
+                for g in range(len(prompts)) for c in completions[g]]
+    return PackedCollator()(examples)
+
+
+def _row_outputs(model, row, backend, weights):
+    """Logits of every token, and a loss: weighted log-probs of the completion tokens."""
+    meta = row["nopad_meta"]
+    logits = model(input_ids=row["input_ids"], position_ids=row["position_ids"], nopad_meta=meta,
+                   nopad_backend=backend, use_cache=False).logits[0]
+    labels = row["labels"][0]
+    at = torch.nonzero(labels != -100).squeeze(1)
+    logp = torch.log_softmax(logits[meta.previous_rows()[at]].float(), -1)
+    logp = logp.gather(1, labels[at][:, None])[:, 0]
+    return logits, -(logp * weights).sum()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma2"])
+@pytest.mark.parametrize("layout", ["one_row", "split"])
+@pytest.mark.parametrize("backend", ["kernel", "sdpa_loop"])
+def test_logits_loss_and_gradients_equal_usual_packing(family, layout, backend, one_thread):
+    model = tiny_model(family)
+    prompts, completions = _data()
+    loss_tokens = sum(len(c) for cs in completions for c in cs)
+    weights = torch.randn(loss_tokens, generator=torch.Generator().manual_seed(1))
+
+    usual = _usual_row(prompts, completions)
+    with use_nopad_attention(model):
+        ref_logits, ref_loss = _row_outputs(model, usual, "sdpa_loop", weights)
+        ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    # the usual row, per (group, completion): its prompt's logits and its completion's logits
+    starts = usual["nopad_meta"].cu_seqlens_q.tolist()
+    pairs = [(g, j) for g in range(len(prompts)) for j in range(len(completions[g]))]
+    ref_prompt = {g: ref_logits[starts[pairs.index((g, 0))]:][:len(prompts[g])] for g in range(len(prompts))}
+    ref_completion = {(g, j): ref_logits[starts[s] + len(prompts[g]): starts[s + 1]]
+                      for s, (g, j) in enumerate(pairs)}
+
+    rows = ONE_ROW if layout == "one_row" else SPLIT
+    total = torch.zeros(())
+    order = [(g, j) for row in rows for g, part in row for j in part]
+    w_of = dict(zip(pairs, weights.split([len(completions[g][j]) for g, j in pairs])))
+    with use_nopad_attention(model):
+        for row_pieces in rows:
+            row = shared_prefix_row([(prompts[g], [completions[g][j] for j in part])
+                                     for g, part in row_pieces])
+            w = torch.cat([w_of[(g, j)] for g, part in row_pieces for j in part])
+            logits, loss = _row_outputs(model, row, backend, w)
+            loss.backward()
+            total = total + loss.detach()
+            t = 0
+            for g, part in row_pieces:
+                _close(logits[t: t + len(prompts[g])], ref_prompt[g], what=f"prompt {g} logits")
+                t += len(prompts[g])
+                for j in part:
+                    n = len(completions[g][j])
+                    _close(logits[t: t + n], ref_completion[(g, j)], what=f"completion {g}.{j} logits")
+                    t += n
+    assert sorted(order) == pairs
+    _close(total, ref_loss.detach(), what="loss")
+    for name, p in model.named_parameters():
+        _close(p.grad, ref_grads[name], what=f"grad of {name}")
+
+
+# ----------------------------------------------------------------------------- generator == trainer
+@pytest.mark.parametrize("family,dtype", [("llama", torch.float32), ("mistral", torch.float32),
+                                          ("gemma2", torch.float32), ("qwen2", torch.bfloat16)])
+def test_shared_prefix_logprobs_equal_the_generators_bitwise(family, dtype, one_thread):
+    model = tiny_model(family).to(dtype)
+    prompts = [p.tolist() for p in random_sequences([14, 30, 5], seed=3)]
+    params = SamplingParams(temperature=1.0, n=4, max_tokens=9, seed=2)
+    with batch_invariant():
+        outs = Generator(model, block_size=16, num_blocks=32).generate(prompts, params, use_tqdm=False)
+        rollouts = [Rollout(list(p), list(c.token_ids), list(c.logprobs)) for p, o in zip(prompts, outs)
+                    for c in o.outputs if c.token_ids]
+        with use_nopad_attention(model), torch.no_grad():
+            rows = pack_rollouts(rollouts, capacity=40)  # the 30-token prompt's group is split
+            trainer = torch.cat([packed_logprobs(model, row) for row in rows])
+    generator = torch.cat([row["gen_logprobs"] for row in rows])
+    assert any(r["nopad_meta"].key_index is not None for r in rows)
+    assert sum(r["input_ids"].numel() for r in rows) < sum(len(r.prompt_ids) + len(r.completion_ids)
+                                                           for r in rollouts)
+    prompt_rows = [tuple(r["input_ids"][0, :30].tolist()) for r in rows]
+    assert prompt_rows.count(tuple(prompts[1])) >= 2  # split: its prompt repeated in each row
+    assert trainer.numel() == generator.numel() > 0
+    assert torch.equal(trainer, generator), f"max gap {(trainer - generator).abs().max():.3g}"
+
+
+def test_flash_path_gets_the_gathered_keys(monkeypatch):
+    """On CUDA with flash-attn the row's keys are gathered by the key index (differentiable) and
+    flash-attn's varlen kernel runs on them (here: the strict CPU stand-in, bf16)."""
+    import sys
+
+    from packing import attention, flash
+    from tests.flash_standin import FlashStandIn
+
+    standin = FlashStandIn("2.6")
+    for name in ("flash_attn", "flash_attn_interface"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, standin.module.__name__, standin.module)
+    flash.flash_attn_info.cache_clear()
+    attention._SAID.clear()
+    try:
+        meta = VarlenMeta.shared_prefix(GROUPS)
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(meta.total_q, h, 16, generator=g).bfloat16().requires_grad_()
+                   for h in (4, 2, 2))
+        out = varlen_attention(q, k, v, meta, backend="flash", sliding_window=6)
+        ref = varlen_attention(q.float(), k.float(), v.float(), meta, backend="sdpa_loop", sliding_window=6)
+        call = standin.calls[-1]
+        assert call["num_seqs"] == meta.num_seqs and not call["paged"]  # gathered, not read in place
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+        out.float().sum().backward()
+        assert k.grad is not None and bool(k.grad[:12].abs().sum() > 0)  # the prompt's keys learn
+    finally:
+        flash.flash_attn_info.cache_clear()
+        attention._SAID.clear()
