@@ -179,6 +179,8 @@ def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = 
     ``shared_prefix`` (default): rollouts with the same prompt form a group whose prompt appears
     once per row, each completion attending to it (:mod:`packing.shared_prefix`); else every
     rollout is its own prompt+completion sequence (BFD)."""
+    if not rollouts:  # a rank with no prompts this step (its padding rows come from pad_rows)
+        return []
     if shared_prefix:
         return _pack_shared_prefix(rollouts, capacity)
     from dataloaders.collator import PackedCollator

@@ -181,7 +181,7 @@ def _launch(words: list[str], *overrides: str) -> None:
 def test_readme_launch_lines_run_ddp_and_deepspeed_zero2(inputs):
     root, _, chats = inputs
     lines = readme_launch_lines()
-    assert set(lines) == {"recipes/configs/accelerate_ddp.yaml", "recipes/configs/accelerate_deepspeed.yaml"}
+    assert {"recipes/configs/accelerate_ddp.yaml", "recipes/configs/accelerate_deepspeed.yaml"} <= set(lines)
     expected = _per_document_loss(root / "base", chats)
     runs = {}
     for name, config in [("ddp", "recipes/configs/accelerate_ddp.yaml"),
