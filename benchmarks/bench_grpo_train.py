@@ -19,14 +19,18 @@ of every row of the step, the best of ``--repeats``:
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from packing import load_smollm2
-from packing.hf import use_nopad_attention
-from recipes.grpo import Rollout, pack_rollouts
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere (recipes/)
+
+from packing import load_smollm2  # noqa: E402
+from packing.hf import use_nopad_attention  # noqa: E402
+from recipes.grpo import Rollout, pack_rollouts  # noqa: E402
 
 SHAPES = [(512, 128, 8), (128, 512, 8), (64, 64, 4)]  # (prompt, completion, n)
 
