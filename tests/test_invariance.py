@@ -266,3 +266,16 @@ def test_bitwise_whatever_the_batch(lengths, n, budget, cache_blocks, block_size
         max_num_batched_tokens=budget, max_num_seqs=4, num_blocks=blocks, block_size=block_size),
         capacity=capacity)
     assert torch.equal(trainer, generator)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_bitwise_with_fp32_weights_under_bf16_autocast(family, one_thread):
+    """What Accelerate's mixed_precision="bf16" runs: fp32 weights, bf16 compute, bf16 KV cache."""
+    model = tiny_model(family)
+    prompts = [p.tolist() for p in random_sequences([3, 41, 17, 60], seed=8)]
+    params = SamplingParams(temperature=1.0, n=3, max_tokens=10, seed=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        trainer, generator, stats = _gaps(model, prompts, params, dict(
+            max_num_batched_tokens=19, max_num_seqs=6, num_blocks=12, block_size=16), capacity=128)
+    assert stats["preemptions"] > 0
+    assert torch.equal(trainer, generator), f"max gap {(trainer - generator).abs().max():.3g}"
