@@ -33,12 +33,13 @@ def usable(device: torch.device | str, dtype: torch.dtype) -> bool:
     return torch.device(device).type == "cpu" and dtype in DTYPE_CODES and kernel() is not None
 
 
-_STEP_MEMO: list = []  # [(meta, table, arrays)]: every layer of a forward shares the host arrays
-
-
 def _host_arrays(meta: VarlenMeta, table: torch.Tensor | None):
-    if _STEP_MEMO and _STEP_MEMO[0][0] is meta and _STEP_MEMO[0][1] is table:
-        return _STEP_MEMO[0][2]
+    """The kernel's int arrays for this row, built once per meta (every layer of a forward shares
+    them) in the meta's own cache when ``table`` is the meta's block table or key index."""
+    name = ("kernel_host_flat" if table is None else "kernel_host_blocks" if table is meta.block_table
+            else "kernel_host_keys" if table is meta.key_index else None)
+    if name in meta._derived:
+        return meta._derived[name]
     cu_q = np.concatenate(([0], np.cumsum(meta.seqlens_q))).astype(np.int32)
     lens_k = np.asarray(meta.seqlens_k, dtype=np.int32)
     if table is None:
@@ -46,7 +47,8 @@ def _host_arrays(meta: VarlenMeta, table: torch.Tensor | None):
         arrays = (cu_q, lens_k, starts, None)
     else:
         arrays = (cu_q, lens_k, None, np.ascontiguousarray(table.detach().cpu().numpy(), dtype=np.int32))
-    _STEP_MEMO[:] = [(meta, table, arrays)]
+    if name is not None:
+        meta._derived[name] = arrays
     return arrays
 
 
