@@ -137,6 +137,32 @@ def chat_workload(tokenizer, num_prompts: int, min_new: int, max_new: int, seed:
     return chat_prompt_ids(tokenizer, questions), max_new_tokens
 
 
+def prefill_workload(tokenizer, num_prompts: int, min_prompt: int, max_prompt: int, min_new: int,
+                     max_new: int, seed: int):
+    """Prefill-heavy ``(prompt_ids, max_new_tokens)``: "summarise this documentation" chat prompts
+    over Python standard-library docstrings (offline, :mod:`packing.corpus`) whose templated length
+    falls in ``[min_prompt, max_prompt]`` tokens, with short outputs drawn from ``[min_new, max_new]``.
+    Long inputs and short answers (retrieval, classification, judging) make prefill most of the work."""
+    from packing.corpus import load_corpus
+
+    if num_prompts < 1 or not 1 <= min_prompt <= max_prompt or not 1 <= min_new <= max_new:
+        raise ValueError(f"need num_prompts >= 1, 1 <= min_prompt <= max_prompt and 1 <= min_new <= "
+                         f"max_new, got {num_prompts}, [{min_prompt}, {max_prompt}], [{min_new}, {max_new}]")
+    rng = random.Random(seed)
+    docs = load_corpus(max_documents=None, min_chars=4 * min_prompt)
+    rng.shuffle(docs)
+    prompts = []
+    for doc in docs:
+        ids = chat_prompt_ids(tokenizer, [f"Summarise this documentation in one sentence:\n\n{doc}"])[0]
+        if min_prompt <= len(ids) <= max_prompt:
+            prompts.append(ids)
+            if len(prompts) == num_prompts:
+                break
+    if len(prompts) < num_prompts:
+        raise ValueError(f"only {len(prompts)} docstrings give prompts of {min_prompt}-{max_prompt} tokens")
+    return prompts, [rng.randint(min_new, max_new) for _ in range(num_prompts)]
+
+
 def grpo_workload(tokenizer, num_prompts: int) -> list[list[int]]:
     """Prompt ids of the first ``num_prompts`` GRPO maths questions."""
     if not 1 <= num_prompts <= len(GRPO_QUESTIONS):

@@ -34,9 +34,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
-from benchmarks._workloads import chat_workload, grpo_workload, static_batch_occupancy  # noqa: E402
+from benchmarks._workloads import (  # noqa: E402
+    chat_workload,
+    grpo_workload,
+    prefill_workload,
+    static_batch_occupancy,
+)
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -271,7 +277,7 @@ def print_env(args) -> None:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, python "
           f"{platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch threads {torch.get_num_threads()}, load average {load[0]:.2f} at start")
-    print(f"model {args.model_name}, fp32, CPU; seed {args.seed}")
+    print(f"model {args.model_name}, CPU, dtypes {', '.join(args.dtypes)}; seed {args.seed}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,6 +325,18 @@ def parse_args(argv=None):
     p.add_argument("--skip-hf-generate", action="store_true")
     p.add_argument("--skip-hf-cb", action="store_true")
     p.add_argument("--skip-grpo", action="store_true")
+    p.add_argument("--dtypes", type=lambda v: v.split(","), default=["fp32", "bf16"],
+                   help="comma-separated, each a full pass: fp32, bf16, fp16")
+    p.add_argument("--prefill-prompts", type=int, default=48)
+    p.add_argument("--prefill-min-prompt", type=int, default=256)
+    p.add_argument("--prefill-max-prompt", type=int, default=1024)
+    p.add_argument("--prefill-min-new", type=int, default=8)
+    p.add_argument("--prefill-max-new", type=int, default=32)
+    p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--floor-batch", type=int, default=48, help="sequences in the timed decode step")
+    p.add_argument("--floor-context", type=int, default=256, help="prompt tokens of each of them")
+    p.add_argument("--floor-steps", type=int, default=10)
+    p.add_argument("--skip-floor", action="store_true")
     p.add_argument("--tiny-model", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = p.parse_args(argv)
@@ -326,26 +344,23 @@ def parse_args(argv=None):
         args.num_prompts, args.min_new_tokens, args.max_new_tokens = 8, 8, 32
         args.batch_size, args.grpo_prompts, args.grpo_n, args.grpo_new_tokens = 4, 2, 4, 16
         args.check_prompts = 2
+        args.prefill_prompts, args.prefill_min_prompt, args.prefill_max_prompt = 4, 64, 256
+        args.prefill_min_new, args.prefill_max_new = 4, 8
+        args.floor_batch, args.floor_context, args.floor_steps = 8, 48, 3
+    unknown = [d for d in args.dtypes if d not in DTYPES]
+    if unknown:
+        p.error(f"--dtypes: unknown {unknown}; choose from {sorted(DTYPES)}")
     return args
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+def run_workload(label: str, model, tok, prompts, max_new, args, report: dict, plot: bool) -> None:
+    """One greedy workload: nopad vs HF generate (static batches) vs HF continuous batching."""
     import transformers
 
-    transformers.logging.set_verbosity_error()  # eos_token_id=-1 warns on every generate call
-    model, tok = load_model(args)
     pad_id = tok.pad_token_id
-    print_env(args)
-    report: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
-
-    # ---- workload 1: chat, greedy, mixed output lengths
-    prompts, max_new = chat_workload(tok, args.num_prompts, args.min_new_tokens, args.max_new_tokens,
-                                     args.seed)
     lens = [len(p) for p in prompts]
-    print(f"\nchat workload: {len(prompts)} prompts of {min(lens)}-{max(lens)} tokens (mean "
-          f"{sum(lens) / len(lens):.0f}), max_new_tokens U[{args.min_new_tokens}, {args.max_new_tokens}] "
+    print(f"\n{label}: {len(prompts)} prompts of {min(lens)}-{max(lens)} tokens (mean "
+          f"{sum(lens) / len(lens):.0f}, sum {sum(lens)}), max_new_tokens {min(max_new)}-{max(max_new)} "
           f"(sum {sum(max_new)}), greedy, ignore_eos")
     runs: list[Run] = []
     hf_static = hf_cb = None
@@ -364,11 +379,11 @@ def main(argv=None) -> dict:
                           max_seqs=args.max_seqs)
         runs.insert(len(runs) - 1, hf_cb)
     peers = [r for r in (hf_static, hf_cb) if r is not None]
-    print_table("Workload 1: chat, output tokens/s", runs, peers)
-    report["chat"] = {r.name: {"tokens": r.tokens, "seconds": r.seconds, "tok_s": r.tok_s} for r in runs}
+    print_table(f"{label}, output tokens/s", runs, peers)
+    report["workloads"][label] = {r.name: {"tokens": r.tokens, "seconds": r.seconds, "tok_s": r.tok_s}
+                                  for r in runs}
 
-    # ---- greedy agreement
-    print("\nGreedy agreement of nopad (identical sequences; tokens before first divergence):")
+    print("Greedy agreement of nopad (identical sequences; tokens before first divergence):")
     for ref in peers:
         same, frac = agreement(ref.outputs, nopad.outputs)
         print(f"  vs {ref.name:<42} {same}/{len(prompts)} sequences, {frac:.1%} of tokens")
@@ -379,49 +394,194 @@ def main(argv=None) -> dict:
         same, frac = agreement(alone, [o[:len(a)] for o, a in zip(nopad.outputs, alone)])
         name = "HF generate, each prompt alone (<=64 tok)"
         print(f"  vs {name:<42} {same}/{k} sequences, {frac:.1%} of tokens")
-        report["greedy_match_alone"] = {"sequences": f"{same}/{k}", "token_fraction": frac}
+        report["greedy_match_alone"][label] = {"sequences": f"{same}/{k}", "token_fraction": frac}
 
-    # ---- occupancy plot
-    held, useful = static_batch_occupancy(max_new, args.batch_size)
-    path = args.out_dir / "generate_occupancy.png"
-    plot_occupancy(held, useful, occupancy, args.batch_size, path)
-    print(f"\nstatic batching: {len(useful)} steps, mean {sum(useful) / len(useful):.1f} useful of "
-          f"{sum(held) / len(held):.1f} held slots; nopad: {len(occupancy)} steps, mean "
-          f"{sum(occupancy) / max(len(occupancy), 1):.1f} sequences per step")
-    print(f"occupancy plot: {path}")
+    if plot:
+        held, useful = static_batch_occupancy(max_new, args.batch_size)
+        path = args.out_dir / f"generate_occupancy_{report['dtype']}.png"
+        plot_occupancy(held, useful, occupancy, args.batch_size, path)
+        print(f"static batching: {len(useful)} steps, mean {sum(useful) / len(useful):.1f} useful of "
+              f"{sum(held) / len(held):.1f} held slots; nopad: {len(occupancy)} steps, mean "
+              f"{sum(occupancy) / max(len(occupancy), 1):.1f} sequences per step; plot: {path}")
 
-    # ---- workload 2: GRPO-shaped groups
-    if not args.skip_grpo:
-        gp = grpo_workload(tok, args.grpo_prompts)
-        n, new = args.grpo_n, args.grpo_new_tokens
-        naive = n * sum(len(p) for p in gp)
-        print(f"\nGRPO workload: {len(gp)} prompts x n={n}, {new} new tokens, temperature 1.0, seeded")
-        print("running nopad ...", flush=True)
-        g_runs = [run_nopad_grpo(model, tok, gp, args)]
-        g_peers = []
-        if not args.skip_hf_generate:
-            print("running HF generate (num_return_sequences) ...", flush=True)
-            torch.manual_seed(args.seed)
+
+def run_grpo(model, tok, args, report: dict) -> None:
+    import transformers
+
+    pad_id = tok.pad_token_id
+    gp = grpo_workload(tok, args.grpo_prompts)
+    n, new = args.grpo_n, args.grpo_new_tokens
+    naive = n * sum(len(p) for p in gp)
+    print(f"\nGRPO workload: {len(gp)} prompts x n={n}, {new} new tokens, temperature 1.0, seeded")
+    print("running nopad ...", flush=True)
+    g_runs = [run_nopad_grpo(model, tok, gp, args)]
+    g_peers = []
+    if not args.skip_hf_generate:
+        print("running HF generate (num_return_sequences) ...", flush=True)
+        torch.manual_seed(args.seed)
+        start = time.perf_counter()
+        rows = hf_generate(model, gp, new, pad_id, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                           num_return_sequences=n)
+        hf_g = Run(f"HF generate, num_return_sequences={n}", len(rows) * new, time.perf_counter() - start,
+                   rows, prefill_tokens=len(rows) * max(len(p) for p in gp))
+        g_peers.append(hf_g)
+    if not args.skip_hf_cb:
+        print("running HF continuous batching (num_return_sequences) ...", flush=True)
+        cfg = transformers.GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                            num_return_sequences=n, eos_token_id=-1, pad_token_id=pad_id)
+        g_peers.append(run_hf_cb(model, gp, [new] * len(gp), gen_config=cfg,
+                                 max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
+                                 num_return_sequences=n, seed=args.seed))
+    extra = {r.name: f"prefill tokens computed {r.prefill_tokens} = {r.prefill_tokens / naive:.3f} of "
+                     f"naive {naive}" for r in g_runs + g_peers if r.prefill_tokens is not None}
+    print_table("GRPO groups, output tokens/s", g_peers + g_runs, g_peers, extra)
+    report["grpo"] = {r.name: {"tokens": r.tokens, "seconds": r.seconds, "tok_s": r.tok_s,
+                               "prefill_tokens": r.prefill_tokens} for r in g_peers + g_runs}
+    report["grpo"]["naive_prefill_tokens"] = naive
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode step against its floor
+
+
+def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s of reading a buffer far larger than the caches once (a multi-threaded sum over it,
+    best of ``repeats``): the rate any decode step must read its K/V at."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    del buf
+    return nbytes / best
+
+
+def bare_linear_seconds(model, rows: int, repeats: int = 5) -> float:
+    """One pass of every ``nn.Linear`` of the model (lm_head included) on ``rows`` rows, as bare
+    ``F.linear`` calls in the weights' dtype, best of ``repeats``: the step's matmul floor."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {}
+    for m in linears:
+        key = (m.in_features, m.weight.dtype)
+        inputs.setdefault(key, torch.randn(rows, m.in_features, dtype=m.weight.dtype))
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(repeats + 1):
             start = time.perf_counter()
-            rows = hf_generate(model, gp, new, pad_id, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                               num_return_sequences=n)
-            hf_g = Run(f"HF generate, num_return_sequences={n}", len(rows) * new, time.perf_counter() - start,
-                       rows, prefill_tokens=len(rows) * max(len(p) for p in gp))
-            g_peers.append(hf_g)
-        if not args.skip_hf_cb:
-            print("running HF continuous batching (num_return_sequences) ...", flush=True)
-            cfg = transformers.GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                                num_return_sequences=n, eos_token_id=-1, pad_token_id=pad_id)
-            g_peers.append(run_hf_cb(model, gp, [new] * len(gp), gen_config=cfg,
-                                     max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
-                                     num_return_sequences=n, seed=args.seed))
-        extra = {r.name: f"prefill tokens computed {r.prefill_tokens} = {r.prefill_tokens / naive:.3f} of "
-                         f"naive {naive}" for r in g_runs + g_peers if r.prefill_tokens is not None}
-        print_table("Workload 2: GRPO groups, output tokens/s", g_peers + g_runs, g_peers, extra)
-        report["grpo"] = {r.name: {"tokens": r.tokens, "seconds": r.seconds, "tok_s": r.tok_s,
-                                   "prefill_tokens": r.prefill_tokens} for r in g_peers + g_runs}
-        report["grpo"]["naive_prefill_tokens"] = naive
+            for m in linears:
+                torch.nn.functional.linear(inputs[(m.in_features, m.weight.dtype)], m.weight, m.bias)
+            best = min(best, time.perf_counter() - start)
+    return best
 
+
+class _AttentionTimer:
+    """Wall time spent inside nopad's attention calls (patched at the one call site in packing.hf)."""
+
+    def __init__(self):
+        import packing.hf as hf
+
+        self.hf, self.seconds = hf, 0.0
+        self.original = hf.varlen_attention
+
+    def __enter__(self):
+        def timed(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return self.original(*a, **kw)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        self.hf.varlen_attention = timed
+        return self
+
+    def __exit__(self, *exc):
+        self.hf.varlen_attention = self.original
+        return False
+
+
+def decode_floor(model, tok, args, report: dict) -> None:
+    """Time nopad's decode step at ``--floor-batch`` sequences of ``--floor-context`` tokens against
+    its floor: the bare linear layers at that batch plus reading the step's K/V once at the
+    machine's measured read bandwidth."""
+    from inference.generator import Generator
+    from inference.sampling_params import SamplingParams
+
+    batch, context, steps = args.floor_batch, args.floor_context, args.floor_steps
+    config = model.config
+    dtype = next(model.parameters()).dtype
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    bw = read_bandwidth(args.threads)
+    linear_s = bare_linear_seconds(model, batch)
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(100, config.vocab_size - 100, (context,), generator=g).tolist()
+               for _ in range(batch)]
+    gen = Generator(model, tok, block_size=args.block_size,
+                    max_num_batched_tokens=max(args.max_batch_tokens, 2048),
+                    max_num_seqs=max(batch, args.max_seqs),
+                    num_blocks=batch * math.ceil((context + 2 * steps + 8) / args.block_size) + 8)
+    ids = [gen.add_request(p, SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True))
+           for p in prompts]
+    while gen.stats()["decode_tokens"] < 2 * batch:
+        gen.step()  # prefill every prompt, then two decode steps as warm-up
+    times, attn = [], []
+    for _ in range(steps):
+        with _AttentionTimer() as timer:
+            start = time.perf_counter()
+            gen.step()
+            times.append(time.perf_counter() - start)
+        attn.append(timer.seconds)
+    for rid in ids:
+        gen.abort(rid)
+    gen.release()
+    step_s = sorted(times)[len(times) // 2]
+    attn_s = sorted(attn)[len(attn) // 2]
+    ctx = context + 3 + steps // 2  # mean keys per sequence during the timed steps
+    per_key = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize  # K and V
+    kv_bytes = batch * ctx * per_key
+    kv_s = kv_bytes / bw
+    floor = linear_s + kv_s
+    print(f"\nDecode step, {batch} sequences x ~{ctx} keys, {str(dtype).replace('torch.', '')} "
+          f"(median of {steps} steps):")
+    print(f"  measured read bandwidth {bw / 1e9:.1f} GB/s; K/V read per step {kv_bytes / 1e6:.0f} MB "
+          f"-> {kv_s * 1e3:.1f} ms at that rate")
+    print(f"  bare linear layers at {batch} rows: {linear_s * 1e3:.1f} ms")
+    print(f"  floor {floor * 1e3:.1f} ms | nopad step {step_s * 1e3:.1f} ms = {step_s / floor:.2f}x the "
+          f"floor (target <= 1.3x)")
+    print(f"  of the step: attention {attn_s * 1e3:.1f} ms ({kv_bytes / attn_s / 1e9:.1f} GB/s = "
+          f"{kv_bytes / attn_s / bw:.0%} of bandwidth), everything else {(step_s - attn_s) * 1e3:.1f} ms "
+          f"(linear floor {linear_s * 1e3:.1f} ms)")
+    report["decode_floor"] = {"batch": batch, "keys": ctx, "bandwidth_gb_s": bw / 1e9,
+                              "kv_mb": kv_bytes / 1e6, "linear_ms": linear_s * 1e3, "floor_ms": floor * 1e3,
+                              "step_ms": step_s * 1e3, "attention_ms": attn_s * 1e3, "ratio": step_s / floor}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # eos_token_id=-1 warns on every generate call
+    model, tok = load_model(args)
+    print_env(args)
+    report: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
+    for name in args.dtypes:
+        dtype = DTYPES[name]
+        model = model.to(dtype)
+        print(f"\n{'=' * 30} {name}: weights, activations and KV cache in {name} {'=' * 30}")
+        section = report[name] = {"dtype": name, "workloads": {}, "greedy_match_alone": {}}
+        prompts, max_new = chat_workload(tok, args.num_prompts, args.min_new_tokens, args.max_new_tokens,
+                                         args.seed)
+        run_workload("Workload 1: chat", model, tok, prompts, max_new, args, section, plot=True)
+        if not args.skip_prefill:
+            prompts, max_new = prefill_workload(tok, args.prefill_prompts, args.prefill_min_prompt,
+                                                args.prefill_max_prompt, args.prefill_min_new,
+                                                args.prefill_max_new, args.seed)
+            run_workload("Workload 2: prefill-heavy", model, tok, prompts, max_new, args, section, plot=False)
+        if not args.skip_grpo:
+            run_grpo(model, tok, args, section)
+        if not args.skip_floor:
+            decode_floor(model, tok, args, section)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "bench_generate.json").write_text(json.dumps(report, indent=2))
     return report

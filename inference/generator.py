@@ -54,12 +54,13 @@ class Generator:
     ``block_size`` defaults to 256 where flash-attn's paged varlen kernel runs (so it reads the
     blocks in place; smaller blocks would make every layer gather the context), else 16.
 
-    ``static_decode=True`` pads pure decode steps to bucketed shapes (sequences and block-table
-    width rounded up to powers of two; padding rows write to one extra scratch block) and runs
-    their attention on fixed shapes, so the step can be captured; ``compile_decode=True`` also
-    compiles that forward (``torch.compile(mode="reduce-overhead")`` on CUDA, plain
-    ``torch.compile`` elsewhere; one compilation per bucket). Prefill steps and batch-invariant
-    mode keep the default path.
+    ``static_decode=True`` pads pure decode steps to bucketed shapes (sequences rounded up to 1,
+    2, 4, 8 or a multiple of 8, block-table width to a power of two; padding rows write to one
+    extra scratch block) and runs their attention on fixed shapes, so the step can be captured;
+    ``compile_decode=True`` also compiles that forward (``torch.compile(mode="reduce-overhead")``,
+    one graph per bucket, on CUDA; on CPU plain ``torch.compile`` with the attention kernel as one
+    custom op, dynamic after the first recompilation). Prefill steps and batch-invariant mode keep
+    the default path.
     """
 
     def __init__(

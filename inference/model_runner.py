@@ -4,11 +4,11 @@ move them to the device in ONE copy (pinned and non-blocking on CUDA), call the 
 the flat row, and return the logits of the last token of every sequence that samples this step
 (the lm_head runs on those rows only).
 
-With ``static_decode`` a pure decode step is padded to bucketed shapes (number of sequences and
-block-table width rounded up to powers of two) so its forward can be captured as a CUDA graph or
-compiled once per bucket (``compile_decode``: ``torch.compile(mode="reduce-overhead")`` on CUDA,
-plain ``torch.compile`` elsewhere). Padding rows write their K/V to a reserved scratch block and
-their logits are dropped.
+With ``static_decode`` a pure decode step is padded to bucketed shapes (number of sequences
+rounded up to 1, 2, 4, 8 or a multiple of 8, block-table width to a power of two) so its forward
+can be captured as a CUDA graph or compiled (``compile_decode``: ``torch.compile(mode=
+"reduce-overhead")`` on CUDA, plain ``torch.compile`` elsewhere). Padding rows write their K/V to
+a reserved scratch block and their logits are dropped.
 """
 
 from __future__ import annotations
@@ -57,6 +57,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def row_bucket(n: int) -> int:
+    """Rows of a static decode step: 1, 2, 4, 8, then multiples of 8 (as CUDA-graph engines
+    bucket), so padding costs at most 7 rows of every linear layer, not up to half the batch."""
+    return _pow2(n) if n <= 8 else -(-n // 8) * 8
+
+
 def build_step(plan: StepPlan, block_size: int, device) -> StepInputs:
     """The step's inputs, all device tensors from one host buffer and one copy."""
     lay = step_layout(plan.query_lens, [s.num_computed for s in plan.seqs])
@@ -99,7 +105,7 @@ def build_static_decode(plan: StepPlan, block_size: int, device, scratch_block: 
     """A pure decode step padded to ``(bucket(num_seqs), bucket(width))``: padding rows run token
     0 at position 0 with one key, written to and read from ``scratch_block``."""
     num = len(plan.seqs)
-    rows = min(_pow2(num), max(max_num_seqs, num))
+    rows = min(row_bucket(num), max(max_num_seqs, num))
     width = max(len(s.block_table) for s in plan.seqs)
     width = min(_pow2(width), max(max_width, width))
     table = np.full((rows, width), scratch_block, dtype=np.int64)
@@ -139,7 +145,9 @@ class ModelRunner:
             if cuda:  # the cache is mutated in place: mark it static so the CUDA graph keeps it
                 for t in kv_cache.k + kv_cache.v:
                     torch._dynamo.mark_static_address(t)
-            self.decode_forward = torch.compile(model, dynamic=False,
+            # CUDA graphs need static shapes (one graph per bucket); on CPU the first recompile
+            # marks the batch and table width dynamic, so two compilations cover every bucket
+            self.decode_forward = torch.compile(model, dynamic=False if cuda else None,
                                                 mode="reduce-overhead" if cuda else None)
 
     @torch.no_grad()

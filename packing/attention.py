@@ -70,10 +70,17 @@ def paged_decode_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ``(rows, heads, dim)`` (one token per row) over each row's paged keys,
-    with shapes fixed by ``decode.block_table`` alone: store the new K/V, gather ``width`` whole
-    blocks per row and mask keys past ``context_lens``. Returns ``(rows, heads, dim)``."""
+    with shapes fixed by ``decode.block_table`` alone: store the new K/V, then on CPU run the
+    kernel as one custom op (reading the blocks in place), elsewhere gather ``width`` whole blocks
+    per row and mask keys past ``context_lens``. Returns ``(rows, heads, dim)``."""
     store_kv(kv_cache, k, v, decode.slot_mapping)
     k_cache, v_cache = kv_cache
+    from packing import kernel_ops
+
+    if kernel_ops.serves(q.device, k_cache.dtype):  # keys read in place, one opaque op
+        out = kernel_ops.paged_decode(q.to(k_cache.dtype).contiguous(), k_cache, v_cache, decode.block_table,
+                                      decode.context_lens, scale, sliding_window or 0, softcap or 0.0)
+        return out.to(q.dtype)
     rows, width = decode.block_table.shape
     keys = width * k_cache.shape[1]
     kk = k_cache[decode.block_table].reshape(rows, keys, *k_cache.shape[2:]).transpose(1, 2)

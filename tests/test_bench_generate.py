@@ -26,17 +26,37 @@ def test_chat_workload_is_deterministic_and_in_range():
         chat_workload(tok, 4, 10, 5, seed=0)
 
 
+def test_prefill_workload_is_deterministic_and_in_range():
+    from benchmarks._workloads import prefill_workload
+
+    tok = load_smollm2_tokenizer()
+    prompts, max_new = prefill_workload(tok, 6, 128, 512, 4, 16, seed=1)
+    assert (prompts, max_new) == prefill_workload(tok, 6, 128, 512, 4, 16, seed=1)
+    assert all(128 <= len(p) <= 512 for p in prompts) and all(4 <= k <= 16 for k in max_new)
+    with pytest.raises(ValueError, match="min_prompt <= max_prompt"):
+        prefill_workload(tok, 2, 512, 128, 4, 16, seed=0)
+
+
 def test_quick_run_on_tiny_model(tmp_path, capsys):
     from benchmarks.bench_generate import main
 
-    report = main(["--quick", "--tiny-model", "--threads", "1", "--out-dir", str(tmp_path)])
+    report = main(["--quick", "--tiny-model", "--threads", "1", "--out-dir", str(tmp_path),
+                   "--dtypes", "fp32,bf16"])
     out = capsys.readouterr().out
-    assert (tmp_path / "generate_occupancy.png").stat().st_size > 0
-    assert json.loads((tmp_path / "bench_generate.json").read_text())["chat"] == report["chat"]
-    chat = report["chat"]
-    assert len(chat) == 3 and len({r["tokens"] for r in chat.values()}) == 1  # same useful tokens
-    assert report["greedy_match_alone"]["token_fraction"] == 1.0
-    grpo = report["grpo"]
-    nopad = next(v for k, v in grpo.items() if k.startswith("nopad"))
-    assert nopad["prefill_tokens"] < grpo["naive_prefill_tokens"]
-    assert "Workload 1" in out and "Workload 2" in out
+    saved = json.loads((tmp_path / "bench_generate.json").read_text())
+    for dtype in ("fp32", "bf16"):
+        section = report[dtype]
+        assert (tmp_path / f"generate_occupancy_{dtype}.png").stat().st_size > 0
+        assert saved[dtype]["workloads"] == section["workloads"]
+        assert set(section["workloads"]) == {"Workload 1: chat", "Workload 2: prefill-heavy"}
+        for runs in section["workloads"].values():
+            assert len(runs) == 3 and len({r["tokens"] for r in runs.values()}) == 1  # same useful tokens
+        if dtype == "fp32":  # bf16 ties may break differently in HF's padded batches
+            assert all(m["token_fraction"] == 1.0 for m in section["greedy_match_alone"].values())
+        grpo = section["grpo"]
+        nopad = next(v for k, v in grpo.items() if k.startswith("nopad"))
+        assert nopad["prefill_tokens"] < grpo["naive_prefill_tokens"]
+        floor = section["decode_floor"]
+        assert floor["step_ms"] > 0 and floor["floor_ms"] > floor["linear_ms"] > 0
+        assert abs(floor["ratio"] - floor["step_ms"] / floor["floor_ms"]) < 1e-9
+    assert "Workload 2: prefill-heavy" in out and "x the floor" in out
