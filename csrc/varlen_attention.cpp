@@ -27,6 +27,10 @@
 #include <stdexcept>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -39,20 +43,24 @@ using u32 = uint32_t;
 
 namespace {
 
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
 constexpr int BK = 32;  // keys per block: the fixed unit of every reduction over keys
 constexpr int QT = 8;   // query tokens per work item (a scheduling choice; results do not depend on it)
+constexpr int MAX_D = 256;  // head dims the kernel takes (kernel_attention.MAX_HEAD_DIM)
+constexpr int L = 16;   // lanes of a score's dot product over the head dim (fixed, part of the order)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 enum Dtype : int { F32 = 0, BF16 = 1, F16 = 2 };
 
-inline float bf16_to_f32(u16 b) {
+ALWAYS_INLINE float bf16_to_f32(u16 b) {
     u32 u = static_cast<u32>(b) << 16;
     float f;
     std::memcpy(&f, &u, 4);
     return f;
 }
 
-inline u16 f32_to_bf16(float f) {  // round to nearest even, as torch does
+ALWAYS_INLINE u16 f32_to_bf16(float f) {  // round to nearest even, as torch does
     u32 u;
     std::memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<u16>((u >> 16) | 0x40u);  // NaN
@@ -61,14 +69,14 @@ inline u16 f32_to_bf16(float f) {  // round to nearest even, as torch does
 }
 
 template <int DT>
-inline float load(const void* base, i64 i) {
+ALWAYS_INLINE float load(const void* base, i64 i) {
     if constexpr (DT == F32) return static_cast<const float*>(base)[i];
     if constexpr (DT == BF16) return bf16_to_f32(static_cast<const u16*>(base)[i]);
     if constexpr (DT == F16) return static_cast<float>(static_cast<const _Float16*>(base)[i]);
 }
 
 template <int DT>
-inline void store(void* base, i64 i, float x) {
+ALWAYS_INLINE void store(void* base, i64 i, float x) {
     if constexpr (DT == F32) static_cast<float*>(base)[i] = x;
     if constexpr (DT == BF16) static_cast<u16*>(base)[i] = f32_to_bf16(x);
     if constexpr (DT == F16) static_cast<_Float16*>(base)[i] = static_cast<_Float16>(x);
@@ -76,7 +84,7 @@ inline void store(void* base, i64 i, float x) {
 
 // exp for x <= 0 (scores minus their running max): 2^n * 2^f, f in [-0.5, 0.5], degree-6
 // polynomial. Plain arithmetic so it is the same code for every element of every call.
-inline float exp_neg(float x) {
+ALWAYS_INLINE float exp_neg(float x) {
     x = std::max(x, -87.0f);
     const float t = x * 1.44269504088896341f;
     const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest
@@ -94,7 +102,7 @@ inline float exp_neg(float x) {
     return p * scale;
 }
 
-inline float tanh_fixed(float x) {  // tanh from exp_neg: 1 - 2 / (e^{2|x|} + 1), odd
+ALWAYS_INLINE float tanh_fixed(float x) {  // tanh from exp_neg: 1 - 2 / (e^{2|x|} + 1), odd
     const float a = std::fabs(x);
     const float e = exp_neg(-2.0f * a);  // e^{-2a} in (0, 1]
     const float t = (1.0f - e) / (1.0f + e);
@@ -117,109 +125,310 @@ struct Problem {
     bool causal;
 };
 
+// A work item: up to QT query tokens of one sequence, all heads. Its rows are (token, head),
+// r = t * H + head; keys are read once per block for every head (a key's row of Hkv * D values is
+// contiguous in the cache).
 struct Item {
-    i64 seq, kv_head, t0, nt;
+    i64 seq, t0, nt;
 };
 
+struct Scratch {  // one per thread
+    std::vector<float> q, acc, m, l, s, kt, lanes, kbuf, vbuf;
+    std::vector<i64> lo, hi, rows, rl, vrows;
+    std::vector<char> active;
+    Scratch(i64 R, i64 Dp, i64 H)
+        : q(R * Dp), acc(R * Dp), m(R), l(R), s(R * BK), kt(Dp * BK), lanes(L * BK), kbuf(Dp), vbuf(Dp),
+          lo(R), hi(R), rows(BK), rl(R), vrows(R + H), active(R) {}
+};
+
+// The score of one query row and one key: lane l sums q[d] * k[d] over d = l, l + L, l + 2L, ... in
+// order (each step one fused multiply-add, exact in every instruction set), then the L lanes are
+// added by a fixed halving tree. dot_key does this for one key read in place (decode);
+// dot_block does the same sums for a whole block of transposed keys (many query rows). Both give
+// the same bits for the same query and key.
+ALWAYS_INLINE float lane_tree(float* p) {
+    for (int l = 0; l < 8; ++l) p[l] = p[l] + p[l + 8];
+    for (int l = 0; l < 4; ++l) p[l] = p[l] + p[l + 4];
+    for (int l = 0; l < 2; ++l) p[l] = p[l] + p[l + 2];
+    return p[0] + p[1];
+}
+
+ALWAYS_INLINE float dot_key(const float* __restrict q, const float* __restrict k, i64 Dp) {
+    float p[L] = {};
+    for (i64 c = 0; c < Dp; c += L)
+        for (int l = 0; l < L; ++l) p[l] = __builtin_fmaf(q[c + l], k[c + l], p[l]);
+    return lane_tree(p);
+}
+
+// kt is [Dp][BK] (key j of the block at column j); lanes is [L][BK] scratch; s receives BK scores.
+ALWAYS_INLINE void dot_block(const float* __restrict q, const float* __restrict kt, float* __restrict lanes,
+                             float* __restrict s, i64 Dp) {
+    std::fill(lanes, lanes + L * BK, 0.f);
+    for (i64 d = 0; d < Dp; ++d) {
+        const float qd = q[d];
+        const float* kd = kt + d * BK;
+        float* ld = lanes + (d % L) * BK;
+        for (int j = 0; j < BK; ++j) ld[j] = __builtin_fmaf(qd, kd[j], ld[j]);
+    }
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; ++l)
+            for (int j = 0; j < BK; ++j) lanes[l * BK + j] = lanes[l * BK + j] + lanes[(l + w) * BK + j];
+    for (int j = 0; j < BK; ++j) s[j] = lanes[j];
+}
+
+// Keys converted to fp32 into buf (zero-padded to Dp), or read in place when already fp32 and of a
+// whole number of lanes.
 template <int DT>
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void attend_item(const Problem& P, const Item& it, float* qbuf, float* acc, float* mrow, float* lrow,
-                 i64* lo, i64* hi, float* kt, float* vb, float* s) {
-    const i64 G = P.H / P.Hkv, D = P.D;
+ALWAYS_INLINE const float* as_f32(const void* base, i64 offset, i64 D, i64 Dp, float* __restrict buf) {
+    if constexpr (DT == F32)
+        if (D == Dp) return static_cast<const float*>(base) + offset;
+    for (i64 d = 0; d < D; ++d) buf[d] = load<DT>(base, offset + d);
+    for (i64 d = D; d < Dp; ++d) buf[d] = 0.f;
+    return buf;
+}
+
+// Per-key work of the decode path, for the rows rl[0..nr) of one KV head: scores of key j, and
+// adding p * v of key j to each row's accumulator (one fused multiply-add per element, in key order).
+// Two implementations with the same arithmetic, so the same bits: portable C++ (auto-vectorised
+// where it can) and AVX-512, which converts bf16/fp16 to fp32 in registers and keeps the key's
+// vectors in registers across the rows.
+template <int DT>
+struct PortableOps {
+    static void scores(const void* kb, i64 off, i64 D, i64 Dp, const float* qb, const i64* rl, i64 nr, float* sc,
+                       i64 j, float* buf) {
+        const float* kf = as_f32<DT>(kb, off, D, Dp, buf);
+        for (i64 i = 0; i < nr; ++i) sc[rl[i] * BK + j] = dot_key(qb + rl[i] * Dp, kf, Dp);
+    }
+    static void values(const void* vb, i64 off, i64 D, i64 Dp, const float* sc, const i64* rl, i64 nr, i64 j,
+                       float* acc, float* buf) {
+        const float* vf = nullptr;
+        for (i64 i = 0; i < nr; ++i) {
+            const float pj = sc[rl[i] * BK + j];
+            if (pj == 0.f) continue;
+            if (!vf) vf = as_f32<DT>(vb, off, D, Dp, buf);
+            float* __restrict ar = acc + rl[i] * Dp;
+            for (i64 d = 0; d < Dp; ++d) ar[d] = __builtin_fmaf(pj, vf[d], ar[d]);
+        }
+    }
+};
+
+#if defined(__x86_64__)
+#define X512 __attribute__((target("arch=x86-64-v4")))
+
+template <int DT>
+X512 inline __m512 load16(const void* base, i64 off) {
+    if constexpr (DT == F32) return _mm512_loadu_ps(static_cast<const float*>(base) + off);
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const u16*>(base) + off));
+    if constexpr (DT == BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+template <int DT>
+X512 inline i64 load_row(const void* base, i64 off, i64 D, __m512* out) {  // zero-padded to lanes
+    const i64 full = D / L;
+    for (i64 c = 0; c < full; ++c) out[c] = load16<DT>(base, off + c * L);
+    if (full * L == D) return full;
+    alignas(64) float tail[L] = {};
+    for (i64 d = full * L; d < D; ++d) tail[d - full * L] = load<DT>(base, off + d);
+    out[full] = _mm512_load_ps(tail);
+    return full + 1;
+}
+
+template <int DT>
+struct Avx512Ops {
+    X512 static void scores(const void* kb, i64 off, i64 D, i64 Dp, const float* qb, const i64* rl, i64 nr,
+                            float* sc, i64 j, float*) {
+        __m512 kc[MAX_D / L];
+        const i64 nc = load_row<DT>(kb, off, D, kc);
+        for (i64 i = 0; i < nr; ++i) {
+            const float* q = qb + rl[i] * Dp;
+            __m512 p = _mm512_setzero_ps();
+            for (i64 c = 0; c < nc; ++c) p = _mm512_fmadd_ps(_mm512_loadu_ps(q + c * L), kc[c], p);
+            // lane_tree: halves, quarters, pairs, then lane 0 + lane 1
+            const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(p), _mm512_extractf32x8_ps(p, 1));
+            const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+            const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+            sc[rl[i] * BK + j] = _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+        }
+    }
+    X512 static void values(const void* vb, i64 off, i64 D, i64 Dp, const float* sc, const i64* rl, i64 nr, i64 j,
+                            float* acc, float*) {
+        __m512 vc[MAX_D / L];
+        i64 nc = -1;
+        for (i64 i = 0; i < nr; ++i) {
+            const float pj = sc[rl[i] * BK + j];
+            if (pj == 0.f) continue;
+            if (nc < 0) nc = load_row<DT>(vb, off, D, vc);
+            const __m512 pv = _mm512_set1_ps(pj);
+            float* ar = acc + rl[i] * Dp;
+            for (i64 c = 0; c < nc; ++c)
+                _mm512_storeu_ps(ar + c * L, _mm512_fmadd_ps(pv, vc[c], _mm512_loadu_ps(ar + c * L)));
+        }
+    }
+};
+#endif
+
+// Query rows of one head at least this many: transpose the head's block once and score it with
+// dot_block; fewer (decode): score each key in place with dot_key. A speed choice only.
+constexpr i64 TRANSPOSE_ROWS = 16;
+
+template <int DT, class Ops>
+ALWAYS_INLINE void attend_body(const Problem& P, const Item& it, Scratch& S) {
+    const i64 H = P.H, Hkv = P.Hkv, G = H / Hkv, D = P.D, Dp = (D + L - 1) / L * L;
     const i64 qlen = P.cu_q[it.seq + 1] - P.cu_q[it.seq];
     const i64 klen = P.lens_k[it.seq];
-    const i64 R = it.nt * G;  // query rows: (token, group head)
+    const i64 R = it.nt * H;
+    float* __restrict qb = S.q.data();
+    float* __restrict acc = S.acc.data();
+    float* __restrict sc = S.s.data();
+    i64* lo = S.lo.data();
+    i64* hi = S.hi.data();
+    i64* rows = S.rows.data();
+    char* active = S.active.data();
+    i64* rl = S.rl.data();
     i64 first_block = std::numeric_limits<i64>::max(), last_block = -1;
     for (i64 t = 0; t < it.nt; ++t) {
         const i64 token = P.cu_q[it.seq] + it.t0 + t;
         const i64 pos = klen - qlen + it.t0 + t;  // the query's position among its keys
         const i64 top = P.causal ? pos : klen - 1;
         const i64 bottom = P.window > 0 ? std::max<i64>(0, pos - P.window + 1) : 0;
-        for (i64 g = 0; g < G; ++g) {
-            const i64 r = t * G + g;
-            const i64 head = it.kv_head * G + g;
-            for (i64 d = 0; d < D; ++d) qbuf[r * D + d] = load<DT>(P.q, (token * P.H + head) * D + d);
+        for (i64 head = 0; head < H; ++head) {
+            const i64 r = t * H + head;
+            for (i64 d = 0; d < D; ++d) qb[r * Dp + d] = load<DT>(P.q, (token * H + head) * D + d);
+            for (i64 d = D; d < Dp; ++d) qb[r * Dp + d] = 0.f;
             lo[r] = bottom;
             hi[r] = top;
-            mrow[r] = NEG_INF;
-            lrow[r] = 0.f;
-            std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
+            S.m[r] = NEG_INF;
+            S.l[r] = 0.f;
+            std::fill(acc + r * Dp, acc + (r + 1) * Dp, 0.f);
         }
         first_block = std::min(first_block, bottom / BK);
         last_block = std::max(last_block, top / BK);
     }
+    const i64 row_stride = Hkv * D;
     for (i64 b = first_block; b <= last_block; ++b) {
-        // this block's keys and values, as fp32, keys transposed (d-major); missing keys are zero
-        for (i64 j = 0; j < BK; ++j) {
-            const i64 key = b * BK + j;
-            if (key >= klen) {
-                for (i64 d = 0; d < D; ++d) kt[d * BK + j] = 0.f;
-                std::fill(vb + j * D, vb + (j + 1) * D, 0.f);
-                continue;
+        const i64 key0 = b * BK;
+        const i64 nk = std::min<i64>(BK, klen - key0);
+        if (P.table) {  // paged: walk the block table without a division per key
+            i64 page = key0 / P.block_size, off = key0 % P.block_size;
+            const i32* trow = P.table + it.seq * P.table_width;
+            for (i64 j = 0; j < nk; ++j) {
+                rows[j] = static_cast<i64>(trow[page]) * P.block_size + off;
+                if (++off == P.block_size) off = 0, ++page;
             }
-            const i64 row = P.table ? static_cast<i64>(P.table[it.seq * P.table_width + key / P.block_size]) *
-                                              P.block_size + key % P.block_size
-                                    : P.k_start[it.seq] + key;
-            const i64 base = (row * P.Hkv + it.kv_head) * D;
-            for (i64 d = 0; d < D; ++d) kt[d * BK + j] = load<DT>(P.k, base + d);
-            for (i64 d = 0; d < D; ++d) vb[j * D + d] = load<DT>(P.v, base + d);
+        } else {
+            for (i64 j = 0; j < nk; ++j) rows[j] = P.k_start[it.seq] + key0 + j;
         }
+        for (i64 r = 0; r < R; ++r) active[r] = b >= lo[r] / BK && b <= hi[r] / BK;  // a row's own blocks
+        // scores
+        for (i64 h = 0; h < Hkv; ++h) {
+            i64 na = 0;
+            for (i64 t = 0; t < it.nt; ++t)
+                for (i64 g = 0; g < G; ++g) na += active[t * H + h * G + g];
+            if (na == 0) continue;
+            if (na >= TRANSPOSE_ROWS) {
+                float* kt = S.kt.data();
+                for (i64 j = 0; j < BK; ++j) {
+                    if (j < nk) {
+                        const i64 base = rows[j] * row_stride + h * D;
+                        for (i64 d = 0; d < D; ++d) kt[d * BK + j] = load<DT>(P.k, base + d);
+                        for (i64 d = D; d < Dp; ++d) kt[d * BK + j] = 0.f;
+                    } else {
+                        for (i64 d = 0; d < Dp; ++d) kt[d * BK + j] = 0.f;
+                    }
+                }
+                for (i64 t = 0; t < it.nt; ++t)
+                    for (i64 g = 0; g < G; ++g) {
+                        const i64 r = t * H + h * G + g;
+                        if (active[r]) dot_block(qb + r * Dp, kt, S.lanes.data(), sc + r * BK, Dp);
+                    }
+            } else {
+                i64 nr = 0;
+                for (i64 t = 0; t < it.nt; ++t)
+                    for (i64 g = 0; g < G; ++g)
+                        if (active[t * H + h * G + g]) rl[nr++] = t * H + h * G + g;
+                for (i64 j = 0; j < nk; ++j)
+                    Ops::scores(P.k, rows[j] * row_stride + h * D, D, Dp, qb, rl, nr, sc, j, S.kbuf.data());
+            }
+        }
+        // online softmax, per row, vectorised over the block's keys
         for (i64 r = 0; r < R; ++r) {
-            if (b < lo[r] / BK || b > hi[r] / BK) continue;  // a row visits only its own blocks
-            float* sr = s + r * BK;
-            const float* qr = qbuf + r * D;
-            for (i64 j = 0; j < BK; ++j) sr[j] = 0.f;
-            for (i64 d = 0; d < D; ++d) {  // over d in order; vectorised across the block's keys
-                const float qd = qr[d];
-                const float* kd = kt + d * BK;
-                for (i64 j = 0; j < BK; ++j) sr[j] += qd * kd[j];
-            }
+            if (!active[r]) continue;
+            float* __restrict sr = sc + r * BK;
+            float x[BK];
             float block_max = NEG_INF;
-            for (i64 j = 0; j < BK; ++j) {
-                const i64 key = b * BK + j;
-                float x = sr[j] * P.scale;
-                if (P.softcap > 0.f) x = P.softcap * tanh_fixed(x / P.softcap);
-                const bool visible = key >= lo[r] && key <= hi[r] && key < klen;
-                sr[j] = visible ? x : NEG_INF;
-                block_max = std::max(block_max, sr[j]);
+            for (int j = 0; j < BK; ++j) {
+                const i64 key = key0 + j;
+                float y = sr[j] * P.scale;
+                if (P.softcap > 0.f) y = P.softcap * tanh_fixed(y / P.softcap);
+                const bool visible = key >= lo[r] && key <= hi[r] && j < nk;
+                x[j] = visible ? y : NEG_INF;
+                block_max = std::max(block_max, x[j]);
             }
-            const float m_new = std::max(mrow[r], block_max);
-            const float alpha = mrow[r] == NEG_INF ? 0.f : exp_neg(mrow[r] - m_new);
-            float total = 0.f;
-            for (i64 j = 0; j < BK; ++j) {
-                sr[j] = sr[j] == NEG_INF ? 0.f : exp_neg(sr[j] - m_new);
-                total += sr[j];
+            const float m_new = std::max(S.m[r], block_max);
+            const float alpha = S.m[r] == NEG_INF ? 0.f : exp_neg(S.m[r] - m_new);
+            for (int j = 0; j < BK; ++j) {
+                const float e = exp_neg(x[j] - m_new);
+                sr[j] = x[j] == NEG_INF ? 0.f : e;
             }
-            lrow[r] = lrow[r] * alpha + total;
-            mrow[r] = m_new;
-            float* ar = acc + r * D;
-            for (i64 d = 0; d < D; ++d) ar[d] *= alpha;
-            for (i64 j = 0; j < BK; ++j) {
-                const float p = sr[j];
-                if (p == 0.f) continue;
-                const float* vj = vb + j * D;
-                for (i64 d = 0; d < D; ++d) ar[d] += p * vj[d];
-            }
+            float p[BK / 2];  // the block's sum by a fixed halving tree
+            for (int j = 0; j < BK / 2; ++j) p[j] = sr[j] + sr[j + BK / 2];
+            for (int w = BK / 4; w >= 1; w /= 2)
+                for (int j = 0; j < w; ++j) p[j] = p[j] + p[j + w];
+            S.l[r] = S.l[r] * alpha + p[0];
+            S.m[r] = m_new;
+            float* __restrict ar = acc + r * Dp;
+            for (i64 d = 0; d < Dp; ++d) ar[d] = ar[d] * alpha;
         }
+        // values: each row adds p * v over the block's keys in order
+        for (i64 h = 0; h < Hkv; ++h) {
+            i64 nr = 0;
+            for (i64 t = 0; t < it.nt; ++t)
+                for (i64 g = 0; g < G; ++g)
+                    if (active[t * H + h * G + g]) rl[nr++] = t * H + h * G + g;
+            S.vrows[h * (QT * G + 1)] = nr;
+            std::copy(rl, rl + nr, S.vrows.data() + h * (QT * G + 1) + 1);
+        }
+        for (i64 j = 0; j < nk; ++j)
+            for (i64 h = 0; h < Hkv; ++h) {
+                const i64* hr = S.vrows.data() + h * (QT * G + 1);
+                Ops::values(P.v, rows[j] * row_stride + h * D, D, Dp, sc, hr + 1, hr[0], j, acc, S.vbuf.data());
+            }
     }
     for (i64 t = 0; t < it.nt; ++t) {
         const i64 token = P.cu_q[it.seq] + it.t0 + t;
-        for (i64 g = 0; g < G; ++g) {
-            const i64 r = t * G + g;
-            const i64 head = it.kv_head * G + g;
-            const float inv = 1.f / lrow[r];
-            for (i64 d = 0; d < D; ++d) store<DT>(P.out, (token * P.H + head) * D + d, acc[r * D + d] * inv);
+        for (i64 head = 0; head < H; ++head) {
+            const i64 r = t * H + head;
+            const float inv = 1.f / S.l[r];
+            for (i64 d = 0; d < D; ++d) store<DT>(P.out, (token * H + head) * D + d, acc[r * Dp + d] * inv);
         }
     }
 }
+
+template <int DT>
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+void attend_item_portable(const Problem& P, const Item& it, Scratch& S) {
+    attend_body<DT, PortableOps<DT>>(P, it, S);
+}
+
+#if defined(__x86_64__)
+template <int DT>
+X512 void attend_item_avx512(const Problem& P, const Item& it, Scratch& S) {
+    attend_body<DT, Avx512Ops<DT>>(P, it, S);
+}
+const bool supports_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+#else
+const bool supports_avx512 = false;
+#endif
+bool use_avx512 = supports_avx512;
 
 template <int DT>
 void run(const Problem& P, i64 num_seqs, int threads) {
     std::vector<Item> items;
     for (i64 i = 0; i < num_seqs; ++i) {
         const i64 qlen = P.cu_q[i + 1] - P.cu_q[i];
-        for (i64 h = 0; h < P.Hkv; ++h)
-            for (i64 t0 = 0; t0 < qlen; t0 += QT) items.push_back({i, h, t0, std::min<i64>(QT, qlen - t0)});
+        for (i64 t0 = 0; t0 < qlen; t0 += QT) items.push_back({i, t0, std::min<i64>(QT, qlen - t0)});
     }
     // longest work first (late query tiles of long sequences see the most keys)
     std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
@@ -227,16 +436,21 @@ void run(const Problem& P, i64 num_seqs, int threads) {
         const i64 kb = P.lens_k[b.seq] - (P.cu_q[b.seq + 1] - P.cu_q[b.seq]) + b.t0;
         return ka > kb;
     });
-    const i64 G = P.H / P.Hkv, D = P.D, R = QT * G;
+    const i64 Dp = (P.D + L - 1) / L * L, R = QT * P.H;
     const i64 n = static_cast<i64>(items.size());
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(static_cast<int>(std::max<i64>(1, std::min<i64>(threads, n))))
     {
-        std::vector<float> qbuf(R * D), acc(R * D), m(R), l(R), kt(D * BK), vb(BK * D), s(R * BK);
-        std::vector<i64> lo(R), hi(R);
+        Scratch scratch(R, Dp, P.H);
 #pragma omp for schedule(dynamic, 1)
-        for (i64 w = 0; w < n; ++w)
-            attend_item<DT>(P, items[w], qbuf.data(), acc.data(), m.data(), l.data(), lo.data(), hi.data(),
-                            kt.data(), vb.data(), s.data());
+        for (i64 w = 0; w < n; ++w) {
+#if defined(__x86_64__)
+            if (use_avx512) {
+                attend_item_avx512<DT>(P, items[w], scratch);
+                continue;
+            }
+#endif
+            attend_item_portable<DT>(P, items[w], scratch);
+        }
     }
 }
 
@@ -252,6 +466,7 @@ void forward(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, int dtype, i6
         if (cu_q.data()[i + 1] - cu_q.data()[i] > lens_k.data()[i] || cu_q.data()[i + 1] < cu_q.data()[i])
             throw std::invalid_argument("a sequence has more queries than keys");
     if (H % Hkv) throw std::invalid_argument("query heads must be a multiple of kv heads");
+    if (D < 1 || D > MAX_D) throw std::invalid_argument("head dim must be in [1, 256]");
     larray starts;
     iarray tab;
     Problem P{};
@@ -306,4 +521,9 @@ PYBIND11_MODULE(_varlen_attention, m) {
           py::arg("key_rows"), py::arg("cu_q"), py::arg("lens_k"), py::arg("k_start"), py::arg("table"), py::arg("block_size"),
           py::arg("H"), py::arg("Hkv"), py::arg("D"), py::arg("scale"), py::arg("softcap"), py::arg("window"),
           py::arg("causal"), py::arg("threads"));
+    m.def("isa", [] { return use_avx512 ? "avx512" : "portable"; },
+          "The code path forward runs on this CPU (both give the same bits).");
+    m.def("set_portable", [](bool portable) {
+        use_avx512 = !portable && supports_avx512;
+    }, "Force the portable path (tests compare its bits with the AVX-512 path's).");
 }
