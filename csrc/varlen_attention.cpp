@@ -134,11 +134,11 @@ struct Item {
 
 struct Scratch {  // one per thread
     std::vector<float> q, acc, m, l, s, kt, lanes, kbuf, vbuf;
-    std::vector<i64> lo, hi, rows, rl, vrows;
+    std::vector<i64> lo, hi, rows, vrows;
     std::vector<char> active;
     Scratch(i64 R, i64 Dp, i64 H)
         : q(R * Dp), acc(R * Dp), m(R), l(R), s(R * BK), kt(Dp * BK), lanes(L * BK), kbuf(Dp), vbuf(Dp),
-          lo(R), hi(R), rows(BK), rl(R), vrows(R + H), active(R) {}
+          lo(R), hi(R), rows(2 * BK), vrows(R + H), active(R) {}
 };
 
 // The score of one query row and one key: lane l sums q[d] * k[d] over d = l, l + L, l + 2L, ... in
@@ -187,27 +187,33 @@ ALWAYS_INLINE const float* as_f32(const void* base, i64 offset, i64 D, i64 Dp, f
     return buf;
 }
 
-// Per-key work of the decode path, for the rows rl[0..nr) of one KV head: scores of key j, and
-// adding p * v of key j to each row's accumulator (one fused multiply-add per element, in key order).
-// Two implementations with the same arithmetic, so the same bits: portable C++ (auto-vectorised
-// where it can) and AVX-512, which converts bf16/fp16 to fp32 in registers and keeps the key's
-// vectors in registers across the rows.
+// The decode path's work on one block for the rows rl[0..nr) of KV head h: the scores of its keys
+// (key j of the block at cache row rows[j]), and adding p * v over its keys, in key order, to each
+// row's accumulator (one fused multiply-add per element). Two implementations with the same
+// arithmetic, so the same bits: portable C++, and AVX-512, which converts bf16/fp16 to fp32 in
+// registers and keeps a row's accumulator in registers across the block's keys.
 template <int DT>
 struct PortableOps {
-    static void scores(const void* kb, i64 off, i64 D, i64 Dp, const float* qb, const i64* rl, i64 nr, float* sc,
-                       i64 j, float* buf) {
-        const float* kf = as_f32<DT>(kb, off, D, Dp, buf);
-        for (i64 i = 0; i < nr; ++i) sc[rl[i] * BK + j] = dot_key(qb + rl[i] * Dp, kf, Dp);
+    static void scores(const Problem& P, const i64* rows, i64 nk, i64 h, const float* qb, const i64* rl, i64 nr,
+                       float* sc, float* buf) {
+        const i64 D = P.D, Dp = (D + L - 1) / L * L;
+        for (i64 j = 0; j < nk; ++j) {
+            const float* kf = as_f32<DT>(P.k, (rows[j] * P.Hkv + h) * D, D, Dp, buf);
+            for (i64 i = 0; i < nr; ++i) sc[rl[i] * BK + j] = dot_key(qb + rl[i] * Dp, kf, Dp);
+        }
     }
-    static void values(const void* vb, i64 off, i64 D, i64 Dp, const float* sc, const i64* rl, i64 nr, i64 j,
+    static void values(const Problem& P, const i64* rows, i64 nk, i64 h, const float* sc, const i64* rl, i64 nr,
                        float* acc, float* buf) {
-        const float* vf = nullptr;
-        for (i64 i = 0; i < nr; ++i) {
-            const float pj = sc[rl[i] * BK + j];
-            if (pj == 0.f) continue;
-            if (!vf) vf = as_f32<DT>(vb, off, D, Dp, buf);
-            float* __restrict ar = acc + rl[i] * Dp;
-            for (i64 d = 0; d < Dp; ++d) ar[d] = __builtin_fmaf(pj, vf[d], ar[d]);
+        const i64 D = P.D, Dp = (D + L - 1) / L * L;
+        for (i64 j = 0; j < nk; ++j) {
+            const float* vf = nullptr;
+            for (i64 i = 0; i < nr; ++i) {
+                const float pj = sc[rl[i] * BK + j];
+                if (pj == 0.f) continue;
+                if (!vf) vf = as_f32<DT>(P.v, (rows[j] * P.Hkv + h) * D, D, Dp, buf);
+                float* __restrict ar = acc + rl[i] * Dp;
+                for (i64 d = 0; d < Dp; ++d) ar[d] = __builtin_fmaf(pj, vf[d], ar[d]);
+            }
         }
     }
 };
@@ -216,34 +222,42 @@ struct PortableOps {
 #define X512 __attribute__((target("arch=x86-64-v4")))
 
 template <int DT>
-X512 inline __m512 load16(const void* base, i64 off) {
-    if constexpr (DT == F32) return _mm512_loadu_ps(static_cast<const float*>(base) + off);
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const u16*>(base) + off));
-    if constexpr (DT == BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    return _mm512_cvtph_ps(h);
+X512 ALWAYS_INLINE __m512 load16(const void* base, i64 off) {
+    if constexpr (DT == F32) {
+        return _mm512_loadu_ps(static_cast<const float*>(base) + off);
+    } else {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const u16*>(base) + off));
+        if constexpr (DT == BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        else return _mm512_cvtph_ps(h);
+    }
 }
 
-template <int DT>
-X512 inline i64 load_row(const void* base, i64 off, i64 D, __m512* out) {  // zero-padded to lanes
-    const i64 full = D / L;
-    for (i64 c = 0; c < full; ++c) out[c] = load16<DT>(base, off + c * L);
-    if (full * L == D) return full;
-    alignas(64) float tail[L] = {};
-    for (i64 d = full * L; d < D; ++d) tail[d - full * L] = load<DT>(base, off + d);
-    out[full] = _mm512_load_ps(tail);
-    return full + 1;
+template <int DT, int NC>  // NC chunks of L lanes; the last one zero-padded past D
+X512 ALWAYS_INLINE void load_row(const void* base, i64 off, i64 D, __m512* out) {
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) {
+        if ((c + 1) * L <= D) {
+            out[c] = load16<DT>(base, off + c * L);
+        } else {
+            alignas(64) float tail[L] = {};
+            for (i64 d = c * L; d < D; ++d) tail[d - c * L] = load<DT>(base, off + d);
+            out[c] = _mm512_load_ps(tail);
+        }
+    }
 }
 
-template <int DT>
-struct Avx512Ops {
-    X512 static void scores(const void* kb, i64 off, i64 D, i64 Dp, const float* qb, const i64* rl, i64 nr,
-                            float* sc, i64 j, float*) {
-        __m512 kc[MAX_D / L];
-        const i64 nc = load_row<DT>(kb, off, D, kc);
+template <int DT, int NC>
+X512 void scores_avx512(const Problem& P, const i64* rows, i64 nk, i64 h, const float* qb, const i64* rl, i64 nr,
+                        float* sc) {
+    const i64 D = P.D, Dp = NC * L;
+    for (i64 j = 0; j < nk; ++j) {
+        __m512 kc[NC];
+        load_row<DT, NC>(P.k, (rows[j] * P.Hkv + h) * D, D, kc);
         for (i64 i = 0; i < nr; ++i) {
             const float* q = qb + rl[i] * Dp;
             __m512 p = _mm512_setzero_ps();
-            for (i64 c = 0; c < nc; ++c) p = _mm512_fmadd_ps(_mm512_loadu_ps(q + c * L), kc[c], p);
+#pragma GCC unroll 16
+            for (int c = 0; c < NC; ++c) p = _mm512_fmadd_ps(_mm512_loadu_ps(q + c * L), kc[c], p);
             // lane_tree: halves, quarters, pairs, then lane 0 + lane 1
             const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(p), _mm512_extractf32x8_ps(p, 1));
             const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -251,19 +265,52 @@ struct Avx512Ops {
             sc[rl[i] * BK + j] = _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
         }
     }
-    X512 static void values(const void* vb, i64 off, i64 D, i64 Dp, const float* sc, const i64* rl, i64 nr, i64 j,
-                            float* acc, float*) {
-        __m512 vc[MAX_D / L];
-        i64 nc = -1;
-        for (i64 i = 0; i < nr; ++i) {
-            const float pj = sc[rl[i] * BK + j];
-            if (pj == 0.f) continue;
-            if (nc < 0) nc = load_row<DT>(vb, off, D, vc);
-            const __m512 pv = _mm512_set1_ps(pj);
-            float* ar = acc + rl[i] * Dp;
-            for (i64 c = 0; c < nc; ++c)
-                _mm512_storeu_ps(ar + c * L, _mm512_fmadd_ps(pv, vc[c], _mm512_loadu_ps(ar + c * L)));
+}
+
+template <int DT, int NC>
+X512 void values_avx512(const Problem& P, const i64* rows, i64 nk, i64 h, const float* sc, const i64* rl, i64 nr,
+                        float* acc) {
+    const i64 D = P.D, Dp = NC * L;
+    for (i64 i = 0; i < nr; ++i) {  // row-major: the accumulator stays in registers over the keys
+        float* ar = acc + rl[i] * Dp;
+        const float* pr = sc + rl[i] * BK;
+        __m512 a[NC];
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) a[c] = _mm512_loadu_ps(ar + c * L);
+        for (i64 j = 0; j < nk; ++j) {
+            if (pr[j] == 0.f) continue;
+            const __m512 pv = _mm512_set1_ps(pr[j]);
+            __m512 vc[NC];
+            load_row<DT, NC>(P.v, (rows[j] * P.Hkv + h) * D, D, vc);
+#pragma GCC unroll 16
+            for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pv, vc[c], a[c]);
         }
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(ar + c * L, a[c]);
+    }
+}
+
+#define NOPAD_CHUNKS(F, ...)                                                                             \
+    switch ((P.D + L - 1) / L) {                                                                         \
+        case 1: return F<DT, 1>(__VA_ARGS__);  case 2: return F<DT, 2>(__VA_ARGS__);                    \
+        case 3: return F<DT, 3>(__VA_ARGS__);  case 4: return F<DT, 4>(__VA_ARGS__);                    \
+        case 5: return F<DT, 5>(__VA_ARGS__);  case 6: return F<DT, 6>(__VA_ARGS__);                    \
+        case 7: return F<DT, 7>(__VA_ARGS__);  case 8: return F<DT, 8>(__VA_ARGS__);                    \
+        case 9: return F<DT, 9>(__VA_ARGS__);  case 10: return F<DT, 10>(__VA_ARGS__);                  \
+        case 11: return F<DT, 11>(__VA_ARGS__); case 12: return F<DT, 12>(__VA_ARGS__);                 \
+        case 13: return F<DT, 13>(__VA_ARGS__); case 14: return F<DT, 14>(__VA_ARGS__);                 \
+        case 15: return F<DT, 15>(__VA_ARGS__); default: return F<DT, 16>(__VA_ARGS__);                 \
+    }
+
+template <int DT>
+struct Avx512Ops {
+    X512 static void scores(const Problem& P, const i64* rows, i64 nk, i64 h, const float* qb, const i64* rl,
+                            i64 nr, float* sc, float*) {
+        NOPAD_CHUNKS(scores_avx512, P, rows, nk, h, qb, rl, nr, sc)
+    }
+    X512 static void values(const Problem& P, const i64* rows, i64 nk, i64 h, const float* sc, const i64* rl,
+                            i64 nr, float* acc, float*) {
+        NOPAD_CHUNKS(values_avx512, P, rows, nk, h, sc, rl, nr, acc)
     }
 };
 #endif
@@ -271,6 +318,21 @@ struct Avx512Ops {
 // Query rows of one head at least this many: transpose the head's block once and score it with
 // dot_block; fewer (decode): score each key in place with dot_key. A speed choice only.
 constexpr i64 TRANSPOSE_ROWS = 16;
+
+// The cache rows of keys key0 .. key0 + n - 1 of sequence seq (paged: walking the block table
+// without a division per key).
+ALWAYS_INLINE void key_rows(const Problem& P, i64 seq, i64 key0, i64 n, i64* rows) {
+    if (P.table) {
+        i64 page = key0 / P.block_size, off = key0 % P.block_size;
+        const i32* trow = P.table + seq * P.table_width;
+        for (i64 j = 0; j < n; ++j) {
+            rows[j] = static_cast<i64>(trow[page]) * P.block_size + off;
+            if (++off == P.block_size) off = 0, ++page;
+        }
+    } else {
+        for (i64 j = 0; j < n; ++j) rows[j] = P.k_start[seq] + key0 + j;
+    }
+}
 
 template <int DT, class Ops>
 ALWAYS_INLINE void attend_body(const Problem& P, const Item& it, Scratch& S) {
@@ -285,7 +347,6 @@ ALWAYS_INLINE void attend_body(const Problem& P, const Item& it, Scratch& S) {
     i64* hi = S.hi.data();
     i64* rows = S.rows.data();
     char* active = S.active.data();
-    i64* rl = S.rl.data();
     i64 first_block = std::numeric_limits<i64>::max(), last_block = -1;
     for (i64 t = 0; t < it.nt; ++t) {
         const i64 token = P.cu_q[it.seq] + it.t0 + t;
@@ -306,27 +367,43 @@ ALWAYS_INLINE void attend_body(const Problem& P, const Item& it, Scratch& S) {
         last_block = std::max(last_block, top / BK);
     }
     const i64 row_stride = Hkv * D;
+    const i64 row_bytes = row_stride * (DT == F32 ? 4 : 2);
+    const i64 lists = QT * G + 1;  // per KV head: [count, rows...] of its rows active in this block
+    i64* heads_rows = S.vrows.data();
     for (i64 b = first_block; b <= last_block; ++b) {
         const i64 key0 = b * BK;
         const i64 nk = std::min<i64>(BK, klen - key0);
-        if (P.table) {  // paged: walk the block table without a division per key
-            i64 page = key0 / P.block_size, off = key0 % P.block_size;
-            const i32* trow = P.table + it.seq * P.table_width;
-            for (i64 j = 0; j < nk; ++j) {
-                rows[j] = static_cast<i64>(trow[page]) * P.block_size + off;
-                if (++off == P.block_size) off = 0, ++page;
-            }
-        } else {
-            for (i64 j = 0; j < nk; ++j) rows[j] = P.k_start[it.seq] + key0 + j;
+        key_rows(P, it.seq, key0, nk, rows);
+        if (b < last_block) {  // the next block's K/V rows are on their way while this one computes
+            i64* next = S.rows.data() + BK;
+            const i64 nn = std::min<i64>(BK, klen - key0 - BK);
+            key_rows(P, it.seq, key0 + BK, nn, next);
+            for (i64 j = 0; j < nn; ++j)
+                for (i64 c = 0; c < row_bytes; c += 64) {
+                    __builtin_prefetch(static_cast<const char*>(P.k) + next[j] * row_bytes + c, 0, 2);
+                    __builtin_prefetch(static_cast<const char*>(P.v) + next[j] * row_bytes + c, 0, 2);
+                }
         }
         for (i64 r = 0; r < R; ++r) active[r] = b >= lo[r] / BK && b <= hi[r] / BK;  // a row's own blocks
-        // scores
+        bool few = true;  // every head's active rows few: score key by key, K read in place
         for (i64 h = 0; h < Hkv; ++h) {
-            i64 na = 0;
+            i64* hr = heads_rows + h * lists;
+            hr[0] = 0;
             for (i64 t = 0; t < it.nt; ++t)
-                for (i64 g = 0; g < G; ++g) na += active[t * H + h * G + g];
-            if (na == 0) continue;
-            if (na >= TRANSPOSE_ROWS) {
+                for (i64 g = 0; g < G; ++g)
+                    if (active[t * H + h * G + g]) hr[1 + hr[0]++] = t * H + h * G + g;
+            few = few && hr[0] < TRANSPOSE_ROWS;
+        }
+        // scores
+        if (few) {
+            for (i64 h = 0; h < Hkv; ++h) {
+                const i64* hr = heads_rows + h * lists;
+                if (hr[0]) Ops::scores(P, rows, nk, h, qb, hr + 1, hr[0], sc, S.kbuf.data());
+            }
+        } else {
+            for (i64 h = 0; h < Hkv; ++h) {
+                const i64* hr = heads_rows + h * lists;
+                if (!hr[0]) continue;
                 float* kt = S.kt.data();
                 for (i64 j = 0; j < BK; ++j) {
                     if (j < nk) {
@@ -337,18 +414,8 @@ ALWAYS_INLINE void attend_body(const Problem& P, const Item& it, Scratch& S) {
                         for (i64 d = 0; d < Dp; ++d) kt[d * BK + j] = 0.f;
                     }
                 }
-                for (i64 t = 0; t < it.nt; ++t)
-                    for (i64 g = 0; g < G; ++g) {
-                        const i64 r = t * H + h * G + g;
-                        if (active[r]) dot_block(qb + r * Dp, kt, S.lanes.data(), sc + r * BK, Dp);
-                    }
-            } else {
-                i64 nr = 0;
-                for (i64 t = 0; t < it.nt; ++t)
-                    for (i64 g = 0; g < G; ++g)
-                        if (active[t * H + h * G + g]) rl[nr++] = t * H + h * G + g;
-                for (i64 j = 0; j < nk; ++j)
-                    Ops::scores(P.k, rows[j] * row_stride + h * D, D, Dp, qb, rl, nr, sc, j, S.kbuf.data());
+                for (i64 i = 0; i < hr[0]; ++i)
+                    dot_block(qb + hr[1 + i] * Dp, kt, S.lanes.data(), sc + hr[1 + i] * BK, Dp);
             }
         }
         // online softmax, per row, vectorised over the block's keys
@@ -382,18 +449,9 @@ ALWAYS_INLINE void attend_body(const Problem& P, const Item& it, Scratch& S) {
         }
         // values: each row adds p * v over the block's keys in order
         for (i64 h = 0; h < Hkv; ++h) {
-            i64 nr = 0;
-            for (i64 t = 0; t < it.nt; ++t)
-                for (i64 g = 0; g < G; ++g)
-                    if (active[t * H + h * G + g]) rl[nr++] = t * H + h * G + g;
-            S.vrows[h * (QT * G + 1)] = nr;
-            std::copy(rl, rl + nr, S.vrows.data() + h * (QT * G + 1) + 1);
+            const i64* hr = heads_rows + h * lists;
+            if (hr[0]) Ops::values(P, rows, nk, h, sc, hr + 1, hr[0], acc, S.vbuf.data());
         }
-        for (i64 j = 0; j < nk; ++j)
-            for (i64 h = 0; h < Hkv; ++h) {
-                const i64* hr = S.vrows.data() + h * (QT * G + 1);
-                Ops::values(P.v, rows[j] * row_stride + h * D, D, Dp, sc, hr + 1, hr[0], j, acc, S.vbuf.data());
-            }
     }
     for (i64 t = 0; t < it.nt; ++t) {
         const i64 token = P.cu_q[it.seq] + it.t0 + t;
