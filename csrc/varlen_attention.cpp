@@ -195,7 +195,7 @@ ALWAYS_INLINE const float* as_f32(const void* base, i64 offset, i64 D, i64 Dp, f
 template <int DT>
 struct PortableOps {
     static void scores(const Problem& P, const i64* rows, i64 nk, i64 h, const float* qb, const i64* rl, i64 nr,
-                       float* sc, float* buf) {
+                       float* sc, float* buf, const i64*, i64) {
         const i64 D = P.D, Dp = (D + L - 1) / L * L;
         for (i64 j = 0; j < nk; ++j) {
             const float* kf = as_f32<DT>(P.k, (rows[j] * P.Hkv + h) * D, D, Dp, buf);
@@ -203,7 +203,7 @@ struct PortableOps {
         }
     }
     static void values(const Problem& P, const i64* rows, i64 nk, i64 h, const float* sc, const i64* rl, i64 nr,
-                       float* acc, float* buf) {
+                       float* acc, float* buf, const i64*, i64) {
         const i64 D = P.D, Dp = (D + L - 1) / L * L;
         for (i64 j = 0; j < nk; ++j) {
             const float* vf = nullptr;
@@ -246,11 +246,20 @@ X512 ALWAYS_INLINE void load_row(const void* base, i64 off, i64 D, __m512* out) 
     }
 }
 
+inline i64 D_of(const Problem& P) { return P.D; }
+
+template <int DT>  // the next block's row of one head, on its way to L2 while this block computes
+ALWAYS_INLINE void prefetch_row(const void* base, i64 off, i64 D) {
+    const char* p = static_cast<const char*>(base) + off * (DT == F32 ? 4 : 2);
+    for (i64 c = 0; c < D * (DT == F32 ? 4 : 2); c += 64) __builtin_prefetch(p + c, 0, 2);
+}
+
 template <int DT, int NC>
 X512 void scores_avx512(const Problem& P, const i64* rows, i64 nk, i64 h, const float* qb, const i64* rl, i64 nr,
-                        float* sc) {
+                        float* sc, const i64* next, i64 nn) {
     const i64 D = P.D, Dp = NC * L;
     for (i64 j = 0; j < nk; ++j) {
+        if (j < nn) prefetch_row<DT>(P.k, (next[j] * P.Hkv + h) * D, D);
         __m512 kc[NC];
         load_row<DT, NC>(P.k, (rows[j] * P.Hkv + h) * D, D, kc);
         for (i64 i = 0; i < nr; ++i) {
@@ -269,24 +278,44 @@ X512 void scores_avx512(const Problem& P, const i64* rows, i64 nk, i64 h, const 
 
 template <int DT, int NC>
 X512 void values_avx512(const Problem& P, const i64* rows, i64 nk, i64 h, const float* sc, const i64* rl, i64 nr,
-                        float* acc) {
+                        float* acc, const i64* next, i64 nn) {
+    for (i64 j = 0; j < nn; ++j) prefetch_row<DT>(P.v, (next[j] * P.Hkv + h) * D_of(P), D_of(P));
+    // groups of GR rows whose accumulators stay in registers over the block's keys; each value row
+    // is loaded (and converted) once per group
+    constexpr int GR = NC <= 4 ? 4 : NC <= 8 ? 2 : 1;
     const i64 D = P.D, Dp = NC * L;
-    for (i64 i = 0; i < nr; ++i) {  // row-major: the accumulator stays in registers over the keys
-        float* ar = acc + rl[i] * Dp;
-        const float* pr = sc + rl[i] * BK;
-        __m512 a[NC];
+    for (i64 i0 = 0; i0 < nr; i0 += GR) {
+        const i64 ng = std::min<i64>(GR, nr - i0);
+        __m512 a[GR][NC];
+#pragma GCC unroll 4
+        for (int g = 0; g < GR; ++g)
 #pragma GCC unroll 16
-        for (int c = 0; c < NC; ++c) a[c] = _mm512_loadu_ps(ar + c * L);
+            for (int c = 0; c < NC; ++c)
+                a[g][c] = g < ng ? _mm512_loadu_ps(acc + rl[i0 + g] * Dp + c * L) : _mm512_setzero_ps();
         for (i64 j = 0; j < nk; ++j) {
-            if (pr[j] == 0.f) continue;
-            const __m512 pv = _mm512_set1_ps(pr[j]);
+            float pj[GR];
+            bool any = false;
+#pragma GCC unroll 4
+            for (int g = 0; g < GR; ++g) {
+                pj[g] = g < ng ? sc[rl[i0 + g] * BK + j] : 0.f;
+                any = any || pj[g] != 0.f;
+            }
+            if (!any) continue;
             __m512 vc[NC];
             load_row<DT, NC>(P.v, (rows[j] * P.Hkv + h) * D, D, vc);
+#pragma GCC unroll 4
+            for (int g = 0; g < GR; ++g) {
+                if (pj[g] == 0.f) continue;  // as the portable path: a zero weight adds nothing
+                const __m512 pv = _mm512_set1_ps(pj[g]);
 #pragma GCC unroll 16
-            for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pv, vc[c], a[c]);
+                for (int c = 0; c < NC; ++c) a[g][c] = _mm512_fmadd_ps(pv, vc[c], a[g][c]);
+            }
         }
+#pragma GCC unroll 4
+        for (int g = 0; g < GR; ++g)
+            if (g < ng)
 #pragma GCC unroll 16
-        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(ar + c * L, a[c]);
+                for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + rl[i0 + g] * Dp + c * L, a[g][c]);
     }
 }
 
@@ -305,12 +334,12 @@ X512 void values_avx512(const Problem& P, const i64* rows, i64 nk, i64 h, const 
 template <int DT>
 struct Avx512Ops {
     X512 static void scores(const Problem& P, const i64* rows, i64 nk, i64 h, const float* qb, const i64* rl,
-                            i64 nr, float* sc, float*) {
-        NOPAD_CHUNKS(scores_avx512, P, rows, nk, h, qb, rl, nr, sc)
+                            i64 nr, float* sc, float*, const i64* next, i64 nn) {
+        NOPAD_CHUNKS(scores_avx512, P, rows, nk, h, qb, rl, nr, sc, next, nn)
     }
     X512 static void values(const Problem& P, const i64* rows, i64 nk, i64 h, const float* sc, const i64* rl,
-                            i64 nr, float* acc, float*) {
-        NOPAD_CHUNKS(values_avx512, P, rows, nk, h, sc, rl, nr, acc)
+                            i64 nr, float* acc, float*, const i64* next, i64 nn) {
+        NOPAD_CHUNKS(values_avx512, P, rows, nk, h, sc, rl, nr, acc, next, nn)
     }
 };
 #endif
@@ -367,23 +396,15 @@ ALWAYS_INLINE void attend_body(const Problem& P, const Item& it, Scratch& S) {
         last_block = std::max(last_block, top / BK);
     }
     const i64 row_stride = Hkv * D;
-    const i64 row_bytes = row_stride * (DT == F32 ? 4 : 2);
     const i64 lists = QT * G + 1;  // per KV head: [count, rows...] of its rows active in this block
     i64* heads_rows = S.vrows.data();
     for (i64 b = first_block; b <= last_block; ++b) {
         const i64 key0 = b * BK;
         const i64 nk = std::min<i64>(BK, klen - key0);
         key_rows(P, it.seq, key0, nk, rows);
-        if (b < last_block) {  // the next block's K/V rows are on their way while this one computes
-            i64* next = S.rows.data() + BK;
-            const i64 nn = std::min<i64>(BK, klen - key0 - BK);
-            key_rows(P, it.seq, key0 + BK, nn, next);
-            for (i64 j = 0; j < nn; ++j)
-                for (i64 c = 0; c < row_bytes; c += 64) {
-                    __builtin_prefetch(static_cast<const char*>(P.k) + next[j] * row_bytes + c, 0, 2);
-                    __builtin_prefetch(static_cast<const char*>(P.v) + next[j] * row_bytes + c, 0, 2);
-                }
-        }
+        i64* next = S.rows.data() + BK;  // the next block's rows: prefetched while this one computes
+        const i64 nn = b < last_block ? std::min<i64>(BK, klen - key0 - BK) : 0;
+        key_rows(P, it.seq, key0 + BK, nn, next);
         for (i64 r = 0; r < R; ++r) active[r] = b >= lo[r] / BK && b <= hi[r] / BK;  // a row's own blocks
         bool few = true;  // every head's active rows few: score key by key, K read in place
         for (i64 h = 0; h < Hkv; ++h) {
@@ -398,7 +419,7 @@ ALWAYS_INLINE void attend_body(const Problem& P, const Item& it, Scratch& S) {
         if (few) {
             for (i64 h = 0; h < Hkv; ++h) {
                 const i64* hr = heads_rows + h * lists;
-                if (hr[0]) Ops::scores(P, rows, nk, h, qb, hr + 1, hr[0], sc, S.kbuf.data());
+                if (hr[0]) Ops::scores(P, rows, nk, h, qb, hr + 1, hr[0], sc, S.kbuf.data(), next, nn);
             }
         } else {
             for (i64 h = 0; h < Hkv; ++h) {
@@ -450,7 +471,7 @@ ALWAYS_INLINE void attend_body(const Problem& P, const Item& it, Scratch& S) {
         // values: each row adds p * v over the block's keys in order
         for (i64 h = 0; h < Hkv; ++h) {
             const i64* hr = heads_rows + h * lists;
-            if (hr[0]) Ops::values(P, rows, nk, h, sc, hr + 1, hr[0], acc, S.vbuf.data());
+            if (hr[0]) Ops::values(P, rows, nk, h, sc, hr + 1, hr[0], acc, S.vbuf.data(), next, nn);
         }
     }
     for (i64 t = 0; t < it.nt; ++t) {
