@@ -254,6 +254,16 @@ ALWAYS_INLINE void prefetch_row(const void* base, i64 off, i64 D) {
     for (i64 c = 0; c < D * (DT == F32 ? 4 : 2); c += 64) __builtin_prefetch(p + c, 0, 2);
 }
 
+// lane_tree of four rows' lane vectors at once: halves, quarters, pairs, then lane 0 + lane 1, the
+// same additions as lane_tree; row i's score ends in lane 4 * i.
+X512 ALWAYS_INLINE __m512 lane_tree4(__m512 p0, __m512 p1, __m512 p2, __m512 p3) {
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(p0, p1, 0x44), _mm512_shuffle_f32x4(p0, p1, 0xEE));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(p2, p3, 0x44), _mm512_shuffle_f32x4(p2, p3, 0xEE));
+    const __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+    const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));
+    return _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));
+}
+
 template <int DT, int NC>
 X512 void scores_avx512(const Problem& P, const i64* rows, i64 nk, i64 h, const float* qb, const i64* rl, i64 nr,
                         float* sc, const i64* next, i64 nn) {
@@ -262,16 +272,22 @@ X512 void scores_avx512(const Problem& P, const i64* rows, i64 nk, i64 h, const 
         if (j < nn) prefetch_row<DT>(P.k, (next[j] * P.Hkv + h) * D, D);
         __m512 kc[NC];
         load_row<DT, NC>(P.k, (rows[j] * P.Hkv + h) * D, D, kc);
-        for (i64 i = 0; i < nr; ++i) {
-            const float* q = qb + rl[i] * Dp;
-            __m512 p = _mm512_setzero_ps();
+        for (i64 i0 = 0; i0 < nr; i0 += 4) {  // four rows per reduction
+            __m512 p[4];
+#pragma GCC unroll 4
+            for (int g = 0; g < 4; ++g) {
+                p[g] = _mm512_setzero_ps();
+                if (i0 + g < nr) {
+                    const float* q = qb + rl[i0 + g] * Dp;
 #pragma GCC unroll 16
-            for (int c = 0; c < NC; ++c) p = _mm512_fmadd_ps(_mm512_loadu_ps(q + c * L), kc[c], p);
-            // lane_tree: halves, quarters, pairs, then lane 0 + lane 1
-            const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(p), _mm512_extractf32x8_ps(p, 1));
-            const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-            const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-            sc[rl[i] * BK + j] = _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+                    for (int c = 0; c < NC; ++c) p[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + c * L), kc[c], p[g]);
+                }
+            }
+            alignas(64) float lanes[L];
+            _mm512_store_ps(lanes, lane_tree4(p[0], p[1], p[2], p[3]));
+#pragma GCC unroll 4
+            for (int g = 0; g < 4; ++g)
+                if (i0 + g < nr) sc[rl[i0 + g] * BK + j] = lanes[4 * g];
         }
     }
 }
@@ -445,14 +461,20 @@ ALWAYS_INLINE void attend_body(const Problem& P, const Item& it, Scratch& S) {
             float* __restrict sr = sc + r * BK;
             float x[BK];
             float block_max = NEG_INF;
-            for (int j = 0; j < BK; ++j) {
-                const i64 key = key0 + j;
-                float y = sr[j] * P.scale;
-                if (P.softcap > 0.f) y = P.softcap * tanh_fixed(y / P.softcap);
-                const bool visible = key >= lo[r] && key <= hi[r] && j < nk;
-                x[j] = visible ? y : NEG_INF;
-                block_max = std::max(block_max, x[j]);
+            // the row's visible keys in this block: j in [jlo, jhi]
+            const i32 jlo = static_cast<i32>(std::max<i64>(lo[r] - key0, 0));
+            const i32 jhi = static_cast<i32>(std::min<i64>(hi[r] - key0, nk - 1));
+            if (P.softcap > 0.f) {
+                for (int j = 0; j < BK; ++j) x[j] = P.softcap * tanh_fixed(sr[j] * P.scale / P.softcap);
+            } else {
+                for (int j = 0; j < BK; ++j) x[j] = sr[j] * P.scale;
             }
+            for (int j = 0; j < BK; ++j) x[j] = j >= jlo && j <= jhi ? x[j] : NEG_INF;
+            float mx[BK / 2];  // max by a halving tree (exact in any order; vectorises)
+            for (int j = 0; j < BK / 2; ++j) mx[j] = std::max(x[j], x[j + BK / 2]);
+            for (int w = BK / 4; w >= 1; w /= 2)
+                for (int j = 0; j < w; ++j) mx[j] = std::max(mx[j], mx[j + w]);
+            block_max = mx[0];
             const float m_new = std::max(S.m[r], block_max);
             const float alpha = S.m[r] == NEG_INF ? 0.f : exp_neg(S.m[r] - m_new);
             for (int j = 0; j < BK; ++j) {
