@@ -5,9 +5,18 @@
 // Why one kernel: the generator and the trainer must compute every token's attention the same way
 // for their log-probs to be bitwise equal (packing.batch_invariant). Here each query's result
 // depends on nothing but its own keys: keys are visited in fixed blocks of BK, aligned to key 0,
-// in order; inside a block, each score is a dot product summed over the head dimension in order;
-// softmax is online across blocks, in fp32. Which other queries, sequences or threads share the
-// call never changes the order of any sum. It is also the generation kernel of the default mode:
+// in order; each score is a dot product over the head dimension split into L = 16 lanes (lane l
+// sums d = l, l + 16, ... in order by fused multiply-adds, the lanes are then added by a fixed
+// halving tree); a block's softmax weights are summed by a fixed halving tree; each value
+// accumulation adds p * v key by key in order (fused multiply-add); softmax is online across
+// blocks, in fp32. Which other queries, sequences or threads share the call, or how queries are
+// tiled, never changes any of these sums. Fused multiply-adds are explicit and the file is built
+// with -ffp-contract=off, so the portable path and the AVX-512 path give the same bits.
+//
+// Speed: decode (few query rows per KV head) reads each key's row of all KV heads in place,
+// converting bf16/fp16 in registers, and prefetches the next block while computing this one;
+// prefill chunks and training rows (many rows per KV head) transpose each block once and score it
+// for all rows, with the same arithmetic. It is also the generation kernel of the default mode:
 // no gather copy of cached keys for decode or for prefill chunks, and one call per layer.
 //
 // No torch at build time: the caller passes the data pointers of contiguous CPU tensors.
