@@ -17,7 +17,7 @@ ext_modules = [
         "packing._varlen_attention",
         ["csrc/varlen_attention.cpp"],
         cxx_std=17,
-        extra_compile_args=["-O3", "-fopenmp"],
+        extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-tree-loop-distribute-patterns"],
         extra_link_args=["-fopenmp"],
         optional=True,
     ),

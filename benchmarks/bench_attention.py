@@ -2,11 +2,13 @@
 
 Training row: 8,192 packed tokens, 8 heads (2 KV heads), dim 64, documents of 64-1,024 tokens;
 forward and forward+backward for per-sequence SDPA (``sdpa_loop``), one padded SDPA
-(``sdpa_padded``), SDPA with a dense block-diagonal mask (``sdpa_dense``), and FlexAttention with a
-document mask, eager and compiled (forward only: FlexAttention has no CPU backward).
+(``sdpa_padded``), the compiled batch-invariant kernel (``kernel``: its forward; its backward is
+per-sequence SDPA's), SDPA with a dense block-diagonal mask (``sdpa_dense``), and FlexAttention with
+a document mask, eager and compiled (forward only: FlexAttention has no CPU backward).
 
 Decode step: 64 sequences x ~300 cached tokens (SmolLM2 shape: 9 heads, 3 KV heads, dim 64),
-paged with 16-token blocks; per-sequence SDPA vs one padded SDPA (what ``auto`` picks).
+paged with 16-token blocks; per-sequence SDPA vs one padded SDPA vs ``auto`` (the paged kernel).
+The kernel's decode in GB/s against measured memory bandwidth: benchmarks/bench_kernel_bandwidth.py.
 
     python benchmarks/bench_attention.py [--quick]
 """
@@ -56,7 +58,7 @@ def training_row(total: int, lo: int, hi: int, repeats: int, dense: bool) -> lis
         return run
 
     rows = []
-    backends = ["sdpa_loop", "sdpa_padded"] + (["sdpa_dense"] if dense else [])
+    backends = ["sdpa_loop", "sdpa_padded", "kernel"] + (["sdpa_dense"] if dense else [])
     for backend in backends:
         rows.append((backend, best_of(fwd(backend), repeats), best_of(fwd_bwd(backend), repeats)))
     rows.append(("flex (eager)", best_of(fwd("flex"), 1), None))

@@ -5,9 +5,18 @@
 // Why one kernel: the generator and the trainer must compute every token's attention the same way
 // for their log-probs to be bitwise equal (packing.batch_invariant). Here each query's result
 // depends on nothing but its own keys: keys are visited in fixed blocks of BK, aligned to key 0,
-// in order; inside a block, each score is a dot product summed over the head dimension in order;
-// softmax is online across blocks, in fp32. Which other queries, sequences or threads share the
-// call never changes the order of any sum. It is also the generation kernel of the default mode:
+// in order; each score is a dot product over the head dimension split into L = 16 lanes (lane l
+// sums d = l, l + 16, ... in order by fused multiply-adds, the lanes are then added by a fixed
+// halving tree); a block's softmax weights are summed by a fixed halving tree; each value
+// accumulation adds p * v key by key in order (fused multiply-add); softmax is online across
+// blocks, in fp32. Which other queries, sequences or threads share the call, or how queries are
+// tiled, never changes any of these sums. Fused multiply-adds are explicit and the file is built
+// with -ffp-contract=off, so the portable path and the AVX-512 path give the same bits.
+//
+// Speed: decode (few query rows per KV head) reads each key's row of all KV heads in place,
+// converting bf16/fp16 in registers, and prefetches the next block while computing this one;
+// prefill chunks and training rows (many rows per KV head) transpose each block once and score it
+// for all rows, with the same arithmetic. It is also the generation kernel of the default mode:
 // no gather copy of cached keys for decode or for prefill chunks, and one call per layer.
 //
 // No torch at build time: the caller passes the data pointers of contiguous CPU tensors.
@@ -27,6 +36,10 @@
 #include <stdexcept>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -39,20 +52,24 @@ using u32 = uint32_t;
 
 namespace {
 
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
 constexpr int BK = 32;  // keys per block: the fixed unit of every reduction over keys
 constexpr int QT = 8;   // query tokens per work item (a scheduling choice; results do not depend on it)
+constexpr int MAX_D = 256;  // head dims the kernel takes (kernel_attention.MAX_HEAD_DIM)
+constexpr int L = 16;   // lanes of a score's dot product over the head dim (fixed, part of the order)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 enum Dtype : int { F32 = 0, BF16 = 1, F16 = 2 };
 
-inline float bf16_to_f32(u16 b) {
+ALWAYS_INLINE float bf16_to_f32(u16 b) {
     u32 u = static_cast<u32>(b) << 16;
     float f;
     std::memcpy(&f, &u, 4);
     return f;
 }
 
-inline u16 f32_to_bf16(float f) {  // round to nearest even, as torch does
+ALWAYS_INLINE u16 f32_to_bf16(float f) {  // round to nearest even, as torch does
     u32 u;
     std::memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<u16>((u >> 16) | 0x40u);  // NaN
@@ -61,14 +78,14 @@ inline u16 f32_to_bf16(float f) {  // round to nearest even, as torch does
 }
 
 template <int DT>
-inline float load(const void* base, i64 i) {
+ALWAYS_INLINE float load(const void* base, i64 i) {
     if constexpr (DT == F32) return static_cast<const float*>(base)[i];
     if constexpr (DT == BF16) return bf16_to_f32(static_cast<const u16*>(base)[i]);
     if constexpr (DT == F16) return static_cast<float>(static_cast<const _Float16*>(base)[i]);
 }
 
 template <int DT>
-inline void store(void* base, i64 i, float x) {
+ALWAYS_INLINE void store(void* base, i64 i, float x) {
     if constexpr (DT == F32) static_cast<float*>(base)[i] = x;
     if constexpr (DT == BF16) static_cast<u16*>(base)[i] = f32_to_bf16(x);
     if constexpr (DT == F16) static_cast<_Float16*>(base)[i] = static_cast<_Float16>(x);
@@ -76,7 +93,7 @@ inline void store(void* base, i64 i, float x) {
 
 // exp for x <= 0 (scores minus their running max): 2^n * 2^f, f in [-0.5, 0.5], degree-6
 // polynomial. Plain arithmetic so it is the same code for every element of every call.
-inline float exp_neg(float x) {
+ALWAYS_INLINE float exp_neg(float x) {
     x = std::max(x, -87.0f);
     const float t = x * 1.44269504088896341f;
     const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest
@@ -94,7 +111,7 @@ inline float exp_neg(float x) {
     return p * scale;
 }
 
-inline float tanh_fixed(float x) {  // tanh from exp_neg: 1 - 2 / (e^{2|x|} + 1), odd
+ALWAYS_INLINE float tanh_fixed(float x) {  // tanh from exp_neg: 1 - 2 / (e^{2|x|} + 1), odd
     const float a = std::fabs(x);
     const float e = exp_neg(-2.0f * a);  // e^{-2a} in (0, 1]
     const float t = (1.0f - e) / (1.0f + e);
@@ -117,109 +134,411 @@ struct Problem {
     bool causal;
 };
 
+// A work item: up to QT query tokens of one sequence, all heads. Its rows are (token, head),
+// r = t * H + head; keys are read once per block for every head (a key's row of Hkv * D values is
+// contiguous in the cache).
 struct Item {
-    i64 seq, kv_head, t0, nt;
+    i64 seq, t0, nt;
 };
 
+struct Scratch {  // one per thread
+    std::vector<float> q, acc, m, l, s, kt, lanes, kbuf, vbuf;
+    std::vector<i64> lo, hi, rows, vrows;
+    std::vector<char> active;
+    Scratch(i64 R, i64 Dp, i64 H)
+        : q(R * Dp), acc(R * Dp), m(R), l(R), s(R * BK), kt(Dp * BK), lanes(L * BK), kbuf(Dp), vbuf(Dp),
+          lo(R), hi(R), rows(2 * BK), vrows(R + H), active(R) {}
+};
+
+// The score of one query row and one key: lane l sums q[d] * k[d] over d = l, l + L, l + 2L, ... in
+// order (each step one fused multiply-add, exact in every instruction set), then the L lanes are
+// added by a fixed halving tree. dot_key does this for one key read in place (decode);
+// dot_block does the same sums for a whole block of transposed keys (many query rows). Both give
+// the same bits for the same query and key.
+ALWAYS_INLINE float lane_tree(float* p) {
+    for (int l = 0; l < 8; ++l) p[l] = p[l] + p[l + 8];
+    for (int l = 0; l < 4; ++l) p[l] = p[l] + p[l + 4];
+    for (int l = 0; l < 2; ++l) p[l] = p[l] + p[l + 2];
+    return p[0] + p[1];
+}
+
+ALWAYS_INLINE float dot_key(const float* __restrict q, const float* __restrict k, i64 Dp) {
+    float p[L] = {};
+    for (i64 c = 0; c < Dp; c += L)
+        for (int l = 0; l < L; ++l) p[l] = __builtin_fmaf(q[c + l], k[c + l], p[l]);
+    return lane_tree(p);
+}
+
+// kt is [Dp][BK] (key j of the block at column j); lanes is [L][BK] scratch; s receives BK scores.
+ALWAYS_INLINE void dot_block(const float* __restrict q, const float* __restrict kt, float* __restrict lanes,
+                             float* __restrict s, i64 Dp) {
+    std::fill(lanes, lanes + L * BK, 0.f);
+    for (i64 d = 0; d < Dp; ++d) {
+        const float qd = q[d];
+        const float* kd = kt + d * BK;
+        float* ld = lanes + (d % L) * BK;
+        for (int j = 0; j < BK; ++j) ld[j] = __builtin_fmaf(qd, kd[j], ld[j]);
+    }
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; ++l)
+            for (int j = 0; j < BK; ++j) lanes[l * BK + j] = lanes[l * BK + j] + lanes[(l + w) * BK + j];
+    for (int j = 0; j < BK; ++j) s[j] = lanes[j];
+}
+
+// Keys converted to fp32 into buf (zero-padded to Dp), or read in place when already fp32 and of a
+// whole number of lanes.
 template <int DT>
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void attend_item(const Problem& P, const Item& it, float* qbuf, float* acc, float* mrow, float* lrow,
-                 i64* lo, i64* hi, float* kt, float* vb, float* s) {
-    const i64 G = P.H / P.Hkv, D = P.D;
+ALWAYS_INLINE const float* as_f32(const void* base, i64 offset, i64 D, i64 Dp, float* __restrict buf) {
+    if constexpr (DT == F32)
+        if (D == Dp) return static_cast<const float*>(base) + offset;
+    for (i64 d = 0; d < D; ++d) buf[d] = load<DT>(base, offset + d);
+    for (i64 d = D; d < Dp; ++d) buf[d] = 0.f;
+    return buf;
+}
+
+// The decode path's work on one block for the rows rl[0..nr) of KV head h: the scores of its keys
+// (key j of the block at cache row rows[j]), and adding p * v over its keys, in key order, to each
+// row's accumulator (one fused multiply-add per element). Two implementations with the same
+// arithmetic, so the same bits: portable C++, and AVX-512, which converts bf16/fp16 to fp32 in
+// registers and keeps a row's accumulator in registers across the block's keys.
+template <int DT>
+struct PortableOps {
+    static void scores(const Problem& P, const i64* rows, i64 nk, i64 h, const float* qb, const i64* rl, i64 nr,
+                       float* sc, float* buf, const i64*, i64) {
+        const i64 D = P.D, Dp = (D + L - 1) / L * L;
+        for (i64 j = 0; j < nk; ++j) {
+            const float* kf = as_f32<DT>(P.k, (rows[j] * P.Hkv + h) * D, D, Dp, buf);
+            for (i64 i = 0; i < nr; ++i) sc[rl[i] * BK + j] = dot_key(qb + rl[i] * Dp, kf, Dp);
+        }
+    }
+    static void values(const Problem& P, const i64* rows, i64 nk, i64 h, const float* sc, const i64* rl, i64 nr,
+                       float* acc, float* buf, const i64*, i64) {
+        const i64 D = P.D, Dp = (D + L - 1) / L * L;
+        for (i64 j = 0; j < nk; ++j) {
+            const float* vf = nullptr;
+            for (i64 i = 0; i < nr; ++i) {
+                const float pj = sc[rl[i] * BK + j];
+                if (pj == 0.f) continue;
+                if (!vf) vf = as_f32<DT>(P.v, (rows[j] * P.Hkv + h) * D, D, Dp, buf);
+                float* __restrict ar = acc + rl[i] * Dp;
+                for (i64 d = 0; d < Dp; ++d) ar[d] = __builtin_fmaf(pj, vf[d], ar[d]);
+            }
+        }
+    }
+};
+
+#if defined(__x86_64__)
+#define X512 __attribute__((target("arch=x86-64-v4")))
+
+template <int DT>
+X512 ALWAYS_INLINE __m512 load16(const void* base, i64 off) {
+    if constexpr (DT == F32) {
+        return _mm512_loadu_ps(static_cast<const float*>(base) + off);
+    } else {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const u16*>(base) + off));
+        if constexpr (DT == BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        else return _mm512_cvtph_ps(h);
+    }
+}
+
+template <int DT, int NC>  // NC chunks of L lanes; the last one zero-padded past D
+X512 ALWAYS_INLINE void load_row(const void* base, i64 off, i64 D, __m512* out) {
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) {
+        if ((c + 1) * L <= D) {
+            out[c] = load16<DT>(base, off + c * L);
+        } else {
+            alignas(64) float tail[L] = {};
+            for (i64 d = c * L; d < D; ++d) tail[d - c * L] = load<DT>(base, off + d);
+            out[c] = _mm512_load_ps(tail);
+        }
+    }
+}
+
+inline i64 D_of(const Problem& P) { return P.D; }
+
+template <int DT>  // the next block's row of one head, on its way to L2 while this block computes
+ALWAYS_INLINE void prefetch_row(const void* base, i64 off, i64 D) {
+    const char* p = static_cast<const char*>(base) + off * (DT == F32 ? 4 : 2);
+    for (i64 c = 0; c < D * (DT == F32 ? 4 : 2); c += 64) __builtin_prefetch(p + c, 0, 2);
+}
+
+// lane_tree of four rows' lane vectors at once: halves, quarters, pairs, then lane 0 + lane 1, the
+// same additions as lane_tree; row i's score ends in lane 4 * i.
+X512 ALWAYS_INLINE __m512 lane_tree4(__m512 p0, __m512 p1, __m512 p2, __m512 p3) {
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(p0, p1, 0x44), _mm512_shuffle_f32x4(p0, p1, 0xEE));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(p2, p3, 0x44), _mm512_shuffle_f32x4(p2, p3, 0xEE));
+    const __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+    const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));
+    return _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));
+}
+
+template <int DT, int NC>
+X512 void scores_avx512(const Problem& P, const i64* rows, i64 nk, i64 h, const float* qb, const i64* rl, i64 nr,
+                        float* sc, const i64* next, i64 nn) {
+    const i64 D = P.D, Dp = NC * L;
+    for (i64 j = 0; j < nk; ++j) {
+        if (j < nn) prefetch_row<DT>(P.k, (next[j] * P.Hkv + h) * D, D);
+        __m512 kc[NC];
+        load_row<DT, NC>(P.k, (rows[j] * P.Hkv + h) * D, D, kc);
+        for (i64 i0 = 0; i0 < nr; i0 += 4) {  // four rows per reduction
+            __m512 p[4];
+#pragma GCC unroll 4
+            for (int g = 0; g < 4; ++g) {
+                p[g] = _mm512_setzero_ps();
+                if (i0 + g < nr) {
+                    const float* q = qb + rl[i0 + g] * Dp;
+#pragma GCC unroll 16
+                    for (int c = 0; c < NC; ++c) p[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + c * L), kc[c], p[g]);
+                }
+            }
+            alignas(64) float lanes[L];
+            _mm512_store_ps(lanes, lane_tree4(p[0], p[1], p[2], p[3]));
+#pragma GCC unroll 4
+            for (int g = 0; g < 4; ++g)
+                if (i0 + g < nr) sc[rl[i0 + g] * BK + j] = lanes[4 * g];
+        }
+    }
+}
+
+template <int DT, int NC>
+X512 void values_avx512(const Problem& P, const i64* rows, i64 nk, i64 h, const float* sc, const i64* rl, i64 nr,
+                        float* acc, const i64* next, i64 nn) {
+    for (i64 j = 0; j < nn; ++j) prefetch_row<DT>(P.v, (next[j] * P.Hkv + h) * D_of(P), D_of(P));
+    // groups of GR rows whose accumulators stay in registers over the block's keys; each value row
+    // is loaded (and converted) once per group
+    constexpr int GR = NC <= 4 ? 4 : NC <= 8 ? 2 : 1;
+    const i64 D = P.D, Dp = NC * L;
+    for (i64 i0 = 0; i0 < nr; i0 += GR) {
+        const i64 ng = std::min<i64>(GR, nr - i0);
+        __m512 a[GR][NC];
+#pragma GCC unroll 4
+        for (int g = 0; g < GR; ++g)
+#pragma GCC unroll 16
+            for (int c = 0; c < NC; ++c)
+                a[g][c] = g < ng ? _mm512_loadu_ps(acc + rl[i0 + g] * Dp + c * L) : _mm512_setzero_ps();
+        for (i64 j = 0; j < nk; ++j) {
+            float pj[GR];
+            bool any = false;
+#pragma GCC unroll 4
+            for (int g = 0; g < GR; ++g) {
+                pj[g] = g < ng ? sc[rl[i0 + g] * BK + j] : 0.f;
+                any = any || pj[g] != 0.f;
+            }
+            if (!any) continue;
+            __m512 vc[NC];
+            load_row<DT, NC>(P.v, (rows[j] * P.Hkv + h) * D, D, vc);
+#pragma GCC unroll 4
+            for (int g = 0; g < GR; ++g) {
+                if (pj[g] == 0.f) continue;  // as the portable path: a zero weight adds nothing
+                const __m512 pv = _mm512_set1_ps(pj[g]);
+#pragma GCC unroll 16
+                for (int c = 0; c < NC; ++c) a[g][c] = _mm512_fmadd_ps(pv, vc[c], a[g][c]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int g = 0; g < GR; ++g)
+            if (g < ng)
+#pragma GCC unroll 16
+                for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + rl[i0 + g] * Dp + c * L, a[g][c]);
+    }
+}
+
+#define NOPAD_CHUNKS(F, ...)                                                                             \
+    switch ((P.D + L - 1) / L) {                                                                         \
+        case 1: return F<DT, 1>(__VA_ARGS__);  case 2: return F<DT, 2>(__VA_ARGS__);                    \
+        case 3: return F<DT, 3>(__VA_ARGS__);  case 4: return F<DT, 4>(__VA_ARGS__);                    \
+        case 5: return F<DT, 5>(__VA_ARGS__);  case 6: return F<DT, 6>(__VA_ARGS__);                    \
+        case 7: return F<DT, 7>(__VA_ARGS__);  case 8: return F<DT, 8>(__VA_ARGS__);                    \
+        case 9: return F<DT, 9>(__VA_ARGS__);  case 10: return F<DT, 10>(__VA_ARGS__);                  \
+        case 11: return F<DT, 11>(__VA_ARGS__); case 12: return F<DT, 12>(__VA_ARGS__);                 \
+        case 13: return F<DT, 13>(__VA_ARGS__); case 14: return F<DT, 14>(__VA_ARGS__);                 \
+        case 15: return F<DT, 15>(__VA_ARGS__); default: return F<DT, 16>(__VA_ARGS__);                 \
+    }
+
+template <int DT>
+struct Avx512Ops {
+    X512 static void scores(const Problem& P, const i64* rows, i64 nk, i64 h, const float* qb, const i64* rl,
+                            i64 nr, float* sc, float*, const i64* next, i64 nn) {
+        NOPAD_CHUNKS(scores_avx512, P, rows, nk, h, qb, rl, nr, sc, next, nn)
+    }
+    X512 static void values(const Problem& P, const i64* rows, i64 nk, i64 h, const float* sc, const i64* rl,
+                            i64 nr, float* acc, float*, const i64* next, i64 nn) {
+        NOPAD_CHUNKS(values_avx512, P, rows, nk, h, sc, rl, nr, acc, next, nn)
+    }
+};
+#endif
+
+// Query rows of one head at least this many: transpose the head's block once and score it with
+// dot_block; fewer (decode): score each key in place with dot_key. A speed choice only.
+constexpr i64 TRANSPOSE_ROWS = 16;
+
+// The cache rows of keys key0 .. key0 + n - 1 of sequence seq (paged: walking the block table
+// without a division per key).
+ALWAYS_INLINE void key_rows(const Problem& P, i64 seq, i64 key0, i64 n, i64* rows) {
+    if (P.table) {
+        i64 page = key0 / P.block_size, off = key0 % P.block_size;
+        const i32* trow = P.table + seq * P.table_width;
+        for (i64 j = 0; j < n; ++j) {
+            rows[j] = static_cast<i64>(trow[page]) * P.block_size + off;
+            if (++off == P.block_size) off = 0, ++page;
+        }
+    } else {
+        for (i64 j = 0; j < n; ++j) rows[j] = P.k_start[seq] + key0 + j;
+    }
+}
+
+template <int DT, class Ops>
+ALWAYS_INLINE void attend_body(const Problem& P, const Item& it, Scratch& S) {
+    const i64 H = P.H, Hkv = P.Hkv, G = H / Hkv, D = P.D, Dp = (D + L - 1) / L * L;
     const i64 qlen = P.cu_q[it.seq + 1] - P.cu_q[it.seq];
     const i64 klen = P.lens_k[it.seq];
-    const i64 R = it.nt * G;  // query rows: (token, group head)
+    const i64 R = it.nt * H;
+    float* __restrict qb = S.q.data();
+    float* __restrict acc = S.acc.data();
+    float* __restrict sc = S.s.data();
+    i64* lo = S.lo.data();
+    i64* hi = S.hi.data();
+    i64* rows = S.rows.data();
+    char* active = S.active.data();
     i64 first_block = std::numeric_limits<i64>::max(), last_block = -1;
     for (i64 t = 0; t < it.nt; ++t) {
         const i64 token = P.cu_q[it.seq] + it.t0 + t;
         const i64 pos = klen - qlen + it.t0 + t;  // the query's position among its keys
         const i64 top = P.causal ? pos : klen - 1;
         const i64 bottom = P.window > 0 ? std::max<i64>(0, pos - P.window + 1) : 0;
-        for (i64 g = 0; g < G; ++g) {
-            const i64 r = t * G + g;
-            const i64 head = it.kv_head * G + g;
-            for (i64 d = 0; d < D; ++d) qbuf[r * D + d] = load<DT>(P.q, (token * P.H + head) * D + d);
+        for (i64 head = 0; head < H; ++head) {
+            const i64 r = t * H + head;
+            for (i64 d = 0; d < D; ++d) qb[r * Dp + d] = load<DT>(P.q, (token * H + head) * D + d);
+            for (i64 d = D; d < Dp; ++d) qb[r * Dp + d] = 0.f;
             lo[r] = bottom;
             hi[r] = top;
-            mrow[r] = NEG_INF;
-            lrow[r] = 0.f;
-            std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
+            S.m[r] = NEG_INF;
+            S.l[r] = 0.f;
+            std::fill(acc + r * Dp, acc + (r + 1) * Dp, 0.f);
         }
         first_block = std::min(first_block, bottom / BK);
         last_block = std::max(last_block, top / BK);
     }
+    const i64 row_stride = Hkv * D;
+    const i64 lists = QT * G + 1;  // per KV head: [count, rows...] of its rows active in this block
+    i64* heads_rows = S.vrows.data();
     for (i64 b = first_block; b <= last_block; ++b) {
-        // this block's keys and values, as fp32, keys transposed (d-major); missing keys are zero
-        for (i64 j = 0; j < BK; ++j) {
-            const i64 key = b * BK + j;
-            if (key >= klen) {
-                for (i64 d = 0; d < D; ++d) kt[d * BK + j] = 0.f;
-                std::fill(vb + j * D, vb + (j + 1) * D, 0.f);
-                continue;
-            }
-            const i64 row = P.table ? static_cast<i64>(P.table[it.seq * P.table_width + key / P.block_size]) *
-                                              P.block_size + key % P.block_size
-                                    : P.k_start[it.seq] + key;
-            const i64 base = (row * P.Hkv + it.kv_head) * D;
-            for (i64 d = 0; d < D; ++d) kt[d * BK + j] = load<DT>(P.k, base + d);
-            for (i64 d = 0; d < D; ++d) vb[j * D + d] = load<DT>(P.v, base + d);
+        const i64 key0 = b * BK;
+        const i64 nk = std::min<i64>(BK, klen - key0);
+        key_rows(P, it.seq, key0, nk, rows);
+        i64* next = S.rows.data() + BK;  // the next block's rows: prefetched while this one computes
+        const i64 nn = b < last_block ? std::min<i64>(BK, klen - key0 - BK) : 0;
+        key_rows(P, it.seq, key0 + BK, nn, next);
+        for (i64 r = 0; r < R; ++r) active[r] = b >= lo[r] / BK && b <= hi[r] / BK;  // a row's own blocks
+        bool few = true;  // every head's active rows few: score key by key, K read in place
+        for (i64 h = 0; h < Hkv; ++h) {
+            i64* hr = heads_rows + h * lists;
+            hr[0] = 0;
+            for (i64 t = 0; t < it.nt; ++t)
+                for (i64 g = 0; g < G; ++g)
+                    if (active[t * H + h * G + g]) hr[1 + hr[0]++] = t * H + h * G + g;
+            few = few && hr[0] < TRANSPOSE_ROWS;
         }
+        // scores
+        if (few) {
+            for (i64 h = 0; h < Hkv; ++h) {
+                const i64* hr = heads_rows + h * lists;
+                if (hr[0]) Ops::scores(P, rows, nk, h, qb, hr + 1, hr[0], sc, S.kbuf.data(), next, nn);
+            }
+        } else {
+            for (i64 h = 0; h < Hkv; ++h) {
+                const i64* hr = heads_rows + h * lists;
+                if (!hr[0]) continue;
+                float* kt = S.kt.data();
+                for (i64 j = 0; j < BK; ++j) {
+                    if (j < nk) {
+                        const i64 base = rows[j] * row_stride + h * D;
+                        for (i64 d = 0; d < D; ++d) kt[d * BK + j] = load<DT>(P.k, base + d);
+                        for (i64 d = D; d < Dp; ++d) kt[d * BK + j] = 0.f;
+                    } else {
+                        for (i64 d = 0; d < Dp; ++d) kt[d * BK + j] = 0.f;
+                    }
+                }
+                for (i64 i = 0; i < hr[0]; ++i)
+                    dot_block(qb + hr[1 + i] * Dp, kt, S.lanes.data(), sc + hr[1 + i] * BK, Dp);
+            }
+        }
+        // online softmax, per row, vectorised over the block's keys
         for (i64 r = 0; r < R; ++r) {
-            if (b < lo[r] / BK || b > hi[r] / BK) continue;  // a row visits only its own blocks
-            float* sr = s + r * BK;
-            const float* qr = qbuf + r * D;
-            for (i64 j = 0; j < BK; ++j) sr[j] = 0.f;
-            for (i64 d = 0; d < D; ++d) {  // over d in order; vectorised across the block's keys
-                const float qd = qr[d];
-                const float* kd = kt + d * BK;
-                for (i64 j = 0; j < BK; ++j) sr[j] += qd * kd[j];
-            }
+            if (!active[r]) continue;
+            float* __restrict sr = sc + r * BK;
+            float x[BK];
             float block_max = NEG_INF;
-            for (i64 j = 0; j < BK; ++j) {
-                const i64 key = b * BK + j;
-                float x = sr[j] * P.scale;
-                if (P.softcap > 0.f) x = P.softcap * tanh_fixed(x / P.softcap);
-                const bool visible = key >= lo[r] && key <= hi[r] && key < klen;
-                sr[j] = visible ? x : NEG_INF;
-                block_max = std::max(block_max, sr[j]);
+            // the row's visible keys in this block: j in [jlo, jhi]
+            const i32 jlo = static_cast<i32>(std::max<i64>(lo[r] - key0, 0));
+            const i32 jhi = static_cast<i32>(std::min<i64>(hi[r] - key0, nk - 1));
+            if (P.softcap > 0.f) {
+                for (int j = 0; j < BK; ++j) x[j] = P.softcap * tanh_fixed(sr[j] * P.scale / P.softcap);
+            } else {
+                for (int j = 0; j < BK; ++j) x[j] = sr[j] * P.scale;
             }
-            const float m_new = std::max(mrow[r], block_max);
-            const float alpha = mrow[r] == NEG_INF ? 0.f : exp_neg(mrow[r] - m_new);
-            float total = 0.f;
-            for (i64 j = 0; j < BK; ++j) {
-                sr[j] = sr[j] == NEG_INF ? 0.f : exp_neg(sr[j] - m_new);
-                total += sr[j];
+            for (int j = 0; j < BK; ++j) x[j] = j >= jlo && j <= jhi ? x[j] : NEG_INF;
+            float mx[BK / 2];  // max by a halving tree (exact in any order; vectorises)
+            for (int j = 0; j < BK / 2; ++j) mx[j] = std::max(x[j], x[j + BK / 2]);
+            for (int w = BK / 4; w >= 1; w /= 2)
+                for (int j = 0; j < w; ++j) mx[j] = std::max(mx[j], mx[j + w]);
+            block_max = mx[0];
+            const float m_new = std::max(S.m[r], block_max);
+            const float alpha = S.m[r] == NEG_INF ? 0.f : exp_neg(S.m[r] - m_new);
+            for (int j = 0; j < BK; ++j) {
+                const float e = exp_neg(x[j] - m_new);
+                sr[j] = x[j] == NEG_INF ? 0.f : e;
             }
-            lrow[r] = lrow[r] * alpha + total;
-            mrow[r] = m_new;
-            float* ar = acc + r * D;
-            for (i64 d = 0; d < D; ++d) ar[d] *= alpha;
-            for (i64 j = 0; j < BK; ++j) {
-                const float p = sr[j];
-                if (p == 0.f) continue;
-                const float* vj = vb + j * D;
-                for (i64 d = 0; d < D; ++d) ar[d] += p * vj[d];
-            }
+            float p[BK / 2];  // the block's sum by a fixed halving tree
+            for (int j = 0; j < BK / 2; ++j) p[j] = sr[j] + sr[j + BK / 2];
+            for (int w = BK / 4; w >= 1; w /= 2)
+                for (int j = 0; j < w; ++j) p[j] = p[j] + p[j + w];
+            S.l[r] = S.l[r] * alpha + p[0];
+            S.m[r] = m_new;
+            float* __restrict ar = acc + r * Dp;
+            for (i64 d = 0; d < Dp; ++d) ar[d] = ar[d] * alpha;
+        }
+        // values: each row adds p * v over the block's keys in order
+        for (i64 h = 0; h < Hkv; ++h) {
+            const i64* hr = heads_rows + h * lists;
+            if (hr[0]) Ops::values(P, rows, nk, h, sc, hr + 1, hr[0], acc, S.vbuf.data(), next, nn);
         }
     }
     for (i64 t = 0; t < it.nt; ++t) {
         const i64 token = P.cu_q[it.seq] + it.t0 + t;
-        for (i64 g = 0; g < G; ++g) {
-            const i64 r = t * G + g;
-            const i64 head = it.kv_head * G + g;
-            const float inv = 1.f / lrow[r];
-            for (i64 d = 0; d < D; ++d) store<DT>(P.out, (token * P.H + head) * D + d, acc[r * D + d] * inv);
+        for (i64 head = 0; head < H; ++head) {
+            const i64 r = t * H + head;
+            const float inv = 1.f / S.l[r];
+            for (i64 d = 0; d < D; ++d) store<DT>(P.out, (token * H + head) * D + d, acc[r * Dp + d] * inv);
         }
     }
 }
+
+template <int DT>
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+void attend_item_portable(const Problem& P, const Item& it, Scratch& S) {
+    attend_body<DT, PortableOps<DT>>(P, it, S);
+}
+
+#if defined(__x86_64__)
+template <int DT>
+X512 void attend_item_avx512(const Problem& P, const Item& it, Scratch& S) {
+    attend_body<DT, Avx512Ops<DT>>(P, it, S);
+}
+const bool supports_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+#else
+const bool supports_avx512 = false;
+#endif
+bool use_avx512 = supports_avx512;
 
 template <int DT>
 void run(const Problem& P, i64 num_seqs, int threads) {
     std::vector<Item> items;
     for (i64 i = 0; i < num_seqs; ++i) {
         const i64 qlen = P.cu_q[i + 1] - P.cu_q[i];
-        for (i64 h = 0; h < P.Hkv; ++h)
-            for (i64 t0 = 0; t0 < qlen; t0 += QT) items.push_back({i, h, t0, std::min<i64>(QT, qlen - t0)});
+        for (i64 t0 = 0; t0 < qlen; t0 += QT) items.push_back({i, t0, std::min<i64>(QT, qlen - t0)});
     }
     // longest work first (late query tiles of long sequences see the most keys)
     std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
@@ -227,16 +546,21 @@ void run(const Problem& P, i64 num_seqs, int threads) {
         const i64 kb = P.lens_k[b.seq] - (P.cu_q[b.seq + 1] - P.cu_q[b.seq]) + b.t0;
         return ka > kb;
     });
-    const i64 G = P.H / P.Hkv, D = P.D, R = QT * G;
+    const i64 Dp = (P.D + L - 1) / L * L, R = QT * P.H;
     const i64 n = static_cast<i64>(items.size());
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(static_cast<int>(std::max<i64>(1, std::min<i64>(threads, n))))
     {
-        std::vector<float> qbuf(R * D), acc(R * D), m(R), l(R), kt(D * BK), vb(BK * D), s(R * BK);
-        std::vector<i64> lo(R), hi(R);
+        Scratch scratch(R, Dp, P.H);
 #pragma omp for schedule(dynamic, 1)
-        for (i64 w = 0; w < n; ++w)
-            attend_item<DT>(P, items[w], qbuf.data(), acc.data(), m.data(), l.data(), lo.data(), hi.data(),
-                            kt.data(), vb.data(), s.data());
+        for (i64 w = 0; w < n; ++w) {
+#if defined(__x86_64__)
+            if (use_avx512) {
+                attend_item_avx512<DT>(P, items[w], scratch);
+                continue;
+            }
+#endif
+            attend_item_portable<DT>(P, items[w], scratch);
+        }
     }
 }
 
@@ -252,6 +576,7 @@ void forward(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, int dtype, i6
         if (cu_q.data()[i + 1] - cu_q.data()[i] > lens_k.data()[i] || cu_q.data()[i + 1] < cu_q.data()[i])
             throw std::invalid_argument("a sequence has more queries than keys");
     if (H % Hkv) throw std::invalid_argument("query heads must be a multiple of kv heads");
+    if (D < 1 || D > MAX_D) throw std::invalid_argument("head dim must be in [1, 256]");
     larray starts;
     iarray tab;
     Problem P{};
@@ -306,4 +631,9 @@ PYBIND11_MODULE(_varlen_attention, m) {
           py::arg("key_rows"), py::arg("cu_q"), py::arg("lens_k"), py::arg("k_start"), py::arg("table"), py::arg("block_size"),
           py::arg("H"), py::arg("Hkv"), py::arg("D"), py::arg("scale"), py::arg("softcap"), py::arg("window"),
           py::arg("causal"), py::arg("threads"));
+    m.def("isa", [] { return use_avx512 ? "avx512" : "portable"; },
+          "The code path forward runs on this CPU (both give the same bits).");
+    m.def("set_portable", [](bool portable) {
+        use_avx512 = !portable && supports_avx512;
+    }, "Force the portable path (tests compare its bits with the AVX-512 path's).");
 }

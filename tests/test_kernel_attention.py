@@ -98,3 +98,55 @@ def test_bad_block_table_is_an_error_not_a_crash():
                                  block_size=2, scale=1.0)
     with pytest.raises(ValueError, match="out of range"):
         kernel_attention.forward(q, k, v, VarlenMeta.for_step([1], [5]), scale=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("group,dim", [(1, 64), (3, 64), (8, 64), (1, 128), (3, 128), (8, 128), (3, 72)])
+def test_decode_matches_sdpa_for_head_shapes(group, dim, block_size, dtype):
+    """GQA group sizes of real models (1, SmolLM2's 3, 8) and head dims of a whole number of the
+    kernel's 16 lanes and not (72), with keys read in place from small and large KV blocks."""
+    context_lens = [0, 31, 32, 33, 290]
+    q, k, v, meta, cache = _paged_step([1] * len(context_lens), context_lens, block_size, 2, 2 * group,
+                                       dim=dim, dtype=dtype)
+    ref = varlen_attention(q.float(), k.float(), v.float(), meta, kv_cache=tuple(c.float() for c in cache),
+                           backend="sdpa_loop")
+    with torch.no_grad():
+        got = varlen_attention(q, k, v, meta, kv_cache=cache, backend="kernel")
+    torch.testing.assert_close(got.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [64, 72])
+def test_decode_path_and_block_path_give_the_same_bits(dtype, dim):
+    """A whole sequence at once (8 tokens x 8 heads of a group: the transposed-block path) equals
+    each token as its own decode query (the per-key path), bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    n, heads, kv_heads = 70, 16, 2  # 8 tokens x 8 heads of a group: the transposed path
+    q, k, v = (torch.randn(n, h, dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    whole = kernel_attention.forward(q, k, v, VarlenMeta.from_lengths([n]), scale=0.2, softcap=30.0)
+    one_by_one = torch.cat([
+        kernel_attention.forward(q[t : t + 1], k[: t + 1], v[: t + 1], VarlenMeta.for_step([1], [t]),
+                                 scale=0.2, softcap=30.0)
+        for t in range(n)
+    ])
+    assert torch.equal(whole, one_by_one)
+
+
+@pytest.mark.skipif(kernel_attention.kernel() is None or kernel_attention.kernel().isa() != "avx512",
+                    reason="needs a CPU with AVX-512 to compare its path with the portable one")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [64, 72])
+def test_portable_and_avx512_paths_give_the_same_bits(dtype, dim):
+    q, k, v, meta, cache = _paged_step([1, 9, 1, 20], [40, 0, 3, 33], 4, 2, 6, dim=dim, dtype=dtype)
+    flat = [c.view(-1, *c.shape[2:]) for c in cache]
+    ext = kernel_attention.kernel()
+    runs = []
+    try:
+        for portable in (False, True):
+            ext.set_portable(portable)
+            runs.append(kernel_attention.forward(q, *flat, meta, table=meta.block_table, block_size=4,
+                                                 scale=0.3, window=25))
+    finally:
+        ext.set_portable(False)
+    assert torch.equal(runs[0], runs[1])

@@ -1,0 +1,147 @@
+"""Does the paged attention kernel decode at memory speed? Kernel vs per-sequence SDPA, in GB/s.
+
+A decode step reads every sequence's cached K/V once per layer; at batch >= 32 that read is the
+floor of attention's time. This script measures, in one run:
+
+1. the machine's memory read bandwidth: ``torch.sum`` over a 1 GiB fp32 buffer (far larger than
+   the last-level cache), best of several, with the same thread count as the kernel;
+2. one paged decode step (48 sequences of 150-450 cached tokens, one new token each) for two
+   shapes, SmolLM2-135M (9 heads, 3 KV heads, dim 64) and a G=8 shape (16 heads, 2 KV heads,
+   dim 128), in fp32, bf16 and fp16, with KV blocks of 16 and 256 tokens, for the compiled kernel
+   (``packing.kernel_attention.forward``, keys read in place) and for the per-sequence SDPA path
+   (``varlen_attention(backend="sdpa_loop")``, the peer).
+
+Each layer has its own cache and the timed call runs over enough layers (>= 256 MB of K/V, 8x
+the L3 here) that every layer's K/V come from memory, as in a real step. It prints the K/V bytes
+read per layer, ms per layer, GB/s and the percentage of the measured bandwidth.
+
+    python benchmarks/bench_kernel_bandwidth.py [--threads N] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from packing import kernel_attention  # noqa: E402
+from packing.attention import varlen_attention  # noqa: E402
+from packing.varlen import VarlenMeta  # noqa: E402
+
+SHAPES = [("SmolLM2 9/3 heads, dim 64", 9, 3, 64), ("G=8 16/2 heads, dim 128", 16, 2, 128)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+BLOCK_SIZES = [16, 256]
+KV_BYTES_PER_CALL = 256 << 20
+
+
+def best_of(fn, repeats: int) -> float:
+    """Best wall time of ``fn`` in seconds, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def read_bandwidth(repeats: int) -> float:
+    """Memory read bandwidth in GB/s: a sum over 1 GiB of fp32 (torch's vectorised reduction uses
+    the threads set by torch.set_num_threads)."""
+    buf = torch.ones(1 << 28, dtype=torch.float32)
+    seconds = best_of(lambda: buf.sum(), repeats)
+    return buf.numel() * buf.element_size() / seconds / 1e9
+
+
+def paged_step(num_seqs: int, heads: int, kv_heads: int, dim: int, block: int, dtype: torch.dtype):
+    """A decode step's meta and queries plus enough per-layer paged caches to exceed the LLC."""
+    rng = np.random.default_rng(0)
+    ctx = rng.integers(150, 451, num_seqs)
+    key_lens = ctx + 1
+    need = -(-key_lens // block)
+    num_blocks = int(need.sum())
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    table = torch.zeros(num_seqs, int(need.max()), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[start : start + n]
+        start += n
+    meta = VarlenMeta.for_step([1] * num_seqs, ctx, block_table=table)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    kv_bytes = int(key_lens.sum()) * kv_heads * dim * 2 * itemsize  # K and V, the keys actually read
+    layers = max(1, -(-KV_BYTES_PER_CALL // kv_bytes))
+    gen = torch.Generator().manual_seed(1)
+    caches = [
+        tuple(torch.randn(num_blocks, block, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+        for _ in range(layers)
+    ]
+    q = torch.randn(num_seqs, heads, dim, generator=gen).to(dtype)
+    return meta, q, caches, kv_bytes
+
+
+def decode_case(num_seqs, heads, kv_heads, dim, block, dtype, repeats):
+    meta, q, caches, kv_bytes = paged_step(num_seqs, heads, kv_heads, dim, block, dtype)
+    scale = dim ** -0.5
+
+    def kernel_layer(cache):
+        flat = [c.view(-1, kv_heads, dim) for c in cache]
+        return kernel_attention.forward(q, *flat, meta, table=meta.block_table, block_size=block, scale=scale)
+
+    def kernel():
+        for cache in caches:
+            kernel_layer(cache)
+
+    def sdpa():
+        with torch.no_grad():
+            for cache in caches:
+                varlen_attention(q, None, None, meta, kv_cache=cache, backend="sdpa_loop")
+
+    # same answer first: a fast wrong kernel is no result
+    got = kernel_layer(caches[0])
+    with torch.no_grad():
+        ref = varlen_attention(q.float(), None, None, meta, kv_cache=tuple(c.float() for c in caches[0]),
+                               backend="sdpa_loop")
+    err = (got.float() - ref).abs().max().item()
+    layers = len(caches)
+    return kv_bytes, best_of(kernel, repeats) / layers, best_of(sdpa, max(1, repeats // 2)) / layers, err
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--seqs", type=int, default=48)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    args = parser.parse_args()
+    if kernel_attention.kernel() is None:
+        raise SystemExit("the attention kernel is not built: python setup.py build_ext --inplace")
+    torch.set_num_threads(args.threads)
+    repeats = 2 if args.quick else 5
+    bandwidth = read_bandwidth(repeats)
+    print(f"torch {torch.__version__}, {args.threads} threads, load average {os.getloadavg()[0]:.2f}")
+    print(f"memory read bandwidth (torch.sum over 1 GiB fp32, best of {repeats}): {bandwidth:.1f} GB/s")
+    print(f"decode step: {args.seqs} sequences x 150-450 cached tokens + 1 new; per layer, K/V from memory\n")
+    head = (f"{'shape':27s} {'dtype':9s} {'block':>5s} {'KV MB':>7s} | {'kernel ms':>9s} {'GB/s':>6s}"
+            f" {'% bw':>5s} | {'sdpa ms':>8s} {'GB/s':>6s} {'% bw':>5s} | {'speedup':>7s} {'max err':>8s}")
+    print(head)
+    print("-" * len(head))
+    for name, heads, kv_heads, dim in SHAPES:
+        for dtype in DTYPES:
+            for block in BLOCK_SIZES:
+                kv_bytes, t_kernel, t_sdpa, err = decode_case(args.seqs, heads, kv_heads, dim, block, dtype,
+                                                              repeats)
+                gk, gs = kv_bytes / t_kernel / 1e9, kv_bytes / t_sdpa / 1e9
+                print(f"{name:27s} {str(dtype)[6:]:9s} {block:5d} {kv_bytes / 1e6:7.2f} | "
+                      f"{t_kernel * 1e3:9.3f} {gk:6.1f} {100 * gk / bandwidth:4.0f}% | "
+                      f"{t_sdpa * 1e3:8.3f} {gs:6.1f} {100 * gs / bandwidth:4.0f}% | "
+                      f"{t_sdpa / t_kernel:6.2f}x {err:8.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
