@@ -337,6 +337,8 @@ def parse_args(argv=None):
     p.add_argument("--floor-context", type=int, default=256, help="prompt tokens of each of them")
     p.add_argument("--floor-steps", type=int, default=10)
     p.add_argument("--skip-floor", action="store_true")
+    p.add_argument("--no-floor-compiled", dest="floor_compiled", action="store_false",
+                   help="skip timing the compiled decode step (its first compilation takes ~1-2 min)")
     p.add_argument("--tiny-model", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = p.parse_args(argv)
@@ -347,6 +349,7 @@ def parse_args(argv=None):
         args.prefill_prompts, args.prefill_min_prompt, args.prefill_max_prompt = 4, 64, 256
         args.prefill_min_new, args.prefill_max_new = 4, 8
         args.floor_batch, args.floor_context, args.floor_steps = 8, 48, 3
+        args.floor_compiled = False
     unknown = [d for d in args.dtypes if d not in DTYPES]
     if unknown:
         p.error(f"--dtypes: unknown {unknown}; choose from {sorted(DTYPES)}")
@@ -500,26 +503,18 @@ class _AttentionTimer:
         return False
 
 
-def decode_floor(model, tok, args, report: dict) -> None:
-    """Time nopad's decode step at ``--floor-batch`` sequences of ``--floor-context`` tokens against
-    its floor: the bare linear layers at that batch plus reading the step's K/V once at the
-    machine's measured read bandwidth."""
+def time_decode_steps(model, tok, prompts: list[list[int]], args, **gen_kwargs) -> tuple[float, float]:
+    """Median seconds of one decode step of all ``prompts`` (after their prefill and two warm-up
+    decode steps, which also compile with ``compile_decode``), and of its attention calls."""
     from inference.generator import Generator
     from inference.sampling_params import SamplingParams
 
-    batch, context, steps = args.floor_batch, args.floor_context, args.floor_steps
-    config = model.config
-    dtype = next(model.parameters()).dtype
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    bw = read_bandwidth(args.threads)
-    linear_s = bare_linear_seconds(model, batch)
-    g = torch.Generator().manual_seed(args.seed)
-    prompts = [torch.randint(100, config.vocab_size - 100, (context,), generator=g).tolist()
-               for _ in range(batch)]
+    steps, batch, context = args.floor_steps, len(prompts), len(prompts[0])
     gen = Generator(model, tok, block_size=args.block_size,
                     max_num_batched_tokens=max(args.max_batch_tokens, 2048),
                     max_num_seqs=max(batch, args.max_seqs),
-                    num_blocks=batch * math.ceil((context + 2 * steps + 8) / args.block_size) + 8)
+                    num_blocks=batch * math.ceil((context + 2 * steps + 8) / args.block_size) + 8,
+                    **gen_kwargs)
     ids = [gen.add_request(p, SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True))
            for p in prompts]
     while gen.stats()["decode_tokens"] < 2 * batch:
@@ -534,8 +529,24 @@ def decode_floor(model, tok, args, report: dict) -> None:
     for rid in ids:
         gen.abort(rid)
     gen.release()
-    step_s = sorted(times)[len(times) // 2]
-    attn_s = sorted(attn)[len(attn) // 2]
+    return sorted(times)[len(times) // 2], sorted(attn)[len(attn) // 2]
+
+
+def decode_floor(model, tok, args, report: dict) -> None:
+    """Time nopad's decode step at ``--floor-batch`` sequences of ``--floor-context`` tokens against
+    its floor: the bare linear layers at that batch plus reading the step's K/V once at the
+    machine's measured read bandwidth. Eager (the default) and with ``compile_decode=True``
+    (torch.compile fuses the model's small ops around the attention kernel)."""
+    batch, context, steps = args.floor_batch, args.floor_context, args.floor_steps
+    config = model.config
+    dtype = next(model.parameters()).dtype
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    bw = read_bandwidth(args.threads)
+    linear_s = bare_linear_seconds(model, batch)
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(100, config.vocab_size - 100, (context,), generator=g).tolist()
+               for _ in range(batch)]
+    step_s, attn_s = time_decode_steps(model, tok, prompts, args)
     ctx = context + 3 + steps // 2  # mean keys per sequence during the timed steps
     per_key = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize  # K and V
     kv_bytes = batch * ctx * per_key
@@ -554,6 +565,12 @@ def decode_floor(model, tok, args, report: dict) -> None:
     report["decode_floor"] = {"batch": batch, "keys": ctx, "bandwidth_gb_s": bw / 1e9,
                               "kv_mb": kv_bytes / 1e6, "linear_ms": linear_s * 1e3, "floor_ms": floor * 1e3,
                               "step_ms": step_s * 1e3, "attention_ms": attn_s * 1e3, "ratio": step_s / floor}
+    if args.floor_compiled:
+        print("  compiling the decode step (compile_decode=True) ...", flush=True)
+        compiled_s, _ = time_decode_steps(model, tok, prompts, args, compile_decode=True)
+        print(f"  nopad step with compile_decode=True {compiled_s * 1e3:.1f} ms = {compiled_s / floor:.2f}x "
+              f"the floor")
+        report["decode_floor"].update(compiled_step_ms=compiled_s * 1e3, compiled_ratio=compiled_s / floor)
 
 
 def main(argv=None) -> dict:

@@ -121,6 +121,17 @@ def build_static_decode(plan: StepPlan, block_size: int, device, scratch_block: 
     return StepInputs(d_ids[None], None, None, list(range(num)), decode=decode, position_ids=d_pos[None])
 
 
+def _mark_dynamic(step: StepInputs) -> None:
+    """Rows and block-table width of a static decode step as dynamic dimensions for torch.compile."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    for t in (step.input_ids, step.position_ids):
+        mark(t, 1)
+    mark(step.decode.block_table, 0)
+    mark(step.decode.block_table, 1)
+    mark(step.decode.context_lens, 0)
+    mark(step.decode.slot_mapping, 0)
+
+
 class ModelRunner:
     """Owns nothing but references: the live model and the generator's KV cache."""
 
@@ -138,6 +149,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_width = max_blocks_per_seq or kv_cache.num_blocks
         self.decode_forward = model
+        self.dynamic_decode = False
         self.static_steps = 0  # decode steps that ran padded to a bucket (for tests and stats)
         self.static_shapes: set[tuple[int, int]] = set()  # (rows, block-table width) buckets seen
         if compile_decode:
@@ -145,8 +157,10 @@ class ModelRunner:
             if cuda:  # the cache is mutated in place: mark it static so the CUDA graph keeps it
                 for t in kv_cache.k + kv_cache.v:
                     torch._dynamo.mark_static_address(t)
-            # CUDA graphs need static shapes (one graph per bucket); on CPU the first recompile
-            # marks the batch and table width dynamic, so two compilations cover every bucket
+            # CUDA graphs need static shapes (one graph per bucket); on CPU the step's rows and
+            # table width are marked dynamic, so one compilation covers every bucket (each
+            # recompilation costs tens of seconds there)
+            self.dynamic_decode = not cuda
             self.decode_forward = torch.compile(model, dynamic=False if cuda else None,
                                                 mode="reduce-overhead" if cuda else None)
 
@@ -159,6 +173,8 @@ class ModelRunner:
                                        self.max_num_seqs, self.max_width)
             self.static_steps += 1
             self.static_shapes.add(tuple(step.decode.block_table.shape))
+            if self.dynamic_decode:
+                _mark_dynamic(step)
             out = self.decode_forward(
                 input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False,
                 nopad_decode=step.decode, nopad_kv_cache=self.kv_cache,
