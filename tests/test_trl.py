@@ -274,3 +274,83 @@ def test_bf16_autocast_and_bf16_weights(tok, tmp_path, one_thread):
                           train_dataset=datasets.Dataset.from_dict({"text": _texts(12, 1)}))
     sft.train()
     assert np.isfinite(sft.state.log_history[-1]["train_loss"])
+
+
+# ----------------------------------------------------------------------------- GRPO trainer side
+def _fixed_rollout(prompts, trainer):
+    """Deterministic completions of varied lengths (1..7 tokens, some ending in EOS): the same
+    rollouts for every trainer compared."""
+    tokenizer = trainer.processing_class
+    prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
+    completions = []
+    for i, ids in enumerate(prompt_ids):
+        n = 1 + (sum(ids) + 3 * i) % 7
+        completion = [6 + (7 * sum(ids) + 11 * i + 5 * j) % 100 for j in range(n)]
+        if i % 3 == 0:
+            completion[-1] = tokenizer.eos_token_id
+        completions.append(completion)
+    return {"prompt_ids": prompt_ids, "completion_ids": completions,
+            "logprobs": [[-1.0] * len(c) for c in completions]}
+
+
+class _GradRecorder(TrainerCallback):
+    def __init__(self):
+        self.grads = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+
+
+def _grpo_step_grads(tok, tmp_path, cls, **kwargs):
+    from trl import GRPOConfig
+
+    model = tiny_model("llama")
+    model.train()
+    recorder = _GradRecorder()
+    # steps_per_generation=2: TRL shuffles the generation batch across two micro-batches, so each
+    # holds parts of groups; temperature 0.7 and the entropy bonus reach the loss too
+    args = GRPOConfig(output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=8,
+                      num_generations=4, steps_per_generation=2, gradient_accumulation_steps=2,
+                      max_completion_length=7, max_steps=1, report_to=[], use_cpu=True, bf16=False,
+                      save_strategy="no", seed=0, temperature=0.7, entropy_coef=0.01, learning_rate=1e-3,
+                      logging_steps=1)
+    prompts = datasets.Dataset.from_dict({"prompt": _texts(4, seed=5, low=2, high=9)})
+    reward = lambda completion_ids, **kw: [float(len(c)) for c in completion_ids]  # noqa: E731
+    trainer = cls(model=model, reward_funcs=reward, args=args, train_dataset=prompts,
+                  processing_class=tok, rollout_func=_fixed_rollout, callbacks=[recorder], **kwargs)
+    trainer.train()
+    return trainer, recorder.grads[0]
+
+
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_nopad_grpo_trainer_logprobs_loss_and_gradients_equal_trls_padded_path(tok, tmp_path, shared_prefix,
+                                                                               one_thread):
+    from trl import GRPOTrainer
+
+    from dataloaders.grpo_trainer import NopadGRPOTrainer
+
+    reference, ref_grads = _grpo_step_grads(tok, tmp_path, GRPOTrainer)
+    nopad, grads = _grpo_step_grads(tok, tmp_path, NopadGRPOTrainer, shared_prefix=shared_prefix)
+    assert nopad.model.config._attn_implementation == "nopad"
+    assert sum(float(g.abs().sum()) for g in ref_grads.values()) > 0
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-5)
+    loss = [h["loss"] for h in nopad.state.log_history if "loss" in h]
+    ref_loss = [h["loss"] for h in reference.state.log_history if "loss" in h]
+    assert loss == pytest.approx(ref_loss, abs=1e-5)
+    # log-probs and entropies of one (shuffled, partial-group) micro-batch, straight
+    batch = nopad._buffered_inputs[0]
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    keep = batch["completion_ids"].size(1)
+    prompts = [tuple(p[m.bool()].tolist()) for p, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
+    assert len(set(prompts)) < len(prompts)  # some completions share a prompt in this micro-batch
+    with torch.no_grad():
+        ours = nopad._get_per_token_logps_and_entropies(nopad.model, ids, mask, keep, compute_entropy=True)
+        nopad.model.set_attn_implementation(reference.model.config._attn_implementation)
+        theirs = GRPOTrainer._get_per_token_logps_and_entropies(nopad, nopad.model, ids, mask, keep,
+                                                                compute_entropy=True)
+    completion_mask = batch["completion_mask"].bool()
+    torch.testing.assert_close(ours[0], theirs[0] * completion_mask, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours[1], theirs[1] * completion_mask, atol=1e-5, rtol=0)
+    assert bool((ours[0][completion_mask] < 0).all())
