@@ -15,9 +15,9 @@ correction to these log-probs too (see :func:`enable_importance_sampling`).
 Which log-probs: TRL scores a completion with ``log_softmax(logits / temperature)``, never
 truncated. vLLM hands TRL *processed* log-probs (after top-p/top-k/min-p renormalisation), which
 biases the ratio whenever those filters are on (TRL #6789). We return the log-prob of the sampled
-token under exactly the trainer's distribution: the generator's raw log-probs at temperature 1,
-its processed ones when temperature is the only processing, and otherwise one extra varlen
-scoring forward (the generator exposes no temperature-scaled log-prob yet).
+token under exactly the trainer's distribution: the generator's ``temperature_logprobs``
+(``softmax(logits / T)`` before repetition penalty and truncation), computed from the very
+logits it sampled from - no second forward.
 
 Consecutive identical prompts become one request with ``n`` samples, so a group's prompt is
 prefilled once and its KV blocks are shared. The KV cache is released before returning, so the
@@ -91,7 +91,7 @@ class NopadRollout:
                         generator.release()  # hand the KV memory to the backward pass
             completions = [c for out in outputs for c in out.outputs]
             completion_ids = [list(c.token_ids) for c in completions]
-            logprobs = self._logprobs(model, trainer, params, prompt_ids, completions)
+            logprobs = [list(c.temperature_logprobs) for c in completions]  # what TRL's trainer scores
         if len(completion_ids) != len(prompts):
             raise RuntimeError(f"generated {len(completion_ids)} completions for {len(prompts)} prompts; "
                                "this is a bug")
@@ -115,18 +115,6 @@ class NopadRollout:
         if self.batch_invariant:
             stack.enter_context(_batch_invariant_context()())
         return stack
-
-    def _logprobs(self, model, trainer, params: SamplingParams, prompt_ids, completions) -> list[list[float]]:
-        """Log-prob of each sampled token under ``softmax(logits / temperature)``: what TRL scores."""
-        if params.temperature == 1.0:
-            return [list(c.logprobs) for c in completions]
-        filtered = (params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0
-                    or params.repetition_penalty != 1.0)
-        if not filtered:
-            return [list(c.sampling_logprobs) for c in completions]
-        with self._context(trainer):
-            completion_ids = [c.token_ids for c in completions]
-            return score_completions(model, prompt_ids, completion_ids, params.temperature)
 
 
 def nopad_rollout_func(*, importance_sampling: bool = False, batch_invariant: bool = False,
@@ -231,48 +219,6 @@ def _runs(prompt_ids: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
         else:
             runs.append((i, 1))
     return runs
-
-
-# ----------------------------------------------------------------------------- scoring
-@torch.no_grad()
-def score_completions(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
-                      completion_ids: Sequence[Sequence[int]], temperature: float = 1.0,
-                      tokens_per_forward: int = 4096) -> list[list[float]]:
-    """``log_softmax(logits / temperature)`` of every completion token, from packed varlen forwards
-    through nopad attention (only the completion positions reach the LM head)."""
-    from packing.binpack import pack
-    from packing.hf import use_nopad_attention
-    from packing.varlen import VarlenMeta
-
-    device = next(model.parameters()).device
-    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
-    lengths = [len(s) for s in seqs]
-    rows = pack(lengths, max(tokens_per_forward, max(lengths)), strategy="nextfit")
-    result: list[list[float]] = [[] for _ in seqs]
-    training = model.training
-    model.eval()
-    try:
-        with use_nopad_attention(model):
-            for row in rows:
-                members = [int(i) for i in row]
-                meta = VarlenMeta.from_lengths([lengths[i] for i in members], device=device)
-                keep, targets, start = [], [], 0
-                for i in members:
-                    p, c = len(prompt_ids[i]), len(completion_ids[i])
-                    keep.extend(range(start + p - 1, start + p + c - 1))  # logits that predict the completion
-                    targets.extend(completion_ids[i])
-                    start += lengths[i]
-                ids = torch.tensor([t for i in members for t in seqs[i]], device=device)[None]
-                logits = model(input_ids=ids, position_ids=meta.position_ids[None], nopad_meta=meta,
-                               use_cache=False, logits_to_keep=torch.tensor(keep, device=device)).logits[0]
-                lp = torch.log_softmax(logits.float() / temperature, dim=-1)
-                picked = lp.gather(1, torch.tensor(targets, device=device)[:, None])[:, 0].tolist()
-                for i in members:
-                    c = len(completion_ids[i])
-                    result[i], picked = picked[:c], picked[c:]
-    finally:
-        model.train(training)
-    return result
 
 
 # ----------------------------------------------------------------------------- TRL's IS correction

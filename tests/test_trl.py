@@ -91,7 +91,8 @@ def test_grpo_trains_and_the_log_probs_make_the_importance_ratio(tok, tmp_path, 
 def test_rollout_matches_trl_contract_and_settings(tok, tmp_path, one_thread):
     """Default path (no IS flag): one completion per prompt entry, groups prefilled once, the
     trainer's sampling settings honoured, and the log-probs are TRL's sampling_per_token_logps."""
-    from inference.trl import nopad_rollout_func, sampling_params, score_completions
+    from inference.sampler import processed_logprobs
+    from inference.trl import nopad_rollout_func, sampling_params
 
     rollout = nopad_rollout_func(max_num_batched_tokens=128)
     trainer = _grpo(tok, tmp_path, rollout, max_steps=1, temperature=0.7, top_p=0.9, top_k=20, min_p=0.01,
@@ -107,14 +108,39 @@ def test_rollout_matches_trl_contract_and_settings(tok, tmp_path, one_thread):
     assert rollout.last_stats["prefill_tokens"] == 3 + 2  # each group's prompt prefilled once
     for completion, logprobs in zip(out["completion_ids"], out["logprobs"]):
         assert 1 <= len(completion) <= 5 and len(completion) == len(logprobs)
-    # with temperature and filters on, the log-probs are those of softmax(logits / T): TRL's
-    expect = score_completions(trainer.model, out["prompt_ids"], out["completion_ids"], 0.7)
-    assert np.allclose(np.concatenate(out["logprobs"]), np.concatenate(expect), atol=1e-5)
+    # with temperature and filters on, the log-probs are those of softmax(logits / T) that TRL's
+    # trainer scores (its own padded forward), not those of the top-p/top-k-truncated distribution
+    trl_logps, logits = _trl_scores(trainer, out["prompt_ids"], out["completion_ids"])
+    ours = np.concatenate(out["logprobs"])
+    assert np.allclose(ours, trl_logps, atol=1e-5)
+    truncated = torch.cat([processed_logprobs(lg, [params] * len(lg))[torch.arange(len(c)), torch.tensor(c)]
+                           for lg, c in zip(logits, out["completion_ids"])])
+    assert float((truncated - torch.tensor(ours)).abs().max()) > 1e-2
     # conversational prompts go through the chat template
     chat = rollout([[{"role": "user", "content": "w30 w31"}]] * 2, trainer)
     assert chat["prompt_ids"][0] == tok("user w30 w31 assistant")["input_ids"]
     trainer.train()
     assert "sampling_per_token_logps" in trainer._buffered_inputs[0]
+
+
+def _trl_scores(trainer, prompt_ids, completion_ids):
+    """TRL's own per-token log-probs of the completions (its padded forward, its temperature), and
+    each completion's raw logits (eager forward, one sequence at a time)."""
+    from trl import GRPOTrainer
+    from trl.trainer.utils import pad
+
+    def padded(rows, side):
+        ids = pad([torch.tensor(r) for r in rows], padding_value=0, padding_side=side)
+        mask = pad([torch.ones(len(r), dtype=torch.long) for r in rows], padding_value=0, padding_side=side)
+        return ids, mask
+
+    (p, pm), (c, cm) = padded(prompt_ids, "left"), padded(completion_ids, "right")
+    with torch.no_grad():
+        logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, torch.cat([p, c], 1), torch.cat([pm, cm], 1), c.size(1))
+        logits = [trainer.model(input_ids=torch.tensor([list(pi) + list(ci)])).logits[0, len(pi) - 1 : -1]
+                  for pi, ci in zip(prompt_ids, completion_ids)]
+    return logps[cm.bool()].numpy(), logits
 
 
 def test_rollout_refuses_what_it_cannot_honour(tok, tmp_path, monkeypatch):
