@@ -46,7 +46,7 @@ def _texts(n: int, seed: int, low: int = 3, high: int = 40) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- GRPO
-def _grpo(tok, tmp_path, rollout, prompts=None, **config):
+def _grpo(tok, tmp_path, rollout, prompts=None, cls=None, batch_invariant=None, **config):
     from trl import GRPOConfig, GRPOTrainer
 
     prompts = prompts if prompts is not None else _texts(8, seed=3, low=2, high=7)
@@ -56,7 +56,13 @@ def _grpo(tok, tmp_path, rollout, prompts=None, **config):
     settings.update(config)
     model = tiny_model("llama")
     model.train()
-    trainer = GRPOTrainer(
+    extra = {}
+    if cls is None:
+        cls = GRPOTrainer
+    if batch_invariant is not None:
+        extra["batch_invariant"] = batch_invariant
+    trainer = cls(
+        **extra,
         model=model,
         reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
         args=GRPOConfig(**settings),
@@ -380,3 +386,41 @@ def test_nopad_grpo_trainer_logprobs_loss_and_gradients_equal_trls_padded_path(t
     torch.testing.assert_close(ours[0], theirs[0] * completion_mask, atol=1e-5, rtol=0)
     torch.testing.assert_close(ours[1], theirs[1] * completion_mask, atol=1e-5, rtol=0)
     assert bool((ours[0][completion_mask] < 0).all())
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_batch_invariant_rollout_and_trainer_log_probs_are_bitwise_equal(tok, tmp_path, bf16, one_thread):
+    """On-policy, the importance ratio is exactly 1: the rollout's log-probs (temperature-scaled, with
+    top-p on), TRL's old log-probs and the loss forward's are the same bits, fp32 and bf16 autocast.
+    (Without the batch-invariant mode both dtypes fail these equalities.)"""
+    from dataloaders.grpo_trainer import NopadGRPOTrainer
+    from inference.trl import nopad_rollout_func
+
+    seen = []
+
+    class Recording(NopadGRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            inner = self._get_per_token_logps_and_entropies
+
+            def grab(*args, **kwargs):
+                out = inner(*args, **kwargs)
+                seen.append((inputs, out[0].detach().clone()))
+                return out
+
+            self._get_per_token_logps_and_entropies = grab
+            try:
+                return super()._compute_loss(model, inputs)
+            finally:
+                del self._get_per_token_logps_and_entropies
+
+    rollout = nopad_rollout_func(importance_sampling=True, batch_invariant=True, max_num_batched_tokens=64)
+    trainer = _grpo(tok, tmp_path, rollout, cls=Recording, batch_invariant=True, max_steps=1, bf16=bf16,
+                    temperature=0.7, top_p=0.9, max_completion_length=8)
+    trainer.train()
+    assert len(seen) == 1
+    inputs, current = seen[0]
+    mask = inputs["completion_mask"].bool()
+    sampled, old = inputs["sampling_per_token_logps"][mask], inputs["old_per_token_logps"][mask]
+    assert torch.equal(sampled, old) and torch.equal(current[mask], old)
+    assert bool((inputs["importance_sampling_ratio"] == 1).all())  # TRL's IS weight (per sequence)
+    assert bool((sampled < 0).all()) and mask.sum() > 8
