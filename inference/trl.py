@@ -35,6 +35,7 @@ import torch
 
 from inference.generator import Generator
 from inference.sampling_params import SamplingParams
+from inference.sharded import ROLLOUT_MODES, sharded_generate
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,11 @@ class NopadRollout:
     :func:`nopad_rollout_func`. ``generator_kwargs`` go to :class:`~inference.Generator`."""
 
     def __init__(self, *, importance_sampling: bool = False, batch_invariant: bool = False,
-                 autocast: bool = True, **generator_kwargs: Any):
+                 autocast: bool = True, sharded_rollout: str = "gather", **generator_kwargs: Any):
+        if sharded_rollout not in ROLLOUT_MODES:
+            raise ValueError(f"sharded_rollout must be one of {ROLLOUT_MODES} (gather: full weights once per "
+                             f"rollout; lockstep: memory-lean), got {sharded_rollout!r}")
+        self.sharded_rollout = sharded_rollout
         if batch_invariant and _batch_invariant_context() is None:
             raise ValueError("batch_invariant=True needs packing.batch_invariant, which this nopad build "
                              "lacks; update nopad or drop batch_invariant=True")
@@ -84,7 +89,9 @@ class NopadRollout:
             generator = self._generator(model, trainer)
             with self._context(trainer):
                 try:
-                    outputs = generator.generate(requests, per_request, use_tqdm=False)
+                    # FSDP2: full weights once for the rollout, or ranks in lockstep (inference.sharded)
+                    outputs = sharded_generate(generator, model, requests, per_request,
+                                               mode=self.sharded_rollout)
                 finally:
                     self.last_stats = generator.stats()
                     if not generator.has_unfinished():
@@ -118,23 +125,27 @@ class NopadRollout:
 
 
 def nopad_rollout_func(*, importance_sampling: bool = False, batch_invariant: bool = False,
-                       autocast: bool = True, **generator_kwargs: Any) -> NopadRollout:
+                       autocast: bool = True, sharded_rollout: str = "gather",
+                       **generator_kwargs: Any) -> NopadRollout:
     """A ``rollout_func`` for ``GRPOTrainer`` that generates with nopad in-process on the policy.
 
     ``generator_kwargs`` size the generator (``max_num_batched_tokens``, ``max_num_seqs``,
     ``kv_memory_bytes``, ``block_size``...). ``importance_sampling=True`` lets TRL apply its
     ``vllm_importance_sampling_correction`` to our log-probs; ``batch_invariant=True`` generates
     inside ``packing.batch_invariant()``; ``autocast`` generates under the trainer's autocast.
+    ``sharded_rollout`` (FSDP2-sharded policies, :mod:`inference.sharded`): ``"gather"`` the full
+    weights once for the rollout (default), or ``"lockstep"`` to keep them sharded.
     """
     return NopadRollout(importance_sampling=importance_sampling, batch_invariant=batch_invariant,
-                        autocast=autocast, **generator_kwargs)
+                        autocast=autocast, sharded_rollout=sharded_rollout, **generator_kwargs)
 
 
 # ----------------------------------------------------------------------------- trainer settings
 def unwrapped_policy(trainer):
     """The live policy module, the way TRL's own generation gets it: unwrapped from DDP/DeepSpeed,
     ZeRO-3 parameters gathered for the block (``args.ds3_gather_for_generation``), gradient
-    checkpointing off while generating. FSDP-sharded policies are not gathered here."""
+    checkpointing off while generating. FSDP2-sharded policies stay sharded here; the rollout
+    gathers them (or steps in lockstep) through :func:`inference.sharded.sharded_generate`."""
     try:
         from trl.models import unwrap_model_for_generation
     except ImportError:  # another TRL layout: plain unwrapping (no ZeRO-3 gathering)
