@@ -11,9 +11,12 @@ padding is computed too, and on CPU the LM head projects every position. Here th
 (``_get_per_token_logps_and_entropies``, TRL 1.16) packs the batch into varlen rows:
 
 - ``shared_prefix=True`` (default): completions with the same prompt form a group whose prompt
-  appears once per row and which every completion attends to (:mod:`packing.shared_prefix`). TRL
-  orders a generation batch by prompt, then shuffles it across its ``steps_per_generation`` slices,
-  so a micro-batch may hold part of a group: whatever completions of a prompt it holds share it.
+  appears once per row and which every completion attends to (:mod:`packing.shared_prefix`).
+  TRL's sampler deals a prompt's ``num_generations`` copies out consecutively, across processes
+  when a process's batch is not a multiple of it, and ``_prepare_inputs`` shuffles the generation
+  batch before slicing it into ``steps_per_generation`` micro-batches; so a micro-batch may hold
+  part of a group. Groups are found by prompt tokens, not position: whatever completions of a
+  prompt the micro-batch holds share one copy of it (one completion: a usual sequence).
 - ``shared_prefix=False``: each prompt+completion is its own sequence (usual packing).
 
 Only the positions that predict a completion token reach the LM head; log-probs are

@@ -27,8 +27,8 @@ CHAT_TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module")
-def tok():
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny models' vocabulary, with a chat template."""
     words = ["<pad>", "<bos>", "<eos>", "<unk>", "user", "assistant"] + [f"w{i}" for i in range(122)]
     vocab = {w: i for i, w in enumerate(words)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -37,6 +37,11 @@ def tok():
                                   eos_token="<eos>", unk_token="<unk>")
     tok.chat_template = CHAT_TEMPLATE
     return tok
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
 
 
 def _texts(n: int, seed: int, low: int = 3, high: int = 40) -> list[str]:
@@ -424,3 +429,21 @@ def test_batch_invariant_rollout_and_trainer_log_probs_are_bitwise_equal(tok, tm
     assert torch.equal(sampled, old) and torch.equal(current[mask], old)
     assert bool((inputs["importance_sampling_ratio"] == 1).all())  # TRL's IS weight (per sequence)
     assert bool((sampled < 0).all()) and mask.sum() > 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["gather", "lockstep"])
+def test_rollout_on_an_fsdp2_sharded_policy(tmp_path, mode):
+    """2 CPU processes, FSDP2 over gloo, ranks generating 1 vs 12 tokens: no deadlock, and the
+    tokens' log-probs are those of the full (unsharded) weights."""
+    from tests.test_sharded import _run_two_ranks
+
+    _run_two_ranks(["-m", "tests.trl_fsdp2_worker", mode, str(tmp_path)], f"TRL rollout under FSDP2 ({mode})")
+    for rank in (0, 1):
+        result = torch.load(tmp_path / f"trl_{mode}_rank{rank}.pt", weights_only=False)
+        out = result["out"]
+        assert len(out["completion_ids"]) == 8
+        longest = max(len(c) for c in out["completion_ids"])
+        assert longest == 1 if rank == 0 else longest > 1  # rank 1 keeps stepping alone
+        np.testing.assert_allclose(np.concatenate(out["logprobs"]), np.concatenate(result["expected"]),
+                                   atol=1e-5)
