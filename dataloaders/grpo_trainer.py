@@ -186,7 +186,8 @@ class NopadGRPOTrainerMixin:
 
     ``shared_prefix``: each prompt computed once per packed row (default) or usual packing.
     ``batch_invariant``: ``"auto"`` / True / False, for this forward and the default rollout.
-    ``max_tokens_per_forward``: tokens of one packed forward (default: the whole micro-batch).
+    ``max_tokens_per_forward``: tokens of one packed forward (default: the whole micro-batch, one
+    forward per call on every rank, as ZeRO-3 / FSDP2 need: leave it unset there).
     ``rollout_func`` defaults to :func:`inference.trl.nopad_rollout_func` with the same
     ``batch_invariant``; ``nopad_rollout=False`` keeps TRL's own generation instead.
     """
