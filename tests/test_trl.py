@@ -447,3 +447,41 @@ def test_rollout_on_an_fsdp2_sharded_policy(tmp_path, mode):
         assert longest == 1 if rank == 0 else longest > 1  # rank 1 keeps stepping alone
         np.testing.assert_allclose(np.concatenate(out["logprobs"]), np.concatenate(result["expected"]),
                                    atol=1e-5)
+
+
+@pytest.mark.parametrize("shared_prefix, budget", [(True, None), (True, 16), (False, 16)])
+def test_packed_completion_logprobs_equal_one_sequence_at_a_time(shared_prefix, budget, one_thread):
+    """TRL's padded layout in, (B, C) log-probs and entropies out, for whole groups, groups split
+    over rows (a 16-token budget splits the 20-token group), a row whose completion is masked out entirely."""
+    from dataloaders.grpo_trainer import packed_completion_logprobs
+    from packing.hf import register_nopad_attention
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (9, 4)]
+    completions = [torch.randint(3, 128, (1 + (5 * i) % 7,), generator=g).tolist() for i in range(6)]
+    rows = [(prompts[i // 3], c) for i, c in enumerate(completions)]
+    width_p, width_c = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
+    ids = torch.zeros(len(rows), width_p + width_c, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, (p, c) in enumerate(rows):
+        ids[b, width_p - len(p) : width_p], mask[b, width_p - len(p) : width_p] = torch.tensor(p), 1
+        ids[b, width_p : width_p + len(c)], mask[b, width_p : width_p + len(c)] = torch.tensor(c), 1
+    mask[4, width_p:] = 0  # TRL's mask_truncated_completions: nothing of row 4 is scored
+    model = tiny_model("llama")
+    register_nopad_attention()
+    reference = copy.deepcopy(model)
+    model.set_attn_implementation("nopad")
+    logps, entropies = packed_completion_logprobs(model, ids, mask, width_c, 0.7, shared_prefix=shared_prefix,
+                                                  compute_entropy=True, max_tokens_per_forward=budget)
+    for b, (p, c) in enumerate(rows):
+        n = 0 if b == 4 else len(c)
+        logits = reference(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1 : -1].float() / 0.7
+        lp = torch.log_softmax(logits, -1)
+        expect = torch.zeros(width_c)
+        expect[:n] = lp[torch.arange(n), torch.tensor(c[:n], dtype=torch.long)]
+        torch.testing.assert_close(logps[b].detach(), expect, atol=1e-5, rtol=0)
+        expect_h = torch.zeros(width_c)
+        expect_h[:n] = -(lp.exp() * lp).sum(-1)[:n]
+        torch.testing.assert_close(entropies[b].detach(), expect_h, atol=1e-5, rtol=0)
+    logps.sum().backward()  # differentiable
+    assert model.model.embed_tokens.weight.grad.abs().sum() > 0
