@@ -11,8 +11,9 @@ happens every step):
   - ``NopadGRPOTrainer(shared_prefix=False)``: nopad rollout + packed training forward,
   - ``NopadGRPOTrainer()``: nopad rollout + shared-prefix rows (each prompt computed once per row);
     both nopad trainers run their default ``batch_invariant="auto"`` (on, on CPU).
-  Reported: seconds per step (after one warm-up step), split into generation and the rest
-  (TRL's log-prob forward, loss, backward, optimizer), and the largest gap |log pi_rollout -
+  Reported: seconds per step (after one warm-up step), split into generation ("gen"), TRL's
+  log-prob forwards ("fwd": old / reference / loss forward, whichever run) and the rest ("bwd+":
+  backward, optimizer, rewards and TRL's bookkeeping), and the largest gap |log pi_rollout -
   log pi_trainer| over the completion tokens between the log-probs the rollout hands TRL and the
   loss forward's (TRL's own paths return no log-probs: TRL then treats samples as on-policy).
   Completions are sampled, so their lengths (and the training cost) differ a little between
@@ -140,7 +141,15 @@ def run_grpo(name: str, rollout_kind: str, trainer_kind: str, cfg: dict, out_dir
     gaps: list[float] = []
     prompt_lens: list[int] = []
 
+    forward_times: list[float] = []  # every log-prob forward TRL runs (old / ref / loss), per step
+
     class Measured(cls):
+        def _get_per_token_logps_and_entropies(self, *args, **kw):
+            start = time.perf_counter()
+            out = super()._get_per_token_logps_and_entropies(*args, **kw)
+            forward_times[-1] += time.perf_counter() - start
+            return out
+
         def _compute_loss(self, model_, inputs):
             """Record the gap between the rollout's log-probs and the loss forward's."""
             inner = self._get_per_token_logps_and_entropies
@@ -159,6 +168,10 @@ def run_grpo(name: str, rollout_kind: str, trainer_kind: str, cfg: dict, out_dir
                 return super()._compute_loss(model_, inputs)
             finally:
                 del self._get_per_token_logps_and_entropies
+
+        def training_step(self, *args, **kw):
+            forward_times.append(0.0)
+            return super().training_step(*args, **kw)
 
     clock = StepClock()
     trainer = Measured(model=model, reward_funcs=reward_digits, args=GRPOConfig(**settings),
@@ -182,7 +195,8 @@ def run_grpo(name: str, rollout_kind: str, trainer_kind: str, cfg: dict, out_dir
         "name": name,
         "s_per_step": step,
         "gen_s_per_step": gen,
-        "train_s_per_step": step - gen,
+        "fwd_s_per_step": _steady(forward_times),
+        "rest_s_per_step": step - gen - _steady(forward_times),  # backward, optimizer, TRL's bookkeeping
         "mean_len": float(np.mean([h["completions/mean_length"] for h in logs])),
         "prompt_len": float(np.mean(prompt_lens)) if prompt_lens else 0.0,
         "gap_max": max(gaps) if gaps else None,
@@ -272,15 +286,16 @@ def main() -> None:
         print(f"\nGRPOTrainer: {cfg['prompts_per_step']} prompts x {cfg['G']} samples, prompts of "
               f"{results[0]['prompt_len']:.0f} tokens (mean), <= {cfg['new_tokens']} new tokens, "
               f"{cfg['steps']} steps (first = warm-up), fp32, beta=0, no gradient checkpointing")
-        print(f"{'system':<42}{'s/step':>8}{'gen s':>8}{'train s':>9}{'len':>6}{'vs best TRL':>13}"
+        print(f"{'system':<42}{'s/step':>8}{'gen s':>8}{'fwd s':>8}{'bwd+ s':>8}{'len':>6}{'vs best TRL':>13}"
               f"{'max |logp gap| fed':>22}")
         for r in results:
             if r["gap_max"] is None:
                 gap = "n/a, no log-probs"
             else:
                 gap = f"{r['gap_max']:.1e}" + (" (batch-inv.)" if r["batch_invariant"] else "")
-            print(f"{r['name']:<42}{r['s_per_step']:>8.2f}{r['gen_s_per_step']:>8.2f}{r['train_s_per_step']:>9.2f}"
-                  f"{r['mean_len']:>6.0f}{best_peer / r['s_per_step']:>12.2f}x{gap:>22}")
+            ratio = best_peer / r["s_per_step"]
+            print(f"{r['name']:<42}{r['s_per_step']:>8.2f}{r['gen_s_per_step']:>8.2f}{r['fwd_s_per_step']:>8.2f}"
+                  f"{r['rest_s_per_step']:>8.2f}{r['mean_len']:>6.0f}{ratio:>12.2f}x{gap:>22}")
 
     if cli.skip != "sft":
         texts = sft_texts(cfg["sft_docs"], cfg["max_length"] // 2, seed=0)
