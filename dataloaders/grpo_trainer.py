@@ -47,25 +47,25 @@ _EXPECTED_PARAMS = ("model", "input_ids", "attention_mask", "logits_to_keep", "b
                     "compute_aux_loss")
 
 
-def invariant_mode_supported(model: torch.nn.Module) -> tuple[bool, str]:
-    """Whether :func:`packing.batch_invariant` gives bitwise rollout = trainer log-probs for this
-    model (nopad's batch-invariant attention is its CPU kernel), and why not."""
+def invariant_mode_supported(device: torch.device | str) -> tuple[bool, str]:
+    """Whether :func:`packing.batch_invariant` gives bitwise rollout = trainer log-probs for a model
+    on ``device`` (nopad's batch-invariant attention is its CPU kernel), and why not."""
     from packing.attention import BACKEND_ENV
 
-    device = next(model.parameters()).device
+    device = torch.device(device)
     forced = os.environ.get(BACKEND_ENV) or "auto"
     if device.type != "cpu":
-        return False, f"the model is on {device.type}; nopad's batch-invariant attention is its CPU kernel"
+        return False, f"the model trains on {device.type}; the batch-invariant attention is a CPU kernel"
     if forced not in ("auto", "kernel", "per_token"):
         return False, f"{BACKEND_ENV}={forced} forces an attention backend without the batch-invariant path"
     return True, ""
 
 
-def resolve_batch_invariant(setting: bool | str, model: torch.nn.Module) -> bool:
+def resolve_batch_invariant(setting: bool | str, device: torch.device | str) -> bool:
     """``True`` / ``False`` / ``"auto"`` (on where supported, else off with a warning)."""
     if setting not in ("auto", True, False):
         raise ValueError(f"batch_invariant must be 'auto', True or False, got {setting!r}")
-    supported, why = invariant_mode_supported(model)
+    supported, why = invariant_mode_supported(device)
     if setting == "auto":
         if not supported:
             logger.warning("batch_invariant='auto': off (%s); rollout and trainer log-probs will differ "
@@ -205,7 +205,9 @@ class NopadGRPOTrainerMixin:
                              "use it); load it first, e.g. AutoModelForCausalLM.from_pretrained(...)")
         self.nopad_shared_prefix = shared_prefix
         self.nopad_max_tokens_per_forward = max_tokens_per_forward
-        self.nopad_batch_invariant = resolve_batch_invariant(batch_invariant, model)
+        train_args = kwargs.get("args", args[2] if len(args) > 2 else None)
+        device = getattr(train_args, "device", None) or next(model.parameters()).device  # where it will train
+        self.nopad_batch_invariant = resolve_batch_invariant(batch_invariant, device)
         if nopad_rollout and kwargs.get("rollout_func") is None:
             from inference.trl import nopad_rollout_func
 

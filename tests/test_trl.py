@@ -485,3 +485,19 @@ def test_packed_completion_logprobs_equal_one_sequence_at_a_time(shared_prefix, 
         torch.testing.assert_close(entropies[b].detach(), expect_h, atol=1e-5, rtol=0)
     logps.sum().backward()  # differentiable
     assert model.model.embed_tokens.weight.grad.abs().sum() > 0
+
+
+def test_batch_invariant_setting_follows_where_the_model_trains(monkeypatch, caplog):
+    from dataloaders.grpo_trainer import resolve_batch_invariant
+
+    assert resolve_batch_invariant("auto", "cpu") is True
+    assert resolve_batch_invariant(False, "cpu") is False
+    with caplog.at_level("WARNING"):
+        assert resolve_batch_invariant("auto", "cuda") is False
+    assert "CPU kernel" in caplog.text
+    with pytest.raises(ValueError, match="batch_invariant=True is not available"):
+        resolve_batch_invariant(True, "cuda")
+    monkeypatch.setenv("NOPAD_ATTN_BACKEND", "sdpa")
+    assert resolve_batch_invariant("auto", "cpu") is False
+    with pytest.raises(ValueError, match="'auto', True or False"):
+        resolve_batch_invariant("yes", "cpu")
