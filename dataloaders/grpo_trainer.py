@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import os
 from typing import Any
 
 import torch
@@ -47,24 +46,12 @@ _EXPECTED_PARAMS = ("model", "input_ids", "attention_mask", "logits_to_keep", "b
                     "compute_aux_loss")
 
 
-def invariant_mode_supported(device: torch.device | str) -> tuple[bool, str]:
-    """Whether :func:`packing.batch_invariant` gives bitwise rollout = trainer log-probs for a model
-    on ``device`` (nopad's batch-invariant attention is its CPU kernel), and why not."""
-    from packing.attention import BACKEND_ENV
-
-    device = torch.device(device)
-    forced = os.environ.get(BACKEND_ENV) or "auto"
-    if device.type != "cpu":
-        return False, f"the model trains on {device.type}; the batch-invariant attention is a CPU kernel"
-    if forced not in ("auto", "kernel", "per_token"):
-        return False, f"{BACKEND_ENV}={forced} forces an attention backend without the batch-invariant path"
-    return True, ""
-
-
 def resolve_batch_invariant(setting: bool | str, device: torch.device | str) -> bool:
     """``True`` / ``False`` / ``"auto"`` (on where supported, else off with a warning)."""
     if setting not in ("auto", True, False):
         raise ValueError(f"batch_invariant must be 'auto', True or False, got {setting!r}")
+    from packing.invariance import supported as invariant_mode_supported
+
     supported, why = invariant_mode_supported(device)
     if setting == "auto":
         if not supported:
