@@ -10,9 +10,9 @@ happens every step):
   - nopad ``rollout_func`` (in-process generator on the live policy), TRL's training forward,
   - ``NopadGRPOTrainer(shared_prefix=False)``: nopad rollout + packed training forward,
   - ``NopadGRPOTrainer()``: nopad rollout + shared-prefix rows (each prompt computed once per row);
-    both nopad trainers run their default ``batch_invariant="auto"`` (on, on CPU: exact ratio, but
-    every GEMM on 32-row tiles, so a decode step of 8 sequences computes 32 rows), and once more
-    with ``batch_invariant=False``.
+    both with their default ``batch_invariant=False``, and the shared-prefix one once more with
+    ``batch_invariant=True`` (exact ratio, but every GEMM on 32-row tiles, so a decode step of 8
+    sequences computes 32 rows).
   Reported: seconds per step (after one warm-up step), split into generation ("gen"), TRL's
   log-prob forwards ("fwd": old / reference / loss forward, whichever run) and the rest ("bwd+":
   backward, optimizer, rewards and TRL's bookkeeping), and the largest gap |log pi_rollout -
@@ -103,7 +103,7 @@ GRPO_SYSTEMS = (
     ("nopad rollout_func", "nopad", "TRL"),
     ("nopad rollout + trainer (packing)", "nopad", "nopad packing"),
     ("nopad rollout + trainer (shared-prefix)", "nopad", "nopad shared-prefix"),
-    ("  same, batch_invariant=False", "nopad", "nopad shared-prefix fast"),
+    ("  same, batch_invariant=True", "nopad", "nopad shared-prefix exact"),
 )
 
 
@@ -141,8 +141,8 @@ def run_grpo(name: str, rollout_kind: str, trainer_kind: str, cfg: dict, out_dir
         cls = NopadGRPOTrainer
         kwargs["shared_prefix"] = "shared-prefix" in trainer_kind
         kwargs["rollout_func"] = None  # the trainer's own nopad rollout, batch-invariant like its forward
-        if trainer_kind.endswith("fast"):  # exactness off: no 32-row GEMM tiles in small decode steps
-            kwargs["batch_invariant"] = False
+        if trainer_kind.endswith("exact"):  # ratio exactly 1; every GEMM on 32-row tiles
+            kwargs["batch_invariant"] = True
     gaps: list[float] = []
     prompt_lens: list[int] = []
 

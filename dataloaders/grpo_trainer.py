@@ -24,10 +24,11 @@ Only the positions that predict a completion token reach the LM head; log-probs 
 included), as TRL's fused head computes them, scattered back to TRL's ``(B, C)`` layout (0 where
 the completion mask is 0). Loss, advantages, clipping and logging stay TRL's.
 
-``batch_invariant`` (``"auto"``: on where nopad has the mode, i.e. a CPU model) runs this forward
-and the nopad rollout under :func:`packing.batch_invariant`, so the rollout's log-probs equal the
-trainer's bitwise: with ``nopad_rollout_func(importance_sampling=True)`` TRL's importance ratio
-is exactly 1 on-policy.
+``batch_invariant=True`` (or ``"auto"``: on where nopad has the mode, i.e. a CPU model) runs this
+forward and the nopad rollout under :func:`packing.batch_invariant`, so the rollout's log-probs
+equal the trainer's bitwise: with ``nopad_rollout_func(importance_sampling=True)`` TRL's
+importance ratio is exactly 1 on-policy. Off by default: it slows the rollout's small decode
+steps several-fold on CPU (every GEMM on 32-row tiles).
 """
 
 from __future__ import annotations
@@ -172,14 +173,16 @@ class NopadGRPOTrainerMixin:
     """Put in front of ``GRPOTrainer`` (or a subclass): ``class T(NopadGRPOTrainerMixin, GRPOTrainer)``.
 
     ``shared_prefix``: each prompt computed once per packed row (default) or usual packing.
-    ``batch_invariant``: ``"auto"`` / True / False, for this forward and the default rollout.
+    ``batch_invariant``: False (default) / True / ``"auto"`` (on where exact: a CPU model), for
+    this forward and the default rollout. On costs speed: small decode steps run 32-row GEMM
+    tiles (``benchmarks/bench_trl.py`` measures it).
     ``max_tokens_per_forward``: tokens of one packed forward (default: the whole micro-batch, one
     forward per call on every rank, as ZeRO-3 / FSDP2 need: leave it unset there).
     ``rollout_func`` defaults to :func:`inference.trl.nopad_rollout_func` with the same
     ``batch_invariant``; ``nopad_rollout=False`` keeps TRL's own generation instead.
     """
 
-    def __init__(self, *args: Any, shared_prefix: bool = True, batch_invariant: bool | str = "auto",
+    def __init__(self, *args: Any, shared_prefix: bool = True, batch_invariant: bool | str = False,
                  max_tokens_per_forward: int | None = None, nopad_rollout: bool = True, **kwargs: Any):
         if shared_prefix not in (True, False):
             raise ValueError(f"shared_prefix must be True or False, got {shared_prefix!r}")
