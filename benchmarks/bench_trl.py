@@ -2,17 +2,24 @@
 
 Model: SmolLM2-135M-Instruct (fp32, CPU), loaded once per system from the same weights.
 
-GRPO (``GRPOTrainer``, gsm8k-style chat prompts, ``num_generations`` samples each, the same
-reward, seed and steps; generation happens every step):
-  - TRL default generation (padded ``model.generate``),
-  - TRL ``use_transformers_continuous_batching=True``,
-  - nopad ``rollout_func`` (in-process generator on the live policy),
-  - nopad ``rollout_func(importance_sampling=True)``: TRL then recomputes the old log-probs and
-    applies its IS correction to ours, and logs the gap it feeds the loss.
-  Reported: seconds per step (after one warm-up step), of which generation, and the log-prob gap
-  |log pi_trainer - log pi_sampler| each path feeds the loss (the TRL paths feed none: TRL then
-  treats the samples as exactly on-policy). Completions are sampled, so their lengths (and the
-  training cost) differ a little between systems; mean completion length is printed.
+GRPO (``GRPOTrainer``, gsm8k-style chat prompts behind a system prompt with a worked example, so
+~250-token prompts; ``num_generations`` samples each, the same reward, seed and steps; generation
+happens every step):
+  - TRL default generation (padded ``model.generate``) and TRL's padded training forward,
+  - TRL ``use_transformers_continuous_batching=True``, TRL's training forward,
+  - nopad ``rollout_func`` (in-process generator on the live policy), TRL's training forward,
+  - ``NopadGRPOTrainer(shared_prefix=False)``: nopad rollout + packed training forward,
+  - ``NopadGRPOTrainer()``: nopad rollout + shared-prefix rows (each prompt computed once per row);
+    both with their default ``batch_invariant=False``, and the shared-prefix one once more with
+    ``batch_invariant=True`` (exact ratio, but every GEMM on 32-row tiles, so a decode step of 8
+    sequences computes 32 rows).
+  Reported: seconds per step (after one warm-up step), split into generation ("gen"), TRL's
+  log-prob forwards ("fwd": old / reference / loss forward, whichever run) and the rest ("bwd+":
+  backward, optimizer, rewards and TRL's bookkeeping), and the largest gap |log pi_rollout -
+  log pi_trainer| over the completion tokens between the log-probs the rollout hands TRL and the
+  loss forward's (TRL's own paths return no log-probs: TRL then treats samples as on-policy).
+  Completions are sampled, so their lengths (and the training cost) differ a little between
+  systems; mean completion length is printed.
 
 SFT (``SFTTrainer`` / nopad, an offline dataset of mixed-length texts, lognormal token lengths):
   - nopad: ``NopadSFTTrainer`` (global BFD bins of ``per_device_train_batch_size * max_length``
@@ -77,34 +84,104 @@ def _steady(times: list[float]) -> float:
 
 
 # ----------------------------------------------------------------------------- GRPO
+# A system prompt with one worked example: GRPO prompts are rarely tiny (instructions, few-shot),
+# and a long prompt is what the shared-prefix rows save n - 1 copies of.
+SYSTEM_PROMPT = (
+    "You are a careful maths tutor. Solve the problem step by step: restate what is known, write each "
+    "intermediate quantity with its unit, check the arithmetic of every step, and finish with a line "
+    "of the form 'Answer: <number>'. Keep the explanation short and do not repeat the question. "
+    "Example. Question: A baker makes 24 rolls in the morning and twice as many in the afternoon. He "
+    "sells 50 rolls and gives 6 away. How many rolls are left? Solution: In the afternoon he makes "
+    "2 x 24 = 48 rolls, so 24 + 48 = 72 rolls in total. He sells 50 and gives away 6, which is "
+    "50 + 6 = 56 rolls. 72 - 56 = 16 rolls are left. Answer: 16."
+)
+
+# (system name, rollout, trainer): "TRL" = TRL's own path, "nopad" = ours
+GRPO_SYSTEMS = (
+    ("TRL generate", "TRL", "TRL"),
+    ("TRL continuous batching", "TRL CB", "TRL"),
+    ("nopad rollout_func", "nopad", "TRL"),
+    ("nopad rollout + trainer (packing)", "nopad", "nopad packing"),
+    ("nopad rollout + trainer (shared-prefix)", "nopad", "nopad shared-prefix"),
+    ("  same, batch_invariant=True", "nopad", "nopad shared-prefix exact"),
+)
+
+
 def reward_digits(completions, **kwargs) -> list[float]:
-    """1 for a completion that contains a number (a stand-in for a maths verifier)."""
+    """Share of digits among the first 20 characters' worth (a stand-in for a maths verifier that
+    still separates the samples of a group)."""
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [float(any(ch.isdigit() for ch in t)) for t in texts]
+    return [min(sum(ch.isdigit() for ch in t), 20) / 20 for t in texts]
 
 
-def run_grpo(name: str, cfg: dict, out_dir: Path) -> dict:
+def grpo_prompts(n: int) -> list[list[dict]]:
+    return [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}]
+            for q in GRPO_QUESTIONS[:n]]
+
+
+def run_grpo(name: str, rollout_kind: str, trainer_kind: str, cfg: dict, out_dir: Path) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
+    from dataloaders.grpo_trainer import NopadGRPOTrainer
     from inference.trl import nopad_rollout_func
 
     model, tok = load_model()
-    prompts = [[{"role": "user", "content": q}] for q in GRPO_QUESTIONS[: cfg["prompts"]]]
     settings = dict(output_dir=str(out_dir / name.replace(" ", "_")),
                     per_device_train_batch_size=cfg["prompts_per_step"] * cfg["G"], num_generations=cfg["G"],
                     max_completion_length=cfg["new_tokens"], max_steps=cfg["steps"],
                     learning_rate=1e-6, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
                     save_strategy="no", seed=0, beta=0.0, temperature=1.0, gradient_checkpointing=False)
-    rollout = None
-    if name == "TRL continuous batching":
+    if rollout_kind == "TRL CB":
         settings["use_transformers_continuous_batching"] = True
-    if name.startswith("nopad"):
-        rollout = nopad_rollout_func(importance_sampling="IS" in name,
-                                     max_num_batched_tokens=cfg["max_num_batched_tokens"])
+    kwargs: dict = {}
+    cls = GRPOTrainer
+    if rollout_kind == "nopad":
+        kwargs["rollout_func"] = nopad_rollout_func(max_num_batched_tokens=cfg["max_num_batched_tokens"])
+    if trainer_kind.startswith("nopad"):
+        cls = NopadGRPOTrainer
+        kwargs["shared_prefix"] = "shared-prefix" in trainer_kind
+        kwargs["rollout_func"] = None  # the trainer's own nopad rollout, batch-invariant like its forward
+        if trainer_kind.endswith("exact"):  # ratio exactly 1; every GEMM on 32-row tiles
+            kwargs["batch_invariant"] = True
+    gaps: list[float] = []
+    prompt_lens: list[int] = []
+
+    forward_times: list[float] = []  # every log-prob forward TRL runs (old / ref / loss), per step
+
+    class Measured(cls):
+        def _get_per_token_logps_and_entropies(self, *args, **kw):
+            start = time.perf_counter()
+            out = super()._get_per_token_logps_and_entropies(*args, **kw)
+            forward_times[-1] += time.perf_counter() - start
+            return out
+
+        def _compute_loss(self, model_, inputs):
+            """Record the gap between the rollout's log-probs and the loss forward's."""
+            inner = self._get_per_token_logps_and_entropies
+            prompt_lens.extend(inputs["prompt_mask"].sum(1).tolist())
+
+            def grab(*args, **kw):
+                out = inner(*args, **kw)
+                sampled = inputs.get("sampling_per_token_logps")
+                if sampled is not None:
+                    mask = inputs["completion_mask"].bool()
+                    gaps.append(float((out[0].detach() - sampled)[mask].abs().max()))
+                return out
+
+            self._get_per_token_logps_and_entropies = grab
+            try:
+                return super()._compute_loss(model_, inputs)
+            finally:
+                del self._get_per_token_logps_and_entropies
+
+        def training_step(self, *args, **kw):
+            forward_times.append(0.0)
+            return super().training_step(*args, **kw)
+
     clock = StepClock()
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_digits, args=GRPOConfig(**settings),
-                          train_dataset=datasets.Dataset.from_dict({"prompt": prompts}), processing_class=tok,
-                          rollout_func=rollout, callbacks=[clock])
+    trainer = Measured(model=model, reward_funcs=reward_digits, args=GRPOConfig(**settings),
+                       train_dataset=datasets.Dataset.from_dict({"prompt": grpo_prompts(cfg["prompts"])}),
+                       processing_class=tok, callbacks=[clock], **kwargs)
     gen_times: list[float] = []
     generate = trainer._generate
 
@@ -117,16 +194,18 @@ def run_grpo(name: str, cfg: dict, out_dir: Path) -> dict:
     trainer._generate = timed_generate
     trainer.train()
     logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
-    key = "sampling/sampling_logp_difference/"
-    gap = [h[key + "mean"] for h in logs if key + "mean" in h]
-    gap_max = [h[key + "max"] for h in logs if key + "max" in h]
+    step = _steady(clock.times)
+    gen = _steady(gen_times)
     return {
         "name": name,
-        "s_per_step": _steady(clock.times),
-        "gen_s_per_step": _steady(gen_times),
+        "s_per_step": step,
+        "gen_s_per_step": gen,
+        "fwd_s_per_step": _steady(forward_times),
+        "rest_s_per_step": step - gen - _steady(forward_times),  # backward, optimizer, TRL's bookkeeping
         "mean_len": float(np.mean([h["completions/mean_length"] for h in logs])),
-        "gap_mean": float(np.mean(gap)) if gap else None,
-        "gap_max": float(np.max(gap_max)) if gap_max else None,
+        "prompt_len": float(np.mean(prompt_lens)) if prompt_lens else 0.0,
+        "gap_max": max(gaps) if gaps else None,
+        "batch_invariant": bool(getattr(trainer, "nopad_batch_invariant", False)),
     }
 
 
@@ -195,7 +274,7 @@ def main() -> None:
         cfg = dict(prompts=8, prompts_per_step=1, G=4, new_tokens=8, steps=2, max_num_batched_tokens=1024,
                    max_length=128, rows=2, sft_docs=40, sft_steps=3)
     else:
-        cfg = dict(prompts=8, prompts_per_step=2, G=8, new_tokens=48, steps=4, max_num_batched_tokens=2048,
+        cfg = dict(prompts=8, prompts_per_step=1, G=8, new_tokens=64, steps=3, max_num_batched_tokens=2048,
                    max_length=512, rows=4, sft_docs=400, sft_steps=6)
     if cli.grpo_steps:
         cfg["steps"] = cli.grpo_steps
@@ -205,21 +284,23 @@ def main() -> None:
 
     if cli.skip != "grpo":
         results = []
-        systems = ("TRL generate", "TRL continuous batching", "nopad rollout_func", "nopad rollout_func + IS")
-        for name in systems:
-            results.append(run_grpo(name, cfg, out_dir))
+        for name, rollout_kind, trainer_kind in GRPO_SYSTEMS:
+            results.append(run_grpo(name, rollout_kind, trainer_kind, cfg, out_dir))
             print(f"  done {name}", flush=True)
         best_peer = min(r["s_per_step"] for r in results if r["name"].startswith("TRL"))
-        print(f"\nGRPOTrainer: {cfg['prompts_per_step']} prompts x {cfg['G']} samples, "
-              f"<= {cfg['new_tokens']} new tokens, {cfg['steps']} steps (first = warm-up)")
-        print(f"{'system':<28}{'s/step':>9}{'gen s':>9}{'mean len':>10}{'vs best TRL':>13}"
-              f"{'logp gap mean':>15}{'max':>10}")
+        print(f"\nGRPOTrainer: {cfg['prompts_per_step']} prompts x {cfg['G']} samples, prompts of "
+              f"{results[0]['prompt_len']:.0f} tokens (mean), <= {cfg['new_tokens']} new tokens, "
+              f"{cfg['steps']} steps (first = warm-up), fp32, beta=0, no gradient checkpointing")
+        print(f"{'system':<42}{'s/step':>8}{'gen s':>8}{'fwd s':>8}{'bwd+ s':>8}{'len':>6}{'vs best TRL':>13}"
+              f"{'max |logp gap| fed':>22}")
         for r in results:
-            unmeasured = "none fed" if r["name"].startswith("TRL") else "IS off"
-            gap = unmeasured if r["gap_mean"] is None else f"{r['gap_mean']:.2e}"
-            gmax = "" if r["gap_max"] is None else f"{r['gap_max']:.2e}"
-            print(f"{r['name']:<28}{r['s_per_step']:>9.2f}{r['gen_s_per_step']:>9.2f}{r['mean_len']:>10.1f}"
-                  f"{best_peer / r['s_per_step']:>12.2f}x{gap:>15}{gmax:>10}")
+            if r["gap_max"] is None:
+                gap = "n/a, no log-probs"
+            else:
+                gap = f"{r['gap_max']:.1e}" + (" (batch-inv.)" if r["batch_invariant"] else "")
+            ratio = best_peer / r["s_per_step"]
+            print(f"{r['name']:<42}{r['s_per_step']:>8.2f}{r['gen_s_per_step']:>8.2f}{r['fwd_s_per_step']:>8.2f}"
+                  f"{r['rest_s_per_step']:>8.2f}{r['mean_len']:>6.0f}{ratio:>12.2f}x{gap:>22}")
 
     if cli.skip != "sft":
         texts = sft_texts(cfg["sft_docs"], cfg["max_length"] // 2, seed=0)

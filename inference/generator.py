@@ -339,6 +339,7 @@ class Generator:
         params = request.params
         seq.token_ids.append(token)
         seq.logprobs.append(result.logprobs[k])
+        seq.temperature_logprobs.append(result.temperature_logprobs[k])
         seq.sampling_logprobs.append(result.sampling_logprobs[k])
         if params.logprobs is not None:
             seq.top_logprobs.append(result.top_logprobs[k])

@@ -10,9 +10,11 @@ class CompletionOutput:
     """One sample of a request.
 
     ``logprobs[i]`` is the log-prob of ``token_ids[i]`` under the raw model distribution (what a
-    trainer's forward computes); ``sampling_logprobs[i]`` under the processed distribution it was
-    actually drawn from (after repetition penalty, temperature, top-k, top-p, min-p; 0.0 for
-    greedy). ``top_logprobs[i]`` maps the top-k tokens to raw log-probs when requested.
+    trainer's forward computes); ``temperature_logprobs[i]`` under ``softmax(logits / temperature)``
+    before repetition penalty and top-k/top-p/min-p truncation (what TRL's GRPO trainer scores; the
+    raw log-prob at temperature 1 or greedy); ``sampling_logprobs[i]`` under the processed
+    distribution it was actually drawn from (after repetition penalty, temperature, top-k, top-p,
+    min-p; 0.0 for greedy). ``top_logprobs[i]`` maps the top-k tokens to raw log-probs when requested.
     Times are seconds since the request arrived.
     """
 
@@ -21,6 +23,7 @@ class CompletionOutput:
     text: str | None
     finish_reason: str | None  # "stop", "length" or "abort"
     logprobs: list[float] = field(default_factory=list)
+    temperature_logprobs: list[float] = field(default_factory=list)
     sampling_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] | None = None
     first_token_time: float | None = None

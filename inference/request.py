@@ -90,6 +90,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_text: str | None = None  # the stop string that ended it, if any
     logprobs: list[float] = field(default_factory=list)
+    temperature_logprobs: list[float] = field(default_factory=list)
     sampling_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
@@ -143,6 +144,7 @@ class Sequence:
             text=text,
             finish_reason=self.finish_reason,
             logprobs=list(self.logprobs),
+            temperature_logprobs=list(self.temperature_logprobs),
             sampling_logprobs=list(self.sampling_logprobs),
             top_logprobs=list(self.top_logprobs) if self.request.params.logprobs is not None else None,
             first_token_time=self.token_times[0] if self.token_times else None,

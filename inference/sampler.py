@@ -35,6 +35,7 @@ def counter_seed(seed: int, index: int, position: int) -> int:
 class SampleResult:
     tokens: list[int]
     logprobs: list[float]  # raw model log-prob of each sampled token
+    temperature_logprobs: list[float]  # under softmax(logits / temperature), before any filter
     sampling_logprobs: list[float]  # log-prob under the processed distribution sampled from
     top_logprobs: list[dict[int, float] | None]
 
@@ -78,12 +79,29 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
             d = dict(zip(ids.tolist(), vals.tolist()))
             d.setdefault(token_list[i], raw_lp[i, token_list[i]].item())
             top[i] = d
+    raw_picked = raw_lp.gather(1, tokens[:, None])[:, 0]
     return SampleResult(
         tokens=token_list,
-        logprobs=raw_lp.gather(1, tokens[:, None])[:, 0].tolist(),
+        logprobs=raw_picked.tolist(),
+        temperature_logprobs=_temperature_logprobs(logits, tokens, raw_picked, params).tolist(),
         sampling_logprobs=sampling_lp.tolist(),
         top_logprobs=top,
     )
+
+
+def _temperature_logprobs(logits: torch.Tensor, tokens: torch.Tensor, raw_picked: torch.Tensor,
+                          params: list) -> torch.Tensor:
+    """Log-prob of each sampled token under ``softmax(logits / temperature)``: no penalty, no
+    top-k/top-p/min-p truncation, i.e. what a trainer scoring the completion computes (TRL #6789).
+    Computed as ``log_softmax(logits / T)`` with ``T`` a Python float, the trainer's expression, so
+    under :func:`packing.batch_invariant` the bits match; ``T`` = 1 or greedy: the raw log-prob."""
+    out = raw_picked.clone()
+    for temperature in {p.temperature for p in params if not p.greedy and p.temperature != 1.0}:
+        same = [i for i, p in enumerate(params) if not p.greedy and p.temperature == temperature]
+        rows = torch.tensor(same, device=logits.device)
+        lp = torch.log_softmax(logits[rows] / float(temperature), dim=-1)
+        out[rows] = lp.gather(1, tokens[rows][:, None])[:, 0]
+    return out
 
 
 def processed_logprobs(x: torch.Tensor, params: list) -> torch.Tensor:

@@ -15,9 +15,9 @@ correction to these log-probs too (see :func:`enable_importance_sampling`).
 Which log-probs: TRL scores a completion with ``log_softmax(logits / temperature)``, never
 truncated. vLLM hands TRL *processed* log-probs (after top-p/top-k/min-p renormalisation), which
 biases the ratio whenever those filters are on (TRL #6789). We return the log-prob of the sampled
-token under exactly the trainer's distribution: the generator's raw log-probs at temperature 1,
-its processed ones when temperature is the only processing, and otherwise one extra varlen
-scoring forward (the generator exposes no temperature-scaled log-prob yet).
+token under exactly the trainer's distribution: the generator's ``temperature_logprobs``
+(``softmax(logits / T)`` before repetition penalty and truncation), computed from the very
+logits it sampled from - no second forward.
 
 Consecutive identical prompts become one request with ``n`` samples, so a group's prompt is
 prefilled once and its KV blocks are shared. The KV cache is released before returning, so the
@@ -35,6 +35,7 @@ import torch
 
 from inference.generator import Generator
 from inference.sampling_params import SamplingParams
+from inference.sharded import ROLLOUT_MODES, sharded_generate
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,11 @@ class NopadRollout:
     :func:`nopad_rollout_func`. ``generator_kwargs`` go to :class:`~inference.Generator`."""
 
     def __init__(self, *, importance_sampling: bool = False, batch_invariant: bool = False,
-                 autocast: bool = True, **generator_kwargs: Any):
+                 autocast: bool = True, sharded_rollout: str = "gather", **generator_kwargs: Any):
+        if sharded_rollout not in ROLLOUT_MODES:
+            raise ValueError(f"sharded_rollout must be one of {ROLLOUT_MODES} (gather: full weights once per "
+                             f"rollout; lockstep: memory-lean), got {sharded_rollout!r}")
+        self.sharded_rollout = sharded_rollout
         if batch_invariant and _batch_invariant_context() is None:
             raise ValueError("batch_invariant=True needs packing.batch_invariant, which this nopad build "
                              "lacks; update nopad or drop batch_invariant=True")
@@ -84,14 +89,16 @@ class NopadRollout:
             generator = self._generator(model, trainer)
             with self._context(trainer):
                 try:
-                    outputs = generator.generate(requests, per_request, use_tqdm=False)
+                    # FSDP2: full weights once for the rollout, or ranks in lockstep (inference.sharded)
+                    outputs = sharded_generate(generator, model, requests, per_request,
+                                               mode=self.sharded_rollout)
                 finally:
                     self.last_stats = generator.stats()
                     if not generator.has_unfinished():
                         generator.release()  # hand the KV memory to the backward pass
             completions = [c for out in outputs for c in out.outputs]
             completion_ids = [list(c.token_ids) for c in completions]
-            logprobs = self._logprobs(model, trainer, params, prompt_ids, completions)
+            logprobs = [list(c.temperature_logprobs) for c in completions]  # what TRL's trainer scores
         if len(completion_ids) != len(prompts):
             raise RuntimeError(f"generated {len(completion_ids)} completions for {len(prompts)} prompts; "
                                "this is a bug")
@@ -116,37 +123,29 @@ class NopadRollout:
             stack.enter_context(_batch_invariant_context()())
         return stack
 
-    def _logprobs(self, model, trainer, params: SamplingParams, prompt_ids, completions) -> list[list[float]]:
-        """Log-prob of each sampled token under ``softmax(logits / temperature)``: what TRL scores."""
-        if params.temperature == 1.0:
-            return [list(c.logprobs) for c in completions]
-        filtered = (params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0
-                    or params.repetition_penalty != 1.0)
-        if not filtered:
-            return [list(c.sampling_logprobs) for c in completions]
-        with self._context(trainer):
-            completion_ids = [c.token_ids for c in completions]
-            return score_completions(model, prompt_ids, completion_ids, params.temperature)
-
 
 def nopad_rollout_func(*, importance_sampling: bool = False, batch_invariant: bool = False,
-                       autocast: bool = True, **generator_kwargs: Any) -> NopadRollout:
+                       autocast: bool = True, sharded_rollout: str = "gather",
+                       **generator_kwargs: Any) -> NopadRollout:
     """A ``rollout_func`` for ``GRPOTrainer`` that generates with nopad in-process on the policy.
 
     ``generator_kwargs`` size the generator (``max_num_batched_tokens``, ``max_num_seqs``,
     ``kv_memory_bytes``, ``block_size``...). ``importance_sampling=True`` lets TRL apply its
     ``vllm_importance_sampling_correction`` to our log-probs; ``batch_invariant=True`` generates
     inside ``packing.batch_invariant()``; ``autocast`` generates under the trainer's autocast.
+    ``sharded_rollout`` (FSDP2-sharded policies, :mod:`inference.sharded`): ``"gather"`` the full
+    weights once for the rollout (default), or ``"lockstep"`` to keep them sharded.
     """
     return NopadRollout(importance_sampling=importance_sampling, batch_invariant=batch_invariant,
-                        autocast=autocast, **generator_kwargs)
+                        autocast=autocast, sharded_rollout=sharded_rollout, **generator_kwargs)
 
 
 # ----------------------------------------------------------------------------- trainer settings
 def unwrapped_policy(trainer):
     """The live policy module, the way TRL's own generation gets it: unwrapped from DDP/DeepSpeed,
     ZeRO-3 parameters gathered for the block (``args.ds3_gather_for_generation``), gradient
-    checkpointing off while generating. FSDP-sharded policies are not gathered here."""
+    checkpointing off while generating. FSDP2-sharded policies stay sharded here; the rollout
+    gathers them (or steps in lockstep) through :func:`inference.sharded.sharded_generate`."""
     try:
         from trl.models import unwrap_model_for_generation
     except ImportError:  # another TRL layout: plain unwrapping (no ZeRO-3 gathering)
@@ -231,48 +230,6 @@ def _runs(prompt_ids: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
         else:
             runs.append((i, 1))
     return runs
-
-
-# ----------------------------------------------------------------------------- scoring
-@torch.no_grad()
-def score_completions(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
-                      completion_ids: Sequence[Sequence[int]], temperature: float = 1.0,
-                      tokens_per_forward: int = 4096) -> list[list[float]]:
-    """``log_softmax(logits / temperature)`` of every completion token, from packed varlen forwards
-    through nopad attention (only the completion positions reach the LM head)."""
-    from packing.binpack import pack
-    from packing.hf import use_nopad_attention
-    from packing.varlen import VarlenMeta
-
-    device = next(model.parameters()).device
-    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
-    lengths = [len(s) for s in seqs]
-    rows = pack(lengths, max(tokens_per_forward, max(lengths)), strategy="nextfit")
-    result: list[list[float]] = [[] for _ in seqs]
-    training = model.training
-    model.eval()
-    try:
-        with use_nopad_attention(model):
-            for row in rows:
-                members = [int(i) for i in row]
-                meta = VarlenMeta.from_lengths([lengths[i] for i in members], device=device)
-                keep, targets, start = [], [], 0
-                for i in members:
-                    p, c = len(prompt_ids[i]), len(completion_ids[i])
-                    keep.extend(range(start + p - 1, start + p + c - 1))  # logits that predict the completion
-                    targets.extend(completion_ids[i])
-                    start += lengths[i]
-                ids = torch.tensor([t for i in members for t in seqs[i]], device=device)[None]
-                logits = model(input_ids=ids, position_ids=meta.position_ids[None], nopad_meta=meta,
-                               use_cache=False, logits_to_keep=torch.tensor(keep, device=device)).logits[0]
-                lp = torch.log_softmax(logits.float() / temperature, dim=-1)
-                picked = lp.gather(1, torch.tensor(targets, device=device)[:, None])[:, 0].tolist()
-                for i in members:
-                    c = len(completion_ids[i])
-                    result[i], picked = picked[:c], picked[c:]
-    finally:
-        model.train(training)
-    return result
 
 
 # ----------------------------------------------------------------------------- TRL's IS correction

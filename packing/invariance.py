@@ -38,6 +38,23 @@ _depth = 0  # nesting depth of batch_invariant() blocks, process-wide
 _plain_linear_forward = torch.nn.Linear.forward
 
 
+def supported(device: torch.device | str) -> tuple[bool, str]:
+    """Whether this mode makes the generator's and the training forward's log-probs bitwise equal
+    for a model on ``device``, and why not: its batch-invariant attention is nopad's CPU kernel, so
+    it needs a CPU model and no other attention backend forced through ``NOPAD_ATTN_BACKEND``."""
+    import os
+
+    from packing.attention import BACKEND_ENV
+
+    device = torch.device(device)
+    forced = os.environ.get(BACKEND_ENV) or "auto"
+    if device.type != "cpu":
+        return False, f"the model runs on {device.type}; the batch-invariant attention is a CPU kernel"
+    if forced not in ("auto", "kernel", "per_token"):
+        return False, f"{BACKEND_ENV}={forced} forces an attention backend without the batch-invariant path"
+    return True, ""
+
+
 def is_enabled() -> bool:
     """True inside :func:`batch_invariant`."""
     return _depth > 0

@@ -117,25 +117,21 @@ def resolve_is_correction(train_cfg: Mapping) -> ISWeightFn | None:
 
 def use_batch_invariant(train_cfg: Mapping, model) -> bool:
     """``train.batch_invariant``: true, false, or auto = on wherever nopad has a batch-invariant
-    attention path (CPU tensors, no other backend forced by ``NOPAD_ATTN_BACKEND``), so rollouts
-    are sampled from exactly the policy being trained."""
-    from packing.attention import BACKEND_ENV
+    attention path (:func:`packing.invariance.supported`), so rollouts are sampled from exactly the
+    policy being trained."""
+    from packing.invariance import supported as invariant_mode_supported
 
     setting = train_cfg["batch_invariant"]
     if setting not in ("auto", True, False):
         raise ValueError(f"train.batch_invariant must be auto, true or false, got {setting!r}")
-    device = next(model.parameters()).device
-    forced = os.environ.get(BACKEND_ENV) or "auto"
-    supported = device.type == "cpu" and forced in ("auto", "kernel", "per_token")
+    supported, why = invariant_mode_supported(next(model.parameters()).device)
     if setting == "auto":
         if not supported:
-            _warn_once(f"train.batch_invariant=auto: off (model on {device.type}, {BACKEND_ENV}={forced}); "
-                       "nopad's batch-invariant attention is its CPU kernel, so rollout and trainer "
-                       "log-probs differ slightly here; consider train.is_correction=tis")
+            _warn_once(f"train.batch_invariant=auto: off ({why}), so rollout and trainer log-probs differ "
+                       "slightly here; consider train.is_correction=tis")
         return supported
     if setting and not supported:
-        raise ValueError(f"train.batch_invariant=true needs the model on CPU and no other attention backend "
-                         f"forced, but the model is on {device} and {BACKEND_ENV}={forced}; set "
+        raise ValueError(f"train.batch_invariant=true is not available: {why}; set "
                          "train.batch_invariant=auto or false")
     return bool(setting)
 

@@ -127,3 +127,23 @@ def test_sampling_frequencies_follow_the_distribution():
     tokens = sample(logits.expand(3000, 3), [seq_with(params, seed=s) for s in range(3000)]).tokens
     counts = torch.bincount(torch.tensor(tokens), minlength=3).float()
     torch.testing.assert_close(counts / 3000, probs, atol=0.03, rtol=0)
+
+
+def test_temperature_logprobs_are_untruncated_and_the_trainers_expression():
+    """TRL #6789: the log-prob a trainer scores is log_softmax(logits / T), before top-k/top-p/
+    min-p truncation and penalties; the sampler returns exactly that (bitwise: the same expression)."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 64) * 3
+    params = [SamplingParams(temperature=0.7, top_p=0.8),
+              SamplingParams(temperature=0.7, top_k=5, min_p=0.05),
+              SamplingParams(temperature=1.3, repetition_penalty=1.2),
+              SamplingParams(temperature=1.0, top_p=0.5)]
+    out = sample(logits, [seq_with(p, seed=i) for i, p in enumerate(params)])
+    tokens = torch.tensor(out.tokens)
+    for i, p in enumerate(params):
+        trainer = torch.log_softmax(logits[i : i + 1].float() / p.temperature, dim=-1)[0, tokens[i]]
+        assert torch.equal(torch.tensor(out.temperature_logprobs[i]), trainer)
+    assert out.temperature_logprobs[3] == out.logprobs[3]  # T = 1: the raw log-prob
+    # the truncated distributions put more mass on the kept tokens: a different (biased) number
+    for i in (0, 1, 3):
+        assert out.sampling_logprobs[i] > out.temperature_logprobs[i] + 1e-3

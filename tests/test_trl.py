@@ -27,8 +27,8 @@ CHAT_TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module")
-def tok():
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny models' vocabulary, with a chat template."""
     words = ["<pad>", "<bos>", "<eos>", "<unk>", "user", "assistant"] + [f"w{i}" for i in range(122)]
     vocab = {w: i for i, w in enumerate(words)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -39,6 +39,11 @@ def tok():
     return tok
 
 
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
 def _texts(n: int, seed: int, low: int = 3, high: int = 40) -> list[str]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high, (n,), generator=g)
@@ -46,7 +51,7 @@ def _texts(n: int, seed: int, low: int = 3, high: int = 40) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- GRPO
-def _grpo(tok, tmp_path, rollout, prompts=None, **config):
+def _grpo(tok, tmp_path, rollout, prompts=None, cls=None, batch_invariant=None, **config):
     from trl import GRPOConfig, GRPOTrainer
 
     prompts = prompts if prompts is not None else _texts(8, seed=3, low=2, high=7)
@@ -56,7 +61,13 @@ def _grpo(tok, tmp_path, rollout, prompts=None, **config):
     settings.update(config)
     model = tiny_model("llama")
     model.train()
-    trainer = GRPOTrainer(
+    extra = {}
+    if cls is None:
+        cls = GRPOTrainer
+    if batch_invariant is not None:
+        extra["batch_invariant"] = batch_invariant
+    trainer = cls(
+        **extra,
         model=model,
         reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
         args=GRPOConfig(**settings),
@@ -91,7 +102,8 @@ def test_grpo_trains_and_the_log_probs_make_the_importance_ratio(tok, tmp_path, 
 def test_rollout_matches_trl_contract_and_settings(tok, tmp_path, one_thread):
     """Default path (no IS flag): one completion per prompt entry, groups prefilled once, the
     trainer's sampling settings honoured, and the log-probs are TRL's sampling_per_token_logps."""
-    from inference.trl import nopad_rollout_func, sampling_params, score_completions
+    from inference.sampler import processed_logprobs
+    from inference.trl import nopad_rollout_func, sampling_params
 
     rollout = nopad_rollout_func(max_num_batched_tokens=128)
     trainer = _grpo(tok, tmp_path, rollout, max_steps=1, temperature=0.7, top_p=0.9, top_k=20, min_p=0.01,
@@ -107,14 +119,39 @@ def test_rollout_matches_trl_contract_and_settings(tok, tmp_path, one_thread):
     assert rollout.last_stats["prefill_tokens"] == 3 + 2  # each group's prompt prefilled once
     for completion, logprobs in zip(out["completion_ids"], out["logprobs"]):
         assert 1 <= len(completion) <= 5 and len(completion) == len(logprobs)
-    # with temperature and filters on, the log-probs are those of softmax(logits / T): TRL's
-    expect = score_completions(trainer.model, out["prompt_ids"], out["completion_ids"], 0.7)
-    assert np.allclose(np.concatenate(out["logprobs"]), np.concatenate(expect), atol=1e-5)
+    # with temperature and filters on, the log-probs are those of softmax(logits / T) that TRL's
+    # trainer scores (its own padded forward), not those of the top-p/top-k-truncated distribution
+    trl_logps, logits = _trl_scores(trainer, out["prompt_ids"], out["completion_ids"])
+    ours = np.concatenate(out["logprobs"])
+    assert np.allclose(ours, trl_logps, atol=1e-5)
+    truncated = torch.cat([processed_logprobs(lg, [params] * len(lg))[torch.arange(len(c)), torch.tensor(c)]
+                           for lg, c in zip(logits, out["completion_ids"])])
+    assert float((truncated - torch.tensor(ours)).abs().max()) > 1e-2
     # conversational prompts go through the chat template
     chat = rollout([[{"role": "user", "content": "w30 w31"}]] * 2, trainer)
     assert chat["prompt_ids"][0] == tok("user w30 w31 assistant")["input_ids"]
     trainer.train()
     assert "sampling_per_token_logps" in trainer._buffered_inputs[0]
+
+
+def _trl_scores(trainer, prompt_ids, completion_ids):
+    """TRL's own per-token log-probs of the completions (its padded forward, its temperature), and
+    each completion's raw logits (eager forward, one sequence at a time)."""
+    from trl import GRPOTrainer
+    from trl.trainer.utils import pad
+
+    def padded(rows, side):
+        ids = pad([torch.tensor(r) for r in rows], padding_value=0, padding_side=side)
+        mask = pad([torch.ones(len(r), dtype=torch.long) for r in rows], padding_value=0, padding_side=side)
+        return ids, mask
+
+    (p, pm), (c, cm) = padded(prompt_ids, "left"), padded(completion_ids, "right")
+    with torch.no_grad():
+        logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, torch.cat([p, c], 1), torch.cat([pm, cm], 1), c.size(1))
+        logits = [trainer.model(input_ids=torch.tensor([list(pi) + list(ci)])).logits[0, len(pi) - 1 : -1]
+                  for pi, ci in zip(prompt_ids, completion_ids)]
+    return logps[cm.bool()].numpy(), logits
 
 
 def test_rollout_refuses_what_it_cannot_honour(tok, tmp_path, monkeypatch):
@@ -274,3 +311,193 @@ def test_bf16_autocast_and_bf16_weights(tok, tmp_path, one_thread):
                           train_dataset=datasets.Dataset.from_dict({"text": _texts(12, 1)}))
     sft.train()
     assert np.isfinite(sft.state.log_history[-1]["train_loss"])
+
+
+# ----------------------------------------------------------------------------- GRPO trainer side
+def _fixed_rollout(prompts, trainer):
+    """Deterministic completions of varied lengths (1..7 tokens, some ending in EOS): the same
+    rollouts for every trainer compared."""
+    tokenizer = trainer.processing_class
+    prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
+    completions = []
+    for i, ids in enumerate(prompt_ids):
+        n = 1 + (sum(ids) + 3 * i) % 7
+        completion = [6 + (7 * sum(ids) + 11 * i + 5 * j) % 100 for j in range(n)]
+        if i % 3 == 0:
+            completion[-1] = tokenizer.eos_token_id
+        completions.append(completion)
+    return {"prompt_ids": prompt_ids, "completion_ids": completions,
+            "logprobs": [[-1.0] * len(c) for c in completions]}
+
+
+class _GradRecorder(TrainerCallback):
+    def __init__(self):
+        self.grads = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+
+
+def _grpo_step_grads(tok, tmp_path, cls, **kwargs):
+    from trl import GRPOConfig
+
+    model = tiny_model("llama")
+    model.train()
+    recorder = _GradRecorder()
+    # steps_per_generation=2: TRL shuffles the generation batch across two micro-batches, so each
+    # holds parts of groups; temperature 0.7 and the entropy bonus reach the loss too
+    args = GRPOConfig(output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=8,
+                      num_generations=4, steps_per_generation=2, gradient_accumulation_steps=2,
+                      max_completion_length=7, max_steps=1, report_to=[], use_cpu=True, bf16=False,
+                      save_strategy="no", seed=0, temperature=0.7, entropy_coef=0.01, learning_rate=1e-3,
+                      logging_steps=1)
+    prompts = datasets.Dataset.from_dict({"prompt": _texts(4, seed=5, low=2, high=9)})
+    reward = lambda completion_ids, **kw: [float(len(c)) for c in completion_ids]  # noqa: E731
+    trainer = cls(model=model, reward_funcs=reward, args=args, train_dataset=prompts,
+                  processing_class=tok, rollout_func=_fixed_rollout, callbacks=[recorder], **kwargs)
+    trainer.train()
+    return trainer, recorder.grads[0]
+
+
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_nopad_grpo_trainer_logprobs_loss_and_gradients_equal_trls_padded_path(tok, tmp_path, shared_prefix,
+                                                                               one_thread):
+    from trl import GRPOTrainer
+
+    from dataloaders.grpo_trainer import NopadGRPOTrainer
+
+    reference, ref_grads = _grpo_step_grads(tok, tmp_path, GRPOTrainer)
+    nopad, grads = _grpo_step_grads(tok, tmp_path, NopadGRPOTrainer, shared_prefix=shared_prefix)
+    assert nopad.model.config._attn_implementation == "nopad"
+    assert sum(float(g.abs().sum()) for g in ref_grads.values()) > 0
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-5)
+    loss = [h["loss"] for h in nopad.state.log_history if "loss" in h]
+    ref_loss = [h["loss"] for h in reference.state.log_history if "loss" in h]
+    assert loss == pytest.approx(ref_loss, abs=1e-5)
+    # log-probs and entropies of one (shuffled, partial-group) micro-batch, straight
+    batch = nopad._buffered_inputs[0]
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    keep = batch["completion_ids"].size(1)
+    prompts = [tuple(p[m.bool()].tolist()) for p, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
+    assert len(set(prompts)) < len(prompts)  # some completions share a prompt in this micro-batch
+    with torch.no_grad():
+        ours = nopad._get_per_token_logps_and_entropies(nopad.model, ids, mask, keep, compute_entropy=True)
+        nopad.model.set_attn_implementation(reference.model.config._attn_implementation)
+        theirs = GRPOTrainer._get_per_token_logps_and_entropies(nopad, nopad.model, ids, mask, keep,
+                                                                compute_entropy=True)
+    completion_mask = batch["completion_mask"].bool()
+    torch.testing.assert_close(ours[0], theirs[0] * completion_mask, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours[1], theirs[1] * completion_mask, atol=1e-5, rtol=0)
+    assert bool((ours[0][completion_mask] < 0).all())
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_batch_invariant_rollout_and_trainer_log_probs_are_bitwise_equal(tok, tmp_path, bf16, one_thread):
+    """On-policy, the importance ratio is exactly 1: the rollout's log-probs (temperature-scaled, with
+    top-p on), TRL's old log-probs and the loss forward's are the same bits, fp32 and bf16 autocast.
+    (Without the batch-invariant mode both dtypes fail these equalities.)"""
+    from dataloaders.grpo_trainer import NopadGRPOTrainer
+    from inference.trl import nopad_rollout_func
+
+    seen = []
+
+    class Recording(NopadGRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            inner = self._get_per_token_logps_and_entropies
+
+            def grab(*args, **kwargs):
+                out = inner(*args, **kwargs)
+                seen.append((inputs, out[0].detach().clone()))
+                return out
+
+            self._get_per_token_logps_and_entropies = grab
+            try:
+                return super()._compute_loss(model, inputs)
+            finally:
+                del self._get_per_token_logps_and_entropies
+
+    rollout = nopad_rollout_func(importance_sampling=True, batch_invariant=True, max_num_batched_tokens=64)
+    trainer = _grpo(tok, tmp_path, rollout, cls=Recording, batch_invariant=True, max_steps=1, bf16=bf16,
+                    temperature=0.7, top_p=0.9, max_completion_length=8)
+    trainer.train()
+    assert len(seen) == 1
+    inputs, current = seen[0]
+    mask = inputs["completion_mask"].bool()
+    sampled, old = inputs["sampling_per_token_logps"][mask], inputs["old_per_token_logps"][mask]
+    assert torch.equal(sampled, old) and torch.equal(current[mask], old)
+    assert bool((inputs["importance_sampling_ratio"] == 1).all())  # TRL's IS weight (per sequence)
+    assert bool((sampled < 0).all()) and mask.sum() > 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["gather", "lockstep"])
+def test_rollout_on_an_fsdp2_sharded_policy(tmp_path, mode):
+    """2 CPU processes, FSDP2 over gloo, ranks generating 1 vs 12 tokens: no deadlock, and the
+    tokens' log-probs are those of the full (unsharded) weights."""
+    from tests.test_sharded import _run_two_ranks
+
+    _run_two_ranks(["-m", "tests.trl_fsdp2_worker", mode, str(tmp_path)], f"TRL rollout under FSDP2 ({mode})")
+    for rank in (0, 1):
+        result = torch.load(tmp_path / f"trl_{mode}_rank{rank}.pt", weights_only=False)
+        out = result["out"]
+        assert len(out["completion_ids"]) == 8
+        longest = max(len(c) for c in out["completion_ids"])
+        assert longest == 1 if rank == 0 else longest > 1  # rank 1 keeps stepping alone
+        np.testing.assert_allclose(np.concatenate(out["logprobs"]), np.concatenate(result["expected"]),
+                                   atol=1e-5)
+
+
+@pytest.mark.parametrize("shared_prefix, budget", [(True, None), (True, 16), (False, 16)])
+def test_packed_completion_logprobs_equal_one_sequence_at_a_time(shared_prefix, budget, one_thread):
+    """TRL's padded layout in, (B, C) log-probs and entropies out, for whole groups, groups split
+    over rows (a 16-token budget splits the 20-token group), a row whose completion is masked out entirely."""
+    from dataloaders.grpo_trainer import packed_completion_logprobs
+    from packing.hf import register_nopad_attention
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (9, 4)]
+    completions = [torch.randint(3, 128, (1 + (5 * i) % 7,), generator=g).tolist() for i in range(6)]
+    rows = [(prompts[i // 3], c) for i, c in enumerate(completions)]
+    width_p, width_c = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
+    ids = torch.zeros(len(rows), width_p + width_c, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, (p, c) in enumerate(rows):
+        ids[b, width_p - len(p) : width_p], mask[b, width_p - len(p) : width_p] = torch.tensor(p), 1
+        ids[b, width_p : width_p + len(c)], mask[b, width_p : width_p + len(c)] = torch.tensor(c), 1
+    mask[4, width_p:] = 0  # TRL's mask_truncated_completions: nothing of row 4 is scored
+    model = tiny_model("llama")
+    register_nopad_attention()
+    reference = copy.deepcopy(model)
+    model.set_attn_implementation("nopad")
+    logps, entropies = packed_completion_logprobs(model, ids, mask, width_c, 0.7, shared_prefix=shared_prefix,
+                                                  compute_entropy=True, max_tokens_per_forward=budget)
+    for b, (p, c) in enumerate(rows):
+        n = 0 if b == 4 else len(c)
+        logits = reference(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1 : -1].float() / 0.7
+        lp = torch.log_softmax(logits, -1)
+        expect = torch.zeros(width_c)
+        expect[:n] = lp[torch.arange(n), torch.tensor(c[:n], dtype=torch.long)]
+        torch.testing.assert_close(logps[b].detach(), expect, atol=1e-5, rtol=0)
+        expect_h = torch.zeros(width_c)
+        expect_h[:n] = -(lp.exp() * lp).sum(-1)[:n]
+        torch.testing.assert_close(entropies[b].detach(), expect_h, atol=1e-5, rtol=0)
+    logps.sum().backward()  # differentiable
+    assert model.model.embed_tokens.weight.grad.abs().sum() > 0
+
+
+def test_batch_invariant_setting_follows_where_the_model_trains(monkeypatch, caplog):
+    from dataloaders.grpo_trainer import resolve_batch_invariant
+
+    assert resolve_batch_invariant("auto", "cpu") is True
+    assert resolve_batch_invariant(False, "cpu") is False
+    with caplog.at_level("WARNING"):
+        assert resolve_batch_invariant("auto", "cuda") is False
+    assert "CPU kernel" in caplog.text
+    with pytest.raises(ValueError, match="batch_invariant=True is not available"):
+        resolve_batch_invariant(True, "cuda")
+    monkeypatch.setenv("NOPAD_ATTN_BACKEND", "sdpa")
+    assert resolve_batch_invariant("auto", "cpu") is False
+    with pytest.raises(ValueError, match="'auto', True or False"):
+        resolve_batch_invariant("yes", "cpu")

@@ -1,0 +1,295 @@
+"""TRL's ``GRPOTrainer`` with nopad's training forward: packed rows instead of padded batches.
+
+    from dataloaders.grpo_trainer import NopadGRPOTrainer
+    trainer = NopadGRPOTrainer(model, reward_funcs, args=GRPOConfig(...), train_dataset=prompts,
+                               processing_class=tok)    # rollouts: nopad_rollout_func() by default
+    trainer.train()
+
+TRL scores every completion (old, reference and current log-probs) with a padded forward of
+``[left-padded prompt | right-padded completion]``: each prompt is computed once per completion,
+padding is computed too, and on CPU the LM head projects every position. Here the same call
+(``_get_per_token_logps_and_entropies``, TRL 1.16) packs the batch into varlen rows:
+
+- ``shared_prefix=True`` (default): completions with the same prompt form a group whose prompt
+  appears once per row and which every completion attends to (:mod:`packing.shared_prefix`).
+  TRL's sampler deals a prompt's ``num_generations`` copies out consecutively, across processes
+  when a process's batch is not a multiple of it, and ``_prepare_inputs`` shuffles the generation
+  batch before slicing it into ``steps_per_generation`` micro-batches; so a micro-batch may hold
+  part of a group. Groups are found by prompt tokens, not position: whatever completions of a
+  prompt the micro-batch holds share one copy of it (one completion: a usual sequence).
+- ``shared_prefix=False``: each prompt+completion is its own sequence (usual packing).
+
+Only the positions that predict a completion token reach the LM head; log-probs are
+``log_softmax(logits / temperature)`` of the model's own logits (softcapping and scaling
+included), as TRL's fused head computes them, scattered back to TRL's ``(B, C)`` layout (0 where
+the completion mask is 0). Loss, advantages, clipping and logging stay TRL's.
+
+``batch_invariant=True`` (or ``"auto"``: on where nopad has the mode, i.e. a CPU model) runs this
+forward and the nopad rollout under :func:`packing.batch_invariant`, so the rollout's log-probs
+equal the trainer's bitwise: with ``nopad_rollout_func(importance_sampling=True)`` TRL's
+importance ratio is exactly 1 on-policy. Off by default: it slows the rollout's small decode
+steps several-fold on CPU (every GEMM on 32-row tiles).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# the parameters of GRPOTrainer._get_per_token_logps_and_entropies this override was written for
+_EXPECTED_PARAMS = ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
+                    "compute_aux_loss")
+
+
+def resolve_batch_invariant(setting: bool | str, device: torch.device | str) -> bool:
+    """``True`` / ``False`` / ``"auto"`` (on where supported, else off with a warning)."""
+    if setting not in ("auto", True, False):
+        raise ValueError(f"batch_invariant must be 'auto', True or False, got {setting!r}")
+    from packing.invariance import supported as invariant_mode_supported
+
+    supported, why = invariant_mode_supported(device)
+    if setting == "auto":
+        if not supported:
+            logger.warning("batch_invariant='auto': off (%s); rollout and trainer log-probs will differ "
+                           "slightly", why)
+        return supported
+    if setting and not supported:
+        raise ValueError(f"batch_invariant=True is not available: {why}. Use batch_invariant='auto' or False")
+    return bool(setting)
+
+
+# ----------------------------------------------------------------------------- the packed forward
+def _sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int):
+    """Per row of TRL's padded batch: (prompt tokens, completion tokens, completion columns)."""
+    width = input_ids.size(1) - logits_to_keep
+    ids, mask = input_ids.cpu(), attention_mask.cpu().bool()
+    out = []
+    for b in range(ids.size(0)):
+        prompt = ids[b, :width][mask[b, :width]].tolist()
+        columns = torch.nonzero(mask[b, width:]).squeeze(1)
+        out.append((prompt, ids[b, width:][columns].tolist(), columns.tolist()))
+    return out
+
+
+def _plain_rows(seqs, order, capacity):
+    """Usual packing: ``prompt + completion`` per sequence, rows of at most ``capacity`` tokens."""
+    from packing.binpack import pack
+    from packing.varlen import VarlenMeta
+
+    lengths = [len(seqs[b][0]) + len(seqs[b][1]) for b in order]
+    for row in pack(lengths, capacity, strategy="bfd"):
+        members = [order[i] for i in sorted(row.tolist())]
+        ids, predict_at, start = [], [], 0
+        for b in members:
+            prompt, completion, _ = seqs[b]
+            ids += prompt + completion
+            predict_at += range(start + len(prompt) - 1, start + len(prompt) + len(completion) - 1)
+            start += len(prompt) + len(completion)
+        meta = VarlenMeta.from_lengths([len(seqs[b][0]) + len(seqs[b][1]) for b in members])
+        yield ids, meta, predict_at, members
+
+
+def _shared_rows(seqs, order, capacity):
+    """Shared-prefix packing: completions of the same prompt share one copy of it per row."""
+    from packing.shared_prefix import pack_groups, shared_prefix_row
+
+    members: dict[tuple, list[int]] = {}
+    for b in order:
+        members.setdefault(tuple(seqs[b][0]), []).append(b)
+    groups = list(members.values())
+    sizes = [(len(seqs[g[0]][0]), [len(seqs[b][1]) for b in g]) for g in groups]
+    for pieces in pack_groups(sizes, capacity):
+        picked = [[groups[g][j] for j in part] for g, part in pieces]
+        row = shared_prefix_row([(seqs[idx[0]][0], [seqs[b][1] for b in idx]) for idx in picked])
+        meta = row["nopad_meta"]
+        targets_at = torch.nonzero(row["labels"][0] != -100).squeeze(1)
+        predict_at = meta.previous_rows()[targets_at].tolist()
+        yield row["input_ids"][0].tolist(), meta, predict_at, [b for idx in picked for b in idx]
+
+
+def packed_completion_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                               logits_to_keep: int, temperature: float = 1.0, *, shared_prefix: bool = True,
+                               compute_entropy: bool = False, entropy_grad: bool = True,
+                               max_tokens_per_forward: int | None = None,
+                               forward_context=contextlib.nullcontext):
+    """Log-probs (and entropies) of the completion tokens of TRL's padded batch, from packed rows.
+
+    ``input_ids``/``attention_mask``: ``(B, P + C)``, left-padded prompts then right-padded
+    completions; ``logits_to_keep = C``. Returns ``(logps, entropies)`` shaped ``(B, C)`` (entropies
+    None unless asked), 0 where the mask is 0, differentiable w.r.t. the model's parameters
+    (the entropies only with ``entropy_grad``: TRL needs their gradient for its entropy bonus alone).
+    ``model`` must run nopad attention (``model.set_attn_implementation("nopad")``).
+    ``forward_context`` is entered around every forward (autocast, batch-invariant mode).
+    """
+    device = input_ids.device
+    batch, width = input_ids.size(0), logits_to_keep
+    seqs = _sequences(input_ids, attention_mask, logits_to_keep)
+    order = [b for b in range(batch) if seqs[b][1]]  # rows with no completion token score nothing
+    empty_rows = [b for b in order if not seqs[b][0]]
+    if empty_rows:
+        raise ValueError(f"batch rows {empty_rows} have no prompt token: nothing predicts their first "
+                         "completion token")
+    logps = torch.zeros(batch, width, device=device)
+    entropies = torch.zeros(batch, width, device=device) if compute_entropy else None
+    if not order:
+        # keep the result connected to the model, as TRL's masked scatter does
+        zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+        return logps + zero, entropies
+    lengths = [len(seqs[b][0]) + len(seqs[b][1]) for b in order]
+    capacity = max(max_tokens_per_forward or sum(lengths), max(lengths))  # a sequence is never split
+    build = _shared_rows if shared_prefix else _plain_rows
+    scatter_rows, scatter_cols, picked, entropy_parts = [], [], [], []
+    for ids, meta, predict_at, members in build(seqs, order, capacity):
+        meta = meta.to(device)
+        keep = torch.tensor(predict_at, device=device)  # only these positions reach the LM head
+        with forward_context():
+            row = torch.tensor(ids, device=device)[None]
+            logits = model(input_ids=row, position_ids=meta.position_ids[None], nopad_meta=meta,
+                           logits_to_keep=keep, use_cache=False).logits[0]
+        logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+        targets = torch.tensor([t for b in members for t in seqs[b][1]], device=device)
+        picked.append(logp_all.gather(1, targets[:, None])[:, 0])
+        if compute_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropy_parts.append(-(logp_all.exp() * logp_all).sum(-1))
+        for b in members:
+            scatter_rows += [b] * len(seqs[b][1])
+            scatter_cols += seqs[b][2]
+    index = (torch.tensor(scatter_rows, device=device), torch.tensor(scatter_cols, device=device))
+    logps = logps.index_put(index, torch.cat(picked))
+    if compute_entropy:
+        entropies = entropies.index_put(index, torch.cat(entropy_parts))
+    return logps, entropies
+
+
+# ----------------------------------------------------------------------------- the trainer
+class NopadGRPOTrainerMixin:
+    """Put in front of ``GRPOTrainer`` (or a subclass): ``class T(NopadGRPOTrainerMixin, GRPOTrainer)``.
+
+    ``shared_prefix``: each prompt computed once per packed row (default) or usual packing.
+    ``batch_invariant``: False (default) / True / ``"auto"`` (on where exact: a CPU model), for
+    this forward and the default rollout. On costs speed: small decode steps run 32-row GEMM
+    tiles (``benchmarks/bench_trl.py`` measures it).
+    ``max_tokens_per_forward``: tokens of one packed forward (default: the whole micro-batch, one
+    forward per call on every rank, as ZeRO-3 / FSDP2 need: leave it unset there).
+    ``rollout_func`` defaults to :func:`inference.trl.nopad_rollout_func` with the same
+    ``batch_invariant``; ``nopad_rollout=False`` keeps TRL's own generation instead.
+    """
+
+    def __init__(self, *args: Any, shared_prefix: bool = True, batch_invariant: bool | str = False,
+                 max_tokens_per_forward: int | None = None, nopad_rollout: bool = True, **kwargs: Any):
+        if shared_prefix not in (True, False):
+            raise ValueError(f"shared_prefix must be True or False, got {shared_prefix!r}")
+        if max_tokens_per_forward is not None and max_tokens_per_forward < 2:
+            raise ValueError(f"max_tokens_per_forward must be >= 2, got {max_tokens_per_forward}")
+        _check_trl_signature(type(self))
+        model = kwargs.get("model", args[0] if args else None)
+        if isinstance(model, str):
+            raise ValueError("NopadGRPOTrainer needs the model object (the rollout and the attention switch "
+                             "use it); load it first, e.g. AutoModelForCausalLM.from_pretrained(...)")
+        self.nopad_shared_prefix = shared_prefix
+        self.nopad_max_tokens_per_forward = max_tokens_per_forward
+        train_args = kwargs.get("args", args[2] if len(args) > 2 else None)
+        device = getattr(train_args, "device", None) or next(model.parameters()).device  # where it will train
+        self.nopad_batch_invariant = resolve_batch_invariant(batch_invariant, device)
+        if nopad_rollout and kwargs.get("rollout_func") is None:
+            from inference.trl import nopad_rollout_func
+
+            kwargs["rollout_func"] = nopad_rollout_func(batch_invariant=self.nopad_batch_invariant)
+        rollout = kwargs.get("rollout_func")
+        if getattr(rollout, "batch_invariant", self.nopad_batch_invariant) != self.nopad_batch_invariant:
+            logger.warning("the nopad rollout_func has batch_invariant=%s but the trainer %s: rollout and "
+                           "trainer log-probs will not be bitwise equal", rollout.batch_invariant,
+                           self.nopad_batch_invariant)
+        self.nopad_generates = kwargs.get("rollout_func") is not None
+        super().__init__(*args, **kwargs)
+        from packing.hf import register_nopad_attention
+
+        register_nopad_attention()
+        policy = self.accelerator.unwrap_model(self.model)
+        self._nopad_previous_attention = policy.config._attn_implementation
+        # for good, not per call: gradient checkpointing recomputes the forward during the backward
+        for model in (policy, getattr(self, "ref_model", None)):
+            if model is not None:
+                self.accelerator.unwrap_model(model).set_attn_implementation("nopad")
+
+    def _generate(self, prompts):
+        """TRL's own in-process generation runs padded batches: give it its attention back."""
+        if self.nopad_generates or self.use_vllm:
+            return super()._generate(prompts)
+        policy = self.accelerator.unwrap_model(self.model)
+        policy.set_attn_implementation(self._nopad_previous_attention)
+        try:
+            return super()._generate(prompts)
+        finally:
+            policy.set_attn_implementation("nopad")
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        """The whole step in the batch-invariant mode when on: the rollout, the log-prob forwards and
+        the backward, whose gradient-checkpointing recompute must replay the forward's kernels."""
+        from packing.invariance import batch_invariant
+
+        with batch_invariant(self.nopad_batch_invariant):
+            return super().training_step(*args, **kwargs)
+
+    def _forward_context(self):
+        from packing.invariance import batch_invariant
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.accelerator.autocast())  # as TRL's own forward
+        stack.enter_context(batch_invariant(self.nopad_batch_invariant))
+        return stack
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                           batch_size=None, compute_entropy=False, compute_aux_loss=False,
+                                           **multimodal):
+        """TRL's per-token log-probs and entropies, from packed rows (see module docstring)."""
+        given = sorted(k for k, v in multimodal.items() if v is not None)
+        if given or compute_aux_loss:
+            what = given or "an MoE aux loss"
+            raise ValueError(f"NopadGRPOTrainer packs text-only batches; this one has {what}. Use "
+                             "GRPOTrainer for multimodal / MoE-aux-loss training")
+        logps, entropies = packed_completion_logprobs(
+            model, input_ids, attention_mask, logits_to_keep, float(self.temperature),
+            shared_prefix=self.nopad_shared_prefix, compute_entropy=compute_entropy,
+            entropy_grad=bool(getattr(self, "_entropy_bonus_enabled", True)),
+            max_tokens_per_forward=self.nopad_max_tokens_per_forward,
+            forward_context=self._forward_context)
+        return logps, entropies, None
+
+
+def _check_trl_signature(cls: type) -> None:
+    """Fail at construction, not mid-run, when TRL renamed or reshaped the method we replace."""
+    for klass in cls.__mro__:
+        if klass.__name__ == "GRPOTrainer" and "_get_per_token_logps_and_entropies" in vars(klass):
+            params = tuple(inspect.signature(klass._get_per_token_logps_and_entropies).parameters)[1:]
+            if params[: len(_EXPECTED_PARAMS)] != _EXPECTED_PARAMS:
+                raise RuntimeError(f"this TRL's GRPOTrainer._get_per_token_logps_and_entropies takes "
+                                   f"{params}; NopadGRPOTrainer was written for {_EXPECTED_PARAMS} "
+                                   "(TRL 1.16). Pin trl==1.16, or use GRPOTrainer with nopad_rollout_func")
+            return
+    raise RuntimeError("NopadGRPOTrainer must subclass a TRL GRPOTrainer that has "
+                       "_get_per_token_logps_and_entropies (TRL 1.16); this TRL has none")
+
+
+def _grpo_trainer_class() -> type:
+    from trl import GRPOTrainer
+
+    class NopadGRPOTrainer(NopadGRPOTrainerMixin, GRPOTrainer):
+        """TRL ``GRPOTrainer`` with nopad rollouts and packed (shared-prefix) training forwards."""
+
+    return NopadGRPOTrainer
+
+
+def __getattr__(name: str):
+    if name == "NopadGRPOTrainer":  # built on first use, so importing this module does not import TRL
+        cls = _grpo_trainer_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
