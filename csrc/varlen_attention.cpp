@@ -55,7 +55,7 @@ namespace {
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
 constexpr int BK = 32;  // keys per block: the fixed unit of every reduction over keys
-constexpr int QT = 8;   // query tokens per work item (a scheduling choice; results do not depend on it)
+constexpr int QT = 16;  // query tokens per work item (a scheduling choice; results do not depend on it)
 constexpr int MAX_D = 256;  // head dims the kernel takes (kernel_attention.MAX_HEAD_DIM)
 constexpr int L = 16;   // lanes of a score's dot product over the head dim (fixed, part of the order)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
@@ -145,9 +145,13 @@ struct Scratch {  // one per thread
     std::vector<float> q, acc, m, l, s, kt, lanes, kbuf, vbuf;
     std::vector<i64> lo, hi, rows, vrows;
     std::vector<char> active;
+    std::vector<i32> lo32, hi32;
+    // R rows per item; the rows path pads each head's rows to a multiple of L and keeps a block of
+    // keys and one of values in fp32
     Scratch(i64 R, i64 Dp, i64 H)
-        : q(R * Dp), acc(R * Dp), m(R), l(R), s(R * BK), kt(Dp * BK), lanes(L * BK), kbuf(Dp), vbuf(Dp),
-          lo(R), hi(R), rows(2 * BK), vrows(R + H), active(R) {}
+        : q((R + L) * Dp), acc((R + L) * Dp), m(R + L), l(R + L), s((R + L) * BK), kt(2 * Dp * BK),
+          lanes(std::max<i64>(L * BK, R + L)), kbuf(Dp), vbuf(Dp), lo(R), hi(R), rows(2 * BK), vrows(R + H),
+          active(R), lo32(R + L), hi32(R + L) {}
 };
 
 // The score of one query row and one key: lane l sums q[d] * k[d] over d = l, l + L, l + 2L, ... in
@@ -515,6 +519,233 @@ ALWAYS_INLINE void attend_body(const Problem& P, const Item& it, Scratch& S) {
     }
 }
 
+#if defined(__x86_64__)
+// exp_neg on 16 lanes: the same operations in the same order as the scalar exp_neg (a separate
+// multiply and add per polynomial step, no fused multiply-add), so the same bits.
+X512 ALWAYS_INLINE __m512 exp_neg16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // (-87 > x) ? -87 : x, as std::max(x, -87)
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_sub_ps(_mm512_add_ps(t, _mm512_set1_ps(12582912.0f)), _mm512_set1_ps(12582912.0f));
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// Scores of KB keys (fp32 rows kf, Dp apart) for 16 query rows at once (qt: the head's queries
+// transposed, [Dp][Rh], this vector's rows at column 0): per key, lane l is the chain of fused
+// multiply-adds over d = l, l + L, ... and the lanes are added by lane_tree's halving tree, written
+// out as ((0+8)+(4+12)) + ((2+10)+(6+14)) for even lanes and the same for odd ones. Vectorised
+// over query rows instead of lanes, so no horizontal sums; the same bits as dot_key / dot_block.
+template <int NC, int KB>  // lane l's chain for KB keys
+X512 ALWAYS_INLINE void lane_chain(const float* __restrict qt, i64 Rh, const float* __restrict kf, i64 Dp, int l,
+                                   __m512* p) {
+#pragma GCC unroll 4
+    for (int kk = 0; kk < KB; ++kk) p[kk] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) {
+        const __m512 qv = _mm512_loadu_ps(qt + (c * L + l) * Rh);
+#pragma GCC unroll 4
+        for (int kk = 0; kk < KB; ++kk) p[kk] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kf[kk * Dp + c * L + l]), p[kk]);
+    }
+}
+
+// lanes l, l + S, summed; with S = 8 a pair, then recursively (l, l + 4) pairs of pairs, ...
+template <int NC, int KB, int S>
+X512 ALWAYS_INLINE void lane_sum(const float* __restrict qt, i64 Rh, const float* __restrict kf, i64 Dp, int l,
+                                 __m512* s) {
+    __m512 a[KB], b[KB];
+    if constexpr (S == 8) {
+        lane_chain<NC, KB>(qt, Rh, kf, Dp, l, a);
+        lane_chain<NC, KB>(qt, Rh, kf, Dp, l + 8, b);
+    } else {
+        lane_sum<NC, KB, S * 2>(qt, Rh, kf, Dp, l, a);
+        lane_sum<NC, KB, S * 2>(qt, Rh, kf, Dp, l + S, b);
+    }
+#pragma GCC unroll 4
+    for (int kk = 0; kk < KB; ++kk) s[kk] = _mm512_add_ps(a[kk], b[kk]);
+}
+
+// Scores of KB keys (fp32 rows kf, Dp apart) for 16 query rows at once (qt: the head's queries
+// transposed, [Dp][Rh], this vector's rows at column 0). Per key, lane l is the chain of fused
+// multiply-adds over d = l, l + L, ..., and the lanes are added by lane_tree's halving tree:
+// lane_sum<., ., 1>(0) = ((0+8)+(4+12)) + ((2+10)+(6+14)) + (the same from lane 1). Vectorised
+// over query rows instead of lanes, so no horizontal sums; the same bits as dot_key / dot_block.
+template <int NC, int KB>
+X512 ALWAYS_INLINE void scores_rows16(const float* __restrict qt, i64 Rh, const float* __restrict kf, i64 Dp,
+                                      float* __restrict out, i64 out_stride) {
+    __m512 s[KB];
+    lane_sum<NC, KB, 1>(qt, Rh, kf, Dp, 0, s);
+#pragma GCC unroll 4
+    for (int kk = 0; kk < KB; ++kk) _mm512_storeu_ps(out + kk * out_stride, s[kk]);
+}
+
+// A work item with many query rows per KV head (prefill chunks, training rows), head by head: the
+// head's queries are transposed once, each key block is converted to fp32 once, scores and the
+// online softmax run 16 query rows per vector, and p * v is added key by key in order. Every sum
+// is the one attend_body does (so the same bits); padding rows are masked out (an all-masked
+// block leaves a row's state unchanged: alpha is exactly 1, or 0 on an all-zero state).
+template <int DT, int NC>
+X512 void attend_item_rows_avx512(const Problem& P, const Item& it, Scratch& S) {
+    const i64 H = P.H, Hkv = P.Hkv, G = H / Hkv, D = P.D, Dp = NC * L;
+    const i64 qlen = P.cu_q[it.seq + 1] - P.cu_q[it.seq];
+    const i64 klen = P.lens_k[it.seq];
+    const i64 n = it.nt * G, Rh = (n + L - 1) / L * L, NV = Rh / L;
+    float* __restrict qt = S.q.data();    // [Dp][Rh]
+    float* __restrict acc = S.acc.data();  // [Rh][Dp]
+    float* __restrict st = S.s.data();     // [BK][Rh]
+    float* __restrict kf = S.kt.data();    // [BK][Dp]
+    float* __restrict vf = S.kt.data() + BK * Dp;
+    float* __restrict m = S.m.data();
+    float* __restrict l = S.l.data();
+    float* __restrict alpha = S.lanes.data();
+    i32* lo = S.lo32.data();
+    i32* hi = S.hi32.data();
+    i64 first_block = std::numeric_limits<i64>::max(), last_block = -1;
+    for (i64 i = 0; i < Rh; ++i) {
+        if (i < n) {
+            const i64 pos = klen - qlen + it.t0 + i / G;
+            hi[i] = static_cast<i32>(P.causal ? pos : klen - 1);
+            lo[i] = static_cast<i32>(P.window > 0 ? std::max<i64>(0, pos - P.window + 1) : 0);
+            first_block = std::min<i64>(first_block, lo[i] / BK);
+            last_block = std::max<i64>(last_block, hi[i] / BK);
+        } else {
+            lo[i] = 1, hi[i] = 0;  // a padding row sees no key
+        }
+    }
+    i64 rows[2 * BK];
+    for (i64 h = 0; h < Hkv; ++h) {
+        for (i64 i = 0; i < Rh; ++i) {
+            const i64 token = P.cu_q[it.seq] + it.t0 + i / G;
+            const i64 off = (token * H + h * G + i % G) * D;
+            for (i64 d = 0; d < Dp; ++d) qt[d * Rh + i] = i < n && d < D ? load<DT>(P.q, off + d) : 0.f;
+            m[i] = NEG_INF;
+            l[i] = 0.f;
+            std::fill(acc + i * Dp, acc + (i + 1) * Dp, 0.f);
+        }
+        for (i64 b = first_block; b <= last_block; ++b) {
+            const i64 key0 = b * BK, nk = std::min<i64>(BK, klen - key0);
+            key_rows(P, it.seq, key0, nk, rows);
+            const i64 nn = b < last_block ? std::min<i64>(BK, klen - key0 - BK) : 0;
+            key_rows(P, it.seq, key0 + BK, nn, rows + BK);
+            for (i64 j = 0; j < nn; ++j) {
+                prefetch_row<DT>(P.k, (rows[BK + j] * Hkv + h) * D, D);
+                prefetch_row<DT>(P.v, (rows[BK + j] * Hkv + h) * D, D);
+            }
+            for (i64 j = 0; j < nk; ++j) {
+                __m512 r[NC];
+                load_row<DT, NC>(P.k, (rows[j] * Hkv + h) * D, D, r);
+                for (int c = 0; c < NC; ++c) _mm512_storeu_ps(kf + j * Dp + c * L, r[c]);
+                load_row<DT, NC>(P.v, (rows[j] * Hkv + h) * D, D, r);
+                for (int c = 0; c < NC; ++c) _mm512_storeu_ps(vf + j * Dp + c * L, r[c]);
+            }
+            // scores, [BK][Rh]; keys past nk are masked below
+            for (i64 vi = 0; vi < NV; ++vi) {
+                i64 j = 0;
+                for (; j + 4 <= nk; j += 4) scores_rows16<NC, 4>(qt + vi * L, Rh, kf + j * Dp, Dp, st + j * Rh + vi * L, Rh);
+                for (; j < nk; ++j) scores_rows16<NC, 1>(qt + vi * L, Rh, kf + j * Dp, Dp, st + j * Rh + vi * L, Rh);
+            }
+            // online softmax, 16 rows per vector
+            for (i64 vi = 0; vi < NV; ++vi) {
+                const __m512i jlo = _mm512_max_epi32(_mm512_sub_epi32(_mm512_loadu_si512(lo + vi * L),
+                                                                      _mm512_set1_epi32(static_cast<i32>(key0))),
+                                                     _mm512_setzero_si512());
+                const __m512i jhi = _mm512_min_epi32(_mm512_sub_epi32(_mm512_loadu_si512(hi + vi * L),
+                                                                      _mm512_set1_epi32(static_cast<i32>(key0))),
+                                                     _mm512_set1_epi32(static_cast<i32>(nk - 1)));
+                __m512 x[BK];
+                for (int j = 0; j < BK; ++j) {
+                    float* sj = st + j * Rh + vi * L;
+                    if (P.softcap > 0.f) {
+                        alignas(64) float tmp[L];
+                        for (int e = 0; e < L; ++e) tmp[e] = j < nk ? P.softcap * tanh_fixed(sj[e] * P.scale / P.softcap) : 0.f;
+                        x[j] = _mm512_load_ps(tmp);
+                    } else {
+                        x[j] = j < nk ? _mm512_mul_ps(_mm512_loadu_ps(sj), _mm512_set1_ps(P.scale)) : _mm512_setzero_ps();
+                    }
+                    const __m512i jv = _mm512_set1_epi32(j);
+                    const __mmask16 keep = _mm512_cmp_epi32_mask(jv, jlo, _MM_CMPINT_NLT) &
+                                           _mm512_cmp_epi32_mask(jv, jhi, _MM_CMPINT_LE);
+                    x[j] = _mm512_mask_mov_ps(_mm512_set1_ps(NEG_INF), keep, x[j]);
+                }
+                __m512 mx[BK / 2];
+                for (int j = 0; j < BK / 2; ++j) mx[j] = _mm512_max_ps(x[j], x[j + BK / 2]);
+                for (int w = BK / 4; w >= 1; w /= 2)
+                    for (int j = 0; j < w; ++j) mx[j] = _mm512_max_ps(mx[j], mx[j + w]);
+                const __m512 m_old = _mm512_loadu_ps(m + vi * L);
+                const __m512 m_new = _mm512_max_ps(m_old, mx[0]);
+                const __mmask16 fresh = _mm512_cmp_ps_mask(m_old, _mm512_set1_ps(NEG_INF), _CMP_EQ_OQ);
+                const __m512 a = _mm512_mask_mov_ps(exp_neg16(_mm512_sub_ps(m_old, m_new)), fresh, _mm512_setzero_ps());
+                __m512 e[BK];
+                for (int j = 0; j < BK; ++j) {
+                    const __mmask16 masked = _mm512_cmp_ps_mask(x[j], _mm512_set1_ps(NEG_INF), _CMP_EQ_OQ);
+                    e[j] = _mm512_mask_mov_ps(exp_neg16(_mm512_sub_ps(x[j], m_new)), masked, _mm512_setzero_ps());
+                    _mm512_storeu_ps(st + j * Rh + vi * L, e[j]);
+                }
+                __m512 p[BK / 2];
+                for (int j = 0; j < BK / 2; ++j) p[j] = _mm512_add_ps(e[j], e[j + BK / 2]);
+                for (int w = BK / 4; w >= 1; w /= 2)
+                    for (int j = 0; j < w; ++j) p[j] = _mm512_add_ps(p[j], p[j + w]);
+                _mm512_storeu_ps(l + vi * L, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(l + vi * L), a), p[0]));
+                _mm512_storeu_ps(m + vi * L, m_new);
+                _mm512_storeu_ps(alpha + vi * L, a);
+            }
+            // values: GR rows' accumulators in registers over the block's keys, in key order
+            constexpr int GR = NC <= 4 ? 4 : NC <= 8 ? 2 : 1;
+            for (i64 i0 = 0; i0 < n; i0 += GR) {
+                const i64 ng = std::min<i64>(GR, n - i0);
+                __m512 av[GR][NC];
+#pragma GCC unroll 4
+                for (int g = 0; g < GR; ++g) {
+                    const __m512 ag = _mm512_set1_ps(g < ng ? alpha[i0 + g] : 0.f);
+#pragma GCC unroll 16
+                    for (int c = 0; c < NC; ++c)
+                        av[g][c] = g < ng ? _mm512_mul_ps(_mm512_loadu_ps(acc + (i0 + g) * Dp + c * L), ag)
+                                          : _mm512_setzero_ps();
+                }
+                for (i64 j = 0; j < nk; ++j) {
+                    const float* pj = st + j * Rh + i0;
+                    bool any = false;
+#pragma GCC unroll 4
+                    for (int g = 0; g < GR; ++g) any = any || (g < ng && pj[g] != 0.f);
+                    if (!any) continue;
+                    const float* vj = vf + j * Dp;
+#pragma GCC unroll 4
+                    for (int g = 0; g < GR; ++g) {
+                        if (g >= ng || pj[g] == 0.f) continue;  // a zero weight adds nothing
+                        const __m512 pv = _mm512_set1_ps(pj[g]);
+#pragma GCC unroll 16
+                        for (int c = 0; c < NC; ++c) av[g][c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vj + c * L), av[g][c]);
+                    }
+                }
+#pragma GCC unroll 4
+                for (int g = 0; g < GR; ++g)
+                    if (g < ng)
+#pragma GCC unroll 16
+                        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + (i0 + g) * Dp + c * L, av[g][c]);
+            }
+        }
+        for (i64 i = 0; i < n; ++i) {
+            const i64 token = P.cu_q[it.seq] + it.t0 + i / G;
+            const float inv = 1.f / l[i];
+            const i64 off = (token * H + h * G + i % G) * D;
+            for (i64 d = 0; d < D; ++d) store<DT>(P.out, off + d, acc[i * Dp + d] * inv);
+        }
+    }
+}
+
+template <int DT>
+X512 void attend_item_rows(const Problem& P, const Item& it, Scratch& S) {
+    NOPAD_CHUNKS(attend_item_rows_avx512, P, it, S)
+}
+#endif
+
 template <int DT>
 __attribute__((target_clones("arch=x86-64-v3", "default")))
 void attend_item_portable(const Problem& P, const Item& it, Scratch& S) {
@@ -555,7 +786,8 @@ void run(const Problem& P, i64 num_seqs, int threads) {
         for (i64 w = 0; w < n; ++w) {
 #if defined(__x86_64__)
             if (use_avx512) {
-                attend_item_avx512<DT>(P, items[w], scratch);
+                if (items[w].nt * (P.H / P.Hkv) >= TRANSPOSE_ROWS) attend_item_rows<DT>(P, items[w], scratch);
+                else attend_item_avx512<DT>(P, items[w], scratch);
                 continue;
             }
 #endif
