@@ -150,7 +150,7 @@ struct Scratch {  // one per thread
     // keys and one of values in fp32
     Scratch(i64 R, i64 Dp, i64 H)
         : q((R + L) * Dp), acc((R + L) * Dp), m(R + L), l(R + L), s((R + L) * BK), kt(2 * Dp * BK),
-          lanes(std::max<i64>(L * BK, R + L)), kbuf(Dp), vbuf(Dp), lo(R), hi(R), rows(2 * BK), vrows(R + H),
+          lanes(std::max<i64>(L * BK, R + L)), kbuf(Dp), vbuf(BK * Dp), lo(R), hi(R), rows(2 * BK), vrows(R + H),
           active(R), lo32(R + L), hi32(R + L) {}
 };
 
@@ -200,6 +200,38 @@ ALWAYS_INLINE const float* as_f32(const void* base, i64 offset, i64 D, i64 Dp, f
     return buf;
 }
 
+// The online softmax of one row over one block (scores sr, raw, in; weights out), updating the
+// row's running max m, sum l and accumulator ar; keys lo..hi of the block are visible.
+ALWAYS_INLINE void softmax_portable(const Problem& P, float* __restrict sr, i64 lo, i64 hi, i64 nk, float& m,
+                                    float& l, float* __restrict ar, i64 Dp) {
+    float x[BK];
+    const i32 jlo = static_cast<i32>(std::max<i64>(lo, 0));
+    const i32 jhi = static_cast<i32>(std::min<i64>(hi, nk - 1));
+    if (P.softcap > 0.f) {
+        for (int j = 0; j < BK; ++j) x[j] = P.softcap * tanh_fixed(sr[j] * P.scale / P.softcap);
+    } else {
+        for (int j = 0; j < BK; ++j) x[j] = sr[j] * P.scale;
+    }
+    for (int j = 0; j < BK; ++j) x[j] = j >= jlo && j <= jhi ? x[j] : NEG_INF;
+    float mx[BK / 2];  // max by a halving tree (exact in any order)
+    for (int j = 0; j < BK / 2; ++j) mx[j] = std::max(x[j], x[j + BK / 2]);
+    for (int w = BK / 4; w >= 1; w /= 2)
+        for (int j = 0; j < w; ++j) mx[j] = std::max(mx[j], mx[j + w]);
+    const float m_new = std::max(m, mx[0]);
+    const float alpha = m == NEG_INF ? 0.f : exp_neg(m - m_new);
+    for (int j = 0; j < BK; ++j) {
+        const float e = exp_neg(x[j] - m_new);
+        sr[j] = x[j] == NEG_INF ? 0.f : e;
+    }
+    float p[BK / 2];  // the block's sum by a fixed halving tree
+    for (int j = 0; j < BK / 2; ++j) p[j] = sr[j] + sr[j + BK / 2];
+    for (int w = BK / 4; w >= 1; w /= 2)
+        for (int j = 0; j < w; ++j) p[j] = p[j] + p[j + w];
+    l = l * alpha + p[0];
+    m = m_new;
+    for (i64 d = 0; d < Dp; ++d) ar[d] = ar[d] * alpha;
+}
+
 // The decode path's work on one block for the rows rl[0..nr) of KV head h: the scores of its keys
 // (key j of the block at cache row rows[j]), and adding p * v over its keys, in key order, to each
 // row's accumulator (one fused multiply-add per element). Two implementations with the same
@@ -207,6 +239,9 @@ ALWAYS_INLINE const float* as_f32(const void* base, i64 offset, i64 D, i64 Dp, f
 // registers and keeps a row's accumulator in registers across the block's keys.
 template <int DT>
 struct PortableOps {
+    static void softmax(const Problem& P, float* sr, i64 lo, i64 hi, i64 nk, float& m, float& l, float* ar, i64 Dp) {
+        softmax_portable(P, sr, lo, hi, nk, m, l, ar, Dp);
+    }
     static void scores(const Problem& P, const i64* rows, i64 nk, i64 h, const float* qb, const i64* rl, i64 nr,
                        float* sc, float* buf, const i64*, i64) {
         const i64 D = P.D, Dp = (D + L - 1) / L * L;
@@ -247,6 +282,11 @@ X512 ALWAYS_INLINE __m512 load16(const void* base, i64 off) {
 
 template <int DT, int NC>  // NC chunks of L lanes; the last one zero-padded past D
 X512 ALWAYS_INLINE void load_row(const void* base, i64 off, i64 D, __m512* out) {
+    if (D == NC * L) {  // the usual head dims (64, 128): no tail
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) out[c] = load16<DT>(base, off + c * L);
+        return;
+    }
 #pragma GCC unroll 16
     for (int c = 0; c < NC; ++c) {
         if ((c + 1) * L <= D) {
@@ -275,6 +315,71 @@ X512 ALWAYS_INLINE __m512 lane_tree4(__m512 p0, __m512 p1, __m512 p2, __m512 p3)
     const __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
     const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));
     return _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));
+}
+
+// exp_neg on 16 lanes: the same operations in the same order as the scalar exp_neg (a separate
+// multiply and add per polynomial step, no fused multiply-add), so the same bits.
+X512 ALWAYS_INLINE __m512 exp_neg16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // (-87 > x) ? -87 : x, as std::max(x, -87)
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_sub_ps(_mm512_add_ps(t, _mm512_set1_ps(12582912.0f)), _mm512_set1_ps(12582912.0f));
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// Scores of KB keys (fp32 rows kf, Dp apart) for 16 query rows at once (qt: the head's queries
+// transposed, [Dp][Rh], this vector's rows at column 0): per key, lane l is the chain of fused
+// multiply-adds over d = l, l + L, ... and the lanes are added by lane_tree's halving tree, written
+// out as ((0+8)+(4+12)) + ((2+10)+(6+14)) for even lanes and the same for odd ones. Vectorised
+// over query rows instead of lanes, so no horizontal sums; the same bits as dot_key / dot_block.
+// softmax_portable on 16 keys per vector: the same operations on every element, and its sum
+// tree (j + (j + 16), then + 8, + 4, + 2, + 1) as halves of a register.
+X512 ALWAYS_INLINE void softmax_avx512(const Problem& P, float* __restrict sr, i64 lo, i64 hi, i64 nk, float& m,
+                                       float& l, float* __restrict ar, i64 Dp) {
+    static_assert(BK == 2 * L, "two vectors per block");
+    __m512 x[2];
+    if (P.softcap > 0.f) {
+        alignas(64) float t[BK];
+        for (int j = 0; j < BK; ++j) t[j] = P.softcap * tanh_fixed(sr[j] * P.scale / P.softcap);
+        x[0] = _mm512_load_ps(t), x[1] = _mm512_load_ps(t + L);
+    } else {
+        x[0] = _mm512_mul_ps(_mm512_loadu_ps(sr), _mm512_set1_ps(P.scale));
+        x[1] = _mm512_mul_ps(_mm512_loadu_ps(sr + L), _mm512_set1_ps(P.scale));
+    }
+    const __m512i jlo = _mm512_set1_epi32(static_cast<i32>(std::max<i64>(lo, 0)));
+    const __m512i jhi = _mm512_set1_epi32(static_cast<i32>(std::min<i64>(hi, nk - 1)));
+    const __m512 ninf = _mm512_set1_ps(NEG_INF);
+    for (int v = 0; v < 2; ++v) {
+        const __m512i j = _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(v * L));
+        const __mmask16 keep = _mm512_cmp_epi32_mask(j, jlo, _MM_CMPINT_NLT) & _mm512_cmp_epi32_mask(j, jhi, _MM_CMPINT_LE);
+        x[v] = _mm512_mask_mov_ps(ninf, keep, x[v]);
+    }
+    const float m_new = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(x[0], x[1])));  // max: exact in any order
+    const float alpha = m == NEG_INF ? 0.f : exp_neg(m - m_new);
+    __m512 e[2];
+    for (int v = 0; v < 2; ++v) {
+        const __mmask16 masked = _mm512_cmp_ps_mask(x[v], ninf, _CMP_EQ_OQ);
+        e[v] = _mm512_mask_mov_ps(exp_neg16(_mm512_sub_ps(x[v], _mm512_set1_ps(m_new))), masked, _mm512_setzero_ps());
+        _mm512_storeu_ps(sr + v * L, e[v]);
+    }
+    const __m512 s16 = _mm512_add_ps(e[0], e[1]);
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(s16), _mm512_extractf32x8_ps(s16, 1));
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    const float sum = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+    l = l * alpha + sum;
+    m = m_new;
+    const __m512 a = _mm512_set1_ps(alpha);
+    for (i64 d = 0; d < Dp; d += L) _mm512_storeu_ps(ar + d, _mm512_mul_ps(_mm512_loadu_ps(ar + d), a));
 }
 
 template <int DT, int NC>
@@ -307,11 +412,26 @@ X512 void scores_avx512(const Problem& P, const i64* rows, i64 nk, i64 h, const 
 
 template <int DT, int NC>
 X512 void values_avx512(const Problem& P, const i64* rows, i64 nk, i64 h, const float* sc, const i64* rl, i64 nr,
-                        float* acc, const i64* next, i64 nn) {
+                        float* acc, float* vbuf, const i64* next, i64 nn) {
     for (i64 j = 0; j < nn; ++j) prefetch_row<DT>(P.v, (next[j] * P.Hkv + h) * D_of(P), D_of(P));
     // groups of GR rows whose accumulators stay in registers over the block's keys; each value row
-    // is loaded (and converted) once per group
+    // is loaded once per group, so with several groups a bf16/fp16 block is converted to fp32 once
     constexpr int GR = NC <= 4 ? 4 : NC <= 8 ? 2 : 1;
+    if constexpr (DT != F32) {
+        if (nr > GR) {
+            for (i64 j = 0; j < nk; ++j) {
+                __m512 r[NC];
+                load_row<DT, NC>(P.v, (rows[j] * P.Hkv + h) * P.D, P.D, r);
+#pragma GCC unroll 16
+                for (int c = 0; c < NC; ++c) _mm512_storeu_ps(vbuf + j * NC * L + c * L, r[c]);
+            }
+            static const i64 seq_rows[BK] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+                                             16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
+            Problem F = P;  // the converted block: fp32 rows of one head
+            F.v = vbuf, F.Hkv = 1, F.D = NC * L;
+            return values_avx512<F32, NC>(F, seq_rows, nk, 0, sc, rl, nr, acc, nullptr, nullptr, 0);
+        }
+    }
     const i64 D = P.D, Dp = NC * L;
     for (i64 i0 = 0; i0 < nr; i0 += GR) {
         const i64 ng = std::min<i64>(GR, nr - i0);
@@ -362,13 +482,17 @@ X512 void values_avx512(const Problem& P, const i64* rows, i64 nk, i64 h, const 
 
 template <int DT>
 struct Avx512Ops {
+    X512 static void softmax(const Problem& P, float* sr, i64 lo, i64 hi, i64 nk, float& m, float& l, float* ar,
+                             i64 Dp) {
+        softmax_avx512(P, sr, lo, hi, nk, m, l, ar, Dp);
+    }
     X512 static void scores(const Problem& P, const i64* rows, i64 nk, i64 h, const float* qb, const i64* rl,
                             i64 nr, float* sc, float*, const i64* next, i64 nn) {
         NOPAD_CHUNKS(scores_avx512, P, rows, nk, h, qb, rl, nr, sc, next, nn)
     }
     X512 static void values(const Problem& P, const i64* rows, i64 nk, i64 h, const float* sc, const i64* rl,
-                            i64 nr, float* acc, float*, const i64* next, i64 nn) {
-        NOPAD_CHUNKS(values_avx512, P, rows, nk, h, sc, rl, nr, acc, next, nn)
+                            i64 nr, float* acc, float* vbuf, const i64* next, i64 nn) {
+        NOPAD_CHUNKS(values_avx512, P, rows, nk, h, sc, rl, nr, acc, vbuf, next, nn)
     }
 };
 #endif
@@ -468,41 +592,9 @@ ALWAYS_INLINE void attend_body(const Problem& P, const Item& it, Scratch& S) {
                     dot_block(qb + hr[1 + i] * Dp, kt, S.lanes.data(), sc + hr[1 + i] * BK, Dp);
             }
         }
-        // online softmax, per row, vectorised over the block's keys
-        for (i64 r = 0; r < R; ++r) {
-            if (!active[r]) continue;
-            float* __restrict sr = sc + r * BK;
-            float x[BK];
-            float block_max = NEG_INF;
-            // the row's visible keys in this block: j in [jlo, jhi]
-            const i32 jlo = static_cast<i32>(std::max<i64>(lo[r] - key0, 0));
-            const i32 jhi = static_cast<i32>(std::min<i64>(hi[r] - key0, nk - 1));
-            if (P.softcap > 0.f) {
-                for (int j = 0; j < BK; ++j) x[j] = P.softcap * tanh_fixed(sr[j] * P.scale / P.softcap);
-            } else {
-                for (int j = 0; j < BK; ++j) x[j] = sr[j] * P.scale;
-            }
-            for (int j = 0; j < BK; ++j) x[j] = j >= jlo && j <= jhi ? x[j] : NEG_INF;
-            float mx[BK / 2];  // max by a halving tree (exact in any order; vectorises)
-            for (int j = 0; j < BK / 2; ++j) mx[j] = std::max(x[j], x[j + BK / 2]);
-            for (int w = BK / 4; w >= 1; w /= 2)
-                for (int j = 0; j < w; ++j) mx[j] = std::max(mx[j], mx[j + w]);
-            block_max = mx[0];
-            const float m_new = std::max(S.m[r], block_max);
-            const float alpha = S.m[r] == NEG_INF ? 0.f : exp_neg(S.m[r] - m_new);
-            for (int j = 0; j < BK; ++j) {
-                const float e = exp_neg(x[j] - m_new);
-                sr[j] = x[j] == NEG_INF ? 0.f : e;
-            }
-            float p[BK / 2];  // the block's sum by a fixed halving tree
-            for (int j = 0; j < BK / 2; ++j) p[j] = sr[j] + sr[j + BK / 2];
-            for (int w = BK / 4; w >= 1; w /= 2)
-                for (int j = 0; j < w; ++j) p[j] = p[j] + p[j + w];
-            S.l[r] = S.l[r] * alpha + p[0];
-            S.m[r] = m_new;
-            float* __restrict ar = acc + r * Dp;
-            for (i64 d = 0; d < Dp; ++d) ar[d] = ar[d] * alpha;
-        }
+        // online softmax, per row
+        for (i64 r = 0; r < R; ++r)
+            if (active[r]) Ops::softmax(P, sc + r * BK, lo[r] - key0, hi[r] - key0, nk, S.m[r], S.l[r], acc + r * Dp, Dp);
         // values: each row adds p * v over the block's keys in order
         for (i64 h = 0; h < Hkv; ++h) {
             const i64* hr = heads_rows + h * lists;
@@ -520,29 +612,6 @@ ALWAYS_INLINE void attend_body(const Problem& P, const Item& it, Scratch& S) {
 }
 
 #if defined(__x86_64__)
-// exp_neg on 16 lanes: the same operations in the same order as the scalar exp_neg (a separate
-// multiply and add per polynomial step, no fused multiply-add), so the same bits.
-X512 ALWAYS_INLINE __m512 exp_neg16(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // (-87 > x) ? -87 : x, as std::max(x, -87)
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_sub_ps(_mm512_add_ps(t, _mm512_set1_ps(12582912.0f)), _mm512_set1_ps(12582912.0f));
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
-// Scores of KB keys (fp32 rows kf, Dp apart) for 16 query rows at once (qt: the head's queries
-// transposed, [Dp][Rh], this vector's rows at column 0): per key, lane l is the chain of fused
-// multiply-adds over d = l, l + L, ... and the lanes are added by lane_tree's halving tree, written
-// out as ((0+8)+(4+12)) + ((2+10)+(6+14)) for even lanes and the same for odd ones. Vectorised
-// over query rows instead of lanes, so no horizontal sums; the same bits as dot_key / dot_block.
 template <int NC, int KB>  // lane l's chain for KB keys
 X512 ALWAYS_INLINE void lane_chain(const float* __restrict qt, i64 Rh, const float* __restrict kf, i64 Dp, int l,
                                    __m512* p) {

@@ -137,8 +137,13 @@ def test_decode_path_and_block_path_give_the_same_bits(dtype, dim):
                     reason="needs a CPU with AVX-512 to compare its path with the portable one")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim", [64, 72])
-def test_portable_and_avx512_paths_give_the_same_bits(dtype, dim):
-    q, k, v, meta, cache = _paged_step([1, 9, 1, 20], [40, 0, 3, 33], 4, 2, 6, dim=dim, dtype=dtype)
+@pytest.mark.parametrize("kv_heads,heads", [(2, 6), (1, 8)])
+@pytest.mark.parametrize("window,softcap", [(25, None), (None, 20.0)])
+def test_portable_and_avx512_paths_give_the_same_bits(dtype, dim, kv_heads, heads, window, softcap):
+    """Decode tokens (the per-key path), short chunks and 70-token chunks over cached keys (the
+    rows path: 16 query rows per vector), with a window or a softcap."""
+    q, k, v, meta, cache = _paged_step([1, 9, 1, 20, 70], [40, 0, 3, 33, 50], 4, kv_heads, heads, dim=dim,
+                                       dtype=dtype)
     flat = [c.view(-1, *c.shape[2:]) for c in cache]
     ext = kernel_attention.kernel()
     runs = []
@@ -146,7 +151,7 @@ def test_portable_and_avx512_paths_give_the_same_bits(dtype, dim):
         for portable in (False, True):
             ext.set_portable(portable)
             runs.append(kernel_attention.forward(q, *flat, meta, table=meta.block_table, block_size=4,
-                                                 scale=0.3, window=25))
+                                                 scale=0.3, window=window, softcap=softcap))
     finally:
         ext.set_portable(False)
     assert torch.equal(runs[0], runs[1])
