@@ -14,10 +14,13 @@
 // with -ffp-contract=off, so the portable path and the AVX-512 path give the same bits.
 //
 // Speed: decode (few query rows per KV head) reads each key's row of all KV heads in place,
-// converting bf16/fp16 in registers, and prefetches the next block while computing this one;
-// prefill chunks and training rows (many rows per KV head) transpose each block once and score it
-// for all rows, with the same arithmetic. It is also the generation kernel of the default mode:
-// no gather copy of cached keys for decode or for prefill chunks, and one call per layer.
+// converting bf16/fp16 in registers, prefetches the next block while computing this one, and runs
+// each row's softmax 16 keys per vector. Prefill chunks and training rows (>= 16 query rows per KV
+// head) go head by head: the queries are transposed once, each key/value block is converted to
+// fp32 once, and scores and the online softmax run 16 query rows per vector (the 16 lanes of a
+// score become 16 accumulators, added by the same tree), so no horizontal sums. Both give the
+// portable path's bits. It is also the generation kernel of the default mode: no gather copy of
+// cached keys for decode or for prefill chunks, and one call per layer.
 //
 // No torch at build time: the caller passes the data pointers of contiguous CPU tensors.
 // Layout: q, out [total_q, H, D]; k, v [rows, Hkv, D] where key p of sequence i is row
@@ -497,8 +500,9 @@ struct Avx512Ops {
 };
 #endif
 
-// Query rows of one head at least this many: transpose the head's block once and score it with
-// dot_block; fewer (decode): score each key in place with dot_key. A speed choice only.
+// Query rows of one head at least this many: the rows path (AVX-512: attend_item_rows; portable:
+// transpose the head's block once and score it with dot_block); fewer (decode): score each key in
+// place with dot_key. A speed choice only.
 constexpr i64 TRANSPOSE_ROWS = 16;
 
 // The cache rows of keys key0 .. key0 + n - 1 of sequence seq (paged: walking the block table

@@ -62,7 +62,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
     sampling_lp = torch.zeros(rows, dtype=torch.float32, device=x.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     rand = [i for i, p in enumerate(params) if not p.greedy]
-    if greedy:
+    if len(greedy) == rows:  # no row copy of the (rows, vocab) logits
+        tokens = x.argmax(dim=-1)
+    elif greedy:
         g = torch.tensor(greedy, device=x.device)
         tokens[g] = x[g].argmax(dim=-1)
     if rand:
