@@ -413,6 +413,44 @@ X512 void scores_avx512(const Problem& P, const i64* rows, i64 nk, i64 h, const 
     }
 }
 
+// Decode scores for head dims up to 64: four keys at a time, in registers, and for each row one
+// lane_tree4 over its four keys (the per-key path spends one tree per key on up to four rows, a
+// quarter of it idle for SmolLM2's 3 rows per KV head). The same arithmetic per score, more of it
+// independent in flight.
+template <int DT, int NC>
+X512 void scores_keys4_avx512(const Problem& P, const i64* rows, i64 nk, i64 h, const float* qb, const i64* rl,
+                              i64 nr, float* sc, const i64* next, i64 nn) {
+    static_assert(NC <= 4, "four keys of NC chunks must fit in registers");
+    const i64 D = P.D, Dp = NC * L;
+    i64 j = 0;
+    for (; j + 4 <= nk; j += 4) {
+        __m512 kc[4][NC];
+#pragma GCC unroll 4
+        for (int kk = 0; kk < 4; ++kk) {
+            if (j + kk < nn) prefetch_row<DT>(P.k, (next[j + kk] * P.Hkv + h) * D, D);
+            load_row<DT, NC>(P.k, (rows[j + kk] * P.Hkv + h) * D, D, kc[kk]);
+        }
+        for (i64 g = 0; g < nr; ++g) {
+            const float* q = qb + rl[g] * Dp;
+            __m512 p[4];
+#pragma GCC unroll 4
+            for (int kk = 0; kk < 4; ++kk) {
+                p[kk] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+                for (int c = 0; c < NC; ++c) p[kk] = _mm512_fmadd_ps(_mm512_loadu_ps(q + c * L), kc[kk][c], p[kk]);
+            }
+            alignas(64) float lanes[L];
+            _mm512_store_ps(lanes, lane_tree4(p[0], p[1], p[2], p[3]));
+            float* out = sc + rl[g] * BK + j;
+            out[0] = lanes[0], out[1] = lanes[4], out[2] = lanes[8], out[3] = lanes[12];
+        }
+    }
+    if (j < nk) {  // the last keys of a short block: per key
+        const i64 nn_left = std::max<i64>(0, nn - j);
+        scores_avx512<DT, NC>(P, rows + j, nk - j, h, qb, rl, nr, sc + j, next + j, nn_left);
+    }
+}
+
 template <int DT, int NC>
 X512 void values_avx512(const Problem& P, const i64* rows, i64 nk, i64 h, const float* sc, const i64* rl, i64 nr,
                         float* acc, float* vbuf, const i64* next, i64 nn) {
@@ -491,6 +529,13 @@ struct Avx512Ops {
     }
     X512 static void scores(const Problem& P, const i64* rows, i64 nk, i64 h, const float* qb, const i64* rl,
                             i64 nr, float* sc, float*, const i64* next, i64 nn) {
+        switch ((P.D + L - 1) / L) {
+            case 1: return scores_keys4_avx512<DT, 1>(P, rows, nk, h, qb, rl, nr, sc, next, nn);
+            case 2: return scores_keys4_avx512<DT, 2>(P, rows, nk, h, qb, rl, nr, sc, next, nn);
+            case 3: return scores_keys4_avx512<DT, 3>(P, rows, nk, h, qb, rl, nr, sc, next, nn);
+            case 4: return scores_keys4_avx512<DT, 4>(P, rows, nk, h, qb, rl, nr, sc, next, nn);
+            default: break;
+        }
         NOPAD_CHUNKS(scores_avx512, P, rows, nk, h, qb, rl, nr, sc, next, nn)
     }
     X512 static void values(const Problem& P, const i64* rows, i64 nk, i64 h, const float* sc, const i64* rl,
