@@ -460,22 +460,24 @@ def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> flo
     return nbytes / best
 
 
-def bare_linear_seconds(model, rows: int, repeats: int = 5) -> float:
-    """One pass of every ``nn.Linear`` of the model (lm_head included) on ``rows`` rows, as bare
-    ``F.linear`` calls in the weights' dtype, best of ``repeats``: the step's matmul floor."""
+def bare_linear_pass(model, rows: int):
+    """A function timing one pass of every ``nn.Linear`` of the model (lm_head included) on
+    ``rows`` rows, as bare ``F.linear`` calls in the weights' dtype: the step's matmul floor."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {}
     for m in linears:
         key = (m.in_features, m.weight.dtype)
         inputs.setdefault(key, torch.randn(rows, m.in_features, dtype=m.weight.dtype))
-    best = float("inf")
-    with torch.no_grad():
-        for _ in range(repeats + 1):
+
+    def timed() -> float:
+        with torch.no_grad():
             start = time.perf_counter()
             for m in linears:
                 torch.nn.functional.linear(inputs[(m.in_features, m.weight.dtype)], m.weight, m.bias)
-            best = min(best, time.perf_counter() - start)
-    return best
+            return time.perf_counter() - start
+
+    timed()  # warm-up
+    return timed
 
 
 class _AttentionTimer:
@@ -503,9 +505,11 @@ class _AttentionTimer:
         return False
 
 
-def time_decode_steps(model, tok, prompts: list[list[int]], args, **gen_kwargs) -> tuple[float, float]:
-    """Median seconds of one decode step of all ``prompts`` (after their prefill and two warm-up
-    decode steps, which also compile with ``compile_decode``), and of its attention calls."""
+def time_decode_steps(model, tok, prompts: list[list[int]], args, bare, **gen_kwargs):
+    """Per timed step: seconds of one decode step of all ``prompts`` (after their prefill and two
+    warm-up decode steps, which also compile with ``compile_decode``), of its attention calls, and
+    of the bare linear pass ``bare()`` timed right before it. Pairing them keeps the ratio honest on
+    a machine whose speed drifts (measured here: bare linears 127 ms in one run, 241 in another)."""
     from inference.generator import Generator
     from inference.sampling_params import SamplingParams
 
@@ -519,8 +523,9 @@ def time_decode_steps(model, tok, prompts: list[list[int]], args, **gen_kwargs) 
            for p in prompts]
     while gen.stats()["decode_tokens"] < 2 * batch:
         gen.step()  # prefill every prompt, then two decode steps as warm-up
-    times, attn = [], []
+    times, attn, linear = [], [], []
     for _ in range(steps):
+        linear.append(bare())
         with _AttentionTimer() as timer:
             start = time.perf_counter()
             gen.step()
@@ -529,7 +534,11 @@ def time_decode_steps(model, tok, prompts: list[list[int]], args, **gen_kwargs) 
     for rid in ids:
         gen.abort(rid)
     gen.release()
-    return sorted(times)[len(times) // 2], sorted(attn)[len(attn) // 2]
+    return times, attn, linear
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def decode_floor(model, tok, args, report: dict) -> None:
@@ -542,35 +551,39 @@ def decode_floor(model, tok, args, report: dict) -> None:
     dtype = next(model.parameters()).dtype
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     bw = read_bandwidth(args.threads)
-    linear_s = bare_linear_seconds(model, batch)
+    bare = bare_linear_pass(model, batch)
     g = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(100, config.vocab_size - 100, (context,), generator=g).tolist()
                for _ in range(batch)]
-    step_s, attn_s = time_decode_steps(model, tok, prompts, args)
+    times, attn, linear = time_decode_steps(model, tok, prompts, args, bare)
     ctx = context + 3 + steps // 2  # mean keys per sequence during the timed steps
     per_key = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize  # K and V
     kv_bytes = batch * ctx * per_key
     kv_s = kv_bytes / bw
+    step_s, attn_s, linear_s = median(times), median(attn), median(linear)
     floor = linear_s + kv_s
+    ratio = median([t / (lin + kv_s) for t, lin in zip(times, linear)])  # each step against its own floor
     print(f"\nDecode step, {batch} sequences x ~{ctx} keys, {str(dtype).replace('torch.', '')} "
-          f"(median of {steps} steps):")
+          f"(medians of {steps} steps, each right after a timed bare-linear pass):")
     print(f"  measured read bandwidth {bw / 1e9:.1f} GB/s; K/V read per step {kv_bytes / 1e6:.0f} MB "
           f"-> {kv_s * 1e3:.1f} ms at that rate")
-    print(f"  bare linear layers at {batch} rows: {linear_s * 1e3:.1f} ms")
-    print(f"  floor {floor * 1e3:.1f} ms | nopad step {step_s * 1e3:.1f} ms = {step_s / floor:.2f}x the "
-          f"floor (target <= 1.3x)")
+    print(f"  bare linear layers at {batch} rows: {linear_s * 1e3:.1f} ms "
+          f"(range {min(linear) * 1e3:.1f}-{max(linear) * 1e3:.1f})")
+    print(f"  floor {floor * 1e3:.1f} ms | nopad step {step_s * 1e3:.1f} ms = {ratio:.2f}x the "
+          f"floor (median of per-step ratios; target <= 1.3x)")
     print(f"  of the step: attention {attn_s * 1e3:.1f} ms ({kv_bytes / attn_s / 1e9:.1f} GB/s = "
           f"{kv_bytes / attn_s / bw:.0%} of bandwidth), everything else {(step_s - attn_s) * 1e3:.1f} ms "
           f"(linear floor {linear_s * 1e3:.1f} ms)")
     report["decode_floor"] = {"batch": batch, "keys": ctx, "bandwidth_gb_s": bw / 1e9,
                               "kv_mb": kv_bytes / 1e6, "linear_ms": linear_s * 1e3, "floor_ms": floor * 1e3,
-                              "step_ms": step_s * 1e3, "attention_ms": attn_s * 1e3, "ratio": step_s / floor}
+                              "step_ms": step_s * 1e3, "attention_ms": attn_s * 1e3, "ratio": ratio}
     if args.floor_compiled:
         print("  compiling the decode step (compile_decode=True) ...", flush=True)
-        compiled_s, _ = time_decode_steps(model, tok, prompts, args, compile_decode=True)
-        print(f"  nopad step with compile_decode=True {compiled_s * 1e3:.1f} ms = {compiled_s / floor:.2f}x "
-              f"the floor")
-        report["decode_floor"].update(compiled_step_ms=compiled_s * 1e3, compiled_ratio=compiled_s / floor)
+        times, _, linear = time_decode_steps(model, tok, prompts, args, bare, compile_decode=True)
+        compiled_ratio = median([t / (lin + kv_s) for t, lin in zip(times, linear)])
+        print(f"  nopad step with compile_decode=True {median(times) * 1e3:.1f} ms = {compiled_ratio:.2f}x "
+              f"the floor (bare linears {median(linear) * 1e3:.1f} ms alongside)")
+        report["decode_floor"].update(compiled_step_ms=median(times) * 1e3, compiled_ratio=compiled_ratio)
 
 
 def main(argv=None) -> dict:

@@ -15,6 +15,9 @@ Each layer has its own cache and the timed call runs over enough layers (>= 256 
 the L3 here) that every layer's K/V come from memory, as in a real step. It prints the K/V bytes
 read per layer, ms per layer, GB/s and the percentage of the measured bandwidth.
 
+3. one chunked-prefill step (5 sequences, 128-512 new tokens over 0-900 cached ones, paged): the
+   kernel, reading the blocks in place, against per-sequence SDPA on gathered keys, in GFLOP/s.
+
     python benchmarks/bench_kernel_bandwidth.py [--threads N] [--quick]
 """
 
@@ -141,6 +144,62 @@ def main() -> None:
                       f"{t_kernel * 1e3:9.3f} {gk:6.1f} {100 * gk / bandwidth:4.0f}% | "
                       f"{t_sdpa * 1e3:8.3f} {gs:6.1f} {100 * gs / bandwidth:4.0f}% | "
                       f"{t_sdpa / t_kernel:6.2f}x {err:8.1e}", flush=True)
+    prefill_section(args, repeats)
+
+
+# (new tokens, cached tokens) of each sequence of the prefill step
+PREFILL_CHUNKS = [(512, 0), (512, 512), (256, 700), (256, 200), (128, 900)]
+
+
+def prefill_case(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, repeats: int):
+    """One chunked-prefill step: each sequence's new tokens attend causally to its cached keys
+    (paged, blocks of 16) and to each other; the kernel reads the blocks in place, per-sequence
+    SDPA gathers them first."""
+    block = 16
+    query_lens = [q for q, _ in PREFILL_CHUNKS]
+    cached = [c for _, c in PREFILL_CHUNKS]
+    need = [-(-(q + c) // block) for q, c in PREFILL_CHUNKS]
+    perm = torch.randperm(sum(need), generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    table = torch.zeros(len(need), max(need), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[start : start + n]
+        start += n
+    meta = VarlenMeta.for_step(query_lens, cached, block_table=table)
+    gen = torch.Generator().manual_seed(2)
+    cache = tuple(torch.randn(sum(need), block, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(sum(query_lens), heads, dim, generator=gen).to(dtype)
+    flat = [c.view(-1, kv_heads, dim) for c in cache]
+    scale = dim ** -0.5
+
+    def kernel():
+        return kernel_attention.forward(q, *flat, meta, table=meta.block_table, block_size=block, scale=scale)
+
+    def sdpa():
+        with torch.no_grad():
+            return varlen_attention(q, None, None, meta, kv_cache=cache, backend="sdpa_loop")
+
+    err = (kernel().float() - sdpa().float()).abs().max().item()
+    # causal pairs (query, visible key) x heads x 2 matmuls x 2 flops x dim
+    pairs = sum(qn * c + qn * (qn + 1) // 2 for qn, c in PREFILL_CHUNKS)
+    flops = pairs * heads * 4 * dim
+    return flops, best_of(kernel, repeats), best_of(sdpa, repeats), err
+
+
+def prefill_section(args, repeats: int) -> None:
+    chunks = ", ".join(f"{qn} new over {c} cached" for qn, c in PREFILL_CHUNKS)
+    print(f"\nprefill chunks (one step: {chunks}; paged, blocks of 16): kernel reads the cache in place, "
+          "per-sequence SDPA gathers it")
+    head = (f"{'shape':27s} {'dtype':9s} | {'kernel ms':>9s} {'GFLOP/s':>8s} | {'sdpa ms':>8s} "
+            f"{'GFLOP/s':>8s} | {'speedup':>7s} {'max err':>8s}")
+    print(head)
+    print("-" * len(head))
+    for name, heads, kv_heads, dim in SHAPES:
+        for dtype in DTYPES:
+            flops, t_kernel, t_sdpa, err = prefill_case(heads, kv_heads, dim, dtype, repeats)
+            print(f"{name:27s} {str(dtype)[6:]:9s} | {t_kernel * 1e3:9.2f} {flops / t_kernel / 1e9:8.1f} | "
+                  f"{t_sdpa * 1e3:8.2f} {flops / t_sdpa / 1e9:8.1f} | {t_sdpa / t_kernel:6.2f}x {err:8.1e}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -58,5 +58,5 @@ def test_quick_run_on_tiny_model(tmp_path, capsys):
         assert nopad["prefill_tokens"] < grpo["naive_prefill_tokens"]
         floor = section["decode_floor"]
         assert floor["step_ms"] > 0 and floor["floor_ms"] > floor["linear_ms"] > 0
-        assert abs(floor["ratio"] - floor["step_ms"] / floor["floor_ms"]) < 1e-9
+        assert floor["ratio"] > 0  # median of per-step ratios, each step against the linears timed with it
     assert "Workload 2: prefill-heavy" in out and "x the floor" in out
