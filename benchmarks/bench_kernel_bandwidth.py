@@ -115,6 +115,11 @@ def decode_case(num_seqs, heads, kv_heads, dim, block, dtype, repeats):
     return kv_bytes, best_of(kernel, repeats) / layers, best_of(sdpa, max(1, repeats // 2)) / layers, err
 
 
+def print_head(head: str) -> None:
+    print(head)
+    print("-" * len(head))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,10 +135,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} threads, load average {os.getloadavg()[0]:.2f}")
     print(f"memory read bandwidth (torch.sum over 1 GiB fp32, best of {repeats}): {bandwidth:.1f} GB/s")
     print(f"decode step: {args.seqs} sequences x 150-450 cached tokens + 1 new; per layer, K/V from memory\n")
-    head = (f"{'shape':27s} {'dtype':9s} {'block':>5s} {'KV MB':>7s} | {'kernel ms':>9s} {'GB/s':>6s}"
-            f" {'% bw':>5s} | {'sdpa ms':>8s} {'GB/s':>6s} {'% bw':>5s} | {'speedup':>7s} {'max err':>8s}")
-    print(head)
-    print("-" * len(head))
+    print_head(f"{'shape':27s} {'dtype':9s} {'block':>5s} {'KV MB':>7s} | {'kernel ms':>9s} {'GB/s':>6s}"
+               f" {'% bw':>5s} | {'sdpa ms':>8s} {'GB/s':>6s} {'% bw':>5s} | {'speedup':>7s} {'max err':>8s}")
     for name, heads, kv_heads, dim in SHAPES:
         for dtype in DTYPES:
             for block in BLOCK_SIZES:
@@ -190,10 +193,8 @@ def prefill_section(args, repeats: int) -> None:
     chunks = ", ".join(f"{qn} new over {c} cached" for qn, c in PREFILL_CHUNKS)
     print(f"\nprefill chunks (one step: {chunks}; paged, blocks of 16): kernel reads the cache in place, "
           "per-sequence SDPA gathers it")
-    head = (f"{'shape':27s} {'dtype':9s} | {'kernel ms':>9s} {'GFLOP/s':>8s} | {'sdpa ms':>8s} "
-            f"{'GFLOP/s':>8s} | {'speedup':>7s} {'max err':>8s}")
-    print(head)
-    print("-" * len(head))
+    print_head(f"{'shape':27s} {'dtype':9s} | {'kernel ms':>9s} {'GFLOP/s':>8s} | {'sdpa ms':>8s} "
+               f"{'GFLOP/s':>8s} | {'speedup':>7s} {'max err':>8s}")
     for name, heads, kv_heads, dim in SHAPES:
         for dtype in DTYPES:
             flops, t_kernel, t_sdpa, err = prefill_case(heads, kv_heads, dim, dtype, repeats)
