@@ -267,8 +267,9 @@ def varlen_attention(
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({kv_heads})")
 
     # a shared-prefix row takes the ordinary training choice: on CPU per-sequence SDPA on gathered
-    # keys, measured 4-6x faster forward+backward than the kernel reading them in place
-    # (benchmarks/bench_grpo_train.py); the kernel in batch-invariant mode
+    # keys, faster forward+backward than the kernel reading them in place, whose backward recomputes
+    # with SDPA anyway (benchmarks/bench_attention.py: kernel forward 1.46x, forward+backward 0.66x
+    # per-sequence SDPA); the kernel in batch-invariant mode
     shared = meta.key_index is not None and kv_cache is None
     backend = choose_backend(q.device, q.dtype, override=backend, softcap=softcap,
                              sliding_window=sliding_window, paged=kv_cache is not None)
