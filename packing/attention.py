@@ -268,7 +268,7 @@ def varlen_attention(
 
     # a shared-prefix row takes the ordinary training choice: on CPU per-sequence SDPA on gathered
     # keys, faster forward+backward than the kernel reading them in place, whose backward recomputes
-    # with SDPA anyway (benchmarks/bench_attention.py: kernel forward 1.46x, forward+backward 0.66x
+    # with SDPA anyway (benchmarks/bench_attention.py: kernel forward 1.79x, forward+backward 0.83x
     # per-sequence SDPA); the kernel in batch-invariant mode
     shared = meta.key_index is not None and kv_cache is None
     backend = choose_backend(q.device, q.dtype, override=backend, softcap=softcap,
