@@ -68,6 +68,9 @@ def forward(
     """Attention output ``(total_q, heads, dim)`` in q's dtype. ``k``/``v`` are flat
     ``(total_k, kv_heads, dim)`` keys, or with ``table`` a paged cache flattened to
     ``(blocks * block_size, kv_heads, dim)``. No autograd (see :class:`KernelAttention`)."""
+    if q.dtype not in DTYPE_CODES:
+        raise ValueError(f"the attention kernel takes fp32, bf16 or fp16 tensors, got {q.dtype}; cast q/k/v "
+                         "to the model's compute dtype")
     if q.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"the attention kernel takes head_dim <= {MAX_HEAD_DIM}, got {q.shape[-1]}")
     if not (q.dtype == k.dtype == v.dtype) or k.shape != v.shape or q.shape[2] != k.shape[2]:

@@ -100,6 +100,12 @@ def test_bad_block_table_is_an_error_not_a_crash():
         kernel_attention.forward(q, k, v, VarlenMeta.for_step([1], [5]), scale=1.0)
 
 
+def test_unsupported_dtype_is_a_clear_error():
+    q = torch.ones(4, 2, 16, dtype=torch.int32)
+    with pytest.raises(ValueError, match="fp32, bf16 or fp16"):
+        kernel_attention.forward(q, q[:, :1], q[:, :1], VarlenMeta.from_lengths([4]), scale=1.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("group,dim", [(1, 64), (3, 64), (8, 64), (1, 128), (3, 128), (8, 128), (3, 72)])
