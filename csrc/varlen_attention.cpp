@@ -14,7 +14,8 @@
 // with -ffp-contract=off, so the portable path and the AVX-512 path give the same bits.
 //
 // Speed: decode (few query rows per KV head) reads each key's row of all KV heads in place,
-// converting bf16/fp16 in registers, prefetches the next block while computing this one, and runs
+// converting bf16/fp16 in registers, prefetches the next block while computing this one (and the
+// first block of the thread's next item during an item's last), and runs
 // each row's softmax 16 keys per vector. Prefill chunks and training rows (>= 16 query rows per KV
 // head) go head by head: the queries are transposed once, each key/value block is converted to
 // fp32 once, and scores and the online softmax run 16 query rows per vector (the 16 lanes of a
@@ -32,6 +33,7 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -565,8 +567,33 @@ ALWAYS_INLINE void key_rows(const Problem& P, i64 seq, i64 key0, i64 n, i64* row
     }
 }
 
+// Ask for the K and V rows (every KV head) of the first block an item reads, one block before it
+// runs: within an item each block's rows are prefetched while the block before computes, but the
+// pages of a paged cache lie anywhere, so nothing else fetches an item's first block early.
+// A speed hint only.
+template <int DT>
+ALWAYS_INLINE void prefetch_first_block(const Problem& P, const Item& it, i64* rows) {
+    const i64 klen = P.lens_k[it.seq];
+    const i64 pos = klen - (P.cu_q[it.seq + 1] - P.cu_q[it.seq]) + it.t0;  // its first query's position
+    const i64 key0 = P.window > 0 ? std::max<i64>(0, pos - P.window + 1) / BK * BK : 0;
+    const i64 n = std::min<i64>(BK, klen - key0);
+    key_rows(P, it.seq, key0, n, rows);
+    const i64 row_bytes = P.Hkv * P.D * (DT == F32 ? 4 : 2);
+    for (i64 j = 0; j < n;) {
+        i64 e = j + 1;
+        while (e < n && rows[e] == rows[e - 1] + 1) ++e;  // adjacent rows: one span of memory
+        const i64 bytes = (e - j) * row_bytes;
+        for (const void* base : {P.k, P.v}) {
+            const char* p = static_cast<const char*>(base) + rows[j] * row_bytes;
+            for (i64 c = 0; c < bytes + 63; c += 64) __builtin_prefetch(p + std::min(c, bytes - 1), 0, 2);
+        }
+        j = e;
+    }
+}
+
+// upcoming: the item this thread runs next (its first block is prefetched during this item's last).
 template <int DT, class Ops>
-ALWAYS_INLINE void attend_body(const Problem& P, const Item& it, Scratch& S) {
+ALWAYS_INLINE void attend_body(const Problem& P, const Item& it, Scratch& S, const Item* upcoming) {
     const i64 H = P.H, Hkv = P.Hkv, G = H / Hkv, D = P.D, Dp = (D + L - 1) / L * L;
     const i64 qlen = P.cu_q[it.seq + 1] - P.cu_q[it.seq];
     const i64 klen = P.lens_k[it.seq];
@@ -603,6 +630,7 @@ ALWAYS_INLINE void attend_body(const Problem& P, const Item& it, Scratch& S) {
     for (i64 b = first_block; b <= last_block; ++b) {
         const i64 key0 = b * BK;
         const i64 nk = std::min<i64>(BK, klen - key0);
+        if (b == last_block && upcoming) prefetch_first_block<DT>(P, *upcoming, S.rows.data() + BK);
         key_rows(P, it.seq, key0, nk, rows);
         i64* next = S.rows.data() + BK;  // the next block's rows: prefetched while this one computes
         const i64 nn = b < last_block ? std::min<i64>(BK, klen - key0 - BK) : 0;
@@ -866,14 +894,14 @@ X512 void attend_item_rows(const Problem& P, const Item& it, Scratch& S) {
 
 template <int DT>
 __attribute__((target_clones("arch=x86-64-v3", "default")))
-void attend_item_portable(const Problem& P, const Item& it, Scratch& S) {
-    attend_body<DT, PortableOps<DT>>(P, it, S);
+void attend_item_portable(const Problem& P, const Item& it, Scratch& S, const Item* upcoming) {
+    attend_body<DT, PortableOps<DT>>(P, it, S, upcoming);
 }
 
 #if defined(__x86_64__)
 template <int DT>
-X512 void attend_item_avx512(const Problem& P, const Item& it, Scratch& S) {
-    attend_body<DT, Avx512Ops<DT>>(P, it, S);
+X512 void attend_item_avx512(const Problem& P, const Item& it, Scratch& S, const Item* upcoming) {
+    attend_body<DT, Avx512Ops<DT>>(P, it, S, upcoming);
 }
 const bool supports_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
                              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
@@ -897,19 +925,27 @@ void run(const Problem& P, i64 num_seqs, int threads) {
     });
     const i64 Dp = (P.D + L - 1) / L * L, R = QT * P.H;
     const i64 n = static_cast<i64>(items.size());
+    // each thread claims its next item when it starts one (dynamic scheduling, one item ahead), so
+    // it can fetch that item's first keys while it still computes
+    std::atomic<i64> claimed{0};
 #pragma omp parallel num_threads(static_cast<int>(std::max<i64>(1, std::min<i64>(threads, n))))
     {
         Scratch scratch(R, Dp, P.H);
-#pragma omp for schedule(dynamic, 1)
-        for (i64 w = 0; w < n; ++w) {
+        i64 w = claimed++;
+        if (w < n) prefetch_first_block<DT>(P, items[w], scratch.rows.data());
+        while (w < n) {
+            const i64 after = claimed++;
+            const Item* upcoming = after < n ? &items[after] : nullptr;
 #if defined(__x86_64__)
             if (use_avx512) {
                 if (items[w].nt * (P.H / P.Hkv) >= TRANSPOSE_ROWS) attend_item_rows<DT>(P, items[w], scratch);
-                else attend_item_avx512<DT>(P, items[w], scratch);
+                else attend_item_avx512<DT>(P, items[w], scratch, upcoming);
+                w = after;
                 continue;
             }
 #endif
-            attend_item_portable<DT>(P, items[w], scratch);
+            attend_item_portable<DT>(P, items[w], scratch, upcoming);
+            w = after;
         }
     }
 }
