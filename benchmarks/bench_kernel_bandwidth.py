@@ -117,8 +117,8 @@ def decode_case(num_seqs, heads, kv_heads, dim, block, dtype, repeats):
     # the same call with one layer's K/V already in cache: the kernel's arithmetic alone, the most
     # a perfect overlap of memory and compute could give
     in_cache = best_of(lambda: [kernel_layer(caches[0]) for _ in range(8)], repeats) / 8
-    return (kv_bytes, best_of(kernel, repeats) / layers, in_cache, best_of(sdpa, max(1, repeats // 2)) / layers,
-            err)
+    from_memory = best_of(kernel, repeats) / layers
+    return kv_bytes, from_memory, in_cache, best_of(sdpa, max(1, repeats // 2)) / layers, err
 
 
 def print_head(head: str) -> None:
