@@ -11,8 +11,10 @@ Workload 2 (GRPO-shaped): P prompts x n samples, fixed new tokens, temperature 1
 prefill tokens computed vs naive (n * sum of prompt lengths) and tokens/s vs HF
 `generate(num_return_sequences=n, do_sample=True)` and HF continuous batching.
 
-Also: greedy agreement of nopad with HF (a fast but wrong generator is worthless) and a PNG of
-batch-slot occupancy per forward step, static vs in-flight, in benchmarks/out/.
+Also: greedy agreement of nopad with HF (a fast but wrong generator is worthless), a PNG of
+batch-slot occupancy per forward step, static vs in-flight, in benchmarks/out/, and where nopad's
+time goes on each workload (a second, instrumented run: linear layers, attention, the rest; HF
+generate's time over nopad's linear time is the ratio's ceiling if the rest were free).
 
     python benchmarks/bench_generate.py            # full run (~10 min on 2 idle cores)
     python benchmarks/bench_generate.py --quick    # smoke run (~1 min)
@@ -333,6 +335,8 @@ def parse_args(argv=None):
     p.add_argument("--prefill-min-new", type=int, default=8)
     p.add_argument("--prefill-max-new", type=int, default=32)
     p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--skip-breakdown", action="store_true",
+                   help="skip the second, instrumented nopad run that splits its time")
     p.add_argument("--floor-batch", type=int, default=48, help="sequences in the timed decode step")
     p.add_argument("--floor-context", type=int, default=256, help="prompt tokens of each of them")
     p.add_argument("--floor-steps", type=int, default=10)
@@ -398,6 +402,8 @@ def run_workload(label: str, model, tok, prompts, max_new, args, report: dict, p
         name = "HF generate, each prompt alone (<=64 tok)"
         print(f"  vs {name:<42} {same}/{k} sequences, {frac:.1%} of tokens")
         report["greedy_match_alone"][label] = {"sequences": f"{same}/{k}", "token_fraction": frac}
+    if not args.skip_breakdown:
+        report["breakdown"][label] = print_breakdown(model, tok, prompts, max_new, args, hf_static)
 
     if plot:
         held, useful = static_batch_occupancy(max_new, args.batch_size)
@@ -478,6 +484,48 @@ def bare_linear_pass(model, rows: int):
 
     timed()  # warm-up
     return timed
+
+
+def print_breakdown(model, tok, prompts, max_new, args, hf_static: Run | None) -> dict:
+    """Where nopad's time goes on a workload: a second nopad run, with the model's linear layers and
+    nopad's attention calls timed. The linear layers are the same GEMMs HF runs (on fewer tokens), so
+    HF generate's time over nopad's linear time is the most this workload's ratio could be if
+    everything else took no time."""
+    with _LinearTimer() as linears, _AttentionTimer() as attention:
+        run, _ = run_nopad(model, tok, prompts, max_new, args)
+    other = run.seconds - linears.seconds - attention.seconds
+    total = run.seconds
+    print(f"nopad's time, instrumented run: {total:.1f} s = linear layers {linears.seconds:.1f} s "
+          f"({linears.seconds / total:.0%}) + attention {attention.seconds:.1f} s "
+          f"({attention.seconds / total:.0%}) + everything else {other:.1f} s ({other / total:.0%})")
+    out = {"seconds": run.seconds, "linear_s": linears.seconds, "attention_s": attention.seconds}
+    if hf_static is not None:
+        bound = hf_static.seconds / linears.seconds
+        print(f"  HF generate's time / nopad's linear-layer time: {bound:.2f}x (the ratio's ceiling "
+              f"if attention and everything else were free)")
+        out["ceiling_vs_hf_generate"] = bound
+    return out
+
+
+class _LinearTimer:
+    """Wall time spent inside the model's ``nn.Linear`` layers (their forward, patched)."""
+
+    def __enter__(self):
+        self.seconds, self.original = 0.0, torch.nn.Linear.forward
+
+        def timed(module, x):
+            start = time.perf_counter()
+            try:
+                return self.original(module, x)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        torch.nn.Linear.forward = timed
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.Linear.forward = self.original
+        return False
 
 
 class _AttentionTimer:
@@ -599,7 +647,7 @@ def main(argv=None) -> dict:
         dtype = DTYPES[name]
         model = model.to(dtype)
         print(f"\n{'=' * 30} {name}: weights, activations and KV cache in {name} {'=' * 30}")
-        section = report[name] = {"dtype": name, "workloads": {}, "greedy_match_alone": {}}
+        section = report[name] = {"dtype": name, "workloads": {}, "greedy_match_alone": {}, "breakdown": {}}
         prompts, max_new = chat_workload(tok, args.num_prompts, args.min_new_tokens, args.max_new_tokens,
                                          args.seed)
         run_workload("Workload 1: chat", model, tok, prompts, max_new, args, section, plot=True)

@@ -56,7 +56,11 @@ def test_quick_run_on_tiny_model(tmp_path, capsys):
         grpo = section["grpo"]
         nopad = next(v for k, v in grpo.items() if k.startswith("nopad"))
         assert nopad["prefill_tokens"] < grpo["naive_prefill_tokens"]
+        for split in section["breakdown"].values():  # the instrumented run's parts fit in its time
+            assert 0 < split["linear_s"] + split["attention_s"] <= split["seconds"]
+            assert split["ceiling_vs_hf_generate"] > 0
+        assert set(section["breakdown"]) == set(section["workloads"])
         floor = section["decode_floor"]
         assert floor["step_ms"] > 0 and floor["floor_ms"] > floor["linear_ms"] > 0
         assert floor["ratio"] > 0  # median of per-step ratios, each step against the linears timed with it
-    assert "Workload 2: prefill-heavy" in out and "x the floor" in out
+    assert "Workload 2: prefill-heavy" in out and "x the floor" in out and "linear layers" in out
