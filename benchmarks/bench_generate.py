@@ -31,6 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median_high as median  # the upper middle of an even count, a measured step
 
 import torch
 
@@ -493,12 +494,12 @@ def print_breakdown(model, tok, prompts, max_new, args, hf_static: Run | None) -
     everything else took no time."""
     with _LinearTimer() as linears, _AttentionTimer() as attention:
         run, _ = run_nopad(model, tok, prompts, max_new, args)
-    other = run.seconds - linears.seconds - attention.seconds
     total = run.seconds
+    other = total - linears.seconds - attention.seconds
     print(f"nopad's time, instrumented run: {total:.1f} s = linear layers {linears.seconds:.1f} s "
           f"({linears.seconds / total:.0%}) + attention {attention.seconds:.1f} s "
           f"({attention.seconds / total:.0%}) + everything else {other:.1f} s ({other / total:.0%})")
-    out = {"seconds": run.seconds, "linear_s": linears.seconds, "attention_s": attention.seconds}
+    out = {"seconds": total, "linear_s": linears.seconds, "attention_s": attention.seconds}
     if hf_static is not None:
         bound = hf_static.seconds / linears.seconds
         print(f"  HF generate's time / nopad's linear-layer time: {bound:.2f}x (the ratio's ceiling "
@@ -583,10 +584,6 @@ def time_decode_steps(model, tok, prompts: list[list[int]], args, bare, **gen_kw
         gen.abort(rid)
     gen.release()
     return times, attn, linear
-
-
-def median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
 
 
 def decode_floor(model, tok, args, report: dict) -> None:

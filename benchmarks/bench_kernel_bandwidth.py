@@ -133,6 +133,8 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=48)
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     args = parser.parse_args()
+    if args.seqs < 1 or args.threads < 1:
+        parser.error(f"--seqs and --threads must be >= 1, got {args.seqs} and {args.threads}")
     if kernel_attention.kernel() is None:
         raise SystemExit("the attention kernel is not built: python setup.py build_ext --inplace")
     torch.set_num_threads(args.threads)

@@ -15,8 +15,8 @@
 //
 // Speed: decode (few query rows per KV head) reads each key's row of all KV heads in place,
 // converting bf16/fp16 in registers, prefetches the next block while computing this one (and the
-// first block of the thread's next item during an item's last), and runs
-// each row's softmax 16 keys per vector. Prefill chunks and training rows (>= 16 query rows per KV
+// first block of the thread's next item during an item's last), and runs each row's softmax 16
+// keys per vector. Prefill chunks and training rows (>= 16 query rows per KV
 // head) go head by head: the queries are transposed once, each key/value block is converted to
 // fp32 once, and scores and the online softmax run 16 query rows per vector (the 16 lanes of a
 // score become 16 accumulators, added by the same tree), so no horizontal sums. Both give the
@@ -937,14 +937,12 @@ void run(const Problem& P, i64 num_seqs, int threads) {
             const i64 after = claimed++;
             const Item* upcoming = after < n ? &items[after] : nullptr;
 #if defined(__x86_64__)
-            if (use_avx512) {
-                if (items[w].nt * (P.H / P.Hkv) >= TRANSPOSE_ROWS) attend_item_rows<DT>(P, items[w], scratch);
-                else attend_item_avx512<DT>(P, items[w], scratch, upcoming);
-                w = after;
-                continue;
-            }
+            const bool many_rows = items[w].nt * (P.H / P.Hkv) >= TRANSPOSE_ROWS;
+            if (use_avx512 && many_rows) attend_item_rows<DT>(P, items[w], scratch);
+            else if (use_avx512) attend_item_avx512<DT>(P, items[w], scratch, upcoming);
+            else
 #endif
-            attend_item_portable<DT>(P, items[w], scratch, upcoming);
+                attend_item_portable<DT>(P, items[w], scratch, upcoming);
             w = after;
         }
     }
