@@ -23,7 +23,7 @@ from inference.kv_cache import KVCache, bytes_per_block
 from inference.model_runner import ModelRunner, NopadAttention
 from inference.outputs import RequestOutput, StreamDelta
 from inference.request import Request, Sequence, Status, prompt_token_ids
-from inference.sampler import sample
+from inference.sampler import SamplerBuffers, sample
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sharded import compute_dtype as model_compute_dtype
@@ -121,6 +121,7 @@ class Generator:
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, watermark)
         self._kv_cache: KVCache | None = None
         self._runner: ModelRunner | None = None
+        self._sampler_buffers = SamplerBuffers()  # the sampler's rows x vocab scratch, reused
         self._requests: dict[str, Request] = {}
         self._ready: list[RequestOutput] = []  # aborted/finished outputs not yet returned by step()
         self._next_id = 0
@@ -177,7 +178,7 @@ class Generator:
         if to_sample:
             if len(logit_rows) != logits.shape[0]:
                 logits = logits[torch.tensor(logit_rows, device=logits.device)]
-            result = sample(logits, to_sample)
+            result = sample(logits, to_sample, self._sampler_buffers)
             for k, seq in enumerate(to_sample):
                 self._append(seq, k, result, now)
                 if seq.status is Status.FINISHED:
@@ -229,10 +230,12 @@ class Generator:
             live = still
 
     def release(self) -> None:
-        """Free the KV cache memory (e.g. before a training step); the next step re-allocates."""
+        """Free the KV cache and sampler memory (e.g. before a training step); the next step
+        re-allocates."""
         if self.has_unfinished():
             raise RuntimeError("release() with requests in flight; finish or abort them first")
         self._kv_cache = self._runner = None
+        self._sampler_buffers.clear()
         self.allocator.reset_prefix_cache()
 
     def stats(self) -> dict:

@@ -147,3 +147,43 @@ def test_temperature_logprobs_are_untruncated_and_the_trainers_expression():
     # the truncated distributions put more mass on the kept tokens: a different (biased) number
     for i in (0, 1, 3):
         assert out.sampling_logprobs[i] > out.temperature_logprobs[i] + 1e-3
+
+
+def _mixed_seqs(rows: int, offset: int = 0):
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=1.0),
+             SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.3, top_k=20),
+             SamplingParams(temperature=0.8, min_p=0.05, repetition_penalty=1.1, logprobs=3)]
+    return [seq_with(kinds[(i + offset) % len(kinds)], tokens=(5, 6, 7 + i), seed=i + offset)
+            for i in range(rows)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reused_sampler_buffers_give_what_fresh_ones_give(dtype):
+    """The generator reuses the sampler's rows x vocab buffers across steps (no page faults each
+    step); steps of other sizes and parameter mixes must still get exactly what fresh memory gives."""
+    from inference.sampler import SamplerBuffers
+
+    torch.manual_seed(3)
+    buffers = SamplerBuffers()
+    steps = [(9, 0, None), (4, 2, None), (13, 1, None), (6, 0, SamplingParams(temperature=0.9, top_p=0.8)),
+             (5, 0, SamplingParams(temperature=1.0))]
+    for rows, offset, same in steps:  # mixed params, then all rows filtered, then all rows unfiltered
+        logits = (torch.randn(rows, 3000) * 4).to(dtype)
+        seqs = _mixed_seqs(rows, offset) if same is None else [seq_with(same, seed=i) for i in range(rows)]
+        got = sample(logits, seqs, buffers)
+        fresh = sample(logits, seqs)
+        for field in ("tokens", "logprobs", "temperature_logprobs", "sampling_logprobs", "top_logprobs"):
+            assert getattr(got, field) == getattr(fresh, field), field
+        raw = torch.log_softmax(logits.float(), dim=-1)  # the trainer's expression, bitwise
+        assert got.logprobs == raw.gather(1, torch.tensor(got.tokens)[:, None])[:, 0].tolist()
+    first = buffers.get("raw_logprobs", torch.empty(13, 3000)).data_ptr()
+    sample(torch.randn(8, 3000).to(dtype), _mixed_seqs(8), buffers)
+    assert buffers.get("raw_logprobs", torch.empty(8, 3000)).data_ptr() == first  # reused, not reallocated
+
+
+def test_processed_logprobs_leave_their_input_alone():
+    torch.manual_seed(0)
+    x = torch.randn(3, 500)
+    before = x.clone()
+    processed_logprobs(x, [SamplingParams(top_p=0.5), SamplingParams(top_k=3, min_p=0.1), SamplingParams()])
+    assert torch.equal(x, before)
