@@ -101,7 +101,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], buffers: SamplerBuffers |
         tokens[g] = x[g].argmax(dim=-1)
     if rand:
         r = torch.tensor(rand, device=x.device)
-        lp = processed_logprobs(x if len(rand) == rows else x[r], [params[i] for i in rand], buffers)
+        rand_params = [params[i] for i in rand]
+        if x is logits and len(rand) == rows and not any(_reshapes(p, vocab) for p in rand_params):
+            lp = raw_lp  # temperature 1, nothing truncated: log_softmax(x / 1) is log_softmax(x)
+        else:
+            lp = processed_logprobs(x if len(rand) == rows else x[r], rand_params, buffers)
         picked = _inverse_cdf(lp, [uniform_draw(seqs[i]) for i in rand], buffers)
         tokens[r] = picked
         sampling_lp[r] = lp.gather(1, picked[:, None])[:, 0]
@@ -138,6 +142,11 @@ def _temperature_logprobs(logits: torch.Tensor, tokens: torch.Tensor, raw_picked
         lp = _log_softmax(tempered, buffers, "temperature_logprobs")
         out[rows] = lp.gather(1, tokens[rows][:, None])[:, 0]
     return out
+
+
+def _reshapes(p, vocab: int) -> bool:
+    """``p`` changes the distribution before sampling (temperature, top-k, top-p, min-p)."""
+    return p.temperature != 1.0 or 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0
 
 
 def processed_logprobs(x: torch.Tensor, params: list, buffers: SamplerBuffers | None = None) -> torch.Tensor:
@@ -207,7 +216,10 @@ def uniform_draw(seq: Sequence) -> float:
 def _inverse_cdf(logprobs: torch.Tensor, uniforms: list[float], buffers: SamplerBuffers) -> torch.Tensor:
     """Token ``t`` with ``cdf[t-1] <= u * total < cdf[t]``: a draw from each row's distribution
     (zero-probability tokens are never picked)."""
-    cdf = buffers.get("cdf", logprobs, torch.float64).copy_(logprobs).exp_().cumsum_(dim=-1)
+    # exp in fp32 (vectorised; float64's took 3.8 ms of a 64 x 49k step), summed in float64 so the
+    # CDF over the whole vocabulary keeps the tail's mass
+    probs = torch.exp(logprobs, out=buffers.get("probs", logprobs))
+    cdf = buffers.get("cdf", logprobs, torch.float64).copy_(probs).cumsum_(dim=-1)
     u = torch.tensor(uniforms, dtype=torch.float64, device=logprobs.device) * cdf[:, -1]
     picked = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
     return picked.clamp_(max=logprobs.shape[1] - 1)
