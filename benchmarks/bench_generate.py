@@ -13,7 +13,7 @@ prefill tokens computed vs naive (n * sum of prompt lengths) and tokens/s vs HF
 
 Also: greedy agreement of nopad with HF (a fast but wrong generator is worthless), a PNG of
 batch-slot occupancy per forward step, static vs in-flight, in benchmarks/out/, and where nopad's
-time goes on each workload (a second, instrumented run: linear layers, attention, the rest; HF
+time goes on each workload (a second, instrumented run: linear layers, attention, sampling, the rest; HF
 generate's time over nopad's linear time is the ratio's ceiling if the rest were free).
 
     python benchmarks/bench_generate.py            # full run (~10 min on 2 idle cores)
@@ -492,14 +492,16 @@ def print_breakdown(model, tok, prompts, max_new, args, hf_static: Run | None) -
     nopad's attention calls timed. The linear layers are the same GEMMs HF runs (on fewer tokens), so
     HF generate's time over nopad's linear time is the most this workload's ratio could be if
     everything else took no time."""
-    with _LinearTimer() as linears, _AttentionTimer() as attention:
+    with _LinearTimer() as linears, _AttentionTimer() as attention, _SamplerTimer() as sampler:
         run, _ = run_nopad(model, tok, prompts, max_new, args)
     total = run.seconds
-    other = total - linears.seconds - attention.seconds
+    other = total - linears.seconds - attention.seconds - sampler.seconds
     print(f"nopad's time, instrumented run: {total:.1f} s = linear layers {linears.seconds:.1f} s "
           f"({linears.seconds / total:.0%}) + attention {attention.seconds:.1f} s "
-          f"({attention.seconds / total:.0%}) + everything else {other:.1f} s ({other / total:.0%})")
-    out = {"seconds": total, "linear_s": linears.seconds, "attention_s": attention.seconds}
+          f"({attention.seconds / total:.0%}) + sampling {sampler.seconds:.1f} s "
+          f"({sampler.seconds / total:.0%}) + everything else {other:.1f} s ({other / total:.0%})")
+    out = {"seconds": total, "linear_s": linears.seconds, "attention_s": attention.seconds,
+           "sampling_s": sampler.seconds}
     if hf_static is not None:
         bound = hf_static.seconds / linears.seconds
         print(f"  HF generate's time / nopad's linear-layer time: {bound:.2f}x (the ratio's ceiling "
@@ -526,6 +528,30 @@ class _LinearTimer:
 
     def __exit__(self, *exc):
         torch.nn.Linear.forward = self.original
+        return False
+
+
+class _SamplerTimer:
+    """Wall time spent in the sampler (patched where the generator calls it)."""
+
+    def __enter__(self):
+        import inference.generator as generator
+
+        self.generator, self.seconds = generator, 0.0
+        self.original = generator.sample
+
+        def timed(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return self.original(*a, **kw)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        generator.sample = timed
+        return self
+
+    def __exit__(self, *exc):
+        self.generator.sample = self.original
         return False
 
 

@@ -57,7 +57,8 @@ def test_quick_run_on_tiny_model(tmp_path, capsys):
         nopad = next(v for k, v in grpo.items() if k.startswith("nopad"))
         assert nopad["prefill_tokens"] < grpo["naive_prefill_tokens"]
         for split in section["breakdown"].values():  # the instrumented run's parts fit in its time
-            assert 0 < split["linear_s"] + split["attention_s"] <= split["seconds"]
+            assert 0 < split["linear_s"] + split["attention_s"] + split["sampling_s"] <= split["seconds"]
+            assert split["sampling_s"] > 0
             assert split["ceiling_vs_hf_generate"] > 0
         assert set(section["breakdown"]) == set(section["workloads"])
         floor = section["decode_floor"]
