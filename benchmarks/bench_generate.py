@@ -492,7 +492,7 @@ def print_breakdown(model, tok, prompts, max_new, args, hf_static: Run | None) -
     nopad's attention calls timed. The linear layers are the same GEMMs HF runs (on fewer tokens), so
     HF generate's time over nopad's linear time is the most this workload's ratio could be if
     everything else took no time."""
-    with _LinearTimer() as linears, _AttentionTimer() as attention, _SamplerTimer() as sampler:
+    with _LinearTimer() as linears, _attention_timer() as attention, _sampler_timer() as sampler:
         run, _ = run_nopad(model, tok, prompts, max_new, args)
     total = run.seconds
     other = total - linears.seconds - attention.seconds - sampler.seconds
@@ -531,38 +531,14 @@ class _LinearTimer:
         return False
 
 
-class _SamplerTimer:
-    """Wall time spent in the sampler (patched where the generator calls it)."""
+class _CallTimer:
+    """Wall time spent in calls of ``module.name``, patched where its one caller looks it up."""
 
-    def __enter__(self):
-        import inference.generator as generator
+    def __init__(self, module_name: str, name: str):
+        import importlib
 
-        self.generator, self.seconds = generator, 0.0
-        self.original = generator.sample
-
-        def timed(*a, **kw):
-            start = time.perf_counter()
-            try:
-                return self.original(*a, **kw)
-            finally:
-                self.seconds += time.perf_counter() - start
-
-        generator.sample = timed
-        return self
-
-    def __exit__(self, *exc):
-        self.generator.sample = self.original
-        return False
-
-
-class _AttentionTimer:
-    """Wall time spent inside nopad's attention calls (patched at the one call site in packing.hf)."""
-
-    def __init__(self):
-        import packing.hf as hf
-
-        self.hf, self.seconds = hf, 0.0
-        self.original = hf.varlen_attention
+        self.module, self.name, self.seconds = importlib.import_module(module_name), name, 0.0
+        self.original = getattr(self.module, name)
 
     def __enter__(self):
         def timed(*a, **kw):
@@ -572,12 +548,22 @@ class _AttentionTimer:
             finally:
                 self.seconds += time.perf_counter() - start
 
-        self.hf.varlen_attention = timed
+        setattr(self.module, self.name, timed)
         return self
 
     def __exit__(self, *exc):
-        self.hf.varlen_attention = self.original
+        setattr(self.module, self.name, self.original)
         return False
+
+
+def _attention_timer() -> _CallTimer:
+    """nopad's attention calls (the one call site in packing.hf)."""
+    return _CallTimer("packing.hf", "varlen_attention")
+
+
+def _sampler_timer() -> _CallTimer:
+    """The sampler (where the generator calls it)."""
+    return _CallTimer("inference.generator", "sample")
 
 
 def time_decode_steps(model, tok, prompts: list[list[int]], args, bare, **gen_kwargs):
@@ -601,7 +587,7 @@ def time_decode_steps(model, tok, prompts: list[list[int]], args, bare, **gen_kw
     times, attn, linear = [], [], []
     for _ in range(steps):
         linear.append(bare())
-        with _AttentionTimer() as timer:
+        with _attention_timer() as timer:
             start = time.perf_counter()
             gen.step()
             times.append(time.perf_counter() - start)
