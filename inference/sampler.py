@@ -44,10 +44,11 @@ class SamplerBuffers:
     """The ``(rows, vocab)`` scratch tensors of a step's sampling, kept from step to step.
 
     Why: a step needs several rows x vocab tensors (fp32 logits, log-probs, tempered logits, a
-    float64 CDF). Made fresh each step and freed at its end, the CPU allocator hands them back to
-    the OS and the next step faults them in again page by page: at 48 rows of a 49k vocabulary,
-    4,600 page faults (~4 ms) per greedy step and 25,000 (~20 ms) per sampled one. The buffers hold
-    the same values, computed by the same kernels (``out=`` and in-place variants)."""
+    float64 CDF). Made fresh each step and freed at its end, the CPU allocator can hand them back
+    to the OS and the next step faults them in again page by page (benchmarks/bench_sampler.py: at
+    48 rows of a 49k vocabulary, ~10,000 page faults and 3-5x the sampling time per temperature-1
+    step). The buffers hold the same values, computed by the same kernels (``out=`` and in-place
+    variants)."""
 
     def __init__(self):
         self._buffers: dict[str, torch.Tensor] = {}

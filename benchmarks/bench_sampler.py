@@ -1,0 +1,115 @@
+"""Does keeping the sampler's buffers across steps pay? Generator decode steps with the sampler's
+rows x vocab scratch reused (nopad's default) against fresh scratch every step (what the sampler
+did before: the allocator hands the memory back to the OS at the end of a step and the next step
+faults it in again), measured in ONE run with the two ways interleaved step by step.
+
+SmolLM2-135M-Instruct, ``--seqs`` chat prompts decoding together; greedy, temperature 1, and
+temperature 0.7 with top-p 0.9; fp32 and bf16. Printed per case: median step time, median time in
+the sampler and page faults per step (minor faults from ``getrusage``) of each way, and the ratio.
+
+    python benchmarks/bench_sampler.py            # 48 sequences, 10 steps each way (~2 min)
+    python benchmarks/bench_sampler.py --quick    # 8 sequences, 3 steps each way
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
+
+from benchmarks._workloads import chat_workload  # noqa: E402
+from benchmarks.bench_generate import DTYPES, _sampler_timer, load_model  # noqa: E402
+
+CASES = {"greedy": dict(temperature=0.0), "T=1": dict(temperature=1.0),
+         "T=0.7 top-p 0.9": dict(temperature=0.7, top_p=0.9)}
+
+
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def time_steps(model, tok, prompts, params: dict, steps: int) -> dict[str, dict[str, float]]:
+    """Decode steps of all ``prompts`` (after their prefill), alternating reused and fresh sampler
+    buffers; medians per way."""
+    from inference.generator import Generator
+    from inference.sampler import SamplerBuffers
+    from inference.sampling_params import SamplingParams
+
+    gen = Generator(model, tok, max_num_batched_tokens=4096, max_num_seqs=len(prompts),
+                    num_blocks=len(prompts) * (-(-(max(map(len, prompts)) + 2 * steps + 8) // 16)) + 8)
+    for i, p in enumerate(prompts):
+        gen.add_request(p, SamplingParams(max_tokens=2 * steps + 4, ignore_eos=True, seed=i, **params))
+    while gen.stats()["decode_tokens"] < 2 * len(prompts):
+        gen.step()  # prefill, then two decode steps: every sequence decodes from here on
+    kept = gen._sampler_buffers
+    got: dict[str, dict[str, list[float]]] = {w: {"step_ms": [], "sampler_ms": [], "faults": []}
+                                               for w in ("reused", "fresh")}
+    for i in range(2 * steps):
+        way = "reused" if i % 2 else "fresh"
+        gen._sampler_buffers = kept if way == "reused" else SamplerBuffers()
+        with _sampler_timer() as sampler:
+            faults, start = minor_faults(), time.perf_counter()
+            gen.step()
+            seconds = time.perf_counter() - start
+        got[way]["step_ms"].append(seconds * 1e3)
+        got[way]["sampler_ms"].append(sampler.seconds * 1e3)
+        got[way]["faults"].append(minor_faults() - faults)
+    for rid in list(gen._requests):
+        gen.abort(rid)
+    gen.release()
+    return {way: {k: median(v) for k, v in parts.items()} for way, parts in got.items()}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="8 sequences, 3 steps each way")
+    p.add_argument("--seqs", type=int, default=48, help="sequences decoding together")
+    p.add_argument("--steps", type=int, default=10, help="timed steps of each way")
+    p.add_argument("--dtypes", type=lambda v: v.split(","), default=["fp32", "bf16"])
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--tiny-model", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seqs, args.steps = 8, 3
+    if args.seqs < 1 or args.steps < 1 or args.threads < 1:
+        p.error(f"--seqs, --steps and --threads must be >= 1, got {args.seqs}, {args.steps}, {args.threads}")
+    unknown = [d for d in args.dtypes if d not in DTYPES]
+    if unknown:
+        p.error(f"--dtypes: unknown {unknown}; choose from {sorted(DTYPES)}")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args)
+    prompts, _ = chat_workload(tok, args.seqs, 1, 1, seed=0)
+    print(f"{args.model_name}, {args.seqs} sequences decoding ({min(map(len, prompts))}-"
+          f"{max(map(len, prompts))} prompt tokens), vocabulary {model.config.vocab_size}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}; medians of {args.steps} steps each way")
+    head = (f"{'dtype':5s} {'sampling':16s} | {'step ms':>8s} {'sampler ms':>10s} {'faults':>7s} | "
+            f"{'step ms':>8s} {'sampler ms':>10s} {'faults':>7s} | {'step':>6s} {'sampler':>7s}")
+    print(f"{'':22s}   reused buffers (nopad)          | fresh every step (before)        | fresh / reused")
+    print(head + "\n" + "-" * len(head))
+    report = {}
+    for name in args.dtypes:
+        model = model.to(DTYPES[name])
+        for case, params in CASES.items():
+            r = report[f"{name} {case}"] = time_steps(model, tok, prompts, params, args.steps)
+            a, b = r["reused"], r["fresh"]
+            print(f"{name:5s} {case:16s} | {a['step_ms']:8.1f} {a['sampler_ms']:10.2f} {a['faults']:7.0f} | "
+                  f"{b['step_ms']:8.1f} {b['sampler_ms']:10.2f} {b['faults']:7.0f} | "
+                  f"{b['step_ms'] / a['step_ms']:5.2f}x {b['sampler_ms'] / a['sampler_ms']:6.2f}x", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()
