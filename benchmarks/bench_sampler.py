@@ -94,7 +94,8 @@ def main(argv=None) -> dict:
     prompts, _ = chat_workload(tok, args.seqs, 1, 1, seed=0)
     print(f"{args.model_name}, {args.seqs} sequences decoding ({min(map(len, prompts))}-"
           f"{max(map(len, prompts))} prompt tokens), vocabulary {model.config.vocab_size}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}; medians of {args.steps} steps each way")
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}; "
+          f"medians of {args.steps} steps each way")
     head = (f"{'dtype':5s} {'sampling':16s} | {'step ms':>8s} {'sampler ms':>10s} {'faults':>7s} | "
             f"{'step ms':>8s} {'sampler ms':>10s} {'faults':>7s} | {'step':>6s} {'sampler':>7s}")
     print(f"{'':22s}   reused buffers (nopad)          | fresh every step (before)        | fresh / reused")
@@ -107,7 +108,8 @@ def main(argv=None) -> dict:
             a, b = r["reused"], r["fresh"]
             print(f"{name:5s} {case:16s} | {a['step_ms']:8.1f} {a['sampler_ms']:10.2f} {a['faults']:7.0f} | "
                   f"{b['step_ms']:8.1f} {b['sampler_ms']:10.2f} {b['faults']:7.0f} | "
-                  f"{b['step_ms'] / a['step_ms']:5.2f}x {b['sampler_ms'] / a['sampler_ms']:6.2f}x", flush=True)
+                  f"{b['step_ms'] / a['step_ms']:5.2f}x {b['sampler_ms'] / a['sampler_ms']:6.2f}x",
+                  flush=True)
     return report
 
 
