@@ -45,8 +45,8 @@ def time_steps(model, tok, prompts, params: dict, steps: int) -> dict[str, dict[
 
     gen = Generator(model, tok, max_num_batched_tokens=4096, max_num_seqs=len(prompts),
                     num_blocks=len(prompts) * (-(-(max(map(len, prompts)) + 2 * steps + 8) // 16)) + 8)
-    for i, p in enumerate(prompts):
-        gen.add_request(p, SamplingParams(max_tokens=2 * steps + 4, ignore_eos=True, seed=i, **params))
+    ids = [gen.add_request(p, SamplingParams(max_tokens=2 * steps + 4, ignore_eos=True, seed=i, **params))
+           for i, p in enumerate(prompts)]
     while gen.stats()["decode_tokens"] < 2 * len(prompts):
         gen.step()  # prefill, then two decode steps: every sequence decodes from here on
     kept = gen._sampler_buffers
@@ -62,7 +62,7 @@ def time_steps(model, tok, prompts, params: dict, steps: int) -> dict[str, dict[
         got[way]["step_ms"].append(seconds * 1e3)
         got[way]["sampler_ms"].append(sampler.seconds * 1e3)
         got[way]["faults"].append(minor_faults() - faults)
-    for rid in list(gen._requests):
+    for rid in ids:
         gen.abort(rid)
     gen.release()
     return {way: {k: median(v) for k, v in parts.items()} for way, parts in got.items()}
