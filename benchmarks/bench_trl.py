@@ -56,7 +56,7 @@ from benchmarks._workloads import CHAT_QUESTIONS, GRPO_QUESTIONS  # noqa: E402
 
 
 def load_model():
-    from packing.models import load_smollm2
+    from assets.smollm2 import load_smollm2
 
     model, tok = load_smollm2(torch.float32)
     if getattr(model, "is_quantized", False):  # fresh from the GGUF: Trainer refuses it; the cache is clean

@@ -11,7 +11,7 @@ padding is computed too, and on CPU the LM head projects every position. Here th
 (``_get_per_token_logps_and_entropies``, TRL 1.16) packs the batch into varlen rows:
 
 - ``shared_prefix=True`` (default): completions with the same prompt form a group whose prompt
-  appears once per row and which every completion attends to (:mod:`packing.shared_prefix`).
+  appears once per row and which every completion attends to (:mod:`packing.bins.shared_prefix`).
   TRL's sampler deals a prompt's ``num_generations`` copies out consecutively, across processes
   when a process's batch is not a multiple of it, and ``_prepare_inputs`` shuffles the generation
   batch before slicing it into ``steps_per_generation`` micro-batches; so a micro-batch may hold
@@ -79,7 +79,7 @@ def _sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_
 
 def _plain_rows(seqs, order, capacity):
     """Usual packing: ``prompt + completion`` per sequence, rows of at most ``capacity`` tokens."""
-    from packing.binpack import pack
+    from packing.bins.binpack import pack
     from packing.varlen import VarlenMeta
 
     lengths = [len(seqs[b][0]) + len(seqs[b][1]) for b in order]
@@ -97,7 +97,7 @@ def _plain_rows(seqs, order, capacity):
 
 def _shared_rows(seqs, order, capacity):
     """Shared-prefix packing: completions of the same prompt share one copy of it per row."""
-    from packing.shared_prefix import pack_groups, shared_prefix_row
+    from packing.bins.shared_prefix import pack_groups, shared_prefix_row
 
     members: dict[tuple, list[int]] = {}
     for b in order:

@@ -1,5 +1,5 @@
 """Packed batches from a stream (an HF ``IterableDataset``, a generator function, any iterable)
-with the core's bounded-buffer :class:`~packing.streaming.StreamingPacker`.
+with the core's bounded-buffer :class:`~packing.bins.streaming.StreamingPacker`.
 
 Every rank reads the whole stream and runs the same deterministic packer, so all ranks agree on
 every bin without communicating; closed bins are collected in windows of ``balance_window x

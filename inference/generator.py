@@ -27,9 +27,9 @@ from inference.sampler import SamplerBuffers, sample
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sharded import compute_dtype as model_compute_dtype
-from packing.attention import BACKENDS, choose_backend
+from packing.attention import names as attention_backends
+from packing.attention import paged_block_size
 from packing.blocks import BlockAllocator
-from packing.flash import FA2_PAGE_MULTIPLE, FLASH_DTYPES, can_read_pages, flash_attn_info
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +51,9 @@ class Generator:
     dtype - so bf16 autocast over fp32 weights caches bf16 K/V, as the layers produce them.
     ``attn_backend`` (default: the ``NOPAD_ATTN_BACKEND`` environment variable, else
     :func:`packing.attention.choose_backend`'s rule) picks the attention backend of every step.
-    ``block_size`` defaults to 256 where flash-attn's paged varlen kernel runs (so it reads the
-    blocks in place; smaller blocks would make every layer gather the context), else 16.
+    ``block_size`` defaults to what the attention backend reads in place
+    (:func:`packing.attention.paged_block_size`: 256 for flash-attn 2 and torch's varlen kernel,
+    else 16); smaller blocks would make every layer gather the context.
 
     ``static_decode=True`` pads pure decode steps to bucketed shapes (sequences rounded up to 1,
     2, 4, 8 or a multiple of 8, block-table width to a power of two; padding rows write to one
@@ -84,8 +85,8 @@ class Generator:
             raise ValueError("give num_blocks or kv_memory_bytes, not both")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating torch.dtype (torch.bfloat16, ...), got {dtype!r}")
-        if attn_backend is not None and attn_backend not in BACKENDS:
-            raise ValueError(f"unknown attn_backend {attn_backend!r}; choose one of {BACKENDS}")
+        if attn_backend is not None and attn_backend not in attention_backends():
+            raise ValueError(f"unknown attn_backend {attn_backend!r}; choose one of {attention_backends()}")
         param = next(model.parameters())
         # FSDP2: the compute dtype of its mixed-precision policy, not the shard's storage dtype
         self.device, self.weight_dtype, self.requested_dtype = param.device, model_compute_dtype(model), dtype
@@ -391,15 +392,10 @@ class Generator:
         return self.weight_dtype
 
     def default_block_size(self) -> int:
-        """256 where flash-attn reads the paged cache in place (FA2's varlen kernel needs a
-        multiple of 256), else 16. Decided for half precision: fp32 weights may run their steps
-        under autocast, which is only known when a step runs (fp32 steps take SDPA, which reads
-        256-token blocks as well)."""
-        half = self.dtype if self.dtype in FLASH_DTYPES else torch.bfloat16
-        backend = choose_backend(self.device, half, override=self.attn_backend)
-        if backend == "flash" and can_read_pages(flash_attn_info(), FA2_PAGE_MULTIPLE):
-            return FA2_PAGE_MULTIPLE
-        return 16
+        """The block size the attention backend reads in place. Decided for half precision: fp32
+        weights may run their steps under autocast, which is only known when a step runs."""
+        half = self.dtype if self.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        return paged_block_size(self.device, half, self.attn_backend)
 
     def _ensure_runner(self) -> ModelRunner:
         if self._runner is None:

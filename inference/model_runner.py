@@ -22,7 +22,6 @@ import torch
 from inference.kv_cache import KVCache
 from inference.scheduler import StepPlan
 from packing import invariance
-from packing.attention import DecodeBatch
 from packing.varlen import VarlenMeta, step_layout
 
 logger = logging.getLogger(__name__)
@@ -33,10 +32,9 @@ class StepInputs:
     """A step's device tensors (views of one copied buffer) and host bookkeeping."""
 
     input_ids: torch.Tensor  # (1, T)
-    meta: VarlenMeta | None  # None for a static decode step (``decode`` describes it)
+    meta: VarlenMeta
     logits_index: torch.Tensor | None  # flat token rows whose logits are needed (None: all)
     sampling_rows: list[int]  # plan.seqs index of each kept row
-    decode: DecodeBatch | None = None
     position_ids: torch.Tensor | None = None  # (1, T)
 
 
@@ -117,8 +115,8 @@ def build_static_decode(plan: StepPlan, block_size: int, device, scratch_block: 
         pos[i] = seq.num_computed
     slots = table[np.arange(rows), pos // block_size] * block_size + pos % block_size
     d_ids, d_pos, d_slots, d_table = _to_device([ids, pos, slots, table], device)
-    decode = DecodeBatch(block_table=d_table, context_lens=d_pos + 1, slot_mapping=d_slots)
-    return StepInputs(d_ids[None], None, None, list(range(num)), decode=decode, position_ids=d_pos[None])
+    meta = VarlenMeta.static_decode(d_table, d_pos + 1, d_slots)
+    return StepInputs(d_ids[None], meta, None, list(range(num)), position_ids=meta.position_ids[None])
 
 
 def _mark_dynamic(step: StepInputs) -> None:
@@ -126,10 +124,12 @@ def _mark_dynamic(step: StepInputs) -> None:
     mark = torch._dynamo.maybe_mark_dynamic
     for t in (step.input_ids, step.position_ids):
         mark(t, 1)
-    mark(step.decode.block_table, 0)
-    mark(step.decode.block_table, 1)
-    mark(step.decode.context_lens, 0)
-    mark(step.decode.slot_mapping, 0)
+    meta = step.meta
+    mark(meta.block_table, 0)
+    mark(meta.block_table, 1)
+    for t in (meta.context_lens, meta.slot_mapping, meta.position_ids, meta.seq_idx):
+        mark(t, 0)
+    mark(meta.cu_seqlens_q, 0)
 
 
 class ModelRunner:
@@ -172,12 +172,12 @@ class ModelRunner:
             step = build_static_decode(plan, self.kv_cache.block_size, self.device, self.scratch_block,
                                        self.max_num_seqs, self.max_width)
             self.static_steps += 1
-            self.static_shapes.add(tuple(step.decode.block_table.shape))
+            self.static_shapes.add(tuple(step.meta.block_table.shape))
             if self.dynamic_decode:
                 _mark_dynamic(step)
             out = self.decode_forward(
                 input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False,
-                nopad_decode=step.decode, nopad_kv_cache=self.kv_cache,
+                nopad_meta=step.meta, nopad_kv_cache=self.kv_cache,
             )
             return out.logits[0, : len(step.sampling_rows)], step.sampling_rows
         step = build_step(plan, self.kv_cache.block_size, self.device)

@@ -16,8 +16,6 @@ _EXPORTS = {
     "VarlenMeta": "packing.varlen",
     "varlen_attention": "packing.attention",
     "store_kv": "packing.attention",
-    "load_smollm2": "packing.models",
-    "load_smollm2_tokenizer": "packing.models",
 }
 
 
@@ -28,16 +26,14 @@ def _export(module: str, *names: str) -> None:
 
 
 # Public names by module. Each entry: module -> names it provides.
-_export("packing.bins", "Bins", "PackStats")
-_export("packing.binpack", "pack")
-_export("packing.streaming", "StreamingPacker")
-_export("packing.hf_datasets", "pack_dataset")
+_export("packing.bins.stats", "Bins", "PackStats")
+_export("packing.bins.binpack", "pack")
+_export("packing.bins.streaming", "StreamingPacker")
+_export("packing.bins.hf_datasets", "pack_dataset")
 _export("packing.blocks", "BlockAllocator", "OutOfBlocksError")
-_export(
-    "packing.hf", "register_nopad_attention", "NOPAD_ATTENTION", "use_nopad_attention", "packed_forward_guard"
-)
-# packing/verification.py, not verify.py: an imported submodule would shadow the function
-_export("packing.verification", "verify", "VerifyReport")
+_export("packing.hf.attention", "register_nopad_attention", "NOPAD_ATTENTION", "use_nopad_attention",
+        "packed_forward_guard")
+_export("packing.hf.verification", "verify", "VerifyReport")
 _export("packing.invariance", "batch_invariant")
 
 __all__ = sorted(_EXPORTS)

@@ -1,7 +1,7 @@
 """Loads nopad's compiled extensions (built from csrc/) when they are there.
 
 Without them nopad still works — the packer on the pure-Python reference in
-``packing.algorithms``, decode attention on PyTorch — only slower; we say so once per extension,
+``packing.bins.algorithms``, decode attention on PyTorch — only slower; we say so once per extension,
 the first time it is needed, instead of failing.
 """
 

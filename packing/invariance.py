@@ -14,7 +14,7 @@ log-probs differ by up to 0.31. Under this mode:
   (measured bitwise on every offset and row count tried, fp32/bf16/fp16). Its backward is the
   ordinary GEMM: only the forward must match. (A model calling ``F.linear`` directly would escape
   it; the op audit in the tests checks every GEMM of each tested family.)
-- nopad attention runs the compiled kernel (:mod:`packing.kernel_attention`), whose per-query
+- nopad attention runs the compiled kernel (:mod:`packing.attention.cpu_kernel`), whose per-query
   order depends on nothing but the query's own keys, for training rows, prefill chunks and decode.
 - Everything else in the tested families (embedding, RMSNorm's row mean, RoPE, activations,
   ``log_softmax`` over a row) was audited as row-local: see ``tests/test_invariance.py``.
@@ -44,7 +44,7 @@ def supported(device: torch.device | str) -> tuple[bool, str]:
     it needs a CPU model and no other attention backend forced through ``NOPAD_ATTN_BACKEND``."""
     import os
 
-    from packing.attention import BACKEND_ENV
+    from packing.attention.registry import BACKEND_ENV
 
     device = torch.device(device)
     forced = os.environ.get(BACKEND_ENV) or "auto"
@@ -53,6 +53,11 @@ def supported(device: torch.device | str) -> tuple[bool, str]:
     if forced not in ("auto", "kernel", "per_token"):
         return False, f"{BACKEND_ENV}={forced} forces an attention backend without the batch-invariant path"
     return True, ""
+
+
+def active_kernels() -> str | None:
+    """The kernel set the current mode forces ("cpu" / "triton"), or None (chosen by device)."""
+    return None
 
 
 def is_enabled() -> bool:

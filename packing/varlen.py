@@ -73,8 +73,8 @@ class VarlenMeta:
     max_seqlen_k: int
     position_ids: torch.Tensor  # int64 [total_q]: position of each query token in its sequence
     seq_idx: torch.Tensor  # int32 [total_q]: which sequence each query token belongs to
-    seqlens_q: tuple[int, ...]
-    seqlens_k: tuple[int, ...]
+    seqlens_q: tuple[int, ...] | None  # None only in a static decode step
+    seqlens_k: tuple[int, ...] | None
     block_table: torch.Tensor | None = None  # int32 [num_seqs, max_blocks]: paged K/V blocks
     slot_mapping: torch.Tensor | None = None  # int64 [total_q]: cache slot of each new token's K/V
     # index tensors derived from the host lengths, built once per meta (not once per layer)
@@ -82,6 +82,8 @@ class VarlenMeta:
     # shared-prefix rows: key p of sequence i is row key_index[i, p] of the row's own K/V
     key_index: torch.Tensor | None = None  # int32 [num_seqs, max_seqlen_k] (a block table of 1-token blocks)
     key_rows: torch.Tensor | None = None  # int64 [total_k]: the same rows, sequence after sequence
+    # static decode steps: one query per row, each row's key count on the device only
+    context_lens: torch.Tensor | None = None  # int64 [rows]: keys of each row, the new token included
 
     # ----------------------------------------------------------------- constructors
     @classmethod
@@ -175,6 +177,27 @@ class VarlenMeta:
                        key_rows=torch.from_numpy(flat).to(dev))
 
     @classmethod
+    def static_decode(
+        cls, block_table: torch.Tensor, context_lens: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> VarlenMeta:
+        """A decode step with static shapes (one query per row, a block table of fixed width), all
+        on the device: nothing here is a Python number that depends on the context lengths, so a
+        compiled or CUDA-graph forward serves every step of the same shape. Padding rows point at
+        a scratch block and have length 1. Host-side lengths are unknown (``seqlens_k`` is None)."""
+        rows = block_table.shape[0]
+        if context_lens.shape != (rows,) or slot_mapping.shape != (rows,):
+            raise ValueError(f"a static decode step needs context_lens and slot_mapping of shape ({rows},), "
+                             "got "
+                             f"{tuple(context_lens.shape)} and {tuple(slot_mapping.shape)}")
+        device = block_table.device
+        cu_q = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        return cls(
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_q, max_seqlen_q=1, max_seqlen_k=0,
+            position_ids=context_lens - 1, seq_idx=cu_q[:-1], seqlens_q=None, seqlens_k=None,
+            block_table=block_table, slot_mapping=slot_mapping, context_lens=context_lens,
+        )
+
+    @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor) -> VarlenMeta:
         """Recover sequence boundaries from packed ``position_ids`` (a new sequence starts
         wherever the position is 0), as transformers' own packed path does."""
@@ -200,12 +223,17 @@ class VarlenMeta:
 
     # ----------------------------------------------------------------- views
     @property
+    def is_static(self) -> bool:
+        """A static decode step (:meth:`static_decode`): lengths on the device only."""
+        return self.context_lens is not None
+
+    @property
     def num_seqs(self) -> int:
-        return len(self.seqlens_q)
+        return self.position_ids.shape[0] if self.seqlens_q is None else len(self.seqlens_q)
 
     @property
     def total_q(self) -> int:
-        return sum(self.seqlens_q)
+        return self.position_ids.shape[0] if self.seqlens_q is None else sum(self.seqlens_q)
 
     @property
     def total_k(self) -> int:
@@ -215,6 +243,13 @@ class VarlenMeta:
     def is_prefill_only(self) -> bool:
         """True when queries == keys for every sequence (a training row or a fresh prefill)."""
         return self.seqlens_q == self.seqlens_k
+
+    def without_key_index(self) -> VarlenMeta:
+        """This shared-prefix row once its keys are gathered (``key_rows``): a plain varlen row whose
+        sequence ``i`` has ``seqlens_k[i]`` keys in order. Built once per meta."""
+        if "without_key_index" not in self._derived:
+            self._derived["without_key_index"] = replace(self, key_index=None, key_rows=None)
+        return self._derived["without_key_index"]
 
     def previous_rows(self) -> torch.Tensor:
         """Row of the token before each query token in its own sequence (its keys), -1 for a
@@ -306,15 +341,18 @@ class VarlenMeta:
         if self.device == dev and all(t is None or t.device == dev
                                       for t in (self.block_table, self.key_index, self.key_rows)):
             return self
+        if ("moved", dev) in self._derived:  # every layer of a forward moves the same meta: once
+            return self._derived[("moved", dev)]
         moved = {
             name: getattr(self, name).to(dev, non_blocking=non_blocking)
             for name in (
                 "cu_seqlens_q", "cu_seqlens_k", "position_ids", "seq_idx",
-                "block_table", "slot_mapping", "key_index", "key_rows",
+                "block_table", "slot_mapping", "key_index", "key_rows", "context_lens",
             )
             if getattr(self, name) is not None
         }
-        return replace(self, **moved)
+        self._derived[("moved", dev)] = result = replace(self, **moved)
+        return result
 
     def flash_kwargs(self) -> dict:
         """The varlen keyword arguments of ``flash_attn_varlen_func`` and of transformers'
@@ -327,6 +365,8 @@ class VarlenMeta:
         }
 
     def __repr__(self) -> str:
+        if self.is_static:
+            return f"VarlenMeta(static decode, rows={self.num_seqs}, width={self.block_table.shape[1]})"
         n = self.num_seqs
         paged = ", paged" if self.block_table is not None else ""
         paged += ", shared prefix" if self.key_index is not None else ""

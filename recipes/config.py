@@ -98,7 +98,7 @@ def load_model(model_cfg: Mapping):
         model, _ = tiny_causal_lm(path.split(":", 1)[1])
         return model.eval(), AsciiTokenizer()
     if path == "smollm2":
-        from packing.models import load_smollm2
+        from assets.smollm2 import load_smollm2
 
         return load_smollm2(dtype=dtype)
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -22,8 +22,8 @@ from typing import TextIO
 import numpy as np
 from tqdm.auto import tqdm
 
+from assets.corpus import load_corpus
 from packing import pack
-from packing.corpus import load_corpus
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def packing_report(
     token slots computed, efficiency = real tokens / slots."""
     out = out or sys.stdout
     if tokenizer is None:
-        from packing.models import load_smollm2_tokenizer
+        from assets.smollm2 import load_smollm2_tokenizer
 
         tokenizer = load_smollm2_tokenizer()
     documents = load_corpus(max_documents)
@@ -168,7 +168,7 @@ def main() -> None:
     """The whole job: packing report, packed SFT steps, GRPO steps with in-process rollouts."""
     import time
 
-    from packing.models import load_smollm2
+    from assets.smollm2 import load_smollm2
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     start = time.perf_counter()

@@ -173,14 +173,14 @@ def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = 
     every loss token and the rollout index of each completion (``indices``).
 
     ``shared_prefix`` (default): rollouts with the same prompt form a group whose prompt appears
-    once per row, each completion attending to it (:mod:`packing.shared_prefix`); else every
+    once per row, each completion attending to it (:mod:`packing.bins.shared_prefix`); else every
     rollout is its own prompt+completion sequence (BFD)."""
     if not rollouts:  # a rank with no prompts this step (its padding rows come from pad_rows)
         return []
     if shared_prefix:
         return _pack_shared_prefix(rollouts, capacity)
     from dataloaders.collator import PackedCollator
-    from packing.binpack import pack
+    from packing.bins.binpack import pack
 
     collate = PackedCollator()
     lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
@@ -213,7 +213,7 @@ def empty_rollout_row() -> dict:
 
 
 def _pack_shared_prefix(rollouts: list[Rollout], capacity: int) -> list[dict]:
-    from packing.shared_prefix import pack_groups, shared_prefix_row
+    from packing.bins.shared_prefix import pack_groups, shared_prefix_row
 
     members: dict[tuple, list[int]] = {}  # prompt -> its rollouts, in order of first appearance
     for i, r in enumerate(rollouts):

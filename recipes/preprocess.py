@@ -43,7 +43,7 @@ def load_records(path: str | Path) -> datasets.Dataset:
 
 def load_tokenizer(name: str):
     if name == "smollm2":
-        from packing.models import load_smollm2_tokenizer
+        from assets.smollm2 import load_smollm2_tokenizer
 
         return load_smollm2_tokenizer()
     if not Path(name).is_dir():

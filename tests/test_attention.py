@@ -160,7 +160,7 @@ def test_flex_backend_forward_matches():
 def test_clear_errors():
     meta = VarlenMeta.from_lengths([3, 2])
     q, k = rand(5, H, 0), rand(5, HKV, 1)
-    with pytest.raises(ValueError, match="unknown backend"):
+    with pytest.raises(ValueError, match="unknown attention backend"):
         varlen_attention(q, k, k, meta, backend="fast")
     with pytest.raises(ValueError, match="q has 4 tokens"):
         varlen_attention(q[:4], k, k, meta)

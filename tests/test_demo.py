@@ -5,7 +5,7 @@ import io
 import numpy as np
 import pytest
 
-from packing.corpus import load_corpus
+from assets.corpus import load_corpus
 from recipes.demo import packing_report, padded_to_longest
 
 

@@ -118,7 +118,7 @@ def test_at_least_as_dense_as_trl_global_bfd():
 def test_python_fallback_gives_the_same_rows(monkeypatch):
     ds = datasets.Dataset.from_dict(ROWS)
     expected = pack_dataset(ds, 4, overflow="split")[:]
-    monkeypatch.setattr("packing.hf_datasets.native_packer", lambda: None)
+    monkeypatch.setattr("packing.bins.hf_datasets.native_packer", lambda: None)
     assert pack_dataset(ds, 4, overflow="split")[:] == expected
 
 

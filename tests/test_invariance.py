@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from inference import Generator, SamplingParams
-from packing import attention_cpu, kernel_attention
+from packing.attention import cpu_kernel as kernel_attention
+from packing.attention import sdpa as attention_cpu
 from packing.attention import varlen_attention
-from packing.attention_cpu import KeySource
+from packing.attention.sdpa import KeySource
 from packing.hf import use_nopad_attention
 from packing.invariance import TILE_ROWS, batch_invariant, invariant_linear, is_enabled
 from packing.varlen import VarlenMeta

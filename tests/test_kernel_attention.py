@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from packing import kernel_attention
+from packing.attention import cpu_kernel as kernel_attention
 from packing.attention import varlen_attention
 from packing.varlen import VarlenMeta
 

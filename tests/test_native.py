@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packing import _native, algorithms, pack
+from packing import _native, pack
+from packing.bins import algorithms
 
 native = pytest.importorskip("packing._packer", reason="compiled packer not built")
 

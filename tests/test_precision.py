@@ -22,8 +22,8 @@ import pytest
 import torch
 import transformers
 
-from packing import attention, flash, verify
-from packing.attention import BACKEND_ENV, choose_backend
+from packing import attention, verify
+from packing.attention import BACKEND_ENV, choose_backend, flash
 from packing.hf import use_nopad_attention
 from packing.varlen import VarlenMeta
 from tests.flash_standin import FlashStandIn, broken_package
@@ -53,12 +53,12 @@ def flash_standin(monkeypatch):
             monkeypatch.delitem(sys.modules, name, raising=False)
         monkeypatch.setitem(sys.modules, standin.module.__name__, standin.module)
         flash.flash_attn_info.cache_clear()
-        attention._SAID.clear()
+        attention.registry._said.clear()
         return standin
 
     yield install
     flash.flash_attn_info.cache_clear()
-    attention._SAID.clear()
+    attention.registry._said.clear()
 
 
 @pytest.fixture
@@ -306,8 +306,8 @@ def test_flash_attn_25_has_no_softcap(monkeypatch, flash_standin):
     info = flash.flash_attn_info()
     assert info.paged and info.window and not info.softcap
     monkeypatch.delenv(BACKEND_ENV, raising=False)
-    with pytest.warns(RuntimeWarning, match="no softcap.*Upgrade"):
-        assert choose_backend(torch.device("cuda"), torch.bfloat16, softcap=50.0) == "sdpa_loop"
+    # a softcap layer: flash-attn 2.5 cannot, torch's varlen kernel has none, FlexAttention can
+    assert choose_backend(torch.device("cuda"), torch.bfloat16, softcap=50.0) == "flex"
     assert choose_backend(torch.device("cuda"), torch.bfloat16) == "flash"
     monkeypatch.setenv(BACKEND_ENV, "flash")
     with pytest.raises(ValueError, match="flash-attn 2 .* has no softcap"):
@@ -325,9 +325,9 @@ def test_flash_attn_that_fails_to_import_falls_back_with_a_warning(monkeypatch, 
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     with pytest.warns(RuntimeWarning, match="flash_attn is installed but does not import.*libcudart"):
         assert flash.flash_attn_info() is None
-    assert choose_backend(torch.device("cuda"), torch.bfloat16) == "sdpa_loop"
+    assert choose_backend(torch.device("cuda"), torch.bfloat16) == "torch_varlen"  # torch's own kernel
     monkeypatch.setenv(BACKEND_ENV, "flash")
-    with pytest.raises(RuntimeError, match="flash-attn is not installed or does not import"):
+    with pytest.raises(RuntimeError, match="'flash' was requested .* is not installed or does not import"):
         packed_step(precision_model("llama", "bf16"), random_sequences([4, 3]), "bf16")
 
 
@@ -378,10 +378,8 @@ def test_varlen_meta_to_keeps_int32_and_returns_self_on_the_same_device():
 def test_a_meta_on_another_device_is_moved_once_per_forward():
     """DDP scatters tensors, not a VarlenMeta: the attention layer moves it to the query's device,
     once for all layers of a forward (here "meta" stands for the GPU)."""
-    from packing.hf import _on_device
-
     meta = VarlenMeta.from_lengths([3, 2])
-    assert _on_device(meta, torch.device("cpu")) is meta
-    moved = _on_device(meta, torch.device("meta"))
+    assert meta.to(torch.device("cpu")) is meta
+    moved = meta.to(torch.device("meta"))
     assert moved.device == torch.device("meta") and moved.position_ids.device == torch.device("meta")
-    assert _on_device(meta, torch.device("meta")) is moved  # the next layer reuses it
+    assert meta.to(torch.device("meta")) is moved  # the next layer reuses it (kept on the meta itself)

@@ -10,8 +10,8 @@ import torch
 from inference import Generator, SamplingParams
 from packing import batch_invariant
 from packing.attention import varlen_attention
+from packing.bins.shared_prefix import pack_groups, shared_prefix_row
 from packing.hf import use_nopad_attention
-from packing.shared_prefix import pack_groups, shared_prefix_row
 from packing.varlen import VarlenMeta
 from recipes.grpo import Rollout, pack_rollouts, packed_logprobs
 from tests.models import random_sequences, tiny_model
@@ -195,7 +195,8 @@ def test_flash_path_gets_the_gathered_keys(monkeypatch):
     flash-attn's varlen kernel runs on them (here: the strict CPU stand-in, bf16)."""
     import sys
 
-    from packing import attention, flash
+    from packing import attention
+    from packing.attention import flash
     from tests.flash_standin import FlashStandIn
 
     standin = FlashStandIn("2.6")
@@ -203,7 +204,7 @@ def test_flash_path_gets_the_gathered_keys(monkeypatch):
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setitem(sys.modules, standin.module.__name__, standin.module)
     flash.flash_attn_info.cache_clear()
-    attention._SAID.clear()
+    attention.registry._said.clear()
     try:
         meta = VarlenMeta.shared_prefix(GROUPS)
         g = torch.Generator().manual_seed(0)
@@ -218,4 +219,4 @@ def test_flash_path_gets_the_gathered_keys(monkeypatch):
         assert k.grad is not None and bool(k.grad[:12].abs().sum() > 0)  # the prompt's keys learn
     finally:
         flash.flash_attn_info.cache_clear()
-        attention._SAID.clear()
+        attention.registry._said.clear()

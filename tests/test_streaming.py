@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from packing import StreamingPacker, pack
-from packing.streaming import StreamItem
+from packing.bins.streaming import StreamItem
 
 
 def keys(bins):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from packing.verification import VerifyReport, verify
+from packing.hf.verification import VerifyReport, verify
 from tests.models import FAMILIES, SLIDING_WINDOW, random_sequences, tiny_model
 
 CAPACITY = 32

@@ -1,0 +1,19 @@
+"""Varlen attention: one entry point (:func:`varlen_attention`) over backends that declare what
+they support (:mod:`packing.attention.registry`), one module per backend:
+
+- ``flash``: flash-attn 2/3 (CUDA, when installed);
+- ``torch_varlen``: PyTorch's own FlashAttention varlen (CUDA, nothing to build);
+- ``flex``: FlexAttention, for layers with a softcap on CUDA;
+- ``triton``: nopad's Triton kernel (CUDA: paged steps, and the batch-invariant mode);
+- ``kernel``: nopad's compiled C++ kernel (CPU: paged steps, and the batch-invariant mode);
+- ``sdpa_loop`` / ``sdpa_padded`` / ``sdpa_dense`` / ``per_token``: exact PyTorch SDPA paths.
+
+:func:`choose_backend` is the one rule that picks among them; ``NOPAD_ATTN_BACKEND`` or
+``backend=`` names one instead.
+"""
+
+from packing.attention.dispatch import gather_kv, store_kv, varlen_attention
+from packing.attention.registry import BACKEND_ENV, choose_backend, names, paged_block_size
+
+__all__ = ["BACKEND_ENV", "choose_backend", "gather_kv", "names", "paged_block_size", "store_kv",
+           "varlen_attention"]

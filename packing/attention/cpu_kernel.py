@@ -1,0 +1,153 @@
+"""The compiled varlen attention forward (``packing._varlen_attention``, csrc/varlen_attention.cpp).
+
+One CPU kernel for every shape the core sees: a packed training row, a prefill chunk and a decode
+token, keys read in place from a flat row or a paged cache, in fp32, bf16 or fp16. Each query's
+result depends only on its own keys (fixed key blocks, fixed order), which is what makes the
+generator's log-probs equal the trainer's in :func:`packing.batch_invariant`. For training the
+forward runs here and the backward recomputes attention with PyTorch's SDPA (any correct backward
+will do: only the forward must match the generator's).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from packing._native import load_extension
+from packing.attention.registry import Backend
+from packing.varlen import VarlenMeta
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_HEAD_DIM = 256
+
+
+def kernel() -> ModuleType | None:
+    """The compiled kernel, or None (warned once) when it was not built."""
+    return load_extension("packing._varlen_attention", "varlen attention kernel", "PyTorch attention")
+
+
+def usable(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """True when the kernel can serve attention on ``device`` in ``dtype`` (it was built, CPU,
+    fp32/bf16/fp16). Head dims above MAX_HEAD_DIM are refused by :func:`forward`."""
+    return torch.device(device).type == "cpu" and dtype in DTYPE_CODES and kernel() is not None
+
+
+def _host_arrays(meta: VarlenMeta, table: torch.Tensor | None):
+    """The kernel's int arrays for this row, built once per meta (every layer of a forward shares
+    them) in the meta's own cache when ``table`` is the meta's block table or key index."""
+    name = ("kernel_host_flat" if table is None else "kernel_host_blocks" if table is meta.block_table
+            else "kernel_host_keys" if table is meta.key_index else None)
+    if name in meta._derived:
+        return meta._derived[name]
+    cu_q = np.concatenate(([0], np.cumsum(meta.seqlens_q))).astype(np.int32)
+    lens_k = np.asarray(meta.seqlens_k, dtype=np.int32)
+    if table is None:
+        starts = np.concatenate(([0], np.cumsum(meta.seqlens_k)[:-1])).astype(np.int64)
+        arrays = (cu_q, lens_k, starts, None)
+    else:
+        arrays = (cu_q, lens_k, None, np.ascontiguousarray(table.detach().cpu().numpy(), dtype=np.int32))
+    if name is not None:
+        meta._derived[name] = arrays
+    return arrays
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: VarlenMeta,
+    *,
+    table: torch.Tensor | None = None,
+    block_size: int = 1,
+    causal: bool = True,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention output ``(total_q, heads, dim)`` in q's dtype. ``k``/``v`` are flat
+    ``(total_k, kv_heads, dim)`` keys, or with ``table`` a paged cache flattened to
+    ``(blocks * block_size, kv_heads, dim)``. No autograd (see :class:`KernelAttention`)."""
+    if q.dtype not in DTYPE_CODES:
+        raise ValueError(f"the attention kernel takes fp32, bf16 or fp16 tensors, got {q.dtype}; cast q/k/v "
+                         "to the model's compute dtype")
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"the attention kernel takes head_dim <= {MAX_HEAD_DIM}, got {q.shape[-1]}")
+    if not (q.dtype == k.dtype == v.dtype) or k.shape != v.shape or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q, k, v must share dtype and head dim: {q.dtype} {tuple(q.shape)}, "
+                         f"{k.dtype} {tuple(k.shape)}, {v.dtype} {tuple(v.shape)}")
+    q = q.detach().contiguous()
+    k, v = k.detach().contiguous(), v.detach().contiguous()
+    out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    cu_q, lens_k, starts, tab = _host_arrays(meta, table)
+    kernel().forward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), DTYPE_CODES[q.dtype], k.shape[0],
+        cu_q, lens_k, starts, tab, int(block_size), q.shape[1], k.shape[1], q.shape[2],
+        float(scale), float(softcap or 0.0), int(window or 0), bool(causal), torch.get_num_threads(),
+    )
+    return out
+
+
+# ---- the static decode step as a custom op, so torch.compile sees one opaque call. Why:
+# Why: a compiled decode step (``Generator(compile_decode=True)``) fuses the model's small ops
+# (RMSNorm, RoPE, SiLU, residual adds) around attention, but the kernel is called through raw data
+# pointers and host arrays, which dynamo cannot trace: every layer would break the graph. As a
+# custom op it takes only tensors with static-shape-friendly arguments (the static decode step's
+# block table and context lengths) and has a fake implementation, so the whole decode forward
+# compiles to one graph, with dynamic batch and table width.
+
+@torch.compiler.assume_constant_result
+def built() -> bool:
+    """The kernel was built (decided once: dynamo cannot trace the extension's import)."""
+    return kernel() is not None
+
+
+@torch.library.custom_op("nopad::paged_decode", mutates_args=())
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, window: int, softcap: float) -> torch.Tensor:
+    """One query per row ``q (rows, heads, dim)`` over that row's keys in a paged cache
+    ``(blocks, block_size, kv_heads, dim)``: ``context_lens[i]`` keys through ``block_table[i]``.
+    Same kernel, same per-query order as every other CPU generation step."""
+    rows = q.shape[0]
+    out = torch.empty_like(q)
+    if rows == 0:
+        return out
+    block_size = k_cache.shape[1]
+    lens = np.ascontiguousarray(context_lens.numpy(), dtype=np.int32)
+    table = np.ascontiguousarray(block_table.numpy(), dtype=np.int32)
+    dtype_code = DTYPE_CODES[q.dtype]
+    kernel().forward(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), dtype_code,
+        k_cache.shape[0] * block_size, np.arange(rows + 1, dtype=np.int32), lens, None, table, block_size,
+        q.shape[1], k_cache.shape[2], q.shape[2], scale, softcap, window, True, torch.get_num_threads(),
+    )
+    return out
+
+
+@paged_decode.register_fake
+def _(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap):
+    return torch.empty_like(q)
+
+
+def _forward(q, k, v, meta, opts, table=None, block_size=1):
+    return forward(q, k, v, meta, table=table, block_size=block_size, causal=opts.causal, scale=opts.scale,
+                   window=opts.window, softcap=opts.softcap)
+
+
+def _static_decode(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap):
+    return paged_decode(q, k_cache, v_cache, block_table, context_lens, scale, window or 0, softcap or 0.0)
+
+
+def _missing(call) -> str | None:
+    if built():
+        return None
+    return "is not built (the C++ extension did not compile; reinstall nopad with a compiler)"
+
+
+BACKENDS = (
+    Backend("kernel", _forward, devices=("cpu",), dtypes=tuple(DTYPE_CODES), grad=False, invariant=True,
+            reads_pages=lambda block_size: True, static_decode=_static_decode, missing=_missing),
+)

@@ -1,0 +1,95 @@
+"""Shared-prefix packing: a group's prompt once, then each of its completions, in one row.
+
+GRPO trains on ``n`` completions of each prompt; packed the usual way every row repeats the
+prompt ``n`` times. Here a group (prompt + its completions) is one packing item, so the prompt's
+tokens are computed once and attended to by every completion through
+:meth:`packing.varlen.VarlenMeta.shared_prefix`. A group is split across rows only when it does
+not fit the token budget; the prompt is then repeated in each row that holds some of its
+completions. Also fits SFT data with shared prefixes (several answers to one question).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from packing.bins.binpack import pack
+from packing.varlen import VarlenMeta
+
+IGNORE_INDEX = -100
+
+Piece = tuple[int, list[int]]  # (group index, indices of the group's completions in this piece)
+
+
+def split_group(prompt_len: int, completion_lens: Sequence[int], capacity: int,
+                group: int = 0) -> list[list[int]]:
+    """The completions of one group in pieces of at most ``capacity`` tokens each, prompt
+    included (one piece when the whole group fits; else first-fit in order)."""
+    total = prompt_len + sum(completion_lens)
+    if total <= capacity:
+        return [list(range(len(completion_lens)))]
+    pieces: list[list[int]] = []
+    used: list[int] = []
+    for j, c in enumerate(completion_lens):
+        if prompt_len + c > capacity:
+            raise ValueError(f"group {group}: prompt ({prompt_len} tokens) + completion {j} ({c} tokens) "
+                             f"exceed the row capacity {capacity}; raise the capacity or truncate the "
+                             "completion")
+        for p, piece in enumerate(pieces):
+            if used[p] + c <= capacity:
+                piece.append(j)
+                used[p] += c
+                break
+        else:
+            pieces.append([j])
+            used.append(prompt_len + c)
+    return pieces
+
+
+def pack_groups(groups: Sequence[tuple[int, Sequence[int]]], capacity: int, *,
+                strategy: str = "bfd") -> list[list[Piece]]:
+    """Pack ``groups = [(prompt_len, [completion_len, ...]), ...]`` into rows of at most
+    ``capacity`` tokens, each group's prompt counted once per row that holds it. Returns, per
+    row, its pieces ``(group, [completion indices])``; rows are filled by :func:`packing.pack`."""
+    pieces: list[Piece] = []
+    for g, (prompt_len, completions) in enumerate(groups):
+        if prompt_len < 1 or not len(completions):
+            raise ValueError(f"group {g} needs a prompt and at least one completion, got ({prompt_len}, "
+                             f"{list(completions)})")
+        for part in split_group(prompt_len, completions, capacity, g):
+            pieces.append((g, part))
+    sizes = [groups[g][0] + sum(groups[g][1][j] for j in part) for g, part in pieces]
+    rows = pack(sizes, capacity, strategy=strategy)
+    return [[pieces[i] for i in sorted(row.tolist())] for row in rows]
+
+
+def shared_prefix_row(pieces: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]]) -> dict:
+    """One training row from ``[(prompt_ids, [completion_ids, ...]), ...]``: tokens
+    ``[prompt, c1, c2, ...]`` per piece, labels -100 on prompt tokens, ``position_ids`` and
+    ``nopad_meta`` (:meth:`VarlenMeta.shared_prefix`) for ``model(...)``. The logits that predict
+    label ``t`` are at row ``nopad_meta.previous_rows()[t]`` (a completion's first token is
+    predicted by its prompt's last token), not ``t - 1``: read them with ``logits_to_keep``."""
+    ids, labels, groups = [], [], []
+    for prompt, completions in pieces:
+        prompt = list(prompt)
+        if not prompt or not completions or not all(len(c) for c in completions):
+            raise ValueError("every piece needs a non-empty prompt and non-empty completions")
+        ids += prompt
+        labels += [IGNORE_INDEX] * len(prompt)
+        for c in completions:
+            ids += list(c)
+            labels += list(c)
+        groups.append((len(prompt), [len(c) for c in completions]))
+    meta = VarlenMeta.shared_prefix(groups)
+    labels_np = np.asarray(labels, dtype=np.int64)
+    return {
+        "input_ids": torch.tensor(ids, dtype=torch.int64)[None],
+        "labels": torch.from_numpy(labels_np)[None],
+        "position_ids": meta.position_ids[None],
+        "nopad_meta": meta,
+        "seq_lens": torch.tensor(meta.seqlens_q, dtype=torch.int64),
+        "num_loss_tokens": int((labels_np != IGNORE_INDEX).sum()),
+        "num_loss_seqs": sum(len(c) for _, c in pieces),
+    }

@@ -1,0 +1,15 @@
+"""nopad inside Hugging Face transformers: the ``"nopad"`` attention implementation
+(``AttentionInterface``), the packed-forward guard and ``verify`` (packed == unpacked on a model)."""
+
+from packing.hf.attention import (
+    NOPAD_ATTENTION,
+    check_packed_call,
+    compute_dtype,
+    nopad_attention,
+    packed_forward_guard,
+    register_nopad_attention,
+    use_nopad_attention,
+)
+
+__all__ = ["NOPAD_ATTENTION", "check_packed_call", "compute_dtype", "nopad_attention", "packed_forward_guard",
+           "register_nopad_attention", "use_nopad_attention"]

@@ -1,0 +1,287 @@
+"""nopad as a transformers attention implementation: packed training and paged generation on
+any HF decoder that routes attention through ``AttentionInterface`` — no model fork.
+
+Setup::
+
+    from packing.hf import register_nopad_attention, use_nopad_attention
+    register_nopad_attention()                       # idempotent
+    model.set_attn_implementation("nopad")           # or: with use_nopad_attention(model): ...
+
+Contract (keyword arguments of ``model(...)``; transformers forwards unknown keyword arguments
+to every attention call, where ``nopad_attention`` reads them):
+
+Packed training row — ``model(input_ids, position_ids=..., nopad_meta=meta, labels=...)``
+    ``input_ids`` ``(1, T)`` holds the concatenated sequences, ``position_ids`` ``(1, T)`` is
+    ``meta.position_ids[None]`` (RoPE needs it; it is checked against ``meta``), ``nopad_meta`` the
+    row's :class:`~packing.varlen.VarlenMeta`. Without ``nopad_meta`` the boundaries are derived
+    once per forward from ``position_ids`` (a sequence starts where the position is 0). Without
+    either, each batch row is one sequence. A 2-D ``attention_mask`` with padding is refused.
+
+Generation step (paged K/V) — the generator passes::
+
+    model(input_ids=ids[None], position_ids=meta.position_ids[None], use_cache=False,
+          nopad_meta=meta, nopad_kv_cache=kv)
+
+    ``meta = VarlenMeta.for_step(query_lens, context_lens, block_table=..., slot_mapping=...)``;
+    ``kv[layer_idx] -> (k_cache, v_cache)`` each ``(num_blocks, block_size, kv_heads, head_dim)``
+    (a list, a dict, or a callable ``kv(layer_idx)``). Each layer writes the step's new K/V at
+    ``meta.slot_mapping`` and attends through ``meta.block_table`` (CPU: one SDPA call per
+    sequence on its gathered blocks; CUDA: flash-attn's paged varlen kernel). ``use_cache=False`` keeps
+    transformers from building its own cache. Optional ``nopad_backend="sdpa_loop"`` etc. picks
+    a backend of :func:`packing.attention.varlen_attention` by name.
+
+Layer options come from the module call, as transformers passes them: ``scaling``,
+``sliding_window`` (Mistral; Gemma2/Qwen2 per layer type), ``softcap`` (Gemma2), and
+``module.is_causal`` / ``module.layer_idx``. Any other attention argument that carries a value
+(e.g. GPT-OSS's attention sinks ``s_aux``) is an error naming the model: nopad would otherwise
+compute attention without it.
+
+Precision and devices: q, k and v are cast to one compute dtype first, as transformers does for
+flash-attn (the autocast dtype under ``torch.autocast``, else the layer's weight dtype: RoPE
+leaves q/k in fp32 under bf16 autocast while v is bf16). Boundaries derived here are built on
+the query's device, and a ``nopad_meta`` on another device (DDP does not scatter it) is moved
+with :meth:`VarlenMeta.to` once per forward.
+
+Keeping ``attn_implementation="sdpa"``/``"eager"``/``"flash_attention_2"`` instead: transformers'
+own packed path runs (it derives a block-diagonal mask, or FA2 varlen, from packed
+``position_ids``) — but only with ``attention_mask=None`` and ``use_cache=False``; otherwise it
+silently attends across sequences. :func:`packed_forward_guard` turns those cases into errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+import transformers
+from transformers.masking_utils import AttentionMaskInterface
+
+from packing.attention import varlen_attention
+from packing.varlen import VarlenMeta
+
+logger = logging.getLogger(__name__)
+
+NOPAD_ATTENTION = "nopad"
+
+
+# keyword arguments transformers passes to every attention call that need nothing from us:
+# TransformersKwargs / FlashAttentionKwargs (the boundaries come from nopad_meta/position_ids)
+HARMLESS_KWARGS = frozenset({
+    "use_cache", "cache_position", "past_key_values", "output_attentions", "output_hidden_states",
+    "output_router_logits", "return_dict", "num_items_in_batch", "cu_seq_lens_q", "cu_seq_lens_k",
+    "max_length_q", "max_length_k", "seq_idx", "layer_idx", "nopad_trace",
+})
+
+
+def _derive_meta(position_ids: torch.Tensor | None, batch: int, q_len: int, k_len: int,
+                 device: torch.device) -> VarlenMeta:
+    """Boundaries when the caller passed no ``nopad_meta``: transformers' own cache (decode with
+    ``generate``), packed ``position_ids``, or one sequence per batch row, on the query's
+    ``device``. Derived once per forward: memoised on the ``position_ids`` tensor itself, which
+    every layer of the forward receives (no state outside the caller's objects)."""
+    if k_len != q_len:  # transformers' DynamicCache: each row is one sequence with context
+        return VarlenMeta.for_step([q_len] * batch, [k_len - q_len] * batch, device=device)
+    if position_ids is None:
+        return VarlenMeta.from_lengths([q_len] * batch, device=device)
+    key = (position_ids._version, tuple(position_ids.shape), batch, device)
+    memo = getattr(position_ids, "_nopad_meta", None)
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    pos = position_ids.expand(batch, -1) if position_ids.shape[0] != batch else position_ids
+    meta = VarlenMeta.from_position_ids(pos.reshape(-1)).to(device)
+    position_ids._nopad_meta = (key, meta)
+    return meta
+
+
+def compute_dtype(module: torch.nn.Module, query: torch.Tensor) -> torch.dtype:
+    """The one dtype q, k and v are cast to, chosen as transformers does for flash-attn: the
+    autocast dtype when autocast is on for the query's device, else the layer's weight dtype
+    (for a quantized layer, the model's ``config.dtype``)."""
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    weight = next((p for p in module.parameters() if p.is_floating_point()), None)
+    if weight is not None and weight.dtype.itemsize > 1:
+        return weight.dtype
+    config_dtype = getattr(getattr(module, "config", None), "dtype", None)
+    return config_dtype if isinstance(config_dtype, torch.dtype) else query.dtype
+
+
+def _check_kwargs(module: torch.nn.Module, kwargs: dict) -> None:
+    """An attention argument we do not implement but that carries a value would be silently
+    dropped (e.g. GPT-OSS's attention sinks ``s_aux``): refuse it, naming the model."""
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in HARMLESS_KWARGS)
+    if unknown:
+        config = getattr(module, "config", None)
+        family = getattr(config, "model_type", None) or "unknown"
+        raise ValueError(
+            f"{type(module).__name__} (model_type {family!r}) passes attention argument(s) {unknown} that "
+            "nopad attention does not implement; its output would be wrong without them. Keep this model on "
+            "attn_implementation='eager'/'sdpa', or open an issue to add support."
+        )
+
+
+def _check_positions(meta: VarlenMeta, position_ids: torch.Tensor | None) -> None:
+    """RoPE used ``position_ids``; attention uses ``meta``. They must describe the same row."""
+    if position_ids is None:
+        return
+    checked = meta._derived.get("checked_position_ids")
+    if checked is not None and checked[0] is position_ids and checked[1] == position_ids._version:
+        return
+    flat = position_ids.reshape(-1)
+    mine = meta.position_ids
+    if (flat.device == mine.device and flat.data_ptr() == mine.data_ptr() and flat.shape == mine.shape
+            and flat.stride() == mine.stride() and flat.dtype == mine.dtype):
+        return  # the runner passed meta.position_ids[None] itself: nothing to compare, no sync
+    if flat.numel() != meta.total_q or not torch.equal(flat.to(meta.position_ids.device), meta.position_ids):
+        raise ValueError(
+            "position_ids do not match nopad_meta.position_ids; pass position_ids=meta.position_ids[None] "
+            "so rotary embeddings see each sequence's own positions"
+        )
+    meta._derived["checked_position_ids"] = (position_ids, position_ids._version)
+
+
+def _layer_cache(kv, layer_idx: int):
+    if kv is None:
+        return None
+    if layer_idx is None:
+        raise ValueError("nopad_kv_cache needs module.layer_idx to pick the layer's cache")
+    return kv(layer_idx) if callable(kv) else kv[layer_idx]
+
+
+def nopad_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    nopad_meta: VarlenMeta | None = None,
+    nopad_kv_cache=None,
+    nopad_backend: str = "auto",
+    position_ids: torch.Tensor | None = None,
+    nopad_trace: list | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query`` ``(B, heads, T, dim)``, ``key``/``value``
+    ``(B, kv_heads, S, dim)``; returns ``((B, T, heads, dim), None)``."""
+    if nopad_trace is not None:  # the caller's own record of the calls (packing.verify counts them)
+        nopad_trace.append(getattr(module, "layer_idx", None))
+    if dropout:
+        raise ValueError("nopad attention does not implement attention dropout; set attention_dropout=0")
+    if isinstance(attention_mask, torch.Tensor):
+        raise ValueError("nopad attention takes no attention mask; pack the sequences instead of padding")
+    is_causal = kwargs.pop("is_causal", None)
+    _check_kwargs(module, kwargs)
+    batch, heads, q_len, dim = query.shape
+    device = query.device
+    if nopad_meta is None:
+        if nopad_kv_cache is not None:
+            raise ValueError("nopad_kv_cache needs nopad_meta (with block_table and slot_mapping)")
+        meta = _derive_meta(position_ids, batch, q_len, key.shape[2], device)
+    else:
+        meta = nopad_meta.to(device)  # moved once per forward: the meta keeps the moved copy
+        if not meta.is_static:
+            _check_positions(meta, position_ids)
+    if meta.total_q != batch * q_len:
+        raise ValueError(f"nopad_meta describes {meta.total_q} tokens but the batch has {batch} x {q_len}")
+    dtype = compute_dtype(module, query)
+    q = query.transpose(1, 2).reshape(batch * q_len, heads, dim).to(dtype)
+    k = key.transpose(1, 2).reshape(-1, key.shape[1], dim).to(dtype)
+    v = value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[-1]).to(dtype)
+    out = varlen_attention(
+        q, k, v, meta,
+        causal=getattr(module, "is_causal", True) if is_causal is None else bool(is_causal),
+        softmax_scale=scaling,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        kv_cache=_layer_cache(nopad_kv_cache, getattr(module, "layer_idx", None)),
+        backend=nopad_backend,
+    )
+    return out.view(batch, q_len, heads, -1), None
+
+
+def nopad_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
+    """Mask hook: nopad needs no dense ``T x T`` mask (boundaries come from the meta). A 2-D
+    padding mask with zeros would be silently dropped, so refuse it."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            "nopad attention got a padding attention_mask; pack the sequences into one row "
+            "(see packing.pack) or use attn_implementation='sdpa' for padded batches"
+        )
+    return None
+
+
+def register_nopad_attention() -> str:
+    """Register ``"nopad"`` with transformers' attention and mask interfaces (idempotent)."""
+    transformers.AttentionInterface.register(NOPAD_ATTENTION, nopad_attention)
+    AttentionMaskInterface.register(NOPAD_ATTENTION, nopad_mask)
+    return NOPAD_ATTENTION
+
+
+@contextlib.contextmanager
+def use_nopad_attention(model: transformers.PreTrainedModel):
+    """Switch ``model`` to nopad attention (with :func:`packed_forward_guard`) for the block,
+    then restore its previous implementation."""
+    register_nopad_attention()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(NOPAD_ATTENTION)
+    handle = packed_forward_guard(model)
+    try:
+        yield model
+    finally:
+        handle.remove()
+        model.set_attn_implementation(previous)
+
+
+def _is_packed(position_ids: torch.Tensor | None) -> bool:
+    """True when a row of ``position_ids`` restarts (several sequences in one row)."""
+    if position_ids is None or position_ids.shape[-1] < 2:
+        return False
+    return bool((position_ids[..., 1:] != position_ids[..., :-1] + 1).any())
+
+
+def check_packed_call(model: transformers.PreTrainedModel, kwargs: dict) -> None:
+    """Raise instead of letting a packed forward return wrong logits (see module docstring)."""
+    position_ids = kwargs.get("position_ids")
+    meta = kwargs.get("nopad_meta")
+    impl = model.config._attn_implementation
+    if meta is not None and position_ids is None:
+        raise ValueError("nopad_meta given without position_ids; pass position_ids=meta.position_ids[None]")
+    if meta is not None and meta.key_index is not None and kwargs.get("labels") is not None:
+        raise ValueError(
+            "labels= with a shared-prefix row: the model's loss predicts token t from t - 1, but a "
+            "completion's first token is predicted by its prompt's last token. Compute the loss from the "
+            "logits at nopad_meta.previous_rows() (see recipes.grpo.packed_logprobs)."
+        )
+    if meta is None and not _is_packed(position_ids):
+        return
+    if impl == NOPAD_ATTENTION:
+        return  # the nopad path reads the boundaries itself; padding masks are refused there
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        raise ValueError(
+            f"packed row with attention_mask under attn_implementation={impl!r}: transformers then "
+            "ignores the packing and attends across sequences. Pass attention_mask=None (or use 'nopad')."
+        )
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(model.config, "use_cache", False)
+    if use_cache and kwargs.get("past_key_values") is None:
+        raise ValueError(
+            f"packed row with use_cache=True under attn_implementation={impl!r}: transformers 5 only "
+            "honours packed position_ids without a cache. Pass use_cache=False (or use 'nopad')."
+        )
+
+
+def packed_forward_guard(model: transformers.PreTrainedModel):
+    """Install a forward pre-hook that runs :func:`check_packed_call`; returns the hook handle."""
+
+    def hook(module, args, kwargs):
+        check_packed_call(module, kwargs)
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
