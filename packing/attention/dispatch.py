@@ -1,0 +1,214 @@
+"""Varlen attention: one function for a packed training row, a shared-prefix row and a paged
+generation step, over whichever backend :func:`packing.attention.registry.choose` picks.
+
+Tensors are flat, shaped ``(total_tokens, heads, head_dim)``; ``meta`` says where each sequence
+starts. Keys may be longer than queries (cached context); the causal mask is aligned to the end
+of each sequence's keys. This module does what is the same for every backend: check the call,
+write new K/V into the cache, hand the backend its keys (in place when it reads pages or a key
+index, gathered otherwise) and give forward-only kernels a backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from packing.attention.registry import Call, Opts, choose, choose_differentiable
+from packing.attention.sdpa import KeySource, _sdpa
+from packing.varlen import VarlenMeta
+
+
+def store_kv(
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new tokens' K/V ``(T, kv_heads, dim)`` into a paged cache
+    ``(num_blocks, block_size, kv_heads, dim)`` at flat slots ``block * block_size + offset``."""
+    k_cache, v_cache = kv_cache
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_kv(
+    kv_cache: tuple[torch.Tensor, torch.Tensor], block_table: torch.Tensor, meta: VarlenMeta
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather each sequence's keys out of a paged cache into flat ``(total_k, kv_heads, dim)``."""
+    k_cache, v_cache = kv_cache
+    device = k_cache.device
+    seq, pos = (t.to(device) for t in meta.key_positions())  # built once per step, not per layer
+    table = meta.block_table_long() if block_table is meta.block_table else block_table.to(torch.long)
+    src = KeySource(k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:]), meta,
+                    table.to(device), k_cache.shape[1])
+    rows = src.rows(pos, seq)
+    return src.k.index_select(0, rows), src.v.index_select(0, rows)
+
+
+class RecomputeBackward(torch.autograd.Function):
+    """A forward-only kernel (the compiled CPU kernel, the Triton kernel) for training rows: its
+    forward runs the kernel, its backward recomputes attention with the best differentiable
+    backend (any correct backward will do: only the forward must match the generator's). With a
+    key ``table`` (a shared-prefix row) the keys are gathered for the backward, whose
+    ``index_select`` sums every completion's gradient into the prompt's K/V rows."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, meta: VarlenMeta, opts: Opts, backend, table):
+        ctx.save_for_backward(q, k, v)
+        ctx.meta, ctx.opts, ctx.table = meta, opts, table
+        return backend.forward(q, k, v, meta, opts, table=table, block_size=1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        meta, opts = ctx.meta, ctx.opts
+        with torch.enable_grad():
+            q_, k_, v_ = (t.detach().requires_grad_(t.requires_grad) for t in (q, k, v))
+            keys = (k_, v_) if ctx.table is None else (k_.index_select(0, meta.key_rows),
+                                                       v_.index_select(0, meta.key_rows))
+            call = Call(q.device, q.dtype, opts.softcap, opts.window, grad=True)
+            backend = choose_differentiable(call)
+            out = backend.forward(q_, *keys, _flat(meta), opts)
+            inputs = [t for t in (q_, k_, v_) if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, inputs, grad_out) if inputs else ())
+        return tuple(next(grads) if t.requires_grad else None for t in (q, k, v)) + (None, None, None, None)
+
+
+def _flat(meta: VarlenMeta) -> VarlenMeta:
+    """The meta a backend sees once a shared-prefix row's keys are gathered: a plain row."""
+    return meta if meta.key_index is None else meta.without_key_index()
+
+
+def _check(q, k, v, meta: VarlenMeta, kv_cache, table, sliding_window) -> int:
+    """Validate a call; returns the number of KV heads."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be (total_tokens, heads, head_dim), got shape {tuple(q.shape)}")
+    if q.shape[0] != meta.total_q:
+        raise ValueError(f"q has {q.shape[0]} tokens but meta describes {meta.total_q}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if kv_cache is not None:
+        if table is None:
+            raise ValueError("kv_cache needs a block_table (argument or meta.block_table)")
+        if table.shape[0] != meta.num_seqs:
+            raise ValueError(f"block_table has {table.shape[0]} rows but meta has {meta.num_seqs} sequences")
+        k_cache, v_cache = kv_cache
+        if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+            raise ValueError(
+                "kv_cache must be two tensors shaped (num_blocks, block_size, kv_heads, head_dim), "
+                f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+            )
+        if k is not None and meta.slot_mapping is None:
+            raise ValueError("new K/V given with kv_cache but meta.slot_mapping is None")
+        kv_heads = k_cache.shape[2]
+    else:
+        if k is None or v is None:
+            raise ValueError("k and v are required when no kv_cache is given")
+        if meta.key_index is not None:  # a shared-prefix row: keys are rows of this row's own K/V
+            if k.shape[0] != meta.total_q or v.shape[0] != meta.total_q:
+                raise ValueError(f"k/v have {k.shape[0]}/{v.shape[0]} tokens but this shared-prefix row has "
+                                 f"{meta.total_q}; pass the row's own keys (one per token)")
+        elif k.shape[0] != meta.total_k or v.shape[0] != meta.total_k:
+            raise ValueError(f"k/v have {k.shape[0]}/{v.shape[0]} tokens but meta describes {meta.total_k}")
+        kv_heads = k.shape[1]
+    if q.shape[1] % kv_heads:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({kv_heads})")
+    return kv_heads
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    meta: VarlenMeta,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block_table: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention over a flat varlen row; returns ``(total_q, heads, head_dim)``.
+
+    ``k``/``v`` are the keys of this row, or, with ``kv_cache``, the new tokens' keys, which are
+    first written to the cache at ``meta.slot_mapping``; keys are then read through
+    ``block_table`` (default ``meta.block_table``). For a shared-prefix row
+    (:meth:`VarlenMeta.shared_prefix`) ``k``/``v`` hold one key per token of the row and each
+    sequence reads its keys through ``meta.key_index``. A static decode step
+    (:meth:`VarlenMeta.static_decode`) has its lengths on the device only. ``sliding_window=W``
+    lets a query at position ``p`` see keys ``p - W < j <= p``; ``softcap=c`` applies
+    ``c * tanh(score / c)``. ``backend`` names one of :func:`packing.attention.registry.names`.
+    """
+    softcap = softcap or None  # 0.0 means off, as in flash-attn and HF configs
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    opts = Opts(causal=causal, scale=scale, window=sliding_window, softcap=softcap)
+    if meta.is_static:
+        return _static_decode(q, k, v, meta, kv_cache, opts, backend)
+    table = None
+    if kv_cache is not None:
+        table = block_table if block_table is not None else meta.block_table
+    _check(q, k, v, meta, kv_cache, table, sliding_window)
+    if kv_cache is not None and k is not None:
+        store_kv(kv_cache, k, v, meta.slot_mapping)
+    if k is not None and (k.dtype != q.dtype or v.dtype != q.dtype):
+        k, v = k.to(q.dtype), v.to(q.dtype)  # one compute dtype, as flash-attn and SDPA require
+
+    shared = meta.key_index is not None and kv_cache is None
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v))
+    block_size = kv_cache[0].shape[1] if kv_cache is not None else 1
+    call = Call(q.device, q.dtype, softcap, sliding_window, paged=kv_cache is not None, block_size=block_size,
+                shared_prefix=shared, grad=grad)
+    chosen = choose(call, backend)
+
+    if kv_cache is not None:
+        if chosen.reads_in_place(call) and kv_cache[0].dtype == q.dtype and not grad:
+            flat = [c.view(-1, *c.shape[2:]) for c in kv_cache]  # keys read in place
+            return chosen.forward(q, flat[0], flat[1], meta, opts, table=table, block_size=block_size)
+        k, v = (t.to(q.dtype) for t in gather_kv(kv_cache, table, meta))
+    elif shared and chosen.reads_in_place(call):
+        if grad and not chosen.grad:
+            return RecomputeBackward.apply(q, k, v, meta, opts, chosen, meta.key_index)
+        return chosen.forward(q, k, v, meta, opts, table=meta.key_index, block_size=1)
+    elif shared:  # gather each sequence's keys (index_select: the prompt's rows receive the
+        # gradients of every completion that reads them)
+        k, v = k.index_select(0, meta.key_rows), v.index_select(0, meta.key_rows)
+    flat_meta = _flat(meta)
+    if grad and not chosen.grad:
+        return RecomputeBackward.apply(q, k, v, flat_meta, opts, chosen, None)
+    return chosen.forward(q, k, v, flat_meta, opts)
+
+
+def _static_decode(q, k, v, meta: VarlenMeta, kv_cache, opts: Opts, backend: str) -> torch.Tensor:
+    """One query per row, keys read through the meta's fixed-width block table and device-side
+    context lengths: nothing here is a Python number, so a compiled or CUDA-graph forward does not
+    depend on the context lengths. Padding rows point at a scratch block and have length 1."""
+    if kv_cache is None:
+        raise ValueError("a static decode step needs nopad_kv_cache")
+    if q.shape[0] != meta.slot_mapping.shape[0]:
+        raise ValueError(f"the static decode step describes {meta.slot_mapping.shape[0]} rows but the batch "
+                         f"has {q.shape[0]} tokens; a static decode step runs one token per row")
+    store_kv(kv_cache, k, v, meta.slot_mapping)
+    k_cache, v_cache = kv_cache
+    call = Call(q.device, k_cache.dtype, opts.softcap, opts.window, paged=True, block_size=k_cache.shape[1],
+                static=True)
+    chosen = choose(call, backend)
+    if chosen.static_decode is not None:  # keys read in place, one opaque op
+        out = chosen.static_decode(q.to(k_cache.dtype).contiguous(), k_cache, v_cache, meta.block_table,
+                                   meta.context_lens, opts.scale, opts.window or 0, opts.softcap or 0.0)
+        return out.to(q.dtype)
+    rows, width = meta.block_table.shape  # else: gather `width` whole blocks per row, mask the rest
+    keys = width * k_cache.shape[1]
+    table = meta.block_table.to(torch.long)
+    kk = k_cache[table].reshape(rows, keys, *k_cache.shape[2:]).transpose(1, 2)
+    vv = v_cache[table].reshape(rows, keys, *v_cache.shape[2:]).transpose(1, 2)
+    pos = torch.arange(keys, device=q.device)[None, :]
+    lens = meta.context_lens[:, None]
+    keep = pos < lens
+    if opts.window is not None:
+        keep = keep & (pos > lens - 1 - opts.window)
+    out = _sdpa(q[:, :, None].to(kk.dtype), kk, vv, keep[:, None, None, :], scale=opts.scale,
+                softcap=opts.softcap)
+    return out[:, :, 0].to(q.dtype)

@@ -1,0 +1,300 @@
+"""The attention backends and the one rule that picks among them.
+
+Each backend module declares a :class:`Backend`: what it runs on, what a layer may ask of it, and
+whether it reads a paged cache (or a shared-prefix key index) in place. :func:`choose_backend`
+reads those declarations; it knows no backend by its code. Adding a backend is one module and one
+entry in :data:`_MODULES` (and, if ``"auto"`` should pick it, a place in :data:`AUTO_ORDER`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from packing import invariance
+
+logger = logging.getLogger(__name__)
+
+BACKEND_ENV = "NOPAD_ATTN_BACKEND"  # overrides backend="auto" everywhere (training and generator)
+
+
+@dataclass(frozen=True)
+class Call:
+    """What one attention call needs, as :func:`choose_backend` sees it."""
+
+    device: torch.device
+    dtype: torch.dtype
+    softcap: float | None = None
+    window: int | None = None
+    paged: bool = False  # keys in a paged cache (a generation step)
+    block_size: int = 1  # the paged cache's block size
+    shared_prefix: bool = False  # keys read through meta.key_index (a shared-prefix training row)
+    grad: bool = False  # a training forward that needs a backward
+    static: bool = False  # a static-shape decode step (CUDA graphs / torch.compile): lengths on the device
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One attention implementation and what it supports.
+
+    ``forward(q, k, v, meta, opts, table=None, block_size=1)`` returns ``(total_q, heads, dim)``;
+    with ``table`` the keys are a paged cache flattened to ``(blocks * block_size, kv_heads,
+    dim)`` read through ``table`` (``meta.key_index`` with ``block_size=1`` for a shared-prefix
+    row). ``opts`` is an :class:`Opts`."""
+
+    name: str
+    forward: Callable
+    devices: tuple[str, ...]  # where "auto" may pick it ("cpu", "cuda")
+    dtypes: tuple[torch.dtype, ...]
+    grad: bool = True  # differentiable itself; else the dispatcher recomputes the backward
+    invariant: bool = False  # a fixed per-query order: allowed in packing.batch_invariant()
+    reads_pages: Callable[[int], bool] | None = None  # block sizes it reads in place (None: gathered)
+    static_decode: Callable | None = None  # decode with device-only lengths, CUDA-graph safe
+    missing: Callable[[Call], str | None] | None = None  # what the installed library lacks for a call
+    install: str = ""  # what to install when missing (for messages)
+
+    def reads_in_place(self, call: Call) -> bool:
+        """True when this backend reads the call's paged cache or key index without a gather."""
+        if call.shared_prefix:
+            return self.reads_pages is not None and self.reads_pages(1)
+        return call.paged and self.reads_pages is not None and self.reads_pages(call.block_size)
+
+    def gap(self, call: Call, *, forced: bool = False) -> str | None:
+        """Why this backend cannot serve ``call`` (None when it can). A forced backend is not
+        held to its device list (the tests run GPU backends' stand-ins on CPU)."""
+        if not forced and call.device.type not in self.devices:
+            return f"does not run on {call.device.type}"
+        if call.dtype not in self.dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            return f"runs {names} only, not {str(call.dtype).removeprefix('torch.')}"
+        if invariance.is_enabled() and not self.invariant:
+            return "has no fixed per-query order (packing.batch_invariant() is on)"
+        if call.static and self.static_decode is None:
+            return "has no static-shape decode path"
+        return self.missing(call) if self.missing is not None else None
+
+
+@dataclass(frozen=True)
+class Opts:
+    """The layer's attention options, spelled once for every backend."""
+
+    causal: bool = True
+    scale: float = 1.0
+    window: int | None = None
+    softcap: float | None = None
+
+
+# Backend modules; each defines BACKENDS, a tuple of Backend declarations. Imported on first use.
+_MODULES = ("flash", "torch_varlen", "flex", "cpu_kernel", "sdpa")
+
+# "auto": the first backend in a list that can serve the call. A paged step first looks for one
+# that reads the blocks in place, then takes the training list on gathered keys.
+AUTO_ORDER = {
+    ("cuda", "train"): ("flash", "torch_varlen", "flex", "sdpa_loop"),
+    ("cuda", "paged"): ("flash", "torch_varlen", "triton"),
+    ("cpu", "train"): ("sdpa_loop",),
+    ("cpu", "paged"): ("kernel",),
+    # packing.batch_invariant(): only backends with a fixed per-query order
+    ("cuda", "invariant"): ("triton",),
+    ("cpu", "invariant"): ("kernel", "per_token"),
+    ("triton", "invariant"): ("triton",),  # the Triton kernel set forced (e.g. on CPU, interpreted)
+}
+# "auto" takes these only for calls that need them: FlexAttention for a score mod (softcap)
+AUTO_ONLY_FOR = {"flex": lambda call: call.softcap is not None}
+_FALLBACK = "sdpa_loop"  # exact everywhere; the last resort of every list
+
+_registry: dict[str, Backend] = {}
+_said: set = set()  # decisions and warnings already logged (each once per process)
+
+
+def backends() -> dict[str, Backend]:
+    """Every registered backend by name."""
+    if not _registry:
+        for module in _MODULES:
+            for backend in importlib.import_module(f"packing.attention.{module}").BACKENDS:
+                _registry[backend.name] = backend
+    return _registry
+
+
+def names() -> tuple[str, ...]:
+    """Accepted values of ``backend=`` / ``NOPAD_ATTN_BACKEND``."""
+    return ("auto", *backends())
+
+
+def say_once(key, message: str, *args, warn: bool = False) -> None:
+    """Log (or warn) ``message`` the first time ``key`` is seen in this process."""
+    if key in _said:
+        return
+    _said.add(key)
+    if warn:
+        warnings.warn(message % args, RuntimeWarning, stacklevel=3)
+    else:
+        logger.info(message, *args)
+
+
+def requested_backend(override: str | None) -> str:
+    """``override`` (``backend=``) unless it is "auto", else ``NOPAD_ATTN_BACKEND``, else "auto"."""
+    keyword = override not in (None, "auto")
+    name = override if keyword else (os.environ.get(BACKEND_ENV) or "auto")
+    if name not in names():
+        source = "backend=" if keyword else f"{BACKEND_ENV}="
+        raise ValueError(f"unknown attention backend {source}{name!r}; choose one of {names()}")
+    return name
+
+
+def choose(call: Call, override: str | None = None) -> Backend:
+    """The one rule for which attention backend runs a call (see :func:`choose_backend`)."""
+    requested = requested_backend(override)
+    table = backends()
+    if requested != "auto":
+        backend = table[requested]
+        gap = backend.gap(call, forced=True)
+        if gap is None:
+            return _decided(call, requested, backend)
+        if requested == "flash" and call.dtype not in backend.dtypes:  # flash on fp32: exact SDPA instead
+            say_once(("dtype", requested, call.dtype), _DTYPE_ADVICE, call.dtype, warn=True)
+            return _decided(call, requested, table[_FALLBACK])
+        raise _refusal(requested, backend, gap, call)
+    return _decided(call, requested, _auto(call, table))
+
+
+_DTYPE_ADVICE = ("nopad: flash-attn runs fp16/bf16 only, so %s attention runs per-sequence SDPA (exact, "
+                 "slower). To use flash-attn, train under torch.autocast('cuda', dtype=torch.bfloat16) "
+                 "(Accelerate mixed_precision='bf16') or load the model with dtype=torch.bfloat16.")
+
+
+def _auto(call: Call, table: dict[str, Backend]) -> Backend:
+    device = call.device.type if call.device.type in ("cpu", "cuda") else "cuda"
+    if invariance.is_enabled():
+        kernels = invariance.active_kernels()
+        key = "triton" if kernels == "triton" else device
+        candidates = [n for n in AUTO_ORDER[(key, "invariant")] if n in table]
+        for name in candidates:
+            if table[name].gap(call, forced=key == "triton") is None:
+                return table[name]
+        raise ValueError(
+            f"batch_invariant() needs an attention backend with a fixed per-query order, and none of "
+            f"{candidates} can serve {call.dtype} on {call.device}: "
+            + "; ".join(f"{n} {table[n].gap(call, forced=True)}" for n in candidates)
+        )
+    if call.paged or call.shared_prefix or call.static:
+        for name in AUTO_ORDER.get((device, "paged"), ()):
+            backend = table.get(name)
+            if backend is None:
+                continue
+            if (call.static or backend.reads_in_place(call)) and backend.gap(call) is None:
+                return backend
+    first_gap = None
+    for name in AUTO_ORDER[(device, "train")]:
+        backend = table[name]
+        if name in AUTO_ONLY_FOR and not AUTO_ONLY_FOR[name](call):
+            continue
+        gap = backend.gap(call)
+        if gap is None:
+            if first_gap is not None:
+                _explain(call, first_gap, backend)
+            return backend
+        if first_gap is None and not gap.startswith("does not run"):
+            first_gap = (name, gap)
+    if first_gap is not None:
+        _explain(call, first_gap, table[_FALLBACK])
+    return table[_FALLBACK]
+
+
+def choose_differentiable(call: Call) -> Backend:
+    """A backend with its own backward for ``call``, ignoring :func:`packing.batch_invariant`
+    (the mode fixes the forward only): what a forward-only kernel's backward recomputes with."""
+    device = call.device.type if call.device.type in ("cpu", "cuda") else "cuda"
+    table = backends()
+    for name in AUTO_ORDER[(device, "train")]:
+        backend = table[name]
+        if name in AUTO_ONLY_FOR and not AUTO_ONLY_FOR[name](call):
+            continue
+        if (backend.grad and call.device.type in backend.devices and call.dtype in backend.dtypes
+                and (backend.missing is None or backend.missing(call) is None)):
+            return backend
+    return table[_FALLBACK]
+
+
+def _explain(call: Call, first_gap: tuple[str, str], chosen: Backend) -> None:
+    """Say once why the preferred backend did not run and what would make it run."""
+    name, gap = first_gap
+    preferred = backends()[name]
+    if call.dtype not in preferred.dtypes and name == "flash":
+        say_once(("dtype", name, call.dtype), _DTYPE_ADVICE, call.dtype, warn=True)
+        return
+    hint = f" ({preferred.install})" if preferred.install else ""
+    say_once(("gap", name, gap), "nopad: attention backend %r %s, so %s runs %s%s", name, gap,
+             "these layers" if chosen.name != _FALLBACK else "attention", chosen.name, hint,
+             warn=chosen.name == _FALLBACK and call.device.type == "cuda")
+
+
+def _refusal(requested: str, backend: Backend, gap: str, call: Call) -> Exception:
+    hint = f" ({backend.install})" if backend.install and "not installed" in gap else ""
+    if invariance.is_enabled() and not backend.invariant:
+        return ValueError(f"batch_invariant() needs an attention path with a fixed per-query order, but "
+                          f"backend {requested!r} was requested; use backend='auto' in the mode")
+    error = RuntimeError if "not installed" in gap or "does not import" in gap else ValueError
+    return error(f"attention backend {requested!r} was requested ({BACKEND_ENV} or backend=) but it {gap}"
+                 f"{hint}; use backend='auto'")
+
+
+def _decided(call: Call, requested: str, backend: Backend) -> Backend:
+    key = ("choice", str(call.device), call.dtype, requested, backend.name, call.paged, call.shared_prefix)
+    say_once(key,
+             "nopad attention on %s %s%s: %s (requested %s)", call.device, call.dtype,
+             " (paged)" if call.paged else "", backend.name, requested)
+    return backend
+
+
+def choose_backend(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    *,
+    override: str | None = None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    paged: bool = False,
+    block_size: int = 1,
+    shared_prefix: bool = False,
+    grad: bool = False,
+) -> str:
+    """The name of the backend that runs attention for a call like this (logged once per decision).
+
+    ``"auto"`` (the default, unless ``override=`` / ``NOPAD_ATTN_BACKEND`` names one):
+
+    - CUDA, training rows and shared-prefix rows: flash-attn 2/3 when installed and able; else
+      PyTorch's own FlashAttention varlen (``torch_varlen``, when this torch has it and the layer
+      fits: no softcap); else FlexAttention for what needs a score mod (softcap); else per-sequence
+      SDPA, with a one-time warning saying what to install. fp32 runs exact SDPA (the flash kernels
+      are fp16/bf16 only), with advice to train under bf16 autocast.
+    - CUDA, paged generation steps: a backend that reads the blocks in place - flash-attn's
+      ``block_table``, then ``torch_varlen(block_table=)`` (both need blocks of 256), then nopad's
+      Triton kernel (any block size); else the training rule on gathered keys.
+    - CPU: the compiled kernel for paged steps (keys read in place), per-sequence SDPA for training
+      rows (faster forward+backward than the kernel, whose backward recomputes with SDPA).
+    - Inside :func:`packing.batch_invariant`: only backends with a fixed per-query order - the
+      compiled CPU kernel (or its pure-PyTorch twin ``per_token``) on CPU, the Triton kernel on CUDA.
+
+    A named backend runs wherever it is asked to (for debugging and the tests' stand-ins); one that
+    cannot serve the call is an error, except flash-attn on fp32, which runs exact SDPA with advice.
+    """
+    call = Call(torch.device(device), dtype, softcap or None, sliding_window, paged, block_size,
+                shared_prefix, grad)
+    return choose(call, override).name
+
+
+def paged_block_size(device: torch.device | str, dtype: torch.dtype, override: str | None = None) -> int:
+    """The KV block size a generator should allocate: 256 when the backend that would run its steps
+    reads only such pages in place (flash-attn 2 and torch's varlen kernel), else 16."""
+    call = Call(torch.device(device), dtype, paged=True, block_size=256)
+    backend = choose(call, override)
+    if backend.reads_pages is not None and backend.reads_pages(256) and not backend.reads_pages(16):
+        return 256
+    return 16
