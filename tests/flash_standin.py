@@ -141,38 +141,45 @@ class FlashStandIn:
         self.calls.append(dict(dtype=q.dtype, paged=table is not None, k_dim=k.dim(), window=window,
                                softcap=softcap, causal=causal, num_seqs=len(lens_q), total_q=q.shape[0],
                                block_size=k.shape[1] if table is not None else None, grad=q.requires_grad))
-        scale = scale if scale is not None else q.shape[-1] ** -0.5
-        groups = q.shape[1] // (k.shape[-2])
-        outs, start_q, start_k = [], 0, 0
-        for i, (lq, lk) in enumerate(zip(lens_q, lens_k)):
-            if table is not None:
-                bs = k.shape[1]
-                blocks = table[i, : -(-lk // bs)].long()
-                ki = k[blocks].reshape(-1, *k.shape[2:])[:lk]
-                vi = v[blocks].reshape(-1, *v.shape[2:])[:lk]
-            else:
-                ki, vi = k[start_k : start_k + lk], v[start_k : start_k + lk]
-            qi = q[start_q : start_q + lq].float().transpose(0, 1)  # (heads, lq, d)
-            ki = ki.float().transpose(0, 1).repeat_interleave(groups, 0)
-            vi = vi.float().transpose(0, 1).repeat_interleave(groups, 0)
-            scores = qi @ ki.transpose(-1, -2) * scale
-            if softcap > 0:
-                scores = softcap * torch.tanh(scores / softcap)
-            row = torch.arange(lq, device=q.device)[:, None] + (lk - lq)  # bottom-right aligned
-            col = torch.arange(lk, device=q.device)[None, :]
-            left, right = window
-            if causal:
-                right = 0
-            keep = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
-            if right >= 0:
-                keep &= col <= row + right
-            if left >= 0:
-                keep &= col >= row - left
-            scores = scores.masked_fill(~keep, -math.inf)
-            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an empty row gives zeros
-            outs.append((probs @ vi).transpose(0, 1))
-            start_q, start_k = start_q + lq, start_k + lk
-        return torch.cat(outs).to(q.dtype)
+        return reference_attention(q, k, v, lens_q, lens_k, scale, causal, window, softcap, table)
+
+
+def reference_attention(q, k, v, lens_q, lens_k, scale, causal, window, softcap, table=None):
+    """What a FlashAttention varlen kernel computes, in fp32 maths per sequence (bottom-right
+    causal mask, ``window=(left, right)`` inclusive bounds with -1 unlimited, soft-capping, GQA),
+    returned in q's dtype and differentiable. ``table``: paged K/V ``(blocks, page, kv_heads, d)``."""
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    groups = q.shape[1] // (k.shape[-2])
+    outs, start_q, start_k = [], 0, 0
+    for i, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        if table is not None:
+            bs = k.shape[1]
+            blocks = table[i, : -(-lk // bs)].long()
+            ki = k[blocks].reshape(-1, *k.shape[2:])[:lk]
+            vi = v[blocks].reshape(-1, *v.shape[2:])[:lk]
+        else:
+            ki, vi = k[start_k : start_k + lk], v[start_k : start_k + lk]
+        qi = q[start_q : start_q + lq].float().transpose(0, 1)  # (heads, lq, d)
+        ki = ki.float().transpose(0, 1).repeat_interleave(groups, 0)
+        vi = vi.float().transpose(0, 1).repeat_interleave(groups, 0)
+        scores = qi @ ki.transpose(-1, -2) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        row = torch.arange(lq, device=q.device)[:, None] + (lk - lq)  # bottom-right aligned
+        col = torch.arange(lk, device=q.device)[None, :]
+        left, right = window
+        if causal:
+            right = 0
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+        if right >= 0:
+            keep &= col <= row + right
+        if left >= 0:
+            keep &= col >= row - left
+        scores = scores.masked_fill(~keep, -math.inf)
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an empty row gives zeros
+        outs.append((probs @ vi).transpose(0, 1))
+        start_q, start_k = start_q + lq, start_k + lk
+    return torch.cat(outs).to(q.dtype)
 
 
 def broken_package(tmp_path, name: str = "flash_attn"):

@@ -195,7 +195,8 @@ def test_generator_on_flash_reads_blocks_in_place(monkeypatch, flash_standin, fa
         return gen, outs, forks, kv_dtype
 
     _, cpu_outs, cpu_forks, cpu_kv = run("sdpa_loop", num_blocks=64)
-    monkeypatch.setattr(attention, "gather_kv", lambda *a, **k: pytest.fail("gathered K/V on the flash path"))
+    monkeypatch.setattr(attention.dispatch, "gather_kv",
+                        lambda *a, **k: pytest.fail("gathered K/V on the flash path"))
     with poisoned_default_device(monkeypatch):
         # 4 blocks of 256 for 4 sequences needing 5 (prefix shared): preemption
         gen, outs, forks, kv_dtype = run("flash", num_blocks=4)

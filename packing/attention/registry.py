@@ -158,15 +158,16 @@ def choose(call: Call, override: str | None = None) -> Backend:
         if gap is None:
             return _decided(call, requested, backend)
         if requested == "flash" and call.dtype not in backend.dtypes:  # flash on fp32: exact SDPA instead
-            say_once(("dtype", requested, call.dtype), _DTYPE_ADVICE, call.dtype, warn=True)
+            say_once(("dtype", call.dtype), _DTYPE_ADVICE, call.dtype, warn=True)
             return _decided(call, requested, table[_FALLBACK])
         raise _refusal(requested, backend, gap, call)
     return _decided(call, requested, _auto(call, table))
 
 
-_DTYPE_ADVICE = ("nopad: flash-attn runs fp16/bf16 only, so %s attention runs per-sequence SDPA (exact, "
-                 "slower). To use flash-attn, train under torch.autocast('cuda', dtype=torch.bfloat16) "
-                 "(Accelerate mixed_precision='bf16') or load the model with dtype=torch.bfloat16.")
+_DTYPE_ADVICE = ("nopad: the FlashAttention kernels (flash-attn, torch varlen) run fp16/bf16 only, so %s "
+                 "attention runs per-sequence SDPA (exact, slower). To use them, train under "
+                 "torch.autocast('cuda', dtype=torch.bfloat16) (Accelerate mixed_precision='bf16') or load "
+                 "the model with dtype=torch.bfloat16.")
 
 
 def _auto(call: Call, table: dict[str, Backend]) -> Backend:
@@ -183,27 +184,25 @@ def _auto(call: Call, table: dict[str, Backend]) -> Backend:
             f"{candidates} can serve {call.dtype} on {call.device}: "
             + "; ".join(f"{n} {table[n].gap(call, forced=True)}" for n in candidates)
         )
-    if call.paged or call.shared_prefix or call.static:
+    if call.paged or call.static:  # a shared-prefix row takes the training rule (gathered keys)
         for name in AUTO_ORDER.get((device, "paged"), ()):
             backend = table.get(name)
             if backend is None:
                 continue
             if (call.static or backend.reads_in_place(call)) and backend.gap(call) is None:
                 return backend
-    first_gap = None
+    gaps = []  # (name, why) of the preferred backends that could not serve the call
     for name in AUTO_ORDER[(device, "train")]:
         backend = table[name]
         if name in AUTO_ONLY_FOR and not AUTO_ONLY_FOR[name](call):
             continue
         gap = backend.gap(call)
         if gap is None:
-            if first_gap is not None:
-                _explain(call, first_gap, backend)
+            _explain(call, gaps, backend)
             return backend
-        if first_gap is None and not gap.startswith("does not run"):
-            first_gap = (name, gap)
-    if first_gap is not None:
-        _explain(call, first_gap, table[_FALLBACK])
+        if not gap.startswith("does not run"):
+            gaps.append((name, gap))
+    _explain(call, gaps, table[_FALLBACK])
     return table[_FALLBACK]
 
 
@@ -222,17 +221,19 @@ def choose_differentiable(call: Call) -> Backend:
     return table[_FALLBACK]
 
 
-def _explain(call: Call, first_gap: tuple[str, str], chosen: Backend) -> None:
-    """Say once why the preferred backend did not run and what would make it run."""
-    name, gap = first_gap
-    preferred = backends()[name]
-    if call.dtype not in preferred.dtypes and name == "flash":
-        say_once(("dtype", name, call.dtype), _DTYPE_ADVICE, call.dtype, warn=True)
+def _explain(call: Call, gaps: list[tuple[str, str]], chosen: Backend) -> None:
+    """Say once why the preferred backends did not run and what would make them run: a warning
+    when a CUDA call falls back to per-sequence SDPA, an info line otherwise."""
+    if not gaps:
         return
-    hint = f" ({preferred.install})" if preferred.install else ""
-    say_once(("gap", name, gap), "nopad: attention backend %r %s, so %s runs %s%s", name, gap,
-             "these layers" if chosen.name != _FALLBACK else "attention", chosen.name, hint,
-             warn=chosen.name == _FALLBACK and call.device.type == "cuda")
+    if any(name == "flash" and call.dtype not in backends()[name].dtypes for name, _ in gaps):
+        say_once(("dtype", call.dtype), _DTYPE_ADVICE, call.dtype, warn=True)
+        return
+    fallback = chosen.name == _FALLBACK and call.device.type == "cuda"
+    hints = {name: f" ({b.install})" if b.install else "" for name, b in backends().items()}
+    reasons = "; ".join(f"{name} {gap}{hints[name]}" for name, gap in gaps)
+    say_once(("gaps", tuple(gaps), chosen.name), "nopad: attention runs %s%s: %s", chosen.name,
+             " (a Python loop over sequences, slow on a GPU)" if fallback else "", reasons, warn=fallback)
 
 
 def _refusal(requested: str, backend: Backend, gap: str, call: Call) -> Exception:
