@@ -14,10 +14,13 @@ and one KV head; each row's arithmetic involves only its own query and keys, and
 is fully masked for a row leaves that row's state untouched (selected, not added to), so whether
 neighbours make a program visit more blocks never changes a row's bits.
 
-Under the Triton interpreter (CPU tensors, ``TRITON_INTERPRET=1``, how the tests run it) bf16
-``tl.dot`` is wrong, so on CPU the dot operands are rounded to the compute dtype as on the GPU and
-then cast to fp32 (exact products, fp32 sums). On the GPU fp16/bf16 dots run natively on tensor
-cores and fp32 dots run in IEEE fp32 (no TF32). Softmax statistics are fp32 everywhere.
+On the GPU fp16/bf16 dots run natively on tensor cores (an MMA sums each output element in the
+same order whatever its row) and fp32 dots in IEEE fp32 (no TF32). Under Triton's interpreter (CPU
+tensors, ``TRITON_INTERPRET=1``, how the tests run it) ``tl.dot`` is numpy's BLAS matmul, whose sums
+depend on a row's place in the tile (and which is wrong for bf16), so there the two products are
+an fp32 multiply and ``tl.sum`` over the reduced axis instead (:func:`_dot`): operands rounded to
+the compute dtype as on the GPU, exact products, one summation order for every row. Softmax
+statistics are fp32 everywhere.
 
 Forward only: training rows recompute the backward through the dispatcher's differentiable
 backend (:class:`packing.attention.dispatch.RecomputeBackward`).
@@ -56,6 +59,14 @@ def _padded(head_dim: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def _dot(a, b, INTERPRETED: tl.constexpr):
+        """``a @ b`` with fp32 results: tl.dot on a GPU, a row-invariant fp32 sum interpreted."""
+        if INTERPRETED:
+            return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+        else:
+            return tl.dot(a, b, input_precision="ieee")
+
+    @triton.jit
     def _attention_kernel(
         Q, K, V, OUT, CU_Q, KEYS, TABLE,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_table,
@@ -63,7 +74,7 @@ if triton is not None:
         G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
         PAGED: tl.constexpr, DECODE: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
-        UPCAST: tl.constexpr,
+        INTERPRETED: tl.constexpr,
     ):
         """Program (sequence, row tile, KV head). Rows r of a tile are (query token r // G, query
         head kv_head * G + r % G). ``KEYS`` is ``cu_seqlens_k`` (flat or paged keys, lengths from
@@ -112,8 +123,6 @@ if triton is not None:
         q_rows = (q_start + token).to(tl.int64)
         q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -131,9 +140,7 @@ if triton is not None:
                         other=0.0)
             v = tl.load(V + k_rows[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask,
                         other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            s = _dot(q, tl.trans(k), INTERPRETED) * scale
             if SOFTCAP:  # softcap * tanh(s / softcap), tanh from exp (odd, exact at 0)
                 a = s / softcap
                 e = tl.exp(-2.0 * tl.abs(a))
@@ -146,11 +153,7 @@ if triton is not None:
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf)
             alpha = tl.exp(m - m_use)
             p = tl.exp(s - m_use[:, None])
-            p_dot = p.to(V.dtype.element_ty)
-            if UPCAST:
-                p_dot = p_dot.to(tl.float32)
-                v = v.to(tl.float32)
-            pv = tl.dot(p_dot, v, input_precision="ieee")
+            pv = _dot(p.to(V.dtype.element_ty), v, INTERPRETED)  # p rounded to the dtype, as flash does
             # a block that shows a row nothing leaves the row's bits untouched
             acc = tl.where(active[:, None], acc * alpha[:, None] + pv, acc)
             l_sum = tl.where(active, l_sum * alpha + tl.sum(p, 1), l_sum)
@@ -208,7 +211,7 @@ def _launch(q, k, v, out, cu_q, keys, table, page: int, rows: int, max_q: int, *
         float(scale), float(softcap or 0.0), int(window or 0),
         G=groups, HEAD_DIM=dim, D_PAD=_padded(dim), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=int(page),
         PAGED=paged, DECODE=decode, CAUSAL=bool(causal), SOFTCAP=bool(softcap),
-        UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16, num_warps=warps,
+        INTERPRETED=q.device.type == "cpu", num_warps=warps,
     )
     return out
 
