@@ -28,6 +28,8 @@ backend (:class:`packing.attention.dispatch.RecomputeBackward`).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from packing.attention.registry import Backend
@@ -44,12 +46,22 @@ MAX_HEAD_DIM = 256
 MIN_BLOCK_SIZE = 16  # paged caches with smaller blocks are gathered (a 16-key page keeps loads coalesced)
 
 
-def tile_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps)`` for a head dim and dtype: the same for every call, since
-    ``BLOCK_N`` is the unit of each query's key order (and one config keeps the GPU's dot
-    instruction choice fixed). Not tuned on a GPU yet."""
-    del dtype  # one configuration per head dim for every dtype, for now
-    return 64, 32, 4 if _padded(head_dim) <= 64 else 8
+class Tile(NamedTuple):
+    block_m: int  # (query token, head) rows per program
+    block_n: int  # keys per block: the unit of each query's key order
+    warps: int
+    stages: int  # software pipelining depth (memory only: no effect on the arithmetic)
+
+
+def tile_config(head_dim: int, dtype: torch.dtype) -> Tile:
+    """The one tile configuration for a head dim and dtype, used by every call: ``block_n`` is the
+    unit of each query's key order, and one configuration keeps the GPU's dot instructions fixed.
+    fp32 tiles are smaller at head dims >= 128 so that they fit in 100 KB of shared memory (consumer
+    Ampere; figures from compiling for sm_80 with Triton 3.9). Not tuned on a GPU yet."""
+    padded = _padded(head_dim)
+    if dtype == torch.float32 and padded >= 128:
+        return Tile(32, 32, 4, 1 if padded == 256 else 2)
+    return Tile(64, 32, 4 if padded <= 64 else 8, 2)
 
 
 def _padded(head_dim: int) -> int:
@@ -59,14 +71,17 @@ def _padded(head_dim: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _dot(a, b, INTERPRETED: tl.constexpr):
-        """``a @ b`` with fp32 results: tl.dot on a GPU, a row-invariant fp32 sum interpreted."""
+    def _dot(a, b, INTERPRETED: tl.constexpr, FP32: tl.constexpr):
+        """``a @ b`` with fp32 results: tl.dot on a GPU (IEEE for fp32 operands, not TF32), a
+        row-invariant fp32 sum interpreted."""
         if INTERPRETED:
             return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
-        else:
+        elif FP32:
             return tl.dot(a, b, input_precision="ieee")
+        else:
+            return tl.dot(a, b)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["window"])  # window=1 must not compile a kernel of its own
     def _attention_kernel(
         Q, K, V, OUT, CU_Q, KEYS, TABLE,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_table,
@@ -74,7 +89,7 @@ if triton is not None:
         G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
         PAGED: tl.constexpr, DECODE: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
-        INTERPRETED: tl.constexpr,
+        INTERPRETED: tl.constexpr, FP32: tl.constexpr,
     ):
         """Program (sequence, row tile, KV head). Rows r of a tile are (query token r // G, query
         head kv_head * G + r % G). ``KEYS`` is ``cu_seqlens_k`` (flat or paged keys, lengths from
@@ -140,7 +155,7 @@ if triton is not None:
                         other=0.0)
             v = tl.load(V + k_rows[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask,
                         other=0.0)
-            s = _dot(q, tl.trans(k), INTERPRETED) * scale
+            s = _dot(q, tl.trans(k), INTERPRETED, FP32) * scale
             if SOFTCAP:  # softcap * tanh(s / softcap), tanh from exp (odd, exact at 0)
                 a = s / softcap
                 e = tl.exp(-2.0 * tl.abs(a))
@@ -153,7 +168,7 @@ if triton is not None:
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf)
             alpha = tl.exp(m - m_use)
             p = tl.exp(s - m_use[:, None])
-            pv = _dot(p.to(V.dtype.element_ty), v, INTERPRETED)  # p rounded to the dtype, as flash does
+            pv = _dot(p.to(V.dtype.element_ty), v, INTERPRETED, FP32)  # p rounded to the dtype, as flash does
             # a block that shows a row nothing leaves the row's bits untouched
             acc = tl.where(active[:, None], acc * alpha[:, None] + pv, acc)
             l_sum = tl.where(active, l_sum * alpha + tl.sum(p, 1), l_sum)
@@ -200,8 +215,8 @@ def _launch(q, k, v, out, cu_q, keys, table, page: int, rows: int, max_q: int, *
             scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     groups = heads // kv_heads
-    block_m, block_n, warps = tile_config(dim, q.dtype)
-    grid = (rows, triton.cdiv(max_q * groups, block_m), kv_heads)
+    tile = tile_config(dim, q.dtype)
+    grid = (rows, triton.cdiv(max_q * groups, tile.block_m), kv_heads)
     paged = table is not None
     _attention_kernel[grid](
         q, k, v, out, cu_q, keys, table if paged else keys,
@@ -209,9 +224,11 @@ def _launch(q, k, v, out, cu_q, keys, table, page: int, rows: int, max_q: int, *
         out.stride(0), out.stride(1),
         table.stride(0) if paged else 0,
         float(scale), float(softcap or 0.0), int(window or 0),
-        G=groups, HEAD_DIM=dim, D_PAD=_padded(dim), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=int(page),
+        G=groups, HEAD_DIM=dim, D_PAD=_padded(dim), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        PAGE=int(page),
         PAGED=paged, DECODE=decode, CAUSAL=bool(causal), SOFTCAP=bool(softcap),
-        INTERPRETED=q.device.type == "cpu", num_warps=warps,
+        INTERPRETED=q.device.type == "cpu", FP32=q.dtype == torch.float32, num_warps=tile.warps,
+        num_stages=tile.stages,
     )
     return out
 
@@ -287,5 +304,3 @@ BACKENDS = (
             reads_pages=lambda block_size: block_size >= MIN_BLOCK_SIZE, static_decode=paged_decode,
             missing=_missing),
 )
-
-__all__ = ["BACKENDS", "DTYPES", "MAX_HEAD_DIM", "forward", "interpreted", "paged_decode", "tile_config"]
