@@ -6,6 +6,10 @@ generation through it equals HF ``generate``; and the backend rule picks it for 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -179,8 +183,22 @@ def test_a_fully_masked_key_block_is_skipped_without_a_trace():
 # ---- through the public entry points
 
 
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernel launch's ``decode`` flag (True: the static decode step), in order."""
+    calls = []
+    launch = triton_kernel._launch
+
+    def counted(*args, decode, **kwargs):
+        calls.append(decode)
+        return launch(*args, decode=decode, **kwargs)
+
+    monkeypatch.setattr(triton_kernel, "_launch", counted)
+    return calls
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
-def test_greedy_generation_through_triton_equals_hf_generate(monkeypatch, family):
+def test_greedy_generation_through_triton_equals_hf_generate(monkeypatch, launches, family):
     """Chunked prefill and decode on the Triton kernel with 16-token blocks read in place; Gemma2 has
     a sliding window on alternate layers and soft-capped logits. fp32."""
     monkeypatch.setattr(attention.dispatch, "gather_kv", lambda *a, **k: pytest.fail("gathered K/V"))
@@ -190,15 +208,38 @@ def test_greedy_generation_through_triton_equals_hf_generate(monkeypatch, family
     outs = gen.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
     assert max(gen.stats()["tokens_per_step"]) <= 16
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 6) for p in prompts]
+    assert len(launches) == gen.stats()["steps"] * model.config.num_hidden_layers
 
 
-def test_static_decode_through_triton_equals_hf_generate(monkeypatch):
+def test_static_decode_through_triton_equals_hf_generate(monkeypatch, launches):
     monkeypatch.setenv(BACKEND_ENV, "triton")
     model = tiny_model("qwen2").to(DEVICE)
     prompts = prompts_of([5, 11], seed=6)
     gen = Generator(model, block_size=16, num_blocks=16, static_decode=True)
     outs = gen.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 5) for p in prompts]
+    assert any(launches) and not all(launches)  # prefill on the varlen path, decode steps static
+
+
+def test_training_rows_run_the_kernel_forward_and_a_recomputed_backward():
+    """A packed training row with gradients: the forward is the kernel's own bits, the backward
+    the differentiable backend's (dispatch's RecomputeBackward); shared-prefix rows gather keys."""
+    lengths = [7, 20]
+    q, k, v = (t.requires_grad_() for t in _flat(lengths, 4, 2, 16, torch.float32, seed=7))
+    meta = VarlenMeta.from_lengths(lengths, device=DEVICE)
+    out = varlen_attention(q, k, v, meta, sliding_window=5, softcap=20.0, backend="triton")
+    with torch.no_grad():
+        kernel = triton_kernel.forward(q, k, v, meta, scale=0.25, window=5, softcap=20.0)
+    assert torch.equal(out, kernel)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref = varlen_attention(q, k, v, meta, sliding_window=5, softcap=20.0, backend="sdpa_loop")
+    for got, want in zip(grads, torch.autograd.grad(ref.square().sum(), (q, k, v))):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    shared = VarlenMeta.shared_prefix([(6, [3, 4])], device=DEVICE)
+    qs, ks, vs = _flat([13], 4, 2, 16, torch.float32, seed=8)
+    got = varlen_attention(qs, ks, vs, shared, backend="triton")
+    torch.testing.assert_close(got, varlen_attention(qs, ks, vs, shared, backend="sdpa_loop"), atol=1e-5,
+                               rtol=1e-5)
 
 
 @pytest.fixture
@@ -251,3 +292,59 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="blocks of >= 16"):
         table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
         triton_kernel.forward(q, q, q, meta, table=table, block_size=2, scale=1.0)
+
+
+_COMPILE = """
+import os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import torch
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError as error:
+    print("SKIP", error)
+    sys.exit(0)
+from packing.attention import triton_kernel as tk
+
+kernel = tk._attention_kernel
+pointer = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+for dtype, dim, paged, decode, capability in ((torch.bfloat16, 128, True, True, 90),
+                                              (torch.float16, 24, True, False, 80),
+                                              (torch.float32, 256, False, False, 80)):
+    signature = {}
+    for name in kernel.arg_names:
+        if name in ("Q", "K", "V", "OUT"):
+            signature[name] = pointer[dtype]
+        elif name in ("CU_Q", "KEYS", "TABLE"):
+            signature[name] = "*i64" if decode and name != "TABLE" else "*i32"
+        elif name in ("scale", "softcap"):
+            signature[name] = "fp32"
+        elif name.startswith("stride") or name == "window":
+            signature[name] = "i32"
+        else:
+            signature[name] = "constexpr"
+    tile = tk.tile_config(dim, dtype)
+    constants = dict(G=2, HEAD_DIM=dim, D_PAD=tk._padded(dim), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                     PAGE=16, PAGED=paged, DECODE=decode, CAUSAL=True, SOFTCAP=True, INTERPRETED=False,
+                     FP32=dtype == torch.float32)
+    target = GPUTarget("cuda", capability, 32)
+    compiled = triton.compile(ASTSource(kernel, signature, constants), target=target,
+                              options={"num_warps": tile.warps, "num_stages": tile.stages})
+    print(dtype, dim, capability, "shared", compiled.metadata.shared)
+    assert compiled.metadata.shared <= 99 * 1024, "the tile does not fit 99 KB of shared memory"
+print("OK")
+"""
+
+
+def test_the_gpu_kernel_compiles_without_a_gpu():
+    """The real (not interpreted) kernel compiles for Ampere and Hopper, with Triton's own ptxas, and
+    each tile fits consumer Ampere's shared memory: what the interpreter cannot check, checked on CPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, timeout=240,
+                         env=env, cwd=root)
+    if run.stdout.startswith("SKIP"):
+        pytest.skip(run.stdout)
+    assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stdout + run.stderr[-3000:]
