@@ -266,23 +266,30 @@ def forward(
                    decode=False, causal=causal, scale=scale, window=window, softcap=softcap)
 
 
+# The static decode step as a custom op, so torch.compile (``Generator(compile_decode=True)``) sees
+# one opaque call per layer rather than tracing the launcher, as the CPU kernel's op does.
+@torch.library.custom_op("nopad::triton_paged_decode", mutates_args=())
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, window: int, softcap: float) -> torch.Tensor:
     """One query per row ``q (rows, heads, dim)`` over that row's keys in a paged cache
-    ``(blocks, block_size, kv_heads, dim)``: ``context_lens[i]`` keys through ``block_table[i]``.
-    Lengths stay on the device and the grid depends only on the shapes, so a CUDA graph captures
-    it; the same kernel and per-query order as every other call."""
+    ``(blocks, block_size, kv_heads, dim)``: ``context_lens[i]`` keys through ``block_table[i]``
+    (int32 or int64, read as they are). Lengths stay on the device and the grid depends only on
+    the shapes, so a CUDA graph captures it; the same kernel and per-query order as every other
+    call."""
     k = k_cache.view(-1, *k_cache.shape[2:])
     v = v_cache.view(-1, *v_cache.shape[2:])
     _check(q, k, v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:
         return out
-    table = block_table if block_table.dtype == torch.int32 and block_table.is_contiguous() else (
-        block_table.to(torch.int32).contiguous())
-    return _launch(_inner_contiguous(q), k, v, out, context_lens, context_lens, table, k_cache.shape[1],
-                   q.shape[0], 1, decode=True, causal=True, scale=scale, window=window or None,
-                   softcap=softcap or None)
+    return _launch(_inner_contiguous(q), k, v, out, context_lens, context_lens, block_table.contiguous(),
+                   k_cache.shape[1], q.shape[0], 1, decode=True, causal=True, scale=scale,
+                   window=window or None, softcap=softcap or None)
+
+
+@paged_decode.register_fake
+def _(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap):
+    return torch.empty_like(q)
 
 
 def _forward(q, k, v, meta, opts, table=None, block_size=1):
