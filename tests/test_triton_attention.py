@@ -166,6 +166,20 @@ def test_a_query_gives_the_same_bits_alone_packed_chunked_paged_and_decoded(dtyp
     assert torch.equal(static, torch.cat([ref[45:46], packed[78:79]]))
 
 
+def test_bidirectional_rows_with_three_query_heads_per_kv_head_are_invariant():
+    """Rows of (token, head) that do not divide the tile (G = 3), head dim 40 padded to 64: a
+    sequence alone equals it packed after another, at a different offset in every tile."""
+    lengths = [11, 50]
+    q, k, v = _flat(lengths, 3, 1, 40, torch.float16, seed=9)
+    opts = dict(causal=False, scale=0.2, softcap=10.0)
+    packed = triton_kernel.forward(q, k, v, VarlenMeta.from_lengths(lengths, device=DEVICE), **opts)
+    second = VarlenMeta.from_lengths([50], device=DEVICE)
+    alone = triton_kernel.forward(q[11:], k[11:], v[11:], second, **opts)
+    assert torch.equal(alone, packed[11:])
+    ref = reference_attention(q, k, v, lengths, lengths, 0.2, False, (-1, -1), 10.0)
+    torch.testing.assert_close(packed.float(), ref.float(), atol=2e-3, rtol=2e-3)
+
+
 def test_a_fully_masked_key_block_is_skipped_without_a_trace():
     """With a window, a tile's early rows see blocks its late rows do not: rows that see nothing of
     a visited block keep their bits (no NaN from -inf - -inf, no rescaling)."""
