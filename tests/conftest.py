@@ -1,5 +1,15 @@
+"""Shared fixtures. Without CUDA, Triton kernels run under Triton's interpreter: ``TRITON_INTERPRET``
+is read when a kernel is decorated (``@triton.jit``, at its module's import), and conftest.py is
+imported before any test module imports nopad, so setting it here reaches every kernel. A value the
+caller set is kept (``TRITON_INTERPRET=0`` on a GPU machine is the caller's choice)."""
+
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

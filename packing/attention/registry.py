@@ -91,7 +91,7 @@ class Opts:
 
 
 # Backend modules; each defines BACKENDS, a tuple of Backend declarations. Imported on first use.
-_MODULES = ("flash", "torch_varlen", "flex", "cpu_kernel", "sdpa")
+_MODULES = ("flash", "torch_varlen", "flex", "cpu_kernel", "triton_kernel", "sdpa")
 
 # "auto": the first backend in a list that can serve the call. A paged step first looks for one
 # that reads the blocks in place, then takes the training list on gathered keys.
