@@ -133,7 +133,11 @@ def check_model_path(path) -> str:
         raise ValueError("model.path is missing: set model.path=smollm2 (the embedded demo model) "
                          "or a local Hugging Face model directory")
     path = str(path)
-    if path != "smollm2" and not path.startswith("tiny:") and not Path(path).is_dir():
+    if path == "smollm2" or path.startswith("tiny:"):
+        return path
+    if not Path(path).is_dir():
         raise FileNotFoundError(f"model.path={path!r} is not a directory; give a local Hugging Face "
-                                "model directory or model.path=smollm2")
-    return str(path)
+                                "model directory, a training run's output directory, or model.path=smollm2")
+    from training.checkpoint import resolve_model_dir
+
+    return str(resolve_model_dir(path))

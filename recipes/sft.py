@@ -33,11 +33,13 @@ import numpy as np
 import torch
 
 from dataloaders.balance import attention_cost_from_config
+from dataloaders.dataset import BOUNDARY_COLUMNS
 from dataloaders.loader import move_batch, packed_dataloader
 from dataloaders.loss import PackedLoss
 from dataloaders.streaming import StreamingPackedLoader
 from recipes.accumulation import check_engine_engaged, set_deepspeed_clipping
 from recipes.config import load_config, load_model, save_model_dir
+from training import checkpoint
 
 logger = logging.getLogger(__name__)
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sft.yaml"
@@ -212,11 +214,16 @@ def engine_info(model, accelerator) -> dict:
 STATE_DIR = "training_state"  # inside step_N/: what resuming needs beyond the model directory
 
 
-def save_checkpoint(accelerator, model, tokenizer, path: Path) -> None:
+def save_checkpoint(accelerator, model, tokenizer, path: Path, keep_last: int | None = None) -> None:
     """``path`` becomes an HF model directory (load it with ``model.path=path``) holding, in
-    ``training_state/``, the optimizer, scheduler, RNG and loader state to resume from."""
-    accelerator.save_state(str(path / STATE_DIR))
-    save_model_dir(accelerator, model, tokenizer, path)
+    ``training_state/``, the optimizer, scheduler, RNG and loader state to resume from. Written
+    whole or not at all (:mod:`training.checkpoint`)."""
+
+    def write(tmp: Path) -> None:
+        accelerator.save_state(str(tmp / STATE_DIR))
+        save_model_dir(accelerator, model, tokenizer, tmp)
+
+    checkpoint.save_checkpoint(path, write, accelerator, keep_last=keep_last)
 
 
 def _int_setting(cfg: Mapping, section: str, key: str, minimum: int, optional: bool = False) -> None:
@@ -233,22 +240,70 @@ def validate_config(cfg: Mapping) -> None:
     for section, key, low, optional in [
         ("train", "epochs", 1, False), ("train", "max_steps", 1, True), ("train", "grad_accum", 1, False),
         ("train", "warmup_steps", 0, False), ("train", "seed", 0, False),
-        ("data", "tokens_per_batch", 1, False),
+        ("data", "tokens_per_batch", 1, True),
         ("data", "max_seqs_per_batch", 1, True), ("data", "num_workers", 0, False),
         ("data", "buffer_size", 1, False), ("checkpoint", "every", 0, False),
+        ("checkpoint", "keep_last", 1, True),
     ]:
         _int_setting(cfg, section, key, low, optional)
     if cfg["train"]["weighting"] not in ("token", "sequence"):
         raise ValueError(f"train.weighting must be 'token' or 'sequence', got {cfg['train']['weighting']!r}")
+    fraction = cfg["data"]["max_dropped_fraction"]
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+        raise ValueError(f"data.max_dropped_fraction must be a number in [0, 1], got {fraction!r}")
     if cfg["data"]["overflow"] not in ("error", "truncate", "split"):
         raise ValueError(f"data.overflow must be error, truncate or split, got {cfg['data']['overflow']!r}")
 
 
-def _latest_checkpoint(output_dir: Path) -> Path:
-    found = sorted(output_dir.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-    if not found:
-        raise FileNotFoundError(f"checkpoint.resume_from=latest but {output_dir} has no step_* checkpoints")
-    return found[-1]
+DEFAULT_TOKENS_PER_BATCH = 1024  # data.tokens_per_batch=null on data that is not pre-packed
+
+
+def is_prepacked(rows) -> bool:
+    """True for rows that each hold several documents (``seq_lengths`` / ``position_ids``)."""
+    columns = getattr(rows, "column_names", None)
+    if columns is None:
+        columns = rows[0].keys() if len(rows) else ()
+    return any(c in columns for c in BOUNDARY_COLUMNS)
+
+
+def plan_budget(dcfg: Mapping, rows) -> int:
+    """``data.tokens_per_batch`` for these rows, checked against the rows before anything trains.
+
+    Why: a pre-packed row is already a bin, so by default the budget is the longest row; and
+    ``data.overflow=truncate`` must not drop a large share of the data quietly (it once dropped
+    45% of a pre-packed dataset, visible only in a stats line)."""
+    prepacked = is_prepacked(rows)
+    lengths = np.fromiter((len(ids) for ids in _input_ids(rows)), dtype=np.int64)
+    longest = int(lengths.max()) if lengths.size else 0
+    budget = dcfg["tokens_per_batch"] or (longest if prepacked else DEFAULT_TOKENS_PER_BATCH)
+    what = "pre-packed rows" if prepacked else "sequences"
+    too_long = lengths > budget
+    if not too_long.any() or dcfg["overflow"] == "split":
+        return budget
+    if dcfg["overflow"] == "error":
+        raise ValueError(
+            f"data.tokens_per_batch={budget} is smaller than {int(too_long.sum())} of the {what} of "
+            f"data.source={dcfg['source']!r} (the longest has {longest} tokens); "
+            + ("leave data.tokens_per_batch unset (it then takes the longest pre-packed row) or set it "
+               f">= {longest}" if prepacked else f"set data.tokens_per_batch >= {longest}, or "
+               "data.overflow=split (pieces train as separate sequences) or data.overflow=truncate"))
+    dropped = int((lengths[too_long] - budget).sum())
+    share = dropped / max(int(lengths.sum()), 1)
+    if share > dcfg["max_dropped_fraction"]:
+        raise ValueError(
+            f"data.overflow=truncate would drop {dropped:,} of {int(lengths.sum()):,} tokens "
+            f"({share:.0%}) of the {what} longer than data.tokens_per_batch={budget}; raise "
+            f"data.tokens_per_batch (>= {longest} drops nothing), use data.overflow=split, or accept "
+            f"the loss with data.max_dropped_fraction={share:.2f}")
+    logger.warning("data.overflow=truncate drops %d tokens (%.1f%%) of %d %s longer than %d", dropped,
+                   100 * share, int(too_long.sum()), what, budget)
+    return budget
+
+
+def _input_ids(rows):
+    if hasattr(rows, "column_names"):
+        return rows["input_ids"]
+    return (row["input_ids"] for row in rows)
 
 
 def build_loader(dcfg: Mapping, rows, accelerator, gas: int, model_config):
@@ -258,9 +313,10 @@ def build_loader(dcfg: Mapping, rows, accelerator, gas: int, model_config):
                   seed=dcfg["seed"], max_seqs_per_batch=dcfg["max_seqs_per_batch"], overflow=dcfg["overflow"],
                   steps_multiple_of=gas, attention_cost=attention_cost_from_config(model_config))
     if dcfg["streaming"]:
-        return StreamingPackedLoader(rows, dcfg["tokens_per_batch"], buffer_size=dcfg["buffer_size"],
-                                     **common)
-    return packed_dataloader(rows, dcfg["tokens_per_batch"], num_workers=dcfg["num_workers"], **common)
+        return StreamingPackedLoader(rows, dcfg["tokens_per_batch"] or DEFAULT_TOKENS_PER_BATCH,
+                                     buffer_size=dcfg["buffer_size"], **common)
+    budget = plan_budget(dcfg, rows)
+    return packed_dataloader(rows, budget, num_workers=dcfg["num_workers"], **common)
 
 
 def _epoch_stats(loader) -> dict | None:
@@ -325,11 +381,17 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
     output_dir = Path(ccfg["output_dir"])
     if ccfg["resume_from"]:
         latest = ccfg["resume_from"] == "latest"
-        resume = _latest_checkpoint(output_dir) if latest else Path(ccfg["resume_from"])
+        resume = checkpoint.latest_checkpoint(output_dir) if latest else Path(ccfg["resume_from"])
         if not (resume / STATE_DIR).is_dir():
             raise FileNotFoundError(f"checkpoint.resume_from={str(resume)!r} holds no {STATE_DIR}/ "
                                     "written by this recipe; give a step_N directory of an earlier run")
-        accelerator.load_state(str(resume / STATE_DIR))
+        try:
+            accelerator.load_state(str(resume / STATE_DIR))
+        except ValueError:  # our own: a resume under another plan, naming the setting
+            raise
+        except Exception as err:  # a damaged file: say which checkpoint, not only the zip reader's words
+            raise RuntimeError(f"could not load the training state of checkpoint {resume}: {err}; resume "
+                               "from an earlier step_N directory") from err
         logger.info("resumed from %s at step %d (epoch %d)", resume, progress.step, loader.epoch)
 
     # Accelerate (and DeepSpeed inside it) divides the loss by grad_accum; PackedLoss undoes that
@@ -374,7 +436,8 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
                 bar.update(1)
                 bar.set_postfix(loss=f"{mean_loss:.4f}")
             if ccfg["every"] and progress.step % ccfg["every"] == 0:
-                save_checkpoint(accelerator, model, tokenizer, output_dir / f"step_{progress.step}")
+                save_checkpoint(accelerator, model, tokenizer, output_dir / f"step_{progress.step}",
+                                ccfg["keep_last"])
                 saved_at = progress.step
             if progress.step >= max_steps:
                 break
@@ -385,7 +448,7 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
         bar.close()
     final = output_dir / f"step_{progress.step}"
     if ccfg["save_final"] and saved_at != progress.step:  # (decided the same way on every rank)
-        save_checkpoint(accelerator, model, tokenizer, final)
+        save_checkpoint(accelerator, model, tokenizer, final, ccfg["keep_last"])
     accelerator.wait_for_everyone()
     result = {"losses": losses, "steps": progress.step, "stats": stats, "rank": accelerator.process_index,
               "world_size": accelerator.num_processes, **info,

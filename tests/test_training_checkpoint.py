@@ -1,0 +1,96 @@
+"""training/checkpoint.py: a checkpoint is complete or absent; SIGKILL inside a write loses only
+that step; keep_last prunes; a run directory works as a model path."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes.config import check_model_path, load_config
+from recipes.sft import DEFAULT_CONFIG, train
+from training import checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["model.path=tiny:llama", "data.num_rows=24", "data.min_len=4", "data.max_len=40",
+         "data.tokens_per_batch=96", "train.lr=1.0e-3", "train.progress=false", "train.max_steps=3",
+         "checkpoint.every=1"]
+
+# Runs SFT and SIGKILLs itself inside the write of step_2: after the training state is on disk,
+# before the model directory is (the moment a kill -9 left a half-written checkpoint before).
+DYING_RUN = """
+import os, signal, sys
+import recipes.sft as sft
+real = sft.save_model_dir
+def dying(accelerator, model, tokenizer, path):
+    if path.name == ".step_2.incomplete":
+        (path / "model.safetensors").write_bytes(b"half a file")
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(accelerator, model, tokenizer, path)
+sft.save_model_dir = dying
+sft.main(sys.argv[1:])
+"""
+
+
+def _reset_accelerate():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def test_sigkill_inside_a_checkpoint_write_resumes_from_the_previous_complete_one(tmp_path, caplog):
+    out = tmp_path / "killed"
+    args = [*SMALL, f"checkpoint.output_dir={out}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", DYING_RUN, *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    assert (out / "step_1").is_dir() and not (out / "step_2").exists()
+    assert (out / ".step_2.incomplete").is_dir()  # the torn write, never mistaken for a checkpoint
+    assert checkpoint.latest_checkpoint(out) == out / "step_1"
+
+    full = train(load_config(DEFAULT_CONFIG, None, [*SMALL, f"checkpoint.output_dir={tmp_path / 'full'}"]))
+    _reset_accelerate()
+    with caplog.at_level(logging.INFO):
+        rest = train(load_config(DEFAULT_CONFIG, None, [*args, "checkpoint.resume_from=latest"]))
+    _reset_accelerate()
+    assert "resumed from" in caplog.text and "step_1" in caplog.text
+    assert rest["losses"] == full["losses"][1:]  # steps 2 and 3, exactly as the uninterrupted run
+    assert checkpoint.latest_checkpoint(out) == out / "step_3"
+    assert not (out / ".step_2.incomplete").exists()  # cleaned up by the rewrite of step 2
+
+
+def test_a_directory_without_the_marker_is_skipped_with_a_warning(tmp_path, caplog):
+    (tmp_path / "step_1").mkdir()
+    (tmp_path / "step_1" / checkpoint.COMPLETE_MARKER).write_text("{}")
+    (tmp_path / "step_5").mkdir()  # e.g. written by an older version or a copy cut short
+    with caplog.at_level(logging.WARNING):
+        assert checkpoint.latest_checkpoint(tmp_path) == tmp_path / "step_1"
+    assert "step_5" in caplog.text and "not a complete checkpoint" in caplog.text
+    with pytest.raises(FileNotFoundError, match="no complete step_N checkpoint"):
+        checkpoint.latest_checkpoint(tmp_path / "nothing")
+
+
+def test_keep_last_prunes_old_checkpoints_and_a_rewrite_replaces_whole(tmp_path):
+    for step in range(1, 5):
+        checkpoint.save_checkpoint(tmp_path / f"step_{step}", lambda d, s=step: (d / "w").write_text(str(s)),
+                                   keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3", "step_4"]
+    checkpoint.save_checkpoint(tmp_path / "step_4", lambda d: (d / "v").write_text("again"), keep_last=2)
+    assert sorted(p.name for p in (tmp_path / "step_4").iterdir()) == [checkpoint.COMPLETE_MARKER, "v"]
+    assert json.loads((tmp_path / "step_4" / checkpoint.COMPLETE_MARKER).read_text())["step"] == 4
+
+
+def test_sft_keep_last_and_a_run_directory_as_model_path(tmp_path):
+    out = tmp_path / "run"
+    args = [*SMALL, f"checkpoint.output_dir={out}"]
+    train(load_config(DEFAULT_CONFIG, None, [*args, "checkpoint.keep_last=1"]))
+    _reset_accelerate()
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_3"]
+    assert check_model_path(str(out)) == str(out / "step_3")
+    with pytest.raises(ValueError, match="checkpoint.keep_last must be an integer >= 1"):
+        train(load_config(DEFAULT_CONFIG, None, [*args, "checkpoint.keep_last=0"]))
