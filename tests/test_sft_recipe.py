@@ -245,3 +245,35 @@ def test_deepspeed_zero2_two_processes_matches_unpacked_and_ddp(tmp_path, ddp_ru
     # the second step's loss depends on the first step's gradient: DeepSpeed's own loss scaling by
     # 1/grad_accum and rank averaging are undone exactly as under DDP
     assert results[0]["losses"] == pytest.approx(ddp_run[0]["losses"], rel=1e-5)
+
+
+def _data_cfg(**overrides):
+    cfg = load_config(DEFAULT_CONFIG, None, [])["data"]
+    return {**cfg, "source": "packed_chat", **overrides}
+
+
+def test_prepacked_rows_train_with_the_default_budget_and_too_small_a_budget_names_the_keys():
+    from recipes.sft import plan_budget
+
+    rows = [{"input_ids": list(range(n)), "seq_lengths": [n - 3, 3]} for n in (2042, 900, 1500)]
+    assert plan_budget(_data_cfg(), rows) == 2042  # a pre-packed row is already a bin
+    with pytest.raises(ValueError, match=r"data.tokens_per_batch=1024 is smaller than 2 of the pre-packed "
+                                         r"rows.*leave data.tokens_per_batch unset"):
+        plan_budget(_data_cfg(tokens_per_batch=1024), rows)
+    plain = [{"input_ids": list(range(n))} for n in (10, 2000)]
+    assert plan_budget(_data_cfg(overflow="split"), plain) == 1024
+    with pytest.raises(ValueError, match=r"data.tokens_per_batch >= 2000, or data.overflow=split"):
+        plan_budget(_data_cfg(), plain)
+
+
+def test_truncation_that_drops_a_large_share_is_refused_unless_accepted(caplog):
+    from recipes.sft import plan_budget
+
+    rows = [{"input_ids": list(range(n)), "seq_lengths": [n]} for n in (2042, 2000, 500)]
+    dropped = r"would drop 1,994 of 4,542 tokens \(44%\).*max_dropped_fraction=0.44"
+    with pytest.raises(ValueError, match=dropped):
+        plan_budget(_data_cfg(tokens_per_batch=1024, overflow="truncate"), rows)
+    with caplog.at_level(logging.WARNING):
+        assert plan_budget(_data_cfg(tokens_per_batch=1024, overflow="truncate", max_dropped_fraction=0.5),
+                           rows) == 1024
+    assert "drops 1994 tokens" in caplog.text
