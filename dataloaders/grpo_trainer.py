@@ -213,11 +213,28 @@ class NopadGRPOTrainerMixin:
 
         register_nopad_attention()
         policy = self.accelerator.unwrap_model(self.model)
+        self._refuse_uneven_sharded_forwards(policy)
         self._nopad_previous_attention = policy.config._attn_implementation
         # for good, not per call: gradient checkpointing recomputes the forward during the backward
         for model in (policy, getattr(self, "ref_model", None)):
             if model is not None:
                 self.accelerator.unwrap_model(model).set_attn_implementation("nopad")
+
+    def _refuse_uneven_sharded_forwards(self, policy) -> None:
+        """Split forwards hang under ZeRO-3 / FSDP2: each rank would run as many forwards as its own
+        micro-batch needs, and every forward all-gathers the weights from all ranks."""
+        if self.nopad_max_tokens_per_forward is None or self.accelerator.num_processes < 2:
+            return
+        from inference.sharded import sharded_weights
+
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        zero3 = plugin is not None and getattr(plugin, "zero_stage", None) == 3
+        if zero3 or getattr(self, "is_fsdp_enabled", False) or sharded_weights(policy) is not None:
+            raise ValueError(
+                "max_tokens_per_forward splits a micro-batch into a number of forwards that differs between "
+                "ranks, which deadlocks under ZeRO-3 / FSDP (every forward all-gathers the weights from all "
+                "ranks); leave max_tokens_per_forward=None (one packed forward per micro-batch) or lower "
+                "per_device_train_batch_size instead")
 
     def _generate(self, prompts):
         """TRL's own in-process generation runs padded batches: give it its attention back."""

@@ -27,6 +27,7 @@ from inference.sampler import SamplerBuffers, sample
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sharded import compute_dtype as model_compute_dtype
+from inference.sharded import refuse_plain_generation
 from packing.attention import names as attention_backends
 from packing.attention import paged_block_size
 from packing.blocks import BlockAllocator
@@ -190,6 +191,7 @@ class Generator:
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params=None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs in prompt order. Validates everything first."""
+        refuse_plain_generation(self.model)
         requests = self._make_requests(prompts, sampling_params)
         for request in requests:
             self._enqueue(request)
@@ -205,6 +207,7 @@ class Generator:
     def stream(self, prompts: Prompt | Seq[Prompt], sampling_params=None) -> Iterator[StreamDelta]:
         """Yield the new tokens of every sample as they are produced (one delta per sample per
         step that produced tokens); the last delta of a sample carries its finish reason."""
+        refuse_plain_generation(self.model)
         requests = self._make_requests(prompts, sampling_params)
         for request in requests:
             self._enqueue(request)

@@ -64,6 +64,35 @@ def sharding(model) -> str | None:
     return None
 
 
+def sharded_weights(model: torch.nn.Module) -> str | None:
+    """``"zero3"`` / ``"fsdp2"`` when ``model``'s parameters are sharded right now (partitioned
+    ZeRO-3 parameters, FSDP2 DTensors), else None; inside :func:`gathered_weights` they are not.
+    Reads the parameters themselves, so it works on the unwrapped module a user hands around."""
+    from torch.distributed.tensor import DTensor
+
+    for param in model.parameters():
+        status = getattr(param, "ds_status", None)
+        if status is not None and getattr(status, "name", "") == "NOT_AVAILABLE":
+            return "zero3"
+        if isinstance(param, DTensor):
+            return "fsdp2"
+    return None
+
+
+def refuse_plain_generation(model: torch.nn.Module) -> None:
+    """Raise instead of hanging: a plain generation loop on sharded weights with several ranks
+    waits forever in an all-gather once one rank finishes first."""
+    kind = sharded_weights(model)
+    if kind is None or not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    raise RuntimeError(
+        f"the model's weights are sharded ({kind}) over {dist.get_world_size()} ranks, so a plain "
+        "Generator.generate would hang as soon as one rank finishes before another. Write instead: "
+        "`outs = inference.sharded.sharded_generate(generator, engine, prompts, params)` (pass the "
+        "DeepSpeed engine or the FSDP2 module; mode='gather' by default, 'lockstep' if the full weights "
+        "do not fit). With TRL, keep GRPOConfig(ds3_gather_for_generation=True).")
+
+
 def compute_dtype(model: torch.nn.Module) -> torch.dtype:
     """The dtype forwards compute in: FSDP2's mixed-precision ``param_dtype`` when set (the
     sharded parameter keeps its storage dtype, which must not size the KV cache), else the

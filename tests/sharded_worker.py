@@ -112,6 +112,14 @@ def main(mode: str, out_dir: str) -> None:
             errors.append(str(err))
         generator.release()
 
+    # the plain generator on sharded weights, ranks of unequal lengths: refused at once, no hang
+    try:
+        generator.generate(mine, greedy, use_tqdm=False)
+        plain_error = None
+    except RuntimeError as err:
+        plain_error = str(err)
+    generator.release()
+
     reward_fn = get_reward(cfg["reward"])
     accumulator = RowAccumulator(engine, optimizer, accelerator)
     history = []
@@ -125,7 +133,8 @@ def main(mode: str, out_dir: str) -> None:
                                  accelerator=accelerator, accumulator=accumulator))
     result = {"weights": full_weights(engine, mode), "optimizer_steps": accumulator.optimizer_steps,
               "grpo_steps": len(STEPS), "history": history, "greedy": rollouts, "reference": reference,
-              "global_steps": getattr(engine, "global_steps", None), "bad_prompt_errors": errors}
+              "global_steps": getattr(engine, "global_steps", None), "bad_prompt_errors": errors,
+              "plain_generate_error": plain_error}
     torch.save(result, os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
     dist.barrier()
     if mode == "fsdp2":

@@ -90,6 +90,17 @@ def test_an_invalid_prompt_on_one_rank_is_an_error_on_every_rank(grpo_runs, mode
     assert all("another rank's rollout prompts are invalid" in e for e in rank0)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "zero3", "fsdp2"])
+def test_the_plain_generator_on_sharded_weights_refuses_instead_of_hanging(grpo_runs, mode):
+    for r in grpo_runs[mode]:
+        if mode == "ddp":  # replicated weights: the plain generator is the right tool
+            assert r["plain_generate_error"] is None
+        else:
+            assert f"weights are sharded ({mode}) over 2 ranks" in r["plain_generate_error"]
+            assert "sharded_generate(generator, engine, prompts, params)" in r["plain_generate_error"]
+
+
 # ----------------------------------------------------------------------------- packed SFT, 2 processes
 @pytest.mark.slow
 def test_packed_sft_gradients_under_zero3_and_fsdp2_match_unpacked(tmp_path):

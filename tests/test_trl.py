@@ -501,3 +501,27 @@ def test_batch_invariant_setting_follows_where_the_model_trains(monkeypatch, cap
     assert resolve_batch_invariant("auto", "cpu") is False
     with pytest.raises(ValueError, match="'auto', True or False"):
         resolve_batch_invariant("yes", "cpu")
+
+
+def test_split_forwards_are_refused_under_zero3_and_fsdp():
+    from types import SimpleNamespace
+
+    from dataloaders.grpo_trainer import NopadGRPOTrainerMixin
+
+    policy = torch.nn.Linear(2, 2)
+    refuse = NopadGRPOTrainerMixin._refuse_uneven_sharded_forwards
+    def accelerator(stage):
+        plugin = None if stage is None else SimpleNamespace(zero_stage=stage)
+        return SimpleNamespace(num_processes=2, state=SimpleNamespace(deepspeed_plugin=plugin))
+
+    zero3 = accelerator(3)
+    trainer = SimpleNamespace(nopad_max_tokens_per_forward=512, accelerator=zero3)
+    with pytest.raises(ValueError, match="deadlocks under ZeRO-3 / FSDP.*leave max_tokens_per_forward=None"):
+        refuse(trainer, policy)
+    fsdp = SimpleNamespace(nopad_max_tokens_per_forward=512, accelerator=accelerator(None),
+                           is_fsdp_enabled=True)
+    with pytest.raises(ValueError, match="deadlocks"):
+        refuse(fsdp, policy)
+    refuse(SimpleNamespace(nopad_max_tokens_per_forward=None, accelerator=zero3), policy)  # one forward: fine
+    zero2 = SimpleNamespace(nopad_max_tokens_per_forward=512, accelerator=accelerator(2))
+    refuse(zero2, policy)  # replicated weights: split forwards are fine
