@@ -33,7 +33,23 @@ def _merge(base: dict, update: Mapping, prefix: str = "") -> None:
                 raise ValueError(f"config key {name!r} is a section; set its fields as {name}.<field>=...")
             _merge(base[key], value, prefix=f"{name}.")
         else:
-            base[key] = value
+            base[key] = _checked(name, base[key], value)
+
+
+def _checked(name: str, default, value):
+    """``value`` for a key whose default is ``default``: a number stays a number and a flag a flag,
+    so ``train.lr=abc`` is an error naming the key, not a TypeError deep inside the optimizer."""
+    if value is None or default is None:
+        return value
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+    elif isinstance(default, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        if isinstance(default, float):
+            return float(value)
+    return value
 
 
 def parse_override(text: str) -> dict:
@@ -81,15 +97,20 @@ def require(cfg: Mapping, section: str, key: str, minimum: int) -> None:
         raise ValueError(f"{section}.{key} must be an integer >= {minimum}, got {value!r}")
 
 
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def load_model(model_cfg: Mapping):
     """``(model, tokenizer)`` for ``model.path``: ``"smollm2"`` is the embedded SmolLM2-135M-Instruct
     (offline), ``"tiny:llama"`` a tiny random-weight Llama with an ASCII tokenizer (smoke runs);
     anything else is a local Hugging Face model directory."""
     import torch
 
-    dtype = getattr(torch, str(model_cfg.get("dtype", "float32")), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"model.dtype={model_cfg.get('dtype')!r} is not a torch dtype (float32, bfloat16)")
+    name = str(model_cfg.get("dtype", "float32"))
+    if name not in MODEL_DTYPES:
+        raise ValueError(f"model.dtype={model_cfg.get('dtype')!r} is not a dtype the recipes train or "
+                         f"generate in; choose one of {', '.join(MODEL_DTYPES)}")
+    dtype = getattr(torch, name)
     path = check_model_path(model_cfg.get("path"))
     if path.startswith("tiny:"):  # smoke runs and multi-process tests: no files, ASCII tokens
         from recipes.sft import tiny_causal_lm

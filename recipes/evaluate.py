@@ -30,7 +30,7 @@ def evaluate(
     *,
     output_path: str | Path | None = None,
     prompt_field: str = "prompt",
-    chat: bool = True,
+    chat: bool | str = "auto",
     batch_size: int = 64,
     progress: bool = True,
 ) -> dict:

@@ -10,6 +10,7 @@ positions and boundaries. Every step is also a function for use from Python.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from collections.abc import Mapping
@@ -25,9 +26,9 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "preprocess.yaml"
 IGNORE_INDEX = -100
 
 
-def load_records(path: str | Path) -> datasets.Dataset:
+def load_records(path: str | Path, messages_field: str = "messages") -> datasets.Dataset:
     """A JSONL file, or a dataset directory saved with ``save_to_disk`` (its ``train`` split if it
-    is a DatasetDict)."""
+    is a DatasetDict). Chat records (``messages_field``) are checked here, naming the line."""
     path = Path(path)
     if path.is_dir():
         ds = datasets.load_from_disk(str(path))
@@ -38,7 +39,41 @@ def load_records(path: str | Path) -> datasets.Dataset:
         return ds
     if not path.is_file():
         raise FileNotFoundError(f"input {str(path)!r} is neither a JSONL file nor a save_to_disk directory")
-    return datasets.load_dataset("json", data_files=str(path), split="train")
+    records = []
+    with path.open() as f:  # read here, not by pyarrow, so a bad line is named by its number
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number} is not valid JSON ({err.msg} at column {err.colno}); "
+                                 "each line must be one JSON object") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number} is a JSON {type(record).__name__}, not an object like "
+                                 '{"text": ...} or {"messages": [...]}')
+            if messages_field in record:
+                check_messages(record[messages_field], f"{path}:{number}")
+            records.append(record)
+    if not records:
+        raise ValueError(f"input {str(path)!r} holds no records: give a JSONL file with one JSON object per "
+                         'line, {"text": ...} or {"messages": [{"role": ..., "content": ...}, ...]}')
+    return datasets.Dataset.from_list(records)
+
+
+def check_messages(messages, where: str) -> None:
+    """A conversation is a list of {"role", "content"} with at least one assistant turn: without
+    one, every token is masked and SFT would "train" on nothing (loss 0.0)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: messages must be a non-empty list of {{'role': ..., 'content': ...}}, "
+                         f"got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise ValueError(f"{where}: message {i} must be {{'role': str, 'content': str}}, got {message!r}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(f"{where} has no assistant turn, so none of its tokens would be trained on; drop it "
+                         "or add the assistant's reply (only assistant turns are trained on)")
 
 
 def load_tokenizer(name: str):
@@ -106,11 +141,13 @@ def tokenize_dataset(
     """Chat rows (``messages_field``) -> ``input_ids`` + ``labels``; text rows -> ``input_ids``."""
     if messages_field in ds.column_names:
 
-        def chat(row):
+        def chat(row, index):
+            check_messages(row[messages_field], f"record {index}")
             input_ids, labels = tokenize_chat(row[messages_field], tokenizer)
             return {"input_ids": input_ids, "labels": labels}
 
-        return ds.map(chat, remove_columns=ds.column_names, num_proc=num_proc, desc="tokenizing chats")
+        return ds.map(chat, with_indices=True, remove_columns=ds.column_names, num_proc=num_proc,
+                      desc="tokenizing chats")
     if text_field in ds.column_names:
         return ds.map(
             lambda batch: {"input_ids": tokenize_text(batch[text_field], tokenizer, add_eos)},
@@ -129,7 +166,7 @@ def run_preprocess(cfg: Mapping) -> datasets.Dataset:
     if not cfg["input"] or not cfg["output"]:
         raise ValueError("set both input=<JSONL file or dataset directory> and output=<directory>")
     tokenizer = load_tokenizer(cfg["tokenizer"])
-    ds = load_records(cfg["input"])
+    ds = load_records(cfg["input"], cfg["messages_field"])
     tokenized = tokenize_dataset(
         ds, tokenizer, text_field=cfg["text_field"], messages_field=cfg["messages_field"],
         add_eos=cfg["add_eos"], num_proc=cfg["num_proc"],

@@ -175,10 +175,20 @@ class AsciiTokenizer:
         return cls(**json.loads((Path(path) / cls.SAVED_NAME).read_text()))
 
 
-def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
-    """Token ids of one prompt: through the chat template (user turn + generation prompt) when the
-    tokenizer has one and ``chat`` is set, else plain encoding."""
-    if chat and getattr(tokenizer, "chat_template", None):
+CHAT_SETTINGS = (True, False, "auto")
+
+
+def encode_prompt(tokenizer, text: str, chat: bool | str = "auto") -> list[int]:
+    """Token ids of one prompt: through the chat template (user turn + generation prompt) when
+    ``chat`` is true (the tokenizer must have one) or ``"auto"`` and it has one, else plain."""
+    if chat not in CHAT_SETTINGS:
+        raise ValueError(f"model.chat_template must be true, false or auto, got {chat!r}")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat is True and not has_template:
+        raise ValueError("model.chat_template=true but the tokenizer has no chat template, so prompts would "
+                         "be raw text the model was not tuned on; set model.chat_template=false to use raw "
+                         "text on purpose, or auto to use a template only where there is one")
+    if chat and has_template:
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
         )

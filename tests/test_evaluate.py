@@ -132,3 +132,14 @@ def test_evaluate_rejects_several_samples_per_prompt(model):
 
     with pytest.raises(ValueError, match="one completion per prompt; got sampling n=2"):
         evaluate(None, AsciiTokenizer(), [{"prompt": "a"}], exact_match, SamplingParams(n=2), progress=False)
+
+
+def test_chat_template_true_without_a_template_is_refused_not_raw_text():
+    from recipes.tasks import AsciiTokenizer, encode_prompt
+
+    tok = AsciiTokenizer()
+    with pytest.raises(ValueError, match="model.chat_template=true but the tokenizer has no chat template"):
+        encode_prompt(tok, "What is 2 + 2?", chat=True)
+    assert encode_prompt(tok, "hi", chat="auto") == encode_prompt(tok, "hi", chat=False) == tok.encode("hi")
+    with pytest.raises(ValueError, match="must be true, false or auto"):
+        encode_prompt(tok, "hi", chat="yes")

@@ -93,3 +93,18 @@ def test_cli_end_to_end(tmp_path, tokenizer, capsys):
     assert packed["seq_lengths"] == [[4], [4], [3], [2]]  # 11 tokens -> 4 + 4 + 3; then "ok <eos>"
     with pytest.raises(ValueError, match="set both input="):
         main([f"tokenizer={tok_dir}"])
+
+
+@pytest.mark.parametrize("content,message", [
+    ("", "holds no records"),
+    ('{"text": "ok"}\n{"text": "broken\n', r"bad.jsonl:2 is not valid JSON"),
+    ('["a list"]\n', r"bad.jsonl:1 is a JSON list, not an object"),
+    ('{"messages": "hello"}\n', r"bad.jsonl:1: messages must be a non-empty list"),
+    ('{"messages": [{"role": "user"}]}\n', r"bad.jsonl:1: message 0 must be \{'role': str, 'content': str\}"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}\n', r"bad.jsonl:1 has no assistant turn"),
+])
+def test_bad_jsonl_is_a_clear_error_naming_the_line(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        load_records(path)

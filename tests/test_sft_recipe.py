@@ -99,7 +99,7 @@ def test_bad_config_is_a_clear_error(tmp_path):
     ("train.max_steps=0", "train.max_steps must be an integer >= 1 or null, got 0"),
     ("train.epochs=0", "train.epochs must be an integer >= 1, got 0"),
     ("train.grad_accum=1.5", "train.grad_accum must be an integer >= 1, got 1.5"),
-    ("data.tokens_per_batch=big", "data.tokens_per_batch must be an integer >= 1"),
+    ("data.tokens_per_batch=big", "data.tokens_per_batch must be a number"),
     ("data.overflow=drop", "data.overflow must be error, truncate or split"),
 ])
 def test_settings_that_would_train_nothing_or_crash_later_fail_first(tmp_path, override, match):
@@ -277,3 +277,13 @@ def test_truncation_that_drops_a_large_share_is_refused_unless_accepted(caplog):
         assert plan_budget(_data_cfg(tokens_per_batch=1024, overflow="truncate", max_dropped_fraction=0.5),
                            rows) == 1024
     assert "drops 1994 tokens" in caplog.text
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.lr=abc", "train.lr must be a number, got 'abc'"),
+    ("train.progress=maybe", "train.progress must be true or false, got 'maybe'"),
+    ("model.dtype=int8", "model.dtype='int8' is not a dtype the recipes train or generate in"),
+])
+def test_a_wrong_type_is_an_error_naming_the_key(tmp_path, override, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train(_cfg(tmp_path, override))
