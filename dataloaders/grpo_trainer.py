@@ -214,6 +214,10 @@ class NopadGRPOTrainerMixin:
         register_nopad_attention()
         policy = self.accelerator.unwrap_model(self.model)
         self._refuse_uneven_sharded_forwards(policy)
+        from inference.trl import NopadRollout, sampling_params
+
+        if isinstance(rollout, NopadRollout):  # bad generation settings fail now, not at the first rollout
+            sampling_params(self)
         self._nopad_previous_attention = policy.config._attn_implementation
         # for good, not per call: gradient checkpointing recomputes the forward during the backward
         for model in (policy, getattr(self, "ref_model", None)):

@@ -143,6 +143,10 @@ class NopadTrainerMixin:
                  **kwargs: Any):
         if tokens_per_batch is not None and tokens_per_batch < 1:
             raise ValueError(f"tokens_per_batch must be >= 1, got {tokens_per_batch}")
+        dataset = kwargs.get("train_dataset")
+        if dataset is not None and hasattr(dataset, "__len__") and len(dataset) == 0:
+            raise ValueError("train_dataset is empty: there is nothing to pack or train on; check the "
+                             "dataset's filtering and split before building the trainer")
         self.nopad_tokens_per_batch = tokens_per_batch
         self.nopad_loader: PackedTrainerLoader | None = None
         self._nopad_resume_state: dict | None = None

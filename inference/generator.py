@@ -356,8 +356,14 @@ class Generator:
             reason = "stop"
         elif params.stop and self._hit_stop_string(seq):
             reason = "stop"
-        elif seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif seq.num_generated >= params.max_tokens:
             reason = "length"
+        elif seq.num_tokens >= self.max_model_len:
+            reason = "length"
+            logger.warning("request %s sample %d stopped after %d of max_tokens=%d new tokens: prompt and "
+                           "completion reached the model's context of %d tokens (max_position_embeddings); "
+                           "shorten the prompt for a longer completion", request.request_id, seq.index,
+                           seq.num_generated, params.max_tokens, self.max_model_len)
         if reason is not None:
             self.scheduler.finish(seq, reason)
 

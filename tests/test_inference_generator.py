@@ -3,6 +3,8 @@ generate and a plain forward, chunking, preemption, prefix sharing, n > 1, seeds
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -334,3 +336,16 @@ def test_a_dict_of_sampling_settings_is_named_as_a_dict(llama):
         with pytest.raises(TypeError, match=r"dict/mapping .*SamplingParams\(\*\*\{'temperature': 0\}\)"):
             call()
     assert not gen.has_unfinished()
+
+
+def test_a_prompt_near_the_context_limit_says_why_it_stopped_early(caplog):
+    from tests.models import tiny_model
+
+    model = tiny_model("llama", max_position_embeddings=32)
+    prompt = prompts_of([28], seed=3)[0]
+    with caplog.at_level(logging.WARNING, logger="inference.generator"):
+        (out,) = Generator(model, num_blocks=16).generate(
+            [prompt], SamplingParams(max_tokens=50, ignore_eos=True, **GREEDY), use_tqdm=False)
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 4
+    assert "stopped after 4 of max_tokens=50 new tokens" in caplog.text
+    assert "context of 32 tokens" in caplog.text

@@ -525,3 +525,25 @@ def test_split_forwards_are_refused_under_zero3_and_fsdp():
     refuse(SimpleNamespace(nopad_max_tokens_per_forward=None, accelerator=zero3), policy)  # one forward: fine
     zero2 = SimpleNamespace(nopad_max_tokens_per_forward=512, accelerator=accelerator(2))
     refuse(zero2, policy)  # replicated weights: split forwards are fine
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"temperature": 0.0}, "temperature=0"),
+    ({"generation_kwargs": {"typical_p": 0.5}}, "typical_p"),
+])
+def test_grpo_trainer_rejects_bad_generation_settings_at_construction(tok, tmp_path, config, message):
+    from dataloaders.grpo_trainer import NopadGRPOTrainer
+
+    with pytest.raises(ValueError, match=message):
+        _grpo(tok, tmp_path, None, cls=NopadGRPOTrainer, **config)
+
+
+def test_sft_trainer_with_an_empty_dataset_says_so(tok, tmp_path):
+    from trl import SFTConfig
+
+    from dataloaders.trainer import NopadSFTTrainer
+
+    with pytest.raises(ValueError, match="train_dataset is empty"):
+        NopadSFTTrainer(model=tiny_model("llama"), processing_class=tok,
+                        args=SFTConfig(output_dir=str(tmp_path), packing=False, report_to=[], use_cpu=True),
+                        train_dataset=datasets.Dataset.from_dict({"text": []}))
