@@ -9,34 +9,34 @@ kernels from the number and length of sequences, so one token gets different bit
 of 48 sequences and in a training row of 4,096 tokens; in bf16 that made rollout and trainer
 log-probs differ by up to 0.31. Under this mode:
 
-- every ``nn.Linear`` runs on fixed tiles of :data:`TILE_ROWS` rows (the last one zero-padded), so
-  each row meets the same GEMM shape, hence the same kernel and sum order, wherever it sits
-  (measured bitwise on every offset and row count tried, fp32/bf16/fp16). Its backward is the
-  ordinary GEMM: only the forward must match. (A model calling ``F.linear`` directly would escape
-  it; the op audit in the tests checks every GEMM of each tested family.)
-- nopad attention runs the compiled kernel (:mod:`packing.attention.cpu_kernel`), whose per-query
-  order depends on nothing but the query's own keys, for training rows, prefill chunks and decode.
+- every ``F.linear`` (so every ``nn.Linear``, and models calling ``F.linear`` directly) runs on fixed
+  tiles of :data:`TILE_ROWS` rows (the last one zero-padded), so each row meets the same GEMM
+  shape, hence the same kernel and sum order, wherever it sits (measured bitwise on every offset
+  and row count tried, fp32/bf16/fp16). Its backward is the ordinary GEMM: only the forward must
+  match. The op audit in the tests checks every GEMM of each tested family.
+- nopad attention runs a kernel whose per-query order depends on nothing but the query's own keys,
+  for training rows, prefill chunks and decode: the compiled CPU kernel
+  (:mod:`packing.attention.cpu_kernel`), or with ``kernels="triton"`` the Triton kernel
+  (:mod:`packing.attention.triton_kernel`; on CPU tensors it runs under ``TRITON_INTERPRET=1``).
 - Everything else in the tested families (embedding, RMSNorm's row mean, RoPE, activations,
   ``log_softmax`` over a row) was audited as row-local: see ``tests/test_invariance.py``.
 
-The mode is process-wide while active (``nn.Linear.forward`` is swapped, and the attention core
-reads a flag); it costs the padding of the last tile (32 rows: a decode step of 48 sequences
-computes 64 rows) and the attention kernel's forward on training rows.
+The mode belongs to the thread that entered it: ``F.linear`` is caught by a
+``TorchFunctionMode``, whose stack is per thread, and the attention core asks that stack. Another
+thread (a data-loader thread, a second model) keeps the default numerics. It costs the padding of
+the last tile (32 rows: a decode step of 48 sequences computes 64 rows), the mode's per-op
+dispatch, and the attention kernel's forward on training rows (``bench_exactness.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 TILE_ROWS = 32
-
-_lock = threading.Lock()
-_depth = 0  # nesting depth of batch_invariant() blocks, process-wide
-_plain_linear_forward = torch.nn.Linear.forward
-
 
 def supported(device: torch.device | str) -> tuple[bool, str]:
     """Whether this mode makes the generator's and the training forward's log-probs bitwise equal
@@ -55,14 +55,39 @@ def supported(device: torch.device | str) -> tuple[bool, str]:
     return True, ""
 
 
-def active_kernels() -> str | None:
-    """The kernel set the current mode forces ("cpu" / "triton"), or None (chosen by device)."""
+KERNEL_SETS = ("cpu", "triton")
+
+
+class _InvariantOps(TorchFunctionMode):
+    """Routes ``F.linear`` to :func:`invariant_linear` for the thread that entered the mode."""
+
+    def __init__(self, kernels: str | None):
+        super().__init__()
+        self.kernels = kernels
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return invariant_linear(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _active_mode() -> _InvariantOps | None:
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, _InvariantOps):
+            return mode
     return None
 
 
+def active_kernels() -> str | None:
+    """The kernel set the current mode forces ("cpu" / "triton"), or None (chosen by device)."""
+    mode = _active_mode()
+    return None if mode is None else mode.kernels
+
+
 def is_enabled() -> bool:
-    """True inside :func:`batch_invariant`."""
-    return _depth > 0
+    """True inside :func:`batch_invariant` in this thread."""
+    return _active_mode() is not None
 
 
 def _tiled_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -132,26 +157,17 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         return _TiledLinear.apply(x, weight, bias)
 
 
-def _invariant_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    return invariant_linear(input, self.weight, self.bias)
-
-
 @contextlib.contextmanager
-def batch_invariant(enabled: bool = True):
-    """Run the block with batch-invariant numerics (see module docstring). ``enabled=False`` is
-    a no-op, so callers can write ``with batch_invariant(cfg_flag):``. Blocks may nest."""
-    global _depth
+def batch_invariant(enabled: bool = True, kernels: str | None = None):
+    """Run the block with batch-invariant numerics (see module docstring), in this thread.
+    ``enabled=False`` is a no-op, so callers can write ``with batch_invariant(cfg_flag):``.
+    ``kernels="triton"`` forces the Triton attention kernel (the CUDA set; on CPU tensors it runs
+    interpreted, which is how the tests prove it); None picks by device. Blocks may nest."""
+    if kernels is not None and kernels not in KERNEL_SETS:
+        raise ValueError(f"kernels must be one of {KERNEL_SETS} or None (by device), got {kernels!r}")
     if not enabled:
         yield
         return
-    with _lock:
-        _depth += 1
-        if _depth == 1:
-            torch.nn.Linear.forward = _invariant_linear_forward
-    try:
+    outer = _active_mode()
+    with _InvariantOps(kernels if kernels is not None else (outer.kernels if outer else None)):
         yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                torch.nn.Linear.forward = _plain_linear_forward

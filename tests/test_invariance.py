@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from inference import Generator, SamplingParams
+from packing.attention import choose_backend, varlen_attention
 from packing.attention import cpu_kernel as kernel_attention
 from packing.attention import sdpa as attention_cpu
-from packing.attention import varlen_attention
 from packing.attention.sdpa import KeySource
 from packing.hf import use_nopad_attention
 from packing.invariance import TILE_ROWS, batch_invariant, invariant_linear, is_enabled
@@ -72,6 +72,32 @@ def test_mode_routes_linear_and_is_scoped():
     with pytest.raises(RuntimeError), batch_invariant():
         raise RuntimeError("an error inside the block still restores nn.Linear")
     assert not is_enabled() and torch.nn.Linear.forward is plain
+
+
+def test_mode_belongs_to_its_thread_and_catches_f_linear():
+    import threading
+
+    lin = torch.nn.Linear(8, 4)
+    x = torch.randn(40, 8)
+    tiled = invariant_linear(x, lin.weight, lin.bias)
+    inside, other = threading.Event(), {}
+
+    def second_thread():
+        inside.wait()
+        other["enabled"] = is_enabled()
+        other["attention"] = choose_backend(torch.device("cpu"), torch.float32)
+
+    worker = threading.Thread(target=second_thread)
+    worker.start()
+    with batch_invariant():
+        inside.set()
+        worker.join(timeout=30)
+        assert torch.equal(F.linear(x, lin.weight, lin.bias), tiled)  # F.linear called directly
+        assert choose_backend(torch.device("cpu"), torch.float32) == "kernel"
+    assert other == {"enabled": False, "attention": "sdpa_loop"}
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        with batch_invariant(kernels="cuda"):
+            pass
 
 
 # ----------------------------------------------------------------------------- attention kernel
@@ -217,8 +243,8 @@ def test_op_audit_every_gemm_is_a_fixed_tile_and_every_reduction_is_row_local(fa
 
 
 # ----------------------------------------------------------------------------- generator == trainer
-def _gaps(model, prompts, params, gen_kwargs, capacity=512):
-    with batch_invariant():
+def _gaps(model, prompts, params, gen_kwargs, capacity=512, kernels=None):
+    with batch_invariant(kernels=kernels):
         gen = Generator(model, **gen_kwargs)
         outs = gen.generate(prompts, params, use_tqdm=False)
         rollouts = [Rollout(list(p), list(c.token_ids), list(c.logprobs)) for p, o in zip(prompts, outs)
@@ -244,6 +270,30 @@ def test_generator_logprobs_equal_training_forward_bitwise(family, dtype, one_th
     assert stats["preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
     assert trainer.numel() == generator.numel() > 0
     assert torch.equal(trainer, generator), f"max gap {(trainer - generator).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_kernel_set_generator_equals_trainer_bitwise(family, dtype, one_thread):
+    """The CUDA kernel set, forced on CPU tensors and run by Triton's interpreter: the Triton
+    attention kernel serves prefill chunks, decode tokens and the packed training rows, and the
+    rollout's raw log-probs equal the training forward's, whatever the batching and chunking."""
+    pytest.importorskip("triton")
+    model = tiny_model(family).to(dtype)
+    with batch_invariant(kernels="triton"):
+        assert choose_backend(torch.device("cpu"), dtype, paged=True, block_size=16) == "triton"
+        assert choose_backend(torch.device("cpu"), dtype) == "triton"
+    prompts = [p.tolist() for p in random_sequences([3, 19, 9], seed=5)]
+    params = SamplingParams(temperature=1.0, n=2, max_tokens=4, seed=2)
+    runs = []
+    for budget, blocks, block_size in ((11, 8, 16), (64, 40, 32)):  # chunked + preempted vs roomy
+        trainer, generator, stats = _gaps(model, prompts, params, dict(
+            max_num_batched_tokens=budget, max_num_seqs=4, num_blocks=blocks, block_size=block_size),
+            capacity=48, kernels="triton")
+        assert trainer.numel() == generator.numel() > 0
+        assert torch.equal(trainer, generator), f"max gap {(trainer - generator).abs().max():.3g}"
+        runs.append(generator)
+    assert torch.equal(*runs)  # and the same bits under both batchings
 
 
 @settings(max_examples=12, **HYPOTHESIS)
