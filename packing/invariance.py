@@ -50,8 +50,8 @@ def supported(device: torch.device | str) -> tuple[bool, str]:
     forced = os.environ.get(BACKEND_ENV) or "auto"
     if device.type != "cpu":
         return False, (f"the model runs on {device.type}: its kernel set (Triton attention, fixed-tile "
-                       "GEMMs) is proven only under Triton's interpreter so far, and the GPU's row reductions "
-                       "are not yet replaced, so bitwise equality on a GPU is not promised")
+                       "GEMMs) is proven only under Triton's interpreter so far, and the GPU's row "
+                       "reductions are not yet replaced, so bitwise equality on a GPU is not promised")
     if forced not in ("auto", "kernel", "per_token"):
         return False, f"{BACKEND_ENV}={forced} forces an attention backend without the batch-invariant path"
     return True, ""
