@@ -9,11 +9,12 @@ kernels from the number and length of sequences, so one token gets different bit
 of 48 sequences and in a training row of 4,096 tokens; in bf16 that made rollout and trainer
 log-probs differ by up to 0.31. Under this mode:
 
-- every ``F.linear`` (so every ``nn.Linear``, and models calling ``F.linear`` directly) runs on fixed
+- every ``nn.Linear`` runs on fixed
   tiles of :data:`TILE_ROWS` rows (the last one zero-padded), so each row meets the same GEMM
   shape, hence the same kernel and sum order, wherever it sits (measured bitwise on every offset
   and row count tried, fp32/bf16/fp16). Its backward is the ordinary GEMM: only the forward must
-  match. The op audit in the tests checks every GEMM of each tested family.
+  match. (A model calling ``F.linear`` directly would escape it; the op audit in the tests checks
+  every GEMM of each tested family.)
 - nopad attention runs a kernel whose per-query order depends on nothing but the query's own keys,
   for training rows, prefill chunks and decode: the compiled CPU kernel
   (:mod:`packing.attention.cpu_kernel`), or with ``kernels="triton"`` the Triton kernel
@@ -21,9 +22,11 @@ log-probs differ by up to 0.31. Under this mode:
 - Everything else in the tested families (embedding, RMSNorm's row mean, RoPE, activations,
   ``log_softmax`` over a row) was audited as row-local: see ``tests/test_invariance.py``.
 
-The mode belongs to the thread that entered it: ``F.linear`` is caught by a
-``TorchFunctionMode``, whose stack is per thread, and the attention core asks that stack. Another
-thread (a data-loader thread, a second model) keeps the default numerics. It costs the padding of
+The mode belongs to the thread that entered it (a thread-local flag that ``nn.Linear`` and the
+attention core read); another thread (a data-loader thread, a second model) keeps the default
+numerics. A ``TorchFunctionMode`` would also catch direct ``F.linear`` calls, but PyTorch pops a
+mode while it handles ``Tensor.backward``, so activation checkpointing would recompute the forward
+with the default GEMMs and fail its own metadata check. It costs the padding of
 the last tile (32 rows: a decode step of 48 sequences computes 64 rows), the mode's per-op
 dispatch, and the attention kernel's forward on training rows (``bench_exactness.py``).
 """
@@ -31,10 +34,9 @@ dispatch, and the attention kernel's forward on training rows (``bench_exactness
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 TILE_ROWS = 32
 
@@ -60,36 +62,24 @@ def supported(device: torch.device | str) -> tuple[bool, str]:
 KERNEL_SETS = ("cpu", "triton")
 
 
-class _InvariantOps(TorchFunctionMode):
-    """Routes ``F.linear`` to :func:`invariant_linear` for the thread that entered the mode."""
-
-    def __init__(self, kernels: str | None):
-        super().__init__()
-        self.kernels = kernels
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            return invariant_linear(*args, **kwargs)
-        return func(*args, **kwargs)
+_local = threading.local()  # this thread's stack of active kernel choices (one entry per open block)
 
 
-def _active_mode() -> _InvariantOps | None:
-    for mode in reversed(_get_current_function_mode_stack()):
-        if isinstance(mode, _InvariantOps):
-            return mode
-    return None
+def _stack() -> list:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
 
 
 def active_kernels() -> str | None:
     """The kernel set the current mode forces ("cpu" / "triton"), or None (chosen by device)."""
-    mode = _active_mode()
-    return None if mode is None else mode.kernels
+    stack = _stack()
+    return stack[-1] if stack else None
 
 
 def is_enabled() -> bool:
     """True inside :func:`batch_invariant` in this thread."""
-    return _active_mode() is not None
+    return bool(_stack())
 
 
 def _tiled_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -159,6 +149,21 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         return _TiledLinear.apply(x, weight, bias)
 
 
+_plain_linear_forward = torch.nn.Linear.forward
+
+
+def _linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    """nn.Linear's forward: the plain one, or the fixed-tile one in a thread inside the mode."""
+    if getattr(_local, "stack", None):
+        return invariant_linear(input, self.weight, self.bias)
+    return _plain_linear_forward(self, input)
+
+
+# Installed once, on import: it changes nothing for a thread outside the mode (one attribute
+# check), and unlike a swap for the duration of a block it never leaks into another thread.
+torch.nn.Linear.forward = _linear_forward
+
+
 @contextlib.contextmanager
 def batch_invariant(enabled: bool = True, kernels: str | None = None):
     """Run the block with batch-invariant numerics (see module docstring), in this thread.
@@ -170,6 +175,9 @@ def batch_invariant(enabled: bool = True, kernels: str | None = None):
     if not enabled:
         yield
         return
-    outer = _active_mode()
-    with _InvariantOps(kernels if kernels is not None else (outer.kernels if outer else None)):
+    stack = _stack()
+    stack.append(kernels if kernels is not None else (stack[-1] if stack else None))
+    try:
         yield
+    finally:
+        stack.pop()
