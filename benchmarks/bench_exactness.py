@@ -6,7 +6,7 @@ temperature 1, seeded. For each dtype and mode:
 
   gap     |log pi_generator - log pi_trainer| per sampled token: the generator's raw log-prob
           (CompletionOutput.logprobs) against log_softmax(logits.float()) of the packed training
-          forward (recipes.grpo.packed_logprobs) on the same weights
+          forward (training.grpo.packed_logprobs) on the same weights
   cost    generator output tokens/s (rollout of the workload) and training tokens/s (forward +
           backward over the packed rows); the invariant mode's ratio to the default mode's
 
@@ -30,7 +30,7 @@ from benchmarks._workloads import grpo_workload  # noqa: E402
 from inference import Generator, SamplingParams  # noqa: E402
 from packing.hf import use_nopad_attention  # noqa: E402
 from packing.invariance import batch_invariant  # noqa: E402
-from recipes.grpo import Rollout, pack_rollouts, packed_logprobs  # noqa: E402
+from training.grpo import Rollout, pack_rollouts, packed_logprobs  # noqa: E402
 
 
 def measure(model, tokenizer, prompts, params, invariant: bool, capacity: int) -> dict:

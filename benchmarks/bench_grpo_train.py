@@ -7,7 +7,7 @@ completion tokens, LM head only on the positions that predict them). Timed: forw
 of every row of the step, the best of ``--repeats``:
 
   (a) shared   each prompt once per row, its completions attending to it
-               (``recipes.grpo.pack_rollouts(shared_prefix=True)``), nopad attention
+               (``training.grpo.pack_rollouts(shared_prefix=True)``), nopad attention
   (b) packed   every prompt+completion its own sequence, BFD-packed rows
                (``shared_prefix=False``), nopad attention
   (c) padded   micro-batches of the same token budget padded to the longest, sdpa attention
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 
 from packing import load_smollm2  # noqa: E402
 from packing.hf import use_nopad_attention  # noqa: E402
-from recipes.grpo import Rollout, pack_rollouts  # noqa: E402
+from training.grpo import Rollout, pack_rollouts  # noqa: E402
 
 SHAPES = [(512, 128, 8), (128, 512, 8), (64, 64, 4)]  # (prompt, completion, n)
 

@@ -122,8 +122,8 @@ def grpo_prompts(n: int) -> list[list[dict]]:
 def run_grpo(name: str, rollout_kind: str, trainer_kind: str, cfg: dict, out_dir: Path) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
-    from dataloaders.grpo_trainer import NopadGRPOTrainer
-    from inference.trl import nopad_rollout_func
+    from training.grpo_trainer import NopadGRPOTrainer
+    from training.trl_rollout import nopad_rollout_func
 
     model, tok = load_model()
     settings = dict(output_dir=str(out_dir / name.replace(" ", "_")),
@@ -222,7 +222,7 @@ def sft_texts(n: int, max_words: int, seed: int) -> list[str]:
 def run_sft(name: str, cfg: dict, texts: list[str], out_dir: Path) -> dict:
     from trl import SFTConfig, SFTTrainer
 
-    from dataloaders.trainer import NopadSFTTrainer
+    from training.trainer import NopadSFTTrainer
 
     model, tok = load_model()
     base = NopadSFTTrainer if name == "nopad" else SFTTrainer

@@ -2,8 +2,8 @@
 
 The usual path: ``packed_dataloader(tokenized_dataset, tokens_per_batch)`` -> batches of one flat
 varlen row each (``input_ids``, ``labels``, ``position_ids``, ``nopad_meta``, counts), sharded and
-balanced over the data-parallel ranks by the loader itself, resumable with ``state_dict()``;
-``PackedLoss`` normalises the loss by the step's global loss-token count.
+balanced over the data-parallel ranks by the loader itself, resumable with ``state_dict()``
+(the loss that normalises by the step's global loss-token count is ``training.PackedLoss``).
 ``StreamingPackedLoader`` does the same for streams.
 """
 
@@ -11,7 +11,6 @@ from dataloaders.balance import RankPlan, balance_bins
 from dataloaders.collator import PackedCollator
 from dataloaders.dataset import PackedDataset, PackedItem
 from dataloaders.loader import PackedDataLoader, move_batch, packed_dataloader
-from dataloaders.loss import PackedLoss, causal_lm_loss_sum
 from dataloaders.sampler import PackedBatchSampler
 from dataloaders.streaming import StreamingPackedLoader
 
@@ -21,11 +20,9 @@ __all__ = [
     "PackedDataLoader",
     "PackedDataset",
     "PackedItem",
-    "PackedLoss",
     "RankPlan",
     "StreamingPackedLoader",
     "balance_bins",
-    "causal_lm_loss_sum",
     "move_batch",
     "packed_dataloader",
 ]

@@ -7,7 +7,9 @@ rows, recompute the log-probs with the training forward and take one optimizer s
 
 Under ZeRO-3 / FSDP2 the rollout gathers the full weights once or keeps the ranks in lockstep
 (``generator.sharded_rollout``, :mod:`inference.sharded`), every rank trains on the same number of
-packed rows and takes exactly one optimizer step per GRPO step (:mod:`recipes.accumulation`).
+packed rows and takes exactly one optimizer step per GRPO step (:mod:`training.accumulation`).
+Rollouts -> packed rows -> log-probs, the loss and the advantages are :mod:`training.grpo`, the
+same code ``NopadGRPOTrainer`` runs.
 
 Generator and trainer run the same attention core, so in fp32 the generator's sampled-token
 log-probs equal the training forward's (the gap is reported every step). When they are not equal
@@ -21,11 +23,9 @@ import copy
 import json
 import logging
 import math
-import os
 import sys
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -33,20 +33,30 @@ import torch
 from dataloaders.loader import move_batch
 from inference.sharded import ROLLOUT_MODES, sharded_generate
 from packing.invariance import batch_invariant
-from recipes.accumulation import (
-    RowAccumulator,
-    check_engine_engaged,
-    global_sum,
-    pad_rows,
-    set_deepspeed_clipping,
-)
 from recipes.config import check_model_path, load_config, load_model, require
 from recipes.tasks import TASKS, encode_prompt, get_reward, load_examples
+from training.accelerator import engine_info
+from training.accelerator import make_accelerator as build_accelerator
+from training.accumulation import (
+    RowAccumulator,
+    global_sum,
+    pad_rows,
+)
+from training.grpo import (
+    ISWeightFn,
+    Rollout,
+    empty_rollout_row,
+    group_advantages,
+    grpo_token_loss,
+    pack_rollouts,
+    packed_logprobs,
+    resolve_batch_invariant,
+    truncated_is,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo.yaml"
-ISWeightFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 # ----------------------------------------------------------------------------- config
@@ -92,13 +102,6 @@ def validate_config(cfg: Mapping, *, have_model: bool = False) -> None:
         raise ValueError(f"train.clip_eps must be in (0, 1), got {tr['clip_eps']}")
 
 
-def truncated_is(cap: float) -> ISWeightFn:
-    """Truncated importance sampling: weight min(pi_train / pi_gen, cap) per token."""
-    def weights(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor) -> torch.Tensor:
-        return torch.exp(train_logprobs - gen_logprobs).clamp(max=cap)
-    return weights
-
-
 def resolve_is_correction(train_cfg: Mapping) -> ISWeightFn | None:
     spec = train_cfg["is_correction"]
     if spec in (None, "none"):
@@ -115,156 +118,7 @@ def resolve_is_correction(train_cfg: Mapping) -> ISWeightFn | None:
     return get_reward(spec, key="train.is_correction")  # same import-path resolution
 
 
-def use_batch_invariant(train_cfg: Mapping, model) -> bool:
-    """``train.batch_invariant``: true, false, or auto = on wherever nopad has a batch-invariant
-    attention path (:func:`packing.invariance.supported`), so rollouts are sampled from exactly the
-    policy being trained."""
-    from packing.invariance import supported as invariant_mode_supported
-
-    setting = train_cfg["batch_invariant"]
-    if setting not in ("auto", True, False):
-        raise ValueError(f"train.batch_invariant must be auto, true or false, got {setting!r}")
-    supported, why = invariant_mode_supported(next(model.parameters()).device)
-    if setting == "auto":
-        if not supported:
-            _warn_once(f"train.batch_invariant=auto: off ({why}), so rollout and trainer log-probs differ "
-                       "slightly here; consider train.is_correction=tis")
-        return supported
-    if setting and not supported:
-        raise ValueError(f"train.batch_invariant=true is not available: {why}; set "
-                         "train.batch_invariant=auto or false")
-    return bool(setting)
-
-
-_WARNED: set = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        logger.warning(message)
-
-
 # ----------------------------------------------------------------------------- pieces
-def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
-    """GRPO advantages: each reward minus its group's mean, over the group's std.
-    ``rewards`` is ``(num_prompts, num_generations)``; a group with equal rewards gets zeros."""
-    if rewards.ndim != 2 or rewards.shape[1] < 2:
-        raise ValueError(f"rewards must be (num_prompts, num_generations >= 2), got {tuple(rewards.shape)}")
-    mean = rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, keepdim=True)
-    return (rewards - mean) / (std + eps)
-
-
-@dataclass
-class Rollout:
-    """One sampled completion and everything the loss needs about it."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    gen_logprobs: list[float]  # raw model log-prob of each sampled token, from the generator
-    reward: float = 0.0
-    advantage: float = 0.0
-
-
-def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = True) -> list[dict]:
-    """Pack rollouts into varlen rows. Only completion tokens carry the loss: labels are -100 on
-    prompts. Each row also carries, in label order, the generator's log-probs, the advantage of
-    every loss token and the rollout index of each completion (``indices``).
-
-    ``shared_prefix`` (default): rollouts with the same prompt form a group whose prompt appears
-    once per row, each completion attending to it (:mod:`packing.bins.shared_prefix`); else every
-    rollout is its own prompt+completion sequence (BFD)."""
-    if not rollouts:  # a rank with no prompts this step (its padding rows come from pad_rows)
-        return []
-    if shared_prefix:
-        return _pack_shared_prefix(rollouts, capacity)
-    from dataloaders.collator import PackedCollator
-    from packing.bins.binpack import pack
-
-    collate = PackedCollator()
-    lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
-    rows = []
-    if not rollouts:  # a rank with no prompts this step
-        return rows
-    for indices in pack(lengths, capacity, strategy="bfd"):
-        examples, gen_lp, adv = [], [], []
-        for i in indices.tolist():
-            r = rollouts[i]
-            labels = [-100] * len(r.prompt_ids) + list(r.completion_ids)
-            examples.append({"input_ids": r.prompt_ids + r.completion_ids, "labels": labels, "index": i})
-            gen_lp += r.gen_logprobs
-            adv += [r.advantage] * len(r.completion_ids)
-        row = collate(examples)
-        row["gen_logprobs"] = torch.tensor(gen_lp, dtype=torch.float32)
-        row["advantages"] = torch.tensor(adv, dtype=torch.float32)
-        rows.append(row)
-    return rows
-
-
-def empty_rollout_row() -> dict:
-    """A two-token row with one (zero-weight) loss token: what a rank with fewer rows runs so
-    that every rank joins the same forward/backward collectives."""
-    from dataloaders.collator import PackedCollator
-
-    row = PackedCollator()([{"input_ids": [0, 0], "labels": [-100, 0], "index": -1}])
-    row.update(gen_logprobs=torch.zeros(1), advantages=torch.zeros(1), num_loss_tokens=0, empty=True)
-    return row
-
-
-def _pack_shared_prefix(rollouts: list[Rollout], capacity: int) -> list[dict]:
-    from packing.bins.shared_prefix import pack_groups, shared_prefix_row
-
-    members: dict[tuple, list[int]] = {}  # prompt -> its rollouts, in order of first appearance
-    for i, r in enumerate(rollouts):
-        members.setdefault(tuple(r.prompt_ids), []).append(i)
-    groups = list(members.values())
-    sizes = [(len(rollouts[g[0]].prompt_ids), [len(rollouts[i].completion_ids) for i in g]) for g in groups]
-    rows = []
-    for pieces in pack_groups(sizes, capacity):
-        picked = [[groups[g][j] for j in part] for g, part in pieces]
-        row = shared_prefix_row([(rollouts[idx[0]].prompt_ids, [rollouts[i].completion_ids for i in idx])
-                                 for idx in picked])
-        order = [i for idx in picked for i in idx]
-        row["indices"] = torch.tensor(order, dtype=torch.int64)
-        row["gen_logprobs"] = torch.tensor([lp for i in order for lp in rollouts[i].gen_logprobs],
-                                           dtype=torch.float32)
-        adv = [rollouts[i].advantage for i in order for _ in rollouts[i].completion_ids]
-        row["advantages"] = torch.tensor(adv, dtype=torch.float32)
-        rows.append(row)
-    return rows
-
-
-def packed_logprobs(model, row: Mapping) -> torch.Tensor:
-    """Log-probs of the loss tokens of one packed row under ``model`` (the training forward).
-    Only the positions that predict a loss token go through the LM head: the token before it in
-    its own sequence (``nopad_meta.previous_rows()``; in a shared-prefix row a completion's first
-    token is predicted by its prompt's last token)."""
-    labels = row["labels"][0]
-    targets_at = torch.nonzero(labels != -100).squeeze(1)
-    predict_at = row["nopad_meta"].previous_rows().to(targets_at.device)[targets_at]
-    if bool((predict_at < 0).any()):
-        raise ValueError("a loss token is the first token of its sequence: nothing predicts it")
-    out = model(input_ids=row["input_ids"], position_ids=row["position_ids"], nopad_meta=row["nopad_meta"],
-                logits_to_keep=predict_at, use_cache=False)
-    logits = out.logits[0].float()
-    return torch.log_softmax(logits, dim=-1).gather(1, labels[targets_at][:, None]).squeeze(1)
-
-
-def grpo_token_loss(logp, old_logp, advantages, clip_eps: float, weights=None, ref_logp=None, beta=0.0):
-    """Clipped policy-gradient loss per token (PPO/GRPO), optionally IS-weighted and with the k3 KL."""
-    ratio = torch.exp(logp - old_logp)
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
-    loss = -torch.minimum(ratio * advantages, clipped * advantages)
-    if weights is not None:
-        loss = loss * weights
-    if beta:
-        delta = ref_logp - logp
-        loss = loss + beta * (torch.exp(delta) - delta - 1)
-    return loss, (ratio - clipped).abs() > 0
-
-
-# ----------------------------------------------------------------------------- the step
 def sampling_params(cfg: Mapping, step: int):
     from inference import SamplingParams
 
@@ -278,12 +132,13 @@ def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[l
               is_weights: ISWeightFn | None = None, use_tqdm: bool = False, accumulator=None) -> dict:
     """One GRPO step on ``batch`` (examples with their token ids in ``prompt_ids``); returns metrics.
     Every rank calls it each step, also with an empty ``batch``. Pass the same ``accumulator``
-    (:class:`recipes.accumulation.RowAccumulator`) every step to count the optimizer steps."""
+    (:class:`training.accumulation.RowAccumulator`) every step to count the optimizer steps."""
     tr = cfg["train"]
     n = cfg["rollout"]["num_generations"]
     # 1. rollouts on the live weights; the KV cache is handed back before any backward pass
     t0 = time.perf_counter()
-    invariant = use_batch_invariant(tr, model)
+    invariant = resolve_batch_invariant(tr["batch_invariant"], next(model.parameters()).device,
+                                        "train.batch_invariant")
     with batch_invariant(invariant):
         outputs = sharded_generate(generator, model, prompt_ids, sampling_params(cfg, step),
                                    mode=cfg["generator"]["sharded_rollout"], use_tqdm=use_tqdm)
@@ -414,30 +269,10 @@ def make_generator(model, cfg: Mapping):
 
 
 def make_accelerator(cfg: Mapping):
-    """Accelerate as launched (DDP, DeepSpeed ZeRO-1/2/3, FSDP from ``accelerate launch``), or
-    DeepSpeed from ``accelerate.deepspeed_config``; gloo on CPU. DeepSpeed clips inside its own
-    step, so its ``"auto"`` gradient_clipping is set to ``train.max_grad_norm`` here."""
-    from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
-
-    cpu = not torch.cuda.is_available()
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    ds_config = cfg["accelerate"]["deepspeed_config"]
-    use_deepspeed = bool(ds_config) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    kwargs = {}
-    if ds_config:
-        if not Path(ds_config).is_file():
-            raise FileNotFoundError(f"accelerate.deepspeed_config={ds_config!r} does not exist")
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=str(ds_config),
-                                                     gradient_accumulation_steps=1)
-    if use_deepspeed and cpu:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    accelerator = Accelerator(cpu=cpu and not use_deepspeed,  # cpu=True would silently drop DeepSpeed
-                              kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu and distributed
-                              else [], **kwargs)
-    check_engine_engaged(accelerator)
-    set_deepspeed_clipping(accelerator, cfg["train"]["max_grad_norm"])
-    return accelerator
+    """The run's Accelerator (:func:`training.accelerator.make_accelerator`); GRPO steps the
+    optimizer once per step over all packed rows (:class:`training.accumulation.RowAccumulator`)."""
+    return build_accelerator(cfg["accelerate"]["deepspeed_config"],
+                             max_grad_norm=cfg["train"]["max_grad_norm"], recipe="recipes.grpo")
 
 
 def run_grpo(cfg: Mapping, model=None, tokenizer=None, progress: bool = True) -> list[dict]:
@@ -465,6 +300,8 @@ def run_grpo(cfg: Mapping, model=None, tokenizer=None, progress: bool = True) ->
     accelerator = make_accelerator(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tr["lr"], weight_decay=tr["weight_decay"])
     model, optimizer = accelerator.prepare(model, optimizer)
+    logger.info("training with %s on %d process(es)", engine_info(model, accelerator),
+                accelerator.num_processes)
     accumulator = RowAccumulator(model, optimizer, accelerator)
     policy = accelerator.unwrap_model(model)  # the same parameters: the generator reads them live
     generator = make_generator(policy, cfg)

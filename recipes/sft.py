@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,11 +34,12 @@ import torch
 from dataloaders.balance import attention_cost_from_config
 from dataloaders.dataset import BOUNDARY_COLUMNS
 from dataloaders.loader import move_batch, packed_dataloader
-from dataloaders.loss import PackedLoss
 from dataloaders.streaming import StreamingPackedLoader
-from recipes.accumulation import check_engine_engaged, set_deepspeed_clipping
 from recipes.config import load_config, load_model, save_model_dir
 from training import checkpoint
+from training.accelerator import engine_info
+from training.accelerator import make_accelerator as build_accelerator
+from training.loss import PackedLoss
 
 logger = logging.getLogger(__name__)
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sft.yaml"
@@ -153,62 +153,10 @@ class Progress:
         self.step = int(state["step"])
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
-
-
 def make_accelerator(cfg: Mapping):
-    """An Accelerator for the launch at hand. DeepSpeed is used when ``accelerate.deepspeed_config``
-    is set or when ``accelerate launch`` was given a DeepSpeed config file; on a CPU it runs over
-    gloo with ``DS_ACCELERATOR=cpu``. Asking for DeepSpeed and getting something else is an error,
-    never a silent fallback to DDP."""
-    from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, DistributedType, InitProcessGroupKwargs
-
-    cpu = not torch.cuda.is_available()
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    kwargs = {}
-    ds_config = cfg["accelerate"]["deepspeed_config"]
-    use_deepspeed = bool(ds_config) or _env_flag("ACCELERATE_USE_DEEPSPEED")
-    if ds_config and not Path(ds_config).is_file():
-        raise FileNotFoundError(f"accelerate.deepspeed_config={ds_config!r} does not exist")
-    if use_deepspeed and _env_flag("ACCELERATE_USE_CPU"):
-        raise ValueError(
-            "DeepSpeed was asked for (accelerate.deepspeed_config or an Accelerate DeepSpeed config), but "
-            "ACCELERATE_USE_CPU=1 makes Accelerate drop DeepSpeed and run plain DDP. On a CPU, unset it and "
-            "launch: accelerate launch --config_file "
-            "recipes/configs/accelerate_deepspeed.yaml -m recipes.sft"
-        )
-    if use_deepspeed and cpu:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if ds_config:
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=str(ds_config),
-                                                     gradient_accumulation_steps=cfg["train"]["grad_accum"])
-    accelerator = Accelerator(
-        cpu=cpu and not use_deepspeed,
-        gradient_accumulation_steps=cfg["train"]["grad_accum"],
-        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu and distributed else [],
-        **kwargs,
-    )
-    if use_deepspeed and accelerator.distributed_type != DistributedType.DEEPSPEED:
-        raise RuntimeError(f"DeepSpeed was asked for but Accelerate runs {accelerator.distributed_type}; "
-                           "check the launcher's environment (ACCELERATE_USE_CPU, the config file)")
-    check_engine_engaged(accelerator)
-    set_deepspeed_clipping(accelerator, cfg["train"]["max_grad_norm"])  # else "auto" clips at 1.0
-    return accelerator
-
-
-def engine_info(model, accelerator) -> dict:
-    """What actually trains the model, for the log and the result file (DeepSpeed engaged or not)."""
-    info = {"distributed_type": str(accelerator.distributed_type), "deepspeed_engine": False,
-            "zero_stage": None}
-    try:
-        import deepspeed
-    except ImportError:
-        return info
-    if isinstance(model, deepspeed.DeepSpeedEngine):
-        info.update(deepspeed_engine=True, zero_stage=int(model.zero_optimization_stage()))
-    return info
+    """The run's Accelerator (:func:`training.accelerator.make_accelerator`) from the config."""
+    return build_accelerator(cfg["accelerate"]["deepspeed_config"], grad_accum=cfg["train"]["grad_accum"],
+                             max_grad_norm=cfg["train"]["max_grad_norm"], recipe="recipes.sft")
 
 
 STATE_DIR = "training_state"  # inside step_N/: what resuming needs beyond the model directory

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 -m tests.sharded_sft_worker OUT_DIR
 
 Each engine accumulates one optimizer step over this rank's whole epoch of packed rows (gradient
-sync on the last row only) with :class:`dataloaders.loss.PackedLoss`, then writes the full
+sync on the last row only) with :class:`training.loss.PackedLoss`, then writes the full
 gradients, which must equal unpacked single-process training's.
 """
 
@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from dataloaders.loader import packed_dataloader
-from dataloaders.loss import PackedLoss
 from packing.hf import register_nopad_attention
 from tests.models import tiny_model
 from tests.test_dataloaders_loss import _rows
+from training.loss import PackedLoss
 
 ZERO3 = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 10**6}

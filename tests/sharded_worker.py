@@ -19,11 +19,11 @@ import torch.distributed as dist
 
 from inference import Generator, SamplingParams
 from inference.sharded import sharded_generate, sharding
-from recipes.accumulation import RowAccumulator
 from recipes.config import load_config, update_config
 from recipes.grpo import DEFAULT_CONFIG, build_prompts, grpo_step, make_accelerator
 from recipes.tasks import AsciiTokenizer, get_reward
 from tests.models import tiny_model
+from training.accumulation import RowAccumulator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (rollout regime, does rank 1 get prompts this step)

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from dataloaders.collator import PackedCollator
 from dataloaders.loader import packed_dataloader
-from dataloaders.loss import PackedLoss, causal_lm_loss_sum
 from tests.models import tiny_model
+from training.loss import PackedLoss, causal_lm_loss_sum
 
 
 def _attn_implementation() -> str:

@@ -10,15 +10,7 @@ import pytest
 import torch
 
 from recipes.config import load_config, parse_override, update_config
-from recipes.grpo import (
-    DEFAULT_CONFIG,
-    Rollout,
-    group_advantages,
-    grpo_token_loss,
-    pack_rollouts,
-    truncated_is,
-    validate_config,
-)
+from recipes.grpo import DEFAULT_CONFIG, validate_config
 from recipes.tasks import (
     AsciiTokenizer,
     arithmetic_task,
@@ -26,6 +18,7 @@ from recipes.tasks import (
     get_reward,
     last_number_match,
 )
+from training.grpo import Rollout, group_advantages, grpo_token_loss, pack_rollouts, truncated_is
 
 
 def config(**overrides):
@@ -193,7 +186,7 @@ def policy():
 
 def test_packed_logprobs_match_unpacked_forwards(policy):
     from packing.hf import use_nopad_attention
-    from recipes.grpo import packed_logprobs
+    from training.grpo import packed_logprobs
 
     g = torch.Generator().manual_seed(0)
     rollouts = [Rollout(torch.randint(3, 128, (p,), generator=g).tolist(),
@@ -374,3 +367,38 @@ def test_batch_invariant_setting_is_checked():
 
     with pytest.raises(ValueError, match="train.batch_invariant must be auto, true or false"):
         validate_config(tiny_config(train={"batch_invariant": "yes"}), have_model=True)
+
+
+def test_recipe_and_trl_trainer_score_rollouts_through_the_one_shared_function(monkeypatch):
+    """The GRPO recipe's training forward (pack_rollouts + packed_logprobs) and NopadGRPOTrainer's
+    (TRL's padded batch -> the same two functions) give the same log-probs, bitwise."""
+    import training.grpo
+    from packing.hf import use_nopad_attention
+    from packing.invariance import batch_invariant
+    from tests.models import tiny_model
+    from training.grpo import packed_logprobs
+    from training.grpo_trainer import packed_completion_logprobs
+
+    model = tiny_model("qwen2")
+    prompts = [[5, 6, 7], [5, 6, 7], [9, 3]]
+    completions = [[11, 12], [13, 14, 15], [16]]
+    rollouts = [Rollout(p, c, [0.0] * len(c)) for p, c in zip(prompts, completions)]
+    # TRL's layout: left-padded prompts | right-padded completions
+    width_p, width_c = max(map(len, prompts)), max(map(len, completions))
+    ids = torch.zeros(3, width_p + width_c, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, (p, c) in enumerate(zip(prompts, completions)):
+        ids[b, width_p - len(p):width_p], mask[b, width_p - len(p):width_p] = torch.tensor(p), 1
+        ids[b, width_p:width_p + len(c)], mask[b, width_p:width_p + len(c)] = torch.tensor(c), 1
+    calls = []
+    monkeypatch.setattr(training.grpo_trainer, "packed_logprobs",
+                        lambda *a, **k: calls.append(1) or training.grpo.packed_logprobs(*a, **k))
+    with use_nopad_attention(model), torch.no_grad(), batch_invariant():
+        recipe = {}
+        for row in pack_rollouts(rollouts, capacity=64):
+            scored = packed_logprobs(model, row).split([len(completions[i]) for i in row["indices"].tolist()])
+            recipe.update(zip(row["indices"].tolist(), scored))
+        trainer, _ = packed_completion_logprobs(model, ids, mask, width_c)
+    assert calls  # the trainer went through the shared function
+    for b, c in enumerate(completions):
+        assert torch.equal(trainer[b, :len(c)], recipe[b])

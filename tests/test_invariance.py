@@ -19,8 +19,8 @@ from packing.attention.sdpa import KeySource
 from packing.hf import use_nopad_attention
 from packing.invariance import TILE_ROWS, batch_invariant, invariant_linear, is_enabled
 from packing.varlen import VarlenMeta
-from recipes.grpo import Rollout, pack_rollouts, packed_logprobs
 from tests.models import FAMILIES, random_sequences, tiny_model
+from training.grpo import Rollout, pack_rollouts, packed_logprobs
 
 DTYPES = (torch.float32, torch.bfloat16)
 HYPOTHESIS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -150,17 +150,17 @@ def test_lockstep_generate_alone_equals_generate(one_thread):
 
 
 def test_multi_process_without_a_wrapper_is_a_clear_error(monkeypatch):
-    from recipes.accumulation import RowAccumulator
+    from training.accumulation import RowAccumulator
 
     model = tiny_model("llama")
-    monkeypatch.setattr("recipes.accumulation.world_size", lambda accelerator=None: 2)
+    monkeypatch.setattr("training.accumulation.world_size", lambda accelerator=None: 2)
     with pytest.raises(ValueError, match="DistributedDataParallel or fully_shard"):
         RowAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 def test_empty_row_adds_no_gradient(one_thread):
     from packing.hf import use_nopad_attention
-    from recipes.grpo import empty_rollout_row, packed_logprobs
+    from training.grpo import empty_rollout_row, packed_logprobs
 
     model = tiny_model("llama")
     row = empty_rollout_row()
@@ -173,7 +173,7 @@ def test_empty_row_adds_no_gradient(one_thread):
 def test_an_engine_asked_for_but_not_engaged_is_an_error(monkeypatch):
     from types import SimpleNamespace
 
-    from recipes.accumulation import check_engine_engaged
+    from training.accumulation import check_engine_engaged
 
     ddp = SimpleNamespace(distributed_type=SimpleNamespace(name="MULTI_CPU"))
     check_engine_engaged(ddp)
@@ -185,7 +185,7 @@ def test_an_engine_asked_for_but_not_engaged_is_an_error(monkeypatch):
 def test_row_accumulator_one_step_over_rows_and_double_steps_are_errors(one_thread):
     from accelerate import Accelerator
 
-    from recipes.accumulation import RowAccumulator
+    from training.accumulation import RowAccumulator
 
     _reset_accelerate()
     accelerator = Accelerator(cpu=True)

@@ -13,8 +13,8 @@ from packing.attention import varlen_attention
 from packing.bins.shared_prefix import pack_groups, shared_prefix_row
 from packing.hf import use_nopad_attention
 from packing.varlen import VarlenMeta
-from recipes.grpo import Rollout, pack_rollouts, packed_logprobs
 from tests.models import random_sequences, tiny_model
+from training.grpo import Rollout, pack_rollouts, packed_logprobs
 
 GROUPS = [(12, [5, 9, 7]), (10, [11, 4])]  # (prompt_len, completion_lens); windows are 8 tokens
 ONE_ROW = [[(0, [0, 1, 2]), (1, [0, 1])]]

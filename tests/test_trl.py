@@ -15,8 +15,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, TrainerCallback, TrainingArguments
 
 from dataloaders.sampler import PackedBatchSampler
-from dataloaders.trainer import NopadTrainer, TrainerEpochSampler
 from tests.models import tiny_model
+from training.trainer import NopadTrainer, TrainerEpochSampler
 
 trl = pytest.importorskip("trl")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -79,7 +79,7 @@ def _grpo(tok, tmp_path, rollout, prompts=None, cls=None, batch_invariant=None, 
 
 
 def test_grpo_trains_and_the_log_probs_make_the_importance_ratio(tok, tmp_path, one_thread):
-    from inference.trl import nopad_rollout_func
+    from training.trl_rollout import nopad_rollout_func
 
     rollout = nopad_rollout_func(importance_sampling=True, max_num_batched_tokens=128)
     trainer = _grpo(tok, tmp_path, rollout)
@@ -103,7 +103,7 @@ def test_rollout_matches_trl_contract_and_settings(tok, tmp_path, one_thread):
     """Default path (no IS flag): one completion per prompt entry, groups prefilled once, the
     trainer's sampling settings honoured, and the log-probs are TRL's sampling_per_token_logps."""
     from inference.sampler import processed_logprobs
-    from inference.trl import nopad_rollout_func, sampling_params
+    from training.trl_rollout import nopad_rollout_func, sampling_params
 
     rollout = nopad_rollout_func(max_num_batched_tokens=128)
     trainer = _grpo(tok, tmp_path, rollout, max_steps=1, temperature=0.7, top_p=0.9, top_k=20, min_p=0.01,
@@ -156,7 +156,7 @@ def _trl_scores(trainer, prompt_ids, completion_ids):
 
 def test_rollout_refuses_what_it_cannot_honour(tok, tmp_path, monkeypatch):
     import packing
-    from inference.trl import nopad_rollout_func, sampling_params
+    from training.trl_rollout import nopad_rollout_func, sampling_params
 
     trainer = _grpo(tok, tmp_path, nopad_rollout_func(), generation_kwargs={"typical_p": 0.5})
     with pytest.raises(ValueError, match="typical_p"):
@@ -182,7 +182,7 @@ def test_rollout_refuses_what_it_cannot_honour(tok, tmp_path, monkeypatch):
 def test_sft_trainer_loss_and_gradients_equal_unpacked(tok, tmp_path, one_thread):
     from trl import SFTConfig
 
-    from dataloaders.trainer import NopadSFTTrainer
+    from training.trainer import NopadSFTTrainer
 
     grads, seen = [], []
 
@@ -228,7 +228,7 @@ def test_sft_trainer_loss_and_gradients_equal_unpacked(tok, tmp_path, one_thread
 def test_sft_trainer_refuses_trl_packing(tok, tmp_path):
     from trl import SFTConfig
 
-    from dataloaders.trainer import NopadSFTTrainer
+    from training.trainer import NopadSFTTrainer
 
     with pytest.raises(ValueError, match="packing=False"):
         NopadSFTTrainer(model=tiny_model("llama"), processing_class=tok,
@@ -296,8 +296,8 @@ def test_bf16_autocast_and_bf16_weights(tok, tmp_path, one_thread):
     """What users train in: GRPO under bf16 autocast (fp32 weights), SFT on bf16 weights."""
     from trl import SFTConfig
 
-    from dataloaders.trainer import NopadSFTTrainer
-    from inference.trl import nopad_rollout_func
+    from training.trainer import NopadSFTTrainer
+    from training.trl_rollout import nopad_rollout_func
 
     trainer = _grpo(tok, tmp_path, nopad_rollout_func(importance_sampling=True), bf16=True, max_steps=1)
     trainer.train()
@@ -364,7 +364,7 @@ def test_nopad_grpo_trainer_logprobs_loss_and_gradients_equal_trls_padded_path(t
                                                                                one_thread):
     from trl import GRPOTrainer
 
-    from dataloaders.grpo_trainer import NopadGRPOTrainer
+    from training.grpo_trainer import NopadGRPOTrainer
 
     reference, ref_grads = _grpo_step_grads(tok, tmp_path, GRPOTrainer)
     nopad, grads = _grpo_step_grads(tok, tmp_path, NopadGRPOTrainer, shared_prefix=shared_prefix)
@@ -398,8 +398,8 @@ def test_batch_invariant_rollout_and_trainer_log_probs_are_bitwise_equal(tok, tm
     """On-policy, the importance ratio is exactly 1: the rollout's log-probs (temperature-scaled, with
     top-p on), TRL's old log-probs and the loss forward's are the same bits, fp32 and bf16 autocast.
     (Without the batch-invariant mode both dtypes fail these equalities.)"""
-    from dataloaders.grpo_trainer import NopadGRPOTrainer
-    from inference.trl import nopad_rollout_func
+    from training.grpo_trainer import NopadGRPOTrainer
+    from training.trl_rollout import nopad_rollout_func
 
     seen = []
 
@@ -453,8 +453,8 @@ def test_rollout_on_an_fsdp2_sharded_policy(tmp_path, mode):
 def test_packed_completion_logprobs_equal_one_sequence_at_a_time(shared_prefix, budget, one_thread):
     """TRL's padded layout in, (B, C) log-probs and entropies out, for whole groups, groups split
     over rows (a 16-token budget splits the 20-token group), a row whose completion is masked out entirely."""
-    from dataloaders.grpo_trainer import packed_completion_logprobs
     from packing.hf import register_nopad_attention
+    from training.grpo_trainer import packed_completion_logprobs
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (9, 4)]
@@ -488,7 +488,7 @@ def test_packed_completion_logprobs_equal_one_sequence_at_a_time(shared_prefix, 
 
 
 def test_batch_invariant_setting_follows_where_the_model_trains(monkeypatch, caplog):
-    from dataloaders.grpo_trainer import resolve_batch_invariant
+    from training.grpo_trainer import resolve_batch_invariant
 
     assert resolve_batch_invariant("auto", "cpu") is True
     assert resolve_batch_invariant(False, "cpu") is False
@@ -506,7 +506,7 @@ def test_batch_invariant_setting_follows_where_the_model_trains(monkeypatch, cap
 def test_split_forwards_are_refused_under_zero3_and_fsdp():
     from types import SimpleNamespace
 
-    from dataloaders.grpo_trainer import NopadGRPOTrainerMixin
+    from training.grpo_trainer import NopadGRPOTrainerMixin
 
     policy = torch.nn.Linear(2, 2)
     refuse = NopadGRPOTrainerMixin._refuse_uneven_sharded_forwards
@@ -532,7 +532,7 @@ def test_split_forwards_are_refused_under_zero3_and_fsdp():
     ({"generation_kwargs": {"typical_p": 0.5}}, "typical_p"),
 ])
 def test_grpo_trainer_rejects_bad_generation_settings_at_construction(tok, tmp_path, config, message):
-    from dataloaders.grpo_trainer import NopadGRPOTrainer
+    from training.grpo_trainer import NopadGRPOTrainer
 
     with pytest.raises(ValueError, match=message):
         _grpo(tok, tmp_path, None, cls=NopadGRPOTrainer, **config)
@@ -541,7 +541,7 @@ def test_grpo_trainer_rejects_bad_generation_settings_at_construction(tok, tmp_p
 def test_sft_trainer_with_an_empty_dataset_says_so(tok, tmp_path):
     from trl import SFTConfig
 
-    from dataloaders.trainer import NopadSFTTrainer
+    from training.trainer import NopadSFTTrainer
 
     with pytest.raises(ValueError, match="train_dataset is empty"):
         NopadSFTTrainer(model=tiny_model("llama"), processing_class=tok,

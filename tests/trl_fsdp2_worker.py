@@ -23,9 +23,9 @@ def main(mode: str, out_dir: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from inference.trl import nopad_rollout_func
     from tests.models import tiny_model
     from tests.test_trl import make_tokenizer
+    from training.trl_rollout import nopad_rollout_func
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

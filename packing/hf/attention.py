@@ -256,7 +256,7 @@ def check_packed_call(model: transformers.PreTrainedModel, kwargs: dict) -> None
         raise ValueError(
             "labels= with a shared-prefix row: the model's loss predicts token t from t - 1, but a "
             "completion's first token is predicted by its prompt's last token. Compute the loss from the "
-            "logits at nopad_meta.previous_rows() (see recipes.grpo.packed_logprobs)."
+            "logits at nopad_meta.previous_rows() (see training.grpo.packed_logprobs)."
         )
     if meta is None and not _is_packed(position_ids):
         return

@@ -1,6 +1,6 @@
 """TRL's ``GRPOTrainer`` with nopad's training forward: packed rows instead of padded batches.
 
-    from dataloaders.grpo_trainer import NopadGRPOTrainer
+    from training.grpo_trainer import NopadGRPOTrainer
     trainer = NopadGRPOTrainer(model, reward_funcs, args=GRPOConfig(...), train_dataset=prompts,
                                processing_class=tok)    # rollouts: nopad_rollout_func() by default
     trainer.train()
@@ -40,28 +40,14 @@ from typing import Any
 
 import torch
 
+from dataloaders.loader import move_batch
+from training.grpo import Rollout, pack_rollouts, packed_logprobs, resolve_batch_invariant
+
 logger = logging.getLogger(__name__)
 
 # the parameters of GRPOTrainer._get_per_token_logps_and_entropies this override was written for
 _EXPECTED_PARAMS = ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
                     "compute_aux_loss")
-
-
-def resolve_batch_invariant(setting: bool | str, device: torch.device | str) -> bool:
-    """``True`` / ``False`` / ``"auto"`` (on where supported, else off with a warning)."""
-    if setting not in ("auto", True, False):
-        raise ValueError(f"batch_invariant must be 'auto', True or False, got {setting!r}")
-    from packing.invariance import supported as invariant_mode_supported
-
-    supported, why = invariant_mode_supported(device)
-    if setting == "auto":
-        if not supported:
-            logger.warning("batch_invariant='auto': off (%s); rollout and trainer log-probs will differ "
-                           "slightly", why)
-        return supported
-    if setting and not supported:
-        raise ValueError(f"batch_invariant=True is not available: {why}. Use batch_invariant='auto' or False")
-    return bool(setting)
 
 
 # ----------------------------------------------------------------------------- the packed forward
@@ -77,42 +63,6 @@ def _sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_
     return out
 
 
-def _plain_rows(seqs, order, capacity):
-    """Usual packing: ``prompt + completion`` per sequence, rows of at most ``capacity`` tokens."""
-    from packing.bins.binpack import pack
-    from packing.varlen import VarlenMeta
-
-    lengths = [len(seqs[b][0]) + len(seqs[b][1]) for b in order]
-    for row in pack(lengths, capacity, strategy="bfd"):
-        members = [order[i] for i in sorted(row.tolist())]
-        ids, predict_at, start = [], [], 0
-        for b in members:
-            prompt, completion, _ = seqs[b]
-            ids += prompt + completion
-            predict_at += range(start + len(prompt) - 1, start + len(prompt) + len(completion) - 1)
-            start += len(prompt) + len(completion)
-        meta = VarlenMeta.from_lengths([len(seqs[b][0]) + len(seqs[b][1]) for b in members])
-        yield ids, meta, predict_at, members
-
-
-def _shared_rows(seqs, order, capacity):
-    """Shared-prefix packing: completions of the same prompt share one copy of it per row."""
-    from packing.bins.shared_prefix import pack_groups, shared_prefix_row
-
-    members: dict[tuple, list[int]] = {}
-    for b in order:
-        members.setdefault(tuple(seqs[b][0]), []).append(b)
-    groups = list(members.values())
-    sizes = [(len(seqs[g[0]][0]), [len(seqs[b][1]) for b in g]) for g in groups]
-    for pieces in pack_groups(sizes, capacity):
-        picked = [[groups[g][j] for j in part] for g, part in pieces]
-        row = shared_prefix_row([(seqs[idx[0]][0], [seqs[b][1] for b in idx]) for idx in picked])
-        meta = row["nopad_meta"]
-        targets_at = torch.nonzero(row["labels"][0] != -100).squeeze(1)
-        predict_at = meta.previous_rows()[targets_at].tolist()
-        yield row["input_ids"][0].tolist(), meta, predict_at, [b for idx in picked for b in idx]
-
-
 def packed_completion_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                logits_to_keep: int, temperature: float = 1.0, *, shared_prefix: bool = True,
                                compute_entropy: bool = False, entropy_grad: bool = True,
@@ -124,6 +74,7 @@ def packed_completion_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, 
     completions; ``logits_to_keep = C``. Returns ``(logps, entropies)`` shaped ``(B, C)`` (entropies
     None unless asked), 0 where the mask is 0, differentiable w.r.t. the model's parameters
     (the entropies only with ``entropy_grad``: TRL needs their gradient for its entropy bonus alone).
+    The rows are packed and scored by :mod:`training.grpo`, the code the GRPO recipe runs.
     ``model`` must run nopad attention (``model.set_attn_implementation("nopad")``).
     ``forward_context`` is entered around every forward (autocast, batch-invariant mode).
     """
@@ -141,24 +92,21 @@ def packed_completion_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, 
         # keep the result connected to the model, as TRL's masked scatter does
         zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
         return logps + zero, entropies
-    lengths = [len(seqs[b][0]) + len(seqs[b][1]) for b in order]
+    rollouts = [Rollout(seqs[b][0], seqs[b][1], [0.0] * len(seqs[b][1])) for b in order]
+    lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
     capacity = max(max_tokens_per_forward or sum(lengths), max(lengths))  # a sequence is never split
-    build = _shared_rows if shared_prefix else _plain_rows
     scatter_rows, scatter_cols, picked, entropy_parts = [], [], [], []
-    for ids, meta, predict_at, members in build(seqs, order, capacity):
-        meta = meta.to(device)
-        keep = torch.tensor(predict_at, device=device)  # only these positions reach the LM head
+    for row in pack_rollouts(rollouts, capacity, shared_prefix=shared_prefix):
+        row = move_batch(row, device)
         with forward_context():
-            row = torch.tensor(ids, device=device)[None]
-            logits = model(input_ids=row, position_ids=meta.position_ids[None], nopad_meta=meta,
-                           logits_to_keep=keep, use_cache=False).logits[0]
-        logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
-        targets = torch.tensor([t for b in members for t in seqs[b][1]], device=device)
-        picked.append(logp_all.gather(1, targets[:, None])[:, 0])
+            scored = packed_logprobs(model, row, temperature, compute_entropy=compute_entropy,
+                                     entropy_grad=entropy_grad)
+        row_logps, row_entropies = scored if compute_entropy else (scored, None)
+        picked.append(row_logps)
         if compute_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                entropy_parts.append(-(logp_all.exp() * logp_all).sum(-1))
-        for b in members:
+            entropy_parts.append(row_entropies)
+        for i in row["indices"].tolist():  # the row's completions, in label order
+            b = order[i]
             scatter_rows += [b] * len(seqs[b][1])
             scatter_cols += seqs[b][2]
     index = (torch.tensor(scatter_rows, device=device), torch.tensor(scatter_cols, device=device))
@@ -178,7 +126,7 @@ class NopadGRPOTrainerMixin:
     tiles (``benchmarks/bench_trl.py`` measures it).
     ``max_tokens_per_forward``: tokens of one packed forward (default: the whole micro-batch, one
     forward per call on every rank, as ZeRO-3 / FSDP2 need: leave it unset there).
-    ``rollout_func`` defaults to :func:`inference.trl.nopad_rollout_func` with the same
+    ``rollout_func`` defaults to :func:`training.trl_rollout.nopad_rollout_func` with the same
     ``batch_invariant``; ``nopad_rollout=False`` keeps TRL's own generation instead.
     """
 
@@ -199,7 +147,7 @@ class NopadGRPOTrainerMixin:
         device = getattr(train_args, "device", None) or next(model.parameters()).device  # where it will train
         self.nopad_batch_invariant = resolve_batch_invariant(batch_invariant, device)
         if nopad_rollout and kwargs.get("rollout_func") is None:
-            from inference.trl import nopad_rollout_func
+            from training.trl_rollout import nopad_rollout_func
 
             kwargs["rollout_func"] = nopad_rollout_func(batch_invariant=self.nopad_batch_invariant)
         rollout = kwargs.get("rollout_func")
@@ -214,7 +162,7 @@ class NopadGRPOTrainerMixin:
         register_nopad_attention()
         policy = self.accelerator.unwrap_model(self.model)
         self._refuse_uneven_sharded_forwards(policy)
-        from inference.trl import NopadRollout, sampling_params
+        from training.trl_rollout import NopadRollout, sampling_params
 
         if isinstance(rollout, NopadRollout):  # bad generation settings fail now, not at the first rollout
             sampling_params(self)

@@ -1,6 +1,6 @@
 """nopad packing inside transformers' ``Trainer`` and TRL's ``SFTTrainer`` (which is one).
 
-    from dataloaders.trainer import NopadTrainer, NopadSFTTrainer
+    from training.trainer import NopadTrainer, NopadSFTTrainer
     trainer = NopadSFTTrainer(model, args=SFTConfig(max_length=1024, ...), train_dataset=ds,
                               processing_class=tok)         # tokens_per_batch defaults to
     trainer.train()                                          # per_device_train_batch_size * max_length

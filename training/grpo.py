@@ -1,0 +1,172 @@
+"""GRPO, written once for the recipe and for ``NopadGRPOTrainer``: sampled completions
+(:class:`Rollout`) -> packed varlen rows (:func:`pack_rollouts`) -> the training forward's
+log-probs (:func:`packed_logprobs`), the group advantages, the clipped token loss and the choice
+of batch-invariant numerics.
+
+Why one module: the rollout's log-probs equal the trainer's bitwise only if both sides pack and
+score the same way; two copies had drifted before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ISWeightFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def resolve_batch_invariant(setting: bool | str, device: torch.device | str,
+                            key: str = "batch_invariant") -> bool:
+    """``True`` / ``False`` / ``"auto"`` (on where :func:`packing.invariance.supported`, else off
+    with a warning), for the setting called ``key`` (``train.batch_invariant`` in the recipe)."""
+    if setting not in ("auto", True, False):
+        raise ValueError(f"{key} must be 'auto', True or False, got {setting!r}")
+    from packing.invariance import supported as invariant_mode_supported
+
+    supported, why = invariant_mode_supported(device)
+    if setting == "auto":
+        if not supported:
+            logger.warning("%s='auto': off (%s); rollout and trainer log-probs will differ slightly",
+                           key, why)
+        return supported
+    if setting and not supported:
+        raise ValueError(f"{key}=True is not available: {why}. Use {key}='auto' or False")
+    return bool(setting)
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO advantages: each reward minus its group's mean, over the group's std.
+    ``rewards`` is ``(num_prompts, num_generations)``; a group with equal rewards gets zeros."""
+    if rewards.ndim != 2 or rewards.shape[1] < 2:
+        raise ValueError(f"rewards must be (num_prompts, num_generations >= 2), got {tuple(rewards.shape)}")
+    mean = rewards.mean(dim=1, keepdim=True)
+    std = rewards.std(dim=1, keepdim=True)
+    return (rewards - mean) / (std + eps)
+
+
+@dataclass
+class Rollout:
+    """One sampled completion and everything the loss needs about it."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    gen_logprobs: list[float]  # raw model log-prob of each sampled token, from the generator
+    reward: float = 0.0
+    advantage: float = 0.0
+
+
+def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = True) -> list[dict]:
+    """Pack rollouts into varlen rows. Only completion tokens carry the loss: labels are -100 on
+    prompts. Each row also carries, in label order, the generator's log-probs, the advantage of
+    every loss token and the rollout index of each completion (``indices``).
+
+    ``shared_prefix`` (default): rollouts with the same prompt form a group whose prompt appears
+    once per row, each completion attending to it (:mod:`packing.bins.shared_prefix`); else every
+    rollout is its own prompt+completion sequence (BFD)."""
+    if not rollouts:  # a rank with no prompts this step (its padding rows come from pad_rows)
+        return []
+    if shared_prefix:
+        return _pack_shared_prefix(rollouts, capacity)
+    from dataloaders.collator import PackedCollator
+    from packing.bins.binpack import pack
+
+    collate = PackedCollator()
+    lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
+    rows = []
+    if not rollouts:  # a rank with no prompts this step
+        return rows
+    for indices in pack(lengths, capacity, strategy="bfd"):
+        examples, gen_lp, adv = [], [], []
+        for i in indices.tolist():
+            r = rollouts[i]
+            labels = [-100] * len(r.prompt_ids) + list(r.completion_ids)
+            examples.append({"input_ids": r.prompt_ids + r.completion_ids, "labels": labels, "index": i})
+            gen_lp += r.gen_logprobs
+            adv += [r.advantage] * len(r.completion_ids)
+        row = collate(examples)
+        row["gen_logprobs"] = torch.tensor(gen_lp, dtype=torch.float32)
+        row["advantages"] = torch.tensor(adv, dtype=torch.float32)
+        rows.append(row)
+    return rows
+
+
+def empty_rollout_row() -> dict:
+    """A two-token row with one (zero-weight) loss token: what a rank with fewer rows runs so
+    that every rank joins the same forward/backward collectives."""
+    from dataloaders.collator import PackedCollator
+
+    row = PackedCollator()([{"input_ids": [0, 0], "labels": [-100, 0], "index": -1}])
+    row.update(gen_logprobs=torch.zeros(1), advantages=torch.zeros(1), num_loss_tokens=0, empty=True)
+    return row
+
+
+def _pack_shared_prefix(rollouts: list[Rollout], capacity: int) -> list[dict]:
+    from packing.bins.shared_prefix import pack_groups, shared_prefix_row
+
+    members: dict[tuple, list[int]] = {}  # prompt -> its rollouts, in order of first appearance
+    for i, r in enumerate(rollouts):
+        members.setdefault(tuple(r.prompt_ids), []).append(i)
+    groups = list(members.values())
+    sizes = [(len(rollouts[g[0]].prompt_ids), [len(rollouts[i].completion_ids) for i in g]) for g in groups]
+    rows = []
+    for pieces in pack_groups(sizes, capacity):
+        picked = [[groups[g][j] for j in part] for g, part in pieces]
+        row = shared_prefix_row([(rollouts[idx[0]].prompt_ids, [rollouts[i].completion_ids for i in idx])
+                                 for idx in picked])
+        order = [i for idx in picked for i in idx]
+        row["indices"] = torch.tensor(order, dtype=torch.int64)
+        row["gen_logprobs"] = torch.tensor([lp for i in order for lp in rollouts[i].gen_logprobs],
+                                           dtype=torch.float32)
+        adv = [rollouts[i].advantage for i in order for _ in rollouts[i].completion_ids]
+        row["advantages"] = torch.tensor(adv, dtype=torch.float32)
+        rows.append(row)
+    return rows
+
+
+def packed_logprobs(model, row: Mapping, temperature: float = 1.0, *, compute_entropy: bool = False,
+                    entropy_grad: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the loss tokens of one packed row under ``model`` (the training forward), in
+    label order: ``log_softmax(logits / temperature)`` at each sampled token. With
+    ``compute_entropy`` returns ``(logps, entropies)`` (the entropies differentiable only with
+    ``entropy_grad``). Only the positions that predict a loss token go through the LM head: the
+    token before it in its own sequence (``nopad_meta.previous_rows()``; in a shared-prefix row a
+    completion's first token is predicted by its prompt's last token)."""
+    labels = row["labels"][0]
+    targets_at = torch.nonzero(labels != -100).squeeze(1)
+    predict_at = row["nopad_meta"].previous_rows().to(targets_at.device)[targets_at]
+    if bool((predict_at < 0).any()):
+        raise ValueError("a loss token is the first token of its sequence: nothing predicts it")
+    out = model(input_ids=row["input_ids"], position_ids=row["position_ids"], nopad_meta=row["nopad_meta"],
+                logits_to_keep=predict_at, use_cache=False)
+    logits = out.logits[0].float()
+    logp_all = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+    logps = logp_all.gather(1, labels[targets_at][:, None]).squeeze(1)
+    if not compute_entropy:
+        return logps
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropies = -(logp_all.exp() * logp_all).sum(-1)
+    return logps, entropies
+
+def grpo_token_loss(logp, old_logp, advantages, clip_eps: float, weights=None, ref_logp=None, beta=0.0):
+    """Clipped policy-gradient loss per token (PPO/GRPO), optionally IS-weighted and with the k3 KL."""
+    ratio = torch.exp(logp - old_logp)
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    loss = -torch.minimum(ratio * advantages, clipped * advantages)
+    if weights is not None:
+        loss = loss * weights
+    if beta:
+        delta = ref_logp - logp
+        loss = loss + beta * (torch.exp(delta) - delta - 1)
+    return loss, (ratio - clipped).abs() > 0
+
+
+def truncated_is(cap: float) -> ISWeightFn:
+    """Truncated importance sampling: weight min(pi_train / pi_gen, cap) per token."""
+    def weights(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor) -> torch.Tensor:
+        return torch.exp(train_logprobs - gen_logprobs).clamp(max=cap)
+    return weights
