@@ -113,8 +113,7 @@ def load_model(model_cfg: Mapping):
     dtype = getattr(torch, name)
     path = check_model_path(model_cfg.get("path"))
     if path.startswith("tiny:"):  # smoke runs and multi-process tests: no files, ASCII tokens
-        from recipes.sft import tiny_causal_lm
-        from recipes.tasks import AsciiTokenizer
+        from recipes.tasks import AsciiTokenizer, tiny_causal_lm
 
         model, _ = tiny_causal_lm(path.split(":", 1)[1])
         return model.eval(), AsciiTokenizer()

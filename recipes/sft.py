@@ -46,22 +46,6 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sft.yaml"
 
 
 # ---------------------------------------------------------------------------------- model and data
-def tiny_causal_lm(family: str = "llama", seed: int = 0):
-    """A tiny random-weight causal LM for smoke runs and tests (no download)."""
-    import transformers
-
-    if family != "llama":
-        raise ValueError(f"model.path=tiny:{family}: only tiny:llama is built in")
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return transformers.LlamaForCausalLM(config).float(), None
-
-
 def synthetic_rows(num_rows: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[dict]:
     """Random token rows whose first quarter is a prompt (masked out of the loss)."""
     rng = np.random.default_rng(seed)

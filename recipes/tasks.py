@@ -196,3 +196,20 @@ def encode_prompt(tokenizer, text: str, chat: bool | str = "auto") -> list[int]:
             ids = ids["input_ids"]
         return list(ids)
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def tiny_causal_lm(family: str = "llama", seed: int = 0):
+    """A tiny random-weight causal LM for smoke runs and tests (no download)."""
+    import torch
+    import transformers
+
+    if family != "llama":
+        raise ValueError(f"model.path=tiny:{family}: only tiny:llama is built in")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return transformers.LlamaForCausalLM(config).float(), None

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from recipes.config import load_config
-from recipes.sft import DEFAULT_CONFIG, synthetic_rows, tiny_causal_lm, tokenize_rows, train
+from recipes.sft import DEFAULT_CONFIG, synthetic_rows, tokenize_rows, train
+from recipes.tasks import tiny_causal_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.path=tiny:llama", "data.num_rows=24", "data.min_len=4", "data.max_len=40",
