@@ -20,7 +20,7 @@ log-probs differ by up to 0.31. Under this mode:
   (:mod:`packing.attention.cpu_kernel`), or with ``kernels="triton"`` the Triton kernel
   (:mod:`packing.attention.triton_kernel`; on CPU tensors it runs under ``TRITON_INTERPRET=1``).
 - Everything else in the tested families (embedding, RMSNorm's row mean, RoPE, activations,
-  ``log_softmax`` over a row) was audited as row-local: see ``tests/test_invariance.py``.
+  ``log_softmax`` over a row) was audited as row-local: see ``tests/test_packing_invariance.py``.
 
 The mode belongs to the thread that entered it (a thread-local flag that ``nn.Linear`` and the
 attention core read); another thread (a data-loader thread, a second model) keeps the default

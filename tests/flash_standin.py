@@ -1,5 +1,5 @@
 """A strict CPU stand-in for flash-attn, for tests only (installed into ``sys.modules`` by the
-``flash_standin`` fixture of tests/test_precision.py, never on the import path of the library).
+``flash_standin`` fixture of tests/test_packing_precision.py, never on the import path of the library).
 
 Written from flash-attn's own checks (``csrc/flash_attn/flash_api.cpp::mha_varlen_fwd`` and
 ``flash_attn/flash_attn_interface.py``; flash-attn 3: ``hopper/flash_attn_interface.py``), with

@@ -1,4 +1,5 @@
-"""One rank of the packed-SFT gradient check under DeepSpeed ZeRO-3 and FSDP2 (tests/test_sharded.py):
+"""One rank of the packed-SFT gradient check under DeepSpeed ZeRO-3 and FSDP2
+(tests/test_training_sharded.py):
 
     torchrun --nproc_per_node 2 -m tests.sharded_sft_worker OUT_DIR
 
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from dataloaders.loader import packed_dataloader
 from packing.hf import register_nopad_attention
 from tests.models import tiny_model
-from tests.test_dataloaders_loss import _rows
+from tests.test_training_loss import _rows
 from training.loss import PackedLoss
 
 ZERO3 = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,

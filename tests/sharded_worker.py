@@ -1,4 +1,4 @@
-"""One rank of the 2-process GRPO runs in tests/test_sharded.py (DDP, DeepSpeed ZeRO-2/3, FSDP2):
+"""One rank of the 2-process GRPO runs in tests/test_training_sharded.py (DDP, DeepSpeed ZeRO-2/3, FSDP2):
 
     torchrun --nproc_per_node 2 -m tests.sharded_worker {ddp,zero2,zero3,fsdp2} OUT_DIR
 
@@ -31,7 +31,8 @@ STEPS = [("gather", True), ("lockstep", True), ("gather", False), ("lockstep", F
 
 
 def config(mode: str, rank: int) -> dict:
-    base = {"model": {"path": None, "chat_template": False}, "reward": "tests.test_grpo:ids_checksum_reward",
+    base = {"model": {"path": None, "chat_template": False},
+            "reward": "tests.test_recipes_grpo:ids_checksum_reward",
             "task": {"num_prompts": 16},
             "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_tokens": 1 if rank == 0 else 12},
             "generator": {"num_blocks": 64, "max_num_batched_tokens": 256},

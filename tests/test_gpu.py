@@ -95,7 +95,7 @@ def test_static_decode_captured_as_a_cuda_graph_gives_the_same_tokens():
 
 
 def test_no_per_layer_host_sync_on_the_gpu():
-    from tests.test_step_syncs import GREEDY, PROMPTS, count_steps
+    from tests.test_inference_step_syncs import GREEDY, PROMPTS, count_steps
 
     def counts(layers):
         from inference import Generator

@@ -1,4 +1,4 @@
-"""One rank of the FSDP2 test of the TRL rollout (tests/test_trl.py):
+"""One rank of the FSDP2 test of the TRL rollout (tests/test_training_trl.py):
 
     torchrun --nproc_per_node 2 -m tests.trl_fsdp2_worker {gather,lockstep} OUT_DIR
 
@@ -24,7 +24,7 @@ def main(mode: str, out_dir: str) -> None:
     from torch.distributed.tensor import DTensor
 
     from tests.models import tiny_model
-    from tests.test_trl import make_tokenizer
+    from tests.test_training_trl import make_tokenizer
     from training.trl_rollout import nopad_rollout_func
 
     torch.set_num_threads(1)

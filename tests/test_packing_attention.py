@@ -1,6 +1,6 @@
 """Exactness of every varlen attention backend against a naive per-sequence reference, including
 paged K/V (random block tables, block sizes 1/16/256), decode and chunked prefill. The flash-attn
-dispatch is tested against a strict stand-in in tests/test_precision.py."""
+dispatch is tested against a strict stand-in in tests/test_packing_precision.py."""
 
 from __future__ import annotations
 

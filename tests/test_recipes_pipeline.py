@@ -139,7 +139,7 @@ def test_preprocess_sft_evaluate_grpo_evaluate(inputs):
     # evaluate the checkpoint, GRPO from it, evaluate GRPO's output
     _evaluate(checkpoint, root, "eval_sft.jsonl")
     history = grpo([f"model.path={checkpoint}", f"task.prompts={root / 'prompts.jsonl'}",
-                    "reward=tests.test_grpo:ids_checksum_reward", "rollout.prompts_per_step=2",
+                    "reward=tests.test_recipes_grpo:ids_checksum_reward", "rollout.prompts_per_step=2",
                     "rollout.num_generations=4", "rollout.max_tokens=6", "generator.num_blocks=64",
                     "train.steps=2", "train.lr=1.0e-3", f"output_dir={root / 'grpo'}"])
     _reset_accelerate()

@@ -20,7 +20,7 @@ from packing.varlen import VarlenMeta
 from tests.flash_standin import reference_attention
 from tests.models import tiny_model
 from tests.test_inference_generator import hf_greedy, prompts_of
-from tests.test_kernel_attention import _paged_step
+from tests.test_packing_kernel_attention import _paged_step
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = [

@@ -436,7 +436,7 @@ def test_batch_invariant_rollout_and_trainer_log_probs_are_bitwise_equal(tok, tm
 def test_rollout_on_an_fsdp2_sharded_policy(tmp_path, mode):
     """2 CPU processes, FSDP2 over gloo, ranks generating 1 vs 12 tokens: no deadlock, and the
     tokens' log-probs are those of the full (unsharded) weights."""
-    from tests.test_sharded import _run_two_ranks
+    from tests.test_training_sharded import _run_two_ranks
 
     _run_two_ranks(["-m", "tests.trl_fsdp2_worker", mode, str(tmp_path)], f"TRL rollout under FSDP2 ({mode})")
     for rank in (0, 1):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.models import tiny_model
-from tests.test_sft_recipe import _free_port, _reset_accelerate
+from tests.test_recipes_sft import _free_port, _reset_accelerate
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 150  # each 2-process run; a deadlock fails here with the ranks' output
@@ -104,7 +104,7 @@ def test_the_plain_generator_on_sharded_weights_refuses_instead_of_hanging(grpo_
 # ----------------------------------------------------------------------------- packed SFT, 2 processes
 @pytest.mark.slow
 def test_packed_sft_gradients_under_zero3_and_fsdp2_match_unpacked(tmp_path):
-    from tests.test_dataloaders_loss import _reference_grads, _rows
+    from tests.test_training_loss import _reference_grads, _rows
 
     _run_two_ranks(["-m", "tests.sharded_sft_worker", str(tmp_path)], "packed SFT under ZeRO-3 / FSDP2")
     reference = _reference_grads(_rows(), "token")
@@ -120,7 +120,7 @@ def test_packed_sft_gradients_under_zero3_and_fsdp2_match_unpacked(tmp_path):
 
 @pytest.mark.slow
 def test_sft_recipe_under_zero3_loss_matches_unpacked(tmp_path):
-    from tests.test_sft_recipe import ONE_STEP_PER_EPOCH, SMALL, _check_two_rank_run
+    from tests.test_recipes_sft import ONE_STEP_PER_EPOCH, SMALL, _check_two_rank_run
 
     out = tmp_path / "zero3"
     _run_two_ranks(["-m", "recipes.sft", *SMALL, *ONE_STEP_PER_EPOCH, f"checkpoint.output_dir={out}",

@@ -99,7 +99,7 @@ def test_rewards():
     assert last_number_match("7 + 12 = 19", ex) == 1.0
     assert last_number_match("19 - 7 = 12", ex) == 0.0
     assert last_number_match("no digits", ex) == 0.0
-    assert get_reward("tests.test_grpo:length_reward")("abc", ex) == 3.0
+    assert get_reward("tests.test_recipes_grpo:length_reward")("abc", ex) == 3.0
     with pytest.raises(KeyError, match="needs an 'answer' field"):
         exact_match("19", {"prompt": "x"})
 
@@ -169,7 +169,8 @@ def ids_checksum_reward(completion: str, example: dict) -> float:
 
 
 def tiny_config(**overrides):
-    base = {"model": {"path": None, "chat_template": False}, "reward": "tests.test_grpo:ids_checksum_reward",
+    base = {"model": {"path": None, "chat_template": False},
+            "reward": "tests.test_recipes_grpo:ids_checksum_reward",
             "task": {"num_prompts": 8},
             "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_tokens": 8},
             "generator": {"num_blocks": 64, "max_num_batched_tokens": 256}, "train": {"steps": 1, "lr": 1e-3}}
@@ -284,7 +285,7 @@ def test_default_config_is_the_demo_shape():
 def test_a_step_where_every_group_scores_the_same_warns(policy, caplog):
     from recipes.grpo import run_grpo
 
-    cfg = tiny_config(reward="tests.test_grpo:zero_reward")
+    cfg = tiny_config(reward="tests.test_recipes_grpo:zero_reward")
     with caplog.at_level(logging.WARNING, logger="recipes.grpo"):
         history = run_grpo(cfg, model=policy, tokenizer=AsciiTokenizer(), progress=False)
     assert history[0]["grad_norm"] == 0.0
@@ -321,7 +322,7 @@ def test_two_processes_keep_identical_weights(tmp_path):
     script.write_text(TWO_RANK_SCRIPT)
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
     overrides = ["model.path=tiny:llama", "model.chat_template=false",
-                 "reward=tests.test_grpo:ids_checksum_reward", "rollout.prompts_per_step=2",
+                 "reward=tests.test_recipes_grpo:ids_checksum_reward", "rollout.prompts_per_step=2",
                  "rollout.num_generations=4", "rollout.max_tokens=8", "generator.num_blocks=64",
                  "train.steps=2", "train.lr=1e-3"]
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),

@@ -83,7 +83,7 @@ def test_run_evaluate_from_config_on_a_saved_hf_dataset(model, tmp_path):
     cfg = load_config(DEFAULT_CONFIG, overrides={
         "model": {"path": None, "chat_template": False},
         "data": {"path": str(tmp_path / "ds"), "prompt_field": "question"},
-        "scorer": "tests.test_evaluate:completion_length",
+        "scorer": "tests.test_recipes_evaluate:completion_length",
         "sampling": {"max_tokens": MAX_TOKENS},
         "generator": {"num_blocks": 64, "max_num_seqs": 4, "max_num_batched_tokens": 32},
         "output": str(tmp_path / "out.jsonl"),

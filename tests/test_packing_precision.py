@@ -34,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILIES = ("llama", "qwen2", "mistral", "gemma2")
 PRECISIONS = ("bf16", "fp16", "autocast")  # autocast: fp32 weights under torch.autocast(bf16)
 # max |flash - cpu| difference allowed: logits relative to max(1, |logit|), gradients relative to
-# each parameter's max |g|. Measured over the 4 families (tests/test_precision.py's rows): flash
+# each parameter's max |g|. Measured over the 4 families (tests/test_packing_precision.py's rows): flash
 # vs CPU path logits bf16 6.4e-3, fp16 7.3e-4, autocast 2.9e-3 - the same size as the CPU path vs
 # fp32 (7.0e-3, 9.3e-4, 6.0e-3), i.e. rounding; grads 2.5e-2, 1.2e-2, 1.1e-2. Limits are ~3x
 # that; attention leaking across sequences moves logits by 1e-1 and more.
@@ -225,7 +225,7 @@ def test_one_grpo_step_on_flash_in_bf16(monkeypatch, forced_flash):
     from inference import Generator
     from recipes import grpo
     from recipes.tasks import AsciiTokenizer, get_reward
-    from tests.test_grpo import tiny_config
+    from tests.test_recipes_grpo import tiny_config
 
     policy = precision_model("llama", "bf16")
     cfg = tiny_config()

@@ -12,7 +12,7 @@ from packing.attention import BACKEND_ENV, choose_backend, paged_block_size, var
 from packing.hf import use_nopad_attention
 from packing.varlen import VarlenMeta
 from tests.models import random_sequences, tiny_model
-from tests.test_precision import (
+from tests.test_packing_precision import (
     COMPUTE,
     GRAD_TOL,
     LOGIT_TOL,
