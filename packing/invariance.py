@@ -9,26 +9,25 @@ kernels from the number and length of sequences, so one token gets different bit
 of 48 sequences and in a training row of 4,096 tokens; in bf16 that made rollout and trainer
 log-probs differ by up to 0.31. Under this mode:
 
-- every ``nn.Linear`` runs on fixed
-  tiles of :data:`TILE_ROWS` rows (the last one zero-padded), so each row meets the same GEMM
-  shape, hence the same kernel and sum order, wherever it sits (measured bitwise on every offset
-  and row count tried, fp32/bf16/fp16). Its backward is the ordinary GEMM: only the forward must
-  match. (A model calling ``F.linear`` directly would escape it; the op audit in the tests checks
-  every GEMM of each tested family.)
+- every ``F.linear`` (so every ``nn.Linear``) runs on fixed tiles: on CPU torch GEMMs of
+  :data:`TILE_ROWS` rows (the last one zero-padded), so each row meets the same GEMM shape, hence
+  the same kernel and sum order, wherever it sits (measured bitwise on every offset and row count
+  tried, fp32/bf16/fp16); in the "triton" set the one-tile Triton matmul of
+  :mod:`packing.invariant_kernels`. Its backward is the ordinary GEMM: only the forward must match.
+- in the "triton" set (CUDA), row reductions over the last dim (``mean``, ``softmax``,
+  ``log_softmax``) run Triton kernels with one fixed order per row too; torch's CUDA reductions
+  choose how to split a row from the tensor's shape. (On CPU they were audited as row-local.)
 - nopad attention runs a kernel whose per-query order depends on nothing but the query's own keys,
   for training rows, prefill chunks and decode: the compiled CPU kernel
-  (:mod:`packing.attention.cpu_kernel`), or with ``kernels="triton"`` the Triton kernel
-  (:mod:`packing.attention.triton_kernel`; on CPU tensors it runs under ``TRITON_INTERPRET=1``).
+  (:mod:`packing.attention.cpu_kernel`) or the Triton one (:mod:`packing.attention.triton_kernel`).
 - Everything else in the tested families (embedding, RMSNorm's row mean, RoPE, activations,
   ``log_softmax`` over a row) was audited as row-local: see ``tests/test_packing_invariance.py``.
 
-The mode belongs to the thread that entered it (a thread-local flag that ``nn.Linear`` and the
-attention core read); another thread (a data-loader thread, a second model) keeps the default
-numerics. A ``TorchFunctionMode`` would also catch direct ``F.linear`` calls, but PyTorch pops a
-mode while it handles ``Tensor.backward``, so activation checkpointing would recompute the forward
-with the default GEMMs and fail its own metadata check. It costs the padding of
-the last tile (32 rows: a decode step of 48 sequences computes 64 rows), the mode's per-op
-dispatch, and the attention kernel's forward on training rows (``bench_exactness.py``).
+The mode belongs to the thread that enters it: the ops are caught by a
+``torch.overrides.TorchFunctionMode``, whose stack is per thread, and :func:`is_enabled` (read by
+the attention registry) is thread-local, so another thread keeps torch's default kernels. On CPU it
+costs the padding of the last tile (32 rows: a decode step of 48 sequences computes 64 rows) and the
+attention kernel's forward on training rows.
 """
 
 from __future__ import annotations
@@ -37,51 +36,63 @@ import contextlib
 import threading
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 TILE_ROWS = 32
+KERNEL_SETS = ("cpu", "triton")
 
-def supported(device: torch.device | str) -> tuple[bool, str]:
+_state = threading.local()  # per thread: ``depth`` of batch_invariant() blocks, ``kernels`` forced
+
+
+def supported(device: torch.device | str, kernels: str | None = None) -> tuple[bool, str]:
     """Whether this mode makes the generator's and the training forward's log-probs bitwise equal
-    for a model on ``device``, and why not: its batch-invariant attention is nopad's CPU kernel, so
-    it needs a CPU model and no other attention backend forced through ``NOPAD_ATTN_BACKEND``."""
+    for a model on ``device`` (with the kernel set ``kernels``, None: chosen by device), and why
+    not: it needs an attention backend with a fixed per-query order (none other forced through
+    ``NOPAD_ATTN_BACKEND``), and on CUDA (or with ``kernels="triton"``) the Triton kernels."""
     import os
 
     from packing.attention.registry import BACKEND_ENV
 
     device = torch.device(device)
     forced = os.environ.get(BACKEND_ENV) or "auto"
-    if device.type != "cpu":
-        return False, (f"the model runs on {device.type}: its kernel set (Triton attention, fixed-tile "
-                       "GEMMs) is proven only under Triton's interpreter so far, and the GPU's row "
-                       "reductions are not yet replaced, so bitwise equality on a GPU is not promised")
-    if forced not in ("auto", "kernel", "per_token"):
+    kernels = _check_kernels(kernels) or ("cpu" if device.type == "cpu" else "triton")
+    if device.type not in ("cpu", "cuda"):
+        return False, f"the model runs on {device.type}; the batch-invariant kernels run on CPU and CUDA"
+    if kernels == "cpu" and device.type != "cpu":
+        return False, "kernels='cpu' is nopad's CPU kernel set; the model runs on " + device.type
+    if kernels == "triton":
+        from packing import invariant_kernels
+
+        ok, why = invariant_kernels.available()
+        if not ok:
+            return False, f"the batch-invariant CUDA kernels are Triton kernels and {why}"
+    allowed = ("auto", "kernel", "per_token") if kernels == "cpu" else ("auto", "triton")
+    if forced not in allowed:
         return False, f"{BACKEND_ENV}={forced} forces an attention backend without the batch-invariant path"
     return True, ""
 
 
-KERNEL_SETS = ("cpu", "triton")
-
-
-_local = threading.local()  # this thread's stack of active kernel choices (one entry per open block)
-
-
-def _stack() -> list:
-    if not hasattr(_local, "stack"):
-        _local.stack = []
-    return _local.stack
+def _check_kernels(kernels: str | None) -> str | None:
+    if kernels is not None and kernels not in KERNEL_SETS:
+        raise ValueError(f"batch_invariant(kernels={kernels!r}): None (by device) or one of {KERNEL_SETS}")
+    return kernels
 
 
 def active_kernels() -> str | None:
-    """The kernel set the current mode forces ("cpu" / "triton"), or None (chosen by device)."""
-    stack = _stack()
-    return stack[-1] if stack else None
+    """The kernel set the current thread's mode forces ("cpu" / "triton"), or None (chosen by each
+    tensor's device: "cpu" on CPU, "triton" on CUDA)."""
+    return getattr(_state, "kernels", None)
 
 
 def is_enabled() -> bool:
     """True inside :func:`batch_invariant` in this thread."""
-    return bool(_stack())
+    return getattr(_state, "depth", 0) > 0
 
 
+def kernel_set(device: torch.device) -> str:
+    """The kernel set the current mode runs for a tensor on ``device``."""
+    return active_kernels() or ("cpu" if device.type == "cpu" else "triton")
 def _tiled_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for 2-D contiguous ``x``, every row computed by the same GEMM call shape:
     ``TILE_ROWS`` rows (the last tile zero-padded), written straight into one output buffer."""
@@ -138,46 +149,122 @@ class _TiledLinear(torch.autograd.Function):
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` whose every output row is independent of the other rows' count and position.
-    Under autocast the inputs are cast first, as autocast's own ``linear`` does."""
+    """``F.linear`` whose every output row is independent of the other rows' count and position,
+    on the kernel set of :func:`kernel_set` (outside the mode: by device). Under autocast the
+    inputs are cast first, as autocast's own ``linear`` does."""
     device = x.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
     with torch.autocast(device, enabled=False):
+        if kernel_set(x.device) == "triton":
+            from packing import invariant_kernels
+
+            return invariant_kernels.Linear.apply(x, weight, bias)
         return _TiledLinear.apply(x, weight, bias)
 
 
-_plain_linear_forward = torch.nn.Linear.forward
+_MEANS = {torch.mean, torch.Tensor.mean}
+_SOFTMAXES = {F.softmax: False, torch.softmax: False, torch.Tensor.softmax: False,
+              F.log_softmax: True, torch.log_softmax: True, torch.Tensor.log_softmax: True}
 
 
-def _linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    """nn.Linear's forward: the plain one, or the fixed-tile one in a thread inside the mode."""
-    if getattr(_local, "stack", None):
-        return invariant_linear(input, self.weight, self.bias)
-    return _plain_linear_forward(self, input)
+def _backward_in_mode(func, args, kwargs) -> None:
+    """``loss.backward()`` / ``torch.autograd.backward`` with this mode still on the stack: a
+    handler runs with its mode popped, and the autograd engine keeps the stack it is started with,
+    so a gradient-checkpointing recompute would otherwise replay the forward on torch's kernels."""
+    names = ("gradient", "retain_graph", "create_graph", "inputs") if func is torch.Tensor.backward else (
+        "grad_tensors", "retain_graph", "create_graph", "grad_variables", "inputs")
+    tensors = args[0]
+    bound = dict(zip(names, _bound(func, args[1:], kwargs, names)))
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    inputs = bound.get("inputs")
+    inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    create_graph = bool(bound.get("create_graph"))
+    retain_graph = create_graph if bound.get("retain_graph") is None else bound["retain_graph"]
+    with _InvariantOps():
+        grads = torch.autograd._tensor_or_tensors_to_tuple(bound.get("gradient", bound.get("grad_tensors")),
+                                                           len(tensors))
+        grads = torch.autograd._make_grads(tensors, grads, is_grads_batched=False)
+        torch.autograd.graph._engine_run_backward(tensors, grads, retain_graph, create_graph, inputs,
+                                                  allow_unreachable=True, accumulate_grad=True)
 
 
-# Installed once, on import: it changes nothing for a thread outside the mode (one attribute
-# check), and unlike a swap for the duration of a block it never leaks into another thread.
-torch.nn.Linear.forward = _linear_forward
+def _last_dim(x: torch.Tensor, dim) -> bool:
+    if isinstance(dim, (list, tuple)):
+        dim = dim[0] if len(dim) == 1 else None
+    return isinstance(dim, int) and x.dim() > 0 and dim in (-1, x.dim() - 1)
+
+
+def _bound(func, args, kwargs, names):
+    """``func``'s arguments ``names`` by position or keyword (None where not given)."""
+    return [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names)]
+
+
+class _InvariantOps(TorchFunctionMode):
+    """Routes this thread's ``F.linear`` (and, in the "triton" set, last-dim ``mean`` / ``softmax``
+    / ``log_softmax`` of floating tensors) to the batch-invariant kernels; every other call runs
+    as usual (elementwise ops and the attention core need no routing: the core reads
+    :func:`is_enabled`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight, bias = _bound(func, args, kwargs, ("input", "weight", "bias"))
+            return invariant_linear(x, weight, bias)
+        if func is torch._log_softmax:  # the sampler's (into a reused buffer)
+            routed = self._reduction(torch.log_softmax, args[:2], {})
+            if routed is not None and not (args[2] if len(args) > 2 else kwargs.get("half_to_float")):
+                out = kwargs.get("out")
+                return routed if out is None else out.resize_(routed.shape).copy_(routed)
+        if func is torch.Tensor.backward or func is torch.autograd.backward:
+            return _backward_in_mode(func, args, kwargs)
+        if func in _MEANS or func in _SOFTMAXES:
+            routed = self._reduction(func, args, kwargs)
+            if routed is not None:
+                return routed
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _reduction(func, args, kwargs):
+        x = args[0] if args else kwargs.get("input")
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or kernel_set(x.device) != "triton":
+            return None
+        from packing import invariant_kernels
+
+        if func in _MEANS:
+            _, dim, keepdim, dtype = _bound(func, args, kwargs, ("input", "dim", "keepdim", "dtype"))
+            if dtype is not None or not _last_dim(x, dim):
+                return None
+            return invariant_kernels.RowMean.apply(x, bool(keepdim))
+        names = ("input", "dim", "_stacklevel", "dtype") if func in (F.softmax, F.log_softmax) else (
+            "input", "dim", "dtype")
+        bound = dict(zip(names, _bound(func, args, kwargs, names)))
+        if not _last_dim(x, bound["dim"]):
+            return None
+        if bound["dtype"] is not None:
+            x = x.to(bound["dtype"])
+        return invariant_kernels.Softmax.apply(x, _SOFTMAXES[func])
+
+
 
 
 @contextlib.contextmanager
 def batch_invariant(enabled: bool = True, kernels: str | None = None):
-    """Run the block with batch-invariant numerics (see module docstring), in this thread.
-    ``enabled=False`` is a no-op, so callers can write ``with batch_invariant(cfg_flag):``.
-    ``kernels="triton"`` forces the Triton attention kernel (the CUDA set; on CPU tensors it runs
-    interpreted, which is how the tests prove it); None picks by device. Blocks may nest."""
-    if kernels is not None and kernels not in KERNEL_SETS:
-        raise ValueError(f"kernels must be one of {KERNEL_SETS} or None (by device), got {kernels!r}")
+    """Run the block with batch-invariant numerics in this thread (see module docstring).
+    ``kernels``: None picks the set by each tensor's device ("cpu" on CPU, "triton" on CUDA);
+    "triton" forces the Triton set (on CPU under ``TRITON_INTERPRET=1``, as the tests run it).
+    ``enabled=False`` is a no-op, so callers can write ``with batch_invariant(cfg_flag):``. Blocks
+    may nest; the innermost ``kernels`` applies."""
     if not enabled:
         yield
         return
-    stack = _stack()
-    stack.append(kernels if kernels is not None else (stack[-1] if stack else None))
+    _check_kernels(kernels)
+    outer = (getattr(_state, "depth", 0), getattr(_state, "kernels", None))
+    _state.depth, _state.kernels = outer[0] + 1, kernels
     try:
-        yield
+        with _InvariantOps():
+            yield
     finally:
-        stack.pop()
+        _state.depth, _state.kernels = outer

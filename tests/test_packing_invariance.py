@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from inference import Generator, SamplingParams
-from packing.attention import choose_backend, varlen_attention
 from packing.attention import cpu_kernel as kernel_attention
 from packing.attention import sdpa as attention_cpu
+from packing.attention import varlen_attention
 from packing.attention.sdpa import KeySource
 from packing.hf import use_nopad_attention
 from packing.invariance import TILE_ROWS, batch_invariant, invariant_linear, is_enabled
@@ -74,32 +74,70 @@ def test_mode_routes_linear_and_is_scoped():
     assert not is_enabled() and torch.nn.Linear.forward is plain
 
 
+def test_gradient_checkpointing_recompute_runs_in_the_mode():
+    """The backward's recompute replays the forward's kernels (the engine is started with the mode
+    on the stack), so checkpointed gradients equal plain ones, through both backward entry points."""
+    from torch.utils.checkpoint import checkpoint
+
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    grads = []
+    for ckpt, call in [(False, "tensor"), (True, "tensor"), (True, "autograd")]:
+        x.grad = lin.weight.grad = None
+        with batch_invariant():
+            y = checkpoint(lin, x, use_reentrant=False) if ckpt else lin(x)
+            seed = torch.ones_like(y) * 0.5
+            y.backward(seed) if call == "tensor" else torch.autograd.backward([y], [seed])
+        grads.append((x.grad.clone(), lin.weight.grad.clone()))
+    for got in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, grads[0]))
+
+
+def _gemm_rows(fn) -> list[int]:
+    """The row counts of the GEMMs ``fn`` runs (in this thread)."""
+    log = _OpLog()
+    with log:
+        fn()
+    return [(args[1] if func is torch.ops.aten.addmm.default else args[0]).shape[-2]
+            for func, args, _ in log.calls if func in GEMMS]
+
+
 def test_mode_belongs_to_its_thread():
+    """While one thread is inside batch_invariant(), another runs torch's default kernels and
+    attention rule, and the other way round."""
     import threading
 
     lin = torch.nn.Linear(8, 4)
-    x = torch.randn(40, 8)
-    tiled = invariant_linear(x, lin.weight, lin.bias)
-    inside, other = threading.Event(), {}
+    x = torch.randn(5, 8)
+    inside, outside, entered, done = {}, {}, threading.Event(), threading.Event()
 
-    def second_thread():
-        inside.wait()
-        other["enabled"] = is_enabled()
-        other["attention"] = choose_backend(torch.device("cpu"), torch.float32)
-        other["linear_is_plain"] = torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+    def invariant_thread():
+        with batch_invariant():
+            entered.set()
+            inside["rows"] = _gemm_rows(lambda: (lin(x), F.linear(x, lin.weight)))
+            inside["enabled"] = is_enabled()
+            done.wait(30)
 
-    worker = threading.Thread(target=second_thread)
+    worker = threading.Thread(target=invariant_thread)
     worker.start()
+    assert entered.wait(30)
+    outside["rows"] = _gemm_rows(lambda: (lin(x), F.linear(x, lin.weight)))
+    outside["enabled"] = is_enabled()
+    meta = VarlenMeta.from_lengths([4])
+    q, k, v = _qkv(4, 4, 2, 2, 8, torch.float32, seed=5)
+    varlen_attention(q, k, v, meta, backend="sdpa_loop")  # allowed: the mode is the other thread's
+    done.set()
+    worker.join(30)
+    assert inside == {"rows": [TILE_ROWS, TILE_ROWS], "enabled": True}
+    assert outside == {"rows": [5, 5], "enabled": False}
+    # and the other way round: this thread in the mode, a plain thread outside it
     with batch_invariant():
-        inside.set()
-        worker.join(timeout=30)
-        assert torch.equal(lin(x), tiled)
-        other["linear"] = None
-        assert choose_backend(torch.device("cpu"), torch.float32) == "kernel"
-    assert other == {"enabled": False, "attention": "sdpa_loop", "linear_is_plain": True, "linear": None}
-    with pytest.raises(ValueError, match="kernels must be one of"):
-        with batch_invariant(kernels="cuda"):
-            pass
+        plain = threading.Thread(target=lambda: outside.update(rows=_gemm_rows(lambda: lin(x)),
+                                                                enabled=is_enabled()))
+        plain.start()
+        plain.join(30)
+        assert _gemm_rows(lambda: lin(x)) == [TILE_ROWS]
+    assert outside == {"rows": [5], "enabled": False}
 
 
 # ----------------------------------------------------------------------------- attention kernel
@@ -244,6 +282,31 @@ def test_op_audit_every_gemm_is_a_fixed_tile_and_every_reduction_is_row_local(fa
     assert seen & GEMMS, "the audit saw no GEMM: the forward did not run through the mode"
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_op_audit_triton_set_leaves_no_gemm_or_row_reduction_to_torch(family):
+    """With the Triton (CUDA) kernel set forced (interpreted on CPU): no GEMM but RoPE's exact
+    one-element contraction and no reduction reaches torch's kernels; they all run in Triton."""
+    from packing import invariant_kernels
+
+    if not torch.cuda.is_available() and not invariant_kernels._interpreted():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    model = tiny_model(family, attn_implementation="eager")
+    ids = random_sequences([7, 20], seed=6)
+    row = torch.cat(ids)[None]
+    meta = VarlenMeta.from_lengths([7, 20])
+    log = _OpLog()
+    with use_nopad_attention(model), batch_invariant(kernels="triton"), torch.no_grad(), log:
+        logits = model(input_ids=row, position_ids=meta.position_ids[None], nopad_meta=meta,
+                       use_cache=False).logits
+        torch.log_softmax(logits, dim=-1)
+    for func, args, _ in log.calls:
+        if func in GEMMS:
+            with_bias = func in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default)
+            a = args[1] if with_bias else args[0]
+            assert a.shape[-1] == 1, f"{func}: {tuple(a.shape)} left to torch"
+        assert func not in REDUCTIONS, f"{func} left to torch"
+
+
 # ----------------------------------------------------------------------------- generator == trainer
 def _gaps(model, prompts, params, gen_kwargs, capacity=512, kernels=None):
     with batch_invariant(kernels=kernels):
@@ -272,30 +335,6 @@ def test_generator_logprobs_equal_training_forward_bitwise(family, dtype, one_th
     assert stats["preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
     assert trainer.numel() == generator.numel() > 0
     assert torch.equal(trainer, generator), f"max gap {(trainer - generator).abs().max():.3g}"
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_kernel_set_generator_equals_trainer_bitwise(family, dtype, one_thread):
-    """The CUDA kernel set, forced on CPU tensors and run by Triton's interpreter: the Triton
-    attention kernel serves prefill chunks, decode tokens and the packed training rows, and the
-    rollout's raw log-probs equal the training forward's, whatever the batching and chunking."""
-    pytest.importorskip("triton")
-    model = tiny_model(family).to(dtype)
-    with batch_invariant(kernels="triton"):
-        assert choose_backend(torch.device("cpu"), dtype, paged=True, block_size=16) == "triton"
-        assert choose_backend(torch.device("cpu"), dtype) == "triton"
-    prompts = [p.tolist() for p in random_sequences([3, 19, 9], seed=5)]
-    params = SamplingParams(temperature=1.0, n=2, max_tokens=4, seed=2)
-    runs = []
-    for budget, blocks, block_size in ((11, 8, 16), (64, 40, 32)):  # chunked + preempted vs roomy
-        trainer, generator, stats = _gaps(model, prompts, params, dict(
-            max_num_batched_tokens=budget, max_num_seqs=4, num_blocks=blocks, block_size=block_size),
-            capacity=48, kernels="triton")
-        assert trainer.numel() == generator.numel() > 0
-        assert torch.equal(trainer, generator), f"max gap {(trainer - generator).abs().max():.3g}"
-        runs.append(generator)
-    assert torch.equal(*runs)  # and the same bits under both batchings
 
 
 @settings(max_examples=12, **HYPOTHESIS)

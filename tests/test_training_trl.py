@@ -492,11 +492,16 @@ def test_batch_invariant_setting_follows_where_the_model_trains(monkeypatch, cap
 
     assert resolve_batch_invariant("auto", "cpu") is True
     assert resolve_batch_invariant(False, "cpu") is False
+    assert resolve_batch_invariant("auto", "cuda") is True  # the Triton kernel set (triton installed)
+    from packing import invariant_kernels
+
+    monkeypatch.setattr(invariant_kernels, "available", lambda: (False, "triton is not installed"))
     with caplog.at_level("WARNING"):
         assert resolve_batch_invariant("auto", "cuda") is False
-    assert "the model runs on cuda" in caplog.text and "not promised" in caplog.text
+    assert "Triton kernels and triton is not installed" in caplog.text
     with pytest.raises(ValueError, match="batch_invariant=True is not available"):
         resolve_batch_invariant(True, "cuda")
+    monkeypatch.undo()
     monkeypatch.setenv("NOPAD_ATTN_BACKEND", "sdpa")
     assert resolve_batch_invariant("auto", "cpu") is False
     with pytest.raises(ValueError, match="'auto', True or False"):
