@@ -3,7 +3,7 @@
 PYTHON ?= python
 PIP := $(PYTHON) -m pip
 
-.PHONY: setup setup-test demo test lint bench
+.PHONY: setup setup-test demo test lint bench gpu-check
 
 # torch first, pinned to the local CPU build: an unpinned torch pulled in by another package
 # would start a multi-GB CUDA download. Nothing is installed over an existing torch.
@@ -33,3 +33,8 @@ test: setup-test lint
 bench: setup
 	$(PIP) install -e ".[bench]"
 	for b in benchmarks/bench_*.py; do $(PYTHON) $$b || exit 1; done
+
+# On a CUDA machine: pytest -m gpu, then nopad vs its peers; writes gpu_report.md / .json.
+# Installs nothing (the lent GPU machines are offline: see benchmarks/README.md).
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py

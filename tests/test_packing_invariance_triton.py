@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.test_packing_invariance import _gaps
 
 from inference import SamplingParams
 from packing import invariant_kernels
 from packing.invariance import active_kernels, batch_invariant, kernel_set
 from tests.models import random_sequences, tiny_model
+from tests.test_packing_invariance import _gaps
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and not invariant_kernels.available()[0]
