@@ -45,10 +45,9 @@ class SamplerBuffers:
 
     Why: a step needs several rows x vocab tensors (fp32 logits, log-probs, tempered logits, a
     float64 CDF). Made fresh each step and freed at its end, the CPU allocator can hand them back
-    to the OS and the next step faults them in again page by page (benchmarks/bench_sampler.py: at
-    48 rows of a 49k vocabulary, 11,500 page faults and 5-23x the sampling time of a bf16
-    temperature-1 step, depending on what the allocator happens to hold). The buffers hold the
-    same values, computed by the same kernels (``out=`` and in-place variants)."""
+    to the OS and the next step faults them in again page by page (``benchmarks/bench_sampler.py``
+    counts the faults and times both). The buffers hold the same values, computed by the same
+    kernels (``out=`` and in-place variants)."""
 
     def __init__(self):
         self._buffers: dict[str, torch.Tensor] = {}

@@ -28,7 +28,7 @@ the completion mask is 0). Loss, advantages, clipping and logging stay TRL's.
 forward and the nopad rollout under :func:`packing.batch_invariant`, so the rollout's log-probs
 equal the trainer's bitwise: with ``nopad_rollout_func(importance_sampling=True)`` TRL's
 importance ratio is exactly 1 on-policy. Off by default: it slows the rollout's small decode
-steps on CPU (every GEMM on 32-row tiles; 1.4x slower GRPO steps with 8 samples in bench_trl.py).
+steps (every GEMM on fixed tiles; ``benchmarks/bench_trl.py`` measures the cost).
 """
 
 from __future__ import annotations

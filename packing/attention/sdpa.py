@@ -5,9 +5,9 @@ Four backends that run the same maths (declared in :data:`BACKENDS` at the end):
 - ``per_sequence``: one SDPA call per sequence on slices of the flat row. No padding and no mask
   for training rows (``is_causal``), so it does the least arithmetic; costs one call per sequence.
 - ``padded``: gather all sequences into one padded ``(B, heads, max_q, max_k)`` SDPA call with a
-  key-padding mask. One call for the whole step, but it moves and masks the padding: measured
-  slower than ``per_sequence`` on CPU even for decode steps (64 x ~300 keys: 41 vs 14 ms) and
-  for 100+ short documents, so it is available by name only.
+  key-padding mask. One call for the whole step, but it moves and masks the padding: slower than
+  ``per_sequence`` on CPU even for decode steps and for 100+ short documents
+  (``benchmarks/bench_attention.py``), so it is available by name only.
 - ``dense``: one SDPA over the whole row with a block-diagonal mask. Quadratic in the row
   length; kept as a baseline for the benchmark.
 
