@@ -42,6 +42,7 @@ from training.accumulation import (
     global_sum,
     pad_rows,
 )
+from training.curves import tracker_config, write_curves
 from training.grpo import (
     ISWeightFn,
     Rollout,
@@ -57,6 +58,7 @@ from training.grpo import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo.yaml"
+CURVES = ("reward_mean", "loss", "logprob_gap_max")  # plotted to curves.png and sent to the trackers
 
 
 # ----------------------------------------------------------------------------- config
@@ -272,7 +274,8 @@ def make_accelerator(cfg: Mapping):
     """The run's Accelerator (:func:`training.accelerator.make_accelerator`); GRPO steps the
     optimizer once per step over all packed rows (:class:`training.accumulation.RowAccumulator`)."""
     return build_accelerator(cfg["accelerate"]["deepspeed_config"],
-                             max_grad_norm=cfg["train"]["max_grad_norm"], recipe="recipes.grpo")
+                             max_grad_norm=cfg["train"]["max_grad_norm"], recipe="recipes.grpo",
+                             log_with=cfg["accelerate"]["log_with"], project_dir=cfg["output_dir"])
 
 
 def run_grpo(cfg: Mapping, model=None, tokenizer=None, progress: bool = True) -> list[dict]:
@@ -303,6 +306,7 @@ def run_grpo(cfg: Mapping, model=None, tokenizer=None, progress: bool = True) ->
     logger.info("training with %s on %d process(es)", engine_info(model, accelerator),
                 accelerator.num_processes)
     accumulator = RowAccumulator(model, optimizer, accelerator)
+    accelerator.init_trackers("nopad-grpo", config=tracker_config(cfg))
     policy = accelerator.unwrap_model(model)  # the same parameters: the generator reads them live
     generator = make_generator(policy, cfg)
 
@@ -327,11 +331,14 @@ def run_grpo(cfg: Mapping, model=None, tokenizer=None, progress: bool = True) ->
             history.append(metrics)
             logger.info("grpo step %d: %s", step, json.dumps({k: round(v, 6) for k, v in metrics.items()}))
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", gap=f"{metrics['logprob_gap_max']:.1e}")
+            accelerator.log({k: metrics[k] for k in CURVES}, step=step)  # to the log_with trackers
             if out_file is not None:
                 out_file.write(json.dumps(metrics) + "\n")
                 out_file.flush()
     if out_file is not None:
         out_file.close()
+        write_curves(Path(cfg["output_dir"]) / "metrics.jsonl", CURVES, "nopad GRPO")
+    accelerator.end_training()
     generator.release()
     if cfg["output_dir"]:  # an HF model directory: model.path=<output_dir> in evaluate / grpo / SFT
         save_model_dir(accelerator, model, tokenizer, Path(cfg["output_dir"]))

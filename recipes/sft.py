@@ -39,6 +39,7 @@ from recipes.config import load_config, load_model, save_model_dir
 from training import checkpoint
 from training.accelerator import engine_info
 from training.accelerator import make_accelerator as build_accelerator
+from training.curves import tracker_config, write_curves
 from training.loss import PackedLoss
 
 logger = logging.getLogger(__name__)
@@ -140,7 +141,9 @@ class Progress:
 def make_accelerator(cfg: Mapping):
     """The run's Accelerator (:func:`training.accelerator.make_accelerator`) from the config."""
     return build_accelerator(cfg["accelerate"]["deepspeed_config"], grad_accum=cfg["train"]["grad_accum"],
-                             max_grad_norm=cfg["train"]["max_grad_norm"], recipe="recipes.sft")
+                             max_grad_norm=cfg["train"]["max_grad_norm"], recipe="recipes.sft",
+                             log_with=cfg["accelerate"]["log_with"],
+                             project_dir=cfg["checkpoint"]["output_dir"])
 
 
 STATE_DIR = "training_state"  # inside step_N/: what resuming needs beyond the model directory
@@ -307,6 +310,7 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
     progress = Progress(gas)
     info = engine_info(model, accelerator)
     logger.info("training with %s on %d process(es)", info, accelerator.num_processes)
+    accelerator.init_trackers("nopad-sft", config=tracker_config(cfg))
     for obj in (progress, loader, scheduler):  # progress first: it names train.grad_accum on a mismatch
         accelerator.register_for_checkpointing(obj)
 
@@ -364,6 +368,11 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
             progress.step += 1
             mean_loss = accelerator.reduce(torch.tensor([step_loss], device=accelerator.device), "sum").item()
             losses.append(mean_loss)
+            accelerator.log({"loss": mean_loss}, step=progress.step)  # to the log_with trackers
+            if accelerator.is_main_process:
+                output_dir.mkdir(parents=True, exist_ok=True)
+                with open(output_dir / "metrics.jsonl", "a") as f:  # appended: a resumed run continues it
+                    f.write(json.dumps({"step": progress.step, "loss": mean_loss}) + "\n")
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{mean_loss:.4f}")
@@ -390,6 +399,11 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
         result["indices_per_step"] = seen  # dataset rows of each micro-batch, in order
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / f"result_rank{accelerator.process_index}.json").write_text(json.dumps(result))
+    with open(output_dir / f"results_rank{accelerator.process_index}.jsonl", "a") as f:
+        f.write(json.dumps(result) + "\n")  # every run's result, so a resumed run loses none
+    if accelerator.is_main_process:
+        write_curves(output_dir / "metrics.jsonl", ["loss"], "nopad SFT")
+    accelerator.end_training()
     return result
 
 

@@ -94,3 +94,27 @@ def test_sft_keep_last_and_a_run_directory_as_model_path(tmp_path):
     assert check_model_path(str(out)) == str(out / "step_3")
     with pytest.raises(ValueError, match="checkpoint.keep_last must be an integer >= 1"):
         train(load_config(DEFAULT_CONFIG, None, [*args, "checkpoint.keep_last=0"]))
+
+
+def test_a_run_writes_its_curves_and_a_resumed_run_keeps_every_result(tmp_path):
+    out = tmp_path / "run"
+    args = [*SMALL, f"checkpoint.output_dir={out}", "train.max_steps=2"]
+    train(load_config(DEFAULT_CONFIG, None, args))
+    _reset_accelerate()
+    train(load_config(DEFAULT_CONFIG, None, [*SMALL, f"checkpoint.output_dir={out}", "train.max_steps=3",
+                                             "checkpoint.resume_from=latest"]))
+    _reset_accelerate()
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]  # the resumed run continued the curve
+    assert len((out / "results_rank0.jsonl").read_text().splitlines()) == 2  # both runs' results kept
+    png = (out / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_trackers_receive_the_loss(tmp_path):
+    pytest.importorskip("tensorboard")
+    out = tmp_path / "run"
+    train(load_config(DEFAULT_CONFIG, None, [*SMALL, f"checkpoint.output_dir={out}", "train.max_steps=2",
+                                             "accelerate.log_with=tensorboard"]))
+    _reset_accelerate()
+    assert list(out.rglob("events.out.tfevents*"))

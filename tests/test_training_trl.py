@@ -492,7 +492,10 @@ def test_batch_invariant_setting_follows_where_the_model_trains(monkeypatch, cap
 
     assert resolve_batch_invariant("auto", "cpu") is True
     assert resolve_batch_invariant(False, "cpu") is False
-    assert resolve_batch_invariant("auto", "cuda") is True  # the Triton kernel set (triton installed)
+    with caplog.at_level("WARNING"):  # the Triton kernel set exists, but auto waits for a GPU measurement
+        assert resolve_batch_invariant("auto", "cuda") is False
+    assert "until the Triton kernel set's cost is measured on a GPU" in caplog.text
+    assert resolve_batch_invariant(True, "cuda") is True
     from packing import invariant_kernels
 
     monkeypatch.setattr(invariant_kernels, "available", lambda: (False, "triton is not installed"))

@@ -22,12 +22,14 @@ def _env_flag(name: str) -> bool:
 
 
 def make_accelerator(deepspeed_config: str | None = None, *, grad_accum: int = 1,
-                     max_grad_norm: float | None = None, recipe: str = "recipes.sft"):
+                     max_grad_norm: float | None = None, recipe: str = "recipes.sft",
+                     log_with: str | list[str] | None = None, project_dir: str | None = None):
     """An Accelerator for the launch at hand (DDP, DeepSpeed ZeRO-1/2/3, FSDP from ``accelerate
     launch``), or DeepSpeed from ``deepspeed_config``; gloo on a CPU, with ``DS_ACCELERATOR=cpu``
     for DeepSpeed. Asking for DeepSpeed and getting something else is an error, never a silent
     fallback to DDP. DeepSpeed clips inside its own step, so its ``"auto"`` gradient_clipping is
-    set to ``max_grad_norm`` (else it would clip at 1.0)."""
+    set to ``max_grad_norm`` (else it would clip at 1.0). ``log_with`` names Accelerate trackers
+    ("tensorboard", "wandb", "all", ...), writing under ``project_dir``."""
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, DistributedType, InitProcessGroupKwargs
 
@@ -52,6 +54,8 @@ def make_accelerator(deepspeed_config: str | None = None, *, grad_accum: int = 1
         cpu=cpu and not use_deepspeed,  # cpu=True would silently drop DeepSpeed
         gradient_accumulation_steps=grad_accum,
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu and distributed else [],
+        log_with=log_with,
+        project_dir=project_dir,
         **kwargs,
     )
     if use_deepspeed and accelerator.distributed_type != DistributedType.DEEPSPEED:

@@ -29,6 +29,12 @@ def resolve_batch_invariant(setting: bool | str, device: torch.device | str,
     from packing.invariance import supported as invariant_mode_supported
 
     supported, why = invariant_mode_supported(device)
+    if setting == "auto" and supported and torch.device(device).type != "cpu":
+        # the Triton kernel set is proven under the interpreter, not yet timed on a GPU
+        logger.warning("%s='auto': off on %s until the Triton kernel set's cost is measured on a GPU "
+                       "(make gpu-check); set %s=True for bitwise-equal rollout and trainer log-probs",
+                       key, torch.device(device).type, key)
+        return False
     if setting == "auto":
         if not supported:
             logger.warning("%s='auto': off (%s); rollout and trainer log-probs will differ slightly",
