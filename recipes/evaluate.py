@@ -146,5 +146,10 @@ def main(argv: list[str] | None = None) -> dict:
     return run_evaluate(load_config(DEFAULT_CONFIG, path, argv))
 
 
+def cli() -> None:
+    """The ``nopad-evaluate`` console script: the recipe from any directory once nopad is installed."""
+    main()
+
+
 if __name__ == "__main__":
     main()

@@ -352,5 +352,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return run_grpo(load_config(DEFAULT_CONFIG, path, argv))
 
 
+def cli() -> None:
+    """The ``nopad-grpo`` console script: the recipe from any directory once nopad is installed."""
+    main()
+
+
 if __name__ == "__main__":
     main()

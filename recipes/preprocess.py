@@ -188,5 +188,10 @@ def main(argv: list[str] | None = None) -> datasets.Dataset:
     return run_preprocess(load_config(DEFAULT_CONFIG, path, argv))
 
 
+def cli() -> None:
+    """The ``nopad-preprocess`` console script: the recipe from any directory once nopad is installed."""
+    main()
+
+
 if __name__ == "__main__":
     main()

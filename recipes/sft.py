@@ -420,5 +420,10 @@ def main(argv: list[str] | None = None) -> dict:
     return train(load_config(DEFAULT_CONFIG, path, argv))
 
 
+def cli() -> None:
+    """The ``nopad-sft`` console script: the recipe from any directory once nopad is installed."""
+    main()
+
+
 if __name__ == "__main__":
     main()

@@ -210,3 +210,21 @@ def test_readme_launch_lines_run_ddp_and_deepspeed_zero2(inputs):
     moved = (flat["ddp"] - flat["base"]).norm()
     assert moved > 0 and (flat["deepspeed"] - flat["ddp"]).norm() < 0.2 * moved
     _evaluate(checkpoint, root, "eval_deepspeed.jsonl")
+
+
+def test_console_scripts_point_at_recipe_entry_points():
+    """pyproject's console scripts (nopad-sft, ...) name functions that exist and take no
+    arguments, and the recipes' configs and sample data ship with the package."""
+    import importlib
+    import inspect
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    scripts = project["project"]["scripts"]
+    assert {"nopad-preprocess", "nopad-sft", "nopad-grpo", "nopad-evaluate"} <= set(scripts)
+    for target in scripts.values():
+        module, _, name = target.partition(":")
+        fn = getattr(importlib.import_module(module), name)
+        assert not inspect.signature(fn).parameters, target
+    data = project["tool"]["setuptools"]["package-data"]["recipes"]
+    assert "configs/*.yaml" in data and "data/*.jsonl" in data
