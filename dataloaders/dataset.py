@@ -121,6 +121,7 @@ class PackedDataset(Dataset):
             )
         self.label_column = "labels" if "labels" in columns else None
         self.mask_column = next((c for c in MASK_COLUMNS if c in columns), None)
+        self.prepacked = any(c in columns for c in BOUNDARY_COLUMNS)  # each row holds documents
         self.lengths = self._lengths(source, columns, lengths)
 
     @staticmethod

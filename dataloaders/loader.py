@@ -113,6 +113,7 @@ def packed_dataloader(
         overflow=overflow,
         steps_multiple_of=steps_multiple_of,
         attention_cost=attention_cost,
+        unit="pre-packed rows" if packed.prepacked else "sequences",
     )
     return PackedDataLoader(
         packed,

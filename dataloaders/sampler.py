@@ -56,8 +56,10 @@ class PackedBatchSampler(Sampler[list[PackedItem]]):
         steps_multiple_of: int = 1,
         token_cost: float = 1.0,
         attention_cost: float | None = None,
+        unit: str = "sequences",
     ):
         world, this_rank = _world()
+        self.unit = unit  # what one length is, for the epoch log ("pre-packed rows" for packed data)
         self.num_replicas = world if num_replicas is None else int(num_replicas)
         self.rank = this_rank if rank is None else int(rank)
         if not 0 <= self.rank < self.num_replicas:
@@ -128,6 +130,7 @@ class PackedBatchSampler(Sampler[list[PackedItem]]):
             plan=plan,
             item_lengths=piece_lengths,
             item_indices=indices,
+            unit=self.unit,
         )
         log_epoch_stats(self.last_stats, rank=self.rank)
         return self._batches

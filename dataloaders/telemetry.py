@@ -21,6 +21,7 @@ def epoch_stats(
     plan: RankPlan,
     item_lengths: np.ndarray,
     item_indices: np.ndarray,
+    unit: str = "sequences",
 ) -> dict:
     """What an epoch's packing did. ``efficiency`` is real tokens / (bins x capacity) after the
     bins were split or duplicated for rank balance; a duplicated bin's tokens count as padding."""
@@ -30,6 +31,7 @@ def epoch_stats(
     seen = int(np.unique(np.asarray(item_indices)[pieces]).size)
     return {
         "epoch": int(epoch),
+        "unit": unit,
         "num_sequences": int(num_sequences),
         "num_bins": len(plan.bins),
         "steps_per_rank": plan.num_steps,
@@ -52,10 +54,11 @@ def log_epoch_stats(stats: dict, rank: int = 0) -> None:
     if rank != 0:
         return
     logger.info(
-        "epoch %d: %d sequences -> %d bins, %d steps x %d ranks, efficiency %.2f%%, "
+        "epoch %d: %d %s -> %d bins, %d steps x %d ranks, efficiency %.2f%%, "
         "truncated %d tokens, split %d, rank cost skew %.3f, step cost skew %.3f "
         "(worst step max/mean %.3f), pad fraction %.3f",
-        stats["epoch"], stats["num_sequences"], stats["num_bins"], stats["steps_per_rank"],
+        stats["epoch"], stats["num_sequences"], stats.get("unit", "sequences"), stats["num_bins"],
+        stats["steps_per_rank"],
         stats["num_ranks"], 100 * stats["efficiency"], stats["tokens_truncated"],
         stats["sequences_split"], stats["rank_cost_skew"], stats["step_cost_skew"],
         stats.get("worst_step_max_over_mean", 1.0), stats.get("pad_fraction", 0.0),

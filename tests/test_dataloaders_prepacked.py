@@ -128,3 +128,17 @@ def test_packed_loss_equals_each_document_run_alone():
             tokens += batch["num_loss_tokens"]
     assert tokens == sum(len(d) - 2 for d in docs)
     assert total == pytest.approx(alone, rel=1e-5)
+
+
+def test_epoch_stats_call_prepacked_rows_rows(caplog):
+    import logging
+
+    from dataloaders import packed_dataloader
+
+    rows = [{"input_ids": list(range(10)), "seq_lengths": [4, 6]},
+            {"input_ids": list(range(8)), "seq_lengths": [8]}]
+    with caplog.at_level(logging.INFO, logger="dataloaders"):
+        loader = packed_dataloader(rows, 16, num_replicas=1, rank=0)
+        list(loader)
+    assert loader.packed_sampler.last_stats["unit"] == "pre-packed rows"
+    assert "2 pre-packed rows ->" in caplog.text

@@ -22,7 +22,8 @@ def test_epoch_stats_pins_every_field():
     # 3 bins ([0], [1], [2] after one split) + 1 loss-masked repeat for 4 ranks
     stats = _stats()
     assert stats == {
-        "epoch": 2, "num_sequences": 3, "num_bins": 4, "steps_per_rank": 1, "num_ranks": 4,
+        "epoch": 2, "unit": "sequences", "num_sequences": 3, "num_bins": 4, "steps_per_rank": 1,
+        "num_ranks": 4,
         "tokens": 12, "efficiency": 12 / 40, "tokens_truncated": 7, "sequences_split": 0,
         "sequences_dropped": 0, "sequences_duplicated": 1, "bins_split_for_balance": 1,
         "rank_cost_skew": stats["rank_cost_skew"], "step_cost_skew": stats["step_cost_skew"],
