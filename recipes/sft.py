@@ -276,34 +276,11 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
     validate_config(cfg)
     accelerator = accelerator or make_accelerator(cfg)
     torch.manual_seed(tcfg["seed"])
-    if model is None:
-        model, tokenizer = build_model(cfg["model"])
-    set_attention(model, cfg["model"]["attn_implementation"])
-    model.config.use_cache = False
-    model.train()
-    if rows is None:
-        rows = load_rows(dcfg, tokenizer, model.config.vocab_size)
-    else:
-        rows = tokenize_rows(rows, tokenizer, dcfg["prompt_column"], dcfg["completion_column"])
-
+    model, tokenizer, rows = _model_and_rows(cfg, model, tokenizer, rows)
     gas = tcfg["grad_accum"]
     loader = build_loader(dcfg, rows, accelerator, gas, model.config)
-    if dcfg["streaming"]:  # a stream has no length: the schedule spans train.max_steps
-        if not tcfg["max_steps"]:
-            raise ValueError("data.streaming=true needs train.max_steps (a stream's length is unknown)")
-        total_steps = tcfg["max_steps"]
-    else:  # max_steps counts optimizer steps; the epochs repeat as needed to reach it
-        steps_per_epoch = len(loader) // gas
-        total_steps = max(steps_per_epoch * tcfg["epochs"], tcfg["max_steps"] or 0)
-        if tcfg["max_steps"] and tcfg["max_steps"] > steps_per_epoch * tcfg["epochs"]:
-            logger.warning("train.max_steps=%d is more than train.epochs=%d x %d steps per epoch: the data "
-                           "repeats for %d epochs", tcfg["max_steps"], tcfg["epochs"], steps_per_epoch,
-                           -(-tcfg["max_steps"] // steps_per_epoch))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg["lr"], weight_decay=tcfg["weight_decay"])
-    warmup = tcfg["warmup_steps"]
-    scheduler = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, then linear decay to 0
-        optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)) * max(0.0, 1 - s / max(total_steps, 1))
-    )
+    total_steps = _total_steps(tcfg, dcfg, loader, gas)
+    optimizer, scheduler = _optimizer(model, tcfg, total_steps)
     # the loader is not prepared (it shards itself); neither is the scheduler, which Accelerate
     # would step once per process for every optimizer step
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -313,22 +290,9 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
     accelerator.init_trackers("nopad-sft", config=tracker_config(cfg))
     for obj in (progress, loader, scheduler):  # progress first: it names train.grad_accum on a mismatch
         accelerator.register_for_checkpointing(obj)
-
     output_dir = Path(ccfg["output_dir"])
     if ccfg["resume_from"]:
-        latest = ccfg["resume_from"] == "latest"
-        resume = checkpoint.latest_checkpoint(output_dir) if latest else Path(ccfg["resume_from"])
-        if not (resume / STATE_DIR).is_dir():
-            raise FileNotFoundError(f"checkpoint.resume_from={str(resume)!r} holds no {STATE_DIR}/ "
-                                    "written by this recipe; give a step_N directory of an earlier run")
-        try:
-            accelerator.load_state(str(resume / STATE_DIR))
-        except ValueError:  # our own: a resume under another plan, naming the setting
-            raise
-        except Exception as err:  # a damaged file: say which checkpoint, not only the zip reader's words
-            raise RuntimeError(f"could not load the training state of checkpoint {resume}: {err}; resume "
-                               "from an earlier step_N directory") from err
-        logger.info("resumed from %s at step %d (epoch %d)", resume, progress.step, loader.epoch)
+        _resume(accelerator, ccfg["resume_from"], output_dir, progress, loader)
 
     # Accelerate (and DeepSpeed inside it) divides the loss by grad_accum; PackedLoss undoes that
     # and the rank averaging, and divides by the step's global loss-token count instead.
@@ -337,45 +301,16 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
     if progress.step >= max_steps:
         logger.warning("nothing to train: the run is already at optimizer step %d of %d (train.max_steps / "
                        "train.epochs); raise them to train further", progress.step, max_steps)
-    losses, stats, seen = [], [], []
+    losses, stats, seen = [], [], [] if cfg["log"]["record_indices"] else None
     saved_at = None
-    bar = None
-    if tcfg["progress"] and accelerator.is_local_main_process:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=max_steps, initial=progress.step, desc="sft", unit="step")
+    bar = _progress_bar(tcfg["progress"] and accelerator.is_local_main_process, max_steps, progress.step)
     while progress.step < max_steps:
         for window in _windows(loader, gas):
-            loss_fn.start_step(window)
-            step_loss = 0.0
-            for batch in window:
-                batch = move_batch(batch, accelerator.device)
-                if cfg["log"]["record_indices"]:
-                    seen.append(batch["indices"].tolist())
-                with accelerator.accumulate(model):
-                    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                                   nopad_meta=batch["nopad_meta"], use_cache=False).logits
-                    loss = loss_fn(logits, batch)
-                    accelerator.backward(loss)
-                    step_loss += loss_fn.unscaled(loss)
-                    if accelerator.sync_gradients and tcfg["max_grad_norm"]:
-                        accelerator.clip_grad_norm_(model.parameters(), tcfg["max_grad_norm"])
-                    optimizer.step()
-                    optimizer.zero_grad()
-            if not accelerator.sync_gradients:
-                raise RuntimeError("internal: an optimizer-step window ended without a gradient sync")
+            step_loss = _optimizer_step(window, model, optimizer, loss_fn, accelerator, tcfg["max_grad_norm"],
+                                        seen)
             scheduler.step()
             progress.step += 1
-            mean_loss = accelerator.reduce(torch.tensor([step_loss], device=accelerator.device), "sum").item()
-            losses.append(mean_loss)
-            accelerator.log({"loss": mean_loss}, step=progress.step)  # to the log_with trackers
-            if accelerator.is_main_process:
-                output_dir.mkdir(parents=True, exist_ok=True)
-                with open(output_dir / "metrics.jsonl", "a") as f:  # appended: a resumed run continues it
-                    f.write(json.dumps({"step": progress.step, "loss": mean_loss}) + "\n")
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{mean_loss:.4f}")
+            losses.append(_record_step(accelerator, output_dir, progress.step, step_loss, bar))
             if ccfg["every"] and progress.step % ccfg["every"] == 0:
                 save_checkpoint(accelerator, model, tokenizer, output_dir / f"step_{progress.step}",
                                 ccfg["keep_last"])
@@ -395,8 +330,116 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
               "world_size": accelerator.num_processes, **info,
               "checkpoint": str(final) if ccfg["save_final"] else None,
               "micro_batches_per_epoch": None if dcfg["streaming"] else len(loader)}
-    if cfg["log"]["record_indices"]:
+    if seen is not None:
         result["indices_per_step"] = seen  # dataset rows of each micro-batch, in order
+    _write_result(accelerator, output_dir, result)
+    return result
+
+
+def _model_and_rows(cfg: Mapping, model, tokenizer, rows):
+    """The model in training mode with its attention set, and the tokenized rows."""
+    dcfg = cfg["data"]
+    if model is None:
+        model, tokenizer = build_model(cfg["model"])
+    set_attention(model, cfg["model"]["attn_implementation"])
+    model.config.use_cache = False
+    model.train()
+    if rows is None:
+        rows = load_rows(dcfg, tokenizer, model.config.vocab_size)
+    else:
+        rows = tokenize_rows(rows, tokenizer, dcfg["prompt_column"], dcfg["completion_column"])
+    return model, tokenizer, rows
+
+
+def _total_steps(tcfg: Mapping, dcfg: Mapping, loader, gas: int) -> int:
+    """Optimizer steps of the whole run: ``train.max_steps`` counts them, and the epochs repeat as
+    needed to reach it; a stream has no length, so there it must be given."""
+    if dcfg["streaming"]:
+        if not tcfg["max_steps"]:
+            raise ValueError("data.streaming=true needs train.max_steps (a stream's length is unknown)")
+        return tcfg["max_steps"]
+    steps_per_epoch = len(loader) // gas
+    if tcfg["max_steps"] and tcfg["max_steps"] > steps_per_epoch * tcfg["epochs"]:
+        logger.warning("train.max_steps=%d is more than train.epochs=%d x %d steps per epoch: the data "
+                       "repeats for %d epochs", tcfg["max_steps"], tcfg["epochs"], steps_per_epoch,
+                       -(-tcfg["max_steps"] // steps_per_epoch))
+    return max(steps_per_epoch * tcfg["epochs"], tcfg["max_steps"] or 0)
+
+
+def _optimizer(model, tcfg: Mapping, total_steps: int):
+    """AdamW with a linear warm-up, then a linear decay to 0 at ``total_steps``."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg["lr"], weight_decay=tcfg["weight_decay"])
+    warmup = tcfg["warmup_steps"]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)) * max(0.0, 1 - s / max(total_steps, 1))
+    )
+    return optimizer, scheduler
+
+
+def _resume(accelerator, resume_from: str, output_dir: Path, progress: Progress, loader) -> None:
+    """Load ``checkpoint.resume_from`` (a step_N directory, or ``latest`` complete one)."""
+    resume = checkpoint.latest_checkpoint(output_dir) if resume_from == "latest" else Path(resume_from)
+    if not (resume / STATE_DIR).is_dir():
+        raise FileNotFoundError(f"checkpoint.resume_from={str(resume)!r} holds no {STATE_DIR}/ "
+                                "written by this recipe; give a step_N directory of an earlier run")
+    try:
+        accelerator.load_state(str(resume / STATE_DIR))
+    except ValueError:  # our own: a resume under another plan, naming the setting
+        raise
+    except Exception as err:  # a damaged file: say which checkpoint, not only the zip reader's words
+        raise RuntimeError(f"could not load the training state of checkpoint {resume}: {err}; resume "
+                           "from an earlier step_N directory") from err
+    logger.info("resumed from %s at step %d (epoch %d)", resume, progress.step, loader.epoch)
+
+
+def _optimizer_step(window, model, optimizer, loss_fn, accelerator, max_grad_norm, seen) -> float:
+    """Forward and backward every micro-batch of one accumulation window; the optimizer steps once,
+    at the window's last micro-batch. Returns this rank's share of the step's loss."""
+    loss_fn.start_step(window)
+    step_loss = 0.0
+    for batch in window:
+        batch = move_batch(batch, accelerator.device)
+        if seen is not None:
+            seen.append(batch["indices"].tolist())
+        with accelerator.accumulate(model):
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                           nopad_meta=batch["nopad_meta"], use_cache=False).logits
+            loss = loss_fn(logits, batch)
+            accelerator.backward(loss)
+            step_loss += loss_fn.unscaled(loss)
+            if accelerator.sync_gradients and max_grad_norm:
+                accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad()
+    if not accelerator.sync_gradients:
+        raise RuntimeError("internal: an optimizer-step window ended without a gradient sync")
+    return step_loss
+
+
+def _record_step(accelerator, output_dir: Path, step: int, step_loss: float, bar) -> float:
+    """The step's loss over all ranks, to the trackers, ``metrics.jsonl`` and the progress bar."""
+    loss = accelerator.reduce(torch.tensor([step_loss], device=accelerator.device), "sum").item()
+    accelerator.log({"loss": loss}, step=step)  # to the log_with trackers
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with open(output_dir / "metrics.jsonl", "a") as f:  # appended: a resumed run continues it
+            f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}")
+    return loss
+
+
+def _progress_bar(show: bool, total: int, initial: int):
+    if not show:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="sft", unit="step")
+
+
+def _write_result(accelerator, output_dir: Path, result: dict) -> None:
+    """``result_rank*.json`` (this run), ``results_rank*.jsonl`` (every run) and the curves."""
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / f"result_rank{accelerator.process_index}.json").write_text(json.dumps(result))
     with open(output_dir / f"results_rank{accelerator.process_index}.jsonl", "a") as f:
@@ -404,7 +447,6 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
     if accelerator.is_main_process:
         write_curves(output_dir / "metrics.jsonl", ["loss"], "nopad SFT")
     accelerator.end_training()
-    return result
 
 
 def default_config(overrides=()) -> dict:
