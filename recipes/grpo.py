@@ -136,31 +136,11 @@ def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[l
     Every rank calls it each step, also with an empty ``batch``. Pass the same ``accumulator``
     (:class:`training.accumulation.RowAccumulator`) every step to count the optimizer steps."""
     tr = cfg["train"]
-    n = cfg["rollout"]["num_generations"]
-    # 1. rollouts on the live weights; the KV cache is handed back before any backward pass
-    t0 = time.perf_counter()
     invariant = resolve_batch_invariant(tr["batch_invariant"], next(model.parameters()).device,
                                         "train.batch_invariant")
-    with batch_invariant(invariant):
-        outputs = sharded_generate(generator, model, prompt_ids, sampling_params(cfg, step),
-                                   mode=cfg["generator"]["sharded_rollout"], use_tqdm=use_tqdm)
-    rollout_time = time.perf_counter() - t0
-    generator.release()
-    rollouts, rewards = [], []
-    for example, ids, out in zip(batch, prompt_ids, outputs):
-        for c in out.outputs:
-            text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
-            rewards.append(float(reward_fn(text, example)))
-            rollouts.append(Rollout(list(ids), list(c.token_ids), [float(x) for x in c.logprobs]))
-    rewards_t = torch.tensor(rewards).view(len(batch), n)
-    if bool((rewards_t.std(dim=1) == 0).all()):
-        logger.warning(
-            "grpo step %d: every group's rewards are equal (all %s), so every advantage is 0 and this step "
-            "does not change the model; give the completions room to answer (rollout.max_tokens), use "
-            "larger groups (rollout.num_generations) or a reward that separates them", step,
-            sorted(set(rewards_t[:, 0].tolist())))
-    for r, a in zip(rollouts, group_advantages(rewards_t).flatten().tolist()):
-        r.advantage = a
+    # 1. rollouts on the live weights; the KV cache is handed back before any backward pass
+    rollouts, rewards_t, rollout_time = _scored_rollouts(model, generator, batch, prompt_ids, reward_fn,
+                                                         tokenizer, cfg, step, invariant, use_tqdm)
     completion_tokens = sum(len(r.completion_ids) for r in rollouts)
 
     # 2. packed training forward + backward over equally many rows on every rank (ZeRO-3 / FSDP2
@@ -179,22 +159,8 @@ def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[l
     for row in rows:
         row = move_batch(row, device)  # as SFT does: CPU rows (and their VarlenMeta) to the model
         with accumulator.row():
-            with batch_invariant(invariant):  # the forward only; any correct backward will do
-                logp = packed_logprobs(model, row)
-            gen_lp, adv = row["gen_logprobs"].to(logp.device), row["advantages"].to(logp.device)
-            if is_weights is None:
-                old, weights = gen_lp, None  # ratio against the generator's own log-probs
-            else:
-                old, weights = logp.detach(), is_weights(logp.detach(), gen_lp).detach()
-            ref_lp = None
-            if ref_model is not None and tr["beta"]:
-                with torch.no_grad():
-                    ref_lp = packed_logprobs(ref_model, row)
-            tok_loss, was_clipped = grpo_token_loss(logp, old, adv, tr["clip_eps"], weights, ref_lp,
-                                                    tr["beta"])
-            loss = tok_loss.sum() / max(num_loss_tokens, 1.0)
-            if row.get("empty"):
-                loss = loss * 0.0  # a padding row: runs the collectives, adds no gradient
+            loss, logp, gen_lp, was_clipped = _row_loss(model, row, tr, num_loss_tokens, invariant,
+                                                        is_weights, ref_model)
             accumulator.backward(loss)
         if not row.get("empty"):
             gaps.append((logp.detach() - gen_lp).abs())
@@ -233,6 +199,55 @@ def grpo_step(model, optimizer, generator, batch: list[dict], prompt_ids: list[l
         "rollout_s": rollout_time,
         "train_s": train_time,
     }
+
+
+def _scored_rollouts(model, generator, batch, prompt_ids, reward_fn, tokenizer, cfg: Mapping, step: int,
+                     invariant: bool, use_tqdm: bool):
+    """Generate ``rollout.num_generations`` completions per prompt on the live weights, reward
+    them and set each one's group advantage; returns ``(rollouts, rewards (prompts, n), seconds)``."""
+    t0 = time.perf_counter()
+    with batch_invariant(invariant):
+        outputs = sharded_generate(generator, model, prompt_ids, sampling_params(cfg, step),
+                                   mode=cfg["generator"]["sharded_rollout"], use_tqdm=use_tqdm)
+    rollout_time = time.perf_counter() - t0
+    generator.release()
+    rollouts, rewards = [], []
+    for example, ids, out in zip(batch, prompt_ids, outputs):
+        for c in out.outputs:
+            text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            rewards.append(float(reward_fn(text, example)))
+            rollouts.append(Rollout(list(ids), list(c.token_ids), [float(x) for x in c.logprobs]))
+    rewards_t = torch.tensor(rewards).view(len(batch), cfg["rollout"]["num_generations"])
+    if bool((rewards_t.std(dim=1) == 0).all()):
+        logger.warning(
+            "grpo step %d: every group's rewards are equal (all %s), so every advantage is 0 and this step "
+            "does not change the model; give the completions room to answer (rollout.max_tokens), use "
+            "larger groups (rollout.num_generations) or a reward that separates them", step,
+            sorted(set(rewards_t[:, 0].tolist())))
+    for r, a in zip(rollouts, group_advantages(rewards_t).flatten().tolist()):
+        r.advantage = a
+    return rollouts, rewards_t, rollout_time
+
+
+def _row_loss(model, row, tr: Mapping, num_loss_tokens: float, invariant: bool, is_weights, ref_model):
+    """The GRPO loss of one packed row, normalised by all ranks' completion tokens (zero for a
+    padding row, which only runs the collectives); also its log-probs and clipped tokens."""
+    with batch_invariant(invariant):  # the forward only; any correct backward will do
+        logp = packed_logprobs(model, row)
+    gen_lp, adv = row["gen_logprobs"].to(logp.device), row["advantages"].to(logp.device)
+    if is_weights is None:
+        old, weights = gen_lp, None  # ratio against the generator's own log-probs
+    else:
+        old, weights = logp.detach(), is_weights(logp.detach(), gen_lp).detach()
+    ref_lp = None
+    if ref_model is not None and tr["beta"]:
+        with torch.no_grad():
+            ref_lp = packed_logprobs(ref_model, row)
+    tok_loss, was_clipped = grpo_token_loss(logp, old, adv, tr["clip_eps"], weights, ref_lp, tr["beta"])
+    loss = tok_loss.sum() / max(num_loss_tokens, 1.0)
+    if row.get("empty"):
+        loss = loss * 0.0
+    return loss, logp, gen_lp, was_clipped
 
 
 # ----------------------------------------------------------------------------- the run
