@@ -42,7 +42,7 @@ from training.accumulation import (
     global_sum,
     pad_rows,
 )
-from training.curves import tracker_config, write_curves
+from training.curves import finish_trackers, tracker_config, write_curves
 from training.grpo import (
     ISWeightFn,
     Rollout,
@@ -353,7 +353,7 @@ def run_grpo(cfg: Mapping, model=None, tokenizer=None, progress: bool = True) ->
     if out_file is not None:
         out_file.close()
         write_curves(Path(cfg["output_dir"]) / "metrics.jsonl", CURVES, "nopad GRPO")
-    accelerator.end_training()
+    finish_trackers(accelerator)
     generator.release()
     if cfg["output_dir"]:  # an HF model directory: model.path=<output_dir> in evaluate / grpo / SFT
         save_model_dir(accelerator, model, tokenizer, Path(cfg["output_dir"]))

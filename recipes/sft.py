@@ -39,7 +39,7 @@ from recipes.config import load_config, load_model, save_model_dir
 from training import checkpoint
 from training.accelerator import engine_info
 from training.accelerator import make_accelerator as build_accelerator
-from training.curves import tracker_config, write_curves
+from training.curves import finish_trackers, tracker_config, write_curves
 from training.loss import PackedLoss
 
 logger = logging.getLogger(__name__)
@@ -446,7 +446,7 @@ def _write_result(accelerator, output_dir: Path, result: dict) -> None:
         f.write(json.dumps(result) + "\n")  # every run's result, so a resumed run loses none
     if accelerator.is_main_process:
         write_curves(output_dir / "metrics.jsonl", ["loss"], "nopad SFT")
-    accelerator.end_training()
+    finish_trackers(accelerator)
 
 
 def default_config(overrides=()) -> dict:

@@ -158,8 +158,10 @@ def _free_port() -> int:
 
 
 def readme_launch_lines() -> dict[str, list[str]]:
-    """The README's `accelerate launch --config_file ...` lines, word for word, by config file."""
-    text = (ROOT / "README.md").read_text().replace("\\\n", " ")  # join continued lines
+    """The `accelerate launch --config_file ...` lines of the README and docs/, word for word, by
+    config file."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    text = "\n".join(p.read_text() for p in docs).replace("\\\n", " ")  # join continued lines
     lines = re.findall(r"^accelerate launch --config_file \S+ .*$", text, re.M)
     return {shlex.split(line)[3]: shlex.split(line) for line in lines}
 

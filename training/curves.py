@@ -64,3 +64,10 @@ def write_curves(metrics_path: str | Path, keys: Sequence[str], title: str) -> P
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def finish_trackers(accelerator) -> None:
+    """Flush and close the run's trackers. (Not ``accelerator.end_training()``, which also tears
+    down the process group a caller may still use.)"""
+    for tracker in accelerator.trackers:
+        tracker.finish()
