@@ -483,6 +483,13 @@ def collect_goals(report: dict) -> dict:
     return goals
 
 
+def write_reports(report: dict, out: Path) -> None:
+    """``gpu_report.json`` and ``gpu_report.md`` in ``out``, with the goals met or missed so far."""
+    report["goals"] = collect_goals(report)
+    (out / "gpu_report.json").write_text(json.dumps(report, indent=1, default=str))
+    write_markdown(report, out / "gpu_report.md")
+
+
 def write_markdown(report: dict, path: Path) -> None:
     env = report["environment"]
     lines = [f"# nopad GPU check ({'quick smoke run' if report['quick'] else 'full run'})", "",
@@ -555,32 +562,35 @@ def main(argv=None) -> int:
         steps, bw_bytes, grpo = 20, 1 << 30, dict(prompts=16, G=8, new_tokens=256, steps=4)
     report: dict = {"quick": args.quick, "environment": environment(device),
                     "backends": backends(device, dtype, block)}
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def step(target: dict, key: str, fn, *fn_args) -> None:
+        """One benchmark, then the report so far on disk (a run cut off by a time limit keeps it)."""
+        guarded(target, key, fn, *fn_args)
+        write_reports(report, args.out)
+
     if "pytest" not in args.skip:
-        guarded(report, "pytest", run_pytest_gpu, args.quick)
+        step(report, "pytest", run_pytest_gpu, args.quick)
     out_dir = Path("/tmp/nopad_gpu_check")
     for label, spec in specs.items():
-        res: dict = {}
+        res: dict = report.setdefault("models", {}).setdefault(label, {})
         if "train" not in args.skip:
-            guarded(res, "training", bench_training, spec, device, dtype, *train.values())
+            step(res, "training", bench_training, spec, device, dtype, *train.values())
         if "generate" not in args.skip:
-            guarded(res, "generation", bench_generation, spec, device, dtype, counts, gen["new_range"],
+            step(res, "generation", bench_generation, spec, device, dtype, counts, gen["new_range"],
                     gen["prompt_range"], block, True)
         if "decode" not in args.skip:
-            guarded(res, "decode_floor", bench_decode_floor, spec, device, dtype, floor_counts,
+            step(res, "decode_floor", bench_decode_floor, spec, device, dtype, floor_counts,
                     gen["prompt_range"], block, steps, bw_bytes, floor_counts[-1] if args.quick else 128)
         if "host" not in args.skip:
-            guarded(res, "host_overhead", bench_host_overhead, spec, device, dtype,
+            step(res, "host_overhead", bench_host_overhead, spec, device, dtype,
                     4 if args.quick else 128, gen["prompt_range"], block, steps)
-        report.setdefault("models", {})[label] = res
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if "grpo" not in args.skip:  # the smallest model: the comparison is about the loop, not the size
         first = next(iter(specs.values()))
-        guarded(report, "grpo", bench_grpo, first, device, dtype, grpo, out_dir)
-    report["goals"] = collect_goals(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_report.json").write_text(json.dumps(report, indent=1, default=str))
-    write_markdown(report, args.out / "gpu_report.md")
+        step(report, "grpo", bench_grpo, first, device, dtype, grpo, out_dir)
+    write_reports(report, args.out)
     print(f"gpu_check: wrote {args.out / 'gpu_report.md'} and gpu_report.json")
     return 0
 
