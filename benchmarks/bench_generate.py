@@ -172,12 +172,14 @@ def make_generator(model, tok, prompts, max_new, n: int, args):
                      max_num_seqs=args.max_seqs, num_blocks=blocks + 64)
 
 
-def run_nopad(model, tok, prompts, max_new, args) -> tuple[Run, list[int]]:
+def run_nopad(model, tok, prompts, max_new, args, warmed=lambda: None) -> tuple[Run, list[int]]:
+    """The timed nopad run; ``warmed()`` is called between the warm-up and the timed part."""
     from inference.sampling_params import SamplingParams
 
     gen = make_generator(model, tok, prompts, max_new, 1, args)
     gen.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     gen.reset_stats()
+    warmed()
     params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in max_new]
     start = time.perf_counter()
     results = gen.generate(prompts, params)
@@ -493,7 +495,10 @@ def print_breakdown(model, tok, prompts, max_new, args, hf_static: Run | None) -
     HF generate's time over nopad's linear time is the most this workload's ratio could be if
     everything else took no time."""
     with _LinearTimer() as linears, _attention_timer() as attention, _sampler_timer() as sampler:
-        run, _ = run_nopad(model, tok, prompts, max_new, args)
+        def zero_timers():  # the warm-up is not part of the timed run
+            linears.seconds = attention.seconds = sampler.seconds = 0.0
+
+        run, _ = run_nopad(model, tok, prompts, max_new, args, warmed=zero_timers)
     total = run.seconds
     other = total - linears.seconds - attention.seconds - sampler.seconds
     print(f"nopad's time, instrumented run: {total:.1f} s = linear layers {linears.seconds:.1f} s "
