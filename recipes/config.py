@@ -1,16 +1,139 @@
-"""Recipe configs: YAML data plus ``key=value`` overrides, checked against the recipe's defaults.
+"""Typed recipe configs: dataclasses that check themselves, read from YAML and ``key=value``
+overrides.
 
-A recipe's default YAML file lists every key it understands, so a typo (``rollout.max_token=8``)
-is an error naming the key instead of a silently ignored setting.
+Each recipe declares its config as a dataclass of sections (``SFTConfig.train.lr``); the defaults
+live there and nowhere else (the shipped ``recipes/configs/*.yaml`` list them with comments, and a
+test keeps the two equal). Loading checks every value against its field's type, so a typo
+(``rollout.max_token=8``) or a wrong value (``train.lr=abc``) is an error naming the key before
+anything is built, never a silently ignored setting or a TypeError deep inside the optimizer.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Mapping, Sequence
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
 
 import yaml
+
+C = TypeVar("C")
+
+
+class ConfigError(ValueError):
+    """A config value that is wrong; ``key`` is its dotted name (``train.lr``)."""
+
+    def __init__(self, key: str, detail: str):
+        super().__init__(f"{key} {detail}")
+        self.key, self.detail = key, detail
+
+    def under(self, section: str) -> ConfigError:
+        return ConfigError(f"{section}.{self.key}", self.detail)
+
+
+class Section:
+    """Base of every config dataclass: ``__post_init__`` converts and type-checks each field by its
+    annotation (a nested mapping becomes its section's dataclass), then runs ``check()``."""
+
+    def __post_init__(self) -> None:
+        hints = _hints(type(self))
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _coerce(f.name, hints[f.name], getattr(self, f.name)))
+        self.check()
+
+    def check(self) -> None:
+        """Checks that span fields or need ranges; raise :class:`ConfigError` naming the field."""
+
+    def at_least(self, name: str, minimum: int | float) -> None:
+        """``name`` must be ``>= minimum`` (``None`` passes where the type allows it)."""
+        value = getattr(self, name)
+        if value is not None and value < minimum:
+            optional = type(None) in typing.get_args(_hints(type(self))[name])
+            kind = "an integer" if isinstance(value, int) else "a number"
+            or_null = " or null" if optional else ""
+            raise ConfigError(name, f"must be {kind} >= {minimum}{or_null}, got {value!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def from_dict(cls: type[C], data: Mapping) -> C:
+    """``cls`` built from a (nested) mapping; keys it does not have are errors naming them."""
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key in data:
+        if key not in names:
+            raise ConfigError(str(key), f"is not a config key here; known keys: {', '.join(names)}")
+    return cls(**data)
+
+
+def _describe(hint) -> str:
+    """``bool | Literal["auto"]`` -> ``"true, false or 'auto'"``, for error messages."""
+    words = []
+    for option in typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,):
+        if typing.get_origin(option) is Literal:
+            words += [repr(a) for a in typing.get_args(option)]
+        else:
+            words += {bool: ["true", "false"], int: ["an integer"], float: ["a number"], str: ["a string"],
+                      type(None): ["null"]}.get(option, [getattr(option, "__name__", str(option))])
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def _coerce(name: str, hint, value):
+    """``value`` checked (and converted: an int to float, a mapping to its section) for a field
+    annotated ``hint``; a :class:`ConfigError` naming ``name`` otherwise."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return value
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(name, f"is a section; set its fields as {name}.<field>=...")
+        try:
+            return from_dict(hint, value)
+        except ConfigError as err:
+            raise err.under(name) from None
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for option in args:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(name, option, value)
+            except ConfigError:
+                pass
+        raise ConfigError(name, f"must be {_describe(hint)}, got {value!r}")
+    if origin is Literal:
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+        raise ConfigError(name, f"must be {_describe(hint)}, got {value!r}")
+    if origin is Callable or hint is Callable:
+        if callable(value):
+            return value
+        raise ConfigError(name, f"must be a function, got {value!r}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(name, f"must be true or false, got {value!r}")
+    if hint in (int, float):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if hint is int and number and float(value).is_integer():
+            return int(value)
+        if hint is float and number:
+            return float(value)
+        raise ConfigError(name, f"must be {'an integer' if hint is int else 'a number'}, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(name, f"must be a string, got {value!r}")
+    raise TypeError(f"internal: config field {name} has an annotation the loader does not know: {hint}")
 
 
 def _read_yaml(path: str | Path) -> dict:
@@ -23,33 +146,14 @@ def _read_yaml(path: str | Path) -> dict:
     return data
 
 
-def _merge(base: dict, update: Mapping, prefix: str = "") -> None:
+def _merge(base: dict, update: Mapping) -> dict:
+    """``base`` updated in place by ``update``, section by section (a nested key replaces one field)."""
     for key, value in update.items():
-        name = f"{prefix}{key}"
-        if key not in base:
-            raise KeyError(f"unknown config key {name!r}; known keys here: {sorted(base)}")
-        if isinstance(base[key], dict):
-            if not isinstance(value, Mapping):
-                raise ValueError(f"config key {name!r} is a section; set its fields as {name}.<field>=...")
-            _merge(base[key], value, prefix=f"{name}.")
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
         else:
-            base[key] = _checked(name, base[key], value)
-
-
-def _checked(name: str, default, value):
-    """``value`` for a key whose default is ``default``: a number stays a number and a flag a flag,
-    so ``train.lr=abc`` is an error naming the key, not a TypeError deep inside the optimizer."""
-    if value is None or default is None:
-        return value
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be true or false, got {value!r}")
-    elif isinstance(default, (int, float)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{name} must be a number, got {value!r}")
-        if isinstance(default, float):
-            return float(value)
-    return value
+            base[key] = _merge({}, value) if isinstance(value, Mapping) else value
+    return base
 
 
 def parse_override(text: str) -> dict:
@@ -69,49 +173,87 @@ def parse_override(text: str) -> dict:
     return out
 
 
-def load_config(defaults: str | Path, path: str | Path | None = None,
-                overrides: Sequence[str] | Mapping = ()) -> dict:
-    """The defaults file, updated by the user's file (if any) and then by the overrides
-    (``["train.steps=3"]`` or a nested dict)."""
-    cfg = _read_yaml(defaults)
-    if path is not None and Path(path).resolve() != Path(defaults).resolve():
-        _merge(cfg, _read_yaml(path))
-    return update_config(cfg, overrides)
-
-
-def update_config(cfg: dict, overrides: Sequence[str] | Mapping) -> dict:
-    """Apply ``["section.key=value", ...]`` or a nested dict to ``cfg`` in place (and return it);
-    unknown keys are errors."""
+def _overrides(overrides: Sequence[str] | Mapping) -> dict:
     if isinstance(overrides, Mapping):
-        _merge(cfg, copy.deepcopy(dict(overrides)))
-    else:
-        for text in overrides:
-            _merge(cfg, parse_override(text))
-    return cfg
+        return _merge({}, overrides)
+    merged: dict = {}
+    for text in overrides:
+        _merge(merged, parse_override(text))
+    return merged
 
 
-def require(cfg: Mapping, section: str, key: str, minimum: int) -> None:
-    """An integer setting ``section.key`` that must be at least ``minimum``."""
-    value = cfg[section][key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{section}.{key} must be an integer >= {minimum}, got {value!r}")
+def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequence[str] | Mapping = ()) -> C:
+    """``cls``'s defaults, updated by the YAML file ``path`` (if any) and then by the overrides
+    (``["train.steps=3"]`` or a nested dict), checked."""
+    data = _read_yaml(path) if path is not None else {}
+    return from_dict(cls, _merge(data, _overrides(overrides)))
 
 
-MODEL_DTYPES = ("float32", "bfloat16", "float16")
+def with_overrides(cfg: C, overrides: Sequence[str] | Mapping) -> C:
+    """A copy of ``cfg`` with the overrides applied, checked again."""
+    data = _merge(_shallow_sections(cfg), _overrides(overrides))
+    return from_dict(type(cfg), data)
 
 
-def load_model(model_cfg: Mapping):
+def _shallow_sections(cfg) -> dict:
+    """``cfg`` as a nested dict of its field values (functions and objects kept as they are)."""
+    return {f.name: _shallow_sections(v) if dataclasses.is_dataclass(v := getattr(cfg, f.name)) else v
+            for f in dataclasses.fields(cfg)}
+
+
+# ------------------------------------------------------------------------- sections the recipes share
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclasses.dataclass
+class ModelConfig(Section):
+    """Which model: ``smollm2`` (the embedded SmolLM2-135M-Instruct), ``tiny:<family>`` (a tiny
+    random-weight model, for tests), or a local Hugging Face model directory (a training run's
+    output directory means its newest checkpoint)."""
+
+    path: str | None = "smollm2"
+    dtype: DType = "float32"
+
+
+@dataclasses.dataclass
+class ChatModelConfig(ModelConfig):
+    """A model that reads prompts: ``chat_template`` true renders them with the tokenizer's chat
+    template (an error if it has none), false feeds raw text, ``auto`` uses the template if any."""
+
+    chat_template: bool | Literal["auto"] = "auto"
+
+
+@dataclasses.dataclass
+class GeneratorConfig(Section):
+    """The in-flight generator's KV cache and step budget (:class:`inference.Generator`)."""
+
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+
+    def check(self) -> None:
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            self.at_least(name, 1)
+
+
+@dataclasses.dataclass
+class AccelerateConfig(Section):
+    """``deepspeed_config``: a DeepSpeed JSON (or launch with ``accelerate launch``); ``log_with``:
+    Accelerate trackers (tensorboard, wandb, all) for the run's curves."""
+
+    deepspeed_config: str | None = None
+    log_with: str | None = None
+
+
+def load_model(model_cfg: ModelConfig):
     """``(model, tokenizer)`` for ``model.path``: ``"smollm2"`` is the embedded SmolLM2-135M-Instruct
     (offline), ``"tiny:llama"`` a tiny random-weight Llama with an ASCII tokenizer (smoke runs);
     anything else is a local Hugging Face model directory."""
     import torch
 
-    name = str(model_cfg.get("dtype", "float32"))
-    if name not in MODEL_DTYPES:
-        raise ValueError(f"model.dtype={model_cfg.get('dtype')!r} is not a dtype the recipes train or "
-                         f"generate in; choose one of {', '.join(MODEL_DTYPES)}")
-    dtype = getattr(torch, name)
-    path = check_model_path(model_cfg.get("path"))
+    dtype = getattr(torch, model_cfg.dtype)
+    path = check_model_path(model_cfg.path)
     if path.startswith("tiny:"):  # smoke runs and multi-process tests: no files, ASCII tokens
         from recipes.tasks import AsciiTokenizer, tiny_causal_lm
 

@@ -108,18 +108,16 @@ def sft_demo(model, tokenizer, *, steps: int = 3, tokens_per_batch: int = 512, m
     import tempfile
     import time
 
-    from recipes.sft import default_config, train
+    from recipes.sft import SFTConfig, train
 
     out = out or sys.stdout
     ids = tokenizer(load_corpus(max_documents), add_special_tokens=False)["input_ids"]
     rows = [{"input_ids": row[: tokens_per_batch - 1] + [tokenizer.eos_token_id]} for row in ids]
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = default_config({
-            "data": {"tokens_per_batch": tokens_per_batch},
-            "train": {"max_steps": steps, "grad_accum": 1, "lr": 1e-5},
-            "checkpoint": {"output_dir": tmp, "save_final": False},
-            "log": {"record_indices": True},
-        })
+        cfg = SFTConfig(data={"tokens_per_batch": tokens_per_batch},
+                        train={"max_steps": steps, "grad_accum": 1, "lr": 1e-5},
+                        checkpoint={"output_dir": tmp, "save_final": False},
+                        log={"record_indices": True})
         start = time.perf_counter()
         result = train(cfg, model=model, tokenizer=tokenizer, rows=rows)
         seconds = time.perf_counter() - start
@@ -141,15 +139,14 @@ def sft_demo(model, tokenizer, *, steps: int = 3, tokens_per_batch: int = 512, m
 
 def grpo_demo(model, tokenizer, *, steps: int = 2, out: TextIO | None = None) -> list[dict]:
     """GRPO steps on the built-in arithmetic task with generator rollouts on the live weights."""
-    from recipes.config import load_config
-    from recipes.grpo import DEFAULT_CONFIG, run_grpo
+    from recipes.grpo import GRPOConfig, run_grpo
 
     out = out or sys.stdout
-    cfg = load_config(DEFAULT_CONFIG, overrides={"model": {"path": None}, "train": {"steps": steps}})
+    cfg = GRPOConfig(model={"path": None}, train={"steps": steps})
     history = run_grpo(cfg, model=model, tokenizer=tokenizer)
-    ro = cfg["rollout"]
-    print(f"\nGRPO on the live model ({ro['prompts_per_step']} arithmetic prompts x {ro['num_generations']} "
-          f"samples per step, up to {ro['max_tokens']} new tokens):", file=out)
+    ro = cfg.rollout
+    print(f"\nGRPO on the live model ({ro.prompts_per_step} arithmetic prompts x {ro.num_generations} "
+          f"samples per step, up to {ro.max_tokens} new tokens):", file=out)
     header = (f"{'step':>4} {'reward':>7} {'rollout tok/s':>13} {'train tok/s':>11} {'packed':>7} "
               f"{'padded':>7} {'logprob gap max':>15} {'mean':>9} {'IS ratio range':>16}")
     print(header + "\n" + "-" * len(header), file=out)

@@ -10,15 +10,65 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from recipes.config import load_config, load_model, require
+from recipes.config import ChatModelConfig, ConfigError, GeneratorConfig, Section, load_config, load_model
 from recipes.tasks import TASKS, RewardFn, encode_prompt, get_reward, load_examples
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CONFIG = Path(__file__).parent / "configs" / "evaluate.yaml"
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "evaluate.yaml"  # these defaults, with comments
+
+
+@dataclass
+class EvalDataConfig(Section):
+    """The prompts: ``path`` (a JSONL file or a ``save_to_disk`` directory) or a built-in ``task``."""
+
+    path: str | None = None
+    task: str = "arithmetic"  # used when path is null
+    num_prompts: int = 32
+    seed: int = 1
+    prompt_field: str = "prompt"
+
+    def check(self) -> None:
+        self.at_least("num_prompts", 1)
+        if self.path is None and self.task not in TASKS:
+            raise ConfigError("task", f"{self.task!r} is not a built-in task; use one of {sorted(TASKS)} "
+                              "or set data.path")
+        if self.path is not None and not Path(self.path).exists():
+            raise ConfigError("path", f"{self.path!r} does not exist; give a JSONL file or a directory "
+                              "written by datasets' save_to_disk")
+
+
+@dataclass
+class EvalSamplingConfig(Section):
+    max_tokens: int = 32
+    temperature: float = 0.0  # greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+    def check(self) -> None:
+        self.at_least("max_tokens", 1)
+
+
+@dataclass
+class EvaluateConfig(Section):
+    """The evaluate recipe's settings; ``recipes/configs/evaluate.yaml`` lists them with comments."""
+
+    model: ChatModelConfig = field(default_factory=ChatModelConfig)
+    data: EvalDataConfig = field(default_factory=EvalDataConfig)
+    scorer: str | Callable[..., Any] = "last_number_match"  # REWARDS name or "module:function"
+    sampling: EvalSamplingConfig = field(default_factory=EvalSamplingConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    batch_size: int = 64  # prompts handed to the generator at once
+    output: str | None = "eval_results.jsonl"
+
+    def check(self) -> None:
+        self.at_least("batch_size", 1)
+        get_reward(self.scorer, key="scorer")
 
 
 def evaluate(
@@ -91,51 +141,31 @@ def evaluate(
     }
 
 
-def validate_config(cfg: Mapping, *, have_model: bool = False) -> None:
-    from recipes.config import check_model_path
-
-    if not have_model:
-        check_model_path(cfg["model"]["path"])
-    get_reward(cfg["scorer"], key="scorer")
-    data = cfg["data"]
-    if data["path"] is None and data["task"] not in TASKS:
-        raise ValueError(f"unknown data.task {data['task']!r}; use one of {sorted(TASKS)} or set data.path")
-    if data["path"] is not None and not Path(data["path"]).exists():
-        raise FileNotFoundError(f"data.path={data['path']!r} does not exist; give a JSONL file or a "
-                                "directory written by datasets' save_to_disk")
-    for section, key, low in [("generator", "block_size", 1), ("generator", "num_blocks", 1),
-                              ("sampling", "max_tokens", 1)]:
-        require(cfg, section, key, low)
-    if isinstance(cfg["batch_size"], bool) or not isinstance(cfg["batch_size"], int) or cfg["batch_size"] < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {cfg['batch_size']!r}")
-
-
-def run_evaluate(cfg: Mapping, model=None, tokenizer=None, progress: bool = True) -> dict:
+def run_evaluate(cfg: EvaluateConfig, model=None, tokenizer=None, progress: bool = True) -> dict:
     """Evaluate the configured model (or the given ``model``/``tokenizer``) on the prompt set."""
     from inference import Generator, SamplingParams
 
-    validate_config(cfg, have_model=model is not None)
     if model is None:
-        model, tokenizer = load_model(cfg["model"])
-    data = cfg["data"]
-    if data["path"] is not None:
-        examples = load_examples(data["path"], data["prompt_field"])
+        model, tokenizer = load_model(cfg.model)
+    data = cfg.data
+    if data.path is not None:
+        examples = load_examples(data.path, data.prompt_field)
     else:
-        examples = TASKS[data["task"]](num_prompts=data["num_prompts"], seed=data["seed"])
-    s, g = cfg["sampling"], cfg["generator"]
-    params = SamplingParams(max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"],
-                            seed=s["seed"])
-    generator = Generator(model, block_size=g["block_size"], num_blocks=g["num_blocks"],
-                          max_num_seqs=g["max_num_seqs"], max_num_batched_tokens=g["max_num_batched_tokens"])
+        examples = TASKS[data.task](num_prompts=data.num_prompts, seed=data.seed)
+    s, g = cfg.sampling, cfg.generator
+    params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                            seed=s.seed)
+    generator = Generator(model, block_size=g.block_size, num_blocks=g.num_blocks,
+                          max_num_seqs=g.max_num_seqs, max_num_batched_tokens=g.max_num_batched_tokens)
     try:
-        result = evaluate(generator, tokenizer, examples, get_reward(cfg["scorer"], key="scorer"), params,
-                          output_path=cfg["output"], prompt_field=data["prompt_field"],
-                          chat=cfg["model"]["chat_template"], batch_size=cfg["batch_size"], progress=progress)
+        result = evaluate(generator, tokenizer, examples, get_reward(cfg.scorer, key="scorer"), params,
+                          output_path=cfg.output, prompt_field=data.prompt_field,
+                          chat=cfg.model.chat_template, batch_size=cfg.batch_size, progress=progress)
     finally:
         generator.release()
     logger.info("accuracy %.4f on %d prompts, %.1f completion tokens/s%s", result["accuracy"],
                 result["num_prompts"], result["tokens_per_s"],
-                f", results in {cfg['output']}" if cfg["output"] else "")
+                f", results in {cfg.output}" if cfg.output else "")
     return result
 
 
@@ -143,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     path = argv.pop(0) if argv and "=" not in argv[0] else None
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return run_evaluate(load_config(DEFAULT_CONFIG, path, argv))
+    return run_evaluate(load_config(EvaluateConfig, path, argv))
 
 
 def cli() -> None:

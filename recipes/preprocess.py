@@ -14,16 +14,42 @@ import json
 import logging
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import datasets
 
 from packing import pack_dataset
-from recipes.config import load_config
+from recipes.config import Section, load_config
 
 logger = logging.getLogger(__name__)
-DEFAULT_CONFIG = Path(__file__).parent / "configs" / "preprocess.yaml"
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "preprocess.yaml"  # these defaults, with comments
 IGNORE_INDEX = -100
+
+
+@dataclass
+class PreprocessConfig(Section):
+    """The preprocess recipe's settings; ``recipes/configs/preprocess.yaml`` lists them with comments."""
+
+    input: str | None = None  # JSONL ({"text": ...} or {"messages": [...]}) or a save_to_disk directory
+    output: str | None = None  # directory for the packed dataset
+    tokenizer: str = "smollm2"  # the embedded SmolLM2 tokenizer, or a local HF tokenizer directory
+    text_field: str = "text"  # plain text: every token is trained on
+    messages_field: str = "messages"  # chat: only assistant turns are trained on
+    add_eos: bool = True
+    capacity: int = 2048  # tokens per packed row
+    strategy: Literal["bfd", "ffd", "nextfit"] = "bfd"
+    overflow: Literal["error", "truncate", "split"] = "truncate"
+    max_seqs_per_bin: int | None = None
+    seed: int | None = None  # randomised tie-breaking
+    position_ids: bool = False
+    num_proc: int | None = None
+
+    def check(self) -> None:
+        self.at_least("capacity", 1)
+        self.at_least("max_seqs_per_bin", 1)
+        self.at_least("num_proc", 1)
 
 
 def load_records(path: str | Path, messages_field: str = "messages") -> datasets.Dataset:
@@ -162,22 +188,22 @@ def tokenize_dataset(
     )
 
 
-def run_preprocess(cfg: Mapping) -> datasets.Dataset:
-    if not cfg["input"] or not cfg["output"]:
+def run_preprocess(cfg: PreprocessConfig) -> datasets.Dataset:
+    if not cfg.input or not cfg.output:
         raise ValueError("set both input=<JSONL file or dataset directory> and output=<directory>")
-    tokenizer = load_tokenizer(cfg["tokenizer"])
-    ds = load_records(cfg["input"], cfg["messages_field"])
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    ds = load_records(cfg.input, cfg.messages_field)
     tokenized = tokenize_dataset(
-        ds, tokenizer, text_field=cfg["text_field"], messages_field=cfg["messages_field"],
-        add_eos=cfg["add_eos"], num_proc=cfg["num_proc"],
+        ds, tokenizer, text_field=cfg.text_field, messages_field=cfg.messages_field,
+        add_eos=cfg.add_eos, num_proc=cfg.num_proc,
     )
     packed, bins = pack_dataset(
-        tokenized, cfg["capacity"], strategy=cfg["strategy"], overflow=cfg["overflow"], seed=cfg["seed"],
-        max_seqs_per_bin=cfg["max_seqs_per_bin"], position_ids=cfg["position_ids"], return_bins=True,
+        tokenized, cfg.capacity, strategy=cfg.strategy, overflow=cfg.overflow, seed=cfg.seed,
+        max_seqs_per_bin=cfg.max_seqs_per_bin, position_ids=cfg.position_ids, return_bins=True,
     )
-    packed.save_to_disk(cfg["output"])
+    packed.save_to_disk(cfg.output)
     print(bins.stats)
-    print(f"saved {len(packed)} packed rows of <= {cfg['capacity']} tokens to {cfg['output']}")
+    print(f"saved {len(packed)} packed rows of <= {cfg.capacity} tokens to {cfg.output}")
     return packed
 
 
@@ -185,7 +211,7 @@ def main(argv: list[str] | None = None) -> datasets.Dataset:
     argv = list(sys.argv[1:] if argv is None else argv)
     path = argv.pop(0) if argv and "=" not in argv[0] else None
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return run_preprocess(load_config(DEFAULT_CONFIG, path, argv))
+    return run_preprocess(load_config(PreprocessConfig, path, argv))
 
 
 def cli() -> None:

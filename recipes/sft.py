@@ -14,8 +14,8 @@ global loss-token count. Checkpoints hold model, optimizer, scheduler, RNG and l
 Each checkpoint ``step_N`` is a Hugging Face model directory (``model.path=.../step_N`` in
 evaluate, GRPO or ``from_pretrained``) with the resume state in ``step_N/training_state``.
 
-``train(default_config([...]), model=..., tokenizer=..., rows=...)`` runs the same loop in-process
-(the demo uses it). DeepSpeed's fixed micro-batch size is one packed row
+``train(SFTConfig(train={"max_steps": 3}), model=..., tokenizer=..., rows=...)`` runs the same loop
+in-process (the demo uses it). DeepSpeed's fixed micro-batch size is one packed row
 (``train_micro_batch_size_per_gpu: 1``); the token budget is ``data.tokens_per_batch``.
 """
 
@@ -25,8 +25,9 @@ import itertools
 import json
 import logging
 import sys
-from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -35,7 +36,15 @@ from dataloaders.balance import attention_cost_from_config
 from dataloaders.dataset import BOUNDARY_COLUMNS
 from dataloaders.loader import move_batch, packed_dataloader
 from dataloaders.streaming import StreamingPackedLoader
-from recipes.config import load_config, load_model, save_model_dir
+from recipes.config import (
+    AccelerateConfig,
+    ConfigError,
+    ModelConfig,
+    Section,
+    load_config,
+    load_model,
+    save_model_dir,
+)
 from training import checkpoint
 from training.accelerator import engine_info
 from training.accelerator import make_accelerator as build_accelerator
@@ -43,7 +52,94 @@ from training.curves import finish_trackers, tracker_config, write_curves
 from training.loss import PackedLoss
 
 logger = logging.getLogger(__name__)
-DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sft.yaml"
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sft.yaml"  # these defaults, with comments
+DEFAULT_TOKENS_PER_BATCH = 1024  # data.tokens_per_batch=null on data that is not pre-packed
+
+
+# ---------------------------------------------------------------------------------- config
+@dataclass
+class SFTModelConfig(ModelConfig):
+    # nopad's varlen attention; "sdpa" / "flash_attention_2" also take packed rows
+    attn_implementation: str = "nopad"
+
+
+@dataclass
+class SFTDataConfig(Section):
+    """Where rows come from (``synthetic``, a ``.jsonl`` file or a saved dataset directory) and how
+    they are packed into micro-batches of ``tokens_per_batch`` tokens."""
+
+    source: str = "synthetic"
+    split: str = "train"
+    prompt_column: str = "prompt"
+    completion_column: str = "completion"
+    num_rows: int = 256
+    min_len: int = 8
+    max_len: int = 200
+    seed: int = 0
+    tokens_per_batch: int | None = None  # null: the longest row of pre-packed data, else 1024
+    max_seqs_per_batch: int | None = None
+    overflow: Literal["error", "truncate", "split"] = "error"
+    max_dropped_fraction: float = 0.05
+    num_workers: int = 0
+    streaming: bool = False
+    buffer_size: int = 1000
+
+    def check(self) -> None:
+        for name, low in [("tokens_per_batch", 1), ("max_seqs_per_batch", 1), ("num_workers", 0),
+                          ("buffer_size", 1), ("num_rows", 1), ("min_len", 1)]:
+            self.at_least(name, low)
+        if not 0 <= self.max_dropped_fraction <= 1:
+            raise ConfigError("max_dropped_fraction",
+                              f"must be a number in [0, 1], got {self.max_dropped_fraction!r}")
+
+
+@dataclass
+class SFTTrainConfig(Section):
+    epochs: int = 1
+    max_steps: int | None = None  # optimizer steps; the epochs repeat if they hold fewer
+    grad_accum: int = 2
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    max_grad_norm: float | None = None
+    weighting: Literal["token", "sequence"] = "token"
+    seed: int = 0
+    progress: bool = True
+
+    def check(self) -> None:
+        for name, low in [("epochs", 1), ("max_steps", 1), ("grad_accum", 1), ("warmup_steps", 0),
+                          ("seed", 0)]:
+            self.at_least(name, low)
+
+
+@dataclass
+class CheckpointConfig(Section):
+    output_dir: str = "runs/sft"
+    every: int = 0  # 0: only at the end
+    save_final: bool = True
+    keep_last: int | None = None
+    resume_from: str | None = None  # a step_N directory, or "latest" in output_dir
+
+    def check(self) -> None:
+        self.at_least("every", 0)
+        self.at_least("keep_last", 1)
+
+
+@dataclass
+class SFTLogConfig(Section):
+    record_indices: bool = False  # keep the dataset indices each rank trained on (tests)
+
+
+@dataclass
+class SFTConfig(Section):
+    """The SFT recipe's settings; ``recipes/configs/sft.yaml`` lists them with comments."""
+
+    model: SFTModelConfig = field(default_factory=SFTModelConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    train: SFTTrainConfig = field(default_factory=SFTTrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: SFTLogConfig = field(default_factory=SFTLogConfig)
+    accelerate: AccelerateConfig = field(default_factory=AccelerateConfig)
 
 
 # ---------------------------------------------------------------------------------- model and data
@@ -79,10 +175,10 @@ def tokenize_rows(rows, tokenizer, prompt_column: str, completion_column: str) -
     return out
 
 
-def load_rows(data: Mapping, tokenizer, vocab_size: int) -> list[dict]:
-    source = data["source"]
+def load_rows(data: SFTDataConfig, tokenizer, vocab_size: int) -> list[dict]:
+    source = data.source
     if source == "synthetic":
-        return synthetic_rows(data["num_rows"], data["min_len"], data["max_len"], vocab_size, data["seed"])
+        return synthetic_rows(data.num_rows, data.min_len, data.max_len, vocab_size, data.seed)
     path = Path(source)
     if path.suffix == ".jsonl" and path.is_file():
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -91,7 +187,7 @@ def load_rows(data: Mapping, tokenizer, vocab_size: int) -> list[dict]:
 
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
-            ds = ds[data["split"]]
+            ds = ds[data.split]
         if "input_ids" in ds.column_names:  # tokenized or pre-packed (seq_lengths): read in place
             return ds
         rows = list(ds)
@@ -99,13 +195,7 @@ def load_rows(data: Mapping, tokenizer, vocab_size: int) -> list[dict]:
         raise FileNotFoundError(
             f"data.source={source!r}: give 'synthetic', a .jsonl file or a saved dataset dir"
         )
-    return tokenize_rows(rows, tokenizer, data["prompt_column"], data["completion_column"])
-
-
-def build_model(model_cfg: Mapping):
-    """``(model, tokenizer)``; ``tiny:llama`` comes with the ASCII tokenizer, so its checkpoints
-    save and reload like any other model directory."""
-    return load_model(model_cfg)
+    return tokenize_rows(rows, tokenizer, data.prompt_column, data.completion_column)
 
 
 def set_attention(model, name: str) -> None:
@@ -138,12 +228,11 @@ class Progress:
         self.step = int(state["step"])
 
 
-def make_accelerator(cfg: Mapping):
+def make_accelerator(cfg: SFTConfig):
     """The run's Accelerator (:func:`training.accelerator.make_accelerator`) from the config."""
-    return build_accelerator(cfg["accelerate"]["deepspeed_config"], grad_accum=cfg["train"]["grad_accum"],
-                             max_grad_norm=cfg["train"]["max_grad_norm"], recipe="recipes.sft",
-                             log_with=cfg["accelerate"]["log_with"],
-                             project_dir=cfg["checkpoint"]["output_dir"])
+    return build_accelerator(cfg.accelerate.deepspeed_config, grad_accum=cfg.train.grad_accum,
+                             max_grad_norm=cfg.train.max_grad_norm, recipe="recipes.sft",
+                             log_with=cfg.accelerate.log_with, project_dir=cfg.checkpoint.output_dir)
 
 
 STATE_DIR = "training_state"  # inside step_N/: what resuming needs beyond the model directory
@@ -161,38 +250,6 @@ def save_checkpoint(accelerator, model, tokenizer, path: Path, keep_last: int | 
     checkpoint.save_checkpoint(path, write, accelerator, keep_last=keep_last)
 
 
-def _int_setting(cfg: Mapping, section: str, key: str, minimum: int, optional: bool = False) -> None:
-    value = cfg[section][key]
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{section}.{key} must be an integer >= {minimum}{' or null' if optional else ''}, "
-                         f"got {value!r}")
-
-
-def validate_config(cfg: Mapping) -> None:
-    """Fail before any model is built, naming the key: a wrong value never trains silently."""
-    for section, key, low, optional in [
-        ("train", "epochs", 1, False), ("train", "max_steps", 1, True), ("train", "grad_accum", 1, False),
-        ("train", "warmup_steps", 0, False), ("train", "seed", 0, False),
-        ("data", "tokens_per_batch", 1, True),
-        ("data", "max_seqs_per_batch", 1, True), ("data", "num_workers", 0, False),
-        ("data", "buffer_size", 1, False), ("checkpoint", "every", 0, False),
-        ("checkpoint", "keep_last", 1, True),
-    ]:
-        _int_setting(cfg, section, key, low, optional)
-    if cfg["train"]["weighting"] not in ("token", "sequence"):
-        raise ValueError(f"train.weighting must be 'token' or 'sequence', got {cfg['train']['weighting']!r}")
-    fraction = cfg["data"]["max_dropped_fraction"]
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
-        raise ValueError(f"data.max_dropped_fraction must be a number in [0, 1], got {fraction!r}")
-    if cfg["data"]["overflow"] not in ("error", "truncate", "split"):
-        raise ValueError(f"data.overflow must be error, truncate or split, got {cfg['data']['overflow']!r}")
-
-
-DEFAULT_TOKENS_PER_BATCH = 1024  # data.tokens_per_batch=null on data that is not pre-packed
-
-
 def is_prepacked(rows) -> bool:
     """True for rows that each hold several documents (``seq_lengths`` / ``position_ids``)."""
     columns = getattr(rows, "column_names", None)
@@ -201,7 +258,7 @@ def is_prepacked(rows) -> bool:
     return any(c in columns for c in BOUNDARY_COLUMNS)
 
 
-def plan_budget(dcfg: Mapping, rows) -> int:
+def plan_budget(dcfg: SFTDataConfig, rows) -> int:
     """``data.tokens_per_batch`` for these rows, checked against the rows before anything trains.
 
     Why: a pre-packed row is already a bin, so by default the budget is the longest row; and
@@ -210,21 +267,21 @@ def plan_budget(dcfg: Mapping, rows) -> int:
     prepacked = is_prepacked(rows)
     lengths = np.fromiter((len(ids) for ids in _input_ids(rows)), dtype=np.int64)
     longest = int(lengths.max()) if lengths.size else 0
-    budget = dcfg["tokens_per_batch"] or (longest if prepacked else DEFAULT_TOKENS_PER_BATCH)
+    budget = dcfg.tokens_per_batch or (longest if prepacked else DEFAULT_TOKENS_PER_BATCH)
     what = "pre-packed rows" if prepacked else "sequences"
     too_long = lengths > budget
-    if not too_long.any() or dcfg["overflow"] == "split":
+    if not too_long.any() or dcfg.overflow == "split":
         return budget
-    if dcfg["overflow"] == "error":
+    if dcfg.overflow == "error":
         raise ValueError(
             f"data.tokens_per_batch={budget} is smaller than {int(too_long.sum())} of the {what} of "
-            f"data.source={dcfg['source']!r} (the longest has {longest} tokens); "
+            f"data.source={dcfg.source!r} (the longest has {longest} tokens); "
             + ("leave data.tokens_per_batch unset (it then takes the longest pre-packed row) or set it "
                f">= {longest}" if prepacked else f"set data.tokens_per_batch >= {longest}, or "
                "data.overflow=split (pieces train as separate sequences) or data.overflow=truncate"))
     dropped = int((lengths[too_long] - budget).sum())
     share = dropped / max(int(lengths.sum()), 1)
-    if share > dcfg["max_dropped_fraction"]:
+    if share > dcfg.max_dropped_fraction:
         raise ValueError(
             f"data.overflow=truncate would drop {dropped:,} of {int(lengths.sum()):,} tokens "
             f"({share:.0%}) of the {what} longer than data.tokens_per_batch={budget}; raise "
@@ -241,17 +298,17 @@ def _input_ids(rows):
     return (row["input_ids"] for row in rows)
 
 
-def build_loader(dcfg: Mapping, rows, accelerator, gas: int, model_config):
+def build_loader(dcfg: SFTDataConfig, rows, accelerator, gas: int, model_config):
     """Map-style (global BFD per epoch) or streaming (bounded buffer) packed loader for this rank;
     each epoch is a whole number of ``gas``-micro-batch optimizer steps on every rank."""
     common = dict(num_replicas=accelerator.num_processes, rank=accelerator.process_index,
-                  seed=dcfg["seed"], max_seqs_per_batch=dcfg["max_seqs_per_batch"], overflow=dcfg["overflow"],
+                  seed=dcfg.seed, max_seqs_per_batch=dcfg.max_seqs_per_batch, overflow=dcfg.overflow,
                   steps_multiple_of=gas, attention_cost=attention_cost_from_config(model_config))
-    if dcfg["streaming"]:
-        return StreamingPackedLoader(rows, dcfg["tokens_per_batch"] or DEFAULT_TOKENS_PER_BATCH,
-                                     buffer_size=dcfg["buffer_size"], **common)
+    if dcfg.streaming:
+        return StreamingPackedLoader(rows, dcfg.tokens_per_batch or DEFAULT_TOKENS_PER_BATCH,
+                                     buffer_size=dcfg.buffer_size, **common)
     budget = plan_budget(dcfg, rows)
-    return packed_dataloader(rows, budget, num_workers=dcfg["num_workers"], **common)
+    return packed_dataloader(rows, budget, num_workers=dcfg.num_workers, **common)
 
 
 def _epoch_stats(loader) -> dict | None:
@@ -266,18 +323,17 @@ def _windows(loader, size: int):
         yield window
 
 
-def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=None) -> dict:
+def train(cfg: SFTConfig, *, model=None, tokenizer=None, rows=None, accelerator=None) -> dict:
     """Run SFT as configured; returns ``{"losses": [...], "steps": n, "stats": [...], ...}``.
 
     ``model``/``tokenizer``/``rows`` override ``model.path``/``data.source`` (rows: token dicts
     with ``input_ids`` and optional ``labels``, or text rows with the prompt/completion columns).
     """
-    tcfg, dcfg, ccfg = cfg["train"], cfg["data"], cfg["checkpoint"]
-    validate_config(cfg)
+    tcfg, dcfg, ccfg = cfg.train, cfg.data, cfg.checkpoint
     accelerator = accelerator or make_accelerator(cfg)
-    torch.manual_seed(tcfg["seed"])
+    torch.manual_seed(tcfg.seed)
     model, tokenizer, rows = _model_and_rows(cfg, model, tokenizer, rows)
-    gas = tcfg["grad_accum"]
+    gas = tcfg.grad_accum
     loader = build_loader(dcfg, rows, accelerator, gas, model.config)
     total_steps = _total_steps(tcfg, dcfg, loader, gas)
     optimizer, scheduler = _optimizer(model, tcfg, total_steps)
@@ -287,33 +343,33 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
     progress = Progress(gas)
     info = engine_info(model, accelerator)
     logger.info("training with %s on %d process(es)", info, accelerator.num_processes)
-    accelerator.init_trackers("nopad-sft", config=tracker_config(cfg))
+    accelerator.init_trackers("nopad-sft", config=tracker_config(cfg.to_dict()))
     for obj in (progress, loader, scheduler):  # progress first: it names train.grad_accum on a mismatch
         accelerator.register_for_checkpointing(obj)
-    output_dir = Path(ccfg["output_dir"])
-    if ccfg["resume_from"]:
-        _resume(accelerator, ccfg["resume_from"], output_dir, progress, loader)
+    output_dir = Path(ccfg.output_dir)
+    if ccfg.resume_from:
+        _resume(accelerator, ccfg.resume_from, output_dir, progress, loader)
 
     # Accelerate (and DeepSpeed inside it) divides the loss by grad_accum; PackedLoss undoes that
     # and the rank averaging, and divides by the step's global loss-token count instead.
-    loss_fn = PackedLoss(tcfg["weighting"], world_size=accelerator.num_processes, backward_divisor=gas)
-    max_steps = tcfg["max_steps"] or total_steps
+    loss_fn = PackedLoss(tcfg.weighting, world_size=accelerator.num_processes, backward_divisor=gas)
+    max_steps = tcfg.max_steps or total_steps
     if progress.step >= max_steps:
         logger.warning("nothing to train: the run is already at optimizer step %d of %d (train.max_steps / "
                        "train.epochs); raise them to train further", progress.step, max_steps)
-    losses, stats, seen = [], [], [] if cfg["log"]["record_indices"] else None
+    losses, stats, seen = [], [], [] if cfg.log.record_indices else None
     saved_at = None
-    bar = _progress_bar(tcfg["progress"] and accelerator.is_local_main_process, max_steps, progress.step)
+    bar = _progress_bar(tcfg.progress and accelerator.is_local_main_process, max_steps, progress.step)
     while progress.step < max_steps:
         for window in _windows(loader, gas):
-            step_loss = _optimizer_step(window, model, optimizer, loss_fn, accelerator, tcfg["max_grad_norm"],
+            step_loss = _optimizer_step(window, model, optimizer, loss_fn, accelerator, tcfg.max_grad_norm,
                                         seen)
             scheduler.step()
             progress.step += 1
             losses.append(_record_step(accelerator, output_dir, progress.step, step_loss, bar))
-            if ccfg["every"] and progress.step % ccfg["every"] == 0:
+            if ccfg.every and progress.step % ccfg.every == 0:
                 save_checkpoint(accelerator, model, tokenizer, output_dir / f"step_{progress.step}",
-                                ccfg["keep_last"])
+                                ccfg.keep_last)
                 saved_at = progress.step
             if progress.step >= max_steps:
                 break
@@ -323,53 +379,53 @@ def train(cfg: Mapping, *, model=None, tokenizer=None, rows=None, accelerator=No
     if bar is not None:
         bar.close()
     final = output_dir / f"step_{progress.step}"
-    if ccfg["save_final"] and saved_at != progress.step:  # (decided the same way on every rank)
-        save_checkpoint(accelerator, model, tokenizer, final, ccfg["keep_last"])
+    if ccfg.save_final and saved_at != progress.step:  # (decided the same way on every rank)
+        save_checkpoint(accelerator, model, tokenizer, final, ccfg.keep_last)
     accelerator.wait_for_everyone()
     result = {"losses": losses, "steps": progress.step, "stats": stats, "rank": accelerator.process_index,
               "world_size": accelerator.num_processes, **info,
-              "checkpoint": str(final) if ccfg["save_final"] else None,
-              "micro_batches_per_epoch": None if dcfg["streaming"] else len(loader)}
+              "checkpoint": str(final) if ccfg.save_final else None,
+              "micro_batches_per_epoch": None if dcfg.streaming else len(loader)}
     if seen is not None:
         result["indices_per_step"] = seen  # dataset rows of each micro-batch, in order
     _write_result(accelerator, output_dir, result)
     return result
 
 
-def _model_and_rows(cfg: Mapping, model, tokenizer, rows):
+def _model_and_rows(cfg: SFTConfig, model, tokenizer, rows):
     """The model in training mode with its attention set, and the tokenized rows."""
-    dcfg = cfg["data"]
-    if model is None:
-        model, tokenizer = build_model(cfg["model"])
-    set_attention(model, cfg["model"]["attn_implementation"])
+    dcfg = cfg.data
+    if model is None:  # tiny:llama comes with the ASCII tokenizer, so its checkpoints reload too
+        model, tokenizer = load_model(cfg.model)
+    set_attention(model, cfg.model.attn_implementation)
     model.config.use_cache = False
     model.train()
     if rows is None:
         rows = load_rows(dcfg, tokenizer, model.config.vocab_size)
     else:
-        rows = tokenize_rows(rows, tokenizer, dcfg["prompt_column"], dcfg["completion_column"])
+        rows = tokenize_rows(rows, tokenizer, dcfg.prompt_column, dcfg.completion_column)
     return model, tokenizer, rows
 
 
-def _total_steps(tcfg: Mapping, dcfg: Mapping, loader, gas: int) -> int:
+def _total_steps(tcfg: SFTTrainConfig, dcfg: SFTDataConfig, loader, gas: int) -> int:
     """Optimizer steps of the whole run: ``train.max_steps`` counts them, and the epochs repeat as
     needed to reach it; a stream has no length, so there it must be given."""
-    if dcfg["streaming"]:
-        if not tcfg["max_steps"]:
+    if dcfg.streaming:
+        if not tcfg.max_steps:
             raise ValueError("data.streaming=true needs train.max_steps (a stream's length is unknown)")
-        return tcfg["max_steps"]
+        return tcfg.max_steps
     steps_per_epoch = len(loader) // gas
-    if tcfg["max_steps"] and tcfg["max_steps"] > steps_per_epoch * tcfg["epochs"]:
+    if tcfg.max_steps and tcfg.max_steps > steps_per_epoch * tcfg.epochs:
         logger.warning("train.max_steps=%d is more than train.epochs=%d x %d steps per epoch: the data "
-                       "repeats for %d epochs", tcfg["max_steps"], tcfg["epochs"], steps_per_epoch,
-                       -(-tcfg["max_steps"] // steps_per_epoch))
-    return max(steps_per_epoch * tcfg["epochs"], tcfg["max_steps"] or 0)
+                       "repeats for %d epochs", tcfg.max_steps, tcfg.epochs, steps_per_epoch,
+                       -(-tcfg.max_steps // steps_per_epoch))
+    return max(steps_per_epoch * tcfg.epochs, tcfg.max_steps or 0)
 
 
-def _optimizer(model, tcfg: Mapping, total_steps: int):
+def _optimizer(model, tcfg: SFTTrainConfig, total_steps: int):
     """AdamW with a linear warm-up, then a linear decay to 0 at ``total_steps``."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg["lr"], weight_decay=tcfg["weight_decay"])
-    warmup = tcfg["warmup_steps"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
+    warmup = tcfg.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)) * max(0.0, 1 - s / max(total_steps, 1))
     )
@@ -449,17 +505,11 @@ def _write_result(accelerator, output_dir: Path, result: dict) -> None:
     finish_trackers(accelerator)
 
 
-def default_config(overrides=()) -> dict:
-    """The recipe's defaults with ``key=value`` overrides (or a nested dict), for in-process use:
-    ``train(default_config(["train.max_steps=3"]), model=model, tokenizer=tok, rows=rows)``."""
-    return load_config(DEFAULT_CONFIG, None, overrides)
-
-
 def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     path = argv.pop(0) if argv and "=" not in argv[0] else None
-    return train(load_config(DEFAULT_CONFIG, path, argv))
+    return train(load_config(SFTConfig, path, argv))
 
 
 def cli() -> None:

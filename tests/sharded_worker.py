@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from inference import Generator, SamplingParams
 from inference.sharded import sharded_generate, sharding
-from recipes.config import load_config, update_config
-from recipes.grpo import DEFAULT_CONFIG, build_prompts, grpo_step, make_accelerator
+from recipes.config import load_config
+from recipes.grpo import GRPOConfig, build_prompts, grpo_step, make_accelerator
 from recipes.tasks import AsciiTokenizer, get_reward
 from tests.models import tiny_model
 from training.accumulation import RowAccumulator
@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = [("gather", True), ("lockstep", True), ("gather", False), ("lockstep", False)]
 
 
-def config(mode: str, rank: int) -> dict:
+def config(mode: str, rank: int) -> GRPOConfig:
     base = {"model": {"path": None, "chat_template": False},
             "reward": "tests.test_recipes_grpo:ids_checksum_reward",
             "task": {"num_prompts": 16},
@@ -40,7 +40,7 @@ def config(mode: str, rank: int) -> dict:
     if mode in ("zero2", "zero3"):
         ds_config = os.path.join(ROOT, f"recipes/configs/deepspeed_{mode}.json")
         base["accelerate"] = {"deepspeed_config": ds_config}
-    return update_config(load_config(DEFAULT_CONFIG), base)
+    return load_config(GRPOConfig, overrides=base)
 
 
 def full_weights(model, mode: str) -> dict[str, torch.Tensor]:
@@ -73,13 +73,13 @@ def main(mode: str, out_dir: str) -> None:
         assert Generator(bf16, num_blocks=4).dtype == torch.bfloat16
         accelerator, rank = None, dist.get_rank()
         cfg = config(mode, rank)
-        optimizer = torch.optim.SGD(model.parameters(), lr=cfg["train"]["lr"])
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.train.lr)
         engine = policy = model
     else:
         rank = int(os.environ["RANK"])
         cfg = config(mode, rank)
         accelerator = make_accelerator(cfg)
-        optimizer = torch.optim.SGD(model.parameters(), lr=cfg["train"]["lr"])
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.train.lr)
         engine, optimizer = accelerator.prepare(model, optimizer)
         policy = accelerator.unwrap_model(engine)
         expected = "DistributedDataParallel" if mode == "ddp" else "DeepSpeedEngine"
@@ -121,11 +121,11 @@ def main(mode: str, out_dir: str) -> None:
         plain_error = str(err)
     generator.release()
 
-    reward_fn = get_reward(cfg["reward"])
+    reward_fn = get_reward(cfg.reward)
     accumulator = RowAccumulator(engine, optimizer, accelerator)
     history = []
     for step, (regime, rank1_has_prompts) in enumerate(STEPS):
-        cfg["generator"]["sharded_rollout"] = regime
+        cfg.generator.sharded_rollout = regime
         picks = [(4 * step + 2 * rank + j) % len(examples) for j in range(2)]
         if rank == 1 and not rank1_has_prompts:
             picks = []

@@ -240,7 +240,7 @@ def test_one_grpo_step_on_flash_in_bf16(monkeypatch, forced_flash):
     before = policy.lm_head.weight.detach().clone()
     with use_nopad_attention(policy):
         metrics = grpo.grpo_step(policy, optimizer, gen, examples[:2], prompt_ids[:2],
-                                 get_reward(cfg["reward"]), tok, cfg)
+                                 get_reward(cfg.reward), tok, cfg)
     assert gen.block_size == 256
     assert moved and all(d == policy.device for d in moved)  # every packed row moved to the model
     assert any(c["grad"] for c in forced_flash.calls) and any(c["paged"] for c in forced_flash.calls)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from recipes.config import load_config
-from recipes.evaluate import DEFAULT_CONFIG, evaluate, run_evaluate, validate_config
+from recipes.evaluate import DEFAULT_CONFIG, EvaluateConfig, evaluate, run_evaluate
 from recipes.tasks import AsciiTokenizer, exact_match, load_examples
 from tests.models import tiny_model
 
@@ -80,7 +80,7 @@ def test_run_evaluate_from_config_on_a_saved_hf_dataset(model, tmp_path):
     from datasets import Dataset
 
     Dataset.from_dict({"question": PROMPTS[:3], "answer": ["a", "b", "c"]}).save_to_disk(tmp_path / "ds")
-    cfg = load_config(DEFAULT_CONFIG, overrides={
+    cfg = load_config(EvaluateConfig, overrides={
         "model": {"path": None, "chat_template": False},
         "data": {"path": str(tmp_path / "ds"), "prompt_field": "question"},
         "scorer": "tests.test_recipes_evaluate:completion_length",
@@ -118,13 +118,17 @@ def test_load_examples_from_jsonl_and_errors(tmp_path):
 
 def test_bad_evaluate_configs_fail_fast(tmp_path):
     with pytest.raises(ValueError, match="model.path is missing"):
-        validate_config(load_config(DEFAULT_CONFIG, overrides=["model.path=null"]))
+        run_evaluate(load_config(EvaluateConfig, overrides=["model.path=null"]))
     with pytest.raises(ValueError, match=r"unknown scorer 'accuracy'"):
-        validate_config(load_config(DEFAULT_CONFIG, overrides=["scorer=accuracy"]))
-    with pytest.raises(FileNotFoundError, match=r"data.path='.*nope.jsonl' does not exist"):
-        validate_config(load_config(DEFAULT_CONFIG, overrides=[f"data.path={tmp_path}/nope.jsonl"]))
+        load_config(EvaluateConfig, overrides=["scorer=accuracy"])
+    with pytest.raises(ValueError, match=r"data.path '.*nope.jsonl' does not exist"):
+        load_config(EvaluateConfig, overrides=[f"data.path={tmp_path}/nope.jsonl"])
     with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got 0"):
-        validate_config(load_config(DEFAULT_CONFIG, overrides=["batch_size=0"]))
+        load_config(EvaluateConfig, overrides=["batch_size=0"])
+
+
+def test_the_shipped_yaml_lists_exactly_the_defaults():
+    assert load_config(EvaluateConfig, DEFAULT_CONFIG) == EvaluateConfig()
 
 
 def test_evaluate_rejects_several_samples_per_prompt(model):

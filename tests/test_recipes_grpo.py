@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from recipes.config import load_config, parse_override, update_config
-from recipes.grpo import DEFAULT_CONFIG, validate_config
+from recipes.config import ConfigError, load_config, parse_override, with_overrides
+from recipes.grpo import DEFAULT_CONFIG, GRPOConfig, run_grpo
 from recipes.tasks import (
     AsciiTokenizer,
     arithmetic_task,
@@ -21,8 +21,8 @@ from recipes.tasks import (
 from training.grpo import Rollout, group_advantages, grpo_token_loss, pack_rollouts, truncated_is
 
 
-def config(**overrides):
-    return load_config(DEFAULT_CONFIG, overrides=[f"{k}={v}" for k, v in overrides.items()])
+def config(**overrides) -> GRPOConfig:
+    return load_config(GRPOConfig, overrides=[f"{k}={v}" for k, v in overrides.items()])
 
 
 # ----------------------------------------------------------------------------- config
@@ -30,13 +30,34 @@ def test_overrides_parse_yaml_values_and_nest():
     assert parse_override("train.lr=1e-5") == {"train": {"lr": 1e-5}}
     assert parse_override("task.prompts=null") == {"task": {"prompts": None}}
     cfg = config(**{"rollout.num_generations": 8, "train.is_correction": "tis"})
-    assert cfg["rollout"]["num_generations"] == 8
-    assert cfg["train"]["is_correction"] == "tis"
-    assert cfg["rollout"]["max_tokens"] == 48  # untouched defaults survive
+    assert cfg.rollout.num_generations == 8
+    assert cfg.train.is_correction == "tis"
+    assert cfg.rollout.max_tokens == 48  # untouched defaults survive
+    assert config(**{"train.lr": 1}).train.lr == 1.0 and isinstance(config(**{"train.lr": 1}).train.lr, float)
+
+
+def test_the_shipped_yaml_lists_exactly_the_defaults():
+    """recipes/configs/grpo.yaml is the commented copy of GRPOConfig's defaults: loading it changes
+    nothing, so the two cannot drift."""
+    assert load_config(GRPOConfig, DEFAULT_CONFIG) == GRPOConfig()
+
+
+def test_typed_config_checks_values_in_python_too():
+    from recipes.grpo import GRPOTrainConfig, RolloutConfig
+
+    with pytest.raises(ConfigError, match=r"^num_generations must be an integer >= 2, got 1"):
+        RolloutConfig(num_generations=1)
+    with pytest.raises(ConfigError, match=r"^batch_invariant must be true, false or 'auto', got 'yes'"):
+        GRPOTrainConfig(batch_invariant="yes")
+    cfg = GRPOConfig(rollout={"max_tokens": 8})  # a section given as a mapping becomes its dataclass
+    assert isinstance(cfg.rollout, RolloutConfig) and cfg.rollout.max_tokens == 8
+    with pytest.raises(ConfigError, match=r"^train.steps must be an integer, got 'two'"):
+        with_overrides(cfg, ["train.steps=two"])
+    assert with_overrides(cfg, {"train": {"steps": 5}}).train.steps == 5 and cfg.train.steps == 2
 
 
 def test_unknown_key_is_an_error_naming_it():
-    with pytest.raises(KeyError, match=r"rollout.max_token'.*known keys"):
+    with pytest.raises(ConfigError, match=r"rollout.max_token is not a config key.*known keys"):
         config(**{"rollout.max_token": 8})
     with pytest.raises(ValueError, match="section.key=value"):
         parse_override("train.steps")
@@ -44,18 +65,16 @@ def test_unknown_key_is_an_error_naming_it():
 
 def test_missing_model_path_fails_fast():
     with pytest.raises(ValueError, match=r"model.path is missing: set model.path=smollm2"):
-        validate_config(config(**{"model.path": "null"}))
+        run_grpo(config(**{"model.path": "null"}))
     with pytest.raises(FileNotFoundError, match=r"model.path='/no/such/dir' is not a directory"):
-        validate_config(config(**{"model.path": "/no/such/dir"}))
-    validate_config(config(**{"model.path": "null"}), have_model=True)  # a model object was passed
+        run_grpo(config(**{"model.path": "/no/such/dir"}))
 
 
 def test_batch_larger_than_cache_fails_fast():
-    cfg = config(**{"rollout.prompts_per_step": 8, "rollout.num_generations": 8, "rollout.max_tokens": 16,
-                    "generator.num_blocks": 64})
     # 64 sequences of up to 64 + 16 tokens = 5 blocks each = 320 blocks > 64
     with pytest.raises(ValueError) as err:
-        validate_config(cfg)
+        config(**{"rollout.prompts_per_step": 8, "rollout.num_generations": 8, "rollout.max_tokens": 16,
+                  "generator.num_blocks": 64})
     msg = str(err.value)
     assert "larger than the KV cache" in msg
     assert "need 320 blocks of 16, but generator.num_blocks=64" in msg
@@ -64,20 +83,20 @@ def test_batch_larger_than_cache_fails_fast():
 
 def test_unknown_reward_fails_fast_with_choices():
     with pytest.raises(ValueError, match=r"unknown reward 'exactly'.*exact_match.*module:function"):
-        validate_config(config(reward="exactly"))
+        config(reward="exactly")
     with pytest.raises(ValueError, match=r"reward='no_such_module:fn': cannot import"):
-        validate_config(config(reward="no_such_module:fn"))
-    with pytest.raises(ValueError, match=r"unknown train.is_correction 'tiss'"):
-        validate_config(config(**{"train.is_correction": "tiss"}))
+        config(reward="no_such_module:fn")
+    with pytest.raises(ValueError, match=r"train.is_correction 'tiss' is unknown"):
+        config(**{"train.is_correction": "tiss"})
 
 
 def test_other_bad_settings_name_the_key():
     with pytest.raises(ValueError, match=r"rollout.num_generations must be an integer >= 2, got 1"):
-        validate_config(config(**{"rollout.num_generations": 1}))
+        config(**{"rollout.num_generations": 1})
     with pytest.raises(ValueError, match=r"train.max_tokens_per_batch=32 is smaller than one rollout"):
-        validate_config(config(**{"train.max_tokens_per_batch": 32}))
-    with pytest.raises(ValueError, match=r"unknown task.name 'algebra'"):
-        validate_config(config(**{"task.name": "algebra"}))
+        config(**{"train.max_tokens_per_batch": 32})
+    with pytest.raises(ValueError, match=r"task.name 'algebra' is not a built-in task"):
+        config(**{"task.name": "algebra"})
 
 
 # ----------------------------------------------------------------------------- task and rewards
@@ -174,7 +193,7 @@ def tiny_config(**overrides):
             "task": {"num_prompts": 8},
             "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_tokens": 8},
             "generator": {"num_blocks": 64, "max_num_batched_tokens": 256}, "train": {"steps": 1, "lr": 1e-3}}
-    return update_config(load_config(DEFAULT_CONFIG, overrides=base), overrides)
+    return with_overrides(load_config(GRPOConfig, overrides=base), overrides)
 
 
 @pytest.fixture()
@@ -228,7 +247,7 @@ def test_one_grpo_step_on_the_live_model(policy):
     kv_alive_at_backward = []
     policy.lm_head.weight.register_hook(lambda grad: kv_alive_at_backward.append(gen._kv_cache is not None))
     with use_nopad_attention(policy):
-        metrics = grpo_step(policy, optimizer, gen, examples[:2], prompt_ids[:2], get_reward(cfg["reward"]),
+        metrics = grpo_step(policy, optimizer, gen, examples[:2], prompt_ids[:2], get_reward(cfg.reward),
                             tok, cfg, accelerator=Accelerator(cpu=True))
     assert kv_alive_at_backward == [False]  # one packed row, KV cache already handed back
     assert gen._kv_cache is None and gen.stats()["steps"] > 0
@@ -266,20 +285,21 @@ def test_run_grpo_with_tis_and_kl_writes_metrics(policy, tmp_path):
 
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path))
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), policy.state_dict().values()))
-    _, tok = load_model({"path": str(tmp_path)})
+    from recipes.config import ChatModelConfig
+
+    _, tok = load_model(ChatModelConfig(path=str(tmp_path)))
     assert isinstance(tok, AsciiTokenizer)
 
 
 def test_is_correction_typo_names_its_own_choices():
-    with pytest.raises(ValueError, match="unknown train.is_correction 'foo'; use none, tis, or an import"):
-        validate_config(config(**{"train.is_correction": "foo"}))
+    with pytest.raises(ValueError, match="train.is_correction 'foo' is unknown; use none, tis, or an import"):
+        config(**{"train.is_correction": "foo"})
 
 
 def test_default_config_is_the_demo_shape():
     cfg = config()
-    ro = cfg["rollout"]
-    assert (ro["prompts_per_step"], ro["num_generations"], ro["max_tokens"]) == (8, 8, 48)
-    validate_config(cfg)  # fits the default KV cache
+    ro = cfg.rollout  # (built and checked: it fits the default KV cache)
+    assert (ro.prompts_per_step, ro.num_generations, ro.max_tokens) == (8, 8, 48)
 
 
 def test_a_step_where_every_group_scores_the_same_warns(policy, caplog):
@@ -299,9 +319,9 @@ def zero_reward(completion: str, example: dict) -> float:
 TWO_RANK_SCRIPT = """
 import json, sys, torch
 from recipes.config import load_config, load_model
-from recipes.grpo import DEFAULT_CONFIG, run_grpo
-cfg = load_config(DEFAULT_CONFIG, overrides=sys.argv[2:])
-model, tok = load_model(cfg["model"])
+from recipes.grpo import GRPOConfig, run_grpo
+cfg = load_config(GRPOConfig, overrides=sys.argv[2:])
+model, tok = load_model(cfg.model)
 before = [p.detach().clone() for p in model.parameters()]
 history = run_grpo(cfg, model=model, tokenizer=tok, progress=False)
 rank = torch.distributed.get_rank()
@@ -354,7 +374,7 @@ def test_grpo_step_is_exactly_on_policy_in_bf16_too(dtype, one_thread):
         gen = Generator(policy, block_size=16, num_blocks=64, max_num_batched_tokens=40)
         optimizer = torch.optim.SGD(policy.parameters(), lr=1e-3)
         with use_nopad_attention(policy):
-            m = grpo_step(policy, optimizer, gen, examples[:3], prompt_ids[:3], get_reward(cfg["reward"]),
+            m = grpo_step(policy, optimizer, gen, examples[:3], prompt_ids[:3], get_reward(cfg.reward),
                           tok, cfg, accelerator=Accelerator(cpu=True))
         assert m["batch_invariant"] == float(invariant)
         if invariant:
@@ -364,10 +384,8 @@ def test_grpo_step_is_exactly_on_policy_in_bf16_too(dtype, one_thread):
 
 
 def test_batch_invariant_setting_is_checked():
-    from recipes.grpo import validate_config
-
-    with pytest.raises(ValueError, match="train.batch_invariant must be auto, true or false"):
-        validate_config(tiny_config(train={"batch_invariant": "yes"}), have_model=True)
+    with pytest.raises(ValueError, match="train.batch_invariant must be true, false or 'auto'"):
+        tiny_config(train={"batch_invariant": "yes"})
 
 
 def test_recipe_and_trl_trainer_score_rollouts_through_the_one_shared_function(monkeypatch):

@@ -108,3 +108,14 @@ def test_bad_jsonl_is_a_clear_error_naming_the_line(tmp_path, content, message):
     path.write_text(content)
     with pytest.raises(ValueError, match=message):
         load_records(path)
+
+
+def test_the_shipped_yaml_lists_exactly_the_defaults_and_settings_are_typed():
+    from recipes.config import load_config
+    from recipes.preprocess import DEFAULT_CONFIG, PreprocessConfig
+
+    assert load_config(PreprocessConfig, DEFAULT_CONFIG) == PreprocessConfig()
+    with pytest.raises(ValueError, match="strategy must be 'bfd', 'ffd' or 'nextfit', got 'best'"):
+        main(["input=x.jsonl", "output=out", "strategy=best"])
+    with pytest.raises(ValueError, match="capacity must be an integer >= 1, got 0"):
+        main(["input=x.jsonl", "output=out", "capacity=0"])

@@ -15,7 +15,15 @@ import torch
 import torch.nn.functional as F
 
 from recipes.config import load_config
-from recipes.sft import DEFAULT_CONFIG, synthetic_rows, tokenize_rows, train
+from recipes.sft import (
+    DEFAULT_CONFIG,
+    SFTConfig,
+    SFTDataConfig,
+    SFTModelConfig,
+    synthetic_rows,
+    tokenize_rows,
+    train,
+)
 from recipes.tasks import tiny_causal_lm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +32,7 @@ SMALL = ["model.path=tiny:llama", "data.num_rows=24", "data.min_len=4", "data.ma
 
 
 def _cfg(tmp_path, *extra):
-    return load_config(DEFAULT_CONFIG, None, SMALL + [f"checkpoint.output_dir={tmp_path}", *extra])
+    return load_config(SFTConfig, None, SMALL + [f"checkpoint.output_dir={tmp_path}", *extra])
 
 
 def _reset_accelerate():
@@ -86,8 +94,9 @@ def test_text_rows_mask_the_prompt():
 
 
 def test_bad_config_is_a_clear_error(tmp_path):
-    with pytest.raises(KeyError, match="unknown config key 'train.batch_size'"):
-        load_config(DEFAULT_CONFIG, None, ["train.batch_size=3"])
+    with pytest.raises(ValueError, match="train.batch_size is not a config key here; known keys: epochs"):
+        load_config(SFTConfig, None, ["train.batch_size=3"])
+    assert load_config(SFTConfig, DEFAULT_CONFIG) == SFTConfig()  # the shipped YAML is the defaults
     with pytest.raises(ValueError, match="train.weighting"):
         train(_cfg(tmp_path, "train.weighting=mean"))
     with pytest.raises(FileNotFoundError, match="data.source"):
@@ -96,12 +105,13 @@ def test_bad_config_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("override, match", [
-    ("train.max_steps=abc", "train.max_steps must be an integer >= 1 or null, got 'abc'"),
+    ("train.max_steps=abc", "train.max_steps must be an integer or null, got 'abc'"),
     ("train.max_steps=0", "train.max_steps must be an integer >= 1 or null, got 0"),
     ("train.epochs=0", "train.epochs must be an integer >= 1, got 0"),
-    ("train.grad_accum=1.5", "train.grad_accum must be an integer >= 1, got 1.5"),
-    ("data.tokens_per_batch=big", "data.tokens_per_batch must be a number"),
-    ("data.overflow=drop", "data.overflow must be error, truncate or split"),
+    ("train.grad_accum=1.5", "train.grad_accum must be an integer, got 1.5"),
+    ("data.tokens_per_batch=big", "data.tokens_per_batch must be an integer or null, got 'big'"),
+    ("data.overflow=drop", "data.overflow must be 'error', 'truncate' or 'split', got 'drop'"),
+    ("data.max_dropped_fraction=2", "data.max_dropped_fraction must be a number in [0, 1], got 2.0"),
 ])
 def test_settings_that_would_train_nothing_or_crash_later_fail_first(tmp_path, override, match):
     with pytest.raises(ValueError, match=re.escape(match)):
@@ -151,7 +161,7 @@ def test_checkpoint_is_an_hf_model_dir_with_the_tiny_tokenizer(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(step))
     saved = _params(tmp_path, 1)
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items() if k in saved)
-    _, tok = load_model({"path": str(step)})
+    _, tok = load_model(SFTModelConfig(path=str(step)))
     assert isinstance(tok, AsciiTokenizer) and tok("hi")["input_ids"] == [104, 105]
 
 
@@ -190,10 +200,9 @@ def _torchrun(out_dir, *overrides, deepspeed=False):
 def _unpacked_mean_loss():
     """Mean loss over every loss token of the synthetic data at the initial weights, one
     sequence at a time in one process: what the first optimizer step must report."""
-    cfg = load_config(DEFAULT_CONFIG, None, SMALL)
+    data = load_config(SFTConfig, None, SMALL).data
     model, _ = tiny_causal_lm()
-    rows = synthetic_rows(cfg["data"]["num_rows"], cfg["data"]["min_len"], cfg["data"]["max_len"],
-                          model.config.vocab_size, cfg["data"]["seed"])
+    rows = synthetic_rows(data.num_rows, data.min_len, data.max_len, model.config.vocab_size, data.seed)
     total, count = 0.0, 0
     with torch.no_grad():
         for row in rows:
@@ -248,9 +257,8 @@ def test_deepspeed_zero2_two_processes_matches_unpacked_and_ddp(tmp_path, ddp_ru
     assert results[0]["losses"] == pytest.approx(ddp_run[0]["losses"], rel=1e-5)
 
 
-def _data_cfg(**overrides):
-    cfg = load_config(DEFAULT_CONFIG, None, [])["data"]
-    return {**cfg, "source": "packed_chat", **overrides}
+def _data_cfg(**overrides) -> SFTDataConfig:
+    return SFTDataConfig(**{"source": "packed_chat", **overrides})
 
 
 def test_prepacked_rows_train_with_the_default_budget_and_too_small_a_budget_names_the_keys():
@@ -283,7 +291,8 @@ def test_truncation_that_drops_a_large_share_is_refused_unless_accepted(caplog):
 @pytest.mark.parametrize("override,message", [
     ("train.lr=abc", "train.lr must be a number, got 'abc'"),
     ("train.progress=maybe", "train.progress must be true or false, got 'maybe'"),
-    ("model.dtype=int8", "model.dtype='int8' is not a dtype the recipes train or generate in"),
+    ("model.dtype=int8", "model.dtype must be 'float32', 'bfloat16' or 'float16', got 'int8'"),
+    ("model=smollm2", "model is a section; set its fields as model.<field>=..."),
 ])
 def test_a_wrong_type_is_an_error_naming_the_key(tmp_path, override, message):
     with pytest.raises(ValueError, match=re.escape(message)):
