@@ -122,6 +122,11 @@ def _coerce(name: str, hint, value):
         if isinstance(value, bool):
             return value
         raise ConfigError(name, f"must be true or false, got {value!r}")
+    if hint is float and isinstance(value, str):
+        try:  # YAML 1.1 reads ``lr: 1e-5`` (no dot) as a string
+            value = float(value)
+        except ValueError:
+            pass
     if hint in (int, float):
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if hint is int and number and float(value).is_integer():

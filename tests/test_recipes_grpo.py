@@ -421,3 +421,13 @@ def test_recipe_and_trl_trainer_score_rollouts_through_the_one_shared_function(m
     assert calls  # the trainer went through the shared function
     for b, c in enumerate(completions):
         assert torch.equal(trainer[b, :len(c)], recipe[b])
+
+
+def test_a_yaml_file_with_exponent_numbers_and_nested_sections(tmp_path):
+    path = tmp_path / "my.yaml"
+    path.write_text("train:\n  lr: 1e-5\n  steps: 3\nrollout:\n  max_tokens: 16\n")  # YAML 1.1: 1e-5 is a str
+    cfg = load_config(GRPOConfig, path, ["train.steps=4"])
+    assert (cfg.train.lr, cfg.train.steps, cfg.rollout.max_tokens) == (1e-5, 4, 16)
+    path.write_text("train: 3\n")
+    with pytest.raises(ConfigError, match=r"^train is a section; set its fields as train.<field>=\.\.\."):
+        load_config(GRPOConfig, path)
