@@ -11,6 +11,7 @@ anything is built, never a silently ignored setting or a TypeError deep inside t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -59,7 +60,9 @@ class Section:
         return dataclasses.asdict(self)
 
 
+@functools.cache
 def _hints(cls) -> dict:
+    """The field annotations of ``cls``, resolved (they are strings under postponed evaluation)."""
     return typing.get_type_hints(cls)
 
 
@@ -135,6 +138,8 @@ def _coerce(name: str, hint, value):
             return float(value)
         raise ConfigError(name, f"must be {'an integer' if hint is int else 'a number'}, got {value!r}")
     if hint is str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)  # a directory named 2024 reads as a number in YAML
         if isinstance(value, str):
             return value
         raise ConfigError(name, f"must be a string, got {value!r}")
@@ -196,14 +201,7 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequenc
 
 def with_overrides(cfg: C, overrides: Sequence[str] | Mapping) -> C:
     """A copy of ``cfg`` with the overrides applied, checked again."""
-    data = _merge(_shallow_sections(cfg), _overrides(overrides))
-    return from_dict(type(cfg), data)
-
-
-def _shallow_sections(cfg) -> dict:
-    """``cfg`` as a nested dict of its field values (functions and objects kept as they are)."""
-    return {f.name: _shallow_sections(v) if dataclasses.is_dataclass(v := getattr(cfg, f.name)) else v
-            for f in dataclasses.fields(cfg)}
+    return from_dict(type(cfg), _merge(cfg.to_dict(), _overrides(overrides)))
 
 
 # ------------------------------------------------------------------------- sections the recipes share

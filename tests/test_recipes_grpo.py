@@ -54,6 +54,16 @@ def test_typed_config_checks_values_in_python_too():
     with pytest.raises(ConfigError, match=r"^train.steps must be an integer, got 'two'"):
         with_overrides(cfg, ["train.steps=two"])
     assert with_overrides(cfg, {"train": {"steps": 5}}).train.steps == 5 and cfg.train.steps == 2
+    assert config(output_dir=2024).output_dir == "2024"  # a directory name YAML reads as a number
+
+
+def test_the_rollout_modes_are_the_ones_inference_runs():
+    import typing
+
+    from inference.sharded import ROLLOUT_MODES
+    from recipes.grpo import GRPOGeneratorConfig
+
+    assert typing.get_args(typing.get_type_hints(GRPOGeneratorConfig)["sharded_rollout"]) == ROLLOUT_MODES
 
 
 def test_unknown_key_is_an_error_naming_it():
