@@ -34,8 +34,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 from dataloaders.balance import balance_bins, bin_cost, default_attention_cost
 from dataloaders.collator import PackedCollator
 from dataloaders.dataset import MASK_COLUMNS, document_lengths, slice_lengths
-from dataloaders.sampler import _world, check_fingerprint
+from dataloaders.sampler import check_fingerprint
 from dataloaders.telemetry import log_epoch_stats
+from packing import distributed
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +67,8 @@ class StreamingPackedLoader(IterableDataset):
                 "source is a one-shot iterator, which cannot be re-opened to resume; pass a "
                 "re-iterable (an HF IterableDataset, a list) or a function returning a fresh iterator"
             )
-        world, this_rank = _world()
-        self.num_replicas = world if num_replicas is None else int(num_replicas)
-        self.rank = this_rank if rank is None else int(rank)
+        self.num_replicas = distributed.world_size() if num_replicas is None else int(num_replicas)
+        self.rank = distributed.rank() if rank is None else int(rank)
         if not 0 <= self.rank < self.num_replicas:
             raise ValueError(f"rank {self.rank} is outside [0, num_replicas={self.num_replicas})")
         if balance_window < 1 or steps_multiple_of < 1:
