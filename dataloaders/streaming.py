@@ -37,6 +37,7 @@ from dataloaders.dataset import MASK_COLUMNS, document_lengths, slice_lengths
 from dataloaders.sampler import check_fingerprint
 from dataloaders.telemetry import log_epoch_stats
 from packing import distributed
+from packing.row import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ class StreamingPackedLoader(IterableDataset):
             labels = np.asarray(row.get("labels", ids), dtype=np.int64)
             mask_col = next((c for c in MASK_COLUMNS if c in row), None)
             if mask_col is not None:
-                labels = np.where(np.asarray(row[mask_col], dtype=bool), labels, -100)
+                labels = np.where(np.asarray(row[mask_col], dtype=bool), labels, IGNORE_INDEX)
             train = len(item) < 4 or item[3]
             piece = slice(start, start + length)
             example = {"input_ids": ids[piece], "labels": labels[piece], "index": key, "train": train}
