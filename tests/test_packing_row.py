@@ -140,6 +140,15 @@ def test_to_moves_the_model_and_loss_tensors_and_keeps_bookkeeping_on_the_host()
     assert isinstance(send_to_device(row, "meta"), PackedRow)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs an accelerator")
+def test_a_pinning_dataloader_keeps_the_row():
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    pinned = pin_memory(_row())  # what DataLoader(pin_memory=True) runs on every batch
+    assert isinstance(pinned, PackedRow) and pinned.input_ids.is_pinned() and pinned.labels.is_pinned()
+    assert pinned.to("cuda", non_blocking=True).nopad_meta.device.type == "cuda"
+
+
 def test_model_kwargs_are_what_the_forward_takes():
     row = _row()
     kwargs = row.model_kwargs()
