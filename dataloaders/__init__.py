@@ -1,7 +1,8 @@
 """Packed-batch data loading for Accelerate and DeepSpeed training, on the packing core.
 
 The usual path: ``packed_dataloader(tokenized_dataset, tokens_per_batch)`` -> batches of one flat
-varlen row each (``input_ids``, ``labels``, ``position_ids``, ``nopad_meta``, counts), sharded and
+varlen row each (a :class:`packing.row.PackedRow`: ``input_ids``, ``labels``, ``position_ids``,
+``nopad_meta``, counts; ``row.to(device)``, ``model(**row.model_kwargs())``), sharded and
 balanced over the data-parallel ranks by the loader itself, resumable with ``state_dict()``
 (the loss that normalises by the step's global loss-token count is ``training.PackedLoss``).
 ``StreamingPackedLoader`` does the same for streams.

@@ -14,10 +14,12 @@ from typing import Any, NamedTuple
 import numpy as np
 from torch.utils.data import Dataset
 
+from packing.row import IGNORE_INDEX
+
 logger = logging.getLogger(__name__)
 
 # Columns that say which tokens are trained on, in order of preference. ``labels`` holds token ids
-# with -100 on ignored positions; the masks hold 1 where the token is trained (TRL's
+# with IGNORE_INDEX (-100) on ignored positions; the masks hold 1 where the token is trained (TRL's
 # ``completion_mask``, transformers' ``assistant_masks`` from ``apply_chat_template``).
 MASK_COLUMNS = ("completion_mask", "assistant_masks", "loss_mask")
 # Columns that say where the documents of a pre-packed row begin (``packing.pack_dataset`` /
@@ -163,7 +165,7 @@ class PackedDataset(Dataset):
             labels = np.asarray(row[self.label_column], dtype=np.int64)
         if self.mask_column is not None:
             mask = np.asarray(row[self.mask_column], dtype=bool)
-            labels = np.where(mask, labels, -100)
+            labels = np.where(mask, labels, IGNORE_INDEX)
         if labels.shape != ids.shape:
             raise ValueError(
                 f"row {item.index}: labels/mask length {labels.shape[0]} != input_ids {ids.shape[0]}"

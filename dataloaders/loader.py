@@ -7,13 +7,14 @@ what was consumed, whatever the number of workers or how far they had prefetched
 
 Accelerate: the loader shards by itself (the sampler knows ``num_replicas`` and ``rank``). Do not
 pass it to ``accelerator.prepare`` - that would shard it a second time; move batches with
-:func:`move_batch` (or ``accelerate.utils.send_to_device``). :meth:`PackedDataLoader.state_dict`
+``row.to(device)`` (:meth:`packing.row.PackedRow.to`, which ``accelerate.utils.send_to_device``
+calls too). :meth:`PackedDataLoader.state_dict`
 is what ``accelerator.register_for_checkpointing`` needs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader
 from dataloaders.collator import PackedCollator
 from dataloaders.dataset import PackedDataset
 from dataloaders.sampler import PackedBatchSampler
+from packing.row import PackedRow, as_row
 
 
 class PackedDataLoader(DataLoader):
@@ -55,7 +57,7 @@ class PackedDataLoader(DataLoader):
         self.packed_sampler.set_epoch(epoch)
         self._step = 0
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[PackedRow]:
         sampler = self.packed_sampler
         sampler.start_step = self._step
         for batch in super().__iter__():
@@ -124,6 +126,7 @@ def packed_dataloader(
     )
 
 
-def move_batch(batch: dict, device: torch.device | str) -> dict:
-    """Move a packed batch (tensors and the VarlenMeta) to ``device``; ints stay ints."""
-    return {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
+def move_batch(batch: Mapping[str, Any], device: torch.device | str, non_blocking: bool = False) -> PackedRow:
+    """``PackedRow.to`` for code written against dict batches: a dict with the row's keys becomes
+    the :class:`~packing.row.PackedRow` it describes, then moves."""
+    return as_row(batch).to(device, non_blocking=non_blocking)

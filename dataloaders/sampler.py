@@ -16,20 +16,14 @@ import logging
 from collections.abc import Iterator, Sequence
 
 import numpy as np
-import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from dataloaders.balance import RankPlan, balance_bins
 from dataloaders.dataset import PackedItem
 from dataloaders.telemetry import epoch_stats, log_epoch_stats
+from packing import distributed
 
 logger = logging.getLogger(__name__)
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
 
 
 class PackedBatchSampler(Sampler[list[PackedItem]]):
@@ -58,10 +52,9 @@ class PackedBatchSampler(Sampler[list[PackedItem]]):
         attention_cost: float | None = None,
         unit: str = "sequences",
     ):
-        world, this_rank = _world()
         self.unit = unit  # what one length is, for the epoch log ("pre-packed rows" for packed data)
-        self.num_replicas = world if num_replicas is None else int(num_replicas)
-        self.rank = this_rank if rank is None else int(rank)
+        self.num_replicas = distributed.world_size() if num_replicas is None else int(num_replicas)
+        self.rank = distributed.rank() if rank is None else int(rank)
         if not 0 <= self.rank < self.num_replicas:
             raise ValueError(f"rank {self.rank} is outside [0, num_replicas={self.num_replicas})")
         if tokens_per_batch < 1:

@@ -34,8 +34,10 @@ from torch.utils.data import IterableDataset, get_worker_info
 from dataloaders.balance import balance_bins, bin_cost, default_attention_cost
 from dataloaders.collator import PackedCollator
 from dataloaders.dataset import MASK_COLUMNS, document_lengths, slice_lengths
-from dataloaders.sampler import _world, check_fingerprint
+from dataloaders.sampler import check_fingerprint
 from dataloaders.telemetry import log_epoch_stats
+from packing import distributed
+from packing.row import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +68,8 @@ class StreamingPackedLoader(IterableDataset):
                 "source is a one-shot iterator, which cannot be re-opened to resume; pass a "
                 "re-iterable (an HF IterableDataset, a list) or a function returning a fresh iterator"
             )
-        world, this_rank = _world()
-        self.num_replicas = world if num_replicas is None else int(num_replicas)
-        self.rank = this_rank if rank is None else int(rank)
+        self.num_replicas = distributed.world_size() if num_replicas is None else int(num_replicas)
+        self.rank = distributed.rank() if rank is None else int(rank)
         if not 0 <= self.rank < self.num_replicas:
             raise ValueError(f"rank {self.rank} is outside [0, num_replicas={self.num_replicas})")
         if balance_window < 1 or steps_multiple_of < 1:
@@ -230,7 +231,7 @@ class StreamingPackedLoader(IterableDataset):
             labels = np.asarray(row.get("labels", ids), dtype=np.int64)
             mask_col = next((c for c in MASK_COLUMNS if c in row), None)
             if mask_col is not None:
-                labels = np.where(np.asarray(row[mask_col], dtype=bool), labels, -100)
+                labels = np.where(np.asarray(row[mask_col], dtype=bool), labels, IGNORE_INDEX)
             train = len(item) < 4 or item[3]
             piece = slice(start, start + length)
             example = {"input_ids": ids[piece], "labels": labels[piece], "index": key, "train": train}

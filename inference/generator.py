@@ -26,11 +26,11 @@ from inference.request import Request, Sequence, Status, prompt_token_ids
 from inference.sampler import SamplerBuffers, sample
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
-from inference.sharded import compute_dtype as model_compute_dtype
 from inference.sharded import refuse_plain_generation
 from packing.attention import names as attention_backends
 from packing.attention import paged_block_size
 from packing.blocks import BlockAllocator
+from packing.distributed import compute_dtype as model_compute_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -393,7 +393,7 @@ class Generator:
 
     def compute_dtype(self) -> torch.dtype:
         """The dtype attention computes in now: ``dtype=``, else the autocast dtype, else the
-        weights' dtype (what :func:`packing.hf.compute_dtype` casts q/k/v to)."""
+        weights' dtype (what :func:`packing.distributed.compute_dtype` casts q/k/v to)."""
         if self.requested_dtype is not None:
             return self.requested_dtype
         if torch.is_autocast_enabled(self.device.type):

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 from collections.abc import Iterator, Sequence
 
 import torch
-import torch.distributed as dist
+
+from packing.distributed import any_rank, fsdp2_modules, world_size, zero3_engine
 
 logger = logging.getLogger(__name__)
 
@@ -36,24 +36,6 @@ ROLLOUT_MODES = ("gather", "lockstep")
 
 
 # ----------------------------------------------------------------------------- what is sharded
-def zero3_engine(model) -> object | None:
-    """The DeepSpeed engine when ``model`` is one running ZeRO stage 3, else None."""
-    if "deepspeed" not in sys.modules:  # no engine can exist; importing deepspeed takes seconds
-        return None
-    from deepspeed import DeepSpeedEngine
-
-    if isinstance(model, DeepSpeedEngine) and model.zero_optimization_stage() == 3:
-        return model
-    return None
-
-
-def fsdp2_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Every ``fully_shard`` module inside ``model`` (empty when it is not FSDP2)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
 def sharding(model) -> str | None:
     """``"zero3"``, ``"fsdp2"`` or None (replicated weights: no collectives in a forward)."""
     if zero3_engine(model) is not None:
@@ -83,25 +65,14 @@ def refuse_plain_generation(model: torch.nn.Module) -> None:
     """Raise instead of hanging: a plain generation loop on sharded weights with several ranks
     waits forever in an all-gather once one rank finishes first."""
     kind = sharded_weights(model)
-    if kind is None or not dist.is_initialized() or dist.get_world_size() < 2:
+    if kind is None or world_size() < 2:
         return
     raise RuntimeError(
-        f"the model's weights are sharded ({kind}) over {dist.get_world_size()} ranks, so a plain "
+        f"the model's weights are sharded ({kind}) over {world_size()} ranks, so a plain "
         "Generator.generate would hang as soon as one rank finishes before another. Write instead: "
         "`outs = inference.sharded.sharded_generate(generator, engine, prompts, params)` (pass the "
         "DeepSpeed engine or the FSDP2 module; mode='gather' by default, 'lockstep' if the full weights "
         "do not fit). With TRL, keep GRPOConfig(ds3_gather_for_generation=True).")
-
-
-def compute_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype forwards compute in: FSDP2's mixed-precision ``param_dtype`` when set (the
-    sharded parameter keeps its storage dtype, which must not size the KV cache), else the
-    parameters' dtype."""
-    for module in fsdp2_modules(model):
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            if group.mp_policy.param_dtype is not None:
-                return group.mp_policy.param_dtype
-    return next(model.parameters()).dtype
 
 
 # ----------------------------------------------------------------------------- gather once
@@ -170,15 +141,6 @@ def _fsdp2_gathered(model: torch.nn.Module) -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------- lockstep
-def any_rank(flag: bool, device: torch.device | str = "cpu", group=None) -> bool:
-    """True when ``flag`` is True on at least one rank (one all-reduce)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    t = torch.tensor([1 if flag else 0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())
-
-
 @torch.no_grad()
 def dummy_forward(model: torch.nn.Module) -> None:
     """One token through the whole model: joins the same per-layer collectives as a real step."""
@@ -200,7 +162,7 @@ def agreed_requests(generator, prompts: Sequence, sampling_params=None, group=No
         requests = generator._make_requests(list(prompts), sampling_params) if prompts else []
     except (ValueError, RuntimeError) as err:
         error, requests = err, []
-    if any_rank(error is not None, generator.device, group):
+    if any_rank(error is not None, group):
         if error is not None:
             raise error
         raise RuntimeError("another rank's rollout prompts are invalid (see its error); no rank generates")
@@ -222,7 +184,7 @@ def _drive(generator, requests: list, lockstep: bool, group=None) -> list:
     handle = generator.model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     rounds = 0
     try:
-        while any_rank(generator.has_unfinished(), generator.device, group):
+        while any_rank(generator.has_unfinished(), group):
             before = forwards[0]
             if generator.has_unfinished():
                 for out in generator.step():

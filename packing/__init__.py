@@ -31,6 +31,7 @@ _export("packing.bins.binpack", "pack")
 _export("packing.bins.streaming", "StreamingPacker")
 _export("packing.bins.hf_datasets", "pack_dataset")
 _export("packing.blocks", "BlockAllocator", "OutOfBlocksError")
+_export("packing.row", "PackedRow", "IGNORE_INDEX")
 _export("packing.hf.attention", "register_nopad_attention", "NOPAD_ATTENTION", "use_nopad_attention",
         "packed_forward_guard")
 _export("packing.hf.verification", "verify", "VerifyReport")

@@ -3,7 +3,7 @@
     python -m recipes.preprocess [recipes/configs/preprocess.yaml] input=data.jsonl output=packed/
 
 Chat data (a ``messages`` list per row) is rendered with the tokenizer's chat template and only
-assistant turns get labels; prompt tokens are -100. Plain text gets ``input_ids`` only (every
+assistant turns get labels; prompt tokens are ``IGNORE_INDEX``. Plain text gets ``input_ids`` only (every
 token is a target). The packed rows keep ``seq_lengths`` so a collator can rebuild per-sequence
 positions and boundaries. Every step is also a function for use from Python.
 """
@@ -21,11 +21,11 @@ from typing import Literal
 import datasets
 
 from packing import pack_dataset
+from packing.row import IGNORE_INDEX
 from recipes.config import Section, load_config
 
 logger = logging.getLogger(__name__)
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "preprocess.yaml"  # these defaults, with comments
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -124,7 +124,7 @@ def tokenize_text(texts: list[str], tokenizer, add_eos: bool = True) -> list[lis
 
 
 def tokenize_chat(messages: list[Mapping], tokenizer) -> tuple[list[int], list[int]]:
-    """``(input_ids, labels)`` for one conversation; labels are -100 outside assistant turns.
+    """``(input_ids, labels)`` for one conversation; labels are ``IGNORE_INDEX`` outside assistant turns.
 
     Each assistant turn's span is found by rendering the conversation up to it (with the generation
     prompt) and up to its end; the template must render a prefix of the conversation as a prefix

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from packing.distributed import zero_stage
 from training.accumulation import check_engine_engaged, set_deepspeed_clipping
 
 logger = logging.getLogger(__name__)
@@ -68,12 +69,6 @@ def make_accelerator(deepspeed_config: str | None = None, *, grad_accum: int = 1
 
 def engine_info(model, accelerator) -> dict:
     """What actually trains the model, for the log and the result file (DeepSpeed engaged or not)."""
-    info = {"distributed_type": str(accelerator.distributed_type), "deepspeed_engine": False,
-            "zero_stage": None}
-    try:
-        import deepspeed
-    except ImportError:
-        return info
-    if isinstance(model, deepspeed.DeepSpeedEngine):
-        info.update(deepspeed_engine=True, zero_stage=int(model.zero_optimization_stage()))
-    return info
+    stage = zero_stage(model)
+    return {"distributed_type": str(accelerator.distributed_type), "deepspeed_engine": stage is not None,
+            "zero_stage": stage}

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from packing.row import IGNORE_INDEX, PackedRow
+from packing.varlen import VarlenMeta
+
 logger = logging.getLogger(__name__)
 
 ISWeightFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -66,10 +69,10 @@ class Rollout:
     advantage: float = 0.0
 
 
-def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = True) -> list[dict]:
-    """Pack rollouts into varlen rows. Only completion tokens carry the loss: labels are -100 on
-    prompts. Each row also carries, in label order, the generator's log-probs, the advantage of
-    every loss token and the rollout index of each completion (``indices``).
+def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = True) -> list[PackedRow]:
+    """Pack rollouts into varlen rows. Only completion tokens carry the loss: labels are
+    ``IGNORE_INDEX`` on prompts. Each row also carries, in label order, the generator's log-probs,
+    the advantage of every loss token and the rollout index of each completion (``indices``).
 
     ``shared_prefix`` (default): rollouts with the same prompt form a group whose prompt appears
     once per row, each completion attending to it (:mod:`packing.bins.shared_prefix`); else every
@@ -78,40 +81,36 @@ def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = 
         return []
     if shared_prefix:
         return _pack_shared_prefix(rollouts, capacity)
-    from dataloaders.collator import PackedCollator
     from packing.bins.binpack import pack
 
-    collate = PackedCollator()
     lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
     rows = []
-    if not rollouts:  # a rank with no prompts this step
-        return rows
     for indices in pack(lengths, capacity, strategy="bfd"):
-        examples, gen_lp, adv = [], [], []
-        for i in indices.tolist():
-            r = rollouts[i]
-            labels = [-100] * len(r.prompt_ids) + list(r.completion_ids)
-            examples.append({"input_ids": r.prompt_ids + r.completion_ids, "labels": labels, "index": i})
-            gen_lp += r.gen_logprobs
-            adv += [r.advantage] * len(r.completion_ids)
-        row = collate(examples)
-        row["gen_logprobs"] = torch.tensor(gen_lp, dtype=torch.float32)
-        row["advantages"] = torch.tensor(adv, dtype=torch.float32)
-        rows.append(row)
+        order = indices.tolist()
+        ids, labels = [], []
+        for i in order:
+            prompt, completion = list(rollouts[i].prompt_ids), list(rollouts[i].completion_ids)
+            ids += prompt + completion
+            labels += [IGNORE_INDEX] * len(prompt) + completion
+        meta = VarlenMeta.from_lengths([lengths[i] for i in order])
+        rows.append(PackedRow.build(ids, labels, meta, indices=order, **_rollout_fields(rollouts, order)))
     return rows
 
 
-def empty_rollout_row() -> dict:
-    """A two-token row with one (zero-weight) loss token: what a rank with fewer rows runs so
-    that every rank joins the same forward/backward collectives."""
-    from dataloaders.collator import PackedCollator
-
-    row = PackedCollator()([{"input_ids": [0, 0], "labels": [-100, 0], "index": -1}])
-    row.update(gen_logprobs=torch.zeros(1), advantages=torch.zeros(1), num_loss_tokens=0, empty=True)
-    return row
+def empty_rollout_row() -> PackedRow:
+    """A two-token row with one (zero-weight) loss token and no loss count: what a rank with fewer
+    rows runs so that every rank joins the same forward/backward collectives."""
+    return PackedRow.build([0, 0], [IGNORE_INDEX, 0], VarlenMeta.from_lengths([2]), indices=[-1],
+                           gen_logprobs=[0.0], advantages=[0.0], empty=True)
 
 
-def _pack_shared_prefix(rollouts: list[Rollout], capacity: int) -> list[dict]:
+def _rollout_fields(rollouts: list[Rollout], order: list[int]) -> dict[str, list[float]]:
+    """The generator's log-probs and the advantage of each loss token of ``order``'s completions."""
+    return {"gen_logprobs": [lp for i in order for lp in rollouts[i].gen_logprobs],
+            "advantages": [rollouts[i].advantage for i in order for _ in rollouts[i].completion_ids]}
+
+
+def _pack_shared_prefix(rollouts: list[Rollout], capacity: int) -> list[PackedRow]:
     from packing.bins.shared_prefix import pack_groups, shared_prefix_row
 
     members: dict[tuple, list[int]] = {}  # prompt -> its rollouts, in order of first appearance
@@ -122,15 +121,10 @@ def _pack_shared_prefix(rollouts: list[Rollout], capacity: int) -> list[dict]:
     rows = []
     for pieces in pack_groups(sizes, capacity):
         picked = [[groups[g][j] for j in part] for g, part in pieces]
-        row = shared_prefix_row([(rollouts[idx[0]].prompt_ids, [rollouts[i].completion_ids for i in idx])
-                                 for idx in picked])
         order = [i for idx in picked for i in idx]
-        row["indices"] = torch.tensor(order, dtype=torch.int64)
-        row["gen_logprobs"] = torch.tensor([lp for i in order for lp in rollouts[i].gen_logprobs],
-                                           dtype=torch.float32)
-        adv = [rollouts[i].advantage for i in order for _ in rollouts[i].completion_ids]
-        row["advantages"] = torch.tensor(adv, dtype=torch.float32)
-        rows.append(row)
+        row_pieces = [(rollouts[idx[0]].prompt_ids, [rollouts[i].completion_ids for i in idx])
+                      for idx in picked]
+        rows.append(shared_prefix_row(row_pieces, indices=order, **_rollout_fields(rollouts, order)))
     return rows
 
 

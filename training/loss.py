@@ -10,7 +10,7 @@ gradient of ``mean over all loss tokens of the step``.
 Usage, once per optimizer step::
 
     loss_fn = PackedLoss(weighting="token")        # world size taken from torch.distributed
-    loss_fn.start_step(window)                     # the step's micro-batches (collator outputs)
+    loss_fn.start_step(window)                     # the step's micro-batches (PackedRows)
     for batch in window:
         logits = model(input_ids=..., position_ids=..., nopad_meta=...).logits
         accelerator.backward(loss_fn(logits, batch))
@@ -18,13 +18,14 @@ Usage, once per optimizer step::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dataloaders.collator import IGNORE_INDEX
+from packing import distributed
+from packing.row import IGNORE_INDEX, PackedRow, as_row
 
 WEIGHTINGS = ("token", "sequence")
 
@@ -40,7 +41,7 @@ def causal_lm_loss_sum(
 
     ``labels`` use the transformers convention (shifted here). ``"token"`` sums over loss tokens;
     ``"sequence"`` weights each sequence's tokens by 1 / (its loss tokens), so the sum is the sum
-    over sequences of their mean loss (needs ``seq_idx``, e.g. ``batch["nopad_meta"].seq_idx``).
+    over sequences of their mean loss (needs ``seq_idx``, e.g. ``row.nopad_meta.seq_idx``).
     """
     if weighting not in WEIGHTINGS:
         raise ValueError(f"unknown weighting {weighting!r}; choose one of {WEIGHTINGS}")
@@ -53,24 +54,13 @@ def causal_lm_loss_sum(
     if weighting == "token":
         return losses.sum()
     if seq_idx is None:
-        raise ValueError("weighting='sequence' needs seq_idx (batch['nopad_meta'].seq_idx)")
+        raise ValueError("weighting='sequence' needs seq_idx (row.nopad_meta.seq_idx)")
     owner = seq_idx.reshape(-1).to(labels.device).long()[1:]  # the sequence each target belongs to
     valid = (targets != IGNORE_INDEX).float()
     per_seq = torch.zeros(int(seq_idx.max()) + 1 if seq_idx.numel() else 1, device=labels.device)
     per_seq.index_add_(0, owner, valid)
     weights = valid / per_seq[owner].clamp(min=1)
     return (losses * weights).sum()
-
-
-def global_count(local: float, group: dist.ProcessGroup | None = None) -> float:
-    """Sum ``local`` over all data-parallel ranks (the identity without torch.distributed)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return float(local)
-    t = torch.tensor([float(local)], dtype=torch.float64)
-    if dist.get_backend(group) == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return float(t.item())
 
 
 class PackedLoss:
@@ -95,34 +85,29 @@ class PackedLoss:
         if weighting not in WEIGHTINGS:
             raise ValueError(f"unknown weighting {weighting!r}; choose one of {WEIGHTINGS}")
         if world_size is None:
-            initialized = dist.is_available() and dist.is_initialized()
-            world_size = dist.get_world_size(group) if initialized else 1
+            world_size = distributed.world_size(group)
         self.weighting = weighting
         self.scale = float(world_size) * float(backward_divisor)
         self.group = group
         self.denominator: float | None = None
 
-    @property
-    def count_key(self) -> str:
-        return "num_loss_tokens" if self.weighting == "token" else "num_loss_seqs"
+    def count(self, row: PackedRow) -> int:
+        """What ``row`` adds to the step's denominator: its loss tokens, or its sequences with one."""
+        return row.num_loss_tokens if self.weighting == "token" else row.num_loss_seqs
 
-    def start_step(self, micro_batches: Sequence[dict]) -> float:
+    def start_step(self, micro_batches: Sequence[PackedRow | Mapping]) -> float:
         """All-reduce the step's loss-token (or sequence) count; every rank must call this once
-        per optimizer step, with its own micro-batches of that step."""
-        local = sum(int(b[self.count_key]) for b in micro_batches)
-        self.denominator = global_count(local, self.group)
+        per optimizer step, with its own micro-batches of that step (rows, or dicts with a row's keys)."""
+        local = sum(self.count(as_row(b)) for b in micro_batches)
+        self.denominator = distributed.global_sum(local, self.group)
         return self.denominator
 
-    def __call__(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, batch: PackedRow | Mapping) -> torch.Tensor:
         if self.denominator is None:
             raise RuntimeError("call start_step(micro_batches) before computing the loss of a step")
-        meta = batch.get("nopad_meta")
-        total = causal_lm_loss_sum(
-            logits,
-            batch["labels"],
-            seq_idx=None if meta is None else meta.seq_idx,
-            weighting=self.weighting,
-        )
+        row = as_row(batch)
+        total = causal_lm_loss_sum(logits, row.labels, seq_idx=row.nopad_meta.seq_idx,
+                                   weighting=self.weighting)
         # a step with no loss tokens anywhere still runs backward (collectives must match): 0 grad
         return total * (self.scale / max(self.denominator, 1.0))
 

@@ -9,8 +9,9 @@ What changes against the stock trainer, and nothing else:
 
 - **Batches**: the packed loader (one global best-fit-decreasing plan per epoch, bins balanced over
   the ranks by attention cost, every rank the same number of steps) replaces Trainer's padded
-  loader. Each micro-batch is one flat row of whole sequences (``input_ids``, ``labels``,
-  ``position_ids``, ``nopad_meta``) with ``labels = -100`` at every sequence's first token.
+  loader. Each micro-batch is one flat row of whole sequences (a :class:`~packing.row.PackedRow`:
+  ``input_ids``, ``labels``, ``position_ids``, ``nopad_meta``) with ``labels = IGNORE_INDEX`` at
+  every sequence's first token.
 - **Attention**: the model is switched to nopad's varlen attention (``attention="nopad"``), so no
   sequence attends to its neighbour whatever the hardware (TRL #2834 / #3910).
 - **Loss**: nothing to change. Trainer already divides the summed token loss of each micro-batch by
@@ -42,11 +43,11 @@ from dataloaders.collator import PackedCollator
 from dataloaders.dataset import MASK_COLUMNS, PackedDataset, PackedItem
 from dataloaders.loader import packed_dataloader
 from dataloaders.sampler import PackedBatchSampler
+from packing.row import PackedRow, as_row
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "nopad_loader.json"
-MODEL_KEYS = ("input_ids", "labels", "position_ids", "nopad_meta")  # what the model gets of a packed batch
 
 
 class TrainerEpochSampler(Sampler[list[PackedItem]]):
@@ -217,16 +218,13 @@ class NopadTrainerMixin:
                                  rank=self.args.process_index, shuffle=False)
 
     # ----------------------------------------------------------------- steps
-    def _prepare_inputs(self, inputs: dict) -> dict:
-        """A packed batch carries bookkeeping (``seq_lens``, ``indices``, counts) the model must not
-        get, and a ``VarlenMeta`` Trainer's tensor mover does not know."""
-        if "nopad_meta" not in inputs:
+    def _prepare_inputs(self, inputs: PackedRow | dict) -> dict:
+        """The model's arguments of a packed row on the training device: not its bookkeeping
+        (``seq_lens``, ``indices``, counts), and its ``VarlenMeta``, which Trainer's tensor mover
+        does not know, moved with it."""
+        if not isinstance(inputs, PackedRow) and "nopad_meta" not in inputs:
             return super()._prepare_inputs(inputs)
-        meta = inputs["nopad_meta"]
-        keep = {k: inputs[k] for k in MODEL_KEYS if k in inputs and k != "nopad_meta"}
-        inputs = super()._prepare_inputs(keep)
-        inputs["nopad_meta"] = meta.to(self.args.device)
-        return inputs
+        return as_row(inputs).to(self.args.device, non_blocking=True).model_kwargs(labels=True)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         self._nopad_resume_state = None

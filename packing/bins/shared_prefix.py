@@ -12,13 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-import torch
-
 from packing.bins.binpack import pack
+from packing.row import IGNORE_INDEX, PackedRow
 from packing.varlen import VarlenMeta
-
-IGNORE_INDEX = -100
 
 Piece = tuple[int, list[int]]  # (group index, indices of the group's completions in this piece)
 
@@ -65,12 +61,15 @@ def pack_groups(groups: Sequence[tuple[int, Sequence[int]]], capacity: int, *,
     return [[pieces[i] for i in sorted(row.tolist())] for row in rows]
 
 
-def shared_prefix_row(pieces: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]]) -> dict:
+def shared_prefix_row(pieces: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], *,
+                      indices: Sequence[int] | None = None, gen_logprobs: Sequence[float] | None = None,
+                      advantages: Sequence[float] | None = None) -> PackedRow:
     """One training row from ``[(prompt_ids, [completion_ids, ...]), ...]``: tokens
-    ``[prompt, c1, c2, ...]`` per piece, labels -100 on prompt tokens, ``position_ids`` and
-    ``nopad_meta`` (:meth:`VarlenMeta.shared_prefix`) for ``model(...)``. The logits that predict
-    label ``t`` are at row ``nopad_meta.previous_rows()[t]`` (a completion's first token is
-    predicted by its prompt's last token), not ``t - 1``: read them with ``logits_to_keep``."""
+    ``[prompt, c1, c2, ...]`` per piece, labels ``IGNORE_INDEX`` on prompt tokens, and
+    ``nopad_meta`` (:meth:`VarlenMeta.shared_prefix`). The logits that predict label ``t`` are at
+    row ``nopad_meta.previous_rows()[t]`` (a completion's first token is predicted by its prompt's
+    last token), not ``t - 1``: read them with ``logits_to_keep``. ``indices`` (one per completion),
+    ``gen_logprobs`` and ``advantages`` (one per completion token) go into the row as given."""
     ids, labels, groups = [], [], []
     for prompt, completions in pieces:
         prompt = list(prompt)
@@ -82,14 +81,5 @@ def shared_prefix_row(pieces: Sequence[tuple[Sequence[int], Sequence[Sequence[in
             ids += list(c)
             labels += list(c)
         groups.append((len(prompt), [len(c) for c in completions]))
-    meta = VarlenMeta.shared_prefix(groups)
-    labels_np = np.asarray(labels, dtype=np.int64)
-    return {
-        "input_ids": torch.tensor(ids, dtype=torch.int64)[None],
-        "labels": torch.from_numpy(labels_np)[None],
-        "position_ids": meta.position_ids[None],
-        "nopad_meta": meta,
-        "seq_lens": torch.tensor(meta.seqlens_q, dtype=torch.int64),
-        "num_loss_tokens": int((labels_np != IGNORE_INDEX).sum()),
-        "num_loss_seqs": sum(len(c) for _, c in pieces),
-    }
+    return PackedRow.build(ids, labels, VarlenMeta.shared_prefix(groups), indices=indices,
+                           gen_logprobs=gen_logprobs, advantages=advantages)

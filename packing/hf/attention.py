@@ -58,6 +58,7 @@ import transformers
 from transformers.masking_utils import AttentionMaskInterface
 
 from packing.attention import varlen_attention
+from packing.distributed import compute_dtype
 from packing.varlen import VarlenMeta
 
 logger = logging.getLogger(__name__)
@@ -92,20 +93,6 @@ def _derive_meta(position_ids: torch.Tensor | None, batch: int, q_len: int, k_le
     meta = VarlenMeta.from_position_ids(pos.reshape(-1)).to(device)
     position_ids._nopad_meta = (key, meta)
     return meta
-
-
-def compute_dtype(module: torch.nn.Module, query: torch.Tensor) -> torch.dtype:
-    """The one dtype q, k and v are cast to, chosen as transformers does for flash-attn: the
-    autocast dtype when autocast is on for the query's device, else the layer's weight dtype
-    (for a quantized layer, the model's ``config.dtype``)."""
-    device_type = query.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    weight = next((p for p in module.parameters() if p.is_floating_point()), None)
-    if weight is not None and weight.dtype.itemsize > 1:
-        return weight.dtype
-    config_dtype = getattr(getattr(module, "config", None), "dtype", None)
-    return config_dtype if isinstance(config_dtype, torch.dtype) else query.dtype
 
 
 def _check_kwargs(module: torch.nn.Module, kwargs: dict) -> None:
