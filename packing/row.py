@@ -1,0 +1,215 @@
+"""The packed row: one flat varlen row of tokens and everything the model, the loss and the GRPO
+update read of it, as one typed record.
+
+Three producers write this schema - the training collator, the shared-prefix rows and the GRPO
+rollouts - and all go through :meth:`PackedRow.build`, the one place that turns token lists into
+the row's tensors, counts its loss tokens and checks that its parts agree. A row is also a
+read-only ``Mapping`` of its set fields (``row["input_ids"]``, ``"indices" in row``,
+``row.keys()``, ``**row``), so code written against the dict rows of earlier versions keeps
+working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from packing.varlen import VarlenMeta
+
+IGNORE_INDEX = -100  # a label that carries no loss (transformers' and torch's cross-entropy default)
+
+# the row's keys when read as a mapping, in order; position_ids is a view of nopad_meta's
+KEYS = ("input_ids", "labels", "position_ids", "nopad_meta", "seq_lens", "indices", "num_loss_tokens",
+        "num_loss_seqs", "gen_logprobs", "advantages", "empty")
+
+
+@dataclass(eq=False)
+class PackedRow(Mapping):
+    """One packed row. Build it with :meth:`build`; move it with :meth:`to`; call the model with
+    ``model(**row.model_kwargs())``.
+
+    Labels follow the transformers convention: ``labels[t]`` is the target of the logits that
+    predict token ``t`` (``t - 1`` in a plain row; ``nopad_meta.previous_rows()[t]`` in a
+    shared-prefix row), :data:`IGNORE_INDEX` where there is no loss.
+    """
+
+    input_ids: torch.Tensor  # int64 (1, T)
+    labels: torch.Tensor  # int64 (1, T)
+    nopad_meta: VarlenMeta  # the row's sequences (T query tokens)
+    seq_lens: torch.Tensor  # int64 [sequences of the data] (a collator's filler sequence excluded); host
+    num_loss_tokens: int  # labels that carry a loss, for the global normalisation of a step
+    num_loss_seqs: int  # sequences with at least one such label
+    # int64, host: source row of each sequence (collator), or rollout of each completion (GRPO)
+    indices: torch.Tensor | None = None
+    gen_logprobs: torch.Tensor | None = None  # float32 [loss tokens], label order: the generator's log-probs
+    advantages: torch.Tensor | None = None  # float32 [loss tokens]: the advantage of each loss token
+    empty: bool = False  # a zero-weight filler row, run only to join the other ranks' collectives
+
+    # ----------------------------------------------------------------- the one builder
+    @classmethod
+    def build(
+        cls,
+        input_ids: Sequence[int] | np.ndarray | torch.Tensor,
+        labels: Sequence[int] | np.ndarray | torch.Tensor,
+        meta: VarlenMeta,
+        *,
+        seq_lens: Sequence[int] | torch.Tensor | None = None,
+        indices: Sequence[int] | torch.Tensor | None = None,
+        gen_logprobs: Sequence[float] | torch.Tensor | None = None,
+        advantages: Sequence[float] | torch.Tensor | None = None,
+        empty: bool = False,
+    ) -> PackedRow:
+        """A row from its flat tokens and labels (``T`` each) and ``meta`` (``T`` query tokens).
+
+        ``seq_lens`` defaults to the meta's sequence lengths. ``gen_logprobs`` / ``advantages``
+        hold one value per loss token, in label order. An ``empty`` row counts no loss token and
+        no sequence, whatever its labels (its loss is to be weighted zero)."""
+        ids, labs = _int64_row(input_ids), _int64_row(labels)
+        if meta.seqlens_q is None:
+            raise ValueError("a packed row needs host-side sequence lengths; a static decode step has none")
+        if ids.shape != labs.shape or ids.shape[1] != meta.total_q:
+            raise ValueError(f"input_ids ({ids.shape[1]} tokens), labels ({labs.shape[1]}) and nopad_meta "
+                             f"({meta.total_q} tokens) must describe the same row")
+        host = labs[0].cpu().numpy()
+        lens = np.asarray(meta.seqlens_q, dtype=np.int64)
+        starts = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64)
+        own_start = (lens > 0) & (lens == np.asarray(meta.seqlens_k, dtype=np.int64))
+        unpredicted = own_start & (host[np.minimum(starts, max(host.size - 1, 0))] != IGNORE_INDEX)
+        if unpredicted.any():
+            seq = int(np.flatnonzero(unpredicted)[0])
+            raise ValueError(f"the label of token {int(starts[seq])}, the first of sequence {seq}, carries a "
+                             f"loss, but nothing before it in its sequence predicts it; set it to "
+                             f"IGNORE_INDEX ({IGNORE_INDEX})")
+        loss = host != IGNORE_INDEX
+        running = np.concatenate(([0], np.cumsum(loss)))
+        per_seq = running[starts + lens] - running[starts]  # loss tokens of each sequence
+        num_loss_tokens = int(running[-1])
+        rl = {name: _float32(values, name, num_loss_tokens)
+              for name, values in (("gen_logprobs", gen_logprobs), ("advantages", advantages))}
+        return cls(
+            input_ids=ids,
+            labels=labs,
+            nopad_meta=meta,
+            seq_lens=_int64_host(meta.seqlens_q if seq_lens is None else seq_lens),
+            num_loss_tokens=0 if empty else num_loss_tokens,
+            num_loss_seqs=0 if empty else int((per_seq > 0).sum()),
+            indices=None if indices is None else _int64_host(indices),
+            empty=bool(empty),
+            **rl,
+        )
+
+    @classmethod
+    def from_mapping(cls, batch: Mapping[str, Any]) -> PackedRow:
+        """A row from a dict with the same keys (a batch built by hand, or by an earlier version);
+        the counts are recomputed from its labels."""
+        if isinstance(batch, PackedRow):
+            return batch
+        missing = [k for k in ("input_ids", "labels", "nopad_meta") if k not in batch]
+        if missing:
+            raise KeyError(f"a packed row needs input_ids, labels and nopad_meta; this batch has no "
+                           f"{missing} (keys: {sorted(batch)})")
+        return cls.build(batch["input_ids"], batch["labels"], batch["nopad_meta"],
+                         seq_lens=batch.get("seq_lens"), indices=batch.get("indices"),
+                         gen_logprobs=batch.get("gen_logprobs"), advantages=batch.get("advantages"),
+                         empty=bool(batch.get("empty", False)))
+
+    # ----------------------------------------------------------------- use
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """int64 ``(1, T)``: the meta's own positions, so attention checks them without a copy or a sync."""
+        return self.nopad_meta.position_ids[None]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRow:
+        """The same row with its model and loss tensors on ``device`` (the meta through
+        :meth:`VarlenMeta.to`); ``seq_lens`` and ``indices`` are bookkeeping read on the host, and
+        stay there."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return replace(self, input_ids=move(self.input_ids), labels=move(self.labels),
+                       nopad_meta=self.nopad_meta.to(device, non_blocking=non_blocking),
+                       gen_logprobs=move(self.gen_logprobs), advantages=move(self.advantages))
+
+    def pin_memory(self) -> PackedRow:
+        """Page-locked copies of the tensors, for ``DataLoader(pin_memory=True)``."""
+        def pin(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.pin_memory()
+
+        return replace(self, input_ids=pin(self.input_ids), labels=pin(self.labels),
+                       gen_logprobs=pin(self.gen_logprobs), advantages=pin(self.advantages))
+
+    def model_kwargs(self, *, labels: bool = False) -> dict[str, Any]:
+        """The keyword arguments of the model's forward: ``model(**row.model_kwargs())``. With
+        ``labels`` the model computes its own loss (plain rows only: a shared-prefix row's
+        predictions are not at ``t - 1``)."""
+        kwargs = {"input_ids": self.input_ids, "position_ids": self.position_ids,
+                  "nopad_meta": self.nopad_meta}
+        if labels:
+            kwargs["labels"] = self.labels
+        return kwargs
+
+    # ----------------------------------------------------------------- read as a dict
+    def __getitem__(self, key: str) -> Any:
+        value = getattr(self, key, None) if key in KEYS else None
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key not in _FIELDS:
+            raise KeyError(f"a PackedRow has no field {key!r} (fields: {', '.join(_FIELDS)}); keep extra "
+                           "data next to the row, or subclass PackedRow")
+        setattr(self, key, value)
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k in KEYS if getattr(self, k) is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        rl = ", rollouts" if self.gen_logprobs is not None else ""
+        return (f"PackedRow(tokens={self.num_tokens}, seqs={self.nopad_meta.num_seqs}, "
+                f"loss_tokens={self.num_loss_tokens}{rl}{', empty' if self.empty else ''}, "
+                f"device={self.input_ids.device})")
+
+
+_FIELDS = tuple(f.name for f in fields(PackedRow))
+
+
+def as_row(batch: Mapping[str, Any]) -> PackedRow:
+    """``batch`` itself when it is a :class:`PackedRow`, else the row its keys describe."""
+    return batch if isinstance(batch, PackedRow) else PackedRow.from_mapping(batch)
+
+
+def _int64_row(values) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values.to(torch.int64).reshape(1, -1)
+    return torch.from_numpy(np.asarray(values, dtype=np.int64).reshape(1, -1))
+
+
+def _int64_host(values) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values.detach().to("cpu", torch.int64).reshape(-1)
+    return torch.from_numpy(np.asarray(values, dtype=np.int64).reshape(-1))
+
+
+def _float32(values, name: str, num_loss_tokens: int) -> torch.Tensor | None:
+    if values is None:
+        return None
+    if isinstance(values, torch.Tensor):
+        t = values.to(torch.float32)
+    else:
+        t = torch.tensor(values, dtype=torch.float32)
+    if t.shape != (num_loss_tokens,):
+        raise ValueError(f"{name} has shape {tuple(t.shape)} but the row has {num_loss_tokens} loss tokens: "
+                         "one value per loss token, in label order")
+    return t
