@@ -94,18 +94,20 @@ def compute_dtype(module: torch.nn.Module,
                   like: torch.Tensor | torch.device | str | None = None) -> torch.dtype:
     """The dtype a forward of ``module`` computes in (what q, k, v and the KV cache are cast to),
     chosen as transformers does for flash-attn: the autocast dtype when autocast is on for the
-    device of ``like`` (the query, or a device); else FSDP2's mixed-precision ``param_dtype`` (a
-    sharded parameter keeps its storage dtype, which must not size the KV cache); else the
-    weights' dtype (for a quantized layer, the model's ``config.dtype``); else ``like``'s dtype."""
+    device of ``like`` (the query, or a device); else the weights' dtype - for weights FSDP2 holds
+    sharded, its mixed-precision ``param_dtype`` (the shards keep their storage dtype, which must not
+    size the KV cache), for a quantized layer the model's ``config.dtype``; else ``like``'s dtype.
+    Cheap enough for every attention call: no walk over the modules unless the weights are sharded."""
     if like is not None:
         device_type = like.device.type if isinstance(like, torch.Tensor) else torch.device(like).type
         if torch.is_autocast_enabled(device_type):
             return torch.get_autocast_dtype(device_type)
-    for fsdp in fsdp2_modules(module):
-        for group in fsdp._get_fsdp_state()._fsdp_param_groups:
-            if group.mp_policy.param_dtype is not None:
-                return group.mp_policy.param_dtype
     weight = next((p for p in module.parameters() if p.is_floating_point()), None)
+    if weight is not None and _is_dtensor(weight):
+        for fsdp in fsdp2_modules(module):
+            for group in fsdp._get_fsdp_state()._fsdp_param_groups:
+                if group.mp_policy.param_dtype is not None:
+                    return group.mp_policy.param_dtype
     if weight is not None and weight.dtype.itemsize > 1:
         return weight.dtype
     config_dtype = getattr(getattr(module, "config", None), "dtype", None)
@@ -114,3 +116,8 @@ def compute_dtype(module: torch.nn.Module,
     if isinstance(like, torch.Tensor):
         return like.dtype
     return torch.get_default_dtype()
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    tensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
+    return tensor_module is not None and isinstance(tensor, tensor_module.DTensor)

@@ -158,10 +158,9 @@ class PackedRow(Mapping):
 
     # ----------------------------------------------------------------- read as a dict
     def __getitem__(self, key: str) -> Any:
-        value = getattr(self, key, None) if key in KEYS else None
-        if value is None:
+        if not self._is_set(key):
             raise KeyError(key)
-        return value
+        return getattr(self, key)
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key not in _FIELDS:
@@ -170,7 +169,14 @@ class PackedRow(Mapping):
         setattr(self, key, value)
 
     def __iter__(self) -> Iterator[str]:
-        return (k for k in KEYS if getattr(self, k) is not None)
+        return (k for k in KEYS if self._is_set(k))
+
+    def _is_set(self, key: str) -> bool:
+        """A key of the mapping: a field that is not None, and ``empty`` only on an empty row (the
+        keys the rows had as dicts)."""
+        if key not in KEYS:
+            return False
+        return self.empty if key == "empty" else getattr(self, key) is not None
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
