@@ -153,7 +153,7 @@ def test_multi_process_without_a_wrapper_is_a_clear_error(monkeypatch):
     from training.accumulation import OptimizerStepper
 
     model = tiny_model("llama")
-    monkeypatch.setattr("training.accumulation.world_size", lambda accelerator=None: 2)
+    monkeypatch.setattr("training.accumulation.world_size", lambda group=None: 2)
     with pytest.raises(ValueError, match="DistributedDataParallel or fully_shard"):
         OptimizerStepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
 

@@ -23,31 +23,10 @@ import logging
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
+
+from packing.distributed import fsdp2_modules, global_max, global_sum, world_size
 
 logger = logging.getLogger(__name__)
-
-
-def world_size(accelerator=None) -> int:
-    if accelerator is not None:
-        return accelerator.num_processes
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def global_sum(value: float, accelerator=None, op: str = "sum") -> float:
-    """``value`` summed (or maxed) over all ranks; the value itself in one process."""
-    if world_size(accelerator) == 1:
-        return float(value)
-    device = accelerator.device if accelerator is not None else _collective_device()
-    t = torch.tensor([float(value)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def _collective_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def check_engine_engaged(accelerator) -> None:
@@ -72,13 +51,13 @@ def set_deepspeed_clipping(accelerator, max_grad_norm: float | None) -> None:
         plugin.deepspeed_config["gradient_clipping"] = float(max_grad_norm or 0.0)
 
 
-def pad_rows(rows: list[dict], empty_row, accelerator=None) -> list[dict]:
+def pad_rows(rows: list[dict], empty_row) -> list[dict]:
     """Append ``empty_row()`` rows (zero-weight, tiny) until every rank has as many rows as the
     busiest one, and at least one: under ZeRO-3 / FSDP2 a rank that skips a forward leaves the
     others waiting in its all-gathers forever. Works when this rank has no rows at all."""
-    if world_size(accelerator) == 1:
+    if world_size() == 1:
         return rows
-    target = max(int(global_sum(len(rows), accelerator, op="max")), 1)
+    target = max(int(global_max(len(rows))), 1)
     return rows + [empty_row() for _ in range(target - len(rows))]
 
 
@@ -112,11 +91,9 @@ class OptimizerStepper:
     """
 
     def __init__(self, model, optimizer, accelerator=None, max_grad_norm: float | None = None):
-        from inference.sharded import fsdp2_modules
-
         self.model, self.optimizer, self.accelerator = model, optimizer, accelerator
         self.max_grad_norm = max_grad_norm
-        self.world = world_size(accelerator)
+        self.world = world_size()  # Accelerate, DeepSpeed and FSDP2 all run on torch.distributed
         self.engine = None  # a DeepSpeedEngine (any ZeRO stage) when Accelerate runs DeepSpeed
         if accelerator is not None and accelerator.distributed_type.name == "DEEPSPEED":
             self.engine = model
@@ -134,7 +111,7 @@ class OptimizerStepper:
         """One accumulation window over ``rows`` (this rank's), ending in one optimizer step."""
         if not rows:
             raise ValueError("an optimizer step needs at least one row on every rank (pad with pad_rows)")
-        count = global_sum(sum(int(r[count_key]) for r in rows), self.accelerator)
+        count = global_sum(sum(int(r[count_key]) for r in rows))
         window = Window(self, len(rows), count)
         saved = self._accelerator_state()
         steps_before = self.optimizer_steps

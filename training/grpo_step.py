@@ -98,7 +98,7 @@ def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: 
     t0 = time.perf_counter()
     rows = pack_rollouts(rollouts, loss.max_tokens_per_batch, shared_prefix=loss.shared_prefix)
     # every rank the same number of rows: under ZeRO-3 / FSDP2 each forward is a collective
-    rows = pad_rows(rows, empty_rollout_row, stepper.accelerator)
+    rows = pad_rows(rows, empty_rollout_row)
     gaps, ratios, losses, clipped = [], [], [], 0
     device = next(model.parameters()).device
     with stepper.window(rows, "num_loss_tokens") as window:
