@@ -97,7 +97,7 @@ def plan_budget(data, rows) -> int:
 
     Why: a pre-packed row is already a bin, so by default the budget is the longest row; and
     ``data.overflow=truncate`` must not drop a large share of the data quietly (it once dropped
-    45% of a pre-packed dataset, visible only in a stats line)."""
+    much of a pre-packed dataset, visible only in a stats line)."""
     prepacked = is_prepacked(rows)
     lengths = np.fromiter((len(ids) for ids in _input_ids(rows)), dtype=np.int64)
     longest = int(lengths.max()) if lengths.size else 0
