@@ -229,7 +229,7 @@ def test_packed_logprobs_match_unpacked_forwards(policy):
 
     g = torch.Generator().manual_seed(0)
     rollouts = [Rollout(torch.randint(3, 128, (p,), generator=g).tolist(),
-                        torch.randint(3, 128, (c,), generator=g).tolist(), [0.0] * c)
+                        torch.randint(3, 128, (c,), generator=g).tolist())
                 for p, c in [(5, 3), (2, 6), (7, 1), (3, 4)]]
     rows = pack_rollouts(rollouts, capacity=16)
     assert len(rows) == 2

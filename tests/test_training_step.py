@@ -184,3 +184,17 @@ def test_an_exception_inside_a_window_leaves_the_accelerator_unchanged(one_threa
     (clean(x).sum() * 2 / 4).backward()  # two rows of the same loss over 4 loss tokens
     for p, q in zip(model.parameters(), clean.parameters()):
         torch.testing.assert_close(p, q.detach() - 0.1 * q.grad)
+
+
+def test_rollouts_without_generator_logprobs_cannot_train_the_grpo_loss(one_thread):
+    from packing.hf import use_nopad_attention
+    from training.accumulation import OptimizerStepper
+    from training.grpo import Rollout
+    from training.grpo_step import GRPOLoss, train_on_rollouts
+
+    model = tiny_model("llama")
+    stepper = OptimizerStepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    refused = pytest.raises(ValueError, match="2 loss tokens but 0 generator log-probs")
+    with use_nopad_attention(model), refused:
+        train_on_rollouts(stepper, [Rollout([5, 6], [7, 8])], GRPOLoss())
+    assert all(p.grad is None for p in model.parameters()) and stepper.optimizer_steps == 0

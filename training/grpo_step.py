@@ -143,10 +143,12 @@ def _row_loss(model, row, loss: GRPOLoss, ref_model):
     collectives); also its log-probs, the generator's and which tokens were clipped."""
     with batch_invariant(loss.batch_invariant):  # the forward only; any correct backward will do
         logp = packed_logprobs(model, row)
-    gen_lp, adv = row["gen_logprobs"].to(logp.device), row["advantages"].to(logp.device)
-    if gen_lp.shape != logp.shape:
-        raise ValueError(f"a row has {logp.numel()} loss tokens but {gen_lp.numel()} generator log-probs; "
-                         "the recipe's loss needs every Rollout's gen_logprobs")
+    gen_lp = row.get("gen_logprobs")
+    if gen_lp is None or gen_lp.shape != logp.shape:
+        have = "none" if gen_lp is None else gen_lp.numel()
+        raise ValueError(f"a row has {logp.numel()} loss tokens but {have} generator log-probs; the GRPO "
+                         "loss needs every Rollout's gen_logprobs (the generator's, per sampled token)")
+    gen_lp, adv = gen_lp.to(logp.device), row["advantages"].to(logp.device)
     if loss.is_weights is None:
         old, weights = gen_lp, None  # ratio against the generator's own log-probs
     else:
