@@ -108,13 +108,13 @@ def sft_demo(model, tokenizer, *, steps: int = 3, tokens_per_batch: int = 512, m
     import tempfile
     import time
 
-    from recipes.sft import SFTConfig, train
+    from recipes.sft import SFTRecipeConfig, train
 
     out = out or sys.stdout
     ids = tokenizer(load_corpus(max_documents), add_special_tokens=False)["input_ids"]
     rows = [{"input_ids": row[: tokens_per_batch - 1] + [tokenizer.eos_token_id]} for row in ids]
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = SFTConfig(data={"tokens_per_batch": tokens_per_batch},
+        cfg = SFTRecipeConfig(data={"tokens_per_batch": tokens_per_batch},
                         train={"max_steps": steps, "grad_accum": 1, "lr": 1e-5},
                         checkpoint={"output_dir": tmp, "save_final": False},
                         log={"record_indices": True})
@@ -139,10 +139,10 @@ def sft_demo(model, tokenizer, *, steps: int = 3, tokens_per_batch: int = 512, m
 
 def grpo_demo(model, tokenizer, *, steps: int = 2, out: TextIO | None = None) -> list[dict]:
     """GRPO steps on the built-in arithmetic task with generator rollouts on the live weights."""
-    from recipes.grpo import GRPOConfig, run_grpo
+    from recipes.grpo import GRPORecipeConfig, run_grpo
 
     out = out or sys.stdout
-    cfg = GRPOConfig(model={"path": None}, train={"steps": steps})
+    cfg = GRPORecipeConfig(model={"path": None}, train={"steps": steps})
     history = run_grpo(cfg, model=model, tokenizer=tokenizer)
     ro = cfg.rollout
     print(f"\nGRPO on the live model ({ro.prompts_per_step} arithmetic prompts x {ro.num_generations} "

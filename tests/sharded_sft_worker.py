@@ -57,11 +57,11 @@ def zero3_grads(batches) -> dict:
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                       config={**ZERO3, "gradient_accumulation_steps": gas})
     assert engine.zero_optimization_stage() == 3
-    loss_fn = PackedLoss("token", backward_divisor=gas)  # DeepSpeed divides by its accumulation steps
+    loss_fn = PackedLoss("token")
     loss_fn.start_step(batches)
     for i, batch in enumerate(batches):
         engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
-        engine.backward(forward_loss(engine, loss_fn, batch))
+        engine.backward(forward_loss(engine, loss_fn, batch) * gas)  # DeepSpeed divides by its gas
     return {k: safe_get_full_grad(p).clone() for k, p in engine.module.named_parameters()}
 
 

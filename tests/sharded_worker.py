@@ -19,28 +19,17 @@ import torch.distributed as dist
 
 from inference import Generator, SamplingParams
 from inference.sharded import sharded_generate, sharding
-from recipes.config import load_config
-from recipes.grpo import GRPOConfig, build_prompts, grpo_step, make_accelerator
-from recipes.tasks import AsciiTokenizer, get_reward
-from tests.models import tiny_model
-from training.accumulation import RowAccumulator
+from tests.models import IdText, checksum_reward, tiny_model
+from training.accelerator import make_accelerator
+from training.accumulation import OptimizerStepper
+from training.grpo import resolve_batch_invariant
+from training.grpo_step import GRPOLoss, grpo_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (rollout regime, does rank 1 get prompts this step)
 STEPS = [("gather", True), ("lockstep", True), ("gather", False), ("lockstep", False)]
-
-
-def config(mode: str, rank: int) -> GRPOConfig:
-    base = {"model": {"path": None, "chat_template": False},
-            "reward": "tests.test_recipes_grpo:ids_checksum_reward",
-            "task": {"num_prompts": 16},
-            "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_tokens": 1 if rank == 0 else 12},
-            "generator": {"num_blocks": 64, "max_num_batched_tokens": 256},
-            "train": {"lr": 0.5, "max_grad_norm": 0.5}}  # SGD: the clip really shapes the update
-    if mode in ("zero2", "zero3"):
-        ds_config = os.path.join(ROOT, f"recipes/configs/deepspeed_{mode}.json")
-        base["accelerate"] = {"deepspeed_config": ds_config}
-    return load_config(GRPOConfig, overrides=base)
+LR, MAX_GRAD_NORM = 0.5, 0.5  # SGD: the clip really shapes the update
+PROMPTS = [[3 + (7 * i + 5 * j) % 120 for j in range(2 + i % 5)] for i in range(16)]
 
 
 def full_weights(model, mode: str) -> dict[str, torch.Tensor]:
@@ -72,14 +61,15 @@ def main(mode: str, out_dir: str) -> None:
         bf16 = fully_shard(tiny_model("llama"), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         assert Generator(bf16, num_blocks=4).dtype == torch.bfloat16
         accelerator, rank = None, dist.get_rank()
-        cfg = config(mode, rank)
-        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.train.lr)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         engine = policy = model
     else:
         rank = int(os.environ["RANK"])
-        cfg = config(mode, rank)
-        accelerator = make_accelerator(cfg)
-        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.train.lr)
+        ds_config = None
+        if mode in ("zero2", "zero3"):
+            ds_config = os.path.join(ROOT, f"recipes/configs/deepspeed_{mode}.json")
+        accelerator = make_accelerator(ds_config, max_grad_norm=MAX_GRAD_NORM, recipe="tests.sharded_worker")
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         engine, optimizer = accelerator.prepare(model, optimizer)
         policy = accelerator.unwrap_model(engine)
         expected = "DistributedDataParallel" if mode == "ddp" else "DeepSpeedEngine"
@@ -89,8 +79,7 @@ def main(mode: str, out_dir: str) -> None:
         assert engine.zero_optimization_stage() == int(mode[-1])
     if mode == "zero3":
         assert all(p.numel() == 0 for p in policy.parameters())  # really partitioned
-    tok = AsciiTokenizer()
-    examples, prompt_ids = build_prompts(cfg, tok)
+    prompt_ids = PROMPTS
     generator = Generator(policy, block_size=16, num_blocks=64, max_num_batched_tokens=256)
 
     # greedy rollouts of the sharded model, both regimes, against the unsharded model's
@@ -121,18 +110,17 @@ def main(mode: str, out_dir: str) -> None:
         plain_error = str(err)
     generator.release()
 
-    reward_fn = get_reward(cfg.reward)
-    accumulator = RowAccumulator(engine, optimizer, accelerator)
+    stepper = OptimizerStepper(engine, optimizer, accelerator, max_grad_norm=MAX_GRAD_NORM)
+    loss = GRPOLoss(batch_invariant=resolve_batch_invariant("auto", torch.device("cpu")))
     history = []
     for step, (regime, rank1_has_prompts) in enumerate(STEPS):
-        cfg.generator.sharded_rollout = regime
-        picks = [(4 * step + 2 * rank + j) % len(examples) for j in range(2)]
+        picks = [(4 * step + 2 * rank + j) % len(PROMPTS) for j in range(2)]
         if rank == 1 and not rank1_has_prompts:
             picks = []
-        history.append(grpo_step(engine, optimizer, generator, [examples[i] for i in picks],
-                                 [prompt_ids[i] for i in picks], reward_fn, tok, cfg, step=step,
-                                 accelerator=accelerator, accumulator=accumulator))
-    result = {"weights": full_weights(engine, mode), "optimizer_steps": accumulator.optimizer_steps,
+        params = SamplingParams(n=4, max_tokens=1 if rank == 0 else 12, seed=step)
+        history.append(grpo_step(stepper, generator, [{} for _ in picks], [PROMPTS[i] for i in picks],
+                                 checksum_reward, IdText(), params, loss, step=step, rollout_mode=regime))
+    result = {"weights": full_weights(engine, mode), "optimizer_steps": stepper.optimizer_steps,
               "grpo_steps": len(STEPS), "history": history, "greedy": rollouts, "reference": reference,
               "global_steps": getattr(engine, "global_steps", None), "bad_prompt_errors": errors,
               "plain_generate_error": plain_error}

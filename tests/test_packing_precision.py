@@ -222,25 +222,26 @@ def test_generator_on_flash_reads_blocks_in_place(monkeypatch, flash_standin, fa
 
 # ------------------------------------------------------------------ one GRPO step
 def test_one_grpo_step_on_flash_in_bf16(monkeypatch, forced_flash):
-    from inference import Generator
-    from recipes import grpo
-    from recipes.tasks import AsciiTokenizer, get_reward
-    from tests.test_recipes_grpo import tiny_config
+    import training.grpo_step
+    from inference import Generator, SamplingParams
+    from tests.models import IdText, checksum_reward
+    from training.accumulation import OptimizerStepper
+    from training.grpo import resolve_batch_invariant
+    from training.grpo_step import GRPOLoss, grpo_step
 
     policy = precision_model("llama", "bf16")
-    cfg = tiny_config()
-    tok = AsciiTokenizer()
-    examples, prompt_ids = grpo.build_prompts(cfg, tok)
+    prompt_ids = [[5, 6, 7, 8], [9, 10, 11]]
     moved = []
-    real_move = grpo.move_batch
-    monkeypatch.setattr(grpo, "move_batch",
+    real_move = training.grpo_step.move_batch
+    monkeypatch.setattr(training.grpo_step, "move_batch",
                         lambda batch, device: moved.append(device) or real_move(batch, device))
     gen = Generator(policy, num_blocks=8, max_num_batched_tokens=256)
-    optimizer = torch.optim.SGD(policy.parameters(), lr=1e-2)
+    stepper = OptimizerStepper(policy, torch.optim.SGD(policy.parameters(), lr=1e-2), max_grad_norm=1.0)
+    loss = GRPOLoss(batch_invariant=resolve_batch_invariant("auto", policy.device))
     before = policy.lm_head.weight.detach().clone()
     with use_nopad_attention(policy):
-        metrics = grpo.grpo_step(policy, optimizer, gen, examples[:2], prompt_ids[:2],
-                                 get_reward(cfg.reward), tok, cfg)
+        metrics = grpo_step(stepper, gen, [{}, {}], prompt_ids, checksum_reward, IdText(),
+                            SamplingParams(n=4, max_tokens=8), loss)
     assert gen.block_size == 256
     assert moved and all(d == policy.device for d in moved)  # every packed row moved to the model
     assert any(c["grad"] for c in forced_flash.calls) and any(c["paged"] for c in forced_flash.calls)

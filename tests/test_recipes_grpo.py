@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from recipes.config import ConfigError, load_config, parse_override, with_overrides
-from recipes.grpo import DEFAULT_CONFIG, GRPOConfig, run_grpo
+from recipes.grpo import DEFAULT_CONFIG, GRPORecipeConfig, run_grpo
 from recipes.tasks import (
     AsciiTokenizer,
     arithmetic_task,
@@ -21,8 +21,8 @@ from recipes.tasks import (
 from training.grpo import Rollout, group_advantages, grpo_token_loss, pack_rollouts, truncated_is
 
 
-def config(**overrides) -> GRPOConfig:
-    return load_config(GRPOConfig, overrides=[f"{k}={v}" for k, v in overrides.items()])
+def config(**overrides) -> GRPORecipeConfig:
+    return load_config(GRPORecipeConfig, overrides=[f"{k}={v}" for k, v in overrides.items()])
 
 
 # ----------------------------------------------------------------------------- config
@@ -37,19 +37,19 @@ def test_overrides_parse_yaml_values_and_nest():
 
 
 def test_the_shipped_yaml_lists_exactly_the_defaults():
-    """recipes/configs/grpo.yaml is the commented copy of GRPOConfig's defaults: loading it changes
+    """recipes/configs/grpo.yaml is the commented copy of GRPORecipeConfig's defaults: loading it changes
     nothing, so the two cannot drift."""
-    assert load_config(GRPOConfig, DEFAULT_CONFIG) == GRPOConfig()
+    assert load_config(GRPORecipeConfig, DEFAULT_CONFIG) == GRPORecipeConfig()
 
 
 def test_typed_config_checks_values_in_python_too():
-    from recipes.grpo import GRPOTrainConfig, RolloutConfig
+    from recipes.grpo_config import GRPOTrainConfig, RolloutConfig
 
     with pytest.raises(ConfigError, match=r"^num_generations must be an integer >= 2, got 1"):
         RolloutConfig(num_generations=1)
     with pytest.raises(ConfigError, match=r"^batch_invariant must be true, false or 'auto', got 'yes'"):
         GRPOTrainConfig(batch_invariant="yes")
-    cfg = GRPOConfig(rollout={"max_tokens": 8})  # a section given as a mapping becomes its dataclass
+    cfg = GRPORecipeConfig(rollout={"max_tokens": 8})  # a section given as a mapping becomes its dataclass
     assert isinstance(cfg.rollout, RolloutConfig) and cfg.rollout.max_tokens == 8
     with pytest.raises(ConfigError, match=r"^train.steps must be an integer, got 'two'"):
         with_overrides(cfg, ["train.steps=two"])
@@ -61,7 +61,7 @@ def test_the_rollout_modes_are_the_ones_inference_runs():
     import typing
 
     from inference.sharded import ROLLOUT_MODES
-    from recipes.grpo import GRPOGeneratorConfig
+    from recipes.grpo_config import GRPOGeneratorConfig
 
     assert typing.get_args(typing.get_type_hints(GRPOGeneratorConfig)["sharded_rollout"]) == ROLLOUT_MODES
 
@@ -73,11 +73,20 @@ def test_unknown_key_is_an_error_naming_it():
         parse_override("train.steps")
 
 
-def test_missing_model_path_fails_fast():
+def test_missing_model_path_fails_fast(tmp_path):
     with pytest.raises(ValueError, match=r"model.path is missing: set model.path=smollm2"):
-        run_grpo(config(**{"model.path": "null"}))
+        run_grpo(config(**{"model.path": "null", "output_dir": tmp_path}))
     with pytest.raises(FileNotFoundError, match=r"model.path='/no/such/dir' is not a directory"):
-        run_grpo(config(**{"model.path": "/no/such/dir"}))
+        run_grpo(config(**{"model.path": "/no/such/dir", "output_dir": tmp_path}))
+
+
+def test_a_run_that_would_save_nothing_or_an_untrained_copy_is_refused(tmp_path):
+    """#32: without output_dir the recipe trained and saved nothing; train.steps=0 saved the
+    untouched model as the policy."""
+    with pytest.raises(ConfigError, match=r"output_dir is required: the trained policy is saved there"):
+        run_grpo(config(**{"model.path": "tiny:llama"}))
+    with pytest.raises(ConfigError, match=r"train.steps must be an integer >= 1, got 0"):
+        config(**{"train.steps": 0, "output_dir": tmp_path})
 
 
 def test_batch_larger_than_cache_fails_fast():
@@ -203,7 +212,7 @@ def tiny_config(**overrides):
             "task": {"num_prompts": 8},
             "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_tokens": 8},
             "generator": {"num_blocks": 64, "max_num_batched_tokens": 256}, "train": {"steps": 1, "lr": 1e-3}}
-    return with_overrides(load_config(GRPOConfig, overrides=base), overrides)
+    return with_overrides(load_config(GRPORecipeConfig, overrides=base), overrides)
 
 
 @pytest.fixture()
@@ -220,7 +229,7 @@ def test_packed_logprobs_match_unpacked_forwards(policy):
 
     g = torch.Generator().manual_seed(0)
     rollouts = [Rollout(torch.randint(3, 128, (p,), generator=g).tolist(),
-                        torch.randint(3, 128, (c,), generator=g).tolist(), [0.0] * c)
+                        torch.randint(3, 128, (c,), generator=g).tolist())
                 for p, c in [(5, 3), (2, 6), (7, 1), (3, 4)]]
     rows = pack_rollouts(rollouts, capacity=16)
     assert len(rows) == 2
@@ -246,7 +255,9 @@ def test_one_grpo_step_on_the_live_model(policy):
 
     from inference import Generator
     from packing.hf import use_nopad_attention
-    from recipes.grpo import build_prompts, grpo_step
+    from recipes.grpo import build_prompts, grpo_loss, sampling_params
+    from training.accumulation import OptimizerStepper
+    from training.grpo_step import grpo_step
 
     cfg = tiny_config()
     tok = AsciiTokenizer()
@@ -256,9 +267,10 @@ def test_one_grpo_step_on_the_live_model(policy):
     before = {name: p.detach().clone() for name, p in policy.named_parameters()}
     kv_alive_at_backward = []
     policy.lm_head.weight.register_hook(lambda grad: kv_alive_at_backward.append(gen._kv_cache is not None))
+    stepper = OptimizerStepper(policy, optimizer, Accelerator(cpu=True), cfg.train.max_grad_norm)
     with use_nopad_attention(policy):
-        metrics = grpo_step(policy, optimizer, gen, examples[:2], prompt_ids[:2], get_reward(cfg.reward),
-                            tok, cfg, accelerator=Accelerator(cpu=True))
+        metrics = grpo_step(stepper, gen, examples[:2], prompt_ids[:2], get_reward(cfg.reward), tok,
+                            sampling_params(cfg, 0), grpo_loss(cfg, policy.device))
     assert kv_alive_at_backward == [False]  # one packed row, KV cache already handed back
     assert gen._kv_cache is None and gen.stats()["steps"] > 0
     assert metrics["completion_tokens"] > 0 and metrics["train_rows"] == 1
@@ -316,7 +328,7 @@ def test_a_step_where_every_group_scores_the_same_warns(policy, caplog):
     from recipes.grpo import run_grpo
 
     cfg = tiny_config(reward="tests.test_recipes_grpo:zero_reward")
-    with caplog.at_level(logging.WARNING, logger="recipes.grpo"):
+    with caplog.at_level(logging.WARNING, logger="training.grpo_step"):
         history = run_grpo(cfg, model=policy, tokenizer=AsciiTokenizer(), progress=False)
     assert history[0]["grad_norm"] == 0.0
     assert any("every group's rewards are equal" in r.getMessage() for r in caplog.records)
@@ -329,8 +341,8 @@ def zero_reward(completion: str, example: dict) -> float:
 TWO_RANK_SCRIPT = """
 import json, sys, torch
 from recipes.config import load_config, load_model
-from recipes.grpo import GRPOConfig, run_grpo
-cfg = load_config(GRPOConfig, overrides=sys.argv[2:])
+from recipes.grpo import GRPORecipeConfig, run_grpo
+cfg = load_config(GRPORecipeConfig, overrides=sys.argv[2:])
 model, tok = load_model(cfg.model)
 before = [p.detach().clone() for p in model.parameters()]
 history = run_grpo(cfg, model=model, tokenizer=tok, progress=False)
@@ -373,8 +385,10 @@ def test_grpo_step_is_exactly_on_policy_in_bf16_too(dtype, one_thread):
 
     from inference import Generator
     from packing.hf import use_nopad_attention
-    from recipes.grpo import build_prompts, grpo_step
+    from recipes.grpo import build_prompts, grpo_loss, sampling_params
     from tests.models import tiny_model
+    from training.accumulation import OptimizerStepper
+    from training.grpo_step import grpo_step
 
     tok = AsciiTokenizer()
     for invariant in (True, False):
@@ -383,9 +397,10 @@ def test_grpo_step_is_exactly_on_policy_in_bf16_too(dtype, one_thread):
         examples, prompt_ids = build_prompts(cfg, tok)
         gen = Generator(policy, block_size=16, num_blocks=64, max_num_batched_tokens=40)
         optimizer = torch.optim.SGD(policy.parameters(), lr=1e-3)
+        stepper = OptimizerStepper(policy, optimizer, Accelerator(cpu=True), cfg.train.max_grad_norm)
         with use_nopad_attention(policy):
-            m = grpo_step(policy, optimizer, gen, examples[:3], prompt_ids[:3], get_reward(cfg.reward),
-                          tok, cfg, accelerator=Accelerator(cpu=True))
+            m = grpo_step(stepper, gen, examples[:3], prompt_ids[:3], get_reward(cfg.reward), tok,
+                          sampling_params(cfg, 0), grpo_loss(cfg, policy.device))
         assert m["batch_invariant"] == float(invariant)
         if invariant:
             assert m["logprob_gap_max"] == 0.0 and m["is_ratio_min"] == m["is_ratio_max"] == 1.0
@@ -411,7 +426,7 @@ def test_recipe_and_trl_trainer_score_rollouts_through_the_one_shared_function(m
     model = tiny_model("qwen2")
     prompts = [[5, 6, 7], [5, 6, 7], [9, 3]]
     completions = [[11, 12], [13, 14, 15], [16]]
-    rollouts = [Rollout(p, c, [0.0] * len(c)) for p, c in zip(prompts, completions)]
+    rollouts = [Rollout(p, c) for p, c in zip(prompts, completions)]
     # TRL's layout: left-padded prompts | right-padded completions
     width_p, width_c = max(map(len, prompts)), max(map(len, completions))
     ids = torch.zeros(3, width_p + width_c, dtype=torch.long)
@@ -436,8 +451,8 @@ def test_recipe_and_trl_trainer_score_rollouts_through_the_one_shared_function(m
 def test_a_yaml_file_with_exponent_numbers_and_nested_sections(tmp_path):
     path = tmp_path / "my.yaml"
     path.write_text("train:\n  lr: 1e-5\n  steps: 3\nrollout:\n  max_tokens: 16\n")  # YAML 1.1: 1e-5 is a str
-    cfg = load_config(GRPOConfig, path, ["train.steps=4"])
+    cfg = load_config(GRPORecipeConfig, path, ["train.steps=4"])
     assert (cfg.train.lr, cfg.train.steps, cfg.rollout.max_tokens) == (1e-5, 4, 16)
     path.write_text("train: 3\n")
     with pytest.raises(ConfigError, match=r"^train is a section; set its fields as train.<field>=\.\.\."):
-        load_config(GRPOConfig, path)
+        load_config(GRPORecipeConfig, path)

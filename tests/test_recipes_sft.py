@@ -15,16 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from recipes.config import load_config
-from recipes.sft import (
-    DEFAULT_CONFIG,
-    SFTConfig,
-    SFTDataConfig,
-    SFTModelConfig,
-    synthetic_rows,
-    tokenize_rows,
-    train,
-)
+from recipes.sft import DEFAULT_CONFIG, train
+from recipes.sft_config import SFTDataConfig, SFTModelConfig, SFTRecipeConfig
 from recipes.tasks import tiny_causal_lm
+from training.sft_data import synthetic_rows, tokenize_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.path=tiny:llama", "data.num_rows=24", "data.min_len=4", "data.max_len=40",
@@ -32,7 +26,7 @@ SMALL = ["model.path=tiny:llama", "data.num_rows=24", "data.min_len=4", "data.ma
 
 
 def _cfg(tmp_path, *extra):
-    return load_config(SFTConfig, None, SMALL + [f"checkpoint.output_dir={tmp_path}", *extra])
+    return load_config(SFTRecipeConfig, None, SMALL + [f"checkpoint.output_dir={tmp_path}", *extra])
 
 
 def _reset_accelerate():
@@ -95,8 +89,8 @@ def test_text_rows_mask_the_prompt():
 
 def test_bad_config_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="train.batch_size is not a config key here; known keys: epochs"):
-        load_config(SFTConfig, None, ["train.batch_size=3"])
-    assert load_config(SFTConfig, DEFAULT_CONFIG) == SFTConfig()  # the shipped YAML is the defaults
+        load_config(SFTRecipeConfig, None, ["train.batch_size=3"])
+    assert load_config(SFTRecipeConfig, DEFAULT_CONFIG) == SFTRecipeConfig()  # the shipped YAML: defaults
     with pytest.raises(ValueError, match="train.weighting"):
         train(_cfg(tmp_path, "train.weighting=mean"))
     with pytest.raises(FileNotFoundError, match="data.source"):
@@ -122,7 +116,7 @@ def test_max_steps_counts_optimizer_steps_and_repeats_epochs(tmp_path, caplog):
     one = train(_cfg(tmp_path / "one"))
     _reset_accelerate()
     want = one["steps"] * 2 + 1  # more than one epoch holds
-    with caplog.at_level(logging.WARNING, logger="recipes.sft"):
+    with caplog.at_level(logging.WARNING, logger="training.sft_data"):
         more = train(_cfg(tmp_path / "more", f"train.max_steps={want}"))
     _reset_accelerate()
     assert more["steps"] == len(more["losses"]) == want and len(more["stats"]) == 3
@@ -200,7 +194,7 @@ def _torchrun(out_dir, *overrides, deepspeed=False):
 def _unpacked_mean_loss():
     """Mean loss over every loss token of the synthetic data at the initial weights, one
     sequence at a time in one process: what the first optimizer step must report."""
-    data = load_config(SFTConfig, None, SMALL).data
+    data = load_config(SFTRecipeConfig, None, SMALL).data
     model, _ = tiny_causal_lm()
     rows = synthetic_rows(data.num_rows, data.min_len, data.max_len, model.config.vocab_size, data.seed)
     total, count = 0.0, 0
@@ -262,7 +256,7 @@ def _data_cfg(**overrides) -> SFTDataConfig:
 
 
 def test_prepacked_rows_train_with_the_default_budget_and_too_small_a_budget_names_the_keys():
-    from recipes.sft import plan_budget
+    from training.sft_data import plan_budget
 
     rows = [{"input_ids": list(range(n)), "seq_lengths": [n - 3, 3]} for n in (2042, 900, 1500)]
     assert plan_budget(_data_cfg(), rows) == 2042  # a pre-packed row is already a bin
@@ -276,7 +270,7 @@ def test_prepacked_rows_train_with_the_default_budget_and_too_small_a_budget_nam
 
 
 def test_truncation_that_drops_a_large_share_is_refused_unless_accepted(caplog):
-    from recipes.sft import plan_budget
+    from training.sft_data import plan_budget
 
     rows = [{"input_ids": list(range(n)), "seq_lengths": [n]} for n in (2042, 2000, 500)]
     dropped = r"would drop 1,994 of 4,542 tokens \(44%\).*max_dropped_fraction=0.44"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from recipes.config import check_model_path, load_config
-from recipes.sft import SFTConfig, train
+from recipes.sft import SFTRecipeConfig, train
 from training import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,10 +53,10 @@ def test_sigkill_inside_a_checkpoint_write_resumes_from_the_previous_complete_on
     assert (out / ".step_2.incomplete").is_dir()  # the torn write, never mistaken for a checkpoint
     assert checkpoint.latest_checkpoint(out) == out / "step_1"
 
-    full = train(load_config(SFTConfig, None, [*SMALL, f"checkpoint.output_dir={tmp_path / 'full'}"]))
+    full = train(load_config(SFTRecipeConfig, None, [*SMALL, f"checkpoint.output_dir={tmp_path / 'full'}"]))
     _reset_accelerate()
     with caplog.at_level(logging.INFO):
-        rest = train(load_config(SFTConfig, None, [*args, "checkpoint.resume_from=latest"]))
+        rest = train(load_config(SFTRecipeConfig, None, [*args, "checkpoint.resume_from=latest"]))
     _reset_accelerate()
     assert "resumed from" in caplog.text and "step_1" in caplog.text
     assert rest["losses"] == full["losses"][1:]  # steps 2 and 3, exactly as the uninterrupted run
@@ -88,20 +88,20 @@ def test_keep_last_prunes_old_checkpoints_and_a_rewrite_replaces_whole(tmp_path)
 def test_sft_keep_last_and_a_run_directory_as_model_path(tmp_path):
     out = tmp_path / "run"
     args = [*SMALL, f"checkpoint.output_dir={out}"]
-    train(load_config(SFTConfig, None, [*args, "checkpoint.keep_last=1"]))
+    train(load_config(SFTRecipeConfig, None, [*args, "checkpoint.keep_last=1"]))
     _reset_accelerate()
     assert sorted(p.name for p in out.glob("step_*")) == ["step_3"]
     assert check_model_path(str(out)) == str(out / "step_3")
     with pytest.raises(ValueError, match="checkpoint.keep_last must be an integer >= 1"):
-        train(load_config(SFTConfig, None, [*args, "checkpoint.keep_last=0"]))
+        train(load_config(SFTRecipeConfig, None, [*args, "checkpoint.keep_last=0"]))
 
 
 def test_a_run_writes_its_curves_and_a_resumed_run_keeps_every_result(tmp_path):
     out = tmp_path / "run"
     args = [*SMALL, f"checkpoint.output_dir={out}", "train.max_steps=2"]
-    train(load_config(SFTConfig, None, args))
+    train(load_config(SFTRecipeConfig, None, args))
     _reset_accelerate()
-    train(load_config(SFTConfig, None, [*SMALL, f"checkpoint.output_dir={out}", "train.max_steps=3",
+    train(load_config(SFTRecipeConfig, None, [*SMALL, f"checkpoint.output_dir={out}", "train.max_steps=3",
                                              "checkpoint.resume_from=latest"]))
     _reset_accelerate()
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -114,7 +114,7 @@ def test_a_run_writes_its_curves_and_a_resumed_run_keeps_every_result(tmp_path):
 def test_trackers_receive_the_loss(tmp_path):
     pytest.importorskip("tensorboard")
     out = tmp_path / "run"
-    train(load_config(SFTConfig, None, [*SMALL, f"checkpoint.output_dir={out}", "train.max_steps=2",
+    train(load_config(SFTRecipeConfig, None, [*SMALL, f"checkpoint.output_dir={out}", "train.max_steps=2",
                                              "accelerate.log_with=tensorboard"]))
     _reset_accelerate()
     assert list(out.rglob("events.out.tfevents*"))

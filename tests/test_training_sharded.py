@@ -150,12 +150,12 @@ def test_lockstep_generate_alone_equals_generate(one_thread):
 
 
 def test_multi_process_without_a_wrapper_is_a_clear_error(monkeypatch):
-    from training.accumulation import RowAccumulator
+    from training.accumulation import OptimizerStepper
 
     model = tiny_model("llama")
-    monkeypatch.setattr("training.accumulation.world_size", lambda accelerator=None: 2)
+    monkeypatch.setattr("training.accumulation.world_size", lambda group=None: 2)
     with pytest.raises(ValueError, match="DistributedDataParallel or fully_shard"):
-        RowAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        OptimizerStepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 def test_empty_row_adds_no_gradient(one_thread):
@@ -182,10 +182,10 @@ def test_an_engine_asked_for_but_not_engaged_is_an_error(monkeypatch):
         check_engine_engaged(ddp)
 
 
-def test_row_accumulator_one_step_over_rows_and_double_steps_are_errors(one_thread):
+def test_one_step_over_a_window_and_double_steps_are_errors(one_thread):
     from accelerate import Accelerator
 
-    from training.accumulation import RowAccumulator
+    from training.accumulation import OptimizerStepper
 
     _reset_accelerate()
     accelerator = Accelerator(cpu=True)
@@ -193,26 +193,29 @@ def test_row_accumulator_one_step_over_rows_and_double_steps_are_errors(one_thre
     expected = torch.nn.Linear(4, 2)
     expected.load_state_dict(model.state_dict())
     xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    sum(expected(x).square().sum() for x in xs).backward()  # one backward over the summed loss
+    rows = [{"num_loss_tokens": n} for n in (2, 3, 5)]
+    (sum(expected(x).square().sum() for x in xs) / 10).backward()  # the window's mean over 10 tokens
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
-    acc = RowAccumulator(model, optimizer, accelerator)
+    stepper = OptimizerStepper(model, optimizer, accelerator)
     grads = []
     model.weight.register_hook(lambda g: grads.append(g))
-    acc.begin(3)
-    for x in xs:
-        with acc.row():
-            acc.backward(model(x).square().sum())
+    with stepper.window(rows) as w:
+        for x in xs:
+            with w.row():
+                w.backward(model(x).square().sum())
     total = sum(grads)  # the gradient of each row as the optimizer sees it, summed
     torch.testing.assert_close(total, expected.weight.grad, rtol=1e-6, atol=1e-6)
-    acc.step(max_grad_norm=None)
-    assert acc.optimizer_steps == 1 and accelerator.gradient_accumulation_steps == 1
-    acc.begin(2)
-    for x in xs[:2]:
-        with acc.row():
-            acc.backward(model(x).sum())
-        optimizer.optimizer.step()  # a stray step inside the window
+    assert stepper.optimizer_steps == 1 and accelerator.gradient_accumulation_steps == 1
+    assert w.grad_norm == pytest.approx(float(expected.weight.grad.norm().hypot(expected.bias.grad.norm())))
     with pytest.raises(RuntimeError, match="3 optimizer steps in one accumulation window of 2 rows"):
-        acc.step(max_grad_norm=1.0)
-    acc.close()
+        with stepper.window(rows[:2]) as w:
+            for x in xs[:2]:
+                with w.row():
+                    w.backward(model(x).sum())
+                optimizer.optimizer.step()  # a stray step inside the window
+    with pytest.raises(RuntimeError, match="the window ended after 1 of its 2 rows"):
+        with stepper.window(rows[:2]) as w:
+            with w.row():
+                w.backward(model(xs[0]).sum())
     _reset_accelerate()

@@ -1,7 +1,8 @@
-"""What turns packed rows into a training step: the loss normalised across accumulation and ranks
-(``loss``), one optimizer step per window (``accumulation``), GRPO rollouts -> packed rows ->
-log-probs (``grpo``), checkpoints written whole (``checkpoint``), the Accelerator (``accelerator``),
-and the transformers / TRL integrations (``trainer``, ``grpo_trainer``, ``trl_rollout``).
+"""What turns packed rows into a training step: one globally normalised optimizer step per window
+of rows, under any engine (``accumulation``), the SFT step and its data (``sft``, ``sft_data``),
+the GRPO step (``grpo_step``) over rollouts -> packed rows -> log-probs (``grpo``), the loss
+(``loss``), checkpoints written whole (``checkpoint``), the Accelerator (``accelerator``), and the
+transformers / TRL integrations (``trainer``, ``grpo_trainer``, ``trl_rollout``).
 
 It sits on ``dataloaders`` and ``inference``, which stand side by side on ``packing``. Names are
 imported lazily, so ``import training`` does not import TRL.
@@ -12,10 +13,13 @@ import importlib
 _EXPORTS = {
     "PackedLoss": "training.loss",
     "causal_lm_loss_sum": "training.loss",
-    "RowAccumulator": "training.accumulation",
+    "OptimizerStepper": "training.accumulation",
     "Rollout": "training.grpo",
     "pack_rollouts": "training.grpo",
     "packed_logprobs": "training.grpo",
+    "grpo_step": "training.grpo_step",
+    "train_on_rollouts": "training.grpo_step",
+    "sft_step": "training.sft",
     "NopadTrainer": "training.trainer",
     "NopadTrainerMixin": "training.trainer",
     "NopadSFTTrainer": "training.trainer",

@@ -9,44 +9,24 @@ parameters and clips nothing (DeepSpeed clips inside its step, from its config);
 ZeRO-3 / FSDP2 every forward and backward is a collective, so every rank must run the same number
 of rows (:func:`pad_rows`).
 
-Each row's loss is given already normalised by the *global* count (e.g. loss tokens summed over
-all rows of all ranks); :meth:`RowAccumulator.backward` undoes the engine's own divisions (rank
-averaging, DeepSpeed's 1/gradient_accumulation_steps, Accelerate's 1/num_steps) so the summed
-gradient is exactly the gradient of that global loss.
+Each row's loss is given as a sum; the window divides it by the *global* count (e.g. loss tokens
+summed over all rows of all ranks) and undoes the engine's own divisions (rank averaging,
+DeepSpeed's 1/gradient_accumulation_steps, Accelerate's 1/num_steps), so the summed gradient is
+exactly the gradient of that global mean. SFT and GRPO, in the recipes and in the TRL-free tests,
+take their steps through :class:`OptimizerStepper`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
+
+from packing.distributed import fsdp2_modules, global_max, global_sum, world_size
 
 logger = logging.getLogger(__name__)
-
-
-def world_size(accelerator=None) -> int:
-    if accelerator is not None:
-        return accelerator.num_processes
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def global_sum(value: float, accelerator=None, op: str = "sum") -> float:
-    """``value`` summed (or maxed) over all ranks; the value itself in one process."""
-    if world_size(accelerator) == 1:
-        return float(value)
-    device = accelerator.device if accelerator is not None else _collective_device()
-    t = torch.tensor([float(value)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def _collective_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def check_engine_engaged(accelerator) -> None:
@@ -65,19 +45,19 @@ def check_engine_engaged(accelerator) -> None:
 def set_deepspeed_clipping(accelerator, max_grad_norm: float | None) -> None:
     """DeepSpeed clips inside its own step, from its config; Accelerate fills a ``"auto"``
     gradient_clipping with 1.0 whatever the recipe asked. Set it to ``max_grad_norm`` (0 = off)
-    before ``prepare``; an explicit different value is left for :class:`RowAccumulator` to reject."""
+    before ``prepare``; an explicit different value is left for :class:`OptimizerStepper` to reject."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None and plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
         plugin.deepspeed_config["gradient_clipping"] = float(max_grad_norm or 0.0)
 
 
-def pad_rows(rows: list[dict], empty_row, accelerator=None) -> list[dict]:
+def pad_rows(rows: list[dict], empty_row) -> list[dict]:
     """Append ``empty_row()`` rows (zero-weight, tiny) until every rank has as many rows as the
     busiest one, and at least one: under ZeRO-3 / FSDP2 a rank that skips a forward leaves the
     others waiting in its all-gathers forever. Works when this rank has no rows at all."""
-    if world_size(accelerator) == 1:
+    if world_size() == 1:
         return rows
-    target = max(int(global_sum(len(rows), accelerator, op="max")), 1)
+    target = max(int(global_max(len(rows))), 1)
     return rows + [empty_row() for _ in range(target - len(rows))]
 
 
@@ -93,22 +73,27 @@ def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
     return found
 
 
-class RowAccumulator:
-    """Accumulate gradients over ``num_rows`` rows, then take exactly one optimizer step.
+class OptimizerStepper:
+    """Exactly one globally normalised optimizer step per window of rows, on every rank.
 
-        acc = RowAccumulator(model, optimizer, accelerator)
-        acc.begin(len(rows))
-        for row in rows:
-            with acc.row():
-                acc.backward(loss_of(row))      # forward inside the block too (DDP no_sync)
-        grad_norm = acc.step(max_grad_norm)
+        stepper = OptimizerStepper(model, optimizer, accelerator, max_grad_norm=1.0)
+        with stepper.window(rows) as w:         # every rank, with its own rows (pad_rows first)
+            for row in rows:
+                with w.row():                   # the forward inside too (DDP's no_sync)
+                    w.backward(loss_sum(row))   # the row's summed, not yet normalised, loss
+        w.grad_norm                             # the step's pre-clip gradient norm
+
+    The window divides each row's loss by the global count (``count_key`` summed over all rows of
+    all ranks) and undoes the engines' own divisions, so the accumulated gradient is the gradient
+    of the window's mean loss. It changes the Accelerator (accumulation steps, step counter, sync
+    flag) and an FSDP2 model's sync flag only inside the block, and restores them when the block
+    ends, also by an exception (whose partial gradients are discarded).
     """
 
-    def __init__(self, model, optimizer, accelerator=None):
-        from inference.sharded import fsdp2_modules, zero3_engine
-
+    def __init__(self, model, optimizer, accelerator=None, max_grad_norm: float | None = None):
         self.model, self.optimizer, self.accelerator = model, optimizer, accelerator
-        self.world = world_size(accelerator)
+        self.max_grad_norm = max_grad_norm
+        self.world = world_size()  # Accelerate, DeepSpeed and FSDP2 all run on torch.distributed
         self.engine = None  # a DeepSpeedEngine (any ZeRO stage) when Accelerate runs DeepSpeed
         if accelerator is not None and accelerator.distributed_type.name == "DEEPSPEED":
             self.engine = model
@@ -118,91 +103,129 @@ class RowAccumulator:
             raise ValueError("a multi-process run without an Accelerator needs a model wrapped in "
                              "DistributedDataParallel or fully_shard (FSDP2); the gradients would "
                              "not be reduced otherwise")
-        self._zero3 = zero3_engine(model) is not None
-        self.optimizer_steps = 0  # counted by a hook on the real torch optimizer
-        self._hook = _torch_optimizer(optimizer).register_step_post_hook(self._count)
-        self.num_rows = self._done = 0
-        self._saved_num_steps = None
+        self.torch_optimizer = _torch_optimizer(optimizer)
+        self.optimizer_steps = 0  # counted by a hook on the real torch optimizer, inside windows
+
+    @contextlib.contextmanager
+    def window(self, rows: Sequence[Mapping], count_key: str = "num_loss_tokens") -> Iterator[Window]:
+        """One accumulation window over ``rows`` (this rank's), ending in one optimizer step."""
+        if not rows:
+            raise ValueError("an optimizer step needs at least one row on every rank (pad with pad_rows)")
+        count = global_sum(sum(int(r[count_key]) for r in rows))
+        window = Window(self, len(rows), count)
+        saved = self._accelerator_state()
+        steps_before = self.optimizer_steps
+        hook = self.torch_optimizer.register_step_post_hook(self._count)
+        try:
+            if self.accelerator is not None:  # one Accelerate accumulation window of exactly these rows
+                self.accelerator.gradient_accumulation_steps = len(rows)
+                self.accelerator.step = 0
+            yield window
+            if window.done != window.num_rows:
+                raise RuntimeError(f"the window ended after {window.done} of its {window.num_rows} rows")
+            window.grad_norm = self._clip_and_step()
+        except BaseException:
+            self._discard_gradients()
+            raise
+        finally:
+            hook.remove()
+            self._restore(saved)
+        taken = self.optimizer_steps - steps_before
+        if taken > 1:
+            raise RuntimeError(f"{taken} optimizer steps in one accumulation window of {len(rows)} rows")
+        if taken == 0:
+            logger.warning("the optimizer step was skipped (DeepSpeed loss-scale overflow?)")
 
     def _count(self, *_):
         self.optimizer_steps += 1
 
-    def begin(self, num_rows: int) -> None:
-        if num_rows < 1:
-            raise ValueError("an optimizer step needs at least one row (pad with pad_rows)")
-        self.num_rows, self._done = num_rows, 0
-        self._steps_before = self.optimizer_steps
-        if self.accelerator is not None:  # one accumulation window of exactly num_rows
-            self._saved_num_steps = self.accelerator.gradient_accumulation_steps
-            self.accelerator.gradient_accumulation_steps = num_rows
-            self.accelerator.step = 0
+    def _accelerator_state(self) -> tuple | None:
+        a = self.accelerator
+        return None if a is None else (a.gradient_accumulation_steps, a.step, a.gradient_state.sync_gradients)
 
-    @contextlib.contextmanager
-    def row(self) -> Iterator[None]:
-        """One row's forward and backward: gradient sync only on the window's last row."""
-        last = self._done == self.num_rows - 1
-        if self.accelerator is not None:
-            with self.accelerator.accumulate(self.model):
-                if self.accelerator.sync_gradients != last:
-                    raise RuntimeError(f"internal: Accelerate would sync after row {self._done + 1} of "
-                                       f"{self.num_rows}")
-                yield
-        elif self.fsdp2:
-            self.model.set_requires_gradient_sync(last)
-            yield
-        elif isinstance(self.model, torch.nn.parallel.DistributedDataParallel) and not last:
-            with self.model.no_sync():
-                yield
-        else:
-            yield
-        self._done += 1
+    def _restore(self, saved: tuple | None) -> None:
+        if saved is not None:
+            a = self.accelerator
+            a.gradient_accumulation_steps, a.step = saved[0], saved[1]
+            a.gradient_state._set_sync_gradients(saved[2])
+        if self.fsdp2:
+            self.model.set_requires_gradient_sync(True)  # FSDP2's default
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of a globally normalised loss; the engines' own averaging is undone."""
-        scale = self.world  # DDP, DeepSpeed and FSDP2 all average the gradient over ranks
+    def _discard_gradients(self) -> None:
+        """A window that failed leaves no partial gradient for the next one."""
         if self.engine is not None:
-            scale *= self.engine.gradient_accumulation_steps()  # DeepSpeed divides by its config's
-        elif self.accelerator is not None:
-            scale *= self.accelerator.gradient_accumulation_steps  # Accelerate divides by num_steps
-        loss = loss * scale if scale != 1 else loss
-        if self.accelerator is not None:
-            self.accelerator.backward(loss)  # under DeepSpeed: engine.step() at the boundary only
+            self.engine.zero_grad()
         else:
-            loss.backward()
+            self.model.zero_grad(set_to_none=True)
 
-    def step(self, max_grad_norm: float | None) -> float:
-        """Clip (on sharded gradients too) and step once; returns the pre-clip gradient norm."""
-        if self._done != self.num_rows:
-            raise RuntimeError(f"step() after {self._done} of {self.num_rows} rows")
-        limit = float(max_grad_norm) if max_grad_norm else float("inf")
+    def _clip_and_step(self) -> float:
+        """Clip (on sharded gradients too) and step once; the pre-clip gradient norm."""
+        max_norm = self.max_grad_norm
+        limit = float(max_norm) if max_norm else float("inf")
         if self.engine is not None:
             # DeepSpeed already clipped and stepped inside the last backward, with its config's
             # gradient_clipping: it must be the one asked for, or clipping would silently differ
             configured = float(self.engine.gradient_clipping() or 0.0)
-            if configured != (limit if max_grad_norm else 0.0):
+            if configured != (limit if max_norm else 0.0):
                 raise ValueError(f"DeepSpeed's gradient_clipping is {configured} but train.max_grad_norm="
-                                 f"{max_grad_norm}; set \"gradient_clipping\": \"auto\" in the DeepSpeed "
+                                 f"{max_norm}; set \"gradient_clipping\": \"auto\" in the DeepSpeed "
                                  "config (the recipe fills it in) or make them equal")
-            norm = self.accelerator.clip_grad_norm_(self.model.parameters(), limit)
-        elif self.accelerator is not None:
+        if self.accelerator is not None:
             norm = self.accelerator.clip_grad_norm_(self.model.parameters(), limit)
         else:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.accelerator is not None:  # hand the caller's accelerator back as it was
-            self.accelerator.gradient_accumulation_steps = self._saved_num_steps
-        taken = self.optimizer_steps - self._steps_before
-        if taken > 1:
-            raise RuntimeError(f"{taken} optimizer steps in one accumulation window of {self.num_rows} rows")
-        if taken == 0:
-            logger.warning("the optimizer step was skipped (DeepSpeed loss-scale overflow?)")
         return _as_float(norm)
 
 
-    def close(self) -> None:
-        """Stop counting (remove the optimizer hook)."""
-        self._hook.remove()
+class Window:
+    """The rows of one optimizer step, as :meth:`OptimizerStepper.window` hands them out."""
+
+    def __init__(self, stepper: OptimizerStepper, num_rows: int, count: float):
+        self.stepper, self.num_rows, self.count = stepper, num_rows, count
+        self.done = 0
+        self.grad_norm = float("nan")  # set when the window's step is taken
+
+    @contextlib.contextmanager
+    def row(self) -> Iterator[None]:
+        """One row's forward and backward: gradient sync only on the window's last row."""
+        s = self.stepper
+        if self.done >= self.num_rows:
+            raise RuntimeError(f"more rows than the {self.num_rows} this window was opened for")
+        last = self.done == self.num_rows - 1
+        if s.accelerator is not None:
+            with s.accelerator.accumulate(s.model):
+                if s.accelerator.sync_gradients != last:
+                    raise RuntimeError(f"internal: Accelerate would sync after row {self.done + 1} of "
+                                       f"{self.num_rows}")
+                yield
+        elif s.fsdp2:
+            s.model.set_requires_gradient_sync(last)
+            yield
+        elif isinstance(s.model, torch.nn.parallel.DistributedDataParallel) and not last:
+            with s.model.no_sync():
+                yield
+        else:
+            yield
+        self.done += 1
+
+    def backward(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """Backward of one row's summed loss over the window's global count; the engines' own
+        averaging is undone. Returns the row's share of the step's loss (detached)."""
+        s = self.stepper
+        loss = loss_sum / max(self.count, 1.0)  # a window with no loss token anywhere: 0 gradient
+        scale = s.world  # DDP, DeepSpeed and FSDP2 all average the gradient over ranks
+        if s.engine is not None:
+            scale *= s.engine.gradient_accumulation_steps()  # DeepSpeed divides by its config's
+        elif s.accelerator is not None:
+            scale *= s.accelerator.gradient_accumulation_steps  # Accelerate divides by num_steps
+        scaled = loss * scale if scale != 1 else loss
+        if s.accelerator is not None:
+            s.accelerator.backward(scaled)  # under DeepSpeed: engine.step() at the boundary only
+        else:
+            scaled.backward()
+        return loss.detach()
 
 
 def _as_float(norm) -> float:

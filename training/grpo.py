@@ -10,7 +10,7 @@ score the same way; two copies had drifted before.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +64,9 @@ class Rollout:
 
     prompt_ids: list[int]
     completion_ids: list[int]
-    gen_logprobs: list[float]  # raw model log-prob of each sampled token, from the generator
+    # the generator's raw log-prob of each sampled token; empty when another forward scores the
+    # completion (NopadGRPOTrainer: TRL's), and then the recipe's loss refuses the row
+    gen_logprobs: Sequence[float] = ()
     reward: float = 0.0
     advantage: float = 0.0
 

@@ -92,7 +92,7 @@ def packed_completion_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, 
         # keep the result connected to the model, as TRL's masked scatter does
         zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
         return logps + zero, entropies
-    rollouts = [Rollout(seqs[b][0], seqs[b][1], [0.0] * len(seqs[b][1])) for b in order]
+    rollouts = [Rollout(seqs[b][0], seqs[b][1]) for b in order]  # TRL's forward scores them
     lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
     capacity = max(max_tokens_per_forward or sum(lengths), max(lengths))  # a sequence is never split
     scatter_rows, scatter_cols, picked, entropy_parts = [], [], [], []

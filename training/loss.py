@@ -13,7 +13,11 @@ Usage, once per optimizer step::
     loss_fn.start_step(window)                     # the step's micro-batches (PackedRows)
     for batch in window:
         logits = model(input_ids=..., position_ids=..., nopad_meta=...).logits
-        accelerator.backward(loss_fn(logits, batch))
+        loss_fn(logits, batch).backward()          # DDP: no_sync() on all but the last
+
+Under Accelerate, DeepSpeed or FSDP2 the step's owner is
+:class:`training.accumulation.OptimizerStepper` (SFT and GRPO use it), which normalises the same
+way from :func:`causal_lm_loss_sum` and undoes each engine's own divisions.
 """
 
 from __future__ import annotations
@@ -68,10 +72,10 @@ class PackedLoss:
     of the mean loss over every loss token (or sequence) of the optimizer step.
 
     ``world_size``: the number of ranks DDP/DeepSpeed average gradients over (default: from
-    torch.distributed); the loss is multiplied by it to undo that averaging.
-    ``backward_divisor``: what the backward path divides the loss by - Accelerate divides by its
-    ``gradient_accumulation_steps`` inside ``accelerator.backward`` (also under DeepSpeed, whose
-    engine does it); the loss is multiplied by it to undo that. 1 for a plain ``loss.backward()``.
+    torch.distributed); the loss is multiplied by it to undo that averaging. For a hand-written
+    loop with a plain ``loss.backward()``; under Accelerate or DeepSpeed, whose backward also
+    divides by the accumulation steps, use :class:`training.accumulation.OptimizerStepper`, which
+    undoes every engine's divisions in one place.
     """
 
     def __init__(
@@ -79,7 +83,6 @@ class PackedLoss:
         weighting: str = "token",
         *,
         world_size: int | None = None,
-        backward_divisor: int = 1,
         group: dist.ProcessGroup | None = None,
     ):
         if weighting not in WEIGHTINGS:
@@ -87,7 +90,7 @@ class PackedLoss:
         if world_size is None:
             world_size = distributed.world_size(group)
         self.weighting = weighting
-        self.scale = float(world_size) * float(backward_divisor)
+        self.scale = float(world_size)
         self.group = group
         self.denominator: float | None = None
 

@@ -1,0 +1,153 @@
+"""SFT's training step and its bookkeeping, for the recipe (``recipes/sft.py``) and any loop like
+it: one optimizer step per window of packed micro-batches (:func:`sft_step`, through
+:class:`training.accumulation.OptimizerStepper`), the optimizer and its schedule, the progress a
+checkpoint keeps, checkpoints and resume, and the per-step and per-run records.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dataloaders.loader import move_batch
+from training import checkpoint
+from training.accumulation import OptimizerStepper
+from training.curves import finish_trackers, write_curves
+from training.loss import causal_lm_loss_sum
+
+logger = logging.getLogger(__name__)
+
+STATE_DIR = "training_state"  # inside step_N/: what resuming needs beyond the model directory
+COUNT_KEYS = {"token": "num_loss_tokens", "sequence": "num_loss_seqs"}  # what a window's loss is a mean over
+
+
+def sft_step(stepper: OptimizerStepper, window: list[dict], weighting: str = "token",
+             seen: list | None = None) -> float:
+    """Forward and backward every micro-batch of ``window``, then one optimizer step; the loss is
+    the mean over the window's loss tokens (or sequences) on all ranks. Returns this rank's share
+    of the step's loss; appends each micro-batch's dataset indices to ``seen`` when given."""
+    if weighting not in COUNT_KEYS:
+        raise ValueError(f"unknown weighting {weighting!r}; choose one of {tuple(COUNT_KEYS)}")
+    model = stepper.model
+    device = next(model.parameters()).device if stepper.accelerator is None else stepper.accelerator.device
+    step_loss = 0.0
+    with stepper.window(window, COUNT_KEYS[weighting]) as w:
+        for batch in window:
+            batch = move_batch(batch, device)
+            if seen is not None:
+                seen.append(batch["indices"].tolist())
+            with w.row():
+                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                               nopad_meta=batch["nopad_meta"], use_cache=False).logits
+                loss_sum = causal_lm_loss_sum(logits, batch["labels"], seq_idx=batch["nopad_meta"].seq_idx,
+                                              weighting=weighting)
+                step_loss += float(w.backward(loss_sum))
+    return step_loss
+
+
+def make_optimizer(model, lr: float, weight_decay: float, warmup_steps: int, total_steps: int):
+    """AdamW with a linear warm-up, then a linear decay to 0 at ``total_steps``."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: min(1.0, (s + 1) / (warmup_steps + 1)) * max(0.0, 1 - s / max(total_steps, 1)),
+    )
+    return optimizer, scheduler
+
+
+def use_attention(model, name: str) -> None:
+    """Switch ``model`` to the attention ``name`` (``"nopad"`` is registered first)."""
+    if name == "nopad":
+        from packing.hf import register_nopad_attention
+
+        register_nopad_attention()
+    model.set_attn_implementation(name)
+
+
+class Progress:
+    """Optimizer steps done, checkpointed with the rest so a resumed run knows where it is, and the
+    accumulation that groups micro-batches into those steps (a different one would regroup them)."""
+
+    def __init__(self, grad_accum: int = 1):
+        self.step = 0
+        self.grad_accum = grad_accum
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "grad_accum": self.grad_accum}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or "step" not in state or "grad_accum" not in state:
+            raise ValueError(f"not an SFT progress state: {state!r}")
+        if state["grad_accum"] != self.grad_accum:
+            raise ValueError(f"cannot resume: the checkpoint was made with train.grad_accum="
+                             f"{state['grad_accum']} but this run has train.grad_accum={self.grad_accum}; "
+                             "resume with the same value")
+        self.step = int(state["step"])
+
+
+def save_checkpoint(accelerator, path: Path, save_model: Callable[[Path], None],
+                    keep_last: int | None = None) -> None:
+    """``path`` becomes a model directory (``save_model(dir)`` writes it) holding, in
+    ``training_state/``, the optimizer, scheduler, RNG and loader state to resume from. Written
+    whole or not at all (:mod:`training.checkpoint`)."""
+
+    def write(tmp: Path) -> None:
+        accelerator.save_state(str(tmp / STATE_DIR))
+        save_model(tmp)
+
+    checkpoint.save_checkpoint(path, write, accelerator, keep_last=keep_last)
+
+
+def resume(accelerator, resume_from: str, output_dir: Path) -> Path:
+    """Load ``checkpoint.resume_from`` (a step_N directory, or the ``latest`` complete one) into
+    everything registered for checkpointing; returns the checkpoint's path."""
+    path = checkpoint.latest_checkpoint(output_dir) if resume_from == "latest" else Path(resume_from)
+    if not (path / STATE_DIR).is_dir():
+        raise FileNotFoundError(f"checkpoint.resume_from={str(path)!r} holds no {STATE_DIR}/ "
+                                "written by this recipe; give a step_N directory of an earlier run")
+    try:
+        accelerator.load_state(str(path / STATE_DIR))
+    except ValueError:  # our own: a resume under another plan, naming the setting
+        raise
+    except Exception as err:  # a damaged file: say which checkpoint, not only the zip reader's words
+        raise RuntimeError(f"could not load the training state of checkpoint {path}: {err}; resume "
+                           "from an earlier step_N directory") from err
+    return path
+
+
+def record_step(accelerator, output_dir: Path, step: int, step_loss: float, bar=None) -> float:
+    """The step's loss over all ranks, to the trackers, ``metrics.jsonl`` and the progress bar."""
+    loss = accelerator.reduce(torch.tensor([step_loss], device=accelerator.device), "sum").item()
+    accelerator.log({"loss": loss}, step=step)  # to the log_with trackers
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with open(output_dir / "metrics.jsonl", "a") as f:  # appended: a resumed run continues it
+            f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}")
+    return loss
+
+
+def progress_bar(show: bool, total: int, initial: int, desc: str = "sft"):
+    if not show:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="step")
+
+
+def write_result(accelerator, output_dir: Path, result: dict, title: str = "nopad SFT") -> None:
+    """``result_rank*.json`` (this run), ``results_rank*.jsonl`` (every run), the curves; then the
+    trackers are closed."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / f"result_rank{accelerator.process_index}.json").write_text(json.dumps(result))
+    with open(output_dir / f"results_rank{accelerator.process_index}.jsonl", "a") as f:
+        f.write(json.dumps(result) + "\n")  # every run's result, so a resumed run loses none
+    if accelerator.is_main_process:
+        write_curves(output_dir / "metrics.jsonl", ["loss"], title)
+    finish_trackers(accelerator)

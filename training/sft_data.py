@@ -1,0 +1,173 @@
+"""SFT's data, from a source to the windows of packed micro-batches each optimizer step trains on:
+token rows (synthetic, a ``.jsonl`` file or a saved dataset; text rows tokenized with the prompt
+masked), the token budget checked against them, and the packed loader that shards itself over
+the ranks (it is NOT passed to ``accelerator.prepare``, which would shard it a second time).
+
+``data`` arguments are the SFT recipe's data section (``recipes.sft.SFTDataConfig``) or anything
+with the same attributes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from dataloaders.balance import attention_cost_from_config
+from dataloaders.dataset import BOUNDARY_COLUMNS
+from dataloaders.loader import packed_dataloader
+from dataloaders.streaming import StreamingPackedLoader
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TOKENS_PER_BATCH = 1024  # data.tokens_per_batch=null on data that is not pre-packed
+
+
+def synthetic_rows(num_rows: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[dict]:
+    """Random token rows whose first quarter is a prompt (masked out of the loss)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for length in rng.integers(min_len, max_len + 1, size=num_rows):
+        ids = rng.integers(3, vocab_size, size=length)
+        labels = ids.copy()
+        labels[: length // 4] = -100
+        rows.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return rows
+
+
+def tokenize_rows(rows, tokenizer, prompt_column: str, completion_column: str) -> list[dict]:
+    """Text rows (prompt, completion) -> token rows with the prompt masked; token rows pass through."""
+    out = []
+    for row in rows:
+        if "input_ids" in row:
+            out.append(row)
+            continue
+        if prompt_column not in row or completion_column not in row:
+            raise KeyError(f"rows need 'input_ids' or text columns {prompt_column!r} and "
+                           f"{completion_column!r}; got {sorted(row)}")
+        if tokenizer is None:
+            raise ValueError("text rows need a tokenizer; this model has none")
+        prompt = tokenizer(row[prompt_column], add_special_tokens=False)["input_ids"]
+        completion = tokenizer(row[completion_column], add_special_tokens=False)["input_ids"]
+        if tokenizer.eos_token_id is not None:
+            completion = completion + [tokenizer.eos_token_id]
+        out.append({"input_ids": prompt + completion, "labels": [-100] * len(prompt) + completion})
+    return out
+
+
+def load_rows(data, tokenizer, vocab_size: int):
+    """The rows of ``data.source``: ``synthetic``, a ``.jsonl`` file or a saved dataset directory
+    (tokenized or pre-packed datasets are read in place)."""
+    source = data.source
+    if source == "synthetic":
+        return synthetic_rows(data.num_rows, data.min_len, data.max_len, vocab_size, data.seed)
+    path = Path(source)
+    if path.suffix == ".jsonl" and path.is_file():
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    elif path.is_dir():
+        import datasets
+
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[data.split]
+        if "input_ids" in ds.column_names:  # tokenized or pre-packed (seq_lengths): read in place
+            return ds
+        rows = list(ds)
+    else:
+        raise FileNotFoundError(
+            f"data.source={source!r}: give 'synthetic', a .jsonl file or a saved dataset dir"
+        )
+    return tokenize_rows(rows, tokenizer, data.prompt_column, data.completion_column)
+
+
+def is_prepacked(rows) -> bool:
+    """True for rows that each hold several documents (``seq_lengths`` / ``position_ids``)."""
+    columns = getattr(rows, "column_names", None)
+    if columns is None:
+        columns = rows[0].keys() if len(rows) else ()
+    return any(c in columns for c in BOUNDARY_COLUMNS)
+
+
+def plan_budget(data, rows) -> int:
+    """``data.tokens_per_batch`` for these rows, checked against the rows before anything trains.
+
+    Why: a pre-packed row is already a bin, so by default the budget is the longest row; and
+    ``data.overflow=truncate`` must not drop a large share of the data quietly (it once dropped
+    much of a pre-packed dataset, visible only in a stats line)."""
+    prepacked = is_prepacked(rows)
+    lengths = np.fromiter((len(ids) for ids in _input_ids(rows)), dtype=np.int64)
+    longest = int(lengths.max()) if lengths.size else 0
+    budget = data.tokens_per_batch or (longest if prepacked else DEFAULT_TOKENS_PER_BATCH)
+    what = "pre-packed rows" if prepacked else "sequences"
+    too_long = lengths > budget
+    if not too_long.any() or data.overflow == "split":
+        return budget
+    if data.overflow == "error":
+        raise ValueError(
+            f"data.tokens_per_batch={budget} is smaller than {int(too_long.sum())} of the {what} of "
+            f"data.source={data.source!r} (the longest has {longest} tokens); "
+            + ("leave data.tokens_per_batch unset (it then takes the longest pre-packed row) or set it "
+               f">= {longest}" if prepacked else f"set data.tokens_per_batch >= {longest}, or "
+               "data.overflow=split (pieces train as separate sequences) or data.overflow=truncate"))
+    dropped = int((lengths[too_long] - budget).sum())
+    share = dropped / max(int(lengths.sum()), 1)
+    if share > data.max_dropped_fraction:
+        raise ValueError(
+            f"data.overflow=truncate would drop {dropped:,} of {int(lengths.sum()):,} tokens "
+            f"({share:.0%}) of the {what} longer than data.tokens_per_batch={budget}; raise "
+            f"data.tokens_per_batch (>= {longest} drops nothing), use data.overflow=split, or accept "
+            f"the loss with data.max_dropped_fraction={share:.2f}")
+    logger.warning("data.overflow=truncate drops %d tokens (%.1f%%) of %d %s longer than %d", dropped,
+                   100 * share, int(too_long.sum()), what, budget)
+    return budget
+
+
+def _input_ids(rows):
+    if hasattr(rows, "column_names"):
+        return rows["input_ids"]
+    return (row["input_ids"] for row in rows)
+
+
+def build_loader(data, rows, accelerator, grad_accum: int, model_config):
+    """Map-style (global BFD per epoch) or streaming (bounded buffer) packed loader for this rank;
+    each epoch is a whole number of ``grad_accum``-micro-batch optimizer steps on every rank."""
+    common = dict(num_replicas=accelerator.num_processes, rank=accelerator.process_index,
+                  seed=data.seed, max_seqs_per_batch=data.max_seqs_per_batch, overflow=data.overflow,
+                  steps_multiple_of=grad_accum, attention_cost=attention_cost_from_config(model_config))
+    if data.streaming:
+        return StreamingPackedLoader(rows, data.tokens_per_batch or DEFAULT_TOKENS_PER_BATCH,
+                                     buffer_size=data.buffer_size, **common)
+    budget = plan_budget(data, rows)
+    return packed_dataloader(rows, budget, num_workers=data.num_workers, **common)
+
+
+def total_steps(max_steps: int | None, epochs: int, data, loader, grad_accum: int) -> int:
+    """Optimizer steps of the whole run: ``max_steps`` counts them, and the epochs repeat as
+    needed to reach it; a stream has no length, so there it must be given."""
+    if data.streaming:
+        if not max_steps:
+            raise ValueError("data.streaming=true needs train.max_steps (a stream's length is unknown)")
+        return max_steps
+    steps_per_epoch = len(loader) // grad_accum
+    if max_steps and max_steps > steps_per_epoch * epochs:
+        logger.warning("train.max_steps=%d is more than train.epochs=%d x %d steps per epoch: the data "
+                       "repeats for %d epochs", max_steps, epochs, steps_per_epoch,
+                       -(-max_steps // steps_per_epoch))
+    return max(steps_per_epoch * epochs, max_steps or 0)
+
+
+def windows(loader, size: int) -> Iterator[list]:
+    """The loader's batches of one epoch in lists of ``size`` (one optimizer step each)."""
+    batches = iter(loader)
+    while window := list(itertools.islice(batches, size)):
+        yield window
+
+
+def epoch_stats(loader) -> dict | None:
+    """The packing statistics of the loader's last epoch."""
+    sampler = getattr(loader, "packed_sampler", None)
+    return sampler.last_stats if sampler is not None else loader.last_stats
