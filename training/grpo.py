@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from packing.row import IGNORE_INDEX, PackedRow
+from packing.row import IGNORE_INDEX, PackedRow, as_row
 from packing.varlen import VarlenMeta
 
 logger = logging.getLogger(__name__)
@@ -106,9 +106,14 @@ def empty_rollout_row() -> PackedRow:
                            gen_logprobs=[0.0], advantages=[0.0], empty=True)
 
 
-def _rollout_fields(rollouts: list[Rollout], order: list[int]) -> dict[str, list[float]]:
-    """The generator's log-probs and the advantage of each loss token of ``order``'s completions."""
-    return {"gen_logprobs": [lp for i in order for lp in rollouts[i].gen_logprobs],
+def _rollout_fields(rollouts: list[Rollout], order: list[int]) -> dict[str, list[float] | None]:
+    """The generator's log-probs and the advantage of each loss token of ``order``'s completions.
+    Rollouts scored by another forward (``NopadGRPOTrainer``: TRL's) carry no generator log-probs:
+    the row then has none (``gen_logprobs=None``), and a loss that needs them refuses it."""
+    scored = [bool(rollouts[i].gen_logprobs) for i in order]
+    if any(scored) and not all(scored):
+        raise ValueError("some rollouts carry generator log-probs and some do not; give all or none")
+    return {"gen_logprobs": [lp for i in order for lp in rollouts[i].gen_logprobs] if all(scored) else None,
             "advantages": [rollouts[i].advantage for i in order for _ in rollouts[i].completion_ids]}
 
 
@@ -138,13 +143,13 @@ def packed_logprobs(model, row: Mapping, temperature: float = 1.0, *, compute_en
     ``entropy_grad``). Only the positions that predict a loss token go through the LM head: the
     token before it in its own sequence (``nopad_meta.previous_rows()``; in a shared-prefix row a
     completion's first token is predicted by its prompt's last token)."""
-    labels = row["labels"][0]
-    targets_at = torch.nonzero(labels != -100).squeeze(1)
-    predict_at = row["nopad_meta"].previous_rows().to(targets_at.device)[targets_at]
+    row = as_row(row)
+    labels = row.labels[0]
+    targets_at = torch.nonzero(labels != IGNORE_INDEX).squeeze(1)
+    predict_at = row.nopad_meta.previous_rows().to(targets_at.device)[targets_at]
     if bool((predict_at < 0).any()):
         raise ValueError("a loss token is the first token of its sequence: nothing predicts it")
-    out = model(input_ids=row["input_ids"], position_ids=row["position_ids"], nopad_meta=row["nopad_meta"],
-                logits_to_keep=predict_at, use_cache=False)
+    out = model(**row.model_kwargs(), logits_to_keep=predict_at, use_cache=False)
     logits = out.logits[0].float()
     logp_all = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
     logps = logp_all.gather(1, labels[targets_at][:, None]).squeeze(1)

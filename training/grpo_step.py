@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from dataloaders.loader import move_batch
 from inference.sharded import sharded_generate
 from packing.invariance import batch_invariant
 from training.accumulation import OptimizerStepper, pad_rows
@@ -103,21 +102,21 @@ def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: 
     device = next(model.parameters()).device
     with stepper.window(rows, "num_loss_tokens") as window:
         for row in rows:
-            row = move_batch(row, device)  # CPU rows (and their VarlenMeta) to the model
+            row = row.to(device)  # CPU rows (and their VarlenMeta) to the model
             with window.row():
                 loss_sum, logp, gen_lp, was_clipped = _row_loss(model, row, loss, ref_model)
                 row_loss = window.backward(loss_sum)
-            if not row.get("empty"):
+            if not row.empty:
                 gaps.append((logp.detach() - gen_lp).abs())
                 ratios.append(torch.exp(logp.detach() - gen_lp))
                 losses.append(row_loss)
                 clipped += int(was_clipped.sum())
-    rows = [r for r in rows if not r.get("empty")]
+    rows = [r for r in rows if not r.empty]
     train_time = time.perf_counter() - t0
     gap = torch.cat(gaps) if gaps else torch.zeros(1)
     ratio = torch.cat(ratios) if ratios else torch.ones(1)
     completion_tokens = sum(len(r.completion_ids) for r in rollouts)
-    train_tokens = sum(int(r["input_ids"].numel()) for r in rows)
+    train_tokens = sum(int(r.input_ids.numel()) for r in rows)
     longest = max((len(r.prompt_ids) + len(r.completion_ids) for r in rollouts), default=0)
     return {
         "loss": float(torch.stack(losses).sum()) if losses else 0.0,
@@ -143,12 +142,12 @@ def _row_loss(model, row, loss: GRPOLoss, ref_model):
     collectives); also its log-probs, the generator's and which tokens were clipped."""
     with batch_invariant(loss.batch_invariant):  # the forward only; any correct backward will do
         logp = packed_logprobs(model, row)
-    gen_lp = row.get("gen_logprobs")
+    gen_lp = row.gen_logprobs
     if gen_lp is None or gen_lp.shape != logp.shape:
-        have = "none" if gen_lp is None else gen_lp.numel()
+        have = "no" if gen_lp is None else gen_lp.numel()
         raise ValueError(f"a row has {logp.numel()} loss tokens but {have} generator log-probs; the GRPO "
                          "loss needs every Rollout's gen_logprobs (the generator's, per sampled token)")
-    gen_lp, adv = gen_lp.to(logp.device), row["advantages"].to(logp.device)
+    gen_lp, adv = gen_lp.to(logp.device), row.advantages.to(logp.device)
     if loss.is_weights is None:
         old, weights = gen_lp, None  # ratio against the generator's own log-probs
     else:
@@ -159,6 +158,6 @@ def _row_loss(model, row, loss: GRPOLoss, ref_model):
             ref_lp = packed_logprobs(ref_model, row)
     tok_loss, was_clipped = grpo_token_loss(logp, old, adv, loss.clip_eps, weights, ref_lp, loss.beta)
     total = tok_loss.sum()
-    if row.get("empty"):
+    if row.empty:
         total = total * 0.0
     return total, logp, gen_lp, was_clipped

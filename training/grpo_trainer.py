@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 
-from dataloaders.loader import move_batch
 from training.grpo import Rollout, pack_rollouts, packed_logprobs, resolve_batch_invariant
 
 logger = logging.getLogger(__name__)
@@ -97,7 +96,7 @@ def packed_completion_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, 
     capacity = max(max_tokens_per_forward or sum(lengths), max(lengths))  # a sequence is never split
     scatter_rows, scatter_cols, picked, entropy_parts = [], [], [], []
     for row in pack_rollouts(rollouts, capacity, shared_prefix=shared_prefix):
-        row = move_batch(row, device)
+        row = row.to(device)
         with forward_context():
             scored = packed_logprobs(model, row, temperature, compute_entropy=compute_entropy,
                                      entropy_grad=entropy_grad)
@@ -105,7 +104,7 @@ def packed_completion_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, 
         picked.append(row_logps)
         if compute_entropy:
             entropy_parts.append(row_entropies)
-        for i in row["indices"].tolist():  # the row's completions, in label order
+        for i in row.indices.tolist():  # the row's completions, in label order
             b = order[i]
             scatter_rows += [b] * len(seqs[b][1])
             scatter_cols += seqs[b][2]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from dataloaders.loader import move_batch
+from packing.row import as_row
 from training import checkpoint
 from training.accumulation import OptimizerStepper
 from training.curves import finish_trackers, write_curves
@@ -37,13 +37,12 @@ def sft_step(stepper: OptimizerStepper, window: list[dict], weighting: str = "to
     step_loss = 0.0
     with stepper.window(window, COUNT_KEYS[weighting]) as w:
         for batch in window:
-            batch = move_batch(batch, device)
+            batch = as_row(batch).to(device)
             if seen is not None:
-                seen.append(batch["indices"].tolist())
+                seen.append(batch.indices.tolist())
             with w.row():
-                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                               nopad_meta=batch["nopad_meta"], use_cache=False).logits
-                loss_sum = causal_lm_loss_sum(logits, batch["labels"], seq_idx=batch["nopad_meta"].seq_idx,
+                logits = model(**batch.model_kwargs(), use_cache=False).logits
+                loss_sum = causal_lm_loss_sum(logits, batch.labels, seq_idx=batch.nopad_meta.seq_idx,
                                               weighting=weighting)
                 step_loss += float(w.backward(loss_sum))
     return step_loss
