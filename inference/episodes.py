@@ -51,7 +51,9 @@ class EpisodeLimits:
 @dataclass
 class Turn:
     """One model turn: its tokens are ``completion_ids[start:end]``; the results of its
-    ``tool_calls`` follow as ``completion_ids[end:tool_end]`` (``tool_end == end``: none)."""
+    ``tool_calls`` follow as ``completion_ids[end:tool_end]`` (``tool_end == end``: none). Calls
+    of a turn that ended the episode (``max_turns``, no room for the result) keep ``result``
+    None: they were not run."""
 
     start: int
     end: int

@@ -350,6 +350,8 @@ class Generator:
         return {
             "steps": s.steps,
             "preemptions": s.preemptions,
+            "paused_preemptions": s.paused_preemptions,
+            "forked_shared_blocks": s.forked_shared_blocks,
             "prefix_cache_hit_blocks": self.allocator.hits,
             "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
             "prefill_tokens": s.prefill_tokens,

@@ -44,6 +44,7 @@ class SchedulerStats:
     steps: int = 0
     preemptions: int = 0
     paused_preemptions: int = 0  # of which paused episodes (their KV recomputed on resume)
+    forked_shared_blocks: int = 0  # blocks a fork's new members share instead of recomputing
     prefix_cache_hit_tokens: int = 0
     prefill_tokens: int = 0  # prompt/recompute tokens actually run through the model
     decode_tokens: int = 0
@@ -330,6 +331,7 @@ class Scheduler:
             child = seq.fork(index, stream)
             for block in child.block_table:
                 self.allocator.share(block)
+            self.stats.forked_shared_blocks += len(child.block_table)
             self.running.append(child)
             samples.append(child)
         seq.fork_count = 1
