@@ -395,3 +395,106 @@ def test_bad_episode_arguments_are_named():
         gen.run_episodes(prompts_of(LENGTHS), TOOLS, GREEDY, limits=LIMITS, tool_format=TokenFormat(),
                          fork=lambda ep: 0)
     assert not gen.has_unfinished()
+
+
+# ----------------------------------------------------------------------------- the chat template's format
+CALL_TEXT = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+
+def char_tokenizer():
+    """A one-token-per-character tokenizer (106 tokens, fits the tiny models) with Qwen2.5's
+    chat template and TRL's response template for it; ``CALL_TEXT`` is one token, so a scripted
+    model can write a whole tool call."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from trl.chat_template_utils import add_response_schema, qwen2_5_chat_template
+
+    specials = ["<pad>", "<s>", "<|im_end|>", "<|im_start|>", "<tool_call>", "</tool_call>",
+                "<tool_response>", "</tool_response>"]
+    vocab = {t: i for i, t in enumerate(specials + ["\n"] + [chr(c) for c in range(32, 127)] + ["[UNK]"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="<|im_end|>",
+                                  pad_token="<pad>", unk_token="[UNK]")
+    tok.add_special_tokens({"additional_special_tokens": specials[3:]})
+    tok.add_tokens([AddedToken(CALL_TEXT, special=False, normalized=False)])
+    tok.chat_template = qwen2_5_chat_template
+    return add_response_schema(tok)
+
+
+def script(model, next_token: dict[int, int]):
+    """Make greedy decoding write ``next_token[t]`` after token ``t`` (a large logit bias at the
+    rows the forward returns, in HF generate and in the generator alike)."""
+
+    def hook(module, args, kwargs, out):
+        ids = kwargs["input_ids"][0]
+        keep = kwargs.get("logits_to_keep", 0)
+        rows = ids[keep] if isinstance(keep, torch.Tensor) else (ids[-keep:] if keep else ids)
+        for r, t in enumerate(rows.tolist()):
+            if t in next_token:
+                out.logits[0, r, next_token[t]] += 1000.0
+        return out
+
+    return model.register_forward_hook(hook, with_kwargs=True)
+
+
+def add_numbers(a: int, b: int) -> str:
+    """Add two numbers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return str(a + b)
+
+
+def test_chat_template_tool_calls_are_parsed_by_transformers_and_results_appended_token_in_token_out():
+    from inference.tools import ChatTemplateTools
+
+    tok = char_tokenizer()
+    call, newline = tok.convert_tokens_to_ids(CALL_TEXT), tok.convert_tokens_to_ids("\n")
+    eos = tok.eos_token_id
+    model = tiny_model("llama", max_position_embeddings=4096)
+    handle = script(model, {newline: call, call: eos})  # every assistant turn: the call, then <|im_end|>
+    try:
+        def add(a: int, b: int) -> str:
+            return add_numbers(a, b)
+        add.__doc__ = add_numbers.__doc__
+        messages = [[{"role": "user", "content": "2+3?"}], [{"role": "user", "content": "again"}]]
+        gen = Generator(model, tok, block_size=16, num_blocks=256, max_num_batched_tokens=512)
+        params = SamplingParams(temperature=0.0, max_tokens=8)
+        limits = EpisodeLimits(max_turns=3, max_tokens=200)
+        episodes = gen.run_episodes(messages, [add], params, limits=limits)
+    finally:
+        handle.remove()
+    fmt = ChatTemplateTools(tok, [add])
+    for conversation, ep in zip(messages, episodes):
+        assert ep.finish_reason == "max_turns" and ep.num_tool_calls == 2 and ep.num_tool_errors == 0
+        assert [c.arguments for t in ep.turns for c in t.tool_calls] == [{"a": 2, "b": 3}] * 3
+        assert [c.result for t in ep.turns[:2] for c in t.tool_calls] == ["5", "5"]
+        # token-in/token-out equals rendering the whole conversation with the template
+        function = {"name": "add", "arguments": {"a": 2, "b": 3}}
+        turn = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": function}]}
+        result = {"role": "tool", "name": "add", "content": "5"}
+        whole = fmt._ids(conversation + [turn, result, turn, result, turn], False)
+        # (the template writes "\n" after the last <|im_end|>, where the model stopped)
+        assert ep.prompt_token_ids + ep.completion_ids == whole[:-1]
+        assert ep.prompt_token_ids == fmt.prompt_ids(conversation)
+        assert [ep.completion_ids[t.start:t.end] for t in ep.turns] == [[call, eos]] * 3
+
+
+def test_templates_that_cannot_be_used_token_in_token_out_are_refused():
+    from inference.tools import ChatTemplateTools
+
+    tok = char_tokenizer()
+    template = tok.response_template
+    tok.response_template = None
+    with pytest.raises(ValueError, match="response_template"):
+        ChatTemplateTools(tok)
+    tok.response_template = template
+    tok.chat_template = ("{% for m in messages %}{{ m.role }}:{{ m.content }}"
+                         "{% if loop.last %}<|im_end|>{% endif %}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    with pytest.raises(ValueError, match="prefix"):
+        ChatTemplateTools(tok)
