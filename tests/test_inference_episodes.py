@@ -474,8 +474,8 @@ def test_chat_template_tool_calls_are_parsed_by_transformers_and_results_appende
         assert [c.arguments for t in ep.turns for c in t.tool_calls] == [{"a": 2, "b": 3}] * 3
         assert [c.result for t in ep.turns[:2] for c in t.tool_calls] == ["5", "5"]
         # token-in/token-out equals rendering the whole conversation with the template
-        function = {"name": "add", "arguments": {"a": 2, "b": 3}}
-        turn = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": function}]}
+        function = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+        turn = {"role": "assistant", "content": "", "tool_calls": [function]}
         result = {"role": "tool", "name": "add", "content": "5"}
         whole = fmt._ids(conversation + [turn, result, turn, result, turn], False)
         # (the template writes "\n" after the last <|im_end|>, where the model stopped)
