@@ -179,8 +179,8 @@ class Generator:
                 self._sample_finished(seq, finished)
         if not plan.seqs:
             if episodes is not None and episodes.pending:
-                episodes.poll(block=True)
-            elif self.scheduler.has_work() and not finished:
+                episodes.poll(block=True)  # every live sequence waits on a tool: wait, don't spin
+            elif (self.scheduler.has_work() or (episodes is not None and episodes.live)) and not finished:
                 raise RuntimeError("the scheduler could not plan a step; this is a bug")
             return finished
         with self._nopad_attention(), self._autocast():
@@ -310,7 +310,11 @@ class Generator:
             self._enqueue(request)
         live = list(requests)
         while live:
-            self.step()
+            try:
+                self.step()
+            except BaseException:
+                self.abort_all()  # leave nothing in flight behind the error (see run())
+                raise
             still = []
             for request in live:
                 for seq in request.samples:
