@@ -186,22 +186,18 @@ class Generator:
         with self._nopad_attention(), self._autocast():
             logits, rows = self._ensure_runner().run(plan)
         now = time.perf_counter()
-        to_sample = self.scheduler.postprocess(plan, rows)
-        children: dict[int, tuple[Sequence, list[Sequence]]] = {}
-        for seq, _, parent in to_sample:
-            if seq is not parent:
-                children.setdefault(parent.seq_id, (parent, []))[1].append(seq)
-        for parent, group in children.values():
+        to_sample, forks = self.scheduler.postprocess(plan, rows)
+        for parent, children in forks:
             if parent.episode is not None:
-                episodes.forked(parent, group)
+                episodes.forked(parent, children)
             else:
-                for seq in group:
+                for seq in children:
                     parent.request.samples[seq.index] = seq
         if to_sample:
-            row_index = [row for _, row, _ in to_sample]
+            row_index = [row for _, row in to_sample]
             if row_index != list(range(logits.shape[0])):
                 logits = logits[torch.tensor(row_index, device=logits.device)]
-            seqs = [seq for seq, _, _ in to_sample]
+            seqs = [seq for seq, _ in to_sample]
             result = sample(logits, seqs, self._sampler_buffers)
             for k, seq in enumerate(seqs):
                 self._append(seq, k, result, now)

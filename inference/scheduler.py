@@ -294,21 +294,24 @@ class Scheduler:
         seq.last_hash = NO_PARENT
 
     # ----------------------------------------------------------------- after the forward
-    def postprocess(self, plan: StepPlan, sampling_rows: list[int]) -> list[tuple[Sequence, int, Sequence]]:
+    def postprocess(self, plan: StepPlan, sampling_rows: list[int]
+                    ) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, list[Sequence]]]]:
         """The step's bookkeeping once its forward ran: count the computed tokens, register new
         full blocks in the prefix cache, and split groups whose prefill completed into their
-        forks. Returns ``(sequence, logits row, parent)`` for every sequence that samples now
-        (``parent`` is the sequence the row was computed for; forks share its row)."""
+        forks. Returns ``(sequence, logits row)`` for every sequence that samples now (forks
+        share their parent's row) and ``(parent, new members)`` for every fork."""
         for seq, n in zip(plan.seqs, plan.query_lens):
             seq.num_computed += n
             if self.enable_prefix_caching:
                 self.register_full_blocks(seq)
-        to_sample = []
+        to_sample, forks = [], []
         for row, i in enumerate(sampling_rows):
             seq = plan.seqs[i]
             group = self.fork(seq) if seq.fork_count > 1 else [seq]
-            to_sample.extend((s, row, seq) for s in group)
-        return to_sample
+            if len(group) > 1:
+                forks.append((seq, group[1:]))
+            to_sample.extend((s, row) for s in group)
+        return to_sample, forks
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Put the sequence's newly computed full blocks in the prefix cache."""
