@@ -498,3 +498,31 @@ def test_templates_that_cannot_be_used_token_in_token_out_are_refused():
                          "{% if add_generation_prompt %}assistant:{% endif %}")
     with pytest.raises(ValueError, match="prefix"):
         ChatTemplateTools(tok)
+
+
+class Counter:
+    """An environment: its public method ``count`` is a tool; ``reset`` is not."""
+
+    def __init__(self):
+        self.n = 0
+
+    def reset(self) -> str:
+        return "never called as a tool"
+
+    def count(self) -> str:
+        self.n += 1
+        return str(self.n)
+
+
+def test_each_episode_and_fork_has_its_own_environment_and_reward():
+    model = tiny_model("llama")
+    params = SamplingParams(temperature=0.0, n=2, max_tokens=4, stop_token_ids=list(range(3, 128)),
+                            ignore_eos=True)
+    episodes = Generator(model, block_size=4, num_blocks=128).run_episodes(
+        [[40, 41, 42]], {}, params, limits=EpisodeLimits(max_turns=3, max_tokens=60),
+        tool_format=EveryTurnCalls({40: "count"}), environment_factory=Counter,
+        reward_fn=lambda ep: float(ep.environment.n), fork=lambda ep: 2 if ep.num_turns == 1 else 1)
+    assert [e.branch for e in episodes] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert len({id(e.environment) for e in episodes}) == 4
+    assert [e.reward for e in episodes] == [2.0] * 4  # two calls each: the forks copied n=1
+    assert [c.result for c in episodes[3].turns[1].tool_calls] == ["2"]
