@@ -182,7 +182,10 @@ class EpisodeRunner:
             return self.finish(seq, reason)
         turn_ids = seq.token_ids[seq.turn_start:]
         try:
-            calls = self.format.parse(turn_ids, seq.token_ids[: seq.turn_start])
+            calls = list(self.format.parse(turn_ids, seq.token_ids[: seq.turn_start]) or [])
+            if not all(isinstance(c, ToolCall) and isinstance(c.arguments, dict) for c in calls):
+                raise TypeError(f"the tool format's parse() must return ToolCalls with dict arguments, "
+                                f"got {calls!r}")
         except Exception as err:  # noqa: BLE001 - a malformed call ends the model's turn, not the batch
             turn.malformed = f"{type(err).__name__}: {err}"
             state.num_malformed += 1
