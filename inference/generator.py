@@ -19,7 +19,7 @@ from collections.abc import Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
-from inference.episodes import Episode, EpisodeLimits, EpisodeRunner
+from inference.episodes import Episode, EpisodeLimits, EpisodeRunner, named_tools, render_prompts
 from inference.kv_cache import KVCache, bytes_per_block
 from inference.model_runner import ModelRunner, NopadAttention
 from inference.outputs import RequestOutput, StreamDelta
@@ -264,26 +264,13 @@ class Generator:
         limits = limits if limits is not None else EpisodeLimits()
         if not isinstance(limits, EpisodeLimits):
             raise TypeError(f"limits must be an EpisodeLimits, got {type(limits).__name__}")
-        named = dict(tools) if isinstance(tools, Mapping) else {}
-        for fn in ([] if isinstance(tools, Mapping) else list(tools)):
-            if not callable(fn):
-                raise TypeError(f"tools must be callables; got {fn!r}")
-            named[fn.__name__] = fn
+        named = named_tools(tools)
         if tool_format is None:
             if self.tokenizer is None:
                 raise ValueError("run_episodes needs a tokenizer (for the chat template's tool format) or "
                                  "tool_format=")
             tool_format = ChatTemplateTools(self.tokenizer, list(named.values()))
-        prompts = list(prompts) if not isinstance(prompts, str) else [prompts]
-        ids = []
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], Mapping):
-                if not hasattr(tool_format, "prompt_ids"):
-                    raise ValueError(f"prompt {i} is chat messages but the tool format "
-                                     f"{type(tool_format).__name__} has no prompt_ids(); pass token ids")
-                prompt = tool_format.prompt_ids(list(prompt))
-            ids.append(prompt)
-        requests = self.make_requests(ids, sampling_params)
+        requests = self.make_requests(render_prompts(prompts, tool_format), sampling_params)
         runner = EpisodeRunner(self.scheduler, tool_format, limits, self.vocab_size, environment_factory,
                                reward_fn, fork, self.scheduler.max_num_seqs)
         self._episodes = runner
