@@ -13,12 +13,13 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 
 import torch
 from tqdm.auto import tqdm
 
+from inference.episodes import Episode, EpisodeLimits, EpisodeRunner, named_tools, render_prompts
 from inference.kv_cache import KVCache, bytes_per_block
 from inference.model_runner import ModelRunner, NopadAttention
 from inference.outputs import RequestOutput, StreamDelta
@@ -27,6 +28,7 @@ from inference.sampler import SamplerBuffers, sample
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sharded import refuse_plain_generation
+from inference.tools import ChatTemplateTools, ToolFormat
 from packing.attention import names as attention_backends
 from packing.attention import paged_block_size
 from packing.blocks import BlockAllocator
@@ -120,12 +122,15 @@ class Generator:
         self.enable_prefix_caching = enable_prefix_caching
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.allocator = BlockAllocator(num_blocks, block_size)
-        self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, watermark)
+        self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, watermark,
+                                   enable_prefix_caching)
         self._kv_cache: KVCache | None = None
         self._runner: ModelRunner | None = None
         self._sampler_buffers = SamplerBuffers()  # the sampler's rows x vocab scratch, reused
         self._requests: dict[str, Request] = {}
         self._ready: list[RequestOutput] = []  # aborted/finished outputs not yet returned by step()
+        self._episodes: EpisodeRunner | None = None  # the bookkeeping of a run_episodes() call
+        self.last_episode_stats: dict = {}
         self._next_id = 0
 
     # ----------------------------------------------------------------- requests
@@ -148,42 +153,55 @@ class Generator:
         self._ready.append(self._output(request))
         return True
 
+    def abort_all(self) -> None:
+        """Stop every request and episode in flight and drop their outputs (after an error)."""
+        for request_id in list(self._requests):
+            self.abort(request_id)
+        if self._episodes is not None:
+            self._episodes.abort_all()
+        self._ready = []
+
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or (self._episodes is not None and self._episodes.live > 0)
 
     def step(self) -> list[RequestOutput]:
-        """Plan and run one forward, sample, and return the requests that finished."""
+        """Plan and run one forward, sample, and return the requests that finished. Episodes
+        whose tools returned resume first; when nothing can run, wait for a tool (never spin)."""
         finished, self._ready = self._ready, []
+        episodes = self._episodes
+        if episodes is not None:
+            episodes.poll(block=False)
         plan = self.scheduler.schedule()
-        for seq in self.scheduler.finished_by_scheduler:
-            self._sample_finished(seq, finished)
-        self.scheduler.finished_by_scheduler.clear()
+        for seq in plan.stopped:
+            if seq.episode is not None:
+                episodes.finish_out_of_memory(seq, seq.num_tokens)
+            else:
+                self._sample_finished(seq, finished)
         if not plan.seqs:
-            if self.scheduler.has_work() and not finished:
+            if episodes is not None and episodes.pending:
+                episodes.poll(block=True)  # every live sequence waits on a tool: wait, don't spin
+            elif (self.scheduler.has_work() or (episodes is not None and episodes.live)) and not finished:
                 raise RuntimeError("the scheduler could not plan a step; this is a bug")
             return finished
         with self._nopad_attention(), self._autocast():
             logits, rows = self._ensure_runner().run(plan)
         now = time.perf_counter()
-        for seq, n in zip(plan.seqs, plan.query_lens):
-            seq.num_computed += n
-            if self.enable_prefix_caching:
-                self.scheduler.register_full_blocks(seq)
-        to_sample, logit_rows = [], []
-        for j, i in enumerate(rows):
-            seq = plan.seqs[i]
-            group = self.scheduler.fork(seq) if seq.fork_count > 1 else [seq]
-            for s in group:
-                seq.request.samples[s.index] = s
-                to_sample.append(s)
-                logit_rows.append(j)
+        to_sample, forks = self.scheduler.postprocess(plan, rows)
+        for parent, children in forks:
+            if parent.episode is not None:
+                episodes.forked(parent, children)
+            else:
+                for seq in children:
+                    parent.request.samples[seq.index] = seq
         if to_sample:
-            if len(logit_rows) != logits.shape[0]:
-                logits = logits[torch.tensor(logit_rows, device=logits.device)]
-            result = sample(logits, to_sample, self._sampler_buffers)
-            for k, seq in enumerate(to_sample):
+            row_index = [row for _, row in to_sample]
+            if row_index != list(range(logits.shape[0])):
+                logits = logits[torch.tensor(row_index, device=logits.device)]
+            seqs = [seq for seq, _ in to_sample]
+            result = sample(logits, seqs, self._sampler_buffers)
+            for k, seq in enumerate(seqs):
                 self._append(seq, k, result, now)
-                if seq.status is Status.FINISHED:
+                if seq.episode is None and seq.status is Status.FINISHED:
                     self._sample_finished(seq, finished)
         return finished
 
@@ -192,28 +210,94 @@ class Generator:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs in prompt order. Validates everything first."""
         refuse_plain_generation(self.model)
-        requests = self._make_requests(prompts, sampling_params)
-        for request in requests:
-            self._enqueue(request)
+        requests = self.make_requests(prompts, sampling_params)
+        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm or len(requests) < 2) as bar:
+            return self.run(requests, on_output=lambda _: bar.update(1))
+
+    def run(self, requests: list[Request], *, step: Callable[[], list[RequestOutput]] | None = None,
+            more: Callable[[], bool] | None = None,
+            on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+        """The generate loop: queue ``requests`` (from :meth:`make_requests`), step until done,
+        return their outputs in order. ``step`` and ``more`` replace :meth:`step` and
+        :meth:`has_unfinished` for callers that must step in lockstep with other ranks
+        (:mod:`inference.sharded`). If anything raises, every request in flight is aborted
+        before the error propagates, so the caller's ``release()`` in a ``finally`` works and
+        the original error is the one the user sees."""
+        step = step or self.step
+        more = more or self.has_unfinished
         order = {r.request_id: i for i, r in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)
-        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm or len(requests) < 2) as bar:
-            while self.has_unfinished():
-                for out in self.step():
-                    results[order[out.request_id]] = out
-                    bar.update(1)
+        try:
+            for request in requests:
+                self._enqueue(request)
+            while more():
+                for out in step():
+                    if out.request_id in order:
+                        results[order[out.request_id]] = out
+                    if on_output is not None:
+                        on_output(out)
+        except BaseException:
+            self.abort_all()
+            raise
         return results
+
+    def run_episodes(self, prompts, tools: Seq[Callable] | Mapping[str, Callable] = (),
+                     sampling_params: SamplingParams | None = None, *, limits: EpisodeLimits | None = None,
+                     tool_format: ToolFormat | None = None, environment_factory: Callable | None = None,
+                     reward_fn: Callable[[Episode], float] | None = None,
+                     fork: Callable[[Episode], int] | None = None) -> list[Episode]:
+        """Run multi-turn tool episodes for every prompt (``n`` per prompt from the sampling
+        parameters); returns them by prompt, then branch.
+
+        ``prompts``: token ids, strings, or chat messages (rendered with the tools by the chat
+        template). ``tools``: functions (sync or ``async def``) the model may call by name.
+        ``tool_format``: how calls are parsed and results rendered; default
+        :class:`~inference.tools.ChatTemplateTools` on the tokenizer (its ``response_template``).
+        ``environment_factory``: one environment per episode, its public methods added as tools
+        (forks deep-copy it); ``reward_fn(episode)`` sets ``Episode.reward``. ``fork(episode)``
+        is asked at every turn boundary (a tool result appended) how many continuations to
+        run; they share every block so far. ``sampling_params.max_tokens`` caps one model
+        turn, ``limits`` the whole episode (:class:`~inference.episodes.EpisodeLimits`)."""
+        refuse_plain_generation(self.model)
+        if self.has_unfinished():
+            raise RuntimeError("run_episodes() while requests are in flight; finish or abort them first")
+        limits = limits if limits is not None else EpisodeLimits()
+        if not isinstance(limits, EpisodeLimits):
+            raise TypeError(f"limits must be an EpisodeLimits, got {type(limits).__name__}")
+        named = named_tools(tools)
+        if tool_format is None:
+            if self.tokenizer is None:
+                raise ValueError("run_episodes needs a tokenizer (for the chat template's tool format) or "
+                                 "tool_format=")
+            tool_format = ChatTemplateTools(self.tokenizer, list(named.values()))
+        requests = self.make_requests(render_prompts(prompts, tool_format), sampling_params)
+        runner = EpisodeRunner(self.scheduler, tool_format, limits, self.vocab_size, environment_factory,
+                               reward_fn, fork, self.scheduler.max_num_seqs)
+        self._episodes = runner
+        try:
+            for i, request in enumerate(requests):
+                self._enqueue(request, episode_of=(runner, i, named))
+            self.run([])  # the one generate loop, here over the episodes just queued
+        finally:
+            runner.close()
+            self._episodes = None
+            self.last_episode_stats = {"tool_wait_s": runner.tool_wait_s}
+        return runner.results()
 
     def stream(self, prompts: Prompt | Seq[Prompt], sampling_params=None) -> Iterator[StreamDelta]:
         """Yield the new tokens of every sample as they are produced (one delta per sample per
         step that produced tokens); the last delta of a sample carries its finish reason."""
         refuse_plain_generation(self.model)
-        requests = self._make_requests(prompts, sampling_params)
+        requests = self.make_requests(prompts, sampling_params)
         for request in requests:
             self._enqueue(request)
         live = list(requests)
         while live:
-            self.step()
+            try:
+                self.step()
+            except BaseException:
+                self.abort_all()  # leave nothing in flight behind the error (see run())
+                raise
             still = []
             for request in live:
                 for seq in request.samples:
@@ -233,11 +317,16 @@ class Generator:
                     still.append(request)
             live = still
 
-    def release(self) -> None:
+    def release(self, abort: bool = False) -> None:
         """Free the KV cache and sampler memory (e.g. before a training step); the next step
-        re-allocates."""
+        re-allocates. ``abort=True`` first aborts whatever is still in flight (cleanup after an
+        error raised by a caller's own :meth:`step` loop; :meth:`generate` and :meth:`run`
+        abort on their own)."""
+        if abort:
+            self.abort_all()
         if self.has_unfinished():
-            raise RuntimeError("release() with requests in flight; finish or abort them first")
+            raise RuntimeError("release() with requests in flight; finish or abort them first "
+                               "(release(abort=True) aborts them)")
         self._kv_cache = self._runner = None
         self._sampler_buffers.clear()
         self.allocator.reset_prefix_cache()
@@ -248,6 +337,8 @@ class Generator:
         return {
             "steps": s.steps,
             "preemptions": s.preemptions,
+            "paused_preemptions": s.paused_preemptions,
+            "forked_shared_blocks": s.forked_shared_blocks,
             "prefix_cache_hit_blocks": self.allocator.hits,
             "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
             "prefill_tokens": s.prefill_tokens,
@@ -265,7 +356,9 @@ class Generator:
         self.allocator.hits = self.allocator.evictions = 0
 
     # ----------------------------------------------------------------- internals
-    def _make_requests(self, prompts, sampling_params) -> list[Request]:
+    def make_requests(self, prompts, sampling_params=None) -> list[Request]:
+        """Validate prompts and sampling parameters into requests for :meth:`run` (nothing is
+        queued; bad input raises ValueError naming the prompt)."""
         if self.has_unfinished():
             raise RuntimeError("generate()/stream() while add_request() requests are in flight; "
                                "drive those with step() until has_unfinished() is False")
@@ -330,14 +423,18 @@ class Generator:
                           time.perf_counter(), frozenset(stop_ids))
         return request
 
-    def _enqueue(self, request: Request) -> None:
-        if not self.has_unfinished() and not self.scheduler.has_work():
+    def _enqueue(self, request: Request, episode_of=None) -> None:
+        if not self._requests and not self.scheduler.has_work() and not self.scheduler.paused:
             # idle: cached K/V may come from weights that have since been trained; drop it
             self.allocator.reset_prefix_cache()
         seq = Sequence(request=request, index=0, token_ids=list(request.prompt_token_ids),
                        fork_count=request.params.n)
         request.samples = [seq] + [None] * (request.params.n - 1)
-        self._requests[request.request_id] = request
+        if episode_of is None:
+            self._requests[request.request_id] = request
+        else:
+            runner, prompt_index, tools = episode_of
+            runner.start(seq, prompt_index, tools)
         self.scheduler.add(seq)
 
     def _append(self, seq: Sequence, k: int, result, now: float) -> None:
@@ -356,7 +453,9 @@ class Generator:
             reason = "stop"
         elif params.stop and self._hit_stop_string(seq):
             reason = "stop"
-        elif seq.num_generated >= params.max_tokens:
+        elif seq.num_turn_tokens >= params.max_tokens:
+            reason = "length"
+        elif seq.max_generated is not None and seq.num_generated >= seq.max_generated:
             reason = "length"
         elif seq.num_tokens >= self.max_model_len:
             reason = "length"
@@ -364,13 +463,17 @@ class Generator:
                            "completion reached the model's context of %d tokens (max_position_embeddings); "
                            "shorten the prompt for a longer completion", request.request_id, seq.index,
                            seq.num_generated, params.max_tokens, self.max_model_len)
-        if reason is not None:
+        if reason is None:
+            return
+        if seq.episode is not None:
+            self._episodes.turn_ended(seq, reason)
+        else:
             self.scheduler.finish(seq, reason)
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
         stops = seq.request.params.stop
         window = max(len(s) for s in stops) + 8
-        tail = self.tokenizer.decode(seq.generated[-window:], skip_special_tokens=False)
+        tail = self.tokenizer.decode(seq.token_ids[seq.turn_start:][-window:], skip_special_tokens=False)
         for s in stops:
             if s in tail:
                 seq.stop_text = s

@@ -42,6 +42,7 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PAUSED = "paused"  # an episode waiting on its tools: keeps its blocks unless preempted
     FINISHED = "finished"
 
 
@@ -81,6 +82,7 @@ class Sequence:
     index: int  # sample index within the request
     token_ids: list[int]
     fork_count: int = 1
+    stream: int | None = None  # random stream of its draws (default: index); forks get their own
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose K/V is in the cache
@@ -95,6 +97,16 @@ class Sequence:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     emitted: int = 0  # generated tokens already handed to a stream
+    turn_start: int | None = None  # where the current model turn began (default: after the prompt)
+    max_generated: int | None = None  # an episode's budget of tokens after the prompt
+    out_of_memory: bool = False  # stopped by the scheduler: alone, it did not fit in the cache
+    episode: object | None = None  # the episode state (inference.episodes) of an episode's sequence
+
+    def __post_init__(self) -> None:
+        if self.stream is None:
+            self.stream = self.index
+        if self.turn_start is None:
+            self.turn_start = len(self.request.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -113,21 +125,34 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def num_turn_tokens(self) -> int:
+        """Tokens sampled in the current turn (all generated tokens for a plain request)."""
+        return len(self.token_ids) - self.turn_start
+
+    @property
     def num_pending(self) -> int:
         """Tokens still to run through the model before this sequence can sample."""
         return len(self.token_ids) - self.num_computed
 
-    def fork(self, index: int) -> Sequence:
-        """A sibling sample sharing this sequence's blocks (the caller increfs them)."""
+    def fork(self, index: int, stream: int | None = None) -> Sequence:
+        """A sibling sharing this sequence's blocks and history (the caller increfs the blocks)."""
         return Sequence(
             request=self.request,
             index=index,
             token_ids=list(self.token_ids),
+            stream=stream,
             status=self.status,
             num_computed=self.num_computed,
             block_table=list(self.block_table),
             num_hashed=self.num_hashed,
             last_hash=self.last_hash,
+            logprobs=list(self.logprobs),
+            temperature_logprobs=list(self.temperature_logprobs),
+            sampling_logprobs=list(self.sampling_logprobs),
+            top_logprobs=list(self.top_logprobs),
+            token_times=list(self.token_times),
+            turn_start=self.turn_start,
+            max_generated=self.max_generated,
         )
 
     def completion(self, detokenize=None) -> CompletionOutput:

@@ -1,11 +1,12 @@
 """Token sampling for one step, vectorised over the batch, with counter-based randomness.
 
-Randomness: sample ``i`` of a request with seed ``s`` draws the token at position ``p`` by
-inverse-CDF sampling with ONE uniform number ``u = mix(s, i, p) / 2**63`` (a splitmix64 hash,
-no generator state). The draw therefore depends on nothing else in the batch, and a preempted
-sequence redraws the same tokens when it is recomputed. Top-k/top-p filter on a candidate set
-from ``topk`` (falling back to a full sort only when the candidates cannot hold the top-p mass),
-which is exact and much cheaper than sorting the vocabulary every step.
+Randomness: sample ``i`` of a request with seed ``s`` (its ``stream``; an episode's fork has its
+own) draws the token at position ``p`` by inverse-CDF sampling with ONE uniform number
+``u = mix(s, i, p) / 2**63`` (a splitmix64 hash, no generator state). The draw therefore depends
+on nothing else in the batch, and a preempted sequence redraws the same tokens when it is
+recomputed. Top-k/top-p filter on a candidate set from ``topk`` (falling back to a full sort only
+when the candidates cannot hold the top-p mass), which is exact and much cheaper than sorting the
+vocabulary every step.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], buffers: SamplerBuffers |
             idx = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=x.device)
             v = x[i, idx]
             x[i, idx] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-        if seq.num_generated < p.min_tokens and seq.request.stop_ids:
+        if seq.num_turn_tokens < p.min_tokens and seq.request.stop_ids:
             x = x.clone() if x is logits else x
             x[i, list(seq.request.stop_ids)] = float("-inf")
 
@@ -210,7 +211,7 @@ def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float],
 
 def uniform_draw(seq: Sequence) -> float:
     """The uniform number in [0, 1) of this sample's next token (counter-based)."""
-    return min(counter_seed(seq.request.seed, seq.index, seq.num_tokens) / 2.0**63, 1.0 - 2.0**-40)
+    return min(counter_seed(seq.request.seed, seq.stream, seq.num_tokens) / 2.0**63, 1.0 - 2.0**-40)
 
 
 def _inverse_cdf(logprobs: torch.Tensor, uniforms: list[float], buffers: SamplerBuffers) -> torch.Tensor:

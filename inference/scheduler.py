@@ -2,9 +2,12 @@
 
 Every step is planned anew: running decodes first (one token each), then partly prefilled
 sequences, then waiting ones, their prefill chunked into whatever is left of the token budget.
-All of it becomes ONE varlen forward. When a decode needs a block and none is free, the most
-recently admitted sequence is preempted by recompute: its blocks are freed and it goes back to
-the front of the queue with prompt + generated tokens as its new prefill.
+All of it becomes ONE varlen forward. When a decode needs a block and none is free, a sequence
+is preempted by recompute: first an episode paused on its tools (most recently paused first),
+then the most recently admitted running one. Its blocks are freed; a running one goes back to
+the front of the queue with prompt + generated tokens as its new prefill, a paused one is
+recomputed when its tools return. After the forward, :meth:`Scheduler.postprocess` does the
+step's bookkeeping (computed counts, prefix-cache registration, forks).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from inference.request import Sequence, Status
+from inference.sampler import counter_seed
 from packing.blocks import NO_PARENT, BlockAllocator, hash_block
 
 logger = logging.getLogger(__name__)
@@ -28,6 +32,7 @@ class StepPlan:
     query_lens: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     num_decodes: int = 0
+    stopped: list[Sequence] = field(default_factory=list)  # finished for lack of memory while planning
 
     @property
     def num_tokens(self) -> int:
@@ -38,6 +43,8 @@ class StepPlan:
 class SchedulerStats:
     steps: int = 0
     preemptions: int = 0
+    paused_preemptions: int = 0  # of which paused episodes (their KV recomputed on resume)
+    forked_shared_blocks: int = 0  # blocks a fork's new members share instead of recomputing
     prefix_cache_hit_tokens: int = 0
     prefill_tokens: int = 0  # prompt/recompute tokens actually run through the model
     decode_tokens: int = 0
@@ -47,7 +54,7 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 watermark: float = 0.01):
+                 watermark: float = 0.01, enable_prefix_caching: bool = True):
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
@@ -55,14 +62,16 @@ class Scheduler:
         self.watermark_blocks = max(1, int(watermark * allocator.num_blocks))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.paused: list[Sequence] = []  # episodes waiting on tools, in pause order
+        self.enable_prefix_caching = enable_prefix_caching
         self.stats = SchedulerStats()
-        self.finished_by_scheduler: list[Sequence] = []  # stopped for lack of memory, to report
 
     # ----------------------------------------------------------------- queue
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
+        """Sequences that can run now (paused ones wait for their tools)."""
         return bool(self.waiting or self.running)
 
     def _num_running_slots(self) -> int:
@@ -71,6 +80,25 @@ class Scheduler:
     # ----------------------------------------------------------------- planning
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        while True:
+            self._plan(plan)
+            if plan.seqs or not self.running:
+                break
+            # nothing fits though sequences run (their prefill chunks need blocks that others
+            # hold): make room from the newest end, or stop a sequence that alone fills the cache
+            if len(self.running) > 1:
+                self.preempt(self.running[-1])
+            else:
+                self._finish_out_of_memory(self.running[0], plan)
+        if plan.seqs:
+            self.stats.steps += 1
+            self.stats.tokens_per_step.append(plan.num_tokens)
+            self.stats.seqs_per_step.append(len(plan.seqs))
+            self.stats.decode_tokens += plan.num_decodes
+            self.stats.prefill_tokens += plan.num_tokens - plan.num_decodes
+        return plan
+
+    def _plan(self, plan: StepPlan) -> None:
         budget = self.max_num_batched_tokens
         # 1. decodes, oldest first; preempt from the newest end when blocks run out
         i = 0
@@ -80,9 +108,9 @@ class Scheduler:
                 i += 1
                 continue
             while not self._reserve(seq, 1, plan):
-                victim = self.running[-1]
-                if victim is seq and len(self.running) == 1:
-                    self._finish_out_of_memory(seq)
+                victim = self._victim(seq)
+                if victim is None:
+                    self._finish_out_of_memory(seq, plan)
                     break
                 self.preempt(victim)
                 if victim is seq:
@@ -109,15 +137,28 @@ class Scheduler:
                 break
             taken = self._admit(seq, budget, plan)
             if not taken:
+                # nothing else would run: paused episodes must not hold the cache hostage
+                if not plan.seqs and self._preempt_a_paused():
+                    continue
                 break
             budget -= taken
-        if plan.seqs:
-            self.stats.steps += 1
-            self.stats.tokens_per_step.append(plan.num_tokens)
-            self.stats.seqs_per_step.append(len(plan.seqs))
-            self.stats.decode_tokens += plan.num_decodes
-            self.stats.prefill_tokens += plan.num_tokens - plan.num_decodes
-        return plan
+
+    def _victim(self, seq: Sequence) -> Sequence | None:
+        """Whom to preempt so that ``seq`` can grow: a paused episode holding blocks, else the
+        newest running sequence; None when ``seq`` is alone with the whole cache."""
+        for paused in reversed(self.paused):
+            if paused.block_table:
+                return paused
+        if self.running[-1] is seq and len(self.running) == 1:
+            return None
+        return self.running[-1]
+
+    def _preempt_a_paused(self) -> bool:
+        for paused in reversed(self.paused):
+            if paused.block_table:
+                self.preempt(paused)
+                return True
+        return False
 
     def _admit(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
         """Move the head of the queue to running with a prefix-cache lookup and a first chunk."""
@@ -162,6 +203,8 @@ class Scheduler:
         if seq.num_computed % bs and self.allocator.ref_count[seq.block_table[-1]] > 1:
             room -= bs  # the shared partial block must be copied first
         chunk = min(seq.num_pending, budget, room)
+        if chunk <= 0 and self._preempt_a_paused():  # a resumed episode's tool tokens come first
+            return self._schedule_prefill(seq, budget, plan)
         if chunk <= 0 or not self._reserve(seq, chunk, plan):
             return 0
         plan.seqs.append(seq)
@@ -186,31 +229,62 @@ class Scheduler:
 
     # ----------------------------------------------------------------- leaving
     def preempt(self, seq: Sequence) -> None:
-        """Free ``seq``'s blocks and requeue it at the front to recompute prompt + generated."""
-        self.running.remove(seq)
+        """Free ``seq``'s blocks. A running sequence goes back to the front of the queue to
+        recompute prompt + generated; a paused one stays paused and recomputes when resumed."""
         self._release(seq)
-        seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
         self.stats.preemptions += 1
+        if seq.status is Status.PAUSED:
+            self.stats.paused_preemptions += 1
+        else:
+            self.running.remove(seq)
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
         logger.debug("preempted sequence %d (%d tokens)", seq.seq_id, seq.num_tokens)
+
+    def pause(self, seq: Sequence) -> None:
+        """Take a running episode out of the batch while its tools run; its blocks stay pinned."""
+        self.running.remove(seq)
+        seq.status = Status.PAUSED
+        self.paused.append(seq)
+
+    def resume(self, seq: Sequence, new_tokens: list[int], fork_count: int = 1) -> None:
+        """Append ``new_tokens`` (a tool result) to a paused episode and let it run again: only
+        those tokens are prefilled, or everything when it was preempted meanwhile."""
+        self.paused.remove(seq)
+        seq.token_ids.extend(new_tokens)
+        seq.fork_count = fork_count
+        if seq.block_table:
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+        else:
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is Status.PAUSED:
+            self.paused.remove(seq)
         self._release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
-    def _finish_out_of_memory(self, seq: Sequence) -> None:
+    def fits(self, num_tokens: int) -> bool:
+        """Whether a sequence of ``num_tokens`` tokens (plus the one it samples next) can ever
+        hold its K/V in this cache."""
+        return self.allocator.blocks_for(num_tokens + 1) <= self.allocator.num_blocks
+
+    def _finish_out_of_memory(self, seq: Sequence, plan: StepPlan) -> None:
         logger.warning(
-            "sequence of request %s fills the whole KV cache (%d tokens); stopping it with "
-            "finish_reason='length'. Give the generator more KV memory for longer outputs.",
-            seq.request.request_id, seq.num_tokens,
+            "sequence of request %s fills the whole KV cache (%d tokens, %d blocks of %d); stopping "
+            "it with finish_reason='length'. Give the generator more KV memory for longer outputs.",
+            seq.request.request_id, seq.num_tokens, self.allocator.num_blocks, self.block_size,
         )
         self.finish(seq, "length")
-        self.finished_by_scheduler.append(seq)
+        seq.out_of_memory = True
+        plan.stopped.append(seq)
 
     def _release(self, seq: Sequence) -> None:
         self.allocator.free_all(seq.block_table)
@@ -220,6 +294,25 @@ class Scheduler:
         seq.last_hash = NO_PARENT
 
     # ----------------------------------------------------------------- after the forward
+    def postprocess(self, plan: StepPlan, sampling_rows: list[int]
+                    ) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, list[Sequence]]]]:
+        """The step's bookkeeping once its forward ran: count the computed tokens, register new
+        full blocks in the prefix cache, and split groups whose prefill completed into their
+        forks. Returns ``(sequence, logits row)`` for every sequence that samples now (forks
+        share their parent's row) and ``(parent, new members)`` for every fork."""
+        for seq, n in zip(plan.seqs, plan.query_lens):
+            seq.num_computed += n
+            if self.enable_prefix_caching:
+                self.register_full_blocks(seq)
+        to_sample, forks = [], []
+        for row, i in enumerate(sampling_rows):
+            seq = plan.seqs[i]
+            group = self.fork(seq) if seq.fork_count > 1 else [seq]
+            if len(group) > 1:
+                forks.append((seq, group[1:]))
+            to_sample.extend((s, row) for s in group)
+        return to_sample, forks
+
     def register_full_blocks(self, seq: Sequence) -> None:
         """Put the sequence's newly computed full blocks in the prefix cache."""
         bs = self.block_size
@@ -231,12 +324,17 @@ class Scheduler:
             seq.num_hashed = b + 1
 
     def fork(self, seq: Sequence) -> list[Sequence]:
-        """Split a group's prefilled prompt into its ``n`` samples, sharing every block."""
+        """Split a group into its ``fork_count`` members, sharing every block. Samples of a
+        prompt take indices 1..n-1 (their random stream is their index); an episode's later
+        forks take streams derived from its own."""
         samples = [seq]
+        later = seq.num_tokens > seq.num_prompt_tokens
         for index in range(1, seq.fork_count):
-            child = seq.fork(index)
+            stream = fork_stream(seq.stream, index, seq.num_tokens) if later else None
+            child = seq.fork(index, stream)
             for block in child.block_table:
                 self.allocator.share(block)
+            self.stats.forked_shared_blocks += len(child.block_table)
             self.running.append(child)
             samples.append(child)
         seq.fork_count = 1
@@ -244,4 +342,10 @@ class Scheduler:
 
     def owners(self) -> list[list[int]]:
         """Block lists of every live sequence, for ``BlockAllocator.check(owners=...)``."""
-        return [s.block_table for s in self.running] + [s.block_table for s in self.waiting]
+        return [s.block_table for s in (*self.running, *self.waiting, *self.paused)]
+
+
+def fork_stream(stream: int, branch: int, position: int) -> int:
+    """The random stream of branch ``branch`` of a sequence forked at ``position`` (branch 0
+    keeps the parent's): a function of the history only, so forks are reproducible."""
+    return counter_seed(stream, branch, position)

@@ -159,7 +159,7 @@ def agreed_requests(generator, prompts: Sequence, sampling_params=None, group=No
     rank starts a collective rollout: a rank that raised alone would leave the others waiting."""
     error = None
     try:
-        requests = generator._make_requests(list(prompts), sampling_params) if prompts else []
+        requests = generator.make_requests(list(prompts), sampling_params) if prompts else []
     except (ValueError, RuntimeError) as err:
         error, requests = err, []
     if any_rank(error is not None, group):
@@ -170,34 +170,29 @@ def agreed_requests(generator, prompts: Sequence, sampling_params=None, group=No
 
 
 def _drive(generator, requests: list, lockstep: bool, group=None) -> list:
-    """Run ``requests`` to completion; in lockstep, one forward per round on every rank."""
-    for request in requests:
-        generator._enqueue(request)
-    order = {r.request_id: i for i, r in enumerate(requests)}
-    results: list = [None] * len(requests)
+    """Run ``requests`` to completion through :meth:`Generator.run`; in lockstep, one forward
+    per round on every rank."""
     if not lockstep:
-        while generator.has_unfinished():
-            for out in generator.step():
-                results[order[out.request_id]] = out
-        return results
+        return generator.run(requests)
     forwards = [0]
     handle = generator.model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
-    rounds = 0
+
+    def one_round() -> list:
+        before = forwards[0]
+        outs = generator.step() if generator.has_unfinished() else []
+        if forwards[0] == before:
+            dummy_forward(generator.model)
+        elif forwards[0] != before + 1:
+            raise RuntimeError(f"a generator step ran {forwards[0] - before} forwards; lockstep "
+                               "needs exactly one per round")
+        return outs
+
     try:
-        while any_rank(generator.has_unfinished(), group):
-            before = forwards[0]
-            if generator.has_unfinished():
-                for out in generator.step():
-                    results[order[out.request_id]] = out
-            if forwards[0] == before:
-                dummy_forward(generator.model)
-            elif forwards[0] != before + 1:
-                raise RuntimeError(f"a generator step ran {forwards[0] - before} forwards; lockstep "
-                                   "needs exactly one per round")
-            rounds += 1
+        results = generator.run(requests, step=one_round,
+                                more=lambda: any_rank(generator.has_unfinished(), group))
     finally:
         handle.remove()
-    logger.debug("lockstep rollout: %d rounds", rounds)
+    logger.debug("lockstep rollout: %d forwards", forwards[0])
     return results
 
 

@@ -1,0 +1,333 @@
+"""Multi-turn episodes in the in-flight generator: a model turn ends at a tool call, at EOS or at a
+limit; at a tool call the sequence pauses with its KV blocks pinned, its tools run off the decode
+loop while the other sequences decode, and it resumes by prefilling only the tool result's tokens
+(token-in/token-out: earlier turns are never re-tokenized).
+
+:class:`Episode` is the record a trainer reads: the completion (every token after the prompt,
+the model's and the tools'), a mask of the model-sampled tokens, their log-probs, the turns with
+their tool calls, and the reward. :class:`EpisodeRunner` is the generator's bookkeeping for one
+:meth:`inference.Generator.run_episodes` call.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from inference.request import Sequence, Status
+from inference.scheduler import Scheduler
+from inference.tools import ToolCall, ToolFormat, ToolRunner, public_methods, wait_any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EpisodeLimits:
+    """``max_turns``: model turns per episode (a tool call in the last one is not run);
+    ``max_tokens``: tokens after the prompt, the model's and the tools' (TRL's
+    ``max_completion_length``); ``tool_timeout`` in seconds per round of calls;
+    ``max_tool_result_chars``: a longer result is replaced by an error message;
+    ``tool_workers``: threads running synchronous tools."""
+
+    max_turns: int = 8
+    max_tokens: int = 1024
+    tool_timeout: float = 30.0
+    max_tool_result_chars: int = 16384
+    tool_workers: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_tokens", "max_tool_result_chars", "tool_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EpisodeLimits.{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.tool_timeout, (int, float)) or not self.tool_timeout > 0:
+            raise ValueError(f"EpisodeLimits.tool_timeout must be a number of seconds > 0, "
+                             f"got {self.tool_timeout!r}")
+
+
+@dataclass
+class Turn:
+    """One model turn: its tokens are ``completion_ids[start:end]``; the results of its
+    ``tool_calls`` follow as ``completion_ids[end:tool_end]`` (``tool_end == end``: none). Calls
+    of a turn that ended the episode (``max_turns``, no room for the result) keep ``result``
+    None: they were not run."""
+
+    start: int
+    end: int
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_end: int | None = None
+    malformed: str | None = None  # the parser's error when the turn held a malformed call
+
+    def __post_init__(self) -> None:
+        if self.tool_end is None:
+            self.tool_end = self.end
+
+
+@dataclass
+class Episode:
+    """A finished episode. ``finish_reason``: "stop" (a final answer, or a malformed tool call),
+    "length" (a token limit), "max_turns", "cache_full" (alone it outgrew the KV cache; see
+    ``error``) or "abort". ``branch`` orders the samples and forks of one prompt."""
+
+    prompt_index: int
+    branch: tuple[int, ...]
+    prompt_token_ids: list[int]
+    completion_ids: list[int]
+    model_mask: list[int]  # 1: sampled by the model (trained on), 0: a tool's tokens
+    logprobs: list[float]  # raw model log-prob of each token (0.0 at tool tokens)
+    temperature_logprobs: list[float]  # under softmax(logits / temperature): what GRPO scores
+    sampling_logprobs: list[float]  # under the processed distribution it was drawn from
+    turns: list[Turn]
+    finish_reason: str
+    num_tool_calls: int = 0
+    num_tool_errors: int = 0  # raised, timed out, unknown tool, garbage output
+    num_malformed: int = 0
+    reward: float | None = None
+    environment: object | None = None
+    error: str | None = None
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turns)
+
+    def completion_row(self) -> dict:
+        """What a GRPO step reads: prompt ids, completion ids, the loss mask (model tokens only),
+        the rollout's raw log-probs (``training.grpo.Rollout.gen_logprobs``), those under the
+        temperature (what TRL scores) and the reward; log-probs are 0.0 at tool tokens."""
+        return {"prompt_ids": list(self.prompt_token_ids), "completion_ids": list(self.completion_ids),
+                "loss_mask": list(self.model_mask), "logprobs": list(self.logprobs),
+                "temperature_logprobs": list(self.temperature_logprobs), "reward": self.reward}
+
+
+@dataclass
+class _State:
+    """What a live episode carries besides its sequence's tokens (copied on fork)."""
+
+    prompt_index: int
+    branch: tuple[int, ...]
+    base_tools: dict[str, Callable]  # the caller's tools; an environment's methods are added
+    environment: object | None
+    turns: list[Turn] = field(default_factory=list)
+    num_tool_calls: int = 0
+    num_tool_errors: int = 0
+    num_malformed: int = 0
+    tool_spans: list[tuple[int, int]] = field(default_factory=list)  # absolute token ranges of tool results
+    error: str | None = None
+
+
+@dataclass
+class _Pending:
+    seq: Sequence
+    calls: list[ToolCall]
+    futures: list
+    deadline: float
+
+
+class EpisodeRunner:
+    """The episodes of one ``run_episodes`` call: turn ends, pauses, tools, resumes, forks."""
+
+    def __init__(self, scheduler: Scheduler, tool_format: ToolFormat, limits: EpisodeLimits,
+                 vocab_size: int, environment_factory: Callable | None = None,
+                 reward_fn: Callable[[Episode], float] | None = None,
+                 fork: Callable[[Episode], int] | None = None, max_num_seqs: int = 1):
+        self.scheduler, self.format, self.limits = scheduler, tool_format, limits
+        self.vocab_size, self.environment_factory = vocab_size, environment_factory
+        self.reward_fn, self.fork_fn, self.max_num_seqs = reward_fn, fork, max_num_seqs
+        self.tools = ToolRunner(limits.tool_timeout, limits.max_tool_result_chars, limits.tool_workers)
+        self.pending: list[_Pending] = []
+        self.done: list[Episode] = []
+        self.live = 0
+        self.tool_wait_s = 0.0  # time the decode loop sat idle because every episode waited on tools
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self, seq: Sequence, prompt_index: int, tools: dict[str, Callable]) -> None:
+        env = self.environment_factory() if self.environment_factory is not None else None
+        seq.episode = _State(prompt_index, (0,), tools, env)
+        seq.max_generated = self.limits.max_tokens
+        self.live += 1
+
+    def forked(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Give each new branch its own state: a prompt's samples get fresh environments, a later
+        fork copies the parent's (deep copy: the branches' tools must not share state)."""
+        state: _State = parent.episode
+        first = parent.num_tokens == parent.num_prompt_tokens  # the samples of the prompt
+        if not first:
+            state.branch = state.branch + (0,)
+        for child in children:
+            new = copy.copy(state)
+            new.turns = copy.deepcopy(state.turns)
+            new.tool_spans = list(state.tool_spans)
+            if first:
+                new.branch = (child.index,)
+                factory = self.environment_factory
+                new.environment = factory() if factory is not None else None
+            else:
+                new.branch = state.branch[:-1] + (child.index,)
+                new.environment = copy.deepcopy(state.environment)
+            child.episode = new
+            self.live += 1
+
+    # ----------------------------------------------------------------- a turn ends
+    def turn_ended(self, seq: Sequence, reason: str) -> None:
+        """Called when a sampled token ends the model's turn (stop token or string: "stop";
+        a token limit: "length"). Pauses the episode at a tool call, else finishes it."""
+        state: _State = seq.episode
+        prompt_len = seq.num_prompt_tokens
+        turn = Turn(seq.turn_start - prompt_len, seq.num_tokens - prompt_len)
+        state.turns.append(turn)
+        if reason != "stop":
+            return self.finish(seq, reason)
+        turn_ids = seq.token_ids[seq.turn_start:]
+        try:
+            calls = list(self.format.parse(turn_ids, seq.token_ids[: seq.turn_start]) or [])
+            if not all(isinstance(c, ToolCall) and isinstance(c.arguments, dict) for c in calls):
+                raise TypeError(f"the tool format's parse() must return ToolCalls with dict arguments, "
+                                f"got {calls!r}")
+        except Exception as err:  # noqa: BLE001 - a malformed call ends the model's turn, not the batch
+            turn.malformed = f"{type(err).__name__}: {err}"
+            state.num_malformed += 1
+            return self.finish(seq, "stop")
+        if not calls:
+            return self.finish(seq, "stop")
+        turn.tool_calls = calls
+        if len(state.turns) >= self.limits.max_turns:
+            return self.finish(seq, "max_turns")
+        self.scheduler.pause(seq)
+        tools = state.base_tools if state.environment is None else {**state.base_tools,
+                                                                   **public_methods(state.environment)}
+        futures, deadline = self.tools.submit(calls, tools)
+        self.pending.append(_Pending(seq, calls, futures, deadline))
+
+    # ----------------------------------------------------------------- tools return
+    def poll(self, block: bool) -> None:
+        """Resume every episode whose tools have all returned (or timed out). ``block``: the
+        decode loop has nothing to run, so wait for the first one instead of spinning."""
+        if block and self.pending and not any(self._ready(p) for p in self.pending):
+            start = time.perf_counter()
+            deadline = min(p.deadline for p in self.pending)
+            wait_any([f for p in self.pending for f in p.futures], deadline)
+            self.tool_wait_s += time.perf_counter() - start
+        ready = [p for p in self.pending if self._ready(p)]
+        self.pending = [p for p in self.pending if not self._ready(p)] if ready else self.pending
+        for p in ready:
+            self._resume(p)
+
+    @staticmethod
+    def _ready(p: _Pending) -> bool:
+        return all(f is None or f.done() for f in p.futures) or time.monotonic() >= p.deadline
+
+    def _resume(self, p: _Pending) -> None:
+        seq, state = p.seq, p.seq.episode
+        self.tools.collect(p.calls, p.futures, time.monotonic() >= p.deadline)
+        state.num_tool_calls += len(p.calls)
+        state.num_tool_errors += sum(c.error for c in p.calls)
+        messages = [{"role": "tool", "name": c.name, "content": c.result} for c in p.calls]
+        try:
+            tokens = list(self.format.render(messages, seq.token_ids[seq.turn_start:]))
+        except Exception as err:  # noqa: BLE001 - the format is user code; end this episode, not the batch
+            state.error = f"rendering the tool results failed: {type(err).__name__}: {err}"
+            return self.finish(seq, "abort")
+        bad = [t for t in tokens
+               if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            state.error = f"the tool format rendered {bad[0]!r}, not a token id in [0, {self.vocab_size})"
+            return self.finish(seq, "abort")
+        if seq.num_generated + len(tokens) >= seq.max_generated:
+            return self.finish(seq, "length")  # no room for the result and one more model token
+        if not self.scheduler.fits(seq.num_tokens + len(tokens)):
+            return self.finish_out_of_memory(seq, seq.num_tokens + len(tokens))
+        state.tool_spans.append((seq.num_tokens, seq.num_tokens + len(tokens)))
+        state.turns[-1].tool_end = state.turns[-1].end + len(tokens)
+        self.scheduler.resume(seq, tokens)
+        seq.turn_start = seq.num_tokens
+        if self.fork_fn is not None:  # a turn boundary: the branches share every block so far
+            branches = self.fork_fn(self._episode(seq, None))
+            if isinstance(branches, bool) or not isinstance(branches, int) \
+                    or not 1 <= branches <= self.max_num_seqs:
+                raise ValueError(f"fork() returned {branches!r}; it must be an int in [1, max_num_seqs="
+                                 f"{self.max_num_seqs}]")
+            seq.fork_count = branches
+
+    # ----------------------------------------------------------------- ending
+    def finish_out_of_memory(self, seq: Sequence, num_tokens: int) -> None:
+        blocks, bs = self.scheduler.allocator.num_blocks, self.scheduler.block_size
+        seq.episode.error = (
+            f"the episode needs {num_tokens} tokens of KV cache but the whole cache holds {blocks * bs} "
+            f"({blocks} blocks of {bs}); give the Generator more kv_memory_bytes/num_blocks or lower "
+            "EpisodeLimits.max_tokens")
+        logger.warning("episode of prompt %d stopped: %s", seq.episode.prompt_index, seq.episode.error)
+        self.finish(seq, "cache_full")
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is not Status.FINISHED:
+            self.scheduler.finish(seq, reason)
+        episode = self._episode(seq, reason)
+        if self.reward_fn is not None and reason != "abort":
+            episode.reward = float(self.reward_fn(episode))
+        self.done.append(episode)
+        self.live -= 1
+
+    def abort_all(self) -> None:
+        """Stop every live episode (after an error): free their blocks, drop their tools."""
+        for p in self.pending:
+            for f in p.futures:
+                if f is not None:
+                    f.cancel()
+        self.pending = []
+        for seq in [*self.scheduler.running, *self.scheduler.waiting, *self.scheduler.paused]:
+            if seq.episode is not None:
+                self.finish(seq, "abort")
+
+    def close(self) -> None:
+        self.tools.close()
+
+    def results(self) -> list[Episode]:
+        return sorted(self.done, key=lambda e: (e.prompt_index, e.branch))
+
+    def _episode(self, seq: Sequence, reason: str | None) -> Episode:
+        state: _State = seq.episode
+        prompt_len = seq.num_prompt_tokens
+        ids = seq.token_ids[prompt_len:]
+        mask = [1] * len(ids)
+        for start, end in state.tool_spans:
+            mask[start - prompt_len: end - prompt_len] = [0] * (end - start)
+        lists = []
+        for sampled in (seq.logprobs, seq.temperature_logprobs, seq.sampling_logprobs):
+            it = iter(sampled)
+            lists.append([next(it) if m else 0.0 for m in mask])
+        return Episode(
+            prompt_index=state.prompt_index, branch=state.branch, prompt_token_ids=seq.token_ids[:prompt_len],
+            completion_ids=ids, model_mask=mask, logprobs=lists[0], temperature_logprobs=lists[1],
+            sampling_logprobs=lists[2], turns=copy.deepcopy(state.turns), finish_reason=reason,
+            num_tool_calls=state.num_tool_calls, num_tool_errors=state.num_tool_errors,
+            num_malformed=state.num_malformed, environment=state.environment, error=state.error)
+
+
+def named_tools(tools) -> dict[str, Callable]:
+    """``{name: function}`` from a list of functions (named by ``__name__``) or a mapping."""
+    if isinstance(tools, Mapping):
+        named = dict(tools)
+    else:
+        named = {getattr(fn, "__name__", repr(fn)): fn for fn in tools}
+    for name, fn in named.items():
+        if not callable(fn):
+            raise TypeError(f"tool {name!r} is {fn!r}, not a function")
+    return named
+
+
+def render_prompts(prompts, tool_format: ToolFormat) -> list:
+    """Episode prompts as the generator takes them: chat messages rendered (with the tools) by
+    the tool format, token ids and strings as they are."""
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    out = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], Mapping):
+            if not hasattr(tool_format, "prompt_ids"):
+                raise ValueError(f"prompt {i} is chat messages but the tool format "
+                                 f"{type(tool_format).__name__} has no prompt_ids(); pass token ids")
+            prompt = tool_format.prompt_ids(list(prompt))
+        out.append(prompt)
+    return out
