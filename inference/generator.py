@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from inference.kv_cache import KVCache, bytes_per_block
-from inference.model_runner import ModelRunner, NopadAttention
+from inference.model_runner import ModelRunner
 from inference.outputs import RequestOutput, StreamDelta
 from inference.request import Request, Sequence, Status, prompt_token_ids
 from inference.sampler import SamplerBuffers, sample
@@ -31,6 +31,7 @@ from inference.sharded import refuse_plain_generation
 from packing.attention import names as attention_backends
 from packing.attention import paged_block_size
 from packing.blocks import BlockAllocator
+from packing.hf import use_nopad_attention
 
 logger = logging.getLogger(__name__)
 
@@ -420,7 +421,7 @@ class Generator:
         return self._runner
 
     def _nopad_attention(self):
-        return NopadAttention(self.model)
+        return use_nopad_attention(self.model, eval_mode=True)
 
     def _autocast(self):
         """``dtype=`` other than the weights' (e.g. bf16 rollouts of an fp32 policy): run the step
