@@ -16,7 +16,7 @@ import math
 import torch
 
 from packing.attention.plan import AttentionPlan
-from packing.attention.registry import Call, Opts
+from packing.attention.registry import Opts
 from packing.attention.sdpa import _sdpa
 from packing.varlen import VarlenMeta
 
@@ -162,12 +162,11 @@ def varlen_attention(
     shared = meta.key_index is not None and kv_cache is None
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v))
     block_size = kv_cache[0].shape[1] if kv_cache is not None else 1
-    call = Call(q.device, q.dtype, softcap, sliding_window, paged=kv_cache is not None, block_size=block_size,
-                shared_prefix=shared, grad=grad)
-    chosen = plan.backend(call, backend)
+    call, chosen = plan.decide(q.device, q.dtype, softcap, sliding_window, paged=kv_cache is not None,
+                               block_size=block_size, shared_prefix=shared, grad=grad, override=backend)
     differentiable = None  # what a forward-only kernel's backward recomputes with
     if grad and not chosen.grad:
-        differentiable = plan.differentiable(Call(q.device, q.dtype, softcap, sliding_window, grad=True))
+        differentiable = plan.differentiable(q.device, q.dtype, softcap, sliding_window)
 
     if kv_cache is not None:
         if chosen.reads_in_place(call) and kv_cache[0].dtype == q.dtype and not grad:
@@ -199,9 +198,8 @@ def _static_decode(q, k, v, meta: VarlenMeta, kv_cache, opts: Opts, backend: str
                          f"has {q.shape[0]} tokens; a static decode step runs one token per row")
     store_kv(kv_cache, k, v, meta.slot_mapping)
     k_cache, v_cache = kv_cache
-    call = Call(q.device, k_cache.dtype, opts.softcap, opts.window, paged=True, block_size=k_cache.shape[1],
-                static=True)
-    chosen = plan.backend(call, backend)
+    chosen = plan.decide(q.device, k_cache.dtype, opts.softcap, opts.window, paged=True,
+                         block_size=k_cache.shape[1], static=True, override=backend).backend
     if chosen.static_decode is not None:  # keys read in place, one opaque op
         out = chosen.static_decode(q.to(k_cache.dtype).contiguous(), k_cache, v_cache, meta.block_table,
                                    meta.context_lens, opts.scale, opts.window or 0, opts.softcap or 0.0)

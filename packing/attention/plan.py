@@ -13,7 +13,8 @@ once per layer (``benchmarks/bench_attention_plan.py`` counts and times it).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -44,6 +45,11 @@ class PlannedRow:
         return self.nopad_meta is nopad_meta and self.position_ids is position_ids and self.shape == shape
 
 
+class Decision(NamedTuple):
+    call: Call  # the call as the registry saw it (with the plan's mode)
+    backend: Backend
+
+
 class AttentionPlan:
     """The backend decisions of one forward (see module docstring). ``backend`` is the default
     request (``"auto"``: ``NOPAD_ATTN_BACKEND``, else the registry's rule)."""
@@ -53,31 +59,37 @@ class AttentionPlan:
         self.default = backend or "auto"
         self.invariant = invariance.is_enabled()
         self.kernels = invariance.active_kernels()
-        self.decisions = 0  # calls of registry.choose this plan made (the benchmark and tests read it)
+        self.decisions = 0  # runs of registry.choose this plan made (the benchmark and tests read it)
         self.row: PlannedRow | None = None  # set by the first layer (packing.hf.attention)
-        self._chosen: dict[tuple[Call, str | None], Backend] = {}
-        self._differentiable: dict[Call, Backend] = {}
+        self._decided: dict[tuple, Decision] = {}
+        self._differentiable: dict[tuple, Backend] = {}
 
-    def _moded(self, call: Call) -> Call:
-        return replace(call, invariant=self.invariant, kernels=self.kernels)
-
-    def backend(self, call: Call, override: str | None = None) -> Backend:
-        """The backend that runs ``call`` (``override``: a layer's ``backend=``, else the plan's)."""
-        key = (call, override)
-        chosen = self._chosen.get(key)
-        if chosen is None:
+    def decide(self, device: torch.device, dtype: torch.dtype, softcap: float | None = None,
+               window: int | None = None, *, paged: bool = False, block_size: int = 1,
+               shared_prefix: bool = False, grad: bool = False, static: bool = False,
+               override: str | None = None) -> Decision:
+        """The backend for a layer's call (``override``: the layer's ``backend=``, else the
+        plan's). A layer like one seen before in this forward is a dictionary look-up."""
+        key = (device, dtype, softcap, window, paged, block_size, shared_prefix, grad, static, override)
+        decision = self._decided.get(key)
+        if decision is None:
+            call = Call(device, dtype, softcap, window, paged, block_size, shared_prefix, grad, static,
+                        invariant=self.invariant, kernels=self.kernels)
             requested = requested_backend(override if override not in (None, "auto") else self.default,
                                           self.env_backend)
-            chosen = self._chosen[key] = choose(self._moded(call), requested)
+            decision = self._decided[key] = Decision(call, choose(call, requested))
             self.decisions += 1
-        return chosen
+        return decision
 
-    def differentiable(self, call: Call) -> Backend:
-        """The backend a forward-only kernel's backward recomputes ``call`` with."""
-        chosen = self._differentiable.get(call)
-        if chosen is None:
-            chosen = self._differentiable[call] = choose_differentiable(call)
-        return chosen
+    def differentiable(self, device: torch.device, dtype: torch.dtype, softcap: float | None,
+                       window: int | None) -> Backend:
+        """The backend a forward-only kernel's backward recomputes such a layer with."""
+        key = (device, dtype, softcap, window)
+        backend = self._differentiable.get(key)
+        if backend is None:
+            backend = self._differentiable[key] = choose_differentiable(Call(device, dtype, softcap, window,
+                                                                             grad=True))
+        return backend
 
 
 def choose_backend(
@@ -113,15 +125,16 @@ def choose_backend(
     A named backend runs wherever it is asked to (for debugging and the tests' stand-ins); one that
     cannot serve the call is an error, except flash-attn on fp32, which runs exact SDPA with advice.
     """
-    call = Call(torch.device(device), dtype, softcap or None, sliding_window, paged, block_size,
-                shared_prefix, grad)
-    return AttentionPlan(override).backend(call).name
+    decision = AttentionPlan(override).decide(torch.device(device), dtype, softcap or None, sliding_window,
+                                              paged=paged, block_size=block_size, shared_prefix=shared_prefix,
+                                              grad=grad)
+    return decision.backend.name
 
 
 def paged_block_size(device: torch.device | str, dtype: torch.dtype, override: str | None = None) -> int:
     """The KV block size a generator should allocate: 256 when the backend that would run its steps
     reads only such pages in place (flash-attn 2 and torch's varlen kernel), else 16."""
-    backend = AttentionPlan(override).backend(Call(torch.device(device), dtype, paged=True, block_size=256))
+    backend = AttentionPlan(override).decide(torch.device(device), dtype, paged=True, block_size=256).backend
     if backend.reads_pages is not None and backend.reads_pages(256) and not backend.reads_pages(16):
         return 256
     return 16
