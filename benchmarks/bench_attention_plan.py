@@ -6,7 +6,8 @@ those decisions take, in a training step (a packed row, forward + backward) and 
 A tiny-width 30-layer Llama on CPU, so the decisions are a visible share of the step. Printed:
 the rule's runs per forward; the time of one full decision (``choose_backend``: what every layer
 paid before the plan) and of one layer's look-up in a made plan; the decisions' cost per forward
-(runs x decision + look-ups); and the median time of the whole step. The script uses only the
+(runs x decision + look-ups); the Python function calls of one step (noise-free, unlike the
+time); and the median time of the whole step. The script uses only the
 public API, so it runs at an older commit as well: run it at both and compare the lines.
 
     python benchmarks/bench_attention_plan.py            # 30 layers, 40 timed steps
@@ -43,21 +44,22 @@ def tiny_llama(layers: int) -> transformers.PreTrainedModel:
     return transformers.LlamaForCausalLM(config).float()
 
 
-def count_rule_runs(fn) -> int:
-    """How many times ``registry.choose`` runs during ``fn()`` (counted by code object, so it
-    counts the same function whichever module calls it)."""
-    code, runs = registry.choose.__code__, [0]
+def count_calls(fn) -> tuple[int, int]:
+    """``(runs of registry.choose, Python function calls in all)`` during ``fn()``: counted by code
+    object, whichever module calls it; the second is a noise-free measure of the step's Python work."""
+    code, runs, calls = registry.choose.__code__, [0], [0]
 
     def profile(frame, event, arg):
-        if event == "call" and frame.f_code is code:
-            runs[0] += 1
+        if event == "call":
+            calls[0] += 1
+            runs[0] += frame.f_code is code
 
     sys.setprofile(profile)
     try:
         fn()
     finally:
         sys.setprofile(None)
-    return runs[0]
+    return runs[0], calls[0]
 
 
 def per_call_us(fn, repeats: int) -> float:
@@ -142,18 +144,19 @@ def main(argv=None) -> dict:
     with use_nopad_attention(model):
         for name, (step, call) in cases.items():
             step()
-            runs = count_rule_runs(step)
+            runs, python_calls = count_calls(step)
             decision = per_call_us(partial(choose_backend, "cpu", torch.float32, **call), repeats)
             lookup = lookup_us(repeats, **call)
             cost = runs * decision + (args.layers * lookup if lookup is not None else 0.0)
-            report[name] = dict(rule_runs=runs, decision_us=decision, lookup_us=lookup, decisions_us=cost,
-                                step_ms=median_ms(step, steps))
+            report[name] = dict(rule_runs=runs, python_calls=python_calls, decision_us=decision,
+                                lookup_us=lookup, decisions_us=cost, step_ms=median_ms(step, steps))
     print(f"{args.layers}-layer Llama (hidden 32) on CPU, {args.threads} thread(s)")
     for name, r in report.items():
         lookup = "-" if r["lookup_us"] is None else f"{r['lookup_us']:.2f} us"
         print(f"{name}: registry.choose runs per forward {r['rule_runs']}; "
               f"one decision {r['decision_us']:.1f} us, one plan look-up {lookup}; "
-              f"decisions per forward {r['decisions_us']:.0f} us; median step {r['step_ms']:.2f} ms")
+              f"decisions per forward {r['decisions_us']:.0f} us; Python calls per step {r['python_calls']}; "
+              f"median step {r['step_ms']:.2f} ms")
     return report
 
 
