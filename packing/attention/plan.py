@@ -46,6 +46,8 @@ class PlannedRow:
 
 
 class Decision(NamedTuple):
+    """A layer's backend and the call it was chosen for (whose flags say how the keys are read)."""
+
     call: Call  # the call as the registry saw it (with the plan's mode)
     backend: Backend
 
