@@ -123,7 +123,7 @@ def environment(device: torch.device) -> dict:
 
 def backends(device: torch.device, dtype: torch.dtype, block_size: int) -> dict:
     """The attention backend ``choose_backend`` picks for each path nopad runs."""
-    from packing.attention.registry import choose_backend
+    from packing.attention import choose_backend
 
     paths = {
         "training (grad)": dict(grad=True),
@@ -554,7 +554,7 @@ def main(argv=None) -> int:
         steps, bw_bytes, grpo = 2, 1 << 20, dict(prompts=2, G=2, new_tokens=4, steps=1)
     else:
         specs = {m: MODELS[m] for m in args.models}
-        from packing.attention.registry import paged_block_size
+        from packing.attention import paged_block_size
 
         counts, floor_counts, block = [64, 128, 256], [64, 128, 256], paged_block_size(device, dtype)
         train = dict(n_seqs=256, budget=4096, cap=2048)  # padded logits stay well inside 80 GB

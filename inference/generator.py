@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from inference.episodes import Episode, EpisodeLimits, EpisodeRunner, named_tools, render_prompts
 from inference.kv_cache import KVCache, bytes_per_block
-from inference.model_runner import ModelRunner, NopadAttention
+from inference.model_runner import ModelRunner
 from inference.outputs import RequestOutput, StreamDelta
 from inference.request import Request, Sequence, Status, prompt_token_ids
 from inference.sampler import SamplerBuffers, sample
@@ -33,6 +33,7 @@ from packing.attention import names as attention_backends
 from packing.attention import paged_block_size
 from packing.blocks import BlockAllocator
 from packing.distributed import compute_dtype as model_compute_dtype
+from packing.hf import use_nopad_attention
 
 logger = logging.getLogger(__name__)
 
@@ -523,7 +524,7 @@ class Generator:
         return self._runner
 
     def _nopad_attention(self):
-        return NopadAttention(self.model)
+        return use_nopad_attention(self.model, eval_mode=True)
 
     def _autocast(self):
         """``dtype=`` other than the weights' (e.g. bf16 rollouts of an fp32 policy): run the step

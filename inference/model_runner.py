@@ -88,8 +88,6 @@ def build_step(plan: StepPlan, block_size: int, device) -> StepInputs:
         seq_idx=d_seq.to(torch.int32), seqlens_q=tuple(q.tolist()), seqlens_k=tuple(k.tolist()),
         block_table=d_table.to(torch.int32), slot_mapping=d_slots,
     )
-    meta._derived["block_table_long"] = d_table
-    meta._derived["seq_idx_long"] = d_seq
     return StepInputs(d_ids[None], meta, d_keep, sampling_rows, position_ids=d_pos[None])
 
 
@@ -194,28 +192,3 @@ class ModelRunner:
         rows = step.sampling_rows
         return (logits if rows else logits[:0]), rows
 
-
-class NopadAttention:
-    """Use nopad attention (and eval mode) for one step; restore the user's setting after."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __enter__(self):
-        from packing.hf import NOPAD_ATTENTION, register_nopad_attention
-
-        register_nopad_attention()
-        config = self.model.config
-        self.saved = (config._attn_implementation, self.model.training)
-        if config._attn_implementation != NOPAD_ATTENTION:
-            config._attn_implementation = NOPAD_ATTENTION
-        if self.model.training:
-            self.model.eval()
-
-    def __exit__(self, *exc):
-        attn, training = self.saved
-        if self.model.config._attn_implementation != attn:
-            self.model.config._attn_implementation = attn
-        if training:
-            self.model.train()
-        return False

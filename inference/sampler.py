@@ -217,8 +217,8 @@ def uniform_draw(seq: Sequence) -> float:
 def _inverse_cdf(logprobs: torch.Tensor, uniforms: list[float], buffers: SamplerBuffers) -> torch.Tensor:
     """Token ``t`` with ``cdf[t-1] <= u * total < cdf[t]``: a draw from each row's distribution
     (zero-probability tokens are never picked)."""
-    # exp in fp32 (vectorised; float64's took 3.8 ms of a 64 x 49k step), summed in float64 so the
-    # CDF over the whole vocabulary keeps the tail's mass
+    # exp in fp32 (vectorised; float64's is slower, see benchmarks/bench_sampler.py), summed in
+    # float64 so the CDF over the whole vocabulary keeps the tail's mass
     probs = torch.exp(logprobs, out=buffers.get("probs", logprobs))
     cdf = buffers.get("cdf", logprobs, torch.float64).copy_(probs).cumsum_(dim=-1)
     u = torch.tensor(uniforms, dtype=torch.float64, device=logprobs.device) * cdf[:, -1]

@@ -30,5 +30,6 @@ def load_extension(name: str, what: str, fallback: str) -> ModuleType | None:
 
 
 def native_packer() -> ModuleType | None:
-    """The compiled packer, or None (the pure-Python packer is ~50x slower)."""
-    return load_extension("packing._packer", "packer", "the pure-Python packer, ~50x slower")
+    """The compiled packer, or None (the pure-Python reference is much slower on large datasets;
+    ``benchmarks/bench_packing.py`` times the packers)."""
+    return load_extension("packing._packer", "packer", "the pure-Python packer (much slower)")

@@ -6,8 +6,8 @@
 
 Why: a GEMM picks its tiling (and so the order of its sums) from the number of rows, and attention
 kernels from the number and length of sequences, so one token gets different bits in a decode step
-of 48 sequences and in a training row of 4,096 tokens; in bf16 that made rollout and trainer
-log-probs differ by up to 0.31. Under this mode:
+of 48 sequences and in a training row of 4,096 tokens, and in bf16 rollout and trainer log-probs
+differ visibly (``benchmarks/bench_exactness.py`` measures by how much). Under this mode:
 
 - every ``F.linear`` (so every ``nn.Linear``) runs on fixed tiles: on CPU torch GEMMs of
   :data:`TILE_ROWS` rows (the last one zero-padded), so each row meets the same GEMM shape, hence
@@ -17,17 +17,17 @@ log-probs differ by up to 0.31. Under this mode:
 - in the "triton" set (CUDA), row reductions over the last dim (``mean``, ``softmax``,
   ``log_softmax``) run Triton kernels with one fixed order per row too; torch's CUDA reductions
   choose how to split a row from the tensor's shape. (On CPU they were audited as row-local.)
-- nopad attention runs a kernel whose per-query order depends on nothing but the query's own keys,
-  for training rows, prefill chunks and decode: the compiled CPU kernel
+- nopad attention runs a backend declared ``invariant`` (its per-query order depends on nothing
+  but the query's own keys), for training rows, prefill chunks and decode: the compiled CPU kernel
   (:mod:`packing.attention.cpu_kernel`) or the Triton one (:mod:`packing.attention.triton_kernel`).
 - Everything else in the tested families (embedding, RMSNorm's row mean, RoPE, activations,
   ``log_softmax`` over a row) was audited as row-local: see ``tests/test_packing_invariance.py``.
 
 The mode belongs to the thread that enters it: the ops are caught by a
 ``torch.overrides.TorchFunctionMode``, whose stack is per thread, and :func:`is_enabled` (read by
-the attention registry) is thread-local, so another thread keeps torch's default kernels. On CPU it
-costs the padding of the last tile (32 rows: a decode step of 48 sequences computes 64 rows) and the
-attention kernel's forward on training rows.
+an attention plan when a forward starts) is thread-local, so another thread keeps torch's default
+kernels. On CPU it costs the padding of the last tile (a decode step of 48 sequences computes 64
+rows) and the attention kernel's forward on training rows (``benchmarks/bench_exactness.py``).
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ _state = threading.local()  # per thread: ``depth`` of batch_invariant() blocks,
 def supported(device: torch.device | str, kernels: str | None = None) -> tuple[bool, str]:
     """Whether this mode makes the generator's and the training forward's log-probs bitwise equal
     for a model on ``device`` (with the kernel set ``kernels``, None: chosen by device), and why
-    not: it needs an attention backend with a fixed per-query order (none other forced through
+    not: it needs an attention backend declared ``invariant`` (none other forced through
     ``NOPAD_ATTN_BACKEND``), and on CUDA (or with ``kernels="triton"``) the Triton kernels."""
     import os
 
-    from packing.attention.registry import BACKEND_ENV
+    from packing.attention.registry import BACKEND_ENV, invariant_names
 
     device = torch.device(device)
     forced = os.environ.get(BACKEND_ENV) or "auto"
@@ -67,7 +67,7 @@ def supported(device: torch.device | str, kernels: str | None = None) -> tuple[b
         ok, why = invariant_kernels.available()
         if not ok:
             return False, f"the batch-invariant CUDA kernels are Triton kernels and {why}"
-    allowed = ("auto", "kernel", "per_token") if kernels == "cpu" else ("auto", "triton")
+    allowed = ("auto", *invariant_names("cpu" if kernels == "cpu" else "cuda"))
     if forced not in allowed:
         return False, f"{BACKEND_ENV}={forced} forces an attention backend without the batch-invariant path"
     return True, ""
@@ -86,7 +86,7 @@ def active_kernels() -> str | None:
 
 
 def is_enabled() -> bool:
-    """True inside :func:`batch_invariant` in this thread."""
+    """True inside :func:`batch_invariant` in this thread (read when an attention plan is made)."""
     return getattr(_state, "depth", 0) > 0
 
 

@@ -10,7 +10,9 @@ of the keys (a decode token is the last key; a prefill chunk is the tail of its 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -59,12 +61,25 @@ def step_layout(query_lens, context_lens) -> dict[str, np.ndarray]:
     return dict(q=q, k=k, cu_q=cu_q, cu_k=cu_k, positions=positions, seq_idx=seq_idx)
 
 
+class PaddedLayout(NamedTuple):
+    """A row seen as a padded batch of its ``B`` sequences (:attr:`VarlenMeta.padded_layout`), int64
+    tensors on the meta's device. Padding slots point at the sequence's first key / query row."""
+
+    key_rows: torch.Tensor  # (B, max_k): row of each key in the flat keys
+    query_rows: torch.Tensor | None  # (B, max_q): row of each query; None when one query per sequence
+    query_valid: torch.Tensor  # (B, max_q) bool: a real query, not padding
+    query_pos: torch.Tensor  # (B, max_q): each query's position among its sequence's keys
+    key_lens: torch.Tensor  # (B,)
+
+
 @dataclass(frozen=True, eq=False)
 class VarlenMeta:
     """Boundaries of the sequences in one flat row of tokens, for every attention backend.
 
     Tensors live on ``device``; ``seqlens_q``/``seqlens_k`` are host-side copies so CPU kernels
-    can loop over sequences without a device sync.
+    can loop over sequences without a device sync. Values derived from the fields (index tensors,
+    host arrays) are cached properties, built once per record - so once per forward or generator
+    step, not once per layer.
     """
 
     cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1], leading 0
@@ -77,8 +92,6 @@ class VarlenMeta:
     seqlens_k: tuple[int, ...] | None
     block_table: torch.Tensor | None = None  # int32 [num_seqs, max_blocks]: paged K/V blocks
     slot_mapping: torch.Tensor | None = None  # int64 [total_q]: cache slot of each new token's K/V
-    # index tensors derived from the host lengths, built once per meta (not once per layer)
-    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # shared-prefix rows: key p of sequence i is row key_index[i, p] of the row's own K/V
     key_index: torch.Tensor | None = None  # int32 [num_seqs, max_seqlen_k] (a block table of 1-token blocks)
     key_rows: torch.Tensor | None = None  # int64 [total_k]: the same rows, sequence after sequence
@@ -244,12 +257,11 @@ class VarlenMeta:
         """True when queries == keys for every sequence (a training row or a fresh prefill)."""
         return self.seqlens_q == self.seqlens_k
 
+    @cached_property
     def without_key_index(self) -> VarlenMeta:
         """This shared-prefix row once its keys are gathered (``key_rows``): a plain varlen row whose
-        sequence ``i`` has ``seqlens_k[i]`` keys in order. Built once per meta."""
-        if "without_key_index" not in self._derived:
-            self._derived["without_key_index"] = replace(self, key_index=None, key_rows=None)
-        return self._derived["without_key_index"]
+        sequence ``i`` has ``seqlens_k[i]`` keys in order."""
+        return replace(self, key_index=None, key_rows=None)
 
     def previous_rows(self) -> torch.Tensor:
         """Row of the token before each query token in its own sequence (its keys), -1 for a
@@ -273,76 +285,83 @@ class VarlenMeta:
         return torch.from_numpy(np.where(key_pos > 0, prev, -1)).to(self.device)
 
     @property
-    def document_ids(self) -> torch.Tensor:
-        """Sequence id of each query token, the ``document_id`` a FlexAttention mask compares."""
-        return self.seq_idx
-
-    def cu_seqlens_padded(self, multiple: int) -> torch.Tensor:
-        """``cu_seqlens`` with every sequence's length rounded up to ``multiple``: the layout
-        context parallelism (2 x CP size) and fixed-shape kernels expect."""
-        if multiple < 1:
-            raise ValueError(f"multiple must be >= 1, got {multiple}")
-        lens = np.asarray(self.seqlens_q, dtype=np.int64)
-        padded = -(-lens // multiple) * multiple
-        return torch.from_numpy(_cumsum0(padded).astype(np.int32)).to(self.cu_seqlens_q.device)
-
-    def padded_to(self, multiple: int) -> VarlenMeta:
-        """The same row with its token count rounded up to ``multiple`` by one trailing filler
-        sequence, so shapes fall into a few buckets (CUDA graphs, ``torch.compile``). The
-        filler attends only to itself; its outputs are to be ignored."""
-        if multiple < 1:
-            raise ValueError(f"multiple must be >= 1, got {multiple}")
-        if self.block_table is not None or self.key_index is not None or not self.is_prefill_only:
-            raise ValueError("padded_to is for plain packed training rows, not paged generation steps "
-                             "or shared-prefix rows")
-        extra = -self.total_q % multiple
-        if extra == 0:
-            return self
-        return VarlenMeta.from_lengths(
-            list(self.seqlens_q) + [extra], device=self.cu_seqlens_q.device
-        )
-
-    @property
     def device(self) -> torch.device:
         return self.cu_seqlens_q.device
 
+    @cached_property
     def key_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(seq, pos)`` (int64, on :attr:`device`) of every key of the row: which sequence it
-        belongs to and its position there. Built on the host from ``seqlens_k`` and copied once,
-        then memoised, so every layer that gathers keys reuses it (no ``repeat_interleave`` with
-        a data-dependent size, no host sync)."""
-        if "key_positions" not in self._derived:
-            lens = np.asarray(self.seqlens_k, dtype=np.int64)
-            seq = np.repeat(np.arange(lens.size, dtype=np.int64), lens)
-            pos = np.arange(seq.size, dtype=np.int64) - np.repeat(_cumsum0(lens)[:-1], lens)
-            both = torch.from_numpy(np.stack([seq, pos])).to(self.device, non_blocking=True)
-            self._derived["key_positions"] = (both[0], both[1])
-        return self._derived["key_positions"]
+        belongs to and its position there. Built on the host from ``seqlens_k`` and copied once
+        (no ``repeat_interleave`` with a data-dependent size, no host sync)."""
+        lens = np.asarray(self.seqlens_k, dtype=np.int64)
+        seq = np.repeat(np.arange(lens.size, dtype=np.int64), lens)
+        pos = np.arange(seq.size, dtype=np.int64) - np.repeat(_cumsum0(lens)[:-1], lens)
+        both = torch.from_numpy(np.stack([seq, pos])).to(self.device, non_blocking=True)
+        return both[0], both[1]
 
+    @cached_property
     def seq_idx_long(self) -> torch.Tensor:
-        """``seq_idx`` as int64 (for indexing), converted once per meta, not once per layer."""
-        if "seq_idx_long" not in self._derived:
-            self._derived["seq_idx_long"] = self.seq_idx.to(torch.long)
-        return self._derived["seq_idx_long"]
+        """``seq_idx`` as int64 (for indexing)."""
+        return self.seq_idx.to(torch.long)
 
+    @cached_property
     def block_table_long(self) -> torch.Tensor:
-        """``block_table`` as int64 (for indexing), converted once per meta, not once per layer."""
+        """``block_table`` as int64 (for indexing)."""
         if self.block_table is None:
             raise ValueError("this meta has no block_table")
-        if "block_table_long" not in self._derived:
-            self._derived["block_table_long"] = self.block_table.to(torch.long)
-        return self._derived["block_table_long"]
+        return self.block_table.to(torch.long)
+
+    @cached_property
+    def padded_layout(self) -> PaddedLayout:
+        """This row as a padded batch ``(num_seqs, max_seqlen)``: built on the host from the
+        lengths and copied once (what a padded attention call gathers, the same for every layer)."""
+        lq = np.asarray(self.seqlens_q, dtype=np.int64)
+        lk = np.asarray(self.seqlens_k, dtype=np.int64)
+        k_off = np.arange(self.max_seqlen_k, dtype=np.int64)[None, :]
+        q_off = np.arange(self.max_seqlen_q, dtype=np.int64)[None, :]
+        key_rows = _cumsum0(lk)[:-1, None] + np.where(k_off < lk[:, None], k_off, 0)
+        valid = q_off < lq[:, None]
+        query_rows = _cumsum0(lq)[:-1, None] + np.where(valid, q_off, 0)
+        query_pos = (lk - lq)[:, None] + q_off
+        dev = self.device
+        return PaddedLayout(
+            key_rows=torch.from_numpy(key_rows).to(dev),
+            query_rows=None if self.max_seqlen_q == 1 else torch.from_numpy(query_rows).to(dev),
+            query_valid=torch.from_numpy(valid).to(dev),
+            query_pos=torch.from_numpy(query_pos).to(dev),
+            key_lens=torch.from_numpy(lk).to(dev),
+        )
+
+    @cached_property
+    def host_boundaries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(cu_seqlens_q int32, seqlens_k int32, key starts int64)`` as host arrays, from the
+        host lengths (no device sync): what a CPU kernel loops over."""
+        cu_q = _cumsum0(np.asarray(self.seqlens_q, dtype=np.int64)).astype(np.int32)
+        lens_k = np.asarray(self.seqlens_k, dtype=np.int64)
+        return cu_q, lens_k.astype(np.int32), _cumsum0(lens_k)[:-1]
+
+    @cached_property
+    def host_block_table(self) -> np.ndarray:
+        """``block_table`` as a contiguous int32 host array."""
+        if self.block_table is None:
+            raise ValueError("this meta has no block_table")
+        return np.ascontiguousarray(self.block_table.detach().cpu().numpy(), dtype=np.int32)
+
+    @cached_property
+    def host_key_index(self) -> np.ndarray:
+        """``key_index`` (a shared-prefix row's key rows) as a contiguous int32 host array."""
+        if self.key_index is None:
+            raise ValueError("this meta has no key_index (not a shared-prefix row)")
+        return np.ascontiguousarray(self.key_index.detach().cpu().numpy(), dtype=np.int32)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> VarlenMeta:
         """The same record with every tensor on ``device`` (dtypes kept: cu_seqlens and the block
         table stay int32). The one helper that moves a meta: batches (``move_batch``), DDP inputs
-        and the attention layer itself (a meta on another device than the query) all use it."""
+        and the attention layer (once per forward, through its plan) all use it."""
         dev = torch.device(device)
         if self.device == dev and all(t is None or t.device == dev
                                       for t in (self.block_table, self.key_index, self.key_rows)):
             return self
-        if ("moved", dev) in self._derived:  # every layer of a forward moves the same meta: once
-            return self._derived[("moved", dev)]
         moved = {
             name: getattr(self, name).to(dev, non_blocking=non_blocking)
             for name in (
@@ -351,8 +370,7 @@ class VarlenMeta:
             )
             if getattr(self, name) is not None
         }
-        self._derived[("moved", dev)] = result = replace(self, **moved)
-        return result
+        return replace(self, **moved)
 
     def flash_kwargs(self) -> dict:
         """The varlen keyword arguments of ``flash_attn_varlen_func`` and of transformers'

@@ -380,8 +380,13 @@ def test_varlen_meta_to_keeps_int32_and_returns_self_on_the_same_device():
 def test_a_meta_on_another_device_is_moved_once_per_forward():
     """DDP scatters tensors, not a VarlenMeta: the attention layer moves it to the query's device,
     once for all layers of a forward (here "meta" stands for the GPU)."""
+    from packing.attention.plan import AttentionPlan
+    from packing.hf.attention import _forward_meta
+
     meta = VarlenMeta.from_lengths([3, 2])
     assert meta.to(torch.device("cpu")) is meta
-    moved = meta.to(torch.device("meta"))
+    plan, shape = AttentionPlan(), (1, 5, 5, torch.device("meta"))
+    moved = _forward_meta(plan, meta, None, shape)
     assert moved.device == torch.device("meta") and moved.position_ids.device == torch.device("meta")
-    assert meta.to(torch.device("meta")) is moved  # the next layer reuses it (kept on the meta itself)
+    assert _forward_meta(plan, meta, None, shape) is moved  # the next layer reads it from the plan
+    assert _forward_meta(AttentionPlan(), meta, None, shape) is not moved  # the next forward moves again

@@ -9,11 +9,13 @@ they support (:mod:`packing.attention.registry`), one module per backend:
 - ``sdpa_loop`` / ``sdpa_padded`` / ``sdpa_dense`` / ``per_token``: exact PyTorch SDPA paths.
 
 :func:`choose_backend` is the one rule that picks among them; ``NOPAD_ATTN_BACKEND`` or
-``backend=`` names one instead.
+``backend=`` names one instead. A forward makes the choice once, in its
+:class:`~packing.attention.plan.AttentionPlan`, which every layer reads.
 """
 
 from packing.attention.dispatch import gather_kv, store_kv, varlen_attention
-from packing.attention.registry import BACKEND_ENV, choose_backend, names, paged_block_size
+from packing.attention.plan import choose_backend, paged_block_size
+from packing.attention.registry import BACKEND_ENV, names
 
 __all__ = ["BACKEND_ENV", "choose_backend", "gather_kv", "names", "paged_block_size", "store_kv",
            "varlen_attention"]

@@ -28,29 +28,17 @@ def kernel() -> ModuleType | None:
     return load_extension("packing._varlen_attention", "varlen attention kernel", "PyTorch attention")
 
 
-def usable(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """True when the kernel can serve attention on ``device`` in ``dtype`` (it was built, CPU,
-    fp32/bf16/fp16). Head dims above MAX_HEAD_DIM are refused by :func:`forward`."""
-    return torch.device(device).type == "cpu" and dtype in DTYPE_CODES and kernel() is not None
-
-
 def _host_arrays(meta: VarlenMeta, table: torch.Tensor | None):
-    """The kernel's int arrays for this row, built once per meta (every layer of a forward shares
-    them) in the meta's own cache when ``table`` is the meta's block table or key index."""
-    name = ("kernel_host_flat" if table is None else "kernel_host_blocks" if table is meta.block_table
-            else "kernel_host_keys" if table is meta.key_index else None)
-    if name in meta._derived:
-        return meta._derived[name]
-    cu_q = np.concatenate(([0], np.cumsum(meta.seqlens_q))).astype(np.int32)
-    lens_k = np.asarray(meta.seqlens_k, dtype=np.int32)
+    """The kernel's int arrays for this row: the meta's host boundaries (built once per meta, so
+    every layer of a forward shares them) and its block table or key index on the host."""
+    cu_q, lens_k, starts = meta.host_boundaries
     if table is None:
-        starts = np.concatenate(([0], np.cumsum(meta.seqlens_k)[:-1])).astype(np.int64)
-        arrays = (cu_q, lens_k, starts, None)
-    else:
-        arrays = (cu_q, lens_k, None, np.ascontiguousarray(table.detach().cpu().numpy(), dtype=np.int32))
-    if name is not None:
-        meta._derived[name] = arrays
-    return arrays
+        return cu_q, lens_k, starts, None
+    if table is meta.block_table:
+        return cu_q, lens_k, None, meta.host_block_table
+    if table is meta.key_index:
+        return cu_q, lens_k, None, meta.host_key_index
+    return cu_q, lens_k, None, np.ascontiguousarray(table.detach().cpu().numpy(), dtype=np.int32)
 
 
 def forward(
@@ -68,7 +56,8 @@ def forward(
 ) -> torch.Tensor:
     """Attention output ``(total_q, heads, dim)`` in q's dtype. ``k``/``v`` are flat
     ``(total_k, kv_heads, dim)`` keys, or with ``table`` a paged cache flattened to
-    ``(blocks * block_size, kv_heads, dim)``. No autograd (see :class:`KernelAttention`)."""
+    ``(blocks * block_size, kv_heads, dim)``. No autograd: the dispatcher gives training rows a
+    backward (:class:`packing.attention.dispatch.RecomputeBackward`)."""
     if q.dtype not in DTYPE_CODES:
         raise ValueError(f"the attention kernel takes fp32, bf16 or fp16 tensors, got {q.dtype}; cast q/k/v "
                          "to the model's compute dtype")
@@ -91,7 +80,7 @@ def forward(
     return out
 
 
-# ---- the static decode step as a custom op, so torch.compile sees one opaque call. Why:
+# ---- the static decode step as a custom op, so torch.compile sees one opaque call.
 # Why: a compiled decode step (``Generator(compile_decode=True)``) fuses the model's small ops
 # (RMSNorm, RoPE, SiLU, residual adds) around attention, but the kernel is called through raw data
 # pointers and host arrays, which dynamo cannot trace: every layer would break the graph. As a

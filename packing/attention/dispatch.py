@@ -1,5 +1,6 @@
 """Varlen attention: one function for a packed training row, a shared-prefix row and a paged
-generation step, over whichever backend :func:`packing.attention.registry.choose` picks.
+generation step, over whichever backend the forward's :class:`~packing.attention.plan.AttentionPlan`
+picks.
 
 Tensors are flat, shaped ``(total_tokens, heads, head_dim)``; ``meta`` says where each sequence
 starts. Keys may be longer than queries (cached context); the causal mask is aligned to the end
@@ -14,8 +15,9 @@ import math
 
 import torch
 
-from packing.attention.registry import Call, Opts, choose, choose_differentiable
-from packing.attention.sdpa import KeySource, _sdpa
+from packing.attention.plan import AttentionPlan
+from packing.attention.registry import Opts
+from packing.attention.sdpa import _sdpa
 from packing.varlen import VarlenMeta
 
 
@@ -37,13 +39,12 @@ def gather_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather each sequence's keys out of a paged cache into flat ``(total_k, kv_heads, dim)``."""
     k_cache, v_cache = kv_cache
-    device = k_cache.device
-    seq, pos = (t.to(device) for t in meta.key_positions())  # built once per step, not per layer
-    table = meta.block_table_long() if block_table is meta.block_table else block_table.to(torch.long)
-    src = KeySource(k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:]), meta,
-                    table.to(device), k_cache.shape[1])
-    rows = src.rows(pos, seq)
-    return src.k.index_select(0, rows), src.v.index_select(0, rows)
+    device, block_size = k_cache.device, k_cache.shape[1]
+    seq, pos = (t.to(device) for t in meta.key_positions)  # built once per meta, not per layer
+    table = meta.block_table_long if block_table is meta.block_table else block_table.to(torch.long)
+    rows = table.to(device)[seq, pos // block_size] * block_size + pos % block_size
+    k_flat, v_flat = (c.view(-1, *c.shape[2:]) for c in kv_cache)
+    return k_flat.index_select(0, rows), v_flat.index_select(0, rows)
 
 
 class RecomputeBackward(torch.autograd.Function):
@@ -54,9 +55,9 @@ class RecomputeBackward(torch.autograd.Function):
     ``index_select`` sums every completion's gradient into the prompt's K/V rows."""
 
     @staticmethod
-    def forward(ctx, q, k, v, meta: VarlenMeta, opts: Opts, backend, table):
+    def forward(ctx, q, k, v, meta: VarlenMeta, opts: Opts, backend, table, differentiable):
         ctx.save_for_backward(q, k, v)
-        ctx.meta, ctx.opts, ctx.table = meta, opts, table
+        ctx.meta, ctx.opts, ctx.table, ctx.differentiable = meta, opts, table, differentiable
         return backend.forward(q, k, v, meta, opts, table=table, block_size=1)
 
     @staticmethod
@@ -67,17 +68,15 @@ class RecomputeBackward(torch.autograd.Function):
             q_, k_, v_ = (t.detach().requires_grad_(t.requires_grad) for t in (q, k, v))
             keys = (k_, v_) if ctx.table is None else (k_.index_select(0, meta.key_rows),
                                                        v_.index_select(0, meta.key_rows))
-            call = Call(q.device, q.dtype, opts.softcap, opts.window, grad=True)
-            backend = choose_differentiable(call)
-            out = backend.forward(q_, *keys, _flat(meta), opts)
+            out = ctx.differentiable.forward(q_, *keys, _flat(meta), opts)
             inputs = [t for t in (q_, k_, v_) if t.requires_grad]
             grads = iter(torch.autograd.grad(out, inputs, grad_out) if inputs else ())
-        return tuple(next(grads) if t.requires_grad else None for t in (q, k, v)) + (None, None, None, None)
+        return tuple(next(grads) if t.requires_grad else None for t in (q, k, v)) + (None,) * 5
 
 
 def _flat(meta: VarlenMeta) -> VarlenMeta:
     """The meta a backend sees once a shared-prefix row's keys are gathered: a plain row."""
-    return meta if meta.key_index is None else meta.without_key_index()
+    return meta if meta.key_index is None else meta.without_key_index
 
 
 def _check(q, k, v, meta: VarlenMeta, kv_cache, table, sliding_window) -> int:
@@ -130,6 +129,7 @@ def varlen_attention(
     kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_table: torch.Tensor | None = None,
     backend: str = "auto",
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Attention over a flat varlen row; returns ``(total_q, heads, head_dim)``.
 
@@ -141,12 +141,15 @@ def varlen_attention(
     (:meth:`VarlenMeta.static_decode`) has its lengths on the device only. ``sliding_window=W``
     lets a query at position ``p`` see keys ``p - W < j <= p``; ``softcap=c`` applies
     ``c * tanh(score / c)``. ``backend`` names one of :func:`packing.attention.registry.names`.
+    ``plan`` is the forward's :class:`AttentionPlan` (every layer of a forward passes the same one;
+    without it this call makes its own).
     """
+    plan = plan if plan is not None else AttentionPlan()
     softcap = softcap or None  # 0.0 means off, as in flash-attn and HF configs
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     opts = Opts(causal=causal, scale=scale, window=sliding_window, softcap=softcap)
     if meta.is_static:
-        return _static_decode(q, k, v, meta, kv_cache, opts, backend)
+        return _static_decode(q, k, v, meta, kv_cache, opts, backend, plan)
     table = None
     if kv_cache is not None:
         table = block_table if block_table is not None else meta.block_table
@@ -159,9 +162,11 @@ def varlen_attention(
     shared = meta.key_index is not None and kv_cache is None
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v))
     block_size = kv_cache[0].shape[1] if kv_cache is not None else 1
-    call = Call(q.device, q.dtype, softcap, sliding_window, paged=kv_cache is not None, block_size=block_size,
-                shared_prefix=shared, grad=grad)
-    chosen = choose(call, backend)
+    call, chosen = plan.decide(q.device, q.dtype, softcap, sliding_window, paged=kv_cache is not None,
+                               block_size=block_size, shared_prefix=shared, grad=grad, override=backend)
+    differentiable = None  # what a forward-only kernel's backward recomputes with
+    if grad and not chosen.grad:
+        differentiable = plan.differentiable(q.device, q.dtype, softcap, sliding_window)
 
     if kv_cache is not None:
         if chosen.reads_in_place(call) and kv_cache[0].dtype == q.dtype and not grad:
@@ -170,18 +175,19 @@ def varlen_attention(
         k, v = (t.to(q.dtype) for t in gather_kv(kv_cache, table, meta))
     elif shared and chosen.reads_in_place(call):
         if grad and not chosen.grad:
-            return RecomputeBackward.apply(q, k, v, meta, opts, chosen, meta.key_index)
+            return RecomputeBackward.apply(q, k, v, meta, opts, chosen, meta.key_index, differentiable)
         return chosen.forward(q, k, v, meta, opts, table=meta.key_index, block_size=1)
     elif shared:  # gather each sequence's keys (index_select: the prompt's rows receive the
         # gradients of every completion that reads them)
         k, v = k.index_select(0, meta.key_rows), v.index_select(0, meta.key_rows)
     flat_meta = _flat(meta)
     if grad and not chosen.grad:
-        return RecomputeBackward.apply(q, k, v, flat_meta, opts, chosen, None)
+        return RecomputeBackward.apply(q, k, v, flat_meta, opts, chosen, None, differentiable)
     return chosen.forward(q, k, v, flat_meta, opts)
 
 
-def _static_decode(q, k, v, meta: VarlenMeta, kv_cache, opts: Opts, backend: str) -> torch.Tensor:
+def _static_decode(q, k, v, meta: VarlenMeta, kv_cache, opts: Opts, backend: str,
+                   plan: AttentionPlan) -> torch.Tensor:
     """One query per row, keys read through the meta's fixed-width block table and device-side
     context lengths: nothing here is a Python number, so a compiled or CUDA-graph forward does not
     depend on the context lengths. Padding rows point at a scratch block and have length 1."""
@@ -192,9 +198,8 @@ def _static_decode(q, k, v, meta: VarlenMeta, kv_cache, opts: Opts, backend: str
                          f"has {q.shape[0]} tokens; a static decode step runs one token per row")
     store_kv(kv_cache, k, v, meta.slot_mapping)
     k_cache, v_cache = kv_cache
-    call = Call(q.device, k_cache.dtype, opts.softcap, opts.window, paged=True, block_size=k_cache.shape[1],
-                static=True)
-    chosen = choose(call, backend)
+    chosen = plan.decide(q.device, k_cache.dtype, opts.softcap, opts.window, paged=True,
+                         block_size=k_cache.shape[1], static=True, override=backend).backend
     if chosen.static_decode is not None:  # keys read in place, one opaque op
         out = chosen.static_decode(q.to(k_cache.dtype).contiguous(), k_cache, v_cache, meta.block_table,
                                    meta.context_lens, opts.scale, opts.window or 0, opts.softcap or 0.0)

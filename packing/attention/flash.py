@@ -106,11 +106,6 @@ def flash_attn_info() -> FlashAttn | None:
     return None
 
 
-def flash_attn_available() -> bool:
-    """True when a flash-attn is installed and imports."""
-    return flash_attn_info() is not None
-
-
 def window_size(sliding_window: int | None) -> tuple[int, int]:
     """Our ``sliding_window=W`` (a query sees itself and the W-1 keys before it) in flash-attn's
     ``(left, right)`` form."""

@@ -19,8 +19,8 @@ def flex(q, k, v, meta: VarlenMeta, *, causal, scale, window, softcap) -> torch.
     if not torch.is_grad_enabled():  # CPU flex refuses inputs that require grad even under no_grad
         q, k, v = q.detach(), k.detach(), v.detach()
     device = q.device
-    seq_k, k_pos = (t.to(device) for t in meta.key_positions())
-    seq_q = meta.seq_idx_long().to(device)
+    seq_k, k_pos = (t.to(device) for t in meta.key_positions)
+    seq_q = meta.seq_idx_long.to(device)
     q_pos = meta.position_ids.to(device)  # the query's position among its sequence's keys
 
     def mask_mod(b, h, qi, ki):

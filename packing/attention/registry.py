@@ -1,23 +1,24 @@
 """The attention backends and the one rule that picks among them.
 
 Each backend module declares a :class:`Backend`: what it runs on, what a layer may ask of it, and
-whether it reads a paged cache (or a shared-prefix key index) in place. :func:`choose_backend`
-reads those declarations; it knows no backend by its code. Adding a backend is one module and one
-entry in :data:`_MODULES` (and, if ``"auto"`` should pick it, a place in :data:`AUTO_ORDER`).
+whether it reads a paged cache (or a shared-prefix key index) in place. :func:`choose` reads those
+declarations; it knows no backend by its code. Adding a backend is one module and one entry in
+:data:`_MODULES` (and, if ``"auto"`` should pick it, a place in :data:`AUTO_ORDER`).
+
+Nothing here reads global state: the caller (:class:`packing.attention.plan.AttentionPlan`, once
+per forward) puts ``NOPAD_ATTN_BACKEND`` and the batch-invariant mode into the request and the
+:class:`Call`.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from packing import invariance
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ class Call:
     shared_prefix: bool = False  # keys read through meta.key_index (a shared-prefix training row)
     grad: bool = False  # a training forward that needs a backward
     static: bool = False  # a static-shape decode step (CUDA graphs / torch.compile): lengths on the device
+    invariant: bool = False  # inside packing.batch_invariant(): a fixed per-query order is required
+    kernels: str | None = None  # the mode's forced kernel set ("cpu" / "triton"), None: by device
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ class Backend:
         if call.dtype not in self.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
             return f"runs {names} only, not {str(call.dtype).removeprefix('torch.')}"
-        if invariance.is_enabled() and not self.invariant:
+        if call.invariant and not self.invariant:
             return "has no fixed per-query order (packing.batch_invariant() is on)"
         if call.static and self.static_decode is None:
             return "has no static-shape decode path"
@@ -138,19 +141,26 @@ def say_once(key, message: str, *args, warn: bool = False) -> None:
         logger.info(message, *args)
 
 
-def requested_backend(override: str | None) -> str:
-    """``override`` (``backend=``) unless it is "auto", else ``NOPAD_ATTN_BACKEND``, else "auto"."""
+def invariant_names(device_type: str) -> tuple[str, ...]:
+    """The backends declared ``invariant`` (a fixed per-query order) that run on ``device_type``."""
+    return tuple(name for name, b in backends().items() if b.invariant and device_type in b.devices)
+
+
+def requested_backend(override: str | None, env: str | None) -> str:
+    """``override`` (``backend=``) unless it is "auto", else ``env`` (the value of
+    ``NOPAD_ATTN_BACKEND``, read by the caller), else "auto"."""
     keyword = override not in (None, "auto")
-    name = override if keyword else (os.environ.get(BACKEND_ENV) or "auto")
+    name = override if keyword else (env or "auto")
     if name not in names():
         source = "backend=" if keyword else f"{BACKEND_ENV}="
         raise ValueError(f"unknown attention backend {source}{name!r}; choose one of {names()}")
     return name
 
 
-def choose(call: Call, override: str | None = None) -> Backend:
-    """The one rule for which attention backend runs a call (see :func:`choose_backend`)."""
-    requested = requested_backend(override)
+def choose(call: Call, requested: str = "auto") -> Backend:
+    """The one rule for which attention backend runs a call: ``requested`` (a name of
+    :func:`names`, already resolved by :func:`requested_backend`) or "auto" (see
+    :func:`packing.attention.plan.choose_backend`)."""
     table = backends()
     if requested != "auto":
         backend = table[requested]
@@ -172,9 +182,8 @@ _DTYPE_ADVICE = ("nopad: the FlashAttention kernels (flash-attn, torch varlen) r
 
 def _auto(call: Call, table: dict[str, Backend]) -> Backend:
     device = call.device.type if call.device.type in ("cpu", "cuda") else "cuda"
-    if invariance.is_enabled():
-        kernels = invariance.active_kernels()
-        key = "triton" if kernels == "triton" else device
+    if call.invariant:
+        key = "triton" if call.kernels == "triton" else device
         candidates = [n for n in AUTO_ORDER[(key, "invariant")] if n in table]
         for name in candidates:
             if table[name].gap(call, forced=key == "triton") is None:
@@ -238,7 +247,7 @@ def _explain(call: Call, gaps: list[tuple[str, str]], chosen: Backend) -> None:
 
 def _refusal(requested: str, backend: Backend, gap: str, call: Call) -> Exception:
     hint = f" ({backend.install})" if backend.install and "not installed" in gap else ""
-    if invariance.is_enabled() and not backend.invariant:
+    if call.invariant and not backend.invariant:
         return ValueError(f"batch_invariant() needs an attention path with a fixed per-query order, but "
                           f"backend {requested!r} was requested; use backend='auto' in the mode")
     error = RuntimeError if "not installed" in gap or "does not import" in gap else ValueError
@@ -252,50 +261,3 @@ def _decided(call: Call, requested: str, backend: Backend) -> Backend:
              "nopad attention on %s %s%s: %s (requested %s)", call.device, call.dtype,
              " (paged)" if call.paged else "", backend.name, requested)
     return backend
-
-
-def choose_backend(
-    device: torch.device | str,
-    dtype: torch.dtype,
-    *,
-    override: str | None = None,
-    softcap: float | None = None,
-    sliding_window: int | None = None,
-    paged: bool = False,
-    block_size: int = 1,
-    shared_prefix: bool = False,
-    grad: bool = False,
-) -> str:
-    """The name of the backend that runs attention for a call like this (logged once per decision).
-
-    ``"auto"`` (the default, unless ``override=`` / ``NOPAD_ATTN_BACKEND`` names one):
-
-    - CUDA, training rows and shared-prefix rows: flash-attn 2/3 when installed and able; else
-      PyTorch's own FlashAttention varlen (``torch_varlen``, when this torch has it and the layer
-      fits: no softcap); else FlexAttention for what needs a score mod (softcap); else per-sequence
-      SDPA, with a one-time warning saying what to install. fp32 runs exact SDPA (the flash kernels
-      are fp16/bf16 only), with advice to train under bf16 autocast.
-    - CUDA, paged generation steps: a backend that reads the blocks in place - flash-attn's
-      ``block_table``, then ``torch_varlen(block_table=)`` (both need blocks of 256), then nopad's
-      Triton kernel (any block size); else the training rule on gathered keys.
-    - CPU: the compiled kernel for paged steps (keys read in place), per-sequence SDPA for training
-      rows (faster forward+backward than the kernel, whose backward recomputes with SDPA).
-    - Inside :func:`packing.batch_invariant`: only backends with a fixed per-query order - the
-      compiled CPU kernel (or its pure-PyTorch twin ``per_token``) on CPU, the Triton kernel on CUDA.
-
-    A named backend runs wherever it is asked to (for debugging and the tests' stand-ins); one that
-    cannot serve the call is an error, except flash-attn on fp32, which runs exact SDPA with advice.
-    """
-    call = Call(torch.device(device), dtype, softcap or None, sliding_window, paged, block_size,
-                shared_prefix, grad)
-    return choose(call, override).name
-
-
-def paged_block_size(device: torch.device | str, dtype: torch.dtype, override: str | None = None) -> int:
-    """The KV block size a generator should allocate: 256 when the backend that would run its steps
-    reads only such pages in place (flash-attn 2 and torch's varlen kernel), else 16."""
-    call = Call(torch.device(device), dtype, paged=True, block_size=256)
-    backend = choose(call, override)
-    if backend.reads_pages is not None and backend.reads_pages(256) and not backend.reads_pages(16):
-        return 256
-    return 16

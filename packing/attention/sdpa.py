@@ -1,18 +1,20 @@
-"""Exact pure-PyTorch varlen attention kernels (CPU, or any device without flash-attn).
+"""Exact pure-PyTorch varlen attention (CPU, or any device without flash-attn).
 
 Four backends that run the same maths (declared in :data:`BACKENDS` at the end):
 
-- ``per_sequence``: one SDPA call per sequence on slices of the flat row. No padding and no mask
-  for training rows (``is_causal``), so it does the least arithmetic; costs one call per sequence.
-- ``padded``: gather all sequences into one padded ``(B, heads, max_q, max_k)`` SDPA call with a
-  key-padding mask. One call for the whole step, but it moves and masks the padding: slower than
-  ``per_sequence`` on CPU even for decode steps and for 100+ short documents
-  (``benchmarks/bench_attention.py``), so it is available by name only.
-- ``dense``: one SDPA over the whole row with a block-diagonal mask. Quadratic in the row
-  length; kept as a baseline for the benchmark.
+- ``sdpa_loop``: one SDPA call per sequence on slices of the flat row (:func:`per_sequence`). No
+  padding and no mask for training rows (``is_causal``), so it does the least arithmetic; costs
+  one call per sequence. The exact fallback of every device.
+- ``sdpa_padded``: all sequences in one padded ``(B, heads, max_q, max_k)`` SDPA call with a
+  key-padding mask (:func:`padded`). It moves and masks the padding; by name only
+  (``benchmarks/bench_attention.py`` compares it with ``sdpa_loop``).
+- ``sdpa_dense``: one SDPA over the whole row with a block-diagonal mask (:func:`dense`). Quadratic
+  in the row length; a baseline for the benchmark.
+- ``per_token``: one SDPA call per query token (:func:`per_token`): the pure-PyTorch
+  batch-invariant path.
 
-All take K/V from a ``KeySource``: either flat ``(total_k, kv_heads, dim)`` tensors indexed by
-``cu_seqlens_k``, or a paged cache read through a block table (see ``key_rows``).
+All read K/V from a :class:`KeySource`: flat ``(total_k, kv_heads, dim)`` tensors cut by the
+meta's key lengths (the dispatcher gathers a paged cache's keys first).
 """
 
 from __future__ import annotations
@@ -28,60 +30,19 @@ from packing.varlen import VarlenMeta
 
 @dataclass
 class KeySource:
-    """Where sequence ``i``'s keys live: rows of ``k``/``v`` (flat, or the flattened paged cache)
-    given by ``key_rows(i)``. ``new_k``/``new_v`` are this step's own keys (one per query), used
-    instead of a gather when a sequence has no cached context."""
+    """Where sequence ``i``'s keys live: rows ``cu_seqlens_k[i]:cu_seqlens_k[i+1]`` of the flat
+    ``k``/``v``."""
 
-    k: torch.Tensor  # (rows, kv_heads, dim)
+    k: torch.Tensor  # (total_k, kv_heads, dim)
     v: torch.Tensor
     meta: VarlenMeta
-    block_table: torch.Tensor | None = None  # int32 [num_seqs, max_blocks] when paged
-    block_size: int = 1
-    new_k: torch.Tensor | None = None
-    new_v: torch.Tensor | None = None
-
-    def rows(self, positions: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
-        """Row index (into ``k``/``v``) of key ``positions`` of sequences ``seq``."""
-        if self.block_table is None:
-            return self.meta.cu_seqlens_k.to(torch.long)[seq] + positions
-        blocks = self.long_table()[seq, torch.div(positions, self.block_size, rounding_mode="floor")]
-        return blocks.to(torch.long) * self.block_size + positions % self.block_size
-
-    def long_table(self) -> torch.Tensor:
-        """The block table as int64 for indexing; the meta's own table is converted once per step."""
-        if self.block_table is self.meta.block_table or self.block_table is self.meta._derived.get(
-                "block_table_long"):
-            return self.meta.block_table_long()
-        return self.block_table.to(torch.long)
 
     def splitter(self):
-        """``keys(i) -> (k_i, v_i)``, each ``(lk_i, kv_heads, dim)``. Flat K/V are cut with one
-        ``split`` (its backward is a single concatenation, not one full-size gradient per
-        sequence); paged K/V are gathered per sequence unless the sequence is a fresh prefill
-        whose keys are this step's own tokens."""
-        meta = self.meta
-        if self.block_table is None:
-            ks, vs = self.k.split(list(meta.seqlens_k)), self.v.split(list(meta.seqlens_k))
-            return lambda i: (ks[i], vs[i])
-        new = None
-        if self.new_k is not None:
-            new = (self.new_k.split(list(meta.seqlens_q)), self.new_v.split(list(meta.seqlens_q)))
-
-        bs = self.block_size
-        table = self.long_table()
-        k_blocks, v_blocks = self.k.view(-1, bs * self.k[0].numel()), self.v.view(-1, bs * self.v[0].numel())
-
-        def keys(i):
-            lq, lk = meta.seqlens_q[i], meta.seqlens_k[i]
-            if new is not None and lq == lk:
-                return new[0][i], new[1][i]
-            # whole blocks (one contiguous copy each), then cut to the sequence's length
-            blocks = table[i, : -(-lk // bs)]
-            k = k_blocks.index_select(0, blocks).view(-1, *self.k.shape[1:])[:lk]
-            v = v_blocks.index_select(0, blocks).view(-1, *self.v.shape[1:])[:lk]
-            return k, v
-
-        return keys
+        """``keys(i) -> (k_i, v_i)``, each ``(lk_i, kv_heads, dim)``, cut with one ``split`` (its
+        backward is a single concatenation, not one full-size gradient per sequence)."""
+        lens = list(self.meta.seqlens_k)
+        ks, vs = self.k.split(lens), self.v.split(lens)
+        return lambda i: (ks[i], vs[i])
 
 
 def _mask(lq: int, lk: int, causal: bool, window: int | None, device) -> torch.Tensor | None:
@@ -145,7 +106,8 @@ def per_sequence(q, src: KeySource, *, causal, scale, window, softcap, seqs=None
         kv_heads = k_i.shape[1]
         if lq == 1 and kv_heads < q_i.shape[0]:
             # a decode token: fold the GQA groups into the query axis, (kv_heads, groups, dim);
-            # 1.5x faster than enable_gqa for one query (all groups share the one mask row)
+            # faster than enable_gqa for one query (all groups share the one mask row;
+            # benchmarks/bench_attention.py)
             q_i = q_i.reshape(kv_heads, -1, q_i.shape[-1])
         out = _sdpa(
             q_i, k_i.transpose(0, 1), v_i.transpose(0, 1), mask,
@@ -180,56 +142,33 @@ def per_token(q, src: KeySource, *, causal, scale, window, softcap) -> list:
     return outs
 
 
-def _padded_index(src: KeySource, seqs: tuple[int, ...], causal: bool, window: int | None):
-    """What one padded call over ``seqs`` gathers, memoised on the meta (every layer of a forward
-    shares it): key rows ``(B, max_k)`` (of the flat K/V or the flattened cache), query
-    rows (None when the queries are already in order, one per sequence) and the
-    ``(B, max_q, max_k)`` mask."""
-    table = src.block_table
-    version = None if table is None else table._version  # an in-place edit invalidates the memo
-    key = ("padded_index", id(table), src.block_size, seqs, causal, window, version)
-    if key in src.meta._derived:
-        return src.meta._derived[key]
-    meta, device = src.meta, src.k.device
-    sel = torch.tensor(seqs, dtype=torch.long, device=device)
-    lq = torch.tensor([meta.seqlens_q[i] for i in seqs], device=device)
-    lk = torch.tensor([meta.seqlens_k[i] for i in seqs], device=device)
-    max_q, max_k = int(lq.max()), int(lk.max())
-    # padded key slots point at the sequence's first key: finite values (masked out below),
-    # whereas unused cache slots may hold anything, NaN included
-    k_pos = torch.arange(max_k, device=device)
-    k_pos_clamped = torch.where(k_pos[None, :] < lk[:, None], k_pos[None, :], 0)
-    k_index = src.rows(k_pos_clamped, sel[:, None].expand(-1, max_k))
-    keys_len = max_k
-    k_pos = torch.arange(keys_len, device=device)
-    q_off = torch.arange(max_q, device=device)
-    q_valid = q_off[None, :] < lq[:, None]
-    q_rows = meta.cu_seqlens_q.to(torch.long)[sel][:, None] + torch.where(q_valid, q_off[None, :], 0)
-    if max_q == 1 and len(seqs) == meta.num_seqs and seqs == tuple(range(meta.num_seqs)):
-        q_rows = None  # a pure decode step: q is already (B, heads, dim) in order
-    q_pos = (lk - lq)[:, None] + q_off[None, :]  # position of each query among its keys
-    keep = (k_pos[None, :] < lk[:, None])[:, None, :].expand(-1, max_q, -1)
+def _padded_mask(meta: VarlenMeta, causal: bool, window: int | None) -> torch.Tensor:
+    """The ``(B, max_q, max_k)`` mask of one padded call over every sequence, from the meta's
+    :attr:`~packing.varlen.VarlenMeta.padded_layout` (device ops only: no sync per layer)."""
+    lay = meta.padded_layout
+    k_pos = torch.arange(meta.max_seqlen_k, device=lay.key_lens.device)
+    keep = (k_pos[None, :] < lay.key_lens[:, None])[:, None, :].expand(-1, meta.max_seqlen_q, -1)
     if causal:
-        keep = keep & (k_pos[None, None, :] <= q_pos[:, :, None])
+        keep = keep & (k_pos[None, None, :] <= lay.query_pos[:, :, None])
     if window is not None:
-        keep = keep & (k_pos[None, None, :] > q_pos[:, :, None] - window)
-    keep = keep | (~q_valid[:, :, None] & (k_pos == 0))  # padded queries see key 0: no NaN rows
-    result = (k_index, keys_len, q_rows, q_valid, keep, max_q)
-    src.meta._derived[key] = result
-    return result
+        keep = keep & (k_pos[None, None, :] > lay.query_pos[:, :, None] - window)
+    return keep | (~lay.query_valid[:, :, None] & (k_pos == 0))  # padded queries see key 0: no NaN rows
 
 
-def padded(q, src: KeySource, *, causal, scale, window, softcap, seqs=None) -> torch.Tensor:
-    """All ``seqs`` in one padded SDPA call; returns their outputs ``(sum lq, heads, dim)`` in
+def padded(q, src: KeySource, *, causal, scale, window, softcap) -> torch.Tensor:
+    """Every sequence in one padded SDPA call; returns the outputs ``(total_q, heads, dim)`` in
     sequence order. GQA groups are folded into the query axis so K/V are gathered once per KV
-    head, not repeated per query head."""
+    head, not repeated per query head. Padded key slots read the sequence's first key: finite
+    values, masked out."""
     meta = src.meta
-    seqs = tuple(range(meta.num_seqs)) if seqs is None else tuple(seqs)
-    k_index, keys_len, q_rows, q_valid, keep, max_q = _padded_index(src, seqs, causal, window)
-    b, heads, dim = len(seqs), q.shape[1], q.shape[2]
+    lay = meta.padded_layout
+    k_index, q_rows, q_valid = lay.key_rows, lay.query_rows, lay.query_valid
+    keep = _padded_mask(meta, causal, window)
+    keys_len, max_q = meta.max_seqlen_k, meta.max_seqlen_q
+    b, heads, dim = meta.num_seqs, q.shape[1], q.shape[2]
     kv_heads = src.k.shape[1]
     groups = heads // kv_heads
-    # index_select on 2-D rows is ~2x faster than on (rows, kv_heads, dim)
+    # index_select on 2-D rows is faster than on (rows, kv_heads, dim) (benchmarks/bench_attention.py)
     k = src.k.reshape(-1, kv_heads * dim).index_select(0, k_index.reshape(-1))
     v = src.v.reshape(-1, kv_heads * dim).index_select(0, k_index.reshape(-1))
     k = k.view(b, keys_len, kv_heads, dim).transpose(1, 2)
@@ -247,8 +186,8 @@ def padded(q, src: KeySource, *, causal, scale, window, softcap, seqs=None) -> t
 
 def dense(q, k, v, meta: VarlenMeta, *, causal, scale, window, softcap) -> torch.Tensor:
     """One SDPA over the whole flat row with a block-diagonal mask (baseline; O(T^2) memory)."""
-    seq_q = meta.seq_idx_long().to(q.device)
-    seq_k, k_pos = (t.to(q.device) for t in meta.key_positions())  # built once per meta, not per layer
+    seq_q = meta.seq_idx_long.to(q.device)
+    seq_k, k_pos = (t.to(q.device) for t in meta.key_positions)  # built once per meta, not per layer
     q_pos = meta.position_ids.to(q.device)  # the query's position among its sequence's keys
     keep = seq_q[:, None] == seq_k[None, :]
     if causal:

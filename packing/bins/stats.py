@@ -110,11 +110,6 @@ class Bins:
         return int(self.offsets[b]), int(self.offsets[b + 1])
 
     @cached_property
-    def bin_of_item(self) -> np.ndarray:
-        """Bin number of every item (length ``offsets[-1]``)."""
-        return np.repeat(np.arange(len(self), dtype=np.int64), np.diff(self.offsets))
-
-    @cached_property
     def bin_tokens(self) -> np.ndarray:
         """Real tokens in each bin."""
         return _segment_sum(self.lengths, self.offsets)

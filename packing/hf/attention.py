@@ -5,7 +5,7 @@ Setup::
 
     from packing.hf import register_nopad_attention, use_nopad_attention
     register_nopad_attention()                       # idempotent
-    model.set_attn_implementation("nopad")           # or: with use_nopad_attention(model): ...
+    model.set_attn_implementation("nopad")           # or, for a block: with use_nopad_attention(model):
 
 Contract (keyword arguments of ``model(...)``; transformers forwards unknown keyword arguments
 to every attention call, where ``nopad_attention`` reads them):
@@ -14,8 +14,8 @@ Packed training row — ``model(input_ids, position_ids=..., nopad_meta=meta, la
     ``input_ids`` ``(1, T)`` holds the concatenated sequences, ``position_ids`` ``(1, T)`` is
     ``meta.position_ids[None]`` (RoPE needs it; it is checked against ``meta``), ``nopad_meta`` the
     row's :class:`~packing.varlen.VarlenMeta`. Without ``nopad_meta`` the boundaries are derived
-    once per forward from ``position_ids`` (a sequence starts where the position is 0). Without
-    either, each batch row is one sequence. A 2-D ``attention_mask`` with padding is refused.
+    from ``position_ids`` (a sequence starts where the position is 0). Without either, each batch
+    row is one sequence. A 2-D ``attention_mask`` with padding is refused.
 
 Generation step (paged K/V) — the generator passes::
 
@@ -25,10 +25,17 @@ Generation step (paged K/V) — the generator passes::
     ``meta = VarlenMeta.for_step(query_lens, context_lens, block_table=..., slot_mapping=...)``;
     ``kv[layer_idx] -> (k_cache, v_cache)`` each ``(num_blocks, block_size, kv_heads, head_dim)``
     (a list, a dict, or a callable ``kv(layer_idx)``). Each layer writes the step's new K/V at
-    ``meta.slot_mapping`` and attends through ``meta.block_table`` (CPU: one SDPA call per
-    sequence on its gathered blocks; CUDA: flash-attn's paged varlen kernel). ``use_cache=False`` keeps
-    transformers from building its own cache. Optional ``nopad_backend="sdpa_loop"`` etc. picks
-    a backend of :func:`packing.attention.varlen_attention` by name.
+    ``meta.slot_mapping`` and attends through ``meta.block_table``, with the backend the registry
+    picks (:func:`packing.attention.choose_backend`: on CPU the compiled kernel, reading the blocks
+    in place; on CUDA flash-attn, torch's varlen kernel or nopad's Triton kernel). ``use_cache=False``
+    keeps transformers from building its own cache. Optional ``nopad_backend="sdpa_loop"`` etc.
+    picks a backend of :func:`packing.attention.varlen_attention` by name.
+
+Planned once per forward: transformers calls the mask hook (:func:`nopad_mask`) once per forward
+(per mask kind) and passes its result to every layer as ``attention_mask``. nopad's hook returns an
+:class:`~packing.attention.plan.AttentionPlan`, which reads ``NOPAD_ATTN_BACKEND`` and the
+batch-invariant mode then; every layer reads its backend and the forward's resolved meta (derived,
+moved, checked once) from it. A model whose forward builds no mask gets a plan per layer call.
 
 Layer options come from the module call, as transformers passes them: ``scaling``,
 ``sliding_window`` (Mistral; Gemma2/Qwen2 per layer type), ``softcap`` (Gemma2), and
@@ -40,7 +47,7 @@ Precision and devices: q, k and v are cast to one compute dtype first, as transf
 flash-attn (the autocast dtype under ``torch.autocast``, else the layer's weight dtype: RoPE
 leaves q/k in fp32 under bf16 autocast while v is bf16). Boundaries derived here are built on
 the query's device, and a ``nopad_meta`` on another device (DDP does not scatter it) is moved
-with :meth:`VarlenMeta.to` once per forward.
+with :meth:`VarlenMeta.to` once per forward (by the first layer, kept in the plan).
 
 Keeping ``attn_implementation="sdpa"``/``"eager"``/``"flash_attention_2"`` instead: transformers'
 own packed path runs (it derives a block-diagonal mask, or FA2 varlen, from packed
@@ -58,6 +65,7 @@ import transformers
 from transformers.masking_utils import AttentionMaskInterface
 
 from packing.attention import varlen_attention
+from packing.attention.plan import AttentionPlan, PlannedRow
 from packing.distributed import compute_dtype
 from packing.varlen import VarlenMeta
 
@@ -79,19 +87,28 @@ def _derive_meta(position_ids: torch.Tensor | None, batch: int, q_len: int, k_le
                  device: torch.device) -> VarlenMeta:
     """Boundaries when the caller passed no ``nopad_meta``: transformers' own cache (decode with
     ``generate``), packed ``position_ids``, or one sequence per batch row, on the query's
-    ``device``. Derived once per forward: memoised on the ``position_ids`` tensor itself, which
-    every layer of the forward receives (no state outside the caller's objects)."""
+    ``device``."""
     if k_len != q_len:  # transformers' DynamicCache: each row is one sequence with context
         return VarlenMeta.for_step([q_len] * batch, [k_len - q_len] * batch, device=device)
     if position_ids is None:
         return VarlenMeta.from_lengths([q_len] * batch, device=device)
-    key = (position_ids._version, tuple(position_ids.shape), batch, device)
-    memo = getattr(position_ids, "_nopad_meta", None)
-    if memo is not None and memo[0] == key:
-        return memo[1]
     pos = position_ids.expand(batch, -1) if position_ids.shape[0] != batch else position_ids
-    meta = VarlenMeta.from_position_ids(pos.reshape(-1)).to(device)
-    position_ids._nopad_meta = (key, meta)
+    return VarlenMeta.from_position_ids(pos.reshape(-1)).to(device)
+
+
+def _forward_meta(plan: AttentionPlan, nopad_meta: VarlenMeta | None, position_ids: torch.Tensor | None,
+                  shape: tuple) -> VarlenMeta:
+    """The forward's meta: resolved by its first layer and kept in the plan for the others."""
+    if plan.row is not None and plan.row.matches(nopad_meta, position_ids, shape):
+        return plan.row.meta
+    batch, q_len, k_len, device = shape
+    if nopad_meta is None:
+        meta = _derive_meta(position_ids, batch, q_len, k_len, device)
+    else:
+        meta = nopad_meta.to(device)
+        if not meta.is_static:
+            _check_positions(meta, position_ids)
+    plan.row = PlannedRow(nopad_meta, position_ids, shape, meta)
     return meta
 
 
@@ -113,9 +130,6 @@ def _check_positions(meta: VarlenMeta, position_ids: torch.Tensor | None) -> Non
     """RoPE used ``position_ids``; attention uses ``meta``. They must describe the same row."""
     if position_ids is None:
         return
-    checked = meta._derived.get("checked_position_ids")
-    if checked is not None and checked[0] is position_ids and checked[1] == position_ids._version:
-        return
     flat = position_ids.reshape(-1)
     mine = meta.position_ids
     if (flat.device == mine.device and flat.data_ptr() == mine.data_ptr() and flat.shape == mine.shape
@@ -126,7 +140,6 @@ def _check_positions(meta: VarlenMeta, position_ids: torch.Tensor | None) -> Non
             "position_ids do not match nopad_meta.position_ids; pass position_ids=meta.position_ids[None] "
             "so rotary embeddings see each sequence's own positions"
         )
-    meta._derived["checked_position_ids"] = (position_ids, position_ids._version)
 
 
 def _layer_cache(kv, layer_idx: int):
@@ -142,7 +155,7 @@ def nopad_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask: AttentionPlan | torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
     sliding_window: int | None = None,
@@ -155,25 +168,21 @@ def nopad_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query`` ``(B, heads, T, dim)``, ``key``/``value``
-    ``(B, kv_heads, S, dim)``; returns ``((B, T, heads, dim), None)``."""
+    ``(B, kv_heads, S, dim)``; returns ``((B, T, heads, dim), None)``. ``attention_mask`` is the
+    forward's plan (what :func:`nopad_mask` returned)."""
     if nopad_trace is not None:  # the caller's own record of the calls (packing.verify counts them)
         nopad_trace.append(getattr(module, "layer_idx", None))
     if dropout:
         raise ValueError("nopad attention does not implement attention dropout; set attention_dropout=0")
     if isinstance(attention_mask, torch.Tensor):
         raise ValueError("nopad attention takes no attention mask; pack the sequences instead of padding")
+    plan = attention_mask if isinstance(attention_mask, AttentionPlan) else AttentionPlan()
     is_causal = kwargs.pop("is_causal", None)
     _check_kwargs(module, kwargs)
     batch, heads, q_len, dim = query.shape
-    device = query.device
-    if nopad_meta is None:
-        if nopad_kv_cache is not None:
-            raise ValueError("nopad_kv_cache needs nopad_meta (with block_table and slot_mapping)")
-        meta = _derive_meta(position_ids, batch, q_len, key.shape[2], device)
-    else:
-        meta = nopad_meta.to(device)  # moved once per forward: the meta keeps the moved copy
-        if not meta.is_static:
-            _check_positions(meta, position_ids)
+    if nopad_meta is None and nopad_kv_cache is not None:
+        raise ValueError("nopad_kv_cache needs nopad_meta (with block_table and slot_mapping)")
+    meta = _forward_meta(plan, nopad_meta, position_ids, (batch, q_len, key.shape[2], query.device))
     if meta.total_q != batch * q_len:
         raise ValueError(f"nopad_meta describes {meta.total_q} tokens but the batch has {batch} x {q_len}")
     dtype = compute_dtype(module, query)
@@ -188,19 +197,21 @@ def nopad_attention(
         softcap=softcap,
         kv_cache=_layer_cache(nopad_kv_cache, getattr(module, "layer_idx", None)),
         backend=nopad_backend,
+        plan=plan,
     )
     return out.view(batch, q_len, heads, -1), None
 
 
-def nopad_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
-    """Mask hook: nopad needs no dense ``T x T`` mask (boundaries come from the meta). A 2-D
-    padding mask with zeros would be silently dropped, so refuse it."""
+def nopad_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> AttentionPlan:
+    """Mask hook, called once per forward: nopad needs no dense ``T x T`` mask (boundaries come
+    from the meta), so the "mask" every layer receives is the forward's :class:`AttentionPlan`.
+    A 2-D padding mask with zeros would be silently dropped, so refuse it."""
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(
             "nopad attention got a padding attention_mask; pack the sequences into one row "
             "(see packing.pack) or use attn_implementation='sdpa' for padded batches"
         )
-    return None
+    return AttentionPlan()
 
 
 def register_nopad_attention() -> str:
@@ -211,18 +222,25 @@ def register_nopad_attention() -> str:
 
 
 @contextlib.contextmanager
-def use_nopad_attention(model: transformers.PreTrainedModel):
-    """Switch ``model`` to nopad attention (with :func:`packed_forward_guard`) for the block,
-    then restore its previous implementation."""
+def use_nopad_attention(model: transformers.PreTrainedModel, *, eval_mode: bool = False):
+    """Switch ``model`` to nopad attention (with :func:`packed_forward_guard`) for the block, and
+    with ``eval_mode`` to eval mode (the generator's steps); restore both after, also on error.
+    The one way nopad switches a model's attention for a block."""
     register_nopad_attention()
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(NOPAD_ATTENTION)
+    previous, training = model.config._attn_implementation, model.training
+    if previous != NOPAD_ATTENTION:
+        model.set_attn_implementation(NOPAD_ATTENTION)
+    if eval_mode and training:
+        model.eval()
     handle = packed_forward_guard(model)
     try:
         yield model
     finally:
         handle.remove()
-        model.set_attn_implementation(previous)
+        if eval_mode and training:
+            model.train()
+        if model.config._attn_implementation != previous:
+            model.set_attn_implementation(previous)
 
 
 def _is_packed(position_ids: torch.Tensor | None) -> bool:
