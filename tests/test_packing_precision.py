@@ -222,8 +222,8 @@ def test_generator_on_flash_reads_blocks_in_place(monkeypatch, flash_standin, fa
 
 # ------------------------------------------------------------------ one GRPO step
 def test_one_grpo_step_on_flash_in_bf16(monkeypatch, forced_flash):
-    import training.grpo_step
     from inference import Generator, SamplingParams
+    from packing.row import PackedRow
     from tests.models import IdText, checksum_reward
     from training.accumulation import OptimizerStepper
     from training.grpo import resolve_batch_invariant
@@ -232,9 +232,9 @@ def test_one_grpo_step_on_flash_in_bf16(monkeypatch, forced_flash):
     policy = precision_model("llama", "bf16")
     prompt_ids = [[5, 6, 7, 8], [9, 10, 11]]
     moved = []
-    real_move = training.grpo_step.move_batch
-    monkeypatch.setattr(training.grpo_step, "move_batch",
-                        lambda batch, device: moved.append(device) or real_move(batch, device))
+    real_move = PackedRow.to
+    monkeypatch.setattr(PackedRow, "to",
+                        lambda row, device, **kw: moved.append(device) or real_move(row, device, **kw))
     gen = Generator(policy, num_blocks=8, max_num_batched_tokens=256)
     stepper = OptimizerStepper(policy, torch.optim.SGD(policy.parameters(), lr=1e-2), max_grad_norm=1.0)
     loss = GRPOLoss(batch_invariant=resolve_batch_invariant("auto", policy.device))
