@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import os
+import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -197,6 +201,94 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequenc
     (``["train.steps=3"]`` or a nested dict), checked."""
     data = _read_yaml(path) if path is not None else {}
     return from_dict(cls, _merge(data, _overrides(overrides)))
+
+
+def parse_cli(cls: type[C], argv: Sequence[str] | None, prog: str, about: str = "") -> C:
+    """The config of a recipe's command line ``[config.yaml] [section.key=value ...]``.
+
+    ``-h``/``--help`` prints every section and key (type, default, one line) and exits 0; a wrong
+    setting is one line on stderr and exit code 2, as argparse does, not a traceback."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text(cls, prog, about))
+        raise SystemExit(0)
+    path = argv.pop(0) if argv and "=" not in argv[0] else None
+    try:
+        return load_config(cls, path, argv)
+    except (ConfigError, FileNotFoundError, ValueError, yaml.YAMLError) as err:
+        print(f"{prog}: error: {err} (see {prog} --help)", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+NOISY_LOGGERS = ("accelerate.checkpointing",  # 8 "saved ... to ..." lines per checkpoint
+                 "accelerate.accelerator",  # "loading states from ..." per resume
+                 "DeepSpeed", "deepspeed")  # its CPU-accelerator notice in every run, its config dumps
+
+
+def setup_logging(fmt: str = "%(asctime)s %(name)s: %(message)s") -> None:
+    """The recipes' console logging: INFO for nopad, warnings only from the libraries whose INFO is
+    noise to a user, and no deprecation FutureWarnings from the libraries underneath (the recipes
+    call them as documented; a warning there is for us, not for the user of a recipe)."""
+    import logging
+    import warnings
+
+    logging.basicConfig(level=logging.INFO, format=fmt)
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import torch
+
+    if not torch.cuda.is_available():  # what DeepSpeed picks anyway, without its warning every run
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def field_docs(cls) -> dict[str, str]:
+    """``{field: its trailing comment}`` read from the dataclass source (and its bases'), so each
+    field is documented once, beside its default, and ``--help`` shows that line."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            lines = inspect.getsource(klass).splitlines()
+        except (OSError, TypeError):
+            continue
+        for line in lines:
+            match = re.match(r"\s+(\w+)\s*:[^#]*=[^#]*#\s*(.+)$", line)
+            if match:
+                docs[match.group(1)] = match.group(2).strip()
+    return docs
+
+
+def help_text(cls, prog: str, about: str = "") -> str:
+    """``--help`` for a recipe: usage, then each section's keys with type, default and doc line."""
+    out = [f"usage: {prog} [config.yaml] [section.key=value ...]", ""]
+    if about:
+        out += [about.strip(), ""]
+    out += ["Every key below can be set in a YAML file or as section.key=value on the command line.", ""]
+    out += _help_lines(cls, "")
+    return "\n".join(out)
+
+
+def _help_lines(cls, prefix: str) -> list[str]:
+    hints, docs, default = _hints(cls), field_docs(cls), cls()
+    lines, sections = [], []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            sections.append((f.name, hint))
+            continue
+        value = getattr(default, f.name)
+        shown = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip() \
+            if not callable(value) else getattr(value, "__name__", str(value))
+        doc = docs.get(f.name, "")
+        lines.append(f"  {prefix}{f.name} = {shown}   ({_describe(hint)})" + (f"  {doc}" if doc else ""))
+    for name, hint in sections:
+        doc = (hint.__dict__.get("__doc__") or "").split("\n\n")[0]
+        doc = "" if doc.startswith(f"{hint.__name__}(") else " ".join(doc.split())  # dataclass's own
+        lines += ["", f"{prefix}{name}:" + (f"  {doc}" if doc else "")]
+        lines += _help_lines(hint, f"{prefix}{name}.")
+    return lines
 
 
 def with_overrides(cfg: C, overrides: Sequence[str] | Mapping) -> C:

@@ -161,12 +161,20 @@ def grpo_demo(model, tokenizer, *, steps: int = 2, out: TextIO | None = None) ->
     return history
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """The whole job: packing report, packed SFT steps, GRPO steps with in-process rollouts."""
     import time
 
     from assets.smollm2 import load_smollm2
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"usage: nopad-demo  (python -m recipes.demo)\n\n{__doc__.strip()}\n\nIt takes no settings.")
+        raise SystemExit(0)
+    if argv:
+        print(f"nopad-demo: error: it takes no arguments, got {' '.join(argv)} (see nopad-demo --help)",
+              file=sys.stderr)
+        raise SystemExit(2)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     start = time.perf_counter()
     model, tokenizer = load_smollm2()

@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recipes.config import ChatModelConfig, ConfigError, GeneratorConfig, Section, load_config, load_model
+from recipes.config import (
+    ChatModelConfig,
+    ConfigError,
+    GeneratorConfig,
+    Section,
+    load_model,
+    parse_cli,
+    setup_logging,
+)
 from recipes.tasks import TASKS, RewardFn, encode_prompt, get_reward, load_examples
 
 logger = logging.getLogger(__name__)
@@ -170,10 +177,8 @@ def run_evaluate(cfg: EvaluateConfig, model=None, tokenizer=None, progress: bool
 
 
 def main(argv: list[str] | None = None) -> dict:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    path = argv.pop(0) if argv and "=" not in argv[0] else None
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return run_evaluate(load_config(EvaluateConfig, path, argv))
+    setup_logging("%(message)s")
+    return run_evaluate(parse_cli(EvaluateConfig, argv, "recipes.evaluate", __doc__))
 
 
 def cli() -> None:

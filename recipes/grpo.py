@@ -23,7 +23,6 @@ import copy
 import json
 import logging
 import math
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,8 +40,9 @@ from recipes.config import (
     ConfigError,
     GeneratorConfig,
     Section,
-    load_config,
     load_model,
+    parse_cli,
+    setup_logging,
 )
 from recipes.tasks import TASKS, encode_prompt, get_reward, load_examples
 from training.accelerator import engine_info
@@ -427,10 +427,8 @@ def run_grpo(cfg: GRPOConfig, model=None, tokenizer=None, progress: bool = True)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    path = argv.pop(0) if argv and "=" not in argv[0] else None
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return run_grpo(load_config(GRPOConfig, path, argv))
+    setup_logging("%(message)s")
+    return run_grpo(parse_cli(GRPOConfig, argv, "recipes.grpo", __doc__))
 
 
 def cli() -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Literal
 import datasets
 
 from packing import pack_dataset
-from recipes.config import Section, load_config
+from recipes.config import Section, parse_cli, setup_logging
 
 logger = logging.getLogger(__name__)
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "preprocess.yaml"  # these defaults, with comments
@@ -208,10 +207,8 @@ def run_preprocess(cfg: PreprocessConfig) -> datasets.Dataset:
 
 
 def main(argv: list[str] | None = None) -> datasets.Dataset:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    path = argv.pop(0) if argv and "=" not in argv[0] else None
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return run_preprocess(load_config(PreprocessConfig, path, argv))
+    setup_logging("%(message)s")
+    return run_preprocess(parse_cli(PreprocessConfig, argv, "recipes.preprocess", __doc__))
 
 
 def cli() -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -41,9 +40,10 @@ from recipes.config import (
     ConfigError,
     ModelConfig,
     Section,
-    load_config,
     load_model,
+    parse_cli,
     save_model_dir,
+    setup_logging,
 )
 from training import checkpoint
 from training.accelerator import engine_info
@@ -506,10 +506,8 @@ def _write_result(accelerator, output_dir: Path, result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    path = argv.pop(0) if argv and "=" not in argv[0] else None
-    return train(load_config(SFTConfig, path, argv))
+    setup_logging()
+    return train(parse_cli(SFTConfig, argv, "recipes.sft", __doc__))
 
 
 def cli() -> None:
