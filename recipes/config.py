@@ -362,7 +362,14 @@ def load_model(model_cfg: ModelConfig):
 
     from recipes.tasks import AsciiTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError, RuntimeError) as err:  # a truncated or damaged weights file, mostly
+        files = sorted(p.name for p in Path(path).iterdir())
+        weights = ", ".join(n for n in files if n.endswith((".safetensors", ".bin")))
+        raise RuntimeError(f"model.path={path}: could not load the model from {weights or 'its files'}"
+                           f" ({type(err).__name__}: {err}); the file may be truncated (a run stopped while "
+                           "writing it, or a copy that did not finish): use another checkpoint") from err
     if (Path(path) / AsciiTokenizer.SAVED_NAME).is_file():  # a checkpoint of a tiny:* model
         return model.eval(), AsciiTokenizer.from_pretrained(path)
     return model.eval(), AutoTokenizer.from_pretrained(path)

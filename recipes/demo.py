@@ -161,13 +161,13 @@ def grpo_demo(model, tokenizer, *, steps: int = 2, out: TextIO | None = None) ->
     return history
 
 
-def main(argv: list[str] | None = None) -> None:
+def main() -> None:
     """The whole job: packing report, packed SFT steps, GRPO steps with in-process rollouts."""
     import time
 
     from assets.smollm2 import load_smollm2
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:]
     if argv and argv[0] in ("-h", "--help"):
         print(f"usage: nopad-demo  (python -m recipes.demo)\n\n{__doc__.strip()}\n\nIt takes no settings.")
         raise SystemExit(0)

@@ -45,6 +45,7 @@ from recipes.config import (
     setup_logging,
 )
 from recipes.tasks import TASKS, encode_prompt, get_reward, load_examples
+from training import checkpoint
 from training.accelerator import engine_info
 from training.accelerator import make_accelerator as build_accelerator
 from training.accumulation import (
@@ -396,6 +397,8 @@ def run_grpo(cfg: GRPOConfig, model=None, tokenizer=None, progress: bool = True)
     rank, world = accelerator.process_index, accelerator.num_processes
     per_step = ro.prompts_per_step
     out_file = None
+    if cfg.output_dir:  # lock: two runs at once into one directory stop with the other's pid
+        checkpoint.claim_run_dir(cfg.output_dir, accelerator)
     if cfg.output_dir and accelerator.is_main_process:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         out_file = open(Path(cfg.output_dir) / "metrics.jsonl", "w")

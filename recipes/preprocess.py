@@ -187,9 +187,25 @@ def tokenize_dataset(
     )
 
 
+def check_output_dir(output: str | Path) -> None:
+    """``output`` must be new, empty or an earlier packed dataset (which is replaced): writing into a
+    training run or a model directory would mix a dataset into it."""
+    from training.checkpoint import dir_kind
+
+    kind = dir_kind(output) if Path(output).exists() else "empty"
+    if Path(output).exists() and not Path(output).is_dir():
+        raise FileExistsError(f"output={output} is a file; give a directory for the packed dataset")
+    if kind not in ("empty", "dataset"):
+        what = {"run": "a training run's output directory", "model": "a model directory",
+                "training_state": "a checkpoint's training state"}.get(kind, "a directory but not a dataset")
+        raise FileExistsError(f"output={output} is {what}; writing the packed dataset there would mix "
+                              "the two. Give a new directory, e.g. output=runs/packed")
+
+
 def run_preprocess(cfg: PreprocessConfig) -> datasets.Dataset:
     if not cfg.input or not cfg.output:
         raise ValueError("set both input=<JSONL file or dataset directory> and output=<directory>")
+    check_output_dir(cfg.output)
     tokenizer = load_tokenizer(cfg.tokenizer)
     ds = load_records(cfg.input, cfg.messages_field)
     tokenized = tokenize_dataset(

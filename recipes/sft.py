@@ -347,6 +347,7 @@ def train(cfg: SFTConfig, *, model=None, tokenizer=None, rows=None, accelerator=
     for obj in (progress, loader, scheduler):  # progress first: it names train.grad_accum on a mismatch
         accelerator.register_for_checkpointing(obj)
     output_dir = Path(ccfg.output_dir)
+    checkpoint.claim_run_dir(output_dir, accelerator, resuming=bool(ccfg.resume_from))  # lock, own metrics
     if ccfg.resume_from:
         _resume(accelerator, ccfg.resume_from, output_dir, progress, loader)
 
