@@ -364,7 +364,7 @@ def load_model(model_cfg: ModelConfig):
 
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except (OSError, ValueError, RuntimeError) as err:  # a truncated or damaged weights file, mostly
+    except Exception as err:  # a truncated or damaged weights file, mostly (safetensors has its own type)
         files = sorted(p.name for p in Path(path).iterdir())
         weights = ", ".join(n for n in files if n.endswith((".safetensors", ".bin")))
         raise RuntimeError(f"model.path={path}: could not load the model from {weights or 'its files'}"

@@ -25,6 +25,7 @@ import os
 import shutil
 import socket
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -194,7 +195,7 @@ def claim_run_dir(output_dir: str | Path, accelerator=None, *, resuming: bool = 
     curves of one run never mix with another's; a resumed run continues the file. The lock is
     released when the process exits."""
     output_dir = Path(output_dir)
-    run = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    run = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     if accelerator is not None and not accelerator.is_main_process:
         return run
     output_dir.mkdir(parents=True, exist_ok=True)
