@@ -341,6 +341,17 @@ class AccelerateConfig(Section):
     log_with: str | None = None
 
 
+MAX_LEARNING_RATE = 1.0  # Adam's update is ~lr per step: above this the weights only blow up
+
+
+def check_learning_rate(lr: float) -> None:
+    """``train.lr`` must be in (0, :data:`MAX_LEARNING_RATE`]: ``lr=1e38`` overflowed inside Adam and
+    ``lr=0`` trains nothing, both without a word."""
+    if not 0 < lr <= MAX_LEARNING_RATE:
+        raise ConfigError("lr", f"must be a number in (0, {MAX_LEARNING_RATE:g}], got {lr!r} (fine-tuning "
+                          "uses about 1e-6 to 1e-3)")
+
+
 def load_model(model_cfg: ModelConfig):
     """``(model, tokenizer)`` for ``model.path``: ``"smollm2"`` is the embedded SmolLM2-135M-Instruct
     (offline), ``"tiny:llama"`` a tiny random-weight Llama with an ASCII tokenizer (smoke runs);
@@ -353,7 +364,7 @@ def load_model(model_cfg: ModelConfig):
         from recipes.tasks import AsciiTokenizer, tiny_causal_lm
 
         model, _ = tiny_causal_lm(path.split(":", 1)[1])
-        return model.eval(), AsciiTokenizer()
+        return model.to(dtype).eval(), AsciiTokenizer()
     if path == "smollm2":
         from assets.smollm2 import load_smollm2
 

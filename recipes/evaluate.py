@@ -28,6 +28,7 @@ from recipes.tasks import TASKS, RewardFn, encode_prompt, get_reward, load_examp
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "evaluate.yaml"  # these defaults, with comments
+DEFAULT_TASK_PROMPTS = 32  # data.num_prompts=null on a built-in task
 
 
 @dataclass
@@ -36,7 +37,7 @@ class EvalDataConfig(Section):
 
     path: str | None = None
     task: str = "arithmetic"  # used when path is null
-    num_prompts: int = 32
+    num_prompts: int | None = None  # the first N prompts; null: all of data.path, 32 of a task
     seed: int = 1
     prompt_field: str = "prompt"
 
@@ -157,8 +158,13 @@ def run_evaluate(cfg: EvaluateConfig, model=None, tokenizer=None, progress: bool
     data = cfg.data
     if data.path is not None:
         examples = load_examples(data.path, data.prompt_field)
+        if data.num_prompts is not None:
+            if data.num_prompts > len(examples):
+                logger.warning("data.num_prompts=%d but %s holds %d prompts: evaluating all %d",
+                               data.num_prompts, data.path, len(examples), len(examples))
+            examples = examples[: data.num_prompts]
     else:
-        examples = TASKS[data.task](num_prompts=data.num_prompts, seed=data.seed)
+        examples = TASKS[data.task](num_prompts=data.num_prompts or DEFAULT_TASK_PROMPTS, seed=data.seed)
     s, g = cfg.sampling, cfg.generator
     params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                             seed=s.seed)

@@ -40,11 +40,12 @@ from recipes.config import (
     ConfigError,
     GeneratorConfig,
     Section,
+    check_learning_rate,
     load_model,
     parse_cli,
     setup_logging,
 )
-from recipes.tasks import TASKS, encode_prompt, get_reward, load_examples
+from recipes.tasks import TASKS, check_prompts_per_step, encode_prompt, get_reward, load_examples
 from training import checkpoint
 from training.accelerator import engine_info
 from training.accelerator import make_accelerator as build_accelerator
@@ -132,6 +133,8 @@ class GRPOTrainConfig(Section):
 
     def check(self) -> None:
         self.at_least("steps", 0)
+        self.at_least("beta", 0.0)
+        check_learning_rate(self.lr)
         self.at_least("max_tokens_per_batch", 2)
         if not 0 < self.clip_eps < 1:
             raise ConfigError("clip_eps", f"must be in (0, 1), got {self.clip_eps}")
@@ -396,6 +399,7 @@ def run_grpo(cfg: GRPOConfig, model=None, tokenizer=None, progress: bool = True)
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(tr.seed)).tolist()
     rank, world = accelerator.process_index, accelerator.num_processes
     per_step = ro.prompts_per_step
+    check_prompts_per_step(len(examples), per_step, world)
     out_file = None
     if cfg.output_dir:  # lock: two runs at once into one directory stop with the other's pid
         checkpoint.claim_run_dir(cfg.output_dir, accelerator)

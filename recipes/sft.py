@@ -40,6 +40,7 @@ from recipes.config import (
     ConfigError,
     ModelConfig,
     Section,
+    check_learning_rate,
     load_model,
     parse_cli,
     save_model_dir,
@@ -110,6 +111,7 @@ class SFTTrainConfig(Section):
         for name, low in [("epochs", 1), ("max_steps", 1), ("grad_accum", 1), ("warmup_steps", 0),
                           ("seed", 0)]:
             self.at_least(name, low)
+        check_learning_rate(self.lr)
 
 
 @dataclass
@@ -444,8 +446,7 @@ def _resume(accelerator, resume_from: str, output_dir: Path, progress: Progress,
     except ValueError:  # our own: a resume under another plan, naming the setting
         raise
     except Exception as err:  # a damaged file: say which checkpoint, not only the zip reader's words
-        raise RuntimeError(f"could not load the training state of checkpoint {resume}: {err}; resume "
-                           "from an earlier step_N directory") from err
+        raise RuntimeError(checkpoint.resume_failure(resume, err)) from err
     logger.info("resumed from %s at step %d (epoch %d)", resume, progress.step, loader.epoch)
 
 

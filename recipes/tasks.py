@@ -96,6 +96,16 @@ def get_reward(spec: str | RewardFn, key: str = "reward") -> RewardFn:
 
 
 # ----------------------------------------------------------------------------- prompt sets
+def check_prompts_per_step(num_prompts: int, prompts_per_step: int, world_size: int = 1) -> None:
+    """One GRPO step takes ``prompts_per_step`` distinct prompts on each of ``world_size`` ranks;
+    with fewer prompts it used to repeat them inside the step, silently."""
+    if prompts_per_step * world_size > num_prompts:
+        raise ValueError(f"rollout.prompts_per_step={prompts_per_step} x {world_size} process(es) needs "
+                         f"{prompts_per_step * world_size} distinct prompts per step, but the prompt set has "
+                         f"{num_prompts}; lower rollout.prompts_per_step or give more prompts "
+                         "(task.num_prompts / task.prompts)")
+
+
 def load_examples(path: str | Path, prompt_field: str = "prompt") -> list[dict]:
     """Examples from a JSONL file (one JSON object per line) or an HF dataset saved with
     ``save_to_disk`` (a directory). Every example must have ``prompt_field``."""

@@ -187,6 +187,18 @@ def _barrier(accelerator) -> None:
         accelerator.wait_for_everyone()
 
 
+def resume_failure(checkpoint_dir: str | Path, err: BaseException) -> str:
+    """Why loading ``checkpoint_dir``'s training state failed, in words: a model that differs from
+    the checkpoint's (shapes or parameter names) is not cured by an earlier ``step_N``."""
+    text = str(err)
+    if any(s in text for s in ("size mismatch", "Missing key", "Unexpected key", "shape")):
+        return (f"checkpoint {checkpoint_dir} was written for a different model than model.path "
+                f"({text[:300]}); resume with the model.path of the run that wrote it, or start a fresh "
+                "run in another checkpoint.output_dir")
+    return (f"could not load the training state of checkpoint {checkpoint_dir}: {text}; the file may be "
+            "damaged: resume from an earlier step_N directory")
+
+
 def claim_run_dir(output_dir: str | Path, accelerator=None, *, resuming: bool = False) -> str:
     """Start a run in ``output_dir`` (main process only; returns the run id everywhere).
 
