@@ -41,7 +41,7 @@ def load_records(path: str | Path, kinds: Sequence[Kind] = (), *, split: str | N
     path = Path(path)
     if path.is_dir():
         ds = _load_saved(path, split, key)
-        rows = ds if kinds or check else ()
+        rows = ds if check else _first_rows_checked(ds, kinds, path)
     elif path.is_file():
         name = path.name.lower()
         if name.endswith((".jsonl", ".jsonl.gz", ".json", ".json.gz")):
@@ -50,7 +50,7 @@ def load_records(path: str | Path, kinds: Sequence[Kind] = (), *, split: str | N
         elif name.endswith((".parquet", ".csv")):
             kind = "parquet" if name.endswith(".parquet") else "csv"
             ds = datasets.load_dataset(kind, data_files=str(path), split="train")
-            rows = ds if kinds or check else ()
+            rows = ds if check else _first_rows_checked(ds, kinds, path)
         else:
             raise ValueError(f"{key}={path}: unknown file type; give {FORMATS}")
     else:
@@ -75,6 +75,17 @@ def load_records(path: str | Path, kinds: Sequence[Kind] = (), *, split: str | N
     if len(ds) == 0:
         raise ValueError(f"{key}={path} holds no records")
     return ds
+
+
+def load_sft_rows(source: str | Path, prompt_column: str, completion_column: str, split: str | None = None,
+                  tokenizer=None) -> datasets.Dataset:
+    """SFT's ``data.source``: token rows (``input_ids``, e.g. a packed dataset, whose tokenizer must
+    be the model's) or text rows (``prompt_column`` and ``completion_column``, strings)."""
+    kinds = [{"input_ids": list}, {prompt_column: str, completion_column: str}]
+    rows = load_records(source, kinds, split=split, key="data.source")
+    if Path(source).is_dir():
+        check_tokenizer(source, tokenizer)
+    return rows
 
 
 def check_record(record, kinds: Sequence[Kind], where: str) -> Kind:
@@ -123,26 +134,44 @@ def check_tokenizer(directory: str | Path, tokenizer, key: str = "data.source") 
                          "run recipes.preprocess again with tokenizer=<the model's directory>")
 
 
-def check_dropped_tokens(lengths, capacity: int, max_fraction: float, *, key: str,
+def check_dropped_tokens(lengths, capacity: int, max_fraction: float, *, key: str, capacity_key: str,
                          what: str = "sequences") -> int:
     """The one truncation rule (preprocess and SFT): cutting sequences to ``capacity`` may drop at
-    most ``max_fraction`` of all tokens, else a ValueError that says how many and what to change.
-    Returns the number of tokens dropped (logged when > 0)."""
+    most ``max_fraction`` of all tokens (the setting ``key``), else a ValueError that says how many
+    and what to change. Returns the number of tokens dropped (logged when > 0)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     too_long = lengths > capacity
     dropped = int((lengths[too_long] - capacity).sum())
     total = max(int(lengths.sum()), 1)
     share = dropped / total
+    section = key.rpartition(".")[0] + "." if "." in key else ""
     if share > max_fraction:
         raise ValueError(
-            f"truncating to {capacity} tokens would drop {dropped:,} of {total:,} tokens ({share:.0%}) of "
-            f"{int(too_long.sum())} {what}, more than {key}={max_fraction:g}; raise the capacity "
-            f"(>= {int(lengths.max())} drops nothing), split long sequences (overflow=split), or accept the "
-            f"loss with {key}={share:.2f}")
+            f"{section}overflow=truncate would drop {dropped:,} of {total:,} tokens ({share:.0%}) of the "
+            f"{int(too_long.sum())} {what} longer than {capacity_key}={capacity}, more than {key}="
+            f"{max_fraction:g}; raise {capacity_key} (>= {int(lengths.max())} drops nothing), use "
+            f"{section}overflow=split, or accept the loss with {key}={share:.2f}")
     if dropped:
-        logger.warning("truncation drops %d tokens (%.1f%%) of %d %s longer than %d", dropped, 100 * share,
-                       int(too_long.sum()), what, capacity)
+        logger.warning("%soverflow=truncate drops %d tokens (%.1f%%) of %d %s longer than %d", section,
+                       dropped, 100 * share, int(too_long.sum()), what, capacity)
     return dropped
+
+
+def _first_rows_checked(ds: datasets.Dataset, kinds: Sequence[Kind], path: Path) -> list:
+    """A typed table (Arrow) holds one type per column, so its first row stands for the types; its
+    nulls are found per column, without reading every row (a packed dataset can be large)."""
+    if not kinds or len(ds) == 0:
+        return []
+    kind = check_record(ds[0], kinds, f"{path} row 1")
+    for field in kind:
+        column = ds.data.column(field)
+        if column.null_count:
+            import pyarrow.compute as pc
+
+            row = pc.index(pc.is_null(column), True).as_py()
+            raise ValueError(f"{path} row {row + 1}: field {field!r} must be {_type_words(kind[field])}, "
+                             "got null")
+    return []
 
 
 def _load_saved(path: Path, split: str | None, key: str) -> datasets.Dataset:

@@ -326,7 +326,7 @@ def build_prompts(cfg: GRPOConfig, tokenizer) -> tuple[list[dict], list[list[int
     """The task's examples and their prompt token ids (chat template when configured)."""
     task = cfg.task
     if task.prompts is not None:
-        examples = load_examples(task.prompts, task.prompt_field)
+        examples = load_examples(task.prompts, task.prompt_field, key="task.prompts")
     else:
         examples = TASKS[task.name](num_prompts=task.num_prompts, seed=task.seed)
     limit = cfg.rollout.max_prompt_tokens

@@ -198,7 +198,7 @@ def run_preprocess(cfg: PreprocessConfig) -> datasets.Dataset:
     if cfg.overflow == "truncate":  # the same rule, and key, as SFT's data.max_dropped_fraction
         lengths = [len(ids) for ids in tokenized["input_ids"]]
         sources.check_dropped_tokens(lengths, cfg.capacity, cfg.max_dropped_fraction,
-                                     key="max_dropped_fraction")
+                                     key="max_dropped_fraction", capacity_key="capacity")
     packed, bins = pack_dataset(
         tokenized, cfg.capacity, strategy=cfg.strategy, overflow=cfg.overflow, seed=cfg.seed,
         max_seqs_per_bin=cfg.max_seqs_per_bin, position_ids=cfg.position_ids, return_bins=True,

@@ -167,8 +167,9 @@ def test_preprocess_refuses_to_drop_most_of_a_long_document(tmp_path, tokenizer)
     data = tmp_path / "long.jsonl"
     data.write_text(json.dumps({"text": "hi " * 100}) + "\n")
     args = [f"input={data}", f"tokenizer={tok_dir}", "capacity=8"]
-    with pytest.raises(ValueError, match=r"truncating to 8 tokens would drop 93 of 101 tokens \(92%\) of 1 "
-                                         r"sequences, more than max_dropped_fraction=0.05"):
+    dropped = (r"^overflow=truncate would drop 93 of 101 tokens \(92%\) of the 1 sequences longer than "
+               r"capacity=8, more than max_dropped_fraction=0.05")
+    with pytest.raises(ValueError, match=dropped):
         main([*args, f"output={tmp_path / 'p'}"])
     packed = main([*args, f"output={tmp_path / 'p'}", "max_dropped_fraction=1"])
     assert packed["seq_lengths"] == [[8]]
