@@ -48,8 +48,11 @@ def load_records(path: str | Path, kinds: Sequence[Kind] = (), *, split: str | N
             rows = _read_json(path)
             ds = None
         elif name.endswith((".parquet", ".csv")):
-            kind = "parquet" if name.endswith(".parquet") else "csv"
-            ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+            if name.endswith(".parquet"):
+                ds = datasets.load_dataset("parquet", data_files=str(path), split="train")
+            else:  # CSV cells are text: "2" stays "2", not the integer pandas would guess
+                ds = datasets.load_dataset("csv", data_files=str(path), split="train",
+                                           features=_text_columns(path))
             rows = ds if check else _first_rows_checked(ds, kinds, path)
         else:
             raise ValueError(f"{key}={path}: unknown file type; give {FORMATS}")
@@ -172,6 +175,14 @@ def _first_rows_checked(ds: datasets.Dataset, kinds: Sequence[Kind], path: Path)
             raise ValueError(f"{path} row {row + 1}: field {field!r} must be {_type_words(kind[field])}, "
                              "got null")
     return []
+
+
+def _text_columns(path: Path) -> datasets.Features:
+    import csv
+
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        header = next(csv.reader(f), [])
+    return datasets.Features({name: datasets.Value("string") for name in header})
 
 
 def _load_saved(path: Path, split: str | None, key: str) -> datasets.Dataset:
