@@ -322,7 +322,7 @@ class ChatModelConfig(ModelConfig):
 class GeneratorConfig(Section):
     """The in-flight generator's KV cache and step budget (:class:`inference.Generator`)."""
 
-    block_size: int = 16
+    block_size: int | None = None  # null: the library's rule (packing.attention.paged_block_size)
     num_blocks: int = 1024
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -330,6 +330,12 @@ class GeneratorConfig(Section):
     def check(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
             self.at_least(name, 1)
+
+    @property
+    def smallest_block_size(self) -> int:
+        """``block_size``, or the smallest the library's rule picks (16; 256 where a backend reads
+        only 256-token pages): a KV-capacity check in blocks made with it holds for either."""
+        return self.block_size or 16
 
 
 @dataclasses.dataclass

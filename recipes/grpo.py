@@ -159,12 +159,12 @@ class GRPOConfig(Section):
         ro, gen, tr = self.rollout, self.generator, self.train
         seq_tokens = ro.max_prompt_tokens + ro.max_tokens
         num_seqs = ro.prompts_per_step * ro.num_generations
-        blocks_needed = num_seqs * math.ceil(seq_tokens / gen.block_size)
+        blocks_needed = num_seqs * math.ceil(seq_tokens / gen.smallest_block_size)
         if blocks_needed > gen.num_blocks:
             raise ValueError(
                 f"the rollout batch is larger than the KV cache: rollout.prompts_per_step="
                 f"{ro.prompts_per_step} x rollout.num_generations={ro.num_generations} sequences of up to "
-                f"{seq_tokens} tokens need {blocks_needed} blocks of {gen.block_size}, but "
+                f"{seq_tokens} tokens need {blocks_needed} blocks of {gen.smallest_block_size}, but "
                 f"generator.num_blocks={gen.num_blocks}; raise generator.num_blocks or lower "
                 "rollout.prompts_per_step / rollout.num_generations / rollout.max_tokens"
             )
