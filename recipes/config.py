@@ -291,6 +291,58 @@ def _help_lines(cls, prefix: str) -> list[str]:
     return lines
 
 
+def render_yaml(cls, header: str = "") -> str:
+    """``cls``'s defaults as a commented YAML file (each key with its field's comment), after the
+    comment block ``header``. The shipped ``recipes/configs/<recipe>.yaml`` are this output
+    (``python -m recipes.config`` rewrites them), so a default is written once, in the dataclass."""
+    lines = [line for line in header.splitlines() if line.strip()]
+    lines += _yaml_lines(cls, "")
+    return "\n".join(lines) + "\n"
+
+
+def _yaml_lines(cls, indent: str) -> list[str]:
+    hints, docs, default = _hints(cls), field_docs(cls), cls()
+    lines = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            lines += [f"{indent}{f.name}:", *_yaml_lines(hint, indent + "  ")]
+            continue
+        value = getattr(default, f.name)
+        text = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+        entry = f"{indent}{f.name}: {text}"
+        doc = docs.get(f.name)
+        lines.append(f"{entry:<24} # {doc}" if doc else entry)
+    return lines
+
+
+def yaml_header(path: str | Path) -> str:
+    """The leading comment block of a YAML file (what :func:`render_yaml` keeps)."""
+    header = []
+    for line in Path(path).read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line)
+    return "\n".join(header)
+
+
+GENERATED_YAMLS = {"evaluate": "recipes.evaluate:EvaluateConfig",
+                   "preprocess": "recipes.preprocess:PreprocessConfig"}  # file stem -> its config class
+
+
+def write_yamls(directory: str | Path = Path(__file__).parent / "configs") -> list[Path]:
+    """Rewrite the shipped YAMLs from their dataclasses (run after changing a default or comment)."""
+    import importlib
+
+    written = []
+    for stem, target in GENERATED_YAMLS.items():
+        module, _, name = target.partition(":")
+        path = Path(directory) / f"{stem}.yaml"
+        path.write_text(render_yaml(getattr(importlib.import_module(module), name), yaml_header(path)))
+        written.append(path)
+    return written
+
+
 def with_overrides(cfg: C, overrides: Sequence[str] | Mapping) -> C:
     """A copy of ``cfg`` with the overrides applied, checked again."""
     return from_dict(type(cfg), _merge(cfg.to_dict(), _overrides(overrides)))
@@ -306,8 +358,8 @@ class ModelConfig(Section):
     random-weight model, for tests), or a local Hugging Face model directory (a training run's
     output directory means its newest checkpoint)."""
 
-    path: str | None = "smollm2"
-    dtype: DType = "float32"
+    path: str | None = "smollm2"  # smollm2 (embedded), tiny:llama (tests), a model or run directory
+    dtype: DType = "float32"  # float32 | bfloat16 | float16
 
 
 @dataclasses.dataclass
@@ -315,7 +367,7 @@ class ChatModelConfig(ModelConfig):
     """A model that reads prompts: ``chat_template`` true renders them with the tokenizer's chat
     template (an error if it has none), false feeds raw text, ``auto`` uses the template if any."""
 
-    chat_template: bool | Literal["auto"] = "auto"
+    chat_template: bool | Literal["auto"] = "auto"  # true | false (raw text) | auto (if it has one)
 
 
 @dataclasses.dataclass
@@ -323,9 +375,9 @@ class GeneratorConfig(Section):
     """The in-flight generator's KV cache and step budget (:class:`inference.Generator`)."""
 
     block_size: int | None = None  # null: the library's rule (packing.attention.paged_block_size)
-    num_blocks: int = 1024
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
+    num_blocks: int = 1024  # KV cache blocks
+    max_num_seqs: int = 64  # sequences in flight at once
+    max_num_batched_tokens: int = 1024  # tokens per generator step (prefill chunks included)
 
     def check(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
@@ -422,3 +474,8 @@ def check_model_path(path) -> str:
     from training.checkpoint import resolve_model_dir
 
     return str(resolve_model_dir(path))
+
+
+if __name__ == "__main__":  # python -m recipes.config: regenerate recipes/configs/*.yaml
+    for written in write_yamls():
+        print(f"wrote {written}")

@@ -35,11 +35,11 @@ DEFAULT_TASK_PROMPTS = 32  # data.num_prompts=null on a built-in task
 class EvalDataConfig(Section):
     """The prompts: ``path`` (a JSONL file or a ``save_to_disk`` directory) or a built-in ``task``."""
 
-    path: str | None = None
-    task: str = "arithmetic"  # used when path is null
+    path: str | None = None  # prompts: JSONL(.gz), JSON, parquet, CSV or a saved dataset; null: task
+    task: str = "arithmetic"  # the built-in task used when path is null
     num_prompts: int | None = None  # the first N prompts; null: all of data.path, 32 of a task
-    seed: int = 1
-    prompt_field: str = "prompt"
+    seed: int = 1  # the built-in task's sampling of prompts
+    prompt_field: str = "prompt"  # the field of each record that holds the prompt
 
     def check(self) -> None:
         self.at_least("num_prompts", 1)
@@ -53,10 +53,10 @@ class EvalDataConfig(Section):
 
 @dataclass
 class EvalSamplingConfig(Section):
-    max_tokens: int = 32
-    temperature: float = 0.0  # greedy
-    top_p: float = 1.0
-    seed: int = 0
+    max_tokens: int = 32  # new tokens per completion
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # 1: no nucleus filter
+    seed: int = 0  # sampling seed (used when temperature > 0)
 
     def check(self) -> None:
         self.at_least("max_tokens", 1)
@@ -68,11 +68,11 @@ class EvaluateConfig(Section):
 
     model: ChatModelConfig = field(default_factory=ChatModelConfig)
     data: EvalDataConfig = field(default_factory=EvalDataConfig)
-    scorer: str | Callable[..., Any] = "last_number_match"  # REWARDS name or "module:function"
+    scorer: str | Callable[..., Any] = "last_number_match"  # recipes.tasks.REWARDS name or "module:function"
     sampling: EvalSamplingConfig = field(default_factory=EvalSamplingConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     batch_size: int = 64  # prompts handed to the generator at once
-    output: str | None = "eval_results.jsonl"
+    output: str | None = "eval_results.jsonl"  # one JSON line per prompt; null: none
 
     def check(self) -> None:
         self.at_least("batch_size", 1)

@@ -34,18 +34,18 @@ class PreprocessConfig(Section):
     input: str | None = None  # {"text"}/{"messages"} records: JSONL(.gz), JSON, parquet, CSV, saved dataset
     split: str | None = None  # a saved DatasetDict's split (default: train, or its only one)
     output: str | None = None  # directory for the packed dataset
-    tokenizer: str = "smollm2"  # the embedded SmolLM2 tokenizer, or a local HF tokenizer directory
+    tokenizer: str = "smollm2"  # the embedded SmolLM2 tokenizer, or a local HF tokenizer/model directory
     text_field: str = "text"  # plain text: every token is trained on
-    messages_field: str = "messages"  # chat: only assistant turns are trained on
-    add_eos: bool = True
+    messages_field: str = "messages"  # chat: the tokenizer's template; only assistant turns train
+    add_eos: bool = True  # plain text: append the EOS token to every document
     capacity: int = 2048  # tokens per packed row
-    strategy: Literal["bfd", "ffd", "nextfit"] = "bfd"
-    overflow: Literal["error", "truncate", "split"] = "truncate"
+    strategy: Literal["bfd", "ffd", "nextfit"] = "bfd"  # best-fit / first-fit decreasing, next-fit
+    overflow: Literal["error", "truncate", "split"] = "truncate"  # a sequence longer than capacity
     max_dropped_fraction: float = 0.05  # overflow=truncate may drop at most this share of the tokens
-    max_seqs_per_bin: int | None = None
-    seed: int | None = None  # randomised tie-breaking
-    position_ids: bool = False
-    num_proc: int | None = None
+    max_seqs_per_bin: int | None = None  # null: no limit
+    seed: int | None = None  # randomised tie-breaking (another, equally dense packing per seed)
+    position_ids: bool = False  # also store position_ids (collators rebuild them from seq_lengths)
+    num_proc: int | None = None  # processes for tokenization
 
     def check(self) -> None:
         self.at_least("capacity", 1)

@@ -78,7 +78,7 @@ def test_a_config_error_from_the_shell_has_no_traceback(tmp_path):
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "recipes.evaluate: error: data.num_prompts must be an integer >= 1, got 0 "
+        "recipes.evaluate: error: data.num_prompts must be an integer >= 1 or null, got 0 "
         "(see recipes.evaluate --help)"]
 
 
@@ -89,3 +89,18 @@ def test_the_demo_takes_no_arguments(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         demo.main()
     assert exit_.value.code == 2 and "takes no arguments" in capsys.readouterr().err
+
+
+def test_the_shipped_yamls_are_generated_from_the_dataclasses():
+    """A default is written once, in the dataclass: the YAMLs are `python -m recipes.config`'s
+    output, and they load back to the defaults."""
+    import importlib
+
+    from recipes.config import GENERATED_YAMLS, load_config, render_yaml, yaml_header
+
+    for stem, target in GENERATED_YAMLS.items():
+        module, _, name = target.partition(":")
+        cls = getattr(importlib.import_module(module), name)
+        path = ROOT / "recipes" / "configs" / f"{stem}.yaml"
+        assert path.read_text() == render_yaml(cls, yaml_header(path)), f"python -m recipes.config ({path})"
+        assert load_config(cls, path) == cls()
