@@ -321,6 +321,8 @@ def train(cfg: SFTConfig, *, model=None, tokenizer=None, rows=None, accelerator=
     optimizer, scheduler = _optimizer(model, tcfg, total_steps)
     # the loader is not prepared (it shards itself); neither is the scheduler, which Accelerate
     # would step once per process for every optimizer step
+    logger.info("setting up %s on %d process(es) (a DeepSpeed ZeRO-3 start partitions the weights here)",
+                accelerator.distributed_type, accelerator.num_processes)
     model, optimizer = accelerator.prepare(model, optimizer)
     progress = Progress(gas)
     info = engine_info(model, accelerator)
@@ -343,6 +345,9 @@ def train(cfg: SFTConfig, *, model=None, tokenizer=None, rows=None, accelerator=
     losses, stats, seen = [], [], [] if cfg.log.record_indices else None
     saved_at = None
     bar = _progress_bar(tcfg.progress and accelerator.is_local_main_process, max_steps, progress.step)
+    logger.info("training %d optimizer step(s) of %d micro-batch(es) each; the progress bar moves when a "
+                "step ends (the first one, a forward and backward of every micro-batch, is the slowest)",
+                max(max_steps - progress.step, 0), gas)
     while progress.step < max_steps:
         for window in _windows(loader, gas):
             step_loss = _optimizer_step(window, model, optimizer, loss_fn, accelerator, tcfg.max_grad_norm,
