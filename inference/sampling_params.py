@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """Sampling parameters of one request (all ``n`` samples share them).
 
-    ``temperature=0`` is greedy. ``top_k<=0``, ``top_p=1`` and ``min_p=0`` disable those
+    ``temperature=0`` is greedy. ``top_k`` 0 or -1 (as vLLM), ``top_p=1`` and ``min_p=0`` disable those
     filters. ``seed`` makes the request reproducible whatever else is in the batch (sample ``i``
     of a request draws from the counter-based stream ``(seed, i, position)``); without it a seed
     is drawn at ``add_request``. ``logprobs=k`` also returns the k most likely tokens (raw model
@@ -38,8 +38,8 @@ class SamplingParams:
         t = self.temperature
         if not isinstance(t, (int, float)) or isinstance(t, bool) or math.isnan(t) or t < 0 or math.isinf(t):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
-            raise ValueError(f"top_k must be an int (<= 0 disables it), got {self.top_k!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= 1, or 0 or -1 to disable it, got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
         if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:

@@ -1,7 +1,7 @@
 """Typed recipe configs: dataclasses that check themselves, read from YAML and ``key=value``
 overrides.
 
-Each recipe declares its config as a dataclass of sections (``SFTConfig.train.lr``); the defaults
+Each recipe declares its config as a dataclass of sections (``SFTRecipeConfig.train.lr``); the defaults
 live there and nowhere else (the shipped ``recipes/configs/*.yaml`` list them with comments, and a
 test keeps the two equal). Loading checks every value against its field's type, so a typo
 (``rollout.max_token=8``) or a wrong value (``train.lr=abc``) is an error naming the key before
@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import os
+import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -199,6 +203,146 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequenc
     return from_dict(cls, _merge(data, _overrides(overrides)))
 
 
+def parse_cli(cls: type[C], argv: Sequence[str] | None, prog: str, about: str = "") -> C:
+    """The config of a recipe's command line ``[config.yaml] [section.key=value ...]``.
+
+    ``-h``/``--help`` prints every section and key (type, default, one line) and exits 0; a wrong
+    setting is one line on stderr and exit code 2, as argparse does, not a traceback."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text(cls, prog, about))
+        raise SystemExit(0)
+    path = argv.pop(0) if argv and "=" not in argv[0] else None
+    try:
+        return load_config(cls, path, argv)
+    except (ConfigError, FileNotFoundError, ValueError, yaml.YAMLError) as err:
+        print(f"{prog}: error: {err} (see {prog} --help)", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+NOISY_LOGGERS = ("accelerate.checkpointing",  # 8 "saved ... to ..." lines per checkpoint
+                 "accelerate.accelerator",  # "loading states from ..." per resume
+                 "DeepSpeed", "deepspeed")  # its CPU-accelerator notice in every run, its config dumps
+
+
+def setup_logging(fmt: str = "%(asctime)s %(name)s: %(message)s") -> None:
+    """The recipes' console logging: INFO for nopad, warnings only from the libraries whose INFO is
+    noise to a user, and no deprecation FutureWarnings from the libraries underneath (the recipes
+    call them as documented; a warning there is for us, not for the user of a recipe)."""
+    import logging
+    import warnings
+
+    logging.basicConfig(level=logging.INFO, format=fmt)
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import torch
+
+    if not torch.cuda.is_available():  # what DeepSpeed picks anyway, without its warning every run
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def field_docs(cls) -> dict[str, str]:
+    """``{field: its trailing comment}`` read from the dataclass source (and its bases'), so each
+    field is documented once, beside its default, and ``--help`` shows that line."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            lines = inspect.getsource(klass).splitlines()
+        except (OSError, TypeError):
+            continue
+        for line in lines:
+            match = re.match(r"\s+(\w+)\s*:[^#]*=[^#]*#\s*(.+)$", line)
+            if match:
+                docs[match.group(1)] = match.group(2).strip()
+    return docs
+
+
+def help_text(cls, prog: str, about: str = "") -> str:
+    """``--help`` for a recipe: usage, then each section's keys with type, default and doc line."""
+    out = [f"usage: {prog} [config.yaml] [section.key=value ...]", ""]
+    if about:
+        out += [about.strip(), ""]
+    out += ["Every key below can be set in a YAML file or as section.key=value on the command line.", ""]
+    out += _help_lines(cls, "")
+    return "\n".join(out)
+
+
+def _help_lines(cls, prefix: str) -> list[str]:
+    hints, docs, default = _hints(cls), field_docs(cls), cls()
+    lines, sections = [], []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            sections.append((f.name, hint))
+            continue
+        value = getattr(default, f.name)
+        shown = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip() \
+            if not callable(value) else getattr(value, "__name__", str(value))
+        doc = docs.get(f.name, "")
+        lines.append(f"  {prefix}{f.name} = {shown}   ({_describe(hint)})" + (f"  {doc}" if doc else ""))
+    for name, hint in sections:
+        doc = (hint.__dict__.get("__doc__") or "").split("\n\n")[0]
+        doc = "" if doc.startswith(f"{hint.__name__}(") else " ".join(doc.split())  # dataclass's own
+        lines += ["", f"{prefix}{name}:" + (f"  {doc}" if doc else "")]
+        lines += _help_lines(hint, f"{prefix}{name}.")
+    return lines
+
+
+def render_yaml(cls, header: str = "") -> str:
+    """``cls``'s defaults as a commented YAML file (each key with its field's comment), after the
+    comment block ``header``. The shipped ``recipes/configs/<recipe>.yaml`` are this output
+    (``python -m recipes.config`` rewrites them), so a default is written once, in the dataclass."""
+    lines = [line for line in header.splitlines() if line.strip()]
+    lines += _yaml_lines(cls, "")
+    return "\n".join(lines) + "\n"
+
+
+def _yaml_lines(cls, indent: str) -> list[str]:
+    hints, docs, default = _hints(cls), field_docs(cls), cls()
+    lines = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            lines += [f"{indent}{f.name}:", *_yaml_lines(hint, indent + "  ")]
+            continue
+        value = getattr(default, f.name)
+        text = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+        entry = f"{indent}{f.name}: {text}"
+        doc = docs.get(f.name)
+        lines.append(f"{entry:<24} # {doc}" if doc else entry)
+    return lines
+
+
+def yaml_header(path: str | Path) -> str:
+    """The leading comment block of a YAML file (what :func:`render_yaml` keeps)."""
+    header = []
+    for line in Path(path).read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line)
+    return "\n".join(header)
+
+
+GENERATED_YAMLS = {"evaluate": "recipes.evaluate:EvaluateConfig",
+                   "preprocess": "recipes.preprocess:PreprocessConfig"}  # file stem -> its config class
+
+
+def write_yamls(directory: str | Path = Path(__file__).parent / "configs") -> list[Path]:
+    """Rewrite the shipped YAMLs from their dataclasses (run after changing a default or comment)."""
+    import importlib
+
+    written = []
+    for stem, target in GENERATED_YAMLS.items():
+        module, _, name = target.partition(":")
+        path = Path(directory) / f"{stem}.yaml"
+        path.write_text(render_yaml(getattr(importlib.import_module(module), name), yaml_header(path)))
+        written.append(path)
+    return written
+
+
 def with_overrides(cfg: C, overrides: Sequence[str] | Mapping) -> C:
     """A copy of ``cfg`` with the overrides applied, checked again."""
     return from_dict(type(cfg), _merge(cfg.to_dict(), _overrides(overrides)))
@@ -214,8 +358,8 @@ class ModelConfig(Section):
     random-weight model, for tests), or a local Hugging Face model directory (a training run's
     output directory means its newest checkpoint)."""
 
-    path: str | None = "smollm2"
-    dtype: DType = "float32"
+    path: str | None = "smollm2"  # smollm2 (embedded), tiny:llama (tests), a model or run directory
+    dtype: DType = "float32"  # float32 | bfloat16 | float16
 
 
 @dataclasses.dataclass
@@ -223,21 +367,27 @@ class ChatModelConfig(ModelConfig):
     """A model that reads prompts: ``chat_template`` true renders them with the tokenizer's chat
     template (an error if it has none), false feeds raw text, ``auto`` uses the template if any."""
 
-    chat_template: bool | Literal["auto"] = "auto"
+    chat_template: bool | Literal["auto"] = "auto"  # true | false (raw text) | auto (if it has one)
 
 
 @dataclasses.dataclass
 class GeneratorConfig(Section):
     """The in-flight generator's KV cache and step budget (:class:`inference.Generator`)."""
 
-    block_size: int = 16
-    num_blocks: int = 1024
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
+    block_size: int | None = None  # null: the library's rule (packing.attention.paged_block_size)
+    num_blocks: int = 1024  # KV cache blocks
+    max_num_seqs: int = 64  # sequences in flight at once
+    max_num_batched_tokens: int = 1024  # tokens per generator step (prefill chunks included)
 
     def check(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
             self.at_least(name, 1)
+
+    @property
+    def smallest_block_size(self) -> int:
+        """``block_size``, or the smallest the library's rule picks (16; 256 where a backend reads
+        only 256-token pages): a KV-capacity check in blocks made with it holds for either."""
+        return self.block_size or 16
 
 
 @dataclasses.dataclass
@@ -247,6 +397,17 @@ class AccelerateConfig(Section):
 
     deepspeed_config: str | None = None
     log_with: str | None = None
+
+
+MAX_LEARNING_RATE = 1.0  # Adam's update is ~lr per step: above this the weights only blow up
+
+
+def check_learning_rate(lr: float) -> None:
+    """``train.lr`` must be in (0, :data:`MAX_LEARNING_RATE`]: ``lr=1e38`` overflowed inside Adam and
+    ``lr=0`` trains nothing, both without a word."""
+    if not 0 < lr <= MAX_LEARNING_RATE:
+        raise ConfigError("lr", f"must be a number in (0, {MAX_LEARNING_RATE:g}], got {lr!r} (fine-tuning "
+                          "uses about 1e-6 to 1e-3)")
 
 
 def load_model(model_cfg: ModelConfig):
@@ -261,7 +422,7 @@ def load_model(model_cfg: ModelConfig):
         from recipes.tasks import AsciiTokenizer, tiny_causal_lm
 
         model, _ = tiny_causal_lm(path.split(":", 1)[1])
-        return model.eval(), AsciiTokenizer()
+        return model.to(dtype).eval(), AsciiTokenizer()
     if path == "smollm2":
         from assets.smollm2 import load_smollm2
 
@@ -270,7 +431,14 @@ def load_model(model_cfg: ModelConfig):
 
     from recipes.tasks import AsciiTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except Exception as err:  # a truncated or damaged weights file, mostly (safetensors has its own type)
+        files = sorted(p.name for p in Path(path).iterdir())
+        weights = ", ".join(n for n in files if n.endswith((".safetensors", ".bin")))
+        raise RuntimeError(f"model.path={path}: could not load the model from {weights or 'its files'}"
+                           f" ({type(err).__name__}: {err}); the file may be truncated (a run stopped while "
+                           "writing it, or a copy that did not finish): use another checkpoint") from err
     if (Path(path) / AsciiTokenizer.SAVED_NAME).is_file():  # a checkpoint of a tiny:* model
         return model.eval(), AsciiTokenizer.from_pretrained(path)
     return model.eval(), AutoTokenizer.from_pretrained(path)
@@ -306,3 +474,8 @@ def check_model_path(path) -> str:
     from training.checkpoint import resolve_model_dir
 
     return str(resolve_model_dir(path))
+
+
+if __name__ == "__main__":  # python -m recipes.config: regenerate recipes/configs/*.yaml
+    for written in write_yamls():
+        print(f"wrote {written}")

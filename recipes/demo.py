@@ -167,6 +167,14 @@ def main() -> None:
 
     from assets.smollm2 import load_smollm2
 
+    argv = sys.argv[1:]
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"usage: nopad-demo  (python -m recipes.demo)\n\n{__doc__.strip()}\n\nIt takes no settings.")
+        raise SystemExit(0)
+    if argv:
+        print(f"nopad-demo: error: it takes no arguments, got {' '.join(argv)} (see nopad-demo --help)",
+              file=sys.stderr)
+        raise SystemExit(2)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     start = time.perf_counter()
     model, tokenizer = load_smollm2()

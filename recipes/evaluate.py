@@ -8,30 +8,38 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recipes.config import ChatModelConfig, ConfigError, GeneratorConfig, Section, load_config, load_model
+from recipes.config import (
+    ChatModelConfig,
+    ConfigError,
+    GeneratorConfig,
+    Section,
+    load_model,
+    parse_cli,
+    setup_logging,
+)
 from recipes.tasks import TASKS, RewardFn, encode_prompt, get_reward, load_examples
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "evaluate.yaml"  # these defaults, with comments
+DEFAULT_TASK_PROMPTS = 32  # data.num_prompts=null on a built-in task
 
 
 @dataclass
 class EvalDataConfig(Section):
     """The prompts: ``path`` (a JSONL file or a ``save_to_disk`` directory) or a built-in ``task``."""
 
-    path: str | None = None
-    task: str = "arithmetic"  # used when path is null
-    num_prompts: int = 32
-    seed: int = 1
-    prompt_field: str = "prompt"
+    path: str | None = None  # prompts: JSONL(.gz), JSON, parquet, CSV or a saved dataset; null: task
+    task: str = "arithmetic"  # the built-in task used when path is null
+    num_prompts: int | None = None  # the first N prompts; null: all of data.path, 32 of a task
+    seed: int = 1  # the built-in task's sampling of prompts
+    prompt_field: str = "prompt"  # the field of each record that holds the prompt
 
     def check(self) -> None:
         self.at_least("num_prompts", 1)
@@ -45,10 +53,10 @@ class EvalDataConfig(Section):
 
 @dataclass
 class EvalSamplingConfig(Section):
-    max_tokens: int = 32
-    temperature: float = 0.0  # greedy
-    top_p: float = 1.0
-    seed: int = 0
+    max_tokens: int = 32  # new tokens per completion
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # 1: no nucleus filter
+    seed: int = 0  # sampling seed (used when temperature > 0)
 
     def check(self) -> None:
         self.at_least("max_tokens", 1)
@@ -60,11 +68,11 @@ class EvaluateConfig(Section):
 
     model: ChatModelConfig = field(default_factory=ChatModelConfig)
     data: EvalDataConfig = field(default_factory=EvalDataConfig)
-    scorer: str | Callable[..., Any] = "last_number_match"  # REWARDS name or "module:function"
+    scorer: str | Callable[..., Any] = "last_number_match"  # recipes.tasks.REWARDS name or "module:function"
     sampling: EvalSamplingConfig = field(default_factory=EvalSamplingConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     batch_size: int = 64  # prompts handed to the generator at once
-    output: str | None = "eval_results.jsonl"
+    output: str | None = "eval_results.jsonl"  # one JSON line per prompt; null: none
 
     def check(self) -> None:
         self.at_least("batch_size", 1)
@@ -150,8 +158,13 @@ def run_evaluate(cfg: EvaluateConfig, model=None, tokenizer=None, progress: bool
     data = cfg.data
     if data.path is not None:
         examples = load_examples(data.path, data.prompt_field)
+        if data.num_prompts is not None:
+            if data.num_prompts > len(examples):
+                logger.warning("data.num_prompts=%d but %s holds %d prompts: evaluating all %d",
+                               data.num_prompts, data.path, len(examples), len(examples))
+            examples = examples[: data.num_prompts]
     else:
-        examples = TASKS[data.task](num_prompts=data.num_prompts, seed=data.seed)
+        examples = TASKS[data.task](num_prompts=data.num_prompts or DEFAULT_TASK_PROMPTS, seed=data.seed)
     s, g = cfg.sampling, cfg.generator
     params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                             seed=s.seed)
@@ -170,10 +183,8 @@ def run_evaluate(cfg: EvaluateConfig, model=None, tokenizer=None, progress: bool
 
 
 def main(argv: list[str] | None = None) -> dict:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    path = argv.pop(0) if argv and "=" not in argv[0] else None
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return run_evaluate(load_config(EvaluateConfig, path, argv))
+    setup_logging("%(message)s")
+    return run_evaluate(parse_cli(EvaluateConfig, argv, "recipes.evaluate", __doc__))
 
 
 def cli() -> None:

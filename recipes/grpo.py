@@ -21,14 +21,14 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import sys
 from pathlib import Path
 
 import torch
 
-from recipes.config import ConfigError, load_config, load_model, save_model_dir
+from recipes.config import ConfigError, load_model, parse_cli, save_model_dir, setup_logging
 from recipes.grpo_config import GRPORecipeConfig, resolve_is_correction
-from recipes.tasks import TASKS, encode_prompt, get_reward, load_examples
+from recipes.tasks import TASKS, check_prompts_per_step, encode_prompt, get_reward, load_examples
+from training import checkpoint
 from training.accelerator import engine_info
 from training.accelerator import make_accelerator as build_accelerator
 from training.accumulation import OptimizerStepper
@@ -64,7 +64,7 @@ def build_prompts(cfg: GRPORecipeConfig, tokenizer) -> tuple[list[dict], list[li
     """The task's examples and their prompt token ids (chat template when configured)."""
     task = cfg.task
     if task.prompts is not None:
-        examples = load_examples(task.prompts, task.prompt_field)
+        examples = load_examples(task.prompts, task.prompt_field, key="task.prompts")
     else:
         examples = TASKS[task.name](num_prompts=task.num_prompts, seed=task.seed)
     limit = cfg.rollout.max_prompt_tokens
@@ -131,7 +131,10 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     torch.manual_seed(tr.seed)
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(tr.seed)).tolist()
     rank, world = accelerator.process_index, accelerator.num_processes
+    check_prompts_per_step(len(examples), per_step, world)
     out_file = None
+    if cfg.output_dir:  # lock: two runs at once into one directory stop with the other's pid
+        checkpoint.claim_run_dir(cfg.output_dir, accelerator)
     if cfg.output_dir and accelerator.is_main_process:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         out_file = open(Path(cfg.output_dir) / "metrics.jsonl", "w")
@@ -165,10 +168,8 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    path = argv.pop(0) if argv and "=" not in argv[0] else None
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return run_grpo(load_config(GRPORecipeConfig, path, argv))
+    setup_logging("%(message)s")
+    return run_grpo(parse_cli(GRPORecipeConfig, argv, "recipes.grpo", __doc__))
 
 
 def cli() -> None:

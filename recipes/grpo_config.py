@@ -8,7 +8,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from recipes.config import AccelerateConfig, ChatModelConfig, ConfigError, GeneratorConfig, Section
+from recipes.config import (
+    AccelerateConfig,
+    ChatModelConfig,
+    ConfigError,
+    GeneratorConfig,
+    Section,
+    check_learning_rate,
+)
 from recipes.tasks import TASKS, get_reward
 from training.grpo import ISWeightFn, truncated_is
 
@@ -72,6 +79,8 @@ class GRPOTrainConfig(Section):
 
     def check(self) -> None:
         self.at_least("steps", 1)  # 0 would save an untrained copy as "the policy"
+        self.at_least("beta", 0.0)
+        check_learning_rate(self.lr)
         self.at_least("max_tokens_per_batch", 2)
         if not 0 < self.clip_eps < 1:
             raise ConfigError("clip_eps", f"must be in (0, 1), got {self.clip_eps}")
@@ -97,12 +106,12 @@ class GRPORecipeConfig(Section):
         ro, gen, tr = self.rollout, self.generator, self.train
         seq_tokens = ro.max_prompt_tokens + ro.max_tokens
         num_seqs = ro.prompts_per_step * ro.num_generations
-        blocks_needed = num_seqs * math.ceil(seq_tokens / gen.block_size)
+        blocks_needed = num_seqs * math.ceil(seq_tokens / gen.smallest_block_size)
         if blocks_needed > gen.num_blocks:
             raise ValueError(
                 f"the rollout batch is larger than the KV cache: rollout.prompts_per_step="
                 f"{ro.prompts_per_step} x rollout.num_generations={ro.num_generations} sequences of up to "
-                f"{seq_tokens} tokens need {blocks_needed} blocks of {gen.block_size}, but "
+                f"{seq_tokens} tokens need {blocks_needed} blocks of {gen.smallest_block_size}, but "
                 f"generator.num_blocks={gen.num_blocks}; raise generator.num_blocks or lower "
                 "rollout.prompts_per_step / rollout.num_generations / rollout.max_tokens"
             )

@@ -10,9 +10,7 @@ positions and boundaries. Every step is also a function for use from Python.
 
 from __future__ import annotations
 
-import json
 import logging
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +18,10 @@ from typing import Literal
 
 import datasets
 
+from dataloaders import sources
 from packing import pack_dataset
 from packing.row import IGNORE_INDEX
-from recipes.config import Section, load_config
+from recipes.config import ConfigError, Section, parse_cli, setup_logging
 
 logger = logging.getLogger(__name__)
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "preprocess.yaml"  # these defaults, with comments
@@ -32,59 +31,42 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "preprocess.yaml"  # these 
 class PreprocessConfig(Section):
     """The preprocess recipe's settings; ``recipes/configs/preprocess.yaml`` lists them with comments."""
 
-    input: str | None = None  # JSONL ({"text": ...} or {"messages": [...]}) or a save_to_disk directory
+    input: str | None = None  # {"text"}/{"messages"} records: JSONL(.gz), JSON, parquet, CSV, saved dataset
+    split: str | None = None  # a saved DatasetDict's split (default: train, or its only one)
     output: str | None = None  # directory for the packed dataset
-    tokenizer: str = "smollm2"  # the embedded SmolLM2 tokenizer, or a local HF tokenizer directory
+    tokenizer: str = "smollm2"  # the embedded SmolLM2 tokenizer, or a local HF tokenizer/model directory
     text_field: str = "text"  # plain text: every token is trained on
-    messages_field: str = "messages"  # chat: only assistant turns are trained on
-    add_eos: bool = True
+    messages_field: str = "messages"  # chat: the tokenizer's template; only assistant turns train
+    add_eos: bool = True  # plain text: append the EOS token to every document
     capacity: int = 2048  # tokens per packed row
-    strategy: Literal["bfd", "ffd", "nextfit"] = "bfd"
-    overflow: Literal["error", "truncate", "split"] = "truncate"
-    max_seqs_per_bin: int | None = None
-    seed: int | None = None  # randomised tie-breaking
-    position_ids: bool = False
-    num_proc: int | None = None
+    strategy: Literal["bfd", "ffd", "nextfit"] = "bfd"  # best-fit / first-fit decreasing, next-fit
+    overflow: Literal["error", "truncate", "split"] = "truncate"  # a sequence longer than capacity
+    max_dropped_fraction: float = 0.05  # overflow=truncate may drop at most this share of the tokens
+    max_seqs_per_bin: int | None = None  # null: no limit
+    seed: int | None = None  # randomised tie-breaking (another, equally dense packing per seed)
+    position_ids: bool = False  # also store position_ids (collators rebuild them from seq_lengths)
+    num_proc: int | None = None  # processes for tokenization
 
     def check(self) -> None:
         self.at_least("capacity", 1)
         self.at_least("max_seqs_per_bin", 1)
         self.at_least("num_proc", 1)
+        if not 0 <= self.max_dropped_fraction <= 1:
+            raise ConfigError("max_dropped_fraction",
+                              f"must be a number in [0, 1], got {self.max_dropped_fraction!r}")
 
 
-def load_records(path: str | Path, messages_field: str = "messages") -> datasets.Dataset:
-    """A JSONL file, or a dataset directory saved with ``save_to_disk`` (its ``train`` split if it
-    is a DatasetDict). Chat records (``messages_field``) are checked here, naming the line."""
-    path = Path(path)
-    if path.is_dir():
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            if "train" not in ds:
-                raise ValueError(f"{path} holds splits {list(ds)}; save the split to pack on its own")
-            ds = ds["train"]
-        return ds
-    if not path.is_file():
-        raise FileNotFoundError(f"input {str(path)!r} is neither a JSONL file nor a save_to_disk directory")
-    records = []
-    with path.open() as f:  # read here, not by pyarrow, so a bad line is named by its number
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number} is not valid JSON ({err.msg} at column {err.colno}); "
-                                 "each line must be one JSON object") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number} is a JSON {type(record).__name__}, not an object like "
-                                 '{"text": ...} or {"messages": [...]}')
-            if messages_field in record:
-                check_messages(record[messages_field], f"{path}:{number}")
-            records.append(record)
-    if not records:
-        raise ValueError(f"input {str(path)!r} holds no records: give a JSONL file with one JSON object per "
-                         'line, {"text": ...} or {"messages": [{"role": ..., "content": ...}, ...]}')
-    return datasets.Dataset.from_list(records)
+def load_records(path: str | Path, messages_field: str = "messages", text_field: str = "text",
+                 split: str | None = None) -> datasets.Dataset:
+    """Chat (``messages_field``) or text (``text_field``) records from any input
+    :func:`dataloaders.sources.load_records` reads; a wrong record is an error naming its line."""
+
+    def chat_ok(record, where: str) -> None:
+        if messages_field in record:
+            check_messages(record[messages_field], where)
+
+    return sources.load_records(path, [{messages_field: list}, {text_field: str}], split=split, key="input",
+                                check=chat_ok)
 
 
 def check_messages(messages, where: str) -> None:
@@ -188,30 +170,49 @@ def tokenize_dataset(
     )
 
 
+def check_output_dir(output: str | Path) -> None:
+    """``output`` must be new, empty or an earlier packed dataset (which is replaced): writing into a
+    training run or a model directory would mix a dataset into it."""
+    from training.checkpoint import dir_kind
+
+    kind = dir_kind(output) if Path(output).exists() else "empty"
+    if Path(output).exists() and not Path(output).is_dir():
+        raise FileExistsError(f"output={output} is a file; give a directory for the packed dataset")
+    if kind not in ("empty", "dataset"):
+        what = {"run": "a training run's output directory", "model": "a model directory",
+                "training_state": "a checkpoint's training state"}.get(kind, "a directory but not a dataset")
+        raise FileExistsError(f"output={output} is {what}; writing the packed dataset there would mix "
+                              "the two. Give a new directory, e.g. output=runs/packed")
+
+
 def run_preprocess(cfg: PreprocessConfig) -> datasets.Dataset:
     if not cfg.input or not cfg.output:
         raise ValueError("set both input=<JSONL file or dataset directory> and output=<directory>")
+    check_output_dir(cfg.output)
     tokenizer = load_tokenizer(cfg.tokenizer)
-    ds = load_records(cfg.input, cfg.messages_field)
+    ds = load_records(cfg.input, cfg.messages_field, cfg.text_field, cfg.split)
     tokenized = tokenize_dataset(
         ds, tokenizer, text_field=cfg.text_field, messages_field=cfg.messages_field,
         add_eos=cfg.add_eos, num_proc=cfg.num_proc,
     )
+    if cfg.overflow == "truncate":  # the same rule, and key, as SFT's data.max_dropped_fraction
+        lengths = [len(ids) for ids in tokenized["input_ids"]]
+        sources.check_dropped_tokens(lengths, cfg.capacity, cfg.max_dropped_fraction,
+                                     key="max_dropped_fraction", capacity_key="capacity")
     packed, bins = pack_dataset(
         tokenized, cfg.capacity, strategy=cfg.strategy, overflow=cfg.overflow, seed=cfg.seed,
         max_seqs_per_bin=cfg.max_seqs_per_bin, position_ids=cfg.position_ids, return_bins=True,
     )
     packed.save_to_disk(cfg.output)
+    sources.save_tokenizer_fingerprint(cfg.output, tokenizer)  # SFT compares it with the model's
     print(bins.stats)
     print(f"saved {len(packed)} packed rows of <= {cfg.capacity} tokens to {cfg.output}")
     return packed
 
 
 def main(argv: list[str] | None = None) -> datasets.Dataset:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    path = argv.pop(0) if argv and "=" not in argv[0] else None
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return run_preprocess(load_config(PreprocessConfig, path, argv))
+    setup_logging("%(message)s")
+    return run_preprocess(parse_cli(PreprocessConfig, argv, "recipes.preprocess", __doc__))
 
 
 def cli() -> None:

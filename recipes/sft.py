@@ -23,13 +23,13 @@ same loop in-process (the demo uses it). DeepSpeed's fixed micro-batch size is o
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 import torch
 
-from recipes.config import load_config, load_model, save_model_dir
+from recipes.config import load_model, parse_cli, save_model_dir, setup_logging
 from recipes.sft_config import SFTRecipeConfig
+from training import checkpoint
 from training.accelerator import engine_info
 from training.accelerator import make_accelerator as build_accelerator
 from training.accumulation import OptimizerStepper
@@ -83,6 +83,8 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     optimizer, scheduler = make_optimizer(model, tcfg.lr, tcfg.weight_decay, tcfg.warmup_steps, steps)
     # the loader is not prepared (it shards itself); neither is the scheduler, which Accelerate
     # would step once per process for every optimizer step
+    logger.info("setting up %s on %d process(es) (a DeepSpeed ZeRO-3 start partitions the weights here)",
+                accelerator.distributed_type, accelerator.num_processes)
     model, optimizer = accelerator.prepare(model, optimizer)
     stepper = OptimizerStepper(model, optimizer, accelerator, max_grad_norm=tcfg.max_grad_norm)
     progress = Progress(gas)
@@ -92,6 +94,7 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     for obj in (progress, loader, scheduler):  # progress first: it names train.grad_accum on a mismatch
         accelerator.register_for_checkpointing(obj)
     output_dir = Path(ccfg.output_dir)
+    checkpoint.claim_run_dir(output_dir, accelerator, resuming=bool(ccfg.resume_from))  # lock, own metrics
     if ccfg.resume_from:
         path = resume(accelerator, ccfg.resume_from, output_dir)
         logger.info("resumed from %s at step %d (epoch %d)", path, progress.step, loader.epoch)
@@ -107,6 +110,9 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     losses, stats, seen = [], [], [] if cfg.log.record_indices else None
     saved_at = None
     bar = progress_bar(tcfg.progress and accelerator.is_local_main_process, max_steps, progress.step)
+    logger.info("training %d optimizer step(s) of %d micro-batch(es) each; the progress bar moves when a "
+                "step ends (the first one, a forward and backward of every micro-batch, is the slowest)",
+                max(max_steps - progress.step, 0), gas)
     while progress.step < max_steps:
         for window in windows(loader, gas):
             step_loss = sft_step(stepper, window, tcfg.weighting, seen)
@@ -137,10 +143,8 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
 
 
 def main(argv: list[str] | None = None) -> dict:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    path = argv.pop(0) if argv and "=" not in argv[0] else None
-    return train(load_config(SFTRecipeConfig, path, argv))
+    setup_logging()
+    return train(parse_cli(SFTRecipeConfig, argv, "recipes.sft", __doc__))
 
 
 def cli() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from recipes.config import AccelerateConfig, ConfigError, ModelConfig, Section
+from recipes.config import AccelerateConfig, ConfigError, ModelConfig, Section, check_learning_rate
 
 
 @dataclass
@@ -62,6 +62,7 @@ class SFTTrainConfig(Section):
         for name, low in [("epochs", 1), ("max_steps", 1), ("grad_accum", 1), ("warmup_steps", 0),
                           ("seed", 0)]:
             self.at_least(name, low)
+        check_learning_rate(self.lr)
 
 
 @dataclass

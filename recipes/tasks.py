@@ -96,39 +96,25 @@ def get_reward(spec: str | RewardFn, key: str = "reward") -> RewardFn:
 
 
 # ----------------------------------------------------------------------------- prompt sets
-def load_examples(path: str | Path, prompt_field: str = "prompt") -> list[dict]:
-    """Examples from a JSONL file (one JSON object per line) or an HF dataset saved with
-    ``save_to_disk`` (a directory). Every example must have ``prompt_field``."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"prompt set {str(path)!r} does not exist; give a JSONL file or a "
-                                "directory written by datasets.Dataset.save_to_disk")
-    if path.is_dir():
-        from datasets import load_from_disk
+def check_prompts_per_step(num_prompts: int, prompts_per_step: int, world_size: int = 1) -> None:
+    """One GRPO step takes ``prompts_per_step`` distinct prompts on each of ``world_size`` ranks;
+    with fewer prompts it used to repeat them inside the step, silently."""
+    if prompts_per_step * world_size > num_prompts:
+        raise ValueError(f"rollout.prompts_per_step={prompts_per_step} x {world_size} process(es) needs "
+                         f"{prompts_per_step * world_size} distinct prompts per step, but the prompt set has "
+                         f"{num_prompts}; lower rollout.prompts_per_step or give more prompts "
+                         "(task.num_prompts / task.prompts)")
 
-        data = load_from_disk(str(path))
-        if hasattr(data, "keys") and not hasattr(data, "column_names"):
-            raise ValueError(f"{path} holds a DatasetDict with splits {list(data)}; point at one split")
-        examples = [dict(row) for row in data]
-    else:
-        examples = []
-        with path.open() as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{line_no} is not valid JSON: {err}") from err
-                if not isinstance(row, dict):
-                    raise ValueError(f"{path}:{line_no} must be a JSON object, got {type(row).__name__}")
-                examples.append(row)
-    if not examples:
-        raise ValueError(f"prompt set {str(path)!r} is empty")
-    for i, ex in enumerate(examples):
-        if prompt_field not in ex:
-            raise ValueError(f"example {i} of {path} has no {prompt_field!r} field (keys: {sorted(ex)})")
-    return examples
+
+def load_examples(path: str | Path, prompt_field: str = "prompt", key: str = "data.path",
+                  split: str | None = None) -> list[dict]:
+    """Prompt examples from any input :func:`dataloaders.sources.load_records` reads (JSONL,
+    parquet, CSV, a saved dataset...). Every example needs a string ``prompt_field``: a null prompt
+    is an error naming its line, not the text "None". Null fields besides it are left out."""
+    from dataloaders.sources import load_records
+
+    ds = load_records(path, [{prompt_field: str}], split=split, key=key)
+    return [{k: v for k, v in row.items() if v is not None} for row in ds]
 
 
 TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic_task}

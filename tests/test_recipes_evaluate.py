@@ -103,15 +103,17 @@ def test_load_examples_from_jsonl_and_errors(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a", "answer": "1"}\n\n{"prompt": "b"}\n')
     assert load_examples(path) == [{"prompt": "a", "answer": "1"}, {"prompt": "b"}]
-    path.write_text('{"prompt": "a"}\n{"question": "b"}\n')
-    with pytest.raises(ValueError, match=r"example 1 of .*p.jsonl has no 'prompt' field \(keys: \['question"):
-        load_examples(path)
-    path.write_text('{"prompt": "a"}\nnot json\n')
-    with pytest.raises(ValueError, match=r"p.jsonl:2 is not valid JSON"):
-        load_examples(path)
-    path.write_text("")
-    with pytest.raises(ValueError, match="is empty"):
-        load_examples(path)
+    for content, message in [
+        ('{"prompt": "a"}\n{"q": "b"}\n', r"p.jsonl:2 has fields \['q'\]; expected \{\"prompt\""),
+        ('{"prompt": "a"}\nnot json\n', r"p.jsonl:2 is not valid JSON"),
+        ('{"prompt": null}\n', r"p.jsonl:1: field 'prompt' must be a string, got null"),
+        ('{"prompt": 7}\n', r"p.jsonl:1: field 'prompt' must be a string, got int 7"),
+        ('[1, 2]\n', r"p.jsonl:1 is a JSON list, not an object"),
+        ("", "holds no records"),
+    ]:
+        path.write_text(content)
+        with pytest.raises(ValueError, match=message):
+            load_examples(path)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_examples(tmp_path / "missing.jsonl")
 

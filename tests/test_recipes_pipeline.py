@@ -3,6 +3,7 @@ recipes.preprocess -> recipes.sft (1 process; slow: 2-process DDP and DeepSpeed 
 README's launch lines) -> recipes.evaluate on the checkpoint -> recipes.grpo from it -> evaluate
 again. Each stage's outputs are checked, and the packed SFT loss must be the per-document loss."""
 
+import importlib
 import json
 import os
 import re
@@ -148,6 +149,50 @@ def test_preprocess_sft_evaluate_grpo_evaluate(inputs):
     grpo_model = AutoModelForCausalLM.from_pretrained(str(root / "grpo"))
     assert not torch.equal(grpo_model.lm_head.weight, sft_model.lm_head.weight)
     _evaluate(root / "grpo", root, "eval_grpo.jsonl")
+
+
+def readme_pipeline() -> list[list[str]]:
+    """The README's recipe commands, in its order (the bash block that starts with preprocess)."""
+    text = (ROOT / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "recipes.preprocess" in b)
+    return [shlex.split(line) for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_the_readmes_commands_in_order_leave_model_path_at_the_newest_runs_newest_checkpoint(
+        inputs, tmp_path, monkeypatch):
+    """Each README line in turn, with a tiny model swapped in. Its SFT line and its launch line both
+    write runs/sft (the launch line runs here in one process: the directory is what is tested; the
+    2-process launch is the slow test below): afterwards model.path=runs/sft must be the launch
+    run's newest checkpoint, though the first run's step number is higher."""
+    from recipes.config import check_model_path
+
+    root, _, _ = inputs
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes").symlink_to(ROOT / "recipes")  # the README's relative paths
+    tiny = {"recipes.preprocess": [f"tokenizer={root / 'base'}"],
+            "recipes.sft": [f"model.path={root / 'base'}", "train.progress=false", "train.grad_accum=1"],
+            "recipes.evaluate": ["sampling.max_tokens=4", "generator.num_blocks=64"],
+            "recipes.grpo": ["reward=tests.test_recipes_grpo:ids_checksum_reward",
+                             "rollout.prompts_per_step=2", "rollout.num_generations=4",
+                             "rollout.max_tokens=6", "generator.num_blocks=64"]}
+    commands = readme_pipeline()
+    assert [w[:2] for w in commands[:5]] == [["python", "-m"]] * 5
+    assert commands[5][:2] == ["accelerate", "launch"]
+    sft_checkpoints = []
+    for words in commands:
+        at = words.index("-m")
+        module, args = words[at + 1], words[at + 2:]
+        launch = ["train.max_steps=1"] if words[0] == "accelerate" else []  # fewer steps than the first
+        result = importlib.import_module(module).main([*args, *tiny[module], *launch])
+        _reset_accelerate()
+        if module == "recipes.sft":
+            sft_checkpoints.append(Path(result["checkpoint"]))
+    first, newest = sft_checkpoints
+    assert first == Path("runs/sft/step_2") and newest == Path("runs/sft/step_1")  # the older step is higher
+    assert check_model_path("runs/sft") == str(newest)
+    steps = [json.loads(x)["step"] for x in Path("runs/sft/metrics.jsonl").read_text().splitlines()]
+    assert steps == [1]  # the launch run's curve alone; the first run's is kept aside
+    assert len(list(Path("runs/sft").glob("metrics.*.jsonl"))) == 1
 
 
 # ---------------------------------------------------------------------------------- 2 processes

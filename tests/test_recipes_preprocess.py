@@ -1,6 +1,7 @@
 """recipes.preprocess with a tiny offline word-level tokenizer: chat masking, text, pack, save."""
 
 import json
+import logging
 
 import datasets
 import pytest
@@ -66,10 +67,11 @@ def test_tokenize_dataset_picks_the_format(tokenizer):
 
 
 def test_load_records_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="neither a JSONL file nor a save_to_disk directory"):
+    with pytest.raises(FileNotFoundError, match="missing.jsonl' does not exist; give .jsonl, .jsonl.gz"):
         load_records(tmp_path / "missing.jsonl")
-    datasets.DatasetDict(a=datasets.Dataset.from_dict({"text": ["x"]})).save_to_disk(str(tmp_path / "dd"))
-    with pytest.raises(ValueError, match=r"holds splits \['a'\]"):
+    one = datasets.Dataset.from_dict({"text": ["x"]})
+    datasets.DatasetDict(a=one, b=one).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ValueError, match=r"holds splits \['a', 'b'\]; choose one with its split key"):
         load_records(tmp_path / "dd")
 
 
@@ -99,7 +101,13 @@ def test_cli_end_to_end(tmp_path, tokenizer, capsys):
     ("", "holds no records"),
     ('{"text": "ok"}\n{"text": "broken\n', r"bad.jsonl:2 is not valid JSON"),
     ('["a list"]\n', r"bad.jsonl:1 is a JSON list, not an object"),
-    ('{"messages": "hello"}\n', r"bad.jsonl:1: messages must be a non-empty list"),
+    ('{"messages": "hello"}\n', r"bad.jsonl:1: field 'messages' must be a list, got str 'hello'"),
+    ('{"messages": []}\n', r"bad.jsonl:1: messages must be a non-empty list"),
+    ('{"text": 5}\n', r"bad.jsonl:1: field 'text' must be a string, got int 5"),
+    ('{"text": null}\n', r"bad.jsonl:1: field 'text' must be a string, got null"),
+    ('{"text": "a"}\n{"messages": [{"role": "assistant", "content": "b"}]}\n',
+     r"bad.jsonl:2 is a messages record, but the first record is a text record"),
+    ('{"body": "a"}\n', r"bad.jsonl:1 has fields \['body'\]; expected \{\"messages\": <list>\} or"),
     ('{"messages": [{"role": "user"}]}\n', r"bad.jsonl:1: message 0 must be \{'role': str, 'content': str\}"),
     ('{"messages": [{"role": "user", "content": "hi"}]}\n', r"bad.jsonl:1 has no assistant turn"),
 ])
@@ -110,12 +118,68 @@ def test_bad_jsonl_is_a_clear_error_naming_the_line(tmp_path, content, message):
         load_records(path)
 
 
-def test_the_shipped_yaml_lists_exactly_the_defaults_and_settings_are_typed():
+def test_the_shipped_yaml_lists_exactly_the_defaults_and_settings_are_typed(capsys):
     from recipes.config import load_config
     from recipes.preprocess import DEFAULT_CONFIG, PreprocessConfig
 
     assert load_config(PreprocessConfig, DEFAULT_CONFIG) == PreprocessConfig()
-    with pytest.raises(ValueError, match="strategy must be 'bfd', 'ffd' or 'nextfit', got 'best'"):
-        main(["input=x.jsonl", "output=out", "strategy=best"])
-    with pytest.raises(ValueError, match="capacity must be an integer >= 1, got 0"):
-        main(["input=x.jsonl", "output=out", "capacity=0"])
+    for arg, message in [("strategy=best", "strategy must be 'bfd', 'ffd' or 'nextfit', got 'best'"),
+                         ("capacity=0", "capacity must be an integer >= 1, got 0")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["input=x.jsonl", "output=out", arg])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def _write_formats(tmp_path) -> dict:
+    """The same two text records in every format users keep data in."""
+    import gzip
+
+    rows = [{"text": "hi there"}, {"text": "ok"}]
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    paths = {"jsonl": tmp_path / "d.jsonl", "gz": tmp_path / "d.jsonl.gz", "json": tmp_path / "d.json",
+             "bom": tmp_path / "bom.jsonl", "parquet": tmp_path / "d.parquet", "csv": tmp_path / "d.csv",
+             "saved": tmp_path / "saved", "dict": tmp_path / "dict"}
+    paths["jsonl"].write_text(lines)
+    paths["gz"].write_bytes(gzip.compress(lines.encode()))
+    paths["json"].write_text(json.dumps(rows))
+    paths["bom"].write_bytes(b"\xef\xbb\xbf" + lines.encode())
+    ds = datasets.Dataset.from_list(rows)
+    ds.to_parquet(str(paths["parquet"]))
+    ds.to_csv(str(paths["csv"]), index=False)
+    ds.save_to_disk(str(paths["saved"]))
+    datasets.DatasetDict(train=ds, test=ds.select([0])).save_to_disk(str(paths["dict"]))
+    return paths
+
+
+def test_every_input_format_reads_the_same_records(tmp_path, caplog):
+    for name, path in _write_formats(tmp_path).items():
+        with caplog.at_level(logging.INFO):
+            assert load_records(path)["text"] == ["hi there", "ok"], name
+    assert "using split 'train' of ['train', 'test']" in caplog.text
+    assert load_records(tmp_path / "dict", split="test")["text"] == ["hi there"]
+    with pytest.raises(ValueError, match=r"holds splits \['train', 'test'\]; choose one"):
+        load_records(tmp_path / "dict", split="dev")
+
+
+def test_preprocess_refuses_to_drop_most_of_a_long_document(tmp_path, tokenizer):
+    tok_dir = tmp_path / "tok"
+    tokenizer.save_pretrained(tok_dir)
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"text": "hi " * 100}) + "\n")
+    args = [f"input={data}", f"tokenizer={tok_dir}", "capacity=8"]
+    dropped = (r"^overflow=truncate would drop 93 of 101 tokens \(92%\) of the 1 sequences longer than "
+               r"capacity=8, more than max_dropped_fraction=0.05")
+    with pytest.raises(ValueError, match=dropped):
+        main([*args, f"output={tmp_path / 'p'}"])
+    packed = main([*args, f"output={tmp_path / 'p'}", "max_dropped_fraction=1"])
+    assert packed["seq_lengths"] == [[8]]
+
+
+def test_preprocess_refuses_an_sft_run_directory(tmp_path, tokenizer):
+    tok_dir = tmp_path / "tok"
+    tokenizer.save_pretrained(tok_dir)
+    (tmp_path / "runs" / "step_2").mkdir(parents=True)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "hi"}) + "\n")
+    with pytest.raises(FileExistsError, match="is a training run's output directory; writing the packed"):
+        main([f"input={data}", f"tokenizer={tok_dir}", f"output={tmp_path / 'runs'}"])

@@ -118,3 +118,98 @@ def test_trackers_receive_the_loss(tmp_path):
                                              "accelerate.log_with=tensorboard"]))
     _reset_accelerate()
     assert list(out.rglob("events.out.tfevents*"))
+
+
+# ------------------------------------------------------------------ several runs in one directory (#32)
+def test_a_newer_run_wins_over_an_older_runs_higher_step_and_keeps_its_own_metrics(tmp_path, caplog):
+    out = tmp_path / "run"
+    train(load_config(SFTRecipeConfig, None, [*SMALL, f"checkpoint.output_dir={out}", "train.max_steps=3"]))
+    _reset_accelerate()
+    with caplog.at_level(logging.WARNING):
+        train(load_config(SFTRecipeConfig, None, [*SMALL, f"checkpoint.output_dir={out}", "train.max_steps=2"]))
+    _reset_accelerate()
+    assert "already holds checkpoints of an earlier run" in caplog.text
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_1", "step_2", "step_3"]
+    assert check_model_path(str(out)) == str(out / "step_2")  # the newer run's newest, not the older step_3
+    assert checkpoint.latest_checkpoint(out) == out / "step_2"
+    runs = {checkpoint.checkpoint_info(out / f"step_{n}")["run"] for n in (2, 3)}
+    assert len(runs) == 2 and None not in runs
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]  # this run's curve alone
+    (aside,) = out.glob("metrics.*.jsonl")
+    assert [json.loads(line)["step"] for line in aside.read_text().splitlines()] == [1, 2, 3]
+    assert not (out / checkpoint.LOCK_FILE).exists() or \
+        json.loads((out / checkpoint.LOCK_FILE).read_text())["pid"] == os.getpid()
+
+
+def test_a_second_run_at_once_stops_naming_the_first_runs_pid(tmp_path):
+    out = tmp_path / "run"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        out.mkdir()
+        (out / checkpoint.LOCK_FILE).write_text(json.dumps(
+            {"pid": other.pid, "host": __import__("socket").gethostname(), "run": "r1", "started": "now"}))
+        with pytest.raises(RuntimeError, match=f"in use by another run \\(pid {other.pid} "):
+            checkpoint.claim_run_dir(out)
+    finally:
+        other.kill()
+        other.wait()
+    # the same lock once its process is gone: taken over with a warning
+    assert checkpoint.claim_run_dir(out)
+    assert json.loads((out / checkpoint.LOCK_FILE).read_text())["pid"] == os.getpid()
+    checkpoint.release_run_dir(out)
+    assert not (out / checkpoint.LOCK_FILE).exists()
+
+
+# ------------------------------------------------------------------ wrong or damaged model directories
+@pytest.mark.parametrize("kind, expected", [
+    ("no_config", "holds no config.json, so it is not a Hugging Face model directory"),
+    ("training_state", "is a checkpoint's training state .* pass the checkpoint itself, model.path="),
+    ("dataset", r"is a saved dataset .* \(data.source= in SFT\)"),
+    ("incomplete_run", r"no complete step_N checkpoint \(only .step_2.incomplete"),
+    ("empty", "is an empty directory"),
+])
+def test_a_directory_that_is_not_a_model_says_what_it_is(tmp_path, kind, expected):
+    path = tmp_path / kind
+    path.mkdir()
+    if kind == "no_config":
+        (path / "notes.txt").write_text("x")
+    elif kind == "training_state":
+        path = tmp_path / "step_1" / "training_state"
+        path.mkdir(parents=True)
+        (path / "optimizer.bin").write_bytes(b"x")
+    elif kind == "dataset":
+        import datasets
+
+        datasets.Dataset.from_dict({"input_ids": [[1, 2]]}).save_to_disk(str(path))
+    elif kind == "incomplete_run":
+        (path / ".step_2.incomplete").mkdir()
+    with pytest.raises(FileNotFoundError, match=expected):
+        check_model_path(str(path))
+
+
+def test_a_truncated_weights_file_is_named(tmp_path):
+    from recipes.config import ModelConfig, load_model
+    from recipes.tasks import tiny_causal_lm
+
+    model, _ = tiny_causal_lm("llama")
+    model.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(RuntimeError, match="could not load the model from model.safetensors .* truncated"):
+        load_model(ModelConfig(path=str(tmp_path)))
+
+
+def test_a_failing_write_is_a_clear_error_and_leaves_no_partial_checkpoint(tmp_path):
+    def full_disk(tmp):
+        (tmp / "part").write_text("x")
+        raise OSError(28, "No space left on device")
+
+    checkpoint.save_checkpoint(tmp_path / "step_1", lambda d: (d / "w").write_text("1"))
+    with pytest.raises(OSError, match="could not write checkpoint .*step_2 .*full disk.*resume_from=latest"):
+        checkpoint.save_checkpoint(tmp_path / "step_2", full_disk)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+    with pytest.raises(OSError, match="unexpected pos"):  # torch's zip writer on a full disk
+        checkpoint.save_checkpoint(tmp_path / "step_2", lambda d: (_ for _ in ()).throw(
+            RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing "
+                         "file data/3: unexpected pos 335680 vs 335568")))

@@ -8,14 +8,24 @@ output directory is skipped with a warning that names it.
 
 Every rank calls :func:`save_checkpoint` with the same path (DeepSpeed and FSDP write per-rank
 shards into it); the main process renames and prunes.
+
+An output directory can hold several runs (the README's SFT line and its ``accelerate launch`` line
+both write ``runs/sft``). :func:`claim_run_dir` gives each run an id, a lock naming its process (two
+runs at once used to delete each other's ``.step_N.incomplete``), and a ``metrics.jsonl`` of its
+own; each checkpoint records its run and write time, and "latest" is the newest written, so the
+newer run's ``step_3`` wins over an older run's ``step_5``.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import os
 import shutil
+import socket
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "nopad_checkpoint.json"  # written last, inside the temporary directory
 INCOMPLETE_SUFFIX = ".incomplete"
+LOCK_FILE = "nopad_run.lock"  # in the output directory while a run writes there: pid, host, run id
+METRICS_FILE = "metrics.jsonl"
 
 
 def step_of(path: Path) -> int | None:
@@ -37,9 +49,18 @@ def is_complete(path: Path) -> bool:
     return (path / COMPLETE_MARKER).is_file()
 
 
+def checkpoint_info(path: Path) -> dict:
+    """What the completion marker of checkpoint ``path`` records (step, saved_at, run)."""
+    try:
+        return json.loads((path / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """The complete ``step_N`` checkpoints of ``output_dir``, oldest first. Incomplete ones (a
-    kill during the write, or a directory not written by nopad) are skipped with a warning."""
+    """The complete ``step_N`` checkpoints of ``output_dir``, oldest written first (so the newest
+    run's newest step is last, whatever the step numbers of older runs). Incomplete ones (a kill
+    during the write, or a directory not written by nopad) are skipped with a warning."""
     output_dir = Path(output_dir)
     found = []
     for path in output_dir.glob("step_*") if output_dir.is_dir() else ():
@@ -50,27 +71,69 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
         else:
             logger.warning("skipping %s: it is not a complete checkpoint (no %s; the run that wrote it was "
                            "probably stopped during the write)", path, COMPLETE_MARKER)
-    return sorted(found, key=step_of)
+    return sorted(found, key=lambda p: (checkpoint_info(p).get("saved_at", 0.0), step_of(p)))
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path:
     """The newest complete checkpoint in ``output_dir``; an error that says what was found if none."""
     found = complete_checkpoints(output_dir)
     if not found:
-        raise FileNotFoundError(f"{output_dir} holds no complete step_N checkpoint; train first, or give "
-                                "the path of a checkpoint directory")
+        incomplete = sorted(p.name for p in Path(output_dir).glob("*step_*"))
+        raise FileNotFoundError(
+            f"{output_dir} holds no complete step_N checkpoint"
+            + (f" (only {', '.join(incomplete)}, written by a run that stopped before finishing them)"
+               if incomplete else "")
+            + "; train first, or give the path of a complete checkpoint directory")
+    runs = {checkpoint_info(p).get("run") for p in found}
+    if len(runs) > 1:
+        logger.info("%s holds checkpoints of %d runs; using the newest run's newest checkpoint, %s",
+                    output_dir, len(runs), found[-1].name)
     return found[-1]
+
+
+def dir_kind(path: str | Path) -> str | None:
+    """What a directory holds, by the files nopad and its libraries write: ``"model"`` (an HF model
+    directory), ``"run"`` (a training run's output: ``step_N`` checkpoints, a lock or metrics),
+    ``"training_state"`` (Accelerate's resume state inside a checkpoint), ``"dataset"`` (a
+    ``save_to_disk`` directory, e.g. a packed dataset), ``"empty"``, or None (none of these)."""
+    path = Path(path)
+    names = {p.name for p in path.iterdir()} if path.is_dir() else set()
+    if not names:
+        return "empty"
+    if "config.json" in names:
+        return "model"
+    if any(n.startswith(("step_", ".step_")) for n in names) or names & {LOCK_FILE, METRICS_FILE}:
+        return "run"
+    if names & {"dataset_info.json", "state.json", "dataset_dict.json"}:
+        return "dataset"
+    if path.name == "training_state" or any(n.startswith(("optimizer", "random_states", "scheduler"))
+                                            for n in names):
+        return "training_state"
+    return None
 
 
 def resolve_model_dir(path: str | Path) -> Path:
     """A model directory, or the output directory of a training run (then its latest complete
-    checkpoint), so ``model.path=runs/sft`` works after ``checkpoint.output_dir=runs/sft``."""
+    checkpoint), so ``model.path=runs/sft`` works after ``checkpoint.output_dir=runs/sft``. Any other
+    directory is an error that says what it is and what to pass instead."""
     path = Path(path)
-    if (path / "config.json").is_file() or not any(path.glob("step_*")):
+    kind = dir_kind(path)
+    if kind == "model":
         return path
-    latest = latest_checkpoint(path)
-    logger.info("model.path=%s is a training run's output: using its latest checkpoint %s", path, latest)
-    return latest
+    if kind == "run":
+        latest = latest_checkpoint(path)
+        logger.info("model.path=%s is a training run's output: using its latest checkpoint %s", path, latest)
+        return latest
+    what = {
+        "training_state": f"{path} is a checkpoint's training state (optimizer and RNG for resuming), not a "
+                          f"model: pass the checkpoint itself, model.path={path.parent}",
+        "dataset": f"{path} is a saved dataset (e.g. recipes.preprocess's packed output), not a model: give "
+                   "it as the data (data.source= in SFT) and set model.path to a model",
+        "empty": f"{path} is an empty directory, not a model",
+    }.get(kind, f"{path} holds no config.json, so it is not a Hugging Face model directory (it holds "
+                f"{', '.join(sorted(p.name for p in path.iterdir())[:8])})")
+    raise FileNotFoundError(f"model.path: {what}; give a Hugging Face model directory (with config.json), "
+                            "a training run's output directory, or model.path=smollm2")
 
 
 def save_checkpoint(path: str | Path, write: Callable[[Path], None], accelerator=None, *,
@@ -84,10 +147,22 @@ def save_checkpoint(path: str | Path, write: Callable[[Path], None], accelerator
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing this step
         tmp.mkdir(parents=True)
     _barrier(accelerator)
-    write(tmp)
+    try:
+        write(tmp)
+    except (OSError, RuntimeError) as err:
+        if not _is_write_failure(err):
+            raise
+        free = shutil.disk_usage(tmp.parent).free if tmp.parent.exists() else 0
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(f"could not write checkpoint {path} ({free / 2**20:.0f} MiB free on its disk; a full "
+                      f"disk is the usual cause): {err}. The partial copy was removed and the earlier "
+                      "checkpoints are intact; free space (or set checkpoint.keep_last) and resume with "
+                      "checkpoint.resume_from=latest") from err
     _barrier(accelerator)
     if main:
-        info = {"step": step_of(path), "saved_at": time.time(), **(meta or {})}
+        info = {"step": step_of(path), "saved_at": time.time(), "run": _lock_owner(path.parent).get("run"),
+                **(meta or {})}
         (tmp / COMPLETE_MARKER).write_text(json.dumps(info))
         if path.exists():  # the same step written again (e.g. a rerun): replace it whole
             shutil.rmtree(path)
@@ -100,6 +175,93 @@ def save_checkpoint(path: str | Path, write: Callable[[Path], None], accelerator
     return path
 
 
+def _is_write_failure(err: BaseException) -> bool:
+    """An OSError (ENOSPC, EIO...) or torch's zip writer failing mid-file ("unexpected pos")."""
+    text = str(err)
+    return isinstance(err, OSError) or any(s in text for s in ("unexpected pos", "PytorchStreamWriter",
+                                                               "No space left"))
+
+
 def _barrier(accelerator) -> None:
     if accelerator is not None:
         accelerator.wait_for_everyone()
+
+
+def resume_failure(checkpoint_dir: str | Path, err: BaseException) -> str:
+    """Why loading ``checkpoint_dir``'s training state failed, in words: a model that differs from
+    the checkpoint's (shapes or parameter names) is not cured by an earlier ``step_N``."""
+    text = str(err)
+    if any(s in text for s in ("size mismatch", "Missing key", "Unexpected key", "shape")):
+        return (f"checkpoint {checkpoint_dir} was written for a different model than model.path "
+                f"({text[:300]}); resume with the model.path of the run that wrote it, or start a fresh "
+                "run in another checkpoint.output_dir")
+    return (f"could not load the training state of checkpoint {checkpoint_dir}: {text}; the file may be "
+            "damaged: resume from an earlier step_N directory")
+
+
+def claim_run_dir(output_dir: str | Path, accelerator=None, *, resuming: bool = False) -> str:
+    """Start a run in ``output_dir`` (main process only; returns the run id everywhere).
+
+    Takes the directory's lock, or stops with the pid of the run that holds it. A fresh run (not a
+    resume) moves an earlier run's ``metrics.jsonl`` aside to ``metrics.<its run id>.jsonl``, so the
+    curves of one run never mix with another's; a resumed run continues the file. The lock is
+    released when the process exits."""
+    output_dir = Path(output_dir)
+    run = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    if accelerator is not None and not accelerator.is_main_process:
+        return run
+    output_dir.mkdir(parents=True, exist_ok=True)
+    previous = _lock_owner(output_dir)
+    if previous and previous.get("pid") != os.getpid() and _alive(previous):
+        raise RuntimeError(
+            f"{output_dir} is in use by another run (pid {previous.get('pid')} on {previous.get('host')}, "
+            f"run {previous.get('run')}, since {previous.get('started')}); two runs writing one directory "
+            "destroy each other's checkpoints: wait for it, stop it, or set another output directory. "
+            f"If that run is gone, delete {output_dir / LOCK_FILE}")
+    if previous and previous.get("pid") != os.getpid():
+        logger.warning("%s: the run %s (pid %s) that locked it is gone; taking it over", output_dir,
+                       previous.get("run"), previous.get("pid"))
+    metrics = output_dir / METRICS_FILE
+    if not resuming and metrics.is_file():
+        old_run = previous.get("run") or time.strftime("%Y%m%d-%H%M%S",
+                                                       time.localtime(metrics.stat().st_mtime))
+        aside = metrics.with_name(f"metrics.{old_run}.jsonl")
+        metrics.rename(aside)
+        logger.info("%s: an earlier run's metrics moved to %s; this run writes its own", output_dir,
+                    aside.name)
+    if not resuming and complete_checkpoints(output_dir):
+        logger.warning("%s already holds checkpoints of an earlier run; this new run's checkpoints count as "
+                       "newer (model.path=%s and resume_from=latest take this run's newest). To continue the "
+                       "earlier run instead, set checkpoint.resume_from=latest", output_dir, output_dir)
+    owner = {"pid": os.getpid(), "host": socket.gethostname(), "run": run,
+             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    (output_dir / LOCK_FILE).write_text(json.dumps(owner))
+    atexit.register(release_run_dir, output_dir)
+    return run
+
+
+def release_run_dir(output_dir: str | Path) -> None:
+    """Drop this process's lock on ``output_dir`` (another run's lock is left alone)."""
+    lock = Path(output_dir) / LOCK_FILE
+    if _lock_owner(Path(output_dir)).get("pid") == os.getpid():
+        lock.unlink(missing_ok=True)
+
+
+def _lock_owner(output_dir: Path) -> dict:
+    try:
+        return json.loads((output_dir / LOCK_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _alive(owner: dict) -> bool:
+    """Whether the process that wrote a lock still runs (one on another host counts as running)."""
+    if owner.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(int(owner.get("pid", 0)), 0)
+    except (ProcessLookupError, ValueError):
+        return False
+    except PermissionError:
+        return True
+    return int(owner.get("pid", 0)) > 0

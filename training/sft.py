@@ -113,8 +113,7 @@ def resume(accelerator, resume_from: str, output_dir: Path) -> Path:
     except ValueError:  # our own: a resume under another plan, naming the setting
         raise
     except Exception as err:  # a damaged file: say which checkpoint, not only the zip reader's words
-        raise RuntimeError(f"could not load the training state of checkpoint {path}: {err}; resume "
-                           "from an earlier step_N directory") from err
+        raise RuntimeError(checkpoint.resume_failure(path, err)) from err
     return path
 
 

@@ -10,13 +10,12 @@ with the same attributes.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 
+from dataloaders import sources
 from dataloaders.balance import attention_cost_from_config
 from dataloaders.dataset import BOUNDARY_COLUMNS
 from dataloaders.loader import packed_dataloader
@@ -60,27 +59,15 @@ def tokenize_rows(rows, tokenizer, prompt_column: str, completion_column: str) -
 
 
 def load_rows(data, tokenizer, vocab_size: int):
-    """The rows of ``data.source``: ``synthetic``, a ``.jsonl`` file or a saved dataset directory
-    (tokenized or pre-packed datasets are read in place)."""
+    """The rows of ``data.source``: ``synthetic``, or any file or saved dataset that
+    :func:`dataloaders.sources.load_sft_rows` reads (tokenized or pre-packed datasets are read in
+    place)."""
     source = data.source
     if source == "synthetic":
         return synthetic_rows(data.num_rows, data.min_len, data.max_len, vocab_size, data.seed)
-    path = Path(source)
-    if path.suffix == ".jsonl" and path.is_file():
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    elif path.is_dir():
-        import datasets
-
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds[data.split]
-        if "input_ids" in ds.column_names:  # tokenized or pre-packed (seq_lengths): read in place
-            return ds
-        rows = list(ds)
-    else:
-        raise FileNotFoundError(
-            f"data.source={source!r}: give 'synthetic', a .jsonl file or a saved dataset dir"
-        )
+    rows = sources.load_sft_rows(source, data.prompt_column, data.completion_column, data.split, tokenizer)
+    if "input_ids" in rows.column_names:  # tokenized or pre-packed (seq_lengths): read in place
+        return rows
     return tokenize_rows(rows, tokenizer, data.prompt_column, data.completion_column)
 
 
@@ -113,16 +100,8 @@ def plan_budget(data, rows) -> int:
             + ("leave data.tokens_per_batch unset (it then takes the longest pre-packed row) or set it "
                f">= {longest}" if prepacked else f"set data.tokens_per_batch >= {longest}, or "
                "data.overflow=split (pieces train as separate sequences) or data.overflow=truncate"))
-    dropped = int((lengths[too_long] - budget).sum())
-    share = dropped / max(int(lengths.sum()), 1)
-    if share > data.max_dropped_fraction:
-        raise ValueError(
-            f"data.overflow=truncate would drop {dropped:,} of {int(lengths.sum()):,} tokens "
-            f"({share:.0%}) of the {what} longer than data.tokens_per_batch={budget}; raise "
-            f"data.tokens_per_batch (>= {longest} drops nothing), use data.overflow=split, or accept "
-            f"the loss with data.max_dropped_fraction={share:.2f}")
-    logger.warning("data.overflow=truncate drops %d tokens (%.1f%%) of %d %s longer than %d", dropped,
-                   100 * share, int(too_long.sum()), what, budget)
+    sources.check_dropped_tokens(lengths, budget, data.max_dropped_fraction, key="data.max_dropped_fraction",
+                                 capacity_key="data.tokens_per_batch", what=what)
     return budget
 
 

@@ -1,0 +1,106 @@
+"""The recipes' command line (#32 item 8): ``-h``/``--help`` for every recipe and console script,
+generated from the config dataclasses; a config error is one line on stderr and exit code 2."""
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = {"recipes.preprocess": "capacity = 2048   (an integer)  tokens per packed row",
+           "recipes.sft": "  train.max_steps = null   (an integer or null)  optimizer steps;",
+           "recipes.grpo": "  rollout.num_generations = 8   (an integer)  completions per prompt (the GRPO "
+                           "group)",
+           "recipes.evaluate": "  model.chat_template = auto   (true, false or 'auto')"}
+
+
+def _scripts() -> dict[str, str]:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+@pytest.mark.parametrize("module", sorted(RECIPES))
+def test_help_lists_every_key_with_default_type_and_doc(module, flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(module).main([flag])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: {module} [config.yaml] [section.key=value ...]")
+    assert RECIPES[module] in out
+
+
+@pytest.mark.parametrize("script", ["nopad-preprocess", "nopad-sft", "nopad-grpo", "nopad-evaluate",
+                                    "nopad-demo"])
+def test_every_console_script_answers_help(script, monkeypatch, capsys):
+    module, _, name = _scripts()[script].partition(":")
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        getattr(importlib.import_module(module), name)()
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: ")
+
+
+def test_help_covers_every_field_of_the_config():
+    import dataclasses
+
+    from recipes.config import help_text
+    from recipes.sft_config import SFTRecipeConfig as SFTConfig
+
+    text = help_text(SFTConfig, "recipes.sft")
+    for section in dataclasses.fields(SFTConfig):
+        for f in dataclasses.fields(getattr(SFTConfig(), section.name)):
+            assert f"  {section.name}.{f.name} = " in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train.lr=abc"], "recipes.sft: error: train.lr must be a number, got 'abc' (see recipes.sft --help)"),
+    (["train.max_step=3"], "recipes.sft: error: train.max_step is not a config key here; known keys: "),
+    (["missing.yaml"], "recipes.sft: error: config file 'missing.yaml' does not exist"),
+])
+def test_a_config_error_is_one_line_and_exit_code_2(args, message, capsys):
+    from recipes.sft import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1
+
+
+def test_a_config_error_from_the_shell_has_no_traceback(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "recipes.evaluate", "data.num_prompts=0"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "recipes.evaluate: error: data.num_prompts must be an integer >= 1 or null, got 0 "
+        "(see recipes.evaluate --help)"]
+
+
+def test_the_demo_takes_no_arguments(monkeypatch, capsys):
+    from recipes import demo
+
+    monkeypatch.setattr(sys, "argv", ["nopad-demo", "steps=3"])
+    with pytest.raises(SystemExit) as exit_:
+        demo.main()
+    assert exit_.value.code == 2 and "takes no arguments" in capsys.readouterr().err
+
+
+def test_the_shipped_yamls_are_generated_from_the_dataclasses():
+    """A default is written once, in the dataclass: the YAMLs are `python -m recipes.config`'s
+    output, and they load back to the defaults."""
+    import importlib
+
+    from recipes.config import GENERATED_YAMLS, load_config, render_yaml, yaml_header
+
+    for stem, target in GENERATED_YAMLS.items():
+        module, _, name = target.partition(":")
+        cls = getattr(importlib.import_module(module), name)
+        path = ROOT / "recipes" / "configs" / f"{stem}.yaml"
+        assert path.read_text() == render_yaml(cls, yaml_header(path)), f"python -m recipes.config ({path})"
+        assert load_config(cls, path) == cls()

@@ -1,0 +1,104 @@
+"""Settings that were ignored or unchecked (#32 item 7): each is now used or refused with a
+message naming the key."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+from inference import SamplingParams
+from recipes.config import ConfigError, ModelConfig, load_config, load_model
+from recipes.grpo import run_grpo
+from recipes.grpo_config import GRPORecipeConfig as GRPOConfig
+from recipes.sft import train
+from recipes.sft_config import SFTRecipeConfig as SFTConfig
+from recipes.tasks import check_prompts_per_step
+
+
+def _reset_accelerate():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _prompts(path, n: int) -> None:
+    rows = [{"prompt": f"{i} + 1 =", "answer": str(i + 1)} for i in range(n)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_top_k_minus_one_and_zero_disable_it_other_negatives_are_errors():
+    assert SamplingParams(top_k=-1).top_k == -1 and SamplingParams(top_k=0).top_k == 0
+    with pytest.raises(ValueError, match="top_k must be an int >= 1, or 0 or -1 to disable it, got -5"):
+        SamplingParams(top_k=-5)
+
+
+def test_evaluate_takes_the_first_num_prompts_of_a_file(tmp_path, caplog):
+    from recipes.evaluate import EvaluateConfig, run_evaluate
+
+    path = tmp_path / "prompts.jsonl"
+    _prompts(path, 5)
+    common = {"model": {"path": "tiny:llama", "chat_template": False}, "sampling": {"max_tokens": 2},
+              "generator": {"num_blocks": 64}, "output": None}
+    cfg = EvaluateConfig(data={"path": str(path), "num_prompts": 2}, **common)
+    assert run_evaluate(cfg, progress=False)["num_prompts"] == 2
+    every = run_evaluate(EvaluateConfig(data={"path": str(path)}, **common), progress=False)
+    assert every["num_prompts"] == 5
+    with caplog.at_level(logging.WARNING):
+        cfg = EvaluateConfig(data={"path": str(path), "num_prompts": 9}, **common)
+        result = run_evaluate(cfg, progress=False)
+    assert result["num_prompts"] == 5 and "data.num_prompts=9 but" in caplog.text
+
+
+def test_model_dtype_applies_to_the_tiny_model():
+    model, _ = load_model(ModelConfig(path="tiny:llama", dtype="bfloat16"))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("cls, overrides, message", [
+    (GRPOConfig, ["train.beta=-0.1"], "train.beta must be a number >= 0.0, got -0.1"),
+    (GRPOConfig, ["train.lr=1e38"], r"train.lr must be a number in \(0, 1\], got 1e\+38"),
+    (SFTConfig, ["train.lr=1e38"], r"train.lr must be a number in \(0, 1\], got 1e\+38"),
+    (SFTConfig, ["train.lr=0"], r"train.lr must be a number in \(0, 1\], got 0.0"),
+])
+def test_out_of_range_training_settings_are_refused(cls, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(cls, None, overrides)
+
+
+def test_more_prompts_per_step_than_prompts_is_an_error_with_the_numbers(tmp_path):
+    check_prompts_per_step(8, 4, world_size=2)
+    with pytest.raises(ValueError, match=r"rollout.prompts_per_step=4 x 2 process\(es\) needs 8 distinct "
+                                         "prompts per step, but the prompt set has 6"):
+        check_prompts_per_step(6, 4, world_size=2)
+    path = tmp_path / "prompts.jsonl"
+    _prompts(path, 3)
+    cfg = load_config(GRPOConfig, None, ["model.path=tiny:llama", "model.chat_template=false",
+                                         f"task.prompts={path}", "rollout.prompts_per_step=4",
+                                         "rollout.num_generations=2", "rollout.max_tokens=4"])
+    with pytest.raises(ValueError, match="needs 4 distinct prompts per step, but the prompt set has 3"):
+        run_grpo(cfg, progress=False)
+    _reset_accelerate()
+
+
+def test_resuming_with_another_model_says_the_model_differs(tmp_path):
+    import transformers
+
+    from recipes.tasks import AsciiTokenizer
+
+    out = tmp_path / "run"
+    small = ["data.num_rows=8", "data.max_len=20", "data.tokens_per_batch=64", "train.progress=false",
+             "train.max_steps=1", "train.grad_accum=1", f"checkpoint.output_dir={out}"]
+    train(load_config(SFTConfig, None, ["model.path=tiny:llama", *small]))
+    _reset_accelerate()
+    other = tmp_path / "other"
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256)
+    transformers.LlamaForCausalLM(config).save_pretrained(other)
+    AsciiTokenizer().save_pretrained(other)
+    with pytest.raises(RuntimeError, match="was written for a different model than model.path"):
+        train(load_config(SFTConfig, None, [f"model.path={other}", *small, "train.max_steps=2",
+                                            "checkpoint.resume_from=latest"]))
+    _reset_accelerate()
