@@ -76,7 +76,8 @@ def test_more_prompts_per_step_than_prompts_is_an_error_with_the_numbers(tmp_pat
     _prompts(path, 3)
     cfg = load_config(GRPOConfig, None, ["model.path=tiny:llama", "model.chat_template=false",
                                          f"task.prompts={path}", "rollout.prompts_per_step=4",
-                                         "rollout.num_generations=2", "rollout.max_tokens=4"])
+                                         "rollout.num_generations=2", "rollout.max_tokens=4",
+                                         f"output_dir={tmp_path / 'grpo'}"])
     with pytest.raises(ValueError, match="needs 4 distinct prompts per step, but the prompt set has 3"):
         run_grpo(cfg, progress=False)
     _reset_accelerate()

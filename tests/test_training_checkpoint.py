@@ -126,7 +126,8 @@ def test_a_newer_run_wins_over_an_older_runs_higher_step_and_keeps_its_own_metri
     train(load_config(SFTRecipeConfig, None, [*SMALL, f"checkpoint.output_dir={out}", "train.max_steps=3"]))
     _reset_accelerate()
     with caplog.at_level(logging.WARNING):
-        train(load_config(SFTRecipeConfig, None, [*SMALL, f"checkpoint.output_dir={out}", "train.max_steps=2"]))
+        train(load_config(SFTRecipeConfig, None,
+                          [*SMALL, f"checkpoint.output_dir={out}", "train.max_steps=2"]))
     _reset_accelerate()
     assert "already holds checkpoints of an earlier run" in caplog.text
     assert sorted(p.name for p in out.glob("step_*")) == ["step_1", "step_2", "step_3"]
