@@ -13,13 +13,13 @@ per leaf.
 A tree stays in one row when it fits. A larger one is split at node boundaries: a node keeps as
 many of its child subtrees as fit, and the others go to pieces that repeat its path from the root
 (context, computed again, no loss) - recursively. Pieces are bin-packed across rows with
-:func:`packing.pack`. A sequence longer than the row capacity is an error: a path's keys must lie
-in one row.
+:func:`packing.pack`; pieces of one tree that share a row lay their common nodes once. A
+sequence longer than the row capacity is an error: a path's keys must lie in one row.
 
 The loss is per (path, token) pair, as in the flat sequences: a path's pairs all live in the row
 that owns its last node, each naming the row position that predicts it (``loss_rows``, repeated
 for a token that several paths train on), the target id and that path's extras. Shared positions
-go through the LM head once (:func:`packing.bins.tree.pair_logprobs`).
+go through the LM head once (:func:`pair_logprobs`).
 """
 
 from __future__ import annotations
@@ -198,14 +198,16 @@ def tree_row(paths: Sequence[TreePath], pieces: Sequence[Piece]) -> dict:
     ids: list[int] = []
     segments: list[list] = []  # [query tokens, context tokens, last node]
     path_rows: dict[int, np.ndarray] = {}  # id(node) -> rows of its path in this row, root first
+    previous = None  # the node laid last: a node laid right after its parent continues its segment
     for piece in pieces:
-        previous = None
         for node in piece.context + piece.owned:
+            if id(node) in path_rows:  # another piece of the same tree laid it in this row already
+                continue
             start = len(ids)
             ids += list(paths[node.path].ids[node.start:node.end])
             above = path_rows[id(node.parent)] if node.parent is not None else np.zeros(0, np.int64)
             path_rows[id(node)] = np.concatenate([above, np.arange(start, start + len(node))])
-            if previous is not None and node.parent is previous:  # laid right after its parent
+            if previous is not None and node.parent is previous:
                 segments[-1][0] += len(node)
                 segments[-1][2] = node
             else:
