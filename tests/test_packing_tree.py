@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from packing.attention import BACKEND_ENV, triton_kernel
+from packing.attention import BACKEND_ENV, triton_kernel, varlen_attention
 from packing.bins.tree import (
     TreePath,
     build_trie,
@@ -18,6 +18,7 @@ from packing.bins.tree import (
     unique_tokens,
 )
 from packing.hf import use_nopad_attention
+from packing.varlen import VarlenMeta
 from tests.models import tiny_model
 
 
@@ -141,6 +142,58 @@ def test_bad_input_is_refused():
         pack_tree_rows([TreePath([1, 2], [False, True], {"input_ids": [0.0, 1.0]})], capacity=8)
     with pytest.raises(ValueError, match="sequence 1 is empty"):
         pack_tree_rows([TreePath([1, 2]), TreePath([])], capacity=8)
+
+
+# ----------------------------------------------------------------------------- the attention core
+def _attention_vs_paths(meta, backend, window, softcap, dtype=torch.float32):
+    """Attention of a tree row vs each segment's keys copied out as a flat sequence; returns the
+    max errors of the output and of dq, dk, dv, relative to the reference's largest value."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(meta.total_q, h, 16, generator=g).to(dtype).requires_grad_() for h in (4, 2, 2))
+    rows = meta.key_rows
+    flat = VarlenMeta.from_lengths(meta.seqlens_k)
+    opts = dict(sliding_window=window, softcap=softcap)
+    ref_full = varlen_attention(*(t.float().index_select(0, rows) for t in (q, k, v)), flat,
+                                backend="sdpa_loop", **opts)
+    ends = flat.cu_seqlens_q[1:].tolist()
+    ref = torch.cat([ref_full[end - lq: end] for end, lq in zip(ends, meta.seqlens_q)])
+    out = varlen_attention(q, k, v, meta, backend=backend, **opts)
+    w = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad((out.float() * w).sum(), (q, k, v))
+    refs = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    pairs = zip((out.detach(), *grads), (ref.detach(), *refs))
+    return [float((a.float() - b).abs().max() / b.abs().max()) for a, b in pairs]
+
+
+@pytest.mark.parametrize("backend", ["auto", "kernel", "sdpa_loop", "sdpa_padded", "per_token"])
+@pytest.mark.parametrize("window,softcap", [(None, None), (3, None), (None, 20.0)])
+def test_attention_of_a_tree_row_forward_and_backward(backend, window, softcap, one_thread):
+    (row,) = pack_tree_rows(_deep_paths(), capacity=32)
+    assert max(_attention_vs_paths(row["nopad_meta"], backend, window, softcap)) <= 1e-5
+
+
+def test_flash_attention_gets_the_gathered_keys_of_a_tree_row(monkeypatch):
+    """flash-attn's varlen kernel (the strict CPU stand-in, bf16) on a tree row's gathered keys."""
+    import sys
+
+    from packing import attention
+    from packing.attention import flash
+    from tests.flash_standin import FlashStandIn
+
+    standin = FlashStandIn("2.6")
+    for name in ("flash_attn", "flash_attn_interface"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, standin.module.__name__, standin.module)
+    flash.flash_attn_info.cache_clear()
+    attention.registry._said.clear()
+    try:
+        (row,) = pack_tree_rows(_deep_paths(), capacity=32)
+        errors = _attention_vs_paths(row["nopad_meta"], "flash", 3, None, torch.bfloat16)
+        assert standin.calls and standin.calls[-1]["num_seqs"] == row["nopad_meta"].num_seqs
+        assert max(errors) <= 2e-2
+    finally:
+        flash.flash_attn_info.cache_clear()
+        attention.registry._said.clear()
 
 
 # ----------------------------------------------------------------------------- exactness
