@@ -1,0 +1,230 @@
+"""Training on trajectory trees: tree rows vs one-level shared-prefix rows vs flat packing.
+
+Workload: branched agentic episodes. Each of ``--prompts`` prompts (a system prompt with tool
+schemas and a task) runs ``--turns`` turns and forks ``--branching`` ways at every turn, so a prompt
+has ``branching ** turns`` leaves. A turn is a model response (trained on) followed by a tool
+result (not trained on; the last turn has none). Lengths are drawn from a mixture (printed with
+the figures; fixed seed). Every leaf is one training path: its flat sequence is the prompt and the
+turns on its branch.
+
+Compared, forward + backward of the loss ``-sum(weight * logp)`` over every (path, model token)
+pair, the LM head only on the positions that predict those tokens, the best of ``--repeats``:
+
+  tree    packing.bins.tree.pack_tree_rows: every shared token once
+  shared  packing.bins.shared_prefix rows: each prompt once, each path's turns on their own
+  flat    every path its own sequence, BFD-packed rows
+
+Reported: rows, tokens computed, fill (tokens / rows x capacity), fwd+bwd wall and CPU seconds,
+path tokens per CPU second (the flat sequences' tokens trained per second of work), its ratio to
+flat packing, and each mode's loss's relative gap from flat packing's (one loss, three ways).
+
+    python benchmarks/bench_tree_train.py            # a small Llama and SmolLM2-135M, fp32
+    python benchmarks/bench_tree_train.py --quick    # a tiny Llama, 2 prompts, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
+
+from packing.bins.binpack import pack  # noqa: E402
+from packing.bins.shared_prefix import pack_groups, shared_prefix_row  # noqa: E402
+from packing.bins.tree import TreePath, pack_tree_rows, pair_logprobs, unique_tokens  # noqa: E402
+from packing.hf import use_nopad_attention  # noqa: E402
+from packing.varlen import VarlenMeta  # noqa: E402
+
+# (share, lo, hi) components of each length's mixture
+PROMPT = ((0.4, 200, 500), (0.6, 500, 1200))  # system prompt + tool schemas + task
+RESPONSE = ((0.7, 20, 80), (0.3, 80, 300))  # a tool call, or reasoning then a call
+TOOL = ((0.5, 10, 60), (0.5, 60, 300))  # a short status, or a page of results
+
+
+def draw(rng, mixture, scale):
+    shares = np.array([m[0] for m in mixture])
+    lo, hi = mixture[rng.choice(len(mixture), p=shares / shares.sum())][1:]
+    return max(1, int(rng.integers(lo, hi + 1) * scale))
+
+
+def episodes(prompts, turns, branching, vocab, scale, seed=0):
+    """Paths of branched episodes: ``(prompt_len, TreePath)`` per leaf, with per-token weights."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(prompts):
+        p = draw(rng, PROMPT, scale)
+        frontier = [(rng.integers(3, vocab, p).tolist(), [False] * p)]
+        for turn in range(turns):
+            grown = []
+            for ids, mask in frontier:
+                for _ in range(branching):
+                    r = draw(rng, RESPONSE, scale)
+                    t = draw(rng, TOOL, scale) if turn < turns - 1 else 0
+                    new = rng.integers(3, vocab, r + t).tolist()
+                    grown.append((ids + new, mask + [True] * r + [False] * t))
+            frontier = grown
+        for ids, mask in frontier:
+            out.append((p, TreePath(ids, mask, {"weight": rng.standard_normal(len(ids)).tolist()})))
+    return out
+
+
+def flat_rows(paths, capacity):
+    """Every path its own sequence, BFD-packed; the loss pairs as tree rows name them."""
+    rows = []
+    for bin_ in pack([len(p.ids) for p in paths], capacity):
+        ids, lengths, at, weight = [], [], [], []
+        for i in bin_.tolist():
+            p = paths[i]
+            mask = np.flatnonzero(p.loss_mask)
+            at.append(len(ids) + mask)
+            weight.append(np.asarray(p.extras["weight"], dtype=np.float32)[mask])
+            ids += list(p.ids)
+            lengths.append(len(p.ids))
+        rows.append(_row(ids, VarlenMeta.from_lengths(lengths), np.concatenate(at), np.concatenate(weight)))
+    return rows
+
+
+def shared_rows(episode_paths, capacity):
+    """Each prompt once per row (packing.bins.shared_prefix), each path's turns a completion."""
+    groups, members = [], {}
+    for i, (p, path) in enumerate(episode_paths):
+        members.setdefault(tuple(path.ids[:p]), []).append(i)
+    groups = list(members.values())
+    sizes = [(episode_paths[g[0]][0], [len(episode_paths[i][1].ids) - episode_paths[i][0] for i in g])
+             for g in groups]
+    rows = []
+    for pieces in pack_groups(sizes, capacity):
+        picked = [[groups[g][j] for j in part] for g, part in pieces]
+        built = shared_prefix_row([(episode_paths[idx[0]][1].ids[:episode_paths[idx[0]][0]],
+                                    [episode_paths[i][1].ids[episode_paths[i][0]:] for i in idx])
+                                   for idx in picked])
+        mask, weight = [], []
+        for idx in picked:
+            p0 = episode_paths[idx[0]][0]
+            mask += [False] * p0
+            weight += [0.0] * p0
+            for i in idx:
+                mask += list(episode_paths[i][1].loss_mask[p0:])
+                weight += list(episode_paths[i][1].extras["weight"][p0:])
+        at = np.flatnonzero(mask)
+        meta = built["nopad_meta"]
+        ids = built["input_ids"][0].tolist()
+        rows.append(_row(ids, meta, at, np.asarray(weight, dtype=np.float32)[at],
+                         predict=meta.previous_rows().numpy()[at]))
+    return rows
+
+
+def _row(ids, meta, at, weight, predict=None):
+    ids = torch.tensor(ids, dtype=torch.int64)
+    return {"input_ids": ids[None], "position_ids": meta.position_ids[None], "nopad_meta": meta,
+            "loss_rows": torch.from_numpy(np.asarray(at - 1 if predict is None else predict, dtype=np.int64)),
+            "loss_targets": ids[torch.from_numpy(np.asarray(at, dtype=np.int64))],
+            "weight": torch.from_numpy(np.asarray(weight, dtype=np.float32))}
+
+
+def step(model, rows):
+    """One forward + backward of the whole workload; returns the loss."""
+    total = 0.0
+    for row in rows:
+        loss = -(pair_logprobs(model, row) * row["weight"]).sum()
+        loss.backward()
+        total += float(loss.detach())
+    return total
+
+
+def best_time(model, rows, repeats):
+    """``(wall s, CPU s, loss)`` of the best of ``repeats`` steps, after an untimed step on the
+    first row (warm-up). CPU seconds (this process's, all threads) are the work done, what a
+    machine shared with other jobs still measures; wall seconds are what a dedicated one shows."""
+    step(model, rows[:1])
+    best, loss = (float("inf"), float("inf")), None
+    for _ in range(repeats):
+        model.zero_grad(set_to_none=True)
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = step(model, rows)
+        best = min(best, (time.perf_counter() - t0, time.process_time() - c0), key=lambda t: t[1])
+    return *best, loss
+
+
+def small_llama(quick):
+    import transformers
+
+    if quick:
+        shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=256)
+    else:
+        shape = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                     num_key_value_heads=4, vocab_size=32000)
+    config = transformers.LlamaConfig(**shape, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    name = "tiny Llama" if quick else "small Llama (512 x 8 layers, 32k vocab)"
+    return name, transformers.LlamaForCausalLM(config).float()
+
+
+def smollm2():
+    from assets.smollm2 import load_smollm2
+
+    model, _ = load_smollm2(torch.float32)
+    return "SmolLM2-135M", model
+
+
+def run(name, model, args):
+    model.train()
+    vocab = model.config.vocab_size
+    episode_paths = episodes(args.prompts, args.turns, args.branching, vocab, args.scale)
+    paths = [p for _, p in episode_paths]
+    flat_tokens = sum(len(p.ids) for p in paths)
+    unique = unique_tokens(paths)
+    longest = max(len(p.ids) for p in paths)
+    capacity = max(args.capacity, longest)
+    print(f"\n{name}: {args.prompts} prompts x {args.branching}^{args.turns} leaves = {len(paths)} paths, "
+          f"longest {longest}, flat tokens {flat_tokens}, trie tokens {unique}, redundancy "
+          f"{flat_tokens / unique:.2f}x, loss pairs {sum(int(np.sum(p.loss_mask)) for p in paths)}, row "
+          f"capacity {capacity}, best of {args.repeats} after a one-row warm-up")
+    modes = {"tree": pack_tree_rows(paths, capacity), "shared": shared_rows(episode_paths, capacity),
+             "flat": flat_rows(paths, capacity)}
+    print(f"{'mode':>8} {'rows':>5} {'tokens':>8} {'fill':>6} {'wall s':>8} {'CPU s':>8} "
+          f"{'path tok/CPU s':>15} {'vs flat':>8} {'loss gap':>9}")
+    results = {}
+    with use_nopad_attention(model):
+        for mode in ("flat", "shared", "tree"):
+            results[mode] = (modes[mode], *best_time(model, modes[mode], args.repeats))
+    flat_cpu, flat_loss = results["flat"][2], results["flat"][3]
+    for mode in ("tree", "shared", "flat"):
+        rows, wall, cpu, loss = results[mode]
+        tokens = sum(r["input_ids"].numel() for r in rows)
+        print(f"{mode:>8} {len(rows):5d} {tokens:8d} {tokens / (len(rows) * capacity):6.1%} {wall:8.2f} "
+              f"{cpu:8.2f} {flat_tokens / cpu:15.0f} {flat_cpu / cpu:7.2f}x "
+              f"{abs(loss - flat_loss) / abs(flat_loss):9.1e}", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a tiny Llama, 2 prompts, lengths x0.1")
+    parser.add_argument("--models", nargs="+", default=["llama", "smollm2"], choices=["llama", "smollm2"])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--branching", type=int, default=2)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies every drawn length")
+    parser.add_argument("--capacity", type=int, default=8192, help="tokens per row (>= the longest path)")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    if args.quick:
+        args.models, args.prompts, args.scale, args.capacity = ["llama"], 2, 0.1, 512
+    torch.set_num_threads(args.threads)
+    print(f"fp32 on {args.threads} CPU thread(s); lengths drawn (x{args.scale}) from prompt {PROMPT}, "
+          f"response {RESPONSE}, tool result {TOOL} as (share, lo, hi)")
+    for model_name in args.models:
+        name, model = small_llama(args.quick) if model_name == "llama" else smollm2()
+        run(name, model, args)
+
+
+if __name__ == "__main__":
+    main()
