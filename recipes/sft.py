@@ -13,7 +13,9 @@ exactly the batches the uninterrupted run would see.
     accelerate launch --config_file recipes/configs/accelerate_deepspeed.yaml -m recipes.sft
 
 Each checkpoint ``step_N`` is a Hugging Face model directory (``model.path=.../step_N`` in
-evaluate, GRPO or ``from_pretrained``) with the resume state in ``step_N/training_state``.
+evaluate, GRPO or ``from_pretrained``) with the resume state in ``step_N/training_state``. With
+``model.lora`` set (LoRA through peft) it is an adapter directory instead: the adapter alone, its
+base model recorded in ``adapter_config.json``, and ``model.path`` loads it onto that base.
 
 ``train(SFTRecipeConfig(train={"max_steps": 3}), model=..., tokenizer=..., rows=...)`` runs the
 same loop in-process (the demo uses it). DeepSpeed's fixed micro-batch size is one packed row
@@ -34,6 +36,7 @@ from training.accelerator import engine_info
 from training.accelerator import make_accelerator as build_accelerator
 from training.accumulation import OptimizerStepper
 from training.curves import tracker_config
+from training.lora import is_peft_model, keep_resume_state_to_adapter
 from training.sft import (
     Progress,
     make_optimizer,
@@ -86,6 +89,8 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     logger.info("setting up %s on %d process(es) (a DeepSpeed ZeRO-3 start partitions the weights here)",
                 accelerator.distributed_type, accelerator.num_processes)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if is_peft_model(accelerator.unwrap_model(model)):  # resume state: the adapter, not a base copy
+        keep_resume_state_to_adapter(accelerator)
     stepper = OptimizerStepper(model, optimizer, accelerator, max_grad_norm=tcfg.max_grad_norm)
     progress = Progress(gas)
     info = engine_info(model, accelerator)

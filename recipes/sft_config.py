@@ -6,13 +6,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from recipes.config import AccelerateConfig, ConfigError, ModelConfig, Section, check_learning_rate
+from recipes.config import (
+    AccelerateConfig,
+    ConfigError,
+    LoRAConfig,
+    ModelConfig,
+    Section,
+    check_learning_rate,
+)
 
 
 @dataclass
 class SFTModelConfig(ModelConfig):
     # nopad's varlen attention; "sdpa" / "flash_attention_2" also take packed rows
     attn_implementation: str = "nopad"
+    lora: LoRAConfig | None = None  # null: full fine-tune; model.lora.rank=8 (any key): a LoRA adapter
 
 
 @dataclass
