@@ -89,8 +89,9 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     logger.info("setting up %s on %d process(es) (a DeepSpeed ZeRO-3 start partitions the weights here)",
                 accelerator.distributed_type, accelerator.num_processes)
     model, optimizer = accelerator.prepare(model, optimizer)
+    save_kwargs, load_kwargs = {}, {}
     if is_peft_model(accelerator.unwrap_model(model)):  # resume state: the adapter, not a base copy
-        keep_resume_state_to_adapter(accelerator)
+        save_kwargs, load_kwargs = keep_resume_state_to_adapter(accelerator)
     stepper = OptimizerStepper(model, optimizer, accelerator, max_grad_norm=tcfg.max_grad_norm)
     progress = Progress(gas)
     info = engine_info(model, accelerator)
@@ -101,12 +102,12 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     output_dir = Path(ccfg.output_dir)
     checkpoint.claim_run_dir(output_dir, accelerator, resuming=bool(ccfg.resume_from))  # lock, own metrics
     if ccfg.resume_from:
-        path = resume(accelerator, ccfg.resume_from, output_dir)
+        path = resume(accelerator, ccfg.resume_from, output_dir, load_kwargs)
         logger.info("resumed from %s at step %d (epoch %d)", path, progress.step, loader.epoch)
 
     def save(path: Path) -> None:
         save_checkpoint(accelerator, path, lambda d: save_model_dir(accelerator, model, tokenizer, d),
-                        ccfg.keep_last)
+                        ccfg.keep_last, save_kwargs)
 
     max_steps = tcfg.max_steps or steps
     if progress.step >= max_steps:

@@ -92,19 +92,17 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
 
 
 # ----------------------------------------------------------------------------- resume state
-def keep_resume_state_to_adapter(accelerator) -> None:
+def keep_resume_state_to_adapter(accelerator) -> tuple[dict, dict]:
     """Make ``accelerator.save_state`` / ``load_state`` hold only the trainable parameters of its
     models (call once, after ``prepare``): the frozen base is loaded from ``model.path`` anyway, and
     written with each checkpoint it would be a full model copy per step. Loading checks that the
     state's parameters are exactly the model's trainable ones (the error names the difference).
-    DeepSpeed writes its own checkpoint: there :func:`deepspeed_state_kwargs` does the same."""
+
+    Returns ``(save_state kwargs, load_state kwargs)`` for the caller to pass: DeepSpeed writes its
+    own checkpoint (ZeRO-3 stores each rank's shard of the frozen base too), and these leave the
+    frozen parameters out of it and do not ask for them back."""
     accelerator.register_save_state_pre_hook(_save_trainable_only)
     accelerator.register_load_state_pre_hook(_load_trainable_only)
-
-
-def deepspeed_state_kwargs(accelerator) -> tuple[dict, dict]:
-    """``(save_state kwargs, load_state kwargs)``: under DeepSpeed, leave the frozen parameters out of
-    its checkpoint and do not ask for them back; elsewhere nothing (the hooks above do it)."""
     if accelerator.state.deepspeed_plugin is None:
         return {}, {}
     return {"exclude_frozen_parameters": True}, {"load_module_strict": False}
