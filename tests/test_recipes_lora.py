@@ -103,7 +103,8 @@ def test_lora_settings_are_checked():
     cfg = load_config(SFTRecipeConfig, None, ["model.path=tiny:llama",
                                                "model.lora.target_modules=q_proj,qkv"])
     assert cfg.model.lora.targets == ["q_proj", "qkv"]
-    with pytest.raises(ValueError, match=r"this model's linear layers are .*q_proj"):
+    with pytest.raises(ValueError, match=r"target_modules: qkv not found in the model; its linear layers are "
+                                         r".*q_proj"):
         load_model(cfg.model)
     assert load_config(SFTRecipeConfig).model.lora is None  # off unless asked for
 

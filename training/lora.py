@@ -42,15 +42,18 @@ def apply_lora(model, *, rank: int, alpha: float, dropout: float, target_modules
     config so that an adapter directory alone names what it applies to."""
     from peft import LoraConfig, get_peft_model
 
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear)})
+    modules = [n for n, _ in model.named_modules()]
+    # peft adapts the names it finds and skips the rest: a typo would train fewer layers unsaid
+    missing = [] if isinstance(target_modules, str) else [
+        t for t in target_modules if not any(n == t or n.endswith(f".{t}") for n in modules)]
+    if missing:
+        raise ValueError(f"model.lora.target_modules: {', '.join(missing)} not found in the model; its "
+                         f"linear layers are {', '.join(linear)} (or use all-linear)")
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
                         task_type="CAUSAL_LM")
-    try:
-        peft_model = get_peft_model(model, config)
-    except ValueError as err:  # peft's "Target modules {...} not found in the base model"
-        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                        if isinstance(m, torch.nn.Linear)})
-        raise ValueError(f"model.lora.target_modules={target_modules!r}: {err}; this model's linear "
-                         f"layers are {', '.join(names)} (or use all-linear)") from err
+    peft_model = get_peft_model(model, config)
     peft_model.peft_config["default"].base_model_name_or_path = base
     trained, total = peft_model.get_nb_trainable_parameters()
     logger.info("LoRA rank %d on %s: %d of %d parameters train (%.2f%%)", rank, target_modules, trained,
@@ -83,7 +86,9 @@ def load_adapter(base_model, path: str | Path, *, trainable: bool):
     from peft import PeftModel
 
     model = PeftModel.from_pretrained(base_model, str(path), is_trainable=trainable)
-    return model if trainable else model.merge_and_unload()
+    if trainable:
+        return model
+    return model.merge_and_unload().requires_grad_(True)  # peft froze the base: a plain model trains whole
 
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
