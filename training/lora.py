@@ -35,13 +35,22 @@ def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
+def _peft():
+    """peft, or an error that says how to get it (it is an optional dependency of nopad)."""
+    try:
+        import peft
+    except ImportError as err:
+        raise ImportError("LoRA (model.lora, or a LoRA adapter as model.path) runs through peft, which is "
+                          "not installed: pip install 'peft>=0.13'") from err
+    return peft
+
+
 def apply_lora(model, *, rank: int, alpha: float, dropout: float, target_modules: str | list[str],
                base: str):
     """``model`` wrapped in a fresh LoRA adapter (only the adapter trains); ``base`` is how to load
     the base model again (a model directory, ``smollm2``, ``tiny:llama``), recorded in the adapter's
     config so that an adapter directory alone names what it applies to."""
-    from peft import LoraConfig, get_peft_model
-
+    peft = _peft()
     linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                      if isinstance(m, torch.nn.Linear)})
     modules = [n for n, _ in model.named_modules()]
@@ -51,9 +60,9 @@ def apply_lora(model, *, rank: int, alpha: float, dropout: float, target_modules
     if missing:
         raise ValueError(f"model.lora.target_modules: {', '.join(missing)} not found in the model; its "
                          f"linear layers are {', '.join(linear)} (or use all-linear)")
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
-                        task_type="CAUSAL_LM")
-    peft_model = get_peft_model(model, config)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                             task_type="CAUSAL_LM")
+    peft_model = peft.get_peft_model(model, config)
     peft_model.peft_config["default"].base_model_name_or_path = base
     trained, total = peft_model.get_nb_trainable_parameters()
     logger.info("LoRA rank %d on %s: %d of %d parameters train (%.2f%%)", rank, target_modules, trained,
@@ -83,9 +92,7 @@ def load_adapter(base_model, path: str | Path, *, trainable: bool):
     """The adapter saved in ``path`` on ``base_model``: a ``PeftModel`` whose adapter trains further
     (``trainable``), or, for inference and full fine-tuning, the adapter merged into the base (a
     plain model, no LoRA layers left)."""
-    from peft import PeftModel
-
-    model = PeftModel.from_pretrained(base_model, str(path), is_trainable=trainable)
+    model = _peft().PeftModel.from_pretrained(base_model, str(path), is_trainable=trainable)
     if trainable:
         return model
     return model.merge_and_unload().requires_grad_(True)  # peft froze the base: a plain model trains whole
