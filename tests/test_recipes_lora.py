@@ -194,3 +194,23 @@ def test_lora_under_deepspeed_zero3_matches_one_process_and_resumes(tmp_path):
         assert got.keys() == want.keys()
         for k in want:
             torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_lora_grpo_under_deepspeed_zero3_saves_the_adapter(tmp_path):
+    """GRPO's rollout gathers the ZeRO-3 shards of base and adapter alike; the run stays on-policy
+    (to the bound the other sharded runs meet: ZeRO-3's own linear is not the exact mode's) and
+    writes the adapter alone, which model.path loads."""
+    from tests.test_training_sharded import ROOT, _run_two_ranks
+
+    out = tmp_path / "grpo"
+    _run_two_ranks(["-m", "recipes.grpo", "model.path=tiny:llama", *LORA, *TINY_GRPO, "train.steps=2",
+                    "task.num_prompts=4", "rollout.prompts_per_step=1", f"output_dir={out}",
+                    f"accelerate.deepspeed_config={ROOT / 'recipes/configs/deepspeed_zero3.json'}"],
+                   "LoRA GRPO under ZeRO-3")
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(history) == 2 and all(h["logprob_gap_max"] <= 1e-5 for h in history)
+    names = {p.name for p in out.iterdir()}
+    assert "adapter_model.safetensors" in names and "config.json" not in names
+    model, _ = load_model(ChatModelConfig(path=str(out)))
+    assert not is_peft_model(model)
