@@ -304,7 +304,7 @@ def main() -> None:
         results = []
         for name, rollout_kind, trainer_kind in LORA_SYSTEMS if cli.lora else GRPO_SYSTEMS:
             results.append(run_grpo(name, rollout_kind, trainer_kind, cfg, out_dir, lora=cli.lora))
-            print(f"  done {name}", flush=True)
+            print(f"  done {name}: {results[-1]['s_per_step']:.2f} s/step", flush=True)
         best_peer = min(r["s_per_step"] for r in results if r["name"].startswith("TRL"))
         lora = ", LoRA r=16 all-linear (peft_config)" if cli.lora else ""
         print(f"\nGRPOTrainer: {cfg['prompts_per_step']} prompts x {cfg['G']} samples, prompts of "
