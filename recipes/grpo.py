@@ -14,6 +14,9 @@ Generator and trainer run the same attention core, so in fp32 the generator's sa
 log-probs equal the training forward's (the gap is reported every step). When they are not equal
 (bf16, other kernels), ``train.is_correction`` re-weights each token, e.g. truncated importance
 sampling (``tis``: min(pi_train / pi_gen, cap)).
+
+With ``model.lora`` set only a LoRA adapter trains (peft), the generator runs the adapted model as
+it is, and ``output_dir`` receives the adapter alone; ``model.path`` may itself be an adapter.
 """
 
 from __future__ import annotations
