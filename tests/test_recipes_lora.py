@@ -214,3 +214,48 @@ def test_lora_grpo_under_deepspeed_zero3_saves_the_adapter(tmp_path):
     assert "adapter_model.safetensors" in names and "config.json" not in names
     model, _ = load_model(ChatModelConfig(path=str(out)))
     assert not is_peft_model(model)
+
+
+def test_nopad_grpo_trainer_with_a_peft_config_is_exactly_on_policy(tmp_path, one_thread):
+    """``NopadGRPOTrainer(peft_config=...)``: TRL wraps the model in peft; the rollout's log-probs,
+    TRL's old log-probs and the loss forward's are the same bits, and only the adapter moves."""
+    pytest.importorskip("trl")
+    from peft import LoraConfig
+
+    from tests.test_training_trl import _grpo, make_tokenizer
+    from training.grpo_trainer import NopadGRPOTrainer
+    from training.trl_rollout import nopad_rollout_func
+
+    seen = []
+
+    class Recording(NopadGRPOTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                           task_type="CAUSAL_LM"), **kwargs)
+
+        def _compute_loss(self, model, inputs):
+            inner = self._get_per_token_logps_and_entropies
+
+            def grab(*args, **kwargs):
+                out = inner(*args, **kwargs)
+                seen.append((inputs, out[0].detach().clone()))
+                return out
+
+            self._get_per_token_logps_and_entropies = grab
+            try:
+                return super()._compute_loss(model, inputs)
+            finally:
+                del self._get_per_token_logps_and_entropies
+
+    rollout = nopad_rollout_func(importance_sampling=True, batch_invariant=True, max_num_batched_tokens=64)
+    trainer = _grpo(make_tokenizer(), tmp_path, rollout, cls=Recording, batch_invariant=True, max_steps=1,
+                    max_completion_length=8)
+    assert is_peft_model(trainer.model)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    inputs, current = seen[0]
+    mask = inputs["completion_mask"].bool()
+    sampled, old = inputs["sampling_per_token_logps"][mask], inputs["old_per_token_logps"][mask]
+    assert torch.equal(sampled, old) and torch.equal(current[mask], old) and mask.sum() > 8
+    moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all("lora_" in n for n in moved)
