@@ -34,8 +34,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
-from packing.bins.binpack import pack  # noqa: E402
 from packing.bins.shared_prefix import pack_groups, shared_prefix_row  # noqa: E402
+
+from packing.bins.binpack import pack  # noqa: E402
 from packing.bins.tree import TreePath, pack_tree_rows, pair_logprobs, unique_tokens  # noqa: E402
 from packing.hf import use_nopad_attention  # noqa: E402
 from packing.varlen import VarlenMeta  # noqa: E402
