@@ -36,8 +36,8 @@ def forked_rollouts(seed=0, vocab=128):
             middle = ids(int(rng.integers(2, 5))) + ids(int(rng.integers(1, 6)))
             for _ in range(2):
                 completion = first + middle + ids(int(rng.integers(1, 6)))
-                rollouts.append(Rollout(prompt, completion, (-4.5 + rng.normal(0, 0.2, len(completion))).tolist(),
-                                        advantage=float(rng.normal())))
+                gen_logprobs = (-4.5 + rng.normal(0, 0.2, len(completion))).tolist()
+                rollouts.append(Rollout(prompt, completion, gen_logprobs, advantage=float(rng.normal())))
     return rollouts
 
 
@@ -85,7 +85,8 @@ def test_tree_row_logprobs_equal_the_rollouts_on_forked_episodes_bitwise(dtype, 
     after the prompt; the generator's log-probs at model tokens) -> tree rows -> the trainer's
     log-probs, at every model token of every branch, in the batch-invariant mode."""
     model = tiny_model("llama").to(dtype)
-    params = SamplingParams(temperature=1.0, seed=5, max_tokens=10, stop_token_ids=STOPS, ignore_eos=True, n=2)
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=10, stop_token_ids=STOPS, ignore_eos=True,
+                            n=2)
     from inference.episodes import EpisodeLimits
 
     with batch_invariant():
@@ -102,7 +103,8 @@ def test_tree_row_logprobs_equal_the_rollouts_on_forked_episodes_bitwise(dtype, 
     for row, lp in zip(rows, trainer):
         for k, i in enumerate(row.indices.tolist()):
             model_tokens = torch.tensor(episodes[i].model_mask, dtype=torch.bool)
-            got, want = lp[row.pair_seqs == k][model_tokens], row.gen_logprobs[row.pair_seqs == k][model_tokens]
+            mine = row.pair_seqs == k
+            got, want = lp[mine][model_tokens], row.gen_logprobs[mine][model_tokens]
             assert torch.equal(got, want), f"episode {i}: max gap {(got - want).abs().max():.3g}"
             compared += int(model_tokens.sum())
     assert compared == sum(sum(e.model_mask) for e in episodes) > 0
