@@ -24,6 +24,8 @@ class SFTDataConfig(Section):
     split: str = "train"
     prompt_column: str = "prompt"
     completion_column: str = "completion"
+    per_turn_samples: bool = False  # chat rows: each assistant turn a sample of its own, packed as trees
+    messages_column: str = "messages"
     num_rows: int = 256
     min_len: int = 8
     max_len: int = 200
@@ -43,6 +45,9 @@ class SFTDataConfig(Section):
         if not 0 <= self.max_dropped_fraction <= 1:
             raise ConfigError("max_dropped_fraction",
                               f"must be a number in [0, 1], got {self.max_dropped_fraction!r}")
+        if self.per_turn_samples and self.streaming:
+            raise ConfigError("per_turn_samples", "packs whole prefix trees, which a stream cannot; set "
+                              "data.streaming=false")
 
 
 @dataclass

@@ -13,6 +13,7 @@ import importlib
 _EXPORTS = {
     "PackedLoss": "training.loss",
     "causal_lm_loss_sum": "training.loss",
+    "row_loss_sum": "training.loss",
     "OptimizerStepper": "training.accumulation",
     "Rollout": "training.grpo",
     "pack_rollouts": "training.grpo",
