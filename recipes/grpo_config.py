@@ -75,6 +75,7 @@ class GRPOTrainConfig(Section):
     batch_invariant: bool | Literal["auto"] = "auto"  # see packing.batch_invariant
     is_correction: str | Callable[..., Any] = "none"  # none | tis | "module:function"
     tis_cap: float = 2.0
+    nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or gradient: stop the run | skip the step
     seed: int = 0
 
     def check(self) -> None:

@@ -57,6 +57,7 @@ class SFTTrainConfig(Section):
     weighting: Literal["token", "sequence"] = "token"
     seed: int = 0
     progress: bool = True
+    nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or gradient: stop the run | skip the step
 
     def check(self) -> None:
         for name, low in [("epochs", 1), ("max_steps", 1), ("grad_accum", 1), ("warmup_steps", 0),
