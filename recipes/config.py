@@ -2,10 +2,11 @@
 overrides.
 
 Each recipe declares its config as a dataclass of sections (``SFTRecipeConfig.train.lr``); the defaults
-live there and nowhere else (the shipped ``recipes/configs/*.yaml`` list them with comments, and a
-test keeps the two equal). Loading checks every value against its field's type, so a typo
-(``rollout.max_token=8``) or a wrong value (``train.lr=abc``) is an error naming the key before
-anything is built, never a silently ignored setting or a TypeError deep inside the optimizer.
+live there and nowhere else (the shipped ``recipes/configs/*.yaml`` are generated from them with
+their comments by ``python -m recipes.config``, and a test keeps the two equal). Loading checks
+every value against its field's type, so a typo (``rollout.max_token=8``) or a wrong value
+(``train.lr=abc``) is an error naming the key before anything is built, never a silently ignored
+setting or a TypeError deep inside the optimizer.
 """
 
 from __future__ import annotations
@@ -326,8 +327,10 @@ def yaml_header(path: str | Path) -> str:
     return "\n".join(header)
 
 
-GENERATED_YAMLS = {"evaluate": "recipes.evaluate:EvaluateConfig",
-                   "preprocess": "recipes.preprocess:PreprocessConfig"}  # file stem -> its config class
+GENERATED_YAMLS = {"evaluate": "recipes.evaluate:EvaluateConfig",  # file stem -> its config class
+                   "grpo": "recipes.grpo_config:GRPORecipeConfig",
+                   "preprocess": "recipes.preprocess:PreprocessConfig",
+                   "sft": "recipes.sft_config:SFTRecipeConfig"}
 
 
 def write_yamls(directory: str | Path = Path(__file__).parent / "configs") -> list[Path]:
@@ -395,8 +398,8 @@ class AccelerateConfig(Section):
     """``deepspeed_config``: a DeepSpeed JSON (or launch with ``accelerate launch``); ``log_with``:
     Accelerate trackers (tensorboard, wandb, all) for the run's curves."""
 
-    deepspeed_config: str | None = None
-    log_with: str | None = None
+    deepspeed_config: str | None = None  # a DeepSpeed JSON (recipes/configs/deepspeed_*.json)
+    log_with: str | None = None  # trackers for the curves: tensorboard | wandb | all
 
 
 MAX_LEARNING_RATE = 1.0  # Adam's update is ~lr per step: above this the weights only blow up
