@@ -45,7 +45,15 @@ from training.sft import (
     use_attention,
     write_result,
 )
-from training.sft_data import build_loader, epoch_stats, load_rows, tokenize_rows, total_steps, windows
+from training.sft_data import (
+    build_loader,
+    epoch_stats,
+    load_rows,
+    per_turn_samples,
+    tokenize_rows,
+    total_steps,
+    windows,
+)
 
 logger = logging.getLogger(__name__)
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sft.yaml"  # these defaults, with comments
@@ -63,7 +71,8 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     """Run SFT as configured; returns ``{"losses": [...], "steps": n, "stats": [...], ...}``.
 
     ``model``/``tokenizer``/``rows`` override ``model.path``/``data.source`` (rows: token dicts
-    with ``input_ids`` and optional ``labels``, or text rows with the prompt/completion columns).
+    with ``input_ids`` and optional ``labels``, or text rows with the prompt/completion columns;
+    with ``data.per_turn_samples``, conversations in ``data.messages_column``).
     """
     tcfg, dcfg, ccfg = cfg.train, cfg.data, cfg.checkpoint
     accelerator = accelerator or make_accelerator(cfg)
@@ -75,6 +84,8 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     model.train()
     if rows is None:
         rows = load_rows(dcfg, tokenizer, model.config.vocab_size)
+    elif dcfg.per_turn_samples:  # conversations: each assistant turn a sample, packed as trees
+        rows = per_turn_samples(rows, tokenizer, dcfg.messages_column)
     else:
         rows = tokenize_rows(rows, tokenizer, dcfg.prompt_column, dcfg.completion_column)
     gas = tcfg.grad_accum

@@ -25,6 +25,8 @@ class SFTDataConfig(Section):
     split: str = "train"  # the split of a DatasetDict
     prompt_column: str = "prompt"  # text rows: the prompt's tokens are masked out of the loss
     completion_column: str = "completion"  # text rows: the tokens trained on
+    per_turn_samples: bool = False  # chat rows: each assistant turn a sample, packed as prefix trees
+    messages_column: str = "messages"  # per_turn_samples: the rows' conversations [{role, content}, ...]
     num_rows: int = 256  # synthetic only: random token rows with a masked prompt
     min_len: int = 8  # synthetic only: the shortest row
     max_len: int = 200  # synthetic only: the longest row
@@ -44,6 +46,9 @@ class SFTDataConfig(Section):
         if not 0 <= self.max_dropped_fraction <= 1:
             raise ConfigError("max_dropped_fraction",
                               f"must be a number in [0, 1], got {self.max_dropped_fraction!r}")
+        if self.per_turn_samples and self.streaming:
+            raise ConfigError("per_turn_samples", "packs whole prefix trees, which a stream cannot; set "
+                              "data.streaming=false")
 
 
 @dataclass

@@ -29,6 +29,7 @@ from training.grpo import (
     grpo_token_loss,
     pack_rollouts,
     packed_logprobs,
+    packing_metrics,
 )
 from training.nonfinite import describe_sample, reward_value
 
@@ -43,7 +44,7 @@ class GRPOLoss:
     optional importance-sampling correction (``is_weights(train_logprobs, gen_logprobs)``)."""
 
     max_tokens_per_batch: int = 1024
-    shared_prefix: bool = True
+    shared_prefix: bool = True  # rollouts packed as a prefix tree: shared prefixes computed once
     clip_eps: float = 0.2
     beta: float = 0.0
     is_weights: ISWeightFn | None = None
@@ -120,6 +121,7 @@ def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: 
     model.train()
     t0 = time.perf_counter()
     rows = pack_rollouts(rollouts, loss.max_tokens_per_batch, shared_prefix=loss.shared_prefix)
+    packed = packing_metrics(rows, rollouts)
     # every rank the same number of rows: under ZeRO-3 / FSDP2 each forward is a collective
     rows = pad_rows(rows, empty_rollout_row)
     gaps, ratios, losses, clipped = [], [], [], 0
@@ -141,17 +143,16 @@ def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: 
     gap = torch.cat(gaps) if gaps else torch.zeros(1)
     ratio = torch.cat(ratios) if ratios else torch.ones(1)
     completion_tokens = sum(len(r.completion_ids) for r in rollouts)
-    train_tokens = sum(int(r.input_ids.numel()) for r in rows)
     longest = max((len(r.prompt_ids) + len(r.completion_ids) for r in rollouts), default=0)
     return {
         "loss": float(torch.stack(losses).sum()) if losses else 0.0,
         "grad_norm": window.grad_norm,
         "clip_fraction": clipped / max(completion_tokens, 1),  # tokens whose ratio left [1-eps, 1+eps]
         "completion_tokens": completion_tokens,
-        "train_tokens": train_tokens,
+        **packed,  # train_tokens, flat_train_tokens, tree_token_saving
         "train_rows": len(rows),
         "padded_train_tokens": longest * len(rollouts),  # what one right-padded batch would compute
-        "train_tokens_per_s": train_tokens / train_time,
+        "train_tokens_per_s": packed["train_tokens"] / train_time,
         "logprob_gap_max": float(gap.max()),
         "logprob_gap_mean": float(gap.mean()),
         # pi_train / pi_rollout of this (first and only) epoch: exactly 1 in batch-invariant mode

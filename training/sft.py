@@ -17,7 +17,7 @@ from packing.row import as_row
 from training import checkpoint
 from training.accumulation import OptimizerStepper
 from training.curves import finish_trackers, write_curves
-from training.loss import causal_lm_loss_sum
+from training.loss import row_loss_sum
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +43,7 @@ def sft_step(stepper: OptimizerStepper, window: list[dict], weighting: str = "to
                 seen.append(batch.indices.tolist())
             with w.row():
                 logits = model(**batch.model_kwargs(), use_cache=False).logits
-                loss_sum = causal_lm_loss_sum(logits, batch.labels, seq_idx=batch.nopad_meta.seq_idx,
-                                              weighting=weighting)
+                loss_sum = row_loss_sum(logits, batch, weighting=weighting)
                 step_loss += float(w.backward(loss_sum))
     return step_loss
 
