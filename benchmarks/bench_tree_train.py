@@ -8,10 +8,13 @@ the figures; fixed seed). Every leaf is one training path: its flat sequence is 
 turns on its branch.
 
 Compared, forward + backward of the loss ``-sum(weight * logp)`` over every (path, model token)
-pair, the LM head only on the positions that predict those tokens, the best of ``--repeats``:
+pair (``training.grpo.packed_logprobs``, the weight as the row's advantages), the LM head only on
+the positions that predict those tokens, the best of ``--repeats``:
 
-  tree    packing.bins.tree.pack_tree_rows: every shared token once
-  shared  packing.bins.shared_prefix rows: each prompt once, each path's turns on their own
+  tree    packing.bins.tree.pack_tree_rows (what training.grpo.pack_rollouts builds): every
+          shared token once
+  shared  one-level shared-prefix rows (VarlenMeta.shared_prefix, GRPO's packing before trees):
+          each prompt once, each path's turns on their own
   flat    every path its own sequence, BFD-packed rows
 
 Reported: rows, tokens computed, fill (tokens / rows x capacity), fwd+bwd wall and CPU seconds,
@@ -35,10 +38,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
 from packing.bins.binpack import pack  # noqa: E402
-from packing.bins.shared_prefix import pack_groups, shared_prefix_row  # noqa: E402
-from packing.bins.tree import TreePath, pack_tree_rows, pair_logprobs, unique_tokens  # noqa: E402
+from packing.bins.tree import TreePath, pack_tree_rows, unique_tokens  # noqa: E402
 from packing.hf import use_nopad_attention  # noqa: E402
+from packing.row import IGNORE_INDEX, PackedRow  # noqa: E402
 from packing.varlen import VarlenMeta  # noqa: E402
+from training.grpo import packed_logprobs  # noqa: E402
 
 # (share, lo, hi) components of each length's mixture
 PROMPT = ((0.4, 200, 500), (0.6, 500, 1200))  # system prompt + tool schemas + task
@@ -69,69 +73,74 @@ def episodes(prompts, turns, branching, vocab, scale, seed=0):
                     grown.append((ids + new, mask + [True] * r + [False] * t))
             frontier = grown
         for ids, mask in frontier:
-            out.append((p, TreePath(ids, mask, {"weight": rng.standard_normal(len(ids)).tolist()})))
+            out.append((p, TreePath(ids, mask, {"advantages": rng.standard_normal(len(ids)).tolist()})))
     return out
 
 
+def _labels(path):
+    return [t if m else IGNORE_INDEX for t, m in zip(path.ids, path.loss_mask)]
+
+
+def _weights(path, start=0):
+    return [w for w, m in zip(path.extras["advantages"][start:], path.loss_mask[start:]) if m]
+
+
 def flat_rows(paths, capacity):
-    """Every path its own sequence, BFD-packed; the loss pairs as tree rows name them."""
+    """Every path its own sequence, BFD-packed."""
     rows = []
     for bin_ in pack([len(p.ids) for p in paths], capacity):
-        ids, lengths, at, weight = [], [], [], []
-        for i in bin_.tolist():
-            p = paths[i]
-            mask = np.flatnonzero(p.loss_mask)
-            at.append(len(ids) + mask)
-            weight.append(np.asarray(p.extras["weight"], dtype=np.float32)[mask])
-            ids += list(p.ids)
-            lengths.append(len(p.ids))
-        rows.append(_row(ids, VarlenMeta.from_lengths(lengths), np.concatenate(at), np.concatenate(weight)))
+        order = bin_.tolist()
+        rows.append(PackedRow.build([t for i in order for t in paths[i].ids],
+                                    [t for i in order for t in _labels(paths[i])],
+                                    VarlenMeta.from_lengths([len(paths[i].ids) for i in order]),
+                                    advantages=[w for i in order for w in _weights(paths[i])]))
     return rows
 
 
 def shared_rows(episode_paths, capacity):
-    """Each prompt once per row (packing.bins.shared_prefix), each path's turns a completion."""
-    groups, members = [], {}
+    """One-level shared prefix (what nopad packed GRPO groups as before trees): each prompt once per
+    row, every path's turns a completion of their own reading it (``VarlenMeta.shared_prefix``); a
+    group that does not fit a row is split, its prompt repeated (first fit, in order)."""
+    members = {}
     for i, (p, path) in enumerate(episode_paths):
         members.setdefault(tuple(path.ids[:p]), []).append(i)
-    groups = list(members.values())
-    sizes = [(episode_paths[g[0]][0], [len(episode_paths[i][1].ids) - episode_paths[i][0] for i in g])
-             for g in groups]
+    pieces = []  # (prompt length, [path indices])
+    for idx in members.values():
+        p = episode_paths[idx[0]][0]
+        parts, used = [], []
+        for i in idx:
+            n = len(episode_paths[i][1].ids) - p
+            fit = next((k for k, u in enumerate(used) if u + n <= capacity), None)
+            if fit is None:
+                parts.append([i])
+                used.append(p + n)
+            else:
+                parts[fit].append(i)
+                used[fit] += n
+        pieces += [(p, part) for part in parts]
+    sizes = [p + sum(len(episode_paths[i][1].ids) - p for i in part) for p, part in pieces]
     rows = []
-    for pieces in pack_groups(sizes, capacity):
-        picked = [[groups[g][j] for j in part] for g, part in pieces]
-        built = shared_prefix_row([(episode_paths[idx[0]][1].ids[:episode_paths[idx[0]][0]],
-                                    [episode_paths[i][1].ids[episode_paths[i][0]:] for i in idx])
-                                   for idx in picked])
-        mask, weight = [], []
-        for idx in picked:
-            p0 = episode_paths[idx[0]][0]
-            mask += [False] * p0
-            weight += [0.0] * p0
-            for i in idx:
-                mask += list(episode_paths[i][1].loss_mask[p0:])
-                weight += list(episode_paths[i][1].extras["weight"][p0:])
-        at = np.flatnonzero(mask)
-        meta = built["nopad_meta"]
-        ids = built["input_ids"][0].tolist()
-        rows.append(_row(ids, meta, at, np.asarray(weight, dtype=np.float32)[at],
-                         predict=meta.previous_rows().numpy()[at]))
+    for bin_ in pack(sizes, capacity):
+        ids, labels, weights, groups = [], [], [], []
+        for p, part in (pieces[k] for k in bin_.tolist()):
+            first = episode_paths[part[0]][1]
+            ids += list(first.ids[:p])
+            labels += [IGNORE_INDEX] * p
+            for i in part:
+                path = episode_paths[i][1]
+                ids += list(path.ids[p:])
+                labels += _labels(path)[p:]
+                weights += _weights(path, p)
+            groups.append((p, [len(episode_paths[i][1].ids) - p for i in part]))
+        rows.append(PackedRow.build(ids, labels, VarlenMeta.shared_prefix(groups), advantages=weights))
     return rows
-
-
-def _row(ids, meta, at, weight, predict=None):
-    ids = torch.tensor(ids, dtype=torch.int64)
-    return {"input_ids": ids[None], "position_ids": meta.position_ids[None], "nopad_meta": meta,
-            "loss_rows": torch.from_numpy(np.asarray(at - 1 if predict is None else predict, dtype=np.int64)),
-            "loss_targets": ids[torch.from_numpy(np.asarray(at, dtype=np.int64))],
-            "weight": torch.from_numpy(np.asarray(weight, dtype=np.float32))}
 
 
 def step(model, rows):
     """One forward + backward of the whole workload; returns the loss."""
     total = 0.0
     for row in rows:
-        loss = -(pair_logprobs(model, row) * row["weight"]).sum()
+        loss = -(packed_logprobs(model, row) * row.advantages).sum()
         loss.backward()
         total += float(loss.detach())
     return total
@@ -197,7 +206,7 @@ def run(name, model, args):
     flat_cpu, flat_loss = results["flat"][2], results["flat"][3]
     for mode in ("tree", "shared", "flat"):
         rows, wall, cpu, loss = results[mode]
-        tokens = sum(r["input_ids"].numel() for r in rows)
+        tokens = sum(r.num_tokens for r in rows)
         print(f"{mode:>8} {len(rows):5d} {tokens:8d} {tokens / (len(rows) * capacity):6.1%} {wall:8.2f} "
               f"{cpu:8.2f} {flat_tokens / cpu:15.0f} {flat_cpu / cpu:7.2f}x "
               f"{abs(loss - flat_loss) / abs(flat_loss):9.1e}", flush=True)

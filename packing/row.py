@@ -1,7 +1,8 @@
 """The packed row: one flat varlen row of tokens and everything the model, the loss and the GRPO
 update read of it, as one typed record.
 
-Three producers write this schema - the training collator, the shared-prefix rows and the GRPO
+Three producers write this schema - the training collator, the prefix-tree rows
+(:mod:`packing.bins.tree`: GRPO groups, forked episodes, per-turn SFT samples) and flat GRPO
 rollouts - and all go through :meth:`PackedRow.build`, the one place that turns token lists into
 the row's tensors, counts its loss tokens and checks that its parts agree. A row is also a
 read-only ``Mapping`` of its set fields (``row["input_ids"]``, ``"indices" in row``,
@@ -24,7 +25,7 @@ IGNORE_INDEX = -100  # a label that carries no loss (transformers' and torch's c
 
 # the row's keys when read as a mapping, in order; position_ids is a view of nopad_meta's
 KEYS = ("input_ids", "labels", "position_ids", "nopad_meta", "seq_lens", "indices", "num_loss_tokens",
-        "num_loss_seqs", "gen_logprobs", "advantages", "empty")
+        "num_loss_seqs", "gen_logprobs", "advantages", "pair_tokens", "pair_seqs", "empty")
 
 
 @dataclass(eq=False)
@@ -34,7 +35,14 @@ class PackedRow(Mapping):
 
     Labels follow the transformers convention: ``labels[t]`` is the target of the logits that
     predict token ``t`` (``t - 1`` in a plain row; ``nopad_meta.previous_rows()[t]`` in a
-    shared-prefix row), :data:`IGNORE_INDEX` where there is no loss.
+    tree row), :data:`IGNORE_INDEX` where there is no loss.
+
+    A tree row (:mod:`packing.bins.tree`) lays a token shared by several sequences once, and
+    several of them may train on it: its loss is a list of *pairs* (sequence, token), as the flat
+    sequences would have it. ``pair_tokens[i]`` is the loss token (index in label order) pair
+    ``i`` reads and ``pair_seqs[i]`` its sequence (index into ``indices``); the per-token values
+    (``gen_logprobs``, ``advantages``) and ``num_loss_tokens`` are per pair. Other rows have no
+    pairs: each loss token is one pair (:meth:`per_pair` reads both alike).
     """
 
     input_ids: torch.Tensor  # int64 (1, T)
@@ -47,6 +55,8 @@ class PackedRow(Mapping):
     indices: torch.Tensor | None = None
     gen_logprobs: torch.Tensor | None = None  # float32 [loss tokens], label order: the generator's log-probs
     advantages: torch.Tensor | None = None  # float32 [loss tokens]: the advantage of each loss token
+    pair_tokens: torch.Tensor | None = None  # int64 [pairs], tree rows: the loss token each pair reads
+    pair_seqs: torch.Tensor | None = None  # int64 [pairs], tree rows: the sequence (in indices) of each pair
     empty: bool = False  # a zero-weight filler row, run only to join the other ranks' collectives
 
     # ----------------------------------------------------------------- the one builder
@@ -61,12 +71,15 @@ class PackedRow(Mapping):
         indices: Sequence[int] | torch.Tensor | None = None,
         gen_logprobs: Sequence[float] | torch.Tensor | None = None,
         advantages: Sequence[float] | torch.Tensor | None = None,
+        pairs: tuple[Sequence[int], Sequence[int]] | None = None,
         empty: bool = False,
     ) -> PackedRow:
         """A row from its flat tokens and labels (``T`` each) and ``meta`` (``T`` query tokens).
 
         ``seq_lens`` defaults to the meta's sequence lengths. ``gen_logprobs`` / ``advantages``
-        hold one value per loss token, in label order. An ``empty`` row counts no loss token and
+        hold one value per loss token, in label order, or per pair. ``pairs = (pair_tokens,
+        pair_seqs)`` (a tree row, see the class docstring): then the row counts one loss token per
+        pair and one sequence per distinct ``pair_seqs``. An ``empty`` row counts no loss token and
         no sequence, whatever its labels (its loss is to be weighted zero)."""
         ids, labs = _int64_row(input_ids), _int64_row(labels)
         if meta.seqlens_q is None:
@@ -87,7 +100,11 @@ class PackedRow(Mapping):
         loss = host != IGNORE_INDEX
         running = np.concatenate(([0], np.cumsum(loss)))
         per_seq = running[starts + lens] - running[starts]  # loss tokens of each sequence
-        num_loss_tokens = int(running[-1])
+        num_loss_tokens, num_loss_seqs = int(running[-1]), int((per_seq > 0).sum())
+        pair_tokens = pair_seqs = None
+        if pairs is not None:
+            pair_tokens, pair_seqs = _pairs(pairs, num_loss_tokens, indices)
+            num_loss_tokens, num_loss_seqs = pair_tokens.numel(), int(torch.unique(pair_seqs).numel())
         rl = {name: _float32(values, name, num_loss_tokens)
               for name, values in (("gen_logprobs", gen_logprobs), ("advantages", advantages))}
         return cls(
@@ -96,8 +113,10 @@ class PackedRow(Mapping):
             nopad_meta=meta,
             seq_lens=_int64_host(meta.seqlens_q if seq_lens is None else seq_lens),
             num_loss_tokens=0 if empty else num_loss_tokens,
-            num_loss_seqs=0 if empty else int((per_seq > 0).sum()),
+            num_loss_seqs=0 if empty else num_loss_seqs,
             indices=None if indices is None else _int64_host(indices),
+            pair_tokens=pair_tokens,
+            pair_seqs=pair_seqs,
             empty=bool(empty),
             **rl,
         )
@@ -115,6 +134,7 @@ class PackedRow(Mapping):
         return cls.build(batch["input_ids"], batch["labels"], batch["nopad_meta"],
                          seq_lens=batch.get("seq_lens"), indices=batch.get("indices"),
                          gen_logprobs=batch.get("gen_logprobs"), advantages=batch.get("advantages"),
+                         pairs=(batch["pair_tokens"], batch["pair_seqs"]) if "pair_tokens" in batch else None,
                          empty=bool(batch.get("empty", False)))
 
     # ----------------------------------------------------------------- use
@@ -127,6 +147,23 @@ class PackedRow(Mapping):
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
+    def loss_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(predict_at, targets)`` of the loss tokens, in label order: the row position whose
+        logits predict each (the token before it in its own sequence, ``t - 1`` in a plain row) and
+        its id. What every log-prob and loss of a row reads: ``logits_to_keep=predict_at``."""
+        labels = self.labels[0]
+        targets_at = torch.nonzero(labels != IGNORE_INDEX).squeeze(1)
+        predict_at = self.nopad_meta.previous_rows().to(targets_at.device)[targets_at]
+        if bool((predict_at < 0).any()):
+            raise ValueError("a loss token is the first token of its sequence: nothing predicts it")
+        return predict_at, labels[targets_at]
+
+    def per_pair(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-loss-token ``values`` (label order, first dimension) as per-pair values: in a tree
+        row a token that m sequences train on appears m times (so its gradient counts m times, as
+        in the flat sequences); other rows' loss tokens are their pairs."""
+        return values if self.pair_tokens is None else values[self.pair_tokens.to(values.device)]
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRow:
         """The same row with its model and loss tensors on ``device`` (the meta through
         :meth:`VarlenMeta.to`); ``seq_lens`` and ``indices`` are bookkeeping read on the host, and
@@ -136,7 +173,8 @@ class PackedRow(Mapping):
 
         return replace(self, input_ids=move(self.input_ids), labels=move(self.labels),
                        nopad_meta=self.nopad_meta.to(device, non_blocking=non_blocking),
-                       gen_logprobs=move(self.gen_logprobs), advantages=move(self.advantages))
+                       gen_logprobs=move(self.gen_logprobs), advantages=move(self.advantages),
+                       pair_tokens=move(self.pair_tokens), pair_seqs=move(self.pair_seqs))
 
     def pin_memory(self) -> PackedRow:
         """Page-locked copies of the tensors, for ``DataLoader(pin_memory=True)``."""
@@ -144,12 +182,13 @@ class PackedRow(Mapping):
             return None if t is None else t.pin_memory()
 
         return replace(self, input_ids=pin(self.input_ids), labels=pin(self.labels),
-                       gen_logprobs=pin(self.gen_logprobs), advantages=pin(self.advantages))
+                       gen_logprobs=pin(self.gen_logprobs), advantages=pin(self.advantages),
+                       pair_tokens=pin(self.pair_tokens), pair_seqs=pin(self.pair_seqs))
 
     def model_kwargs(self, *, labels: bool = False) -> dict[str, Any]:
         """The keyword arguments of the model's forward: ``model(**row.model_kwargs())``. With
-        ``labels`` the model computes its own loss (plain rows only: a shared-prefix row's
-        predictions are not at ``t - 1``)."""
+        ``labels`` the model computes its own loss (plain rows only: a tree row's predictions are
+        not all at ``t - 1``)."""
         kwargs = {"input_ids": self.input_ids, "position_ids": self.position_ids,
                   "nopad_meta": self.nopad_meta}
         if labels:
@@ -183,6 +222,7 @@ class PackedRow(Mapping):
 
     def __repr__(self) -> str:
         rl = ", rollouts" if self.gen_logprobs is not None else ""
+        rl += ", tree" if self.pair_tokens is not None else ""
         return (f"PackedRow(tokens={self.num_tokens}, seqs={self.nopad_meta.num_seqs}, "
                 f"loss_tokens={self.num_loss_tokens}{rl}{', empty' if self.empty else ''}, "
                 f"device={self.input_ids.device})")
@@ -206,6 +246,31 @@ def _int64_host(values) -> torch.Tensor:
     if isinstance(values, torch.Tensor):
         return values.detach().to("cpu", torch.int64).reshape(-1)
     return torch.from_numpy(np.asarray(values, dtype=np.int64).reshape(-1))
+
+
+def _pairs(pairs, num_loss_tokens: int, indices) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checked ``(pair_tokens, pair_seqs)`` of a tree row: every loss token read by a pair,
+    every pair naming one of the row's sequences."""
+    if len(pairs) != 2:
+        raise ValueError("pairs must be (pair_tokens, pair_seqs)")
+    tokens, seqs = _int64_host(pairs[0]), _int64_host(pairs[1])
+    if tokens.shape != seqs.shape:
+        raise ValueError(f"pair_tokens ({tokens.numel()}) and pair_seqs ({seqs.numel()}) must name the same "
+                         "pairs")
+    read = torch.zeros(num_loss_tokens, dtype=torch.bool)
+    if tokens.numel():
+        if int(tokens.min()) < 0 or int(tokens.max()) >= num_loss_tokens:
+            raise ValueError(f"pair_tokens must index the row's {num_loss_tokens} loss tokens, got values in "
+                             f"[{int(tokens.min())}, {int(tokens.max())}]")
+        read[tokens] = True
+    if not bool(read.all()):
+        raise ValueError(f"loss token {int(torch.nonzero(~read)[0])} (label order) has a label but no pair "
+                         "reads it; set its label to IGNORE_INDEX or give it a pair")
+    count = None if indices is None else len(indices)
+    if seqs.numel() and (int(seqs.min()) < 0 or (count is not None and int(seqs.max()) >= count)):
+        raise ValueError(f"pair_seqs must index the row's {count} sequences (indices), got values in "
+                         f"[{int(seqs.min())}, {int(seqs.max())}]")
+    return tokens, seqs
 
 
 def _float32(values, name: str, num_loss_tokens: int) -> torch.Tensor | None:

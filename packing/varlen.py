@@ -158,7 +158,8 @@ class VarlenMeta:
         whose keys are the prompt's followed by its own, positions continuing after the prompt -
         the way the generator's n samples read one prompt's shared KV blocks. Keys are read in
         place through ``key_index`` (no copy of the prompt's K/V), so the prompt is computed once
-        and receives the gradients of all its completions."""
+        and receives the gradients of all its completions. A meta for attention tests and
+        kernels; training rows are laid by :mod:`packing.bins.tree`."""
         q_lens, ctx_lens, key_lists = [], [], []
         start = 0
         for g, group in enumerate(groups):
@@ -181,13 +182,21 @@ class VarlenMeta:
                 start += c
         meta = cls.for_step(np.asarray(q_lens, dtype=np.int64), np.asarray(ctx_lens, dtype=np.int64),
                             device=device)
-        index = np.zeros((len(key_lists), max(meta.max_seqlen_k, 1)), dtype=np.int32)
+        return meta.with_key_lists(key_lists)
+
+    def with_key_lists(self, key_lists: Sequence[np.ndarray]) -> VarlenMeta:
+        """This row with sequence ``i`` reading the row's own K/V rows ``key_lists[i]`` (its
+        ``seqlens_k[i]`` keys, its queries last): the key index of shared-prefix and tree rows
+        (:mod:`packing.bins.tree`)."""
+        lens = [len(rows) for rows in key_lists]
+        if tuple(lens) != self.seqlens_k:
+            raise ValueError(f"key_lists have {lens} keys but the sequences {list(self.seqlens_k)}")
+        index = np.zeros((len(key_lists), max(self.max_seqlen_k, 1)), dtype=np.int32)
         for i, rows in enumerate(key_lists):
-            index[i, : rows.size] = rows
-        flat = np.concatenate(key_lists) if key_lists else np.zeros(0, dtype=np.int64)
-        dev = torch.device(device)
-        return replace(meta, key_index=torch.from_numpy(index).to(dev),
-                       key_rows=torch.from_numpy(flat).to(dev))
+            index[i, : len(rows)] = rows
+        flat = np.concatenate(key_lists).astype(np.int64) if key_lists else np.zeros(0, dtype=np.int64)
+        return replace(self, key_index=torch.from_numpy(index).to(self.device),
+                       key_rows=torch.from_numpy(flat).to(self.device))
 
     @classmethod
     def static_decode(

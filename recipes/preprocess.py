@@ -112,14 +112,10 @@ def tokenize_chat(messages: list[Mapping], tokenizer) -> tuple[list[int], list[i
     prompt) and up to its end; the template must render a prefix of the conversation as a prefix
     of the whole, which chat templates do.
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("chat data needs a tokenizer with a chat_template")
+    from training.sft_data import render_chat
 
     def encode(upto: int, generation_prompt: bool) -> list[int]:
-        text = tokenizer.apply_chat_template(
-            list(messages[:upto]), tokenize=False, add_generation_prompt=generation_prompt
-        )
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return render_chat(tokenizer, messages[:upto], generation_prompt)
 
     input_ids = encode(len(messages), False)
     labels = [IGNORE_INDEX] * len(input_ids)

@@ -48,7 +48,15 @@ from training.sft import (
     use_attention,
     write_result,
 )
-from training.sft_data import build_loader, epoch_stats, load_rows, tokenize_rows, total_steps, windows
+from training.sft_data import (
+    build_loader,
+    epoch_stats,
+    load_rows,
+    per_turn_samples,
+    tokenize_rows,
+    total_steps,
+    windows,
+)
 
 logger = logging.getLogger(__name__)
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sft.yaml"  # these defaults, with comments
@@ -66,7 +74,8 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     """Run SFT as configured; returns ``{"losses": [...], "steps": n, "stats": [...], ...}``.
 
     ``model``/``tokenizer``/``rows`` override ``model.path``/``data.source`` (rows: token dicts
-    with ``input_ids`` and optional ``labels``, or text rows with the prompt/completion columns).
+    with ``input_ids`` and optional ``labels``, or text rows with the prompt/completion columns;
+    with ``data.per_turn_samples``, conversations in ``data.messages_column``).
     """
     tcfg, dcfg, ccfg = cfg.train, cfg.data, cfg.checkpoint
     accelerator = accelerator or make_accelerator(cfg)
@@ -78,6 +87,8 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     model.train()
     if rows is None:
         rows = load_rows(dcfg, tokenizer, model.config.vocab_size)
+    elif dcfg.per_turn_samples:  # conversations: each assistant turn a sample, packed as trees
+        rows = per_turn_samples(rows, tokenizer, dcfg.messages_column)
     else:
         rows = tokenize_rows(rows, tokenizer, dcfg.prompt_column, dcfg.completion_column)
     gas = tcfg.grad_accum
@@ -92,7 +103,8 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     save_kwargs, load_kwargs = {}, {}
     if is_peft_model(accelerator.unwrap_model(model)):  # resume state: the adapter, not a base copy
         save_kwargs, load_kwargs = keep_resume_state_to_adapter(accelerator)
-    stepper = OptimizerStepper(model, optimizer, accelerator, max_grad_norm=tcfg.max_grad_norm)
+    stepper = OptimizerStepper(model, optimizer, accelerator, max_grad_norm=tcfg.max_grad_norm,
+                               nonfinite=tcfg.nonfinite)
     progress = Progress(gas)
     info = engine_info(model, accelerator)
     logger.info("training with %s on %d process(es)", info, accelerator.num_processes)
@@ -121,7 +133,7 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
                 max(max_steps - progress.step, 0), gas)
     while progress.step < max_steps:
         for window in windows(loader, gas):
-            step_loss = sft_step(stepper, window, tcfg.weighting, seen)
+            step_loss = sft_step(stepper, window, tcfg.weighting, seen, step=progress.step + 1)
             scheduler.step()
             progress.step += 1
             losses.append(record_step(accelerator, output_dir, progress.step, step_loss, bar))

@@ -15,7 +15,7 @@ import packing
 from dataloaders.collator import PackedCollator
 from dataloaders.loader import move_batch
 from packing import distributed
-from packing.bins.shared_prefix import shared_prefix_row
+from packing.bins.tree import TreePath, pack_tree_rows
 from packing.row import IGNORE_INDEX, PackedRow, as_row
 from packing.varlen import VarlenMeta
 from training.grpo import Rollout, empty_rollout_row, pack_rollouts
@@ -71,17 +71,29 @@ def test_collator_builds_through_the_builder():
     assert list(row) == SFT_KEYS
 
 
-def test_shared_prefix_row_builds_through_the_builder():
-    row = shared_prefix_row([([1, 2, 3], [[4, 5], [6]]), ([7], [[8, 9, 10]])], indices=[2, 0, 1],
-                            gen_logprobs=[-1.0, -2.0, -3.0, -4.0, -5.0, -6.0], advantages=[0.5] * 6)
-    assert row.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
-    assert row.labels.tolist() == [[-100, -100, -100, 4, 5, 6, -100, 8, 9, 10]]
-    assert row.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 0, 1, 2, 3]]
-    assert row.seq_lens.tolist() == [3, 2, 1, 1, 3]
-    assert (row.num_loss_tokens, row.num_loss_seqs) == (6, 3)
-    assert row.indices.tolist() == [2, 0, 1] and row.gen_logprobs.dtype == torch.float32
-    assert row.gen_logprobs.tolist() == [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0]
-    assert list(row) == SFT_KEYS + ["gen_logprobs", "advantages"]
+def test_tree_row_builds_through_the_builder():
+    """Two paths sharing [1, 2, 3] and training on its last token (a model token before a fork):
+    labelled once, read by two pairs, each with its own advantage."""
+    paths = [TreePath([1, 2, 3, 4, 5], [False, False, True, True, True], {"advantages": [0.0, 0, 1, 2, 3]}),
+             TreePath([1, 2, 3, 6], [False, False, True, True], {"advantages": [0.0, 0, 7, 8]}),
+             TreePath([7, 8, 9], [False, True, True], {"advantages": [0.0, 5, 6]})]
+    (row,) = pack_tree_rows(paths, capacity=16)
+    assert row.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    assert row.labels.tolist() == [[-100, -100, 3, 4, 5, 6, -100, 8, 9]]
+    assert row.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 0, 1, 2]]
+    assert row.seq_lens.tolist() == [5, 1, 3]
+    assert row.indices.tolist() == [0, 1, 2]
+    assert row.pair_tokens.tolist() == [0, 1, 2, 0, 3, 4, 5]
+    assert row.pair_seqs.tolist() == [0, 0, 0, 1, 1, 2, 2]
+    assert row.advantages.tolist() == [1.0, 2.0, 3.0, 7.0, 8.0, 5.0, 6.0]
+    assert (row.num_loss_tokens, row.num_loss_seqs) == (7, 3)  # as the flat sequences count them
+    assert row.loss_tokens()[0].tolist() == [1, 2, 3, 2, 6, 7]  # token 6 is predicted by token 3's row
+    assert list(row) == SFT_KEYS + ["advantages", "pair_tokens", "pair_seqs"]
+    with pytest.raises(ValueError, match="no pair reads it"):
+        PackedRow.build(row.input_ids, row.labels, row.nopad_meta, indices=[0, 1, 2], pairs=([0, 1], [0, 0]))
+    with pytest.raises(ValueError, match="must index the row's 3 sequences"):
+        PackedRow.build(row.input_ids, row.labels, row.nopad_meta, indices=[0, 1, 2],
+                        pairs=(list(range(6)), [0, 0, 0, 0, 0, 3]))
 
 
 def _rollouts() -> list[Rollout]:
@@ -103,9 +115,10 @@ def test_rollouts_pack_through_the_builder(monkeypatch):
     empty = empty_rollout_row()
     assert len(calls) == len(shared) + len(plain) + 1 == 3  # every row, whichever path, from the builder
     (s,), (p,) = shared, plain
-    assert s.input_ids.tolist() == [[1, 2, 3, 4, 9, 5, 6, 7, 8]]
+    assert s.input_ids.tolist() == [[1, 2, 3, 4, 9, 5, 6, 7, 8]]  # the prompt [1, 2] once
     assert s.labels.tolist() == [[-100, -100, 3, 4, 9, -100, 6, 7, 8]]
-    assert s.indices.tolist() == [0, 2, 1] and s.seq_lens.tolist() == [2, 2, 1, 1, 3]
+    assert s.indices.tolist() == [0, 2, 1] and s.seq_lens.tolist() == [4, 1, 4]
+    assert s.pair_tokens.tolist() == list(range(6)) and s.pair_seqs.tolist() == [0, 0, 1, 2, 2, 2]
     assert s.gen_logprobs.tolist() == [-0.5, -0.25, -0.125, -1.0, -2.0, -3.0]
     assert s.advantages.tolist() == [1.0, 1.0, 0.5, -1.0, -1.0, -1.0]
     assert (s.num_loss_tokens, s.num_loss_seqs) == (6, 3)

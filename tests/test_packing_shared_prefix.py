@@ -1,6 +1,7 @@
-"""Shared-prefix rows (a prompt once, each completion attending to it): the same logits, loss and
-gradients as the sequences packed the usual way (prompt repeated per completion), and in
-batch-invariant mode the same log-probs as the generator, bitwise."""
+"""Shared-prefix rows (a prompt once, each completion attending to it: the depth-1 case of the
+prefix-tree rows that ``pack_rollouts`` builds): the same log-probs, loss and gradients as the
+sequences packed the usual way (prompt repeated per completion), and in batch-invariant mode the
+same log-probs as the generator, bitwise."""
 
 from __future__ import annotations
 
@@ -9,16 +10,13 @@ import torch
 
 from inference import Generator, SamplingParams
 from packing import batch_invariant
-from packing.attention import varlen_attention
-from packing.bins.shared_prefix import pack_groups, shared_prefix_row
+from packing.attention import BACKEND_ENV, varlen_attention
 from packing.hf import use_nopad_attention
 from packing.varlen import VarlenMeta
 from tests.models import random_sequences, tiny_model
 from training.grpo import Rollout, pack_rollouts, packed_logprobs
 
 GROUPS = [(12, [5, 9, 7]), (10, [11, 4])]  # (prompt_len, completion_lens); windows are 8 tokens
-ONE_ROW = [[(0, [0, 1, 2]), (1, [0, 1])]]
-SPLIT = [[(0, [0, 1])], [(0, [2]), (1, [0, 1])]]  # group 0 split across two rows
 
 
 def _close(got, want, rtol=1e-5, what=""):
@@ -69,101 +67,58 @@ def test_meta_layout_and_bad_input():
 
 def test_model_loss_on_a_shared_prefix_row_is_refused():
     model = tiny_model("llama")
-    row = shared_prefix_row([([5, 6, 7], [[8, 9], [10]])])
+    (row,) = pack_rollouts([Rollout([5, 6, 7], [8, 9]), Rollout([5, 6, 7], [10])], capacity=16)
+    assert row.nopad_meta.key_index is not None
     with use_nopad_attention(model), pytest.raises(ValueError, match="previous_rows"):
-        model(input_ids=row["input_ids"], position_ids=row["position_ids"], nopad_meta=row["nopad_meta"],
-              labels=row["labels"])
-
-
-def test_pack_groups_keeps_groups_whole_unless_they_cannot_fit():
-    groups = [(6, [3, 3]), (4, [2, 2, 2, 2]), (8, [5, 6, 7])]
-    rows = pack_groups(groups, capacity=16)
-    seen = sorted((g, j) for row in rows for g, part in row for j in part)
-    assert seen == [(g, j) for g, (_, c) in enumerate(groups) for j in range(len(c))]
-    for row in rows:
-        assert sum(groups[g][0] + sum(groups[g][1][j] for j in part) for g, part in row) <= 16
-    pieces = [(g, part) for row in rows for g, part in row]
-    assert [g for g, _ in pieces].count(0) == 1 and [g for g, _ in pieces].count(1) == 1  # they fit
-    assert [g for g, _ in pieces].count(2) == 3  # 8 + 5 + 6 + 7 > 16: split, prompt in each piece
-    with pytest.raises(ValueError, match="exceed the row capacity"):
-        pack_groups([(10, [7])], capacity=16)
+        model(**row.model_kwargs(labels=True))
 
 
 # ----------------------------------------------------------------------------- models
-def _data(seed=0):
+def _rollouts(seed=0):
+    """GROUPS' prompts and completions as rollouts, each completion token with its own weight
+    (as its advantage: the loss below is -sum(advantage * logp), one weight per token)."""
     seqs = iter(random_sequences([p for p, _ in GROUPS] + [c for _, cs in GROUPS for c in cs], seed=seed))
     prompts = [next(seqs).tolist() for _ in GROUPS]
-    completions = [[next(seqs).tolist() for _ in cs] for _, cs in GROUPS]
-    return prompts, completions
+    return [Rollout(prompts[g], next(seqs).tolist(), advantage=float(g - j))
+            for g, (_, cs) in enumerate(GROUPS) for j in range(len(cs))]
 
 
-def _usual_row(prompts, completions):
-    from dataloaders.collator import PackedCollator
-
-    examples = [{"input_ids": prompts[g] + c, "labels": [-100] * len(prompts[g]) + c}
-                for g in range(len(prompts)) for c in completions[g]]
-    return PackedCollator()(examples)
-
-
-def _row_outputs(model, row, backend, weights):
-    """Logits of every token, and a loss: weighted log-probs of the completion tokens."""
-    meta = row["nopad_meta"]
-    logits = model(input_ids=row["input_ids"], position_ids=row["position_ids"], nopad_meta=meta,
-                   nopad_backend=backend, use_cache=False).logits[0]
-    labels = row["labels"][0]
-    at = torch.nonzero(labels != -100).squeeze(1)
-    logp = torch.log_softmax(logits[meta.previous_rows()[at]].float(), -1)
-    logp = logp.gather(1, labels[at][:, None])[:, 0]
-    return logits, -(logp * weights).sum()
+def _run(model, rows, rollouts):
+    """Per-rollout log-probs (temperature 0.7) and the gradients of -sum(advantage * logp)."""
+    got = {}
+    with use_nopad_attention(model):
+        for row in rows:
+            lp = packed_logprobs(model, row, 0.7)
+            (-(lp * row.advantages).sum()).backward()
+            order = row.indices.tolist()
+            if row.pair_seqs is None:  # flat rows: the completions' tokens in label order
+                parts = lp.detach().split([len(rollouts[i].completion_ids) for i in order])
+            else:
+                parts = [lp.detach()[row.pair_seqs == k] for k in range(len(order))]
+            got.update(zip(order, parts))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return got, grads
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma2"])
-@pytest.mark.parametrize("layout", ["one_row", "split"])
+@pytest.mark.parametrize("capacity", [64, 28])  # one row; group 0 (12 + 5 + 9 + 7) split across rows
 @pytest.mark.parametrize("backend", ["kernel", "sdpa_loop"])
-def test_logits_loss_and_gradients_equal_usual_packing(family, layout, backend, one_thread):
+def test_logprobs_loss_and_gradients_equal_usual_packing(family, capacity, backend, monkeypatch, one_thread):
     model = tiny_model(family)
-    prompts, completions = _data()
-    loss_tokens = sum(len(c) for cs in completions for c in cs)
-    weights = torch.randn(loss_tokens, generator=torch.Generator().manual_seed(1))
-
-    usual = _usual_row(prompts, completions)
-    with use_nopad_attention(model):
-        ref_logits, ref_loss = _row_outputs(model, usual, "sdpa_loop", weights)
-        ref_loss.backward()
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-
-    # the usual row, per (group, completion): its prompt's logits and its completion's logits
-    starts = usual["nopad_meta"].cu_seqlens_q.tolist()
-    pairs = [(g, j) for g in range(len(prompts)) for j in range(len(completions[g]))]
-    ref_prompt = {g: ref_logits[starts[pairs.index((g, 0))]:][:len(prompts[g])] for g in range(len(prompts))}
-    ref_completion = {(g, j): ref_logits[starts[s] + len(prompts[g]): starts[s + 1]]
-                      for s, (g, j) in enumerate(pairs)}
-
-    rows = ONE_ROW if layout == "one_row" else SPLIT
-    total = torch.zeros(())
-    order = [(g, j) for row in rows for g, part in row for j in part]
-    w_of = dict(zip(pairs, weights.split([len(completions[g][j]) for g, j in pairs])))
-    with use_nopad_attention(model):
-        for row_pieces in rows:
-            row = shared_prefix_row([(prompts[g], [completions[g][j] for j in part])
-                                     for g, part in row_pieces])
-            w = torch.cat([w_of[(g, j)] for g, part in row_pieces for j in part])
-            logits, loss = _row_outputs(model, row, backend, w)
-            loss.backward()
-            total = total + loss.detach()
-            t = 0
-            for g, part in row_pieces:
-                _close(logits[t: t + len(prompts[g])], ref_prompt[g], what=f"prompt {g} logits")
-                t += len(prompts[g])
-                for j in part:
-                    n = len(completions[g][j])
-                    _close(logits[t: t + n], ref_completion[(g, j)], what=f"completion {g}.{j} logits")
-                    t += n
-    assert sorted(order) == pairs
-    _close(total, ref_loss.detach(), what="loss")
-    for name, p in model.named_parameters():
-        _close(p.grad, ref_grads[name], what=f"grad of {name}")
+    rollouts = _rollouts()
+    monkeypatch.setenv(BACKEND_ENV, "sdpa_loop")
+    want, want_grads = _run(model, pack_rollouts(rollouts, 64, shared_prefix=False), rollouts)
+    monkeypatch.setenv(BACKEND_ENV, backend)
+    rows = pack_rollouts(rollouts, capacity)
+    got, grads = _run(model, rows, rollouts)
+    assert (len(rows) == 1) == (capacity == 64)
+    assert sum(r.num_tokens for r in rows) < sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
+    assert sorted(got) == list(range(len(rollouts)))
+    for i in got:
+        _close(got[i], want[i], what=f"rollout {i} log-probs")
+    for name, g in grads.items():
+        _close(g, want_grads[name], what=f"grad of {name}")
 
 
 # ----------------------------------------------------------------------------- generator == trainer
@@ -188,35 +143,3 @@ def test_shared_prefix_logprobs_equal_the_generators_bitwise(family, dtype, one_
     assert prompt_rows.count(tuple(prompts[1])) >= 2  # split: its prompt repeated in each row
     assert trainer.numel() == generator.numel() > 0
     assert torch.equal(trainer, generator), f"max gap {(trainer - generator).abs().max():.3g}"
-
-
-def test_flash_path_gets_the_gathered_keys(monkeypatch):
-    """On CUDA with flash-attn the row's keys are gathered by the key index (differentiable) and
-    flash-attn's varlen kernel runs on them (here: the strict CPU stand-in, bf16)."""
-    import sys
-
-    from packing import attention
-    from packing.attention import flash
-    from tests.flash_standin import FlashStandIn
-
-    standin = FlashStandIn("2.6")
-    for name in ("flash_attn", "flash_attn_interface"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    monkeypatch.setitem(sys.modules, standin.module.__name__, standin.module)
-    flash.flash_attn_info.cache_clear()
-    attention.registry._said.clear()
-    try:
-        meta = VarlenMeta.shared_prefix(GROUPS)
-        g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(meta.total_q, h, 16, generator=g).bfloat16().requires_grad_()
-                   for h in (4, 2, 2))
-        out = varlen_attention(q, k, v, meta, backend="flash", sliding_window=6)
-        ref = varlen_attention(q.float(), k.float(), v.float(), meta, backend="sdpa_loop", sliding_window=6)
-        call = standin.calls[-1]
-        assert call["num_seqs"] == meta.num_seqs and not call["paged"]  # gathered, not read in place
-        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-        out.float().sum().backward()
-        assert k.grad is not None and bool(k.grad[:12].abs().sum() > 0)  # the prompt's keys learn
-    finally:
-        flash.flash_attn_info.cache_clear()
-        attention.registry._said.clear()

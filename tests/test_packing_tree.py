@@ -13,13 +13,16 @@ from packing.bins.tree import (
     TreePath,
     build_trie,
     pack_tree_rows,
-    pair_logprobs,
     plan_rows,
     unique_tokens,
 )
 from packing.hf import use_nopad_attention
+from packing.row import IGNORE_INDEX
 from packing.varlen import VarlenMeta
 from tests.models import tiny_model
+from training.grpo import packed_logprobs
+
+X = IGNORE_INDEX
 
 
 def _mask(n, start):
@@ -38,10 +41,12 @@ def test_depth_one_is_the_shared_prefix_layout():
     assert row["position_ids"].tolist() == [[0, 1, 2, 3, 4, 3, 3, 4, 5]]
     assert meta.seqlens_q == (5, 1, 3) and meta.seqlens_k == (5, 4, 6)
     assert meta.key_rows.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 5, 0, 1, 2, 6, 7, 8]
-    assert row["loss_rows"].tolist() == [2, 3, 2, 2, 6, 7]  # the prompt's last token predicts 3 firsts
-    assert row["loss_targets"].tolist() == [20, 21, 30, 40, 41, 42]
-    assert row["loss_paths"].tolist() == [0, 0, 1, 2, 2, 2]
-    assert row["indices"].tolist() == [0, 1, 2] and row["num_loss_tokens"] == 6
+    assert row.labels.tolist() == [[X, X, X, 20, 21, 30, 40, 41, 42]]
+    predict_at, targets = row.loss_tokens()
+    assert predict_at.tolist() == [2, 3, 2, 2, 6, 7]  # the prompt's last token predicts 3 firsts
+    assert targets.tolist() == [20, 21, 30, 40, 41, 42]
+    assert row.pair_tokens.tolist() == [0, 1, 2, 3, 4, 5] and row.pair_seqs.tolist() == [0, 0, 1, 2, 2, 2]
+    assert row.indices.tolist() == [0, 1, 2] and (row.num_loss_tokens, row.num_loss_seqs) == (6, 3)
 
 
 # depth 5, a path that ends inside another (a), a duplicate (c, e), single-token nodes ([9], [8], [7])
@@ -52,7 +57,7 @@ DEEP = {"a": [1, 2, 3, 4, 5, 6], "b": [1, 2, 3, 4, 5, 6, 7], "c": [1, 2, 3, 4, 9
 def _deep_paths(extras=False):
     out = []
     for i, ids in enumerate(DEEP.values()):
-        more = {"weight": [float(10 * i + t) for t in range(len(ids))]} if extras else {}
+        more = {"advantages": [float(10 * i + t) for t in range(len(ids))]} if extras else {}
         out.append(TreePath(ids, _mask(len(ids), 1), more))
     return out
 
@@ -86,16 +91,22 @@ def test_deep_tree_in_one_row():
     assert row["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 8, 4, 2]]
     assert meta.seqlens_q == (9, 1, 1) and meta.seqlens_k == (9, 5, 3)  # the chain is one segment
     assert meta.key_rows.tolist() == [*range(9), 0, 1, 2, 3, 9, 0, 1, 10]
-    assert row["indices"].tolist() == [0, 1, 5, 2, 4, 3]
-    assert row["num_loss_tokens"] == sum(len(ids) - 1 for ids in DEEP.values()) == 29
-    # path c and its duplicate e: the same rows and targets, each with its own extras
-    c, e = (row["loss_paths"] == 2), (row["loss_paths"] == 4)
-    assert row["loss_rows"][c].tolist() == row["loss_rows"][e].tolist() == [0, 1, 2, 3]
-    assert row["loss_targets"][c].tolist() == [2, 3, 4, 9]
-    assert row["weight"][c].tolist() == [21.0, 22.0, 23.0, 24.0]
-    assert row["weight"][e].tolist() == [41.0, 42.0, 43.0, 44.0]
-    d = row["loss_paths"] == 3
-    assert row["loss_rows"][d].tolist() == [0, 1] and row["loss_targets"][d].tolist() == [2, 8]
+    assert row.indices.tolist() == [0, 1, 5, 2, 4, 3]
+    assert row.num_loss_tokens == sum(len(ids) - 1 for ids in DEEP.values()) == 29  # pairs, as flat
+    assert row.labels.tolist() == [[X, 2, 3, 4, 5, 6, 7, 11, 12, 9, 8]]  # each trained token labelled once
+    predict_at, targets = row.loss_tokens()
+    seqs = row.pair_seqs
+    # path c and its duplicate e: the same tokens, each pair with its own extras
+    c, e = (seqs == 3), (seqs == 4)
+    assert row.pair_tokens[c].tolist() == row.pair_tokens[e].tolist() == [0, 1, 2, 8]
+    assert predict_at[row.pair_tokens[c]].tolist() == [0, 1, 2, 3]
+    assert targets[row.pair_tokens[c]].tolist() == [2, 3, 4, 9]
+    assert row.advantages[c].tolist() == [21.0, 22.0, 23.0, 24.0]
+    assert row.advantages[e].tolist() == [41.0, 42.0, 43.0, 44.0]
+    d = seqs == 5
+    assert predict_at[row.pair_tokens[d]].tolist() == [0, 1]
+    assert targets[row.pair_tokens[d]].tolist() == [2, 8]
+    assert row.per_pair(torch.arange(10)).tolist() == row.pair_tokens.tolist()
 
 
 def test_a_tree_too_big_for_a_row_is_split_at_node_boundaries():
@@ -106,23 +117,24 @@ def test_a_tree_too_big_for_a_row_is_split_at_node_boundaries():
     rows = plan_rows(paths, capacity=9)
     assert [[(len(p.context), len(p.owned)) for p in row] for row in rows] == [[(1, 4)], [(0, 2), (2, 1)]]
     first, second = pack_tree_rows(paths, capacity=9)
-    assert first["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 11, 12]]
-    assert first["nopad_meta"].key_index is None  # one plain segment
-    assert first["indices"].tolist() == [0, 1, 5]
-    assert second["input_ids"].tolist() == [[1, 2, 8, 3, 4, 9]]
-    assert second["position_ids"].tolist() == [[0, 1, 2, 2, 3, 4]]
-    assert second["nopad_meta"].key_rows.tolist() == [0, 1, 2, 0, 1, 3, 4, 5]
-    assert second["indices"].tolist() == [3, 2, 4]
-    assert second["loss_rows"][second["loss_paths"] == 2].tolist() == [0, 1, 3, 4]
-    computed = sum(r["input_ids"].numel() for r in (first, second))
+    assert first.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 11, 12]]
+    assert first.nopad_meta.key_index is None  # one plain segment
+    assert first.indices.tolist() == [0, 1, 5]
+    assert second.input_ids.tolist() == [[1, 2, 8, 3, 4, 9]]
+    assert second.position_ids.tolist() == [[0, 1, 2, 2, 3, 4]]
+    assert second.nopad_meta.key_rows.tolist() == [0, 1, 2, 0, 1, 3, 4, 5]
+    assert second.indices.tolist() == [3, 2, 4]
+    predict_at, _ = second.loss_tokens()
+    assert predict_at[second.pair_tokens[second.pair_seqs == 1]].tolist() == [0, 1, 3, 4]  # path 2
+    computed = sum(r.num_tokens for r in (first, second))
     assert computed == unique_tokens(paths) + 4  # [1, 2, 3, 4] again in the second row
-    assert sum(r["num_loss_tokens"] for r in (first, second)) == 29
+    assert sum(r.num_loss_tokens for r in (first, second)) == 29
 
 
 def test_a_node_with_no_path_ending_is_only_context_when_its_children_move_out():
     paths = [TreePath([1, 2, 3, 4, 5], _mask(5, 1)), TreePath([1, 2, 6, 7, 8], _mask(5, 1))]
     rows = pack_tree_rows(paths, capacity=5)
-    assert [r["input_ids"].tolist() for r in rows] == [[[1, 2, 3, 4, 5]], [[1, 2, 6, 7, 8]]]
+    assert [r.input_ids.tolist() for r in rows] == [[[1, 2, 3, 4, 5]], [[1, 2, 6, 7, 8]]]
 
 
 def test_bad_input_is_refused():
@@ -134,12 +146,12 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="loss_mask has 1 entries for 2 tokens"):
         pack_tree_rows([TreePath([1, 2], [False])], capacity=8)
     with pytest.raises(ValueError, match="give one per token"):
-        pack_tree_rows([TreePath([1, 2], [False, True], {"adv": [1.0]})], capacity=8)
+        pack_tree_rows([TreePath([1, 2], [False, True], {"advantages": [1.0]})], capacity=8)
     with pytest.raises(ValueError, match="same extras"):
-        pack_tree_rows([TreePath([1, 2], [False, True], {"adv": [0.0, 1.0]}),
+        pack_tree_rows([TreePath([1, 2], [False, True], {"advantages": [0.0, 1.0]}),
                         TreePath([1, 3], [False, True])], capacity=8)
-    with pytest.raises(ValueError, match="clash"):
-        pack_tree_rows([TreePath([1, 2], [False, True], {"input_ids": [0.0, 1.0]})], capacity=8)
+    with pytest.raises(ValueError, match="carries only"):
+        pack_tree_rows([TreePath([1, 2], [False, True], {"weight": [0.0, 1.0]})], capacity=8)
     with pytest.raises(ValueError, match="sequence 1 is empty"):
         pack_tree_rows([TreePath([1, 2]), TreePath([])], capacity=8)
 
@@ -201,7 +213,7 @@ def branched_paths(seed, root_len, levels, vocab=128):
     """Paths of a random tree: a root of ``root_len`` tokens, then at each level ``(branching,
     (lo, hi))`` every node gets ``branching`` children of lo..hi tokens. Odd levels are model
     turns (loss), even levels tool output (no loss); every internal node also ends a path of its
-    own, and the first leaf is given twice. Extras: a random weight per token."""
+    own, and the first leaf is given twice. Extras: a random weight per token (as advantages)."""
     rng = np.random.default_rng(seed)
     frontier = [(rng.integers(3, vocab, root_len).tolist(), [False] * root_len)]
     paths = []
@@ -214,7 +226,8 @@ def branched_paths(seed, root_len, levels, vocab=128):
                 grown.append((ids + rng.integers(3, vocab, n).tolist(), mask + [depth % 2 == 1] * n))
         frontier = grown
     paths += frontier + frontier[:1]
-    return [TreePath(ids, mask, {"weight": rng.standard_normal(len(ids)).tolist()}) for ids, mask in paths]
+    return [TreePath(ids, mask, {"advantages": rng.standard_normal(len(ids)).tolist()})
+            for ids, mask in paths]
 
 
 TREES = {  # windows are 8 tokens: nodes shorter and longer than a window
@@ -233,7 +246,7 @@ def _flat_reference(model, paths):
         ids = torch.tensor(p.ids)[None]
         logits = model(input_ids=ids, use_cache=False).logits[0]
         lp = torch.log_softmax(logits.float(), -1)[at - 1].gather(1, ids[0, at][:, None])[:, 0]
-        (-(lp * torch.tensor(p.extras["weight"])[at]).sum()).backward()
+        (-(lp * torch.tensor(p.extras["advantages"])[at]).sum()).backward()
         logps.append(lp.detach())
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -245,10 +258,10 @@ def _tree_run(model, paths, capacity):
     got = [[] for _ in paths]
     with use_nopad_attention(model):
         for row in rows:
-            lp = pair_logprobs(model, row)
-            (-(lp * row["weight"]).sum()).backward()
-            for p in row["indices"].tolist():
-                got[p] = lp.detach()[row["loss_paths"] == p]
+            lp = packed_logprobs(model, row)
+            (-(lp * row.advantages).sum()).backward()
+            for k, p in enumerate(row.indices.tolist()):
+                got[p] = lp.detach()[row.pair_seqs == k]
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return rows, got, grads
@@ -268,9 +281,9 @@ def _check_exact(family, tree, capacity, backend, monkeypatch):
     paths = branched_paths(0, root_len, levels)
     ref_logps, ref_grads = _flat_reference(model, paths)
     rows, logps, grads = _tree_run(model, paths, capacity)
-    computed = sum(r["input_ids"].numel() for r in rows)
+    computed = sum(r.num_tokens for r in rows)
     assert computed < sum(len(p.ids) for p in paths)
-    assert sum(r["num_loss_tokens"] for r in rows) == sum(int(np.sum(p.loss_mask)) for p in paths)
+    assert sum(r.num_loss_tokens for r in rows) == sum(int(np.sum(p.loss_mask)) for p in paths)
     for i, (got, want) in enumerate(zip(logps, ref_logps)):
         assert got.shape == want.shape, f"path {i}"
         _close(got, want, 1e-5, f"path {i} log-probs")
@@ -283,7 +296,7 @@ def _check_exact(family, tree, capacity, backend, monkeypatch):
 @pytest.mark.parametrize("backend", ["kernel", "sdpa_loop", "per_token"])
 def test_tree_rows_equal_each_path_alone(family, backend, monkeypatch, one_thread):
     rows = _check_exact(family, "deep", 1024, backend, monkeypatch)
-    assert len(rows) == 1 and rows[0]["nopad_meta"].key_index is not None
+    assert len(rows) == 1 and rows[0].nopad_meta.key_index is not None
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])

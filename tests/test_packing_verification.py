@@ -72,3 +72,27 @@ def test_verify_leaves_model_state_alone():
 def test_verify_rejects_empty_input():
     with pytest.raises(ValueError, match="no empty sequences"):
         verify(tiny_model("llama"), [[5, 6], []])
+
+
+def _branched(seed=0):
+    """A prompt longer than a window, forked twice, a fork forked again, a duplicate, a sequence
+    that ends inside another, one that shares nothing and a single token."""
+    lengths = [2 * SLIDING_WINDOW + 3, 6, 4, 5, 9]
+    prompt, a, b, c, d = (s.tolist() for s in random_sequences(lengths, seed=seed))
+    return [prompt + a, prompt + b, prompt + a + c, prompt + b, prompt[:5], d, d[:1]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_tree_row_equals_each_path_alone(family):
+    seqs = _branched()
+    report = verify(tiny_model(family), seqs, tree=True)
+    assert report.max_logit_diff <= 1e-5, report
+    assert report.max_grad_rel_diff <= 1e-5, report
+    assert report.loss_diff <= 1e-5, report
+    assert report.attention_path.endswith("one prefix-tree row")
+    assert report.num_sequences == len(seqs) and report.num_tokens < sum(len(s) for s in seqs)
+
+
+def test_a_tree_row_needs_nopad_attention():
+    with pytest.raises(ValueError, match="tree=True needs attn_implementation='nopad'"):
+        verify(tiny_model("llama"), _branched(), attn_implementation="sdpa", tree=True)

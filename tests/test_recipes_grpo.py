@@ -274,8 +274,12 @@ def test_one_grpo_step_on_the_live_model(policy):
     assert kv_alive_at_backward == [False]  # one packed row, KV cache already handed back
     assert gen._kv_cache is None and gen.stats()["steps"] > 0
     assert metrics["completion_tokens"] > 0 and metrics["train_rows"] == 1
-    # shared-prefix rows (the default): each prompt once, not once per completion
-    assert metrics["train_tokens"] == sum(map(len, prompt_ids[:2])) + metrics["completion_tokens"]
+    # prefix-tree rows (the default): each prompt once, not once per completion (and completions'
+    # common starts once too)
+    assert metrics["train_tokens"] <= sum(map(len, prompt_ids[:2])) + metrics["completion_tokens"]
+    n = sampling_params(cfg, 0).n  # completions per prompt
+    assert metrics["flat_train_tokens"] == n * sum(map(len, prompt_ids[:2])) + metrics["completion_tokens"]
+    assert metrics["tree_token_saving"] == 1 - metrics["train_tokens"] / metrics["flat_train_tokens"] > 0
     assert metrics["padded_train_tokens"] >= metrics["train_tokens"]
     # batch-invariant mode (the default on CPU): the rollouts are exactly the trained policy's
     assert metrics["batch_invariant"] == 1.0
@@ -285,7 +289,7 @@ def test_one_grpo_step_on_the_live_model(policy):
     assert len(changed) == len(before)
     assert set(metrics) == {"step", "reward_mean", "reward_std", "loss", "grad_norm", "clip_fraction",
                             "completion_tokens", "rollout_tokens_per_s", "train_tokens", "train_rows",
-                            "padded_train_tokens",
+                            "padded_train_tokens", "flat_train_tokens", "tree_token_saving",
                             "train_tokens_per_s", "logprob_gap_max", "logprob_gap_mean", "rollout_s",
                             "train_s", "is_ratio_min", "is_ratio_max", "batch_invariant"}
 

@@ -97,6 +97,9 @@ def test_grpo_step_equals_nopad_grpo_trainers_step(one_thread, tmp_path, acceler
         prepared, optimizer = accelerator.prepare(model, optimizer)
         metrics = train_on_rollouts(OptimizerStepper(prepared, optimizer, accelerator), rollouts, loss)
     assert metrics["logprob_gap_max"] == 0.0 and metrics["clip_fraction"] == 0.0
+    flat = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
+    assert metrics["flat_train_tokens"] == flat and metrics["train_tokens"] < flat  # each prompt once
+    assert metrics["tree_token_saving"] == 1 - metrics["train_tokens"] / flat
     _reset_accelerate()
 
     # TRL's GRPOTrainer with nopad's packed forward, the same rollouts, rewards and loss (token mean)

@@ -375,6 +375,8 @@ def test_nopad_grpo_trainer_logprobs_loss_and_gradients_equal_trls_padded_path(t
     loss = [h["loss"] for h in nopad.state.log_history if "loss" in h]
     ref_loss = [h["loss"] for h in reference.state.log_history if "loss" in h]
     assert loss == pytest.approx(ref_loss, abs=1e-5)
+    saving = [h["tree/token_saving"] for h in nopad.state.log_history if "tree/token_saving" in h]
+    assert saving and (saving[0] > 0) == shared_prefix  # each prompt once per row, logged
     # log-probs and entropies of one (shuffled, partial-group) micro-batch, straight
     batch = nopad._buffered_inputs[0]
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
@@ -471,8 +473,13 @@ def test_packed_completion_logprobs_equal_one_sequence_at_a_time(shared_prefix, 
     register_nopad_attention()
     reference = copy.deepcopy(model)
     model.set_attn_implementation("nopad")
+    stats = {}
     logps, entropies = packed_completion_logprobs(model, ids, mask, width_c, 0.7, shared_prefix=shared_prefix,
-                                                  compute_entropy=True, max_tokens_per_forward=budget)
+                                                  compute_entropy=True, max_tokens_per_forward=budget,
+                                                  stats=stats)
+    flat = sum(len(p) + len(c) for b, (p, c) in enumerate(rows) if b != 4)
+    assert stats["flat_train_tokens"] == flat
+    assert (stats["tree_token_saving"] > 0) == shared_prefix  # the prompts, once per row
     for b, (p, c) in enumerate(rows):
         n = 0 if b == 4 else len(c)
         logits = reference(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1 : -1].float() / 0.7

@@ -3,6 +3,9 @@
 log-probs (:func:`packed_logprobs`), the group advantages, the clipped token loss and the choice
 of batch-invariant numerics.
 
+The rows are prefix-tree rows (:mod:`packing.bins.tree`): a group's prompt, and the earlier
+turns that forked episodes share, are computed once.
+
 Why one module: the rollout's log-probs equal the trainer's bitwise only if both sides pack and
 score the same way; two copies had drifted before.
 """
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from packing.bins.tree import TreePath, pack_tree_rows
 from packing.row import IGNORE_INDEX, PackedRow, as_row
 from packing.varlen import VarlenMeta
 
@@ -73,16 +77,20 @@ class Rollout:
 
 def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = True) -> list[PackedRow]:
     """Pack rollouts into varlen rows. Only completion tokens carry the loss: labels are
-    ``IGNORE_INDEX`` on prompts. Each row also carries, in label order, the generator's log-probs,
-    the advantage of every loss token and the rollout index of each completion (``indices``).
+    ``IGNORE_INDEX`` on prompts. Each row also carries, per loss token, the generator's log-probs
+    and the advantage, and the rollout index of each completion (``indices``).
 
-    ``shared_prefix`` (default): rollouts with the same prompt form a group whose prompt appears
-    once per row, each completion attending to it (:mod:`packing.bins.shared_prefix`); else every
-    rollout is its own prompt+completion sequence (BFD)."""
+    ``shared_prefix`` (default): the rollouts are the paths of a prefix tree
+    (:mod:`packing.bins.tree`), so tokens that several rollouts share - a group's prompt, the
+    earlier turns of forked episodes, a common start of completions - are computed once per row,
+    and a shared completion token that m rollouts train on counts m times, each with its own
+    advantage (the row's loss pairs). Never more tokens than flat packing
+    (:func:`packing_metrics` says how many fewer). Else every rollout is its own
+    prompt+completion sequence (BFD)."""
     if not rollouts:  # a rank with no prompts this step (its padding rows come from pad_rows)
         return []
     if shared_prefix:
-        return _pack_shared_prefix(rollouts, capacity)
+        return pack_tree_rows(rollout_paths(rollouts), capacity)
     from packing.bins.binpack import pack
 
     lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
@@ -99,6 +107,33 @@ def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = 
     return rows
 
 
+def rollout_paths(rollouts: Sequence[Rollout]) -> list[TreePath]:
+    """Each rollout as a path of a prefix tree (``packing.bins.tree.TreePath``): prompt +
+    completion, the loss on the completion, its generator log-probs and advantage per token."""
+    scored = _scored(rollouts, range(len(rollouts)))
+    paths = []
+    for r in rollouts:
+        n, m = len(r.prompt_ids), len(r.completion_ids)
+        extras = {"advantages": [r.advantage] * (n + m)}
+        if scored:
+            if len(r.gen_logprobs) != m:
+                raise ValueError(f"a rollout has {len(r.gen_logprobs)} gen_logprobs for {m} completion "
+                                 "tokens; give one per sampled token")
+            extras["gen_logprobs"] = [0.0] * n + list(r.gen_logprobs)
+        paths.append(TreePath(list(r.prompt_ids) + list(r.completion_ids), [False] * n + [True] * m, extras))
+    return paths
+
+
+def packing_metrics(rows: Sequence[PackedRow], rollouts: Sequence[Rollout]) -> dict[str, float]:
+    """What packing saved: ``train_tokens`` the rows compute (filler rows excluded),
+    ``flat_train_tokens`` the rollouts as flat sequences would, and ``tree_token_saving``, the
+    share of those that shared prefixes spared (0 when nothing is shared)."""
+    train = sum(r.num_tokens for r in rows if not r.empty)
+    flat = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
+    return {"train_tokens": train, "flat_train_tokens": flat,
+            "tree_token_saving": 1.0 - train / flat if flat else 0.0}
+
+
 def empty_rollout_row() -> PackedRow:
     """A two-token row with one (zero-weight) loss token and no loss count: what a rank with fewer
     rows runs so that every rank joins the same forward/backward collectives."""
@@ -110,53 +145,36 @@ def _rollout_fields(rollouts: list[Rollout], order: list[int]) -> dict[str, list
     """The generator's log-probs and the advantage of each loss token of ``order``'s completions.
     Rollouts scored by another forward (``NopadGRPOTrainer``: TRL's) carry no generator log-probs:
     the row then has none (``gen_logprobs=None``), and a loss that needs them refuses it."""
-    scored = [bool(rollouts[i].gen_logprobs) for i in order]
-    if any(scored) and not all(scored):
-        raise ValueError("some rollouts carry generator log-probs and some do not; give all or none")
-    return {"gen_logprobs": [lp for i in order for lp in rollouts[i].gen_logprobs] if all(scored) else None,
+    scored = _scored(rollouts, order)
+    return {"gen_logprobs": [lp for i in order for lp in rollouts[i].gen_logprobs] if scored else None,
             "advantages": [rollouts[i].advantage for i in order for _ in rollouts[i].completion_ids]}
 
 
-def _pack_shared_prefix(rollouts: list[Rollout], capacity: int) -> list[PackedRow]:
-    from packing.bins.shared_prefix import pack_groups, shared_prefix_row
-
-    members: dict[tuple, list[int]] = {}  # prompt -> its rollouts, in order of first appearance
-    for i, r in enumerate(rollouts):
-        members.setdefault(tuple(r.prompt_ids), []).append(i)
-    groups = list(members.values())
-    sizes = [(len(rollouts[g[0]].prompt_ids), [len(rollouts[i].completion_ids) for i in g]) for g in groups]
-    rows = []
-    for pieces in pack_groups(sizes, capacity):
-        picked = [[groups[g][j] for j in part] for g, part in pieces]
-        order = [i for idx in picked for i in idx]
-        row_pieces = [(rollouts[idx[0]].prompt_ids, [rollouts[i].completion_ids for i in idx])
-                      for idx in picked]
-        rows.append(shared_prefix_row(row_pieces, indices=order, **_rollout_fields(rollouts, order)))
-    return rows
+def _scored(rollouts: Sequence[Rollout], order) -> bool:
+    scored = [bool(rollouts[i].gen_logprobs) for i in order]
+    if any(scored) and not all(scored):
+        raise ValueError("some rollouts carry generator log-probs and some do not; give all or none")
+    return all(scored)
 
 
 def packed_logprobs(model, row: Mapping, temperature: float = 1.0, *, compute_entropy: bool = False,
                     entropy_grad: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of the loss tokens of one packed row under ``model`` (the training forward), in
-    label order: ``log_softmax(logits / temperature)`` at each sampled token. With
-    ``compute_entropy`` returns ``(logps, entropies)`` (the entropies differentiable only with
-    ``entropy_grad``). Only the positions that predict a loss token go through the LM head: the
-    token before it in its own sequence (``nopad_meta.previous_rows()``; in a shared-prefix row a
-    completion's first token is predicted by its prompt's last token)."""
+    """Log-probs of the loss pairs of one packed row under ``model`` (the training forward), in
+    pair order (label order outside tree rows): ``log_softmax(logits / temperature)`` at each
+    sampled token. With ``compute_entropy`` returns ``(logps, entropies)`` (the entropies
+    differentiable only with ``entropy_grad``). Only the positions that predict a loss token go
+    through the LM head (:meth:`PackedRow.loss_tokens`; in a tree row a completion's first token is
+    predicted by its prompt's last token), once per token however many pairs read it."""
     row = as_row(row)
-    labels = row.labels[0]
-    targets_at = torch.nonzero(labels != IGNORE_INDEX).squeeze(1)
-    predict_at = row.nopad_meta.previous_rows().to(targets_at.device)[targets_at]
-    if bool((predict_at < 0).any()):
-        raise ValueError("a loss token is the first token of its sequence: nothing predicts it")
+    predict_at, targets = row.loss_tokens()
     out = model(**row.model_kwargs(), logits_to_keep=predict_at, use_cache=False)
     logits = out.logits[0].float()
     logp_all = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
-    logps = logp_all.gather(1, labels[targets_at][:, None]).squeeze(1)
+    logps = row.per_pair(logp_all.gather(1, targets[:, None]).squeeze(1))
     if not compute_entropy:
         return logps
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropies = -(logp_all.exp() * logp_all).sum(-1)
+        entropies = row.per_pair(-(logp_all.exp() * logp_all).sum(-1))
     return logps, entropies
 
 def grpo_token_loss(logp, old_logp, advantages, clip_eps: float, weights=None, ref_logp=None, beta=0.0):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from inference.sharded import sharded_generate
+from packing.distributed import any_rank
 from packing.invariance import batch_invariant
 from training.accumulation import OptimizerStepper, pad_rows
 from training.grpo import (
@@ -28,7 +29,9 @@ from training.grpo import (
     grpo_token_loss,
     pack_rollouts,
     packed_logprobs,
+    packing_metrics,
 )
+from training.nonfinite import describe_sample, reward_value
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ class GRPOLoss:
     optional importance-sampling correction (``is_weights(train_logprobs, gen_logprobs)``)."""
 
     max_tokens_per_batch: int = 1024
-    shared_prefix: bool = True
+    shared_prefix: bool = True  # rollouts packed as a prefix tree: shared prefixes computed once
     clip_eps: float = 0.2
     beta: float = 0.0
     is_weights: ISWeightFn | None = None
@@ -60,17 +63,38 @@ def grpo_step(stepper: OptimizerStepper, generator, examples: Sequence[dict],
                                    use_tqdm=use_tqdm)
     rollout_time = time.perf_counter() - t0
     generator.release()  # the KV cache goes back before any backward pass
-    rollouts, rewards = [], []
-    for example, ids, out in zip(examples, prompt_ids, outputs):
-        for c in out.outputs:
-            rewards.append(float(reward_fn(tokenizer.decode(c.token_ids, skip_special_tokens=True), example)))
-            rollouts.append(Rollout(list(ids), list(c.token_ids), [float(x) for x in c.logprobs]))
+    rollouts = [Rollout(list(ids), list(c.token_ids), [float(x) for x in c.logprobs])
+                for ids, out in zip(prompt_ids, outputs) for c in out.outputs]
+    rewards = score_rollouts(reward_fn, tokenizer, examples, outputs, step)
     rewards_t = torch.tensor(rewards).view(len(examples), params.n)
     set_advantages(rollouts, rewards_t, step)
-    metrics = train_on_rollouts(stepper, rollouts, loss, ref_model=ref_model)
+    metrics = train_on_rollouts(stepper, rollouts, loss, ref_model=ref_model, step=step)
     completion_tokens = metrics["completion_tokens"]
     return {"step": step, "reward_mean": float(rewards_t.mean()), "reward_std": float(rewards_t.std()),
             **metrics, "rollout_tokens_per_s": completion_tokens / rollout_time, "rollout_s": rollout_time}
+
+
+def score_rollouts(reward_fn: RewardFn, tokenizer, examples: Sequence[dict], outputs,
+                   step: int) -> list[float]:
+    """Every completion's reward, in rollout order, each checked to be one finite number (an error
+    names the reward, the step and the sample). Every rank joins one all-reduce after scoring, so a
+    reward that fails on one rank stops all of them instead of leaving the others in a collective."""
+    rewards, failure = [], None
+    try:
+        for i, (example, out) in enumerate(zip(examples, outputs)):
+            for j, c in enumerate(out.outputs):
+                text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                where = (f"grpo step {step}, prompt {i} of this rank's step{describe_sample(example)}, "
+                         f"completion {j} {text[:60]!r}")
+                rewards.append(reward_value(reward_fn(text, example), reward_fn, where))
+    except Exception as err:  # raised below, once every rank knows
+        failure = err
+    if any_rank(failure is not None):
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"grpo step {step}: the reward failed on another rank (its error is in that "
+                           "rank's log); stopping here too")
+    return rewards
 
 
 def set_advantages(rollouts: list[Rollout], rewards: torch.Tensor, step: int = 0) -> None:
@@ -89,18 +113,21 @@ def set_advantages(rollouts: list[Rollout], rewards: torch.Tensor, step: int = 0
 
 
 def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: GRPOLoss, *,
-                      ref_model=None) -> dict:
+                      ref_model=None, step: int | None = None) -> dict:
     """Packed training forward and backward over ``rollouts`` (with their advantages), one optimizer
-    step; every rank calls it, also with no rollouts. Returns the training metrics of the step."""
+    step; every rank calls it, also with no rollouts. Returns the training metrics of the step.
+    ``step`` names the step when its loss or gradient is not finite."""
     model = stepper.model
     model.train()
     t0 = time.perf_counter()
     rows = pack_rollouts(rollouts, loss.max_tokens_per_batch, shared_prefix=loss.shared_prefix)
+    packed = packing_metrics(rows, rollouts)
     # every rank the same number of rows: under ZeRO-3 / FSDP2 each forward is a collective
     rows = pad_rows(rows, empty_rollout_row)
     gaps, ratios, losses, clipped = [], [], [], 0
     device = next(model.parameters()).device
-    with stepper.window(rows, "num_loss_tokens") as window:
+    label = None if step is None else f"grpo step {step}"
+    with stepper.window(rows, "num_loss_tokens", step=label) as window:
         for row in rows:
             row = row.to(device)  # CPU rows (and their VarlenMeta) to the model
             with window.row():
@@ -116,17 +143,16 @@ def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: 
     gap = torch.cat(gaps) if gaps else torch.zeros(1)
     ratio = torch.cat(ratios) if ratios else torch.ones(1)
     completion_tokens = sum(len(r.completion_ids) for r in rollouts)
-    train_tokens = sum(int(r.input_ids.numel()) for r in rows)
     longest = max((len(r.prompt_ids) + len(r.completion_ids) for r in rollouts), default=0)
     return {
         "loss": float(torch.stack(losses).sum()) if losses else 0.0,
         "grad_norm": window.grad_norm,
         "clip_fraction": clipped / max(completion_tokens, 1),  # tokens whose ratio left [1-eps, 1+eps]
         "completion_tokens": completion_tokens,
-        "train_tokens": train_tokens,
+        **packed,  # train_tokens, flat_train_tokens, tree_token_saving
         "train_rows": len(rows),
         "padded_train_tokens": longest * len(rollouts),  # what one right-padded batch would compute
-        "train_tokens_per_s": train_tokens / train_time,
+        "train_tokens_per_s": packed["train_tokens"] / train_time,
         "logprob_gap_max": float(gap.max()),
         "logprob_gap_mean": float(gap.mean()),
         # pi_train / pi_rollout of this (first and only) epoch: exactly 1 in batch-invariant mode

@@ -10,8 +10,11 @@ TRL scores every completion (old, reference and current log-probs) with a padded
 padding is computed too, and on CPU the LM head projects every position. Here the same call
 (``_get_per_token_logps_and_entropies``, TRL 1.16) packs the batch into varlen rows:
 
-- ``shared_prefix=True`` (default): completions with the same prompt form a group whose prompt
-  appears once per row and which every completion attends to (:mod:`packing.bins.shared_prefix`).
+- ``shared_prefix=True`` (default): the batch is packed as prefix-tree rows
+  (:mod:`packing.bins.tree`): completions with the same prompt form a group whose prompt appears
+  once per row and which every completion attends to (and so does any other shared prefix, such
+  as the earlier turns of forked episodes). The share of tokens this spares is logged as
+  ``tree/token_saving``.
   TRL's sampler deals a prompt's ``num_generations`` copies out consecutively, across processes
   when a process's batch is not a multiple of it, and ``_prepare_inputs`` shuffles the generation
   batch before slicing it into ``steps_per_generation`` micro-batches; so a micro-batch may hold
@@ -40,7 +43,7 @@ from typing import Any
 
 import torch
 
-from training.grpo import Rollout, pack_rollouts, packed_logprobs, resolve_batch_invariant
+from training.grpo import Rollout, pack_rollouts, packed_logprobs, packing_metrics, resolve_batch_invariant
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +69,7 @@ def packed_completion_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, 
                                logits_to_keep: int, temperature: float = 1.0, *, shared_prefix: bool = True,
                                compute_entropy: bool = False, entropy_grad: bool = True,
                                max_tokens_per_forward: int | None = None,
-                               forward_context=contextlib.nullcontext):
+                               forward_context=contextlib.nullcontext, stats: dict | None = None):
     """Log-probs (and entropies) of the completion tokens of TRL's padded batch, from packed rows.
 
     ``input_ids``/``attention_mask``: ``(B, P + C)``, left-padded prompts then right-padded
@@ -76,6 +79,7 @@ def packed_completion_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, 
     The rows are packed and scored by :mod:`training.grpo`, the code the GRPO recipe runs.
     ``model`` must run nopad attention (``model.set_attn_implementation("nopad")``).
     ``forward_context`` is entered around every forward (autocast, batch-invariant mode).
+    ``stats``, when given, receives :func:`training.grpo.packing_metrics` of the rows.
     """
     device = input_ids.device
     batch, width = input_ids.size(0), logits_to_keep
@@ -95,7 +99,10 @@ def packed_completion_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, 
     lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
     capacity = max(max_tokens_per_forward or sum(lengths), max(lengths))  # a sequence is never split
     scatter_rows, scatter_cols, picked, entropy_parts = [], [], [], []
-    for row in pack_rollouts(rollouts, capacity, shared_prefix=shared_prefix):
+    rows = pack_rollouts(rollouts, capacity, shared_prefix=shared_prefix)
+    if stats is not None:
+        stats.update(packing_metrics(rows, rollouts))
+    for row in rows:
         row = row.to(device)
         with forward_context():
             scored = packed_logprobs(model, row, temperature, compute_entropy=compute_entropy,
@@ -104,7 +111,7 @@ def packed_completion_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, 
         picked.append(row_logps)
         if compute_entropy:
             entropy_parts.append(row_entropies)
-        for i in row.indices.tolist():  # the row's completions, in label order
+        for i in row.indices.tolist():  # the row's completions, in pair order
             b = order[i]
             scatter_rows += [b] * len(seqs[b][1])
             scatter_cols += seqs[b][2]
@@ -119,7 +126,8 @@ def packed_completion_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, 
 class NopadGRPOTrainerMixin:
     """Put in front of ``GRPOTrainer`` (or a subclass): ``class T(NopadGRPOTrainerMixin, GRPOTrainer)``.
 
-    ``shared_prefix``: each prompt computed once per packed row (default) or usual packing.
+    ``shared_prefix``: every shared prefix (a prompt, forked turns) computed once per packed row
+    (default; prefix-tree rows) or usual packing.
     ``batch_invariant``: False (default) / True / ``"auto"`` (on where exact: a CPU model), for
     this forward and the default rollout. On costs speed: small decode steps run 32-row GEMM
     tiles (``benchmarks/bench_trl.py`` measures it).
@@ -223,12 +231,16 @@ class NopadGRPOTrainerMixin:
             what = given or "an MoE aux loss"
             raise ValueError(f"NopadGRPOTrainer packs text-only batches; this one has {what}. Use "
                              "GRPOTrainer for multimodal / MoE-aux-loss training")
+        stats = {}
         logps, entropies = packed_completion_logprobs(
             model, input_ids, attention_mask, logits_to_keep, float(self.temperature),
             shared_prefix=self.nopad_shared_prefix, compute_entropy=compute_entropy,
             entropy_grad=bool(getattr(self, "_entropy_bonus_enabled", True)),
             max_tokens_per_forward=self.nopad_max_tokens_per_forward,
-            forward_context=self._forward_context)
+            forward_context=self._forward_context, stats=stats)
+        if stats and hasattr(self, "_metrics"):
+            self._metrics["train" if self.model.training else "eval"]["tree/token_saving"].append(
+                stats["tree_token_saving"])
         return logps, entropies, None
 
 

@@ -67,6 +67,29 @@ def causal_lm_loss_sum(
     return (losses * weights).sum()
 
 
+def row_loss_sum(logits: torch.Tensor, row: PackedRow, *, weighting: str = "token") -> torch.Tensor:
+    """Summed next-token cross-entropy of one packed row (fp32), from the logits of every position.
+
+    A plain row is :func:`causal_lm_loss_sum`. A tree row (:mod:`packing.bins.tree`) reads each
+    loss token's logits where its own sequence predicts it (:meth:`PackedRow.loss_tokens`) and
+    counts it once per sequence that trains on it (its pairs), as the flat sequences would; with
+    ``"sequence"`` each pair is weighted by 1 / (its sequence's pairs)."""
+    if row.pair_tokens is None:
+        return causal_lm_loss_sum(logits, row.labels, seq_idx=row.nopad_meta.seq_idx, weighting=weighting)
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"unknown weighting {weighting!r}; choose one of {WEIGHTINGS}")
+    logits = logits.reshape(-1, logits.shape[-1])
+    predict_at, targets = row.loss_tokens()
+    predict_at, targets = predict_at.to(logits.device), targets.to(logits.device)
+    losses = row.per_pair(F.cross_entropy(logits[predict_at].float(), targets, reduction="none"))
+    if weighting == "token":
+        return losses.sum()
+    seqs = row.pair_seqs.to(losses.device)
+    per_seq = torch.zeros(int(seqs.max()) + 1 if seqs.numel() else 1, device=losses.device)
+    per_seq.index_add_(0, seqs, torch.ones_like(losses))
+    return (losses / per_seq[seqs]).sum()
+
+
 class PackedLoss:
     """Loss for ``backward`` such that the accumulated, rank-averaged gradient equals the gradient
     of the mean loss over every loss token (or sequence) of the optimizer step.
@@ -109,8 +132,7 @@ class PackedLoss:
         if self.denominator is None:
             raise RuntimeError("call start_step(micro_batches) before computing the loss of a step")
         row = as_row(batch)
-        total = causal_lm_loss_sum(logits, row.labels, seq_idx=row.nopad_meta.seq_idx,
-                                   weighting=self.weighting)
+        total = row_loss_sum(logits, row, weighting=self.weighting)
         # a step with no loss tokens anywhere still runs backward (collectives must match): 0 grad
         return total * (self.scale / max(self.denominator, 1.0))
 

@@ -18,7 +18,7 @@ from training import checkpoint
 from training.accumulation import OptimizerStepper
 from training.curves import finish_trackers, write_curves
 from training.lora import trainable_parameters
-from training.loss import causal_lm_loss_sum
+from training.loss import row_loss_sum
 
 logger = logging.getLogger(__name__)
 
@@ -27,24 +27,24 @@ COUNT_KEYS = {"token": "num_loss_tokens", "sequence": "num_loss_seqs"}  # what a
 
 
 def sft_step(stepper: OptimizerStepper, window: list[dict], weighting: str = "token",
-             seen: list | None = None) -> float:
+             seen: list | None = None, step: int | None = None) -> float:
     """Forward and backward every micro-batch of ``window``, then one optimizer step; the loss is
     the mean over the window's loss tokens (or sequences) on all ranks. Returns this rank's share
-    of the step's loss; appends each micro-batch's dataset indices to ``seen`` when given."""
+    of the step's loss; appends each micro-batch's dataset indices to ``seen`` when given.
+    ``step`` (the optimizer step's number) names the step when its loss or gradient is not finite."""
     if weighting not in COUNT_KEYS:
         raise ValueError(f"unknown weighting {weighting!r}; choose one of {tuple(COUNT_KEYS)}")
     model = stepper.model
     device = next(model.parameters()).device if stepper.accelerator is None else stepper.accelerator.device
     step_loss = 0.0
-    with stepper.window(window, COUNT_KEYS[weighting]) as w:
+    with stepper.window(window, COUNT_KEYS[weighting], step=step) as w:
         for batch in window:
             batch = as_row(batch).to(device)
             if seen is not None:
                 seen.append(batch.indices.tolist())
             with w.row():
                 logits = model(**batch.model_kwargs(), use_cache=False).logits
-                loss_sum = causal_lm_loss_sum(logits, batch.labels, seq_idx=batch.nopad_meta.seq_idx,
-                                              weighting=weighting)
+                loss_sum = row_loss_sum(logits, batch, weighting=weighting)
                 step_loss += float(w.backward(loss_sum))
     return step_loss
 

@@ -20,6 +20,8 @@ from dataloaders.balance import attention_cost_from_config
 from dataloaders.dataset import BOUNDARY_COLUMNS
 from dataloaders.loader import packed_dataloader
 from dataloaders.streaming import StreamingPackedLoader
+from dataloaders.trees import tree_dataloader
+from packing.bins.tree import TreePath
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +60,55 @@ def tokenize_rows(rows, tokenizer, prompt_column: str, completion_column: str) -
     return out
 
 
+def render_chat(tokenizer, messages, generation_prompt: bool) -> list[int]:
+    """Token ids of ``messages`` rendered by the tokenizer's chat template (with the assistant's
+    generation prompt when asked)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("chat data needs a tokenizer with a chat_template")
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                         add_generation_prompt=generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def per_turn_samples(conversations, tokenizer, messages_column: str = "messages") -> list[TreePath]:
+    """Every assistant turn of every conversation as a sample of its own: the chat template
+    applied to the conversation up to and including that turn, the loss on the turn's tokens.
+    Each sample renders the history as the template does at that turn (some templates drop the
+    reasoning of earlier turns), so the samples of one conversation repeat its history; packed as
+    prefix trees (:func:`dataloaders.trees.tree_dataloader`), what they share is computed once."""
+    samples = []
+    for c, row in enumerate(conversations):
+        messages = row.get(messages_column) if hasattr(row, "get") else None
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ValueError(f"row {c} has no conversation in {messages_column!r} (a list of {{'role', "
+                             f"'content'}} messages); data.per_turn_samples needs chat rows")
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if not turns:
+            raise ValueError(f"conversation {c} has no assistant turn, so it has nothing to train on; "
+                             "drop it")
+        for i in turns:
+            prompt = render_chat(tokenizer, messages[:i], True)
+            full = render_chat(tokenizer, messages[: i + 1], False)
+            if full[: len(prompt)] != prompt or len(full) <= len(prompt):
+                raise ValueError(f"conversation {c}, turn {i}: the chat template does not render the "
+                                 "conversation up to the turn as a prefix of the conversation with it; the "
+                                 "turn's tokens cannot be told apart")
+            samples.append(TreePath(full, [False] * len(prompt) + [True] * (len(full) - len(prompt))))
+    return samples
+
+
 def load_rows(data, tokenizer, vocab_size: int):
     """The rows of ``data.source``: ``synthetic``, or any file or saved dataset that
     :func:`dataloaders.sources.load_sft_rows` reads (tokenized or pre-packed datasets are read in
-    place)."""
+    place); with ``data.per_turn_samples``, the per-turn samples of its conversations."""
     source = data.source
+    if data.per_turn_samples:
+        if source == "synthetic":
+            raise ValueError("data.per_turn_samples needs chat rows; set data.source to a file or dataset of "
+                             f"{{{data.messages_column!r}: [{{'role': ..., 'content': ...}}, ...]}} records")
+        rows = sources.load_records(source, [{data.messages_column: list}], split=data.split,
+                                    key="data.source")
+        return per_turn_samples(rows, tokenizer, data.messages_column)
     if source == "synthetic":
         return synthetic_rows(data.num_rows, data.min_len, data.max_len, vocab_size, data.seed)
     rows = sources.load_sft_rows(source, data.prompt_column, data.completion_column, data.split, tokenizer)
@@ -113,10 +159,15 @@ def _input_ids(rows):
 
 def build_loader(data, rows, accelerator, grad_accum: int, model_config):
     """Map-style (global BFD per epoch) or streaming (bounded buffer) packed loader for this rank;
-    each epoch is a whole number of ``grad_accum``-micro-batch optimizer steps on every rank."""
+    each epoch is a whole number of ``grad_accum``-micro-batch optimizer steps on every rank.
+    Per-turn samples (``data.per_turn_samples``) go to prefix-tree rows."""
     common = dict(num_replicas=accelerator.num_processes, rank=accelerator.process_index,
-                  seed=data.seed, max_seqs_per_batch=data.max_seqs_per_batch, overflow=data.overflow,
+                  seed=data.seed, max_seqs_per_batch=data.max_seqs_per_batch,
                   steps_multiple_of=grad_accum, attention_cost=attention_cost_from_config(model_config))
+    if data.per_turn_samples:
+        return tree_dataloader(rows, data.tokens_per_batch or DEFAULT_TOKENS_PER_BATCH,
+                               num_workers=data.num_workers, **common)
+    common["overflow"] = data.overflow
     if data.streaming:
         return StreamingPackedLoader(rows, data.tokens_per_batch or DEFAULT_TOKENS_PER_BATCH,
                                      buffer_size=data.buffer_size, **common)

@@ -2,7 +2,8 @@
 
 ``pack`` assigns lengths to bins (best-fit decreasing by default, compiled), ``StreamingPacker``
 does it for streams, ``pack_dataset`` packs a ``datasets.Dataset`` in one global pass, and
-``shared_prefix.pack_groups`` packs GRPO groups (prompt once + its completions) into rows.
+``tree.pack_tree_rows`` packs sequences that share prefixes (GRPO groups, forked episodes,
+per-turn samples of a chat) with every shared token once.
 """
 
 from packing.bins.binpack import pack

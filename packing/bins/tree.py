@@ -16,32 +16,36 @@ many of its child subtrees as fit, and the others go to pieces that repeat its p
 :func:`packing.pack`; pieces of one tree that share a row lay their common nodes once. A
 sequence longer than the row capacity is an error: a path's keys must lie in one row.
 
-The loss is per (path, token) pair, as in the flat sequences: a path's pairs all live in the row
-that owns its last node, each naming the row position that predicts it (``loss_rows``, repeated
-for a token that several paths train on), the target id and that path's extras. Shared positions
-go through the LM head once (:func:`pair_logprobs`).
+The loss is per (path, token) pair, as in the flat sequences. A row is a
+:class:`packing.row.PackedRow`: labels on the tokens its paths train on, each predicted by the
+token before it on its path (``nopad_meta.previous_rows()``: a node's first token by its
+parent's last), and the pairs (``pair_tokens``, ``pair_seqs``) of the paths whose last node the
+row owns, so a token that m paths train on counts m times, each with its own path's
+``gen_logprobs`` / ``advantages``, while the LM head runs on it once. The one-level shared
+prefix of a GRPO group (a prompt and its completions) is the depth-1 case
+(:func:`training.grpo.pack_rollouts`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from packing.bins.binpack import pack
+from packing.row import IGNORE_INDEX, PackedRow
 from packing.varlen import VarlenMeta
 
-ROW_KEYS = ("input_ids", "position_ids", "nopad_meta", "seq_lens", "loss_rows", "loss_targets", "loss_paths",
-            "indices", "num_loss_tokens", "num_loss_seqs")
+EXTRAS = ("gen_logprobs", "advantages")  # the per-token extras a row carries, one value per loss pair
 
 
 @dataclass(frozen=True)
 class TreePath:
     """One flat sequence of the tree: token ids, which tokens carry the loss (token ``t`` is
-    predicted by token ``t - 1``, so ``loss_mask[0]`` must be False) and per-token extras (old
-    log-probs, advantages...), each as long as ``ids``; only their loss-token values are used."""
+    predicted by token ``t - 1``, so ``loss_mask[0]`` must be False) and per-token extras
+    (``gen_logprobs``, ``advantages``), each as long as ``ids``; only their loss-token values are
+    used."""
 
     ids: Sequence[int]
     loss_mask: Sequence[bool] | None = None  # None: no loss (context only)
@@ -189,12 +193,12 @@ def plan_rows(paths: Sequence[TreePath], capacity: int, *, strategy: str = "bfd"
     return [[pieces[i] for i in sorted(row.tolist())] for row in bins]
 
 
-def tree_row(paths: Sequence[TreePath], pieces: Sequence[Piece]) -> dict:
-    """One training row from its pieces: ``input_ids``, ``position_ids`` (depths), ``nopad_meta``
-    (segments reading their ancestors through ``key_index``), and the loss pairs of the paths whose
-    last node it owns: ``loss_rows`` (row position whose logits predict the pair), ``loss_targets``,
-    ``loss_paths`` (input path of each pair) and one float tensor per extra name, in pair order;
-    ``indices`` are those paths. No ``labels``: a row position can predict several targets."""
+def tree_row(paths: Sequence[TreePath], pieces: Sequence[Piece]) -> PackedRow:
+    """One training row from its pieces: tokens, positions (depths) and ``nopad_meta`` (segments
+    reading their ancestors through ``key_index``); labels on every token that a path whose last
+    node the row owns trains on, and the loss pairs of those paths (``pair_tokens``,
+    ``pair_seqs``: see :class:`packing.row.PackedRow`), path after path, each in token order,
+    with the paths' extras per pair; ``indices`` are those paths."""
     ids: list[int] = []
     segments: list[list] = []  # [query tokens, context tokens, last node]
     path_rows: dict[int, np.ndarray] = {}  # id(node) -> rows of its path in this row, root first
@@ -217,44 +221,36 @@ def tree_row(paths: Sequence[TreePath], pieces: Sequence[Piece]) -> dict:
     ctx_lens = np.asarray([s[1] for s in segments], dtype=np.int64)
     meta = VarlenMeta.for_step(q_lens, ctx_lens)
     if ctx_lens.any():
-        meta = _with_key_lists(meta, [path_rows[id(s[2])] for s in segments])
+        meta = meta.with_key_lists([path_rows[id(s[2])] for s in segments])
 
     owned = [p for piece in pieces for node in piece.owned for p in node.ends]
     names = sorted({name for p in owned for name in paths[p].extras})
-    clash = set(names) & set(ROW_KEYS)
-    if clash:
-        raise ValueError(f"extras named {sorted(clash)} clash with the row's own keys; rename them")
+    unknown = set(names) - set(EXTRAS)
+    if unknown:
+        raise ValueError(f"extras named {sorted(unknown)}: a tree row carries only {EXTRAS} per loss pair")
     ends_at = {p: node for piece in pieces for node in piece.owned for p in node.ends}
-    rows, targets, which, extras = [], [], [], {name: [] for name in names}
-    for p in owned:
+    at_rows, which, extras = [], [], {name: [] for name in names}
+    for k, p in enumerate(owned):
         at = _loss_positions(paths[p], p)
-        token_ids = np.asarray(paths[p].ids, dtype=np.int64)
-        rows.append(path_rows[id(ends_at[p])][at - 1])
-        targets.append(token_ids[at])
-        which.append(np.full(at.size, p, dtype=np.int64))
+        at_rows.append(path_rows[id(ends_at[p])][at])  # the row position of each loss token
+        which.append(np.full(at.size, k, dtype=np.int64))
         for name in names:
             values = paths[p].extras.get(name)
             if values is None:
                 raise ValueError(f"path {p} has no extra {name!r} but other paths in its row do; give every "
                                  "path the same extras")
-            if len(values) != len(token_ids):
-                raise ValueError(f"path {p}: extra {name!r} has {len(values)} values for {len(token_ids)} "
+            if len(values) != len(paths[p].ids):
+                raise ValueError(f"path {p}: extra {name!r} has {len(values)} values for {len(paths[p].ids)} "
                                  "tokens; give one per token")
             extras[name].append(np.asarray(values, dtype=np.float32)[at])
-    row = {
-        "input_ids": torch.tensor(ids, dtype=torch.int64)[None],
-        "position_ids": meta.position_ids[None],
-        "nopad_meta": meta,
-        "seq_lens": torch.tensor(meta.seqlens_q, dtype=torch.int64),
-        "loss_rows": torch.from_numpy(_cat(rows, np.int64)),
-        "loss_targets": torch.from_numpy(_cat(targets, np.int64)),
-        "loss_paths": torch.from_numpy(_cat(which, np.int64)),
-        "indices": torch.tensor(owned, dtype=torch.int64),
-        "num_loss_seqs": len(owned),
-    }
-    row["num_loss_tokens"] = int(row["loss_rows"].numel())
-    row.update({name: torch.from_numpy(_cat(values, np.float32)) for name, values in extras.items()})
-    return row
+    targets = _cat(at_rows, np.int64)
+    token_ids = np.asarray(ids, dtype=np.int64)
+    labels = np.full(token_ids.size, IGNORE_INDEX, dtype=np.int64)
+    labels[targets] = token_ids[targets]
+    label_order = np.cumsum(labels != IGNORE_INDEX) - 1  # row position -> index among the loss tokens
+    return PackedRow.build(token_ids, labels, meta, indices=owned,
+                           pairs=(label_order[targets], _cat(which, np.int64)),
+                           **{name: _cat(values, np.float32) for name, values in extras.items()})
 
 
 def _loss_positions(path: TreePath, index: int) -> np.ndarray:
@@ -272,17 +268,7 @@ def _cat(parts: list[np.ndarray], dtype) -> np.ndarray:
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
 
 
-def _with_key_lists(meta: VarlenMeta, key_lists: list[np.ndarray]) -> VarlenMeta:
-    """``meta`` whose segment ``i`` reads the row's K/V rows ``key_lists[i]`` (as
-    :meth:`VarlenMeta.shared_prefix` builds its key index)."""
-    index = np.zeros((len(key_lists), max(meta.max_seqlen_k, 1)), dtype=np.int32)
-    for i, rows in enumerate(key_lists):
-        index[i, : rows.size] = rows
-    rows = np.concatenate(key_lists)
-    return replace(meta, key_index=torch.from_numpy(index), key_rows=torch.from_numpy(rows))
-
-
-def pack_tree_rows(paths: Sequence[TreePath], capacity: int, *, strategy: str = "bfd") -> list[dict]:
+def pack_tree_rows(paths: Sequence[TreePath], capacity: int, *, strategy: str = "bfd") -> list[PackedRow]:
     """Tree rows of at most ``capacity`` tokens holding every path of ``paths`` (see the module
     docstring); each path's loss pairs are in exactly one row."""
     return [tree_row(paths, pieces) for pieces in plan_rows(paths, capacity, strategy=strategy)]
@@ -292,15 +278,3 @@ def unique_tokens(paths: Sequence[TreePath]) -> int:
     """Tokens of the trie of ``paths`` (each shared token once): what tree rows compute when no
     tree is split."""
     return sum(root.size() for root in build_trie([p.ids for p in paths]))
-
-
-def pair_logprobs(model, row: Mapping, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probs ``(pairs,)`` of a tree row's loss pairs under ``model``, in pair order: the LM
-    head runs once on each distinct predicting position, and each pair gathers its target there,
-    so a shared token that m paths train on counts m times, each with its own path's extras."""
-    keep, inverse = torch.unique(row["loss_rows"], return_inverse=True)
-    out = model(input_ids=row["input_ids"], position_ids=row["position_ids"], nopad_meta=row["nopad_meta"],
-                logits_to_keep=keep, use_cache=False)
-    logits = out.logits[0].float()
-    logp = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
-    return logp[inverse.to(logp.device), row["loss_targets"].to(logp.device)]

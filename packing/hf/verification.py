@@ -7,6 +7,12 @@ function.)
     report = verify(model, [tok(t).input_ids for t in texts])
     print(report)          # worst logit diff, worst relative grad diff, which attention path ran
     assert report.ok()     # within fp32 rounding (see VerifyReport.ok)
+
+    verify(model, [prompt + a, prompt + b, prompt + a + c], tree=True)   # one prefix-tree row
+
+With ``tree=True`` the sequences are laid as one prefix-tree row (:mod:`packing.bins.tree`:
+shared prefixes once, each segment reading its ancestors' keys), the row GRPO and per-turn SFT
+train on.
 """
 
 from __future__ import annotations
@@ -75,6 +81,42 @@ def _token_loss_sum(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:-1].float(), ids[1:], reduction="sum")
 
 
+def _flat_forward(model, seqs, attn_implementation: str, trace: list):
+    """Logits of the sequences packed flat, their summed token loss, and each one's rows."""
+    device = seqs[0].device
+    meta = VarlenMeta.from_lengths([s.numel() for s in seqs], device=device)
+    kwargs = dict(position_ids=meta.position_ids[None], use_cache=False)
+    if attn_implementation == hf.NOPAD_ATTENTION:
+        kwargs["nopad_meta"] = meta
+        kwargs["nopad_trace"] = trace
+    hf.check_packed_call(model, kwargs)
+    logits = model(torch.cat(seqs)[None], **kwargs).logits[0]
+    bounds = meta.cu_seqlens_q.tolist()
+    loss = sum(_token_loss_sum(logits[bounds[i] : bounds[i + 1]], s) for i, s in enumerate(seqs))
+    rows = [torch.arange(bounds[i], bounds[i + 1], device=device) for i in range(len(seqs))]
+    return logits, loss, rows
+
+
+def _tree_forward(model, seqs, trace: list):
+    """Logits of the sequences as one prefix-tree row, the summed loss of every (sequence, token)
+    pair, and the rows that predict each sequence's tokens 1, 2, ... (its positions but the last)."""
+    from packing.bins.tree import TreePath, pack_tree_rows
+
+    paths = [TreePath(s.tolist(), [False] + [True] * (s.numel() - 1)) for s in seqs]
+    (row,) = pack_tree_rows(paths, capacity=sum(s.numel() for s in seqs))
+    row = row.to(seqs[0].device)
+    kwargs = dict(row.model_kwargs(), use_cache=False, nopad_trace=trace)
+    hf.check_packed_call(model, kwargs)
+    logits = model(**kwargs).logits[0]
+    predict_at, targets = row.loss_tokens()
+    loss = row.per_pair(F.cross_entropy(logits[predict_at].float(), targets, reduction="none")).sum()
+    rows = [predict_at[:0]] * len(seqs)
+    pair_rows = row.per_pair(predict_at)
+    for k, i in enumerate(row.indices.tolist()):
+        rows[i] = pair_rows[row.pair_seqs == k]
+    return logits, loss, rows
+
+
 def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -85,10 +127,16 @@ def verify(
     *,
     attn_implementation: str = hf.NOPAD_ATTENTION,
     reference_implementation: str | None = None,
+    tree: bool = False,
 ) -> VerifyReport:
     """Run ``sequences`` packed into one row (with ``attn_implementation``, default nopad) and
     each alone (with ``reference_implementation``, default the model's own unless that is nopad,
     then eager), forward and backward, and report the worst differences.
+
+    ``tree``: one prefix-tree row, every token the sequences share laid once (nopad attention
+    only). Its loss counts a shared token once per sequence, as the sequences alone do; the logits
+    compared are those of every position that predicts a token (a sequence's last position
+    predicts nothing, and several sequences may end on one position).
 
     The model is put in eval mode (no dropout) for the check and restored; its ``.grad`` fields
     are left as they were.
@@ -98,6 +146,10 @@ def verify(
         raise ValueError("verify needs at least one sequence and no empty sequences")
     device = next(model.parameters()).device
     seqs = [s.to(device) for s in seqs]
+    if tree and attn_implementation != hf.NOPAD_ATTENTION:
+        raise ValueError(f"tree=True needs attn_implementation={hf.NOPAD_ATTENTION!r}: a tree row's segments "
+                         f"read their ancestors' keys through nopad_meta.key_index, which "
+                         f"{attn_implementation!r} does not take")
     hf.register_nopad_attention()
     current = model.config._attn_implementation
     reference = reference_implementation or (current if current != hf.NOPAD_ATTENTION else "eager")
@@ -118,22 +170,14 @@ def verify(
         alone_grads = _grads(model)
 
         model.zero_grad(set_to_none=True)
-        meta = VarlenMeta.from_lengths([s.numel() for s in seqs], device=device)
-        ids = torch.cat(seqs)[None]
         trace: list = []
         with _attn_implementation(model, attn_implementation):
-            kwargs = dict(position_ids=meta.position_ids[None], use_cache=False)
-            if attn_implementation == hf.NOPAD_ATTENTION:
-                kwargs["nopad_meta"] = meta
-                kwargs["nopad_trace"] = trace
-            hf.check_packed_call(model, kwargs)
-            logits = model(ids, **kwargs).logits[0]
+            if tree:
+                logits, packed_loss, rows_of = _tree_forward(model, seqs, trace)
+            else:
+                logits, packed_loss, rows_of = _flat_forward(model, seqs, attn_implementation, trace)
         nopad_calls = len(trace)
-        bounds = meta.cu_seqlens_q.tolist()
-        packed_loss = sum(
-            _token_loss_sum(logits[bounds[i] : bounds[i + 1]], s) for i, s in enumerate(seqs)
-        ) / total_predicted
-        packed_loss.backward()
+        (packed_loss / total_predicted).backward()
         packed_grads = _grads(model)
     finally:
         for n, p in model.named_parameters():
@@ -141,9 +185,8 @@ def verify(
         model.train(was_training)
 
     packed_logits = logits.detach()
-    logit_diff = max(
-        float((packed_logits[bounds[i] : bounds[i + 1]] - a).abs().max()) for i, a in enumerate(alone_logits)
-    )
+    logit_diff = max((float((packed_logits[rows] - a[: rows.numel()]).abs().max())
+                      for rows, a in zip(rows_of, alone_logits) if rows.numel()), default=0.0)
     worst, worst_name = 0.0, ""
     for name, g_ref in alone_grads.items():
         g = packed_grads.get(name, torch.zeros_like(g_ref))
@@ -154,16 +197,17 @@ def verify(
             worst, worst_name = rel, name
     if attn_implementation == hf.NOPAD_ATTENTION:
         path = f"nopad: packing.attention.varlen_attention, {nopad_calls} attention calls"
+        path += ", one prefix-tree row" if tree else ""
     else:
         path = f"{attn_implementation}: transformers' packed position_ids path"
     return VerifyReport(
         max_logit_diff=logit_diff,
         max_grad_rel_diff=worst,
-        loss_diff=abs(float(packed_loss.detach()) - alone_loss),
+        loss_diff=abs(float(packed_loss.detach()) / total_predicted - alone_loss),
         worst_param=worst_name,
         attention_path=path,
         reference_path=reference,
         num_sequences=len(seqs),
-        num_tokens=int(ids.numel()),
+        num_tokens=int(logits.shape[0]),
         logit_scale=max(float(a.abs().max()) for a in alone_logits),
     )
