@@ -29,8 +29,13 @@ SFT (``SFTTrainer`` / nopad, an offline dataset of mixed-length texts, lognormal
   Reported: trained (non-pad) tokens/s, the share of computed positions that are padding, and the
   bin fill (trained tokens / token budget of the steps: how many steps an epoch takes).
 
+LoRA (``--lora``): the GRPO rows again with one ``peft.LoraConfig`` (rank 16, alpha 32, all linear
+layers) given as ``peft_config=`` to TRL's ``GRPOTrainer`` and to ``NopadGRPOTrainer`` alike; each
+trainer wraps the model itself, and only the adapter trains.
+
     python benchmarks/bench_trl.py            # full run (tens of minutes on 2 CPU cores)
     python benchmarks/bench_trl.py --quick    # smoke run (1 prompt x 4 samples, 256-token SFT steps)
+    python benchmarks/bench_trl.py --lora --skip sft   # GRPO with LoRA: TRL vs nopad, same peft_config
 """
 
 from __future__ import annotations
@@ -119,7 +124,19 @@ def grpo_prompts(n: int) -> list[list[dict]]:
             for q in GRPO_QUESTIONS[:n]]
 
 
-def run_grpo(name: str, rollout_kind: str, trainer_kind: str, cfg: dict, out_dir: Path) -> dict:
+LORA_SYSTEMS = (GRPO_SYSTEMS[0], GRPO_SYSTEMS[4], GRPO_SYSTEMS[5])  # TRL's default vs nopad's trainer
+
+
+def lora_config():
+    """The one adapter every system trains under ``--lora``."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                      task_type="CAUSAL_LM")
+
+
+def run_grpo(name: str, rollout_kind: str, trainer_kind: str, cfg: dict, out_dir: Path,
+             lora: bool = False) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from training.grpo_trainer import NopadGRPOTrainer
@@ -133,7 +150,7 @@ def run_grpo(name: str, rollout_kind: str, trainer_kind: str, cfg: dict, out_dir
                     save_strategy="no", seed=0, beta=0.0, temperature=1.0, gradient_checkpointing=False)
     if rollout_kind == "TRL CB":
         settings["use_transformers_continuous_batching"] = True
-    kwargs: dict = {}
+    kwargs: dict = {"peft_config": lora_config()} if lora else {}
     cls = GRPOTrainer
     if rollout_kind == "nopad":
         kwargs["rollout_func"] = nopad_rollout_func(max_num_batched_tokens=cfg["max_num_batched_tokens"])
@@ -268,6 +285,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--skip", choices=["grpo", "sft"], default=None)
     parser.add_argument("--grpo-steps", type=int, default=None, help="override the GRPO step count")
+    parser.add_argument("--lora", action="store_true", help="GRPO with one peft LoraConfig in every trainer")
     cli = parser.parse_args()
     torch.set_num_threads(cli.threads)
     if cli.quick:
@@ -284,13 +302,14 @@ def main() -> None:
 
     if cli.skip != "grpo":
         results = []
-        for name, rollout_kind, trainer_kind in GRPO_SYSTEMS:
-            results.append(run_grpo(name, rollout_kind, trainer_kind, cfg, out_dir))
-            print(f"  done {name}", flush=True)
+        for name, rollout_kind, trainer_kind in LORA_SYSTEMS if cli.lora else GRPO_SYSTEMS:
+            results.append(run_grpo(name, rollout_kind, trainer_kind, cfg, out_dir, lora=cli.lora))
+            print(f"  done {name}: {results[-1]['s_per_step']:.2f} s/step", flush=True)
         best_peer = min(r["s_per_step"] for r in results if r["name"].startswith("TRL"))
+        lora = ", LoRA r=16 all-linear (peft_config)" if cli.lora else ""
         print(f"\nGRPOTrainer: {cfg['prompts_per_step']} prompts x {cfg['G']} samples, prompts of "
               f"{results[0]['prompt_len']:.0f} tokens (mean), <= {cfg['new_tokens']} new tokens, "
-              f"{cfg['steps']} steps (first = warm-up), fp32, beta=0, no gradient checkpointing")
+              f"{cfg['steps']} steps (first = warm-up), fp32, beta=0, no gradient checkpointing{lora}")
         print(f"{'system':<42}{'s/step':>8}{'gen s':>8}{'fwd s':>8}{'bwd+ s':>8}{'len':>6}{'vs best TRL':>13}"
               f"{'max |logp gap| fed':>22}")
         for r in results:

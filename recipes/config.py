@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 import os
 import re
 import sys
@@ -26,6 +27,7 @@ from typing import Any, Literal, TypeVar, Union
 import yaml
 
 C = TypeVar("C")
+logger = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -86,6 +88,8 @@ def _describe(hint) -> str:
     for option in typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,):
         if typing.get_origin(option) is Literal:
             words += [repr(a) for a in typing.get_args(option)]
+        elif dataclasses.is_dataclass(option):
+            words.append("a section")
         else:
             words += {bool: ["true", "false"], int: ["an integer"], float: ["a number"], str: ["a string"],
                       type(None): ["null"]}.get(option, [getattr(option, "__name__", str(option))])
@@ -113,6 +117,8 @@ def _coerce(name: str, hint, value):
         for option in args:
             if option is type(None):
                 continue
+            if dataclasses.is_dataclass(option) and isinstance(value, Mapping):
+                return _coerce(name, option, value)  # an optional section: its own error, naming its key
             try:
                 return _coerce(name, option, value)
             except ConfigError:
@@ -289,6 +295,9 @@ def _help_lines(cls, prefix: str) -> list[str]:
             if not callable(value) else getattr(value, "__name__", str(value))
         doc = docs.get(f.name, "")
         lines.append(f"  {prefix}{f.name} = {shown}   ({_describe(hint)})" + (f"  {doc}" if doc else ""))
+        optional = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
+        if optional:  # an optional section (model.lora): list its keys too
+            sections.append((f.name, optional[0]))
     for name, hint in sections:
         doc = (hint.__dict__.get("__doc__") or "").split("\n\n")[0]
         doc = "" if doc.startswith(f"{hint.__name__}(") else " ".join(doc.split())  # dataclass's own
@@ -319,6 +328,9 @@ def _yaml_lines(cls, indent: str) -> list[str]:
         entry = f"{indent}{f.name}: {text}"
         doc = docs.get(f.name)
         lines.append(f"{entry:<24} # {doc}" if doc else entry)
+        optional = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
+        if optional and value is None:  # an optional section that is off (model.lora): its keys, commented
+            lines += [f"{indent}#{line[len(indent):]}" for line in _yaml_lines(optional[0], indent + "  ")]
     return lines
 
 
@@ -368,6 +380,33 @@ class ModelConfig(Section):
 
     path: str | None = "smollm2"  # smollm2 (embedded), tiny:llama (tests), a model or run directory
     dtype: DType = "float32"  # float32 | bfloat16 | float16
+
+
+@dataclasses.dataclass
+class LoRAConfig(Section):
+    """LoRA through peft: the model is frozen and an adapter of this rank trains on the target
+    modules; checkpoints hold the adapter alone (with the base it applies to recorded)."""
+
+    rank: int = 8  # the adapter's rank r
+    alpha: float = 16.0  # scaling alpha (the update is scaled by alpha / rank)
+    dropout: float = 0.0  # on the adapter's input; > 0: GRPO's rollouts differ from the trainer's
+    target_modules: str = "all-linear"  # all-linear, or comma-separated module names: q_proj,v_proj
+
+    def check(self) -> None:
+        self.at_least("rank", 1)
+        if not self.alpha > 0:
+            raise ConfigError("alpha", f"must be a number > 0, got {self.alpha!r}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError("dropout", f"must be a number in [0, 1), got {self.dropout!r}")
+        if not self.targets:
+            raise ConfigError("target_modules", "is empty; use all-linear or module names like q_proj,v_proj")
+
+    @property
+    def targets(self) -> str | list[str]:
+        """peft's ``target_modules``: ``"all-linear"`` or the list of names."""
+        if self.target_modules.strip() == "all-linear":
+            return "all-linear"
+        return [name.strip() for name in self.target_modules.split(",") if name.strip()]
 
 
 @dataclasses.dataclass
@@ -421,11 +460,73 @@ def check_learning_rate(lr: float) -> None:
 def load_model(model_cfg: ModelConfig):
     """``(model, tokenizer)`` for ``model.path``: ``"smollm2"`` is the embedded SmolLM2-135M-Instruct
     (offline), ``"tiny:llama"`` a tiny random-weight Llama with an ASCII tokenizer (smoke runs);
-    anything else is a local Hugging Face model directory."""
+    anything else is a local Hugging Face model directory, or a LoRA adapter directory (loaded onto
+    the base it records). With ``model.lora`` set the model comes back as a peft ``PeftModel`` whose
+    adapter alone trains; without it an adapter is merged into its base (a plain model)."""
+    from training import lora as peft_lora
+
+    lora: LoRAConfig | None = getattr(model_cfg, "lora", None)
+    path = check_model_path(model_cfg.path)
+    if peft_lora.is_adapter_dir(path):
+        return _load_adapter_dir(model_cfg, path, lora)
+    model, tokenizer = _load_base(model_cfg, path)
+    if lora is not None:
+        base = path if path == "smollm2" or path.startswith("tiny:") else str(Path(path).resolve())
+        model = peft_lora.apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                                     target_modules=lora.targets, base=base)
+    return model, tokenizer
+
+
+def _load_adapter_dir(model_cfg: ModelConfig, path: str, lora: LoRAConfig | None):
+    """A LoRA adapter directory on its recorded base: trained further when ``model.lora`` is set
+    (with the adapter's own settings: others are an error, not a silent choice), else merged."""
+    from training import lora as peft_lora
+
+    base = peft_lora.adapter_base(path)
+    if not (base == "smollm2" or base.startswith("tiny:") or Path(base).is_dir()):
+        raise FileNotFoundError(
+            f"model.path={path} is a LoRA adapter for the base model {base!r}, which is not here ({path}/"
+            f"{peft_lora.ADAPTER_CONFIG} records it as {peft_lora.BASE_KEY}); put the base model there, or "
+            f"set {peft_lora.BASE_KEY} to the base model's local directory")
+    if lora is not None:
+        saved = peft_lora.adapter_settings(path)
+        wanted = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+                  "target_modules": lora.targets if isinstance(lora.targets, str) else sorted(lora.targets)}
+        if saved["target_modules"] != "all-linear" and wanted["target_modules"] == "all-linear":
+            wanted["target_modules"] = saved["target_modules"]  # peft saves all-linear as the names it found
+        differ = [f"model.lora.{k}={wanted[k]!r} but the adapter has {saved[k]!r}" for k in wanted
+                  if saved[k] != wanted[k]]
+        if differ:
+            raise ConfigError("model.lora", f"does not match the adapter in model.path={path}: "
+                              f"{'; '.join(differ)}. Training continues that adapter: set model.lora to its "
+                              "settings, or model.lora=null to fine-tune the merged model in full")
+    logger.info("model.path=%s is a LoRA adapter on %s", path, base)
+    base_cfg = dataclasses.replace(model_cfg, path=base)
+    if hasattr(base_cfg, "lora"):
+        base_cfg.lora = None
+    model, tokenizer = _load_base(base_cfg, check_model_path(base))
+    model = peft_lora.load_adapter(model, path, trainable=lora is not None)
+    return model, _saved_tokenizer(path) or tokenizer
+
+
+def _saved_tokenizer(path: str):
+    """The tokenizer saved in a model or adapter directory, or None if it holds none."""
+    from transformers import AutoTokenizer
+
+    from recipes.tasks import AsciiTokenizer
+
+    if (Path(path) / AsciiTokenizer.SAVED_NAME).is_file():  # a checkpoint of a tiny:* model
+        return AsciiTokenizer.from_pretrained(path)
+    if (Path(path) / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(path)
+    return None
+
+
+def _load_base(model_cfg: ModelConfig, path: str):
+    """``(model, tokenizer)`` of a model that is not an adapter (``path`` already checked)."""
     import torch
 
     dtype = getattr(torch, model_cfg.dtype)
-    path = check_model_path(model_cfg.path)
     if path.startswith("tiny:"):  # smoke runs and multi-process tests: no files, ASCII tokens
         from recipes.tasks import AsciiTokenizer, tiny_causal_lm
 
@@ -437,8 +538,6 @@ def load_model(model_cfg: ModelConfig):
         return load_smollm2(dtype=dtype)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from recipes.tasks import AsciiTokenizer
-
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except Exception as err:  # a truncated or damaged weights file, mostly (safetensors has its own type)
@@ -447,21 +546,24 @@ def load_model(model_cfg: ModelConfig):
         raise RuntimeError(f"model.path={path}: could not load the model from {weights or 'its files'}"
                            f" ({type(err).__name__}: {err}); the file may be truncated (a run stopped while "
                            "writing it, or a copy that did not finish): use another checkpoint") from err
-    if (Path(path) / AsciiTokenizer.SAVED_NAME).is_file():  # a checkpoint of a tiny:* model
-        return model.eval(), AsciiTokenizer.from_pretrained(path)
-    return model.eval(), AutoTokenizer.from_pretrained(path)
+    return model.eval(), _saved_tokenizer(path) or AutoTokenizer.from_pretrained(path)
 
 
 def save_model_dir(accelerator, model, tokenizer, path: str | Path) -> None:
     """Write an HF model directory (config, safetensors weights, tokenizer) that
     ``AutoModelForCausalLM.from_pretrained``, ``recipes.evaluate`` and ``recipes.grpo`` load. The
-    weights are consolidated by Accelerate (DDP, DeepSpeed ZeRO, FSDP); every rank must call this."""
+    weights are consolidated by Accelerate (DDP, DeepSpeed ZeRO, FSDP); every rank must call this.
+    A LoRA model writes its adapter alone (``adapter_model.safetensors``, ``adapter_config.json``
+    naming the base model), which ``model.path`` loads onto that base."""
+    from training.lora import is_peft_model
+
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
         use_cache = unwrapped.config.use_cache
         unwrapped.config.use_cache = True  # training turns the KV cache off; a loaded model wants it
-        unwrapped.save_pretrained(str(path), state_dict=state, safe_serialization=True)
+        extra = {"save_embedding_layers": False} if is_peft_model(unwrapped) else {}  # no Hub look-up
+        unwrapped.save_pretrained(str(path), state_dict=state, safe_serialization=True, **extra)
         unwrapped.config.use_cache = use_cache
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(str(path))

@@ -14,6 +14,9 @@ Generator and trainer run the same attention core, so in fp32 the generator's sa
 log-probs equal the training forward's (the gap is reported every step). When they are not equal
 (bf16, other kernels), ``train.is_correction`` re-weights each token, e.g. truncated importance
 sampling (``tis``: min(pi_train / pi_gen, cap)).
+
+With ``model.lora`` set only a LoRA adapter trains (peft), the generator runs the adapted model as
+it is, and ``output_dir`` receives the adapter alone; ``model.path`` may itself be an adapter.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from training.accumulation import OptimizerStepper
 from training.curves import finish_trackers, tracker_config, write_curves
 from training.grpo import resolve_batch_invariant
 from training.grpo_step import GRPOLoss, grpo_step
+from training.lora import trainable_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +122,7 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         ref_model.set_attn_implementation(NOPAD_ATTENTION)
     accelerator = make_accelerator(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tr.lr, weight_decay=tr.weight_decay)
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=tr.lr, weight_decay=tr.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
     logger.info("training with %s on %d process(es)", engine_info(model, accelerator),
                 accelerator.num_processes)
@@ -162,7 +166,7 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
         write_curves(Path(cfg.output_dir) / "metrics.jsonl", CURVES, "nopad GRPO")
     finish_trackers(accelerator)
     generator.release()
-    if cfg.output_dir:  # an HF model directory: model.path=<output_dir> in evaluate / grpo / SFT
+    if cfg.output_dir:  # a model (or LoRA adapter) dir: model.path=<output_dir> in evaluate/grpo/SFT
         save_model_dir(accelerator, model, tokenizer, Path(cfg.output_dir))
         logger.info("saved the policy to %s (load it with model.path=%s)", cfg.output_dir, cfg.output_dir)
     return history

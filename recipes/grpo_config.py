@@ -14,11 +14,17 @@ from recipes.config import (
     ChatModelConfig,
     ConfigError,
     GeneratorConfig,
+    LoRAConfig,
     Section,
     check_learning_rate,
 )
 from recipes.tasks import TASKS, get_reward
 from training.grpo import ISWeightFn, truncated_is
+
+
+@dataclass
+class GRPOModelConfig(ChatModelConfig):
+    lora: LoRAConfig | None = None  # null: full fine-tune; model.lora.rank=8 (any key): a LoRA adapter
 
 
 @dataclass
@@ -94,7 +100,7 @@ class GRPORecipeConfig(Section):
     ``output_dir`` is required unless :func:`recipes.grpo.run_grpo` is given the model object
     (then the caller holds the trained policy)."""
 
-    model: ChatModelConfig = field(default_factory=ChatModelConfig)
+    model: GRPOModelConfig = field(default_factory=GRPOModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     reward: str | Callable[..., Any] = "last_number_match"  # recipes.tasks.REWARDS name or "module:function"
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

@@ -13,7 +13,9 @@ exactly the batches the uninterrupted run would see.
     accelerate launch --config_file recipes/configs/accelerate_deepspeed.yaml -m recipes.sft
 
 Each checkpoint ``step_N`` is a Hugging Face model directory (``model.path=.../step_N`` in
-evaluate, GRPO or ``from_pretrained``) with the resume state in ``step_N/training_state``.
+evaluate, GRPO or ``from_pretrained``) with the resume state in ``step_N/training_state``. With
+``model.lora`` set (LoRA through peft) it is an adapter directory instead: the adapter alone, its
+base model recorded in ``adapter_config.json``, and ``model.path`` loads it onto that base.
 
 ``train(SFTRecipeConfig(train={"max_steps": 3}), model=..., tokenizer=..., rows=...)`` runs the
 same loop in-process (the demo uses it). DeepSpeed's fixed micro-batch size is one packed row
@@ -34,6 +36,7 @@ from training.accelerator import engine_info
 from training.accelerator import make_accelerator as build_accelerator
 from training.accumulation import OptimizerStepper
 from training.curves import tracker_config
+from training.lora import is_peft_model, keep_resume_state_to_adapter
 from training.sft import (
     Progress,
     make_optimizer,
@@ -97,6 +100,9 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     logger.info("setting up %s on %d process(es) (a DeepSpeed ZeRO-3 start partitions the weights here)",
                 accelerator.distributed_type, accelerator.num_processes)
     model, optimizer = accelerator.prepare(model, optimizer)
+    save_kwargs, load_kwargs = {}, {}
+    if is_peft_model(accelerator.unwrap_model(model)):  # resume state: the adapter, not a base copy
+        save_kwargs, load_kwargs = keep_resume_state_to_adapter(accelerator)
     stepper = OptimizerStepper(model, optimizer, accelerator, max_grad_norm=tcfg.max_grad_norm,
                                nonfinite=tcfg.nonfinite)
     progress = Progress(gas)
@@ -108,12 +114,12 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     output_dir = Path(ccfg.output_dir)
     checkpoint.claim_run_dir(output_dir, accelerator, resuming=bool(ccfg.resume_from))  # lock, own metrics
     if ccfg.resume_from:
-        path = resume(accelerator, ccfg.resume_from, output_dir)
+        path = resume(accelerator, ccfg.resume_from, output_dir, load_kwargs)
         logger.info("resumed from %s at step %d (epoch %d)", path, progress.step, loader.epoch)
 
     def save(path: Path) -> None:
         save_checkpoint(accelerator, path, lambda d: save_model_dir(accelerator, model, tokenizer, d),
-                        ccfg.keep_last)
+                        ccfg.keep_last, save_kwargs)
 
     max_steps = tcfg.max_steps or steps
     if progress.step >= max_steps:

@@ -7,12 +7,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from recipes.config import AccelerateConfig, ConfigError, ModelConfig, Section, check_learning_rate
+from recipes.config import (
+    AccelerateConfig,
+    ConfigError,
+    LoRAConfig,
+    ModelConfig,
+    Section,
+    check_learning_rate,
+)
 
 
 @dataclass
 class SFTModelConfig(ModelConfig):
     attn_implementation: str = "nopad"  # nopad | sdpa | flash_attention_2 (all take packed rows)
+    lora: LoRAConfig | None = None  # null: full fine-tune; model.lora.rank=8 (any key): a LoRA adapter
 
 
 @dataclass

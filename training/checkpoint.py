@@ -93,14 +93,14 @@ def latest_checkpoint(output_dir: str | Path) -> Path:
 
 def dir_kind(path: str | Path) -> str | None:
     """What a directory holds, by the files nopad and its libraries write: ``"model"`` (an HF model
-    directory), ``"run"`` (a training run's output: ``step_N`` checkpoints, a lock or metrics),
-    ``"training_state"`` (Accelerate's resume state inside a checkpoint), ``"dataset"`` (a
+    directory, or a peft LoRA adapter's), ``"run"`` (a training run's output: ``step_N`` checkpoints, a
+    lock or metrics), ``"training_state"`` (Accelerate's resume state inside a checkpoint), ``"dataset"`` (a
     ``save_to_disk`` directory, e.g. a packed dataset), ``"empty"``, or None (none of these)."""
     path = Path(path)
     names = {p.name for p in path.iterdir()} if path.is_dir() else set()
     if not names:
         return "empty"
-    if "config.json" in names:
+    if names & {"config.json", "adapter_config.json"}:
         return "model"
     if any(n.startswith(("step_", ".step_")) for n in names) or names & {LOCK_FILE, METRICS_FILE}:
         return "run"

@@ -17,6 +17,7 @@ from packing.row import as_row
 from training import checkpoint
 from training.accumulation import OptimizerStepper
 from training.curves import finish_trackers, write_curves
+from training.lora import trainable_parameters
 from training.loss import row_loss_sum
 
 logger = logging.getLogger(__name__)
@@ -49,8 +50,9 @@ def sft_step(stepper: OptimizerStepper, window: list[dict], weighting: str = "to
 
 
 def make_optimizer(model, lr: float, weight_decay: float, warmup_steps: int, total_steps: int):
-    """AdamW with a linear warm-up, then a linear decay to 0 at ``total_steps``."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    """AdamW over the trainable parameters (a LoRA adapter's alone) with a linear warm-up, then a
+    linear decay to 0 at ``total_steps``."""
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=lr, weight_decay=weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda s: min(1.0, (s + 1) / (warmup_steps + 1)) * max(0.0, 1 - s / max(total_steps, 1)),
@@ -89,27 +91,28 @@ class Progress:
 
 
 def save_checkpoint(accelerator, path: Path, save_model: Callable[[Path], None],
-                    keep_last: int | None = None) -> None:
+                    keep_last: int | None = None, state_kwargs: dict | None = None) -> None:
     """``path`` becomes a model directory (``save_model(dir)`` writes it) holding, in
     ``training_state/``, the optimizer, scheduler, RNG and loader state to resume from. Written
-    whole or not at all (:mod:`training.checkpoint`)."""
+    whole or not at all (:mod:`training.checkpoint`). ``state_kwargs`` go to ``save_state``."""
 
     def write(tmp: Path) -> None:
-        accelerator.save_state(str(tmp / STATE_DIR))
+        accelerator.save_state(str(tmp / STATE_DIR), **(state_kwargs or {}))
         save_model(tmp)
 
     checkpoint.save_checkpoint(path, write, accelerator, keep_last=keep_last)
 
 
-def resume(accelerator, resume_from: str, output_dir: Path) -> Path:
+def resume(accelerator, resume_from: str, output_dir: Path, state_kwargs: dict | None = None) -> Path:
     """Load ``checkpoint.resume_from`` (a step_N directory, or the ``latest`` complete one) into
-    everything registered for checkpointing; returns the checkpoint's path."""
+    everything registered for checkpointing (``state_kwargs`` go to ``load_state``); returns the
+    checkpoint's path."""
     path = checkpoint.latest_checkpoint(output_dir) if resume_from == "latest" else Path(resume_from)
     if not (path / STATE_DIR).is_dir():
         raise FileNotFoundError(f"checkpoint.resume_from={str(path)!r} holds no {STATE_DIR}/ "
                                 "written by this recipe; give a step_N directory of an earlier run")
     try:
-        accelerator.load_state(str(path / STATE_DIR))
+        accelerator.load_state(str(path / STATE_DIR), **(state_kwargs or {}))
     except ValueError:  # our own: a resume under another plan, naming the setting
         raise
     except Exception as err:  # a damaged file: say which checkpoint, not only the zip reader's words
