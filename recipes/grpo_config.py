@@ -25,7 +25,7 @@ class TaskConfig(Section):
     """The prompts: a built-in task (``recipes.tasks.TASKS``) or a JSONL file / saved dataset with
     ``prompt`` (and ``answer``) fields."""
 
-    name: str = "arithmetic"  # ignored when prompts is set
+    name: str = "arithmetic"  # ignored when prompts is set; calculator: a tool task (recipes.tool_tasks)
     prompts: str | None = None
     prompt_field: str = "prompt"
     num_prompts: int = 64
@@ -43,15 +43,19 @@ class RolloutConfig(Section):
     prompts_per_step: int = 8
     num_generations: int = 8  # completions per prompt (the GRPO group)
     max_prompt_tokens: int = 64  # longer prompts are an error; bounds the KV cache check
-    max_tokens: int = 48  # new tokens per completion
+    max_tokens: int = 48  # new tokens per completion (a tool task's episode: the model's and the tools')
     temperature: float = 1.0  # the trained policy is the raw model: keep 1.0 for on-policy
     top_p: float = 1.0
     seed: int = 0
+    max_turns: int = 4  # tool tasks (recipes.tool_tasks): model turns per episode
+    tool_timeout: float = 10.0  # tool tasks: seconds a round of tool calls may take
 
     def check(self) -> None:
         for name, low in [("prompts_per_step", 1), ("num_generations", 2), ("max_prompt_tokens", 1),
-                          ("max_tokens", 1)]:
+                          ("max_tokens", 1), ("max_turns", 1)]:
             self.at_least(name, low)
+        if not self.tool_timeout > 0:
+            raise ConfigError("tool_timeout", f"must be > 0 seconds, got {self.tool_timeout}")
 
 
 @dataclass

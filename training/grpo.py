@@ -69,6 +69,10 @@ class Rollout:
     gen_logprobs: Sequence[float] = ()
     reward: float = 0.0
     advantage: float = 0.0
+    # multi-turn episodes: 1 at each completion token the model sampled (trained on), 0 at tool
+    # tokens (context only); empty: every completion token is the model's. ``gen_logprobs`` then
+    # hold one value per completion token (any value at tool tokens: they are dropped)
+    loss_mask: Sequence[int] = ()
 
 
 def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = True) -> list[PackedRow]:
@@ -82,7 +86,7 @@ def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = 
     if not rollouts:  # a rank with no prompts this step (its padding rows come from pad_rows)
         return []
     if shared_prefix:
-        return _pack_shared_prefix(rollouts, capacity)
+        return [_mask_tool_tokens(row, rollouts) for row in _pack_shared_prefix(rollouts, capacity)]
     from packing.bins.binpack import pack
 
     lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
@@ -96,7 +100,32 @@ def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = 
             labels += [IGNORE_INDEX] * len(prompt) + completion
         meta = VarlenMeta.from_lengths([lengths[i] for i in order])
         rows.append(PackedRow.build(ids, labels, meta, indices=order, **_rollout_fields(rollouts, order)))
-    return rows
+    return [_mask_tool_tokens(row, rollouts) for row in rows]
+
+
+def _mask_tool_tokens(row: PackedRow, rollouts: list[Rollout]) -> PackedRow:
+    """The row with no loss at the tool tokens of its rollouts (``Rollout.loss_mask``): their
+    labels become ``IGNORE_INDEX`` and their log-probs and advantages leave the row. The packers
+    label every completion token in rollout order (``row.indices``), so the masks concatenated in
+    that order line up with the row's loss tokens."""
+    order = row.indices.tolist()
+    if all(not rollouts[i].loss_mask for i in order):
+        return row
+    keep = []
+    for i in order:
+        r = rollouts[i]
+        mask = list(r.loss_mask) if r.loss_mask else [1] * len(r.completion_ids)
+        if len(mask) != len(r.completion_ids) or any(m not in (0, 1) for m in mask):
+            raise ValueError(f"rollout {i}: loss_mask must hold one 0/1 per completion token "
+                             f"({len(r.completion_ids)}), got {len(mask)} values")
+        keep += mask
+    keep_t = torch.tensor(keep, dtype=torch.bool)
+    labels = row.labels.clone()
+    at = torch.nonzero(labels[0] != IGNORE_INDEX).squeeze(1)
+    labels[0, at[~keep_t]] = IGNORE_INDEX
+    gen = row.gen_logprobs[keep_t] if row.gen_logprobs is not None else None
+    return PackedRow.build(row.input_ids, labels, row.nopad_meta, seq_lens=row.seq_lens, indices=row.indices,
+                           gen_logprobs=gen, advantages=row.advantages[keep_t])
 
 
 def empty_rollout_row() -> PackedRow:
