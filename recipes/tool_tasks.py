@@ -22,8 +22,8 @@ from inference.tools import ToolCall
 
 CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
-CALCULATOR_TEMPLATE = ("What is {expression}? You may use a calculator: write {open}EXPRESSION{close} and "
-                       "its result follows as {ropen}VALUE{rclose}. End with the number only.")
+CALCULATOR_TEMPLATE = ("What is {expression}? A calculator answers {open}EXPR{close} with "
+                       "{ropen}N{rclose}. End with the number.")
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE) + r"\s*$", re.DOTALL)
