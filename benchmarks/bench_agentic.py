@@ -167,11 +167,22 @@ def tool_rounds(tool_mask_rows) -> list[int]:
     return rounds
 
 
+def warm_up(trainer, group: list[dict]) -> None:
+    """One untimed call on one group with 4-token completions and no tool round: first-call costs
+    (nopad's generator and KV cache, which a training run builds once) stay out of the timing."""
+    length, rounds = trainer.max_completion_length, trainer.max_tool_calling_iterations
+    trainer.max_completion_length, trainer.max_tool_calling_iterations = 4, 0
+    try:
+        trainer._generate_and_score_completions(group)
+    finally:
+        trainer.max_completion_length, trainer.max_tool_calling_iterations = length, rounds
+
+
 def run_side(name, trainer, batch, model, tok, args, spent: list[float]):
     counter = {"prefill": 0}
     handles = [steer(model, tok, args.call_p), count_prefill(model, counter)]
     try:
-        trainer._generate_and_score_completions(batch[: args.samples])  # warm-up: one group, untimed
+        warm_up(trainer, batch[: args.samples])
         generator = getattr(trainer.rollout_func, "generator", None)
         if generator is not None:
             generator.reset_stats()  # count the timed batch only
@@ -235,6 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
         model = copy.deepcopy(base)
         trainer, batch = make_trainer(GRPOTrainer, model, tok, [lookup], args, out_dir)
         results["trl"] = run_side("TRL tool loop", trainer, batch, model, tok, args, spent)
+        print(f"TRL tool loop: {results['trl']['wall_s']:.1f} s", file=sys.stderr, flush=True)
         del trainer, model
         model = copy.deepcopy(base)
         rollout = nopad_rollout_func(max_num_batched_tokens=1024)
