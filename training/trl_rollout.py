@@ -124,9 +124,9 @@ class NopadRollout:
                 for ids, t in zip(prompt_ids, tools)]
         groups = _runs(keys)
         params = sampling_params(trainer)
-        iterations = getattr(trainer, "max_tool_calling_iterations", None)
-        limits = EpisodeLimits(max_turns=min(int(iterations if iterations is not None else 2**31), 2**31) + 1,
-                               max_tokens=params.max_tokens, tool_timeout=self.tool_timeout)
+        rounds = min(int(trainer.max_tool_calling_iterations), 2**31)  # TRL: sys.maxsize when unset
+        limits = EpisodeLimits(max_turns=rounds + 1, max_tokens=params.max_tokens,
+                               tool_timeout=self.tool_timeout)
         tokenizer = _tokenizer(trainer)
         template = {"chat_template": trainer.chat_template} if getattr(trainer, "chat_template", None) else {}
         tool_format = ChatTemplateTools(tokenizer, list(trainer.tools),
