@@ -9,9 +9,8 @@
 3. GRPO steps on the built-in arithmetic task (``recipes.grpo``): rollouts from the in-flight
    generator on the very weights being trained, packed into varlen rows for the update, with
    rollout and training tokens/s, packed vs padded tokens, and the log-prob gap between the
-   generator and the training forward;
-4. one GRPO step on the calculator tool task (``task.name=calculator``): multi-turn episodes
-   that pause at a tool call with their KV kept and resume by prefilling the result.
+   generator and the training forward; then where to run multi-turn tool episodes
+   (``task.name=calculator``; not run here, to keep the demo short).
 """
 
 from __future__ import annotations
@@ -163,24 +162,6 @@ def grpo_demo(model, tokenizer, *, steps: int = 2, out: TextIO | None = None) ->
     return history
 
 
-def tool_demo(model, tokenizer, *, out: TextIO | None = None) -> dict:
-    """One GRPO step on the calculator tool task: multi-turn episodes in the generator (a call
-    pauses the sequence with its KV kept, the result is prefilled, the model goes on), trained on
-    the model's tokens only."""
-    from recipes.grpo import GRPORecipeConfig, run_grpo
-
-    out = out or sys.stdout
-    cfg = GRPORecipeConfig(model={"path": None}, task={"name": "calculator"}, train={"steps": 1},
-                           rollout={"prompts_per_step": 2, "num_generations": 4, "max_prompt_tokens": 128,
-                                    "max_tokens": 64, "max_turns": 3})
-    (m,) = run_grpo(cfg, model=model, tokenizer=tokenizer)
-    print(f"\nGRPO with a calculator tool (task.name=calculator: 2 prompts x 4 episodes of up to 3 turns, "
-          f"{cfg.rollout.max_tokens} tokens): {m['tool_calls_per_episode']:.2f} tool calls per episode, "
-          f"{m['tool_failure_rate']:.0%} failed, {m['completion_tokens']} model tokens trained on, "
-          f"rollout {m['rollout_s']:.1f} s, log-prob gap max {m['logprob_gap_max']:.1e}", file=out)
-    return m
-
-
 def main() -> None:
     """The whole job: packing report, packed SFT steps, GRPO steps with in-process rollouts."""
     import time
@@ -201,7 +182,10 @@ def main() -> None:
     packing_report(tokenizer)
     sft_demo(model, tokenizer)
     grpo_demo(model, tokenizer)
-    tool_demo(model, tokenizer)
+    print("\nmulti-turn tool episodes (a sequence pauses at a tool call with its KV kept, resumes by "
+          "prefilling the result; only the model's tokens are trained on): python -m recipes.grpo "
+          "output_dir=runs/grpo_calc task.name=calculator (recipes/tool_tasks.py), or NopadGRPOTrainer("
+          "tools=[...]) / environment_factory= in TRL (docs/trl.md)", file=sys.stdout)
     print(f"\ndemo finished in {time.perf_counter() - start:.0f} s", file=sys.stdout)
 
 

@@ -75,16 +75,3 @@ def test_grpo_demo_prints_one_row_per_step_with_the_gap():
     assert row[0] == "0" and int(row[4]) == history[0]["train_tokens"]
     assert int(row[5]) == history[0]["padded_train_tokens"]
 
-
-def test_tool_demo_runs_one_step_of_calculator_episodes():
-    import torch
-
-    from recipes.demo import tool_demo
-    from recipes.tasks import AsciiTokenizer
-    from tests.models import tiny_model
-
-    torch.set_num_threads(1)
-    out = io.StringIO()
-    metrics = tool_demo(tiny_model("llama"), AsciiTokenizer(), out=out)
-    assert metrics["logprob_gap_max"] == 0.0 and metrics["completion_tokens"] > 0
-    assert "GRPO with a calculator tool (task.name=calculator" in out.getvalue()
