@@ -246,7 +246,8 @@ class Generator:
                      sampling_params: SamplingParams | None = None, *, limits: EpisodeLimits | None = None,
                      tool_format: ToolFormat | None = None, environment_factory: Callable | None = None,
                      reward_fn: Callable[[Episode], float] | None = None,
-                     fork: Callable[[Episode], int] | None = None) -> list[Episode]:
+                     fork: Callable[[Episode], int] | None = None,
+                     prompt_tools: Seq[Mapping[str, Callable]] | None = None) -> list[Episode]:
         """Run multi-turn tool episodes for every prompt (``n`` per prompt from the sampling
         parameters); returns them by prompt, then branch.
 
@@ -258,7 +259,9 @@ class Generator:
         (forks deep-copy it); ``reward_fn(episode)`` sets ``Episode.reward``. ``fork(episode)``
         is asked at every turn boundary (a tool result appended) how many continuations to
         run; they share every block so far. ``sampling_params.max_tokens`` caps one model
-        turn, ``limits`` the whole episode (:class:`~inference.episodes.EpisodeLimits`)."""
+        turn, ``limits`` the whole episode (:class:`~inference.episodes.EpisodeLimits`).
+        ``prompt_tools``: one ``{name: function}`` per prompt instead of ``tools`` (e.g. bound to
+        that prompt's own environment, as TRL's trainer builds them)."""
         refuse_plain_generation(self.model)
         if self.has_unfinished():
             raise RuntimeError("run_episodes() while requests are in flight; finish or abort them first")
@@ -266,6 +269,13 @@ class Generator:
         if not isinstance(limits, EpisodeLimits):
             raise TypeError(f"limits must be an EpisodeLimits, got {type(limits).__name__}")
         named = named_tools(tools)
+        per_prompt = None
+        if prompt_tools is not None:
+            per_prompt = [named_tools(t) for t in prompt_tools]
+            num_prompts = 1 if isinstance(prompts, str) else len(prompts)
+            if len(per_prompt) != num_prompts:
+                raise ValueError(f"prompt_tools has {len(per_prompt)} entries for {num_prompts} prompts; "
+                                 "give one per prompt")
         if tool_format is None:
             if self.tokenizer is None:
                 raise ValueError("run_episodes needs a tokenizer (for the chat template's tool format) or "
@@ -277,7 +287,7 @@ class Generator:
         self._episodes = runner
         try:
             for i, request in enumerate(requests):
-                self._enqueue(request, episode_of=(runner, i, named))
+                self._enqueue(request, episode_of=(runner, i, named if per_prompt is None else per_prompt[i]))
             self.run([])  # the one generate loop, here over the episodes just queued
         finally:
             runner.close()

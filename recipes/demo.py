@@ -9,7 +9,8 @@
 3. GRPO steps on the built-in arithmetic task (``recipes.grpo``): rollouts from the in-flight
    generator on the very weights being trained, packed into varlen rows for the update, with
    rollout and training tokens/s, packed vs padded tokens, and the log-prob gap between the
-   generator and the training forward.
+   generator and the training forward; then where to run multi-turn tool episodes
+   (``task.name=calculator``; not run here, to keep the demo short).
 """
 
 from __future__ import annotations
@@ -181,6 +182,10 @@ def main() -> None:
     packing_report(tokenizer)
     sft_demo(model, tokenizer)
     grpo_demo(model, tokenizer)
+    print("\nmulti-turn tool episodes (a sequence pauses at a tool call with its KV kept, resumes by "
+          "prefilling the result; only the model's tokens are trained on): python -m recipes.grpo "
+          "output_dir=runs/grpo_calc task.name=calculator (recipes/tool_tasks.py), or NopadGRPOTrainer("
+          "tools=[...]) / environment_factory= in TRL (docs/trl.md)", file=sys.stdout)
     print(f"\ndemo finished in {time.perf_counter() - start:.0f} s", file=sys.stdout)
 
 

@@ -31,13 +31,14 @@ import torch
 from recipes.config import ConfigError, load_model, parse_cli, save_model_dir, setup_logging
 from recipes.grpo_config import GRPORecipeConfig, resolve_is_correction
 from recipes.tasks import TASKS, check_prompts_per_step, encode_prompt, get_reward, load_examples
+from recipes.tool_tasks import TOOL_TASKS
 from training import checkpoint
 from training.accelerator import engine_info
 from training.accelerator import make_accelerator as build_accelerator
 from training.accumulation import OptimizerStepper
 from training.curves import finish_trackers, tracker_config, write_curves
 from training.grpo import resolve_batch_invariant
-from training.grpo_step import GRPOLoss, grpo_step
+from training.grpo_step import GRPOLoss, ToolEpisodes, grpo_step
 from training.lora import trainable_parameters
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,9 @@ def sampling_params(cfg: GRPORecipeConfig, step: int):
     from inference import SamplingParams
 
     ro = cfg.rollout
+    task = TOOL_TASKS.get(cfg.task.name) if cfg.task.prompts is None else None
     return SamplingParams(n=ro.num_generations, max_tokens=ro.max_tokens, temperature=ro.temperature,
-                          top_p=ro.top_p, seed=ro.seed * 1_000_003 + step)
+                          top_p=ro.top_p, seed=ro.seed * 1_000_003 + step, stop=task.stop if task else None)
 
 
 def build_prompts(cfg: GRPORecipeConfig, tokenizer) -> tuple[list[dict], list[list[int]]]:
@@ -82,12 +84,25 @@ def build_prompts(cfg: GRPORecipeConfig, tokenizer) -> tuple[list[dict], list[li
     return examples, ids
 
 
-def make_generator(model, cfg: GRPORecipeConfig):
+def make_generator(model, cfg: GRPORecipeConfig, tokenizer=None):
+    """The rollout generator; ``tokenizer`` for tool tasks, whose calls end at a stop string."""
     from inference import Generator
 
     g = cfg.generator
-    return Generator(model, block_size=g.block_size, num_blocks=g.num_blocks,
+    return Generator(model, tokenizer, block_size=g.block_size, num_blocks=g.num_blocks,
                      max_num_seqs=g.max_num_seqs, max_num_batched_tokens=g.max_num_batched_tokens)
+
+
+def tool_episodes(cfg: GRPORecipeConfig, tokenizer) -> ToolEpisodes | None:
+    """The tool task's tools, call format and episode limits; None for a single-turn task."""
+    from inference.episodes import EpisodeLimits
+
+    task = TOOL_TASKS.get(cfg.task.name) if cfg.task.prompts is None else None
+    if task is None:
+        return None
+    ro = cfg.rollout
+    limits = EpisodeLimits(max_turns=ro.max_turns, max_tokens=ro.max_tokens, tool_timeout=ro.tool_timeout)
+    return ToolEpisodes(task.tools, task.tool_format(tokenizer), limits)
 
 
 def make_accelerator(cfg: GRPORecipeConfig):
@@ -131,7 +146,8 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     loss = grpo_loss(cfg, accelerator.device)
     accelerator.init_trackers("nopad-grpo", config=tracker_config(cfg.to_dict()))
     policy = accelerator.unwrap_model(model)  # the same parameters: the generator reads them live
-    generator = make_generator(policy, cfg)
+    episodes = tool_episodes(cfg, tokenizer)
+    generator = make_generator(policy, cfg, tokenizer if episodes is not None else None)
 
     torch.manual_seed(tr.seed)
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(tr.seed)).tolist()
@@ -153,7 +169,7 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
                                 [prompt_ids[i] for i in picks], reward_fn, tokenizer,
                                 sampling_params(cfg, step), loss, step=step,
                                 rollout_mode=cfg.generator.sharded_rollout, ref_model=ref_model,
-                                use_tqdm=progress)
+                                use_tqdm=progress, episodes=episodes)
             history.append(metrics)
             logger.info("grpo step %d: %s", step, json.dumps({k: round(v, 6) for k, v in metrics.items()}))
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", gap=f"{metrics['logprob_gap_max']:.1e}")

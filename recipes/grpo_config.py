@@ -32,7 +32,7 @@ class TaskConfig(Section):
     """The prompts: a built-in task (``recipes.tasks.TASKS``) or a JSONL file / saved dataset with
     ``prompt`` (and ``answer``) fields."""
 
-    name: str = "arithmetic"  # a built-in task (recipes.tasks.TASKS); ignored when prompts is set
+    name: str = "arithmetic"  # recipes.tasks.TASKS (calculator: a tool task); ignored when prompts is set
     prompts: str | None = None  # a data file or saved dataset with prompt (and answer) fields
     prompt_field: str = "prompt"  # the field of each record that holds the prompt
     num_prompts: int = 64  # the size of the built-in task
@@ -50,15 +50,19 @@ class RolloutConfig(Section):
     prompts_per_step: int = 8  # prompts per step on each rank
     num_generations: int = 8  # completions per prompt (the GRPO group), at least 2
     max_prompt_tokens: int = 64  # longer prompts are an error; bounds the KV cache check
-    max_tokens: int = 48  # new tokens per completion: room to answer, or every reward is the same
+    max_tokens: int = 48  # new tokens per completion (a tool task's episode: the model's and the tools')
     temperature: float = 1.0  # the trained policy is the raw model: keep 1.0 for on-policy
     top_p: float = 1.0  # 1: no nucleus filter
     seed: int = 0  # sampling seed (a different one each step)
+    max_turns: int = 4  # tool tasks (recipes.tool_tasks): model turns per episode
+    tool_timeout: float = 10.0  # tool tasks: seconds a round of tool calls may take
 
     def check(self) -> None:
         for name, low in [("prompts_per_step", 1), ("num_generations", 2), ("max_prompt_tokens", 1),
-                          ("max_tokens", 1)]:
+                          ("max_tokens", 1), ("max_turns", 1)]:
             self.at_least(name, low)
+        if not self.tool_timeout > 0:
+            raise ConfigError("tool_timeout", f"must be > 0 seconds, got {self.tool_timeout}")
 
 
 @dataclass

@@ -15,6 +15,8 @@ import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from recipes.tool_tasks import calculator_task
+
 RewardFn = Callable[[str, Mapping], float]
 
 ARITHMETIC_TEMPLATE = "What is {a} {op} {b}? Answer with the number only."
@@ -117,7 +119,7 @@ def load_examples(path: str | Path, prompt_field: str = "prompt", key: str = "da
     return [{k: v for k, v in row.items() if v is not None} for row in ds]
 
 
-TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic_task}
+TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic_task, "calculator": calculator_task}
 
 
 # ----------------------------------------------------------------------------- tokenizing

@@ -74,3 +74,4 @@ def test_grpo_demo_prints_one_row_per_step_with_the_gap():
     assert "batch-invariant mode" in lines[5]
     assert row[0] == "0" and int(row[4]) == history[0]["train_tokens"]
     assert int(row[5]) == history[0]["padded_train_tokens"]
+

@@ -291,7 +291,9 @@ def test_one_grpo_step_on_the_live_model(policy):
                             "completion_tokens", "rollout_tokens_per_s", "train_tokens", "train_rows",
                             "padded_train_tokens", "flat_train_tokens", "tree_token_saving",
                             "train_tokens_per_s", "logprob_gap_max", "logprob_gap_mean", "rollout_s",
-                            "train_s", "is_ratio_min", "is_ratio_max", "batch_invariant"}
+                            "train_s", "is_ratio_min", "is_ratio_max", "batch_invariant",
+                            "mismatch/outside_band", "mismatch/ratio_dev_p95", "mismatch/ratio_dev_max"}
+    assert metrics["mismatch/ratio_dev_max"] == 0.0
 
 
 def test_run_grpo_with_tis_and_kl_writes_metrics(policy, tmp_path):

@@ -155,23 +155,24 @@ def _trl_scores(trainer, prompt_ids, completion_ids):
 
 
 def test_rollout_refuses_what_it_cannot_honour(tok, tmp_path, monkeypatch):
-    import packing
+    import packing.invariance
     from training.trl_rollout import nopad_rollout_func, sampling_params
 
     trainer = _grpo(tok, tmp_path, nopad_rollout_func(), generation_kwargs={"typical_p": 0.5})
     with pytest.raises(ValueError, match="typical_p"):
         sampling_params(trainer)
-    if not hasattr(packing, "batch_invariant"):
-        with pytest.raises(ValueError, match="packing.batch_invariant"):
-            nopad_rollout_func(batch_invariant=True)
+    with pytest.raises(ValueError, match="tool_timeout"):
+        nopad_rollout_func(tool_timeout=0)
     entered = []
+    real = packing.invariance.batch_invariant
 
     @contextlib.contextmanager
-    def fake_batch_invariant():
-        entered.append(True)
-        yield
+    def recording_batch_invariant(enabled=True, kernels=None):
+        entered.append(enabled)
+        with real(enabled, kernels):
+            yield
 
-    monkeypatch.setattr(packing, "batch_invariant", fake_batch_invariant, raising=False)
+    monkeypatch.setattr("training.trl_rollout.batch_invariant", recording_batch_invariant)
     rollout = nopad_rollout_func(batch_invariant=True)
     trainer = _grpo(tok, tmp_path, rollout)
     rollout(["w10 w11"] * 4, trainer)

@@ -73,6 +73,10 @@ class Rollout:
     gen_logprobs: Sequence[float] = ()
     reward: float = 0.0
     advantage: float = 0.0
+    # multi-turn episodes: 1 at each completion token the model sampled (trained on), 0 at tool
+    # tokens (context only); empty: every completion token is the model's. ``gen_logprobs`` then
+    # hold one value per completion token (any value at tool tokens: they are dropped)
+    loss_mask: Sequence[int] = ()
 
 
 def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = True) -> list[PackedRow]:
@@ -104,7 +108,36 @@ def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = 
             labels += [IGNORE_INDEX] * len(prompt) + completion
         meta = VarlenMeta.from_lengths([lengths[i] for i in order])
         rows.append(PackedRow.build(ids, labels, meta, indices=order, **_rollout_fields(rollouts, order)))
-    return rows
+    return [_mask_tool_tokens(row, rollouts) for row in rows]
+
+
+def _mask_tool_tokens(row: PackedRow, rollouts: list[Rollout]) -> PackedRow:
+    """The row with no loss at the tool tokens of its rollouts (``Rollout.loss_mask``): their
+    labels become ``IGNORE_INDEX`` and their log-probs and advantages leave the row. The flat packer
+    labels every completion token in rollout order (``row.indices``), so the masks concatenated in
+    that order line up with the row's loss tokens."""
+    order = row.indices.tolist()
+    if all(not rollouts[i].loss_mask for i in order):
+        return row
+    keep = []
+    for i in order:
+        keep += _loss_mask(rollouts[i])
+    keep_t = torch.tensor(keep, dtype=torch.bool)
+    labels = row.labels.clone()
+    at = torch.nonzero(labels[0] != IGNORE_INDEX).squeeze(1)
+    labels[0, at[~keep_t]] = IGNORE_INDEX
+    gen = row.gen_logprobs[keep_t] if row.gen_logprobs is not None else None
+    return PackedRow.build(row.input_ids, labels, row.nopad_meta, seq_lens=row.seq_lens, indices=row.indices,
+                           gen_logprobs=gen, advantages=row.advantages[keep_t])
+
+
+def _loss_mask(r: Rollout) -> list[int]:
+    """One 0/1 per completion token: 1 where the model sampled it (``Rollout.loss_mask``, empty: all)."""
+    mask = list(r.loss_mask) if r.loss_mask else [1] * len(r.completion_ids)
+    if len(mask) != len(r.completion_ids) or any(m not in (0, 1) for m in mask):
+        raise ValueError(f"a rollout's loss_mask must hold one 0/1 per completion token "
+                         f"({len(r.completion_ids)}), got {len(mask)} values")
+    return mask
 
 
 def rollout_paths(rollouts: Sequence[Rollout]) -> list[TreePath]:
@@ -120,7 +153,8 @@ def rollout_paths(rollouts: Sequence[Rollout]) -> list[TreePath]:
                 raise ValueError(f"a rollout has {len(r.gen_logprobs)} gen_logprobs for {m} completion "
                                  "tokens; give one per sampled token")
             extras["gen_logprobs"] = [0.0] * n + list(r.gen_logprobs)
-        paths.append(TreePath(list(r.prompt_ids) + list(r.completion_ids), [False] * n + [True] * m, extras))
+        paths.append(TreePath(list(r.prompt_ids) + list(r.completion_ids),
+                              [False] * n + [bool(x) for x in _loss_mask(r)], extras))
     return paths
 
 

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from training.grpo import Rollout, pack_rollouts, packed_logprobs, packing_metrics, resolve_batch_invariant
+from training.mismatch import logprob_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +223,28 @@ class NopadGRPOTrainerMixin:
         stack.enter_context(batch_invariant(self.nopad_batch_invariant))
         return stack
 
+    def _compute_loss(self, model, inputs):
+        """TRL's loss; its policy forward also reports how far the rollout's log-probs are
+        (:func:`training.mismatch.logprob_mismatch` over the model tokens, logged as ``mismatch/*``)."""
+        rollout = inputs.get("sampling_per_token_logps")
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:  # TRL's loss mask: an episode's tool tokens are not the model's
+            mask = mask * inputs["tool_mask"]
+        self._nopad_rollout_logps = None if rollout is None else (rollout, mask)
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._nopad_rollout_logps = None
+
+    def _report_mismatch(self, logps: torch.Tensor) -> None:
+        pending = getattr(self, "_nopad_rollout_logps", None)
+        if pending is None or pending[0].shape != logps.shape:
+            return
+        self._nopad_rollout_logps = None  # once per loss forward
+        mode = "train" if self.model.training else "eval"
+        for key, value in logprob_mismatch(logps, *pending).items():
+            self._metrics[mode][key].append(value)
+
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
                                            batch_size=None, compute_entropy=False, compute_aux_loss=False,
                                            **multimodal):
@@ -241,6 +264,7 @@ class NopadGRPOTrainerMixin:
         if stats and hasattr(self, "_metrics"):
             self._metrics["train" if self.model.training else "eval"]["tree/token_saving"].append(
                 stats["tree_token_saving"])
+        self._report_mismatch(logps)
         return logps, entropies, None
 
 

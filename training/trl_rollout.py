@@ -27,6 +27,7 @@ backward pass gets the memory back; one ``Generator`` is reused across calls.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,6 +37,7 @@ import torch
 from inference.generator import Generator
 from inference.sampling_params import SamplingParams
 from inference.sharded import ROLLOUT_MODES, sharded_generate
+from packing.invariance import batch_invariant
 
 logger = logging.getLogger(__name__)
 
@@ -46,27 +48,20 @@ _GENERATION_KWARGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "
                       "stop": "stop", "stop_strings": "stop", "do_sample": None}
 
 
-def _batch_invariant_context() -> Callable[[], Any] | None:
-    """``packing.batch_invariant`` when this build of nopad has it (it makes every forward give
-    the same bits whatever the batch, so the importance ratio is exactly 1 on-policy)."""
-    import packing
-
-    return getattr(packing, "batch_invariant", None)
-
-
 class NopadRollout:
     """``rollout_func(prompts, trainer) -> dict`` for ``GRPOTrainer``; build it with
     :func:`nopad_rollout_func`. ``generator_kwargs`` go to :class:`~inference.Generator`."""
 
     def __init__(self, *, importance_sampling: bool = False, batch_invariant: bool = False,
-                 autocast: bool = True, sharded_rollout: str = "gather", **generator_kwargs: Any):
+                 autocast: bool = True, sharded_rollout: str = "gather", tool_timeout: float = 30.0,
+                 **generator_kwargs: Any):
         if sharded_rollout not in ROLLOUT_MODES:
             raise ValueError(f"sharded_rollout must be one of {ROLLOUT_MODES} (gather: full weights once per "
                              f"rollout; lockstep: memory-lean), got {sharded_rollout!r}")
         self.sharded_rollout = sharded_rollout
-        if batch_invariant and _batch_invariant_context() is None:
-            raise ValueError("batch_invariant=True needs packing.batch_invariant, which this nopad build "
-                             "lacks; update nopad or drop batch_invariant=True")
+        if not isinstance(tool_timeout, (int, float)) or not tool_timeout > 0:
+            raise ValueError(f"tool_timeout must be a number of seconds > 0, got {tool_timeout!r}")
+        self.tool_timeout = float(tool_timeout)
         self.importance_sampling = importance_sampling
         self.batch_invariant = batch_invariant
         self.autocast = autocast
@@ -80,6 +75,8 @@ class NopadRollout:
             raise ValueError("rollout_func got no prompts")
         if self.importance_sampling:
             enable_importance_sampling(trainer)
+        if getattr(trainer, "tools", None):
+            return self._episodes(prompts, trainer)
         prompt_ids = tokenize_prompts(prompts, trainer)
         params = sampling_params(trainer)
         groups = _runs(prompt_ids)  # (first index, count) of each run of identical prompts
@@ -105,6 +102,60 @@ class NopadRollout:
         return {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": completion_ids,
                 "logprobs": logprobs}
 
+    # ----------------------------------------------------------------- tools and environments
+    def _episodes(self, prompts: list, trainer) -> dict[str, list]:
+        """TRL's ``tools`` / ``environment_factory`` run as nopad episodes: every tool round of
+        every completion in this one call (a paused sequence keeps its KV, the others decode on),
+        with the tools TRL bound for each entry (``_sync_tool_dicts`` / ``_async_tool_dicts``:
+        the standalone tools plus the methods of that entry's own, already reset, environment).
+        TRL's own ``_tool_call_loop`` would then run the last turn's calls again, so the trainer's
+        loop is replaced by one that hands back what the episodes recorded (see
+        :func:`_hand_back_tool_loop`)."""
+        from inference.episodes import EpisodeLimits
+        from inference.tools import ChatTemplateTools
+
+        if not (isinstance(prompts[0], list) and prompts[0] and isinstance(prompts[0][0], dict)):
+            raise ValueError("tool calling needs conversational prompts (lists of chat messages), as in TRL")
+        prompt_ids = tokenize_prompts(prompts, trainer)
+        tools = [{**trainer._sync_tool_dicts[i], **trainer._async_tool_dicts[i]} for i in range(len(prompts))]
+        # entries with the same prompt and the same tools (no environment, or the same instance)
+        # are one request with n samples: its prompt prefilled once, its blocks shared
+        keys = [(tuple(ids), tuple(sorted(t.items(), key=lambda kv: kv[0])))
+                for ids, t in zip(prompt_ids, tools)]
+        groups = _runs(keys)
+        params = sampling_params(trainer)
+        rounds = min(int(trainer.max_tool_calling_iterations), 2**31)  # TRL: sys.maxsize when unset
+        limits = EpisodeLimits(max_turns=rounds + 1, max_tokens=params.max_tokens,
+                               tool_timeout=self.tool_timeout)
+        tokenizer = _tokenizer(trainer)
+        template = {"chat_template": trainer.chat_template} if getattr(trainer, "chat_template", None) else {}
+        tool_format = ChatTemplateTools(tokenizer, list(trainer.tools),
+                                        **template, **(getattr(trainer, "chat_template_kwargs", None) or {}))
+        with unwrapped_policy(trainer) as model:
+            generator = self._generator(model, trainer)
+            with self._context(trainer):
+                try:
+                    episodes = generator.run_episodes(
+                        [prompt_ids[i] for i, _ in groups],
+                        sampling_params=[_with_n(params, n) for _, n in groups], limits=limits,
+                        tool_format=tool_format, prompt_tools=[_trl_tools(tools[i]) for i, _ in groups])
+                finally:
+                    self.last_stats = {**generator.stats(), **generator.last_episode_stats}
+                    if not generator.has_unfinished():
+                        generator.release()
+        if len(episodes) != len(prompts):
+            raise RuntimeError(f"ran {len(episodes)} episodes for {len(prompts)} prompts; this is a bug")
+        self.last_episodes = episodes
+        completions = [episode_messages(ep, tokenizer, list(trainer.tools)) for ep in episodes]
+        _hand_back_tool_loop(trainer, (
+            [list(ep.model_mask) for ep in episodes], completions,
+            [list(ep.completion_ids) for ep in episodes],
+            [list(ep.temperature_logprobs) for ep in episodes], sum(ep.num_tool_calls for ep in episodes),
+            sum(ep.num_tool_errors for ep in episodes), [[] for _ in episodes]))
+        return {"prompt_ids": [list(p) for p in prompt_ids],
+                "completion_ids": [list(ep.completion_ids) for ep in episodes],
+                "logprobs": [list(ep.temperature_logprobs) for ep in episodes]}
+
     # ----------------------------------------------------------------- pieces
     def _generator(self, model: torch.nn.Module, trainer) -> Generator:
         """One Generator for the run; a new one only if the trainer's model object changed."""
@@ -119,13 +170,12 @@ class NopadRollout:
         stack = contextlib.ExitStack()
         if self.autocast:  # the same autocast TRL scores the completions under
             stack.enter_context(trainer.accelerator.autocast())
-        if self.batch_invariant:
-            stack.enter_context(_batch_invariant_context()())
+        stack.enter_context(batch_invariant(self.batch_invariant))
         return stack
 
 
 def nopad_rollout_func(*, importance_sampling: bool = False, batch_invariant: bool = False,
-                       autocast: bool = True, sharded_rollout: str = "gather",
+                       autocast: bool = True, sharded_rollout: str = "gather", tool_timeout: float = 30.0,
                        **generator_kwargs: Any) -> NopadRollout:
     """A ``rollout_func`` for ``GRPOTrainer`` that generates with nopad in-process on the policy.
 
@@ -135,9 +185,56 @@ def nopad_rollout_func(*, importance_sampling: bool = False, batch_invariant: bo
     inside ``packing.batch_invariant()``; ``autocast`` generates under the trainer's autocast.
     ``sharded_rollout`` (FSDP2-sharded policies, :mod:`inference.sharded`): ``"gather"`` the full
     weights once for the rollout (default), or ``"lockstep"`` to keep them sharded.
+
+    With the trainer's ``tools`` / ``environment_factory`` every completion is a multi-turn
+    episode (:meth:`inference.Generator.run_episodes`): up to ``max_tool_calling_iterations``
+    tool rounds within ``max_completion_length`` tokens, each round of calls given
+    ``tool_timeout`` seconds; a tool that raises or times out becomes an error message the model
+    reads and is counted in TRL's ``tools/failure_frequency``.
     """
     return NopadRollout(importance_sampling=importance_sampling, batch_invariant=batch_invariant,
-                        autocast=autocast, sharded_rollout=sharded_rollout, **generator_kwargs)
+                        autocast=autocast, sharded_rollout=sharded_rollout, tool_timeout=tool_timeout,
+                        **generator_kwargs)
+
+
+# ----------------------------------------------------------------------------- episodes for TRL
+def _trl_tools(tools: dict[str, Callable]) -> dict[str, Callable]:
+    """TRL's tool contract: a tool may return any value, the model reads ``str(value)``."""
+    def as_text(fn):
+        if inspect.iscoroutinefunction(fn):
+            async def call_async(**kwargs):
+                return str(await fn(**kwargs))
+            return call_async
+        return lambda **kwargs: str(fn(**kwargs))
+
+    return {name: as_text(fn) for name, fn in tools.items()}
+
+
+def episode_messages(episode, tokenizer, tools: list) -> list[dict]:
+    """An episode as the messages TRL's tool loop hands reward functions: each model turn parsed
+    by TRL's ``parse_response`` (plain text when malformed), each tool result a tool message."""
+    from trl.chat_template_utils import parse_response
+
+    ids = list(episode.prompt_token_ids) + list(episode.completion_ids)
+    offset, messages = len(episode.prompt_token_ids), []
+    for turn in episode.turns:
+        turn_ids = ids[offset + turn.start: offset + turn.end]
+        messages.append(parse_response(tokenizer, turn_ids, prefix=ids[: offset + turn.start], tools=tools)
+                        if turn_ids else {"role": "assistant", "content": ""})
+        if turn.tool_end > turn.end:
+            messages += [{"role": "tool", "name": c.name, "content": c.result} for c in turn.tool_calls]
+    return messages
+
+
+def _hand_back_tool_loop(trainer, result: tuple) -> None:
+    """TRL 1.16 calls ``trainer._tool_call_loop(...)`` on a rollout_func's completions whenever it
+    has tools, to run their calls. The episodes ran every round already; this trainer's loop, for
+    this batch, returns what they recorded (TRL's tuple: tool mask, messages, completion ids,
+    log-probs, call count, failure count, tool images) instead of calling the tools again."""
+    if not callable(getattr(trainer, "_tool_call_loop", None)):
+        raise RuntimeError("this TRL's GRPOTrainer has no _tool_call_loop; nopad's tool episodes were "
+                           "written for TRL 1.16: pin trl==1.16")
+    trainer._tool_call_loop = lambda *args, **kwargs: result
 
 
 # ----------------------------------------------------------------------------- trainer settings
@@ -176,16 +273,23 @@ def tokenize_prompts(prompts: list, trainer) -> list[list[int]]:
         raise ValueError(f"a prompt must be a string or a list of chat messages, got "
                          f"{type(prompts[0]).__name__}")
     kwargs = getattr(trainer, "chat_template_kwargs", None) or trainer.args.chat_template_kwargs
-    tokenized = tokenizer.apply_chat_template(
-        conversation=list(prompts),
-        tools=getattr(trainer, "tools", None) or None,
-        chat_template=getattr(trainer, "chat_template", None),
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=True,
-        **(kwargs or {}),
-    )
-    return [list(ids) for ids in tokenized["input_ids"]]
+
+    def render(conversations, tools):
+        tokenized = tokenizer.apply_chat_template(
+            conversation=list(conversations),
+            tools=tools or None,  # TRL's `or None`: some templates render tool boilerplate for []
+            chat_template=getattr(trainer, "chat_template", None),
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **(kwargs or {}),
+        )
+        return [list(ids) for ids in tokenized["input_ids"]]
+
+    if getattr(trainer, "environment_factories", None) is not None:  # each with its environment's tools
+        names = trainer._batch_environments
+        return [render([p], trainer._env_tools[name])[0] for p, name in zip(prompts, names)]
+    return render(prompts, getattr(trainer, "tools", None))
 
 
 def sampling_params(trainer) -> SamplingParams:
@@ -241,8 +345,8 @@ class _LiveWeights:
         return None
 
     def generate(self, *args, **kwargs):
-        raise RuntimeError("the nopad rollout_func generates; TRL's vLLM generation path is not available "
-                           "(tools / environment loops need use_vllm=False and importance_sampling=False)")
+        raise RuntimeError("the nopad rollout_func generates (tool rounds included); TRL's vLLM generation "
+                           "path is not available")
 
 
 def enable_importance_sampling(trainer) -> None:
@@ -264,9 +368,6 @@ def enable_importance_sampling(trainer) -> None:
     if trainer.use_vllm:
         raise ValueError("importance_sampling=True is for rollouts without vLLM, but the trainer has "
                          "use_vllm=True")
-    if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None):
-        raise ValueError("importance_sampling=True cannot be combined with tools/environments: TRL would "
-                         "route their follow-up turns to vLLM")
     if not trainer.vllm_importance_sampling_correction:
         logger.warning("importance_sampling=True but GRPOConfig.vllm_importance_sampling_correction=False: "
                        "TRL will not apply the correction")
