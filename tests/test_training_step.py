@@ -201,3 +201,24 @@ def test_rollouts_without_generator_logprobs_cannot_train_the_grpo_loss(one_thre
     with use_nopad_attention(model), refused:
         train_on_rollouts(stepper, [Rollout([5, 6], [7, 8])], GRPOLoss())
     assert all(p.grad is None for p in model.parameters()) and stepper.optimizer_steps == 0
+
+
+def test_an_optimizer_subclass_calling_super_step_is_one_step():
+    """torch runs the step hooks at every wrapped ``step`` in a subclass chain; the window counts the
+    outermost call only, so a user's SGD subclass is not taken for two steps per window."""
+    from training.accumulation import OptimizerStepper
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().step(closure)
+
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)  # SGD.step itself wrapped now
+    model = torch.nn.Linear(2, 1)
+    optimizer = Recording(model.parameters(), lr=0.1)
+    stepper = OptimizerStepper(model, optimizer)
+    rows = [{"num_loss_tokens": 1}]
+    with stepper.window(rows) as window:
+        with window.row():
+            window.backward(model(torch.ones(1, 2)).sum())
+    assert optimizer.calls == 1 and stepper.optimizer_steps == 1

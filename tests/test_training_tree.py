@@ -41,19 +41,24 @@ def forked_rollouts(seed=0, vocab=128):
     return rollouts
 
 
-class _GradRecorder(torch.optim.SGD):
-    """SGD that keeps the gradients of its step: what the step's window accumulated, normalised."""
+def _grad_recorder(params) -> torch.optim.SGD:
+    """SGD that keeps the gradients of its step: what the step's window accumulated, normalised.
+    A pre-step hook, not an overridden ``step``: torch wraps every class's ``step`` with the step
+    hooks, so a subclass calling ``super().step`` would run the post hooks twice once SGD is wrapped."""
+    optimizer = torch.optim.SGD(params, lr=0.5)
 
-    def step(self, closure=None):
-        self.grads = [p.grad.detach().clone() for group in self.param_groups for p in group["params"]]
-        return super().step(closure)
+    def record(opt, *_):
+        opt.grads = [p.grad.detach().clone() for group in opt.param_groups for p in group["params"]]
+
+    optimizer.register_step_pre_hook(record)
+    return optimizer
 
 
 def _step(rollouts, shared_prefix, capacity):
     """One GRPO optimizer step (one window of every row); its metrics and gradients."""
     model = tiny_model("llama")
     loss = GRPOLoss(max_tokens_per_batch=capacity, shared_prefix=shared_prefix, clip_eps=0.2)
-    optimizer = _GradRecorder(model.parameters(), lr=0.5)
+    optimizer = _grad_recorder(model.parameters())
     with use_nopad_attention(model):
         metrics = train_on_rollouts(OptimizerStepper(model, optimizer), rollouts, loss)
     return dict(zip((n for n, _ in model.named_parameters()), optimizer.grads)), metrics

@@ -130,6 +130,7 @@ class OptimizerStepper:
         self.torch_optimizer = _torch_optimizer(optimizer)
         self.optimizer_steps = 0  # counted by a hook on the real torch optimizer, inside windows
         self.skipped_steps = 0  # windows dropped by nonfinite="skip"
+        self._step_depth = 0  # nested step() calls of the optimizer now running
 
     @contextlib.contextmanager
     def window(self, rows: Sequence[Mapping], count_key: str = "num_loss_tokens",
@@ -142,7 +143,8 @@ class OptimizerStepper:
         window = Window(self, len(rows), count, step)
         saved = self._accelerator_state()
         steps_before = self.optimizer_steps
-        hook = self.torch_optimizer.register_step_post_hook(self._count)
+        hooks = (self.torch_optimizer.register_step_pre_hook(self._enter_step),
+                 self.torch_optimizer.register_step_post_hook(self._count))
         try:
             if self.accelerator is not None:  # one Accelerate accumulation window of exactly these rows
                 self.accelerator.gradient_accumulation_steps = len(rows)
@@ -155,7 +157,8 @@ class OptimizerStepper:
             self._discard_gradients()
             raise
         finally:
-            hook.remove()
+            for hook in hooks:
+                hook.remove()
             self._restore(saved)
         taken = self.optimizer_steps - steps_before
         if taken > 1:
@@ -163,8 +166,15 @@ class OptimizerStepper:
         if taken == 0 and not window.skipped:
             logger.warning("the optimizer step was skipped (DeepSpeed loss-scale overflow?)")
 
+    def _enter_step(self, *_):
+        self._step_depth += 1
+
     def _count(self, *_):
-        self.optimizer_steps += 1
+        # torch wraps each class's ``step`` with the hooks, so an optimizer subclass whose ``step``
+        # calls ``super().step()`` runs them twice: only the outermost call is a step
+        self._step_depth -= 1
+        if self._step_depth == 0:
+            self.optimizer_steps += 1
 
     def _accelerator_state(self) -> tuple | None:
         a = self.accelerator
