@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
+import numbers
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -266,7 +268,7 @@ class EpisodeRunner:
             self.scheduler.finish(seq, reason)
         episode = self._episode(seq, reason)
         if self.reward_fn is not None and reason != "abort":
-            episode.reward = float(self.reward_fn(episode))
+            episode.reward = _finite_reward(self.reward_fn, episode)
         self.done.append(episode)
         self.live -= 1
 
@@ -331,3 +333,17 @@ def render_prompts(prompts, tool_format: ToolFormat) -> list:
             prompt = tool_format.prompt_ids(list(prompt))
         out.append(prompt)
     return out
+
+
+def _finite_reward(reward_fn: Callable, episode: Episode) -> float:
+    """The episode's reward as one finite float: a NaN would make every advantage of its group NaN,
+    and a string or list would fail later with an error that names no function."""
+    value = reward_fn(episode)
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:
+        value = value.item()
+    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        name = getattr(reward_fn, "__qualname__", repr(reward_fn))
+        raise ValueError(f"episode reward {name} returned {value!r} for the episode of prompt "
+                         f"{episode.prompt_index}; it must return one finite number (e.g. 0.0 where it "
+                         "cannot score)")
+    return float(value)

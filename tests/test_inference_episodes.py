@@ -526,3 +526,17 @@ def test_each_episode_and_fork_has_its_own_environment_and_reward():
     assert len({id(e.environment) for e in episodes}) == 4
     assert [e.reward for e in episodes] == [2.0] * 4  # two calls each: the forks copied n=1
     assert [c.result for c in episodes[3].turns[1].tool_calls] == ["2"]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "1.0", [1.0], None])
+def test_an_episode_reward_that_is_not_one_finite_number_is_named(bad):
+    model = tiny_model("llama")
+    params = SamplingParams(temperature=0.0, n=1, max_tokens=4, ignore_eos=True)
+
+    def my_reward(ep):
+        return bad
+
+    with pytest.raises(ValueError, match=r"episode reward .*my_reward returned .* finite number"):
+        Generator(model, block_size=4, num_blocks=64).run_episodes(
+            [[40, 41, 42]], {"count": lambda: "1"}, params, limits=EpisodeLimits(max_turns=1, max_tokens=20),
+            tool_format=EveryTurnCalls({40: "count"}), reward_fn=my_reward)
