@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TRITON36 = Path(os.environ.get("NOPAD_TRITON36", "/tmp/triton36"))
 INTERPRETER_TESTS = ["tests/test_packing_triton_attention.py", "tests/test_packing_invariance_triton.py"]
 HAS_36 = any(TRITON36.glob("triton-3.6.*.dist-info"))
-needs_36 = pytest.mark.skipif(not HAS_36, reason=f"no Triton 3.6 in {TRITON36} (make triton-compat installs it)")
+needs_36 = pytest.mark.skipif(not HAS_36,
+                              reason=f"no Triton 3.6 in {TRITON36} (make triton-compat installs it)")
 pytestmark = pytest.mark.slow
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ import torch
 from inference.generator import Generator
 from inference.sampling_params import SamplingParams
 from inference.sharded import ROLLOUT_MODES, sharded_generate
+from packing import invariance
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +45,6 @@ _GENERATION_KWARGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "
                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
                       "max_tokens": "max_tokens", "min_new_tokens": "min_tokens", "min_tokens": "min_tokens",
                       "stop": "stop", "stop_strings": "stop", "do_sample": None}
-
-
-def _batch_invariant_context() -> Callable[[], Any] | None:
-    """``packing.batch_invariant`` when this build of nopad has it (it makes every forward give
-    the same bits whatever the batch, so the importance ratio is exactly 1 on-policy)."""
-    import packing
-
-    return getattr(packing, "batch_invariant", None)
 
 
 class NopadRollout:
@@ -64,9 +57,6 @@ class NopadRollout:
             raise ValueError(f"sharded_rollout must be one of {ROLLOUT_MODES} (gather: full weights once per "
                              f"rollout; lockstep: memory-lean), got {sharded_rollout!r}")
         self.sharded_rollout = sharded_rollout
-        if batch_invariant and _batch_invariant_context() is None:
-            raise ValueError("batch_invariant=True needs packing.batch_invariant, which this nopad build "
-                             "lacks; update nopad or drop batch_invariant=True")
         self.importance_sampling = importance_sampling
         self.batch_invariant = batch_invariant
         self.autocast = autocast
@@ -119,8 +109,8 @@ class NopadRollout:
         stack = contextlib.ExitStack()
         if self.autocast:  # the same autocast TRL scores the completions under
             stack.enter_context(trainer.accelerator.autocast())
-        if self.batch_invariant:
-            stack.enter_context(_batch_invariant_context()())
+        if self.batch_invariant:  # every forward gives the same bits whatever the batch: ratio 1 on-policy
+            stack.enter_context(invariance.batch_invariant())
         return stack
 
 
