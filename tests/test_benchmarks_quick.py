@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = sorted((ROOT / "benchmarks").glob("bench_*.py"))
-TIMEOUT_S = 300  # a --quick run takes seconds to a minute on two idle cores; this is the hang guard
+TIMEOUT_S = 600  # a --quick run takes seconds to a minute on two idle cores; this is the hang guard
 # benchmarks whose --quick run a test of their own drives in-process, checking what it reports
 # (running them again here would only repeat that work)
 DRIVEN_BY = {"bench_generate.py": "test_bench_generate.py", "bench_sampler.py": "test_bench_sampler.py"}
