@@ -137,6 +137,11 @@ def run_grpo(name: str, rollout_kind: str, trainer_kind: str, cfg: dict, out_dir
                     save_strategy="no", seed=0, beta=0.0, temperature=1.0, gradient_checkpointing=False)
     if rollout_kind == "TRL CB":
         settings["use_transformers_continuous_batching"] = True
+        # a cache for the step's sequences (1,024 tokens each in 256-token pages), as nopad's
+        # generator sizes its own: unsized, transformers fills most of the free memory (OOM on a
+        # shared machine)
+        settings["transformers_continuous_batching_config"] = dict(
+            num_blocks=cfg["prompts_per_step"] * cfg["G"] * 4 + 4)
     kwargs: dict = {}
     cls = GRPOTrainer
     if rollout_kind == "nopad":
