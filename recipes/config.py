@@ -2,10 +2,11 @@
 overrides.
 
 Each recipe declares its config as a dataclass of sections (``SFTRecipeConfig.train.lr``); the defaults
-live there and nowhere else (the shipped ``recipes/configs/*.yaml`` list them with comments, and a
-test keeps the two equal). Loading checks every value against its field's type, so a typo
-(``rollout.max_token=8``) or a wrong value (``train.lr=abc``) is an error naming the key before
-anything is built, never a silently ignored setting or a TypeError deep inside the optimizer.
+live there and nowhere else (the shipped ``recipes/configs/*.yaml`` are generated from them with
+their comments by ``python -m recipes.config``, and a test keeps the two equal). Loading checks
+every value against its field's type, so a typo (``rollout.max_token=8``) or a wrong value
+(``train.lr=abc``) is an error naming the key before anything is built, never a silently ignored
+setting or a TypeError deep inside the optimizer.
 """
 
 from __future__ import annotations
@@ -223,19 +224,24 @@ def parse_cli(cls: type[C], argv: Sequence[str] | None, prog: str, about: str = 
 NOISY_LOGGERS = ("accelerate.checkpointing",  # 8 "saved ... to ..." lines per checkpoint
                  "accelerate.accelerator",  # "loading states from ..." per resume
                  "DeepSpeed", "deepspeed")  # its CPU-accelerator notice in every run, its config dumps
+# where a deprecation FutureWarning is for nopad's developers, not for the user of a recipe: raised in
+# the libraries underneath, or attributed to nopad's own call of them
+QUIET_FUTURE_WARNINGS = (r"(torch|transformers|accelerate|deepspeed|trl|peft|datasets|huggingface_hub|"
+                         r"safetensors|packing|dataloaders|inference|training|recipes|assets)(\..*)?$")
 
 
 def setup_logging(fmt: str = "%(asctime)s %(name)s: %(message)s") -> None:
     """The recipes' console logging: INFO for nopad, warnings only from the libraries whose INFO is
-    noise to a user, and no deprecation FutureWarnings from the libraries underneath (the recipes
-    call them as documented; a warning there is for us, not for the user of a recipe)."""
+    noise to a user, and no deprecation FutureWarnings from the libraries underneath or nopad's calls
+    of them (the recipes call them as documented). Every other warning still shows, a FutureWarning
+    from the user's own code (a reward module) included."""
     import logging
     import warnings
 
     logging.basicConfig(level=logging.INFO, format=fmt)
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=QUIET_FUTURE_WARNINGS)
     import torch
 
     if not torch.cuda.is_available():  # what DeepSpeed picks anyway, without its warning every run
@@ -326,8 +332,10 @@ def yaml_header(path: str | Path) -> str:
     return "\n".join(header)
 
 
-GENERATED_YAMLS = {"evaluate": "recipes.evaluate:EvaluateConfig",
-                   "preprocess": "recipes.preprocess:PreprocessConfig"}  # file stem -> its config class
+GENERATED_YAMLS = {"evaluate": "recipes.evaluate:EvaluateConfig",  # file stem -> its config class
+                   "grpo": "recipes.grpo_config:GRPORecipeConfig",
+                   "preprocess": "recipes.preprocess:PreprocessConfig",
+                   "sft": "recipes.sft_config:SFTRecipeConfig"}
 
 
 def write_yamls(directory: str | Path = Path(__file__).parent / "configs") -> list[Path]:
@@ -395,8 +403,8 @@ class AccelerateConfig(Section):
     """``deepspeed_config``: a DeepSpeed JSON (or launch with ``accelerate launch``); ``log_with``:
     Accelerate trackers (tensorboard, wandb, all) for the run's curves."""
 
-    deepspeed_config: str | None = None
-    log_with: str | None = None
+    deepspeed_config: str | None = None  # a DeepSpeed JSON (recipes/configs/deepspeed_*.json)
+    log_with: str | None = None  # trackers for the curves: tensorboard | wandb | all
 
 
 MAX_LEARNING_RATE = 1.0  # Adam's update is ~lr per step: above this the weights only blow up

@@ -24,6 +24,7 @@ from recipes.config import (
     setup_logging,
 )
 from recipes.tasks import TASKS, RewardFn, encode_prompt, get_reward, load_examples
+from training.nonfinite import describe_sample, reward_value
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,9 @@ def evaluate(
                 for i, out in enumerate(outputs, start=lo):
                     sample = out.outputs[0]
                     text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-                    score = float(scorer(text, examples[i]))
+                    about = describe_sample(examples[i], prompt_field)
+                    where = f"prompt {i}{about}, completion {text[:60]!r}"
+                    score = reward_value(scorer(text, examples[i]), scorer, where, kind="scorer")
                     scores.append(score)
                     prompt_tokens += len(prompt_ids[i])
                     completion_tokens += len(sample.token_ids)

@@ -122,7 +122,8 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     model, optimizer = accelerator.prepare(model, optimizer)
     logger.info("training with %s on %d process(es)", engine_info(model, accelerator),
                 accelerator.num_processes)
-    stepper = OptimizerStepper(model, optimizer, accelerator, max_grad_norm=tr.max_grad_norm)
+    stepper = OptimizerStepper(model, optimizer, accelerator, max_grad_norm=tr.max_grad_norm,
+                               nonfinite=tr.nonfinite)
     loss = grpo_loss(cfg, accelerator.device)
     accelerator.init_trackers("nopad-grpo", config=tracker_config(cfg.to_dict()))
     policy = accelerator.unwrap_model(model)  # the same parameters: the generator reads them live

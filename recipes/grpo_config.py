@@ -1,5 +1,6 @@
 """The GRPO recipe's settings (``recipes/grpo.py``): a dataclass of sections that checks itself
-when built; ``recipes/configs/grpo.yaml`` lists the same defaults with comments."""
+when built. Each default and its comment are written here once; ``recipes/configs/grpo.yaml`` is
+generated from them (``python -m recipes.config``) and a test keeps it so."""
 
 from __future__ import annotations
 
@@ -25,11 +26,11 @@ class TaskConfig(Section):
     """The prompts: a built-in task (``recipes.tasks.TASKS``) or a JSONL file / saved dataset with
     ``prompt`` (and ``answer``) fields."""
 
-    name: str = "arithmetic"  # ignored when prompts is set
-    prompts: str | None = None
-    prompt_field: str = "prompt"
-    num_prompts: int = 64
-    seed: int = 0
+    name: str = "arithmetic"  # a built-in task (recipes.tasks.TASKS); ignored when prompts is set
+    prompts: str | None = None  # a data file or saved dataset with prompt (and answer) fields
+    prompt_field: str = "prompt"  # the field of each record that holds the prompt
+    num_prompts: int = 64  # the size of the built-in task
+    seed: int = 0  # the built-in task's sampling of prompts
 
     def check(self) -> None:
         self.at_least("num_prompts", 1)
@@ -40,13 +41,13 @@ class TaskConfig(Section):
 
 @dataclass
 class RolloutConfig(Section):
-    prompts_per_step: int = 8
-    num_generations: int = 8  # completions per prompt (the GRPO group)
+    prompts_per_step: int = 8  # prompts per step on each rank
+    num_generations: int = 8  # completions per prompt (the GRPO group), at least 2
     max_prompt_tokens: int = 64  # longer prompts are an error; bounds the KV cache check
-    max_tokens: int = 48  # new tokens per completion
+    max_tokens: int = 48  # new tokens per completion: room to answer, or every reward is the same
     temperature: float = 1.0  # the trained policy is the raw model: keep 1.0 for on-policy
-    top_p: float = 1.0
-    seed: int = 0
+    top_p: float = 1.0  # 1: no nucleus filter
+    seed: int = 0  # sampling seed (a different one each step)
 
     def check(self) -> None:
         for name, low in [("prompts_per_step", 1), ("num_generations", 2), ("max_prompt_tokens", 1),
@@ -56,25 +57,25 @@ class RolloutConfig(Section):
 
 @dataclass
 class GRPOGeneratorConfig(GeneratorConfig):
-    num_blocks: int = 512  # the whole rollout batch must fit
-    max_num_batched_tokens: int = 512
-    # ZeRO-3 / FSDP2 only: gather (full weights once per rollout) | lockstep (memory-lean)
-    sharded_rollout: Literal["gather", "lockstep"] = "gather"
+    num_blocks: int = 512  # KV cache blocks: the whole rollout batch must fit
+    max_num_batched_tokens: int = 512  # tokens per generator step (prefill chunks included)
+    sharded_rollout: Literal["gather", "lockstep"] = "gather"  # ZeRO-3/FSDP2: gather | lockstep (memory-lean)
 
 
 @dataclass
 class GRPOTrainConfig(Section):
-    steps: int = 2
-    lr: float = 1e-6
+    steps: int = 2  # GRPO steps, one optimizer step each
+    lr: float = 1e-6  # AdamW's learning rate, in (0, 1]
     weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: float | None = 1.0  # clip the gradient norm; null: no clipping
     max_tokens_per_batch: int = 1024  # packing capacity of one training forward
     shared_prefix: bool = True  # each prompt once per row, its completions attending to it
-    clip_eps: float = 0.2
-    beta: float = 0.0  # KL penalty against a frozen copy of the initial policy
-    batch_invariant: bool | Literal["auto"] = "auto"  # see packing.batch_invariant
+    clip_eps: float = 0.2  # PPO clip range of the ratio: [1 - clip_eps, 1 + clip_eps]
+    beta: float = 0.0  # KL penalty against a frozen copy of the initial policy; 0: none
+    batch_invariant: bool | Literal["auto"] = "auto"  # rollout log-probs = trainer's (auto: on CPU)
     is_correction: str | Callable[..., Any] = "none"  # none | tis | "module:function"
-    tis_cap: float = 2.0
+    tis_cap: float = 2.0  # is_correction=tis: min(pi_train / pi_gen, tis_cap)
+    nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or gradient: stop the run | skip the step
     seed: int = 0
 
     def check(self) -> None:
@@ -89,7 +90,9 @@ class GRPOTrainConfig(Section):
 
 @dataclass
 class GRPORecipeConfig(Section):
-    """The GRPO recipe's settings; ``recipes/configs/grpo.yaml`` lists them with comments."""
+    """The GRPO recipe's settings; ``recipes/configs/grpo.yaml`` is generated from them.
+    ``output_dir`` is required unless :func:`recipes.grpo.run_grpo` is given the model object
+    (then the caller holds the trained policy)."""
 
     model: ChatModelConfig = field(default_factory=ChatModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -98,8 +101,7 @@ class GRPORecipeConfig(Section):
     generator: GRPOGeneratorConfig = field(default_factory=GRPOGeneratorConfig)
     train: GRPOTrainConfig = field(default_factory=GRPOTrainConfig)
     accelerate: AccelerateConfig = field(default_factory=AccelerateConfig)
-    output_dir: str | None = None  # metrics.jsonl, curves.png and the trained model; required unless run_grpo
-    # is given the model object (then the caller holds the trained policy)
+    output_dir: str | None = None  # metrics.jsonl, curves.png and the trained model (an HF model directory)
 
     def check(self) -> None:
         get_reward(self.reward, key="reward")

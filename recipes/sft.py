@@ -86,7 +86,8 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     logger.info("setting up %s on %d process(es) (a DeepSpeed ZeRO-3 start partitions the weights here)",
                 accelerator.distributed_type, accelerator.num_processes)
     model, optimizer = accelerator.prepare(model, optimizer)
-    stepper = OptimizerStepper(model, optimizer, accelerator, max_grad_norm=tcfg.max_grad_norm)
+    stepper = OptimizerStepper(model, optimizer, accelerator, max_grad_norm=tcfg.max_grad_norm,
+                               nonfinite=tcfg.nonfinite)
     progress = Progress(gas)
     info = engine_info(model, accelerator)
     logger.info("training with %s on %d process(es)", info, accelerator.num_processes)
@@ -115,7 +116,7 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
                 max(max_steps - progress.step, 0), gas)
     while progress.step < max_steps:
         for window in windows(loader, gas):
-            step_loss = sft_step(stepper, window, tcfg.weighting, seen)
+            step_loss = sft_step(stepper, window, tcfg.weighting, seen, step=progress.step + 1)
             scheduler.step()
             progress.step += 1
             losses.append(record_step(accelerator, output_dir, progress.step, step_loss, bar))

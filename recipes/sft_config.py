@@ -1,5 +1,6 @@
 """The SFT recipe's settings (``recipes/sft.py``): a dataclass of sections that checks itself when
-built; ``recipes/configs/sft.yaml`` lists the same defaults with comments."""
+built. Each default and its comment are written here once; ``recipes/configs/sft.yaml`` is generated
+from them (``python -m recipes.config``) and a test keeps it so."""
 
 from __future__ import annotations
 
@@ -11,30 +12,30 @@ from recipes.config import AccelerateConfig, ConfigError, ModelConfig, Section, 
 
 @dataclass
 class SFTModelConfig(ModelConfig):
-    # nopad's varlen attention; "sdpa" / "flash_attention_2" also take packed rows
-    attn_implementation: str = "nopad"
+    attn_implementation: str = "nopad"  # nopad | sdpa | flash_attention_2 (all take packed rows)
 
 
 @dataclass
 class SFTDataConfig(Section):
-    """Where rows come from (``synthetic``, a ``.jsonl`` file or a saved dataset directory) and how
-    they are packed into micro-batches of ``tokens_per_batch`` tokens."""
+    """Where rows come from (``synthetic``, a data file or a saved dataset directory) and how they
+    are packed into micro-batches of ``tokens_per_batch`` tokens. Pre-packed rows (``recipes.preprocess``,
+    TRL's ``pack_dataset``) keep their documents apart."""
 
-    source: str = "synthetic"
-    split: str = "train"
-    prompt_column: str = "prompt"
-    completion_column: str = "completion"
-    num_rows: int = 256
-    min_len: int = 8
-    max_len: int = 200
-    seed: int = 0
-    tokens_per_batch: int | None = None  # null: the longest row of pre-packed data, else 1024
-    max_seqs_per_batch: int | None = None
-    overflow: Literal["error", "truncate", "split"] = "error"
-    max_dropped_fraction: float = 0.05
-    num_workers: int = 0
-    streaming: bool = False
-    buffer_size: int = 1000
+    source: str = "synthetic"  # synthetic | a data file (JSONL, parquet, CSV, ...) | a saved dataset dir
+    split: str = "train"  # the split of a DatasetDict
+    prompt_column: str = "prompt"  # text rows: the prompt's tokens are masked out of the loss
+    completion_column: str = "completion"  # text rows: the tokens trained on
+    num_rows: int = 256  # synthetic only: random token rows with a masked prompt
+    min_len: int = 8  # synthetic only: the shortest row
+    max_len: int = 200  # synthetic only: the longest row
+    seed: int = 0  # synthetic rows and the packing order
+    tokens_per_batch: int | None = None  # a micro-batch per rank; null: longest pre-packed row, else 1024
+    max_seqs_per_batch: int | None = None  # null: no limit
+    overflow: Literal["error", "truncate", "split"] = "error"  # what a row longer than tokens_per_batch does
+    max_dropped_fraction: float = 0.05  # overflow=truncate may drop at most this share of the tokens
+    num_workers: int = 0  # DataLoader worker processes (they only fetch; packing is in the sampler)
+    streaming: bool = False  # pack with the bounded-buffer streaming packer (needs train.max_steps)
+    buffer_size: int = 1000  # streaming look-ahead buffer (sequences)
 
     def check(self) -> None:
         for name, low in [("tokens_per_batch", 1), ("max_seqs_per_batch", 1), ("num_workers", 0),
@@ -49,14 +50,15 @@ class SFTDataConfig(Section):
 class SFTTrainConfig(Section):
     epochs: int = 1
     max_steps: int | None = None  # optimizer steps; the epochs repeat if they hold fewer
-    grad_accum: int = 2
-    lr: float = 1e-5
+    grad_accum: int = 2  # micro-batches per optimizer step; each epoch is a multiple of it
+    lr: float = 1e-5  # AdamW's peak learning rate, in (0, 1]
     weight_decay: float = 0.0
-    warmup_steps: int = 0
-    max_grad_norm: float | None = None
-    weighting: Literal["token", "sequence"] = "token"
+    warmup_steps: int = 0  # linear warm-up, then a linear decay to 0
+    max_grad_norm: float | None = None  # clip the gradient norm; null: no clipping
+    weighting: Literal["token", "sequence"] = "token"  # loss: mean over tokens | of per-sequence means
     seed: int = 0
-    progress: bool = True
+    progress: bool = True  # a progress bar
+    nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or gradient: stop the run | skip the step
 
     def check(self) -> None:
         for name, low in [("epochs", 1), ("max_steps", 1), ("grad_accum", 1), ("warmup_steps", 0),
@@ -67,10 +69,10 @@ class SFTTrainConfig(Section):
 
 @dataclass
 class CheckpointConfig(Section):
-    output_dir: str = "runs/sft"
-    every: int = 0  # 0: only at the end
-    save_final: bool = True
-    keep_last: int | None = None
+    output_dir: str = "runs/sft"  # step_N/ model directories (resume state in step_N/training_state)
+    every: int = 0  # save every N optimizer steps; 0: only at the end
+    save_final: bool = True  # save model, optimizer and loader state at the end
+    keep_last: int | None = None  # keep only the newest N complete checkpoints; null: keep all
     resume_from: str | None = None  # a step_N directory, or "latest" in output_dir
 
     def check(self) -> None:
@@ -85,7 +87,7 @@ class SFTLogConfig(Section):
 
 @dataclass
 class SFTRecipeConfig(Section):
-    """The SFT recipe's settings; ``recipes/configs/sft.yaml`` lists them with comments."""
+    """The SFT recipe's settings; ``recipes/configs/sft.yaml`` is generated from them."""
 
     model: SFTModelConfig = field(default_factory=SFTModelConfig)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)

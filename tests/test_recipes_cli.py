@@ -104,3 +104,32 @@ def test_the_shipped_yamls_are_generated_from_the_dataclasses():
         path = ROOT / "recipes" / "configs" / f"{stem}.yaml"
         assert path.read_text() == render_yaml(cls, yaml_header(path)), f"python -m recipes.config ({path})"
         assert load_config(cls, path) == cls()
+
+
+def test_setup_logging_quiets_library_noise_but_not_the_users_warnings(monkeypatch):
+    """#32 item 8: accelerate's per-checkpoint lines and deprecation FutureWarnings from the libraries
+    (or nopad's calls of them) are quiet; a user's own FutureWarning and any other warning still show."""
+    import logging
+    import warnings
+
+    from recipes.config import NOISY_LOGGERS, setup_logging
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    levels = {name: logging.getLogger(name).level for name in NOISY_LOGGERS}
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            setup_logging()
+            for module, category in [("transformers.modeling_utils", FutureWarning),
+                                     ("training.trainer", FutureWarning), ("torch.nn.modules", UserWarning),
+                                     ("my_rewards", FutureWarning), ("__main__", FutureWarning)]:
+                warnings.warn_explicit(f"from {module}", category, "x.py", 1, module=module)
+        assert [str(w.message) for w in seen] == ["from torch.nn.modules", "from my_rewards", "from __main__"]
+        assert all(not logging.getLogger(n).isEnabledFor(logging.INFO) for n in NOISY_LOGGERS)
+        import torch
+
+        if not torch.cuda.is_available():  # DeepSpeed picks the CPU without its warning every run
+            assert os.environ["DS_ACCELERATOR"] == "cpu"
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)

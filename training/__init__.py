@@ -1,7 +1,8 @@
 """What turns packed rows into a training step: one globally normalised optimizer step per window
 of rows, under any engine (``accumulation``), the SFT step and its data (``sft``, ``sft_data``),
 the GRPO step (``grpo_step``) over rollouts -> packed rows -> log-probs (``grpo``), the loss
-(``loss``), checkpoints written whole (``checkpoint``), the Accelerator (``accelerator``), and the
+(``loss``), checkpoints written whole (``checkpoint``), the Accelerator (``accelerator``), the
+checks that stop a run on a NaN or infinite reward, loss or gradient (``nonfinite``), and the
 transformers / TRL integrations (``trainer``, ``grpo_trainer``, ``trl_rollout``).
 
 It sits on ``dataloaders`` and ``inference``, which stand side by side on ``packing``. Names are
@@ -14,6 +15,7 @@ _EXPORTS = {
     "PackedLoss": "training.loss",
     "causal_lm_loss_sum": "training.loss",
     "OptimizerStepper": "training.accumulation",
+    "NonFiniteError": "training.nonfinite",
     "Rollout": "training.grpo",
     "pack_rollouts": "training.grpo",
     "packed_logprobs": "training.grpo",

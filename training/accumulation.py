@@ -14,17 +14,24 @@ summed over all rows of all ranks) and undoes the engine's own divisions (rank a
 DeepSpeed's 1/gradient_accumulation_steps, Accelerate's 1/num_steps), so the summed gradient is
 exactly the gradient of that global mean. SFT and GRPO, in the recipes and in the TRL-free tests,
 take their steps through :class:`OptimizerStepper`.
+
+A step whose loss or gradient norm is NaN or infinite on any rank is not taken: every rank stops
+together with a :class:`~training.nonfinite.NonFiniteError` naming the step and what went
+non-finite (``nonfinite="stop"``, the default), or every rank drops the step's gradient with a
+warning (``nonfinite="skip"``). Taking it would make every weight NaN, and a run saved them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from packing.distributed import fsdp2_modules, global_max, global_sum, world_size
+from packing.distributed import any_rank, fsdp2_modules, global_max, global_sum, world_size
+from training.nonfinite import NONFINITE_POLICIES, NonFiniteError
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +84,7 @@ class OptimizerStepper:
     """Exactly one globally normalised optimizer step per window of rows, on every rank.
 
         stepper = OptimizerStepper(model, optimizer, accelerator, max_grad_norm=1.0)
-        with stepper.window(rows) as w:         # every rank, with its own rows (pad_rows first)
+        with stepper.window(rows, step=3) as w: # every rank, with its own rows (pad_rows first)
             for row in rows:
                 with w.row():                   # the forward inside too (DDP's no_sync)
                     w.backward(loss_sum(row))   # the row's summed, not yet normalised, loss
@@ -88,11 +95,20 @@ class OptimizerStepper:
     of the window's mean loss. It changes the Accelerator (accumulation steps, step counter, sync
     flag) and an FSDP2 model's sync flag only inside the block, and restores them when the block
     ends, also by an exception (whose partial gradients are discarded).
+
+    ``nonfinite``: what a window whose loss or gradient norm is NaN / infinite on any rank does:
+    ``"stop"`` raises :class:`~training.nonfinite.NonFiniteError` on every rank before the step,
+    ``"skip"`` drops its gradient with a warning (not under DeepSpeed, which steps inside the
+    backward, before the window can look at the gradient).
     """
 
-    def __init__(self, model, optimizer, accelerator=None, max_grad_norm: float | None = None):
+    def __init__(self, model, optimizer, accelerator=None, max_grad_norm: float | None = None,
+                 nonfinite: str = "stop"):
         self.model, self.optimizer, self.accelerator = model, optimizer, accelerator
         self.max_grad_norm = max_grad_norm
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        self.nonfinite = nonfinite
         self.world = world_size()  # Accelerate, DeepSpeed and FSDP2 all run on torch.distributed
         self.engine = None  # a DeepSpeedEngine (any ZeRO stage) when Accelerate runs DeepSpeed
         if accelerator is not None and accelerator.distributed_type.name == "DEEPSPEED":
@@ -103,16 +119,27 @@ class OptimizerStepper:
             raise ValueError("a multi-process run without an Accelerator needs a model wrapped in "
                              "DistributedDataParallel or fully_shard (FSDP2); the gradients would "
                              "not be reduced otherwise")
+        if nonfinite == "skip" and self.engine is not None:
+            raise ValueError("train.nonfinite=skip cannot skip a step under DeepSpeed, which takes the "
+                             "optimizer step inside the last backward, before the loss and gradient can be "
+                             "checked; use train.nonfinite=stop")
+        # a loss scaler (fp16 mixed precision) skips overflowing gradients itself and lowers its scale:
+        # only the loss says the run went wrong there
+        self.loss_scaled = (accelerator is not None and getattr(accelerator, "scaler", None) is not None) or (
+            self.engine is not None and bool(getattr(model, "fp16_enabled", lambda: False)()))
         self.torch_optimizer = _torch_optimizer(optimizer)
         self.optimizer_steps = 0  # counted by a hook on the real torch optimizer, inside windows
+        self.skipped_steps = 0  # windows dropped by nonfinite="skip"
 
     @contextlib.contextmanager
-    def window(self, rows: Sequence[Mapping], count_key: str = "num_loss_tokens") -> Iterator[Window]:
-        """One accumulation window over ``rows`` (this rank's), ending in one optimizer step."""
+    def window(self, rows: Sequence[Mapping], count_key: str = "num_loss_tokens",
+               step: int | str | None = None) -> Iterator[Window]:
+        """One accumulation window over ``rows`` (this rank's), ending in one optimizer step;
+        ``step`` names it in messages: the run's step number, or a label (``"grpo step 3"``)."""
         if not rows:
             raise ValueError("an optimizer step needs at least one row on every rank (pad with pad_rows)")
         count = global_sum(sum(int(r[count_key]) for r in rows))
-        window = Window(self, len(rows), count)
+        window = Window(self, len(rows), count, step)
         saved = self._accelerator_state()
         steps_before = self.optimizer_steps
         hook = self.torch_optimizer.register_step_post_hook(self._count)
@@ -123,7 +150,7 @@ class OptimizerStepper:
             yield window
             if window.done != window.num_rows:
                 raise RuntimeError(f"the window ended after {window.done} of its {window.num_rows} rows")
-            window.grad_norm = self._clip_and_step()
+            window.grad_norm = self._clip_and_step(window)
         except BaseException:
             self._discard_gradients()
             raise
@@ -133,7 +160,7 @@ class OptimizerStepper:
         taken = self.optimizer_steps - steps_before
         if taken > 1:
             raise RuntimeError(f"{taken} optimizer steps in one accumulation window of {len(rows)} rows")
-        if taken == 0:
+        if taken == 0 and not window.skipped:
             logger.warning("the optimizer step was skipped (DeepSpeed loss-scale overflow?)")
 
     def _count(self, *_):
@@ -158,8 +185,9 @@ class OptimizerStepper:
         else:
             self.model.zero_grad(set_to_none=True)
 
-    def _clip_and_step(self) -> float:
-        """Clip (on sharded gradients too) and step once; the pre-clip gradient norm."""
+    def _clip_and_step(self, window: Window) -> float:
+        """Clip (on sharded gradients too) and step once, unless the loss or the gradient norm is
+        non-finite on some rank (:meth:`_check_finite`); the pre-clip gradient norm."""
         max_norm = self.max_grad_norm
         limit = float(max_norm) if max_norm else float("inf")
         if self.engine is not None:
@@ -174,18 +202,49 @@ class OptimizerStepper:
             norm = self.accelerator.clip_grad_norm_(self.model.parameters(), limit)
         else:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
-        self.optimizer.step()
+        norm = None if norm is None else _as_float(norm)  # None: DeepSpeed did not report it
+        if self._check_finite(window, norm):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return _as_float(norm)
+        return float("nan") if norm is None else norm
+
+    def _check_finite(self, window: Window, grad_norm: float | None) -> bool:
+        """True when the step may be taken. Every rank joins one all-reduce, so all of them stop
+        (or skip) together; a rank acting alone would leave the others waiting in a collective."""
+        what = []
+        if window.loss is not None and not bool(torch.isfinite(window.loss)):
+            what.append(f"the loss is {float(window.loss)}")
+        if grad_norm is not None and not self.loss_scaled and not math.isfinite(grad_norm):
+            what.append(f"the gradient norm is {grad_norm}")
+        if not any_rank(bool(what)):
+            return True
+        step = window.step if isinstance(window.step, str) else (
+            "an optimizer step" if window.step is None else f"step {window.step}")
+        found = " and ".join(what) if what else "the loss or the gradient norm is not finite on another rank"
+        if self.nonfinite == "skip":
+            self.skipped_steps += 1
+            window.skipped = True
+            logger.warning("%s: %s; skipping the step (train.nonfinite=skip): the weights stay as they were",
+                           step, found)
+            return False
+        damaged = (" (DeepSpeed already took the step: the weights in memory are damaged)"
+                   if self.engine is not None else "")
+        raise NonFiniteError(
+            f"{step}: {found}; stopped before this step changed the weights{damaged}, and nothing from this "
+            "step on is saved. Usual causes: a learning rate too high (train.lr), float16 overflow (use "
+            "model.dtype=bfloat16 or float32), a broken reward or data row. Set train.nonfinite=skip to skip "
+            "such steps instead")
 
 
 class Window:
     """The rows of one optimizer step, as :meth:`OptimizerStepper.window` hands them out."""
 
-    def __init__(self, stepper: OptimizerStepper, num_rows: int, count: float):
-        self.stepper, self.num_rows, self.count = stepper, num_rows, count
+    def __init__(self, stepper: OptimizerStepper, num_rows: int, count: float, step: int | str | None = None):
+        self.stepper, self.num_rows, self.count, self.step = stepper, num_rows, count, step
         self.done = 0
         self.grad_norm = float("nan")  # set when the window's step is taken
+        self.loss: torch.Tensor | None = None  # this rank's share of the step's loss, summed over its rows
+        self.skipped = False  # nonfinite="skip" dropped this step
 
     @contextlib.contextmanager
     def row(self) -> Iterator[None]:
@@ -225,7 +284,9 @@ class Window:
             s.accelerator.backward(scaled)  # under DeepSpeed: engine.step() at the boundary only
         else:
             scaled.backward()
-        return loss.detach()
+        loss = loss.detach()
+        self.loss = loss if self.loss is None else self.loss + loss
+        return loss
 
 
 def _as_float(norm) -> float:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from inference.sharded import sharded_generate
+from packing.distributed import any_rank
 from packing.invariance import batch_invariant
 from training.accumulation import OptimizerStepper, pad_rows
 from training.grpo import (
@@ -29,6 +30,7 @@ from training.grpo import (
     pack_rollouts,
     packed_logprobs,
 )
+from training.nonfinite import describe_sample, reward_value
 
 logger = logging.getLogger(__name__)
 
@@ -60,17 +62,38 @@ def grpo_step(stepper: OptimizerStepper, generator, examples: Sequence[dict],
                                    use_tqdm=use_tqdm)
     rollout_time = time.perf_counter() - t0
     generator.release()  # the KV cache goes back before any backward pass
-    rollouts, rewards = [], []
-    for example, ids, out in zip(examples, prompt_ids, outputs):
-        for c in out.outputs:
-            rewards.append(float(reward_fn(tokenizer.decode(c.token_ids, skip_special_tokens=True), example)))
-            rollouts.append(Rollout(list(ids), list(c.token_ids), [float(x) for x in c.logprobs]))
+    rollouts = [Rollout(list(ids), list(c.token_ids), [float(x) for x in c.logprobs])
+                for ids, out in zip(prompt_ids, outputs) for c in out.outputs]
+    rewards = score_rollouts(reward_fn, tokenizer, examples, outputs, step)
     rewards_t = torch.tensor(rewards).view(len(examples), params.n)
     set_advantages(rollouts, rewards_t, step)
-    metrics = train_on_rollouts(stepper, rollouts, loss, ref_model=ref_model)
+    metrics = train_on_rollouts(stepper, rollouts, loss, ref_model=ref_model, step=step)
     completion_tokens = metrics["completion_tokens"]
     return {"step": step, "reward_mean": float(rewards_t.mean()), "reward_std": float(rewards_t.std()),
             **metrics, "rollout_tokens_per_s": completion_tokens / rollout_time, "rollout_s": rollout_time}
+
+
+def score_rollouts(reward_fn: RewardFn, tokenizer, examples: Sequence[dict], outputs,
+                   step: int) -> list[float]:
+    """Every completion's reward, in rollout order, each checked to be one finite number (an error
+    names the reward, the step and the sample). Every rank joins one all-reduce after scoring, so a
+    reward that fails on one rank stops all of them instead of leaving the others in a collective."""
+    rewards, failure = [], None
+    try:
+        for i, (example, out) in enumerate(zip(examples, outputs)):
+            for j, c in enumerate(out.outputs):
+                text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                where = (f"grpo step {step}, prompt {i} of this rank's step{describe_sample(example)}, "
+                         f"completion {j} {text[:60]!r}")
+                rewards.append(reward_value(reward_fn(text, example), reward_fn, where))
+    except Exception as err:  # raised below, once every rank knows
+        failure = err
+    if any_rank(failure is not None):
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"grpo step {step}: the reward failed on another rank (its error is in that "
+                           "rank's log); stopping here too")
+    return rewards
 
 
 def set_advantages(rollouts: list[Rollout], rewards: torch.Tensor, step: int = 0) -> None:
@@ -89,9 +112,10 @@ def set_advantages(rollouts: list[Rollout], rewards: torch.Tensor, step: int = 0
 
 
 def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: GRPOLoss, *,
-                      ref_model=None) -> dict:
+                      ref_model=None, step: int | None = None) -> dict:
     """Packed training forward and backward over ``rollouts`` (with their advantages), one optimizer
-    step; every rank calls it, also with no rollouts. Returns the training metrics of the step."""
+    step; every rank calls it, also with no rollouts. Returns the training metrics of the step.
+    ``step`` names the step when its loss or gradient is not finite."""
     model = stepper.model
     model.train()
     t0 = time.perf_counter()
@@ -100,7 +124,8 @@ def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: 
     rows = pad_rows(rows, empty_rollout_row)
     gaps, ratios, losses, clipped = [], [], [], 0
     device = next(model.parameters()).device
-    with stepper.window(rows, "num_loss_tokens") as window:
+    label = None if step is None else f"grpo step {step}"
+    with stepper.window(rows, "num_loss_tokens", step=label) as window:
         for row in rows:
             row = row.to(device)  # CPU rows (and their VarlenMeta) to the model
             with window.row():

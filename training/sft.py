@@ -26,16 +26,17 @@ COUNT_KEYS = {"token": "num_loss_tokens", "sequence": "num_loss_seqs"}  # what a
 
 
 def sft_step(stepper: OptimizerStepper, window: list[dict], weighting: str = "token",
-             seen: list | None = None) -> float:
+             seen: list | None = None, step: int | None = None) -> float:
     """Forward and backward every micro-batch of ``window``, then one optimizer step; the loss is
     the mean over the window's loss tokens (or sequences) on all ranks. Returns this rank's share
-    of the step's loss; appends each micro-batch's dataset indices to ``seen`` when given."""
+    of the step's loss; appends each micro-batch's dataset indices to ``seen`` when given.
+    ``step`` (the optimizer step's number) names the step when its loss or gradient is not finite."""
     if weighting not in COUNT_KEYS:
         raise ValueError(f"unknown weighting {weighting!r}; choose one of {tuple(COUNT_KEYS)}")
     model = stepper.model
     device = next(model.parameters()).device if stepper.accelerator is None else stepper.accelerator.device
     step_loss = 0.0
-    with stepper.window(window, COUNT_KEYS[weighting]) as w:
+    with stepper.window(window, COUNT_KEYS[weighting], step=step) as w:
         for batch in window:
             batch = as_row(batch).to(device)
             if seen is not None:
