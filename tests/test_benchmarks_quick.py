@@ -30,6 +30,8 @@ PRINTS = {"bench_attention_plan.py": ["training step: registry.choose runs per f
 def run_quick(path: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the CPU path, on any machine
     env.pop("TRITON_INTERPRET", None)  # set by conftest.py for the Triton tests; make bench has none
+    # this checkout's packages first, as pytest has them (not another checkout installed editable)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen([sys.executable, str(path), "--quick"], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
