@@ -9,12 +9,13 @@ timeout; its whole process group is killed if it runs over (bench_sharded starts
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.processes import run_in_group
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = sorted((ROOT / "benchmarks").glob("bench_*.py"))
@@ -32,16 +33,12 @@ def run_quick(path: Path) -> subprocess.CompletedProcess:
     env.pop("TRITON_INTERPRET", None)  # set by conftest.py for the Triton tests; make bench has none
     # this checkout's packages first, as pytest has them (not another checkout installed editable)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen([sys.executable, str(path), "--quick"], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+    cmd = [sys.executable, str(path), "--quick"]
+    returncode, out, err = run_in_group(cmd, TIMEOUT_S, cwd=ROOT, env=env)
+    if returncode is None:
         pytest.fail(f"{path.name} --quick ran over {TIMEOUT_S} s; a quick run must take seconds "
                     f"(benchmarks/README.md). Last output:\n{out[-2000:]}\n{err[-2000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return subprocess.CompletedProcess(cmd, returncode, out, err)
 
 
 def test_the_benchmarks_are_found():
