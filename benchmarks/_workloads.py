@@ -181,3 +181,25 @@ def static_batch_occupancy(max_new_tokens: list[int], batch_size: int) -> tuple[
             held.append(len(batch))
             useful.append(sum(k > step for k in batch))
     return held, useful
+
+
+def tiny_llama(vocab_size: int = 256, layers: int = 2, seed: int = 0, tokenizer=None):
+    """A random-weight Llama (hidden 64, 4 heads, 2 KV heads) for ``--quick`` runs: a benchmark's
+    whole pipeline in seconds on a CPU, without loading SmolLM2. With ``tokenizer`` its vocabulary
+    and special tokens are the tokenizer's (whose pad token is set to eos when it has none)."""
+    import torch
+    import transformers
+
+    special = {}
+    if tokenizer is not None:
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        vocab_size = len(tokenizer)
+        special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id)
+    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=4096, **special)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).float()

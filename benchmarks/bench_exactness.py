@@ -13,7 +13,7 @@ size the run (64 x 8 x 24 = 12,288 sampled tokens checked). For each dtype and m
           backward over the packed rows); the invariant mode's ratio to the default mode's
 
     python benchmarks/bench_exactness.py           # full run
-    python benchmarks/bench_exactness.py --quick   # smoke run (fewer prompts and tokens)
+    python benchmarks/bench_exactness.py --quick   # smoke run: a tiny random Llama, fewer prompts and tokens
     python benchmarks/bench_exactness.py --device cuda --dtypes bfloat16 --prompts 64 --samples 8
     python benchmarks/bench_exactness.py --device cuda --model qwen2.5-0.5b --dtypes bfloat16 \\
         --prompts 64 --samples 8
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
 from assets.smollm2 import load_smollm2  # noqa: E402
-from benchmarks._workloads import grpo_workload  # noqa: E402
+from benchmarks._workloads import grpo_workload, tiny_llama  # noqa: E402
 from dataloaders.loader import move_batch  # noqa: E402
 from inference import Generator, SamplingParams  # noqa: E402
 from packing.hf import use_nopad_attention  # noqa: E402
@@ -45,7 +45,9 @@ QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, nu
 
 def load(name: str, dtype: torch.dtype, device: str):
     """``(model, tokenizer)``: the demo SmolLM2 (its real weights), or a random-weight Qwen2.5-0.5B
-    of real shape (no download; no tokenizer: prompts are token ids)."""
+    of real shape or a tiny Llama (``--quick``) (no download; no tokenizer: prompts are token ids)."""
+    if name == "tiny":
+        return tiny_llama().to(device=device, dtype=dtype).eval(), None
     if name == "smollm2":
         model, tokenizer = load_smollm2(dtype=dtype)
         return model.to(device), tokenizer
@@ -112,16 +114,19 @@ def measure(model, tokenizer, prompts, params, invariant: bool, capacity: int) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="2 prompts x 2 samples x 8 tokens")
+    parser.add_argument("--quick", action="store_true",
+                        help="a tiny random Llama, 2 prompts x 2 samples x 8 tokens")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--model", choices=["smollm2", "qwen2.5-0.5b"], default="smollm2")
+    parser.add_argument("--model", choices=["smollm2", "qwen2.5-0.5b", "tiny"], default=None,
+                        help="default: smollm2 (tiny with --quick)")
     parser.add_argument("--prompts", type=int, default=None)
     parser.add_argument("--samples", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    args.model = args.model or ("tiny" if args.quick else "smollm2")
     num_prompts, n, max_tokens = (2, 2, 8) if args.quick else (8, 4, 24)
     num_prompts, n, max_tokens = args.prompts or num_prompts, args.samples or n, args.new_tokens or max_tokens
     params = SamplingParams(temperature=1.0, n=n, max_tokens=max_tokens, seed=0, ignore_eos=True)

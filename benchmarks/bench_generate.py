@@ -17,7 +17,7 @@ time goes on each workload (a second, instrumented run: linear layers, attention
 generate's time over nopad's linear time is the ratio's ceiling if the rest were free).
 
     python benchmarks/bench_generate.py            # full run (~10 min on 2 idle cores)
-    python benchmarks/bench_generate.py --quick    # smoke run (~1 min)
+    python benchmarks/bench_generate.py --quick    # smoke run: a tiny random Llama
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from benchmarks._workloads import (  # noqa: E402
     grpo_workload,
     prefill_workload,
     static_batch_occupancy,
+    tiny_llama,
 )
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
@@ -290,21 +291,11 @@ def print_env(args) -> None:
 
 def load_model(args):
     if args.tiny_model:  # for the smoke test: random weights, real tokenizer and chat template
-        from transformers import LlamaConfig, LlamaForCausalLM
-
         from assets.smollm2 import load_smollm2_tokenizer
 
         tok = load_smollm2_tokenizer()
-        if tok.pad_token_id is None:
-            tok.pad_token = tok.eos_token
-        config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id)
-        config._attn_implementation = "sdpa"
-        torch.manual_seed(0)
         args.model_name = "tiny random Llama (smoke test)"
-        return LlamaForCausalLM(config).float().eval(), tok
+        return tiny_llama(tokenizer=tok).eval(), tok
     from assets.smollm2 import load_smollm2
 
     args.model_name = "SmolLM2-135M-Instruct"
@@ -313,7 +304,7 @@ def load_model(args):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small smoke run (~1 min)")
+    p.add_argument("--quick", action="store_true", help="smoke run: a tiny random Llama, small workloads")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--min-new-tokens", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -350,6 +341,7 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = p.parse_args(argv)
     if args.quick:
+        args.tiny_model = True
         args.num_prompts, args.min_new_tokens, args.max_new_tokens = 8, 8, 32
         args.batch_size, args.grpo_prompts, args.grpo_n, args.grpo_new_tokens = 4, 2, 4, 16
         args.check_prompts = 2

@@ -1,10 +1,10 @@
 """GRPO training forward+backward per step: shared-prefix rows vs usual packing vs padding.
 
-SmolLM2-135M-Instruct (``packing.load_smollm2``, fp32, CPU). One GRPO step's training data is
-``groups`` prompts of ``P`` tokens with ``n`` completions each (lengths uniform in [C/2, C], fixed
-seed); the loss is the GRPO policy-gradient surrogate (advantage-weighted log-probs of the
-completion tokens, LM head only on the positions that predict them). Timed: forward + backward
-of every row of the step, the best of ``--repeats``:
+SmolLM2-135M-Instruct (``assets.smollm2.load_smollm2``, fp32, CPU; ``--quick``: a tiny random
+Llama). One GRPO step's training data is ``groups`` prompts of ``P`` tokens with ``n`` completions
+each (lengths uniform in [C/2, C], fixed seed); the loss is the GRPO policy-gradient surrogate
+(advantage-weighted log-probs of the completion tokens, LM head only on the positions that predict
+them). Timed: forward + backward of every row of the step, the best of ``--repeats``:
 
   (a) shared   each prompt once per row, its completions attending to it
                (``training.grpo.pack_rollouts(shared_prefix=True)``), nopad attention
@@ -13,7 +13,7 @@ of every row of the step, the best of ``--repeats``:
   (c) padded   micro-batches of the same token budget padded to the longest, sdpa attention
 
     python benchmarks/bench_grpo_train.py            # 3 shapes, 2 prompts per step, best of 2
-    python benchmarks/bench_grpo_train.py --quick    # 1 prompt per step, 1 timed run, no warm-up
+    python benchmarks/bench_grpo_train.py --quick    # tiny random Llama, 1 prompt, shapes /8, 1 timed run
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere (recipes/)
 
-from packing import load_smollm2  # noqa: E402
+from assets.smollm2 import load_smollm2  # noqa: E402
+from benchmarks._workloads import tiny_llama  # noqa: E402
 from packing.hf import use_nopad_attention  # noqa: E402
 from training.grpo import Rollout, pack_rollouts  # noqa: E402
 
@@ -104,21 +105,25 @@ def best_time(step, model, data, repeats, warmup):
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="1 prompt per step, 1 timed run, no warm-up")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: a tiny random Llama, 1 prompt per step, shapes / 8, 1 timed run")
     parser.add_argument("--budget", type=int, default=4096, help="tokens per training row / padded batch")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     groups, repeats, warmup = (1, 1, 0) if args.quick else (2, 2, 1)
-    model, _ = load_smollm2(torch.float32)
+    if args.quick:
+        name, model, shapes = "tiny random Llama", tiny_llama(), [(p // 8, c // 8, n) for p, c, n in SHAPES]
+    else:
+        name, (model, _), shapes = "SmolLM2-135M-Instruct", load_smollm2(torch.float32), SHAPES
     model.train()
     vocab = model.config.vocab_size
-    print(f"SmolLM2-135M-Instruct fp32, {args.threads} threads, {groups} prompt(s) per step, row budget "
+    print(f"{name} fp32, {args.threads} threads, {groups} prompt(s) per step, row budget "
           f"{args.budget} tokens, best of {repeats} after {warmup} warm-up (forward+backward per step)")
     header = (f"{'P/C, n':>14} {'tokens s/p/pad':>20} {'shared s':>9} {'packed s':>9} {'padded s':>9} "
               f"{'packed/shared':>14} {'padded/shared':>14}")
     print(header)
-    for prompt_len, completion_len, n in SHAPES:
+    for prompt_len, completion_len, n in shapes:
         rollouts = make_rollouts(prompt_len, completion_len, n, groups, vocab)
         shared = pack_rollouts(rollouts, args.budget, shared_prefix=True)
         usual = pack_rollouts(rollouts, args.budget, shared_prefix=False)

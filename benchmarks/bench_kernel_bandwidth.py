@@ -20,7 +20,9 @@ in-cache figure is near its from-memory one is compute-bound, not waiting on mem
 3. one chunked-prefill step (5 sequences, 128-512 new tokens over 0-900 cached ones, paged): the
    kernel, reading the blocks in place, against per-sequence SDPA on gathered keys, in GFLOP/s.
 
-    python benchmarks/bench_kernel_bandwidth.py [--threads N] [--quick]
+    python benchmarks/bench_kernel_bandwidth.py [--threads N]
+    python benchmarks/bench_kernel_bandwidth.py --quick   # smoke run: one shape, fp32/bf16, 8 sequences,
+                                                          # small buffers (the figures are not the claim)
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ SHAPES = [("SmolLM2 9/3 heads, dim 64", 9, 3, 64), ("G=8 16/2 heads, dim 128", 1
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BLOCK_SIZES = [16, 256]
 KV_BYTES_PER_CALL = 256 << 20
+BANDWIDTH_BYTES = 1 << 30
 
 
 def best_of(fn, repeats: int) -> float:
@@ -58,15 +61,16 @@ def best_of(fn, repeats: int) -> float:
     return min(times)
 
 
-def read_bandwidth(repeats: int) -> float:
+def read_bandwidth(repeats: int, nbytes: int = BANDWIDTH_BYTES) -> float:
     """Memory read bandwidth in GB/s: a sum over 1 GiB of fp32 (torch's vectorised reduction uses
     the threads set by torch.set_num_threads)."""
-    buf = torch.ones(1 << 28, dtype=torch.float32)
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
     seconds = best_of(lambda: buf.sum(), repeats)
     return buf.numel() * buf.element_size() / seconds / 1e9
 
 
-def paged_step(num_seqs: int, heads: int, kv_heads: int, dim: int, block: int, dtype: torch.dtype):
+def paged_step(num_seqs: int, heads: int, kv_heads: int, dim: int, block: int, dtype: torch.dtype,
+               kv_bytes_per_call: int = KV_BYTES_PER_CALL):
     """A decode step's meta and queries plus enough per-layer paged caches to exceed the LLC."""
     rng = np.random.default_rng(0)
     ctx = rng.integers(150, 451, num_seqs)
@@ -82,7 +86,7 @@ def paged_step(num_seqs: int, heads: int, kv_heads: int, dim: int, block: int, d
     meta = VarlenMeta.for_step([1] * num_seqs, ctx, block_table=table)
     itemsize = torch.empty((), dtype=dtype).element_size()
     kv_bytes = int(key_lens.sum()) * kv_heads * dim * 2 * itemsize  # K and V, the keys actually read
-    layers = max(1, -(-KV_BYTES_PER_CALL // kv_bytes))
+    layers = max(1, -(-kv_bytes_per_call // kv_bytes))
     gen = torch.Generator().manual_seed(1)
     caches = [
         tuple(torch.randn(num_blocks, block, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
@@ -92,8 +96,8 @@ def paged_step(num_seqs: int, heads: int, kv_heads: int, dim: int, block: int, d
     return meta, q, caches, kv_bytes
 
 
-def decode_case(num_seqs, heads, kv_heads, dim, block, dtype, repeats):
-    meta, q, caches, kv_bytes = paged_step(num_seqs, heads, kv_heads, dim, block, dtype)
+def decode_case(num_seqs, heads, kv_heads, dim, block, dtype, repeats, kv_bytes_per_call=KV_BYTES_PER_CALL):
+    meta, q, caches, kv_bytes = paged_step(num_seqs, heads, kv_heads, dim, block, dtype, kv_bytes_per_call)
     scale = dim ** -0.5
 
     def kernel_layer(cache):
@@ -133,47 +137,55 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--seqs", type=int, default=48)
-    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: one shape, fp32/bf16, 8 sequences, small buffers, fewer repeats")
     args = parser.parse_args()
+    shapes, dtypes, chunks = SHAPES, DTYPES, PREFILL_CHUNKS
+    kv_per_call, bandwidth_bytes = KV_BYTES_PER_CALL, BANDWIDTH_BYTES
+    if args.quick:
+        shapes, dtypes, kv_per_call, bandwidth_bytes = SHAPES[:1], DTYPES[:2], 4 << 20, 64 << 20
+        args.seqs, chunks = min(args.seqs, 8), [(q // 8, c // 8) for q, c in PREFILL_CHUNKS]
     if args.seqs < 1 or args.threads < 1:
         parser.error(f"--seqs and --threads must be >= 1, got {args.seqs} and {args.threads}")
     if cpu_kernel.kernel() is None:
         raise SystemExit("the attention kernel is not built: python setup.py build_ext --inplace")
     torch.set_num_threads(args.threads)
-    repeats = 2 if args.quick else 5
-    bandwidth = read_bandwidth(repeats)
+    repeats = 1 if args.quick else 5
+    bandwidth = read_bandwidth(repeats, bandwidth_bytes)
     print(f"torch {torch.__version__}, {args.threads} threads, load average {os.getloadavg()[0]:.2f}")
-    print(f"memory read bandwidth (torch.sum over 1 GiB fp32, best of {repeats}): {bandwidth:.1f} GB/s")
+    print(f"memory read bandwidth (torch.sum over {bandwidth_bytes >> 20} MiB fp32, best of {repeats}): "
+          f"{bandwidth:.1f} GB/s")
     print(f"decode step: {args.seqs} sequences x 150-450 cached tokens + 1 new; per layer, K/V from memory\n")
     print_head(f"{'shape':27s} {'dtype':9s} {'block':>5s} {'KV MB':>7s} | {'kernel ms':>9s} {'GB/s':>6s}"
                f" {'% bw':>5s} | {'in cache':>8s} {'% bw':>5s} | {'sdpa ms':>8s} {'GB/s':>6s} {'% bw':>5s} | "
                f"{'speedup':>7s} {'max err':>8s}")
-    for name, heads, kv_heads, dim in SHAPES:
-        for dtype in DTYPES:
+    for name, heads, kv_heads, dim in shapes:
+        for dtype in dtypes:
             for block in BLOCK_SIZES:
                 kv_bytes, t_kernel, t_hot, t_sdpa, err = decode_case(args.seqs, heads, kv_heads, dim, block,
-                                                                     dtype, repeats)
+                                                                     dtype, repeats, kv_per_call)
                 gk, gh, gs = (kv_bytes / t / 1e9 for t in (t_kernel, t_hot, t_sdpa))
                 print(f"{name:27s} {str(dtype)[6:]:9s} {block:5d} {kv_bytes / 1e6:7.2f} | "
                       f"{t_kernel * 1e3:9.3f} {gk:6.1f} {100 * gk / bandwidth:4.0f}% | "
                       f"{gh:8.1f} {100 * gh / bandwidth:4.0f}% | "
                       f"{t_sdpa * 1e3:8.3f} {gs:6.1f} {100 * gs / bandwidth:4.0f}% | "
                       f"{t_sdpa / t_kernel:6.2f}x {err:8.1e}", flush=True)
-    prefill_section(args, repeats)
+    prefill_section(repeats, shapes, dtypes, chunks)
 
 
 # (new tokens, cached tokens) of each sequence of the prefill step
 PREFILL_CHUNKS = [(512, 0), (512, 512), (256, 700), (256, 200), (128, 900)]
 
 
-def prefill_case(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, repeats: int):
+def prefill_case(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, repeats: int,
+                 chunks: list[tuple[int, int]] = PREFILL_CHUNKS):
     """One chunked-prefill step: each sequence's new tokens attend causally to its cached keys
     (paged, blocks of 16) and to each other; the kernel reads the blocks in place, per-sequence
     SDPA gathers them first."""
     block = 16
-    query_lens = [q for q, _ in PREFILL_CHUNKS]
-    cached = [c for _, c in PREFILL_CHUNKS]
-    need = [-(-(q + c) // block) for q, c in PREFILL_CHUNKS]
+    query_lens = [q for q, _ in chunks]
+    cached = [c for _, c in chunks]
+    need = [-(-(q + c) // block) for q, c in chunks]
     perm = torch.randperm(sum(need), generator=torch.Generator().manual_seed(0)).to(torch.int32)
     table = torch.zeros(len(need), max(need), dtype=torch.int32)
     start = 0
@@ -196,20 +208,20 @@ def prefill_case(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, repeat
 
     err = (kernel().float() - sdpa().float()).abs().max().item()
     # causal pairs (query, visible key) x heads x 2 matmuls x 2 flops x dim
-    pairs = sum(qn * c + qn * (qn + 1) // 2 for qn, c in PREFILL_CHUNKS)
+    pairs = sum(qn * c + qn * (qn + 1) // 2 for qn, c in chunks)
     flops = pairs * heads * 4 * dim
     return flops, best_of(kernel, repeats), best_of(sdpa, repeats), err
 
 
-def prefill_section(args, repeats: int) -> None:
-    chunks = ", ".join(f"{qn} new over {c} cached" for qn, c in PREFILL_CHUNKS)
-    print(f"\nprefill chunks (one step: {chunks}; paged, blocks of 16): kernel reads the cache in place, "
+def prefill_section(repeats: int, shapes, dtypes, chunks) -> None:
+    described = ", ".join(f"{qn} new over {c} cached" for qn, c in chunks)
+    print(f"\nprefill chunks (one step: {described}; paged, blocks of 16): kernel reads the cache in place, "
           "per-sequence SDPA gathers it")
     print_head(f"{'shape':27s} {'dtype':9s} | {'kernel ms':>9s} {'GFLOP/s':>8s} | {'sdpa ms':>8s} "
                f"{'GFLOP/s':>8s} | {'speedup':>7s} {'max err':>8s}")
-    for name, heads, kv_heads, dim in SHAPES:
-        for dtype in DTYPES:
-            flops, t_kernel, t_sdpa, err = prefill_case(heads, kv_heads, dim, dtype, repeats)
+    for name, heads, kv_heads, dim in shapes:
+        for dtype in dtypes:
+            flops, t_kernel, t_sdpa, err = prefill_case(heads, kv_heads, dim, dtype, repeats, chunks)
             print(f"{name:27s} {str(dtype)[6:]:9s} | {t_kernel * 1e3:9.2f} {flops / t_kernel / 1e9:8.1f} | "
                   f"{t_sdpa * 1e3:8.2f} {flops / t_sdpa / 1e9:8.1f} | {t_sdpa / t_kernel:6.2f}x {err:8.1e}",
                   flush=True)

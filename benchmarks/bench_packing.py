@@ -8,7 +8,7 @@ Padding-to-longest over random micro-batches of 8 and padding to the capacity ar
 reference.
 
     python benchmarks/bench_packing.py           # 1,000,000 rows per workload (TRL takes minutes)
-    python benchmarks/bench_packing.py --quick   # 100,000 rows
+    python benchmarks/bench_packing.py --quick   # 10,000 rows (a smoke run)
 """
 
 from __future__ import annotations
@@ -120,10 +120,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="100k rows instead of 1M")
+    parser.add_argument("--quick", action="store_true", help="10k rows instead of 1M (a smoke run)")
     parser.add_argument("--rows", type=int, default=None, help="override the number of rows")
     args = parser.parse_args()
-    n = args.rows or (100_000 if args.quick else 1_000_000)
+    n = args.rows or (10_000 if args.quick else 1_000_000)
     for name, (sampler, capacity) in WORKLOADS.items():
         run_workload(name, sampler, capacity, n, repeats=3)
 

@@ -11,7 +11,7 @@ minus the resident set just before it: what the rollout regime itself costs. Gre
 every system makes the same tokens.
 
     python benchmarks/bench_sharded.py            # hidden 768, 8 layers (~58 M parameters)
-    python benchmarks/bench_sharded.py --quick    # hidden 256, 4 layers
+    python benchmarks/bench_sharded.py --quick    # hidden 128, 2 layers (a smoke run)
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def worker(regime: str, quick: bool, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    hidden, layers = (256, 4) if quick else (768, 8)
+    hidden, layers = (128, 2) if quick else (768, 8)
     config = transformers.LlamaConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
                                       num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
                                       max_position_embeddings=1024, pad_token_id=0, bos_token_id=1,

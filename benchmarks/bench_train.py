@@ -116,15 +116,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="small smoke run")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 6 sequences, 1024 tokens per step")
     parser.add_argument("--sequences", type=int, default=None)
     parser.add_argument("--budget", type=int, default=None, help="tokens per step (default 4096)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    n = args.sequences or (12 if args.quick else 48)
-    budget = args.budget or (2048 if args.quick else 4096)
+    n = args.sequences or (6 if args.quick else 48)
+    budget = args.budget or (1024 if args.quick else 4096)
     cap = min(2048, budget)
     vocab = 2048  # a small head, so the layers (and attention) carry most of the compute
     lengths = make_lengths(n, cap, args.seed)

@@ -34,7 +34,7 @@ layers) given as ``peft_config=`` to TRL's ``GRPOTrainer`` and to ``NopadGRPOTra
 trainer wraps the model itself, and only the adapter trains.
 
     python benchmarks/bench_trl.py            # full run (tens of minutes on 2 CPU cores)
-    python benchmarks/bench_trl.py --quick    # smoke run (1 prompt x 4 samples, 256-token SFT steps)
+    python benchmarks/bench_trl.py --quick    # smoke run: a tiny random Llama, 1 prompt x 4 samples
     python benchmarks/bench_trl.py --lora --skip sft   # GRPO with LoRA: TRL vs nopad, same peft_config
 """
 
@@ -57,12 +57,16 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import datasets  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from benchmarks._workloads import CHAT_QUESTIONS, GRPO_QUESTIONS  # noqa: E402
+from benchmarks._workloads import CHAT_QUESTIONS, GRPO_QUESTIONS, tiny_llama  # noqa: E402
 
 
-def load_model():
-    from assets.smollm2 import load_smollm2
+def load_model(tiny: bool = False):
+    """SmolLM2-135M-Instruct, or with ``tiny`` a tiny random Llama with its tokenizer."""
+    from assets.smollm2 import load_smollm2, load_smollm2_tokenizer
 
+    if tiny:
+        tok = load_smollm2_tokenizer()
+        return tiny_llama(tokenizer=tok).train(), tok
     model, tok = load_smollm2(torch.float32)
     if getattr(model, "is_quantized", False):  # fresh from the GGUF: Trainer refuses it; the cache is clean
         model, tok = load_smollm2(torch.float32)
@@ -142,7 +146,7 @@ def run_grpo(name: str, rollout_kind: str, trainer_kind: str, cfg: dict, out_dir
     from training.grpo_trainer import NopadGRPOTrainer
     from training.trl_rollout import nopad_rollout_func
 
-    model, tok = load_model()
+    model, tok = load_model(cfg["tiny_model"])
     settings = dict(output_dir=str(out_dir / name.replace(" ", "_")),
                     per_device_train_batch_size=cfg["prompts_per_step"] * cfg["G"], num_generations=cfg["G"],
                     max_completion_length=cfg["new_tokens"], max_steps=cfg["steps"],
@@ -150,6 +154,11 @@ def run_grpo(name: str, rollout_kind: str, trainer_kind: str, cfg: dict, out_dir
                     save_strategy="no", seed=0, beta=0.0, temperature=1.0, gradient_checkpointing=False)
     if rollout_kind == "TRL CB":
         settings["use_transformers_continuous_batching"] = True
+        # a cache for the step's sequences (1,024 tokens each in 256-token pages), as nopad's
+        # generator sizes its own: unsized, transformers fills most of the free memory (OOM on a
+        # shared machine)
+        settings["transformers_continuous_batching_config"] = dict(
+            num_blocks=cfg["prompts_per_step"] * cfg["G"] * 4 + 4)
     kwargs: dict = {"peft_config": lora_config()} if lora else {}
     cls = GRPOTrainer
     if rollout_kind == "nopad":
@@ -241,7 +250,7 @@ def run_sft(name: str, cfg: dict, texts: list[str], out_dir: Path) -> dict:
 
     from training.trainer import NopadSFTTrainer
 
-    model, tok = load_model()
+    model, tok = load_model(cfg["tiny_model"])
     base = NopadSFTTrainer if name == "nopad" else SFTTrainer
     counts = {"real": 0, "computed": 0}
 
@@ -290,10 +299,10 @@ def main() -> None:
     torch.set_num_threads(cli.threads)
     if cli.quick:
         cfg = dict(prompts=8, prompts_per_step=1, G=4, new_tokens=8, steps=2, max_num_batched_tokens=1024,
-                   max_length=128, rows=2, sft_docs=40, sft_steps=3)
+                   max_length=128, rows=2, sft_docs=40, sft_steps=3, tiny_model=True)
     else:
         cfg = dict(prompts=8, prompts_per_step=1, G=8, new_tokens=64, steps=3, max_num_batched_tokens=2048,
-                   max_length=512, rows=4, sft_docs=400, sft_steps=6)
+                   max_length=512, rows=4, sft_docs=400, sft_steps=6, tiny_model=False)
     if cli.grpo_steps:
         cfg["steps"] = cli.grpo_steps
     out_dir = Path("/tmp/nopad_bench_trl")

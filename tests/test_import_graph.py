@@ -1,13 +1,14 @@
 """The packages' import graph: packing is the core; dataloaders and inference stand side by side
-on it; training sits on both; recipes (scripts) sit on top and nothing imports them. Imports
-inside functions count too: a lazy import is still a dependency."""
+on it; training sits on both; recipes (scripts) sit on top and nothing imports them; benchmarks
+may import everything and only tests import them. Imports inside functions count too: a lazy
+import is still a dependency. No cycle either between packages or between modules."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("packing", "dataloaders", "inference", "training", "assets", "recipes")
-# what each package may import, besides itself
+PACKAGES = ("packing", "dataloaders", "inference", "training", "assets", "recipes", "benchmarks")
+# what each package may import, besides itself (tests/ are not scanned: they may import anything)
 ALLOWED = {
     "packing": set(),
     "assets": set(),
@@ -15,6 +16,7 @@ ALLOWED = {
     "inference": {"packing"},
     "training": {"packing", "dataloaders", "inference"},
     "recipes": {"packing", "dataloaders", "inference", "training", "assets"},
+    "benchmarks": {"packing", "dataloaders", "inference", "training", "assets", "recipes"},
 }
 
 
@@ -57,3 +59,54 @@ def test_the_package_graph_has_no_cycles():
 
     for package in PACKAGES:
         visit(package, [])
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Project module -> the project modules it imports (``from a.b import c`` is ``a.b.c`` when c
+    is a module, else ``a.b``; relative imports resolved)."""
+    files = {module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in files.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {resolve(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+                    for _ in range(node.level - 1):
+                        package = package.rpartition(".")[0]
+                    base = ".".join(p for p in (package, base) if p)
+                found |= {resolve(f"{base}.{a.name}") for a in node.names}
+        graph[module] = found - {None, module}
+    return graph
+
+
+def test_the_module_graph_has_no_cycles():
+    graph = module_graph()
+    assert "packing.attention.registry" in graph and "benchmarks.bench_generate" in graph
+    state = {}  # module -> "visiting" | "done"
+
+    def visit(node, path):
+        assert state.get(node) != "visiting", f"import cycle: {' -> '.join(path + [node])}"
+        if state.get(node) == "done":
+            return
+        state[node] = "visiting"
+        for nxt in sorted(graph[node]):
+            visit(nxt, path + [node])
+        state[node] = "done"
+
+    for module in sorted(graph):
+        visit(module, [])
