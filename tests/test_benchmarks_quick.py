@@ -22,7 +22,8 @@ BENCHMARKS = sorted((ROOT / "benchmarks").glob("bench_*.py"))
 TIMEOUT_S = 600  # a --quick run takes seconds to a minute on two idle cores; this is the hang guard
 # benchmarks whose --quick run a test of their own drives in-process, checking what it reports
 # (running them again here would only repeat that work)
-DRIVEN_BY = {"bench_generate.py": "test_bench_generate.py", "bench_sampler.py": "test_bench_sampler.py"}
+DRIVEN_BY = {"bench_generate.py": "test_bench_generate.py", "bench_sampler.py": "test_bench_sampler.py",
+             "bench_agentic.py": "test_bench_agentic.py"}
 # what a quick run must print, beyond exiting 0
 PRINTS = {"bench_attention_plan.py": ["training step: registry.choose runs per forward 1;",
                                       "decode step: registry.choose runs per forward 1;"]}
