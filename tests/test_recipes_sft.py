@@ -6,7 +6,6 @@ import logging
 import os
 import re
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from recipes.config import load_config
 from recipes.sft import DEFAULT_CONFIG, train
 from recipes.sft_config import SFTDataConfig, SFTModelConfig, SFTRecipeConfig
 from recipes.tasks import tiny_causal_lm
+from tests import launch
 from training.sft_data import synthetic_rows, tokenize_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,8 +186,7 @@ def _torchrun(out_dir, *overrides, deepspeed=False):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(_free_port()), "-m", "recipes.sft", *SMALL,
            f"checkpoint.output_dir={out_dir}", "log.record_indices=true", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    launch.run(cmd, what="recipes.sft on 2 processes", timeout=300, env=env, cwd=ROOT)
     return [json.loads((Path(out_dir) / f"result_rank{r}.json").read_text()) for r in range(2)]
 
 
