@@ -57,6 +57,9 @@ class SFTTrainConfig(Section):
     weighting: Literal["token", "sequence"] = "token"
     seed: int = 0
     progress: bool = True
+    # keep only each layer's input and recompute the layer in backward: a 2048-token fp32 row of
+    # SmolLM2-135M holds several GB of activations, far above its weights (benchmarks/bench_memory.py)
+    gradient_checkpointing: bool = False
 
     def check(self) -> None:
         for name, low in [("epochs", 1), ("max_steps", 1), ("grad_accum", 1), ("warmup_steps", 0),
