@@ -58,6 +58,18 @@ def test_stop_and_resume_gives_the_uninterrupted_run(tmp_path):
     assert full["stats"][0]["sequences_dropped"] == 0 and full["stats"][0]["tokens"] > 0
 
 
+def test_gradient_checkpointing_trains_the_same_model(tmp_path):
+    """train.gradient_checkpointing (issue 32 item 9: activations, not weights, fill a CPU's memory)
+    recomputes each layer in backward through the packed-row path: same losses and weights."""
+    plain = train(_cfg(tmp_path / "plain", "train.max_steps=2"))
+    _reset_accelerate()
+    ckpt = train(_cfg(tmp_path / "ckpt", "train.max_steps=2", "train.gradient_checkpointing=true"))
+    _reset_accelerate()
+    assert ckpt["losses"] == pytest.approx(plain["losses"], rel=1e-6, abs=1e-7)
+    a, b = _params(tmp_path / "plain", 2), _params(tmp_path / "ckpt", 2)
+    assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
+
+
 def test_streaming_loader_resumes_exactly_from_a_mid_run_checkpoint(tmp_path):
     stream = ("data.streaming=true", "data.buffer_size=8", "train.max_steps=7", "train.epochs=5")
     full = train(_cfg(tmp_path / "full", *stream, "checkpoint.every=4"))
