@@ -9,10 +9,12 @@ kernels from the number and length of sequences, so one token gets different bit
 of 48 sequences and in a training row of 4,096 tokens, and in bf16 rollout and trainer log-probs
 differ visibly (``benchmarks/bench_exactness.py`` measures by how much). Under this mode:
 
-- every ``F.linear`` (so every ``nn.Linear``) runs on fixed tiles: on CPU torch GEMMs of
-  :data:`TILE_ROWS` rows (the last one zero-padded), so each row meets the same GEMM shape, hence
-  the same kernel and sum order, wherever it sits (measured bitwise on every offset and row count
-  tried, fp32/bf16/fp16); in the "triton" set the one-tile Triton matmul of
+- every ``F.linear`` (so every ``nn.Linear``) gives each row the bits of fixed tiles: on CPU torch
+  GEMMs of :data:`TILE_ROWS` rows (the last one zero-padded), so each row meets the same GEMM
+  shape, hence the same kernel and sum order, wherever it sits (measured bitwise on every offset
+  and row count tried, fp32/bf16/fp16). Where one GEMM call over all the rows was checked, once
+  per shape and row count, to give exactly the tiles' bits, that one call runs instead (it is
+  much cheaper in bf16; see ``_one_call_ok``); in the "triton" set the one-tile Triton matmul of
   :mod:`packing.invariant_kernels`. Its backward is the ordinary GEMM: only the forward must match.
 - in the "triton" set (CUDA), row reductions over the last dim (``mean``, ``softmax``,
   ``log_softmax``) run Triton kernels with one fixed order per row too; torch's CUDA reductions
@@ -26,8 +28,9 @@ differ visibly (``benchmarks/bench_exactness.py`` measures by how much). Under t
 The mode belongs to the thread that enters it: the ops are caught by a
 ``torch.overrides.TorchFunctionMode``, whose stack is per thread, and :func:`is_enabled` (read by
 an attention plan when a forward starts) is thread-local, so another thread keeps torch's default
-kernels. On CPU it costs the padding of the last tile (a decode step of 48 sequences computes 64
-rows) and the attention kernel's forward on training rows (``benchmarks/bench_exactness.py``).
+kernels. On CPU it costs the tiles where one call was not found exact (a decode step of 48
+sequences computes 64 rows), one check per new GEMM shape and row count, and the attention
+kernel's forward on training rows (``benchmarks/bench_exactness.py``).
 """
 
 from __future__ import annotations
