@@ -45,8 +45,8 @@ from torch.overrides import TorchFunctionMode
 TILE_ROWS = 32
 KERNEL_SETS = ("cpu", "triton")
 
-# (device type, dtype, K, N, rows, weight strides, threads) -> whether torch's one GEMM call over that many rows
-# gave every row the tiles' bits; measured the first time the shape comes up (see _one_call_ok)
+# (device type, dtype, K, N, rows, weight strides, threads) -> whether torch's one GEMM call over
+# that many rows gave every row the tiles' bits; measured the first time it comes up (_one_call_ok)
 _ONE_CALL_CHECKED: dict[tuple, bool] = {}
 
 _state = threading.local()  # per thread: ``depth`` of batch_invariant() blocks, ``kernels`` forced
