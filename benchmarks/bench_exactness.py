@@ -158,8 +158,8 @@ def main() -> None:
         prompts = workload(tokenizer, model.config.vocab_size, num_prompts, args.workload)
         modes = ["default", "batch-invariant"] + (["invariant, tiles"] if args.device == "cpu" else [])
         results = {}
-        for _ in range(args.rounds):  # interleaved: every mode sees the same machine
-            for mode in modes:
+        for r in range(args.rounds):  # interleaved, order rotated each round: all modes see one machine
+            for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
                 with tiles_only(mode == "invariant, tiles"):
                     r = measure(model, tokenizer, prompts, params, mode != "default", capacity=2048)
                 best = results.setdefault(mode, r)
