@@ -9,10 +9,12 @@ kernels from the number and length of sequences, so one token gets different bit
 of 48 sequences and in a training row of 4,096 tokens, and in bf16 rollout and trainer log-probs
 differ visibly (``benchmarks/bench_exactness.py`` measures by how much). Under this mode:
 
-- every ``F.linear`` (so every ``nn.Linear``) runs on fixed tiles: on CPU torch GEMMs of
-  :data:`TILE_ROWS` rows (the last one zero-padded), so each row meets the same GEMM shape, hence
-  the same kernel and sum order, wherever it sits (measured bitwise on every offset and row count
-  tried, fp32/bf16/fp16); in the "triton" set the one-tile Triton matmul of
+- every ``F.linear`` (so every ``nn.Linear``) gives each row the bits of fixed tiles: on CPU torch
+  GEMMs of :data:`TILE_ROWS` rows (the last one zero-padded), so each row meets the same GEMM
+  shape, hence the same kernel and sum order, wherever it sits (measured bitwise on every offset
+  and row count tried, fp32/bf16/fp16). Where one GEMM call over all the rows was checked, once
+  per shape and row count, to give exactly the tiles' bits, that one call runs instead (it is
+  much cheaper in bf16; see ``_one_call_ok``); in the "triton" set the one-tile Triton matmul of
   :mod:`packing.invariant_kernels`. Its backward is the ordinary GEMM: only the forward must match.
 - in the "triton" set (CUDA), row reductions over the last dim (``mean``, ``softmax``,
   ``log_softmax``) run Triton kernels with one fixed order per row too; torch's CUDA reductions
@@ -26,8 +28,9 @@ differ visibly (``benchmarks/bench_exactness.py`` measures by how much). Under t
 The mode belongs to the thread that enters it: the ops are caught by a
 ``torch.overrides.TorchFunctionMode``, whose stack is per thread, and :func:`is_enabled` (read by
 an attention plan when a forward starts) is thread-local, so another thread keeps torch's default
-kernels. On CPU it costs the padding of the last tile (a decode step of 48 sequences computes 64
-rows) and the attention kernel's forward on training rows (``benchmarks/bench_exactness.py``).
+kernels. On CPU it costs the tiles where one call was not found exact (a decode step of 48
+sequences computes 64 rows), one check per new GEMM shape and row count, and the attention
+kernel's forward on training rows (``benchmarks/bench_exactness.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ from torch.overrides import TorchFunctionMode
 
 TILE_ROWS = 32
 KERNEL_SETS = ("cpu", "triton")
+
+# (device type, dtype, K, N, rows, weight strides, threads) -> whether torch's one GEMM call over
+# that many rows gave every row the tiles' bits; measured the first time it comes up (_one_call_ok)
+_ONE_CALL_CHECKED: dict[tuple, bool] = {}
 
 _state = threading.local()  # per thread: ``depth`` of batch_invariant() blocks, ``kernels`` forced
 
@@ -93,6 +100,39 @@ def is_enabled() -> bool:
 def kernel_set(device: torch.device) -> str:
     """The kernel set the current mode runs for a tensor on ``device``."""
     return active_kernels() or ("cpu" if device.type == "cpu" else "triton")
+def _one_call_key(x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    return (x.device.type, x.dtype, x.shape[1], weight.shape[0], x.shape[0], weight.stride(),
+            torch.get_num_threads())
+
+
+def _one_call_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether one ``torch.mm`` over all of ``x``'s rows gives every row exactly the bits of
+    :func:`_tiled_matmul`, for this shape, dtype and thread count on this machine.
+
+    Why: the tiles make each row's GEMM call shape fixed, but a bf16 GEMM on CPU pays per call, so
+    many 32-row calls cost several times one call (most under load, where every call waits for its
+    threads). Many GEMM kernels sum each row in an order that does not depend on the row count
+    (oneDNN's bf16 kernel on AVX-512-bf16 CPUs did for every shape tried; fp32's small-row path
+    does not). So each (shape, row count) is checked once, on seeded random rows against the real
+    weight, and one call is used only where it matched bit for bit; elsewhere the tiles. Either way
+    a row gets the tiles' bits, so rollout and trainer agree whatever path each call takes."""
+    key = _one_call_key(x, weight)
+    ok = _ONE_CALL_CHECKED.get(key)
+    if ok is None:
+        g = torch.Generator(device=x.device).manual_seed(len(_ONE_CALL_CHECKED))
+        probe = torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)
+        ok = _ONE_CALL_CHECKED[key] = torch.equal(torch.mm(probe, weight.t()), _tiled_matmul(probe, weight))
+    return ok
+
+
+def _invariant_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for 2-D contiguous ``x``, every row with the bits of :func:`_tiled_matmul`:
+    one GEMM call where that was checked to give them, else the tiles."""
+    if _one_call_ok(x, weight):
+        return torch.mm(x, weight.t())
+    return _tiled_matmul(x, weight)
+
+
 def _tiled_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for 2-D contiguous ``x``, every row computed by the same GEMM call shape:
     ``TILE_ROWS`` rows (the last tile zero-padded), written straight into one output buffer."""
@@ -129,7 +169,7 @@ class _TiledLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         flat = x.reshape(-1, x.shape[-1])
-        out = _tiled_matmul(flat.contiguous(), weight)
+        out = _invariant_matmul(flat.contiguous(), weight)
         if bias is not None:
             out = out + bias
         return out.view(*x.shape[:-1], weight.shape[0])

@@ -84,6 +84,8 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
         model, tokenizer = load_model(cfg.model)
     use_attention(model, cfg.model.attn_implementation)
     model.config.use_cache = False
+    if tcfg.gradient_checkpointing:  # non-reentrant: the packed-row kwargs pass through, ZeRO-3 re-gathers
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     if rows is None:
         rows = load_rows(dcfg, tokenizer, model.config.vocab_size)

@@ -72,6 +72,7 @@ class SFTTrainConfig(Section):
     seed: int = 0
     progress: bool = True  # a progress bar
     nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or gradient: stop the run | skip the step
+    gradient_checkpointing: bool = False  # recompute layers in backward: less memory (bench_memory.py)
 
     def check(self) -> None:
         for name, low in [("epochs", 1), ("max_steps", 1), ("grad_accum", 1), ("warmup_steps", 0),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import run_in_group
+from tests.launch import run_in_group
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = sorted((ROOT / "benchmarks").glob("bench_*.py"))

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import launch
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
@@ -77,5 +79,6 @@ def test_every_pipeline_command_runs_as_written(tmp_path):
         if argv[0] == "accelerate":
             argv = [sys.executable, "-m", "accelerate.commands.launch", *argv[2:]]
         proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        assert proc.returncode == 0, launch.failure_message(command, f"{proc.stdout[-3000:]}\n{proc.stderr}",
+                                                            proc.returncode, tail=8000)
     assert (tmp_path / "runs" / "grpo").is_dir()

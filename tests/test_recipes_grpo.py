@@ -18,6 +18,7 @@ from recipes.tasks import (
     get_reward,
     last_number_match,
 )
+from tests import launch
 from training.grpo import Rollout, group_advantages, grpo_token_loss, pack_rollouts, truncated_is
 
 
@@ -363,7 +364,6 @@ with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
 @pytest.mark.slow
 def test_two_processes_keep_identical_weights(tmp_path):
     import os
-    import subprocess
     import sys
 
     script = tmp_path / "run.py"
@@ -373,8 +373,8 @@ def test_two_processes_keep_identical_weights(tmp_path):
                  "reward=tests.test_recipes_grpo:ids_checksum_reward", "rollout.prompts_per_step=2",
                  "rollout.num_generations=4", "rollout.max_tokens=8", "generator.num_blocks=64",
                  "train.steps=2", "train.lr=1e-3"]
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
-                    str(tmp_path), *overrides], check=True, env=env, timeout=600)
+    launch.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
+                str(tmp_path), *overrides], what="GRPO on 2 processes", env=env, timeout=600)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["params"] == ranks[1]["params"]  # gradients all-reduced: one model on both ranks
     assert ranks[0]["changed"] == ranks[1]["changed"] > 0

@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests import launch
+
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -221,7 +223,7 @@ def _launch(words: list[str], *overrides: str) -> None:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"`{' '.join(words)}` did not finish in 300 s (a hang?): {str(err.stderr)[-2000:]}")
-    assert proc.returncode == 0, f"`{' '.join(words)}` failed:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, launch.failure_message(f"`{' '.join(words)}`", proc.stderr, proc.returncode)
 
 
 @pytest.mark.slow

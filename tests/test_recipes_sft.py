@@ -6,7 +6,6 @@ import logging
 import os
 import re
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from recipes.config import load_config
 from recipes.sft import DEFAULT_CONFIG, train
 from recipes.sft_config import SFTDataConfig, SFTModelConfig, SFTRecipeConfig
 from recipes.tasks import tiny_causal_lm
+from tests import launch
 from training.sft_data import synthetic_rows, tokenize_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +56,18 @@ def test_stop_and_resume_gives_the_uninterrupted_run(tmp_path):
     a, b = _params(tmp_path / "full", full["steps"]), _params(tmp_path / "cut", rest["steps"])
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert full["stats"][0]["sequences_dropped"] == 0 and full["stats"][0]["tokens"] > 0
+
+
+def test_gradient_checkpointing_trains_the_same_model(tmp_path):
+    """train.gradient_checkpointing (issue 32 item 9: activations, not weights, fill a CPU's memory)
+    recomputes each layer in backward through the packed-row path: same losses and weights."""
+    plain = train(_cfg(tmp_path / "plain", "train.max_steps=2"))
+    _reset_accelerate()
+    ckpt = train(_cfg(tmp_path / "ckpt", "train.max_steps=2", "train.gradient_checkpointing=true"))
+    _reset_accelerate()
+    assert ckpt["losses"] == pytest.approx(plain["losses"], rel=1e-6, abs=1e-7)
+    a, b = _params(tmp_path / "plain", 2), _params(tmp_path / "ckpt", 2)
+    assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
 
 
 def test_streaming_loader_resumes_exactly_from_a_mid_run_checkpoint(tmp_path):
@@ -186,8 +198,7 @@ def _torchrun(out_dir, *overrides, deepspeed=False):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(_free_port()), "-m", "recipes.sft", *SMALL,
            f"checkpoint.output_dir={out_dir}", "log.record_indices=true", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    launch.run(cmd, what="recipes.sft on 2 processes", timeout=300, env=env, cwd=ROOT)
     return [json.loads((Path(out_dir) / f"result_rank{r}.json").read_text()) for r in range(2)]
 
 

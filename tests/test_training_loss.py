@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from dataloaders.collator import PackedCollator
 from dataloaders.loader import packed_dataloader
+from tests import launch
 from tests.models import tiny_model
 from training.loss import PackedLoss, causal_lm_loss_sum
 
@@ -137,7 +137,7 @@ def test_simulated_two_ranks_in_process_match_unpacked(weighting):
 @pytest.mark.slow
 def test_two_ranks_packed_with_accumulation_match_unpacked_single_process(tmp_path):
     attn = _attn_implementation()
-    mp.spawn(_packed_worker, args=(2, _free_port(), attn, str(tmp_path)), nprocs=2)
+    launch.spawn(_packed_worker, args=(2, _free_port(), attn, str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert ranks[0]["steps"] == ranks[1]["steps"] >= 2  # equal steps, accumulation really used
     assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == list(range(len(_rows())))  # once each

@@ -6,15 +6,14 @@ unpacked single-process training. Fast: the lockstep loop and the padding rows i
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import launch
 from tests.models import tiny_model
-from tests.processes import run_in_group
 from tests.test_recipes_sft import _free_port, _reset_accelerate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,11 +25,7 @@ def _run_two_ranks(args: list[str], what: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(_free_port()), *args]
-    returncode, out, _ = run_in_group(cmd, TIMEOUT_S, cwd=ROOT, env=env, stderr=subprocess.STDOUT)
-    if returncode is None:
-        pytest.fail(f"{what}: no result after {TIMEOUT_S} s - a rank is stuck in a collective (deadlock)\n"
-                    f"{out[-3000:]}")
-    assert returncode == 0, f"{what} failed:\n{out[-4000:]}"
+    launch.run(cmd, what=what, timeout=TIMEOUT_S, env=env, cwd=ROOT)
 
 
 # ----------------------------------------------------------------------------- GRPO, 2 processes

@@ -1,0 +1,179 @@
+"""Host memory of the README's two-process DeepSpeed ZeRO-3 SFT of SmolLM2-135M (issue 32, item 9).
+
+Runs the README's commands (preprocess the sample chats at capacity 2048, then
+``accelerate launch --config_file recipes/configs/accelerate_zero3.yaml -m recipes.sft``) with fewer
+optimizer steps, samples every process of the launch through /proc while it runs, and prints each
+rank's peak RSS (the kernel's own high-water mark, VmHWM), the peak of the whole tree's summed RSS,
+and their ratio to the model-state floor: fp32 parameters + gradients + Adam's two moments for the
+model, split over the ranks (16 bytes per parameter / world size), the least ZeRO-3 can hold.
+
+    python benchmarks/bench_memory.py                  # 1 optimizer step (2 micro-batches per rank)
+    python benchmarks/bench_memory.py --steps 2 --timeout 1800
+    python benchmarks/bench_memory.py train.gradient_checkpointing=false   # extra recipe overrides
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from anywhere
+STATE_BYTES_PER_PARAM = 4 + 4 + 8  # fp32 weight, gradient, Adam exp_avg + exp_avg_sq
+WORLD = 2
+
+
+def smollm2_params() -> int:
+    """SmolLM2-135M's parameter count (tied embeddings counted once), from its config on ``meta``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from assets.smollm2 import _cache_dir, load_smollm2_tokenizer
+
+    load_smollm2_tokenizer()
+    if not (_cache_dir() / "config.json").is_file():
+        from assets.smollm2 import load_smollm2
+
+        load_smollm2()  # writes the cache once
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(_cache_dir()))
+    return sum(p.numel() for p in model.parameters())
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (from /proc/*/stat parent links)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _status(pid: int) -> dict[str, int]:
+    """VmRSS / VmHWM of ``pid`` in bytes (empty once it has exited)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    return {k: int(v.split()[0]) * 1024 for k, v in (ln.split(":", 1) for ln in lines)
+            if k in ("VmRSS", "VmHWM")}
+
+
+def _rank(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+    except OSError:
+        return None
+    rank = env.get(b"RANK")
+    return None if rank is None else rank.decode()
+
+
+class TreeSampler(threading.Thread):
+    """Samples the RSS of a process tree every ``interval`` s: the peak summed RSS, and each
+    rank's high-water mark (VmHWM, exact even between samples)."""
+
+    def __init__(self, root: int, interval: float = 0.2):
+        super().__init__(daemon=True)
+        self.root, self.interval = root, interval
+        self.peak_total = 0
+        self.rank_hwm: dict[str, int] = {}
+        self.launcher_hwm = 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            total = 0
+            for pid in [self.root, *_children(self.root)]:
+                s = _status(pid)
+                if not s:
+                    continue
+                total += s["VmRSS"]
+                if pid == self.root:
+                    self.launcher_hwm = max(self.launcher_hwm, s["VmHWM"])
+                elif (rank := _rank(pid)) is not None:
+                    self.rank_hwm[rank] = max(self.rank_hwm.get(rank, 0), s["VmHWM"])
+            self.peak_total = max(self.peak_total, total)
+            time.sleep(self.interval)
+
+
+def _run(cmd: list[str], env: dict, timeout: float) -> tuple[int, str, TreeSampler]:
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    sampler = TreeSampler(proc.pid)
+    sampler.start()
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        rc = proc.wait()
+        print(f"timed out after {timeout:.0f} s; killed", flush=True)
+    sampler.done.set()
+    sampler.join()
+    log.seek(0)
+    return rc, log.read(), sampler
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=1, help="optimizer steps (README: the whole epoch)")
+    parser.add_argument("--timeout", type=float, default=1500.0)
+    parser.add_argument("--workdir", default=None, help="keep the packed data and run here")
+    parser.add_argument("overrides", nargs="*", help="recipes.sft overrides added to the README's line")
+    args = parser.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_memory_"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    packed = work / "packed_chat"
+    if not packed.is_dir():
+        subprocess.run([sys.executable, "-m", "recipes.preprocess", "input=recipes/data/chat_sample.jsonl",
+                        f"output={packed}", "capacity=2048"], cwd=ROOT, env=env, check=True,
+                       stdout=subprocess.DEVNULL)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           "recipes/configs/accelerate_zero3.yaml", "-m", "recipes.sft", f"data.source={packed}",
+           f"checkpoint.output_dir={work / 'sft'}", f"train.max_steps={args.steps}", "train.progress=false",
+           *args.overrides]
+    print("$ " + " ".join(cmd[2:]), flush=True)
+    start = time.perf_counter()
+    rc, out, s = _run(cmd, env, args.timeout)
+    took = time.perf_counter() - start
+    if rc != 0:
+        print(out[-3000:])
+        print(f"the ZeRO-3 run FAILED (exit {rc}); the peaks below are up to the failure")
+    params = smollm2_params()
+    floor = params * STATE_BYTES_PER_PARAM / WORLD
+    gb = 1e9
+    print(f"SmolLM2-135M ({params:,} parameters), ZeRO-3 on {WORLD} CPU processes, "
+          f"{args.steps} optimizer step(s), {took:.0f} s")
+    print(f"model-state floor per rank (fp32 params + grads + Adam, / {WORLD}): {floor / gb:.2f} GB")
+    for rank in sorted(s.rank_hwm):
+        hwm = s.rank_hwm[rank]
+        print(f"rank {rank}: peak RSS {hwm / gb:.2f} GB = {hwm / floor:.2f}x the floor")
+    print(f"launcher: peak RSS {s.launcher_hwm / gb:.2f} GB")
+    print(f"whole launch: peak summed RSS {s.peak_total / gb:.2f} GB = {s.peak_total / (floor * WORLD):.2f}x "
+          f"the floor of both ranks")
+    if rc != 0:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
