@@ -10,12 +10,14 @@ model, split over the ranks (16 bytes per parameter / world size), the least ZeR
     python benchmarks/bench_memory.py                  # 1 optimizer step (2 micro-batches per rank)
     python benchmarks/bench_memory.py --steps 2 --timeout 1800
     python benchmarks/bench_memory.py train.gradient_checkpointing=false   # extra recipe overrides
+    python benchmarks/bench_memory.py --quick          # smoke run: the same launch on a tiny random Llama
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,6 +45,14 @@ def smollm2_params() -> int:
         load_smollm2()  # writes the cache once
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(_cache_dir()))
+    return sum(p.numel() for p in model.parameters())
+
+
+def tiny_params() -> int:
+    """The parameter count of the recipes' ``tiny:llama`` (``--quick``)."""
+    from recipes.tasks import tiny_causal_lm
+
+    model, _ = tiny_causal_lm("llama")
     return sum(p.numel() for p in model.parameters())
 
 
@@ -139,17 +149,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1, help="optimizer steps (README: the whole epoch)")
     parser.add_argument("--timeout", type=float, default=1500.0)
     parser.add_argument("--workdir", default=None, help="keep the packed data and run here")
+    parser.add_argument("--quick", action="store_true",
+                        help="the same ZeRO-3 launch and report on a tiny random Llama")
     parser.add_argument("overrides", nargs="*", help="recipes.sft overrides added to the README's line")
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_memory_"))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     packed = work / "packed_chat"
-    if not packed.is_dir():
+    if args.quick:  # the harness end to end in seconds: no SmolLM2, no preprocess
+        args.overrides = ["model.path=tiny:llama", "data.tokens_per_batch=256", *args.overrides]
+    if not args.quick and not packed.is_dir():
         subprocess.run([sys.executable, "-m", "recipes.preprocess", "input=recipes/data/chat_sample.jsonl",
                         f"output={packed}", "capacity=2048"], cwd=ROOT, env=env, check=True,
                        stdout=subprocess.DEVNULL)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           "recipes/configs/accelerate_zero3.yaml", "-m", "recipes.sft", f"data.source={packed}",
+           "recipes/configs/accelerate_zero3.yaml", "-m", "recipes.sft",
+           "data.source=synthetic" if args.quick else f"data.source={packed}",
            f"checkpoint.output_dir={work / 'sft'}", f"train.max_steps={args.steps}", "train.progress=false",
            *args.overrides]
     print("$ " + " ".join(cmd[2:]), flush=True)
@@ -159,10 +174,10 @@ def main() -> None:
     if rc != 0:
         print(out[-3000:])
         print(f"the ZeRO-3 run FAILED (exit {rc}); the peaks below are up to the failure")
-    params = smollm2_params()
+    name, params = ("tiny:llama", tiny_params()) if args.quick else ("SmolLM2-135M", smollm2_params())
     floor = params * STATE_BYTES_PER_PARAM / WORLD
     gb = 1e9
-    print(f"SmolLM2-135M ({params:,} parameters), ZeRO-3 on {WORLD} CPU processes, "
+    print(f"{name} ({params:,} parameters), ZeRO-3 on {WORLD} CPU processes, "
           f"{args.steps} optimizer step(s), {took:.0f} s")
     print(f"model-state floor per rank (fp32 params + grads + Adam, / {WORLD}): {floor / gb:.2f} GB")
     for rank in sorted(s.rank_hwm):
@@ -171,6 +186,8 @@ def main() -> None:
     print(f"launcher: peak RSS {s.launcher_hwm / gb:.2f} GB")
     print(f"whole launch: peak summed RSS {s.peak_total / gb:.2f} GB = {s.peak_total / (floor * WORLD):.2f}x "
           f"the floor of both ranks")
+    if args.workdir is None:  # the packed data and the checkpoint were only the run's
+        shutil.rmtree(work, ignore_errors=True)
     if rc != 0:
         raise SystemExit(1)
 
