@@ -222,30 +222,15 @@ def test_nopad_grpo_trainer_with_a_peft_config_is_exactly_on_policy(tmp_path, on
     pytest.importorskip("trl")
     from peft import LoraConfig
 
-    from tests.test_training_trl import _grpo, make_tokenizer
-    from training.grpo_trainer import NopadGRPOTrainer
+    from tests.test_training_trl import _grpo, logp_recorder, make_tokenizer
     from training.trl_rollout import nopad_rollout_func
 
     seen = []
 
-    class Recording(NopadGRPOTrainer):
+    class Recording(logp_recorder(seen)):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
                                                            task_type="CAUSAL_LM"), **kwargs)
-
-        def _compute_loss(self, model, inputs):
-            inner = self._get_per_token_logps_and_entropies
-
-            def grab(*args, **kwargs):
-                out = inner(*args, **kwargs)
-                seen.append((inputs, out[0].detach().clone()))
-                return out
-
-            self._get_per_token_logps_and_entropies = grab
-            try:
-                return super()._compute_loss(model, inputs)
-            finally:
-                del self._get_per_token_logps_and_entropies
 
     rollout = nopad_rollout_func(importance_sampling=True, batch_invariant=True, max_num_batched_tokens=64)
     trainer = _grpo(make_tokenizer(), tmp_path, rollout, cls=Recording, batch_invariant=True, max_steps=1,

@@ -217,24 +217,11 @@ def test_log_probs_on_tool_episodes_equal_trls_padded_path(tok, tmp_path):
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_batch_invariant_importance_ratio_is_exactly_one_on_tool_episodes(tok, tmp_path, bf16):
-    from training.grpo_trainer import NopadGRPOTrainer
+    from tests.test_training_trl import logp_recorder
 
     seen = []
 
-    class Recording(NopadGRPOTrainer):
-        def _compute_loss(self, model, inputs):
-            inner = self._get_per_token_logps_and_entropies
-
-            def grab(*args, **kwargs):
-                out = inner(*args, **kwargs)
-                seen.append((inputs, out[0].detach().clone()))
-                return out
-
-            self._get_per_token_logps_and_entropies = grab
-            try:
-                return super()._compute_loss(model, inputs)
-            finally:
-                del self._get_per_token_logps_and_entropies
+    Recording = logp_recorder(seen)
 
     trainer, rollout = make_trainer(tok, tmp_path, tools=[add], batch_invariant=True,
                                     importance_sampling=True, cls=Recording, bf16=bf16, temperature=0.7,

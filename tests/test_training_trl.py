@@ -396,17 +396,13 @@ def test_nopad_grpo_trainer_logprobs_loss_and_gradients_equal_trls_padded_path(t
     assert bool((ours[0][completion_mask] < 0).all())
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_batch_invariant_rollout_and_trainer_log_probs_are_bitwise_equal(tok, tmp_path, bf16, one_thread):
-    """On-policy, the importance ratio is exactly 1: the rollout's log-probs (temperature-scaled, with
-    top-p on), TRL's old log-probs and the loss forward's are the same bits, fp32 and bf16 autocast.
-    (Without the batch-invariant mode both dtypes fail these equalities.)"""
+def logp_recorder(seen: list, base=None):
+    """A ``NopadGRPOTrainer`` (or ``base``) subclass that appends ``(inputs, the loss forward's
+    log-probs)`` of each loss computation to ``seen``: what the bitwise tests hold against the
+    rollout's log-probs."""
     from training.grpo_trainer import NopadGRPOTrainer
-    from training.trl_rollout import nopad_rollout_func
 
-    seen = []
-
-    class Recording(NopadGRPOTrainer):
+    class Recording(base or NopadGRPOTrainer):
         def _compute_loss(self, model, inputs):
             inner = self._get_per_token_logps_and_entropies
 
@@ -420,6 +416,20 @@ def test_batch_invariant_rollout_and_trainer_log_probs_are_bitwise_equal(tok, tm
                 return super()._compute_loss(model, inputs)
             finally:
                 del self._get_per_token_logps_and_entropies
+
+    return Recording
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_batch_invariant_rollout_and_trainer_log_probs_are_bitwise_equal(tok, tmp_path, bf16, one_thread):
+    """On-policy, the importance ratio is exactly 1: the rollout's log-probs (temperature-scaled, with
+    top-p on), TRL's old log-probs and the loss forward's are the same bits, fp32 and bf16 autocast.
+    (Without the batch-invariant mode both dtypes fail these equalities.)"""
+    from training.trl_rollout import nopad_rollout_func
+
+    seen = []
+
+    Recording = logp_recorder(seen)
 
     rollout = nopad_rollout_func(importance_sampling=True, batch_invariant=True, max_num_batched_tokens=64)
     trainer = _grpo(tok, tmp_path, rollout, cls=Recording, batch_invariant=True, max_steps=1, bf16=bf16,
