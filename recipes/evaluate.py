@@ -19,10 +19,10 @@ from recipes.config import (
     ConfigError,
     GeneratorConfig,
     Section,
-    load_model,
     parse_cli,
     setup_logging,
 )
+from recipes.models import load_model
 from recipes.tasks import TASKS, RewardFn, encode_prompt, get_reward, load_examples
 from training.nonfinite import describe_sample, reward_value
 

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-from recipes.config import ConfigError, load_model, parse_cli, save_model_dir, setup_logging
+from recipes.config import ConfigError, parse_cli, setup_logging
 from recipes.grpo_config import GRPORecipeConfig, resolve_is_correction
+from recipes.models import load_model, save_model_dir
 from recipes.tasks import TASKS, check_prompts_per_step, encode_prompt, get_reward, load_examples
 from recipes.tool_tasks import TOOL_TASKS
 from training import checkpoint

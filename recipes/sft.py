@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from recipes.config import load_model, parse_cli, save_model_dir, setup_logging
+from recipes.config import parse_cli, setup_logging
+from recipes.models import load_model, save_model_dir
 from recipes.sft_config import SFTRecipeConfig
 from training import checkpoint
 from training.accelerator import engine_info

@@ -149,7 +149,7 @@ class AsciiTokenizer:
             return {"input_ids": self.encode(text)}
         return {"input_ids": [self.encode(t) for t in text]}
 
-    # A model directory saved with this tokenizer carries this file; recipes.config.load_model reads
+    # A model directory saved with this tokenizer carries this file; recipes.models.load_model reads
     # it back, so checkpoints of tiny:* models chain like any other model directory.
     SAVED_NAME = "nopad_ascii_tokenizer.json"
 

@@ -310,7 +310,7 @@ def test_run_grpo_with_tis_and_kl_writes_metrics(policy, tmp_path):
     # the trained policy is an HF model directory that transformers and the recipes load
     from transformers import AutoModelForCausalLM
 
-    from recipes.config import load_model
+    from recipes.models import load_model
 
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path))
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), policy.state_dict().values()))
@@ -347,7 +347,8 @@ def zero_reward(completion: str, example: dict) -> float:
 
 TWO_RANK_SCRIPT = """
 import json, sys, torch
-from recipes.config import load_config, load_model
+from recipes.config import load_config
+from recipes.models import load_model
 from recipes.grpo import GRPORecipeConfig, run_grpo
 cfg = load_config(GRPORecipeConfig, overrides=sys.argv[2:])
 model, tok = load_model(cfg.model)

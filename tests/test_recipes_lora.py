@@ -11,10 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from recipes.config import ChatModelConfig, ConfigError, load_config, load_model
+from recipes.config import ChatModelConfig, ConfigError, load_config
 from recipes.evaluate import EvaluateConfig, run_evaluate
 from recipes.grpo import run_grpo
 from recipes.grpo_config import GRPORecipeConfig
+from recipes.models import load_model
 from recipes.sft import train
 from recipes.sft_config import SFTRecipeConfig
 from tests.test_recipes_sft import SMALL, _reset_accelerate

@@ -166,7 +166,7 @@ def test_the_readmes_commands_in_order_leave_model_path_at_the_newest_runs_newes
     write runs/sft (the launch line runs here in one process: the directory is what is tested; the
     2-process launch is the slow test below): afterwards model.path=runs/sft must be the launch
     run's newest checkpoint, though the first run's step number is higher."""
-    from recipes.config import check_model_path
+    from recipes.models import check_model_path
 
     root, _, _ = inputs
     monkeypatch.chdir(tmp_path)

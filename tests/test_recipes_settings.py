@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from inference import SamplingParams
-from recipes.config import ConfigError, ModelConfig, load_config, load_model
+from recipes.config import ConfigError, ModelConfig, load_config
 from recipes.grpo import run_grpo
 from recipes.grpo_config import GRPORecipeConfig as GRPOConfig
+from recipes.models import load_model
 from recipes.sft import train
 from recipes.sft_config import SFTRecipeConfig as SFTConfig
 from recipes.tasks import check_prompts_per_step

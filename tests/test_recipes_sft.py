@@ -157,7 +157,7 @@ def test_resume_under_another_plan_is_refused_naming_the_field(tmp_path, overrid
 def test_checkpoint_is_an_hf_model_dir_with_the_tiny_tokenizer(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from recipes.config import load_model
+    from recipes.models import load_model
     from recipes.tasks import AsciiTokenizer
 
     result = train(_cfg(tmp_path, "train.max_steps=1"))

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from recipes.config import check_model_path, load_config
+from recipes.config import load_config
+from recipes.models import check_model_path
 from recipes.sft import SFTRecipeConfig, train
 from training import checkpoint
 
@@ -190,7 +191,8 @@ def test_a_directory_that_is_not_a_model_says_what_it_is(tmp_path, kind, expecte
 
 
 def test_a_truncated_weights_file_is_named(tmp_path):
-    from recipes.config import ModelConfig, load_model
+    from recipes.config import ModelConfig
+    from recipes.models import load_model
     from recipes.tasks import tiny_causal_lm
 
     model, _ = tiny_causal_lm("llama")

@@ -297,9 +297,10 @@ def test_recipe_tool_task_runs_a_step_on_episodes(monkeypatch):
     """The calculator task through run_grpo; the random model's turns end at frequent stop
     strings and every other turn is read as a calculator call, so episodes have tool turns."""
     from recipes import tool_tasks
-    from recipes.config import from_dict, load_model
+    from recipes.config import from_dict
     from recipes.grpo import run_grpo
     from recipes.grpo_config import GRPORecipeConfig
+    from recipes.models import load_model
 
     class EveryOtherTurnCalls(tool_tasks.TextToolFormat):
         def parse(self, turn_ids, prefix_ids):
