@@ -102,33 +102,14 @@ def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = 
     for indices in pack(lengths, capacity, strategy="bfd"):
         order = indices.tolist()
         ids, labels = [], []
-        for i in order:
+        for i in order:  # an episode's tool tokens are context: no label (Rollout.loss_mask)
             prompt, completion = list(rollouts[i].prompt_ids), list(rollouts[i].completion_ids)
             ids += prompt + completion
-            labels += [IGNORE_INDEX] * len(prompt) + completion
+            labels += [IGNORE_INDEX] * len(prompt) + [t if keep else IGNORE_INDEX
+                                                      for t, keep in zip(completion, _loss_mask(rollouts[i]))]
         meta = VarlenMeta.from_lengths([lengths[i] for i in order])
         rows.append(PackedRow.build(ids, labels, meta, indices=order, **_rollout_fields(rollouts, order)))
-    return [_mask_tool_tokens(row, rollouts) for row in rows]
-
-
-def _mask_tool_tokens(row: PackedRow, rollouts: list[Rollout]) -> PackedRow:
-    """The row with no loss at the tool tokens of its rollouts (``Rollout.loss_mask``): their
-    labels become ``IGNORE_INDEX`` and their log-probs and advantages leave the row. The flat packer
-    labels every completion token in rollout order (``row.indices``), so the masks concatenated in
-    that order line up with the row's loss tokens."""
-    order = row.indices.tolist()
-    if all(not rollouts[i].loss_mask for i in order):
-        return row
-    keep = []
-    for i in order:
-        keep += _loss_mask(rollouts[i])
-    keep_t = torch.tensor(keep, dtype=torch.bool)
-    labels = row.labels.clone()
-    at = torch.nonzero(labels[0] != IGNORE_INDEX).squeeze(1)
-    labels[0, at[~keep_t]] = IGNORE_INDEX
-    gen = row.gen_logprobs[keep_t] if row.gen_logprobs is not None else None
-    return PackedRow.build(row.input_ids, labels, row.nopad_meta, seq_lens=row.seq_lens, indices=row.indices,
-                           gen_logprobs=gen, advantages=row.advantages[keep_t])
+    return rows
 
 
 def _loss_mask(r: Rollout) -> list[int]:
@@ -176,12 +157,18 @@ def empty_rollout_row() -> PackedRow:
 
 
 def _rollout_fields(rollouts: list[Rollout], order: list[int]) -> dict[str, list[float] | None]:
-    """The generator's log-probs and the advantage of each loss token of ``order``'s completions.
+    """The generator's log-probs and the advantage of each loss token of ``order``'s completions
+    (the model's tokens: an episode's tool tokens have none).
     Rollouts scored by another forward (``NopadGRPOTrainer``: TRL's) carry no generator log-probs:
     the row then has none (``gen_logprobs=None``), and a loss that needs them refuses it."""
     scored = _scored(rollouts, order)
-    return {"gen_logprobs": [lp for i in order for lp in rollouts[i].gen_logprobs] if scored else None,
-            "advantages": [rollouts[i].advantage for i in order for _ in rollouts[i].completion_ids]}
+    for i in order if scored else ():
+        if len(rollouts[i].gen_logprobs) != len(rollouts[i].completion_ids):
+            raise ValueError(f"a rollout has {len(rollouts[i].gen_logprobs)} gen_logprobs for "
+                             f"{len(rollouts[i].completion_ids)} completion tokens; give one per token")
+    kept = [(i, j) for i in order for j, keep in enumerate(_loss_mask(rollouts[i])) if keep]
+    return {"gen_logprobs": [rollouts[i].gen_logprobs[j] for i, j in kept] if scored else None,
+            "advantages": [rollouts[i].advantage for i, _ in kept]}
 
 
 def _scored(rollouts: Sequence[Rollout], order) -> bool:
