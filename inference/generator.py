@@ -34,6 +34,7 @@ from packing.attention import paged_block_size
 from packing.blocks import BlockAllocator
 from packing.distributed import compute_dtype as model_compute_dtype
 from packing.hf import use_nopad_attention
+from packing.mixers import GENERATE, check_model
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class Generator:
             raise ValueError(f"dtype must be a floating torch.dtype (torch.bfloat16, ...), got {dtype!r}")
         if attn_backend is not None and attn_backend not in attention_backends():
             raise ValueError(f"unknown attn_backend {attn_backend!r}; choose one of {attention_backends()}")
+        check_model(model, GENERATE)  # a layer whose per-sequence state the paged cache cannot hold
         param = next(model.parameters())
         # FSDP2: the compute dtype of its mixed-precision policy, not the shard's storage dtype
         self.device, self.weight_dtype, self.requested_dtype = param.device, model_compute_dtype(model), dtype
@@ -534,7 +536,7 @@ class Generator:
         return self._runner
 
     def _nopad_attention(self):
-        return use_nopad_attention(self.model, eval_mode=True)
+        return use_nopad_attention(self.model, eval_mode=True, context=GENERATE)
 
     def _autocast(self):
         """``dtype=`` other than the weights' (e.g. bf16 rollouts of an fp32 policy): run the step

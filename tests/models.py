@@ -11,6 +11,13 @@ import torch
 import transformers
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2")
+# families whose layers mix tokens besides attention: recurrent state / convolution over time
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "nemotron_h", "granitemoehybrid", "bamba",
+                   "falcon_h1", "jamba", "kimi_linear")
+SINK_FAMILIES = ("gpt_oss",)  # attention sinks (s_aux)
+# attention layouts besides one head size: Gemma4 (K/V shared across its last layers, a larger head
+# on full-attention layers, per-layer inputs), DeepSeek-V3 (MLA: keys and values of different sizes)
+LAYOUT_FAMILIES = ("gemma4", "deepseek_v3")
 
 SLIDING_WINDOW = 8
 
@@ -49,11 +56,61 @@ _FAMILY = {
     ),
 }
 
+_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+               linear_value_head_dim=16)
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1)
+_MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, q_lora_rank=None)
+_HYBRID4 = ["linear_attention", "full_attention"] * 2  # 4 layers, each kind twice
+_FAMILY.update({
+    "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM,
+                {"head_dim": 16, "num_hidden_layers": 4, "layer_types": _HYBRID4, **_LINEAR}),
+    "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM,
+                   {"head_dim": 16, "num_hidden_layers": 4, "layer_types": _HYBRID4, "num_experts": 4,
+                    "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                    "shared_expert_intermediate_size": 32, **_LINEAR}),
+    "olmo_hybrid": (transformers.OlmoHybridConfig, transformers.OlmoHybridForCausalLM,
+                    {"num_hidden_layers": 4, "layer_types": _HYBRID4}),
+    "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM,
+             {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention"] * 2}),
+    "nemotron_h": (transformers.NemotronHConfig, transformers.NemotronHForCausalLM,
+                   {"num_hidden_layers": 4, "layers_block_type": ["mamba", "attention", "mlp", "mamba"],
+                    "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 1,
+                    "head_dim": 16}),
+    "granitemoehybrid": (transformers.GraniteMoeHybridConfig, transformers.GraniteMoeHybridForCausalLM,
+                         {"num_hidden_layers": 4, "layer_types": ["mamba", "attention"] * 2,
+                          "num_local_experts": 4, "num_experts_per_tok": 2, **_MAMBA2}),
+    "bamba": (transformers.BambaConfig, transformers.BambaForCausalLM,
+              {"num_hidden_layers": 4, "attn_layer_indices": [1, 3], **_MAMBA2}),
+    "falcon_h1": (transformers.FalconH1Config, transformers.FalconH1ForCausalLM,
+                  {"num_hidden_layers": 4, "mamba_d_ssm": 128, "head_dim": 16, **_MAMBA2}),
+    "jamba": (transformers.JambaConfig, transformers.JambaForCausalLM,
+              {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1,
+               "expert_layer_period": 2, "num_experts": 2, "mamba_d_state": 8, "mamba_d_conv": 4,
+               "mamba_expand": 2}),
+    "kimi_linear": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM,
+                    {"num_hidden_layers": 4, "v_head_dim": 16, "num_experts": 4, "num_experts_per_token": 2,
+                     "moe_intermediate_size": 32, **_MLA,
+                     "linear_attn_config": {"kda_layers": [1, 3], "full_attn_layers": [2, 4], "num_heads": 4,
+                                            "head_dim": 16, "short_conv_kernel_size": 4}}),
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM,
+                {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                 "sliding_window": SLIDING_WINDOW}),
+    "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM,
+               {"num_hidden_layers": 4, "head_dim": 16, "global_head_dim": 32,
+                "sliding_window": SLIDING_WINDOW, "vocab_size_per_layer_input": 128,
+                "hidden_size_per_layer_input": 8, "num_kv_shared_layers": 2,
+                "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM,
+                    {"v_head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                     "first_k_dense_replace": 1, "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1,
+                     **_MLA}),
+})
+
 
 def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
     """The config of :func:`tiny_model` (without building weights)."""
     if family not in _FAMILY:
-        raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(_FAMILY)}")
     config_cls, _, extra = _FAMILY[family]
     kwargs = {**_COMMON, **extra, **overrides}
     attn = kwargs.pop("attn_implementation", None)

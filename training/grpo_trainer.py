@@ -166,9 +166,11 @@ class NopadGRPOTrainerMixin:
         self.nopad_generates = kwargs.get("rollout_func") is not None
         super().__init__(*args, **kwargs)
         from packing.hf import register_nopad_attention
+        from packing.mixers import TREE, check_model
 
         register_nopad_attention()
         policy = self.accelerator.unwrap_model(self.model)
+        check_model(policy, TREE)  # its rows are prefix-tree rows (a group's prompt laid once)
         self._refuse_uneven_sharded_forwards(policy)
         from training.trl_rollout import NopadRollout, sampling_params
 

@@ -61,10 +61,13 @@ def make_optimizer(model, lr: float, weight_decay: float, warmup_steps: int, tot
 
 
 def use_attention(model, name: str) -> None:
-    """Switch ``model`` to the attention ``name`` (``"nopad"`` is registered first)."""
+    """Switch ``model`` to the attention ``name`` (``"nopad"`` is registered first, after the
+    model is checked for layers nopad cannot keep packed sequences apart in)."""
     if name == "nopad":
         from packing.hf import register_nopad_attention
+        from packing.mixers import PACKED, check_model
 
+        check_model(model, PACKED)
         register_nopad_attention()
     model.set_attn_implementation(name)
 

@@ -153,10 +153,9 @@ class NopadTrainerMixin:
         self._nopad_resume_state: dict | None = None
         super().__init__(*args, **kwargs)
         if attention is not None:
-            from packing.hf import register_nopad_attention
+            from training.sft import use_attention
 
-            register_nopad_attention()
-            self.accelerator.unwrap_model(self.model).set_attn_implementation(attention)
+            use_attention(self.accelerator.unwrap_model(self.model), attention)
         self.add_callback(_SaveLoaderState(self))
 
     # ----------------------------------------------------------------- loaders

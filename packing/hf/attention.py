@@ -67,6 +67,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from packing.attention import varlen_attention
 from packing.attention.plan import AttentionPlan, PlannedRow
 from packing.distributed import compute_dtype
+from packing.mixers import GENERATE, PACKED, TREE, check_calling_model, check_model
 from packing.varlen import VarlenMeta
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,17 @@ def _check_positions(meta: VarlenMeta, position_ids: torch.Tensor | None) -> Non
         )
 
 
+def _row_context(meta: VarlenMeta, kv_cache, batch: int) -> str | None:
+    """What the forward asks of every other layer of the model (``packing.mixers``): a paged step,
+    a prefix-tree row, a row holding several sequences; None for one sequence per batch row,
+    which any layer computes as it would alone."""
+    if kv_cache is not None:
+        return GENERATE
+    if meta.key_index is not None:
+        return TREE
+    return PACKED if meta.num_seqs > batch else None
+
+
 def _layer_cache(kv, layer_idx: int):
     if kv is None:
         return None
@@ -185,6 +197,9 @@ def nopad_attention(
     meta = _forward_meta(plan, nopad_meta, position_ids, (batch, q_len, key.shape[2], query.device))
     if meta.total_q != batch * q_len:
         raise ValueError(f"nopad_meta describes {meta.total_q} tokens but the batch has {batch} x {q_len}")
+    context = _row_context(meta, nopad_kv_cache, batch)
+    if context is not None:
+        check_calling_model(module, context)  # once per module: a bare set_attn_implementation("nopad")
     dtype = compute_dtype(module, query)
     q = query.transpose(1, 2).reshape(batch * q_len, heads, dim).to(dtype)
     k = key.transpose(1, 2).reshape(-1, key.shape[1], dim).to(dtype)
@@ -222,17 +237,21 @@ def register_nopad_attention() -> str:
 
 
 @contextlib.contextmanager
-def use_nopad_attention(model: transformers.PreTrainedModel, *, eval_mode: bool = False):
+def use_nopad_attention(model: transformers.PreTrainedModel, *, eval_mode: bool = False,
+                        context: str = PACKED):
     """Switch ``model`` to nopad attention (with :func:`packed_forward_guard`) for the block, and
     with ``eval_mode`` to eval mode (the generator's steps); restore both after, also on error.
-    The one way nopad switches a model's attention for a block."""
+    The one way nopad switches a model's attention for a block. A model with a layer nopad does not
+    compute exactly for ``context`` (``packing.mixers``: packed rows, tree rows, generation) is
+    refused first, naming the layer."""
+    check_model(model, context)  # before anything is switched: a refusal leaves the model as it was
     register_nopad_attention()
     previous, training = model.config._attn_implementation, model.training
     if previous != NOPAD_ATTENTION:
         model.set_attn_implementation(NOPAD_ATTENTION)
     if eval_mode and training:
         model.eval()
-    handle = packed_forward_guard(model)
+    handle = packed_forward_guard(model, context)
     try:
         yield model
     finally:
@@ -283,8 +302,11 @@ def check_packed_call(model: transformers.PreTrainedModel, kwargs: dict) -> None
         )
 
 
-def packed_forward_guard(model: transformers.PreTrainedModel):
-    """Install a forward pre-hook that runs :func:`check_packed_call`; returns the hook handle."""
+def packed_forward_guard(model: transformers.PreTrainedModel, context: str = PACKED):
+    """Install a forward pre-hook that runs :func:`check_packed_call`; returns the hook handle.
+    A model with a layer nopad does not compute exactly for ``context`` (``packing.mixers``) is
+    refused here first, naming the layer."""
+    check_model(model, context)
 
     def hook(module, args, kwargs):
         check_packed_call(module, kwargs)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from packing.hf import attention as hf
+from packing.mixers import PACKED, TREE, check_model
 from packing.varlen import VarlenMeta
 
 
@@ -146,7 +147,9 @@ def verify(
     predicts nothing, and several sequences may end on one position).
 
     The model is put in eval mode (no dropout) for the check and restored; its ``.grad`` fields
-    are left as they were.
+    are left as they were. A model with a layer that mixes tokens in a way nopad does not handle
+    (a recurrent state, a convolution over time, sinks: :mod:`packing.mixers`) is refused before
+    anything runs, naming the layer.
     """
     seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
     if not seqs or any(s.numel() == 0 for s in seqs):
@@ -157,6 +160,7 @@ def verify(
         raise ValueError(f"tree=True needs attn_implementation={hf.NOPAD_ATTENTION!r}: a tree row's segments "
                          f"read their ancestors' keys through nopad_meta.key_index, which "
                          f"{attn_implementation!r} does not take")
+    check_model(model, TREE if tree else PACKED)  # a layer nopad cannot keep sequences apart in
     hf.register_nopad_attention()
     current = model.config._attn_implementation
     reference = reference_implementation or (current if current != hf.NOPAD_ATTENTION else "eager")

@@ -1,0 +1,288 @@
+"""Which layers of a model nopad computes exactly, judged by what each layer is and does, and a
+clear refusal for the rest.
+
+A packed row, a prefix-tree row and a generator step are exact only if every layer keeps the
+sequences of the row apart. nopad's attention does that for every layer that routes attention
+through transformers' ``AttentionInterface``. A layer that mixes tokens any other way - a
+recurrent state (Gated DeltaNet, Mamba, an RNN), a convolution over time (LFM2's short
+convolution, the convolutions inside Mamba and Gated DeltaNet), attention sinks, or something
+nopad cannot see at all - runs straight across the boundaries and gives a different answer with
+no error. So before the first packed forward, tree row, ``verify`` or ``Generator``, the model is
+scanned and every such layer must be handled by a registered :class:`MixerSupport` for that use
+(``packed``, ``tree``, ``generate``), or the call is refused naming the layer class.
+
+The scan decides by structure, not by model names, so next month's family is caught too:
+
+- a ``Conv1d`` with a kernel longer than one token (a convolution over time);
+- a recurrent module (``nn.RNNBase``) or a state-space decay parameter (``A_log``);
+- an attention-sink parameter (``sinks``; gpt-oss passes it as ``s_aux``);
+- a decoder layer the config declares as another kind than attention (``layer_types`` /
+  ``layers_block_type``: ``linear_attention``, ``conv``, ``mamba``...);
+- a decoder layer with no module that calls the attention interface, unless declared position-
+  wise (``mlp``/``moe``);
+- a model class transformers marks stateful (``_is_stateful``) where none of the above named the
+  layer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+PACKED, TREE, GENERATE = "packed", "tree", "generate"
+CONTEXTS = (PACKED, TREE, GENERATE)
+_WHERE = {PACKED: "packed rows", TREE: "prefix-tree rows", GENERATE: "the generator (paged steps)"}
+
+ATTENTION_KINDS = frozenset({"attention", "full_attention", "sliding_attention", "chunked_attention"})
+POSITIONWISE_KINDS = frozenset({"mlp", "moe", "ffn"})  # declared layers that mix no tokens
+_DECAY_PARAMETERS = ("A_log",)
+_SINK_PARAMETERS = ("sinks", "s_aux")
+_ATTENTION_CALL_MARKERS = ("ALL_ATTENTION_FUNCTIONS", "AttentionInterface")
+
+
+class UnsupportedMixerError(ValueError):
+    """A model layer mixes tokens in a way nopad does not compute exactly for the requested use."""
+
+
+@dataclass(frozen=True)
+class MixerSupport:
+    """A kind of token mixer nopad computes exactly: ``handles(module)`` says whether ``module``
+    (a layer's mixer, e.g. a Gated DeltaNet module) is served, ``contexts`` for which uses.
+    Registering one is how a new mixing kind becomes supported (one module, like a backend)."""
+
+    name: str
+    handles: Callable[[nn.Module], bool]
+    contexts: frozenset[str] = field(default_factory=lambda: frozenset(CONTEXTS))
+
+
+_SUPPORTS: list[MixerSupport] = []
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> contexts that passed
+_MODULE_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> contexts
+
+
+def register_mixer_support(support: MixerSupport) -> None:
+    """Declare a mixer kind nopad handles (idempotent by name); clears the cached scans."""
+    unknown = set(support.contexts) - set(CONTEXTS)
+    if unknown:
+        raise ValueError(f"MixerSupport {support.name!r}: unknown contexts {sorted(unknown)}; use {CONTEXTS}")
+    _SUPPORTS[:] = [s for s in _SUPPORTS if s.name != support.name] + [support]
+    _CHECKED.clear()
+    _MODULE_CHECKED.clear()
+
+
+def unregister_mixer_support(name: str) -> None:
+    """Withdraw a registered support (tests; a backend found broken at run time)."""
+    _SUPPORTS[:] = [s for s in _SUPPORTS if s.name != name]
+    _CHECKED.clear()
+    _MODULE_CHECKED.clear()
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One reason a layer is not known to keep a row's sequences apart."""
+
+    layer: int | None  # decoder layer index (None: outside the decoder layers)
+    path: str  # the mixer module's path in the model, e.g. "model.layers.0.linear_attn"
+    cls: str  # its class name
+    what: str  # what it does, e.g. "a convolution over time (conv1d: Conv1d, kernel 4)"
+    module: nn.Module | None = field(default=None, compare=False, repr=False)
+
+
+def _calls_attention_interface(cls: type) -> bool:
+    """Whether ``cls.forward`` routes attention through transformers' interface (read from its
+    source once per class: that is where ``"nopad"`` gets called)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return any(marker in source for marker in _ATTENTION_CALL_MARKERS)
+
+
+_ATTENTION_CLASSES: dict[type, bool] = {}
+
+
+def calls_attention(module: nn.Module) -> bool:
+    cls = type(module)
+    if cls not in _ATTENTION_CLASSES:
+        _ATTENTION_CLASSES[cls] = _calls_attention_interface(cls)
+    return _ATTENTION_CLASSES[cls]
+
+
+def _own_parameter_names(module: nn.Module) -> set[str]:
+    return {name for name, _ in module.named_parameters(recurse=False)}
+
+
+def _what(module: nn.Module, name: str) -> str | None:
+    """What token mixing ``module`` itself does besides attention (None: nothing found)."""
+    if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:
+        kernel = module.kernel_size[0]
+        return f"a convolution over time ({name or 'conv'}: {type(module).__name__}, kernel {kernel})"
+    if isinstance(module, nn.RNNBase):
+        return f"a recurrent state ({type(module).__name__})"
+    own = _own_parameter_names(module)
+    decay = sorted(own & set(_DECAY_PARAMETERS))
+    if decay:
+        return f"a recurrent state (state-space decay parameter {decay[0]})"
+    sinks = sorted(own & set(_SINK_PARAMETERS))
+    if sinks:
+        return f"attention sinks (parameter {sinks[0]})"
+    return None
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | tuple[None, None]:
+    """The text decoder's layer list and its path: the ``ModuleList`` with one entry per
+    ``num_hidden_layers`` (the first found, so a vision tower's blocks are not taken for it)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    count = getattr(text, "num_hidden_layers", None)
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and count is not None and len(module) == count:
+            return path, module
+    return None, None
+
+
+def declared_kinds(model: nn.Module) -> list[str] | None:
+    """The config's own per-layer kinds (``layer_types`` or ``layers_block_type``), if any."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in ("layer_types", "layers_block_type"):
+        kinds = getattr(text, key, None)
+        if isinstance(kinds, (list, tuple)) and kinds and all(isinstance(k, str) for k in kinds):
+            return [k.lower() for k in kinds]
+    return None
+
+
+def _mixer_of(layer_path: str, path: str) -> str:
+    """The layer's direct child that contains ``path`` (the layer's mixer, e.g. ``linear_attn``)."""
+    rest = path[len(layer_path) + 1:] if layer_path and path.startswith(layer_path + ".") else path
+    head = rest.split(".", 1)[0]
+    return f"{layer_path}.{head}" if layer_path and head else path
+
+
+def scan(model: nn.Module) -> list[Finding]:
+    """Every place in ``model`` where tokens are mixed other than through the attention
+    interface (see the module docstring). Uncached: :func:`check_model` caches per model."""
+    modules = dict(model.named_modules())
+    layers_path, layers = decoder_layers(model)
+    kinds = declared_kinds(model)
+    findings: list[Finding] = []
+    layer_of = {}
+    if layers is not None:
+        for i, layer in enumerate(layers):
+            prefix = f"{layers_path}.{i}" if layers_path else str(i)
+            for sub_path, _ in layer.named_modules():
+                layer_of[f"{prefix}.{sub_path}" if sub_path else prefix] = (i, prefix)
+    for path, module in modules.items():
+        what = _what(module, path.rsplit(".", 1)[-1])
+        if what is None:
+            continue
+        index, prefix = layer_of.get(path, (None, ""))
+        mixer_path = _mixer_of(prefix, path) if prefix else path
+        mixer = modules.get(mixer_path, module)
+        findings.append(Finding(index, mixer_path, type(mixer).__name__, what, mixer))
+    if layers is not None:
+        named = {f.layer for f in findings}
+        for i, layer in enumerate(layers):
+            prefix = f"{layers_path}.{i}" if layers_path else str(i)
+            kind = kinds[i] if kinds is not None and i < len(kinds) else None
+            if i in named:  # the layer's mixer was already named by what it holds
+                continue
+            if kind is not None and kind not in ATTENTION_KINDS | POSITIONWISE_KINDS:
+                what = f"declared as {kind!r} by the config"
+                findings.append(Finding(i, prefix, type(layer).__name__, what, layer))
+            elif kind not in POSITIONWISE_KINDS and not any(calls_attention(m) for m in layer.modules()):
+                children = ", ".join(f"{n}: {type(c).__name__}" for n, c in layer.named_children())
+                what = f"no module that calls the attention interface (mixing nopad cannot see; {children})"
+                findings.append(Finding(i, prefix, type(layer).__name__, what, layer))
+    if not findings and getattr(type(model), "_is_stateful", False):
+        findings.append(Finding(None, "", type(model).__name__, "a model transformers marks stateful "
+                                "(_is_stateful: it carries a recurrent state between tokens)", model))
+    return findings
+
+
+def _handled(finding: Finding, context: str, model: nn.Module) -> bool:
+    """A finding is handled when a registered support serves its module, or another module of
+    the same layer (the Conv1d inside a supported Gated DeltaNet, a layer declared
+    ``linear_attention`` whose mixer is supported)."""
+    supports = [s for s in _SUPPORTS if context in s.contexts]
+    if not supports or finding.module is None:
+        return False
+    candidates: Iterable[nn.Module] = finding.module.modules()
+    if finding.layer is not None:
+        _, layers = decoder_layers(model)
+        if layers is not None:
+            candidates = layers[finding.layer].modules()
+    return any(s.handles(m) for m in candidates for s in supports)
+
+
+def unsupported(model: nn.Module, context: str = PACKED) -> list[Finding]:
+    """The findings of :func:`scan` that no registered support handles for ``context``."""
+    if context not in CONTEXTS:
+        raise ValueError(f"unknown context {context!r}; use one of {CONTEXTS}")
+    return [f for f in scan(model) if not _handled(f, context, model)]
+
+
+def _message(model: nn.Module, context: str, findings: list[Finding]) -> str:
+    groups: dict[str, list[Finding]] = {}
+    for f in findings:
+        groups.setdefault(f.cls, []).append(f)
+    lines = []
+    for cls, group in groups.items():
+        where = sorted({f.layer for f in group if f.layer is not None})
+        at = f", layers {where}" if where else ""
+        whats = "; ".join(dict.fromkeys(f.what for f in group))
+        lines.append(f"  - {cls} ({group[0].path or type(model).__name__}{at}): {whats}")
+    return (
+        f"nopad cannot run {type(model).__name__} on {_WHERE[context]} exactly: it would give a different "
+        f"answer with no error. These layers mix tokens in ways nopad does not handle there (a recurrent or "
+        f"convolution state would run across the boundaries between sequences):\n"
+        + "\n".join(lines)
+        + "\nKeep this model unpacked (attn_implementation='sdpa' with one sequence per row or padded "
+        "batches, and HF generate), or see docs/models.md for the families nopad supports and how."
+    )
+
+
+def check_model(model: nn.Module, context: str = PACKED) -> None:
+    """Raise :class:`UnsupportedMixerError` naming every layer of ``model`` that nopad does not
+    compute exactly for ``context`` (``packed``, ``tree`` or ``generate``); cached per model."""
+    model = getattr(model, "module", model)  # DDP / DeepSpeed engine: the model they wrap
+    passed = _CHECKED.get(model)
+    if passed is not None and context in passed:
+        return
+    findings = unsupported(model, context)
+    if findings:
+        raise UnsupportedMixerError(_message(model, context, findings))
+    _CHECKED.setdefault(model, set()).add(context)
+
+
+def check_calling_model(module: nn.Module, context: str) -> None:
+    """The attention function's check, for a forward that no nopad entry point prepared (a bare
+    ``model.set_attn_implementation("nopad")``): it is called with its attention module only, so
+    the model is the outermost ``PreTrainedModel`` on the call stack that holds ``module``. Runs
+    once per attention module and context; a dictionary look-up after that."""
+    if torch.compiler.is_compiling():  # the compiled generator step: checked when it was built
+        return
+    done = _MODULE_CHECKED.get(module)
+    if done is not None and context in done:
+        return
+    from transformers import PreTrainedModel
+
+    model, frame = None, inspect.currentframe()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if (isinstance(owner, PreTrainedModel) and owner is not model
+                and any(m is module for m in owner.modules())):
+            model = owner
+        frame = frame.f_back
+    del frame
+    if model is not None:
+        check_model(model, context)
+    _MODULE_CHECKED.setdefault(module, set()).add(context)
