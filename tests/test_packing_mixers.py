@@ -77,20 +77,39 @@ def tree_call():
     return dict(row.model_kwargs(), use_cache=False)
 
 
+# families whose mixers nopad serves on packed and tree rows (tests/test_packing_hybrid.py), not yet
+# in the generator (per-sequence conv and recurrent state there is issue 36 item 4)
+ROW_SERVED = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "kimi_linear")
+
+
 @pytest.mark.parametrize("family", HYBRID_FAMILIES + SINK_FAMILIES)
 def test_every_hybrid_and_sink_family_is_refused_naming_its_mixer(family):
     model = tiny_model(family)
+    refused = (GENERATE,) if family in ROW_SERVED else CONTEXTS
     for context in CONTEXTS:
+        if context not in refused:
+            check_model(model, context)
+            continue
         with pytest.raises(UnsupportedMixerError, match=MIXER_CLASS[family]) as err:
             check_model(model, context)
     assert "docs/models.md" in str(err.value) and type(model).__name__ in str(err.value)
-    with pytest.raises(UnsupportedMixerError, match=MIXER_CLASS[family]):
-        packing.verify(model, random_sequences((4, 6)))
+    if family not in ROW_SERVED:
+        with pytest.raises(UnsupportedMixerError, match=MIXER_CLASS[family]):
+            packing.verify(model, random_sequences((4, 6)))
     with pytest.raises(UnsupportedMixerError, match=MIXER_CLASS[family]):
         Generator(model, num_blocks=8)
 
 
-@pytest.mark.parametrize("family", ("qwen3_5", "lfm2", "bamba", "gpt_oss"))
+@pytest.mark.parametrize("family", ("qwen3_5", "lfm2"))
+def test_a_bare_packed_or_tree_forward_of_a_served_hybrid_family_runs(family):
+    register_nopad_attention()
+    model = tiny_model(family)
+    model.set_attn_implementation("nopad")
+    for call in (packed_call(model), tree_call()):
+        model(**call)
+
+
+@pytest.mark.parametrize("family", ("jamba", "bamba", "gpt_oss"))
 def test_a_bare_packed_or_tree_forward_is_refused_at_its_first_attention_layer(family):
     register_nopad_attention()
     model = tiny_model(family)

@@ -3,6 +3,10 @@ nopad computes exactly on packed rows, tree rows and in the generator, and a cle
 every other (:mod:`packing.mixers.support`). A new mixing kind is one module that registers a
 :class:`MixerSupport`."""
 
+from packing.mixers import hf_kernels  # noqa: E402,F401  registers the support of transformers' hybrid kernels
+from packing.mixers.conv import varlen_causal_conv1d
+from packing.mixers.delta_rule import varlen_delta_rule
+from packing.mixers.recurrence import RecurrencePlan, recurrence_plan
 from packing.mixers.support import (
     CONTEXTS,
     GENERATE,
@@ -21,4 +25,4 @@ from packing.mixers.support import (
 
 __all__ = ["CONTEXTS", "GENERATE", "PACKED", "TREE", "Finding", "MixerSupport", "UnsupportedMixerError",
            "check_calling_model", "check_model", "register_mixer_support", "scan", "unregister_mixer_support",
-           "unsupported"]
+           "unsupported", "varlen_causal_conv1d", "varlen_delta_rule", "RecurrencePlan", "recurrence_plan"]

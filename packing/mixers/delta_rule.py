@@ -1,0 +1,141 @@
+"""The chunked delta rules (Gated DeltaNet: Qwen3.5, Qwen3-Next, OLMo-hybrid; Kimi's KDA) on a
+varlen row, each sequence apart, tree segments continuing their parent's state.
+
+The rows run wave by wave (:mod:`packing.mixers.recurrence`). Reference (CPU, and CUDA without
+``fla``): the layer's own torch function (transformers' ``torch_chunk_gated_delta_rule`` /
+``chunk_kimi_delta_attention``) on the wave's pieces as a right-padded batch, with each piece's
+initial state. Padding is exact: a padded token has ``k = v = q = 0``, ``beta = 0`` and decay
+``g = 0``, so it leaves the state as it is, just as the function's own padding to a multiple of
+its chunk does; pieces are batched by their number of chunks, so no piece pays for a longer
+one. CUDA with ``fla`` installed: one varlen call per wave, ``cu_seqlens`` and the pieces'
+initial states (fla's documented signature), the way packed training runs there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from packing.mixers.conv import package_function
+from packing.mixers.recurrence import recurrence_plan
+from packing.varlen import VarlenMeta
+
+# transformers' kernel name -> fla's module and function of the same rule
+FLA_FUNCTIONS = {"chunk_gated_delta_rule": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
+                 "chunk_kda": ("fla.ops.kda", "chunk_kda")}
+
+
+def varlen_delta_rule(
+    reference: Callable,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    meta: VarlenMeta,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    fla_kernel: str | None = "chunk_gated_delta_rule",
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chunked delta rule over ``meta``'s row (``query``/``key`` ``(1, T, H, K)``, ``value``
+    ``(1, T, HV, V)``, ``g`` ``(1, T, HV)`` or ``(1, T, HV, K)``, ``beta`` ``(1, T, HV)``).
+
+    ``reference(q, k, v, g, beta, chunk_size=, initial_state=, output_final_state=,
+    use_qk_l2norm_in_kernel=)`` is the batched torch rule it runs on (returns ``(out, state)``);
+    ``fla_kernel`` names fla's varlen function of the same rule (None: reference only).
+    ``initial_state``: ``(N, HV, K, V)`` per sequence of a packed row. Returns the output
+    ``(1, T, HV, V)`` and, with ``output_final_state``, each sequence's final state."""
+    if query.shape[0] != 1 or query.shape[1] != meta.total_q:
+        raise ValueError(f"a varlen row is (1, {meta.total_q}, ...); got query of shape "
+                         f"{tuple(query.shape)}. "
+                         "nopad rows run with use_cache=False")
+    plan = recurrence_plan(meta)
+    if initial_state is not None and meta.key_rows is not None:
+        raise ValueError("initial_state applies to packed rows; a prefix-tree segment starts from its parent")
+    fla = None
+    if fla_kernel is not None:
+        fla = package_function(*FLA_FUNCTIONS[fla_kernel], query)
+    tensors = (query, key, value, g, beta)
+    common = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    if fla is not None and plan.is_flat and initial_state is None:  # a packed row: one call as it is
+        cu = meta.cu_seqlens_q.to(torch.long)
+        return fla(*tensors, initial_state=None, output_final_state=output_final_state, cu_seqlens=cu,
+                   **common)
+    states: dict[int, torch.Tensor] = {}
+    parts, part_rows = [], []
+    for wave in plan.waves:
+        starts = [_start_state(plan, p, states, initial_state) for p in wave]
+        if fla is not None:
+            groups = [list(wave)]
+        else:  # pieces of the same number of chunks pad to the same length anyway
+            chunks = [-(-len(plan.pieces[p]) // chunk_size) for p in wave]
+            groups = [[p for p, c in zip(wave, chunks) if c == n] for n in sorted(set(chunks))]
+        start_of = dict(zip(wave, starts))
+        for group in groups:
+            out, final, rows = _run_group(reference, fla, tensors, plan, group, [start_of[p] for p in group],
+                                          chunk_size, common)
+            parts.append(out)
+            part_rows.append(rows)
+            for i, p in enumerate(group):
+                if plan.is_parent[p] or output_final_state:
+                    states[p] = final[i]
+    order = torch.from_numpy(np.argsort(np.concatenate(part_rows))).to(query.device)
+    out = torch.cat(parts)[order][None]
+    if not output_final_state:
+        return out, None
+    finals = [states[p] if p >= 0 else _initial(initial_state, i, value, key)
+              for i, p in enumerate(plan.last_piece)]
+    return out, torch.stack(finals)
+
+
+def _start_state(plan, p: int, states: dict, initial_state: torch.Tensor | None) -> torch.Tensor | None:
+    piece = plan.pieces[p]
+    if piece.parent >= 0:
+        return states[piece.parent]
+    return None if initial_state is None else initial_state[piece.seq]
+
+
+def _initial(initial_state, seq: int, value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    if initial_state is not None:
+        return initial_state[seq]
+    return value.new_zeros(value.shape[2], key.shape[-1], value.shape[-1], dtype=torch.float32)
+
+
+def _run_group(reference, fla, tensors, plan, group, starts, chunk_size, common):
+    """Run pieces ``group`` from states ``starts`` (None: zero); returns their outputs (their
+    rows' values, flat), their final states and the rows."""
+    pieces = [plan.pieces[p] for p in group]
+    lengths = [len(piece) for piece in pieces]
+    value = tensors[2]
+    rows = np.concatenate([np.arange(piece.start, piece.end) for piece in pieces])
+    zero = _zero_state(tensors)
+    init = None
+    if any(s is not None for s in starts):
+        init = torch.stack([zero if s is None else s.to(zero.dtype) for s in starts])
+    if fla is not None:
+        index = torch.from_numpy(rows).to(value.device)
+        cu = torch.from_numpy(np.concatenate(([0], np.cumsum(lengths)))).to(value.device)
+        gathered = [t[:, index] for t in tensors]
+        out, final = fla(*gathered, initial_state=init, output_final_state=True, cu_seqlens=cu, **common)
+        return out[0], final, rows
+    width = max(lengths)
+    total = value.shape[1]
+    padded = np.full((len(pieces), width), total, dtype=np.int64)  # row `total`: the zero row
+    for i, piece in enumerate(pieces):
+        padded[i, : len(piece)] = np.arange(piece.start, piece.end)
+    index = torch.from_numpy(padded).to(value.device)
+    batch = [torch.cat([t[0], t.new_zeros((1,) + t.shape[2:])])[index] for t in tensors]
+    out, final = reference(*batch, chunk_size=chunk_size, initial_state=init, output_final_state=True,
+                           **common)
+    valid = torch.from_numpy(np.arange(width)[None, :] < np.asarray(lengths)[:, None]).to(value.device)
+    return out[valid], final, rows
+
+
+def _zero_state(tensors) -> torch.Tensor:
+    key, value = tensors[1], tensors[2]
+    return value.new_zeros(value.shape[2], key.shape[-1], value.shape[-1], dtype=torch.float32)
