@@ -157,11 +157,31 @@ def _coerce(name: str, hint, value):
     raise TypeError(f"internal: config field {name} has an annotation the loader does not know: {hint}")
 
 
+def _refuse_repeated_keys(node, path: Path, prefix: str = "") -> None:
+    """A key written twice in one YAML mapping is an error naming it and both lines: PyYAML keeps
+    the last one without a word, so a second ``train:`` section would drop the first one's keys."""
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_repeated_keys(item, path, prefix)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict = {}
+    for key_node, value_node in node.value:
+        key, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
+        if key in seen:
+            raise ConfigError(key, f"is written twice in {path} (lines {seen[key]} and {line}); keep one: "
+                              "the second would replace the first")
+        seen[key] = line
+        _refuse_repeated_keys(value_node, path, f"{key}.")
+
+
 def _read_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    text = path.read_text()
+    _refuse_repeated_keys(yaml.compose(text, Loader=yaml.SafeLoader), path)
+    data = yaml.safe_load(text) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a YAML mapping at the top level")
     return data
@@ -455,6 +475,19 @@ def check_learning_rate(lr: float) -> None:
     if not 0 < lr <= MAX_LEARNING_RATE:
         raise ConfigError("lr", f"must be a number in (0, {MAX_LEARNING_RATE:g}], got {lr!r} (fine-tuning "
                           "uses about 1e-6 to 1e-3)")
+
+
+def check_sampling(**settings) -> None:
+    """Sampling settings (``temperature``, ``top_p``, ``max_tokens``...) checked by the rule the
+    generator applies (:class:`inference.SamplingParams`), when the config is built: a
+    ``temperature=-1`` is an error naming the key before the model loads, not minutes later."""
+    from inference.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(**settings)
+    except ValueError as err:  # SamplingParams' messages start with the field's name
+        name, _, detail = str(err).partition(" ")
+        raise ConfigError(name, detail) from None
 
 
 if __name__ == "__main__":  # python -m recipes.config: regenerate recipes/configs/*.yaml

@@ -19,6 +19,7 @@ from recipes.config import (
     ConfigError,
     GeneratorConfig,
     Section,
+    check_sampling,
     parse_cli,
     setup_logging,
 )
@@ -60,7 +61,8 @@ class EvalSamplingConfig(Section):
     seed: int = 0  # sampling seed (used when temperature > 0)
 
     def check(self) -> None:
-        self.at_least("max_tokens", 1)
+        check_sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                       seed=self.seed)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from recipes.config import (
     LoRAConfig,
     Section,
     check_learning_rate,
+    check_sampling,
 )
 from recipes.tasks import TASKS, get_reward
 from training.grpo import ISWeightFn, truncated_is
@@ -63,6 +64,7 @@ class RolloutConfig(Section):
             self.at_least(name, low)
         if not self.tool_timeout > 0:
             raise ConfigError("tool_timeout", f"must be > 0 seconds, got {self.tool_timeout}")
+        check_sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
 
 
 @dataclass

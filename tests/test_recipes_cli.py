@@ -133,3 +133,22 @@ def test_setup_logging_quiets_library_noise_but_not_the_users_warnings(monkeypat
     finally:
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("train:\n  lr: 1.0e-4\nmodel:\n  path: tiny:llama\ntrain:\n  max_steps: 3\n",
+     "train is written twice in {path} (lines 1 and 5); keep one"),
+    ("train:\n  lr: 1.0e-4\n  max_steps: 3\n  lr: 2.0e-4\n",
+     "train.lr is written twice in {path} (lines 2 and 4); keep one"),
+])
+def test_a_key_or_section_written_twice_is_an_error_naming_both_lines(tmp_path, text, message, capsys):
+    """#39 B4: PyYAML keeps the last one silently (a second train: section dropped the first's keys)."""
+    from recipes.sft import main
+
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        main([str(path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("recipes.sft: error: " + message.format(path=path)) and err.count("\n") == 1
