@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recipes.cli import run_recipe
 from recipes.config import (
     ChatModelConfig,
     ConfigError,
@@ -194,8 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def cli() -> None:
     """The ``nopad-evaluate`` console script: the recipe from any directory once nopad is installed."""
-    main()
+    run_recipe(main, "recipes.evaluate")
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from recipes.cli import run_recipe
 from recipes.config import ConfigError, parse_cli, setup_logging
 from recipes.grpo_config import GRPORecipeConfig, resolve_is_correction
 from recipes.models import load_model, save_model_dir
@@ -196,8 +197,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def cli() -> None:
     """The ``nopad-grpo`` console script: the recipe from any directory once nopad is installed."""
-    main()
+    run_recipe(main, "recipes.grpo")
 
 
 if __name__ == "__main__":
-    main()
+    cli()

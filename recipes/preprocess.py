@@ -21,6 +21,7 @@ import datasets
 from dataloaders import sources
 from packing import pack_dataset
 from packing.row import IGNORE_INDEX
+from recipes.cli import run_recipe
 from recipes.config import ConfigError, Section, parse_cli, setup_logging
 
 logger = logging.getLogger(__name__)
@@ -213,8 +214,8 @@ def main(argv: list[str] | None = None) -> datasets.Dataset:
 
 def cli() -> None:
     """The ``nopad-preprocess`` console script: the recipe from any directory once nopad is installed."""
-    main()
+    run_recipe(main, "recipes.preprocess")
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from recipes.cli import run_recipe
 from recipes.config import parse_cli, setup_logging
 from recipes.models import load_model, save_model_dir
 from recipes.sft_config import SFTRecipeConfig
@@ -170,8 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def cli() -> None:
     """The ``nopad-sft`` console script: the recipe from any directory once nopad is installed."""
-    main()
+    run_recipe(main, "recipes.sft")
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -152,3 +152,85 @@ def test_a_key_or_section_written_twice_is_an_error_naming_both_lines(tmp_path, 
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("recipes.sft: error: " + message.format(path=path)) and err.count("\n") == 1
+
+
+def _one_line_error(fn, capsys) -> str:
+    from recipes.cli import run_recipe
+
+    with pytest.raises(SystemExit) as exit_:
+        run_recipe(fn, "recipes.sft")
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("recipes.sft: error: ") and err.endswith("(NOPAD_DEBUG=1 shows the traceback)\n")
+    return err
+
+
+def test_errors_nopad_raises_on_purpose_reach_the_user_as_one_line(tmp_path, monkeypatch, capsys):
+    """#39 B6: a NaN reward, a run directory in use, a truncated model file, a missing peft, an
+    adapter that does not match: each message already says what to do; no traceback in front."""
+    import json
+
+    from recipes.models import load_model
+    from recipes.sft_config import SFTModelConfig
+    from training.checkpoint import LOCK_FILE, claim_run_dir
+    from training.lora import apply_lora
+    from training.nonfinite import reward_value
+
+    def nan_reward():
+        return reward_value(float("nan"), nan_reward, "step 0, sample 3")
+
+    assert "nan_reward returned nan for step 0, sample 3" in _one_line_error(nan_reward, capsys)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / LOCK_FILE).write_text(json.dumps({"pid": os.getppid(), "host": "here", "run": "r1"}))
+    assert "is in use by another run (pid" in _one_line_error(lambda: claim_run_dir(tmp_path / "run"), capsys)
+    model, _ = load_model(SFTModelConfig(path="tiny:llama"))
+    model.save_pretrained(tmp_path / "model")
+    weights = tmp_path / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    capsys.readouterr()  # (transformers' "Writing model shards" bar)
+    message = _one_line_error(lambda: load_model(SFTModelConfig(path=str(tmp_path / "model"))), capsys)
+    assert "could not load the model from model.safetensors" in message and "truncated" in message
+    with pytest.raises(ValueError):  # (a test of the case below: the adapter's target is not in the model)
+        apply_lora(model, rank=2, alpha=4, dropout=0.0, target_modules=["qkv"], base="tiny:llama")
+    message = _one_line_error(lambda: apply_lora(model, rank=2, alpha=4, dropout=0.0,
+                                                 target_modules=["qkv"], base="tiny:llama"), capsys)
+    assert "model.lora.target_modules: qkv not found in the model" in message
+    monkeypatch.setitem(sys.modules, "peft", None)
+    message = _one_line_error(lambda: apply_lora(model, rank=2, alpha=4, dropout=0.0,
+                                                 target_modules="all-linear", base="tiny:llama"), capsys)
+    assert "runs through peft, which is not installed: pip install" in message
+
+
+def test_other_errors_and_nopad_debug_keep_the_traceback(monkeypatch):
+    from recipes.cli import raised_on_purpose, run_recipe
+    from recipes.config import parse_override
+    from training.nonfinite import reward_value
+
+    def not_nopads():
+        raise ValueError("a user's reward function failing")
+
+    with pytest.raises(ValueError, match="a user's reward"):
+        run_recipe(not_nopads, "recipes.sft")
+    with pytest.raises(TypeError):  # nopad's own line, failing by accident, is not "on purpose"
+        run_recipe(lambda: parse_override(5), "recipes.sft")
+    try:
+        int("x")
+    except ValueError as err:
+        assert not raised_on_purpose(err)
+    monkeypatch.setenv("NOPAD_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="returned nan"):
+        run_recipe(lambda: reward_value(float("nan"), len, "x"), "recipes.sft")
+
+
+def test_a_deliberate_error_from_the_shell_is_one_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    proc = subprocess.run([sys.executable, "-m", "recipes.evaluate", f"model.path={tmp_path / 'model'}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    model = tmp_path / "model"
+    assert last.startswith(f"recipes.evaluate: error: model.path={model}: could not load the model")
+    assert "Traceback" not in proc.stderr
