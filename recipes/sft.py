@@ -31,7 +31,7 @@ import torch
 
 from recipes.cli import run_recipe
 from recipes.config import parse_cli, setup_logging
-from recipes.models import load_model, save_model_dir
+from recipes.models import check_resume_lora, load_model, save_model_dir
 from recipes.sft_config import SFTRecipeConfig
 from training import checkpoint
 from training.accelerator import engine_info
@@ -45,6 +45,7 @@ from training.sft import (
     progress_bar,
     record_step,
     resume,
+    resume_path,
     save_checkpoint,
     sft_step,
     use_attention,
@@ -82,6 +83,8 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     tcfg, dcfg, ccfg = cfg.train, cfg.data, cfg.checkpoint
     accelerator = accelerator or make_accelerator(cfg)
     torch.manual_seed(tcfg.seed)
+    if ccfg.resume_from:  # a changed LoRA setting named before the model loads
+        check_resume_lora(resume_path(ccfg.resume_from, Path(ccfg.output_dir)), cfg.model.lora)
     if model is None:  # tiny:llama comes with the ASCII tokenizer, so its checkpoints reload too
         model, tokenizer = load_model(cfg.model)
     use_attention(model, cfg.model.attn_implementation)

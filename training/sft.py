@@ -103,11 +103,17 @@ def save_checkpoint(accelerator, path: Path, save_model: Callable[[Path], None],
     checkpoint.save_checkpoint(path, write, accelerator, keep_last=keep_last)
 
 
+def resume_path(resume_from: str, output_dir: Path) -> Path:
+    """The checkpoint ``checkpoint.resume_from`` names: a step_N directory, or ``latest`` in
+    ``output_dir`` (its newest complete one)."""
+    return checkpoint.latest_checkpoint(output_dir) if resume_from == "latest" else Path(resume_from)
+
+
 def resume(accelerator, resume_from: str, output_dir: Path, state_kwargs: dict | None = None) -> Path:
     """Load ``checkpoint.resume_from`` (a step_N directory, or the ``latest`` complete one) into
     everything registered for checkpointing (``state_kwargs`` go to ``load_state``); returns the
     checkpoint's path."""
-    path = checkpoint.latest_checkpoint(output_dir) if resume_from == "latest" else Path(resume_from)
+    path = resume_path(resume_from, output_dir)
     if not (path / STATE_DIR).is_dir():
         raise FileNotFoundError(f"checkpoint.resume_from={str(path)!r} holds no {STATE_DIR}/ "
                                 "written by this recipe; give a step_N directory of an earlier run")
