@@ -200,7 +200,8 @@ def _merge(base: dict, update: Mapping) -> dict:
 def parse_override(text: str) -> dict:
     """``"a.b=3"`` -> ``{"a": {"b": 3}}``; the value is parsed as YAML (numbers, null, true)."""
     if "=" not in text:
-        raise ValueError(f"override {text!r} must look like section.key=value")
+        raise ValueError(f"{text} has no value: write {text}=<value> (settings are section.key=value; a "
+                         "config file comes first and ends in .yaml)")
     dotted, _, raw = text.partition("=")
     value = yaml.safe_load(raw) if raw.strip() else None
     if isinstance(value, str):
@@ -239,12 +240,18 @@ def parse_cli(cls: type[C], argv: Sequence[str] | None, prog: str, about: str = 
     if any(a in ("-h", "--help") for a in argv):
         print(help_text(cls, prog, about))
         raise SystemExit(0)
-    path = argv.pop(0) if argv and "=" not in argv[0] else None
+    path = argv.pop(0) if argv and _is_config_file(argv[0]) else None
     try:
         return load_config(cls, path, argv)
     except (ConfigError, FileNotFoundError, ValueError, yaml.YAMLError) as err:
         print(f"{prog}: error: {err} (see {prog} --help)", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _is_config_file(arg: str) -> bool:
+    """The first argument is the config file unless it reads as a setting: ``train.max_steps``
+    alone (a forgotten ``=value``) is that error, not "config file 'train.max_steps' does not exist"."""
+    return "=" not in arg and (arg.endswith((".yaml", ".yml")) or Path(arg).exists() or "/" in arg)
 
 
 NOISY_LOGGERS = ("accelerate.checkpointing",  # 8 "saved ... to ..." lines per checkpoint
