@@ -207,13 +207,20 @@ class Generator:
         return finished
 
     # ----------------------------------------------------------------- high level
-    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params=None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in prompt order. Validates everything first."""
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params=None, use_tqdm: bool = True,
+                 on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in prompt order. Validates everything first.
+        ``on_output(output)`` is called as each request finishes (a caller's own progress bar)."""
         refuse_plain_generation(self.model)
         requests = self.make_requests(prompts, sampling_params)
         with tqdm(total=len(requests), desc="generate", disable=not use_tqdm or len(requests) < 2) as bar:
-            return self.run(requests, on_output=lambda _: bar.update(1))
+
+            def finished(out: RequestOutput) -> None:
+                bar.update(1)
+                if on_output is not None:
+                    on_output(out)
+
+            return self.run(requests, on_output=finished)
 
     def run(self, requests: list[Request], *, step: Callable[[], list[RequestOutput]] | None = None,
             more: Callable[[], bool] | None = None,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from recipes.config import (
     AccelerateConfig,
@@ -20,7 +20,9 @@ from recipes.config import (
     check_sampling,
 )
 from recipes.tasks import TASKS, get_reward
-from training.grpo import ISWeightFn, truncated_is
+
+if TYPE_CHECKING:  # (training.grpo imports torch: a config, and --help, load without it)
+    from training.grpo import ISWeightFn
 
 
 @dataclass
@@ -140,6 +142,8 @@ def resolve_is_correction(train_cfg: GRPOTrainConfig) -> ISWeightFn | None:
     if spec in (None, "none"):
         return None
     if spec == "tis":
+        from training.grpo import truncated_is
+
         if train_cfg.tis_cap <= 0:
             raise ConfigError("tis_cap", f"must be > 0, got {train_cfg.tis_cap}")
         return truncated_is(float(train_cfg.tis_cap))

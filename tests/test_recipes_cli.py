@@ -61,6 +61,8 @@ def test_help_covers_every_field_of_the_config():
     (["train.lr=abc"], "recipes.sft: error: train.lr must be a number, got 'abc' (see recipes.sft --help)"),
     (["train.max_step=3"], "recipes.sft: error: train.max_step is not a config key here; known keys: "),
     (["missing.yaml"], "recipes.sft: error: config file 'missing.yaml' does not exist"),
+    (["train.max_steps"], "recipes.sft: error: train.max_steps has no value: write train.max_steps=<value>"),
+    (["model.path=tiny:llama", "train.max_steps"], "recipes.sft: error: train.max_steps has no value: "),
 ])
 def test_a_config_error_is_one_line_and_exit_code_2(args, message, capsys):
     from recipes.sft import main
@@ -234,3 +236,25 @@ def test_a_deliberate_error_from_the_shell_is_one_line(tmp_path):
     model = tmp_path / "model"
     assert last.startswith(f"recipes.evaluate: error: model.path={model}: could not load the model")
     assert "Traceback" not in proc.stderr
+
+
+HEAVY = ("torch", "transformers", "datasets", "accelerate", "trl", "peft", "deepspeed")
+
+
+@pytest.mark.parametrize("script", ["nopad-preprocess", "nopad-sft", "nopad-grpo", "nopad-evaluate",
+                                    "nopad-demo"])
+@pytest.mark.parametrize("how", ["python -m", "console script"])
+def test_help_imports_neither_torch_nor_transformers(script, how):
+    """#39 B8: --help took 41-62 s on a loaded 2-core machine, importing torch and transformers to
+    print text. Checked by what is imported (python -X importtime), not by a time."""
+    module, _, name = _scripts()[script].partition(":")
+    if how == "python -m":
+        args = ["-m", module, "--help"]
+    else:
+        args = ["-c", f"import sys; sys.argv = [{script!r}, '--help']; from {module} import {name}; {name}()"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-X", "importtime", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: "), proc.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    assert not imported & set(HEAVY), f"{script} --help imported {sorted(imported & set(HEAVY))}"
