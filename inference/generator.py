@@ -19,7 +19,14 @@ from collections.abc import Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
-from inference.episodes import Episode, EpisodeLimits, EpisodeRunner, named_tools, render_prompts
+from inference.environments import reset_environments
+from inference.episodes import (
+    Episode,
+    EpisodeLimits,
+    EpisodeRunner,
+    named_tools,
+    render_prompts,
+)
 from inference.kv_cache import KVCache, bytes_per_block
 from inference.model_runner import ModelRunner
 from inference.outputs import RequestOutput, StreamDelta
@@ -276,6 +283,7 @@ class Generator:
         if not isinstance(limits, EpisodeLimits):
             raise TypeError(f"limits must be an EpisodeLimits, got {type(limits).__name__}")
         named = named_tools(tools)
+        environments, prompts = reset_environments(environment_factory, prompts, sampling_params)
         per_prompt = None
         if prompt_tools is not None:
             per_prompt = [named_tools(t) for t in prompt_tools]
@@ -289,7 +297,7 @@ class Generator:
                                  "tool_format=")
             tool_format = ChatTemplateTools(self.tokenizer, list(named.values()))
         requests = self.make_requests(render_prompts(prompts, tool_format), sampling_params)
-        runner = EpisodeRunner(self.scheduler, tool_format, limits, self.vocab_size, environment_factory,
+        runner = EpisodeRunner(self.scheduler, tool_format, limits, self.vocab_size, environments,
                                reward_fn, fork, self.scheduler.max_num_seqs)
         self._episodes = runner
         try:
