@@ -95,14 +95,6 @@ class Episode:
     def num_turns(self) -> int:
         return len(self.turns)
 
-    def completion_row(self) -> dict:
-        """What a GRPO step reads: prompt ids, completion ids, the loss mask (model tokens only),
-        the rollout's raw log-probs (``training.grpo.Rollout.gen_logprobs``), those under the
-        temperature (what TRL scores) and the reward; log-probs are 0.0 at tool tokens."""
-        return {"prompt_ids": list(self.prompt_token_ids), "completion_ids": list(self.completion_ids),
-                "loss_mask": list(self.model_mask), "logprobs": list(self.logprobs),
-                "temperature_logprobs": list(self.temperature_logprobs), "reward": self.reward}
-
 
 @dataclass
 class _State:

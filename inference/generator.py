@@ -28,7 +28,7 @@ from inference.episodes import (
     render_prompts,
 )
 from inference.kv_cache import KVCache, bytes_per_block
-from inference.model_runner import ModelRunner
+from inference.model_runner import ModelRunner, check_static_decode_backend
 from inference.outputs import RequestOutput, StreamDelta
 from inference.request import Request, Sequence, Status, prompt_token_ids
 from inference.sampler import SamplerBuffers, sample
@@ -98,6 +98,8 @@ class Generator:
             raise ValueError(f"dtype must be a floating torch.dtype (torch.bfloat16, ...), got {dtype!r}")
         if attn_backend is not None and attn_backend not in attention_backends():
             raise ValueError(f"unknown attn_backend {attn_backend!r}; choose one of {attention_backends()}")
+        if (static_decode or compile_decode) and attn_backend not in (None, "auto"):
+            check_static_decode_backend(attn_backend)
         param = next(model.parameters())
         # FSDP2: the compute dtype of its mixed-precision policy, not the shard's storage dtype
         self.device, self.weight_dtype, self.requested_dtype = param.device, model_compute_dtype(model), dtype

@@ -145,8 +145,7 @@ def test_episode_logprobs_are_the_training_forward_at_model_tokens():
         sampled = torch.tensor(ep.model_mask, dtype=torch.bool)
         torch.testing.assert_close(torch.tensor(ep.logprobs)[sampled], ref[sampled], atol=1e-5, rtol=0)
         assert all(lp == 0.0 for lp, m in zip(ep.logprobs, ep.model_mask) if not m)
-        row = ep.completion_row()
-        assert row["loss_mask"] == ep.model_mask and len(row["logprobs"]) == len(row["completion_ids"])
+        assert len(ep.logprobs) == len(ep.completion_ids) == len(ep.model_mask)
 
 
 def sampled_run(model, **generator_kwargs):
