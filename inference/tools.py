@@ -189,21 +189,23 @@ def _one_call_conversation(name: str) -> list[dict]:
 class ToolExited(Exception):
     """A tool called ``sys.exit``: that call's error, not the end of the whole rollout."""
 
+    def __init__(self, code):
+        super().__init__(f"called sys.exit({code!r}); a tool returns its result (an error message is fine) "
+                         "instead of exiting")
+
 
 def _call_sync(fn, arguments: dict):
     try:
         return fn(**arguments)
     except SystemExit as err:
-        raise ToolExited(f"called sys.exit({err.code!r}); a tool returns its result (an error message is "
-                         "fine) instead of exiting") from None
+        raise ToolExited(err.code) from None
 
 
 async def _call_async(fn, arguments: dict):
     try:
         return await fn(**arguments)
     except SystemExit as err:  # on the loop thread it would also stop the loop for every later call
-        raise ToolExited(f"called sys.exit({err.code!r}); a tool returns its result (an error message is "
-                         "fine) instead of exiting") from None
+        raise ToolExited(err.code) from None
 
 
 def _not_encodable(text: str) -> int | None:
