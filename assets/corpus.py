@@ -85,10 +85,3 @@ def load_corpus(max_documents: int | None = 4000, min_chars: int = 80) -> list[s
         step = len(docs) / max_documents
         docs = [docs[int(i * step)] for i in range(max_documents)]
     return docs
-
-
-def corpus_dataset(max_documents: int | None = 4000, min_chars: int = 80):
-    """The corpus as a ``datasets.Dataset`` with one ``text`` column."""
-    import datasets
-
-    return datasets.Dataset.from_dict({"text": load_corpus(max_documents, min_chars)})

@@ -20,11 +20,31 @@ and runs them off the decode loop.
 ``sharded`` runs the generator on DeepSpeed ZeRO-3 / FSDP2 models (gather-once or lockstep).
 """
 
-from inference.episodes import Episode, EpisodeLimits, Turn
-from inference.generator import Generator
-from inference.outputs import CompletionOutput, RequestOutput, StreamDelta
-from inference.sampling_params import SamplingParams
-from inference.tools import ChatTemplateTools, ToolCall, ToolFormat
+import importlib
 
-__all__ = ["ChatTemplateTools", "CompletionOutput", "Episode", "EpisodeLimits", "Generator", "RequestOutput",
-           "SamplingParams", "StreamDelta", "ToolCall", "ToolFormat", "Turn"]
+_EXPORTS = {
+    "Episode": "inference.episodes",
+    "EpisodeLimits": "inference.episodes",
+    "Turn": "inference.episodes",
+    "Generator": "inference.generator",
+    "CompletionOutput": "inference.outputs",
+    "RequestOutput": "inference.outputs",
+    "StreamDelta": "inference.outputs",
+    "SamplingParams": "inference.sampling_params",
+    "ChatTemplateTools": "inference.tools",
+    "ToolCall": "inference.tools",
+    "ToolFormat": "inference.tools",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """Names are imported on first use, so that ``inference.sampling_params`` and ``inference.tools``
+    (what a recipe's config checks and ``--help`` read) load without torch."""
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'inference' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(_EXPORTS)

@@ -95,14 +95,6 @@ class Episode:
     def num_turns(self) -> int:
         return len(self.turns)
 
-    def completion_row(self) -> dict:
-        """What a GRPO step reads: prompt ids, completion ids, the loss mask (model tokens only),
-        the rollout's raw log-probs (``training.grpo.Rollout.gen_logprobs``), those under the
-        temperature (what TRL scores) and the reward; log-probs are 0.0 at tool tokens."""
-        return {"prompt_ids": list(self.prompt_token_ids), "completion_ids": list(self.completion_ids),
-                "loss_mask": list(self.model_mask), "logprobs": list(self.logprobs),
-                "temperature_logprobs": list(self.temperature_logprobs), "reward": self.reward}
-
 
 @dataclass
 class _State:
@@ -132,11 +124,11 @@ class EpisodeRunner:
     """The episodes of one ``run_episodes`` call: turn ends, pauses, tools, resumes, forks."""
 
     def __init__(self, scheduler: Scheduler, tool_format: ToolFormat, limits: EpisodeLimits,
-                 vocab_size: int, environment_factory: Callable | None = None,
+                 vocab_size: int, environments: list[list[object]] | None = None,
                  reward_fn: Callable[[Episode], float] | None = None,
                  fork: Callable[[Episode], int] | None = None, max_num_seqs: int = 1):
         self.scheduler, self.format, self.limits = scheduler, tool_format, limits
-        self.vocab_size, self.environment_factory = vocab_size, environment_factory
+        self.vocab_size, self.environments = vocab_size, environments  # [prompt][sample], reset
         self.reward_fn, self.fork_fn, self.max_num_seqs = reward_fn, fork, max_num_seqs
         self.tools = ToolRunner(limits.tool_timeout, limits.max_tool_result_chars, limits.tool_workers)
         self.pending: list[_Pending] = []
@@ -146,14 +138,15 @@ class EpisodeRunner:
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, seq: Sequence, prompt_index: int, tools: dict[str, Callable]) -> None:
-        env = self.environment_factory() if self.environment_factory is not None else None
+        env = self.environments[prompt_index][0] if self.environments is not None else None
         seq.episode = _State(prompt_index, (0,), tools, env)
         seq.max_generated = self.limits.max_tokens
         self.live += 1
 
     def forked(self, parent: Sequence, children: list[Sequence]) -> None:
-        """Give each new branch its own state: a prompt's samples get fresh environments, a later
-        fork copies the parent's (deep copy: the branches' tools must not share state)."""
+        """Give each new branch its own state: a prompt's samples get their own environments
+        (:func:`inference.environments.reset_environments`), a later fork copies the parent's
+        (deep copy: the branches' tools must not share state)."""
         state: _State = parent.episode
         first = parent.num_tokens == parent.num_prompt_tokens  # the samples of the prompt
         if not first:
@@ -164,8 +157,8 @@ class EpisodeRunner:
             new.tool_spans = list(state.tool_spans)
             if first:
                 new.branch = (child.index,)
-                factory = self.environment_factory
-                new.environment = factory() if factory is not None else None
+                envs = self.environments
+                new.environment = envs[state.prompt_index][child.index] if envs is not None else None
             else:
                 new.branch = state.branch[:-1] + (child.index,)
                 new.environment = copy.deepcopy(state.environment)
@@ -310,6 +303,9 @@ class EpisodeRunner:
 
 def named_tools(tools) -> dict[str, Callable]:
     """``{name: function}`` from a list of functions (named by ``__name__``) or a mapping."""
+    if isinstance(tools, (str, bytes)) or callable(tools):
+        raise TypeError(f"tools must be a list of functions or a {{name: function}} mapping, got {tools!r}; "
+                        "pass the functions themselves, e.g. tools=[add]")
     if isinstance(tools, Mapping):
         named = dict(tools)
     else:
@@ -338,7 +334,13 @@ def render_prompts(prompts, tool_format: ToolFormat) -> list:
 def _finite_reward(reward_fn: Callable, episode: Episode) -> float:
     """The episode's reward as one finite float: a NaN would make every advantage of its group NaN,
     and a string or list would fail later with an error that names no function."""
-    value = reward_fn(episode)
+    try:
+        value = reward_fn(episode)
+    except Exception as err:
+        name = getattr(reward_fn, "__qualname__", reward_fn)
+        err.add_note(f"(in the episode reward {name}, for the episode of prompt {episode.prompt_index}, "
+                     f"branch {episode.branch}, finish_reason {episode.finish_reason!r})")
+        raise
     if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:
         value = value.item()
     if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):

@@ -19,9 +19,16 @@ from collections.abc import Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
-from inference.episodes import Episode, EpisodeLimits, EpisodeRunner, named_tools, render_prompts
+from inference.environments import reset_environments
+from inference.episodes import (
+    Episode,
+    EpisodeLimits,
+    EpisodeRunner,
+    named_tools,
+    render_prompts,
+)
 from inference.kv_cache import KVCache, bytes_per_block
-from inference.model_runner import ModelRunner
+from inference.model_runner import ModelRunner, check_static_decode_backend
 from inference.outputs import RequestOutput, StreamDelta
 from inference.request import Request, Sequence, Status, prompt_token_ids
 from inference.sampler import SamplerBuffers, sample
@@ -92,6 +99,8 @@ class Generator:
             raise ValueError(f"dtype must be a floating torch.dtype (torch.bfloat16, ...), got {dtype!r}")
         if attn_backend is not None and attn_backend not in attention_backends():
             raise ValueError(f"unknown attn_backend {attn_backend!r}; choose one of {attention_backends()}")
+        if (static_decode or compile_decode) and attn_backend not in (None, "auto"):
+            check_static_decode_backend(attn_backend)
         check_model(model, GENERATE)  # a layer whose per-sequence state the paged cache cannot hold
         param = next(model.parameters())
         # FSDP2: the compute dtype of its mixed-precision policy, not the shard's storage dtype
@@ -209,13 +218,20 @@ class Generator:
         return finished
 
     # ----------------------------------------------------------------- high level
-    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params=None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in prompt order. Validates everything first."""
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params=None, use_tqdm: bool = True,
+                 on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in prompt order. Validates everything first.
+        ``on_output(output)`` is called as each request finishes (a caller's own progress bar)."""
         refuse_plain_generation(self.model)
         requests = self.make_requests(prompts, sampling_params)
         with tqdm(total=len(requests), desc="generate", disable=not use_tqdm or len(requests) < 2) as bar:
-            return self.run(requests, on_output=lambda _: bar.update(1))
+
+            def finished(out: RequestOutput) -> None:
+                bar.update(1)
+                if on_output is not None:
+                    on_output(out)
+
+            return self.run(requests, on_output=finished)
 
     def run(self, requests: list[Request], *, step: Callable[[], list[RequestOutput]] | None = None,
             more: Callable[[], bool] | None = None,
@@ -271,6 +287,7 @@ class Generator:
         if not isinstance(limits, EpisodeLimits):
             raise TypeError(f"limits must be an EpisodeLimits, got {type(limits).__name__}")
         named = named_tools(tools)
+        environments, prompts = reset_environments(environment_factory, prompts, sampling_params)
         per_prompt = None
         if prompt_tools is not None:
             per_prompt = [named_tools(t) for t in prompt_tools]
@@ -284,7 +301,7 @@ class Generator:
                                  "tool_format=")
             tool_format = ChatTemplateTools(self.tokenizer, list(named.values()))
         requests = self.make_requests(render_prompts(prompts, tool_format), sampling_params)
-        runner = EpisodeRunner(self.scheduler, tool_format, limits, self.vocab_size, environment_factory,
+        runner = EpisodeRunner(self.scheduler, tool_format, limits, self.vocab_size, environments,
                                reward_fn, fork, self.scheduler.max_num_seqs)
         self._episodes = runner
         try:

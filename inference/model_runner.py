@@ -130,6 +130,18 @@ def _mark_dynamic(step: StepInputs) -> None:
     mark(meta.cu_seqlens_q, 0)
 
 
+def check_static_decode_backend(name: str) -> None:
+    """A backend forced for a generator with ``static_decode`` must have a static-shape decode
+    path: said when the generator is built, not at its first decode step."""
+    from packing.attention.registry import backends
+
+    if backends()[name].static_decode is None:
+        able = sorted(n for n, b in backends().items() if b.static_decode is not None)
+        raise ValueError(f"attn_backend={name!r} has no static-shape decode path, which static_decode=True "
+                         f"(and compile_decode) runs; use one that has ({', '.join(able)}), or static_decode="
+                         "False")
+
+
 class ModelRunner:
     """Owns nothing but references: the live model and the generator's KV cache."""
 
@@ -175,7 +187,7 @@ class ModelRunner:
                 _mark_dynamic(step)
             out = self.decode_forward(
                 input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False,
-                nopad_meta=step.meta, nopad_kv_cache=self.kv_cache,
+                nopad_meta=step.meta, nopad_kv_cache=self.kv_cache, nopad_backend=self.backend,
             )
             return out.logits[0, : len(step.sampling_rows)], step.sampling_rows
         step = build_step(plan, self.kv_cache.block_size, self.device)

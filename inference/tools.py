@@ -2,9 +2,9 @@
 (:class:`ChatTemplateTools`, the chat template's own format), and how they run off the decode
 loop (:class:`ToolRunner`: a thread pool, an asyncio loop for ``async def`` tools, a timeout).
 
-A tool that raises, times out, returns a non-string or a string longer than the limit gives an
-error message as its result, never an exception in the generator: the model reads the error in
-the conversation, as in TRL's tool loop.
+A tool that raises (``sys.exit`` included), times out, returns a non-string, a string longer than
+the limit or text the tokenizer cannot encode gives an error message as its result, never an
+exception in the generator: the model reads the error in the conversation, as in TRL's tool loop.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class ToolRunner:
                 coroutine = _call_async(fn, call.arguments)
                 futures.append(asyncio.run_coroutine_threadsafe(coroutine, self._event_loop()))
             else:
-                futures.append(self._pool.submit(fn, **call.arguments))
+                futures.append(self._pool.submit(_call_sync, fn, call.arguments))
         return futures, time.monotonic() + self.timeout
 
     def collect(self, calls: list[ToolCall], futures: list, timed_out: bool) -> None:
@@ -146,11 +146,17 @@ class ToolRunner:
                 continue
             try:
                 value = future.result()
+            except ToolExited as err:
+                _fail(call, f"tool {name!r} {err}")
+                continue
             except Exception as err:  # noqa: BLE001 - any tool failure becomes a message to the model
                 _fail(call, f"tool {name!r} raised {type(err).__name__}: {err}")
                 continue
             if not isinstance(value, str):
                 _fail(call, f"tool {name!r} returned {type(value).__name__}, not a string")
+            elif (bad := _not_encodable(value)) is not None:
+                _fail(call, f"tool {name!r} returned text that is not valid Unicode (a lone surrogate, "
+                            f"{value[bad]!r}, at character {bad}), which no tokenizer can encode")
             elif len(value) > self.max_result_chars:
                 _fail(call, f"tool {name!r} returned {len(value)} characters, more than "
                             f"max_tool_result_chars={self.max_result_chars}")
@@ -180,8 +186,35 @@ def _one_call_conversation(name: str) -> list[dict]:
     return [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": call}]
 
 
+class ToolExited(Exception):
+    """A tool called ``sys.exit``: that call's error, not the end of the whole rollout."""
+
+    def __init__(self, code):
+        super().__init__(f"called sys.exit({code!r}); a tool returns its result (an error message is fine) "
+                         "instead of exiting")
+
+
+def _call_sync(fn, arguments: dict):
+    try:
+        return fn(**arguments)
+    except SystemExit as err:
+        raise ToolExited(err.code) from None
+
+
 async def _call_async(fn, arguments: dict):
-    return await fn(**arguments)
+    try:
+        return await fn(**arguments)
+    except SystemExit as err:  # on the loop thread it would also stop the loop for every later call
+        raise ToolExited(err.code) from None
+
+
+def _not_encodable(text: str) -> int | None:
+    """The index of the first character UTF-8 cannot encode (a lone surrogate), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return err.start
+    return None
 
 
 def wait_any(futures: list, deadline: float) -> None:

@@ -381,16 +381,6 @@ class VarlenMeta:
         }
         return replace(self, **moved)
 
-    def flash_kwargs(self) -> dict:
-        """The varlen keyword arguments of ``flash_attn_varlen_func`` and of transformers'
-        flash-attention path (``cu_seq_lens_q`` etc.)."""
-        return {
-            "cu_seq_lens_q": self.cu_seqlens_q,
-            "cu_seq_lens_k": self.cu_seqlens_k,
-            "max_length_q": self.max_seqlen_q,
-            "max_length_k": self.max_seqlen_k,
-        }
-
     def __repr__(self) -> str:
         if self.is_static:
             return f"VarlenMeta(static decode, rows={self.num_seqs}, width={self.block_table.shape[1]})"

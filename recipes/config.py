@@ -157,11 +157,31 @@ def _coerce(name: str, hint, value):
     raise TypeError(f"internal: config field {name} has an annotation the loader does not know: {hint}")
 
 
+def _refuse_repeated_keys(node, path: Path, prefix: str = "") -> None:
+    """A key written twice in one YAML mapping is an error naming it and both lines: PyYAML keeps
+    the last one without a word, so a second ``train:`` section would drop the first one's keys."""
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_repeated_keys(item, path, prefix)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict = {}
+    for key_node, value_node in node.value:
+        key, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
+        if key in seen:
+            raise ConfigError(key, f"is written twice in {path} (lines {seen[key]} and {line}); keep one: "
+                              "the second would replace the first")
+        seen[key] = line
+        _refuse_repeated_keys(value_node, path, f"{key}.")
+
+
 def _read_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    text = path.read_text()
+    _refuse_repeated_keys(yaml.compose(text, Loader=yaml.SafeLoader), path)
+    data = yaml.safe_load(text) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a YAML mapping at the top level")
     return data
@@ -180,7 +200,8 @@ def _merge(base: dict, update: Mapping) -> dict:
 def parse_override(text: str) -> dict:
     """``"a.b=3"`` -> ``{"a": {"b": 3}}``; the value is parsed as YAML (numbers, null, true)."""
     if "=" not in text:
-        raise ValueError(f"override {text!r} must look like section.key=value")
+        raise ValueError(f"{text} has no value: write {text}=<value> (settings are section.key=value; a "
+                         "config file comes first and ends in .yaml)")
     dotted, _, raw = text.partition("=")
     value = yaml.safe_load(raw) if raw.strip() else None
     if isinstance(value, str):
@@ -219,12 +240,18 @@ def parse_cli(cls: type[C], argv: Sequence[str] | None, prog: str, about: str = 
     if any(a in ("-h", "--help") for a in argv):
         print(help_text(cls, prog, about))
         raise SystemExit(0)
-    path = argv.pop(0) if argv and "=" not in argv[0] else None
+    path = argv.pop(0) if argv and _is_config_file(argv[0]) else None
     try:
         return load_config(cls, path, argv)
     except (ConfigError, FileNotFoundError, ValueError, yaml.YAMLError) as err:
         print(f"{prog}: error: {err} (see {prog} --help)", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _is_config_file(arg: str) -> bool:
+    """The first argument is the config file unless it reads as a setting: ``train.max_steps``
+    alone (a forgotten ``=value``) is that error, not "config file 'train.max_steps' does not exist"."""
+    return "=" not in arg and (arg.endswith((".yaml", ".yml")) or Path(arg).exists() or "/" in arg)
 
 
 NOISY_LOGGERS = ("accelerate.checkpointing",  # 8 "saved ... to ..." lines per checkpoint
@@ -455,6 +482,19 @@ def check_learning_rate(lr: float) -> None:
     if not 0 < lr <= MAX_LEARNING_RATE:
         raise ConfigError("lr", f"must be a number in (0, {MAX_LEARNING_RATE:g}], got {lr!r} (fine-tuning "
                           "uses about 1e-6 to 1e-3)")
+
+
+def check_sampling(**settings) -> None:
+    """Sampling settings (``temperature``, ``top_p``, ``max_tokens``...) checked by the rule the
+    generator applies (:class:`inference.SamplingParams`), when the config is built: a
+    ``temperature=-1`` is an error naming the key before the model loads, not minutes later."""
+    from inference.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(**settings)
+    except ValueError as err:  # SamplingParams' messages start with the field's name
+        name, _, detail = str(err).partition(" ")
+        raise ConfigError(name, detail) from None
 
 
 if __name__ == "__main__":  # python -m recipes.config: regenerate recipes/configs/*.yaml

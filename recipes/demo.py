@@ -24,7 +24,6 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from assets.corpus import load_corpus
-from packing import pack
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +58,8 @@ def packing_report(
 ) -> list[dict]:
     """Print (to ``out``, default stdout) and return one row per (capacity, method): rows,
     token slots computed, efficiency = real tokens / slots."""
+    from packing import pack  # (here: --help answers without torch)
+
     out = out or sys.stdout
     if tokenizer is None:
         from assets.smollm2 import load_smollm2_tokenizer
@@ -166,8 +167,6 @@ def main() -> None:
     """The whole job: packing report, packed SFT steps, GRPO steps with in-process rollouts."""
     import time
 
-    from assets.smollm2 import load_smollm2
-
     argv = sys.argv[1:]
     if argv and argv[0] in ("-h", "--help"):
         print(f"usage: nopad-demo  (python -m recipes.demo)\n\n{__doc__.strip()}\n\nIt takes no settings.")
@@ -176,6 +175,8 @@ def main() -> None:
         print(f"nopad-demo: error: it takes no arguments, got {' '.join(argv)} (see nopad-demo --help)",
               file=sys.stderr)
         raise SystemExit(2)
+    from assets.smollm2 import load_smollm2
+
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     start = time.perf_counter()
     model, tokenizer = load_smollm2()

@@ -14,17 +14,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recipes.cli import run_recipe
 from recipes.config import (
     ChatModelConfig,
     ConfigError,
     GeneratorConfig,
     Section,
+    check_sampling,
     parse_cli,
     setup_logging,
 )
 from recipes.models import load_model
 from recipes.tasks import TASKS, RewardFn, encode_prompt, get_reward, load_examples
-from training.nonfinite import describe_sample, reward_value
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,8 @@ class EvalSamplingConfig(Section):
     seed: int = 0  # sampling seed (used when temperature > 0)
 
     def check(self) -> None:
-        self.at_least("max_tokens", 1)
+        check_sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                       seed=self.seed)
 
 
 @dataclass
@@ -101,6 +103,8 @@ def evaluate(
     """
     from tqdm.auto import tqdm
 
+    from training.nonfinite import describe_sample, reward_value
+
     if getattr(sampling_params, "n", 1) != 1:
         raise ValueError(f"evaluation scores one completion per prompt; got sampling n={sampling_params.n}")
     if batch_size < 1:
@@ -118,7 +122,8 @@ def evaluate(
             for lo in range(0, len(examples), batch_size):
                 batch_ids = prompt_ids[lo : lo + batch_size]
                 t0 = time.perf_counter()
-                outputs = generator.generate(batch_ids, sampling_params, use_tqdm=False)
+                outputs = generator.generate(batch_ids, sampling_params, use_tqdm=False,
+                                             on_output=lambda _: bar.update(1))  # per finished sequence
                 seconds += time.perf_counter() - t0
                 for i, out in enumerate(outputs, start=lo):
                     sample = out.outputs[0]
@@ -137,7 +142,6 @@ def evaluate(
                         if "answer" in examples[i]:
                             line["answer"] = examples[i]["answer"]
                         out_file.write(json.dumps(line) + "\n")
-                bar.update(len(outputs))
                 bar.set_postfix(acc=f"{sum(scores) / len(scores):.3f}")
     finally:
         if out_file is not None:
@@ -186,14 +190,15 @@ def run_evaluate(cfg: EvaluateConfig, model=None, tokenizer=None, progress: bool
 
 
 def main(argv: list[str] | None = None) -> dict:
+    cfg = parse_cli(EvaluateConfig, argv, "recipes.evaluate", __doc__)  # --help: before torch loads
     setup_logging("%(message)s")
-    return run_evaluate(parse_cli(EvaluateConfig, argv, "recipes.evaluate", __doc__))
+    return run_evaluate(cfg)
 
 
 def cli() -> None:
     """The ``nopad-evaluate`` console script: the recipe from any directory once nopad is installed."""
-    main()
+    run_recipe(main, "recipes.evaluate")
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -25,22 +25,17 @@ import copy
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from recipes.cli import run_recipe
 from recipes.config import ConfigError, parse_cli, setup_logging
 from recipes.grpo_config import GRPORecipeConfig, resolve_is_correction
 from recipes.models import load_model, save_model_dir
 from recipes.tasks import TASKS, check_prompts_per_step, encode_prompt, get_reward, load_examples
 from recipes.tool_tasks import TOOL_TASKS
-from training import checkpoint
-from training.accelerator import engine_info
-from training.accelerator import make_accelerator as build_accelerator
-from training.accumulation import OptimizerStepper
-from training.curves import finish_trackers, tracker_config, write_curves
-from training.grpo import resolve_batch_invariant
-from training.grpo_step import GRPOLoss, ToolEpisodes, grpo_step
-from training.lora import trainable_parameters
+
+if TYPE_CHECKING:  # torch and training/ are imported where they run, so --help answers without them
+    from training.grpo_step import GRPOLoss, ToolEpisodes
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +46,9 @@ CURVES = ("reward_mean", "loss", "logprob_gap_max")  # plotted to curves.png and
 # ----------------------------------------------------------------------------- config -> objects
 def grpo_loss(cfg: GRPORecipeConfig, device) -> GRPOLoss:
     """The step's loss settings from ``train``, with ``batch_invariant`` resolved for ``device``."""
+    from training.grpo import resolve_batch_invariant
+    from training.grpo_step import GRPOLoss
+
     tr = cfg.train
     invariant = resolve_batch_invariant(tr.batch_invariant, device, "train.batch_invariant")
     return GRPOLoss(max_tokens_per_batch=tr.max_tokens_per_batch, shared_prefix=tr.shared_prefix,
@@ -97,6 +95,7 @@ def make_generator(model, cfg: GRPORecipeConfig, tokenizer=None):
 def tool_episodes(cfg: GRPORecipeConfig, tokenizer) -> ToolEpisodes | None:
     """The tool task's tools, call format and episode limits; None for a single-turn task."""
     from inference.episodes import EpisodeLimits
+    from training.grpo_step import ToolEpisodes
 
     task = TOOL_TASKS.get(cfg.task.name) if cfg.task.prompts is None else None
     if task is None:
@@ -108,6 +107,8 @@ def tool_episodes(cfg: GRPORecipeConfig, tokenizer) -> ToolEpisodes | None:
 
 def make_accelerator(cfg: GRPORecipeConfig):
     """The run's Accelerator (:func:`training.accelerator.make_accelerator`)."""
+    from training.accelerator import make_accelerator as build_accelerator
+
     return build_accelerator(cfg.accelerate.deepspeed_config,
                              max_grad_norm=cfg.train.max_grad_norm, recipe="recipes.grpo",
                              log_with=cfg.accelerate.log_with, project_dir=cfg.output_dir)
@@ -118,9 +119,16 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     """Train for ``train.steps`` GRPO steps; returns (and logs) one metrics dict per step.
     Pass ``model``/``tokenizer`` to train objects you already hold (then ``model.path`` is unused
     and ``output_dir`` optional); else the trained policy is saved to ``output_dir``."""
+    import torch
     from tqdm.auto import tqdm
 
     from packing.hf import NOPAD_ATTENTION, register_nopad_attention, use_nopad_attention
+    from training import checkpoint
+    from training.accelerator import engine_info
+    from training.accumulation import OptimizerStepper
+    from training.curves import finish_trackers, tracker_config, write_curves
+    from training.grpo_step import grpo_step
+    from training.lora import trainable_parameters
 
     if model is None:
         if not cfg.output_dir:
@@ -190,14 +198,15 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    cfg = parse_cli(GRPORecipeConfig, argv, "recipes.grpo", __doc__)  # --help: before torch loads
     setup_logging("%(message)s")
-    return run_grpo(parse_cli(GRPORecipeConfig, argv, "recipes.grpo", __doc__))
+    return run_grpo(cfg)
 
 
 def cli() -> None:
     """The ``nopad-grpo`` console script: the recipe from any directory once nopad is installed."""
-    main()
+    run_recipe(main, "recipes.grpo")
 
 
 if __name__ == "__main__":
-    main()
+    cli()

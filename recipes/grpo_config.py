@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from recipes.config import (
     AccelerateConfig,
@@ -17,9 +17,12 @@ from recipes.config import (
     LoRAConfig,
     Section,
     check_learning_rate,
+    check_sampling,
 )
 from recipes.tasks import TASKS, get_reward
-from training.grpo import ISWeightFn, truncated_is
+
+if TYPE_CHECKING:  # (training.grpo imports torch: a config, and --help, load without it)
+    from training.grpo import ISWeightFn
 
 
 @dataclass
@@ -63,6 +66,7 @@ class RolloutConfig(Section):
             self.at_least(name, low)
         if not self.tool_timeout > 0:
             raise ConfigError("tool_timeout", f"must be > 0 seconds, got {self.tool_timeout}")
+        check_sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
 
 
 @dataclass
@@ -138,6 +142,8 @@ def resolve_is_correction(train_cfg: GRPOTrainConfig) -> ISWeightFn | None:
     if spec in (None, "none"):
         return None
     if spec == "tis":
+        from training.grpo import truncated_is
+
         if train_cfg.tis_cap <= 0:
             raise ConfigError("tis_cap", f"must be > 0, got {train_cfg.tis_cap}")
         return truncated_is(float(train_cfg.tis_cap))

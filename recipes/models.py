@@ -46,13 +46,7 @@ def _load_adapter_dir(model_cfg: ModelConfig, path: str, lora: LoRAConfig | None
             f"{peft_lora.ADAPTER_CONFIG} records it as {peft_lora.BASE_KEY}); put the base model there, or "
             f"set {peft_lora.BASE_KEY} to the base model's local directory")
     if lora is not None:
-        saved = peft_lora.adapter_settings(path)
-        wanted = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
-                  "target_modules": lora.targets if isinstance(lora.targets, str) else sorted(lora.targets)}
-        if saved["target_modules"] != "all-linear" and wanted["target_modules"] == "all-linear":
-            wanted["target_modules"] = saved["target_modules"]  # peft saves all-linear as the names it found
-        differ = [f"model.lora.{k}={wanted[k]!r} but the adapter has {saved[k]!r}" for k in wanted
-                  if saved[k] != wanted[k]]
+        differ = lora_differences(path, lora)
         if differ:
             raise ConfigError("model.lora", f"does not match the adapter in model.path={path}: "
                               f"{'; '.join(differ)}. Training continues that adapter: set model.lora to its "
@@ -64,6 +58,43 @@ def _load_adapter_dir(model_cfg: ModelConfig, path: str, lora: LoRAConfig | None
     model, tokenizer = _load_base(base_cfg, check_model_path(base))
     model = peft_lora.load_adapter(model, path, trainable=lora is not None)
     return model, _saved_tokenizer(path) or tokenizer
+
+
+def lora_differences(adapter_dir: str | Path, lora: LoRAConfig) -> list[str]:
+    """``model.lora.<key>=<value> but the adapter has <saved>`` for each LoRA setting that differs
+    from the adapter saved in ``adapter_dir``; empty when they match."""
+    from training import lora as peft_lora
+
+    saved = peft_lora.adapter_settings(adapter_dir)
+    wanted = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+              "target_modules": lora.targets if isinstance(lora.targets, str) else sorted(lora.targets)}
+    if saved["target_modules"] != "all-linear" and wanted["target_modules"] == "all-linear":
+        wanted["target_modules"] = saved["target_modules"]  # peft saves all-linear as the names it found
+    return [f"model.lora.{k}={wanted[k]!r} but the adapter has {saved[k]!r}" for k in wanted
+            if saved[k] != wanted[k]]
+
+
+def check_resume_lora(checkpoint_dir: str | Path, lora: LoRAConfig | None) -> None:
+    """Resuming needs the LoRA settings of the run that wrote ``checkpoint_dir``: a changed one is
+    an error naming it (before loading, which would fail on shapes, or, for ``alpha`` or
+    ``dropout``, go on silently with another model)."""
+    from training import lora as peft_lora
+
+    if not Path(checkpoint_dir).is_dir():
+        return  # the resume itself says what is missing
+    adapter = peft_lora.is_adapter_dir(checkpoint_dir)
+    if lora is None and adapter:
+        settings = ", ".join(f"{k}={v}" for k, v in peft_lora.adapter_settings(checkpoint_dir).items())
+        raise ConfigError("model.lora", f"is null, but checkpoint {checkpoint_dir} holds a LoRA adapter "
+                          f"({settings}); resume with that run's model.lora settings")
+    if lora is not None and not adapter:
+        raise ConfigError("model.lora", f"is set, but checkpoint {checkpoint_dir} holds a full fine-tune; "
+                          "resume it with model.lora=null")
+    differ = lora_differences(checkpoint_dir, lora) if lora is not None else []
+    if differ:
+        raise ConfigError("model.lora", f"changed since checkpoint {checkpoint_dir} was written: "
+                          f"{'; '.join(differ)}. Resume with the settings of the run that wrote it, or "
+                          "start a fresh run in another checkpoint.output_dir")
 
 
 def _saved_tokenizer(path: str):

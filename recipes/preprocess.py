@@ -14,14 +14,13 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import datasets
-
-from dataloaders import sources
-from packing import pack_dataset
-from packing.row import IGNORE_INDEX
+from recipes.cli import run_recipe
 from recipes.config import ConfigError, Section, parse_cli, setup_logging
+
+if TYPE_CHECKING:  # datasets, dataloaders and packing are imported where they run: --help needs none
+    import datasets
 
 logger = logging.getLogger(__name__)
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "preprocess.yaml"  # these defaults, with comments
@@ -60,6 +59,7 @@ def load_records(path: str | Path, messages_field: str = "messages", text_field:
                  split: str | None = None) -> datasets.Dataset:
     """Chat (``messages_field``) or text (``text_field``) records from any input
     :func:`dataloaders.sources.load_records` reads; a wrong record is an error naming its line."""
+    from dataloaders import sources
 
     def chat_ok(record, where: str) -> None:
         if messages_field in record:
@@ -112,6 +112,7 @@ def tokenize_chat(messages: list[Mapping], tokenizer) -> tuple[list[int], list[i
     prompt) and up to its end; the template must render a prefix of the conversation as a prefix
     of the whole, which chat templates do.
     """
+    from packing.row import IGNORE_INDEX
     from training.sft_data import render_chat
 
     def encode(upto: int, generation_prompt: bool) -> list[int]:
@@ -182,6 +183,9 @@ def check_output_dir(output: str | Path) -> None:
 
 
 def run_preprocess(cfg: PreprocessConfig) -> datasets.Dataset:
+    from dataloaders import sources
+    from packing import pack_dataset
+
     if not cfg.input or not cfg.output:
         raise ValueError("set both input=<JSONL file or dataset directory> and output=<directory>")
     check_output_dir(cfg.output)
@@ -207,14 +211,15 @@ def run_preprocess(cfg: PreprocessConfig) -> datasets.Dataset:
 
 
 def main(argv: list[str] | None = None) -> datasets.Dataset:
+    cfg = parse_cli(PreprocessConfig, argv, "recipes.preprocess", __doc__)  # --help: before torch loads
     setup_logging("%(message)s")
-    return run_preprocess(parse_cli(PreprocessConfig, argv, "recipes.preprocess", __doc__))
+    return run_preprocess(cfg)
 
 
 def cli() -> None:
     """The ``nopad-preprocess`` console script: the recipe from any directory once nopad is installed."""
-    main()
+    run_recipe(main, "recipes.preprocess")
 
 
 if __name__ == "__main__":
-    main()
+    cli()

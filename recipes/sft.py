@@ -27,37 +27,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
-
+from recipes.cli import run_recipe
 from recipes.config import parse_cli, setup_logging
-from recipes.models import load_model, save_model_dir
+from recipes.models import check_resume_lora, load_model, save_model_dir
 from recipes.sft_config import SFTRecipeConfig
-from training import checkpoint
-from training.accelerator import engine_info
-from training.accelerator import make_accelerator as build_accelerator
-from training.accumulation import OptimizerStepper
-from training.curves import tracker_config
-from training.lora import is_peft_model, keep_resume_state_to_adapter
-from training.sft import (
-    Progress,
-    make_optimizer,
-    progress_bar,
-    record_step,
-    resume,
-    save_checkpoint,
-    sft_step,
-    use_attention,
-    write_result,
-)
-from training.sft_data import (
-    build_loader,
-    epoch_stats,
-    load_rows,
-    per_turn_samples,
-    tokenize_rows,
-    total_steps,
-    windows,
-)
 
 logger = logging.getLogger(__name__)
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sft.yaml"  # these defaults, with comments
@@ -66,6 +39,8 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sft.yaml"  # these default
 # ---------------------------------------------------------------------------------- the run
 def make_accelerator(cfg: SFTRecipeConfig):
     """The run's Accelerator (:func:`training.accelerator.make_accelerator`) from the config."""
+    from training.accelerator import make_accelerator as build_accelerator
+
     return build_accelerator(cfg.accelerate.deepspeed_config, grad_accum=cfg.train.grad_accum,
                              max_grad_norm=cfg.train.max_grad_norm, recipe="recipes.sft",
                              log_with=cfg.accelerate.log_with, project_dir=cfg.checkpoint.output_dir)
@@ -78,26 +53,38 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     with ``input_ids`` and optional ``labels``, or text rows with the prompt/completion columns;
     with ``data.per_turn_samples``, conversations in ``data.messages_column``).
     """
+    import torch  # (imported here, not at the top, so that --help answers without torch)
+
+    from training import checkpoint, sft_data
+    from training import sft as sft_loop
+    from training.accelerator import engine_info
+    from training.accumulation import OptimizerStepper
+    from training.curves import tracker_config
+    from training.lora import is_peft_model, keep_resume_state_to_adapter
+
     tcfg, dcfg, ccfg = cfg.train, cfg.data, cfg.checkpoint
     accelerator = accelerator or make_accelerator(cfg)
     torch.manual_seed(tcfg.seed)
+    if ccfg.resume_from:  # a changed LoRA setting named before the model loads
+        check_resume_lora(sft_loop.resume_path(ccfg.resume_from, Path(ccfg.output_dir)), cfg.model.lora)
     if model is None:  # tiny:llama comes with the ASCII tokenizer, so its checkpoints reload too
         model, tokenizer = load_model(cfg.model)
-    use_attention(model, cfg.model.attn_implementation)
+    sft_loop.use_attention(model, cfg.model.attn_implementation)
     model.config.use_cache = False
     if tcfg.gradient_checkpointing:  # non-reentrant: the packed-row kwargs pass through, ZeRO-3 re-gathers
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     if rows is None:
-        rows = load_rows(dcfg, tokenizer, model.config.vocab_size)
+        rows = sft_data.load_rows(dcfg, tokenizer, model.config.vocab_size)
     elif dcfg.per_turn_samples:  # conversations: each assistant turn a sample, packed as trees
-        rows = per_turn_samples(rows, tokenizer, dcfg.messages_column)
+        rows = sft_data.per_turn_samples(rows, tokenizer, dcfg.messages_column)
     else:
-        rows = tokenize_rows(rows, tokenizer, dcfg.prompt_column, dcfg.completion_column)
+        rows = sft_data.tokenize_rows(rows, tokenizer, dcfg.prompt_column, dcfg.completion_column)
     gas = tcfg.grad_accum
-    loader = build_loader(dcfg, rows, accelerator, gas, model.config)
-    steps = total_steps(tcfg.max_steps, tcfg.epochs, dcfg, loader, gas)
-    optimizer, scheduler = make_optimizer(model, tcfg.lr, tcfg.weight_decay, tcfg.warmup_steps, steps)
+    loader = sft_data.build_loader(dcfg, rows, accelerator, gas, model.config)
+    steps = sft_data.total_steps(tcfg.max_steps, tcfg.epochs, dcfg, loader, gas)
+    optimizer, scheduler = sft_loop.make_optimizer(model, tcfg.lr, tcfg.weight_decay, tcfg.warmup_steps,
+                                                   steps)
     # the loader is not prepared (it shards itself); neither is the scheduler, which Accelerate
     # would step once per process for every optimizer step
     logger.info("setting up %s on %d process(es) (a DeepSpeed ZeRO-3 start partitions the weights here)",
@@ -108,7 +95,7 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
         save_kwargs, load_kwargs = keep_resume_state_to_adapter(accelerator)
     stepper = OptimizerStepper(model, optimizer, accelerator, max_grad_norm=tcfg.max_grad_norm,
                                nonfinite=tcfg.nonfinite)
-    progress = Progress(gas)
+    progress = sft_loop.Progress(gas)
     info = engine_info(model, accelerator)
     logger.info("training with %s on %d process(es)", info, accelerator.num_processes)
     accelerator.init_trackers("nopad-sft", config=tracker_config(cfg.to_dict()))
@@ -117,12 +104,13 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     output_dir = Path(ccfg.output_dir)
     checkpoint.claim_run_dir(output_dir, accelerator, resuming=bool(ccfg.resume_from))  # lock, own metrics
     if ccfg.resume_from:
-        path = resume(accelerator, ccfg.resume_from, output_dir, load_kwargs)
+        path = sft_loop.resume(accelerator, ccfg.resume_from, output_dir, load_kwargs)
         logger.info("resumed from %s at step %d (epoch %d)", path, progress.step, loader.epoch)
 
     def save(path: Path) -> None:
-        save_checkpoint(accelerator, path, lambda d: save_model_dir(accelerator, model, tokenizer, d),
-                        ccfg.keep_last, save_kwargs)
+        sft_loop.save_checkpoint(accelerator, path,
+                                 lambda d: save_model_dir(accelerator, model, tokenizer, d),
+                                 ccfg.keep_last, save_kwargs)
 
     max_steps = tcfg.max_steps or steps
     if progress.step >= max_steps:
@@ -130,22 +118,24 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
                        "train.epochs); raise them to train further", progress.step, max_steps)
     losses, stats, seen = [], [], [] if cfg.log.record_indices else None
     saved_at = None
-    bar = progress_bar(tcfg.progress and accelerator.is_local_main_process, max_steps, progress.step)
-    logger.info("training %d optimizer step(s) of %d micro-batch(es) each; the progress bar moves when a "
-                "step ends (the first one, a forward and backward of every micro-batch, is the slowest)",
-                max(max_steps - progress.step, 0), gas)
+    bar = sft_loop.progress_bar(tcfg.progress and accelerator.is_local_main_process, max_steps, progress.step,
+                                gas)
+    tick = None if bar is None else lambda: bar.update(1)
+    logger.info("training %d optimizer step(s) of %d micro-batch(es) each; the progress bar counts "
+                "micro-batches (the first one is the slowest)", max(max_steps - progress.step, 0), gas)
     while progress.step < max_steps:
-        for window in windows(loader, gas):
-            step_loss = sft_step(stepper, window, tcfg.weighting, seen, step=progress.step + 1)
+        for window in sft_data.windows(loader, gas):
+            step_loss = sft_loop.sft_step(stepper, window, tcfg.weighting, seen, step=progress.step + 1,
+                                          on_micro_batch=tick)
             scheduler.step()
             progress.step += 1
-            losses.append(record_step(accelerator, output_dir, progress.step, step_loss, bar))
+            losses.append(sft_loop.record_step(accelerator, output_dir, progress.step, step_loss, bar))
             if ccfg.every and progress.step % ccfg.every == 0:
                 save(output_dir / f"step_{progress.step}")
                 saved_at = progress.step
             if progress.step >= max_steps:
                 break
-        if (last := epoch_stats(loader)) is not None and last not in stats:
+        if (last := sft_data.epoch_stats(loader)) is not None and last not in stats:
             stats.append(last)
     if bar is not None:
         bar.close()
@@ -159,19 +149,20 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
               "micro_batches_per_epoch": None if dcfg.streaming else len(loader)}
     if seen is not None:
         result["indices_per_step"] = seen  # dataset rows of each micro-batch, in order
-    write_result(accelerator, output_dir, result)
+    sft_loop.write_result(accelerator, output_dir, result)
     return result
 
 
 def main(argv: list[str] | None = None) -> dict:
+    cfg = parse_cli(SFTRecipeConfig, argv, "recipes.sft", __doc__)  # --help: before torch loads
     setup_logging()
-    return train(parse_cli(SFTRecipeConfig, argv, "recipes.sft", __doc__))
+    return train(cfg)
 
 
 def cli() -> None:
     """The ``nopad-sft`` console script: the recipe from any directory once nopad is installed."""
-    main()
+    run_recipe(main, "recipes.sft")
 
 
 if __name__ == "__main__":
-    main()
+    cli()

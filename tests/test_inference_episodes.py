@@ -10,12 +10,14 @@ reference runs each episode alone with HF ``generate`` and the same tool results
 from __future__ import annotations
 
 import random
+import sys
 import time
 
 import pytest
 import torch
 
 from inference import Generator, SamplingParams
+from inference.environments import reset_environments
 from inference.episodes import EpisodeLimits
 from inference.tools import ToolCall
 from tests.models import tiny_model
@@ -143,8 +145,7 @@ def test_episode_logprobs_are_the_training_forward_at_model_tokens():
         sampled = torch.tensor(ep.model_mask, dtype=torch.bool)
         torch.testing.assert_close(torch.tensor(ep.logprobs)[sampled], ref[sampled], atol=1e-5, rtol=0)
         assert all(lp == 0.0 for lp, m in zip(ep.logprobs, ep.model_mask) if not m)
-        row = ep.completion_row()
-        assert row["loss_mask"] == ep.model_mask and len(row["logprobs"]) == len(row["completion_ids"])
+        assert len(ep.logprobs) == len(ep.completion_ids) == len(ep.model_mask)
 
 
 def sampled_run(model, **generator_kwargs):
@@ -287,8 +288,19 @@ def test_faulty_tools_become_error_messages_and_leave_the_batch_alone():
     async def good_async() -> str:
         return "async ok"
 
-    tools = {f.__name__: f for f in (good, raises, hangs, not_a_string, huge, good_async)}
-    names = ["good", "raises", "hangs", "not_a_string", "huge", "nope", "malformed", "good_async"]
+    def exits() -> str:  # #39 B5: it ended the whole rollout
+        sys.exit(3)
+
+    async def exits_async() -> str:  # on the event-loop thread it would stop every later async call
+        sys.exit("bye")
+
+    def surrogate() -> str:  # #39 B5: accepted, and the tokenizer failed later
+        return "ok \ud800"
+
+    tools = {f.__name__: f for f in (good, raises, hangs, not_a_string, huge, good_async, exits, exits_async,
+                                     surrogate)}
+    names = ["good", "raises", "hangs", "not_a_string", "huge", "nope", "malformed", "good_async", "exits",
+             "exits_async", "surrogate"]
     prompts = [[10 + i, 40, 41, 42] for i in range(len(names))]
     fmt = EveryTurnCalls({10 + i: n for i, n in enumerate(names)})
     params = ONE_TOKEN_TURNS
@@ -302,7 +314,9 @@ def test_faulty_tools_become_error_messages_and_leave_the_batch_alone():
         assert ep.turns[0].tool_calls[0].result in ("fine", "async ok")
     expected = {"raises": "raised RuntimeError: boom", "hangs": "did not return within 0.3 s",
                 "not_a_string": "returned int, not a string", "huge": "returned 5000 characters",
-                "nope": "unknown tool 'nope'"}
+                "nope": "unknown tool 'nope'", "exits": "tool 'exits' called sys.exit(3); a tool returns",
+                "exits_async": "tool 'exits_async' called sys.exit('bye')",
+                "surrogate": "not valid Unicode (a lone surrogate, '\\ud800', at character 3)"}
     for name, text in expected.items():
         ep = by_name[name]
         call = ep.turns[0].tool_calls[0]
@@ -501,13 +515,14 @@ def test_templates_that_cannot_be_used_token_in_token_out_are_refused():
 
 
 class Counter:
-    """An environment: its public method ``count`` is a tool; ``reset`` is not."""
+    """An environment: its public method ``count`` is a tool; ``reset`` is not (it is called once,
+    before the episode, as TRL calls it)."""
 
     def __init__(self):
-        self.n = 0
+        self.n, self.resets = 0, 0
 
-    def reset(self) -> str:
-        return "never called as a tool"
+    def reset(self, **example) -> None:
+        self.resets += 1
 
     def count(self) -> str:
         self.n += 1
@@ -526,6 +541,91 @@ def test_each_episode_and_fork_has_its_own_environment_and_reward():
     assert len({id(e.environment) for e in episodes}) == 4
     assert [e.reward for e in episodes] == [2.0] * 4  # two calls each: the forks copied n=1
     assert [c.result for c in episodes[3].turns[1].tool_calls] == ["2"]
+    assert [e.environment.resets for e in episodes] == [1] * 4
+
+
+class CallsCount:
+    """Every turn calls ``count``."""
+
+    def parse(self, turn_ids, prefix_ids):
+        return [ToolCall("count", {})]
+
+    def render(self, messages, turn_ids):
+        return [t for m in messages for t in render_text(m["content"][:12])]
+
+
+class Puzzle(Counter):
+    """reset returns an observation, which TRL appends to the prompt."""
+
+    def reset(self, prompt, **example) -> str:
+        self.resets += 1
+        return " (puzzle 7)"
+
+
+def test_environments_are_reset_as_trl_does_and_the_observation_joins_the_prompt():
+    """#39 B5: run_episodes never called reset(), so a reset that raised went unnoticed."""
+    from recipes.tasks import AsciiTokenizer
+
+    gen = Generator(tiny_model("llama"), AsciiTokenizer(), block_size=4, num_blocks=128)
+    params = SamplingParams(temperature=0.0, n=2, max_tokens=4, stop_token_ids=list(range(3, 128)),
+                            ignore_eos=True)
+    limits = EpisodeLimits(max_turns=2, max_tokens=40)
+    episodes = gen.run_episodes(["count:"], {}, params, limits=limits, tool_format=CallsCount(),
+                                environment_factory=Puzzle)
+    expected = gen.make_requests(["count: (puzzle 7)"])[0].prompt_token_ids
+    assert [e.prompt_token_ids for e in episodes] == [expected, expected]
+    assert [(e.environment.resets, e.environment.n) for e in episodes] == [(1, 1), (1, 1)]
+    chat = [{"role": "user", "content": "count:"}]
+    assert reset_environments(Puzzle, [chat])[1] == [[{"role": "user", "content": "count: (puzzle 7)"}]]
+    assert chat == [{"role": "user", "content": "count:"}]  # the caller's messages are left alone
+
+
+class Broken(Counter):
+    def reset(self, **example):
+        raise KeyError("no puzzle for this prompt")
+
+
+class Varies(Counter):
+    made = 0
+
+    def reset(self, **example) -> str:
+        Varies.made += 1
+        return f" seed {Varies.made}"
+
+
+@pytest.mark.parametrize("factory, tools, prompts, error, message", [
+    (Broken, {}, ["x"], RuntimeError, r"environment Broken.reset\(prompt=...\) raised KeyError: 'no puzzle "
+                                      r"for this prompt' \(prompt 0, sample 0\)"),
+    (lambda: None, {}, ["x"], TypeError, "returned None \\(every tool call would be an unknown tool\\)"),
+    (5, {}, ["x"], TypeError, r"environment_factory must be a class or function .*got 5 \(int\)"),
+    (None, "count", ["x"], TypeError, r"tools must be a list of functions or a \{name: function\} mapping, "
+                                      "got 'count'"),
+    (Puzzle, {}, [[40, 41]], ValueError, r"reset\(\) returned an observation for prompt 0, which is not "),
+    (Varies, {}, ["x"], ValueError, "prompt 0's 2 samples returned different observations"),
+])
+def test_bad_environments_and_tools_are_named_before_generating(factory, tools, prompts, error, message):
+    from recipes.tasks import AsciiTokenizer
+
+    gen = Generator(tiny_model("llama"), AsciiTokenizer(), block_size=4, num_blocks=64)
+    params = SamplingParams(temperature=0.0, n=2, max_tokens=4)
+    with pytest.raises(error, match=message):
+        gen.run_episodes(prompts, tools, params, tool_format=CallsCount(), environment_factory=factory)
+    assert not gen.has_unfinished()
+
+
+def test_an_episode_reward_that_raises_is_named_with_its_episode():
+    model = tiny_model("llama")
+    params = SamplingParams(temperature=0.0, n=1, max_tokens=4, ignore_eos=True)
+
+    def my_reward(ep):
+        raise ZeroDivisionError("division by zero")
+
+    with pytest.raises(ZeroDivisionError) as err:
+        Generator(model, block_size=4, num_blocks=64).run_episodes(
+            [[40, 41, 42]], {"count": lambda: "1"}, params, limits=EpisodeLimits(max_turns=1, max_tokens=20),
+            tool_format=EveryTurnCalls({40: "count"}), reward_fn=my_reward)
+    assert any("in the episode reward " in note and "my_reward, for the episode of prompt 0, branch (0,)"
+               in note for note in err.value.__notes__)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), "1.0", [1.0], None])

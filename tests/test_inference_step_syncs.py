@@ -177,3 +177,25 @@ def test_compiled_static_decode_gives_the_same_greedy_tokens():
     compiled = generate_tokens(compile_decode=True)
     torch._dynamo.reset()
     assert compiled == generate_tokens()
+
+
+def test_static_decode_runs_the_generators_attn_backend(monkeypatch):
+    """#39 A7: the padded decode steps ignored ``attn_backend`` (they ran "auto" whatever was asked)."""
+    import dataclasses
+
+    from packing.attention.registry import backends
+
+    kernel = backends()["kernel"]
+    calls = []
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return kernel.static_decode(*args)
+
+    spy_backend = dataclasses.replace(kernel, name="kernel_spy", static_decode=spy)
+    monkeypatch.setitem(backends(), "kernel_spy", spy_backend)
+    spied = generate_tokens("llama", static_decode=True, attn_backend="kernel_spy")
+    assert calls and spied == generate_tokens("llama", static_decode=True)
+    with pytest.raises(ValueError, match="attn_backend='sdpa_loop' has no static-shape decode path, "
+                                         r"which static_decode=True \(and compile_decode\) runs; use one "):
+        Generator(tiny_model("llama"), block_size=4, static_decode=True, attn_backend="sdpa_loop")

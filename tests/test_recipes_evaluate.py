@@ -149,3 +149,17 @@ def test_chat_template_true_without_a_template_is_refused_not_raw_text():
     assert encode_prompt(tok, "hi", chat="auto") == encode_prompt(tok, "hi", chat=False) == tok.encode("hi")
     with pytest.raises(ValueError, match="must be true, false or auto"):
         encode_prompt(tok, "hi", chat="yes")
+
+
+def test_the_progress_bar_moves_per_finished_sequence(model, monkeypatch):
+    """#39 B8: one batch of 8 prompts showed 0/8 until the whole batch was done."""
+    from tests.progress_recorder import record_bars
+
+    bars = record_bars(monkeypatch)
+    examples = [{"prompt": p, "answer": "x"} for p in PROMPTS]
+    gen = make_generator(model)
+    evaluate(gen, AsciiTokenizer(), examples, exact_match, greedy_params(), batch_size=len(PROMPTS),
+             chat=False, progress=True)
+    gen.release()
+    assert [bar.total for bar in bars] == [len(PROMPTS)]
+    assert bars[0].updates == [1] * len(PROMPTS)

@@ -104,3 +104,24 @@ def test_resuming_with_another_model_says_the_model_differs(tmp_path):
         train(load_config(SFTConfig, None, [f"model.path={other}", *small, "train.max_steps=2",
                                             "checkpoint.resume_from=latest"]))
     _reset_accelerate()
+
+
+@pytest.mark.parametrize("module, override, message", [
+    ("recipes.grpo", "rollout.temperature=-1",
+     "rollout.temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+    ("recipes.grpo", "rollout.top_p=0", "rollout.top_p must be in (0, 1] (1 disables it), got 0.0"),
+    ("recipes.grpo", "rollout.top_p=1.5", "rollout.top_p must be in (0, 1] (1 disables it), got 1.5"),
+    ("recipes.evaluate", "sampling.temperature=-1", "sampling.temperature must be a finite number >= 0"),
+    ("recipes.evaluate", "sampling.top_p=0", "sampling.top_p must be in (0, 1]"),
+    ("recipes.evaluate", "sampling.temperature=.nan", "sampling.temperature must be a finite number >= 0"),
+    ("recipes.evaluate", "sampling.max_tokens=0", "sampling.max_tokens must be >= 1, got 0"),
+])
+def test_sampling_settings_are_checked_when_the_config_is_built(module, override, message, capsys):
+    """#39 B2: by the generator's own rule (SamplingParams), before any model loads."""
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(module).main([override, "model.path=/nonexistent/model"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{module}: error: {message}") and err.count("\n") == 1

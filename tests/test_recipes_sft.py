@@ -302,3 +302,16 @@ def test_truncation_that_drops_a_large_share_is_refused_unless_accepted(caplog):
 def test_a_wrong_type_is_an_error_naming_the_key(tmp_path, override, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         train(_cfg(tmp_path, override))
+
+
+def test_the_progress_bar_counts_micro_batches(tmp_path, monkeypatch):
+    """#39 B8: the bar moved once per optimizer step, which on a small machine is minutes."""
+    from tests.progress_recorder import record_bars
+
+    bars = record_bars(monkeypatch)
+    train(_cfg(tmp_path, "train.progress=true", "train.max_steps=2", "train.grad_accum=3",
+               "checkpoint.save_final=false"))
+    _reset_accelerate()
+    sft_bars = [bar for bar in bars if bar.unit == "micro-batch"]
+    assert len(sft_bars) == 1 and sft_bars[0].total == 2 * 3
+    assert sft_bars[0].updates == [1] * 6

@@ -27,11 +27,13 @@ COUNT_KEYS = {"token": "num_loss_tokens", "sequence": "num_loss_seqs"}  # what a
 
 
 def sft_step(stepper: OptimizerStepper, window: list[dict], weighting: str = "token",
-             seen: list | None = None, step: int | None = None) -> float:
+             seen: list | None = None, step: int | None = None,
+             on_micro_batch: Callable[[], None] | None = None) -> float:
     """Forward and backward every micro-batch of ``window``, then one optimizer step; the loss is
     the mean over the window's loss tokens (or sequences) on all ranks. Returns this rank's share
     of the step's loss; appends each micro-batch's dataset indices to ``seen`` when given.
-    ``step`` (the optimizer step's number) names the step when its loss or gradient is not finite."""
+    ``step`` (the optimizer step's number) names the step when its loss or gradient is not finite;
+    ``on_micro_batch()`` is called after each micro-batch's backward (a progress bar's tick)."""
     if weighting not in COUNT_KEYS:
         raise ValueError(f"unknown weighting {weighting!r}; choose one of {tuple(COUNT_KEYS)}")
     model = stepper.model
@@ -46,6 +48,8 @@ def sft_step(stepper: OptimizerStepper, window: list[dict], weighting: str = "to
                 logits = model(**batch.model_kwargs(), use_cache=False).logits
                 loss_sum = row_loss_sum(logits, batch, weighting=weighting)
                 step_loss += float(w.backward(loss_sum))
+            if on_micro_batch is not None:
+                on_micro_batch()
     return step_loss
 
 
@@ -106,11 +110,17 @@ def save_checkpoint(accelerator, path: Path, save_model: Callable[[Path], None],
     checkpoint.save_checkpoint(path, write, accelerator, keep_last=keep_last)
 
 
+def resume_path(resume_from: str, output_dir: Path) -> Path:
+    """The checkpoint ``checkpoint.resume_from`` names: a step_N directory, or ``latest`` in
+    ``output_dir`` (its newest complete one)."""
+    return checkpoint.latest_checkpoint(output_dir) if resume_from == "latest" else Path(resume_from)
+
+
 def resume(accelerator, resume_from: str, output_dir: Path, state_kwargs: dict | None = None) -> Path:
     """Load ``checkpoint.resume_from`` (a step_N directory, or the ``latest`` complete one) into
     everything registered for checkpointing (``state_kwargs`` go to ``load_state``); returns the
     checkpoint's path."""
-    path = checkpoint.latest_checkpoint(output_dir) if resume_from == "latest" else Path(resume_from)
+    path = resume_path(resume_from, output_dir)
     if not (path / STATE_DIR).is_dir():
         raise FileNotFoundError(f"checkpoint.resume_from={str(path)!r} holds no {STATE_DIR}/ "
                                 "written by this recipe; give a step_N directory of an earlier run")
@@ -131,18 +141,20 @@ def record_step(accelerator, output_dir: Path, step: int, step_loss: float, bar=
         output_dir.mkdir(parents=True, exist_ok=True)
         with open(output_dir / "metrics.jsonl", "a") as f:  # appended: a resumed run continues it
             f.write(json.dumps({"step": step, "loss": loss}) + "\n")
-    if bar is not None:
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}")
+    if bar is not None:  # (the bar itself moves per micro-batch: see progress_bar)
+        bar.set_postfix(step=step, loss=f"{loss:.4f}")
     return loss
 
 
-def progress_bar(show: bool, total: int, initial: int, desc: str = "sft"):
+def progress_bar(show: bool, total_steps: int, initial_step: int, grad_accum: int, desc: str = "sft"):
+    """A bar over micro-batches (``grad_accum`` per optimizer step), so it moves within a step:
+    on a small machine one step of a few micro-batches takes minutes."""
     if not show:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, desc=desc, unit="step")
+    return tqdm(total=total_steps * grad_accum, initial=initial_step * grad_accum, desc=desc,
+                unit="micro-batch")
 
 
 def write_result(accelerator, output_dir: Path, result: dict, title: str = "nopad SFT") -> None:

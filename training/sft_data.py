@@ -3,7 +3,7 @@ token rows (synthetic, a ``.jsonl`` file or a saved dataset; text rows tokenized
 masked), the token budget checked against them, and the packed loader that shards itself over
 the ranks (it is NOT passed to ``accelerator.prepare``, which would shard it a second time).
 
-``data`` arguments are the SFT recipe's data section (``recipes.sft.SFTDataConfig``) or anything
+``data`` arguments are the SFT recipe's data section (``recipes.sft_config.SFTDataConfig``) or anything
 with the same attributes.
 """
 

@@ -239,9 +239,10 @@ def tree_row(paths: Sequence[TreePath], pieces: Sequence[Piece]) -> PackedRow:
             if values is None:
                 raise ValueError(f"path {p} has no extra {name!r} but other paths in its row do; give every "
                                  "path the same extras")
-            if len(values) != len(paths[p].ids):
-                raise ValueError(f"path {p}: extra {name!r} has {len(values)} values for {len(paths[p].ids)} "
-                                 "tokens; give one per token")
+            if np.ndim(values) != 1 or len(values) != len(paths[p].ids):
+                got = f"is {values!r}" if np.ndim(values) == 0 else f"has {np.size(values)} values"
+                raise ValueError(f"path {p}: extra {name!r} {got} for {len(paths[p].ids)} tokens; give one "
+                                 "value per token, as long as ids (a sequence's advantage a: [a] * len(ids))")
             extras[name].append(np.asarray(values, dtype=np.float32)[at])
     targets = _cat(at_rows, np.int64)
     token_ids = np.asarray(ids, dtype=np.int64)
