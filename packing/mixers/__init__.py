@@ -1,8 +1,9 @@
 """Token mixers besides attention (recurrent states, convolutions over time, sinks): which ones
 nopad computes exactly on packed rows, tree rows and in the generator, and a clear refusal for
 every other (:mod:`packing.mixers.support`). A new mixing kind is one module that registers a
-:class:`MixerSupport`."""
+:class:`MixerSupport`: :mod:`packing.mixers.mamba2` (Mamba2 layers, packed and tree rows)."""
 
+from packing.mixers import mamba2  # noqa: F401  (registers its support on import)
 from packing.mixers.support import (
     CONTEXTS,
     GENERATE,
