@@ -201,3 +201,18 @@ def test_without_nopad_meta_transformers_runs_unchanged():
         assert torch.equal(model(ids, use_cache=False).logits, logits)
     finally:
         mamba2.install()
+
+
+def test_a_nopad_packed_row_without_nopad_meta_is_refused():
+    """The attention layers could derive the boundaries from position_ids; the Mamba2 layers read
+    nopad_meta only, so a packed row without it is refused rather than run across them."""
+    model = mamba_model("nemotron_h")
+    seqs = random_sequences((4, 5))
+    meta = VarlenMeta.from_lengths([4, 5])
+    with use_nopad_attention(model):
+        with pytest.raises(ValueError, match="without nopad_meta"):
+            model(torch.cat(seqs)[None], position_ids=meta.position_ids[None], use_cache=False)
+        packed = model(torch.cat(seqs)[None], position_ids=meta.position_ids[None], nopad_meta=meta,
+                       use_cache=False).logits[0]
+        alone = model(seqs[0][None], use_cache=False).logits[0]  # one sequence: nothing to refuse
+    assert torch.allclose(packed[:4], alone, atol=1e-5)

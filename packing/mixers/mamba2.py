@@ -27,6 +27,7 @@ context is refused here, and ``Generator`` refuses these models through :mod:`pa
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib
 import importlib.util
@@ -63,6 +64,9 @@ HOOK_PARAMETERS = {
 CONV_KERNEL = ("causal_conv1d", "causal_conv1d_fn")
 SCAN_KERNEL = ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
 FUSED_KERNEL = ("mamba_ssm.ops.triton.ssd_combined", "mamba_split_conv1d_scan_combined")
+# the forward-level hook that sees position_ids (to refuse a packed row that came without nopad_meta)
+MASK_HOOK = "create_recurrent_attention_mask"
+NOPAD = "nopad"  # packing.hf.NOPAD_ATTENTION (packing.hf imports this package, so not imported here)
 KERNEL_DEVICES = frozenset({"cuda"})  # where those kernels run (the tests widen it for a CPU stand-in)
 
 
@@ -223,26 +227,48 @@ def packed_fused(args: tuple, kwargs: dict, meta: VarlenMeta):
     return fast(*args, seq_idx=meta.seq_idx[None], **{k: v for k, v in kwargs.items() if k in params})
 
 
+_NOPAD_POSITIONS: contextvars.ContextVar = contextvars.ContextVar("nopad_mamba2_positions", default=None)
+
+
+def _take_meta(kwargs: dict, length: int) -> VarlenMeta | None:
+    """The call's ``nopad_meta``. Without one, a ``"nopad"`` forward whose ``position_ids``
+    restart is a packed row whose boundaries only the attention layers derive: refused, since
+    this layer would run across them."""
+    meta = kwargs.pop("nopad_meta", None)
+    positions = _NOPAD_POSITIONS.get() if meta is None else None
+    if positions is not None and positions.shape == (1, length) and bool((positions[0, 1:] == 0).any()):
+        raise ValueError("a Mamba2 layer got a packed row (position_ids restart at 0) without nopad_meta: it "
+                         "reads the boundaries from nopad_meta only. Pass nopad_meta=meta (as "
+                         "row.model_kwargs() does) with position_ids=meta.position_ids[None]")
+    return meta
+
+
 def _hook(name: str, original):
     """transformers' hook ``original`` with a ``nopad_meta`` branch; the same call without one."""
     if name == "causal_conv1d_fn":
         def hooked(hidden_states, weight, bias=None, activation=None, **kwargs):
-            meta = kwargs.pop("nopad_meta", None)
+            meta = _take_meta(kwargs, hidden_states.shape[-1])
             if meta is None:
                 return original(hidden_states, weight, bias, activation=activation, **kwargs)
             return packed_conv(hidden_states, weight, bias, activation, meta)
     elif name == "mamba2_chunk_scan":
         def hooked(hidden_states, dt, A, B, C, chunk_size, **kwargs):
-            meta = kwargs.pop("nopad_meta", None)
+            meta = _take_meta(kwargs, hidden_states.shape[1])
             if meta is None:
                 return original(hidden_states, dt, A, B, C, chunk_size, **kwargs)
             return packed_chunk_scan(original, hidden_states, dt, A, B, C, chunk_size, meta, **kwargs)
-    else:
+    elif name == "mamba2_split_conv1d_scan_combined":
         def hooked(*args, **kwargs):
-            meta = kwargs.pop("nopad_meta", None)
+            meta = _take_meta(kwargs, args[0].shape[1])
             if meta is None:
                 return original(*args, **kwargs)
             return packed_fused(args, kwargs, meta)
+    else:  # create_recurrent_attention_mask: once per forward, before the layers
+        def hooked(*args, **kwargs):
+            config = kwargs.get("config", args[0] if args else None)
+            nopad = getattr(config, "_attn_implementation", None) == NOPAD  # no sync: the check is lazy
+            _NOPAD_POSITIONS.set(kwargs.get("position_ids") if nopad else None)
+            return original(*args, **kwargs)
     functools.update_wrapper(hooked, original)
     hooked.nopad_original = original
     return hooked
@@ -262,6 +288,8 @@ def _fence(module, mixer_name: str) -> str | None:
         missing = [p for p in needed if p not in inspect.signature(original).parameters]
         if missing:
             return f"{name} takes no {missing}"
+    if getattr(module, MASK_HOOK, None) is None:
+        return f"no function {MASK_HOOK}"
     try:
         source = inspect.getsource(mixer.forward)
     except (OSError, TypeError):
@@ -287,7 +315,7 @@ def install() -> tuple[type, ...]:
             warnings.warn(f"nopad: {module_name} changed ({problem}); its {mixer_name} layers stay refused "
                           "on packed and tree rows", RuntimeWarning, stacklevel=2)
             continue
-        for name in HOOK_PARAMETERS:
+        for name in (*HOOK_PARAMETERS, MASK_HOOK):
             current = getattr(module, name)
             if not hasattr(current, "nopad_original"):
                 setattr(module, name, _hook(name, current))
