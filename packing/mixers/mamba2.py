@@ -21,6 +21,10 @@ state of the run that ends at its parent), or mamba_ssm's ``mamba_chunk_scan_com
 (``mamba_split_conv1d_scan_combined``) also gets ``seq_idx``. Elsewhere the fused hook answers
 None, which makes the layer run the unfused path above.
 
+The same modules' ``create_recurrent_attention_mask`` (called once per forward, before the
+layers) is rebound too, to note a ``"nopad"`` forward's ``position_ids``: a packed row that
+reaches a Mamba2 layer without ``nopad_meta`` is refused, not scanned across its documents.
+
 Generation is not covered (the paged cache holds no per-sequence state yet): a step with cached
 context is refused here, and ``Generator`` refuses these models through :mod:`packing.mixers`.
 """
