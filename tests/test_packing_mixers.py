@@ -27,7 +27,14 @@ from packing.mixers import (
     unregister_mixer_support,
 )
 from packing.varlen import VarlenMeta
-from tests.models import FAMILIES, HYBRID_FAMILIES, SINK_FAMILIES, random_sequences, tiny_model
+from tests.models import (
+    FAMILIES,
+    HYBRID_FAMILIES,
+    MAMBA2_FAMILIES,
+    SINK_FAMILIES,
+    random_sequences,
+    tiny_model,
+)
 from training.sft import use_attention
 
 # the class each family's refusal must name (its token mixer)
@@ -82,7 +89,10 @@ def tree_call():
 ROW_SERVED = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "kimi_linear")
 
 
-@pytest.mark.parametrize("family", HYBRID_FAMILIES + SINK_FAMILIES)
+NOT_MAMBA2 = tuple(f for f in HYBRID_FAMILIES + SINK_FAMILIES if f not in MAMBA2_FAMILIES)
+
+
+@pytest.mark.parametrize("family", NOT_MAMBA2)
 def test_every_hybrid_and_sink_family_is_refused_naming_its_mixer(family):
     model = tiny_model(family)
     refused = (GENERATE,) if family in ROW_SERVED else CONTEXTS
@@ -109,7 +119,18 @@ def test_a_bare_packed_or_tree_forward_of_a_served_hybrid_family_runs(family):
         model(**call)
 
 
-@pytest.mark.parametrize("family", ("jamba", "bamba", "gpt_oss"))
+@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
+def test_mamba2_families_pass_packed_and_tree_and_are_refused_in_the_generator(family):
+    model = tiny_model(family)
+    check_model(model, PACKED)
+    check_model(model, TREE)
+    with pytest.raises(UnsupportedMixerError, match=MIXER_CLASS[family]):
+        check_model(model, GENERATE)
+    with pytest.raises(UnsupportedMixerError, match=MIXER_CLASS[family]):
+        Generator(model, num_blocks=8)
+
+
+@pytest.mark.parametrize("family", ("jamba", "gpt_oss"))
 def test_a_bare_packed_or_tree_forward_is_refused_at_its_first_attention_layer(family):
     register_nopad_attention()
     model = tiny_model(family)
