@@ -3,6 +3,7 @@ nopad computes exactly on packed rows, tree rows and in the generator, and a cle
 every other (:mod:`packing.mixers.support`). A new mixing kind is one module that registers a
 :class:`MixerSupport`."""
 
+from packing.mixers import sinks as _sinks  # noqa: F401  (registers the attention-sink support)
 from packing.mixers.support import (
     CONTEXTS,
     GENERATE,
