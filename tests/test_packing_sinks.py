@@ -12,7 +12,7 @@ from torch import nn
 
 import packing
 from inference import Generator, SamplingParams
-from packing.attention import varlen_attention
+from packing.attention import triton_kernel, varlen_attention
 from packing.attention.registry import Call, backends, choose
 from packing.invariance import batch_invariant
 from packing.mixers import CONTEXTS, check_model
@@ -23,6 +23,10 @@ from tests.test_packing_invariance import _gaps
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 SINK_BACKENDS = ("sdpa_loop", "sdpa_padded", "sdpa_dense", "per_token", "kernel")
+# nopad's Triton kernel, on CPU under the interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
+TRITON = pytest.mark.skipif(triton_kernel.triton is None or not (torch.cuda.is_available()
+                                                                  or triton_kernel.interpreted()),
+                            reason="triton is not installed (or neither CUDA nor its interpreter)")
 
 
 def eager_reference(q, k, v, meta, sinks, *, scale, window=None):
@@ -35,8 +39,8 @@ def eager_reference(q, k, v, meta, sinks, *, scale, window=None):
         k_i, v_i = k_i.repeat_interleave(groups, 0), v_i.repeat_interleave(groups, 0)
         lq, lk = q_i.shape[1], k_i.shape[1]
         scores = q_i @ k_i.transpose(1, 2) * scale
-        q_pos = torch.arange(lk - lq, lk)[:, None]
-        k_pos = torch.arange(lk)[None, :]
+        q_pos = torch.arange(lk - lq, lk, device=q.device)[:, None]
+        k_pos = torch.arange(lk, device=q.device)[None, :]
         keep = k_pos <= q_pos
         if window is not None:
             keep &= k_pos > q_pos - window
@@ -54,11 +58,13 @@ def _qkv(total_q, total_k, seed=0):
             torch.randn(total_k, KV_HEADS, DIM, generator=g), torch.randn(HEADS, generator=g) * 2)
 
 
-@pytest.mark.parametrize("backend", SINK_BACKENDS)
+@pytest.mark.parametrize("backend", SINK_BACKENDS + (pytest.param("triton", marks=TRITON),))
 @pytest.mark.parametrize("window", [None, 5])
 def test_every_sink_backend_matches_the_eager_formula_with_its_gradients(backend, window):
     meta = VarlenMeta.from_lengths([1, 7, 20])
-    q, k, v, sinks = (t.requires_grad_() for t in _qkv(meta.total_q, meta.total_k))
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    q, k, v, sinks = (t.to(device).requires_grad_() for t in _qkv(meta.total_q, meta.total_k))
+    meta = meta.to(device)
     out = varlen_attention(q, k, v, meta, softmax_scale=0.25, sliding_window=window, sinks=sinks,
                            backend=backend)
     ref = eager_reference(q, k, v, meta, sinks, scale=0.25, window=window)
@@ -72,16 +78,19 @@ def test_every_sink_backend_matches_the_eager_formula_with_its_gradients(backend
         assert (got - want).abs().max() < 2e-5
 
 
-@pytest.mark.parametrize("backend", ["kernel", "sdpa_loop"])
+@pytest.mark.parametrize("backend", ["kernel", "sdpa_loop", pytest.param("triton", marks=TRITON)])
 def test_paged_steps_with_sinks_match_the_eager_formula(backend):
-    """A prefill chunk and a decode token reading a paged cache (the generator's steps)."""
-    lengths, context, block = [9, 3], [4, 20], 4
+    """A prefill chunk and a decode token reading a paged cache in scattered blocks (the
+    generator's steps)."""
+    lengths, context, block = [9, 1], [4, 40], 16
     q, k, v, sinks = _qkv(sum(lengths), sum(lengths) + sum(context), seed=1)
     full = VarlenMeta.for_step(lengths, context)
     ref = eager_reference(q, k, v, full, sinks, scale=0.25)
-    blocks = [-(-(n + c) // block) for n, c in zip(lengths, context)]
-    table = torch.tensor([[0, 1, 2, 3, 0, 0, 0], [4, 5, 6, 7, 8, 9, 10]], dtype=torch.int32)[:, :max(blocks)]
-    cache = (torch.zeros(12, block, KV_HEADS, DIM), torch.zeros(12, block, KV_HEADS, DIM))
+    need = [-(-(n + c) // block) for n, c in zip(lengths, context)]
+    order = torch.randperm(sum(need) + 2, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    table = torch.zeros(len(need), max(need), dtype=torch.int32)
+    table[0, :need[0]], table[1, :need[1]] = order[:need[0]], order[need[0]:sum(need)]
+    cache = (torch.zeros(len(order), block, KV_HEADS, DIM), torch.zeros(len(order), block, KV_HEADS, DIM))
     slots, start = [], 0
     for i, (n, c) in enumerate(zip(lengths, context)):
         positions = torch.arange(n + c)
@@ -93,8 +102,9 @@ def test_paged_steps_with_sinks_match_the_eager_formula(backend):
     step = VarlenMeta.for_step(lengths, context, block_table=table, slot_mapping=torch.cat(slots))
     new = torch.cat([torch.arange(int(full.cu_seqlens_k[i]) + c, int(full.cu_seqlens_k[i + 1]))
                      for i, c in enumerate(context)])
-    out = varlen_attention(q, k[new], v[new], step, softmax_scale=0.25, kv_cache=cache, sinks=sinks,
-                           backend=backend)
+    with torch.no_grad():
+        out = varlen_attention(q, k[new], v[new], step, softmax_scale=0.25, kv_cache=cache, sinks=sinks,
+                               backend=backend)
     assert (out - ref).abs().max() < 2e-6
 
 
