@@ -28,10 +28,10 @@ def test_verify_flat_and_tree(model):
         assert report.ok(), report
 
 
-@pytest.mark.parametrize("chunk", [1000, 3])
-def test_greedy_equals_hf_generate_with_n_samples(model, chunk, one_thread):
+@pytest.mark.parametrize("chunk,static", [(1000, False), (3, False), (1000, True)])
+def test_greedy_equals_hf_generate_with_n_samples(model, chunk, static, one_thread):
     prompts = prompts_of([1, 5, 17, 9])
-    gen = Generator(model, block_size=4, max_num_batched_tokens=chunk, num_blocks=64)
+    gen = Generator(model, block_size=4, max_num_batched_tokens=chunk, num_blocks=64, static_decode=static)
     outs = gen.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, n=2), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         ref = hf_greedy(model, prompt, 10)

@@ -147,10 +147,10 @@ def test_gpt_oss_passes_every_context_and_verifies_flat_and_tree(gpt_oss):
         assert report.ok(), report
 
 
-@pytest.mark.parametrize("chunk", [1000, 3])
-def test_gpt_oss_greedy_equals_hf_generate(gpt_oss, chunk, one_thread):
+@pytest.mark.parametrize("chunk,static", [(1000, False), (3, False), (1000, True)])
+def test_gpt_oss_greedy_equals_hf_generate(gpt_oss, chunk, static, one_thread):
     prompts = prompts_of([1, 5, 17, 9])
-    gen = Generator(gpt_oss, block_size=4, max_num_batched_tokens=chunk, num_blocks=64)
+    gen = Generator(gpt_oss, block_size=4, max_num_batched_tokens=chunk, num_blocks=64, static_decode=static)
     outs = gen.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, n=2), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         ref = hf_greedy(gpt_oss, prompt, 10)
