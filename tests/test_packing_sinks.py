@@ -200,3 +200,15 @@ def test_batch_invariant_training_row_with_sinks_has_the_eager_gradient():
     for got, want in zip(torch.autograd.grad((out * w).sum(), (q, k, v, sinks)),
                          torch.autograd.grad((ref * w).sum(), (q, k, v, sinks))):
         assert (got - want).abs().max() < 2e-5
+
+
+def test_a_kernel_built_before_sinks_is_passed_over_for_sink_layers_only(monkeypatch):
+    """An extension built from an older csrc/ has no ``sinks=``: sink layers run the exact PyTorch
+    paths instead, every other layer still runs the kernel."""
+    from packing.attention import cpu_kernel
+
+    monkeypatch.setattr(cpu_kernel, "takes_sinks", lambda: False)
+    paged = dict(paged=True, block_size=16)
+    assert choose(Call(torch.device("cpu"), torch.float32, sinks=True, **paged)).name == "sdpa_loop"
+    assert choose(Call(torch.device("cpu"), torch.float32, sinks=True, invariant=True)).name == "per_token"
+    assert choose(Call(torch.device("cpu"), torch.float32, **paged)).name == "kernel"

@@ -79,16 +79,23 @@ def forward(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), DTYPE_CODES[q.dtype], k.shape[0],
         cu_q, lens_k, starts, tab, int(block_size), q.shape[1], k.shape[1], q.shape[2],
         float(scale), float(softcap or 0.0), int(window or 0), bool(causal), torch.get_num_threads(),
-        _host_sinks(sinks),
+        **_sink_argument(sinks),
     )
     return out
 
 
-def _host_sinks(sinks: torch.Tensor | None) -> np.ndarray | None:
-    """The sinks as the kernel reads them: fp32 on the host, one per query head."""
+def _sink_argument(sinks: torch.Tensor | None) -> dict:
+    """The kernel's ``sinks=`` keyword (fp32 on the host, one per query head); none without sinks,
+    so a kernel built before sinks still runs every other layer."""
     if sinks is None:
-        return None
-    return np.ascontiguousarray(sinks.detach().to(device="cpu", dtype=torch.float32).numpy())
+        return {}
+    return {"sinks": np.ascontiguousarray(sinks.detach().to(device="cpu", dtype=torch.float32).numpy())}
+
+
+@torch.compiler.assume_constant_result
+def takes_sinks() -> bool:
+    """The built kernel takes attention sinks (an extension built before them does not: rebuild)."""
+    return built() and "sinks" in (kernel().forward.__doc__ or "")
 
 
 # ---- the static decode step as a custom op, so torch.compile sees one opaque call.
@@ -124,7 +131,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), dtype_code,
         k_cache.shape[0] * block_size, np.arange(rows + 1, dtype=np.int32), lens, None, table, block_size,
         q.shape[1], k_cache.shape[2], q.shape[2], scale, softcap, window, True, torch.get_num_threads(),
-        _host_sinks(sinks),
+        **_sink_argument(sinks),
     )
     return out
 
@@ -145,9 +152,11 @@ def _static_decode(q, k_cache, v_cache, block_table, context_lens, scale, window
 
 
 def _missing(call) -> str | None:
-    if built():
-        return None
-    return "is not built (the C++ extension did not compile; reinstall nopad with a compiler)"
+    if not built():
+        return "is not built (the C++ extension did not compile; reinstall nopad with a compiler)"
+    if call.sinks and not takes_sinks():
+        return "was built before it took attention sinks (rebuild it: pip install -e .)"
+    return None
 
 
 BACKENDS = (
