@@ -1,6 +1,7 @@
-"""The attention layouts of current families (issue 36 item 6), exact in packed rows, tree rows and
-the generator: Gemma4 (K/V shared across its last layers, a larger head on its full-attention
-layers, per-layer inputs) and DeepSeek-V3's MLA (keys of 24, values of 8 per head)."""
+"""The attention layouts of current families (issue 36 items 5, 6), exact in packed rows, tree rows
+and the generator: Gemma4 (K/V shared across its last layers, a larger head on its full-attention
+layers, per-layer inputs), DeepSeek-V3's MLA (keys of 24, values of 8 per head) and gpt-oss's
+attention sinks (tests/test_packing_sinks.py has the backends)."""
 
 from __future__ import annotations
 
@@ -12,17 +13,19 @@ from inference import Generator, SamplingParams
 from inference.kv_cache import KVCache, LayerKV, bytes_per_block, kv_layout
 from packing.attention import varlen_attention
 from packing.varlen import VarlenMeta
-from tests.models import LAYOUT_FAMILIES, random_sequences, tiny_config, tiny_model
+from tests.models import LAYOUT_FAMILIES, SINK_FAMILIES, random_sequences, tiny_config, tiny_model
 from tests.test_inference_generator import hf_greedy, prompts_of
+from tests.test_packing_sinks import strong_sinks
 
 
-@pytest.fixture(scope="module", params=LAYOUT_FAMILIES)
+@pytest.fixture(scope="module", params=LAYOUT_FAMILIES + SINK_FAMILIES)
 def model(request):
-    return tiny_model(request.param)
+    model = tiny_model(request.param)
+    return strong_sinks(model) if request.param in SINK_FAMILIES else model
 
 
 def test_verify_flat_and_tree(model):
-    seqs = random_sequences((5, 9, 12, 20))  # past Gemma4's sliding window (8)
+    seqs = random_sequences((5, 9, 12, 20))  # past the sliding window (8) of Gemma4 and gpt-oss
     for tree in (False, True):
         report = packing.verify(model, seqs, tree=tree)
         assert report.ok(), report
