@@ -137,7 +137,15 @@ struct Problem {
     float scale, softcap;
     i64 window;  // 0: none
     bool causal;
+    const float* sinks;  // per query head, or nullptr (gpt-oss's attention sinks)
 };
+
+// The softmax's denominator of one query row: its keys' sum l (relative to their max m), plus,
+// with attention sinks, the head's sink logit, which takes probability mass but adds no value
+// (transformers' eager gpt-oss attention: softmax over [scores, sink], the sink column dropped).
+ALWAYS_INLINE float denominator(const Problem& P, i64 head, float m, float l) {
+    return P.sinks ? l + std::exp(P.sinks[head] - m) : l;
+}
 
 // A work item: up to QT query tokens of one sequence, all heads. Its rows are (token, head),
 // r = t * H + head; keys are read once per block for every head (a key's row of Hkv * D values is
@@ -682,7 +690,7 @@ ALWAYS_INLINE void attend_body(const Problem& P, const Item& it, Scratch& S, con
         const i64 token = P.cu_q[it.seq] + it.t0 + t;
         for (i64 head = 0; head < H; ++head) {
             const i64 r = t * H + head;
-            const float inv = 1.f / S.l[r];
+            const float inv = 1.f / denominator(P, head, S.m[r], S.l[r]);
             for (i64 d = 0; d < D; ++d) store<DT>(P.out, (token * H + head) * D + d, acc[r * Dp + d] * inv);
         }
     }
@@ -879,7 +887,7 @@ X512 void attend_item_rows_avx512(const Problem& P, const Item& it, Scratch& S) 
         }
         for (i64 i = 0; i < n; ++i) {
             const i64 token = P.cu_q[it.seq] + it.t0 + i / G;
-            const float inv = 1.f / l[i];
+            const float inv = 1.f / denominator(P, h * G + i % G, m[i], l[i]);
             const i64 off = (token * H + h * G + i % G) * D;
             for (i64 d = 0; d < D; ++d) store<DT>(P.out, off + d, acc[i * Dp + d] * inv);
         }
@@ -950,10 +958,11 @@ void run(const Problem& P, i64 num_seqs, int threads) {
 
 using iarray = py::array_t<i32, py::array::c_style | py::array::forcecast>;
 using larray = py::array_t<i64, py::array::c_style | py::array::forcecast>;
+using farray = py::array_t<float, py::array::c_style | py::array::forcecast>;
 
 void forward(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, int dtype, i64 key_rows, iarray cu_q,
              iarray lens_k, py::object k_start, py::object table, i64 block_size, i64 H, i64 Hkv, i64 D,
-             double scale, double softcap, i64 window, bool causal, int threads) {
+             double scale, double softcap, i64 window, bool causal, int threads, py::object sinks) {
     const i64 num_seqs = lens_k.size();
     if (cu_q.size() != num_seqs + 1) throw std::invalid_argument("cu_q must have num_seqs + 1 entries");
     for (i64 i = 0; i < num_seqs; ++i)
@@ -999,6 +1008,12 @@ void forward(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, int dtype, i6
     P.softcap = static_cast<float>(softcap);
     P.window = window;
     P.causal = causal;
+    farray sink_values;
+    if (!sinks.is_none()) {
+        sink_values = sinks.cast<farray>();
+        if (sink_values.size() != H) throw std::invalid_argument("sinks must have one value per query head");
+        P.sinks = sink_values.data();
+    }
     py::gil_scoped_release release;
     if (dtype == F32) run<F32>(P, num_seqs, threads);
     else if (dtype == BF16) run<BF16>(P, num_seqs, threads);
@@ -1014,7 +1029,7 @@ PYBIND11_MODULE(_varlen_attention, m) {
     m.def("forward", &forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("dtype"),
           py::arg("key_rows"), py::arg("cu_q"), py::arg("lens_k"), py::arg("k_start"), py::arg("table"), py::arg("block_size"),
           py::arg("H"), py::arg("Hkv"), py::arg("D"), py::arg("scale"), py::arg("softcap"), py::arg("window"),
-          py::arg("causal"), py::arg("threads"));
+          py::arg("causal"), py::arg("threads"), py::arg("sinks") = py::none());
     m.def("isa", [] { return use_avx512 ? "avx512" : "portable"; },
           "The code path forward runs on this CPU (both give the same bits).");
     m.def("set_portable", [](bool portable) {

@@ -1,39 +1,117 @@
-"""The paged K/V tensors the generator owns: per layer, ``(num_blocks, block_size, kv_heads,
-head_dim)`` for keys and values. The block allocator decides which blocks a sequence uses."""
+"""The paged K/V tensors the generator owns: per layer that computes K/V, ``(num_blocks,
+block_size, kv_heads, head_dim)`` for keys and values. The block allocator decides which blocks a
+sequence uses.
+
+Layers are not all alike (:func:`kv_layout` reads each one's from the config):
+
+- a layer's own head count and size (Gemma4: a larger head on its full-attention layers);
+- keys and values of different sizes (MLA: DeepSeek-V3, Kimi): both are held at the larger size,
+  the smaller zero-padded, as the attention computes them
+  (:func:`packing.attention.dispatch.one_head_dim`), so every backend reads the blocks in place;
+- a layer that reuses an earlier layer's K/V (Gemma4's K/V-shared layers) holds no blocks of its
+  own: it reads the blocks of the layer it shares with. transformers hands it that layer's new
+  keys too, and writing them again at the same slots changes nothing.
+
+An attention call whose K/V do not fit its layer's blocks is refused by name
+(:func:`packing.attention.dispatch.varlen_attention`), never written across a wrong shape.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 
-def kv_shape(config) -> tuple[int, int, int]:
-    """(num_layers, kv_heads, head_dim) of a transformers decoder config."""
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's paged K/V: ``source`` is the layer whose blocks it reads (itself unless it
+    reuses an earlier layer's K/V); each token holds ``kv_heads x head_dim`` keys and values."""
+
+    source: int
+    kv_heads: int
+    head_dim: int
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _layer_heads(config, layer: int) -> tuple[int, int]:
+    """(kv_heads, head_dim) of a layer: MLA expands its latent to one K/V head per query head,
+    keys of ``qk_nope + qk_rope`` and values of ``v_head_dim`` (held at the larger); a per-layer
+    config (Gemma4) overrides the model's head count and size."""
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, kv_heads, head_dim
+    if getattr(config, "qk_nope_head_dim", None) is not None and getattr(config, "v_head_dim", None):
+        key_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        return heads, max(key_dim, config.v_head_dim)
+    per_layer = getattr(config, "per_layer_config", None)
+    own = per_layer[layer] if per_layer is not None else config
+    kv_heads = (getattr(own, "num_key_value_heads", None) or getattr(config, "num_key_value_heads", None)
+                or heads)
+    head_dim = getattr(own, "head_dim", None) or config.hidden_size // heads
+    return kv_heads, head_dim
+
+
+def _sources(config) -> list[int]:
+    """Which layer's K/V each layer reads: its own, or, for a layer transformers marks as reusing
+    K/V (``kv_sharing_modes``: Gemma4), the layer of the same kind that stores them."""
+    layers = config.num_hidden_layers
+    modes = getattr(config, "kv_sharing_modes", None)
+    if not isinstance(modes, (list, tuple)) or len(modes) != layers or "reuse" not in modes:
+        return list(range(layers))
+    kinds = getattr(config, "layer_types", None) or [None] * layers
+    store = {kinds[i]: i for i in range(layers) if modes[i] == "store"}
+    sources = []
+    for i in range(layers):
+        if modes[i] != "reuse":
+            sources.append(i)
+        elif kinds[i] in store and store[kinds[i]] < i:
+            sources.append(store[kinds[i]])
+        else:
+            raise ValueError(f"layer {i} reuses K/V of a {kinds[i]!r} layer but no earlier layer stores them "
+                             f"(kv_sharing_modes {list(modes)}); the generator cannot lay out its cache")
+    return sources
+
+
+def kv_layout(config) -> list[LayerKV]:
+    """Every decoder layer's paged K/V (see the module docstring)."""
+    config = _text_config(config)
+    return [LayerKV(source, *_layer_heads(config, source)) for source in _sources(config)]
 
 
 def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
-    layers, kv_heads, head_dim = kv_shape(config)
-    return 2 * layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    """Bytes of one block across every layer that holds K/V (shared layers hold none)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * block_size * layer.kv_heads * layer.head_dim * size
+               for i, layer in enumerate(kv_layout(config)) if layer.source == i)
 
 
 class KVCache:
-    """``cache[layer] -> (k, v)``, each ``(num_blocks, block_size, kv_heads, head_dim)``."""
+    """``cache[layer] -> (k, v)``, each ``(num_blocks, block_size, kv_heads, head_dim)`` of that
+    layer's :class:`LayerKV` (a K/V-shared layer gets its source layer's tensors)."""
 
     def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, device):
-        layers, kv_heads, head_dim = kv_shape(config)
+        self.layout = kv_layout(config)
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.k: list[torch.Tensor] = []  # one per layer that holds K/V
+        self.v: list[torch.Tensor] = []
+        self._slot: list[int] = []  # layer -> index into self.k / self.v
+        for i, layer in enumerate(self.layout):
+            if layer.source != i:
+                self._slot.append(self._slot[layer.source])
+                continue
+            shape = (num_blocks, block_size, layer.kv_heads, layer.head_dim)
+            self._slot.append(len(self.k))
+            self.k.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.v.append(torch.zeros(shape, dtype=dtype, device=device))
 
     def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer], self.v[layer]
+        slot = self._slot[layer]
+        return self.k[slot], self.v[slot]
 
     def __len__(self) -> int:
-        return len(self.k)
+        return len(self.layout)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: copy block ``src`` into ``dst`` in every layer."""

@@ -144,10 +144,10 @@ def test_decode_path_and_block_path_give_the_same_bits(dtype, dim):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim", [64, 72])
 @pytest.mark.parametrize("kv_heads,heads", [(2, 6), (1, 8)])
-@pytest.mark.parametrize("window,softcap", [(25, None), (None, 20.0)])
-def test_portable_and_avx512_paths_give_the_same_bits(dtype, dim, kv_heads, heads, window, softcap):
+@pytest.mark.parametrize("window,softcap,sinks", [(25, None, False), (None, 20.0, False), (25, None, True)])
+def test_portable_and_avx512_paths_give_the_same_bits(dtype, dim, kv_heads, heads, window, softcap, sinks):
     """Decode tokens (the per-key path), short chunks and 70-token chunks over cached keys (the
-    rows path: 16 query rows per vector), with a window or a softcap."""
+    rows path: 16 query rows per vector), with a window, a softcap or attention sinks."""
     q, k, v, meta, cache = _paged_step([1, 9, 1, 20, 70], [40, 0, 3, 33, 50], 4, kv_heads, heads, dim=dim,
                                        dtype=dtype)
     flat = [c.view(-1, *c.shape[2:]) for c in cache]
@@ -157,7 +157,8 @@ def test_portable_and_avx512_paths_give_the_same_bits(dtype, dim, kv_heads, head
         for portable in (False, True):
             ext.set_portable(portable)
             runs.append(kernel_attention.forward(q, *flat, meta, table=meta.block_table, block_size=4,
-                                                 scale=0.3, window=window, softcap=softcap))
+                                                 scale=0.3, window=window, softcap=softcap,
+                                                 sinks=torch.linspace(-2, 3, heads) if sinks else None))
     finally:
         ext.set_portable(False)
     assert torch.equal(runs[0], runs[1])

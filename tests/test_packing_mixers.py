@@ -42,7 +42,7 @@ MIXER_CLASS = {
     "qwen3_5": "Qwen3_5GatedDeltaNet", "qwen3_next": "Qwen3NextGatedDeltaNet",
     "olmo_hybrid": "OlmoHybridGatedDeltaNet", "lfm2": "Lfm2ShortConv", "nemotron_h": "NemotronHMamba2Mixer",
     "granitemoehybrid": "GraniteMoeHybridMambaLayer", "bamba": "BambaMixer", "falcon_h1": "FalconH1Mixer",
-    "jamba": "JambaMambaMixer", "kimi_linear": "KimiLinearDeltaAttention", "gpt_oss": "GptOssAttention",
+    "jamba": "JambaMambaMixer", "kimi_linear": "KimiLinearDeltaAttention",
 }
 
 
@@ -89,11 +89,11 @@ def tree_call():
 ROW_SERVED = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "kimi_linear")
 
 
-NOT_MAMBA2 = tuple(f for f in HYBRID_FAMILIES + SINK_FAMILIES if f not in MAMBA2_FAMILIES)
+NOT_MAMBA2 = tuple(f for f in HYBRID_FAMILIES if f not in MAMBA2_FAMILIES)
 
 
 @pytest.mark.parametrize("family", NOT_MAMBA2)
-def test_every_hybrid_and_sink_family_is_refused_naming_its_mixer(family):
+def test_every_hybrid_family_is_refused_naming_its_mixer(family):
     model = tiny_model(family)
     refused = (GENERATE,) if family in ROW_SERVED else CONTEXTS
     for context in CONTEXTS:
@@ -130,16 +130,33 @@ def test_mamba2_families_pass_packed_and_tree_and_are_refused_in_the_generator(f
         Generator(model, num_blocks=8)
 
 
-@pytest.mark.parametrize("family", ("jamba", "gpt_oss"))
+@pytest.mark.parametrize("family", ("jamba",))
 def test_a_bare_packed_or_tree_forward_is_refused_at_its_first_attention_layer(family):
     register_nopad_attention()
     model = tiny_model(family)
     model.set_attn_implementation("nopad")
     for call in (packed_call(model), tree_call()):
-        with pytest.raises(ValueError, match=f"{MIXER_CLASS[family]}|s_aux"):
+        with pytest.raises(ValueError, match=MIXER_CLASS[family]):
             model(**call)
-    if family not in SINK_FAMILIES:  # one sequence per batch row: what every layer computes alone
-        model(input_ids=random_sequences((6,))[0][None], use_cache=False)
+    model(input_ids=random_sequences((6,))[0][None], use_cache=False)  # one sequence per row: as alone
+
+
+@pytest.mark.parametrize("family", SINK_FAMILIES)
+def test_sink_attention_that_passes_s_aux_is_supported_in_every_context(family):
+    """packing.mixers.sinks: gpt-oss hands its sinks to the attention interface as ``s_aux``, which
+    every nopad path computes exactly (tests/test_packing_sinks.py proves it)."""
+    model = tiny_model(family)
+    assert {f.cls for f in scan(model)} == {"GptOssAttention"}  # still found by what it holds ...
+    for context in CONTEXTS:
+        check_model(model, context)  # ... and handled
+
+
+def test_a_sink_parameter_used_any_other_way_is_still_refused():
+    model = tiny_model("llama")  # LlamaAttention never passes s_aux: its sinks would be dropped
+    model.model.layers[0].self_attn.sinks = nn.Parameter(torch.zeros(model.config.num_attention_heads))
+    for context in CONTEXTS:
+        with pytest.raises(UnsupportedMixerError, match=r"LlamaAttention .*attention sinks"):
+            check_model(model, context)
 
 
 def test_a_made_up_recurrent_layer_is_refused_on_every_path():

@@ -20,11 +20,11 @@ import warnings
 
 import pytest
 import torch
-import transformers
 
 from packing import attention, verify
 from packing.attention import BACKEND_ENV, choose_backend, flash
 from packing.hf import use_nopad_attention
+from packing.hf.attention import nopad_attention
 from packing.varlen import VarlenMeta
 from tests.flash_standin import FlashStandIn, broken_package
 from tests.models import random_sequences, tiny_model
@@ -355,17 +355,14 @@ def test_flash_attn_3_is_detected_and_used(monkeypatch, flash_standin):
 
 
 # ------------------------------------------------------------------ unknown attention arguments
-def test_attention_sinks_of_gpt_oss_fail_clearly():
-    config = transformers.GptOssConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=8,
-        layer_types=["full_attention"], max_position_embeddings=64,
-    )
-    model = transformers.GptOssForCausalLM(config).eval()
-    ids = torch.randint(3, 64, (1, 6))
-    expected = r"GptOssAttention .*'gpt_oss'.*\['s_aux'\]"
-    with use_nopad_attention(model), pytest.raises(ValueError, match=expected):
-        model(ids, use_cache=False)
+def test_an_attention_argument_nopad_does_not_implement_fails_clearly():
+    """An argument that carries a value nopad would drop (gpt-oss's ``s_aux`` was one until nopad
+    took attention sinks) is refused, naming the model."""
+    model = tiny_model("llama")
+    attention = model.model.layers[0].self_attn
+    q, k, v = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)
+    with pytest.raises(ValueError, match=r"LlamaAttention .*'llama'.*\['attn_bias'\]"):
+        nopad_attention(attention, q, k, v, None, attn_bias=torch.zeros(1))
 
 
 def test_varlen_meta_to_keeps_int32_and_returns_self_on_the_same_device():

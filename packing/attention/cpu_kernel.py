@@ -53,11 +53,14 @@ def forward(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention output ``(total_q, heads, dim)`` in q's dtype. ``k``/``v`` are flat
     ``(total_k, kv_heads, dim)`` keys, or with ``table`` a paged cache flattened to
-    ``(blocks * block_size, kv_heads, dim)``. No autograd: the dispatcher gives training rows a
-    backward (:class:`packing.attention.dispatch.RecomputeBackward`)."""
+    ``(blocks * block_size, kv_heads, dim)``. ``sinks`` ``(heads,)``: attention sinks, added to
+    each row's softmax denominator at the end (``exp(sink - max)``: exact, and one fixed order for
+    every call, so the batch-invariant mode holds with them). No autograd: the dispatcher gives
+    training rows a backward (:class:`packing.attention.dispatch.RecomputeBackward`)."""
     if q.dtype not in DTYPE_CODES:
         raise ValueError(f"the attention kernel takes fp32, bf16 or fp16 tensors, got {q.dtype}; cast q/k/v "
                          "to the model's compute dtype")
@@ -76,8 +79,23 @@ def forward(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), DTYPE_CODES[q.dtype], k.shape[0],
         cu_q, lens_k, starts, tab, int(block_size), q.shape[1], k.shape[1], q.shape[2],
         float(scale), float(softcap or 0.0), int(window or 0), bool(causal), torch.get_num_threads(),
+        **_sink_argument(sinks),
     )
     return out
+
+
+def _sink_argument(sinks: torch.Tensor | None) -> dict:
+    """The kernel's ``sinks=`` keyword (fp32 on the host, one per query head); none without sinks,
+    so a kernel built before sinks still runs every other layer."""
+    if sinks is None:
+        return {}
+    return {"sinks": np.ascontiguousarray(sinks.detach().to(device="cpu", dtype=torch.float32).numpy())}
+
+
+@torch.compiler.assume_constant_result
+def takes_sinks() -> bool:
+    """The built kernel takes attention sinks (an extension built before them does not: rebuild)."""
+    return built() and "sinks" in (kernel().forward.__doc__ or "")
 
 
 # ---- the static decode step as a custom op, so torch.compile sees one opaque call.
@@ -96,7 +114,8 @@ def built() -> bool:
 
 @torch.library.custom_op("nopad::paged_decode", mutates_args=())
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, window: int, softcap: float) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float, window: int, softcap: float,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per row ``q (rows, heads, dim)`` over that row's keys in a paged cache
     ``(blocks, block_size, kv_heads, dim)``: ``context_lens[i]`` keys through ``block_table[i]``.
     Same kernel, same per-query order as every other CPU generation step."""
@@ -112,31 +131,35 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), dtype_code,
         k_cache.shape[0] * block_size, np.arange(rows + 1, dtype=np.int32), lens, None, table, block_size,
         q.shape[1], k_cache.shape[2], q.shape[2], scale, softcap, window, True, torch.get_num_threads(),
+        **_sink_argument(sinks),
     )
     return out
 
 
 @paged_decode.register_fake
-def _(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap):
+def _(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap, sinks=None):
     return torch.empty_like(q)
 
 
 def _forward(q, k, v, meta, opts, table=None, block_size=1):
     return forward(q, k, v, meta, table=table, block_size=block_size, causal=opts.causal, scale=opts.scale,
-                   window=opts.window, softcap=opts.softcap)
+                   window=opts.window, softcap=opts.softcap, sinks=opts.sinks)
 
 
-def _static_decode(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap):
-    return paged_decode(q, k_cache, v_cache, block_table, context_lens, scale, window or 0, softcap or 0.0)
+def _static_decode(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap, sinks=None):
+    return paged_decode(q, k_cache, v_cache, block_table, context_lens, scale, window or 0, softcap or 0.0,
+                        sinks)
 
 
 def _missing(call) -> str | None:
-    if built():
-        return None
-    return "is not built (the C++ extension did not compile; reinstall nopad with a compiler)"
+    if not built():
+        return "is not built (the C++ extension did not compile; reinstall nopad with a compiler)"
+    if call.sinks and not takes_sinks():
+        return "was built before it took attention sinks (rebuild it: pip install -e .)"
+    return None
 
 
 BACKENDS = (
     Backend("kernel", _forward, devices=("cpu",), dtypes=tuple(DTYPE_CODES), grad=False, invariant=True,
-            reads_pages=lambda block_size: True, static_decode=_static_decode, missing=_missing),
+            reads_pages=lambda block_size: True, static_decode=_static_decode, missing=_missing, sinks=True),
 )

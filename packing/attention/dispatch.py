@@ -12,8 +12,10 @@ index, gathered otherwise) and give forward-only kernels a backward.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 
 from packing.attention.plan import AttentionPlan
 from packing.attention.registry import Opts
@@ -52,26 +54,29 @@ class RecomputeBackward(torch.autograd.Function):
     forward runs the kernel, its backward recomputes attention with the best differentiable
     backend (any correct backward will do: only the forward must match the generator's). With a
     key ``table`` (a shared-prefix row) the keys are gathered for the backward, whose
-    ``index_select`` sums every completion's gradient into the prompt's K/V rows."""
+    ``index_select`` sums every completion's gradient into the prompt's K/V rows. Attention sinks
+    (``opts.sinks``) come in as ``sinks`` too, so they receive their gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, meta: VarlenMeta, opts: Opts, backend, table, differentiable):
-        ctx.save_for_backward(q, k, v)
+    def forward(ctx, q, k, v, sinks, meta: VarlenMeta, opts: Opts, backend, table, differentiable):
+        ctx.save_for_backward(q, k, v, sinks)
         ctx.meta, ctx.opts, ctx.table, ctx.differentiable = meta, opts, table, differentiable
         return backend.forward(q, k, v, meta, opts, table=table, block_size=1)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v = ctx.saved_tensors
+        q, k, v, sinks = ctx.saved_tensors
         meta, opts = ctx.meta, ctx.opts
         with torch.enable_grad():
             q_, k_, v_ = (t.detach().requires_grad_(t.requires_grad) for t in (q, k, v))
+            s_ = sinks.detach().requires_grad_(sinks.requires_grad) if sinks is not None else None
             keys = (k_, v_) if ctx.table is None else (k_.index_select(0, meta.key_rows),
                                                        v_.index_select(0, meta.key_rows))
-            out = ctx.differentiable.forward(q_, *keys, _flat(meta), opts)
-            inputs = [t for t in (q_, k_, v_) if t.requires_grad]
+            out = ctx.differentiable.forward(q_, *keys, _flat(meta), replace(opts, sinks=s_))
+            inputs = [t for t in (q_, k_, v_, s_) if t is not None and t.requires_grad]
             grads = iter(torch.autograd.grad(out, inputs, grad_out) if inputs else ())
-        return tuple(next(grads) if t.requires_grad else None for t in (q, k, v)) + (None,) * 5
+        return tuple(next(grads) if t is not None and t.requires_grad else None
+                     for t in (q, k, v, sinks)) + (None,) * 5
 
 
 def _flat(meta: VarlenMeta) -> VarlenMeta:
@@ -100,6 +105,12 @@ def _check(q, k, v, meta: VarlenMeta, kv_cache, table, sliding_window) -> int:
             )
         if k is not None and meta.slot_mapping is None:
             raise ValueError("new K/V given with kv_cache but meta.slot_mapping is None")
+        if k is not None and (k.shape[1:] != k_cache.shape[2:] or v.shape[1:] != v_cache.shape[2:]):
+            raise ValueError(
+                f"this layer's K/V are (kv_heads, head_dim) {tuple(k.shape[1:])} / {tuple(v.shape[1:])} "
+                "per token "
+                f"but its paged cache holds {tuple(k_cache.shape[2:])}: the cache was sized for another "
+                "attention layout (inference.kv_cache.kv_layout reads it from the config)")
         kv_heads = k_cache.shape[2]
     else:
         if k is None or v is None:
@@ -130,8 +141,9 @@ def varlen_attention(
     block_table: torch.Tensor | None = None,
     backend: str = "auto",
     plan: AttentionPlan | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention over a flat varlen row; returns ``(total_q, heads, head_dim)``.
+    """Attention over a flat varlen row; returns ``(total_q, heads, v_head_dim)``.
 
     ``k``/``v`` are the keys of this row, or, with ``kv_cache``, the new tokens' keys, which are
     first written to the cache at ``meta.slot_mapping``; keys are then read through
@@ -142,12 +154,40 @@ def varlen_attention(
     lets a query at position ``p`` see keys ``p - W < j <= p``; ``softcap=c`` applies
     ``c * tanh(score / c)``. ``backend`` names one of :func:`packing.attention.registry.names`.
     ``plan`` is the forward's :class:`AttentionPlan` (every layer of a forward passes the same one;
-    without it this call makes its own).
+    without it this call makes its own). ``sinks`` ``(heads,)`` are attention sinks (gpt-oss's
+    ``s_aux``): one logit per query head in every softmax denominator, with no value; only backends
+    declared to take them run such a layer. Keys and values of different head sizes (MLA) run as
+    one head size, the smaller zero-padded (:func:`one_head_dim`), and the output is cut back to
+    the values' size.
     """
     plan = plan if plan is not None else AttentionPlan()
     softcap = softcap or None  # 0.0 means off, as in flash-attn and HF configs
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    opts = Opts(causal=causal, scale=scale, window=sliding_window, softcap=softcap)
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != q.shape[1]):
+        raise ValueError(f"sinks must hold one logit per query head ({q.shape[1]}), "
+                         f"got shape {tuple(sinks.shape)}")
+    opts = Opts(causal=causal, scale=scale, window=sliding_window, softcap=softcap, sinks=sinks)
+    value_dim = v.shape[-1] if v is not None else None
+    if k is not None and v is not None and not q.shape[-1] == k.shape[-1] == v.shape[-1]:
+        q, k, v = one_head_dim(q, k, v)
+    out = _attend(q, k, v, meta, kv_cache, block_table, opts, backend, plan)
+    return out if value_dim is None or out.shape[-1] == value_dim else out[..., :value_dim]
+
+
+def one_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Queries/keys and values of different head sizes (MLA: DeepSeek-V3, Kimi) as one size for
+    every backend and the paged cache: the smaller side zero-padded. A zero column adds nothing to
+    a score and gives a zero output column (cut off after), so the result is exact."""
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"queries and keys must share a head size, got {q.shape[-1]} and {k.shape[-1]}")
+    width = max(k.shape[-1], v.shape[-1])
+    return tuple(t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+
+
+def _attend(q, k, v, meta: VarlenMeta, kv_cache, block_table, opts: Opts, backend: str,
+            plan: AttentionPlan) -> torch.Tensor:
+    """:func:`varlen_attention` once the options are spelled and the head sizes are one."""
+    softcap, sliding_window, sinks = opts.softcap, opts.window, opts.sinks
     if meta.is_static:
         return _static_decode(q, k, v, meta, kv_cache, opts, backend, plan)
     table = None
@@ -160,13 +200,14 @@ def varlen_attention(
         k, v = k.to(q.dtype), v.to(q.dtype)  # one compute dtype, as flash-attn and SDPA require
 
     shared = meta.key_index is not None and kv_cache is None
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v))
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
     block_size = kv_cache[0].shape[1] if kv_cache is not None else 1
     call, chosen = plan.decide(q.device, q.dtype, softcap, sliding_window, paged=kv_cache is not None,
-                               block_size=block_size, shared_prefix=shared, grad=grad, override=backend)
+                               block_size=block_size, shared_prefix=shared, grad=grad, override=backend,
+                               sinks=sinks is not None)
     differentiable = None  # what a forward-only kernel's backward recomputes with
     if grad and not chosen.grad:
-        differentiable = plan.differentiable(q.device, q.dtype, softcap, sliding_window)
+        differentiable = plan.differentiable(q.device, q.dtype, softcap, sliding_window, sinks is not None)
 
     if kv_cache is not None:
         if chosen.reads_in_place(call) and kv_cache[0].dtype == q.dtype and not grad:
@@ -175,14 +216,14 @@ def varlen_attention(
         k, v = (t.to(q.dtype) for t in gather_kv(kv_cache, table, meta))
     elif shared and chosen.reads_in_place(call):
         if grad and not chosen.grad:
-            return RecomputeBackward.apply(q, k, v, meta, opts, chosen, meta.key_index, differentiable)
+            return RecomputeBackward.apply(q, k, v, sinks, meta, opts, chosen, meta.key_index, differentiable)
         return chosen.forward(q, k, v, meta, opts, table=meta.key_index, block_size=1)
     elif shared:  # gather each sequence's keys (index_select: the prompt's rows receive the
         # gradients of every completion that reads them)
         k, v = k.index_select(0, meta.key_rows), v.index_select(0, meta.key_rows)
     flat_meta = _flat(meta)
     if grad and not chosen.grad:
-        return RecomputeBackward.apply(q, k, v, flat_meta, opts, chosen, None, differentiable)
+        return RecomputeBackward.apply(q, k, v, sinks, flat_meta, opts, chosen, None, differentiable)
     return chosen.forward(q, k, v, flat_meta, opts)
 
 
@@ -199,10 +240,12 @@ def _static_decode(q, k, v, meta: VarlenMeta, kv_cache, opts: Opts, backend: str
     store_kv(kv_cache, k, v, meta.slot_mapping)
     k_cache, v_cache = kv_cache
     chosen = plan.decide(q.device, k_cache.dtype, opts.softcap, opts.window, paged=True,
-                         block_size=k_cache.shape[1], static=True, override=backend).backend
+                         block_size=k_cache.shape[1], static=True, override=backend,
+                         sinks=opts.sinks is not None).backend
     if chosen.static_decode is not None:  # keys read in place, one opaque op
         out = chosen.static_decode(q.to(k_cache.dtype).contiguous(), k_cache, v_cache, meta.block_table,
-                                   meta.context_lens, opts.scale, opts.window or 0, opts.softcap or 0.0)
+                                   meta.context_lens, opts.scale, opts.window or 0, opts.softcap or 0.0,
+                                   opts.sinks)
         return out.to(q.dtype)
     rows, width = meta.block_table.shape  # else: gather `width` whole blocks per row, mask the rest
     keys = width * k_cache.shape[1]
@@ -214,6 +257,7 @@ def _static_decode(q, k, v, meta: VarlenMeta, kv_cache, opts: Opts, backend: str
     keep = pos < lens
     if opts.window is not None:
         keep = keep & (pos > lens - 1 - opts.window)
+    sinks = None if opts.sinks is None else opts.sinks.view(-1, 1, 1)
     out = _sdpa(q[:, :, None].to(kk.dtype), kk, vv, keep[:, None, None, :], scale=opts.scale,
-                softcap=opts.softcap)
+                softcap=opts.softcap, sinks=sinks)
     return out[:, :, 0].to(q.dtype)

@@ -66,17 +66,26 @@ class AttentionPlan:
         self._decided: dict[tuple, Decision] = {}
         self._differentiable: dict[tuple, Backend] = {}
 
+    def __getitem__(self, index) -> AttentionPlan:
+        """The plan itself: transformers slices a dense mask to the kept query rows before K/V-shared
+        layers (Gemma4's ``_maybe_slice_kv_shared_inputs``). A plan holds no mask - each layer
+        resolves its boundaries from ``nopad_meta`` or its own query and key lengths - so a row cut
+        that way gets the same plan, and a ``nopad_meta`` that no longer matches the row is refused
+        by the layer (:func:`packing.hf.attention.nopad_attention`)."""
+        return self
+
     def decide(self, device: torch.device, dtype: torch.dtype, softcap: float | None = None,
                window: int | None = None, *, paged: bool = False, block_size: int = 1,
                shared_prefix: bool = False, grad: bool = False, static: bool = False,
-               override: str | None = None) -> Decision:
+               override: str | None = None, sinks: bool = False) -> Decision:
         """The backend for a layer's call (``override``: the layer's ``backend=``, else the
         plan's). A layer like one seen before in this forward is a dictionary look-up."""
-        key = (device, dtype, softcap, window, paged, block_size, shared_prefix, grad, static, override)
+        key = (device, dtype, softcap, window, paged, block_size, shared_prefix, grad, static, override,
+               sinks)
         decision = self._decided.get(key)
         if decision is None:
             call = Call(device, dtype, softcap, window, paged, block_size, shared_prefix, grad, static,
-                        invariant=self.invariant, kernels=self.kernels)
+                        invariant=self.invariant, kernels=self.kernels, sinks=sinks)
             requested = requested_backend(override if override not in (None, "auto") else self.default,
                                           self.env_backend)
             decision = self._decided[key] = Decision(call, choose(call, requested))
@@ -84,13 +93,13 @@ class AttentionPlan:
         return decision
 
     def differentiable(self, device: torch.device, dtype: torch.dtype, softcap: float | None,
-                       window: int | None) -> Backend:
+                       window: int | None, sinks: bool = False) -> Backend:
         """The backend a forward-only kernel's backward recomputes such a layer with."""
-        key = (device, dtype, softcap, window)
+        key = (device, dtype, softcap, window, sinks)
         backend = self._differentiable.get(key)
         if backend is None:
             backend = self._differentiable[key] = choose_differentiable(Call(device, dtype, softcap, window,
-                                                                             grad=True))
+                                                                             grad=True, sinks=sinks))
         return backend
 
 

@@ -23,6 +23,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 BACKEND_ENV = "NOPAD_ATTN_BACKEND"  # overrides backend="auto" everywhere (training and generator)
+NO_SINKS = "does not take attention sinks"  # a gap no install fixes
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Call:
     static: bool = False  # a static-shape decode step (CUDA graphs / torch.compile): lengths on the device
     invariant: bool = False  # inside packing.batch_invariant(): a fixed per-query order is required
     kernels: str | None = None  # the mode's forced kernel set ("cpu" / "triton"), None: by device
+    sinks: bool = False  # the layer has attention sinks (gpt-oss): a per-head logit in every softmax
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class Backend:
     static_decode: Callable | None = None  # decode with device-only lengths, CUDA-graph safe
     missing: Callable[[Call], str | None] | None = None  # what the installed library lacks for a call
     install: str = ""  # what to install when missing (for messages)
+    sinks: bool = False  # takes attention sinks (Opts.sinks); "auto" never picks one that does not
 
     def reads_in_place(self, call: Call) -> bool:
         """True when this backend reads the call's paged cache or key index without a gather."""
@@ -80,6 +83,8 @@ class Backend:
             return "has no fixed per-query order (packing.batch_invariant() is on)"
         if call.static and self.static_decode is None:
             return "has no static-shape decode path"
+        if call.sinks and not self.sinks:
+            return NO_SINKS
         return self.missing(call) if self.missing is not None else None
 
 
@@ -91,6 +96,9 @@ class Opts:
     scale: float = 1.0
     window: int | None = None
     softcap: float | None = None
+    # attention sinks: one logit per query head ``(heads,)`` in each row's softmax denominator,
+    # with no value (gpt-oss's ``s_aux``); only backends declared ``sinks=True`` receive them
+    sinks: torch.Tensor | None = None
 
 
 # Backend modules; each defines BACKENDS, a tuple of Backend declarations. Imported on first use.
@@ -225,6 +233,7 @@ def choose_differentiable(call: Call) -> Backend:
         if name in AUTO_ONLY_FOR and not AUTO_ONLY_FOR[name](call):
             continue
         if (backend.grad and call.device.type in backend.devices and call.dtype in backend.dtypes
+                and (backend.sinks or not call.sinks)
                 and (backend.missing is None or backend.missing(call) is None)):
             return backend
     return table[_FALLBACK]
@@ -240,7 +249,7 @@ def _explain(call: Call, gaps: list[tuple[str, str]], chosen: Backend) -> None:
         return
     fallback = chosen.name == _FALLBACK and call.device.type == "cuda"
     hints = {name: f" ({b.install})" if b.install else "" for name, b in backends().items()}
-    reasons = "; ".join(f"{name} {gap}{hints[name]}" for name, gap in gaps)
+    reasons = "; ".join(f"{name} {gap}{hints[name] if gap != NO_SINKS else ''}" for name, gap in gaps)
     say_once(("gaps", tuple(gaps), chosen.name), "nopad: attention runs %s%s: %s", chosen.name,
              " (a Python loop over sequences, slow on a GPU)" if fallback else "", reasons, warn=fallback)
 

@@ -13,6 +13,10 @@ Four backends that run the same maths (declared in :data:`BACKENDS` at the end):
 - ``per_token``: one SDPA call per query token (:func:`per_token`): the pure-PyTorch
   batch-invariant path.
 
+All four take attention sinks (``Opts.sinks``, gpt-oss): such a layer runs the explicit softmax
+with the sink as one more logit per row, as transformers' eager attention does (differentiable in
+q, k, v and the sinks).
+
 All read K/V from a :class:`KeySource`: flat ``(total_k, kv_heads, dim)`` tensors cut by the
 meta's key lengths (the dispatcher gathers a paged cache's keys first).
 """
@@ -59,10 +63,12 @@ def _mask(lq: int, lk: int, causal: bool, window: int | None, device) -> torch.T
     return keep
 
 
-def _sdpa(q, k, v, mask, *, scale, softcap, is_causal=False):
-    """SDPA on (..., Hkv*G, Lq, D) vs (..., Hkv, Lk, D), or explicit maths when soft-capping."""
+def _sdpa(q, k, v, mask, *, scale, softcap, is_causal=False, sinks=None):
+    """SDPA on (..., Hkv*G, Lq, D) vs (..., Hkv, Lk, D), or explicit maths when soft-capping or
+    with attention sinks: ``sinks`` broadcasts to (..., Hkv*G, Lq, 1), one logit per query row
+    that joins the softmax and is dropped after it, as transformers' eager gpt-oss attention does."""
     groups = q.shape[-3] // k.shape[-3]
-    if softcap is None:
+    if softcap is None and sinks is None:
         # CPU SDPA uses its flash kernel (also with enable_gqa) only for 4-D inputs; 3-D inputs
         # silently take the slow math path, so add a batch dimension.
         squeeze = q.dim() == 3
@@ -76,16 +82,27 @@ def _sdpa(q, k, v, mask, *, scale, softcap, is_causal=False):
         k = k.repeat_interleave(groups, dim=-3)
         v = v.repeat_interleave(groups, dim=-3)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if is_causal:
         lq, lk = scores.shape[-2:]
         mask = _mask(lq, lk, True, None, q.device)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+    sink = sinks.to(torch.float32).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores.float(), sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
 
 
-def per_sequence(q, src: KeySource, *, causal, scale, window, softcap, seqs=None) -> list:
+def _head_sinks(sinks, heads_axis_rank: int):
+    """``sinks (heads,)`` shaped to broadcast over a (heads, ..., 1) score tensor whose heads axis
+    has ``heads_axis_rank`` axes after it (None stays None)."""
+    return None if sinks is None else sinks.view(-1, *([1] * heads_axis_rank))
+
+
+def per_sequence(q, src: KeySource, *, causal, scale, window, softcap, seqs=None, sinks=None) -> list:
     """Per-sequence SDPA; returns a list of ``(lq, heads, dim)`` outputs for ``seqs``
     (default: all)."""
     meta = src.meta
@@ -104,20 +121,20 @@ def per_sequence(q, src: KeySource, *, causal, scale, window, softcap, seqs=None
         mask = None if plain_causal or sees_all else _mask(lq, lk, causal, window_i, q.device)
         q_i = q_parts[i].transpose(0, 1)  # (heads, lq, dim)
         kv_heads = k_i.shape[1]
-        if lq == 1 and kv_heads < q_i.shape[0]:
+        if lq == 1 and kv_heads < q_i.shape[0] and sinks is None:
             # a decode token: fold the GQA groups into the query axis, (kv_heads, groups, dim);
             # faster than enable_gqa for one query (all groups share the one mask row;
             # benchmarks/bench_attention.py)
             q_i = q_i.reshape(kv_heads, -1, q_i.shape[-1])
         out = _sdpa(
             q_i, k_i.transpose(0, 1), v_i.transpose(0, 1), mask,
-            scale=scale, softcap=softcap, is_causal=plain_causal,
+            scale=scale, softcap=softcap, is_causal=plain_causal, sinks=_head_sinks(sinks, 2),
         )
         outs.append(out.reshape(-1, lq, out.shape[-1]).transpose(0, 1))
     return outs
 
 
-def per_token(q, src: KeySource, *, causal, scale, window, softcap) -> list:
+def per_token(q, src: KeySource, *, causal, scale, window, softcap, sinks=None) -> list:
     """One SDPA call per query token over exactly the keys it sees: slow, but each token's result
     depends on nothing else in the call, so it is the pure-PyTorch batch-invariant path (used by
     :func:`packing.batch_invariant` when the compiled kernel is not built)."""
@@ -136,7 +153,7 @@ def per_token(q, src: KeySource, *, causal, scale, window, softcap) -> list:
             top = pos + 1 if causal else lk
             bottom = max(0, pos - window + 1) if window is not None else 0
             out = _sdpa(q_i[t][:, None], k_i[:, bottom:top], v_i[:, bottom:top], None, scale=scale,
-                        softcap=softcap)
+                        softcap=softcap, sinks=_head_sinks(sinks, 2))
             rows.append(out[:, 0])
         outs.append(torch.stack(rows))
     return outs
@@ -155,7 +172,7 @@ def _padded_mask(meta: VarlenMeta, causal: bool, window: int | None) -> torch.Te
     return keep | (~lay.query_valid[:, :, None] & (k_pos == 0))  # padded queries see key 0: no NaN rows
 
 
-def padded(q, src: KeySource, *, causal, scale, window, softcap) -> torch.Tensor:
+def padded(q, src: KeySource, *, causal, scale, window, softcap, sinks=None) -> torch.Tensor:
     """Every sequence in one padded SDPA call; returns the outputs ``(total_q, heads, dim)`` in
     sequence order. GQA groups are folded into the query axis so K/V are gathered once per KV
     head, not repeated per query head. Padded key slots read the sequence's first key: finite
@@ -177,14 +194,16 @@ def padded(q, src: KeySource, *, causal, scale, window, softcap) -> torch.Tensor
     qp = qp.reshape(b, max_q, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
     qp = qp.reshape(b, kv_heads, groups * max_q, dim)
     mask = keep[:, None, None].expand(-1, 1, groups, -1, -1).reshape(b, 1, groups * max_q, keys_len)
-    out = _sdpa(qp, k, v, mask, scale=scale, softcap=softcap)  # (b, kv_heads, groups*max_q, dim)
+    if sinks is not None:  # one per query head: (kv_heads, groups) rows, each repeated over max_q
+        sinks = sinks.view(kv_heads, groups, 1).expand(-1, -1, max_q).reshape(kv_heads, groups * max_q, 1)
+    out = _sdpa(qp, k, v, mask, scale=scale, softcap=softcap, sinks=sinks)  # (b, kv_heads, groups*max_q, dim)
     out = out.view(b, kv_heads, groups, max_q, dim).permute(0, 3, 1, 2, 4).reshape(b * max_q, heads, dim)
     if max_q == 1:
         return out
     return out[q_valid.reshape(-1)]
 
 
-def dense(q, k, v, meta: VarlenMeta, *, causal, scale, window, softcap) -> torch.Tensor:
+def dense(q, k, v, meta: VarlenMeta, *, causal, scale, window, softcap, sinks=None) -> torch.Tensor:
     """One SDPA over the whole flat row with a block-diagonal mask (baseline; O(T^2) memory)."""
     seq_q = meta.seq_idx_long.to(q.device)
     seq_k, k_pos = (t.to(q.device) for t in meta.key_positions)  # built once per meta, not per layer
@@ -194,7 +213,8 @@ def dense(q, k, v, meta: VarlenMeta, *, causal, scale, window, softcap) -> torch
         keep = keep & (k_pos[None, :] <= q_pos[:, None])
     if window is not None:
         keep = keep & (k_pos[None, :] > q_pos[:, None] - window)
-    out = _sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), keep, scale=scale, softcap=softcap)
+    out = _sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), keep, scale=scale, softcap=softcap,
+                sinks=_head_sinks(sinks, 2))
     return out.transpose(0, 1)
 
 
@@ -205,7 +225,8 @@ def _cat(pieces: list, q: torch.Tensor) -> torch.Tensor:
 
 
 def _options(opts) -> dict:
-    return dict(causal=opts.causal, scale=opts.scale, window=opts.window, softcap=opts.softcap)
+    return dict(causal=opts.causal, scale=opts.scale, window=opts.window, softcap=opts.softcap,
+                sinks=opts.sinks)
 
 
 def _loop(q, k, v, meta, opts, table=None, block_size=1):
@@ -226,7 +247,7 @@ def _dense(q, k, v, meta, opts, table=None, block_size=1):
 
 def _backend(name, forward, **kwargs):
     return Backend(name, forward, devices=("cpu", "cuda"),
-                   dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64), **kwargs)
+                   dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64), sinks=True, **kwargs)
 
 
 BACKENDS = (

@@ -83,13 +83,13 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["window"])  # window=1 must not compile a kernel of its own
     def _attention_kernel(
-        Q, K, V, OUT, CU_Q, KEYS, TABLE,
+        Q, K, V, OUT, CU_Q, KEYS, TABLE, SINK,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_table,
         scale, softcap, window,
         G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
         PAGED: tl.constexpr, DECODE: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
-        INTERPRETED: tl.constexpr, FP32: tl.constexpr,
+        INTERPRETED: tl.constexpr, FP32: tl.constexpr, SINKS: tl.constexpr,
     ):
         """Program (sequence, row tile, KV head). Rows r of a tile are (query token r // G, query
         head kv_head * G + r % G). ``KEYS`` is ``cu_seqlens_k`` (flat or paged keys, lengths from
@@ -173,6 +173,9 @@ if triton is not None:
             acc = tl.where(active[:, None], acc * alpha[:, None] + pv, acc)
             l_sum = tl.where(active, l_sum * alpha + tl.sum(p, 1), l_sum)
             m = tl.where(active, m_new, m)
+        if SINKS:  # the head's sink logit joins the denominator and adds no value (gpt-oss)
+            sink = tl.load(SINK + head, mask=row_ok, other=0.0).to(tl.float32)
+            l_sum = l_sum + tl.exp(sink - tl.where(m == float("-inf"), sink, m))
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # a query with no keys gives zeros
         tl.store(OUT + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -212,14 +215,17 @@ def _inner_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(q, k, v, out, cu_q, keys, table, page: int, rows: int, max_q: int, *, decode: bool, causal: bool,
-            scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+            scale: float, window: int | None, softcap: float | None, sinks: torch.Tensor | None = None
+            ) -> torch.Tensor:
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     groups = heads // kv_heads
     tile = tile_config(dim, q.dtype)
     grid = (rows, triton.cdiv(max_q * groups, tile.block_m), kv_heads)
     paged = table is not None
+    if sinks is not None:
+        sinks = sinks.detach().to(q.device, torch.float32).contiguous()
     _attention_kernel[grid](
-        q, k, v, out, cu_q, keys, table if paged else keys,
+        q, k, v, out, cu_q, keys, table if paged else keys, sinks if sinks is not None else keys,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         table.stride(0) if paged else 0,
@@ -227,7 +233,8 @@ def _launch(q, k, v, out, cu_q, keys, table, page: int, rows: int, max_q: int, *
         G=groups, HEAD_DIM=dim, D_PAD=_padded(dim), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         PAGE=int(page),
         PAGED=paged, DECODE=decode, CAUSAL=bool(causal), SOFTCAP=bool(softcap),
-        INTERPRETED=q.device.type == "cpu", FP32=q.dtype == torch.float32, num_warps=tile.warps,
+        INTERPRETED=q.device.type == "cpu", FP32=q.dtype == torch.float32, SINKS=sinks is not None,
+        num_warps=tile.warps,
         num_stages=tile.stages,
     )
     return out
@@ -245,10 +252,12 @@ def forward(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention output ``(total_q, heads, dim)`` in q's dtype. ``k``/``v`` are flat
     ``(total_k, kv_heads, dim)`` keys, or with ``table`` a paged cache flattened to
-    ``(blocks * block_size, kv_heads, dim)``. No autograd (the dispatcher recomputes the backward)."""
+    ``(blocks * block_size, kv_heads, dim)``. ``sinks`` ``(heads,)``: attention sinks, added to each
+    row's denominator at the end. No autograd (the dispatcher recomputes the backward)."""
     _check(q, k, v)
     if table is not None and block_size < MIN_BLOCK_SIZE:
         raise ValueError(f"the Triton attention kernel reads paged K/V in blocks of >= {MIN_BLOCK_SIZE} "
@@ -263,14 +272,15 @@ def forward(
     if table is not None:
         table = table.to(device, torch.int32).contiguous()
     return _launch(q, k, v, out, cu_q, cu_k, table, block_size, meta.num_seqs, meta.max_seqlen_q,
-                   decode=False, causal=causal, scale=scale, window=window, softcap=softcap)
+                   decode=False, causal=causal, scale=scale, window=window, softcap=softcap, sinks=sinks)
 
 
 # The static decode step as a custom op, so torch.compile (``Generator(compile_decode=True)``) sees
 # one opaque call per layer rather than tracing the launcher, as the CPU kernel's op does.
 @torch.library.custom_op("nopad::triton_paged_decode", mutates_args=())
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, window: int, softcap: float) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float, window: int, softcap: float,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per row ``q (rows, heads, dim)`` over that row's keys in a paged cache
     ``(blocks, block_size, kv_heads, dim)``: ``context_lens[i]`` keys through ``block_table[i]``
     (int32 or int64, read as they are). Lengths stay on the device and the grid depends only on
@@ -284,17 +294,17 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         return out
     return _launch(_inner_contiguous(q), k, v, out, context_lens, context_lens, block_table.contiguous(),
                    k_cache.shape[1], q.shape[0], 1, decode=True, causal=True, scale=scale,
-                   window=window or None, softcap=softcap or None)
+                   window=window or None, softcap=softcap or None, sinks=sinks)
 
 
 @paged_decode.register_fake
-def _(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap):
+def _(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap, sinks=None):
     return torch.empty_like(q)
 
 
 def _forward(q, k, v, meta, opts, table=None, block_size=1):
     return forward(q, k, v, meta, table=table, block_size=block_size, causal=opts.causal, scale=opts.scale,
-                   window=opts.window, softcap=opts.softcap)
+                   window=opts.window, softcap=opts.softcap, sinks=opts.sinks)
 
 
 def _missing(call) -> str | None:
@@ -309,5 +319,5 @@ def _missing(call) -> str | None:
 BACKENDS = (
     Backend("triton", _forward, devices=("cuda",), dtypes=DTYPES, grad=False, invariant=True,
             reads_pages=lambda block_size: block_size >= MIN_BLOCK_SIZE, static_decode=paged_decode,
-            missing=_missing),
+            missing=_missing, sinks=True),
 )

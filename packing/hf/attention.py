@@ -39,9 +39,15 @@ moved, checked once) from it. A model whose forward builds no mask gets a plan p
 
 Layer options come from the module call, as transformers passes them: ``scaling``,
 ``sliding_window`` (Mistral; Gemma2/Qwen2 per layer type), ``softcap`` (Gemma2), and
-``module.is_causal`` / ``module.layer_idx``. Any other attention argument that carries a value
-(e.g. GPT-OSS's attention sinks ``s_aux``) is an error naming the model: nopad would otherwise
-compute attention without it.
+``module.is_causal`` / ``module.layer_idx``, and ``s_aux`` (GPT-OSS's attention sinks: one logit
+per head in every softmax denominator, passed on as ``sinks``; only backends that take them run
+such a layer). Any other attention argument that carries a value is an error naming the model:
+nopad would otherwise compute attention without it.
+
+Layouts: keys and values of different head sizes (MLA: DeepSeek-V3, Kimi) run as one size, the
+values zero-padded (:func:`packing.attention.dispatch.one_head_dim`); a layer that reuses an
+earlier layer's K/V (Gemma4's shared layers) gets that layer's keys from transformers and, in the
+generator, that layer's blocks (:func:`inference.kv_cache.kv_layout`).
 
 Precision and devices: q, k and v are cast to one compute dtype first, as transformers does for
 flash-attn (the autocast dtype under ``torch.autocast``, else the layer's weight dtype: RoPE
@@ -115,7 +121,7 @@ def _forward_meta(plan: AttentionPlan, nopad_meta: VarlenMeta | None, position_i
 
 def _check_kwargs(module: torch.nn.Module, kwargs: dict) -> None:
     """An attention argument we do not implement but that carries a value would be silently
-    dropped (e.g. GPT-OSS's attention sinks ``s_aux``): refuse it, naming the model."""
+    dropped: refuse it, naming the model."""
     unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in HARMLESS_KWARGS)
     if unknown:
         config = getattr(module, "config", None)
@@ -177,6 +183,7 @@ def nopad_attention(
     nopad_backend: str = "auto",
     position_ids: torch.Tensor | None = None,
     nopad_trace: list | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query`` ``(B, heads, T, dim)``, ``key``/``value``
@@ -213,6 +220,7 @@ def nopad_attention(
         kv_cache=_layer_cache(nopad_kv_cache, getattr(module, "layer_idx", None)),
         backend=nopad_backend,
         plan=plan,
+        sinks=s_aux,
     )
     return out.view(batch, q_len, heads, -1), None
 

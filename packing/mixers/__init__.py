@@ -2,12 +2,14 @@
 nopad computes exactly on packed rows, tree rows and in the generator, and a clear refusal for
 every other (:mod:`packing.mixers.support`). A new mixing kind is one module that registers a
 :class:`MixerSupport`: :mod:`packing.mixers.hf_kernels` (Gated DeltaNet, KDA, short convolutions)
-and :mod:`packing.mixers.mamba2` (Mamba2 layers), packed and tree rows."""
+and :mod:`packing.mixers.mamba2` (Mamba2 layers), packed and tree rows; :mod:`packing.mixers.sinks`
+(attention sinks) everywhere."""
 
 from packing.mixers import (
     hf_kernels,  # noqa: E402,F401  registers the support of transformers' hybrid kernels
     mamba2,  # noqa: F401  (registers its support on import)
 )
+from packing.mixers import sinks as _sinks  # noqa: F401  (registers the attention-sink support)
 from packing.mixers.conv import varlen_causal_conv1d
 from packing.mixers.delta_rule import varlen_delta_rule
 from packing.mixers.recurrence import RecurrencePlan, recurrence_plan
