@@ -10,12 +10,13 @@ once and then treated as absent, so the layer still runs, on the reference."""
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import warnings
 from collections.abc import Callable
 
 import torch
+
+from packing._native import installed
 
 KERNELS_ENV = "NOPAD_MIXER_KERNELS"
 _BROKEN: set[str] = set()  # "module.name" of installed packages that failed to import (reported once)
@@ -36,7 +37,7 @@ def package_function(module: str, name: str, tensor: torch.Tensor) -> Callable |
     choice = kernel_choice()
     if choice == "reference" or (choice == "auto" and not tensor.is_cuda):
         return None
-    if f"{module}.{name}" in _BROKEN or not _installed(module.split(".")[0]):
+    if f"{module}.{name}" in _BROKEN or not installed(module.split(".")[0]):
         return None
     try:
         return getattr(importlib.import_module(module), name)
@@ -46,9 +47,3 @@ def package_function(module: str, name: str, tensor: torch.Tensor) -> Callable |
                       "use their PyTorch reference instead", RuntimeWarning, stacklevel=2)
         return None
 
-
-def _installed(package: str) -> bool:
-    try:
-        return importlib.util.find_spec(package) is not None
-    except (ImportError, ValueError):
-        return False
