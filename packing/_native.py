@@ -1,4 +1,5 @@
-"""Loads nopad's compiled extensions (built from csrc/) when they are there.
+"""Loads nopad's compiled extensions (built from csrc/) when they are there, and tells whether an
+optional kernel package (flash-attn, causal-conv1d, fla, mamba_ssm) is installed.
 
 Without them nopad still works — the packer on the pure-Python reference in
 ``packing.bins.algorithms``, decode attention on PyTorch — only slower; we say so once per extension,
@@ -9,8 +10,18 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import warnings
 from types import ModuleType
+
+
+def installed(package: str) -> bool:
+    """Whether ``package`` is installed, found without importing it: a package that is there but
+    fails to import deserves a warning, one that is absent does not."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 @functools.cache

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.machinery
 import sys
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -18,8 +19,8 @@ import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
 import packing
-from packing.mixers import recurrence_plan, varlen_causal_conv1d, varlen_delta_rule
-from packing.mixers.conv import KERNELS_ENV
+from packing.mixers import kernels, recurrence_plan, varlen_causal_conv1d, varlen_delta_rule
+from packing.mixers.kernels import KERNELS_ENV
 from packing.varlen import VarlenMeta
 from tests.models import random_sequences, tiny_model
 
@@ -262,6 +263,26 @@ def test_tree_rows_go_to_fla_wave_by_wave_with_the_parents_states(kernel_standin
     assert len(fla) > 2 and any(c["initial"] for c in fla)  # several waves per layer, later ones from states
     # tree windows stay on the reference
     assert not any(name == "causal_conv1d" for name, _ in kernel_standins.calls)
+
+
+def test_a_kernel_package_that_fails_to_import_is_reported_once(monkeypatch, tmp_path):
+    """An installed causal-conv1d built for another torch: one warning, then the reference runs."""
+    from tests.flash_standin import broken_package
+
+    monkeypatch.syspath_prepend(str(broken_package(tmp_path, "causal_conv1d")))
+    monkeypatch.delitem(sys.modules, "causal_conv1d", raising=False)
+    monkeypatch.setattr(kernels, "_BROKEN", set())
+    x, weight = torch.randn(1, 9, 3), torch.randn(3, 4)
+    cu = torch.tensor([0, 4, 9])
+    monkeypatch.setenv(KERNELS_ENV, "reference")
+    want = varlen_causal_conv1d(x, weight, cu_seqlens=cu)
+    monkeypatch.setenv(KERNELS_ENV, "package")
+    with pytest.warns(RuntimeWarning, match="causal_conv1d.causal_conv1d_fn is installed but does not import"
+                                            ".*libcudart"):
+        assert torch.equal(varlen_causal_conv1d(x, weight, cu_seqlens=cu), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reported once: no second warning, no second import
+        assert kernels.package_function("causal_conv1d", "causal_conv1d_fn", x) is None
 
 
 def test_a_grpo_step_on_tree_rows_of_a_hybrid_model_equals_flat_packing(one_thread):

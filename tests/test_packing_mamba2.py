@@ -15,7 +15,8 @@ import torch
 import packing
 from packing.bins.tree import TreePath, pack_tree_rows
 from packing.hf import use_nopad_attention
-from packing.mixers import GENERATE, PACKED, TREE, UnsupportedMixerError, check_model, mamba2
+from packing.mixers import GENERATE, PACKED, TREE, UnsupportedMixerError, check_model, mamba2, recurrence_plan
+from packing.mixers.kernels import KERNELS_ENV
 from packing.varlen import VarlenMeta
 from tests.mamba_standin import MambaKernelsStandIn
 from tests.models import MAMBA2_FAMILIES, random_sequences, tiny_model
@@ -58,14 +59,12 @@ def mamba_layers(model):
 
 @pytest.fixture
 def mamba_kernels(monkeypatch):
-    """Stand-ins for causal-conv1d and mamba_ssm on ``sys.modules``, counted as a kernel device."""
+    """Stand-ins for causal-conv1d and mamba_ssm on ``sys.modules``, used on CPU tensors too."""
     standin = MambaKernelsStandIn()
     for name, module in standin.modules.items():
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(mamba2, "KERNEL_DEVICES", frozenset({"cpu"}))
-    mamba2.kernel.cache_clear()
-    yield standin
-    mamba2.kernel.cache_clear()
+    monkeypatch.setenv(KERNELS_ENV, "package")
+    return standin
 
 
 @pytest.mark.parametrize("family", MAMBA2_FAMILIES)
@@ -124,8 +123,11 @@ def test_supported_for_packed_and_tree_refused_for_the_generator(family):
 
 def test_a_step_with_cached_context_is_refused():
     meta = VarlenMeta.for_step([1, 1], [4, 2])
-    with pytest.raises(ValueError, match="generator"):
-        mamba2.row_plan(meta)
+    with pytest.raises(ValueError, match="in a cache"):
+        mamba2.packed_conv(torch.randn(1, 8, 2), torch.randn(8, 4), None, "silu", meta)
+    x = torch.randn(1, 2, 1, 1)  # (batch, tokens, heads, dim): the scan refuses before it reads them
+    with pytest.raises(ValueError, match="in a cache"):
+        mamba2.packed_chunk_scan(None, x, x, None, x, x, CHUNK, meta)
 
 
 def test_a_padded_batch_with_nopad_meta_is_refused():
@@ -134,12 +136,11 @@ def test_a_padded_batch_with_nopad_meta_is_refused():
         mamba2.packed_conv(torch.randn(2, 8, 3), torch.randn(8, 4), None, "silu", meta)
 
 
-def test_tree_runs_are_cut_where_a_segment_branches_off():
+def test_tree_pieces_are_cut_where_a_segment_branches_off():
     # rows 0-5: a chain [0..3] + [4, 5]; segment 2 (rows 6-7) branches from row 3
     meta = VarlenMeta.for_step([6, 2], [0, 4]).with_key_lists([np.arange(6), np.array([0, 1, 2, 3, 6, 7])])
-    plan = mamba2.row_plan(meta)
-    assert plan.runs == ((0, 4, -1), (4, 6, 3), (6, 8, 3))
-    assert plan.parents.tolist() == [-1, 3]
+    plan = recurrence_plan(meta)
+    assert [(p.start, p.end, p.parent) for p in plan.pieces] == [(0, 4, -1), (4, 6, 0), (6, 8, 0)]
 
 
 @pytest.mark.parametrize("family", ("nemotron_h", "falcon_h1"))

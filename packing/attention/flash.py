@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 import inspect
 import logging
 import warnings
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from packing._native import installed
 from packing.attention.registry import Backend
 from packing.varlen import VarlenMeta
 
@@ -74,19 +74,12 @@ class FlashAttn:
         return f"flash-attn {self.version} ({self.module})"
 
 
-def _spec_exists(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 @functools.cache
 def flash_attn_info() -> FlashAttn | None:
     """The usable flash-attn, or None. Cached: call ``flash_attn_info.cache_clear()`` after
     installing one in a running process (the tests do)."""
     for name, version in _CANDIDATES:
-        if not _spec_exists(name):
+        if not installed(name):
             continue
         try:
             module = importlib.import_module(name)

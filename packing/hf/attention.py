@@ -74,11 +74,10 @@ from packing.attention import varlen_attention
 from packing.attention.plan import AttentionPlan, PlannedRow
 from packing.distributed import compute_dtype
 from packing.mixers import GENERATE, PACKED, TREE, check_calling_model, check_model
+from packing.mixers.support import NOPAD_ATTENTION
 from packing.varlen import VarlenMeta
 
 logger = logging.getLogger(__name__)
-
-NOPAD_ATTENTION = "nopad"
 
 
 # keyword arguments transformers passes to every attention call that need nothing from us:

@@ -9,7 +9,7 @@ path (``VarlenMeta.previous_rows``) and sums ``K`` weighted gathers: exact, diff
 the same code for packed and tree rows. On CUDA with ``causal-conv1d`` installed a packed row
 goes to its kernel with ``seq_idx`` (its documented way to keep sequences apart); tree rows and
 initial states stay on the reference (that kernel takes no per-sequence initial state with
-``seq_idx``). ``NOPAD_MIXER_KERNELS`` picks: ``auto`` (default), ``package``, ``reference``.
+``seq_idx``). ``NOPAD_MIXER_KERNELS`` picks (:mod:`packing.mixers.kernels`).
 
 State convention (``causal-conv1d``'s): a sequence's conv state is its last ``K - 1`` inputs,
 ``(num_seqs, C, K - 1)``, oldest first, zeros before the sequence's first token.
@@ -17,42 +17,18 @@ State convention (``causal-conv1d``'s): a sequence's conv state is its last ``K 
 
 from __future__ import annotations
 
-import importlib
-import os
 import weakref
-from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from packing.mixers.kernels import package_function
 from packing.mixers.recurrence import parent_rows
 from packing.varlen import VarlenMeta
 
-KERNELS_ENV = "NOPAD_MIXER_KERNELS"
 _ACTIVATIONS = {None: None, "silu": F.silu, "swish": F.silu}
 _WINDOWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # meta -> {(K, init): (rows, final rows)}
-
-
-def kernel_choice() -> str:
-    """``NOPAD_MIXER_KERNELS``: ``auto`` (the package on CUDA tensors when installed),
-    ``package`` (the package whenever installed: tests with a stand-in) or ``reference``."""
-    choice = os.environ.get(KERNELS_ENV, "auto").lower()
-    if choice not in ("auto", "package", "reference"):
-        raise ValueError(f"{KERNELS_ENV}={choice!r}; use auto, package or reference")
-    return choice
-
-
-def package_function(module: str, name: str, tensor: torch.Tensor) -> Callable | None:
-    """``module.name`` when the package is installed and chosen for ``tensor`` (see
-    :func:`kernel_choice`), else None: the reference runs."""
-    choice = kernel_choice()
-    if choice == "reference" or (choice == "auto" and not tensor.is_cuda):
-        return None
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
 
 
 def varlen_causal_conv1d(

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from packing.mixers.conv import package_function
+from packing.mixers.kernels import package_function
 from packing.mixers.recurrence import recurrence_plan
 from packing.varlen import VarlenMeta
 

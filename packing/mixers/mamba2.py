@@ -13,13 +13,14 @@ mamba_ssm and cannot carry a tree's parent states, and wrapping the mixer's ``fo
 mean rebuilding its cache objects to pass state between segments.
 
 **What runs.** The convolution: :func:`packing.mixers.conv.varlen_causal_conv1d` (tree segments
-start from their path's last inputs), or causal-conv1d with ``seq_idx`` on CUDA for plain packed
-rows. The scan: transformers' own ``mamba2_chunk_scan`` once per run of tokens whose state starts
-the same way (a sequence; in a tree, the stretch between branch points, seeded with the final
-state of the run that ends at its parent), or mamba_ssm's ``mamba_chunk_scan_combined`` with
-``seq_idx`` on CUDA for plain packed rows, where the fused training kernel
-(``mamba_split_conv1d_scan_combined``) also gets ``seq_idx``. Elsewhere the fused hook answers
-None, which makes the layer run the unfused path above.
+start from their path's last inputs; plain packed rows go to causal-conv1d with ``seq_idx`` on
+CUDA). The scan: transformers' own ``mamba2_chunk_scan`` once per piece of the row's
+:func:`packing.mixers.recurrence.recurrence_plan` (a sequence; in a tree, the stretch between
+branch points, seeded with the final state of the piece that ends at its parent), or mamba_ssm's
+``mamba_chunk_scan_combined`` with ``seq_idx`` on CUDA for plain packed rows, where the fused
+training kernel (``mamba_split_conv1d_scan_combined``) also gets ``seq_idx``. Elsewhere the fused
+hook answers None, which makes the layer run the unfused path above. ``NOPAD_MIXER_KERNELS``
+picks between the packages and PyTorch (:mod:`packing.mixers.kernels`).
 
 The same modules' ``create_recurrent_attention_mask`` (called once per forward, before the
 layers) is rebound too, to note a ``"nopad"`` forward's ``position_ids``: a packed row that
@@ -34,18 +35,16 @@ from __future__ import annotations
 import contextvars
 import functools
 import importlib
-import importlib.util
 import inspect
 import logging
 import warnings
-import weakref
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from packing.mixers.conv import varlen_causal_conv1d
-from packing.mixers.support import PACKED, TREE, MixerSupport, register_mixer_support
+from packing.mixers.kernels import package_function
+from packing.mixers.recurrence import recurrence_plan
+from packing.mixers.support import NOPAD_ATTENTION, PACKED, TREE, MixerSupport, register_mixer_support
 from packing.varlen import VarlenMeta
 
 logger = logging.getLogger(__name__)
@@ -70,63 +69,6 @@ SCAN_KERNEL = ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
 FUSED_KERNEL = ("mamba_ssm.ops.triton.ssd_combined", "mamba_split_conv1d_scan_combined")
 # the forward-level hook that sees position_ids (to refuse a packed row that came without nopad_meta)
 MASK_HOOK = "create_recurrent_attention_mask"
-NOPAD = "nopad"  # packing.hf.NOPAD_ATTENTION (packing.hf imports this package, so not imported here)
-KERNEL_DEVICES = frozenset({"cuda"})  # where those kernels run (the tests widen it for a CPU stand-in)
-
-
-# ----------------------------------------------------------------------------- the row's runs
-@dataclass(frozen=True)
-class RowPlan:
-    """How one row's state flows: ``runs`` are ``(start, end, source)`` stretches of the row, in
-    order, covering it, each scanned from the final state of the run ending at row ``source``
-    (-1: from zeros); ``parents[i]`` is the row of segment ``i``'s parent token (-1: none)."""
-
-    runs: tuple[tuple[int, int, int], ...]
-    parents: np.ndarray
-    context: np.ndarray  # keys of each segment before its own tokens (its path's length above it)
-    tree: bool
-
-
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # meta -> RowPlan (one per forward)
-
-
-def row_plan(meta: VarlenMeta) -> RowPlan:
-    """The :class:`RowPlan` of ``meta``: a packed row's runs are its sequences; a tree row's
-    segments are cut again after every token some other segment branches from."""
-    plan = _PLANS.get(meta)
-    if plan is not None:
-        return plan
-    if meta.seqlens_q is None or meta.seqlens_k is None:
-        raise ValueError("a Mamba2 layer needs the row's sequence lengths on the host; a static decode step "
-                         "has none")
-    lens_q = np.asarray(meta.seqlens_q, dtype=np.int64)
-    context = np.asarray(meta.seqlens_k, dtype=np.int64) - lens_q
-    starts = np.concatenate(([0], np.cumsum(lens_q)[:-1])).astype(np.int64)
-    tree = meta.key_index is not None
-    if not tree and context.any():
-        raise ValueError("nopad's Mamba2 support covers packed and prefix-tree rows; this step continues "
-                         "sequences from a cache (the generator), which keeps no per-sequence Mamba2 state "
-                         "yet")
-    parents = np.full(lens_q.size, -1, dtype=np.int64)
-    if tree:
-        rows = meta.host_key_index
-        has = context > 0
-        parents[has] = rows[np.flatnonzero(has), context[has] - 1]
-    cuts = set((parents[parents >= 0] + 1).tolist())
-    runs = []
-    for i, (start, length) in enumerate(zip(starts.tolist(), lens_q.tolist())):
-        end = start + length
-        inner = sorted(c for c in cuts if start < c < end)
-        source = int(parents[i])
-        for a, b in zip([start] + inner, inner + [end]):
-            if source >= a:
-                raise ValueError(f"segment {i} of the tree row starts at row {start} but its parent token is "
-                                 f"row {source}: a parent must be laid before its children")
-            runs.append((a, b, source))
-            source = b - 1
-    plan = RowPlan(tuple(r for r in runs if r[1] > r[0]), parents, context, tree)
-    _PLANS[meta] = plan
-    return plan
 
 
 def _check_row(batch: int, length: int, meta: VarlenMeta, what: str) -> None:
@@ -137,33 +79,13 @@ def _check_row(batch: int, length: int, meta: VarlenMeta, what: str) -> None:
 
 
 # ----------------------------------------------------------------------------- CUDA kernels
-def _spec_exists(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-@functools.cache
-def kernel(module: str, name: str):
-    """The installed kernel ``module.name``, or None. Cached: call ``kernel.cache_clear()`` after
-    installing one in a running process (the tests do)."""
-    if not _spec_exists(module.split(".")[0]):
+def _fast(tensor: torch.Tensor, meta: VarlenMeta, which: tuple[str, str]):
+    """The kernel ``which`` for a plain packed row, when installed and chosen for ``tensor``
+    (``NOPAD_MIXER_KERNELS``, :mod:`packing.mixers.kernels`); None for a tree row, whose segments
+    start from their parents' states, which these kernels do not take per sequence."""
+    if meta.key_rows is not None:
         return None
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, OSError, AttributeError) as error:
-        warnings.warn(f"{module}.{name} is installed but does not import ({error}); nopad's Mamba2 layers "
-                      "use PyTorch instead", RuntimeWarning, stacklevel=2)
-        return None
-
-
-def _fast(device: torch.device, plan: RowPlan, which: tuple[str, str]):
-    """The kernel for a plain packed row on a device it runs on; None elsewhere (a tree row's
-    segments start from their parents' states, which these kernels do not take per sequence)."""
-    if plan.tree or device.type not in KERNEL_DEVICES:
-        return None
-    return kernel(*which)
+    return package_function(*which, tensor)
 
 
 def _parameters(function) -> frozenset[str]:
@@ -176,11 +98,7 @@ def packed_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """The layer's causal conv (``x``: ``(1, dim, T)``) with each sequence on its own, a tree
     segment continuing its path."""
     _check_row(x.shape[0], x.shape[-1], meta, "causal_conv1d_fn")
-    plan = row_plan(meta)
-    fast = _fast(x.device, plan, CONV_KERNEL)
-    if fast is not None:
-        return fast(x, weight, bias, seq_idx=meta.seq_idx[None], activation=activation)
-    return varlen_causal_conv1d(x[0], weight, bias, activation, meta=meta)[None]  # a tree row along its paths
+    return varlen_causal_conv1d(x[0], weight, bias, activation, meta=meta)[None]
 
 
 def packed_chunk_scan(original, hidden_states, dt, A, B, C, chunk_size, meta: VarlenMeta, **kwargs):
@@ -190,18 +108,20 @@ def packed_chunk_scan(original, hidden_states, dt, A, B, C, chunk_size, meta: Va
     if kwargs.pop("initial_states", None) is not None or kwargs.pop("return_final_states", False):
         raise ValueError("a Mamba2 layer got nopad_meta and a cache; nopad's packed and tree rows run with "
                          "use_cache=False")
-    plan = row_plan(meta)
-    fast = _fast(hidden_states.device, plan, SCAN_KERNEL)
+    plan = recurrence_plan(meta)
+    fast = _fast(hidden_states, meta, SCAN_KERNEL)
     if fast is not None:
         params = _parameters(fast)
         return fast(hidden_states, dt, A, B, C, chunk_size, seq_idx=meta.seq_idx[None],
                     **{k: v for k, v in kwargs.items() if k in params})
-    finals: dict[int, torch.Tensor] = {}
-    outs = []
-    for start, end, source in plan.runs:
-        out, finals[end - 1] = original(
-            hidden_states[:, start:end], dt[:, start:end], A, B[:, start:end], C[:, start:end], chunk_size,
-            initial_states=finals[source] if source >= 0 else None, return_final_states=True, **kwargs)
+    finals, outs = [], []  # per piece of the plan, in row order
+    for piece in plan.pieces:
+        rows = slice(piece.start, piece.end)
+        out, final = original(
+            hidden_states[:, rows], dt[:, rows], A, B[:, rows], C[:, rows], chunk_size,
+            initial_states=finals[piece.parent] if piece.parent >= 0 else None, return_final_states=True,
+            **kwargs)
+        finals.append(final)
         outs.append(out)
     return torch.cat(outs, dim=1)
 
@@ -211,8 +131,9 @@ def packed_fused(args: tuple, kwargs: dict, meta: VarlenMeta):
     None elsewhere, so the layer takes its unfused path (conv and scan hooks)."""
     zxbcdt = args[0]
     _check_row(zxbcdt.shape[0], zxbcdt.shape[1], meta, "mamba2_split_conv1d_scan_combined")
-    fast = _fast(zxbcdt.device, row_plan(meta), FUSED_KERNEL)
-    if fast is None or kernel(*CONV_KERNEL) is None:  # mamba_ssm's fused kernel runs causal-conv1d inside
+    recurrence_plan(meta)  # refuses a step whose context is in a cache
+    fast = _fast(zxbcdt, meta, FUSED_KERNEL)
+    if fast is None or _fast(zxbcdt, meta, CONV_KERNEL) is None:  # it runs causal-conv1d inside
         return None
     params = _parameters(fast)
     return fast(*args, seq_idx=meta.seq_idx[None], **{k: v for k, v in kwargs.items() if k in params})
@@ -257,7 +178,8 @@ def _hook(name: str, original):
     else:  # create_recurrent_attention_mask: once per forward, before the layers
         def hooked(*args, **kwargs):
             config = kwargs.get("config", args[0] if args else None)
-            nopad = getattr(config, "_attn_implementation", None) == NOPAD  # no sync: the check is lazy
+            nopad = getattr(config, "_attn_implementation", None) == NOPAD_ATTENTION
+            # no sync here: the positions are only read when a layer gets no nopad_meta
             _NOPAD_POSITIONS.set(kwargs.get("position_ids") if nopad else None)
             return original(*args, **kwargs)
     functools.update_wrapper(hooked, original)

@@ -37,6 +37,9 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+# the attention implementation transformers knows nopad by (registered by packing.hf, which
+# re-exports it; defined here, below packing.hf, so that the mixers can read it without a cycle)
+NOPAD_ATTENTION = "nopad"
 PACKED, TREE, GENERATE = "packed", "tree", "generate"
 CONTEXTS = (PACKED, TREE, GENERATE)
 _WHERE = {PACKED: "packed rows", TREE: "prefix-tree rows", GENERATE: "the generator (paged steps)"}
