@@ -318,10 +318,11 @@ class Scheduler:
         to_sample, forks = [], []
         for row, i in enumerate(sampling_rows):
             seq = plan.seqs[i]
-            group = self.fork(seq, plan) if seq.fork_count > 1 else [seq]
+            group = self.fork(seq) if seq.fork_count > 1 else [seq]
             if len(group) > 1:
                 forks.append((seq, group[1:]))
-            to_sample.extend((s, row) for s in group)
+            # a member preempted for want of a state slot samples when it has recomputed (same draw)
+            to_sample.extend((s, row) for s in group if s.status is Status.RUNNING)
         return to_sample, forks
 
     def register_full_blocks(self, seq: Sequence) -> None:
@@ -334,7 +335,7 @@ class Scheduler:
             seq.last_hash = h
             seq.num_hashed = b + 1
 
-    def fork(self, seq: Sequence, plan: StepPlan | None = None) -> list[Sequence]:
+    def fork(self, seq: Sequence) -> list[Sequence]:
         """Split a group into its ``fork_count`` members, sharing every block (and each taking a
         copy of the per-sequence state, hybrid models). Samples of a prompt take indices 1..n-1
         (their random stream is their index); an episode's later forks take streams derived
@@ -346,28 +347,26 @@ class Scheduler:
             child = seq.fork(index, stream)
             for block in child.block_table:
                 self.allocator.share(block)
-            if self.state_slots is not None:
-                child.state_slot = self._state_slot_for_fork(seq, plan)
-                self.state_slots.copy(seq.state_slot, child.state_slot)
             self.stats.forked_shared_blocks += len(child.block_table)
             self.running.append(child)
+            if self.state_slots is not None:
+                self._give_state(child, seq)
             samples.append(child)
         seq.fork_count = 1
         return samples
 
-    def _state_slot_for_fork(self, seq: Sequence, plan: StepPlan | None) -> int:
-        """A free state slot for a fork's new member: preempt a paused episode, else the newest
-        running sequence that is not in this step, when all are taken (resumed episodes forking
-        can outnumber max_num_seqs)."""
-        while not self.state_slots.num_free:
-            busy = set(map(id, plan.seqs)) if plan is not None else set()
-            victims = [s for s in reversed(self.running) if s is not seq and id(s) not in busy]
-            if not self._preempt_a_paused():
-                if not victims:
-                    raise RuntimeError(f"no state slot for a fork: all {self.state_slots.num_slots} are held "
-                                       "by sequences of this step; raise max_num_seqs")
-                self.preempt(victims[0])
-        return self.state_slots.acquire()
+    def _give_state(self, child: Sequence, parent: Sequence) -> None:
+        """A fork's new member takes a slot holding a copy of the parent's state; with none free
+        (resumed episodes forking can outnumber max_num_seqs) a paused episode is preempted, else
+        the member itself: it recomputes its state from its tokens when readmitted, and samples
+        then (its draw is keyed by its stream and position, so it is the same token)."""
+        if not self.state_slots.num_free:
+            self._preempt_a_paused()
+        if not self.state_slots.num_free:
+            self.preempt(child)
+            return
+        child.state_slot = self.state_slots.acquire()
+        self.state_slots.copy(parent.state_slot, child.state_slot)
 
     def owners(self) -> list[list[int]]:
         """Block lists of every live sequence, for ``BlockAllocator.check(owners=...)``."""

@@ -134,6 +134,16 @@ def test_tool_episodes_pause_resume_fork_and_preempt_equal_hf(family):
     assert len(forked) > len(prompts)
     for ep in forked:
         assert (ep.completion_ids, ep.model_mask, ep.finish_reason) == refs[ep.prompt_index]
+    # more branches than state slots: a member with no slot is preempted and recomputes its state
+    few = Generator(model, block_size=4, num_blocks=256, max_num_seqs=2)
+    crowded = few.run_episodes(prompts, slow_tools(0.05), EPISODE, limits=LIMITS, tool_format=TokenFormat(),
+                               fork=lambda ep: 2 if ep.num_turns == 1 else 1)
+    assert sorted((e.prompt_index, e.branch) for e in crowded) == sorted((e.prompt_index, e.branch)
+                                                                          for e in forked)
+    assert few.stats()["preemptions"] > 0, "two slots should not hold every branch"
+    for ep in crowded:
+        assert (ep.completion_ids, ep.model_mask, ep.finish_reason) == refs[ep.prompt_index]
+    assert_all_freed(few)
     # a cache too small for all: paused episodes lose their blocks and state, and recompute them
     tight = Generator(model, block_size=2, num_blocks=30, max_num_seqs=8)
     squeezed = tight.run_episodes(prompts, slow_tools(0.2), EPISODE, limits=LIMITS,
