@@ -22,8 +22,9 @@ prefill are the same call.
 Lifetime (the scheduler): a slot is taken at admission and freed with the blocks (finish,
 preemption: the state is then recomputed from the tokens); a paused tool episode keeps it; a
 fork's members get fresh slots holding copies of the parent's final state, copied before the next
-forward. There is no cross-request prefix reuse for stateful models: a cached block says nothing
-about the state after it, so every request computes its state from its first token.
+forward (a member finding none free is preempted and recomputes). There is no cross-request
+prefix reuse for stateful models: a cached block says nothing about the state after it, so every
+request computes its state from its first token.
 """
 
 from __future__ import annotations
