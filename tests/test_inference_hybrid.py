@@ -46,7 +46,8 @@ def assert_all_freed(gen: Generator) -> None:
 def test_greedy_equals_hf_generate_with_chunked_prefill(family):
     model = tiny_model(family)
     prompts = prompts_of(LENGTHS)
-    gen = Generator(model, block_size=4, num_blocks=64, max_num_batched_tokens=6)
+    # three slots for five prompts: slots are reused, so a new sequence must start from zero
+    gen = Generator(model, block_size=4, num_blocks=64, max_num_batched_tokens=6, max_num_seqs=3)
     outs = gen.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         completion = out.outputs[0].token_ids
@@ -83,11 +84,14 @@ def test_samples_of_a_prompt_copy_its_state_and_ignore_the_batch(qwen):
 
 def test_preemption_recomputes_the_state(qwen):
     prompts = prompts_of([7, 11, 5, 9], seed=6)
-    gen = Generator(qwen, block_size=2, num_blocks=24, max_num_batched_tokens=16)
+    gen = Generator(qwen, block_size=2, num_blocks=24, max_num_batched_tokens=16, max_num_seqs=4)
     outs = gen.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
     assert gen.stats()["preemptions"] > 0, "the small cache should preempt"
     for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(qwen, prompt, 10)
+        completion = out.outputs[0].token_ids
+        assert completion == hf_greedy(qwen, prompt, 10)
+        ref = forward_logprobs(qwen, prompt, completion)
+        torch.testing.assert_close(torch.tensor(out.outputs[0].logprobs), ref, atol=1e-4, rtol=0)
     assert_all_freed(gen)
 
 
@@ -108,6 +112,16 @@ def test_no_cross_request_prefix_reuse(qwen):
     assert [outs[i] for i in ids] == [first, hf_greedy(qwen, longer, 8)]
 
 
+def assert_equals_reference(model, episodes, refs):
+    """Tokens, mask and reason as HF generate turn by turn, and every model token's log-prob as a
+    training forward of the whole episode (within 1e-4: a wrong state moves it)."""
+    for ep in episodes:
+        assert (ep.completion_ids, ep.model_mask, ep.finish_reason) == refs[ep.prompt_index]
+        ref = forward_logprobs(model, ep.prompt_token_ids, ep.completion_ids)
+        sampled = torch.tensor(ep.model_mask, dtype=torch.bool)
+        torch.testing.assert_close(torch.tensor(ep.logprobs)[sampled], ref[sampled], atol=1e-4, rtol=0)
+
+
 def slow_tools(seconds):
     def add(a: int, b: int) -> str:
         time.sleep(seconds)
@@ -124,16 +138,14 @@ def test_tool_episodes_pause_resume_fork_and_preempt_equal_hf(family):
     gen = Generator(model, block_size=4, num_blocks=256, max_num_batched_tokens=16)
     episodes = gen.run_episodes(prompts, TOOLS, EPISODE, limits=LIMITS, tool_format=TokenFormat())
     assert sum(e.num_tool_calls for e in episodes) >= 2, "the test should pause episodes on tools"
-    for ep, ref in zip(episodes, refs):
-        assert (ep.completion_ids, ep.model_mask, ep.finish_reason) == ref
+    assert_equals_reference(model, episodes, refs)
     assert_all_freed(gen)
     # fork at the first tool result: each branch copies the state and equals the unforked run
     forked = Generator(model, block_size=4, num_blocks=256).run_episodes(
         prompts, TOOLS, EPISODE, limits=LIMITS, tool_format=TokenFormat(),
         fork=lambda ep: 2 if ep.num_turns == 1 else 1)
     assert len(forked) > len(prompts)
-    for ep in forked:
-        assert (ep.completion_ids, ep.model_mask, ep.finish_reason) == refs[ep.prompt_index]
+    assert_equals_reference(model, forked, refs)
     # more branches than state slots: a member with no slot is preempted and recomputes its state
     few = Generator(model, block_size=4, num_blocks=256, max_num_seqs=2)
     crowded = few.run_episodes(prompts, slow_tools(0.05), EPISODE, limits=LIMITS, tool_format=TokenFormat(),
@@ -141,16 +153,14 @@ def test_tool_episodes_pause_resume_fork_and_preempt_equal_hf(family):
     assert sorted((e.prompt_index, e.branch) for e in crowded) == sorted((e.prompt_index, e.branch)
                                                                           for e in forked)
     assert few.stats()["preemptions"] > 0, "two slots should not hold every branch"
-    for ep in crowded:
-        assert (ep.completion_ids, ep.model_mask, ep.finish_reason) == refs[ep.prompt_index]
+    assert_equals_reference(model, crowded, refs)
     assert_all_freed(few)
     # a cache too small for all: paused episodes lose their blocks and state, and recompute them
     tight = Generator(model, block_size=2, num_blocks=30, max_num_seqs=8)
     squeezed = tight.run_episodes(prompts, slow_tools(0.2), EPISODE, limits=LIMITS,
                                   tool_format=TokenFormat())
     assert tight.stats()["paused_preemptions"] > 0, "the small cache should preempt paused episodes"
-    for ep, ref in zip(squeezed, refs):
-        assert (ep.completion_ids, ep.model_mask, ep.finish_reason) == ref
+    assert_equals_reference(model, squeezed, refs)
     assert_all_freed(tight)
 
 
