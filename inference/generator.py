@@ -35,6 +35,7 @@ from inference.sampler import SamplerBuffers, sample
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sharded import refuse_plain_generation
+from inference.state_cache import StateCache, StateSlots, bytes_per_slot, layer_states
 from inference.tools import ChatTemplateTools, ToolFormat
 from packing.attention import names as attention_backends
 from packing.attention import paged_block_size
@@ -102,6 +103,15 @@ class Generator:
         if (static_decode or compile_decode) and attn_backend not in (None, "auto"):
             check_static_decode_backend(attn_backend)
         check_model(model, GENERATE)  # a layer whose per-sequence state the paged cache cannot hold
+        self.layer_states = layer_states(model)  # hybrid layers' per-sequence state (empty: attention only)
+        if self.layer_states:
+            if static_decode or compile_decode:
+                raise ValueError(f"static_decode/compile_decode are not supported on {type(model).__name__}: "
+                                 "its hybrid layers' state steps run on the default path; leave them False")
+            if enable_prefix_caching:
+                logger.info("%s keeps per-sequence state: no cross-request prefix cache (a cached block says "
+                            "nothing about the state after it)", type(model).__name__)
+            enable_prefix_caching = False
         param = next(model.parameters())
         # FSDP2: the compute dtype of its mixed-precision policy, not the shard's storage dtype
         self.device, self.weight_dtype, self.requested_dtype = param.device, model_compute_dtype(model), dtype
@@ -120,22 +130,25 @@ class Generator:
         self.vocab_size = int(config.vocab_size)
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        state_bytes = max_num_seqs * bytes_per_slot(self.layer_states, self.dtype)  # one slot per sequence
         if num_blocks is None:
             per_block = bytes_per_block(config, block_size, self.dtype)
-            num_blocks = (kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES) // per_block
+            num_blocks = max(0, (kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES) - state_bytes) // per_block
             if kv_memory_bytes is None:
                 full_length = math.ceil(min(self.max_model_len, 1 << 20) / block_size)
                 num_blocks = min(num_blocks, max_num_seqs * full_length)
             if num_blocks < 1:
                 raise ValueError(
-                    f"kv_memory_bytes={kv_memory_bytes} is less than one KV block ({per_block} bytes)"
+                    f"kv_memory_bytes={kv_memory_bytes} is less than one KV block ({per_block} bytes) after "
+                    f"the per-sequence state of max_num_seqs={max_num_seqs} sequences ({state_bytes} bytes)"
                 )
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.allocator = BlockAllocator(num_blocks, block_size)
+        slots = StateSlots(max_num_seqs) if self.layer_states else None
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, watermark,
-                                   enable_prefix_caching)
+                                   enable_prefix_caching, state_slots=slots)
         self._kv_cache: KVCache | None = None
         self._runner: ModelRunner | None = None
         self._sampler_buffers = SamplerBuffers()  # the sampler's rows x vocab scratch, reused
@@ -545,6 +558,9 @@ class Generator:
             scratch = self.allocator.num_blocks  # one block past the allocator's: padding rows' K/V
             self._kv_cache = KVCache(self.model.config, scratch + int(self.static_decode), self.block_size,
                                      self.dtype, self.device)
+            if self.layer_states:  # the kernel calls of a step find it on the cache they are given
+                self._kv_cache.states = StateCache(self.layer_states, self.scheduler.state_slots, self.dtype,
+                                                   self.device)
             self._runner = ModelRunner(
                 self.model, self._kv_cache, backend=self.attn_backend, static_decode=self.static_decode,
                 compile_decode=self.compile_decode, max_num_seqs=self.scheduler.max_num_seqs,

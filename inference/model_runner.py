@@ -191,15 +191,26 @@ class ModelRunner:
             )
             return out.logits[0, : len(step.sampling_rows)], step.sampling_rows
         step = build_step(plan, self.kv_cache.block_size, self.device)
-        out = self.model(
-            input_ids=step.input_ids,
-            position_ids=step.position_ids,
-            use_cache=False,
-            logits_to_keep=step.logits_index,
-            nopad_meta=step.meta,
-            nopad_kv_cache=self.kv_cache,
-            nopad_backend=self.backend,
-        )
+        states = getattr(self.kv_cache, "states", None)  # hybrid models: inference.state_cache
+        if states is not None:
+            fresh = [s.state_slot for s in plan.seqs if s.num_computed == 0]  # a first chunk: zero state
+            states.begin([s.state_slot for s in plan.seqs], fresh, list(plan.query_lens))
+        try:
+            out = self.model(
+                input_ids=step.input_ids,
+                position_ids=step.position_ids,
+                use_cache=False,
+                logits_to_keep=step.logits_index,
+                nopad_meta=step.meta,
+                nopad_kv_cache=self.kv_cache,
+                nopad_backend=self.backend,
+            )
+        except BaseException:
+            if states is not None:
+                states.abandon()
+            raise
+        if states is not None:
+            states.end()
         logits = out.logits[0]
         rows = step.sampling_rows
         return (logits if rows else logits[:0]), rows

@@ -101,6 +101,7 @@ class Sequence:
     max_generated: int | None = None  # an episode's budget of tokens after the prompt
     out_of_memory: bool = False  # stopped by the scheduler: alone, it did not fit in the cache
     episode: object | None = None  # the episode state (inference.episodes) of an episode's sequence
+    state_slot: int | None = None  # its per-sequence state slot (hybrid models: inference.state_cache)
 
     def __post_init__(self) -> None:
         if self.stream is None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from inference.request import Sequence, Status
 from inference.sampler import counter_seed
+from inference.state_cache import StateSlots
 from packing.blocks import NO_PARENT, BlockAllocator, hash_block
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,8 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 watermark: float = 0.01, enable_prefix_caching: bool = True):
+                 watermark: float = 0.01, enable_prefix_caching: bool = True,
+                 state_slots: StateSlots | None = None):
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
@@ -64,6 +66,10 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.paused: list[Sequence] = []  # episodes waiting on tools, in pause order
         self.enable_prefix_caching = enable_prefix_caching
+        self.state_slots = state_slots  # hybrid models: a sequence holds a state slot while it holds blocks
+        if state_slots is not None and enable_prefix_caching:
+            raise ValueError("a model with per-sequence state has no cross-request prefix cache (the state "
+                             "after a cached block is not known); pass enable_prefix_caching=False")
         self.stats = SchedulerStats()
 
     # ----------------------------------------------------------------- queue
@@ -178,7 +184,7 @@ class Scheduler:
         reserve = self.watermark_blocks if self.running else 0
         room = alloc.num_free - revived - reserve  # blocks left for the new tokens
         chunk = min(seq.num_tokens - computed, budget, room * bs)
-        if chunk <= 0:
+        if chunk <= 0 or (self.state_slots is not None and not self.state_slots.num_free):
             return 0
         for b, (block, h) in enumerate(hits):
             alloc.acquire_cached(h, seq.token_ids[b * bs : (b + 1) * bs])
@@ -189,6 +195,8 @@ class Scheduler:
             seq.last_hash = hits[-1][1]
             self.stats.prefix_cache_hit_tokens += computed
         self.waiting.popleft()
+        if self.state_slots is not None:
+            seq.state_slot = self.state_slots.acquire()
         seq.status = Status.RUNNING
         self.running.append(seq)
         ok = self._reserve(seq, chunk, plan)
@@ -289,6 +297,9 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.allocator.free_all(seq.block_table)
         seq.block_table = []
+        if seq.state_slot is not None:  # a preempted sequence recomputes its state from its tokens
+            self.state_slots.release(seq.state_slot)
+            seq.state_slot = None
         seq.num_computed = 0
         seq.num_hashed = 0
         seq.last_hash = NO_PARENT
@@ -310,7 +321,8 @@ class Scheduler:
             group = self.fork(seq) if seq.fork_count > 1 else [seq]
             if len(group) > 1:
                 forks.append((seq, group[1:]))
-            to_sample.extend((s, row) for s in group)
+            # a member preempted for want of a state slot samples when it has recomputed (same draw)
+            to_sample.extend((s, row) for s in group if s.status is Status.RUNNING)
         return to_sample, forks
 
     def register_full_blocks(self, seq: Sequence) -> None:
@@ -324,9 +336,10 @@ class Scheduler:
             seq.num_hashed = b + 1
 
     def fork(self, seq: Sequence) -> list[Sequence]:
-        """Split a group into its ``fork_count`` members, sharing every block. Samples of a
-        prompt take indices 1..n-1 (their random stream is their index); an episode's later
-        forks take streams derived from its own."""
+        """Split a group into its ``fork_count`` members, sharing every block (and each taking a
+        copy of the per-sequence state, hybrid models). Samples of a prompt take indices 1..n-1
+        (their random stream is their index); an episode's later forks take streams derived
+        from its own."""
         samples = [seq]
         later = seq.num_tokens > seq.num_prompt_tokens
         for index in range(1, seq.fork_count):
@@ -336,9 +349,24 @@ class Scheduler:
                 self.allocator.share(block)
             self.stats.forked_shared_blocks += len(child.block_table)
             self.running.append(child)
+            if self.state_slots is not None:
+                self._give_state(child, seq)
             samples.append(child)
         seq.fork_count = 1
         return samples
+
+    def _give_state(self, child: Sequence, parent: Sequence) -> None:
+        """A fork's new member takes a slot holding a copy of the parent's state; with none free
+        (resumed episodes forking can outnumber max_num_seqs) a paused episode is preempted, else
+        the member itself: it recomputes its state from its tokens when readmitted, and samples
+        then (its draw is keyed by its stream and position, so it is the same token)."""
+        if not self.state_slots.num_free:
+            self._preempt_a_paused()
+        if not self.state_slots.num_free:
+            self.preempt(child)
+            return
+        child.state_slot = self.state_slots.acquire()
+        self.state_slots.copy(parent.state_slot, child.state_slot)
 
     def owners(self) -> list[list[int]]:
         """Block lists of every live sequence, for ``BlockAllocator.check(owners=...)``."""

@@ -12,6 +12,7 @@ from torch import nn
 
 import packing
 from inference import Generator
+from inference.state_cache import layer_states
 from packing.bins.tree import TreePath, pack_tree_rows
 from packing.hf import register_nopad_attention, use_nopad_attention
 from packing.mixers import (
@@ -84,29 +85,41 @@ def tree_call():
     return dict(row.model_kwargs(), use_cache=False)
 
 
-# families whose mixers nopad serves on packed and tree rows (tests/test_packing_hybrid.py), not yet
-# in the generator (per-sequence conv and recurrent state there is issue 36 item 4)
-ROW_SERVED = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "kimi_linear")
+# families whose mixers nopad serves on packed and tree rows (tests/test_packing_hybrid.py) and in the
+# generator, with per-sequence state slots (tests/test_inference_hybrid.py)
+SERVED = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "kimi_linear")
 
 
-NOT_MAMBA2 = tuple(f for f in HYBRID_FAMILIES if f not in MAMBA2_FAMILIES)
-
-
-@pytest.mark.parametrize("family", NOT_MAMBA2)
-def test_every_hybrid_family_is_refused_naming_its_mixer(family):
+@pytest.mark.parametrize("family", [f for f in HYBRID_FAMILIES if f not in SERVED + MAMBA2_FAMILIES])
+def test_every_unserved_hybrid_family_is_refused_naming_its_mixer(family):
     model = tiny_model(family)
-    refused = (GENERATE,) if family in ROW_SERVED else CONTEXTS
     for context in CONTEXTS:
-        if context not in refused:
-            check_model(model, context)
-            continue
         with pytest.raises(UnsupportedMixerError, match=MIXER_CLASS[family]) as err:
             check_model(model, context)
     assert "docs/models.md" in str(err.value) and type(model).__name__ in str(err.value)
-    if family not in ROW_SERVED:
-        with pytest.raises(UnsupportedMixerError, match=MIXER_CLASS[family]):
-            packing.verify(model, random_sequences((4, 6)))
     with pytest.raises(UnsupportedMixerError, match=MIXER_CLASS[family]):
+        packing.verify(model, random_sequences((4, 6)))
+    with pytest.raises(UnsupportedMixerError, match=MIXER_CLASS[family]):
+        Generator(model, num_blocks=8)
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_served_hybrid_families_pass_every_context_with_their_state_sized(family):
+    model = tiny_model(family)
+    for context in CONTEXTS:
+        check_model(model, context)
+    states = layer_states(model)
+    assert states and all(MIXER_CLASS[family] == type(model.get_submodule(s.path)).__name__ for s in states)
+
+
+def test_a_served_layer_whose_state_nopad_cannot_size_is_refused_in_the_generator_only():
+    model = tiny_model("qwen3_5")
+    del model.model.layers[0].linear_attn.num_v_heads  # the recurrent state's head count is unknown
+    check_model(model, PACKED)
+    check_model(model, TREE)
+    with pytest.raises(UnsupportedMixerError, match=r"(?s)generator.*Qwen3_5GatedDeltaNet \(model.layers.0"):
+        check_model(model, GENERATE)
+    with pytest.raises(UnsupportedMixerError, match="Qwen3_5GatedDeltaNet"):
         Generator(model, num_blocks=8)
 
 

@@ -14,8 +14,13 @@ batches: unchanged). Wrapped are the functions of every transformers module alre
 and, by wrapping the hook, every one imported later, so any family built on these kernels is
 served; :func:`serves` tells the mixer check whether a layer's every kernel is wrapped.
 
-The cache-only kernels (``causal_conv1d_update``, the fused recurrent rules: a decode step with
-a state cache) are wrapped to refuse a nopad row: the generator's per-sequence state is not here.
+The generator's steps reach the same functions: its ``nopad_kv_cache`` carries a per-sequence
+state cache as ``.states`` (:mod:`inference.state_cache`), and a call that finds one starts each
+sequence of the row from its slot's state and writes its final state back (decode steps and
+prefill chunks alike). :func:`layer_state` sizes that state from a served layer's modules; a layer
+it cannot size is refused for the generator. The cache-only kernels (``causal_conv1d_update``, the
+fused recurrent rules: transformers' own cached decode) are wrapped to refuse a nopad row: nopad's
+steps run with ``use_cache=False`` and keep the state themselves.
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ import inspect
 import sys
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from packing.mixers.conv import varlen_causal_conv1d
 from packing.mixers.delta_rule import varlen_delta_rule
-from packing.mixers.support import PACKED, TREE, MixerSupport, register_mixer_support
+from packing.mixers.support import GENERATE, PACKED, TREE, MixerSupport, register_mixer_support
 
 _MARK = "_nopad_kernel"
 # the names transformers' model modules give their kernel functions -> the kernel name
@@ -44,13 +51,27 @@ GLOBAL_NAMES = {
 }
 MIXING = ("causal_conv1d_fn", "chunk_gated_delta_rule", "chunk_kda")  # what a served layer runs on rows
 CACHE_ONLY = ("causal_conv1d_update", "fused_recurrent_gated_delta_rule", "fused_recurrent_kda")
+RECURRENT_KERNELS = ("chunk_gated_delta_rule", "chunk_kda")
+RECURRENT_DTYPE = torch.float32  # the delta rules compute and return their state in fp32
+
+
+def _states(kwargs: dict):
+    """The generator's per-sequence state cache of this call, if it is a generator step."""
+    return getattr(kwargs.get("nopad_kv_cache"), "states", None)
 
 
 def _conv(original: Callable) -> Callable:
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, *, nopad_meta, **kwargs):
         if hidden_states.shape[0] != 1:
             raise ValueError(f"a nopad row has batch size 1; got hidden states {tuple(hidden_states.shape)}")
-        return varlen_causal_conv1d(hidden_states[0], weight, bias, activation, meta=nopad_meta)[None]
+        states = _states(kwargs)
+        if states is None:
+            return varlen_causal_conv1d(hidden_states[0], weight, bias, activation, meta=nopad_meta)[None]
+
+        def step(meta, initial):
+            return varlen_causal_conv1d(hidden_states[0], weight, bias, activation, meta=meta,
+                                        initial_states=initial, return_final_states=True)
+        return states.run("conv", step)[None]
     return causal_conv1d_fn
 
 
@@ -65,10 +86,17 @@ def _delta_rule(kernel: str) -> Callable[[Callable], Callable]:
             if initial_state is not None:
                 raise ValueError("a nopad row carries no recurrent cache; call the model with "
                                  "use_cache=False")
-            return varlen_delta_rule(reference, query, key, value, g, beta, meta=nopad_meta,
-                                     output_final_state=output_final_state,
-                                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, fla_kernel=kernel,
-                                     chunk_size=chunk_size)
+            common = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, fla_kernel=kernel,
+                          chunk_size=chunk_size)
+            states = _states(kwargs)
+            if states is None:
+                return varlen_delta_rule(reference, query, key, value, g, beta, meta=nopad_meta,
+                                         output_final_state=output_final_state, **common)
+
+            def step(meta, initial):
+                return varlen_delta_rule(reference, query, key, value, g, beta, meta=meta,
+                                         initial_state=initial, output_final_state=True, **common)
+            return states.run("recurrent", step), None
         return chunk_rule
     return make
 
@@ -76,9 +104,8 @@ def _delta_rule(kernel: str) -> Callable[[Callable], Callable]:
 def _refuse(kernel: str) -> Callable[[Callable], Callable]:
     def make(original: Callable) -> Callable:
         def cache_step(*args, nopad_meta, **kwargs):
-            raise ValueError(f"{kernel} is a cached decode step; nopad rows of hybrid layers run with "
-                             "use_cache=False "
-                             "(the generator's per-sequence state is not supported yet)")
+            raise ValueError(f"{kernel} is transformers' cached decode step; nopad rows of hybrid layers run "
+                             "with use_cache=False (nopad's Generator keeps the per-sequence state itself)")
         return cache_step
     return make
 
@@ -176,6 +203,43 @@ def serves(module: nn.Module) -> bool:
     return bool(kernels) and None not in kernels and any(k in MIXING for k in kernels)
 
 
+@dataclass(frozen=True)
+class LayerState:
+    """The state one stateful mixer keeps per sequence: its conv state ``(C, K - 1)`` and, for a
+    delta rule, its recurrent state ``(heads, K, V)`` (None: a convolution only)."""
+
+    path: str
+    conv: tuple[int, int]
+    recurrent: tuple[int, int, int] | None
+
+
+def layer_state(module: nn.Module, path: str = "") -> LayerState | None:
+    """``module``'s per-sequence state, read from its modules (one causal ``Conv1d``) and, for a
+    delta rule, its head sizes; None when nopad does not serve it or cannot size its state."""
+    if not serves(module):
+        return None
+    convs = [m for m in module.modules() if isinstance(m, nn.Conv1d) and m.kernel_size[0] > 1]
+    if len(convs) != 1:
+        return None
+    conv = (convs[0].in_channels, convs[0].kernel_size[0] - 1)
+    kernels = {getattr(fn, _MARK, None) for fn in kernels_called(type(module)).values()}
+    if not kernels & set(RECURRENT_KERNELS):
+        return LayerState(path, conv, None)
+    sizes = [getattr(module, n, None) for n in ("num_v_heads", "head_k_dim", "head_v_dim")]
+    if None in sizes:  # KDA: one head size for keys and values
+        heads, dim = getattr(module, "num_heads", None), getattr(module, "head_dim", None)
+        sizes = [heads, dim, dim]
+    if not all(isinstance(s, int) and s > 0 for s in sizes):
+        return None
+    return LayerState(path, conv, tuple(sizes))
+
+
+def _serves_generate(module: nn.Module) -> bool:
+    return layer_state(module) is not None
+
+
 install()
 register_mixer_support(MixerSupport("hf-kernel-functions (gated delta rule, KDA, short convolution)", serves,
                                     frozenset({PACKED, TREE})))
+register_mixer_support(MixerSupport("hf-kernel-functions in the generator (per-sequence state slots)",
+                                    _serves_generate, frozenset({GENERATE})))

@@ -1,0 +1,175 @@
+"""The generator's per-sequence state beside its KV blocks: one conv-state and one recurrent-state
+slot per running sequence for every stateful layer (Gated DeltaNet, KDA, short convolutions).
+
+Why slots, not blocks. An attention layer's context is its K/V, one entry per token, so it pages.
+A hybrid layer's context is a fixed-size state (the last ``K - 1`` conv inputs, a ``(heads, K, V)``
+recurrent matrix) that the next token reads whole and overwrites: it belongs to the sequence, not
+to its tokens. So a sequence holds one slot (:class:`StateSlots`, pure bookkeeping next to the
+block allocator) while it holds blocks, and the tensors (:class:`StateCache`) live beside the K/V,
+sized from the model's modules and paid for out of the same memory budget.
+
+How a step reaches the state. The layers mix tokens in transformers' kernel functions, which
+nopad already wraps (:mod:`packing.mixers.hf_kernels`). A generator step calls the model with
+``nopad_kv_cache`` (the attention layers' paged K/V); that cache carries this state cache as
+``.states``, and every kernel call of the step reaches it through the same keyword - no new
+argument that the attention function would have to know. Within one forward the stateful layers
+run in model order and each makes one conv call and at most one delta-rule call, so the i-th conv
+call of a step is the i-th stateful conv; each call checks its state's shape, so a model that
+breaks that order fails loudly. Each call starts every sequence of the row from its slot (zero
+for a sequence's first chunk) and writes back its final state: a decode step and a chunked
+prefill are the same call.
+
+Lifetime (the scheduler): a slot is taken at admission and freed with the blocks (finish,
+preemption: the state is then recomputed from the tokens); a paused tool episode keeps it; a
+fork's members get fresh slots holding copies of the parent's final state, copied before the next
+forward (a member finding none free is preempted and recomputes). There is no cross-request
+prefix reuse for stateful models: a cached block says nothing about the state after it, so every
+request computes its state from its first token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from packing.mixers.hf_kernels import RECURRENT_DTYPE, LayerState, layer_state
+from packing.varlen import VarlenMeta
+
+CONV, RECURRENT = "conv", "recurrent"
+
+
+def layer_states(model: nn.Module) -> list[LayerState]:
+    """Every served stateful mixer of ``model`` in forward order (an empty list: attention only)."""
+    states = []
+    for path, module in model.named_modules():
+        if any(path.startswith(s.path + ".") for s in states):
+            continue
+        state = layer_state(module, path)
+        if state is not None:
+            states.append(state)
+    return states
+
+
+def bytes_per_slot(states: list[LayerState], dtype: torch.dtype) -> int:
+    """Bytes one sequence's slot takes in every stateful layer (conv state in ``dtype``)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    rec = torch.empty((), dtype=RECURRENT_DTYPE).element_size()
+    total = 0
+    for s in states:
+        total += s.conv[0] * s.conv[1] * size
+        if s.recurrent is not None:
+            total += s.recurrent[0] * s.recurrent[1] * s.recurrent[2] * rec
+    return total
+
+
+class StateSlots:
+    """Which state slot each live sequence holds (bookkeeping only, like the block allocator),
+    and the copies a fork asked for, done before the next forward."""
+
+    def __init__(self, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self._free: deque[int] = deque(range(num_slots))
+        self.pending_copies: list[tuple[int, int]] = []
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"all {self.num_slots} state slots are taken")
+        return self._free.popleft()
+
+    def release(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.num_slots:
+            raise ValueError(f"state slot {slot} is not held")
+        self.pending_copies = [(s, d) for s, d in self.pending_copies if d != slot]
+        self._free.append(slot)
+
+    def copy(self, src: int, dst: int) -> None:
+        """``dst`` starts from ``src``'s state as it is after this step (a fork)."""
+        self.pending_copies.append((src, dst))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+
+@dataclass
+class _Step:
+    index: torch.Tensor  # (N,) the slot of each sequence of the row
+    meta: VarlenMeta  # the row's new tokens only: their context is in the slots
+    calls: dict
+
+
+class StateCache:
+    """``(num_slots, ...)`` state tensors per stateful layer, and the step in flight."""
+
+    def __init__(self, states: list[LayerState], slots: StateSlots, dtype: torch.dtype, device):
+        n = slots.num_slots
+        self.slots = slots
+        self.conv = [torch.zeros((n, *s.conv), dtype=dtype, device=device) for s in states]
+        self.recurrent = [torch.zeros((n, *s.recurrent), dtype=RECURRENT_DTYPE, device=device)
+                          for s in states if s.recurrent is not None]
+        self.device = torch.device(device)
+        self._step: _Step | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.conv + self.recurrent)
+
+    def begin(self, slots: list[int], fresh: list[int], seqlens: list[int]) -> None:
+        """Open a step over sequences holding ``slots`` (row order) that bring ``seqlens`` new
+        tokens; ``fresh`` slots start from zero (a sequence's first chunk). Fork copies first."""
+        copies = self.slots.take_copies()
+        for tensors in (self.conv, self.recurrent):
+            for t in tensors:
+                if copies:
+                    src = torch.tensor([s for s, _ in copies], device=self.device)
+                    t[torch.tensor([d for _, d in copies], device=self.device)] = t[src]
+                if fresh:
+                    t[torch.tensor(fresh, device=self.device)] = 0
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        meta = VarlenMeta.from_lengths(seqlens, device=self.device)
+        self._step = _Step(index, meta, {CONV: 0, RECURRENT: 0})
+
+    def end(self) -> None:
+        """Close the step; every stateful layer must have run exactly once."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        want = {CONV: len(self.conv), RECURRENT: len(self.recurrent)}
+        if step.calls != want:
+            raise RuntimeError(f"a generator step made {step.calls} stateful kernel calls, the model has "
+                               f"{want} stateful layers; nopad cannot tell which state each call is")
+
+    def abandon(self) -> None:
+        """Forget the step in flight (its forward raised)."""
+        self._step = None
+
+    def run(self, kind: str, fn: Callable[[VarlenMeta, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+            ) -> torch.Tensor:
+        """One kernel call of the step: ``fn(meta, initial_states)`` runs the row from each
+        sequence's slot and returns ``(output, final_states)``; the finals go back to the slots."""
+        step = self._step
+        if step is None:
+            raise RuntimeError("a stateful kernel ran outside a generator step")
+        tensors = self.conv if kind == CONV else self.recurrent
+        i = step.calls[kind]
+        step.calls[kind] += 1
+        if i >= len(tensors):
+            raise RuntimeError(f"more {kind} kernel calls in one step than the {len(tensors)} stateful "
+                               "layers nopad sized")
+        store = tensors[i]
+        out, final = fn(step.meta, store[step.index])
+        if tuple(final.shape) != (len(step.index), *store.shape[1:]):
+            raise RuntimeError(f"{kind} call {i} returned a state of shape {tuple(final.shape)}; its slot "
+                               f"holds {tuple(store.shape[1:])}")
+        store[step.index] = final.to(store.dtype)
+        return out
