@@ -10,10 +10,13 @@ Under ZeRO-3 / FSDP2 the rollout gathers the full weights once or keeps the rank
 (``generator.sharded_rollout``, :mod:`inference.sharded`), and every rank trains on the same number
 of packed rows with exactly one optimizer step per GRPO step (:mod:`training.accumulation`).
 
-Generator and trainer run the same attention core, so in fp32 the generator's sampled-token
-log-probs equal the training forward's (the gap is reported every step). When they are not equal
-(bf16, other kernels), ``train.is_correction`` re-weights each token, e.g. truncated importance
-sampling (``tis``: min(pi_train / pi_gen, cap)).
+Generator and trainer run the same attention core, so in the batch-invariant mode the generator's
+sampled-token log-probs equal the training forward's bitwise (the gap is reported every step), and
+several optimizer steps per rollout batch (``train.num_iterations``, ``train.steps_per_generation``)
+take the rollout's log-probs as the old policy's with no extra forward. When they are not equal
+(the mode off), ``train.old_logprobs=recompute`` scores the batch once with the trainer, and
+``loss.is_correction`` re-weights each token or sequence (TRL's four modes). The loss is
+``loss.loss_type`` (TRL's names: :mod:`training.policy_loss`).
 
 With ``model.lora`` set only a LoRA adapter trains (peft), the generator runs the adapted model as
 it is, and ``output_dir`` receives the adapter alone; ``model.path`` may itself be an adapter.
@@ -29,7 +32,7 @@ from pathlib import Path
 import torch
 
 from recipes.config import ConfigError, parse_cli, setup_logging
-from recipes.grpo_config import GRPORecipeConfig, resolve_is_correction
+from recipes.grpo_config import GRPORecipeConfig
 from recipes.models import load_model, save_model_dir
 from recipes.tasks import TASKS, check_prompts_per_step, encode_prompt, get_reward, load_examples
 from recipes.tool_tasks import TOOL_TASKS
@@ -50,12 +53,15 @@ CURVES = ("reward_mean", "loss", "logprob_gap_max")  # plotted to curves.png and
 
 # ----------------------------------------------------------------------------- config -> objects
 def grpo_loss(cfg: GRPORecipeConfig, device) -> GRPOLoss:
-    """The step's loss settings from ``train``, with ``batch_invariant`` resolved for ``device``."""
-    tr = cfg.train
+    """The step's loss settings from ``loss`` and ``train``, with ``batch_invariant`` resolved for
+    ``device``."""
+    tr, lc = cfg.train, cfg.loss
     invariant = resolve_batch_invariant(tr.batch_invariant, device, "train.batch_invariant")
     return GRPOLoss(max_tokens_per_batch=tr.max_tokens_per_batch, shared_prefix=tr.shared_prefix,
-                    clip_eps=tr.clip_eps, beta=tr.beta, is_weights=resolve_is_correction(tr),
-                    batch_invariant=invariant)
+                    policy=lc.policy(cfg.rollout.max_tokens), scale_rewards=lc.scale_rewards,
+                    mask_truncated_completions=lc.mask_truncated_completions,
+                    num_iterations=tr.num_iterations, steps_per_generation=tr.steps_per_generation,
+                    old_logprobs=tr.old_logprobs, batch_invariant=invariant)
 
 
 def sampling_params(cfg: GRPORecipeConfig, step: int):
@@ -133,7 +139,7 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     examples, prompt_ids = build_prompts(cfg, tokenizer)
     tr, per_step = cfg.train, cfg.rollout.prompts_per_step
     ref_model = None
-    if tr.beta:  # frozen initial policy for the KL term, also on packed rows
+    if cfg.loss.beta:  # frozen initial policy for the KL term, also on packed rows
         register_nopad_attention()
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         ref_model.set_attn_implementation(NOPAD_ATTENTION)
