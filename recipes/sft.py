@@ -43,8 +43,6 @@ from training.sft import (
     make_optimizer,
     progress_bar,
     record_step,
-    resume,
-    save_checkpoint,
     sft_step,
     use_attention,
     write_result,
@@ -117,12 +115,15 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     output_dir = Path(ccfg.output_dir)
     checkpoint.claim_run_dir(output_dir, accelerator, resuming=bool(ccfg.resume_from))  # lock, own metrics
     if ccfg.resume_from:
-        path = resume(accelerator, ccfg.resume_from, output_dir, load_kwargs)
+        path = checkpoint.resume_training(accelerator, ccfg.resume_from, output_dir, load_kwargs)
+        if accelerator.is_main_process:
+            checkpoint.trim_metrics(output_dir, progress.step + 1)  # SFT logs steps 1, 2, ...
         logger.info("resumed from %s at step %d (epoch %d)", path, progress.step, loader.epoch)
 
     def save(path: Path) -> None:
-        save_checkpoint(accelerator, path, lambda d: save_model_dir(accelerator, model, tokenizer, d),
-                        ccfg.keep_last, save_kwargs)
+        checkpoint.save_training_checkpoint(accelerator, path,
+                                            lambda d: save_model_dir(accelerator, model, tokenizer, d),
+                                            ccfg.keep_last, save_kwargs)
 
     max_steps = tcfg.max_steps or steps
     if progress.step >= max_steps:
