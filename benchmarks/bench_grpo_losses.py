@@ -240,10 +240,12 @@ def main() -> None:
         f"{'loss':<7} {'system':<6} {'s/opt step':>11} {'fwd/opt step':>13} {'peak RSS MB':>12} "
         f"{'mean len':>9} {'nopad speed-up':>15}"
     )
+    full_weights = None  # a nopad run's checkpoint: its full-weight save
     for loss in losses:
         rows = {
             system: measure({**base, "loss": loss, "system": system}, timeout) for system in ("nopad", "TRL")
         }
+        full_weights = full_weights or rows["nopad"]
         for system, r in rows.items():
             speedup = rows["TRL"]["s_per_opt_step"] / r["s_per_opt_step"] if system == "nopad" else None
             print(
@@ -256,7 +258,11 @@ def main() -> None:
         "\nnopad GRPO checkpoint (step_N: policy or adapter, optimizer, RNG, progress), written atomically:"
     )
     for lora in (False,) if args.quick else (False, True):
-        r = measure({**base, "loss": "dapo", "system": "nopad", "lora": lora}, timeout)
+        r = (
+            measure({**base, "loss": "dapo", "system": "nopad", "lora": True}, timeout)
+            if lora
+            else full_weights
+        )
         print(
             f"  {'LoRA adapter (r=16)' if lora else 'full weights':<20} {r['checkpoint_s']:6.2f} s per save, "
             f"{r['checkpoint_mb']:8.1f} MB on disk"
