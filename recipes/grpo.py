@@ -20,6 +20,10 @@ take the rollout's log-probs as the old policy's with no extra forward. When the
 
 With ``model.lora`` set only a LoRA adapter trains (peft), the generator runs the adapted model as
 it is, and ``output_dir`` receives the adapter alone; ``model.path`` may itself be an adapter.
+
+``checkpoint.every=N`` writes ``output_dir/step_N`` atomically every N GRPO steps (through SFT's
+:func:`training.checkpoint.save_training_checkpoint`: policy or adapter, optimizer, RNG and
+:class:`GRPOProgress`), and ``checkpoint.resume_from=latest`` continues exactly (docs/rl.md).
 """
 
 from __future__ import annotations
