@@ -71,3 +71,36 @@ def test_recompute_scores_the_batch_once_before_the_updates(one_thread):
 def test_old_logprobs_from_the_rollout_cannot_be_is_corrected():
     with pytest.raises(ValueError, match="old_logprobs=rollout makes them the same numbers"):
         GRPOLoss(policy=PolicyLossConfig(is_correction="token_truncate"))
+
+
+def test_masked_truncated_completions_carry_no_loss(one_thread):
+    from packing.hf import use_nopad_attention
+    from tests.models import tiny_model
+    from training.accumulation import OptimizerStepper
+    from training.grpo import Rollout
+    from training.grpo_step import train_on_rollouts
+
+    def step(truncated: list[bool]) -> dict:
+        torch.manual_seed(0)
+        model = tiny_model("llama")
+        rollouts = [Rollout([5, 6, 7], [8 + i, 9, 10], [-1.0] * 3, advantage=a, truncated=t)
+                    for i, (a, t) in enumerate(zip([1.0, -1.0, 0.5, -0.5], truncated))]
+        loss = GRPOLoss(mask_truncated_completions=True)
+        with use_nopad_attention(model):
+            return train_on_rollouts(OptimizerStepper(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+                                     rollouts, loss)
+
+    assert step([True] * 4)["grad_norm"] == 0.0
+    assert step([False, True, True, True])["grad_norm"] > 0.0  # (A > 0: its ratio far below 1 is not clipped)
+
+
+def test_reward_scaling_modes():
+    from training.grpo import group_advantages
+
+    rewards = torch.tensor([[1.0, 0.0], [3.0, 3.0]])
+    torch.testing.assert_close(group_advantages(rewards, scale_rewards="none"),
+                               torch.tensor([[0.5, -0.5], [0.0, 0.0]]))
+    batch = group_advantages(rewards, scale_rewards="batch")
+    torch.testing.assert_close(batch, torch.tensor([[0.5, -0.5], [0.0, 0.0]]) / (rewards.std() + 1e-4))
+    with pytest.raises(ValueError, match="scale_rewards must be one of"):
+        group_advantages(rewards, scale_rewards="rank")
