@@ -10,26 +10,36 @@ Under ZeRO-3 / FSDP2 the rollout gathers the full weights once or keeps the rank
 (``generator.sharded_rollout``, :mod:`inference.sharded`), and every rank trains on the same number
 of packed rows with exactly one optimizer step per GRPO step (:mod:`training.accumulation`).
 
-Generator and trainer run the same attention core, so in fp32 the generator's sampled-token
-log-probs equal the training forward's (the gap is reported every step). When they are not equal
-(bf16, other kernels), ``train.is_correction`` re-weights each token, e.g. truncated importance
-sampling (``tis``: min(pi_train / pi_gen, cap)).
+Generator and trainer run the same attention core, so in the batch-invariant mode the generator's
+sampled-token log-probs equal the training forward's bitwise (the gap is reported every step), and
+several optimizer steps per rollout batch (``train.num_iterations``, ``train.steps_per_generation``)
+take the rollout's log-probs as the old policy's with no extra forward. When they are not equal
+(the mode off), ``train.old_logprobs=recompute`` scores the batch once with the trainer, and
+``loss.is_correction`` re-weights each token or sequence (TRL's four modes). The loss is
+``loss.loss_type`` (TRL's names: :mod:`training.policy_loss`).
 
 With ``model.lora`` set only a LoRA adapter trains (peft), the generator runs the adapted model as
 it is, and ``output_dir`` receives the adapter alone; ``model.path`` may itself be an adapter.
+
+``checkpoint.every=N`` writes ``output_dir/step_N`` atomically every N GRPO steps (through SFT's
+:func:`training.checkpoint.save_training_checkpoint`: policy or adapter, optimizer, RNG and
+:class:`GRPOProgress`), and ``checkpoint.resume_from=latest`` continues exactly (docs/rl.md).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
+import os
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from recipes.cli import run_recipe
 from recipes.config import ConfigError, parse_cli, setup_logging
-from recipes.grpo_config import GRPORecipeConfig, resolve_is_correction
+from recipes.grpo_config import GRPORecipeConfig
 from recipes.models import load_model, save_model_dir
 from recipes.tasks import TASKS, check_prompts_per_step, encode_prompt, get_reward, load_examples
 from recipes.tool_tasks import TOOL_TASKS
@@ -45,15 +55,18 @@ CURVES = ("reward_mean", "loss", "logprob_gap_max")  # plotted to curves.png and
 
 # ----------------------------------------------------------------------------- config -> objects
 def grpo_loss(cfg: GRPORecipeConfig, device) -> GRPOLoss:
-    """The step's loss settings from ``train``, with ``batch_invariant`` resolved for ``device``."""
+    """The step's loss settings from ``loss`` and ``train``, with ``batch_invariant`` resolved for
+    ``device``."""
     from training.grpo import resolve_batch_invariant
     from training.grpo_step import GRPOLoss
 
-    tr = cfg.train
+    tr, lc = cfg.train, cfg.loss
     invariant = resolve_batch_invariant(tr.batch_invariant, device, "train.batch_invariant")
     return GRPOLoss(max_tokens_per_batch=tr.max_tokens_per_batch, shared_prefix=tr.shared_prefix,
-                    clip_eps=tr.clip_eps, beta=tr.beta, is_weights=resolve_is_correction(tr),
-                    batch_invariant=invariant)
+                    policy=lc.policy(cfg.rollout.max_tokens), scale_rewards=lc.scale_rewards,
+                    mask_truncated_completions=lc.mask_truncated_completions,
+                    num_iterations=tr.num_iterations, steps_per_generation=tr.steps_per_generation,
+                    old_logprobs=tr.old_logprobs, batch_invariant=invariant)
 
 
 def sampling_params(cfg: GRPORecipeConfig, step: int):
@@ -141,7 +154,7 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     examples, prompt_ids = build_prompts(cfg, tokenizer)
     tr, per_step = cfg.train, cfg.rollout.prompts_per_step
     ref_model = None
-    if tr.beta:  # frozen initial policy for the KL term, also on packed rows
+    if cfg.loss.beta:  # frozen initial policy for the KL term, also on packed rows
         register_nopad_attention()
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         ref_model.set_attn_implementation(NOPAD_ATTENTION)
@@ -162,39 +175,163 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(tr.seed)).tolist()
     rank, world = accelerator.process_index, accelerator.num_processes
     check_prompts_per_step(len(examples), per_step, world)
-    out_file = None
-    if cfg.output_dir:  # lock: two runs at once into one directory stop with the other's pid
-        checkpoint.claim_run_dir(cfg.output_dir, accelerator)
-    if cfg.output_dir and accelerator.is_main_process:
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        out_file = open(Path(cfg.output_dir) / "metrics.jsonl", "w")
-    history = []
-    bar = tqdm(range(tr.steps), desc="grpo", disable=not progress or not accelerator.is_main_process)
+    run = GRPOProgress(order, resume_settings(cfg), reference_identity(cfg, ref_model))
+    accelerator.register_for_checkpointing(run)
+    save = Checkpointer(cfg, accelerator, model, tokenizer, run)
+    out = Path(cfg.output_dir) if cfg.output_dir else None
+    if out is not None:  # lock: two runs at once into one directory stop with the other's pid
+        _refuse_stale_policy(cfg)
+        checkpoint.claim_run_dir(out, accelerator, resuming=bool(cfg.checkpoint.resume_from))
+    if cfg.checkpoint.resume_from:
+        path = checkpoint.resume_training(accelerator, cfg.checkpoint.resume_from, out, save.load_kwargs)
+        if accelerator.is_main_process:
+            checkpoint.trim_metrics(out, run.step)  # GRPO logs steps 0, 1, ...
+        logger.info("resumed from %s at grpo step %d", path, run.step)
+    history, saved_at = [], None
+    show = progress and accelerator.is_main_process
+    bar = tqdm(range(run.step, tr.steps), desc="grpo", disable=not show)
     with use_nopad_attention(policy):  # packed training rows; the generator switches to paged itself
         for step in bar:
             start = (step * world + rank) * per_step
             picks = [order[(start + j) % len(order)] for j in range(per_step)]
             metrics = grpo_step(stepper, generator, [examples[i] for i in picks],
-                                [prompt_ids[i] for i in picks], reward_fn, tokenizer,
+                                [prompt_ids[i] for i in picks], _killable(reward_fn, step), tokenizer,
                                 sampling_params(cfg, step), loss, step=step,
                                 rollout_mode=cfg.generator.sharded_rollout, ref_model=ref_model,
                                 use_tqdm=progress, episodes=episodes)
+            _kill_point("step", step)
             history.append(metrics)
             logger.info("grpo step %d: %s", step, json.dumps({k: round(v, 6) for k, v in metrics.items()}))
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", gap=f"{metrics['logprob_gap_max']:.1e}")
             accelerator.log({k: metrics[k] for k in CURVES}, step=step)  # to the log_with trackers
-            if out_file is not None:
-                out_file.write(json.dumps(metrics) + "\n")
-                out_file.flush()
-    if out_file is not None:
-        out_file.close()
-        write_curves(Path(cfg.output_dir) / "metrics.jsonl", CURVES, "nopad GRPO")
+            if out is not None and accelerator.is_main_process:
+                checkpoint.append_metrics(out, metrics)
+            run.step = step + 1
+            if cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0:
+                save(run.step)
+                saved_at = run.step
+    if out is not None and accelerator.is_main_process:
+        write_curves(out / checkpoint.METRICS_FILE, CURVES, "nopad GRPO")
     finish_trackers(accelerator)
     generator.release()
-    if cfg.output_dir:  # a model (or LoRA adapter) dir: model.path=<output_dir> in evaluate/grpo/SFT
-        save_model_dir(accelerator, model, tokenizer, Path(cfg.output_dir))
-        logger.info("saved the policy to %s (load it with model.path=%s)", cfg.output_dir, cfg.output_dir)
+    if out is not None and cfg.checkpoint.every:  # the last checkpoint is the policy (model.path=output_dir)
+        if saved_at != run.step:
+            save(run.step)
+        logger.info("the policy is %s/step_%d (load it with model.path=%s)", out, run.step, out)
+    elif out is not None:  # a model (or LoRA adapter) dir: model.path=<output_dir> in evaluate/grpo/SFT
+        save_model_dir(accelerator, model, tokenizer, out)
+        logger.info("saved the policy to %s (load it with model.path=%s)", out, out)
     return history
+
+
+# ----------------------------------------------------------------------------- checkpoints
+class GRPOProgress:
+    """What a GRPO checkpoint keeps beside the policy, optimizer and RNG (Accelerate's state): the
+    GRPO steps done, the prompt order, and what must not change across a resume (the loss settings
+    and the reference model's identity); a resume that changed them stops with one line."""
+
+    def __init__(self, order: list[int], settings: dict, reference: dict | None):
+        self.step, self.order, self.settings, self.reference = 0, order, settings, reference
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "order": self.order, "settings": self.settings,
+                "reference": self.reference}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or "order" not in state:
+            raise ValueError(f"not a GRPO checkpoint's progress state: {state!r}")
+        changed = sorted(k for k in {**state["settings"], **self.settings}
+                         if state["settings"].get(k) != self.settings.get(k))
+        if changed:
+            k = changed[0]
+            raise ValueError(f"cannot resume: the checkpoint was made with {k}={state['settings'].get(k)!r} "
+                             f"but this run has {k}={self.settings.get(k)!r}; resume with the same settings, "
+                             "or start a new run in another output_dir")
+        if state["order"] != self.order:
+            raise ValueError("cannot resume: this run's prompts differ from the checkpoint's (task, "
+                             "task.seed or train.seed changed); resume with the same ones")
+        if state["reference"] != self.reference:
+            raise ValueError(f"cannot resume: the KL reference model differs from the checkpoint's "
+                             f"({state['reference']} vs {self.reference}); resume with the model.path of the "
+                             "run that wrote it (the initial policy, not a checkpoint)")
+        self.step = int(state["step"])
+
+
+def resume_settings(cfg: GRPORecipeConfig) -> dict:
+    """The settings a resume must keep: the loss, the mini-batching and the rollout's shape."""
+    keys = {f"loss.{k}": v for k, v in cfg.loss.to_dict().items()}
+    for k in ("num_iterations", "steps_per_generation", "old_logprobs", "seed"):
+        keys[f"train.{k}"] = getattr(cfg.train, k)
+    for k in ("prompts_per_step", "num_generations", "seed"):
+        keys[f"rollout.{k}"] = getattr(cfg.rollout, k)
+    return keys
+
+
+def reference_identity(cfg: GRPORecipeConfig, ref_model) -> dict | None:
+    """The KL reference model: where it came from and a digest of its weights (None without KL)."""
+    import torch
+
+    if ref_model is None:
+        return None
+    digest = hashlib.sha256()
+    for name, tensor in sorted(ref_model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return {"model.path": str(cfg.model.path), "sha256": digest.hexdigest()[:16]}
+
+
+class Checkpointer:
+    """``save(step)``: ``output_dir/step_N`` atomically, a model (or LoRA adapter) directory with the
+    resume state in ``training_state/`` (:func:`training.checkpoint.save_training_checkpoint`)."""
+
+    def __init__(self, cfg: GRPORecipeConfig, accelerator, model, tokenizer, run: GRPOProgress):
+        from training.lora import is_peft_model, keep_resume_state_to_adapter
+
+        self.cfg, self.accelerator, self.model, self.tokenizer = cfg, accelerator, model, tokenizer
+        self.save_kwargs, self.load_kwargs = {}, {}
+        if is_peft_model(accelerator.unwrap_model(model)):  # resume state: the adapter, not a base copy
+            self.save_kwargs, self.load_kwargs = keep_resume_state_to_adapter(accelerator)
+
+    def __call__(self, step: int) -> None:
+        from training import checkpoint
+
+        def save_model(d: Path) -> None:
+            _kill_point("checkpoint", step)  # tests: a kill between the training state and the model files
+            save_model_dir(self.accelerator, self.model, self.tokenizer, d)
+
+        checkpoint.save_training_checkpoint(self.accelerator, Path(self.cfg.output_dir) / f"step_{step}",
+                                            save_model, self.cfg.checkpoint.keep_last, self.save_kwargs)
+
+
+def _refuse_stale_policy(cfg: GRPORecipeConfig) -> None:
+    """With checkpoints, model.path=<output_dir> means its newest checkpoint; a policy an earlier run
+    saved at the top of the directory would be picked instead."""
+    top = {p.name for p in Path(cfg.output_dir).iterdir()} if Path(cfg.output_dir).is_dir() else set()
+    if cfg.checkpoint.every and top & {"config.json", "adapter_config.json"}:
+        raise ConfigError("checkpoint.every", f"> 0 makes {cfg.output_dir}/step_N the policy, but "
+                          f"{cfg.output_dir} already holds a policy saved by an earlier run without "
+                          "checkpoints; use another output_dir")
+
+
+KILL_ENV = "NOPAD_GRPO_KILL_AT"  # tests: "rollout:N", "step:N" or "checkpoint:N" kills the run there
+
+
+def _kill_point(where: str, step: int) -> None:
+    """The crash-resume tests' hook: SIGKILL this process at a chosen point of a chosen step."""
+    if os.environ.get(KILL_ENV) == f"{where}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _killable(reward_fn, step: int):
+    """The reward, with the ``rollout:N`` kill point at its first call: after step N's rollout."""
+    if not os.environ.get(KILL_ENV, "").startswith("rollout:"):
+        return reward_fn
+
+    def reward(text, example):
+        _kill_point("rollout", step)
+        return reward_fn(text, example)
+
+    return reward
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -21,8 +21,8 @@ from recipes.config import (
 )
 from recipes.tasks import TASKS, get_reward
 
-if TYPE_CHECKING:  # (training.grpo imports torch: a config, and --help, load without it)
-    from training.grpo import ISWeightFn
+if TYPE_CHECKING:  # (training.policy_loss imports torch: a config, and --help, load without it)
+    from training.policy_loss import PolicyLossConfig
 
 
 @dataclass
@@ -77,29 +77,85 @@ class GRPOGeneratorConfig(GeneratorConfig):
 
 
 @dataclass
+class GRPOLossConfig(Section):
+    """The policy loss (:mod:`training.policy_loss`): TRL 1.16 ``GRPOConfig``'s names and defaults
+    (``is_*`` are TRL's ``vllm_importance_sampling_*``). A knob the chosen loss ignores is an error."""
+
+    loss_type: str = "dapo"  # grpo | dr_grpo | dapo | bnpo | gspo | cispo | sapo (TRL's default: dapo)
+    epsilon: float = 0.2  # lower clip of the ratio: 1 - epsilon
+    epsilon_high: float | None = None  # upper clip 1 + epsilon_high (null: epsilon; DAPO 0.28; cispo: cap)
+    delta: float | None = None  # two-sided clipping: the ratio capped at delta (INTELLECT-2); null: off
+    importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's ratio
+    beta: float = 0.0  # k3 KL against a frozen copy of the initial policy; 0: none
+    use_bias_correction_kl: bool = True  # the KL term times the ratio (DeepSeek-V3.2), as TRL
+    entropy_coef: float = 0.0  # minus entropy_coef x the mean token entropy
+    sapo_temperature_pos: float = 1.0  # sapo: gate temperature where the advantage is > 0
+    sapo_temperature_neg: float = 1.05  # sapo: where it is <= 0
+    scale_rewards: Literal["group", "batch", "none"] = "group"  # advantage / std of: group | batch | none
+    mask_truncated_completions: bool = False  # completions cut by rollout.max_tokens carry no loss
+    is_correction: str = "none"  # none | token_truncate | token_mask | sequence_truncate | sequence_mask
+    is_clip_min: float | None = None  # IS correction: lower bound of the ratio (truncate) or mask edge
+    is_clip_max: float | None = 3.0  # IS correction: upper bound
+
+    def check(self) -> None:
+        from training.policy_loss import IS_MODES, LOSSES
+
+        self.at_least("beta", 0.0)
+        self.at_least("entropy_coef", 0.0)
+        if self.loss_type not in LOSSES:
+            raise ConfigError("loss_type", f"{self.loss_type!r} is unknown; use one of {sorted(LOSSES)}")
+        if self.is_correction not in ("none", *IS_MODES):
+            raise ConfigError("is_correction", f"{self.is_correction!r} is unknown; use none or one of "
+                              f"{', '.join(IS_MODES)}")
+        try:
+            self.policy(max_completion_length=1)
+        except ValueError as err:  # "<knob> <what is wrong>"
+            knob, _, detail = str(err).partition(" ")
+            raise ConfigError(knob, detail) from None
+
+    def policy(self, max_completion_length: int) -> PolicyLossConfig:
+        """The loss's settings (``max_completion_length``: dr_grpo's normaliser, rollout.max_tokens)."""
+        from training.policy_loss import PolicyLossConfig
+
+        step_knobs = ("scale_rewards", "mask_truncated_completions")  # read by the step, not the loss
+        knobs = {k: v for k, v in self.to_dict().items() if k not in step_knobs}
+        if self.loss_type == "dr_grpo":
+            knobs["max_completion_length"] = max_completion_length
+        return PolicyLossConfig(**knobs)
+
+
+@dataclass
 class GRPOTrainConfig(Section):
-    steps: int = 2  # GRPO steps, one optimizer step each
+    steps: int = 2  # GRPO steps (rollout batches), num_iterations x steps_per_generation optimizer steps each
     lr: float = 1e-6  # AdamW's learning rate, in (0, 1]
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0  # clip the gradient norm; null: no clipping
     max_tokens_per_batch: int = 1024  # packing capacity of one training forward
     shared_prefix: bool = True  # each prompt once per row, its completions attending to it
-    clip_eps: float = 0.2  # PPO clip range of the ratio: [1 - clip_eps, 1 + clip_eps]
-    beta: float = 0.0  # KL penalty against a frozen copy of the initial policy; 0: none
+    num_iterations: int = 1  # passes over each rollout batch (TRL's num_iterations)
+    steps_per_generation: int = 1  # mini-batches per pass, one optimizer step each
+    old_logprobs: Literal["rollout", "recompute"] = "rollout"  # rollout: exact in batch_invariant, no forward
     batch_invariant: bool | Literal["auto"] = "auto"  # rollout log-probs = trainer's (auto: on CPU)
-    is_correction: str | Callable[..., Any] = "none"  # none | tis | "module:function"
-    tis_cap: float = 2.0  # is_correction=tis: min(pi_train / pi_gen, tis_cap)
     nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or gradient: stop the run | skip the step
     seed: int = 0
 
     def check(self) -> None:
         self.at_least("steps", 1)  # 0 would save an untrained copy as "the policy"
-        self.at_least("beta", 0.0)
         check_learning_rate(self.lr)
         self.at_least("max_tokens_per_batch", 2)
-        if not 0 < self.clip_eps < 1:
-            raise ConfigError("clip_eps", f"must be in (0, 1), got {self.clip_eps}")
-        resolve_is_correction(self)
+        self.at_least("num_iterations", 1)
+        self.at_least("steps_per_generation", 1)
+
+
+@dataclass
+class GRPOCheckpointConfig(Section):
+    every: int = 0  # save a step_N checkpoint in output_dir every N GRPO steps; 0: only the final policy
+    keep_last: int | None = None  # keep only the newest N complete checkpoints; null: keep all
+    resume_from: str | None = None  # a step_N directory, or "latest" in output_dir
+
+    def check(self) -> None:
+        self.at_least("every", 0)
+        self.at_least("keep_last", 1)
 
 
 @dataclass
@@ -113,9 +169,11 @@ class GRPORecipeConfig(Section):
     reward: str | Callable[..., Any] = "last_number_match"  # recipes.tasks.REWARDS name or "module:function"
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     generator: GRPOGeneratorConfig = field(default_factory=GRPOGeneratorConfig)
+    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     train: GRPOTrainConfig = field(default_factory=GRPOTrainConfig)
+    checkpoint: GRPOCheckpointConfig = field(default_factory=GRPOCheckpointConfig)
     accelerate: AccelerateConfig = field(default_factory=AccelerateConfig)
-    output_dir: str | None = None  # metrics.jsonl, curves.png and the trained model (an HF model directory)
+    output_dir: str | None = None  # metrics.jsonl, curves.png, step_N checkpoints and the trained model
 
     def check(self) -> None:
         get_reward(self.reward, key="reward")
@@ -131,25 +189,13 @@ class GRPORecipeConfig(Section):
                 f"generator.num_blocks={gen.num_blocks}; raise generator.num_blocks or lower "
                 "rollout.prompts_per_step / rollout.num_generations / rollout.max_tokens"
             )
+        if self.loss.is_correction != "none" and tr.old_logprobs == "rollout":
+            raise ConfigError("loss.is_correction", f"{self.loss.is_correction} weighs the trainer's old "
+                              "log-probs against the rollout's, which train.old_logprobs=rollout makes the "
+                              "same numbers; set train.old_logprobs=recompute (or loss.is_correction=none)")
+        if self.checkpoint.every and not self.output_dir:
+            raise ConfigError("checkpoint.every", "needs output_dir: the checkpoints are written there")
         if seq_tokens > tr.max_tokens_per_batch:
             raise ValueError(f"train.max_tokens_per_batch={tr.max_tokens_per_batch} is smaller than one "
                              f"rollout sequence ({seq_tokens} tokens = rollout.max_prompt_tokens + "
                              "rollout.max_tokens); raise it")
-
-
-def resolve_is_correction(train_cfg: GRPOTrainConfig) -> ISWeightFn | None:
-    spec = train_cfg.is_correction
-    if spec in (None, "none"):
-        return None
-    if spec == "tis":
-        from training.grpo import truncated_is
-
-        if train_cfg.tis_cap <= 0:
-            raise ConfigError("tis_cap", f"must be > 0, got {train_cfg.tis_cap}")
-        return truncated_is(float(train_cfg.tis_cap))
-    if callable(spec):
-        return spec
-    if ":" not in spec and "." not in spec:
-        raise ConfigError("is_correction", f"{spec!r} is unknown; use none, tis, or an import path "
-                          "'module:function' taking (train_logprobs, gen_logprobs) -> per-token weights")
-    return get_reward(spec, key="train.is_correction")  # same import-path resolution

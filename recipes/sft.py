@@ -66,7 +66,7 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     accelerator = accelerator or make_accelerator(cfg)
     torch.manual_seed(tcfg.seed)
     if ccfg.resume_from:  # a changed LoRA setting named before the model loads
-        check_resume_lora(sft_loop.resume_path(ccfg.resume_from, Path(ccfg.output_dir)), cfg.model.lora)
+        check_resume_lora(checkpoint.resume_path(ccfg.resume_from, Path(ccfg.output_dir)), cfg.model.lora)
     if model is None:  # tiny:llama comes with the ASCII tokenizer, so its checkpoints reload too
         model, tokenizer = load_model(cfg.model)
     sft_loop.use_attention(model, cfg.model.attn_implementation)
@@ -104,13 +104,15 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     output_dir = Path(ccfg.output_dir)
     checkpoint.claim_run_dir(output_dir, accelerator, resuming=bool(ccfg.resume_from))  # lock, own metrics
     if ccfg.resume_from:
-        path = sft_loop.resume(accelerator, ccfg.resume_from, output_dir, load_kwargs)
+        path = checkpoint.resume_training(accelerator, ccfg.resume_from, output_dir, load_kwargs)
+        if accelerator.is_main_process:
+            checkpoint.trim_metrics(output_dir, progress.step + 1)  # SFT logs steps 1, 2, ...
         logger.info("resumed from %s at step %d (epoch %d)", path, progress.step, loader.epoch)
 
     def save(path: Path) -> None:
-        sft_loop.save_checkpoint(accelerator, path,
-                                 lambda d: save_model_dir(accelerator, model, tokenizer, d),
-                                 ccfg.keep_last, save_kwargs)
+        checkpoint.save_training_checkpoint(accelerator, path,
+                                            lambda d: save_model_dir(accelerator, model, tokenizer, d),
+                                            ccfg.keep_last, save_kwargs)
 
     max_steps = tcfg.max_steps or steps
     if progress.step >= max_steps:

@@ -58,7 +58,7 @@ def test_model_dtype_applies_to_the_tiny_model():
 
 
 @pytest.mark.parametrize("cls, overrides, message", [
-    (GRPOConfig, ["train.beta=-0.1"], "train.beta must be a number >= 0.0, got -0.1"),
+    (GRPOConfig, ["loss.beta=-0.1"], "loss.beta must be a number >= 0.0, got -0.1"),
     (GRPOConfig, ["train.lr=1e38"], r"train.lr must be a number in \(0, 1\], got 1e\+38"),
     (SFTConfig, ["train.lr=1e38"], r"train.lr must be a number in \(0, 1\], got 1e\+38"),
     (SFTConfig, ["train.lr=0"], r"train.lr must be a number in \(0, 1\], got 0.0"),

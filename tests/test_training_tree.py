@@ -57,7 +57,7 @@ def _grad_recorder(params) -> torch.optim.SGD:
 def _step(rollouts, shared_prefix, capacity):
     """One GRPO optimizer step (one window of every row); its metrics and gradients."""
     model = tiny_model("llama")
-    loss = GRPOLoss(max_tokens_per_batch=capacity, shared_prefix=shared_prefix, clip_eps=0.2)
+    loss = GRPOLoss(max_tokens_per_batch=capacity, shared_prefix=shared_prefix)
     optimizer = _grad_recorder(model.parameters())
     with use_nopad_attention(model):
         metrics = train_on_rollouts(OptimizerStepper(model, optimizer), rollouts, loss)

@@ -339,7 +339,7 @@ class _GradRecorder(TrainerCallback):
         self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
 
 
-def _grpo_step_grads(tok, tmp_path, cls, **kwargs):
+def _grpo_step_grads(tok, tmp_path, cls, loss_config=None, **kwargs):
     from trl import GRPOConfig
 
     model = tiny_model("llama")
@@ -351,7 +351,7 @@ def _grpo_step_grads(tok, tmp_path, cls, **kwargs):
                       num_generations=4, steps_per_generation=2, gradient_accumulation_steps=2,
                       max_completion_length=7, max_steps=1, report_to=[], use_cpu=True, bf16=False,
                       save_strategy="no", seed=0, temperature=0.7, entropy_coef=0.01, learning_rate=1e-3,
-                      logging_steps=1)
+                      logging_steps=1, **(loss_config or {}))
     prompts = datasets.Dataset.from_dict({"prompt": _texts(4, seed=5, low=2, high=9)})
     reward = lambda completion_ids, **kw: [float(len(c)) for c in completion_ids]  # noqa: E731
     trainer = cls(model=model, reward_funcs=reward, args=args, train_dataset=prompts,
@@ -394,6 +394,29 @@ def test_nopad_grpo_trainer_logprobs_loss_and_gradients_equal_trls_padded_path(t
     torch.testing.assert_close(ours[0], theirs[0] * completion_mask, atol=1e-5, rtol=0)
     torch.testing.assert_close(ours[1], theirs[1] * completion_mask, atol=1e-5, rtol=0)
     assert bool((ours[0][completion_mask] < 0).all())
+
+
+@pytest.mark.parametrize("loss_config", [
+    {"loss_type": "grpo"}, {"loss_type": "dr_grpo"}, {"loss_type": "bnpo"},
+    {"loss_type": "cispo", "epsilon_high": 5.0}, {"loss_type": "sapo"},
+    {"loss_type": "grpo", "importance_sampling_level": "sequence"},  # GSPO
+    {"loss_type": "dapo", "epsilon_high": 0.28, "mask_truncated_completions": True},
+], ids=["grpo", "dr_grpo", "bnpo", "cispo", "sapo", "gspo", "dapo_clip_higher_masked"])
+def test_nopad_grpo_trainer_equals_trls_padded_path_for_each_loss_type(tok, tmp_path, loss_config,
+                                                                       one_thread):
+    """TRL's loss code runs unchanged on nopad's tree-row log-probs: each loss_type gives the
+    padded path's loss and gradients (the recipe's own losses: tests/test_training_policy_loss.py)."""
+    from trl import GRPOTrainer
+
+    from training.grpo_trainer import NopadGRPOTrainer
+
+    reference, ref_grads = _grpo_step_grads(tok, tmp_path, GRPOTrainer, loss_config)
+    nopad, grads = _grpo_step_grads(tok, tmp_path, NopadGRPOTrainer, loss_config)
+    assert sum(float(g.abs().sum()) for g in ref_grads.values()) > 0
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-5)
+    loss = [h["loss"] for h in nopad.state.log_history if "loss" in h]
+    assert loss == pytest.approx([h["loss"] for h in reference.state.log_history if "loss" in h], abs=1e-5)
 
 
 def logp_recorder(seen: list, base=None):

@@ -1,9 +1,10 @@
 """What turns packed rows into a training step: one globally normalised optimizer step per window
 of rows, under any engine (``accumulation``), the SFT step and its data (``sft``, ``sft_data``),
-the GRPO step (``grpo_step``) over rollouts -> packed rows -> log-probs (``grpo``), the loss
-(``loss``), checkpoints written whole (``checkpoint``), the Accelerator (``accelerator``), the
-checks that stop a run on a NaN or infinite reward, loss or gradient (``nonfinite``), and the
-transformers / TRL integrations (``trainer``, ``grpo_trainer``, ``trl_rollout``).
+the GRPO step (``grpo_step``) over rollouts -> packed rows -> log-probs (``grpo``), the losses
+(``loss``; the GRPO family behind one seam: ``policy_loss``), checkpoints written whole
+(``checkpoint``), the Accelerator (``accelerator``), the checks that stop a run on a NaN or
+infinite reward, loss or gradient (``nonfinite``), and the transformers / TRL integrations
+(``trainer``, ``grpo_trainer``, ``trl_rollout``).
 
 It sits on ``dataloaders`` and ``inference``, which stand side by side on ``packing``. Names are
 imported lazily, so ``import training`` does not import TRL.

@@ -35,6 +35,7 @@ COMPLETE_MARKER = "nopad_checkpoint.json"  # written last, inside the temporary 
 INCOMPLETE_SUFFIX = ".incomplete"
 LOCK_FILE = "nopad_run.lock"  # in the output directory while a run writes there: pid, host, run id
 METRICS_FILE = "metrics.jsonl"
+STATE_DIR = "training_state"  # inside step_N/: what resuming needs beyond the model directory
 
 
 def step_of(path: Path) -> int | None:
@@ -265,3 +266,65 @@ def _alive(owner: dict) -> bool:
     except PermissionError:
         return True
     return int(owner.get("pid", 0)) > 0
+
+
+# ----------------------------------------------------------------------------- the recipes' use
+def save_training_checkpoint(accelerator, path: Path, save_model: Callable[[Path], None],
+                             keep_last: int | None = None, state_kwargs: dict | None = None) -> None:
+    """``path`` becomes a model directory (``save_model(dir)`` writes it) holding, in
+    ``training_state/``, everything registered with the Accelerator (optimizer, RNG, the recipe's
+    progress) to resume from; written whole or not at all (:func:`save_checkpoint`). SFT and GRPO
+    both checkpoint through here. ``state_kwargs`` go to ``save_state``."""
+
+    def write(tmp: Path) -> None:
+        accelerator.save_state(str(tmp / STATE_DIR), **(state_kwargs or {}))
+        save_model(tmp)
+
+    save_checkpoint(path, write, accelerator, keep_last=keep_last)
+
+
+def resume_path(resume_from: str, output_dir: Path) -> Path:
+    """The checkpoint ``checkpoint.resume_from`` names: a step_N directory, or ``latest`` in
+    ``output_dir`` (its newest complete one)."""
+    return latest_checkpoint(output_dir) if resume_from == "latest" else Path(resume_from)
+
+
+def resume_training(accelerator, resume_from: str, output_dir: Path,
+                    state_kwargs: dict | None = None) -> Path:
+    """Load ``resume_from`` (a step_N directory, or the ``latest`` complete one in ``output_dir``)
+    into everything registered for checkpointing (``state_kwargs`` go to ``load_state``); returns
+    the checkpoint's path."""
+    path = resume_path(resume_from, output_dir)
+    if not (path / STATE_DIR).is_dir():
+        raise FileNotFoundError(f"checkpoint.resume_from={str(path)!r} holds no {STATE_DIR}/ "
+                                "written by this recipe; give a step_N directory of an earlier run")
+    try:
+        accelerator.load_state(str(path / STATE_DIR), **(state_kwargs or {}))
+    except ValueError:  # our own: a resume under another plan, naming the setting
+        raise
+    except Exception as err:  # a damaged file: say which checkpoint, not only the zip reader's words
+        raise RuntimeError(resume_failure(path, err)) from err
+    return path
+
+
+def append_metrics(output_dir: str | Path, record: dict) -> None:
+    """One step's record appended to the run's ``metrics.jsonl`` (main process only): the run log
+    of SFT and GRPO alike; a resumed run continues the file (:func:`trim_metrics`)."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with open(output_dir / METRICS_FILE, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def trim_metrics(output_dir: str | Path, first_redone: int) -> None:
+    """On resume: drop the records of steps ``>= first_redone``, which a run killed after its
+    checkpoint had logged and the resumed run logs again, so each step appears once."""
+    path = Path(output_dir) / METRICS_FILE
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", -1) < first_redone]
+    if len(kept) != len(lines):
+        logger.info("%s: dropping %d record(s) of steps >= %d, logged after the checkpoint resumed from",
+                    path, len(lines) - len(kept), first_redone)
+        path.write_text("".join(line + "\n" for line in kept))

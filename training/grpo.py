@@ -13,7 +13,7 @@ score the same way; two copies had drifted before.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,9 +23,6 @@ from packing.row import IGNORE_INDEX, PackedRow, as_row
 from packing.varlen import VarlenMeta
 
 logger = logging.getLogger(__name__)
-
-ISWeightFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
 
 def resolve_batch_invariant(setting: bool | str, device: torch.device | str,
                             key: str = "batch_invariant") -> bool:
@@ -52,14 +49,27 @@ def resolve_batch_invariant(setting: bool | str, device: torch.device | str,
     return bool(setting)
 
 
-def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
-    """GRPO advantages: each reward minus its group's mean, over the group's std.
-    ``rewards`` is ``(num_prompts, num_generations)``; a group with equal rewards gets zeros."""
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-4, scale_rewards: str = "group",
+                     batch_std: float | None = None) -> torch.Tensor:
+    """GRPO advantages: each reward minus its group's mean, over a std (TRL's ``scale_rewards``):
+    the group's (``"group"``), the whole batch's (``"batch"``: ``batch_std``, or these rewards') or
+    none (``"none"``, Dr. GRPO). ``rewards`` is ``(num_prompts, num_generations)``; a group with
+    equal rewards gets zeros."""
     if rewards.ndim != 2 or rewards.shape[1] < 2:
         raise ValueError(f"rewards must be (num_prompts, num_generations >= 2), got {tuple(rewards.shape)}")
-    mean = rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, keepdim=True)
-    return (rewards - mean) / (std + eps)
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale_rewards == "none":
+        return centred
+    if scale_rewards == "batch":
+        std = rewards.std() if batch_std is None else torch.tensor(batch_std, dtype=rewards.dtype)
+    else:
+        std = rewards.std(dim=1, keepdim=True)
+    return centred / (std + eps)
+
+
+SCALE_REWARDS = ("group", "batch", "none")
 
 
 @dataclass
@@ -77,6 +87,7 @@ class Rollout:
     # tokens (context only); empty: every completion token is the model's. ``gen_logprobs`` then
     # hold one value per completion token (any value at tool tokens: they are dropped)
     loss_mask: Sequence[int] = ()
+    truncated: bool = False  # stopped by the token limit, not by the model (mask_truncated_completions)
 
 
 def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = True) -> list[PackedRow]:
@@ -198,21 +209,12 @@ def packed_logprobs(model, row: Mapping, temperature: float = 1.0, *, compute_en
         entropies = row.per_pair(-(logp_all.exp() * logp_all).sum(-1))
     return logps, entropies
 
-def grpo_token_loss(logp, old_logp, advantages, clip_eps: float, weights=None, ref_logp=None, beta=0.0):
-    """Clipped policy-gradient loss per token (PPO/GRPO), optionally IS-weighted and with the k3 KL."""
-    ratio = torch.exp(logp - old_logp)
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
-    loss = -torch.minimum(ratio * advantages, clipped * advantages)
-    if weights is not None:
-        loss = loss * weights
-    if beta:
-        delta = ref_logp - logp
-        loss = loss + beta * (torch.exp(delta) - delta - 1)
-    return loss, (ratio - clipped).abs() > 0
 
-
-def truncated_is(cap: float) -> ISWeightFn:
-    """Truncated importance sampling: weight min(pi_train / pi_gen, cap) per token."""
-    def weights(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor) -> torch.Tensor:
-        return torch.exp(train_logprobs - gen_logprobs).clamp(max=cap)
-    return weights
+def pair_sequences(row: PackedRow) -> torch.Tensor:
+    """The sequence (an index into ``row.indices``) of each loss pair of ``row``, in pair order:
+    what a sequence-level loss or IS mode groups the pairs by."""
+    if row.pair_seqs is not None:
+        return row.pair_seqs
+    targets_at = torch.nonzero(row.labels[0] != IGNORE_INDEX).squeeze(1)
+    ends = row.nopad_meta.cu_seqlens_q[1:].to(device=targets_at.device, dtype=torch.long)
+    return torch.searchsorted(ends, targets_at, right=True)

@@ -13,45 +13,71 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from inference.episodes import EpisodeLimits
 from inference.sharded import sharded_generate
 from inference.tools import ToolFormat
-from packing.distributed import any_rank
+from packing.distributed import any_rank, global_sum, world_size
 from packing.invariance import batch_invariant
 from training.accumulation import OptimizerStepper, pad_rows
 from training.grpo import (
-    ISWeightFn,
+    SCALE_REWARDS,
     Rollout,
     empty_rollout_row,
     group_advantages,
-    grpo_token_loss,
     pack_rollouts,
     packed_logprobs,
     packing_metrics,
+    pair_sequences,
 )
 from training.mismatch import logprob_mismatch
 from training.nonfinite import describe_sample, reward_value
+from training.policy_loss import PolicyBatch, PolicyLossConfig, make_policy_loss, objective
 
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, dict], float]
 
 
+OLD_LOGPROBS = ("rollout", "recompute")
+
+
 @dataclass
 class GRPOLoss:
-    """What turns rollouts into one step's loss: the packing, the clipped ratio, the KL term and an
-    optional importance-sampling correction (``is_weights(train_logprobs, gen_logprobs)``)."""
+    """What turns rollouts into a step's optimizer steps: the packing, the policy loss
+    (:mod:`training.policy_loss`, TRL's ``loss_type`` and knobs), the reward scaling, how many
+    optimizer steps a rollout batch feeds and where the old log-probs come from.
+
+    ``old_logprobs``: ``"rollout"`` (the generator's own: exact in the batch-invariant mode, no
+    extra forward; outside it the mismatch is reported) or ``"recompute"`` (the trainer's, from one
+    no-grad forward before the first update when a batch feeds several steps; needed by
+    ``policy.is_correction``, which weighs them against the rollout's)."""
 
     max_tokens_per_batch: int = 1024
     shared_prefix: bool = True  # rollouts packed as a prefix tree: shared prefixes computed once
-    clip_eps: float = 0.2
-    beta: float = 0.0
-    is_weights: ISWeightFn | None = None
+    policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    scale_rewards: str = "group"  # group | batch | none (TRL's)
+    mask_truncated_completions: bool = False  # a completion cut by the token limit carries no loss
+    num_iterations: int = 1  # passes over each rollout batch (TRL's num_iterations, mu)
+    steps_per_generation: int = 1  # mini-batches per pass, one optimizer step each
+    old_logprobs: str = "rollout"
     batch_invariant: bool = False  # the forwards run in packing.batch_invariant() (already resolved)
+
+    def __post_init__(self) -> None:
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {self.scale_rewards!r}")
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(f"old_logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}")
+        if self.num_iterations < 1 or self.steps_per_generation < 1:
+            raise ValueError("num_iterations and steps_per_generation must be >= 1, got "
+                             f"{self.num_iterations} and {self.steps_per_generation}")
+        if self.policy.is_correction != "none" and self.old_logprobs == "rollout":
+            raise ValueError(f"is_correction={self.policy.is_correction} weighs the trainer's old log-probs "
+                             "against the rollout's, but old_logprobs=rollout makes them the same numbers; "
+                             "set old_logprobs=recompute (or is_correction=none)")
 
 
 def grpo_step(stepper: OptimizerStepper, generator, examples: Sequence[dict],
@@ -68,17 +94,19 @@ def grpo_step(stepper: OptimizerStepper, generator, examples: Sequence[dict],
         if episodes is None:
             outputs = sharded_generate(generator, stepper.model, list(prompt_ids), params, mode=rollout_mode,
                                        use_tqdm=use_tqdm)
-            samples = [[(c.token_ids, c.token_ids, c.logprobs, ()) for c in out.outputs] for out in outputs]
+            samples = [[(c.token_ids, c.token_ids, c.logprobs, (), c.finish_reason) for c in out.outputs]
+                       for out in outputs]
         else:
             samples, episode_metrics = _run_episodes(generator, stepper.model, prompt_ids, params, episodes)
     rollout_time = time.perf_counter() - t0
     generator.release()  # the KV cache goes back before any backward pass
-    rollouts = [Rollout(list(ids), list(completion), [float(x) for x in logprobs], loss_mask=list(mask))
-                for ids, group in zip(prompt_ids, samples) for _, completion, logprobs, mask in group]
+    rollouts = [Rollout(list(ids), list(completion), [float(x) for x in logprobs], loss_mask=list(mask),
+                        truncated=reason == "length")
+                for ids, group in zip(prompt_ids, samples) for _, completion, logprobs, mask, reason in group]
     answers = [[answer for answer, *_ in group] for group in samples]  # what each reward reads
     rewards = score_rollouts(reward_fn, tokenizer, examples, answers, step)
     rewards_t = torch.tensor(rewards).view(len(examples), params.n)
-    set_advantages(rollouts, rewards_t, step)
+    set_advantages(rollouts, rewards_t, step, loss.scale_rewards)
     metrics = train_on_rollouts(stepper, rollouts, loss, ref_model=ref_model, step=step)
     completion_tokens = metrics["completion_tokens"]
     return {"step": step, "reward_mean": float(rewards_t.mean()), "reward_std": float(rewards_t.std()),
@@ -110,7 +138,8 @@ def _run_episodes(generator, model, prompt_ids, params, episodes: ToolEpisodes):
     for ep in done:
         last = ep.turns[-1] if ep.turns else None
         answer = ep.completion_ids[last.start:last.end] if last is not None else []
-        samples[ep.prompt_index].append((answer, ep.completion_ids, ep.logprobs, ep.model_mask))
+        samples[ep.prompt_index].append((answer, ep.completion_ids, ep.logprobs, ep.model_mask,
+                                         ep.finish_reason))
     calls = sum(ep.num_tool_calls for ep in done)
     return samples, {"tool_calls_per_episode": calls / max(len(done), 1),
                      "tool_failure_rate": sum(ep.num_tool_errors for ep in done) / max(calls, 1),
@@ -142,9 +171,12 @@ def score_rollouts(reward_fn: RewardFn, tokenizer, examples: Sequence[dict],
     return rewards
 
 
-def set_advantages(rollouts: list[Rollout], rewards: torch.Tensor, step: int = 0) -> None:
+def set_advantages(rollouts: list[Rollout], rewards: torch.Tensor, step: int = 0,
+                   scale_rewards: str = "group") -> None:
     """Each rollout's group advantage from ``rewards`` ``(prompts, completions per prompt)``, in
-    rollout order; a step whose groups all have equal rewards is said to train nothing."""
+    rollout order; a step whose groups all have equal rewards is said to train nothing.
+    ``scale_rewards="batch"`` divides by the std of every rank's rewards (every rank calls this)."""
+    batch_std = _global_std(rewards) if scale_rewards == "batch" else None
     if rewards.numel() and bool((rewards.std(dim=1) == 0).all()):
         logger.warning(
             "grpo step %d: every group's rewards are equal (all %s), so every advantage is 0 and this step "
@@ -153,85 +185,205 @@ def set_advantages(rollouts: list[Rollout], rewards: torch.Tensor, step: int = 0
             sorted(set(rewards[:, 0].tolist())))
     if not rewards.numel():
         return
-    for r, a in zip(rollouts, group_advantages(rewards).flatten().tolist(), strict=True):
+    advantages = group_advantages(rewards, scale_rewards=scale_rewards, batch_std=batch_std)
+    for r, a in zip(rollouts, advantages.flatten().tolist(), strict=True):
         r.advantage = a
+
+
+def _global_std(rewards: torch.Tensor) -> float:
+    """The (Bessel-corrected) std of the rewards of all ranks, as TRL's ``scale_rewards="batch"``."""
+    n, total = global_sum(rewards.numel()), global_sum(float(rewards.sum()))
+    squares = global_sum(float((rewards.double() ** 2).sum()))
+    return max(squares - total * total / n, 0.0) ** 0.5 / max(n - 1, 1) ** 0.5 if n else 0.0
 
 
 def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: GRPOLoss, *,
                       ref_model=None, step: int | None = None) -> dict:
-    """Packed training forward and backward over ``rollouts`` (with their advantages), one optimizer
-    step; every rank calls it, also with no rollouts. Returns the training metrics of the step.
+    """Packed training forwards and backwards over ``rollouts`` (with their advantages):
+    ``loss.num_iterations`` passes of ``loss.steps_per_generation`` mini-batches, one optimizer step
+    each; every rank calls it, also with no rollouts. Returns the step's training metrics.
     ``step`` names the step when its loss or gradient is not finite."""
     model = stepper.model
     model.train()
     t0 = time.perf_counter()
-    rows = pack_rollouts(rollouts, loss.max_tokens_per_batch, shared_prefix=loss.shared_prefix)
-    packed = packing_metrics(rows, rollouts)
-    # every rank the same number of rows: under ZeRO-3 / FSDP2 each forward is a collective
-    rows = pad_rows(rows, empty_rollout_row)
-    train_lps, gen_lps, losses, clipped = [], [], [], 0
     device = next(model.parameters()).device
+    chunks = _minibatches(rollouts, loss.steps_per_generation)
+    batches = [_MiniBatch(rollouts, chunk, loss) for chunk in chunks]
+    real = [row for b in batches for row in b.rows if not row.empty]
+    packed = packing_metrics(real, rollouts)
+    passes = loss.num_iterations * loss.steps_per_generation
+    forwards_before = 0
+    if loss.old_logprobs == "recompute" and passes > 1:  # the trainer's, once, before any update
+        forwards_before = sum(len(b.rows) for b in batches)
+        with torch.no_grad(), batch_invariant(loss.batch_invariant):
+            for b in batches:
+                b.old = [packed_logprobs(model, row.to(device)) for row in b.rows]
+    policy = make_policy_loss(loss.policy)
+    acc = _Metrics()
     label = None if step is None else f"grpo step {step}"
-    with stepper.window(rows, "num_loss_tokens", step=label) as window:
-        for row in rows:
-            row = row.to(device)  # CPU rows (and their VarlenMeta) to the model
-            with window.row():
-                loss_sum, logp, gen_lp, was_clipped = _row_loss(model, row, loss, ref_model)
-                row_loss = window.backward(loss_sum)
-            if not row.empty:
-                train_lps.append(logp.detach())
-                gen_lps.append(gen_lp)
-                losses.append(row_loss)
-                clipped += int(was_clipped.sum())
-    rows = [r for r in rows if not r.empty]
+    for iteration in range(loss.num_iterations):
+        for index, b in enumerate(batches):
+            first = iteration == 0 and index == 0
+            acc.grad_norms.append(_train_window(stepper, b, policy, loss, ref_model, device, acc, label,
+                                                first=first, measure=iteration == 0))
     train_time = time.perf_counter() - t0
-    train_lp = torch.cat(train_lps) if train_lps else torch.zeros(1)
-    gen_lp = torch.cat(gen_lps) if gen_lps else torch.zeros(1)
+    train_lp, gen_lp = acc.logps()
     gap, ratio = (train_lp - gen_lp).abs(), torch.exp(train_lp - gen_lp)
     # the model's tokens: an episode's tool tokens are context, not trained on
     completion_tokens = sum(sum(r.loss_mask) if r.loss_mask else len(r.completion_ids) for r in rollouts)
     longest = max((len(r.prompt_ids) + len(r.completion_ids) for r in rollouts), default=0)
     return {
-        "loss": float(torch.stack(losses).sum()) if losses else 0.0,
-        "grad_norm": window.grad_norm,
-        "clip_fraction": clipped / max(completion_tokens, 1),  # tokens whose ratio left [1-eps, 1+eps]
+        "loss": sum(acc.losses) / len(acc.losses),  # the mean over the step's optimizer steps
+        "grad_norm": sum(acc.grad_norms) / len(acc.grad_norms),
+        # tokens whose ratio left [1 - epsilon, 1 + epsilon_high] on the side the advantage pushes
+        "clip_fraction": acc.sums.get("clip_ratio/region_mean", 0.0) / max(acc.tokens, 1.0),
+        **{k: v / max(acc.tokens, 1.0) for k, v in acc.sums.items() if not k.startswith("is/")},
         "completion_tokens": completion_tokens,
         **packed,  # train_tokens, flat_train_tokens, tree_token_saving
-        "train_rows": len(rows),
+        "train_rows": len(real),
         "padded_train_tokens": longest * len(rollouts),  # what one right-padded batch would compute
-        "train_tokens_per_s": packed["train_tokens"] / train_time,
+        "train_tokens_per_s": packed["train_tokens"] * passes / train_time,
+        "optimizer_steps": passes,
+        "forwards_per_optimizer_step": (forwards_before + acc.forwards) / passes,
+        "ratio_dev_max_first_step": acc.first_ratio_dev,  # 0 in the mode: old = the rollout's, exactly
+        "ratio_dev_max": acc.ratio_dev,  # |pi / pi_old - 1| over every step: moved by the updates alone
         "logprob_gap_max": float(gap.max()),
         "logprob_gap_mean": float(gap.mean()),
-        # pi_train / pi_rollout of this (first and only) epoch: exactly 1 in batch-invariant mode
+        # pi_train / pi_rollout before any update of this step: exactly 1 in batch-invariant mode
         "is_ratio_min": float(ratio.min()),
         "is_ratio_max": float(ratio.max()),
         **logprob_mismatch(train_lp, gen_lp),  # share outside [0.9, 1.1], p95 / max of |ratio - 1|
+        **{f"mismatch/{k}": v for k, v in acc.sums.items() if k.startswith("is/")},
         "batch_invariant": float(loss.batch_invariant),
         "train_s": train_time,
     }
 
 
-def _row_loss(model, row, loss: GRPOLoss, ref_model):
-    """The summed GRPO token loss of one packed row (zero for a padding row, which only runs the
-    collectives); also its log-probs, the generator's and which tokens were clipped."""
+class _MiniBatch:
+    """One mini-batch of the rollout batch: its padded rows, each pair's counting mask, and the
+    cached per-row old / reference log-probs (computed once, reused by every pass)."""
+
+    def __init__(self, rollouts: list[Rollout], chunk: list[int], loss: GRPOLoss):
+        rows = pack_rollouts([rollouts[i] for i in chunk], loss.max_tokens_per_batch,
+                             shared_prefix=loss.shared_prefix)
+        # every rank the same number of rows (under ZeRO-3 / FSDP2 each forward is a collective), and
+        # a row even where this rank has no rollouts: the window steps once on every rank
+        self.rows = pad_rows(rows, empty_rollout_row) or [empty_rollout_row()]
+        self.seqs = [pair_sequences(row) for row in self.rows]
+        self.masks = []
+        for row, seq in zip(self.rows, self.seqs):
+            keep = torch.ones(seq.numel())
+            if row.empty:
+                keep.zero_()
+            elif loss.mask_truncated_completions:  # TRL: a truncated completion carries no loss
+                cut = torch.tensor([rollouts[chunk[i]].truncated for i in row.indices.tolist()])
+                keep = (~cut[seq.cpu()]).float()
+            self.masks.append(keep)
+        self.old: list[torch.Tensor] | None = None
+        self.ref: dict[int, torch.Tensor] = {}
+
+    def counts(self, policy) -> list[float]:
+        """Per row, what the loss is normalised by: counted tokens, or sequences with a pair."""
+        if policy.normalizer == "tokens":
+            return [float(m.sum()) for m in self.masks]
+        return [0.0 if row.empty else float(torch.unique(s).numel()) for row, s in zip(self.rows, self.seqs)]
+
+
+class _Metrics:
+    def __init__(self):
+        self.losses, self.grad_norms, self.sums = [], [], {}
+        self.tokens = 0.0
+        self.forwards = 0
+        self.first_ratio_dev = 0.0
+        self.ratio_dev = 0.0
+        self.train_lps, self.gen_lps = [], []
+
+    def add(self, metrics: dict, tokens: float) -> None:
+        for k, v in metrics.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.tokens += tokens
+
+    def logps(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.train_lps:
+            return torch.zeros(1), torch.zeros(1)
+        return torch.cat(self.train_lps), torch.cat(self.gen_lps)
+
+
+def _minibatches(rollouts: list[Rollout], parts: int) -> list[list[int]]:
+    """``parts`` contiguous slices of the rollouts, cut between groups (rollouts of one prompt) where
+    the groups divide evenly, so each mini-batch's prompts are shared in its tree rows."""
+    if parts == 1:
+        return [list(range(len(rollouts)))]
+    starts = [i for i in range(len(rollouts))
+              if i == 0 or rollouts[i].prompt_ids != rollouts[i - 1].prompt_ids]
+    if starts and len(starts) % parts == 0:
+        per = len(starts) // parts
+        bounds = [starts[k * per] for k in range(parts)] + [len(rollouts)]
+    else:
+        bounds = [round(k * len(rollouts) / parts) for k in range(parts + 1)]
+    return [list(range(bounds[k], bounds[k + 1])) for k in range(parts)]
+
+
+def _train_window(stepper, b: _MiniBatch, policy, loss: GRPOLoss, ref_model, device, acc: _Metrics,
+                  label, *, first: bool, measure: bool) -> float:
+    """One optimizer step over mini-batch ``b``; returns its gradient norm."""
+    counts = b.counts(policy)
+    count, tokens = global_sum(sum(counts)), global_sum(sum(float(m.sum()) for m in b.masks))
+    local = [1.0] * len(b.rows)
+    if policy.rank_local:  # bnpo: this rank's token mean, the ranks' means averaged
+        mine = sum(counts)
+        local = [count / (world_size() * mine) if mine else 0.0] * len(b.rows)
+    step_loss = 0.0
+    with stepper.window([{"n": c} for c in counts], "n", step=label) as window:
+        for r, row in enumerate(b.rows):
+            row = row.to(device)  # CPU rows (and their VarlenMeta) to the model
+            with window.row():
+                out, batch = _row_loss(stepper.model, row, r, b, policy, loss, ref_model, acc)
+                total = objective(out, loss.policy, count, tokens) * local[r]
+                if row.empty:
+                    total = total * 0.0
+                step_loss += float(window.backward(total))
+            if row.empty:
+                continue
+            # the IS weights depend on the rollout alone: counted once, on the first pass
+            acc.add({k: v for k, v in out.metrics.items() if measure or not k.startswith("is/")},
+                    float(batch.mask.sum()))
+            dev = float((torch.exp(batch.logp.detach() - batch.old_logp) - 1).abs().max())
+            acc.ratio_dev = max(acc.ratio_dev, dev)
+            if first:
+                acc.first_ratio_dev = max(acc.first_ratio_dev, dev)
+            if measure and (first or b.old is not None):  # before any update: the mismatch report
+                acc.train_lps.append(batch.old_logp if b.old is not None else batch.logp.detach())
+                acc.gen_lps.append(row.gen_logprobs.to(batch.logp.device))
+    acc.losses.append(step_loss)
+    return window.grad_norm
+
+
+def _row_loss(model, row, r: int, b: _MiniBatch, policy, loss: GRPOLoss, ref_model, acc: _Metrics):
+    """The policy loss of one packed row and the pairs it was computed on."""
+    entropy = bool(loss.policy.entropy_coef)
     with batch_invariant(loss.batch_invariant):  # the forward only; any correct backward will do
-        logp = packed_logprobs(model, row)
+        scored = packed_logprobs(model, row, compute_entropy=entropy)
+        acc.forwards += 1
+    logp, ent = scored if entropy else (scored, None)
     gen_lp = row.gen_logprobs
     if gen_lp is None or gen_lp.shape != logp.shape:
         have = "no" if gen_lp is None else gen_lp.numel()
         raise ValueError(f"a row has {logp.numel()} loss tokens but {have} generator log-probs; the GRPO "
                          "loss needs every Rollout's gen_logprobs (the generator's, per sampled token)")
-    gen_lp, adv = gen_lp.to(logp.device), row.advantages.to(logp.device)
-    if loss.is_weights is None:
-        old, weights = gen_lp, None  # ratio against the generator's own log-probs
+    gen_lp = gen_lp.to(logp.device)
+    if loss.old_logprobs == "rollout":
+        old = gen_lp  # exact in the batch-invariant mode: the rollout's log-probs are the trainer's
     else:
-        old, weights = logp.detach(), loss.is_weights(logp.detach(), gen_lp).detach()
+        old = b.old[r].to(logp.device) if b.old is not None else logp.detach()
     ref_lp = None
-    if ref_model is not None and loss.beta:
-        with torch.no_grad():
-            ref_lp = packed_logprobs(ref_model, row)
-    tok_loss, was_clipped = grpo_token_loss(logp, old, adv, loss.clip_eps, weights, ref_lp, loss.beta)
-    total = tok_loss.sum()
-    if row.empty:
-        total = total * 0.0
-    return total, logp, gen_lp, was_clipped
+    if ref_model is not None and loss.policy.beta:
+        if r not in b.ref:
+            with torch.no_grad(), batch_invariant(loss.batch_invariant):
+                b.ref[r] = packed_logprobs(ref_model, row)
+                acc.forwards += 1
+        ref_lp = b.ref[r]
+    seq = b.seqs[r].to(logp.device)
+    batch = PolicyBatch(logp, old, row.advantages.to(logp.device), seq, len(row.indices),
+                        mask=b.masks[r].to(logp.device), ref_logp=ref_lp, rollout_logp=gen_lp, entropy=ent)
+    return policy(batch), batch

@@ -22,7 +22,6 @@ from training.loss import row_loss_sum
 
 logger = logging.getLogger(__name__)
 
-STATE_DIR = "training_state"  # inside step_N/: what resuming needs beyond the model directory
 COUNT_KEYS = {"token": "num_loss_tokens", "sequence": "num_loss_seqs"}  # what a window's loss is a mean over
 
 
@@ -65,13 +64,10 @@ def make_optimizer(model, lr: float, weight_decay: float, warmup_steps: int, tot
 
 
 def use_attention(model, name: str) -> None:
-    """Switch ``model`` to the attention ``name`` (``"nopad"`` is registered first, after the
-    model is checked for layers nopad cannot keep packed sequences apart in)."""
+    """Switch ``model`` to the attention ``name`` (``"nopad"`` is registered first)."""
     if name == "nopad":
         from packing.hf import register_nopad_attention
-        from packing.mixers import PACKED, check_model
 
-        check_model(model, PACKED)
         register_nopad_attention()
     model.set_attn_implementation(name)
 
@@ -97,50 +93,12 @@ class Progress:
         self.step = int(state["step"])
 
 
-def save_checkpoint(accelerator, path: Path, save_model: Callable[[Path], None],
-                    keep_last: int | None = None, state_kwargs: dict | None = None) -> None:
-    """``path`` becomes a model directory (``save_model(dir)`` writes it) holding, in
-    ``training_state/``, the optimizer, scheduler, RNG and loader state to resume from. Written
-    whole or not at all (:mod:`training.checkpoint`). ``state_kwargs`` go to ``save_state``."""
-
-    def write(tmp: Path) -> None:
-        accelerator.save_state(str(tmp / STATE_DIR), **(state_kwargs or {}))
-        save_model(tmp)
-
-    checkpoint.save_checkpoint(path, write, accelerator, keep_last=keep_last)
-
-
-def resume_path(resume_from: str, output_dir: Path) -> Path:
-    """The checkpoint ``checkpoint.resume_from`` names: a step_N directory, or ``latest`` in
-    ``output_dir`` (its newest complete one)."""
-    return checkpoint.latest_checkpoint(output_dir) if resume_from == "latest" else Path(resume_from)
-
-
-def resume(accelerator, resume_from: str, output_dir: Path, state_kwargs: dict | None = None) -> Path:
-    """Load ``checkpoint.resume_from`` (a step_N directory, or the ``latest`` complete one) into
-    everything registered for checkpointing (``state_kwargs`` go to ``load_state``); returns the
-    checkpoint's path."""
-    path = resume_path(resume_from, output_dir)
-    if not (path / STATE_DIR).is_dir():
-        raise FileNotFoundError(f"checkpoint.resume_from={str(path)!r} holds no {STATE_DIR}/ "
-                                "written by this recipe; give a step_N directory of an earlier run")
-    try:
-        accelerator.load_state(str(path / STATE_DIR), **(state_kwargs or {}))
-    except ValueError:  # our own: a resume under another plan, naming the setting
-        raise
-    except Exception as err:  # a damaged file: say which checkpoint, not only the zip reader's words
-        raise RuntimeError(checkpoint.resume_failure(path, err)) from err
-    return path
-
-
 def record_step(accelerator, output_dir: Path, step: int, step_loss: float, bar=None) -> float:
     """The step's loss over all ranks, to the trackers, ``metrics.jsonl`` and the progress bar."""
     loss = accelerator.reduce(torch.tensor([step_loss], device=accelerator.device), "sum").item()
     accelerator.log({"loss": loss}, step=step)  # to the log_with trackers
     if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        with open(output_dir / "metrics.jsonl", "a") as f:  # appended: a resumed run continues it
-            f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+        checkpoint.append_metrics(output_dir, {"step": step, "loss": loss})
     if bar is not None:  # (the bar itself moves per micro-batch: see progress_bar)
         bar.set_postfix(step=step, loss=f"{loss:.4f}")
     return loss
