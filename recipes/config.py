@@ -309,15 +309,23 @@ def help_text(cls, prog: str, about: str = "") -> str:
     return "\n".join(out)
 
 
+def _field_default(f: dataclasses.Field):
+    """A field's default as declared, without building the section (whose check may import torch:
+    ``--help`` must answer without it)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+
+
 def _help_lines(cls, prefix: str) -> list[str]:
-    hints, docs, default = _hints(cls), field_docs(cls), cls()
+    hints, docs = _hints(cls), field_docs(cls)
     lines, sections = [], []
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             sections.append((f.name, hint))
             continue
-        value = getattr(default, f.name)
+        value = _field_default(f)
         shown = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip() \
             if not callable(value) else getattr(value, "__name__", str(value))
         doc = docs.get(f.name, "")
