@@ -173,12 +173,13 @@ def _chunk(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, temperatur
 
 
 def head_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                  entropy: bool = False, chunk_tokens: int = CHUNK_TOKENS
+                  entropy: bool = False, chunk_tokens: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 ``(log-probs of targets, entropies or None)`` of ``hidden`` ``(N, H)`` under
     ``softmax(head.logits(hidden) / temperature)``, computed ``chunk_tokens`` rows at a time from
     row 0; with grad enabled each chunk's logits are recomputed in backward (activation
-    checkpointing), so no ``(N, V)`` tensor is ever kept."""
+    checkpointing), so no ``(N, V)`` tensor is ever kept. ``chunk_tokens`` None: :data:`CHUNK_TOKENS`."""
+    chunk_tokens = CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     if targets.shape != hidden.shape[:1]:
@@ -204,7 +205,7 @@ def head_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, *, 
 
 def token_logprobs(model: torch.nn.Module, model_kwargs: dict[str, Any], positions: torch.Tensor,
                    targets: torch.Tensor, *, temperature: float = 1.0, entropy: bool = False,
-                   chunk_tokens: int = CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The log-prob of ``targets[i]`` predicted at row position ``positions[i]`` (and the entropy
     there when asked) under ``model``, fp32, from one backbone forward and the chunked head
     (:func:`hidden_states`, :func:`head_logprobs`)."""

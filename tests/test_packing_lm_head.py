@@ -198,3 +198,31 @@ def test_the_row_logits_never_exist_with_a_151936_vocabulary():
     assert full.largest >= (tokens - 1) * vocab  # the tracker sees the full path's logits
     assert max(ours.largest, ours_backward.largest) <= chunk * vocab
     assert max(saved) <= vocab  # at most the one row the model's own head computes (the check)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_generator_logprobs_equal_the_chunked_heads_bitwise_whatever_the_token_count(dtype, monkeypatch,
+                                                                                      one_thread):
+    """In batch_invariant(): the generator's raw and tempered log-probs equal the trainer's through the
+    chunked head bit for bit, whether the generator ran big or small steps and whatever the rows'
+    token counts and the chunk size (a softcapped head)."""
+    from inference import Generator, SamplingParams
+    from packing.invariance import batch_invariant
+
+    model = tiny_model("gemma2").to(dtype)
+    prompts = [p.tolist() for p in random_sequences([5, 30, 12, 50], seed=4)]
+    for budget, temperature in ((13, 1.0), (200, 0.7)):
+        params = SamplingParams(temperature=temperature, n=2, max_tokens=8, seed=3)
+        with batch_invariant():
+            outs = Generator(model, max_num_batched_tokens=budget, num_blocks=64, block_size=16).generate(
+                prompts, params, use_tqdm=False)
+            rollouts = [Rollout(p, list(c.token_ids), list(c.temperature_logprobs))
+                        for p, o in zip(prompts, outs) for c in o.outputs if c.token_ids]
+            for capacity, chunk in ((64, 1), (150, 7), (1000, 128)):
+                monkeypatch.setattr(lm_head, "CHUNK_TOKENS", chunk)
+                with use_nopad_attention(model), torch.no_grad():
+                    rows = pack_rollouts(rollouts, capacity)
+                    trainer = torch.cat([packed_logprobs(model, row, temperature) for row in rows])
+                generator = torch.cat([row.gen_logprobs for row in rows])
+                assert trainer.numel() == generator.numel() > 0
+                assert torch.equal(trainer, generator), (budget, capacity, chunk)
