@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from packing.invariance import active_kernels, batch_invariant, is_enabled
+
 CHUNK_TOKENS = 128  # head rows per chunk; fixed, so chunk bounds never depend on the row's length
 
 
@@ -165,11 +167,14 @@ class _TargetLogprobs(torch.autograd.Function):
 
 
 def _chunk(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-           want_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    z = head.logits(hidden).float()
-    if temperature != 1.0:
-        z = z / temperature
-    return _TargetLogprobs.apply(z, targets, want_entropy)
+           want_entropy: bool, invariant: tuple[bool, str | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    # the recompute in backward runs the forward's numerics (batch-invariant or not), whatever mode
+    # the backward is called in: the same ops, so the same tensors saved and the same logits
+    with batch_invariant(*invariant):
+        z = head.logits(hidden).float()
+        if temperature != 1.0:
+            z = z / temperature
+        return _TargetLogprobs.apply(z, targets, want_entropy)
 
 
 def head_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
@@ -190,13 +195,14 @@ def head_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, *, 
         empty = zero.float().expand(0)
         return empty, (empty if entropy else None)
     grad = torch.is_grad_enabled()
+    invariant = (is_enabled(), active_kernels())
     parts, ents = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[start: start + chunk_tokens], targets[start: start + chunk_tokens]
         if grad:
-            lp, ent = checkpoint(_chunk, head, h, t, temperature, entropy, use_reentrant=False)
+            lp, ent = checkpoint(_chunk, head, h, t, temperature, entropy, invariant, use_reentrant=False)
         else:
-            lp, ent = _chunk(head, h, t, temperature, entropy)
+            lp, ent = _chunk(head, h, t, temperature, entropy, invariant)
         parts.append(lp)
         ents.append(ent)
     logps = torch.cat(parts)

@@ -226,3 +226,16 @@ def test_generator_logprobs_equal_the_chunked_heads_bitwise_whatever_the_token_c
                 generator = torch.cat([row.gen_logprobs for row in rows])
                 assert trainer.numel() == generator.numel() > 0
                 assert torch.equal(trainer, generator), (budget, capacity, chunk)
+
+
+def test_a_forward_in_batch_invariant_mode_backpropagates_outside_it():
+    """GRPO runs only the forward in the mode; each chunk's recompute replays the forward's numerics."""
+    from packing.invariance import batch_invariant
+
+    model = tiny_model("llama")
+    row = _row([20, 9])
+    with use_nopad_attention(model):
+        with batch_invariant():
+            logps, _ = token_logprobs(model, row.model_kwargs(), *row.loss_tokens(), chunk_tokens=4)
+        logps.sum().backward()
+    assert all(p.grad is not None and bool(p.grad.isfinite().all()) for p in model.parameters())
