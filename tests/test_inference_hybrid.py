@@ -17,7 +17,7 @@ from tests.test_inference_episodes import GREEDY as EPISODE
 from tests.test_inference_episodes import LIMITS, TOOLS, TokenFormat, echo, reference_episode
 from tests.test_inference_generator import forward_logprobs, hf_greedy, prompts_of
 
-FAMILIES = ("qwen3_5", "lfm2", "qwen3_next", "olmo_hybrid")
+FAMILIES = ("qwen3_5", "lfm2", "qwen3_next", "olmo_hybrid", "kimi_linear")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 LENGTHS = [1, 5, 17, 3, 12]
 
