@@ -79,6 +79,10 @@ def varlen_causal_conv1d(
         if kernel_fn is not None:  # (1, C, T) channel-last, as the kernel's seq_idx path wants
             out = kernel_fn(tokens.t()[None], weight, bias, seq_idx=meta.seq_idx[None], activation=activation)
             out = out[0].t()
+    if out is None and initial_states is None and meta.key_rows is None:
+        out = _flat_conv(tokens.to(weight.dtype), weight, bias, activation, meta).to(x.dtype)
+    if out is not None and not return_final_states:
+        return out[None] if x.dim() == 3 else out.t()
     rows, final_rows = _windows(meta, kernel, initial_states is not None)
     source = _source(tokens.to(weight.dtype), initial_states, kernel)
     if out is None:
@@ -93,6 +97,31 @@ def varlen_causal_conv1d(
     if not return_final_states:
         return out
     return out, source[final_rows].transpose(1, 2)
+
+
+def _flat_conv(tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+               meta: VarlenMeta) -> torch.Tensor:
+    """A packed row from zero states: one depthwise ``F.conv1d`` over the row laid with ``K - 1``
+    zero rows before each sequence, so no window crosses a boundary (the layer's own convolution,
+    one call; the gather reference costs ``K`` gathers and their scatter-add backward)."""
+    kernel = weight.shape[1]
+    cache = _WINDOWS.setdefault(meta, {})
+    if (kernel, "flat") not in cache:
+        parent_rows(meta)  # refuses a row whose context is in a cache
+        lens = np.asarray(meta.seqlens_q, dtype=np.int64)
+        gap = kernel - 1
+        seq = np.repeat(np.arange(lens.size), lens)
+        laid = np.arange(meta.total_q) + gap * (seq + 1)  # each token's place in the laid-out row
+        gather = np.full(meta.total_q + gap * lens.size, meta.total_q, dtype=np.int64)  # the zero row
+        gather[laid] = np.arange(meta.total_q)
+        cache[(kernel, "flat")] = (torch.from_numpy(gather).to(meta.device),
+                                   torch.from_numpy(laid - gap).to(meta.device))
+    gather, place = cache[(kernel, "flat")]
+    laid_out = torch.cat([tokens, tokens.new_zeros(1, tokens.shape[1])])[gather]
+    out = F.conv1d(laid_out.t()[None], weight[:, None, :], bias, groups=weight.shape[0])[0]
+    act = _ACTIVATIONS[activation]
+    out = out.index_select(1, place).t()
+    return act(out) if act is not None else out
 
 
 def _boundaries(x: torch.Tensor, meta: VarlenMeta | None, cu_seqlens: torch.Tensor | None) -> VarlenMeta:

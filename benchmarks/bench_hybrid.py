@@ -1,0 +1,129 @@
+"""Hybrid-model training throughput: padded batches vs nopad packed rows (issue 36), same model,
+same data, same token budget per step.
+
+A random-weight Qwen3.5 text model (``Qwen3_5ForCausalLM``: Gated DeltaNet ``linear_attention``
+layers and ``full_attention`` layers 3:1, as the released models lay them), scaled down to fit a
+2-core CPU, in fp32 and bf16; optionally LFM2 (short-convolution layers). Forward + backward real
+(non-padding) tokens per second over the same lognormal-length sequences:
+
+  padded  micro-batches of B sequences padded to their longest (DataCollatorWithPadding),
+          attention_mask, sdpa; B = budget / mean length
+  nopad   packing.pack BFD bins of ``budget`` tokens, one packed row each with its VarlenMeta:
+          attention through nopad, the delta rule and the convolution through nopad's varlen
+          mixers (packing/mixers/), each document from a zero state
+
+    python benchmarks/bench_hybrid.py            # full run
+    python benchmarks/bench_hybrid.py --quick    # smoke run, a tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
+
+from benchmarks.bench_train import make_lengths, nopad_batches, padded_batches  # noqa: E402
+from packing.hf import register_nopad_attention  # noqa: E402
+
+
+def qwen3_5(vocab: int, quick: bool) -> transformers.PreTrainedModel:
+    """Qwen3.5's shape at 1/16 of its width: 3 linear-attention layers per full-attention layer,
+    linear heads of half the hidden size, value heads twice the key heads, a 4-tap conv."""
+    hidden, layers = (64, 4) if quick else (256, 8)
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+        num_attention_heads=4, num_key_value_heads=1, head_dim=hidden // 4,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=hidden // 4,
+        linear_value_head_dim=hidden // 4, linear_conv_kernel_dim=4, max_position_embeddings=4096,
+    )
+    return _build(transformers.Qwen3_5ForCausalLM, config)
+
+
+def lfm2(vocab: int, quick: bool) -> transformers.PreTrainedModel:
+    """LFM2's layout (short-conv layers, every third layer attention), the same width."""
+    hidden, layers = (64, 3) if quick else (256, 6)
+    config = transformers.Lfm2Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        layer_types=(["conv", "conv", "full_attention"]) * (layers // 3), num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=4096,
+    )
+    return _build(transformers.Lfm2ForCausalLM, config)
+
+
+def _build(cls, config) -> transformers.PreTrainedModel:
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return cls(config).float().train()
+
+
+def run(model, impl: str, batches, real_tokens: int, dtype: torch.dtype, warm_up: bool = True) -> dict:
+    model.set_attn_implementation(impl)
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        if warm_up:
+            model(**batches[0]).loss.backward()
+            model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        computed = 0
+        for batch in batches:
+            model(**batch).loss.backward()
+            computed += batch["input_ids"].numel()
+        elapsed = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    return dict(seconds=elapsed, tok_s=real_tokens / elapsed, steps=len(batches),
+                efficiency=real_tokens / computed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="smoke run: a tiny model, 4 short sequences")
+    parser.add_argument("--sequences", type=int, default=None)
+    parser.add_argument("--budget", type=int, default=None, help="tokens per step (default 2048)")
+    parser.add_argument("--models", default="qwen3_5,lfm2", help="comma-separated: qwen3_5, lfm2")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="comma-separated; bf16 runs under CPU autocast, fp32 weights")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's; 1 with --quick)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    args.threads = args.threads or (1 if args.quick else torch.get_num_threads())
+    torch.set_num_threads(args.threads)
+    n = args.sequences or (4 if args.quick else 24)
+    budget = args.budget or (256 if args.quick else 2048)
+    vocab = 512 if args.quick else 2048  # a small head: the layers carry the compute
+    lengths = make_lengths(n, budget, args.seed)
+    if args.quick:
+        lengths = np.maximum(lengths // 8, 2)
+    g = torch.Generator().manual_seed(args.seed)
+    seqs = [torch.randint(3, vocab, (int(x),), generator=g) for x in lengths]
+    real = int(lengths.sum())
+    register_nopad_attention()
+    padded, packed = padded_batches(seqs, budget), nopad_batches(seqs, budget)
+    print(f"{n} sequences, {real} tokens (median {int(np.median(lengths))}, max {lengths.max()}), "
+          f"budget {budget} tokens/step, {args.threads} threads")
+    print(f"{'model':8s} {'dtype':9s} {'system':22s} {'steps':>5s} {'tokens eff':>10s} {'seconds':>8s} "
+          f"{'tok/s':>8s} {'vs padded':>9s}")
+    builders = {"qwen3_5": qwen3_5, "lfm2": lfm2}
+    for name in args.models.split(","):
+        model = builders[name](vocab, args.quick)
+        for dtype_name in args.dtypes.split(","):
+            dtype = getattr(torch, dtype_name)
+            base = run(model, "sdpa", padded, real, dtype, not args.quick)
+            nopad = run(model, "nopad", packed, real, dtype, not args.quick)
+            for system, r in (("padded, sdpa", base), ("nopad packed (BFD)", nopad)):
+                print(f"{name:8s} {dtype_name:9s} {system:22s} {r['steps']:5d} {r['efficiency']:10.1%} "
+                      f"{r['seconds']:8.2f} {r['tok_s']:8.0f} {r['tok_s'] / base['tok_s']:8.2f}x")
+
+
+if __name__ == "__main__":
+    main()
