@@ -98,7 +98,7 @@ def run_nopad(spec: dict) -> dict:
         write(*args, **kwargs)
         saves.append(time.perf_counter() - start)
 
-    recipe.checkpoint.save_training_checkpoint = timed_save
+    checkpoint.save_training_checkpoint = timed_save
     history = recipe.run_grpo(cfg, model=model, tokenizer=tok, progress=False)
     timed = history[-1]
     size = sum(f.stat().st_size for f in (out / f"step_{spec['batches']}").rglob("*") if f.is_file())

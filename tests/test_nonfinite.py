@@ -126,10 +126,10 @@ def test_a_nan_loss_stops_grpo_before_the_step(tmp_path, monkeypatch, one_thread
     def nan_logits(module, args, output):  # the training forwards only (rollouts run under no_grad)
         if torch.is_grad_enabled():
             calls.append(1)
-            output.logits = output.logits * float("nan")
+            return output * float("nan")
         return output
 
-    model.register_forward_hook(nan_logits)
+    final_norm(model).register_forward_hook(nan_logits)  # the head's input: the loss reads no logits
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(NonFiniteError, match=r"^grpo step 0: the loss is nan and the gradient norm is nan; "
                                              "stopped before this step changed the weights"):
@@ -148,17 +148,24 @@ def sft_config(tmp_path, **overrides):
     return with_overrides(load_config(SFTRecipeConfig, overrides=base), overrides)
 
 
+def final_norm(model):
+    """The module whose output the LM head reads: the loss runs the head on those hidden states
+    (packing.lm_head), so a NaN put there reaches the loss as a forward gone bad would."""
+    return model.get_decoder().norm
+
+
 def nan_from_call(model, first_bad: int):
-    """Make the model's logits NaN from its ``first_bad``-th forward on (1-based)."""
+    """Make the model's hidden states (so its logits and loss) NaN from its ``first_bad``-th forward
+    on (1-based)."""
     calls = []
 
     def hook(module, args, output):
         calls.append(1)
         if len(calls) >= first_bad:
-            output.logits = output.logits * float("nan")
+            return output * float("nan")
         return output
 
-    model.register_forward_hook(hook)
+    final_norm(model).register_forward_hook(hook)
 
 
 def test_sft_stops_at_the_step_whose_loss_is_nan_and_saves_nothing_from_it_on(tmp_path, one_thread):
@@ -185,10 +192,10 @@ def test_sft_with_nonfinite_skip_drops_the_step_and_goes_on(tmp_path, one_thread
     def nan_once(module, args, output):  # only step 2's forward
         calls.append(1)
         if len(calls) == 2:
-            output.logits = output.logits * float("nan")
+            return output * float("nan")
         return output
 
-    model.register_forward_hook(nan_once)
+    final_norm(model).register_forward_hook(nan_once)
     with caplog.at_level(logging.WARNING, logger="training.accumulation"):
         result = train(sft_config(tmp_path, **{"train": {"nonfinite": "skip"}}), model=model,
                        tokenizer=AsciiTokenizer())

@@ -295,7 +295,7 @@ def test_a_grpo_step_on_tree_rows_of_a_hybrid_model_equals_flat_packing(one_thre
 
     def step(shared_prefix, capacity):
         model = tiny_model("qwen3_5")
-        loss = GRPOLoss(max_tokens_per_batch=capacity, shared_prefix=shared_prefix, clip_eps=0.2)
+        loss = GRPOLoss(max_tokens_per_batch=capacity, shared_prefix=shared_prefix)
         optimizer = _grad_recorder(model.parameters())
         with use_nopad_attention(model):
             metrics = train_on_rollouts(OptimizerStepper(model, optimizer), rollouts, loss)

@@ -35,18 +35,19 @@ ATTENTION_INTS = ["stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt
 
 
 def attention_variant(dtype: torch.dtype, head_dim: int, *, paged: bool, decode: bool, softcap: bool,
-                      groups: int = 2, page: int = 16) -> tuple[dict, dict]:
+                      groups: int = 2, page: int = 16, sinks: bool = False) -> tuple[dict, dict]:
     """The (signature, constexprs) of one ``_attention_kernel`` specialization, with the tile
     configuration :func:`triton_kernel.tile_config` gives every call of that head dim and dtype."""
     tile = triton_kernel.tile_config(head_dim, dtype)
     ptr = POINTER[dtype]
-    signature = {"Q": ptr, "K": ptr, "V": ptr, "OUT": ptr, "CU_Q": "*i32", "KEYS": "*i32", "TABLE": "*i32"}
+    signature = {"Q": ptr, "K": ptr, "V": ptr, "OUT": ptr, "CU_Q": "*i32", "KEYS": "*i32", "TABLE": "*i32",
+                 "SINK": "*fp32"}
     signature.update({name: "i32" for name in ATTENTION_INTS})
     signature.update(scale="fp32", softcap="fp32", window="i32")
     constexprs = dict(G=groups, HEAD_DIM=head_dim, D_PAD=triton_kernel._padded(head_dim),
                       BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, PAGE=page if paged else 1, PAGED=paged,
                       DECODE=decode, CAUSAL=True, SOFTCAP=softcap, INTERPRETED=False,
-                      FP32=dtype == torch.float32)
+                      FP32=dtype == torch.float32, SINKS=sinks)
     signature.update({name: "constexpr" for name in constexprs})
     return signature, constexprs
 

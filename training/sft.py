@@ -67,7 +67,9 @@ def use_attention(model, name: str) -> None:
     """Switch ``model`` to the attention ``name`` (``"nopad"`` is registered first)."""
     if name == "nopad":
         from packing.hf import register_nopad_attention
+        from packing.mixers import PACKED, check_model
 
+        check_model(model, PACKED)  # a layer nopad cannot keep packed sequences apart in
         register_nopad_attention()
     model.set_attn_implementation(name)
 
