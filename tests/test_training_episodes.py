@@ -110,8 +110,8 @@ def make_trainer(tok, tmp_path, *, tools=None, environment_factory=None, reward=
                  batch_invariant=False, importance_sampling=False, cls=None, **config):
     from trl import GRPOConfig
 
-    from training.grpo_trainer import NopadGRPOTrainer
-    from training.trl_rollout import nopad_rollout_func
+    from training.trl.grpo_trainer import NopadGRPOTrainer
+    from training.trl.rollout import nopad_rollout_func
 
     settings = dict(output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=4, num_generations=4,
                     max_completion_length=48, max_steps=1, logging_steps=1, report_to=[], use_cpu=True,

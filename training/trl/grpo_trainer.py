@@ -1,6 +1,6 @@
 """TRL's ``GRPOTrainer`` with nopad's training forward: packed rows instead of padded batches.
 
-    from training.grpo_trainer import NopadGRPOTrainer
+    from training.trl.grpo_trainer import NopadGRPOTrainer
     trainer = NopadGRPOTrainer(model, reward_funcs, args=GRPOConfig(...), train_dataset=prompts,
                                processing_class=tok)    # rollouts: nopad_rollout_func() by default
     trainer.train()
@@ -134,7 +134,7 @@ class NopadGRPOTrainerMixin:
     tiles (``benchmarks/bench_trl.py`` measures it).
     ``max_tokens_per_forward``: tokens of one packed forward (default: the whole micro-batch, one
     forward per call on every rank, as ZeRO-3 / FSDP2 need: leave it unset there).
-    ``rollout_func`` defaults to :func:`training.trl_rollout.nopad_rollout_func` with the same
+    ``rollout_func`` defaults to :func:`training.trl.rollout.nopad_rollout_func` with the same
     ``batch_invariant``; ``nopad_rollout=False`` keeps TRL's own generation instead.
     """
 
@@ -155,7 +155,7 @@ class NopadGRPOTrainerMixin:
         device = getattr(train_args, "device", None) or next(model.parameters()).device  # where it will train
         self.nopad_batch_invariant = resolve_batch_invariant(batch_invariant, device)
         if nopad_rollout and kwargs.get("rollout_func") is None:
-            from training.trl_rollout import nopad_rollout_func
+            from training.trl.rollout import nopad_rollout_func
 
             kwargs["rollout_func"] = nopad_rollout_func(batch_invariant=self.nopad_batch_invariant)
         rollout = kwargs.get("rollout_func")
@@ -172,7 +172,7 @@ class NopadGRPOTrainerMixin:
         policy = self.accelerator.unwrap_model(self.model)
         check_model(policy, TREE)  # its rows are prefix-tree rows (a group's prompt laid once)
         self._refuse_uneven_sharded_forwards(policy)
-        from training.trl_rollout import NopadRollout, sampling_params
+        from training.trl.rollout import NopadRollout, sampling_params
 
         if isinstance(rollout, NopadRollout):  # bad generation settings fail now, not at the first rollout
             sampling_params(self)

@@ -1,6 +1,6 @@
 """A ready ``rollout_func`` for TRL's ``GRPOTrainer``: nopad's in-flight generator on the live policy.
 
-    from training.trl_rollout import nopad_rollout_func
+    from training.trl.rollout import nopad_rollout_func
     trainer = GRPOTrainer(model, reward_funcs, args=GRPOConfig(...), train_dataset=ds,
                           processing_class=tok, rollout_func=nopad_rollout_func())
 
