@@ -37,7 +37,6 @@ steps (every GEMM on fixed tiles; ``benchmarks/bench_trl.py`` measures the cost)
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 from typing import Any
 
@@ -45,12 +44,9 @@ import torch
 
 from training.grpo import Rollout, pack_rollouts, packed_logprobs, packing_metrics, resolve_batch_invariant
 from training.mismatch import logprob_mismatch
+from training.trl.compat import check_grpo_trainer
 
 logger = logging.getLogger(__name__)
-
-# the parameters of GRPOTrainer._get_per_token_logps_and_entropies this override was written for
-_EXPECTED_PARAMS = ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
-                    "compute_aux_loss")
 
 
 # ----------------------------------------------------------------------------- the packed forward
@@ -144,7 +140,7 @@ class NopadGRPOTrainerMixin:
             raise ValueError(f"shared_prefix must be True or False, got {shared_prefix!r}")
         if max_tokens_per_forward is not None and max_tokens_per_forward < 2:
             raise ValueError(f"max_tokens_per_forward must be >= 2, got {max_tokens_per_forward}")
-        _check_trl_signature(type(self))
+        check_grpo_trainer(type(self))  # every private TRL name this mixin and the rollout touch
         model = kwargs.get("model", args[0] if args else None)
         if isinstance(model, str):
             raise ValueError("NopadGRPOTrainer needs the model object (the rollout and the attention switch "
@@ -268,20 +264,6 @@ class NopadGRPOTrainerMixin:
                 stats["tree_token_saving"])
         self._report_mismatch(logps)
         return logps, entropies, None
-
-
-def _check_trl_signature(cls: type) -> None:
-    """Fail at construction, not mid-run, when TRL renamed or reshaped the method we replace."""
-    for klass in cls.__mro__:
-        if klass.__name__ == "GRPOTrainer" and "_get_per_token_logps_and_entropies" in vars(klass):
-            params = tuple(inspect.signature(klass._get_per_token_logps_and_entropies).parameters)[1:]
-            if params[: len(_EXPECTED_PARAMS)] != _EXPECTED_PARAMS:
-                raise RuntimeError(f"this TRL's GRPOTrainer._get_per_token_logps_and_entropies takes "
-                                   f"{params}; NopadGRPOTrainer was written for {_EXPECTED_PARAMS} "
-                                   "(TRL 1.16). Pin trl==1.16, or use GRPOTrainer with nopad_rollout_func")
-            return
-    raise RuntimeError("NopadGRPOTrainer must subclass a TRL GRPOTrainer that has "
-                       "_get_per_token_logps_and_entropies (TRL 1.16); this TRL has none")
 
 
 def _grpo_trainer_class() -> type:

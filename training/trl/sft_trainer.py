@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from training.trainer import NopadTrainerMixin
+from training.trl.compat import check_sft_trainer
 
 
 def _sft_trainer_class() -> type:
@@ -24,6 +25,7 @@ def _sft_trainer_class() -> type:
             if sft_args is not None and getattr(sft_args, "packing", False):
                 raise ValueError("NopadSFTTrainer packs by itself: set SFTConfig(packing=False) "
                                  "(TRL's packing would pack twice)")
+            check_sft_trainer(type(self))
             super().__init__(*args, **kwargs)
 
         def nopad_columns(self, dataset: Any) -> Any:
