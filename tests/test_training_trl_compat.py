@@ -188,3 +188,29 @@ def test_a_new_vllm_branch_is_named_and_refused(monkeypatch):
     with pytest.raises(compat.UntestedTRLError, match="GRPOTrainer._sync_lora"):
         vllm_state.enable_importance_sampling(trainer)
     assert not hasattr(trainer, "vllm_generation")  # nothing was set
+
+
+def _unflagged_trainer(**settings):
+    from types import SimpleNamespace
+
+    trainer = object.__new__(GRPOTrainer)
+    values = {"use_vllm": False, "vllm_importance_sampling_correction": True, "loss_type": "grpo",
+              "vllm_importance_sampling_mode": "sequence_mask", "state": SimpleNamespace(global_step=3)}
+    for name, value in {**values, **settings}.items():
+        setattr(trainer, name, value)
+    return trainer
+
+
+def test_importance_sampling_sets_the_flags_once_and_keeps_trls_vespo_check():
+    trainer = _unflagged_trainer()
+    vllm_state.enable_importance_sampling(trainer)
+    assert (trainer.use_vllm, trainer.vllm_mode, trainer._last_loaded_step) == (True, "server", 3)
+    assert trainer.vllm_generation.sync_weights() is None
+    with pytest.raises(RuntimeError, match="vLLM generation path is not available"):
+        trainer.vllm_generation.generate(prompts=[[1]])
+    vllm_state.enable_importance_sampling(trainer)  # idempotent: a second call is not "use_vllm=True"
+    # TRL refuses this at construction only when use_vllm is already on; nopad flips it later
+    with pytest.raises(ValueError, match="VESPO loss with importance_sampling=True needs"):
+        vllm_state.enable_importance_sampling(_unflagged_trainer(loss_type="vespo"))
+    with pytest.raises(ValueError, match="for rollouts without vLLM"):
+        vllm_state.enable_importance_sampling(_unflagged_trainer(use_vllm=True))
