@@ -44,6 +44,7 @@ import torch
 
 from training.grpo import Rollout, pack_rollouts, packed_logprobs, packing_metrics, resolve_batch_invariant
 from training.mismatch import logprob_mismatch
+from training.trl import lazy_class
 from training.trl.compat import check_grpo_trainer
 
 logger = logging.getLogger(__name__)
@@ -275,9 +276,4 @@ def _grpo_trainer_class() -> type:
     return NopadGRPOTrainer
 
 
-def __getattr__(name: str):
-    if name == "NopadGRPOTrainer":  # built on first use, so importing this module does not import TRL
-        cls = _grpo_trainer_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_class(globals(), "NopadGRPOTrainer", _grpo_trainer_class)

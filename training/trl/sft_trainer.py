@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from training.trainer import NopadTrainerMixin
+from training.trl import lazy_class
 from training.trl.compat import check_sft_trainer
 
 
@@ -39,9 +40,4 @@ def _sft_trainer_class() -> type:
     return NopadSFTTrainer
 
 
-def __getattr__(name: str):
-    if name == "NopadSFTTrainer":  # built on first use, so importing this module does not import TRL
-        cls = _sft_trainer_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_class(globals(), "NopadSFTTrainer", _sft_trainer_class)
