@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from packing.row import IGNORE_INDEX
-
 ROLES = ("system", "developer", "user", "assistant", "tool")  # what chat templates render
 CHAT_SETTINGS = (True, False, "auto")
 
@@ -72,6 +70,8 @@ def assistant_turns(tokenizer, messages: Sequence[Mapping]) -> list[tuple[list[i
 def tokenize_conversation(tokenizer, messages: Sequence[Mapping]) -> tuple[list[int], list[int]]:
     """``(input_ids, labels)`` of a whole conversation; labels are ``IGNORE_INDEX`` outside the
     assistant turns (each turn as :func:`assistant_turns` finds it, so per-turn samples agree)."""
+    from packing.row import IGNORE_INDEX  # here: packing imports torch, and --help reads tool tasks
+
     input_ids = render(tokenizer, messages, False)
     labels = [IGNORE_INDEX] * len(input_ids)
     for i, (upto, start) in enumerate(assistant_turns(tokenizer, messages)):
