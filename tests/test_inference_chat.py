@@ -5,6 +5,7 @@ for preprocess and per-turn SFT alike."""
 from __future__ import annotations
 
 import json
+import sys
 from types import SimpleNamespace
 
 import datasets
@@ -13,8 +14,11 @@ import pytest
 from inference.chat import encode_prompt, render, tokenize_conversation
 from packing.row import IGNORE_INDEX
 from tests.test_training_trl import make_tokenizer
+from training import nopad_rollout_func
 from training.sft_data import load_rows, per_turn_samples
-from training.trl_rollout import tokenize_prompts
+
+# the TRL rollout's module, by its public name: #39 A1 moves it (training/trl_rollout.py -> training/trl/)
+tokenize_prompts = sys.modules[nopad_rollout_func.__module__].tokenize_prompts
 
 # each turn closed by <eos>, as real templates close theirs (the model learns to stop)
 TEMPLATE = ("{% for m in messages %}<bos> {{ m['role'] }} {{ m['content'] }} <eos> {% endfor %}"
