@@ -37,11 +37,12 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from inference.chat import encode_prompt
 from recipes.cli import run_recipe
 from recipes.config import ConfigError, parse_cli, setup_logging
 from recipes.grpo_config import GRPORecipeConfig
 from recipes.models import load_model, save_model_dir
-from recipes.tasks import TASKS, Task, check_prompts_per_step, get_reward, load_examples
+from recipes.tasks import TASKS, check_prompts_per_step, get_reward, load_examples, tool_task
 
 if TYPE_CHECKING:  # torch and training/ are imported where they run, so --help answers without them
     from training.grpo_step import GRPOLoss, ToolEpisodes
@@ -72,22 +73,13 @@ def sampling_params(cfg: GRPORecipeConfig, step: int):
     from inference import SamplingParams
 
     ro = cfg.rollout
-    task = tool_task(cfg)
+    task = tool_task(cfg.task.name, cfg.task.prompts)
     return SamplingParams(n=ro.num_generations, max_tokens=ro.max_tokens, temperature=ro.temperature,
-                          top_p=ro.top_p, seed=ro.seed * 1_000_003 + step,
-                          stop=list(task.stop) if task else None)
-
-
-def tool_task(cfg: GRPORecipeConfig) -> Task | None:
-    """The built-in task of ``task.name`` when it is a tool task (and no prompt file replaces it)."""
-    task = TASKS[cfg.task.name] if cfg.task.prompts is None else None
-    return task if task is not None and task.uses_tools else None
+                          top_p=ro.top_p, seed=ro.seed * 1_000_003 + step, stop=task.stop if task else None)
 
 
 def build_prompts(cfg: GRPORecipeConfig, tokenizer) -> tuple[list[dict], list[list[int]]]:
     """The task's examples and their prompt token ids (chat template when configured)."""
-    from inference import chat
-
     task = cfg.task
     if task.prompts is not None:
         examples = load_examples(task.prompts, task.prompt_field, key="task.prompts")
@@ -96,7 +88,7 @@ def build_prompts(cfg: GRPORecipeConfig, tokenizer) -> tuple[list[dict], list[li
     limit = cfg.rollout.max_prompt_tokens
     ids = []
     for i, ex in enumerate(examples):
-        tokens = chat.encode_prompt(tokenizer, str(ex[task.prompt_field]), chat=cfg.model.chat_template)
+        tokens = encode_prompt(tokenizer, str(ex[task.prompt_field]), chat=cfg.model.chat_template)
         if not tokens or len(tokens) > limit:
             raise ValueError(f"prompt {i} has {len(tokens)} tokens; rollout.max_prompt_tokens={limit} "
                              "(raise it, or shorten the prompt)")
@@ -118,7 +110,7 @@ def tool_episodes(cfg: GRPORecipeConfig, tokenizer) -> ToolEpisodes | None:
     from inference.episodes import EpisodeLimits
     from training.grpo_step import ToolEpisodes
 
-    task = tool_task(cfg)
+    task = tool_task(cfg.task.name, cfg.task.prompts)
     if task is None:
         return None
     ro = cfg.rollout

@@ -144,6 +144,12 @@ TASKS: dict[str, Task] = {
 }
 
 
+def tool_task(name: str, prompts: str | None = None) -> Task | None:
+    """The built-in task ``name`` when it is a tool task and no prompt file (``prompts``) replaces it."""
+    task = TASKS[name] if prompts is None else None
+    return task if task is not None and task.uses_tools else None
+
+
 # ----------------------------------------------------------------------------- tokenizing
 class AsciiTokenizer:
     """One token per ASCII character: a real, dependency-free tokenizer for the tiny random test
