@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from inference import chat
 from inference.generator import Generator
 from inference.sampling_params import SamplingParams
 from inference.sharded import ROLLOUT_MODES, sharded_generate
@@ -268,17 +269,10 @@ def tokenize_prompts(prompts: list, trainer) -> list[list[int]]:
                          f"{type(prompts[0]).__name__}")
     kwargs = getattr(trainer, "chat_template_kwargs", None) or trainer.args.chat_template_kwargs
 
-    def render(conversations, tools):
-        tokenized = tokenizer.apply_chat_template(
-            conversation=list(conversations),
-            tools=tools or None,  # TRL's `or None`: some templates render tool boilerplate for []
-            chat_template=getattr(trainer, "chat_template", None),
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-            **(kwargs or {}),
-        )
-        return [list(ids) for ids in tokenized["input_ids"]]
+    def render(conversations, tools):  # inference.chat.render: the tokens SFT and the recipe give it
+        template = getattr(trainer, "chat_template", None)
+        return [chat.render(tokenizer, c, True, tools=tools, chat_template=template, **(kwargs or {}))
+                for c in conversations]
 
     if getattr(trainer, "environment_factories", None) is not None:  # each with its environment's tools
         names = trainer._batch_environments
