@@ -161,10 +161,10 @@ def generation(builders, vocab: int, args) -> None:
     """nopad ``Generator`` vs HF ``generate`` on one mixed-length greedy batch, per model."""
     from types import SimpleNamespace
 
-    n = args.gen_prompts or (4 if args.quick else 16)
+    n = args.gen_prompts or (4 if args.quick else 12)
     rng = np.random.default_rng(args.seed + 1)
     lengths = np.maximum(make_lengths(n, 1024, args.seed + 1) // (16 if args.quick else 4), 2)
-    new = rng.integers(4, 9, n) if args.quick else rng.integers(16, 129, n)
+    new = rng.integers(4, 9, n) if args.quick else rng.integers(16, 97, n)
     max_new = [int(k) for k in new]
     prompts = [rng.integers(3, vocab, int(x)).tolist() for x in lengths]
     engine = SimpleNamespace(block_size=16, max_batch_tokens=512, max_seqs=n)

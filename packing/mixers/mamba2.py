@@ -43,6 +43,7 @@ import contextvars
 import functools
 import importlib
 import inspect
+import itertools
 import logging
 import warnings
 
@@ -173,12 +174,13 @@ def step_chunk_scan(original, update, hidden_states, dt, A, B, C, chunk_size, st
                     dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")), **_):
     """The SSD scan of a generator step: each sequence continues from the SSM state in its slot.
     Sequences of several tokens: ``original`` (transformers' chunk scan) one by one, from their
-    slot; one-token sequences: ``update`` (the module's recurrent step) all at once."""
+    slot; one-token sequences: ``update`` (the module's recurrent step) all at once. The
+    forward's other keyword arguments (``**_``: the model's, nopad's) are not the scan's."""
     scan = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
 
     def run(meta: VarlenMeta, initial: torch.Tensor):
         _check_row(hidden_states.shape[0], hidden_states.shape[1], meta, "mamba2_chunk_scan")
-        cu = meta.cu_seqlens_q.tolist()
+        cu = [0, *itertools.accumulate(meta.seqlens_q)]  # host-side: no device sync
         finals = initial.clone()
         parts: list[tuple[int, torch.Tensor]] = []  # (first row, output rows)
         single = [i for i, n in enumerate(meta.seqlens_q) if n == 1]
