@@ -30,7 +30,7 @@ from inference.episodes import (
 from inference.kv_cache import KVCache, bytes_per_block
 from inference.model_runner import ModelRunner, check_static_decode_backend
 from inference.outputs import RequestOutput, StreamDelta
-from inference.request import Request, Sequence, Status, prompt_token_ids
+from inference.request import Request, RequestBuilder, Sequence, Status
 from inference.sampler import SamplerBuffers, sample
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
@@ -145,6 +145,8 @@ class Generator:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.request_builder = RequestBuilder(tokenizer, self.vocab_size, self.max_model_len, num_blocks,
+                                              block_size, max_num_seqs, self.eos_token_ids)
         self.allocator = BlockAllocator(num_blocks, block_size)
         slots = StateSlots(max_num_seqs) if self.layer_states else None
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, watermark,
@@ -156,13 +158,12 @@ class Generator:
         self._ready: list[RequestOutput] = []  # aborted/finished outputs not yet returned by step()
         self._episodes: EpisodeRunner | None = None  # the bookkeeping of a run_episodes() call
         self.last_episode_stats: dict = {}
-        self._next_id = 0
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue one prompt; returns its request id. Bad input raises ValueError here."""
-        request = self._make_request(prompt, params, request_id)
+        request = self.request_builder.build(prompt, params, request_id, self._requests)
         self._enqueue(request)
         return request.request_id
 
@@ -405,66 +406,7 @@ class Generator:
         if self.has_unfinished():
             raise RuntimeError("generate()/stream() while add_request() requests are in flight; "
                                "drive those with step() until has_unfinished() is False")
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if isinstance(sampling_params, Mapping):  # list(dict) would iterate its keys
-            raise TypeError(f"sampling_params is a dict/mapping {dict(sampling_params)!r}; pass "
-                            f"SamplingParams(**{dict(sampling_params)!r}) (one for all prompts, or a list)")
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
-                                 "pass one for all or one per prompt")
-        requests = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            try:
-                requests.append(self._make_request(prompt, p, None))
-            except ValueError as err:
-                raise ValueError(f"prompt {i}: {err}") from None
-        return requests
-
-    def _make_request(self, prompt, params, request_id) -> Request:
-        if params is None:
-            params = SamplingParams()
-        if isinstance(params, Mapping):
-            raise TypeError(f"sampling params is a dict/mapping {dict(params)!r}; "
-                            f"pass SamplingParams(**{dict(params)!r})")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
-        capacity = self.allocator.num_blocks * self.block_size
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but the model's max_position_embeddings is "
-                             f"{self.max_model_len} (and at least one token must be generated); shorten it")
-        if len(ids) >= capacity:
-            raise ValueError(f"prompt has {len(ids)} tokens but the whole KV cache holds {capacity} "
-                             f"({self.allocator.num_blocks} blocks of {self.block_size}); give the Generator "
-                             "more num_blocks/kv_memory_bytes or shorten the prompt")
-        if params.n > self.scheduler.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler.max_num_seqs}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; pass tokenizer= or use stop_token_ids")
-        for t in params.stop_token_ids:
-            if t >= self.vocab_size:
-                raise ValueError(f"stop token id {t} is outside the vocabulary (size {self.vocab_size})")
-        if request_id is None:
-            while str(self._next_id) in self._requests:
-                self._next_id += 1
-            request_id = str(self._next_id)
-            self._next_id += 1
-        elif request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        seed = params.seed
-        if seed is None:  # a host-side draw, whatever torch's default device is
-            seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        request = Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, seed,
-                          time.perf_counter(), frozenset(stop_ids))
-        return request
+        return self.request_builder.build_all(prompts, sampling_params, self._requests)
 
     def _enqueue(self, request: Request, episode_of=None) -> None:
         if not self._requests and not self.scheduler.has_work() and not self.scheduler.paused:

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from inference.request import Sequence, Status
-from inference.sampler import counter_seed
+from inference.seeding import fork_stream
 from inference.state_cache import StateSlots
 from packing.blocks import NO_PARENT, BlockAllocator, hash_block
 
@@ -372,8 +372,3 @@ class Scheduler:
         """Block lists of every live sequence, for ``BlockAllocator.check(owners=...)``."""
         return [s.block_table for s in (*self.running, *self.waiting, *self.paused)]
 
-
-def fork_stream(stream: int, branch: int, position: int) -> int:
-    """The random stream of branch ``branch`` of a sequence forked at ``position`` (branch 0
-    keeps the parent's): a function of the history only, so forks are reproducible."""
-    return counter_seed(stream, branch, position)
