@@ -121,7 +121,9 @@ class _Pending:
 
 
 class EpisodeRunner:
-    """The episodes of one ``run_episodes`` call: turn ends, pauses, tools, resumes, forks."""
+    """The episodes of one ``run_episodes`` call: turn ends, pauses, tools, resumes, forks. It is
+    its sequences' :class:`~inference.request.SequenceHooks`: the scheduler's postprocess calls
+    it at their events."""
 
     def __init__(self, scheduler: Scheduler, tool_format: ToolFormat, limits: EpisodeLimits,
                  vocab_size: int, environments: list[list[object]] | None = None,
@@ -140,6 +142,7 @@ class EpisodeRunner:
     def start(self, seq: Sequence, prompt_index: int, tools: dict[str, Callable]) -> None:
         env = self.environments[prompt_index][0] if self.environments is not None else None
         seq.episode = _State(prompt_index, (0,), tools, env)
+        seq.hooks = self  # the scheduler's postprocess calls turn_ended, forked, stopped, poll
         seq.max_generated = self.limits.max_tokens
         self.live += 1
 
@@ -247,6 +250,10 @@ class EpisodeRunner:
             seq.fork_count = branches
 
     # ----------------------------------------------------------------- ending
+    def stopped(self, seq: Sequence) -> None:
+        """The scheduler stopped ``seq``: alone, it outgrew the KV cache."""
+        self.finish_out_of_memory(seq, seq.num_tokens)
+
     def finish_out_of_memory(self, seq: Sequence, num_tokens: int) -> None:
         blocks, bs = self.scheduler.allocator.num_blocks, self.scheduler.block_size
         seq.episode.error = (
@@ -273,7 +280,7 @@ class EpisodeRunner:
                     f.cancel()
         self.pending = []
         for seq in [*self.scheduler.running, *self.scheduler.waiting, *self.scheduler.paused]:
-            if seq.episode is not None:
+            if seq.hooks is self:
                 self.finish(seq, "abort")
 
     def close(self) -> None:

@@ -10,9 +10,9 @@ on :meth:`Generator.release`. Each :meth:`step` plans one varlen forward (schedu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
-import time
 from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 
@@ -20,18 +20,12 @@ import torch
 from tqdm.auto import tqdm
 
 from inference.environments import reset_environments
-from inference.episodes import (
-    Episode,
-    EpisodeLimits,
-    EpisodeRunner,
-    named_tools,
-    render_prompts,
-)
-from inference.kv_cache import KVCache, bytes_per_block
+from inference.episodes import Episode, EpisodeLimits, EpisodeRunner, named_tools, render_prompts
+from inference.kv_cache import KVCache, num_kv_blocks
 from inference.model_runner import ModelRunner, check_static_decode_backend
 from inference.outputs import RequestOutput, StreamDelta
-from inference.request import Request, RequestBuilder, Sequence, Status
-from inference.sampler import SamplerBuffers, sample
+from inference.request import Request, RequestBuilder, Sequence, Status, eos_token_ids
+from inference.sampler import SamplerBuffers, SampleResult, sample
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sharded import refuse_plain_generation
@@ -47,7 +41,6 @@ from packing.mixers import GENERATE, check_model
 logger = logging.getLogger(__name__)
 
 Prompt = str | Seq[int]
-DEFAULT_KV_MEMORY_BYTES = 1 << 30
 
 
 class Generator:
@@ -130,105 +123,68 @@ class Generator:
         self.vocab_size = int(config.vocab_size)
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        state_bytes = max_num_seqs * bytes_per_slot(self.layer_states, self.dtype)  # one slot per sequence
-        if num_blocks is None:
-            per_block = bytes_per_block(config, block_size, self.dtype)
-            num_blocks = max(0, (kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES) - state_bytes) // per_block
-            if kv_memory_bytes is None:
-                full_length = math.ceil(min(self.max_model_len, 1 << 20) / block_size)
-                num_blocks = min(num_blocks, max_num_seqs * full_length)
-            if num_blocks < 1:
-                raise ValueError(
-                    f"kv_memory_bytes={kv_memory_bytes} is less than one KV block ({per_block} bytes) after "
-                    f"the per-sequence state of max_num_seqs={max_num_seqs} sequences ({state_bytes} bytes)"
-                )
+        if num_blocks is None:  # one state slot per sequence comes out of the same memory
+            num_blocks = num_kv_blocks(config, block_size, self.dtype, kv_memory_bytes, max_num_seqs,
+                                       max_num_seqs * bytes_per_slot(self.layer_states, self.dtype),
+                                       self.max_model_len)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.request_builder = RequestBuilder(tokenizer, self.vocab_size, self.max_model_len, num_blocks,
                                               block_size, max_num_seqs, self.eos_token_ids)
         self.allocator = BlockAllocator(num_blocks, block_size)
         slots = StateSlots(max_num_seqs) if self.layer_states else None
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, watermark,
-                                   enable_prefix_caching, state_slots=slots)
+                                   enable_prefix_caching, state_slots=slots, max_model_len=self.max_model_len,
+                                   tokenizer=tokenizer)
         self._kv_cache: KVCache | None = None
         self._runner: ModelRunner | None = None
         self._sampler_buffers = SamplerBuffers()  # the sampler's rows x vocab scratch, reused
-        self._requests: dict[str, Request] = {}
-        self._ready: list[RequestOutput] = []  # aborted/finished outputs not yet returned by step()
+        self._plain = _Requests(self.scheduler, tokenizer)  # add_request/generate requests in flight
         self._episodes: EpisodeRunner | None = None  # the bookkeeping of a run_episodes() call
+        self._attention_held = False  # nopad attention switched on for a whole run() (not per step)
         self.last_episode_stats: dict = {}
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue one prompt; returns its request id. Bad input raises ValueError here."""
-        request = self.request_builder.build(prompt, params, request_id, self._requests)
+        request = self.request_builder.build(prompt, params, request_id, self._plain.in_flight)
         self._enqueue(request)
         return request.request_id
 
     def abort(self, request_id: str) -> bool:
         """Stop a request; its output (finish_reason "abort") comes from the next step()."""
-        request = self._requests.get(request_id)
-        if request is None or request.finished:
-            return False
-        for seq in request.samples:
-            if seq is not None and seq.status is not Status.FINISHED:
-                self.scheduler.finish(seq, "abort")
-        request.num_finished = request.params.n
-        self._ready.append(self._output(request))
-        return True
+        return self._plain.abort(request_id)
 
     def abort_all(self) -> None:
         """Stop every request and episode in flight and drop their outputs (after an error)."""
-        for request_id in list(self._requests):
-            self.abort(request_id)
+        for request_id in list(self._plain.in_flight):
+            self._plain.abort(request_id)
         if self._episodes is not None:
             self._episodes.abort_all()
-        self._ready = []
+        self._plain.ready = []
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or (self._episodes is not None and self._episodes.live > 0)
+        return bool(self._plain.in_flight) or (self._episodes is not None and self._episodes.live > 0)
 
     def step(self) -> list[RequestOutput]:
         """Plan and run one forward, sample, and return the requests that finished. Episodes
-        whose tools returned resume first; when nothing can run, wait for a tool (never spin)."""
-        finished, self._ready = self._ready, []
-        episodes = self._episodes
-        if episodes is not None:
-            episodes.poll(block=False)
-        plan = self.scheduler.schedule()
-        for seq in plan.stopped:
-            if seq.episode is not None:
-                episodes.finish_out_of_memory(seq, seq.num_tokens)
-            else:
-                self._sample_finished(seq, finished)
-        if not plan.seqs:
-            if episodes is not None and episodes.pending:
-                episodes.poll(block=True)  # every live sequence waits on a tool: wait, don't spin
-            elif (self.scheduler.has_work() or (episodes is not None and episodes.live)) and not finished:
-                raise RuntimeError("the scheduler could not plan a step; this is a bug")
-            return finished
-        with self._nopad_attention(), self._autocast():
-            logits, rows = self._ensure_runner().run(plan)
-        now = time.perf_counter()
-        to_sample, forks = self.scheduler.postprocess(plan, rows)
-        for parent, children in forks:
-            if parent.episode is not None:
-                episodes.forked(parent, children)
-            else:
-                for seq in children:
-                    parent.request.samples[seq.index] = seq
-        if to_sample:
-            row_index = [row for _, row in to_sample]
-            if row_index != list(range(logits.shape[0])):
-                logits = logits[torch.tensor(row_index, device=logits.device)]
-            seqs = [seq for seq, _ in to_sample]
-            result = sample(logits, seqs, self._sampler_buffers)
-            for k, seq in enumerate(seqs):
-                self._append(seq, k, result, now)
-                if seq.episode is None and seq.status is Status.FINISHED:
-                    self._sample_finished(seq, finished)
+        whose tools returned resume first; when nothing can run, wait for a tool (never spin).
+        The scheduler's postprocess does the step's bookkeeping; the sequences' owners (plain
+        requests, episodes) act on its events through their hooks."""
+        scheduler = self.scheduler
+        scheduler.poll_paused(block=False)
+        plan = scheduler.schedule()
+        if plan.seqs:
+            with self._attention(), self._autocast():
+                logits, rows = self._ensure_runner().run(plan)
+            scheduler.postprocess(plan, rows, lambda index, seqs: self._sample(logits, index, seqs))
+        elif scheduler.paused:
+            scheduler.poll_paused(block=True)  # every live sequence waits on a tool: wait, don't spin
+        elif scheduler.has_work() and not self._plain.ready:
+            raise RuntimeError("the scheduler could not plan a step; this is a bug")
+        finished, self._plain.ready = self._plain.ready, []
         return finished
 
     # ----------------------------------------------------------------- high level
@@ -255,20 +211,22 @@ class Generator:
         :meth:`has_unfinished` for callers that must step in lockstep with other ranks
         (:mod:`inference.sharded`). If anything raises, every request in flight is aborted
         before the error propagates, so the caller's ``release()`` in a ``finally`` works and
-        the original error is the one the user sees."""
+        the original error is the one the user sees. The model's attention is switched to nopad
+        (and the model to eval mode) once for the whole run, not on every step."""
         step = step or self.step
         more = more or self.has_unfinished
         order = {r.request_id: i for i, r in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)
         try:
-            for request in requests:
-                self._enqueue(request)
-            while more():
-                for out in step():
-                    if out.request_id in order:
-                        results[order[out.request_id]] = out
-                    if on_output is not None:
-                        on_output(out)
+            with self._attention():  # switched once for the run, restored after it (also on error)
+                for request in requests:
+                    self._enqueue(request)
+                while more():
+                    for out in step():
+                        if out.request_id in order:
+                            results[order[out.request_id]] = out
+                        if on_output is not None:
+                            on_output(out)
         except BaseException:
             self.abort_all()
             raise
@@ -330,36 +288,21 @@ class Generator:
 
     def stream(self, prompts: Prompt | Seq[Prompt], sampling_params=None) -> Iterator[StreamDelta]:
         """Yield the new tokens of every sample as they are produced (one delta per sample per
-        step that produced tokens); the last delta of a sample carries its finish reason."""
+        step that produced tokens); the last delta of a sample carries its finish reason. The
+        caller's code runs between deltas, so attention is switched per step here, not held."""
         refuse_plain_generation(self.model)
-        requests = self.make_requests(prompts, sampling_params)
-        for request in requests:
+        live = self.make_requests(prompts, sampling_params)
+        for request in live:
             self._enqueue(request)
-        live = list(requests)
         while live:
             try:
                 self.step()
             except BaseException:
                 self.abort_all()  # leave nothing in flight behind the error (see run())
                 raise
-            still = []
             for request in live:
-                for seq in request.samples:
-                    if seq is None or seq.emitted < 0:
-                        continue
-                    new = seq.generated[seq.emitted :]
-                    done = seq.status is Status.FINISHED
-                    if new or done:
-                        reason = seq.finish_reason if done else None
-                        yield StreamDelta(request.request_id, seq.index, new, reason)
-                        seq.emitted = -1 if done else seq.emitted + len(new)
-                if request.finished:
-                    for i, seq in enumerate(request.samples):
-                        if seq is None:  # aborted before forking
-                            yield StreamDelta(request.request_id, i, [], "abort")
-                else:
-                    still.append(request)
-            live = still
+                yield from request.deltas()
+            live = [request for request in live if not request.finished]
 
     def release(self, abort: bool = False) -> None:
         """Free the KV cache and sampler memory (e.g. before a training step); the next step
@@ -377,23 +320,9 @@ class Generator:
 
     def stats(self) -> dict:
         """Counters since construction or :meth:`reset_stats`."""
-        s = self.scheduler.stats
-        return {
-            "steps": s.steps,
-            "preemptions": s.preemptions,
-            "paused_preemptions": s.paused_preemptions,
-            "forked_shared_blocks": s.forked_shared_blocks,
-            "prefix_cache_hit_blocks": self.allocator.hits,
-            "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
-            "prefill_tokens": s.prefill_tokens,
-            "decode_tokens": s.decode_tokens,
-            "tokens_per_step": list(s.tokens_per_step),
-            "seqs_per_step": list(s.seqs_per_step),
-            "max_num_seqs": self.scheduler.max_num_seqs,
-            "num_blocks": self.allocator.num_blocks,
-            "block_size": self.block_size,
-            "evictions": self.allocator.evictions,
-        }
+        return {**dataclasses.asdict(self.scheduler.stats), "prefix_cache_hit_blocks": self.allocator.hits,
+                "max_num_seqs": self.scheduler.max_num_seqs, "num_blocks": self.allocator.num_blocks,
+                "block_size": self.block_size, "evictions": self.allocator.evictions}
 
     def reset_stats(self) -> None:
         self.scheduler.stats = type(self.scheduler.stats)()
@@ -406,78 +335,27 @@ class Generator:
         if self.has_unfinished():
             raise RuntimeError("generate()/stream() while add_request() requests are in flight; "
                                "drive those with step() until has_unfinished() is False")
-        return self.request_builder.build_all(prompts, sampling_params, self._requests)
+        return self.request_builder.build_all(prompts, sampling_params, self._plain.in_flight)
 
     def _enqueue(self, request: Request, episode_of=None) -> None:
-        if not self._requests and not self.scheduler.has_work() and not self.scheduler.paused:
+        if not self._plain.in_flight and not self.scheduler.has_work() and not self.scheduler.paused:
             # idle: cached K/V may come from weights that have since been trained; drop it
             self.allocator.reset_prefix_cache()
         seq = Sequence(request=request, index=0, token_ids=list(request.prompt_token_ids),
                        fork_count=request.params.n)
         request.samples = [seq] + [None] * (request.params.n - 1)
         if episode_of is None:
-            self._requests[request.request_id] = request
+            seq.hooks = self._plain
+            self._plain.in_flight[request.request_id] = request
         else:
             runner, prompt_index, tools = episode_of
             runner.start(seq, prompt_index, tools)
         self.scheduler.add(seq)
 
-    def _append(self, seq: Sequence, k: int, result, now: float) -> None:
-        token = result.tokens[k]
-        request = seq.request
-        params = request.params
-        seq.token_ids.append(token)
-        seq.logprobs.append(result.logprobs[k])
-        seq.temperature_logprobs.append(result.temperature_logprobs[k])
-        seq.sampling_logprobs.append(result.sampling_logprobs[k])
-        if params.logprobs is not None:
-            seq.top_logprobs.append(result.top_logprobs[k])
-        seq.token_times.append(now - request.arrival_time)
-        reason = None
-        if token in request.stop_ids:
-            reason = "stop"
-        elif params.stop and self._hit_stop_string(seq):
-            reason = "stop"
-        elif seq.num_turn_tokens >= params.max_tokens:
-            reason = "length"
-        elif seq.max_generated is not None and seq.num_generated >= seq.max_generated:
-            reason = "length"
-        elif seq.num_tokens >= self.max_model_len:
-            reason = "length"
-            logger.warning("request %s sample %d stopped after %d of max_tokens=%d new tokens: prompt and "
-                           "completion reached the model's context of %d tokens (max_position_embeddings); "
-                           "shorten the prompt for a longer completion", request.request_id, seq.index,
-                           seq.num_generated, params.max_tokens, self.max_model_len)
-        if reason is None:
-            return
-        if seq.episode is not None:
-            self._episodes.turn_ended(seq, reason)
-        else:
-            self.scheduler.finish(seq, reason)
-
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        stops = seq.request.params.stop
-        window = max(len(s) for s in stops) + 8
-        tail = self.tokenizer.decode(seq.token_ids[seq.turn_start:][-window:], skip_special_tokens=False)
-        for s in stops:
-            if s in tail:
-                seq.stop_text = s
-                return True
-        return False
-
-    def _sample_finished(self, seq: Sequence, finished: list[RequestOutput]) -> None:
-        request = seq.request
-        request.num_finished += 1
-        if request.finished:
-            finished.append(self._output(request))
-
-    def _output(self, request: Request) -> RequestOutput:
-        self._requests.pop(request.request_id, None)
-        detok = None
-        if self.tokenizer is not None:
-            def detok(ids, skip):
-                return self.tokenizer.decode(ids, skip_special_tokens=skip)
-        return request.output(detok)
+    def _sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> SampleResult:
+        if rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        return sample(logits, seqs, self._sampler_buffers)
 
     def compute_dtype(self) -> torch.dtype:
         """The dtype attention computes in now: ``dtype=``, else the autocast dtype, else the
@@ -510,8 +388,19 @@ class Generator:
                 scratch_block=scratch if self.static_decode else None)
         return self._runner
 
-    def _nopad_attention(self):
-        return use_nopad_attention(self.model, eval_mode=True, context=GENERATE)
+    @contextlib.contextmanager
+    def _attention(self) -> Iterator[None]:
+        """nopad's paged attention, eval mode and the forward guard (``use_nopad_attention``):
+        entered once per :meth:`run` and held by its steps; a bare :meth:`step` enters it alone."""
+        if self._attention_held:
+            yield
+            return
+        with use_nopad_attention(self.model, eval_mode=True, context=GENERATE):
+            self._attention_held = True
+            try:
+                yield
+            finally:
+                self._attention_held = False
 
     def _autocast(self):
         """``dtype=`` other than the weights' (e.g. bf16 rollouts of an fp32 policy): run the step
@@ -522,10 +411,48 @@ class Generator:
         return torch.autocast(self.device.type, dtype=dtype)
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
-    """EOS ids from the generation config, else the model config, else the tokenizer."""
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        if eos is not None:
-            return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
-    return set()
+class _Requests:
+    """The owner (:class:`~inference.request.SequenceHooks`) of plain requests' sequences: the
+    requests in flight, and the outputs of those that finished until :meth:`Generator.step`
+    returns them."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer):
+        self.scheduler, self.tokenizer = scheduler, tokenizer
+        self.in_flight: dict[str, Request] = {}
+        self.ready: list[RequestOutput] = []  # aborted/finished outputs not yet returned by step()
+
+    def forked(self, parent: Sequence, children: list[Sequence]) -> None:
+        for seq in children:
+            parent.request.samples[seq.index] = seq
+
+    def turn_ended(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)  # a plain request's one turn is its completion
+        self.stopped(seq)
+
+    def stopped(self, seq: Sequence) -> None:
+        request = seq.request
+        request.num_finished += 1
+        if request.finished:
+            self.ready.append(self.output(request))
+
+    def poll(self, block: bool) -> None:
+        """Plain requests never pause."""
+
+    def abort(self, request_id: str) -> bool:
+        request = self.in_flight.get(request_id)
+        if request is None or request.finished:
+            return False
+        for seq in request.samples:
+            if seq is not None and seq.status is not Status.FINISHED:
+                self.scheduler.finish(seq, "abort")
+        request.num_finished = request.params.n
+        self.ready.append(self.output(request))
+        return True
+
+    def output(self, request: Request) -> RequestOutput:
+        self.in_flight.pop(request.request_id, None)
+        detok = None
+        if self.tokenizer is not None:
+            def detok(ids, skip):
+                return self.tokenizer.decode(ids, skip_special_tokens=skip)
+        return request.output(detok)

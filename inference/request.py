@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import time
 from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from inference.outputs import CompletionOutput, RequestOutput
+from inference.outputs import CompletionOutput, RequestOutput, StreamDelta
 from inference.sampling_params import SamplingParams
 from inference.seeding import request_seed
 from packing.blocks import NO_PARENT
 
+logger = logging.getLogger(__name__)
 _seq_ids = itertools.count()
 
 
@@ -40,6 +43,27 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
     if not ids:
         raise ValueError("prompt is empty; give at least one token")
     return ids
+
+
+class SequenceHooks(Protocol):
+    """What the owner of a sequence does when the scheduler's postprocess reaches one of its
+    events: plain requests collect their outputs, tool episodes (:class:`inference.episodes.
+    EpisodeRunner`) pause, run tools, resume and fork. The scheduler calls these and never asks
+    what kind of sequence it holds."""
+
+    def forked(self, parent: Sequence, children: list[Sequence]) -> None:
+        """``parent``'s group was split: ``children`` are its new members."""
+
+    def turn_ended(self, seq: Sequence, reason: str) -> None:
+        """A sampled token ended the model's turn ("stop" or "length"); the owner finishes the
+        sequence (``Scheduler.finish``) or pauses it (``Scheduler.pause``)."""
+
+    def stopped(self, seq: Sequence) -> None:
+        """The scheduler finished ``seq`` itself: alone, it outgrew the KV cache."""
+
+    def poll(self, block: bool) -> None:
+        """Resume paused sequences whose work returned (``Scheduler.resume``); ``block``: nothing
+        else can run, so wait for one instead of spinning."""
 
 
 class Status(enum.Enum):
@@ -76,6 +100,23 @@ class Request:
                 outs.append(seq.completion(detokenize))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished)
 
+    def deltas(self) -> list[StreamDelta]:
+        """The new tokens of every sample since the last call (one delta per sample that has
+        some); a sample's last delta carries its finish reason."""
+        out = []
+        for seq in self.samples:
+            if seq is None or seq.emitted < 0:
+                continue
+            new = seq.generated[seq.emitted :]
+            done = seq.status is Status.FINISHED
+            if new or done:
+                out.append(StreamDelta(self.request_id, seq.index, new, seq.finish_reason if done else None))
+                seq.emitted = -1 if done else seq.emitted + len(new)
+        if self.finished:  # samples aborted before the prompt was forked
+            out += [StreamDelta(self.request_id, i, [], "abort")
+                    for i, seq in enumerate(self.samples) if seq is None]
+        return out
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -103,6 +144,7 @@ class Sequence:
     turn_start: int | None = None  # where the current model turn began (default: after the prompt)
     max_generated: int | None = None  # an episode's budget of tokens after the prompt
     out_of_memory: bool = False  # stopped by the scheduler: alone, it did not fit in the cache
+    hooks: SequenceHooks | None = None  # its owner: the scheduler's postprocess calls it
     episode: object | None = None  # the episode state (inference.episodes) of an episode's sequence
     state_slot: int | None = None  # its per-sequence state slot (hybrid models: inference.state_cache)
 
@@ -157,7 +199,47 @@ class Sequence:
             token_times=list(self.token_times),
             turn_start=self.turn_start,
             max_generated=self.max_generated,
+            hooks=self.hooks,
         )
+
+    def append(self, result, k: int, now: float) -> None:
+        """Append row ``k`` of a step's sample (:class:`inference.sampler.SampleResult`)."""
+        self.token_ids.append(result.tokens[k])
+        self.logprobs.append(result.logprobs[k])
+        self.temperature_logprobs.append(result.temperature_logprobs[k])
+        self.sampling_logprobs.append(result.sampling_logprobs[k])
+        if self.request.params.logprobs is not None:
+            self.top_logprobs.append(result.top_logprobs[k])
+        self.token_times.append(now - self.request.arrival_time)
+
+    def stop_reason(self, tokenizer, max_model_len: int) -> str | None:
+        """Why the token just appended ends the model's turn ("stop", "length"), or None."""
+        request, params = self.request, self.request.params
+        if self.token_ids[-1] in request.stop_ids:
+            return "stop"
+        if params.stop and self._hit_stop_string(tokenizer):
+            return "stop"
+        if self.num_turn_tokens >= params.max_tokens:
+            return "length"
+        if self.max_generated is not None and self.num_generated >= self.max_generated:
+            return "length"
+        if self.num_tokens >= max_model_len:
+            logger.warning("request %s sample %d stopped after %d of max_tokens=%d new tokens: prompt and "
+                           "completion reached the model's context of %d tokens (max_position_embeddings); "
+                           "shorten the prompt for a longer completion", request.request_id, self.index,
+                           self.num_generated, params.max_tokens, max_model_len)
+            return "length"
+        return None
+
+    def _hit_stop_string(self, tokenizer) -> bool:
+        stops = self.request.params.stop
+        window = max(len(s) for s in stops) + 8
+        tail = tokenizer.decode(self.token_ids[self.turn_start:][-window:], skip_special_tokens=False)
+        for s in stops:
+            if s in tail:
+                self.stop_text = s
+                return True
+        return False
 
     def completion(self, detokenize=None) -> CompletionOutput:
         text = None
@@ -179,6 +261,15 @@ class Sequence:
             first_token_time=self.token_times[0] if self.token_times else None,
             token_times=list(self.token_times),
         )
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """EOS ids from the generation config, else the model config, else the tokenizer."""
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+    return set()
 
 
 @dataclass
