@@ -19,18 +19,19 @@ from collections.abc import Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
-from inference.environments import reset_environments
-from inference.episodes import Episode, EpisodeLimits, EpisodeRunner, named_tools, render_prompts
+from inference.episode_setup import episode_setup
+from inference.episodes import Episode, EpisodeLimits, EpisodeRunner
 from inference.kv_cache import KVCache, num_kv_blocks
 from inference.model_runner import ModelRunner, check_static_decode_backend
 from inference.outputs import RequestOutput, StreamDelta
-from inference.request import Request, RequestBuilder, Sequence, Status, eos_token_ids
+from inference.plain_requests import PlainRequests
+from inference.request import Request, RequestBuilder, Sequence, eos_token_ids
 from inference.sampler import SamplerBuffers, SampleResult, sample
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sharded import refuse_plain_generation
 from inference.state_cache import StateCache, StateSlots, bytes_per_slot, layer_states
-from inference.tools import ChatTemplateTools, ToolFormat
+from inference.tools import ToolFormat
 from packing.attention import names as attention_backends
 from packing.attention import paged_block_size
 from packing.blocks import BlockAllocator
@@ -140,7 +141,7 @@ class Generator:
         self._kv_cache: KVCache | None = None
         self._runner: ModelRunner | None = None
         self._sampler_buffers = SamplerBuffers()  # the sampler's rows x vocab scratch, reused
-        self._plain = _Requests(self.scheduler, tokenizer)  # add_request/generate requests in flight
+        self._plain = PlainRequests(self.scheduler, tokenizer)  # add_request/generate requests in flight
         self._episodes: EpisodeRunner | None = None  # the bookkeeping of a run_episodes() call
         self._attention_held = False  # nopad attention switched on for a whole run() (not per step)
         self.last_episode_stats: dict = {}
@@ -255,30 +256,16 @@ class Generator:
         refuse_plain_generation(self.model)
         if self.has_unfinished():
             raise RuntimeError("run_episodes() while requests are in flight; finish or abort them first")
-        limits = limits if limits is not None else EpisodeLimits()
-        if not isinstance(limits, EpisodeLimits):
-            raise TypeError(f"limits must be an EpisodeLimits, got {type(limits).__name__}")
-        named = named_tools(tools)
-        environments, prompts = reset_environments(environment_factory, prompts, sampling_params)
-        per_prompt = None
-        if prompt_tools is not None:
-            per_prompt = [named_tools(t) for t in prompt_tools]
-            num_prompts = 1 if isinstance(prompts, str) else len(prompts)
-            if len(per_prompt) != num_prompts:
-                raise ValueError(f"prompt_tools has {len(per_prompt)} entries for {num_prompts} prompts; "
-                                 "give one per prompt")
-        if tool_format is None:
-            if self.tokenizer is None:
-                raise ValueError("run_episodes needs a tokenizer (for the chat template's tool format) or "
-                                 "tool_format=")
-            tool_format = ChatTemplateTools(self.tokenizer, list(named.values()))
-        requests = self.make_requests(render_prompts(prompts, tool_format), sampling_params)
-        runner = EpisodeRunner(self.scheduler, tool_format, limits, self.vocab_size, environments,
-                               reward_fn, fork, self.scheduler.max_num_seqs)
+        setup = episode_setup(prompts, tools, sampling_params, self.tokenizer, limits=limits,
+                              tool_format=tool_format, environment_factory=environment_factory,
+                              prompt_tools=prompt_tools)
+        requests = self.make_requests(setup.prompts, sampling_params)
+        runner = EpisodeRunner(self.scheduler, setup.tool_format, setup.limits, self.vocab_size,
+                               setup.environments, reward_fn, fork, self.scheduler.max_num_seqs)
         self._episodes = runner
         try:
             for i, request in enumerate(requests):
-                self._enqueue(request, episode_of=(runner, i, named if per_prompt is None else per_prompt[i]))
+                self._enqueue(request, episode_of=(runner, i, setup.tools[i]))
             self.run([])  # the one generate loop, here over the episodes just queued
         finally:
             runner.close()
@@ -409,50 +396,3 @@ class Generator:
         if dtype is None or dtype == self.weight_dtype:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
-
-
-class _Requests:
-    """The owner (:class:`~inference.request.SequenceHooks`) of plain requests' sequences: the
-    requests in flight, and the outputs of those that finished until :meth:`Generator.step`
-    returns them."""
-
-    def __init__(self, scheduler: Scheduler, tokenizer):
-        self.scheduler, self.tokenizer = scheduler, tokenizer
-        self.in_flight: dict[str, Request] = {}
-        self.ready: list[RequestOutput] = []  # aborted/finished outputs not yet returned by step()
-
-    def forked(self, parent: Sequence, children: list[Sequence]) -> None:
-        for seq in children:
-            parent.request.samples[seq.index] = seq
-
-    def turn_ended(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)  # a plain request's one turn is its completion
-        self.stopped(seq)
-
-    def stopped(self, seq: Sequence) -> None:
-        request = seq.request
-        request.num_finished += 1
-        if request.finished:
-            self.ready.append(self.output(request))
-
-    def poll(self, block: bool) -> None:
-        """Plain requests never pause."""
-
-    def abort(self, request_id: str) -> bool:
-        request = self.in_flight.get(request_id)
-        if request is None or request.finished:
-            return False
-        for seq in request.samples:
-            if seq is not None and seq.status is not Status.FINISHED:
-                self.scheduler.finish(seq, "abort")
-        request.num_finished = request.params.n
-        self.ready.append(self.output(request))
-        return True
-
-    def output(self, request: Request) -> RequestOutput:
-        self.in_flight.pop(request.request_id, None)
-        detok = None
-        if self.tokenizer is not None:
-            def detok(ids, skip):
-                return self.tokenizer.decode(ids, skip_special_tokens=skip)
-        return request.output(detok)
