@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from inference.request import Sequence, Status
+from inference.request import Request, Sequence, Status
 from inference.scheduler import Scheduler
 from inference.tools import ToolCall, ToolFormat, ToolRunner, public_methods, wait_any
 
@@ -139,12 +139,14 @@ class EpisodeRunner:
         self.tool_wait_s = 0.0  # time the decode loop sat idle because every episode waited on tools
 
     # ----------------------------------------------------------------- lifecycle
-    def start(self, seq: Sequence, prompt_index: int, tools: dict[str, Callable]) -> None:
+    def start(self, request: Request, prompt_index: int, tools: dict[str, Callable]) -> Sequence:
+        """The first sequence of the episodes of prompt ``prompt_index``, with their tools."""
+        seq = request.first_sequence(self)  # the scheduler's postprocess calls turn_ended, forked, ...
         env = self.environments[prompt_index][0] if self.environments is not None else None
         seq.episode = _State(prompt_index, (0,), tools, env)
-        seq.hooks = self  # the scheduler's postprocess calls turn_ended, forked, stopped, poll
         seq.max_generated = self.limits.max_tokens
         self.live += 1
+        return seq
 
     def forked(self, parent: Sequence, children: list[Sequence]) -> None:
         """Give each new branch its own state: a prompt's samples get their own environments

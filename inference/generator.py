@@ -2,17 +2,17 @@
 
 ``Generator(model, tokenizer)`` borrows the model's parameters as they are (no copy: the next
 training step's weights are used at once), switches its attention to nopad's paged varlen
-implementation only while a step runs, and owns a paged KV cache it allocates lazily and frees
-on :meth:`Generator.release`. Each :meth:`step` plans one varlen forward (scheduler), runs it
-(model runner) and samples (sampler).
+implementation only while it generates (:mod:`inference.live_model`), and owns a paged KV cache
+it allocates lazily and frees on :meth:`Generator.release`. Each :meth:`step` plans one varlen
+forward (scheduler), runs it (model runner), and hands the logits to the scheduler's
+postprocess, which samples, appends and calls each sequence's owner (plain requests or tool
+episodes) at its events.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import math
 from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 
@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 from inference.episode_setup import episode_setup
 from inference.episodes import Episode, EpisodeLimits, EpisodeRunner
 from inference.kv_cache import KVCache, num_kv_blocks
-from inference.model_runner import ModelRunner, check_static_decode_backend
+from inference.live_model import LiveModel
+from inference.model_runner import ModelRunner
 from inference.outputs import RequestOutput, StreamDelta
 from inference.plain_requests import PlainRequests
 from inference.request import Request, RequestBuilder, Sequence, eos_token_ids
@@ -30,14 +31,9 @@ from inference.sampler import SamplerBuffers, SampleResult, sample
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sharded import refuse_plain_generation
-from inference.state_cache import StateCache, StateSlots, bytes_per_slot, layer_states
+from inference.state_cache import StateSlots, bytes_per_slot
 from inference.tools import ToolFormat
-from packing.attention import names as attention_backends
-from packing.attention import paged_block_size
 from packing.blocks import BlockAllocator
-from packing.distributed import compute_dtype as model_compute_dtype
-from packing.hf import use_nopad_attention
-from packing.mixers import GENERATE, check_model
 
 logger = logging.getLogger(__name__)
 
@@ -52,23 +48,10 @@ class Generator:
     blocks of ``block_size`` tokens, or as many as fit in ``kv_memory_bytes`` (default: 1 GiB,
     capped at what ``max_num_seqs`` sequences of the model's full length need).
 
-    Precision and attention: the KV cache is kept in the compute dtype of attention - ``dtype``
-    if given (steps then run under ``torch.autocast`` in it when the weights are another dtype),
-    else the autocast dtype when the first step runs under ``torch.autocast``, else the weights'
-    dtype - so bf16 autocast over fp32 weights caches bf16 K/V, as the layers produce them.
-    ``attn_backend`` (default: the ``NOPAD_ATTN_BACKEND`` environment variable, else
-    :func:`packing.attention.choose_backend`'s rule) picks the attention backend of every step.
-    ``block_size`` defaults to what the attention backend reads in place
-    (:func:`packing.attention.paged_block_size`: 256 for flash-attn 2 and torch's varlen kernel,
-    else 16); smaller blocks would make every layer gather the context.
-
-    ``static_decode=True`` pads pure decode steps to bucketed shapes (sequences rounded up to 1,
-    2, 4, 8 or a multiple of 8, block-table width to a power of two; padding rows write to one
-    extra scratch block) and runs their attention on fixed shapes, so the step can be captured;
-    ``compile_decode=True`` also compiles that forward (``torch.compile(mode="reduce-overhead")``,
-    one graph per bucket, on CUDA; on CPU plain ``torch.compile`` with the attention kernel as one
-    custom op, dynamic after the first recompilation). Prefill steps and batch-invariant mode keep
-    the default path.
+    ``dtype`` (the KV cache's and attention's compute dtype; default: the autocast dtype of the
+    first step, else the weights'), ``attn_backend``, ``block_size`` (default: what the backend
+    reads in place), ``static_decode`` and ``compile_decode`` (bucketed, capturable decode
+    steps) are explained in :class:`inference.live_model.LiveModel`, which applies them.
     """
 
     def __init__(
@@ -88,32 +71,15 @@ class Generator:
         static_decode: bool = False,
         compile_decode: bool = False,
     ):
-        if num_blocks is not None and kv_memory_bytes is not None:
-            raise ValueError("give num_blocks or kv_memory_bytes, not both")
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"dtype must be a floating torch.dtype (torch.bfloat16, ...), got {dtype!r}")
-        if attn_backend is not None and attn_backend not in attention_backends():
-            raise ValueError(f"unknown attn_backend {attn_backend!r}; choose one of {attention_backends()}")
-        if (static_decode or compile_decode) and attn_backend not in (None, "auto"):
-            check_static_decode_backend(attn_backend)
-        check_model(model, GENERATE)  # a layer whose per-sequence state the paged cache cannot hold
-        self.layer_states = layer_states(model)  # hybrid layers' per-sequence state (empty: attention only)
+        self.live = LiveModel(model, dtype=dtype, attn_backend=attn_backend, static_decode=static_decode,
+                              compile_decode=compile_decode)
+        self.layer_states = self.live.layer_states
         if self.layer_states:
-            if static_decode or compile_decode:
-                raise ValueError(f"static_decode/compile_decode are not supported on {type(model).__name__}: "
-                                 "its hybrid layers' state steps run on the default path; leave them False")
             if enable_prefix_caching:
                 logger.info("%s keeps per-sequence state: no cross-request prefix cache (a cached block says "
                             "nothing about the state after it)", type(model).__name__)
             enable_prefix_caching = False
-        param = next(model.parameters())
-        # FSDP2: the compute dtype of its mixed-precision policy, not the shard's storage dtype
-        self.device, self.weight_dtype, self.requested_dtype = param.device, model_compute_dtype(model), dtype
-        self.attn_backend = attn_backend
-        self.static_decode, self.compile_decode = static_decode or compile_decode, compile_decode
-        self.dtype = self.compute_dtype()
-        if block_size is None:
-            block_size = self.default_block_size()
+        block_size = block_size if block_size is not None else self.live.default_block_size()
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens)):
             if value < 1:
@@ -122,12 +88,9 @@ class Generator:
         config = model.config
         self.max_model_len = int(getattr(config, "max_position_embeddings", None) or 1 << 62)
         self.vocab_size = int(config.vocab_size)
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if num_blocks is None:  # one state slot per sequence comes out of the same memory
-            num_blocks = num_kv_blocks(config, block_size, self.dtype, kv_memory_bytes, max_num_seqs,
-                                       max_num_seqs * bytes_per_slot(self.layer_states, self.dtype),
-                                       self.max_model_len)
+        state_bytes = max_num_seqs * bytes_per_slot(self.layer_states, self.live.dtype)  # a slot per sequence
+        num_blocks = num_kv_blocks(config, block_size, self.live.dtype, num_blocks, kv_memory_bytes,
+                                   max_num_seqs, state_bytes, self.max_model_len)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.eos_token_ids = eos_token_ids(model, tokenizer)
@@ -143,7 +106,6 @@ class Generator:
         self._sampler_buffers = SamplerBuffers()  # the sampler's rows x vocab scratch, reused
         self._plain = PlainRequests(self.scheduler, tokenizer)  # add_request/generate requests in flight
         self._episodes: EpisodeRunner | None = None  # the bookkeeping of a run_episodes() call
-        self._attention_held = False  # nopad attention switched on for a whole run() (not per step)
         self.last_episode_stats: dict = {}
 
     # ----------------------------------------------------------------- requests
@@ -160,11 +122,9 @@ class Generator:
 
     def abort_all(self) -> None:
         """Stop every request and episode in flight and drop their outputs (after an error)."""
-        for request_id in list(self._plain.in_flight):
-            self._plain.abort(request_id)
+        self._plain.abort_all()
         if self._episodes is not None:
             self._episodes.abort_all()
-        self._plain.ready = []
 
     def has_unfinished(self) -> bool:
         return bool(self._plain.in_flight) or (self._episodes is not None and self._episodes.live > 0)
@@ -178,7 +138,7 @@ class Generator:
         scheduler.poll_paused(block=False)
         plan = scheduler.schedule()
         if plan.seqs:
-            with self._attention(), self._autocast():
+            with self.live.attention(), self.live.autocast():
                 logits, rows = self._ensure_runner().run(plan)
             scheduler.postprocess(plan, rows, lambda index, seqs: self._sample(logits, index, seqs))
         elif scheduler.paused:
@@ -219,7 +179,7 @@ class Generator:
         order = {r.request_id: i for i, r in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)
         try:
-            with self._attention():  # switched once for the run, restored after it (also on error)
+            with self.live.attention():  # switched once for the run, restored after it (also on error)
                 for request in requests:
                     self._enqueue(request)
                 while more():
@@ -265,7 +225,7 @@ class Generator:
         self._episodes = runner
         try:
             for i, request in enumerate(requests):
-                self._enqueue(request, episode_of=(runner, i, setup.tools[i]))
+                self._enqueue(request, lambda r, i=i: runner.start(r, i, setup.tools[i]))
             self.run([])  # the one generate loop, here over the episodes just queued
         finally:
             runner.close()
@@ -324,75 +284,22 @@ class Generator:
                                "drive those with step() until has_unfinished() is False")
         return self.request_builder.build_all(prompts, sampling_params, self._plain.in_flight)
 
-    def _enqueue(self, request: Request, episode_of=None) -> None:
+    def _enqueue(self, request: Request, start: Callable[[Request], Sequence] | None = None) -> None:
+        """Queue ``request``'s first sequence, made by its owner's ``start`` (plain by default)."""
         if not self._plain.in_flight and not self.scheduler.has_work() and not self.scheduler.paused:
             # idle: cached K/V may come from weights that have since been trained; drop it
             self.allocator.reset_prefix_cache()
-        seq = Sequence(request=request, index=0, token_ids=list(request.prompt_token_ids),
-                       fork_count=request.params.n)
-        request.samples = [seq] + [None] * (request.params.n - 1)
-        if episode_of is None:
-            seq.hooks = self._plain
-            self._plain.in_flight[request.request_id] = request
-        else:
-            runner, prompt_index, tools = episode_of
-            runner.start(seq, prompt_index, tools)
-        self.scheduler.add(seq)
+        self.scheduler.add((start or self._plain.start)(request))
 
     def _sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> SampleResult:
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
         return sample(logits, seqs, self._sampler_buffers)
 
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype attention computes in now: ``dtype=``, else the autocast dtype, else the
-        weights' dtype (what :func:`packing.distributed.compute_dtype` casts q/k/v to)."""
-        if self.requested_dtype is not None:
-            return self.requested_dtype
-        if torch.is_autocast_enabled(self.device.type):
-            return torch.get_autocast_dtype(self.device.type)
-        return self.weight_dtype
-
-    def default_block_size(self) -> int:
-        """The block size the attention backend reads in place. Decided for half precision: fp32
-        weights may run their steps under autocast, which is only known when a step runs."""
-        half = self.dtype if self.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-        return paged_block_size(self.device, half, self.attn_backend)
-
     def _ensure_runner(self) -> ModelRunner:
         if self._runner is None:
-            self.dtype = self.compute_dtype()  # autocast may be on now and not at construction
-            scratch = self.allocator.num_blocks  # one block past the allocator's: padding rows' K/V
-            self._kv_cache = KVCache(self.model.config, scratch + int(self.static_decode), self.block_size,
-                                     self.dtype, self.device)
-            if self.layer_states:  # the kernel calls of a step find it on the cache they are given
-                self._kv_cache.states = StateCache(self.layer_states, self.scheduler.state_slots, self.dtype,
-                                                   self.device)
-            self._runner = ModelRunner(
-                self.model, self._kv_cache, backend=self.attn_backend, static_decode=self.static_decode,
-                compile_decode=self.compile_decode, max_num_seqs=self.scheduler.max_num_seqs,
-                max_blocks_per_seq=math.ceil(min(self.max_model_len, 1 << 40) / self.block_size),
-                scratch_block=scratch if self.static_decode else None)
+            self._runner = self.live.build_runner(self.allocator.num_blocks, self.block_size,
+                                                  self.scheduler.state_slots, self.scheduler.max_num_seqs,
+                                                  self.max_model_len)
+            self._kv_cache = self._runner.kv_cache
         return self._runner
-
-    @contextlib.contextmanager
-    def _attention(self) -> Iterator[None]:
-        """nopad's paged attention, eval mode and the forward guard (``use_nopad_attention``):
-        entered once per :meth:`run` and held by its steps; a bare :meth:`step` enters it alone."""
-        if self._attention_held:
-            yield
-            return
-        with use_nopad_attention(self.model, eval_mode=True, context=GENERATE):
-            self._attention_held = True
-            try:
-                yield
-            finally:
-                self._attention_held = False
-
-    def _autocast(self):
-        """``dtype=`` other than the weights' (e.g. bf16 rollouts of an fp32 policy): run the step
-        under autocast in that dtype, as mixed-precision training runs the same layers."""
-        dtype = self.requested_dtype
-        if dtype is None or dtype == self.weight_dtype:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=dtype)

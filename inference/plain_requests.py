@@ -20,6 +20,10 @@ class PlainRequests:
         self.in_flight: dict[str, Request] = {}
         self.ready: list[RequestOutput] = []  # aborted/finished outputs not yet returned by step()
 
+    def start(self, request: Request) -> Sequence:
+        self.in_flight[request.request_id] = request
+        return request.first_sequence(self)
+
     def forked(self, parent: Sequence, children: list[Sequence]) -> None:
         for seq in children:
             parent.request.samples[seq.index] = seq
@@ -47,6 +51,12 @@ class PlainRequests:
         request.num_finished = request.params.n
         self.ready.append(self.output(request))
         return True
+
+    def abort_all(self) -> None:
+        """Abort every request in flight and drop every output not yet returned."""
+        for request_id in list(self.in_flight):
+            self.abort(request_id)
+        self.ready = []
 
     def output(self, request: Request) -> RequestOutput:
         self.in_flight.pop(request.request_id, None)

@@ -100,6 +100,14 @@ class Request:
                 outs.append(seq.completion(detokenize))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished)
 
+    def first_sequence(self, hooks: SequenceHooks) -> Sequence:
+        """The request's one sequence, owned by ``hooks``, until its prompt is prefilled and it
+        is forked into its ``n`` samples."""
+        seq = Sequence(request=self, index=0, token_ids=list(self.prompt_token_ids), fork_count=self.params.n,
+                       hooks=hooks)
+        self.samples = [seq] + [None] * (self.params.n - 1)
+        return seq
+
     def deltas(self) -> list[StreamDelta]:
         """The new tokens of every sample since the last call (one delta per sample that has
         some); a sample's last delta carries its finish reason."""
