@@ -19,15 +19,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from inference.request import Sequence, Status
 from inference.seeding import fork_stream
 from inference.state_cache import StateSlots
 from packing.blocks import NO_PARENT, BlockAllocator, hash_block
-
-if TYPE_CHECKING:
-    from inference.sampler import SampleResult
 
 logger = logging.getLogger(__name__)
 
@@ -323,11 +319,12 @@ class Scheduler:
 
     # ----------------------------------------------------------------- after the forward
     def postprocess(self, plan: StepPlan, sampling_rows: list[int],
-                    draw: Callable[[list[int], list[Sequence]], SampleResult]) -> None:
+                    draw: Callable[[list[int], list[Sequence]], object]) -> None:
         """The one owner of a step's bookkeeping once its forward ran: count the computed tokens,
         register new full blocks in the prefix cache, split groups whose prefill completed into
         their forks (``hooks.forked``), draw a token for every sequence that samples now
-        (``draw(logits rows, sequences)``: forks share their parent's row), append it, and end
+        (``draw(logits rows, sequences)`` returns the sampler's ``SampleResult``; forks share their
+        parent's row), append it, and end
         the turns it ends (``hooks.turn_ended``: finish, or pause for tools)."""
         now = time.perf_counter()
         for seq, n in zip(plan.seqs, plan.query_lens):

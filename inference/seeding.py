@@ -9,12 +9,7 @@ sampler (draws) both read these keys; neither imports the other.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from inference.request import Sequence
 
 _MASK64 = (1 << 64) - 1
 
@@ -44,6 +39,7 @@ def fork_stream(stream: int, branch: int, position: int) -> int:
     return counter_seed(stream, branch, position)
 
 
-def uniform_draw(seq: Sequence) -> float:
-    """The uniform number in [0, 1) of this sample's next token (counter-based)."""
+def uniform_draw(seq) -> float:
+    """The uniform number in [0, 1) of the next token of ``seq`` (an :class:`inference.request.
+    Sequence`: its request's seed, its stream, its length)."""
     return min(counter_seed(seq.request.seed, seq.stream, seq.num_tokens) / 2.0**63, 1.0 - 2.0**-40)

@@ -180,3 +180,14 @@ def test_postprocess_ends_a_turn_at_a_stop_token_and_at_max_tokens():
     assert short.generated == [7, 7] and short.logprobs == [-1.0, -1.0]
     assert stops.generated == [7, 7, STOP]
     assert scheduler.allocator.num_free == 16 and not scheduler.has_work()
+
+
+def test_the_scheduler_imports_neither_the_sampler_nor_the_model_side():
+    """Seeding lives in inference.seeding; the scheduler plans and does the bookkeeping only."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "inference" / "scheduler.py").read_text())
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not modules & {"inference.sampler", "inference.model_runner", "inference.generator", "torch"}
