@@ -74,11 +74,7 @@ class Generator:
         self.live = LiveModel(model, dtype=dtype, attn_backend=attn_backend, static_decode=static_decode,
                               compile_decode=compile_decode)
         self.layer_states = self.live.layer_states
-        if self.layer_states:
-            if enable_prefix_caching:
-                logger.info("%s keeps per-sequence state: no cross-request prefix cache (a cached block says "
-                            "nothing about the state after it)", type(model).__name__)
-            enable_prefix_caching = False
+        enable_prefix_caching = self.live.allows_prefix_caching(enable_prefix_caching)
         block_size = block_size if block_size is not None else self.live.default_block_size()
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens)):
@@ -156,12 +152,10 @@ class Generator:
         refuse_plain_generation(self.model)
         requests = self.make_requests(prompts, sampling_params)
         with tqdm(total=len(requests), desc="generate", disable=not use_tqdm or len(requests) < 2) as bar:
-
             def finished(out: RequestOutput) -> None:
                 bar.update(1)
                 if on_output is not None:
                     on_output(out)
-
             return self.run(requests, on_output=finished)
 
     def run(self, requests: list[Request], *, step: Callable[[], list[RequestOutput]] | None = None,

@@ -10,6 +10,7 @@ at the first step after a release.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterator
 
@@ -23,6 +24,8 @@ from packing.attention import paged_block_size
 from packing.distributed import compute_dtype as model_compute_dtype
 from packing.hf import use_nopad_attention
 from packing.mixers import GENERATE, check_model
+
+logger = logging.getLogger(__name__)
 
 
 class LiveModel:
@@ -68,6 +71,14 @@ class LiveModel:
         self.static_decode, self.compile_decode = static_decode or compile_decode, compile_decode
         self.dtype = self.compute_dtype()
         self._attention_held = False
+
+    def allows_prefix_caching(self, wanted: bool) -> bool:
+        """A cross-request prefix cache, unless the model keeps per-sequence state (a cached block
+        says nothing about the state after it)."""
+        if self.layer_states and wanted:
+            logger.info("%s keeps per-sequence state: no cross-request prefix cache (a cached block says "
+                        "nothing about the state after it)", type(self.model).__name__)
+        return wanted and not self.layer_states
 
     def compute_dtype(self) -> torch.dtype:
         """The dtype attention computes in now: ``dtype=``, else the autocast dtype, else the

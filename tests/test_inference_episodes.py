@@ -9,7 +9,6 @@ reference runs each episode alone with HF ``generate`` and the same tool results
 
 from __future__ import annotations
 
-import contextlib
 import random
 import sys
 import threading
@@ -22,6 +21,7 @@ from inference.environments import reset_environments
 from inference.episodes import EpisodeLimits
 from inference.tools import ToolCall
 from tests.models import tiny_model
+from tests.step_clock import StepClock
 
 STOPS = [t for t in range(3, 128) if t % 4 == 0]
 RESULT_OPEN, RESULT_CLOSE = 5, 6
@@ -147,53 +147,6 @@ def test_episode_logprobs_are_the_training_forward_at_model_tokens():
         torch.testing.assert_close(torch.tensor(ep.logprobs)[sampled], ref[sampled], atol=1e-5, rtol=0)
         assert all(lp == 0.0 for lp, m in zip(ep.logprobs, ep.model_mask) if not m)
         assert len(ep.logprobs) == len(ep.completion_ids) == len(ep.model_mask)
-
-
-class StepClock:
-    """Tool latency counted in generator steps, not seconds: :meth:`wait` returns once the model
-    has run ``steps`` more forwards, or at once while the generator has nothing to run but waits
-    on the tools (so no test waits on a timeout). A loaded machine changes nothing but the speed."""
-
-    def __init__(self, gen):
-        self.gen, self.forwards, self.idle = gen, 0, False
-        self.cond = threading.Condition()
-
-    def _forward(self, *_) -> None:
-        with self.cond:
-            self.forwards += 1
-            self.cond.notify_all()
-
-    def _set_idle(self, idle: bool) -> None:
-        with self.cond:
-            self.idle = idle
-            self.cond.notify_all()
-
-    @contextlib.contextmanager
-    def running(self):
-        scheduler = self.gen.scheduler
-        poll = scheduler.poll_paused
-
-        def poll_paused(block: bool) -> None:
-            self._set_idle(block)  # block: every live episode waits on a tool, so let them return
-            try:
-                poll(block)
-            finally:
-                self._set_idle(False)
-
-        handle = self.gen.model.register_forward_pre_hook(self._forward)
-        scheduler.poll_paused = poll_paused
-        try:
-            yield self
-        finally:
-            handle.remove()
-            del scheduler.poll_paused
-
-    def wait(self, steps: int) -> int:
-        """Block until ``steps`` more forwards ran (or the generator idles); returns how many ran."""
-        with self.cond:
-            start = self.forwards
-            self.cond.wait_for(lambda: self.forwards >= start + steps or self.idle, timeout=20)
-            return self.forwards - start
 
 
 def sampled_run(model, **generator_kwargs):
