@@ -139,7 +139,7 @@ class Generator:
             scheduler.postprocess(plan, rows, lambda index, seqs: self._sample(logits, index, seqs))
         elif scheduler.paused:
             scheduler.poll_paused(block=True)  # every live sequence waits on a tool: wait, don't spin
-        elif scheduler.has_work() and not self._plain.ready:
+        elif (scheduler.has_work() or self.has_unfinished()) and not self._plain.ready:
             raise RuntimeError("the scheduler could not plan a step; this is a bug")
         finished, self._plain.ready = self._plain.ready, []
         return finished
