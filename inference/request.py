@@ -3,7 +3,9 @@
 A request with ``n`` samples enters as ONE sequence holding the prompt (``fork_count = n``);
 when its prompt prefill completes it is forked into ``n`` sequences that share every prompt
 block, so the prompt is computed once. A preempted sequence goes back to waiting as itself,
-with prompt + generated tokens to recompute and its outputs kept.
+with prompt + generated tokens to recompute and its outputs kept. A sequence knows its own stop
+conditions (:meth:`Sequence.stop_reason`); its owner (:class:`SequenceHooks`) decides what a
+stop means. :class:`RequestBuilder` validates what a request may ask of the generator.
 """
 
 from __future__ import annotations
