@@ -13,9 +13,7 @@ FUNCTION_LINES = 80
 
 # The ratchet: over the limit when the check came in (#39 A5), each at its size then. Lower an entry
 # when its code shrinks, and delete it when the code fits; a larger size fails the test.
-RATCHET_MODULES = {
-    "inference/generator.py": 589,  # #39 A2: one owner for a generation step, generator.py <= 300
-}
+RATCHET_MODULES: dict[str, int] = {}
 RATCHET_FUNCTIONS = {
     "packing/attention/triton_kernel.py::_attention_kernel": 97,  # one Triton kernel body (#39 A5)
     "packing/hf/verification.py::verify": 101,  # #39 A5

@@ -6,14 +6,13 @@ forward of the whole sequence, whatever else shares the batch."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from inference import Generator, SamplingParams
 from packing.mixers import mamba2
 from tests.models import MAMBA2_FAMILIES, tiny_model
+from tests.step_clock import StepClock
 from tests.test_inference_episodes import GREEDY as EPISODE
 from tests.test_inference_episodes import LIMITS, TOOLS, TokenFormat, echo, reference_episode
 from tests.test_inference_generator import forward_logprobs, hf_greedy, prompts_of
@@ -141,12 +140,10 @@ def assert_equals_reference(model, episodes, refs):
         torch.testing.assert_close(torch.tensor(ep.logprobs)[sampled], ref[sampled], atol=1e-4, rtol=0)
 
 
-def slow_tools(seconds):
-    def add(a: int, b: int) -> str:
-        time.sleep(seconds)
-        return str(a + b)
-
-    return {"add": add, "echo": echo}
+def slow_tools(clock: StepClock, steps: int):
+    """The tools, returning ``steps`` generator steps after they are called (not after a sleep:
+    on a loaded machine fewer steps would pass, and nothing would be preempted)."""
+    return {"add": clock.slow(TOOLS["add"], steps), "echo": echo}
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "bamba", "falcon_h1"])
@@ -167,8 +164,9 @@ def test_tool_episodes_pause_resume_fork_and_preempt_equal_hf(family):
     assert_equals_reference(model, forked, refs)
     # more branches than state slots: a member with no slot is preempted and recomputes its state
     few = Generator(model, block_size=4, num_blocks=256, max_num_seqs=2)
-    crowded = few.run_episodes(prompts, slow_tools(0.05), EPISODE, limits=LIMITS, tool_format=TokenFormat(),
-                               fork=lambda ep: 2 if ep.num_turns == 1 else 1)
+    with StepClock(few).running() as clock:  # tools return 2 steps later
+        crowded = few.run_episodes(prompts, slow_tools(clock, 2), EPISODE, limits=LIMITS,
+                                   tool_format=TokenFormat(), fork=lambda ep: 2 if ep.num_turns == 1 else 1)
     assert sorted((e.prompt_index, e.branch) for e in crowded) == sorted((e.prompt_index, e.branch)
                                                                           for e in forked)
     assert few.stats()["preemptions"] > 0, "two slots should not hold every branch"
@@ -176,8 +174,9 @@ def test_tool_episodes_pause_resume_fork_and_preempt_equal_hf(family):
     assert_all_freed(few)
     # a cache too small for all: paused episodes lose their blocks and state, and recompute them
     tight = Generator(model, block_size=2, num_blocks=30, max_num_seqs=8)
-    squeezed = tight.run_episodes(prompts, slow_tools(0.2), EPISODE, limits=LIMITS,
-                                  tool_format=TokenFormat())
+    with StepClock(tight).running() as clock:  # tools return 10 steps later: paused, others decode
+        squeezed = tight.run_episodes(prompts, slow_tools(clock, 10), EPISODE, limits=LIMITS,
+                                      tool_format=TokenFormat())
     assert tight.stats()["paused_preemptions"] > 0, "the small cache should preempt paused episodes"
     assert_equals_reference(model, squeezed, refs)
     assert_all_freed(tight)
