@@ -86,14 +86,31 @@ def build_prompts(cfg: GRPORecipeConfig, tokenizer) -> tuple[list[dict], list[li
     else:
         examples = TASKS[task.name](num_prompts=task.num_prompts, seed=task.seed)
     limit = cfg.rollout.max_prompt_tokens
+    system = TOOL_TASKS[task.name].system if task.prompts is None and task.name in TOOL_TASKS else None
     ids = []
     for i, ex in enumerate(examples):
-        tokens = encode_prompt(tokenizer, str(ex[task.prompt_field]), chat=cfg.model.chat_template)
+        if system is not None:  # a chat-format tool task: its system turn, then the question
+            tokens = chat_tool_prompt(tokenizer, system, str(ex[task.prompt_field]), task.name)
+        else:
+            tokens = encode_prompt(tokenizer, str(ex[task.prompt_field]), chat=cfg.model.chat_template)
         if not tokens or len(tokens) > limit:
             raise ValueError(f"prompt {i} has {len(tokens)} tokens; rollout.max_prompt_tokens={limit} "
                              "(raise it, or shorten the prompt)")
         ids.append(tokens)
     return examples, ids
+
+
+def chat_tool_prompt(tokenizer, system: str, text: str, task: str) -> list[int]:
+    """A chat-format tool task's prompt: the system turn and the question, rendered by a chat
+    template that writes tool calls (``model.tool_template``)."""
+    if getattr(tokenizer, "response_template", None) is None or not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("model.tool_template", f"task.name={task} calls its tool in the chat template's "
+                          "format, and this tokenizer's template has none; set model.tool_template=smollm2 "
+                          "(SmolLM2 and other ChatML models) or task.name=calculator (calls as plain text)")
+    from inference.tools import ChatTemplateTools
+
+    return ChatTemplateTools(tokenizer).prompt_ids([{"role": "system", "content": system},
+                                                   {"role": "user", "content": text}])
 
 
 def make_generator(model, cfg: GRPORecipeConfig, tokenizer=None):

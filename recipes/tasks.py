@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from recipes.tool_tasks import calculator_task
+from recipes.tool_tasks import calculator_chat_task, calculator_task
 
 RewardFn = Callable[[str, Mapping], float]
 
@@ -119,7 +119,8 @@ def load_examples(path: str | Path, prompt_field: str = "prompt", key: str = "da
     return [{k: v for k, v in row.items() if v is not None} for row in ds]
 
 
-TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic_task, "calculator": calculator_task}
+TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic_task, "calculator": calculator_task,
+                                            "calculator_chat": calculator_chat_task}
 
 
 # ----------------------------------------------------------------------------- tokenizing
