@@ -153,3 +153,16 @@ def test_the_recipes_chat_calculator_needs_a_tool_template(plain, tok, tmp_path,
     torch.manual_seed(0)
     (metrics,) = run_grpo(cfg, model=model, tokenizer=tok, progress=False)
     assert "tool_calls_per_episode" in metrics and metrics["reward_mean"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def test_model_tool_template_is_set_on_load_and_refused_where_it_cannot_be(plain):
+    from recipes.config import ConfigError
+    from recipes.models import _with_tool_template
+    from recipes.tasks import AsciiTokenizer
+
+    tok = _with_tool_template(load_smollm2_tokenizer(), "smollm2")
+    assert trl_utils.supports_tool_calling(tok) and tok.response_template is not None
+    with pytest.raises(ConfigError, match=r"^model.tool_template needs a tokenizer with chat templates"):
+        _with_tool_template(AsciiTokenizer(), "smollm2")
+    with pytest.raises(ConfigError, match=r"^model.tool_template cannot be used: tool template 'qwen9'"):
+        _with_tool_template(plain, "qwen9")
