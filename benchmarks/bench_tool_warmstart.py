@@ -38,13 +38,13 @@ from assets.smollm2 import load_smollm2, load_smollm2_tokenizer  # noqa: E402
 from inference import EpisodeLimits, Generator, SamplingParams  # noqa: E402
 from inference.tools import ChatTemplateTools, use_tool_template  # noqa: E402
 from recipes.config import load_config  # noqa: E402
-from recipes.grpo import chat_tool_prompt, run_grpo  # noqa: E402
+from recipes.grpo import run_grpo  # noqa: E402
 from recipes.grpo_config import GRPORecipeConfig  # noqa: E402
 from recipes.sft import train as run_sft  # noqa: E402
 from recipes.sft_config import SFTRecipeConfig  # noqa: E402
 from recipes.tasks import last_number_match  # noqa: E402
-from recipes.tool_tasks import CALCULATOR_SYSTEM, calculator, calculator_chat_task  # noqa: E402
-from recipes.tool_tasks import main as write_demos
+from recipes.tool_tasks import CALCULATOR_SYSTEM, calculator, calculator_chat_task, chat_tool_prompt  # noqa: E402
+from recipes.tool_tasks import main as write_demos  # noqa: E402
 
 
 def tiny_model(vocab_size: int):

@@ -42,7 +42,7 @@ from recipes.config import ConfigError, parse_cli, setup_logging
 from recipes.grpo_config import GRPORecipeConfig
 from recipes.models import load_model, save_model_dir
 from recipes.tasks import TASKS, check_prompts_per_step, encode_prompt, get_reward, load_examples
-from recipes.tool_tasks import TOOL_TASKS
+from recipes.tool_tasks import TOOL_TASKS, chat_tool_prompt
 
 if TYPE_CHECKING:  # torch and training/ are imported where they run, so --help answers without them
     from training.grpo_step import GRPOLoss, ToolEpisodes
@@ -98,19 +98,6 @@ def build_prompts(cfg: GRPORecipeConfig, tokenizer) -> tuple[list[dict], list[li
                              "(raise it, or shorten the prompt)")
         ids.append(tokens)
     return examples, ids
-
-
-def chat_tool_prompt(tokenizer, system: str, text: str, task: str) -> list[int]:
-    """A chat-format tool task's prompt: the system turn and the question, rendered by a chat
-    template that writes tool calls (``model.tool_template``)."""
-    if getattr(tokenizer, "response_template", None) is None or not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("model.tool_template", f"task.name={task} calls its tool in the chat template's "
-                          "format, and this tokenizer's template has none; set model.tool_template=smollm2 "
-                          "(SmolLM2 and other ChatML models) or task.name=calculator (calls as plain text)")
-    from inference.tools import ChatTemplateTools
-
-    return ChatTemplateTools(tokenizer).prompt_ids([{"role": "system", "content": system},
-                                                   {"role": "user", "content": text}])
 
 
 def make_generator(model, cfg: GRPORecipeConfig, tokenizer=None):

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from inference.tools import ChatTemplateTools, ToolCall
+from recipes.config import ConfigError
 
 CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
@@ -112,6 +113,17 @@ def calculator_demonstrations(num: int = 64, seed: int = 1) -> list[dict]:
             {"role": "assistant", "content": ex["answer"]},
         ]})
     return rows
+
+
+def chat_tool_prompt(tokenizer, system: str, text: str, task: str) -> list[int]:
+    """A chat-format tool task's prompt: the system turn and the question, rendered by a chat
+    template that writes tool calls (``model.tool_template``)."""
+    if getattr(tokenizer, "response_template", None) is None or not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("model.tool_template", f"task.name={task} calls its tool in the chat template's "
+                          "format, and this tokenizer's template has none; set model.tool_template=smollm2 "
+                          "(SmolLM2 and other ChatML models) or task.name=calculator (calls as plain text)")
+    return ChatTemplateTools(tokenizer).prompt_ids([{"role": "system", "content": system},
+                                                   {"role": "user", "content": text}])
 
 
 class TextToolFormat:
