@@ -21,6 +21,8 @@ adapter, optimizer, RNG, progress): seconds per save and size on disk.
 
     python benchmarks/bench_grpo_losses.py            # SmolLM2, 4 losses (minutes on 2 CPU cores)
     python benchmarks/bench_grpo_losses.py --quick    # tiny random Llama, dapo, one rollout batch
+    python benchmarks/bench_grpo_losses.py --checkpoints-only   # SmolLM2: the checkpoint cost alone,
+                                                      # full weights and LoRA, one rollout batch each
 """
 
 from __future__ import annotations
@@ -217,6 +219,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny random Llama, one loss, one batch")
     parser.add_argument("--losses", default=None, help="comma-separated (default: dapo,grpo,gspo,cispo)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--checkpoints-only", action="store_true",
+                        help="skip the loss table: one nopad rollout batch with full weights and one with "
+                             "LoRA, for the checkpoint cost")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -228,19 +233,23 @@ def main() -> None:
         "G": 4,
         "new_tokens": 8 if args.quick else 32,
         "threads": args.threads,
-        "batches": 1 if args.quick else 2,
+        "batches": 1 if args.quick or args.checkpoints_only else 2,
     }
+    if args.checkpoints_only:
+        losses = []
     timeout = 300 if args.quick else 1800
     print(
         f"GRPO, {STEPS_PER_GENERATION} optimizer steps per rollout batch of {base['prompts']} prompts x "
         f"{base['G']} completions (<= {base['new_tokens']} tokens); "
         f"{'tiny random Llama' if args.quick else 'SmolLM2-135M-Instruct'}, fp32, {args.threads} CPU threads"
     )
-    print(
-        f"{'loss':<7} {'system':<6} {'s/opt step':>11} {'fwd/opt step':>13} {'peak RSS MB':>12} "
-        f"{'mean len':>9} {'nopad speed-up':>15}"
-    )
-    full_weights = None  # a nopad run's checkpoint: its full-weight save
+    if losses:
+        print(
+            f"{'loss':<7} {'system':<6} {'s/opt step':>11} {'fwd/opt step':>13} {'peak RSS MB':>12} "
+            f"{'mean len':>9} {'nopad speed-up':>15}"
+        )
+    # a nopad run's checkpoint: its full-weight save (its own run when the loss table is skipped)
+    full_weights = None if losses else measure({**base, "loss": "dapo", "system": "nopad"}, timeout)
     for loss in losses:
         rows = {
             system: measure({**base, "loss": loss, "system": system}, timeout) for system in ("nopad", "TRL")
@@ -257,7 +266,7 @@ def main() -> None:
     print(
         "\nnopad GRPO checkpoint (step_N: policy or adapter, optimizer, RNG, progress), written atomically:"
     )
-    for lora in (False,) if args.quick else (False, True):
+    for lora in (False, True):
         r = (
             measure({**base, "loss": "dapo", "system": "nopad", "lora": True}, timeout)
             if lora

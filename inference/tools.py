@@ -16,9 +16,24 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from inference.chat import render
+
+# chat templates with tool calls that nopad ships (inference/templates), by name
+TOOL_TEMPLATES = {"smollm2": Path(__file__).parent / "templates" / "smollm2_tools.jinja"}
+# transformers' response template (``tokenizer.parse_response``) for their call format,
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>, in a ChatML assistant turn
+TOOL_CALL_RESPONSE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True,
+                       "content": "json", "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+    },
+}
 
 
 @dataclass
@@ -105,6 +120,21 @@ class ChatTemplateTools:
         if full[: len(before)] != before:
             raise ValueError("the chat template renders the turn before a tool message differently with it")
         return full[len(before):]
+
+
+def use_tool_template(tokenizer, template: str = "smollm2"):
+    """Give ``tokenizer`` a chat template that renders tools, tool calls and tool results, and the
+    response template that parses the calls back (what :class:`ChatTemplateTools` and TRL's tool
+    loop need), for models whose own template has none: SmolLM2's (``"smollm2"``). ``template`` is a
+    name in :data:`TOOL_TEMPLATES` or a ``.jinja`` file that writes calls in the same
+    ``<tool_call>`` JSON format in ChatML turns. Returns the tokenizer."""
+    path = TOOL_TEMPLATES.get(template, Path(template))
+    if template not in TOOL_TEMPLATES and not (path.suffix == ".jinja" and path.is_file()):
+        raise ValueError(f"tool template {template!r} is neither one nopad ships ({sorted(TOOL_TEMPLATES)}) "
+                         "nor a .jinja file")
+    tokenizer.chat_template = path.read_text()
+    tokenizer.response_template = TOOL_CALL_RESPONSE
+    return tokenizer
 
 
 class ToolRunner:

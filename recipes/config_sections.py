@@ -19,6 +19,7 @@ class ModelConfig(Section):
 
     path: str | None = "smollm2"  # smollm2 (embedded), tiny:llama (tests), a model or run directory
     dtype: DType = "float32"  # float32 | bfloat16 | float16
+    tool_template: str | None = None  # a chat template with tool calls: smollm2 (nopad's) or a .jinja file
 
 
 @dataclasses.dataclass

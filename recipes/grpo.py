@@ -50,6 +50,7 @@ from recipes.grpo_checkpoint import (
 from recipes.grpo_config import GRPORecipeConfig
 from recipes.models import load_model
 from recipes.tasks import TASKS, check_prompts_per_step, get_reward, load_examples, tool_task
+from recipes.tool_tasks import chat_tool_prompt
 
 if TYPE_CHECKING:  # torch and training/ are imported where they run, so --help answers without them
     from training.grpo_step import GRPOLoss, ToolEpisodes
@@ -93,9 +94,13 @@ def build_prompts(cfg: GRPORecipeConfig, tokenizer) -> tuple[list[dict], list[li
     else:
         examples = TASKS[task.name].examples(num_prompts=task.num_prompts, seed=task.seed)
     limit = cfg.rollout.max_prompt_tokens
+    system = TASKS[task.name].system if task.prompts is None else None
     ids = []
     for i, ex in enumerate(examples):
-        tokens = encode_prompt(tokenizer, str(ex[task.prompt_field]), chat=cfg.model.chat_template)
+        if system is not None:  # a chat-format tool task: its system turn, then the question
+            tokens = chat_tool_prompt(tokenizer, system, str(ex[task.prompt_field]), task.name)
+        else:
+            tokens = encode_prompt(tokenizer, str(ex[task.prompt_field]), chat=cfg.model.chat_template)
         if not tokens or len(tokens) > limit:
             raise ValueError(f"prompt {i} has {len(tokens)} tokens; rollout.max_prompt_tokens={limit} "
                              "(raise it, or shorten the prompt)")

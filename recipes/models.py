@@ -26,13 +26,29 @@ def load_model(model_cfg: ModelConfig):
     lora: LoRAConfig | None = getattr(model_cfg, "lora", None)
     path = check_model_path(model_cfg.path)
     if peft_lora.is_adapter_dir(path):
-        return _load_adapter_dir(model_cfg, path, lora)
+        model, tokenizer = _load_adapter_dir(model_cfg, path, lora)
+        return model, _with_tool_template(tokenizer, model_cfg.tool_template)
     model, tokenizer = _load_base(model_cfg, path)
     if lora is not None:
         base = path if path == "smollm2" or path.startswith("tiny:") else str(Path(path).resolve())
         model = peft_lora.apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
                                      target_modules=lora.targets, base=base)
-    return model, tokenizer
+    return model, _with_tool_template(tokenizer, model_cfg.tool_template)
+
+
+def _with_tool_template(tokenizer, template: str | None):
+    """``model.tool_template``: the tokenizer with a chat template that writes tool calls."""
+    from inference.tools import use_tool_template
+
+    if template is None:
+        return tokenizer
+    if not hasattr(tokenizer, "apply_chat_template"):
+        raise ConfigError("model.tool_template", f"needs a tokenizer with chat templates; this model's is "
+                          f"{type(tokenizer).__name__} (tiny:* models have a plain ASCII tokenizer)")
+    try:
+        return use_tool_template(tokenizer, template)
+    except ValueError as err:
+        raise ConfigError("model.tool_template", f"cannot be used: {err}") from None
 
 
 def _load_adapter_dir(model_cfg: ModelConfig, path: str, lora: LoRAConfig | None):

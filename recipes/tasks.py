@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from recipes.tool_tasks import CALL_CLOSE, TextToolFormat, calculator, calculator_task
+from inference.tools import ChatTemplateTools
+from recipes.tool_tasks import (
+    CALCULATOR_SYSTEM,
+    CALL_CLOSE,
+    TextToolFormat,
+    calculator,
+    calculator_chat_task,
+    calculator_task,
+)
 
 if TYPE_CHECKING:  # the one reward type; training (torch) is not imported to read configs
     from training.grpo_step import RewardFn
@@ -131,6 +139,7 @@ class Task:
     tools: Mapping[str, Callable] = field(default_factory=dict)
     stop: tuple[str, ...] = ()
     tool_format: Callable | None = None
+    system: str | None = None  # chat-format tool tasks: the system turn before each prompt
 
     @property
     def uses_tools(self) -> bool:
@@ -141,6 +150,8 @@ class Task:
 TASKS: dict[str, Task] = {
     "arithmetic": Task(arithmetic_task),
     "calculator": Task(calculator_task, {"calculator": calculator}, (CALL_CLOSE,), TextToolFormat),
+    "calculator_chat": Task(calculator_chat_task, {"calculator": calculator}, tool_format=ChatTemplateTools,
+                            system=CALCULATOR_SYSTEM),
 }
 
 

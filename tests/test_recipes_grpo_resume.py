@@ -1,6 +1,7 @@
 """GRPO checkpoints and exact resume: a run killed with SIGKILL (after a rollout, after an optimizer
 step, inside a checkpoint write) and resumed from its newest complete checkpoint ends with the same
-metrics and, in the batch-invariant mode (fp32), bitwise the same parameters as a run never killed."""
+metrics and, in the batch-invariant mode (fp32), bitwise the same parameters as a run never killed;
+on one process and on two (torchrun, gloo, CPU)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import torch
 from recipes.config import load_config
 from recipes.grpo import KILL_ENV, GRPORecipeConfig, run_grpo
 from recipes.tasks import AsciiTokenizer
-from tests.launch import run_in_group
+from tests.launch import run_in_group, signal_deaths
+from tests.test_recipes_sft import _free_port
 
 RUN = [
     "model.path=tiny:llama",
@@ -86,6 +88,47 @@ def test_kill_and_resume_equals_the_uninterrupted_run_bitwise(kill_at, uninterru
     assert metrics(tmp_path) == metrics(uninterrupted)  # each step once, with the same numbers
     assert [m["step"] for m in metrics(tmp_path)] == [0, 1, 2, 3]
     want, got = parameters(uninterrupted / "step_4"), parameters(tmp_path / "step_4")
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+
+
+TWO_RANK_TIMEOUT_S = 420  # one 2-process GRPO run of 4 steps on 2 shared cores; a hang fails here
+
+
+def grpo_two_ranks(out: Path, *extra: str, kill_at: str | None = None) -> tuple[int | None, str]:
+    """The recipe on two ranks (torchrun, gloo on the CPU), killed at ``kill_at`` on both ranks."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), "ACCELERATE_USE_CPU": "1"}
+    env.pop(KILL_ENV, None)
+    if kill_at:
+        env[KILL_ENV] = kill_at
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(_free_port()), "-m", "recipes.grpo", *RUN, f"output_dir={out}", *extra]
+    code, output, _ = run_in_group(cmd, TWO_RANK_TIMEOUT_S, env=env, stderr=subprocess.STDOUT)
+    assert code is not None, f"the 2-rank GRPO run did not end in {TWO_RANK_TIMEOUT_S} s:\n{output[-3000:]}"
+    return code, output
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_two_ranks(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted_two_ranks")
+    code, output = grpo_two_ranks(out)
+    assert code == 0, f"the 2-rank GRPO run failed ({code}):\n{output[-3000:]}"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", ["step:2", "checkpoint:2"])
+def test_two_ranks_killed_and_resumed_equal_the_uninterrupted_run_bitwise(kill_at, uninterrupted_two_ranks,
+                                                                          tmp_path):
+    code, output = grpo_two_ranks(tmp_path, kill_at=kill_at)
+    assert code != 0 and any("SIGKILL" in d for d in signal_deaths(output)), output[-3000:]
+    assert not (tmp_path / "step_4").exists()
+    code, output = grpo_two_ranks(tmp_path, "checkpoint.resume_from=latest")
+    assert code == 0, f"the resumed 2-rank run failed ({code}):\n{output[-3000:]}"
+    assert metrics(tmp_path) == metrics(uninterrupted_two_ranks)
+    assert [m["step"] for m in metrics(tmp_path)] == [0, 1, 2, 3]
+    want, got = parameters(uninterrupted_two_ranks / "step_4"), parameters(tmp_path / "step_4")
     assert want.keys() == got.keys()
     for name in want:
         assert torch.equal(want[name], got[name]), name
