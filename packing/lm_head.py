@@ -50,9 +50,14 @@ class LMHead:
     multiplier: float | None = None
     divisor: float | None = None
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's logits of ``hidden``, op for op as its forward computes them."""
-        x = self.module(hidden)
+    def logits(self, hidden: torch.Tensor, *, hooks: bool = True) -> torch.Tensor:
+        """The model's logits of ``hidden``, op for op as its forward computes them. ``hooks``
+        False runs the module's ``forward`` without its own hooks (inside the model's call, where
+        the engines' hooks of this module have already gathered its weights)."""
+        return self.finish(self.module(hidden) if hooks else self.module.forward(hidden))
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        """The final-logit ops on the module's output ``x``."""
         if self.multiplier is not None:
             x = x * self.multiplier
         if self.divisor is not None:
@@ -62,6 +67,20 @@ class LMHead:
             x = torch.tanh(x)
             x = x * self.softcap
         return x
+
+
+def tempered_log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, out: torch.Tensor | None = None,
+                         tempered_out: torch.Tensor | None = None) -> torch.Tensor:
+    """``log_softmax(logits.float() / temperature)`` over the vocabulary: the one expression of a
+    token's log-prob in nopad, for the trainer's chunks and the generator's sampler alike (so under
+    :func:`packing.batch_invariant` their bits agree). ``out`` / ``tempered_out``: buffers to reuse
+    for the result and the divided logits (the sampler's)."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = torch.div(z, float(temperature), out=tempered_out)
+    if out is None:
+        return torch.log_softmax(z, dim=-1)
+    return torch._log_softmax(z, -1, False, out=out)  # the same kernel as log_softmax, into ``out``
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -92,63 +111,115 @@ def head_of(model: torch.nn.Module) -> LMHead:
     return LMHead(module, softcap=softcap, multiplier=multiplier, divisor=divisor)
 
 
-def hidden_states(model: torch.nn.Module, model_kwargs: dict[str, Any],
-                  positions: torch.Tensor) -> tuple[torch.Tensor, LMHead]:
-    """``(hidden, head)``: the head's input ``(len(positions), hidden)`` at ``positions`` of one
-    packed row (``model_kwargs``: the row's ``input_ids``, ``position_ids``, ``nopad_meta``), from
-    one call of ``model`` whose head computes the first position only; that one row of the model's
-    own logits is checked against :meth:`LMHead.logits`, so a model whose forward does something
-    after its head that :func:`head_of` does not read fails here instead of training on wrong
-    log-probs."""
-    head = head_of(model)
-    captured = []
+def token_logprobs(model: torch.nn.Module, model_kwargs: dict[str, Any], positions: torch.Tensor,
+                   targets: torch.Tensor, *, temperature: float = 1.0, entropy: bool = False,
+                   chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The log-prob of ``targets[i]`` predicted at row position ``positions[i]`` (and the entropy
+    there when asked) under ``model``, fp32, for one packed row (``model_kwargs``: its
+    ``input_ids``, ``position_ids``, ``nopad_meta``), from one call of ``model``.
 
-    def one_row(module, args, kwargs):
-        captured.append(args[0])
+    The chunked head (:func:`head_logprobs`) runs *inside* that call, in hooks on the head module:
+    its input is kept and the module itself computes one row; then, while ZeRO-3 or FSDP2 still
+    hold its gathered weights, the chunks score the kept hidden states. Their result is tied into
+    the head's output and the model's logits (:class:`_Tied`), so backward passes the engines'
+    pre-backward hooks (which gather the weights again) before it reaches the chunks' recompute.
+    The one row of the model's logits is checked against :meth:`LMHead.finish` of the head's own
+    output, so a model whose forward does something after its head that :func:`head_of` does not
+    read fails here instead of training on wrong log-probs."""
+    head = head_of(model)
+    state: dict[str, Any] = {}
+
+    def keep_hidden(module, args, kwargs):
+        state["hidden"] = args[0]
         return (args[0][..., :1, :], *args[1:]), kwargs
 
-    handle = head.module.register_forward_pre_hook(one_row, with_kwargs=True)
+    def score_chunks(module, args, kwargs, output):
+        if "scores" in state:
+            raise RuntimeError(f"{type(unwrap(model)).__name__}'s forward called its output embeddings "
+                               "twice; the LM head needs the usual causal-LM forward: backbone, then head")
+        hidden = state.pop("hidden")
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        if hidden.shape[0] != positions.numel():
+            raise RuntimeError(f"{type(unwrap(model)).__name__}'s head got {hidden.shape[0]} positions, not "
+                               f"logits_to_keep's {positions.numel()}: the LM head needs a causal LM that "
+                               "takes logits_to_keep as a tensor of positions")
+        with torch.no_grad():
+            state["ours"] = head.finish(output.reshape(-1, output.shape[-1])[:1])
+        logps, ents = head_logprobs(head, hidden, targets, temperature=temperature, entropy=entropy,
+                                    chunk_tokens=chunk_tokens, hooks=False)
+        state["scores"] = (logps, ents)
+        return _Tied.apply(output.detach(), *_present(logps, ents))[0]
+
+    # keep_hidden runs after the engines' pre-hooks (it keeps the input they wrap for backward),
+    # score_chunks before their post-hooks (the weights are still gathered; they wrap its output)
+    handles = [head.module.register_forward_pre_hook(keep_hidden, with_kwargs=True),
+               head.module.register_forward_hook(score_chunks, with_kwargs=True, prepend=True)]
     try:
         out = model(**model_kwargs, logits_to_keep=positions, use_cache=False)
     finally:
-        handle.remove()
-    if len(captured) != 1 or captured[0].shape[-2] != positions.numel():
-        raise RuntimeError(f"{type(unwrap(model)).__name__}'s forward called its output embeddings "
-                           f"{len(captured)} times (or not with logits_to_keep's positions); the LM head "
-                           "needs the usual causal-LM forward: backbone, then head once")
-    hidden = captured[0].reshape(-1, captured[0].shape[-1])
+        for handle in handles:
+            handle.remove()
+    if "scores" not in state:
+        raise RuntimeError(f"{type(unwrap(model)).__name__}'s forward did not call its output embeddings "
+                           "(get_output_embeddings()); the LM head needs the usual causal-LM forward")
+    logps, ents = state["scores"]
     if positions.numel():
-        _check_head(head, hidden[:1], out.logits.reshape(-1, out.logits.shape[-1])[:1], model)
-    return hidden, head
+        _check_head(head, state["ours"], out.logits.reshape(-1, out.logits.shape[-1])[:1], model)
+    tied = _Tied.apply(out.logits, *_present(logps, ents))[1:]
+    return tied[0], (tied[1] if entropy else None)
 
 
-def _check_head(head: LMHead, hidden: torch.Tensor, theirs: torch.Tensor, model) -> None:
-    """The same ops on the same row give the same bits; a few ulps are allowed for kernels that
-    differ by call site, nothing like a missing scale or softcap."""
+def _present(*tensors: torch.Tensor | None) -> list[torch.Tensor]:
+    return [t for t in tensors if t is not None]
+
+
+class _Tied(torch.autograd.Function):
+    """The tensors unchanged, as one autograd node: backward waits for all of their gradients (an
+    unused one is zero) and passes each back to its own graph. Tying the chunks' scores to the
+    head's output, and the model's logits to the scores, makes backward go through the logits'
+    pre-backward hooks (ZeRO-3's and FSDP2's weight gathering) before the chunks' recompute."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
+def _check_head(head: LMHead, ours: torch.Tensor, theirs: torch.Tensor, model) -> None:
+    """The same ops on the same row give the same bits; a few ulps of the compute dtype are
+    allowed (autocast, kernels that differ by call site), nothing like a missing scale or softcap.
+    Non-finite entries are not compared: a NaN or inf row is nopad's own non-finite error later."""
     with torch.no_grad():
-        ours = head.logits(hidden)
-        eps = torch.finfo(theirs.dtype).eps if theirs.is_floating_point() else 0.0
+        eps = max(torch.finfo(t.dtype).eps if t.is_floating_point() else 0.0 for t in (ours, theirs))
         ours, theirs = ours.float(), theirs.float()
-        scale = float(theirs.abs().max())
-        err = float((ours - theirs).abs().max())
+        finite = ours.isfinite() & theirs.isfinite()
+        if not bool(finite.any()):
+            return
+        scale = float(theirs[finite].abs().max())
+        err = float((ours - theirs)[finite].abs().max())
     if not err <= 4 * eps * scale:
         raise ValueError(f"{type(unwrap(model)).__name__}'s logits differ from its head's output by up to "
                          f"{err:.3g} (logits up to {scale:.3g}) after the final-logit ops nopad reads "
-                         f"({head.multiplier=}, {head.divisor=}, {head.softcap=}): its forward transforms "
-                         "the logits in a way packing.lm_head does not know; add it to LMHead")
+                         f"({head.multiplier=}, {head.divisor=}, {head.softcap=}): its forward (or a hook "
+                         "on its lm_head) transforms the logits in a way packing.lm_head does not know; add "
+                         "it to LMHead, or change the hidden states (a hook on the final norm) instead")
 
 
 class _TargetLogprobs(torch.autograd.Function):
-    """``log_softmax(z)`` gathered at ``targets`` (and the entropy of each row), saving only the
-    log-softmax for backward, whose gradient is written into one ``(rows, V)`` buffer in place."""
+    """:func:`tempered_log_softmax` of logits ``z`` gathered at ``targets`` (and the entropy of each
+    row), saving only the log-softmax for backward, whose gradient is written into one ``(rows, V)``
+    buffer in place."""
 
     @staticmethod
-    def forward(ctx, z, targets, want_entropy):
-        logp = torch.log_softmax(z, dim=-1)
+    def forward(ctx, z, targets, want_entropy, temperature):
+        logp = tempered_log_softmax(z, temperature)
         picked = logp.gather(1, targets[:, None]).squeeze(1)
         ent = -(logp.exp() * logp).sum(-1) if want_entropy else z.new_empty(0)
         ctx.save_for_backward(logp, targets, ent)
-        ctx.want_entropy = want_entropy
+        ctx.want_entropy, ctx.temperature = want_entropy, temperature
         return picked, ent
 
     @staticmethod
@@ -163,27 +234,29 @@ class _TargetLogprobs(torch.autograd.Function):
         else:
             grad.mul_(-g_picked[:, None])
         grad[torch.arange(grad.shape[0], device=grad.device), targets] += g_picked
-        return grad, None, None
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
+        return grad, None, None, None  # autograd casts the fp32 gradient to z's dtype
 
 
 def _chunk(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-           want_entropy: bool, invariant: tuple[bool, str | None]) -> tuple[torch.Tensor, torch.Tensor]:
+           want_entropy: bool, invariant: tuple[bool, str | None],
+           hooks: bool) -> tuple[torch.Tensor, torch.Tensor]:
     # the recompute in backward runs the forward's numerics (batch-invariant or not), whatever mode
     # the backward is called in: the same ops, so the same tensors saved and the same logits
     with batch_invariant(*invariant):
-        z = head.logits(hidden).float()
-        if temperature != 1.0:
-            z = z / temperature
-        return _TargetLogprobs.apply(z, targets, want_entropy)
+        return _TargetLogprobs.apply(head.logits(hidden, hooks=hooks), targets, want_entropy, temperature)
 
 
 def head_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                  entropy: bool = False, chunk_tokens: int | None = None
+                  entropy: bool = False, chunk_tokens: int | None = None, hooks: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 ``(log-probs of targets, entropies or None)`` of ``hidden`` ``(N, H)`` under
     ``softmax(head.logits(hidden) / temperature)``, computed ``chunk_tokens`` rows at a time from
     row 0; with grad enabled each chunk's logits are recomputed in backward (activation
-    checkpointing), so no ``(N, V)`` tensor is ever kept. ``chunk_tokens`` None: :data:`CHUNK_TOKENS`."""
+    checkpointing), so no ``(N, V)`` tensor is ever kept. ``chunk_tokens`` None: :data:`CHUNK_TOKENS`.
+    ``hooks``: as in :meth:`LMHead.logits` (:func:`token_logprobs` runs the chunks inside the
+    model's call, without the head module's own hooks)."""
     chunk_tokens = CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
@@ -200,21 +273,11 @@ def head_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, *, 
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[start: start + chunk_tokens], targets[start: start + chunk_tokens]
         if grad:
-            lp, ent = checkpoint(_chunk, head, h, t, temperature, entropy, invariant, use_reentrant=False)
+            lp, ent = checkpoint(_chunk, head, h, t, temperature, entropy, invariant, hooks,
+                                 use_reentrant=False)
         else:
-            lp, ent = _chunk(head, h, t, temperature, entropy, invariant)
+            lp, ent = _chunk(head, h, t, temperature, entropy, invariant, hooks)
         parts.append(lp)
         ents.append(ent)
     logps = torch.cat(parts)
     return logps, (torch.cat(ents) if entropy else None)
-
-
-def token_logprobs(model: torch.nn.Module, model_kwargs: dict[str, Any], positions: torch.Tensor,
-                   targets: torch.Tensor, *, temperature: float = 1.0, entropy: bool = False,
-                   chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The log-prob of ``targets[i]`` predicted at row position ``positions[i]`` (and the entropy
-    there when asked) under ``model``, fp32, from one backbone forward and the chunked head
-    (:func:`hidden_states`, :func:`head_logprobs`)."""
-    hidden, head = hidden_states(model, model_kwargs, positions)
-    return head_logprobs(head, hidden, targets, temperature=temperature, entropy=entropy,
-                         chunk_tokens=chunk_tokens)
