@@ -27,6 +27,7 @@ what drifts (TRL#7063, verl#2656), so nopad has this one.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from packing.invariance import active_kernels, batch_invariant, is_enabled
+
+logger = logging.getLogger(__name__)
 
 CHUNK_TOKENS = 128  # head rows per chunk; fixed, so chunk bounds never depend on the row's length
 
@@ -164,7 +167,10 @@ def token_logprobs(model: torch.nn.Module, model_kwargs: dict[str, Any], positio
                            "(get_output_embeddings()); the LM head needs the usual causal-LM forward")
     logps, ents = state["scores"]
     if positions.numel():
-        _check_head(head, state["ours"], out.logits.reshape(-1, out.logits.shape[-1])[:1], model)
+        theirs = out.logits.reshape(-1, out.logits.shape[-1])[:1]
+        mismatch = _head_mismatch(head, state["ours"], theirs, model)
+        if mismatch:
+            return _from_full_logits(model, model_kwargs, positions, targets, temperature, entropy, mismatch)
     tied = _Tied.apply(out.logits, *_present(logps, ents))[1:]
     return tied[0], (tied[1] if entropy else None)
 
@@ -188,24 +194,44 @@ class _Tied(torch.autograd.Function):
         return grads
 
 
-def _check_head(head: LMHead, ours: torch.Tensor, theirs: torch.Tensor, model) -> None:
-    """The same ops on the same row give the same bits; a few ulps of the compute dtype are
-    allowed (autocast, kernels that differ by call site), nothing like a missing scale or softcap.
-    Non-finite entries are not compared: a NaN or inf row is nopad's own non-finite error later."""
+def _head_mismatch(head: LMHead, ours: torch.Tensor, theirs: torch.Tensor, model) -> str | None:
+    """Why the model's logits are not :meth:`LMHead.finish` of its head's output, or None. The same
+    ops on the same row give the same bits; a few ulps of the compute dtype are allowed (autocast,
+    kernels that differ by call site), nothing like a missing scale or softcap. Non-finite entries
+    are not compared: a NaN or inf row is nopad's own non-finite error later."""
     with torch.no_grad():
         eps = max(torch.finfo(t.dtype).eps if t.is_floating_point() else 0.0 for t in (ours, theirs))
         ours, theirs = ours.float(), theirs.float()
         finite = ours.isfinite() & theirs.isfinite()
         if not bool(finite.any()):
-            return
+            return None
         scale = float(theirs[finite].abs().max())
         err = float((ours - theirs)[finite].abs().max())
-    if not err <= 4 * eps * scale:
-        raise ValueError(f"{type(unwrap(model)).__name__}'s logits differ from its head's output by up to "
-                         f"{err:.3g} (logits up to {scale:.3g}) after the final-logit ops nopad reads "
-                         f"({head.multiplier=}, {head.divisor=}, {head.softcap=}): its forward (or a hook "
-                         "on its lm_head) transforms the logits in a way packing.lm_head does not know; add "
-                         "it to LMHead, or change the hidden states (a hook on the final norm) instead")
+    if err <= 4 * eps * scale:
+        return None
+    return (f"{type(unwrap(model)).__name__}'s logits differ from its head's output by up to {err:.3g} "
+            f"(logits up to {scale:.3g}) after the final-logit ops nopad reads ({head.multiplier=}, "
+            f"{head.divisor=}, {head.softcap=}): its forward (or a hook on it or its lm_head) transforms the "
+            "logits in a way packing.lm_head does not know")
+
+
+_warned: set[str] = set()
+
+
+def _from_full_logits(model, model_kwargs, positions, targets, temperature, entropy, why: str):
+    """The fallback for a model whose logits the chunked head cannot reproduce: the model's own
+    logits at ``positions`` (``(N, V)`` of them), through the same log-softmax. Logged once per
+    model class, since it costs the memory the chunks save."""
+    name = type(unwrap(model)).__name__
+    if name not in _warned:
+        _warned.add(name)
+        logger.warning("%s; scoring from its full logits at the loss positions instead (N x V memory). "
+                       "Add the op to packing.lm_head.LMHead, or change the hidden states (a hook on the "
+                       "final norm), to get the chunked head back", why)
+    logits = model(**model_kwargs, logits_to_keep=positions, use_cache=False).logits
+    logits = logits.reshape(-1, logits.shape[-1])
+    logps, ents = _TargetLogprobs.apply(logits, targets.to(logits.device), entropy, temperature)
+    return logps, (ents if entropy else None)
 
 
 class _TargetLogprobs(torch.autograd.Function):
