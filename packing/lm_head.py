@@ -7,14 +7,16 @@ tokens and recomputed in backward, so a packed row never holds its ``T x V`` log
 Why: with vocabularies of 150k-262k, one 8,192-token row of fp32 logits is 5-8 GB, before
 ``log_softmax`` and its backward copy it. Here the backbone runs once (the model's own forward,
 so DDP / DeepSpeed / FSDP / peft wrappers and their hooks all see an ordinary call) with the head
-given one row only, and the head then runs on :data:`CHUNK_TOKENS` positions at a time: peak
-memory is O(chunk x V), not O(T x V) (``benchmarks/bench_lm_head.py`` measures it).
+given one row only, and the head then runs on :data:`CHUNK_TOKENS` positions at a time, inside
+that call (where ZeRO-3 and FSDP2 have gathered its weights): peak memory is O(chunk x V), not
+O(T x V) (``benchmarks/bench_lm_head.py`` measures it).
 
 Exact, not fused: each chunk is the model's own head module (tied embeddings, a bias, a peft LoRA
 on ``lm_head`` run as they do in the model), the model's own final-logit ops (:class:`LMHead`:
 Gemma's softcap, Granite's and Cohere's scales, checked at every call against the model's logits
-of one position), then ``log_softmax(logits.float() / temperature)`` gathered at the target: the
-expression the generator's sampler computes, so under :func:`packing.batch_invariant` (whose
+of one position; a model that fails the check is scored from its own logits, with a warning),
+then :func:`tempered_log_softmax` gathered at the target: the function the generator's sampler
+computes its log-probs with, so under :func:`packing.batch_invariant` (whose
 linear and log-softmax are row-local) the chunking changes no bit, and the chunks start at token
 0 with a fixed size whatever the number of tokens.
 
