@@ -109,15 +109,9 @@ GRPO_QUESTIONS = [
 def chat_prompt_ids(tokenizer, questions: list[str]) -> list[list[int]]:
     """Token ids of each question wrapped in the tokenizer's chat template (with the assistant turn
     opened), exactly as a chat model is prompted."""
-    out = []
-    for q in questions:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
-        )
-        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        out.append(list(ids))
-    return out
+    from inference.chat import encode_prompt
+
+    return [encode_prompt(tokenizer, q, chat=True) for q in questions]
 
 
 def chat_workload(tokenizer, num_prompts: int, min_new: int, max_new: int, seed: int):

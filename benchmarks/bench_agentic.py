@@ -232,8 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     from trl import GRPOTrainer
 
-    from training.grpo_trainer import NopadGRPOTrainer
-    from training.trl_rollout import nopad_rollout_func
+    from training.trl.grpo_trainer import NopadGRPOTrainer
+    from training.trl.rollout import nopad_rollout_func
 
     tok = tokenizer_with_tool_call(args.quick)
     base = load_model(tok, args.quick)

@@ -12,6 +12,17 @@ layers and ``full_attention`` layers 3:1, as the released models lay them), scal
           attention through nopad, the delta rule and the convolution through nopad's varlen
           mixers (packing/mixers/), each document from a zero state
 
+Generation (``--generation``, on by default): the same random-weight models in eval mode, fp32,
+greedy, on one mixed-length batch of prompts with per-request output lengths (ignore_eos), only the
+requested tokens counted:
+
+  HF      ``model.generate`` on the whole batch left-padded, sdpa, its own hybrid cache (conv and
+          recurrent state per row); the batch runs to its longest request
+  nopad   ``inference.Generator``: in-flight batching, paged K/V, per-sequence state slots
+          (inference/state_cache.py), chunked prefill
+
+with greedy agreement (identical sequences) so a fast wrong answer shows.
+
     python benchmarks/bench_hybrid.py            # full run
     python benchmarks/bench_hybrid.py --quick    # smoke run, a tiny model
 """
@@ -29,6 +40,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
+from benchmarks.bench_generate import agreement, run_hf_static, run_nopad  # noqa: E402
 from benchmarks.bench_train import make_lengths, nopad_batches, padded_batches  # noqa: E402
 from packing.hf import register_nopad_attention  # noqa: E402
 
@@ -56,6 +68,20 @@ def lfm2(vocab: int, quick: bool) -> transformers.PreTrainedModel:
         num_key_value_heads=1, max_position_embeddings=4096,
     )
     return _build(transformers.Lfm2ForCausalLM, config)
+
+
+def bamba(vocab: int, quick: bool) -> transformers.PreTrainedModel:
+    """A Mamba2 hybrid (Bamba's layout, as Granite-4 hybrid and Nemotron-H lay theirs: Mamba2
+    layers with an attention layer every fourth), the same width: 2x expansion, 64-dim heads,
+    a 64-wide SSM state, a 4-tap conv."""
+    hidden, layers = (64, 4) if quick else (256, 8)
+    config = transformers.BambaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        attn_layer_indices=list(range(3, layers, 4)), num_attention_heads=4, num_key_value_heads=1,
+        mamba_n_heads=2 * hidden // 64, mamba_d_head=64, mamba_d_state=16 if quick else 64, mamba_n_groups=1,
+        mamba_chunk_size=64, max_position_embeddings=4096,
+    )
+    return _build(transformers.BambaForCausalLM, config)
 
 
 def _build(cls, config) -> transformers.PreTrainedModel:
@@ -89,7 +115,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: a tiny model, 4 short sequences")
     parser.add_argument("--sequences", type=int, default=None)
     parser.add_argument("--budget", type=int, default=None, help="tokens per step (default 2048)")
-    parser.add_argument("--models", default="qwen3_5,lfm2", help="comma-separated: qwen3_5, lfm2")
+    parser.add_argument("--models", default="qwen3_5,lfm2", help="comma-separated: qwen3_5, lfm2, bamba")
+    parser.add_argument("--generation", default="qwen3_5,lfm2,bamba",
+                        help="models for the generation part, comma-separated ('' to skip it)")
+    parser.add_argument("--gen-prompts", type=int, default=None, help="prompts of the generation batch")
     parser.add_argument("--dtypes", default="float32,bfloat16",
                         help="comma-separated; bf16 runs under CPU autocast, fp32 weights")
     parser.add_argument("--threads", type=int, default=None,
@@ -113,8 +142,8 @@ def main() -> None:
           f"budget {budget} tokens/step, {args.threads} threads")
     print(f"{'model':8s} {'dtype':9s} {'system':22s} {'steps':>5s} {'tokens eff':>10s} {'seconds':>8s} "
           f"{'tok/s':>8s} {'vs padded':>9s}")
-    builders = {"qwen3_5": qwen3_5, "lfm2": lfm2}
-    for name in args.models.split(","):
+    builders = {"qwen3_5": qwen3_5, "lfm2": lfm2, "bamba": bamba}
+    for name in filter(None, args.models.split(",")):  # '' skips the training part
         model = builders[name](vocab, args.quick)
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
@@ -123,6 +152,36 @@ def main() -> None:
             for system, r in (("padded, sdpa", base), ("nopad packed (BFD)", nopad)):
                 print(f"{name:8s} {dtype_name:9s} {system:22s} {r['steps']:5d} {r['efficiency']:10.1%} "
                       f"{r['seconds']:8.2f} {r['tok_s']:8.0f} {r['tok_s'] / base['tok_s']:8.2f}x")
+
+    if args.generation:
+        generation([builders[name] for name in args.generation.split(",")], vocab, args)
+
+
+def generation(builders, vocab: int, args) -> None:
+    """nopad ``Generator`` vs HF ``generate`` on one mixed-length greedy batch, per model."""
+    from types import SimpleNamespace
+
+    n = args.gen_prompts or (4 if args.quick else 12)
+    rng = np.random.default_rng(args.seed + 1)
+    lengths = np.maximum(make_lengths(n, 1024, args.seed + 1) // (16 if args.quick else 4), 2)
+    new = rng.integers(4, 9, n) if args.quick else rng.integers(16, 97, n)
+    max_new = [int(k) for k in new]
+    prompts = [rng.integers(3, vocab, int(x)).tolist() for x in lengths]
+    engine = SimpleNamespace(block_size=16, max_batch_tokens=512, max_seqs=n)
+    print(f"\ngeneration: {n} prompts of {int(lengths.min())}-{int(lengths.max())} tokens (median "
+          f"{int(np.median(lengths))}), {min(max_new)}-{max(max_new)} new tokens each "
+          f"({sum(max_new)} in all), greedy, fp32, {args.threads} threads")
+    print(f"{'model':8s} {'system':34s} {'seconds':>8s} {'tok/s':>8s} {'vs HF':>7s}  agreement")
+    for build in builders:
+        model = build(vocab, args.quick).eval()
+        name = build.__name__
+        hf = run_hf_static(model, prompts, max_new, n, pad_id=0)
+        model.set_attn_implementation("sdpa")  # the Generator switches its own copy of the setting
+        nopad, _ = run_nopad(model, None, prompts, max_new, engine)
+        same, prefix = agreement(hf.outputs, nopad.outputs)
+        for run_, note in ((hf, ""), (nopad, f"{same}/{n} sequences identical to HF, {prefix:.0%} tokens")):
+            print(f"{name:8s} {run_.name:34s} {run_.seconds:8.2f} {run_.tokens / run_.seconds:8.1f} "
+                  f"{hf.seconds / run_.seconds:6.2f}x  {note}")
 
 
 if __name__ == "__main__":

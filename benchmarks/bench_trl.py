@@ -143,8 +143,8 @@ def run_grpo(name: str, rollout_kind: str, trainer_kind: str, cfg: dict, out_dir
              lora: bool = False) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
-    from training.grpo_trainer import NopadGRPOTrainer
-    from training.trl_rollout import nopad_rollout_func
+    from training.trl.grpo_trainer import NopadGRPOTrainer
+    from training.trl.rollout import nopad_rollout_func
 
     model, tok = load_model(cfg["tiny_model"])
     settings = dict(output_dir=str(out_dir / name.replace(" ", "_")),
@@ -248,7 +248,7 @@ def sft_texts(n: int, max_words: int, seed: int) -> list[str]:
 def run_sft(name: str, cfg: dict, texts: list[str], out_dir: Path) -> dict:
     from trl import SFTConfig, SFTTrainer
 
-    from training.trainer import NopadSFTTrainer
+    from training.trl.sft_trainer import NopadSFTTrainer
 
     model, tok = load_model(cfg["tiny_model"])
     base = NopadSFTTrainer if name == "nopad" else SFTTrainer

@@ -70,12 +70,13 @@ GOALS = {  # figure -> (comparison, threshold): "ge" ratio >= threshold, "le" ra
 
 def grpo_trainer_class():
     """NopadGRPOTrainer from wherever this tree keeps it (it may move from dataloaders/ to training/)."""
-    for module in ("training.grpo_trainer", "dataloaders.grpo_trainer"):
+    for module in ("training.trl.grpo_trainer", "training.grpo_trainer", "dataloaders.grpo_trainer"):
         try:
             return importlib.import_module(module).NopadGRPOTrainer
         except ImportError:
             continue
-    raise ImportError("NopadGRPOTrainer is in neither training.grpo_trainer nor dataloaders.grpo_trainer")
+    raise ImportError("NopadGRPOTrainer is in none of training.trl.grpo_trainer, training.grpo_trainer, "
+                      "dataloaders.grpo_trainer")
 
 
 def build_model(spec, device: torch.device, dtype: torch.dtype, attn: str = "sdpa"):

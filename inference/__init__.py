@@ -11,12 +11,14 @@
     episodes[0].completion_ids, episodes[0].model_mask          # tool tokens have mask 0
 
 The pipeline, one module per concept: ``sampling_params`` (what to sample) -> ``request``
-(sequence state) -> ``scheduler`` (plan a step on the core ``BlockAllocator``) ->
-``model_runner`` (the step's ``VarlenMeta``, one forward through ``packing.hf``'s attention,
-``kv_cache`` holding the paged K/V) -> ``sampler`` -> ``outputs``; ``generator`` ties them.
-``episodes`` runs multi-turn tool episodes (pause at a tool call with the KV pinned, resume by
-prefilling the tool's tokens); ``tools`` reads and writes tool calls in the chat template's format
-and runs them off the decode loop.
+(validated requests, sequence state, the owners' ``SequenceHooks``) -> ``scheduler`` (plan a step
+on the core ``BlockAllocator``) -> ``model_runner`` (the step's ``VarlenMeta``, one forward
+through ``packing.hf``'s attention, ``kv_cache`` holding the paged K/V; ``live_model`` switches the
+model for it) -> ``sampler`` (draws keyed by ``seeding``) -> the scheduler's postprocess (append,
+stop, call the owner) -> ``outputs``; ``generator`` ties them. The owners: ``plain_requests``, and
+``episodes`` for multi-turn tool episodes (pause at a tool call with the KV pinned, resume by
+prefilling the tool's tokens; ``episode_setup`` checks their arguments); ``tools`` reads and
+writes tool calls in the chat template's format and runs them off the decode loop.
 ``sharded`` runs the generator on DeepSpeed ZeRO-3 / FSDP2 models (gather-once or lockstep).
 """
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from inference.request import Sequence, Status
+from inference.request import Request, Sequence, Status
 from inference.scheduler import Scheduler
 from inference.tools import ToolCall, ToolFormat, ToolRunner, public_methods, wait_any
 
@@ -121,7 +121,9 @@ class _Pending:
 
 
 class EpisodeRunner:
-    """The episodes of one ``run_episodes`` call: turn ends, pauses, tools, resumes, forks."""
+    """The episodes of one ``run_episodes`` call: turn ends, pauses, tools, resumes, forks. It is
+    its sequences' :class:`~inference.request.SequenceHooks`: the scheduler's postprocess calls
+    it at their events."""
 
     def __init__(self, scheduler: Scheduler, tool_format: ToolFormat, limits: EpisodeLimits,
                  vocab_size: int, environments: list[list[object]] | None = None,
@@ -137,11 +139,14 @@ class EpisodeRunner:
         self.tool_wait_s = 0.0  # time the decode loop sat idle because every episode waited on tools
 
     # ----------------------------------------------------------------- lifecycle
-    def start(self, seq: Sequence, prompt_index: int, tools: dict[str, Callable]) -> None:
+    def start(self, request: Request, prompt_index: int, tools: dict[str, Callable]) -> Sequence:
+        """The first sequence of the episodes of prompt ``prompt_index``, with their tools."""
+        seq = request.first_sequence(self)  # the scheduler's postprocess calls turn_ended, forked, ...
         env = self.environments[prompt_index][0] if self.environments is not None else None
         seq.episode = _State(prompt_index, (0,), tools, env)
         seq.max_generated = self.limits.max_tokens
         self.live += 1
+        return seq
 
     def forked(self, parent: Sequence, children: list[Sequence]) -> None:
         """Give each new branch its own state: a prompt's samples get their own environments
@@ -247,6 +252,10 @@ class EpisodeRunner:
             seq.fork_count = branches
 
     # ----------------------------------------------------------------- ending
+    def stopped(self, seq: Sequence) -> None:
+        """The scheduler stopped ``seq``: alone, it outgrew the KV cache."""
+        self.finish_out_of_memory(seq, seq.num_tokens)
+
     def finish_out_of_memory(self, seq: Sequence, num_tokens: int) -> None:
         blocks, bs = self.scheduler.allocator.num_blocks, self.scheduler.block_size
         seq.episode.error = (
@@ -273,7 +282,7 @@ class EpisodeRunner:
                     f.cancel()
         self.pending = []
         for seq in [*self.scheduler.running, *self.scheduler.waiting, *self.scheduler.paused]:
-            if seq.episode is not None:
+            if seq.hooks is self:
                 self.finish(seq, "abort")
 
     def close(self) -> None:

@@ -2,52 +2,42 @@
 
 ``Generator(model, tokenizer)`` borrows the model's parameters as they are (no copy: the next
 training step's weights are used at once), switches its attention to nopad's paged varlen
-implementation only while a step runs, and owns a paged KV cache it allocates lazily and frees
-on :meth:`Generator.release`. Each :meth:`step` plans one varlen forward (scheduler), runs it
-(model runner) and samples (sampler).
+implementation only while it generates (:mod:`inference.live_model`), and owns a paged KV cache
+it allocates lazily and frees on :meth:`Generator.release`. Each :meth:`step` plans one varlen
+forward (scheduler), runs it (model runner), and hands the logits to the scheduler's
+postprocess, which samples, appends and calls each sequence's owner (plain requests or tool
+episodes) at its events.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import logging
-import math
-import time
 from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 
 import torch
 from tqdm.auto import tqdm
 
-from inference.environments import reset_environments
-from inference.episodes import (
-    Episode,
-    EpisodeLimits,
-    EpisodeRunner,
-    named_tools,
-    render_prompts,
-)
-from inference.kv_cache import KVCache, bytes_per_block
-from inference.model_runner import ModelRunner, check_static_decode_backend
+from inference.episode_setup import episode_setup
+from inference.episodes import Episode, EpisodeLimits, EpisodeRunner
+from inference.kv_cache import KVCache, num_kv_blocks
+from inference.live_model import LiveModel
+from inference.model_runner import ModelRunner
 from inference.outputs import RequestOutput, StreamDelta
-from inference.request import Request, Sequence, Status, prompt_token_ids
-from inference.sampler import SamplerBuffers, sample
+from inference.plain_requests import PlainRequests
+from inference.request import Request, RequestBuilder, Sequence, eos_token_ids
+from inference.sampler import SamplerBuffers, SampleResult, sample
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sharded import refuse_plain_generation
-from inference.state_cache import StateCache, StateSlots, bytes_per_slot, layer_states
-from inference.tools import ChatTemplateTools, ToolFormat
-from packing.attention import names as attention_backends
-from packing.attention import paged_block_size
+from inference.state_cache import StateSlots, bytes_per_slot
+from inference.tools import ToolFormat
 from packing.blocks import BlockAllocator
-from packing.distributed import compute_dtype as model_compute_dtype
-from packing.hf import use_nopad_attention
-from packing.mixers import GENERATE, check_model
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | Seq[int]
-DEFAULT_KV_MEMORY_BYTES = 1 << 30
 
 
 class Generator:
@@ -58,23 +48,10 @@ class Generator:
     blocks of ``block_size`` tokens, or as many as fit in ``kv_memory_bytes`` (default: 1 GiB,
     capped at what ``max_num_seqs`` sequences of the model's full length need).
 
-    Precision and attention: the KV cache is kept in the compute dtype of attention - ``dtype``
-    if given (steps then run under ``torch.autocast`` in it when the weights are another dtype),
-    else the autocast dtype when the first step runs under ``torch.autocast``, else the weights'
-    dtype - so bf16 autocast over fp32 weights caches bf16 K/V, as the layers produce them.
-    ``attn_backend`` (default: the ``NOPAD_ATTN_BACKEND`` environment variable, else
-    :func:`packing.attention.choose_backend`'s rule) picks the attention backend of every step.
-    ``block_size`` defaults to what the attention backend reads in place
-    (:func:`packing.attention.paged_block_size`: 256 for flash-attn 2 and torch's varlen kernel,
-    else 16); smaller blocks would make every layer gather the context.
-
-    ``static_decode=True`` pads pure decode steps to bucketed shapes (sequences rounded up to 1,
-    2, 4, 8 or a multiple of 8, block-table width to a power of two; padding rows write to one
-    extra scratch block) and runs their attention on fixed shapes, so the step can be captured;
-    ``compile_decode=True`` also compiles that forward (``torch.compile(mode="reduce-overhead")``,
-    one graph per bucket, on CUDA; on CPU plain ``torch.compile`` with the attention kernel as one
-    custom op, dynamic after the first recompilation). Prefill steps and batch-invariant mode keep
-    the default path.
+    ``dtype`` (the KV cache's and attention's compute dtype; default: the autocast dtype of the
+    first step, else the weights'), ``attn_backend``, ``block_size`` (default: what the backend
+    reads in place), ``static_decode`` and ``compile_decode`` (bucketed, capturable decode
+    steps) are explained in :class:`inference.live_model.LiveModel`, which applies them.
     """
 
     def __init__(
@@ -94,32 +71,11 @@ class Generator:
         static_decode: bool = False,
         compile_decode: bool = False,
     ):
-        if num_blocks is not None and kv_memory_bytes is not None:
-            raise ValueError("give num_blocks or kv_memory_bytes, not both")
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"dtype must be a floating torch.dtype (torch.bfloat16, ...), got {dtype!r}")
-        if attn_backend is not None and attn_backend not in attention_backends():
-            raise ValueError(f"unknown attn_backend {attn_backend!r}; choose one of {attention_backends()}")
-        if (static_decode or compile_decode) and attn_backend not in (None, "auto"):
-            check_static_decode_backend(attn_backend)
-        check_model(model, GENERATE)  # a layer whose per-sequence state the paged cache cannot hold
-        self.layer_states = layer_states(model)  # hybrid layers' per-sequence state (empty: attention only)
-        if self.layer_states:
-            if static_decode or compile_decode:
-                raise ValueError(f"static_decode/compile_decode are not supported on {type(model).__name__}: "
-                                 "its hybrid layers' state steps run on the default path; leave them False")
-            if enable_prefix_caching:
-                logger.info("%s keeps per-sequence state: no cross-request prefix cache (a cached block says "
-                            "nothing about the state after it)", type(model).__name__)
-            enable_prefix_caching = False
-        param = next(model.parameters())
-        # FSDP2: the compute dtype of its mixed-precision policy, not the shard's storage dtype
-        self.device, self.weight_dtype, self.requested_dtype = param.device, model_compute_dtype(model), dtype
-        self.attn_backend = attn_backend
-        self.static_decode, self.compile_decode = static_decode or compile_decode, compile_decode
-        self.dtype = self.compute_dtype()
-        if block_size is None:
-            block_size = self.default_block_size()
+        self.live = LiveModel(model, dtype=dtype, attn_backend=attn_backend, static_decode=static_decode,
+                              compile_decode=compile_decode)
+        self.layer_states = self.live.layer_states
+        enable_prefix_caching = self.live.allows_prefix_caching(enable_prefix_caching)
+        block_size = block_size if block_size is not None else self.live.default_block_size()
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens)):
             if value < 1:
@@ -128,106 +84,64 @@ class Generator:
         config = model.config
         self.max_model_len = int(getattr(config, "max_position_embeddings", None) or 1 << 62)
         self.vocab_size = int(config.vocab_size)
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        state_bytes = max_num_seqs * bytes_per_slot(self.layer_states, self.dtype)  # one slot per sequence
-        if num_blocks is None:
-            per_block = bytes_per_block(config, block_size, self.dtype)
-            num_blocks = max(0, (kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES) - state_bytes) // per_block
-            if kv_memory_bytes is None:
-                full_length = math.ceil(min(self.max_model_len, 1 << 20) / block_size)
-                num_blocks = min(num_blocks, max_num_seqs * full_length)
-            if num_blocks < 1:
-                raise ValueError(
-                    f"kv_memory_bytes={kv_memory_bytes} is less than one KV block ({per_block} bytes) after "
-                    f"the per-sequence state of max_num_seqs={max_num_seqs} sequences ({state_bytes} bytes)"
-                )
+        state_bytes = max_num_seqs * bytes_per_slot(self.layer_states, self.live.dtype)  # a slot per sequence
+        num_blocks = num_kv_blocks(config, block_size, self.live.dtype, num_blocks, kv_memory_bytes,
+                                   max_num_seqs, state_bytes, self.max_model_len)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        self.request_builder = RequestBuilder(tokenizer, self.vocab_size, self.max_model_len, num_blocks,
+                                              block_size, max_num_seqs, self.eos_token_ids)
         self.allocator = BlockAllocator(num_blocks, block_size)
         slots = StateSlots(max_num_seqs) if self.layer_states else None
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, watermark,
-                                   enable_prefix_caching, state_slots=slots)
+                                   enable_prefix_caching, state_slots=slots, max_model_len=self.max_model_len,
+                                   tokenizer=tokenizer)
         self._kv_cache: KVCache | None = None
         self._runner: ModelRunner | None = None
         self._sampler_buffers = SamplerBuffers()  # the sampler's rows x vocab scratch, reused
-        self._requests: dict[str, Request] = {}
-        self._ready: list[RequestOutput] = []  # aborted/finished outputs not yet returned by step()
+        self._plain = PlainRequests(self.scheduler, tokenizer)  # add_request/generate requests in flight
         self._episodes: EpisodeRunner | None = None  # the bookkeeping of a run_episodes() call
         self.last_episode_stats: dict = {}
-        self._next_id = 0
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue one prompt; returns its request id. Bad input raises ValueError here."""
-        request = self._make_request(prompt, params, request_id)
+        request = self.request_builder.build(prompt, params, request_id, self._plain.in_flight)
         self._enqueue(request)
         return request.request_id
 
     def abort(self, request_id: str) -> bool:
         """Stop a request; its output (finish_reason "abort") comes from the next step()."""
-        request = self._requests.get(request_id)
-        if request is None or request.finished:
-            return False
-        for seq in request.samples:
-            if seq is not None and seq.status is not Status.FINISHED:
-                self.scheduler.finish(seq, "abort")
-        request.num_finished = request.params.n
-        self._ready.append(self._output(request))
-        return True
+        return self._plain.abort(request_id)
 
     def abort_all(self) -> None:
         """Stop every request and episode in flight and drop their outputs (after an error)."""
-        for request_id in list(self._requests):
-            self.abort(request_id)
+        self._plain.abort_all()
         if self._episodes is not None:
             self._episodes.abort_all()
-        self._ready = []
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or (self._episodes is not None and self._episodes.live > 0)
+        return bool(self._plain.in_flight) or (self._episodes is not None and self._episodes.live > 0)
 
     def step(self) -> list[RequestOutput]:
         """Plan and run one forward, sample, and return the requests that finished. Episodes
-        whose tools returned resume first; when nothing can run, wait for a tool (never spin)."""
-        finished, self._ready = self._ready, []
-        episodes = self._episodes
-        if episodes is not None:
-            episodes.poll(block=False)
-        plan = self.scheduler.schedule()
-        for seq in plan.stopped:
-            if seq.episode is not None:
-                episodes.finish_out_of_memory(seq, seq.num_tokens)
-            else:
-                self._sample_finished(seq, finished)
-        if not plan.seqs:
-            if episodes is not None and episodes.pending:
-                episodes.poll(block=True)  # every live sequence waits on a tool: wait, don't spin
-            elif (self.scheduler.has_work() or (episodes is not None and episodes.live)) and not finished:
-                raise RuntimeError("the scheduler could not plan a step; this is a bug")
-            return finished
-        with self._nopad_attention(), self._autocast():
-            logits, rows = self._ensure_runner().run(plan)
-        now = time.perf_counter()
-        to_sample, forks = self.scheduler.postprocess(plan, rows)
-        for parent, children in forks:
-            if parent.episode is not None:
-                episodes.forked(parent, children)
-            else:
-                for seq in children:
-                    parent.request.samples[seq.index] = seq
-        if to_sample:
-            row_index = [row for _, row in to_sample]
-            if row_index != list(range(logits.shape[0])):
-                logits = logits[torch.tensor(row_index, device=logits.device)]
-            seqs = [seq for seq, _ in to_sample]
-            result = sample(logits, seqs, self._sampler_buffers)
-            for k, seq in enumerate(seqs):
-                self._append(seq, k, result, now)
-                if seq.episode is None and seq.status is Status.FINISHED:
-                    self._sample_finished(seq, finished)
+        whose tools returned resume first; when nothing can run, wait for a tool (never spin).
+        The scheduler's postprocess does the step's bookkeeping; the sequences' owners (plain
+        requests, episodes) act on its events through their hooks."""
+        scheduler = self.scheduler
+        scheduler.poll_paused(block=False)
+        plan = scheduler.schedule()
+        if plan.seqs:
+            with self.live.attention(), self.live.autocast():
+                logits, rows = self._ensure_runner().run(plan)
+            scheduler.postprocess(plan, rows, lambda index, seqs: self._sample(logits, index, seqs))
+        elif scheduler.paused:
+            scheduler.poll_paused(block=True)  # every live sequence waits on a tool: wait, don't spin
+        elif (scheduler.has_work() or self.has_unfinished()) and not self._plain.ready:
+            raise RuntimeError("the scheduler could not plan a step; this is a bug")
+        finished, self._plain.ready = self._plain.ready, []
         return finished
 
     # ----------------------------------------------------------------- high level
@@ -238,12 +152,10 @@ class Generator:
         refuse_plain_generation(self.model)
         requests = self.make_requests(prompts, sampling_params)
         with tqdm(total=len(requests), desc="generate", disable=not use_tqdm or len(requests) < 2) as bar:
-
             def finished(out: RequestOutput) -> None:
                 bar.update(1)
                 if on_output is not None:
                     on_output(out)
-
             return self.run(requests, on_output=finished)
 
     def run(self, requests: list[Request], *, step: Callable[[], list[RequestOutput]] | None = None,
@@ -254,20 +166,22 @@ class Generator:
         :meth:`has_unfinished` for callers that must step in lockstep with other ranks
         (:mod:`inference.sharded`). If anything raises, every request in flight is aborted
         before the error propagates, so the caller's ``release()`` in a ``finally`` works and
-        the original error is the one the user sees."""
+        the original error is the one the user sees. The model's attention is switched to nopad
+        (and the model to eval mode) once for the whole run, not on every step."""
         step = step or self.step
         more = more or self.has_unfinished
         order = {r.request_id: i for i, r in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)
         try:
-            for request in requests:
-                self._enqueue(request)
-            while more():
-                for out in step():
-                    if out.request_id in order:
-                        results[order[out.request_id]] = out
-                    if on_output is not None:
-                        on_output(out)
+            with self.live.attention():  # switched once for the run, restored after it (also on error)
+                for request in requests:
+                    self._enqueue(request)
+                while more():
+                    for out in step():
+                        if out.request_id in order:
+                            results[order[out.request_id]] = out
+                        if on_output is not None:
+                            on_output(out)
         except BaseException:
             self.abort_all()
             raise
@@ -296,30 +210,16 @@ class Generator:
         refuse_plain_generation(self.model)
         if self.has_unfinished():
             raise RuntimeError("run_episodes() while requests are in flight; finish or abort them first")
-        limits = limits if limits is not None else EpisodeLimits()
-        if not isinstance(limits, EpisodeLimits):
-            raise TypeError(f"limits must be an EpisodeLimits, got {type(limits).__name__}")
-        named = named_tools(tools)
-        environments, prompts = reset_environments(environment_factory, prompts, sampling_params)
-        per_prompt = None
-        if prompt_tools is not None:
-            per_prompt = [named_tools(t) for t in prompt_tools]
-            num_prompts = 1 if isinstance(prompts, str) else len(prompts)
-            if len(per_prompt) != num_prompts:
-                raise ValueError(f"prompt_tools has {len(per_prompt)} entries for {num_prompts} prompts; "
-                                 "give one per prompt")
-        if tool_format is None:
-            if self.tokenizer is None:
-                raise ValueError("run_episodes needs a tokenizer (for the chat template's tool format) or "
-                                 "tool_format=")
-            tool_format = ChatTemplateTools(self.tokenizer, list(named.values()))
-        requests = self.make_requests(render_prompts(prompts, tool_format), sampling_params)
-        runner = EpisodeRunner(self.scheduler, tool_format, limits, self.vocab_size, environments,
-                               reward_fn, fork, self.scheduler.max_num_seqs)
+        setup = episode_setup(prompts, tools, sampling_params, self.tokenizer, limits=limits,
+                              tool_format=tool_format, environment_factory=environment_factory,
+                              prompt_tools=prompt_tools)
+        requests = self.make_requests(setup.prompts, sampling_params)
+        runner = EpisodeRunner(self.scheduler, setup.tool_format, setup.limits, self.vocab_size,
+                               setup.environments, reward_fn, fork, self.scheduler.max_num_seqs)
         self._episodes = runner
         try:
             for i, request in enumerate(requests):
-                self._enqueue(request, episode_of=(runner, i, named if per_prompt is None else per_prompt[i]))
+                self._enqueue(request, lambda r, i=i: runner.start(r, i, setup.tools[i]))
             self.run([])  # the one generate loop, here over the episodes just queued
         finally:
             runner.close()
@@ -329,36 +229,21 @@ class Generator:
 
     def stream(self, prompts: Prompt | Seq[Prompt], sampling_params=None) -> Iterator[StreamDelta]:
         """Yield the new tokens of every sample as they are produced (one delta per sample per
-        step that produced tokens); the last delta of a sample carries its finish reason."""
+        step that produced tokens); the last delta of a sample carries its finish reason. The
+        caller's code runs between deltas, so attention is switched per step here, not held."""
         refuse_plain_generation(self.model)
-        requests = self.make_requests(prompts, sampling_params)
-        for request in requests:
+        live = self.make_requests(prompts, sampling_params)
+        for request in live:
             self._enqueue(request)
-        live = list(requests)
         while live:
             try:
                 self.step()
             except BaseException:
                 self.abort_all()  # leave nothing in flight behind the error (see run())
                 raise
-            still = []
             for request in live:
-                for seq in request.samples:
-                    if seq is None or seq.emitted < 0:
-                        continue
-                    new = seq.generated[seq.emitted :]
-                    done = seq.status is Status.FINISHED
-                    if new or done:
-                        reason = seq.finish_reason if done else None
-                        yield StreamDelta(request.request_id, seq.index, new, reason)
-                        seq.emitted = -1 if done else seq.emitted + len(new)
-                if request.finished:
-                    for i, seq in enumerate(request.samples):
-                        if seq is None:  # aborted before forking
-                            yield StreamDelta(request.request_id, i, [], "abort")
-                else:
-                    still.append(request)
-            live = still
+                yield from request.deltas()
+            live = [request for request in live if not request.finished]
 
     def release(self, abort: bool = False) -> None:
         """Free the KV cache and sampler memory (e.g. before a training step); the next step
@@ -376,23 +261,9 @@ class Generator:
 
     def stats(self) -> dict:
         """Counters since construction or :meth:`reset_stats`."""
-        s = self.scheduler.stats
-        return {
-            "steps": s.steps,
-            "preemptions": s.preemptions,
-            "paused_preemptions": s.paused_preemptions,
-            "forked_shared_blocks": s.forked_shared_blocks,
-            "prefix_cache_hit_blocks": self.allocator.hits,
-            "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
-            "prefill_tokens": s.prefill_tokens,
-            "decode_tokens": s.decode_tokens,
-            "tokens_per_step": list(s.tokens_per_step),
-            "seqs_per_step": list(s.seqs_per_step),
-            "max_num_seqs": self.scheduler.max_num_seqs,
-            "num_blocks": self.allocator.num_blocks,
-            "block_size": self.block_size,
-            "evictions": self.allocator.evictions,
-        }
+        return {**dataclasses.asdict(self.scheduler.stats), "prefix_cache_hit_blocks": self.allocator.hits,
+                "max_num_seqs": self.scheduler.max_num_seqs, "num_blocks": self.allocator.num_blocks,
+                "block_size": self.block_size, "evictions": self.allocator.evictions}
 
     def reset_stats(self) -> None:
         self.scheduler.stats = type(self.scheduler.stats)()
@@ -405,185 +276,24 @@ class Generator:
         if self.has_unfinished():
             raise RuntimeError("generate()/stream() while add_request() requests are in flight; "
                                "drive those with step() until has_unfinished() is False")
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if isinstance(sampling_params, Mapping):  # list(dict) would iterate its keys
-            raise TypeError(f"sampling_params is a dict/mapping {dict(sampling_params)!r}; pass "
-                            f"SamplingParams(**{dict(sampling_params)!r}) (one for all prompts, or a list)")
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
-                                 "pass one for all or one per prompt")
-        requests = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            try:
-                requests.append(self._make_request(prompt, p, None))
-            except ValueError as err:
-                raise ValueError(f"prompt {i}: {err}") from None
-        return requests
+        return self.request_builder.build_all(prompts, sampling_params, self._plain.in_flight)
 
-    def _make_request(self, prompt, params, request_id) -> Request:
-        if params is None:
-            params = SamplingParams()
-        if isinstance(params, Mapping):
-            raise TypeError(f"sampling params is a dict/mapping {dict(params)!r}; "
-                            f"pass SamplingParams(**{dict(params)!r})")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
-        capacity = self.allocator.num_blocks * self.block_size
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but the model's max_position_embeddings is "
-                             f"{self.max_model_len} (and at least one token must be generated); shorten it")
-        if len(ids) >= capacity:
-            raise ValueError(f"prompt has {len(ids)} tokens but the whole KV cache holds {capacity} "
-                             f"({self.allocator.num_blocks} blocks of {self.block_size}); give the Generator "
-                             "more num_blocks/kv_memory_bytes or shorten the prompt")
-        if params.n > self.scheduler.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler.max_num_seqs}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; pass tokenizer= or use stop_token_ids")
-        for t in params.stop_token_ids:
-            if t >= self.vocab_size:
-                raise ValueError(f"stop token id {t} is outside the vocabulary (size {self.vocab_size})")
-        if request_id is None:
-            while str(self._next_id) in self._requests:
-                self._next_id += 1
-            request_id = str(self._next_id)
-            self._next_id += 1
-        elif request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        seed = params.seed
-        if seed is None:  # a host-side draw, whatever torch's default device is
-            seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        request = Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, seed,
-                          time.perf_counter(), frozenset(stop_ids))
-        return request
-
-    def _enqueue(self, request: Request, episode_of=None) -> None:
-        if not self._requests and not self.scheduler.has_work() and not self.scheduler.paused:
+    def _enqueue(self, request: Request, start: Callable[[Request], Sequence] | None = None) -> None:
+        """Queue ``request``'s first sequence, made by its owner's ``start`` (plain by default)."""
+        if not self._plain.in_flight and not self.scheduler.has_work() and not self.scheduler.paused:
             # idle: cached K/V may come from weights that have since been trained; drop it
             self.allocator.reset_prefix_cache()
-        seq = Sequence(request=request, index=0, token_ids=list(request.prompt_token_ids),
-                       fork_count=request.params.n)
-        request.samples = [seq] + [None] * (request.params.n - 1)
-        if episode_of is None:
-            self._requests[request.request_id] = request
-        else:
-            runner, prompt_index, tools = episode_of
-            runner.start(seq, prompt_index, tools)
-        self.scheduler.add(seq)
+        self.scheduler.add((start or self._plain.start)(request))
 
-    def _append(self, seq: Sequence, k: int, result, now: float) -> None:
-        token = result.tokens[k]
-        request = seq.request
-        params = request.params
-        seq.token_ids.append(token)
-        seq.logprobs.append(result.logprobs[k])
-        seq.temperature_logprobs.append(result.temperature_logprobs[k])
-        seq.sampling_logprobs.append(result.sampling_logprobs[k])
-        if params.logprobs is not None:
-            seq.top_logprobs.append(result.top_logprobs[k])
-        seq.token_times.append(now - request.arrival_time)
-        reason = None
-        if token in request.stop_ids:
-            reason = "stop"
-        elif params.stop and self._hit_stop_string(seq):
-            reason = "stop"
-        elif seq.num_turn_tokens >= params.max_tokens:
-            reason = "length"
-        elif seq.max_generated is not None and seq.num_generated >= seq.max_generated:
-            reason = "length"
-        elif seq.num_tokens >= self.max_model_len:
-            reason = "length"
-            logger.warning("request %s sample %d stopped after %d of max_tokens=%d new tokens: prompt and "
-                           "completion reached the model's context of %d tokens (max_position_embeddings); "
-                           "shorten the prompt for a longer completion", request.request_id, seq.index,
-                           seq.num_generated, params.max_tokens, self.max_model_len)
-        if reason is None:
-            return
-        if seq.episode is not None:
-            self._episodes.turn_ended(seq, reason)
-        else:
-            self.scheduler.finish(seq, reason)
-
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        stops = seq.request.params.stop
-        window = max(len(s) for s in stops) + 8
-        tail = self.tokenizer.decode(seq.token_ids[seq.turn_start:][-window:], skip_special_tokens=False)
-        for s in stops:
-            if s in tail:
-                seq.stop_text = s
-                return True
-        return False
-
-    def _sample_finished(self, seq: Sequence, finished: list[RequestOutput]) -> None:
-        request = seq.request
-        request.num_finished += 1
-        if request.finished:
-            finished.append(self._output(request))
-
-    def _output(self, request: Request) -> RequestOutput:
-        self._requests.pop(request.request_id, None)
-        detok = None
-        if self.tokenizer is not None:
-            def detok(ids, skip):
-                return self.tokenizer.decode(ids, skip_special_tokens=skip)
-        return request.output(detok)
-
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype attention computes in now: ``dtype=``, else the autocast dtype, else the
-        weights' dtype (what :func:`packing.distributed.compute_dtype` casts q/k/v to)."""
-        if self.requested_dtype is not None:
-            return self.requested_dtype
-        if torch.is_autocast_enabled(self.device.type):
-            return torch.get_autocast_dtype(self.device.type)
-        return self.weight_dtype
-
-    def default_block_size(self) -> int:
-        """The block size the attention backend reads in place. Decided for half precision: fp32
-        weights may run their steps under autocast, which is only known when a step runs."""
-        half = self.dtype if self.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-        return paged_block_size(self.device, half, self.attn_backend)
+    def _sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> SampleResult:
+        if rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        return sample(logits, seqs, self._sampler_buffers)
 
     def _ensure_runner(self) -> ModelRunner:
         if self._runner is None:
-            self.dtype = self.compute_dtype()  # autocast may be on now and not at construction
-            scratch = self.allocator.num_blocks  # one block past the allocator's: padding rows' K/V
-            self._kv_cache = KVCache(self.model.config, scratch + int(self.static_decode), self.block_size,
-                                     self.dtype, self.device)
-            if self.layer_states:  # the kernel calls of a step find it on the cache they are given
-                self._kv_cache.states = StateCache(self.layer_states, self.scheduler.state_slots, self.dtype,
-                                                   self.device)
-            self._runner = ModelRunner(
-                self.model, self._kv_cache, backend=self.attn_backend, static_decode=self.static_decode,
-                compile_decode=self.compile_decode, max_num_seqs=self.scheduler.max_num_seqs,
-                max_blocks_per_seq=math.ceil(min(self.max_model_len, 1 << 40) / self.block_size),
-                scratch_block=scratch if self.static_decode else None)
+            self._runner = self.live.build_runner(self.allocator.num_blocks, self.block_size,
+                                                  self.scheduler.state_slots, self.scheduler.max_num_seqs,
+                                                  self.max_model_len)
+            self._kv_cache = self._runner.kv_cache
         return self._runner
-
-    def _nopad_attention(self):
-        return use_nopad_attention(self.model, eval_mode=True, context=GENERATE)
-
-    def _autocast(self):
-        """``dtype=`` other than the weights' (e.g. bf16 rollouts of an fp32 policy): run the step
-        under autocast in that dtype, as mixed-precision training runs the same layers."""
-        dtype = self.requested_dtype
-        if dtype is None or dtype == self.weight_dtype:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=dtype)
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    """EOS ids from the generation config, else the model config, else the tokenizer."""
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        if eos is not None:
-            return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
-    return set()

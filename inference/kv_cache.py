@@ -18,9 +18,12 @@ An attention call whose K/V do not fit its layer's blocks is refused by name
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+DEFAULT_KV_MEMORY_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,31 @@ def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
     size = torch.empty((), dtype=dtype).element_size()
     return sum(2 * block_size * layer.kv_heads * layer.head_dim * size
                for i, layer in enumerate(kv_layout(config)) if layer.source == i)
+
+
+def num_kv_blocks(config, block_size: int, dtype: torch.dtype, num_blocks: int | None,
+                  kv_memory_bytes: int | None, max_num_seqs: int, state_bytes: int,
+                  max_model_len: int) -> int:
+    """``num_blocks`` if given, else how many fit in ``kv_memory_bytes`` (default 1 GiB, then
+    capped at what ``max_num_seqs`` sequences of the model's full length need) after
+    ``state_bytes`` of per-sequence state (hybrid models)."""
+    if num_blocks is not None and kv_memory_bytes is not None:
+        raise ValueError("give num_blocks or kv_memory_bytes, not both")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if num_blocks is not None:
+        return num_blocks
+    per_block = bytes_per_block(config, block_size, dtype)
+    num_blocks = max(0, (kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES) - state_bytes) // per_block
+    if kv_memory_bytes is None:
+        full_length = math.ceil(min(max_model_len, 1 << 20) / block_size)
+        num_blocks = min(num_blocks, max_num_seqs * full_length)
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_memory_bytes={kv_memory_bytes} is less than one KV block ({per_block} bytes) after "
+            f"the per-sequence state of max_num_seqs={max_num_seqs} sequences ({state_bytes} bytes)"
+        )
+    return num_blocks
 
 
 class KVCache:

@@ -3,21 +3,29 @@
 A request with ``n`` samples enters as ONE sequence holding the prompt (``fork_count = n``);
 when its prompt prefill completes it is forked into ``n`` sequences that share every prompt
 block, so the prompt is computed once. A preempted sequence goes back to waiting as itself,
-with prompt + generated tokens to recompute and its outputs kept.
+with prompt + generated tokens to recompute and its outputs kept. A sequence knows its own stop
+conditions (:meth:`Sequence.stop_reason`); its owner (:class:`SequenceHooks`) decides what a
+stop means. :class:`RequestBuilder` validates what a request may ask of the generator.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
+import logging
+import time
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from inference.outputs import CompletionOutput, RequestOutput
+from inference.outputs import CompletionOutput, RequestOutput, StreamDelta
 from inference.sampling_params import SamplingParams
+from inference.seeding import request_seed
 from packing.blocks import NO_PARENT
 
+logger = logging.getLogger(__name__)
 _seq_ids = itertools.count()
 
 
@@ -37,6 +45,27 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
     if not ids:
         raise ValueError("prompt is empty; give at least one token")
     return ids
+
+
+class SequenceHooks(Protocol):
+    """What the owner of a sequence does when the scheduler's postprocess reaches one of its
+    events: plain requests collect their outputs, tool episodes (:class:`inference.episodes.
+    EpisodeRunner`) pause, run tools, resume and fork. The scheduler calls these and never asks
+    what kind of sequence it holds."""
+
+    def forked(self, parent: Sequence, children: list[Sequence]) -> None:
+        """``parent``'s group was split: ``children`` are its new members."""
+
+    def turn_ended(self, seq: Sequence, reason: str) -> None:
+        """A sampled token ended the model's turn ("stop" or "length"); the owner finishes the
+        sequence (``Scheduler.finish``) or pauses it (``Scheduler.pause``)."""
+
+    def stopped(self, seq: Sequence) -> None:
+        """The scheduler finished ``seq`` itself: alone, it outgrew the KV cache."""
+
+    def poll(self, block: bool) -> None:
+        """Resume paused sequences whose work returned (``Scheduler.resume``); ``block``: nothing
+        else can run, so wait for one instead of spinning."""
 
 
 class Status(enum.Enum):
@@ -73,6 +102,31 @@ class Request:
                 outs.append(seq.completion(detokenize))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished)
 
+    def first_sequence(self, hooks: SequenceHooks) -> Sequence:
+        """The request's one sequence, owned by ``hooks``, until its prompt is prefilled and it
+        is forked into its ``n`` samples."""
+        seq = Sequence(request=self, index=0, token_ids=list(self.prompt_token_ids), fork_count=self.params.n,
+                       hooks=hooks)
+        self.samples = [seq] + [None] * (self.params.n - 1)
+        return seq
+
+    def deltas(self) -> list[StreamDelta]:
+        """The new tokens of every sample since the last call (one delta per sample that has
+        some); a sample's last delta carries its finish reason."""
+        out = []
+        for seq in self.samples:
+            if seq is None or seq.emitted < 0:
+                continue
+            new = seq.generated[seq.emitted :]
+            done = seq.status is Status.FINISHED
+            if new or done:
+                out.append(StreamDelta(self.request_id, seq.index, new, seq.finish_reason if done else None))
+                seq.emitted = -1 if done else seq.emitted + len(new)
+        if self.finished:  # samples aborted before the prompt was forked
+            out += [StreamDelta(self.request_id, i, [], "abort")
+                    for i, seq in enumerate(self.samples) if seq is None]
+        return out
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -100,6 +154,7 @@ class Sequence:
     turn_start: int | None = None  # where the current model turn began (default: after the prompt)
     max_generated: int | None = None  # an episode's budget of tokens after the prompt
     out_of_memory: bool = False  # stopped by the scheduler: alone, it did not fit in the cache
+    hooks: SequenceHooks | None = None  # its owner: the scheduler's postprocess calls it
     episode: object | None = None  # the episode state (inference.episodes) of an episode's sequence
     state_slot: int | None = None  # its per-sequence state slot (hybrid models: inference.state_cache)
 
@@ -154,7 +209,47 @@ class Sequence:
             token_times=list(self.token_times),
             turn_start=self.turn_start,
             max_generated=self.max_generated,
+            hooks=self.hooks,
         )
+
+    def append(self, result, k: int, now: float) -> None:
+        """Append row ``k`` of a step's sample (:class:`inference.sampler.SampleResult`)."""
+        self.token_ids.append(result.tokens[k])
+        self.logprobs.append(result.logprobs[k])
+        self.temperature_logprobs.append(result.temperature_logprobs[k])
+        self.sampling_logprobs.append(result.sampling_logprobs[k])
+        if self.request.params.logprobs is not None:
+            self.top_logprobs.append(result.top_logprobs[k])
+        self.token_times.append(now - self.request.arrival_time)
+
+    def stop_reason(self, tokenizer, max_model_len: int) -> str | None:
+        """Why the token just appended ends the model's turn ("stop", "length"), or None."""
+        request, params = self.request, self.request.params
+        if self.token_ids[-1] in request.stop_ids:
+            return "stop"
+        if params.stop and self._hit_stop_string(tokenizer):
+            return "stop"
+        if self.num_turn_tokens >= params.max_tokens:
+            return "length"
+        if self.max_generated is not None and self.num_generated >= self.max_generated:
+            return "length"
+        if self.num_tokens >= max_model_len:
+            logger.warning("request %s sample %d stopped after %d of max_tokens=%d new tokens: prompt and "
+                           "completion reached the model's context of %d tokens (max_position_embeddings); "
+                           "shorten the prompt for a longer completion", request.request_id, self.index,
+                           self.num_generated, params.max_tokens, max_model_len)
+            return "length"
+        return None
+
+    def _hit_stop_string(self, tokenizer) -> bool:
+        stops = self.request.params.stop
+        window = max(len(s) for s in stops) + 8
+        tail = tokenizer.decode(self.token_ids[self.turn_start:][-window:], skip_special_tokens=False)
+        for s in stops:
+            if s in tail:
+                self.stop_text = s
+                return True
+        return False
 
     def completion(self, detokenize=None) -> CompletionOutput:
         text = None
@@ -176,3 +271,94 @@ class Sequence:
             first_token_time=self.token_times[0] if self.token_times else None,
             token_times=list(self.token_times),
         )
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """EOS ids from the generation config, else the model config, else the tokenizer."""
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+    return set()
+
+
+@dataclass
+class RequestBuilder:
+    """Validates prompts and sampling parameters into :class:`Request` s against what the
+    generator can serve: its tokenizer and vocabulary, the model's context, the KV cache
+    (``num_blocks`` of ``block_size``) and ``max_num_seqs``. Bad input raises ValueError here,
+    before anything is queued."""
+
+    tokenizer: object | None
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    eos_token_ids: set[int]
+    next_id: int = 0
+
+    def build_all(self, prompts, sampling_params, in_flight: Container[str] = ()) -> list[Request]:
+        """One request per prompt (a single prompt may be given bare); ``sampling_params`` is one
+        for all or one per prompt. A bad prompt is named by its index."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, Mapping):  # list(dict) would iterate its keys
+            raise TypeError(f"sampling_params is a dict/mapping {dict(sampling_params)!r}; pass "
+                            f"SamplingParams(**{dict(sampling_params)!r}) (one for all prompts, or a list)")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                                 "pass one for all or one per prompt")
+        requests = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                requests.append(self.build(prompt, p, None, in_flight))
+            except ValueError as err:
+                raise ValueError(f"prompt {i}: {err}") from None
+        return requests
+
+    def build(self, prompt, params: SamplingParams | None, request_id: str | None,
+              in_flight: Container[str] = ()) -> Request:
+        """One validated request; ``request_id`` None takes the next free number."""
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, Mapping):
+            raise TypeError(f"sampling params is a dict/mapping {dict(params)!r}; "
+                            f"pass SamplingParams(**{dict(params)!r})")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
+        self._check(ids, params)
+        if request_id is None:
+            while str(self.next_id) in in_flight:
+                self.next_id += 1
+            request_id = str(self.next_id)
+            self.next_id += 1
+        elif request_id in in_flight:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        return Request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
+                       request_seed(params.seed), time.perf_counter(), frozenset(stop_ids))
+
+    def _check(self, ids: list[int], params: SamplingParams) -> None:
+        capacity = self.num_blocks * self.block_size
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but the model's max_position_embeddings is "
+                             f"{self.max_model_len} (and at least one token must be generated); shorten it")
+        if len(ids) >= capacity:
+            raise ValueError(f"prompt has {len(ids)} tokens but the whole KV cache holds {capacity} "
+                             f"({self.num_blocks} blocks of {self.block_size}); give the Generator "
+                             "more num_blocks/kv_memory_bytes or shorten the prompt")
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; pass tokenizer= or use stop_token_ids")
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"stop token id {t} is outside the vocabulary (size {self.vocab_size})")

@@ -1,12 +1,11 @@
 """Token sampling for one step, vectorised over the batch, with counter-based randomness.
 
-Randomness: sample ``i`` of a request with seed ``s`` (its ``stream``; an episode's fork has its
-own) draws the token at position ``p`` by inverse-CDF sampling with ONE uniform number
-``u = mix(s, i, p) / 2**63`` (a splitmix64 hash, no generator state). The draw therefore depends
-on nothing else in the batch, and a preempted sequence redraws the same tokens when it is
-recomputed. Top-k/top-p filter on a candidate set from ``topk`` (falling back to a full sort only
-when the candidates cannot hold the top-p mass), which is exact and much cheaper than sorting the
-vocabulary every step.
+Randomness: each row is drawn by inverse-CDF sampling with ONE uniform number from
+:func:`inference.seeding.uniform_draw` (a function of the request's seed, the sample's stream and
+the position only), so the draw depends on nothing else in the batch, and a preempted sequence
+redraws the same tokens when it is recomputed. Top-k/top-p filter on a candidate set from
+``topk`` (falling back to a full sort only when the candidates cannot hold the top-p mass), which
+is exact and much cheaper than sorting the vocabulary every step.
 """
 
 from __future__ import annotations
@@ -16,21 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from inference.request import Sequence
+from inference.seeding import uniform_draw
 from packing.lm_head import tempered_log_softmax
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def counter_seed(seed: int, index: int, position: int) -> int:
-    """A 63-bit generator seed for (request seed, sample index, token position)."""
-    return _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ index) ^ position) >> 1
 
 
 @dataclass
@@ -209,11 +195,6 @@ def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float],
         before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
         vals = vals.masked_fill(before >= tp[:, None], float("-inf"))
     return idx, vals
-
-
-def uniform_draw(seq: Sequence) -> float:
-    """The uniform number in [0, 1) of this sample's next token (counter-based)."""
-    return min(counter_seed(seq.request.seed, seq.stream, seq.num_tokens) / 2.0**63, 1.0 - 2.0**-40)
 
 
 def _inverse_cdf(logprobs: torch.Tensor, uniforms: list[float], buffers: SamplerBuffers) -> torch.Tensor:

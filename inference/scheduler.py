@@ -6,18 +6,22 @@ All of it becomes ONE varlen forward. When a decode needs a block and none is fr
 is preempted by recompute: first an episode paused on its tools (most recently paused first),
 then the most recently admitted running one. Its blocks are freed; a running one goes back to
 the front of the queue with prompt + generated tokens as its new prefill, a paused one is
-recomputed when its tools return. After the forward, :meth:`Scheduler.postprocess` does the
-step's bookkeeping (computed counts, prefix-cache registration, forks).
+recomputed when its tools return. After the forward, :meth:`Scheduler.postprocess` owns the
+step's bookkeeping (computed counts, prefix-cache registration, forks, the sampled tokens and
+the turns they end); what a sequence's owner does at those events (collect an output, pause an
+episode for its tools) is its :class:`inference.request.SequenceHooks`.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from inference.request import Sequence, Status
-from inference.sampler import counter_seed
+from inference.seeding import fork_stream
 from inference.state_cache import StateSlots
 from packing.blocks import NO_PARENT, BlockAllocator, hash_block
 
@@ -56,8 +60,9 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
                  watermark: float = 0.01, enable_prefix_caching: bool = True,
-                 state_slots: StateSlots | None = None):
+                 state_slots: StateSlots | None = None, max_model_len: int = 1 << 62, tokenizer=None):
         self.allocator = allocator
+        self.max_model_len, self.tokenizer = max_model_len, tokenizer  # a turn's stop checks
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -80,6 +85,12 @@ class Scheduler:
         """Sequences that can run now (paused ones wait for their tools)."""
         return bool(self.waiting or self.running)
 
+    def poll_paused(self, block: bool) -> None:
+        """Let the owners of paused sequences resume those whose work (tools) returned;
+        ``block``: nothing else can run, so wait for one."""
+        for hooks in {id(s.hooks): s.hooks for s in self.paused}.values():
+            hooks.poll(block)
+
     def _num_running_slots(self) -> int:
         return sum(s.fork_count for s in self.running)
 
@@ -96,6 +107,8 @@ class Scheduler:
                 self.preempt(self.running[-1])
             else:
                 self._finish_out_of_memory(self.running[0], plan)
+        for seq in plan.stopped:
+            seq.hooks.stopped(seq)
         if plan.seqs:
             self.stats.steps += 1
             self.stats.tokens_per_step.append(plan.num_tokens)
@@ -305,25 +318,36 @@ class Scheduler:
         seq.last_hash = NO_PARENT
 
     # ----------------------------------------------------------------- after the forward
-    def postprocess(self, plan: StepPlan, sampling_rows: list[int]
-                    ) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, list[Sequence]]]]:
-        """The step's bookkeeping once its forward ran: count the computed tokens, register new
-        full blocks in the prefix cache, and split groups whose prefill completed into their
-        forks. Returns ``(sequence, logits row)`` for every sequence that samples now (forks
-        share their parent's row) and ``(parent, new members)`` for every fork."""
+    def postprocess(self, plan: StepPlan, sampling_rows: list[int],
+                    draw: Callable[[list[int], list[Sequence]], object]) -> None:
+        """The one owner of a step's bookkeeping once its forward ran: count the computed tokens,
+        register new full blocks in the prefix cache, split groups whose prefill completed into
+        their forks (``hooks.forked``), draw a token for every sequence that samples now
+        (``draw(logits rows, sequences)`` returns the sampler's ``SampleResult``; forks share their
+        parent's row), append it, and end
+        the turns it ends (``hooks.turn_ended``: finish, or pause for tools)."""
+        now = time.perf_counter()
         for seq, n in zip(plan.seqs, plan.query_lens):
             seq.num_computed += n
             if self.enable_prefix_caching:
                 self.register_full_blocks(seq)
-        to_sample, forks = [], []
+        to_sample: list[tuple[Sequence, int]] = []
         for row, i in enumerate(sampling_rows):
             seq = plan.seqs[i]
             group = self.fork(seq) if seq.fork_count > 1 else [seq]
             if len(group) > 1:
-                forks.append((seq, group[1:]))
+                seq.hooks.forked(seq, group[1:])
             # a member preempted for want of a state slot samples when it has recomputed (same draw)
             to_sample.extend((s, row) for s in group if s.status is Status.RUNNING)
-        return to_sample, forks
+        if not to_sample:
+            return
+        seqs = [seq for seq, _ in to_sample]
+        result = draw([row for _, row in to_sample], seqs)
+        for k, seq in enumerate(seqs):
+            seq.append(result, k, now)
+            reason = seq.stop_reason(self.tokenizer, self.max_model_len)
+            if reason is not None:
+                seq.hooks.turn_ended(seq, reason)
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Put the sequence's newly computed full blocks in the prefix cache."""
@@ -372,8 +396,3 @@ class Scheduler:
         """Block lists of every live sequence, for ``BlockAllocator.check(owners=...)``."""
         return [s.block_table for s in (*self.running, *self.waiting, *self.paused)]
 
-
-def fork_stream(stream: int, branch: int, position: int) -> int:
-    """The random stream of branch ``branch`` of a sequence forked at ``position`` (branch 0
-    keeps the parent's): a function of the history only, so forks are reproducible."""
-    return counter_seed(stream, branch, position)

@@ -1,23 +1,25 @@
 """The generator's per-sequence state beside its KV blocks: one conv-state and one recurrent-state
-slot per running sequence for every stateful layer (Gated DeltaNet, KDA, short convolutions).
+slot per running sequence for every stateful layer (Gated DeltaNet, KDA, short convolutions,
+Mamba2).
 
 Why slots, not blocks. An attention layer's context is its K/V, one entry per token, so it pages.
 A hybrid layer's context is a fixed-size state (the last ``K - 1`` conv inputs, a ``(heads, K, V)``
-recurrent matrix) that the next token reads whole and overwrites: it belongs to the sequence, not
-to its tokens. So a sequence holds one slot (:class:`StateSlots`, pure bookkeeping next to the
-block allocator) while it holds blocks, and the tensors (:class:`StateCache`) live beside the K/V,
-sized from the model's modules and paid for out of the same memory budget.
+delta-rule matrix, a Mamba2 ``(heads, head_dim, state)`` SSM state) that the next token reads
+whole and overwrites: it belongs to the sequence, not to its tokens. So a sequence holds one slot
+(:class:`StateSlots`, pure bookkeeping next to the block allocator) while it holds blocks, and the
+tensors (:class:`StateCache`) live beside the K/V, sized from the model's modules and paid for out
+of the same memory budget.
 
 How a step reaches the state. The layers mix tokens in transformers' kernel functions, which
-nopad already wraps (:mod:`packing.mixers.hf_kernels`). A generator step calls the model with
-``nopad_kv_cache`` (the attention layers' paged K/V); that cache carries this state cache as
-``.states``, and every kernel call of the step reaches it through the same keyword - no new
-argument that the attention function would have to know. Within one forward the stateful layers
-run in model order and each makes one conv call and at most one delta-rule call, so the i-th conv
-call of a step is the i-th stateful conv; each call checks its state's shape, so a model that
-breaks that order fails loudly. Each call starts every sequence of the row from its slot (zero
-for a sequence's first chunk) and writes back its final state: a decode step and a chunked
-prefill are the same call.
+nopad already wraps (:mod:`packing.mixers.hf_kernels`, :mod:`packing.mixers.mamba2`). A generator
+step calls the model with ``nopad_kv_cache`` (the attention layers' paged K/V); that cache carries
+this state cache as ``.states``, and every kernel call of the step reaches it through the same
+keyword - no new argument that the attention function would have to know. Within one forward the
+stateful layers run in model order and each makes one conv call and at most one recurrent
+(delta-rule or SSD-scan) call, so the i-th conv call of a step is the i-th stateful conv; each
+call checks its state's shape, so a model that breaks that order fails loudly. Each call starts
+every sequence of the row from its slot (zero for a sequence's first chunk) and writes back its
+final state: a decode step and a chunked prefill are the same call.
 
 Lifetime (the scheduler): a slot is taken at admission and freed with the blocks (finish,
 preemption: the state is then recomputed from the tokens); a paused tool episode keeps it; a
@@ -36,7 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from packing.mixers.hf_kernels import RECURRENT_DTYPE, LayerState, layer_state
+from packing.mixers import hf_kernels, mamba2
+from packing.mixers.hf_kernels import RECURRENT_DTYPE, LayerState
 from packing.varlen import VarlenMeta
 
 CONV, RECURRENT = "conv", "recurrent"
@@ -48,7 +51,7 @@ def layer_states(model: nn.Module) -> list[LayerState]:
     for path, module in model.named_modules():
         if any(path.startswith(s.path + ".") for s in states):
             continue
-        state = layer_state(module, path)
+        state = hf_kernels.layer_state(module, path) or mamba2.layer_state(module, path)
         if state is not None:
             states.append(state)
     return states

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from inference.chat import render
+
 
 @dataclass
 class ToolCall:
@@ -64,10 +66,7 @@ class ChatTemplateTools:
                 "prefix-preserving template (trl.chat_template_utils.get_training_chat_template)")
 
     def _ids(self, messages: list[dict], generation_prompt: bool) -> list[int]:
-        out = self.tokenizer.apply_chat_template(
-            messages, tools=self.tools or None, add_generation_prompt=generation_prompt, tokenize=True,
-            return_dict=False, **self.kwargs)
-        return list(out)
+        return render(self.tokenizer, messages, generation_prompt, tools=self.tools, **self.kwargs)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return self._ids(messages, True)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from recipes.cli import run_recipe
 from recipes.config import (
@@ -25,7 +25,10 @@ from recipes.config import (
     setup_logging,
 )
 from recipes.models import load_model
-from recipes.tasks import TASKS, RewardFn, encode_prompt, get_reward, load_examples
+from recipes.tasks import TASKS, get_reward, load_examples
+
+if TYPE_CHECKING:
+    from training.grpo_step import RewardFn
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +106,7 @@ def evaluate(
     """
     from tqdm.auto import tqdm
 
+    from inference.chat import encode_prompt
     from training.nonfinite import describe_sample, reward_value
 
     if getattr(sampling_params, "n", 1) != 1:
@@ -171,7 +175,8 @@ def run_evaluate(cfg: EvaluateConfig, model=None, tokenizer=None, progress: bool
                                data.num_prompts, data.path, len(examples), len(examples))
             examples = examples[: data.num_prompts]
     else:
-        examples = TASKS[data.task](num_prompts=data.num_prompts or DEFAULT_TASK_PROMPTS, seed=data.seed)
+        examples = TASKS[data.task].examples(num_prompts=data.num_prompts or DEFAULT_TASK_PROMPTS,
+                                             seed=data.seed)
     s, g = cfg.sampling, cfg.generator
     params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                             seed=s.seed)

@@ -23,26 +23,33 @@ it is, and ``output_dir`` receives the adapter alone; ``model.path`` may itself 
 
 ``checkpoint.every=N`` writes ``output_dir/step_N`` atomically every N GRPO steps (through SFT's
 :func:`training.checkpoint.save_training_checkpoint`: policy or adapter, optimizer, RNG and
-:class:`GRPOProgress`), and ``checkpoint.resume_from=latest`` continues exactly (docs/rl.md).
+:class:`recipes.grpo_checkpoint.GRPOProgress`), and ``checkpoint.resume_from=latest`` continues
+exactly (docs/rl.md).
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import logging
-import os
-import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from inference.chat import encode_prompt
 from recipes.cli import run_recipe
 from recipes.config import ConfigError, parse_cli, setup_logging
+from recipes.grpo_checkpoint import KILL_ENV as KILL_ENV  # the crash-resume tests' switch, as before
+from recipes.grpo_checkpoint import (
+    Checkpointer,
+    GRPOProgress,
+    kill_point,
+    killable,
+    reference_identity,
+    resume_settings,
+)
 from recipes.grpo_config import GRPORecipeConfig
-from recipes.models import load_model, save_model_dir
-from recipes.tasks import TASKS, check_prompts_per_step, encode_prompt, get_reward, load_examples
-from recipes.tool_tasks import TOOL_TASKS
+from recipes.models import load_model
+from recipes.tasks import TASKS, check_prompts_per_step, get_reward, load_examples, tool_task
 
 if TYPE_CHECKING:  # torch and training/ are imported where they run, so --help answers without them
     from training.grpo_step import GRPOLoss, ToolEpisodes
@@ -73,7 +80,7 @@ def sampling_params(cfg: GRPORecipeConfig, step: int):
     from inference import SamplingParams
 
     ro = cfg.rollout
-    task = TOOL_TASKS.get(cfg.task.name) if cfg.task.prompts is None else None
+    task = tool_task(cfg.task.name, cfg.task.prompts)
     return SamplingParams(n=ro.num_generations, max_tokens=ro.max_tokens, temperature=ro.temperature,
                           top_p=ro.top_p, seed=ro.seed * 1_000_003 + step, stop=task.stop if task else None)
 
@@ -84,7 +91,7 @@ def build_prompts(cfg: GRPORecipeConfig, tokenizer) -> tuple[list[dict], list[li
     if task.prompts is not None:
         examples = load_examples(task.prompts, task.prompt_field, key="task.prompts")
     else:
-        examples = TASKS[task.name](num_prompts=task.num_prompts, seed=task.seed)
+        examples = TASKS[task.name].examples(num_prompts=task.num_prompts, seed=task.seed)
     limit = cfg.rollout.max_prompt_tokens
     ids = []
     for i, ex in enumerate(examples):
@@ -110,7 +117,7 @@ def tool_episodes(cfg: GRPORecipeConfig, tokenizer) -> ToolEpisodes | None:
     from inference.episodes import EpisodeLimits
     from training.grpo_step import ToolEpisodes
 
-    task = TOOL_TASKS.get(cfg.task.name) if cfg.task.prompts is None else None
+    task = tool_task(cfg.task.name, cfg.task.prompts)
     if task is None:
         return None
     ro = cfg.rollout
@@ -125,6 +132,19 @@ def make_accelerator(cfg: GRPORecipeConfig):
     return build_accelerator(cfg.accelerate.deepspeed_config,
                              max_grad_norm=cfg.train.max_grad_norm, recipe="recipes.grpo",
                              log_with=cfg.accelerate.log_with, project_dir=cfg.output_dir)
+
+
+def load_policy(cfg: GRPORecipeConfig, model=None, tokenizer=None):
+    """``(model, tokenizer)``: the given ones, or ``model.path`` loaded (then ``output_dir`` is
+    required: the trained policy is saved there)."""
+    if model is None:
+        if not cfg.output_dir:
+            raise ConfigError("output_dir", "is required: the trained policy is saved there (and "
+                              "metrics.jsonl); set output_dir=runs/grpo")
+        return load_model(cfg.model)
+    if tokenizer is None:
+        raise ValueError("pass the tokenizer together with the model")
+    return model, tokenizer
 
 
 # ----------------------------------------------------------------------------- the run
@@ -143,13 +163,7 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     from training.grpo_step import grpo_step
     from training.lora import trainable_parameters
 
-    if model is None:
-        if not cfg.output_dir:
-            raise ConfigError("output_dir", "is required: the trained policy is saved there (and "
-                              "metrics.jsonl); set output_dir=runs/grpo")
-        model, tokenizer = load_model(cfg.model)
-    elif tokenizer is None:
-        raise ValueError("pass the tokenizer together with the model")
+    model, tokenizer = load_policy(cfg, model, tokenizer)
     reward_fn = get_reward(cfg.reward)
     examples, prompt_ids = build_prompts(cfg, tokenizer)
     tr, per_step = cfg.train, cfg.rollout.prompts_per_step
@@ -178,15 +192,7 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     run = GRPOProgress(order, resume_settings(cfg), reference_identity(cfg, ref_model))
     accelerator.register_for_checkpointing(run)
     save = Checkpointer(cfg, accelerator, model, tokenizer, run)
-    out = Path(cfg.output_dir) if cfg.output_dir else None
-    if out is not None:  # lock: two runs at once into one directory stop with the other's pid
-        _refuse_stale_policy(cfg)
-        checkpoint.claim_run_dir(out, accelerator, resuming=bool(cfg.checkpoint.resume_from))
-    if cfg.checkpoint.resume_from:
-        path = checkpoint.resume_training(accelerator, cfg.checkpoint.resume_from, out, save.load_kwargs)
-        if accelerator.is_main_process:
-            checkpoint.trim_metrics(out, run.step)  # GRPO logs steps 0, 1, ...
-        logger.info("resumed from %s at grpo step %d", path, run.step)
+    out = save.start(run)
     history, saved_at = [], None
     show = progress and accelerator.is_main_process
     bar = tqdm(range(run.step, tr.steps), desc="grpo", disable=not show)
@@ -195,11 +201,11 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
             start = (step * world + rank) * per_step
             picks = [order[(start + j) % len(order)] for j in range(per_step)]
             metrics = grpo_step(stepper, generator, [examples[i] for i in picks],
-                                [prompt_ids[i] for i in picks], _killable(reward_fn, step), tokenizer,
+                                [prompt_ids[i] for i in picks], killable(reward_fn, step), tokenizer,
                                 sampling_params(cfg, step), loss, step=step,
                                 rollout_mode=cfg.generator.sharded_rollout, ref_model=ref_model,
                                 use_tqdm=progress, episodes=episodes)
-            _kill_point("step", step)
+            kill_point("step", step)
             history.append(metrics)
             logger.info("grpo step %d: %s", step, json.dumps({k: round(v, 6) for k, v in metrics.items()}))
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", gap=f"{metrics['logprob_gap_max']:.1e}")
@@ -214,124 +220,8 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
         write_curves(out / checkpoint.METRICS_FILE, CURVES, "nopad GRPO")
     finish_trackers(accelerator)
     generator.release()
-    if out is not None and cfg.checkpoint.every:  # the last checkpoint is the policy (model.path=output_dir)
-        if saved_at != run.step:
-            save(run.step)
-        logger.info("the policy is %s/step_%d (load it with model.path=%s)", out, run.step, out)
-    elif out is not None:  # a model (or LoRA adapter) dir: model.path=<output_dir> in evaluate/grpo/SFT
-        save_model_dir(accelerator, model, tokenizer, out)
-        logger.info("saved the policy to %s (load it with model.path=%s)", out, out)
+    save.finish(run.step, saved_at)
     return history
-
-
-# ----------------------------------------------------------------------------- checkpoints
-class GRPOProgress:
-    """What a GRPO checkpoint keeps beside the policy, optimizer and RNG (Accelerate's state): the
-    GRPO steps done, the prompt order, and what must not change across a resume (the loss settings
-    and the reference model's identity); a resume that changed them stops with one line."""
-
-    def __init__(self, order: list[int], settings: dict, reference: dict | None):
-        self.step, self.order, self.settings, self.reference = 0, order, settings, reference
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "order": self.order, "settings": self.settings,
-                "reference": self.reference}
-
-    def load_state_dict(self, state: dict) -> None:
-        if not isinstance(state, dict) or "order" not in state:
-            raise ValueError(f"not a GRPO checkpoint's progress state: {state!r}")
-        changed = sorted(k for k in {**state["settings"], **self.settings}
-                         if state["settings"].get(k) != self.settings.get(k))
-        if changed:
-            k = changed[0]
-            raise ValueError(f"cannot resume: the checkpoint was made with {k}={state['settings'].get(k)!r} "
-                             f"but this run has {k}={self.settings.get(k)!r}; resume with the same settings, "
-                             "or start a new run in another output_dir")
-        if state["order"] != self.order:
-            raise ValueError("cannot resume: this run's prompts differ from the checkpoint's (task, "
-                             "task.seed or train.seed changed); resume with the same ones")
-        if state["reference"] != self.reference:
-            raise ValueError(f"cannot resume: the KL reference model differs from the checkpoint's "
-                             f"({state['reference']} vs {self.reference}); resume with the model.path of the "
-                             "run that wrote it (the initial policy, not a checkpoint)")
-        self.step = int(state["step"])
-
-
-def resume_settings(cfg: GRPORecipeConfig) -> dict:
-    """The settings a resume must keep: the loss, the mini-batching and the rollout's shape."""
-    keys = {f"loss.{k}": v for k, v in cfg.loss.to_dict().items()}
-    for k in ("num_iterations", "steps_per_generation", "old_logprobs", "seed"):
-        keys[f"train.{k}"] = getattr(cfg.train, k)
-    for k in ("prompts_per_step", "num_generations", "seed"):
-        keys[f"rollout.{k}"] = getattr(cfg.rollout, k)
-    return keys
-
-
-def reference_identity(cfg: GRPORecipeConfig, ref_model) -> dict | None:
-    """The KL reference model: where it came from and a digest of its weights (None without KL)."""
-    import torch
-
-    if ref_model is None:
-        return None
-    digest = hashlib.sha256()
-    for name, tensor in sorted(ref_model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return {"model.path": str(cfg.model.path), "sha256": digest.hexdigest()[:16]}
-
-
-class Checkpointer:
-    """``save(step)``: ``output_dir/step_N`` atomically, a model (or LoRA adapter) directory with the
-    resume state in ``training_state/`` (:func:`training.checkpoint.save_training_checkpoint`)."""
-
-    def __init__(self, cfg: GRPORecipeConfig, accelerator, model, tokenizer, run: GRPOProgress):
-        from training.lora import is_peft_model, keep_resume_state_to_adapter
-
-        self.cfg, self.accelerator, self.model, self.tokenizer = cfg, accelerator, model, tokenizer
-        self.save_kwargs, self.load_kwargs = {}, {}
-        if is_peft_model(accelerator.unwrap_model(model)):  # resume state: the adapter, not a base copy
-            self.save_kwargs, self.load_kwargs = keep_resume_state_to_adapter(accelerator)
-
-    def __call__(self, step: int) -> None:
-        from training import checkpoint
-
-        def save_model(d: Path) -> None:
-            _kill_point("checkpoint", step)  # tests: a kill between the training state and the model files
-            save_model_dir(self.accelerator, self.model, self.tokenizer, d)
-
-        checkpoint.save_training_checkpoint(self.accelerator, Path(self.cfg.output_dir) / f"step_{step}",
-                                            save_model, self.cfg.checkpoint.keep_last, self.save_kwargs)
-
-
-def _refuse_stale_policy(cfg: GRPORecipeConfig) -> None:
-    """With checkpoints, model.path=<output_dir> means its newest checkpoint; a policy an earlier run
-    saved at the top of the directory would be picked instead."""
-    top = {p.name for p in Path(cfg.output_dir).iterdir()} if Path(cfg.output_dir).is_dir() else set()
-    if cfg.checkpoint.every and top & {"config.json", "adapter_config.json"}:
-        raise ConfigError("checkpoint.every", f"> 0 makes {cfg.output_dir}/step_N the policy, but "
-                          f"{cfg.output_dir} already holds a policy saved by an earlier run without "
-                          "checkpoints; use another output_dir")
-
-
-KILL_ENV = "NOPAD_GRPO_KILL_AT"  # tests: "rollout:N", "step:N" or "checkpoint:N" kills the run there
-
-
-def _kill_point(where: str, step: int) -> None:
-    """The crash-resume tests' hook: SIGKILL this process at a chosen point of a chosen step."""
-    if os.environ.get(KILL_ENV) == f"{where}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _killable(reward_fn, step: int):
-    """The reward, with the ``rollout:N`` kill point at its first call: after step N's rollout."""
-    if not os.environ.get(KILL_ENV, "").startswith("rollout:"):
-        return reward_fn
-
-    def reward(text, example):
-        _kill_point("rollout", step)
-        return reward_fn(text, example)
-
-    return reward
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

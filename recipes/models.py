@@ -1,7 +1,8 @@
 """Models for the recipes: ``model.path`` to ``(model, tokenizer)`` (the embedded SmolLM2, a tiny
 test model, a local Hugging Face directory, a training run's newest checkpoint, or a LoRA adapter on
 the base it records), and back to a directory the next recipe loads. The config sections that name
-them (:class:`recipes.config.ModelConfig`, :class:`recipes.config.LoRAConfig`) stay with the configs."""
+them (:class:`recipes.config_sections.ModelConfig`, :class:`recipes.config_sections.LoRAConfig`)
+stay with the configs."""
 
 from __future__ import annotations
 

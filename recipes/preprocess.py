@@ -11,7 +11,6 @@ positions and boundaries. Every step is also a function for use from Python.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -58,30 +57,17 @@ class PreprocessConfig(Section):
 def load_records(path: str | Path, messages_field: str = "messages", text_field: str = "text",
                  split: str | None = None) -> datasets.Dataset:
     """Chat (``messages_field``) or text (``text_field``) records from any input
-    :func:`dataloaders.sources.load_records` reads; a wrong record is an error naming its line."""
+    :func:`dataloaders.sources.load_records` reads; a wrong record, or a wrong conversation
+    (:func:`inference.chat.check_conversation`), is an error naming its line and field."""
     from dataloaders import sources
+    from inference.chat import check_conversation
 
     def chat_ok(record, where: str) -> None:
         if messages_field in record:
-            check_messages(record[messages_field], where)
+            check_conversation(record[messages_field], where, messages_field)
 
     return sources.load_records(path, [{messages_field: list}, {text_field: str}], split=split, key="input",
                                 check=chat_ok)
-
-
-def check_messages(messages, where: str) -> None:
-    """A conversation is a list of {"role", "content"} with at least one assistant turn: without
-    one, every token is masked and SFT would "train" on nothing (loss 0.0)."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: messages must be a non-empty list of {{'role': ..., 'content': ...}}, "
-                         f"got {type(messages).__name__}")
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str):
-            raise ValueError(f"{where}: message {i} must be {{'role': str, 'content': str}}, got {message!r}")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError(f"{where} has no assistant turn, so none of its tokens would be trained on; drop it "
-                         "or add the assistant's reply (only assistant turns are trained on)")
 
 
 def load_tokenizer(name: str):
@@ -105,35 +91,6 @@ def tokenize_text(texts: list[str], tokenizer, add_eos: bool = True) -> list[lis
     return ids
 
 
-def tokenize_chat(messages: list[Mapping], tokenizer) -> tuple[list[int], list[int]]:
-    """``(input_ids, labels)`` for one conversation; labels are ``IGNORE_INDEX`` outside assistant turns.
-
-    Each assistant turn's span is found by rendering the conversation up to it (with the generation
-    prompt) and up to its end; the template must render a prefix of the conversation as a prefix
-    of the whole, which chat templates do.
-    """
-    from packing.row import IGNORE_INDEX
-    from training.sft_data import render_chat
-
-    def encode(upto: int, generation_prompt: bool) -> list[int]:
-        return render_chat(tokenizer, messages[:upto], generation_prompt)
-
-    input_ids = encode(len(messages), False)
-    labels = [IGNORE_INDEX] * len(input_ids)
-    for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
-            continue
-        prompt, upto_turn = encode(i, True), encode(i + 1, False)
-        start, end = len(prompt), len(upto_turn)
-        if input_ids[:start] != prompt or input_ids[:end] != upto_turn or start > end:
-            raise ValueError(
-                "the chat template does not render a conversation's beginning as a prefix of the whole "
-                f"(turn {i}); prompt masking needs a prefix-consistent template"
-            )
-        labels[start:end] = input_ids[start:end]
-    return input_ids, labels
-
-
 def tokenize_dataset(
     ds: datasets.Dataset,
     tokenizer,
@@ -145,10 +102,11 @@ def tokenize_dataset(
 ) -> datasets.Dataset:
     """Chat rows (``messages_field``) -> ``input_ids`` + ``labels``; text rows -> ``input_ids``."""
     if messages_field in ds.column_names:
+        from inference.chat import check_conversation, tokenize_conversation
 
         def chat(row, index):
-            check_messages(row[messages_field], f"record {index}")
-            input_ids, labels = tokenize_chat(row[messages_field], tokenizer)
+            check_conversation(row[messages_field], f"record {index}", messages_field)
+            input_ids, labels = tokenize_conversation(tokenizer, row[messages_field])
             return {"input_ids": input_ids, "labels": labels}
 
         return ds.map(chat, with_indices=True, remove_columns=ds.column_names, num_proc=num_proc,

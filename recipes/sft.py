@@ -46,6 +46,72 @@ def make_accelerator(cfg: SFTRecipeConfig):
                              log_with=cfg.accelerate.log_with, project_dir=cfg.checkpoint.output_dir)
 
 
+def model_to_train(cfg: SFTRecipeConfig, model=None, tokenizer=None):
+    """``(model, tokenizer)``: ``model.path`` loaded unless given, set up to train (nopad attention,
+    no KV cache, activation checkpointing when asked); a resumed run's changed LoRA setting is
+    named before the model loads."""
+    from training import checkpoint
+    from training import sft as sft_loop
+
+    ccfg = cfg.checkpoint
+    if ccfg.resume_from:
+        check_resume_lora(checkpoint.resume_path(ccfg.resume_from, Path(ccfg.output_dir)), cfg.model.lora)
+    if model is None:  # tiny:llama comes with the ASCII tokenizer, so its checkpoints reload too
+        model, tokenizer = load_model(cfg.model)
+    sft_loop.use_attention(model, cfg.model.attn_implementation)
+    model.config.use_cache = False
+    if cfg.train.gradient_checkpointing:  # non-reentrant: row kwargs pass, ZeRO-3 re-gathers
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model, tokenizer
+
+
+def training_rows(dcfg, rows, tokenizer, vocab_size: int):
+    """The rows to pack: ``data.source``'s unless ``rows`` are given (then tokenized, or made
+    per-turn samples of their conversations with ``data.per_turn_samples``)."""
+    from training import sft_data
+
+    if rows is None:
+        return sft_data.load_rows(dcfg, tokenizer, vocab_size)
+    if dcfg.per_turn_samples:  # conversations: each assistant turn a sample, packed as trees
+        return sft_data.per_turn_samples(rows, tokenizer, dcfg.messages_column)
+    return sft_data.tokenize_rows(rows, tokenizer, dcfg.prompt_column, dcfg.completion_column)
+
+
+def prepare(accelerator, model, optimizer, tcfg):
+    """``(model, stepper, save_kwargs, load_kwargs)``: the model and optimizer prepared by
+    Accelerate, the step's owner, and what a LoRA run's resume state saves and loads (the adapter,
+    not a copy of the base). The loader is not prepared (it shards itself); neither is the
+    scheduler, which Accelerate would step once per process for every optimizer step."""
+    from training.accumulation import OptimizerStepper
+    from training.lora import is_peft_model, keep_resume_state_to_adapter
+
+    logger.info("setting up %s on %d process(es) (a DeepSpeed ZeRO-3 start partitions the weights here)",
+                accelerator.distributed_type, accelerator.num_processes)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    save_kwargs, load_kwargs = {}, {}
+    if is_peft_model(accelerator.unwrap_model(model)):
+        save_kwargs, load_kwargs = keep_resume_state_to_adapter(accelerator)
+    stepper = OptimizerStepper(model, optimizer, accelerator, max_grad_norm=tcfg.max_grad_norm,
+                               nonfinite=tcfg.nonfinite)
+    return model, stepper, save_kwargs, load_kwargs
+
+
+def claim_and_resume(accelerator, ccfg, progress, loader, load_kwargs: dict) -> Path:
+    """Take the run directory (a lock; its metrics are this run's) and, with
+    ``checkpoint.resume_from``, load the training state the loop goes on from."""
+    from training import checkpoint
+
+    output_dir = Path(ccfg.output_dir)
+    checkpoint.claim_run_dir(output_dir, accelerator, resuming=bool(ccfg.resume_from))
+    if ccfg.resume_from:
+        path = checkpoint.resume_training(accelerator, ccfg.resume_from, output_dir, load_kwargs)
+        if accelerator.is_main_process:
+            checkpoint.trim_metrics(output_dir, progress.step + 1)  # SFT logs steps 1, 2, ...
+        logger.info("resumed from %s at step %d (epoch %d)", path, progress.step, loader.epoch)
+    return output_dir
+
+
 def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accelerator=None) -> dict:
     """Run SFT as configured; returns ``{"losses": [...], "steps": n, "stats": [...], ...}``.
 
@@ -58,56 +124,26 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     from training import checkpoint, sft_data
     from training import sft as sft_loop
     from training.accelerator import engine_info
-    from training.accumulation import OptimizerStepper
     from training.curves import tracker_config
-    from training.lora import is_peft_model, keep_resume_state_to_adapter
 
     tcfg, dcfg, ccfg = cfg.train, cfg.data, cfg.checkpoint
     accelerator = accelerator or make_accelerator(cfg)
     torch.manual_seed(tcfg.seed)
-    if ccfg.resume_from:  # a changed LoRA setting named before the model loads
-        check_resume_lora(checkpoint.resume_path(ccfg.resume_from, Path(ccfg.output_dir)), cfg.model.lora)
-    if model is None:  # tiny:llama comes with the ASCII tokenizer, so its checkpoints reload too
-        model, tokenizer = load_model(cfg.model)
-    sft_loop.use_attention(model, cfg.model.attn_implementation)
-    model.config.use_cache = False
-    if tcfg.gradient_checkpointing:  # non-reentrant: the packed-row kwargs pass through, ZeRO-3 re-gathers
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    if rows is None:
-        rows = sft_data.load_rows(dcfg, tokenizer, model.config.vocab_size)
-    elif dcfg.per_turn_samples:  # conversations: each assistant turn a sample, packed as trees
-        rows = sft_data.per_turn_samples(rows, tokenizer, dcfg.messages_column)
-    else:
-        rows = sft_data.tokenize_rows(rows, tokenizer, dcfg.prompt_column, dcfg.completion_column)
+    model, tokenizer = model_to_train(cfg, model, tokenizer)
+    rows = training_rows(dcfg, rows, tokenizer, model.config.vocab_size)
     gas = tcfg.grad_accum
     loader = sft_data.build_loader(dcfg, rows, accelerator, gas, model.config)
     steps = sft_data.total_steps(tcfg.max_steps, tcfg.epochs, dcfg, loader, gas)
     optimizer, scheduler = sft_loop.make_optimizer(model, tcfg.lr, tcfg.weight_decay, tcfg.warmup_steps,
                                                    steps)
-    # the loader is not prepared (it shards itself); neither is the scheduler, which Accelerate
-    # would step once per process for every optimizer step
-    logger.info("setting up %s on %d process(es) (a DeepSpeed ZeRO-3 start partitions the weights here)",
-                accelerator.distributed_type, accelerator.num_processes)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    save_kwargs, load_kwargs = {}, {}
-    if is_peft_model(accelerator.unwrap_model(model)):  # resume state: the adapter, not a base copy
-        save_kwargs, load_kwargs = keep_resume_state_to_adapter(accelerator)
-    stepper = OptimizerStepper(model, optimizer, accelerator, max_grad_norm=tcfg.max_grad_norm,
-                               nonfinite=tcfg.nonfinite)
+    model, stepper, save_kwargs, load_kwargs = prepare(accelerator, model, optimizer, tcfg)
     progress = sft_loop.Progress(gas)
     info = engine_info(model, accelerator)
     logger.info("training with %s on %d process(es)", info, accelerator.num_processes)
     accelerator.init_trackers("nopad-sft", config=tracker_config(cfg.to_dict()))
     for obj in (progress, loader, scheduler):  # progress first: it names train.grad_accum on a mismatch
         accelerator.register_for_checkpointing(obj)
-    output_dir = Path(ccfg.output_dir)
-    checkpoint.claim_run_dir(output_dir, accelerator, resuming=bool(ccfg.resume_from))  # lock, own metrics
-    if ccfg.resume_from:
-        path = checkpoint.resume_training(accelerator, ccfg.resume_from, output_dir, load_kwargs)
-        if accelerator.is_main_process:
-            checkpoint.trim_metrics(output_dir, progress.step + 1)  # SFT logs steps 1, 2, ...
-        logger.info("resumed from %s at step %d (epoch %d)", path, progress.step, loader.epoch)
+    output_dir = claim_and_resume(accelerator, ccfg, progress, loader, load_kwargs)
 
     def save(path: Path) -> None:
         checkpoint.save_training_checkpoint(accelerator, path,

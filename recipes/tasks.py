@@ -13,11 +13,14 @@ import json
 import random
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from recipes.tool_tasks import calculator_task
+from recipes.tool_tasks import CALL_CLOSE, TextToolFormat, calculator, calculator_task
 
-RewardFn = Callable[[str, Mapping], float]
+if TYPE_CHECKING:  # the one reward type; training (torch) is not imported to read configs
+    from training.grpo_step import RewardFn
 
 ARITHMETIC_TEMPLATE = "What is {a} {op} {b}? Answer with the number only."
 
@@ -119,7 +122,32 @@ def load_examples(path: str | Path, prompt_field: str = "prompt", key: str = "da
     return [{k: v for k, v in row.items() if v is not None} for row in ds]
 
 
-TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic_task, "calculator": calculator_task}
+@dataclass(frozen=True)
+class Task:
+    """A built-in task: its examples and, for a tool task, its tools, the stop strings that end a
+    model turn at a call, and the call format (``tokenizer -> inference.tools.ToolFormat``)."""
+
+    examples: Callable[..., list[dict]]
+    tools: Mapping[str, Callable] = field(default_factory=dict)
+    stop: tuple[str, ...] = ()
+    tool_format: Callable | None = None
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools)
+
+
+# the one registry of task.name (GRPO) and data.task (evaluate)
+TASKS: dict[str, Task] = {
+    "arithmetic": Task(arithmetic_task),
+    "calculator": Task(calculator_task, {"calculator": calculator}, (CALL_CLOSE,), TextToolFormat),
+}
+
+
+def tool_task(name: str, prompts: str | None = None) -> Task | None:
+    """The built-in task ``name`` when it is a tool task and no prompt file (``prompts``) replaces it."""
+    task = TASKS[name] if prompts is None else None
+    return task if task is not None and task.uses_tools else None
 
 
 # ----------------------------------------------------------------------------- tokenizing
@@ -161,29 +189,6 @@ class AsciiTokenizer:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> AsciiTokenizer:
         return cls(**json.loads((Path(path) / cls.SAVED_NAME).read_text()))
-
-
-CHAT_SETTINGS = (True, False, "auto")
-
-
-def encode_prompt(tokenizer, text: str, chat: bool | str = "auto") -> list[int]:
-    """Token ids of one prompt: through the chat template (user turn + generation prompt) when
-    ``chat`` is true (the tokenizer must have one) or ``"auto"`` and it has one, else plain."""
-    if chat not in CHAT_SETTINGS:
-        raise ValueError(f"model.chat_template must be true, false or auto, got {chat!r}")
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    if chat is True and not has_template:
-        raise ValueError("model.chat_template=true but the tokenizer has no chat template, so prompts would "
-                         "be raw text the model was not tuned on; set model.chat_template=false to use raw "
-                         "text on purpose, or auto to use a template only where there is one")
-    if chat and has_template:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, Mapping):  # some versions return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def tiny_causal_lm(family: str = "llama", seed: int = 0):

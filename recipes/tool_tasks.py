@@ -15,8 +15,6 @@ import ast
 import operator
 import random
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from inference.tools import ToolCall
 
@@ -91,18 +89,3 @@ class TextToolFormat:
     def render(self, messages: list[dict], turn_ids: list[int]) -> list[int]:
         text = "".join(f"{RESULT_OPEN}{m['content']}{RESULT_CLOSE}\n" for m in messages)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-
-@dataclass
-class ToolTask:
-    """A tool task's prompts, its tools and what ends a model turn at a call."""
-
-    examples: Callable[..., list[dict]]
-    tools: dict[str, Callable] = field(default_factory=dict)
-    stop: list[str] = field(default_factory=list)
-    tool_format: Callable = TextToolFormat  # tokenizer -> ToolFormat
-
-
-TOOL_TASKS: dict[str, ToolTask] = {
-    "calculator": ToolTask(calculator_task, {"calculator": calculator}, [CALL_CLOSE]),
-}

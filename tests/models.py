@@ -15,8 +15,8 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2")
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "nemotron_h", "granitemoehybrid", "bamba",
                    "falcon_h1", "jamba", "kimi_linear")
 SINK_FAMILIES = ("gpt_oss",)  # attention sinks (s_aux)
-# hybrid families with Mamba2 layers: exact on packed and tree rows (packing.mixers.mamba2), not yet in
-# the generator
+# hybrid families with Mamba2 layers: exact on packed and tree rows and in the generator
+# (packing.mixers.mamba2)
 MAMBA2_FAMILIES = ("nemotron_h", "granitemoehybrid", "bamba", "falcon_h1")
 # attention layouts besides one head size: Gemma4 (K/V shared across its last layers, a larger head
 # on full-attention layers, per-layer inputs), DeepSeek-V3 (MLA: keys and values of different sizes)

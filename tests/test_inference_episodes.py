@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import sys
-import time
+import threading
 
 import pytest
 import torch
@@ -21,6 +21,7 @@ from inference.environments import reset_environments
 from inference.episodes import EpisodeLimits
 from inference.tools import ToolCall
 from tests.models import tiny_model
+from tests.step_clock import StepClock
 
 STOPS = [t for t in range(3, 128) if t % 4 == 0]
 RESULT_OPEN, RESULT_CLOSE = 5, 6
@@ -150,20 +151,22 @@ def test_episode_logprobs_are_the_training_forward_at_model_tokens():
 
 def sampled_run(model, **generator_kwargs):
     latency = generator_kwargs.pop("latency", None)
+    params = SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=10, stop_token_ids=STOPS,
+                            ignore_eos=True)
+    gen = Generator(model, block_size=2, **generator_kwargs)
+    clock = StepClock(gen)
     tools = TOOLS
     if latency is not None:
         rng = random.Random(latency)
 
         def add(a: int, b: int) -> str:
-            time.sleep(0.005 + rng.random() * 0.02)
+            clock.wait(rng.randint(1, 4))  # the tool returns 1 to 4 steps later
             return str(a + b)
 
         tools = {"add": add, "echo": echo}
-    params = SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=10, stop_token_ids=STOPS,
-                            ignore_eos=True)
-    gen = Generator(model, block_size=2, **generator_kwargs)
-    episodes = gen.run_episodes(prompts_of([3, 7, 12]), tools, params, limits=EpisodeLimits(max_turns=4,
-                                max_tokens=40), tool_format=TokenFormat())
+    with clock.running():
+        episodes = gen.run_episodes(prompts_of([3, 7, 12]), tools, params, limits=EpisodeLimits(max_turns=4,
+                                    max_tokens=40), tool_format=TokenFormat())
     return [(e.branch, e.completion_ids, e.model_mask, e.finish_reason) for e in episodes], episodes, gen
 
 
@@ -173,7 +176,7 @@ def test_sampled_episodes_invariant_to_batching_latency_and_preemption():
     assert len(base) == 9 and sum(e.num_tool_calls for e in episodes) >= 2
     one_at_a_time, _, _ = sampled_run(model, num_blocks=512, max_num_seqs=3, max_num_batched_tokens=4)
     slow_tools, _, _ = sampled_run(model, num_blocks=512, latency=1)
-    tiny, _, gen = sampled_run(model, num_blocks=30, max_num_seqs=6, latency=2)  # tools sleep >= 5 ms
+    tiny, _, gen = sampled_run(model, num_blocks=30, max_num_seqs=6, latency=2)  # tools hold >= 1 step
     assert gen.stats()["paused_preemptions"] > 0, "the tiny cache should preempt paused episodes"
     assert one_at_a_time == base
     assert slow_tools == base
@@ -185,17 +188,17 @@ def test_sampled_episodes_invariant_to_batching_latency_and_preemption():
 def test_decoding_goes_on_while_a_tool_runs():
     model = tiny_model("llama")
     gen = Generator(model, block_size=4, num_blocks=256)
+    clock = StepClock(gen)
     progress = []
 
     def add(a: int, b: int) -> str:
-        before = gen.scheduler.stats.steps
-        time.sleep(0.1)
-        progress.append(gen.scheduler.stats.steps - before)
+        progress.append(clock.wait(1))  # returns when another forward ran, or when nothing else can
         return str(a + b)
 
-    gen.run_episodes(prompts_of(LENGTHS), {"add": add, "echo": echo}, GREEDY, limits=LIMITS,
-                     tool_format=TokenFormat())
-    assert progress and max(progress) > 0, "other episodes should decode while a tool sleeps"
+    with clock.running():
+        gen.run_episodes(prompts_of(LENGTHS), {"add": add, "echo": echo}, GREEDY, limits=LIMITS,
+                         tool_format=TokenFormat())
+    assert progress and max(progress) > 0, "other episodes should decode while a tool runs"
 
 
 def test_fork_shares_blocks_and_equals_unforked_runs():
@@ -268,6 +271,7 @@ class EveryTurnCalls:
 
 def test_faulty_tools_become_error_messages_and_leave_the_batch_alone():
     model = tiny_model("llama")
+    released = threading.Event()
 
     def good() -> str:
         return "fine"
@@ -276,7 +280,7 @@ def test_faulty_tools_become_error_messages_and_leave_the_batch_alone():
         raise RuntimeError("boom")
 
     def hangs() -> str:
-        time.sleep(1.0)
+        released.wait(60)  # past its timeout: released when the test ends
         return "late"
 
     def not_a_string():
@@ -304,15 +308,18 @@ def test_faulty_tools_become_error_messages_and_leave_the_batch_alone():
     prompts = [[10 + i, 40, 41, 42] for i in range(len(names))]
     fmt = EveryTurnCalls({10 + i: n for i, n in enumerate(names)})
     params = ONE_TOKEN_TURNS
-    limits = EpisodeLimits(max_turns=2, max_tokens=60, tool_timeout=0.3, max_tool_result_chars=1000)
+    limits = EpisodeLimits(max_turns=2, max_tokens=60, tool_timeout=1.0, max_tool_result_chars=1000)
     gen = Generator(model, block_size=4, num_blocks=256)
-    episodes = gen.run_episodes(prompts, tools, params, limits=limits, tool_format=fmt)
+    try:
+        episodes = gen.run_episodes(prompts, tools, params, limits=limits, tool_format=fmt)
+    finally:
+        released.set()
     by_name = dict(zip(names, episodes))
     for name in ("good", "good_async"):
         ep = by_name[name]
         assert (ep.finish_reason, ep.num_tool_calls, ep.num_tool_errors) == ("max_turns", 1, 0)
         assert ep.turns[0].tool_calls[0].result in ("fine", "async ok")
-    expected = {"raises": "raised RuntimeError: boom", "hangs": "did not return within 0.3 s",
+    expected = {"raises": "raised RuntimeError: boom", "hangs": "did not return within 1.0 s",
                 "not_a_string": "returned int, not a string", "huge": "returned 5000 characters",
                 "nope": "unknown tool 'nope'", "exits": "tool 'exits' called sys.exit(3); a tool returns",
                 "exits_async": "tool 'exits_async' called sys.exit('bye')",

@@ -349,3 +349,46 @@ def test_a_prompt_near_the_context_limit_says_why_it_stopped_early(caplog):
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 4
     assert "stopped after 4 of max_tokens=50 new tokens" in caplog.text
     assert "context of 32 tokens" in caplog.text
+
+
+def test_attention_is_switched_once_per_run_and_restored_also_on_error(llama, monkeypatch):
+    """generate() switches the model to nopad attention and eval mode once, not per step (#39 A2),
+    and gives it back as it was, also when a step raises; a bare step() switches for itself."""
+    import inference.live_model as live_model
+
+    entered = []
+    real = live_model.use_nopad_attention
+
+    def counting(model, **kwargs):
+        entered.append(kwargs)
+        return real(model, **kwargs)
+
+    monkeypatch.setattr(live_model, "use_nopad_attention", counting)
+    was_training = llama.training
+    llama.train()
+    before = llama.config._attn_implementation
+    gen = Generator(llama, block_size=4, num_blocks=64)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    gen.generate(prompts_of([3, 5, 9]), params, use_tqdm=False)
+    steps = gen.stats()["steps"]
+    assert steps > 3 and len(entered) == 1 and entered[0]["eval_mode"]
+    assert llama.training and llama.config._attn_implementation == before
+
+    def explode(module, args, kwargs):
+        assert not module.training and module.config._attn_implementation == "nopad"
+        raise RuntimeError("mid-run")
+
+    handle = llama.register_forward_pre_hook(explode, with_kwargs=True)
+    try:
+        with pytest.raises(RuntimeError, match="mid-run"):
+            gen.generate(prompts_of([4]), params, use_tqdm=False)
+    finally:
+        handle.remove()
+    assert llama.training and llama.config._attn_implementation == before and not gen.has_unfinished()
+    entered.clear()
+    steps = gen.stats()["steps"]
+    gen.add_request(prompts_of([4])[0], params)
+    while gen.has_unfinished():
+        gen.step()
+    assert len(entered) == gen.stats()["steps"] - steps > 1 and llama.training
+    llama.train(was_training)

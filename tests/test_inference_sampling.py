@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from inference.request import Request, Sequence
-from inference.sampler import counter_seed, processed_logprobs, sample
+from inference.sampler import processed_logprobs, sample
 from inference.sampling_params import SamplingParams
+from inference.seeding import counter_seed
 
 
 def seq_with(params: SamplingParams, tokens=(5, 6), index=0, seed=0, stop_ids=frozenset({2})):

@@ -1,7 +1,8 @@
 """Mamba2 layers (Nemotron-H, Granite-4 hybrid, Bamba, Falcon-H1) on packed and prefix-tree rows
 (issue 36 items 2 and 3, :mod:`packing.mixers.mamba2`): every sequence equals itself alone, a
 tree path its flat sequence, forward and backward, fp32; the CUDA kernels (causal-conv1d,
-mamba_ssm) get ``seq_idx`` through strict stand-ins; a generation step is refused."""
+mamba_ssm) get ``seq_idx`` through strict stand-ins; a step with cached context and no generator
+state cache is refused (the generator: tests/test_inference_hybrid.py)."""
 
 from __future__ import annotations
 
@@ -113,11 +114,22 @@ def test_nemotron_mlp_only_layers_keep_passing():
 
 
 @pytest.mark.parametrize("family", MAMBA2_FAMILIES)
-def test_supported_for_packed_and_tree_refused_for_the_generator(family):
+def test_supported_in_every_context_with_the_generator_state_sized(family):
     model = mamba_model(family)
+    for context in (PACKED, TREE, GENERATE):
+        check_model(model, context)
+    mixer = next(m for m in model.modules() if isinstance(m, mamba2.MIXERS))
+    state = mamba2.layer_state(mixer)
+    assert state.conv == (mixer.conv_dim, mixer.conv_kernel_size - 1)
+    assert state.recurrent == (mixer.num_heads, mixer.head_dim, mixer.ssm_state_size)
+
+
+def test_a_mamba2_layer_whose_state_nopad_cannot_size_is_refused_in_the_generator_only():
+    model = mamba_model("bamba")
+    model.model.layers[0].mamba.head_dim = 7  # heads x head_dim no longer covers the layer's width
     check_model(model, PACKED)
     check_model(model, TREE)
-    with pytest.raises(UnsupportedMixerError, match="the generator"):
+    with pytest.raises(UnsupportedMixerError, match=r"(?s)generator.*BambaMixer \(model.layers.0"):
         check_model(model, GENERATE)
 
 

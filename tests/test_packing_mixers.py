@@ -85,12 +85,13 @@ def tree_call():
     return dict(row.model_kwargs(), use_cache=False)
 
 
-# families whose mixers nopad serves on packed and tree rows (tests/test_packing_hybrid.py) and in the
-# generator, with per-sequence state slots (tests/test_inference_hybrid.py)
-SERVED = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "kimi_linear")
+# families whose mixers nopad serves on packed and tree rows (tests/test_packing_hybrid.py,
+# tests/test_packing_mamba2.py) and in the generator, with per-sequence state slots
+# (tests/test_inference_hybrid.py)
+SERVED = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "kimi_linear", *MAMBA2_FAMILIES)
 
 
-@pytest.mark.parametrize("family", [f for f in HYBRID_FAMILIES if f not in SERVED + MAMBA2_FAMILIES])
+@pytest.mark.parametrize("family", [f for f in HYBRID_FAMILIES if f not in SERVED])
 def test_every_unserved_hybrid_family_is_refused_naming_its_mixer(family):
     model = tiny_model(family)
     for context in CONTEXTS:
@@ -130,17 +131,6 @@ def test_a_bare_packed_or_tree_forward_of_a_served_hybrid_family_runs(family):
     model.set_attn_implementation("nopad")
     for call in (packed_call(model), tree_call()):
         model(**call)
-
-
-@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
-def test_mamba2_families_pass_packed_and_tree_and_are_refused_in_the_generator(family):
-    model = tiny_model(family)
-    check_model(model, PACKED)
-    check_model(model, TREE)
-    with pytest.raises(UnsupportedMixerError, match=MIXER_CLASS[family]):
-        check_model(model, GENERATE)
-    with pytest.raises(UnsupportedMixerError, match=MIXER_CLASS[family]):
-        Generator(model, num_blocks=8)
 
 
 @pytest.mark.parametrize("family", ("jamba",))

@@ -141,7 +141,8 @@ def test_evaluate_rejects_several_samples_per_prompt(model):
 
 
 def test_chat_template_true_without_a_template_is_refused_not_raw_text():
-    from recipes.tasks import AsciiTokenizer, encode_prompt
+    from inference.chat import encode_prompt
+    from recipes.tasks import AsciiTokenizer
 
     tok = AsciiTokenizer()
     with pytest.raises(ValueError, match="model.chat_template=true but the tokenizer has no chat template"):

@@ -424,7 +424,7 @@ def test_recipe_and_trl_trainer_score_rollouts_through_the_one_shared_function(m
     from packing.invariance import batch_invariant
     from tests.models import tiny_model
     from training.grpo import packed_logprobs
-    from training.grpo_trainer import packed_completion_logprobs
+    from training.trl.grpo_trainer import packed_completion_logprobs
 
     model = tiny_model("qwen2")
     prompts = [[5, 6, 7], [5, 6, 7], [9, 3]]
@@ -438,7 +438,7 @@ def test_recipe_and_trl_trainer_score_rollouts_through_the_one_shared_function(m
         ids[b, width_p - len(p):width_p], mask[b, width_p - len(p):width_p] = torch.tensor(p), 1
         ids[b, width_p:width_p + len(c)], mask[b, width_p:width_p + len(c)] = torch.tensor(c), 1
     calls = []
-    monkeypatch.setattr(training.grpo_trainer, "packed_logprobs",
+    monkeypatch.setattr(training.trl.grpo_trainer, "packed_logprobs",
                         lambda *a, **k: calls.append(1) or training.grpo.packed_logprobs(*a, **k))
     with use_nopad_attention(model), torch.no_grad(), batch_invariant():
         recipe = {}

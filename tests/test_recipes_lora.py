@@ -235,7 +235,7 @@ def test_nopad_grpo_trainer_with_a_peft_config_is_exactly_on_policy(tmp_path, on
     from peft import LoraConfig
 
     from tests.test_training_trl import _grpo, logp_recorder, make_tokenizer
-    from training.trl_rollout import nopad_rollout_func
+    from training.trl.rollout import nopad_rollout_func
 
     seen = []
 

@@ -72,14 +72,14 @@ def _per_document_loss(model_dir: Path, chats) -> float:
     """Mean loss over every assistant token, each conversation run alone (no packing)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from recipes.preprocess import tokenize_chat
+    from inference.chat import tokenize_conversation
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir)).float().eval()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     total, count = 0.0, 0
     with torch.no_grad():
         for chat in chats:
-            ids, labels = tokenize_chat(chat["messages"], tok)
+            ids, labels = tokenize_conversation(tok, chat["messages"])
             logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
             target = torch.tensor(labels[1:])
             total += F.cross_entropy(logits, target, ignore_index=-100, reduction="sum").item()

@@ -8,7 +8,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from recipes.preprocess import load_records, main, tokenize_chat, tokenize_dataset, tokenize_text
+from inference.chat import tokenize_conversation
+from recipes.preprocess import load_records, main, tokenize_dataset, tokenize_text
 
 WORDS = ["<unk>", "<eos>", "<s>", "</s>", "user", "assistant"] + "hi hello how are you fine ok".split()
 TEMPLATE = (
@@ -35,7 +36,7 @@ CHAT = [
 
 
 def test_chat_masks_everything_but_assistant_turns(tokenizer):
-    ids, labels = tokenize_chat(CHAT, tokenizer)
+    ids, labels = tokenize_conversation(tokenizer, CHAT)
     # <s> user hi </s> <s> assistant hello </s> <s> user how are you </s> <s> assistant fine ok </s>
     assert ids == [2, 4, 6, 3, 2, 5, 7, 3, 2, 4, 8, 9, 10, 3, 2, 5, 11, 12, 3]
     assert labels == [-100] * 6 + [7, 3] + [-100] * 8 + [11, 12, 3]
@@ -45,10 +46,10 @@ def test_chat_needs_a_prefix_consistent_template(tokenizer):
     tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<eos>")
     tok.chat_template = "{% for m in messages|reverse %}<s> {{ m['content'] }} </s> {% endfor %}"
     with pytest.raises(ValueError, match="prefix-consistent template"):
-        tokenize_chat(CHAT, tok)
+        tokenize_conversation(tok, CHAT)
     tok.chat_template = None
     with pytest.raises(ValueError, match="needs a tokenizer with a chat_template"):
-        tokenize_chat(CHAT, tok)
+        tokenize_conversation(tok, CHAT)
 
 
 def test_text_appends_eos(tokenizer):
@@ -105,11 +106,12 @@ def test_cli_end_to_end(tmp_path, tokenizer, capsys):
     ('{"messages": []}\n', r"bad.jsonl:1: messages must be a non-empty list"),
     ('{"text": 5}\n', r"bad.jsonl:1: field 'text' must be a string, got int 5"),
     ('{"text": null}\n', r"bad.jsonl:1: field 'text' must be a string, got null"),
-    ('{"text": "a"}\n{"messages": [{"role": "assistant", "content": "b"}]}\n',
+    ('{"text": "a"}\n{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", '
+     '"content": "b"}]}\n',
      r"bad.jsonl:2 is a messages record, but the first record is a text record"),
     ('{"body": "a"}\n', r"bad.jsonl:1 has fields \['body'\]; expected \{\"messages\": <list>\} or"),
-    ('{"messages": [{"role": "user"}]}\n', r"bad.jsonl:1: message 0 must be \{'role': str, 'content': str\}"),
-    ('{"messages": [{"role": "user", "content": "hi"}]}\n', r"bad.jsonl:1 has no assistant turn"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}\n',
+     r"bad.jsonl:1: the conversation has no assistant turn"),
 ])
 def test_bad_jsonl_is_a_clear_error_naming_the_line(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
@@ -183,3 +185,37 @@ def test_preprocess_refuses_an_sft_run_directory(tmp_path, tokenizer):
     data.write_text(json.dumps({"text": "hi"}) + "\n")
     with pytest.raises(FileExistsError, match="is a training run's output directory; writing the packed"):
         main([f"input={data}", f"tokenizer={tok_dir}", f"output={tmp_path / 'runs'}"])
+
+
+# each wrong conversation, as preprocess and per-turn SFT both read it: file:line, then the field
+BAD_CHATS = [
+    ([{"content": "hi"}, {"role": "assistant", "content": "b"}],
+     r"bad.jsonl:1: messages\[0\].role is missing; give one of system"),
+    ([{"role": "user", "content": None}, {"role": "assistant", "content": "b"}],
+     r"bad.jsonl:1: messages\[0\].content must be a string, got null"),
+    ([{"role": "user", "content": 7}, {"role": "assistant", "content": "b"}],
+     r"bad.jsonl:1: messages\[0\].content must be a string, got int 7"),
+    ([{"role": "user"}, {"role": "assistant", "content": "b"}],
+     r"bad.jsonl:1: messages\[0\].content must be a string, got missing"),
+    ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "b"}],
+     r"bad.jsonl:1: messages\[1\] is an assistant turn before any user turn"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+      {"role": "assistant", "content": "c"}],
+     r"bad.jsonl:1: messages\[1\] and messages\[2\] are two assistant turns in a row"),
+    ([{"role": "wizard", "content": "a"}, {"role": "assistant", "content": "b"}],
+     r"bad.jsonl:1: messages\[0\].role 'wizard' is not a chat role; give one of system"),
+    ([{"role": "user", "content": "a"}, "hello"],
+     r"bad.jsonl:1: messages\[1\] must be an object"),
+]
+
+
+@pytest.mark.parametrize("messages,message", BAD_CHATS)
+def test_a_wrong_conversation_is_one_line_naming_its_line_and_field(tmp_path, messages, message):
+    """Checked before any template or Arrow sees it: a jinja UndefinedError or an ArrowInvalid quoting
+    another row used to be what the user saw, and an unknown role was rendered as a prompt turn."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "fine"},
+                                             {"role": "assistant", "content": "ok"}]}) + "\n"
+                    + json.dumps({"messages": messages}) + "\n")
+    with pytest.raises(ValueError, match=message.replace("jsonl:1", "jsonl:2")):
+        load_records(path)

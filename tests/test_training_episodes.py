@@ -110,8 +110,8 @@ def make_trainer(tok, tmp_path, *, tools=None, environment_factory=None, reward=
                  batch_invariant=False, importance_sampling=False, cls=None, **config):
     from trl import GRPOConfig
 
-    from training.grpo_trainer import NopadGRPOTrainer
-    from training.trl_rollout import nopad_rollout_func
+    from training.trl.grpo_trainer import NopadGRPOTrainer
+    from training.trl.rollout import nopad_rollout_func
 
     settings = dict(output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=4, num_generations=4,
                     max_completion_length=48, max_steps=1, logging_steps=1, report_to=[], use_cpu=True,
@@ -296,7 +296,7 @@ def test_calculator_tool_and_text_format():
 def test_recipe_tool_task_runs_a_step_on_episodes(monkeypatch):
     """The calculator task through run_grpo; the random model's turns end at frequent stop
     strings and every other turn is read as a calculator call, so episodes have tool turns."""
-    from recipes import tool_tasks
+    from recipes import tasks, tool_tasks
     from recipes.config import from_dict
     from recipes.grpo import run_grpo
     from recipes.grpo_config import GRPORecipeConfig
@@ -306,9 +306,9 @@ def test_recipe_tool_task_runs_a_step_on_episodes(monkeypatch):
         def parse(self, turn_ids, prefix_ids):
             return [] if len(turn_ids) % 2 else [tool_tasks.ToolCall("calculator", {"expression": "6 * 7"})]
 
-    task = tool_tasks.ToolTask(tool_tasks.calculator_task, {"calculator": tool_tasks.calculator},
-                               stop=[chr(c) for c in range(48, 80)], tool_format=EveryOtherTurnCalls)
-    monkeypatch.setitem(tool_tasks.TOOL_TASKS, "calculator", task)
+    task = tasks.Task(tool_tasks.calculator_task, {"calculator": tool_tasks.calculator},
+                      stop=tuple(chr(c) for c in range(48, 80)), tool_format=EveryOtherTurnCalls)
+    monkeypatch.setitem(tasks.TASKS, "calculator", task)
     cfg = from_dict(GRPORecipeConfig, {
         "model": {"path": "tiny:llama"}, "task": {"name": "calculator", "num_prompts": 4},
         "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_tokens": 48, "max_prompt_tokens": 200,

@@ -54,7 +54,7 @@ def _reward(completion_ids) -> float:
 
 def _fixed_rollout(prompts, trainer):
     """TRL's rollout_func: each prompt repeated GENERATIONS times in a row -> the fixed completions."""
-    from training.trl_rollout import tokenize_prompts
+    from training.trl.rollout import tokenize_prompts
 
     prompt_ids = tokenize_prompts(prompts, trainer)
     completions = [_completion(ids, i % GENERATIONS) for i, ids in enumerate(prompt_ids)]
@@ -69,7 +69,7 @@ def test_grpo_step_equals_nopad_grpo_trainers_step(one_thread, tmp_path, acceler
     from training.accumulation import OptimizerStepper
     from training.grpo import Rollout, pack_rollouts, packed_logprobs
     from training.grpo_step import GRPOLoss, set_advantages, train_on_rollouts
-    from training.grpo_trainer import NopadGRPOTrainer
+    from training.trl.grpo_trainer import NopadGRPOTrainer
 
     tok = make_tokenizer()
     model = tiny_model("llama")
@@ -121,7 +121,7 @@ def test_sft_step_equals_nopad_sft_trainers_step(one_thread, tmp_path):
 
     from training.accumulation import OptimizerStepper
     from training.sft import sft_step, use_attention
-    from training.trainer import NopadSFTTrainer
+    from training.trl.sft_trainer import NopadSFTTrainer
 
     tok = make_tokenizer()
     model = tiny_model("llama")

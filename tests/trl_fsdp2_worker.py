@@ -25,7 +25,7 @@ def main(mode: str, out_dir: str) -> None:
 
     from tests.models import tiny_model
     from tests.test_training_trl import make_tokenizer
-    from training.trl_rollout import nopad_rollout_func
+    from training.trl.rollout import nopad_rollout_func
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -3,8 +3,9 @@ of rows, under any engine (``accumulation``), the SFT step and its data (``sft``
 the GRPO step (``grpo_step``) over rollouts -> packed rows -> log-probs (``grpo``), the losses
 (``loss``; the GRPO family behind one seam: ``policy_loss``), checkpoints written whole
 (``checkpoint``), the Accelerator (``accelerator``), the checks that stop a run on a NaN or
-infinite reward, loss or gradient (``nonfinite``), and the transformers / TRL integrations
-(``trainer``, ``grpo_trainer``, ``trl_rollout``).
+infinite reward, loss or gradient (``nonfinite``), packed batches in transformers' ``Trainer``
+(``trainer``), and the TRL integration, all of it in one package (``trl``: ``grpo_trainer``,
+``sft_trainer``, ``rollout``).
 
 It sits on ``dataloaders`` and ``inference``, which stand side by side on ``packing``. Names are
 imported lazily, so ``import training`` does not import TRL.
@@ -27,9 +28,9 @@ _EXPORTS = {
     "sft_step": "training.sft",
     "NopadTrainer": "training.trainer",
     "NopadTrainerMixin": "training.trainer",
-    "NopadSFTTrainer": "training.trainer",
-    "NopadGRPOTrainer": "training.grpo_trainer",
-    "nopad_rollout_func": "training.trl_rollout",
+    "NopadSFTTrainer": "training.trl.sft_trainer",
+    "NopadGRPOTrainer": "training.trl.grpo_trainer",
+    "nopad_rollout_func": "training.trl.rollout",
 }
 
 

@@ -39,7 +39,7 @@ from training.policy_loss import PolicyBatch, PolicyLossConfig, make_policy_loss
 
 logger = logging.getLogger(__name__)
 
-RewardFn = Callable[[str, dict], float]
+RewardFn = Callable[[str, Mapping], float]  # (completion, example) -> reward: the one reward type
 
 
 OLD_LOGPROBS = ("rollout", "recompute")

@@ -170,8 +170,3 @@ class PackedLoss:
     def _scaled(self, total: torch.Tensor) -> torch.Tensor:
         # a step with no loss tokens anywhere still runs backward (collectives must match): 0 grad
         return total * (self.scale / max(self.denominator, 1.0))
-
-    def unscaled(self, loss: torch.Tensor) -> float:
-        """This micro-batch's share of the step's mean loss, for logging (sum over the window and
-        all-reduce across ranks to get the step's loss)."""
-        return float(loss.detach()) / self.scale

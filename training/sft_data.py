@@ -21,6 +21,7 @@ from dataloaders.dataset import BOUNDARY_COLUMNS
 from dataloaders.loader import packed_dataloader
 from dataloaders.streaming import StreamingPackedLoader
 from dataloaders.trees import tree_dataloader
+from inference.chat import assistant_turns, check_conversation
 from packing.bins.tree import TreePath
 
 logger = logging.getLogger(__name__)
@@ -60,40 +61,22 @@ def tokenize_rows(rows, tokenizer, prompt_column: str, completion_column: str) -
     return out
 
 
-def render_chat(tokenizer, messages, generation_prompt: bool) -> list[int]:
-    """Token ids of ``messages`` rendered by the tokenizer's chat template (with the assistant's
-    generation prompt when asked)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("chat data needs a tokenizer with a chat_template")
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                         add_generation_prompt=generation_prompt)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 def per_turn_samples(conversations, tokenizer, messages_column: str = "messages") -> list[TreePath]:
     """Every assistant turn of every conversation as a sample of its own: the chat template
-    applied to the conversation up to and including that turn, the loss on the turn's tokens.
-    Each sample renders the history as the template does at that turn (some templates drop the
-    reasoning of earlier turns), so the samples of one conversation repeat its history; packed as
-    prefix trees (:func:`dataloaders.trees.tree_dataloader`), what they share is computed once."""
+    applied to the conversation up to and including that turn, the loss on the turn's tokens
+    (:func:`inference.chat.assistant_turns`, the spans preprocess labels too). Each sample renders
+    the history as the template does at that turn (some templates drop the reasoning of earlier
+    turns), so the samples of one conversation repeat its history; packed as prefix trees
+    (:func:`dataloaders.trees.tree_dataloader`), what they share is computed once."""
     samples = []
     for c, row in enumerate(conversations):
         messages = row.get(messages_column) if hasattr(row, "get") else None
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        if not isinstance(messages, list):
             raise ValueError(f"row {c} has no conversation in {messages_column!r} (a list of {{'role', "
                              f"'content'}} messages); data.per_turn_samples needs chat rows")
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        if not turns:
-            raise ValueError(f"conversation {c} has no assistant turn, so it has nothing to train on; "
-                             "drop it")
-        for i in turns:
-            prompt = render_chat(tokenizer, messages[:i], True)
-            full = render_chat(tokenizer, messages[: i + 1], False)
-            if full[: len(prompt)] != prompt or len(full) <= len(prompt):
-                raise ValueError(f"conversation {c}, turn {i}: the chat template does not render the "
-                                 "conversation up to the turn as a prefix of the conversation with it; the "
-                                 "turn's tokens cannot be told apart")
-            samples.append(TreePath(full, [False] * len(prompt) + [True] * (len(full) - len(prompt))))
+        check_conversation(messages, f"conversation {c}", messages_column)
+        for ids, start in assistant_turns(tokenizer, messages):
+            samples.append(TreePath(ids, [False] * start + [True] * (len(ids) - start)))
     return samples
 
 
@@ -106,8 +89,13 @@ def load_rows(data, tokenizer, vocab_size: int):
         if source == "synthetic":
             raise ValueError("data.per_turn_samples needs chat rows; set data.source to a file or dataset of "
                              f"{{{data.messages_column!r}: [{{'role': ..., 'content': ...}}, ...]}} records")
-        rows = sources.load_records(source, [{data.messages_column: list}], split=data.split,
-                                    key="data.source")
+        column = data.messages_column
+
+        def chat_ok(record, where: str) -> None:  # each conversation checked where it was read
+            check_conversation(record[column], where, column)
+
+        rows = sources.load_records(source, [{column: list}], split=data.split, key="data.source",
+                                    check=chat_ok)
         return per_turn_samples(rows, tokenizer, data.messages_column)
     if source == "synthetic":
         return synthetic_rows(data.num_rows, data.min_len, data.max_len, vocab_size, data.seed)

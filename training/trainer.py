@@ -1,6 +1,7 @@
-"""nopad packing inside transformers' ``Trainer`` and TRL's ``SFTTrainer`` (which is one).
+"""nopad packing inside transformers' ``Trainer`` (TRL's ``SFTTrainer`` is one: see training.trl.sft_trainer).
 
-    from training.trainer import NopadTrainer, NopadSFTTrainer
+    from training.trainer import NopadTrainer
+    from training.trl.sft_trainer import NopadSFTTrainer
     trainer = NopadSFTTrainer(model, args=SFTConfig(max_length=1024, ...), train_dataset=ds,
                               processing_class=tok)         # tokens_per_batch defaults to
     trainer.train()                                          # per_device_train_batch_size * max_length
@@ -263,35 +264,3 @@ class NopadTrainer(NopadTrainerMixin, Trainer):
             return loss
         return total / max(as_row(inputs).num_loss_tokens, 1)  # the model's own mean over this batch
 
-
-def _sft_trainer_class() -> type:
-    from trl import SFTTrainer
-
-    class NopadSFTTrainer(NopadTrainerMixin, SFTTrainer):
-        """TRL ``SFTTrainer`` on nopad packed batches: SFTTrainer tokenizes, masks and truncates
-        (``packing=False``); nopad packs, balances and attends."""
-
-        def __init__(self, *args: Any, **kwargs: Any):
-            sft_args = kwargs.get("args")
-            if sft_args is not None and getattr(sft_args, "packing", False):
-                raise ValueError("NopadSFTTrainer packs by itself: set SFTConfig(packing=False) "
-                                 "(TRL's packing would pack twice)")
-            super().__init__(*args, **kwargs)
-
-        def nopad_columns(self, dataset: Any) -> Any:
-            names = getattr(dataset, "column_names", None) or []
-            # older TRL leaves completion_mask for its collator, which applies it only when asked
-            applies = getattr(self, "completion_only_loss", True)
-            if "labels" not in names and "completion_mask" in names and not applies:
-                dataset = dataset.remove_columns("completion_mask")
-            return super().nopad_columns(dataset)
-
-    return NopadSFTTrainer
-
-
-def __getattr__(name: str):
-    if name == "NopadSFTTrainer":  # built on first use, so importing this module does not import TRL
-        cls = _sft_trainer_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

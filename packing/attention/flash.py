@@ -62,11 +62,11 @@ class FlashAttn:
         """True when the varlen kernel reads a paged cache through ``block_table``."""
         return "block_table" in self.params
 
-    def missing(self, *, softcap: float | None, sliding_window: int | None) -> str | None:
+    def missing(self, *, softcap: float | None, window: int | None) -> str | None:
         """What this layer needs that the installed version lacks (None when it can serve it)."""
         if softcap and not self.softcap:
             return "softcap (attention logit soft-capping, flash-attn >= 2.6)"
-        if sliding_window is not None and not self.window:
+        if window is not None and not self.window:
             return "window_size (sliding-window attention, flash-attn >= 2.3)"
         return None
 
@@ -99,10 +99,10 @@ def flash_attn_info() -> FlashAttn | None:
     return None
 
 
-def window_size(sliding_window: int | None) -> tuple[int, int]:
-    """Our ``sliding_window=W`` (a query sees itself and the W-1 keys before it) in flash-attn's
+def window_size(window: int | None) -> tuple[int, int]:
+    """Our ``window=W`` (a query sees itself and the W-1 keys before it) in flash-attn's
     ``(left, right)`` form."""
-    return (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+    return (-1, -1) if window is None else (window - 1, 0)
 
 
 def can_read_pages(info: FlashAttn | None, block_size: int) -> bool:
@@ -118,7 +118,7 @@ def flash_varlen(
     *,
     causal: bool,
     scale: float,
-    sliding_window: int | None,
+    window: int | None,
     softcap: float | None,
     block_table: torch.Tensor | None = None,
     info: FlashAttn | None = None,
@@ -131,7 +131,7 @@ def flash_varlen(
         raise RuntimeError("flash-attn is not installed (or does not import); use another backend")
     if q.dtype not in FLASH_DTYPES:
         raise ValueError(f"flash-attn runs fp16/bf16 only, got {q.dtype}; choose_backend routes fp32 to SDPA")
-    missing = info.missing(softcap=softcap, sliding_window=sliding_window)
+    missing = info.missing(softcap=softcap, window=window)
     if missing is not None:
         raise ValueError(f"the installed {info} has no {missing}; upgrade flash-attn or use "
                          "backend='sdpa_loop'")
@@ -148,7 +148,7 @@ def flash_varlen(
     if "dropout_p" in info.params:
         kwargs["dropout_p"] = 0.0
     if info.window:
-        kwargs["window_size"] = window_size(sliding_window)
+        kwargs["window_size"] = window_size(window)
     if info.softcap:
         kwargs["softcap"] = 0.0 if softcap is None else float(softcap)
     if block_table is not None:
@@ -168,7 +168,7 @@ INSTALL = "pip install flash-attn --no-build-isolation"
 def _forward(q, k, v, meta, opts, table=None, block_size=1):
     if table is not None:  # the dispatcher hands a paged cache flattened to (blocks * size, kv_heads, dim)
         k, v = (t.view(-1, block_size, *t.shape[1:]) for t in (k, v))
-    return flash_varlen(q, k, v, meta, causal=opts.causal, scale=opts.scale, sliding_window=opts.window,
+    return flash_varlen(q, k, v, meta, causal=opts.causal, scale=opts.scale, window=opts.window,
                         softcap=opts.softcap, block_table=table)
 
 
@@ -176,7 +176,7 @@ def _missing(call) -> str | None:
     info = flash_attn_info()
     if info is None:
         return "is not installed or does not import"
-    missing = info.missing(softcap=call.softcap, sliding_window=call.window)
+    missing = info.missing(softcap=call.softcap, window=call.window)
     return None if missing is None else f"is {info}, which has no {missing}; upgrade flash-attn"
 
 

@@ -55,7 +55,7 @@ RECURRENT_KERNELS = ("chunk_gated_delta_rule", "chunk_kda")
 RECURRENT_DTYPE = torch.float32  # the delta rules compute and return their state in fp32
 
 
-def _states(kwargs: dict):
+def step_states(kwargs: dict):
     """The generator's per-sequence state cache of this call, if it is a generator step."""
     return getattr(kwargs.get("nopad_kv_cache"), "states", None)
 
@@ -64,7 +64,7 @@ def _conv(original: Callable) -> Callable:
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, *, nopad_meta, **kwargs):
         if hidden_states.shape[0] != 1:
             raise ValueError(f"a nopad row has batch size 1; got hidden states {tuple(hidden_states.shape)}")
-        states = _states(kwargs)
+        states = step_states(kwargs)
         if states is None:
             return varlen_causal_conv1d(hidden_states[0], weight, bias, activation, meta=nopad_meta)[None]
 
@@ -88,7 +88,7 @@ def _delta_rule(kernel: str) -> Callable[[Callable], Callable]:
                                  "use_cache=False")
             common = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, fla_kernel=kernel,
                           chunk_size=chunk_size)
-            states = _states(kwargs)
+            states = step_states(kwargs)
             if states is None:
                 return varlen_delta_rule(reference, query, key, value, g, beta, meta=nopad_meta,
                                          output_final_state=output_final_state, **common)

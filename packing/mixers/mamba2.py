@@ -26,8 +26,15 @@ The same modules' ``create_recurrent_attention_mask`` (called once per forward, 
 layers) is rebound too, to note a ``"nopad"`` forward's ``position_ids``: a packed row that
 reaches a Mamba2 layer without ``nopad_meta`` is refused, not scanned across its documents.
 
-Generation is not covered (the paged cache holds no per-sequence state yet): a step with cached
-context is refused here, and ``Generator`` refuses these models through :mod:`packing.mixers`.
+**In the generator** (:mod:`inference.state_cache`) a step's ``nopad_kv_cache`` carries the
+per-sequence state cache as ``.states``; the same two hooks then start each sequence of the step
+from its slot (its conv inputs, its ``(heads, head_dim, state)`` SSM state) and write its final
+state back, so a prefill chunk continues the previous chunk and a decode step continues the last
+token. A sequence of several tokens runs transformers' ``mamba2_chunk_scan`` with its slot as
+``initial_states``, as HF's own prefill does; the one-token sequences of the step (decode) run
+together through the module's ``mamba2_selective_state_update``, as HF's own decode does, with
+``dt_limit`` applied as the chunk scan applies it (so decode computes what a training forward
+computes). Anything else with cached context is refused here.
 """
 
 from __future__ import annotations
@@ -36,15 +43,24 @@ import contextvars
 import functools
 import importlib
 import inspect
+import itertools
 import logging
 import warnings
 
 import torch
 
 from packing.mixers.conv import varlen_causal_conv1d
+from packing.mixers.hf_kernels import LayerState, step_states
 from packing.mixers.kernels import package_function
 from packing.mixers.recurrence import recurrence_plan
-from packing.mixers.support import NOPAD_ATTENTION, PACKED, TREE, MixerSupport, register_mixer_support
+from packing.mixers.support import (
+    GENERATE,
+    NOPAD_ATTENTION,
+    PACKED,
+    TREE,
+    MixerSupport,
+    register_mixer_support,
+)
 from packing.varlen import VarlenMeta
 
 logger = logging.getLogger(__name__)
@@ -67,6 +83,9 @@ HOOK_PARAMETERS = {
 CONV_KERNEL = ("causal_conv1d", "causal_conv1d_fn")
 SCAN_KERNEL = ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
 FUSED_KERNEL = ("mamba_ssm.ops.triton.ssd_combined", "mamba_split_conv1d_scan_combined")
+# the recurrent (one-token) step the generator's decode runs, as each mixer's own decode calls it
+STEP_FUNCTION = "mamba2_selective_state_update"
+STEP_PARAMETERS = ("state", "hidden_states", "dt", "A", "B", "C", "D", "dt_bias", "dt_softplus", "z")
 # the forward-level hook that sees position_ids (to refuse a packed row that came without nopad_meta)
 MASK_HOOK = "create_recurrent_attention_mask"
 
@@ -139,6 +158,70 @@ def packed_fused(args: tuple, kwargs: dict, meta: VarlenMeta):
     return fast(*args, seq_idx=meta.seq_idx[None], **{k: v for k, v in kwargs.items() if k in params})
 
 
+# ----------------------------------------------------------------------------- generator steps
+def step_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+              states) -> torch.Tensor:
+    """The causal conv of a generator step (``x``: ``(1, dim, T)``): each sequence continues
+    from the last inputs in its state slot."""
+    def run(meta: VarlenMeta, initial: torch.Tensor):
+        _check_row(x.shape[0], x.shape[-1], meta, "causal_conv1d_fn")
+        return varlen_causal_conv1d(x[0], weight, bias, activation, meta=meta, initial_states=initial,
+                                    return_final_states=True)
+    return states.run("conv", run)[None]
+
+
+def step_chunk_scan(original, update, hidden_states, dt, A, B, C, chunk_size, states, *, D=None, z=None,
+                    dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")), **_):
+    """The SSD scan of a generator step: each sequence continues from the SSM state in its slot.
+    Sequences of several tokens: ``original`` (transformers' chunk scan) one by one, from their
+    slot; one-token sequences: ``update`` (the module's recurrent step) all at once. The
+    forward's other keyword arguments (``**_``: the model's, nopad's) are not the scan's."""
+    scan = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+
+    def run(meta: VarlenMeta, initial: torch.Tensor):
+        _check_row(hidden_states.shape[0], hidden_states.shape[1], meta, "mamba2_chunk_scan")
+        cu = [0, *itertools.accumulate(meta.seqlens_q)]  # host-side: no device sync
+        finals = initial.clone()
+        parts: list[tuple[int, torch.Tensor]] = []  # (first row, output rows)
+        single = [i for i, n in enumerate(meta.seqlens_q) if n == 1]
+        if single:
+            rows = torch.tensor([cu[i] for i in single], device=hidden_states.device)
+            out, finals[single] = _recurrent_step(update, hidden_states[0, rows], dt[0, rows], A, B[0, rows],
+                                                  C[0, rows], None if z is None else z[0, rows],
+                                                  initial[single], **scan)
+            parts += [(cu[i], out[j: j + 1]) for j, i in enumerate(single)]
+        for i, n in enumerate(meta.seqlens_q):
+            if n > 1:
+                rows = slice(cu[i], cu[i + 1])
+                out, final = original(hidden_states[:, rows], dt[:, rows], A, B[:, rows], C[:, rows],
+                                      chunk_size, z=None if z is None else z[:, rows],
+                                      initial_states=initial[i: i + 1], return_final_states=True, **scan)
+                parts.append((cu[i], out[0]))
+                finals[i] = final[0]
+        parts.sort(key=lambda part: part[0])
+        dtype = functools.reduce(torch.promote_types, (p.dtype for _, p in parts))
+        return torch.cat([p.to(dtype) for _, p in parts])[None], finals
+    return states.run("recurrent", run)
+
+
+def _recurrent_step(update, x, dt, A, B, C, z, state, *, D, dt_bias, dt_softplus, dt_limit):
+    """One token of each sequence (``x``: ``(N, heads, head_dim)``, ``dt``: ``(N, heads)``, ``B``,
+    ``C``: ``(N, groups, state)``) from ``state`` ``(N, heads, head_dim, state)``: the module's
+    recurrent step, called as its mixer's decode calls it; ``dt`` is discretised here first, as
+    the chunk scan does it, so that ``dt_limit`` applies too. Returns the output and new state."""
+    head_dim, size = x.shape[-1], B.shape[-1]
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+    state = state.clone()
+    out = update(state, x, dt[..., None].expand(-1, -1, head_dim),
+                 A[:, None, None].expand(-1, head_dim, size), B, C,
+                 None if D is None else D[:, None].expand(-1, head_dim), z=z, dt_bias=None, dt_softplus=False)
+    return out, state
+
+
 _NOPAD_POSITIONS: contextvars.ContextVar = contextvars.ContextVar("nopad_mamba2_positions", default=None)
 
 
@@ -155,19 +238,30 @@ def _take_meta(kwargs: dict, length: int) -> VarlenMeta | None:
     return meta
 
 
-def _hook(name: str, original):
-    """transformers' hook ``original`` with a ``nopad_meta`` branch; the same call without one."""
+def _hook(name: str, original, module):
+    """transformers' hook ``original`` with a ``nopad_meta`` branch (a generator step's when the
+    call carries the step's state cache); the same call without one."""
     if name == "causal_conv1d_fn":
         def hooked(hidden_states, weight, bias=None, activation=None, **kwargs):
             meta = _take_meta(kwargs, hidden_states.shape[-1])
             if meta is None:
                 return original(hidden_states, weight, bias, activation=activation, **kwargs)
+            states = step_states(kwargs)
+            if states is not None:
+                return step_conv(hidden_states, weight, bias, activation, states)
             return packed_conv(hidden_states, weight, bias, activation, meta)
     elif name == "mamba2_chunk_scan":
         def hooked(hidden_states, dt, A, B, C, chunk_size, **kwargs):
             meta = _take_meta(kwargs, hidden_states.shape[1])
             if meta is None:
                 return original(hidden_states, dt, A, B, C, chunk_size, **kwargs)
+            states = step_states(kwargs)
+            if states is not None:
+                if kwargs.get("initial_states") is not None or kwargs.get("return_final_states"):
+                    raise ValueError("a generator step of a Mamba2 layer runs with use_cache=False")
+                update = getattr(module, STEP_FUNCTION)
+                return step_chunk_scan(original, update, hidden_states, dt, A, B, C, chunk_size, states,
+                                       **kwargs)
             return packed_chunk_scan(original, hidden_states, dt, A, B, C, chunk_size, meta, **kwargs)
     elif name == "mamba2_split_conv1d_scan_combined":
         def hooked(*args, **kwargs):
@@ -231,11 +325,40 @@ def install() -> tuple[type, ...]:
         for name in (*HOOK_PARAMETERS, MASK_HOOK):
             current = getattr(module, name)
             if not hasattr(current, "nopad_original"):
-                setattr(module, name, _hook(name, current))
+                setattr(module, name, _hook(name, current, module))
         classes.append(getattr(module, mixer_name))
     return tuple(classes)
 
 
+def _steps(mixer: type) -> bool:
+    """Whether ``mixer``'s module has the recurrent step the generator's decode calls."""
+    function = getattr(inspect.getmodule(mixer), STEP_FUNCTION, None)
+    if function is None:
+        return False
+    params = inspect.signature(inspect.unwrap(function)).parameters
+    return all(p in params for p in STEP_PARAMETERS)
+
+
+def layer_state(module, path: str = "") -> LayerState | None:
+    """A served Mamba2 mixer's per-sequence generator state: conv inputs ``(conv_dim, K - 1)``
+    and SSM state ``(heads, head_dim, state)`` (the shape of the chunk scan's final state); None
+    for any other module, or one whose sizes do not add up (refused in the generator)."""
+    if not isinstance(module, GENERATE_MIXERS):
+        return None
+    conv = getattr(module, "conv1d", None)
+    names = ("num_heads", "head_dim", "ssm_state_size", "intermediate_size")
+    sizes = [getattr(module, n, None) for n in names]
+    if not isinstance(conv, torch.nn.Conv1d) or not all(isinstance(s, int) and s > 0 for s in sizes):
+        return None
+    heads, head_dim, size, inner = sizes
+    if heads * head_dim != inner:
+        return None
+    return LayerState(path, (conv.in_channels, conv.kernel_size[0] - 1), (heads, head_dim, size))
+
+
 MIXERS = install()
+GENERATE_MIXERS = tuple(m for m in MIXERS if _steps(m))
 register_mixer_support(MixerSupport("mamba2", lambda module: isinstance(module, MIXERS),
                                     frozenset({PACKED, TREE})))
+register_mixer_support(MixerSupport("mamba2 in the generator (per-sequence state slots)",
+                                    lambda module: layer_state(module) is not None, frozenset({GENERATE})))

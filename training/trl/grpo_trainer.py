@@ -1,6 +1,6 @@
 """TRL's ``GRPOTrainer`` with nopad's training forward: packed rows instead of padded batches.
 
-    from training.grpo_trainer import NopadGRPOTrainer
+    from training.trl.grpo_trainer import NopadGRPOTrainer
     trainer = NopadGRPOTrainer(model, reward_funcs, args=GRPOConfig(...), train_dataset=prompts,
                                processing_class=tok)    # rollouts: nopad_rollout_func() by default
     trainer.train()
@@ -37,7 +37,6 @@ steps (every GEMM on fixed tiles; ``benchmarks/bench_trl.py`` measures the cost)
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 from typing import Any
 
@@ -45,12 +44,10 @@ import torch
 
 from training.grpo import Rollout, pack_rollouts, packed_logprobs, packing_metrics, resolve_batch_invariant
 from training.mismatch import logprob_mismatch
+from training.trl import lazy_class
+from training.trl.compat import check_grpo_trainer
 
 logger = logging.getLogger(__name__)
-
-# the parameters of GRPOTrainer._get_per_token_logps_and_entropies this override was written for
-_EXPECTED_PARAMS = ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
-                    "compute_aux_loss")
 
 
 # ----------------------------------------------------------------------------- the packed forward
@@ -134,7 +131,7 @@ class NopadGRPOTrainerMixin:
     tiles (``benchmarks/bench_trl.py`` measures it).
     ``max_tokens_per_forward``: tokens of one packed forward (default: the whole micro-batch, one
     forward per call on every rank, as ZeRO-3 / FSDP2 need: leave it unset there).
-    ``rollout_func`` defaults to :func:`training.trl_rollout.nopad_rollout_func` with the same
+    ``rollout_func`` defaults to :func:`training.trl.rollout.nopad_rollout_func` with the same
     ``batch_invariant``; ``nopad_rollout=False`` keeps TRL's own generation instead.
     """
 
@@ -144,7 +141,7 @@ class NopadGRPOTrainerMixin:
             raise ValueError(f"shared_prefix must be True or False, got {shared_prefix!r}")
         if max_tokens_per_forward is not None and max_tokens_per_forward < 2:
             raise ValueError(f"max_tokens_per_forward must be >= 2, got {max_tokens_per_forward}")
-        _check_trl_signature(type(self))
+        check_grpo_trainer(type(self))  # every private TRL name this mixin and the rollout touch
         model = kwargs.get("model", args[0] if args else None)
         if isinstance(model, str):
             raise ValueError("NopadGRPOTrainer needs the model object (the rollout and the attention switch "
@@ -155,7 +152,7 @@ class NopadGRPOTrainerMixin:
         device = getattr(train_args, "device", None) or next(model.parameters()).device  # where it will train
         self.nopad_batch_invariant = resolve_batch_invariant(batch_invariant, device)
         if nopad_rollout and kwargs.get("rollout_func") is None:
-            from training.trl_rollout import nopad_rollout_func
+            from training.trl.rollout import nopad_rollout_func
 
             kwargs["rollout_func"] = nopad_rollout_func(batch_invariant=self.nopad_batch_invariant)
         rollout = kwargs.get("rollout_func")
@@ -172,7 +169,7 @@ class NopadGRPOTrainerMixin:
         policy = self.accelerator.unwrap_model(self.model)
         check_model(policy, TREE)  # its rows are prefix-tree rows (a group's prompt laid once)
         self._refuse_uneven_sharded_forwards(policy)
-        from training.trl_rollout import NopadRollout, sampling_params
+        from training.trl.rollout import NopadRollout, sampling_params
 
         if isinstance(rollout, NopadRollout):  # bad generation settings fail now, not at the first rollout
             sampling_params(self)
@@ -270,20 +267,6 @@ class NopadGRPOTrainerMixin:
         return logps, entropies, None
 
 
-def _check_trl_signature(cls: type) -> None:
-    """Fail at construction, not mid-run, when TRL renamed or reshaped the method we replace."""
-    for klass in cls.__mro__:
-        if klass.__name__ == "GRPOTrainer" and "_get_per_token_logps_and_entropies" in vars(klass):
-            params = tuple(inspect.signature(klass._get_per_token_logps_and_entropies).parameters)[1:]
-            if params[: len(_EXPECTED_PARAMS)] != _EXPECTED_PARAMS:
-                raise RuntimeError(f"this TRL's GRPOTrainer._get_per_token_logps_and_entropies takes "
-                                   f"{params}; NopadGRPOTrainer was written for {_EXPECTED_PARAMS} "
-                                   "(TRL 1.16). Pin trl==1.16, or use GRPOTrainer with nopad_rollout_func")
-            return
-    raise RuntimeError("NopadGRPOTrainer must subclass a TRL GRPOTrainer that has "
-                       "_get_per_token_logps_and_entropies (TRL 1.16); this TRL has none")
-
-
 def _grpo_trainer_class() -> type:
     from trl import GRPOTrainer
 
@@ -293,9 +276,4 @@ def _grpo_trainer_class() -> type:
     return NopadGRPOTrainer
 
 
-def __getattr__(name: str):
-    if name == "NopadGRPOTrainer":  # built on first use, so importing this module does not import TRL
-        cls = _grpo_trainer_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_class(globals(), "NopadGRPOTrainer", _grpo_trainer_class)

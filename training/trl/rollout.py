@@ -1,6 +1,6 @@
 """A ready ``rollout_func`` for TRL's ``GRPOTrainer``: nopad's in-flight generator on the live policy.
 
-    from training.trl_rollout import nopad_rollout_func
+    from training.trl.rollout import nopad_rollout_func
     trainer = GRPOTrainer(model, reward_funcs, args=GRPOConfig(...), train_dataset=ds,
                           processing_class=tok, rollout_func=nopad_rollout_func())
 
@@ -10,7 +10,7 @@ completion per entry: ``prompt_ids``, ``completion_ids`` and ``logprobs`` (lists
 TRL keeps the log-probs as ``sampling_per_token_logps``; its loss uses them for the off-policy mask
 (``off_policy_mask_threshold``) and - only when ``use_vllm=True`` - for the importance-sampling
 correction (``vllm_importance_sampling_*``). ``importance_sampling=True`` here makes TRL apply that
-correction to these log-probs too (see :func:`enable_importance_sampling`).
+correction to these log-probs too (see :func:`training.trl.vllm_state.enable_importance_sampling`).
 
 Which log-probs: TRL scores a completion with ``log_softmax(logits / temperature)``, never
 truncated. vLLM hands TRL *processed* log-probs (after top-p/top-k/min-p renormalisation), which
@@ -34,10 +34,13 @@ from typing import Any
 
 import torch
 
+from inference import chat
 from inference.generator import Generator
 from inference.sampling_params import SamplingParams
 from inference.sharded import ROLLOUT_MODES, sharded_generate
 from packing.invariance import batch_invariant
+from training.trl.compat import ToolLoopResult, check_grpo_trainer, hand_back_tool_loop
+from training.trl.vllm_state import enable_importance_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +71,15 @@ class NopadRollout:
         self.generator_kwargs = generator_kwargs
         self.generator: Generator | None = None
         self.last_stats: dict = {}
+        self.checked_trainers: set[type] = set()
 
     # ----------------------------------------------------------------- the hook TRL calls
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         if not prompts:
             raise ValueError("rollout_func got no prompts")
+        if type(trainer) not in self.checked_trainers:  # once per trainer class: TRL's private names
+            check_grpo_trainer(type(trainer))
+            self.checked_trainers.add(type(trainer))
         if self.importance_sampling:
             enable_importance_sampling(trainer)
         if getattr(trainer, "tools", None):
@@ -110,7 +117,7 @@ class NopadRollout:
         the standalone tools plus the methods of that entry's own, already reset, environment).
         TRL's own ``_tool_call_loop`` would then run the last turn's calls again, so the trainer's
         loop is replaced by one that hands back what the episodes recorded (see
-        :func:`_hand_back_tool_loop`)."""
+        :func:`training.trl.compat.hand_back_tool_loop`)."""
         from inference.episodes import EpisodeLimits
         from inference.tools import ChatTemplateTools
 
@@ -147,11 +154,12 @@ class NopadRollout:
             raise RuntimeError(f"ran {len(episodes)} episodes for {len(prompts)} prompts; this is a bug")
         self.last_episodes = episodes
         completions = [episode_messages(ep, tokenizer, list(trainer.tools)) for ep in episodes]
-        _hand_back_tool_loop(trainer, (
-            [list(ep.model_mask) for ep in episodes], completions,
-            [list(ep.completion_ids) for ep in episodes],
-            [list(ep.temperature_logprobs) for ep in episodes], sum(ep.num_tool_calls for ep in episodes),
-            sum(ep.num_tool_errors for ep in episodes), [[] for _ in episodes]))
+        hand_back_tool_loop(trainer, ToolLoopResult(
+            model_mask=[list(ep.model_mask) for ep in episodes], messages=completions,
+            completion_ids=[list(ep.completion_ids) for ep in episodes],
+            logprobs=[list(ep.temperature_logprobs) for ep in episodes],
+            tool_calls=sum(ep.num_tool_calls for ep in episodes),
+            tool_failures=sum(ep.num_tool_errors for ep in episodes), tool_images=[[] for _ in episodes]))
         return {"prompt_ids": [list(p) for p in prompt_ids],
                 "completion_ids": [list(ep.completion_ids) for ep in episodes],
                 "logprobs": [list(ep.temperature_logprobs) for ep in episodes]}
@@ -226,27 +234,14 @@ def episode_messages(episode, tokenizer, tools: list) -> list[dict]:
     return messages
 
 
-def _hand_back_tool_loop(trainer, result: tuple) -> None:
-    """TRL 1.16 calls ``trainer._tool_call_loop(...)`` on a rollout_func's completions whenever it
-    has tools, to run their calls. The episodes ran every round already; this trainer's loop, for
-    this batch, returns what they recorded (TRL's tuple: tool mask, messages, completion ids,
-    log-probs, call count, failure count, tool images) instead of calling the tools again."""
-    if not callable(getattr(trainer, "_tool_call_loop", None)):
-        raise RuntimeError("this TRL's GRPOTrainer has no _tool_call_loop; nopad's tool episodes were "
-                           "written for TRL 1.16: pin trl==1.16")
-    trainer._tool_call_loop = lambda *args, **kwargs: result
-
-
 # ----------------------------------------------------------------------------- trainer settings
 def unwrapped_policy(trainer):
     """The live policy module, the way TRL's own generation gets it: unwrapped from DDP/DeepSpeed,
     ZeRO-3 parameters gathered for the block (``args.ds3_gather_for_generation``), gradient
     checkpointing off while generating. FSDP2-sharded policies stay sharded here; the rollout
     gathers them (or steps in lockstep) through :func:`inference.sharded.sharded_generate`."""
-    try:
-        from trl.models import unwrap_model_for_generation
-    except ImportError:  # another TRL layout: plain unwrapping (no ZeRO-3 gathering)
-        return contextlib.nullcontext(trainer.accelerator.unwrap_model(trainer.model))
+    from trl.models import unwrap_model_for_generation
+
     return unwrap_model_for_generation(
         getattr(trainer, "model_wrapped", trainer.model),
         trainer.accelerator,
@@ -274,17 +269,10 @@ def tokenize_prompts(prompts: list, trainer) -> list[list[int]]:
                          f"{type(prompts[0]).__name__}")
     kwargs = getattr(trainer, "chat_template_kwargs", None) or trainer.args.chat_template_kwargs
 
-    def render(conversations, tools):
-        tokenized = tokenizer.apply_chat_template(
-            conversation=list(conversations),
-            tools=tools or None,  # TRL's `or None`: some templates render tool boilerplate for []
-            chat_template=getattr(trainer, "chat_template", None),
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-            **(kwargs or {}),
-        )
-        return [list(ids) for ids in tokenized["input_ids"]]
+    def render(conversations, tools):  # inference.chat.render: the tokens SFT and the recipe give it
+        template = getattr(trainer, "chat_template", None)
+        return [chat.render(tokenizer, c, True, tools=tools, chat_template=template, **(kwargs or {}))
+                for c in conversations]
 
     if getattr(trainer, "environment_factories", None) is not None:  # each with its environment's tools
         names = trainer._batch_environments
@@ -334,44 +322,3 @@ def _runs(prompt_ids: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
         else:
             runs.append((i, 1))
     return runs
-
-
-# ----------------------------------------------------------------------------- TRL's IS correction
-class _LiveWeights:
-    """Stands in for TRL's vLLM backend: the generator reads the live parameters, so there is
-    nothing to sync; generating through TRL's vLLM path is not possible."""
-
-    def sync_weights(self) -> None:
-        return None
-
-    def generate(self, *args, **kwargs):
-        raise RuntimeError("the nopad rollout_func generates (tool rounds included); TRL's vLLM generation "
-                           "path is not available")
-
-
-def enable_importance_sampling(trainer) -> None:
-    """Make ``GRPOTrainer`` apply ``vllm_importance_sampling_correction`` to the rollout's log-probs.
-
-    TRL 1.16 computes that ratio only when ``use_vllm=True``; with a ``rollout_func`` and no vLLM
-    the log-probs reach the loss only through the off-policy mask. This marks the trainer as
-    vLLM-backed with a no-op weight sync (the generator already reads the live weights), so TRL
-    recomputes the old log-probs, builds the ratio from ours and logs
-    ``sampling/sampling_logp_difference`` and ``sampling/importance_sampling_ratio``. Idempotent.
-    """
-    if isinstance(getattr(trainer, "vllm_generation", None), _LiveWeights):
-        return
-    needed = ("use_vllm", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode")
-    missing = [name for name in needed if not hasattr(trainer, name)]
-    if missing:
-        raise RuntimeError(f"this TRL version's GRPOTrainer has no {missing}; importance_sampling=True "
-                           "was written for TRL 1.16's vLLM importance-sampling path: drop the option")
-    if trainer.use_vllm:
-        raise ValueError("importance_sampling=True is for rollouts without vLLM, but the trainer has "
-                         "use_vllm=True")
-    if not trainer.vllm_importance_sampling_correction:
-        logger.warning("importance_sampling=True but GRPOConfig.vllm_importance_sampling_correction=False: "
-                       "TRL will not apply the correction")
-    trainer.vllm_generation = _LiveWeights()
-    trainer._last_loaded_step = getattr(trainer.state, "global_step", 0)
-    trainer.vllm_mode = "server"  # only read on TRL's tool path, which is refused above
-    trainer.use_vllm = True

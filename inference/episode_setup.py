@@ -1,0 +1,46 @@
+"""The arguments of :meth:`inference.Generator.run_episodes`, checked and resolved before any token
+is generated: the limits, the tools (one mapping per prompt), the environments (made and reset),
+the tool format (the chat template's by default) and the prompts rendered with the tools."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from inference.environments import reset_environments
+from inference.episodes import EpisodeLimits, named_tools, render_prompts
+from inference.tools import ChatTemplateTools, ToolFormat
+
+
+@dataclass
+class EpisodeSetup:
+    prompts: list  # token ids or strings, rendered with the tools: what make_requests takes
+    tools: list[dict[str, Callable]]  # the tools of each prompt's episodes
+    tool_format: ToolFormat
+    limits: EpisodeLimits
+    environments: list[list[object]] | None  # [prompt][sample], reset
+
+
+def episode_setup(prompts, tools: Seq[Callable] | Mapping[str, Callable], sampling_params, tokenizer, *,
+                  limits: EpisodeLimits | None, tool_format: ToolFormat | None,
+                  environment_factory: Callable | None,
+                  prompt_tools: Seq[Mapping[str, Callable]] | None) -> EpisodeSetup:
+    """Check and resolve ``run_episodes``' arguments (see there); bad ones raise here."""
+    limits = limits if limits is not None else EpisodeLimits()
+    if not isinstance(limits, EpisodeLimits):
+        raise TypeError(f"limits must be an EpisodeLimits, got {type(limits).__name__}")
+    named = named_tools(tools)
+    environments, prompts = reset_environments(environment_factory, prompts, sampling_params)
+    per_prompt = [named] * len(prompts)
+    if prompt_tools is not None:
+        per_prompt = [named_tools(t) for t in prompt_tools]
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"prompt_tools has {len(per_prompt)} entries for {len(prompts)} prompts; "
+                             "give one per prompt")
+    if tool_format is None:
+        if tokenizer is None:
+            raise ValueError("run_episodes needs a tokenizer (for the chat template's tool format) or "
+                             "tool_format=")
+        tool_format = ChatTemplateTools(tokenizer, list(named.values()))
+    return EpisodeSetup(render_prompts(prompts, tool_format), per_prompt, tool_format, limits, environments)

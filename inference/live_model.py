@@ -1,0 +1,134 @@
+"""The generator's hold on the live HF model it borrows (no copy of the weights).
+
+What it checks when the generator is built (a layer whose state the paged cache cannot hold, the
+dtype, the attention backend, static decode), the dtype attention computes in (the KV cache's),
+how a step runs on the model (nopad's paged attention in eval mode, switched once for a whole
+run; autocast when ``dtype=`` differs from the weights), and the KV cache and model runner, built
+at the first step after a release.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator
+
+import torch
+
+from inference.kv_cache import KVCache
+from inference.model_runner import ModelRunner, check_static_decode_backend
+from inference.state_cache import StateCache, StateSlots, layer_states
+from packing.attention import names as attention_backends
+from packing.attention import paged_block_size
+from packing.distributed import compute_dtype as model_compute_dtype
+from packing.hf import use_nopad_attention
+from packing.mixers import GENERATE, check_model
+
+logger = logging.getLogger(__name__)
+
+
+class LiveModel:
+    """The :class:`inference.Generator`'s arguments about the model, applied.
+
+    Precision and attention: the KV cache is kept in the compute dtype of attention - ``dtype``
+    if given (steps then run under ``torch.autocast`` in it when the weights are another dtype),
+    else the autocast dtype when the first step runs under ``torch.autocast``, else the weights'
+    dtype - so bf16 autocast over fp32 weights caches bf16 K/V, as the layers produce them.
+    ``attn_backend`` (default: the ``NOPAD_ATTN_BACKEND`` environment variable, else
+    :func:`packing.attention.choose_backend`'s rule) picks the attention backend of every step.
+    ``block_size`` defaults to what the attention backend reads in place
+    (:func:`packing.attention.paged_block_size`: 256 for flash-attn 2 and torch's varlen kernel,
+    else 16); smaller blocks would make every layer gather the context.
+
+    ``static_decode=True`` pads pure decode steps to bucketed shapes (sequences rounded up to 1,
+    2, 4, 8 or a multiple of 8, block-table width to a power of two; padding rows write to one
+    extra scratch block) and runs their attention on fixed shapes, so the step can be captured;
+    ``compile_decode=True`` also compiles that forward (``torch.compile(mode="reduce-overhead")``,
+    one graph per bucket, on CUDA; on CPU plain ``torch.compile`` with the attention kernel as one
+    custom op, dynamic after the first recompilation). Prefill steps and batch-invariant mode keep
+    the default path.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, dtype: torch.dtype | None, attn_backend: str | None,
+                 static_decode: bool, compile_decode: bool):
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating torch.dtype (torch.bfloat16, ...), got {dtype!r}")
+        if attn_backend is not None and attn_backend not in attention_backends():
+            raise ValueError(f"unknown attn_backend {attn_backend!r}; choose one of {attention_backends()}")
+        if (static_decode or compile_decode) and attn_backend not in (None, "auto"):
+            check_static_decode_backend(attn_backend)
+        check_model(model, GENERATE)  # a layer whose per-sequence state the paged cache cannot hold
+        self.layer_states = layer_states(model)  # hybrid layers' per-sequence state (empty: attention only)
+        if self.layer_states and (static_decode or compile_decode):
+            raise ValueError(f"static_decode/compile_decode are not supported on {type(model).__name__}: "
+                             "its hybrid layers' state steps run on the default path; leave them False")
+        self.model = model
+        # FSDP2: the compute dtype of its mixed-precision policy, not the shard's storage dtype
+        self.device, self.weight_dtype, self.requested_dtype = (next(model.parameters()).device,
+                                                                model_compute_dtype(model), dtype)
+        self.attn_backend = attn_backend
+        self.static_decode, self.compile_decode = static_decode or compile_decode, compile_decode
+        self.dtype = self.compute_dtype()
+        self._attention_held = False
+
+    def allows_prefix_caching(self, wanted: bool) -> bool:
+        """A cross-request prefix cache, unless the model keeps per-sequence state (a cached block
+        says nothing about the state after it)."""
+        if self.layer_states and wanted:
+            logger.info("%s keeps per-sequence state: no cross-request prefix cache (a cached block says "
+                        "nothing about the state after it)", type(self.model).__name__)
+        return wanted and not self.layer_states
+
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype attention computes in now: ``dtype=``, else the autocast dtype, else the
+        weights' dtype (what :func:`packing.distributed.compute_dtype` casts q/k/v to)."""
+        if self.requested_dtype is not None:
+            return self.requested_dtype
+        if torch.is_autocast_enabled(self.device.type):
+            return torch.get_autocast_dtype(self.device.type)
+        return self.weight_dtype
+
+    def default_block_size(self) -> int:
+        """The block size the attention backend reads in place. Decided for half precision: fp32
+        weights may run their steps under autocast, which is only known when a step runs."""
+        half = self.dtype if self.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        return paged_block_size(self.device, half, self.attn_backend)
+
+    def build_runner(self, num_blocks: int, block_size: int, state_slots: StateSlots | None,
+                     max_num_seqs: int, max_model_len: int) -> ModelRunner:
+        """A KV cache of ``num_blocks`` (one more with static decode: the padding rows' scratch
+        block) in the compute dtype of now, and the runner of steps on it (``runner.kv_cache``)."""
+        self.dtype = self.compute_dtype()  # autocast may be on now and not at construction
+        kv_cache = KVCache(self.model.config, num_blocks + int(self.static_decode), block_size, self.dtype,
+                           self.device)
+        if self.layer_states:  # the kernel calls of a step find it on the cache they are given
+            kv_cache.states = StateCache(self.layer_states, state_slots, self.dtype, self.device)
+        return ModelRunner(
+            self.model, kv_cache, backend=self.attn_backend, static_decode=self.static_decode,
+            compile_decode=self.compile_decode, max_num_seqs=max_num_seqs,
+            max_blocks_per_seq=math.ceil(min(max_model_len, 1 << 40) / block_size),
+            scratch_block=num_blocks if self.static_decode else None)
+
+    @contextlib.contextmanager
+    def attention(self) -> Iterator[None]:
+        """nopad's paged attention, eval mode and the forward guard (``use_nopad_attention``),
+        restored on exit, also on error. Re-entered while held (a run's steps), it does nothing:
+        switching costs a model walk, ``eval()``/``train()`` and a hook, too much for every step."""
+        if self._attention_held:
+            yield
+            return
+        with use_nopad_attention(self.model, eval_mode=True, context=GENERATE):
+            self._attention_held = True
+            try:
+                yield
+            finally:
+                self._attention_held = False
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """``dtype=`` other than the weights' (e.g. bf16 rollouts of an fp32 policy): run the step
+        under autocast in that dtype, as mixed-precision training runs the same layers."""
+        dtype = self.requested_dtype
+        if dtype is None or dtype == self.weight_dtype:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)

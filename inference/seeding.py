@@ -1,0 +1,45 @@
+"""Counter-based random streams: every draw of the generator is a pure function of its keys.
+
+Sample ``i`` of a request with seed ``s`` (its ``stream``; an episode's fork has its own) draws
+the token at position ``p`` from ONE uniform number ``u = mix(s, i, p) / 2**63`` (a splitmix64
+hash, no generator state). The draw therefore depends on nothing else in the batch, and a
+preempted sequence redraws the same tokens when it is recomputed. The scheduler (forks) and the
+sampler (draws) both read these keys; neither imports the other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def counter_seed(seed: int, index: int, position: int) -> int:
+    """A 63-bit generator seed for (request seed, sample index, token position)."""
+    return _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ index) ^ position) >> 1
+
+
+def request_seed(seed: int | None) -> int:
+    """The request's seed: the one given, else a host-side draw (whatever torch's default device)."""
+    if seed is not None:
+        return seed
+    return int(torch.randint(0, 2**62, (1,), device="cpu").item())
+
+
+def fork_stream(stream: int, branch: int, position: int) -> int:
+    """The random stream of branch ``branch`` of a sequence forked at ``position`` (branch 0
+    keeps the parent's): a function of the history only, so forks are reproducible."""
+    return counter_seed(stream, branch, position)
+
+
+def uniform_draw(seq) -> float:
+    """The uniform number in [0, 1) of the next token of ``seq`` (an :class:`inference.request.
+    Sequence`: its request's seed, its stream, its length)."""
+    return min(counter_seed(seq.request.seed, seq.stream, seq.num_tokens) / 2.0**63, 1.0 - 2.0**-40)

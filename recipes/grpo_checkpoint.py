@@ -1,0 +1,156 @@
+"""The GRPO recipe's checkpoints: what a checkpoint keeps beside the policy and optimizer
+(:class:`GRPOProgress`), what a resume must not change, writing ``output_dir/step_N`` and the final
+policy (:class:`Checkpointer`), and the kill points the crash-resume tests use."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+from pathlib import Path
+
+from recipes.config import ConfigError
+from recipes.grpo_config import GRPORecipeConfig
+from recipes.models import save_model_dir
+
+logger = logging.getLogger(__name__)
+
+
+class GRPOProgress:
+    """What a GRPO checkpoint keeps beside the policy, optimizer and RNG (Accelerate's state): the
+    GRPO steps done, the prompt order, and what must not change across a resume (the loss settings
+    and the reference model's identity); a resume that changed them stops with one line."""
+
+    def __init__(self, order: list[int], settings: dict, reference: dict | None):
+        self.step, self.order, self.settings, self.reference = 0, order, settings, reference
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "order": self.order, "settings": self.settings,
+                "reference": self.reference}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or "order" not in state:
+            raise ValueError(f"not a GRPO checkpoint's progress state: {state!r}")
+        changed = sorted(k for k in {**state["settings"], **self.settings}
+                         if state["settings"].get(k) != self.settings.get(k))
+        if changed:
+            k = changed[0]
+            raise ValueError(f"cannot resume: the checkpoint was made with {k}={state['settings'].get(k)!r} "
+                             f"but this run has {k}={self.settings.get(k)!r}; resume with the same settings, "
+                             "or start a new run in another output_dir")
+        if state["order"] != self.order:
+            raise ValueError("cannot resume: this run's prompts differ from the checkpoint's (task, "
+                             "task.seed or train.seed changed); resume with the same ones")
+        if state["reference"] != self.reference:
+            raise ValueError(f"cannot resume: the KL reference model differs from the checkpoint's "
+                             f"({state['reference']} vs {self.reference}); resume with the model.path of the "
+                             "run that wrote it (the initial policy, not a checkpoint)")
+        self.step = int(state["step"])
+
+
+def resume_settings(cfg: GRPORecipeConfig) -> dict:
+    """The settings a resume must keep: the loss, the mini-batching and the rollout's shape."""
+    keys = {f"loss.{k}": v for k, v in cfg.loss.to_dict().items()}
+    for k in ("num_iterations", "steps_per_generation", "old_logprobs", "seed"):
+        keys[f"train.{k}"] = getattr(cfg.train, k)
+    for k in ("prompts_per_step", "num_generations", "seed"):
+        keys[f"rollout.{k}"] = getattr(cfg.rollout, k)
+    return keys
+
+
+def reference_identity(cfg: GRPORecipeConfig, ref_model) -> dict | None:
+    """The KL reference model: where it came from and a digest of its weights (None without KL)."""
+    import torch
+
+    if ref_model is None:
+        return None
+    digest = hashlib.sha256()
+    for name, tensor in sorted(ref_model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return {"model.path": str(cfg.model.path), "sha256": digest.hexdigest()[:16]}
+
+
+class Checkpointer:
+    """``save(step)``: ``output_dir/step_N`` atomically, a model (or LoRA adapter) directory with the
+    resume state in ``training_state/`` (:func:`training.checkpoint.save_training_checkpoint`);
+    :meth:`start` takes the run directory and resumes, :meth:`finish` writes the policy."""
+
+    def __init__(self, cfg: GRPORecipeConfig, accelerator, model, tokenizer, run: GRPOProgress):
+        from training.lora import is_peft_model, keep_resume_state_to_adapter
+
+        self.cfg, self.accelerator, self.model, self.tokenizer = cfg, accelerator, model, tokenizer
+        self.save_kwargs, self.load_kwargs = {}, {}
+        if is_peft_model(accelerator.unwrap_model(model)):  # resume state: the adapter, not a base copy
+            self.save_kwargs, self.load_kwargs = keep_resume_state_to_adapter(accelerator)
+
+    def __call__(self, step: int) -> None:
+        from training import checkpoint
+
+        def save_model(d: Path) -> None:
+            kill_point("checkpoint", step)  # tests: a kill between the training state and the model files
+            save_model_dir(self.accelerator, self.model, self.tokenizer, d)
+
+        checkpoint.save_training_checkpoint(self.accelerator, Path(self.cfg.output_dir) / f"step_{step}",
+                                            save_model, self.cfg.checkpoint.keep_last, self.save_kwargs)
+
+    def start(self, run: GRPOProgress) -> Path | None:
+        """``output_dir`` (None without one), locked against a second run into it, and ``run`` at
+        the resumed step with ``checkpoint.resume_from``."""
+        from training import checkpoint
+
+        cfg, accelerator = self.cfg, self.accelerator
+        out = Path(cfg.output_dir) if cfg.output_dir else None
+        if out is not None:  # lock: two runs at once into one directory stop with the other's pid
+            refuse_stale_policy(cfg)
+            checkpoint.claim_run_dir(out, accelerator, resuming=bool(cfg.checkpoint.resume_from))
+        if cfg.checkpoint.resume_from:
+            path = checkpoint.resume_training(accelerator, cfg.checkpoint.resume_from, out, self.load_kwargs)
+            if accelerator.is_main_process:
+                checkpoint.trim_metrics(out, run.step)  # GRPO logs steps 0, 1, ...
+            logger.info("resumed from %s at grpo step %d", path, run.step)
+        return out
+
+    def finish(self, step: int, saved_at: int | None) -> None:
+        """The trained policy: the last checkpoint with ``checkpoint.every`` (then ``model.path=
+        <output_dir>`` picks it), else a model (or LoRA adapter) directory at ``output_dir``."""
+        out = Path(self.cfg.output_dir) if self.cfg.output_dir else None
+        if out is not None and self.cfg.checkpoint.every:
+            if saved_at != step:
+                self(step)
+            logger.info("the policy is %s/step_%d (load it with model.path=%s)", out, step, out)
+        elif out is not None:  # model.path=<output_dir> in evaluate/grpo/SFT
+            save_model_dir(self.accelerator, self.model, self.tokenizer, out)
+            logger.info("saved the policy to %s (load it with model.path=%s)", out, out)
+
+
+def refuse_stale_policy(cfg: GRPORecipeConfig) -> None:
+    """With checkpoints, model.path=<output_dir> means its newest checkpoint; a policy an earlier run
+    saved at the top of the directory would be picked instead."""
+    top = {p.name for p in Path(cfg.output_dir).iterdir()} if Path(cfg.output_dir).is_dir() else set()
+    if cfg.checkpoint.every and top & {"config.json", "adapter_config.json"}:
+        raise ConfigError("checkpoint.every", f"> 0 makes {cfg.output_dir}/step_N the policy, but "
+                          f"{cfg.output_dir} already holds a policy saved by an earlier run without "
+                          "checkpoints; use another output_dir")
+
+
+KILL_ENV = "NOPAD_GRPO_KILL_AT"  # tests: "rollout:N", "step:N" or "checkpoint:N" kills the run there
+
+
+def kill_point(where: str, step: int) -> None:
+    """The crash-resume tests' hook: SIGKILL this process at a chosen point of a chosen step."""
+    if os.environ.get(KILL_ENV) == f"{where}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def killable(reward_fn, step: int):
+    """The reward, with the ``rollout:N`` kill point at its first call: after step N's rollout."""
+    if not os.environ.get(KILL_ENV, "").startswith("rollout:"):
+        return reward_fn
+
+    def reward(text, example):
+        kill_point("rollout", step)
+        return reward_fn(text, example)
+
+    return reward
