@@ -16,6 +16,7 @@ import torch
 
 from inference.request import Sequence
 from inference.seeding import uniform_draw
+from packing.lm_head import tempered_log_softmax
 
 
 @dataclass
@@ -52,8 +53,9 @@ class SamplerBuffers:
 
 
 def _log_softmax(x: torch.Tensor, buffers: SamplerBuffers, name: str) -> torch.Tensor:
-    """``torch.log_softmax(x, -1)`` (the same kernel, so the same bits) into a reused buffer."""
-    return torch._log_softmax(x, -1, False, out=buffers.get(name, x))
+    """``log_softmax(x, -1)`` into a reused buffer, through the trainer's own expression
+    (:func:`packing.lm_head.tempered_log_softmax`), so the same kernel gives the same bits."""
+    return tempered_log_softmax(x, out=buffers.get(name, x))
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], buffers: SamplerBuffers | None = None) -> SampleResult:
@@ -118,15 +120,15 @@ def _temperature_logprobs(logits: torch.Tensor, tokens: torch.Tensor, raw_picked
                           params: list, buffers: SamplerBuffers) -> torch.Tensor:
     """Log-prob of each sampled token under ``softmax(logits / temperature)``: no penalty, no
     top-k/top-p/min-p truncation, i.e. what a trainer scoring the completion computes (TRL #6789).
-    Computed as ``log_softmax(logits / T)`` with ``T`` a Python float, the trainer's expression, so
+    Computed by the trainer's own function (:func:`packing.lm_head.tempered_log_softmax`), so
     under :func:`packing.batch_invariant` the bits match; ``T`` = 1 or greedy: the raw log-prob."""
     out = raw_picked.clone()
     for temperature in {p.temperature for p in params if not p.greedy and p.temperature != 1.0}:
         same = [i for i, p in enumerate(params) if not p.greedy and p.temperature == temperature]
         rows = torch.tensor(same, device=logits.device)
         x = logits if len(same) == logits.shape[0] else logits[rows]
-        tempered = torch.div(x, float(temperature), out=buffers.get("temperature_logits", x))
-        lp = _log_softmax(tempered, buffers, "temperature_logprobs")
+        lp = tempered_log_softmax(x, temperature, out=buffers.get("temperature_logprobs", x),
+                                  tempered_out=buffers.get("temperature_logits", x))
         out[rows] = lp.gather(1, tokens[rows][:, None])[:, 0]
     return out
 

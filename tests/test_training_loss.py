@@ -147,3 +147,35 @@ def test_two_ranks_packed_with_accumulation_match_unpacked_single_process(tmp_pa
             for r in ranks:
                 got = r[weighting][name]
                 assert torch.linalg.norm(got - ref) <= 1e-5 * torch.linalg.norm(ref), (weighting, name)
+
+
+@pytest.mark.parametrize("weighting", ["token", "sequence"])
+@pytest.mark.parametrize("tree", [False, True])
+def test_the_chunked_head_loss_equals_the_logits_loss(weighting, tree):
+    """row_nll_sum (hidden states at the loss positions, chunked head) == row_loss_sum (every
+    position's logits), values and gradients, on plain rows and on tree rows whose shared loss
+    tokens count once per pair."""
+    from packing.hf import use_nopad_attention
+    from training.grpo import Rollout, pack_rollouts
+    from training.loss import row_loss_sum, row_nll_sum
+
+    if tree:
+        prompt = list(range(3, 15))
+        (row,) = pack_rollouts([Rollout(prompt, [5, 6, 7, 8]), Rollout(prompt, [5, 6, 9]),
+                                Rollout(prompt[:4], [10])], 64)
+        assert row.pair_tokens is not None
+    else:
+        row = PackedCollator()(_rows(n=5))
+    model = tiny_model("gemma2")  # a softcapped head
+    results = []
+    with use_nopad_attention(model):
+        for loss in (lambda: row_nll_sum(model, row, weighting=weighting),
+                     lambda: row_loss_sum(model(**row.model_kwargs()).logits, row, weighting=weighting)):
+            model.zero_grad()
+            value = loss()
+            value.backward()
+            results.append((float(value), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (ours, grads), (ref, ref_grads) = results
+    assert ours == pytest.approx(ref, rel=1e-6)
+    for name, g in grads.items():
+        assert float((g - ref_grads[name]).abs().max()) <= 1e-5 * float(ref_grads[name].abs().max()), name

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 
 import datasets
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, TrainerCallback, TrainingArguments
+from transformers import PreTrainedTokenizerFast, Trainer, TrainerCallback, TrainingArguments
 
 from dataloaders.sampler import PackedBatchSampler
 from tests.models import tiny_model
@@ -180,7 +181,8 @@ def test_rollout_refuses_what_it_cannot_honour(tok, tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- SFT / Trainer
-def test_sft_trainer_loss_and_gradients_equal_unpacked(tok, tmp_path, one_thread):
+@pytest.mark.parametrize("loss_type", ["nll", "chunked_nll"])  # TRL's fused head; chunked_nll its old name
+def test_sft_trainer_loss_and_gradients_equal_unpacked(tok, tmp_path, loss_type, one_thread):
     from trl import SFTConfig
 
     from training.trl.sft_trainer import NopadSFTTrainer
@@ -203,7 +205,7 @@ def test_sft_trainer_loss_and_gradients_equal_unpacked(tok, tmp_path, one_thread
     reference = copy.deepcopy(model)
     args = SFTConfig(output_dir=str(tmp_path / "sft"), max_length=64, per_device_train_batch_size=2,
                      gradient_accumulation_steps=2, max_steps=1, learning_rate=1e-3, report_to=[],
-                     use_cpu=True, bf16=False, save_strategy="no", max_grad_norm=0.0)
+                     use_cpu=True, bf16=False, save_strategy="no", max_grad_norm=0.0, loss_type=loss_type)
     data = datasets.Dataset.from_dict({"text": _texts(24, 0)})
     trainer = Recording(model=model, args=args, train_dataset=data, processing_class=tok, callbacks=[Grab()])
     assert model.config._attn_implementation == "nopad" and trainer.nopad_tokens() == 128
@@ -253,6 +255,27 @@ def _resume_run(ds, out, resume=None, tokens_per_batch=96):
     trainer.seen = []
     trainer.train(resume_from_checkpoint=resume)
     return trainer
+
+
+def test_trainer_loss_runs_the_chunked_head_and_equals_the_models_own(tmp_path, one_thread):
+    g = torch.Generator().manual_seed(2)
+    ds = datasets.Dataset.from_dict({"input_ids": [torch.randint(3, 128, (int(n),), generator=g).tolist()
+                                                   for n in torch.randint(3, 40, (8,), generator=g)]})
+    model = tiny_model("gemma2")  # a softcapped head
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1, report_to=[],
+                             use_cpu=True)
+    trainer = NopadTrainer(model=model, args=args, train_dataset=ds, tokens_per_batch=96)
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    results = []
+    for compute_loss in (trainer.compute_loss, functools.partial(Trainer.compute_loss, trainer)):
+        model.zero_grad()
+        loss = compute_loss(model, dict(inputs), num_items_in_batch=torch.tensor(37))
+        loss.backward()
+        results.append((float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (ours, grads), (theirs, want) = results
+    assert ours == pytest.approx(theirs, rel=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-6 * float(want[name].abs().max()))
 
 
 def test_trainer_resume_continues_with_the_same_batches(tmp_path, one_thread):

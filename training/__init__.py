@@ -17,6 +17,7 @@ _EXPORTS = {
     "PackedLoss": "training.loss",
     "causal_lm_loss_sum": "training.loss",
     "row_loss_sum": "training.loss",
+    "row_nll_sum": "training.loss",
     "OptimizerStepper": "training.accumulation",
     "NonFiniteError": "training.nonfinite",
     "Rollout": "training.grpo",

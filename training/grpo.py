@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from packing.bins.tree import TreePath, pack_tree_rows
+from packing.lm_head import token_logprobs
 from packing.row import IGNORE_INDEX, PackedRow, as_row
 from packing.varlen import VarlenMeta
 
@@ -196,18 +197,19 @@ def packed_logprobs(model, row: Mapping, temperature: float = 1.0, *, compute_en
     sampled token. With ``compute_entropy`` returns ``(logps, entropies)`` (the entropies
     differentiable only with ``entropy_grad``). Only the positions that predict a loss token go
     through the LM head (:meth:`PackedRow.loss_tokens`; in a tree row a completion's first token is
-    predicted by its prompt's last token), once per token however many pairs read it."""
+    predicted by its prompt's last token), once per token however many pairs read it, in chunks
+    (:func:`packing.lm_head.token_logprobs`: the row's ``T x V`` logits never exist)."""
     row = as_row(row)
     predict_at, targets = row.loss_tokens()
-    out = model(**row.model_kwargs(), logits_to_keep=predict_at, use_cache=False)
-    logits = out.logits[0].float()
-    logp_all = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
-    logps = row.per_pair(logp_all.gather(1, targets[:, None]).squeeze(1))
+    logps, entropies = token_logprobs(model, row.model_kwargs(), predict_at, targets, temperature=temperature,
+                                      entropy=compute_entropy)
+    logps = row.per_pair(logps)
     if not compute_entropy:
         return logps
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropies = row.per_pair(-(logp_all.exp() * logp_all).sum(-1))
-    return logps, entropies
+    if not (entropy_grad and torch.is_grad_enabled()):
+        entropies = entropies.detach()
+    return logps, row.per_pair(entropies)
+
 
 
 def pair_sequences(row: PackedRow) -> torch.Tensor:

@@ -12,8 +12,8 @@ Usage, once per optimizer step::
     loss_fn = PackedLoss(weighting="token")        # world size taken from torch.distributed
     loss_fn.start_step(window)                     # the step's micro-batches (PackedRows)
     for batch in window:
-        logits = model(input_ids=..., position_ids=..., nopad_meta=...).logits
-        loss_fn(logits, batch).backward()          # DDP: no_sync() on all but the last
+        loss_fn.model_loss(model, batch).backward()  # DDP: no_sync() on all but the last
+        # or, from logits you already have: loss_fn(model(**batch.model_kwargs()).logits, batch)
 
 Under Accelerate, DeepSpeed or FSDP2 the step's owner is
 :class:`training.accumulation.OptimizerStepper` (SFT and GRPO use it), which normalises the same
@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from packing import distributed
+from packing.lm_head import token_logprobs
 from packing.row import IGNORE_INDEX, PackedRow, as_row
 
 WEIGHTINGS = ("token", "sequence")
@@ -47,8 +48,7 @@ def causal_lm_loss_sum(
     ``"sequence"`` weights each sequence's tokens by 1 / (its loss tokens), so the sum is the sum
     over sequences of their mean loss (needs ``seq_idx``, e.g. ``row.nopad_meta.seq_idx``).
     """
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"unknown weighting {weighting!r}; choose one of {WEIGHTINGS}")
+    _check_weighting(weighting)
     logits = logits.reshape(-1, logits.shape[-1])
     labels = labels.reshape(-1).to(logits.device)
     if logits.shape[0] != labels.shape[0]:
@@ -73,21 +73,46 @@ def row_loss_sum(logits: torch.Tensor, row: PackedRow, *, weighting: str = "toke
     A plain row is :func:`causal_lm_loss_sum`. A tree row (:mod:`packing.bins.tree`) reads each
     loss token's logits where its own sequence predicts it (:meth:`PackedRow.loss_tokens`) and
     counts it once per sequence that trains on it (its pairs), as the flat sequences would; with
-    ``"sequence"`` each pair is weighted by 1 / (its sequence's pairs)."""
+    ``"sequence"`` each pair is weighted by 1 / (its sequence's pairs). :func:`row_nll_sum` is the
+    same loss from the model, without the row's logits."""
     if row.pair_tokens is None:
         return causal_lm_loss_sum(logits, row.labels, seq_idx=row.nopad_meta.seq_idx, weighting=weighting)
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"unknown weighting {weighting!r}; choose one of {WEIGHTINGS}")
+    _check_weighting(weighting)
     logits = logits.reshape(-1, logits.shape[-1])
     predict_at, targets = row.loss_tokens()
     predict_at, targets = predict_at.to(logits.device), targets.to(logits.device)
     losses = row.per_pair(F.cross_entropy(logits[predict_at].float(), targets, reduction="none"))
+    return _weighted_sum(losses, row, predict_at, weighting)
+
+
+def row_nll_sum(model: torch.nn.Module, row: PackedRow, *, weighting: str = "token") -> torch.Tensor:
+    """:func:`row_loss_sum` of ``row`` under ``model``, computed from the model's hidden states at
+    the loss positions only, through the chunked LM head (:func:`packing.lm_head.token_logprobs`):
+    the row's ``T x V`` logits never exist, and a tree row's shared token goes through the head once."""
+    _check_weighting(weighting)
+    predict_at, targets = row.loss_tokens()
+    logps, _ = token_logprobs(model, row.model_kwargs(), predict_at, targets)
+    return _weighted_sum(row.per_pair(-logps), row, predict_at, weighting)
+
+
+def _weighted_sum(losses: torch.Tensor, row: PackedRow, predict_at: torch.Tensor,
+                  weighting: str) -> torch.Tensor:
+    """The row's per-pair ``losses`` summed (``"token"``) or each weighted by 1 / (its sequence's
+    pairs) (``"sequence"``)."""
     if weighting == "token":
         return losses.sum()
-    seqs = row.pair_seqs.to(losses.device)
+    if row.pair_tokens is not None:
+        seqs = row.pair_seqs.to(losses.device)
+    else:  # a plain row: the sequence of the position that predicts each loss token
+        seqs = row.nopad_meta.seq_idx.reshape(-1).to(losses.device).long()[predict_at.to(losses.device)]
     per_seq = torch.zeros(int(seqs.max()) + 1 if seqs.numel() else 1, device=losses.device)
     per_seq.index_add_(0, seqs, torch.ones_like(losses))
     return (losses / per_seq[seqs]).sum()
+
+
+def _check_weighting(weighting: str) -> None:
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"unknown weighting {weighting!r}; choose one of {WEIGHTINGS}")
 
 
 class PackedLoss:
@@ -108,8 +133,7 @@ class PackedLoss:
         world_size: int | None = None,
         group: dist.ProcessGroup | None = None,
     ):
-        if weighting not in WEIGHTINGS:
-            raise ValueError(f"unknown weighting {weighting!r}; choose one of {WEIGHTINGS}")
+        _check_weighting(weighting)
         if world_size is None:
             world_size = distributed.world_size(group)
         self.weighting = weighting
@@ -129,9 +153,20 @@ class PackedLoss:
         return self.denominator
 
     def __call__(self, logits: torch.Tensor, batch: PackedRow | Mapping) -> torch.Tensor:
+        """The loss of ``batch`` from the ``logits`` of every position (:func:`row_loss_sum`)."""
+        self._require_step()
+        return self._scaled(row_loss_sum(logits, as_row(batch), weighting=self.weighting))
+
+    def model_loss(self, model: torch.nn.Module, batch: PackedRow | Mapping) -> torch.Tensor:
+        """The same loss, running ``model`` on ``batch`` with the chunked LM head
+        (:func:`row_nll_sum`): no ``T x V`` logits."""
+        self._require_step()
+        return self._scaled(row_nll_sum(model, as_row(batch), weighting=self.weighting))
+
+    def _require_step(self) -> None:
         if self.denominator is None:
             raise RuntimeError("call start_step(micro_batches) before computing the loss of a step")
-        row = as_row(batch)
-        total = row_loss_sum(logits, row, weighting=self.weighting)
+
+    def _scaled(self, total: torch.Tensor) -> torch.Tensor:
         # a step with no loss tokens anywhere still runs backward (collectives must match): 0 grad
         return total * (self.scale / max(self.denominator, 1.0))

@@ -18,7 +18,7 @@ from training import checkpoint
 from training.accumulation import OptimizerStepper
 from training.curves import finish_trackers, write_curves
 from training.lora import trainable_parameters
-from training.loss import row_loss_sum
+from training.loss import row_nll_sum
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,7 @@ def sft_step(stepper: OptimizerStepper, window: list[dict], weighting: str = "to
             if seen is not None:
                 seen.append(batch.indices.tolist())
             with w.row():
-                logits = model(**batch.model_kwargs(), use_cache=False).logits
-                loss_sum = row_loss_sum(logits, batch, weighting=weighting)
+                loss_sum = row_nll_sum(model, batch, weighting=weighting)  # the chunked LM head
                 step_loss += float(w.backward(loss_sum))
             if on_micro_batch is not None:
                 on_micro_batch()

@@ -15,7 +15,9 @@ What changes against the stock trainer, and nothing else:
   every sequence's first token.
 - **Attention**: the model is switched to nopad's varlen attention (``attention="nopad"``), so no
   sequence attends to its neighbour whatever the hardware (TRL #2834 / #3910).
-- **Loss**: nothing to change. Trainer already divides the summed token loss of each micro-batch by
+- **Loss**: ``NopadTrainer`` computes it through nopad's chunked LM head (no ``T x V`` logits);
+  ``NopadSFTTrainer`` keeps TRL's own (``loss_type="nll"`` / ``"chunked_nll"``, TRL's fused head
+  on the loss positions). Either way Trainer divides the summed token loss of each micro-batch by
   ``num_items_in_batch`` (the loss tokens of the whole accumulation window, over all ranks) and
   counts it from ``labels[..., 1:]``; our labels make that count exactly the tokens the unpacked
   data trains on, so loss and gradients equal the unpacked run's.
@@ -244,4 +246,21 @@ class NopadTrainerMixin:
 
 
 class NopadTrainer(NopadTrainerMixin, Trainer):
-    """transformers ``Trainer`` on nopad packed batches; give ``tokens_per_batch``."""
+    """transformers ``Trainer`` on nopad packed batches; give ``tokens_per_batch``. Its loss runs
+    the chunked LM head (:func:`training.loss.row_nll_sum`) instead of the model's own, which would
+    build the row's ``T x V`` logits: the same value, normalised as Trainer normalises the model's."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        custom = self.label_smoother is not None or self.compute_loss_func is not None
+        if return_outputs or custom or "nopad_meta" not in inputs or "labels" not in inputs:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        from training.loss import row_nll_sum
+
+        total = row_nll_sum(model, as_row(inputs))
+        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            loss = total / num_items_in_batch  # the window's loss tokens on every rank, as the model's loss
+            if self.args.average_tokens_across_devices:
+                loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+            return loss
+        return total / max(as_row(inputs).num_loss_tokens, 1)  # the model's own mean over this batch
+

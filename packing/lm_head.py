@@ -1,0 +1,311 @@
+"""The LM head, written once for the trainer and the generator: hidden states at the positions that
+need them -> the log-prob of one chosen token each (and the entropy when asked), chunked over
+tokens and recomputed in backward, so a packed row never holds its ``T x V`` logits.
+
+    logps, entropies = token_logprobs(model, row.model_kwargs(), predict_at, targets, entropy=True)
+
+Why: with vocabularies of 150k-262k, one 8,192-token row of fp32 logits is 5-8 GB, before
+``log_softmax`` and its backward copy it. Here the backbone runs once (the model's own forward,
+so DDP / DeepSpeed / FSDP / peft wrappers and their hooks all see an ordinary call) with the head
+given one row only, and the head then runs on :data:`CHUNK_TOKENS` positions at a time, inside
+that call (where ZeRO-3 and FSDP2 have gathered its weights): peak memory is O(chunk x V), not
+O(T x V) (``benchmarks/bench_lm_head.py`` measures it).
+
+Exact, not fused: each chunk is the model's own head module (tied embeddings, a bias, a peft LoRA
+on ``lm_head`` run as they do in the model), the model's own final-logit ops (:class:`LMHead`:
+Gemma's softcap, Granite's and Cohere's scales, checked at every call against the model's logits
+of one position; a model that fails the check is scored from its own logits, with a warning),
+then :func:`tempered_log_softmax` gathered at the target: the function the generator's sampler
+computes its log-probs with, so under :func:`packing.batch_invariant` (whose
+linear and log-softmax are row-local) the chunking changes no bit, and the chunks start at token
+0 with a fixed size whatever the number of tokens.
+
+Why not torch's ``F.linear_cross_entropy`` (torch 2.13): it takes a weight and a bias, not the
+head module, so a LoRA adapter on ``lm_head``, a softcap or a logit scale cannot go through it; it
+returns the NLL alone (no entropy); and its chunked path sizes chunks from the batch's row count
+unless one is fixed. Using it for the plain case would be a second copy of the math, which is
+what drifts (TRL#7063, verl#2656), so nopad has this one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from packing.invariance import active_kernels, batch_invariant, is_enabled
+
+logger = logging.getLogger(__name__)
+
+CHUNK_TOKENS = 128  # head rows per chunk; fixed, so chunk bounds never depend on the row's length
+
+
+@dataclass(frozen=True)
+class LMHead:
+    """The model's output embedding module and the final-logit ops its forward applies after it,
+    in the model's order: ``* multiplier`` (Cohere ``logit_scale``, Falcon-H1
+    ``lm_head_multiplier``), ``/ divisor`` (Granite ``logits_scaling``), then the softcap
+    (Gemma2/3/4 ``final_logit_softcapping``: ``tanh(x / cap) * cap``)."""
+
+    module: torch.nn.Module
+    softcap: float | None = None
+    multiplier: float | None = None
+    divisor: float | None = None
+
+    def logits(self, hidden: torch.Tensor, *, hooks: bool = True) -> torch.Tensor:
+        """The model's logits of ``hidden``, op for op as its forward computes them. ``hooks``
+        False runs the module's ``forward`` without its own hooks (inside the model's call, where
+        the engines' hooks of this module have already gathered its weights)."""
+        return self.finish(self.module(hidden) if hooks else self.module.forward(hidden))
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        """The final-logit ops on the module's output ``x``."""
+        if self.multiplier is not None:
+            x = x * self.multiplier
+        if self.divisor is not None:
+            x = x / self.divisor
+        if self.softcap is not None:
+            x = x / self.softcap
+            x = torch.tanh(x)
+            x = x * self.softcap
+        return x
+
+
+def tempered_log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, out: torch.Tensor | None = None,
+                         tempered_out: torch.Tensor | None = None) -> torch.Tensor:
+    """``log_softmax(logits.float() / temperature)`` over the vocabulary: the one expression of a
+    token's log-prob in nopad, for the trainer's chunks and the generator's sampler alike (so under
+    :func:`packing.batch_invariant` their bits agree). ``out`` / ``tempered_out``: buffers to reuse
+    for the result and the divided logits (the sampler's)."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = torch.div(z, float(temperature), out=tempered_out)
+    if out is None:
+        return torch.log_softmax(z, dim=-1)
+    return torch._log_softmax(z, -1, False, out=out)  # the same kernel as log_softmax, into ``out``
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The causal LM inside a DDP / DeepSpeed engine wrapper (peft models answer for themselves)."""
+    while not hasattr(model, "get_output_embeddings") and isinstance(getattr(model, "module", None),
+                                                                     torch.nn.Module):
+        model = model.module
+    return model
+
+
+def head_of(model: torch.nn.Module) -> LMHead:
+    """The :class:`LMHead` of an HF causal LM (or a wrapper of one), read from its config and
+    modules in one place."""
+    lm = unwrap(model)
+    module = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if module is None:
+        raise ValueError(f"{type(lm).__name__} has no output embeddings (get_output_embeddings() is None); "
+                         "the LM head needs a causal LM with a head module")
+    config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    softcap = getattr(config, "final_logit_softcapping", None) or getattr(lm, "final_logit_softcapping", None)
+    multiplier = getattr(lm, "logit_scale", None)  # Cohere: set from config.logit_scale on the model
+    inner = getattr(lm, "model", None)
+    if multiplier is None and inner is not None:
+        multiplier = getattr(inner, "lm_head_multiplier", None)  # Falcon-H1
+    divisor = getattr(config, "logits_scaling", None)  # Granite
+    if not isinstance(multiplier, (int, float)):
+        multiplier = None
+    return LMHead(module, softcap=softcap, multiplier=multiplier, divisor=divisor)
+
+
+def token_logprobs(model: torch.nn.Module, model_kwargs: dict[str, Any], positions: torch.Tensor,
+                   targets: torch.Tensor, *, temperature: float = 1.0, entropy: bool = False,
+                   chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The log-prob of ``targets[i]`` predicted at row position ``positions[i]`` (and the entropy
+    there when asked) under ``model``, fp32, for one packed row (``model_kwargs``: its
+    ``input_ids``, ``position_ids``, ``nopad_meta``), from one call of ``model``.
+
+    The chunked head (:func:`head_logprobs`) runs *inside* that call, in hooks on the head module:
+    its input is kept and the module itself computes one row; then, while ZeRO-3 or FSDP2 still
+    hold its gathered weights, the chunks score the kept hidden states. Their result is tied into
+    the head's output and the model's logits (:class:`_Tied`), so backward passes the engines'
+    pre-backward hooks (which gather the weights again) before it reaches the chunks' recompute.
+    The one row of the model's logits is checked against :meth:`LMHead.finish` of the head's own
+    output, so a model whose forward does something after its head that :func:`head_of` does not
+    read fails here instead of training on wrong log-probs."""
+    head = head_of(model)
+    state: dict[str, Any] = {}
+
+    def keep_hidden(module, args, kwargs):
+        state["hidden"] = args[0]
+        return (args[0][..., :1, :], *args[1:]), kwargs
+
+    def score_chunks(module, args, kwargs, output):
+        if "scores" in state:
+            raise RuntimeError(f"{type(unwrap(model)).__name__}'s forward called its output embeddings "
+                               "twice; the LM head needs the usual causal-LM forward: backbone, then head")
+        hidden = state.pop("hidden")
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        if hidden.shape[0] != positions.numel():
+            raise RuntimeError(f"{type(unwrap(model)).__name__}'s head got {hidden.shape[0]} positions, not "
+                               f"logits_to_keep's {positions.numel()}: the LM head needs a causal LM that "
+                               "takes logits_to_keep as a tensor of positions")
+        with torch.no_grad():
+            state["ours"] = head.finish(output.reshape(-1, output.shape[-1])[:1])
+        logps, ents = head_logprobs(head, hidden, targets, temperature=temperature, entropy=entropy,
+                                    chunk_tokens=chunk_tokens, hooks=False)
+        state["scores"] = (logps, ents)
+        return _Tied.apply(output.detach(), *_present(logps, ents))[0]
+
+    # keep_hidden runs after the engines' pre-hooks (it keeps the input they wrap for backward),
+    # score_chunks before their post-hooks (the weights are still gathered; they wrap its output)
+    handles = [head.module.register_forward_pre_hook(keep_hidden, with_kwargs=True),
+               head.module.register_forward_hook(score_chunks, with_kwargs=True, prepend=True)]
+    try:
+        out = model(**model_kwargs, logits_to_keep=positions, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if "scores" not in state:
+        raise RuntimeError(f"{type(unwrap(model)).__name__}'s forward did not call its output embeddings "
+                           "(get_output_embeddings()); the LM head needs the usual causal-LM forward")
+    logps, ents = state["scores"]
+    if positions.numel():
+        theirs = out.logits.reshape(-1, out.logits.shape[-1])[:1]
+        mismatch = _head_mismatch(head, state["ours"], theirs, model)
+        if mismatch:
+            return _from_full_logits(model, model_kwargs, positions, targets, temperature, entropy, mismatch)
+    tied = _Tied.apply(out.logits, *_present(logps, ents))[1:]
+    return tied[0], (tied[1] if entropy else None)
+
+
+def _present(*tensors: torch.Tensor | None) -> list[torch.Tensor]:
+    return [t for t in tensors if t is not None]
+
+
+class _Tied(torch.autograd.Function):
+    """The tensors unchanged, as one autograd node: backward waits for all of their gradients (an
+    unused one is zero) and passes each back to its own graph. Tying the chunks' scores to the
+    head's output, and the model's logits to the scores, makes backward go through the logits'
+    pre-backward hooks (ZeRO-3's and FSDP2's weight gathering) before the chunks' recompute."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
+def _head_mismatch(head: LMHead, ours: torch.Tensor, theirs: torch.Tensor, model) -> str | None:
+    """Why the model's logits are not :meth:`LMHead.finish` of its head's output, or None. The same
+    ops on the same row give the same bits; a few ulps of the compute dtype are allowed (autocast,
+    kernels that differ by call site), nothing like a missing scale or softcap. Non-finite entries
+    are not compared: a NaN or inf row is nopad's own non-finite error later."""
+    with torch.no_grad():
+        eps = max(torch.finfo(t.dtype).eps if t.is_floating_point() else 0.0 for t in (ours, theirs))
+        ours, theirs = ours.float(), theirs.float()
+        finite = ours.isfinite() & theirs.isfinite()
+        if not bool(finite.any()):
+            return None
+        scale = float(theirs[finite].abs().max())
+        err = float((ours - theirs)[finite].abs().max())
+    if err <= 4 * eps * scale:
+        return None
+    return (f"{type(unwrap(model)).__name__}'s logits differ from its head's output by up to {err:.3g} "
+            f"(logits up to {scale:.3g}) after the final-logit ops nopad reads ({head.multiplier=}, "
+            f"{head.divisor=}, {head.softcap=}): its forward (or a hook on it or its lm_head) transforms the "
+            "logits in a way packing.lm_head does not know")
+
+
+_warned: set[str] = set()
+
+
+def _from_full_logits(model, model_kwargs, positions, targets, temperature, entropy, why: str):
+    """The fallback for a model whose logits the chunked head cannot reproduce: the model's own
+    logits at ``positions`` (``(N, V)`` of them), through the same log-softmax. Logged once per
+    model class, since it costs the memory the chunks save."""
+    name = type(unwrap(model)).__name__
+    if name not in _warned:
+        _warned.add(name)
+        logger.warning("%s; scoring from its full logits at the loss positions instead (N x V memory). "
+                       "Add the op to packing.lm_head.LMHead, or change the hidden states (a hook on the "
+                       "final norm), to get the chunked head back", why)
+    logits = model(**model_kwargs, logits_to_keep=positions, use_cache=False).logits
+    logits = logits.reshape(-1, logits.shape[-1])
+    logps, ents = _TargetLogprobs.apply(logits, targets.to(logits.device), entropy, temperature)
+    return logps, (ents if entropy else None)
+
+
+class _TargetLogprobs(torch.autograd.Function):
+    """:func:`tempered_log_softmax` of logits ``z`` gathered at ``targets`` (and the entropy of each
+    row), saving only the log-softmax for backward, whose gradient is written into one ``(rows, V)``
+    buffer in place."""
+
+    @staticmethod
+    def forward(ctx, z, targets, want_entropy, temperature):
+        logp = tempered_log_softmax(z, temperature)
+        picked = logp.gather(1, targets[:, None]).squeeze(1)
+        ent = -(logp.exp() * logp).sum(-1) if want_entropy else z.new_empty(0)
+        ctx.save_for_backward(logp, targets, ent)
+        ctx.want_entropy, ctx.temperature = want_entropy, temperature
+        return picked, ent
+
+    @staticmethod
+    def backward(ctx, g_picked, g_ent):
+        logp, targets, ent = ctx.saved_tensors
+        grad = torch.exp(logp)  # p
+        g_picked = torch.zeros_like(ent if ctx.want_entropy else logp[:, 0]) if g_picked is None else g_picked
+        if ctx.want_entropy and g_ent is not None:
+            # d(-sum p log p)/dz = -p (log p + H);  d(log p_t)/dz = onehot_t - p
+            coef = (logp + ent[:, None]).mul_(g_ent[:, None]).add_(g_picked[:, None])
+            grad.mul_(coef).neg_()
+        else:
+            grad.mul_(-g_picked[:, None])
+        grad[torch.arange(grad.shape[0], device=grad.device), targets] += g_picked
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
+        return grad, None, None, None  # autograd casts the fp32 gradient to z's dtype
+
+
+def _chunk(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+           want_entropy: bool, invariant: tuple[bool, str | None],
+           hooks: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # the recompute in backward runs the forward's numerics (batch-invariant or not), whatever mode
+    # the backward is called in: the same ops, so the same tensors saved and the same logits
+    with batch_invariant(*invariant):
+        return _TargetLogprobs.apply(head.logits(hidden, hooks=hooks), targets, want_entropy, temperature)
+
+
+def head_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+                  entropy: bool = False, chunk_tokens: int | None = None, hooks: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 ``(log-probs of targets, entropies or None)`` of ``hidden`` ``(N, H)`` under
+    ``softmax(head.logits(hidden) / temperature)``, computed ``chunk_tokens`` rows at a time from
+    row 0; with grad enabled each chunk's logits are recomputed in backward (activation
+    checkpointing), so no ``(N, V)`` tensor is ever kept. ``chunk_tokens`` None: :data:`CHUNK_TOKENS`.
+    ``hooks``: as in :meth:`LMHead.logits` (:func:`token_logprobs` runs the chunks inside the
+    model's call, without the head module's own hooks)."""
+    chunk_tokens = CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"{hidden.shape[0]} hidden states but targets of shape {tuple(targets.shape)}")
+    targets = targets.to(hidden.device)
+    if hidden.shape[0] == 0:  # still connected to the model, so backward reaches every parameter
+        zero = hidden.sum() * 0.0
+        empty = zero.float().expand(0)
+        return empty, (empty if entropy else None)
+    grad = torch.is_grad_enabled()
+    invariant = (is_enabled(), active_kernels())
+    parts, ents = [], []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        h, t = hidden[start: start + chunk_tokens], targets[start: start + chunk_tokens]
+        if grad:
+            lp, ent = checkpoint(_chunk, head, h, t, temperature, entropy, invariant, hooks,
+                                 use_reentrant=False)
+        else:
+            lp, ent = _chunk(head, h, t, temperature, entropy, invariant, hooks)
+        parts.append(lp)
+        ents.append(ent)
+    logps = torch.cat(parts)
+    return logps, (torch.cat(ents) if entropy else None)
