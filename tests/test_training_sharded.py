@@ -35,7 +35,7 @@ def grpo_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo")
     modes = ("fsdp2", "ddp", "zero2", "zero3")
     _run_two_ranks(["-m", "tests.sharded_worker", ",".join(modes), str(out)],
-                   f"GRPO under {', '.join(modes)}", timeout=2 * TIMEOUT_S)
+                   f"GRPO under {', '.join(modes)}", timeout=len(modes) * TIMEOUT_S)
     return {m: [torch.load(out / f"{m}_rank{r}.pt", weights_only=False) for r in range(2)] for m in modes}
 
 
