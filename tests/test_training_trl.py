@@ -470,10 +470,11 @@ def test_batch_invariant_rollout_and_trainer_log_probs_are_bitwise_equal(tok, tm
 @pytest.fixture(scope="module")
 def fsdp2_rollouts(tmp_path_factory):
     """One 2-process launch runs both rollout modes (a launch's start-up is most of its time)."""
-    from tests.test_training_sharded import _run_two_ranks
+    from tests.test_training_sharded import TIMEOUT_S, _run_two_ranks
 
     out = tmp_path_factory.mktemp("trl_fsdp2")
-    _run_two_ranks(["-m", "tests.trl_fsdp2_worker", "gather,lockstep", str(out)], "TRL rollout under FSDP2")
+    _run_two_ranks(["-m", "tests.trl_fsdp2_worker", "gather,lockstep", str(out)], "TRL rollout under FSDP2",
+                   timeout=2 * TIMEOUT_S)  # the two launches' budget
     return out
 
 
