@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 
 import pytest
 import torch.multiprocessing as mp
@@ -78,11 +79,21 @@ def run_in_group(cmd: list[str], timeout: float, **popen_kwargs) -> tuple[int | 
     return proc.returncode, out, err or ""
 
 
-def spawn(fn, args: tuple, nprocs: int) -> None:
-    """``mp.spawn`` whose error says a rank was killed by the OS rather than a bare exit code."""
+def spawn(fn, args: tuple, nprocs: int, timeout: float = 300) -> None:
+    """``mp.spawn`` whose error says a rank was killed by the OS rather than a bare exit code, and
+    that fails after ``timeout`` s (killing every rank) rather than hang the suite."""
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
     try:
-        mp.spawn(fn, args=args, nprocs=nprocs)
+        while not ctx.join(timeout=1):  # raises when a rank failed
+            if time.monotonic() > deadline:
+                pytest.fail(f"no result after {timeout:.0f} s - a rank is stuck (a deadlock or a hang)")
     except mp.ProcessExitedException as err:
         if err.exit_code is not None and err.exit_code < 0:  # torch's spawn: -signal number
             pytest.fail(_death(f"rank {err.error_index}", -err.exit_code))
         raise
+    finally:
+        for process in ctx.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()

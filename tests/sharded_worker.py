@@ -1,6 +1,10 @@
 """One rank of the 2-process GRPO runs in tests/test_training_sharded.py (DDP, DeepSpeed ZeRO-2/3, FSDP2):
 
-    torchrun --nproc_per_node 2 -m tests.sharded_worker {ddp,zero2,zero3,fsdp2} OUT_DIR
+    torchrun --nproc_per_node 2 -m tests.sharded_worker fsdp2,ddp,zero2,zero3 OUT_DIR
+
+The modes of the comma-separated list run in turn in one launch (one start-up for all), each on a
+fresh model and a fresh Accelerate state; FSDP2 first, before Accelerate and DeepSpeed set any
+global state.
 
 Both ranks train the same tiny model on different prompts whose completions have very different
 lengths (rank 0 stops after 1 token, rank 1 runs 12); steps alternate the gather-once and the
@@ -44,13 +48,24 @@ def full_weights(model, mode: str) -> dict[str, torch.Tensor]:
     return {k: p.detach().clone() for k, p in model.module.named_parameters()}
 
 
-def main(mode: str, out_dir: str) -> None:
+def main(modes: str, out_dir: str) -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
     torch.set_num_threads(1)
+    for mode in modes.split(","):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        run(mode, out_dir)
+    dist.destroy_process_group()
+
+
+def run(mode: str, out_dir: str) -> None:
     model = tiny_model("llama")
     if mode == "fsdp2":
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
-        dist.init_process_group("gloo")
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
@@ -126,8 +141,6 @@ def main(mode: str, out_dir: str) -> None:
               "plain_generate_error": plain_error}
     torch.save(result, os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
     dist.barrier()
-    if mode == "fsdp2":
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

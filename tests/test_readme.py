@@ -71,14 +71,17 @@ def test_every_pipeline_command_runs_as_written(tmp_path):
     """preprocess -> SFT -> evaluate -> GRPO -> evaluate, then the 2-process launch, from a fresh
     directory that holds only the repository's recipes (paths in the README are relative)."""
     (tmp_path / "recipes").symlink_to(ROOT / "recipes")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
     for command in pipeline_commands():
         argv = shlex.split(command)
         argv[0] = sys.executable if argv[0] == "python" else argv[0]
+        # one process uses every core, as a user's would; a 2-process launch one thread per rank
+        threads = {}
         if argv[0] == "accelerate":
             argv = [sys.executable, "-m", "accelerate.commands.launch", *argv[2:]]
-        proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+            threads = {"OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(argv, cwd=tmp_path, env={**env, **threads}, capture_output=True, text=True,
+                              timeout=600)
         assert proc.returncode == 0, launch.failure_message(command, f"{proc.stdout[-3000:]}\n{proc.stderr}",
                                                             proc.returncode, tail=8000)
     assert (tmp_path / "runs" / "grpo").is_dir()

@@ -490,16 +490,24 @@ def test_batch_invariant_rollout_and_trainer_log_probs_are_bitwise_equal(tok, tm
     assert bool((sampled < 0).all()) and mask.sum() > 8
 
 
+@pytest.fixture(scope="module")
+def fsdp2_rollouts(tmp_path_factory):
+    """One 2-process launch runs both rollout modes (a launch's start-up is most of its time)."""
+    from tests.test_training_sharded import TIMEOUT_S, _run_two_ranks
+
+    out = tmp_path_factory.mktemp("trl_fsdp2")
+    _run_two_ranks(["-m", "tests.trl_fsdp2_worker", "gather,lockstep", str(out)], "TRL rollout under FSDP2",
+                   timeout=2 * TIMEOUT_S)  # the two launches' budget
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["gather", "lockstep"])
-def test_rollout_on_an_fsdp2_sharded_policy(tmp_path, mode):
+def test_rollout_on_an_fsdp2_sharded_policy(fsdp2_rollouts, mode):
     """2 CPU processes, FSDP2 over gloo, ranks generating 1 vs 12 tokens: no deadlock, and the
     tokens' log-probs are those of the full (unsharded) weights."""
-    from tests.test_training_sharded import _run_two_ranks
-
-    _run_two_ranks(["-m", "tests.trl_fsdp2_worker", mode, str(tmp_path)], f"TRL rollout under FSDP2 ({mode})")
     for rank in (0, 1):
-        result = torch.load(tmp_path / f"trl_{mode}_rank{rank}.pt", weights_only=False)
+        result = torch.load(fsdp2_rollouts / f"trl_{mode}_rank{rank}.pt", weights_only=False)
         out = result["out"]
         assert len(out["completion_ids"]) == 8
         longest = max(len(c) for c in out["completion_ids"])

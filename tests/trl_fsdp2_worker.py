@@ -1,8 +1,9 @@
 """One rank of the FSDP2 test of the TRL rollout (tests/test_training_trl.py):
 
-    torchrun --nproc_per_node 2 -m tests.trl_fsdp2_worker {gather,lockstep} OUT_DIR
+    torchrun --nproc_per_node 2 -m tests.trl_fsdp2_worker gather,lockstep OUT_DIR
 
-A tiny Llama is ``fully_shard``-ed over 2 CPU processes (gloo); each rank calls the nopad
+Each mode in the comma-separated list runs in turn in the same launch (one start-up for both).
+A fresh tiny Llama is ``fully_shard``-ed over 2 CPU processes (gloo); each rank calls the nopad
 ``rollout_func`` on its own prompts with a different ``max_completion_length`` (1 vs 12 tokens),
 which deadlocks a plain loop of sharded forwards. Writes every rank's completions and their
 log-probs next to the unsharded model's teacher-forced log-probs of the same tokens.
@@ -18,7 +19,15 @@ import torch
 import torch.distributed as dist
 
 
-def main(mode: str, out_dir: str) -> None:
+def main(modes: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    for mode in modes.split(","):
+        run(mode, out_dir)
+    dist.destroy_process_group()
+
+
+def run(mode: str, out_dir: str) -> None:
     from accelerate import Accelerator
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -27,8 +36,6 @@ def main(mode: str, out_dir: str) -> None:
     from tests.test_training_trl import make_tokenizer
     from training.trl.rollout import nopad_rollout_func
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     reference = tiny_model("llama")
     model = tiny_model("llama")
@@ -54,7 +61,6 @@ def main(mode: str, out_dir: str) -> None:
             expected.append(torch.log_softmax(logits.float(), -1)[torch.arange(len(completion)),
                                                                  torch.tensor(completion)].tolist())
     torch.save({"out": out, "expected": expected}, os.path.join(out_dir, f"trl_{mode}_rank{rank}.pt"))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
