@@ -158,7 +158,9 @@ def estimate_gib(name: str, vocab: int, tokens: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a 4,096-word vocabulary, 256 tokens, fp32")
+    p.add_argument("--quick", action="store_true",
+                   help="a 4,096-word vocabulary, 256 tokens, fp32, every method in this one process "
+                        "(a smoke run: its memory column is not a per-method measure)")
     p.add_argument("--vocab", type=int, nargs="+", default=[151_936, 248_320])
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
@@ -182,8 +184,11 @@ def main() -> None:
                 ref = None
                 for name in args.methods:
                     need = estimate_gib(name, vocab, tokens)
-                    r = ({"skipped": f"needs ~{need:.0f} GiB > --max-gib {args.max_gib:g}"}
-                         if need > args.max_gib else child(name, vocab, tokens, dtype))
+                    if need > args.max_gib:
+                        r = {"skipped": f"needs ~{need:.0f} GiB > --max-gib {args.max_gib:g}"}
+                    else:  # --quick: one process for all (a smoke run; its memory column is not a measure)
+                        run = run_one if args.quick else child
+                        r = run(name, vocab, tokens, dtype)
                     r.update(method=name, vocab=vocab, tokens=tokens, dtype=dtype)
                     rows.append(r)
                     if "skipped" in r:
