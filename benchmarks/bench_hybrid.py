@@ -23,6 +23,11 @@ requested tokens counted:
 
 with greedy agreement (identical sequences) so a fast wrong answer shows.
 
+Exact mode (``--exact-mode on|off|only``, on by default): the same packed rows, forward + backward, outside
+and inside ``packing.batch_invariant()``, where the delta rule runs token by token (the order of
+the generator's decode) and the convolution as ordered gathers, so rollout log-probs equal the
+trainer's bitwise; the ratio is what that exactness costs the trainer.
+
     python benchmarks/bench_hybrid.py            # full run
     python benchmarks/bench_hybrid.py --quick    # smoke run, a tiny model
 """
@@ -43,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 from benchmarks.bench_generate import agreement, run_hf_static, run_nopad  # noqa: E402
 from benchmarks.bench_train import make_lengths, nopad_batches, padded_batches  # noqa: E402
 from packing.hf import register_nopad_attention  # noqa: E402
+from packing.invariance import batch_invariant  # noqa: E402
 
 
 def qwen3_5(vocab: int, quick: bool) -> transformers.PreTrainedModel:
@@ -124,6 +130,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's; 1 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--exact-mode", choices=("on", "off", "only"), default="on",
+                        help="also (only) time the packed rows inside packing.batch_invariant()")
     args = parser.parse_args()
     args.threads = args.threads or (1 if args.quick else torch.get_num_threads())
     torch.set_num_threads(args.threads)
@@ -143,7 +151,7 @@ def main() -> None:
     print(f"{'model':8s} {'dtype':9s} {'system':22s} {'steps':>5s} {'tokens eff':>10s} {'seconds':>8s} "
           f"{'tok/s':>8s} {'vs padded':>9s}")
     builders = {"qwen3_5": qwen3_5, "lfm2": lfm2, "bamba": bamba}
-    for name in filter(None, args.models.split(",")):  # '' skips the training part
+    for name in filter(None, args.models.split(",")) if args.exact_mode != "only" else ():  # '' skips it
         model = builders[name](vocab, args.quick)
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
@@ -152,9 +160,26 @@ def main() -> None:
             for system, r in (("padded, sdpa", base), ("nopad packed (BFD)", nopad)):
                 print(f"{name:8s} {dtype_name:9s} {system:22s} {r['steps']:5d} {r['efficiency']:10.1%} "
                       f"{r['seconds']:8.2f} {r['tok_s']:8.0f} {r['tok_s'] / base['tok_s']:8.2f}x")
-
+    if args.exact_mode != "off":
+        exact_mode_cost(args, builders, vocab, packed, real)
     if args.generation:
         generation([builders[name] for name in args.generation.split(",")], vocab, args)
+
+
+def exact_mode_cost(args, builders, vocab: int, packed, real: int) -> None:
+    """Packed forward + backward tokens/s outside and inside ``batch_invariant()``, same rows."""
+    print(f"\nexact mode (packing.batch_invariant), packed rows, forward + backward\n"
+          f"{'model':8s} {'dtype':9s} {'system':22s} {'seconds':>8s} {'tok/s':>8s} {'vs default':>10s}")
+    for name in filter(None, args.models.split(",")):
+        model = builders[name](vocab, args.quick)
+        for dtype_name in args.dtypes.split(","):
+            dtype = getattr(torch, dtype_name)
+            default = run(model, "nopad", packed, real, dtype, not args.quick)
+            with batch_invariant():
+                exact = run(model, "nopad", packed, real, dtype, not args.quick)
+            for system, r in (("nopad packed", default), ("nopad packed, exact", exact)):
+                print(f"{name:8s} {dtype_name:9s} {system:22s} {r['seconds']:8.2f} {r['tok_s']:8.0f} "
+                      f"{r['tok_s'] / default['tok_s']:9.2f}x")
 
 
 def generation(builders, vocab: int, args) -> None:

@@ -22,6 +22,16 @@ differ visibly (``benchmarks/bench_exactness.py`` measures by how much). Under t
 - nopad attention runs a backend declared ``invariant`` (its per-query order depends on nothing
   but the query's own keys), for training rows, prefill chunks and decode: the compiled CPU kernel
   (:mod:`packing.attention.cpu_kernel`) or the Triton one (:mod:`packing.attention.triton_kernel`).
+- on CPU, the transcendental pointwise functions (``exp``, ``log``, ``sigmoid``, ``softplus``,
+  ``silu``, ...: :data:`_POINTWISE`) run over a buffer padded to whole vector runs: torch computes
+  an element in a SIMD lane or, in the tail of the buffer, with a scalar formula whose last bit
+  can differ, so a hybrid layer's per-head gate (a few values per token) got different bits in a
+  decode step and in a training row. (Widths that are multiples of the run, as an MLP's, were
+  already always in the lanes: same bits as before.)
+- hybrid layers (Gated DeltaNet, KDA, short convolutions) run one order for every row: the delta
+  rules token by token and the convolution as ordered gathers (:mod:`packing.mixers.delta_rule`,
+  :mod:`packing.mixers.conv`), the order of the generator's decode, so prefill chunks, decode
+  steps and training rows (flat or tree) agree bitwise.
 - Everything else in the tested families (embedding, RMSNorm's row mean, RoPE, activations,
   ``log_softmax`` over a row) was audited as row-local: see ``tests/test_packing_invariance.py``.
 
@@ -206,6 +216,11 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 _MEANS = {torch.mean, torch.Tensor.mean}
+_POINTWISE = {torch.exp, torch.Tensor.exp, torch.expm1, torch.Tensor.expm1, torch.log, torch.Tensor.log,
+              torch.log1p, torch.Tensor.log1p, torch.sigmoid, torch.Tensor.sigmoid, torch.tanh,
+              torch.Tensor.tanh, F.softplus, F.silu, F.gelu, F.logsigmoid}
+VECTOR_RUN = 64  # elements: a whole number of torch's unrolled SIMD steps (2 x 16 fp32 lanes, 2 x 32 bf16)
+SERIAL_ELEMENTS = 16384  # a multiple of VECTOR_RUN below torch's parallel grain (32768): one thread, no split
 _SOFTMAXES = {F.softmax: False, torch.softmax: False, torch.Tensor.softmax: False,
               F.log_softmax: True, torch.log_softmax: True, torch.Tensor.log_softmax: True}
 
@@ -242,6 +257,24 @@ def _bound(func, args, kwargs, names):
     return [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names)]
 
 
+def lane_pointwise(func, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """``func(x, *args, **kwargs)`` (a pointwise function) with every element computed in a SIMD
+    lane: over ``x`` flattened and zero-padded to whole :data:`VECTOR_RUN` runs, in serial pieces,
+    so no element falls in the scalar tail of a loop (which rounds some functions differently).
+    Differentiable; an ``inplace=True`` call writes the result back into ``x``."""
+    inplace = kwargs.pop("inplace", False)
+    flat = x.reshape(-1)
+    n = flat.numel()
+    if n % VECTOR_RUN:
+        flat = torch.cat([flat, flat.new_zeros(VECTOR_RUN - n % VECTOR_RUN)])
+    if flat.numel() <= SERIAL_ELEMENTS:
+        out = func(flat, *args, **kwargs)
+    else:
+        out = torch.cat([func(piece, *args, **kwargs) for piece in flat.split(SERIAL_ELEMENTS)])
+    out = out[:n].view(x.shape)
+    return x.copy_(out) if inplace else out
+
+
 class _InvariantOps(TorchFunctionMode):
     """Routes this thread's ``F.linear`` (and, in the "triton" set, last-dim ``mean`` / ``softmax``
     / ``log_softmax`` of floating tensors) to the batch-invariant kernels; every other call runs
@@ -256,6 +289,13 @@ class _InvariantOps(TorchFunctionMode):
         if func is torch._log_softmax:  # the sampler's (into a reused buffer)
             routed = self._reduction(torch.log_softmax, args[:2], {})
             if routed is not None and not (args[2] if len(args) > 2 else kwargs.get("half_to_float")):
+                out = kwargs.get("out")
+                return routed if out is None else out.resize_(routed.shape).copy_(routed)
+        if func in _POINTWISE:
+            x = args[0] if args else kwargs.get("input")
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type == "cpu":
+                rest = {k: v for k, v in kwargs.items() if k not in ("input", "out")}
+                routed = lane_pointwise(func, x, *args[1:], **rest)
                 out = kwargs.get("out")
                 return routed if out is None else out.resize_(routed.shape).copy_(routed)
         if func is torch.Tensor.backward or func is torch.autograd.backward:

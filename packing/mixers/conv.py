@@ -9,7 +9,10 @@ path (``VarlenMeta.previous_rows``) and sums ``K`` weighted gathers: exact, diff
 the same code for packed and tree rows. On CUDA with ``causal-conv1d`` installed a packed row
 goes to its kernel with ``seq_idx`` (its documented way to keep sequences apart); tree rows and
 initial states stay on the reference (that kernel takes no per-sequence initial state with
-``seq_idx``). ``NOPAD_MIXER_KERNELS`` picks (:mod:`packing.mixers.kernels`).
+``seq_idx``). ``NOPAD_MIXER_KERNELS`` picks (:mod:`packing.mixers.kernels`). Inside
+:func:`packing.batch_invariant` every row takes the gathers (elementwise ops in one fixed order:
+oldest input first, then the bias), so a token gets the same bits in a training row, a prefill
+chunk and a decode step; the one-call paths sum in an order of their own.
 
 State convention (``causal-conv1d``'s): a sequence's conv state is its last ``K - 1`` inputs,
 ``(num_seqs, C, K - 1)``, oldest first, zeros before the sequence's first token.
@@ -23,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from packing import invariance
 from packing.mixers.kernels import package_function
 from packing.mixers.recurrence import parent_rows
 from packing.varlen import VarlenMeta
@@ -74,12 +78,13 @@ def varlen_causal_conv1d(
             raise ValueError("initial_states apply to packed rows; a prefix-tree segment starts from its "
                              "parent")
     out = None
-    if initial_states is None and meta.key_rows is None:
+    one_call = initial_states is None and meta.key_rows is None and not invariance.is_enabled()
+    if one_call:
         kernel_fn = package_function("causal_conv1d", "causal_conv1d_fn", tokens)
         if kernel_fn is not None:  # (1, C, T) channel-last, as the kernel's seq_idx path wants
             out = kernel_fn(tokens.t()[None], weight, bias, seq_idx=meta.seq_idx[None], activation=activation)
             out = out[0].t()
-    if out is None and initial_states is None and meta.key_rows is None:
+    if out is None and one_call:
         out = _flat_conv(tokens.to(weight.dtype), weight, bias, activation, meta).to(x.dtype)
     if out is not None and not return_final_states:
         return out[None] if x.dim() == 3 else out.t()

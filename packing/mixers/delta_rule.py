@@ -9,6 +9,14 @@ initial state. Padding is exact: a padded token has ``k = v = q = 0``, ``beta = 
 its chunk does; pieces are batched by their number of chunks, so no piece pays for a longer
 one. CUDA with ``fla`` installed: one varlen call per wave, ``cu_seqlens`` and the pieces'
 initial states (fla's documented signature), the way packed training runs there.
+
+Inside :func:`packing.batch_invariant` every row runs the layer's *token-by-token* rule instead
+(transformers' ``torch_recurrent_gated_delta_rule`` / ``recurrent_kimi_delta_attention``, the
+functions its cached decode calls), each wave's pieces as one right-padded batch. The chunked
+rule's sums depend on where a token falls in its chunk, so a token computed in a decode step, a
+prefill chunk and a training row got different bits; the recurrent rule does the same
+elementwise ops and the same per-token reductions over the state in the same order whatever the
+row's length, chunking and batch, so the generator's steps and the trainer's rows agree bitwise.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from packing import invariance
 from packing.mixers.kernels import package_function
 from packing.mixers.recurrence import recurrence_plan
 from packing.varlen import VarlenMeta
@@ -41,6 +50,7 @@ def varlen_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     fla_kernel: str | None = "chunk_gated_delta_rule",
     chunk_size: int = 64,
+    recurrent: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A chunked delta rule over ``meta``'s row (``query``/``key`` ``(1, T, H, K)``, ``value``
     ``(1, T, HV, V)``, ``g`` ``(1, T, HV)`` or ``(1, T, HV, K)``, ``beta`` ``(1, T, HV)``).
@@ -48,8 +58,10 @@ def varlen_delta_rule(
     ``reference(q, k, v, g, beta, chunk_size=, initial_state=, output_final_state=,
     use_qk_l2norm_in_kernel=)`` is the batched torch rule it runs on (returns ``(out, state)``);
     ``fla_kernel`` names fla's varlen function of the same rule (None: reference only).
-    ``initial_state``: ``(N, HV, K, V)`` per sequence of a packed row. Returns the output
-    ``(1, T, HV, V)`` and, with ``output_final_state``, each sequence's final state."""
+    ``initial_state``: ``(N, HV, K, V)`` per sequence of a packed row. ``recurrent``: the same
+    rule token by token (same call, no ``chunk_size``), which :func:`packing.batch_invariant`
+    runs instead. Returns the output ``(1, T, HV, V)`` and, with ``output_final_state``, each
+    sequence's final state."""
     if query.shape[0] != 1 or query.shape[1] != meta.total_q:
         raise ValueError(f"a varlen row is (1, {meta.total_q}, ...); got query of shape "
                          f"{tuple(query.shape)}. "
@@ -58,7 +70,9 @@ def varlen_delta_rule(
     if initial_state is not None and meta.key_rows is not None:
         raise ValueError("initial_state applies to packed rows; a prefix-tree segment starts from its parent")
     fla = None
-    if fla_kernel is not None:
+    if invariance.is_enabled():
+        reference, chunk_size = _invariant_rule(recurrent, query), None
+    elif fla_kernel is not None:
         fla = package_function(*FLA_FUNCTIONS[fla_kernel], query)
     tensors = (query, key, value, g, beta)
     common = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
@@ -70,7 +84,7 @@ def varlen_delta_rule(
     parts, part_rows = [], []
     for wave in plan.waves:
         starts = [_start_state(plan, p, states, initial_state) for p in wave]
-        if fla is not None:
+        if fla is not None or chunk_size is None:  # one call per wave (the recurrent rule: no chunks)
             groups = [list(wave)]
         else:  # pieces of the same number of chunks pad to the same length anyway
             chunks = [-(-len(plan.pieces[p]) // chunk_size) for p in wave]
@@ -91,6 +105,19 @@ def varlen_delta_rule(
     finals = [states[p] if p >= 0 else _initial(initial_state, i, value, key)
               for i, p in enumerate(plan.last_piece)]
     return out, torch.stack(finals)
+
+
+def _invariant_rule(recurrent: Callable | None, query: torch.Tensor) -> Callable:
+    """The token-by-token rule :func:`packing.batch_invariant` runs, or a clear refusal."""
+    if recurrent is None:
+        raise ValueError("packing.batch_invariant() runs a delta rule token by token (the order the "
+                         "generator's decode uses), and this layer's module has no token-by-token rule "
+                         "beside its chunked one; run it outside batch_invariant()")
+    if invariance.kernel_set(query.device) == "triton":
+        raise ValueError("packing.batch_invariant() on recurrent (delta-rule) layers is proven on CPU only: "
+                         "on CUDA torch's reduction over the state may split by batch size. Run hybrid "
+                         "models with batch_invariant=False on CUDA, or the mode on CPU")
+    return lambda *tensors, chunk_size=None, **kwargs: recurrent(*tensors, **kwargs)
 
 
 def _start_state(plan, p: int, states: dict, initial_state: torch.Tensor | None) -> torch.Tensor | None:

@@ -52,6 +52,10 @@ GLOBAL_NAMES = {
 MIXING = ("causal_conv1d_fn", "chunk_gated_delta_rule", "chunk_kda")  # what a served layer runs on rows
 CACHE_ONLY = ("causal_conv1d_update", "fused_recurrent_gated_delta_rule", "fused_recurrent_kda")
 RECURRENT_KERNELS = ("chunk_gated_delta_rule", "chunk_kda")
+# each chunked rule -> the global name of the same rule token by token in its modeling module (what
+# transformers' cached decode calls; packing.batch_invariant() runs it on every row)
+TOKEN_BY_TOKEN = {"chunk_gated_delta_rule": "torch_recurrent_gated_delta_rule",
+                  "chunk_kda": "recurrent_kimi_delta_attention"}
 RECURRENT_DTYPE = torch.float32  # the delta rules compute and return their state in fp32
 
 
@@ -86,8 +90,9 @@ def _delta_rule(kernel: str) -> Callable[[Callable], Callable]:
             if initial_state is not None:
                 raise ValueError("a nopad row carries no recurrent cache; call the model with "
                                  "use_cache=False")
+            recurrent = reference.__globals__.get(TOKEN_BY_TOKEN[kernel])
             common = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, fla_kernel=kernel,
-                          chunk_size=chunk_size)
+                          chunk_size=chunk_size, recurrent=recurrent and inspect.unwrap(recurrent))
             states = step_states(kwargs)
             if states is None:
                 return varlen_delta_rule(reference, query, key, value, g, beta, meta=nopad_meta,

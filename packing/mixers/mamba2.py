@@ -49,6 +49,7 @@ import warnings
 
 import torch
 
+from packing import invariance
 from packing.mixers.conv import varlen_causal_conv1d
 from packing.mixers.hf_kernels import LayerState, step_states
 from packing.mixers.kernels import package_function
@@ -259,6 +260,12 @@ def _hook(name: str, original, module):
             if states is not None:
                 if kwargs.get("initial_states") is not None or kwargs.get("return_final_states"):
                     raise ValueError("a generator step of a Mamba2 layer runs with use_cache=False")
+                if invariance.is_enabled():
+                    raise ValueError(
+                        f"packing.batch_invariant() does not cover a Mamba2 layer ({type(module).__name__}) "
+                        "in the generator: its decode steps and the trainer's chunk scan sum in different "
+                        "orders, so rollout log-probs would not equal the trainer's bitwise; generate "
+                        "outside the mode (and take old log-probs from a trainer forward)")
                 update = getattr(module, STEP_FUNCTION)
                 return step_chunk_scan(original, update, hidden_states, dt, A, B, C, chunk_size, states,
                                        **kwargs)
