@@ -141,6 +141,34 @@ def test_delta_rule_steps_equal_the_whole_row_bitwise_in_the_mode():
     assert torch.allclose(whole[False], whole[True], atol=1e-5)  # the same rule, another order
 
 
+def test_one_token_pieces_take_the_token_by_token_rule_outside_the_mode():
+    """A decode step's one-token pieces run the recurrent rule (as HF's decode does), not the
+    chunked one padded to a whole chunk; the row is the same within rounding."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    chunk = inspect.unwrap(torch_chunk_gated_delta_rule)
+    recurrent = inspect.unwrap(torch_recurrent_gated_delta_rule)
+    calls = []
+
+    def counted(*tensors, **kwargs):
+        calls.append(tensors[0].shape[:2])
+        return recurrent(*tensors, **kwargs)
+
+    lengths = [1, 9, 1, 1]
+    tensors, meta = _rule_inputs(lengths), VarlenMeta.from_lengths(lengths)
+    state = torch.randn(len(lengths), 4, 8, 8, generator=torch.Generator().manual_seed(2))
+    kwargs = dict(meta=meta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  chunk_size=16)
+    ours, ours_state = varlen_delta_rule(chunk, *tensors, recurrent=counted, **kwargs)
+    assert calls == [(3, 1)]  # the three one-token pieces, one batch of one step
+    ref, ref_state = varlen_delta_rule(chunk, *tensors, **kwargs)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_state, ref_state, atol=1e-5, rtol=1e-5)
+
+
 def test_the_mode_refuses_a_delta_rule_without_a_token_by_token_rule():
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 

@@ -69,10 +69,12 @@ def varlen_delta_rule(
     plan = recurrence_plan(meta)
     if initial_state is not None and meta.key_rows is not None:
         raise ValueError("initial_state applies to packed rows; a prefix-tree segment starts from its parent")
-    fla = None
+    fla, stepwise = None, None
     if invariance.is_enabled():
         reference, chunk_size = _invariant_rule(recurrent, query), None
-    elif fla_kernel is not None:
+    elif recurrent is not None:  # one-token pieces (decode steps) take the rule HF's decode takes
+        stepwise = _token_by_token(recurrent)
+    if fla_kernel is not None and not invariance.is_enabled():
         fla = package_function(*FLA_FUNCTIONS[fla_kernel], query)
     tensors = (query, key, value, g, beta)
     common = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
@@ -88,11 +90,15 @@ def varlen_delta_rule(
             groups = [list(wave)]
         else:  # pieces of the same number of chunks pad to the same length anyway
             chunks = [-(-len(plan.pieces[p]) // chunk_size) for p in wave]
+            if stepwise is not None:  # a one-token piece padded to a whole chunk costs 64 tokens' work
+                chunks = [0 if len(plan.pieces[p]) == 1 else c for p, c in zip(wave, chunks)]
             groups = [[p for p, c in zip(wave, chunks) if c == n] for n in sorted(set(chunks))]
         start_of = dict(zip(wave, starts))
         for group in groups:
-            out, final, rows = _run_group(reference, fla, tensors, plan, group, [start_of[p] for p in group],
-                                          chunk_size, common)
+            single = stepwise is not None and fla is None and all(len(plan.pieces[p]) == 1 for p in group)
+            rule, size = (stepwise, None) if single else (reference, chunk_size)
+            out, final, rows = _run_group(rule, fla, tensors, plan, group, [start_of[p] for p in group],
+                                          size, common)
             parts.append(out)
             part_rows.append(rows)
             for i, p in enumerate(group):
@@ -117,6 +123,11 @@ def _invariant_rule(recurrent: Callable | None, query: torch.Tensor) -> Callable
         raise ValueError("packing.batch_invariant() on recurrent (delta-rule) layers is proven on CPU only: "
                          "on CUDA torch's reduction over the state may split by batch size. Run hybrid "
                          "models with batch_invariant=False on CUDA, or the mode on CPU")
+    return _token_by_token(recurrent)
+
+
+def _token_by_token(recurrent: Callable) -> Callable:
+    """``recurrent`` (no ``chunk_size``) called as the chunked reference is."""
     return lambda *tensors, chunk_size=None, **kwargs: recurrent(*tensors, **kwargs)
 
 
