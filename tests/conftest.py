@@ -12,10 +12,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture
-def one_thread():
+def _single_thread():
     """Tiny tensors run faster on one thread, and CI's two cores are shared with other work."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+one_thread = pytest.fixture(_single_thread, name="one_thread")  # for a test
+# for every test of a module: `pytestmark = pytest.mark.usefixtures("one_thread_module")`
+one_thread_module = pytest.fixture(_single_thread, scope="module", name="one_thread_module")

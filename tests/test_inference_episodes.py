@@ -27,12 +27,7 @@ STOPS = [t for t in range(3, 128) if t % 4 == 0]
 RESULT_OPEN, RESULT_CLOSE = 5, 6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread is fastest
 
 
 def render_text(text: str) -> list[int]:

@@ -15,13 +15,7 @@ FAMILIES = ("llama", "qwen2", "mistral")
 GREEDY = dict(temperature=0.0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest single-threaded (and the CPUs are shared)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread is fastest
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -23,12 +23,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 LENGTHS = [1, 5, 17, 3, 12]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread is fastest
 
 
 def hybrid_model(family):
