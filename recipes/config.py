@@ -130,24 +130,10 @@ def parse_cli(cls: type[C], argv: Sequence[str] | None, prog: str, about: str = 
         raise SystemExit(0)
     path = argv.pop(0) if argv and _is_config_file(argv[0]) else None
     try:
-        _refuse_repeated_settings(argv)
         return load_config(cls, path, argv)
     except (ConfigError, FileNotFoundError, ValueError, yaml.YAMLError) as err:
         print(f"{prog}: error: {err} (see {prog} --help)", file=sys.stderr)
         raise SystemExit(2) from None
-
-
-def _refuse_repeated_settings(argv: Sequence[str]) -> None:
-    """A key set twice on one command line (or a section and one of its keys) is an error naming
-    both, as in a YAML file: the last one used to win without a word."""
-    seen: dict[str, str] = {}
-    for text in argv:
-        key = text.partition("=")[0].strip()
-        for other, earlier in seen.items():
-            if key == other or key.startswith(other + ".") or other.startswith(key + "."):
-                raise ConfigError(key, f"is set twice on the command line ({earlier} and {text}); keep one: "
-                                  "the second would replace the first")
-        seen[key] = text
 
 
 def _is_config_file(arg: str) -> bool:

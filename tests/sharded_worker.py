@@ -74,7 +74,7 @@ def run(mode: str, out_dir: str) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         bf16 = fully_shard(tiny_model("llama"), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-        assert Generator(bf16, num_blocks=4).dtype == torch.bfloat16
+        assert Generator(bf16, num_blocks=4).live.dtype == torch.bfloat16
         accelerator, rank = None, dist.get_rank()
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         engine = policy = model

@@ -31,6 +31,7 @@ def run(mode: str, out_dir: str) -> None:
     from accelerate import Accelerator
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
+    from trl import GRPOTrainer
 
     from tests.models import tiny_model
     from tests.test_training_trl import make_tokenizer
@@ -47,9 +48,11 @@ def run(mode: str, out_dir: str) -> None:
                            max_completion_length=1 if rank == 0 else 12, generation_kwargs=None,
                            generation_batch_size=8, ds3_gather_for_generation=True,
                            gradient_checkpointing_kwargs=None, chat_template_kwargs=None)
-    trainer = SimpleNamespace(args=args, processing_class=tok, accelerator=Accelerator(cpu=True), model=model,
-                              model_wrapped=model, eos_token_ids=[tok.eos_token_id],
-                              state=SimpleNamespace(global_step=0))
+    # a GRPOTrainer (the rollout checks TRL's class it runs in) with only what the rollout reads
+    trainer = GRPOTrainer.__new__(GRPOTrainer)
+    vars(trainer).update(args=args, processing_class=tok, accelerator=Accelerator(cpu=True), model=model,
+                         model_wrapped=model, eos_token_ids=[tok.eos_token_id],
+                         state=SimpleNamespace(global_step=0))
     prompts = ["w10 w11 w12"] * 4 + [f"w{20 + rank} w3{rank}"] * 4
     out = nopad_rollout_func(sharded_rollout=mode, max_num_batched_tokens=64)(prompts, trainer)
     weight = model.model.layers[0].self_attn.q_proj.weight
