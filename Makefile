@@ -39,12 +39,12 @@ bench: setup
 	for b in benchmarks/bench_*.py; do $(PYTHON) $$b || exit 1; done
 
 # The Triton kernels under the lent GPU machines' Triton (3.6) as well as this one: an sm_90 compile
-# (no GPU needed) and the interpreter tests. numpy < 2.4 beside it: see tests/test_triton_compat.py.
+# (no GPU needed) and the interpreter tests. numpy < 2.4 beside it: see tests/gpu/test_triton_compat.py.
 TRITON36 ?= /tmp/triton36
 triton-compat:
 	test -d $(TRITON36)/triton-3.6.0.dist-info || \
 		$(PIP) install --target $(TRITON36) --no-deps triton==3.6.0 "numpy<2.4"
-	NOPAD_TRITON36=$(TRITON36) $(PYTHON) -m pytest tests/test_triton_compat.py -m "slow or not slow" -q
+	NOPAD_TRITON36=$(TRITON36) $(PYTHON) -m pytest tests/gpu/test_triton_compat.py -m "slow or not slow" -q
 
 # On a CUDA machine: pytest -m gpu, then nopad vs its peers; writes gpu_report.md / .json.
 # Installs nothing (the lent GPU machines are offline: see benchmarks/README.md).

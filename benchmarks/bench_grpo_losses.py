@@ -200,7 +200,7 @@ def child(spec: dict) -> None:
 
 
 def measure(spec: dict, timeout: float) -> dict:
-    from tests.launch import run_in_group
+    from tests.support.launch import run_in_group
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     code, out, err = run_in_group(

@@ -146,9 +146,9 @@ def backends(device: torch.device, dtype: torch.dtype, block_size: int) -> dict:
 def run_pytest_gpu(quick: bool) -> dict:
     """``pytest -m gpu``, then the Triton kernel tests (they run natively on CUDA), in subprocesses."""
     if quick:  # the smoke run only checks the step is wired: collect, don't run (they skip without CUDA)
-        commands = [["-m", "gpu", "--co", "tests/test_gpu.py"]]
+        commands = [["-m", "gpu", "--co", "tests/gpu/test_gpu.py"]]
     else:
-        commands = [["-m", "gpu", "tests/"], ["tests/test_packing_triton_attention.py"]]
+        commands = [["-m", "gpu", "tests/"], ["tests/packing/test_packing_triton_attention.py"]]
     runs = []
     for extra in commands:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra]

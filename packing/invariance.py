@@ -33,7 +33,7 @@ differ visibly (``benchmarks/bench_exactness.py`` measures by how much). Under t
   :mod:`packing.mixers.conv`), the order of the generator's decode, so prefill chunks, decode
   steps and training rows (flat or tree) agree bitwise.
 - Everything else in the tested families (embedding, RMSNorm's row mean, RoPE, activations,
-  ``log_softmax`` over a row) was audited as row-local: see ``tests/test_packing_invariance.py``.
+  ``log_softmax`` over a row) was audited as row-local: see ``tests/packing/test_packing_invariance.py``.
 
 The mode belongs to the thread that enters it: the ops are caught by a
 ``torch.overrides.TorchFunctionMode``, whose stack is per thread, and :func:`is_enabled` (read by

@@ -127,3 +127,21 @@ def test_the_module_graph_has_no_cycles():
 
     for module in sorted(graph):
         visit(module, [])
+
+
+def test_tests_mirror_the_packages():
+    """#39 A6: a test of ``<package>/`` lives in ``tests/<package>/`` and is named ``test_<package>_*``;
+    shared helpers live in ``tests/support/``. Only the whole-project checks sit at ``tests/``."""
+    tests = ROOT / "tests"
+    folders = {"packing", "dataloaders", "inference", "training", "recipes", "benchmarks", "gpu", "support"}
+    whole_project = {"conftest.py", "test_code_size.py", "test_import_graph.py", "test_nonfinite.py",
+                     "test_readme.py"}
+    misplaced = [p.name for p in tests.glob("*.py") if p.name not in whole_project]
+    for path in tests.glob("*/*.py"):
+        folder = path.parent.name
+        if folder not in folders:
+            misplaced.append(str(path.relative_to(tests)))
+        elif folder in {"packing", "dataloaders", "inference", "training", "recipes"}:
+            if not path.name.startswith(f"test_{folder}_"):
+                misplaced.append(str(path.relative_to(tests)))
+    assert not misplaced, f"move these into tests/<package>/ (helpers into tests/support/): {misplaced}"

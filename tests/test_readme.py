@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import launch
+from tests.support import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

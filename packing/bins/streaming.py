@@ -5,7 +5,8 @@ Sequences wait in a buffer of ``buffer_size``. When it is full, one bin is built
 starts with the longest buffered sequence, then repeatedly takes the longest buffered sequence
 that still fits the remaining room (best fit for the room), until nothing fits. With a buffer of a
 few thousand sequences there is almost always a short sequence to fill the last gap, so bins come
-out nearly as full as global best-fit decreasing (see tests/test_packing_streaming.py), and every bin is
+out nearly as full as global best-fit decreasing (see
+tests/packing/test_packing_streaming.py), and every bin is
 final the moment it is emitted. ``state_dict()`` captures the buffer and the random state, so a
 loader that saves it resumes with exactly the same bins.
 """

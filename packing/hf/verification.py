@@ -55,7 +55,7 @@ class VerifyReport:
         no packing at all) move its entries by about ``grad_rtol`` of its largest one, while the
         whole gradient moves far less. A packing bug (attention leaking across sequences, wrong
         positions, a wrong backward) moves the whole gradient by orders of magnitude more.
-        ``tests/test_packing_verification.py`` checks both sides on SmolLM2-135M."""
+        ``tests/packing/test_packing_verification.py`` checks both sides on SmolLM2-135M."""
         tensor_rtol = 100 * grad_rtol if tensor_rtol is None else tensor_rtol
         return (self.max_logit_diff <= logit_rtol * max(1.0, self.logit_scale)
                 and self.grad_rel_diff <= grad_rtol and self.max_grad_rel_diff <= tensor_rtol)

@@ -1,0 +1,112 @@
+"""nopad on a real GPU: run by ``pytest -m gpu`` (and ``make gpu-check``); collected and skipped without CUDA.
+
+The Triton kernel's bitwise invariance tests
+(tests/packing/test_packing_triton_attention.py) run natively on CUDA
+as they are (their device is CUDA when there is one); ``benchmarks/gpu_check.py`` runs that file too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference.generator import Generator
+from inference.sampling_params import SamplingParams
+from packing.attention import varlen_attention
+from packing.attention.registry import Call, backends
+from packing.varlen import VarlenMeta
+from tests.inference.test_inference_step_syncs import GREEDY, PROMPTS, count_steps
+from tests.packing.test_packing_attention import naive
+from tests.support.models import tiny_model
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+CUDA = torch.device("cuda")
+GPU_BACKENDS = ("sdpa_loop", "torch_varlen", "flex", "triton", "flash")
+
+
+def usable(name: str, **call) -> bool:
+    """True when this machine's libraries let ``name`` run such a call on CUDA in bf16."""
+    backend = backends().get(name)
+    if backend is None:
+        return False
+    return backend.gap(Call(CUDA, torch.bfloat16, **call), forced=True) is None
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_packed_training_forward_and_backward_equal_the_reference(backend):
+    if not usable(backend, grad=True):
+        pytest.skip(f"{backend} cannot run bf16 training rows on this machine")
+    lengths = [1, 37, 128, 5, 300, 64]
+    meta = VarlenMeta.from_lengths(lengths)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(meta.total_q, h, 64, generator=g) for h in (8, 2, 2))
+    leaves = [t.to(CUDA, torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    ref_leaves = [t.to(torch.bfloat16).float().requires_grad_() for t in (q, k, v)]  # fp32 maths, CPU
+    out = varlen_attention(*leaves, meta.to(CUDA), backend=backend)
+    ref = naive(*ref_leaves, meta)
+    torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
+    grad = torch.randn(meta.total_q, 8, 64, generator=g)
+    (out.float() * grad.to(CUDA)).sum().backward()
+    (ref * grad).sum().backward()
+    for a, b in zip(leaves, ref_leaves):
+        torch.testing.assert_close(a.grad.float().cpu(), b.grad, atol=5e-2, rtol=5e-2)
+
+
+def _greedy(model, **gen_kwargs) -> list[list[int]]:
+    gen = Generator(model, max_num_batched_tokens=64, **gen_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in gen.generate(PROMPTS, params)]
+
+
+def _hf_greedy(model) -> list[list[int]]:
+    out = []
+    for p in PROMPTS:  # one prompt at a time: no padding, the plain reference
+        ids = torch.tensor([p], device=CUDA)
+        gen = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_generator_greedy_equals_hf_generate(family):
+    model = tiny_model(family).to(CUDA).eval()
+    with torch.no_grad():
+        assert _greedy(model) == _hf_greedy(model)
+
+
+def test_static_decode_in_a_cuda_graph_gives_the_same_tokens():
+    """compile_decode captures the static decode step as CUDA graphs (mode="reduce-overhead")."""
+    model = tiny_model("llama").to(CUDA).eval()
+    with torch.no_grad():
+        eager = _greedy(model)
+        assert _greedy(model, static_decode=True) == eager
+        assert _greedy(model, compile_decode=True) == eager
+
+
+def test_no_per_layer_host_sync():
+    def counts(layers):
+        gen = Generator(tiny_model("llama", num_hidden_layers=layers).to(CUDA), max_num_batched_tokens=8)
+        for p in PROMPTS:
+            gen.add_request(p, GREEDY)
+        return count_steps(gen, 6)
+
+    assert counts(2) == counts(6)
+
+
+def test_release_gives_the_kv_memory_back():
+    model = tiny_model("llama").to(CUDA).eval()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    gen = Generator(model, num_blocks=4096, block_size=16, max_num_batched_tokens=64)
+    with torch.no_grad():
+        gen.generate(PROMPTS, GREEDY)
+    held = torch.cuda.memory_allocated()
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_bytes = 2 * cfg.num_hidden_layers * 4096 * 16 * cfg.num_key_value_heads * head_dim * 4  # fp32 K and V
+    assert held - before >= kv_bytes
+    gen.release()
+    del gen
+    torch.cuda.synchronize()
+    assert held - torch.cuda.memory_allocated() >= kv_bytes

@@ -1,0 +1,79 @@
+"""The attention layouts of current families (issue 36 items 5, 6), exact in packed rows, tree rows
+and the generator: Gemma4 (K/V shared across its last layers, a larger head on its full-attention
+layers, per-layer inputs), DeepSeek-V3's MLA (keys of 24, values of 8 per head) and gpt-oss's
+attention sinks (tests/packing/test_packing_sinks.py has the backends)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import packing
+from inference import Generator, SamplingParams
+from inference.kv_cache import KVCache, LayerKV, bytes_per_block, kv_layout
+from packing.attention import varlen_attention
+from packing.varlen import VarlenMeta
+from tests.inference.test_inference_generator import hf_greedy, prompts_of
+from tests.packing.test_packing_sinks import strong_sinks
+from tests.support.models import LAYOUT_FAMILIES, SINK_FAMILIES, random_sequences, tiny_config, tiny_model
+
+
+@pytest.fixture(scope="module", params=LAYOUT_FAMILIES + SINK_FAMILIES)
+def model(request):
+    model = tiny_model(request.param)
+    return strong_sinks(model) if request.param in SINK_FAMILIES else model
+
+
+def test_verify_flat_and_tree(model):
+    seqs = random_sequences((5, 9, 12, 20))  # past the sliding window (8) of Gemma4 and gpt-oss
+    for tree in (False, True):
+        report = packing.verify(model, seqs, tree=tree)
+        assert report.ok(), report
+
+
+@pytest.mark.parametrize("chunk,static", [(1000, False), (3, False), (1000, True)])
+def test_greedy_equals_hf_generate_with_n_samples(model, chunk, static, one_thread):
+    prompts = prompts_of([1, 5, 17, 9])
+    gen = Generator(model, block_size=4, max_num_batched_tokens=chunk, num_blocks=64, static_decode=static)
+    outs = gen.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, n=2), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ref = hf_greedy(model, prompt, 10)
+        assert [c.token_ids for c in out.outputs] == [ref, ref]
+    assert gen.allocator.num_free == gen.allocator.num_blocks
+
+
+def test_gemma4_cache_holds_only_the_layers_that_compute_kv():
+    config = tiny_config("gemma4")  # layers: sliding, full, sliding (reuses 0), full (reuses 1)
+    assert kv_layout(config) == [LayerKV(0, 2, 16), LayerKV(1, 2, 32), LayerKV(0, 2, 16), LayerKV(1, 2, 32)]
+    cache = KVCache(config, num_blocks=3, block_size=4, dtype=torch.float32, device="cpu")
+    assert len(cache) == 4 and len(cache.k) == 2
+    assert cache[2][0] is cache[0][0] and cache[3][1] is cache[1][1]
+    assert cache[1][0].shape == (3, 4, 2, 32)
+    assert bytes_per_block(config, 4, torch.float32) == cache.nbytes // 3 == 2 * 4 * 2 * (16 + 32) * 4
+
+
+def test_mla_cache_holds_values_at_the_key_size():
+    config = tiny_config("deepseek_v3")  # 4 heads, keys 16 + 8, values 8
+    assert kv_layout(config) == [LayerKV(0, 4, 24), LayerKV(1, 4, 24)]
+
+
+def test_keys_and_values_of_different_sizes_are_exact_on_every_cpu_backend():
+    meta = VarlenMeta.from_lengths([3, 11])
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(14, 4, 24, generator=g), torch.randn(14, 2, 24, generator=g)
+    v = torch.randn(14, 2, 8, generator=g)
+    ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1), is_causal=True,
+        enable_gqa=True).transpose(0, 1) for s in (slice(0, 3), slice(3, 14))])
+    for backend in ("sdpa_loop", "sdpa_padded", "per_token", "kernel"):
+        out = varlen_attention(q, k, v, meta, backend=backend)
+        assert out.shape == (14, 4, 8) and (out - ref).abs().max() < 2e-6, backend
+
+
+def test_a_cache_of_another_layout_is_refused_by_name():
+    meta = VarlenMeta.for_step([2], [0], block_table=torch.zeros(1, 1, dtype=torch.int32),
+                               slot_mapping=torch.arange(2))
+    cache = (torch.zeros(1, 4, 2, 16), torch.zeros(1, 4, 2, 16))
+    q, k, v = torch.randn(2, 4, 32), torch.randn(2, 2, 32), torch.randn(2, 2, 32)
+    with pytest.raises(ValueError, match=r"paged cache holds \(2, 16\).*kv_layout"):
+        varlen_attention(q, k, v, meta, kv_cache=cache)

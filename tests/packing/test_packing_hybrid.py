@@ -1,0 +1,311 @@
+"""Hybrid layers on packed and prefix-tree rows (issue 36 items 2 and 3): Gated DeltaNet (Qwen3.5,
+Qwen3-Next, OLMo-hybrid), Kimi's KDA and LFM2's short convolution compute on a packed row what
+each sequence computes alone, and on a tree row what each path computes flat, through
+transformers' own kernel functions (packing/mixers/hf_kernels.py); the varlen convolution and
+delta rule against the per-sequence torch functions with initial and final states; the fla /
+causal-conv1d dispatch through strict stand-ins; a GRPO step on tree rows of Qwen3.5."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import sys
+import types
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+
+import packing
+from packing.mixers import kernels, recurrence_plan, varlen_causal_conv1d, varlen_delta_rule
+from packing.mixers.kernels import KERNELS_ENV
+from packing.varlen import VarlenMeta
+from tests.support.models import random_sequences, tiny_model
+
+SERVED = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "kimi_linear")
+TORCH_RULE = qwen.torch_chunk_gated_delta_rule.__wrapped__  # transformers' own torch function
+
+
+def exact(report) -> bool:
+    """The issue's bar: logits within 1e-5, the whole gradient within 1e-5 relative. Not verify's
+    per-tensor bound: in these tiny random models some decay parameters (``dt_bias``, ``A_log``)
+    get a gradient 1e-8 of the whole one, so its relative difference is fp32 rounding alone."""
+    return report.max_logit_diff <= 1e-5 * max(1.0, report.logit_scale) and report.grad_rel_diff <= 1e-5
+
+
+def tree_sequences(depth: int, seed: int = 0) -> list[torch.Tensor]:
+    """A prompt with several continuations, the first forked again, down to ``depth`` levels;
+    one path ends at an inner node, one prompt is longer than a 64-token chunk (depth >= 3)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n):
+        return torch.randint(3, 128, (n,), generator=g)
+
+    prompt = ids(70 if depth >= 3 else 9)
+    paths, stem = [], prompt
+    for level in range(depth):
+        branches = [torch.cat([stem, ids(n)]) for n in (3 + level, 1, 5)]
+        paths += branches[1:]
+        stem = branches[0]
+    paths.append(stem)
+    paths.append(prompt[:4])  # a path that ends inside another's first node
+    return paths
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_packed_rows_equal_each_sequence_alone(family, one_thread):
+    model = tiny_model(family)
+    report = packing.verify(model, random_sequences((1, 70, 5, 13, 64)))
+    assert exact(report), str(report)
+
+
+@pytest.mark.parametrize("family", SERVED)
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_tree_rows_equal_each_path_flat(family, depth, one_thread):
+    if family != "qwen3_5" and depth == 2:
+        pytest.skip("depth 2 on the other families adds time, not coverage")
+    report = packing.verify(tiny_model(family), tree_sequences(depth), tree=True)
+    assert exact(report), str(report)
+
+
+def test_a_tree_row_cuts_segments_where_a_branch_leaves_them():
+    """Depth 3: the first child of each node continues its parent's segment, its siblings branch
+    off half-way; the plan cuts there, and each level of branches is one wave."""
+    from packing.bins.tree import TreePath, pack_tree_rows
+
+    (row,) = pack_tree_rows([TreePath(s.tolist()) for s in tree_sequences(3)], capacity=512)
+    plan = recurrence_plan(row.nopad_meta)
+    assert len(plan.pieces) > row.nopad_meta.num_seqs  # segments cut at the forks
+    assert len(plan.waves) == 4  # the prompt's first 4 tokens; the rest of the prompt; 3 levels
+    ends = {p.end - 1 for p in plan.pieces}
+    assert all(plan.pieces[p.parent].end - 1 in ends for p in plan.pieces if p.parent >= 0)
+
+
+def test_the_model_without_a_nopad_row_is_unchanged(one_thread):
+    """HF's own call (no nopad_meta) goes to transformers' function as before."""
+    model = tiny_model("qwen3_5")
+    ids = random_sequences((9,))[0][None]
+    assert qwen.torch_chunk_gated_delta_rule._nopad_kernel == "chunk_gated_delta_rule"
+    with torch.no_grad():
+        got = model(ids, use_cache=False).logits
+        for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
+            setattr(qwen, name, getattr(qwen, name).__wrapped__)
+        try:
+            want = model(ids, use_cache=False).logits
+        finally:
+            import packing.mixers.hf_kernels as hf_kernels
+
+            hf_kernels.install()
+    assert torch.equal(got, want)
+
+
+# ----------------------------------------------------------------------------- the varlen functions
+def _conv_alone(x, weight, bias, activation, state):
+    """One sequence (C, L) after conv state ``state`` (C, K - 1): output and its final state."""
+    full = torch.cat([state, x], dim=1)
+    out = F.conv1d(full[None], weight[:, None], bias, groups=x.shape[0])[0]
+    out = F.silu(out) if activation else out
+    return out, full[:, -(weight.shape[1] - 1):]
+
+
+@pytest.mark.parametrize("layout", ["(1, T, C)", "(C, T)"])
+def test_varlen_conv_with_initial_and_final_states(layout):
+    torch.manual_seed(0)
+    lengths, channels, kernel = [5, 1, 0, 2, 9], 6, 4
+    x = torch.randn(channels, sum(lengths))
+    weight, bias = torch.randn(channels, kernel), torch.randn(channels)
+    init = torch.randn(len(lengths), channels, kernel - 1)
+    cu = torch.tensor(np.concatenate(([0], np.cumsum(lengths))), dtype=torch.int32)
+    arg = x.t()[None] if layout == "(1, T, C)" else x
+    out, final = varlen_causal_conv1d(arg, weight, bias, "silu", cu_seqlens=cu, initial_states=init,
+                                      return_final_states=True)
+    out = out[0].t() if layout == "(1, T, C)" else out
+    for i in range(len(lengths)):
+        a, b = int(cu[i]), int(cu[i + 1])
+        if a == b:  # an empty sequence keeps its state
+            assert torch.equal(final[i], init[i])
+            continue
+        want, want_state = _conv_alone(x[:, a:b], weight, bias, True, init[i])
+        torch.testing.assert_close(out[:, a:b], want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(final[i], want_state, rtol=0, atol=0)
+    zero = varlen_causal_conv1d(x, weight, None, None, meta=VarlenMeta.from_lengths(lengths))
+    want = torch.cat([_conv_alone(x[:, int(cu[i]):int(cu[i + 1])], weight, None, False,
+                                  torch.zeros(channels, kernel - 1))[0]
+                      for i in range(len(lengths)) if lengths[i]],
+                     dim=1)
+    torch.testing.assert_close(zero, want, rtol=1e-6, atol=1e-6)
+
+
+def test_varlen_conv_refuses_bad_input():
+    x, w = torch.randn(4, 6), torch.randn(4, 3)
+    meta = VarlenMeta.from_lengths([2, 4])
+    with pytest.raises(ValueError, match="exactly one of meta or cu_seqlens"):
+        varlen_causal_conv1d(x, w)
+    with pytest.raises(ValueError, match="row has 6 tokens"):
+        varlen_causal_conv1d(x, w, meta=VarlenMeta.from_lengths([2, 3]))
+    with pytest.raises(ValueError, match="weight must be"):
+        varlen_causal_conv1d(x, torch.randn(5, 3), meta=meta)
+    with pytest.raises(ValueError, match="activation"):
+        varlen_causal_conv1d(x, w, activation="gelu", meta=meta)
+    with pytest.raises(ValueError, match="initial_states must be"):
+        varlen_causal_conv1d(x, w, meta=meta, initial_states=torch.zeros(2, 4, 3))
+    with pytest.raises(ValueError, match="in a cache"):
+        varlen_causal_conv1d(x, w, meta=VarlenMeta.for_step([2, 4], [1, 0]))
+
+
+def _rule_inputs(lengths, heads=2, value_heads=4, dim=8, seed=0):
+    torch.manual_seed(seed)
+    total = sum(lengths)
+    q, k = torch.randn(1, total, heads, dim), torch.randn(1, total, heads, dim)
+    v = torch.randn(1, total, value_heads, dim)
+    g, beta = -torch.rand(1, total, value_heads), torch.rand(1, total, value_heads)
+    return q, k, v, g, beta
+
+
+def test_varlen_delta_rule_with_initial_and_final_states():
+    lengths = [70, 1, 0, 64, 3]
+    q, k, v, g, beta = tensors = _rule_inputs(lengths)
+    init = torch.randn(len(lengths), 4, 8, 8)
+    out, final = varlen_delta_rule(TORCH_RULE, *tensors, meta=VarlenMeta.from_lengths(lengths),
+                                   initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    cu = np.concatenate(([0], np.cumsum(lengths)))
+    for i in range(len(lengths)):
+        a, b = cu[i], cu[i + 1]
+        if a == b:
+            assert torch.equal(final[i], init[i])
+            continue
+        want, want_state = TORCH_RULE(*(t[:, a:b] for t in tensors), initial_state=init[i:i + 1],
+                                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(out[:, a:b], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(final[i], want_state[0], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- fla / causal-conv1d stand-ins
+class KernelStandIns:
+    """Strict CPU stand-ins for fla's ``chunk_gated_delta_rule`` and causal-conv1d's
+    ``causal_conv1d_fn``, written to their documented signatures and checks (fla: ``(B=1, T, H,
+    K)`` inputs with int64 ``cu_seqlens`` and ``initial_state`` ``(N, HV, K, V)``; causal-conv1d:
+    ``(B, C, T)`` channel-last with int32 ``seq_idx`` ``(B, T)``, no initial states beside
+    ``seq_idx``, activation None/silu/swish), computing per sequence with transformers' torch
+    functions. Every call is recorded."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, dict]] = []
+        fla = types.ModuleType("fla")
+        ops = types.ModuleType("fla.ops")
+        rule = types.ModuleType("fla.ops.gated_delta_rule")
+        rule.chunk_gated_delta_rule = self.chunk_gated_delta_rule
+        conv = types.ModuleType("causal_conv1d")
+        conv.causal_conv1d_fn = self.causal_conv1d_fn
+        self.modules = {"fla": fla, "fla.ops": ops, "fla.ops.gated_delta_rule": rule, "causal_conv1d": conv}
+        for name, module in self.modules.items():
+            module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None)
+
+    def chunk_gated_delta_rule(self, q, k, v, g, beta, scale=None, initial_state=None,
+                               output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+                               **kwargs):
+        assert q.shape[0] == 1 and cu_seqlens is not None, "fla varlen: batch 1 and cu_seqlens"
+        assert cu_seqlens.dtype == torch.long and cu_seqlens.dim() == 1 and int(cu_seqlens[-1]) == q.shape[1]
+        n = cu_seqlens.numel() - 1
+        if initial_state is not None:
+            assert initial_state.shape == (n, v.shape[2], k.shape[-1], v.shape[-1]), initial_state.shape
+        assert scale is None and not kwargs
+        self.calls.append(("fla", dict(seqs=n, initial=initial_state is not None)))
+        outs, finals = [], []
+        for i in range(n):
+            a, b = int(cu_seqlens[i]), int(cu_seqlens[i + 1])
+            init = None if initial_state is None else initial_state[i:i + 1]
+            out, final = TORCH_RULE(*(t[:, a:b] for t in (q, k, v, g, beta)), initial_state=init,
+                                    output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            outs.append(out)
+            finals.append(final)
+        return torch.cat(outs, dim=1), torch.cat(finals) if output_final_state else None
+
+    def causal_conv1d_fn(self, x, weight, bias=None, seq_idx=None, initial_states=None,
+                         return_final_states=False, final_states_out=None, activation=None):
+        if activation not in (None, "silu", "swish"):
+            raise NotImplementedError("activation must be None, silu, or swish")
+        if seq_idx is not None:
+            assert x.stride(1) == 1, "seq_idx is only supported for channel last layout"
+            assert initial_states is None and not return_final_states
+            assert seq_idx.dtype == torch.int32 and seq_idx.shape == (x.shape[0], x.shape[2])
+        self.calls.append(("causal_conv1d", dict(seq_idx=seq_idx is not None)))
+        bounds = torch.nonzero(torch.diff(seq_idx[0]), as_tuple=False).flatten() + 1
+        cuts = [0, *bounds.tolist(), x.shape[2]]
+        zero = x.new_zeros(x.shape[1], weight.shape[1] - 1)
+        return torch.cat([_conv_alone(x[0, :, a:b], weight, bias, activation is not None, zero)[0]
+                          for a, b in zip(cuts[:-1], cuts[1:])], dim=1)[None]
+
+
+@pytest.fixture
+def kernel_standins(monkeypatch):
+    standins = KernelStandIns()
+    for name, module in standins.modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setenv(KERNELS_ENV, "package")
+    return standins
+
+
+def test_packed_rows_go_to_fla_and_causal_conv1d_with_their_boundaries(kernel_standins, one_thread):
+    report = packing.verify(tiny_model("qwen3_5"), random_sequences((1, 70, 5)))
+    assert exact(report), str(report)
+    calls = [name for name, _ in kernel_standins.calls]
+    assert calls.count("fla") == 2 and calls.count("causal_conv1d") == 2  # one per linear-attention layer
+    assert all(c["seqs"] == 3 and not c["initial"] for name, c in kernel_standins.calls if name == "fla")
+
+
+def test_tree_rows_go_to_fla_wave_by_wave_with_the_parents_states(kernel_standins, one_thread):
+    report = packing.verify(tiny_model("qwen3_5"), tree_sequences(2), tree=True)
+    assert exact(report), str(report)
+    fla = [c for name, c in kernel_standins.calls if name == "fla"]
+    assert len(fla) > 2 and any(c["initial"] for c in fla)  # several waves per layer, later ones from states
+    # tree windows stay on the reference
+    assert not any(name == "causal_conv1d" for name, _ in kernel_standins.calls)
+
+
+def test_a_kernel_package_that_fails_to_import_is_reported_once(monkeypatch, tmp_path):
+    """An installed causal-conv1d built for another torch: one warning, then the reference runs."""
+    from tests.support.flash_standin import broken_package
+
+    monkeypatch.syspath_prepend(str(broken_package(tmp_path, "causal_conv1d")))
+    monkeypatch.delitem(sys.modules, "causal_conv1d", raising=False)
+    monkeypatch.setattr(kernels, "_BROKEN", set())
+    x, weight = torch.randn(1, 9, 3), torch.randn(3, 4)
+    cu = torch.tensor([0, 4, 9])
+    monkeypatch.setenv(KERNELS_ENV, "reference")
+    want = varlen_causal_conv1d(x, weight, cu_seqlens=cu)
+    monkeypatch.setenv(KERNELS_ENV, "package")
+    with pytest.warns(RuntimeWarning, match="causal_conv1d.causal_conv1d_fn is installed but does not import"
+                                            ".*libcudart"):
+        assert torch.equal(varlen_causal_conv1d(x, weight, cu_seqlens=cu), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reported once: no second warning, no second import
+        assert kernels.package_function("causal_conv1d", "causal_conv1d_fn", x) is None
+
+
+def test_a_grpo_step_on_tree_rows_of_a_hybrid_model_equals_flat_packing(one_thread):
+    from packing.hf import use_nopad_attention
+    from tests.training.test_training_tree import _grad_recorder, forked_rollouts
+    from training.accumulation import OptimizerStepper
+    from training.grpo_step import GRPOLoss, train_on_rollouts
+
+    rollouts = forked_rollouts()
+
+    def step(shared_prefix, capacity):
+        model = tiny_model("qwen3_5")
+        loss = GRPOLoss(max_tokens_per_batch=capacity, shared_prefix=shared_prefix)
+        optimizer = _grad_recorder(model.parameters())
+        with use_nopad_attention(model):
+            metrics = train_on_rollouts(OptimizerStepper(model, optimizer), rollouts, loss)
+        return dict(zip((n for n, _ in model.named_parameters()), optimizer.grads)), metrics
+
+    want, flat = step(False, 256)
+    for capacity in (256, 40):  # every tree in one row; trees split across rows
+        grads, tree = step(True, capacity)
+        assert tree["train_tokens"] < flat["train_tokens"]
+        assert tree["loss"] == pytest.approx(flat["loss"], rel=1e-5)
+        total = torch.cat([w.flatten() for w in want.values()])
+        diff = torch.cat([(grads[n] - w).flatten() for n, w in want.items()])
+        assert float(diff.norm()) <= 1e-5 * float(total.norm())

@@ -1,0 +1,209 @@
+"""Batch-invariant mode on hybrid layers (Gated DeltaNet, KDA, short convolutions, Mamba2): the
+generator's rollout log-probs equal the trainer's packed log-probs bitwise, on flat and tree rows,
+whatever the generator's batch and prefill chunk; and the pieces that make it so (the delta rules
+token by token, the convolution as ordered gathers, pointwise functions in SIMD lanes)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inference import Generator, SamplingParams
+from packing.hf import use_nopad_attention
+from packing.invariance import batch_invariant, lane_pointwise
+from packing.mixers import varlen_causal_conv1d, varlen_delta_rule
+from packing.varlen import VarlenMeta
+from tests.support.models import random_sequences, tiny_model
+from training.grpo import Rollout, pack_rollouts, packed_logprobs, pair_sequences
+
+DTYPES = (torch.float32, torch.bfloat16)
+# the hybrid families the generator serves; MoE experts run eager: transformers' default grouped_mm
+# experts are not batch-invariant yet (an attention-only MoE such as DeepSeek-V3 differs the same way)
+GENERATOR_FAMILIES = ("qwen3_5", "qwen3_next", "kimi_linear", "lfm2")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def hybrid_model(family: str, dtype: torch.dtype):
+    model = tiny_model(family).to(dtype)
+    if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
+        model.set_experts_implementation("eager")
+    return model
+
+
+def trainer_logprobs(model, rollouts, capacity: int, shared_prefix: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainer's packed log-probs of ``rollouts`` and the generator's, in the same order."""
+    with use_nopad_attention(model), torch.no_grad():
+        rows = pack_rollouts(rollouts, capacity, shared_prefix=shared_prefix)
+        trainer = torch.cat([packed_logprobs(model, row) for row in rows])
+    return trainer, torch.cat([row["gen_logprobs"] for row in rows])
+
+
+@pytest.mark.parametrize("family", GENERATOR_FAMILIES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rollout_logprobs_equal_the_trainers_bitwise(family, dtype):
+    model = hybrid_model(family, dtype)
+    prompts = [p.tolist() for p in random_sequences([3, 23, 1, 30], seed=8)]
+    params = SamplingParams(temperature=1.0, n=2, max_tokens=6, seed=1)
+    runs = []
+    with batch_invariant():
+        # a small token budget (prefill in chunks of 7, mixed prefill/decode steps) and a large one
+        for budget, seqs in ((7, 3), (256, 10)):
+            gen = Generator(model, max_num_batched_tokens=budget, max_num_seqs=seqs, num_blocks=48,
+                            block_size=16)
+            outs = gen.generate(prompts, params, use_tqdm=False)
+            runs.append([Rollout(list(p), list(c.token_ids), list(c.logprobs)) for p, o in zip(prompts, outs)
+                         for c in o.outputs if c.token_ids])
+        assert [r.completion_ids for r in runs[0]] == [r.completion_ids for r in runs[1]]
+        for rollouts in runs:
+            for shared_prefix, capacity in ((False, 64), (True, 128)):  # flat rows, tree rows
+                trainer, generator = trainer_logprobs(model, rollouts, capacity, shared_prefix)
+                assert trainer.numel() == generator.numel() > 0
+                assert torch.equal(trainer, generator), (
+                    f"shared_prefix={shared_prefix}: max gap {(trainer - generator).abs().max():.3g}")
+
+
+@pytest.mark.parametrize("family", ["bamba", "nemotron_h"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mamba2_packed_rows_equal_each_sequence_alone_bitwise(family, dtype):
+    """In the mode a Mamba2 sequence's training log-probs do not depend on what shares its packed
+    row (the generator is refused in the mode: the next test)."""
+    model = tiny_model(family).to(dtype)
+    seqs = [s.tolist() for s in random_sequences([9, 3, 17, 6, 12], seed=3)]
+    rollouts = [Rollout(s[:2], s[2:], [0.0] * (len(s) - 2)) for s in seqs]
+    with batch_invariant(), use_nopad_attention(model), torch.no_grad():
+        rows = pack_rollouts(rollouts, 40, shared_prefix=False)
+        assert max(len(row["indices"]) for row in rows) > 1
+        packed = {}
+        for row in rows:
+            logps, seqs = packed_logprobs(model, row), pair_sequences(row)
+            packed.update({i: logps[seqs == k] for k, i in enumerate(row["indices"].tolist())})
+        for i, rollout in enumerate(rollouts):
+            alone = packed_logprobs(model, pack_rollouts([rollout], 40, shared_prefix=False)[0])
+            assert torch.equal(packed[i], alone), f"rollout {i}: gap {(packed[i] - alone).abs().max():.3g}"
+
+
+def test_the_generator_refuses_mamba2_layers_in_the_mode():
+    """Its decode steps and the trainer's chunk scan sum in different orders: an error, not a
+    rollout whose log-probs silently differ from the trainer's."""
+    model = tiny_model("bamba")
+    gen = Generator(model, max_num_batched_tokens=64, num_blocks=16, block_size=16)
+    with batch_invariant(), pytest.raises(ValueError, match="does not cover a Mamba2 layer"):
+        gen.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert gen.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def _rule_inputs(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q, k = (torch.randn(1, total, 2, 8, generator=g) for _ in range(2))
+    v = torch.randn(1, total, 4, 8, generator=g)
+    return q, k, v, -torch.rand(1, total, 4, generator=g), torch.rand(1, total, 4, generator=g)
+
+
+def test_delta_rule_steps_equal_the_whole_row_bitwise_in_the_mode():
+    """A sequence run as one packed row equals it run in steps of any size from the carried state
+    (what the generator's prefill chunks and decode steps do), and the chunked rule, outside the
+    mode, does not - the reason the mode picks the recurrent order."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    chunk = inspect.unwrap(torch_chunk_gated_delta_rule)
+    recurrent = inspect.unwrap(torch_recurrent_gated_delta_rule)
+    lengths = [5, 70, 1, 33]
+    tensors = _rule_inputs(lengths)
+    kwargs = dict(use_qk_l2norm_in_kernel=True, chunk_size=16, recurrent=recurrent)
+
+    def stepped(step_sizes):
+        state, outs, start = torch.zeros(1, 4, 8, 8), [], sum(lengths[:1])
+        for size in step_sizes:
+            piece = [t[:, start:start + size] for t in tensors]
+            out, state = varlen_delta_rule(chunk, *piece, meta=VarlenMeta.from_lengths([size]),
+                                           initial_state=state, output_final_state=True, **kwargs)
+            outs.append(out)
+            start += size
+        return torch.cat(outs, 1)
+
+    whole = {}
+    for mode in (False, True):
+        with batch_invariant(mode):
+            row, _ = varlen_delta_rule(chunk, *tensors, meta=VarlenMeta.from_lengths(lengths), **kwargs)
+            whole[mode] = row[:, 5:75]
+            in_steps = stepped([1] * 70) if mode else stepped([7] * 10)
+            assert torch.equal(whole[mode], in_steps) == mode
+            if mode:
+                assert torch.equal(whole[mode], stepped([16, 1, 3, 50]))
+    assert torch.allclose(whole[False], whole[True], atol=1e-5)  # the same rule, another order
+
+
+def test_one_token_pieces_take_the_token_by_token_rule_outside_the_mode():
+    """A decode step's one-token pieces run the recurrent rule (as HF's decode does), not the
+    chunked one padded to a whole chunk; the row is the same within rounding."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    chunk = inspect.unwrap(torch_chunk_gated_delta_rule)
+    recurrent = inspect.unwrap(torch_recurrent_gated_delta_rule)
+    calls = []
+
+    def counted(*tensors, **kwargs):
+        calls.append(tensors[0].shape[:2])
+        return recurrent(*tensors, **kwargs)
+
+    lengths = [1, 9, 1, 1]
+    tensors, meta = _rule_inputs(lengths), VarlenMeta.from_lengths(lengths)
+    state = torch.randn(len(lengths), 4, 8, 8, generator=torch.Generator().manual_seed(2))
+    kwargs = dict(meta=meta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  chunk_size=16)
+    ours, ours_state = varlen_delta_rule(chunk, *tensors, recurrent=counted, **kwargs)
+    assert calls == [(3, 1)]  # the three one-token pieces, one batch of one step
+    ref, ref_state = varlen_delta_rule(chunk, *tensors, **kwargs)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_state, ref_state, atol=1e-5, rtol=1e-5)
+
+
+def test_the_mode_refuses_a_delta_rule_without_a_token_by_token_rule():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    chunk, tensors = inspect.unwrap(torch_chunk_gated_delta_rule), _rule_inputs([4, 6])
+    meta = VarlenMeta.from_lengths([4, 6])
+    with batch_invariant(), pytest.raises(ValueError, match="token by token"):
+        varlen_delta_rule(chunk, *tensors, meta=meta)
+    with batch_invariant(kernels="triton"), pytest.raises(ValueError, match="proven on CPU only"):
+        varlen_delta_rule(chunk, *tensors, meta=meta, recurrent=lambda *a, **k: None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_decode_steps_equal_the_packed_row_bitwise_in_the_mode(dtype):
+    g = torch.Generator().manual_seed(0)
+    lengths, channels, width = [5, 17, 9], 24, 4
+    x = torch.randn(1, sum(lengths), channels, generator=g).to(dtype)
+    weight = torch.randn(channels, width, generator=g).to(dtype)
+    bias = torch.randn(channels, generator=g).to(dtype)
+    with batch_invariant():
+        row = varlen_causal_conv1d(x, weight, bias, "silu", meta=VarlenMeta.from_lengths(lengths))[:, 5:22]
+        state, steps = torch.zeros(1, channels, width - 1, dtype=dtype), []
+        for t in range(5, 22):
+            out, state = varlen_causal_conv1d(x[:, t:t + 1], weight, bias, "silu", initial_states=state,
+                                              meta=VarlenMeta.from_lengths([1]), return_final_states=True)
+            steps.append(out)
+    assert torch.equal(row, torch.cat(steps, 1))
+
+
+@pytest.mark.parametrize("func", [F.softplus, torch.log1p, torch.exp, torch.sigmoid, F.silu])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pointwise_rows_do_not_depend_on_their_batch(func, dtype):
+    """A gate of 4 values per token: outside the lanes, torch rounds the buffer's tail its own way."""
+    x = (torch.rand(37, 4, generator=torch.Generator().manual_seed(1)) * 6 - 0.9).to(dtype)  # log1p: > -1
+    batch = lane_pointwise(func, x)
+    assert all(torch.equal(lane_pointwise(func, x[i:i + 1]), batch[i:i + 1]) for i in range(len(x)))
+    assert torch.allclose(batch.float(), func(x).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    with batch_invariant():
+        assert torch.equal(func(x), batch)

@@ -1,0 +1,235 @@
+"""Never silent (issue 36 item 1): a model with a layer that mixes tokens in a way nopad does not
+compute exactly - a recurrent state, a convolution over time, sinks, or a mixer nopad cannot see -
+is refused, naming the layer class, on every path: the check itself, ``verify`` (flat and tree),
+``use_nopad_attention``, the ``Generator``, the SFT/Trainer switch, and a bare packed or tree
+forward after ``model.set_attn_implementation("nopad")``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import packing
+from inference import Generator
+from inference.state_cache import layer_states
+from packing.bins.tree import TreePath, pack_tree_rows
+from packing.hf import register_nopad_attention, use_nopad_attention
+from packing.mixers import (
+    CONTEXTS,
+    GENERATE,
+    PACKED,
+    TREE,
+    MixerSupport,
+    UnsupportedMixerError,
+    check_model,
+    register_mixer_support,
+    scan,
+    unregister_mixer_support,
+)
+from packing.varlen import VarlenMeta
+from tests.support.models import (
+    FAMILIES,
+    HYBRID_FAMILIES,
+    MAMBA2_FAMILIES,
+    SINK_FAMILIES,
+    random_sequences,
+    tiny_model,
+)
+from training.sft import use_attention
+
+# the class each family's refusal must name (its token mixer)
+MIXER_CLASS = {
+    "qwen3_5": "Qwen3_5GatedDeltaNet", "qwen3_next": "Qwen3NextGatedDeltaNet",
+    "olmo_hybrid": "OlmoHybridGatedDeltaNet", "lfm2": "Lfm2ShortConv", "nemotron_h": "NemotronHMamba2Mixer",
+    "granitemoehybrid": "GraniteMoeHybridMambaLayer", "bamba": "BambaMixer", "falcon_h1": "FalconH1Mixer",
+    "jamba": "JambaMambaMixer", "kimi_linear": "KimiLinearDeltaAttention",
+}
+
+
+class ToyRecurrence(nn.Module):
+    """A made-up token mixer nopad has never heard of: an exponential moving average over time
+    with learned projections. No convolution, no decay parameter, no config declaration, no call
+    to the attention interface: only its layer's missing attention call gives it away."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.inp, self.out = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, hidden_states, **kwargs):
+        x, state, outs = self.inp(hidden_states), torch.zeros_like(hidden_states[:, 0]), []
+        for t in range(x.shape[1]):
+            state = 0.5 * state + x[:, t]
+            outs.append(state)
+        return self.out(torch.stack(outs, dim=1)), None
+
+
+def toy_model():
+    model = tiny_model("llama")
+    model.model.layers[1].self_attn = ToyRecurrence(model.config.hidden_size)
+    return model
+
+
+def packed_call(model, lengths=(5, 7)):
+    seqs = random_sequences(lengths)
+    meta = VarlenMeta.from_lengths([len(s) for s in seqs])
+    return dict(input_ids=torch.cat(seqs)[None], position_ids=meta.position_ids[None], nopad_meta=meta,
+                use_cache=False)
+
+
+def tree_call():
+    prompt, a, b = random_sequences((4, 3, 5))
+    paths = [TreePath(torch.cat([prompt, c]).tolist(), [False] + [True] * (len(prompt) + len(c) - 1))
+             for c in (a, b)]
+    (row,) = pack_tree_rows(paths, capacity=64)
+    return dict(row.model_kwargs(), use_cache=False)
+
+
+# families whose mixers nopad serves on packed and tree rows (tests/packing/test_packing_hybrid.py,
+# tests/packing/test_packing_mamba2.py) and in the generator, with per-sequence state slots
+# (tests/inference/test_inference_hybrid.py)
+SERVED = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "kimi_linear", *MAMBA2_FAMILIES)
+
+
+@pytest.mark.parametrize("family", [f for f in HYBRID_FAMILIES if f not in SERVED])
+def test_every_unserved_hybrid_family_is_refused_naming_its_mixer(family):
+    model = tiny_model(family)
+    for context in CONTEXTS:
+        with pytest.raises(UnsupportedMixerError, match=MIXER_CLASS[family]) as err:
+            check_model(model, context)
+    assert "docs/models.md" in str(err.value) and type(model).__name__ in str(err.value)
+    with pytest.raises(UnsupportedMixerError, match=MIXER_CLASS[family]):
+        packing.verify(model, random_sequences((4, 6)))
+    with pytest.raises(UnsupportedMixerError, match=MIXER_CLASS[family]):
+        Generator(model, num_blocks=8)
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_served_hybrid_families_pass_every_context_with_their_state_sized(family):
+    model = tiny_model(family)
+    for context in CONTEXTS:
+        check_model(model, context)
+    states = layer_states(model)
+    assert states and all(MIXER_CLASS[family] == type(model.get_submodule(s.path)).__name__ for s in states)
+
+
+def test_a_served_layer_whose_state_nopad_cannot_size_is_refused_in_the_generator_only():
+    model = tiny_model("qwen3_5")
+    del model.model.layers[0].linear_attn.num_v_heads  # the recurrent state's head count is unknown
+    check_model(model, PACKED)
+    check_model(model, TREE)
+    with pytest.raises(UnsupportedMixerError, match=r"(?s)generator.*Qwen3_5GatedDeltaNet \(model.layers.0"):
+        check_model(model, GENERATE)
+    with pytest.raises(UnsupportedMixerError, match="Qwen3_5GatedDeltaNet"):
+        Generator(model, num_blocks=8)
+
+
+@pytest.mark.parametrize("family", ("qwen3_5", "lfm2"))
+def test_a_bare_packed_or_tree_forward_of_a_served_hybrid_family_runs(family):
+    register_nopad_attention()
+    model = tiny_model(family)
+    model.set_attn_implementation("nopad")
+    for call in (packed_call(model), tree_call()):
+        model(**call)
+
+
+@pytest.mark.parametrize("family", ("jamba",))
+def test_a_bare_packed_or_tree_forward_is_refused_at_its_first_attention_layer(family):
+    register_nopad_attention()
+    model = tiny_model(family)
+    model.set_attn_implementation("nopad")
+    for call in (packed_call(model), tree_call()):
+        with pytest.raises(ValueError, match=MIXER_CLASS[family]):
+            model(**call)
+    model(input_ids=random_sequences((6,))[0][None], use_cache=False)  # one sequence per row: as alone
+
+
+@pytest.mark.parametrize("family", SINK_FAMILIES)
+def test_sink_attention_that_passes_s_aux_is_supported_in_every_context(family):
+    """packing.mixers.sinks: gpt-oss hands its sinks to the attention interface as ``s_aux``, which
+    every nopad path computes exactly (tests/packing/test_packing_sinks.py proves it)."""
+    model = tiny_model(family)
+    assert {f.cls for f in scan(model)} == {"GptOssAttention"}  # still found by what it holds ...
+    for context in CONTEXTS:
+        check_model(model, context)  # ... and handled
+
+
+def test_a_sink_parameter_used_any_other_way_is_still_refused():
+    model = tiny_model("llama")  # LlamaAttention never passes s_aux: its sinks would be dropped
+    model.model.layers[0].self_attn.sinks = nn.Parameter(torch.zeros(model.config.num_attention_heads))
+    for context in CONTEXTS:
+        with pytest.raises(UnsupportedMixerError, match=r"LlamaAttention .*attention sinks"):
+            check_model(model, context)
+
+
+def test_a_made_up_recurrent_layer_is_refused_on_every_path():
+    model = toy_model()
+    for context in CONTEXTS:
+        with pytest.raises(UnsupportedMixerError, match=r"LlamaDecoderLayer.*layers \[1\].*ToyRecurrence"):
+            check_model(model, context)
+    for tree in (False, True):
+        with pytest.raises(UnsupportedMixerError, match="ToyRecurrence"):
+            packing.verify(model, random_sequences((4, 6)), tree=tree)
+    with pytest.raises(UnsupportedMixerError, match="ToyRecurrence"):
+        Generator(model, num_blocks=8)
+    previous = model.config._attn_implementation
+    with pytest.raises(UnsupportedMixerError, match="ToyRecurrence"):
+        with use_nopad_attention(model):
+            pass
+    assert model.config._attn_implementation == previous  # refused before anything was switched
+    with pytest.raises(UnsupportedMixerError, match="ToyRecurrence"):
+        use_attention(model, "nopad")  # the SFT recipe's and NopadTrainer's switch
+    register_nopad_attention()
+    model.set_attn_implementation("nopad")  # the README's bare loop: refused at the first forward
+    for call in (packed_call(model), tree_call()):
+        with pytest.raises(UnsupportedMixerError, match="ToyRecurrence"):
+            model(**call)
+
+
+def test_a_made_up_convolution_beside_attention_is_refused():
+    model = tiny_model("llama")
+    layer = model.model.layers[0]
+    layer.mlp.smooth = nn.Conv1d(64, 64, kernel_size=3, groups=64, padding=2)  # never called: held is enough
+    with pytest.raises(UnsupportedMixerError, match=r"LlamaMLP \(model.layers.0.mlp, layers \[0\]\): a conv"):
+        check_model(model)
+
+
+def test_a_stateful_model_with_nothing_else_to_show_is_refused():
+    model = tiny_model("llama")
+
+    class StatefulLlama(type(model)):
+        _is_stateful = True
+
+    model.__class__ = StatefulLlama
+    with pytest.raises(UnsupportedMixerError, match="_is_stateful"):
+        check_model(model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_attention_only_families_pass_every_context(family):
+    model = tiny_model(family)
+    assert scan(model) == []
+    for context in CONTEXTS:
+        check_model(model, context)
+
+
+def test_a_declared_position_wise_layer_is_not_named():
+    findings = scan(tiny_model("nemotron_h"))  # layers: mamba, attention, mlp, mamba
+    assert sorted({f.layer for f in findings}) == [0, 3]
+
+
+def test_a_registered_support_lifts_the_refusal_only_where_it_declares():
+    model = toy_model()
+    support = MixerSupport("toy", lambda m: isinstance(m, ToyRecurrence), frozenset({PACKED, TREE}))
+    register_mixer_support(support)
+    try:
+        check_model(model, PACKED)
+        check_model(model, TREE)
+        with pytest.raises(UnsupportedMixerError, match="the generator"):
+            check_model(model, GENERATE)
+    finally:
+        unregister_mixer_support("toy")
+    with pytest.raises(UnsupportedMixerError):
+        check_model(model, PACKED)
+    with pytest.raises(ValueError, match="unknown contexts"):
+        register_mixer_support(MixerSupport("bad", lambda m: False, frozenset({"decode"})))

@@ -1,0 +1,77 @@
+"""recipes.demo.packing_report and the embedded corpus it reads."""
+
+import io
+
+import numpy as np
+import pytest
+
+from assets.corpus import load_corpus
+from recipes.demo import packing_report, padded_to_longest
+
+
+class WordCounter:
+    """A stand-in tokenizer: one token per whitespace-separated word."""
+
+    def __call__(self, texts, add_special_tokens=True):
+        return {"input_ids": [[0] * len(t.split()) for t in texts]}
+
+
+def test_corpus_is_deterministic_varied_and_offline():
+    docs = load_corpus(2000)
+    assert len(docs) == 2000 and docs == load_corpus(2000)
+    assert docs[0].startswith("__future__\n\n")
+    sizes = np.array([len(d) for d in docs])
+    assert sizes.min() >= 80 and sizes.max() > 20 * np.median(sizes)
+    assert len(set(docs)) > 1900
+
+
+def test_padded_to_longest():
+    rows, slots = padded_to_longest(np.array([1, 2, 3, 10, 5]), micro_batch_size=2, seed=0)
+    shuffled = np.random.default_rng(0).permutation([1, 2, 3, 10, 5])
+    expected = 2 * max(shuffled[:2]) + 2 * max(shuffled[2:4]) + shuffled[4]
+    assert (rows, slots) == (5, expected)
+
+
+def test_packing_report_numbers_and_table():
+    out = io.StringIO()
+    report = packing_report(WordCounter(), capacities=(256, 512), max_documents=300, out=out)
+    lengths = np.array([len(d.split()) + 1 for d in load_corpus(300)])
+    assert [(r["capacity"], r["method"]) for r in report] == [
+        (c, m) for c in (256, 512)
+        for m in ("nopad best-fit packing", "pad to longest (micro-batch 8)", "pad to capacity")
+    ]
+    for r in report:
+        tokens = int(np.minimum(lengths, r["capacity"]).sum())
+        assert r["tokens"] == tokens and r["efficiency"] == pytest.approx(tokens / r["slots"])
+    nopad, longest, full = report[3:]
+    lower_bound = -(-nopad["tokens"] // 512)
+    assert lower_bound <= nopad["rows"] <= lower_bound + 2 and nopad["slots"] == nopad["rows"] * 512
+    assert nopad["efficiency"] > 0.95 > longest["efficiency"] > full["efficiency"]
+    assert full["slots"] == 300 * 512
+    text = out.getvalue()
+    assert "nopad packing report: 300 documents" in text
+    assert "fewer token slots than padding to the longest" in text
+
+
+def test_grpo_demo_prints_one_row_per_step_with_the_gap():
+    import torch
+
+    from recipes.demo import grpo_demo
+    from recipes.tasks import AsciiTokenizer
+    from tests.support.models import tiny_model
+
+    torch.set_num_threads(1)
+    out = io.StringIO()
+    history = grpo_demo(tiny_model("llama"), AsciiTokenizer(), steps=1, out=out)
+    assert [h["step"] for h in history] == [0]
+    assert history[0]["logprob_gap_max"] == 0.0  # batch-invariant mode: exactly on-policy
+    lines = out.getvalue().splitlines()
+    assert lines[1].startswith("GRPO on the live model (8 arithmetic prompts x 8 samples per step")
+    assert lines[2].split() == ["step", "reward", "rollout", "tok/s", "train", "tok/s", "packed", "padded",
+                                "logprob", "gap", "max", "mean", "IS", "ratio", "range"]
+    row = lines[4].split()
+    assert row[6:] == ["0.00e+00", "0.00e+00", "1.00000-1.00000"]
+    assert "batch-invariant mode" in lines[5]
+    assert row[0] == "0" and int(row[4]) == history[0]["train_tokens"]
+    assert int(row[5]) == history[0]["padded_train_tokens"]
+

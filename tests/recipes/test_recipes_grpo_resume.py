@@ -1,0 +1,177 @@
+"""GRPO checkpoints and exact resume: a run killed with SIGKILL (after a rollout, after an optimizer
+step, inside a checkpoint write) and resumed from its newest complete checkpoint ends with the same
+metrics and, in the batch-invariant mode (fp32), bitwise the same parameters as a run never killed;
+on one process and on two (torchrun, gloo, CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipes.config import load_config
+from recipes.grpo import KILL_ENV, GRPORecipeConfig, run_grpo
+from recipes.tasks import AsciiTokenizer
+from tests.recipes.test_recipes_sft import _free_port
+from tests.support.launch import run_in_group, signal_deaths
+
+RUN = [
+    "model.path=tiny:llama",
+    "model.chat_template=false",
+    "reward=tests.recipes.test_recipes_grpo:ids_checksum_reward",
+    "task.num_prompts=8",
+    "rollout.prompts_per_step=2",
+    "rollout.num_generations=4",
+    "rollout.max_tokens=8",
+    "generator.num_blocks=64",
+    "generator.max_num_batched_tokens=256",
+    "train.steps=4",
+    "train.lr=1e-3",
+    "train.batch_invariant=true",
+    "train.num_iterations=2",
+    "loss.beta=0.05",
+    "checkpoint.every=1",
+]
+TIMING = ("rollout_s", "train_s", "rollout_tokens_per_s", "train_tokens_per_s")
+
+
+def grpo(out: Path, *extra: str, kill_at: str | None = None) -> int:
+    """The recipe in a subprocess of its own (its own process group and timeout); its exit code."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), "ACCELERATE_USE_CPU": "1"}
+    env.pop(KILL_ENV, None)
+    if kill_at:
+        env[KILL_ENV] = kill_at
+    cmd = [sys.executable, "-m", "recipes.grpo", *RUN, f"output_dir={out}", *extra]
+    code, output, _ = run_in_group(cmd, 300, env=env, stderr=subprocess.STDOUT)
+    assert code is not None, f"the GRPO run did not finish in 300 s:\n{output[-3000:]}"
+    if code not in (0, -signal.SIGKILL):
+        pytest.fail(f"the GRPO run failed ({code}):\n{output[-3000:]}")
+    return code
+
+
+def metrics(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def parameters(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    assert grpo(out) == 0
+    return out
+
+
+@pytest.mark.parametrize(
+    "kill_at",
+    [
+        "step:2",  # after step 2's optimizer steps, before its metrics and checkpoint
+        pytest.param("rollout:2", marks=pytest.mark.slow),  # after step 2's rollout, before its training
+        pytest.param("checkpoint:2", marks=pytest.mark.slow),  # inside the write of step_2
+    ],
+)
+def test_kill_and_resume_equals_the_uninterrupted_run_bitwise(kill_at, uninterrupted, tmp_path):
+    assert grpo(tmp_path, kill_at=kill_at) == -signal.SIGKILL
+    assert not (tmp_path / "step_4").exists()
+    assert grpo(tmp_path, "checkpoint.resume_from=latest") == 0
+    assert metrics(tmp_path) == metrics(uninterrupted)  # each step once, with the same numbers
+    assert [m["step"] for m in metrics(tmp_path)] == [0, 1, 2, 3]
+    want, got = parameters(uninterrupted / "step_4"), parameters(tmp_path / "step_4")
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+
+
+TWO_RANK_TIMEOUT_S = 420  # one 2-process GRPO run of 4 steps on 2 shared cores; a hang fails here
+
+
+def grpo_two_ranks(out: Path, *extra: str, kill_at: str | None = None) -> tuple[int | None, str]:
+    """The recipe on two ranks (torchrun, gloo on the CPU), killed at ``kill_at`` on both ranks."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), "ACCELERATE_USE_CPU": "1"}
+    env.pop(KILL_ENV, None)
+    if kill_at:
+        env[KILL_ENV] = kill_at
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(_free_port()), "-m", "recipes.grpo", *RUN, f"output_dir={out}", *extra]
+    code, output, _ = run_in_group(cmd, TWO_RANK_TIMEOUT_S, env=env, stderr=subprocess.STDOUT)
+    assert code is not None, f"the 2-rank GRPO run did not end in {TWO_RANK_TIMEOUT_S} s:\n{output[-3000:]}"
+    return code, output
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_two_ranks(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted_two_ranks")
+    code, output = grpo_two_ranks(out)
+    assert code == 0, f"the 2-rank GRPO run failed ({code}):\n{output[-3000:]}"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", ["step:2", "checkpoint:2"])
+def test_two_ranks_killed_and_resumed_equal_the_uninterrupted_run_bitwise(kill_at, uninterrupted_two_ranks,
+                                                                          tmp_path):
+    code, output = grpo_two_ranks(tmp_path, kill_at=kill_at)
+    assert code != 0 and any("SIGKILL" in d for d in signal_deaths(output)), output[-3000:]
+    assert not (tmp_path / "step_4").exists()
+    code, output = grpo_two_ranks(tmp_path, "checkpoint.resume_from=latest")
+    assert code == 0, f"the resumed 2-rank run failed ({code}):\n{output[-3000:]}"
+    assert metrics(tmp_path) == metrics(uninterrupted_two_ranks)
+    assert [m["step"] for m in metrics(tmp_path)] == [0, 1, 2, 3]
+    want, got = parameters(uninterrupted_two_ranks / "step_4"), parameters(tmp_path / "step_4")
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+
+
+def tiny_run(tmp_path, **overrides):
+    from tests.recipes.test_recipes_grpo import tiny_config
+    from tests.support.models import tiny_model
+
+    torch.manual_seed(0)
+    overrides.setdefault("checkpoint", {"every": 1})
+    cfg = tiny_config(output_dir=str(tmp_path), **overrides)
+    return run_grpo(cfg, model=tiny_model("llama"), tokenizer=AsciiTokenizer(), progress=False)
+
+
+def test_a_resume_with_another_loss_is_one_clear_line(tmp_path, one_thread):
+    tiny_run(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_1"]
+    with pytest.raises(
+        ValueError,
+        match=r"^cannot resume: the checkpoint was made with loss.loss_type='dapo' "
+        r"but this run has loss.loss_type='grpo'; resume with the same",
+    ):
+        tiny_run(
+            tmp_path,
+            train={"steps": 2},
+            loss={"loss_type": "grpo"},
+            checkpoint={"every": 1, "resume_from": "latest"},
+        )
+
+
+def test_model_path_of_a_grpo_run_is_its_newest_checkpoint(tmp_path, one_thread):
+    from recipes.config import ChatModelConfig
+    from recipes.models import load_model
+
+    tiny_run(tmp_path, train={"steps": 2})
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_1", "step_2"]
+    assert not (tmp_path / "config.json").exists()  # the policy is the newest checkpoint
+    model, _ = load_model(ChatModelConfig(path=str(tmp_path), chat_template=False))
+    newest = parameters(tmp_path / "step_2")
+    assert all(torch.equal(p, newest[n]) for n, p in model.state_dict().items() if n in newest)
+
+
+def test_checkpoints_need_an_output_dir():
+    with pytest.raises(ValueError, match=r"checkpoint.every needs output_dir"):
+        load_config(GRPORecipeConfig, overrides=["checkpoint.every=2"])

@@ -1,0 +1,181 @@
+"""The loss is normalised by the global loss-token count: packed training with gradient
+accumulation on 2 ranks has the gradient of unpacked single-process training."""
+
+import contextlib
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dataloaders.collator import PackedCollator
+from dataloaders.loader import packed_dataloader
+from tests.support import launch
+from tests.support.models import tiny_model
+from training.loss import PackedLoss, causal_lm_loss_sum
+
+
+def _attn_implementation() -> str:
+    """nopad's own varlen attention when the core has registered it, else SDPA (which builds a
+    block-diagonal mask from packed position_ids when no attention_mask is given)."""
+    try:
+        from packing.hf import register_nopad_attention
+    except ImportError:
+        return "sdpa"
+    register_nopad_attention()
+    return "nopad"
+
+
+def _rows(n=22, seed=0):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for length in rng.integers(2, 30, size=n):
+        ids = rng.integers(3, 128, size=length)
+        labels = ids.copy()
+        labels[: rng.integers(0, length // 2 + 1)] = -100  # a masked prompt
+        rows.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return rows
+
+
+def _reference_grads(rows, weighting):
+    """Unpacked, one sequence at a time, one process: mean over all loss tokens (or sequences)."""
+    model = tiny_model("llama", attn_implementation="sdpa")
+    total, count = 0.0, 0
+    for row in rows:
+        ids = torch.tensor(row["input_ids"])[None]
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
+        target = torch.tensor(row["labels"])[1:]
+        losses = F.cross_entropy(logits, target, ignore_index=-100, reduction="none")
+        n = int((target != -100).sum())
+        if weighting == "token":
+            total, count = total + losses.sum(), count + n
+        elif n:
+            total, count = total + losses.sum() / n, count + 1
+    (total / count).backward()
+    return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def test_token_and_sequence_weighting_by_hand():
+    logits = torch.randn(1, 5, 7)
+    collated = PackedCollator()([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [4, -100]}])
+    labels, meta = collated["labels"], collated["nopad_meta"]  # [-100, 2, 3, -100, -100]
+    ce = F.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100, reduction="none")
+    assert torch.allclose(causal_lm_loss_sum(logits, labels), ce.sum())
+    assert collated["num_loss_tokens"] == 2 and collated["num_loss_seqs"] == 1
+    by_seq = causal_lm_loss_sum(logits, labels, seq_idx=meta.seq_idx, weighting="sequence")
+    assert torch.allclose(by_seq, (ce[0] + ce[1]) / 2)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="weighting"):
+        PackedLoss("mean")
+    with pytest.raises(ValueError, match="seq_idx"):
+        causal_lm_loss_sum(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), weighting="sequence")
+    with pytest.raises(RuntimeError, match="start_step"):
+        PackedLoss()(torch.zeros(1, 2, 3), {"labels": torch.zeros(1, 2, dtype=torch.long)})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _packed_worker(rank, world, port, attn, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    assert _attn_implementation() == attn  # registration is per process
+    try:
+        batches = list(packed_dataloader(_rows(), 64, seed=1))  # rank/world from torch.distributed
+        result = {"seen": [i for b in batches for i in b["indices"].tolist()], "steps": len(batches)}
+        for weighting in ("token", "sequence"):
+            result[weighting] = _accumulate(batches, attn, weighting)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _accumulate(batches, attn, weighting):
+    model = torch.nn.parallel.DistributedDataParallel(tiny_model("llama", attn_implementation=attn))
+    loss_fn = PackedLoss(weighting)  # world size from torch.distributed
+    loss_fn.start_step(batches)  # one optimizer step accumulating the whole epoch
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        with contextlib.nullcontext() if last else model.no_sync():  # DDP syncs on the last only
+            logits = model(
+                input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                nopad_meta=batch["nopad_meta"], use_cache=False,
+            ).logits
+            loss_fn(logits, batch).backward()
+    return {k: p.grad for k, p in model.module.named_parameters()}
+
+
+@pytest.mark.parametrize("weighting", ["token", "sequence"])
+def test_simulated_two_ranks_in_process_match_unpacked(weighting):
+    """The fast version: both ranks' micro-batches run here; gradients averaged as DDP would."""
+    attn = _attn_implementation()
+    per_rank = [list(packed_dataloader(_rows(), 64, seed=1, num_replicas=2, rank=r)) for r in range(2)]
+    grads = []
+    for batches in per_rank:
+        model = tiny_model("llama", attn_implementation=attn)
+        loss_fn = PackedLoss(weighting, world_size=2)
+        loss_fn.start_step(per_rank[0] + per_rank[1])  # what the all-reduce would return
+        for batch in batches:
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                           nopad_meta=batch["nopad_meta"], use_cache=False).logits
+            loss_fn(logits, batch).backward()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+    for name, ref in _reference_grads(_rows(), weighting).items():
+        got = (grads[0][name] + grads[1][name]) / 2
+        assert torch.linalg.norm(got - ref) <= 1e-5 * torch.linalg.norm(ref), name
+
+
+@pytest.mark.slow
+def test_two_ranks_packed_with_accumulation_match_unpacked_single_process(tmp_path):
+    attn = _attn_implementation()
+    launch.spawn(_packed_worker, args=(2, _free_port(), attn, str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert ranks[0]["steps"] == ranks[1]["steps"] >= 2  # equal steps, accumulation really used
+    assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == list(range(len(_rows())))  # once each
+    for weighting in ("token", "sequence"):
+        reference = _reference_grads(_rows(), weighting)
+        for name, ref in reference.items():
+            for r in ranks:
+                got = r[weighting][name]
+                assert torch.linalg.norm(got - ref) <= 1e-5 * torch.linalg.norm(ref), (weighting, name)
+
+
+@pytest.mark.parametrize("weighting", ["token", "sequence"])
+@pytest.mark.parametrize("tree", [False, True])
+def test_the_chunked_head_loss_equals_the_logits_loss(weighting, tree):
+    """row_nll_sum (hidden states at the loss positions, chunked head) == row_loss_sum (every
+    position's logits), values and gradients, on plain rows and on tree rows whose shared loss
+    tokens count once per pair."""
+    from packing.hf import use_nopad_attention
+    from training.grpo import Rollout, pack_rollouts
+    from training.loss import row_loss_sum, row_nll_sum
+
+    if tree:
+        prompt = list(range(3, 15))
+        (row,) = pack_rollouts([Rollout(prompt, [5, 6, 7, 8]), Rollout(prompt, [5, 6, 9]),
+                                Rollout(prompt[:4], [10])], 64)
+        assert row.pair_tokens is not None
+    else:
+        row = PackedCollator()(_rows(n=5))
+    model = tiny_model("gemma2")  # a softcapped head
+    results = []
+    with use_nopad_attention(model):
+        for loss in (lambda: row_nll_sum(model, row, weighting=weighting),
+                     lambda: row_loss_sum(model(**row.model_kwargs()).logits, row, weighting=weighting)):
+            model.zero_grad()
+            value = loss()
+            value.backward()
+            results.append((float(value), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (ours, grads), (ref, ref_grads) = results
+    assert ours == pytest.approx(ref, rel=1e-6)
+    for name, g in grads.items():
+        assert float((g - ref_grads[name]).abs().max()) <= 1e-5 * float(ref_grads[name].abs().max()), name
