@@ -253,7 +253,7 @@ def test_mismatch_report_counts_model_tokens_outside_the_band():
 @pytest.mark.parametrize("shared_prefix", [True, False])
 def test_tool_tokens_carry_no_loss_in_packed_rollouts(shared_prefix):
     from packing.row import IGNORE_INDEX
-    from training.grpo import Rollout, pack_rollouts
+    from training.grpo import Rollout, pack_rollouts, pair_advantages
 
     rollouts = [Rollout([1, 2], [10, 11, 12, 13], [-1.0, -9.0, -9.0, -2.0], advantage=0.5,
                         loss_mask=[1, 0, 0, 1]),
@@ -261,8 +261,8 @@ def test_tool_tokens_carry_no_loss_in_packed_rollouts(shared_prefix):
     (row,) = pack_rollouts(rollouts, 64, shared_prefix=shared_prefix)
     labels = row.labels[0].tolist()
     assert [t for t in labels if t != IGNORE_INDEX] == [10, 13, 20, 21]
-    assert row.gen_logprobs.tolist() == [-1.0, -2.0, -3.0, -4.0]
-    assert row.advantages.tolist() == [0.5, 0.5, -0.5, -0.5] and row.num_loss_tokens == 4
+    assert row.token_values["gen_logprobs"].tolist() == [-1.0, -2.0, -3.0, -4.0]
+    assert pair_advantages(row, rollouts).tolist() == [0.5, 0.5, -0.5, -0.5] and row.num_loss_tokens == 4
     with pytest.raises(ValueError, match="loss_mask"):
         pack_rollouts([Rollout([1], [5, 6], [-1.0, -1.0], loss_mask=[1])], 64, shared_prefix=shared_prefix)
 
