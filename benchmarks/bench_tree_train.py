@@ -8,7 +8,7 @@ the figures; fixed seed). Every leaf is one training path: its flat sequence is 
 turns on its branch.
 
 Compared, forward + backward of the loss ``-sum(weight * logp)`` over every (path, model token)
-pair (``training.grpo.packed_logprobs``, the weight as the row's advantages), the LM head only on
+pair (``training.grpo.packed_logprobs``, the weight as the row's token values), the LM head only on
 the positions that predict those tokens, the best of ``--repeats``:
 
   tree    packing.bins.tree.pack_tree_rows (what training.grpo.pack_rollouts builds): every
