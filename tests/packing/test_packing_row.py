@@ -58,6 +58,22 @@ def test_build_refuses_parts_that_disagree():
         PackedRow.build([1], [IGNORE_INDEX], static)
 
 
+def test_token_values_are_any_named_per_token_data():
+    """The row carries per-token values by name without knowing them: checked, moved, kept by pair."""
+    meta = VarlenMeta.from_lengths([2, 2])
+    row = PackedRow.build([1, 2, 3, 4], [IGNORE_INDEX, 2, IGNORE_INDEX, 4], meta,
+                          token_values={"weight": [0.5, 2]})
+    assert row.token_values["weight"].dtype == torch.float32 and list(row)[-1] == "token_values"
+    both = row.with_token_values({"score": torch.tensor([1.0, -1.0], dtype=torch.float64)})
+    assert sorted(both.token_values) == ["score", "weight"] and row.token_values.keys() == {"weight"}
+    assert both.token_values["score"].dtype == torch.float32
+    assert both.to("meta").token_values["score"].device.type == "meta"
+    with pytest.raises(ValueError, match=r"score has shape \(3,\) but the row has 2 loss tokens"):
+        row.with_token_values({"score": [0.0] * 3})
+    with pytest.raises(TypeError, match="token_values must map a name"):
+        PackedRow.build([1, 2], [IGNORE_INDEX, 2], VarlenMeta.from_lengths([2]), token_values=[1.0])
+
+
 def test_collator_builds_through_the_builder():
     row = PackedCollator(pad_to_multiple_of=4)([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "index": 4},
                                                 {"input_ids": [1, 2, 3, 4, 5, 6], "seq_lengths": [2, 4],
