@@ -111,7 +111,7 @@ def measure(model, tokenizer, prompts, params, invariant: bool, capacity: int) -
                 row = move_batch(row, device)
                 logp = packed_logprobs(model, row)
                 logp.sum().backward()  # the backward a training step would run (gradient unused)
-                gaps.append((logp.detach() - row["gen_logprobs"]).abs())
+                gaps.append((logp.detach() - row.token_values["gen_logprobs"]).abs())
             _sync(device)
             train_s = time.perf_counter() - start
         model.zero_grad(set_to_none=True)

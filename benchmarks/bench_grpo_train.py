@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 from assets.smollm2 import load_smollm2  # noqa: E402
 from benchmarks._workloads import tiny_llama  # noqa: E402
 from packing.hf import use_nopad_attention  # noqa: E402
-from training.grpo import Rollout, pack_rollouts  # noqa: E402
+from training.grpo import Rollout, pack_rollouts, pair_advantages  # noqa: E402
 
 SHAPES = [(512, 128, 8), (128, 512, 8), (64, 64, 4)]  # (prompt, completion, n)
 
@@ -54,6 +54,12 @@ def surrogate(model, hidden, predict_at, targets, advantages):
     return -(logp * advantages).sum()
 
 
+def packed_rows(rollouts, budget, shared_prefix):
+    """The rollouts' rows, each with its pairs' advantages (what the surrogate weighs) on it."""
+    return [row.with_token_values({"advantages": pair_advantages(row, rollouts)})
+            for row in pack_rollouts(rollouts, budget, shared_prefix=shared_prefix)]
+
+
 def packed_step(model, rows):
     for row in rows:
         meta = row["nopad_meta"]
@@ -61,7 +67,8 @@ def packed_step(model, rows):
         at = torch.nonzero(labels != -100).squeeze(1)
         hidden = model.model(input_ids=row["input_ids"], position_ids=row["position_ids"], nopad_meta=meta,
                              use_cache=False).last_hidden_state[0]
-        surrogate(model, hidden, meta.previous_rows()[at], labels[at], row["advantages"]).backward()
+        surrogate(model, hidden, meta.previous_rows()[at], labels[at],
+                  row.token_values["advantages"]).backward()
 
 
 def padded_batches(rollouts, budget):
@@ -125,8 +132,8 @@ def main():
     print(header)
     for prompt_len, completion_len, n in shapes:
         rollouts = make_rollouts(prompt_len, completion_len, n, groups, vocab)
-        shared = pack_rollouts(rollouts, args.budget, shared_prefix=True)
-        usual = pack_rollouts(rollouts, args.budget, shared_prefix=False)
+        shared = packed_rows(rollouts, args.budget, shared_prefix=True)
+        usual = packed_rows(rollouts, args.budget, shared_prefix=False)
         padded = padded_batches(rollouts, args.budget)
         tokens = (sum(r["input_ids"].numel() for r in shared), sum(r["input_ids"].numel() for r in usual),
                   sum(b[0].numel() for b in padded))

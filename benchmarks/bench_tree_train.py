@@ -8,7 +8,7 @@ the figures; fixed seed). Every leaf is one training path: its flat sequence is 
 turns on its branch.
 
 Compared, forward + backward of the loss ``-sum(weight * logp)`` over every (path, model token)
-pair (``training.grpo.packed_logprobs``, the weight as the row's advantages), the LM head only on
+pair (``training.grpo.packed_logprobs``, the weight as the row's token values), the LM head only on
 the positions that predict those tokens, the best of ``--repeats``:
 
   tree    packing.bins.tree.pack_tree_rows (what training.grpo.pack_rollouts builds): every
@@ -93,7 +93,8 @@ def flat_rows(paths, capacity):
         rows.append(PackedRow.build([t for i in order for t in paths[i].ids],
                                     [t for i in order for t in _labels(paths[i])],
                                     VarlenMeta.from_lengths([len(paths[i].ids) for i in order]),
-                                    advantages=[w for i in order for w in _weights(paths[i])]))
+                                    token_values={"advantages": [w for i in order
+                                                                 for w in _weights(paths[i])]}))
     return rows
 
 
@@ -132,7 +133,8 @@ def shared_rows(episode_paths, capacity):
                 labels += _labels(path)[p:]
                 weights += _weights(path, p)
             groups.append((p, [len(episode_paths[i][1].ids) - p for i in part]))
-        rows.append(PackedRow.build(ids, labels, VarlenMeta.shared_prefix(groups), advantages=weights))
+        rows.append(PackedRow.build(ids, labels, VarlenMeta.shared_prefix(groups),
+                                    token_values={"advantages": weights}))
     return rows
 
 
@@ -140,7 +142,7 @@ def step(model, rows):
     """One forward + backward of the whole workload; returns the loss."""
     total = 0.0
     for row in rows:
-        loss = -(packed_logprobs(model, row) * row.advantages).sum()
+        loss = -(packed_logprobs(model, row) * row.token_values["advantages"]).sum()
         loss.backward()
         total += float(loss.detach())
     return total

@@ -1,5 +1,5 @@
-"""The packed row: one flat varlen row of tokens and everything the model, the loss and the GRPO
-update read of it, as one typed record.
+"""The packed row: one flat varlen row of tokens and everything the model and a loss read of it, as
+one typed record.
 
 Three producers write this schema - the training collator, the prefix-tree rows
 (:mod:`packing.bins.tree`: GRPO groups, forked episodes, per-turn SFT samples) and flat GRPO
@@ -13,7 +13,7 @@ working.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -25,7 +25,7 @@ IGNORE_INDEX = -100  # a label that carries no loss (transformers' and torch's c
 
 # the row's keys when read as a mapping, in order; position_ids is a view of nopad_meta's
 KEYS = ("input_ids", "labels", "position_ids", "nopad_meta", "seq_lens", "indices", "num_loss_tokens",
-        "num_loss_seqs", "gen_logprobs", "advantages", "pair_tokens", "pair_seqs", "empty")
+        "num_loss_seqs", "token_values", "pair_tokens", "pair_seqs", "empty")
 
 
 @dataclass(eq=False)
@@ -40,9 +40,13 @@ class PackedRow(Mapping):
     A tree row (:mod:`packing.bins.tree`) lays a token shared by several sequences once, and
     several of them may train on it: its loss is a list of *pairs* (sequence, token), as the flat
     sequences would have it. ``pair_tokens[i]`` is the loss token (index in label order) pair
-    ``i`` reads and ``pair_seqs[i]`` its sequence (index into ``indices``); the per-token values
-    (``gen_logprobs``, ``advantages``) and ``num_loss_tokens`` are per pair. Other rows have no
-    pairs: each loss token is one pair (:meth:`per_pair` reads both alike).
+    ``i`` reads and ``pair_seqs[i]`` its sequence (index into ``indices``); ``token_values`` and
+    ``num_loss_tokens`` are per pair. Other rows have no pairs: each loss token is one pair
+    (:meth:`per_pair` reads both alike).
+
+    ``token_values`` maps a name to one float32 value per pair (a caller's per-token data, such as
+    the generator's log-probs of an RL rollout): the row carries, moves, pins and checks them
+    without knowing what they mean.
     """
 
     input_ids: torch.Tensor  # int64 (1, T)
@@ -53,8 +57,7 @@ class PackedRow(Mapping):
     num_loss_seqs: int  # sequences with at least one such label
     # int64, host: source row of each sequence (collator), or rollout of each completion (GRPO)
     indices: torch.Tensor | None = None
-    gen_logprobs: torch.Tensor | None = None  # float32 [loss tokens], label order: the generator's log-probs
-    advantages: torch.Tensor | None = None  # float32 [loss tokens]: the advantage of each loss token
+    token_values: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> float32 [pairs]
     pair_tokens: torch.Tensor | None = None  # int64 [pairs], tree rows: the loss token each pair reads
     pair_seqs: torch.Tensor | None = None  # int64 [pairs], tree rows: the sequence (in indices) of each pair
     empty: bool = False  # a zero-weight filler row, run only to join the other ranks' collectives
@@ -69,15 +72,14 @@ class PackedRow(Mapping):
         *,
         seq_lens: Sequence[int] | torch.Tensor | None = None,
         indices: Sequence[int] | torch.Tensor | None = None,
-        gen_logprobs: Sequence[float] | torch.Tensor | None = None,
-        advantages: Sequence[float] | torch.Tensor | None = None,
+        token_values: Mapping[str, Sequence[float] | torch.Tensor] | None = None,
         pairs: tuple[Sequence[int], Sequence[int]] | None = None,
         empty: bool = False,
     ) -> PackedRow:
         """A row from its flat tokens and labels (``T`` each) and ``meta`` (``T`` query tokens).
 
-        ``seq_lens`` defaults to the meta's sequence lengths. ``gen_logprobs`` / ``advantages``
-        hold one value per loss token, in label order, or per pair. ``pairs = (pair_tokens,
+        ``seq_lens`` defaults to the meta's sequence lengths. Each of ``token_values`` holds one
+        value per loss token, in label order, or per pair. ``pairs = (pair_tokens,
         pair_seqs)`` (a tree row, see the class docstring): then the row counts one loss token per
         pair and one sequence per distinct ``pair_seqs``. An ``empty`` row counts no loss token and
         no sequence, whatever its labels (its loss is to be weighted zero)."""
@@ -105,8 +107,7 @@ class PackedRow(Mapping):
         if pairs is not None:
             pair_tokens, pair_seqs = _pairs(pairs, num_loss_tokens, indices)
             num_loss_tokens, num_loss_seqs = pair_tokens.numel(), int(torch.unique(pair_seqs).numel())
-        rl = {name: _float32(values, name, num_loss_tokens)
-              for name, values in (("gen_logprobs", gen_logprobs), ("advantages", advantages))}
+        values = _token_values(token_values or {}, num_loss_tokens)
         return cls(
             input_ids=ids,
             labels=labs,
@@ -117,8 +118,8 @@ class PackedRow(Mapping):
             indices=None if indices is None else _int64_host(indices),
             pair_tokens=pair_tokens,
             pair_seqs=pair_seqs,
+            token_values=values,
             empty=bool(empty),
-            **rl,
         )
 
     @classmethod
@@ -133,7 +134,7 @@ class PackedRow(Mapping):
                            f"{missing} (keys: {sorted(batch)})")
         return cls.build(batch["input_ids"], batch["labels"], batch["nopad_meta"],
                          seq_lens=batch.get("seq_lens"), indices=batch.get("indices"),
-                         gen_logprobs=batch.get("gen_logprobs"), advantages=batch.get("advantages"),
+                         token_values=batch.get("token_values"),
                          pairs=(batch["pair_tokens"], batch["pair_seqs"]) if "pair_tokens" in batch else None,
                          empty=bool(batch.get("empty", False)))
 
@@ -164,6 +165,14 @@ class PackedRow(Mapping):
         in the flat sequences); other rows' loss tokens are their pairs."""
         return values if self.pair_tokens is None else values[self.pair_tokens.to(values.device)]
 
+    def with_token_values(self, values: Mapping[str, Sequence[float] | torch.Tensor]) -> PackedRow:
+        """The same row with ``values`` added to its ``token_values`` (one value per pair, checked
+        as :meth:`build` checks them): for a caller that knows its per-pair data once the rows are
+        laid out (the pairs follow ``indices``, each sequence's loss tokens in order)."""
+        pairs = (self.pair_tokens.numel() if self.pair_tokens is not None
+                 else int((self.labels != IGNORE_INDEX).sum()))
+        return replace(self, token_values={**self.token_values, **_token_values(values, pairs)})
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRow:
         """The same row with its model and loss tensors on ``device`` (the meta through
         :meth:`VarlenMeta.to`); ``seq_lens`` and ``indices`` are bookkeeping read on the host, and
@@ -173,7 +182,7 @@ class PackedRow(Mapping):
 
         return replace(self, input_ids=move(self.input_ids), labels=move(self.labels),
                        nopad_meta=self.nopad_meta.to(device, non_blocking=non_blocking),
-                       gen_logprobs=move(self.gen_logprobs), advantages=move(self.advantages),
+                       token_values={k: move(v) for k, v in self.token_values.items()},
                        pair_tokens=move(self.pair_tokens), pair_seqs=move(self.pair_seqs))
 
     def pin_memory(self) -> PackedRow:
@@ -182,7 +191,7 @@ class PackedRow(Mapping):
             return None if t is None else t.pin_memory()
 
         return replace(self, input_ids=pin(self.input_ids), labels=pin(self.labels),
-                       gen_logprobs=pin(self.gen_logprobs), advantages=pin(self.advantages),
+                       token_values={k: pin(v) for k, v in self.token_values.items()},
                        pair_tokens=pin(self.pair_tokens), pair_seqs=pin(self.pair_seqs))
 
     def model_kwargs(self, *, labels: bool = False) -> dict[str, Any]:
@@ -211,17 +220,19 @@ class PackedRow(Mapping):
         return (k for k in KEYS if self._is_set(k))
 
     def _is_set(self, key: str) -> bool:
-        """A key of the mapping: a field that is not None, and ``empty`` only on an empty row (the
-        keys the rows had as dicts)."""
+        """A key of the mapping: a field that is not None, ``empty`` only on an empty row and
+        ``token_values`` only when there are some (the keys the rows had as dicts)."""
         if key not in KEYS:
             return False
-        return self.empty if key == "empty" else getattr(self, key) is not None
+        if key in ("empty", "token_values"):
+            return bool(getattr(self, key))
+        return getattr(self, key) is not None
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
 
     def __repr__(self) -> str:
-        rl = ", rollouts" if self.gen_logprobs is not None else ""
+        rl = f", values={sorted(self.token_values)}" if self.token_values else ""
         rl += ", tree" if self.pair_tokens is not None else ""
         return (f"PackedRow(tokens={self.num_tokens}, seqs={self.nopad_meta.num_seqs}, "
                 f"loss_tokens={self.num_loss_tokens}{rl}{', empty' if self.empty else ''}, "
@@ -273,14 +284,18 @@ def _pairs(pairs, num_loss_tokens: int, indices) -> tuple[torch.Tensor, torch.Te
     return tokens, seqs
 
 
-def _float32(values, name: str, num_loss_tokens: int) -> torch.Tensor | None:
-    if values is None:
-        return None
-    if isinstance(values, torch.Tensor):
-        t = values.to(torch.float32)
-    else:
-        t = torch.tensor(values, dtype=torch.float32)
-    if t.shape != (num_loss_tokens,):
-        raise ValueError(f"{name} has shape {tuple(t.shape)} but the row has {num_loss_tokens} loss tokens: "
-                         "one value per loss token, in label order")
-    return t
+def _token_values(values: Mapping[str, Any], num_pairs: int) -> dict[str, torch.Tensor]:
+    """``values`` as float32 tensors, each checked to hold one value per loss pair."""
+    if not isinstance(values, Mapping):
+        raise TypeError(f"token_values must map a name to one value per loss token, got "
+                        f"{type(values).__name__}")
+    out = {}
+    for name, v in values.items():
+        if not isinstance(name, str):
+            raise TypeError(f"token_values names must be strings, got {name!r}")
+        t = v.to(torch.float32) if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float32)
+        if t.shape != (num_pairs,):
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but the row has {num_pairs} loss tokens: "
+                             "one value per loss token, in label order (per pair in a tree row)")
+        out[name] = t
+    return out

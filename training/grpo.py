@@ -75,26 +75,56 @@ SCALE_REWARDS = ("group", "batch", "none")
 
 @dataclass
 class Rollout:
-    """One sampled completion and everything the loss needs about it."""
+    """One sampled completion: the RL record from the generator's output to the packed row. Each
+    value is carried once, in the shape the loss reads it: the sampled tokens' log-probs one per
+    loss token, the advantage one per completion (the loss expands it to its pairs,
+    :func:`pair_advantages`). Build it from the generator with :meth:`from_completion` /
+    :meth:`from_episode`."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
-    # the generator's raw log-prob of each sampled token; empty when another forward scores the
-    # completion (NopadGRPOTrainer: TRL's), and then the recipe's loss refuses the row
+    # the generator's raw log-prob of each token the model sampled (``loss_mask`` 1), in order; a list
+    # as long as the completion (an Episode's: 0.0 at tool tokens) is filtered to those once, here.
+    # Empty when another forward scores the completion (NopadGRPOTrainer: TRL's); the recipe's loss
+    # then refuses the row
     gen_logprobs: Sequence[float] = ()
     reward: float = 0.0
-    advantage: float = 0.0
+    advantage: float = 0.0  # the completion's group advantage, one number
     # multi-turn episodes: 1 at each completion token the model sampled (trained on), 0 at tool
-    # tokens (context only); empty: every completion token is the model's. ``gen_logprobs`` then
-    # hold one value per completion token (any value at tool tokens: they are dropped)
+    # tokens (context only); empty: every completion token is the model's
     loss_mask: Sequence[int] = ()
     truncated: bool = False  # stopped by the token limit, not by the model (mask_truncated_completions)
+
+    def __post_init__(self) -> None:
+        mask = _loss_mask(self)
+        kept = sum(mask)
+        if len(self.gen_logprobs) == len(mask) != kept:  # one per completion token: keep the sampled ones
+            self.gen_logprobs = [lp for lp, keep in zip(self.gen_logprobs, mask) if keep]
+
+    @classmethod
+    def from_completion(cls, prompt_ids: Sequence[int], completion) -> Rollout:
+        """A plain sample (:class:`inference.outputs.CompletionOutput`): every token the model's."""
+        return cls(list(prompt_ids), list(completion.token_ids), [float(x) for x in completion.logprobs],
+                   truncated=completion.finish_reason == "length")
+
+    @classmethod
+    def from_episode(cls, episode) -> Rollout:
+        """A multi-turn episode (:class:`inference.episodes.Episode`): the tools' tokens are context."""
+        return cls(list(episode.prompt_token_ids), list(episode.completion_ids),
+                   [float(x) for x in episode.logprobs], loss_mask=list(episode.model_mask),
+                   truncated=episode.finish_reason == "length")
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """The completion tokens the model sampled: what the loss trains on."""
+        return sum(self.loss_mask) if self.loss_mask else len(self.completion_ids)
 
 
 def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = True) -> list[PackedRow]:
     """Pack rollouts into varlen rows. Only completion tokens carry the loss: labels are
-    ``IGNORE_INDEX`` on prompts. Each row also carries, per loss token, the generator's log-probs
-    and the advantage, and the rollout index of each completion (``indices``).
+    ``IGNORE_INDEX`` on prompts. Each row carries the rollout index of each completion
+    (``indices``) and, per loss pair, the generator's log-probs (``token_values["gen_logprobs"]``,
+    when the rollouts have them); the advantages stay on the rollouts (:func:`pair_advantages`).
 
     ``shared_prefix`` (default): the rollouts are the paths of a prefix tree
     (:mod:`packing.bins.tree`), so tokens that several rollouts share - a group's prompt, the
@@ -105,8 +135,20 @@ def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = 
     prompt+completion sequence (BFD)."""
     if not rollouts:  # a rank with no prompts this step (its padding rows come from pad_rows)
         return []
+    scored = _scored(rollouts)
     if shared_prefix:
-        return pack_tree_rows(rollout_paths(rollouts), capacity)
+        rows = pack_tree_rows(rollout_paths(rollouts), capacity)
+    else:
+        rows = _flat_rows(rollouts, capacity)
+    if not scored:
+        return rows
+    # pairs are laid completion after completion (indices), each in token order: the sampled log-probs
+    return [row.with_token_values({"gen_logprobs": [lp for i in row.indices.tolist()
+                                                    for lp in rollouts[i].gen_logprobs]})
+            for row in rows]
+
+
+def _flat_rows(rollouts: list[Rollout], capacity: int) -> list[PackedRow]:
     from packing.bins.binpack import pack
 
     lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
@@ -120,7 +162,7 @@ def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = 
             labels += [IGNORE_INDEX] * len(prompt) + [t if keep else IGNORE_INDEX
                                                       for t, keep in zip(completion, _loss_mask(rollouts[i]))]
         meta = VarlenMeta.from_lengths([lengths[i] for i in order])
-        rows.append(PackedRow.build(ids, labels, meta, indices=order, **_rollout_fields(rollouts, order)))
+        rows.append(PackedRow.build(ids, labels, meta, indices=order))
     return rows
 
 
@@ -135,20 +177,19 @@ def _loss_mask(r: Rollout) -> list[int]:
 
 def rollout_paths(rollouts: Sequence[Rollout]) -> list[TreePath]:
     """Each rollout as a path of a prefix tree (``packing.bins.tree.TreePath``): prompt +
-    completion, the loss on the completion, its generator log-probs and advantage per token."""
-    scored = _scored(rollouts, range(len(rollouts)))
-    paths = []
-    for r in rollouts:
-        n, m = len(r.prompt_ids), len(r.completion_ids)
-        extras = {"advantages": [r.advantage] * (n + m)}
-        if scored:
-            if len(r.gen_logprobs) != m:
-                raise ValueError(f"a rollout has {len(r.gen_logprobs)} gen_logprobs for {m} completion "
-                                 "tokens; give one per sampled token")
-            extras["gen_logprobs"] = [0.0] * n + list(r.gen_logprobs)
-        paths.append(TreePath(list(r.prompt_ids) + list(r.completion_ids),
-                              [False] * n + [bool(x) for x in _loss_mask(r)], extras))
-    return paths
+    completion, the loss on the tokens the model sampled."""
+    return [TreePath(list(r.prompt_ids) + list(r.completion_ids),
+                     [False] * len(r.prompt_ids) + [bool(x) for x in _loss_mask(r)]) for r in rollouts]
+
+
+def pair_advantages(row: PackedRow, rollouts: Sequence[Rollout]) -> torch.Tensor:
+    """float32 ``[pairs]``: the advantage of each loss pair of ``row`` (packed from ``rollouts``),
+    its completion's one number expanded where the loss reads it; zeros on a filler row."""
+    seqs = pair_sequences(row)
+    if row.empty:
+        return torch.zeros(seqs.numel())
+    per_completion = torch.tensor([rollouts[i].advantage for i in row.indices.tolist()], dtype=torch.float32)
+    return per_completion[seqs.cpu()]
 
 
 def packing_metrics(rows: Sequence[PackedRow], rollouts: Sequence[Rollout]) -> dict[str, float]:
@@ -165,28 +206,21 @@ def empty_rollout_row() -> PackedRow:
     """A two-token row with one (zero-weight) loss token and no loss count: what a rank with fewer
     rows runs so that every rank joins the same forward/backward collectives."""
     return PackedRow.build([0, 0], [IGNORE_INDEX, 0], VarlenMeta.from_lengths([2]), indices=[-1],
-                           gen_logprobs=[0.0], advantages=[0.0], empty=True)
+                           token_values={"gen_logprobs": [0.0]}, empty=True)
 
 
-def _rollout_fields(rollouts: list[Rollout], order: list[int]) -> dict[str, list[float] | None]:
-    """The generator's log-probs and the advantage of each loss token of ``order``'s completions
-    (the model's tokens: an episode's tool tokens have none).
-    Rollouts scored by another forward (``NopadGRPOTrainer``: TRL's) carry no generator log-probs:
-    the row then has none (``gen_logprobs=None``), and a loss that needs them refuses it."""
-    scored = _scored(rollouts, order)
-    for i in order if scored else ():
-        if len(rollouts[i].gen_logprobs) != len(rollouts[i].completion_ids):
-            raise ValueError(f"a rollout has {len(rollouts[i].gen_logprobs)} gen_logprobs for "
-                             f"{len(rollouts[i].completion_ids)} completion tokens; give one per token")
-    kept = [(i, j) for i in order for j, keep in enumerate(_loss_mask(rollouts[i])) if keep]
-    return {"gen_logprobs": [rollouts[i].gen_logprobs[j] for i, j in kept] if scored else None,
-            "advantages": [rollouts[i].advantage for i, _ in kept]}
-
-
-def _scored(rollouts: Sequence[Rollout], order) -> bool:
-    scored = [bool(rollouts[i].gen_logprobs) for i in order]
+def _scored(rollouts: Sequence[Rollout]) -> bool:
+    """Whether the rollouts carry the generator's log-probs, one per loss token (all or none).
+    Rollouts scored by another forward (``NopadGRPOTrainer``: TRL's) carry none: their rows then
+    have no ``gen_logprobs``, and a loss that needs them refuses them."""
+    scored = [bool(r.gen_logprobs) for r in rollouts]
     if any(scored) and not all(scored):
         raise ValueError("some rollouts carry generator log-probs and some do not; give all or none")
+    for r in rollouts if all(scored) else ():
+        if len(r.gen_logprobs) != r.num_loss_tokens:
+            raise ValueError(f"a rollout has {len(r.gen_logprobs)} gen_logprobs for {r.num_loss_tokens} "
+                             f"sampled tokens ({len(r.completion_ids)} completion tokens); give one per "
+                             "sampled token, or one per completion token with its loss_mask")
     return all(scored)
 
 

@@ -31,6 +31,7 @@ from training.grpo import (
     pack_rollouts,
     packed_logprobs,
     packing_metrics,
+    pair_advantages,
     pair_sequences,
 )
 from training.mismatch import logprob_mismatch
@@ -94,16 +95,14 @@ def grpo_step(stepper: OptimizerStepper, generator, examples: Sequence[dict],
         if episodes is None:
             outputs = sharded_generate(generator, stepper.model, list(prompt_ids), params, mode=rollout_mode,
                                        use_tqdm=use_tqdm)
-            samples = [[(c.token_ids, c.token_ids, c.logprobs, (), c.finish_reason) for c in out.outputs]
-                       for out in outputs]
+            samples = [[(c.token_ids, Rollout.from_completion(ids, c)) for c in out.outputs]
+                       for ids, out in zip(prompt_ids, outputs)]
         else:
             samples, episode_metrics = _run_episodes(generator, stepper.model, prompt_ids, params, episodes)
     rollout_time = time.perf_counter() - t0
     generator.release()  # the KV cache goes back before any backward pass
-    rollouts = [Rollout(list(ids), list(completion), [float(x) for x in logprobs], loss_mask=list(mask),
-                        truncated=reason == "length")
-                for ids, group in zip(prompt_ids, samples) for _, completion, logprobs, mask, reason in group]
-    answers = [[answer for answer, *_ in group] for group in samples]  # what each reward reads
+    rollouts = [rollout for group in samples for _, rollout in group]
+    answers = [[answer for answer, _ in group] for group in samples]  # what each reward reads
     rewards = score_rollouts(reward_fn, tokenizer, examples, answers, step)
     rewards_t = torch.tensor(rewards).view(len(examples), params.n)
     set_advantages(rollouts, rewards_t, step, loss.scale_rewards)
@@ -125,8 +124,8 @@ class ToolEpisodes:
 
 
 def _run_episodes(generator, model, prompt_ids, params, episodes: ToolEpisodes):
-    """Per prompt, per sample: (the last model turn: what the reward reads, the completion with the
-    tool results, the raw log-probs, the loss mask), and the rollout's tool metrics."""
+    """Per prompt, per sample: (the last model turn: what the reward reads, its :class:`Rollout`),
+    and the rollout's tool metrics."""
     from inference.sharded import sharded_weights
 
     if sharded_weights(model) is not None:
@@ -138,8 +137,7 @@ def _run_episodes(generator, model, prompt_ids, params, episodes: ToolEpisodes):
     for ep in done:
         last = ep.turns[-1] if ep.turns else None
         answer = ep.completion_ids[last.start:last.end] if last is not None else []
-        samples[ep.prompt_index].append((answer, ep.completion_ids, ep.logprobs, ep.model_mask,
-                                         ep.finish_reason))
+        samples[ep.prompt_index].append((answer, Rollout.from_episode(ep)))
     calls = sum(ep.num_tool_calls for ep in done)
     return samples, {"tool_calls_per_episode": calls / max(len(done), 1),
                      "tool_failure_rate": sum(ep.num_tool_errors for ep in done) / max(calls, 1),
@@ -230,7 +228,7 @@ def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: 
     train_lp, gen_lp = acc.logps()
     gap, ratio = (train_lp - gen_lp).abs(), torch.exp(train_lp - gen_lp)
     # the model's tokens: an episode's tool tokens are context, not trained on
-    completion_tokens = sum(sum(r.loss_mask) if r.loss_mask else len(r.completion_ids) for r in rollouts)
+    completion_tokens = sum(r.num_loss_tokens for r in rollouts)
     longest = max((len(r.prompt_ids) + len(r.completion_ids) for r in rollouts), default=0)
     return {
         "loss": sum(acc.losses) / len(acc.losses),  # the mean over the step's optimizer steps
@@ -260,8 +258,9 @@ def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: 
 
 
 class _MiniBatch:
-    """One mini-batch of the rollout batch: its padded rows, each pair's counting mask, and the
-    cached per-row old / reference log-probs (computed once, reused by every pass)."""
+    """One mini-batch of the rollout batch: its padded rows, each pair's counting mask and
+    advantage, and the cached per-row old / reference log-probs (computed once, reused by every
+    pass)."""
 
     def __init__(self, rollouts: list[Rollout], chunk: list[int], loss: GRPOLoss):
         rows = pack_rollouts([rollouts[i] for i in chunk], loss.max_tokens_per_batch,
@@ -270,6 +269,8 @@ class _MiniBatch:
         # a row even where this rank has no rollouts: the window steps once on every rank
         self.rows = pad_rows(rows, empty_rollout_row) or [empty_rollout_row()]
         self.seqs = [pair_sequences(row) for row in self.rows]
+        mine = [rollouts[i] for i in chunk]
+        self.advantages = [pair_advantages(row, mine) for row in self.rows]
         self.masks = []
         for row, seq in zip(self.rows, self.seqs):
             keep = torch.ones(seq.numel())
@@ -354,7 +355,7 @@ def _train_window(stepper, b: _MiniBatch, policy, loss: GRPOLoss, ref_model, dev
                 acc.first_ratio_dev = max(acc.first_ratio_dev, dev)
             if measure and (first or b.old is not None):  # before any update: the mismatch report
                 acc.train_lps.append(batch.old_logp if b.old is not None else batch.logp.detach())
-                acc.gen_lps.append(row.gen_logprobs.to(batch.logp.device))
+                acc.gen_lps.append(batch.rollout_logp)
     acc.losses.append(step_loss)
     return window.grad_norm
 
@@ -366,7 +367,7 @@ def _row_loss(model, row, r: int, b: _MiniBatch, policy, loss: GRPOLoss, ref_mod
         scored = packed_logprobs(model, row, compute_entropy=entropy)
         acc.forwards += 1
     logp, ent = scored if entropy else (scored, None)
-    gen_lp = row.gen_logprobs
+    gen_lp = row.token_values.get("gen_logprobs")
     if gen_lp is None or gen_lp.shape != logp.shape:
         have = "no" if gen_lp is None else gen_lp.numel()
         raise ValueError(f"a row has {logp.numel()} loss tokens but {have} generator log-probs; the GRPO "
@@ -384,6 +385,6 @@ def _row_loss(model, row, r: int, b: _MiniBatch, policy, loss: GRPOLoss, ref_mod
                 acc.forwards += 1
         ref_lp = b.ref[r]
     seq = b.seqs[r].to(logp.device)
-    batch = PolicyBatch(logp, old, row.advantages.to(logp.device), seq, len(row.indices),
+    batch = PolicyBatch(logp, old, b.advantages[r].to(logp.device), seq, len(row.indices),
                         mask=b.masks[r].to(logp.device), ref_logp=ref_lp, rollout_logp=gen_lp, entropy=ent)
     return policy(batch), batch

@@ -20,8 +20,8 @@ The loss is per (path, token) pair, as in the flat sequences. A row is a
 :class:`packing.row.PackedRow`: labels on the tokens its paths train on, each predicted by the
 token before it on its path (``nopad_meta.previous_rows()``: a node's first token by its
 parent's last), and the pairs (``pair_tokens``, ``pair_seqs``) of the paths whose last node the
-row owns, so a token that m paths train on counts m times, each with its own path's
-``gen_logprobs`` / ``advantages``, while the LM head runs on it once. The one-level shared
+row owns, so a token that m paths train on counts m times, each with its own path's per-token
+values (the row's ``token_values``), while the LM head runs on it once. The one-level shared
 prefix of a GRPO group (a prompt and its completions) is the depth-1 case
 (:func:`training.grpo.pack_rollouts`).
 """
@@ -37,15 +37,13 @@ from packing.bins.binpack import pack
 from packing.row import IGNORE_INDEX, PackedRow
 from packing.varlen import VarlenMeta
 
-EXTRAS = ("gen_logprobs", "advantages")  # the per-token extras a row carries, one value per loss pair
-
 
 @dataclass(frozen=True)
 class TreePath:
     """One flat sequence of the tree: token ids, which tokens carry the loss (token ``t`` is
-    predicted by token ``t - 1``, so ``loss_mask[0]`` must be False) and per-token extras
-    (``gen_logprobs``, ``advantages``), each as long as ``ids``; only their loss-token values are
-    used."""
+    predicted by token ``t - 1``, so ``loss_mask[0]`` must be False) and named per-token
+    ``extras`` (a weight per token, say), each as long as ``ids``; only their loss-token values are
+    used, as the row's ``token_values``."""
 
     ids: Sequence[int]
     loss_mask: Sequence[bool] | None = None  # None: no loss (context only)
@@ -225,9 +223,6 @@ def tree_row(paths: Sequence[TreePath], pieces: Sequence[Piece]) -> PackedRow:
 
     owned = [p for piece in pieces for node in piece.owned for p in node.ends]
     names = sorted({name for p in owned for name in paths[p].extras})
-    unknown = set(names) - set(EXTRAS)
-    if unknown:
-        raise ValueError(f"extras named {sorted(unknown)}: a tree row carries only {EXTRAS} per loss pair")
     ends_at = {p: node for piece in pieces for node in piece.owned for p in node.ends}
     at_rows, which, extras = [], [], {name: [] for name in names}
     for k, p in enumerate(owned):
@@ -251,7 +246,7 @@ def tree_row(paths: Sequence[TreePath], pieces: Sequence[Piece]) -> PackedRow:
     label_order = np.cumsum(labels != IGNORE_INDEX) - 1  # row position -> index among the loss tokens
     return PackedRow.build(token_ids, labels, meta, indices=owned,
                            pairs=(label_order[targets], _cat(which, np.int64)),
-                           **{name: _cat(values, np.float32) for name, values in extras.items()})
+                           token_values={name: _cat(values, np.float32) for name, values in extras.items()})
 
 
 def _loss_positions(path: TreePath, index: int) -> np.ndarray:

@@ -345,7 +345,7 @@ def _gaps(model, prompts, params, gen_kwargs, capacity=512, kernels=None):
         with use_nopad_attention(model), torch.no_grad():
             rows = pack_rollouts(rollouts, capacity)
             trainer = torch.cat([packed_logprobs(model, row) for row in rows])
-            generator = torch.cat([row["gen_logprobs"] for row in rows])
+            generator = torch.cat([row.token_values["gen_logprobs"] for row in rows])
     return trainer, generator, gen.stats()
 
 

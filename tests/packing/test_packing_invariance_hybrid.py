@@ -39,7 +39,7 @@ def trainer_logprobs(model, rollouts, capacity: int, shared_prefix: bool
     with use_nopad_attention(model), torch.no_grad():
         rows = pack_rollouts(rollouts, capacity, shared_prefix=shared_prefix)
         trainer = torch.cat([packed_logprobs(model, row) for row in rows])
-    return trainer, torch.cat([row["gen_logprobs"] for row in rows])
+    return trainer, torch.cat([row.token_values["gen_logprobs"] for row in rows])
 
 
 @pytest.mark.parametrize("family", GENERATOR_FAMILIES)

@@ -240,7 +240,7 @@ def test_generator_logprobs_equal_the_chunked_heads_bitwise_whatever_the_token_c
                 with use_nopad_attention(model), torch.no_grad():
                     rows = pack_rollouts(rollouts, capacity)
                     trainer = torch.cat([packed_logprobs(model, row, temperature) for row in rows])
-                generator = torch.cat([row.gen_logprobs for row in rows])
+                generator = torch.cat([row.token_values["gen_logprobs"] for row in rows])
                 assert trainer.numel() == generator.numel() > 0
                 assert torch.equal(trainer, generator), (budget, capacity, chunk)
 

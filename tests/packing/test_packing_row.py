@@ -18,7 +18,7 @@ from packing import distributed
 from packing.bins.tree import TreePath, pack_tree_rows
 from packing.row import IGNORE_INDEX, PackedRow, as_row
 from packing.varlen import VarlenMeta
-from training.grpo import Rollout, empty_rollout_row, pack_rollouts
+from training.grpo import Rollout, empty_rollout_row, pack_rollouts, pair_advantages
 from training.loss import PackedLoss
 
 SFT_KEYS = ["input_ids", "labels", "position_ids", "nopad_meta", "seq_lens", "indices", "num_loss_tokens",
@@ -39,7 +39,7 @@ def test_build_writes_the_schema():
     assert row.position_ids.data_ptr() == row.nopad_meta.position_ids.data_ptr()  # a view: no copy to check
     assert row.seq_lens.tolist() == [3, 2] and row.indices.tolist() == [4, 1]
     assert (row.num_loss_tokens, row.num_loss_seqs, row.num_tokens) == (2, 1, 5)
-    assert row.gen_logprobs is None and row.advantages is None and row.empty is False
+    assert row.token_values == {} and row.empty is False
     assert IGNORE_INDEX == packing.IGNORE_INDEX == -100 and packing.PackedRow is PackedRow
 
 
@@ -50,11 +50,28 @@ def test_build_refuses_parts_that_disagree():
     with pytest.raises(ValueError, match="token 2, the first of sequence 1"):
         PackedRow.build([1, 2, 3, 4], [IGNORE_INDEX, 2, 3, 4], meta)
     with pytest.raises(ValueError, match=r"gen_logprobs has shape \(3,\) but the row has 2 loss tokens"):
-        PackedRow.build([1, 2, 3, 4], [IGNORE_INDEX, 2, IGNORE_INDEX, 4], meta, gen_logprobs=[0.0] * 3)
+        PackedRow.build([1, 2, 3, 4], [IGNORE_INDEX, 2, IGNORE_INDEX, 4], meta,
+                        token_values={"gen_logprobs": [0.0] * 3})
     static = VarlenMeta.static_decode(torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.long),
                                       torch.zeros(1, dtype=torch.long))
     with pytest.raises(ValueError, match="static decode"):
         PackedRow.build([1], [IGNORE_INDEX], static)
+
+
+def test_token_values_are_any_named_per_token_data():
+    """The row carries per-token values by name without knowing them: checked, moved, kept by pair."""
+    meta = VarlenMeta.from_lengths([2, 2])
+    row = PackedRow.build([1, 2, 3, 4], [IGNORE_INDEX, 2, IGNORE_INDEX, 4], meta,
+                          token_values={"weight": [0.5, 2]})
+    assert row.token_values["weight"].dtype == torch.float32 and list(row)[-1] == "token_values"
+    both = row.with_token_values({"score": torch.tensor([1.0, -1.0], dtype=torch.float64)})
+    assert sorted(both.token_values) == ["score", "weight"] and row.token_values.keys() == {"weight"}
+    assert both.token_values["score"].dtype == torch.float32
+    assert both.to("meta").token_values["score"].device.type == "meta"
+    with pytest.raises(ValueError, match=r"score has shape \(3,\) but the row has 2 loss tokens"):
+        row.with_token_values({"score": [0.0] * 3})
+    with pytest.raises(TypeError, match="token_values must map a name"):
+        PackedRow.build([1, 2], [IGNORE_INDEX, 2], VarlenMeta.from_lengths([2]), token_values=[1.0])
 
 
 def test_collator_builds_through_the_builder():
@@ -85,10 +102,10 @@ def test_tree_row_builds_through_the_builder():
     assert row.indices.tolist() == [0, 1, 2]
     assert row.pair_tokens.tolist() == [0, 1, 2, 0, 3, 4, 5]
     assert row.pair_seqs.tolist() == [0, 0, 0, 1, 1, 2, 2]
-    assert row.advantages.tolist() == [1.0, 2.0, 3.0, 7.0, 8.0, 5.0, 6.0]
+    assert row.token_values["advantages"].tolist() == [1.0, 2.0, 3.0, 7.0, 8.0, 5.0, 6.0]
     assert (row.num_loss_tokens, row.num_loss_seqs) == (7, 3)  # as the flat sequences count them
     assert row.loss_tokens()[0].tolist() == [1, 2, 3, 2, 6, 7]  # token 6 is predicted by token 3's row
-    assert list(row) == SFT_KEYS + ["advantages", "pair_tokens", "pair_seqs"]
+    assert list(row) == SFT_KEYS + ["token_values", "pair_tokens", "pair_seqs"]
     with pytest.raises(ValueError, match="no pair reads it"):
         PackedRow.build(row.input_ids, row.labels, row.nopad_meta, indices=[0, 1, 2], pairs=([0, 1], [0, 0]))
     with pytest.raises(ValueError, match="must index the row's 3 sequences"):
@@ -119,16 +136,16 @@ def test_rollouts_pack_through_the_builder(monkeypatch):
     assert s.labels.tolist() == [[-100, -100, 3, 4, 9, -100, 6, 7, 8]]
     assert s.indices.tolist() == [0, 2, 1] and s.seq_lens.tolist() == [4, 1, 4]
     assert s.pair_tokens.tolist() == list(range(6)) and s.pair_seqs.tolist() == [0, 0, 1, 2, 2, 2]
-    assert s.gen_logprobs.tolist() == [-0.5, -0.25, -0.125, -1.0, -2.0, -3.0]
-    assert s.advantages.tolist() == [1.0, 1.0, 0.5, -1.0, -1.0, -1.0]
+    assert s.token_values["gen_logprobs"].tolist() == [-0.5, -0.25, -0.125, -1.0, -2.0, -3.0]
+    assert pair_advantages(s, _rollouts()).tolist() == [1.0, 1.0, 0.5, -1.0, -1.0, -1.0]
     assert (s.num_loss_tokens, s.num_loss_seqs) == (6, 3)
     assert p.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 9]]  # BFD: longest first, in order
     assert p.labels.tolist() == [[-100, -100, 3, 4, -100, 6, 7, 8, -100, -100, 9]]
     assert p.indices.tolist() == [0, 1, 2] and p.seq_lens.tolist() == [4, 4, 3]
-    assert p.gen_logprobs.tolist() == [-0.5, -0.25, -1.0, -2.0, -3.0, -0.125]
-    assert p.advantages.tolist() == [1.0, 1.0, -1.0, -1.0, -1.0, 0.5]
+    assert p.token_values["gen_logprobs"].tolist() == [-0.5, -0.25, -1.0, -2.0, -3.0, -0.125]
+    assert pair_advantages(p, _rollouts()).tolist() == [1.0, 1.0, -1.0, -1.0, -1.0, 0.5]
     assert (empty.empty, empty.num_loss_tokens, empty.num_loss_seqs) == (True, 0, 0)
-    assert empty.labels.tolist() == [[-100, 0]] and empty.gen_logprobs.tolist() == [0.0]
+    assert empty.labels.tolist() == [[-100, 0]] and empty.token_values["gen_logprobs"].tolist() == [0.0]
     assert empty["empty"] is True and "empty" not in s
 
 
@@ -142,7 +159,7 @@ def test_to_moves_the_model_and_loss_tensors_and_keeps_bookkeeping_on_the_host()
     row = pack_rollouts(_rollouts(), capacity=16)[0]
     moved = row.to("meta", non_blocking=True)
     assert moved is not row and row.input_ids.device.type == "cpu"
-    for t in (moved.input_ids, moved.labels, moved.position_ids, moved.gen_logprobs, moved.advantages,
+    for t in (moved.input_ids, moved.labels, moved.position_ids, moved.token_values["gen_logprobs"],
               moved.nopad_meta.cu_seqlens_q, moved.nopad_meta.key_index):
         assert t.device.type == "meta"
     assert moved.seq_lens.device.type == moved.indices.device.type == "cpu"
@@ -175,13 +192,13 @@ def test_a_row_reads_as_the_dict_it_was():
     row = _row()
     assert row["input_ids"] is row.input_ids and row["nopad_meta"] is row.nopad_meta
     assert list(row.keys()) == SFT_KEYS and len(row) == len(SFT_KEYS)
-    assert "labels" in row and "gen_logprobs" not in row and "empty" not in row
+    assert "labels" in row and "token_values" not in row and "empty" not in row
     assert row.get("empty") is None and row.get("num_loss_tokens") == 2
     with pytest.raises(KeyError):
-        row["gen_logprobs"]
+        row["token_values"]
     assert dict(row)["seq_lens"] is row.seq_lens and (lambda **kw: sorted(kw))(**row) == sorted(SFT_KEYS)
-    row["gen_logprobs"] = torch.zeros(2)  # a field may be set by key, as on the dict
-    assert "gen_logprobs" in row
+    row["token_values"] = {"gen_logprobs": torch.zeros(2)}  # a field may be set by key, as on the dict
+    assert "token_values" in row
     with pytest.raises(KeyError, match="no field 'ref_logprobs'"):
         row["ref_logprobs"] = torch.zeros(2)
 

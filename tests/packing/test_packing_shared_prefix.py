@@ -14,7 +14,7 @@ from packing.attention import BACKEND_ENV, varlen_attention
 from packing.hf import use_nopad_attention
 from packing.varlen import VarlenMeta
 from tests.support.models import random_sequences, tiny_model
-from training.grpo import Rollout, pack_rollouts, packed_logprobs
+from training.grpo import Rollout, pack_rollouts, packed_logprobs, pair_advantages
 
 GROUPS = [(12, [5, 9, 7]), (10, [11, 4])]  # (prompt_len, completion_lens); windows are 8 tokens
 
@@ -89,7 +89,7 @@ def _run(model, rows, rollouts):
     with use_nopad_attention(model):
         for row in rows:
             lp = packed_logprobs(model, row, 0.7)
-            (-(lp * row.advantages).sum()).backward()
+            (-(lp * pair_advantages(row, rollouts)).sum()).backward()
             order = row.indices.tolist()
             if row.pair_seqs is None:  # flat rows: the completions' tokens in label order
                 parts = lp.detach().split([len(rollouts[i].completion_ids) for i in order])
@@ -135,7 +135,7 @@ def test_shared_prefix_logprobs_equal_the_generators_bitwise(family, dtype, one_
         with use_nopad_attention(model), torch.no_grad():
             rows = pack_rollouts(rollouts, capacity=40)  # the 30-token prompt's group is split
             trainer = torch.cat([packed_logprobs(model, row) for row in rows])
-    generator = torch.cat([row["gen_logprobs"] for row in rows])
+    generator = torch.cat([row.token_values["gen_logprobs"] for row in rows])
     assert any(r["nopad_meta"].key_index is not None for r in rows)
     assert sum(r["input_ids"].numel() for r in rows) < sum(len(r.prompt_ids) + len(r.completion_ids)
                                                            for r in rollouts)

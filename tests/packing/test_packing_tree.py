@@ -101,8 +101,8 @@ def test_deep_tree_in_one_row():
     assert row.pair_tokens[c].tolist() == row.pair_tokens[e].tolist() == [0, 1, 2, 8]
     assert predict_at[row.pair_tokens[c]].tolist() == [0, 1, 2, 3]
     assert targets[row.pair_tokens[c]].tolist() == [2, 3, 4, 9]
-    assert row.advantages[c].tolist() == [21.0, 22.0, 23.0, 24.0]
-    assert row.advantages[e].tolist() == [41.0, 42.0, 43.0, 44.0]
+    assert row.token_values["advantages"][c].tolist() == [21.0, 22.0, 23.0, 24.0]
+    assert row.token_values["advantages"][e].tolist() == [41.0, 42.0, 43.0, 44.0]
     d = seqs == 5
     assert predict_at[row.pair_tokens[d]].tolist() == [0, 1]
     assert targets[row.pair_tokens[d]].tolist() == [2, 8]
@@ -152,8 +152,6 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="same extras"):
         pack_tree_rows([TreePath([1, 2], [False, True], {"advantages": [0.0, 1.0]}),
                         TreePath([1, 3], [False, True])], capacity=8)
-    with pytest.raises(ValueError, match="carries only"):
-        pack_tree_rows([TreePath([1, 2], [False, True], {"weight": [0.0, 1.0]})], capacity=8)
     with pytest.raises(ValueError, match="sequence 1 is empty"):
         pack_tree_rows([TreePath([1, 2]), TreePath([])], capacity=8)
 
@@ -261,7 +259,7 @@ def _tree_run(model, paths, capacity):
     with use_nopad_attention(model):
         for row in rows:
             lp = packed_logprobs(model, row)
-            (-(lp * row.advantages).sum()).backward()
+            (-(lp * row.token_values["advantages"]).sum()).backward()
             for k, p in enumerate(row.indices.tolist()):
                 got[p] = lp.detach()[row.pair_seqs == k]
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}

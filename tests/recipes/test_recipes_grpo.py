@@ -19,7 +19,7 @@ from recipes.tasks import (
     last_number_match,
 )
 from tests.support import launch
-from training.grpo import Rollout, group_advantages, pack_rollouts
+from training.grpo import Rollout, group_advantages, pack_rollouts, pair_advantages
 
 
 def config(**overrides) -> GRPORecipeConfig:
@@ -174,8 +174,9 @@ def test_pack_rollouts_masks_prompts_and_aligns_per_token_data():
         assert sum(meta.seqlens_q) == len(ids) <= 8
         loss_at = [t for t, lab in enumerate(labels) if lab != -100]
         assert [labels[t] for t in loss_at] == [ids[t] for t in loss_at]
-        assert len(loss_at) == len(row["gen_logprobs"]) == len(row["advantages"])
-        for t, lp, a in zip(loss_at, row["gen_logprobs"].tolist(), row["advantages"].tolist()):
+        gen_logprobs, advantages = row.token_values["gen_logprobs"], pair_advantages(row, rollouts)
+        assert len(loss_at) == len(gen_logprobs) == len(advantages)
+        for t, lp, a in zip(loss_at, gen_logprobs.tolist(), advantages.tolist()):
             seen[ids[t]] = (round(lp, 4), a)
     assert seen == {20: (-0.1, 1.0), 21: (-0.2, 1.0), 22: (-0.3, -2.0), 23: (-0.4, -2.0),
                     24: (-0.5, -2.0), 25: (-0.6, 0.5)}

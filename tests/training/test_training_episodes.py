@@ -253,7 +253,7 @@ def test_mismatch_report_counts_model_tokens_outside_the_band():
 @pytest.mark.parametrize("shared_prefix", [True, False])
 def test_tool_tokens_carry_no_loss_in_packed_rollouts(shared_prefix):
     from packing.row import IGNORE_INDEX
-    from training.grpo import Rollout, pack_rollouts
+    from training.grpo import Rollout, pack_rollouts, pair_advantages
 
     rollouts = [Rollout([1, 2], [10, 11, 12, 13], [-1.0, -9.0, -9.0, -2.0], advantage=0.5,
                         loss_mask=[1, 0, 0, 1]),
@@ -261,10 +261,34 @@ def test_tool_tokens_carry_no_loss_in_packed_rollouts(shared_prefix):
     (row,) = pack_rollouts(rollouts, 64, shared_prefix=shared_prefix)
     labels = row.labels[0].tolist()
     assert [t for t in labels if t != IGNORE_INDEX] == [10, 13, 20, 21]
-    assert row.gen_logprobs.tolist() == [-1.0, -2.0, -3.0, -4.0]
-    assert row.advantages.tolist() == [0.5, 0.5, -0.5, -0.5] and row.num_loss_tokens == 4
+    assert row.token_values["gen_logprobs"].tolist() == [-1.0, -2.0, -3.0, -4.0]
+    assert pair_advantages(row, rollouts).tolist() == [0.5, 0.5, -0.5, -0.5] and row.num_loss_tokens == 4
     with pytest.raises(ValueError, match="loss_mask"):
         pack_rollouts([Rollout([1], [5, 6], [-1.0, -1.0], loss_mask=[1])], 64, shared_prefix=shared_prefix)
+
+
+def test_a_rollout_is_built_once_from_the_generators_output():
+    """The one RL record: an episode's log-probs (0.0 at tool tokens) kept for the model's tokens
+    only, once, at construction; a plain sample's as they are; the advantage one number."""
+    from types import SimpleNamespace
+
+    from training.grpo import Rollout, pack_rollouts
+
+    episode = SimpleNamespace(prompt_token_ids=[1, 2], completion_ids=[10, 11, 12, 13],
+                              logprobs=[-1.0, 0.0, 0.0, -2.0], model_mask=[1, 0, 0, 1],
+                              finish_reason="length")
+    r = Rollout.from_episode(episode)
+    assert (r.prompt_ids, r.completion_ids, r.loss_mask) == ([1, 2], [10, 11, 12, 13], [1, 0, 0, 1])
+    assert (r.gen_logprobs, r.num_loss_tokens, r.truncated) == ([-1.0, -2.0], 2, True)
+    sample = SimpleNamespace(token_ids=[20, 21], logprobs=[-3.0, -4.0], finish_reason="stop")
+    plain = Rollout.from_completion([1, 2], sample)
+    assert (plain.gen_logprobs, plain.loss_mask, plain.num_loss_tokens, plain.truncated) == (
+        [-3.0, -4.0], (), 2, False)
+    (row,) = pack_rollouts([r, plain], 64)
+    assert row.token_values["gen_logprobs"].tolist() == [-1.0, -2.0, -3.0, -4.0]
+    assert "advantages" not in row.token_values  # one per rollout, expanded by the loss
+    with pytest.raises(ValueError, match=r"1 gen_logprobs for 2 sampled tokens \(3 completion tokens\)"):
+        pack_rollouts([Rollout([1], [5, 6, 7], [-1.0], loss_mask=[1, 0, 1])], 64)
 
 
 # ----------------------------------------------------------------------------- the recipe's tool task

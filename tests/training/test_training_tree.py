@@ -109,7 +109,7 @@ def test_tree_row_logprobs_equal_the_rollouts_on_forked_episodes_bitwise(dtype, 
         for k, i in enumerate(row.indices.tolist()):
             model_tokens = torch.tensor(episodes[i].model_mask, dtype=torch.bool)
             mine = row.pair_seqs == k
-            got, want = lp[mine][model_tokens], row.gen_logprobs[mine][model_tokens]
+            got, want = lp[mine][model_tokens], row.token_values["gen_logprobs"][mine][model_tokens]
             assert torch.equal(got, want), f"episode {i}: max gap {(got - want).abs().max():.3g}"
             compared += int(model_tokens.sum())
     assert compared == sum(sum(e.model_mask) for e in episodes) > 0
