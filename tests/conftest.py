@@ -55,7 +55,11 @@ def pytest_sessionstart(session):
 
 def pytest_sessionfinish(session):
     """Wait for the build rather than kill it: a build killed inside torch's lock leaves the lock
-    file behind, and every later DeepSpeed start would wait on it forever."""
+    file behind, and every later DeepSpeed start would wait on it forever. One still running after
+    10 minutes (waiting on another process's lock?) is left to finish on its own."""
     build = session.config.stash.get(_DS_BUILD, None)
     if build is not None:
-        build.wait()
+        try:
+            build.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            pass
