@@ -1,6 +1,7 @@
 """Host memory of the README's two-process DeepSpeed ZeRO-3 SFT of SmolLM2-135M (issue 32, item 9).
 
-Runs the README's commands (preprocess the sample chats at capacity 2048, then
+Runs the README's commands on 2048-token rows (preprocess the sample chats at capacity 2048, where
+the README's quick run packs 512, then
 ``accelerate launch --config_file recipes/configs/accelerate_zero3.yaml -m recipes.sft``) with fewer
 optimizer steps, samples every process of the launch through /proc while it runs, and prints each
 rank's peak RSS (the kernel's own high-water mark, VmHWM), the peak of the whole tree's summed RSS,

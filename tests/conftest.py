@@ -3,7 +3,10 @@ is read when a kernel is decorated (``@triton.jit``, at its module's import), an
 imported before any test module imports nopad, so setting it here reaches every kernel. A value the
 caller set is kept (``TRITON_INTERPRET=0`` on a GPU machine is the caller's choice)."""
 
+import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,3 +26,40 @@ def _single_thread():
 one_thread = pytest.fixture(_single_thread, name="one_thread")  # for a test
 # for every test of a module: `pytestmark = pytest.mark.usefixtures("one_thread_module")`
 one_thread_module = pytest.fixture(_single_thread, scope="module", name="one_thread_module")
+
+
+# DeepSpeed JIT-compiles its CPU shared-memory op (used only by its inference all-reduce, never by
+# ZeRO training) the first time any rank starts, 45-100 s on a fresh machine. The build is cached in
+# torch's extensions directory, behind torch's file lock: built here in the background (nice, on the
+# core the single-threaded tests leave idle) while the suite collects and runs, the first DeepSpeed
+# test finds it built (or waits on the lock) instead of paying for it on its own clock.
+_DS_SHM_BUILD = (
+    "from deepspeed.accelerator import get_accelerator\n"
+    "b = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
+    "if b is not None and b.is_compatible():\n"
+    "    b.load()\n"
+)
+_DS_BUILD = pytest.StashKey[subprocess.Popen]()
+
+
+def pytest_sessionstart(session):
+    """Start the DeepSpeed op build when the run includes the slow (multi-process) tests."""
+    markexpr = session.config.getoption("markexpr") or ""
+    if "slow" not in markexpr.replace("not slow", "") or importlib.util.find_spec("deepspeed") is None:
+        return
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    session.config.stash[_DS_BUILD] = subprocess.Popen(
+        ["nice", "-n", "10", sys.executable, "-c", _DS_SHM_BUILD], env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def pytest_sessionfinish(session):
+    """Wait for the build rather than kill it: a build killed inside torch's lock leaves the lock
+    file behind, and every later DeepSpeed start would wait on it forever. One still running after
+    10 minutes (waiting on another process's lock?) is left to finish on its own."""
+    build = session.config.stash.get(_DS_BUILD, None)
+    if build is not None:
+        try:
+            build.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            pass
