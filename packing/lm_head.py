@@ -9,7 +9,10 @@ Why: with vocabularies of 150k-262k, one 8,192-token row of fp32 logits is 5-8 G
 so DDP / DeepSpeed / FSDP / peft wrappers and their hooks all see an ordinary call) with the head
 given one row only, and the head then runs on :data:`CHUNK_TOKENS` positions at a time, inside
 that call (where ZeRO-3 and FSDP2 have gathered its weights): peak memory is O(chunk x V), not
-O(T x V) (``benchmarks/bench_lm_head.py`` measures it).
+O(T x V) (``benchmarks/bench_lm_head.py`` measures it). A plain ``nn.Linear`` head takes its
+gradients by hand (:mod:`packing.linear_head`: one fp32 weight-gradient buffer, and for the SFT
+loss, :func:`nll_sum`, in the forward pass, so no recompute); any other head module goes through
+autograd over checkpointed chunks.
 
 Exact, not fused: each chunk is the model's own head module (tied embeddings, a bias, a peft LoRA
 on ``lm_head`` run as they do in the model), the model's own final-logit ops (:class:`LMHead`:
