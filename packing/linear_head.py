@@ -71,8 +71,15 @@ def _accumulate(grads: list, g_out: torch.Tensor, h: torch.Tensor, weight: torch
         grad_b += g_out.sum(0, dtype=torch.float32)
 
 
-def _as_params(grads: list, weight: torch.Tensor, bias: torch.Tensor | None) -> list:
+def _as_params(grads: list, weight: torch.Tensor, bias: torch.Tensor | None,
+               scale: torch.Tensor | None = None) -> list:
+    """The gradients in their parameters' dtypes, each multiplied by ``scale`` in fp32 first."""
     grad_h, grad_w, grad_b = grads
+    if scale is not None:
+        scale = scale.float()
+        grad_h = None if grad_h is None else (grad_h.float() * scale).to(grad_h.dtype)
+        grad_w = None if grad_w is None else grad_w.mul_(scale)
+        grad_b = None if grad_b is None else grad_b.mul_(scale)
     return [grad_h, None if grad_w is None else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(bias.dtype)]
 
@@ -126,7 +133,7 @@ class LinearHeadNLL(torch.autograd.Function):
                                   -weights[rows].float())
             _accumulate(grads, g_out, hidden[rows], weight, rows)
             picked.append(lp)
-        ctx.grads = _as_params(grads, weight, bias)
+        ctx.grads, ctx.params = grads, (weight, bias)  # the fp32 buffers, scaled in backward
         return -(weights * torch.cat(picked)).sum()
 
     @staticmethod
@@ -135,5 +142,4 @@ class LinearHeadNLL(torch.autograd.Function):
             raise RuntimeError("packing.linear_head.LinearHeadNLL's backward ran twice (retain_graph): "
                                "its gradients were taken in the forward and are spent")
         grads, ctx.grads = ctx.grads, None
-        return (*[None if g is None else g.mul_(g_loss.to(g.dtype)) for g in grads],
-                None, None, None, None, None)
+        return (*_as_params(grads, *ctx.params, scale=g_loss), None, None, None, None, None)
