@@ -5,8 +5,11 @@ forward and backward, by five methods side by side, each in a fresh process.
 - ``nopad_logits``: nopad's path before the chunked head (``row_loss_sum`` on every position's logits);
 - ``trl_chunked_nll``: TRL's SFT loss (``loss_type="chunked_nll"``, now ``"nll"``: ``add_fused_lm_head``);
 - ``torch_lce``: torch's ``F.linear_cross_entropy`` with ``LinearCrossEntropyOptions()``, where present;
-- ``nopad_head``: ``training.loss.row_nll_sum`` (``packing.lm_head``: loss positions only, chunked,
-  recomputed in backward).
+- ``nopad_head``: ``training.loss.row_nll_sum`` (``packing.lm_head.nll_sum``: loss positions only,
+  chunked; the plain head's gradients taken in the forward, ``packing.linear_head``);
+- ``nopad_head_autograd``: the same chunks through autograd, each checkpointed and recomputed in
+  backward (``packing.lm_head.head_logprobs`` with the head module's hooks, the path a LoRA head
+  takes; the plain head's path before ``packing.linear_head``).
 
 Workload: a random-weight Llama with a real vocabulary (151,936: Qwen3; 248,320: Qwen3.5) and a
 small backbone (hidden 256, 2 layers, tied embeddings) so that the head dominates; one packed row of
@@ -41,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from anywhere
-METHODS = ("hf_labels", "nopad_logits", "trl_chunked_nll", "torch_lce", "nopad_head")
+METHODS = ("hf_labels", "nopad_logits", "trl_chunked_nll", "torch_lce", "nopad_head", "nopad_head_autograd")
 FULL_LOGITS = {"hf_labels": 4, "nopad_logits": 4}  # fp32 T x V copies they hold at their peak (estimate)
 SEQ_LEN = 512
 
@@ -91,6 +94,16 @@ def method_loss(name: str, model, row):
         return lambda: row_loss_sum(model(**row.model_kwargs(), use_cache=False).logits, row) / n
     if name == "nopad_head":
         return lambda: row_nll_sum(model, row) / n
+    if name == "nopad_head_autograd":
+        from packing.lm_head import head_logprobs, head_of
+
+        predict_at, targets = row.loss_tokens()
+
+        def autograd_head():
+            hidden = model.model(**row.model_kwargs(), use_cache=False).last_hidden_state[0]
+            return -head_logprobs(head_of(model), hidden[predict_at], targets)[0].sum() / n
+
+        return autograd_head
     if name == "trl_chunked_nll":
         from trl.trainer.utils import add_fused_lm_head
 
@@ -176,7 +189,7 @@ def main() -> None:
     if args.quick:
         args.vocab, args.tokens, args.dtypes = [4096], [256], ["fp32"]
     rows = []
-    print(f"{'vocab':>7} {'T':>6} {'dtype':>5} {'method':>16} {'extra MiB':>10} {'extra/(TxV/8)':>13} "
+    print(f"{'vocab':>7} {'T':>6} {'dtype':>5} {'method':>19} {'extra MiB':>10} {'extra/(TxV/8)':>13} "
           f"{'time s':>7} {'x hf':>5} {'loss rel diff':>13} {'grad rel diff':>13}")
     for vocab in args.vocab:
         for tokens in args.tokens:
@@ -192,7 +205,7 @@ def main() -> None:
                     r.update(method=name, vocab=vocab, tokens=tokens, dtype=dtype)
                     rows.append(r)
                     if "skipped" in r:
-                        print(f"{vocab:>7} {tokens:>6} {dtype:>5} {name:>16}  skipped: {r['skipped']}")
+                        print(f"{vocab:>7} {tokens:>6} {dtype:>5} {name:>19}  skipped: {r['skipped']}")
                         continue
                     ref = ref or (r if name == "hf_labels" else None)
                     goal = tokens * vocab * 4 / 8
@@ -201,7 +214,7 @@ def main() -> None:
                         x_hf = f"{r['seconds'] / ref['seconds']:5.2f}"
                         loss_d = f"{abs(r['loss'] - ref['loss']) / abs(ref['loss']):13.1e}"
                         grad_d = f"{abs(r['grad_norm'] - ref['grad_norm']) / ref['grad_norm']:13.1e}"
-                    print(f"{vocab:>7} {tokens:>6} {dtype:>5} {name:>16} {r['extra_bytes'] / 2**20:10.0f} "
+                    print(f"{vocab:>7} {tokens:>6} {dtype:>5} {name:>19} {r['extra_bytes'] / 2**20:10.0f} "
                           f"{r['extra_bytes'] / goal:13.2f} {r['seconds']:7.2f} {x_hf} {loss_d} {grad_d}",
                           flush=True)
     if args.json:

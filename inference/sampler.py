@@ -16,7 +16,7 @@ import torch
 
 from inference.request import Sequence
 from inference.seeding import uniform_draw
-from packing.lm_head import tempered_log_softmax
+from packing.log_softmax import tempered_log_softmax
 
 
 @dataclass
@@ -54,7 +54,7 @@ class SamplerBuffers:
 
 def _log_softmax(x: torch.Tensor, buffers: SamplerBuffers, name: str) -> torch.Tensor:
     """``log_softmax(x, -1)`` into a reused buffer, through the trainer's own expression
-    (:func:`packing.lm_head.tempered_log_softmax`), so the same kernel gives the same bits."""
+    (:func:`packing.log_softmax.tempered_log_softmax`), so the same kernel gives the same bits."""
     return tempered_log_softmax(x, out=buffers.get(name, x))
 
 
@@ -120,7 +120,7 @@ def _temperature_logprobs(logits: torch.Tensor, tokens: torch.Tensor, raw_picked
                           params: list, buffers: SamplerBuffers) -> torch.Tensor:
     """Log-prob of each sampled token under ``softmax(logits / temperature)``: no penalty, no
     top-k/top-p/min-p truncation, i.e. what a trainer scoring the completion computes (TRL #6789).
-    Computed by the trainer's own function (:func:`packing.lm_head.tempered_log_softmax`), so
+    Computed by the trainer's own function (:func:`packing.log_softmax.tempered_log_softmax`), so
     under :func:`packing.batch_invariant` the bits match; ``T`` = 1 or greedy: the raw log-prob."""
     out = raw_picked.clone()
     for temperature in {p.temperature for p in params if not p.greedy and p.temperature != 1.0}:

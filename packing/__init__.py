@@ -36,7 +36,7 @@ _export("packing.hf.attention", "register_nopad_attention", "NOPAD_ATTENTION", "
         "packed_forward_guard")
 _export("packing.hf.verification", "verify", "VerifyReport")
 _export("packing.invariance", "batch_invariant")
-_export("packing.lm_head", "token_logprobs", "LMHead")
+_export("packing.lm_head", "token_logprobs", "nll_sum", "LMHead")
 
 __all__ = sorted(_EXPORTS)
 

@@ -9,7 +9,10 @@ Why: with vocabularies of 150k-262k, one 8,192-token row of fp32 logits is 5-8 G
 so DDP / DeepSpeed / FSDP / peft wrappers and their hooks all see an ordinary call) with the head
 given one row only, and the head then runs on :data:`CHUNK_TOKENS` positions at a time, inside
 that call (where ZeRO-3 and FSDP2 have gathered its weights): peak memory is O(chunk x V), not
-O(T x V) (``benchmarks/bench_lm_head.py`` measures it).
+O(T x V) (``benchmarks/bench_lm_head.py`` measures it). A plain ``nn.Linear`` head takes its
+gradients by hand (:mod:`packing.linear_head`: one fp32 weight-gradient buffer, and for the SFT
+loss, :func:`nll_sum`, in the forward pass, so no recompute); any other head module goes through
+autograd over checkpointed chunks.
 
 Exact, not fused: each chunk is the model's own head module (tied embeddings, a bias, a peft LoRA
 on ``lm_head`` run as they do in the model), the model's own final-logit ops (:class:`LMHead`:
@@ -37,6 +40,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from packing.invariance import active_kernels, batch_invariant, is_enabled
+from packing.linear_head import LinearHeadChunks, LinearHeadNLL
+from packing.log_softmax import logits_grad, picked_and_entropy, tempered_log_softmax
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +60,11 @@ class LMHead:
     multiplier: float | None = None
     divisor: float | None = None
 
+    @property
+    def final_ops(self) -> bool:
+        """Whether :meth:`finish` does anything (else the logits are the module's output)."""
+        return (self.softcap, self.multiplier, self.divisor) != (None, None, None)
+
     def logits(self, hidden: torch.Tensor, *, hooks: bool = True) -> torch.Tensor:
         """The model's logits of ``hidden``, op for op as its forward computes them. ``hooks``
         False runs the module's ``forward`` without its own hooks (inside the model's call, where
@@ -72,20 +82,6 @@ class LMHead:
             x = torch.tanh(x)
             x = x * self.softcap
         return x
-
-
-def tempered_log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, out: torch.Tensor | None = None,
-                         tempered_out: torch.Tensor | None = None) -> torch.Tensor:
-    """``log_softmax(logits.float() / temperature)`` over the vocabulary: the one expression of a
-    token's log-prob in nopad, for the trainer's chunks and the generator's sampler alike (so under
-    :func:`packing.batch_invariant` their bits agree). ``out`` / ``tempered_out``: buffers to reuse
-    for the result and the divided logits (the sampler's)."""
-    z = logits.float()
-    if temperature != 1.0:
-        z = torch.div(z, float(temperature), out=tempered_out)
-    if out is None:
-        return torch.log_softmax(z, dim=-1)
-    return torch._log_softmax(z, -1, False, out=out)  # the same kernel as log_softmax, into ``out``
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -131,6 +127,51 @@ def token_logprobs(model: torch.nn.Module, model_kwargs: dict[str, Any], positio
     The one row of the model's logits is checked against :meth:`LMHead.finish` of the head's own
     output, so a model whose forward does something after its head that :func:`head_of` does not
     read fails here instead of training on wrong log-probs."""
+    def score(head: LMHead, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return head_logprobs(head, hidden, targets, temperature=temperature, entropy=entropy,
+                             chunk_tokens=chunk_tokens, hooks=False)
+
+    scores, mismatch = _score_in_model_call(model, model_kwargs, positions, score)
+    if mismatch:
+        return _from_full_logits(model, model_kwargs, positions, targets, temperature, entropy, mismatch)
+    return scores[0], scores[1]
+
+
+def nll_sum(model: torch.nn.Module, model_kwargs: dict[str, Any], positions: torch.Tensor,
+            targets: torch.Tensor, weights: torch.Tensor, *, chunk_tokens: int | None = None) -> torch.Tensor:
+    """``-(weights * logps).sum()`` of :func:`token_logprobs`'s ``logps`` (temperature 1): the SFT
+    loss of one packed row, with the same values. Why a function of its own: the gradient of a
+    scalar loss is known, up to its one scale, in the forward pass, so a plain ``nn.Linear`` head
+    (:class:`_LinearHeadNLL`) takes each chunk's gradients there, while its logits exist: three
+    ``T x H x V`` GEMMs, as the full-logits path runs, instead of four with a recompute."""
+    weights = weights.to(targets.device)
+    if weights.shape != targets.shape:
+        raise ValueError(f"weights of shape {tuple(weights.shape)}, targets of shape {tuple(targets.shape)}: "
+                         "one weight per target")
+
+    def score(head: LMHead, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return head_nll_sum(head, hidden, targets, weights, chunk_tokens=chunk_tokens, hooks=False), None
+
+    scores, mismatch = _score_in_model_call(model, model_kwargs, positions, score)
+    if mismatch:
+        logps, _ = _from_full_logits(model, model_kwargs, positions, targets, 1.0, False, mismatch)
+        return -(weights.to(logps.device) * logps).sum()
+    return scores[0]
+
+
+def _score_in_model_call(model, model_kwargs, positions, score) -> tuple[tuple, str | None]:
+    """``score(head, hidden)`` (a pair of tensors, the second maybe None) of the hidden states at
+    ``positions``, from one call of ``model``, and why the model's logits cannot be trusted to be
+    the head's (None: they can).
+
+    ``score`` runs *inside* that call, in hooks on the head module: its input is kept and the
+    module itself computes one row; then, while ZeRO-3 or FSDP2 still hold its gathered weights,
+    the chunks score the kept hidden states. Their result is tied into the head's output and the
+    model's logits (:class:`_Tied`), so backward passes the engines' pre-backward hooks (which
+    gather the weights again) before it reaches the chunks' backward. The one row of the model's
+    logits is checked against :meth:`LMHead.finish` of the head's own output, so a model whose
+    forward does something after its head that :func:`head_of` does not read is found here
+    instead of training on wrong log-probs."""
     head = head_of(model)
     state: dict[str, Any] = {}
 
@@ -150,10 +191,8 @@ def token_logprobs(model: torch.nn.Module, model_kwargs: dict[str, Any], positio
                                "takes logits_to_keep as a tensor of positions")
         with torch.no_grad():
             state["ours"] = head.finish(output.reshape(-1, output.shape[-1])[:1])
-        logps, ents = head_logprobs(head, hidden, targets, temperature=temperature, entropy=entropy,
-                                    chunk_tokens=chunk_tokens, hooks=False)
-        state["scores"] = (logps, ents)
-        return _Tied.apply(output.detach(), *_present(logps, ents))[0]
+        state["scores"] = scores = score(head, hidden)
+        return _Tied.apply(output.detach(), *_present(*scores))[0]
 
     # keep_hidden runs after the engines' pre-hooks (it keeps the input they wrap for backward),
     # score_chunks before their post-hooks (the weights are still gathered; they wrap its output)
@@ -167,14 +206,14 @@ def token_logprobs(model: torch.nn.Module, model_kwargs: dict[str, Any], positio
     if "scores" not in state:
         raise RuntimeError(f"{type(unwrap(model)).__name__}'s forward did not call its output embeddings "
                            "(get_output_embeddings()); the LM head needs the usual causal-LM forward")
-    logps, ents = state["scores"]
+    first, second = state["scores"]
     if positions.numel():
         theirs = out.logits.reshape(-1, out.logits.shape[-1])[:1]
         mismatch = _head_mismatch(head, state["ours"], theirs, model)
         if mismatch:
-            return _from_full_logits(model, model_kwargs, positions, targets, temperature, entropy, mismatch)
-    tied = _Tied.apply(out.logits, *_present(logps, ents))[1:]
-    return tied[0], (tied[1] if entropy else None)
+            return (first, second), mismatch
+    tied = _Tied.apply(out.logits, *_present(first, second))[1:]
+    return (tied[0], (tied[1] if second is not None else None)), None
 
 
 def _present(*tensors: torch.Tensor | None) -> list[torch.Tensor]:
@@ -244,8 +283,7 @@ class _TargetLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, targets, want_entropy, temperature):
         logp = tempered_log_softmax(z, temperature)
-        picked = logp.gather(1, targets[:, None]).squeeze(1)
-        ent = -(logp.exp() * logp).sum(-1) if want_entropy else z.new_empty(0)
+        picked, ent = picked_and_entropy(logp, targets, want_entropy)
         ctx.save_for_backward(logp, targets, ent)
         ctx.want_entropy, ctx.temperature = want_entropy, temperature
         return picked, ent
@@ -253,17 +291,8 @@ class _TargetLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_picked, g_ent):
         logp, targets, ent = ctx.saved_tensors
-        grad = torch.exp(logp)  # p
-        g_picked = torch.zeros_like(ent if ctx.want_entropy else logp[:, 0]) if g_picked is None else g_picked
-        if ctx.want_entropy and g_ent is not None:
-            # d(-sum p log p)/dz = -p (log p + H);  d(log p_t)/dz = onehot_t - p
-            coef = (logp + ent[:, None]).mul_(g_ent[:, None]).add_(g_picked[:, None])
-            grad.mul_(coef).neg_()
-        else:
-            grad.mul_(-g_picked[:, None])
-        grad[torch.arange(grad.shape[0], device=grad.device), targets] += g_picked
-        if ctx.temperature != 1.0:
-            grad.div_(ctx.temperature)
+        ent = ent if ctx.want_entropy else None
+        grad = logits_grad(logp, targets, ent, g_picked, g_ent, ctx.temperature)
         return grad, None, None, None  # autograd casts the fp32 gradient to z's dtype
 
 
@@ -295,12 +324,24 @@ def head_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, *, 
         zero = hidden.sum() * 0.0
         empty = zero.float().expand(0)
         return empty, (empty if entropy else None)
-    grad = torch.is_grad_enabled()
     invariant = (is_enabled(), active_kernels())
+    if torch.is_grad_enabled() and _plain(head, hooks):
+        logps, ents = LinearHeadChunks.apply(hidden, head.module.weight, head.module.bias, targets, head,
+                                             temperature, entropy, chunk_tokens, invariant)
+        return logps, (ents if entropy else None)
+    return _chunks(head, hidden, targets, temperature, entropy, chunk_tokens, invariant, hooks,
+                   checkpointed=torch.is_grad_enabled())
+
+
+def _chunks(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool,
+            chunk_tokens: int, invariant: tuple[bool, str | None], hooks: bool, *,
+            checkpointed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunks' scores in order from row 0, each chunk checkpointed (recomputed in backward by
+    autograd) when ``checkpointed``."""
     parts, ents = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[start: start + chunk_tokens], targets[start: start + chunk_tokens]
-        if grad:
+        if checkpointed:
             lp, ent = checkpoint(_chunk, head, h, t, temperature, entropy, invariant, hooks,
                                  use_reentrant=False)
         else:
@@ -309,3 +350,25 @@ def head_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, *, 
         ents.append(ent)
     logps = torch.cat(parts)
     return logps, (torch.cat(ents) if entropy else None)
+
+
+def head_nll_sum(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, *,
+                 chunk_tokens: int | None = None, hooks: bool = True) -> torch.Tensor:
+    """``-(weights * logps).sum()`` of :func:`head_logprobs`'s ``logps`` (temperature 1); for a
+    plain ``nn.Linear`` head with grad enabled, its gradients taken in the forward
+    (:class:`packing.linear_head.LinearHeadNLL`)."""
+    chunk_tokens = CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
+    if torch.is_grad_enabled() and hidden.shape[0] and chunk_tokens >= 1 and _plain(head, hooks):
+        if targets.shape != hidden.shape[:1]:
+            raise ValueError(f"{hidden.shape[0]} hidden states but targets of shape {tuple(targets.shape)}")
+        invariant = (is_enabled(), active_kernels())
+        return LinearHeadNLL.apply(hidden, head.module.weight, head.module.bias, targets.to(hidden.device),
+                                   weights.to(hidden.device), head, chunk_tokens, invariant)
+    logps, _ = head_logprobs(head, hidden, targets, chunk_tokens=chunk_tokens, hooks=hooks)
+    return -(weights.to(logps.device) * logps).sum()
+
+
+def _plain(head: LMHead, hooks: bool) -> bool:
+    """Whether :mod:`packing.linear_head` computes this head: an ``nn.Linear`` itself (not a LoRA
+    wrapper or a subclass), run without its module hooks (inside the model's call)."""
+    return not hooks and type(head.module) is torch.nn.Linear

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from packing import distributed
-from packing.lm_head import token_logprobs
+from packing.lm_head import nll_sum
 from packing.row import IGNORE_INDEX, PackedRow, as_row
 
 WEIGHTINGS = ("token", "sequence")
@@ -87,27 +87,35 @@ def row_loss_sum(logits: torch.Tensor, row: PackedRow, *, weighting: str = "toke
 
 def row_nll_sum(model: torch.nn.Module, row: PackedRow, *, weighting: str = "token") -> torch.Tensor:
     """:func:`row_loss_sum` of ``row`` under ``model``, computed from the model's hidden states at
-    the loss positions only, through the chunked LM head (:func:`packing.lm_head.token_logprobs`):
-    the row's ``T x V`` logits never exist, and a tree row's shared token goes through the head once."""
+    the loss positions only, through the chunked LM head (:func:`packing.lm_head.nll_sum`): the
+    row's ``T x V`` logits never exist, and a tree row's shared token goes through the head once
+    (weighted by the pairs that train on it)."""
     _check_weighting(weighting)
     predict_at, targets = row.loss_tokens()
-    logps, _ = token_logprobs(model, row.model_kwargs(), predict_at, targets)
-    return _weighted_sum(row.per_pair(-logps), row, predict_at, weighting)
+    pairs = torch.ones(row.per_pair(targets).shape, dtype=torch.float32, device=targets.device)
+    pair_weights = _weighted_sum(pairs, row, predict_at, weighting, reduce=False)
+    if row.pair_tokens is None:
+        weights = pair_weights
+    else:  # a token's weight is the sum of its pairs'
+        weights = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
+        weights.index_add_(0, row.pair_tokens.to(targets.device), pair_weights)
+    return nll_sum(model, row.model_kwargs(), predict_at, targets, weights)
 
 
 def _weighted_sum(losses: torch.Tensor, row: PackedRow, predict_at: torch.Tensor,
-                  weighting: str) -> torch.Tensor:
+                  weighting: str, *, reduce: bool = True) -> torch.Tensor:
     """The row's per-pair ``losses`` summed (``"token"``) or each weighted by 1 / (its sequence's
-    pairs) (``"sequence"``)."""
+    pairs) (``"sequence"``); ``reduce`` False: the weighted losses, not summed."""
     if weighting == "token":
-        return losses.sum()
+        return losses.sum() if reduce else losses
     if row.pair_tokens is not None:
         seqs = row.pair_seqs.to(losses.device)
     else:  # a plain row: the sequence of the position that predicts each loss token
         seqs = row.nopad_meta.seq_idx.reshape(-1).to(losses.device).long()[predict_at.to(losses.device)]
     per_seq = torch.zeros(int(seqs.max()) + 1 if seqs.numel() else 1, device=losses.device)
     per_seq.index_add_(0, seqs, torch.ones_like(losses))
-    return (losses / per_seq[seqs]).sum()
+    weighted = losses / per_seq[seqs]
+    return weighted.sum() if reduce else weighted
 
 
 def _check_weighting(weighting: str) -> None:

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from packing import lm_head
 from packing.hf import use_nopad_attention
-from packing.lm_head import LMHead, head_of, token_logprobs
+from packing.lm_head import LMHead, head_of, nll_sum, token_logprobs
 from packing.row import IGNORE_INDEX, PackedRow
 from packing.varlen import VarlenMeta
 from tests.support.models import _COMMON, random_sequences, tiny_model
@@ -104,6 +104,24 @@ def test_equals_the_full_logits_path(name, chunk):
             model, row.model_kwargs(), predict_at, targets, temperature=temperature, entropy=True,
             chunk_tokens=chunk))
         ref = _value_and_grads(model, lambda: _full_logits(model, row, temperature))
+    _assert_same(ours, ref)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_weighted_nll_equals_the_full_logits_path(name):
+    """nll_sum (a plain head's gradients taken in the forward) == the weighted full-logits loss,
+    value and every gradient, with a chunk that does not divide the tokens."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    row = _row([17, 9, 30, 2])
+    predict_at, targets = row.loss_tokens()
+    weights = torch.rand(targets.shape, generator=torch.Generator().manual_seed(2))
+    with use_nopad_attention(model):
+        ours = _value_and_grads(model, lambda: (
+            nll_sum(model, row.model_kwargs(), predict_at, targets, weights, chunk_tokens=5)[None],
+            torch.zeros(1)))
+        ref = _value_and_grads(model, lambda: (-(weights * _full_logits(model, row, 1.0)[0]).sum()[None],
+                                               torch.zeros(1)))
     _assert_same(ours, ref)
 
 
