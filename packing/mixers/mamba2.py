@@ -54,6 +54,7 @@ from packing.mixers.conv import varlen_causal_conv1d
 from packing.mixers.hf_kernels import LayerState, step_states
 from packing.mixers.kernels import package_function
 from packing.mixers.recurrence import recurrence_plan
+from packing.mixers.ssm_steps import token_scan
 from packing.mixers.support import (
     GENERATE,
     NOPAD_ATTENTION,
@@ -87,6 +88,8 @@ FUSED_KERNEL = ("mamba_ssm.ops.triton.ssd_combined", "mamba_split_conv1d_scan_co
 # the recurrent (one-token) step the generator's decode runs, as each mixer's own decode calls it
 STEP_FUNCTION = "mamba2_selective_state_update"
 STEP_PARAMETERS = ("state", "hidden_states", "dt", "A", "B", "C", "D", "dt_bias", "dt_softplus", "z")
+# the scan's options the mode's token-by-token scan takes (the chunk scan's, but chunk_size)
+SCAN_OPTIONS = ("D", "dt_bias", "dt_softplus", "dt_limit")
 # the forward-level hook that sees position_ids (to refuse a packed row that came without nopad_meta)
 MASK_HOOK = "create_recurrent_attention_mask"
 
@@ -129,6 +132,8 @@ def packed_chunk_scan(original, hidden_states, dt, A, B, C, chunk_size, meta: Va
         raise ValueError("a Mamba2 layer got nopad_meta and a cache; nopad's packed and tree rows run with "
                          "use_cache=False")
     plan = recurrence_plan(meta)
+    if invariance.is_enabled():
+        return _scan_in_order(hidden_states, dt, A, B, C, plan, kwargs)
     fast = _fast(hidden_states, meta, SCAN_KERNEL)
     if fast is not None:
         params = _parameters(fast)
@@ -146,12 +151,35 @@ def packed_chunk_scan(original, hidden_states, dt, A, B, C, chunk_size, meta: Va
     return torch.cat(outs, dim=1)
 
 
+def _scan_in_order(hidden_states, dt, A, B, C, plan, kwargs: dict) -> torch.Tensor:
+    """:func:`packing.batch_invariant`'s scan of a packed or tree row: token by token
+    (:func:`packing.mixers.ssm_steps.token_scan`, the order of the generator's steps in the
+    mode), wave by wave of the row's plan, each piece from its parent's final state."""
+    scan = {k: kwargs[k] for k in SCAN_OPTIONS if k in kwargs}
+    x, dt, B, C = hidden_states[0], dt[0], B[0], C[0]
+    zero = x.new_zeros((x.shape[1], x.shape[2], B.shape[-1]), dtype=torch.float32)
+    finals: dict[int, torch.Tensor] = {}
+    out = x.new_zeros(x.shape, dtype=torch.float32)
+    for wave in plan.waves:
+        pieces = [plan.pieces[p] for p in wave]
+        starts = None
+        if any(piece.parent >= 0 for piece in pieces):
+            starts = torch.stack([finals[piece.parent] if piece.parent >= 0 else zero for piece in pieces])
+        values, ends = token_scan(x, dt, A, B, C, [(p.start, p.end) for p in pieces], starts, **scan)
+        rows = torch.cat([torch.arange(p.start, p.end, device=x.device) for p in pieces])
+        out = out.index_copy(0, rows, values)
+        finals.update(zip(wave, ends))
+    return out[None]
+
+
 def packed_fused(args: tuple, kwargs: dict, meta: VarlenMeta):
     """The fused training kernel with ``seq_idx`` on a plain packed row where mamba_ssm runs;
     None elsewhere, so the layer takes its unfused path (conv and scan hooks)."""
     zxbcdt = args[0]
     _check_row(zxbcdt.shape[0], zxbcdt.shape[1], meta, "mamba2_split_conv1d_scan_combined")
     recurrence_plan(meta)  # refuses a step whose context is in a cache
+    if invariance.is_enabled():  # the unfused path runs the mode's order
+        return None
     fast = _fast(zxbcdt, meta, FUSED_KERNEL)
     if fast is None or _fast(zxbcdt, meta, CONV_KERNEL) is None:  # it runs causal-conv1d inside
         return None
@@ -182,6 +210,10 @@ def step_chunk_scan(original, update, hidden_states, dt, A, B, C, chunk_size, st
     def run(meta: VarlenMeta, initial: torch.Tensor):
         _check_row(hidden_states.shape[0], hidden_states.shape[1], meta, "mamba2_chunk_scan")
         cu = [0, *itertools.accumulate(meta.seqlens_q)]  # host-side: no device sync
+        if invariance.is_enabled():  # token by token, as the trainer's rows run in the mode
+            values, finals = token_scan(hidden_states[0], dt[0], A, B[0], C[0], list(zip(cu[:-1], cu[1:])),
+                                        initial, **scan)
+            return values[None], finals
         finals = initial.clone()
         parts: list[tuple[int, torch.Tensor]] = []  # (first row, output rows)
         single = [i for i, n in enumerate(meta.seqlens_q) if n == 1]
@@ -260,12 +292,6 @@ def _hook(name: str, original, module):
             if states is not None:
                 if kwargs.get("initial_states") is not None or kwargs.get("return_final_states"):
                     raise ValueError("a generator step of a Mamba2 layer runs with use_cache=False")
-                if invariance.is_enabled():
-                    raise ValueError(
-                        f"packing.batch_invariant() does not cover a Mamba2 layer ({type(module).__name__}) "
-                        "in the generator: its decode steps and the trainer's chunk scan sum in different "
-                        "orders, so rollout log-probs would not equal the trainer's bitwise; generate "
-                        "outside the mode (and take old log-probs from a trainer forward)")
                 update = getattr(module, STEP_FUNCTION)
                 return step_chunk_scan(original, update, hidden_states, dt, A, B, C, chunk_size, states,
                                        **kwargs)
