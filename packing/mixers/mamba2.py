@@ -35,6 +35,10 @@ token. A sequence of several tokens runs transformers' ``mamba2_chunk_scan`` wit
 together through the module's ``mamba2_selective_state_update``, as HF's own decode does, with
 ``dt_limit`` applied as the chunk scan applies it (so decode computes what a training forward
 computes). Anything else with cached context is refused here.
+
+**Inside** :func:`packing.batch_invariant` the trainer's rows and the generator's steps all scan
+token by token (:mod:`packing.mixers.ssm_steps`; the conv takes its ordered gathers), so rollout
+log-probs equal the trainer's bitwise; the chunk scan and the CUDA kernels run outside the mode.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from packing.mixers.conv import varlen_causal_conv1d
 from packing.mixers.hf_kernels import LayerState, step_states
 from packing.mixers.kernels import package_function
 from packing.mixers.recurrence import recurrence_plan
-from packing.mixers.ssm_steps import token_scan
+from packing.mixers.ssm_steps import row_scan, token_scan
 from packing.mixers.support import (
     GENERATE,
     NOPAD_ATTENTION,
@@ -88,8 +92,6 @@ FUSED_KERNEL = ("mamba_ssm.ops.triton.ssd_combined", "mamba_split_conv1d_scan_co
 # the recurrent (one-token) step the generator's decode runs, as each mixer's own decode calls it
 STEP_FUNCTION = "mamba2_selective_state_update"
 STEP_PARAMETERS = ("state", "hidden_states", "dt", "A", "B", "C", "D", "dt_bias", "dt_softplus", "z")
-# the scan's options the mode's token-by-token scan takes (the chunk scan's, but chunk_size)
-SCAN_OPTIONS = ("D", "dt_bias", "dt_softplus", "dt_limit")
 # the forward-level hook that sees position_ids (to refuse a packed row that came without nopad_meta)
 MASK_HOOK = "create_recurrent_attention_mask"
 
@@ -133,7 +135,7 @@ def packed_chunk_scan(original, hidden_states, dt, A, B, C, chunk_size, meta: Va
                          "use_cache=False")
     plan = recurrence_plan(meta)
     if invariance.is_enabled():
-        return _scan_in_order(hidden_states, dt, A, B, C, plan, kwargs)
+        return row_scan(hidden_states, dt, A, B, C, plan, kwargs)
     fast = _fast(hidden_states, meta, SCAN_KERNEL)
     if fast is not None:
         params = _parameters(fast)
@@ -149,27 +151,6 @@ def packed_chunk_scan(original, hidden_states, dt, A, B, C, chunk_size, meta: Va
         finals.append(final)
         outs.append(out)
     return torch.cat(outs, dim=1)
-
-
-def _scan_in_order(hidden_states, dt, A, B, C, plan, kwargs: dict) -> torch.Tensor:
-    """:func:`packing.batch_invariant`'s scan of a packed or tree row: token by token
-    (:func:`packing.mixers.ssm_steps.token_scan`, the order of the generator's steps in the
-    mode), wave by wave of the row's plan, each piece from its parent's final state."""
-    scan = {k: kwargs[k] for k in SCAN_OPTIONS if k in kwargs}
-    x, dt, B, C = hidden_states[0], dt[0], B[0], C[0]
-    zero = x.new_zeros((x.shape[1], x.shape[2], B.shape[-1]), dtype=torch.float32)
-    finals: dict[int, torch.Tensor] = {}
-    out = x.new_zeros(x.shape, dtype=torch.float32)
-    for wave in plan.waves:
-        pieces = [plan.pieces[p] for p in wave]
-        starts = None
-        if any(piece.parent >= 0 for piece in pieces):
-            starts = torch.stack([finals[piece.parent] if piece.parent >= 0 else zero for piece in pieces])
-        values, ends = token_scan(x, dt, A, B, C, [(p.start, p.end) for p in pieces], starts, **scan)
-        rows = torch.cat([torch.arange(p.start, p.end, device=x.device) for p in pieces])
-        out = out.index_copy(0, rows, values)
-        finals.update(zip(wave, ends))
-    return out[None]
 
 
 def packed_fused(args: tuple, kwargs: dict, meta: VarlenMeta):

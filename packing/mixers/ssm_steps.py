@@ -20,6 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from packing import invariance
+from packing.mixers.recurrence import RecurrencePlan
+
+# the chunk scan's keywords this scan takes too (all but chunk_size, which it has no use for)
+OPTIONS = ("D", "dt_bias", "dt_softplus", "dt_limit")
 
 
 def discretise_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool,
@@ -73,3 +77,26 @@ def token_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     if D is not None:
         out = out + D[:, None] * x.float()[index_t[valid]]
     return out, state
+
+
+def row_scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             plan: RecurrencePlan, kwargs: dict) -> torch.Tensor:
+    """The scan of a packed or tree row (``hidden_states``: ``(1, T, heads, head_dim)``, the
+    others as transformers' chunk scan takes them; ``kwargs``: that call's keywords), wave by
+    wave of the row's ``plan``, each piece from its parent's final state. Returns the fp32
+    output ``(1, T, heads, head_dim)``."""
+    scan = {k: kwargs[k] for k in OPTIONS if k in kwargs}
+    x, dt, B, C = hidden_states[0], dt[0], B[0], C[0]
+    zero = x.new_zeros((x.shape[1], x.shape[2], B.shape[-1]), dtype=torch.float32)
+    finals: dict[int, torch.Tensor] = {}
+    out = x.new_zeros(x.shape, dtype=torch.float32)
+    for wave in plan.waves:
+        pieces = [plan.pieces[p] for p in wave]
+        starts = None
+        if any(piece.parent >= 0 for piece in pieces):
+            starts = torch.stack([finals[piece.parent] if piece.parent >= 0 else zero for piece in pieces])
+        values, ends = token_scan(x, dt, A, B, C, [(p.start, p.end) for p in pieces], starts, **scan)
+        rows = torch.cat([torch.arange(p.start, p.end, device=x.device) for p in pieces])
+        out = out.index_copy(0, rows, values)
+        finals.update(zip(wave, ends))
+    return out[None]
