@@ -128,6 +128,14 @@ def test_mamba2_steps_equal_the_whole_row_bitwise_and_the_chunk_scan_within_roun
         torch.testing.assert_close(finals[i], final[0], atol=1e-5, rtol=1e-5)
 
 
+def test_the_mode_refuses_a_mamba2_scan_under_the_triton_set():
+    from packing.mixers.ssm_steps import token_scan
+
+    tensors, scan = _scan_inputs([4, 6])
+    with batch_invariant(kernels="triton"), pytest.raises(ValueError, match="proven on CPU only"):
+        token_scan(*tensors, [(0, 4), (4, 10)], None, **scan)
+
+
 def test_mamba2_rows_in_the_mode_equal_the_chunked_rows_within_rounding():
     """The mode changes the order of a Mamba2 layer's sums, not what it computes."""
     model = tiny_model("bamba")
