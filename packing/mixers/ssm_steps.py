@@ -61,21 +61,21 @@ def token_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
                        for i, t in enumerate((decay, dx, B, C)))
     lengths = np.asarray([end - start for start, end in pieces], dtype=np.int64)
     width = int(lengths.max(initial=0))
-    index = np.full((len(pieces), width), total, dtype=np.int64)
+    index = np.full((width, len(pieces)), total, dtype=np.int64)  # step t: each piece's row
     for i, (start, end) in enumerate(pieces):
-        index[i, : end - start] = np.arange(start, end)
+        index[: end - start, i] = np.arange(start, end)
     index_t = torch.from_numpy(index).to(x.device)
     state = (x.new_zeros((len(pieces), heads, head_dim, B.shape[-1]), dtype=torch.float32) if starts is None
              else starts.to(torch.float32).clone())
     outs = []
-    for t in range(width):
-        rows = index_t[:, t]
-        state = state * decay[rows][..., None, None] + dx[rows][..., None] * B[rows][:, :, None, :]
-        outs.append((state * C[rows][:, :, None, :]).sum(-1))
+    # gathered once, step by step (one gather and one backward for the whole row, not one per step)
+    for decay_t, dx_t, B_t, C_t in zip(*(t[index_t].unbind(0) for t in (decay, dx, B, C))):
+        state = state * decay_t[..., None, None] + dx_t[..., None] * B_t[:, :, None, :]
+        outs.append((state * C_t[:, :, None, :]).sum(-1))
     valid = torch.from_numpy(np.arange(width)[None, :] < lengths[:, None]).to(x.device)
     out = (torch.stack(outs, 1)[valid] if width else x.new_zeros((0, heads, head_dim), dtype=torch.float32))
     if D is not None:
-        out = out + D[:, None] * x.float()[index_t[valid]]
+        out = out + D[:, None] * x.float()[index_t.t()[valid]]
     return out, state
 
 
