@@ -58,7 +58,7 @@ from packing.mixers.conv import varlen_causal_conv1d
 from packing.mixers.hf_kernels import LayerState, step_states
 from packing.mixers.kernels import package_function
 from packing.mixers.recurrence import recurrence_plan
-from packing.mixers.ssm_steps import row_scan, token_scan
+from packing.mixers.ssm_steps import discretise_dt, row_scan, token_scan
 from packing.mixers.support import (
     GENERATE,
     NOPAD_ATTENTION,
@@ -224,11 +224,7 @@ def _recurrent_step(update, x, dt, A, B, C, z, state, *, D, dt_bias, dt_softplus
     recurrent step, called as its mixer's decode calls it; ``dt`` is discretised here first, as
     the chunk scan does it, so that ``dt_limit`` applies too. Returns the output and new state."""
     head_dim, size = x.shape[-1], B.shape[-1]
-    if dt_bias is not None:
-        dt = dt + dt_bias.to(dt.dtype)
-    if dt_softplus:
-        dt = torch.nn.functional.softplus(dt)
-    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+    dt = discretise_dt(dt, dt_bias, dt_softplus, dt_limit)
     state = state.clone()
     out = update(state, x, dt[..., None].expand(-1, -1, head_dim),
                  A[:, None, None].expand(-1, head_dim, size), B, C,
