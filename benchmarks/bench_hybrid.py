@@ -3,14 +3,14 @@ same data, same token budget per step.
 
 A random-weight Qwen3.5 text model (``Qwen3_5ForCausalLM``: Gated DeltaNet ``linear_attention``
 layers and ``full_attention`` layers 3:1, as the released models lay them), scaled down to fit a
-2-core CPU, in fp32 and bf16; optionally LFM2 (short-convolution layers). Forward + backward real
-(non-padding) tokens per second over the same lognormal-length sequences:
+2-core CPU, in fp32 and bf16; LFM2 (short-convolution layers) and a Bamba-shaped Mamba2 hybrid.
+Forward + backward real (non-padding) tokens per second over the same lognormal-length sequences:
 
   padded  micro-batches of B sequences padded to their longest (DataCollatorWithPadding),
           attention_mask, sdpa; B = budget / mean length
   nopad   packing.pack BFD bins of ``budget`` tokens, one packed row each with its VarlenMeta:
-          attention through nopad, the delta rule and the convolution through nopad's varlen
-          mixers (packing/mixers/), each document from a zero state
+          attention through nopad, the delta rule, the Mamba2 scan and the convolution through
+          nopad's varlen mixers (packing/mixers/), each document from a zero state
 
 Generation (``--generation``, on by default): the same random-weight models in eval mode, fp32,
 greedy, on one mixed-length batch of prompts with per-request output lengths (ignore_eos), only the
@@ -24,9 +24,9 @@ requested tokens counted:
 with greedy agreement (identical sequences) so a fast wrong answer shows.
 
 Exact mode (``--exact-mode on|off|only``, on by default): the same packed rows, forward + backward, outside
-and inside ``packing.batch_invariant()``, where the delta rule runs token by token (the order of
-the generator's decode) and the convolution as ordered gathers, so rollout log-probs equal the
-trainer's bitwise; the ratio is what that exactness costs the trainer.
+and inside ``packing.batch_invariant()``, where the delta rule and the Mamba2 scan run token by
+token (the order of the generator's decode) and the convolution as ordered gathers, so rollout
+log-probs equal the trainer's bitwise; the ratio is what that exactness costs the trainer.
 
     python benchmarks/bench_hybrid.py            # full run
     python benchmarks/bench_hybrid.py --quick    # smoke run, a tiny model
@@ -121,7 +121,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: a tiny model, 4 short sequences")
     parser.add_argument("--sequences", type=int, default=None)
     parser.add_argument("--budget", type=int, default=None, help="tokens per step (default 2048)")
-    parser.add_argument("--models", default="qwen3_5,lfm2", help="comma-separated: qwen3_5, lfm2, bamba")
+    parser.add_argument("--models", default="qwen3_5,lfm2,bamba",
+                        help="comma-separated: qwen3_5, lfm2, bamba")
     parser.add_argument("--generation", default="qwen3_5,lfm2,bamba",
                         help="models for the generation part, comma-separated ('' to skip it)")
     parser.add_argument("--gen-prompts", type=int, default=None, help="prompts of the generation batch")

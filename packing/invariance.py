@@ -28,10 +28,11 @@ differ visibly (``benchmarks/bench_exactness.py`` measures by how much). Under t
   can differ, so a hybrid layer's per-head gate (a few values per token) got different bits in a
   decode step and in a training row. (Widths that are multiples of the run, as an MLP's, were
   already always in the lanes: same bits as before.)
-- hybrid layers (Gated DeltaNet, KDA, short convolutions) run one order for every row: the delta
-  rules token by token and the convolution as ordered gathers (:mod:`packing.mixers.delta_rule`,
-  :mod:`packing.mixers.conv`), the order of the generator's decode, so prefill chunks, decode
-  steps and training rows (flat or tree) agree bitwise.
+- hybrid layers (Gated DeltaNet, KDA, short convolutions, Mamba2) run one order for every row: the
+  delta rules and the Mamba2 scan token by token and the convolution as ordered gathers
+  (:mod:`packing.mixers.delta_rule`, :mod:`packing.mixers.ssm_steps`, :mod:`packing.mixers.conv`),
+  the order of the generator's decode, so prefill chunks, decode steps and training rows (flat or
+  tree) agree bitwise.
 - Everything else in the tested families (embedding, RMSNorm's row mean, RoPE, activations,
   ``log_softmax`` over a row) was audited as row-local: see ``tests/packing/test_packing_invariance.py``.
 

@@ -35,6 +35,10 @@ token. A sequence of several tokens runs transformers' ``mamba2_chunk_scan`` wit
 together through the module's ``mamba2_selective_state_update``, as HF's own decode does, with
 ``dt_limit`` applied as the chunk scan applies it (so decode computes what a training forward
 computes). Anything else with cached context is refused here.
+
+**Inside** :func:`packing.batch_invariant` the trainer's rows and the generator's steps all scan
+token by token (:mod:`packing.mixers.ssm_steps`; the conv takes its ordered gathers), so rollout
+log-probs equal the trainer's bitwise; the chunk scan and the CUDA kernels run outside the mode.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from packing.mixers.conv import varlen_causal_conv1d
 from packing.mixers.hf_kernels import LayerState, step_states
 from packing.mixers.kernels import package_function
 from packing.mixers.recurrence import recurrence_plan
+from packing.mixers.ssm_steps import discretise_dt, row_scan, token_scan
 from packing.mixers.support import (
     GENERATE,
     NOPAD_ATTENTION,
@@ -129,6 +134,8 @@ def packed_chunk_scan(original, hidden_states, dt, A, B, C, chunk_size, meta: Va
         raise ValueError("a Mamba2 layer got nopad_meta and a cache; nopad's packed and tree rows run with "
                          "use_cache=False")
     plan = recurrence_plan(meta)
+    if invariance.is_enabled():
+        return row_scan(hidden_states, dt, A, B, C, plan, kwargs)
     fast = _fast(hidden_states, meta, SCAN_KERNEL)
     if fast is not None:
         params = _parameters(fast)
@@ -152,6 +159,8 @@ def packed_fused(args: tuple, kwargs: dict, meta: VarlenMeta):
     zxbcdt = args[0]
     _check_row(zxbcdt.shape[0], zxbcdt.shape[1], meta, "mamba2_split_conv1d_scan_combined")
     recurrence_plan(meta)  # refuses a step whose context is in a cache
+    if invariance.is_enabled():  # the unfused path runs the mode's order
+        return None
     fast = _fast(zxbcdt, meta, FUSED_KERNEL)
     if fast is None or _fast(zxbcdt, meta, CONV_KERNEL) is None:  # it runs causal-conv1d inside
         return None
@@ -182,6 +191,10 @@ def step_chunk_scan(original, update, hidden_states, dt, A, B, C, chunk_size, st
     def run(meta: VarlenMeta, initial: torch.Tensor):
         _check_row(hidden_states.shape[0], hidden_states.shape[1], meta, "mamba2_chunk_scan")
         cu = [0, *itertools.accumulate(meta.seqlens_q)]  # host-side: no device sync
+        if invariance.is_enabled():  # token by token, as the trainer's rows run in the mode
+            values, finals = token_scan(hidden_states[0], dt[0], A, B[0], C[0], list(zip(cu[:-1], cu[1:])),
+                                        initial, **scan)
+            return values[None], finals
         finals = initial.clone()
         parts: list[tuple[int, torch.Tensor]] = []  # (first row, output rows)
         single = [i for i, n in enumerate(meta.seqlens_q) if n == 1]
@@ -211,11 +224,7 @@ def _recurrent_step(update, x, dt, A, B, C, z, state, *, D, dt_bias, dt_softplus
     recurrent step, called as its mixer's decode calls it; ``dt`` is discretised here first, as
     the chunk scan does it, so that ``dt_limit`` applies too. Returns the output and new state."""
     head_dim, size = x.shape[-1], B.shape[-1]
-    if dt_bias is not None:
-        dt = dt + dt_bias.to(dt.dtype)
-    if dt_softplus:
-        dt = torch.nn.functional.softplus(dt)
-    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+    dt = discretise_dt(dt, dt_bias, dt_softplus, dt_limit)
     state = state.clone()
     out = update(state, x, dt[..., None].expand(-1, -1, head_dim),
                  A[:, None, None].expand(-1, head_dim, size), B, C,
@@ -260,12 +269,6 @@ def _hook(name: str, original, module):
             if states is not None:
                 if kwargs.get("initial_states") is not None or kwargs.get("return_final_states"):
                     raise ValueError("a generator step of a Mamba2 layer runs with use_cache=False")
-                if invariance.is_enabled():
-                    raise ValueError(
-                        f"packing.batch_invariant() does not cover a Mamba2 layer ({type(module).__name__}) "
-                        "in the generator: its decode steps and the trainer's chunk scan sum in different "
-                        "orders, so rollout log-probs would not equal the trainer's bitwise; generate "
-                        "outside the mode (and take old log-probs from a trainer forward)")
                 update = getattr(module, STEP_FUNCTION)
                 return step_chunk_scan(original, update, hidden_states, dt, A, B, C, chunk_size, states,
                                        **kwargs)

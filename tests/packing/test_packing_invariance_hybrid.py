@@ -1,7 +1,8 @@
 """Batch-invariant mode on hybrid layers (Gated DeltaNet, KDA, short convolutions, Mamba2): the
 generator's rollout log-probs equal the trainer's packed log-probs bitwise, on flat and tree rows,
 whatever the generator's batch and prefill chunk; and the pieces that make it so (the delta rules
-token by token, the convolution as ordered gathers, pointwise functions in SIMD lanes)."""
+and the Mamba2 scan token by token, the convolution as ordered gathers, pointwise functions in SIMD
+lanes)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from training.grpo import Rollout, pack_rollouts, packed_logprobs, pair_sequence
 DTYPES = (torch.float32, torch.bfloat16)
 # the hybrid families the generator serves; MoE experts run eager: transformers' default grouped_mm
 # experts are not batch-invariant yet (an attention-only MoE such as DeepSeek-V3 differs the same way)
-GENERATOR_FAMILIES = ("qwen3_5", "qwen3_next", "kimi_linear", "lfm2")
+GENERATOR_FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "kimi_linear", "lfm2", "bamba", "nemotron_h")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -70,7 +71,7 @@ def test_rollout_logprobs_equal_the_trainers_bitwise(family, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mamba2_packed_rows_equal_each_sequence_alone_bitwise(family, dtype):
     """In the mode a Mamba2 sequence's training log-probs do not depend on what shares its packed
-    row (the generator is refused in the mode: the next test)."""
+    row."""
     model = tiny_model(family).to(dtype)
     seqs = [s.tolist() for s in random_sequences([9, 3, 17, 6, 12], seed=3)]
     rollouts = [Rollout(s[:2], s[2:], [0.0] * (len(s) - 2)) for s in seqs]
@@ -86,14 +87,66 @@ def test_mamba2_packed_rows_equal_each_sequence_alone_bitwise(family, dtype):
             assert torch.equal(packed[i], alone), f"rollout {i}: gap {(packed[i] - alone).abs().max():.3g}"
 
 
-def test_the_generator_refuses_mamba2_layers_in_the_mode():
-    """Its decode steps and the trainer's chunk scan sum in different orders: an error, not a
-    rollout whose log-probs silently differ from the trainer's."""
+def _scan_inputs(lengths, seed=0):
+    """A Mamba2 scan's inputs over a row: 4 heads of 8, 2 groups, a state of 16."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    x = torch.randn(total, 4, 8, generator=g)
+    dt = torch.randn(total, 4, generator=g)
+    B, C = (torch.randn(total, 2, 16, generator=g) for _ in range(2))
+    scan = dict(D=torch.rand(4, generator=g), dt_bias=torch.rand(4, generator=g), dt_softplus=True,
+                dt_limit=(0.0, 2.0))
+    return (x, dt, -torch.rand(4, generator=g) * 4, B, C), scan
+
+
+def test_mamba2_steps_equal_the_whole_row_bitwise_and_the_chunk_scan_within_rounding():
+    """The mode's token-by-token scan: a sequence run as part of a packed row equals it run in
+    steps of any size from the carried state (the generator's prefill chunks and decode steps),
+    and equals transformers' chunk scan within rounding (the same scan in another order)."""
+    from transformers.models.bamba.modeling_bamba import mamba2_chunk_scan
+
+    from packing.mixers.ssm_steps import token_scan
+
+    lengths = [5, 70, 1, 33]
+    (x, dt, A, B, C), scan = _scan_inputs(lengths)
+    cu = [0, 5, 75, 76, 109]
+    with batch_invariant():
+        row, finals = token_scan(x, dt, A, B, C, list(zip(cu[:-1], cu[1:])), None, **scan)
+        for steps in ([1] * 70, [16, 1, 3, 50], [70]):
+            state, outs, start = None, [], 5
+            for size in steps:
+                out, state = token_scan(x, dt, A, B, C, [(start, start + size)], state, **scan)
+                outs.append(out)
+                start += size
+            assert torch.equal(torch.cat(outs), row[5:75]) and torch.equal(state[0], finals[1])
+    chunked = inspect.unwrap(mamba2_chunk_scan)
+    for i, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        rows = slice(start, end)
+        ref, final = chunked(x[None, rows], dt[None, rows], A, B[None, rows], C[None, rows], chunk_size=16,
+                             return_final_states=True, **scan)
+        torch.testing.assert_close(row[rows], ref[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(finals[i], final[0], atol=1e-5, rtol=1e-5)
+
+
+def test_the_mode_refuses_a_mamba2_scan_under_the_triton_set():
+    from packing.mixers.ssm_steps import token_scan
+
+    tensors, scan = _scan_inputs([4, 6])
+    with batch_invariant(kernels="triton"), pytest.raises(ValueError, match="proven on CPU only"):
+        token_scan(*tensors, [(0, 4), (4, 10)], None, **scan)
+
+
+def test_mamba2_rows_in_the_mode_equal_the_chunked_rows_within_rounding():
+    """The mode changes the order of a Mamba2 layer's sums, not what it computes."""
     model = tiny_model("bamba")
-    gen = Generator(model, max_num_batched_tokens=64, num_blocks=16, block_size=16)
-    with batch_invariant(), pytest.raises(ValueError, match="does not cover a Mamba2 layer"):
-        gen.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
-    assert gen.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    seqs = [s.tolist() for s in random_sequences([9, 3, 17], seed=4)]
+    rollouts = [Rollout(s[:2], s[2:], [0.0] * (len(s) - 2)) for s in seqs]
+    with use_nopad_attention(model), torch.no_grad():
+        row = pack_rollouts(rollouts, 40, shared_prefix=False)[0]
+        chunked = packed_logprobs(model, row)
+        with batch_invariant():
+            ordered = packed_logprobs(model, row)
+    torch.testing.assert_close(ordered, chunked, atol=1e-5, rtol=1e-5)
 
 
 def _rule_inputs(lengths, seed=0):
