@@ -45,7 +45,9 @@ def hybrid_model(family):
 
 def assert_all_freed(gen: Generator) -> None:
     slots = gen.scheduler.state_slots
-    assert slots.num_free == slots.num_slots and not slots.pending_copies
+    assert slots.num_free == slots.num_slots
+    # what may wait for the next step is a snapshot of a finished sequence's last state (harmless)
+    assert all(dst >= slots.num_slots for _, dst in slots.pending_copies)
     assert gen.allocator.num_free == gen.allocator.num_blocks
     gen.allocator.check(owners=[])
 

@@ -12,6 +12,7 @@ import torch
 from inference import Generator, SamplingParams
 from inference.state_cache import copy_waves
 from tests.inference.test_inference_generator import forward_logprobs, hf_greedy, prompts_of
+from tests.inference.test_inference_hybrid import FAMILIES as ALL_FAMILIES
 from tests.inference.test_inference_hybrid import assert_all_freed, hybrid_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
@@ -63,6 +64,15 @@ def test_a_long_shared_prefix_is_reused_and_equals_hf_and_the_cache_off(model):
     """The first request's prefill stops at 20 (its last block boundary) and leaves a snapshot
     there; the second shares the 19-token system prompt, so its cached blocks end at 16 where no
     state is known: it recomputes, stopping at 16 to leave one; the third and fourth start there."""
+    check_shared_prefix(model)
+
+
+@pytest.mark.parametrize("family", [f for f in ALL_FAMILIES if f not in FAMILIES])
+def test_every_served_hybrid_family_reuses_a_shared_prefix(family):
+    check_shared_prefix(hybrid_model(family))
+
+
+def check_shared_prefix(model):
     system, tails = prompts_of([19], seed=1)[0], prompts_of([3, 6, 1, 4], seed=2)
     prompts = shared(system, *tails)
     on = Generator(model, block_size=4, num_blocks=64, max_num_batched_tokens=64)
