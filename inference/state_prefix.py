@@ -30,8 +30,12 @@ Only prefill chunks are snapshotted (decode steps would copy every state once pe
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from typing import TYPE_CHECKING
 
 from inference.state_cache import StateSlots
+
+if TYPE_CHECKING:
+    from inference.request import Sequence
 
 
 class StateSnapshots:
@@ -96,23 +100,22 @@ def state_snapshots(layer_states: list, enable_prefix_caching: bool, wanted: int
     return max_num_seqs if wanted is None else wanted
 
 
-def usable_hits(slots: StateSlots | None, hits: list[tuple[int, int]], seq) -> list[tuple[int, int]]:
+def usable_hits(slots: StateSlots | None, hits: list[tuple[int, int]],
+                seq: Sequence) -> list[tuple[int, int]]:
     """The cached ``(block, hash)`` prefix a new sequence may reuse: all of it on an attention-only
     model, up to the last block with a state snapshot on a hybrid one (none without snapshots).
     Where more blocks matched than that, ``seq.snapshot_at`` asks its prefill to stop there."""
     if slots is None:
         return hits
     snapshots = slots.snapshots
-    usable = 0
-    for k in range(len(hits), 0, -1):
-        if snapshots is not None and hits[k - 1][1] in snapshots:
-            usable = k
-            break
-    seq.snapshot_at = len(hits) * snapshots.block_size if snapshots is not None and usable < len(hits) else 0
+    if snapshots is None:
+        return []
+    usable = next((k for k in range(len(hits), 0, -1) if hits[k - 1][1] in snapshots), 0)
+    seq.snapshot_at = len(hits) * snapshots.block_size if usable < len(hits) else 0
     return hits[:usable]
 
 
-def aligned_chunk(slots: StateSlots | None, seq, num_computed: int, chunk: int) -> int:
+def aligned_chunk(slots: StateSlots | None, seq: Sequence, num_computed: int, chunk: int) -> int:
     """A prefill chunk cut back to the last block boundary it crosses (snapshots on), or to
     ``seq.snapshot_at`` when it crosses that, so the state there can be kept; unchanged when it
     crosses no boundary."""
@@ -124,7 +127,7 @@ def aligned_chunk(slots: StateSlots | None, seq, num_computed: int, chunk: int) 
     return end - num_computed if end > num_computed else chunk
 
 
-def take_snapshot(slots: StateSlots | None, seq, num_new: int) -> None:
+def take_snapshot(slots: StateSlots | None, seq: Sequence, num_new: int) -> None:
     """After a step: snapshot ``seq``'s state if its prefill chunk of ``num_new`` tokens ended on a
     block boundary that the prefix cache registered (``seq.last_hash`` names it)."""
     if slots is None or slots.snapshots is None or num_new < 2 or seq.state_slot is None:
@@ -134,7 +137,7 @@ def take_snapshot(slots: StateSlots | None, seq, num_new: int) -> None:
         slots.snapshots.take(seq.state_slot, seq.last_hash)
 
 
-def restore_snapshot(slots: StateSlots | None, seq) -> None:
+def restore_snapshot(slots: StateSlots | None, seq: Sequence) -> None:
     """A sequence admitted with cached blocks starts its state from the snapshot at their end."""
     if slots is not None and seq.num_computed > 0:
         slots.snapshots.restore(seq.last_hash, seq.state_slot)
