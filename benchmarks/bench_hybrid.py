@@ -23,6 +23,12 @@ requested tokens counted:
 
 with greedy agreement (identical sequences) so a fast wrong answer shows.
 
+Prefix cache (``--prefix-cache``, on by default): requests that share a long system prompt, all
+given to one ``Generator.generate`` call, greedy, fp32, with the generator's prefix cache off and
+on. On a hybrid model a request reuses cached K/V blocks only up to a block boundary where a state
+snapshot was kept (inference/state_prefix.py), so the row says how many prompt tokens it skipped
+and how many snapshots it restored, and whether the outputs equal the cache-off run.
+
 Exact mode (``--exact-mode on|off|only``, on by default): the same packed rows, forward + backward, outside
 and inside ``packing.batch_invariant()``, where the delta rule and the Mamba2 scan run token by
 token (the order of the generator's decode) and the convolution as ordered gathers, so rollout
@@ -30,6 +36,7 @@ log-probs equal the trainer's bitwise; the ratio is what that exactness costs th
 
     python benchmarks/bench_hybrid.py            # full run
     python benchmarks/bench_hybrid.py --quick    # smoke run, a tiny model
+    python benchmarks/bench_hybrid.py --models '' --exact-mode off --generation '' --prefix-cache qwen3_5
 """
 
 from __future__ import annotations
@@ -126,6 +133,8 @@ def main() -> None:
     parser.add_argument("--generation", default="qwen3_5,lfm2,bamba",
                         help="models for the generation part, comma-separated ('' to skip it)")
     parser.add_argument("--gen-prompts", type=int, default=None, help="prompts of the generation batch")
+    parser.add_argument("--prefix-cache", default="qwen3_5,lfm2,bamba",
+                        help="models for the shared-system-prompt part, comma-separated ('' to skip it)")
     parser.add_argument("--dtypes", default="float32,bfloat16",
                         help="comma-separated; bf16 runs under CPU autocast, fp32 weights")
     parser.add_argument("--threads", type=int, default=None,
@@ -165,6 +174,8 @@ def main() -> None:
         exact_mode_cost(args, builders, vocab, packed, real)
     if args.generation:
         generation([builders[name] for name in args.generation.split(",")], vocab, args)
+    if args.prefix_cache:
+        prefix_cache([builders[name] for name in args.prefix_cache.split(",")], vocab, args)
 
 
 def exact_mode_cost(args, builders, vocab: int, packed, real: int) -> None:
@@ -208,6 +219,44 @@ def generation(builders, vocab: int, args) -> None:
         for run_, note in ((hf, ""), (nopad, f"{same}/{n} sequences identical to HF, {prefix:.0%} tokens")):
             print(f"{name:8s} {run_.name:34s} {run_.seconds:8.2f} {run_.tokens / run_.seconds:8.1f} "
                   f"{hf.seconds / run_.seconds:6.2f}x  {note}")
+
+
+def prefix_cache(builders, vocab: int, args) -> None:
+    """One batch of requests sharing a long system prompt through the ``Generator``, its prefix
+    cache off and on (state snapshots on hybrid models), side by side per model."""
+    from inference import Generator, SamplingParams
+
+    n, system_len, budget = (4, 64, 64) if args.quick else (16, 512, 512)
+    rng = np.random.default_rng(args.seed + 2)
+    system = rng.integers(3, vocab, system_len).tolist()
+    tails = rng.integers(4, 13, n) if args.quick else rng.integers(16, 65, n)
+    prompts = [system + rng.integers(3, vocab, int(k)).tolist() for k in tails]
+    new = 4 if args.quick else 16
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    blocks = n * -(-(system_len + int(tails.max()) + new) // 16) + 8
+    print(f"\nprefix cache: {n} prompts of a {system_len}-token system prompt + {int(tails.min())}-"
+          f"{int(tails.max())} own tokens, {new} new tokens each, one generate() call, budget {budget} "
+          f"tokens/step, block 16, greedy, fp32, {args.threads} threads")
+    print(f"{'model':8s} {'prefix cache':12s} {'seconds':>8s} {'computed':>8s} {'skipped':>8s} "
+          f"{'snapshots':>9s} {'vs off':>7s}  agreement")
+    for build in builders:
+        model = build(vocab, args.quick).eval()
+        runs = {}
+        for caching in (False, True):
+            gen = Generator(model, block_size=16, num_blocks=blocks, max_num_batched_tokens=budget,
+                            max_num_seqs=n, enable_prefix_caching=caching)
+            gen.generate([prompts[0][:20]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+            gen.reset_stats()
+            start = time.perf_counter()
+            outs = gen.generate(prompts, params, use_tqdm=False)
+            runs[caching] = (time.perf_counter() - start, [o.outputs[0].token_ids for o in outs], gen.stats())
+        off_s, off_out, _ = runs[False]
+        for caching, (seconds, outputs, stats) in runs.items():
+            same = sum(a == b for a, b in zip(off_out, outputs))
+            print(f"{build.__name__:8s} {'on' if caching else 'off':12s} {seconds:8.2f} "
+                  f"{sum(stats['tokens_per_step']):8d} {stats['prefix_cache_hit_tokens']:8d} "
+                  f"{stats.get('state_snapshot_hits', 0):9d} {off_s / seconds:6.2f}x  "
+                  f"{same}/{n} sequences identical to the cache-off run")
 
 
 if __name__ == "__main__":

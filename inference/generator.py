@@ -32,6 +32,7 @@ from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sharded import refuse_plain_generation
 from inference.state_cache import StateSlots, bytes_per_slot
+from inference.state_prefix import StateSnapshots, state_snapshots
 from inference.tools import ToolFormat
 from packing.blocks import BlockAllocator
 
@@ -52,6 +53,10 @@ class Generator:
     first step, else the weights'), ``attn_backend``, ``block_size`` (default: what the backend
     reads in place), ``static_decode`` and ``compile_decode`` (bucketed, capturable decode
     steps) are explained in :class:`inference.live_model.LiveModel`, which applies them.
+
+    Hybrid models (stateful layers) reuse a cached prefix only up to a block boundary where the
+    state is known: ``num_state_snapshots`` snapshot slots (default: ``max_num_seqs``; 0 turns the
+    prefix cache off for them) hold it, out of the same memory budget (:mod:`inference.state_prefix`).
     """
 
     def __init__(
@@ -65,6 +70,7 @@ class Generator:
         num_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
         enable_prefix_caching: bool = True,
+        num_state_snapshots: int | None = None,
         watermark: float = 0.01,
         dtype: torch.dtype | None = None,
         attn_backend: str | None = None,
@@ -74,7 +80,6 @@ class Generator:
         self.live = LiveModel(model, dtype=dtype, attn_backend=attn_backend, static_decode=static_decode,
                               compile_decode=compile_decode)
         self.layer_states = self.live.layer_states
-        enable_prefix_caching = self.live.allows_prefix_caching(enable_prefix_caching)
         block_size = block_size if block_size is not None else self.live.default_block_size()
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens)):
@@ -84,7 +89,10 @@ class Generator:
         config = model.config
         self.max_model_len = int(getattr(config, "max_position_embeddings", None) or 1 << 62)
         self.vocab_size = int(config.vocab_size)
-        state_bytes = max_num_seqs * bytes_per_slot(self.layer_states, self.live.dtype)  # a slot per sequence
+        num_state_snapshots = state_snapshots(self.layer_states, enable_prefix_caching, num_state_snapshots,
+                                              max_num_seqs)
+        state_rows = max_num_seqs + num_state_snapshots  # a slot per sequence, then the snapshots
+        state_bytes = state_rows * bytes_per_slot(self.layer_states, self.live.dtype)
         num_blocks = num_kv_blocks(config, block_size, self.live.dtype, num_blocks, kv_memory_bytes,
                                    max_num_seqs, state_bytes, self.max_model_len)
         self.block_size = block_size
@@ -94,6 +102,9 @@ class Generator:
                                               block_size, max_num_seqs, self.eos_token_ids)
         self.allocator = BlockAllocator(num_blocks, block_size)
         slots = StateSlots(max_num_seqs) if self.layer_states else None
+        if num_state_snapshots:  # hybrid prefix cache: snapshots die with their block's hash
+            slots.snapshots = StateSnapshots(slots, num_state_snapshots, block_size)
+            self.allocator.on_forget = slots.snapshots.forget
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, watermark,
                                    enable_prefix_caching, state_slots=slots, max_model_len=self.max_model_len,
                                    tokenizer=tokenizer)
@@ -261,13 +272,18 @@ class Generator:
 
     def stats(self) -> dict:
         """Counters since construction or :meth:`reset_stats`."""
+        snapshots = self.scheduler.state_slots and self.scheduler.state_slots.snapshots
         return {**dataclasses.asdict(self.scheduler.stats), "prefix_cache_hit_blocks": self.allocator.hits,
                 "max_num_seqs": self.scheduler.max_num_seqs, "num_blocks": self.allocator.num_blocks,
-                "block_size": self.block_size, "evictions": self.allocator.evictions}
+                "block_size": self.block_size, "evictions": self.allocator.evictions,
+                **(snapshots.stats() if snapshots else {})}
 
     def reset_stats(self) -> None:
         self.scheduler.stats = type(self.scheduler.stats)()
         self.allocator.hits = self.allocator.evictions = 0
+        snapshots = self.scheduler.state_slots and self.scheduler.state_slots.snapshots
+        if snapshots:
+            snapshots.taken = snapshots.restored = snapshots.evicted = 0
 
     # ----------------------------------------------------------------- internals
     def make_requests(self, prompts, sampling_params=None) -> list[Request]:

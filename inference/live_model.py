@@ -72,14 +72,6 @@ class LiveModel:
         self.dtype = self.compute_dtype()
         self._attention_held = False
 
-    def allows_prefix_caching(self, wanted: bool) -> bool:
-        """A cross-request prefix cache, unless the model keeps per-sequence state (a cached block
-        says nothing about the state after it)."""
-        if self.layer_states and wanted:
-            logger.info("%s keeps per-sequence state: no cross-request prefix cache (a cached block says "
-                        "nothing about the state after it)", type(self.model).__name__)
-        return wanted and not self.layer_states
-
     def compute_dtype(self) -> torch.dtype:
         """The dtype attention computes in now: ``dtype=``, else the autocast dtype, else the
         weights' dtype (what :func:`packing.distributed.compute_dtype` casts q/k/v to)."""

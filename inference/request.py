@@ -157,6 +157,7 @@ class Sequence:
     hooks: SequenceHooks | None = None  # its owner: the scheduler's postprocess calls it
     episode: object | None = None  # the episode state (inference.episodes) of an episode's sequence
     state_slot: int | None = None  # its per-sequence state slot (hybrid models: inference.state_cache)
+    snapshot_at: int = 0  # a cached prefix end with no state snapshot: its prefill leaves one there
 
     def __post_init__(self) -> None:
         if self.stream is None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from inference.request import Sequence, Status
 from inference.seeding import fork_stream
 from inference.state_cache import StateSlots
+from inference.state_prefix import aligned_chunk, restore_snapshot, take_snapshot, usable_hits
 from packing.blocks import NO_PARENT, BlockAllocator, hash_block
 
 logger = logging.getLogger(__name__)
@@ -72,9 +73,6 @@ class Scheduler:
         self.paused: list[Sequence] = []  # episodes waiting on tools, in pause order
         self.enable_prefix_caching = enable_prefix_caching
         self.state_slots = state_slots  # hybrid models: a sequence holds a state slot while it holds blocks
-        if state_slots is not None and enable_prefix_caching:
-            raise ValueError("a model with per-sequence state has no cross-request prefix cache (the state "
-                             "after a cached block is not known); pass enable_prefix_caching=False")
         self.stats = SchedulerStats()
 
     # ----------------------------------------------------------------- queue
@@ -192,11 +190,12 @@ class Scheduler:
                 break
             hits.append((block, h))
             parent = h
+        hits = usable_hits(self.state_slots, hits, seq)  # hybrid models: up to the last state snapshot
         revived = sum(1 for block, _ in hits if alloc.ref_count[block] == 0)
         computed = len(hits) * bs
         reserve = self.watermark_blocks if self.running else 0
-        room = alloc.num_free - revived - reserve  # blocks left for the new tokens
-        chunk = min(seq.num_tokens - computed, budget, room * bs)
+        room = (alloc.num_free - revived - reserve) * bs  # token slots left for the new tokens
+        chunk = aligned_chunk(self.state_slots, seq, computed, min(seq.num_tokens - computed, budget, room))
         if chunk <= 0 or (self.state_slots is not None and not self.state_slots.num_free):
             return 0
         for b, (block, h) in enumerate(hits):
@@ -210,6 +209,7 @@ class Scheduler:
         self.waiting.popleft()
         if self.state_slots is not None:
             seq.state_slot = self.state_slots.acquire()
+            restore_snapshot(self.state_slots, seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
         ok = self._reserve(seq, chunk, plan)
@@ -223,7 +223,7 @@ class Scheduler:
         room = len(seq.block_table) * bs - seq.num_computed + self.allocator.num_free * bs
         if seq.num_computed % bs and self.allocator.ref_count[seq.block_table[-1]] > 1:
             room -= bs  # the shared partial block must be copied first
-        chunk = min(seq.num_pending, budget, room)
+        chunk = aligned_chunk(self.state_slots, seq, seq.num_computed, min(seq.num_pending, budget, room))
         if chunk <= 0 and self._preempt_a_paused():  # a resumed episode's tool tokens come first
             return self._schedule_prefill(seq, budget, plan)
         if chunk <= 0 or not self._reserve(seq, chunk, plan):
@@ -331,6 +331,7 @@ class Scheduler:
             seq.num_computed += n
             if self.enable_prefix_caching:
                 self.register_full_blocks(seq)
+                take_snapshot(self.state_slots, seq, n)
         to_sample: list[tuple[Sequence, int]] = []
         for row, i in enumerate(sampling_rows):
             seq = plan.seqs[i]

@@ -24,9 +24,9 @@ final state: a decode step and a chunked prefill are the same call.
 Lifetime (the scheduler): a slot is taken at admission and freed with the blocks (finish,
 preemption: the state is then recomputed from the tokens); a paused tool episode keeps it; a
 fork's members get fresh slots holding copies of the parent's final state, copied before the next
-forward (a member finding none free is preempted and recomputes). There is no cross-request
-prefix reuse for stateful models: a cached block says nothing about the state after it, so every
-request computes its state from its first token.
+forward (a member finding none free is preempted and recomputes). Cross-request prefix reuse
+goes through state snapshots at block boundaries (:mod:`inference.state_prefix`): their slots are
+further rows of the same tensors, after the sequences' slots.
 """
 
 from __future__ import annotations
@@ -78,7 +78,13 @@ class StateSlots:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
         self._free: deque[int] = deque(range(num_slots))
-        self.pending_copies: list[tuple[int, int]] = []
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) rows, applied in this order
+        self.snapshots = None  # inference.state_prefix.StateSnapshots: the prefix cache's states
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the state tensors: the sequences' slots, then the snapshots'."""
+        return self.num_slots + (self.snapshots.capacity if self.snapshots is not None else 0)
 
     @property
     def num_free(self) -> int:
@@ -96,12 +102,24 @@ class StateSlots:
         self._free.append(slot)
 
     def copy(self, src: int, dst: int) -> None:
-        """``dst`` starts from ``src``'s state as it is after this step (a fork)."""
+        """``dst`` starts from ``src``'s state as it is after this step (a fork, a snapshot)."""
         self.pending_copies.append((src, dst))
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
+
+
+def copy_waves(copies: list[tuple[int, int]]) -> list[tuple[list[int], list[int]]]:
+    """``(src, dst)`` copies in order as few batched copies (``t[dst] = t[src]`` reads every
+    source first): a new batch starts where a copy reads or rewrites a row the batch writes."""
+    waves: list[tuple[list[int], list[int]]] = []
+    for src, dst in copies:
+        if not waves or src in waves[-1][1] or dst in waves[-1][1]:
+            waves.append(([], []))
+        waves[-1][0].append(src)
+        waves[-1][1].append(dst)
+    return waves
 
 
 @dataclass
@@ -115,7 +133,7 @@ class StateCache:
     """``(num_slots, ...)`` state tensors per stateful layer, and the step in flight."""
 
     def __init__(self, states: list[LayerState], slots: StateSlots, dtype: torch.dtype, device):
-        n = slots.num_slots
+        n = slots.num_rows
         self.slots = slots
         self.conv = [torch.zeros((n, *s.conv), dtype=dtype, device=device) for s in states]
         self.recurrent = [torch.zeros((n, *s.recurrent), dtype=RECURRENT_DTYPE, device=device)
@@ -130,14 +148,14 @@ class StateCache:
     def begin(self, slots: list[int], fresh: list[int], seqlens: list[int]) -> None:
         """Open a step over sequences holding ``slots`` (row order) that bring ``seqlens`` new
         tokens; ``fresh`` slots start from zero (a sequence's first chunk). Fork copies first."""
-        copies = self.slots.take_copies()
-        for tensors in (self.conv, self.recurrent):
-            for t in tensors:
-                if copies:
-                    src = torch.tensor([s for s, _ in copies], device=self.device)
-                    t[torch.tensor([d for _, d in copies], device=self.device)] = t[src]
-                if fresh:
-                    t[torch.tensor(fresh, device=self.device)] = 0
+        waves = [(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
+                 for src, dst in copy_waves(self.slots.take_copies())]
+        zero = torch.tensor(fresh, device=self.device) if fresh else None
+        for t in self.conv + self.recurrent:
+            for src, dst in waves:
+                t[dst] = t[src]
+            if zero is not None:
+                t[zero] = 0
         index = torch.tensor(slots, dtype=torch.long, device=self.device)
         meta = VarlenMeta.from_lengths(seqlens, device=self.device)
         self._step = _Step(index, meta, {CONV: 0, RECURRENT: 0})

@@ -6,13 +6,15 @@ counts so sequences can share them (prefix sharing, the ``n`` samples of one pro
 copied on first write. A full block may be registered under a content hash chained from its
 parent block's hash, so a later sequence with the same prefix finds it again; a hit also compares
 the tokens, so a hash collision never returns wrong K/V. Freed blocks that carry a hash stay
-findable until their memory is needed, then the least recently freed is evicted first.
+findable until their memory is needed, then the least recently freed is evicted first;
+``on_forget(hash)`` hears of every hash the cache drops (the generator's state snapshots of hybrid
+models live and die with their block).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 NO_PARENT = -1  # parent hash of a sequence's first block
 
@@ -54,6 +56,7 @@ class BlockAllocator:
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # oldest-freed first (LRU)
         self.hits = 0
         self.evictions = 0
+        self.on_forget: Callable[[int], None] | None = None
 
     # ----------------------------------------------------------------- sizes
     @property
@@ -185,6 +188,8 @@ class BlockAllocator:
             del self._hash_to_block[h]
             self._block_hash[block] = None
             self._block_tokens[block] = None
+            if self.on_forget is not None:
+                self.on_forget(h)
 
     # ----------------------------------------------------------------- invariants
     def stats(self) -> dict[str, int]:
