@@ -145,6 +145,8 @@ def test_max_steps_counts_optimizer_steps_and_repeats_epochs(tmp_path, caplog):
     ("data.max_seqs_per_batch=2", "max_seqs_per_batch=None but this loader has max_seqs_per_batch=2"),
     ("data.num_rows=25", "num_sequences=24 but this loader has num_sequences=25"),
     ("data.seed=3", "lengths_digest="),
+    # trial 4: the checkpoint's optimizer state silently kept the old learning rate
+    ("train.lr=1e-4", "train.lr=0.001 but this run has train.lr=0.0001"),
 ])
 def test_resume_under_another_plan_is_refused_naming_the_field(tmp_path, override, field):
     train(_cfg(tmp_path, "train.max_steps=1"))
