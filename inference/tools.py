@@ -132,9 +132,26 @@ def use_tool_template(tokenizer, template: str = "smollm2"):
     if template not in TOOL_TEMPLATES and not (path.suffix == ".jinja" and path.is_file()):
         raise ValueError(f"tool template {template!r} is neither one nopad ships ({sorted(TOOL_TEMPLATES)}) "
                          "nor a .jinja file")
-    tokenizer.chat_template = path.read_text()
+    chat_template = path.read_text()
+    _check_writes_tool_calls(tokenizer, chat_template, template)
+    tokenizer.chat_template = chat_template
     tokenizer.response_template = TOOL_CALL_RESPONSE
     return tokenizer
+
+
+def _check_writes_tool_calls(tokenizer, chat_template: str, template: str) -> None:
+    """A ``.jinja`` file that does not parse, or renders no ``<tool_call>``, failed only at the
+    first rollout (a jinja traceback) or trained episodes that never call a tool."""
+    try:
+        text = tokenizer.apply_chat_template(_one_call_conversation("probe_tool"), tokenize=False,
+                                             chat_template=chat_template)
+    except Exception as err:  # jinja's TemplateSyntaxError / UndefinedError, transformers' errors
+        raise ValueError(f"tool template {template!r} does not render a tool call: {type(err).__name__}: "
+                         f"{err}") from None
+    if "<tool_call>" not in text or "probe_tool" not in text:
+        raise ValueError(f"tool template {template!r} does not write an assistant's tool calls as "
+                         "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> (what nopad parses "
+                         "back); see inference/templates/ for one that does")
 
 
 class ToolRunner:

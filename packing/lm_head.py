@@ -305,6 +305,19 @@ def _chunk(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, temperatur
         return _TargetLogprobs.apply(head.logits(hidden, hooks=hooks), targets, want_entropy, temperature)
 
 
+def check_temperature(temperature: float) -> None:
+    """The trainer's temperature divides the logits: 0 gives NaN log-probs and a negative one
+    reverses the distribution, both without an error of their own."""
+    try:
+        value = float(temperature)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not 0 < value < float("inf"):  # NaN fails both comparisons
+        raise ValueError(f"temperature must be a finite number > 0 (the logits are divided by it; 1.0: the "
+                         f"model's own distribution), got {temperature!r}; a greedy rollout (temperature 0) "
+                         "is scored at temperature 1.0")
+
+
 def head_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
                   entropy: bool = False, chunk_tokens: int | None = None, hooks: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -314,14 +327,16 @@ def head_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, *, 
     checkpointing), so no ``(N, V)`` tensor is ever kept. ``chunk_tokens`` None: :data:`CHUNK_TOKENS`.
     ``hooks``: as in :meth:`LMHead.logits` (:func:`token_logprobs` runs the chunks inside the
     model's call, without the head module's own hooks)."""
+    check_temperature(temperature)
     chunk_tokens = CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"{hidden.shape[0]} hidden states but targets of shape {tuple(targets.shape)}")
     targets = targets.to(hidden.device)
-    if hidden.shape[0] == 0:  # still connected to the model, so backward reaches every parameter
-        zero = hidden.sum() * 0.0
+    if hidden.shape[0] == 0:  # still connected to the model and the head, so backward reaches every
+        # parameter (DDP and ZeRO wait for a gradient of each, even a zero one)
+        zero = hidden.sum() * 0.0 + head.logits(hidden, hooks=hooks).sum() * 0.0
         empty = zero.float().expand(0)
         return empty, (empty if entropy else None)
     invariant = (is_enabled(), active_kernels())

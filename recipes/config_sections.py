@@ -97,6 +97,16 @@ def check_learning_rate(lr: float) -> None:
                           "uses about 1e-6 to 1e-3)")
 
 
+def check_optimizer(train: Section) -> None:
+    """A train section's ``weight_decay`` (AdamW refuses a negative one, but only after the model
+    loaded) and ``max_grad_norm`` (torch "clips" to a negative norm without a word, flipping every
+    gradient into ascent; 0 means no clipping, as in transformers), checked before the model loads."""
+    train.at_least("weight_decay", 0.0)
+    if train.max_grad_norm is not None and train.max_grad_norm < 0:
+        raise ConfigError("max_grad_norm", f"must be a number > 0, or null or 0 (no clipping), got "
+                          f"{train.max_grad_norm!r}: a negative norm would flip every gradient")
+
+
 def check_sampling(**settings) -> None:
     """Sampling settings (``temperature``, ``top_p``, ``max_tokens``...) checked by the rule the
     generator applies (:class:`inference.SamplingParams`), when the config is built: a

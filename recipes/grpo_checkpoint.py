@@ -32,8 +32,8 @@ class GRPOProgress:
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or "order" not in state:
             raise ValueError(f"not a GRPO checkpoint's progress state: {state!r}")
-        changed = sorted(k for k in {**state["settings"], **self.settings}
-                         if state["settings"].get(k) != self.settings.get(k))
+        saved = state["settings"]  # a setting an older checkpoint did not record is not compared
+        changed = sorted(k for k in self.settings if k in saved and saved[k] != self.settings[k])
         if changed:
             k = changed[0]
             raise ValueError(f"cannot resume: the checkpoint was made with {k}={state['settings'].get(k)!r} "
@@ -50,9 +50,11 @@ class GRPOProgress:
 
 
 def resume_settings(cfg: GRPORecipeConfig) -> dict:
-    """The settings a resume must keep: the loss, the mini-batching and the rollout's shape."""
+    """The settings a resume must keep: the loss, the optimizer (the checkpoint's AdamW state would
+    silently restore its own lr and weight decay over a changed one), the mini-batching and the
+    rollout's shape."""
     keys = {f"loss.{k}": v for k, v in cfg.loss.to_dict().items()}
-    for k in ("num_iterations", "steps_per_generation", "old_logprobs", "seed"):
+    for k in ("lr", "weight_decay", "num_iterations", "steps_per_generation", "old_logprobs", "seed"):
         keys[f"train.{k}"] = getattr(cfg.train, k)
     for k in ("prompts_per_step", "num_generations", "seed"):
         keys[f"rollout.{k}"] = getattr(cfg.rollout, k)

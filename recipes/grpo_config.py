@@ -17,6 +17,7 @@ from recipes.config import (
     LoRAConfig,
     Section,
     check_learning_rate,
+    check_optimizer,
     check_sampling,
 )
 from recipes.tasks import TASKS, get_reward
@@ -67,6 +68,10 @@ class RolloutConfig(Section):
         if not self.tool_timeout > 0:
             raise ConfigError("tool_timeout", f"must be > 0 seconds, got {self.tool_timeout}")
         check_sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+        if self.temperature == 0:
+            raise ConfigError("temperature", "is 0 (greedy): every completion of a group would be the same, "
+                              "so every advantage is 0 and nothing is learned; sample with temperature > 0 "
+                              "(1.0: on-policy)")
 
 
 @dataclass
@@ -142,6 +147,7 @@ class GRPOTrainConfig(Section):
     def check(self) -> None:
         self.at_least("steps", 1)  # 0 would save an untrained copy as "the policy"
         check_learning_rate(self.lr)
+        check_optimizer(self)
         self.at_least("max_tokens_per_batch", 2)
         self.at_least("num_iterations", 1)
         self.at_least("steps_per_generation", 1)

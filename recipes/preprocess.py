@@ -153,8 +153,13 @@ def run_preprocess(cfg: PreprocessConfig) -> datasets.Dataset:
         ds, tokenizer, text_field=cfg.text_field, messages_field=cfg.messages_field,
         add_eos=cfg.add_eos, num_proc=cfg.num_proc,
     )
+    lengths = [len(ids) for ids in tokenized["input_ids"]]
+    empty = [i for i, n in enumerate(lengths) if n == 0]
+    if empty:  # else the packer's own error, which names a library argument the recipe does not have
+        raise ValueError(f"{len(empty)} of {cfg.input}'s records tokenize to no tokens (the first: record "
+                         f"{empty[0]}, an empty {cfg.text_field!r}); remove them from the input, or set "
+                         "add_eos=true so every document has at least its EOS token")
     if cfg.overflow == "truncate":  # the same rule, and key, as SFT's data.max_dropped_fraction
-        lengths = [len(ids) for ids in tokenized["input_ids"]]
         sources.check_dropped_tokens(lengths, cfg.capacity, cfg.max_dropped_fraction,
                                      key="max_dropped_fraction", capacity_key="capacity")
     packed, bins = pack_dataset(

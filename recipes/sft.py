@@ -27,8 +27,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from recipes.cli import run_recipe
-from recipes.config import parse_cli, setup_logging
+from recipes.cli import raised_on_purpose, run_recipe
+from recipes.config import ConfigError, parse_cli, setup_logging
 from recipes.models import check_resume_lora, load_model, save_model_dir
 from recipes.sft_config import SFTRecipeConfig
 
@@ -58,7 +58,13 @@ def model_to_train(cfg: SFTRecipeConfig, model=None, tokenizer=None):
         check_resume_lora(checkpoint.resume_path(ccfg.resume_from, Path(ccfg.output_dir)), cfg.model.lora)
     if model is None:  # tiny:llama comes with the ASCII tokenizer, so its checkpoints reload too
         model, tokenizer = load_model(cfg.model)
-    sft_loop.use_attention(model, cfg.model.attn_implementation)
+    try:
+        sft_loop.use_attention(model, cfg.model.attn_implementation)
+    except (ValueError, ImportError) as err:  # transformers': an unknown name, flash-attn not installed
+        if raised_on_purpose(err):  # nopad's own (a layer it cannot pack): already says what to do
+            raise
+        raise ConfigError("model.attn_implementation", f"{cfg.model.attn_implementation!r} cannot be used: "
+                          f"{err} (nopad's packed attention: model.attn_implementation=nopad)") from None
     model.config.use_cache = False
     if cfg.train.gradient_checkpointing:  # non-reentrant: row kwargs pass, ZeRO-3 re-gathers
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -137,7 +143,8 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     optimizer, scheduler = sft_loop.make_optimizer(model, tcfg.lr, tcfg.weight_decay, tcfg.warmup_steps,
                                                    steps)
     model, stepper, save_kwargs, load_kwargs = prepare(accelerator, model, optimizer, tcfg)
-    progress = sft_loop.Progress(gas)
+    progress = sft_loop.Progress(gas, {f"train.{k}": getattr(tcfg, k) for k in ("lr", "weight_decay",
+                                                                                 "warmup_steps")})
     info = engine_info(model, accelerator)
     logger.info("training with %s on %d process(es)", info, accelerator.num_processes)
     accelerator.init_trackers("nopad-sft", config=tracker_config(cfg.to_dict()))

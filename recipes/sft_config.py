@@ -14,6 +14,7 @@ from recipes.config import (
     ModelConfig,
     Section,
     check_learning_rate,
+    check_optimizer,
 )
 
 
@@ -51,6 +52,9 @@ class SFTDataConfig(Section):
         for name, low in [("tokens_per_batch", 1), ("max_seqs_per_batch", 1), ("num_workers", 0),
                           ("buffer_size", 1), ("num_rows", 1), ("min_len", 1)]:
             self.at_least(name, low)
+        if self.min_len > self.max_len:
+            raise ConfigError("min_len", f"({self.min_len}) is above data.max_len ({self.max_len}): "
+                              "the synthetic rows' lengths are drawn between them; change one")
         if not 0 <= self.max_dropped_fraction <= 1:
             raise ConfigError("max_dropped_fraction",
                               f"must be a number in [0, 1], got {self.max_dropped_fraction!r}")
@@ -79,6 +83,7 @@ class SFTTrainConfig(Section):
                           ("seed", 0)]:
             self.at_least(name, low)
         check_learning_rate(self.lr)
+        check_optimizer(self)
 
 
 @dataclass

@@ -75,14 +75,17 @@ def use_attention(model, name: str) -> None:
 
 class Progress:
     """Optimizer steps done, checkpointed with the rest so a resumed run knows where it is, and the
-    accumulation that groups micro-batches into those steps (a different one would regroup them)."""
+    accumulation that groups micro-batches into those steps (a different one would regroup them).
+    ``settings`` (``{"train.lr": ...}``): what a resume must keep besides; the optimizer's and
+    scheduler's saved state would silently win over a changed learning rate or weight decay."""
 
-    def __init__(self, grad_accum: int = 1):
+    def __init__(self, grad_accum: int = 1, settings: dict | None = None):
         self.step = 0
         self.grad_accum = grad_accum
+        self.settings = dict(settings or {})
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "grad_accum": self.grad_accum}
+        return {"step": self.step, "grad_accum": self.grad_accum, "settings": self.settings}
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or "step" not in state or "grad_accum" not in state:
@@ -91,6 +94,14 @@ class Progress:
             raise ValueError(f"cannot resume: the checkpoint was made with train.grad_accum="
                              f"{state['grad_accum']} but this run has train.grad_accum={self.grad_accum}; "
                              "resume with the same value")
+        saved = state.get("settings", {})  # an older checkpoint recorded none
+        changed = sorted(k for k in self.settings if k in saved and saved[k] != self.settings[k])
+        if changed:
+            key = changed[0]
+            raise ValueError(f"cannot resume: the checkpoint was made with {key}={saved[key]!r} but this run "
+                             f"has {key}={self.settings[key]!r} (its saved optimizer state would keep the "
+                             "old value); resume with the same value, or start a new run in another "
+                             "checkpoint.output_dir")
         self.step = int(state["step"])
 
 

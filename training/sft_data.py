@@ -23,6 +23,7 @@ from dataloaders.streaming import StreamingPackedLoader
 from dataloaders.trees import tree_dataloader
 from inference.chat import assistant_turns, check_conversation
 from packing.bins.tree import TreePath
+from packing.row import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +102,30 @@ def load_rows(data, tokenizer, vocab_size: int):
         return synthetic_rows(data.num_rows, data.min_len, data.max_len, vocab_size, data.seed)
     rows = sources.load_sft_rows(source, data.prompt_column, data.completion_column, data.split, tokenizer)
     if "input_ids" in rows.column_names:  # tokenized or pre-packed (seq_lengths): read in place
+        check_token_rows(rows, vocab_size, f"data.source={source}")
         return rows
     return tokenize_rows(rows, tokenizer, data.prompt_column, data.completion_column)
+
+
+def check_token_rows(rows, vocab_size: int, where: str) -> None:
+    """Token rows read in place must index the model's embedding (an id from another tokenizer was
+    ``IndexError: index out of range in self`` from inside the first forward) and hold a loss token
+    somewhere (all labels -100 trained nothing, at loss 0.0, without a word). One vectorised pass
+    over the Arrow columns; the rows are read one by one only to name the first bad one."""
+    import pyarrow.compute as pc
+
+    ids = pc.list_flatten(rows.data.column("input_ids"))
+    if len(ids) and (pc.min(ids).as_py() < 0 or pc.max(ids).as_py() >= vocab_size):
+        row, token = next((i, t) for i, r in enumerate(rows["input_ids"]) for t in r
+                          if not 0 <= t < vocab_size)
+        raise ValueError(f"{where}: row {row} holds token id {token}, outside the model's vocabulary "
+                         f"(ids 0..{vocab_size - 1}); the rows were tokenized for another model: tokenize "
+                         "them with this model's tokenizer (or give text rows, prompt and completion)")
+    if "labels" in rows.column_names:
+        labels = pc.list_flatten(rows.data.column("labels"))
+        if not pc.any(pc.not_equal(labels, IGNORE_INDEX)).as_py():
+            raise ValueError(f"{where}: every label is {IGNORE_INDEX}, so no token has a loss and nothing "
+                             "would be trained; give labels (or drop the column to train on every token)")
 
 
 def is_prepacked(rows) -> bool:

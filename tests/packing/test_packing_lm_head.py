@@ -137,7 +137,20 @@ def test_a_row_with_a_single_loss_token_and_one_with_none():
         none = _row([5], prompt=5)
         logps, ents = token_logprobs(model, none.model_kwargs(), *none.loss_tokens(), entropy=True)
         assert logps.shape == ents.shape == (0,)
+        model.zero_grad(set_to_none=True)
         logps.sum().backward()  # still a graph: a rank with nothing to learn joins the backward
+        missing = [n for n, p in model.named_parameters() if p.grad is None]
+        assert not missing  # the head too (trial 4: lm_head got no gradient, which DDP waits for)
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_temperature_that_is_not_positive_and_finite_is_refused(temperature):
+    """Trial 4: 0 gave NaN log-probs and -1 a reversed distribution, silently."""
+    model = tiny_model("llama")
+    row = _row([9, 5])
+    refused = pytest.raises(ValueError, match=r"^temperature must be a finite number > 0")
+    with use_nopad_attention(model), refused:
+        token_logprobs(model, row.model_kwargs(), *row.loss_tokens(), temperature=temperature)
 
 
 def test_tree_rows_score_each_loss_token_once_and_each_pair_alike():

@@ -144,6 +144,14 @@ def tiny_run(tmp_path, **overrides):
     return run_grpo(cfg, model=tiny_model("llama"), tokenizer=AsciiTokenizer(), progress=False)
 
 
+def test_a_resume_with_another_learning_rate_is_refused(tmp_path, one_thread):
+    """Trial 4: the checkpoint's AdamW state restored its own lr over the changed train.lr, silently."""
+    tiny_run(tmp_path)
+    with pytest.raises(ValueError, match=r"^cannot resume: the checkpoint was made with train.lr=0.001 "
+                                         r"but this run has train.lr=0.0001"):
+        tiny_run(tmp_path, train={"steps": 2, "lr": 1e-4}, checkpoint={"every": 1, "resume_from": "latest"})
+
+
 def test_a_resume_with_another_loss_is_one_clear_line(tmp_path, one_thread):
     tiny_run(tmp_path)
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_1"]

@@ -177,6 +177,18 @@ def test_preprocess_refuses_to_drop_most_of_a_long_document(tmp_path, tokenizer)
     assert packed["seq_lengths"] == [[8]]
 
 
+def test_an_empty_text_is_one_line_naming_the_record(tmp_path, tokenizer):
+    """Trial 4: the packer's error named its own skip_empty argument, which the recipe does not have."""
+    tok_dir = tmp_path / "tok"
+    tokenizer.save_pretrained(tok_dir)
+    data = tmp_path / "texts.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["hi", "", "hello", ""]))
+    with pytest.raises(ValueError, match=r"^2 of .*texts.jsonl's records tokenize to no tokens \(the first: "
+                                         r"record 1, an empty 'text'\); remove them .* or set add_eos=true"):
+        main([f"input={data}", f"tokenizer={tok_dir}", f"output={tmp_path / 'p'}", "add_eos=false"])
+    assert main([f"input={data}", f"tokenizer={tok_dir}", f"output={tmp_path / 'p'}"])["seq_lengths"]
+
+
 def test_preprocess_refuses_an_sft_run_directory(tmp_path, tokenizer):
     tok_dir = tmp_path / "tok"
     tokenizer.save_pretrained(tok_dir)

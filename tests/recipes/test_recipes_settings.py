@@ -62,6 +62,15 @@ def test_model_dtype_applies_to_the_tiny_model():
     (GRPOConfig, ["train.lr=1e38"], r"train.lr must be a number in \(0, 1\], got 1e\+38"),
     (SFTConfig, ["train.lr=1e38"], r"train.lr must be a number in \(0, 1\], got 1e\+38"),
     (SFTConfig, ["train.lr=0"], r"train.lr must be a number in \(0, 1\], got 0.0"),
+    # trial 4: a negative norm flipped every gradient without a word; weight decay and the synthetic
+    # lengths failed only after the model loaded; a greedy GRPO rollout learns nothing
+    (SFTConfig, ["train.max_grad_norm=-1"], r"train.max_grad_norm must be a number > 0, or null or 0"),
+    (GRPOConfig, ["train.max_grad_norm=-0.5"], r"train.max_grad_norm must be a number > 0, or null or 0"),
+    (SFTConfig, ["train.weight_decay=-0.1"], r"train.weight_decay must be a number >= 0.0, got -0.1"),
+    (GRPOConfig, ["train.weight_decay=-1"], r"train.weight_decay must be a number >= 0.0, got -1.0"),
+    (SFTConfig, ["data.min_len=50", "data.max_len=10"], r"data.min_len \(50\) is above data.max_len \(10\)"),
+    (GRPOConfig, ["rollout.temperature=0"], r"rollout.temperature is 0 \(greedy\): every completion"),
+    (GRPOConfig, ["loss.delta=1.0"], r"loss.delta must be > 1"),
 ])
 def test_out_of_range_training_settings_are_refused(cls, overrides, message):
     with pytest.raises(ConfigError, match=message):

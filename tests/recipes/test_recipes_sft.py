@@ -124,6 +124,26 @@ def test_settings_that_would_train_nothing_or_crash_later_fail_first(tmp_path, o
         train(_cfg(tmp_path, override))
 
 
+@pytest.mark.parametrize("rows, override, match", [
+    ([{"input_ids": [3, 4, 500, 6]}], None,
+     r"row 0 holds token id 500, outside the model's vocabulary \(ids 0..127\); the rows were tokenized"),
+    ([{"input_ids": [3, 4]}, {"input_ids": [5, -1]}], None, r"row 1 holds token id -1, outside"),
+    ([{"input_ids": [3, 4, 5], "labels": [-100, -100, -100]}], None,
+     r"every label is -100, so no token has a loss and nothing would be trained"),
+    ([{"input_ids": [3, 4, 5]}], "model.attn_implementation=flash",
+     r"^model.attn_implementation 'flash' cannot be used: .*model.attn_implementation=nopad\)$"),
+])
+def test_rows_the_model_cannot_train_on_fail_before_the_first_step(tmp_path, rows, override, match):
+    """Trial 4: ids from another tokenizer failed inside the first forward (IndexError: index out of
+    range in self), all-masked labels trained at loss 0.0 without a word, and a wrong attention name
+    was transformers' traceback."""
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError, match=match):
+        train(_cfg(tmp_path / "run", f"data.source={source}", *([override] if override else [])))
+    _reset_accelerate()
+
+
 def test_max_steps_counts_optimizer_steps_and_repeats_epochs(tmp_path, caplog):
     one = train(_cfg(tmp_path / "one"))
     _reset_accelerate()
@@ -145,6 +165,8 @@ def test_max_steps_counts_optimizer_steps_and_repeats_epochs(tmp_path, caplog):
     ("data.max_seqs_per_batch=2", "max_seqs_per_batch=None but this loader has max_seqs_per_batch=2"),
     ("data.num_rows=25", "num_sequences=24 but this loader has num_sequences=25"),
     ("data.seed=3", "lengths_digest="),
+    # trial 4: the checkpoint's optimizer state silently kept the old learning rate
+    ("train.lr=1e-4", "train.lr=0.001 but this run has train.lr=0.0001"),
 ])
 def test_resume_under_another_plan_is_refused_naming_the_field(tmp_path, override, field):
     train(_cfg(tmp_path, "train.max_steps=1"))

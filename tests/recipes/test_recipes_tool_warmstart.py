@@ -94,6 +94,21 @@ def test_an_unknown_tool_template_is_refused(plain):
         use_tool_template(plain, "qwen9")
 
 
+@pytest.mark.parametrize("text, message", [
+    ("{% for m in messages %}{{ m.content }{% endfor %}", r"does not render a tool call: Template"),
+    ("{% for m in messages %}{{ m.content }}{% endfor %}", r"does not write an assistant's tool calls as "),
+])
+def test_a_jinja_file_that_writes_no_tool_calls_is_refused_and_leaves_the_tokenizer_alone(plain, tmp_path,
+                                                                                        text, message):
+    """Trial 4: a broken file failed at the first rollout, one without tool calls was accepted."""
+    path = tmp_path / "mine.jinja"
+    path.write_text(text)
+    before = plain.chat_template
+    with pytest.raises(ValueError, match=rf"^tool template '{path}' {message}"):
+        use_tool_template(plain, str(path))
+    assert plain.chat_template == before
+
+
 def test_the_warm_start_demonstrations_are_valid(tok, tmp_path):
     from dataloaders.sources import load_records
     from training.sft_data import per_turn_samples

@@ -71,7 +71,23 @@ class PolicyLossConfig:
             raise ValueError(
                 f"is_correction {self.is_correction!r} is unknown; use none or one of {', '.join(IS_MODES)}"
             )
-        if self.is_correction != "none":
+        if self.delta is not None and not self.delta > 1:
+            raise ValueError(f"delta must be > 1 (the ratio's cap; TRL recommends > 1 + epsilon_high), got "
+                             f"{self.delta}: a cap at or below 1 holds each on-policy ratio constant, "
+                             "so positive advantages train nothing")
+        for knob in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if not getattr(self, knob) > 0:
+                raise ValueError(f"{knob} must be > 0 (sapo divides by it), got {getattr(self, knob)}")
+        if self.is_correction == "none":
+            idle = sorted({"is_clip_min", "is_clip_max"} & self.changed())
+            if idle:
+                raise ValueError(f"{idle[0]} has no effect with is_correction=none; remove it or choose an "
+                                 f"is_correction mode ({', '.join(IS_MODES)})")
+        else:
+            for knob in ("is_clip_min", "is_clip_max"):
+                if getattr(self, knob) is not None and not getattr(self, knob) > 0:
+                    raise ValueError(f"{knob} must be > 0 or null (an importance ratio is positive), got "
+                                     f"{getattr(self, knob)}")
             if self.is_clip_min is None and self.is_clip_max is None:
                 raise ValueError(
                     f"is_clip_max is null and so is is_clip_min: is_correction="
