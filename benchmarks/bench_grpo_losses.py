@@ -262,6 +262,23 @@ def run_trl(spec: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver
+def prompt_tokens(task: str) -> tuple[float, float]:
+    """Mean prompt length of the task's 64 prompts as each side renders them: nopad's recipe
+    (``build_prompts``) and TRL (``apply_chat_template`` with the tools' schemas, as it prompts)."""
+    from recipes import grpo as recipe
+    from recipes.config import load_config
+
+    _, tok = load(True, task)
+    cfg = load_config(recipe.GRPORecipeConfig, overrides=[f"task.name={task}", "model.chat_template=true",
+                                                          "rollout.max_prompt_tokens=256",
+                                                          "rollout.prompts_per_step=1"])
+    nopad = [len(ids) for ids in recipe.build_prompts(cfg, tok)[1]]
+    data, tools = trl_dataset(task)
+    trl = [len(tok.apply_chat_template(p, tools=tools or None, add_generation_prompt=True, tokenize=True,
+                                       return_dict=False)) for p in data["prompt"]]
+    return sum(nopad) / len(nopad), sum(trl) / len(trl)
+
+
 def child(spec: dict) -> None:
     import torch
 
@@ -343,6 +360,7 @@ def main() -> None:
         f"{'tiny random Llama' if args.quick else 'SmolLM2-135M-Instruct'}, fp32, {args.threads} CPU "
         f"thread(s); load average {os.getloadavg()[0]:.1f} at the start"
     )
+    print("mean prompt tokens: nopad {:.1f}, TRL {:.1f}".format(*prompt_tokens(args.task)))
     if losses:
         print(
             f"{'loss':<8} {'system':<6} {'CPU s/opt':>9} {'wall s/opt':>9} {'fwd/opt':>9} {'old fwd':>9} "
