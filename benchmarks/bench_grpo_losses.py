@@ -261,6 +261,27 @@ def run_trl(spec: dict) -> dict:
     }
 
 
+# ----------------------------------------------------------------------------- optimizer
+def run_adamw(spec: dict) -> dict:
+    """CPU seconds of one AdamW step over the model's parameters: the recipe's optimizer (torch's
+    default implementation) against TRL's (``optim="adamw_torch_fused"``), state already made."""
+    import torch
+
+    model, _ = load(spec["tiny"], spec["task"])
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    result = {}
+    for name, kwargs in (("default", {}), ("fused", {"fused": True})):
+        optimizer = torch.optim.AdamW(params, lr=1e-6, **kwargs)
+        optimizer.step()  # makes the state
+        start = time.process_time()
+        for _ in range(3):
+            optimizer.step()
+        result[name] = (time.process_time() - start) / 3
+    return result
+
+
 # ----------------------------------------------------------------------------- driver
 def prompt_tokens(task: str) -> tuple[float, float]:
     """Mean prompt length of the task's 64 prompts as each side renders them: nopad's recipe
@@ -283,7 +304,7 @@ def child(spec: dict) -> None:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    result = run_nopad(spec) if spec["system"] == "nopad" else run_trl(spec)
+    result = {"nopad": run_nopad, "TRL": run_trl, "adamw": run_adamw}[spec["system"]](spec)
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -375,6 +396,10 @@ def main() -> None:
             rows[system] = measure({**base, "loss": loss, "system": system, "checkpoint": save}, timeout)
             full_weights = rows[system] if save else full_weights
         print_rows(loss, rows)
+    if losses:
+        adamw = measure({**base, "loss": "dapo", "system": "adamw"}, timeout)
+        print(f"one AdamW step over the model: nopad's recipe (torch default) {adamw['default']:.2f} CPU s, "
+              f"TRL (adamw_torch_fused) {adamw['fused']:.2f} CPU s")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
     if not (args.quick or args.checkpoints_only or full_weights):
         return
