@@ -3,7 +3,8 @@
 
 Model: SmolLM2-135M-Instruct (fp32, CPU; ``--quick``: a tiny random Llama with SmolLM2's tokenizer).
 One rollout batch is ``--prompts`` prompts x ``--generations`` completions (<= ``--max-tokens``
-tokens), cut into 4 mini-batches: 4 optimizer steps per rollout batch (``steps_per_generation=4``,
+tokens; default 1 x 4 x 16: a SmolLM2 run of one loss and side takes about a CPU minute), cut into
+4 mini-batches: 4 optimizer steps per rollout batch (``steps_per_generation=4``,
 ``num_iterations=1``), two rollout batches; the second is timed (``--quick``: one, timed, one loss).
 Tasks (``--task``):
 
@@ -344,9 +345,9 @@ def main() -> None:
     parser.add_argument("--task", choices=TASKS, default="arithmetic")
     parser.add_argument("--losses", default=None, help=f"comma-separated (default: {','.join(LOSSES)})")
     parser.add_argument("--systems", default="nopad,TRL", help="comma-separated: nopad, TRL")
-    parser.add_argument("--prompts", type=int, default=2, help="prompts per rollout batch")
+    parser.add_argument("--prompts", type=int, default=1, help="prompts per rollout batch")
     parser.add_argument("--generations", type=int, default=4, help="completions per prompt")
-    parser.add_argument("--max-tokens", type=int, default=None, help="per completion (default 24; quick 8)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="per completion (default 16; quick 8)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--checkpoints-only", action="store_true",
                         help="skip the loss table: one nopad rollout batch with full weights and one with "
@@ -367,7 +368,7 @@ def main() -> None:
         "task": args.task,
         "prompts": args.prompts,
         "G": args.generations,
-        "new_tokens": args.max_tokens or (8 if args.quick else 24),
+        "new_tokens": args.max_tokens or (8 if args.quick else 16),
         "threads": args.threads,
         "batches": 1 if args.quick or args.checkpoints_only else 2,
         "checkpoint": False,
