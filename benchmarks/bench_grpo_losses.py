@@ -3,7 +3,7 @@
 
 Model: SmolLM2-135M-Instruct (fp32, CPU; ``--quick``: a tiny random Llama with SmolLM2's tokenizer).
 One rollout batch is ``--prompts`` prompts x ``--generations`` completions (<= ``--max-tokens``
-tokens; default 1 x 4 x 16: a SmolLM2 run of one loss and side takes about a CPU minute), cut into
+tokens; default 1 x 4 x 16: a SmolLM2 run of one loss and side takes 1-3 CPU minutes), cut into
 4 mini-batches: 4 optimizer steps per rollout batch (``steps_per_generation=4``,
 ``num_iterations=1``), two rollout batches; the second is timed (``--quick``: one, timed, one loss).
 Tasks (``--task``):
@@ -13,7 +13,9 @@ Tasks (``--task``):
     after a system turn that shows the call, episodes of up to 4 model turns with a ``calculator``
     tool called as ``<tool_call>{...}</tool_call>`` in nopad's SmolLM2 tool template
     (``inference.tools.use_tool_template``), on both sides; TRL: ``GRPOTrainer(tools=[calculator])``
-    with ``max_tool_calling_iterations=3``, which also writes the tool's schema into the system turn.
+    with ``max_tool_calling_iterations=3``, which also writes the tool's schema into the system turn
+    (the mean prompt tokens of each side are printed). SmolLM2 without the warm start
+    (``bench_tool_warmstart.py``) calls no tool: its episodes are single turns in each tool loop.
 
 Systems:
 
