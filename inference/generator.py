@@ -31,8 +31,8 @@ from inference.sampler import SamplerBuffers, SampleResult, sample
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sharded import refuse_plain_generation
-from inference.state_cache import StateSlots, bytes_per_slot
-from inference.state_prefix import StateSnapshots, state_snapshots
+from inference.state_cache import bytes_per_slot
+from inference.state_prefix import make_state_slots, reset_snapshot_stats, snapshot_stats, state_snapshots
 from inference.tools import ToolFormat
 from packing.blocks import BlockAllocator
 
@@ -52,11 +52,8 @@ class Generator:
     ``dtype`` (the KV cache's and attention's compute dtype; default: the autocast dtype of the
     first step, else the weights'), ``attn_backend``, ``block_size`` (default: what the backend
     reads in place), ``static_decode`` and ``compile_decode`` (bucketed, capturable decode
-    steps) are explained in :class:`inference.live_model.LiveModel`, which applies them.
-
-    Hybrid models (stateful layers) reuse a cached prefix only up to a block boundary where the
-    state is known: ``num_state_snapshots`` snapshot slots (default: ``max_num_seqs``; 0 turns the
-    prefix cache off for them) hold it, out of the same memory budget (:mod:`inference.state_prefix`).
+    steps): see :class:`inference.live_model.LiveModel`. ``num_state_snapshots``: the states a
+    hybrid model's prefix cache keeps (:mod:`inference.state_prefix`).
     """
 
     def __init__(
@@ -79,7 +76,7 @@ class Generator:
     ):
         self.live = LiveModel(model, dtype=dtype, attn_backend=attn_backend, static_decode=static_decode,
                               compile_decode=compile_decode)
-        self.layer_states = self.live.layer_states
+        states = self.layer_states = self.live.layer_states
         block_size = block_size if block_size is not None else self.live.default_block_size()
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens)):
@@ -89,10 +86,8 @@ class Generator:
         config = model.config
         self.max_model_len = int(getattr(config, "max_position_embeddings", None) or 1 << 62)
         self.vocab_size = int(config.vocab_size)
-        num_state_snapshots = state_snapshots(self.layer_states, enable_prefix_caching, num_state_snapshots,
-                                              max_num_seqs)
-        state_rows = max_num_seqs + num_state_snapshots  # a slot per sequence, then the snapshots
-        state_bytes = state_rows * bytes_per_slot(self.layer_states, self.live.dtype)
+        snapshots = state_snapshots(states, enable_prefix_caching, num_state_snapshots, max_num_seqs)
+        state_bytes = (max_num_seqs + snapshots) * bytes_per_slot(states, self.live.dtype)
         num_blocks = num_kv_blocks(config, block_size, self.live.dtype, num_blocks, kv_memory_bytes,
                                    max_num_seqs, state_bytes, self.max_model_len)
         self.block_size = block_size
@@ -101,10 +96,7 @@ class Generator:
         self.request_builder = RequestBuilder(tokenizer, self.vocab_size, self.max_model_len, num_blocks,
                                               block_size, max_num_seqs, self.eos_token_ids)
         self.allocator = BlockAllocator(num_blocks, block_size)
-        slots = StateSlots(max_num_seqs) if self.layer_states else None
-        if num_state_snapshots:  # hybrid prefix cache: snapshots die with their block's hash
-            slots.snapshots = StateSnapshots(slots, num_state_snapshots, block_size)
-            self.allocator.on_forget = slots.snapshots.forget
+        slots = make_state_slots(states, max_num_seqs, snapshots, self.allocator)
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, watermark,
                                    enable_prefix_caching, state_slots=slots, max_model_len=self.max_model_len,
                                    tokenizer=tokenizer)
@@ -137,10 +129,9 @@ class Generator:
         return bool(self._plain.in_flight) or (self._episodes is not None and self._episodes.live > 0)
 
     def step(self) -> list[RequestOutput]:
-        """Plan and run one forward, sample, and return the requests that finished. Episodes
-        whose tools returned resume first; when nothing can run, wait for a tool (never spin).
-        The scheduler's postprocess does the step's bookkeeping; the sequences' owners (plain
-        requests, episodes) act on its events through their hooks."""
+        """Plan and run one forward, sample, and return the requests that finished. Episodes whose
+        tools returned resume first; when nothing can run, wait for a tool (never spin). The
+        scheduler's postprocess does the bookkeeping; the sequences' owners act through hooks."""
         scheduler = self.scheduler
         scheduler.poll_paused(block=False)
         plan = scheduler.schedule()
@@ -173,12 +164,10 @@ class Generator:
             more: Callable[[], bool] | None = None,
             on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
         """The generate loop: queue ``requests`` (from :meth:`make_requests`), step until done,
-        return their outputs in order. ``step`` and ``more`` replace :meth:`step` and
-        :meth:`has_unfinished` for callers that must step in lockstep with other ranks
-        (:mod:`inference.sharded`). If anything raises, every request in flight is aborted
-        before the error propagates, so the caller's ``release()`` in a ``finally`` works and
-        the original error is the one the user sees. The model's attention is switched to nopad
-        (and the model to eval mode) once for the whole run, not on every step."""
+        return their outputs in order. ``step`` / ``more`` replace :meth:`step` /
+        :meth:`has_unfinished` for ranks in lockstep (:mod:`inference.sharded`). On any error every
+        request in flight is aborted first, so a caller's ``release()`` works and the user sees the
+        original error. Attention is switched to nopad (and eval mode) once per run, not per step."""
         step = step or self.step
         more = more or self.has_unfinished
         order = {r.request_id: i for i, r in enumerate(requests)}
@@ -258,9 +247,8 @@ class Generator:
 
     def release(self, abort: bool = False) -> None:
         """Free the KV cache and sampler memory (e.g. before a training step); the next step
-        re-allocates. ``abort=True`` first aborts whatever is still in flight (cleanup after an
-        error raised by a caller's own :meth:`step` loop; :meth:`generate` and :meth:`run`
-        abort on their own)."""
+        re-allocates. ``abort=True`` first aborts what is in flight (cleanup after an error in a
+        caller's own :meth:`step` loop; :meth:`generate` and :meth:`run` abort on their own)."""
         if abort:
             self.abort_all()
         if self.has_unfinished():
@@ -272,18 +260,15 @@ class Generator:
 
     def stats(self) -> dict:
         """Counters since construction or :meth:`reset_stats`."""
-        snapshots = self.scheduler.state_slots and self.scheduler.state_slots.snapshots
         return {**dataclasses.asdict(self.scheduler.stats), "prefix_cache_hit_blocks": self.allocator.hits,
                 "max_num_seqs": self.scheduler.max_num_seqs, "num_blocks": self.allocator.num_blocks,
                 "block_size": self.block_size, "evictions": self.allocator.evictions,
-                **(snapshots.stats() if snapshots else {})}
+                **snapshot_stats(self.scheduler.state_slots)}
 
     def reset_stats(self) -> None:
         self.scheduler.stats = type(self.scheduler.stats)()
         self.allocator.hits = self.allocator.evictions = 0
-        snapshots = self.scheduler.state_slots and self.scheduler.state_slots.snapshots
-        if snapshots:
-            snapshots.taken = snapshots.restored = snapshots.evicted = 0
+        reset_snapshot_stats(self.scheduler.state_slots)
 
     # ----------------------------------------------------------------- internals
     def make_requests(self, prompts, sampling_params=None) -> list[Request]:

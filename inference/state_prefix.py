@@ -33,6 +33,7 @@ from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
 from inference.state_cache import StateSlots
+from packing.blocks import BlockAllocator
 
 if TYPE_CHECKING:
     from inference.request import Sequence
@@ -98,6 +99,29 @@ def state_snapshots(layer_states: list, enable_prefix_caching: bool, wanted: int
     if not layer_states or not enable_prefix_caching:
         return 0
     return max_num_seqs if wanted is None else wanted
+
+
+def make_state_slots(layer_states: list, max_num_seqs: int, num_snapshots: int,
+                     allocator: BlockAllocator) -> StateSlots | None:
+    """A generator's state slots: one per sequence (none on an attention-only model), then
+    ``num_snapshots`` snapshot slots, each dropped when the allocator forgets its block's hash."""
+    if not layer_states:
+        return None
+    slots = StateSlots(max_num_seqs)
+    if num_snapshots:
+        slots.snapshots = StateSnapshots(slots, num_snapshots, allocator.block_size)
+        allocator.on_forget = slots.snapshots.forget
+    return slots
+
+
+def snapshot_stats(slots: StateSlots | None) -> dict[str, int]:
+    """The snapshot counters for ``Generator.stats()`` (none without snapshots)."""
+    return slots.snapshots.stats() if slots is not None and slots.snapshots is not None else {}
+
+
+def reset_snapshot_stats(slots: StateSlots | None) -> None:
+    if slots is not None and slots.snapshots is not None:
+        slots.snapshots.taken = slots.snapshots.restored = slots.snapshots.evicted = 0
 
 
 def usable_hits(slots: StateSlots | None, hits: list[tuple[int, int]],
