@@ -94,8 +94,8 @@ def state_snapshots(layer_states: list, enable_prefix_caching: bool, wanted: int
                     max_num_seqs: int) -> int:
     """How many snapshot slots a generator keeps: ``wanted``, by default one per sequence slot;
     none on an attention-only model (its blocks are its whole context) or with the cache off."""
-    if wanted is not None and wanted < 0:
-        raise ValueError(f"num_state_snapshots must be >= 0, got {wanted}")
+    if wanted is not None and (isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 0):
+        raise ValueError(f"num_state_snapshots must be an int >= 0 (or None), got {wanted!r}")
     if not layer_states or not enable_prefix_caching:
         return 0
     return max_num_seqs if wanted is None else wanted

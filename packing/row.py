@@ -293,7 +293,11 @@ def _token_values(values: Mapping[str, Any], num_pairs: int) -> dict[str, torch.
     for name, v in values.items():
         if not isinstance(name, str):
             raise TypeError(f"token_values names must be strings, got {name!r}")
-        t = v.to(torch.float32) if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float32)
+        try:
+            t = v.to(torch.float32) if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float32)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"token_values[{name!r}] must be numbers, one per loss token, got "
+                            f"{type(v).__name__} ({e})") from None
         if t.shape != (num_pairs,):
             raise ValueError(f"{name} has shape {tuple(t.shape)} but the row has {num_pairs} loss tokens: "
                              "one value per loss token, in label order (per pair in a tree row)")

@@ -162,3 +162,11 @@ def test_state_copies_apply_in_order():
     writes it again, starts the next batch."""
     assert copy_waves([(0, 5), (1, 6), (5, 2), (3, 5), (4, 7), (2, 1)]) == [
         ([0, 1], [5, 6]), ([5, 3, 4], [2, 5, 7]), ([2], [1])]
+
+
+@pytest.mark.parametrize("bad", [-1, "4", 2.5, True])
+def test_a_bad_snapshot_count_is_one_clear_line(bad):
+    from inference.state_prefix import state_snapshots
+
+    with pytest.raises(ValueError, match="num_state_snapshots must be an int >= 0"):
+        state_snapshots([object()], True, bad, 4)

@@ -68,6 +68,9 @@ def test_token_values_are_any_named_per_token_data():
     assert sorted(both.token_values) == ["score", "weight"] and row.token_values.keys() == {"weight"}
     assert both.token_values["score"].dtype == torch.float32
     assert both.to("meta").token_values["score"].device.type == "meta"
+    for bad in ("ab", None):
+        with pytest.raises(TypeError, match=r"token_values\['w'\] must be numbers"):
+            PackedRow.build([1, 2, 3, 4], [IGNORE_INDEX, 2, IGNORE_INDEX, 4], meta, token_values={"w": bad})
     with pytest.raises(ValueError, match=r"score has shape \(3,\) but the row has 2 loss tokens"):
         row.with_token_values({"score": [0.0] * 3})
     with pytest.raises(TypeError, match="token_values must map a name"):
