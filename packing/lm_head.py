@@ -142,8 +142,8 @@ def nll_sum(model: torch.nn.Module, model_kwargs: dict[str, Any], positions: tor
     """``-(weights * logps).sum()`` of :func:`token_logprobs`'s ``logps`` (temperature 1): the SFT
     loss of one packed row, with the same values. Why a function of its own: the gradient of a
     scalar loss is known, up to its one scale, in the forward pass, so a plain ``nn.Linear`` head
-    (:class:`_LinearHeadNLL`) takes each chunk's gradients there, while its logits exist: three
-    ``T x H x V`` GEMMs, as the full-logits path runs, instead of four with a recompute."""
+    (:class:`~packing.linear_head.LinearHeadNLL`) takes each chunk's gradients there, while its logits
+    exist: three ``T x H x V`` GEMMs, as the full-logits path runs, instead of four with a recompute."""
     weights = weights.to(targets.device)
     if weights.shape != targets.shape:
         raise ValueError(f"weights of shape {tuple(weights.shape)}, targets of shape {tuple(targets.shape)}: "
