@@ -4,7 +4,7 @@ The usual path: ``packed_dataloader(tokenized_dataset, tokens_per_batch)`` -> ba
 varlen row each (a :class:`packing.row.PackedRow`: ``input_ids``, ``labels``, ``position_ids``,
 ``nopad_meta``, counts; ``row.to(device)``, ``model(**row.model_kwargs())``), sharded and
 balanced over the data-parallel ranks by the loader itself, resumable with ``state_dict()``
-(the loss that normalises by the step's global loss-token count is ``training.PackedLoss``).
+(the step that normalises by its global loss-token count is ``training.OptimizerStepper``).
 ``StreamingPackedLoader`` does the same for streams.
 """
 

@@ -14,7 +14,6 @@ imported lazily, so ``import training`` does not import TRL.
 import importlib
 
 _EXPORTS = {
-    "PackedLoss": "training.loss",
     "causal_lm_loss_sum": "training.loss",
     "row_loss_sum": "training.loss",
     "row_nll_sum": "training.loss",

@@ -18,11 +18,9 @@ from training import checkpoint
 from training.accumulation import OptimizerStepper
 from training.curves import finish_trackers, write_curves
 from training.lora import trainable_parameters
-from training.loss import row_nll_sum
+from training.loss import COUNT_KEYS, row_nll_sum
 
 logger = logging.getLogger(__name__)
-
-COUNT_KEYS = {"token": "num_loss_tokens", "sequence": "num_loss_seqs"}  # what a window's loss is a mean over
 
 
 def sft_step(stepper: OptimizerStepper, window: list[dict], weighting: str = "token",

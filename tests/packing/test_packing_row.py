@@ -19,7 +19,7 @@ from packing.bins.tree import TreePath, pack_tree_rows
 from packing.row import IGNORE_INDEX, PackedRow, as_row
 from packing.varlen import VarlenMeta
 from training.grpo import Rollout, empty_rollout_row, pack_rollouts, pair_advantages
-from training.loss import PackedLoss
+from training.loss import row_loss_sum
 
 SFT_KEYS = ["input_ids", "labels", "position_ids", "nopad_meta", "seq_lens", "indices", "num_loss_tokens",
             "num_loss_seqs"]
@@ -213,8 +213,8 @@ def test_dict_batches_become_rows():
     assert torch.equal(again.labels, row.labels) and (again.num_loss_tokens, again.num_loss_seqs) == (2, 1)
     with pytest.raises(KeyError, match="needs input_ids, labels and nopad_meta"):
         as_row({"input_ids": row.input_ids})
-    loss = PackedLoss()
-    assert loss.start_step([dict(row), row]) == 4.0  # the loss takes dicts and rows alike
+    logits = torch.randn(1, row.input_ids.shape[1], 8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(row_loss_sum(logits, dict(row)), row_loss_sum(logits, row))  # the loss takes both
     restored = pickle.loads(pickle.dumps(row))  # DataLoader workers send rows between processes
     assert torch.equal(restored.input_ids, row.input_ids) and list(restored) == SFT_KEYS
 

@@ -3,9 +3,11 @@
 
     torchrun --nproc_per_node 2 -m tests.support.sharded_sft_worker OUT_DIR
 
-Each engine accumulates one optimizer step over this rank's whole epoch of packed rows (gradient
-sync on the last row only) with :class:`training.loss.PackedLoss`, then writes the full
-gradients, which must equal unpacked single-process training's.
+Each engine takes one optimizer step over this rank's whole epoch of packed rows through the
+recipes' own mechanism (:func:`training.sft.sft_step` on an
+:class:`training.accumulation.OptimizerStepper`: gradient sync on the last row only, the global
+loss-token count, the engine's divisions undone), and writes the full gradient that step applies,
+read just before it: it must equal unpacked single-process training's.
 """
 
 from __future__ import annotations
@@ -20,16 +22,11 @@ from dataloaders.loader import packed_dataloader
 from packing.hf import register_nopad_attention
 from tests.support.models import tiny_model
 from tests.training.test_training_loss import _rows
-from training.loss import PackedLoss
+from training.accelerator import make_accelerator
+from training.accumulation import OptimizerStepper
+from training.sft import sft_step
 
-ZERO3 = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
-         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 10**6}
-
-
-def forward_loss(model, loss_fn, batch):
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                   nopad_meta=batch["nopad_meta"], use_cache=False).logits
-    return loss_fn(logits, batch)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def fsdp2_grads(batches) -> dict:
@@ -40,34 +37,41 @@ def fsdp2_grads(batches) -> dict:
         fully_shard(layer)
     fully_shard(model)
     assert isinstance(model, FSDPModule)
-    loss_fn = PackedLoss("token")  # FSDP2's reduce-scatter averages over ranks, as DDP does
-    loss_fn.start_step(batches)
-    for i, batch in enumerate(batches):
-        model.set_requires_gradient_sync(i == len(batches) - 1)
-        forward_loss(model, loss_fn, batch).backward()
-    return {k: p.grad.full_tensor() for k, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = {}
+    optimizer.register_step_pre_hook(  # every rank steps, so every rank joins full_tensor's all-gather
+        lambda *_: grads.update({k: p.grad.full_tensor() for k, p in model.named_parameters()}))
+    stepper = OptimizerStepper(model, optimizer)
+    assert stepper.fsdp2
+    sft_step(stepper, batches)
+    assert stepper.optimizer_steps == 1
+    return grads
 
 
 def zero3_grads(batches) -> dict:
-    import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
+    accelerator = make_accelerator(os.path.join(ROOT, "recipes/configs/deepspeed_zero3.json"),
+                                   recipe="tests.support.sharded_sft_worker")
     model = tiny_model("llama", attn_implementation="nopad")
-    gas = len(batches)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                      config={**ZERO3, "gradient_accumulation_steps": gas})
+    engine, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert engine.zero_optimization_stage() == 3
-    loss_fn = PackedLoss("token")
-    loss_fn.start_step(batches)
-    for i, batch in enumerate(batches):
-        engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
-        engine.backward(forward_loss(engine, loss_fn, batch) * gas)  # DeepSpeed divides by its gas
-    return {k: safe_get_full_grad(p).clone() for k, p in engine.module.named_parameters()}
+    grads, step = {}, engine.step
+
+    def read_then_step(*args, **kwargs):  # Accelerate steps the engine inside the last backward
+        grads.update({k: safe_get_full_grad(p).clone() for k, p in engine.module.named_parameters()})
+        return step(*args, **kwargs)
+
+    engine.step = read_then_step
+    stepper = OptimizerStepper(engine, optimizer, accelerator)
+    sft_step(stepper, batches)
+    assert stepper.optimizer_steps == 1 and engine.global_steps == 1
+    return grads
 
 
 def main(out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo")  # FSDP2 first, before Accelerate and DeepSpeed set any global state
     register_nopad_attention()
     batches = list(packed_dataloader(_rows(), 64, seed=1))  # rank/world from torch.distributed
     seen = [i for b in batches for i in b["indices"].tolist()]

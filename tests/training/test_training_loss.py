@@ -1,7 +1,8 @@
-"""The loss is normalised by the global loss-token count: packed training with gradient
-accumulation on 2 ranks has the gradient of unpacked single-process training."""
+"""The step is normalised by the global loss-token (or sequence) count: packed training with
+gradient accumulation on 2 ranks, stepped by the recipes' OptimizerStepper (``sft_step``: the
+window, ``row_nll_sum`` through the chunked head), has the gradient of unpacked single-process
+training."""
 
-import contextlib
 import os
 import socket
 
@@ -15,7 +16,10 @@ from dataloaders.collator import PackedCollator
 from dataloaders.loader import packed_dataloader
 from tests.support import launch
 from tests.support.models import tiny_model
-from training.loss import PackedLoss, causal_lm_loss_sum
+from training import accumulation
+from training.accumulation import OptimizerStepper
+from training.loss import COUNT_KEYS, causal_lm_loss_sum, row_loss_sum
+from training.sft import sft_step
 
 
 def _attn_implementation() -> str:
@@ -70,12 +74,40 @@ def test_token_and_sequence_weighting_by_hand():
 
 
 def test_bad_arguments():
+    model = torch.nn.Linear(2, 2)
+    stepper = OptimizerStepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    row = PackedCollator()(_rows(n=2))
     with pytest.raises(ValueError, match="weighting"):
-        PackedLoss("mean")
+        sft_step(stepper, [row], "mean")
+    with pytest.raises(ValueError, match="weighting"):
+        row_loss_sum(torch.zeros(1, row.input_ids.shape[1], 3), row, weighting="mean")
     with pytest.raises(ValueError, match="seq_idx"):
         causal_lm_loss_sum(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), weighting="sequence")
-    with pytest.raises(RuntimeError, match="start_step"):
-        PackedLoss()(torch.zeros(1, 2, 3), {"labels": torch.zeros(1, 2, dtype=torch.long)})
+    with pytest.raises(ValueError, match="at least one row"):
+        with stepper.window([]):
+            pass
+    with pytest.raises(RuntimeError, match="more rows than the 1"):  # a window counts its rows
+        with stepper.window([row]) as w:
+            for _ in range(2):
+                with w.row():
+                    w.backward(model(torch.ones(2)).sum())
+    assert stepper.optimizer_steps == 0 and all(p.grad is None for p in model.parameters())
+
+
+def _step_grads(model, batches, weighting, world=None) -> dict:
+    """The gradient that one optimizer step over ``batches`` (``sft_step``) applies, read in the
+    optimizer's step pre-hook (the step then zeroes it). ``world``: ranks to simulate in-process."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    stepper = OptimizerStepper(model, optimizer)
+    if world is not None:
+        stepper.world = world  # DDP would average the gradients over that many ranks
+    inner = getattr(model, "module", model)
+    grads = {}
+    optimizer.register_step_pre_hook(
+        lambda *_: grads.update({k: p.grad.clone() for k, p in inner.named_parameters()}))
+    sft_step(stepper, batches, weighting)
+    assert stepper.optimizer_steps == 1 and grads
+    return grads
 
 
 def _free_port() -> int:
@@ -100,35 +132,20 @@ def _packed_worker(rank, world, port, attn, out_dir):
 
 
 def _accumulate(batches, attn, weighting):
+    """One optimizer step accumulating the whole epoch; DDP syncs on the last row only."""
     model = torch.nn.parallel.DistributedDataParallel(tiny_model("llama", attn_implementation=attn))
-    loss_fn = PackedLoss(weighting)  # world size from torch.distributed
-    loss_fn.start_step(batches)  # one optimizer step accumulating the whole epoch
-    for i, batch in enumerate(batches):
-        last = i == len(batches) - 1
-        with contextlib.nullcontext() if last else model.no_sync():  # DDP syncs on the last only
-            logits = model(
-                input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                nopad_meta=batch["nopad_meta"], use_cache=False,
-            ).logits
-            loss_fn(logits, batch).backward()
-    return {k: p.grad for k, p in model.module.named_parameters()}
+    return _step_grads(model, batches, weighting)  # world size from torch.distributed
 
 
 @pytest.mark.parametrize("weighting", ["token", "sequence"])
-def test_simulated_two_ranks_in_process_match_unpacked(weighting):
+def test_simulated_two_ranks_in_process_match_unpacked(weighting, monkeypatch):
     """The fast version: both ranks' micro-batches run here; gradients averaged as DDP would."""
     attn = _attn_implementation()
     per_rank = [list(packed_dataloader(_rows(), 64, seed=1, num_replicas=2, rank=r)) for r in range(2)]
-    grads = []
-    for batches in per_rank:
-        model = tiny_model("llama", attn_implementation=attn)
-        loss_fn = PackedLoss(weighting, world_size=2)
-        loss_fn.start_step(per_rank[0] + per_rank[1])  # what the all-reduce would return
-        for batch in batches:
-            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                           nopad_meta=batch["nopad_meta"], use_cache=False).logits
-            loss_fn(logits, batch).backward()
-        grads.append({k: p.grad for k, p in model.named_parameters()})
+    total = sum(int(b[COUNT_KEYS[weighting]]) for b in per_rank[0] + per_rank[1])
+    monkeypatch.setattr(accumulation, "global_sum", lambda local: float(total))  # the all-reduce's answer
+    grads = [_step_grads(tiny_model("llama", attn_implementation=attn), batches, weighting, world=2)
+             for batches in per_rank]
     for name, ref in _reference_grads(_rows(), weighting).items():
         got = (grads[0][name] + grads[1][name]) / 2
         assert torch.linalg.norm(got - ref) <= 1e-5 * torch.linalg.norm(ref), name
