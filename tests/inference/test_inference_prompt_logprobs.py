@@ -136,9 +136,15 @@ def test_episodes_refuse_prompt_logprobs(llama):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
 def test_hybrid_prompt_logprobs_equal_a_full_forward(family):
+    """Chunked prefill, and a prompt whose prefix (blocks and state snapshots) an earlier request
+    left in the cache: the request asking computes its whole prompt."""
     model = tiny_model(family)
-    prompts = prompts_of([1, 13, 6])
+    prompts = prompts_of([13, 1, 6])
+    prompts.append(prompts[0] + [5, 6])
+    asking = SamplingParams(prompt_logprobs=2, **GREEDY)
     gen = Generator(model, block_size=4, num_blocks=64, max_num_batched_tokens=5, max_num_seqs=2)
-    outs = gen.generate(prompts, SamplingParams(prompt_logprobs=2, **GREEDY), use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
+    outs = gen.generate(prompts, [SamplingParams(**GREEDY)] + [asking] * 3, use_tqdm=False)
+    assert outs[0].prompt_logprobs is None
+    for prompt, out in zip(prompts[1:], outs[1:]):
         assert_prompt_logprobs(out.prompt_logprobs, reference(model, prompt, 2), atol=1e-4)
+    assert gen.stats()["prefix_cache_hit_tokens"] == 0
