@@ -1,7 +1,7 @@
 """``SamplingParams(prompt_logprobs=k)`` (issue 37 item 3): every prompt token's log-prob and the top-k
 at its position equal a full forward's log-softmax over the prompt, through chunked prefill, n > 1,
-a prefix the cache would serve, preemption mid-prompt and a hybrid model; requests that do not ask
-get None and keep no extra logits."""
+a prefix the cache would serve, preemption mid-prompt and a hybrid model, and the trainer's chunked
+head bit for bit in batch_invariant(); requests that do not ask get None and keep no extra logits."""
 
 from __future__ import annotations
 
@@ -9,6 +9,11 @@ import pytest
 import torch
 
 from inference import Generator, SamplingParams
+from packing.hf import use_nopad_attention
+from packing.invariance import batch_invariant
+from packing.lm_head import token_logprobs
+from packing.row import IGNORE_INDEX, PackedRow
+from packing.varlen import VarlenMeta
 from tests.inference.test_inference_generator import prompts_of
 from tests.support.models import tiny_model
 
@@ -148,3 +153,27 @@ def test_hybrid_prompt_logprobs_equal_a_full_forward(family):
     for prompt, out in zip(prompts[1:], outs[1:]):
         assert_prompt_logprobs(out.prompt_logprobs, reference(model, prompt, 2), atol=1e-4)
     assert gen.stats()["prefix_cache_hit_tokens"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_logprobs_equal_the_trainers_chunked_head_bitwise(dtype):
+    """In batch_invariant(): the prompt log-probs equal the trainer's chunked head
+    (:func:`packing.lm_head.token_logprobs`) on the packed prompts bit for bit, whether the generator
+    ran small or large steps (a softcapped head)."""
+    model = tiny_model("gemma2").to(dtype)
+    prompts = prompts_of([5, 30, 12], seed=4)
+    ids = torch.tensor(sum(prompts, []))
+    labels, start = ids.clone(), 0
+    for prompt in prompts:
+        labels[start] = IGNORE_INDEX  # nothing predicts a prompt's first token
+        start += len(prompt)
+    row = PackedRow.build(ids, labels, VarlenMeta.from_lengths([len(p) for p in prompts]))
+    with batch_invariant():
+        with use_nopad_attention(model), torch.no_grad():
+            trainer, _ = token_logprobs(model, row.model_kwargs(), *row.loss_tokens())
+        for budget in (7, 200):
+            outs = Generator(model, block_size=16, num_blocks=64, max_num_batched_tokens=budget).generate(
+                prompts, SamplingParams(prompt_logprobs=1, **GREEDY), use_tqdm=False)
+            generator = torch.tensor([entry[token] for p, o in zip(prompts, outs)
+                                      for token, entry in zip(p[1:], o.prompt_logprobs[1:])])
+            assert torch.equal(generator, trainer), budget
