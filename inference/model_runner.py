@@ -2,8 +2,8 @@
 boundaries, slot mapping, block table, the rows whose logits are kept) on the host with numpy,
 move them to the device in ONE copy (pinned and non-blocking on CUDA), call the model once on
 the flat row, and return the logits of the last token of every sequence that samples this step
-(the lm_head runs on those rows only, and on the prompt positions of requests that ask for prompt
-log-probs, which :mod:`inference.prompt_logprobs` scores here).
+(the lm_head runs on those rows only; the prompt positions of requests that ask for prompt
+log-probs are scored here, in chunks, by :mod:`inference.prompt_logprobs`).
 
 With ``static_decode`` a pure decode step is padded to bucketed shapes (number of sequences
 rounded up to 1, 2, 4, 8 or a multiple of 8, block-table width to a power of two) so its forward
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from inference.kv_cache import KVCache
-from inference.prompt_logprobs import Span, prompt_span, score_prompts
+from inference.prompt_logprobs import Span, prompt_hidden, prompt_span, score_prompts
 from inference.scheduler import StepPlan
 from packing import invariance
 from packing.varlen import VarlenMeta, step_layout
@@ -206,15 +206,16 @@ class ModelRunner:
             fresh = [s.state_slot for s in plan.seqs if s.num_computed == 0]  # a first chunk: zero state
             states.begin([s.state_slot for s in plan.seqs], fresh, list(plan.query_lens))
         try:
-            out = self.model(
-                input_ids=step.input_ids,
-                position_ids=step.position_ids,
-                use_cache=False,
-                logits_to_keep=step.logits_index,
-                nopad_meta=step.meta,
-                nopad_kv_cache=self.kv_cache,
-                nopad_backend=self.backend,
-            )
+            with prompt_hidden(self.model, len(step.sampling_rows), bool(step.prompt_spans)) as kept:
+                out = self.model(
+                    input_ids=step.input_ids,
+                    position_ids=step.position_ids,
+                    use_cache=False,
+                    logits_to_keep=step.logits_index,
+                    nopad_meta=step.meta,
+                    nopad_kv_cache=self.kv_cache,
+                    nopad_backend=self.backend,
+                )
         except BaseException:
             if states is not None:
                 states.abandon()
@@ -223,6 +224,6 @@ class ModelRunner:
             states.end()
         logits, rows = out.logits[0], step.sampling_rows
         if step.prompt_spans:
-            score_prompts(logits[len(rows):], step.prompt_spans)
+            score_prompts(kept, logits[len(rows)], step.prompt_spans, self.model)
         return logits[: len(rows)], rows
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference import Generator, SamplingParams
+from inference import Generator, SamplingParams, prompt_logprobs
 from packing.hf import use_nopad_attention
 from packing.invariance import batch_invariant
 from packing.lm_head import token_logprobs
@@ -113,18 +113,38 @@ def test_preemption_in_a_full_cache(llama):
         assert_prompt_logprobs(out.prompt_logprobs, reference(llama, prompt, 1))
 
 
-def test_only_requests_that_ask_keep_prompt_logits(llama):
+def test_only_requests_that_ask_pay_and_they_pay_a_chunk(llama, monkeypatch):
+    """The head's rows per call: a request not asking runs its sampling row only; one asking runs
+    its prompt positions CHUNK_TOKENS rows at a time (never a ``(prompt, V)`` tensor), plus one
+    row in the model's call that checks the head against the model's logits."""
+    monkeypatch.setattr(prompt_logprobs, "CHUNK_TOKENS", 3)
     rows = []
-    handle = llama.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[1]))
+    handle = llama.lm_head.register_forward_hook(
+        lambda m, args, out: rows.append(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
     try:
         gen = Generator(llama, block_size=4, num_blocks=64)
         gen.generate([prompts_of([9])[0]], SamplingParams(**GREEDY), use_tqdm=False)
         assert rows == [1, 1, 1]  # one sampling row per step
         rows.clear()
         gen.generate([prompts_of([9])[0]], SamplingParams(prompt_logprobs=0, **GREEDY), use_tqdm=False)
-        assert rows == [9, 1, 1]  # + the 8 prompt positions that predict prompt tokens, once
+        assert rows == [2, 1, 3, 3, 2, 1, 1]  # the step: sampling + check row, the check, 8 in chunks of 3
     finally:
         handle.remove()
+
+
+def test_a_model_whose_logits_the_head_does_not_reproduce_is_refused():
+    """A forward that changes the logits after the head (here a hook doubling them) would make the
+    chunked head's log-probs wrong: refused, naming why, and the generator is left clean."""
+    model = tiny_model("llama")
+
+    def double(module, args, out):
+        out.logits.mul_(2)
+
+    model.register_forward_hook(double)
+    gen = Generator(model, block_size=4, num_blocks=64)
+    with pytest.raises(ValueError, match="prompt_logprobs: LlamaForCausalLM's logits differ from its head"):
+        gen.generate([prompts_of([6])[0]], SamplingParams(prompt_logprobs=1, **GREEDY), use_tqdm=False)
+    assert not gen.has_unfinished() and gen.allocator.num_free == gen.allocator.num_blocks
 
 
 @pytest.mark.parametrize("value", [-1, -2, 1.5, "3", True])
