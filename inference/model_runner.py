@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from inference.kv_cache import KVCache
-from inference.prompt_logprobs import Span, prompt_hidden, prompt_span, score_prompts
+from inference.prompt_logprobs import PromptScorer, Span, prompt_span
 from inference.scheduler import StepPlan
 from packing import invariance
 from packing.varlen import VarlenMeta, step_layout
@@ -205,8 +205,9 @@ class ModelRunner:
         if states is not None:
             fresh = [s.state_slot for s in plan.seqs if s.num_computed == 0]  # a first chunk: zero state
             states.begin([s.state_slot for s in plan.seqs], fresh, list(plan.query_lens))
+        scorer = PromptScorer(self.model, len(step.sampling_rows), step.prompt_spans)  # none: does nothing
         try:
-            with prompt_hidden(self.model, len(step.sampling_rows), bool(step.prompt_spans)) as kept:
+            with scorer.hooked():
                 out = self.model(
                     input_ids=step.input_ids,
                     position_ids=step.position_ids,
@@ -223,7 +224,6 @@ class ModelRunner:
         if states is not None:
             states.end()
         logits, rows = out.logits[0], step.sampling_rows
-        if step.prompt_spans:
-            score_prompts(kept, logits[len(rows)], step.prompt_spans, self.model)
+        scorer.commit(logits)
         return logits[: len(rows)], rows
 

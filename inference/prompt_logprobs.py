@@ -49,60 +49,90 @@ def prompt_span(seq: Sequence, num_new: int) -> Span | None:
     return (request, first, end - first + 1) if end >= first else None
 
 
-@contextmanager
-def prompt_hidden(model: torch.nn.Module, num_sampling: int, active: bool) -> Iterator[dict]:
-    """While ``model`` runs a step whose ``logits_to_keep`` holds ``num_sampling`` sampling rows then
-    the prompt rows: its head module computes the sampling rows and the first prompt row only (that
-    one row checks :func:`score_prompts`' head against the model's logits), and the prompt rows'
-    hidden states are kept in the yielded dict (``"hidden"``, with ``"head"``). Nothing when not
-    ``active``."""
-    kept: dict = {}
-    if not active:
-        yield kept
-        return
-    head = kept["head"] = head_of(model)
+class PromptScorer:
+    """Scores one step's prompt rows (``spans``, kept in ``logits_to_keep`` after its
+    ``num_sampling`` sampling rows) inside the model's call, in hooks on its head module: the
+    head's input is kept and the module computes the sampling rows and the first prompt row only;
+    then, while the module runs (its weights gathered, under ZeRO-3 or FSDP2: no collective of
+    its own, so ranks in lockstep stay in step), the prompt rows' hidden states go through the
+    model's head (:class:`packing.lm_head.LMHead`, its final-logit ops included) and the one
+    log-softmax, :data:`~packing.lm_head.CHUNK_TOKENS` rows at a time: no ``(rows, V)`` tensor
+    larger than a chunk's. :meth:`commit` checks the head's first prompt row against the model's
+    own logits before any entry is stored (a model whose forward changes its logits after the head
+    is refused, not scored wrongly). No spans: it does nothing (a step without prompt rows)."""
 
-    def keep(module, args):
+    def __init__(self, model: torch.nn.Module, num_sampling: int, spans: list[Span]):
+        self.model, self.num_sampling, self.spans = model, num_sampling, spans
+        self.head = head_of(model) if spans else None
+        self.hidden: torch.Tensor | None = None
+        self.entries: list[list[dict[int, float]]] | None = None
+        self.ours: torch.Tensor | None = None  # the head's logits of the first prompt row
+
+    @contextmanager
+    def hooked(self) -> Iterator[None]:
+        if not self.spans:
+            yield
+            return
+        module = self.head.module
+        handles = [module.register_forward_pre_hook(self._keep),
+                   module.register_forward_hook(self._score, prepend=True)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _keep(self, module, args):
         hidden = args[0]
-        kept["hidden"] = hidden.reshape(-1, hidden.shape[-1])[num_sampling:]
-        return (hidden[..., : num_sampling + 1, :], *args[1:])
+        self.hidden = hidden.reshape(-1, hidden.shape[-1])[self.num_sampling:]
+        return (hidden[..., : self.num_sampling + 1, :], *args[1:])
 
-    handle = head.module.register_forward_pre_hook(keep)
-    try:
-        yield kept
-    finally:
-        handle.remove()
+    def _score(self, module, args, output):
+        total = sum(count for _, _, count in self.spans)
+        if self.entries is not None or self.hidden is None or self.hidden.shape[0] != total:
+            raise RuntimeError(f"{type(self.model).__name__}'s head did not get the {total} prompt rows of "
+                               "logits_to_keep once; prompt_logprobs needs a causal LM that takes "
+                               "logits_to_keep as a tensor of positions and calls its head once")
+        # a copy: the model's logits may be this very tensor, and what changes them in place counts
+        self.ours = self.head.finish(output.reshape(-1, output.shape[-1])[self.num_sampling:][:1]).clone()
+        self.entries = [self._entries(*span, at) for span, at in zip(self.spans, _starts(self.spans))]
+        self.hidden = None
 
-
-def score_prompts(kept: dict, first_row_logits: torch.Tensor, spans: list[Span], model) -> None:
-    """Append to each span's request the entries of its tokens (``{token: log-prob}`` of the prompt
-    token plus the top-k) from the prompt rows' hidden states that :func:`prompt_hidden` kept (one
-    row per token scored, the spans' rows in order): the model's head
-    (:class:`packing.lm_head.LMHead`, its final-logit ops included) and the one log-softmax,
-    :data:`~packing.lm_head.CHUNK_TOKENS` rows at a time, so no ``(rows, V)`` tensor is larger than
-    a chunk's. ``first_row_logits``: the model's own logits of the first prompt row; a model whose
-    logits the head does not reproduce is refused (no silently wrong log-probs)."""
-    head, hidden = kept["head"], kept.get("hidden")
-    total = sum(count for _, _, count in spans)
-    if hidden is None or hidden.shape[0] != total:
-        raise RuntimeError(f"{type(model).__name__}'s head did not get the {total} prompt rows of "
-                           "logits_to_keep; prompt_logprobs needs a causal LM that takes logits_to_keep as a "
-                           "tensor of positions")
-    mismatch = _head_mismatch(head, head.logits(hidden[:1]), first_row_logits[None], model)
-    if mismatch:
-        raise ValueError(f"prompt_logprobs: {mismatch}")
-    at = 0
-    for request, first, count in spans:
+    def _entries(self, request: Request, first: int, count: int, at: int) -> list[dict[int, float]]:
         k = request.params.prompt_logprobs
-        targets = torch.tensor(request.prompt_token_ids[first: first + count], device=hidden.device)
+        targets = torch.tensor(request.prompt_token_ids[first: first + count], device=self.hidden.device)
+        entries = []
         for start in range(0, count, CHUNK_TOKENS):
             stop = min(start + CHUNK_TOKENS, count)
-            logp = tempered_log_softmax(head.logits(hidden[at + start: at + stop]))
+            logp = tempered_log_softmax(self.head.logits(self.hidden[at + start: at + stop], hooks=False))
             picked, _ = picked_and_entropy(logp, targets[start:stop], False)
             top_vals, top_ids = logp.topk(min(k, logp.shape[1]), dim=-1)
             tokens = targets[start:stop].tolist()
             for token, value, ids, vals in zip(tokens, picked.tolist(), top_ids.tolist(), top_vals.tolist()):
                 entry = dict(zip(ids, vals))
-                entry.setdefault(token, value)
-                request.prompt_logprobs.append(entry)
+                entry.setdefault(token, value)  # the prompt token is in, top-k or not (as vLLM)
+                entries.append(entry)
+        return entries
+
+    def commit(self, logits: torch.Tensor) -> None:
+        """Store the entries on their requests, once the head's first prompt row is found equal
+        to the model's own (of the step's ``logits``, the row after the sampling rows)."""
+        if not self.spans:
+            return
+        if self.entries is None:
+            raise RuntimeError(f"{type(self.model).__name__}'s forward did not call its output embeddings "
+                               "(get_output_embeddings()); prompt_logprobs needs the usual causal-LM forward")
+        theirs = logits.reshape(-1, logits.shape[-1])[self.num_sampling:][:1]
+        mismatch = _head_mismatch(self.head, self.ours, theirs, self.model)
+        if mismatch:
+            raise ValueError(f"prompt_logprobs: {mismatch}")
+        for (request, _, _), entries in zip(self.spans, self.entries):
+            request.prompt_logprobs.extend(entries)
+
+
+def _starts(spans: list[Span]) -> list[int]:
+    starts, at = [], 0
+    for _, _, count in spans:
+        starts.append(at)
         at += count
+    return starts
