@@ -3,15 +3,15 @@ prompt token after the first, and the ``k`` most likely tokens at its position.
 
 Where they come from: a prefill chunk of a request that asks keeps the hidden states of its
 prompt positions (:func:`prompt_span` names them; the model runner adds them to ``logits_to_keep``
-and :func:`prompt_hidden` takes them from the head's input, so a request that does not ask costs
-nothing), and :func:`score_prompts` runs the model's head on them and the one log-softmax of nopad
+and :class:`PromptScorer` takes them from the head's input, so a request that does not ask costs
+nothing) and runs the model's head on them and the one log-softmax of nopad
 (:func:`packing.log_softmax.tempered_log_softmax`, the trainer's and the sampler's)
 :data:`packing.lm_head.CHUNK_TOKENS` rows at a time: memory O(chunk x V) whatever the prompt's
 length, as the trainer's chunked head (vLLM computes a whole prefill chunk's logits).
 
 Entries are stored on the request by position, in order: a chunk scores only the positions past
-those already stored, so a preempted sequence that recomputes its prompt (or a fork of a request
-that recomputes after preemption) neither duplicates nor skips one. A request whose entries are
+those already stored, so a preempted sequence that recomputes its prompt neither duplicates nor
+skips one (the ``n`` samples fork once the prompt is scored). A request whose entries are
 incomplete reads no prefix-cache hit (:attr:`inference.request.Request.scoring_prompt`): a cached
 block's positions are never computed, so they could not be scored (vLLM does the same).
 """
