@@ -27,6 +27,8 @@ def episode_setup(prompts, tools: Seq[Callable] | Mapping[str, Callable], sampli
                   environment_factory: Callable | None,
                   prompt_tools: Seq[Mapping[str, Callable]] | None) -> EpisodeSetup:
     """Check and resolve ``run_episodes``' arguments (see there); bad ones raise here."""
+    if getattr(sampling_params, "prompt_logprobs", None) is not None:
+        raise ValueError("prompt_logprobs is for generate()/add_request(); an Episode does not return them")
     limits = limits if limits is not None else EpisodeLimits()
     if not isinstance(limits, EpisodeLimits):
         raise TypeError(f"limits must be an EpisodeLimits, got {type(limits).__name__}")

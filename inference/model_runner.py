@@ -2,7 +2,8 @@
 boundaries, slot mapping, block table, the rows whose logits are kept) on the host with numpy,
 move them to the device in ONE copy (pinned and non-blocking on CUDA), call the model once on
 the flat row, and return the logits of the last token of every sequence that samples this step
-(the lm_head runs on those rows only).
+(the lm_head runs on those rows only; the prompt positions of requests that ask for prompt
+log-probs are scored here, in chunks, by :mod:`inference.prompt_logprobs`).
 
 With ``static_decode`` a pure decode step is padded to bucketed shapes (number of sequences
 rounded up to 1, 2, 4, 8 or a multiple of 8, block-table width to a power of two) so its forward
@@ -14,12 +15,13 @@ a reserved scratch block and their logits are dropped.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from inference.kv_cache import KVCache
+from inference.prompt_logprobs import PromptScorer, Span, prompt_span
 from inference.scheduler import StepPlan
 from packing import invariance
 from packing.varlen import VarlenMeta, step_layout
@@ -36,6 +38,7 @@ class StepInputs:
     logits_index: torch.Tensor | None  # flat token rows whose logits are needed (None: all)
     sampling_rows: list[int]  # plan.seqs index of each kept row
     position_ids: torch.Tensor | None = None  # (1, T)
+    prompt_spans: list[Span] = field(default_factory=list)  # prompt rows kept after the sampling rows
 
 
 def _to_device(parts: list[np.ndarray], device) -> list[torch.Tensor]:
@@ -77,6 +80,13 @@ def build_step(plan: StepPlan, block_size: int, device) -> StepInputs:
     sampling_rows = [i for i, (seq, n) in enumerate(zip(plan.seqs, plan.query_lens))
                      if seq.num_computed + n == seq.num_tokens]
     keep = lay["cu_q"][1:][sampling_rows] - 1
+    spans, prompt_rows = [], []  # prompt positions of requests asking for prompt log-probs
+    for seq, n, at in zip(plan.seqs, plan.query_lens, lay["cu_q"][:-1]):
+        span = prompt_span(seq, n)
+        if span is not None:
+            spans.append(span)
+            prompt_rows.append(at + span[1] - 1 - seq.num_computed + np.arange(span[2]))
+    keep = np.concatenate([keep, *prompt_rows])
     if keep.size == 0:  # only partial prefill chunks: no logits needed, still one forward
         keep = np.zeros(1, dtype=np.int64)
     d_ids, d_pos, d_slots, d_keep, d_table, d_cu, d_seq = _to_device(
@@ -88,7 +98,7 @@ def build_step(plan: StepPlan, block_size: int, device) -> StepInputs:
         seq_idx=d_seq.to(torch.int32), seqlens_q=tuple(q.tolist()), seqlens_k=tuple(k.tolist()),
         block_table=d_table.to(torch.int32), slot_mapping=d_slots,
     )
-    return StepInputs(d_ids[None], meta, d_keep, sampling_rows, position_ids=d_pos[None])
+    return StepInputs(d_ids[None], meta, d_keep, sampling_rows, position_ids=d_pos[None], prompt_spans=spans)
 
 
 def is_decode(plan: StepPlan) -> bool:
@@ -195,23 +205,25 @@ class ModelRunner:
         if states is not None:
             fresh = [s.state_slot for s in plan.seqs if s.num_computed == 0]  # a first chunk: zero state
             states.begin([s.state_slot for s in plan.seqs], fresh, list(plan.query_lens))
+        scorer = PromptScorer(self.model, len(step.sampling_rows), step.prompt_spans)  # none: does nothing
         try:
-            out = self.model(
-                input_ids=step.input_ids,
-                position_ids=step.position_ids,
-                use_cache=False,
-                logits_to_keep=step.logits_index,
-                nopad_meta=step.meta,
-                nopad_kv_cache=self.kv_cache,
-                nopad_backend=self.backend,
-            )
+            with scorer.hooked():
+                out = self.model(
+                    input_ids=step.input_ids,
+                    position_ids=step.position_ids,
+                    use_cache=False,
+                    logits_to_keep=step.logits_index,
+                    nopad_meta=step.meta,
+                    nopad_kv_cache=self.kv_cache,
+                    nopad_backend=self.backend,
+                )
         except BaseException:
             if states is not None:
                 states.abandon()
             raise
         if states is not None:
             states.end()
-        logits = out.logits[0]
-        rows = step.sampling_rows
-        return (logits if rows else logits[:0]), rows
+        logits, rows = out.logits[0], step.sampling_rows
+        scorer.commit(logits)
+        return logits[: len(rows)], rows
 

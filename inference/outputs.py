@@ -36,13 +36,21 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """All samples of one request, ordered by sample index."""
+    """All samples of one request, ordered by sample index.
+
+    ``prompt_logprobs`` (when ``SamplingParams.prompt_logprobs`` asked for them, else None) has
+    vLLM's shape: one entry per prompt token, None for the first (nothing predicts it), then a dict
+    of the prompt token's raw log-prob and the top-k tokens' at its position (the prompt token is
+    in it whether or not it is in the top-k). Where vLLM differs: its values are ``Logprob``
+    objects (log-prob, rank, decoded text); here they are floats, as in ``top_logprobs``.
+    """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -88,10 +88,17 @@ class Request:
     stop_ids: frozenset[int]  # eos (unless ignore_eos) + stop_token_ids
     samples: list[Sequence | None] = field(default_factory=list)
     num_finished: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # by position (inference.prompt_logprobs)
 
     @property
     def finished(self) -> bool:
         return self.num_finished == self.params.n
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """It asked for prompt log-probs and some are still to be computed (so it must not read
+        prefix-cache hits: their positions would never be scored)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     def output(self, detokenize=None) -> RequestOutput:
         outs = []
@@ -100,7 +107,9 @@ class Request:
                 outs.append(CompletionOutput(i, [], "" if detokenize else None, "abort"))
             else:
                 outs.append(seq.completion(detokenize))
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished)
+        prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
+                             prompt_logprobs)
 
     def first_sequence(self, hooks: SequenceHooks) -> Sequence:
         """The request's one sequence, owned by ``hooks``, until its prompt is prefilled and it
@@ -108,6 +117,8 @@ class Request:
         seq = Sequence(request=self, index=0, token_ids=list(self.prompt_token_ids), fork_count=self.params.n,
                        hooks=hooks)
         self.samples = [seq] + [None] * (self.params.n - 1)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # vLLM's shape: the first token has no prediction
         return seq
 
     def deltas(self) -> list[StreamDelta]:

@@ -14,8 +14,13 @@ class SamplingParams:
     filters. ``seed`` makes the request reproducible whatever else is in the batch (sample ``i``
     of a request draws from the counter-based stream ``(seed, i, position)``); without it a seed
     is drawn at ``add_request``. ``logprobs=k`` also returns the k most likely tokens (raw model
-    log-probs) at every position. ``stop`` strings need a tokenizer; the returned text ends
-    before the stop string, the token ids keep every generated token.
+    log-probs) at every position. ``prompt_logprobs=k`` (as vLLM's) returns
+    ``RequestOutput.prompt_logprobs``: every prompt token's raw log-prob and the k most likely
+    tokens at its position (:mod:`inference.prompt_logprobs`); such a request computes its whole
+    prompt (no prefix-cache hit; vLLM does the same) and scores its prompt positions' hidden
+    states with the chunked head. Unlike vLLM, -1 (the whole vocabulary) is not taken. ``stop``
+    strings need a tokenizer; the returned text ends before the stop string, the token ids keep
+    every generated token.
     """
 
     n: int = 1
@@ -31,6 +36,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -75,6 +81,10 @@ class SamplingParams:
             _int("seed", self.seed, None)
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0)
+        if self.prompt_logprobs == -1 and not isinstance(self.prompt_logprobs, bool):
+            raise ValueError("prompt_logprobs=-1 (vLLM's whole vocabulary) is not supported; pass k >= 0")
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, 0)
 
     @property
     def greedy(self) -> bool:

@@ -180,9 +180,9 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
         """Move the head of the queue to running with a prefix-cache lookup and a first chunk."""
         alloc, bs = self.allocator, self.block_size
-        # full blocks already in the cache; keep at least one token to compute (for its logits)
+        # full blocks in the cache, keeping a token to compute (its logits); none for a prompt to score
         hits, parent = [], seq.last_hash
-        for b in range((seq.num_tokens - 1) // bs):
+        for b in range(0 if seq.request.scoring_prompt else (seq.num_tokens - 1) // bs):
             tokens = seq.token_ids[b * bs : (b + 1) * bs]
             h = hash_block(parent, tokens)
             block = alloc.lookup(h, tokens)
