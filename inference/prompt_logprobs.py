@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from packing.lm_head import CHUNK_TOKENS, _head_mismatch, head_of
+from packing.lm_head import CHUNK_TOKENS, head_mismatch, head_of
 from packing.log_softmax import picked_and_entropy, tempered_log_softmax
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ class PromptScorer:
             raise RuntimeError(f"{type(self.model).__name__}'s forward did not call its output embeddings "
                                "(get_output_embeddings()); prompt_logprobs needs the usual causal-LM forward")
         theirs = logits.reshape(-1, logits.shape[-1])[self.num_sampling:][:1]
-        mismatch = _head_mismatch(self.head, self.ours, theirs, self.model)
+        mismatch = head_mismatch(self.head, self.ours, theirs, self.model)
         if mismatch:
             raise ValueError(f"prompt_logprobs: {mismatch}")
         for (request, _, _), entries in zip(self.spans, self.entries):

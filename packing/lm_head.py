@@ -209,7 +209,7 @@ def _score_in_model_call(model, model_kwargs, positions, score) -> tuple[tuple, 
     first, second = state["scores"]
     if positions.numel():
         theirs = out.logits.reshape(-1, out.logits.shape[-1])[:1]
-        mismatch = _head_mismatch(head, state["ours"], theirs, model)
+        mismatch = head_mismatch(head, state["ours"], theirs, model)
         if mismatch:
             return (first, second), mismatch
     tied = _Tied.apply(out.logits, *_present(first, second))[1:]
@@ -235,7 +235,7 @@ class _Tied(torch.autograd.Function):
         return grads
 
 
-def _head_mismatch(head: LMHead, ours: torch.Tensor, theirs: torch.Tensor, model) -> str | None:
+def head_mismatch(head: LMHead, ours: torch.Tensor, theirs: torch.Tensor, model) -> str | None:
     """Why the model's logits are not :meth:`LMHead.finish` of its head's output, or None. The same
     ops on the same row give the same bits; a few ulps of the compute dtype are allowed (autocast,
     kernels that differ by call site), nothing like a missing scale or softcap. Non-finite entries
