@@ -85,7 +85,14 @@ class LiveModel:
         """The block size the attention backend reads in place. Decided for half precision: fp32
         weights may run their steps under autocast, which is only known when a step runs."""
         half = self.dtype if self.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-        return paged_block_size(self.device, half, self.attn_backend)
+        try:
+            return paged_block_size(self.device, half, self.attn_backend)
+        except ValueError:
+            if half == self.dtype:
+                raise
+            # no backend for half precision here (the Triton set on CPU): decide for the model's own
+            # dtype, so that a refusal names the dtype the user has, not bf16
+            return paged_block_size(self.device, self.dtype, self.attn_backend)
 
     def build_runner(self, num_blocks: int, block_size: int, state_slots: StateSlots | None,
                      max_num_seqs: int, max_model_len: int) -> ModelRunner:

@@ -106,8 +106,9 @@ def _check(x: torch.Tensor) -> None:
     if triton is None:
         raise RuntimeError("the batch-invariant Triton kernels need triton (pip install triton)")
     if x.device.type == "cpu" and not _interpreted():
-        raise RuntimeError("the batch-invariant Triton kernels run CPU tensors only under Triton's "
-                           "interpreter: set TRITON_INTERPRET=1 before nopad is imported, or use CUDA")
+        raise RuntimeError("batch_invariant(kernels='triton'): the batch-invariant Triton kernels run CPU "
+                           "tensors only under Triton's interpreter: set TRITON_INTERPRET=1 before nopad is "
+                           "imported (for tests), use CUDA, or on CPU leave kernels=None for nopad's CPU set")
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -196,10 +196,13 @@ def _auto(call: Call, table: dict[str, Backend]) -> Backend:
         for name in candidates:
             if table[name].gap(call, forced=key == "triton") is None:
                 return table[name]
+        asked = "batch_invariant(kernels='triton')" if key == "triton" else "batch_invariant()"
+        advice = ("; use CUDA, or on CPU leave kernels=None for nopad's CPU set"
+                  if key == "triton" and call.device.type == "cpu" else "")
         raise ValueError(
-            f"batch_invariant() needs an attention backend with a fixed per-query order, and none of "
+            f"{asked} needs an attention backend with a fixed per-query order, and none of "
             f"{candidates} can serve {call.dtype} on {call.device}: "
-            + "; ".join(f"{n} {table[n].gap(call, forced=True)}" for n in candidates)
+            + "; ".join(f"{n} {table[n].gap(call, forced=True)}" for n in candidates) + advice
         )
     if call.paged or call.static:  # a shared-prefix row takes the training rule (gathered keys)
         for name in AUTO_ORDER.get((device, "paged"), ()):

@@ -17,7 +17,7 @@ from packing.hf import use_nopad_attention
 from packing.invariance import batch_invariant, lane_pointwise
 from packing.mixers import varlen_causal_conv1d, varlen_delta_rule
 from packing.varlen import VarlenMeta
-from tests.support.models import random_sequences, tiny_model
+from tests.support.models import MAMBA2_FAMILIES, random_sequences, tiny_model
 from training.grpo import Rollout, pack_rollouts, packed_logprobs, pair_sequences
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -28,7 +28,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def hybrid_model(family: str, dtype: torch.dtype):
-    model = tiny_model(family).to(dtype)
+    # Mamba2 layers: weights 10x the default init, else the scan's term is ~1e-4 of the skip term D x
+    # and fp32 rounding of their sum swallows any change in the scan's order (the fp32 case then
+    # passed with the generator's side of the mode turned off)
+    overrides = {"initializer_range": 0.2} if family in MAMBA2_FAMILIES else {}
+    model = tiny_model(family, **overrides).to(dtype)
     if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
         model.set_experts_implementation("eager")
     return model
@@ -44,7 +48,7 @@ def trainer_logprobs(model, rollouts, capacity: int, shared_prefix: bool
 
 
 @pytest.mark.parametrize("family", GENERATOR_FAMILIES)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rollout_logprobs_equal_the_trainers_bitwise(family, dtype):
     model = hybrid_model(family, dtype)
     prompts = [p.tolist() for p in random_sequences([3, 23, 1, 30], seed=8)]

@@ -87,3 +87,22 @@ def test_bitwise_whatever_the_batch_triton(budget, blocks, capacity, block_size,
         max_num_batched_tokens=budget, max_num_seqs=3, num_blocks=blocks, block_size=block_size),
         capacity=capacity, kernels="triton")
     assert torch.equal(trainer, generator)
+
+
+def test_the_triton_set_on_cpu_without_the_interpreter_says_what_to_do(monkeypatch):
+    """An fp32 model on CPU under ``kernels="triton"`` without ``TRITON_INTERPRET``: the refusal
+    names the mode asked for, the model's own dtype (not the bf16 the generator's block size is
+    first decided for) and what to do."""
+    from inference import Generator
+    from packing.attention import triton_kernel
+
+    monkeypatch.setattr(triton_kernel, "interpreted", lambda: False)
+    monkeypatch.setattr(invariant_kernels, "_interpreted", lambda: False)
+    model = tiny_model("llama")
+    with batch_invariant(kernels="triton"):
+        refusal = r"kernels='triton'.*torch\.float32 on cpu.*kernels=None"
+        with pytest.raises(ValueError, match=refusal) as refused:
+            Generator(model, num_blocks=8)
+        assert "bfloat16" not in str(refused.value)
+        with pytest.raises(RuntimeError, match=r"kernels='triton'.*TRITON_INTERPRET=1.*kernels=None"):
+            model(torch.tensor([[3, 4, 5]]))
