@@ -12,9 +12,11 @@ Forward + backward real (non-padding) tokens per second over the same lognormal-
           attention through nopad, the delta rule, the Mamba2 scan and the convolution through
           nopad's varlen mixers (packing/mixers/), each document from a zero state
 
-Generation (``--generation``, on by default): the same random-weight models in eval mode, fp32,
-greedy, on one mixed-length batch of prompts with per-request output lengths (ignore_eos), only the
-requested tokens counted:
+Generation (``--generation``, on by default): the same random-weight models in eval mode, their
+weights in each of ``--dtypes`` (bf16: the model cast to bf16, as it is served), greedy, on one
+mixed-length batch of prompts with per-request output lengths (ignore_eos; HF stops no row
+early, so this is what an EOS at a different step per row costs it), only the requested tokens
+counted:
 
   HF      ``model.generate`` on the whole batch left-padded, sdpa, its own hybrid cache (conv and
           recurrent state per row); the batch runs to its longest request
@@ -133,6 +135,9 @@ def main() -> None:
     parser.add_argument("--generation", default="qwen3_5,lfm2,bamba",
                         help="models for the generation part, comma-separated ('' to skip it)")
     parser.add_argument("--gen-prompts", type=int, default=None, help="prompts of the generation batch")
+    parser.add_argument("--gen-batch", type=int, default=None,
+                        help="sequences at once in the generation part: HF's static batch size and the "
+                             "Generator's max_num_seqs (default: every prompt in one batch)")
     parser.add_argument("--prefix-cache", default="qwen3_5,lfm2,bamba",
                         help="models for the shared-system-prompt part, comma-separated ('' to skip it)")
     parser.add_argument("--dtypes", default="float32,bfloat16",
@@ -204,21 +209,31 @@ def generation(builders, vocab: int, args) -> None:
     new = rng.integers(4, 9, n) if args.quick else rng.integers(16, 97, n)
     max_new = [int(k) for k in new]
     prompts = [rng.integers(3, vocab, int(x)).tolist() for x in lengths]
-    engine = SimpleNamespace(block_size=16, max_batch_tokens=512, max_seqs=n)
+    batch = args.gen_batch or n
+    engine = SimpleNamespace(block_size=16, max_batch_tokens=512, max_seqs=batch)
     print(f"\ngeneration: {n} prompts of {int(lengths.min())}-{int(lengths.max())} tokens (median "
           f"{int(np.median(lengths))}), {min(max_new)}-{max(max_new)} new tokens each "
-          f"({sum(max_new)} in all), greedy, fp32, {args.threads} threads")
-    print(f"{'model':8s} {'system':34s} {'seconds':>8s} {'tok/s':>8s} {'vs HF':>7s}  agreement")
+          f"({sum(max_new)} in all), {batch} at once, greedy, weights in each dtype, {args.threads} threads")
+    print(f"{'model':8s} {'dtype':9s} {'system':34s} {'seconds':>8s} {'tok/s':>8s} {'vs HF':>7s} "
+          f"{'CPU s':>7s} {'vs HF':>7s}  agreement")
     for build in builders:
-        model = build(vocab, args.quick).eval()
-        name = build.__name__
-        hf = run_hf_static(model, prompts, max_new, n, pad_id=0)
-        model.set_attn_implementation("sdpa")  # the Generator switches its own copy of the setting
-        nopad, _ = run_nopad(model, None, prompts, max_new, engine)
-        same, prefix = agreement(hf.outputs, nopad.outputs)
-        for run_, note in ((hf, ""), (nopad, f"{same}/{n} sequences identical to HF, {prefix:.0%} tokens")):
-            print(f"{name:8s} {run_.name:34s} {run_.seconds:8.2f} {run_.tokens / run_.seconds:8.1f} "
-                  f"{hf.seconds / run_.seconds:6.2f}x  {note}")
+        for dtype_name in args.dtypes.split(","):
+            model = build(vocab, args.quick).eval().to(getattr(torch, dtype_name))
+            name = build.__name__
+            start = time.process_time()  # CPU seconds too: on a shared machine wall time is mostly the load
+            hf = run_hf_static(model, prompts, max_new, batch, pad_id=0)
+            hf_cpu = time.process_time() - start
+            model.set_attn_implementation("sdpa")  # the Generator switches its own copy of the setting
+            warmed: list[float] = []
+            nopad, _ = run_nopad(model, None, prompts, max_new, engine,
+                                 warmed=lambda mark=warmed: mark.append(time.process_time()))
+            nopad_cpu = time.process_time() - warmed[0]
+            same, prefix = agreement(hf.outputs, nopad.outputs)
+            agree = f"{same}/{n} sequences identical to HF, {prefix:.0%} tokens"
+            for run_, cpu, note in ((hf, hf_cpu, ""), (nopad, nopad_cpu, agree)):
+                print(f"{name:8s} {dtype_name:9s} {run_.name:34s} {run_.seconds:8.2f} "
+                      f"{run_.tokens / run_.seconds:8.1f} {hf.seconds / run_.seconds:6.2f}x "
+                      f"{cpu:7.2f} {hf_cpu / cpu:6.2f}x  {note}")
 
 
 def prefix_cache(builders, vocab: int, args) -> None:

@@ -124,9 +124,10 @@ def copy_waves(copies: list[tuple[int, int]]) -> list[tuple[list[int], list[int]
 
 @dataclass
 class _Step:
-    index: torch.Tensor  # (N,) the slot of each sequence of the row
+    index: torch.Tensor | slice  # the slot of each sequence of the row (a slice: consecutive slots)
     meta: VarlenMeta  # the row's new tokens only: their context is in the slots
     calls: dict
+    num_seqs: int
 
 
 class StateCache:
@@ -156,9 +157,11 @@ class StateCache:
                 t[dst] = t[src]
             if zero is not None:
                 t[zero] = 0
-        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        index: torch.Tensor | slice = torch.tensor(slots, dtype=torch.long, device=self.device)
+        if slots and slots == list(range(slots[0], slots[0] + len(slots))):  # a copy, not a gather/scatter
+            index = slice(slots[0], slots[0] + len(slots))
         meta = VarlenMeta.from_lengths(seqlens, device=self.device)
-        self._step = _Step(index, meta, {CONV: 0, RECURRENT: 0})
+        self._step = _Step(index, meta, {CONV: 0, RECURRENT: 0}, len(slots))
 
     def end(self) -> None:
         """Close the step; every stateful layer must have run exactly once."""
@@ -188,8 +191,10 @@ class StateCache:
             raise RuntimeError(f"more {kind} kernel calls in one step than the {len(tensors)} stateful "
                                "layers nopad sized")
         store = tensors[i]
+        # consecutive slots pass a view, no copy: only this step's sequences own those rows, and
+        # their finals overwrite them below
         out, final = fn(step.meta, store[step.index])
-        if tuple(final.shape) != (len(step.index), *store.shape[1:]):
+        if tuple(final.shape) != (step.num_seqs, *store.shape[1:]):
             raise RuntimeError(f"{kind} call {i} returned a state of shape {tuple(final.shape)}; its slot "
                                f"holds {tuple(store.shape[1:])}")
         store[step.index] = final.to(store.dtype)

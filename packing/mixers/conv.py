@@ -88,6 +88,12 @@ def varlen_causal_conv1d(
         out = _flat_conv(tokens.to(weight.dtype), weight, bias, activation, meta).to(x.dtype)
     if out is not None and not return_final_states:
         return out[None] if x.dim() == 3 else out.t()
+    one_each = meta.max_seqlen_q == 1 and meta.total_q == meta.num_seqs  # every sequence one token
+    if initial_states is not None and meta.key_rows is None and one_each:  # a decode step
+        out, final = _decode_conv(tokens.to(weight.dtype), weight, bias, activation, initial_states)
+        out = out.to(x.dtype)
+        out = out[None] if x.dim() == 3 else out.t()
+        return (out, final) if return_final_states else out
     rows, final_rows = _windows(meta, kernel, initial_states is not None)
     source = _source(tokens.to(weight.dtype), initial_states, kernel)
     if out is None:
@@ -102,6 +108,22 @@ def varlen_causal_conv1d(
     if not return_final_states:
         return out
     return out, source[final_rows].transpose(1, 2)
+
+
+def _decode_conv(tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 activation: str | None, initial_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence after its state (a decode step): each window is the sequence's
+    state and its token, ``(N, C, K)`` by one ``cat``, summed in the gathers' order (oldest input
+    first, then the bias), so the bits are the reference's; the final state is the window's
+    last ``K - 1`` inputs."""
+    window = torch.cat([initial_states.to(tokens.dtype), tokens[:, :, None]], dim=2)
+    out = window[:, :, 0] * weight[:, 0]
+    for j in range(1, weight.shape[1]):
+        out = out + window[:, :, j] * weight[:, j]
+    if bias is not None:
+        out = out + bias
+    act = _ACTIVATIONS[activation]
+    return (act(out) if act is not None else out), window[:, :, 1:]
 
 
 def _flat_conv(tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,

@@ -82,10 +82,10 @@ def varlen_delta_rule(
         cu = meta.cu_seqlens_q.to(torch.long)
         return fla(*tensors, initial_state=None, output_final_state=output_final_state, cu_seqlens=cu,
                    **common)
+    flat = plan.is_flat and all(p >= 0 for p in plan.last_piece)  # no empty sequence either
     states: dict[int, torch.Tensor] = {}
-    parts, part_rows = [], []
+    parts, part_rows, flat_finals, flat_seqs = [], [], [], []
     for wave in plan.waves:
-        starts = [_start_state(plan, p, states, initial_state) for p in wave]
         if fla is not None or chunk_size is None:  # one call per wave (the recurrent rule: no chunks)
             groups = [list(wave)]
         else:  # pieces of the same number of chunks pad to the same length anyway
@@ -93,24 +93,55 @@ def varlen_delta_rule(
             if stepwise is not None:  # a one-token piece padded to a whole chunk costs 64 tokens' work
                 chunks = [0 if len(plan.pieces[p]) == 1 else c for p, c in zip(wave, chunks)]
             groups = [[p for p, c in zip(wave, chunks) if c == n] for n in sorted(set(chunks))]
-        start_of = dict(zip(wave, starts))
         for group in groups:
             single = stepwise is not None and fla is None and all(len(plan.pieces[p]) == 1 for p in group)
             rule, size = (stepwise, None) if single else (reference, chunk_size)
-            out, final, rows = _run_group(rule, fla, tensors, plan, group, [start_of[p] for p in group],
-                                          size, common)
+            init = _group_init(plan, group, states, initial_state, tensors)
+            out, final, rows = _run_group(rule, fla, tensors, plan, group, init, size, common)
             parts.append(out)
             part_rows.append(rows)
+            if flat:  # no piece continues another: the finals are only the sequences' own
+                flat_finals.append(final)
+                flat_seqs.append([plan.pieces[p].seq for p in group])
+                continue
             for i, p in enumerate(group):
                 if plan.is_parent[p] or output_final_state:
                     states[p] = final[i]
-    order = torch.from_numpy(np.argsort(np.concatenate(part_rows))).to(query.device)
-    out = torch.cat(parts)[order][None]
+    out = _in_row_order(parts, part_rows, query.device)[None]
     if not output_final_state:
         return out, None
+    if flat:  # every sequence is one piece, its index in the row's piece order
+        return out, _in_row_order(flat_finals, flat_seqs, query.device)
     finals = [states[p] if p >= 0 else _initial(initial_state, i, value, key)
               for i, p in enumerate(plan.last_piece)]
     return out, torch.stack(finals)
+
+
+def _in_row_order(parts: list[torch.Tensor], part_rows: list, device) -> torch.Tensor:
+    """``parts`` (their rows ``part_rows``, concatenated) put back in row order, with no gather
+    where they already are (a decode step: one part, every row in order)."""
+    rows = np.concatenate(part_rows)
+    cat = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if np.array_equal(rows, np.arange(rows.size)):
+        return cat
+    return cat[torch.from_numpy(np.argsort(rows)).to(device)]
+
+
+def _group_init(plan, group: list[int], states: dict, initial_state: torch.Tensor | None,
+                tensors) -> torch.Tensor | None:
+    """The pieces' start states ``(len(group), HV, K, V)`` in fp32 (None: all zero); one gather
+    when every piece starts from the caller's initial state (a packed row, a generator step)."""
+    pieces = [plan.pieces[p] for p in group]
+    if all(piece.parent < 0 for piece in pieces):
+        if initial_state is None:
+            return None
+        seqs = [piece.seq for piece in pieces]
+        if seqs == list(range(initial_state.shape[0])):
+            return initial_state.to(torch.float32)
+        return initial_state[torch.tensor(seqs, device=initial_state.device)].to(torch.float32)
+    starts = [_start_state(plan, p, states, initial_state) for p in group]
+    zero = _zero_state(tensors)
+    return torch.stack([zero if s is None else s.to(zero.dtype) for s in starts])
 
 
 def _invariant_rule(recurrent: Callable | None, query: torch.Tensor) -> Callable:
@@ -144,17 +175,22 @@ def _initial(initial_state, seq: int, value: torch.Tensor, key: torch.Tensor) ->
     return value.new_zeros(value.shape[2], key.shape[-1], value.shape[-1], dtype=torch.float32)
 
 
-def _run_group(reference, fla, tensors, plan, group, starts, chunk_size, common):
-    """Run pieces ``group`` from states ``starts`` (None: zero); returns their outputs (their
+def _run_group(reference, fla, tensors, plan, group, init, chunk_size, common):
+    """Run pieces ``group`` from states ``init`` (None: zero); returns their outputs (their
     rows' values, flat), their final states and the rows."""
     pieces = [plan.pieces[p] for p in group]
     lengths = [len(piece) for piece in pieces]
     value = tensors[2]
     rows = np.concatenate([np.arange(piece.start, piece.end) for piece in pieces])
-    zero = _zero_state(tensors)
-    init = None
-    if any(s is not None for s in starts):
-        init = torch.stack([zero if s is None else s.to(zero.dtype) for s in starts])
+    if max(lengths) == 1 and fla is None:  # one token each (decode): a batch of length-1 rows, no padding
+        if np.array_equal(rows, np.arange(value.shape[1])):
+            batch = [t.transpose(0, 1) for t in tensors]
+        else:
+            index = torch.from_numpy(rows).to(value.device)
+            batch = [t[0, index][:, None] for t in tensors]
+        out, final = reference(*batch, chunk_size=chunk_size, initial_state=init, output_final_state=True,
+                               **common)
+        return out[:, 0], final, rows
     if fla is not None:
         index = torch.from_numpy(rows).to(value.device)
         cu = torch.from_numpy(np.concatenate(([0], np.cumsum(lengths)))).to(value.device)

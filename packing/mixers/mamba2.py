@@ -195,9 +195,13 @@ def step_chunk_scan(original, update, hidden_states, dt, A, B, C, chunk_size, st
             values, finals = token_scan(hidden_states[0], dt[0], A, B[0], C[0], list(zip(cu[:-1], cu[1:])),
                                         initial, **scan)
             return values[None], finals
+        single = [i for i, n in enumerate(meta.seqlens_q) if n == 1]
+        if len(single) == len(cu) - 1:  # a decode step: every row one sequence's token, in order
+            out, finals = _recurrent_step(update, hidden_states[0], dt[0], A, B[0], C[0],
+                                          None if z is None else z[0], initial, **scan)
+            return out[None], finals
         finals = initial.clone()
         parts: list[tuple[int, torch.Tensor]] = []  # (first row, output rows)
-        single = [i for i, n in enumerate(meta.seqlens_q) if n == 1]
         if single:
             rows = torch.tensor([cu[i] for i in single], device=hidden_states.device)
             out, finals[single] = _recurrent_step(update, hidden_states[0, rows], dt[0, rows], A, B[0, rows],
