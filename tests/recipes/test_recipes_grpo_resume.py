@@ -18,8 +18,7 @@ import torch
 from recipes.config import load_config
 from recipes.grpo import KILL_ENV, GRPORecipeConfig, run_grpo
 from recipes.tasks import AsciiTokenizer
-from tests.recipes.test_recipes_sft import _free_port
-from tests.support.launch import run_in_group, signal_deaths
+from tests.support.launch import free_port, run_in_group, signal_deaths
 
 RUN = [
     "model.path=tiny:llama",
@@ -103,7 +102,7 @@ def grpo_two_ranks(out: Path, *extra: str, kill_at: str | None = None) -> tuple[
     if kill_at:
         env[KILL_ENV] = kill_at
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), "-m", "recipes.grpo", *RUN, f"output_dir={out}", *extra]
+           str(free_port()), "-m", "recipes.grpo", *RUN, f"output_dir={out}", *extra]
     code, output, _ = run_in_group(cmd, TWO_RANK_TIMEOUT_S, env=env, stderr=subprocess.STDOUT)
     assert code is not None, f"the 2-rank GRPO run did not end in {TWO_RANK_TIMEOUT_S} s:\n{output[-3000:]}"
     return code, output

@@ -5,7 +5,6 @@ import json
 import logging
 import os
 import re
-import socket
 import sys
 from pathlib import Path
 
@@ -204,12 +203,6 @@ def test_a_deepspeed_config_under_accelerate_use_cpu_is_refused(tmp_path, monkey
 
 
 # ---------------------------------------------------------------------------------- 2 processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(out_dir, *overrides, deepspeed=False):
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     if deepspeed:  # DeepSpeed on CPU: DS_ACCELERATOR=cpu and NOT ACCELERATE_USE_CPU (which drops it)
@@ -218,7 +211,7 @@ def _torchrun(out_dir, *overrides, deepspeed=False):
         ds_config = ROOT / "recipes/configs/deepspeed_zero2.json"
         overrides = (*overrides, f"accelerate.deepspeed_config={ds_config}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(_free_port()), "-m", "recipes.sft", *SMALL,
+           "--master_port", str(launch.free_port()), "-m", "recipes.sft", *SMALL,
            f"checkpoint.output_dir={out_dir}", "log.record_indices=true", *overrides]
     launch.run(cmd, what="recipes.sft on 2 processes", timeout=300, env=env, cwd=ROOT)
     return [json.loads((Path(out_dir) / f"result_rank{r}.json").read_text()) for r in range(2)]
