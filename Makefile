@@ -30,9 +30,10 @@ demo: setup
 lint:
 	$(PYTHON) -m ruff check .
 
-# The whole suite, slow multi-process tests included (CI runs exactly this).
+# The whole suite, slow multi-process tests included (CI runs exactly this). --durations=30: every
+# log names the 30 slowest tests, so a test that grows shows up before the suite's time budget goes.
 test: setup-test lint
-	$(PYTHON) -m pytest -m "slow or not slow" -q
+	$(PYTHON) -m pytest -m "slow or not slow" -q --durations=30
 
 bench: setup
 	$(PIP) install -e ".[bench]"

@@ -153,11 +153,15 @@ def launch(regime: str, quick: bool, out_dir: str) -> list[dict]:
            # blocks >= 64 KiB are mmapped and unmapped when freed, so RSS follows live memory instead
            # of glibc's retained heap (which would keep every freed ZeRO-3 gather buffer)
            "MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29731",
+    # --standalone: the rendezvous binds a free port itself, per launch (a fixed --master_port can be
+    # held by another process, or by the previous regime's launch still in TIME_WAIT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            __file__, "--worker", regime, "--out", out_dir] + (["--quick"] if quick else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode:
-        raise RuntimeError(f"{regime} failed:\n{proc.stderr[-3000:]}")
+        # a rank's traceback comes before torchrun's failure report: keep enough of the tail for both
+        raise RuntimeError(f"the {regime} launch failed (exit {proc.returncode}); the end of its stderr:\n"
+                           f"{proc.stderr[-6000:]}")
     return [json.loads(Path(out_dir, f"{regime}_rank{r}.json").read_text()) for r in range(2)]
 
 

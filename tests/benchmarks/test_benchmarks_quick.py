@@ -55,7 +55,7 @@ def test_quick_run_exits_cleanly(path):
         assert '"--quick"' in test.read_text(), f"{test.name} no longer runs {path.name} --quick"
         pytest.skip(f"{test.name} runs it in-process")
     proc = run_quick(path)
-    assert proc.returncode == 0, f"{path.name} --quick exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"{path.name} --quick exited {proc.returncode}:\n{proc.stderr[-8000:]}"
     assert proc.stdout.strip(), f"{path.name} --quick printed nothing"
     for line in PRINTS.get(path.name, []):
         assert line in proc.stdout, proc.stdout[-3000:]

@@ -4,12 +4,9 @@ reductions, engine detection and compute dtype in one process (and on two gloo r
 
 import os
 import pickle
-import socket
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import packing
 from dataloaders.collator import PackedCollator
@@ -18,6 +15,7 @@ from packing import distributed
 from packing.bins.tree import TreePath, pack_tree_rows
 from packing.row import IGNORE_INDEX, PackedRow, as_row
 from packing.varlen import VarlenMeta
+from tests.support import launch
 from training.grpo import Rollout, empty_rollout_row, pack_rollouts, pair_advantages
 from training.loss import row_loss_sum
 
@@ -245,12 +243,6 @@ def test_compute_dtype():
     assert distributed.compute_dtype(torch.nn.Module()) == torch.get_default_dtype()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_rank_worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -268,17 +260,7 @@ def _two_rank_worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_distributed_helpers_on_two_gloo_ranks(tmp_path):
-    ctx = mp.start_processes(_two_rank_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 120
-    try:
-        while not ctx.join(timeout=5):  # raises when a rank failed
-            if time.monotonic() > deadline:
-                pytest.fail("no result after 120 s: a rank is stuck in a collective")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    launch.spawn(_two_rank_worker, args=(launch.free_port(), str(tmp_path)), nprocs=2, timeout=120)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for rank, got in enumerate(results):
         assert got == {"world": 2, "rank": rank, "sum": 2.0 * (2**24 + 1), "max": 10.0, "any": True,

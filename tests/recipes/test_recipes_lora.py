@@ -180,28 +180,40 @@ def test_lora_rollouts_equal_the_trainers_logprobs_bitwise_under_batch_invariant
 
 
 # ---------------------------------------------------------------------------------- 2 processes
+@pytest.fixture(scope="module")
+def zero3_runs(tmp_path_factory) -> Path:
+    """The three LoRA runs under ZeRO-3 in one 2-process launch (tests.support.recipe_runs: one
+    start-up instead of three): SFT with a checkpoint per step, SFT resumed from its step_1 on a fresh
+    model and Accelerate state, and GRPO."""
+    from tests.training.test_training_sharded import ROOT, TIMEOUT_S, _run_two_ranks
+
+    out = tmp_path_factory.mktemp("lora_zero3")
+    zero3 = f"accelerate.deepspeed_config={ROOT / 'recipes/configs/deepspeed_zero3.json'}"
+    sft = ["sft", *SMALL, *LORA, "train.grad_accum=4", "train.max_steps=2", zero3]  # 1 step/epoch
+    runs = [[*sft, f"checkpoint.output_dir={out / 'z3'}", "checkpoint.every=1"],
+            [*sft, f"checkpoint.output_dir={out / 'z3r'}", f"checkpoint.resume_from={out / 'z3' / 'step_1'}"],
+            ["grpo", "model.path=tiny:llama", *LORA, *TINY_GRPO, "train.steps=2", "task.num_prompts=4",
+             "rollout.prompts_per_step=1", f"output_dir={out / 'grpo'}", zero3]]
+    _run_two_ranks(["-m", "tests.support.recipe_runs", *runs[0], "--", *runs[1], "--", *runs[2]],
+                   "LoRA SFT, SFT resume and GRPO under ZeRO-3", timeout=3 * TIMEOUT_S)
+    return out
+
+
 @pytest.mark.slow
-def test_lora_under_deepspeed_zero3_matches_one_process_and_resumes(tmp_path):
+def test_lora_under_deepspeed_zero3_matches_one_process_and_resumes(zero3_runs, tmp_path):
     """Two CPU ranks over gloo: the adapter partitioned by ZeRO-3 trains as in one process (the
     same first-step loss and update), its checkpoint is the adapter alone, and a resume from step 1
     gives the uninterrupted run's step 2."""
-    from tests.training.test_training_sharded import ROOT, _run_two_ranks
-
-    zero3 = ["-m", "recipes.sft", *SMALL, *LORA, "train.grad_accum=4", "train.max_steps=2",  # 1 step/epoch
-             f"accelerate.deepspeed_config={ROOT / 'recipes/configs/deepspeed_zero3.json'}"]
-    _run_two_ranks([*zero3, f"checkpoint.output_dir={tmp_path / 'z3'}", "checkpoint.every=1"], "LoRA ZeRO-3")
-    _run_two_ranks([*zero3, f"checkpoint.output_dir={tmp_path / 'z3r'}",
-                    f"checkpoint.resume_from={tmp_path / 'z3' / 'step_1'}"], "LoRA ZeRO-3 resume")
     one = _sft(tmp_path / "one", "train.grad_accum=6", "train.max_steps=2", "checkpoint.every=1")  # 6 bins
-    z3 = [json.loads((tmp_path / "z3" / f"result_rank{r}.json").read_text()) for r in range(2)]
+    z3 = [json.loads((zero3_runs / "z3" / f"result_rank{r}.json").read_text()) for r in range(2)]
     assert z3[0]["zero_stage"] == 3 and z3[0]["losses"] == z3[1]["losses"]
     assert z3[0]["losses"] == pytest.approx(one["losses"], rel=1e-5)
-    resumed = json.loads((tmp_path / "z3r" / "result_rank0.json").read_text())
+    resumed = json.loads((zero3_runs / "z3r" / "result_rank0.json").read_text())
     assert resumed["losses"] == z3[0]["losses"][1:]
     for step in (1, 2):
-        names = {p.name for p in (tmp_path / "z3" / f"step_{step}").iterdir()}
+        names = {p.name for p in (zero3_runs / "z3" / f"step_{step}").iterdir()}
         assert "adapter_model.safetensors" in names and "config.json" not in names
-        got = load_file(str(tmp_path / "z3" / f"step_{step}" / "adapter_model.safetensors"))
+        got = load_file(str(zero3_runs / "z3" / f"step_{step}" / "adapter_model.safetensors"))
         want = load_file(str(tmp_path / "one" / f"step_{step}" / "adapter_model.safetensors"))
         assert got.keys() == want.keys()
         for k in want:
@@ -209,17 +221,11 @@ def test_lora_under_deepspeed_zero3_matches_one_process_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_grpo_under_deepspeed_zero3_saves_the_adapter(tmp_path):
+def test_lora_grpo_under_deepspeed_zero3_saves_the_adapter(zero3_runs):
     """GRPO's rollout gathers the ZeRO-3 shards of base and adapter alike; the run stays on-policy
     (to the bound the other sharded runs meet: ZeRO-3's own linear is not the exact mode's) and
     writes the adapter alone, which model.path loads."""
-    from tests.training.test_training_sharded import ROOT, _run_two_ranks
-
-    out = tmp_path / "grpo"
-    _run_two_ranks(["-m", "recipes.grpo", "model.path=tiny:llama", *LORA, *TINY_GRPO, "train.steps=2",
-                    "task.num_prompts=4", "rollout.prompts_per_step=1", f"output_dir={out}",
-                    f"accelerate.deepspeed_config={ROOT / 'recipes/configs/deepspeed_zero3.json'}"],
-                   "LoRA GRPO under ZeRO-3")
+    out = zero3_runs / "grpo"
     history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(history) == 2 and all(h["logprob_gap_max"] <= 1e-5 for h in history)
     names = {p.name for p in out.iterdir()}

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -201,12 +200,6 @@ def test_the_readmes_commands_in_order_leave_model_path_at_the_newest_runs_newes
 
 
 # ---------------------------------------------------------------------------------- 2 processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def readme_launch_lines() -> dict[str, list[str]]:
     """The `accelerate launch --config_file ...` lines of the README and docs/, word for word, by
     config file."""
@@ -220,7 +213,7 @@ def _launch(words: list[str], *overrides: str) -> None:
     """Run a README line as written (plus a free port, and the test's own overrides after it)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "DS_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(launch.free_port()),
            *words[2:], *overrides]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

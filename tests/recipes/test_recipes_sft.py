@@ -5,7 +5,6 @@ import json
 import logging
 import os
 import re
-import socket
 import sys
 from pathlib import Path
 
@@ -204,24 +203,24 @@ def test_a_deepspeed_config_under_accelerate_use_cpu_is_refused(tmp_path, monkey
 
 
 # ---------------------------------------------------------------------------------- 2 processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(out_dir, *overrides, deepspeed=False):
+def _torchrun(*runs: tuple, deepspeed=False) -> list[list[dict]]:
+    """Each ``(out_dir, *overrides)`` of ``runs`` as a 2-process SFT run, all in one launch
+    (tests.support.recipe_runs: one start-up); each run's per-rank results."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    extra = ()
     if deepspeed:  # DeepSpeed on CPU: DS_ACCELERATOR=cpu and NOT ACCELERATE_USE_CPU (which drops it)
         del env["ACCELERATE_USE_CPU"]
         env["DS_ACCELERATOR"] = "cpu"
-        ds_config = ROOT / "recipes/configs/deepspeed_zero2.json"
-        overrides = (*overrides, f"accelerate.deepspeed_config={ds_config}")
+        extra = (f"accelerate.deepspeed_config={ROOT / 'recipes/configs/deepspeed_zero2.json'}",)
+    args = []
+    for out_dir, *overrides in runs:
+        args += [*(["--"] if args else []), "sft", *SMALL, f"checkpoint.output_dir={out_dir}",
+                 "log.record_indices=true", *overrides, *extra]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(_free_port()), "-m", "recipes.sft", *SMALL,
-           f"checkpoint.output_dir={out_dir}", "log.record_indices=true", *overrides]
-    launch.run(cmd, what="recipes.sft on 2 processes", timeout=300, env=env, cwd=ROOT)
-    return [json.loads((Path(out_dir) / f"result_rank{r}.json").read_text()) for r in range(2)]
+           "--master_port", str(launch.free_port()), "-m", "tests.support.recipe_runs", *args]
+    launch.run(cmd, what="recipes.sft on 2 processes", timeout=300 * len(runs), env=env, cwd=ROOT)
+    return [[json.loads((Path(out_dir) / f"result_rank{r}.json").read_text()) for r in range(2)]
+            for out_dir, *_ in runs]
 
 
 def _unpacked_mean_loss():
@@ -258,31 +257,36 @@ def _check_two_rank_run(results):
     assert results[0]["losses"][0] == pytest.approx(expected_loss, rel=1e-5)
 
 
+TWO_EPOCHS = ("train.grad_accum=2", "train.epochs=2", "log.record_indices=false")
+
+
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
-    return _torchrun(tmp_path_factory.mktemp("ddp"), *ONE_STEP_PER_EPOCH)
+def ddp_runs(tmp_path_factory):
+    """One launch: the one-step-per-epoch run, and a two-epoch run that checkpoints at step 3."""
+    out = tmp_path_factory.mktemp("ddp")
+    one, two = _torchrun((out / "one", *ONE_STEP_PER_EPOCH), (out / "two", *TWO_EPOCHS, "checkpoint.every=3"))
+    return one, two, out / "two"
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_loss_matches_unpacked_and_resumes_exactly(tmp_path, ddp_run):
-    _check_two_rank_run(ddp_run)
-    two_epochs = ("train.grad_accum=2", "train.epochs=2", "log.record_indices=false")
+def test_ddp_two_processes_loss_matches_unpacked_and_resumes_exactly(tmp_path, ddp_runs):
+    one, two, two_dir = ddp_runs
+    _check_two_rank_run(one)
     # the uninterrupted run leaves its mid-epoch step_3 checkpoint behind: resuming from it (one
-    # launch less than a run cut at step 3) must give the rest of the uninterrupted run
-    two = _torchrun(tmp_path / "two", *two_epochs, "checkpoint.every=3")
-    assert two[0]["steps"] >= 4 and (tmp_path / "two" / "step_3").is_dir()
-    rest = _torchrun(tmp_path / "rest", *two_epochs, f"checkpoint.resume_from={tmp_path / 'two' / 'step_3'}")
+    # launch less than a run cut at step 3), in a fresh launch, must give the rest of that run
+    assert two[0]["steps"] >= 4 and (two_dir / "step_3").is_dir()
+    [rest] = _torchrun((tmp_path / "rest", *TWO_EPOCHS, f"checkpoint.resume_from={two_dir / 'step_3'}"))
     assert two[0]["losses"][:3] + rest[0]["losses"] == two[0]["losses"]
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_two_processes_matches_unpacked_and_ddp(tmp_path, ddp_run):
-    results = _torchrun(tmp_path / "ds", *ONE_STEP_PER_EPOCH, deepspeed=True)
+def test_deepspeed_zero2_two_processes_matches_unpacked_and_ddp(tmp_path, ddp_runs):
+    [results] = _torchrun((tmp_path / "ds", *ONE_STEP_PER_EPOCH), deepspeed=True)
     assert all(r["deepspeed_engine"] and r["zero_stage"] == 2 for r in results)  # not a silent DDP
     _check_two_rank_run(results)
     # the second step's loss depends on the first step's gradient: DeepSpeed's own loss scaling by
     # 1/grad_accum and rank averaging are undone exactly as under DDP
-    assert results[0]["losses"] == pytest.approx(ddp_run[0]["losses"], rel=1e-5)
+    assert results[0]["losses"] == pytest.approx(ddp_runs[0][0]["losses"], rel=1e-5)
 
 
 def _data_cfg(**overrides) -> SFTDataConfig:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 
@@ -18,6 +19,15 @@ import torch.multiprocessing as mp
 
 # torchrun's failure report: "rank      : 1 (local_rank: 1)" then "exitcode  : -9 (pid: 123)"
 _RANK_EXIT = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1, for one launch's rendezvous (``--master_port``,
+    ``--main_process_port``, ``MASTER_PORT``): a fixed port can still be held by another process or by
+    the previous launch's socket in TIME_WAIT."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _signal_name(number: int) -> str:

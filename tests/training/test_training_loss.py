@@ -4,7 +4,6 @@ window, ``row_nll_sum`` through the chunked head), has the gradient of unpacked 
 training."""
 
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -110,12 +109,6 @@ def _step_grads(model, batches, weighting, world=None) -> dict:
     return grads
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _packed_worker(rank, world, port, attn, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -154,7 +147,7 @@ def test_simulated_two_ranks_in_process_match_unpacked(weighting, monkeypatch):
 @pytest.mark.slow
 def test_two_ranks_packed_with_accumulation_match_unpacked_single_process(tmp_path):
     attn = _attn_implementation()
-    launch.spawn(_packed_worker, args=(2, _free_port(), attn, str(tmp_path)), nprocs=2)
+    launch.spawn(_packed_worker, args=(2, launch.free_port(), attn, str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert ranks[0]["steps"] == ranks[1]["steps"] >= 2  # equal steps, accumulation really used
     assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == list(range(len(_rows())))  # once each

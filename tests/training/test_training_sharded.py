@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.recipes.test_recipes_sft import _free_port, _reset_accelerate
+from tests.recipes.test_recipes_sft import _reset_accelerate
 from tests.support import launch
 from tests.support.models import tiny_model
 
@@ -24,7 +24,7 @@ def _run_two_ranks(args: list[str], what: str, timeout: float = TIMEOUT_S) -> No
     """``torchrun --nproc_per_node 2 args``; kills the whole process group on timeout."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(_free_port()), *args]
+           "--master_port", str(launch.free_port()), *args]
     launch.run(cmd, what=what, timeout=timeout, env=env, cwd=ROOT)
 
 
