@@ -31,7 +31,8 @@ held from the warm-up). glibc is told to return every allocation over 64 KiB to 
   ``optimizer.zero_grad()``'s default; a first micro-batch): the returned gradient becomes
   ``.grad`` itself, so this is the extra beyond the model's own gradients, which the baseline holds.
 
-``/(TxV/8)`` is each against the goal: 1/8 of one fp32 ``T x V`` tensor. Time (the ``held`` run's):
+``/(TxV/8)`` is each against the goal: 1/8 of one fp32 ``T x V`` tensor (``--grads``: which to
+run; ``-``: not run). Time (the first ``--grads`` mode's run):
 the method's one forward and backward, after a warm-up of the method on a 64-token
 row (first-call costs) and the backbone pass. Agreement: the loss's relative difference from
 ``hf_labels``'s (all processes build the same weights from one seed), and the relative difference
@@ -188,27 +189,28 @@ def measure(args, name: str, vocab: int, tokens: int, dtype: str) -> dict:
         r = {"skipped": f"needs ~{need:.0f} GiB > --max-gib {args.max_gib:g}"}
     else:  # --quick: one process for all (a smoke run; its memory columns are not a measure)
         run = run_one if args.quick else child
-        r = run(name, vocab, tokens, dtype, "held")
-        if "skipped" not in r:
-            none = run(name, vocab, tokens, dtype, "none")
-            r["extra_bytes_grad_none"] = none.get("extra_bytes")
-            r["none_skipped"] = none.get("skipped")
+        r = run(name, vocab, tokens, dtype, args.grads[0])
+        r["extra_bytes_grad_" + args.grads[0]] = r.get("extra_bytes")
+        for grads in args.grads[1:]:
+            if "skipped" not in r:
+                r["extra_bytes_grad_" + grads] = run(name, vocab, tokens, dtype, grads).get("extra_bytes")
     r.update(method=name, vocab=vocab, tokens=tokens, dtype=dtype)
     return r
 
 
 def table_cells(r: dict, ref: dict | None, goal: float) -> str:
     """Extra memory held / none against the goal, time, and agreement with ``ref`` (HF's)."""
-    none = r.get("extra_bytes_grad_none")
-    none_cells = (f"{none / 2**20:10.0f} {none / goal:8.2f}" if none is not None
-                  else f"{'failed':>10} {'-':>8}")
+    cells = []
+    for grads in ("held", "none"):
+        extra = r.get("extra_bytes_grad_" + grads)
+        cells.append(f"{extra / 2**20:10.0f} {extra / goal:8.2f}" if extra is not None
+                     else f"{'-':>10} {'-':>8}")
     x_hf, loss_d, grad_d = "    -", f"{'-':>13}", f"{'-':>13}"
     if ref:
         x_hf = f"{r['seconds'] / ref['seconds']:5.2f}"
         loss_d = f"{abs(r['loss'] - ref['loss']) / abs(ref['loss']):13.1e}"
         grad_d = f"{abs(r['grad_norm'] - ref['grad_norm']) / ref['grad_norm']:13.1e}"
-    return (f"{r['extra_bytes'] / 2**20:10.0f} {r['extra_bytes'] / goal:8.2f} {none_cells} "
-            f"{r['seconds']:7.2f} {x_hf} {loss_d} {grad_d}")
+    return f"{' '.join(cells)} {r['seconds']:7.2f} {x_hf} {loss_d} {grad_d}"
 
 
 def main() -> None:
@@ -220,6 +222,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--grads", nargs="+", default=["held", "none"], choices=["held", "none"],
+                   help="the .grad modes to measure (time and agreement: the first one's run)")
     p.add_argument("--max-gib", type=float, default=9.0, help="skip a method estimated to need more")
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("--one", nargs=5, help=argparse.SUPPRESS)
