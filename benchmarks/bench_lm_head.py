@@ -17,11 +17,23 @@ small backbone (hidden 256, 2 layers, tied embeddings) so that the head dominate
 
 Memory, per method, in its own process: the process's peak RSS (``resource.getrusage`` ``ru_maxrss``)
 after the method's forward and backward minus the peak after a backbone-only forward and backward
-on the same row (its activations; every gradient buffer, the tied embedding's included, exists
-from the warm-up). glibc
-is told to return every allocation over 64 KiB to the OS on free (``MALLOC_MMAP_THRESHOLD_``), so
-RSS follows live memory. ``extra/(TxV/8)`` is that against the goal: 1/8 of one fp32 ``T x V``
-tensor. Time: the method's one forward and backward, after a warm-up of the method on a 64-token
+on the same row (its activations, and every parameter's ``.grad``, the tied embedding's included,
+held from the warm-up). glibc is told to return every allocation over 64 KiB to the OS on free
+(``MALLOC_MMAP_THRESHOLD_``), so RSS follows live memory. Measured twice, each in a fresh process:
+
+- ``extra held``: the ``.grad`` tensors kept (``zero_grad(set_to_none=False)``; a gradient
+  accumulation's second and later micro-batches). Every method's backward returns the head weight's
+  gradient as one more ``V x H`` tensor that autograd then adds into ``.grad``, so this counts the
+  head weight's gradient once more for every method (HF's included), where that tensor is alive at
+  the method's peak (``V x H`` fp32: 148 MiB at a 151,936 vocabulary and hidden 256, which is
+  exactly the goal at 2,048 tokens, ``T = 8 H``);
+- ``extra none``: the ``.grad`` tensors freed before the method's pass (``zero_grad()``'s and
+  ``optimizer.zero_grad()``'s default; a first micro-batch): the returned gradient becomes
+  ``.grad`` itself, so this is the extra beyond the model's own gradients, which the baseline holds.
+
+``/(TxV/8)`` is each against the goal: 1/8 of one fp32 ``T x V`` tensor (``--grads``: which to
+run; ``-``: not run). Time (the first ``--grads`` mode's run):
+the method's one forward and backward, after a warm-up of the method on a 64-token
 row (first-call costs) and the backbone pass. Agreement: the loss's relative difference from
 ``hf_labels``'s (all processes build the same weights from one seed), and the relative difference
 of the embedding's gradient norm. A method whose estimated need is over ``--max-gib`` is skipped and says so.
@@ -128,8 +140,9 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def run_one(name: str, vocab: int, tokens: int, dtype: str) -> dict:
-    """One method in this process: the backbone's pass, then the method's; what each cost."""
+def run_one(name: str, vocab: int, tokens: int, dtype: str, grads: str = "held") -> dict:
+    """One method in this process: the backbone's pass, then the method's (with every ``.grad``
+    kept, or freed first: ``grads`` "held" / "none"); what each cost."""
     import torch
 
     if name == "torch_lce" and not hasattr(torch.nn.functional, "linear_cross_entropy"):
@@ -144,8 +157,8 @@ def run_one(name: str, vocab: int, tokens: int, dtype: str) -> dict:
     hidden = model.model(**row.model_kwargs(), use_cache=False).last_hidden_state
     hidden.float().square().mean().backward()
     backbone_s = time.perf_counter() - t0
-    model.zero_grad(set_to_none=False)
-    base = peak_rss()
+    base = peak_rss()  # with every .grad held
+    model.zero_grad(set_to_none=grads == "none")
     t0 = time.perf_counter()
     loss = loss_fn()
     loss.backward()
@@ -155,10 +168,10 @@ def run_one(name: str, vocab: int, tokens: int, dtype: str) -> dict:
             "loss": float(loss), "grad_norm": float(grad), "base_bytes": base}
 
 
-def child(name: str, vocab: int, tokens: int, dtype: str) -> dict:
+def child(name: str, vocab: int, tokens: int, dtype: str, grads: str) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, __file__, "--one", name, str(vocab), str(tokens), dtype]
+    cmd = [sys.executable, __file__, "--one", name, str(vocab), str(tokens), dtype, grads]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if proc.returncode != 0:
         return {"skipped": f"failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"}
@@ -169,54 +182,75 @@ def estimate_gib(name: str, vocab: int, tokens: int) -> float:
     return FULL_LOGITS.get(name, 0.5) * tokens * vocab * 4 / 2**30
 
 
+def measure(args, name: str, vocab: int, tokens: int, dtype: str) -> dict:
+    """The method's row: its ``held`` run, with the ``none`` run's extra memory beside it."""
+    need = estimate_gib(name, vocab, tokens)
+    if need > args.max_gib:
+        r = {"skipped": f"needs ~{need:.0f} GiB > --max-gib {args.max_gib:g}"}
+    else:  # --quick: one process for all (a smoke run; its memory columns are not a measure)
+        run = run_one if args.quick else child
+        r = run(name, vocab, tokens, dtype, args.grads[0])
+        r["extra_bytes_grad_" + args.grads[0]] = r.get("extra_bytes")
+        for grads in args.grads[1:]:
+            if "skipped" not in r:
+                r["extra_bytes_grad_" + grads] = run(name, vocab, tokens, dtype, grads).get("extra_bytes")
+    r.update(method=name, vocab=vocab, tokens=tokens, dtype=dtype)
+    return r
+
+
+def table_cells(r: dict, ref: dict | None, goal: float) -> str:
+    """Extra memory held / none against the goal, time, and agreement with ``ref`` (HF's)."""
+    cells = []
+    for grads in ("held", "none"):
+        extra = r.get("extra_bytes_grad_" + grads)
+        cells.append(f"{extra / 2**20:10.0f} {extra / goal:8.2f}" if extra is not None
+                     else f"{'-':>10} {'-':>8}")
+    x_hf, loss_d, grad_d = "    -", f"{'-':>13}", f"{'-':>13}"
+    if ref:
+        x_hf = f"{r['seconds'] / ref['seconds']:5.2f}"
+        loss_d = f"{abs(r['loss'] - ref['loss']) / abs(ref['loss']):13.1e}"
+        grad_d = f"{abs(r['grad_norm'] - ref['grad_norm']) / ref['grad_norm']:13.1e}"
+    return f"{' '.join(cells)} {r['seconds']:7.2f} {x_hf} {loss_d} {grad_d}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="a 4,096-word vocabulary, 256 tokens, fp32, every method in this one process "
-                        "(a smoke run: its memory column is not a per-method measure)")
+                        "(a smoke run: its memory columns are not a per-method measure)")
     p.add_argument("--vocab", type=int, nargs="+", default=[151_936, 248_320])
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--grads", nargs="+", default=["held", "none"], choices=["held", "none"],
+                   help="the .grad modes to measure (time and agreement: the first one's run)")
     p.add_argument("--max-gib", type=float, default=9.0, help="skip a method estimated to need more")
     p.add_argument("--json", type=Path, help="also write the rows here")
-    p.add_argument("--one", nargs=4, help=argparse.SUPPRESS)
+    p.add_argument("--one", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        name, vocab, tokens, dtype = args.one
-        print(json.dumps(run_one(name, int(vocab), int(tokens), dtype)))
+        name, vocab, tokens, dtype, grads = args.one
+        print(json.dumps(run_one(name, int(vocab), int(tokens), dtype, grads)))
         return
     if args.quick:
         args.vocab, args.tokens, args.dtypes = [4096], [256], ["fp32"]
     rows = []
-    print(f"{'vocab':>7} {'T':>6} {'dtype':>5} {'method':>19} {'extra MiB':>10} {'extra/(TxV/8)':>13} "
-          f"{'time s':>7} {'x hf':>5} {'loss rel diff':>13} {'grad rel diff':>13}")
+    print(f"{'vocab':>7} {'T':>6} {'dtype':>5} {'method':>19} {'extra held':>10} {'/(TxV/8)':>8} "
+          f"{'extra none':>10} {'/(TxV/8)':>8} {'time s':>7} {'x hf':>5} {'loss rel diff':>13} "
+          f"{'grad rel diff':>13}   (extra: MiB)")
     for vocab in args.vocab:
         for tokens in args.tokens:
             for dtype in args.dtypes:
                 ref = None
                 for name in args.methods:
-                    need = estimate_gib(name, vocab, tokens)
-                    if need > args.max_gib:
-                        r = {"skipped": f"needs ~{need:.0f} GiB > --max-gib {args.max_gib:g}"}
-                    else:  # --quick: one process for all (a smoke run; its memory column is not a measure)
-                        run = run_one if args.quick else child
-                        r = run(name, vocab, tokens, dtype)
-                    r.update(method=name, vocab=vocab, tokens=tokens, dtype=dtype)
+                    r = measure(args, name, vocab, tokens, dtype)
                     rows.append(r)
                     if "skipped" in r:
                         print(f"{vocab:>7} {tokens:>6} {dtype:>5} {name:>19}  skipped: {r['skipped']}")
                         continue
                     ref = ref or (r if name == "hf_labels" else None)
-                    goal = tokens * vocab * 4 / 8
-                    x_hf, loss_d, grad_d = "    -", f"{'-':>13}", f"{'-':>13}"
-                    if ref:
-                        x_hf = f"{r['seconds'] / ref['seconds']:5.2f}"
-                        loss_d = f"{abs(r['loss'] - ref['loss']) / abs(ref['loss']):13.1e}"
-                        grad_d = f"{abs(r['grad_norm'] - ref['grad_norm']) / ref['grad_norm']:13.1e}"
-                    print(f"{vocab:>7} {tokens:>6} {dtype:>5} {name:>19} {r['extra_bytes'] / 2**20:10.0f} "
-                          f"{r['extra_bytes'] / goal:13.2f} {r['seconds']:7.2f} {x_hf} {loss_d} {grad_d}",
-                          flush=True)
+                    cells = table_cells(r, ref, tokens * vocab * 4 / 8)
+                    print(f"{vocab:>7} {tokens:>6} {dtype:>5} {name:>19} {cells}", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))

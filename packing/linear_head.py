@@ -36,12 +36,14 @@ def _chunk(head, h: torch.Tensor, t: torch.Tensor, temperature: float, want_entr
         out = head.module.forward(h)
         with torch.enable_grad() if with_grad else contextlib.nullcontext():
             z = head.finish(out.requires_grad_() if with_grad else out)
-        logp = tempered_log_softmax(z.detach(), temperature)
+        # without autograd through the final ops nothing else reads z: the log-softmax overwrites
+        # it, and the chunk holds one (chunk, V) buffer from here to its gradient
+        logp = tempered_log_softmax(z.detach(), temperature, overwrite=not with_grad)
+        if not with_grad:
+            del out, z
         picked, ent = picked_and_entropy(logp, t, want_entropy)
         if g_picked is None:
             return picked, ent, None
-        if not with_grad:
-            del out, z  # one (chunk, V) buffer fewer
         g_z = logits_grad(logp, t, ent if want_entropy else None, g_picked, g_ent, temperature, reuse=True)
         del logp
         g_z = g_z.to(h.dtype)

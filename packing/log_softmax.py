@@ -10,12 +10,17 @@ import torch
 
 
 def tempered_log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, out: torch.Tensor | None = None,
-                         tempered_out: torch.Tensor | None = None) -> torch.Tensor:
+                         tempered_out: torch.Tensor | None = None, overwrite: bool = False) -> torch.Tensor:
     """``log_softmax(logits.float() / temperature)`` over the vocabulary: the one expression of a
     token's log-prob in nopad, for the trainer's chunks and the generator's sampler alike (so under
     :func:`packing.batch_invariant` their bits agree). ``out`` / ``tempered_out``: buffers to reuse
-    for the result and the divided logits (the sampler's)."""
+    for the result and the divided logits (the sampler's). ``overwrite``: ``logits`` are the
+    caller's to lose; the result is written over them (fp32) or over their fp32 copy, so the chunked
+    head holds one ``(rows, V)`` buffer, not two (the same kernel in place: each row is read before
+    it is written, as the sampler's ``out=x`` already relies on)."""
     z = logits.float()
+    if overwrite:
+        out = tempered_out = z
     if temperature != 1.0:
         z = torch.div(z, float(temperature), out=tempered_out)
     if out is None:

@@ -249,6 +249,24 @@ def test_the_row_logits_never_exist_with_a_151936_vocabulary():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_log_softmax_written_over_its_logits_has_the_same_bits(dtype, temperature):
+    """The chunked head overwrites each chunk's logits with their log-softmax (one (chunk, V)
+    buffer, not two): the same kernel in place, so the same bits as a fresh result; fp32 logits
+    are reused, bf16 ones are left alone (their fp32 copy is overwritten)."""
+    from packing.log_softmax import tempered_log_softmax
+
+    logits = (torch.randn(5, 40_000, generator=torch.Generator().manual_seed(0)) * 6).to(dtype)
+    fresh = tempered_log_softmax(logits, temperature)
+    kept = logits.clone()
+    overwritten = tempered_log_softmax(logits, temperature, overwrite=True)
+    assert overwritten.dtype == torch.float32 and torch.equal(overwritten, fresh)
+    assert (overwritten.data_ptr() == logits.data_ptr()) == (dtype == torch.float32)
+    if dtype == torch.bfloat16:
+        assert torch.equal(logits, kept)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_generator_logprobs_equal_the_chunked_heads_bitwise_whatever_the_token_count(dtype, monkeypatch,
                                                                                       one_thread):
     """In batch_invariant(): the generator's raw and tempered log-probs equal the trainer's through the
