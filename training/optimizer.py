@@ -1,7 +1,7 @@
 """The recipes' optimizer: one AdamW over the trainable parameters, for SFT and GRPO alike.
 
 Why fused: torch's default AdamW (a for-loop over the parameters on CPU, ``foreach`` on CUDA) cost
-0.93-1.09 CPU s per step on SmolLM2-135M, against 0.24-0.25 s for the fused kernel that TRL
+0.93-1.21 CPU s per step on SmolLM2-135M, against 0.24-0.25 s for the fused kernel that TRL
 (transformers' ``adamw_torch_fused``) steps with: the largest fixed cost of a GRPO step
 (``benchmarks/bench_grpo_losses.py``). Fused and unfused steps agree to rounding, not bitwise.
 
