@@ -24,6 +24,8 @@ Systems:
   - TRL: ``GRPOTrainer`` (its own generation) with the same ``loss_type`` (GSPO: ``grpo`` with
     ``importance_sampling_level="sequence"``), ``steps_per_generation=4`` and ``num_iterations=1``;
     TRL then scores the batch once more, without gradients, for the old log-probs.
+  - unfused (``--systems nopad,unfused,TRL``): nopad's recipe as it was before its AdamW was fused
+    (``training.optimizer.make_adamw``): torch's default AdamW, a for-loop over the parameters on CPU.
 
 Reported per system and loss, over the timed batch's 4 optimizer steps (rollout included): process
 CPU seconds per optimizer step (one torch thread by default, so it is the work done, whatever else
@@ -39,6 +41,7 @@ size on disk (full weights from the first loss's nopad run; LoRA with ``--quick`
     python benchmarks/bench_grpo_losses.py                          # SmolLM2, arithmetic, 7 losses
     python benchmarks/bench_grpo_losses.py --task calculator_chat   # the calculator tool task
     python benchmarks/bench_grpo_losses.py --quick    # tiny random Llama, dapo, one rollout batch
+    python benchmarks/bench_grpo_losses.py --losses grpo,dapo --systems nopad,unfused,TRL  # before/after
     python benchmarks/bench_grpo_losses.py --checkpoints-only   # SmolLM2: the checkpoint cost alone,
                                                       # full weights and LoRA, one rollout batch each
 """
@@ -109,8 +112,13 @@ def run_nopad(spec: dict) -> dict:
 
     from recipes import grpo as recipe
     from recipes.config import load_config
-    from training import checkpoint, grpo_step
+    from training import checkpoint, grpo_step, optimizer
 
+    if spec["system"] == "unfused":  # the recipe before its AdamW was fused: torch's default one
+        from training.lora import trainable_parameters
+
+        optimizer.make_adamw = lambda model, lr, weight_decay: torch.optim.AdamW(
+            trainable_parameters(model), lr=lr, weight_decay=weight_decay)
     model, tok = load(spec["tiny"], spec["task"])
     if spec.get("lora"):
         from training.lora import apply_lora
@@ -266,17 +274,23 @@ def run_trl(spec: dict) -> dict:
 
 # ----------------------------------------------------------------------------- optimizer
 def run_adamw(spec: dict) -> dict:
-    """CPU seconds of one AdamW step over the model's parameters: the recipe's optimizer (torch's
-    default implementation) against TRL's (``optim="adamw_torch_fused"``), state already made."""
+    """CPU seconds of one AdamW step over the model's parameters: the recipe's optimizer
+    (``make_adamw``), torch's default implementation (the recipe's before) and TRL's
+    (``optim="adamw_torch_fused"``), state already made."""
     import torch
+
+    from training.optimizer import make_adamw
 
     model, _ = load(spec["tiny"], spec["task"])
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.randn_like(p)
     result = {}
-    for name, kwargs in (("default", {}), ("fused", {"fused": True})):
-        optimizer = torch.optim.AdamW(params, lr=1e-6, **kwargs)
+    builders = {"nopad": lambda: make_adamw(model, 1e-6, 0.0),
+                "default": lambda: torch.optim.AdamW(params, lr=1e-6),
+                "fused": lambda: torch.optim.AdamW(params, lr=1e-6, fused=True)}
+    for name, build in builders.items():
+        optimizer = build()
         optimizer.step()  # makes the state
         start = time.process_time()
         for _ in range(3):
@@ -307,7 +321,8 @@ def child(spec: dict) -> None:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    result = {"nopad": run_nopad, "TRL": run_trl, "adamw": run_adamw}[spec["system"]](spec)
+    run = {"nopad": run_nopad, "unfused": run_nopad, "TRL": run_trl, "adamw": run_adamw}[spec["system"]]
+    result = run(spec)
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -328,11 +343,11 @@ def measure(spec: dict, timeout: float) -> dict:
 def print_rows(loss: str, rows: dict) -> None:
     for system, r in rows.items():
         ratio = ""
-        if system == "nopad" and "TRL" in rows:
+        if system in ("nopad", "unfused") and "TRL" in rows:
             trl = rows["TRL"]
             ratio = f"{trl['cpu_s'] / r['cpu_s']:.2f}x / {trl['wall_s'] / r['wall_s']:.2f}x"
         print(
-            f"{loss:<8} {system:<6} {r['cpu_s']:>9.2f} {r['wall_s']:>9.2f} {r['forwards']:>9.2f} "
+            f"{loss:<8} {system:<7} {r['cpu_s']:>9.2f} {r['wall_s']:>9.2f} {r['forwards']:>9.2f} "
             f"{r['old_forwards']:>9.2f} {r['peak_rss_mb']:>9.0f} {r['mean_len']:>8.1f} "
             f"{r['tool_calls']:>6.2f} {ratio:>16}",
             flush=True,
@@ -346,7 +361,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny random Llama, one loss, one batch")
     parser.add_argument("--task", choices=TASKS, default="arithmetic")
     parser.add_argument("--losses", default=None, help=f"comma-separated (default: {','.join(LOSSES)})")
-    parser.add_argument("--systems", default="nopad,TRL", help="comma-separated: nopad, TRL")
+    parser.add_argument("--systems", default="nopad,TRL",
+                        help="comma-separated: nopad, TRL, unfused (nopad with torch's default AdamW)")
     parser.add_argument("--prompts", type=int, default=1, help="prompts per rollout batch")
     parser.add_argument("--generations", type=int, default=4, help="completions per prompt")
     parser.add_argument("--max-tokens", type=int, default=None, help="per completion (default 16; quick 8)")
@@ -363,8 +379,8 @@ def main() -> None:
     losses = (args.losses or ("dapo" if args.quick else ",".join(LOSSES))).split(",")
     unknown = sorted(set(losses) - set(LOSSES))
     systems = args.systems.split(",")
-    if unknown or not set(systems) <= {"nopad", "TRL"}:
-        parser.error(f"losses come from {LOSSES} and systems from nopad, TRL")
+    if unknown or not set(systems) <= {"nopad", "TRL", "unfused"}:
+        parser.error(f"losses come from {LOSSES} and systems from nopad, TRL, unfused")
     base = {
         "tiny": args.quick,
         "task": args.task,
@@ -387,7 +403,7 @@ def main() -> None:
     print("mean prompt tokens: nopad {:.1f}, TRL {:.1f}".format(*prompt_tokens(args.task)))
     if losses:
         print(
-            f"{'loss':<8} {'system':<6} {'CPU s/opt':>9} {'wall s/opt':>9} {'fwd/opt':>9} {'old fwd':>9} "
+            f"{'loss':<8} {'system':<7} {'CPU s/opt':>9} {'wall s/opt':>9} {'fwd/opt':>9} {'old fwd':>9} "
             f"{'peak MB':>9} {'mean len':>8} {'calls':>6} {'speed-up CPU/wall':>16}"
         )
     # a nopad run's checkpoint: its full-weight save (the first loss's run, or its own run)
@@ -401,7 +417,8 @@ def main() -> None:
         print_rows(loss, rows)
     if losses:
         adamw = measure({**base, "loss": "dapo", "system": "adamw"}, timeout)
-        print(f"one AdamW step over the model: nopad's recipe (torch default) {adamw['default']:.2f} CPU s, "
+        print(f"one AdamW step over the model: nopad's recipe (make_adamw) {adamw['nopad']:.2f} CPU s, "
+              f"torch's default (nopad before) {adamw['default']:.2f} CPU s, "
               f"TRL (adamw_torch_fused) {adamw['fused']:.2f} CPU s")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
     if not (args.quick or args.checkpoints_only or full_weights):

@@ -166,7 +166,7 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     from training.accumulation import OptimizerStepper
     from training.curves import finish_trackers, tracker_config, write_curves
     from training.grpo_step import grpo_step
-    from training.lora import trainable_parameters
+    from training.optimizer import make_adamw
 
     model, tokenizer = load_policy(cfg, model, tokenizer)
     reward_fn = get_reward(cfg.reward)
@@ -178,7 +178,7 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         ref_model.set_attn_implementation(NOPAD_ATTENTION)
     accelerator = make_accelerator(cfg)
-    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=tr.lr, weight_decay=tr.weight_decay)
+    optimizer = make_adamw(model, tr.lr, tr.weight_decay)  # fused where torch can
     model, optimizer = accelerator.prepare(model, optimizer)
     logger.info("training with %s on %d process(es)", engine_info(model, accelerator),
                 accelerator.num_processes)

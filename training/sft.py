@@ -17,8 +17,8 @@ from packing.row import as_row
 from training import checkpoint
 from training.accumulation import OptimizerStepper
 from training.curves import finish_trackers, write_curves
-from training.lora import trainable_parameters
 from training.loss import COUNT_KEYS, row_nll_sum
+from training.optimizer import make_adamw
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +50,10 @@ def sft_step(stepper: OptimizerStepper, window: list[dict], weighting: str = "to
 
 
 def make_optimizer(model, lr: float, weight_decay: float, warmup_steps: int, total_steps: int):
-    """AdamW over the trainable parameters (a LoRA adapter's alone) with a linear warm-up, then a
-    linear decay to 0 at ``total_steps``."""
-    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=lr, weight_decay=weight_decay)
+    """AdamW over the trainable parameters (a LoRA adapter's alone; fused where torch can:
+    :func:`training.optimizer.make_adamw`) with a linear warm-up, then a linear decay to 0 at
+    ``total_steps``."""
+    optimizer = make_adamw(model, lr, weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda s: min(1.0, (s + 1) / (warmup_steps + 1)) * max(0.0, 1 - s / max(total_steps, 1)),
