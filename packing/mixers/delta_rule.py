@@ -78,6 +78,15 @@ def varlen_delta_rule(
         fla = package_function(*FLA_FUNCTIONS[fla_kernel], query)
     tensors = (query, key, value, g, beta)
     common = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    # a decode step (one token per sequence, each from its slot): the one batched call the plan
+    # below would make, without building the plan (six layers' worth of Python per step)
+    decode = (stepwise or (reference if chunk_size is None else None)) if fla is None else None
+    one_each = meta.max_seqlen_q == 1 and meta.total_q == meta.num_seqs
+    if decode is not None and initial_state is not None and meta.key_rows is None and one_each:
+        start = initial_state.to(torch.float32)
+        rows = (t.transpose(0, 1) for t in tensors)  # (N, 1, ...): each sequence a batch row of one step
+        out, final = decode(*rows, initial_state=start, output_final_state=True, **common)
+        return out.transpose(0, 1), final if output_final_state else None
     if fla is not None and plan.is_flat and initial_state is None:  # a packed row: one call as it is
         cu = meta.cu_seqlens_q.to(torch.long)
         return fla(*tensors, initial_state=None, output_final_state=output_final_state, cu_seqlens=cu,
