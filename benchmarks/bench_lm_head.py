@@ -32,7 +32,8 @@ held from the warm-up). glibc is told to return every allocation over 64 KiB to 
   ``.grad`` itself, so this is the extra beyond the model's own gradients, which the baseline holds.
 
 ``/(TxV/8)`` is each against the goal: 1/8 of one fp32 ``T x V`` tensor (``--grads``: which to
-run; ``-``: not run). Time (the first ``--grads`` mode's run):
+run; ``-``: not run). Time (the first ``--grads`` mode's run), wall and CPU seconds (the process's,
+all threads: the fairer ratio on a loaded machine):
 the method's one forward and backward, after a warm-up of the method on a 64-token
 row (first-call costs) and the backbone pass. Agreement: the loss's relative difference from
 ``hf_labels``'s (all processes build the same weights from one seed), and the relative difference
@@ -159,12 +160,12 @@ def run_one(name: str, vocab: int, tokens: int, dtype: str, grads: str = "held")
     backbone_s = time.perf_counter() - t0
     base = peak_rss()  # with every .grad held
     model.zero_grad(set_to_none=grads == "none")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     loss = loss_fn()
     loss.backward()
-    seconds = time.perf_counter() - t0
+    seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     grad = model.get_input_embeddings().weight.grad.float().norm()
-    return {"extra_bytes": peak_rss() - base, "seconds": seconds, "backbone_s": backbone_s,
+    return {"extra_bytes": peak_rss() - base, "seconds": seconds, "cpu_s": cpu_s, "backbone_s": backbone_s,
             "loss": float(loss), "grad_norm": float(grad), "base_bytes": base}
 
 
@@ -205,12 +206,12 @@ def table_cells(r: dict, ref: dict | None, goal: float) -> str:
         extra = r.get("extra_bytes_grad_" + grads)
         cells.append(f"{extra / 2**20:10.0f} {extra / goal:8.2f}" if extra is not None
                      else f"{'-':>10} {'-':>8}")
-    x_hf, loss_d, grad_d = "    -", f"{'-':>13}", f"{'-':>13}"
+    x_hf, x_cpu, loss_d, grad_d = "    -", "    -", f"{'-':>13}", f"{'-':>13}"
     if ref:
-        x_hf = f"{r['seconds'] / ref['seconds']:5.2f}"
+        x_hf, x_cpu = f"{r['seconds'] / ref['seconds']:5.2f}", f"{r['cpu_s'] / ref['cpu_s']:5.2f}"
         loss_d = f"{abs(r['loss'] - ref['loss']) / abs(ref['loss']):13.1e}"
         grad_d = f"{abs(r['grad_norm'] - ref['grad_norm']) / ref['grad_norm']:13.1e}"
-    return f"{' '.join(cells)} {r['seconds']:7.2f} {x_hf} {loss_d} {grad_d}"
+    return f"{' '.join(cells)} {r['seconds']:7.2f} {x_hf} {r['cpu_s']:7.2f} {x_cpu} {loss_d} {grad_d}"
 
 
 def main() -> None:
@@ -236,8 +237,8 @@ def main() -> None:
         args.vocab, args.tokens, args.dtypes = [4096], [256], ["fp32"]
     rows = []
     print(f"{'vocab':>7} {'T':>6} {'dtype':>5} {'method':>19} {'extra held':>10} {'/(TxV/8)':>8} "
-          f"{'extra none':>10} {'/(TxV/8)':>8} {'time s':>7} {'x hf':>5} {'loss rel diff':>13} "
-          f"{'grad rel diff':>13}   (extra: MiB)")
+          f"{'extra none':>10} {'/(TxV/8)':>8} {'time s':>7} {'x hf':>5} {'cpu s':>7} {'x hf':>5} "
+          f"{'loss rel diff':>13} {'grad rel diff':>13}   (extra: MiB)")
     for vocab in args.vocab:
         for tokens in args.tokens:
             for dtype in args.dtypes:
