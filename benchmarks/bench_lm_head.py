@@ -214,6 +214,41 @@ def table_cells(r: dict, ref: dict | None, goal: float) -> str:
     return f"{' '.join(cells)} {r['seconds']:7.2f} {x_hf} {r['cpu_s']:7.2f} {x_cpu} {loss_d} {grad_d}"
 
 
+def chunk_gemms(vocab: int, hidden: int = 256, chunk: int = 128, repeats: int = 2) -> None:
+    """One head chunk's GEMMs, fp32 beside bf16, each timed alone (wall seconds, best of
+    ``repeats``): where a bf16 head's time goes on a CPU without native bf16 GEMMs, and what
+    ``packing.linear_head`` runs there instead (the fp32 rows with an upcast)."""
+    import torch
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    print(f"vocab {vocab}, hidden {hidden}, chunk {chunk}; oneDNN bf16 GEMMs: "
+          f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, fn in _gemms(dtype, vocab, hidden, chunk).items():
+            print(f"{str(dtype):>15} {name:>28} {best(fn):8.2f} s", flush=True)
+
+
+def _gemms(dtype, vocab: int, hidden: int, chunk: int) -> dict:
+    import torch
+
+    w = torch.randn(vocab, hidden).to(dtype)
+    h, g = torch.randn(chunk, hidden).to(dtype), (torch.randn(chunk, vocab) * 1e-3).to(dtype)
+    acc = torch.zeros(vocab, hidden)
+    rows = {"logits h @ W^T": lambda: h @ w.t(), "grad_h g @ W": lambda: g @ w,
+            "grad_W g^T @ h": lambda: g.t() @ h}
+    if dtype != torch.float32:
+        rows["grad_h fp32 upcast"] = lambda: g.float() @ w.float()
+        rows["grad_W fp32 upcast, addmm_"] = lambda: acc.addmm_(g.t().float(), h.float())
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
@@ -227,8 +262,12 @@ def main() -> None:
                    help="the .grad modes to measure (time and agreement: the first one's run)")
     p.add_argument("--max-gib", type=float, default=9.0, help="skip a method estimated to need more")
     p.add_argument("--json", type=Path, help="also write the rows here")
+    p.add_argument("--gemms", action="store_true",
+                   help="time one chunk's GEMMs alone, fp32 beside bf16, at the first --vocab (then exit)")
     p.add_argument("--one", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.gemms:
+        return chunk_gemms(4096 if args.quick else args.vocab[0], repeats=1 if args.quick else 2)
     if args.one:
         name, vocab, tokens, dtype, grads = args.one
         print(json.dumps(run_one(name, int(vocab), int(tokens), dtype, grads)))
