@@ -42,6 +42,7 @@ of the embedding's gradient norm. A method whose estimated need is over ``--max-
     python benchmarks/bench_lm_head.py                     # the table in docs/benchmarks.md
     python benchmarks/bench_lm_head.py --tokens 2048 --vocab 151936 --dtypes fp32
     python benchmarks/bench_lm_head.py --quick             # a 4,096-word vocabulary, 256 tokens
+    python benchmarks/bench_lm_head.py --gemms --vocab 151936  # one chunk's GEMMs alone, fp32 beside bf16
 """
 
 from __future__ import annotations

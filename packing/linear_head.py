@@ -8,7 +8,9 @@ three of the full-logits path. Here the weight's (and bias's) gradient goes into
 with ``addmm_``; and for a scalar loss (:class:`LinearHeadNLL`, the SFT loss), whose gradient is
 known up to one scale in the forward pass, each chunk's gradients are taken in the forward while
 its logits exist: three GEMMs, no recompute. Log-probs (:class:`LinearHeadChunks`, per-token
-gradients only known in backward) still recompute, with the one buffer.
+gradients only known in backward) still recompute, with the one buffer. A bf16 head on a CPU
+without bf16 GEMMs takes both gradient GEMMs in fp32 (:func:`_accumulate_fp32`: torch's fallback
+bf16 GEMM is 5-30x slower); its forward, so every log-prob, stays the module's own.
 
 The forward values are the ops of :mod:`packing.lm_head`'s chunks, in the same order (the module's
 ``forward``, the final-logit ops, :func:`packing.log_softmax.tempered_log_softmax`, under the
@@ -91,7 +93,7 @@ def _native_gemm(t: torch.Tensor) -> bool:
     return True
 
 
-VOCAB_SLICE_ELEMENTS = 1 << 22  # weight elements converted to fp32 at a time (16 MiB)
+_VOCAB_SLICE_ELEMENTS = 1 << 22  # weight elements converted to fp32 at a time (16 MiB)
 
 
 def _accumulate_fp32(grads: list, g_out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
@@ -103,7 +105,7 @@ def _accumulate_fp32(grads: list, g_out: torch.Tensor, h: torch.Tensor, weight: 
     grad_h, grad_w, grad_b = grads
     g_out, h32 = g_out.float(), h.float()
     acc_h = h32.new_zeros(h32.shape) if grad_h is not None else None
-    step = max(1, VOCAB_SLICE_ELEMENTS // weight.shape[1])
+    step = max(1, _VOCAB_SLICE_ELEMENTS // weight.shape[1])
     for start in range(0, weight.shape[0], step):
         vocab = slice(start, start + step)
         if acc_h is not None:

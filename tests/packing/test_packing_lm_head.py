@@ -332,7 +332,7 @@ def test_a_bf16_heads_gradients_are_summed_in_fp32_on_a_cpu_without_bf16_gemms(n
     from packing.lm_head import head_logprobs, head_nll_sum
 
     monkeypatch.setattr(linear_head, "_native_gemm", lambda t: native)
-    monkeypatch.setattr(linear_head, "VOCAB_SLICE_ELEMENTS", 700 * 16)  # slices that do not divide V
+    monkeypatch.setattr(linear_head, "_VOCAB_SLICE_ELEMENTS", 700 * 16)  # slices that do not divide V
     g = torch.Generator().manual_seed(0)
     lm = LMHead(torch.nn.Linear(16, 3000).to(torch.bfloat16), softcap=softcap)
     with torch.no_grad():
