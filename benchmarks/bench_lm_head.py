@@ -32,7 +32,8 @@ held from the warm-up). glibc is told to return every allocation over 64 KiB to 
   ``.grad`` itself, so this is the extra beyond the model's own gradients, which the baseline holds.
 
 ``/(TxV/8)`` is each against the goal: 1/8 of one fp32 ``T x V`` tensor (``--grads``: which to
-run; ``-``: not run). Time (the first ``--grads`` mode's run):
+run; ``-``: not run). Time (the first ``--grads`` mode's run), wall and CPU seconds (the process's,
+all threads: the fairer ratio on a loaded machine):
 the method's one forward and backward, after a warm-up of the method on a 64-token
 row (first-call costs) and the backbone pass. Agreement: the loss's relative difference from
 ``hf_labels``'s (all processes build the same weights from one seed), and the relative difference
@@ -41,6 +42,7 @@ of the embedding's gradient norm. A method whose estimated need is over ``--max-
     python benchmarks/bench_lm_head.py                     # the table in docs/benchmarks.md
     python benchmarks/bench_lm_head.py --tokens 2048 --vocab 151936 --dtypes fp32
     python benchmarks/bench_lm_head.py --quick             # a 4,096-word vocabulary, 256 tokens
+    python benchmarks/bench_lm_head.py --gemms --vocab 151936  # one chunk's GEMMs alone, fp32 beside bf16
 """
 
 from __future__ import annotations
@@ -159,12 +161,12 @@ def run_one(name: str, vocab: int, tokens: int, dtype: str, grads: str = "held")
     backbone_s = time.perf_counter() - t0
     base = peak_rss()  # with every .grad held
     model.zero_grad(set_to_none=grads == "none")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     loss = loss_fn()
     loss.backward()
-    seconds = time.perf_counter() - t0
+    seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     grad = model.get_input_embeddings().weight.grad.float().norm()
-    return {"extra_bytes": peak_rss() - base, "seconds": seconds, "backbone_s": backbone_s,
+    return {"extra_bytes": peak_rss() - base, "seconds": seconds, "cpu_s": cpu_s, "backbone_s": backbone_s,
             "loss": float(loss), "grad_norm": float(grad), "base_bytes": base}
 
 
@@ -205,12 +207,47 @@ def table_cells(r: dict, ref: dict | None, goal: float) -> str:
         extra = r.get("extra_bytes_grad_" + grads)
         cells.append(f"{extra / 2**20:10.0f} {extra / goal:8.2f}" if extra is not None
                      else f"{'-':>10} {'-':>8}")
-    x_hf, loss_d, grad_d = "    -", f"{'-':>13}", f"{'-':>13}"
+    x_hf, x_cpu, loss_d, grad_d = "    -", "    -", f"{'-':>13}", f"{'-':>13}"
     if ref:
-        x_hf = f"{r['seconds'] / ref['seconds']:5.2f}"
+        x_hf, x_cpu = f"{r['seconds'] / ref['seconds']:5.2f}", f"{r['cpu_s'] / ref['cpu_s']:5.2f}"
         loss_d = f"{abs(r['loss'] - ref['loss']) / abs(ref['loss']):13.1e}"
         grad_d = f"{abs(r['grad_norm'] - ref['grad_norm']) / ref['grad_norm']:13.1e}"
-    return f"{' '.join(cells)} {r['seconds']:7.2f} {x_hf} {loss_d} {grad_d}"
+    return f"{' '.join(cells)} {r['seconds']:7.2f} {x_hf} {r['cpu_s']:7.2f} {x_cpu} {loss_d} {grad_d}"
+
+
+def chunk_gemms(vocab: int, hidden: int = 256, chunk: int = 128, repeats: int = 2) -> None:
+    """One head chunk's GEMMs, fp32 beside bf16, each timed alone (wall seconds, best of
+    ``repeats``): where a bf16 head's time goes on a CPU without native bf16 GEMMs, and what
+    ``packing.linear_head`` runs there instead (the fp32 rows with an upcast)."""
+    import torch
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    print(f"vocab {vocab}, hidden {hidden}, chunk {chunk}; oneDNN bf16 GEMMs: "
+          f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, fn in _gemms(dtype, vocab, hidden, chunk).items():
+            print(f"{str(dtype):>15} {name:>28} {best(fn):8.2f} s", flush=True)
+
+
+def _gemms(dtype, vocab: int, hidden: int, chunk: int) -> dict:
+    import torch
+
+    w = torch.randn(vocab, hidden).to(dtype)
+    h, g = torch.randn(chunk, hidden).to(dtype), (torch.randn(chunk, vocab) * 1e-3).to(dtype)
+    acc = torch.zeros(vocab, hidden)
+    rows = {"logits h @ W^T": lambda: h @ w.t(), "grad_h g @ W": lambda: g @ w,
+            "grad_W g^T @ h": lambda: g.t() @ h}
+    if dtype != torch.float32:
+        rows["grad_h fp32 upcast"] = lambda: g.float() @ w.float()
+        rows["grad_W fp32 upcast, addmm_"] = lambda: acc.addmm_(g.t().float(), h.float())
+    return rows
 
 
 def main() -> None:
@@ -226,8 +263,12 @@ def main() -> None:
                    help="the .grad modes to measure (time and agreement: the first one's run)")
     p.add_argument("--max-gib", type=float, default=9.0, help="skip a method estimated to need more")
     p.add_argument("--json", type=Path, help="also write the rows here")
+    p.add_argument("--gemms", action="store_true",
+                   help="time one chunk's GEMMs alone, fp32 beside bf16, at the first --vocab (then exit)")
     p.add_argument("--one", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.gemms:
+        return chunk_gemms(4096 if args.quick else args.vocab[0], repeats=1 if args.quick else 2)
     if args.one:
         name, vocab, tokens, dtype, grads = args.one
         print(json.dumps(run_one(name, int(vocab), int(tokens), dtype, grads)))
@@ -236,8 +277,8 @@ def main() -> None:
         args.vocab, args.tokens, args.dtypes = [4096], [256], ["fp32"]
     rows = []
     print(f"{'vocab':>7} {'T':>6} {'dtype':>5} {'method':>19} {'extra held':>10} {'/(TxV/8)':>8} "
-          f"{'extra none':>10} {'/(TxV/8)':>8} {'time s':>7} {'x hf':>5} {'loss rel diff':>13} "
-          f"{'grad rel diff':>13}   (extra: MiB)")
+          f"{'extra none':>10} {'/(TxV/8)':>8} {'time s':>7} {'x hf':>5} {'cpu s':>7} {'x hf':>5} "
+          f"{'loss rel diff':>13} {'grad rel diff':>13}   (extra: MiB)")
     for vocab in args.vocab:
         for tokens in args.tokens:
             for dtype in args.dtypes:

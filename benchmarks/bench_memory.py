@@ -12,6 +12,12 @@ model, split over the ranks (16 bytes per parameter / world size), the least ZeR
     python benchmarks/bench_memory.py --steps 2 --timeout 1800
     python benchmarks/bench_memory.py train.gradient_checkpointing=false   # extra recipe overrides
     python benchmarks/bench_memory.py --quick          # smoke run: the same launch on a tiny random Llama
+    python benchmarks/bench_memory.py --phases train.gradient_checkpointing=true   # + RSS per phase
+
+``--phases`` launches the recipe through ``benchmarks/_memory_phases.py``, which logs each rank's
+RSS at the end of every phase (imports, model load, ``accelerator.prepare``, each forward and
+backward, DeepSpeed's step, the save), the highest RSS during it, and how much of the process's
+heap glibc holds freed but keeps (mallinfo2: main arena), and prints them per rank.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -144,6 +151,19 @@ def _run(cmd: list[str], env: dict, timeout: float) -> tuple[int, str, TreeSampl
     return rc, log.read(), sampler
 
 
+def print_phases(work: Path) -> None:
+    """Each rank's phases from ``_memory_phases.py``: GB at the end, highest during, glibc's heap."""
+    import json
+
+    for path in sorted(work.glob("rank*.jsonl")):
+        print(f"{path.stem}: phase (GB)                                end  highest  heap used  heap "
+              "freed-kept  mmapped")
+        for line in path.read_text().splitlines():
+            r = {k: v / 1e9 if isinstance(v, int) else v for k, v in json.loads(line).items()}
+            print(f"  {r['phase'][:50]:50s} {r['rss']:5.2f}  {r['peak']:7.2f}  {r['heap_used']:9.2f}  "
+                  f"{r['heap_free']:16.2f}  {r['mmapped']:7.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -152,6 +172,7 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="keep the packed data and run here")
     parser.add_argument("--quick", action="store_true",
                         help="the same ZeRO-3 launch and report on a tiny random Llama")
+    parser.add_argument("--phases", action="store_true", help="log and print each rank's RSS per phase")
     parser.add_argument("overrides", nargs="*", help="recipes.sft overrides added to the README's line")
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_memory_"))
@@ -163,8 +184,14 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "recipes.preprocess", "input=recipes/data/chat_sample.jsonl",
                         f"output={packed}", "capacity=2048"], cwd=ROOT, env=env, check=True,
                        stdout=subprocess.DEVNULL)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           "recipes/configs/accelerate_zero3.yaml", "-m", "recipes.sft",
+    if args.phases:
+        env["MEMORY_PHASES_DIR"] = str(work)
+    recipe = ["benchmarks/_memory_phases.py"] if args.phases else ["-m", "recipes.sft"]
+    with socket.socket() as sock:  # a free rendezvous port: on 29500, another launch held us for minutes
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(port),
+           "--config_file", "recipes/configs/accelerate_zero3.yaml", *recipe,
            "data.source=synthetic" if args.quick else f"data.source={packed}",
            f"checkpoint.output_dir={work / 'sft'}", f"train.max_steps={args.steps}", "train.progress=false",
            *args.overrides]
@@ -187,6 +214,8 @@ def main() -> None:
     print(f"launcher: peak RSS {s.launcher_hwm / gb:.2f} GB")
     print(f"whole launch: peak summed RSS {s.peak_total / gb:.2f} GB = {s.peak_total / (floor * WORLD):.2f}x "
           f"the floor of both ranks")
+    if args.phases:
+        print_phases(work)
     if args.workdir is None:  # the packed data and the checkpoint were only the run's
         shutil.rmtree(work, ignore_errors=True)
     if rc != 0:

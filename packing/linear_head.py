@@ -8,7 +8,9 @@ three of the full-logits path. Here the weight's (and bias's) gradient goes into
 with ``addmm_``; and for a scalar loss (:class:`LinearHeadNLL`, the SFT loss), whose gradient is
 known up to one scale in the forward pass, each chunk's gradients are taken in the forward while
 its logits exist: three GEMMs, no recompute. Log-probs (:class:`LinearHeadChunks`, per-token
-gradients only known in backward) still recompute, with the one buffer.
+gradients only known in backward) still recompute, with the one buffer. A bf16 head on a CPU
+without bf16 GEMMs takes both gradient GEMMs in fp32 (:func:`_accumulate_fp32`: torch's fallback
+bf16 GEMM is 5-30x slower); its forward, so every log-prob, stays the module's own.
 
 The forward values are the ops of :mod:`packing.lm_head`'s chunks, in the same order (the module's
 ``forward``, the final-logit ops, :func:`packing.log_softmax.tempered_log_softmax`, under the
@@ -46,9 +48,9 @@ def _chunk(head, h: torch.Tensor, t: torch.Tensor, temperature: float, want_entr
             return picked, ent, None
         g_z = logits_grad(logp, t, ent if want_entropy else None, g_picked, g_ent, temperature, reuse=True)
         del logp
-        g_z = g_z.to(h.dtype)
-    if not with_grad:
+    if not with_grad:  # fp32: _accumulate casts it to the GEMMs' dtype
         return picked, ent, g_z
+    g_z = g_z.to(out.dtype)
     with torch.enable_grad():
         return picked, ent, torch.autograd.grad(z, out, g_z)[0]
 
@@ -62,6 +64,10 @@ def _gradient_buffers(hidden, weight, bias, needs) -> list[torch.Tensor | None]:
 
 def _accumulate(grads: list, g_out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, rows: slice) -> None:
     grad_h, grad_w, grad_b = grads
+    if not _native_gemm(h):
+        _accumulate_fp32(grads, g_out, h, weight, rows)
+        return
+    g_out = g_out.to(h.dtype)
     if grad_h is not None:
         grad_h[rows] = g_out @ weight
     if grad_w is not None:
@@ -71,6 +77,45 @@ def _accumulate(grads: list, g_out: torch.Tensor, h: torch.Tensor, weight: torch
             grad_w += g_out.t() @ h
     if grad_b is not None:
         grad_b += g_out.sum(0, dtype=torch.float32)
+
+
+def _native_gemm(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device runs GEMMs in its dtype at speed. Not bf16 / fp16 on a CPU without
+    oneDNN's kernels for them (no AVX512-BF16 / AVX512-FP16 / AMX): torch's fallback GEMM runs
+    them 5-10x slower than fp32, and 30x when the reduction runs over the vocabulary with the
+    weight row-major, as ``g @ weight`` does (``benchmarks/bench_lm_head.py``, docs/benchmarks.md)."""
+    if t.device.type != "cpu" or t.dtype == torch.float32:
+        return True
+    if t.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if t.dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return True
+
+
+_VOCAB_SLICE_ELEMENTS = 1 << 22  # weight elements converted to fp32 at a time (16 MiB)
+
+
+def _accumulate_fp32(grads: list, g_out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                     rows: slice) -> None:
+    """:func:`_accumulate` in fp32, for a reduced-precision head on a CPU without native GEMMs for
+    it (:func:`_native_gemm`): ``g_out`` stays the fp32 gradient it was computed as (not rounded to
+    bf16 first), and the weight goes to fp32 one vocabulary slice at a time, so no ``V x H`` copy of
+    it is held; the sums are as exact as the bf16 GEMM's fp32 accumulator, or more."""
+    grad_h, grad_w, grad_b = grads
+    g_out, h32 = g_out.float(), h.float()
+    acc_h = h32.new_zeros(h32.shape) if grad_h is not None else None
+    step = max(1, _VOCAB_SLICE_ELEMENTS // weight.shape[1])
+    for start in range(0, weight.shape[0], step):
+        vocab = slice(start, start + step)
+        if acc_h is not None:
+            acc_h.addmm_(g_out[:, vocab], weight[vocab].float())
+        if grad_w is not None:
+            grad_w[vocab].addmm_(g_out[:, vocab].t(), h32)
+    if grad_h is not None:
+        grad_h[rows] = acc_h
+    if grad_b is not None:
+        grad_b += g_out.sum(0)
 
 
 def _as_params(grads: list, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -201,6 +201,9 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_cli(SFTRecipeConfig, argv, "recipes.sft", __doc__)  # --help: before torch loads
     setup_logging()
+    from training.host_memory import return_freed_memory
+
+    return_freed_memory()  # freed activations go back to the OS, not into glibc's heap (bench_memory.py)
     return train(cfg)
 
 

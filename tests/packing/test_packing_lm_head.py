@@ -305,3 +305,61 @@ def test_a_forward_in_batch_invariant_mode_backpropagates_outside_it():
             logps, _ = token_logprobs(model, row.model_kwargs(), *row.loss_tokens(), chunk_tokens=4)
         logps.sum().backward()
     assert all(p.grad is not None and bool(p.grad.isfinite().all()) for p in model.parameters())
+
+
+
+def _fp32_gradients(lm: LMHead, hidden, targets, weights):
+    """The weighted NLL's gradients as the head takes them on a CPU without bf16 GEMMs: the module's
+    bf16 output and final-logit ops (their backward in bf16, by autograd), the log-softmax and its
+    gradient in fp32, then the GEMMs in fp32."""
+    out = lm.module(hidden).detach().requires_grad_()
+    z = lm.finish(out)
+    zf = z.detach().float().requires_grad_()
+    (-(weights * torch.log_softmax(zf, -1).gather(1, targets[:, None])[:, 0]).sum()).backward()
+    g = torch.autograd.grad(z, out, zf.grad.to(z.dtype))[0].float() if lm.final_ops else zf.grad
+    weight = lm.module.weight.detach().float()
+    return g @ weight, g.t() @ hidden.float(), g.sum(0)
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_a_bf16_heads_gradients_are_summed_in_fp32_on_a_cpu_without_bf16_gemms(native, softcap, monkeypatch):
+    """bf16 on a CPU without oneDNN's bf16 GEMMs: each chunk's logit gradient stays fp32 and both
+    gradient GEMMs run in fp32 (torch's fallback bf16 GEMM is 5-30x slower), so the gradients are
+    the fp32 sums rounded once to bf16; with native GEMMs, the bf16 ones, within bf16 rounding. The
+    log-probs are the module's bf16 logits' either way (the generator's)."""
+    from packing import linear_head
+    from packing.lm_head import head_logprobs, head_nll_sum
+
+    monkeypatch.setattr(linear_head, "_native_gemm", lambda t: native)
+    monkeypatch.setattr(linear_head, "_VOCAB_SLICE_ELEMENTS", 700 * 16)  # slices that do not divide V
+    g = torch.Generator().manual_seed(0)
+    lm = LMHead(torch.nn.Linear(16, 3000).to(torch.bfloat16), softcap=softcap)
+    with torch.no_grad():
+        lm.module.weight.copy_(torch.randn(lm.module.weight.shape, generator=g))
+        lm.module.bias.copy_(torch.randn(lm.module.bias.shape, generator=g))
+    hidden = torch.randn(37, 16, generator=g).to(torch.bfloat16)
+    targets = torch.randint(0, 3000, (37,), generator=g)
+    weights = torch.rand(37, generator=g)
+    with torch.no_grad():
+        logps = head_logprobs(lm, hidden, targets, chunk_tokens=5, hooks=False)[0]
+    ref = _fp32_gradients(lm, hidden, targets, weights)
+
+    def loss_and_grads(fn):
+        lm.module.zero_grad(set_to_none=True)
+        h = hidden.clone().requires_grad_()
+        loss = fn(h)
+        loss.backward()
+        return loss.detach(), (h.grad, lm.module.weight.grad, lm.module.bias.grad)
+
+    for loss, grads in (
+            loss_and_grads(lambda h: head_nll_sum(lm, h, targets, weights, chunk_tokens=5, hooks=False)),
+            loss_and_grads(lambda h: -(weights * head_logprobs(lm, h, targets, chunk_tokens=5,
+                                                               hooks=False)[0]).sum())):
+        assert torch.equal(loss, -(weights * logps).sum())
+        for ours, theirs in zip(grads, ref):
+            assert ours.dtype == torch.bfloat16
+            err, scale = (ours.float() - theirs).abs(), float(theirs.abs().max())
+            assert float(err.max()) <= 2 ** -7 * scale  # bf16 rounding, either way
+            if not native:  # fp32 sums rounded once to bf16: within one step
+                assert bool((err <= 2 ** -8 * theirs.abs() + 1e-6 * scale).all())
