@@ -31,6 +31,10 @@ on. On a hybrid model a request reuses cached K/V blocks only up to a block boun
 snapshot was kept (inference/state_prefix.py), so the row says how many prompt tokens it skipped
 and how many snapshots it restored, and whether the outputs equal the cache-off run.
 
+Decode step (``--step-cost MODELS``): the CPU time of one decode step of the ``Generator`` and of
+HF ``generate`` at the same 12, 4 and 1 rows (no padding on either side), fp32: where the
+generation ratio comes from, since both run the model's own layers once per step.
+
 Exact mode (``--exact-mode on|off|only``, on by default): the same packed rows, forward + backward, outside
 and inside ``packing.batch_invariant()``, where the delta rule and the Mamba2 scan run token by
 token (the order of the generator's decode) and the convolution as ordered gathers, so rollout
@@ -138,6 +142,9 @@ def main() -> None:
     parser.add_argument("--gen-batch", type=int, default=None,
                         help="sequences at once in the generation part: HF's static batch size and the "
                              "Generator's max_num_seqs (default: every prompt in one batch)")
+    parser.add_argument("--step-cost", default=None,
+                        help="models whose decode-step CPU time to compare at 12, 4 and 1 rows, fp32 "
+                             "(comma-separated; default: none, qwen3_5 with --quick)")
     parser.add_argument("--prefix-cache", default="qwen3_5,lfm2,bamba",
                         help="models for the shared-system-prompt part, comma-separated ('' to skip it)")
     parser.add_argument("--dtypes", default="float32,bfloat16",
@@ -179,6 +186,10 @@ def main() -> None:
         exact_mode_cost(args, builders, vocab, packed, real)
     if args.generation:
         generation([builders[name] for name in args.generation.split(",")], vocab, args)
+    if args.step_cost is None:
+        args.step_cost = "qwen3_5" if args.quick else ""
+    if args.step_cost:
+        step_cost([builders[name] for name in args.step_cost.split(",")], vocab, args)
     if args.prefix_cache:
         prefix_cache([builders[name] for name in args.prefix_cache.split(",")], vocab, args)
 
@@ -234,6 +245,52 @@ def generation(builders, vocab: int, args) -> None:
                 print(f"{name:8s} {dtype_name:9s} {run_.name:34s} {run_.seconds:8.2f} "
                       f"{run_.tokens / run_.seconds:8.1f} {hf.seconds / run_.seconds:6.2f}x "
                       f"{cpu:7.2f} {hf_cpu / cpu:6.2f}x  {note}")
+
+
+def step_cost(builders, vocab: int, args) -> None:
+    """CPU ms of one decode step, nopad ``Generator`` vs HF ``generate``, at the same rows: the
+    difference of a run of ``1 + new`` tokens and one of 1 token (the same prefill), over ``new``."""
+    prompt_len, new, counts = (16, 4, (2, 1)) if args.quick else (64, 40, (12, 4, 1))
+    rng = np.random.default_rng(args.seed + 3)
+    print(f"\ndecode step: rows of {prompt_len}-token prompts, {new} steps timed (a run of {new + 1} tokens "
+          f"minus a run of 1), fp32, greedy, {args.threads} threads, best of 2")
+    print(f"{'model':8s} {'rows':>4s} {'nopad ms':>9s} {'HF ms':>9s} {'HF / nopad':>10s}")
+    for build in builders:
+        model = build(vocab, args.quick).eval()
+        for rows in counts:
+            prompts = [rng.integers(3, vocab, prompt_len).tolist() for _ in range(rows)]
+            nopad = _decode_ms(model, prompts, new, nopad=True)
+            hf = _decode_ms(model, prompts, new, nopad=False)
+            print(f"{build.__name__:8s} {rows:4d} {nopad:9.2f} {hf:9.2f} {hf / nopad:9.2f}x")
+
+
+def _decode_ms(model, prompts: list[list[int]], new: int, nopad: bool) -> float:
+    from inference import Generator, SamplingParams
+
+    ids = torch.tensor(prompts)
+    rows, width = ids.shape
+    gen = Generator(model, block_size=16, max_num_batched_tokens=rows * width, max_num_seqs=rows,
+                    num_blocks=rows * -(-(width + new + 1) // 16) + 8) if nopad else None
+
+    def run_(k: int) -> None:
+        if nopad:
+            params = SamplingParams(temperature=0, max_tokens=k, ignore_eos=True)
+            gen.generate(prompts, params, use_tqdm=False)
+            return
+        model.set_attn_implementation("sdpa")
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k, min_new_tokens=0,
+                           eos_token_id=-1, pad_token_id=0, do_sample=False)
+
+    run_(2)  # warm-up
+    tries = []
+    for _ in range(2):
+        start = time.process_time()
+        run_(1)
+        mid = time.process_time()
+        run_(1 + new)
+        tries.append(((time.process_time() - mid) - (mid - start)) / new * 1000)
+    return min(tries)
 
 
 def prefix_cache(builders, vocab: int, args) -> None:

@@ -64,8 +64,7 @@ def varlen_delta_rule(
     sequence's final state."""
     if query.shape[0] != 1 or query.shape[1] != meta.total_q:
         raise ValueError(f"a varlen row is (1, {meta.total_q}, ...); got query of shape "
-                         f"{tuple(query.shape)}. "
-                         "nopad rows run with use_cache=False")
+                         f"{tuple(query.shape)}. nopad rows run with use_cache=False")
     plan = recurrence_plan(meta)
     if initial_state is not None and meta.key_rows is not None:
         raise ValueError("initial_state applies to packed rows; a prefix-tree segment starts from its parent")
@@ -76,12 +75,14 @@ def varlen_delta_rule(
         stepwise = _token_by_token(recurrent)
     if fla_kernel is not None and not invariance.is_enabled():
         fla = package_function(*FLA_FUNCTIONS[fla_kernel], query)
-    tensors = (query, key, value, g, beta)
-    common = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    tensors, common = (query, key, value, g, beta), dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    decode = stepwise or (None if chunk_size else reference)  # the token-by-token rule, if one runs
+    step = _decode_step(decode, fla, tensors, meta, initial_state, common)
+    if step is not None:
+        return step[0], step[1] if output_final_state else None
     if fla is not None and plan.is_flat and initial_state is None:  # a packed row: one call as it is
-        cu = meta.cu_seqlens_q.to(torch.long)
-        return fla(*tensors, initial_state=None, output_final_state=output_final_state, cu_seqlens=cu,
-                   **common)
+        return fla(*tensors, initial_state=None, output_final_state=output_final_state,
+                   cu_seqlens=meta.cu_seqlens_q.to(torch.long), **common)
     flat = plan.is_flat and all(p >= 0 for p in plan.last_piece)  # no empty sequence either
     states: dict[int, torch.Tensor] = {}
     parts, part_rows, flat_finals, flat_seqs = [], [], [], []
@@ -115,6 +116,20 @@ def varlen_delta_rule(
     finals = [states[p] if p >= 0 else _initial(initial_state, i, value, key)
               for i, p in enumerate(plan.last_piece)]
     return out, torch.stack(finals)
+
+
+def _decode_step(rule: Callable | None, fla, tensors, meta: VarlenMeta, initial_state: torch.Tensor | None,
+                 common: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A decode step (one token per sequence, each from its slot): the one batched call of the
+    token-by-token ``rule`` that the row's plan would make, without building the plan (six
+    layers' worth of Python per step). Returns the output ``(1, N, HV, V)`` and the finals;
+    None when the row is not such a step (or no token-by-token rule runs it, or fla does)."""
+    one_each = meta.max_seqlen_q == 1 and meta.total_q == meta.num_seqs
+    if rule is None or fla is not None or initial_state is None or meta.key_rows is not None or not one_each:
+        return None
+    rows = (t.transpose(0, 1) for t in tensors)  # (N, 1, ...): each sequence a batch row of one step
+    out, final = rule(*rows, initial_state=initial_state.to(torch.float32), output_final_state=True, **common)
+    return out.transpose(0, 1), final
 
 
 def _in_row_order(parts: list[torch.Tensor], part_rows: list, device) -> torch.Tensor:
