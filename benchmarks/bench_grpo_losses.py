@@ -3,9 +3,12 @@
 
 Model: SmolLM2-135M-Instruct (fp32, CPU; ``--quick``: a tiny random Llama with SmolLM2's tokenizer).
 One rollout batch is ``--prompts`` prompts x ``--generations`` completions (<= ``--max-tokens``
-tokens; default 1 x 4 x 16: a SmolLM2 run of one loss and side takes 1-3 CPU minutes), cut into
+tokens; default 2 x 8 x 32: TRL's default group of 8, 4 completions per optimizer step; the earlier
+default, 1 x 4 x 16, one completion per optimizer step, is ``--prompts 1 --generations 4
+--max-tokens 16``; a SmolLM2 run of one loss and side takes 2-6 CPU minutes), cut into
 4 mini-batches: 4 optimizer steps per rollout batch (``steps_per_generation=4``,
-``num_iterations=1``), two rollout batches; the second is timed (``--quick``: one, timed, one loss).
+``num_iterations=1``), two rollout batches; the second is timed (``--quick``: 1 x 4 x 8, one batch,
+timed, one loss).
 Tasks (``--task``):
 
   - ``arithmetic``: the recipe's arithmetic task (chat prompts, ``last_number_match`` reward);
@@ -363,9 +366,11 @@ def main() -> None:
     parser.add_argument("--losses", default=None, help=f"comma-separated (default: {','.join(LOSSES)})")
     parser.add_argument("--systems", default="nopad,TRL",
                         help="comma-separated: nopad, TRL, unfused (nopad with torch's default AdamW)")
-    parser.add_argument("--prompts", type=int, default=1, help="prompts per rollout batch")
-    parser.add_argument("--generations", type=int, default=4, help="completions per prompt")
-    parser.add_argument("--max-tokens", type=int, default=None, help="per completion (default 16; quick 8)")
+    parser.add_argument("--prompts", type=int, default=None,
+                        help="prompts per rollout batch (default 2; quick 1)")
+    parser.add_argument("--generations", type=int, default=None,
+                        help="completions per prompt (default 8, TRL's; quick 4)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="per completion (default 32; quick 8)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--checkpoints-only", action="store_true",
                         help="skip the loss table: one nopad rollout batch with full weights and one with "
@@ -374,6 +379,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return child(json.loads(args.child))
+    args.prompts = args.prompts or (1 if args.quick else 2)
+    args.generations = args.generations or (4 if args.quick else 8)
     if args.prompts * args.generations % STEPS_PER_GENERATION:
         parser.error(f"--prompts x --generations must split into {STEPS_PER_GENERATION} mini-batches")
     losses = (args.losses or ("dapo" if args.quick else ",".join(LOSSES))).split(",")
@@ -386,7 +393,7 @@ def main() -> None:
         "task": args.task,
         "prompts": args.prompts,
         "G": args.generations,
-        "new_tokens": args.max_tokens or (8 if args.quick else 16),
+        "new_tokens": args.max_tokens or (8 if args.quick else 32),
         "threads": args.threads,
         "batches": 1 if args.quick or args.checkpoints_only else 2,
         "checkpoint": False,

@@ -8,6 +8,10 @@ recipes' own mechanism (:func:`training.sft.sft_step` on an
 :class:`training.accumulation.OptimizerStepper`: gradient sync on the last row only, the global
 loss-token count, the engine's divisions undone), and writes the full gradient that step applies,
 read just before it: it must equal unpacked single-process training's.
+
+FSDP2 steps the recipes' fused AdamW (:func:`training.optimizer.make_adamw`, over the local shards of
+its DTensors) twice over the epoch and writes each step's full gradient and the full weights after:
+one process stepping the same AdamW with those gradients must reach the same weights.
 """
 
 from __future__ import annotations
@@ -27,25 +31,33 @@ from training.accumulation import OptimizerStepper
 from training.sft import sft_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ADAMW_LR, ADAMW_WEIGHT_DECAY = 1e-2, 0.1
 
 
-def fsdp2_grads(batches) -> dict:
+def fsdp2_train(batches) -> dict:
+    """The first step's full gradient (``grads``), every step's (``step_grads``), the full weights
+    after the last step and whether the AdamW was the fused one."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from training.optimizer import make_adamw
 
     model = tiny_model("llama", attn_implementation="nopad")
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     assert isinstance(model, FSDPModule)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    grads = {}
+    optimizer = make_adamw(model, ADAMW_LR, ADAMW_WEIGHT_DECAY)
+    steps = []
     optimizer.register_step_pre_hook(  # every rank steps, so every rank joins full_tensor's all-gather
-        lambda *_: grads.update({k: p.grad.full_tensor() for k, p in model.named_parameters()}))
+        lambda *_: steps.append({k: p.grad.full_tensor() for k, p in model.named_parameters()}))
     stepper = OptimizerStepper(model, optimizer)
     assert stepper.fsdp2
-    sft_step(stepper, batches)
-    assert stepper.optimizer_steps == 1
-    return grads
+    for _ in range(2):
+        sft_step(stepper, batches)
+    assert stepper.optimizer_steps == 2
+    weights = {k: p.full_tensor().detach().clone() for k, p in model.named_parameters()}
+    return {"grads": steps[0], "step_grads": steps, "weights": weights,
+            "fused": all(g["fused"] for g in optimizer.param_groups)}
 
 
 def zero3_grads(batches) -> dict:
@@ -66,7 +78,7 @@ def zero3_grads(batches) -> dict:
     stepper = OptimizerStepper(engine, optimizer, accelerator)
     sft_step(stepper, batches)
     assert stepper.optimizer_steps == 1 and engine.global_steps == 1
-    return grads
+    return {"grads": grads}
 
 
 def main(out_dir: str) -> None:
@@ -75,8 +87,8 @@ def main(out_dir: str) -> None:
     register_nopad_attention()
     batches = list(packed_dataloader(_rows(), 64, seed=1))  # rank/world from torch.distributed
     seen = [i for b in batches for i in b["indices"].tolist()]
-    for engine, grads in (("fsdp2", fsdp2_grads), ("zero3", zero3_grads)):
-        result = {"grads": grads(batches), "seen": seen, "steps": len(batches)}
+    for engine, train in (("fsdp2", fsdp2_train), ("zero3", zero3_grads)):
+        result = {**train(batches), "seen": seen, "steps": len(batches)}
         torch.save(result, os.path.join(out_dir, f"{engine}_rank{dist.get_rank()}.pt"))
     dist.barrier()
     dist.destroy_process_group()

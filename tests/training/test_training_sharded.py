@@ -1,7 +1,8 @@
 """Sharded engines (DeepSpeed ZeRO-3, FSDP2) on 2 CPU processes over gloo (slow): GRPO with very
 different rollout lengths per rank and a rank without prompts ends, one optimizer step per GRPO
 step, the weights of DDP; greedy rollouts equal the unsharded model's; packed SFT gradients equal
-unpacked single-process training. Fast: the lockstep loop and the padding rows in one process."""
+unpacked single-process training, and FSDP2 stepping the recipes' fused AdamW reaches one process's
+weights. Fast: the lockstep loop and the padding rows in one process."""
 
 from __future__ import annotations
 
@@ -107,6 +108,30 @@ def test_packed_sft_gradients_under_zero3_and_fsdp2_match_unpacked(tmp_path):
             for r in ranks:
                 got = r["grads"][name]
                 assert torch.linalg.norm(got - ref) <= 1e-5 * torch.linalg.norm(ref), (engine, name)
+    _check_fsdp2_adamw_equals_one_process([torch.load(tmp_path / f"fsdp2_rank{r}.pt") for r in range(2)])
+
+
+def _check_fsdp2_adamw_equals_one_process(ranks: list[dict]) -> None:
+    """FSDP2's two steps of the recipes' fused AdamW (``make_adamw``, on the local shards) reach the
+    weights of one process stepping the same AdamW on the unsharded model with the same gradients
+    (which equal unpacked single-process training's, checked above)."""
+    from tests.support.sharded_sft_worker import ADAMW_LR, ADAMW_WEIGHT_DECAY
+    from training.optimizer import make_adamw
+
+    model = tiny_model("llama")
+    optimizer = make_adamw(model, ADAMW_LR, ADAMW_WEIGHT_DECAY)
+    assert all(g["fused"] for g in optimizer.param_groups) and all(r["fused"] for r in ranks)
+    initial = {k: p.detach().clone() for k, p in model.named_parameters()}
+    for grads in ranks[0]["step_grads"]:
+        for k, p in model.named_parameters():
+            p.grad = grads[k]
+        optimizer.step()
+    assert len(ranks[0]["step_grads"]) == 2
+    moved = max(float((p.detach() - initial[k]).abs().max()) for k, p in model.named_parameters())
+    assert moved > ADAMW_LR  # two steps of ~lr each: the weights really moved
+    for k, p in model.named_parameters():
+        for r in ranks:
+            torch.testing.assert_close(r["weights"][k], p.detach(), atol=1e-7, rtol=1e-6, msg=k)
 
 
 @pytest.mark.slow
