@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -163,8 +164,11 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "recipes.preprocess", "input=recipes/data/chat_sample.jsonl",
                         f"output={packed}", "capacity=2048"], cwd=ROOT, env=env, check=True,
                        stdout=subprocess.DEVNULL)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           "recipes/configs/accelerate_zero3.yaml", "-m", "recipes.sft",
+    with socket.socket() as s:  # a free port: accelerate's default (29500) may be held by another launch
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(port),
+           "--config_file", "recipes/configs/accelerate_zero3.yaml", "-m", "recipes.sft",
            "data.source=synthetic" if args.quick else f"data.source={packed}",
            f"checkpoint.output_dir={work / 'sft'}", f"train.max_steps={args.steps}", "train.progress=false",
            *args.overrides]
