@@ -32,8 +32,10 @@ lint:
 
 # The whole suite, slow multi-process tests included (CI runs exactly this). --durations=30: every
 # log names the 30 slowest tests, so a test that grows shows up before the suite's time budget goes.
+# -n 2: two pytest-xdist workers, one per core of CI's machine; whole files go to a worker, in collection
+# order (tests/conftest.py puts the longest first, so none runs alone at the end).
 test: setup-test lint
-	$(PYTHON) -m pytest -m "slow or not slow" -q --durations=30
+	$(PYTHON) -m pytest -m "slow or not slow" -q --durations=30 -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: setup
 	$(PIP) install -e ".[bench]"

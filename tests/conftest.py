@@ -14,6 +14,37 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `make test` runs the suite on pytest-xdist workers, one per core: each worker (and every process it
+# starts) gets one thread, so two workers share CI's two cores instead of four threads fighting for
+# them. A value the caller set is kept.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# The longest files (by `make test`'s --durations=30), longest first. Under `--dist loadfile` each file
+# is one unit of work, handed out in collection order: starting these first keeps one long file from
+# running alone at the end while the other worker sits idle.
+LONGEST_FIRST = (
+    "tests/benchmarks/test_benchmarks_quick.py",
+    "tests/test_readme.py",
+    "tests/packing/test_packing_invariance_triton.py",
+    "tests/recipes/test_recipes_grpo_resume.py",
+    "tests/packing/test_packing_verification.py",
+    "tests/training/test_training_sharded.py",
+    "tests/recipes/test_recipes_sft.py",
+    "tests/recipes/test_recipes_pipeline.py",
+    "tests/recipes/test_recipes_lora.py",
+    "tests/gpu/test_gpu_check.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist, the longest files first (a stable sort: the rest keep their order)."""
+    if XDIST_WORKER:
+        rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
 
 def _single_thread():
     """Tiny tensors run faster on one thread, and CI's two cores are shared with other work."""
@@ -45,6 +76,8 @@ _DS_BUILD = pytest.StashKey[subprocess.Popen]()
 def pytest_sessionstart(session):
     """Start the DeepSpeed op build when the run includes the slow (multi-process) tests."""
     markexpr = session.config.getoption("markexpr") or ""
+    if XDIST_WORKER:  # the controller starts it once for all workers
+        return
     if "slow" not in markexpr.replace("not slow", "") or importlib.util.find_spec("deepspeed") is None:
         return
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}

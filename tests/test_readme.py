@@ -75,10 +75,12 @@ def test_every_pipeline_command_runs_as_written(tmp_path):
     for command in pipeline_commands():
         argv = shlex.split(command)
         argv[0] = sys.executable if argv[0] == "python" else argv[0]
-        # one process uses every core, as a user's would; a 2-process launch one thread per rank
+        # one process uses every core, as a user's would (one thread under `make test`'s xdist workers:
+        # conftest.py), a 2-process launch one thread per rank
         threads = {}
-        if argv[0] == "accelerate":
-            argv = [sys.executable, "-m", "accelerate.commands.launch", *argv[2:]]
+        if argv[0] == "accelerate":  # plus a free port: another test may hold accelerate's default
+            argv = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port",
+                    str(launch.free_port()), *argv[2:]]
             threads = {"OMP_NUM_THREADS": "1"}
         proc = subprocess.run(argv, cwd=tmp_path, env={**env, **threads}, capture_output=True, text=True,
                               timeout=600)

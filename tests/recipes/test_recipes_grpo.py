@@ -371,7 +371,8 @@ def test_two_processes_keep_identical_weights(tmp_path):
                  "reward=tests.recipes.test_recipes_grpo:ids_checksum_reward", "rollout.prompts_per_step=2",
                  "rollout.num_generations=4", "rollout.max_tokens=8", "generator.num_blocks=64",
                  "train.steps=2", "train.lr=1e-3"]
-    launch.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
+    launch.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(launch.free_port()), str(script),
                 str(tmp_path), *overrides], what="GRPO on 2 processes", env=env, timeout=600)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["params"] == ranks[1]["params"]  # gradients all-reduced: one model on both ranks
