@@ -161,6 +161,7 @@ class LinearHeadChunks(torch.autograd.Function):
             _, _, g_out = _chunk(head, hidden[rows], targets[rows], temperature, entropy, invariant,
                                  g_logps[rows], g_ents[rows] if entropy else None)
             _accumulate(grads, g_out, hidden[rows], weight, rows)
+            del g_out  # not held while the next chunk computes its logits: one (chunk, V) buffer
         return (*_as_params(grads, weight, bias), None, None, None, None, None, None)
 
 
@@ -179,6 +180,7 @@ class LinearHeadNLL(torch.autograd.Function):
             lp, _, g_out = _chunk(head, hidden[rows], targets[rows], 1.0, False, invariant,
                                   -weights[rows].float())
             _accumulate(grads, g_out, hidden[rows], weight, rows)
+            del g_out  # not held while the next chunk computes its logits: one (chunk, V) buffer
             picked.append(lp)
         ctx.grads, ctx.params = grads, (weight, bias)  # the fp32 buffers, scaled in backward
         return -(weights * torch.cat(picked)).sum()
