@@ -83,6 +83,9 @@ def main() -> None:
     print(f"{'model':8s} {'prompt':>6s} {'side':6s} {'off-argmax':>10s} {'largest gap':>11s} "
           f"{'mean |logp err|':>15s} {'max':>8s}")
     models = args.models if args.models is not None else "qwen3_5" if args.quick else "qwen3_5,lfm2,bamba"
+    unknown = set(filter(None, models.split(","))) - set(builders)
+    if unknown:
+        parser.error(f"unknown --models {sorted(unknown)}; choose from {sorted(builders)}")
     for name in filter(None, models.split(",")):
         model = builders[name](vocab, args.quick).eval().to(torch.bfloat16)
         reference = builders[name](vocab, args.quick).eval()

@@ -17,6 +17,7 @@ import logging
 logger = logging.getLogger(__name__)
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+MAX_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 DEFAULT_THRESHOLD = 1 << 20  # 1 MiB: tensors of a training step above it; small objects stay on the heap
 
 
@@ -24,6 +25,9 @@ def return_freed_memory(threshold: int = DEFAULT_THRESHOLD) -> bool:
     """Serve allocations of ``threshold`` bytes and more with their own mappings, unmapped on
     free (glibc's ``mallopt(M_MMAP_THRESHOLD)``, the same as ``MALLOC_MMAP_THRESHOLD_`` in the
     environment). Returns False, changing nothing, where the C library is not glibc."""
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or not 0 < threshold <= MAX_THRESHOLD:
+        raise ValueError(f"threshold must be an int of bytes in (0, {MAX_THRESHOLD}] (glibc's largest mmap "
+                         f"threshold, 32 MiB), got {threshold!r}")
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
