@@ -65,7 +65,6 @@ def varlen_delta_rule(
     if query.shape[0] != 1 or query.shape[1] != meta.total_q:
         raise ValueError(f"a varlen row is (1, {meta.total_q}, ...); got query of shape "
                          f"{tuple(query.shape)}. nopad rows run with use_cache=False")
-    plan = recurrence_plan(meta)
     if initial_state is not None and meta.key_rows is not None:
         raise ValueError("initial_state applies to packed rows; a prefix-tree segment starts from its parent")
     fla, stepwise = None, None
@@ -80,6 +79,7 @@ def varlen_delta_rule(
     step = _decode_step(decode, fla, tensors, meta, initial_state, common)
     if step is not None:
         return step[0], step[1] if output_final_state else None
+    plan = recurrence_plan(meta)  # after the decode step, which needs none
     if fla is not None and plan.is_flat and initial_state is None:  # a packed row: one call as it is
         return fla(*tensors, initial_state=None, output_final_state=output_final_state,
                    cu_seqlens=meta.cu_seqlens_q.to(torch.long), **common)
