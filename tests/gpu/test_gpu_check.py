@@ -29,9 +29,13 @@ def test_quick_run_writes_both_reports_with_every_section(tmp_path):
     for section in ("training", "generation", "decode_floor", "host_overhead"):
         assert "error" not in tiny[section], (section, tiny[section])
     assert "error" not in report["grpo"], report["grpo"]
+    hybrid = report["hybrid"]["tiny-hybrid"]  # issue 36's goals on a Qwen3.5-layout model
+    assert "error" not in hybrid, hybrid
+    assert hybrid["training"]["figures"]["hybrid_train_vs_padded"]["ratio"] > 0
     assert tiny["host_overhead"]["idle_share"] == "n/a on CPU"
     for goal in ("train_vs_padded", "train_vs_flatten", "generate_vs_hf_generate", "generate_vs_hf_cb",
-                 "decode_vs_floor_128", "grpo_vs_trl"):
+                 "decode_vs_floor_128", "grpo_vs_trl",
+                 "hybrid_train_vs_padded", "hybrid_generate_vs_hf_generate"):
         assert report["goals"][goal]["status"] in ("met", "missed"), (goal, report["goals"][goal])
     markdown = (tmp_path / "gpu_report.md").read_text()
     assert "## Goals" in markdown and "train_vs_padded" in markdown and "| torch |" in markdown
