@@ -163,8 +163,9 @@ def backends(device: torch.device, dtype: torch.dtype, block_size: int) -> dict:
     return out
 
 
-GPU_TEST_FILES = ("tests/gpu/test_gpu.py", "tests/gpu/test_gpu_hybrid.py",
-                  "tests/packing/test_packing_triton_attention.py")
+# quickest first; the hybrid file compiles (and autotunes) fla's kernels on first use: minutes
+GPU_TEST_FILES = ("tests/gpu/test_gpu.py", "tests/packing/test_packing_triton_attention.py",
+                  "tests/gpu/test_gpu_hybrid.py")
 
 
 def run_pytest_gpu(quick: bool, log_dir: Path) -> dict:

@@ -1,0 +1,33 @@
+#!/bin/bash
+# One call of a GPU session's `make gpu-check`, split to fit the device tool's limits (10 minutes a
+# call, 15 minutes a session, 8 files back): install the carried wheels (.whl, benchmarks/README.md),
+# then run the parts named, each under its own time limit, each report in its own folder of $OUT.
+#   bash benchmarks/gpu_session.sh tests hybrid        # first call (~9 minutes)
+#   bash benchmarks/gpu_session.sh decode attention    # second call, with what is left
+# Parts: tests (the GPU test files), hybrid (issue 36's goals), decode (decode floor and host
+# overhead, SmolLM2-135M), attention (training and generation, SmolLM2-135M), grpo.
+set -u
+out=${OUT:-gpu_out}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/*.whl || { echo "install the wheels first: benchmarks/README.md"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRL_EXPERIMENTAL_SILENCE=1
+all="pytest train generate decode host grpo hybrid"
+run() {  # run PART SECONDS GPU_CHECK_ARGS...: gpu_check with everything but the named steps skipped
+  local part=$1 seconds=$2 keep=$3; shift 3
+  local skip; skip=$(for s in $all; do [[ " $keep " == *" $s "* ]] || printf '%s ' "$s"; done)
+  # shellcheck disable=SC2086
+  timeout "$seconds" python3 benchmarks/gpu_check.py --skip $skip --out "$out/$part" "$@" \
+    > "$out/$part.log" 2>&1
+  echo "$part: rc $? after $SECONDS s" | tee -a "$out/$part.log"
+}
+for part in "$@"; do
+  case $part in
+    tests) run tests 280 "pytest" ;;
+    hybrid) run hybrid 280 "hybrid" ;;
+    decode) run decode 200 "decode host" --models SmolLM2-135M ;;
+    attention) run attention 330 "train generate" --models SmolLM2-135M ;;
+    grpo) run grpo 300 "grpo" --models SmolLM2-135M ;;
+    *) echo "unknown part $part (tests hybrid decode attention grpo)"; exit 2 ;;
+  esac
+done
