@@ -44,10 +44,10 @@ class LiveModel:
     ``static_decode=True`` pads pure decode steps to bucketed shapes (sequences rounded up to 1,
     2, 4, 8 or a multiple of 8, block-table width to a power of two; padding rows write to one
     extra scratch block) and runs their attention on fixed shapes, so the step can be captured;
-    ``compile_decode=True`` also compiles that forward (``torch.compile(mode="reduce-overhead")``,
-    one graph per bucket, on CUDA; on CPU plain ``torch.compile`` with the attention kernel as one
-    custom op, dynamic after the first recompilation). Prefill steps and batch-invariant mode keep
-    the default path.
+    ``compile_decode=True`` also compiles that forward, once, with the rows and table width
+    dynamic (``torch.compile``; ``mode="reduce-overhead"`` on CUDA, one CUDA graph per bucket; the
+    attention kernel is one custom op). Prefill steps and batch-invariant mode keep the default
+    path.
     """
 
     def __init__(self, model: torch.nn.Module, *, dtype: torch.dtype | None, attn_backend: str | None,
