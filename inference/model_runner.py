@@ -6,8 +6,8 @@ the flat row, and return the logits of the last token of every sequence that sam
 log-probs are scored here, in chunks, by :mod:`inference.prompt_logprobs`).
 
 With ``static_decode`` a pure decode step is padded to bucketed shapes (number of sequences
-rounded up to 1, 2, 4, 8 or a multiple of 8, block-table width to a power of two) so its forward
-can be captured as a CUDA graph or compiled (``compile_decode``: one ``torch.compile`` with the
+rounded up to 2, 4, 8 or a multiple of 8, block-table width to a power of two, at least 2) so its
+forward can be captured as a CUDA graph or compiled (``compile_decode``: one ``torch.compile`` with the
 rows and table width dynamic, ``mode="reduce-overhead"`` on CUDA, which records one CUDA graph per
 bucket). Padding rows write their K/V to a reserved scratch block and their logits are dropped.
 """
@@ -59,9 +59,10 @@ def _pow2(n: int) -> int:
 
 
 def row_bucket(n: int) -> int:
-    """Rows of a static decode step: 1, 2, 4, 8, then multiples of 8 (as CUDA-graph engines
-    bucket), so padding costs at most 7 rows of every linear layer, not up to half the batch."""
-    return _pow2(n) if n <= 8 else -(-n // 8) * 8
+    """Rows of a static decode step: 2, 4, 8, then multiples of 8 (as CUDA-graph engines bucket),
+    so padding costs at most 7 rows of every linear layer, not up to half the batch. Not 1: dynamo
+    specializes a size of 1, so a batch's last sequence alone would compile the step again."""
+    return max(2, _pow2(n)) if n <= 8 else -(-n // 8) * 8
 
 
 def build_step(plan: StepPlan, block_size: int, device) -> StepInputs:
@@ -113,7 +114,7 @@ def build_static_decode(plan: StepPlan, block_size: int, device, scratch_block: 
     num = len(plan.seqs)
     rows = min(row_bucket(num), max(max_num_seqs, num))
     width = max(len(s.block_table) for s in plan.seqs)
-    width = min(_pow2(width), max(max_width, width))
+    width = min(max(2, _pow2(width)), max(max_width, width))  # not 1 either (see row_bucket)
     table = np.full((rows, width), scratch_block, dtype=np.int64)
     ids = np.zeros(rows, dtype=np.int64)
     pos = np.zeros(rows, dtype=np.int64)
