@@ -311,8 +311,9 @@ def _compile_events() -> dict[str, int]:
 
 
 def time_decode(gen, device, steps: int) -> tuple[float, dict]:
-    """Seconds per decode step, and what happened in the timed steps: compilations and CUDA-graph
-    recordings (both should be 0 after the warm-up), decode steps that ran padded, and buckets."""
+    """Seconds per decode step, and what happened in the timed steps: compilations (0 after the
+    warm-up), CUDA-graph recordings (one per bucket first reached here), decode steps that ran
+    padded, and the buckets."""
     for _ in range(WARMUP_STEPS):  # warm-up (compilation and graph capture when static)
         gen.step()
     sync(device)
