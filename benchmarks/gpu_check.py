@@ -311,15 +311,18 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> float
     return 2 * nbytes * repeats / (time.perf_counter() - start)
 
 
-def _decoding_generator(model, n: int, prompt_range, block_size: int, **gen_kwargs):
-    """A Generator with ``n`` sequences all past prefill (every step from here is a pure decode step)."""
+def _decoding_generator(model, n: int, prompt_range, block_size: int, new_tokens: int, **gen_kwargs):
+    """A Generator with ``n`` sequences all past prefill (every step from here is a pure decode step
+    of ``n`` rows). Its KV cache holds all of them for ``new_tokens`` more tokens: the default 1 GiB
+    held 168 of SmolLM2's 256, so "256 rows" ran 168, then 160 after a preemption."""
     from inference.generator import Generator
     from inference.sampling_params import SamplingParams
 
     prompts, _ = random_prompts(n, model.config.vocab_size, *prompt_range, 1, 1, seed=n)
     budget = max(2048, sum(map(len, prompts)))
+    blocks = sum(-(-(len(p) + new_tokens) // block_size) for p in prompts)
     gen = Generator(model, None, block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=n,
-                    **gen_kwargs)
+                    num_blocks=blocks, **gen_kwargs)
     endless = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
     ids = [gen.add_request(p, endless) for p in prompts]
     gen.step()  # one step prefills all of them (the budget holds every prompt)
@@ -340,15 +343,35 @@ def step_kv_bytes(model, context_lens: list[int], dtype: torch.dtype) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * sum(context_lens) * dtype.itemsize
 
 
-def time_decode(gen, device, steps: int) -> float:
-    for _ in range(3):  # warm-up (compilation and graph capture when static)
+WARMUP_STEPS = 3
+
+
+def _compile_events() -> dict[str, int]:
+    """Dynamo compilations and CUDA-graph recordings so far (torch's own counters)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    return {"compiles": counters["stats"]["unique_graphs"],
+            "cudagraph_recordings": len(compilation_time_metrics.get("CUDAGraphNode.record", [])),
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+
+
+def time_decode(gen, device, steps: int) -> tuple[float, dict]:
+    """Seconds per decode step, and what happened in the timed steps: compilations (0 after the
+    warm-up), CUDA-graph recordings (one per bucket first reached here), decode steps that ran
+    padded, and the buckets."""
+    for _ in range(WARMUP_STEPS):  # warm-up (compilation and graph capture when static)
         gen.step()
     sync(device)
+    before, static_before = _compile_events(), gen._runner.static_steps
     start = time.perf_counter()
     for _ in range(steps):
         gen.step()
     sync(device)
-    return (time.perf_counter() - start) / steps
+    seconds = (time.perf_counter() - start) / steps
+    events = {k: v - before[k] for k, v in _compile_events().items()}
+    events["static_steps"] = gen._runner.static_steps - static_before
+    events["buckets"] = sorted(gen._runner.static_shapes)
+    return seconds, {"timed_steps": events}
 
 
 def bench_decode_floor(spec, device, dtype, counts, prompt_range, block_size: int, steps: int, bw_bytes: int,
@@ -368,12 +391,14 @@ def bench_decode_floor(spec, device, dtype, counts, prompt_range, block_size: in
         for name, kw in variants.items():
             try:
                 with torch.no_grad():
-                    gen, prompts, ids = _decoding_generator(model, n, prompt_range, block_size, **kw)
-                    seconds = time_decode(gen, device, steps)
+                    gen, prompts, ids = _decoding_generator(model, n, prompt_range, block_size,
+                                                            WARMUP_STEPS + steps + 2, **kw)
+                    seconds, events = time_decode(gen, device, steps)
                     close(gen, ids)
                 ctx = [len(p) + 4 + steps // 2 for p in prompts]  # mean context over the timed steps
                 floor = (weight_bytes + step_kv_bytes(model, ctx, dtype)) / bandwidth
-                row[name] = {"step_ms": seconds * 1e3, "floor_ms": floor * 1e3, "ratio": seconds / floor}
+                row[name] = {"step_ms": seconds * 1e3, "floor_ms": floor * 1e3, "ratio": seconds / floor,
+                             **events}
             except Exception as exc:
                 row[name] = {"error": f"{type(exc).__name__}: {exc}"}
         out["counts"][str(n)] = row
@@ -396,7 +421,7 @@ def bench_host_overhead(spec, device, dtype, n: int, prompt_range, block_size: i
     out = {}
     for name, kw in {"eager": {}, "compile_decode (CUDA graphs)": dict(compile_decode=True)}.items():
         with torch.no_grad():
-            gen, _, ids = _decoding_generator(model, n, prompt_range, block_size, **kw)
+            gen, _, ids = _decoding_generator(model, n, prompt_range, block_size, steps + 2, **kw)
             gen.step()
             sync(device)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

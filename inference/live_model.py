@@ -41,13 +41,13 @@ class LiveModel:
     (:func:`packing.attention.paged_block_size`: 256 for flash-attn 2 and torch's varlen kernel,
     else 16); smaller blocks would make every layer gather the context.
 
-    ``static_decode=True`` pads pure decode steps to bucketed shapes (sequences rounded up to 1,
-    2, 4, 8 or a multiple of 8, block-table width to a power of two; padding rows write to one
-    extra scratch block) and runs their attention on fixed shapes, so the step can be captured;
-    ``compile_decode=True`` also compiles that forward (``torch.compile(mode="reduce-overhead")``,
-    one graph per bucket, on CUDA; on CPU plain ``torch.compile`` with the attention kernel as one
-    custom op, dynamic after the first recompilation). Prefill steps and batch-invariant mode keep
-    the default path.
+    ``static_decode=True`` pads pure decode steps to bucketed shapes (sequences rounded up to 2,
+    4, 8 or a multiple of 8, block-table width to a power of two, at least 2; padding rows write to
+    one extra scratch block) and runs their attention on fixed shapes, so the step can be captured;
+    ``compile_decode=True`` also compiles that forward, once, with the rows and table width
+    dynamic (``torch.compile``; ``mode="reduce-overhead"`` on CUDA, one CUDA graph per bucket; the
+    attention kernel is one custom op). Prefill steps and batch-invariant mode keep the default
+    path.
     """
 
     def __init__(self, model: torch.nn.Module, *, dtype: torch.dtype | None, attn_backend: str | None,

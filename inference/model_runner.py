@@ -6,10 +6,10 @@ the flat row, and return the logits of the last token of every sequence that sam
 log-probs are scored here, in chunks, by :mod:`inference.prompt_logprobs`).
 
 With ``static_decode`` a pure decode step is padded to bucketed shapes (number of sequences
-rounded up to 1, 2, 4, 8 or a multiple of 8, block-table width to a power of two) so its forward
-can be captured as a CUDA graph or compiled (``compile_decode``: ``torch.compile(mode=
-"reduce-overhead")`` on CUDA, plain ``torch.compile`` elsewhere). Padding rows write their K/V to
-a reserved scratch block and their logits are dropped.
+rounded up to 2, 4, 8 or a multiple of 8, block-table width to a power of two, at least 2) so its
+forward can be captured as a CUDA graph or compiled (``compile_decode``: one ``torch.compile`` with the
+rows and table width dynamic, ``mode="reduce-overhead"`` on CUDA, which records one CUDA graph per
+bucket). Padding rows write their K/V to a reserved scratch block and their logits are dropped.
 """
 
 from __future__ import annotations
@@ -59,9 +59,10 @@ def _pow2(n: int) -> int:
 
 
 def row_bucket(n: int) -> int:
-    """Rows of a static decode step: 1, 2, 4, 8, then multiples of 8 (as CUDA-graph engines
-    bucket), so padding costs at most 7 rows of every linear layer, not up to half the batch."""
-    return _pow2(n) if n <= 8 else -(-n // 8) * 8
+    """Rows of a static decode step: 2, 4, 8, then multiples of 8 (as CUDA-graph engines bucket),
+    so padding costs at most 7 rows of every linear layer, not up to half the batch. Not 1: dynamo
+    specializes a size of 1, so a batch's last sequence alone would compile the step again."""
+    return max(2, _pow2(n)) if n <= 8 else -(-n // 8) * 8
 
 
 def build_step(plan: StepPlan, block_size: int, device) -> StepInputs:
@@ -113,7 +114,7 @@ def build_static_decode(plan: StepPlan, block_size: int, device, scratch_block: 
     num = len(plan.seqs)
     rows = min(row_bucket(num), max(max_num_seqs, num))
     width = max(len(s.block_table) for s in plan.seqs)
-    width = min(_pow2(width), max(max_width, width))
+    width = min(max(2, _pow2(width)), max(max_width, width))  # not 1 either (see row_bucket)
     table = np.full((rows, width), scratch_block, dtype=np.int64)
     ids = np.zeros(rows, dtype=np.int64)
     pos = np.zeros(rows, dtype=np.int64)
@@ -169,20 +170,20 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_width = max_blocks_per_seq or kv_cache.num_blocks
         self.decode_forward = model
-        self.dynamic_decode = False
         self.static_steps = 0  # decode steps that ran padded to a bucket (for tests and stats)
         self.static_shapes: set[tuple[int, int]] = set()  # (rows, block-table width) buckets seen
         if compile_decode:
+            # the cache is mutated in place: a static address, so CUDA graphs use it, not a copy (a
+            # new Generator's cache re-records a bucket's graph once, it does not recompile)
+            for t in kv_cache.k + kv_cache.v:
+                torch._dynamo.mark_static_address(t)
+            # One compilation for every bucket, on every device: the step's rows and table width
+            # are dynamic (_mark_dynamic). Compiled per bucket, a table crossing a power of two or
+            # a preemption changing the rows recompiled the model mid-run (seconds per bucket on
+            # CUDA, tens of seconds on CPU; dynamo gives up after 8). On CUDA, reduce-overhead then
+            # records one CUDA graph per bucket shape from that one compilation.
             cuda = self.device.type == "cuda"
-            if cuda:  # the cache is mutated in place: mark it static so the CUDA graph keeps it
-                for t in kv_cache.k + kv_cache.v:
-                    torch._dynamo.mark_static_address(t)
-            # CUDA graphs need static shapes (one graph per bucket); on CPU the step's rows and
-            # table width are marked dynamic, so one compilation covers every bucket (each
-            # recompilation costs tens of seconds there)
-            self.dynamic_decode = not cuda
-            self.decode_forward = torch.compile(model, dynamic=False if cuda else None,
-                                                mode="reduce-overhead" if cuda else None)
+            self.decode_forward = torch.compile(model, mode="reduce-overhead" if cuda else None)
 
     @torch.no_grad()
     def run(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
@@ -193,7 +194,7 @@ class ModelRunner:
                                        self.max_num_seqs, self.max_width)
             self.static_steps += 1
             self.static_shapes.add(tuple(step.meta.block_table.shape))
-            if self.dynamic_decode:
+            if self.decode_forward is not self.model:
                 _mark_dynamic(step)
             out = self.decode_forward(
                 input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False,
