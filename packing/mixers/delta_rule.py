@@ -68,16 +68,13 @@ def varlen_delta_rule(
     plan = recurrence_plan(meta)
     if initial_state is not None and meta.key_rows is not None:
         raise ValueError("initial_state applies to packed rows; a prefix-tree segment starts from its parent")
-    fla, stepwise = None, None
+    stepwise = None
     if invariance.is_enabled():
         reference, chunk_size = _invariant_rule(recurrent, query), None
     elif recurrent is not None:  # one-token pieces (decode steps) take the rule HF's decode takes
         stepwise = _token_by_token(recurrent)
     tensors, common = (query, key, value, g, beta), dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    if fla_kernel is not None and not invariance.is_enabled():
-        fla = package_function(*FLA_FUNCTIONS[fla_kernel], query)
-        if fla is not None and _needs_grad(tensors) and not _fla_trains(fla_kernel, fla, tensors, common):
-            fla = None
+    fla = _fla_rule(fla_kernel, tensors, common)
     decode = stepwise or (None if chunk_size else reference)  # the token-by-token rule, if one runs
     step = _decode_step(decode, fla, tensors, meta, initial_state, common)
     if step is not None:
@@ -120,8 +117,16 @@ def varlen_delta_rule(
     return out, torch.stack(finals)
 
 
-def _needs_grad(tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+def _fla_rule(kernel: str | None, tensors, common: dict) -> Callable | None:
+    """fla's varlen function of ``kernel`` when it runs this call (installed and chosen, see
+    :func:`package_function`; not in batch-invariant mode; its backward runs here if needed)."""
+    if kernel is None or invariance.is_enabled():
+        return None
+    fla = package_function(*FLA_FUNCTIONS[kernel], tensors[0])
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if fla is not None and needs_grad and not _fla_trains(kernel, fla, tensors, common):
+        return None
+    return fla
 
 
 _BACKWARD_RUNS: set[tuple] = set()  # (kernel, device, dtype, head shapes) whose fla backward ran
