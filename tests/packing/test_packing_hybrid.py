@@ -8,9 +8,11 @@ causal-conv1d dispatch through strict stand-ins; a GRPO step on tree rows of Qwe
 from __future__ import annotations
 
 import importlib.machinery
+import subprocess
 import sys
 import types
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -315,6 +317,17 @@ def test_tree_rows_go_to_fla_wave_by_wave_with_the_parents_states(kernel_standin
     assert len(fla) > 2 and any(c["initial"] for c in fla)  # several waves per layer, later ones from states
     # tree windows stay on the reference
     assert not any(name == "causal_conv1d" for name, _ in kernel_standins.calls)
+
+
+@pytest.mark.skipif(not kernels.installed("fla"), reason="fla is not installed (opt-in: fla-core)")
+def test_real_fla_under_the_triton_interpreter_equals_the_torch_rule(tmp_path):
+    """fla itself, not a stand-in: its varlen Gated DeltaNet with initial states and grouped value
+    heads, on the CPU under the Triton interpreter, and nopad's dispatch to it, against
+    transformers' torch function per sequence (tests/support/fla_interpret.py; about a minute)."""
+    script = Path(__file__).resolve().parents[1] / "support" / "fla_interpret.py"
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
 
 
 def test_a_kernel_package_that_fails_to_import_is_reported_once(monkeypatch, tmp_path):
