@@ -45,9 +45,21 @@ def main(scratch: Path) -> int:
     prune = autotuner.Autotuner.prune_configs
     autotuner.Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]
 
+    import functools
+
+    import fla.ops.gated_delta_rule as fla_module
     import torch
     import torch.nn.functional as F
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    reached = []  # nopad's calls of fla (it looks the function up on the module)
+
+    @functools.wraps(chunk_gated_delta_rule)
+    def counted(*args, **kwargs):
+        reached.append(kwargs.get("cu_seqlens"))
+        return chunk_gated_delta_rule(*args, **kwargs)
+
+    fla_module.chunk_gated_delta_rule = counted
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     from packing.mixers import varlen_delta_rule
@@ -98,7 +110,8 @@ def main(scratch: Path) -> int:
         worst = max(worst, *gaps.values())
         print(f"{label} vs transformers' torch rule per sequence: "
               + ", ".join(f"{name} {gap:.1e}" for name, gap in gaps.items()))
-    return 0 if worst <= 1e-5 else 1
+    print(f"nopad called fla {len(reached)} times (one of them its backward's trial on a tiny row)")
+    return 0 if worst <= 1e-5 and len(reached) >= 2 else 1
 
 
 if __name__ == "__main__":
