@@ -85,10 +85,10 @@ def fresh_kernel_choice(monkeypatch) -> None:
     monkeypatch.setattr(delta_rule, "_BACKWARD_RUNS", set())
 
 
-# fla's Triton dots round fp32 operands to TF32 on CUDA (tl.dot's default; TF32 off in torch does
-# not reach them), so an ulp that differs between the packed row's and a sequence's own projections
-# can move a product by 2^-11: 1e-4, not the CPU suite's 1e-5 (emulated on CPU: 8e-6 logits, 4e-6
-# gradient, see the report of branch flapath)
+# fla's Triton dots round fp32 operands to TF32 on CUDA (tl.dot's default, and fla's own choice for
+# its triangular solve; torch's TF32 flags do not reach them), so an ulp that differs between the
+# packed row's projections and a sequence's own can move a product by 2^-11 of it: 1e-4, not the
+# CPU suite's 1e-5
 LOGIT_BAR, GRAD_BAR = 1e-4, 1e-4
 
 
