@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from packing import invariance
-from packing.mixers.kernels import package_function
+from packing.mixers.kernels import disable, package_function
 from packing.mixers.recurrence import recurrence_plan
 from packing.varlen import VarlenMeta
 
@@ -67,14 +67,13 @@ def varlen_delta_rule(
                          f"{tuple(query.shape)}. nopad rows run with use_cache=False")
     if initial_state is not None and meta.key_rows is not None:
         raise ValueError("initial_state applies to packed rows; a prefix-tree segment starts from its parent")
-    fla, stepwise = None, None
+    stepwise = None
     if invariance.is_enabled():
         reference, chunk_size = _invariant_rule(recurrent, query), None
     elif recurrent is not None:  # one-token pieces (decode steps) take the rule HF's decode takes
         stepwise = _token_by_token(recurrent)
-    if fla_kernel is not None and not invariance.is_enabled():
-        fla = package_function(*FLA_FUNCTIONS[fla_kernel], query)
     tensors, common = (query, key, value, g, beta), dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    fla = _fla_rule(fla_kernel, tensors, common)
     decode = stepwise or (None if chunk_size else reference)  # the token-by-token rule, if one runs
     step = _decode_step(decode, fla, tensors, meta, initial_state, common)
     if step is not None:
@@ -116,6 +115,49 @@ def varlen_delta_rule(
     finals = [states[p] if p >= 0 else _initial(initial_state, i, value, key)
               for i, p in enumerate(plan.last_piece)]
     return out, torch.stack(finals)
+
+
+def _fla_rule(kernel: str | None, tensors, common: dict) -> Callable | None:
+    """fla's varlen function of ``kernel`` when it runs this call (installed and chosen, see
+    :func:`package_function`; not in batch-invariant mode; its backward runs here if needed)."""
+    if kernel is None or invariance.is_enabled():
+        return None
+    fla = package_function(*FLA_FUNCTIONS[kernel], tensors[0])
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if fla is not None and needs_grad and not _fla_trains(kernel, fla, tensors, common):
+        return None
+    return fla
+
+
+_BACKWARD_RUNS: set[tuple] = set()  # (kernel, device, dtype, head shapes) whose fla backward ran
+
+
+def _fla_trains(kernel: str, fla: Callable, tensors, common: dict) -> bool:
+    """Whether fla's backward runs here, tried once per device, dtype and head sizes on a tiny
+    two-sequence row before a call that needs gradients. fla 0.6 refuses its gated backward on
+    Hopper under Triton 3.4 to 3.7.0 (wrong results there, fla #640) with a RuntimeError raised
+    in the backward only, after the forward ran; so it is tried here, and if it fails fla is
+    disabled (reported once, with fla's message) and the reference trains instead."""
+    key = (kernel, tensors[0].device, tensors[0].dtype, *(tuple(t.shape[2:]) for t in tensors))
+    if key in _BACKWARD_RUNS:
+        return True
+    tiny = []
+    for i, t in enumerate(tensors):  # q, k, v, g (log decay <= 0), beta (in [0, 1]); no RNG drawn
+        shape = (1, 5, *t.shape[2:])
+        x = torch.arange(int(np.prod(shape)), device=t.device, dtype=torch.float32).add(i).sin()
+        x = x.reshape(shape)
+        tiny.append((-x.abs() if i == 3 else x.abs() if i == 4 else x).to(t.dtype).requires_grad_())
+    cu = torch.tensor([0, 3, 5], dtype=torch.long, device=tensors[0].device)
+    try:
+        with torch.enable_grad():
+            out, _ = fla(*tiny, initial_state=None, output_final_state=False, cu_seqlens=cu, **common)
+            out.float().sum().backward()
+    except Exception as error:  # noqa: BLE001 - whatever fla raises, it cannot train here
+        why = f"its backward fails on this device ({type(error).__name__}: {error})"
+        disable(*FLA_FUNCTIONS[kernel], why)
+        return False
+    _BACKWARD_RUNS.add(key)
+    return True
 
 
 def _decode_step(rule: Callable | None, fla, tensors, meta: VarlenMeta, initial_state: torch.Tensor | None,

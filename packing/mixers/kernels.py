@@ -4,8 +4,9 @@ environment variable, ``NOPAD_MIXER_KERNELS``, picks for all of them: ``auto`` (
 package on CUDA tensors when installed), ``package`` (the package whenever installed, whatever
 the device: the tests' CPU stand-ins) or ``reference`` (nopad's PyTorch code everywhere).
 
-A package that is installed but fails to import (a build for another torch or CUDA) is reported
-once and then treated as absent, so the layer still runs, on the reference."""
+A package that is installed but fails to import (a build for another torch or CUDA), or that a
+caller finds cannot run here (:func:`disable`: fla's backward on some GPU / Triton pairs), is
+reported once and then treated as absent, so the layer still runs, on the reference."""
 
 from __future__ import annotations
 
@@ -42,8 +43,16 @@ def package_function(module: str, name: str, tensor: torch.Tensor) -> Callable |
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, OSError, AttributeError) as error:
-        _BROKEN.add(f"{module}.{name}")
-        warnings.warn(f"{module}.{name} is installed but does not import ({error}); nopad's hybrid layers "
-                      "use their PyTorch reference instead", RuntimeWarning, stacklevel=2)
+        disable(module, name, f"does not import ({error})")
         return None
+
+
+def disable(module: str, name: str, why: str) -> None:
+    """Report once that ``module.name`` is installed but ``why`` (it cannot run here); from then
+    on :func:`package_function` returns None for it, so the reference runs."""
+    if f"{module}.{name}" in _BROKEN:
+        return
+    _BROKEN.add(f"{module}.{name}")
+    warnings.warn(f"{module}.{name} is installed but {why}; nopad's hybrid layers use their PyTorch "
+                  "reference instead", RuntimeWarning, stacklevel=3)
 

@@ -8,9 +8,11 @@ causal-conv1d dispatch through strict stand-ins; a GRPO step on tree rows of Qwe
 from __future__ import annotations
 
 import importlib.machinery
+import subprocess
 import sys
 import types
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
 import packing
-from packing.mixers import kernels, recurrence_plan, varlen_causal_conv1d, varlen_delta_rule
+from packing.mixers import delta_rule, kernels, recurrence_plan, varlen_causal_conv1d, varlen_delta_rule
 from packing.mixers.kernels import KERNELS_ENV
 from packing.varlen import VarlenMeta
 from tests.support.models import random_sequences, tiny_model
@@ -185,14 +187,19 @@ def test_varlen_delta_rule_with_initial_and_final_states():
 # ----------------------------------------------------------------------------- fla / causal-conv1d stand-ins
 class KernelStandIns:
     """Strict CPU stand-ins for fla's ``chunk_gated_delta_rule`` and causal-conv1d's
-    ``causal_conv1d_fn``, written to their documented signatures and checks (fla: ``(B=1, T, H,
-    K)`` inputs with int64 ``cu_seqlens`` and ``initial_state`` ``(N, HV, K, V)``; causal-conv1d:
-    ``(B, C, T)`` channel-last with int32 ``seq_idx`` ``(B, T)``, no initial states beside
-    ``seq_idx``, activation None/silu/swish), computing per sequence with transformers' torch
-    functions. Every call is recorded."""
+    ``causal_conv1d_fn``, written to their signatures and checks (fla 0.6.0's, argument for
+    argument: ``(B=1, T, H, K)`` q/k, ``(1, T, HV, V)`` v, log-space decay ``g`` and post-sigmoid
+    ``beta`` ``(1, T, HV)``, int64 ``cu_seqlens``, ``initial_state`` and final state ``(N, HV,
+    K, V)`` (K first: ``state_v_first=False``), query head ``i // (HV // H)`` for value head ``i``
+    (checked against real fla by the interpreter test below); causal-conv1d: ``(B, C, T)``
+    channel-last with int32 ``seq_idx`` ``(B, T)``, no initial states beside ``seq_idx``,
+    activation None/silu/swish), computing per sequence with transformers' torch functions. Every
+    call is recorded. ``backward_error``: a message the stand-in's backward raises, as fla 0.6
+    does on Hopper under Triton 3.4 to 3.7.0 (only once the forward has run)."""
 
     def __init__(self):
         self.calls: list[tuple[str, dict]] = []
+        self.backward_error: str | None = None
         fla = types.ModuleType("fla")
         ops = types.ModuleType("fla.ops")
         rule = types.ModuleType("fla.ops.gated_delta_rule")
@@ -204,14 +211,22 @@ class KernelStandIns:
             module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None)
 
     def chunk_gated_delta_rule(self, q, k, v, g, beta, scale=None, initial_state=None,
-                               output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+                               output_final_state=False, use_qk_l2norm_in_kernel=False,
+                               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                               cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, cp_context=None,
                                **kwargs):
         assert q.shape[0] == 1 and cu_seqlens is not None, "fla varlen: batch 1 and cu_seqlens"
         assert cu_seqlens.dtype == torch.long and cu_seqlens.dim() == 1 and int(cu_seqlens[-1]) == q.shape[1]
+        heads, v_heads = q.shape[2], v.shape[2]
+        assert k.shape == q.shape and v_heads % heads == 0 and v.shape[:2] == q.shape[:2]
+        assert g.shape == beta.shape == v.shape[:3], "fla's gated delta rule: g and beta (B, T, HV)"
+        assert bool((g <= 0).all()), "g is the decay in log space"
         n = cu_seqlens.numel() - 1
         if initial_state is not None:
-            assert initial_state.shape == (n, v.shape[2], k.shape[-1], v.shape[-1]), initial_state.shape
-        assert scale is None and not kwargs
+            assert initial_state.shape == (n, v_heads, k.shape[-1], v.shape[-1]), initial_state.shape
+        assert scale is None and not (use_beta_sigmoid_in_kernel or allow_neg_eigval or state_v_first)
+        assert cu_seqlens_cpu is None and chunk_indices is None and cp_context is None
+        assert set(kwargs) <= {"chunk_size"} and kwargs.get("chunk_size", 64) in (16, 32, 64), kwargs
         self.calls.append(("fla", dict(seqs=n, initial=initial_state is not None)))
         outs, finals = [], []
         for i in range(n):
@@ -221,7 +236,10 @@ class KernelStandIns:
                                     output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
             outs.append(out)
             finals.append(final)
-        return torch.cat(outs, dim=1), torch.cat(finals) if output_final_state else None
+        out = torch.cat(outs, dim=1)
+        if self.backward_error is not None:
+            out = _RefusingBackward.apply(out, self.backward_error)
+        return out, torch.cat(finals) if output_final_state else None
 
     def causal_conv1d_fn(self, x, weight, bias=None, seq_idx=None, initial_states=None,
                          return_final_states=False, final_states_out=None, activation=None):
@@ -239,8 +257,21 @@ class KernelStandIns:
                           for a, b in zip(cuts[:-1], cuts[1:])], dim=1)[None]
 
 
+class _RefusingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, message):
+        ctx.message = message
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(ctx.message)
+
+
 @pytest.fixture
 def kernel_standins(monkeypatch):
+    monkeypatch.setattr(delta_rule, "_BACKWARD_RUNS", set())  # each test sees fla's backward tried once
+    monkeypatch.setattr(kernels, "_BROKEN", set())
     standins = KernelStandIns()
     for name, module in standins.modules.items():
         monkeypatch.setitem(sys.modules, name, module)
@@ -252,8 +283,31 @@ def test_packed_rows_go_to_fla_and_causal_conv1d_with_their_boundaries(kernel_st
     report = packing.verify(tiny_model("qwen3_5"), random_sequences((1, 70, 5)))
     assert exact(report), str(report)
     calls = [name for name, _ in kernel_standins.calls]
-    assert calls.count("fla") == 2 and calls.count("causal_conv1d") == 2  # one per linear-attention layer
-    assert all(c["seqs"] == 3 and not c["initial"] for name, c in kernel_standins.calls if name == "fla")
+    fla = [c for name, c in kernel_standins.calls if name == "fla"]
+    assert fla[0] == dict(seqs=2, initial=False)  # fla's backward tried once, on a tiny row, before training
+    assert len(fla) == 3 and calls.count("causal_conv1d") == 2  # then one call per linear-attention layer
+    assert all(c == dict(seqs=3, initial=False) for c in fla[1:])
+
+
+HOPPER_REFUSAL = ("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated "
+                  "chunk_bwd_dqkwg (see #640). Please upgrade Triton to >= 3.7.1 or install tilelang")
+
+
+def test_a_fla_whose_backward_refuses_here_leaves_training_to_the_reference(kernel_standins, one_thread):
+    """fla 0.6 on an H200 with Triton 3.6 (the lent machines'): its gated backward raises once
+    the forward has run. nopad tries the backward first, reports fla's message once, and trains
+    on the reference (exact); a call with no gradient (the generator) is refused fla too."""
+    kernel_standins.backward_error = HOPPER_REFUSAL
+    with pytest.warns(RuntimeWarning, match="chunk_gated_delta_rule is installed but its backward fails on "
+                                            "this device .*Hopper.*upgrade Triton"):
+        report = packing.verify(tiny_model("qwen3_5"), random_sequences((1, 70, 5)))
+    assert exact(report), str(report)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error")  # reported once
+        q, k, v = torch.randn(1, 7, 2, 8), torch.randn(1, 7, 2, 8), torch.randn(1, 7, 2, 8)
+        varlen_delta_rule(TORCH_RULE, q, k, v, -torch.rand(1, 7, 2), torch.rand(1, 7, 2),
+                          meta=VarlenMeta.from_lengths([3, 4]))
+    assert [c for name, c in kernel_standins.calls if name == "fla"] == [dict(seqs=2, initial=False)]
 
 
 def test_tree_rows_go_to_fla_wave_by_wave_with_the_parents_states(kernel_standins, one_thread):
@@ -263,6 +317,17 @@ def test_tree_rows_go_to_fla_wave_by_wave_with_the_parents_states(kernel_standin
     assert len(fla) > 2 and any(c["initial"] for c in fla)  # several waves per layer, later ones from states
     # tree windows stay on the reference
     assert not any(name == "causal_conv1d" for name, _ in kernel_standins.calls)
+
+
+@pytest.mark.skipif(not kernels.installed("fla"), reason="fla is not installed (opt-in: fla-core)")
+def test_real_fla_under_the_triton_interpreter_equals_the_torch_rule(tmp_path):
+    """fla itself, not a stand-in: its varlen Gated DeltaNet with initial states and grouped value
+    heads, on the CPU under the Triton interpreter, and nopad's dispatch to it, against
+    transformers' torch function per sequence (tests/support/fla_interpret.py; about a minute)."""
+    script = Path(__file__).resolve().parents[1] / "support" / "fla_interpret.py"
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
 
 
 def test_a_kernel_package_that_fails_to_import_is_reported_once(monkeypatch, tmp_path):
