@@ -157,17 +157,30 @@ def test_generator_greedy_equals_hf_generate_on_cuda(family):
     assert ours == theirs
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "bamba"])
+def _rollouts_in_exact_mode(model):
+    prompts = [p.tolist() for p in random_sequences([3, 23, 1, 30], seed=8)]
+    params = SamplingParams(temperature=1.0, n=2, max_tokens=6, seed=1)
+    gen = Generator(model, max_num_batched_tokens=7, max_num_seqs=3, num_blocks=48, block_size=16)
+    outs = gen.generate(prompts, params, use_tqdm=False)
+    return [Rollout(list(p), list(c.token_ids), list(c.logprobs)) for p, o in zip(prompts, outs)
+            for c in o.outputs if c.token_ids]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
+def test_exact_mode_refuses_recurrent_layers_on_cuda(family):
+    """The delta rule's and the Mamba2 scan's token-by-token order is proven batch-invariant on CPU
+    only (torch's CUDA reductions over the state may split by batch size): refused, not silent."""
+    model = invariance_model(family, torch.bfloat16).to(CUDA)
+    with batch_invariant(), pytest.raises(ValueError, match="proven on CPU only"):
+        _rollouts_in_exact_mode(model)
+
+
+@pytest.mark.parametrize("family", ["lfm2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rollout_logprobs_equal_the_trainers_bitwise_on_cuda(family, dtype):
     model = invariance_model(family, dtype).to(CUDA)
-    prompts = [p.tolist() for p in random_sequences([3, 23, 1, 30], seed=8)]
-    params = SamplingParams(temperature=1.0, n=2, max_tokens=6, seed=1)
     with batch_invariant():
-        gen = Generator(model, max_num_batched_tokens=7, max_num_seqs=3, num_blocks=48, block_size=16)
-        outs = gen.generate(prompts, params, use_tqdm=False)
-        rollouts = [Rollout(list(p), list(c.token_ids), list(c.logprobs)) for p, o in zip(prompts, outs)
-                    for c in o.outputs if c.token_ids]
+        rollouts = _rollouts_in_exact_mode(model)
         trainer, generator = trainer_logprobs(model, rollouts, 64, shared_prefix=False)
     assert trainer.numel() == generator.numel() > 0
     gap = float((trainer.cpu() - generator.cpu()).abs().max())
