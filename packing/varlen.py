@@ -253,11 +253,11 @@ class VarlenMeta:
     def num_seqs(self) -> int:
         return self.position_ids.shape[0] if self.seqlens_q is None else len(self.seqlens_q)
 
-    @property
-    def total_q(self) -> int:
+    @cached_property
+    def total_q(self) -> int:  # cached: every layer of a forward asks, and it sums the lengths
         return self.position_ids.shape[0] if self.seqlens_q is None else sum(self.seqlens_q)
 
-    @property
+    @cached_property
     def total_k(self) -> int:
         return sum(self.seqlens_k)
 
