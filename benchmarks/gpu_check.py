@@ -296,13 +296,16 @@ def step_kv_bytes(model, context_lens: list[int], dtype: torch.dtype) -> int:
 
 
 def time_decode(gen, device, steps: int) -> float:
-    for _ in range(3):  # warm-up (compilation and graph capture when static)
-        gen.step()
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        gen.step()
-    sync(device)
+    # attention held across the steps, as generate() and run() hold it: a bare gen.step() also
+    # switches the model's attention implementation to nopad and back (bench_decode_host.py times both)
+    with gen.live.attention():
+        for _ in range(3):  # warm-up (compilation and graph capture when static)
+            gen.step()
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            gen.step()
+        sync(device)
     return (time.perf_counter() - start) / steps
 
 
@@ -354,7 +357,8 @@ def bench_host_overhead(spec, device, dtype, n: int, prompt_range, block_size: i
             gen, _, ids = _decoding_generator(model, n, prompt_range, block_size, **kw)
             gen.step()
             sync(device)
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+            with gen.live.attention(), profile(activities=activities) as prof:  # held, as in time_decode
                 start = time.perf_counter()
                 for _ in range(steps):
                     gen.step()
