@@ -207,8 +207,8 @@ def main(argv=None) -> dict:
           f"{'py calls/layer':>15s} {'aten calls/layer':>17s}")
     for name, r in {**report, **bare}.items():
         wall = f"{r['wall_ms']:12.2f}  " if device.type == "cuda" else ""
-        print(f"{name:24s} {wall}{r['step_ms']:8.2f} {r['step_ms'] / args.layers:9.3f} {r['attention_ms']:13.2f} "
-              f"{r['rest_layer_ms']:14.3f} {r['python']:15.1f} {r['aten']:17.1f}")
+        print(f"{name:24s} {wall}{r['step_ms']:8.2f} {r['step_ms'] / args.layers:9.3f} "
+              f"{r['attention_ms']:13.2f} {r['rest_layer_ms']:14.3f} {r['python']:15.1f} {r['aten']:17.1f}")
     n, h = report["nopad"], report["HF"]
     print(f"nopad / HF: step {n['step_ms'] / h['step_ms']:.2f}x, host work besides the attention calls "
           f"{n['rest_layer_ms'] / h['rest_layer_ms']:.2f}x, Python calls {n['python'] / h['python']:.2f}x, "
