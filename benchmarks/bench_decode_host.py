@@ -156,9 +156,9 @@ def measure(steps: dict, repeats: int, layers: int, device: torch.device) -> dic
                 clock.seconds = 0.0
                 start, start_wall = time.thread_time(), time.perf_counter()
                 step()
+                cpu[name].append(time.thread_time() - start)  # before the wait for the GPU (a spin)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                cpu[name].append(time.thread_time() - start)
                 wall[name].append(time.perf_counter() - start_wall)
                 attn[name].append(clock.seconds)
     out = {}
