@@ -7,10 +7,9 @@ its result to every layer as ``attention_mask`` (:mod:`packing.hf.attention`), s
 step and a training forward each make one plan. A layer asks the plan for the backend of its call
 (device, dtype, window, softcap, paged or not, ...); the answer for a call like it is computed at
 first use and reused, so :func:`registry.choose` runs once per kind of layer in a forward, not
-once per layer (``benchmarks/bench_attention_plan.py`` counts and times it). The plan also keeps what the
-layers of a forward share besides the backend - the resolved meta, whether the model was
-checked - so a decode step's per-layer host work stays a few dictionary
-look-ups (``benchmarks/bench_decode_host.py``).
+once per layer (``benchmarks/bench_attention_plan.py`` counts and times it). The plan also keeps
+what else the layers of a forward share - the resolved meta, whether the model was checked - so a
+decode step's per-layer host work stays a few look-ups (``benchmarks/bench_decode_host.py``).
 """
 
 from __future__ import annotations

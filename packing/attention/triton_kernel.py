@@ -276,8 +276,8 @@ def forward(
 
 
 def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, window: int, softcap: float,
-                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+                  context_lens: torch.Tensor, scale: float, window: int, softcap: float,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per row ``q (rows, heads, dim)`` over that row's keys in a paged cache
     ``(blocks, block_size, kv_heads, dim)``: ``context_lens[i]`` keys through ``block_table[i]``
     (int32 or int64, read as they are). Lengths stay on the device and the grid depends only on
