@@ -253,11 +253,11 @@ class VarlenMeta:
     def num_seqs(self) -> int:
         return self.position_ids.shape[0] if self.seqlens_q is None else len(self.seqlens_q)
 
-    @cached_property
-    def total_q(self) -> int:  # cached: every layer of a forward asks, and it sums the lengths
+    @property
+    def total_q(self) -> int:
         return self.position_ids.shape[0] if self.seqlens_q is None else sum(self.seqlens_q)
 
-    @cached_property
+    @property
     def total_k(self) -> int:
         return sum(self.seqlens_k)
 
