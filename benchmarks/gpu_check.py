@@ -359,15 +359,18 @@ def time_decode(gen, device, steps: int) -> tuple[float, dict]:
     """Seconds per decode step, and what happened in the timed steps: compilations (0 after the
     warm-up), CUDA-graph recordings (one per bucket first reached here), decode steps that ran
     padded, and the buckets."""
-    for _ in range(WARMUP_STEPS):  # warm-up (compilation and graph capture when static)
-        gen.step()
-    sync(device)
-    before, static_before = _compile_events(), gen._runner.static_steps
-    start = time.perf_counter()
-    for _ in range(steps):
-        gen.step()
-    sync(device)
-    seconds = (time.perf_counter() - start) / steps
+    # attention held across the steps, as generate() and run() hold it: a bare gen.step() also
+    # switches the model's attention implementation to nopad and back (bench_decode_host.py times both)
+    with gen.live.attention():
+        for _ in range(WARMUP_STEPS):  # warm-up (compilation and graph capture when static)
+            gen.step()
+        sync(device)
+        before, static_before = _compile_events(), gen._runner.static_steps
+        start = time.perf_counter()
+        for _ in range(steps):
+            gen.step()
+        sync(device)
+        seconds = (time.perf_counter() - start) / steps
     events = {k: v - before[k] for k, v in _compile_events().items()}
     events["static_steps"] = gen._runner.static_steps - static_before
     events["buckets"] = sorted(gen._runner.static_shapes)
@@ -424,7 +427,8 @@ def bench_host_overhead(spec, device, dtype, n: int, prompt_range, block_size: i
             gen, _, ids = _decoding_generator(model, n, prompt_range, block_size, steps + 2, **kw)
             gen.step()
             sync(device)
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+            with gen.live.attention(), profile(activities=activities) as prof:  # held, as in time_decode
                 start = time.perf_counter()
                 for _ in range(steps):
                     gen.step()

@@ -90,6 +90,20 @@ def fsdp2_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def _first_floating_parameter(module: torch.nn.Module) -> torch.Tensor | None:
+    """The first floating-point parameter of ``module.parameters()``, found without its generator
+    chain (named_modules, a memo set, hashing): every attention layer of a forward asks, and the
+    generic walk was a fifth of the host work of an attention call in a decode step."""
+    for param in module._parameters.values():
+        if param is not None and param.is_floating_point():
+            return param
+    for child in module._modules.values():
+        found = None if child is None else _first_floating_parameter(child)
+        if found is not None:
+            return found
+    return None
+
+
 def compute_dtype(module: torch.nn.Module,
                   like: torch.Tensor | torch.device | str | None = None) -> torch.dtype:
     """The dtype a forward of ``module`` computes in (what q, k, v and the KV cache are cast to),
@@ -102,7 +116,7 @@ def compute_dtype(module: torch.nn.Module,
         device_type = like.device.type if isinstance(like, torch.Tensor) else torch.device(like).type
         if torch.is_autocast_enabled(device_type):
             return torch.get_autocast_dtype(device_type)
-    weight = next((p for p in module.parameters() if p.is_floating_point()), None)
+    weight = _first_floating_parameter(module)
     if weight is not None and _is_dtensor(weight):
         for fsdp in fsdp2_modules(module):
             for group in fsdp._get_fsdp_state()._fsdp_param_groups:

@@ -32,8 +32,10 @@ def store_kv(
     """Write new tokens' K/V ``(T, kv_heads, dim)`` into a paged cache
     ``(num_blocks, block_size, kv_heads, dim)`` at flat slots ``block * block_size + offset``."""
     k_cache, v_cache = kv_cache
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
 
 def gather_kv(

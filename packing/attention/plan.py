@@ -7,7 +7,9 @@ its result to every layer as ``attention_mask`` (:mod:`packing.hf.attention`), s
 step and a training forward each make one plan. A layer asks the plan for the backend of its call
 (device, dtype, window, softcap, paged or not, ...); the answer for a call like it is computed at
 first use and reused, so :func:`registry.choose` runs once per kind of layer in a forward, not
-once per layer (``benchmarks/bench_attention_plan.py`` counts and times it).
+once per layer (``benchmarks/bench_attention_plan.py`` counts and times it). The plan also keeps
+what else the layers of a forward share - the resolved meta, whether the model was checked - so a
+decode step's per-layer host work stays a few look-ups (``benchmarks/bench_decode_host.py``).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class AttentionPlan:
         self.kernels = invariance.active_kernels()
         self.decisions = 0  # runs of registry.choose this plan made (the benchmark and tests read it)
         self.row: PlannedRow | None = None  # set by the first layer (packing.hf.attention)
+        self.checked: set[str] = set()  # contexts the forward's model was checked for (packing.mixers)
         self._decided: dict[tuple, Decision] = {}
         self._differentiable: dict[tuple, Backend] = {}
 

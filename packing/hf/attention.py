@@ -121,8 +121,9 @@ def _forward_meta(plan: AttentionPlan, nopad_meta: VarlenMeta | None, position_i
 def _check_kwargs(module: torch.nn.Module, kwargs: dict) -> None:
     """An attention argument we do not implement but that carries a value would be silently
     dropped: refuse it, naming the model."""
-    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in HARMLESS_KWARGS)
+    unknown = [k for k, v in kwargs.items() if v is not None and k not in HARMLESS_KWARGS]
     if unknown:
+        unknown.sort()
         config = getattr(module, "config", None)
         family = getattr(config, "model_type", None) or "unknown"
         raise ValueError(
@@ -204,12 +205,15 @@ def nopad_attention(
     if meta.total_q != batch * q_len:
         raise ValueError(f"nopad_meta describes {meta.total_q} tokens but the batch has {batch} x {q_len}")
     context = _row_context(meta, nopad_kv_cache, batch)
-    if context is not None:
-        check_calling_model(module, context)  # once per module: a bare set_attn_implementation("nopad")
+    if context is not None and context not in plan.checked:
+        check_calling_model(module, context)  # checks the whole model: once per forward is enough
+        plan.checked.add(context)
     dtype = compute_dtype(module, query)
-    q = query.transpose(1, 2).reshape(batch * q_len, heads, dim).to(dtype)
-    k = key.transpose(1, 2).reshape(-1, key.shape[1], dim).to(dtype)
-    v = value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[-1]).to(dtype)
+    q = query.transpose(1, 2).reshape(batch * q_len, heads, dim)
+    k = key.transpose(1, 2).reshape(-1, key.shape[1], dim)
+    v = value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[-1])
+    if not q.dtype == k.dtype == v.dtype == dtype:
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     out = varlen_attention(
         q, k, v, meta,
         causal=getattr(module, "is_causal", True) if is_causal is None else bool(is_causal),

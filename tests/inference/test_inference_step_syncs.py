@@ -13,6 +13,7 @@ copy to CPU is a no-op and invisible): exactly one per step.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 
 import pytest
@@ -27,6 +28,9 @@ from tests.support.models import tiny_model
 SYNC_OPS = {"_local_scalar_dense", "equal", "nonzero", "masked_select"}
 COPY_OPS = {"_to_copy", "copy_", "lift_fresh", "lift_fresh_copy"}
 READBACK_METHODS = {"tolist", "numpy", "cpu", "item"}
+# Python calls in nopad_attention per decode layer after the first (the Triton path, launch stubbed):
+# 39 eager and 28 static at this commit (58 and 39 before the per-layer work was cut)
+LAYER_CALL_BUDGET = {False: 42, True: 32}
 
 
 class StepOps(TorchDispatchMode):
@@ -218,3 +222,97 @@ def test_static_decode_runs_the_generators_attn_backend(monkeypatch):
     with pytest.raises(ValueError, match="attn_backend='sdpa_loop' has no static-shape decode path, "
                                          r"which static_decode=True \(and compile_decode\) runs; use one "):
         Generator(tiny_model("llama"), block_size=4, static_decode=True, attn_backend="sdpa_loop")
+
+
+class LayerCalls:
+    """Python function calls made inside each call of nopad's attention function (one per layer)."""
+
+    def __init__(self, monkeypatch):
+        import transformers
+
+        from packing.hf import attention
+
+        self.per_layer: list[int] = []
+        inner = attention.nopad_attention
+
+        def counted(*args, **kwargs):
+            calls = [0]
+
+            def profile(frame, event, arg):
+                calls[0] += event == "call"
+
+            sys.setprofile(profile)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                sys.setprofile(None)
+                self.per_layer.append(calls[0])
+
+        monkeypatch.setattr(attention, "nopad_attention", counted)
+        monkeypatch.setitem(transformers.AttentionInterface._global_mapping, "nopad", counted)
+
+
+@pytest.fixture
+def triton_host_side(monkeypatch):
+    """nopad's Triton path with the launch replaced: everything the host does per layer on CUDA
+    (the backend choice, the K/V write, the launcher's argument preparation) runs on CPU for real,
+    and the stand-in checks that what reaches the launch needs no cast or copy there."""
+    from packing.attention import triton_kernel
+
+    launches = []
+
+    def launch(q, k, v, out, cu_q, keys, table, page, rows, max_q, **kwargs):
+        for t in (cu_q, keys) + ((table,) if table is not None else ()):
+            assert t.device == q.device and t.is_contiguous(), (t.device, t.stride())
+        assert table is None or table.dtype in (torch.int32, torch.int64)
+        launches.append(rows)
+        return out.zero_()
+
+    monkeypatch.setattr(triton_kernel, "_launch", launch)
+    monkeypatch.setattr(triton_kernel, "interpreted", lambda: True)
+    return launches
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static_decode"])
+def test_triton_steps_have_no_per_layer_sync_cast_or_backend_choice(triton_host_side, monkeypatch, static):
+    """The H200's eager decode step was host-bound (GPU idle 92%): nothing on the Triton path may
+    sync, cast (`.to(int32)` of an int64 tensor: a kernel per layer) or choose a backend per layer.
+    Every step's sync/copy counts and runs of ``registry.choose`` are the same with 6 layers as with
+    2, and one launch runs per layer."""
+    from packing.attention import registry
+
+    choices = []
+    choose = registry.choose
+    monkeypatch.setattr(registry, "choose", lambda *a, **k: choices.append(1) or choose(*a, **k))
+    counts, runs = {}, {}
+    for layers in (2, 6):
+        choices.clear()
+        del triton_host_side[:]
+        counts[layers] = run_counts(layers, PROMPTS, GREEDY, 5, budget=64, attn_backend="triton",
+                                    static_decode=static)
+        runs[layers] = len(choices)
+        assert len(triton_host_side) == 5 * layers  # one launch per layer and step
+    assert counts[2] == counts[6]
+    assert runs[2] == runs[6] <= 5  # at most one decision per step (the plan's), never per layer
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static_decode"])
+def test_decode_attention_python_calls_per_layer_stay_few(triton_host_side, monkeypatch, static):
+    """The host work of nopad's attention per decode layer, in Python function calls (a count, not
+    a time: noise-free). After the first layer of a step (which resolves the plan) every layer makes
+    the same few calls; a per-layer backend choice, meta rebuild, module walk, string formatting or
+    an eager static step through the custom op's dispatch (17 calls, ~40 us) coming back would raise
+    it (``benchmarks/bench_decode_host.py`` times the same path)."""
+    calls = LayerCalls(monkeypatch)
+    gen = Generator(tiny_model("llama", num_hidden_layers=4), block_size=16, attn_backend="triton",
+                    static_decode=static)
+    for p in PROMPTS:
+        gen.add_request(p, GREEDY)
+    gen.step()  # prefill
+    calls.per_layer.clear()
+    gen.step()
+    first, rest = calls.per_layer[0], calls.per_layer[1:]
+    assert len(rest) == 3 and len(set(rest)) == 1, calls.per_layer
+    budget = LAYER_CALL_BUDGET[static]
+    assert rest[0] <= budget, f"{rest[0]} Python calls per decode layer, over {budget}"
+    assert first > rest[0]  # the counter sees the plan being made

@@ -1,0 +1,221 @@
+"""The host cost of one eager decode step, per layer: nopad's generator step next to transformers'
+own decode step (one token per row, ``DynamicCache``, SDPA) on the same model, in the same run.
+
+On a GPU an eager decode step of a small model is host-bound (the H200 run of ``gpu_check.py``
+found the GPU idle 92% of nopad's step): what the step costs is the Python and the operator calls
+the host makes per layer. A CPU with a tiny hidden size shows that cost with little compute under
+it. Both sides run twin random Llamas (same weights; 30 layers, hidden 64, 4 heads / 2 KV heads,
+fp32, one thread) on the same prompts, their steps interleaved; each side's figures:
+
+- CPU ms per step and per layer (thread CPU time, so other processes on the machine do not count;
+  with ``--device cuda`` also the wall time, synchronized after each step);
+- of that, the attention calls' (nopad's backend forward / ``F.scaled_dot_product_attention``: on
+  CPU their compute, on CUDA the host time of their launches), and the rest per layer;
+- Python function calls and aten operator calls per layer, counted (noise-free). On CUDA every aten
+  call that is not a view launches a kernel and each costs the host several microseconds.
+
+nopad's step runs inside ``gen.live.attention()`` as ``generate()``/``run()`` hold it; a last line
+times a bare ``gen.step()`` (``stream()``), which also switches the model's attention to nopad and
+back (transformers' ``set_attn_implementation`` walks every module, twice).
+
+    python benchmarks/bench_decode_host.py            # 30 layers, 64 rows, 30 timed steps
+    python benchmarks/bench_decode_host.py --quick    # 30 layers, 16 rows, 4 timed steps (seconds)
+    python benchmarks/bench_decode_host.py --device cuda --shape smollm2   # the GPU check (bf16)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from statistics import median
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
+
+from inference import Generator, SamplingParams  # noqa: E402
+from packing.attention import registry  # noqa: E402
+
+VIEW_OPS = {"view", "_unsafe_view", "transpose", "t", "unsqueeze", "squeeze", "slice", "select", "expand",
+            "detach", "reshape", "alias", "as_strided", "permute"}
+SHAPES = {  # (hidden, intermediate, heads, kv heads, vocab)
+    "tiny": (64, 128, 4, 2, 128),
+    "smollm2": (576, 1536, 9, 3, 49152),  # SmolLM2-135M, the model of gpu_check.py's decode figures
+}
+
+
+def llama(layers: int, shape: str, device: torch.device, dtype: torch.dtype) -> transformers.PreTrainedModel:
+    hidden, intermediate, heads, kv_heads, vocab = SHAPES[shape]
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                                      num_hidden_layers=layers, num_attention_heads=heads,
+                                      num_key_value_heads=kv_heads, max_position_embeddings=4096)
+    return transformers.LlamaForCausalLM(config).to(device, dtype).eval()
+
+
+class Clock:
+    """Thread CPU seconds spent inside the attention calls, added up across a step."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.thread_time() - start
+        return timed
+
+
+@contextmanager
+def attention_timed(clock: Clock):
+    """Time every nopad backend's forward (its registry entry) and torch's SDPA (what transformers
+    calls): the compute on CPU, the launches' host time on CUDA."""
+    table = registry.backends()
+    saved, sdpa = dict(table), F.scaled_dot_product_attention
+    for name, backend in saved.items():
+        table[name] = replace(backend, forward=clock.wrap(backend.forward))
+    F.scaled_dot_product_attention = clock.wrap(sdpa)
+    try:
+        yield
+    finally:
+        table.update(saved)
+        F.scaled_dot_product_attention = sdpa
+
+
+class AtenCalls(TorchDispatchMode):
+    """Aten calls that are not views: on CUDA each launches a kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func.overloadpacket.__name__ not in VIEW_OPS
+        return func(*args, **(kwargs or {}))
+
+
+def python_calls(fn) -> int:
+    calls = [0]
+
+    def profile(frame, event, arg):
+        calls[0] += event == "call"
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls[0]
+
+
+def nopad_side(model, prompts: list[list[int]]):
+    """A generator (attention backend: "auto") with every prompt past prefill; returns (step, generator)."""
+    gen = Generator(model, None, block_size=16, max_num_seqs=len(prompts),
+                    max_num_batched_tokens=max(2048, sum(map(len, prompts))))
+    endless = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+    for prompt in prompts:
+        gen.add_request(prompt, endless)
+    gen.step()  # prefill
+    return gen.step, gen
+
+
+def hf_side(model, prompts: list[list[int]]):
+    """transformers' own decode: the same prompts prefilled into a DynamicCache, greedy."""
+    cache = transformers.DynamicCache(config=model.config)
+    device = next(model.parameters()).device
+    state = {"ids": torch.tensor(prompts, device=device)}
+
+    def step():
+        with torch.no_grad():
+            out = model(input_ids=state["ids"], past_key_values=cache, use_cache=True)
+        state["ids"] = out.logits[:, -1].argmax(-1, keepdim=True)
+        state["ids"].cpu()  # the host reads the tokens back, as a generator's sampler does
+
+    step()  # prefill
+    return step
+
+
+def measure(steps: dict, repeats: int, layers: int, device: torch.device) -> dict:
+    """Interleaved timed steps of every side (so load hits them alike), then the counts."""
+    clock = Clock()
+    cpu, wall, attn = ({n: [] for n in steps} for _ in range(3))
+    with attention_timed(clock):
+        for _ in range(repeats):
+            for name, step in steps.items():
+                clock.seconds = 0.0
+                start, start_wall = time.thread_time(), time.perf_counter()
+                step()
+                cpu[name].append(time.thread_time() - start)  # before the wait for the GPU (a spin)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                wall[name].append(time.perf_counter() - start_wall)
+                attn[name].append(clock.seconds)
+    out = {}
+    for name, step in steps.items():
+        mode = AtenCalls()
+        with mode:
+            step()
+        r = out[name] = dict(step_ms=median(cpu[name]) * 1e3, wall_ms=median(wall[name]) * 1e3,
+                             attention_ms=median(attn[name]) * 1e3, aten=mode.calls / layers,
+                             python=python_calls(step) / layers)
+        r["rest_layer_ms"] = (r["step_ms"] - r["attention_ms"]) / layers
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="16 rows, 4 timed steps")
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--rows", type=int, default=None, help="sequences decoding (default 64; quick 16)")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = args.rows or (16 if args.quick else 64)
+    repeats = 4 if args.quick else 30
+    seed = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, SHAPES[args.shape][-1], (rows, args.prompt_len), generator=seed).tolist()
+    hf_step = hf_side(llama(args.layers, args.shape, device, dtype), prompts)  # a twin, kept on SDPA
+    nopad_step, gen = nopad_side(llama(args.layers, args.shape, device, dtype), prompts)
+    with gen.live.attention():  # held across steps, as generate() and run() hold it
+        for _ in range(3):
+            nopad_step()
+            hf_step()
+        report = measure({"nopad": nopad_step, "HF": hf_step}, repeats, args.layers, device)
+    bare = measure({"nopad, bare gen.step()": nopad_step}, max(2, repeats // 3), args.layers, device)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, 1 thread"
+    print(f"eager decode step, {args.layers}-layer Llama ({args.shape}: hidden {SHAPES[args.shape][0]}), "
+          f"{rows} rows past a {args.prompt_len}-token prompt, {str(dtype).removeprefix('torch.')}, {where}; "
+          f"thread CPU time, median of {repeats}; load average {load:.2f}")
+    wall = "wall ms/step  " if device.type == "cuda" else ""
+    print(f"{'':24s} {wall}{'ms/step':>8s} {'ms/layer':>9s} {'attention ms':>13s} {'rest ms/layer':>14s} "
+          f"{'py calls/layer':>15s} {'aten calls/layer':>17s}")
+    for name, r in {**report, **bare}.items():
+        wall = f"{r['wall_ms']:12.2f}  " if device.type == "cuda" else ""
+        print(f"{name:24s} {wall}{r['step_ms']:8.2f} {r['step_ms'] / args.layers:9.3f} "
+              f"{r['attention_ms']:13.2f} {r['rest_layer_ms']:14.3f} {r['python']:15.1f} {r['aten']:17.1f}")
+    n, h = report["nopad"], report["HF"]
+    print(f"nopad / HF: step {n['step_ms'] / h['step_ms']:.2f}x, host work besides the attention calls "
+          f"{n['rest_layer_ms'] / h['rest_layer_ms']:.2f}x, Python calls {n['python'] / h['python']:.2f}x, "
+          f"aten calls {n['aten'] / h['aten']:.2f}x")
+    gen.abort_all()
+    return {**report, **bare, "load": load}
+
+
+if __name__ == "__main__":
+    main()
