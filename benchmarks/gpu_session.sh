@@ -3,9 +3,11 @@
 # call, 15 minutes a session, 8 files back): install the carried wheels (.whl, benchmarks/README.md),
 # then run the parts named, each under its own time limit, each report in its own folder of $OUT.
 #   bash benchmarks/gpu_session.sh tests hybrid        # first call (~9 minutes)
-#   bash benchmarks/gpu_session.sh decode attention    # second call, with what is left
-# Parts: tests (the GPU test files), hybrid (issue 36's goals), decode (decode floor and host
-# overhead, SmolLM2-135M), attention (training and generation, SmolLM2-135M), grpo.
+#   bash benchmarks/gpu_session.sh decode hostwork     # second call, with what is left
+# Parts: tests (the GPU test files; first prints whether fla trains here), hybrid (issue 36's
+# goals), decode (decode floor, compiles and graph recordings, host overhead, SmolLM2-135M),
+# hostwork (bench_decode_host.py: nopad's decode step's host work beside HF's), attention
+# (training and generation, SmolLM2-135M), grpo.
 set -u
 out=${OUT:-gpu_out}
 mkdir -p "$out"
@@ -23,11 +25,17 @@ run() {  # run PART SECONDS GPU_CHECK_ARGS...: gpu_check with everything but the
 }
 for part in "$@"; do
   case $part in
-    tests) run tests 280 "pytest" ;;
+    tests)
+      python3 -c "from tests.gpu.test_gpu_hybrid import fla_backward_refusal as r; print('fla backward:', r() or 'trains')" \
+        > "$out/fla.log" 2>&1
+      run tests 280 "pytest" ;;
+    hostwork)
+      timeout 200 python3 benchmarks/bench_decode_host.py --device cuda --shape smollm2 > "$out/hostwork.log" 2>&1
+      echo "hostwork: rc $? after $SECONDS s" | tee -a "$out/hostwork.log" ;;
     hybrid) run hybrid 280 "hybrid" ;;
     decode) run decode 200 "decode host" --models SmolLM2-135M ;;
     attention) run attention 330 "train generate" --models SmolLM2-135M ;;
     grpo) run grpo 300 "grpo" --models SmolLM2-135M ;;
-    *) echo "unknown part $part (tests hybrid decode attention grpo)"; exit 2 ;;
+    *) echo "unknown part $part (tests hybrid decode hostwork attention grpo)"; exit 2 ;;
   esac
 done
