@@ -20,6 +20,7 @@ back (transformers' ``set_attn_implementation`` walks every module, twice).
 
     python benchmarks/bench_decode_host.py            # 30 layers, 64 rows, 30 timed steps
     python benchmarks/bench_decode_host.py --quick    # 30 layers, 16 rows, 4 timed steps (seconds)
+    python benchmarks/bench_decode_host.py --layers 2 --rows 64 256   # the per-row host work
     python benchmarks/bench_decode_host.py --device cuda --shape smollm2   # the GPU check (bf16)
 """
 
@@ -177,15 +178,20 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="16 rows, 4 timed steps")
     parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--rows", type=int, default=None, help="sequences decoding (default 64; quick 16)")
+    parser.add_argument("--rows", type=int, nargs="+", default=None,
+                        help="sequences decoding, one run per count (default 64; quick 16)")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    return {rows: run(args, rows) for rows in args.rows or [16 if args.quick else 64]}
+
+
+def run(args, rows: int) -> dict:
+    """Both sides' figures at ``rows`` sequences decoding."""
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rows = args.rows or (16 if args.quick else 64)
     repeats = 4 if args.quick else 30
     seed = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, SHAPES[args.shape][-1], (rows, args.prompt_len), generator=seed).tolist()
@@ -204,11 +210,12 @@ def main(argv=None) -> dict:
           f"thread CPU time, median of {repeats}; load average {load:.2f}")
     wall = "wall ms/step  " if device.type == "cuda" else ""
     print(f"{'':24s} {wall}{'ms/step':>8s} {'ms/layer':>9s} {'attention ms':>13s} {'rest ms/layer':>14s} "
-          f"{'py calls/layer':>15s} {'aten calls/layer':>17s}")
+          f"{'py calls/layer':>15s} {'py calls/row':>13s} {'aten calls/layer':>17s}")
     for name, r in {**report, **bare}.items():
         wall = f"{r['wall_ms']:12.2f}  " if device.type == "cuda" else ""
         print(f"{name:24s} {wall}{r['step_ms']:8.2f} {r['step_ms'] / args.layers:9.3f} "
-              f"{r['attention_ms']:13.2f} {r['rest_layer_ms']:14.3f} {r['python']:15.1f} {r['aten']:17.1f}")
+              f"{r['attention_ms']:13.2f} {r['rest_layer_ms']:14.3f} {r['python']:15.1f} "
+              f"{r['python'] * args.layers / rows:13.1f} {r['aten']:17.1f}")
     n, h = report["nopad"], report["HF"]
     print(f"nopad / HF: step {n['step_ms'] / h['step_ms']:.2f}x, host work besides the attention calls "
           f"{n['rest_layer_ms'] / h['rest_layer_ms']:.2f}x, Python calls {n['python'] / h['python']:.2f}x, "
