@@ -118,10 +118,11 @@ class Scheduler:
     def _plan(self, plan: StepPlan) -> None:
         budget = self.max_num_batched_tokens
         # 1. decodes, oldest first; preempt from the newest end when blocks run out
-        i = 0
+        i = prefilling = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_pending != 1:
+            if len(seq.token_ids) - seq.num_computed != 1:  # num_pending, inline: this walks every row
+                prefilling += 1
                 i += 1
                 continue
             while not self._reserve(seq, 1, plan):
@@ -142,8 +143,10 @@ class Scheduler:
                 continue  # it left the running list; index i now holds the next one
             i += 1
         plan.num_decodes = len(plan.seqs)
-        # 2. partly prefilled sequences, then 3. new admissions, chunked into the rest of the budget
-        for seq in list(self.running):
+        # 2. partly prefilled sequences, then 3. new admissions, chunked into the rest of the budget.
+        # Step 1 walked every running sequence (or spent the budget); when none of them had more than
+        # one token pending, this walk would find nothing, so a pure decode step skips it.
+        for seq in list(self.running) if prefilling else ():
             if budget <= 0:
                 break
             if seq.num_pending > 1:
@@ -234,18 +237,20 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
         """Give ``seq`` writable slots for its next ``num_new`` tokens, or return False."""
-        alloc, bs = self.allocator, self.block_size
+        alloc, bs, table = self.allocator, self.block_size, seq.block_table
         first = seq.num_computed // bs
-        cow = first < len(seq.block_table) and alloc.ref_count[seq.block_table[first]] > 1
-        needed = alloc.blocks_for(seq.num_computed + num_new) - len(seq.block_table) + int(cow)
-        if needed > alloc.num_free:
+        cow = first < len(table) and alloc.ref_count[table[first]] > 1
+        grow = -(-(seq.num_computed + num_new) // bs) - len(table)  # blocks_for, inline: once a row a step
+        if grow <= 0 and not cow:  # most decodes: the last block has room
+            return True
+        if grow + int(cow) > alloc.num_free:
             return False
         if cow:
-            new, src = alloc.copy_on_write(seq.block_table[first])
-            seq.block_table[first] = new
+            new, src = alloc.copy_on_write(table[first])
+            table[first] = new
             plan.copies.append((src, new))
-        for _ in range(alloc.blocks_for(seq.num_computed + num_new) - len(seq.block_table)):
-            seq.block_table.append(alloc.allocate())
+        for _ in range(grow):
+            table.append(alloc.allocate())
         return True
 
     # ----------------------------------------------------------------- leaving
@@ -326,16 +331,22 @@ class Scheduler:
         (``draw(logits rows, sequences)`` returns the sampler's ``SampleResult``; forks share their
         parent's row), append it, and end
         the turns it ends (``hooks.turn_ended``: finish, or pause for tools)."""
-        now = time.perf_counter()
+        now, bs, slots = time.perf_counter(), self.block_size, self.state_slots
         for seq, n in zip(plan.seqs, plan.query_lens):
             seq.num_computed += n
             if self.enable_prefix_caching:
-                self.register_full_blocks(seq)
-                take_snapshot(self.state_slots, seq, n)
+                if seq.num_computed // bs > seq.num_hashed:  # a block filled (not at most decodes)
+                    self.register_full_blocks(seq)
+                if slots is not None:
+                    take_snapshot(slots, seq, n)
         to_sample: list[tuple[Sequence, int]] = []
         for row, i in enumerate(sampling_rows):
             seq = plan.seqs[i]
-            group = self.fork(seq) if seq.fork_count > 1 else [seq]
+            if seq.fork_count <= 1:
+                if seq.status is Status.RUNNING:
+                    to_sample.append((seq, row))
+                continue
+            group = self.fork(seq)
             if len(group) > 1:
                 seq.hooks.forked(seq, group[1:])
             # a member preempted for want of a state slot samples when it has recomputed (same draw)
