@@ -89,9 +89,6 @@ class Scheduler:
         for hooks in {id(s.hooks): s.hooks for s in self.paused}.values():
             hooks.poll(block)
 
-    def _num_running_slots(self) -> int:
-        return sum(s.fork_count for s in self.running)
-
     # ----------------------------------------------------------------- planning
     def schedule(self) -> StepPlan:
         plan = StepPlan()
@@ -143,9 +140,7 @@ class Scheduler:
                 continue  # it left the running list; index i now holds the next one
             i += 1
         plan.num_decodes = len(plan.seqs)
-        # 2. partly prefilled sequences, then 3. new admissions, chunked into the rest of the budget.
-        # Step 1 walked every running sequence (or spent the budget); when none of them had more than
-        # one token pending, this walk would find nothing, so a pure decode step skips it.
+        # 2. partly prefilled sequences (none if step 1 saw decodes only), then 3. new admissions
         for seq in list(self.running) if prefilling else ():
             if budget <= 0:
                 break
@@ -153,7 +148,7 @@ class Scheduler:
                 budget -= self._schedule_prefill(seq, budget, plan)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if self.running and self._num_running_slots() + seq.fork_count > self.max_num_seqs:
+            if self.running and sum(s.fork_count for s in self.running) + seq.fork_count > self.max_num_seqs:
                 break
             taken = self._admit(seq, budget, plan)
             if not taken:
@@ -306,8 +301,7 @@ class Scheduler:
         logger.warning(
             "sequence of request %s fills the whole KV cache (%d tokens, %d blocks of %d); stopping "
             "it with finish_reason='length'. Give the generator more KV memory for longer outputs.",
-            seq.request.request_id, seq.num_tokens, self.allocator.num_blocks, self.block_size,
-        )
+            seq.request.request_id, seq.num_tokens, self.allocator.num_blocks, self.block_size)
         self.finish(seq, "length")
         seq.out_of_memory = True
         plan.stopped.append(seq)
@@ -326,31 +320,27 @@ class Scheduler:
     def postprocess(self, plan: StepPlan, sampling_rows: list[int],
                     draw: Callable[[list[int], list[Sequence]], object]) -> None:
         """The one owner of a step's bookkeeping once its forward ran: count the computed tokens,
-        register new full blocks in the prefix cache, split groups whose prefill completed into
-        their forks (``hooks.forked``), draw a token for every sequence that samples now
-        (``draw(logits rows, sequences)`` returns the sampler's ``SampleResult``; forks share their
-        parent's row), append it, and end
-        the turns it ends (``hooks.turn_ended``: finish, or pause for tools)."""
+        register new full blocks in the prefix cache, split groups whose prefill completed into their
+        forks (``hooks.forked``), draw a token for every sequence that samples now (``draw(logits rows,
+        sequences)`` returns the sampler's ``SampleResult``; forks share their parent's row), append
+        it, and end the turns it ends (``hooks.turn_ended``: finish, or pause for tools)."""
         now, bs, slots = time.perf_counter(), self.block_size, self.state_slots
         for seq, n in zip(plan.seqs, plan.query_lens):
             seq.num_computed += n
-            if self.enable_prefix_caching:
-                if seq.num_computed // bs > seq.num_hashed:  # a block filled (not at most decodes)
-                    self.register_full_blocks(seq)
-                if slots is not None:
-                    take_snapshot(slots, seq, n)
+            if self.enable_prefix_caching and seq.num_computed // bs > seq.num_hashed:  # a block filled
+                self.register_full_blocks(seq)
+            if self.enable_prefix_caching and slots is not None:  # (no call per row when not)
+                take_snapshot(slots, seq, n)
         to_sample: list[tuple[Sequence, int]] = []
         for row, i in enumerate(sampling_rows):
             seq = plan.seqs[i]
-            if seq.fork_count <= 1:
-                if seq.status is Status.RUNNING:
-                    to_sample.append((seq, row))
-                continue
-            group = self.fork(seq)
+            group = self.fork(seq) if seq.fork_count > 1 else [seq]
             if len(group) > 1:
                 seq.hooks.forked(seq, group[1:])
             # a member preempted for want of a state slot samples when it has recomputed (same draw)
-            to_sample.extend((s, row) for s in group if s.status is Status.RUNNING)
+            for s in group:  # a loop, not a generator: no call per row
+                if s.status is Status.RUNNING:
+                    to_sample.append((s, row))
         if not to_sample:
             return
         seqs = [seq for seq, _ in to_sample]
