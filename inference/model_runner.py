@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import torch
@@ -69,13 +70,14 @@ def build_step(plan: StepPlan, block_size: int, device) -> StepInputs:
     """The step's inputs, all device tensors from one host buffer and one copy."""
     lay = step_layout(plan.query_lens, [s.num_computed for s in plan.seqs])
     num, total = len(plan.seqs), int(lay["cu_q"][-1])
-    ids = np.empty(total, dtype=np.int64)
-    for seq, n, at in zip(plan.seqs, plan.query_lens, lay["cu_q"][:-1]):
-        ids[at: at + n] = seq.token_ids[seq.num_computed: seq.num_computed + n]
-    width = max([len(s.block_table) for s in plan.seqs])  # a list: a generator resumes once a row
-    table = np.zeros((num, width), dtype=np.int64)
-    for i, seq in enumerate(plan.seqs):
-        table[i, : len(seq.block_table)] = seq.block_table
+    # one numpy pass over all rows' tokens and blocks, not a numpy assignment per row (and lists,
+    # not generators: a generator resumes, a Python call, once a row)
+    ids = np.fromiter(chain.from_iterable([s.token_ids[s.num_computed: s.num_computed + n]
+                                           for s, n in zip(plan.seqs, plan.query_lens)]), np.int64, total)
+    lens = np.array([len(s.block_table) for s in plan.seqs])
+    table = np.zeros((num, int(lens.max())), dtype=np.int64)
+    table[np.arange(table.shape[1]) < lens[:, None]] = np.fromiter(
+        chain.from_iterable([s.block_table for s in plan.seqs]), np.int64, int(lens.sum()))
     pos = lay["positions"]
     slots = table[lay["seq_idx"], pos // block_size] * block_size + pos % block_size
     sampling_rows = [i for i, (seq, n) in enumerate(zip(plan.seqs, plan.query_lens))
