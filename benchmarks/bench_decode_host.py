@@ -12,7 +12,9 @@ fp32, one thread) on the same prompts, their steps interleaved; each side's figu
 - of that, the attention calls' (nopad's backend forward / ``F.scaled_dot_product_attention``: on
   CPU their compute, on CUDA the host time of their launches), and the rest per layer;
 - Python function calls and aten operator calls per layer, counted (noise-free). On CUDA every aten
-  call that is not a view launches a kernel and each costs the host several microseconds.
+  call that is not a view launches a kernel and each costs the host several microseconds;
+- Python calls per row and the CPU ms outside the model's forward: the step's bookkeeping
+  (scheduling, step inputs, sampling, appending), the part that grows with the rows (``--rows 64 256``).
 
 nopad's step runs inside ``gen.live.attention()`` as ``generate()``/``run()`` hold it; a last line
 times a bare ``gen.step()`` (``stream()``), which also switches the model's attention to nopad and
@@ -20,6 +22,7 @@ back (transformers' ``set_attn_implementation`` walks every module, twice).
 
     python benchmarks/bench_decode_host.py            # 30 layers, 64 rows, 30 timed steps
     python benchmarks/bench_decode_host.py --quick    # 30 layers, 16 rows, 4 timed steps (seconds)
+    python benchmarks/bench_decode_host.py --layers 2 --rows 64 256   # the per-row host work
     python benchmarks/bench_decode_host.py --device cuda --shape smollm2   # the GPU check (bf16)
 """
 
@@ -146,14 +149,18 @@ def hf_side(model, prompts: list[list[int]]):
     return step
 
 
-def measure(steps: dict, repeats: int, layers: int, device: torch.device) -> dict:
-    """Interleaved timed steps of every side (so load hits them alike), then the counts."""
-    clock = Clock()
-    cpu, wall, attn = ({n: [] for n in steps} for _ in range(3))
+def measure(steps: dict, repeats: int, layers: int, device: torch.device, models: dict) -> dict:
+    """Interleaved timed steps of every side (so load hits them alike), then the counts. ``models``:
+    each side's model, whose forward is timed too: the rest of a step is the side's bookkeeping
+    (scheduling, step inputs, sampling, appending), the part that grows with the rows."""
+    clock, model_clock = Clock(), Clock()
+    cpu, wall, attn, inside = ({n: [] for n in steps} for _ in range(4))
+    for model in models.values():
+        model.forward = model_clock.wrap(model.forward)
     with attention_timed(clock):
         for _ in range(repeats):
             for name, step in steps.items():
-                clock.seconds = 0.0
+                clock.seconds = model_clock.seconds = 0.0
                 start, start_wall = time.thread_time(), time.perf_counter()
                 step()
                 cpu[name].append(time.thread_time() - start)  # before the wait for the GPU (a spin)
@@ -161,6 +168,9 @@ def measure(steps: dict, repeats: int, layers: int, device: torch.device) -> dic
                     torch.cuda.synchronize(device)
                 wall[name].append(time.perf_counter() - start_wall)
                 attn[name].append(clock.seconds)
+                inside[name].append(model_clock.seconds)
+    for model in models.values():
+        del model.forward  # the class's forward again
     out = {}
     for name, step in steps.items():
         mode = AtenCalls()
@@ -168,6 +178,7 @@ def measure(steps: dict, repeats: int, layers: int, device: torch.device) -> dic
             step()
         r = out[name] = dict(step_ms=median(cpu[name]) * 1e3, wall_ms=median(wall[name]) * 1e3,
                              attention_ms=median(attn[name]) * 1e3, aten=mode.calls / layers,
+                             outside_ms=median(c - m for c, m in zip(cpu[name], inside[name])) * 1e3,
                              python=python_calls(step) / layers)
         r["rest_layer_ms"] = (r["step_ms"] - r["attention_ms"]) / layers
     return out
@@ -177,26 +188,34 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="16 rows, 4 timed steps")
     parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--rows", type=int, default=None, help="sequences decoding (default 64; quick 16)")
+    parser.add_argument("--rows", type=int, nargs="+", default=None,
+                        help="sequences decoding, one run per count (default 64; quick 16)")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    return {rows: run(args, rows) for rows in args.rows or [16 if args.quick else 64]}
+
+
+def run(args, rows: int) -> dict:
+    """Both sides' figures at ``rows`` sequences decoding."""
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rows = args.rows or (16 if args.quick else 64)
     repeats = 4 if args.quick else 30
     seed = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, SHAPES[args.shape][-1], (rows, args.prompt_len), generator=seed).tolist()
-    hf_step = hf_side(llama(args.layers, args.shape, device, dtype), prompts)  # a twin, kept on SDPA
-    nopad_step, gen = nopad_side(llama(args.layers, args.shape, device, dtype), prompts)
+    hf_model, nopad_model = (llama(args.layers, args.shape, device, dtype) for _ in range(2))
+    hf_step = hf_side(hf_model, prompts)  # a twin, kept on SDPA
+    nopad_step, gen = nopad_side(nopad_model, prompts)
     with gen.live.attention():  # held across steps, as generate() and run() hold it
         for _ in range(3):
             nopad_step()
             hf_step()
-        report = measure({"nopad": nopad_step, "HF": hf_step}, repeats, args.layers, device)
-    bare = measure({"nopad, bare gen.step()": nopad_step}, max(2, repeats // 3), args.layers, device)
+        report = measure({"nopad": nopad_step, "HF": hf_step}, repeats, args.layers, device,
+                         {"nopad": nopad_model, "HF": hf_model})
+    bare = measure({"nopad, bare gen.step()": nopad_step}, max(2, repeats // 3), args.layers, device,
+                   {"nopad": nopad_model})
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, 1 thread"
     print(f"eager decode step, {args.layers}-layer Llama ({args.shape}: hidden {SHAPES[args.shape][0]}), "
@@ -204,15 +223,18 @@ def main(argv=None) -> dict:
           f"thread CPU time, median of {repeats}; load average {load:.2f}")
     wall = "wall ms/step  " if device.type == "cuda" else ""
     print(f"{'':24s} {wall}{'ms/step':>8s} {'ms/layer':>9s} {'attention ms':>13s} {'rest ms/layer':>14s} "
-          f"{'py calls/layer':>15s} {'aten calls/layer':>17s}")
+          f"{'py calls/layer':>15s} {'py calls/row':>13s} {'aten calls/layer':>17s} "
+          f"{'outside model ms':>17s}")
     for name, r in {**report, **bare}.items():
         wall = f"{r['wall_ms']:12.2f}  " if device.type == "cuda" else ""
         print(f"{name:24s} {wall}{r['step_ms']:8.2f} {r['step_ms'] / args.layers:9.3f} "
-              f"{r['attention_ms']:13.2f} {r['rest_layer_ms']:14.3f} {r['python']:15.1f} {r['aten']:17.1f}")
+              f"{r['attention_ms']:13.2f} {r['rest_layer_ms']:14.3f} {r['python']:15.1f} "
+              f"{r['python'] * args.layers / rows:13.1f} {r['aten']:17.1f} {r['outside_ms']:17.2f}")
     n, h = report["nopad"], report["HF"]
     print(f"nopad / HF: step {n['step_ms'] / h['step_ms']:.2f}x, host work besides the attention calls "
           f"{n['rest_layer_ms'] / h['rest_layer_ms']:.2f}x, Python calls {n['python'] / h['python']:.2f}x, "
-          f"aten calls {n['aten'] / h['aten']:.2f}x")
+          f"aten calls {n['aten'] / h['aten']:.2f}x, CPU time outside the model "
+          f"{n['outside_ms'] / h['outside_ms']:.2f}x")
     gen.abort_all()
     return {**report, **bare, "load": load}
 

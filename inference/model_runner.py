@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import torch
@@ -69,20 +70,23 @@ def build_step(plan: StepPlan, block_size: int, device) -> StepInputs:
     """The step's inputs, all device tensors from one host buffer and one copy."""
     lay = step_layout(plan.query_lens, [s.num_computed for s in plan.seqs])
     num, total = len(plan.seqs), int(lay["cu_q"][-1])
-    ids = np.empty(total, dtype=np.int64)
-    for seq, n, at in zip(plan.seqs, plan.query_lens, lay["cu_q"][:-1]):
-        ids[at: at + n] = seq.token_ids[seq.num_computed: seq.num_computed + n]
-    width = max(len(s.block_table) for s in plan.seqs)
-    table = np.zeros((num, width), dtype=np.int64)
-    for i, seq in enumerate(plan.seqs):
-        table[i, : len(seq.block_table)] = seq.block_table
+    # one numpy pass over all rows' tokens and blocks, not a numpy assignment per row (and lists,
+    # not generators: a generator resumes, a Python call, once a row)
+    ids = np.fromiter(chain.from_iterable([s.token_ids[s.num_computed: s.num_computed + n]
+                                           for s, n in zip(plan.seqs, plan.query_lens)]), np.int64, total)
+    lens = np.array([len(s.block_table) for s in plan.seqs])
+    table = np.zeros((num, int(lens.max())), dtype=np.int64)
+    table[np.arange(table.shape[1]) < lens[:, None]] = np.fromiter(
+        chain.from_iterable([s.block_table for s in plan.seqs]), np.int64, int(lens.sum()))
     pos = lay["positions"]
     slots = table[lay["seq_idx"], pos // block_size] * block_size + pos % block_size
     sampling_rows = [i for i, (seq, n) in enumerate(zip(plan.seqs, plan.query_lens))
-                     if seq.num_computed + n == seq.num_tokens]
+                     if seq.num_computed + n == len(seq.token_ids)]
     keep = lay["cu_q"][1:][sampling_rows] - 1
     spans, prompt_rows = [], []  # prompt positions of requests asking for prompt log-probs
     for seq, n, at in zip(plan.seqs, plan.query_lens, lay["cu_q"][:-1]):
+        if seq.request.prompt_logprobs is None:  # asked for none (prompt_span's first test, inline)
+            continue
         span = prompt_span(seq, n)
         if span is not None:
             spans.append(span)
@@ -104,7 +108,10 @@ def build_step(plan: StepPlan, block_size: int, device) -> StepInputs:
 
 def is_decode(plan: StepPlan) -> bool:
     """Every sequence runs one token and samples from it (no prefill chunk)."""
-    return all(n == 1 and s.num_computed + 1 == s.num_tokens for s, n in zip(plan.seqs, plan.query_lens))
+    for s, n in zip(plan.seqs, plan.query_lens):  # a loop, not all(generator): no call per row
+        if n != 1 or s.num_computed + 1 != len(s.token_ids):
+            return False
+    return True
 
 
 def build_static_decode(plan: StepPlan, block_size: int, device, scratch_block: int,
@@ -113,7 +120,7 @@ def build_static_decode(plan: StepPlan, block_size: int, device, scratch_block: 
     0 at position 0 with one key, written to and read from ``scratch_block``."""
     num = len(plan.seqs)
     rows = min(row_bucket(num), max(max_num_seqs, num))
-    width = max(len(s.block_table) for s in plan.seqs)
+    width = max([len(s.block_table) for s in plan.seqs])
     width = min(max(2, _pow2(width)), max(max_width, width))  # not 1 either (see row_bucket)
     table = np.full((rows, width), scratch_block, dtype=np.int64)
     ids = np.zeros(rows, dtype=np.int64)

@@ -241,11 +241,12 @@ class Sequence:
             return "stop"
         if params.stop and self._hit_stop_string(tokenizer):
             return "stop"
-        if self.num_turn_tokens >= params.max_tokens:
+        num_tokens = len(self.token_ids)  # not the properties: this runs for every row, every step
+        if num_tokens - self.turn_start >= params.max_tokens:
             return "length"
         if self.max_generated is not None and self.num_generated >= self.max_generated:
             return "length"
-        if self.num_tokens >= max_model_len:
+        if num_tokens >= max_model_len:
             logger.warning("request %s sample %d stopped after %d of max_tokens=%d new tokens: prompt and "
                            "completion reached the model's context of %d tokens (max_position_embeddings); "
                            "shorten the prompt for a longer completion", request.request_id, self.index,

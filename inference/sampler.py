@@ -68,21 +68,24 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], buffers: SamplerBuffers |
     params = [s.request.params for s in seqs]
     rows, vocab = logits.shape
     x = logits
-    # repetition penalty (over prompt and output, as in vLLM/HF) and min_tokens stop bans
+    # repetition penalty (over prompt and output, as in vLLM/HF) and min_tokens stop bans; the
+    # per-row walk reads plain attributes only (no property calls: it runs for every row, every step)
     for i, (seq, p) in enumerate(zip(seqs, params)):
         if p.repetition_penalty != 1.0:
             x = x.clone() if x is logits else x
             idx = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=x.device)
             v = x[i, idx]
             x[i, idx] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-        if seq.num_turn_tokens < p.min_tokens and seq.request.stop_ids:
+        if p.min_tokens > 0 and seq.num_turn_tokens < p.min_tokens and seq.request.stop_ids:
             x = x.clone() if x is logits else x
             x[i, list(seq.request.stop_ids)] = float("-inf")
 
     tokens = torch.empty(rows, dtype=torch.long, device=x.device)
     sampling_lp = torch.zeros(rows, dtype=torch.float32, device=x.device)
-    greedy = [i for i, p in enumerate(params) if p.greedy]
-    rand = [i for i, p in enumerate(params) if not p.greedy]
+    is_greedy = [p.temperature == 0 for p in params]  # SamplingParams.greedy, read once per row
+    greedy = [i for i, g in enumerate(is_greedy) if g]
+    rand = [i for i, g in enumerate(is_greedy) if not g]
+    rand_params = [params[i] for i in rand]
     if len(greedy) == rows:  # no row copy of the (rows, vocab) logits
         tokens = x.argmax(dim=-1)
     elif greedy:
@@ -90,7 +93,6 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], buffers: SamplerBuffers |
         tokens[g] = x[g].argmax(dim=-1)
     if rand:
         r = torch.tensor(rand, device=x.device)
-        rand_params = [params[i] for i in rand]
         if x is logits and len(rand) == rows and not any(_reshapes(p, vocab) for p in rand_params):
             lp = raw_lp  # temperature 1, nothing truncated: log_softmax(x / 1) is log_softmax(x)
         else:
@@ -110,21 +112,23 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], buffers: SamplerBuffers |
     return SampleResult(
         tokens=token_list,
         logprobs=raw_picked.tolist(),
-        temperature_logprobs=_temperature_logprobs(logits, tokens, raw_picked, params, buffers).tolist(),
+        temperature_logprobs=_temperature_logprobs(logits, tokens, raw_picked, rand_params, rand,
+                                                   buffers).tolist(),
         sampling_logprobs=sampling_lp.tolist(),
         top_logprobs=top,
     )
 
 
 def _temperature_logprobs(logits: torch.Tensor, tokens: torch.Tensor, raw_picked: torch.Tensor,
-                          params: list, buffers: SamplerBuffers) -> torch.Tensor:
+                          rand_params: list, rand: list[int], buffers: SamplerBuffers) -> torch.Tensor:
     """Log-prob of each sampled token under ``softmax(logits / temperature)``: no penalty, no
     top-k/top-p/min-p truncation, i.e. what a trainer scoring the completion computes (TRL #6789).
     Computed by the trainer's own function (:func:`packing.log_softmax.tempered_log_softmax`), so
-    under :func:`packing.batch_invariant` the bits match; ``T`` = 1 or greedy: the raw log-prob."""
+    under :func:`packing.batch_invariant` the bits match; ``T`` = 1 or greedy: the raw log-prob.
+    ``rand_params`` are the parameters of the rows ``rand`` that are not greedy."""
     out = raw_picked.clone()
-    for temperature in {p.temperature for p in params if not p.greedy and p.temperature != 1.0}:
-        same = [i for i, p in enumerate(params) if not p.greedy and p.temperature == temperature]
+    for temperature in {p.temperature for p in rand_params if p.temperature != 1.0}:
+        same = [i for i, p in zip(rand, rand_params) if p.temperature == temperature]
         rows = torch.tensor(same, device=logits.device)
         x = logits if len(same) == logits.shape[0] else logits[rows]
         lp = tempered_log_softmax(x, temperature, out=buffers.get("temperature_logprobs", x),

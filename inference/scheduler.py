@@ -89,9 +89,6 @@ class Scheduler:
         for hooks in {id(s.hooks): s.hooks for s in self.paused}.values():
             hooks.poll(block)
 
-    def _num_running_slots(self) -> int:
-        return sum(s.fork_count for s in self.running)
-
     # ----------------------------------------------------------------- planning
     def schedule(self) -> StepPlan:
         plan = StepPlan()
@@ -118,10 +115,11 @@ class Scheduler:
     def _plan(self, plan: StepPlan) -> None:
         budget = self.max_num_batched_tokens
         # 1. decodes, oldest first; preempt from the newest end when blocks run out
-        i = 0
+        i = prefilling = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_pending != 1:
+            if len(seq.token_ids) - seq.num_computed != 1:  # num_pending, inline: this walks every row
+                prefilling += 1
                 i += 1
                 continue
             while not self._reserve(seq, 1, plan):
@@ -142,15 +140,15 @@ class Scheduler:
                 continue  # it left the running list; index i now holds the next one
             i += 1
         plan.num_decodes = len(plan.seqs)
-        # 2. partly prefilled sequences, then 3. new admissions, chunked into the rest of the budget
-        for seq in list(self.running):
+        # 2. partly prefilled sequences (none if step 1 saw decodes only), then 3. new admissions
+        for seq in list(self.running) if prefilling else ():
             if budget <= 0:
                 break
             if seq.num_pending > 1:
                 budget -= self._schedule_prefill(seq, budget, plan)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if self.running and self._num_running_slots() + seq.fork_count > self.max_num_seqs:
+            if self.running and sum(s.fork_count for s in self.running) + seq.fork_count > self.max_num_seqs:
                 break
             taken = self._admit(seq, budget, plan)
             if not taken:
@@ -234,18 +232,20 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
         """Give ``seq`` writable slots for its next ``num_new`` tokens, or return False."""
-        alloc, bs = self.allocator, self.block_size
+        alloc, bs, table = self.allocator, self.block_size, seq.block_table
         first = seq.num_computed // bs
-        cow = first < len(seq.block_table) and alloc.ref_count[seq.block_table[first]] > 1
-        needed = alloc.blocks_for(seq.num_computed + num_new) - len(seq.block_table) + int(cow)
-        if needed > alloc.num_free:
+        cow = first < len(table) and alloc.ref_count[table[first]] > 1
+        grow = -(-(seq.num_computed + num_new) // bs) - len(table)  # blocks_for, inline: once a row a step
+        if grow <= 0 and not cow:  # most decodes: the last block has room
+            return True
+        if grow + int(cow) > alloc.num_free:
             return False
         if cow:
-            new, src = alloc.copy_on_write(seq.block_table[first])
-            seq.block_table[first] = new
+            new, src = alloc.copy_on_write(table[first])
+            table[first] = new
             plan.copies.append((src, new))
-        for _ in range(alloc.blocks_for(seq.num_computed + num_new) - len(seq.block_table)):
-            seq.block_table.append(alloc.allocate())
+        for _ in range(grow):
+            table.append(alloc.allocate())
         return True
 
     # ----------------------------------------------------------------- leaving
@@ -301,8 +301,7 @@ class Scheduler:
         logger.warning(
             "sequence of request %s fills the whole KV cache (%d tokens, %d blocks of %d); stopping "
             "it with finish_reason='length'. Give the generator more KV memory for longer outputs.",
-            seq.request.request_id, seq.num_tokens, self.allocator.num_blocks, self.block_size,
-        )
+            seq.request.request_id, seq.num_tokens, self.allocator.num_blocks, self.block_size)
         self.finish(seq, "length")
         seq.out_of_memory = True
         plan.stopped.append(seq)
@@ -321,17 +320,17 @@ class Scheduler:
     def postprocess(self, plan: StepPlan, sampling_rows: list[int],
                     draw: Callable[[list[int], list[Sequence]], object]) -> None:
         """The one owner of a step's bookkeeping once its forward ran: count the computed tokens,
-        register new full blocks in the prefix cache, split groups whose prefill completed into
-        their forks (``hooks.forked``), draw a token for every sequence that samples now
-        (``draw(logits rows, sequences)`` returns the sampler's ``SampleResult``; forks share their
-        parent's row), append it, and end
-        the turns it ends (``hooks.turn_ended``: finish, or pause for tools)."""
-        now = time.perf_counter()
+        register new full blocks in the prefix cache, split groups whose prefill completed into their
+        forks (``hooks.forked``), draw a token for every sequence that samples now (``draw(logits rows,
+        sequences)`` returns the sampler's ``SampleResult``; forks share their parent's row), append
+        it, and end the turns it ends (``hooks.turn_ended``: finish, or pause for tools)."""
+        now, bs, slots = time.perf_counter(), self.block_size, self.state_slots
         for seq, n in zip(plan.seqs, plan.query_lens):
             seq.num_computed += n
-            if self.enable_prefix_caching:
+            if self.enable_prefix_caching and seq.num_computed // bs > seq.num_hashed:  # a block filled
                 self.register_full_blocks(seq)
-                take_snapshot(self.state_slots, seq, n)
+            if self.enable_prefix_caching and slots is not None:  # (no call per row when not)
+                take_snapshot(slots, seq, n)
         to_sample: list[tuple[Sequence, int]] = []
         for row, i in enumerate(sampling_rows):
             seq = plan.seqs[i]
@@ -339,7 +338,9 @@ class Scheduler:
             if len(group) > 1:
                 seq.hooks.forked(seq, group[1:])
             # a member preempted for want of a state slot samples when it has recomputed (same draw)
-            to_sample.extend((s, row) for s in group if s.status is Status.RUNNING)
+            for s in group:  # a loop, not a generator: no call per row
+                if s.status is Status.RUNNING:
+                    to_sample.append((s, row))
         if not to_sample:
             return
         seqs = [seq for seq, _ in to_sample]

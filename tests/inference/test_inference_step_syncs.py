@@ -316,3 +316,44 @@ def test_decode_attention_python_calls_per_layer_stay_few(triton_host_side, monk
     budget = LAYER_CALL_BUDGET[static]
     assert rest[0] <= budget, f"{rest[0]} Python calls per decode layer, over {budget}"
     assert first > rest[0]  # the counter sees the plan being made
+
+
+# Python calls per row of a decode step, scheduler + runner + sampler + postprocess (the step's
+# calls at 40 rows less those at 8, over 32): 3 eager and static at this commit, 22 eager before the
+# per-row property walks were cut (greedy read three times a row, blocks_for twice, ...); putting
+# back any one file's walks (sampler, model_runner or request) gave 5 to 7
+ROW_CALL_BUDGET = 4
+
+
+def python_calls(fn) -> int:
+    calls = [0]
+
+    def profile(frame, event, arg):
+        calls[0] += event == "call"
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls[0]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static_decode"])
+def test_decode_step_python_calls_per_row_stay_few(triton_host_side, static):
+    """The host work of a decode step per row (sequence), in Python calls (noise-free): at 256 rows
+    the scheduler's, runner's and sampler's bookkeeping was several times all the layers' attention
+    calls together. A property read two or three times a row, or a generator resumed once a row,
+    coming back raises the count past the budget."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    calls = {}
+    for rows in (8, 40):
+        gen = Generator(model, block_size=16, attn_backend="triton", static_decode=static, max_num_seqs=rows)
+        for i in range(rows):
+            gen.add_request([3 + i % 50, 4, 5, 6, 7], GREEDY)
+        gen.step()  # prefill
+        with gen.live.attention():  # held across steps, as generate() holds it
+            gen.step()
+            calls[rows] = python_calls(gen.step)
+    per_row = (calls[40] - calls[8]) / 32
+    assert per_row <= ROW_CALL_BUDGET, f"{per_row:.1f} Python calls per decode row, over {ROW_CALL_BUDGET}"
