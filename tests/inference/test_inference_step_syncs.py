@@ -21,6 +21,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.bench_decode_host import python_calls
 from inference import Generator, SamplingParams
 from inference.model_runner import ModelRunner, build_step
 from tests.support.models import tiny_model
@@ -323,20 +324,6 @@ def test_decode_attention_python_calls_per_layer_stay_few(triton_host_side, monk
 # per-row property walks were cut (greedy read three times a row, blocks_for twice, ...); putting
 # back any one file's walks (sampler, model_runner or request) gave 5 to 7
 ROW_CALL_BUDGET = 4
-
-
-def python_calls(fn) -> int:
-    calls = [0]
-
-    def profile(frame, event, arg):
-        calls[0] += event == "call"
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return calls[0]
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static_decode"])
