@@ -191,9 +191,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--rows", type=int, nargs="+", default=None,
                         help="sequences decoding, one run per count (default 64; quick 16)")
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     args = parser.parse_args(argv)
+    for name in ("layers", "prompt_len"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.rows is not None and min(args.rows) < 1:
+        parser.error(f"--rows counts must be at least 1, got {args.rows}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this machine has no CUDA device (torch.cuda.is_available() is False)")
     torch.set_num_threads(1)
     return {rows: run(args, rows) for rows in args.rows or [16 if args.quick else 64]}
 

@@ -9,6 +9,12 @@
 # hostwork (bench_decode_host.py: nopad's decode step's host work beside HF's), attention
 # (training and generation, SmolLM2-135M), grpo.
 set -u
+for part in "$@"; do  # before the install: a typo costs no device time
+  case $part in tests|hybrid|decode|hostwork|attention|grpo) ;;
+    *) echo "unknown part $part (tests hybrid decode hostwork attention grpo)"; exit 2 ;;
+  esac
+done
+[ $# -gt 0 ] || { echo "name the parts to run: tests hybrid decode hostwork attention grpo"; exit 2; }
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
