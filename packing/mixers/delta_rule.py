@@ -141,23 +141,43 @@ def _fla_trains(kernel: str, fla: Callable, tensors, common: dict) -> bool:
     key = (kernel, tensors[0].device, tensors[0].dtype, *(tuple(t.shape[2:]) for t in tensors))
     if key in _BACKWARD_RUNS:
         return True
+    error = _backward_error(fla, [(t.shape[2:], t.dtype) for t in tensors], tensors[0].device, common)
+    if error:
+        disable(*FLA_FUNCTIONS[kernel], f"its backward fails on this device ({error})")
+        return False
+    _BACKWARD_RUNS.add(key)
+    return True
+
+
+def fla_backward_error(device: torch.device, dtype: torch.dtype = torch.float32) -> str | None:
+    """Why fla's Gated DeltaNet cannot train on ``device`` (its backward's error), or None: it
+    can, or fla is absent. transformers' own layer calls fla whenever it is installed, so where
+    this is not None plain HF training of that layer fails too (benchmarks give their padded peer
+    transformers' torch rule there)."""
+    fla = package_function(*FLA_FUNCTIONS["chunk_gated_delta_rule"], torch.empty(0, device=device))
+    if fla is None:
+        return None
+    heads = [((2, 16), dtype), ((2, 16), dtype), ((4, 16), dtype), ((4,), dtype), ((4,), dtype)]
+    return _backward_error(fla, heads, torch.device(device), {"use_qk_l2norm_in_kernel": True})
+
+
+def _backward_error(fla: Callable, shapes, device: torch.device, common: dict) -> str | None:
+    """fla's error running forward and backward on a tiny two-sequence row of q, k, v, g, beta of
+    these per-token shapes and dtypes, or None."""
     tiny = []
-    for i, t in enumerate(tensors):  # q, k, v, g (log decay <= 0), beta (in [0, 1]); no RNG drawn
-        shape = (1, 5, *t.shape[2:])
-        x = torch.arange(int(np.prod(shape)), device=t.device, dtype=torch.float32).add(i).sin()
+    for i, (shape, dtype) in enumerate(shapes):  # g is a log decay (<= 0), beta in [0, 1]; no RNG
+        shape = (1, 5, *shape)
+        x = torch.arange(int(np.prod(shape)), device=device, dtype=torch.float32).add(i).sin()
         x = x.reshape(shape)
-        tiny.append((-x.abs() if i == 3 else x.abs() if i == 4 else x).to(t.dtype).requires_grad_())
-    cu = torch.tensor([0, 3, 5], dtype=torch.long, device=tensors[0].device)
+        tiny.append((-x.abs() if i == 3 else x.abs() if i == 4 else x).to(dtype).requires_grad_())
+    cu = torch.tensor([0, 3, 5], dtype=torch.long, device=device)
     try:
         with torch.enable_grad():
             out, _ = fla(*tiny, initial_state=None, output_final_state=False, cu_seqlens=cu, **common)
             out.float().sum().backward()
     except Exception as error:  # noqa: BLE001 - whatever fla raises, it cannot train here
-        why = f"its backward fails on this device ({type(error).__name__}: {error})"
-        disable(*FLA_FUNCTIONS[kernel], why)
-        return False
-    _BACKWARD_RUNS.add(key)
-    return True
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def _decode_step(rule: Callable | None, fla, tensors, meta: VarlenMeta, initial_state: torch.Tensor | None,

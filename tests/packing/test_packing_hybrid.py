@@ -310,6 +310,14 @@ def test_a_fla_whose_backward_refuses_here_leaves_training_to_the_reference(kern
     assert [c for name, c in kernel_standins.calls if name == "fla"] == [dict(seqs=2, initial=False)]
 
 
+def test_fla_backward_error_says_why_fla_cannot_train_here(kernel_standins):
+    """The probe benchmarks and the GPU tests use to give HF's own layer its torch rule where fla
+    cannot train (transformers calls fla whenever it is installed)."""
+    assert delta_rule.fla_backward_error(torch.device("cpu")) is None
+    kernel_standins.backward_error = HOPPER_REFUSAL
+    assert delta_rule.fla_backward_error(torch.device("cpu")) == f"RuntimeError: {HOPPER_REFUSAL}"
+
+
 def test_tree_rows_go_to_fla_wave_by_wave_with_the_parents_states(kernel_standins, one_thread):
     report = packing.verify(tiny_model("qwen3_5"), tree_sequences(2), tree=True)
     assert exact(report), str(report)
