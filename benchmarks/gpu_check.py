@@ -176,7 +176,7 @@ def run_pytest_gpu(quick: bool, log_dir: Path) -> dict:
     file's whole output goes to ``log_dir`` as it runs: a run cut by a time limit keeps what it
     printed (pytest prints failures only at the end)."""
     if quick:  # the smoke run only checks the step is wired: collect, don't run (they skip without CUDA)
-        commands = [["-m", "gpu", "--co", "tests/gpu/test_gpu.py"]]
+        commands = [["-q", "-m", "gpu", "--co", "tests/gpu/test_gpu.py"]]
     else:
         # no -x: every test's result is recorded; a per-test limit, so one stuck in fla's first-call
         # autotuning (minutes) does not take the rest of the file with it
@@ -184,7 +184,7 @@ def run_pytest_gpu(quick: bool, log_dir: Path) -> dict:
                     for path in GPU_TEST_FILES]
     runs = []
     for extra in commands:
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra]
+        cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *extra]  # -v: one line a test
         log = log_dir / f"pytest_{Path(extra[-1]).stem}.log"
         with open(log, "w") as sink:
             proc = subprocess.run(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, timeout=3600)
