@@ -358,6 +358,10 @@ def _decoding_generator(model, n: int, prompt_range, block_size: int, new_tokens
     from inference.sampling_params import SamplingParams
 
     prompts, _ = random_prompts(n, model.config.vocab_size, *prompt_range, 1, 1, seed=n)
+    # every context stays inside one power-of-two block-table width for the whole run: a table
+    # outgrowing its bucket mid-run times a CUDA-graph recording (the H100's 128 rows did, 32 -> 33)
+    width = block_size * 2 ** int(np.log2(max(1, prompt_range[1] // block_size)))
+    prompts = [p[:max(1, width - new_tokens)] for p in prompts]
     budget = max(2048, sum(map(len, prompts)))
     blocks = sum(-(-(len(p) + new_tokens) // block_size) for p in prompts)
     gen = Generator(model, None, block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=n,
@@ -468,8 +472,10 @@ def bench_host_overhead(spec, device, dtype, n: int, prompt_range, block_size: i
     out = {}
     for name, kw in {"eager": {}, "compile_decode (CUDA graphs)": dict(compile_decode=True)}.items():
         with torch.no_grad():
-            gen, _, ids = _decoding_generator(model, n, prompt_range, block_size, steps + 2, **kw)
-            gen.step()
+            gen, _, ids = _decoding_generator(model, n, prompt_range, block_size,
+                                              WARMUP_STEPS + steps + 2, **kw)
+            for _ in range(WARMUP_STEPS):  # a new Generator's cache records its bucket's graph again
+                gen.step()
             sync(device)
             activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
             with gen.live.attention(), profile(activities=activities) as prof:  # held, as in time_decode
@@ -661,7 +667,11 @@ def main(argv=None) -> int:
     parser.add_argument("--hybrid-models", nargs="*", default=list(HYBRID_MODELS),
                         choices=list(HYBRID_MODELS),
                         help="hybrid models for issue 36's goals (training and generation only)")
+    parser.add_argument("--decode-counts", nargs="+", type=int, default=[64, 128, 256],
+                        help="sequence counts of the decode-floor step (the goal is read at 128)")
     args = parser.parse_args(argv)
+    if min(args.decode_counts) < 1:
+        parser.error("--decode-counts: each count is a number of sequences, at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not torch.cuda.is_available() and not args.quick:
         print("gpu_check: no CUDA device on this machine; nothing to check (use --quick for a CPU smoke run)")
@@ -681,7 +691,7 @@ def main(argv=None) -> int:
         hybrids = {m: HYBRID_MODELS[m] for m in args.hybrid_models}
         from packing.attention import paged_block_size
 
-        counts, floor_counts, block = [64, 128, 256], [64, 128, 256], paged_block_size(device, dtype)
+        counts, floor_counts, block = [64, 128, 256], args.decode_counts, paged_block_size(device, dtype)
         train = dict(n_seqs=256, budget=4096, cap=2048)  # padded logits stay well inside 80 GB
         gen = dict(new_range=(32, 512), prompt_range=(16, 512))
         steps, bw_bytes, grpo = 20, 1 << 30, dict(prompts=16, G=8, new_tokens=256, steps=4)

@@ -6,15 +6,16 @@
 #   bash benchmarks/gpu_session.sh decode hostwork     # second call, with what is left
 # Parts: tests (the GPU test files, each test under a 150 s limit), hybrid (issue 36's
 # goals), decode (decode floor, compiles and graph recordings, host overhead, SmolLM2-135M),
-# hostwork (bench_decode_host.py: nopad's decode step's host work beside HF's), attention
+# hostwork (bench_decode_host.py: nopad's decode step's host work beside HF's), graphcode (the
+# compiled decode step's generated copy kernels), attention
 # (training and generation, SmolLM2-135M), grpo.
 set -u
 for part in "$@"; do  # before the install: a typo costs no device time
-  case $part in tests|hybrid|decode|hostwork|attention|grpo) ;;
-    *) echo "unknown part $part (tests hybrid decode hostwork attention grpo)"; exit 2 ;;
+  case $part in tests|hybrid|decode|hostwork|graphcode|attention|grpo) ;;
+    *) echo "unknown part $part (tests hybrid decode hostwork graphcode attention grpo)"; exit 2 ;;
   esac
 done
-[ $# -gt 0 ] || { echo "name the parts to run: tests hybrid decode hostwork attention grpo"; exit 2; }
+[ $# -gt 0 ] || { echo "name the parts to run: tests hybrid decode hostwork graphcode attention grpo"; exit 2; }
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -43,6 +44,12 @@ for part in "$@"; do
     hostwork)
       timeout 200 python3 benchmarks/bench_decode_host.py --device cuda --shape smollm2 > "$out/hostwork.log" 2>&1
       echo "hostwork: rc $? after $SECONDS s" | tee -a "$out/hostwork.log" ;;
+    graphcode)  # the compiled decode step's CUDA code: the H100 profiled a copy kernel of 0.5 ms a
+      # step (triton_poi_fused_copy__view_4), about a whole K/V cache's worth; is the cache copied?
+      TORCH_LOGS=output_code timeout 200 python3 benchmarks/gpu_check.py --skip pytest train generate \
+        host grpo hybrid --models SmolLM2-135M --decode-counts 64 --out "$out/graphcode" 2>&1 \
+        | grep -B3 -A40 "def triton_poi_fused_copy" > "$out/graphcode.log"
+      rm -rf "$out/graphcode"; echo "graphcode: after $SECONDS s" >> "$out/graphcode.log" ;;
     hybrid) run hybrid 280 "hybrid" ;;
     decode) run decode 200 "decode host" --models SmolLM2-135M ;;
     attention) run attention 330 "train generate" --models SmolLM2-135M ;;
