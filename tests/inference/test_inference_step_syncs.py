@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.bench_decode_host import python_calls
 from inference import Generator, SamplingParams
-from inference.model_runner import ModelRunner, build_step
+from inference.model_runner import ModelRunner, build_step, row_bucket
 from tests.support.models import tiny_model
 
 SYNC_OPS = {"_local_scalar_dense", "equal", "nonzero", "masked_select"}
@@ -344,3 +344,36 @@ def test_decode_step_python_calls_per_row_stay_few(triton_host_side, static):
             calls[rows] = python_calls(gen.step)
     per_row = (calls[40] - calls[8]) / 32
     assert per_row <= ROW_CALL_BUDGET, f"{per_row:.1f} Python calls per decode row, over {ROW_CALL_BUDGET}"
+
+
+def test_static_decode_inputs_are_the_per_row_construction():
+    """``build_static_decode`` fills its arrays in one numpy pass (no assignment per row) and puts the
+    context lengths and positions in its one copy (no ``+ 1`` / ``- 1`` launched outside the compiled
+    forward): every tensor equals the plain per-row construction, padding rows and widths included."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from inference.model_runner import build_static_decode
+    from inference.scheduler import StepPlan
+
+    rng = np.random.default_rng(0)
+    block, scratch = 4, 99
+    for num in (1, 3, 8, 9, 20):
+        computed = rng.integers(0, 40, num)
+        seqs = [SimpleNamespace(num_computed=int(n), token_ids=rng.integers(3, 500, n + 1).tolist(),
+                                block_table=rng.permutation(90)[: n // block + 1].tolist()) for n in computed]
+        step = build_static_decode(StepPlan(seqs=seqs, query_lens=[1] * num), block, "cpu", scratch, 64, 64)
+        rows, width = step.meta.block_table.shape
+        assert rows == row_bucket(num) and width == max(2, 1 << int(computed.max() // block).bit_length())
+        table = torch.full((rows, width), scratch)
+        ids, pos = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            table[i, : len(s.block_table)] = torch.tensor(s.block_table)
+            ids[i], pos[i] = s.token_ids[s.num_computed], s.num_computed
+        slots = table[torch.arange(rows), pos // block] * block + pos % block
+        meta = step.meta
+        assert torch.equal(meta.block_table, table) and torch.equal(step.input_ids, ids[None])
+        assert torch.equal(step.position_ids, pos[None]) and torch.equal(meta.position_ids, pos)
+        assert torch.equal(meta.context_lens, pos + 1) and torch.equal(meta.slot_mapping, slots)
+        assert step.sampling_rows == list(range(num))
