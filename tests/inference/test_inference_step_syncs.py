@@ -377,3 +377,43 @@ def test_static_decode_inputs_are_the_per_row_construction():
         assert torch.equal(step.position_ids, pos[None]) and torch.equal(meta.position_ids, pos)
         assert torch.equal(meta.context_lens, pos + 1) and torch.equal(meta.slot_mapping, slots)
         assert step.sampling_rows == list(range(num))
+
+
+@pytest.mark.parametrize("temperature, readbacks", [(0.0, 2), (1.0, 3), (0.7, 4)])
+def test_a_decode_step_reads_back_only_what_its_rows_need(temperature, readbacks):
+    """Each ``tolist()`` of a device tensor is a sync and a copy on CUDA. A greedy step reads back its
+    tokens and their log-probs only (their temperature log-probs are those same numbers and their
+    sampling log-probs 0, said on the host: it read back a copy and a tensor of zeros, 4 in all);
+    temperature 1 adds the sampling log-probs, another temperature its tempered log-probs."""
+    params = SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True, seed=1)
+    for static in (False, True):
+        last = run_counts(2, PROMPTS, params, 4, static_decode=static)[-1]
+        assert last["Tensor.tolist"] == readbacks, (static, dict(last))
+
+
+def test_compiled_decode_marks_dynamic_dimensions_only_on_a_new_bucket(monkeypatch):
+    """Dynamic-dimension marks matter only to the call that compiles; a bucket seen before compiles
+    nothing (its guards accept unmarked tensors), and nine marks a step were ~40 Python calls outside
+    the forward. Dynamo's eager backend: the marks and guards are dynamo's."""
+    from torch._dynamo.utils import counters
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None, **kw: compile_(model, backend="eager",
+                                                                                  **kw))
+    marks = []
+    mark = torch._dynamo.maybe_mark_dynamic
+    monkeypatch.setattr(torch._dynamo, "maybe_mark_dynamic", lambda t, dim: marks.append(dim) or mark(t, dim))
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    gen = Generator(tiny_model("llama"), block_size=4, max_num_batched_tokens=64, compile_decode=True)
+    for i in range(9):  # 16 rows down to 2, tables of 1 block up to 6: several buckets
+        gen.add_request([5 + i] * 2, SamplingParams(temperature=0.0, max_tokens=14 + i, ignore_eos=True))
+    per_step = []
+    while gen.has_unfinished():
+        del marks[:]
+        buckets = len(gen._runner.static_shapes) if gen._runner else 0
+        gen.step()
+        per_step.append((len(gen._runner.static_shapes) > buckets, len(marks)))
+    assert [n for _, n in per_step] == [9 if new else 0 for new, _ in per_step], per_step
+    assert 1 < sum(new for new, _ in per_step) < gen._runner.static_steps  # new buckets, and seen ones
+    assert counters["stats"]["unique_graphs"] - graphs == 1
