@@ -117,22 +117,25 @@ def is_decode(plan: StepPlan) -> bool:
 def build_static_decode(plan: StepPlan, block_size: int, device, scratch_block: int,
                         max_num_seqs: int, max_width: int) -> StepInputs:
     """A pure decode step padded to ``(bucket(num_seqs), bucket(width))``: padding rows run token
-    0 at position 0 with one key, written to and read from ``scratch_block``."""
-    num = len(plan.seqs)
+    0 at position 0 with one key, written to and read from ``scratch_block``. Ids, positions, context
+    lengths, slots and block table come from one numpy pass and one copy (no numpy assignment per
+    row, no device arithmetic outside the compiled forward: each is a launch the graph does not hold)."""
+    seqs, num = plan.seqs, len(plan.seqs)
     rows = min(row_bucket(num), max(max_num_seqs, num))
-    width = max([len(s.block_table) for s in plan.seqs])
+    lens = np.array([len(s.block_table) for s in seqs])
+    width = int(lens.max())
     width = min(max(2, _pow2(width)), max(max_width, width))  # not 1 either (see row_bucket)
     table = np.full((rows, width), scratch_block, dtype=np.int64)
-    ids = np.zeros(rows, dtype=np.int64)
+    table[:num][np.arange(width) < lens[:, None]] = np.fromiter(
+        chain.from_iterable([s.block_table for s in seqs]), np.int64, int(lens.sum()))
     pos = np.zeros(rows, dtype=np.int64)
-    for i, seq in enumerate(plan.seqs):
-        table[i, : len(seq.block_table)] = seq.block_table
-        ids[i] = seq.token_ids[seq.num_computed]
-        pos[i] = seq.num_computed
+    pos[:num] = [s.num_computed for s in seqs]
+    ids = np.zeros(rows, dtype=np.int64)
+    ids[:num] = [s.token_ids[s.num_computed] for s in seqs]
     slots = table[np.arange(rows), pos // block_size] * block_size + pos % block_size
-    d_ids, d_pos, d_slots, d_table = _to_device([ids, pos, slots, table], device)
-    meta = VarlenMeta.static_decode(d_table, d_pos + 1, d_slots)
-    return StepInputs(d_ids[None], meta, None, list(range(num)), position_ids=meta.position_ids[None])
+    d_ids, d_pos, d_lens, d_slots, d_table = _to_device([ids, pos, pos + 1, slots, table], device)
+    meta = VarlenMeta.static_decode(d_table, d_lens, d_slots, position_ids=d_pos)
+    return StepInputs(d_ids[None], meta, None, list(range(num)), position_ids=d_pos[None])
 
 
 def _mark_dynamic(step: StepInputs) -> None:
@@ -200,9 +203,12 @@ class ModelRunner:
             step = build_static_decode(plan, self.kv_cache.block_size, self.device, self.scratch_block,
                                        self.max_num_seqs, self.max_width)
             self.static_steps += 1
-            self.static_shapes.add(tuple(step.meta.block_table.shape))
-            if self.decode_forward is not self.model:
+            shape = tuple(step.meta.block_table.shape)
+            if self.decode_forward is not self.model and shape not in self.static_shapes:
+                # marks matter only to a call that compiles, and a bucket seen before compiles nothing
+                # (its guards accept unmarked tensors): 9 marks a step were ~40 Python calls
                 _mark_dynamic(step)
+            self.static_shapes.add(shape)
             out = self.decode_forward(
                 input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False,
                 nopad_meta=step.meta, nopad_kv_cache=self.kv_cache, nopad_backend=self.backend,

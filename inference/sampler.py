@@ -80,18 +80,19 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], buffers: SamplerBuffers |
             x = x.clone() if x is logits else x
             x[i, list(seq.request.stop_ids)] = float("-inf")
 
-    tokens = torch.empty(rows, dtype=torch.long, device=x.device)
-    sampling_lp = torch.zeros(rows, dtype=torch.float32, device=x.device)
     is_greedy = [p.temperature == 0 for p in params]  # SamplingParams.greedy, read once per row
     greedy = [i for i, g in enumerate(is_greedy) if g]
     rand = [i for i, g in enumerate(is_greedy) if not g]
     rand_params = [params[i] for i in rand]
     if len(greedy) == rows:  # no row copy of the (rows, vocab) logits
         tokens = x.argmax(dim=-1)
-    elif greedy:
+    else:
+        tokens = torch.empty(rows, dtype=torch.long, device=x.device)
+    if greedy and rand:
         g = torch.tensor(greedy, device=x.device)
         tokens[g] = x[g].argmax(dim=-1)
     if rand:
+        sampling_lp = torch.zeros(rows, dtype=torch.float32, device=x.device)
         r = torch.tensor(rand, device=x.device)
         if x is logits and len(rand) == rows and not any(_reshapes(p, vocab) for p in rand_params):
             lp = raw_lp  # temperature 1, nothing truncated: log_softmax(x / 1) is log_softmax(x)
@@ -109,12 +110,16 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], buffers: SamplerBuffers |
             d.setdefault(token_list[i], raw_lp[i, token_list[i]].item())
             top[i] = d
     raw_picked = raw_lp.gather(1, tokens[:, None])[:, 0]
+    logprobs = raw_picked.tolist()
+    # greedy rows and rows at temperature 1 have their raw log-prob there and a sampling log-prob of
+    # 0: said on the host, not by a tensor of copies or zeros read back (a sync each on CUDA)
+    tempered = bool({p.temperature for p in rand_params} - {1.0})  # a set, not a call per row
     return SampleResult(
         tokens=token_list,
-        logprobs=raw_picked.tolist(),
+        logprobs=logprobs,
         temperature_logprobs=_temperature_logprobs(logits, tokens, raw_picked, rand_params, rand,
-                                                   buffers).tolist(),
-        sampling_logprobs=sampling_lp.tolist(),
+                                                   buffers).tolist() if tempered else list(logprobs),
+        sampling_logprobs=sampling_lp.tolist() if rand else [0.0] * rows,
         top_logprobs=top,
     )
 

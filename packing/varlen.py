@@ -200,12 +200,14 @@ class VarlenMeta:
 
     @classmethod
     def static_decode(
-        cls, block_table: torch.Tensor, context_lens: torch.Tensor, slot_mapping: torch.Tensor
+        cls, block_table: torch.Tensor, context_lens: torch.Tensor, slot_mapping: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
     ) -> VarlenMeta:
         """A decode step with static shapes (one query per row, a block table of fixed width), all
         on the device: nothing here is a Python number that depends on the context lengths, so a
         compiled or CUDA-graph forward serves every step of the same shape. Padding rows point at
-        a scratch block and have length 1. Host-side lengths are unknown (``seqlens_k`` is None)."""
+        a scratch block and have length 1. Host-side lengths are unknown (``seqlens_k`` is None).
+        ``position_ids``: ``context_lens - 1`` when the caller has it (no subtraction launched)."""
         rows = block_table.shape[0]
         if context_lens.shape != (rows,) or slot_mapping.shape != (rows,):
             raise ValueError(f"a static decode step needs context_lens and slot_mapping of shape ({rows},), "
@@ -215,7 +217,8 @@ class VarlenMeta:
         cu_q = torch.arange(rows + 1, dtype=torch.int32, device=device)
         return cls(
             cu_seqlens_q=cu_q, cu_seqlens_k=cu_q, max_seqlen_q=1, max_seqlen_k=0,
-            position_ids=context_lens - 1, seq_idx=cu_q[:-1], seqlens_q=None, seqlens_k=None,
+            position_ids=context_lens - 1 if position_ids is None else position_ids, seq_idx=cu_q[:-1],
+            seqlens_q=None, seqlens_k=None,
             block_table=block_table, slot_mapping=slot_mapping, context_lens=context_lens,
         )
 

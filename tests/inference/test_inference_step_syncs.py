@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.bench_decode_host import python_calls
 from inference import Generator, SamplingParams
-from inference.model_runner import ModelRunner, build_step
+from inference.model_runner import ModelRunner, build_step, row_bucket
 from tests.support.models import tiny_model
 
 SYNC_OPS = {"_local_scalar_dense", "equal", "nonzero", "masked_select"}
@@ -344,3 +344,76 @@ def test_decode_step_python_calls_per_row_stay_few(triton_host_side, static):
             calls[rows] = python_calls(gen.step)
     per_row = (calls[40] - calls[8]) / 32
     assert per_row <= ROW_CALL_BUDGET, f"{per_row:.1f} Python calls per decode row, over {ROW_CALL_BUDGET}"
+
+
+def test_static_decode_inputs_are_the_per_row_construction():
+    """``build_static_decode`` fills its arrays in one numpy pass (no assignment per row) and puts the
+    context lengths and positions in its one copy (no ``+ 1`` / ``- 1`` launched outside the compiled
+    forward): every tensor equals the plain per-row construction, padding rows and widths included."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from inference.model_runner import build_static_decode
+    from inference.scheduler import StepPlan
+
+    rng = np.random.default_rng(0)
+    block, scratch = 4, 99
+    for num in (1, 3, 8, 9, 20):
+        computed = rng.integers(0, 40, num)
+        seqs = [SimpleNamespace(num_computed=int(n), token_ids=rng.integers(3, 500, n + 1).tolist(),
+                                block_table=rng.permutation(90)[: n // block + 1].tolist()) for n in computed]
+        step = build_static_decode(StepPlan(seqs=seqs, query_lens=[1] * num), block, "cpu", scratch, 64, 64)
+        rows, width = step.meta.block_table.shape
+        assert rows == row_bucket(num) and width == max(2, 1 << int(computed.max() // block).bit_length())
+        table = torch.full((rows, width), scratch)
+        ids, pos = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            table[i, : len(s.block_table)] = torch.tensor(s.block_table)
+            ids[i], pos[i] = s.token_ids[s.num_computed], s.num_computed
+        slots = table[torch.arange(rows), pos // block] * block + pos % block
+        meta = step.meta
+        assert torch.equal(meta.block_table, table) and torch.equal(step.input_ids, ids[None])
+        assert torch.equal(step.position_ids, pos[None]) and torch.equal(meta.position_ids, pos)
+        assert torch.equal(meta.context_lens, pos + 1) and torch.equal(meta.slot_mapping, slots)
+        assert step.sampling_rows == list(range(num))
+
+
+@pytest.mark.parametrize("temperature, readbacks", [(0.0, 2), (1.0, 3), (0.7, 4)])
+def test_a_decode_step_reads_back_only_what_its_rows_need(temperature, readbacks):
+    """Each ``tolist()`` of a device tensor is a sync and a copy on CUDA. A greedy step reads back its
+    tokens and their log-probs only (their temperature log-probs are those same numbers and their
+    sampling log-probs 0, said on the host: it read back a copy and a tensor of zeros, 4 in all);
+    temperature 1 adds the sampling log-probs, another temperature its tempered log-probs."""
+    params = SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True, seed=1)
+    for static in (False, True):
+        last = run_counts(2, PROMPTS, params, 4, static_decode=static)[-1]
+        assert last["Tensor.tolist"] == readbacks, (static, dict(last))
+
+
+def test_compiled_decode_marks_dynamic_dimensions_only_on_a_new_bucket(monkeypatch):
+    """Dynamic-dimension marks matter only to the call that compiles; a bucket seen before compiles
+    nothing (its guards accept unmarked tensors), and nine marks a step were ~40 Python calls outside
+    the forward. Dynamo's eager backend: the marks and guards are dynamo's."""
+    from torch._dynamo.utils import counters
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None, **kw: compile_(model, backend="eager",
+                                                                                  **kw))
+    marks = []
+    mark = torch._dynamo.maybe_mark_dynamic
+    monkeypatch.setattr(torch._dynamo, "maybe_mark_dynamic", lambda t, dim: marks.append(dim) or mark(t, dim))
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    gen = Generator(tiny_model("llama"), block_size=4, max_num_batched_tokens=64, compile_decode=True)
+    for i in range(9):  # 16 rows down to 2, tables of 1 block up to 6: several buckets
+        gen.add_request([5 + i] * 2, SamplingParams(temperature=0.0, max_tokens=14 + i, ignore_eos=True))
+    per_step = []
+    while gen.has_unfinished():
+        del marks[:]
+        buckets = len(gen._runner.static_shapes) if gen._runner else 0
+        gen.step()
+        per_step.append((len(gen._runner.static_shapes) > buckets, len(marks)))
+    assert [n for _, n in per_step] == [9 if new else 0 for new, _ in per_step], per_step
+    assert 1 < sum(new for new, _ in per_step) < gen._runner.static_steps  # new buckets, and seen ones
+    assert counters["stats"]["unique_graphs"] - graphs == 1
