@@ -28,6 +28,7 @@ if XDIST_WORKER:
 LONGEST_FIRST = (
     "tests/benchmarks/test_benchmarks_quick.py",
     "tests/test_readme.py",
+    "tests/test_readme_launch.py",
     "tests/packing/test_packing_invariance_triton.py",
     "tests/recipes/test_recipes_grpo_resume.py",
     "tests/packing/test_packing_verification.py",

@@ -223,6 +223,7 @@ def _launch(words: list[str], *overrides: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # two launches of up to 300 s each
 def test_readme_launch_lines_run_ddp_and_deepspeed_zero2(inputs):
     root, _, chats = inputs
     lines = readme_launch_lines()
