@@ -135,7 +135,7 @@ def test_tests_mirror_the_packages():
     tests = ROOT / "tests"
     folders = {"packing", "dataloaders", "inference", "training", "recipes", "benchmarks", "gpu", "support"}
     whole_project = {"conftest.py", "test_code_size.py", "test_import_graph.py", "test_nonfinite.py",
-                     "test_readme.py"}
+                     "test_readme.py", "test_readme_launch.py"}
     misplaced = [p.name for p in tests.glob("*.py") if p.name not in whole_project]
     for path in tests.glob("*/*.py"):
         folder = path.parent.name

@@ -295,6 +295,7 @@ def _two_rank_worker(rank: int, port: int, nonfinite: str, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.timeout(600)  # two joins of 240 s
 @pytest.mark.parametrize("nonfinite", ["stop", "skip"])
 def test_every_rank_stops_or_skips_together_when_one_rank_goes_non_finite(nonfinite):
     import socket

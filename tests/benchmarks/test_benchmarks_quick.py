@@ -47,6 +47,7 @@ def test_the_benchmarks_are_found():
     assert set(DRIVEN_BY) | set(PRINTS) <= {p.name for p in BENCHMARKS}
 
 
+@pytest.mark.timeout(900)  # the run's own 600 s (bench_sharded starts workers)
 @pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.name)
 def test_quick_run_exits_cleanly(path):
     assert "--quick" in path.read_text(), f"{path.name} has no --quick mode (benchmarks/README.md)"

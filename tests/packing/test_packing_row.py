@@ -259,6 +259,7 @@ def _two_rank_worker(rank: int, port: int, out: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # the spawn's own 120 s, then a margin
 def test_distributed_helpers_on_two_gloo_ranks(tmp_path):
     launch.spawn(_two_rank_worker, args=(launch.free_port(), str(tmp_path)), nprocs=2, timeout=120)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]

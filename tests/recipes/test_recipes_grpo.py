@@ -360,6 +360,7 @@ with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the launch's own 600 s, then a margin
 def test_two_processes_keep_identical_weights(tmp_path):
     import os
     import sys

@@ -141,6 +141,7 @@ TWO_RANK_KILLS = (
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # the fixture's run and three more, 420 s each
 def test_two_ranks_killed_and_resumed_equal_the_uninterrupted_run_bitwise(uninterrupted_two_ranks, tmp_path):
     """Both ranks killed at each point in turn (chained as above), then resumed to the end."""
     for i, kill_at in enumerate(TWO_RANK_KILLS):

@@ -200,6 +200,7 @@ def zero3_runs(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the fixture's 450 s launch
 def test_lora_under_deepspeed_zero3_matches_one_process_and_resumes(zero3_runs, tmp_path):
     """Two CPU ranks over gloo: the adapter partitioned by ZeRO-3 trains as in one process (the
     same first-step loss and update), its checkpoint is the adapter alone, and a resume from step 1
@@ -221,6 +222,7 @@ def test_lora_under_deepspeed_zero3_matches_one_process_and_resumes(zero3_runs, 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the fixture's 450 s launch
 def test_lora_grpo_under_deepspeed_zero3_saves_the_adapter(zero3_runs):
     """GRPO's rollout gathers the ZeRO-3 shards of base and adapter alike; the run stays on-policy
     (to the bound the other sharded runs meet: ZeRO-3's own linear is not the exact mode's) and

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -215,14 +214,15 @@ def _launch(words: list[str], *overrides: str) -> None:
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(launch.free_port()),
            *words[2:], *overrides]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"`{' '.join(words)}` did not finish in 300 s (a hang?): {str(err.stderr)[-2000:]}")
-    assert proc.returncode == 0, launch.failure_message(f"`{' '.join(words)}`", proc.stderr, proc.returncode)
+    # its own process group: a timeout kills the ranks too, not only the launcher
+    returncode, _, err = launch.run_in_group(cmd, 300, cwd=ROOT, env=env)
+    if returncode is None:
+        pytest.fail(f"`{' '.join(words)}` did not finish in 300 s (a hang?): {err[-2000:]}")
+    assert returncode == 0, launch.failure_message(f"`{' '.join(words)}`", err, returncode)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # two launches of up to 300 s each
 def test_readme_launch_lines_run_ddp_and_deepspeed_zero2(inputs):
     root, _, chats = inputs
     lines = readme_launch_lines()

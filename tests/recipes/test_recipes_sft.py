@@ -269,6 +269,7 @@ def ddp_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # the fixture's launch (600 s) and the resume's (300 s)
 def test_ddp_two_processes_loss_matches_unpacked_and_resumes_exactly(tmp_path, ddp_runs):
     one, two, two_dir = ddp_runs
     _check_two_rank_run(one)
@@ -280,6 +281,7 @@ def test_ddp_two_processes_loss_matches_unpacked_and_resumes_exactly(tmp_path, d
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # one launch of up to 300 s
 def test_deepspeed_zero2_two_processes_matches_unpacked_and_ddp(tmp_path, ddp_runs):
     [results] = _torchrun((tmp_path / "ds", *ONE_STEP_PER_EPOCH), deepspeed=True)
     assert all(r["deepspeed_engine"] and r["zero_stage"] == 2 for r in results)  # not a silent DDP

@@ -86,6 +86,10 @@ def run_in_group(cmd: list[str], timeout: float, **popen_kwargs) -> tuple[int | 
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         return None, out, err or ""
+    except BaseException:  # pytest-timeout's failure, ^C: no rank outlives the test either
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
     return proc.returncode, out, err or ""
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,7 @@ def test_torchrun_report_names_the_killed_rank_first():
     assert launch.signal_deaths("", returncode=-9) == [killed]
 
 
+@pytest.mark.timeout(300)  # the launch's own 120 s
 def test_a_rank_killed_by_sigkill_under_torchrun_is_named(tmp_path):
     script = tmp_path / "die.py"
     script.write_text(KILL_RANK_1)
@@ -75,6 +77,44 @@ def _kill_rank_1(rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.mark.timeout(600)  # the spawn's own 300 s
 def test_a_rank_killed_by_sigkill_under_mp_spawn_is_named():
     with pytest.raises(pytest.fail.Exception, match=r"^rank 1 was killed by the OS \(out of memory\?\)"):
         launch.spawn(_kill_rank_1, args=(), nprocs=2)
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (an orphan's zombie waits for init to reap it)."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+class _Alarm(Exception):
+    pass
+
+
+def _raise_alarm(signum, frame):
+    raise _Alarm
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_a_test_failed_while_it_waits_leaves_no_rank_behind(tmp_path):
+    """pytest-timeout fails a test by raising from a SIGALRM handler: the launch's whole process group
+    (here a shell and its child, as a launcher and its ranks) dies with it."""
+    pid_file = tmp_path / "child.pid"
+    cmd = ["sh", "-c", f"sleep 60 & echo $! > {pid_file}; wait"]
+    before = signal.signal(signal.SIGALRM, _raise_alarm)
+    signal.alarm(2)
+    try:
+        with pytest.raises(_Alarm):
+            launch.run_in_group(cmd, timeout=60)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)

@@ -145,6 +145,7 @@ def test_simulated_two_ranks_in_process_match_unpacked(weighting, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # the spawn's own 300 s
 def test_two_ranks_packed_with_accumulation_match_unpacked_single_process(tmp_path):
     attn = _attn_implementation()
     launch.spawn(_packed_worker, args=(2, launch.free_port(), attn, str(tmp_path)), nprocs=2)

@@ -41,6 +41,7 @@ def grpo_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the fixture's 600 s launch
 @pytest.mark.parametrize("mode", ["zero2", "zero3", "fsdp2"])
 def test_grpo_sharded_matches_ddp_with_one_optimizer_step_per_grpo_step(grpo_runs, mode):
     ranks, ddp = grpo_runs[mode], grpo_runs["ddp"][0]
@@ -63,6 +64,7 @@ def test_grpo_sharded_matches_ddp_with_one_optimizer_step_per_grpo_step(grpo_run
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the fixture's 600 s launch
 @pytest.mark.parametrize("mode", ["zero3", "fsdp2"])
 def test_sharded_greedy_rollouts_equal_the_unsharded_model(grpo_runs, mode):
     for r in grpo_runs[mode]:
@@ -73,6 +75,7 @@ def test_sharded_greedy_rollouts_equal_the_unsharded_model(grpo_runs, mode):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the fixture's 600 s launch
 @pytest.mark.parametrize("mode", ["zero3", "fsdp2"])
 def test_an_invalid_prompt_on_one_rank_is_an_error_on_every_rank(grpo_runs, mode):
     rank0, rank1 = (r["bad_prompt_errors"] for r in grpo_runs[mode])
@@ -82,6 +85,7 @@ def test_an_invalid_prompt_on_one_rank_is_an_error_on_every_rank(grpo_runs, mode
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the fixture's 600 s launch
 @pytest.mark.parametrize("mode", ["ddp", "zero3", "fsdp2"])
 def test_the_plain_generator_on_sharded_weights_refuses_instead_of_hanging(grpo_runs, mode):
     for r in grpo_runs[mode]:
@@ -94,6 +98,7 @@ def test_the_plain_generator_on_sharded_weights_refuses_instead_of_hanging(grpo_
 
 # ----------------------------------------------------------------------------- packed SFT, 2 processes
 @pytest.mark.slow
+@pytest.mark.timeout(450)  # the launch's own 150 s
 def test_packed_sft_gradients_under_zero3_and_fsdp2_match_unpacked(tmp_path):
     from tests.training.test_training_loss import _reference_grads, _rows
 
@@ -135,6 +140,7 @@ def _check_fsdp2_adamw_equals_one_process(ranks: list[dict]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(450)  # the launch's own 150 s
 def test_sft_recipe_under_zero3_loss_matches_unpacked(tmp_path):
     from tests.recipes.test_recipes_sft import ONE_STEP_PER_EPOCH, SMALL, _check_two_rank_run
 

@@ -504,6 +504,7 @@ def fsdp2_rollouts(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # the fixture's two launches, 300 s
 @pytest.mark.parametrize("mode", ["gather", "lockstep"])
 def test_rollout_on_an_fsdp2_sharded_policy(fsdp2_rollouts, mode):
     """2 CPU processes, FSDP2 over gloo, ranks generating 1 vs 12 tokens: no deadlock, and the
