@@ -87,7 +87,8 @@ class Generator:
         self.max_model_len = int(getattr(config, "max_position_embeddings", None) or 1 << 62)
         self.vocab_size = int(config.vocab_size)
         snapshots = state_snapshots(states, enable_prefix_caching, num_state_snapshots, max_num_seqs)
-        state_bytes = (max_num_seqs + snapshots) * bytes_per_slot(states, self.live.dtype)
+        scratch = int(self.live.static_decode)  # static decode's padding rows write one scratch slot
+        state_bytes = (max_num_seqs + snapshots + scratch) * bytes_per_slot(states, self.live.dtype)
         num_blocks = num_kv_blocks(config, block_size, self.live.dtype, num_blocks, kv_memory_bytes,
                                    max_num_seqs, state_bytes, self.max_model_len)
         self.block_size = block_size
