@@ -18,7 +18,7 @@ import torch
 
 from inference.kv_cache import KVCache
 from inference.model_runner import ModelRunner, check_static_decode_backend
-from inference.state_cache import StateCache, StateSlots, layer_states
+from inference.state_cache import StateCache, StateSlots, bytes_per_slot, layer_states
 from packing.attention import names as attention_backends
 from packing.attention import paged_block_size
 from packing.distributed import compute_dtype as model_compute_dtype
@@ -79,6 +79,11 @@ class LiveModel:
         if torch.is_autocast_enabled(self.device.type):
             return torch.get_autocast_dtype(self.device.type)
         return self.weight_dtype
+
+    def state_bytes(self, slots: int) -> int:
+        """Bytes of the hybrid layers' state for ``slots`` slots, and static decode's scratch slot
+        (its padding rows write it), out of the generator's memory budget."""
+        return (slots + int(self.static_decode)) * bytes_per_slot(self.layer_states, self.dtype)
 
     def default_block_size(self) -> int:
         """The block size the attention backend reads in place. Decided for half precision: fp32
