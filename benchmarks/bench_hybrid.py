@@ -235,7 +235,7 @@ def generation(builders, vocab: int, args) -> None:
     print(f"\ngeneration: {n} prompts of {int(lengths.min())}-{int(lengths.max())} tokens (median "
           f"{int(np.median(lengths))}), {min(max_new)}-{max(max_new)} new tokens each "
           f"({sum(max_new)} in all), {batch} at once, greedy, weights in each dtype, {args.threads} threads")
-    print(f"{'model':8s} {'dtype':9s} {'system':34s} {'seconds':>8s} {'tok/s':>8s} {'vs HF':>7s} "
+    print(f"{'model':8s} {'dtype':9s} {'system':44s} {'seconds':>8s} {'tok/s':>8s} {'vs HF':>7s} "
           f"{'CPU s':>7s} {'vs HF':>7s}  agreement")
     for build in builders:
         for dtype_name in args.dtypes.split(","):
@@ -255,7 +255,7 @@ def generation(builders, vocab: int, args) -> None:
                 rows.append((nopad, time.process_time() - warmed[0],
                              f"{same}/{n} sequences identical to HF, {prefix:.0%} tokens"))
             for run_, cpu, note in rows:
-                print(f"{name:8s} {dtype_name:9s} {run_.name:34s} {run_.seconds:8.2f} "
+                print(f"{name:8s} {dtype_name:9s} {run_.name:44s} {run_.seconds:8.2f} "
                       f"{run_.tokens / run_.seconds:8.1f} {hf.seconds / run_.seconds:6.2f}x "
                       f"{cpu:7.2f} {hf_cpu / cpu:6.2f}x  {note}")
             print(f"{'':8s} load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
