@@ -248,17 +248,29 @@ def generation(builders, vocab: int, args) -> None:
             for label, engine in engines.items():
                 model.set_attn_implementation("sdpa")  # the Generator switches its own copy of the setting
                 warmed: list[float] = []
+                graphs = compiled_graphs()
                 nopad, _ = run_nopad(model, None, prompts, max_new, engine,
                                      warmed=lambda mark=warmed: mark.append(time.process_time()))
+                cpu = time.process_time() - warmed[0]
                 same, prefix = agreement(hf.outputs, nopad.outputs)
                 nopad.name += label
-                rows.append((nopad, time.process_time() - warmed[0],
-                             f"{same}/{n} sequences identical to HF, {prefix:.0%} tokens"))
+                note = f"{same}/{n} sequences identical to HF, {prefix:.0%} tokens"
+                if label:  # a graph break splits the step (and its CUDA graph): one graph, no break
+                    made, breaks = (b - a for a, b in zip(graphs, compiled_graphs()))
+                    note += f"; {made} compiled graph(s), {breaks} graph break(s)"
+                rows.append((nopad, cpu, note))
             for run_, cpu, note in rows:
                 print(f"{name:8s} {dtype_name:9s} {run_.name:44s} {run_.seconds:8.2f} "
                       f"{run_.tokens / run_.seconds:8.1f} {hf.seconds / run_.seconds:6.2f}x "
                       f"{cpu:7.2f} {hf_cpu / cpu:6.2f}x  {note}")
             print(f"{'':8s} load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
+def compiled_graphs() -> tuple[int, int]:
+    """Graphs dynamo has compiled and graph breaks it has met so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
 def step_cost(builders, vocab: int, args) -> None:
