@@ -110,3 +110,16 @@ def test_compiled_hybrid_decode_is_one_graph_and_exact(family, monkeypatch):
     assert counters["stats"]["unique_graphs"] - graphs == 1
     assert sum(counters["graph_break"].values()) == breaks
     torch._dynamo.reset()
+
+
+def test_the_scratch_slot_comes_out_of_the_memory_budget():
+    from inference.kv_cache import bytes_per_block
+    from inference.state_cache import bytes_per_slot
+    from tests.support.models import tiny_model
+
+    model, budget = tiny_model("qwen3_5"), 1 << 20
+    for static in (False, True):
+        gen = Generator(model, block_size=4, kv_memory_bytes=budget, max_num_seqs=8, num_state_snapshots=0,
+                        static_decode=static)
+        state = (8 + static) * bytes_per_slot(gen.layer_states, torch.float32)
+        assert gen.allocator.num_blocks == (budget - state) // bytes_per_block(model.config, 4, torch.float32)
