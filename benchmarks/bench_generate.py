@@ -83,7 +83,7 @@ def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torc
 def hf_generate(model, prompts, max_new_tokens: int, pad_id: int, **sampling) -> list[list[int]]:
     """One padded ``model.generate`` call that never stops early (eos_token_id=-1 disables the
     EOS stopping criterion without masking the EOS logit, like ``ignore_eos``)."""
-    ids, mask = _left_pad(prompts, pad_id)
+    ids, mask = (t.to(model.device) for t in _left_pad(prompts, pad_id))
     out = model.generate(
         ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=0,
         eos_token_id=-1, pad_token_id=pad_id, **sampling,
@@ -170,7 +170,8 @@ def make_generator(model, tok, prompts, max_new, n: int, args):
 
     blocks = sum(math.ceil((len(p) + k) / args.block_size) for p, k in zip(prompts, max_new)) * n
     return Generator(model, tok, block_size=args.block_size, max_num_batched_tokens=args.max_batch_tokens,
-                     max_num_seqs=args.max_seqs, num_blocks=blocks + 64)
+                     max_num_seqs=args.max_seqs, num_blocks=blocks + 64,
+                     compile_decode=getattr(args, "compile_decode", False))
 
 
 def run_nopad(model, tok, prompts, max_new, args, warmed=lambda: None) -> tuple[Run, list[int]]:

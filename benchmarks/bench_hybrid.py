@@ -23,7 +23,11 @@ counted:
   nopad   ``inference.Generator``: in-flight batching, paged K/V, per-sequence state slots
           (inference/state_cache.py), chunked prefill
 
-with greedy agreement (identical sequences) so a fast wrong answer shows.
+with greedy agreement (identical sequences) so a fast wrong answer shows. ``--compile-decode``
+adds a third row per model and dtype: the same ``Generator`` with ``compile_decode=True`` (its
+decode steps padded to bucketed shapes and run by one ``torch.compile`` of the model, the hybrid
+layers' state slots read and written in place; CUDA graphs on CUDA), its compilation in the
+warm-up, outside the timing.
 
 Prefix cache (``--prefix-cache``, on by default): requests that share a long system prompt, all
 given to one ``Generator.generate`` call, greedy, fp32, with the generator's prefix cache off and
@@ -48,6 +52,7 @@ log-probs equal the trainer's bitwise; the ratio is what that exactness costs th
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -142,6 +147,9 @@ def main() -> None:
     parser.add_argument("--gen-batch", type=int, default=None,
                         help="sequences at once in the generation part: HF's static batch size and the "
                              "Generator's max_num_seqs (default: every prompt in one batch)")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="generation: also time the Generator with compile_decode=True (a third row)")
+    parser.add_argument("--device", default="cpu", help="generation: the device (cuda for the GPU check)")
     parser.add_argument("--step-cost", default=None,
                         help="models whose decode-step CPU time to compare at 12, 4 and 1 rows, fp32 "
                              "(comma-separated; default: none, qwen3_5 with --quick)")
@@ -221,30 +229,48 @@ def generation(builders, vocab: int, args) -> None:
     max_new = [int(k) for k in new]
     prompts = [rng.integers(3, vocab, int(x)).tolist() for x in lengths]
     batch = args.gen_batch or n
-    engine = SimpleNamespace(block_size=16, max_batch_tokens=512, max_seqs=batch)
+    engines = {"": SimpleNamespace(block_size=16, max_batch_tokens=512, max_seqs=batch)}
+    if args.compile_decode:
+        engines[", compile_decode"] = SimpleNamespace(**vars(engines[""]), compile_decode=True)
     print(f"\ngeneration: {n} prompts of {int(lengths.min())}-{int(lengths.max())} tokens (median "
           f"{int(np.median(lengths))}), {min(max_new)}-{max(max_new)} new tokens each "
           f"({sum(max_new)} in all), {batch} at once, greedy, weights in each dtype, {args.threads} threads")
-    print(f"{'model':8s} {'dtype':9s} {'system':34s} {'seconds':>8s} {'tok/s':>8s} {'vs HF':>7s} "
+    print(f"{'model':8s} {'dtype':9s} {'system':44s} {'seconds':>8s} {'tok/s':>8s} {'vs HF':>7s} "
           f"{'CPU s':>7s} {'vs HF':>7s}  agreement")
     for build in builders:
         for dtype_name in args.dtypes.split(","):
-            model = build(vocab, args.quick).eval().to(getattr(torch, dtype_name))
+            model = build(vocab, args.quick).eval().to(device=args.device, dtype=getattr(torch, dtype_name))
             name = build.__name__
             start = time.process_time()  # CPU seconds too: on a shared machine wall time is mostly the load
             hf = run_hf_static(model, prompts, max_new, batch, pad_id=0)
             hf_cpu = time.process_time() - start
-            model.set_attn_implementation("sdpa")  # the Generator switches its own copy of the setting
-            warmed: list[float] = []
-            nopad, _ = run_nopad(model, None, prompts, max_new, engine,
-                                 warmed=lambda mark=warmed: mark.append(time.process_time()))
-            nopad_cpu = time.process_time() - warmed[0]
-            same, prefix = agreement(hf.outputs, nopad.outputs)
-            agree = f"{same}/{n} sequences identical to HF, {prefix:.0%} tokens"
-            for run_, cpu, note in ((hf, hf_cpu, ""), (nopad, nopad_cpu, agree)):
-                print(f"{name:8s} {dtype_name:9s} {run_.name:34s} {run_.seconds:8.2f} "
+            rows = [(hf, hf_cpu, "")]
+            for label, engine in engines.items():
+                model.set_attn_implementation("sdpa")  # the Generator switches its own copy of the setting
+                warmed: list[float] = []
+                graphs = compiled_graphs()
+                nopad, _ = run_nopad(model, None, prompts, max_new, engine,
+                                     warmed=lambda mark=warmed: mark.append(time.process_time()))
+                cpu = time.process_time() - warmed[0]
+                same, prefix = agreement(hf.outputs, nopad.outputs)
+                nopad.name += label
+                note = f"{same}/{n} sequences identical to HF, {prefix:.0%} tokens"
+                if label:  # a graph break splits the step (and its CUDA graph): one graph, no break
+                    made, breaks = (b - a for a, b in zip(graphs, compiled_graphs()))
+                    note += f"; {made} compiled graph(s), {breaks} graph break(s)"
+                rows.append((nopad, cpu, note))
+            for run_, cpu, note in rows:
+                print(f"{name:8s} {dtype_name:9s} {run_.name:44s} {run_.seconds:8.2f} "
                       f"{run_.tokens / run_.seconds:8.1f} {hf.seconds / run_.seconds:6.2f}x "
                       f"{cpu:7.2f} {hf_cpu / cpu:6.2f}x  {note}")
+            print(f"{'':8s} load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
+def compiled_graphs() -> tuple[int, int]:
+    """Graphs dynamo has compiled and graph breaks it has met so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
 def step_cost(builders, vocab: int, args) -> None:

@@ -31,7 +31,6 @@ from inference.sampler import SamplerBuffers, SampleResult, sample
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sharded import refuse_plain_generation
-from inference.state_cache import bytes_per_slot
 from inference.state_prefix import make_state_slots, reset_snapshot_stats, snapshot_stats, state_snapshots
 from inference.tools import ToolFormat
 from packing.blocks import BlockAllocator
@@ -87,7 +86,7 @@ class Generator:
         self.max_model_len = int(getattr(config, "max_position_embeddings", None) or 1 << 62)
         self.vocab_size = int(config.vocab_size)
         snapshots = state_snapshots(states, enable_prefix_caching, num_state_snapshots, max_num_seqs)
-        state_bytes = (max_num_seqs + snapshots) * bytes_per_slot(states, self.live.dtype)
+        state_bytes = self.live.state_bytes(max_num_seqs + snapshots)
         num_blocks = num_kv_blocks(config, block_size, self.live.dtype, num_blocks, kv_memory_bytes,
                                    max_num_seqs, state_bytes, self.max_model_len)
         self.block_size = block_size

@@ -18,7 +18,7 @@ import torch
 
 from inference.kv_cache import KVCache
 from inference.model_runner import ModelRunner, check_static_decode_backend
-from inference.state_cache import StateCache, StateSlots, layer_states
+from inference.state_cache import StateCache, StateSlots, bytes_per_slot, layer_states
 from packing.attention import names as attention_backends
 from packing.attention import paged_block_size
 from packing.distributed import compute_dtype as model_compute_dtype
@@ -47,7 +47,9 @@ class LiveModel:
     ``compile_decode=True`` also compiles that forward, once, with the rows and table width
     dynamic (``torch.compile``; ``mode="reduce-overhead"`` on CUDA, one CUDA graph per bucket; the
     attention kernel is one custom op). Prefill steps and batch-invariant mode keep the default
-    path.
+    path. On hybrid models the step also names each row's state slot as a device tensor (padding
+    rows: one scratch slot), and the conv, delta-rule and Mamba2 decode steps read and write the
+    slots in place (:mod:`inference.state_cache`), so the same one compilation serves them.
     """
 
     def __init__(self, model: torch.nn.Module, *, dtype: torch.dtype | None, attn_backend: str | None,
@@ -60,9 +62,6 @@ class LiveModel:
             check_static_decode_backend(attn_backend)
         check_model(model, GENERATE)  # a layer whose per-sequence state the paged cache cannot hold
         self.layer_states = layer_states(model)  # hybrid layers' per-sequence state (empty: attention only)
-        if self.layer_states and (static_decode or compile_decode):
-            raise ValueError(f"static_decode/compile_decode are not supported on {type(model).__name__}: "
-                             "its hybrid layers' state steps run on the default path; leave them False")
         self.model = model
         # FSDP2: the compute dtype of its mixed-precision policy, not the shard's storage dtype
         self.device, self.weight_dtype, self.requested_dtype = (next(model.parameters()).device,
@@ -81,6 +80,11 @@ class LiveModel:
             return torch.get_autocast_dtype(self.device.type)
         return self.weight_dtype
 
+    def state_bytes(self, slots: int) -> int:
+        """Bytes of the hybrid layers' state for ``slots`` slots, and static decode's scratch slot
+        (its padding rows write it), out of the generator's memory budget."""
+        return (slots + int(self.static_decode)) * bytes_per_slot(self.layer_states, self.dtype)
+
     def default_block_size(self) -> int:
         """The block size the attention backend reads in place. Decided for half precision: fp32
         weights may run their steps under autocast, which is only known when a step runs."""
@@ -97,12 +101,14 @@ class LiveModel:
     def build_runner(self, num_blocks: int, block_size: int, state_slots: StateSlots | None,
                      max_num_seqs: int, max_model_len: int) -> ModelRunner:
         """A KV cache of ``num_blocks`` (one more with static decode: the padding rows' scratch
-        block) in the compute dtype of now, and the runner of steps on it (``runner.kv_cache``)."""
+        block, and a scratch state slot on hybrid models) in the compute dtype of now, and the
+        runner of steps on it (``runner.kv_cache``)."""
         self.dtype = self.compute_dtype()  # autocast may be on now and not at construction
         kv_cache = KVCache(self.model.config, num_blocks + int(self.static_decode), block_size, self.dtype,
                            self.device)
         if self.layer_states:  # the kernel calls of a step find it on the cache they are given
-            kv_cache.states = StateCache(self.layer_states, state_slots, self.dtype, self.device)
+            kv_cache.states = StateCache(self.layer_states, state_slots, self.dtype, self.device,
+                                         scratch=self.static_decode)
         return ModelRunner(
             self.model, kv_cache, backend=self.attn_backend, static_decode=self.static_decode,
             compile_decode=self.compile_decode, max_num_seqs=max_num_seqs,

@@ -14,7 +14,9 @@ bucket). Padding rows write their K/V to a reserved scratch block and their logi
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -40,6 +42,7 @@ class StepInputs:
     sampling_rows: list[int]  # plan.seqs index of each kept row
     position_ids: torch.Tensor | None = None  # (1, T)
     prompt_spans: list[Span] = field(default_factory=list)  # prompt rows kept after the sampling rows
+    state_index: torch.Tensor | None = None  # static decode on hybrid models: each row's state slot
 
 
 def _to_device(parts: list[np.ndarray], device) -> list[torch.Tensor]:
@@ -115,11 +118,13 @@ def is_decode(plan: StepPlan) -> bool:
 
 
 def build_static_decode(plan: StepPlan, block_size: int, device, scratch_block: int,
-                        max_num_seqs: int, max_width: int) -> StepInputs:
+                        max_num_seqs: int, max_width: int, scratch_state: int | None = None) -> StepInputs:
     """A pure decode step padded to ``(bucket(num_seqs), bucket(width))``: padding rows run token
-    0 at position 0 with one key, written to and read from ``scratch_block``. Ids, positions, context
-    lengths, slots and block table come from one numpy pass and one copy (no numpy assignment per
-    row, no device arithmetic outside the compiled forward: each is a launch the graph does not hold)."""
+    0 at position 0 with one key, written to and read from ``scratch_block``. A hybrid model's
+    step (``scratch_state``, the state cache's scratch slot) also gets each row's state slot, the
+    padding rows' pointing at the scratch slot. Ids, positions, context lengths, slots, block table
+    (and state slots) come from one numpy pass and one copy (no numpy assignment per row, no device
+    arithmetic outside the compiled forward: each is a launch the graph does not hold)."""
     seqs, num = plan.seqs, len(plan.seqs)
     rows = min(row_bucket(num), max(max_num_seqs, num))
     lens = np.array([len(s.block_table) for s in seqs])
@@ -133,9 +138,15 @@ def build_static_decode(plan: StepPlan, block_size: int, device, scratch_block: 
     ids = np.zeros(rows, dtype=np.int64)
     ids[:num] = [s.token_ids[s.num_computed] for s in seqs]
     slots = table[np.arange(rows), pos // block_size] * block_size + pos % block_size
-    d_ids, d_pos, d_lens, d_slots, d_table = _to_device([ids, pos, pos + 1, slots, table], device)
+    parts = [ids, pos, pos + 1, slots, table]
+    if scratch_state is not None:
+        state = np.full(rows, scratch_state, dtype=np.int64)
+        state[:num] = [seq.state_slot for seq in seqs]
+        parts.append(state)
+    d_ids, d_pos, d_lens, d_slots, d_table, *d_state = _to_device(parts, device)
     meta = VarlenMeta.static_decode(d_table, d_lens, d_slots, position_ids=d_pos)
-    return StepInputs(d_ids[None], meta, None, list(range(num)), position_ids=d_pos[None])
+    return StepInputs(d_ids[None], meta, None, list(range(num)), position_ids=d_pos[None],
+                      state_index=d_state[0] if d_state else None)
 
 
 def _mark_dynamic(step: StepInputs) -> None:
@@ -149,6 +160,8 @@ def _mark_dynamic(step: StepInputs) -> None:
     for t in (meta.context_lens, meta.slot_mapping, meta.position_ids, meta.seq_idx):
         mark(t, 0)
     mark(meta.cu_seqlens_q, 0)
+    if step.state_index is not None:
+        mark(step.state_index, 0)
 
 
 def check_static_decode_backend(name: str) -> None:
@@ -185,7 +198,8 @@ class ModelRunner:
         if compile_decode:
             # the cache is mutated in place: a static address, so CUDA graphs use it, not a copy (a
             # new Generator's cache re-records a bucket's graph once, it does not recompile)
-            for t in kv_cache.k + kv_cache.v:
+            states = getattr(kv_cache, "states", None)  # hybrid layers' state slots: mutated in place too
+            for t in kv_cache.k + kv_cache.v + ([] if states is None else states.conv + states.recurrent):
                 torch._dynamo.mark_static_address(t)
             # One compilation for every bucket, on every device: the step's rows and table width
             # are dynamic (_mark_dynamic). Compiled per bucket, a table crossing a power of two or
@@ -199,9 +213,12 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
         """Logits ``(num_sampling, vocab)`` and, for each, its index into ``plan.seqs``."""
         self.kv_cache.copy_blocks(plan.copies)
+        states = getattr(self.kv_cache, "states", None)  # hybrid models: inference.state_cache
+        fresh = [] if states is None else [s.state_slot for s in plan.seqs if s.num_computed == 0]
         if self.static_decode and is_decode(plan) and not invariance.is_enabled():
             step = build_static_decode(plan, self.kv_cache.block_size, self.device, self.scratch_block,
-                                       self.max_num_seqs, self.max_width)
+                                       self.max_num_seqs, self.max_width,
+                                       None if states is None else states.scratch_slot)
             self.static_steps += 1
             shape = tuple(step.meta.block_table.shape)
             if self.decode_forward is not self.model and shape not in self.static_shapes:
@@ -209,35 +226,42 @@ class ModelRunner:
                 # (its guards accept unmarked tensors): 9 marks a step were ~40 Python calls
                 _mark_dynamic(step)
             self.static_shapes.add(shape)
-            out = self.decode_forward(
-                input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False,
-                nopad_meta=step.meta, nopad_kv_cache=self.kv_cache, nopad_backend=self.backend,
-            )
+            if states is not None:  # a first token (a one-token prompt) starts from zero
+                states.begin_static(step.state_index, fresh, step.meta)
+            with _state_step(states):
+                out = self.decode_forward(
+                    input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False,
+                    nopad_meta=step.meta, nopad_kv_cache=self.kv_cache, nopad_backend=self.backend,
+                )
             return out.logits[0, : len(step.sampling_rows)], step.sampling_rows
         step = build_step(plan, self.kv_cache.block_size, self.device)
-        states = getattr(self.kv_cache, "states", None)  # hybrid models: inference.state_cache
-        if states is not None:
-            fresh = [s.state_slot for s in plan.seqs if s.num_computed == 0]  # a first chunk: zero state
+        if states is not None:  # a first chunk starts from zero
             states.begin([s.state_slot for s in plan.seqs], fresh, list(plan.query_lens))
         scorer = PromptScorer(self.model, len(step.sampling_rows), step.prompt_spans)  # none: does nothing
-        try:
-            with scorer.hooked():
-                out = self.model(
-                    input_ids=step.input_ids,
-                    position_ids=step.position_ids,
-                    use_cache=False,
-                    logits_to_keep=step.logits_index,
-                    nopad_meta=step.meta,
-                    nopad_kv_cache=self.kv_cache,
-                    nopad_backend=self.backend,
-                )
-        except BaseException:
-            if states is not None:
-                states.abandon()
-            raise
-        if states is not None:
-            states.end()
+        with _state_step(states), scorer.hooked():
+            out = self.model(
+                input_ids=step.input_ids,
+                position_ids=step.position_ids,
+                use_cache=False,
+                logits_to_keep=step.logits_index,
+                nopad_meta=step.meta,
+                nopad_kv_cache=self.kv_cache,
+                nopad_backend=self.backend,
+            )
         logits, rows = out.logits[0], step.sampling_rows
         scorer.commit(logits)
         return logits[: len(rows)], rows
 
+
+@contextlib.contextmanager
+def _state_step(states) -> Iterator[None]:
+    """Close a hybrid model's state step after its forward (checking every stateful layer ran),
+    or forget it if the forward raised; nothing for an attention-only model."""
+    try:
+        yield
+    except BaseException:
+        if states is not None:
+            states.abandon()
+        raise
+    if states is not None:
+        states.end()

@@ -27,6 +27,12 @@ fork's members get fresh slots holding copies of the parent's final state, copie
 forward (a member finding none free is preempted and recomputes). Cross-request prefix reuse
 goes through state snapshots at block boundaries (:mod:`inference.state_prefix`): their slots are
 further rows of the same tensors, after the sequences' slots.
+
+Static decode (``static_decode`` / ``compile_decode``). A padded decode step names its rows' slots
+as one ``(rows,)`` device tensor, padding rows pointing at a scratch slot (one more row, after the
+snapshots', as the KV cache pads with a scratch block), and every kernel call reads and writes
+the slots through it: no host number depends on the batch, so one compiled (or CUDA-graph)
+forward serves every step of a bucket. Fork copies and fresh zeros run before that forward.
 """
 
 from __future__ import annotations
@@ -125,17 +131,18 @@ def copy_waves(copies: list[tuple[int, int]]) -> list[tuple[list[int], list[int]
 @dataclass
 class _Step:
     index: torch.Tensor | slice  # the slot of each sequence of the row (a slice: consecutive slots)
-    meta: VarlenMeta  # the row's new tokens only: their context is in the slots
+    meta: VarlenMeta  # the row's new tokens only: their context is in the slots (static: one each)
     calls: dict
-    num_seqs: int
 
 
 class StateCache:
     """``(num_slots, ...)`` state tensors per stateful layer, and the step in flight."""
 
-    def __init__(self, states: list[LayerState], slots: StateSlots, dtype: torch.dtype, device):
-        n = slots.num_rows
+    def __init__(self, states: list[LayerState], slots: StateSlots, dtype: torch.dtype, device, *,
+                 scratch: bool = False):
+        n = slots.num_rows + int(scratch)
         self.slots = slots
+        self.scratch_slot = slots.num_rows if scratch else None  # static decode's padding rows
         self.conv = [torch.zeros((n, *s.conv), dtype=dtype, device=device) for s in states]
         self.recurrent = [torch.zeros((n, *s.recurrent), dtype=RECURRENT_DTYPE, device=device)
                           for s in states if s.recurrent is not None]
@@ -149,6 +156,23 @@ class StateCache:
     def begin(self, slots: list[int], fresh: list[int], seqlens: list[int]) -> None:
         """Open a step over sequences holding ``slots`` (row order) that bring ``seqlens`` new
         tokens; ``fresh`` slots start from zero (a sequence's first chunk). Fork copies first."""
+        self._prepare(fresh)
+        index: torch.Tensor | slice = torch.tensor(slots, dtype=torch.long, device=self.device)
+        if slots and slots == list(range(slots[0], slots[0] + len(slots))):  # a copy, not a gather/scatter
+            index = slice(slots[0], slots[0] + len(slots))
+        meta = VarlenMeta.from_lengths(seqlens, device=self.device)
+        self._step = _Step(index, meta, {CONV: 0, RECURRENT: 0})
+
+    def begin_static(self, index: torch.Tensor, fresh: list[int], meta: VarlenMeta) -> None:
+        """Open a static decode step: ``index`` ``(rows,)`` holds each row's slot on the device
+        (padding rows: :attr:`scratch_slot`), ``meta`` is the step's static meta (one token a row)."""
+        if self.scratch_slot is None:
+            raise ValueError("a static decode step needs the state cache built with scratch=True")
+        self._prepare(fresh)
+        self._step = _Step(index, meta, {CONV: 0, RECURRENT: 0})
+
+    def _prepare(self, fresh: list[int]) -> None:
+        """Fork copies, then zeros for ``fresh`` slots: before the step's forward, outside it."""
         waves = [(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
                  for src, dst in copy_waves(self.slots.take_copies())]
         zero = torch.tensor(fresh, device=self.device) if fresh else None
@@ -157,11 +181,6 @@ class StateCache:
                 t[dst] = t[src]
             if zero is not None:
                 t[zero] = 0
-        index: torch.Tensor | slice = torch.tensor(slots, dtype=torch.long, device=self.device)
-        if slots and slots == list(range(slots[0], slots[0] + len(slots))):  # a copy, not a gather/scatter
-            index = slice(slots[0], slots[0] + len(slots))
-        meta = VarlenMeta.from_lengths(seqlens, device=self.device)
-        self._step = _Step(index, meta, {CONV: 0, RECURRENT: 0}, len(slots))
 
     def end(self) -> None:
         """Close the step; every stateful layer must have run exactly once."""
@@ -193,9 +212,10 @@ class StateCache:
         store = tensors[i]
         # consecutive slots pass a view, no copy: only this step's sequences own those rows, and
         # their finals overwrite them below
-        out, final = fn(step.meta, store[step.index])
-        if tuple(final.shape) != (step.num_seqs, *store.shape[1:]):
-            raise RuntimeError(f"{kind} call {i} returned a state of shape {tuple(final.shape)}; its slot "
-                               f"holds {tuple(store.shape[1:])}")
+        initial = store[step.index]
+        out, final = fn(step.meta, initial)
+        if final.shape != initial.shape:
+            raise RuntimeError(f"{kind} call {i} returned a state of shape {tuple(final.shape)}; its slots "
+                               f"hold {tuple(initial.shape)}")
         store[step.index] = final.to(store.dtype)
         return out

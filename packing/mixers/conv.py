@@ -9,7 +9,9 @@ path (``VarlenMeta.previous_rows``) and sums ``K`` weighted gathers: exact, diff
 the same code for packed and tree rows. On CUDA with ``causal-conv1d`` installed a packed row
 goes to its kernel with ``seq_idx`` (its documented way to keep sequences apart); tree rows and
 initial states stay on the reference (that kernel takes no per-sequence initial state with
-``seq_idx``). ``NOPAD_MIXER_KERNELS`` picks (:mod:`packing.mixers.kernels`). Inside
+``seq_idx``). ``NOPAD_MIXER_KERNELS`` picks (:mod:`packing.mixers.kernels`). A generator decode step (static
+or not) is one ``cat`` of each sequence's state and token and ``K`` products, no host lengths read,
+so it compiles and captures. Inside
 :func:`packing.batch_invariant` every row takes the gathers (elementwise ops in one fixed order:
 oldest input first, then the bias), so a token gets the same bits in a training row, a prefill
 chunk and a decode step; the one-call paths sum in an order of their own.
@@ -77,6 +79,8 @@ def varlen_causal_conv1d(
         if meta.key_rows is not None:
             raise ValueError("initial_states apply to packed rows; a prefix-tree segment starts from its "
                              "parent")
+    if meta.is_static and initial_states is None:
+        raise ValueError("a static decode step continues each row from its conv state: pass initial_states")
     out = None
     one_call = initial_states is None and meta.key_rows is None and not invariance.is_enabled()
     if one_call:
@@ -88,7 +92,7 @@ def varlen_causal_conv1d(
         out = _flat_conv(tokens.to(weight.dtype), weight, bias, activation, meta).to(x.dtype)
     if out is not None and not return_final_states:
         return out[None] if x.dim() == 3 else out.t()
-    one_each = meta.max_seqlen_q == 1 and meta.total_q == meta.num_seqs  # every sequence one token
+    one_each = meta.is_static or (meta.max_seqlen_q == 1 and meta.total_q == meta.num_seqs)  # one token each
     if initial_states is not None and meta.key_rows is None and one_each:  # a decode step
         out, final = _decode_conv(tokens.to(weight.dtype), weight, bias, activation, initial_states)
         out = out.to(x.dtype)
@@ -158,6 +162,8 @@ def _boundaries(x: torch.Tensor, meta: VarlenMeta | None, cu_seqlens: torch.Tens
         lengths = torch.diff(cu_seqlens.detach().cpu().to(torch.int64))
         meta = VarlenMeta.from_lengths(lengths, device=x.device)
     length = x.shape[1] if x.dim() == 3 else x.shape[-1]
+    if meta.is_static and meta.total_q == length:  # a static decode step: one token a row, on the device
+        return meta
     if meta.seqlens_q is None or meta.total_q != length:
         raise ValueError(f"the row has {length} tokens but its boundaries describe "
                          f"{None if meta.seqlens_q is None else meta.total_q}; a nopad row runs with "

@@ -73,7 +73,7 @@ def varlen_delta_rule(
     elif recurrent is not None:  # one-token pieces (decode steps) take the rule HF's decode takes
         stepwise = _token_by_token(recurrent)
     tensors, common = (query, key, value, g, beta), dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    fla = _fla_rule(fla_kernel, tensors, common)
+    fla = _fla_rule(fla_kernel, tensors, common, meta.is_static)
     decode = stepwise or (None if chunk_size else reference)  # the token-by-token rule, if one runs
     step = _decode_step(decode, fla, tensors, meta, initial_state, common)
     if step is not None:
@@ -117,10 +117,12 @@ def varlen_delta_rule(
     return out, torch.stack(finals)
 
 
-def _fla_rule(kernel: str | None, tensors, common: dict) -> Callable | None:
+def _fla_rule(kernel: str | None, tensors, common: dict, meta_is_static: bool = False) -> Callable | None:
     """fla's varlen function of ``kernel`` when it runs this call (installed and chosen, see
     :func:`package_function`; not in batch-invariant mode; its backward runs here if needed)."""
     if kernel is None or invariance.is_enabled():
+        return None
+    if meta_is_static:  # a static decode step: the token-by-token rule, no host lengths (capturable)
         return None
     fla = package_function(*FLA_FUNCTIONS[kernel], tensors[0])
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
@@ -186,7 +188,10 @@ def _decode_step(rule: Callable | None, fla, tensors, meta: VarlenMeta, initial_
     token-by-token ``rule`` that the row's plan would make, without building the plan (six
     layers' worth of Python per step). Returns the output ``(1, N, HV, V)`` and the finals;
     None when the row is not such a step (or no token-by-token rule runs it, or fla does)."""
-    one_each = meta.max_seqlen_q == 1 and meta.total_q == meta.num_seqs
+    one_each = meta.is_static or (meta.max_seqlen_q == 1 and meta.total_q == meta.num_seqs)
+    if meta.is_static and (rule is None or initial_state is None):
+        raise ValueError("a static decode step of a delta rule runs its token-by-token rule from each row's "
+                         "state; this layer's module has no token-by-token rule (or no state was given)")
     if rule is None or fla is not None or initial_state is None or meta.key_rows is not None or not one_each:
         return None
     rows = (t.transpose(0, 1) for t in tensors)  # (N, 1, ...): each sequence a batch row of one step

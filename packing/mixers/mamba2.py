@@ -34,7 +34,9 @@ token. A sequence of several tokens runs transformers' ``mamba2_chunk_scan`` wit
 ``initial_states``, as HF's own prefill does; the one-token sequences of the step (decode) run
 together through the module's ``mamba2_selective_state_update``, as HF's own decode does, with
 ``dt_limit`` applied as the chunk scan applies it (so decode computes what a training forward
-computes). Anything else with cached context is refused here.
+computes). Anything else with cached context is refused here. A static decode step (the
+generator's ``static_decode`` / ``compile_decode``: one token a row, lengths on the device only)
+runs that recurrent step on every row, so the step compiles and captures.
 
 **Inside** :func:`packing.batch_invariant` the trainer's rows and the generator's steps all scan
 token by token (:mod:`packing.mixers.ssm_steps`; the conv takes its ordered gathers), so rollout
@@ -190,6 +192,10 @@ def step_chunk_scan(original, update, hidden_states, dt, A, B, C, chunk_size, st
 
     def run(meta: VarlenMeta, initial: torch.Tensor):
         _check_row(hidden_states.shape[0], hidden_states.shape[1], meta, "mamba2_chunk_scan")
+        if meta.is_static:  # a static decode step: one token a row, no host lengths (capturable)
+            out, finals = _recurrent_step(update, hidden_states[0], dt[0], A, B[0], C[0],
+                                          None if z is None else z[0], initial, **scan)
+            return out[None], finals
         cu = [0, *itertools.accumulate(meta.seqlens_q)]  # host-side: no device sync
         if invariance.is_enabled():  # token by token, as the trainer's rows run in the mode
             values, finals = token_scan(hidden_states[0], dt[0], A, B[0], C[0], list(zip(cu[:-1], cu[1:])),
@@ -285,10 +291,13 @@ def _hook(name: str, original, module):
             return packed_fused(args, kwargs, meta)
     else:  # create_recurrent_attention_mask: once per forward, before the layers
         def hooked(*args, **kwargs):
-            config = kwargs.get("config", args[0] if args else None)
-            nopad = getattr(config, "_attn_implementation", None) == NOPAD_ATTENTION
-            # no sync here: the positions are only read when a layer gets no nopad_meta
-            _NOPAD_POSITIONS.set(kwargs.get("position_ids") if nopad else None)
+            # dynamo cannot trace ContextVar.set (a graph break, which would split the generator's
+            # compiled decode step): the check is an eager one; a compiled forward passes nopad_meta
+            if not torch.compiler.is_compiling():
+                config = kwargs.get("config", args[0] if args else None)
+                nopad = getattr(config, "_attn_implementation", None) == NOPAD_ATTENTION
+                # no sync here: the positions are only read when a layer gets no nopad_meta
+                _NOPAD_POSITIONS.set(kwargs.get("position_ids") if nopad else None)
             return original(*args, **kwargs)
     functools.update_wrapper(hooked, original)
     hooked.nopad_original = original

@@ -85,6 +85,29 @@ def test_static_decode_in_a_cuda_graph_gives_the_same_tokens():
         assert _greedy(model, compile_decode=True) == eager
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "bamba"])
+def test_hybrid_decode_in_a_cuda_graph_gives_hf_tokens(family):
+    """#36: compile_decode on hybrid layers (delta rule, short conv, Mamba2): the state slots read
+    and written in place inside the CUDA graph, one compilation, no graph break, no cudagraph skip
+    (a skip or break would leave the step host-bound), and the tokens of HF generate, fp32."""
+    from torch._dynamo.utils import counters
+
+    from tests.inference.test_inference_hybrid import hybrid_model
+
+    model = hybrid_model(family).to(CUDA).eval()
+    torch._dynamo.reset()
+    before = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()),
+              counters["inductor"]["cudagraph_skips"])
+    with torch.no_grad():
+        reference = _hf_greedy(model)
+        assert _greedy(model) == reference
+        assert _greedy(model, static_decode=True) == reference
+        assert _greedy(model, compile_decode=True) == reference
+    after = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()),
+             counters["inductor"]["cudagraph_skips"])
+    assert [b - a for a, b in zip(before, after)] == [1, 0, 0]
+
+
 def test_compiled_decode_compiles_once_and_records_each_bucket_once():
     """One compilation serves every bucket and Generator (rows and table width dynamic), and
     reduce-overhead records each bucket's CUDA graph once, then replays it: compiled per bucket,

@@ -181,12 +181,6 @@ def test_tool_episodes_pause_resume_fork_and_preempt_equal_hf(family):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
-def test_static_decode_is_refused_on_a_hybrid_model(family):
-    with pytest.raises(ValueError, match="static_decode"):
-        Generator(tiny_model(family), num_blocks=8, static_decode=True)
-
-
-@pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
 def test_state_slots_come_out_of_the_memory_budget(family):
     from inference.kv_cache import bytes_per_block
     from inference.state_cache import bytes_per_slot
