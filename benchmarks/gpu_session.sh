@@ -4,18 +4,18 @@
 # then run the parts named, each under its own time limit, each report in its own folder of $OUT.
 #   bash benchmarks/gpu_session.sh tests hybrid        # first call (~10 minutes: timeout_s 600)
 #   bash benchmarks/gpu_session.sh decode hostwork     # second call, with what is left
-# Parts: tests (the GPU test files, each test under a 150 s limit), hybrid (issue 36's
-# goals), decode (decode floor, compiles and graph recordings, host overhead, SmolLM2-135M),
-# hostwork (bench_decode_host.py: nopad's decode step's host work beside HF's), graphcode (the
-# compiled decode step's generated copy kernels), attention
-# (training and generation, SmolLM2-135M), grpo.
+# Parts: tests (the GPU test files, each test under a 150 s limit), hybrid (issue 36's goals),
+# hybridgen (bench_hybrid.py's generation, eager and compile_decode, vs HF generate on CUDA), decode
+# (decode floor, compiles and graph recordings, host overhead, SmolLM2-135M), hostwork
+# (bench_decode_host.py: nopad's decode step's host work beside HF's), graphcode (the compiled
+# decode step's generated copy kernels), attention (training and generation, SmolLM2-135M), grpo.
 set -u
 for part in "$@"; do  # before the install: a typo costs no device time
-  case $part in tests|hybrid|decode|hostwork|graphcode|attention|grpo) ;;
-    *) echo "unknown part $part (tests hybrid decode hostwork graphcode attention grpo)"; exit 2 ;;
+  case $part in tests|hybrid|hybridgen|decode|hostwork|graphcode|attention|grpo) ;;
+    *) echo "unknown part $part (tests hybrid hybridgen decode hostwork graphcode attention grpo)"; exit 2 ;;
   esac
 done
-[ $# -gt 0 ] || { echo "name the parts to run: tests hybrid decode hostwork graphcode attention grpo"; exit 2; }
+[ $# -gt 0 ] || { echo "name the parts to run: tests hybrid hybridgen decode hostwork graphcode attention grpo"; exit 2; }
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -51,6 +51,10 @@ for part in "$@"; do
         | grep -B3 -A40 "def triton_poi_fused_copy" > "$out/graphcode.log"
       rm -rf "$out/graphcode"; echo "graphcode: after $SECONDS s" >> "$out/graphcode.log" ;;
     hybrid) run hybrid 280 "hybrid" ;;
+    hybridgen)  # the hybrid Generator eager and with compile_decode (CUDA graphs) vs HF generate, wall s
+      timeout 250 python3 benchmarks/bench_hybrid.py --models '' --exact-mode off --prefix-cache '' \
+        --generation qwen3_5,lfm2,bamba --dtypes bfloat16 --compile-decode --device cuda > "$out/hybridgen.log" 2>&1
+      echo "hybridgen: rc $? after $SECONDS s" | tee -a "$out/hybridgen.log" ;;
     decode) run decode 200 "decode host" --models SmolLM2-135M ;;
     attention) run attention 330 "train generate" --models SmolLM2-135M ;;
     grpo) run grpo 300 "grpo" --models SmolLM2-135M ;;
