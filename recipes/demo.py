@@ -217,5 +217,6 @@ def main() -> None:
           "tools=[...]) / environment_factory= in TRL (docs/trl.md)", file=sys.stdout)
     print(f"\n{clock.summary(torch.get_num_threads())}", file=sys.stdout)
 
+
 if __name__ == "__main__":
     main()
