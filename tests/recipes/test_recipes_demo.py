@@ -1,6 +1,9 @@
 """recipes.demo.packing_report and the embedded corpus it reads."""
 
 import io
+import re
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -75,3 +78,45 @@ def test_grpo_demo_prints_one_row_per_step_with_the_gap():
     assert row[0] == "0" and int(row[4]) == history[0]["train_tokens"]
     assert int(row[5]) == history[0]["padded_train_tokens"]
 
+
+
+def _busy(*args, seconds: float = 0.03, **kwargs):
+    """CPU work, so a phase's CPU seconds are not all zero."""
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def test_the_demo_ends_with_each_phase_wall_and_cpu_seconds(monkeypatch, capsys):
+    """The last line names every phase with its wall and CPU seconds, so a slow run says where
+    its time went (the README's figure once differed 2.7x from a CI run and nobody could tell why)."""
+    import assets.smollm2
+    from recipes import demo
+
+    def load():
+        _busy()
+        return "model", "tokenizer"
+
+    monkeypatch.setattr(sys, "argv", ["nopad-demo"])
+    monkeypatch.setattr(assets.smollm2, "load_smollm2", load)
+    for name in ("packing_report", "sft_demo", "grpo_demo"):
+        monkeypatch.setattr(demo, name, _busy)
+    demo.main()
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    match = re.fullmatch(r"demo finished in (\d+) s, (\d+) CPU s on (\d+) threads: (.*)", last)
+    assert match, last
+    phases = re.findall(r"([a-zA-Z ]+?) (\d+) s \((\d+) CPU s\)(?:, |$)", match[4])
+    assert [p[0] for p in phases] == ["model load", "packing report", "packed SFT", "GRPO"]
+    assert int(match[3]) >= 1
+
+
+def test_phase_clock_laps_add_up():
+    from recipes.demo import PhaseClock
+
+    clock = PhaseClock()
+    clock.lap("a")
+    _busy(seconds=0.02)
+    clock.lap("b")
+    assert [name for name, *_ in clock.phases] == ["a", "b"]
+    assert clock.phases[1][2] >= 0.02 and all(w >= 0 and c >= 0 for _, w, c in clock.phases)
+    assert sum(c for *_, c in clock.phases) <= time.process_time() - clock.start_cpu
