@@ -14,7 +14,8 @@ Packed training row — ``model(input_ids, position_ids=..., nopad_meta=meta, la
     ``input_ids`` ``(1, T)`` holds the concatenated sequences, ``position_ids`` ``(1, T)`` is
     ``meta.position_ids[None]`` (RoPE needs it; it is checked against ``meta``), ``nopad_meta`` the
     row's :class:`~packing.varlen.VarlenMeta`. Without ``nopad_meta`` the boundaries are derived
-    from ``position_ids`` (a sequence starts where the position is 0). Without either, each batch
+    from ``position_ids`` (a sequence starts where the position is 0): attention-only models only,
+    since a convolution or recurrent layer gets no boundaries that way. Without either, each batch
     row is one sequence. A 2-D ``attention_mask`` with padding is refused.
 
 Generation step (paged K/V) — the generator passes::
@@ -74,7 +75,7 @@ from packing.attention import varlen_attention
 from packing.attention.plan import AttentionPlan, PlannedRow
 from packing.distributed import compute_dtype
 from packing.mixers import GENERATE, PACKED, TREE, check_calling_model, check_model
-from packing.mixers.support import NOPAD_ATTENTION
+from packing.mixers.support import NOPAD_ATTENTION, POSITIONS
 from packing.varlen import VarlenMeta
 
 logger = logging.getLogger(__name__)
@@ -205,6 +206,8 @@ def nopad_attention(
     if meta.total_q != batch * q_len:
         raise ValueError(f"nopad_meta describes {meta.total_q} tokens but the batch has {batch} x {q_len}")
     context = _row_context(meta, nopad_kv_cache, batch)
+    if context == PACKED and nopad_meta is None:  # boundaries derived here: no other layer has them
+        context = POSITIONS
     if context is not None and context not in plan.checked:
         check_calling_model(module, context)  # checks the whole model: once per forward is enough
         plan.checked.add(context)

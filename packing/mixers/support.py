@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -41,8 +42,12 @@ logger = logging.getLogger(__name__)
 # re-exports it; defined here, below packing.hf, so that the mixers can read it without a cycle)
 NOPAD_ATTENTION = "nopad"
 PACKED, TREE, GENERATE = "packed", "tree", "generate"
-CONTEXTS = (PACKED, TREE, GENERATE)
-_WHERE = {PACKED: "packed rows", TREE: "prefix-tree rows", GENERATE: "the generator (paged steps)"}
+# a row packed by its position_ids alone (no nopad_meta): only the attention layers derive its
+# boundaries; a mixer layer gets none and would run across them, so nothing supports this context
+POSITIONS = "positions"
+CONTEXTS = (PACKED, TREE, GENERATE)  # what nopad's entry points ask of a model
+_WHERE = {PACKED: "packed rows", TREE: "prefix-tree rows", GENERATE: "the generator (paged steps)",
+          POSITIONS: "rows packed by position_ids without nopad_meta"}
 
 ATTENTION_KINDS = frozenset({"attention", "full_attention", "sliding_attention", "chunked_attention"})
 POSITIONWISE_KINDS = frozenset({"mlp", "moe", "ffn"})  # declared layers that mix no tokens
@@ -228,8 +233,8 @@ def _handled(finding: Finding, context: str, model: nn.Module) -> bool:
 
 def unsupported(model: nn.Module, context: str = PACKED) -> list[Finding]:
     """The findings of :func:`scan` that no registered support handles for ``context``."""
-    if context not in CONTEXTS:
-        raise ValueError(f"unknown context {context!r}; use one of {CONTEXTS}")
+    if context not in (*CONTEXTS, POSITIONS):
+        raise ValueError(f"unknown context {context!r}; use one of {(*CONTEXTS, POSITIONS)}")
     return [f for f in scan(model) if not _handled(f, context, model)]
 
 
@@ -248,8 +253,10 @@ def _message(model: nn.Module, context: str, findings: list[Finding]) -> str:
         f"answer with no error. These layers mix tokens in ways nopad does not handle there (a recurrent or "
         f"convolution state would run across the boundaries between sequences):\n"
         + "\n".join(lines)
-        + "\nKeep this model unpacked (attn_implementation='sdpa' with one sequence per row or padded "
-        "batches, and HF generate), or see docs/models.md for the families nopad supports and how."
+        + ("\nPass the row's boundaries to every layer: model(..., position_ids=meta.position_ids[None], "
+           "nopad_meta=meta) (row.model_kwargs() does), not position_ids alone." if context == POSITIONS else
+           "\nKeep this model unpacked (attn_implementation='sdpa' with one sequence per row or padded "
+           "batches, and HF generate), or see docs/models.md for the families nopad supports and how.")
     )
 
 
@@ -266,12 +273,29 @@ def check_model(model: nn.Module, context: str = PACKED) -> None:
     _CHECKED.setdefault(model, set()).add(context)
 
 
+def _family_mixes(module: nn.Module) -> bool:
+    """Whether ``module``'s modeling module runs token-mixing kernels that nopad serves only
+    through ``nopad_meta`` (wrapped by :mod:`packing.mixers.hf_kernels` or hooked by
+    :mod:`packing.mixers.mamba2`)."""
+    from packing.mixers.hf_kernels import _MARK, MIXING
+
+    namespace = vars(sys.modules.get(type(module).__module__, sys))
+    return any(getattr(fn, _MARK, None) in MIXING or hasattr(fn, "nopad_original")
+               for fn in list(namespace.values()) if callable(fn))
+
+
 def check_calling_model(module: nn.Module, context: str) -> None:
     """The attention function's check, for a forward that no nopad entry point prepared (a bare
     ``model.set_attn_implementation("nopad")``): it is called with its attention module only, so
     the model is the outermost ``PreTrainedModel`` on the call stack that holds ``module``. Runs
     once per attention module and context; a dictionary look-up after that."""
     if torch.compiler.is_compiling():  # the compiled generator step: checked when it was built
+        if context == POSITIONS and _family_mixes(module):  # no call stack to find the model by
+            raise UnsupportedMixerError(
+                f"nopad cannot run {type(module).__module__}'s models on {_WHERE[POSITIONS]} exactly: its "
+                "mixer layers (convolution, recurrent state) get no boundaries and would run across them. "
+                "Pass model(..., position_ids=meta.position_ids[None], nopad_meta=meta) (row.model_kwargs() "
+                "does), not position_ids alone.")
         return
     done = _MODULE_CHECKED.get(module)
     if done is not None and context in done:

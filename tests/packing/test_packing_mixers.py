@@ -133,6 +133,39 @@ def test_a_bare_packed_or_tree_forward_of_a_served_hybrid_family_runs(family):
         model(**call)
 
 
+@pytest.mark.parametrize("family", ("qwen3_5", "lfm2", "kimi_linear", "bamba"))
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_row_packed_by_position_ids_alone_is_refused_on_a_hybrid_family(family, compiled):
+    """The nopad attention derives a row's boundaries from position_ids that restart at 0 (HF's
+    flattening convention), but a convolution or recurrent layer gets none and would run across
+    them (Qwen3.5's logits 4e-2 off, LFM2's 5e-4, no error): refused, eager and under
+    torch.compile, naming what to pass; one sequence per row still runs."""
+    register_nopad_attention()
+    model = tiny_model(family)
+    model.set_attn_implementation("nopad")
+    call = packed_call(model)
+    del call["nopad_meta"]
+    forward = torch.compile(model, backend="eager") if compiled else model
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(ValueError, match="without nopad_meta|nopad_meta=meta"):
+        forward(**call)
+    model(input_ids=random_sequences((6,))[0][None], position_ids=torch.arange(6)[None], use_cache=False)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_attention_only_family_packed_by_position_ids_alone_runs_as_alone(family):
+    register_nopad_attention()
+    model = tiny_model(family)
+    seqs = random_sequences((5, 7))
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=s[None], use_cache=False).logits[0] for s in seqs])
+        model.set_attn_implementation("nopad")
+        call = packed_call(model)
+        del call["nopad_meta"]
+        packed = model(**call).logits[0]
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ("jamba",))
 def test_a_bare_packed_or_tree_forward_is_refused_at_its_first_attention_layer(family):
     register_nopad_attention()
