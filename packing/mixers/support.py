@@ -273,15 +273,16 @@ def check_model(model: nn.Module, context: str = PACKED) -> None:
     _CHECKED.setdefault(model, set()).add(context)
 
 
+# set on a modeling module's token-mixing kernel functions that nopad wrapped
+# (packing.mixers.hf_kernels, packing.mixers.mamba2): they keep sequences apart only given nopad_meta
+NEEDS_META = "_nopad_needs_meta"
+
+
 def _family_mixes(module: nn.Module) -> bool:
     """Whether ``module``'s modeling module runs token-mixing kernels that nopad serves only
-    through ``nopad_meta`` (wrapped by :mod:`packing.mixers.hf_kernels` or hooked by
-    :mod:`packing.mixers.mamba2`)."""
-    from packing.mixers.hf_kernels import _MARK, MIXING
-
+    through ``nopad_meta``."""
     namespace = vars(sys.modules.get(type(module).__module__, sys))
-    return any(getattr(fn, _MARK, None) in MIXING or hasattr(fn, "nopad_original")
-               for fn in list(namespace.values()) if callable(fn))
+    return any(getattr(fn, NEEDS_META, False) for fn in list(namespace.values()) if callable(fn))
 
 
 def check_calling_model(module: nn.Module, context: str) -> None:
