@@ -14,7 +14,7 @@ import inspect
 
 from torch import nn
 
-from packing.mixers.support import CONTEXTS, MixerSupport, calls_attention, register_mixer_support
+from packing.mixers.support import ALL_CONTEXTS, MixerSupport, calls_attention, register_mixer_support
 
 _PASSES_SINKS: dict[type, bool] = {}
 
@@ -36,5 +36,7 @@ def handles_sinks(module: nn.Module) -> bool:
     return "sinks" in own and calls_attention(module) and _passes_sinks(type(module))
 
 
-SINKS = MixerSupport("attention sinks (s_aux)", handles_sinks, frozenset(CONTEXTS))
+# computed inside the attention call, so exact wherever the attention has the row's boundaries,
+# including those it derives from position_ids alone
+SINKS = MixerSupport("attention sinks (s_aux)", handles_sinks, frozenset(ALL_CONTEXTS))
 register_mixer_support(SINKS)

@@ -46,6 +46,7 @@ PACKED, TREE, GENERATE = "packed", "tree", "generate"
 # boundaries; a mixer layer gets none and would run across them, so nothing supports this context
 POSITIONS = "positions"
 CONTEXTS = (PACKED, TREE, GENERATE)  # what nopad's entry points ask of a model
+ALL_CONTEXTS = (*CONTEXTS, POSITIONS)
 _WHERE = {PACKED: "packed rows", TREE: "prefix-tree rows", GENERATE: "the generator (paged steps)",
           POSITIONS: "rows packed by position_ids without nopad_meta"}
 
@@ -78,9 +79,10 @@ _MODULE_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # atte
 
 def register_mixer_support(support: MixerSupport) -> None:
     """Declare a mixer kind nopad handles (idempotent by name); clears the cached scans."""
-    unknown = set(support.contexts) - set(CONTEXTS)
+    unknown = set(support.contexts) - set(ALL_CONTEXTS)
     if unknown:
-        raise ValueError(f"MixerSupport {support.name!r}: unknown contexts {sorted(unknown)}; use {CONTEXTS}")
+        raise ValueError(f"MixerSupport {support.name!r}: unknown contexts {sorted(unknown)}; "
+                         f"use {ALL_CONTEXTS}")
     _SUPPORTS[:] = [s for s in _SUPPORTS if s.name != support.name] + [support]
     _CHECKED.clear()
     _MODULE_CHECKED.clear()
@@ -233,8 +235,8 @@ def _handled(finding: Finding, context: str, model: nn.Module) -> bool:
 
 def unsupported(model: nn.Module, context: str = PACKED) -> list[Finding]:
     """The findings of :func:`scan` that no registered support handles for ``context``."""
-    if context not in (*CONTEXTS, POSITIONS):
-        raise ValueError(f"unknown context {context!r}; use one of {(*CONTEXTS, POSITIONS)}")
+    if context not in ALL_CONTEXTS:
+        raise ValueError(f"unknown context {context!r}; use one of {ALL_CONTEXTS}")
     return [f for f in scan(model) if not _handled(f, context, model)]
 
 

@@ -152,7 +152,7 @@ def test_a_row_packed_by_position_ids_alone_is_refused_on_a_hybrid_family(family
     model(input_ids=random_sequences((6,))[0][None], position_ids=torch.arange(6)[None], use_cache=False)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + SINK_FAMILIES)  # sinks: inside the attention call
 def test_an_attention_only_family_packed_by_position_ids_alone_runs_as_alone(family):
     register_nopad_attention()
     model = tiny_model(family)
