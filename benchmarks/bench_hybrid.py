@@ -178,6 +178,9 @@ def main() -> None:
     padded, packed = padded_batches(seqs, budget), nopad_batches(seqs, budget)
     print(f"{n} sequences, {real} tokens (median {int(np.median(lengths))}, max {lengths.max()}), "
           f"budget {budget} tokens/step, {args.threads} threads")
+    padded_rows = sum(batch["input_ids"].numel() for batch in padded)
+    print(f"padding ceiling: the padded batches run {padded_rows} token rows for {real} real ones, so a "
+          f"model costed per token gains at most {padded_rows / real:.2f}x from packing (attention more)")
     print(f"{'model':8s} {'dtype':9s} {'system':22s} {'steps':>5s} {'tokens eff':>10s} {'seconds':>8s} "
           f"{'tok/s':>8s} {'vs padded':>9s}")
     builders = {"qwen3_5": qwen3_5, "lfm2": lfm2, "bamba": bamba}
@@ -235,6 +238,7 @@ def generation(builders, vocab: int, args) -> None:
     print(f"\ngeneration: {n} prompts of {int(lengths.min())}-{int(lengths.max())} tokens (median "
           f"{int(np.median(lengths))}), {min(max_new)}-{max(max_new)} new tokens each "
           f"({sum(max_new)} in all), {batch} at once, greedy, weights in each dtype, {args.threads} threads")
+    print(padding_ceiling(lengths, max_new, batch))
     print(f"{'model':8s} {'dtype':9s} {'system':44s} {'seconds':>8s} {'tok/s':>8s} {'vs HF':>7s} "
           f"{'CPU s':>7s} {'vs HF':>7s}  agreement")
     for build in builders:
@@ -264,6 +268,19 @@ def generation(builders, vocab: int, args) -> None:
                       f"{run_.tokens / run_.seconds:8.1f} {hf.seconds / run_.seconds:6.2f}x "
                       f"{cpu:7.2f} {hf_cpu / cpu:6.2f}x  {note}")
             print(f"{'':8s} load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
+def padding_ceiling(lengths, max_new: list[int], batch: int) -> str:
+    """What the batch's padding alone allows: HF runs each batch of ``batch`` requests left-padded
+    to its longest prompt and for its longest request; a model whose cost is per token (its linear
+    layers, its convolution) cannot beat HF by more than the ratio of the token rows HF runs to the
+    real ones, however little else costs."""
+    lengths, new = np.asarray(lengths), np.asarray(max_new)
+    real = int(lengths.sum() + new.sum())
+    hf = sum(len(lengths[i:i + batch]) * (int(lengths[i:i + batch].max()) + int(new[i:i + batch].max()))
+             for i in range(0, len(lengths), batch))
+    return (f"padding ceiling: HF runs {hf} token rows for {real} real ones, so a model costed per token "
+            f"gains at most {hf / real:.2f}x from dropping the padding")
 
 
 def compiled_graphs() -> tuple[int, int]:
