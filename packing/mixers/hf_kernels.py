@@ -37,7 +37,7 @@ from torch import nn
 
 from packing.mixers.conv import varlen_causal_conv1d
 from packing.mixers.delta_rule import varlen_delta_rule
-from packing.mixers.support import GENERATE, NEEDS_META, PACKED, TREE, MixerSupport, register_mixer_support
+from packing.mixers.support import GENERATE, PACKED, TREE, MixerSupport, register_mixer_support
 
 _MARK = "_nopad_kernel"
 # the names transformers' model modules give their kernel functions -> the kernel name
@@ -138,7 +138,6 @@ def dispatcher(kernel: str, original: Callable) -> Callable:
         return nopad(*args, **kwargs)
 
     setattr(call, _MARK, kernel)
-    setattr(call, NEEDS_META, kernel in MIXING)
     return call
 
 

@@ -63,7 +63,6 @@ from packing.mixers.recurrence import recurrence_plan
 from packing.mixers.ssm_steps import discretise_dt, row_scan, token_scan
 from packing.mixers.support import (
     GENERATE,
-    NEEDS_META,
     NOPAD_ATTENTION,
     PACKED,
     TREE,
@@ -302,7 +301,6 @@ def _hook(name: str, original, module):
             return original(*args, **kwargs)
     functools.update_wrapper(hooked, original)
     hooked.nopad_original = original
-    setattr(hooked, NEEDS_META, name != MASK_HOOK)
     return hooked
 
 

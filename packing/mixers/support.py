@@ -26,9 +26,9 @@ The scan decides by structure, not by model names, so next month's family is cau
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
-import sys
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -275,16 +275,42 @@ def check_model(model: nn.Module, context: str = PACKED) -> None:
     _CHECKED.setdefault(model, set()).add(context)
 
 
-# set on a modeling module's token-mixing kernel functions that nopad wrapped
-# (packing.mixers.hf_kernels, packing.mixers.mamba2): they keep sequences apart only given nopad_meta
-NEEDS_META = "_nopad_needs_meta"
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> weakref of its model
 
 
-def _family_mixes(module: nn.Module) -> bool:
-    """Whether ``module``'s modeling module runs token-mixing kernels that nopad serves only
-    through ``nopad_meta``."""
-    namespace = vars(sys.modules.get(type(module).__module__, sys))
-    return any(getattr(fn, NEEDS_META, False) for fn in list(namespace.values()) if callable(fn))
+def _owning_model(module: nn.Module) -> nn.Module | None:
+    """The outermost ``PreTrainedModel`` holding ``module``, found among the live objects (one scan
+    per model, then a look-up): what the stack walk finds in an eager forward."""
+    owner = _OWNERS.get(module)
+    if owner is not None and owner() is not None:
+        return owner()
+    from transformers import PreTrainedModel
+
+    holders = [o for o in gc.get_objects()  # type(), not isinstance(): a dead weakref.proxy raises
+               if issubclass(type(o), PreTrainedModel) and any(m is module for m in o.modules())]
+    if not holders:
+        return None
+    model = max(holders, key=lambda o: sum(1 for _ in o.modules()))
+    ref = weakref.ref(model)
+    for m in model.modules():
+        _OWNERS[m] = ref
+    return model
+
+
+@torch._dynamo.assume_constant_result
+def _refusal_while_tracing(module: nn.Module, context: str) -> str:
+    """check_model's refusal of the model holding ``module`` ("" if it passes or nothing holds it).
+    Run by dynamo once, as it traces, and kept in the graph as a constant: no graph break and no
+    work per step. Without it a bare ``torch.compile(model)`` on nopad attention skipped the check
+    and ran an unknown recurrent layer across a packed row's boundaries with no error."""
+    model = _owning_model(module)
+    if model is None:
+        return ""
+    try:
+        check_model(model, context)
+    except UnsupportedMixerError as error:
+        return str(error)
+    return ""
 
 
 def check_calling_model(module: nn.Module, context: str) -> None:
@@ -292,13 +318,10 @@ def check_calling_model(module: nn.Module, context: str) -> None:
     ``model.set_attn_implementation("nopad")``): it is called with its attention module only, so
     the model is the outermost ``PreTrainedModel`` on the call stack that holds ``module``. Runs
     once per attention module and context; a dictionary look-up after that."""
-    if torch.compiler.is_compiling():  # the compiled generator step: checked when it was built
-        if context == POSITIONS and _family_mixes(module):  # no call stack to find the model by
-            raise UnsupportedMixerError(
-                f"nopad cannot run {type(module).__module__}'s models on {_WHERE[POSITIONS]} exactly: its "
-                "mixer layers (convolution, recurrent state) get no boundaries and would run across them. "
-                "Pass model(..., position_ids=meta.position_ids[None], nopad_meta=meta) (row.model_kwargs() "
-                "does), not position_ids alone.")
+    if torch.compiler.is_compiling():  # a traced forward has no call stack to find the model by
+        refusal = _refusal_while_tracing(module, context)
+        if refusal:
+            raise UnsupportedMixerError(refusal)
         return
     done = _MODULE_CHECKED.get(module)
     if done is not None and context in done:

@@ -214,9 +214,43 @@ def test_a_made_up_recurrent_layer_is_refused_on_every_path():
         use_attention(model, "nopad")  # the SFT recipe's and NopadTrainer's switch
     register_nopad_attention()
     model.set_attn_implementation("nopad")  # the README's bare loop: refused at the first forward
-    for call in (packed_call(model), tree_call()):
+    positions_only = packed_call(model)
+    del positions_only["nopad_meta"]
+    for call in (packed_call(model), tree_call(), positions_only):
         with pytest.raises(UnsupportedMixerError, match="ToyRecurrence"):
             model(**call)
+    # and under a bare torch.compile, whose traced forward has no call stack to find the model by
+    # (it ran across the boundaries with no error)
+    for call in (packed_call(model), tree_call(), positions_only):
+        torch._dynamo.reset()
+        with torch.no_grad(), pytest.raises(UnsupportedMixerError, match="ToyRecurrence"):
+            torch.compile(model, backend="eager")(**call)
+
+
+def test_a_refused_family_is_refused_under_a_bare_compile():
+    """Jamba's Mamba1 layer, refused eager, ran across the boundaries under torch.compile."""
+    register_nopad_attention()
+    model = tiny_model("jamba")
+    model.set_attn_implementation("nopad")
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(UnsupportedMixerError, match=MIXER_CLASS["jamba"]):
+        torch.compile(model, backend="eager")(**packed_call(model))
+
+
+def test_the_compiled_check_costs_no_graph_break():
+    """The check a traced forward runs is a constant of the graph: no graph break comes from it, and
+    an attention-only model compiled gives the eager logits."""
+    register_nopad_attention()
+    model = tiny_model("llama")
+    model.set_attn_implementation("nopad")
+    call = packed_call(model)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model)(**call)
+        breaks = [frame.filename for reason in explained.break_reasons for frame in reason.user_stack]
+        assert not [f for f in breaks if f.endswith("mixers/support.py")], breaks
+        compiled = torch.compile(model, backend="eager")(**call).logits
+        torch.testing.assert_close(compiled, model(**call).logits, rtol=0, atol=0)
 
 
 def test_a_made_up_convolution_beside_attention_is_refused():
