@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 TILE_ROWS = 32
+PROBE_VALUES = 1024  # the fewest outputs a one-call check compares (see _one_call_ok)
 KERNEL_SETS = ("cpu", "triton")
 
 # (device type, dtype, K, N, rows, weight strides, threads) -> whether torch's one GEMM call over
@@ -126,13 +127,19 @@ def _one_call_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     (oneDNN's bf16 kernel on AVX-512-bf16 CPUs did for every shape tried; fp32's small-row path
     does not). So each (shape, row count) is checked once, on seeded random rows against the real
     weight, and one call is used only where it matched bit for bit; elsewhere the tiles. Either way
-    a row gets the tiles' bits, so rollout and trainer agree whatever path each call takes."""
+    a row gets the tiles' bits, so rollout and trainer agree whatever path each call takes. A
+    narrow call (a one-row step through a one-output gate) is probed several times, at least
+    :data:`PROBE_VALUES` outputs in all: two sum orders often round one value alike, and a single
+    probed value passed a one-call path that then gave a real row other bits."""
     key = _one_call_key(x, weight)
     ok = _ONE_CALL_CHECKED.get(key)
     if ok is None:
         g = torch.Generator(device=x.device).manual_seed(len(_ONE_CALL_CHECKED))
-        probe = torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)
-        ok = _ONE_CALL_CHECKED[key] = torch.equal(torch.mm(probe, weight.t()), _tiled_matmul(probe, weight))
+        ok = True
+        for _ in range(-(-PROBE_VALUES // max(1, x.shape[0] * weight.shape[0]))):
+            probe = torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)
+            ok = ok and torch.equal(torch.mm(probe, weight.t()), _tiled_matmul(probe, weight))
+        _ONE_CALL_CHECKED[key] = ok
     return ok
 
 
@@ -151,7 +158,9 @@ def _tiled_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n = weight.shape[0]
     out = x.new_empty(rows, n)
     w = weight.t()
-    batched = x.dtype == torch.float32  # batched GEMMs are as fast as plain ones in fp32 only
+    # batched GEMMs are as fast as plain ones in fp32 only; not for one output column, where a
+    # batched matrix-vector product gave a tile other bits when more tiles shared the call
+    batched = x.dtype == torch.float32 and n > 1
 
     def gemm(src: torch.Tensor, dst: torch.Tensor) -> None:
         if batched:

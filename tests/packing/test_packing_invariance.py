@@ -28,11 +28,15 @@ HYPOTHESIS = dict(deadline=None, suppress_health_check=[HealthCheck.function_sco
 
 
 # ----------------------------------------------------------------------------- linear
+# width 1: a shared-expert gate (Qwen3-Next): fp32 tiles batched into one call took a matrix-vector
+# path whose bits depended on the tile count (on an AMX machine)
+@pytest.mark.parametrize("width", [80, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_linear_rows_do_not_depend_on_their_batch(dtype):
+def test_linear_rows_do_not_depend_on_their_batch(dtype, width, monkeypatch):
+    monkeypatch.setattr(invariance, "_ONE_CALL_CHECKED", {})
     g = torch.Generator().manual_seed(0)
     x = torch.randn(300, 96, generator=g).to(dtype)
-    w, b = torch.randn(80, 96, generator=g).to(dtype), torch.randn(80, generator=g).to(dtype)
+    w, b = torch.randn(width, 96, generator=g).to(dtype), torch.randn(width, generator=g).to(dtype)
     full = invariant_linear(x, w, b)
     for start, count in [(0, 1), (5, 1), (17, 3), (63, 2), (1, 64), (40, 130), (0, 300)]:
         assert torch.equal(invariant_linear(x[start:start + count], w, b), full[start:start + count])
