@@ -16,9 +16,11 @@ differ visibly (``benchmarks/bench_exactness.py`` measures by how much). Under t
   per shape and row count, to give exactly the tiles' bits, that one call runs instead (it is
   much cheaper in bf16; see ``_one_call_ok``); in the "triton" set the one-tile Triton matmul of
   :mod:`packing.invariant_kernels`. Its backward is the ordinary GEMM: only the forward must match.
-- in the "triton" set (CUDA), row reductions over the last dim (``mean``, ``softmax``,
-  ``log_softmax``) run Triton kernels with one fixed order per row too; torch's CUDA reductions
-  choose how to split a row from the tensor's shape. (On CPU they were audited as row-local.)
+- in the "triton" set (CUDA), reductions over one dim (``sum``, ``mean``: any dim, moved last) and
+  over the last dim (``softmax``, ``log_softmax``) run Triton kernels with one fixed order per
+  row too; torch's CUDA reductions choose how to split a row from the tensor's shape, so the
+  delta rules' sums over their state and the Mamba2 scan's gave a token other bits in a decode
+  step than in a training row. (On CPU they were audited as row-local.)
 - nopad attention runs a backend declared ``invariant`` (its per-query order depends on nothing
   but the query's own keys), for training rows, prefill chunks and decode: the compiled CPU kernel
   (:mod:`packing.attention.cpu_kernel`) or the Triton one (:mod:`packing.attention.triton_kernel`).
@@ -226,6 +228,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 _MEANS = {torch.mean, torch.Tensor.mean}
+_SUMS = {torch.sum, torch.Tensor.sum}
 _POINTWISE = {torch.exp, torch.Tensor.exp, torch.expm1, torch.Tensor.expm1, torch.log, torch.Tensor.log,
               torch.log1p, torch.Tensor.log1p, torch.sigmoid, torch.Tensor.sigmoid, torch.tanh,
               torch.Tensor.tanh, F.softplus, F.silu, F.gelu, F.logsigmoid}
@@ -254,6 +257,15 @@ def _backward_in_mode(func, args, kwargs) -> None:
         grads = torch.autograd._make_grads(tensors, grads, is_grads_batched=False)
         torch.autograd.graph._engine_run_backward(tensors, grads, retain_graph, create_graph, inputs,
                                                   allow_unreachable=True, accumulate_grad=True)
+
+
+def _one_dim(x: torch.Tensor, dim) -> int | None:
+    """``dim`` as one non-negative dim of ``x``, or None (all dims, or several)."""
+    if isinstance(dim, (list, tuple)):
+        dim = dim[0] if len(dim) == 1 else None
+    if not isinstance(dim, int) or x.dim() == 0:
+        return None
+    return dim % x.dim()
 
 
 def _last_dim(x: torch.Tensor, dim) -> bool:
@@ -286,8 +298,9 @@ def lane_pointwise(func, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 
 class _InvariantOps(TorchFunctionMode):
-    """Routes this thread's ``F.linear`` (and, in the "triton" set, last-dim ``mean`` / ``softmax``
-    / ``log_softmax`` of floating tensors) to the batch-invariant kernels; every other call runs
+    """Routes this thread's ``F.linear`` (and, in the "triton" set, one-dim ``sum`` / ``mean`` and
+    last-dim ``softmax`` / ``log_softmax`` of floating tensors) to the batch-invariant kernels;
+    every other call runs
     as usual (elementwise ops and the attention core need no routing: the core reads
     :func:`is_enabled`)."""
 
@@ -310,7 +323,7 @@ class _InvariantOps(TorchFunctionMode):
                 return routed if out is None else out.resize_(routed.shape).copy_(routed)
         if func is torch.Tensor.backward or func is torch.autograd.backward:
             return _backward_in_mode(func, args, kwargs)
-        if func in _MEANS or func in _SOFTMAXES:
+        if func in _MEANS or func in _SUMS or func in _SOFTMAXES:
             routed = self._reduction(func, args, kwargs)
             if routed is not None:
                 return routed
@@ -319,15 +332,17 @@ class _InvariantOps(TorchFunctionMode):
     @staticmethod
     def _reduction(func, args, kwargs):
         x = args[0] if args else kwargs.get("input")
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or kernel_set(x.device) != "triton":
+        if (not isinstance(x, torch.Tensor) or not x.is_floating_point() or kernel_set(x.device) != "triton"
+                or kwargs.get("out") is not None):
             return None
         from packing import invariant_kernels
 
-        if func in _MEANS:
+        if func in _MEANS or func in _SUMS:
             _, dim, keepdim, dtype = _bound(func, args, kwargs, ("input", "dim", "keepdim", "dtype"))
-            if dtype is not None or not _last_dim(x, dim):
+            dim = _one_dim(x, dim)
+            if dtype is not None or dim is None:
                 return None
-            return invariant_kernels.RowMean.apply(x, bool(keepdim))
+            return invariant_kernels.RowSum.apply(x, dim, bool(keepdim), func in _MEANS)
         names = ("input", "dim", "_stacklevel", "dtype") if func in (F.softmax, F.log_softmax) else (
             "input", "dim", "dtype")
         bound = dict(zip(names, _bound(func, args, kwargs, names)))

@@ -5,9 +5,11 @@ call or where the row sits:
 
 - :func:`linear`: one tile configuration (``BLOCK_M x BLOCK_N x BLOCK_K``) for every M, no split-K,
   K visited in one fixed order, fp32 accumulation. (cuBLAS picks its tiling and split-K from M.)
-- :func:`row_mean`, :func:`softmax`, :func:`log_softmax`: one program per row, which walks the
-  row in fixed ``BLOCK`` chunks into a ``BLOCK``-wide fp32 accumulator and sums it once at the end.
-  (torch's CUDA reductions choose how to split a row from the tensor's shape.)
+- :func:`softmax`, :func:`log_softmax`: one program per row, which walks the row in fixed
+  ``BLOCK`` chunks into a ``BLOCK``-wide fp32 accumulator and sums it once at the end;
+  :func:`row_sum`, :func:`row_mean` the same for ``SUM_ROWS`` rows per program, each row in the
+  same order whichever program holds it. (torch's CUDA reductions choose how to split a row from
+  the tensor's shape.)
 
 Under Triton's interpreter (CPU tensors, ``TRITON_INTERPRET=1`` set before import: how the tests run
 it) ``tl.dot`` is numpy's BLAS matmul, neither exact in bf16 nor row-invariant, so the matmul's dot
@@ -27,6 +29,9 @@ except ImportError:  # the CPU kernel set needs no triton
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32  # the one matmul tile, whatever M is
 BLOCK = 256  # the row reductions' chunk width
+# sum / mean: SUM_ROWS rows per program, each walked in SUM_BLOCK chunks (the reduced dims are short:
+# a recurrent state's 16-256, a hidden size's thousands); a row's order is the same in every program
+SUM_ROWS, SUM_BLOCK = 16, 128
 
 if triton is not None:
 
@@ -58,13 +63,18 @@ if triton is not None:
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
 
     @triton.jit
-    def _row_mean_kernel(X, OUT, N, stride_x, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+    def _row_sum_kernel(X, OUT, M, N, stride_x, MEAN: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         offs = tl.arange(0, BLOCK)
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         for n0 in range(0, N, BLOCK):
-            acc += tl.load(X + row * stride_x + n0 + offs, mask=n0 + offs < N, other=0.0).to(tl.float32)
-        tl.store(OUT + row, (tl.sum(acc, 0) / N).to(OUT.dtype.element_ty))
+            ok = (rows[:, None] < M) & (n0 + offs[None, :] < N)
+            x = tl.load(X + rows[:, None] * stride_x + n0 + offs[None, :], mask=ok, other=0.0)
+            acc += x.to(tl.float32)
+        total = tl.sum(acc, 1)
+        if MEAN:
+            total = total / N
+        tl.store(OUT + rows, total.to(OUT.dtype.element_ty), mask=rows < M)
 
     @triton.jit
     def _softmax_kernel(X, OUT, N, stride_x, stride_o, LOG: tl.constexpr, BLOCK: tl.constexpr):
@@ -134,14 +144,21 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-def row_mean(x: torch.Tensor) -> torch.Tensor:
-    """``x.mean(-1)`` (in ``x``'s dtype, fp32 sums) in a fixed per-row order."""
+def row_sum(x: torch.Tensor, mean: bool = False) -> torch.Tensor:
+    """``x.sum(-1)`` (or ``x.mean(-1)``) in ``x``'s dtype, fp32 sums, in a fixed per-row order."""
     _check(x)
     flat = _rows(x)
     out = x.new_empty(flat.shape[0])
     if flat.shape[0]:
-        _row_mean_kernel[(flat.shape[0],)](flat, out, flat.shape[1], flat.stride(0), BLOCK=BLOCK)
+        _row_sum_kernel[(triton.cdiv(flat.shape[0], SUM_ROWS),)](flat, out, flat.shape[0], flat.shape[1],
+                                                                 flat.stride(0), MEAN=mean, ROWS=SUM_ROWS,
+                                                                 BLOCK=SUM_BLOCK)
     return out.view(x.shape[:-1])
+
+
+def row_mean(x: torch.Tensor) -> torch.Tensor:
+    """``x.mean(-1)`` (in ``x``'s dtype, fp32 sums) in a fixed per-row order."""
+    return row_sum(x, mean=True)
 
 
 def softmax(x: torch.Tensor, log: bool = False) -> torch.Tensor:
@@ -176,19 +193,24 @@ class Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-class RowMean(torch.autograd.Function):
-    """:func:`row_mean` forward; backward spreads ``grad / N`` over the row."""
+class RowSum(torch.autograd.Function):
+    """:func:`row_sum` forward over ``dim`` (moved last for the kernel); backward spreads ``grad``
+    (``grad / N`` for a mean) over the reduced dim."""
 
     @staticmethod
-    def forward(ctx, x, keepdim):
-        ctx.n, ctx.keepdim = x.shape[-1], keepdim
-        out = row_mean(x)
-        return out.unsqueeze(-1) if keepdim else out
+    def forward(ctx, x, dim, keepdim, mean):
+        ctx.dim, ctx.n, ctx.keepdim, ctx.mean = dim, x.shape[dim], keepdim, mean
+        out = row_sum(x.movedim(dim, -1), mean)
+        return out.unsqueeze(dim) if keepdim else out
 
     @staticmethod
     def backward(ctx, grad):
-        g = grad if ctx.keepdim else grad.unsqueeze(-1)
-        return (g / ctx.n).expand(*g.shape[:-1], ctx.n), None
+        g = grad if ctx.keepdim else grad.unsqueeze(ctx.dim)
+        if ctx.mean:
+            g = g / ctx.n
+        shape = list(g.shape)
+        shape[ctx.dim] = ctx.n
+        return g.expand(shape), None, None, None
 
 
 class Softmax(torch.autograd.Function):

@@ -17,6 +17,8 @@ rule's sums depend on where a token falls in its chunk, so a token computed in a
 prefill chunk and a training row got different bits; the recurrent rule does the same
 elementwise ops and the same per-token reductions over the state in the same order whatever the
 row's length, chunking and batch, so the generator's steps and the trainer's rows agree bitwise.
+(Those reductions are torch ``sum`` calls over one dim: on CUDA the mode's Triton kernel set
+runs them in one order per output, where torch's own would split them by the batch's shape.)
 """
 
 from __future__ import annotations
@@ -232,10 +234,6 @@ def _invariant_rule(recurrent: Callable | None, query: torch.Tensor) -> Callable
         raise ValueError("packing.batch_invariant() runs a delta rule token by token (the order the "
                          "generator's decode uses), and this layer's module has no token-by-token rule "
                          "beside its chunked one; run it outside batch_invariant()")
-    if invariance.kernel_set(query.device) == "triton":
-        raise ValueError("packing.batch_invariant() on recurrent (delta-rule) layers is proven on CPU only: "
-                         "on CUDA torch's reduction over the state may split by batch size. Run hybrid "
-                         "models with batch_invariant=False on CUDA, or the mode on CPU")
     return _token_by_token(recurrent)
 
 

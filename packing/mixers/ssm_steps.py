@@ -8,9 +8,10 @@ trainer's. Here every token does the same ops whatever the row's length, chunkin
 ``dt`` discretised as the chunk scan does it (bias, softplus, ``dt_limit``), then per token, in
 fp32 (as the chunk scan computes), ``state = state * exp(A dt) + (dt x) B`` and ``y = sum_n
 state C + D x``. The only reduction is over the state size, the last dim of a contiguous tensor,
-which torch sums per output in one order whatever the number of outputs (on CPU; on CUDA it may
-split by batch size, so the mode refuses there). The pieces of a call run as one right-padded
-batch; a padded step has ``exp(A dt) = 1`` and ``dt x = 0``, so it leaves the state as it is.
+which torch sums per output in one order whatever the number of outputs on CPU; on CUDA torch
+may split it by the batch's shape, so the mode's Triton kernel set runs that ``sum`` instead.
+The pieces of a call run as one right-padded batch; a padded step has ``exp(A dt) = 1`` and
+``dt x = 0``, so it leaves the state as it is.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from packing import invariance
 from packing.mixers.recurrence import RecurrencePlan
 
 # the chunk scan's keywords this scan takes too (all but chunk_size, which it has no use for)
@@ -46,10 +46,6 @@ def token_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     ``(T, groups, state)``; ``starts``: ``(N, heads, head_dim, state)`` (None: zeros). Returns
     the pieces' rows' fp32 outputs ``(rows, heads, head_dim)``, piece after piece, and each
     piece's final state ``(N, heads, head_dim, state)`` fp32."""
-    if invariance.kernel_set(x.device) == "triton":
-        raise ValueError("packing.batch_invariant() on Mamba2 layers is proven on CPU only: on CUDA torch's "
-                         "reduction over the state may split by batch size. Run Mamba2 models with "
-                         "batch_invariant=False on CUDA, or the mode on CPU")
     total, heads, head_dim = x.shape
     dt = discretise_dt(dt, dt_bias, dt_softplus, dt_limit).float()
     decay = torch.exp(A.float() * dt)  # (T, heads)

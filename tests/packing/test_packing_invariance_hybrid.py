@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from inference import Generator, SamplingParams
+from packing import invariant_kernels
 from packing.hf import use_nopad_attention
 from packing.invariance import batch_invariant, lane_pointwise
 from packing.mixers import varlen_causal_conv1d, varlen_delta_rule
@@ -25,13 +26,18 @@ DTYPES = (torch.float32, torch.bfloat16)
 # experts are not batch-invariant yet (an attention-only MoE such as DeepSeek-V3 differs the same way)
 GENERATOR_FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "kimi_linear", "lfm2", "bamba", "nemotron_h")
 pytestmark = pytest.mark.usefixtures("one_thread")
+# the Triton kernel set (what the mode runs on CUDA) on CPU tensors: under Triton's interpreter
+needs_triton_set = pytest.mark.skipif(
+    torch.cuda.is_available() or not invariant_kernels.available()[0] or not invariant_kernels._interpreted(),
+    reason="the Triton kernel set on CPU needs triton and TRITON_INTERPRET=1 (tests/gpu covers CUDA)")
 
 
-def hybrid_model(family: str, dtype: torch.dtype):
+def hybrid_model(family: str, dtype: torch.dtype, **overrides):
     # Mamba2 layers: weights 10x the default init, else the scan's term is ~1e-4 of the skip term D x
     # and fp32 rounding of their sum swallows any change in the scan's order (the fp32 case then
     # passed with the generator's side of the mode turned off)
-    overrides = {"initializer_range": 0.2} if family in MAMBA2_FAMILIES else {}
+    if family in MAMBA2_FAMILIES:
+        overrides.setdefault("initializer_range", 0.2)
     model = tiny_model(family, **overrides).to(dtype)
     if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
         model.set_experts_implementation("eager")
@@ -69,6 +75,33 @@ def test_rollout_logprobs_equal_the_trainers_bitwise(family, dtype):
                 assert trainer.numel() == generator.numel() > 0
                 assert torch.equal(trainer, generator), (
                     f"shared_prefix={shared_prefix}: max gap {(trainer - generator).abs().max():.3g}")
+
+
+# one layer of each kind (the interpreter runs every Triton program in Python)
+TWO_LAYERS = {"qwen3_5": dict(layer_types=["linear_attention", "full_attention"]),
+              "bamba": dict(attn_layer_indices=[1])}
+
+
+@needs_triton_set
+@pytest.mark.parametrize("family,dtype", [("qwen3_5", torch.bfloat16), ("bamba", torch.float32)], ids=str)
+def test_rollout_logprobs_equal_the_trainers_bitwise_in_the_triton_set(family, dtype):
+    """The kernel set CUDA runs, on CPU tensors under Triton's interpreter: Triton GEMMs, row
+    reductions (the state sums of the delta rule and the Mamba2 scan among them) and attention;
+    chunked prefill and decode steps against flat and tree training rows. (Both dtypes of both
+    families passed at 4 layers and longer prompts, ~4 min each: kept small for the suite.)"""
+    model = hybrid_model(family, dtype, num_hidden_layers=2, **TWO_LAYERS[family])
+    prompts = [p.tolist() for p in random_sequences([3, 7], seed=8)]
+    params = SamplingParams(temperature=1.0, n=2, max_tokens=3, seed=1)
+    with batch_invariant(kernels="triton"):
+        gen = Generator(model, max_num_batched_tokens=5, max_num_seqs=3, num_blocks=24, block_size=16)
+        rollouts = [Rollout(list(p), list(c.token_ids), list(c.logprobs))
+                    for p, o in zip(prompts, gen.generate(prompts, params, use_tqdm=False))
+                    for c in o.outputs if c.token_ids]
+        for shared_prefix, capacity in ((False, 64), (True, 128)):
+            trainer, generator = trainer_logprobs(model, rollouts, capacity, shared_prefix)
+            assert trainer.numel() == generator.numel() > 0
+            assert torch.equal(trainer, generator), (
+                f"shared_prefix={shared_prefix}: max gap {(trainer - generator).abs().max():.3g}")
 
 
 @pytest.mark.parametrize("family", ["bamba", "nemotron_h"])
@@ -132,12 +165,23 @@ def test_mamba2_steps_equal_the_whole_row_bitwise_and_the_chunk_scan_within_roun
         torch.testing.assert_close(finals[i], final[0], atol=1e-5, rtol=1e-5)
 
 
-def test_the_mode_refuses_a_mamba2_scan_under_the_triton_set():
+@needs_triton_set
+def test_mamba2_steps_equal_the_whole_row_bitwise_in_the_triton_set():
+    """The kernel set CUDA runs (here under Triton's interpreter): the scan's sum over the state
+    goes to the row kernel, and a sequence's steps still equal its packed row bitwise."""
     from packing.mixers.ssm_steps import token_scan
 
-    tensors, scan = _scan_inputs([4, 6])
-    with batch_invariant(kernels="triton"), pytest.raises(ValueError, match="proven on CPU only"):
-        token_scan(*tensors, [(0, 4), (4, 10)], None, **scan)
+    (x, dt, A, B, C), scan = _scan_inputs([3, 12, 5])
+    with batch_invariant(kernels="triton"):
+        row, finals = token_scan(x, dt, A, B, C, [(0, 3), (3, 15), (15, 20)], None, **scan)
+        state, outs = None, []
+        for start, end in ((3, 4), (4, 9), (9, 15)):
+            out, state = token_scan(x, dt, A, B, C, [(start, end)], state, **scan)
+            outs.append(out)
+    assert torch.equal(torch.cat(outs), row[3:15]) and torch.equal(state[0], finals[1])
+    with batch_invariant():
+        cpu_row, _ = token_scan(x, dt, A, B, C, [(0, 3), (3, 15), (15, 20)], None, **scan)
+    torch.testing.assert_close(row, cpu_row, atol=1e-5, rtol=1e-5)
 
 
 def test_mamba2_rows_in_the_mode_equal_the_chunked_rows_within_rounding():
@@ -159,6 +203,34 @@ def _rule_inputs(lengths, seed=0):
     q, k = (torch.randn(1, total, 2, 8, generator=g) for _ in range(2))
     v = torch.randn(1, total, 4, 8, generator=g)
     return q, k, v, -torch.rand(1, total, 4, generator=g), torch.rand(1, total, 4, generator=g)
+
+
+@needs_triton_set
+def test_delta_rule_steps_equal_the_whole_row_bitwise_in_the_triton_set():
+    """The delta rule token by token in the kernel set CUDA runs: its sums over the state (dim -2)
+    and the q/k L2 norms go to the row kernel; steps == the packed row, bitwise."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    chunk = inspect.unwrap(torch_chunk_gated_delta_rule)
+    kwargs = dict(use_qk_l2norm_in_kernel=True, chunk_size=16,
+                  recurrent=inspect.unwrap(torch_recurrent_gated_delta_rule))
+    lengths = [2, 9, 4]
+    tensors = _rule_inputs(lengths)
+    with batch_invariant(kernels="triton"):
+        row, _ = varlen_delta_rule(chunk, *tensors, meta=VarlenMeta.from_lengths(lengths), **kwargs)
+        state, outs = torch.zeros(1, 4, 8, 8), []
+        for start, end in ((2, 3), (3, 7), (7, 11)):
+            piece = [t[:, start:end] for t in tensors]
+            out, state = varlen_delta_rule(chunk, *piece, meta=VarlenMeta.from_lengths([end - start]),
+                                           initial_state=state, output_final_state=True, **kwargs)
+            outs.append(out)
+    assert torch.equal(torch.cat(outs, 1), row[:, 2:11])
+    with batch_invariant():
+        cpu_row, _ = varlen_delta_rule(chunk, *tensors, meta=VarlenMeta.from_lengths(lengths), **kwargs)
+    torch.testing.assert_close(row, cpu_row, atol=1e-5, rtol=1e-5)
 
 
 def test_delta_rule_steps_equal_the_whole_row_bitwise_in_the_mode():
@@ -233,8 +305,6 @@ def test_the_mode_refuses_a_delta_rule_without_a_token_by_token_rule():
     meta = VarlenMeta.from_lengths([4, 6])
     with batch_invariant(), pytest.raises(ValueError, match="token by token"):
         varlen_delta_rule(chunk, *tensors, meta=meta)
-    with batch_invariant(kernels="triton"), pytest.raises(ValueError, match="proven on CPU only"):
-        varlen_delta_rule(chunk, *tensors, meta=meta, recurrent=lambda *a, **k: None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

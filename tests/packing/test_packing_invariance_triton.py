@@ -41,6 +41,27 @@ def test_triton_ops_rows_do_not_depend_on_their_batch(dtype):
         assert torch.allclose(out.float(), ref(y.float()), **tol)
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_sums_over_any_one_dim_are_row_invariant_in_the_triton_set(dtype):
+    """A recurrent layer's state sums (over dim -2 in the delta rule, -1 in the Mamba2 scan) and
+    any other one-dim sum: each output's bits do not depend on how many others share the call."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 3, 10, 6, generator=g).to(dtype)
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.1, rtol=1e-2)
+    with batch_invariant(kernels="triton"):
+        for dim, keepdim in ((-2, False), (-1, True), (2, True)):
+            full = x.sum(dim, keepdim=keepdim)
+            assert full.dtype == dtype and full.shape == x.float().sum(dim, keepdim=keepdim).shape
+            assert torch.equal(torch.sum(x[1:3], dim=(dim,), keepdim=keepdim), full[1:3])
+            torch.testing.assert_close(full.float(), x.float().sum(dim, keepdim=keepdim), **tol)
+        assert torch.equal(x[:, 1:2].sum(0), x.sum(0)[1:2])
+        assert torch.equal(x[:, 1:2].mean(-2), x.mean(-2)[:, 1:2])
+        torch.testing.assert_close(x.sum(-1, dtype=torch.float32), x.float().sum(-1), **tol)  # torch's own
+        leaf = x.float().requires_grad_()
+        (leaf.sum(-2) * torch.arange(6.0)).sum().backward()
+    torch.testing.assert_close(leaf.grad, torch.arange(6.0).expand_as(leaf))
+
+
 def test_mode_routes_to_the_triton_set_and_keeps_the_ordinary_gradients():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 7, 16, generator=g, requires_grad=True)

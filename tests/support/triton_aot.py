@@ -82,8 +82,11 @@ def variants():
         signature.update({name: "constexpr" for name in constexprs})
         yield f"_matmul_kernel {str(dtype)[6:]}", ik._matmul_kernel, signature, constexprs, {}
     row = {"X": "*bf16", "OUT": "*bf16", "N": "i32", "stride_x": "i32"}
-    yield ("_row_mean_kernel bf16", ik._row_mean_kernel, {**row, "BLOCK": "constexpr"},
-           dict(BLOCK=ik.BLOCK), {})
+    for mean in (False, True):
+        yield (f"_row_sum_kernel bf16{' mean' if mean else ''}", ik._row_sum_kernel,
+               {"X": "*bf16", "OUT": "*bf16", "M": "i32", "N": "i32", "stride_x": "i32", "MEAN": "constexpr",
+                "ROWS": "constexpr", "BLOCK": "constexpr"},
+               dict(MEAN=mean, ROWS=ik.SUM_ROWS, BLOCK=ik.SUM_BLOCK), {})
     yield ("_softmax_kernel bf16 log", ik._softmax_kernel,
            {**row, "stride_o": "i32", "LOG": "constexpr", "BLOCK": "constexpr"},
            dict(LOG=True, BLOCK=ik.BLOCK), {})
