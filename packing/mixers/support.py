@@ -280,7 +280,7 @@ _OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> we
 
 def _owning_model(module: nn.Module) -> nn.Module | None:
     """The outermost ``PreTrainedModel`` holding ``module``, found among the live objects (one scan
-    per model, then a look-up): what the stack walk finds in an eager forward."""
+    per model, then a look-up). Not the call stack: a traced forward has none to walk."""
     owner = _OWNERS.get(module)
     if owner is not None and owner() is not None:
         return owner()
@@ -315,10 +315,11 @@ def _refusal_while_tracing(module: nn.Module, context: str) -> str:
 
 def check_calling_model(module: nn.Module, context: str) -> None:
     """The attention function's check, for a forward that no nopad entry point prepared (a bare
-    ``model.set_attn_implementation("nopad")``): it is called with its attention module only, so
-    the model is the outermost ``PreTrainedModel`` on the call stack that holds ``module``. Runs
-    once per attention module and context; a dictionary look-up after that."""
-    if torch.compiler.is_compiling():  # a traced forward has no call stack to find the model by
+    ``model.set_attn_implementation("nopad")``, compiled or not): it is called with its attention
+    module only, so the model checked is the outermost ``PreTrainedModel`` holding ``module``
+    (:func:`_owning_model`). Runs once per attention module and context (once per trace when
+    compiled); a dictionary look-up after that."""
+    if torch.compiler.is_compiling():
         refusal = _refusal_while_tracing(module, context)
         if refusal:
             raise UnsupportedMixerError(refusal)
@@ -326,16 +327,7 @@ def check_calling_model(module: nn.Module, context: str) -> None:
     done = _MODULE_CHECKED.get(module)
     if done is not None and context in done:
         return
-    from transformers import PreTrainedModel
-
-    model, frame = None, inspect.currentframe()
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if (isinstance(owner, PreTrainedModel) and owner is not model
-                and any(m is module for m in owner.modules())):
-            model = owner
-        frame = frame.f_back
-    del frame
+    model = _owning_model(module)
     if model is not None:
         check_model(model, context)
     _MODULE_CHECKED.setdefault(module, set()).add(context)
