@@ -140,11 +140,26 @@ def names() -> tuple[str, ...]:
 
 def say_once(key, message: str, *args, warn: bool = False) -> None:
     """Log (or warn) ``message`` the first time ``key`` is seen in this process."""
+    if torch.compiler.is_compiling():
+        _say_while_tracing(key, message, args, warn)
+        return
+    _say(key, message, args, warn)
+
+
+@torch._dynamo.assume_constant_result
+def _say_while_tracing(key, message: str, args: tuple, warn: bool) -> bool:
+    """:func:`say_once` from a compiled forward: run by dynamo once, as it traces, and kept in the
+    graph as a constant. Logged or warned from traced code, it broke the graph."""
+    _say(key, message, args, warn)
+    return True
+
+
+def _say(key, message: str, args: tuple, warn: bool) -> None:
     if key in _said:
         return
     _said.add(key)
     if warn:
-        warnings.warn(message % args, RuntimeWarning, stacklevel=3)
+        warnings.warn(message % args, RuntimeWarning, stacklevel=4)
     else:
         logger.info(message, *args)
 

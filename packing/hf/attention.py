@@ -71,7 +71,7 @@ import torch
 import transformers
 from transformers.masking_utils import AttentionMaskInterface
 
-from packing.attention import varlen_attention
+from packing.attention import registry, varlen_attention
 from packing.attention.plan import AttentionPlan, PlannedRow
 from packing.distributed import compute_dtype
 from packing.mixers import GENERATE, PACKED, TREE, check_calling_model, check_model
@@ -134,20 +134,28 @@ def _check_kwargs(module: torch.nn.Module, kwargs: dict) -> None:
         )
 
 
+POSITIONS_MISMATCH = ("position_ids do not match nopad_meta.position_ids; pass position_ids=meta.position_ids[None] "
+                      "so rotary embeddings see each sequence's own positions")
+
+
 def _check_positions(meta: VarlenMeta, position_ids: torch.Tensor | None) -> None:
     """RoPE used ``position_ids``; attention uses ``meta``. They must describe the same row."""
     if position_ids is None:
         return
     flat = position_ids.reshape(-1)
     mine = meta.position_ids
+    if torch.compiler.is_compiling():
+        # a traced forward: no data pointers, no Python bool of a tensor (each broke the graph);
+        # the comparison runs in the graph and fails the step with the same message
+        if flat.numel() != meta.total_q:
+            raise ValueError(POSITIONS_MISMATCH)
+        torch._assert_async((flat.to(mine.device) == mine).all(), POSITIONS_MISMATCH)
+        return
     if (flat.device == mine.device and flat.data_ptr() == mine.data_ptr() and flat.shape == mine.shape
             and flat.stride() == mine.stride() and flat.dtype == mine.dtype):
         return  # the runner passed meta.position_ids[None] itself: nothing to compare, no sync
     if flat.numel() != meta.total_q or not torch.equal(flat.to(meta.position_ids.device), meta.position_ids):
-        raise ValueError(
-            "position_ids do not match nopad_meta.position_ids; pass position_ids=meta.position_ids[None] "
-            "so rotary embeddings see each sequence's own positions"
-        )
+        raise ValueError(POSITIONS_MISMATCH)
 
 
 def _row_context(meta: VarlenMeta, kv_cache, batch: int) -> str | None:
@@ -244,7 +252,10 @@ def nopad_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> Atten
 
 
 def register_nopad_attention() -> str:
-    """Register ``"nopad"`` with transformers' attention and mask interfaces (idempotent)."""
+    """Register ``"nopad"`` with transformers' attention and mask interfaces (idempotent). The
+    attention backends are loaded here, outside any trace: loaded by a compiled forward's first
+    call, their imports broke its graph."""
+    registry.backends()
     transformers.AttentionInterface.register(NOPAD_ATTENTION, nopad_attention)
     AttentionMaskInterface.register(NOPAD_ATTENTION, nopad_mask)
     return NOPAD_ATTENTION

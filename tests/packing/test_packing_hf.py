@@ -165,6 +165,22 @@ def test_guard_raises_instead_of_wrong_logits():
     model(ids, position_ids=pos)  # guard removed: no error (and, as tested above, wrong logits)
 
 
+def test_a_compiled_packed_forward_is_one_graph_and_still_checks_its_positions():
+    """``fullgraph=True`` compiles: the positions check, the backend choice's log line and the
+    backends' first import each broke the graph; the check now runs inside it."""
+    model = tiny_model("llama")
+    _, ids, pos = _packed([5, 9, 3])
+    meta = VarlenMeta.from_lengths([5, 9, 3])
+    with use_nopad_attention(model), torch.no_grad():
+        eager = model(ids, position_ids=pos, nopad_meta=meta, use_cache=False).logits
+        compiled = torch.compile(lambda p: model(ids, position_ids=p, nopad_meta=meta, use_cache=False).logits,
+                                 fullgraph=True, backend="eager")
+        assert torch.equal(compiled(pos), eager)
+        assert torch.equal(compiled(meta.position_ids[None]), eager)
+        with pytest.raises(RuntimeError, match="do not match nopad_meta"):
+            compiled(torch.arange(ids.shape[1])[None])
+
+
 def test_nopad_refuses_padding_and_mismatched_positions():
     model = tiny_model("llama")
     _, ids, pos = _packed([5, 9, 3])
