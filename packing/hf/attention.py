@@ -146,7 +146,8 @@ def _check_positions(meta: VarlenMeta, position_ids: torch.Tensor | None) -> Non
     mine = meta.position_ids
     if torch.compiler.is_compiling():
         # a traced forward: no data pointers, no Python bool of a tensor (each broke the graph);
-        # the comparison runs in the graph and fails the step with the same message
+        # the comparison runs in the graph and fails the step with the same message (on CUDA a
+        # device-side assert: inductor compiles its Triton kernels with asserts on, message to stderr)
         if flat.numel() != meta.total_q:
             raise ValueError(POSITIONS_MISMATCH)
         torch._assert_async((flat.to(mine.device) == mine).all(), POSITIONS_MISMATCH)
