@@ -134,8 +134,9 @@ def _check_kwargs(module: torch.nn.Module, kwargs: dict) -> None:
         )
 
 
-POSITIONS_MISMATCH = ("position_ids do not match nopad_meta.position_ids; pass position_ids=meta.position_ids[None] "
-                      "so rotary embeddings see each sequence's own positions")
+POSITIONS_MISMATCH = ("position_ids do not match nopad_meta.position_ids; pass "
+                      "position_ids=meta.position_ids[None] so rotary embeddings see each sequence's "
+                      "own positions")
 
 
 def _check_positions(meta: VarlenMeta, position_ids: torch.Tensor | None) -> None:

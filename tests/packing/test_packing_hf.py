@@ -173,8 +173,8 @@ def test_a_compiled_packed_forward_is_one_graph_and_still_checks_its_positions()
     meta = VarlenMeta.from_lengths([5, 9, 3])
     with use_nopad_attention(model), torch.no_grad():
         eager = model(ids, position_ids=pos, nopad_meta=meta, use_cache=False).logits
-        compiled = torch.compile(lambda p: model(ids, position_ids=p, nopad_meta=meta, use_cache=False).logits,
-                                 fullgraph=True, backend="eager")
+        forward = lambda p: model(ids, position_ids=p, nopad_meta=meta, use_cache=False).logits  # noqa: E731
+        compiled = torch.compile(forward, fullgraph=True, backend="eager")
         assert torch.equal(compiled(pos), eager)
         assert torch.equal(compiled(meta.position_ids[None]), eager)
         with pytest.raises(RuntimeError, match="do not match nopad_meta"):
