@@ -137,11 +137,10 @@ def _one_call_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     ok = _ONE_CALL_CHECKED.get(key)
     if ok is None:
         g = torch.Generator(device=x.device).manual_seed(len(_ONE_CALL_CHECKED))
-        ok = True
-        for _ in range(-(-PROBE_VALUES // max(1, x.shape[0] * weight.shape[0]))):
-            probe = torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)
-            ok = ok and torch.equal(torch.mm(probe, weight.t()), _tiled_matmul(probe, weight))
-        _ONE_CALL_CHECKED[key] = ok
+        probes = (torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)
+                  for _ in range(-(-PROBE_VALUES // max(1, x.shape[0] * weight.shape[0]))))
+        ok = _ONE_CALL_CHECKED[key] = all(torch.equal(torch.mm(p, weight.t()), _tiled_matmul(p, weight))
+                                          for p in probes)
     return ok
 
 
@@ -268,12 +267,6 @@ def _one_dim(x: torch.Tensor, dim) -> int | None:
     return dim % x.dim()
 
 
-def _last_dim(x: torch.Tensor, dim) -> bool:
-    if isinstance(dim, (list, tuple)):
-        dim = dim[0] if len(dim) == 1 else None
-    return isinstance(dim, int) and x.dim() > 0 and dim in (-1, x.dim() - 1)
-
-
 def _bound(func, args, kwargs, names):
     """``func``'s arguments ``names`` by position or keyword (None where not given)."""
     return [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names)]
@@ -346,7 +339,7 @@ class _InvariantOps(TorchFunctionMode):
         names = ("input", "dim", "_stacklevel", "dtype") if func in (F.softmax, F.log_softmax) else (
             "input", "dim", "dtype")
         bound = dict(zip(names, _bound(func, args, kwargs, names)))
-        if not _last_dim(x, bound["dim"]):
+        if _one_dim(x, bound["dim"]) != x.dim() - 1:
             return None
         if bound["dtype"] is not None:
             x = x.to(bound["dtype"])
