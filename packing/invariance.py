@@ -259,10 +259,11 @@ def _backward_in_mode(func, args, kwargs) -> None:
 
 
 def _one_dim(x: torch.Tensor, dim) -> int | None:
-    """``dim`` as one non-negative dim of ``x``, or None (all dims, or several)."""
+    """``dim`` as one non-negative dim of ``x``, or None (all dims, several, or out of range: left
+    to torch, which says what is wrong)."""
     if isinstance(dim, (list, tuple)):
         dim = dim[0] if len(dim) == 1 else None
-    if not isinstance(dim, int) or x.dim() == 0:
+    if not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
         return None
     return dim % x.dim()
 

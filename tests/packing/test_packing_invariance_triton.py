@@ -57,6 +57,8 @@ def test_sums_over_any_one_dim_are_row_invariant_in_the_triton_set(dtype):
         assert torch.equal(x[:, 1:2].sum(0), x.sum(0)[1:2])
         assert torch.equal(x[:, 1:2].mean(-2), x.mean(-2)[:, 1:2])
         torch.testing.assert_close(x.sum(-1, dtype=torch.float32), x.float().sum(-1), **tol)  # torch's own
+        with pytest.raises(IndexError, match="out of range"):  # torch's own error, not a wrapped dim
+            x.sum(4)
         leaf = x.float().requires_grad_()
         (leaf.sum(-2) * torch.arange(6.0)).sum().backward()
     torch.testing.assert_close(leaf.grad, torch.arange(6.0).expand_as(leaf))
