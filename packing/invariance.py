@@ -331,6 +331,9 @@ class _InvariantOps(TorchFunctionMode):
             return None
         from packing import invariant_kernels
 
+        if (func not in _MEANS and x.dtype in (torch.float16, torch.bfloat16) and x.device.type == "cuda"
+                and torch.is_autocast_enabled("cuda")):
+            x = x.float()  # CUDA autocast runs sum / softmax / log_softmax in fp32: so do these kernels
         if func in _MEANS or func in _SUMS:
             _, dim, keepdim, dtype = _bound(func, args, kwargs, ("input", "dim", "keepdim", "dtype"))
             dim = _one_dim(x, dim)

@@ -159,3 +159,18 @@ def test_release_gives_the_kv_memory_back():
     del gen
     torch.cuda.synchronize()
     assert held - torch.cuda.memory_allocated() >= kv_bytes
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "softmax", "log_softmax"])
+def test_batch_invariant_reductions_keep_autocasts_dtypes(op):
+    """The Triton set's routed reductions give the dtype torch gives under CUDA autocast (fp32 for
+    sum / softmax / log_softmax of bf16 input), not the input's."""
+    from packing.invariance import batch_invariant
+
+    x = torch.randn(6, 40, device=CUDA, dtype=torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = getattr(x, op)(-1)
+        with batch_invariant():
+            routed = getattr(x, op)(-1)
+    assert routed.dtype == expected.dtype
+    torch.testing.assert_close(routed.float(), expected.float(), atol=2e-2, rtol=2e-2)
