@@ -2,12 +2,14 @@
 varlen row, each sequence apart, tree segments continuing their parent's state.
 
 The rows run wave by wave (:mod:`packing.mixers.recurrence`). Reference (CPU, and CUDA without
-``fla``): the layer's own torch function (transformers' ``torch_chunk_gated_delta_rule`` /
-``chunk_kimi_delta_attention``) on the wave's pieces as a right-padded batch, with each piece's
-initial state. Padding is exact: a padded token has ``k = v = q = 0``, ``beta = 0`` and decay
-``g = 0``, so it leaves the state as it is, just as the function's own padding to a multiple of
-its chunk does; pieces are batched by their number of chunks, so no piece pays for a longer
-one. CUDA with ``fla`` installed: one varlen call per wave, ``cu_seqlens`` and the pieces'
+``fla``): for the Gated DeltaNet rule, nopad's own chunk-major varlen rule
+(:mod:`packing.mixers.chunked_delta_rule`: every piece of the wave in one call, each from its
+initial state, the transformers function's arithmetic chunk for chunk); for Kimi's KDA, the
+layer's own torch function (``chunk_kimi_delta_attention``) on the wave's pieces as a
+right-padded batch, pieces batched by their number of chunks so no piece pays for a longer one.
+Padding is exact: a padded token has ``k = v = q = 0``, ``beta = 0`` and decay ``g = 0``, so it
+leaves the state as it is, just as the function's own padding to a multiple of its chunk does.
+CUDA with ``fla`` installed: one varlen call per wave, ``cu_seqlens`` and the pieces'
 initial states (fla's documented signature), the way packed training runs there.
 
 Inside :func:`packing.batch_invariant` every row runs the layer's *token-by-token* rule instead
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 
 from packing import invariance
+from packing.mixers.chunked_delta_rule import chunked_gated_delta_rule
 from packing.mixers.kernels import disable, package_function
 from packing.mixers.recurrence import recurrence_plan
 from packing.varlen import VarlenMeta
@@ -85,6 +88,7 @@ def varlen_delta_rule(
         return fla(*tensors, initial_state=None, output_final_state=output_final_state,
                    cu_seqlens=meta.cu_seqlens_q.to(torch.long), **common)
     flat = plan.is_flat and all(p >= 0 for p in plan.last_piece)  # no empty sequence either
+    own = fla is None and chunk_size is not None and fla_kernel == "chunk_gated_delta_rule" and g.dim() == 3
     states: dict[int, torch.Tensor] = {}
     parts, part_rows, flat_finals, flat_seqs = [], [], [], []
     for wave in plan.waves:
@@ -94,12 +98,17 @@ def varlen_delta_rule(
             chunks = [-(-len(plan.pieces[p]) // chunk_size) for p in wave]
             if stepwise is not None:  # a one-token piece padded to a whole chunk costs 64 tokens' work
                 chunks = [0 if len(plan.pieces[p]) == 1 else c for p, c in zip(wave, chunks)]
+            if own:  # nopad's own varlen rule takes pieces of any chunk count at once
+                chunks = [min(c, 1) for c in chunks]
             groups = [[p for p, c in zip(wave, chunks) if c == n] for n in sorted(set(chunks))]
         for group in groups:
             single = stepwise is not None and fla is None and all(len(plan.pieces[p]) == 1 for p in group)
             rule, size = (stepwise, None) if single else (reference, chunk_size)
             init = _group_init(plan, group, states, initial_state, tensors)
-            out, final, rows = _run_group(rule, fla, tensors, plan, group, init, size, common)
+            if own and not single:
+                out, final, rows = _run_own(tensors, plan, group, init, chunk_size, common)
+            else:
+                out, final, rows = _run_group(rule, fla, tensors, plan, group, init, size, common)
             parts.append(out)
             part_rows.append(rows)
             if flat:  # no piece continues another: the finals are only the sequences' own
@@ -288,6 +297,16 @@ def _run_group(reference, fla, tensors, plan, group, init, chunk_size, common):
                            **common)
     valid = torch.from_numpy(np.arange(width)[None, :] < np.asarray(lengths)[:, None]).to(value.device)
     return out[valid], final, rows
+
+
+def _run_own(tensors, plan, group, init, chunk_size, common):
+    """Run pieces ``group`` through nopad's own chunked gated delta rule, all at once; returns
+    what :func:`_run_group` does."""
+    pieces = [plan.pieces[p] for p in group]
+    starts, lengths = [piece.start for piece in pieces], [len(piece) for piece in pieces]
+    out, final = chunked_gated_delta_rule(*tensors, starts, lengths, initial_state=init,
+                                          chunk_size=chunk_size, **common)
+    return out, final, np.concatenate([np.arange(piece.start, piece.end) for piece in pieces])
 
 
 def _zero_state(tensors) -> torch.Tensor:

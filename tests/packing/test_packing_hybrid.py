@@ -184,6 +184,52 @@ def test_varlen_delta_rule_with_initial_and_final_states():
         torch.testing.assert_close(final[i], want_state[0], rtol=1e-5, atol=1e-5)
 
 
+def test_own_chunked_rule_equals_transformers_per_piece_with_gradients():
+    """nopad's chunk-major varlen rule (every piece at once, in any order in the row, each from
+    its own state) computes what transformers' function computes on each piece alone, forward
+    and backward, with pieces of 1 to 3 chunks and one that fills its chunk exactly."""
+    from packing.mixers.chunked_delta_rule import chunked_gated_delta_rule
+
+    lengths, starts = [40, 1, 16, 33, 7], [60, 0, 2, 18, 51]  # out of row order; rows 1, 58, 59 unused
+    tensors = [t.requires_grad_() for t in _rule_inputs([sum(lengths) + 3])]
+    init = torch.randn(len(lengths), 4, 8, 8, requires_grad=True)
+    out, final = chunked_gated_delta_rule(*tensors, starts, lengths, initial_state=init, chunk_size=16,
+                                          use_qk_l2norm_in_kernel=True)
+    weights = torch.randn_like(out), torch.randn_like(final)
+    grads = torch.autograd.grad((out * weights[0]).sum() + (final * weights[1]).sum(), [*tensors, init])
+    want_out, want_final = [], []
+    for i, (start, n) in enumerate(zip(starts, lengths)):
+        o, f = TORCH_RULE(*(t[:, start:start + n] for t in tensors), chunk_size=16,
+                          initial_state=init[i:i + 1], output_final_state=True, use_qk_l2norm_in_kernel=True)
+        want_out.append(o[0])
+        want_final.append(f[0])
+    want_out, want_final = torch.cat(want_out), torch.stack(want_final)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final, want_final, rtol=1e-5, atol=1e-5)
+    want_grads = torch.autograd.grad((want_out * weights[0]).sum() + (want_final * weights[1]).sum(),
+                                     [*tensors, init])
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_own_chunked_rule_flushes_subnormal_decays_without_moving_the_output():
+    """A strong decay (log decay -3 a token, as random and trained Qwen3.5 heads reach) puts
+    exp(cumulative decay) in the subnormal range within a chunk, which a CPU multiplies tens of
+    times slower; nopad's rule flushes those terms to 0 and still equals transformers' function."""
+    from packing.mixers.chunked_delta_rule import _decay, chunked_gated_delta_rule
+
+    q, k, v, g, beta = _rule_inputs([128])
+    g = torch.full_like(g, -3.0)
+    decays = _decay(torch.arange(0, -130, -3.0))
+    tiny = torch.finfo(torch.float32).tiny
+    assert not ((decays > 0) & (decays < tiny)).any() and decays[-1] == 0
+    out, final = chunked_gated_delta_rule(q, k, v, g, beta, [0], [128], use_qk_l2norm_in_kernel=True)
+    want, want_final = TORCH_RULE(q, k, v, g, beta, initial_state=None, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(out, want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(final, want_final, rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- fla / causal-conv1d stand-ins
 class KernelStandIns:
     """Strict CPU stand-ins for fla's ``chunk_gated_delta_rule`` and causal-conv1d's

@@ -1,0 +1,128 @@
+"""The chunked gated delta rule (Gated DeltaNet: Qwen3.5, Qwen3-Next, OLMo-hybrid) on many pieces
+of a row at once: nopad's own varlen reference, on CPU and on CUDA without ``fla``.
+
+transformers' ``torch_chunk_gated_delta_rule`` runs one right-padded batch: every sequence pays
+for the longest one's chunks, and its scan over chunks runs the longest one's count of steps.
+Called piece group by piece group instead (as nopad did first), a row's scan ran one loop per
+distinct chunk count, each step a batch of one or two pieces. Here every piece is cut into its
+own chunks (the last one zero-padded, which is exact: ``k = v = q = 0``, ``beta = 0`` and decay
+``g = 0`` leave the state as it is, as the transformers function's own padding does), the chunks
+laid out chunk-major with the pieces of most chunks first. The intra-chunk work (the UT system,
+its triangular solves, the in-chunk attention) then runs once over every real chunk of the row,
+and the scan over chunks runs the longest piece's count of steps, step ``j`` a contiguous block:
+the pieces that still have a ``j``-th chunk, a prefix of the state batch. The arithmetic per chunk
+is the transformers function's, step for step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+def chunk_layout(starts: Sequence[int], lengths: Sequence[int], total: int, chunk_size: int):
+    """Where each piece's chunks go. Returns ``(index, active, order)``: ``index`` ``(C, chunk)``
+    the row of each chunk position (``total``: a zero row), chunks chunk-major, pieces of most
+    chunks first; ``active[j]`` how many pieces have a ``j``-th chunk; ``order`` the pieces in
+    that order."""
+    starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    chunks = -(-lengths // chunk_size)
+    order = np.argsort(-chunks, kind="stable")
+    starts, lengths, chunks = starts[order], lengths[order], chunks[order]
+    width = int(chunks.max())
+    offsets = np.arange(width)[:, None, None] * chunk_size + np.arange(chunk_size)[None, None, :]
+    rows = starts[None, :, None] + offsets  # (width, pieces, chunk)
+    rows = np.where(offsets < lengths[None, :, None], rows, total)
+    present = np.arange(width)[:, None] < chunks[None, :]  # (width, pieces)
+    return rows[present], present.sum(axis=1), order
+
+
+FLUSH_BELOW = -70.0
+
+
+def _decay(log_decay: torch.Tensor) -> torch.Tensor:
+    """``exp(log_decay)``, exactly 0 below ``exp(FLUSH_BELOW)`` (about 4e-31). A CPU multiplies
+    subnormal floats (under 1.2e-38) tens of times slower than normal ones, and a strong decay's
+    exponent reaches them within a chunk: on a random Qwen3.5 they cost most of the rule's time
+    (its matmuls ran at 6 GFLOP/s). A term decayed by 4e-31 is far below fp32's resolution next to
+    the token's own term (its decay is 1), so the output does not move by a bit that matters."""
+    return log_decay.masked_fill(log_decay < FLUSH_BELOW, float("-inf")).exp()
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """transformers' (and fla's) l2norm of the delta rules' queries and keys."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def chunked_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    starts: Sequence[int],
+    lengths: Sequence[int],
+    *,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over the pieces ``starts[i] : starts[i] + lengths[i]`` of a row
+    (``query``/``key`` ``(1, T, H, K)``, ``value`` ``(1, T, HV, V)``, ``g``/``beta`` ``(1, T, HV)``),
+    each from ``initial_state[i]`` (``(N, HV, K, V)``; None: zero). Returns the pieces' outputs
+    ``(sum(lengths), HV, V)``, their rows concatenated in piece order, and their final states
+    ``(N, HV, K, V)`` in fp32."""
+    total, heads, head_v = value.shape[1], value.shape[2], value.shape[3]
+    index, active, order = chunk_layout(starts, lengths, total, chunk_size)
+    gather = torch.from_numpy(index).to(value.device)
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:  # (C, chunk, heads, ...) -> (C, heads, chunk, ...) fp32
+        t = torch.cat([t[0], t.new_zeros((1,) + t.shape[2:])])[gather]
+        if t.dim() == 4 and t.shape[2] != heads:  # grouped value heads: each q/k head serves several
+            t = t.repeat_interleave(heads // t.shape[2], dim=2)
+        return t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+
+    q, k, v, beta_, decay = (chunks(t) for t in (query, key, value, beta, g))
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    v_beta, k_beta = v * beta_[..., None], k * beta_[..., None]
+    cum = decay.cumsum(dim=-1)  # (C, heads, chunk): log decay from the chunk's start
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=value.device).triu(1)
+    pairwise = _decay((cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")))
+    ut_system = (k_beta @ k.transpose(-1, -2)) * pairwise
+    intra = (q @ k.transpose(-1, -2)) * pairwise
+    from_start = _decay(cum)[..., None]
+    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut_system, k_beta * from_start, upper=False,
+                                               unitriangular=True)
+    q = q * from_start
+    k = k * _decay(cum[..., -1:] - cum)[..., None]
+    chunk_decay = _decay(cum[..., -1])[..., None, None]
+
+    pieces = len(order)
+    if initial_state is None:
+        state = value.new_zeros((pieces, heads, key.shape[-1], head_v), dtype=torch.float32)
+    else:
+        state = initial_state.to(torch.float32)[torch.from_numpy(order).to(value.device)]
+    outs, finals, done = [], [], pieces
+    offset = 0
+    for n in active.tolist():
+        if n < done:  # pieces that end here: their state is final
+            finals.append(state[n:done])
+            state, done = state[:n], n
+        block = slice(offset, offset + n)
+        v_new = new_values[block] - k_cumdecay[block] @ state
+        outs.append(q[block] @ state + intra[block] @ v_new)
+        state = state * chunk_decay[block] + k[block].transpose(-1, -2) @ v_new
+        offset += n
+    finals.append(state)
+    final = torch.cat(finals[::-1])[torch.from_numpy(np.argsort(order)).to(value.device)]
+    out = torch.cat(outs).transpose(1, 2).reshape(-1, heads, head_v)  # (C * chunk, HV, V)
+    flat = index.reshape(-1)
+    where = np.empty(total + 1, dtype=np.int64)
+    where[flat] = np.arange(flat.size)  # the zero row's entry is overwritten; it is never read
+    rows = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
+    return out[torch.from_numpy(where[rows]).to(value.device)].to(value.dtype), final
