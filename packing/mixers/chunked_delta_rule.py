@@ -21,34 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-
-def chunk_layout(starts: Sequence[int], lengths: Sequence[int], total: int, chunk_size: int):
-    """Where each piece's chunks go. Returns ``(index, active, order)``: ``index`` ``(C, chunk)``
-    the row of each chunk position (``total``: a zero row), chunks chunk-major, pieces of most
-    chunks first; ``active[j]`` how many pieces have a ``j``-th chunk; ``order`` the pieces in
-    that order."""
-    starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
-    chunks = -(-lengths // chunk_size)
-    order = np.argsort(-chunks, kind="stable")
-    starts, lengths, chunks = starts[order], lengths[order], chunks[order]
-    width = int(chunks.max())
-    offsets = np.arange(width)[:, None, None] * chunk_size + np.arange(chunk_size)[None, None, :]
-    rows = starts[None, :, None] + offsets  # (width, pieces, chunk)
-    rows = np.where(offsets < lengths[None, :, None], rows, total)
-    present = np.arange(width)[:, None] < chunks[None, :]  # (width, pieces)
-    return rows[present], present.sum(axis=1), order
-
-
-FLUSH_BELOW = -70.0
-
-
-def _decay(log_decay: torch.Tensor) -> torch.Tensor:
-    """``exp(log_decay)``, exactly 0 below ``exp(FLUSH_BELOW)`` (about 4e-31). A CPU multiplies
-    subnormal floats (under 1.2e-38) tens of times slower than normal ones, and a strong decay's
-    exponent reaches them within a chunk: on a random Qwen3.5 they cost most of the rule's time
-    (its matmuls ran at 6 GFLOP/s). A term decayed by 4e-31 is far below fp32's resolution next to
-    the token's own term (its decay is 1), so the output does not move by a bit that matters."""
-    return log_decay.masked_fill(log_decay < FLUSH_BELOW, float("-inf")).exp()
+from packing.mixers.chunks import chunk_layout, flushed_exp, gather_chunks, piece_positions
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -78,8 +51,8 @@ def chunked_gated_delta_rule(
     index, active, order = chunk_layout(starts, lengths, total, chunk_size)
     gather = torch.from_numpy(index).to(value.device)
 
-    def chunks(t: torch.Tensor) -> torch.Tensor:  # (C, chunk, heads, ...) -> (C, heads, chunk, ...) fp32
-        t = torch.cat([t[0], t.new_zeros((1,) + t.shape[2:])])[gather]
+    def chunks(t: torch.Tensor) -> torch.Tensor:  # (1, T, heads, ...) -> (C, heads, chunk, ...) fp32
+        t = gather_chunks(t[0], gather)
         if t.dim() == 4 and t.shape[2] != heads:  # grouped value heads: each q/k head serves several
             t = t.repeat_interleave(heads // t.shape[2], dim=2)
         return t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
@@ -91,16 +64,16 @@ def chunked_gated_delta_rule(
     v_beta, k_beta = v * beta_[..., None], k * beta_[..., None]
     cum = decay.cumsum(dim=-1)  # (C, heads, chunk): log decay from the chunk's start
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=value.device).triu(1)
-    pairwise = _decay((cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")))
+    pairwise = flushed_exp((cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")))
     ut_system = (k_beta @ k.transpose(-1, -2)) * pairwise
     intra = (q @ k.transpose(-1, -2)) * pairwise
-    from_start = _decay(cum)[..., None]
+    from_start = flushed_exp(cum)[..., None]
     new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
     k_cumdecay = torch.linalg.solve_triangular(ut_system, k_beta * from_start, upper=False,
                                                unitriangular=True)
     q = q * from_start
-    k = k * _decay(cum[..., -1:] - cum)[..., None]
-    chunk_decay = _decay(cum[..., -1])[..., None, None]
+    k = k * flushed_exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = flushed_exp(cum[..., -1])[..., None, None]
 
     pieces = len(order)
     if initial_state is None:
@@ -121,8 +94,5 @@ def chunked_gated_delta_rule(
     finals.append(state)
     final = torch.cat(finals[::-1])[torch.from_numpy(np.argsort(order)).to(value.device)]
     out = torch.cat(outs).transpose(1, 2).reshape(-1, heads, head_v)  # (C * chunk, HV, V)
-    flat = index.reshape(-1)
-    where = np.empty(total + 1, dtype=np.int64)
-    where[flat] = np.arange(flat.size)  # the zero row's entry is overwritten; it is never read
-    rows = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
-    return out[torch.from_numpy(where[rows]).to(value.device)].to(value.dtype), final
+    positions = torch.from_numpy(piece_positions(index, starts, lengths)).to(value.device)
+    return out[positions].to(value.dtype), final

@@ -14,10 +14,11 @@ mean rebuilding its cache objects to pass state between segments.
 
 **What runs.** The convolution: :func:`packing.mixers.conv.varlen_causal_conv1d` (tree segments
 start from their path's last inputs; plain packed rows go to causal-conv1d with ``seq_idx`` on
-CUDA). The scan: transformers' own ``mamba2_chunk_scan`` once per piece of the row's
-:func:`packing.mixers.recurrence.recurrence_plan` (a sequence; in a tree, the stretch between
-branch points, seeded with the final state of the piece that ends at its parent), or mamba_ssm's
-``mamba_chunk_scan_combined`` with ``seq_idx`` on CUDA for plain packed rows, where the fused
+CUDA). The scan: nopad's own chunked scan (:mod:`packing.mixers.chunked_ssd`, transformers'
+``mamba2_chunk_scan`` arithmetic on every piece of a wave at once) over the waves of the row's
+:func:`packing.mixers.recurrence.recurrence_plan` (a piece is a sequence; in a tree, the stretch
+between branch points, seeded with the final state of the piece that ends at its parent), or
+mamba_ssm's ``mamba_chunk_scan_combined`` with ``seq_idx`` on CUDA for plain packed rows, where the fused
 training kernel (``mamba_split_conv1d_scan_combined``) also gets ``seq_idx``. Elsewhere the fused
 hook answers None, which makes the layer run the unfused path above. ``NOPAD_MIXER_KERNELS``
 picks between the packages and PyTorch (:mod:`packing.mixers.kernels`).
@@ -30,11 +31,11 @@ reaches a Mamba2 layer without ``nopad_meta`` is refused, not scanned across its
 per-sequence state cache as ``.states``; the same two hooks then start each sequence of the step
 from its slot (its conv inputs, its ``(heads, head_dim, state)`` SSM state) and write its final
 state back, so a prefill chunk continues the previous chunk and a decode step continues the last
-token. A sequence of several tokens runs transformers' ``mamba2_chunk_scan`` with its slot as
-``initial_states``, as HF's own prefill does; the one-token sequences of the step (decode) run
-together through the module's ``mamba2_selective_state_update``, as HF's own decode does, with
-``dt_limit`` applied as the chunk scan applies it (so decode computes what a training forward
-computes). Anything else with cached context is refused here. A static decode step (the
+token. The sequences of several tokens run that chunked scan together, each from its slot (HF's
+own prefill runs ``mamba2_chunk_scan`` from ``initial_states``); the one-token sequences of the
+step (decode) run together through the module's ``mamba2_selective_state_update``, as HF's own
+decode does, with ``dt_limit`` applied as the chunk scan applies it (so decode computes what a
+training forward computes). Anything else with cached context is refused here. A static decode step (the
 generator's ``static_decode`` / ``compile_decode``: one token a row, lengths on the device only)
 runs that recurrent step on every row, so the step compiles and captures.
 
@@ -53,9 +54,11 @@ import itertools
 import logging
 import warnings
 
+import numpy as np
 import torch
 
 from packing import invariance
+from packing.mixers.chunked_ssd import chunked_ssd_scan
 from packing.mixers.conv import varlen_causal_conv1d
 from packing.mixers.hf_kernels import LayerState, step_states
 from packing.mixers.kernels import package_function
@@ -128,9 +131,9 @@ def packed_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return varlen_causal_conv1d(x[0], weight, bias, activation, meta=meta)[None]
 
 
-def packed_chunk_scan(original, hidden_states, dt, A, B, C, chunk_size, meta: VarlenMeta, **kwargs):
-    """The layer's SSD scan over a packed or tree row: one call of transformers' ``original``
-    per run of the row's plan, each seeded with its source's final state."""
+def packed_chunk_scan(hidden_states, dt, A, B, C, chunk_size, meta: VarlenMeta, **kwargs):
+    """The layer's SSD scan over a packed or tree row: nopad's own chunked scan once per wave of
+    the row's plan (once for a packed row), each piece seeded with its parent's final state."""
     _check_row(hidden_states.shape[0], hidden_states.shape[1], meta, "mamba2_chunk_scan")
     if kwargs.pop("initial_states", None) is not None or kwargs.pop("return_final_states", False):
         raise ValueError("a Mamba2 layer got nopad_meta and a cache; nopad's packed and tree rows run with "
@@ -143,16 +146,8 @@ def packed_chunk_scan(original, hidden_states, dt, A, B, C, chunk_size, meta: Va
         params = _parameters(fast)
         return fast(hidden_states, dt, A, B, C, chunk_size, seq_idx=meta.seq_idx[None],
                     **{k: v for k, v in kwargs.items() if k in params})
-    finals, outs = [], []  # per piece of the plan, in row order
-    for piece in plan.pieces:
-        rows = slice(piece.start, piece.end)
-        out, final = original(
-            hidden_states[:, rows], dt[:, rows], A, B[:, rows], C[:, rows], chunk_size,
-            initial_states=finals[piece.parent] if piece.parent >= 0 else None, return_final_states=True,
-            **kwargs)
-        finals.append(final)
-        outs.append(out)
-    return torch.cat(outs, dim=1)
+    return row_scan(hidden_states, dt, A, B, C, plan, kwargs,
+                    functools.partial(chunked_ssd_scan, chunk_size=chunk_size))
 
 
 def packed_fused(args: tuple, kwargs: dict, meta: VarlenMeta):
@@ -170,6 +165,8 @@ def packed_fused(args: tuple, kwargs: dict, meta: VarlenMeta):
     return fast(*args, seq_idx=meta.seq_idx[None], **{k: v for k, v in kwargs.items() if k in params})
 
 
+
+
 # ----------------------------------------------------------------------------- generator steps
 def step_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
               states) -> torch.Tensor:
@@ -182,11 +179,11 @@ def step_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     return states.run("conv", run)[None]
 
 
-def step_chunk_scan(original, update, hidden_states, dt, A, B, C, chunk_size, states, *, D=None, z=None,
+def step_chunk_scan(update, hidden_states, dt, A, B, C, chunk_size, states, *, D=None, z=None,
                     dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")), **_):
     """The SSD scan of a generator step: each sequence continues from the SSM state in its slot.
-    Sequences of several tokens: ``original`` (transformers' chunk scan) one by one, from their
-    slot; one-token sequences: ``update`` (the module's recurrent step) all at once. The
+    Sequences of several tokens: nopad's own chunked scan, all at once, each from its slot;
+    one-token sequences: ``update`` (the module's recurrent step) all at once. The
     forward's other keyword arguments (``**_``: the model's, nopad's) are not the scan's."""
     scan = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
 
@@ -214,14 +211,13 @@ def step_chunk_scan(original, update, hidden_states, dt, A, B, C, chunk_size, st
                                                   C[0, rows], None if z is None else z[0, rows],
                                                   initial[single], **scan)
             parts += [(cu[i], out[j: j + 1]) for j, i in enumerate(single)]
-        for i, n in enumerate(meta.seqlens_q):
-            if n > 1:
-                rows = slice(cu[i], cu[i + 1])
-                out, final = original(hidden_states[:, rows], dt[:, rows], A, B[:, rows], C[:, rows],
-                                      chunk_size, z=None if z is None else z[:, rows],
-                                      initial_states=initial[i: i + 1], return_final_states=True, **scan)
-                parts.append((cu[i], out[0]))
-                finals[i] = final[0]
+        longer = [i for i, n in enumerate(meta.seqlens_q) if n > 1]
+        if longer:  # nopad's own chunked scan, every longer sequence at once from its slot
+            pieces = [(cu[i], cu[i + 1]) for i in longer]
+            out, finals[longer] = chunked_ssd_scan(hidden_states[0], dt[0], A, B[0], C[0], pieces,
+                                                   initial[longer], chunk_size=chunk_size, **scan)
+            ends = np.cumsum([0] + [end - start for start, end in pieces])
+            parts += [(cu[i], out[ends[j]: ends[j + 1]]) for j, i in enumerate(longer)]
         parts.sort(key=lambda part: part[0])
         dtype = functools.reduce(torch.promote_types, (p.dtype for _, p in parts))
         return torch.cat([p.to(dtype) for _, p in parts])[None], finals
@@ -280,9 +276,9 @@ def _hook(name: str, original, module):
                 if kwargs.get("initial_states") is not None or kwargs.get("return_final_states"):
                     raise ValueError("a generator step of a Mamba2 layer runs with use_cache=False")
                 update = getattr(module, STEP_FUNCTION)
-                return step_chunk_scan(original, update, hidden_states, dt, A, B, C, chunk_size, states,
+                return step_chunk_scan(update, hidden_states, dt, A, B, C, chunk_size, states,
                                        **kwargs)
-            return packed_chunk_scan(original, hidden_states, dt, A, B, C, chunk_size, meta, **kwargs)
+            return packed_chunk_scan(hidden_states, dt, A, B, C, chunk_size, meta, **kwargs)
     elif name == "mamba2_split_conv1d_scan_combined":
         def hooked(*args, **kwargs):
             meta = _take_meta(kwargs, args[0].shape[1])

@@ -16,6 +16,8 @@ The pieces of a call run as one right-padded batch; a padded step has ``exp(A dt
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -76,11 +78,13 @@ def token_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
 
 
 def row_scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-             plan: RecurrencePlan, kwargs: dict) -> torch.Tensor:
+             plan: RecurrencePlan, kwargs: dict, scan_pieces: Callable = token_scan) -> torch.Tensor:
     """The scan of a packed or tree row (``hidden_states``: ``(1, T, heads, head_dim)``, the
     others as transformers' chunk scan takes them; ``kwargs``: that call's keywords), wave by
-    wave of the row's ``plan``, each piece from its parent's final state. Returns the fp32
-    output ``(1, T, heads, head_dim)``."""
+    wave of the row's ``plan``, each piece from its parent's final state. ``scan_pieces`` runs a
+    wave: :func:`token_scan` (the batch-invariant order) or nopad's chunked scan
+    (:func:`packing.mixers.chunked_ssd.chunked_ssd_scan`), which take the same arguments.
+    Returns the fp32 output ``(1, T, heads, head_dim)``."""
     scan = {k: kwargs[k] for k in OPTIONS if k in kwargs}
     x, dt, B, C = hidden_states[0], dt[0], B[0], C[0]
     zero = x.new_zeros((x.shape[1], x.shape[2], B.shape[-1]), dtype=torch.float32)
@@ -91,7 +95,7 @@ def row_scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: 
         starts = None
         if any(piece.parent >= 0 for piece in pieces):
             starts = torch.stack([finals[piece.parent] if piece.parent >= 0 else zero for piece in pieces])
-        values, ends = token_scan(x, dt, A, B, C, [(p.start, p.end) for p in pieces], starts, **scan)
+        values, ends = scan_pieces(x, dt, A, B, C, [(p.start, p.end) for p in pieces], starts, **scan)
         rows = torch.cat([torch.arange(p.start, p.end, device=x.device) for p in pieces])
         out = out.index_copy(0, rows, values)
         finals.update(zip(wave, ends))

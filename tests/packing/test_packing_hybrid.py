@@ -216,11 +216,12 @@ def test_own_chunked_rule_flushes_subnormal_decays_without_moving_the_output():
     """A strong decay (log decay -3 a token, as random and trained Qwen3.5 heads reach) puts
     exp(cumulative decay) in the subnormal range within a chunk, which a CPU multiplies tens of
     times slower; nopad's rule flushes those terms to 0 and still equals transformers' function."""
-    from packing.mixers.chunked_delta_rule import _decay, chunked_gated_delta_rule
+    from packing.mixers.chunked_delta_rule import chunked_gated_delta_rule
+    from packing.mixers.chunks import flushed_exp
 
     q, k, v, g, beta = _rule_inputs([128])
     g = torch.full_like(g, -3.0)
-    decays = _decay(torch.arange(0, -130, -3.0))
+    decays = flushed_exp(torch.arange(0, -130, -3.0))
     tiny = torch.finfo(torch.float32).tiny
     assert not ((decays > 0) & (decays < tiny)).any() and decays[-1] == 0
     out, final = chunked_gated_delta_rule(q, k, v, g, beta, [0], [128], use_qk_l2norm_in_kernel=True)
@@ -228,6 +229,43 @@ def test_own_chunked_rule_flushes_subnormal_decays_without_moving_the_output():
                                   use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(out, want[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(final, want_final, rtol=1e-5, atol=1e-6)
+
+
+def test_own_ssd_scan_equals_transformers_per_piece_with_gradients():
+    """nopad's chunk-major Mamba2 scan (every piece at once, each from its own state, dt
+    discretised with bias, softplus and D's skip) computes what transformers' ``mamba2_chunk_scan``
+    computes on each piece alone, forward and backward."""
+    import inspect
+
+    from transformers.models.bamba import modeling_bamba
+
+    from packing.mixers.chunked_ssd import chunked_ssd_scan
+
+    scan = inspect.unwrap(modeling_bamba.mamba2_chunk_scan)
+    torch.manual_seed(0)
+    pieces = [(60, 100), (0, 1), (2, 18), (18, 51), (51, 58)]
+    x, dt = torch.randn(100, 4, 8, requires_grad=True), torch.randn(100, 4, requires_grad=True)
+    B, C = torch.randn(100, 2, 6, requires_grad=True), torch.randn(100, 2, 6, requires_grad=True)
+    init = torch.randn(len(pieces), 4, 8, 6, requires_grad=True)
+    options = dict(A=-3 * torch.rand(4), D=torch.randn(4), dt_bias=torch.randn(4), dt_softplus=True)
+    out, final = chunked_ssd_scan(x, dt, options["A"], B, C, pieces, init, chunk_size=16,
+                                  **{k: v for k, v in options.items() if k != "A"})
+    want_out, want_final = [], []
+    for i, (a, b) in enumerate(pieces):
+        o, f = scan(x[None, a:b], dt[None, a:b], options["A"], B[None, a:b], C[None, a:b], 16,
+                    initial_states=init[i:i + 1], return_final_states=True,
+                    **{k: v for k, v in options.items() if k != "A"})
+        want_out.append(o[0])
+        want_final.append(f[0])
+    want_out, want_final = torch.cat(want_out), torch.stack(want_final)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final, want_final, rtol=1e-5, atol=1e-5)
+    weights = torch.randn_like(out), torch.randn_like(final)
+    inputs = [x, dt, B, C, init]
+    got = torch.autograd.grad((out * weights[0]).sum() + (final * weights[1]).sum(), inputs)
+    want = torch.autograd.grad((want_out * weights[0]).sum() + (want_final * weights[1]).sum(), inputs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- fla / causal-conv1d stand-ins
