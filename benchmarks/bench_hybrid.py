@@ -39,6 +39,12 @@ Decode step (``--step-cost MODELS``): the CPU time of one decode step of the ``G
 HF ``generate`` at the same 12, 4 and 1 rows (no padding on either side), fp32: where the
 generation ratio comes from, since both run the model's own layers once per step.
 
+Subnormals: a strong decay's ``exp`` inside a 64-token chunk reaches subnormal floats, which a
+CPU multiplies tens of times slower. nopad's own chunked scans flush them (``flushed_exp``);
+transformers' functions, which the padded side runs, do not, so part of the training ratio on a
+CPU is that. ``--flush-subnormals`` flushes them on both sides (as a GPU costs them nothing), which
+leaves the part that packing gives.
+
 Exact mode (``--exact-mode on|off|only``, on by default): the same packed rows, forward + backward, outside
 and inside ``packing.batch_invariant()``, where the delta rule and the Mamba2 scan run token by
 token (the order of the generator's decode) and the convolution as ordered gathers, so rollout
@@ -160,11 +166,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's; 1 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--flush-subnormals", action="store_true",
+                        help="torch.set_flush_denormal(True) for the whole run, both sides: what the "
+                             "peer costs when subnormal floats cost nothing (as on a GPU), so the gain of "
+                             "packing alone shows (use with --threads 1: the flag is per thread)")
     parser.add_argument("--exact-mode", choices=("on", "off", "only"), default="on",
                         help="also (only) time the packed rows inside packing.batch_invariant()")
     args = parser.parse_args()
     args.threads = args.threads or (1 if args.quick else torch.get_num_threads())
     torch.set_num_threads(args.threads)
+    if args.flush_subnormals and not torch.set_flush_denormal(True):
+        raise SystemExit("--flush-subnormals: this CPU cannot flush subnormal floats (no SSE3)")
     n = args.sequences or (4 if args.quick else 24)
     budget = args.budget or (256 if args.quick else 2048)
     vocab = 512 if args.quick else 2048  # a small head: the layers carry the compute
@@ -177,7 +189,8 @@ def main() -> None:
     register_nopad_attention()
     padded, packed = padded_batches(seqs, budget), nopad_batches(seqs, budget)
     print(f"{n} sequences, {real} tokens (median {int(np.median(lengths))}, max {lengths.max()}), "
-          f"budget {budget} tokens/step, {args.threads} threads")
+          f"budget {budget} tokens/step, {args.threads} threads"
+          + (", subnormals flushed on both sides" if args.flush_subnormals else ""))
     padded_rows = sum(batch["input_ids"].numel() for batch in padded)
     print(f"padding ceiling: the padded batches run {padded_rows} token rows for {real} real ones, so a "
           f"model costed per token gains at most {padded_rows / real:.2f}x from packing (attention more)")

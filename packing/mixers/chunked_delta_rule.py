@@ -95,4 +95,4 @@ def chunked_gated_delta_rule(
     final = torch.cat(finals[::-1])[torch.from_numpy(np.argsort(order)).to(value.device)]
     out = torch.cat(outs).transpose(1, 2).reshape(-1, heads, head_v)  # (C * chunk, HV, V)
     positions = torch.from_numpy(piece_positions(index, starts, lengths)).to(value.device)
-    return out[positions].to(value.dtype), final
+    return out[positions].to(query.dtype), final
