@@ -92,16 +92,8 @@ def varlen_delta_rule(
     states: dict[int, torch.Tensor] = {}
     parts, part_rows, flat_finals, flat_seqs = [], [], [], []
     for wave in plan.waves:
-        if fla is not None or chunk_size is None:  # one call per wave (the recurrent rule: no chunks)
-            groups = [list(wave)]
-        else:  # pieces of the same number of chunks pad to the same length anyway
-            chunks = [-(-len(plan.pieces[p]) // chunk_size) for p in wave]
-            if stepwise is not None:  # a one-token piece padded to a whole chunk costs 64 tokens' work
-                chunks = [0 if len(plan.pieces[p]) == 1 else c for p, c in zip(wave, chunks)]
-            if own:  # nopad's own varlen rule takes pieces of any chunk count at once
-                chunks = [min(c, 1) for c in chunks]
-            groups = [[p for p, c in zip(wave, chunks) if c == n] for n in sorted(set(chunks))]
-        for group in groups:
+        one_call = fla is not None or chunk_size is None  # one call per wave (the recurrent rule: no chunks)
+        for group in [list(wave)] if one_call else _wave_groups(plan, wave, chunk_size, stepwise, own):
             single = stepwise is not None and fla is None and all(len(plan.pieces[p]) == 1 for p in group)
             rule, size = (stepwise, None) if single else (reference, chunk_size)
             init = _group_init(plan, group, states, initial_state, tensors)
@@ -126,6 +118,19 @@ def varlen_delta_rule(
     finals = [states[p] if p >= 0 else _initial(initial_state, i, value, key)
               for i, p in enumerate(plan.last_piece)]
     return out, torch.stack(finals)
+
+
+def _wave_groups(plan, wave, chunk_size: int, stepwise: Callable | None, own: bool) -> list[list[int]]:
+    """The calls a wave's pieces run in: with transformers' chunked rule, pieces of the same number
+    of chunks together (they pad to the same length anyway); nopad's own rule takes any at once;
+    one-token pieces apart when a token-by-token rule runs them (padded to a whole chunk, one would
+    cost 64 tokens' work)."""
+    chunks = [-(-len(plan.pieces[p]) // chunk_size) for p in wave]
+    if stepwise is not None:
+        chunks = [0 if len(plan.pieces[p]) == 1 else c for p, c in zip(wave, chunks)]
+    if own:
+        chunks = [min(c, 1) for c in chunks]
+    return [[p for p, c in zip(wave, chunks) if c == n] for n in sorted(set(chunks))]
 
 
 def _fla_rule(kernel: str | None, tensors, common: dict, meta_is_static: bool = False) -> Callable | None:

@@ -139,7 +139,7 @@ def test_a_step_with_cached_context_is_refused():
         mamba2.packed_conv(torch.randn(1, 8, 2), torch.randn(8, 4), None, "silu", meta)
     x = torch.randn(1, 2, 1, 1)  # (batch, tokens, heads, dim): the scan refuses before it reads them
     with pytest.raises(ValueError, match="in a cache"):
-        mamba2.packed_chunk_scan(None, x, x, None, x, x, CHUNK, meta)
+        mamba2.packed_chunk_scan(x, x, None, x, x, CHUNK, meta)
 
 
 def test_a_padded_batch_with_nopad_meta_is_refused():
