@@ -16,12 +16,16 @@ is the transformers function's, step for step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from packing.mixers.chunks import chunk_layout, flushed_exp, gather_chunks, piece_positions
+from packing.mixers.chunks import chunk_layout, flushed_exp, gather_chunks, piece_positions, probe_inputs
+
+logger = logging.getLogger(__name__)
+_MATCHES: dict[Callable, bool] = {}
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -96,3 +100,30 @@ def chunked_gated_delta_rule(
     out = torch.cat(outs).transpose(1, 2).reshape(-1, heads, head_v)  # (C * chunk, HV, V)
     positions = torch.from_numpy(piece_positions(index, starts, lengths)).to(value.device)
     return out[positions].to(query.dtype), final
+
+
+@torch.compiler.disable
+def matches(reference: Callable) -> bool:
+    """Whether this rule computes what ``reference`` does: a transformers function made under the
+    kernel name ``chunk_gated_delta_rule``, whose contract is fla's (transformers swaps fla's in
+    under that name), so it should. Tried once per function, on a tiny two-piece row with initial
+    states, so that a release whose function computes something else keeps running its own
+    function (reported once) instead of this one, silently."""
+    if reference not in _MATCHES:
+        q, k, v, g, beta, init = probe_inputs([(1, 11, 2, 4), (1, 11, 2, 4), (1, 11, 4, 3), (1, 11, 4),
+                                               (1, 11, 4), (2, 4, 4, 3)])
+        g, beta = -g.abs(), beta.abs().clamp(max=1)
+        pieces = [(0, 7), (7, 11)]
+        ours, our_final = chunked_gated_delta_rule(q, k, v, g, beta, [0, 7], [7, 4], initial_state=init,
+                                                   chunk_size=4, use_qk_l2norm_in_kernel=True)
+        theirs = [reference(*(t[:, a:b] for t in (q, k, v, g, beta)), chunk_size=4, output_final_state=True,
+                            initial_state=init[i:i + 1], use_qk_l2norm_in_kernel=True)
+                  for i, (a, b) in enumerate(pieces)]
+        agree = (torch.allclose(ours, torch.cat([o[0] for o, _ in theirs]), rtol=1e-4, atol=1e-5)
+                 and torch.allclose(our_final, torch.cat([f for _, f in theirs]), rtol=1e-4, atol=1e-5))
+        if not agree:
+            logger.warning("nopad: %s.%s computes other than nopad's chunked gated delta rule; it runs "
+                           "itself on packed rows (per group of pieces)", reference.__module__,
+                           reference.__qualname__)
+        _MATCHES[reference] = agree
+    return _MATCHES[reference]

@@ -15,12 +15,12 @@ subnormals to 0 (:func:`packing.mixers.chunks.flushed_exp`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from packing.mixers.chunks import chunk_layout, flushed_exp, gather_chunks, piece_positions
+from packing.mixers.chunks import chunk_layout, flushed_exp, gather_chunks, piece_positions, probe_inputs
 from packing.mixers.ssm_steps import discretise_dt
 
 
@@ -96,3 +96,22 @@ def chunked_ssd_scan(
         rows = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
         out = out + D[:, None] * x.float()[torch.from_numpy(rows).to(x.device)]
     return out, final
+
+
+def matches(reference: Callable) -> bool:
+    """Whether this scan computes what ``reference`` (a family's ``mamba2_chunk_scan``, transformers'
+    torch fallback of mamba_ssm's ``mamba_chunk_scan_combined``) does, on a tiny two-piece row with
+    initial states, ``D``, ``dt_bias``, softplus and a ``dt_limit``: a release whose scan computes
+    something else leaves its family refused (:func:`packing.mixers.mamba2.install`), not silently
+    computed by this one."""
+    shapes = [(11, 4, 3), (11, 4), (4,), (11, 2, 5), (11, 2, 5), (4,), (4,), (2, 4, 3, 5)]
+    x, dt, A, B, C, D, bias, init = probe_inputs(shapes)
+    options = dict(D=D, dt_bias=bias, dt_softplus=True, dt_limit=(0.4, 0.9))  # the clamp bites on both ends
+    A = -A.abs() - 0.5
+    with torch.no_grad():
+        ours, our_final = chunked_ssd_scan(x, dt, A, B, C, [(0, 7), (7, 11)], init, chunk_size=4, **options)
+        theirs = [reference(x[None, a:b], dt[None, a:b], A, B[None, a:b], C[None, a:b], 4,
+                            initial_states=init[i:i + 1], return_final_states=True, **options)
+                  for i, (a, b) in enumerate([(0, 7), (7, 11)])]
+    return (torch.allclose(ours, torch.cat([o[0] for o, _ in theirs]).float(), rtol=1e-4, atol=1e-5)
+            and torch.allclose(our_final, torch.cat([f for _, f in theirs]).float(), rtol=1e-4, atol=1e-5))

@@ -51,3 +51,10 @@ def piece_positions(index: np.ndarray, starts: Sequence[int], lengths: Sequence[
     where = np.empty(int(flat.max()) + 1, dtype=np.int64)
     where[flat] = np.arange(flat.size)  # the zero row's entry is overwritten; it is never read
     return where[np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])]
+
+
+def probe_inputs(shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Deterministic fp32 CPU tensors of these shapes (no RNG: a probe must not move the user's
+    seed), for checking once that a chunked scan computes what transformers' function does."""
+    return [torch.arange(int(np.prod(shape)), dtype=torch.float32).add(i).mul(0.7).sin().reshape(shape)
+            for i, shape in enumerate(shapes)]

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from packing import invariance
-from packing.mixers.chunked_delta_rule import chunked_gated_delta_rule
+from packing.mixers import chunked_delta_rule
 from packing.mixers.kernels import disable, package_function
 from packing.mixers.recurrence import recurrence_plan
 from packing.varlen import VarlenMeta
@@ -88,7 +88,8 @@ def varlen_delta_rule(
         return fla(*tensors, initial_state=None, output_final_state=output_final_state,
                    cu_seqlens=meta.cu_seqlens_q.to(torch.long), **common)
     flat = plan.is_flat and all(p >= 0 for p in plan.last_piece)  # no empty sequence either
-    own = fla is None and chunk_size is not None and fla_kernel == "chunk_gated_delta_rule" and g.dim() == 3
+    own = (fla is None and chunk_size is not None and fla_kernel == "chunk_gated_delta_rule" and g.dim() == 3
+           and chunked_delta_rule.matches(reference))
     states: dict[int, torch.Tensor] = {}
     parts, part_rows, flat_finals, flat_seqs = [], [], [], []
     for wave in plan.waves:
@@ -309,7 +310,7 @@ def _run_own(tensors, plan, group, init, chunk_size, common):
     what :func:`_run_group` does."""
     pieces = [plan.pieces[p] for p in group]
     starts, lengths = [piece.start for piece in pieces], [len(piece) for piece in pieces]
-    out, final = chunked_gated_delta_rule(*tensors, starts, lengths, initial_state=init,
+    out, final = chunked_delta_rule.chunked_gated_delta_rule(*tensors, starts, lengths, initial_state=init,
                                           chunk_size=chunk_size, **common)
     return out, final, np.concatenate([np.arange(piece.start, piece.end) for piece in pieces])
 

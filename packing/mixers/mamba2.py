@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from packing import invariance
+from packing.mixers import chunked_ssd
 from packing.mixers.chunked_ssd import chunked_ssd_scan
 from packing.mixers.conv import varlen_causal_conv1d
 from packing.mixers.hf_kernels import LayerState, step_states
@@ -316,6 +317,9 @@ def _fence(module, mixer_name: str) -> str | None:
             return f"{name} takes no {missing}"
     if getattr(module, MASK_HOOK, None) is None:
         return f"no function {MASK_HOOK}"
+    scan = getattr(module.mamba2_chunk_scan, "nopad_original", module.mamba2_chunk_scan)
+    if not chunked_ssd.matches(inspect.unwrap(scan)):
+        return "its mamba2_chunk_scan computes other than nopad's chunked scan"
     try:
         source = inspect.getsource(mixer.forward)
     except (OSError, TypeError):

@@ -268,6 +268,30 @@ def test_own_ssd_scan_equals_transformers_per_piece_with_gradients():
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+def test_a_delta_rule_that_computes_otherwise_runs_itself(caplog):
+    """nopad's own chunked rule stands in for functions made under the kernel name
+    ``chunk_gated_delta_rule`` only once it is seen to compute what the function does; one that
+    computes otherwise (here: its output scaled) runs itself on the row, reported once."""
+    from packing.mixers import chunked_delta_rule
+
+    assert chunked_delta_rule.matches(TORCH_RULE)
+
+    def scaled(*args, **kwargs):
+        out, state = TORCH_RULE(*args, **kwargs)
+        return 1.5 * out, state
+
+    lengths = [70, 5, 20]
+    tensors = _rule_inputs(lengths)
+    with caplog.at_level("WARNING", logger="packing.mixers.chunked_delta_rule"):
+        out, _ = varlen_delta_rule(scaled, *tensors, meta=VarlenMeta.from_lengths(lengths),
+                                   use_qk_l2norm_in_kernel=True)
+    assert "computes other than nopad's chunked gated delta rule" in caplog.text
+    cu = np.concatenate(([0], np.cumsum(lengths)))
+    for a, b in zip(cu[:-1], cu[1:]):
+        want, _ = scaled(*(t[:, a:b] for t in tensors), use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(out[:, a:b], want, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- fla / causal-conv1d stand-ins
 class KernelStandIns:
     """Strict CPU stand-ins for fla's ``chunk_gated_delta_rule`` and causal-conv1d's

@@ -212,3 +212,28 @@ def test_a_nopad_packed_row_without_nopad_meta_is_refused():
                        use_cache=False).logits[0]
         alone = model(seqs[0][None], use_cache=False).logits[0]  # one sequence: nothing to refuse
     assert torch.allclose(packed[:4], alone, atol=1e-5)
+
+
+def test_a_release_whose_scan_computes_otherwise_leaves_its_family_refused(monkeypatch):
+    """nopad runs its own chunked scan for transformers' ``mamba2_chunk_scan``; every family's scan
+    is checked to compute the same once, and one that does not (here: its ``dt_limit`` ignored)
+    leaves the family refused, as a changed signature does, rather than computed differently."""
+    import importlib
+    import inspect
+
+    from packing.mixers import chunked_ssd
+
+    for module_name, mixer_name in mamba2.FAMILIES.items():
+        module = importlib.import_module(module_name)
+        assert mamba2._fence(module, mixer_name) is None
+    module = importlib.import_module("transformers.models.bamba.modeling_bamba")
+    scan = inspect.unwrap(module.mamba2_chunk_scan.nopad_original)
+
+    def without_dt_limit(hidden_states, dt, A, B, C, chunk_size, initial_states=None,
+                         return_final_states=False, dt_limit=None, **kwargs):
+        return scan(hidden_states, dt, A, B, C, chunk_size, initial_states=initial_states,
+                    return_final_states=return_final_states, **kwargs)
+
+    assert not chunked_ssd.matches(without_dt_limit)
+    monkeypatch.setattr(module, "mamba2_chunk_scan", without_dt_limit)
+    assert "computes other than nopad's chunked scan" in mamba2._fence(module, "BambaMixer")
