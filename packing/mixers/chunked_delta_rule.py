@@ -110,20 +110,27 @@ def matches(reference: Callable) -> bool:
     states, so that a release whose function computes something else keeps running its own
     function (reported once) instead of this one, silently."""
     if reference not in _MATCHES:
-        q, k, v, g, beta, init = probe_inputs([(1, 11, 2, 4), (1, 11, 2, 4), (1, 11, 4, 3), (1, 11, 4),
-                                               (1, 11, 4), (2, 4, 4, 3)])
-        g, beta = -g.abs(), beta.abs().clamp(max=1)
-        pieces = [(0, 7), (7, 11)]
-        ours, our_final = chunked_gated_delta_rule(q, k, v, g, beta, [0, 7], [7, 4], initial_state=init,
-                                                   chunk_size=4, use_qk_l2norm_in_kernel=True)
-        theirs = [reference(*(t[:, a:b] for t in (q, k, v, g, beta)), chunk_size=4, output_final_state=True,
-                            initial_state=init[i:i + 1], use_qk_l2norm_in_kernel=True)
-                  for i, (a, b) in enumerate(pieces)]
-        agree = (torch.allclose(ours, torch.cat([o[0] for o, _ in theirs]), rtol=1e-4, atol=1e-5)
-                 and torch.allclose(our_final, torch.cat([f for _, f in theirs]), rtol=1e-4, atol=1e-5))
-        if not agree:
+        try:
+            with torch.no_grad(), torch.autocast("cpu", enabled=False):  # fp32, whatever the caller's mode
+                _MATCHES[reference] = _agrees(reference)
+        except Exception:  # noqa: BLE001 - a function that cannot run the probe is not this rule either
+            _MATCHES[reference] = False
+        if not _MATCHES[reference]:
             logger.warning("nopad: %s.%s computes other than nopad's chunked gated delta rule; it runs "
                            "itself on packed rows (per group of pieces)", reference.__module__,
                            reference.__qualname__)
-        _MATCHES[reference] = agree
     return _MATCHES[reference]
+
+
+def _agrees(reference: Callable) -> bool:
+    q, k, v, g, beta, init = probe_inputs([(1, 11, 2, 4), (1, 11, 2, 4), (1, 11, 4, 3), (1, 11, 4),
+                                           (1, 11, 4), (2, 4, 4, 3)])
+    g, beta = -g.abs(), beta.abs().clamp(max=1)
+    pieces = [(0, 7), (7, 11)]
+    ours, our_final = chunked_gated_delta_rule(q, k, v, g, beta, [0, 7], [7, 4], initial_state=init,
+                                               chunk_size=4, use_qk_l2norm_in_kernel=True)
+    theirs = [reference(*(t[:, a:b] for t in (q, k, v, g, beta)), chunk_size=4, output_final_state=True,
+                        initial_state=init[i:i + 1], use_qk_l2norm_in_kernel=True)
+              for i, (a, b) in enumerate(pieces)]
+    return (torch.allclose(ours, torch.cat([o[0] for o, _ in theirs]), rtol=1e-4, atol=1e-5)
+            and torch.allclose(our_final, torch.cat([f for _, f in theirs]), rtol=1e-4, atol=1e-5))

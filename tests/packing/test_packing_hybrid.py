@@ -275,6 +275,9 @@ def test_a_delta_rule_that_computes_otherwise_runs_itself(caplog):
     from packing.mixers import chunked_delta_rule
 
     assert chunked_delta_rule.matches(TORCH_RULE)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a forward under autocast: the probe stays fp32
+        assert chunked_delta_rule.matches(lambda *args, **kwargs: TORCH_RULE(*args, **kwargs))
+    assert not chunked_delta_rule.matches(lambda *args: None)  # one that cannot run the probe
 
     def scaled(*args, **kwargs):
         out, state = TORCH_RULE(*args, **kwargs)
