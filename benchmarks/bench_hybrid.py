@@ -69,7 +69,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
-from benchmarks.bench_generate import agreement, run_hf_static, run_nopad  # noqa: E402
+from benchmarks.bench_generate import agreement, hf_generate, run_hf_static, run_nopad  # noqa: E402
 from benchmarks.bench_train import make_lengths, nopad_batches, padded_batches  # noqa: E402
 from packing.hf import register_nopad_attention  # noqa: E402
 from packing.invariance import batch_invariant  # noqa: E402
@@ -258,6 +258,8 @@ def generation(builders, vocab: int, args) -> None:
         for dtype_name in args.dtypes.split(","):
             model = build(vocab, args.quick).eval().to(device=args.device, dtype=getattr(torch, dtype_name))
             name = build.__name__
+            model.set_attn_implementation("sdpa")
+            hf_generate(model, [prompts[0]], 2, 0, do_sample=False)  # warm-up, untimed (as nopad's)
             start = time.process_time()  # CPU seconds too: on a shared machine wall time is mostly the load
             hf = run_hf_static(model, prompts, max_new, batch, pad_id=0)
             hf_cpu = time.process_time() - start
