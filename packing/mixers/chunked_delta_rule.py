@@ -19,10 +19,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
-from packing.mixers.chunks import chunk_layout, flushed_exp, gather_chunks, piece_positions, probe_inputs
+from packing.mixers.chunks import (
+    carry_states,
+    chunk_layout,
+    flushed_exp,
+    gather_chunks,
+    piece_positions,
+    probe_inputs,
+)
 
 logger = logging.getLogger(__name__)
 _MATCHES: dict[Callable, bool] = {}
@@ -79,25 +85,16 @@ def chunked_gated_delta_rule(
     k = k * flushed_exp(cum[..., -1:] - cum)[..., None]
     chunk_decay = flushed_exp(cum[..., -1])[..., None, None]
 
-    pieces = len(order)
     if initial_state is None:
-        state = value.new_zeros((pieces, heads, key.shape[-1], head_v), dtype=torch.float32)
-    else:
-        state = initial_state.to(torch.float32)[torch.from_numpy(order).to(value.device)]
-    outs, finals, done = [], [], pieces
-    offset = 0
-    for n in active.tolist():
-        if n < done:  # pieces that end here: their state is final
-            finals.append(state[n:done])
-            state, done = state[:n], n
-        block = slice(offset, offset + n)
+        initial_state = value.new_zeros((len(order), heads, key.shape[-1], head_v), dtype=torch.float32)
+
+    def step(block: slice, state: torch.Tensor):
         v_new = new_values[block] - k_cumdecay[block] @ state
-        outs.append(q[block] @ state + intra[block] @ v_new)
-        state = state * chunk_decay[block] + k[block].transpose(-1, -2) @ v_new
-        offset += n
-    finals.append(state)
-    final = torch.cat(finals[::-1])[torch.from_numpy(np.argsort(order)).to(value.device)]
-    out = torch.cat(outs).transpose(1, 2).reshape(-1, heads, head_v)  # (C * chunk, HV, V)
+        out = q[block] @ state + intra[block] @ v_new
+        return out, state * chunk_decay[block] + k[block].transpose(-1, -2) @ v_new
+
+    out, final = carry_states(active, order, initial_state.to(torch.float32), step)
+    out = out.transpose(1, 2).reshape(-1, heads, head_v)  # (C * chunk, HV, V)
     positions = torch.from_numpy(piece_positions(index, starts, lengths)).to(value.device)
     return out[positions].to(query.dtype), final
 

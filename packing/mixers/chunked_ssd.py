@@ -17,10 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
-from packing.mixers.chunks import chunk_layout, flushed_exp, gather_chunks, piece_positions, probe_inputs
+from packing.mixers.chunks import (
+    carry_states,
+    chunk_layout,
+    flushed_exp,
+    gather_chunks,
+    piece_positions,
+    piece_rows,
+    probe_inputs,
+)
 from packing.mixers.ssm_steps import discretise_dt
 
 
@@ -72,29 +79,19 @@ def chunked_ssd_scan(
     chunk_states = torch.einsum("clhn,clhp->chpn", b * to_end, xs)
     chunk_decay = flushed_exp(a_cum[..., -1])[..., None, None]  # (Cn, heads, 1, 1)
 
-    pieces = len(order)
     if initial_states is None:
-        state = x.new_zeros((pieces, heads, head_dim, B.shape[-1]), dtype=torch.float32)
-    else:
-        state = initial_states.to(torch.float32)[torch.from_numpy(order).to(x.device)]
-    entering, finals, done, offset = [], [], pieces, 0
-    for n in active.tolist():
-        if n < done:  # pieces that end here: their state is final
-            finals.append(state[n:done])
-            state, done = state[:n], n
-        block = slice(offset, offset + n)
-        entering.append(state)
-        state = state * chunk_decay[block] + chunk_states[block]
-        offset += n
-    finals.append(state)
-    final = torch.cat(finals[::-1])[torch.from_numpy(np.argsort(order)).to(x.device)]
+        initial_states = x.new_zeros((len(pieces), heads, head_dim, B.shape[-1]), dtype=torch.float32)
+
+    def step(block: slice, state: torch.Tensor):  # a chunk reads the state it enters with
+        return state, state * chunk_decay[block] + chunk_states[block]
+
+    entering, final = carry_states(active, order, initial_states.to(torch.float32), step)
     from_start = flushed_exp(a_cum).transpose(1, 2)[..., None]  # (Cn, L, heads, 1)
-    y = y + torch.einsum("clhn,chpn->clhp", c, torch.cat(entering)) * from_start
+    y = y + torch.einsum("clhn,chpn->clhp", c, entering) * from_start
     positions = torch.from_numpy(piece_positions(index, starts, lengths)).to(x.device)
     out = y.reshape(-1, heads, head_dim)[positions]
     if D is not None:
-        rows = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
-        out = out + D[:, None] * x.float()[torch.from_numpy(rows).to(x.device)]
+        out = out + D[:, None] * x.float()[torch.from_numpy(piece_rows(starts, lengths)).to(x.device)]
     return out, final
 
 

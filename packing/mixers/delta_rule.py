@@ -32,6 +32,7 @@ import torch
 
 from packing import invariance
 from packing.mixers import chunked_delta_rule
+from packing.mixers.chunks import piece_rows
 from packing.mixers.kernels import disable, package_function
 from packing.mixers.recurrence import recurrence_plan
 from packing.varlen import VarlenMeta
@@ -312,7 +313,7 @@ def _run_own(tensors, plan, group, init, chunk_size, common):
     starts, lengths = [piece.start for piece in pieces], [len(piece) for piece in pieces]
     out, final = chunked_delta_rule.chunked_gated_delta_rule(*tensors, starts, lengths, initial_state=init,
                                           chunk_size=chunk_size, **common)
-    return out, final, np.concatenate([np.arange(piece.start, piece.end) for piece in pieces])
+    return out, final, piece_rows(starts, lengths)
 
 
 def _zero_state(tensors) -> torch.Tensor:

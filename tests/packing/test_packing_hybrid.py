@@ -268,6 +268,14 @@ def test_own_ssd_scan_equals_transformers_per_piece_with_gradients():
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+def test_a_chunked_scan_refuses_no_pieces_or_a_negative_length():
+    from packing.mixers.chunks import chunk_layout
+
+    for lengths in ([], [3, -1]):
+        with pytest.raises(ValueError, match="at least one piece of length >= 0"):
+            chunk_layout([0] * len(lengths), lengths, total=8, chunk_size=4)
+
+
 def test_a_delta_rule_that_computes_otherwise_runs_itself(caplog):
     """nopad's own chunked rule stands in for functions made under the kernel name
     ``chunk_gated_delta_rule`` only once it is seen to compute what the function does; one that
