@@ -59,7 +59,6 @@ import torch
 
 from packing import invariance
 from packing.mixers import chunked_ssd
-from packing.mixers.chunked_ssd import chunked_ssd_scan
 from packing.mixers.conv import varlen_causal_conv1d
 from packing.mixers.hf_kernels import LayerState, step_states
 from packing.mixers.kernels import package_function
@@ -148,7 +147,7 @@ def packed_chunk_scan(hidden_states, dt, A, B, C, chunk_size, meta: VarlenMeta, 
         return fast(hidden_states, dt, A, B, C, chunk_size, seq_idx=meta.seq_idx[None],
                     **{k: v for k, v in kwargs.items() if k in params})
     return row_scan(hidden_states, dt, A, B, C, plan, kwargs,
-                    functools.partial(chunked_ssd_scan, chunk_size=chunk_size))
+                    functools.partial(chunked_ssd.chunked_ssd_scan, chunk_size=chunk_size))
 
 
 def packed_fused(args: tuple, kwargs: dict, meta: VarlenMeta):
@@ -215,7 +214,7 @@ def step_chunk_scan(update, hidden_states, dt, A, B, C, chunk_size, states, *, D
         longer = [i for i, n in enumerate(meta.seqlens_q) if n > 1]
         if longer:  # nopad's own chunked scan, every longer sequence at once from its slot
             pieces = [(cu[i], cu[i + 1]) for i in longer]
-            out, finals[longer] = chunked_ssd_scan(hidden_states[0], dt[0], A, B[0], C[0], pieces,
+            out, finals[longer] = chunked_ssd.chunked_ssd_scan(hidden_states[0], dt[0], A, B[0], C[0], pieces,
                                                    initial[longer], chunk_size=chunk_size, **scan)
             ends = np.cumsum([0] + [end - start for start, end in pieces])
             parts += [(cu[i], out[ends[j]: ends[j + 1]]) for j, i in enumerate(longer)]
