@@ -70,6 +70,11 @@ class MixerSupport:
     name: str
     handles: Callable[[nn.Module], bool]
     contexts: frozenset[str] = field(default_factory=lambda: frozenset(CONTEXTS))
+    # the layer kinds a config may declare (``layer_types``) that this support stands for: None,
+    # any (a recurrent or convolution mixer is the layer, whatever the config calls it); empty,
+    # none (attention sinks are a property of an attention layer: a layer declared as some other
+    # kind of attention, e.g. a compressed one, that also has sinks is not served by them)
+    layer_kinds: frozenset[str] | None = None
 
 
 _SUPPORTS: list[MixerSupport] = []
@@ -104,6 +109,7 @@ class Finding:
     cls: str  # its class name
     what: str  # what it does, e.g. "a convolution over time (conv1d: Conv1d, kernel 4)"
     module: nn.Module | None = field(default=None, compare=False, repr=False)
+    declared: str | None = None  # the layer kind the config declares, for a finding made from it
 
 
 def _calls_attention_interface(cls: type) -> bool:
@@ -137,14 +143,15 @@ def _what(module: nn.Module, name: str) -> str | None:
         return f"a convolution over time ({name or 'conv'}: {type(module).__name__}, kernel {kernel})"
     if isinstance(module, nn.RNNBase):
         return f"a recurrent state ({type(module).__name__})"
-    own = _own_parameter_names(module)
-    decay = sorted(own & set(_DECAY_PARAMETERS))
+    decay = sorted(_own_parameter_names(module) & set(_DECAY_PARAMETERS))
     if decay:
         return f"a recurrent state (state-space decay parameter {decay[0]})"
-    sinks = sorted(own & set(_SINK_PARAMETERS))
-    if sinks:
-        return f"attention sinks (parameter {sinks[0]})"
-    return None
+    return _sinks(module)
+
+
+def _sinks(module: nn.Module) -> str | None:
+    sinks = sorted(_own_parameter_names(module) & set(_SINK_PARAMETERS))
+    return f"attention sinks (parameter {sinks[0]})" if sinks else None
 
 
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | tuple[None, None]:
@@ -184,6 +191,7 @@ def scan(model: nn.Module) -> list[Finding]:
     layers_path, layers = decoder_layers(model)
     kinds = declared_kinds(model)
     findings: list[Finding] = []
+    named: set[int | None] = set()  # layers whose mixer was named by what it holds
     layer_of = {}
     if layers is not None:
         for i, layer in enumerate(layers):
@@ -198,16 +206,17 @@ def scan(model: nn.Module) -> list[Finding]:
         mixer_path = _mixer_of(prefix, path) if prefix else path
         mixer = modules.get(mixer_path, module)
         findings.append(Finding(index, mixer_path, type(mixer).__name__, what, mixer))
+        if what != _sinks(module):  # sinks name no mixer: they sit on an attention module, which
+            named.add(index)  # may still be a kind of attention nopad does not know
     if layers is not None:
-        named = {f.layer for f in findings}
         for i, layer in enumerate(layers):
             prefix = f"{layers_path}.{i}" if layers_path else str(i)
             kind = kinds[i] if kinds is not None and i < len(kinds) else None
-            if i in named:  # the layer's mixer was already named by what it holds
+            if i in named:
                 continue
             if kind is not None and kind not in ATTENTION_KINDS | POSITIONWISE_KINDS:
                 what = f"declared as {kind!r} by the config"
-                findings.append(Finding(i, prefix, type(layer).__name__, what, layer))
+                findings.append(Finding(i, prefix, type(layer).__name__, what, layer, declared=kind))
             elif kind not in POSITIONWISE_KINDS and not any(calls_attention(m) for m in layer.modules()):
                 children = ", ".join(f"{n}: {type(c).__name__}" for n, c in layer.named_children())
                 what = f"no module that calls the attention interface (mixing nopad cannot see; {children})"
@@ -222,7 +231,8 @@ def _handled(finding: Finding, context: str, model: nn.Module) -> bool:
     """A finding is handled when a registered support serves its module, or another module of
     the same layer (the Conv1d inside a supported Gated DeltaNet, a layer declared
     ``linear_attention`` whose mixer is supported)."""
-    supports = [s for s in _SUPPORTS if context in s.contexts]
+    supports = [s for s in _SUPPORTS if context in s.contexts
+                and (finding.declared is None or s.layer_kinds is None or finding.declared in s.layer_kinds)]
     if not supports or finding.module is None:
         return False
     candidates: Iterable[nn.Module] = finding.module.modules()
@@ -253,7 +263,8 @@ def _message(model: nn.Module, context: str, findings: list[Finding]) -> str:
     return (
         f"nopad cannot run {type(model).__name__} on {_WHERE[context]} exactly: it would give a different "
         f"answer with no error. These layers mix tokens in ways nopad does not handle there (a recurrent or "
-        f"convolution state would run across the boundaries between sequences):\n"
+        f"convolution state, or keys pooled or picked over the whole row, would run across the boundaries "
+        f"between sequences):\n"
         + "\n".join(lines)
         + ("\nPass the row's boundaries to every layer: model(..., position_ids=meta.position_ids[None], "
            "nopad_meta=meta) (row.model_kwargs() does), not position_ids alone." if context == POSITIONS else

@@ -33,6 +33,7 @@ from tests.support.models import (
     HYBRID_FAMILIES,
     MAMBA2_FAMILIES,
     SINK_FAMILIES,
+    UNKNOWN_ATTENTION_FAMILIES,
     random_sequences,
     tiny_model,
 )
@@ -301,3 +302,36 @@ def test_a_registered_support_lifts_the_refusal_only_where_it_declares():
         check_model(model, PACKED)
     with pytest.raises(ValueError, match="unknown contexts"):
         register_mixer_support(MixerSupport("bad", lambda m: False, frozenset({"decode"})))
+
+
+@pytest.mark.parametrize("family", UNKNOWN_ATTENTION_FAMILIES)
+def test_an_attention_of_a_kind_nopad_does_not_know_is_refused_on_every_path(family):
+    """DeepSeek-V4 pools K/V over windows of the row (its compressed layers) and has sinks;
+    DeepSeek-V3.2's indexer picks each query's keys. Both call the attention interface, and V4's
+    sinks are ones nopad serves, so only the kind the config declares tells: before, V4's packed
+    row died in nopad's attention on a key count (its pooled keys appended to the row's) and its
+    generator on a cache shape, neither saying why; V3.2's sliding-window-free indexer would pick
+    keys from other sequences of the row."""
+    model = tiny_model(family)
+    layer = type(model.model.layers[1]).__name__
+    for context in CONTEXTS:
+        with pytest.raises(UnsupportedMixerError, match=rf"{layer} .*declared as '\w+_attention'"):
+            check_model(model, context)
+    with pytest.raises(UnsupportedMixerError, match=layer):
+        packing.verify(model, random_sequences((5, 40, 9)))
+    with pytest.raises(UnsupportedMixerError, match=layer):
+        Generator(model, block_size=16, max_num_batched_tokens=64, max_num_seqs=2, num_blocks=16)
+
+
+def test_sinks_do_not_vouch_for_a_layer_declared_as_another_kind_of_attention():
+    """gpt-oss as it is passes (its sinks are served); the same layer declared as a kind nopad
+    does not know is refused, though the sinks it holds are still ones nopad serves."""
+    model = tiny_model("gpt_oss")
+    for context in CONTEXTS:
+        check_model(model, context)
+    kinds = list(model.config.layer_types)
+    kinds[1] = "heavily_compressed_attention"  # DeepSeek-V4's kind on a gpt-oss layer
+    model = tiny_model("gpt_oss", layer_types=kinds)
+    for context in CONTEXTS:
+        with pytest.raises(UnsupportedMixerError, match=r"GptOssDecoderLayer .*'heavily_compressed_"):
+            check_model(model, context)

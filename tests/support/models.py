@@ -21,6 +21,9 @@ MAMBA2_FAMILIES = ("nemotron_h", "granitemoehybrid", "bamba", "falcon_h1")
 # attention layouts besides one head size: Gemma4 (K/V shared across its last layers, a larger head
 # on full-attention layers, per-layer inputs), DeepSeek-V3 (MLA: keys and values of different sizes)
 LAYOUT_FAMILIES = ("gemma4", "deepseek_v3")
+# attention of kinds nopad does not know, declared by the config (DeepSeek-V4's compressed K/V pooled
+# over windows of the row, and sinks; DeepSeek-V3.2's indexer picking each query's keys): refused
+UNKNOWN_ATTENTION_FAMILIES = ("deepseek_v4", "deepseek_v32")
 
 SLIDING_WINDOW = 8
 
@@ -107,6 +110,19 @@ _FAMILY.update({
                     {"v_head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
                      "first_k_dense_replace": 1, "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1,
                      **_MLA}),
+    "deepseek_v4": (transformers.DeepseekV4Config, transformers.DeepseekV4ForCausalLM,
+                    {"num_hidden_layers": 3, "head_dim": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+                     "o_groups": 4, "o_lora_rank": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": 32, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 8,
+                     "sliding_window": SLIDING_WINDOW, "mlp_layer_types": ["moe"] * 3,
+                     "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                     "layer_types": ["sliding_attention", "heavily_compressed_attention",
+                                     "compressed_sparse_attention"]}),
+    "deepseek_v32": (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM,
+                     {"n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+                      "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1, "num_key_value_heads": 4,
+                      "index_topk": 8, "index_head_dim": 16, "index_n_heads": 2, **_MLA, "q_lora_rank": 32,
+                      "v_head_dim": 16}),
 })
 
 
