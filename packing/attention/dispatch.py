@@ -122,7 +122,10 @@ def _check(q, k, v, meta: VarlenMeta, kv_cache, table, sliding_window) -> int:
                 raise ValueError(f"k/v have {k.shape[0]}/{v.shape[0]} tokens but this shared-prefix row has "
                                  f"{meta.total_q}; pass the row's own keys (one per token)")
         elif k.shape[0] != meta.total_k or v.shape[0] != meta.total_k:
-            raise ValueError(f"k/v have {k.shape[0]}/{v.shape[0]} tokens but meta describes {meta.total_k}")
+            raise ValueError(f"k/v have {k.shape[0]}/{v.shape[0]} tokens but meta describes "
+                             f"{meta.total_k}: the keys must be the row's own, one per token; a layer that "
+                             "adds keys of its own (pooled, compressed or memory K/V) cannot run on a packed "
+                             "row (docs/models.md)")
         kv_heads = k.shape[1]
     if q.shape[1] % kv_heads:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({kv_heads})")
