@@ -21,7 +21,11 @@ The scan decides by structure, not by model names, so next month's family is cau
 - a decoder layer with no module that calls the attention interface, unless declared position-
   wise (``mlp``/``moe``);
 - a model class transformers marks stateful (``_is_stateful``) where none of the above named the
-  layer.
+  layer;
+- positions nopad cannot set: a model whose forward takes no ``position_ids`` (it counts positions
+  itself, so a packed row's later sequences would sit past their own), or a learned position table
+  with a padding index (Roberta's convention: positions start past it, not at 0 as nopad's do).
+  No support can lift these.
 """
 
 from __future__ import annotations
@@ -184,6 +188,26 @@ def _mixer_of(layer_path: str, path: str) -> str:
     return f"{layer_path}.{head}" if layer_path and head else path
 
 
+def _position_findings(model: nn.Module) -> list[Finding]:
+    """Where the model's positions are not the row's ``position_ids`` counted from 0 per sequence
+    (module None: a support for a mixer does not make positions right)."""
+    from transformers import PreTrainedModel
+
+    top = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    findings = []
+    if top is not None and "position_ids" not in inspect.signature(type(top).forward).parameters:
+        findings.append(Finding(None, "", type(top).__name__, "positions counted by the model itself (its "
+                                "forward takes no position_ids): each packed sequence would start where the "
+                                "last one ended"))
+    for path, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and "position" in path.rsplit(".", 1)[-1] \
+                and module.padding_idx is not None:
+            what = f"a learned position table with a padding index ({module.padding_idx})"
+            what += ": its positions start past it, not at 0"
+            findings.append(Finding(None, path, type(module).__name__, what))
+    return findings
+
+
 def scan(model: nn.Module) -> list[Finding]:
     """Every place in ``model`` where tokens are mixed other than through the attention
     interface (see the module docstring). Uncached: :func:`check_model` caches per model."""
@@ -221,6 +245,7 @@ def scan(model: nn.Module) -> list[Finding]:
                 children = ", ".join(f"{n}: {type(c).__name__}" for n, c in layer.named_children())
                 what = f"no module that calls the attention interface (mixing nopad cannot see; {children})"
                 findings.append(Finding(i, prefix, type(layer).__name__, what, layer))
+    findings += _position_findings(model)
     if not findings and getattr(type(model), "_is_stateful", False):
         findings.append(Finding(None, "", type(model).__name__, "a model transformers marks stateful "
                                 "(_is_stateful: it carries a recurrent state between tokens)", model))

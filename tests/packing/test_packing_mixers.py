@@ -32,6 +32,7 @@ from tests.support.models import (
     FAMILIES,
     HYBRID_FAMILIES,
     MAMBA2_FAMILIES,
+    POSITION_FAMILIES,
     SINK_FAMILIES,
     UNKNOWN_ATTENTION_FAMILIES,
     random_sequences,
@@ -335,3 +336,19 @@ def test_sinks_do_not_vouch_for_a_layer_declared_as_another_kind_of_attention():
     for context in CONTEXTS:
         with pytest.raises(UnsupportedMixerError, match=r"GptOssDecoderLayer .*'heavily_compressed_"):
             check_model(model, context)
+
+
+@pytest.mark.parametrize("family", POSITION_FAMILIES)
+def test_positions_nopad_cannot_set_are_refused_on_every_path(family):
+    """BART's decoder takes no position_ids (it counts positions on from the row's start) and
+    Roberta's learned position table starts past its padding index: both ran packed rows with each
+    later sequence at positions that are not its own, logits 0.6 off, with no error (the #36
+    sweep of every causal LM in transformers 5.24)."""
+    model = tiny_model(family)
+    for context in CONTEXTS:
+        with pytest.raises(UnsupportedMixerError, match="position"):
+            check_model(model, context)
+    with pytest.raises(UnsupportedMixerError, match="position"):
+        packing.verify(model, random_sequences((5, 40, 9)))
+    with pytest.raises(UnsupportedMixerError, match="position"):
+        Generator(model, block_size=16, max_num_batched_tokens=64, max_num_seqs=2, num_blocks=16)

@@ -24,6 +24,9 @@ LAYOUT_FAMILIES = ("gemma4", "deepseek_v3")
 # attention of kinds nopad does not know, declared by the config (DeepSeek-V4's compressed K/V pooled
 # over windows of the row, and sinks; DeepSeek-V3.2's indexer picking each query's keys): refused
 UNKNOWN_ATTENTION_FAMILIES = ("deepseek_v4", "deepseek_v32")
+# positions nopad cannot set: BART's decoder counts them itself (no position_ids); Roberta's learned
+# table starts past its padding index
+POSITION_FAMILIES = ("bart", "roberta")
 
 SLIDING_WINDOW = 8
 
@@ -118,6 +121,10 @@ _FAMILY.update({
                      "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
                      "layer_types": ["sliding_attention", "heavily_compressed_attention",
                                      "compressed_sparse_attention"]}),
+    "bart": (transformers.BartConfig, transformers.BartForCausalLM,
+             {"d_model": 64, "decoder_layers": 2, "encoder_layers": 1, "decoder_attention_heads": 4,
+              "encoder_attention_heads": 4, "decoder_ffn_dim": 128, "encoder_ffn_dim": 128}),
+    "roberta": (transformers.RobertaConfig, transformers.RobertaForCausalLM, {"is_decoder": True}),
     "deepseek_v32": (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM,
                      {"n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
                       "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1, "num_key_value_heads": 4,
