@@ -36,7 +36,8 @@ class LayerKV:
     head_dim: int
 
 
-def _text_config(config):
+def text_config(config):
+    """The language model's config (a multimodal model's ``text_config``; the config itself else)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
@@ -79,7 +80,7 @@ def _sources(config) -> list[int]:
 
 def kv_layout(config) -> list[LayerKV]:
     """Every decoder layer's paged K/V (see the module docstring)."""
-    config = _text_config(config)
+    config = text_config(config)
     return [LayerKV(source, *_layer_heads(config, source)) for source in _sources(config)]
 
 

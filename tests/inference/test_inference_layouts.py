@@ -77,3 +77,26 @@ def test_a_cache_of_another_layout_is_refused_by_name():
     q, k, v = torch.randn(2, 4, 32), torch.randn(2, 2, 32), torch.randn(2, 2, 32)
     with pytest.raises(ValueError, match=r"paged cache holds \(2, 16\).*kv_layout"):
         varlen_attention(q, k, v, meta, kv_cache=cache)
+
+
+def test_a_multimodal_model_generates_text_as_hf_does():
+    """``AutoModelForCausalLM`` gives Gemma3's (and Gemma4's) image-text class for the released
+    4B+ checkpoints; its config keeps the vocabulary and positions in ``text_config``, and the
+    Generator read them off the top config and crashed (found by the #36 sweep of every causal LM
+    class). Text prompts through it equal HF ``generate``."""
+    import transformers
+
+    text = tiny_config("gemma2").to_dict()
+    text = {k: text[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                                 "pad_token_id", "bos_token_id", "eos_token_id")}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=32, patch_size=16)
+    config = transformers.Gemma3Config(text_config={**text, "head_dim": 16, "sliding_window": 8},
+                                       vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    prompts = prompts_of([5, 17])
+    gen = Generator(model, block_size=4, num_blocks=32)
+    outs = gen.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 6) for p in prompts]
