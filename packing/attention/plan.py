@@ -54,6 +54,12 @@ class Decision(NamedTuple):
     backend: Backend
 
 
+_MASK_READ = ("the model uses its attention mask itself, besides handing it to the attention interface: "
+              "under nopad attention the mask is nopad's plan (no dense mask: a packed row's boundaries are "
+              "in nopad_meta), so this model's own masking cannot run on nopad; keep it unpacked (sdpa), or "
+              "see docs/models.md")
+
+
 class AttentionPlan:
     """The backend decisions of one forward (see module docstring). ``backend`` is the default
     request (``"auto"``: ``NOPAD_ATTN_BACKEND``, else the registry's rule)."""
@@ -66,6 +72,7 @@ class AttentionPlan:
         self.decisions = 0  # runs of registry.choose this plan made (the benchmark and tests read it)
         self.row: PlannedRow | None = None  # set by the first layer (packing.hf.attention)
         self.checked: set[str] = set()  # contexts the forward's model was checked for (packing.mixers)
+        self.cache_layers: set[int] = set()  # layers that took their paged K/V in this forward
         self._decided: dict[tuple, Decision] = {}
         self._differentiable: dict[tuple, Backend] = {}
 
@@ -76,6 +83,19 @@ class AttentionPlan:
         that way gets the same plan, and a ``nopad_meta`` that no longer matches the row is refused
         by the layer (:func:`packing.hf.attention.nopad_attention`)."""
         return self
+
+    def __getattr__(self, name: str):
+        """Only for names a plan lacks: a model that reads its attention mask as a tensor itself
+        (Doge's dynamic mask reads ``.dtype``) masks tokens outside the attention interface, where
+        nopad gives it no dense mask. Say so, not just "no attribute"."""
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"{_MASK_READ} (it asked for .{name})")
+
+    def __add__(self, other):
+        raise TypeError(f"{_MASK_READ} (it added to it)")
+
+    __radd__ = __add__
 
     def decide(self, device: torch.device, dtype: torch.dtype, softcap: float | None = None,
                window: int | None = None, *, paged: bool = False, block_size: int = 1,

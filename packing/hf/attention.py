@@ -74,7 +74,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from packing.attention import registry, varlen_attention
 from packing.attention.plan import AttentionPlan, PlannedRow
 from packing.distributed import compute_dtype
-from packing.mixers import GENERATE, PACKED, TREE, check_calling_model, check_model
+from packing.mixers import GENERATE, PACKED, TREE, UnsupportedMixerError, check_calling_model, check_model
 from packing.mixers.support import NOPAD_ATTENTION, POSITIONS
 from packing.varlen import VarlenMeta
 
@@ -171,11 +171,22 @@ def _row_context(meta: VarlenMeta, kv_cache, batch: int) -> str | None:
     return PACKED if meta.num_seqs > batch else None
 
 
-def _layer_cache(kv, layer_idx: int):
+def _layer_cache(kv, module: torch.nn.Module, plan: AttentionPlan):
+    """The layer's paged K/V, once per forward: a layer that calls the attention twice in one step
+    (DiffLlama's differential attention: the same keys, two halves of the values) would write its
+    second values over its first in the one K/V its layer holds, and read them back for both
+    calls on every later step, silently wrong; it is refused instead."""
     if kv is None:
         return None
+    layer_idx = getattr(module, "layer_idx", None)
     if layer_idx is None:
         raise ValueError("nopad_kv_cache needs module.layer_idx to pick the layer's cache")
+    if layer_idx in plan.cache_layers:
+        raise UnsupportedMixerError(
+            f"{type(module).__name__} (layer {layer_idx}) calls the attention interface more than once per "
+            "step: the generator's paged cache holds one K/V per layer, and the second call's values would "
+            "overwrite the first's. Generate with HF generate for this model; packed training is unaffected.")
+    plan.cache_layers.add(layer_idx)
     return kv(layer_idx) if callable(kv) else kv[layer_idx]
 
 
@@ -233,7 +244,7 @@ def nopad_attention(
         softmax_scale=scaling,
         sliding_window=sliding_window,
         softcap=softcap,
-        kv_cache=_layer_cache(nopad_kv_cache, getattr(module, "layer_idx", None)),
+        kv_cache=_layer_cache(nopad_kv_cache, module, plan),
         backend=nopad_backend,
         plan=plan,
         sinks=s_aux,

@@ -54,7 +54,9 @@ ALL_CONTEXTS = (*CONTEXTS, POSITIONS)
 _WHERE = {PACKED: "packed rows", TREE: "prefix-tree rows", GENERATE: "the generator (paged steps)",
           POSITIONS: "rows packed by position_ids without nopad_meta"}
 
-ATTENTION_KINDS = frozenset({"attention", "full_attention", "sliding_attention", "chunked_attention"})
+# (not "chunked_attention": Llama4's chunk-local mask is built by transformers' mask functions,
+# which nopad's attention replaces, so a sequence longer than a chunk would attend past its chunk)
+ATTENTION_KINDS = frozenset({"attention", "full_attention", "sliding_attention"})
 POSITIONWISE_KINDS = frozenset({"mlp", "moe", "ffn"})  # declared layers that mix no tokens
 _DECAY_PARAMETERS = ("A_log",)
 _SINK_PARAMETERS = ("sinks", "s_aux")
@@ -116,24 +118,31 @@ class Finding:
     declared: str | None = None  # the layer kind the config declares, for a finding made from it
 
 
-def _calls_attention_interface(cls: type) -> bool:
-    """Whether ``cls.forward`` routes attention through transformers' interface (read from its
-    source once per class: that is where ``"nopad"`` gets called)."""
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
-    return any(marker in source for marker in _ATTENTION_CALL_MARKERS)
+_FORWARD_SOURCES: dict[type, str] = {}
 
 
-_ATTENTION_CLASSES: dict[type, bool] = {}
+def _forward_source(cls: type) -> str:
+    """``cls.forward``'s source, read once per class ("" where there is none to read)."""
+    if cls not in _FORWARD_SOURCES:
+        try:
+            _FORWARD_SOURCES[cls] = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            _FORWARD_SOURCES[cls] = ""
+    return _FORWARD_SOURCES[cls]
 
 
 def calls_attention(module: nn.Module) -> bool:
-    cls = type(module)
-    if cls not in _ATTENTION_CLASSES:
-        _ATTENTION_CLASSES[cls] = _calls_attention_interface(cls)
-    return _ATTENTION_CLASSES[cls]
+    """Whether the module's forward routes attention through transformers' interface (where
+    ``"nopad"`` gets called)."""
+    source = _forward_source(type(module))
+    return any(marker in source for marker in _ATTENTION_CALL_MARKERS)
+
+
+def _counts_positions(module: nn.Module) -> bool:
+    """An attention module that builds positions of its own from the row's length
+    (``torch.arange`` in its forward: Llama4's attention temperature on its NoPE layers, others'
+    cache positions): in a packed row those run on from the row's start, not from each sequence's."""
+    return calls_attention(module) and "torch.arange(" in _forward_source(type(module))
 
 
 def _own_parameter_names(module: nn.Module) -> set[str]:
@@ -200,6 +209,9 @@ def _position_findings(model: nn.Module) -> list[Finding]:
                                 "forward takes no position_ids): each packed sequence would start where the "
                                 "last one ended"))
     for path, module in model.named_modules():
+        if _counts_positions(module):
+            what = "positions of its own (torch.arange in its forward), counted from the row's start"
+            findings.append(Finding(None, path, type(module).__name__, what + ", not each sequence's"))
         if isinstance(module, nn.Embedding) and "position" in path.rsplit(".", 1)[-1] \
                 and module.padding_idx is not None:
             what = f"a learned position table with a padding index ({module.padding_idx})"

@@ -100,3 +100,17 @@ def test_a_multimodal_model_generates_text_as_hf_does():
     gen = Generator(model, block_size=4, num_blocks=32)
     outs = gen.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 6) for p in prompts]
+
+
+def test_a_layer_that_calls_attention_twice_per_step_is_refused_in_the_generator_only():
+    """DiffLlama's differential attention calls the attention interface twice per layer, the same
+    keys with two halves of the values. A packed row is exact (each call gets its K/V); in the
+    generator the second call overwrote the first's values in the layer's paged K/V and every later
+    step read them back for both calls: tokens unlike HF's, with no error (the #36 sweep)."""
+    from packing.mixers import UnsupportedMixerError
+
+    model = tiny_model("diffllama")
+    assert packing.verify(model, random_sequences((5, 9, 12))).ok()
+    gen = Generator(model, block_size=4, num_blocks=32)
+    with pytest.raises(UnsupportedMixerError, match=r"DiffLlamaAttention \(layer 0\) calls the attention"):
+        gen.generate(prompts_of([5, 9]), SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)

@@ -107,3 +107,19 @@ def test_derived_values_are_cached_properties_of_the_record():
     assert layout.key_rows.tolist() == [[0, 1, 0], [2, 3, 4]]
     assert layout.query_rows.tolist() == [[0, 1, 0], [2, 3, 4]]
     assert layout.query_valid.tolist() == [[True, True, False], [True, True, True]]
+
+
+def test_a_model_that_uses_the_mask_itself_is_told_why_it_cannot_run():
+    """Doge reads its mask's ``.dtype`` and GIT adds to it, outside the attention interface: under
+    nopad the mask is the plan, and they died on "no attribute 'dtype'" / "unsupported operand"
+    (the #36 sweep). The errors now say what the model did and what to do; a plan still has no
+    attributes it lacks (``hasattr`` is False) and copies as before."""
+    import copy
+
+    plan = AttentionPlan()
+    with pytest.raises(AttributeError, match=r"uses its attention mask itself.*\(it asked for \.dtype\)"):
+        plan.dtype
+    with pytest.raises(TypeError, match=r"uses its attention mask itself.*\(it added to it\)"):
+        torch.zeros(2) + plan
+    assert not hasattr(plan, "shape")
+    assert copy.copy(plan).default == plan.default

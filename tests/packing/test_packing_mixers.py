@@ -6,6 +6,8 @@ forward after ``model.set_attn_implementation("nopad")``."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -29,6 +31,7 @@ from packing.mixers import (
 )
 from packing.varlen import VarlenMeta
 from tests.support.models import (
+    CHUNKED_FAMILIES,
     FAMILIES,
     HYBRID_FAMILIES,
     MAMBA2_FAMILIES,
@@ -352,3 +355,16 @@ def test_positions_nopad_cannot_set_are_refused_on_every_path(family):
         packing.verify(model, random_sequences((5, 40, 9)))
     with pytest.raises(UnsupportedMixerError, match="position"):
         Generator(model, block_size=16, max_num_batched_tokens=64, max_num_seqs=2, num_blocks=16)
+
+
+@pytest.mark.parametrize("family", CHUNKED_FAMILIES)
+def test_chunked_attention_and_attention_that_counts_its_own_positions_are_refused(family):
+    """Llama4's chunked layers attend within chunks of ``attention_chunk_size`` by a mask that
+    transformers builds and nopad's attention replaces; its NoPE layers scale queries by a
+    temperature of positions they count from the row's start. Its packed rows were 0.7 off with no
+    error (the #36 sweep); both are refused, each by what it is."""
+    model = tiny_model(family)
+    for context in CONTEXTS:
+        with pytest.raises(UnsupportedMixerError, match=r"declared as 'chunked_attention'") as refused:
+            check_model(model, context)
+        assert re.search(r"Llama4TextAttention .*positions of its own", str(refused.value))

@@ -27,6 +27,9 @@ UNKNOWN_ATTENTION_FAMILIES = ("deepseek_v4", "deepseek_v32")
 # positions nopad cannot set: BART's decoder counts them itself (no position_ids); Roberta's learned
 # table starts past its padding index
 POSITION_FAMILIES = ("bart", "roberta")
+# Llama4: chunk-local attention (a mask transformers builds, which nopad's attention replaces) and an
+# attention temperature from positions its NoPE layers count themselves
+CHUNKED_FAMILIES = ("llama4",)
 
 SLIDING_WINDOW = 8
 
@@ -125,6 +128,10 @@ _FAMILY.update({
              {"d_model": 64, "decoder_layers": 2, "encoder_layers": 1, "decoder_attention_heads": 4,
               "encoder_attention_heads": 4, "decoder_ffn_dim": 128, "encoder_ffn_dim": 128}),
     "roberta": (transformers.RobertaConfig, transformers.RobertaForCausalLM, {"is_decoder": True}),
+    "diffllama": (transformers.DiffLlamaConfig, transformers.DiffLlamaForCausalLM, {}),
+    "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM,
+               {"head_dim": 16, "intermediate_size_mlp": 128, "num_local_experts": 2,
+                "num_experts_per_tok": 1, "attention_chunk_size": SLIDING_WINDOW, "num_hidden_layers": 4}),
     "deepseek_v32": (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM,
                      {"n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
                       "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1, "num_key_value_heads": 4,
