@@ -81,6 +81,10 @@ def _sources(config) -> list[int]:
 def kv_layout(config) -> list[LayerKV]:
     """Every decoder layer's paged K/V (see the module docstring)."""
     config = text_config(config)
+    if not isinstance(getattr(config, "num_hidden_layers", None), int):
+        raise ValueError(f"{type(config).__name__} gives no num_hidden_layers (nor a text config that does): "
+                         "the generator cannot lay out a paged K/V cache for a model of this shape "
+                         "(docs/models.md)")
     return [LayerKV(source, *_layer_heads(config, source)) for source in _sources(config)]
 
 

@@ -118,7 +118,7 @@ def test_a_model_that_uses_the_mask_itself_is_told_why_it_cannot_run():
 
     plan = AttentionPlan()
     with pytest.raises(AttributeError, match=r"uses its attention mask itself.*\(it asked for \.dtype\)"):
-        plan.dtype
+        _ = plan.dtype
     with pytest.raises(TypeError, match=r"uses its attention mask itself.*\(it added to it\)"):
         torch.zeros(2) + plan
     assert not hasattr(plan, "shape")
