@@ -100,7 +100,9 @@ def _classify_error(exc) -> dict:
     info = {"exc": type(exc).__name__, "msg": str(exc)[:1500].replace("\n", " | "), **_frames(exc)}
     raised_in_nopad = info["raised_at"] and not info["raised_at"].startswith(("transformers/", "torch/"))
     raised_in_nopad = raised_in_nopad and "site-packages" not in info["raised_at"]
+    # a refusal of nopad's own: its error types, or any error that sends the user to the model docs
     clear_type = isinstance(exc, (UnsupportedMixerError, ValueError, NotImplementedError))
+    clear_type = clear_type or "docs/models.md" in str(exc)
     info["outcome"] = "REFUSED" if (raised_in_nopad and clear_type) else "CRASH"
     return info
 
