@@ -34,7 +34,7 @@ import gc
 import inspect
 import logging
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -265,19 +265,16 @@ def scan(model: nn.Module) -> list[Finding]:
 
 
 def _handled(finding: Finding, context: str, model: nn.Module) -> bool:
-    """A finding is handled when a registered support serves its module, or another module of
-    the same layer (the Conv1d inside a supported Gated DeltaNet, a layer declared
-    ``linear_attention`` whose mixer is supported)."""
+    """A finding is handled when a registered support serves its mixer (the layer's child that
+    holds it: the Conv1d inside a supported Gated DeltaNet), or, for a layer the config declares
+    (``linear_attention``), a module of that layer. Not another mixer of the same layer: Qwen4-Exp's
+    n-gram block (a dilated convolution over time) sits beside a supported Gated DeltaNet and ran
+    across the row's boundaries, let through because its layer held one."""
     supports = [s for s in _SUPPORTS if context in s.contexts
                 and (finding.declared is None or s.layer_kinds is None or finding.declared in s.layer_kinds)]
     if not supports or finding.module is None:
         return False
-    candidates: Iterable[nn.Module] = finding.module.modules()
-    if finding.layer is not None:
-        _, layers = decoder_layers(model)
-        if layers is not None:
-            candidates = layers[finding.layer].modules()
-    return any(s.handles(m) for m in candidates for s in supports)
+    return any(s.handles(m) for m in finding.module.modules() for s in supports)
 
 
 def unsupported(model: nn.Module, context: str = PACKED) -> list[Finding]:

@@ -267,6 +267,18 @@ def test_a_made_up_convolution_beside_attention_is_refused():
         check_model(model)
 
 
+def test_a_made_up_convolution_beside_a_served_mixer_is_refused():
+    """A served Gated DeltaNet does not vouch for another mixer of its layer: Qwen4-Exp's n-gram
+    block (a dilated convolution over time beside its delta rule) ran across the boundaries, 3e-2
+    off with no error, because its layer held a served mixer (the #36 sweep)."""
+    model = tiny_model("qwen3_5")
+    layer = model.model.layers[0]
+    layer.ngram = nn.Sequential(nn.Conv1d(64, 64, kernel_size=3, groups=64, padding=2))
+    for context in CONTEXTS:
+        with pytest.raises(UnsupportedMixerError, match=r"Sequential \(model.layers.0.ngram, layers \[0\]\)"):
+            check_model(model, context)
+
+
 def test_a_stateful_model_with_nothing_else_to_show_is_refused():
     model = tiny_model("llama")
 
