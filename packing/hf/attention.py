@@ -171,6 +171,20 @@ def _row_context(meta: VarlenMeta, kv_cache, batch: int) -> str | None:
     return PACKED if meta.num_seqs > batch else None
 
 
+def _refuse_bidirectional(module: torch.nn.Module, sliding_window: int | None, kv_cache) -> None:
+    """Bidirectional attention (Gemma3/4 with ``use_bidirectional_attention``): nopad's varlen core
+    keeps each sequence's tokens apart, but its window over a bidirectional layer reaches the whole
+    future (transformers': ``|q - k| < window``), and a paged step sees no future at all. Both
+    gave other answers with no error, even for one sequence alone; refused instead."""
+    where = "a paged generator step" if kv_cache is not None else (
+        f"a sliding window of {sliding_window}" if sliding_window else None)
+    if where is not None:
+        raise UnsupportedMixerError(
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', None)}) is bidirectional (not "
+            f"causal), which nopad's attention does not compute with {where}: keep this model on sdpa, "
+            "unpacked (docs/models.md)")
+
+
 def _layer_cache(kv, module: torch.nn.Module, plan: AttentionPlan):
     """The layer's paged K/V, once per forward: a layer that calls the attention twice in one step
     (DiffLlama's differential attention: the same keys, two halves of the values) would write its
@@ -232,6 +246,9 @@ def nopad_attention(
     if context is not None and context not in plan.checked:
         check_calling_model(module, context)  # checks the whole model: once per forward is enough
         plan.checked.add(context)
+    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    if not causal:
+        _refuse_bidirectional(module, sliding_window, nopad_kv_cache)
     dtype = compute_dtype(module, query)
     q = query.transpose(1, 2).reshape(batch * q_len, heads, dim)
     k = key.transpose(1, 2).reshape(-1, key.shape[1], dim)
@@ -240,7 +257,7 @@ def nopad_attention(
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     out = varlen_attention(
         q, k, v, meta,
-        causal=getattr(module, "is_causal", True) if is_causal is None else bool(is_causal),
+        causal=causal,
         softmax_scale=scaling,
         sliding_window=sliding_window,
         softcap=softcap,

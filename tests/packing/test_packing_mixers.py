@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import packing
-from inference import Generator
+from inference import Generator, SamplingParams
 from inference.state_cache import layer_states
 from packing.bins.tree import TreePath, pack_tree_rows
 from packing.hf import register_nopad_attention, use_nopad_attention
@@ -380,3 +380,23 @@ def test_chunked_attention_and_attention_that_counts_its_own_positions_are_refus
         with pytest.raises(UnsupportedMixerError, match=r"declared as 'chunked_attention'") as refused:
             check_model(model, context)
         assert re.search(r"Llama4TextAttention .*positions of its own", str(refused.value))
+
+
+def test_bidirectional_attention_with_a_window_or_in_the_generator_is_refused():
+    """Gemma3 with ``use_bidirectional_attention``: nopad's window over a bidirectional layer kept
+    the whole future (transformers': ``|q - k| < window``), 0.77 off even for one sequence alone, and
+    the generator ran it causally; both with no error (the #36 sweep)."""
+    import transformers
+
+    from tests.support.models import _COMMON
+
+    config = transformers.Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=8,
+                                           layer_types=["sliding_attention", "full_attention"],
+                                           use_bidirectional_attention=True)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    with pytest.raises(UnsupportedMixerError, match=r"Gemma3Attention \(layer 0\) is bidirectional"):
+        packing.verify(model, random_sequences((20,)))
+    gen = Generator(model, block_size=4, num_blocks=32)
+    with pytest.raises(UnsupportedMixerError, match=r"is bidirectional .*a paged generator step"):
+        gen.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
