@@ -74,6 +74,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from packing.attention import registry, varlen_attention
 from packing.attention.plan import AttentionPlan, PlannedRow
 from packing.distributed import compute_dtype
+from packing.hf.rope import check_row_lengths, rope_switch_length
 from packing.mixers import GENERATE, PACKED, TREE, UnsupportedMixerError, check_calling_model, check_model
 from packing.mixers.support import NOPAD_ATTENTION, POSITIONS
 from packing.varlen import VarlenMeta
@@ -171,6 +172,17 @@ def _row_context(meta: VarlenMeta, kv_cache, batch: int) -> str | None:
     return PACKED if meta.num_seqs > batch else None
 
 
+def _check_rope_row(module: torch.nn.Module, meta: VarlenMeta, context: str) -> None:
+    """A row whose rotary scaling the longest sequence would switch for all (:mod:`packing.hf.rope`);
+    the generator keeps every sequence under the switch instead (``inference.Generator``)."""
+    config = getattr(module, "config", None)
+    if config is None or context == GENERATE or rope_switch_length(config) is None:
+        return
+    why = check_row_lengths(config, meta.seqlens_k, tree=context == TREE)
+    if why:
+        raise UnsupportedMixerError(f"{type(module).__name__}: {why}")
+
+
 def _refuse_bidirectional(module: torch.nn.Module, sliding_window: int | None, kv_cache) -> None:
     """Bidirectional attention (Gemma3/4 with ``use_bidirectional_attention``): nopad's varlen core
     keeps each sequence's tokens apart, but its window over a bidirectional layer reaches the whole
@@ -245,6 +257,7 @@ def nopad_attention(
         context = POSITIONS
     if context is not None and context not in plan.checked:
         check_calling_model(module, context)  # checks the whole model: once per forward is enough
+        _check_rope_row(module, meta, context)
         plan.checked.add(context)
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     if not causal:

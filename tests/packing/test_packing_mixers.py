@@ -400,3 +400,33 @@ def test_bidirectional_attention_with_a_window_or_in_the_generator_is_refused():
     gen = Generator(model, block_size=4, num_blocks=32)
     with pytest.raises(UnsupportedMixerError, match=r"is bidirectional .*a paged generator step"):
         gen.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+
+
+@pytest.mark.parametrize("kind", ["longrope", "dynamic"])
+def test_a_rotary_scaling_switched_by_the_longest_sequence_is_kept_on_one_side(kind, caplog):
+    """LongRoPE (Phi-3.5, Phi-4-mini) and dynamic NTK pick their factors from the whole call's
+    largest position: a packed row with a sequence on each side of the switch gave the short one the
+    long factors, 0.13 off with no error (the #36 sweep). Such a row is refused; a row under the
+    switch is exact; the generator keeps every sequence under it."""
+    import transformers
+
+    from tests.support.models import _COMMON
+
+    if kind == "longrope":
+        rope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                "long_factor": [4.0] * 8, "original_max_position_embeddings": 16}
+        config = transformers.Phi3Config(**{**_COMMON, "max_position_embeddings": 64},
+                                         original_max_position_embeddings=16, rope_parameters=rope)
+        model_cls = transformers.Phi3ForCausalLM
+    else:
+        dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+        config = transformers.LlamaConfig(**{**_COMMON, "max_position_embeddings": 16},
+                                          rope_parameters=dynamic)
+        model_cls = transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    with pytest.raises(UnsupportedMixerError, match=r"switches its factors at 16 tokens"):
+        packing.verify(model, random_sequences((5, 20)))
+    assert packing.verify(model, random_sequences((5, 12))).ok()
+    with caplog.at_level("WARNING"):
+        assert Generator(model, block_size=4, num_blocks=32).max_model_len == 16
