@@ -34,7 +34,7 @@ from inference.sharded import refuse_plain_generation
 from inference.state_prefix import make_state_slots, reset_snapshot_stats, snapshot_stats, state_snapshots
 from inference.tools import ToolFormat
 from packing.blocks import BlockAllocator
-from packing.hf.rope import capped_model_len
+from packing.hf.rope import max_model_len
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +84,7 @@ class Generator:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.model, self.tokenizer = model, tokenizer
         config = text_config(model.config)  # a multimodal model's (Gemma3ForConditionalGeneration)
-        own_len = int(getattr(config, "max_position_embeddings", None) or 1 << 62)
-        self.max_model_len = capped_model_len(config, own_len)  # under a LongRoPE switch
+        self.max_model_len = max_model_len(config)  # under a LongRoPE switch, if any
         self.vocab_size = int(config.vocab_size)
         snapshots = state_snapshots(states, enable_prefix_caching, num_state_snapshots, max_num_seqs)
         state_bytes = self.live.state_bytes(max_num_seqs + snapshots)

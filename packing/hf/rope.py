@@ -44,15 +44,15 @@ def check_row_lengths(config, lengths: tuple[int, ...] | None, tree: bool) -> st
             "longer), or keep this model unpacked (docs/models.md)")
 
 
-def capped_model_len(config, max_model_len: int) -> int:
-    """The generator's longest sequence: under the switch, where a step's longest sequence cannot
-    switch the factors of the others (each is computed as it is alone), with a warning if that
-    shortens the model's own."""
+def max_model_len(config) -> int:
+    """The generator's longest sequence: the model's ``max_position_embeddings`` (unbounded if it
+    gives none), and under the switch, where a step's longest sequence cannot switch the factors of
+    the others (each is computed as it is alone), with a warning if that shortens the model's own."""
+    own = int(getattr(config, "max_position_embeddings", None) or 1 << 62)
     switch = rope_switch_length(config)
-    if switch is None or switch >= max_model_len:
-        return max_model_len
+    if switch is None or switch >= own:
+        return own
     logger.warning("this model's rotary scaling (LongRoPE / dynamic NTK) switches its factors at %d tokens "
                    "by the longest sequence of a call; the Generator keeps every sequence under it "
-                   "(max_model_len %d, not %d) so each is computed as it is alone",
-                   switch, switch, max_model_len)
+                   "(max_model_len %d, not %d) so each is computed as it is alone", switch, switch, own)
     return switch
