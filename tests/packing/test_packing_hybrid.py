@@ -31,10 +31,11 @@ TORCH_RULE = qwen.torch_chunk_gated_delta_rule.__wrapped__  # transformers' own 
 
 
 def exact(report) -> bool:
-    """The issue's bar: logits within 1e-5, the whole gradient within 1e-5 relative. Not verify's
-    per-tensor bound: in these tiny random models some decay parameters (``dt_bias``, ``A_log``)
-    get a gradient 1e-8 of the whole one, so its relative difference is fp32 rounding alone."""
-    return report.max_logit_diff <= 1e-5 * max(1.0, report.logit_scale) and report.grad_rel_diff <= 1e-5
+    """The issue's bar: logits within 1e-5, the whole gradient within 1e-5 relative, and verify's own
+    per-tensor bound (which floors a tensor's scale at 1e-3 of the whole gradient: in these tiny random
+    models some decay parameters, ``dt_bias`` / ``A_log``, get a gradient 1e-8 of the whole one)."""
+    return (report.max_logit_diff <= 1e-5 * max(1.0, report.logit_scale) and report.grad_rel_diff <= 1e-5
+            and report.ok())
 
 
 def tree_sequences(depth: int, seed: int = 0) -> list[torch.Tensor]:

@@ -103,6 +103,46 @@ def test_ok_judges_the_whole_gradient_and_each_tensor_loosely():
     assert "relative grad diff 2.00e-06 (worst tensor 3.20e-04: w)" in str(_report(2e-6, 3.2e-4))
 
 
+def _tiny_opt():
+    config = transformers.OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                                    num_attention_heads=4, word_embed_proj_dim=32,
+                                    max_position_embeddings=128)
+    torch.manual_seed(0)
+    return transformers.OPTForCausalLM(config).float().eval()
+
+
+def test_a_gradient_zero_in_exact_math_is_not_judged_against_its_own_noise():
+    # session 11's sweep: OPT / BERT-style key biases (softmax ignores them, their true gradient is 0)
+    # failed ok() by "60% of their own norm" with logits and the whole gradient exact to 1e-7
+    report = verify(_tiny_opt(), random_sequences([1, 37, 5, 20]))
+    assert report.max_logit_diff <= 1e-5 and report.grad_rel_diff <= 1e-5, report
+    assert report.ok(), report
+
+
+def _perturb_packed_grad(param: torch.nn.Parameter, factor: float):
+    """Scale ``param``'s gradient in verify's second (packed) backward only: one wrong tensor."""
+    calls = []
+
+    def hook(grad):
+        calls.append(1)
+        return grad * factor if len(calls) > 4 else grad  # 4 sequences alone first, then the row
+
+    return param.register_hook(hook)
+
+
+@pytest.mark.parametrize("name, factor", [("model.layers.0.self_attn.q_proj.weight", 1.02),
+                                          ("model.layers.1.self_attn.k_proj.bias", 1.5)])
+def test_a_small_tensor_wrong_by_packing_is_still_caught(name, factor):
+    # q_proj holds ~0.3% of the gradient, k_proj.bias ~1e-4: wrong by 2% / 50%, the whole gradient
+    # stays inside its bound and only the per-tensor bound (floored at 1e-3 of the whole) sees it
+    model = tiny_model("llama", attention_bias=True)
+    handle = _perturb_packed_grad(model.get_parameter(name), factor)
+    report = verify(model, random_sequences([1, 9, 20, 3]))
+    handle.remove()
+    assert report.grad_rel_diff < 1e-4 and report.worst_param == name, report
+    assert not report.ok(), report
+
+
 @pytest.mark.slow
 def test_documented_assert_holds_on_smollm2_and_still_catches_leaks():
     """docs/models.md's ``assert report.ok()`` on the real model, a text set against each reference
