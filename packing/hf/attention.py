@@ -104,14 +104,31 @@ def _derive_meta(position_ids: torch.Tensor | None, batch: int, q_len: int, k_le
     return VarlenMeta.from_position_ids(pos.reshape(-1)).to(device)
 
 
-def _forward_meta(plan: AttentionPlan, nopad_meta: VarlenMeta | None, position_ids: torch.Tensor | None,
-                  shape: tuple) -> VarlenMeta:
+def _no_meta_error(module: torch.nn.Module, err: ValueError) -> ValueError:
+    """Why a row's boundaries could not come from ``position_ids``: usually a decoder layer that does
+    not hand its keyword arguments on to attention (StableLM, Nemotron), so a tree row's or a
+    generator step's ``nopad_meta`` never arrives and its positions are read as a flat row."""
+    name = type(module).__name__
+    return ValueError(
+        f"{name} got no nopad_meta, and its position_ids are not one flat packed row ({err}). If you passed "
+        f"nopad_meta (a prefix-tree row, a Generator step), a layer between the model and {name} did not "
+        "hand it on: this model's decoder layers drop the attention keyword arguments, so nopad can run it "
+        "on flat packed rows only (boundaries from position_ids), not on tree rows or in the Generator. "
+        "Train it on flat rows (no shared prefix) and generate with HF generate (docs/models.md)"
+    )
+
+
+def _forward_meta(plan: AttentionPlan, module: torch.nn.Module, nopad_meta: VarlenMeta | None,
+                  position_ids: torch.Tensor | None, shape: tuple) -> VarlenMeta:
     """The forward's meta: resolved by its first layer and kept in the plan for the others."""
     if plan.row is not None and plan.row.matches(nopad_meta, position_ids, shape):
         return plan.row.meta
     batch, q_len, k_len, device = shape
     if nopad_meta is None:
-        meta = _derive_meta(position_ids, batch, q_len, k_len, device)
+        try:
+            meta = _derive_meta(position_ids, batch, q_len, k_len, device)
+        except ValueError as err:
+            raise _no_meta_error(module, err) from None
     else:
         meta = nopad_meta.to(device)
         if not meta.is_static:
@@ -249,7 +266,7 @@ def nopad_attention(
     batch, heads, q_len, dim = query.shape
     if nopad_meta is None and nopad_kv_cache is not None:
         raise ValueError("nopad_kv_cache needs nopad_meta (with block_table and slot_mapping)")
-    meta = _forward_meta(plan, nopad_meta, position_ids, (batch, q_len, key.shape[2], query.device))
+    meta = _forward_meta(plan, module, nopad_meta, position_ids, (batch, q_len, key.shape[2], query.device))
     if meta.total_q != batch * q_len:
         raise ValueError(f"nopad_meta describes {meta.total_q} tokens but the batch has {batch} x {q_len}")
     context = _row_context(meta, nopad_kv_cache, batch)

@@ -114,3 +114,20 @@ def test_a_layer_that_calls_attention_twice_per_step_is_refused_in_the_generator
     gen = Generator(model, block_size=4, num_blocks=32)
     with pytest.raises(UnsupportedMixerError, match=r"DiffLlamaAttention \(layer 0\) calls the attention"):
         gen.generate(prompts_of([5, 9]), SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+
+
+def test_layers_that_drop_the_attention_kwargs_are_flat_only_and_say_why():
+    """StableLM's (and Nemotron's) decoder layer calls its attention without the forward's keyword
+    arguments, so ``nopad_meta`` never reaches attention. A flat row is exact (boundaries from
+    position_ids); a tree row and a generator step are refused, and the error says what was dropped,
+    not only that the positions are not a flat row (the #36 sweep)."""
+    from tests.packing.test_packing_hybrid import tree_sequences
+
+    model = tiny_model("stablelm")
+    assert packing.verify(model, random_sequences((5, 9, 12))).ok()
+    dropped = r"StableLmAttention got no nopad_meta.*drop the attention keyword arguments"
+    with pytest.raises(ValueError, match=dropped):
+        packing.verify(model, tree_sequences(2), tree=True)
+    gen = Generator(model, block_size=4, num_blocks=32)
+    with pytest.raises(ValueError, match=dropped):
+        gen.generate(prompts_of([5, 9]), SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)

@@ -383,7 +383,7 @@ def test_a_meta_on_another_device_is_moved_once_per_forward():
     meta = VarlenMeta.from_lengths([3, 2])
     assert meta.to(torch.device("cpu")) is meta
     plan, shape = AttentionPlan(), (1, 5, 5, torch.device("meta"))
-    moved = _forward_meta(plan, meta, None, shape)
+    moved = _forward_meta(plan, None, meta, None, shape)
     assert moved.device == torch.device("meta") and moved.position_ids.device == torch.device("meta")
-    assert _forward_meta(plan, meta, None, shape) is moved  # the next layer reads it from the plan
-    assert _forward_meta(AttentionPlan(), meta, None, shape) is not moved  # the next forward moves again
+    assert _forward_meta(plan, None, meta, None, shape) is moved  # the next layer reads it from the plan
+    assert _forward_meta(AttentionPlan(), None, meta, None, shape) is not moved  # next forward: again

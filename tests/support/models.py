@@ -129,6 +129,7 @@ _FAMILY.update({
               "encoder_attention_heads": 4, "decoder_ffn_dim": 128, "encoder_ffn_dim": 128}),
     "roberta": (transformers.RobertaConfig, transformers.RobertaForCausalLM, {"is_decoder": True}),
     "diffllama": (transformers.DiffLlamaConfig, transformers.DiffLlamaForCausalLM, {}),
+    "stablelm": (transformers.StableLmConfig, transformers.StableLmForCausalLM, {}),
     "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM,
                {"head_dim": 16, "intermediate_size_mlp": 128, "num_local_experts": 2,
                 "num_experts_per_tok": 1, "attention_chunk_size": SLIDING_WINDOW, "num_hidden_layers": 4}),
