@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from inference.episode_setup import episode_setup
 from inference.episodes import Episode, EpisodeLimits, EpisodeRunner
-from inference.kv_cache import KVCache, num_kv_blocks, text_config
+from inference.kv_cache import KVCache, num_kv_blocks
 from inference.live_model import LiveModel
 from inference.model_runner import ModelRunner
 from inference.outputs import RequestOutput, StreamDelta
@@ -83,7 +83,7 @@ class Generator:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.model, self.tokenizer = model, tokenizer
-        config = text_config(model.config)  # a multimodal model's (Gemma3ForConditionalGeneration)
+        config = self.live.text_config  # a multimodal model's (Gemma3ForConditionalGeneration)
         self.max_model_len = max_model_len(config)  # under a LongRoPE switch, if any
         self.vocab_size = int(config.vocab_size)
         snapshots = state_snapshots(states, enable_prefix_caching, num_state_snapshots, max_num_seqs)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from packing.model_config import text_config
+
 DEFAULT_KV_MEMORY_BYTES = 1 << 30
 
 
@@ -34,11 +36,6 @@ class LayerKV:
     source: int
     kv_heads: int
     head_dim: int
-
-
-def text_config(config):
-    """The language model's config (a multimodal model's ``text_config``; the config itself else)."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _layer_heads(config, layer: int) -> tuple[int, int]:

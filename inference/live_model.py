@@ -24,6 +24,7 @@ from packing.attention import paged_block_size
 from packing.distributed import compute_dtype as model_compute_dtype
 from packing.hf import use_nopad_attention
 from packing.mixers import GENERATE, check_model
+from packing.model_config import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class LiveModel:
         check_model(model, GENERATE)  # a layer whose per-sequence state the paged cache cannot hold
         self.layer_states = layer_states(model)  # hybrid layers' per-sequence state (empty: attention only)
         self.model = model
+        self.text_config = text_config(model.config)  # the language model's (multimodal classes)
         # FSDP2: the compute dtype of its mixed-precision policy, not the shard's storage dtype
         self.device, self.weight_dtype, self.requested_dtype = (next(model.parameters()).device,
                                                                 model_compute_dtype(model), dtype)

@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 from packing.invariance import active_kernels, batch_invariant, is_enabled
 from packing.linear_head import LinearHeadChunks, LinearHeadNLL
 from packing.log_softmax import logits_grad, picked_and_entropy, tempered_log_softmax
+from packing.model_config import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def head_of(model: torch.nn.Module) -> LMHead:
     if module is None:
         raise ValueError(f"{type(lm).__name__} has no output embeddings (get_output_embeddings() is None); "
                          "the LM head needs a causal LM with a head module")
-    config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    config = text_config(lm.config)
     softcap = getattr(config, "final_logit_softcapping", None) or getattr(lm, "final_logit_softcapping", None)
     multiplier = getattr(lm, "logit_scale", None)  # Cohere: set from config.logit_scale on the model
     inner = getattr(lm, "model", None)

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import logging
 
+from packing.model_config import text_config
+
 logger = logging.getLogger(__name__)
 SWITCHING_ROPE_TYPES = ("longrope", "dynamic")
 
 
 def rope_switch_length(config) -> int | None:
     """The length past which ``config``'s rotary scaling switches, or None when it does not."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     kinds = params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
     for p in kinds:

@@ -137,6 +137,29 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _compare_grads(alone: dict[str, torch.Tensor],
+                   packed: dict[str, torch.Tensor]) -> tuple[float, str, float]:
+    """(worst tensor's relative difference, its name, the whole gradient's relative difference)."""
+    worst, worst_name, diff_sq, ref_sq = 0.0, "", 0.0, 0.0
+    diffs = {name: float((packed.get(name, torch.zeros_like(g_ref)).double() - g_ref.double()).norm())
+             for name, g_ref in alone.items()}
+    norms = {name: float(g_ref.double().norm()) for name, g_ref in alone.items()}
+    floor = TENSOR_FLOOR * sum(n**2 for n in norms.values()) ** 0.5
+    for name, diff in diffs.items():
+        diff_sq, ref_sq = diff_sq + diff**2, ref_sq + norms[name] ** 2
+        scale = max(norms[name], floor)
+        rel = diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+        if rel >= worst:
+            worst, worst_name = rel, name
+    for name, g in packed.items():  # a gradient the sequences alone did not produce
+        if name not in alone:
+            diff_sq += float(g.double().norm()) ** 2
+            if float(g.abs().max()) > 0:
+                worst, worst_name = float("inf"), name
+    total_rel = diff_sq**0.5 / ref_sq**0.5 if ref_sq > 0 else (0.0 if diff_sq == 0 else float("inf"))
+    return worst, worst_name, total_rel
+
+
 def verify(
     model: torch.nn.Module,
     sequences: Sequence[Sequence[int] | torch.Tensor],
@@ -206,23 +229,7 @@ def verify(
     packed_logits = logits.detach()
     logit_diff = max((float((packed_logits[rows] - a[: rows.numel()]).abs().max())
                       for rows, a in zip(rows_of, alone_logits) if rows.numel()), default=0.0)
-    worst, worst_name, diff_sq, ref_sq = 0.0, "", 0.0, 0.0
-    diffs = {name: float((packed_grads.get(name, torch.zeros_like(g_ref)).double() - g_ref.double()).norm())
-             for name, g_ref in alone_grads.items()}
-    norms = {name: float(g_ref.double().norm()) for name, g_ref in alone_grads.items()}
-    floor = TENSOR_FLOOR * sum(n**2 for n in norms.values()) ** 0.5
-    for name, diff in diffs.items():
-        diff_sq, ref_sq = diff_sq + diff**2, ref_sq + norms[name] ** 2
-        scale = max(norms[name], floor)
-        rel = diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
-        if rel >= worst:
-            worst, worst_name = rel, name
-    for name, g in packed_grads.items():  # a gradient the sequences alone did not produce
-        if name not in alone_grads:
-            diff_sq += float(g.double().norm()) ** 2
-            if float(g.abs().max()) > 0:
-                worst, worst_name = float("inf"), name
-    total_rel = diff_sq**0.5 / ref_sq**0.5 if ref_sq > 0 else (0.0 if diff_sq == 0 else float("inf"))
+    worst, worst_name, total_rel = _compare_grads(alone_grads, packed_grads)
     if attn_implementation == hf.NOPAD_ATTENTION:
         path = f"nopad: packing.attention.varlen_attention, {nopad_calls} attention calls"
         path += ", one prefix-tree row" if tree else ""

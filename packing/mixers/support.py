@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from packing.model_config import text_config
+
 logger = logging.getLogger(__name__)
 
 # the attention implementation transformers knows nopad by (registered by packing.hf, which
@@ -171,7 +173,7 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | tuple[None, 
     """The text decoder's layer list and its path: the ``ModuleList`` with one entry per
     ``num_hidden_layers`` (the first found, so a vision tower's blocks are not taken for it)."""
     config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     count = getattr(text, "num_hidden_layers", None)
     for path, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and count is not None and len(module) == count:
@@ -182,7 +184,7 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | tuple[None, 
 def declared_kinds(model: nn.Module) -> list[str] | None:
     """The config's own per-layer kinds (``layer_types`` or ``layers_block_type``), if any."""
     config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     for key in ("layer_types", "layers_block_type"):
         kinds = getattr(text, key, None)
         if isinstance(kinds, (list, tuple)) and kinds and all(isinstance(k, str) for k in kinds):
