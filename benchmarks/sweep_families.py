@@ -360,6 +360,10 @@ def main(argv):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     families = argv or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    unknown = [f for f in families if f not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+    if unknown:
+        sys.exit(f"not a causal LM model_type of this transformers: {unknown}; choose among "
+                 f"{sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)}")
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     with open(RESULTS, "a") as sink:
         for family in families:
