@@ -88,8 +88,8 @@ class Generator:
         self.vocab_size = int(config.vocab_size)
         snapshots = state_snapshots(states, enable_prefix_caching, num_state_snapshots, max_num_seqs)
         state_bytes = self.live.state_bytes(max_num_seqs + snapshots)
-        num_blocks = num_kv_blocks(config, block_size, self.live.dtype, num_blocks, kv_memory_bytes,
-                                   max_num_seqs, state_bytes, self.max_model_len)
+        num_blocks = num_kv_blocks(self.live.kv_layout, block_size, self.live.dtype, num_blocks,
+                                   kv_memory_bytes, max_num_seqs, state_bytes, self.max_model_len)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.eos_token_ids = eos_token_ids(model, tokenizer)

@@ -2,9 +2,11 @@
 block_size, kv_heads, head_dim)`` for keys and values. The block allocator decides which blocks a
 sequence uses.
 
-Layers are not all alike (:func:`kv_layout` reads each one's from the config):
+Layers are not all alike (:func:`kv_layout` reads each one's from its attention module where the
+module says, else from the config):
 
-- a layer's own head count and size (Gemma4: a larger head on its full-attention layers);
+- a layer's own head count and size (Gemma4: a larger head on its full-attention layers;
+  MiMo-V2-Flash: twice the K/V heads on its sliding layers, which its config does not give);
 - keys and values of different sizes (MLA: DeepSeek-V3, Kimi): both are held at the larger size,
   the smaller zero-padded, as the attention computes them
   (:func:`packing.attention.dispatch.one_head_dim`), so every backend reads the blocks in place;
@@ -22,7 +24,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from packing.mixers.support import calls_attention
 from packing.model_config import text_config
 
 DEFAULT_KV_MEMORY_BYTES = 1 << 30
@@ -54,6 +58,31 @@ def _layer_heads(config, layer: int) -> tuple[int, int]:
     return kv_heads, head_dim
 
 
+def _module_heads(module: nn.Module | None) -> tuple[int, int] | None:
+    """(kv_heads, head_dim) of an attention module with separate ``k_proj`` / ``v_proj`` linear
+    layers and a ``head_dim``: what it computes, whatever its config says (None: it does not say)."""
+    k, v, head_dim = (getattr(module, name, None) for name in ("k_proj", "v_proj", "head_dim"))
+    if not (isinstance(k, nn.Linear) and isinstance(v, nn.Linear) and isinstance(head_dim, int)):
+        return None
+    if head_dim < 1:
+        return None
+    kv_heads, rest = divmod(k.out_features, head_dim)
+    if rest or not kv_heads or v.out_features % kv_heads:
+        return None
+    return kv_heads, max(head_dim, v.out_features // kv_heads)
+
+
+def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """Each decoder layer's attention module (one that calls transformers' attention interface), by
+    its ``layer_idx``."""
+    found = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and idx not in found and calls_attention(module):
+            found[idx] = module
+    return found
+
+
 def _sources(config) -> list[int]:
     """Which layer's K/V each layer reads: its own, or, for a layer transformers marks as reusing
     K/V (``kv_sharing_modes``: Gemma4), the layer of the same kind that stores them."""
@@ -75,24 +104,27 @@ def _sources(config) -> list[int]:
     return sources
 
 
-def kv_layout(config) -> list[LayerKV]:
-    """Every decoder layer's paged K/V (see the module docstring)."""
+def kv_layout(config, model: nn.Module | None = None) -> list[LayerKV]:
+    """Every decoder layer's paged K/V (see the module docstring); with ``model``, a layer whose
+    attention module says its heads (:func:`_module_heads`) is laid out as the module computes."""
     config = text_config(config)
     if not isinstance(getattr(config, "num_hidden_layers", None), int):
         raise ValueError(f"{type(config).__name__} gives no num_hidden_layers (nor a text config that does): "
                          "the generator cannot lay out a paged K/V cache for a model of this shape "
                          "(docs/models.md)")
-    return [LayerKV(source, *_layer_heads(config, source)) for source in _sources(config)]
+    modules = attention_modules(model) if model is not None else {}
+    return [LayerKV(source, *(_module_heads(modules.get(source)) or _layer_heads(config, source)))
+            for source in _sources(config)]
 
 
-def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(layout: list[LayerKV], block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block across every layer that holds K/V (shared layers hold none)."""
     size = torch.empty((), dtype=dtype).element_size()
     return sum(2 * block_size * layer.kv_heads * layer.head_dim * size
-               for i, layer in enumerate(kv_layout(config)) if layer.source == i)
+               for i, layer in enumerate(layout) if layer.source == i)
 
 
-def num_kv_blocks(config, block_size: int, dtype: torch.dtype, num_blocks: int | None,
+def num_kv_blocks(layout: list[LayerKV], block_size: int, dtype: torch.dtype, num_blocks: int | None,
                   kv_memory_bytes: int | None, max_num_seqs: int, state_bytes: int,
                   max_model_len: int) -> int:
     """``num_blocks`` if given, else how many fit in ``kv_memory_bytes`` (default 1 GiB, then
@@ -104,7 +136,7 @@ def num_kv_blocks(config, block_size: int, dtype: torch.dtype, num_blocks: int |
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if num_blocks is not None:
         return num_blocks
-    per_block = bytes_per_block(config, block_size, dtype)
+    per_block = bytes_per_block(layout, block_size, dtype)
     num_blocks = max(0, (kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES) - state_bytes) // per_block
     if kv_memory_bytes is None:
         full_length = math.ceil(min(max_model_len, 1 << 20) / block_size)
@@ -121,8 +153,8 @@ class KVCache:
     """``cache[layer] -> (k, v)``, each ``(num_blocks, block_size, kv_heads, head_dim)`` of that
     layer's :class:`LayerKV` (a K/V-shared layer gets its source layer's tensors)."""
 
-    def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, device):
-        self.layout = kv_layout(config)
+    def __init__(self, layout: list[LayerKV], num_blocks: int, block_size: int, dtype: torch.dtype, device):
+        self.layout = layout
         self.num_blocks, self.block_size = num_blocks, block_size
         self.k: list[torch.Tensor] = []  # one per layer that holds K/V
         self.v: list[torch.Tensor] = []

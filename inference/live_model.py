@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
-from inference.kv_cache import KVCache
+from inference.kv_cache import KVCache, kv_layout
 from inference.model_runner import ModelRunner, check_static_decode_backend
 from inference.state_cache import StateCache, StateSlots, bytes_per_slot, layer_states
 from packing.attention import names as attention_backends
@@ -65,6 +65,7 @@ class LiveModel:
         self.layer_states = layer_states(model)  # hybrid layers' per-sequence state (empty: attention only)
         self.model = model
         self.text_config = text_config(model.config)  # the language model's (multimodal classes)
+        self.kv_layout = kv_layout(model.config, model)  # each layer's K/V heads, as its module computes
         # FSDP2: the compute dtype of its mixed-precision policy, not the shard's storage dtype
         self.device, self.weight_dtype, self.requested_dtype = (next(model.parameters()).device,
                                                                 model_compute_dtype(model), dtype)
@@ -106,7 +107,7 @@ class LiveModel:
         block, and a scratch state slot on hybrid models) in the compute dtype of now, and the
         runner of steps on it (``runner.kv_cache``)."""
         self.dtype = self.compute_dtype()  # autocast may be on now and not at construction
-        kv_cache = KVCache(self.model.config, num_blocks + int(self.static_decode), block_size, self.dtype,
+        kv_cache = KVCache(self.kv_layout, num_blocks + int(self.static_decode), block_size, self.dtype,
                            self.device)
         if self.layer_states:  # the kernel calls of a step find it on the cache they are given
             kv_cache.states = StateCache(self.layer_states, state_slots, self.dtype, self.device,

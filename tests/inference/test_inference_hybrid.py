@@ -182,7 +182,7 @@ def test_tool_episodes_pause_resume_fork_and_preempt_equal_hf(family):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
 def test_state_slots_come_out_of_the_memory_budget(family):
-    from inference.kv_cache import bytes_per_block
+    from inference.kv_cache import bytes_per_block, kv_layout
     from inference.state_cache import bytes_per_slot
 
     model = tiny_model(family)
@@ -193,4 +193,5 @@ def test_state_slots_come_out_of_the_memory_budget(family):
                         num_state_snapshots=snapshots)
         state = rows * bytes_per_slot(gen.layer_states, torch.float32)
         assert state > 0
-        assert gen.allocator.num_blocks == (budget - state) // bytes_per_block(model.config, 4, torch.float32)
+        per_block = bytes_per_block(kv_layout(model.config), 4, torch.float32)
+        assert gen.allocator.num_blocks == (budget - state) // per_block

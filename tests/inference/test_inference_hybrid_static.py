@@ -113,7 +113,7 @@ def test_compiled_hybrid_decode_is_one_graph_and_exact(family, monkeypatch):
 
 
 def test_the_scratch_slot_comes_out_of_the_memory_budget():
-    from inference.kv_cache import bytes_per_block
+    from inference.kv_cache import bytes_per_block, kv_layout
     from inference.state_cache import bytes_per_slot
     from tests.support.models import tiny_model
 
@@ -122,4 +122,5 @@ def test_the_scratch_slot_comes_out_of_the_memory_budget():
         gen = Generator(model, block_size=4, kv_memory_bytes=budget, max_num_seqs=8, num_state_snapshots=0,
                         static_decode=static)
         state = (8 + static) * bytes_per_slot(gen.layer_states, torch.float32)
-        assert gen.allocator.num_blocks == (budget - state) // bytes_per_block(model.config, 4, torch.float32)
+        per_block = bytes_per_block(kv_layout(model.config), 4, torch.float32)
+        assert gen.allocator.num_blocks == (budget - state) // per_block

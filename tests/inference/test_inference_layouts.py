@@ -45,16 +45,26 @@ def test_greedy_equals_hf_generate_with_n_samples(model, chunk, static, one_thre
 def test_gemma4_cache_holds_only_the_layers_that_compute_kv():
     config = tiny_config("gemma4")  # layers: sliding, full, sliding (reuses 0), full (reuses 1)
     assert kv_layout(config) == [LayerKV(0, 2, 16), LayerKV(1, 2, 32), LayerKV(0, 2, 16), LayerKV(1, 2, 32)]
-    cache = KVCache(config, num_blocks=3, block_size=4, dtype=torch.float32, device="cpu")
+    cache = KVCache(kv_layout(config), num_blocks=3, block_size=4, dtype=torch.float32, device="cpu")
     assert len(cache) == 4 and len(cache.k) == 2
     assert cache[2][0] is cache[0][0] and cache[3][1] is cache[1][1]
     assert cache[1][0].shape == (3, 4, 2, 32)
-    assert bytes_per_block(config, 4, torch.float32) == cache.nbytes // 3 == 2 * 4 * 2 * (16 + 32) * 4
+    per_block = bytes_per_block(kv_layout(config), 4, torch.float32)
+    assert per_block == cache.nbytes // 3 == 2 * 4 * 2 * (16 + 32) * 4
 
 
 def test_mla_cache_holds_values_at_the_key_size():
     config = tiny_config("deepseek_v3")  # 4 heads, keys 16 + 8, values 8
     assert kv_layout(config) == [LayerKV(0, 4, 24), LayerKV(1, 4, 24)]
+
+
+def test_a_layers_heads_come_from_its_attention_module_where_the_config_does_not_say():
+    """MiMo-V2-Flash's sliding layers compute twice the K/V heads of its config's count (the #36
+    sweep: refused at the first step, the cache sized from the config); keys 16, values 8 per head."""
+    model = tiny_model("mimo_v2_flash")
+    assert kv_layout(model.config) == [LayerKV(i, 2, 16) for i in range(4)]
+    assert kv_layout(model.config, model) == [LayerKV(0, 4, 16), LayerKV(1, 2, 16), LayerKV(2, 4, 16),
+                                              LayerKV(3, 2, 16)]
 
 
 def test_keys_and_values_of_different_sizes_are_exact_on_every_cpu_backend():

@@ -19,8 +19,9 @@ SINK_FAMILIES = ("gpt_oss",)  # attention sinks (s_aux)
 # (packing.mixers.mamba2)
 MAMBA2_FAMILIES = ("nemotron_h", "granitemoehybrid", "bamba", "falcon_h1")
 # attention layouts besides one head size: Gemma4 (K/V shared across its last layers, a larger head
-# on full-attention layers, per-layer inputs), DeepSeek-V3 (MLA: keys and values of different sizes)
-LAYOUT_FAMILIES = ("gemma4", "deepseek_v3")
+# on full-attention layers, per-layer inputs), DeepSeek-V3 (MLA: keys and values of different sizes),
+# MiMo-V2-Flash (twice the K/V heads on its sliding layers, which its config does not say; sinks there)
+LAYOUT_FAMILIES = ("gemma4", "deepseek_v3", "mimo_v2_flash")
 # attention of kinds nopad does not know, declared by the config (DeepSeek-V4's compressed K/V pooled
 # over windows of the row, and sinks; DeepSeek-V3.2's indexer picking each query's keys): refused
 UNKNOWN_ATTENTION_FAMILIES = ("deepseek_v4", "deepseek_v32")
@@ -130,6 +131,12 @@ _FAMILY.update({
     "roberta": (transformers.RobertaConfig, transformers.RobertaForCausalLM, {"is_decoder": True}),
     "diffllama": (transformers.DiffLlamaConfig, transformers.DiffLlamaForCausalLM, {}),
     "stablelm": (transformers.StableLmConfig, transformers.StableLmForCausalLM, {}),
+    "mimo_v2_flash": (transformers.MiMoV2FlashConfig, transformers.MiMoV2FlashForCausalLM,
+                      {"num_hidden_layers": 4, "head_dim": 16, "v_head_dim": 8,
+                       "sliding_window": SLIDING_WINDOW, "n_routed_experts": 4,
+                       "layer_types": ["sliding_attention", "full_attention"] * 2,
+                       "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                       "mlp_layer_types": ["dense", "sparse"] * 2}),
     "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM,
                {"head_dim": 16, "intermediate_size_mlp": 128, "num_local_experts": 2,
                 "num_experts_per_tok": 1, "attention_chunk_size": SLIDING_WINDOW, "num_hidden_layers": 4}),
