@@ -112,7 +112,9 @@ def _check(q, k, v, meta: VarlenMeta, kv_cache, table, sliding_window) -> int:
                 f"this layer's K/V are (kv_heads, head_dim) {tuple(k.shape[1:])} / {tuple(v.shape[1:])} "
                 "per token "
                 f"but its paged cache holds {tuple(k_cache.shape[2:])}: the cache was sized for another "
-                "attention layout (inference.kv_cache.kv_layout reads it from the config)")
+                "attention layout (inference.kv_cache.kv_layout reads it from the layer's k_proj / v_proj "
+                "and head_dim, else the config; a layer that reshapes its K/V at run time, as JetMoE's "
+                "repeats them top_k times, cannot be laid out ahead: generate with HF generate)")
         kv_heads = k_cache.shape[2]
     else:
         if k is None or v is None:
