@@ -141,3 +141,13 @@ def test_layers_that_drop_the_attention_kwargs_are_flat_only_and_say_why():
     gen = Generator(model, block_size=4, num_blocks=32)
     with pytest.raises(ValueError, match=dropped):
         gen.generate(prompts_of([5, 9]), SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+
+
+def test_kv_reshaped_at_run_time_is_refused_at_the_first_step():
+    """JetMoE's attention repeats its K/V heads ``top_k`` times inside its forward, which neither its
+    config nor its modules say: the cache cannot be laid out ahead, and the first step says so."""
+    model = tiny_model("jetmoe")
+    assert packing.verify(model, random_sequences((5, 9, 12))).ok()
+    gen = Generator(model, block_size=4, num_blocks=32)
+    with pytest.raises(ValueError, match="cannot be laid out ahead"):
+        gen.generate(prompts_of([5, 9]), SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)

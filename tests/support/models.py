@@ -131,6 +131,8 @@ _FAMILY.update({
     "roberta": (transformers.RobertaConfig, transformers.RobertaForCausalLM, {"is_decoder": True}),
     "diffllama": (transformers.DiffLlamaConfig, transformers.DiffLlamaForCausalLM, {}),
     "stablelm": (transformers.StableLmConfig, transformers.StableLmForCausalLM, {}),
+    "jetmoe": (transformers.JetMoeConfig, transformers.JetMoeForCausalLM,
+               {"kv_channels": 16, "num_local_experts": 4, "num_experts_per_tok": 2}),
     "mimo_v2_flash": (transformers.MiMoV2FlashConfig, transformers.MiMoV2FlashForCausalLM,
                       {"num_hidden_layers": 4, "head_dim": 16, "v_head_dim": 8,
                        "sliding_window": SLIDING_WINDOW, "n_routed_experts": 4,
