@@ -163,6 +163,10 @@ DERIVED = (
 
 # per-family overrides (applied last, top level)
 _MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1)
+_QWEN4_EXP_TEXT = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                       indexer_compress_ratio=2, ple_layer_ids=[1], eos_token_id=2,
+                       ngram_vocab_size_base=1024,
+                       split_ngram_parts=4)
 FAMILY: dict[str, dict] = {
     "bamba": dict(attn_layer_indices=[1, 3], **_MAMBA2),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"] * 2, **_MAMBA2),
@@ -214,30 +218,8 @@ FAMILY: dict[str, dict] = {
         vision_config=dict(adapter_in_dim=64),
         audio_config=dict(adapter_input_size=64),
     ),
-    "qwen4_exp_text": dict(
-        indexer_n_heads=2,
-        indexer_kv_heads=1,
-        indexer_head_dim=16,
-        indexer_budget=8,
-        indexer_compress_ratio=2,
-        ple_layer_ids=[1],
-        eos_token_id=2,
-        ngram_vocab_size_base=1024,
-        split_ngram_parts=4,
-    ),
-    "qwen4_exp": dict(
-        text_config=dict(
-            eos_token_id=2,
-            ngram_vocab_size_base=1024,
-            split_ngram_parts=4,
-            indexer_n_heads=2,
-            indexer_kv_heads=1,
-            indexer_head_dim=16,
-            indexer_budget=8,
-            indexer_compress_ratio=2,
-            ple_layer_ids=[1],
-        )
-    ),
+    "qwen4_exp_text": _QWEN4_EXP_TEXT,
+    "qwen4_exp": dict(text_config=_QWEN4_EXP_TEXT),
     "reformer": dict(
         is_decoder=True,
         axial_pos_embds_dim=[16, 48],

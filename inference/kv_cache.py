@@ -62,9 +62,8 @@ def _module_heads(module: nn.Module | None) -> tuple[int, int] | None:
     """(kv_heads, head_dim) of an attention module with separate ``k_proj`` / ``v_proj`` linear
     layers and a ``head_dim``: what it computes, whatever its config says (None: it does not say)."""
     k, v, head_dim = (getattr(module, name, None) for name in ("k_proj", "v_proj", "head_dim"))
-    if not (isinstance(k, nn.Linear) and isinstance(v, nn.Linear) and isinstance(head_dim, int)):
-        return None
-    if head_dim < 1:
+    linear = isinstance(k, nn.Linear) and isinstance(v, nn.Linear)
+    if not (linear and isinstance(head_dim, int) and head_dim > 0):
         return None
     kv_heads, rest = divmod(k.out_features, head_dim)
     if rest or not kv_heads or v.out_features % kv_heads:
