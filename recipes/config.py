@@ -65,13 +65,28 @@ def _refuse_repeated_keys(node, path: Path, prefix: str = "") -> None:
         _refuse_repeated_keys(value_node, path, f"{key}.")
 
 
+def _yaml_error(err: yaml.YAMLError, where: str) -> ValueError:
+    """PyYAML's error with ``where`` (the file, or the setting) and the line in place of its
+    ``"<unicode string>"``; a tab, which YAML never takes for indentation, is said so."""
+    mark = getattr(err, "problem_mark", None)
+    at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = " ".join(str(getattr(err, "problem", None) or err).split())
+    context = getattr(err, "context", None)
+    hint = ("YAML indents with spaces, never tabs: replace the tab with spaces" if "'\\t'" in problem
+            else "fix the YAML there")
+    return ValueError(f"{where}{at}: {problem}{f' ({context})' if context else ''}; {hint}")
+
+
 def _read_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
     text = path.read_text()
-    _refuse_repeated_keys(yaml.compose(text, Loader=yaml.SafeLoader), path)
-    data = yaml.safe_load(text) or {}
+    try:
+        _refuse_repeated_keys(yaml.compose(text, Loader=yaml.SafeLoader), path)
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise _yaml_error(err, f"config file {path}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a YAML mapping at the top level")
     return data
@@ -93,7 +108,13 @@ def parse_override(text: str) -> dict:
         raise ValueError(f"{text} has no value: write {text}=<value> (settings are section.key=value; a "
                          "config file comes first and ends in .yaml)")
     dotted, _, raw = text.partition("=")
-    value = yaml.safe_load(raw) if raw.strip() else None
+    if not all(part.strip() for part in dotted.split(".")):
+        what = "an empty part in its key" if dotted.strip() else "an empty key before the ="
+        raise ValueError(f"{text!r} has {what}: write settings as section.key=value; --help lists the keys")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise _yaml_error(err, f"the value of {dotted.strip()} ({raw!r})") from None
     if isinstance(value, str):
         try:  # YAML 1.1 reads "1e-5" as a string
             value = float(value)
@@ -132,10 +153,23 @@ def parse_cli(cls: type[C], argv: Sequence[str] | None, prog: str, about: str = 
         raise SystemExit(0)
     path = argv.pop(0) if argv and _is_config_file(argv[0]) else None
     try:
+        _refuse_repeated_settings(argv)
         return load_config(cls, path, argv)
     except (ConfigError, FileNotFoundError, ValueError, yaml.YAMLError) as err:
         print(f"{prog}: error: {err} (see {prog} --help)", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _refuse_repeated_settings(argv: Sequence[str]) -> None:
+    """A key given twice on the command line is an error, as in a YAML file: the second value
+    would silently replace the first (a README line with one's own setting appended)."""
+    seen: dict[str, str] = {}
+    for text in argv:
+        key = text.partition("=")[0].strip()
+        if key in seen:
+            raise ConfigError(key, f"is given twice on the command line ({seen[key]} and {text}); keep one: "
+                              "the second would replace the first")
+        seen[key] = text
 
 
 def _is_config_file(arg: str) -> bool:

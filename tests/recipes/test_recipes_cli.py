@@ -156,15 +156,60 @@ def test_a_key_or_section_written_twice_is_an_error_naming_both_lines(tmp_path, 
     assert err.startswith("recipes.sft: error: " + message.format(path=path)) and err.count("\n") == 1
 
 
-def test_a_later_command_line_override_replaces_an_earlier_one():
-    """On the command line the last ``key=value`` wins, as with argparse, so a script can append
-    its own overrides to a README line; a key written twice in one YAML file is the error."""
-    from recipes.config import parse_cli
+def test_a_key_given_twice_on_the_command_line_is_an_error_naming_both(capsys):
+    """#54: the last ``key=value`` used to win silently; a key twice in a YAML file was already refused."""
+    from recipes.sft import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["train.lr=1e-4", "model.path=tiny:llama", "train.lr=2e-4"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("recipes.sft: error: train.lr is given twice on the command line (train.lr=1e-4 "
+                          "and train.lr=2e-4); keep one") and err.count("\n") == 1
+
+
+def test_programmatic_overrides_still_let_a_later_one_win():
+    """``load_config(cls, None, base + extra)`` is how scripts and tests build on a base list."""
+    from recipes.config import load_config
     from recipes.sft_config import SFTRecipeConfig
 
-    argv = ["train.lr=1e-4", "model.path=tiny:llama", "train.lr=2e-4"]
-    cfg = parse_cli(SFTRecipeConfig, argv, "recipes.sft")
+    cfg = load_config(SFTRecipeConfig, None, ["train.lr=1e-4", "model.path=tiny:llama", "train.lr=2e-4"])
     assert cfg.train.lr == 2e-4 and cfg.model.path == "tiny:llama"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("train:\n  lr: [1\n", "config file {path}, line 3, column 1: expected ',' or ']', but got "
+                           "'<stream end>'"),
+    ("train:\n\tlr: 1.0\n", "config file {path}, line 2, column 1: found character '\\t' that cannot start "
+                             "any token (while scanning for the next token); YAML indents with spaces, "
+                             "never tabs"),
+])
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path, text, message, capsys):
+    """#54: PyYAML named the file "<unicode string>"."""
+    from recipes.sft import main
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit):
+        main([str(path)])
+    err = capsys.readouterr().err
+    assert err.startswith("recipes.sft: error: " + message.format(path=path)), err
+    assert "<unicode string>" not in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("=5", "'=5' has an empty key before the =: write settings as section.key=value; --help lists the keys"),
+    ("train.=5", "'train.=5' has an empty part in its key: write settings as section.key=value"),
+    ("train.lr=[1", "the value of train.lr ('[1'), line 1, column 3: expected ',' or ']'"),
+])
+def test_an_empty_key_or_a_bad_value_says_what_to_write(arg, message, capsys):
+    from recipes.sft import main
+
+    with pytest.raises(SystemExit):
+        main([arg])
+    err = capsys.readouterr().err
+    assert err.startswith("recipes.sft: error: " + message), err
+    assert "<unicode string>" not in err
 
 
 def _one_line_error(fn, capsys) -> str:

@@ -152,6 +152,13 @@ def test_preprocess_sft_evaluate_grpo_evaluate(inputs):
     _evaluate(root / "grpo", root, "eval_grpo.jsonl")
 
 
+def with_settings(words: list[str], settings: list[str] | tuple[str, ...]) -> list[str]:
+    """A README line's words with the test's ``key=value`` settings in place of its own for the same
+    keys (a key given twice on the command line is an error)."""
+    keys = {s.partition("=")[0] for s in settings}
+    return [w for w in words if "=" not in w or w.partition("=")[0] not in keys] + list(settings)
+
+
 def readme_pipeline() -> list[list[str]]:
     """The README's recipe commands, in its order (the bash block that starts with preprocess)."""
     text = (ROOT / "README.md").read_text()
@@ -183,10 +190,10 @@ def test_the_readmes_commands_in_order_leave_model_path_at_the_newest_runs_newes
     for words in commands:
         at = words.index("-m")
         module, args = words[at + 1], words[at + 2:]
-        # the first SFT run takes more steps than the launch run (a later override wins)
+        # the first SFT run takes more steps than the launch run (the test's value replaces the README's)
         max_steps = ["train.max_steps=1" if words[0] == "accelerate" else "train.max_steps=2"] \
             if module == "recipes.sft" else []
-        result = importlib.import_module(module).main([*args, *tiny[module], *max_steps])
+        result = importlib.import_module(module).main(with_settings(args, [*tiny[module], *max_steps]))
         _reset_accelerate()
         if module == "recipes.sft":
             sft_checkpoints.append(Path(result["checkpoint"]))
@@ -209,11 +216,11 @@ def readme_launch_lines() -> dict[str, list[str]]:
 
 
 def _launch(words: list[str], *overrides: str) -> None:
-    """Run a README line as written (plus a free port, and the test's own overrides after it)."""
+    """Run a README line (plus a free port, and the test's own settings in place of its)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "DS_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(launch.free_port()),
-           *words[2:], *overrides]
+           *with_settings(words[2:], overrides)]
     # its own process group: a timeout kills the ranks too, not only the launcher
     returncode, _, err = launch.run_in_group(cmd, 300, cwd=ROOT, env=env)
     if returncode is None:
