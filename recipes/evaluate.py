@@ -25,7 +25,7 @@ from recipes.config import (
     setup_logging,
 )
 from recipes.models import load_model
-from recipes.tasks import TASKS, get_reward, load_examples
+from recipes.tasks import TASKS, example_fields, get_reward, load_examples
 
 if TYPE_CHECKING:
     from training.grpo_step import RewardFn
@@ -164,11 +164,11 @@ def run_evaluate(cfg: EvaluateConfig, model=None, tokenizer=None, progress: bool
     """Evaluate the configured model (or the given ``model``/``tokenizer``) on the prompt set."""
     from inference import Generator, SamplingParams
 
-    if model is None:
-        model, tokenizer = load_model(cfg.model)
+    scorer = get_reward(cfg.scorer, key="scorer")
     data = cfg.data
     if data.path is not None:
-        examples = load_examples(data.path, data.prompt_field)
+        reader = f"scorer={cfg.scorer}" if isinstance(cfg.scorer, str) else "the scorer"
+        examples = load_examples(data.path, data.prompt_field, needs=example_fields(scorer), reader=reader)
         if data.num_prompts is not None:
             if data.num_prompts > len(examples):
                 logger.warning("data.num_prompts=%d but %s holds %d prompts: evaluating all %d",
@@ -177,13 +177,15 @@ def run_evaluate(cfg: EvaluateConfig, model=None, tokenizer=None, progress: bool
     else:
         examples = TASKS[data.task].examples(num_prompts=data.num_prompts or DEFAULT_TASK_PROMPTS,
                                              seed=data.seed)
+    if model is None:  # after the prompts: a prompt set the scorer cannot score fails before the load
+        model, tokenizer = load_model(cfg.model)
     s, g = cfg.sampling, cfg.generator
     params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                             seed=s.seed)
     generator = Generator(model, block_size=g.block_size, num_blocks=g.num_blocks,
                           max_num_seqs=g.max_num_seqs, max_num_batched_tokens=g.max_num_batched_tokens)
     try:
-        result = evaluate(generator, tokenizer, examples, get_reward(cfg.scorer, key="scorer"), params,
+        result = evaluate(generator, tokenizer, examples, scorer, params,
                           output_path=cfg.output, prompt_field=data.prompt_field,
                           chat=cfg.model.chat_template, batch_size=cfg.batch_size, progress=progress)
     finally:

@@ -49,7 +49,14 @@ from recipes.grpo_checkpoint import (
 )
 from recipes.grpo_config import GRPORecipeConfig
 from recipes.models import load_model
-from recipes.tasks import TASKS, check_prompts_per_step, get_reward, load_examples, tool_task
+from recipes.tasks import (
+    TASKS,
+    check_prompts_per_step,
+    example_fields,
+    get_reward,
+    load_examples,
+    tool_task,
+)
 from recipes.tool_tasks import chat_tool_prompt
 
 if TYPE_CHECKING:  # torch and training/ are imported where they run, so --help answers without them
@@ -86,13 +93,23 @@ def sampling_params(cfg: GRPORecipeConfig, step: int):
                           top_p=ro.top_p, seed=ro.seed * 1_000_003 + step, stop=task.stop if task else None)
 
 
-def build_prompts(cfg: GRPORecipeConfig, tokenizer) -> tuple[list[dict], list[list[int]]]:
-    """The task's examples and their prompt token ids (chat template when configured)."""
+def task_examples(cfg: GRPORecipeConfig) -> list[dict]:
+    """The task's examples: ``task.prompts``' records, checked for what the reward reads, or the
+    built-in task's."""
     task = cfg.task
-    if task.prompts is not None:
-        examples = load_examples(task.prompts, task.prompt_field, key="task.prompts")
-    else:
-        examples = TASKS[task.name].examples(num_prompts=task.num_prompts, seed=task.seed)
+    if task.prompts is None:
+        return TASKS[task.name].examples(num_prompts=task.num_prompts, seed=task.seed)
+    reader = f"reward={cfg.reward}" if isinstance(cfg.reward, str) else "the reward"
+    return load_examples(task.prompts, task.prompt_field, key="task.prompts",
+                         needs=example_fields(get_reward(cfg.reward)), reader=reader)
+
+
+def build_prompts(cfg: GRPORecipeConfig, tokenizer,
+                  examples: list[dict] | None = None) -> tuple[list[dict], list[list[int]]]:
+    """The task's examples (:func:`task_examples` unless given) and their prompt token ids (chat
+    template when configured)."""
+    task = cfg.task
+    examples = task_examples(cfg) if examples is None else examples
     limit = cfg.rollout.max_prompt_tokens
     system = TASKS[task.name].system if task.prompts is None else None
     ids = []
@@ -101,7 +118,10 @@ def build_prompts(cfg: GRPORecipeConfig, tokenizer) -> tuple[list[dict], list[li
             tokens = chat_tool_prompt(tokenizer, system, str(ex[task.prompt_field]), task.name)
         else:
             tokens = encode_prompt(tokenizer, str(ex[task.prompt_field]), chat=cfg.model.chat_template)
-        if not tokens or len(tokens) > limit:
+        if not tokens:
+            raise ValueError(f"prompt {i} is empty: it encodes to no tokens, so there is nothing to generate "
+                             "from; give it text")
+        if len(tokens) > limit:
             raise ValueError(f"prompt {i} has {len(tokens)} tokens; rollout.max_prompt_tokens={limit} "
                              "(raise it, or shorten the prompt)")
         ids.append(tokens)
@@ -168,9 +188,10 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     from training.grpo_step import grpo_step
     from training.optimizer import make_adamw
 
-    model, tokenizer = load_policy(cfg, model, tokenizer)
     reward_fn = get_reward(cfg.reward)
-    examples, prompt_ids = build_prompts(cfg, tokenizer)
+    examples = task_examples(cfg)  # before the model loads: a prompt set the reward cannot score fails now
+    model, tokenizer = load_policy(cfg, model, tokenizer)
+    examples, prompt_ids = build_prompts(cfg, tokenizer, examples)
     tr, per_step = cfg.train, cfg.rollout.prompts_per_step
     ref_model = None
     if cfg.loss.beta:  # frozen initial policy for the KL term, also on packed rows

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from inference.tools import ChatTemplateTools
+from recipes.prompt_sets import load_examples as load_examples  # where it was
 from recipes.tool_tasks import (
     CALCULATOR_SYSTEM,
     CALL_CLOSE,
@@ -55,12 +56,27 @@ def arithmetic_task(num_prompts: int = 64, seed: int = 0, max_operand: int = 12)
 
 
 # ----------------------------------------------------------------------------- rewards
+def reads(*fields: str) -> Callable[[RewardFn], RewardFn]:
+    """Declare the example fields a reward compares against (``@reads("answer")``): a prompt set
+    lacking one is refused at start, naming the field, instead of training on all-zero rewards."""
+    def mark(fn: RewardFn) -> RewardFn:
+        fn.example_fields = fields
+        return fn
+    return mark
+
+
+def example_fields(fn: RewardFn) -> tuple[str, ...]:
+    """The example fields ``fn`` declared with :func:`reads` (none for an undeclared reward)."""
+    return tuple(getattr(fn, "example_fields", ()))
+
+
 def _answer(example: Mapping) -> str:
     if "answer" not in example:
         raise KeyError(f"this reward needs an 'answer' field in each example; got keys {sorted(example)}")
     return str(example["answer"]).strip()
 
 
+@reads("answer")
 def exact_match(completion: str, example: Mapping) -> float:
     """1.0 when the completion, stripped of surrounding whitespace, equals the answer."""
     return float(completion.strip() == _answer(example))
@@ -69,6 +85,7 @@ def exact_match(completion: str, example: Mapping) -> float:
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
+@reads("answer")
 def last_number_match(completion: str, example: Mapping) -> float:
     """1.0 when the last number in the completion equals the answer: "7 + 12 = 19" and
     "The answer is 19." both score 1 (small chat models like to restate the question)."""
@@ -76,9 +93,29 @@ def last_number_match(completion: str, example: Mapping) -> float:
     return float(bool(found) and found[-1] == _answer(example))
 
 
+# a word: letters/digits, joined by inner punctuation ("3.14", "it's", "well-known"); an outer
+# sign kept (-5), the rest of the punctuation dropped ("Fe." is "fe")
+_WORD = re.compile(r"-?\w+(?:[.,'’/:-]\w+)*")
+
+
+def _words(text: str) -> list[str]:
+    return _WORD.findall(text.lower())
+
+
+@reads("answer")
+def contains_answer(completion: str, example: Mapping) -> float:
+    """1.0 when the answer's words appear, in order and as whole words, in the completion, ignoring
+    case, spacing and surrounding punctuation: "The chemical symbol of Iron is Fe." contains "Fe",
+    "Feet" does not (a chat model answers in sentences, which exact_match scores 0)."""
+    want, have = _words(_answer(example)), _words(completion)
+    n = len(want)
+    return float(n > 0 and any(have[i : i + n] == want for i in range(len(have) - n + 1)))
+
+
 REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match,
     "last_number_match": last_number_match,
+    "contains_answer": contains_answer,
 }
 
 
@@ -117,17 +154,6 @@ def check_prompts_per_step(num_prompts: int, prompts_per_step: int, world_size: 
                          f"{prompts_per_step * world_size} distinct prompts per step, but the prompt set has "
                          f"{num_prompts}; lower rollout.prompts_per_step or give more prompts "
                          "(task.num_prompts / task.prompts)")
-
-
-def load_examples(path: str | Path, prompt_field: str = "prompt", key: str = "data.path",
-                  split: str | None = None) -> list[dict]:
-    """Prompt examples from any input :func:`dataloaders.sources.load_records` reads (JSONL,
-    parquet, CSV, a saved dataset...). Every example needs a string ``prompt_field``: a null prompt
-    is an error naming its line, not the text "None". Null fields besides it are left out."""
-    from dataloaders.sources import load_records
-
-    ds = load_records(path, [{prompt_field: str}], split=split, key=key)
-    return [{k: v for k, v in row.items() if v is not None} for row in ds]
 
 
 @dataclass(frozen=True)
