@@ -181,15 +181,22 @@ class EpisodeRunner:
         if reason != "stop":
             return self.finish(seq, reason)
         turn_ids = seq.token_ids[seq.turn_start:]
+        name = f"the tool format {type(self.format).__name__}"
         try:
             calls = list(self.format.parse(turn_ids, seq.token_ids[: seq.turn_start]) or [])
-            if not all(isinstance(c, ToolCall) and isinstance(c.arguments, dict) for c in calls):
-                raise TypeError(f"the tool format's parse() must return ToolCalls with dict arguments, "
-                                f"got {calls!r}")
-        except Exception as err:  # noqa: BLE001 - a malformed call ends the model's turn, not the batch
+        except ValueError as err:  # the format's "malformed call": the model's turn ends, not the batch
             turn.malformed = f"{type(err).__name__}: {err}"
             state.num_malformed += 1
             return self.finish(seq, "stop")
+        except Exception as err:  # a bug in the format, not the model's output: say so, do not train on it
+            raise RuntimeError(
+                f"{name}'s parse() raised {type(err).__name__}: {err} (prompt {state.prompt_index}, turn "
+                f"{len(state.turns)}); only a ValueError means a malformed call (the model's, kept in "
+                "Turn.malformed), so this is a bug in parse(): fix it, or raise ValueError for a turn it "
+                "cannot read") from err
+        if not all(isinstance(c, ToolCall) and isinstance(c.arguments, dict) for c in calls):
+            raise TypeError(f"{name}'s parse() returned {calls!r}; it must return a list of "
+                            "inference.tools.ToolCall with dict arguments ([] for a final answer)")
         if not calls:
             return self.finish(seq, "stop")
         turn.tool_calls = calls
@@ -205,23 +212,31 @@ class EpisodeRunner:
     def poll(self, block: bool) -> None:
         """Resume every episode whose tools have all returned (or timed out). ``block``: the
         decode loop has nothing to run, so wait for the first one instead of spinning."""
-        if block and self.pending and not any(self._ready(p) for p in self.pending):
+        if block and not self.pending:  # a paused episode nobody resumes: the loop would spin for ever
+            raise RuntimeError("every live sequence is paused but no episode waits on its tools (a bug): "
+                               "please report it with the episode setup")
+        ready, waiting = self._split()
+        if block and not ready:
             start = time.perf_counter()
-            deadline = min(p.deadline for p in self.pending)
-            wait_any([f for p in self.pending for f in p.futures], deadline)
+            wait_any([f for p in waiting for f in p.futures], min(p.deadline for p in waiting))
             self.tool_wait_s += time.perf_counter() - start
-        ready = [p for p in self.pending if self._ready(p)]
-        self.pending = [p for p in self.pending if not self._ready(p)] if ready else self.pending
+            ready, waiting = self._split()
+        self.pending = waiting
         for p in ready:
             self._resume(p)
 
-    @staticmethod
-    def _ready(p: _Pending) -> bool:
-        return all(f is None or f.done() for f in p.futures) or time.monotonic() >= p.deadline
+    def _split(self) -> tuple[list[_Pending], list[_Pending]]:
+        """(ready, still waiting): each episode decided once, as a tool may finish or a deadline
+        pass while the list is read; deciding twice left such an episode in neither, paused for ever."""
+        now, ready, waiting = time.monotonic(), [], []
+        for p in self.pending:
+            done = now >= p.deadline or all(f is None or f.done() for f in p.futures)
+            (ready if done else waiting).append(p)
+        return ready, waiting
 
     def _resume(self, p: _Pending) -> None:
         seq, state = p.seq, p.seq.episode
-        self.tools.collect(p.calls, p.futures, time.monotonic() >= p.deadline)
+        self.tools.collect(p.calls, p.futures)
         state.num_tool_calls += len(p.calls)
         state.num_tool_errors += sum(c.error for c in p.calls)
         messages = [{"role": "tool", "name": c.name, "content": c.result} for c in p.calls]
@@ -270,7 +285,7 @@ class EpisodeRunner:
             self.scheduler.finish(seq, reason)
         episode = self._episode(seq, reason)
         if self.reward_fn is not None and reason != "abort":
-            episode.reward = _finite_reward(self.reward_fn, episode)
+            episode.reward = _finite_reward(self.reward_fn, episode, self.scheduler.tokenizer)
         self.done.append(episode)
         self.live -= 1
 
@@ -340,21 +355,24 @@ def render_prompts(prompts, tool_format: ToolFormat) -> list:
     return out
 
 
-def _finite_reward(reward_fn: Callable, episode: Episode) -> float:
+def _finite_reward(reward_fn: Callable, episode: Episode, tokenizer=None) -> float:
     """The episode's reward as one finite float: a NaN would make every advantage of its group NaN,
-    and a string or list would fail later with an error that names no function."""
+    and a string or list would fail later with an error that names no function. A reward that
+    raises is wrapped in an error naming the episode and its prompt (the traceback names neither)."""
+    name = getattr(reward_fn, "__qualname__", repr(reward_fn))
+    ids = episode.prompt_token_ids
+    text = " ".join(tokenizer.decode(ids).split()) if hasattr(tokenizer, "decode") else str(ids)
+    where = (f"the episode of prompt {episode.prompt_index} (branch {episode.branch}, finish_reason "
+             f"{episode.finish_reason!r}, prompt {text[:80] + ('...' if len(text) > 80 else '')!r})")
     try:
         value = reward_fn(episode)
     except Exception as err:
-        name = getattr(reward_fn, "__qualname__", reward_fn)
-        err.add_note(f"(in the episode reward {name}, for the episode of prompt {episode.prompt_index}, "
-                     f"branch {episode.branch}, finish_reason {episode.finish_reason!r})")
-        raise
+        raise RuntimeError(f"episode reward {name} raised {type(err).__name__}: {err}, for {where}; fix the "
+                           "reward function (its traceback is above), e.g. return 0.0 where it cannot "
+                           "score") from err
     if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:
         value = value.item()
     if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        name = getattr(reward_fn, "__qualname__", repr(reward_fn))
-        raise ValueError(f"episode reward {name} returned {value!r} for the episode of prompt "
-                         f"{episode.prompt_index}; it must return one finite number (e.g. 0.0 where it "
-                         "cannot score)")
+        raise ValueError(f"episode reward {name} returned {value!r} for {where}; it must return one finite "
+                         "number (e.g. 0.0 where it cannot score)")
     return float(value)

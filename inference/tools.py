@@ -49,7 +49,8 @@ class ToolCall:
 
 class ToolFormat(Protocol):
     """How tool calls look in token space. ``parse`` returns the calls of a finished model turn
-    (empty: a final answer) or raises ValueError for a malformed call; ``render`` returns the
+    (empty: a final answer) or raises ValueError for a malformed call (the model's fault, kept in
+    ``Turn.malformed``; any other exception is taken as a bug in ``parse``); ``render`` returns the
     tokens of the tool messages ``[{"role": "tool", "name": ..., "content": ...}]`` that follow
     the turn ``turn_ids``. ``prompt_ids`` (optional) renders a conversation's first prompt."""
 
@@ -180,8 +181,9 @@ class ToolRunner:
                 futures.append(self._pool.submit(_call_sync, fn, call.arguments))
         return futures, time.monotonic() + self.timeout
 
-    def collect(self, calls: list[ToolCall], futures: list, timed_out: bool) -> None:
-        """Fill in each call's result from its future (an error message for every fault)."""
+    def collect(self, calls: list[ToolCall], futures: list) -> None:
+        """Fill in each call's result from its future (an error message for every fault). Called
+        once every future is done or the deadline passed: a call still running then timed out."""
         for call, future in zip(calls, futures):
             if future is None:
                 continue

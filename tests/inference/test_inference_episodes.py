@@ -12,13 +12,14 @@ from __future__ import annotations
 import random
 import sys
 import threading
+import time
 
 import pytest
 import torch
 
 from inference import Generator, SamplingParams
 from inference.environments import reset_environments
-from inference.episodes import EpisodeLimits
+from inference.episodes import EpisodeLimits, EpisodeRunner, _Pending
 from inference.tools import ToolCall
 from tests.support.models import tiny_model
 from tests.support.step_clock import StepClock
@@ -616,18 +617,24 @@ def test_bad_environments_and_tools_are_named_before_generating(factory, tools, 
 
 
 def test_an_episode_reward_that_raises_is_named_with_its_episode():
+    from recipes.tasks import AsciiTokenizer
+
     model = tiny_model("llama")
     params = SamplingParams(temperature=0.0, n=1, max_tokens=4, ignore_eos=True)
 
     def my_reward(ep):
-        raise ZeroDivisionError("division by zero")
+        return 1 / (ep.prompt_index - 1)
 
-    with pytest.raises(ZeroDivisionError) as err:
-        Generator(model, block_size=4, num_blocks=64).run_episodes(
-            [[40, 41, 42]], {"count": lambda: "1"}, params, limits=EpisodeLimits(max_turns=1, max_tokens=20),
-            tool_format=EveryTurnCalls({40: "count"}), reward_fn=my_reward)
-    assert any("in the episode reward " in note and "my_reward, for the episode of prompt 0, branch (0,)"
-               in note for note in err.value.__notes__)
+    message = (r"episode reward .*\.my_reward raised ZeroDivisionError: division by zero, for the episode of "
+               r"prompt 1 \(branch \(0,\), finish_reason '\w+', prompt 'AB'\); fix the reward function")
+    gen = Generator(model, AsciiTokenizer(), block_size=4, num_blocks=64)
+    with pytest.raises(RuntimeError, match=message) as err:  # #54 D: the error names the episode's prompt
+        gen.run_episodes([[40, 41, 42], [65, 66]], {"count": lambda: "1"}, params,
+                         limits=EpisodeLimits(max_turns=1, max_tokens=20),
+                         tool_format=EveryTurnCalls({40: "count", 65: "count"}),
+                         reward_fn=my_reward)
+    assert isinstance(err.value.__cause__, ZeroDivisionError)  # the original, with its traceback
+    assert not gen.has_unfinished() and gen.allocator.num_free == gen.allocator.num_blocks
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), "1.0", [1.0], None])
@@ -642,3 +649,84 @@ def test_an_episode_reward_that_is_not_one_finite_number_is_named(bad):
         Generator(model, block_size=4, num_blocks=64).run_episodes(
             [[40, 41, 42]], {"count": lambda: "1"}, params, limits=EpisodeLimits(max_turns=1, max_tokens=20),
             tool_format=EveryTurnCalls({40: "count"}), reward_fn=my_reward)
+
+
+class FinishesOnSecondLook:
+    """A tool's future whose ``done()`` turns true on its second call: the tool finished while
+    ``poll`` was reading the pending list."""
+
+    def __init__(self):
+        self.looks = 0
+
+    def done(self) -> bool:
+        self.looks += 1
+        return self.looks >= 2
+
+    def result(self) -> str:
+        return "late"
+
+    def cancel(self) -> bool:
+        return False
+
+
+class Clock:
+    """``time`` for inference.episodes: ``monotonic()`` jumps past every deadline after its first read."""
+
+    perf_counter = staticmethod(time.perf_counter)
+
+    def __init__(self):
+        self.reads = 0
+
+    def monotonic(self) -> float:
+        self.reads += 1
+        return 0.0 if self.reads == 1 else 100.0
+
+
+@pytest.mark.parametrize("late", ["tool_finishes", "deadline_passes"])
+def test_an_episode_whose_tool_finishes_while_polled_is_resumed_not_lost(monkeypatch, late):
+    """#54 A3: poll decided each episode twice (ready? then still pending?); one that turned ready
+    in between was in neither list, paused for ever while the generator spun."""
+    runner = EpisodeRunner(None, TokenFormat(), EpisodeLimits(), vocab_size=128)
+    resumed = []
+    monkeypatch.setattr(runner, "_resume", lambda p: resumed.append(p.seq))
+    if late == "tool_finishes":
+        future, deadline = FinishesOnSecondLook(), time.monotonic() + 60
+    else:
+        future, deadline = FinishesOnSecondLook(), 50.0
+        future.looks = -100  # never done: only the deadline ends its wait
+        monkeypatch.setattr("inference.episodes.time", Clock())
+    runner.pending = [_Pending("ready", [ToolCall("nope")], [None], deadline),
+                      _Pending("late", [ToolCall("add")], [future], deadline)]
+    try:
+        runner.poll(block=False)
+        assert resumed == ["ready"] and [p.seq for p in runner.pending] == ["late"]
+        runner.poll(block=False)
+        assert resumed == ["ready", "late"] and runner.pending == []
+    finally:
+        runner.close()
+
+
+class BuggyFormat(EveryTurnCalls):
+    def __init__(self, bug):
+        super().__init__({40: "count"})
+        self.bug = bug
+
+    def parse(self, turn_ids, prefix_ids):
+        if self.bug == "raises":
+            return {}["name"]  # a bug in the format's code, not a malformed call
+        return [("count", {})]  # not ToolCalls
+
+
+@pytest.mark.parametrize("bug, error, message", [
+    ("raises", RuntimeError, r"the tool format BuggyFormat's parse\(\) raised KeyError: 'name' \(prompt 0, "
+                             r"turn 1\); only a ValueError means a malformed call .* or raise ValueError"),
+    ("returns", TypeError, r"the tool format BuggyFormat's parse\(\) returned \[\('count', \{\}\)\]; it must "
+                           r"return a list of inference.tools.ToolCall"),
+])
+def test_a_bug_in_the_tool_format_is_an_error_not_the_models_malformed_call(bug, error, message):
+    """#54 B: any exception from parse() was recorded as the model's malformed call (and trained on)."""
+    gen = Generator(tiny_model("llama"), block_size=4, num_blocks=64)
+    with pytest.raises(error, match=message):
+        gen.run_episodes([[40, 41, 42]], {"count": lambda: "1"}, ONE_TOKEN_TURNS,
+                         limits=EpisodeLimits(max_turns=2, max_tokens=20), tool_format=BuggyFormat(bug))
+    assert not gen.has_unfinished() and gen.allocator.num_free == gen.allocator.num_blocks
