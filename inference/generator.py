@@ -53,7 +53,8 @@ class Generator:
     first step, else the weights'), ``attn_backend``, ``block_size`` (default: what the backend
     reads in place), ``static_decode`` and ``compile_decode`` (bucketed, capturable decode
     steps): see :class:`inference.live_model.LiveModel`. ``num_state_snapshots``: the states a
-    hybrid model's prefix cache keeps (:mod:`inference.state_prefix`).
+    hybrid model's prefix cache keeps (:mod:`inference.state_prefix`). ``max_logprobs``: the most
+    top log-probs a request may ask for per position (vLLM's cap and default; no vocabulary dicts).
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class Generator:
         attn_backend: str | None = None,
         static_decode: bool = False,
         compile_decode: bool = False,
+        max_logprobs: int = 20,
     ):
         self.live = LiveModel(model, dtype=dtype, attn_backend=attn_backend, static_decode=static_decode,
                               compile_decode=compile_decode)
@@ -90,11 +92,10 @@ class Generator:
         state_bytes = self.live.state_bytes(max_num_seqs + snapshots)
         num_blocks = num_kv_blocks(self.live.kv_layout, block_size, self.live.dtype, num_blocks,
                                    kv_memory_bytes, max_num_seqs, state_bytes, self.max_model_len)
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.request_builder = RequestBuilder(tokenizer, self.vocab_size, self.max_model_len, num_blocks,
-                                              block_size, max_num_seqs, self.eos_token_ids)
+                                              block_size, max_num_seqs, self.eos_token_ids, max_logprobs)
         self.allocator = BlockAllocator(num_blocks, block_size)
         slots = make_state_slots(states, max_num_seqs, snapshots, self.allocator)
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, watermark,
@@ -168,8 +169,7 @@ class Generator:
         :meth:`has_unfinished` for ranks in lockstep (:mod:`inference.sharded`). On any error every
         request in flight is aborted first, so a caller's ``release()`` works and the user sees the
         original error. Attention is switched to nopad (and eval mode) once per run, not per step."""
-        step = step or self.step
-        more = more or self.has_unfinished
+        step, more = step or self.step, more or self.has_unfinished
         order = {r.request_id: i for i, r in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)
         try:

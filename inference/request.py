@@ -309,7 +309,14 @@ class RequestBuilder:
     block_size: int
     max_num_seqs: int
     eos_token_ids: set[int]
+    max_logprobs: int = 20  # the most top log-probs per position a request may ask for (vLLM's cap)
     next_id: int = 0
+
+    def __post_init__(self) -> None:
+        cap = self.max_logprobs
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            raise ValueError(f"max_logprobs must be an int >= 0 (the most top log-probs a request may ask "
+                             f"for), got {cap!r}")
 
     def build_all(self, prompts, sampling_params, in_flight: Container[str] = ()) -> list[Request]:
         """One request per prompt (a single prompt may be given bare); ``sampling_params`` is one
@@ -370,6 +377,11 @@ class RequestBuilder:
                              "more num_blocks/kv_memory_bytes or shorten the prompt")
         if params.n > self.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (k := getattr(params, name)) is not None and k > self.max_logprobs:
+                raise ValueError(f"{name}={k} is more than the Generator's max_logprobs={self.max_logprobs} "
+                                 f"(each position would hold a dict of {k} tokens); ask for at most "
+                                 f"{self.max_logprobs}, or raise the cap: Generator(..., max_logprobs={k})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; pass tokenizer= or use stop_token_ids")
         for t in params.stop_token_ids:

@@ -18,9 +18,10 @@ class SamplingParams:
     ``RequestOutput.prompt_logprobs``: every prompt token's raw log-prob and the k most likely
     tokens at its position (:mod:`inference.prompt_logprobs`); such a request computes its whole
     prompt (no prefix-cache hit; vLLM does the same) and scores its prompt positions' hidden
-    states with the chunked head. Unlike vLLM, -1 (the whole vocabulary) is not taken. ``stop``
-    strings need a tokenizer; the returned text ends before the stop string, the token ids keep
-    every generated token.
+    states with the chunked head. Unlike vLLM, -1 (the whole vocabulary) is not taken. Both ``k``
+    are capped by the Generator's ``max_logprobs`` (vLLM's cap, default 20), checked when a request
+    is added. ``stop`` strings need a tokenizer; the returned text ends before the stop string, the
+    token ids keep every generated token.
     """
 
     n: int = 1

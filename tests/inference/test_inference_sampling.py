@@ -7,10 +7,12 @@ import math
 import pytest
 import torch
 
+from inference import Generator
 from inference.request import Request, Sequence
 from inference.sampler import processed_logprobs, sample
 from inference.sampling_params import SamplingParams
 from inference.seeding import counter_seed
+from tests.support.models import tiny_model
 
 
 def seq_with(params: SamplingParams, tokens=(5, 6), index=0, seed=0, stop_ids=frozenset({2})):
@@ -188,3 +190,26 @@ def test_processed_logprobs_leave_their_input_alone():
     before = x.clone()
     processed_logprobs(x, [SamplingParams(top_p=0.5), SamplingParams(top_k=3, min_p=0.1), SamplingParams()])
     assert torch.equal(x, before)
+
+
+def test_top_logprobs_above_the_generators_cap_are_refused_as_vllm_does():
+    """#54 C: logprobs=10**6 returned whole-vocabulary dicts at every position (a memory trap at
+    150k vocabularies); like vLLM's max_logprobs (default 20) the Generator caps them."""
+    model = tiny_model("llama")
+    gen = Generator(model, block_size=4, num_blocks=16)
+    for name, k in (("logprobs", 10**6), ("prompt_logprobs", 21)):
+        message = (rf"{name}={k} is more than the Generator's max_logprobs=20 \(each position would hold a "
+                   rf"dict of {k} tokens\); ask for at most 20, or raise the cap: Generator\(\.\.\., "
+                   rf"max_logprobs={k}\)")
+        with pytest.raises(ValueError, match="prompt 0: " + message):
+            gen.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **{name: k}), use_tqdm=False)
+        with pytest.raises(ValueError, match=message):
+            gen.add_request([5, 6, 7], SamplingParams(max_tokens=2, **{name: k}))
+    assert not gen.has_unfinished()
+    wide = Generator(model, block_size=4, num_blocks=16, max_logprobs=50)
+    params = SamplingParams(max_tokens=2, temperature=0.0, logprobs=50, prompt_logprobs=50)
+    out = wide.generate([[5, 6, 7]], params, use_tqdm=False)[0]
+    assert [len(top) for top in out.outputs[0].top_logprobs] == [50, 50]
+    assert len(out.prompt_logprobs[1]) in (50, 51)  # the prompt token, if not among the top 50
+    with pytest.raises(ValueError, match="max_logprobs must be an int >= 0"):
+        Generator(model, block_size=4, num_blocks=16, max_logprobs=-1)
