@@ -95,7 +95,8 @@ class Checkpointer:
             save_model_dir(self.accelerator, self.model, self.tokenizer, d)
 
         checkpoint.save_training_checkpoint(self.accelerator, Path(self.cfg.output_dir) / f"step_{step}",
-                                            save_model, self.cfg.checkpoint.keep_last, self.save_kwargs)
+                                            save_model, self.cfg.checkpoint.keep_last, self.save_kwargs,
+                                            recipe="grpo")
 
     def start(self, run: GRPOProgress) -> Path | None:
         """``output_dir`` (None without one), locked against a second run into it, and ``run`` at
@@ -108,7 +109,8 @@ class Checkpointer:
             refuse_stale_policy(cfg)
             checkpoint.claim_run_dir(out, accelerator, resuming=bool(cfg.checkpoint.resume_from))
         if cfg.checkpoint.resume_from:
-            path = checkpoint.resume_training(accelerator, cfg.checkpoint.resume_from, out, self.load_kwargs)
+            path = checkpoint.resume_training(accelerator, cfg.checkpoint.resume_from, out, self.load_kwargs,
+                                              recipe="grpo")
             if accelerator.is_main_process:
                 checkpoint.trim_metrics(out, run.step)  # GRPO logs steps 0, 1, ...
             logger.info("resumed from %s at grpo step %d", path, run.step)

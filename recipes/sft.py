@@ -111,7 +111,8 @@ def claim_and_resume(accelerator, ccfg, progress, loader, load_kwargs: dict) -> 
     output_dir = Path(ccfg.output_dir)
     checkpoint.claim_run_dir(output_dir, accelerator, resuming=bool(ccfg.resume_from))
     if ccfg.resume_from:
-        path = checkpoint.resume_training(accelerator, ccfg.resume_from, output_dir, load_kwargs)
+        path = checkpoint.resume_training(accelerator, ccfg.resume_from, output_dir, load_kwargs,
+                                          recipe="sft")
         if accelerator.is_main_process:
             checkpoint.trim_metrics(output_dir, progress.step + 1)  # SFT logs steps 1, 2, ...
         logger.info("resumed from %s at step %d (epoch %d)", path, progress.step, loader.epoch)
@@ -155,7 +156,7 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     def save(path: Path) -> None:
         checkpoint.save_training_checkpoint(accelerator, path,
                                             lambda d: save_model_dir(accelerator, model, tokenizer, d),
-                                            ccfg.keep_last, save_kwargs)
+                                            ccfg.keep_last, save_kwargs, recipe="sft")
 
     max_steps = tcfg.max_steps or steps
     if progress.step >= max_steps:

@@ -190,14 +190,45 @@ def _barrier(accelerator) -> None:
 
 def resume_failure(checkpoint_dir: str | Path, err: BaseException) -> str:
     """Why loading ``checkpoint_dir``'s training state failed, in words: a model that differs from
-    the checkpoint's (shapes or parameter names) is not cured by an earlier ``step_N``."""
+    the checkpoint's (shapes or parameter names) is not cured by an earlier ``step_N``, and only a
+    file reader's own words (a truncated zip or pickle) suggest a damaged file."""
     text = str(err)
     if any(s in text for s in ("size mismatch", "Missing key", "Unexpected key", "shape")):
         return (f"checkpoint {checkpoint_dir} was written for a different model than model.path "
                 f"({text[:300]}); resume with the model.path of the run that wrote it, or start a fresh "
                 "run in another checkpoint.output_dir")
-    return (f"could not load the training state of checkpoint {checkpoint_dir}: {text}; the file may be "
-            "damaged: resume from an earlier step_N directory")
+    if any(s in text for s in DAMAGE_SIGNS):
+        return (f"could not load the training state of checkpoint {checkpoint_dir}: {text}; the file may be "
+                "damaged: resume from an earlier step_N directory")
+    return (f"could not load the training state of checkpoint {checkpoint_dir}: {text[:300]}; resume with "
+            "the recipe, model and settings of the run that wrote it, or start a new run in another output "
+            "directory")
+
+
+# what a truncated or corrupt file makes torch, pickle or safetensors say
+DAMAGE_SIGNS = ("PytorchStreamReader", "central directory", "unpickling", "truncated", "Ran out of input",
+                "invalid load key", "EOF", "HeaderTooLarge", "InvalidHeader", "MetadataIncompleteBuffer",
+                "corrupt")
+
+
+def checkpoint_recipe(path: str | Path) -> str | None:
+    """The recipe that wrote checkpoint ``path`` (``"sft"``, ``"grpo"``): recorded in its marker, or,
+    for a checkpoint from before the marker held it, told by the progress state its recipe saves
+    first (SFT's has ``grad_accum``, GRPO's the prompt ``order``); None if neither says."""
+    recorded = checkpoint_info(Path(path)).get("recipe")
+    if recorded:
+        return recorded
+    import torch
+
+    try:
+        state = torch.load(Path(path) / STATE_DIR / "custom_checkpoint_0.pkl", weights_only=True)
+    except Exception:  # no such file, or one this cannot read: the load itself will tell
+        return None
+    if isinstance(state, dict) and "grad_accum" in state:
+        return "sft"
+    if isinstance(state, dict) and "order" in state:
+        return "grpo"
+    return None
 
 
 def claim_run_dir(output_dir: str | Path, accelerator=None, *, resuming: bool = False) -> str:
@@ -270,17 +301,20 @@ def _alive(owner: dict) -> bool:
 
 # ----------------------------------------------------------------------------- the recipes' use
 def save_training_checkpoint(accelerator, path: Path, save_model: Callable[[Path], None],
-                             keep_last: int | None = None, state_kwargs: dict | None = None) -> None:
+                             keep_last: int | None = None, state_kwargs: dict | None = None,
+                             recipe: str | None = None) -> None:
     """``path`` becomes a model directory (``save_model(dir)`` writes it) holding, in
     ``training_state/``, everything registered with the Accelerator (optimizer, RNG, the recipe's
     progress) to resume from; written whole or not at all (:func:`save_checkpoint`). SFT and GRPO
-    both checkpoint through here. ``state_kwargs`` go to ``save_state``."""
+    both checkpoint through here. ``state_kwargs`` go to ``save_state``; ``recipe`` (``"sft"``,
+    ``"grpo"``) is recorded in the completion marker, so a resume by the other recipe is told apart."""
 
     def write(tmp: Path) -> None:
         accelerator.save_state(str(tmp / STATE_DIR), **(state_kwargs or {}))
         save_model(tmp)
 
-    save_checkpoint(path, write, accelerator, keep_last=keep_last)
+    meta = {"recipe": recipe} if recipe else None
+    save_checkpoint(path, write, accelerator, keep_last=keep_last, meta=meta)
 
 
 def resume_path(resume_from: str, output_dir: Path) -> Path:
@@ -290,14 +324,20 @@ def resume_path(resume_from: str, output_dir: Path) -> Path:
 
 
 def resume_training(accelerator, resume_from: str, output_dir: Path,
-                    state_kwargs: dict | None = None) -> Path:
+                    state_kwargs: dict | None = None, recipe: str | None = None) -> Path:
     """Load ``resume_from`` (a step_N directory, or the ``latest`` complete one in ``output_dir``)
     into everything registered for checkpointing (``state_kwargs`` go to ``load_state``); returns
-    the checkpoint's path."""
+    the checkpoint's path. A checkpoint another ``recipe`` wrote is refused before loading."""
     path = resume_path(resume_from, output_dir)
     if not (path / STATE_DIR).is_dir():
         raise FileNotFoundError(f"checkpoint.resume_from={str(path)!r} holds no {STATE_DIR}/ "
                                 "written by this recipe; give a step_N directory of an earlier run")
+    written_by = checkpoint_recipe(path)
+    if recipe and written_by and written_by != recipe:
+        raise ValueError(f"checkpoint.resume_from={path} is a checkpoint of recipes.{written_by}, not of "
+                         f"recipes.{recipe}: a resume continues the run that wrote it. To start "
+                         f"recipes.{recipe} from that model, set model.path={path} and leave "
+                         "checkpoint.resume_from unset")
     try:
         accelerator.load_state(str(path / STATE_DIR), **(state_kwargs or {}))
     except ValueError:  # our own: a resume under another plan, naming the setting

@@ -204,3 +204,36 @@ def test_model_path_of_a_grpo_run_is_its_newest_checkpoint(tmp_path, one_thread)
 def test_checkpoints_need_an_output_dir():
     with pytest.raises(ValueError, match=r"checkpoint.every needs output_dir"):
         load_config(GRPORecipeConfig, overrides=["checkpoint.every=2"])
+
+
+def test_resuming_from_the_other_recipes_checkpoint_says_which_recipe_wrote_it(tmp_path, one_thread):
+    """#54: GRPO resumed from an SFT step (or the reverse) printed Accelerate's words and "the file
+    may be damaged"; the checkpoint records its recipe, and one from before that is told by its state."""
+    from recipes.sft import train
+    from recipes.sft_config import SFTRecipeConfig
+    from tests.recipes.test_recipes_sft import _reset_accelerate
+
+    sft = ["model.path=tiny:llama", "data.num_rows=8", "data.max_len=20", "data.tokens_per_batch=64",
+           "train.progress=false", "train.max_steps=1", "train.grad_accum=1"]
+    train(load_config(SFTRecipeConfig, None, [*sft, f"checkpoint.output_dir={tmp_path / 'sft'}"]))
+    _reset_accelerate()
+    step = tmp_path / "sft" / "step_1"
+    refused = (f"checkpoint.resume_from={step} is a checkpoint of recipes.sft, not of recipes.grpo: a "
+               "resume continues the run that wrote it. To start recipes.grpo from that model, set "
+               f"model.path={step} and leave checkpoint.resume_from unset")
+    with pytest.raises(ValueError) as err:
+        tiny_run(tmp_path / "grpo", checkpoint={"every": 1, "resume_from": str(step)})
+    assert str(err.value) == refused
+    _reset_accelerate()
+    marker = step / "nopad_checkpoint.json"  # a checkpoint written before the marker named its recipe
+    marker.write_text(json.dumps({k: v for k, v in json.loads(marker.read_text()).items() if k != "recipe"}))
+    with pytest.raises(ValueError) as err:
+        tiny_run(tmp_path / "grpo", checkpoint={"every": 1, "resume_from": str(step)})
+    assert str(err.value) == refused
+    _reset_accelerate()
+    tiny_run(tmp_path / "grpo2")
+    _reset_accelerate()
+    with pytest.raises(ValueError, match=r"is a checkpoint of recipes.grpo, not of recipes.sft: "):
+        train(load_config(SFTRecipeConfig, None, [*sft, f"checkpoint.output_dir={tmp_path / 'sft2'}",
+                                                  f"checkpoint.resume_from={tmp_path / 'grpo2' / 'step_1'}"]))
+    _reset_accelerate()

@@ -216,3 +216,16 @@ def test_a_failing_write_is_a_clear_error_and_leaves_no_partial_checkpoint(tmp_p
         checkpoint.save_checkpoint(tmp_path / "step_2", lambda d: (_ for _ in ()).throw(
             RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing "
                          "file data/3: unexpected pos 335680 vs 335568")))
+
+
+def test_only_a_file_readers_own_words_suggest_a_damaged_checkpoint():
+    """#54: every load failure used to end in "the file may be damaged", Accelerate's "registered
+    objects" mismatch (another recipe's checkpoint) included."""
+    from training.checkpoint import resume_failure
+
+    other = resume_failure("runs/x/step_1", RuntimeError("Number of custom checkpoints in folder x does not "
+                                                         "match the number of registered objects"))
+    assert "damaged" not in other and "resume with the recipe, model and settings of the run" in other
+    torn = resume_failure("runs/x/step_1", RuntimeError("PytorchStreamReader failed reading zip archive: "
+                                                        "failed finding central directory"))
+    assert "the file may be damaged: resume from an earlier step_N directory" in torn
