@@ -25,6 +25,15 @@ def test_the_installed_trl_passes_every_check():
     compat.check_sft_trainer(SFTTrainer)
 
 
+def test_the_loss_types_nopad_accepts_are_the_installed_trls():
+    """The construction check (#54) lists TRL's loss types; its GRPOConfig says which it has."""
+    from trl import GRPOConfig
+
+    text = GRPOConfig.__dataclass_fields__["loss_type"].metadata["help"]
+    said = re.search(r"Supported values are (.*?)\. ", text).group(1)
+    assert re.findall(r"'(\w+)'", said) == sorted(compat.GRPO_LOSS_TYPES, key=said.index)
+
+
 def test_the_pin_in_pyproject_is_the_tested_range():
     pins = re.findall(r'"(trl[^"]*)"', (ROOT / "pyproject.toml").read_text())  # every extra naming trl
     assert pins and all(r == f"trl{compat.TESTED_TRL}" for r in pins), pins

@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 TESTED_TRL = ">=1.16,<1.17"  # keep equal to the pin in pyproject.toml
 ALLOW_UNTESTED_ENV = "NOPAD_ALLOW_UNTESTED_TRL"
+# GRPOConfig.loss_type values TRL 1.16's GRPOTrainer computes; it checks only inside the first loss
+GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 
 # GRPOTrainer methods nopad overrides (NopadGRPOTrainerMixin) or replaces (the tool episodes):
 # their leading parameters, after self
@@ -247,6 +249,15 @@ def check_grpo_trainer(cls: type) -> None:
     """At construction of a GRPOTrainer nopad reaches into (``NopadGRPOTrainer``, or a TRL
     ``GRPOTrainer`` given ``nopad_rollout_func``)."""
     refuse_untested(grpo_problems(trl_base(cls, "GRPOTrainer")), "nopad's GRPOTrainer integration")
+
+
+def check_loss_type(args) -> None:
+    """An unknown ``args.loss_type`` is refused when the trainer is built: TRL raises it only in
+    the first loss computation, after the first rollout of ``train()``."""
+    loss_type = getattr(args, "loss_type", None)
+    if args is not None and loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"GRPOConfig.loss_type={loss_type!r} is not a loss TRL's GRPOTrainer knows; use one "
+                         f"of {', '.join(GRPO_LOSS_TYPES)}")
 
 
 def check_sft_trainer(cls: type) -> None:

@@ -45,7 +45,7 @@ import torch
 from training.grpo import Rollout, pack_rollouts, packed_logprobs, packing_metrics, resolve_batch_invariant
 from training.mismatch import logprob_mismatch
 from training.trl import lazy_class
-from training.trl.compat import check_grpo_trainer
+from training.trl.compat import check_grpo_trainer, check_loss_type
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +149,7 @@ class NopadGRPOTrainerMixin:
         self.nopad_shared_prefix = shared_prefix
         self.nopad_max_tokens_per_forward = max_tokens_per_forward
         train_args = kwargs.get("args", args[2] if len(args) > 2 else None)
+        check_loss_type(train_args)
         device = getattr(train_args, "device", None) or next(model.parameters()).device  # where it will train
         self.nopad_batch_invariant = resolve_batch_invariant(batch_invariant, device)
         if nopad_rollout and kwargs.get("rollout_func") is None:
