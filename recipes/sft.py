@@ -165,10 +165,12 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     losses, stats, seen = [], [], [] if cfg.log.record_indices else None
     saved_at = None
     bar = sft_loop.progress_bar(tcfg.progress and accelerator.is_local_main_process, max_steps, progress.step,
-                                gas)
+                                gas, micro_batches=lambda n: sft_data.micro_batches(loader, gas, n,
+                                                                                     dcfg.streaming))
     tick = None if bar is None else lambda: bar.update(1)
-    logger.info("training %d optimizer step(s) of %d micro-batch(es) each; the progress bar counts "
-                "micro-batches (the first one is the slowest)", max(max_steps - progress.step, 0), gas)
+    logger.info("training %d optimizer step(s) of %d micro-batch(es) each (an epoch's last: what is left); "
+                "the progress bar counts micro-batches (the first one is the slowest)",
+                max(max_steps - progress.step, 0), gas)
     while progress.step < max_steps:
         for window in sft_data.windows(loader, gas):
             step_loss = sft_loop.sft_step(stepper, window, tcfg.weighting, seen, step=progress.step + 1,

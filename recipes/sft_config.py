@@ -67,7 +67,7 @@ class SFTDataConfig(Section):
 class SFTTrainConfig(Section):
     epochs: int = 1
     max_steps: int | None = None  # optimizer steps; the epochs repeat if they hold fewer
-    grad_accum: int = 2  # micro-batches per optimizer step; each epoch is a multiple of it
+    grad_accum: int = 2  # micro-batches per optimizer step (an epoch's last step: what is left)
     lr: float = 1e-5  # AdamW's peak learning rate, in (0, 1]
     weight_decay: float = 0.0
     warmup_steps: int = 0  # linear warm-up, then a linear decay to 0

@@ -115,15 +115,17 @@ def record_step(accelerator, output_dir: Path, step: int, step_loss: float, bar=
     return loss
 
 
-def progress_bar(show: bool, total_steps: int, initial_step: int, grad_accum: int, desc: str = "sft"):
+def progress_bar(show: bool, total_steps: int, initial_step: int, grad_accum: int, desc: str = "sft",
+                 micro_batches: Callable[[int], int] | None = None):
     """A bar over micro-batches (``grad_accum`` per optimizer step), so it moves within a step:
-    on a small machine one step of a few micro-batches takes minutes."""
+    on a small machine one step of a few micro-batches takes minutes. ``micro_batches(n)``: those
+    of the first ``n`` steps, where an epoch's last step takes fewer (:func:`training.sft_data.windows`)."""
     if not show:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total_steps * grad_accum, initial=initial_step * grad_accum, desc=desc,
-                unit="micro-batch")
+    count = micro_batches or (lambda steps: steps * grad_accum)
+    return tqdm(total=count(total_steps), initial=count(initial_step), desc=desc, unit="micro-batch")
 
 
 def write_result(accelerator, output_dir: Path, result: dict, title: str = "nopad SFT") -> None:

@@ -170,11 +170,19 @@ def _input_ids(rows):
 
 def build_loader(data, rows, accelerator, grad_accum: int, model_config):
     """Map-style (global BFD per epoch) or streaming (bounded buffer) packed loader for this rank;
-    each epoch is a whole number of ``grad_accum``-micro-batch optimizer steps on every rank.
-    Per-turn samples (``data.per_turn_samples``) go to prefix-tree rows."""
+    every rank runs the same number of micro-batches. Per-turn samples (``data.per_turn_samples``)
+    go to prefix-tree rows.
+
+    The epoch is NOT rounded up to a multiple of ``grad_accum``: its last optimizer step may take
+    fewer micro-batches (:func:`windows`). That step is exact, because each step divides by its own
+    global loss-token count (:class:`training.accumulation.OptimizerStepper`), and rounding up meant
+    repeating rows, loss-masked, as padding (3 pre-packed rows at grad_accum=2 were 4 micro-batches,
+    a pad fraction of 0.33). Ranks still get equal counts: under ZeRO-3 / FSDP2 every forward is a
+    collective, so a rank with no row left gets a repeated, loss-masked one, and only then
+    (:func:`dataloaders.balance.equalize_bin_count` splits bins first)."""
     common = dict(num_replicas=accelerator.num_processes, rank=accelerator.process_index,
                   seed=data.seed, max_seqs_per_batch=data.max_seqs_per_batch,
-                  steps_multiple_of=grad_accum, attention_cost=attention_cost_from_config(model_config))
+                  steps_multiple_of=1, attention_cost=attention_cost_from_config(model_config))
     if data.per_turn_samples:
         return tree_dataloader(rows, data.tokens_per_batch or DEFAULT_TOKENS_PER_BATCH,
                                num_workers=data.num_workers, **common)
@@ -193,7 +201,7 @@ def total_steps(max_steps: int | None, epochs: int, data, loader, grad_accum: in
         if not max_steps:
             raise ValueError("data.streaming=true needs train.max_steps (a stream's length is unknown)")
         return max_steps
-    steps_per_epoch = len(loader) // grad_accum
+    steps_per_epoch = -(-len(loader) // grad_accum)  # the last one may be short (build_loader)
     if max_steps and max_steps > steps_per_epoch * epochs:
         logger.warning("train.max_steps=%d is more than train.epochs=%d x %d steps per epoch: the data "
                        "repeats for %d epochs", max_steps, epochs, steps_per_epoch,
@@ -202,10 +210,23 @@ def total_steps(max_steps: int | None, epochs: int, data, loader, grad_accum: in
 
 
 def windows(loader, size: int) -> Iterator[list]:
-    """The loader's batches of one epoch in lists of ``size`` (one optimizer step each)."""
+    """The loader's batches of one epoch in lists of ``size`` (one optimizer step each); the last
+    list holds what is left, which may be fewer (the same number on every rank)."""
     batches = iter(loader)
     while window := list(itertools.islice(batches, size)):
         yield window
+
+
+def micro_batches(loader, grad_accum: int, steps: int, streaming: bool = False) -> int:
+    """Micro-batches in the run's first ``steps`` optimizer steps (what a progress bar counts):
+    ``grad_accum`` each, but fewer in an epoch's last step (:func:`windows`); a stream's epoch has
+    no length, so there every step counts ``grad_accum``."""
+    if streaming:
+        return steps * grad_accum
+    per_epoch = len(loader)
+    steps_per_epoch = -(-per_epoch // grad_accum)
+    epochs, rest = divmod(steps, steps_per_epoch)
+    return epochs * per_epoch + min(rest * grad_accum, per_epoch)
 
 
 def epoch_stats(loader) -> dict | None:
