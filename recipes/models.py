@@ -151,7 +151,31 @@ def _load_base(model_cfg: ModelConfig, path: str):
         raise RuntimeError(f"model.path={path}: could not load the model from {weights or 'its files'}"
                            f" ({type(err).__name__}: {err}); the file may be truncated (a run stopped while "
                            "writing it, or a copy that did not finish): use another checkpoint") from err
+    check_tokenizer_files(path)
     return model.eval(), _saved_tokenizer(path) or AutoTokenizer.from_pretrained(path)
+
+
+# a tokenizer's vocabulary, in the files transformers reads it from (fast, SentencePiece, BPE, WordPiece,
+# tiktoken); tokenizer_config.json alone holds none, and transformers then asks for sentencepiece
+TOKENIZER_FILES = ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "*.tiktoken")
+
+
+def check_tokenizer_files(path: str | Path) -> None:
+    """A model directory must hold its tokenizer: without one, transformers ends in "install
+    sentencepiece or tiktoken", which is not the cause."""
+    from recipes.tasks import AsciiTokenizer
+
+    path = Path(path)
+    if (path / AsciiTokenizer.SAVED_NAME).is_file():  # a checkpoint of a tiny:* model
+        return
+    if any(p.is_file() for pattern in TOKENIZER_FILES for p in path.glob(pattern)):
+        return
+    alone = (path / "tokenizer_config.json").is_file()
+    raise FileNotFoundError(
+        f"model.path={path} holds no tokenizer files"
+        f"{' (tokenizer_config.json alone holds no vocabulary)' if alone else ''}: looked for "
+        f"{', '.join(TOKENIZER_FILES)}; copy the tokenizer files of the model it came from into it (or "
+        "write them there with tokenizer.save_pretrained)")
 
 
 def save_model_dir(accelerator, model, tokenizer, path: str | Path) -> None:

@@ -134,3 +134,20 @@ def test_sampling_settings_are_checked_when_the_config_is_built(module, override
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"{module}: error: {message}") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("files", [[], ["tokenizer_config.json"]])
+def test_a_model_directory_without_tokenizer_files_says_which_were_looked_for(tmp_path, files):
+    """#54: transformers ended in "install sentencepiece or tiktoken", which was not the cause."""
+    from recipes.tasks import tiny_causal_lm
+
+    tiny_causal_lm("llama")[0].save_pretrained(tmp_path)
+    for name in files:
+        (tmp_path / name).write_text("{}")
+    alone = " (tokenizer_config.json alone holds no vocabulary)" if files else ""
+    with pytest.raises(FileNotFoundError) as err:
+        load_model(ModelConfig(path=str(tmp_path)))
+    assert str(err.value) == (f"model.path={tmp_path} holds no tokenizer files{alone}: looked for "
+                              "tokenizer.json, *.model, vocab.json, vocab.txt, *.tiktoken; copy the "
+                              "tokenizer files of the model it came from into it (or write them there with "
+                              "tokenizer.save_pretrained)")
