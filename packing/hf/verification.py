@@ -6,7 +6,7 @@ function.)
     from packing import verify
     report = verify(model, [tok(t).input_ids for t in texts])
     print(report)          # worst logit diff, relative grad diff, which attention path ran
-    assert report.ok()     # within fp32 rounding (see VerifyReport.ok)
+    assert report.ok()     # within the compute dtype's rounding (see VerifyReport.ok)
 
     verify(model, [prompt + a, prompt + b, prompt + a + c], tree=True)   # one prefix-tree row
 
@@ -35,6 +35,13 @@ from packing.varlen import VarlenMeta
 # ``tensor_rtol`` (1e-5 of the whole gradient at the defaults, 10x tighter than the whole-gradient bound).
 TENSOR_FLOOR = 1e-3
 
+# ok()'s defaults by the compute dtype: (logit_rtol, grad_rtol, tensor_rtol as a multiple of grad_rtol).
+# fp32's bounds are ~100x its rounding; bf16 / fp16 gradients summed in another order (each sequence's
+# backward alone vs one packed backward) move by ~1 unit of their rounding (2^-8, 2^-11): 3e-3 / 4e-4
+# on the tiny test models, with logits equal. A packing bug moves the gradient by ~0.5 in either.
+TOLERANCES = {"float32": (1e-5, 1e-4, 100.0), "float64": (1e-5, 1e-4, 100.0),
+              "bfloat16": (2e-2, 3e-2, 10.0), "float16": (2.5e-3, 5e-3, 10.0)}
+
 
 @dataclass(frozen=True)
 class VerifyReport:
@@ -51,12 +58,25 @@ class VerifyReport:
 
     logit_scale: float = 0.0  # max |logit| of the sequences alone
     grad_rel_diff: float = 0.0  # ||dg|| / ||g_alone|| over all parameters together
+    dtype: str = "float32"  # the compute dtype (autocast's, else the weights'): it picks ok()'s defaults
 
-    def ok(self, logit_rtol: float = 1e-5, grad_rtol: float = 1e-4, tensor_rtol: float | None = None) -> bool:
-        """Within fp32 rounding? Logits within ``logit_rtol * max(1, logit_scale)``; the whole
-        gradient within ``grad_rtol`` of its norm; and no parameter's gradient off by more than
-        ``tensor_rtol`` (default ``100 * grad_rtol``) of its own norm, floored at ``TENSOR_FLOOR``
-        of the whole gradient's (a true gradient of about 0 is judged against that, not its noise).
+    def tolerances(self, logit_rtol: float | None = None, grad_rtol: float | None = None,
+                   tensor_rtol: float | None = None) -> tuple[float, float, float]:
+        """The ``(logit_rtol, grad_rtol, tensor_rtol)`` :meth:`ok` uses: those given, the rest the
+        compute dtype's (:data:`TOLERANCES`; a dtype not listed gets fp32's)."""
+        logit, grad, factor = TOLERANCES.get(self.dtype, TOLERANCES["float32"])
+        grad = grad if grad_rtol is None else grad_rtol
+        return (logit if logit_rtol is None else logit_rtol, grad,
+                factor * grad if tensor_rtol is None else tensor_rtol)
+
+    def ok(self, logit_rtol: float | None = None, grad_rtol: float | None = None,
+           tensor_rtol: float | None = None) -> bool:
+        """Within the compute dtype's rounding? Logits within ``logit_rtol * max(1, logit_scale)``;
+        the whole gradient within ``grad_rtol`` of its norm; and no parameter's gradient off by more
+        than ``tensor_rtol`` of its own norm, floored at ``TENSOR_FLOOR`` of the whole gradient's (a
+        true gradient of about 0 is judged against that, not its noise). Defaults by dtype
+        (:meth:`tolerances`): fp32 ``1e-5``, ``1e-4``, ``100 * grad_rtol``; bf16 ``2e-2``, ``3e-2``,
+        ``10 * grad_rtol``; fp16 ``2.5e-3``, ``5e-3``, ``10 * grad_rtol``. ``str(report)`` prints them.
 
         Why norms, and the looser per-tensor bound: a norm weight's gradient is a sum over every
         token with much cancellation, so reordered fp32 sums (sdpa vs eager on the same sequences,
@@ -64,7 +84,7 @@ class VerifyReport:
         whole gradient moves far less. A packing bug (attention leaking across sequences, wrong
         positions, a wrong backward) moves the whole gradient by orders of magnitude more.
         ``tests/packing/test_packing_verification.py`` checks both sides on SmolLM2-135M."""
-        tensor_rtol = 100 * grad_rtol if tensor_rtol is None else tensor_rtol
+        logit_rtol, grad_rtol, tensor_rtol = self.tolerances(logit_rtol, grad_rtol, tensor_rtol)
         return (self.max_logit_diff <= logit_rtol * max(1.0, self.logit_scale)
                 and self.grad_rel_diff <= grad_rtol and self.max_grad_rel_diff <= tensor_rtol)
 
@@ -74,7 +94,9 @@ class VerifyReport:
             f"sequences / {self.num_tokens} tokens: max logit diff {self.max_logit_diff:.2e} "
             f"(logits up to {self.logit_scale:.1f}), "
             f"loss diff {self.loss_diff:.2e}, relative grad diff {self.grad_rel_diff:.2e} "
-            f"(worst tensor {self.max_grad_rel_diff:.2e}: {self.worst_param})"
+            f"(worst tensor {self.max_grad_rel_diff:.2e}: {self.worst_param}); ok() = {self.ok()} at "
+            "{} tolerances: logit_rtol {:.1e}, grad_rtol {:.1e}, tensor_rtol {:.1e}".format(self.dtype,
+                                                                                         *self.tolerances())
         )
 
 
@@ -160,6 +182,36 @@ def _compare_grads(alone: dict[str, torch.Tensor],
     return worst, worst_name, total_rel
 
 
+def _sequences(model, sequences, tree: bool, attn_implementation: str) -> list[torch.Tensor]:
+    """The sequences as token-id tensors on the model's device, checked: a token id outside the
+    vocabulary failed deep in the embedding with an IndexError that named no sequence."""
+    seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
+    if not seqs or any(s.numel() == 0 for s in seqs):
+        raise ValueError("verify needs at least one sequence and no empty sequences")
+    vocab = model.get_input_embeddings().num_embeddings
+    for i, s in enumerate(seqs):
+        bad = ((s < 0) | (s >= vocab)).nonzero()
+        if bad.numel():
+            j = int(bad[0, 0])
+            raise ValueError(f"verify: sequence {i} has token id {int(s[j])} at position {j}, outside the "
+                             f"model's vocabulary [0, {vocab}) (its input embedding's rows); pass token ids "
+                             "from this model's own tokenizer")
+    if tree and attn_implementation != hf.NOPAD_ATTENTION:
+        raise ValueError(f"tree=True needs attn_implementation={hf.NOPAD_ATTENTION!r}: a tree row's segments "
+                         f"read their ancestors' keys through nopad_meta.key_index, which "
+                         f"{attn_implementation!r} does not take")
+    device = next(model.parameters()).device
+    return [s.to(device) for s in seqs]
+
+
+def _compute_dtype(model, device: torch.device) -> torch.dtype:
+    """The dtype the check computes in: autocast's when it is on, else the weights' (the first
+    floating-point parameter's, the embedding's in an HF model)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 def verify(
     model: torch.nn.Module,
     sequences: Sequence[Sequence[int] | torch.Tensor],
@@ -182,15 +234,7 @@ def verify(
     (a recurrent state, a convolution over time, sinks: :mod:`packing.mixers`) is refused before
     anything runs, naming the layer.
     """
-    seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
-    if not seqs or any(s.numel() == 0 for s in seqs):
-        raise ValueError("verify needs at least one sequence and no empty sequences")
-    device = next(model.parameters()).device
-    seqs = [s.to(device) for s in seqs]
-    if tree and attn_implementation != hf.NOPAD_ATTENTION:
-        raise ValueError(f"tree=True needs attn_implementation={hf.NOPAD_ATTENTION!r}: a tree row's segments "
-                         f"read their ancestors' keys through nopad_meta.key_index, which "
-                         f"{attn_implementation!r} does not take")
+    seqs = _sequences(model, sequences, tree, attn_implementation)
     check_model(model, TREE if tree else PACKED)  # a layer nopad cannot keep sequences apart in
     hf.register_nopad_attention()
     current = model.config._attn_implementation
@@ -246,4 +290,5 @@ def verify(
         num_sequences=len(seqs),
         num_tokens=int(logits.shape[0]),
         logit_scale=max(float(a.abs().max()) for a in alone_logits),
+        dtype=str(_compute_dtype(model, seqs[0].device)).removeprefix("torch."),
     )

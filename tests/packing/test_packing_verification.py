@@ -204,3 +204,37 @@ def test_a_tree_row_equals_each_path_alone(family):
 def test_a_tree_row_needs_nopad_attention():
     with pytest.raises(ValueError, match="tree=True needs attn_implementation='nopad'"):
         verify(tiny_model("llama"), _branched(), attn_implementation="sdpa", tree=True)
+
+
+@pytest.mark.parametrize("dtype, autocast", [(torch.bfloat16, False), (torch.float16, False),
+                                             (torch.bfloat16, True)])
+def test_ok_defaults_follow_the_compute_dtype_and_are_printed(dtype, autocast):
+    """#54 E: in bf16, logits equal to the bit and ok() False, as its defaults were fp32's: the
+    gradient, summed in another order, moves by about one bf16 rounding (2^-8)."""
+    model = tiny_model("llama") if autocast else tiny_model("llama").to(dtype)
+    with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+        report = verify(model, random_sequences([7, 13, 3], seed=1))
+    name = str(dtype).removeprefix("torch.")
+    assert report.dtype == name and report.grad_rel_diff > 1e-4, report  # fp32's bound: not ok
+    assert report.ok(), report
+    logit, grad, tensor = report.tolerances()
+    assert logit > 1e-5 and grad > 1e-4 and tensor == 10 * grad
+    assert f"ok() = True at {name} tolerances: logit_rtol {logit:.1e}, grad_rtol {grad:.1e}" in str(report)
+    assert not report.ok(grad_rtol=1e-4)  # an explicit tolerance still wins
+    transformers.AttentionInterface.register("leaky_test", _leaky_attention)
+    leaky = verify(model.to(dtype), random_sequences([5, 7]), attn_implementation="leaky_test")
+    assert not leaky.ok() and "ok() = False" in str(leaky), leaky  # a packing bug is still caught
+
+
+def test_fp32_tolerances_are_unchanged():
+    assert _report(2e-6, 3.2e-4).tolerances() == (1e-5, 1e-4, 1e-2)
+    assert "ok() = True at float32 tolerances: logit_rtol 1.0e-05, grad_rtol 1.0e-04, tensor_rtol 1.0e-02" \
+        in str(_report(2e-6, 3.2e-4))
+
+
+@pytest.mark.parametrize("bad", [128, -1])
+def test_a_token_outside_the_vocabulary_is_named(bad):
+    """#54 F: it failed in the embedding with an IndexError naming no sequence."""
+    with pytest.raises(ValueError, match=rf"verify: sequence 1 has token id {bad} at position 2, outside the "
+                                         r"model's vocabulary \[0, 128\) .* from this model's own tokenizer"):
+        verify(tiny_model("llama"), [[5, 6], [7, 8, bad, 9]])
