@@ -65,7 +65,7 @@ def test_one_conversation_tokenizes_the_same_on_every_path(tok, tmp_path):
 
     # GRPO: the recipe's prompt of the first user turn is the conversation up to the first answer
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": "w1 w2"}) + "\n")
+    prompts.write_text(json.dumps({"prompt": "w1 w2", "answer": "w3"}) + "\n")  # what the reward reads
     cfg = from_dict(GRPORecipeConfig, {"model": {"path": "tiny:llama", "chat_template": True},
                                        "task": {"prompts": str(prompts)}})
     _, (recipe_prompt,) = build_prompts(cfg, tok)
