@@ -25,6 +25,7 @@ from recipes.config import (
     setup_logging,
 )
 from recipes.models import load_model
+from recipes.reward_calls import with_timeout
 from recipes.tasks import TASKS, example_fields, get_reward, load_examples
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ class EvaluateConfig(Section):
     model: ChatModelConfig = field(default_factory=ChatModelConfig)
     data: EvalDataConfig = field(default_factory=EvalDataConfig)
     scorer: str | Callable[..., Any] = "last_number_match"  # recipes.tasks.REWARDS name or "module:function"
+    scorer_timeout: float | None = 60.0  # seconds a scorer call may take, else the run stops; null: no limit
     sampling: EvalSamplingConfig = field(default_factory=EvalSamplingConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     batch_size: int = 64  # prompts handed to the generator at once
@@ -83,6 +85,9 @@ class EvaluateConfig(Section):
     def check(self) -> None:
         self.at_least("batch_size", 1)
         get_reward(self.scorer, key="scorer")
+        if self.scorer_timeout is not None and not self.scorer_timeout > 0:
+            raise ConfigError("scorer_timeout", f"must be > 0 seconds or null (no limit), got "
+                              f"{self.scorer_timeout}")
 
 
 def evaluate(
@@ -164,7 +169,8 @@ def run_evaluate(cfg: EvaluateConfig, model=None, tokenizer=None, progress: bool
     """Evaluate the configured model (or the given ``model``/``tokenizer``) on the prompt set."""
     from inference import Generator, SamplingParams
 
-    scorer = get_reward(cfg.scorer, key="scorer")
+    scorer = with_timeout(get_reward(cfg.scorer, key="scorer"), cfg.scorer_timeout, "scorer_timeout",
+                          cfg.data.prompt_field, kind="scorer")
     data = cfg.data
     if data.path is not None:
         reader = f"scorer={cfg.scorer}" if isinstance(cfg.scorer, str) else "the scorer"

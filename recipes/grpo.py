@@ -49,6 +49,7 @@ from recipes.grpo_checkpoint import (
 )
 from recipes.grpo_config import GRPORecipeConfig
 from recipes.models import load_model
+from recipes.reward_calls import with_timeout
 from recipes.tasks import (
     TASKS,
     check_prompts_per_step,
@@ -188,7 +189,8 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     from training.grpo_step import grpo_step
     from training.optimizer import make_adamw
 
-    reward_fn = get_reward(cfg.reward)
+    reward_fn = with_timeout(get_reward(cfg.reward), cfg.reward_timeout, "reward_timeout",
+                             cfg.task.prompt_field)
     examples = task_examples(cfg)  # before the model loads: a prompt set the reward cannot score fails now
     model, tokenizer = load_policy(cfg, model, tokenizer)
     examples, prompt_ids = build_prompts(cfg, tokenizer, examples)

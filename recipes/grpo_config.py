@@ -173,6 +173,7 @@ class GRPORecipeConfig(Section):
     model: GRPOModelConfig = field(default_factory=GRPOModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     reward: str | Callable[..., Any] = "last_number_match"  # recipes.tasks.REWARDS name or "module:function"
+    reward_timeout: float | None = 60.0  # seconds a reward call may take, else the run stops; null: no limit
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     generator: GRPOGeneratorConfig = field(default_factory=GRPOGeneratorConfig)
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
@@ -183,6 +184,9 @@ class GRPORecipeConfig(Section):
 
     def check(self) -> None:
         get_reward(self.reward, key="reward")
+        if self.reward_timeout is not None and not self.reward_timeout > 0:
+            raise ConfigError("reward_timeout", f"must be > 0 seconds or null (no limit), got "
+                              f"{self.reward_timeout}")
         ro, gen, tr = self.rollout, self.generator, self.train
         seq_tokens = ro.max_prompt_tokens + ro.max_tokens
         num_seqs = ro.prompts_per_step * ro.num_generations

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from inference.tools import ChatTemplateTools
 from recipes.prompt_sets import load_examples as load_examples  # where it was
+from recipes.reward_calls import check_reward_signature
 from recipes.tool_tasks import (
     CALCULATOR_SYSTEM,
     CALL_CLOSE,
@@ -125,7 +126,7 @@ def get_reward(spec: str | RewardFn, key: str = "reward") -> RewardFn:
     ``key`` names the config entry in the error message, so a user knows what to fix.
     """
     if callable(spec):
-        return spec
+        return check_reward_signature(spec, f"{key} {getattr(spec, '__qualname__', spec)!r}")
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"{key} must be a reward name or an import path, got {spec!r}")
     if spec in REWARDS:
@@ -138,7 +139,7 @@ def get_reward(spec: str | RewardFn, key: str = "reward") -> RewardFn:
             raise ValueError(f"{key}={spec!r}: cannot import it ({err})") from err
         if not callable(fn):
             raise ValueError(f"{key}={spec!r} is not callable")
-        return fn
+        return check_reward_signature(fn, f"{key}={spec!r}")
     raise ValueError(
         f"unknown {key} {spec!r}; use one of {sorted(REWARDS)} or an import path 'module:function' "
         "taking (completion: str, example: dict) -> float"
