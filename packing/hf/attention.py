@@ -28,9 +28,8 @@ Generation step (paged K/V) — the generator passes::
     (a list, a dict, or a callable ``kv(layer_idx)``). Each layer writes the step's new K/V at
     ``meta.slot_mapping`` and attends through ``meta.block_table``, with the backend the registry
     picks (:func:`packing.attention.choose_backend`: on CPU the compiled kernel, reading the blocks
-    in place; on CUDA flash-attn, torch's varlen kernel or nopad's Triton kernel). ``use_cache=False``
-    keeps transformers from building its own cache. Optional ``nopad_backend="sdpa_loop"`` etc.
-    picks a backend of :func:`packing.attention.varlen_attention` by name.
+    in place; on CUDA flash-attn, torch's varlen kernel or nopad's Triton kernel), or the one named by
+    ``nopad_backend=`` (``"sdpa_loop"``...). ``use_cache=False`` keeps transformers' cache out.
 
 Planned once per forward: transformers calls the mask hook (:func:`nopad_mask`) once per forward
 (per mask kind) and passes its result to every layer as ``attention_mask``. nopad's hook returns an
@@ -76,6 +75,7 @@ from packing.attention.plan import AttentionPlan, PlannedRow
 from packing.distributed import compute_dtype
 from packing.hf.rope import check_row_lengths, rope_switch_length
 from packing.mixers import GENERATE, PACKED, TREE, UnsupportedMixerError, check_calling_model, check_model
+from packing.mixers.patches import install as install_patches
 from packing.mixers.support import NOPAD_ATTENTION, POSITIONS
 from packing.varlen import VarlenMeta
 
@@ -312,9 +312,10 @@ def nopad_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> Atten
 
 
 def register_nopad_attention() -> str:
-    """Register ``"nopad"`` with transformers' attention and mask interfaces (idempotent). The
-    attention backends are loaded here, outside any trace: loaded by a compiled forward's first
-    call, their imports broke its graph."""
+    """Register ``"nopad"`` with transformers' attention and mask interfaces and patch transformers
+    for the hybrid mixers (:mod:`packing.mixers.patches`); idempotent. The attention backends load
+    here, outside any trace (loaded by a compiled forward's first call, their imports broke its graph)."""
+    install_patches()
     registry.backends()
     transformers.AttentionInterface.register(NOPAD_ATTENTION, nopad_attention)
     AttentionMaskInterface.register(NOPAD_ATTENTION, nopad_mask)

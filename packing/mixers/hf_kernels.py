@@ -167,7 +167,8 @@ def _wrapping_hook(hook: Callable) -> Callable:
 
 def install() -> None:
     """Wrap the kernel functions of every transformers model module imported so far, and the
-    hook that makes them for those imported later (idempotent)."""
+    hook that makes them for those imported later (idempotent). Run on first use (:func:`serves`,
+    the mixer check), never on import: importing nopad leaves transformers as it found it."""
     try:
         from transformers.integrations import hub_kernels
     except ImportError:  # transformers absent: nothing to serve
@@ -180,6 +181,23 @@ def install() -> None:
     for name, module in list(sys.modules.items()):
         if name.startswith("transformers.models.") and isinstance(module, types.ModuleType):
             _wrap_module(module)
+
+
+def uninstall() -> None:
+    """Give transformers its own hook and kernel functions back (tests; the next check reinstalls)."""
+    hub_kernels = sys.modules.get("transformers.integrations.hub_kernels")
+    if hub_kernels is None:
+        return
+    hook = hub_kernels.use_kernel_func_from_hub_with_fallback
+    if getattr(hook, _MARK, None):
+        hub_kernels.use_kernel_func_from_hub_with_fallback = hook.__wrapped__
+        sys.modules["transformers.integrations"].use_kernel_func_from_hub_with_fallback = hook.__wrapped__
+    for name, module in list(sys.modules.items()):
+        if name.startswith("transformers.models.") and isinstance(module, types.ModuleType):
+            for global_name in GLOBAL_NAMES:
+                fn = module.__dict__.get(global_name)
+                if getattr(fn, _MARK, None):
+                    setattr(module, global_name, fn.__wrapped__)
 
 
 def kernels_called(cls: type) -> dict[str, Callable]:
@@ -202,7 +220,7 @@ def serves(module: nn.Module) -> bool:
         return False
     called = kernels_called(type(module))
     if any(getattr(fn, _MARK, None) is None and name in GLOBAL_NAMES for name, fn in called.items()):
-        install()  # its module's functions were made and then replaced after nopad was imported
+        install()  # first use, or its module's functions were made (or replaced) after the last install
         called = kernels_called(type(module))
     kernels = [getattr(fn, _MARK, None) for fn in called.values()]
     return bool(kernels) and None not in kernels and any(k in MIXING for k in kernels)
@@ -243,7 +261,6 @@ def _serves_generate(module: nn.Module) -> bool:
     return layer_state(module) is not None
 
 
-install()
 register_mixer_support(MixerSupport("hf-kernel-functions (gated delta rule, KDA, short convolution)", serves,
                                     frozenset({PACKED, TREE})))
 register_mixer_support(MixerSupport("hf-kernel-functions in the generator (per-sequence state slots)",

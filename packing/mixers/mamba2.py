@@ -50,11 +50,10 @@ import contextvars
 import functools
 import importlib
 import inspect
-import itertools
 import logging
+import sys
 import warnings
 
-import numpy as np
 import torch
 
 from packing import invariance
@@ -62,8 +61,9 @@ from packing.mixers import chunked_ssd
 from packing.mixers.conv import varlen_causal_conv1d
 from packing.mixers.hf_kernels import LayerState, step_states
 from packing.mixers.kernels import package_function
+from packing.mixers.mamba2_steps import check_row, step_chunk_scan, step_conv
 from packing.mixers.recurrence import recurrence_plan
-from packing.mixers.ssm_steps import discretise_dt, row_scan, token_scan
+from packing.mixers.ssm_steps import row_scan
 from packing.mixers.support import (
     GENERATE,
     NOPAD_ATTENTION,
@@ -101,13 +101,6 @@ STEP_PARAMETERS = ("state", "hidden_states", "dt", "A", "B", "C", "D", "dt_bias"
 MASK_HOOK = "create_recurrent_attention_mask"
 
 
-def _check_row(batch: int, length: int, meta: VarlenMeta, what: str) -> None:
-    if batch != 1 or length != meta.total_q:
-        raise ValueError(f"{what}: nopad_meta describes one row of {meta.total_q} tokens, but the layer got "
-                         f"a batch of {batch} x {length}; pass the packed row as input_ids (1, T) with no "
-                         "cache")
-
-
 # ----------------------------------------------------------------------------- CUDA kernels
 def _fast(tensor: torch.Tensor, meta: VarlenMeta, which: tuple[str, str]):
     """The kernel ``which`` for a plain packed row, when installed and chosen for ``tensor``
@@ -127,14 +120,14 @@ def packed_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 meta: VarlenMeta) -> torch.Tensor:
     """The layer's causal conv (``x``: ``(1, dim, T)``) with each sequence on its own, a tree
     segment continuing its path."""
-    _check_row(x.shape[0], x.shape[-1], meta, "causal_conv1d_fn")
+    check_row(x.shape[0], x.shape[-1], meta, "causal_conv1d_fn")
     return varlen_causal_conv1d(x[0], weight, bias, activation, meta=meta)[None]
 
 
 def packed_chunk_scan(hidden_states, dt, A, B, C, chunk_size, meta: VarlenMeta, **kwargs):
     """The layer's SSD scan over a packed or tree row: nopad's own chunked scan once per wave of
     the row's plan (once for a packed row), each piece seeded with its parent's final state."""
-    _check_row(hidden_states.shape[0], hidden_states.shape[1], meta, "mamba2_chunk_scan")
+    check_row(hidden_states.shape[0], hidden_states.shape[1], meta, "mamba2_chunk_scan")
     if kwargs.pop("initial_states", None) is not None or kwargs.pop("return_final_states", False):
         raise ValueError("a Mamba2 layer got nopad_meta and a cache; nopad's packed and tree rows run with "
                          "use_cache=False")
@@ -154,7 +147,7 @@ def packed_fused(args: tuple, kwargs: dict, meta: VarlenMeta):
     """The fused training kernel with ``seq_idx`` on a plain packed row where mamba_ssm runs;
     None elsewhere, so the layer takes its unfused path (conv and scan hooks)."""
     zxbcdt = args[0]
-    _check_row(zxbcdt.shape[0], zxbcdt.shape[1], meta, "mamba2_split_conv1d_scan_combined")
+    check_row(zxbcdt.shape[0], zxbcdt.shape[1], meta, "mamba2_split_conv1d_scan_combined")
     recurrence_plan(meta)  # refuses a step whose context is in a cache
     if invariance.is_enabled():  # the unfused path runs the mode's order
         return None
@@ -163,79 +156,6 @@ def packed_fused(args: tuple, kwargs: dict, meta: VarlenMeta):
         return None
     params = _parameters(fast)
     return fast(*args, seq_idx=meta.seq_idx[None], **{k: v for k, v in kwargs.items() if k in params})
-
-
-
-
-# ----------------------------------------------------------------------------- generator steps
-def step_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
-              states) -> torch.Tensor:
-    """The causal conv of a generator step (``x``: ``(1, dim, T)``): each sequence continues
-    from the last inputs in its state slot."""
-    def run(meta: VarlenMeta, initial: torch.Tensor):
-        _check_row(x.shape[0], x.shape[-1], meta, "causal_conv1d_fn")
-        return varlen_causal_conv1d(x[0], weight, bias, activation, meta=meta, initial_states=initial,
-                                    return_final_states=True)
-    return states.run("conv", run)[None]
-
-
-def step_chunk_scan(update, hidden_states, dt, A, B, C, chunk_size, states, *, D=None, z=None,
-                    dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")), **_):
-    """The SSD scan of a generator step: each sequence continues from the SSM state in its slot.
-    Sequences of several tokens: nopad's own chunked scan, all at once, each from its slot;
-    one-token sequences: ``update`` (the module's recurrent step) all at once. The
-    forward's other keyword arguments (``**_``: the model's, nopad's) are not the scan's."""
-    scan = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
-
-    def run(meta: VarlenMeta, initial: torch.Tensor):
-        _check_row(hidden_states.shape[0], hidden_states.shape[1], meta, "mamba2_chunk_scan")
-        if meta.is_static:  # a static decode step: one token a row, no host lengths (capturable)
-            out, finals = _recurrent_step(update, hidden_states[0], dt[0], A, B[0], C[0],
-                                          None if z is None else z[0], initial, **scan)
-            return out[None], finals
-        cu = [0, *itertools.accumulate(meta.seqlens_q)]  # host-side: no device sync
-        if invariance.is_enabled():  # token by token, as the trainer's rows run in the mode
-            values, finals = token_scan(hidden_states[0], dt[0], A, B[0], C[0], list(zip(cu[:-1], cu[1:])),
-                                        initial, **scan)
-            return values[None], finals
-        single = [i for i, n in enumerate(meta.seqlens_q) if n == 1]
-        if len(single) == len(cu) - 1:  # a decode step: every row one sequence's token, in order
-            out, finals = _recurrent_step(update, hidden_states[0], dt[0], A, B[0], C[0],
-                                          None if z is None else z[0], initial, **scan)
-            return out[None], finals
-        finals = initial.clone()
-        parts: list[tuple[int, torch.Tensor]] = []  # (first row, output rows)
-        if single:
-            rows = torch.tensor([cu[i] for i in single], device=hidden_states.device)
-            out, finals[single] = _recurrent_step(update, hidden_states[0, rows], dt[0, rows], A, B[0, rows],
-                                                  C[0, rows], None if z is None else z[0, rows],
-                                                  initial[single], **scan)
-            parts += [(cu[i], out[j: j + 1]) for j, i in enumerate(single)]
-        longer = [i for i, n in enumerate(meta.seqlens_q) if n > 1]
-        if longer:  # nopad's own chunked scan, every longer sequence at once from its slot
-            pieces = [(cu[i], cu[i + 1]) for i in longer]
-            out, finals[longer] = chunked_ssd.chunked_ssd_scan(hidden_states[0], dt[0], A, B[0], C[0], pieces,
-                                                   initial[longer], chunk_size=chunk_size, **scan)
-            ends = np.cumsum([0] + [end - start for start, end in pieces])
-            parts += [(cu[i], out[ends[j]: ends[j + 1]]) for j, i in enumerate(longer)]
-        parts.sort(key=lambda part: part[0])
-        dtype = functools.reduce(torch.promote_types, (p.dtype for _, p in parts))
-        return torch.cat([p.to(dtype) for _, p in parts])[None], finals
-    return states.run("recurrent", run)
-
-
-def _recurrent_step(update, x, dt, A, B, C, z, state, *, D, dt_bias, dt_softplus, dt_limit):
-    """One token of each sequence (``x``: ``(N, heads, head_dim)``, ``dt``: ``(N, heads)``, ``B``,
-    ``C``: ``(N, groups, state)``) from ``state`` ``(N, heads, head_dim, state)``: the module's
-    recurrent step, called as its mixer's decode calls it; ``dt`` is discretised here first, as
-    the chunk scan does it, so that ``dt_limit`` applies too. Returns the output and new state."""
-    head_dim, size = x.shape[-1], B.shape[-1]
-    dt = discretise_dt(dt, dt_bias, dt_softplus, dt_limit)
-    state = state.clone()
-    out = update(state, x, dt[..., None].expand(-1, -1, head_dim),
-                 A[:, None, None].expand(-1, head_dim, size), B, C,
-                 None if D is None else D[:, None].expand(-1, head_dim), z=z, dt_bias=None, dt_softplus=False)
-    return out, state
 
 
 _NOPAD_POSITIONS: contextvars.ContextVar = contextvars.ContextVar("nopad_mamba2_positions", default=None)
@@ -328,10 +248,15 @@ def _fence(module, mixer_name: str) -> str | None:
     return None
 
 
+_INSTALLED: dict[str, tuple[type, ...]] = {}  # "mixers" / "generate": what install() found
+
+
 def install() -> tuple[type, ...]:
     """Rebind the kernel hooks of every family transformers has (idempotent); the mixer classes
     now exact on packed and tree rows. A family whose module lacks what we rely on stays
-    refused, with a warning naming what changed."""
+    refused, with a warning naming what changed. Run on first use (:func:`mixers`), never on
+    import: it imports model modules and runs the scan's probe (torch ops, whose OpenMP threads
+    a process forked afterwards would inherit in a state that can hang it)."""
     classes = []
     for module_name, mixer_name in FAMILIES.items():
         try:
@@ -349,7 +274,28 @@ def install() -> tuple[type, ...]:
             if not hasattr(current, "nopad_original"):
                 setattr(module, name, _hook(name, current, module))
         classes.append(getattr(module, mixer_name))
-    return tuple(classes)
+    _INSTALLED["mixers"] = tuple(classes)
+    _INSTALLED["generate"] = tuple(m for m in classes if _steps(m))
+    return _INSTALLED["mixers"]
+
+
+def uninstall() -> None:
+    """Give every family's module its own hooks back (tests; the next :func:`mixers` reinstalls)."""
+    for module_name in FAMILIES:
+        module = importlib.import_module(module_name) if module_name in sys.modules else None
+        for name in (*HOOK_PARAMETERS, MASK_HOOK) if module is not None else ():
+            original = getattr(getattr(module, name, None), "nopad_original", None)
+            if original is not None:
+                setattr(module, name, original)
+    _INSTALLED.clear()
+
+
+def mixers(generate: bool = False) -> tuple[type, ...]:
+    """The Mamba2 mixer classes nopad serves (``generate``: those the generator can step),
+    installing the hooks on first use."""
+    if not _INSTALLED:
+        install()
+    return _INSTALLED["generate" if generate else "mixers"]
 
 
 def _steps(mixer: type) -> bool:
@@ -365,7 +311,7 @@ def layer_state(module, path: str = "") -> LayerState | None:
     """A served Mamba2 mixer's per-sequence generator state: conv inputs ``(conv_dim, K - 1)``
     and SSM state ``(heads, head_dim, state)`` (the shape of the chunk scan's final state); None
     for any other module, or one whose sizes do not add up (refused in the generator)."""
-    if not isinstance(module, GENERATE_MIXERS):
+    if not isinstance(module, mixers(generate=True)):
         return None
     conv = getattr(module, "conv1d", None)
     names = ("num_heads", "head_dim", "ssm_state_size", "intermediate_size")
@@ -378,9 +324,7 @@ def layer_state(module, path: str = "") -> LayerState | None:
     return LayerState(path, (conv.in_channels, conv.kernel_size[0] - 1), (heads, head_dim, size))
 
 
-MIXERS = install()
-GENERATE_MIXERS = tuple(m for m in MIXERS if _steps(m))
-register_mixer_support(MixerSupport("mamba2", lambda module: isinstance(module, MIXERS),
+register_mixer_support(MixerSupport("mamba2", lambda module: isinstance(module, mixers()),
                                     frozenset({PACKED, TREE})))
 register_mixer_support(MixerSupport("mamba2 in the generator (per-sequence state slots)",
                                     lambda module: layer_state(module) is not None, frozenset({GENERATE})))

@@ -36,7 +36,7 @@ def hybrid_model(family):
     model = mamba_model(family)
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, mamba2.MIXERS):
+            if isinstance(module, mamba2.mixers()):
                 module.D.zero_()
                 module.in_proj.weight.mul_(10)
                 module.out_proj.weight.mul_(10)

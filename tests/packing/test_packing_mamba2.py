@@ -33,7 +33,7 @@ def mamba_model(family):
     model = tiny_model(family, **{key: CHUNK})
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, mamba2.MIXERS):
+            if isinstance(module, mamba2.mixers()):
                 module.A_log.fill_(math.log(0.1))
     return model
 
@@ -55,7 +55,7 @@ def tree_sequences(depth, seed=0):
 
 
 def mamba_layers(model):
-    return sum(isinstance(m, mamba2.MIXERS) for m in model.modules())
+    return sum(isinstance(m, mamba2.mixers()) for m in model.modules())
 
 
 @pytest.fixture
@@ -118,7 +118,7 @@ def test_supported_in_every_context_with_the_generator_state_sized(family):
     model = mamba_model(family)
     for context in (PACKED, TREE, GENERATE):
         check_model(model, context)
-    mixer = next(m for m in model.modules() if isinstance(m, mamba2.MIXERS))
+    mixer = next(m for m in model.modules() if isinstance(m, mamba2.mixers()))
     state = mamba2.layer_state(mixer)
     assert state.conv == (mixer.conv_dim, mixer.conv_kernel_size - 1)
     assert state.recurrent == (mixer.num_heads, mixer.head_dim, mixer.ssm_state_size)

@@ -1,0 +1,41 @@
+"""nopad's changes to transformers, made on first use and undone on request.
+
+nopad rebinds two things inside transformers: its kernel hook and the kernel functions of the
+hybrid model modules (:mod:`packing.mixers.hf_kernels`), and the Mamba2 families' kernel globals
+(:mod:`packing.mixers.mamba2`, whose install also checks the scan by running it). Importing nopad
+does neither: an import that computes starts OpenMP's threads, and a process forked after it
+(``multiprocessing``'s fork start method, ``datasets.map(num_proc=)``, a forkserver preloading
+nopad) can hang in its first multi-threaded GEMM. So the patches go in when nopad is first used
+on a model: registering the ``"nopad"`` attention, checking a model (every packed or tree forward,
+``verify`` and ``Generator`` check it first).
+"""
+
+from __future__ import annotations
+
+_installed = False
+
+
+def install() -> None:
+    """Patch transformers for nopad (idempotent; a flag check after the first call)."""
+    global _installed
+    if _installed:
+        return
+    from packing.mixers import hf_kernels, mamba2
+
+    hf_kernels.install()
+    mamba2.mixers()
+    _installed = True
+
+
+def uninstall() -> None:
+    """Give transformers back what nopad rebound (tests); the next use installs again."""
+    global _installed
+    from packing.mixers import hf_kernels, mamba2
+
+    hf_kernels.uninstall()
+    mamba2.uninstall()
+    _installed = False
+
+
+def installed() -> bool:
+    return _installed
