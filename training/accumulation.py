@@ -131,6 +131,7 @@ class OptimizerStepper:
         self.optimizer_steps = 0  # counted by a hook on the real torch optimizer, inside windows
         self.skipped_steps = 0  # windows dropped by nonfinite="skip"
         self._step_depth = 0  # nested step() calls of the optimizer now running
+        self._open: Window | None = None  # the window whose block is running (windows do not nest)
 
     @contextlib.contextmanager
     def window(self, rows: Sequence[Mapping], count_key: str = "num_loss_tokens",
@@ -139,8 +140,13 @@ class OptimizerStepper:
         ``step`` names it in messages: the run's step number, or a label (``"grpo step 3"``)."""
         if not rows:
             raise ValueError("an optimizer step needs at least one row on every rank (pad with pad_rows)")
+        if self._open is not None:
+            raise RuntimeError("stepper.window() inside another window of the same stepper: windows do not "
+                               "nest, each is one optimizer step over its rows. End the first window's "
+                               "`with` block before opening the next, or open one window with every row "
+                               "of the step")
         count = global_sum(sum(int(r[count_key]) for r in rows))
-        window = Window(self, len(rows), count, step)
+        window = self._open = Window(self, len(rows), count, step)
         saved = self._accelerator_state()
         steps_before = self.optimizer_steps
         hooks = (self.torch_optimizer.register_step_pre_hook(self._enter_step),
@@ -151,12 +157,15 @@ class OptimizerStepper:
                 self.accelerator.step = 0
             yield window
             if window.done != window.num_rows:
-                raise RuntimeError(f"the window ended after {window.done} of its {window.num_rows} rows")
+                raise RuntimeError(f"the window ended after {window.done} of its {window.num_rows} rows: "
+                                   "run each row of stepper.window(rows) in its own `with w.row():` block, "
+                                   "or open the window with only the rows this step trains on")
             window.grad_norm = self._clip_and_step(window)
         except BaseException:
             self._discard_gradients()
             raise
         finally:
+            self._open = None
             for hook in hooks:
                 hook.remove()
             self._restore(saved)
@@ -255,13 +264,30 @@ class Window:
         self.grad_norm = float("nan")  # set when the window's step is taken
         self.loss: torch.Tensor | None = None  # this rank's share of the step's loss, summed over its rows
         self.skipped = False  # nonfinite="skip" dropped this step
+        self.in_row = False  # inside a row() block: where backward() belongs
 
     @contextlib.contextmanager
     def row(self) -> Iterator[None]:
         """One row's forward and backward: gradient sync only on the window's last row."""
         s = self.stepper
+        if self.in_row:
+            raise RuntimeError("w.row() inside another w.row(): each row is one block, one after the other "
+                               "(`for row in rows: with w.row(): w.backward(loss_sum(row))`)")
+        if s._open is not self:
+            raise RuntimeError("w.row() after its window ended: rows belong inside the `with "
+                               "stepper.window(rows) as w:` block that opened w")
         if self.done >= self.num_rows:
-            raise RuntimeError(f"more rows than the {self.num_rows} this window was opened for")
+            raise RuntimeError(f"more rows than the {self.num_rows} this window was opened for: open it with "
+                               "every row this step trains on, stepper.window(rows), one `w.row()` per row")
+        self.in_row = True
+        try:
+            yield from self._synced_row(s)
+        finally:
+            self.in_row = False
+        self.done += 1
+
+    def _synced_row(self, s: OptimizerStepper) -> Iterator[None]:
+        """The row's block under the engine's gradient-sync control: sync on the last row only."""
         last = self.done == self.num_rows - 1
         if s.accelerator is not None:
             with s.accelerator.accumulate(s.model):
@@ -277,12 +303,15 @@ class Window:
                 yield
         else:
             yield
-        self.done += 1
 
     def backward(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """Backward of one row's summed loss over the window's global count; the engines' own
         averaging is undone. Returns the row's share of the step's loss (detached)."""
         s = self.stepper
+        if not self.in_row:
+            raise RuntimeError("w.backward() outside `with w.row():`: a row's forward and backward go inside "
+                               "its own row block, which decides the gradient sync and counts the row; write "
+                               "`with w.row(): w.backward(loss_sum(row))`")
         loss = loss_sum / max(self.count, 1.0)  # a window with no loss token anywhere: 0 gradient
         scale = s.world  # DDP, DeepSpeed and FSDP2 all average the gradient over ranks
         if s.engine is not None:

@@ -222,3 +222,39 @@ def test_an_optimizer_subclass_calling_super_step_is_one_step():
         with window.row():
             window.backward(model(torch.ones(1, 2)).sum())
     assert optimizer.calls == 1 and stepper.optimizer_steps == 1
+
+
+# ----------------------------------------------------------------------------- misuse, named with the rule
+def test_misused_windows_and_rows_say_the_rule():
+    """#54 F: ``w.backward`` outside ``w.row()`` ran (and the window then failed with "ended after
+    0 of its 1 rows"); a window inside a window failed as "2 optimizer steps in one window"."""
+    from training.accumulation import OptimizerStepper
+
+    model = torch.nn.Linear(2, 1)
+    stepper = OptimizerStepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    rows = [{"num_loss_tokens": 1}]
+    x = torch.ones(1, 2)
+    with pytest.raises(RuntimeError, match=r"w.backward\(\) outside `with w.row\(\):`: .* write "
+                                           r"`with w.row\(\): w.backward\(loss_sum\(row\)\)`"):
+        with stepper.window(rows) as w:
+            w.backward(model(x).sum())
+    with pytest.raises(RuntimeError, match=r"stepper.window\(\) inside another window of the same stepper: "
+                                           r"windows do not nest.* End the first window's `with` block"):
+        with stepper.window(rows) as w:
+            with w.row():
+                with stepper.window(rows):
+                    pass
+    with pytest.raises(RuntimeError, match=r"w.row\(\) inside another w.row\(\): each row is one block"):
+        with stepper.window(rows) as w:
+            with w.row(), w.row():
+                pass
+    with pytest.raises(RuntimeError, match=r"w.row\(\) after its window ended"):
+        with w.row():
+            pass
+    with pytest.raises(RuntimeError, match=r"w.backward\(\) outside"):
+        w.backward(model(x).sum())
+    assert stepper.optimizer_steps == 0 and all(p.grad is None for p in model.parameters())
+    with stepper.window(rows) as w:  # the stepper is whole after each refusal
+        with w.row():
+            w.backward(model(x).sum())
+    assert stepper.optimizer_steps == 1
