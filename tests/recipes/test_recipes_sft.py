@@ -214,8 +214,10 @@ def _torchrun(*runs: tuple, deepspeed=False) -> list[list[dict]]:
         extra = (f"accelerate.deepspeed_config={ROOT / 'recipes/configs/deepspeed_zero2.json'}",)
     args = []
     for out_dir, *overrides in runs:
-        args += [*(["--"] if args else []), "sft", *SMALL, f"checkpoint.output_dir={out_dir}",
-                 "log.record_indices=true", *overrides, *extra]
+        given = any(o.startswith("log.record_indices=") for o in overrides)  # a key is given once
+        indices = () if given else ("log.record_indices=true",)
+        args += [*(["--"] if args else []), "sft", *SMALL, f"checkpoint.output_dir={out_dir}", *indices,
+                 *overrides, *extra]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(launch.free_port()), "-m", "tests.support.recipe_runs", *args]
     launch.run(cmd, what="recipes.sft on 2 processes", timeout=300 * len(runs), env=env, cwd=ROOT)
