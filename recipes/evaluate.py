@@ -80,7 +80,7 @@ class EvaluateConfig(Section):
     sampling: EvalSamplingConfig = field(default_factory=EvalSamplingConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     batch_size: int = 64  # prompts handed to the generator at once
-    output: str | None = "eval_results.jsonl"  # one JSON line per prompt; null: none
+    output: str | None = "runs/evaluate/eval_results.jsonl"  # one JSON line per prompt; null: none
 
     def check(self) -> None:
         self.at_least("batch_size", 1)
