@@ -24,7 +24,6 @@ size the run (64 x 8 x 24 = 12,288 sampled tokens checked). For each dtype and m
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,6 @@ from assets.smollm2 import load_smollm2  # noqa: E402
 from benchmarks._workloads import chat_workload, grpo_workload, tiny_llama  # noqa: E402
 from dataloaders.loader import move_batch  # noqa: E402
 from inference import Generator, SamplingParams  # noqa: E402
-from packing import invariance  # noqa: E402
 from packing.hf import use_nopad_attention  # noqa: E402
 from packing.invariance import batch_invariant  # noqa: E402
 from training.grpo import Rollout, pack_rollouts, packed_logprobs  # noqa: E402
@@ -75,18 +73,6 @@ def workload(tokenizer, vocab_size: int, num_prompts: int, kind: str = "grpo") -
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
-
-
-@contextlib.contextmanager
-def tiles_only(enabled: bool):
-    """The CPU exact mode as it was before issue 32: every GEMM on 32-row tiles, never one call."""
-    saved = invariance._one_call_ok
-    if enabled:
-        invariance._one_call_ok = lambda x, weight: False
-    try:
-        yield
-    finally:
-        invariance._one_call_ok = saved
 
 
 def measure(model, tokenizer, prompts, params, invariant: bool, capacity: int) -> dict:
@@ -161,12 +147,11 @@ def main() -> None:
         dtype = getattr(torch, name)
         model, tokenizer = load(args.model, dtype, args.device)
         prompts = workload(tokenizer, model.config.vocab_size, num_prompts, args.workload)
-        modes = ["default", "batch-invariant"] + (["invariant, tiles"] if args.device == "cpu" else [])
+        modes = ["default", "batch-invariant"]
         results = {}
         for r in range(args.rounds):  # interleaved, order rotated each round: all modes see one machine
             for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
-                with tiles_only(mode == "invariant, tiles"):
-                    r = measure(model, tokenizer, prompts, params, mode != "default", capacity=2048)
+                r = measure(model, tokenizer, prompts, params, mode != "default", capacity=2048)
                 best = results.setdefault(mode, r)
                 for key in ("rollout_tok_s", "train_tok_s"):
                     best[key] = max(best[key], r[key])
@@ -182,7 +167,7 @@ def main() -> None:
                   f"{i['train_tok_s'] / d['train_tok_s']:>10.2f}x", flush=True)
     print("(gap: generator raw log-prob vs the training forward's per sampled token; exact = share of "
           f"tokens with gap 0.0; speeds: best of {args.rounds} interleaved runs per mode; "
-          "'invariant, tiles': every GEMM on 32-row tiles, the CPU path before issue 32; the GPU goal is an "
+          "on CPU the invariant mode runs every GEMM on 32-row tiles; the GPU goal is an "
           "invariant/default ratio >= 0.8x, i.e. <= 1.25x the time)")
 
 

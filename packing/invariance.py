@@ -9,12 +9,16 @@ kernels from the number and length of sequences, so one token gets different bit
 of 48 sequences and in a training row of 4,096 tokens, and in bf16 rollout and trainer log-probs
 differ visibly (``benchmarks/bench_exactness.py`` measures by how much). Under this mode:
 
-- every ``F.linear`` (so every ``nn.Linear``) gives each row the bits of fixed tiles: on CPU torch
-  GEMMs of :data:`TILE_ROWS` rows (the last one zero-padded), so each row meets the same GEMM
-  shape, hence the same kernel and sum order, wherever it sits (measured bitwise on every offset
-  and row count tried, fp32/bf16/fp16). Where one GEMM call over all the rows was checked, once
-  per shape and row count, to give exactly the tiles' bits, that one call runs instead (it is
-  much cheaper in bf16; see ``_one_call_ok``); in the "triton" set the one-tile Triton matmul of
+- every ``F.linear`` (so every ``nn.Linear``) gives each row the bits of fixed tiles, the same
+  by construction: on CPU every GEMM call is one ``torch.mm`` of :data:`TILE_ROWS` rows (the last
+  tile zero-padded), each tile 64-byte aligned, with the same strides, weight and thread count, so
+  every row meets the identical call (kernel, blocking, thread split, alignment) whatever its
+  batch. What is left to the kernel is to sum each row of one call over K in one order wherever
+  the row sits in the tile, as GEMM micro-kernels do (every tile position is checked, bf16 and
+  fp32, in ``tests/packing/test_packing_invariance.py``). No call of another row count runs:
+  torch picks its kernel from the row count, and a one-time probe that one call over all rows gave
+  the tiles' bits did not prove it for every row (a bf16 row alone got other bits for ~0.15% of
+  rows, issue 54). In the "triton" set the one-tile Triton matmul of
   :mod:`packing.invariant_kernels`. Its backward is the ordinary GEMM: only the forward must match.
 - in the "triton" set (CUDA), reductions over one dim (``sum``, ``mean``: any dim, moved last) and
   over the last dim (``softmax``, ``log_softmax``) run Triton kernels with one fixed order per
@@ -41,9 +45,9 @@ differ visibly (``benchmarks/bench_exactness.py`` measures by how much). Under t
 The mode belongs to the thread that enters it: the ops are caught by a
 ``torch.overrides.TorchFunctionMode``, whose stack is per thread, and :func:`is_enabled` (read by
 an attention plan when a forward starts) is thread-local, so another thread keeps torch's default
-kernels. On CPU it costs the tiles where one call was not found exact (a decode step of 48
-sequences computes 64 rows), one check per new GEMM shape and row count, and the attention
-kernel's forward on training rows (``benchmarks/bench_exactness.py``).
+kernels. On CPU it costs the tiles (a decode step of 48 sequences computes 64 rows, in two calls;
+in bf16 many small calls cost more than one large one) and the attention kernel's forward on
+training rows (``benchmarks/bench_exactness.py``).
 """
 
 from __future__ import annotations
@@ -56,12 +60,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 TILE_ROWS = 32
-PROBE_VALUES = 1024  # the fewest outputs a one-call check compares (see _one_call_ok)
+ALIGN_BYTES = 64  # torch's CPU allocator's alignment: every tile starts on it (see _tiled_matmul)
 KERNEL_SETS = ("cpu", "triton")
-
-# (device type, dtype, K, N, rows, weight strides, threads) -> whether torch's one GEMM call over
-# that many rows gave every row the tiles' bits; measured the first time it comes up (_one_call_ok)
-_ONE_CALL_CHECKED: dict[tuple, bool] = {}
 
 _state = threading.local()  # per thread: ``depth`` of batch_invariant() blocks, ``kernels`` forced
 
@@ -114,72 +114,28 @@ def is_enabled() -> bool:
 def kernel_set(device: torch.device) -> str:
     """The kernel set the current mode runs for a tensor on ``device``."""
     return active_kernels() or ("cpu" if device.type == "cpu" else "triton")
-def _one_call_key(x: torch.Tensor, weight: torch.Tensor) -> tuple:
-    return (x.device.type, x.dtype, x.shape[1], weight.shape[0], x.shape[0], weight.stride(),
-            torch.get_num_threads())
-
-
-def _one_call_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether one ``torch.mm`` over all of ``x``'s rows gives every row exactly the bits of
-    :func:`_tiled_matmul`, for this shape, dtype and thread count on this machine.
-
-    Why: the tiles make each row's GEMM call shape fixed, but a bf16 GEMM on CPU pays per call, so
-    many 32-row calls cost several times one call (most under load, where every call waits for its
-    threads). Many GEMM kernels sum each row in an order that does not depend on the row count
-    (oneDNN's bf16 kernel on AVX-512-bf16 CPUs did for every shape tried; fp32's small-row path
-    does not). So each (shape, row count) is checked once, on seeded random rows against the real
-    weight, and one call is used only where it matched bit for bit; elsewhere the tiles. Either way
-    a row gets the tiles' bits, so rollout and trainer agree whatever path each call takes. A
-    narrow call (a one-row step through a one-output gate) is probed several times, at least
-    :data:`PROBE_VALUES` outputs in all: two sum orders often round one value alike, and a single
-    probed value passed a one-call path that then gave a real row other bits."""
-    key = _one_call_key(x, weight)
-    ok = _ONE_CALL_CHECKED.get(key)
-    if ok is None:
-        g = torch.Generator(device=x.device).manual_seed(len(_ONE_CALL_CHECKED))
-        probes = (torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)
-                  for _ in range(-(-PROBE_VALUES // max(1, x.shape[0] * weight.shape[0]))))
-        ok = _ONE_CALL_CHECKED[key] = all(torch.equal(torch.mm(p, weight.t()), _tiled_matmul(p, weight))
-                                          for p in probes)
-    return ok
-
-
-def _invariant_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for 2-D contiguous ``x``, every row with the bits of :func:`_tiled_matmul`:
-    one GEMM call where that was checked to give them, else the tiles."""
-    if _one_call_ok(x, weight):
-        return torch.mm(x, weight.t())
-    return _tiled_matmul(x, weight)
 
 
 def _tiled_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for 2-D contiguous ``x``, every row computed by the same GEMM call shape:
-    ``TILE_ROWS`` rows (the last tile zero-padded), written straight into one output buffer."""
+    """``x @ weight.T`` for 2-D contiguous ``x``, every row computed by the identical GEMM call: one
+    ``torch.mm`` per ``TILE_ROWS`` rows (the last tile zero-padded), each tile's input and output
+    starting on an :data:`ALIGN_BYTES` boundary (a tile spans a multiple of it, so tiles of an
+    aligned buffer are aligned: MKL's sum order may follow the alignment). Why not fewer, larger
+    calls: a batched GEMM or one call over all rows picks its path from the row or tile count."""
     rows, k = x.shape
     n = weight.shape[0]
+    if x.data_ptr() % ALIGN_BYTES:
+        x = x.clone()  # a fresh buffer: aligned
     out = x.new_empty(rows, n)
     w = weight.t()
-    # batched GEMMs are as fast as plain ones in fp32 only; not for one output column, where a
-    # batched matrix-vector product gave a tile other bits when more tiles shared the call
-    batched = x.dtype == torch.float32 and n > 1
-
-    def gemm(src: torch.Tensor, dst: torch.Tensor) -> None:
-        if batched:
-            tiles = src.shape[0] // TILE_ROWS
-            torch.bmm(src.view(tiles, TILE_ROWS, k), w.unsqueeze(0).expand(tiles, k, n),
-                      out=dst.view(tiles, TILE_ROWS, n))
-        else:  # bf16/fp16 batched GEMMs take a slow path on CPU: one plain GEMM per tile
-            for s in range(0, src.shape[0], TILE_ROWS):
-                torch.mm(src[s : s + TILE_ROWS], w, out=dst[s : s + TILE_ROWS])
-
     full = rows - rows % TILE_ROWS
-    if full:
-        gemm(x[:full], out[:full])
+    for s in range(0, full, TILE_ROWS):
+        torch.mm(x[s : s + TILE_ROWS], w, out=out[s : s + TILE_ROWS])
     if full < rows:
         last = x.new_zeros(TILE_ROWS, k)
         last[: rows - full] = x[full:]
         tail = x.new_empty(TILE_ROWS, n)
-        gemm(last, tail)
+        torch.mm(last, w, out=tail)
         out[full:] = tail[: rows - full]
     return out
 
@@ -190,7 +146,7 @@ class _TiledLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         flat = x.reshape(-1, x.shape[-1])
-        out = _invariant_matmul(flat.contiguous(), weight)
+        out = _tiled_matmul(flat.contiguous(), weight)
         if bias is not None:
             out = out + bias
         return out.view(*x.shape[:-1], weight.shape[0])
