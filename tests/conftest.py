@@ -64,6 +64,15 @@ one_thread = pytest.fixture(_single_thread, name="one_thread")  # for a test
 one_thread_module = pytest.fixture(_single_thread, scope="module", name="one_thread_module")
 
 
+@pytest.fixture(scope="module")
+def nopad_patches():
+    """transformers patched for nopad's mixers, for tests that call its kernel functions or read
+    its modules directly, with no nopad entry point first (importing nopad patches nothing)."""
+    from packing.mixers import patches
+
+    patches.install()
+
+
 # DeepSpeed JIT-compiles its CPU shared-memory op (used only by its inference all-reduce, never by
 # ZeRO training) the first time any rank starts, 45-100 s on a fresh machine. The build is cached in
 # torch's extensions directory, behind torch's file lock: built here in the background (nice, on the

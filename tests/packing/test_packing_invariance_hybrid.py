@@ -25,7 +25,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 # the hybrid families the generator serves; MoE experts run eager: transformers' default grouped_mm
 # experts are not batch-invariant yet (an attention-only MoE such as DeepSeek-V3 differs the same way)
 GENERATOR_FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "kimi_linear", "lfm2", "bamba", "nemotron_h")
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "nopad_patches")
 # the Triton kernel set (what the mode runs on CUDA) on CPU tensors: under Triton's interpreter
 needs_triton_set = pytest.mark.skipif(
     torch.cuda.is_available() or not invariant_kernels.available()[0] or not invariant_kernels._interpreted(),

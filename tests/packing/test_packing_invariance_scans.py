@@ -28,7 +28,7 @@ from packing.varlen import VarlenMeta
 
 DTYPES = (torch.float32, torch.bfloat16)
 LENGTHS = [7, 90, 1, 40]  # the longest crosses the delta rule's chunk of 64 and the scan's of 16
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "nopad_patches")
 
 
 def _rows_of_step(t: int) -> tuple[list[int], list[int]]:
