@@ -88,6 +88,10 @@ class MixerSupport:
 _SUPPORTS: list[MixerSupport] = []
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> contexts that passed
 _MODULE_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> contexts
+# the boundary probe, which has the last word once the scan passes (packing.hf.boundary_probe registers
+# it: it runs nopad's attention, which this package cannot import); ids of the models it is running
+BOUNDARY_PROBE: list[Callable[[nn.Module, str, bool], bool]] = []
+PROBING: set[int] = set()
 
 
 def register_mixer_support(support: MixerSupport) -> None:
@@ -309,9 +313,11 @@ def _message(model: nn.Module, context: str, findings: list[Finding]) -> str:
     )
 
 
-def check_model(model: nn.Module, context: str = PACKED) -> None:
+@torch.compiler.disable  # never traced: dynamo's replay of the scan named attention layers as unseen
+def check_model(model: nn.Module, context: str = PACKED, *, inside_forward: bool = False) -> None:
     """Raise :class:`UnsupportedMixerError` naming every layer of ``model`` that nopad does not
-    compute exactly for ``context`` (``packed``, ``tree`` or ``generate``); cached per model."""
+    compute exactly for ``context`` (``packed``, ``tree`` or ``generate``), by the scan, then by the
+    boundary probe (``inside_forward``: called from the model's own forward); cached per model."""
     model = getattr(model, "module", model)  # DDP / DeepSpeed engine: the model they wrap
     passed = _CHECKED.get(model)
     if passed is not None and context in passed:
@@ -319,6 +325,8 @@ def check_model(model: nn.Module, context: str = PACKED) -> None:
     findings = unsupported(model, context)
     if findings:
         raise UnsupportedMixerError(_message(model, context, findings))
+    if BOUNDARY_PROBE and not BOUNDARY_PROBE[0](model, context, inside_forward):
+        return  # no verdict yet (a sharded model inside its forward): not cached as passed
     _CHECKED.setdefault(model, set()).add(context)
 
 
@@ -354,7 +362,7 @@ def _refusal_while_tracing(module: nn.Module, context: str) -> str:
     if model is None:
         return ""
     try:
-        check_model(model, context)
+        check_model(model, context, inside_forward=True)
     except UnsupportedMixerError as error:
         return str(error)
     return ""
@@ -366,6 +374,8 @@ def check_calling_model(module: nn.Module, context: str) -> None:
     module only, so the model checked is the outermost ``PreTrainedModel`` holding ``module``
     (:func:`_owning_model`). Runs once per attention module and context (once per trace when
     compiled); a dictionary look-up after that."""
+    if PROBING:
+        return  # the boundary probe's own forward: its verdict is being decided
     if torch.compiler.is_compiling():
         refusal = _refusal_while_tracing(module, context)
         if refusal:
@@ -376,5 +386,5 @@ def check_calling_model(module: nn.Module, context: str) -> None:
         return
     model = _owning_model(module)
     if model is not None:
-        check_model(model, context)
+        check_model(model, context, inside_forward=True)
     _MODULE_CHECKED.setdefault(module, set()).add(context)

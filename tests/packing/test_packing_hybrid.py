@@ -21,7 +21,14 @@ import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
 import packing
-from packing.mixers import delta_rule, kernels, recurrence_plan, varlen_causal_conv1d, varlen_delta_rule
+from packing.mixers import (
+    check_model,
+    delta_rule,
+    kernels,
+    recurrence_plan,
+    varlen_causal_conv1d,
+    varlen_delta_rule,
+)
 from packing.mixers.kernels import KERNELS_ENV
 from packing.varlen import VarlenMeta
 from tests.support.models import random_sequences, tiny_model
@@ -399,8 +406,16 @@ def kernel_standins(monkeypatch):
     return standins
 
 
+def probed(model, standins):
+    """``model`` once its boundary probe ran (packing.hf.boundary_probe: once per model, at the first
+    check), with the probe's own kernel calls cleared: they are not the ones a test counts."""
+    check_model(model)
+    standins.calls.clear()
+    return model
+
+
 def test_packed_rows_go_to_fla_and_causal_conv1d_with_their_boundaries(kernel_standins, one_thread):
-    report = packing.verify(tiny_model("qwen3_5"), random_sequences((1, 70, 5)))
+    report = packing.verify(probed(tiny_model("qwen3_5"), kernel_standins), random_sequences((1, 70, 5)))
     assert exact(report), str(report)
     calls = [name for name, _ in kernel_standins.calls]
     fla = [c for name, c in kernel_standins.calls if name == "fla"]
@@ -420,7 +435,7 @@ def test_a_fla_whose_backward_refuses_here_leaves_training_to_the_reference(kern
     kernel_standins.backward_error = HOPPER_REFUSAL
     with pytest.warns(RuntimeWarning, match="chunk_gated_delta_rule is installed but its backward fails on "
                                             "this device .*Hopper.*upgrade Triton"):
-        report = packing.verify(tiny_model("qwen3_5"), random_sequences((1, 70, 5)))
+        report = packing.verify(probed(tiny_model("qwen3_5"), kernel_standins), random_sequences((1, 70, 5)))
     assert exact(report), str(report)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("error")  # reported once
@@ -439,7 +454,7 @@ def test_fla_backward_error_says_why_fla_cannot_train_here(kernel_standins):
 
 
 def test_tree_rows_go_to_fla_wave_by_wave_with_the_parents_states(kernel_standins, one_thread):
-    report = packing.verify(tiny_model("qwen3_5"), tree_sequences(2), tree=True)
+    report = packing.verify(probed(tiny_model("qwen3_5"), kernel_standins), tree_sequences(2), tree=True)
     assert exact(report), str(report)
     fla = [c for name, c in kernel_standins.calls if name == "fla"]
     assert len(fla) > 2 and any(c["initial"] for c in fla)  # several waves per layer, later ones from states

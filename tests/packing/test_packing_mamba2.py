@@ -38,6 +38,14 @@ def mamba_model(family):
     return model
 
 
+def probed(model, kernels):
+    """``model`` once its boundary probe ran (packing.hf.boundary_probe: once per model, at the first
+    check), with the probe's own kernel calls cleared: they are not the ones a test counts."""
+    check_model(model, PACKED)
+    kernels.calls.clear()
+    return model
+
+
 def tree_sequences(depth, seed=0):
     """Sequences sharing prefixes ``depth`` levels deep: a root, then at each level two children
     (lengths 1..6, not multiples of the chunk) of the previous level's first child, every node
@@ -157,7 +165,7 @@ def test_tree_pieces_are_cut_where_a_segment_branches_off():
 
 @pytest.mark.parametrize("family", ("nemotron_h", "falcon_h1"))
 def test_cuda_kernels_get_seq_idx_on_packed_rows(family, mamba_kernels):
-    model = mamba_model(family)
+    model = probed(mamba_model(family), mamba_kernels)
     assert packing.verify(model, random_sequences((1, 6, 3))).ok()
     names, layers = mamba_kernels.names(), mamba_layers(model)
     assert names.count("causal_conv1d_fn") == names.count("mamba_chunk_scan_combined") == layers
@@ -166,7 +174,7 @@ def test_cuda_kernels_get_seq_idx_on_packed_rows(family, mamba_kernels):
 
 
 def test_the_fused_training_kernel_gets_seq_idx(mamba_kernels):
-    model = mamba_model("bamba")
+    model = probed(mamba_model("bamba"), mamba_kernels)
     seqs = random_sequences((5, 2, 7))
     alone = [model(s[None], use_cache=False).logits[0] for s in seqs]  # eval: transformers' torch path
     meta = VarlenMeta.from_lengths([len(s) for s in seqs])
@@ -180,7 +188,8 @@ def test_the_fused_training_kernel_gets_seq_idx(mamba_kernels):
 
 def test_tree_rows_do_not_use_the_kernels(mamba_kernels):
     """A tree segment starts from its parent's state, which the kernels take per batch row only."""
-    assert packing.verify(mamba_model("bamba"), tree_sequences(2), tree=True).ok()
+    model = probed(mamba_model("bamba"), mamba_kernels)
+    assert packing.verify(model, tree_sequences(2), tree=True).ok()
     assert mamba_kernels.calls == []
 
 

@@ -69,9 +69,21 @@ class ToyRecurrence(nn.Module):
         return self.out(torch.stack(outs, dim=1)), None
 
 
-def toy_model():
+class RestartingToyRecurrence(ToyRecurrence):
+    """The same average, restarted where a flat row's positions restart (each sequence's first
+    token): a mixer that keeps a packed row's sequences apart, as a registered support must."""
+
+    def forward(self, hidden_states, position_ids=None, **kwargs):
+        x, state, outs = self.inp(hidden_states), torch.zeros_like(hidden_states[:, 0]), []
+        for t in range(x.shape[1]):
+            state = 0.5 * state * (position_ids[:, t, None] != 0) + x[:, t]
+            outs.append(state)
+        return self.out(torch.stack(outs, dim=1)), None
+
+
+def toy_model(mixer=ToyRecurrence):
     model = tiny_model("llama")
-    model.model.layers[1].self_attn = ToyRecurrence(model.config.hidden_size)
+    model.model.layers[1].self_attn = mixer(model.config.hidden_size)
     return model
 
 
@@ -304,7 +316,8 @@ def test_a_declared_position_wise_layer_is_not_named():
 
 
 def test_a_registered_support_lifts_the_refusal_only_where_it_declares():
-    model = toy_model()
+    model = toy_model(RestartingToyRecurrence)  # a support for a mixer that crosses is overruled by
+    # the boundary probe (tests/packing/test_packing_boundary_probe.py)
     support = MixerSupport("toy", lambda m: isinstance(m, ToyRecurrence), frozenset({PACKED, TREE}))
     register_mixer_support(support)
     try:
