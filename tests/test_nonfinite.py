@@ -158,10 +158,13 @@ def final_norm(model):
 
 def nan_from_call(model, first_bad: int):
     """Make the model's hidden states (so its logits and loss) NaN from its ``first_bad``-th forward
-    on (1-based)."""
+    on (1-based); forwards without autograd (nopad's boundary probe when the model is first checked)
+    are not counted."""
     calls = []
 
     def hook(module, args, output):
+        if not torch.is_grad_enabled():
+            return output
         calls.append(1)
         if len(calls) >= first_bad:
             return output * float("nan")
@@ -191,7 +194,9 @@ def test_sft_with_nonfinite_skip_drops_the_step_and_goes_on(tmp_path, one_thread
     model, _ = tiny_causal_lm()
     calls = []
 
-    def nan_once(module, args, output):  # only step 2's forward
+    def nan_once(module, args, output):  # only step 2's forward (the boundary probe's runs no autograd)
+        if not torch.is_grad_enabled():
+            return output
         calls.append(1)
         if len(calls) == 2:
             return output * float("nan")

@@ -25,6 +25,7 @@ from packing.mixers import (
     check_model,
     delta_rule,
     kernels,
+    patches,
     recurrence_plan,
     varlen_causal_conv1d,
     varlen_delta_rule,
@@ -34,6 +35,7 @@ from packing.varlen import VarlenMeta
 from tests.support.models import random_sequences, tiny_model
 
 SERVED = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "kimi_linear")
+patches.install()  # importing nopad patches nothing; these tests read the kernel functions it wraps
 TORCH_RULE = qwen.torch_chunk_gated_delta_rule.__wrapped__  # transformers' own torch function
 
 

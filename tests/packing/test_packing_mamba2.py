@@ -23,7 +23,7 @@ from tests.support.mamba_standin import MambaKernelsStandIn
 from tests.support.models import MAMBA2_FAMILIES, random_sequences, tiny_model
 
 CHUNK = 4  # a small SSM chunk, so runs span several chunks and end inside one
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "nopad_patches")
 
 
 def mamba_model(family):
