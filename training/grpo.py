@@ -72,6 +72,27 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4, scale_rewards: st
 
 SCALE_REWARDS = ("group", "batch", "none")
 
+# which policy GRPO trains: "tempered" softmax(logits / T), what the sampler drew from before any
+# top-k/top-p filter (TRL's trainer and its IS ratio), or "raw" softmax(logits) (T = 1)
+LOGPROBS = ("tempered", "raw")
+
+
+def policy_temperature(logprobs: str, temperature: float) -> float:
+    """The ``T`` of the trained policy ``softmax(logits / T)`` for rollouts sampled at
+    ``temperature``: that temperature for ``"tempered"`` (TRL's), 1 for ``"raw"``; greedy rollouts
+    (0) record the raw log-prob, so 1 too. Why one function: the rollout's recorded log-probs
+    and every trainer forward (current, old, reference) must score the same policy."""
+    if logprobs not in LOGPROBS:
+        raise ValueError(f"logprobs must be one of {LOGPROBS}, got {logprobs!r}")
+    return float(temperature) if logprobs == "tempered" and temperature > 0 else 1.0
+
+
+def _sampled_logprobs(record, logprobs: str) -> list[float]:
+    """The generator's log-probs of ``record``'s tokens under the trained policy (:data:`LOGPROBS`)."""
+    if logprobs not in LOGPROBS:
+        raise ValueError(f"logprobs must be one of {LOGPROBS}, got {logprobs!r}")
+    return [float(x) for x in (record.temperature_logprobs if logprobs == "tempered" else record.logprobs)]
+
 
 @dataclass
 class Rollout:
@@ -83,8 +104,9 @@ class Rollout:
 
     prompt_ids: list[int]
     completion_ids: list[int]
-    # the generator's raw log-prob of each token the model sampled (``loss_mask`` 1), in order; a list
-    # as long as the completion (an Episode's: 0.0 at tool tokens) is filtered to those once, here.
+    # the generator's log-prob of each token the model sampled (``loss_mask`` 1), in order, under the
+    # trained policy (LOGPROBS: tempered by default); a list as long as the completion (an Episode's:
+    # 0.0 at tool tokens) is filtered to those once, here.
     # Empty when another forward scores the completion (NopadGRPOTrainer: TRL's); the recipe's loss
     # then refuses the row
     gen_logprobs: Sequence[float] = ()
@@ -102,16 +124,17 @@ class Rollout:
             self.gen_logprobs = [lp for lp, keep in zip(self.gen_logprobs, mask) if keep]
 
     @classmethod
-    def from_completion(cls, prompt_ids: Sequence[int], completion) -> Rollout:
-        """A plain sample (:class:`inference.outputs.CompletionOutput`): every token the model's."""
-        return cls(list(prompt_ids), list(completion.token_ids), [float(x) for x in completion.logprobs],
+    def from_completion(cls, prompt_ids: Sequence[int], completion, logprobs: str = "tempered") -> Rollout:
+        """A plain sample (:class:`inference.outputs.CompletionOutput`): every token the model's.
+        ``logprobs``: which recorded log-probs (:data:`LOGPROBS`), the trained policy's."""
+        return cls(list(prompt_ids), list(completion.token_ids), _sampled_logprobs(completion, logprobs),
                    truncated=completion.finish_reason == "length")
 
     @classmethod
-    def from_episode(cls, episode) -> Rollout:
+    def from_episode(cls, episode, logprobs: str = "tempered") -> Rollout:
         """A multi-turn episode (:class:`inference.episodes.Episode`): the tools' tokens are context."""
         return cls(list(episode.prompt_token_ids), list(episode.completion_ids),
-                   [float(x) for x in episode.logprobs], loss_mask=list(episode.model_mask),
+                   _sampled_logprobs(episode, logprobs), loss_mask=list(episode.model_mask),
                    truncated=episode.finish_reason == "length")
 
     @property

@@ -33,6 +33,7 @@ from training.grpo import (
     packing_metrics,
     pair_advantages,
     pair_sequences,
+    policy_temperature,
 )
 from training.mismatch import logprob_mismatch
 from training.nonfinite import describe_sample, reward_value
@@ -55,7 +56,8 @@ class GRPOLoss:
     ``old_logprobs``: ``"rollout"`` (the generator's own: exact in the batch-invariant mode, no
     extra forward; outside it the mismatch is reported) or ``"recompute"`` (the trainer's, from one
     no-grad forward before the first update when a batch feeds several steps; needed by
-    ``policy.is_correction``, which weighs them against the rollout's)."""
+    ``policy.is_correction``, which weighs them against the rollout's). ``logprobs``: the trained
+    policy, ``"tempered"`` ``softmax(logits / T)`` at the sampling ``T`` (TRL's) or ``"raw"``."""
 
     max_tokens_per_batch: int = 1024
     shared_prefix: bool = True  # rollouts packed as a prefix tree: shared prefixes computed once
@@ -65,6 +67,7 @@ class GRPOLoss:
     num_iterations: int = 1  # passes over each rollout batch (TRL's num_iterations, mu)
     steps_per_generation: int = 1  # mini-batches per pass, one optimizer step each
     old_logprobs: str = "rollout"
+    logprobs: str = "tempered"
     batch_invariant: bool = False  # the forwards run in packing.batch_invariant() (already resolved)
 
     def __post_init__(self) -> None:
@@ -72,6 +75,7 @@ class GRPOLoss:
             raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {self.scale_rewards!r}")
         if self.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(f"old_logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}")
+        policy_temperature(self.logprobs, 1.0)  # a ValueError naming LOGPROBS for any other value
         if self.num_iterations < 1 or self.steps_per_generation < 1:
             raise ValueError("num_iterations and steps_per_generation must be >= 1, got "
                              f"{self.num_iterations} and {self.steps_per_generation}")
@@ -95,10 +99,11 @@ def grpo_step(stepper: OptimizerStepper, generator, examples: Sequence[dict],
         if episodes is None:
             outputs = sharded_generate(generator, stepper.model, list(prompt_ids), params, mode=rollout_mode,
                                        use_tqdm=use_tqdm)
-            samples = [[(c.token_ids, Rollout.from_completion(ids, c)) for c in out.outputs]
+            samples = [[(c.token_ids, Rollout.from_completion(ids, c, loss.logprobs)) for c in out.outputs]
                        for ids, out in zip(prompt_ids, outputs)]
         else:
-            samples, episode_metrics = _run_episodes(generator, stepper.model, prompt_ids, params, episodes)
+            samples, episode_metrics = _run_episodes(generator, stepper.model, prompt_ids, params, episodes,
+                                                     loss.logprobs)
     rollout_time = time.perf_counter() - t0
     generator.release()  # the KV cache goes back before any backward pass
     rollouts = [rollout for group in samples for _, rollout in group]
@@ -106,7 +111,8 @@ def grpo_step(stepper: OptimizerStepper, generator, examples: Sequence[dict],
     rewards = score_rollouts(reward_fn, tokenizer, examples, answers, step)
     rewards_t = torch.tensor(rewards).view(len(examples), params.n)
     set_advantages(rollouts, rewards_t, step, loss.scale_rewards)
-    metrics = train_on_rollouts(stepper, rollouts, loss, ref_model=ref_model, step=step)
+    metrics = train_on_rollouts(stepper, rollouts, loss, temperature=params.temperature, ref_model=ref_model,
+                                step=step)
     completion_tokens = metrics["completion_tokens"]
     return {"step": step, "reward_mean": float(rewards_t.mean()), "reward_std": float(rewards_t.std()),
             **metrics, **episode_metrics, "rollout_tokens_per_s": completion_tokens / rollout_time,
@@ -123,7 +129,7 @@ class ToolEpisodes:
     limits: EpisodeLimits | None = None
 
 
-def _run_episodes(generator, model, prompt_ids, params, episodes: ToolEpisodes):
+def _run_episodes(generator, model, prompt_ids, params, episodes: ToolEpisodes, logprobs: str):
     """Per prompt, per sample: (the last model turn: what the reward reads, its :class:`Rollout`),
     and the rollout's tool metrics."""
     from inference.sharded import sharded_weights
@@ -137,7 +143,7 @@ def _run_episodes(generator, model, prompt_ids, params, episodes: ToolEpisodes):
     for ep in done:
         last = ep.turns[-1] if ep.turns else None
         answer = ep.completion_ids[last.start:last.end] if last is not None else []
-        samples[ep.prompt_index].append((answer, Rollout.from_episode(ep)))
+        samples[ep.prompt_index].append((answer, Rollout.from_episode(ep, logprobs)))
     calls = sum(ep.num_tool_calls for ep in done)
     return samples, {"tool_calls_per_episode": calls / max(len(done), 1),
                      "tool_failure_rate": sum(ep.num_tool_errors for ep in done) / max(calls, 1),
@@ -196,17 +202,20 @@ def _global_std(rewards: torch.Tensor) -> float:
 
 
 def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: GRPOLoss, *,
-                      ref_model=None, step: int | None = None) -> dict:
+                      temperature: float = 1.0, ref_model=None, step: int | None = None) -> dict:
     """Packed training forwards and backwards over ``rollouts`` (with their advantages):
     ``loss.num_iterations`` passes of ``loss.steps_per_generation`` mini-batches, one optimizer step
     each; every rank calls it, also with no rollouts. Returns the step's training metrics.
+    ``temperature``: what the rollouts were sampled at (``loss.logprobs="tempered"`` trains
+    ``softmax(logits / temperature)``; their ``gen_logprobs`` must be under that policy).
     ``step`` names the step when its loss or gradient is not finite."""
     model = stepper.model
     model.train()
     t0 = time.perf_counter()
     device = next(model.parameters()).device
     chunks = _minibatches(rollouts, loss.steps_per_generation)
-    batches = [_MiniBatch(rollouts, chunk, loss) for chunk in chunks]
+    scored_at = policy_temperature(loss.logprobs, temperature)
+    batches = [_MiniBatch(rollouts, chunk, loss, scored_at) for chunk in chunks]
     real = [row for b in batches for row in b.rows if not row.empty]
     packed = packing_metrics(real, rollouts)
     passes = loss.num_iterations * loss.steps_per_generation
@@ -215,7 +224,7 @@ def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: 
         forwards_before = sum(len(b.rows) for b in batches)
         with torch.no_grad(), batch_invariant(loss.batch_invariant):
             for b in batches:
-                b.old = [packed_logprobs(model, row.to(device)) for row in b.rows]
+                b.old = [packed_logprobs(model, row.to(device), b.temperature) for row in b.rows]
     policy = make_policy_loss(loss.policy)
     acc = _Metrics()
     label = None if step is None else f"grpo step {step}"
@@ -260,9 +269,10 @@ def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: 
 class _MiniBatch:
     """One mini-batch of the rollout batch: its padded rows, each pair's counting mask and
     advantage, and the cached per-row old / reference log-probs (computed once, reused by every
-    pass)."""
+    pass), all at ``temperature``: the trained policy's (:func:`training.grpo.policy_temperature`)."""
 
-    def __init__(self, rollouts: list[Rollout], chunk: list[int], loss: GRPOLoss):
+    def __init__(self, rollouts: list[Rollout], chunk: list[int], loss: GRPOLoss, temperature: float):
+        self.temperature = temperature
         rows = pack_rollouts([rollouts[i] for i in chunk], loss.max_tokens_per_batch,
                              shared_prefix=loss.shared_prefix)
         # every rank the same number of rows (under ZeRO-3 / FSDP2 each forward is a collective), and
@@ -364,7 +374,7 @@ def _row_loss(model, row, r: int, b: _MiniBatch, policy, loss: GRPOLoss, ref_mod
     """The policy loss of one packed row and the pairs it was computed on."""
     entropy = bool(loss.policy.entropy_coef)
     with batch_invariant(loss.batch_invariant):  # the forward only; any correct backward will do
-        scored = packed_logprobs(model, row, compute_entropy=entropy)
+        scored = packed_logprobs(model, row, b.temperature, compute_entropy=entropy)
         acc.forwards += 1
     logp, ent = scored if entropy else (scored, None)
     gen_lp = row.token_values.get("gen_logprobs")
@@ -381,7 +391,7 @@ def _row_loss(model, row, r: int, b: _MiniBatch, policy, loss: GRPOLoss, ref_mod
     if ref_model is not None and loss.policy.beta:
         if r not in b.ref:
             with torch.no_grad(), batch_invariant(loss.batch_invariant):
-                b.ref[r] = packed_logprobs(ref_model, row)
+                b.ref[r] = packed_logprobs(ref_model, row, b.temperature)
                 acc.forwards += 1
         ref_lp = b.ref[r]
     seq = b.seqs[r].to(logp.device)

@@ -277,11 +277,11 @@ def test_a_rollout_is_built_once_from_the_generators_output():
     episode = SimpleNamespace(prompt_token_ids=[1, 2], completion_ids=[10, 11, 12, 13],
                               logprobs=[-1.0, 0.0, 0.0, -2.0], model_mask=[1, 0, 0, 1],
                               finish_reason="length")
-    r = Rollout.from_episode(episode)
+    r = Rollout.from_episode(episode, "raw")  # which log-probs: test_training_grpo_temperature.py
     assert (r.prompt_ids, r.completion_ids, r.loss_mask) == ([1, 2], [10, 11, 12, 13], [1, 0, 0, 1])
     assert (r.gen_logprobs, r.num_loss_tokens, r.truncated) == ([-1.0, -2.0], 2, True)
     sample = SimpleNamespace(token_ids=[20, 21], logprobs=[-3.0, -4.0], finish_reason="stop")
-    plain = Rollout.from_completion([1, 2], sample)
+    plain = Rollout.from_completion([1, 2], sample, "raw")
     assert (plain.gen_logprobs, plain.loss_mask, plain.num_loss_tokens, plain.truncated) == (
         [-3.0, -4.0], (), 2, False)
     (row,) = pack_rollouts([r, plain], 64)
