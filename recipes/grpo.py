@@ -82,7 +82,7 @@ def grpo_loss(cfg: GRPORecipeConfig, device) -> GRPOLoss:
                     policy=lc.policy(cfg.rollout.max_tokens), scale_rewards=lc.scale_rewards,
                     mask_truncated_completions=lc.mask_truncated_completions,
                     num_iterations=tr.num_iterations, steps_per_generation=tr.steps_per_generation,
-                    old_logprobs=tr.old_logprobs, batch_invariant=invariant)
+                    old_logprobs=tr.old_logprobs, logprobs=cfg.rollout.logprobs, batch_invariant=invariant)
 
 
 def sampling_params(cfg: GRPORecipeConfig, step: int):

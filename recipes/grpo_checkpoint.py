@@ -51,12 +51,12 @@ class GRPOProgress:
 
 def resume_settings(cfg: GRPORecipeConfig) -> dict:
     """The settings a resume must keep: the loss, the optimizer (the checkpoint's AdamW state would
-    silently restore its own lr and weight decay over a changed one), the mini-batching and the
-    rollout's shape."""
+    silently restore its own lr and weight decay over a changed one), the mini-batching, the
+    rollout's shape and which policy is trained."""
     keys = {f"loss.{k}": v for k, v in cfg.loss.to_dict().items()}
     for k in ("lr", "weight_decay", "num_iterations", "steps_per_generation", "old_logprobs", "seed"):
         keys[f"train.{k}"] = getattr(cfg.train, k)
-    for k in ("prompts_per_step", "num_generations", "seed"):
+    for k in ("prompts_per_step", "num_generations", "seed", "logprobs"):  # logprobs: the trained policy
         keys[f"rollout.{k}"] = getattr(cfg.rollout, k)
     return keys
 

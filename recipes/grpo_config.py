@@ -55,7 +55,8 @@ class RolloutConfig(Section):
     num_generations: int = 8  # completions per prompt (the GRPO group), at least 2
     max_prompt_tokens: int = 64  # longer prompts are an error; bounds the KV cache check
     max_tokens: int = 48  # new tokens per completion (a tool task's episode: the model's and the tools')
-    temperature: float = 1.0  # the trained policy is the raw model: keep 1.0 for on-policy
+    temperature: float = 1.0  # sampling temperature; with logprobs=tempered also the trained policy's
+    logprobs: Literal["tempered", "raw"] = "tempered"  # trained: softmax(logits/temperature) as TRL | raw
     top_p: float = 1.0  # 1: no nucleus filter
     seed: int = 0  # sampling seed (a different one each step)
     max_turns: int = 4  # tool tasks (recipes.tool_tasks): model turns per episode
@@ -71,7 +72,7 @@ class RolloutConfig(Section):
         if self.temperature == 0:
             raise ConfigError("temperature", "is 0 (greedy): every completion of a group would be the same, "
                               "so every advantage is 0 and nothing is learned; sample with temperature > 0 "
-                              "(1.0: on-policy)")
+                              "(1.0: the model's own distribution)")
 
 
 @dataclass
