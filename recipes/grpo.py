@@ -10,8 +10,10 @@ Under ZeRO-3 / FSDP2 the rollout gathers the full weights once or keeps the rank
 (``generator.sharded_rollout``, :mod:`inference.sharded`), and every rank trains on the same number
 of packed rows with exactly one optimizer step per GRPO step (:mod:`training.accumulation`).
 
-Generator and trainer run the same attention core, so in the batch-invariant mode the generator's
-sampled-token log-probs equal the training forward's bitwise (the gap is reported every step), and
+Both sides score the policy the rollouts were sampled from, ``softmax(logits / rollout.temperature)``
+(``rollout.logprobs=tempered``, TRL's; ``raw``: temperature 1, docs/rl.md). Generator and trainer
+run the same attention core, so in the batch-invariant mode the generator's sampled-token
+log-probs equal the training forward's bitwise (the gap is reported every step), and
 several optimizer steps per rollout batch (``train.num_iterations``, ``train.steps_per_generation``)
 take the rollout's log-probs as the old policy's with no extra forward. When they are not equal
 (the mode off), ``train.old_logprobs=recompute`` scores the batch once with the trainer, and
