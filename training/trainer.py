@@ -46,6 +46,7 @@ from dataloaders.collator import PackedCollator
 from dataloaders.dataset import MASK_COLUMNS, PackedDataset, PackedItem
 from dataloaders.loader import packed_dataloader
 from dataloaders.sampler import PackedBatchSampler
+from packing.hf import compat
 from packing.row import PackedRow, as_row
 
 logger = logging.getLogger(__name__)
@@ -145,6 +146,7 @@ class NopadTrainerMixin:
 
     def __init__(self, *args: Any, tokens_per_batch: int | None = None, attention: str | None = "nopad",
                  **kwargs: Any):
+        compat.check()  # the Trainer's private names nopad overrides, before any other work
         if tokens_per_batch is not None and tokens_per_batch < 1:
             raise ValueError(f"tokens_per_batch must be >= 1, got {tokens_per_batch}")
         dataset = kwargs.get("train_dataset")

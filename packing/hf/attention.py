@@ -381,7 +381,7 @@ def check_packed_call(model: transformers.PreTrainedModel, kwargs: dict) -> None
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
         use_cache = getattr(model.config, "use_cache", False)
-    if use_cache and kwargs.get("past_key_values") is None:
+    if use_cache and kwargs.get("cache", kwargs.get("past_key_values")) is None:  # the old name until 5.40
         raise ValueError(
             f"packed row with use_cache=True under attn_implementation={impl!r}: transformers 5 only "
             "honours packed position_ids without a cache. Pass use_cache=False (or use 'nopad')."

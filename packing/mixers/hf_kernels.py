@@ -175,6 +175,9 @@ def install() -> None:
         return
     import transformers.integrations as integrations
 
+    from packing.hf import compat
+
+    compat.check()  # the hook and globals rebound here are listed there
     hook = _wrapping_hook(hub_kernels.use_kernel_func_from_hub_with_fallback)
     hub_kernels.use_kernel_func_from_hub_with_fallback = hook
     integrations.use_kernel_func_from_hub_with_fallback = hook

@@ -257,6 +257,9 @@ def install() -> tuple[type, ...]:
     refused, with a warning naming what changed. Run on first use (:func:`mixers`), never on
     import: it imports model modules and runs the scan's probe (torch ops, whose OpenMP threads
     a process forked afterwards would inherit in a state that can hang it)."""
+    from packing.hf import compat
+
+    compat.check()  # the globals rebound here are listed there
     classes = []
     for module_name, mixer_name in FAMILIES.items():
         try:

@@ -20,8 +20,10 @@ def install() -> None:
     global _installed
     if _installed:
         return
+    from packing.hf import compat
     from packing.mixers import hf_kernels, mamba2
 
+    compat.check()  # before the first change: an untested transformers is refused, not patched
     hf_kernels.install()
     mamba2.mixers()
     _installed = True

@@ -17,6 +17,7 @@ from torch import nn
 from packing.mixers.support import ALL_CONTEXTS, MixerSupport, calls_attention, register_mixer_support
 
 _PASSES_SINKS: dict[type, bool] = {}
+SINKS_ARGUMENT = "s_aux="  # how transformers' gpt-oss attention hands its sinks on (read in its source)
 
 
 def _passes_sinks(cls: type) -> bool:
@@ -26,7 +27,7 @@ def _passes_sinks(cls: type) -> bool:
             source = inspect.getsource(cls.forward)
         except (OSError, TypeError):
             source = ""
-        _PASSES_SINKS[cls] = "s_aux=" in source
+        _PASSES_SINKS[cls] = SINKS_ARGUMENT in source
     return _PASSES_SINKS[cls]
 
 

@@ -322,6 +322,9 @@ def check_model(model: nn.Module, context: str = PACKED, *, inside_forward: bool
     passed = _CHECKED.get(model)
     if passed is not None and context in passed:
         return
+    from packing.hf import compat
+
+    compat.check()  # the scan reads transformers' private names and model source
     findings = unsupported(model, context)
     if findings:
         raise UnsupportedMixerError(_message(model, context, findings))
