@@ -1,13 +1,11 @@
 """The GRPO recipe's checkpoints: what a checkpoint keeps beside the policy and optimizer
-(:class:`GRPOProgress`), what a resume must not change, writing ``output_dir/step_N`` and the final
-policy (:class:`Checkpointer`), and the kill points the crash-resume tests use."""
+(:class:`GRPOProgress`), what a resume must not change, and writing ``output_dir/step_N`` and the
+final policy (:class:`Checkpointer`)."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import signal
 from pathlib import Path
 
 from recipes.config import ConfigError
@@ -91,7 +89,6 @@ class Checkpointer:
         from training import checkpoint
 
         def save_model(d: Path) -> None:
-            kill_point("checkpoint", step)  # tests: a kill between the training state and the model files
             save_model_dir(self.accelerator, self.model, self.tokenizer, d)
 
         checkpoint.save_training_checkpoint(self.accelerator, Path(self.cfg.output_dir) / f"step_{step}",
@@ -138,23 +135,3 @@ def refuse_stale_policy(cfg: GRPORecipeConfig) -> None:
                           f"{cfg.output_dir} already holds a policy saved by an earlier run without "
                           "checkpoints; use another output_dir")
 
-
-KILL_ENV = "NOPAD_GRPO_KILL_AT"  # tests: "rollout:N", "step:N" or "checkpoint:N" kills the run there
-
-
-def kill_point(where: str, step: int) -> None:
-    """The crash-resume tests' hook: SIGKILL this process at a chosen point of a chosen step."""
-    if os.environ.get(KILL_ENV) == f"{where}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def killable(reward_fn, step: int):
-    """The reward, with the ``rollout:N`` kill point at its first call: after step N's rollout."""
-    if not os.environ.get(KILL_ENV, "").startswith("rollout:"):
-        return reward_fn
-
-    def reward(text, example):
-        kill_point("rollout", step)
-        return reward_fn(text, example)
-
-    return reward
