@@ -16,6 +16,7 @@ from recipes.config import (
     GeneratorConfig,
     LoRAConfig,
     Section,
+    StepCheckpointConfig,
     check_learning_rate,
     check_optimizer,
     check_sampling,
@@ -137,15 +138,7 @@ class GRPOTrainConfig(Section):
         self.at_least("steps_per_generation", 1)
 
 
-@dataclass
-class GRPOCheckpointConfig(Section):
-    every: int = 0  # save a step_N checkpoint in output_dir every N GRPO steps; 0: only the final policy
-    keep_last: int | None = None  # keep only the newest N complete checkpoints; null: keep all
-    resume_from: str | None = None  # a step_N directory, or "latest" in output_dir
-
-    def check(self) -> None:
-        self.at_least("every", 0)
-        self.at_least("keep_last", 1)
+GRPOCheckpointConfig = StepCheckpointConfig  # SFT's adds its output_dir; GRPO's is top-level
 
 
 @dataclass
