@@ -1,6 +1,7 @@
 """The GRPO recipe's settings (``recipes/grpo.py``): a dataclass of sections that checks itself
-when built. Each default and its comment are written here once; ``recipes/configs/grpo.yaml`` is
-generated from them (``python -m recipes.config``) and a test keeps it so."""
+when built. Each default and its comment are written once: here, or where a section comes from
+(the loss's knobs: :mod:`training.policy_loss.settings`; shared sections: :mod:`recipes.config_sections`);
+``recipes/configs/grpo.yaml`` is generated from them (``python -m recipes.config``) and a test keeps it so."""
 
 from __future__ import annotations
 
