@@ -31,6 +31,7 @@ from recipes.config_sections import (
     GeneratorConfig,
     LoRAConfig,
     ModelConfig,
+    StepCheckpointConfig,
     check_learning_rate,
     check_optimizer,
     check_sampling,
@@ -39,7 +40,8 @@ from recipes.config_types import ConfigError, Section, from_dict
 from recipes.logs import NOISY_LOGGERS, setup_logging
 
 __all__ = ["GENERATED_YAMLS", "MAX_LEARNING_RATE", "NOISY_LOGGERS", "AccelerateConfig", "ChatModelConfig",
-           "ConfigError", "GeneratorConfig", "LoRAConfig", "ModelConfig", "Section", "check_learning_rate",
+           "ConfigError", "GeneratorConfig", "LoRAConfig", "ModelConfig", "Section", "StepCheckpointConfig",
+           "check_learning_rate",
            "check_optimizer", "check_sampling", "from_dict", "help_text", "load_config", "parse_cli",
            "parse_override",
            "render_yaml", "setup_logging", "with_overrides", "write_yamls", "yaml_header"]

@@ -1,5 +1,5 @@
-"""The config sections and checks the recipes share: the model, LoRA, the generator, Accelerate,
-the learning rate and the sampling settings."""
+"""The config sections and checks the recipes share: the model, LoRA, the generator, checkpoints,
+Accelerate, the learning rate and the sampling settings."""
 
 from __future__ import annotations
 
@@ -75,6 +75,19 @@ class GeneratorConfig(Section):
         """``block_size``, or the smallest the library's rule picks (16; 256 where a backend reads
         only 256-token pages): a KV-capacity check in blocks made with it holds for either."""
         return self.block_size or 16
+
+
+@dataclasses.dataclass
+class StepCheckpointConfig(Section):
+    """``step_N`` checkpoints, each written whole (:mod:`training.checkpoint`), and the resume."""
+
+    every: int = 0  # save a step_N checkpoint every N steps (as train counts them); 0: none before the end
+    keep_last: int | None = None  # keep only the newest N complete checkpoints; null: keep all
+    resume_from: str | None = None  # a step_N directory, or "latest" in output_dir
+
+    def check(self) -> None:
+        self.at_least("every", 0)
+        self.at_least("keep_last", 1)
 
 
 @dataclasses.dataclass

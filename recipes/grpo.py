@@ -40,12 +40,9 @@ from typing import TYPE_CHECKING
 from inference.chat import encode_prompt
 from recipes.cli import run_recipe
 from recipes.config import ConfigError, parse_cli, setup_logging
-from recipes.grpo_checkpoint import KILL_ENV as KILL_ENV  # the crash-resume tests' switch, as before
 from recipes.grpo_checkpoint import (
     Checkpointer,
     GRPOProgress,
-    kill_point,
-    killable,
     reference_identity,
     resume_settings,
 )
@@ -231,11 +228,10 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
             start = (step * world + rank) * per_step
             picks = [order[(start + j) % len(order)] for j in range(per_step)]
             metrics = grpo_step(stepper, generator, [examples[i] for i in picks],
-                                [prompt_ids[i] for i in picks], killable(reward_fn, step), tokenizer,
+                                [prompt_ids[i] for i in picks], reward_fn, tokenizer,
                                 sampling_params(cfg, step), loss, step=step,
                                 rollout_mode=cfg.generator.sharded_rollout, ref_model=ref_model,
                                 use_tqdm=progress, episodes=episodes)
-            kill_point("step", step)
             history.append(metrics)
             logger.info("grpo step %d: %s", step, json.dumps({k: round(v, 6) for k, v in metrics.items()}))
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", gap=f"{metrics['logprob_gap_max']:.1e}")

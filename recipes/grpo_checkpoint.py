@@ -1,44 +1,37 @@
 """The GRPO recipe's checkpoints: what a checkpoint keeps beside the policy and optimizer
-(:class:`GRPOProgress`), what a resume must not change, writing ``output_dir/step_N`` and the final
-policy (:class:`Checkpointer`), and the kill points the crash-resume tests use."""
+(:class:`GRPOProgress`), what a resume must not change, and writing ``output_dir/step_N`` and the
+final policy (:class:`Checkpointer`)."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import signal
 from pathlib import Path
 
 from recipes.config import ConfigError
 from recipes.grpo_config import GRPORecipeConfig
 from recipes.models import save_model_dir
+from training.progress import Progress
 
 logger = logging.getLogger(__name__)
 
 
-class GRPOProgress:
-    """What a GRPO checkpoint keeps beside the policy, optimizer and RNG (Accelerate's state): the
-    GRPO steps done, the prompt order, and what must not change across a resume (the loss settings
-    and the reference model's identity); a resume that changed them stops with one line."""
+class GRPOProgress(Progress):
+    """What a GRPO checkpoint keeps beside the policy, optimizer and RNG: the GRPO steps done and the
+    settings a resume must keep (:class:`training.progress.Progress`), the prompt order and the
+    reference model's identity; a resume that changed any of them stops with one line."""
 
     def __init__(self, order: list[int], settings: dict, reference: dict | None):
-        self.step, self.order, self.settings, self.reference = 0, order, settings, reference
+        super().__init__(settings)
+        self.order, self.reference = order, reference
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "order": self.order, "settings": self.settings,
-                "reference": self.reference}
+        return {**super().state_dict(), "order": self.order, "reference": self.reference}
 
-    def load_state_dict(self, state: dict) -> None:
-        if not isinstance(state, dict) or "order" not in state:
+    def check_resume(self, state: dict) -> None:
+        if "order" not in state:
             raise ValueError(f"not a GRPO checkpoint's progress state: {state!r}")
-        saved = state["settings"]  # a setting an older checkpoint did not record is not compared
-        changed = sorted(k for k in self.settings if k in saved and saved[k] != self.settings[k])
-        if changed:
-            k = changed[0]
-            raise ValueError(f"cannot resume: the checkpoint was made with {k}={state['settings'].get(k)!r} "
-                             f"but this run has {k}={self.settings.get(k)!r}; resume with the same settings, "
-                             "or start a new run in another output_dir")
+        super().check_resume(state)
         if state["order"] != self.order:
             raise ValueError("cannot resume: this run's prompts differ from the checkpoint's (task, "
                              "task.seed or train.seed changed); resume with the same ones")
@@ -46,7 +39,6 @@ class GRPOProgress:
             raise ValueError(f"cannot resume: the KL reference model differs from the checkpoint's "
                              f"({state['reference']} vs {self.reference}); resume with the model.path of the "
                              "run that wrote it (the initial policy, not a checkpoint)")
-        self.step = int(state["step"])
 
 
 def resume_settings(cfg: GRPORecipeConfig) -> dict:
@@ -91,7 +83,6 @@ class Checkpointer:
         from training import checkpoint
 
         def save_model(d: Path) -> None:
-            kill_point("checkpoint", step)  # tests: a kill between the training state and the model files
             save_model_dir(self.accelerator, self.model, self.tokenizer, d)
 
         checkpoint.save_training_checkpoint(self.accelerator, Path(self.cfg.output_dir) / f"step_{step}",
@@ -138,23 +129,3 @@ def refuse_stale_policy(cfg: GRPORecipeConfig) -> None:
                           f"{cfg.output_dir} already holds a policy saved by an earlier run without "
                           "checkpoints; use another output_dir")
 
-
-KILL_ENV = "NOPAD_GRPO_KILL_AT"  # tests: "rollout:N", "step:N" or "checkpoint:N" kills the run there
-
-
-def kill_point(where: str, step: int) -> None:
-    """The crash-resume tests' hook: SIGKILL this process at a chosen point of a chosen step."""
-    if os.environ.get(KILL_ENV) == f"{where}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def killable(reward_fn, step: int):
-    """The reward, with the ``rollout:N`` kill point at its first call: after step N's rollout."""
-    if not os.environ.get(KILL_ENV, "").startswith("rollout:"):
-        return reward_fn
-
-    def reward(text, example):
-        kill_point("rollout", step)
-        return reward_fn(text, example)
-
-    return reward

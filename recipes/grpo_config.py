@@ -1,12 +1,13 @@
 """The GRPO recipe's settings (``recipes/grpo.py``): a dataclass of sections that checks itself
-when built. Each default and its comment are written here once; ``recipes/configs/grpo.yaml`` is
-generated from them (``python -m recipes.config``) and a test keeps it so."""
+when built. Each default and its comment are written once: here, or where a section comes from
+(the loss's knobs: :mod:`training.policy_loss.settings`; shared sections: :mod:`recipes.config_sections`);
+``recipes/configs/grpo.yaml`` is generated from them (``python -m recipes.config``) and a test keeps it so."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
 from recipes.config import (
@@ -16,11 +17,13 @@ from recipes.config import (
     GeneratorConfig,
     LoRAConfig,
     Section,
+    StepCheckpointConfig,
     check_learning_rate,
     check_optimizer,
     check_sampling,
 )
 from recipes.tasks import TASKS, get_reward
+from training.policy_loss.settings import PolicyLossSettings
 
 if TYPE_CHECKING:  # (training.policy_loss imports torch: a config, and --help, load without it)
     from training.policy_loss import PolicyLossConfig
@@ -83,51 +86,34 @@ class GRPOGeneratorConfig(GeneratorConfig):
 
 
 @dataclass
-class GRPOLossConfig(Section):
+class GRPOLossConfig(Section, PolicyLossSettings):
     """The policy loss (:mod:`training.policy_loss`): TRL 1.16 ``GRPOConfig``'s names and defaults
     (``is_*`` are TRL's ``vllm_importance_sampling_*``). A knob the chosen loss ignores is an error."""
 
-    loss_type: str = "dapo"  # grpo | dr_grpo | dapo | bnpo | gspo | cispo | sapo (TRL's default: dapo)
-    epsilon: float = 0.2  # lower clip of the ratio: 1 - epsilon
-    epsilon_high: float | None = None  # upper clip 1 + epsilon_high (null: epsilon; DAPO 0.28; cispo: cap)
-    delta: float | None = None  # two-sided clipping: the ratio capped at delta (INTELLECT-2); null: off
-    importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's ratio
-    beta: float = 0.0  # k3 KL against a frozen copy of the initial policy; 0: none
-    use_bias_correction_kl: bool = True  # the KL term times the ratio (DeepSeek-V3.2), as TRL
-    entropy_coef: float = 0.0  # minus entropy_coef x the mean token entropy
-    sapo_temperature_pos: float = 1.0  # sapo: gate temperature where the advantage is > 0
-    sapo_temperature_neg: float = 1.05  # sapo: where it is <= 0
+    # the loss's knobs are PolicyLossSettings' (declared there once); these two the step reads
     scale_rewards: Literal["group", "batch", "none"] = "group"  # advantage / std of: group | batch | none
     mask_truncated_completions: bool = False  # completions cut by rollout.max_tokens carry no loss
-    is_correction: str = "none"  # none | token_truncate | token_mask | sequence_truncate | sequence_mask
-    is_clip_min: float | None = None  # IS correction: lower bound of the ratio (truncate) or mask edge
-    is_clip_max: float | None = 3.0  # IS correction: upper bound
 
     def check(self) -> None:
-        from training.policy_loss import IS_MODES, LOSSES
-
-        self.at_least("beta", 0.0)
-        self.at_least("entropy_coef", 0.0)
-        if self.loss_type not in LOSSES:
-            raise ConfigError("loss_type", f"{self.loss_type!r} is unknown; use one of {sorted(LOSSES)}")
-        if self.is_correction not in ("none", *IS_MODES):
-            raise ConfigError("is_correction", f"{self.is_correction!r} is unknown; use none or one of "
-                              f"{', '.join(IS_MODES)}")
-        try:
+        try:  # PolicyLossConfig's checks (training.policy_loss imports torch: only when a config is built)
             self.policy(max_completion_length=1)
-        except ValueError as err:  # "<knob> <what is wrong>"
-            knob, _, detail = str(err).partition(" ")
-            raise ConfigError(knob, detail) from None
+        except ValueError as err:
+            raise knob_error(err) from None
 
     def policy(self, max_completion_length: int) -> PolicyLossConfig:
         """The loss's settings (``max_completion_length``: dr_grpo's normaliser, rollout.max_tokens)."""
         from training.policy_loss import PolicyLossConfig
 
-        step_knobs = ("scale_rewards", "mask_truncated_completions")  # read by the step, not the loss
-        knobs = {k: v for k, v in self.to_dict().items() if k not in step_knobs}
+        knobs = {f.name: getattr(self, f.name) for f in fields(PolicyLossSettings)}
         if self.loss_type == "dr_grpo":
             knobs["max_completion_length"] = max_completion_length
         return PolicyLossConfig(**knobs)
+
+
+def knob_error(err: ValueError) -> ConfigError:
+    """The library's ``"<knob> <what is wrong>"`` as the error naming the config key."""
+    knob, _, detail = str(err).partition(" ")
+    return ConfigError(knob, detail)
 
 
 @dataclass
@@ -154,15 +140,7 @@ class GRPOTrainConfig(Section):
         self.at_least("steps_per_generation", 1)
 
 
-@dataclass
-class GRPOCheckpointConfig(Section):
-    every: int = 0  # save a step_N checkpoint in output_dir every N GRPO steps; 0: only the final policy
-    keep_last: int | None = None  # keep only the newest N complete checkpoints; null: keep all
-    resume_from: str | None = None  # a step_N directory, or "latest" in output_dir
-
-    def check(self) -> None:
-        self.at_least("every", 0)
-        self.at_least("keep_last", 1)
+GRPOCheckpointConfig = StepCheckpointConfig  # SFT's adds its output_dir; GRPO's is top-level
 
 
 @dataclass
@@ -200,10 +178,10 @@ class GRPORecipeConfig(Section):
                 f"generator.num_blocks={gen.num_blocks}; raise generator.num_blocks or lower "
                 "rollout.prompts_per_step / rollout.num_generations / rollout.max_tokens"
             )
-        if self.loss.is_correction != "none" and tr.old_logprobs == "rollout":
-            raise ConfigError("loss.is_correction", f"{self.loss.is_correction} weighs the trainer's old "
-                              "log-probs against the rollout's, which train.old_logprobs=rollout makes the "
-                              "same numbers; set train.old_logprobs=recompute (or loss.is_correction=none)")
+        try:
+            self.loss.check_old_logprobs(tr.old_logprobs, key="train.old_logprobs")
+        except ValueError as err:
+            raise knob_error(err).under("loss") from None
         if self.checkpoint.every and not self.output_dir:
             raise ConfigError("checkpoint.every", "needs output_dir: the checkpoints are written there")
         if seq_tokens > tr.max_tokens_per_batch:

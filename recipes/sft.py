@@ -144,8 +144,8 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     optimizer, scheduler = sft_loop.make_optimizer(model, tcfg.lr, tcfg.weight_decay, tcfg.warmup_steps,
                                                    steps)
     model, stepper, save_kwargs, load_kwargs = prepare(accelerator, model, optimizer, tcfg)
-    progress = sft_loop.Progress(gas, {f"train.{k}": getattr(tcfg, k) for k in ("lr", "weight_decay",
-                                                                                 "warmup_steps")})
+    progress = sft_loop.Progress({f"train.{k}": getattr(tcfg, k) for k in ("grad_accum", "lr", "weight_decay",
+                                                                           "warmup_steps")})
     info = engine_info(model, accelerator)
     logger.info("training with %s on %d process(es)", info, accelerator.num_processes)
     accelerator.init_trackers("nopad-sft", config=tracker_config(cfg.to_dict()))

@@ -13,6 +13,7 @@ from recipes.config import (
     LoRAConfig,
     ModelConfig,
     Section,
+    StepCheckpointConfig,
     check_learning_rate,
     check_optimizer,
 )
@@ -87,16 +88,9 @@ class SFTTrainConfig(Section):
 
 
 @dataclass
-class CheckpointConfig(Section):
+class CheckpointConfig(StepCheckpointConfig):
     output_dir: str = "runs/sft"  # step_N/ model directories (resume state in step_N/training_state)
-    every: int = 0  # save every N optimizer steps; 0: only at the end
     save_final: bool = True  # save model, optimizer and loader state at the end
-    keep_last: int | None = None  # keep only the newest N complete checkpoints; null: keep all
-    resume_from: str | None = None  # a step_N directory, or "latest" in output_dir
-
-    def check(self) -> None:
-        self.at_least("every", 0)
-        self.at_least("keep_last", 1)
 
 
 @dataclass

@@ -214,7 +214,7 @@ DAMAGE_SIGNS = ("PytorchStreamReader", "central directory", "unpickling", "trunc
 def checkpoint_recipe(path: str | Path) -> str | None:
     """The recipe that wrote checkpoint ``path`` (``"sft"``, ``"grpo"``): recorded in its marker, or,
     for a checkpoint from before the marker held it, told by the progress state its recipe saves
-    first (SFT's has ``grad_accum``, GRPO's the prompt ``order``); None if neither says."""
+    first (GRPO's has the prompt ``order``, SFT's not); None if neither says."""
     recorded = checkpoint_info(Path(path)).get("recipe")
     if recorded:
         return recorded
@@ -224,10 +224,10 @@ def checkpoint_recipe(path: str | Path) -> str | None:
         state = torch.load(Path(path) / STATE_DIR / "custom_checkpoint_0.pkl", weights_only=True)
     except Exception:  # no such file, or one this cannot read: the load itself will tell
         return None
-    if isinstance(state, dict) and "grad_accum" in state:
-        return "sft"
     if isinstance(state, dict) and "order" in state:
         return "grpo"
+    if isinstance(state, dict) and "step" in state:
+        return "sft"
     return None
 
 

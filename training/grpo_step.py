@@ -79,10 +79,7 @@ class GRPOLoss:
         if self.num_iterations < 1 or self.steps_per_generation < 1:
             raise ValueError("num_iterations and steps_per_generation must be >= 1, got "
                              f"{self.num_iterations} and {self.steps_per_generation}")
-        if self.policy.is_correction != "none" and self.old_logprobs == "rollout":
-            raise ValueError(f"is_correction={self.policy.is_correction} weighs the trainer's old log-probs "
-                             "against the rollout's, but old_logprobs=rollout makes them the same numbers; "
-                             "set old_logprobs=recompute (or is_correction=none)")
+        self.policy.check_old_logprobs(self.old_logprobs)
 
 
 def grpo_step(stepper: OptimizerStepper, generator, examples: Sequence[dict],

@@ -1,7 +1,7 @@
 """SFT's training step and its bookkeeping, for the recipe (``recipes/sft.py``) and any loop like
 it: one optimizer step per window of packed micro-batches (:func:`sft_step`, through
-:class:`training.accumulation.OptimizerStepper`), the optimizer and its schedule, the progress a
-checkpoint keeps, checkpoints and resume, and the per-step and per-run records.
+:class:`training.accumulation.OptimizerStepper`), the optimizer and its schedule, and the per-step
+and per-run records (the progress a checkpoint keeps: :class:`training.progress.Progress`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from training.accumulation import OptimizerStepper
 from training.curves import finish_trackers, write_curves
 from training.loss import COUNT_KEYS, row_nll_sum
 from training.optimizer import make_adamw
+from training.progress import Progress as Progress  # (one record for SFT and GRPO; its old name)
 
 logger = logging.getLogger(__name__)
 
@@ -70,38 +71,6 @@ def use_attention(model, name: str) -> None:
         check_model(model, PACKED)  # a layer nopad cannot keep packed sequences apart in
         register_nopad_attention()
     model.set_attn_implementation(name)
-
-
-class Progress:
-    """Optimizer steps done, checkpointed with the rest so a resumed run knows where it is, and the
-    accumulation that groups micro-batches into those steps (a different one would regroup them).
-    ``settings`` (``{"train.lr": ...}``): what a resume must keep besides; the optimizer's and
-    scheduler's saved state would silently win over a changed learning rate or weight decay."""
-
-    def __init__(self, grad_accum: int = 1, settings: dict | None = None):
-        self.step = 0
-        self.grad_accum = grad_accum
-        self.settings = dict(settings or {})
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "grad_accum": self.grad_accum, "settings": self.settings}
-
-    def load_state_dict(self, state: dict) -> None:
-        if not isinstance(state, dict) or "step" not in state or "grad_accum" not in state:
-            raise ValueError(f"not an SFT progress state: {state!r}")
-        if state["grad_accum"] != self.grad_accum:
-            raise ValueError(f"cannot resume: the checkpoint was made with train.grad_accum="
-                             f"{state['grad_accum']} but this run has train.grad_accum={self.grad_accum}; "
-                             "resume with the same value")
-        saved = state.get("settings", {})  # an older checkpoint recorded none
-        changed = sorted(k for k in self.settings if k in saved and saved[k] != self.settings[k])
-        if changed:
-            key = changed[0]
-            raise ValueError(f"cannot resume: the checkpoint was made with {key}={saved[key]!r} but this run "
-                             f"has {key}={self.settings[key]!r} (its saved optimizer state would keep the "
-                             "old value); resume with the same value, or start a new run in another "
-                             "checkpoint.output_dir")
-        self.step = int(state["step"])
 
 
 def record_step(accelerator, output_dir: Path, step: int, step_loss: float, bar=None) -> float:

@@ -1,7 +1,8 @@
 """GRPO checkpoints and exact resume: a run killed with SIGKILL (after a rollout, after an optimizer
 step, inside a checkpoint write) and resumed from its newest complete checkpoint ends with the same
 metrics and, in the batch-invariant mode (fp32), bitwise the same parameters as a run never killed;
-on one process and on two (torchrun, gloo, CPU)."""
+on one process and on two (torchrun, gloo, CPU). The kills come from outside the recipe
+(:mod:`tests.support.grpo_kills`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from recipes.config import load_config
-from recipes.grpo import KILL_ENV, GRPORecipeConfig, run_grpo
+from recipes.grpo import GRPORecipeConfig, run_grpo
 from recipes.tasks import AsciiTokenizer
 from tests.support.launch import free_port, run_in_group, signal_deaths
 
@@ -40,13 +41,15 @@ RUN = [
 TIMING = ("rollout_s", "train_s", "rollout_tokens_per_s", "train_tokens_per_s")
 
 
+def recipe(kill_at: str | None) -> list[str]:
+    """``-m recipes.grpo``, or the recipe killed at ``kill_at`` (:mod:`tests.support.grpo_kills`)."""
+    return ["-m", "tests.support.grpo_kills", kill_at] if kill_at else ["-m", "recipes.grpo"]
+
+
 def grpo(out: Path, *extra: str, kill_at: str | None = None) -> int:
     """The recipe in a subprocess of its own (its own process group and timeout); its exit code."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), "ACCELERATE_USE_CPU": "1"}
-    env.pop(KILL_ENV, None)
-    if kill_at:
-        env[KILL_ENV] = kill_at
-    cmd = [sys.executable, "-m", "recipes.grpo", *RUN, f"output_dir={out}", *extra]
+    cmd = [sys.executable, *recipe(kill_at), *RUN, f"output_dir={out}", *extra]
     code, output, _ = run_in_group(cmd, 300, env=env, stderr=subprocess.STDOUT)
     assert code is not None, f"the GRPO run did not finish in 300 s:\n{output[-3000:]}"
     if code not in (0, -signal.SIGKILL):
@@ -116,11 +119,8 @@ TWO_RANK_TIMEOUT_S = 420  # one 2-process GRPO run of 4 steps on 2 shared cores;
 def grpo_two_ranks(out: Path, *extra: str, kill_at: str | None = None) -> tuple[int | None, str]:
     """The recipe on two ranks (torchrun, gloo on the CPU), killed at ``kill_at`` on both ranks."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), "ACCELERATE_USE_CPU": "1"}
-    env.pop(KILL_ENV, None)
-    if kill_at:
-        env[KILL_ENV] = kill_at
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), "-m", "recipes.grpo", *RUN, f"output_dir={out}", *extra]
+           str(free_port()), *recipe(kill_at), *RUN, f"output_dir={out}", *extra]
     code, output, _ = run_in_group(cmd, TWO_RANK_TIMEOUT_S, env=env, stderr=subprocess.STDOUT)
     assert code is not None, f"the 2-rank GRPO run did not end in {TWO_RANK_TIMEOUT_S} s:\n{output[-3000:]}"
     return code, output

@@ -1,29 +1,34 @@
 """GRPO-family policy losses behind one seam (:mod:`.base`): ``loss_type`` names and knobs as TRL
-1.16's ``GRPOConfig``; each loss a class in :mod:`.losses`; IS correction modes in :mod:`.importance`.
+1.16's ``GRPOConfig`` (declared once, without torch, in :mod:`.settings`); each loss a class in
+:mod:`.losses`; IS correction modes in :mod:`.importance`.
+
+Names are imported lazily, so a recipe's config reads :mod:`.settings` without importing torch;
+taking any name from this package registers the losses first.
 """
 
-from training.policy_loss import losses as _losses  # noqa: F401  (registers the losses)
-from training.policy_loss.base import (
-    LOSSES,
-    PolicyBatch,
-    PolicyLoss,
-    PolicyLossConfig,
-    PolicyLossOutput,
-    make_policy_loss,
-    objective,
-    register,
-)
-from training.policy_loss.importance import IS_MODES, importance_weights
+import importlib
 
-__all__ = [
-    "IS_MODES",
-    "LOSSES",
-    "PolicyBatch",
-    "PolicyLoss",
-    "PolicyLossConfig",
-    "PolicyLossOutput",
-    "importance_weights",
-    "make_policy_loss",
-    "objective",
-    "register",
-]
+_EXPORTS = {
+    "IS_MODES": "training.policy_loss.importance",
+    "importance_weights": "training.policy_loss.importance",
+    "LOSSES": "training.policy_loss.base",
+    "PolicyBatch": "training.policy_loss.base",
+    "PolicyLoss": "training.policy_loss.base",
+    "PolicyLossConfig": "training.policy_loss.base",
+    "PolicyLossOutput": "training.policy_loss.base",
+    "make_policy_loss": "training.policy_loss.base",
+    "objective": "training.policy_loss.base",
+    "register": "training.policy_loss.base",
+    "PolicyLossSettings": "training.policy_loss.settings",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        importlib.import_module("training.policy_loss.losses")  # registers the losses
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'training.policy_loss' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(_EXPORTS)

@@ -20,27 +20,16 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from training.policy_loss.importance import IS_MODES, importance_weights
+from training.policy_loss.settings import PolicyLossSettings
 
 
 @dataclass
-class PolicyLossConfig:
-    """The knobs, with TRL 1.16 ``GRPOConfig``'s names and defaults (``is_*``: TRL's
-    ``vllm_importance_sampling_*``). ``check()`` refuses what TRL would silently ignore."""
+class PolicyLossConfig(PolicyLossSettings):
+    """The knobs (:class:`PolicyLossSettings`: TRL 1.16 ``GRPOConfig``'s names and defaults) and
+    ``max_completion_length``, dr_grpo's normaliser (TRL's generation length: a recipe passes its
+    own). ``check()`` refuses what TRL would silently ignore."""
 
-    loss_type: str = "dapo"  # grpo | dr_grpo | dapo | bnpo | gspo | cispo | sapo
-    epsilon: float = 0.2  # lower clip: ratio >= 1 - epsilon
-    epsilon_high: float | None = None  # upper clip (None: epsilon); cispo: the ratio's cap
-    delta: float | None = None  # two-sided clipping: the ratio is capped at delta (INTELLECT-2)
-    importance_sampling_level: str = "token"  # token | sequence (GSPO's length-normalised ratio)
-    beta: float = 0.0  # k3 KL against the reference model
-    use_bias_correction_kl: bool = True  # the KL term times the (differentiable) ratio, as TRL
-    entropy_coef: float = 0.0  # minus entropy_coef x the mean token entropy
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
     max_completion_length: int | None = None  # dr_grpo's constant normaliser
-    is_correction: str = "none"  # none | token_truncate | token_mask | sequence_truncate | sequence_mask
-    is_clip_min: float | None = None
-    is_clip_max: float | None = 3.0
 
     def __post_init__(self) -> None:
         self.check()
@@ -66,7 +55,7 @@ class PolicyLossConfig:
             )
         for knob in ("beta", "entropy_coef"):
             if getattr(self, knob) < 0:
-                raise ValueError(f"{knob} must be >= 0, got {getattr(self, knob)}")
+                raise ValueError(f"{knob} must be a number >= 0.0, got {getattr(self, knob)!r}")
         if self.is_correction not in ("none", *IS_MODES):
             raise ValueError(
                 f"is_correction {self.is_correction!r} is unknown; use none or one of {', '.join(IS_MODES)}"
