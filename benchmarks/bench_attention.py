@@ -22,8 +22,8 @@ import time
 import numpy as np
 import torch
 
-from packing.attention import store_kv, varlen_attention
-from packing.varlen import VarlenMeta
+from nopad.packing.attention import store_kv, varlen_attention
+from nopad.packing.varlen import VarlenMeta
 
 
 def best_of(fn, repeats: int) -> float:

@@ -1,5 +1,5 @@
 """What deciding the attention backend costs per forward: how many times the registry's rule
-(``packing.attention.registry.choose``) runs in one forward of a 30-layer model, and how long
+(``nopad.packing.attention.registry.choose``) runs in one forward of a 30-layer model, and how long
 those decisions take, in a training step (a packed row, forward + backward) and in a decode step
 (one token per sequence, paged K/V).
 
@@ -29,9 +29,9 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
-from packing.attention import choose_backend, registry  # noqa: E402
-from packing.hf import use_nopad_attention  # noqa: E402
-from packing.varlen import VarlenMeta  # noqa: E402
+from nopad.packing.attention import choose_backend, registry  # noqa: E402
+from nopad.packing.hf import use_nopad_attention  # noqa: E402
+from nopad.packing.varlen import VarlenMeta  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -77,7 +77,7 @@ def per_call_us(fn, repeats: int) -> float:
 def lookup_us(repeats: int, **call) -> float | None:
     """One layer's look-up in a made plan (None at a commit without plans)."""
     try:
-        from packing.attention.plan import AttentionPlan
+        from nopad.packing.attention.plan import AttentionPlan
     except ImportError:
         return None
     plan, cpu = AttentionPlan(), torch.device("cpu")

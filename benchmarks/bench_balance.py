@@ -27,8 +27,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
-from dataloaders.balance import balance_bins, default_attention_cost, skew
-from packing import pack
+from nopad.dataloaders.balance import balance_bins, default_attention_cost, skew
+from nopad.packing import pack
 
 RANKS = 8
 CAPACITY = 4096

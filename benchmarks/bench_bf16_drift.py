@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
 from benchmarks.bench_hybrid import bamba, lfm2, qwen3_5  # noqa: E402
-from inference import Generator, SamplingParams  # noqa: E402
+from nopad.inference import Generator, SamplingParams  # noqa: E402
 
 
 def reference_logprobs(reference, seq: list[int]) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""What the boundary probe (``packing.hf.boundary_probe``) costs: the one-off check at a model's
+"""What the boundary probe (``nopad.packing.hf.boundary_probe``) costs: the one-off check at a model's
 first packed or tree forward, ``verify`` or ``Generator``, that runs one row of two short sequences
 twice and refuses a model whose second sequence moves when the first one changes.
 
@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
 from benchmarks._tiny_configs import build_model  # noqa: E402
-from packing.hf import boundary_probe, use_nopad_attention  # noqa: E402
-from packing.varlen import VarlenMeta  # noqa: E402
+from nopad.packing.hf import boundary_probe, use_nopad_attention  # noqa: E402
+from nopad.packing.varlen import VarlenMeta  # noqa: E402
 
 
 def forward_ms(model, length: int, repeats: int, nopad: bool = False) -> float:
@@ -67,7 +67,7 @@ def main() -> None:
           f"{boundary_probe.PROBE_LENGTHS} tokens, run twice")
     measure("tiny Qwen3.5 (hybrid, fp32)", build_model("qwen3_5"), args.repeats)
     if not args.quick:
-        from assets.smollm2 import load_smollm2
+        from nopad.assets.smollm2 import load_smollm2
 
         model, _ = load_smollm2()
         measure("SmolLM2-135M (fp32)", model, args.repeats)

@@ -44,8 +44,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
-from inference import Generator, SamplingParams  # noqa: E402
-from packing.attention import registry  # noqa: E402
+from nopad.inference import Generator, SamplingParams  # noqa: E402
+from nopad.packing.attention import registry  # noqa: E402
 
 VIEW_OPS = {"view", "_unsafe_view", "transpose", "t", "unsqueeze", "squeeze", "slice", "select", "expand",
             "detach", "reshape", "alias", "as_strided", "permute"}

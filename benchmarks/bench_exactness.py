@@ -1,5 +1,5 @@
 """On-policy exactness: the generator's log-probs vs the packed training forward's, default numerics
-vs ``packing.batch_invariant()``, and what the invariant mode costs, fp32 and bf16, in one run.
+vs ``nopad.packing.batch_invariant()``, and what the invariant mode costs, fp32 and bf16, in one run.
 
 Workload (issue 11's): SmolLM2-135M-Instruct, 8 GRPO maths prompts x 4 samples x 24 new tokens,
 temperature 1, seeded. On CUDA (``--device cuda``, the Triton kernel set) also a random-weight
@@ -8,7 +8,7 @@ size the run (64 x 8 x 24 = 12,288 sampled tokens checked). For each dtype and m
 
   gap     |log pi_generator - log pi_trainer| per sampled token: the generator's raw log-prob
           (CompletionOutput.logprobs) against log_softmax(logits.float()) of the packed training
-          forward (training.grpo.packed_logprobs) on the same weights
+          forward (nopad.training.grpo.packed_logprobs) on the same weights
   cost    generator output tokens/s (rollout of the workload) and training tokens/s (forward +
           backward over the packed rows); the invariant mode's ratio to the default mode's
 
@@ -32,13 +32,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
-from assets.smollm2 import load_smollm2  # noqa: E402
 from benchmarks._workloads import chat_workload, grpo_workload, tiny_llama  # noqa: E402
-from dataloaders.loader import move_batch  # noqa: E402
-from inference import Generator, SamplingParams  # noqa: E402
-from packing.hf import use_nopad_attention  # noqa: E402
-from packing.invariance import batch_invariant  # noqa: E402
-from training.grpo import Rollout, pack_rollouts, packed_logprobs  # noqa: E402
+from nopad.assets.smollm2 import load_smollm2  # noqa: E402
+from nopad.dataloaders.loader import move_batch  # noqa: E402
+from nopad.inference import Generator, SamplingParams  # noqa: E402
+from nopad.packing.hf import use_nopad_attention  # noqa: E402
+from nopad.packing.invariance import batch_invariant  # noqa: E402
+from nopad.training.grpo import Rollout, pack_rollouts, packed_logprobs  # noqa: E402
 
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,

@@ -166,7 +166,7 @@ def _cb_order(request_id: str) -> tuple[int, int]:
 
 
 def make_generator(model, tok, prompts, max_new, n: int, args):
-    from inference.generator import Generator
+    from nopad.inference.generator import Generator
 
     blocks = sum(math.ceil((len(p) + k) / args.block_size) for p, k in zip(prompts, max_new)) * n
     return Generator(model, tok, block_size=args.block_size, max_num_batched_tokens=args.max_batch_tokens,
@@ -176,7 +176,7 @@ def make_generator(model, tok, prompts, max_new, n: int, args):
 
 def run_nopad(model, tok, prompts, max_new, args, warmed=lambda: None) -> tuple[Run, list[int]]:
     """The timed nopad run; ``warmed()`` is called between the warm-up and the timed part."""
-    from inference.sampling_params import SamplingParams
+    from nopad.inference.sampling_params import SamplingParams
 
     gen = make_generator(model, tok, prompts, max_new, 1, args)
     gen.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
@@ -196,7 +196,7 @@ def run_nopad(model, tok, prompts, max_new, args, warmed=lambda: None) -> tuple[
 
 
 def run_nopad_grpo(model, tok, prompts, args) -> Run:
-    from inference.sampling_params import SamplingParams
+    from nopad.inference.sampling_params import SamplingParams
 
     n, new = args.grpo_n, args.grpo_new_tokens
     gen = make_generator(model, tok, prompts, [new] * len(prompts), n, args)
@@ -292,12 +292,12 @@ def print_env(args) -> None:
 
 def load_model(args):
     if args.tiny_model:  # for the smoke test: random weights, real tokenizer and chat template
-        from assets.smollm2 import load_smollm2_tokenizer
+        from nopad.assets.smollm2 import load_smollm2_tokenizer
 
         tok = load_smollm2_tokenizer()
         args.model_name = "tiny random Llama (smoke test)"
         return tiny_llama(tokenizer=tok).eval(), tok
-    from assets.smollm2 import load_smollm2
+    from nopad.assets.smollm2 import load_smollm2
 
     args.model_name = "SmolLM2-135M-Instruct"
     return load_smollm2()
@@ -555,13 +555,13 @@ class _CallTimer:
 
 
 def _attention_timer() -> _CallTimer:
-    """nopad's attention calls (the one call site in packing.hf.attention)."""
-    return _CallTimer("packing.hf.attention", "varlen_attention")
+    """nopad's attention calls (the one call site in nopad.packing.hf.attention)."""
+    return _CallTimer("nopad.packing.hf.attention", "varlen_attention")
 
 
 def _sampler_timer() -> _CallTimer:
     """The sampler (where the generator calls it)."""
-    return _CallTimer("inference.generator", "sample")
+    return _CallTimer("nopad.inference.generator", "sample")
 
 
 def time_decode_steps(model, tok, prompts: list[list[int]], args, bare, **gen_kwargs):
@@ -569,8 +569,8 @@ def time_decode_steps(model, tok, prompts: list[list[int]], args, bare, **gen_kw
     warm-up decode steps, which also compile with ``compile_decode``), of its attention calls, and
     of the bare linear pass ``bare()`` timed right before it. Pairing them keeps the ratio honest on
     a machine whose speed drifts (measured here: bare linears 127 ms in one run, 241 in another)."""
-    from inference.generator import Generator
-    from inference.sampling_params import SamplingParams
+    from nopad.inference.generator import Generator
+    from nopad.inference.sampling_params import SamplingParams
 
     steps, batch, context = args.floor_steps, len(prompts), len(prompts[0])
     gen = Generator(model, tok, block_size=args.block_size,

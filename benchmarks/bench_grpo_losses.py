@@ -12,23 +12,23 @@ timed, one loss).
 Tasks (``--task``):
 
   - ``arithmetic``: the recipe's arithmetic task (chat prompts, ``last_number_match`` reward);
-  - ``calculator_chat``: the calculator tool task (``recipes.tasks.TASKS``): "What is 17 * 23 + 4?"
+  - ``calculator_chat``: the calculator tool task (``nopad.recipes.tasks.TASKS``): "What is 17 * 23 + 4?"
     after a system turn that shows the call, episodes of up to 4 model turns with a ``calculator``
     tool called as ``<tool_call>{...}</tool_call>`` in nopad's SmolLM2 tool template
-    (``inference.tools.use_tool_template``), on both sides; TRL: ``GRPOTrainer(tools=[calculator])``
+    (``nopad.inference.tools.use_tool_template``), on both sides; TRL: ``GRPOTrainer(tools=[calculator])``
     with ``max_tool_calling_iterations=3``, which also writes the tool's schema into the system turn
     (the mean prompt tokens of each side are printed). SmolLM2 without the warm start
     (``bench_tool_warmstart.py``) calls no tool: its episodes are single turns in each tool loop.
 
 Systems:
 
-  - nopad: ``recipes.grpo.run_grpo`` with ``train.steps_per_generation=4``, batch-invariant mode on
+  - nopad: ``nopad.recipes.grpo.run_grpo`` with ``train.steps_per_generation=4``, batch-invariant mode on
     (the rollout's log-probs are the old policy's, exactly: no old-log-prob forward);
   - TRL: ``GRPOTrainer`` (its own generation) with the same ``loss_type`` (GSPO: ``grpo`` with
     ``importance_sampling_level="sequence"``), ``steps_per_generation=4`` and ``num_iterations=1``;
     TRL then scores the batch once more, without gradients, for the old log-probs.
   - unfused (``--systems nopad,unfused,TRL``): nopad's recipe as it was before its AdamW was fused
-    (``training.optimizer.make_adamw``): torch's default AdamW, a for-loop over the parameters on CPU.
+    (``nopad.training.optimizer.make_adamw``): torch's default AdamW, a for-loop over the parameters on CPU.
 
 Reported per system and loss, over the timed batch's 4 optimizer steps (rollout included): process
 CPU seconds per optimizer step (one torch thread by default, so it is the work done, whatever else
@@ -78,9 +78,9 @@ NOPAD_LOSS = {"cispo": ["loss.loss_type=cispo", "loss.epsilon_high=5.0"]}
 def load(tiny: bool, task: str):
     import torch
 
-    from assets.smollm2 import load_smollm2, load_smollm2_tokenizer
     from benchmarks._workloads import tiny_llama
-    from inference.tools import use_tool_template
+    from nopad.assets.smollm2 import load_smollm2, load_smollm2_tokenizer
+    from nopad.inference.tools import use_tool_template
 
     torch.manual_seed(0)
     if tiny:
@@ -113,18 +113,18 @@ class Clock:
 def run_nopad(spec: dict) -> dict:
     import torch
 
-    from recipes import grpo as recipe
-    from recipes.config import load_config
-    from training import checkpoint, grpo_step, optimizer
+    from nopad.recipes import grpo as recipe
+    from nopad.recipes.config import load_config
+    from nopad.training import checkpoint, grpo_step, optimizer
 
     if spec["system"] == "unfused":  # the recipe before its AdamW was fused: torch's default one
-        from training.lora import trainable_parameters
+        from nopad.training.lora import trainable_parameters
 
         optimizer.make_adamw = lambda model, lr, weight_decay: torch.optim.AdamW(
             trainable_parameters(model), lr=lr, weight_decay=weight_decay)
     model, tok = load(spec["tiny"], spec["task"])
     if spec.get("lora"):
-        from training.lora import apply_lora
+        from nopad.training.lora import apply_lora
 
         model = apply_lora(
             model, rank=16, alpha=32.0, dropout=0.0, target_modules="all-linear", base="smollm2"
@@ -189,7 +189,7 @@ def run_nopad(spec: dict) -> dict:
 def trl_dataset(task: str):
     import datasets
 
-    from recipes.tasks import TASKS as RECIPE_TASKS
+    from nopad.recipes.tasks import TASKS as RECIPE_TASKS
 
     recipe_task = RECIPE_TASKS[task]
     examples = recipe_task.examples(num_prompts=64, seed=0)
@@ -207,7 +207,7 @@ def run_trl(spec: dict) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from recipes.tasks import last_number_match
+    from nopad.recipes.tasks import last_number_match
 
     model, tok = load(spec["tiny"], spec["task"])
     data, tools = trl_dataset(spec["task"])
@@ -282,7 +282,7 @@ def run_adamw(spec: dict) -> dict:
     (``optim="adamw_torch_fused"``), state already made."""
     import torch
 
-    from training.optimizer import make_adamw
+    from nopad.training.optimizer import make_adamw
 
     model, _ = load(spec["tiny"], spec["task"])
     params = [p for p in model.parameters() if p.requires_grad]
@@ -306,8 +306,8 @@ def run_adamw(spec: dict) -> dict:
 def prompt_tokens(task: str) -> tuple[float, float]:
     """Mean prompt length of the task's 64 prompts as each side renders them: nopad's recipe
     (``build_prompts``) and TRL (``apply_chat_template`` with the tools' schemas, as it prompts)."""
-    from recipes import grpo as recipe
-    from recipes.config import load_config
+    from nopad.recipes import grpo as recipe
+    from nopad.recipes.config import load_config
 
     _, tok = load(True, task)
     cfg = load_config(recipe.GRPORecipeConfig, overrides=[f"task.name={task}", "model.chat_template=true",

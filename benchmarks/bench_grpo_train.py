@@ -1,13 +1,13 @@
 """GRPO training forward+backward per step: shared-prefix rows vs usual packing vs padding.
 
-SmolLM2-135M-Instruct (``assets.smollm2.load_smollm2``, fp32, CPU; ``--quick``: a tiny random
+SmolLM2-135M-Instruct (``nopad.assets.smollm2.load_smollm2``, fp32, CPU; ``--quick``: a tiny random
 Llama). One GRPO step's training data is ``groups`` prompts of ``P`` tokens with ``n`` completions
 each (lengths uniform in [C/2, C], fixed seed); the loss is the GRPO policy-gradient surrogate
 (advantage-weighted log-probs of the completion tokens, LM head only on the positions that predict
 them). Timed: forward + backward of every row of the step, the best of ``--repeats``:
 
   (a) shared   each prompt once per row, its completions attending to it
-               (``training.grpo.pack_rollouts(shared_prefix=True)``), nopad attention
+               (``nopad.training.grpo.pack_rollouts(shared_prefix=True)``), nopad attention
   (b) packed   every prompt+completion its own sequence, BFD-packed rows
                (``shared_prefix=False``), nopad attention
   (c) padded   micro-batches of the same token budget padded to the longest, sdpa attention
@@ -28,10 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere (recipes/)
 
-from assets.smollm2 import load_smollm2  # noqa: E402
 from benchmarks._workloads import tiny_llama  # noqa: E402
-from packing.hf import use_nopad_attention  # noqa: E402
-from training.grpo import Rollout, pack_rollouts, pair_advantages  # noqa: E402
+from nopad.assets.smollm2 import load_smollm2  # noqa: E402
+from nopad.packing.hf import use_nopad_attention  # noqa: E402
+from nopad.training.grpo import Rollout, pack_rollouts, pair_advantages  # noqa: E402
 
 SHAPES = [(512, 128, 8), (128, 512, 8), (64, 64, 4)]  # (prompt, completion, n)
 

@@ -8,7 +8,7 @@ Forward + backward real (non-padding) tokens per second over the same lognormal-
 
   padded  micro-batches of B sequences padded to their longest (DataCollatorWithPadding),
           attention_mask, sdpa; B = budget / mean length
-  nopad   packing.pack BFD bins of ``budget`` tokens, one packed row each with its VarlenMeta:
+  nopad   nopad.packing.pack BFD bins of ``budget`` tokens, one packed row each with its VarlenMeta:
           attention through nopad, the delta rule, the Mamba2 scan and the convolution through
           nopad's varlen mixers (packing/mixers/), each document from a zero state
 
@@ -20,7 +20,7 @@ counted:
 
   HF      ``model.generate`` on the whole batch left-padded, sdpa, its own hybrid cache (conv and
           recurrent state per row); the batch runs to its longest request
-  nopad   ``inference.Generator``: in-flight batching, paged K/V, per-sequence state slots
+  nopad   ``nopad.inference.Generator``: in-flight batching, paged K/V, per-sequence state slots
           (inference/state_cache.py), chunked prefill
 
 with greedy agreement (identical sequences) so a fast wrong answer shows. ``--compile-decode``
@@ -46,7 +46,7 @@ CPU is that. ``--flush-subnormals`` flushes them on both sides (as a GPU costs t
 leaves the part that packing gives.
 
 Exact mode (``--exact-mode on|off|only``, on by default): the same packed rows, forward + backward, outside
-and inside ``packing.batch_invariant()``, where the delta rule and the Mamba2 scan run token by
+and inside ``nopad.packing.batch_invariant()``, where the delta rule and the Mamba2 scan run token by
 token (the order of the generator's decode) and the convolution as ordered gathers, so rollout
 log-probs equal the trainer's bitwise; the ratio is what that exactness costs the trainer.
 
@@ -71,8 +71,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 
 from benchmarks.bench_generate import agreement, hf_generate, run_hf_static, run_nopad  # noqa: E402
 from benchmarks.bench_train import make_lengths, nopad_batches, padded_batches  # noqa: E402
-from packing.hf import register_nopad_attention  # noqa: E402
-from packing.invariance import batch_invariant  # noqa: E402
+from nopad.packing.hf import register_nopad_attention  # noqa: E402
+from nopad.packing.invariance import batch_invariant  # noqa: E402
 
 
 def qwen3_5(vocab: int, quick: bool) -> transformers.PreTrainedModel:
@@ -171,7 +171,7 @@ def main() -> None:
                              "peer costs when subnormal floats cost nothing (as on a GPU), so the gain of "
                              "packing alone shows (use with --threads 1: the flag is per thread)")
     parser.add_argument("--exact-mode", choices=("on", "off", "only"), default="on",
-                        help="also (only) time the packed rows inside packing.batch_invariant()")
+                        help="also (only) time the packed rows inside nopad.packing.batch_invariant()")
     args = parser.parse_args()
     args.threads = args.threads or (1 if args.quick else torch.get_num_threads())
     torch.set_num_threads(args.threads)
@@ -220,7 +220,7 @@ def main() -> None:
 
 def exact_mode_cost(args, builders, vocab: int, packed, real: int) -> None:
     """Packed forward + backward tokens/s outside and inside ``batch_invariant()``, same rows."""
-    print(f"\nexact mode (packing.batch_invariant), packed rows, forward + backward\n"
+    print(f"\nexact mode (nopad.packing.batch_invariant), packed rows, forward + backward\n"
           f"{'model':8s} {'dtype':9s} {'system':22s} {'seconds':>8s} {'tok/s':>8s} {'vs default':>10s}")
     for name in filter(None, args.models.split(",")):
         model = builders[name](vocab, args.quick)
@@ -323,7 +323,7 @@ def step_cost(builders, vocab: int, args) -> None:
 
 
 def _decode_ms(model, prompts: list[list[int]], new: int, nopad: bool) -> float:
-    from inference import Generator, SamplingParams
+    from nopad.inference import Generator, SamplingParams
 
     ids = torch.tensor(prompts)
     rows, width = ids.shape
@@ -354,7 +354,7 @@ def _decode_ms(model, prompts: list[list[int]], new: int, nopad: bool) -> float:
 def prefix_cache(builders, vocab: int, args) -> None:
     """One batch of requests sharing a long system prompt through the ``Generator``, its prefix
     cache off and on (state snapshots on hybrid models), side by side per model."""
-    from inference import Generator, SamplingParams
+    from nopad.inference import Generator, SamplingParams
 
     n, system_len, budget = (4, 64, 64) if args.quick else (16, 512, 512)
     rng = np.random.default_rng(args.seed + 2)

@@ -8,7 +8,7 @@ floor of attention's time. This script measures, in one run:
 2. one paged decode step (48 sequences of 150-450 cached tokens, one new token each) for two
    shapes, SmolLM2-135M (9 heads, 3 KV heads, dim 64) and a G=8 shape (16 heads, 2 KV heads,
    dim 128), in fp32, bf16 and fp16, with KV blocks of 16 and 256 tokens, for the compiled kernel
-   (``packing.attention.cpu_kernel.forward``, keys read in place) and for the per-sequence SDPA path
+   (``nopad.packing.attention.cpu_kernel.forward``, keys read in place) and for the per-sequence SDPA path
    (``varlen_attention(backend="sdpa_loop")``, the peer).
 
 Each layer has its own cache and the timed call runs over enough layers (>= 256 MB of K/V, 8x
@@ -37,11 +37,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from packing.attention import (
+from nopad.packing.attention import (
     cpu_kernel,  # noqa: E402
     varlen_attention,  # noqa: E402
 )
-from packing.varlen import VarlenMeta  # noqa: E402
+from nopad.packing.varlen import VarlenMeta  # noqa: E402
 
 SHAPES = [("SmolLM2 9/3 heads, dim 64", 9, 3, 64), ("G=8 16/2 heads, dim 128", 16, 2, 128)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -2,7 +2,7 @@
 
 Runs the README's commands on 2048-token rows (preprocess the sample chats at capacity 2048, where
 the README's quick run packs 512, then
-``accelerate launch --config_file recipes/configs/accelerate_zero3.yaml -m recipes.sft``) with fewer
+``accelerate launch --config_file recipes/configs/accelerate_zero3.yaml -m nopad.recipes.sft``) with fewer
 optimizer steps, samples every process of the launch through /proc while it runs, and prints each
 rank's peak RSS (the kernel's own high-water mark, VmHWM), the peak of the whole tree's summed RSS,
 and their ratio to the model-state floor: fp32 parameters + gradients + Adam's two moments for the
@@ -44,11 +44,11 @@ def smollm2_params() -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from assets.smollm2 import _cache_dir, load_smollm2_tokenizer
+    from nopad.assets.smollm2 import _cache_dir, load_smollm2_tokenizer
 
     load_smollm2_tokenizer()
     if not (_cache_dir() / "config.json").is_file():
-        from assets.smollm2 import load_smollm2
+        from nopad.assets.smollm2 import load_smollm2
 
         load_smollm2()  # writes the cache once
     with torch.device("meta"):
@@ -58,7 +58,7 @@ def smollm2_params() -> int:
 
 def tiny_params() -> int:
     """The parameter count of the recipes' ``tiny:llama`` (``--quick``)."""
-    from recipes.tasks import tiny_causal_lm
+    from nopad.recipes.tasks import tiny_causal_lm
 
     model, _ = tiny_causal_lm("llama")
     return sum(p.numel() for p in model.parameters())
@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="the same ZeRO-3 launch and report on a tiny random Llama")
     parser.add_argument("--phases", action="store_true", help="log and print each rank's RSS per phase")
-    parser.add_argument("overrides", nargs="*", help="recipes.sft overrides added to the README's line")
+    parser.add_argument("overrides", nargs="*", help="nopad.recipes.sft overrides added to the README's line")
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_memory_"))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -181,12 +181,12 @@ def main() -> None:
     if args.quick:  # the harness end to end in seconds: no SmolLM2, no preprocess
         args.overrides = ["model.path=tiny:llama", "data.tokens_per_batch=256", *args.overrides]
     if not args.quick and not packed.is_dir():
-        subprocess.run([sys.executable, "-m", "recipes.preprocess", "input=recipes/data/chat_sample.jsonl",
+        subprocess.run([sys.executable, "-m", "nopad.recipes.preprocess", "input=recipes/data/chat_sample.jsonl",
                         f"output={packed}", "capacity=2048"], cwd=ROOT, env=env, check=True,
                        stdout=subprocess.DEVNULL)
     if args.phases:
         env["MEMORY_PHASES_DIR"] = str(work)
-    recipe = ["benchmarks/_memory_phases.py"] if args.phases else ["-m", "recipes.sft"]
+    recipe = ["benchmarks/_memory_phases.py"] if args.phases else ["-m", "nopad.recipes.sft"]
     with socket.socket() as sock:  # a free rendezvous port: on 29500, another launch held us for minutes
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

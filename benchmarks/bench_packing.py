@@ -3,7 +3,7 @@
 (a) the whole job a user runs on a tokenized ``datasets.Dataset``: nopad ``pack_dataset`` vs TRL
     ``pack_dataset(strategy="bfd")`` made global (one map batch = the whole dataset) and TRL's
     default (1000-row map batches);
-(b) nopad's bin assignment alone (``packing.pack`` on the length array, result arrays included).
+(b) nopad's bin assignment alone (``nopad.packing.pack`` on the length array, result arrays included).
 Padding-to-longest over random micro-batches of 8 and padding to the capacity are shown for
 reference.
 
@@ -70,7 +70,7 @@ def timed(fn):
 def run_workload(name: str, sampler, capacity: int, n: int, repeats: int) -> list[tuple]:
     from trl.data_utils import pack_dataset as trl_pack_dataset
 
-    from packing import pack, pack_dataset
+    from nopad.packing import pack, pack_dataset
 
     lengths = make_lengths(sampler, capacity, n)
     rows = []

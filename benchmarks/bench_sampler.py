@@ -39,9 +39,9 @@ def minor_faults() -> int:
 def time_steps(model, tok, prompts, params: dict, steps: int) -> dict[str, dict[str, float]]:
     """Decode steps of all ``prompts`` (after their prefill), alternating reused and fresh sampler
     buffers; medians per way."""
-    from inference.generator import Generator
-    from inference.sampler import SamplerBuffers
-    from inference.sampling_params import SamplingParams
+    from nopad.inference.generator import Generator
+    from nopad.inference.sampler import SamplerBuffers
+    from nopad.inference.sampling_params import SamplingParams
 
     gen = Generator(model, tok, max_num_batched_tokens=4096, max_num_seqs=len(prompts),
                     num_blocks=len(prompts) * (-(-(max(map(len, prompts)) + 2 * steps + 8) // 16)) + 8)

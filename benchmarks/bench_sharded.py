@@ -87,8 +87,8 @@ def worker(regime: str, quick: bool, out_dir: str) -> None:
     import torch.distributed as dist
     import transformers
 
-    from inference import Generator, SamplingParams
-    from inference.sharded import sharded_generate
+    from nopad.inference import Generator, SamplingParams
+    from nopad.inference.sharded import sharded_generate
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

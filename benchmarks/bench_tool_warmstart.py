@@ -8,9 +8,9 @@ in one run, on the same held-out questions (seed 2; the demonstrations are seed 
 seed 0), sampled at temperature 1 as GRPO samples:
 
   (a) before   the model as shipped
-  (b) SFT      after the warm start: ``recipes.sft`` on ``python -m recipes.tool_tasks demos.jsonl``
+  (b) SFT      after the warm start: ``nopad.recipes.sft`` on ``python -m nopad.recipes.tool_tasks demos.jsonl``
                (``data.per_turn_samples=true``: the call turn and the answer turn each a sample)
-  (c) GRPO     ``--grpo-steps`` steps of ``recipes.grpo`` from (b): each step's own rollouts (GRPO's
+  (c) GRPO     ``--grpo-steps`` steps of ``nopad.recipes.grpo`` from (b): each step's own rollouts (GRPO's
                prompts, seed 0), as the recipe logs them
 
 Per row: the share of episodes that called the tool, the tool calls per episode, malformed calls,
@@ -34,17 +34,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere (recipes/)
 
-from assets.smollm2 import load_smollm2, load_smollm2_tokenizer  # noqa: E402
-from inference import EpisodeLimits, Generator, SamplingParams  # noqa: E402
-from inference.tools import ChatTemplateTools, use_tool_template  # noqa: E402
-from recipes.config import load_config  # noqa: E402
-from recipes.grpo import run_grpo  # noqa: E402
-from recipes.grpo_config import GRPORecipeConfig  # noqa: E402
-from recipes.sft import train as run_sft  # noqa: E402
-from recipes.sft_config import SFTRecipeConfig  # noqa: E402
-from recipes.tasks import last_number_match  # noqa: E402
-from recipes.tool_tasks import CALCULATOR_SYSTEM, calculator, calculator_chat_task, chat_tool_prompt  # noqa: E402
-from recipes.tool_tasks import main as write_demos  # noqa: E402
+from nopad.assets.smollm2 import load_smollm2, load_smollm2_tokenizer  # noqa: E402
+from nopad.inference import EpisodeLimits, Generator, SamplingParams  # noqa: E402
+from nopad.inference.tools import ChatTemplateTools, use_tool_template  # noqa: E402
+from nopad.recipes.config import load_config  # noqa: E402
+from nopad.recipes.grpo import run_grpo  # noqa: E402
+from nopad.recipes.grpo_config import GRPORecipeConfig  # noqa: E402
+from nopad.recipes.sft import train as run_sft  # noqa: E402
+from nopad.recipes.sft_config import SFTRecipeConfig  # noqa: E402
+from nopad.recipes.tasks import last_number_match  # noqa: E402
+from nopad.recipes.tool_tasks import CALCULATOR_SYSTEM, calculator, calculator_chat_task, chat_tool_prompt  # noqa: E402
+from nopad.recipes.tool_tasks import main as write_demos  # noqa: E402
 
 
 def tiny_model(vocab_size: int):
@@ -98,7 +98,7 @@ def warm_start(model, tok, out: Path, args) -> float:
 
 
 def grpo(model, tok, args) -> list[dict]:
-    """``recipes.grpo`` on ``calculator_chat`` from the warm-started model; its per-step metrics."""
+    """``nopad.recipes.grpo`` on ``calculator_chat`` from the warm-started model; its per-step metrics."""
     cfg = load_config(GRPORecipeConfig, overrides=[
         "task.name=calculator_chat", f"train.steps={args.grpo_steps}", f"train.lr={args.grpo_lr}",
         f"rollout.prompts_per_step={args.grpo_prompts}", f"rollout.num_generations={args.grpo_samples}",

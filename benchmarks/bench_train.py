@@ -9,7 +9,7 @@ A small Llama (4 layers, hidden 256, 8 heads, 2 KV heads) on CPU in fp32; forwar
                ``budget`` real tokens on average
   (b) flatten  transformers.DataCollatorWithFlattening (one row, position_ids), sdpa,
                use_cache=False; sequences in the same order, up to ``budget`` tokens per row
-  (c) nopad    packing.pack BFD bins of ``budget`` tokens, attn_implementation="nopad" with the
+  (c) nopad    nopad.packing.pack BFD bins of ``budget`` tokens, attn_implementation="nopad" with the
                row's VarlenMeta
 
     python benchmarks/bench_train.py            # full run
@@ -25,8 +25,8 @@ import numpy as np
 import torch
 import transformers
 
-from packing import VarlenMeta, pack
-from packing.hf import register_nopad_attention
+from nopad.packing import VarlenMeta, pack
+from nopad.packing.hf import register_nopad_attention
 
 
 def make_lengths(n: int, cap: int, seed: int) -> np.ndarray:
@@ -82,7 +82,7 @@ def flattened_batches(seqs, budget):
 
 
 def nopad_batches(seqs, budget):
-    """BFD bins from packing.pack, one packed row each, with the row's VarlenMeta."""
+    """BFD bins from nopad.packing.pack, one packed row each, with the row's VarlenMeta."""
     bins = pack([len(s) for s in seqs], budget, strategy="bfd")
     out = []
     for b in range(len(bins.offsets) - 1):

@@ -8,10 +8,10 @@ the figures; fixed seed). Every leaf is one training path: its flat sequence is 
 turns on its branch.
 
 Compared, forward + backward of the loss ``-sum(weight * logp)`` over every (path, model token)
-pair (``training.grpo.packed_logprobs``, the weight as the row's token values), the LM head only on
+pair (``nopad.training.grpo.packed_logprobs``, the weight as the row's token values), the LM head only on
 the positions that predict those tokens, the best of ``--repeats``:
 
-  tree    packing.bins.tree.pack_tree_rows (what training.grpo.pack_rollouts builds): every
+  tree    nopad.packing.bins.tree.pack_tree_rows (what nopad.training.grpo.pack_rollouts builds): every
           shared token once
   shared  one-level shared-prefix rows (VarlenMeta.shared_prefix, GRPO's packing before trees):
           each prompt once, each path's turns on their own
@@ -37,12 +37,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
-from packing.bins.binpack import pack  # noqa: E402
-from packing.bins.tree import TreePath, pack_tree_rows, unique_tokens  # noqa: E402
-from packing.hf import use_nopad_attention  # noqa: E402
-from packing.row import IGNORE_INDEX, PackedRow  # noqa: E402
-from packing.varlen import VarlenMeta  # noqa: E402
-from training.grpo import packed_logprobs  # noqa: E402
+from nopad.packing.bins.binpack import pack  # noqa: E402
+from nopad.packing.bins.tree import TreePath, pack_tree_rows, unique_tokens  # noqa: E402
+from nopad.packing.hf import use_nopad_attention  # noqa: E402
+from nopad.packing.row import IGNORE_INDEX, PackedRow  # noqa: E402
+from nopad.packing.varlen import VarlenMeta  # noqa: E402
+from nopad.training.grpo import packed_logprobs  # noqa: E402
 
 # (share, lo, hi) components of each length's mixture
 PROMPT = ((0.4, 200, 500), (0.6, 500, 1200))  # system prompt + tool schemas + task
@@ -178,7 +178,7 @@ def small_llama(quick):
 
 
 def smollm2():
-    from assets.smollm2 import load_smollm2
+    from nopad.assets.smollm2 import load_smollm2
 
     model, _ = load_smollm2(torch.float32)
     return "SmolLM2-135M", model

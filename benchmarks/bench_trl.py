@@ -62,7 +62,7 @@ from benchmarks._workloads import CHAT_QUESTIONS, GRPO_QUESTIONS, tiny_llama  # 
 
 def load_model(tiny: bool = False):
     """SmolLM2-135M-Instruct, or with ``tiny`` a tiny random Llama with its tokenizer."""
-    from assets.smollm2 import load_smollm2, load_smollm2_tokenizer
+    from nopad.assets.smollm2 import load_smollm2, load_smollm2_tokenizer
 
     if tiny:
         tok = load_smollm2_tokenizer()
@@ -143,8 +143,8 @@ def run_grpo(name: str, rollout_kind: str, trainer_kind: str, cfg: dict, out_dir
              lora: bool = False) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
-    from training.trl.grpo_trainer import NopadGRPOTrainer
-    from training.trl.rollout import nopad_rollout_func
+    from nopad.training.trl.grpo_trainer import NopadGRPOTrainer
+    from nopad.training.trl.rollout import nopad_rollout_func
 
     model, tok = load_model(cfg["tiny_model"])
     settings = dict(output_dir=str(out_dir / name.replace(" ", "_")),
@@ -248,7 +248,7 @@ def sft_texts(n: int, max_words: int, seed: int) -> list[str]:
 def run_sft(name: str, cfg: dict, texts: list[str], out_dir: Path) -> dict:
     from trl import SFTConfig, SFTTrainer
 
-    from training.trl.sft_trainer import NopadSFTTrainer
+    from nopad.training.trl.sft_trainer import NopadSFTTrainer
 
     model, tok = load_model(cfg["tiny_model"])
     base = NopadSFTTrainer if name == "nopad" else SFTTrainer

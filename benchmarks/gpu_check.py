@@ -93,13 +93,13 @@ GOALS = {  # figure -> (comparison, threshold): "ge" ratio >= threshold, "le" ra
 
 def grpo_trainer_class():
     """NopadGRPOTrainer from wherever this tree keeps it (it may move from dataloaders/ to training/)."""
-    for module in ("training.trl.grpo_trainer", "training.grpo_trainer", "dataloaders.grpo_trainer"):
+    for module in ("nopad.training.trl.grpo_trainer", "nopad.training.grpo_trainer", "nopad.dataloaders.grpo_trainer"):
         try:
             return importlib.import_module(module).NopadGRPOTrainer
         except ImportError:
             continue
-    raise ImportError("NopadGRPOTrainer is in none of training.trl.grpo_trainer, training.grpo_trainer, "
-                      "dataloaders.grpo_trainer")
+    raise ImportError("NopadGRPOTrainer is in none of nopad.training.trl.grpo_trainer, nopad.training.grpo_trainer, "
+                      "nopad.dataloaders.grpo_trainer")
 
 
 def build_model(spec, device: torch.device, dtype: torch.dtype, attn: str = "sdpa"):
@@ -146,7 +146,7 @@ def environment(device: torch.device) -> dict:
 
 def backends(device: torch.device, dtype: torch.dtype, block_size: int) -> dict:
     """The attention backend ``choose_backend`` picks for each path nopad runs."""
-    from packing.attention import choose_backend
+    from nopad.packing.attention import choose_backend
 
     paths = {
         "training (grad)": dict(grad=True),
@@ -205,7 +205,7 @@ def _to(batch: dict, device: torch.device) -> dict:
 
 def bench_training(spec, device, dtype, n_seqs: int, budget: int, cap: int) -> dict:
     """Forward+backward real tokens/s: nopad packed vs padded (sdpa) vs DataCollatorWithFlattening."""
-    from packing.hf import register_nopad_attention
+    from nopad.packing.hf import register_nopad_attention
 
     register_nopad_attention()
     model = build_model(spec, device, dtype).train()
@@ -280,8 +280,8 @@ def _hf_delta_rule_trainable(spec, device):
     to 3.7.0, fla #640), transformers' own layer raises in every backward (it calls fla whenever
     it is installed) while nopad trains on its reference: the padded peer gets transformers' torch
     rule for the training benchmark, as a user there would have to. Yields fla's error, or None."""
-    from packing.mixers.delta_rule import fla_backward_error
-    from packing.mixers.hf_kernels import dispatcher
+    from nopad.packing.mixers.delta_rule import fla_backward_error
+    from nopad.packing.mixers.hf_kernels import dispatcher
 
     error = fla_backward_error(device) if device.type == "cuda" else None
     module = sys.modules[getattr(transformers, MODEL_CLASSES[spec[0]]).__module__]
@@ -354,8 +354,8 @@ def _decoding_generator(model, n: int, prompt_range, block_size: int, new_tokens
     """A Generator with ``n`` sequences all past prefill (every step from here is a pure decode step
     of ``n`` rows). Its KV cache holds all of them for ``new_tokens`` more tokens: the default 1 GiB
     held 168 of SmolLM2's 256, so "256 rows" ran 168, then 160 after a preemption."""
-    from inference.generator import Generator
-    from inference.sampling_params import SamplingParams
+    from nopad.inference.generator import Generator
+    from nopad.inference.sampling_params import SamplingParams
 
     prompts, _ = random_prompts(n, model.config.vocab_size, *prompt_range, 1, 1, seed=n)
     # every context stays inside one power-of-two block-table width for the whole run: a table
@@ -689,7 +689,7 @@ def main(argv=None) -> int:
     else:
         specs = {m: MODELS[m] for m in args.models}
         hybrids = {m: HYBRID_MODELS[m] for m in args.hybrid_models}
-        from packing.attention import paged_block_size
+        from nopad.packing.attention import paged_block_size
 
         counts, floor_counts, block = [64, 128, 256], args.decode_counts, paged_block_size(device, dtype)
         train = dict(n_seqs=256, budget=4096, cap=2048)  # padded logits stay well inside 80 GB

@@ -7,9 +7,9 @@ model_type of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` the installed 
 
 The whole sweep takes about 30 minutes on one CPU thread (196 families in transformers 5.24).
 Per family: build a tiny random fp32 model (benchmarks/_tiny_configs.py), then
-  verify_flat  packing.verify(model, lengths (1, 37, 5, 20))
-  verify_tree  packing.verify(model, tree_sequences(2), tree=True)
-  generate     inference.Generator(...) greedy, 8 tokens, prompts of 5 and 23 tokens, against HF
+  verify_flat  nopad.packing.verify(model, lengths (1, 37, 5, 20))
+  verify_tree  nopad.packing.verify(model, tree_sequences(2), tree=True)
+  generate     nopad.inference.Generator(...) greedy, 8 tokens, prompts of 5 and 23 tokens, against HF
                generate on each prompt alone (batch 1, no padding, no EOS stop) and a cache-free
                greedy loop (full forward per token).
 Each check prints one line `family check OUTCOME detail`; outcomes:
@@ -95,7 +95,7 @@ def _frames(exc):
 
 
 def _classify_error(exc) -> dict:
-    from packing.mixers import UnsupportedMixerError
+    from nopad.packing.mixers import UnsupportedMixerError
 
     info = {"exc": type(exc).__name__, "msg": str(exc)[:1500].replace("\n", " | "), **_frames(exc)}
     raised_in_nopad = info["raised_at"] and not info["raised_at"].startswith(("transformers/", "torch/"))
@@ -144,7 +144,7 @@ def tree_sequences(depth, vocab, seed=0):
 
 
 def _verify(model, family, check, seqs, tree):
-    import packing
+    from nopad import packing
 
     model.train()
     try:
@@ -217,7 +217,7 @@ def _logprobs(model, prompt, completion):
 def _generate(model, family, vocab):
     import torch
 
-    from inference import Generator, SamplingParams
+    from nopad.inference import Generator, SamplingParams
 
     g = torch.Generator().manual_seed(1)
     prompts = [_ids(n, vocab, g).tolist() for n in (5, 23)]

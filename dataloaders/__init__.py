@@ -1,19 +1,19 @@
 """Packed-batch data loading for Accelerate and DeepSpeed training, on the packing core.
 
 The usual path: ``packed_dataloader(tokenized_dataset, tokens_per_batch)`` -> batches of one flat
-varlen row each (a :class:`packing.row.PackedRow`: ``input_ids``, ``labels``, ``position_ids``,
+varlen row each (a :class:`nopad.packing.row.PackedRow`: ``input_ids``, ``labels``, ``position_ids``,
 ``nopad_meta``, counts; ``row.to(device)``, ``model(**row.model_kwargs())``), sharded and
 balanced over the data-parallel ranks by the loader itself, resumable with ``state_dict()``
-(the step that normalises by its global loss-token count is ``training.OptimizerStepper``).
+(the step that normalises by its global loss-token count is ``nopad.training.OptimizerStepper``).
 ``StreamingPackedLoader`` does the same for streams.
 """
 
-from dataloaders.balance import RankPlan, balance_bins
-from dataloaders.collator import PackedCollator
-from dataloaders.dataset import PackedDataset, PackedItem
-from dataloaders.loader import PackedDataLoader, move_batch, packed_dataloader
-from dataloaders.sampler import PackedBatchSampler
-from dataloaders.streaming import StreamingPackedLoader
+from nopad.dataloaders.balance import RankPlan, balance_bins
+from nopad.dataloaders.collator import PackedCollator
+from nopad.dataloaders.dataset import PackedDataset, PackedItem
+from nopad.dataloaders.loader import PackedDataLoader, move_batch, packed_dataloader
+from nopad.dataloaders.sampler import PackedBatchSampler
+from nopad.dataloaders.streaming import StreamingPackedLoader
 
 __all__ = [
     "PackedBatchSampler",

@@ -12,15 +12,15 @@ from typing import Any
 
 import numpy as np
 
-from dataloaders.dataset import document_lengths
-from packing.row import IGNORE_INDEX, PackedRow
-from packing.varlen import VarlenMeta
+from nopad.dataloaders.dataset import document_lengths
+from nopad.packing.row import IGNORE_INDEX, PackedRow
+from nopad.packing.varlen import VarlenMeta
 
 
 class PackedCollator:
     """Concatenate examples (``input_ids``, ``labels``, ``train`` as produced by
-    :class:`~dataloaders.dataset.PackedDataset` or the streaming loader) into one
-    :class:`~packing.row.PackedRow` (``input_ids``/``labels``/``position_ids`` ``(1, T)``,
+    :class:`~nopad.dataloaders.dataset.PackedDataset` or the streaming loader) into one
+    :class:`~nopad.packing.row.PackedRow` (``input_ids``/``labels``/``position_ids`` ``(1, T)``,
     ``nopad_meta``, ``seq_lens``, ``indices`` = the source row of each sequence, and the loss
     token/sequence counts for global normalisation). An example of a pre-packed row also carries
     ``seq_lengths``: its documents become sequences of their own (positions restart, first label

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from torch.utils.data import Dataset
 
-from packing.row import IGNORE_INDEX
+from nopad.packing.row import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +22,8 @@ logger = logging.getLogger(__name__)
 # with IGNORE_INDEX (-100) on ignored positions; the masks hold 1 where the token is trained (TRL's
 # ``completion_mask``, transformers' ``assistant_masks`` from ``apply_chat_template``).
 MASK_COLUMNS = ("completion_mask", "assistant_masks", "loss_mask")
-# Columns that say where the documents of a pre-packed row begin (``packing.pack_dataset`` /
-# ``recipes.preprocess`` and TRL's ``pack_dataset`` write ``seq_lengths``; TRL and
+# Columns that say where the documents of a pre-packed row begin (``nopad.packing.pack_dataset`` /
+# ``nopad.recipes.preprocess`` and TRL's ``pack_dataset`` write ``seq_lengths``; TRL and
 # ``pack_dataset(position_ids=True)`` may write ``position_ids``, restarting at 0 per document).
 BOUNDARY_COLUMNS = ("seq_lengths", "position_ids")
 
@@ -39,7 +39,7 @@ def document_lengths(row: dict, num_tokens: int, where: str) -> np.ndarray | Non
         if lengths.ndim != 1 or (lengths < 0).any() or int(lengths.sum()) != num_tokens:
             raise ValueError(
                 f"{where}: seq_lengths {lengths.tolist()} do not add up to its {num_tokens} tokens; a packed "
-                "row needs the lengths of its documents, in order (as packing.pack_dataset writes them)"
+                "row needs the lengths of its documents, in order (as nopad.packing.pack_dataset writes them)"
             )
         return lengths[lengths > 0]
     if row.get("position_ids") is not None:
@@ -56,7 +56,7 @@ def document_lengths(row: dict, num_tokens: int, where: str) -> np.ndarray | Non
     if mask is not None and np.asarray(mask).size and int(np.max(mask)) > 1:
         raise ValueError(
             f"{where} has an attention_mask with values above 1 (document ids of a packed row), which nopad "
-            "does not read as boundaries; re-pack with packing.pack_dataset / recipes.preprocess, or add "
+            "does not read as boundaries; re-pack with nopad.packing.pack_dataset / nopad.recipes.preprocess, or add "
             "a seq_lengths column"
         )
     return None

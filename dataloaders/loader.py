@@ -7,7 +7,7 @@ what was consumed, whatever the number of workers or how far they had prefetched
 
 Accelerate: the loader shards by itself (the sampler knows ``num_replicas`` and ``rank``). Do not
 pass it to ``accelerator.prepare`` - that would shard it a second time; move batches with
-``row.to(device)`` (:meth:`packing.row.PackedRow.to`, which ``accelerate.utils.send_to_device``
+``row.to(device)`` (:meth:`nopad.packing.row.PackedRow.to`, which ``accelerate.utils.send_to_device``
 calls too). :meth:`PackedDataLoader.state_dict`
 is what ``accelerator.register_for_checkpointing`` needs.
 """
@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from dataloaders.collator import PackedCollator
-from dataloaders.dataset import PackedDataset
-from dataloaders.sampler import PackedBatchSampler
-from packing.row import PackedRow, as_row
+from nopad.dataloaders.collator import PackedCollator
+from nopad.dataloaders.dataset import PackedDataset
+from nopad.dataloaders.sampler import PackedBatchSampler
+from nopad.packing.row import PackedRow, as_row
 
 
 class PackedDataLoader(DataLoader):
@@ -128,5 +128,5 @@ def packed_dataloader(
 
 def move_batch(batch: Mapping[str, Any], device: torch.device | str, non_blocking: bool = False) -> PackedRow:
     """``PackedRow.to`` for code written against dict batches: a dict with the row's keys becomes
-    the :class:`~packing.row.PackedRow` it describes, then moves."""
+    the :class:`~nopad.packing.row.PackedRow` it describes, then moves."""
     return as_row(batch).to(device, non_blocking=non_blocking)

@@ -1,12 +1,12 @@
 """Token-budget batch sampler: each step is one bin of whole sequences that fits the budget.
 
-Every epoch the sampler packs ALL lengths with the core's best-fit-decreasing (``packing.pack``,
+Every epoch the sampler packs ALL lengths with the core's best-fit-decreasing (``nopad.packing.pack``,
 seeded by ``seed + epoch``), then balances the bins over the data-parallel ranks
-(:mod:`dataloaders.balance`). Every rank computes the same plan from the same lengths and seed and
+(:mod:`nopad.dataloaders.balance`). Every rank computes the same plan from the same lengths and seed and
 keeps its own column, so no communication is needed and every rank runs the same number of steps.
 
 It does its own sharding: do NOT also shard it with a ``DistributedSampler`` or by passing the
-DataLoader through ``accelerator.prepare`` (see :mod:`dataloaders.loader`).
+DataLoader through ``accelerator.prepare`` (see :mod:`nopad.dataloaders.loader`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 from torch.utils.data import Sampler
 
-from dataloaders.balance import RankPlan, balance_bins
-from dataloaders.dataset import PackedItem
-from dataloaders.telemetry import epoch_stats, log_epoch_stats
-from packing import distributed
+from nopad.dataloaders.balance import RankPlan, balance_bins
+from nopad.dataloaders.dataset import PackedItem
+from nopad.dataloaders.telemetry import epoch_stats, log_epoch_stats
+from nopad.packing import distributed
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class PackedBatchSampler(Sampler[list[PackedItem]]):
         """This rank's batches for ``self.epoch`` (computed once per epoch)."""
         if self._plan_epoch == self.epoch:
             return self._batches
-        from packing import pack
+        from nopad.packing import pack
 
         packed = pack(
             self.lengths,

@@ -134,7 +134,7 @@ def check_tokenizer(directory: str | Path, tokenizer, key: str = "data.source") 
         raise ValueError(f"{key}={directory} was tokenized with {saved['name']} (vocabulary of "
                          f"{saved['vocab_size']}, hash {saved['vocab_hash']}), but the model's tokenizer is "
                          f"{ours['name']} (vocabulary of {ours['vocab_size']}, hash {ours['vocab_hash']}); "
-                         "run recipes.preprocess again with tokenizer=<the model's directory>")
+                         "run nopad.recipes.preprocess again with tokenizer=<the model's directory>")
 
 
 def check_dropped_tokens(lengths, capacity: int, max_fraction: float, *, key: str, capacity_key: str,

@@ -1,9 +1,9 @@
 """Packed batches from a stream (an HF ``IterableDataset``, a generator function, any iterable)
-with the core's bounded-buffer :class:`~packing.bins.streaming.StreamingPacker`.
+with the core's bounded-buffer :class:`~nopad.packing.bins.streaming.StreamingPacker`.
 
 Every rank reads the whole stream and runs the same deterministic packer, so all ranks agree on
 every bin without communicating; closed bins are collected in windows of ``balance_window x
-num_ranks`` and handed out by cost (:mod:`dataloaders.balance`), so every step is balanced and
+num_ranks`` and handed out by cost (:mod:`nopad.dataloaders.balance`), so every step is balanced and
 every rank gets the same number of steps (the last window is split/duplicated as in map-style).
 Each rank keeps the rows only until their bin is handed out and collates only its own bins.
 
@@ -31,13 +31,13 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from dataloaders.balance import balance_bins, bin_cost, default_attention_cost
-from dataloaders.collator import PackedCollator
-from dataloaders.dataset import MASK_COLUMNS, document_lengths, slice_lengths
-from dataloaders.sampler import check_fingerprint
-from dataloaders.telemetry import log_epoch_stats
-from packing import distributed
-from packing.row import IGNORE_INDEX
+from nopad.dataloaders.balance import balance_bins, bin_cost, default_attention_cost
+from nopad.dataloaders.collator import PackedCollator
+from nopad.dataloaders.dataset import MASK_COLUMNS, document_lengths, slice_lengths
+from nopad.dataloaders.sampler import check_fingerprint
+from nopad.dataloaders.telemetry import log_epoch_stats
+from nopad.packing import distributed
+from nopad.packing.row import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class StreamingPackedLoader(IterableDataset):
 
     # ------------------------------------------------------------------ state
     def _new_packer(self):
-        from packing import StreamingPacker
+        from nopad.packing import StreamingPacker
 
         seed = None if self.seed is None else self.seed + self.epoch
         self.packer = StreamingPacker(

@@ -7,9 +7,9 @@ import logging
 
 import numpy as np
 
-from dataloaders.balance import RankPlan
+from nopad.dataloaders.balance import RankPlan
 
-logger = logging.getLogger("dataloaders")
+logger = logging.getLogger("nopad.dataloaders")
 
 
 def epoch_stats(

@@ -2,8 +2,8 @@
 per-turn samples of multi-turn chats, each with its own rendering of the history) trained with
 every shared token computed once per row.
 
-The sequences' trie (:mod:`packing.bins.tree`) is split once into pieces of at most the token
-budget; the pieces are the items the usual :class:`~dataloaders.sampler.PackedBatchSampler` packs
+The sequences' trie (:mod:`nopad.packing.bins.tree`) is split once into pieces of at most the token
+budget; the pieces are the items the usual :class:`~nopad.dataloaders.sampler.PackedBatchSampler` packs
 into batches and balances over the ranks each epoch (shuffled per epoch, a whole number of
 accumulation windows per rank, resumable), and :class:`TreeCollator` lays each batch's pieces as
 one tree row (pieces of one tree that share a batch lay their common nodes once).
@@ -16,11 +16,11 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from dataloaders.dataset import PackedItem
-from dataloaders.loader import PackedDataLoader
-from dataloaders.sampler import PackedBatchSampler
-from packing.bins.tree import Piece, TreePath, build_trie, split_tree, tree_row
-from packing.row import IGNORE_INDEX, PackedRow
+from nopad.dataloaders.dataset import PackedItem
+from nopad.dataloaders.loader import PackedDataLoader
+from nopad.dataloaders.sampler import PackedBatchSampler
+from nopad.packing.bins.tree import Piece, TreePath, build_trie, split_tree, tree_row
+from nopad.packing.row import IGNORE_INDEX, PackedRow
 
 
 class TreePieces(Dataset):
@@ -68,7 +68,7 @@ def tree_dataloader(paths: Sequence[TreePath], tokens_per_batch: int, *, num_rep
                     attention_cost: float | None = None, num_workers: int = 0,
                     **loader_kwargs: Any) -> PackedDataLoader:
     """The tree rows of ``paths`` for this data-parallel rank, ``tokens_per_batch`` tokens each at
-    most; what :func:`dataloaders.loader.packed_dataloader` is for flat sequences (same sampler,
+    most; what :func:`nopad.dataloaders.loader.packed_dataloader` is for flat sequences (same sampler,
     same resumable state). ``max_seqs_per_batch`` counts pieces."""
     pieces = TreePieces(paths, tokens_per_batch)
     sampler = PackedBatchSampler(pieces.lengths, tokens_per_batch, num_replicas=num_replicas, rank=rank,

@@ -1,6 +1,6 @@
 """In-flight (continuous) batching generation on the live model, on the packing core.
 
-    from inference import Generator, SamplingParams
+    from nopad.inference import Generator, SamplingParams
     gen = Generator(model, tokenizer, max_num_seqs=64, max_num_batched_tokens=2048)
     outs = gen.generate(prompts, SamplingParams(temperature=1.0, n=8, max_tokens=128, seed=0))
     outs[0].outputs[3].token_ids, outs[0].outputs[3].logprobs   # raw log-probs, for the trainer
@@ -13,7 +13,7 @@
 The pipeline, one module per concept: ``sampling_params`` (what to sample) -> ``request``
 (validated requests, sequence state, the owners' ``SequenceHooks``) -> ``scheduler`` (plan a step
 on the core ``BlockAllocator``) -> ``model_runner`` (the step's ``VarlenMeta``, one forward
-through ``packing.hf``'s attention, ``kv_cache`` holding the paged K/V; ``live_model`` switches the
+through ``nopad.packing.hf``'s attention, ``kv_cache`` holding the paged K/V; ``live_model`` switches the
 model for it) -> ``sampler`` (draws keyed by ``seeding``) -> the scheduler's postprocess (append,
 stop, call the owner) -> ``outputs``; ``generator`` ties them. The owners: ``plain_requests``, and
 ``episodes`` for multi-turn tool episodes (pause at a tool call with the KV pinned, resume by
@@ -25,27 +25,27 @@ writes tool calls in the chat template's format and runs them off the decode loo
 import importlib
 
 _EXPORTS = {
-    "Episode": "inference.episodes",
-    "EpisodeLimits": "inference.episodes",
-    "Turn": "inference.episodes",
-    "Generator": "inference.generator",
-    "CompletionOutput": "inference.outputs",
-    "RequestOutput": "inference.outputs",
-    "StreamDelta": "inference.outputs",
-    "SamplingParams": "inference.sampling_params",
-    "ChatTemplateTools": "inference.tools",
-    "ToolCall": "inference.tools",
-    "ToolFormat": "inference.tools",
+    "Episode": "nopad.inference.episodes",
+    "EpisodeLimits": "nopad.inference.episodes",
+    "Turn": "nopad.inference.episodes",
+    "Generator": "nopad.inference.generator",
+    "CompletionOutput": "nopad.inference.outputs",
+    "RequestOutput": "nopad.inference.outputs",
+    "StreamDelta": "nopad.inference.outputs",
+    "SamplingParams": "nopad.inference.sampling_params",
+    "ChatTemplateTools": "nopad.inference.tools",
+    "ToolCall": "nopad.inference.tools",
+    "ToolFormat": "nopad.inference.tools",
 }
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
-    """Names are imported on first use, so that ``inference.sampling_params`` and ``inference.tools``
+    """Names are imported on first use, so that ``nopad.inference.sampling_params`` and ``nopad.inference.tools``
     (what a recipe's config checks and ``--help`` read) load without torch."""
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'inference' has no attribute {name!r}")
+    raise AttributeError(f"module 'nopad.inference' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

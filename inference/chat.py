@@ -70,7 +70,7 @@ def assistant_turns(tokenizer, messages: Sequence[Mapping]) -> list[tuple[list[i
 def tokenize_conversation(tokenizer, messages: Sequence[Mapping]) -> tuple[list[int], list[int]]:
     """``(input_ids, labels)`` of a whole conversation; labels are ``IGNORE_INDEX`` outside the
     assistant turns (each turn as :func:`assistant_turns` finds it, so per-turn samples agree)."""
-    from packing.row import IGNORE_INDEX  # here: packing imports torch, and --help reads tool tasks
+    from nopad.packing.row import IGNORE_INDEX  # here: packing imports torch, and --help reads tool tasks
 
     input_ids = render(tokenizer, messages, False)
     labels = [IGNORE_INDEX] * len(input_ids)

@@ -1,4 +1,4 @@
-"""The environments of :meth:`inference.Generator.run_episodes`: ``environment_factory`` builds one
+"""The environments of :meth:`nopad.inference.Generator.run_episodes`: ``environment_factory`` builds one
 per sample of each prompt, and each is reset before its episode starts, as TRL's GRPOTrainer does
 (``reset(**example)``, the observation it returns joining the prompt). A factory or ``reset`` that
 fails is an error naming it, before any token is generated: a ``reset`` never called, or a

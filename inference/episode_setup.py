@@ -1,4 +1,4 @@
-"""The arguments of :meth:`inference.Generator.run_episodes`, checked and resolved before any token
+"""The arguments of :meth:`nopad.inference.Generator.run_episodes`, checked and resolved before any token
 is generated: the limits, the tools (one mapping per prompt), the environments (made and reset),
 the tool format (the chat template's by default) and the prompts rendered with the tools."""
 
@@ -8,9 +8,9 @@ from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from inference.environments import reset_environments
-from inference.episodes import EpisodeLimits, named_tools, render_prompts
-from inference.tools import ChatTemplateTools, ToolFormat
+from nopad.inference.environments import reset_environments
+from nopad.inference.episodes import EpisodeLimits, named_tools, render_prompts
+from nopad.inference.tools import ChatTemplateTools, ToolFormat
 
 
 @dataclass

@@ -6,7 +6,7 @@ loop while the other sequences decode, and it resumes by prefilling only the too
 :class:`Episode` is the record a trainer reads: the completion (every token after the prompt,
 the model's and the tools'), a mask of the model-sampled tokens, their log-probs, the turns with
 their tool calls, and the reward. :class:`EpisodeRunner` is the generator's bookkeeping for one
-:meth:`inference.Generator.run_episodes` call.
+:meth:`nopad.inference.Generator.run_episodes` call.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from inference.request import Request, Sequence, Status
-from inference.scheduler import Scheduler
-from inference.tools import ToolCall, ToolFormat, ToolRunner, public_methods, wait_any
+from nopad.inference.request import Request, Sequence, Status
+from nopad.inference.scheduler import Scheduler
+from nopad.inference.tools import ToolCall, ToolFormat, ToolRunner, public_methods, wait_any
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class _Pending:
 
 class EpisodeRunner:
     """The episodes of one ``run_episodes`` call: turn ends, pauses, tools, resumes, forks. It is
-    its sequences' :class:`~inference.request.SequenceHooks`: the scheduler's postprocess calls
+    its sequences' :class:`~nopad.inference.request.SequenceHooks`: the scheduler's postprocess calls
     it at their events."""
 
     def __init__(self, scheduler: Scheduler, tool_format: ToolFormat, limits: EpisodeLimits,
@@ -150,7 +150,7 @@ class EpisodeRunner:
 
     def forked(self, parent: Sequence, children: list[Sequence]) -> None:
         """Give each new branch its own state: a prompt's samples get their own environments
-        (:func:`inference.environments.reset_environments`), a later fork copies the parent's
+        (:func:`nopad.inference.environments.reset_environments`), a later fork copies the parent's
         (deep copy: the branches' tools must not share state)."""
         state: _State = parent.episode
         first = parent.num_tokens == parent.num_prompt_tokens  # the samples of the prompt
@@ -196,7 +196,7 @@ class EpisodeRunner:
                 "cannot read") from err
         if not all(isinstance(c, ToolCall) and isinstance(c.arguments, dict) for c in calls):
             raise TypeError(f"{name}'s parse() returned {calls!r}; it must return a list of "
-                            "inference.tools.ToolCall with dict arguments ([] for a final answer)")
+                            "nopad.inference.tools.ToolCall with dict arguments ([] for a final answer)")
         if not calls:
             return self.finish(seq, "stop")
         turn.tool_calls = calls

@@ -2,7 +2,7 @@
 
 ``Generator(model, tokenizer)`` borrows the model's parameters as they are (no copy: the next
 training step's weights are used at once), switches its attention to nopad's paged varlen
-implementation only while it generates (:mod:`inference.live_model`), and owns a paged KV cache
+implementation only while it generates (:mod:`nopad.inference.live_model`), and owns a paged KV cache
 it allocates lazily and frees on :meth:`Generator.release`. Each :meth:`step` plans one varlen
 forward (scheduler), runs it (model runner), and hands the logits to the scheduler's
 postprocess, which samples, appends and calls each sequence's owner (plain requests or tool
@@ -19,22 +19,22 @@ from collections.abc import Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
-from inference.episode_setup import episode_setup
-from inference.episodes import Episode, EpisodeLimits, EpisodeRunner
-from inference.kv_cache import KVCache, num_kv_blocks
-from inference.live_model import LiveModel
-from inference.model_runner import ModelRunner
-from inference.outputs import RequestOutput, StreamDelta
-from inference.plain_requests import PlainRequests
-from inference.request import Request, RequestBuilder, Sequence, eos_token_ids
-from inference.sampler import SamplerBuffers, SampleResult, sample
-from inference.sampling_params import SamplingParams
-from inference.scheduler import Scheduler
-from inference.sharded import refuse_plain_generation
-from inference.state_prefix import make_state_slots, reset_snapshot_stats, snapshot_stats, state_snapshots
-from inference.tools import ToolFormat
-from packing.blocks import BlockAllocator
-from packing.hf.rope import max_model_len
+from nopad.inference.episode_setup import episode_setup
+from nopad.inference.episodes import Episode, EpisodeLimits, EpisodeRunner
+from nopad.inference.kv_cache import KVCache, num_kv_blocks
+from nopad.inference.live_model import LiveModel
+from nopad.inference.model_runner import ModelRunner
+from nopad.inference.outputs import RequestOutput, StreamDelta
+from nopad.inference.plain_requests import PlainRequests
+from nopad.inference.request import Request, RequestBuilder, Sequence, eos_token_ids
+from nopad.inference.sampler import SamplerBuffers, SampleResult, sample
+from nopad.inference.sampling_params import SamplingParams
+from nopad.inference.scheduler import Scheduler
+from nopad.inference.sharded import refuse_plain_generation
+from nopad.inference.state_prefix import make_state_slots, reset_snapshot_stats, snapshot_stats, state_snapshots
+from nopad.inference.tools import ToolFormat
+from nopad.packing.blocks import BlockAllocator
+from nopad.packing.hf.rope import max_model_len
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +52,8 @@ class Generator:
     ``dtype`` (the KV cache's and attention's compute dtype; default: the autocast dtype of the
     first step, else the weights'), ``attn_backend``, ``block_size`` (default: what the backend
     reads in place), ``static_decode`` and ``compile_decode`` (bucketed, capturable decode
-    steps): see :class:`inference.live_model.LiveModel`. ``num_state_snapshots``: the states a
-    hybrid model's prefix cache keeps (:mod:`inference.state_prefix`). ``max_logprobs``: the most
+    steps): see :class:`nopad.inference.live_model.LiveModel`. ``num_state_snapshots``: the states a
+    hybrid model's prefix cache keeps (:mod:`nopad.inference.state_prefix`). ``max_logprobs``: the most
     top log-probs a request may ask for per position (vLLM's cap and default; no vocabulary dicts).
     """
 
@@ -166,7 +166,7 @@ class Generator:
             on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
         """The generate loop: queue ``requests`` (from :meth:`make_requests`), step until done,
         return their outputs in order. ``step`` / ``more`` replace :meth:`step` /
-        :meth:`has_unfinished` for ranks in lockstep (:mod:`inference.sharded`). On any error every
+        :meth:`has_unfinished` for ranks in lockstep (:mod:`nopad.inference.sharded`). On any error every
         request in flight is aborted first, so a caller's ``release()`` works and the user sees the
         original error. Attention is switched to nopad (and eval mode) once per run, not per step."""
         step, more = step or self.step, more or self.has_unfinished
@@ -199,12 +199,12 @@ class Generator:
         ``prompts``: token ids, strings, or chat messages (rendered with the tools by the chat
         template). ``tools``: functions (sync or ``async def``) the model may call by name.
         ``tool_format``: how calls are parsed and results rendered; default
-        :class:`~inference.tools.ChatTemplateTools` on the tokenizer (its ``response_template``).
+        :class:`~nopad.inference.tools.ChatTemplateTools` on the tokenizer (its ``response_template``).
         ``environment_factory``: one environment per episode, its public methods added as tools
         (forks deep-copy it); ``reward_fn(episode)`` sets ``Episode.reward``. ``fork(episode)``
         is asked at every turn boundary (a tool result appended) how many continuations to
         run; they share every block so far. ``sampling_params.max_tokens`` caps one model
-        turn, ``limits`` the whole episode (:class:`~inference.episodes.EpisodeLimits`).
+        turn, ``limits`` the whole episode (:class:`~nopad.inference.episodes.EpisodeLimits`).
         ``prompt_tools``: one ``{name: function}`` per prompt instead of ``tools`` (e.g. bound to
         that prompt's own environment, as TRL's trainer builds them)."""
         refuse_plain_generation(self.model)

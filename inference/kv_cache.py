@@ -9,13 +9,13 @@ module says, else from the config):
   MiMo-V2-Flash: twice the K/V heads on its sliding layers, which its config does not give);
 - keys and values of different sizes (MLA: DeepSeek-V3, Kimi): both are held at the larger size,
   the smaller zero-padded, as the attention computes them
-  (:func:`packing.attention.dispatch.one_head_dim`), so every backend reads the blocks in place;
+  (:func:`nopad.packing.attention.dispatch.one_head_dim`), so every backend reads the blocks in place;
 - a layer that reuses an earlier layer's K/V (Gemma4's K/V-shared layers) holds no blocks of its
   own: it reads the blocks of the layer it shares with. transformers hands it that layer's new
   keys too, and writing them again at the same slots changes nothing.
 
 An attention call whose K/V do not fit its layer's blocks is refused by name
-(:func:`packing.attention.dispatch.varlen_attention`), never written across a wrong shape.
+(:func:`nopad.packing.attention.dispatch.varlen_attention`), never written across a wrong shape.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from packing.mixers.support import calls_attention
-from packing.model_config import text_config
+from nopad.packing.mixers.support import calls_attention
+from nopad.packing.model_config import text_config
 
 DEFAULT_KV_MEMORY_BYTES = 1 << 30
 

@@ -16,30 +16,30 @@ from collections.abc import Iterator
 
 import torch
 
-from inference.kv_cache import KVCache, kv_layout
-from inference.model_runner import ModelRunner, check_static_decode_backend
-from inference.state_cache import StateCache, StateSlots, bytes_per_slot, layer_states
-from packing.attention import names as attention_backends
-from packing.attention import paged_block_size
-from packing.distributed import compute_dtype as model_compute_dtype
-from packing.hf import use_nopad_attention
-from packing.mixers import GENERATE, check_model
-from packing.model_config import text_config
+from nopad.inference.kv_cache import KVCache, kv_layout
+from nopad.inference.model_runner import ModelRunner, check_static_decode_backend
+from nopad.inference.state_cache import StateCache, StateSlots, bytes_per_slot, layer_states
+from nopad.packing.attention import names as attention_backends
+from nopad.packing.attention import paged_block_size
+from nopad.packing.distributed import compute_dtype as model_compute_dtype
+from nopad.packing.hf import use_nopad_attention
+from nopad.packing.mixers import GENERATE, check_model
+from nopad.packing.model_config import text_config
 
 logger = logging.getLogger(__name__)
 
 
 class LiveModel:
-    """The :class:`inference.Generator`'s arguments about the model, applied.
+    """The :class:`nopad.inference.Generator`'s arguments about the model, applied.
 
     Precision and attention: the KV cache is kept in the compute dtype of attention - ``dtype``
     if given (steps then run under ``torch.autocast`` in it when the weights are another dtype),
     else the autocast dtype when the first step runs under ``torch.autocast``, else the weights'
     dtype - so bf16 autocast over fp32 weights caches bf16 K/V, as the layers produce them.
     ``attn_backend`` (default: the ``NOPAD_ATTN_BACKEND`` environment variable, else
-    :func:`packing.attention.choose_backend`'s rule) picks the attention backend of every step.
+    :func:`nopad.packing.attention.choose_backend`'s rule) picks the attention backend of every step.
     ``block_size`` defaults to what the attention backend reads in place
-    (:func:`packing.attention.paged_block_size`: 256 for flash-attn 2 and torch's varlen kernel,
+    (:func:`nopad.packing.attention.paged_block_size`: 256 for flash-attn 2 and torch's varlen kernel,
     else 16); smaller blocks would make every layer gather the context.
 
     ``static_decode=True`` pads pure decode steps to bucketed shapes (sequences rounded up to 2,
@@ -50,7 +50,7 @@ class LiveModel:
     attention kernel is one custom op). Prefill steps and batch-invariant mode keep the default
     path. On hybrid models the step also names each row's state slot as a device tensor (padding
     rows: one scratch slot), and the conv, delta-rule and Mamba2 decode steps read and write the
-    slots in place (:mod:`inference.state_cache`), so the same one compilation serves them.
+    slots in place (:mod:`nopad.inference.state_cache`), so the same one compilation serves them.
     """
 
     def __init__(self, model: torch.nn.Module, *, dtype: torch.dtype | None, attn_backend: str | None,
@@ -76,7 +76,7 @@ class LiveModel:
 
     def compute_dtype(self) -> torch.dtype:
         """The dtype attention computes in now: ``dtype=``, else the autocast dtype, else the
-        weights' dtype (what :func:`packing.distributed.compute_dtype` casts q/k/v to)."""
+        weights' dtype (what :func:`nopad.packing.distributed.compute_dtype` casts q/k/v to)."""
         if self.requested_dtype is not None:
             return self.requested_dtype
         if torch.is_autocast_enabled(self.device.type):

@@ -3,7 +3,7 @@ boundaries, slot mapping, block table, the rows whose logits are kept) on the ho
 move them to the device in ONE copy (pinned and non-blocking on CUDA), call the model once on
 the flat row, and return the logits of the last token of every sequence that samples this step
 (the lm_head runs on those rows only; the prompt positions of requests that ask for prompt
-log-probs are scored here, in chunks, by :mod:`inference.prompt_logprobs`).
+log-probs are scored here, in chunks, by :mod:`nopad.inference.prompt_logprobs`).
 
 With ``static_decode`` a pure decode step is padded to bucketed shapes (number of sequences
 rounded up to 2, 4, 8 or a multiple of 8, block-table width to a power of two, at least 2) so its
@@ -23,11 +23,11 @@ from itertools import chain
 import numpy as np
 import torch
 
-from inference.kv_cache import KVCache
-from inference.prompt_logprobs import PromptScorer, Span, prompt_span
-from inference.scheduler import StepPlan
-from packing import invariance
-from packing.varlen import VarlenMeta, step_layout
+from nopad.inference.kv_cache import KVCache
+from nopad.inference.prompt_logprobs import PromptScorer, Span, prompt_span
+from nopad.inference.scheduler import StepPlan
+from nopad.packing import invariance
+from nopad.packing.varlen import VarlenMeta, step_layout
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def _mark_dynamic(step: StepInputs) -> None:
 def check_static_decode_backend(name: str) -> None:
     """A backend forced for a generator with ``static_decode`` must have a static-shape decode
     path: said when the generator is built, not at its first decode step."""
-    from packing.attention.registry import backends
+    from nopad.packing.attention.registry import backends
 
     if backends()[name].static_decode is None:
         able = sorted(n for n, b in backends().items() if b.static_decode is not None)
@@ -213,7 +213,7 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
         """Logits ``(num_sampling, vocab)`` and, for each, its index into ``plan.seqs``."""
         self.kv_cache.copy_blocks(plan.copies)
-        states = getattr(self.kv_cache, "states", None)  # hybrid models: inference.state_cache
+        states = getattr(self.kv_cache, "states", None)  # hybrid models: nopad.inference.state_cache
         fresh = [] if states is None else [s.state_slot for s in plan.seqs if s.num_computed == 0]
         if self.static_decode and is_decode(plan) and not invariance.is_enabled():
             step = build_static_decode(plan, self.kv_cache.block_size, self.device, self.scratch_block,

@@ -1,17 +1,17 @@
 """The owner of plain requests' sequences (``add_request``, ``generate``, ``stream``): the
 requests in flight, and the outputs of those that finished until the generator's step returns
-them. It is their :class:`~inference.request.SequenceHooks`; tool episodes have
-:class:`~inference.episodes.EpisodeRunner` instead."""
+them. It is their :class:`~nopad.inference.request.SequenceHooks`; tool episodes have
+:class:`~nopad.inference.episodes.EpisodeRunner` instead."""
 
 from __future__ import annotations
 
-from inference.outputs import RequestOutput
-from inference.request import Request, Sequence, Status
-from inference.scheduler import Scheduler
+from nopad.inference.outputs import RequestOutput
+from nopad.inference.request import Request, Sequence, Status
+from nopad.inference.scheduler import Scheduler
 
 
 class PlainRequests:
-    """The owner (:class:`~inference.request.SequenceHooks`) of plain requests' sequences: the
+    """The owner (:class:`~nopad.inference.request.SequenceHooks`) of plain requests' sequences: the
     requests in flight, and the outputs of those that finished until :meth:`Generator.step`
     returns them."""
 

@@ -20,10 +20,10 @@ from typing import Protocol
 
 import torch
 
-from inference.outputs import CompletionOutput, RequestOutput, StreamDelta
-from inference.sampling_params import SamplingParams
-from inference.seeding import request_seed
-from packing.blocks import NO_PARENT
+from nopad.inference.outputs import CompletionOutput, RequestOutput, StreamDelta
+from nopad.inference.sampling_params import SamplingParams
+from nopad.inference.seeding import request_seed
+from nopad.packing.blocks import NO_PARENT
 
 logger = logging.getLogger(__name__)
 _seq_ids = itertools.count()
@@ -49,7 +49,7 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
 
 class SequenceHooks(Protocol):
     """What the owner of a sequence does when the scheduler's postprocess reaches one of its
-    events: plain requests collect their outputs, tool episodes (:class:`inference.episodes.
+    events: plain requests collect their outputs, tool episodes (:class:`nopad.inference.episodes.
     EpisodeRunner`) pause, run tools, resume and fork. The scheduler calls these and never asks
     what kind of sequence it holds."""
 
@@ -88,7 +88,7 @@ class Request:
     stop_ids: frozenset[int]  # eos (unless ignore_eos) + stop_token_ids
     samples: list[Sequence | None] = field(default_factory=list)
     num_finished: int = 0
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # by position (inference.prompt_logprobs)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # by position (nopad.inference.prompt_logprobs)
 
     @property
     def finished(self) -> bool:
@@ -166,8 +166,8 @@ class Sequence:
     max_generated: int | None = None  # an episode's budget of tokens after the prompt
     out_of_memory: bool = False  # stopped by the scheduler: alone, it did not fit in the cache
     hooks: SequenceHooks | None = None  # its owner: the scheduler's postprocess calls it
-    episode: object | None = None  # the episode state (inference.episodes) of an episode's sequence
-    state_slot: int | None = None  # its per-sequence state slot (hybrid models: inference.state_cache)
+    episode: object | None = None  # the episode state (nopad.inference.episodes) of an episode's sequence
+    state_slot: int | None = None  # its per-sequence state slot (hybrid models: nopad.inference.state_cache)
     snapshot_at: int = 0  # a cached prefix end with no state snapshot: its prefill leaves one there
 
     def __post_init__(self) -> None:
@@ -225,7 +225,7 @@ class Sequence:
         )
 
     def append(self, result, k: int, now: float) -> None:
-        """Append row ``k`` of a step's sample (:class:`inference.sampler.SampleResult`)."""
+        """Append row ``k`` of a step's sample (:class:`nopad.inference.sampler.SampleResult`)."""
         self.token_ids.append(result.tokens[k])
         self.logprobs.append(result.logprobs[k])
         self.temperature_logprobs.append(result.temperature_logprobs[k])

@@ -1,7 +1,7 @@
 """Token sampling for one step, vectorised over the batch, with counter-based randomness.
 
 Randomness: each row is drawn by inverse-CDF sampling with ONE uniform number from
-:func:`inference.seeding.uniform_draw` (a function of the request's seed, the sample's stream and
+:func:`nopad.inference.seeding.uniform_draw` (a function of the request's seed, the sample's stream and
 the position only), so the draw depends on nothing else in the batch, and a preempted sequence
 redraws the same tokens when it is recomputed. Top-k/top-p filter on a candidate set from
 ``topk`` (falling back to a full sort only when the candidates cannot hold the top-p mass), which
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.request import Sequence
-from inference.seeding import uniform_draw
-from packing.log_softmax import tempered_log_softmax
+from nopad.inference.request import Sequence
+from nopad.inference.seeding import uniform_draw
+from nopad.packing.log_softmax import tempered_log_softmax
 
 
 @dataclass
@@ -54,7 +54,7 @@ class SamplerBuffers:
 
 def _log_softmax(x: torch.Tensor, buffers: SamplerBuffers, name: str) -> torch.Tensor:
     """``log_softmax(x, -1)`` into a reused buffer, through the trainer's own expression
-    (:func:`packing.log_softmax.tempered_log_softmax`), so the same kernel gives the same bits."""
+    (:func:`nopad.packing.log_softmax.tempered_log_softmax`), so the same kernel gives the same bits."""
     return tempered_log_softmax(x, out=buffers.get(name, x))
 
 
@@ -128,8 +128,8 @@ def _temperature_logprobs(logits: torch.Tensor, tokens: torch.Tensor, raw_picked
                           rand_params: list, rand: list[int], buffers: SamplerBuffers) -> torch.Tensor:
     """Log-prob of each sampled token under ``softmax(logits / temperature)``: no penalty, no
     top-k/top-p/min-p truncation, i.e. what a trainer scoring the completion computes (TRL #6789).
-    Computed by the trainer's own function (:func:`packing.log_softmax.tempered_log_softmax`), so
-    under :func:`packing.batch_invariant` the bits match; ``T`` = 1 or greedy: the raw log-prob.
+    Computed by the trainer's own function (:func:`nopad.packing.log_softmax.tempered_log_softmax`), so
+    under :func:`nopad.packing.batch_invariant` the bits match; ``T`` = 1 or greedy: the raw log-prob.
     ``rand_params`` are the parameters of the rows ``rand`` that are not greedy."""
     out = raw_picked.clone()
     for temperature in {p.temperature for p in rand_params if p.temperature != 1.0}:

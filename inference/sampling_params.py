@@ -16,7 +16,7 @@ class SamplingParams:
     is drawn at ``add_request``. ``logprobs=k`` also returns the k most likely tokens (raw model
     log-probs) at every position. ``prompt_logprobs=k`` (as vLLM's) returns
     ``RequestOutput.prompt_logprobs``: every prompt token's raw log-prob and the k most likely
-    tokens at its position (:mod:`inference.prompt_logprobs`); such a request computes its whole
+    tokens at its position (:mod:`nopad.inference.prompt_logprobs`); such a request computes its whole
     prompt (no prefix-cache hit; vLLM does the same) and scores its prompt positions' hidden
     states with the chunked head. Unlike vLLM, -1 (the whole vocabulary) is not taken. Both ``k``
     are capped by the Generator's ``max_logprobs`` (vLLM's cap, default 20), checked when a request

@@ -9,7 +9,7 @@ the front of the queue with prompt + generated tokens as its new prefill, a paus
 recomputed when its tools return. After the forward, :meth:`Scheduler.postprocess` owns the
 step's bookkeeping (computed counts, prefix-cache registration, forks, the sampled tokens and
 the turns they end); what a sequence's owner does at those events (collect an output, pause an
-episode for its tools) is its :class:`inference.request.SequenceHooks`.
+episode for its tools) is its :class:`nopad.inference.request.SequenceHooks`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from inference.request import Sequence, Status
-from inference.seeding import fork_stream
-from inference.state_cache import StateSlots
-from inference.state_prefix import aligned_chunk, restore_snapshot, take_snapshot, usable_hits
-from packing.blocks import NO_PARENT, BlockAllocator, hash_block
+from nopad.inference.request import Sequence, Status
+from nopad.inference.seeding import fork_stream
+from nopad.inference.state_cache import StateSlots
+from nopad.inference.state_prefix import aligned_chunk, restore_snapshot, take_snapshot, usable_hits
+from nopad.packing.blocks import NO_PARENT, BlockAllocator, hash_block
 
 logger = logging.getLogger(__name__)
 

@@ -40,6 +40,6 @@ def fork_stream(stream: int, branch: int, position: int) -> int:
 
 
 def uniform_draw(seq) -> float:
-    """The uniform number in [0, 1) of the next token of ``seq`` (an :class:`inference.request.
+    """The uniform number in [0, 1) of the next token of ``seq`` (an :class:`nopad.inference.request.
     Sequence`: its request's seed, its stream, its length)."""
     return min(counter_seed(seq.request.seed, seq.stream, seq.num_tokens) / 2.0**63, 1.0 - 2.0**-40)

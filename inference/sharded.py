@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from packing.distributed import any_rank, fsdp2_modules, world_size, zero3_engine
+from nopad.packing.distributed import any_rank, fsdp2_modules, world_size, zero3_engine
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def refuse_plain_generation(model: torch.nn.Module) -> None:
     raise RuntimeError(
         f"the model's weights are sharded ({kind}) over {world_size()} ranks, so a plain "
         "Generator.generate would hang as soon as one rank finishes before another. Write instead: "
-        "`outs = inference.sharded.sharded_generate(generator, engine, prompts, params)` (pass the "
+        "`outs = nopad.inference.sharded.sharded_generate(generator, engine, prompts, params)` (pass the "
         "DeepSpeed engine or the FSDP2 module; mode='gather' by default, 'lockstep' if the full weights "
         "do not fit). With TRL, keep GRPOConfig(ds3_gather_for_generation=True).")
 

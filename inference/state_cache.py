@@ -11,7 +11,7 @@ tensors (:class:`StateCache`) live beside the K/V, sized from the model's module
 of the same memory budget.
 
 How a step reaches the state. The layers mix tokens in transformers' kernel functions, which
-nopad already wraps (:mod:`packing.mixers.hf_kernels`, :mod:`packing.mixers.mamba2`). A generator
+nopad already wraps (:mod:`nopad.packing.mixers.hf_kernels`, :mod:`nopad.packing.mixers.mamba2`). A generator
 step calls the model with ``nopad_kv_cache`` (the attention layers' paged K/V); that cache carries
 this state cache as ``.states``, and every kernel call of the step reaches it through the same
 keyword - no new argument that the attention function would have to know. Within one forward the
@@ -25,7 +25,7 @@ Lifetime (the scheduler): a slot is taken at admission and freed with the blocks
 preemption: the state is then recomputed from the tokens); a paused tool episode keeps it; a
 fork's members get fresh slots holding copies of the parent's final state, copied before the next
 forward (a member finding none free is preempted and recomputes). Cross-request prefix reuse
-goes through state snapshots at block boundaries (:mod:`inference.state_prefix`): their slots are
+goes through state snapshots at block boundaries (:mod:`nopad.inference.state_prefix`): their slots are
 further rows of the same tensors, after the sequences' slots.
 
 Static decode (``static_decode`` / ``compile_decode``). A padded decode step names its rows' slots
@@ -44,9 +44,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from packing.mixers import hf_kernels, mamba2
-from packing.mixers.hf_kernels import RECURRENT_DTYPE, LayerState
-from packing.varlen import VarlenMeta
+from nopad.packing.mixers import hf_kernels, mamba2
+from nopad.packing.mixers.hf_kernels import RECURRENT_DTYPE, LayerState
+from nopad.packing.varlen import VarlenMeta
 
 CONV, RECURRENT = "conv", "recurrent"
 
@@ -85,7 +85,7 @@ class StateSlots:
         self.num_slots = num_slots
         self._free: deque[int] = deque(range(num_slots))
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) rows, applied in this order
-        self.snapshots = None  # inference.state_prefix.StateSnapshots: the prefix cache's states
+        self.snapshots = None  # nopad.inference.state_prefix.StateSnapshots: the prefix cache's states
 
     @property
     def num_rows(self) -> int:

@@ -17,12 +17,12 @@ cache do, the state is kept where it is known:
   (:func:`usable_hits`); its own slot starts from a copy of that snapshot and it prefills the rest.
   No snapshot, no reuse: it computes its state from its first token. Never a wrong state.
 - **Held.** Snapshot slots are rows of the same state tensors as the sequences' slots
-  (:class:`inference.state_cache.StateCache`), paid for out of the same memory budget. A snapshot
+  (:class:`nopad.inference.state_cache.StateCache`), paid for out of the same memory budget. A snapshot
   lives as long as its block's hash does (the allocator forgets the hash when it evicts the block
   or drops the cache, and tells :meth:`StateSnapshots.forget`); with every snapshot slot taken, the
   least recently used snapshot goes first.
 
-Copies are queued on the :class:`~inference.state_cache.StateSlots` and applied in order before
+Copies are queued on the :class:`~nopad.inference.state_cache.StateSlots` and applied in order before
 the next forward, so a restore queued before a snapshot slot is reused reads the old snapshot.
 Only prefill chunks are snapshotted (decode steps would copy every state once per block).
 """
@@ -32,11 +32,11 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
-from inference.state_cache import StateSlots
-from packing.blocks import BlockAllocator
+from nopad.inference.state_cache import StateSlots
+from nopad.packing.blocks import BlockAllocator
 
 if TYPE_CHECKING:
-    from inference.request import Sequence
+    from nopad.inference.request import Sequence
 
 
 class StateSnapshots:

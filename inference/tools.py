@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from inference.chat import render
+from nopad.inference.chat import render
 
 # chat templates with tool calls that nopad ships (inference/templates), by name
 TOOL_TEMPLATES = {"smollm2": Path(__file__).parent / "templates" / "smollm2_tools.jinja"}

@@ -2,7 +2,7 @@
 allocator and the transformers integration. Both the training side (``dataloaders``) and the
 generation side (``inference``) import from here; nothing here imports them.
 
-Names are loaded lazily so ``import packing`` stays cheap.
+Names are loaded lazily so ``from nopad import packing`` stays cheap.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import logging
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 _EXPORTS = {
-    "VarlenMeta": "packing.varlen",
-    "varlen_attention": "packing.attention",
-    "store_kv": "packing.attention",
+    "VarlenMeta": "nopad.packing.varlen",
+    "varlen_attention": "nopad.packing.attention",
+    "store_kv": "nopad.packing.attention",
 }
 
 
@@ -26,17 +26,17 @@ def _export(module: str, *names: str) -> None:
 
 
 # Public names by module. Each entry: module -> names it provides.
-_export("packing.bins.stats", "Bins", "PackStats")
-_export("packing.bins.binpack", "pack")
-_export("packing.bins.streaming", "StreamingPacker")
-_export("packing.bins.hf_datasets", "pack_dataset")
-_export("packing.blocks", "BlockAllocator", "OutOfBlocksError")
-_export("packing.row", "PackedRow", "IGNORE_INDEX")
-_export("packing.hf.attention", "register_nopad_attention", "NOPAD_ATTENTION", "use_nopad_attention",
+_export("nopad.packing.bins.stats", "Bins", "PackStats")
+_export("nopad.packing.bins.binpack", "pack")
+_export("nopad.packing.bins.streaming", "StreamingPacker")
+_export("nopad.packing.bins.hf_datasets", "pack_dataset")
+_export("nopad.packing.blocks", "BlockAllocator", "OutOfBlocksError")
+_export("nopad.packing.row", "PackedRow", "IGNORE_INDEX")
+_export("nopad.packing.hf.attention", "register_nopad_attention", "NOPAD_ATTENTION", "use_nopad_attention",
         "packed_forward_guard")
-_export("packing.hf.verification", "verify", "VerifyReport")
-_export("packing.invariance", "batch_invariant")
-_export("packing.lm_head", "token_logprobs", "nll_sum", "LMHead")
+_export("nopad.packing.hf.verification", "verify", "VerifyReport")
+_export("nopad.packing.invariance", "batch_invariant")
+_export("nopad.packing.lm_head", "token_logprobs", "nll_sum", "LMHead")
 
 __all__ = sorted(_EXPORTS)
 
@@ -44,7 +44,7 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'packing' has no attribute {name!r}")
+        raise AttributeError(f"module 'nopad.packing' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
 
 

@@ -2,7 +2,7 @@
 optional kernel package (flash-attn, causal-conv1d, fla, mamba_ssm) is installed.
 
 Without them nopad still works — the packer on the pure-Python reference in
-``packing.bins.algorithms``, decode attention on PyTorch — only slower; we say so once per extension,
+``nopad.packing.bins.algorithms``, decode attention on PyTorch — only slower; we say so once per extension,
 the first time it is needed, instead of failing.
 """
 
@@ -43,4 +43,4 @@ def load_extension(name: str, what: str, fallback: str) -> ModuleType | None:
 def native_packer() -> ModuleType | None:
     """The compiled packer, or None (the pure-Python reference is much slower on large datasets;
     ``benchmarks/bench_packing.py`` times the packers)."""
-    return load_extension("packing._packer", "packer", "the pure-Python packer (much slower)")
+    return load_extension("nopad.packing._packer", "packer", "the pure-Python packer (much slower)")

@@ -1,6 +1,6 @@
 """Batch-invariant numerics: every token's forward computed the same way whatever shares its batch.
 
-    with packing.batch_invariant():
+    with nopad.packing.batch_invariant():
         outs = generator.generate(prompts, params)    # rollouts
         logits = model(**packed_row).logits           # training forward: bitwise the same log-probs
 
@@ -19,7 +19,7 @@ differ visibly (``benchmarks/bench_exactness.py`` measures by how much). Under t
   torch picks its kernel from the row count, and a one-time probe that one call over all rows gave
   the tiles' bits did not prove it for every row (a bf16 row alone got other bits for ~0.15% of
   rows, issue 54). In the "triton" set the one-tile Triton matmul of
-  :mod:`packing.invariant_kernels`. Its backward is the ordinary GEMM: only the forward must match.
+  :mod:`nopad.packing.invariant_kernels`. Its backward is the ordinary GEMM: only the forward must match.
 - in the "triton" set (CUDA), reductions over one dim (``sum``, ``mean``: any dim, moved last) and
   over the last dim (``softmax``, ``log_softmax``) run Triton kernels with one fixed order per
   row too; torch's CUDA reductions choose how to split a row from the tensor's shape, so the
@@ -27,7 +27,7 @@ differ visibly (``benchmarks/bench_exactness.py`` measures by how much). Under t
   step than in a training row. (On CPU they were audited as row-local.)
 - nopad attention runs a backend declared ``invariant`` (its per-query order depends on nothing
   but the query's own keys), for training rows, prefill chunks and decode: the compiled CPU kernel
-  (:mod:`packing.attention.cpu_kernel`) or the Triton one (:mod:`packing.attention.triton_kernel`).
+  (:mod:`nopad.packing.attention.cpu_kernel`) or the Triton one (:mod:`nopad.packing.attention.triton_kernel`).
 - on CPU, the transcendental pointwise functions (``exp``, ``log``, ``sigmoid``, ``softplus``,
   ``silu``, ...: :data:`_POINTWISE`) run over a buffer padded to whole vector runs: torch computes
   an element in a SIMD lane or, in the tail of the buffer, with a scalar formula whose last bit
@@ -36,7 +36,7 @@ differ visibly (``benchmarks/bench_exactness.py`` measures by how much). Under t
   already always in the lanes: same bits as before.)
 - hybrid layers (Gated DeltaNet, KDA, short convolutions, Mamba2) run one order for every row: the
   delta rules and the Mamba2 scan token by token and the convolution as ordered gathers
-  (:mod:`packing.mixers.delta_rule`, :mod:`packing.mixers.ssm_steps`, :mod:`packing.mixers.conv`),
+  (:mod:`nopad.packing.mixers.delta_rule`, :mod:`nopad.packing.mixers.ssm_steps`, :mod:`nopad.packing.mixers.conv`),
   the order of the generator's decode, so prefill chunks, decode steps and training rows (flat or
   tree) agree bitwise.
 - Everything else in the tested families (embedding, RMSNorm's row mean, RoPE, activations,
@@ -73,7 +73,7 @@ def supported(device: torch.device | str, kernels: str | None = None) -> tuple[b
     ``NOPAD_ATTN_BACKEND``), and on CUDA (or with ``kernels="triton"``) the Triton kernels."""
     import os
 
-    from packing.attention.registry import BACKEND_ENV, invariant_names
+    from nopad.packing.attention.registry import BACKEND_ENV, invariant_names
 
     device = torch.device(device)
     forced = os.environ.get(BACKEND_ENV) or "auto"
@@ -83,7 +83,7 @@ def supported(device: torch.device | str, kernels: str | None = None) -> tuple[b
     if kernels == "cpu" and device.type != "cpu":
         return False, "kernels='cpu' is nopad's CPU kernel set; the model runs on " + device.type
     if kernels == "triton":
-        from packing import invariant_kernels
+        from nopad.packing import invariant_kernels
 
         ok, why = invariant_kernels.available()
         if not ok:
@@ -176,7 +176,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         bias = None if bias is None else bias.to(dtype)
     with torch.autocast(device, enabled=False):
         if kernel_set(x.device) == "triton":
-            from packing import invariant_kernels
+            from nopad.packing import invariant_kernels
 
             return invariant_kernels.Linear.apply(x, weight, bias)
         return _TiledLinear.apply(x, weight, bias)
@@ -285,7 +285,7 @@ class _InvariantOps(TorchFunctionMode):
         if (not isinstance(x, torch.Tensor) or not x.is_floating_point() or kernel_set(x.device) != "triton"
                 or kwargs.get("out") is not None):
             return None
-        from packing import invariant_kernels
+        from nopad.packing import invariant_kernels
 
         if (func not in _MEANS and x.dtype in (torch.float16, torch.bfloat16) and x.device.type == "cuda"
                 and torch.is_autocast_enabled("cuda")):

@@ -1,4 +1,4 @@
-"""Batch-invariant Triton ops for :func:`packing.batch_invariant` on CUDA (the "triton" kernel set).
+"""Batch-invariant Triton ops for :func:`nopad.packing.batch_invariant` on CUDA (the "triton" kernel set).
 
 Each op's reduction order depends only on the row it computes, never on how many rows share the
 call or where the row sits:

@@ -1,7 +1,7 @@
 """The log-softmax of a token's logits, its value at the chosen token, the entropy, and their
 gradient with respect to the logits: written once, for the chunked LM head's every path
-(:mod:`packing.lm_head`, :mod:`packing.linear_head`) and the generator's sampler, so the trainer
-and the generator compute a log-prob with the same kernels (under :func:`packing.batch_invariant`,
+(:mod:`nopad.packing.lm_head`, :mod:`nopad.packing.linear_head`) and the generator's sampler, so the trainer
+and the generator compute a log-prob with the same kernels (under :func:`nopad.packing.batch_invariant`,
 the same bits)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ def tempered_log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, out:
                          tempered_out: torch.Tensor | None = None, overwrite: bool = False) -> torch.Tensor:
     """``log_softmax(logits.float() / temperature)`` over the vocabulary: the one expression of a
     token's log-prob in nopad, for the trainer's chunks and the generator's sampler alike (so under
-    :func:`packing.batch_invariant` their bits agree). ``out`` / ``tempered_out``: buffers to reuse
+    :func:`nopad.packing.batch_invariant` their bits agree). ``out`` / ``tempered_out``: buffers to reuse
     for the result and the divided logits (the sampler's). ``overwrite``: ``logits`` are the
     caller's to lose; the result is written over them (fp32) or over their fp32 copy, so the chunked
     head holds one ``(rows, V)`` buffer, not two (the same kernel in place: each row is read before

@@ -2,7 +2,7 @@
 one typed record.
 
 Three producers write this schema - the training collator, the prefix-tree rows
-(:mod:`packing.bins.tree`: GRPO groups, forked episodes, per-turn SFT samples) and flat GRPO
+(:mod:`nopad.packing.bins.tree`: GRPO groups, forked episodes, per-turn SFT samples) and flat GRPO
 rollouts - and all go through :meth:`PackedRow.build`, the one place that turns token lists into
 the row's tensors, counts its loss tokens and checks that its parts agree. A row is also a
 read-only ``Mapping`` of its set fields (``row["input_ids"]``, ``"indices" in row``,
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from packing.varlen import VarlenMeta
+from nopad.packing.varlen import VarlenMeta
 
 IGNORE_INDEX = -100  # a label that carries no loss (transformers' and torch's cross-entropy default)
 
@@ -37,7 +37,7 @@ class PackedRow(Mapping):
     predict token ``t`` (``t - 1`` in a plain row; ``nopad_meta.previous_rows()[t]`` in a
     tree row), :data:`IGNORE_INDEX` where there is no loss.
 
-    A tree row (:mod:`packing.bins.tree`) lays a token shared by several sequences once, and
+    A tree row (:mod:`nopad.packing.bins.tree`) lays a token shared by several sequences once, and
     several of them may train on it: its loss is a list of *pairs* (sequence, token), as the flat
     sequences would have it. ``pair_tokens[i]`` is the loss token (index in label order) pair
     ``i`` reads and ``pair_seqs[i]`` its sequence (index into ``indices``); ``token_values`` and

@@ -159,7 +159,7 @@ class VarlenMeta:
         the way the generator's n samples read one prompt's shared KV blocks. Keys are read in
         place through ``key_index`` (no copy of the prompt's K/V), so the prompt is computed once
         and receives the gradients of all its completions. A meta for attention tests and
-        kernels; training rows are laid by :mod:`packing.bins.tree`."""
+        kernels; training rows are laid by :mod:`nopad.packing.bins.tree`."""
         q_lens, ctx_lens, key_lists = [], [], []
         start = 0
         for g, group in enumerate(groups):
@@ -187,7 +187,7 @@ class VarlenMeta:
     def with_key_lists(self, key_lists: Sequence[np.ndarray]) -> VarlenMeta:
         """This row with sequence ``i`` reading the row's own K/V rows ``key_lists[i]`` (its
         ``seqlens_k[i]`` keys, its queries last): the key index of shared-prefix and tree rows
-        (:mod:`packing.bins.tree`)."""
+        (:mod:`nopad.packing.bins.tree`)."""
         lens = [len(rows) for rows in key_lists]
         if tuple(lens) != self.seqlens_k:
             raise ValueError(f"key_lists have {lens} keys but the sequences {list(self.seqlens_k)}")

@@ -1,6 +1,6 @@
 """The boundary between a recipe and its user's shell: an error nopad raises on purpose (a NaN
 reward, a run directory in use, a damaged checkpoint, a missing optional dependency) is one line on
-stderr, ``recipes.sft: error: ...``, as a config error already is; ``NOPAD_DEBUG=1`` shows the
+stderr, ``nopad.recipes.sft: error: ...``, as a config error already is; ``NOPAD_DEBUG=1`` shows the
 traceback behind it.
 
 "On purpose" means the exception was raised by a ``raise`` statement in nopad's own source. Those

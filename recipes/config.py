@@ -3,14 +3,14 @@ overrides.
 
 Each recipe declares its config as a dataclass of sections (``SFTRecipeConfig.train.lr``); the defaults
 live there and nowhere else (the shipped ``recipes/configs/*.yaml`` are generated from them with
-their comments by ``python -m recipes.config``, and a test keeps the two equal). Loading checks
+their comments by ``python -m nopad.recipes.config``, and a test keeps the two equal). Loading checks
 every value against its field's type, so a typo (``rollout.max_token=8``) or a wrong value
 (``train.lr=abc``) is an error naming the key before anything is built, never a silently ignored
 setting or a TypeError deep inside the optimizer.
 
 This module reads configs (YAML files, ``key=value`` overrides, a recipe's command line); the typed
-sections are :mod:`recipes.config_types`, ``--help`` and the YAMLs :mod:`recipes.config_docs`, the
-sections the recipes share :mod:`recipes.config_sections` and the logging :mod:`recipes.logs`. The
+sections are :mod:`nopad.recipes.config_types`, ``--help`` and the YAMLs :mod:`nopad.recipes.config_docs`, the
+sections the recipes share :mod:`nopad.recipes.config_sections` and the logging :mod:`nopad.recipes.logs`. The
 names a recipe needs are re-exported here, so a recipe imports its config from one place.
 """
 
@@ -23,8 +23,8 @@ from typing import TypeVar
 
 import yaml
 
-from recipes.config_docs import GENERATED_YAMLS, help_text, render_yaml, write_yamls, yaml_header
-from recipes.config_sections import (
+from nopad.recipes.config_docs import GENERATED_YAMLS, help_text, render_yaml, write_yamls, yaml_header
+from nopad.recipes.config_sections import (
     MAX_LEARNING_RATE,
     AccelerateConfig,
     ChatModelConfig,
@@ -36,8 +36,8 @@ from recipes.config_sections import (
     check_optimizer,
     check_sampling,
 )
-from recipes.config_types import ConfigError, Section, from_dict
-from recipes.logs import NOISY_LOGGERS, setup_logging
+from nopad.recipes.config_types import ConfigError, Section, from_dict
+from nopad.recipes.logs import NOISY_LOGGERS, setup_logging
 
 __all__ = ["GENERATED_YAMLS", "MAX_LEARNING_RATE", "NOISY_LOGGERS", "AccelerateConfig", "ChatModelConfig",
            "ConfigError", "GeneratorConfig", "LoRAConfig", "ModelConfig", "Section", "StepCheckpointConfig",
@@ -185,6 +185,6 @@ def with_overrides(cfg: C, overrides: Sequence[str] | Mapping) -> C:
     return from_dict(type(cfg), _merge(cfg.to_dict(), _overrides(overrides)))
 
 
-if __name__ == "__main__":  # python -m recipes.config: regenerate recipes/configs/*.yaml
+if __name__ == "__main__":  # python -m nopad.recipes.config: regenerate recipes/configs/*.yaml
     for written in write_yamls():
         print(f"wrote {written}")

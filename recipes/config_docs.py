@@ -1,6 +1,6 @@
 """A config's documentation, read from its dataclasses: ``--help`` (each key with type, default and
 the comment beside its default) and the shipped ``recipes/configs/*.yaml`` (``python -m
-recipes.config`` rewrites them; a test keeps them equal), so a default is written once."""
+nopad.recipes.config`` rewrites them; a test keeps them equal), so a default is written once."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from recipes.config_types import _describe, _hints
+from nopad.recipes.config_types import _describe, _hints
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -78,7 +78,7 @@ def _help_lines(cls, prefix: str) -> list[str]:
 def render_yaml(cls, header: str = "") -> str:
     """``cls``'s defaults as a commented YAML file (each key with its field's comment), after the
     comment block ``header``. The shipped ``recipes/configs/<recipe>.yaml`` are this output
-    (``python -m recipes.config`` rewrites them), so a default is written once, in the dataclass."""
+    (``python -m nopad.recipes.config`` rewrites them), so a default is written once, in the dataclass."""
     lines = [line for line in header.splitlines() if line.strip()]
     lines += _yaml_lines(cls, "")
     return "\n".join(lines) + "\n"
@@ -113,10 +113,10 @@ def yaml_header(path: str | Path) -> str:
     return "\n".join(header)
 
 
-GENERATED_YAMLS = {"evaluate": "recipes.evaluate:EvaluateConfig",  # file stem -> its config class
-                   "grpo": "recipes.grpo_config:GRPORecipeConfig",
-                   "preprocess": "recipes.preprocess:PreprocessConfig",
-                   "sft": "recipes.sft_config:SFTRecipeConfig"}
+GENERATED_YAMLS = {"evaluate": "nopad.recipes.evaluate:EvaluateConfig",  # file stem -> its config class
+                   "grpo": "nopad.recipes.grpo_config:GRPORecipeConfig",
+                   "preprocess": "nopad.recipes.preprocess:PreprocessConfig",
+                   "sft": "nopad.recipes.sft_config:SFTRecipeConfig"}
 
 
 def write_yamls(directory: str | Path = Path(__file__).parent / "configs") -> list[Path]:

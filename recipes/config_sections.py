@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from recipes.config_types import ConfigError, Section
+from nopad.recipes.config_types import ConfigError, Section
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -59,9 +59,9 @@ class ChatModelConfig(ModelConfig):
 
 @dataclasses.dataclass
 class GeneratorConfig(Section):
-    """The in-flight generator's KV cache and step budget (:class:`inference.Generator`)."""
+    """The in-flight generator's KV cache and step budget (:class:`nopad.inference.Generator`)."""
 
-    block_size: int | None = None  # null: the library's rule (packing.attention.paged_block_size)
+    block_size: int | None = None  # null: the library's rule (nopad.packing.attention.paged_block_size)
     num_blocks: int = 1024  # KV cache blocks
     max_num_seqs: int = 64  # sequences in flight at once
     max_num_batched_tokens: int = 1024  # tokens per generator step (prefill chunks included)
@@ -79,7 +79,7 @@ class GeneratorConfig(Section):
 
 @dataclasses.dataclass
 class StepCheckpointConfig(Section):
-    """``step_N`` checkpoints, each written whole (:mod:`training.checkpoint`), and the resume."""
+    """``step_N`` checkpoints, each written whole (:mod:`nopad.training.checkpoint`), and the resume."""
 
     every: int = 0  # save a step_N checkpoint every N steps (as train counts them); 0: none before the end
     keep_last: int | None = None  # keep only the newest N complete checkpoints; null: keep all
@@ -122,9 +122,9 @@ def check_optimizer(train: Section) -> None:
 
 def check_sampling(**settings) -> None:
     """Sampling settings (``temperature``, ``top_p``, ``max_tokens``...) checked by the rule the
-    generator applies (:class:`inference.SamplingParams`), when the config is built: a
+    generator applies (:class:`nopad.inference.SamplingParams`), when the config is built: a
     ``temperature=-1`` is an error naming the key before the model loads, not minutes later."""
-    from inference.sampling_params import SamplingParams
+    from nopad.inference.sampling_params import SamplingParams
 
     try:
         SamplingParams(**settings)

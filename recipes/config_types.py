@@ -1,7 +1,7 @@
 """Typed config sections: dataclasses that convert and check every field by its annotation when
 built, so a wrong value (``train.lr=abc``) or an unknown key (``rollout.max_token=8``) is an error
 naming the key before anything is built. Reading files and the command line is
-:mod:`recipes.config`; ``--help`` and the shipped YAMLs are :mod:`recipes.config_docs`."""
+:mod:`nopad.recipes.config`; ``--help`` and the shipped YAMLs are :mod:`nopad.recipes.config_docs`."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """nopad's main job, measured here and now on the embedded SmolLM2-135M-Instruct, offline:
 
-    python -m recipes.demo        # or: make demo
+    python -m nopad.recipes.demo        # or: make demo
 
 1. packing report: tokenizes the embedded corpus (docstrings of Python's standard library) and
    compares the token slots computed with nopad's best-fit packing versus padding each random
    micro-batch to its longest sequence and padding every sequence to the capacity;
-2. a few packed SFT steps on those documents (``recipes.sft``), with tokens/s;
-3. GRPO steps on the built-in arithmetic task (``recipes.grpo``): rollouts from the in-flight
+2. a few packed SFT steps on those documents (``nopad.recipes.sft``), with tokens/s;
+3. GRPO steps on the built-in arithmetic task (``nopad.recipes.grpo``): rollouts from the in-flight
    generator on the very weights being trained, packed into varlen rows for the update, with
    rollout and training tokens/s, packed vs padded tokens, and the log-prob gap between the
    generator and the training forward; then where to run multi-turn tool episodes
@@ -23,7 +23,7 @@ from typing import TextIO
 import numpy as np
 from tqdm.auto import tqdm
 
-from assets.corpus import load_corpus
+from nopad.assets.corpus import load_corpus
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +58,11 @@ def packing_report(
 ) -> list[dict]:
     """Print (to ``out``, default stdout) and return one row per (capacity, method): rows,
     token slots computed, efficiency = real tokens / slots."""
-    from packing import pack  # (here: --help answers without torch)
+    from nopad.packing import pack  # (here: --help answers without torch)
 
     out = out or sys.stdout
     if tokenizer is None:
-        from assets.smollm2 import load_smollm2_tokenizer
+        from nopad.assets.smollm2 import load_smollm2_tokenizer
 
         tokenizer = load_smollm2_tokenizer()
     documents = load_corpus(max_documents)
@@ -110,7 +110,7 @@ def sft_demo(model, tokenizer, *, steps: int = 3, tokens_per_batch: int = 512, m
     import tempfile
     import time
 
-    from recipes.sft import SFTRecipeConfig, train
+    from nopad.recipes.sft import SFTRecipeConfig, train
 
     out = out or sys.stdout
     ids = tokenizer(load_corpus(max_documents), add_special_tokens=False)["input_ids"]
@@ -141,7 +141,7 @@ def sft_demo(model, tokenizer, *, steps: int = 3, tokens_per_batch: int = 512, m
 
 def grpo_demo(model, tokenizer, *, steps: int = 2, out: TextIO | None = None) -> list[dict]:
     """GRPO steps on the built-in arithmetic task with generator rollouts on the live weights."""
-    from recipes.grpo import GRPORecipeConfig, run_grpo
+    from nopad.recipes.grpo import GRPORecipeConfig, run_grpo
 
     out = out or sys.stdout
     cfg = GRPORecipeConfig(model={"path": None}, train={"steps": steps})
@@ -191,7 +191,7 @@ def main() -> None:
     """The whole job: packing report, packed SFT steps, GRPO steps with in-process rollouts."""
     argv = sys.argv[1:]
     if argv and argv[0] in ("-h", "--help"):
-        print(f"usage: nopad-demo  (python -m recipes.demo)\n\n{__doc__.strip()}\n\nIt takes no settings.")
+        print(f"usage: nopad-demo  (python -m nopad.recipes.demo)\n\n{__doc__.strip()}\n\nIt takes no settings.")
         raise SystemExit(0)
     if argv:
         print(f"nopad-demo: error: it takes no arguments, got {' '.join(argv)} (see nopad-demo --help)",
@@ -199,7 +199,7 @@ def main() -> None:
         raise SystemExit(2)
     import torch
 
-    from assets.smollm2 import load_smollm2
+    from nopad.assets.smollm2 import load_smollm2
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     clock = PhaseClock()
@@ -212,7 +212,7 @@ def main() -> None:
     grpo_demo(model, tokenizer)
     clock.lap("GRPO")
     print("\nmulti-turn tool episodes (a sequence pauses at a tool call with its KV kept, resumes by "
-          "prefilling the result; only the model's tokens are trained on): python -m recipes.grpo "
+          "prefilling the result; only the model's tokens are trained on): python -m nopad.recipes.grpo "
           "output_dir=runs/grpo_calc task.name=calculator (recipes/tool_tasks.py), or NopadGRPOTrainer("
           "tools=[...]) / environment_factory= in TRL (docs/trl.md)", file=sys.stdout)
     print(f"\n{clock.summary(torch.get_num_threads())}", file=sys.stdout)

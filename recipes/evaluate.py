@@ -1,7 +1,7 @@
 """Batched evaluation with the in-flight generator: accuracy under a scorer, tokens/s, and one
 JSONL line per prompt (prompt, completion, score, ...).
 
-    python -m recipes.evaluate [recipes/configs/evaluate.yaml] [key=value ...]
+    python -m nopad.recipes.evaluate [recipes/configs/evaluate.yaml] [key=value ...]
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from recipes.cli import run_recipe
-from recipes.config import (
+from nopad.recipes.cli import run_recipe
+from nopad.recipes.config import (
     ChatModelConfig,
     ConfigError,
     GeneratorConfig,
@@ -24,12 +24,12 @@ from recipes.config import (
     parse_cli,
     setup_logging,
 )
-from recipes.models import load_model
-from recipes.reward_calls import with_timeout
-from recipes.tasks import TASKS, example_fields, get_reward, load_examples
+from nopad.recipes.models import load_model
+from nopad.recipes.reward_calls import with_timeout
+from nopad.recipes.tasks import TASKS, example_fields, get_reward, load_examples
 
 if TYPE_CHECKING:
-    from training.grpo_step import RewardFn
+    from nopad.training.grpo_step import RewardFn
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class EvaluateConfig(Section):
 
     model: ChatModelConfig = field(default_factory=ChatModelConfig)
     data: EvalDataConfig = field(default_factory=EvalDataConfig)
-    scorer: str | Callable[..., Any] = "last_number_match"  # recipes.tasks.REWARDS name or "module:function"
+    scorer: str | Callable[..., Any] = "last_number_match"  # nopad.recipes.tasks.REWARDS name or "module:function"
     scorer_timeout: float | None = 60.0  # seconds a scorer call may take, else the run stops; null: no limit
     sampling: EvalSamplingConfig = field(default_factory=EvalSamplingConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
@@ -111,8 +111,8 @@ def evaluate(
     """
     from tqdm.auto import tqdm
 
-    from inference.chat import encode_prompt
-    from training.nonfinite import describe_sample, reward_value
+    from nopad.inference.chat import encode_prompt
+    from nopad.training.nonfinite import describe_sample, reward_value
 
     if getattr(sampling_params, "n", 1) != 1:
         raise ValueError(f"evaluation scores one completion per prompt; got sampling n={sampling_params.n}")
@@ -167,7 +167,7 @@ def evaluate(
 
 def run_evaluate(cfg: EvaluateConfig, model=None, tokenizer=None, progress: bool = True) -> dict:
     """Evaluate the configured model (or the given ``model``/``tokenizer``) on the prompt set."""
-    from inference import Generator, SamplingParams
+    from nopad.inference import Generator, SamplingParams
 
     scorer = with_timeout(get_reward(cfg.scorer, key="scorer"), cfg.scorer_timeout, "scorer_timeout",
                           cfg.data.prompt_field, kind="scorer")
@@ -203,14 +203,14 @@ def run_evaluate(cfg: EvaluateConfig, model=None, tokenizer=None, progress: bool
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_cli(EvaluateConfig, argv, "recipes.evaluate", __doc__)  # --help: before torch loads
+    cfg = parse_cli(EvaluateConfig, argv, "nopad.recipes.evaluate", __doc__)  # --help: before torch loads
     setup_logging("%(message)s")
     return run_evaluate(cfg)
 
 
 def cli() -> None:
     """The ``nopad-evaluate`` console script: the recipe from any directory once nopad is installed."""
-    run_recipe(main, "recipes.evaluate")
+    run_recipe(main, "nopad.recipes.evaluate")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,14 @@
 """GRPO on the live policy: generate with the in-flight generator on the very parameters the
 optimizer updates (no copy, no weight sync), score, pack prompt+completion sequences into varlen
 rows, recompute the log-probs with the training forward and take one optimizer step: each step is
-:func:`training.grpo_step.grpo_step`, the code the tests and the sharded runs call too.
+:func:`nopad.training.grpo_step.grpo_step`, the code the tests and the sharded runs call too.
 
-    python -m recipes.grpo [recipes/configs/grpo.yaml] output_dir=runs/grpo [key=value ...]
-    accelerate launch --config_file recipes/configs/accelerate_zero3.yaml -m recipes.grpo [...]
+    python -m nopad.recipes.grpo [recipes/configs/grpo.yaml] output_dir=runs/grpo [key=value ...]
+    accelerate launch --config_file recipes/configs/accelerate_zero3.yaml -m nopad.recipes.grpo [...]
 
 Under ZeRO-3 / FSDP2 the rollout gathers the full weights once or keeps the ranks in lockstep
-(``generator.sharded_rollout``, :mod:`inference.sharded`), and every rank trains on the same number
-of packed rows with exactly one optimizer step per GRPO step (:mod:`training.accumulation`).
+(``generator.sharded_rollout``, :mod:`nopad.inference.sharded`), and every rank trains on the same number
+of packed rows with exactly one optimizer step per GRPO step (:mod:`nopad.training.accumulation`).
 
 Both sides score the policy the rollouts were sampled from, ``softmax(logits / rollout.temperature)``
 (``rollout.logprobs=tempered``, TRL's; ``raw``: temperature 1, docs/rl.md). Generator and trainer
@@ -18,14 +18,14 @@ several optimizer steps per rollout batch (``train.num_iterations``, ``train.ste
 take the rollout's log-probs as the old policy's with no extra forward. When they are not equal
 (the mode off), ``train.old_logprobs=recompute`` scores the batch once with the trainer, and
 ``loss.is_correction`` re-weights each token or sequence (TRL's four modes). The loss is
-``loss.loss_type`` (TRL's names: :mod:`training.policy_loss`).
+``loss.loss_type`` (TRL's names: :mod:`nopad.training.policy_loss`).
 
 With ``model.lora`` set only a LoRA adapter trains (peft), the generator runs the adapted model as
 it is, and ``output_dir`` receives the adapter alone; ``model.path`` may itself be an adapter.
 
 ``checkpoint.every=N`` writes ``output_dir/step_N`` atomically every N GRPO steps (through SFT's
-:func:`training.checkpoint.save_training_checkpoint`: policy or adapter, optimizer, RNG and
-:class:`recipes.grpo_checkpoint.GRPOProgress`), and ``checkpoint.resume_from=latest`` continues
+:func:`nopad.training.checkpoint.save_training_checkpoint`: policy or adapter, optimizer, RNG and
+:class:`nopad.recipes.grpo_checkpoint.GRPOProgress`), and ``checkpoint.resume_from=latest`` continues
 exactly (docs/rl.md).
 """
 
@@ -37,19 +37,19 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from inference.chat import encode_prompt
-from recipes.cli import run_recipe
-from recipes.config import ConfigError, parse_cli, setup_logging
-from recipes.grpo_checkpoint import (
+from nopad.inference.chat import encode_prompt
+from nopad.recipes.cli import run_recipe
+from nopad.recipes.config import ConfigError, parse_cli, setup_logging
+from nopad.recipes.grpo_checkpoint import (
     Checkpointer,
     GRPOProgress,
     reference_identity,
     resume_settings,
 )
-from recipes.grpo_config import GRPORecipeConfig
-from recipes.models import load_model
-from recipes.reward_calls import with_timeout
-from recipes.tasks import (
+from nopad.recipes.grpo_config import GRPORecipeConfig
+from nopad.recipes.models import load_model
+from nopad.recipes.reward_calls import with_timeout
+from nopad.recipes.tasks import (
     TASKS,
     check_prompts_per_step,
     example_fields,
@@ -57,10 +57,10 @@ from recipes.tasks import (
     load_examples,
     tool_task,
 )
-from recipes.tool_tasks import chat_tool_prompt
+from nopad.recipes.tool_tasks import chat_tool_prompt
 
 if TYPE_CHECKING:  # torch and training/ are imported where they run, so --help answers without them
-    from training.grpo_step import GRPOLoss, ToolEpisodes
+    from nopad.training.grpo_step import GRPOLoss, ToolEpisodes
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +72,8 @@ CURVES = ("reward_mean", "loss", "logprob_gap_max")  # plotted to curves.png and
 def grpo_loss(cfg: GRPORecipeConfig, device) -> GRPOLoss:
     """The step's loss settings from ``loss`` and ``train``, with ``batch_invariant`` resolved for
     ``device``."""
-    from training.grpo import resolve_batch_invariant
-    from training.grpo_step import GRPOLoss
+    from nopad.training.grpo import resolve_batch_invariant
+    from nopad.training.grpo_step import GRPOLoss
 
     tr, lc = cfg.train, cfg.loss
     invariant = resolve_batch_invariant(tr.batch_invariant, device, "train.batch_invariant")
@@ -85,7 +85,7 @@ def grpo_loss(cfg: GRPORecipeConfig, device) -> GRPOLoss:
 
 
 def sampling_params(cfg: GRPORecipeConfig, step: int):
-    from inference import SamplingParams
+    from nopad.inference import SamplingParams
 
     ro = cfg.rollout
     task = tool_task(cfg.task.name, cfg.task.prompts)
@@ -130,7 +130,7 @@ def build_prompts(cfg: GRPORecipeConfig, tokenizer,
 
 def make_generator(model, cfg: GRPORecipeConfig, tokenizer=None):
     """The rollout generator; ``tokenizer`` for tool tasks, whose calls end at a stop string."""
-    from inference import Generator
+    from nopad.inference import Generator
 
     g = cfg.generator
     return Generator(model, tokenizer, block_size=g.block_size, num_blocks=g.num_blocks,
@@ -139,8 +139,8 @@ def make_generator(model, cfg: GRPORecipeConfig, tokenizer=None):
 
 def tool_episodes(cfg: GRPORecipeConfig, tokenizer) -> ToolEpisodes | None:
     """The tool task's tools, call format and episode limits; None for a single-turn task."""
-    from inference.episodes import EpisodeLimits
-    from training.grpo_step import ToolEpisodes
+    from nopad.inference.episodes import EpisodeLimits
+    from nopad.training.grpo_step import ToolEpisodes
 
     task = tool_task(cfg.task.name, cfg.task.prompts)
     if task is None:
@@ -151,11 +151,11 @@ def tool_episodes(cfg: GRPORecipeConfig, tokenizer) -> ToolEpisodes | None:
 
 
 def make_accelerator(cfg: GRPORecipeConfig):
-    """The run's Accelerator (:func:`training.accelerator.make_accelerator`)."""
-    from training.accelerator import make_accelerator as build_accelerator
+    """The run's Accelerator (:func:`nopad.training.accelerator.make_accelerator`)."""
+    from nopad.training.accelerator import make_accelerator as build_accelerator
 
     return build_accelerator(cfg.accelerate.deepspeed_config,
-                             max_grad_norm=cfg.train.max_grad_norm, recipe="recipes.grpo",
+                             max_grad_norm=cfg.train.max_grad_norm, recipe="nopad.recipes.grpo",
                              log_with=cfg.accelerate.log_with, project_dir=cfg.output_dir)
 
 
@@ -180,13 +180,13 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     import torch
     from tqdm.auto import tqdm
 
-    from packing.hf import NOPAD_ATTENTION, register_nopad_attention, use_nopad_attention
-    from training import checkpoint
-    from training.accelerator import engine_info
-    from training.accumulation import OptimizerStepper
-    from training.curves import finish_trackers, tracker_config, write_curves
-    from training.grpo_step import grpo_step
-    from training.optimizer import make_adamw
+    from nopad.packing.hf import NOPAD_ATTENTION, register_nopad_attention, use_nopad_attention
+    from nopad.training import checkpoint
+    from nopad.training.accelerator import engine_info
+    from nopad.training.accumulation import OptimizerStepper
+    from nopad.training.curves import finish_trackers, tracker_config, write_curves
+    from nopad.training.grpo_step import grpo_step
+    from nopad.training.optimizer import make_adamw
 
     reward_fn = with_timeout(get_reward(cfg.reward), cfg.reward_timeout, "reward_timeout",
                              cfg.task.prompt_field)
@@ -251,14 +251,14 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    cfg = parse_cli(GRPORecipeConfig, argv, "recipes.grpo", __doc__)  # --help: before torch loads
+    cfg = parse_cli(GRPORecipeConfig, argv, "nopad.recipes.grpo", __doc__)  # --help: before torch loads
     setup_logging("%(message)s")
     return run_grpo(cfg)
 
 
 def cli() -> None:
     """The ``nopad-grpo`` console script: the recipe from any directory once nopad is installed."""
-    run_recipe(main, "recipes.grpo")
+    run_recipe(main, "nopad.recipes.grpo")
 
 
 if __name__ == "__main__":

@@ -8,17 +8,17 @@ import hashlib
 import logging
 from pathlib import Path
 
-from recipes.config import ConfigError
-from recipes.grpo_config import GRPORecipeConfig
-from recipes.models import save_model_dir
-from training.progress import Progress
+from nopad.recipes.config import ConfigError
+from nopad.recipes.grpo_config import GRPORecipeConfig
+from nopad.recipes.models import save_model_dir
+from nopad.training.progress import Progress
 
 logger = logging.getLogger(__name__)
 
 
 class GRPOProgress(Progress):
     """What a GRPO checkpoint keeps beside the policy, optimizer and RNG: the GRPO steps done and the
-    settings a resume must keep (:class:`training.progress.Progress`), the prompt order and the
+    settings a resume must keep (:class:`nopad.training.progress.Progress`), the prompt order and the
     reference model's identity; a resume that changed any of them stops with one line."""
 
     def __init__(self, order: list[int], settings: dict, reference: dict | None):
@@ -68,11 +68,11 @@ def reference_identity(cfg: GRPORecipeConfig, ref_model) -> dict | None:
 
 class Checkpointer:
     """``save(step)``: ``output_dir/step_N`` atomically, a model (or LoRA adapter) directory with the
-    resume state in ``training_state/`` (:func:`training.checkpoint.save_training_checkpoint`);
+    resume state in ``training_state/`` (:func:`nopad.training.checkpoint.save_training_checkpoint`);
     :meth:`start` takes the run directory and resumes, :meth:`finish` writes the policy."""
 
     def __init__(self, cfg: GRPORecipeConfig, accelerator, model, tokenizer, run: GRPOProgress):
-        from training.lora import is_peft_model, keep_resume_state_to_adapter
+        from nopad.training.lora import is_peft_model, keep_resume_state_to_adapter
 
         self.cfg, self.accelerator, self.model, self.tokenizer = cfg, accelerator, model, tokenizer
         self.save_kwargs, self.load_kwargs = {}, {}
@@ -80,7 +80,7 @@ class Checkpointer:
             self.save_kwargs, self.load_kwargs = keep_resume_state_to_adapter(accelerator)
 
     def __call__(self, step: int) -> None:
-        from training import checkpoint
+        from nopad.training import checkpoint
 
         def save_model(d: Path) -> None:
             save_model_dir(self.accelerator, self.model, self.tokenizer, d)
@@ -92,7 +92,7 @@ class Checkpointer:
     def start(self, run: GRPOProgress) -> Path | None:
         """``output_dir`` (None without one), locked against a second run into it, and ``run`` at
         the resumed step with ``checkpoint.resume_from``."""
-        from training import checkpoint
+        from nopad.training import checkpoint
 
         cfg, accelerator = self.cfg, self.accelerator
         out = Path(cfg.output_dir) if cfg.output_dir else None

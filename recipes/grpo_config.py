@@ -1,7 +1,7 @@
 """The GRPO recipe's settings (``recipes/grpo.py``): a dataclass of sections that checks itself
 when built. Each default and its comment are written once: here, or where a section comes from
-(the loss's knobs: :mod:`training.policy_loss.settings`; shared sections: :mod:`recipes.config_sections`);
-``recipes/configs/grpo.yaml`` is generated from them (``python -m recipes.config``) and a test keeps it so."""
+(the loss's knobs: :mod:`nopad.training.policy_loss.settings`; shared sections: :mod:`nopad.recipes.config_sections`);
+``recipes/configs/grpo.yaml`` is generated from them (``python -m nopad.recipes.config``) and a test keeps it so."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
-from recipes.config import (
+from nopad.recipes.config import (
     AccelerateConfig,
     ChatModelConfig,
     ConfigError,
@@ -22,11 +22,11 @@ from recipes.config import (
     check_optimizer,
     check_sampling,
 )
-from recipes.tasks import TASKS, get_reward
-from training.policy_loss.settings import PolicyLossSettings
+from nopad.recipes.tasks import TASKS, get_reward
+from nopad.training.policy_loss.settings import PolicyLossSettings
 
-if TYPE_CHECKING:  # (training.policy_loss imports torch: a config, and --help, load without it)
-    from training.policy_loss import PolicyLossConfig
+if TYPE_CHECKING:  # (nopad.training.policy_loss imports torch: a config, and --help, load without it)
+    from nopad.training.policy_loss import PolicyLossConfig
 
 
 @dataclass
@@ -36,10 +36,10 @@ class GRPOModelConfig(ChatModelConfig):
 
 @dataclass
 class TaskConfig(Section):
-    """The prompts: a built-in task (``recipes.tasks.TASKS``) or a JSONL file / saved dataset with
+    """The prompts: a built-in task (``nopad.recipes.tasks.TASKS``) or a JSONL file / saved dataset with
     ``prompt`` (and ``answer``) fields."""
 
-    name: str = "arithmetic"  # recipes.tasks.TASKS (calculator: a tool task); ignored when prompts is set
+    name: str = "arithmetic"  # nopad.recipes.tasks.TASKS (calculator: a tool task); ignored when prompts is set
     prompts: str | None = None  # a data file or saved dataset with prompt (and answer) fields
     prompt_field: str = "prompt"  # the field of each record that holds the prompt
     num_prompts: int = 64  # the size of the built-in task
@@ -62,7 +62,7 @@ class RolloutConfig(Section):
     logprobs: Literal["tempered", "raw"] = "tempered"  # trained: softmax(logits/temperature) as TRL | raw
     top_p: float = 1.0  # 1: no nucleus filter
     seed: int = 0  # sampling seed (a different one each step)
-    max_turns: int = 4  # tool tasks (recipes.tool_tasks): model turns per episode
+    max_turns: int = 4  # tool tasks (nopad.recipes.tool_tasks): model turns per episode
     tool_timeout: float = 10.0  # tool tasks: seconds a round of tool calls may take
 
     def check(self) -> None:
@@ -87,7 +87,7 @@ class GRPOGeneratorConfig(GeneratorConfig):
 
 @dataclass
 class GRPOLossConfig(Section, PolicyLossSettings):
-    """The policy loss (:mod:`training.policy_loss`): TRL 1.16 ``GRPOConfig``'s names and defaults
+    """The policy loss (:mod:`nopad.training.policy_loss`): TRL 1.16 ``GRPOConfig``'s names and defaults
     (``is_*`` are TRL's ``vllm_importance_sampling_*``). A knob the chosen loss ignores is an error."""
 
     # the loss's knobs are PolicyLossSettings' (declared there once); these two the step reads
@@ -95,14 +95,14 @@ class GRPOLossConfig(Section, PolicyLossSettings):
     mask_truncated_completions: bool = False  # completions cut by rollout.max_tokens carry no loss
 
     def check(self) -> None:
-        try:  # PolicyLossConfig's checks (training.policy_loss imports torch: only when a config is built)
+        try:  # PolicyLossConfig's checks (nopad.training.policy_loss imports torch: only when a config is built)
             self.policy(max_completion_length=1)
         except ValueError as err:
             raise knob_error(err) from None
 
     def policy(self, max_completion_length: int) -> PolicyLossConfig:
         """The loss's settings (``max_completion_length``: dr_grpo's normaliser, rollout.max_tokens)."""
-        from training.policy_loss import PolicyLossConfig
+        from nopad.training.policy_loss import PolicyLossConfig
 
         knobs = {f.name: getattr(self, f.name) for f in fields(PolicyLossSettings)}
         if self.loss_type == "dr_grpo":
@@ -146,12 +146,12 @@ GRPOCheckpointConfig = StepCheckpointConfig  # SFT's adds its output_dir; GRPO's
 @dataclass
 class GRPORecipeConfig(Section):
     """The GRPO recipe's settings; ``recipes/configs/grpo.yaml`` is generated from them.
-    ``output_dir`` is required unless :func:`recipes.grpo.run_grpo` is given the model object
+    ``output_dir`` is required unless :func:`nopad.recipes.grpo.run_grpo` is given the model object
     (then the caller holds the trained policy)."""
 
     model: GRPOModelConfig = field(default_factory=GRPOModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
-    reward: str | Callable[..., Any] = "last_number_match"  # recipes.tasks.REWARDS name or "module:function"
+    reward: str | Callable[..., Any] = "last_number_match"  # nopad.recipes.tasks.REWARDS name or "module:function"
     reward_timeout: float | None = 60.0  # seconds a reward call may take, else the run stops; null: no limit
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     generator: GRPOGeneratorConfig = field(default_factory=GRPOGeneratorConfig)

@@ -11,7 +11,7 @@ NOISY_LOGGERS = ("accelerate.checkpointing",  # 8 "saved ... to ..." lines per c
 # where a deprecation FutureWarning is for nopad's developers, not for the user of a recipe: raised in
 # the libraries underneath, or attributed to nopad's own call of them
 QUIET_FUTURE_WARNINGS = (r"(torch|transformers|accelerate|deepspeed|trl|peft|datasets|huggingface_hub|"
-                         r"safetensors|packing|dataloaders|inference|training|recipes|assets)(\..*)?$")
+                         r"safetensors|nopad)(\..*)?$")
 
 
 def setup_logging(fmt: str = "%(asctime)s %(name)s: %(message)s") -> None:

@@ -1,7 +1,7 @@
 """Models for the recipes: ``model.path`` to ``(model, tokenizer)`` (the embedded SmolLM2, a tiny
 test model, a local Hugging Face directory, a training run's newest checkpoint, or a LoRA adapter on
 the base it records), and back to a directory the next recipe loads. The config sections that name
-them (:class:`recipes.config_sections.ModelConfig`, :class:`recipes.config_sections.LoRAConfig`)
+them (:class:`nopad.recipes.config_sections.ModelConfig`, :class:`nopad.recipes.config_sections.LoRAConfig`)
 stay with the configs."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from recipes.config import ConfigError, LoRAConfig, ModelConfig
+from nopad.recipes.config import ConfigError, LoRAConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ def load_model(model_cfg: ModelConfig):
     anything else is a local Hugging Face model directory, or a LoRA adapter directory (loaded onto
     the base it records). With ``model.lora`` set the model comes back as a peft ``PeftModel`` whose
     adapter alone trains; without it an adapter is merged into its base (a plain model)."""
-    from training import lora as peft_lora
+    from nopad.training import lora as peft_lora
 
     lora: LoRAConfig | None = getattr(model_cfg, "lora", None)
     path = check_model_path(model_cfg.path)
@@ -38,7 +38,7 @@ def load_model(model_cfg: ModelConfig):
 
 def _with_tool_template(tokenizer, template: str | None):
     """``model.tool_template``: the tokenizer with a chat template that writes tool calls."""
-    from inference.tools import use_tool_template
+    from nopad.inference.tools import use_tool_template
 
     if template is None:
         return tokenizer
@@ -54,7 +54,7 @@ def _with_tool_template(tokenizer, template: str | None):
 def _load_adapter_dir(model_cfg: ModelConfig, path: str, lora: LoRAConfig | None):
     """A LoRA adapter directory on its recorded base: trained further when ``model.lora`` is set
     (with the adapter's own settings: others are an error, not a silent choice), else merged."""
-    from training import lora as peft_lora
+    from nopad.training import lora as peft_lora
 
     base = peft_lora.adapter_base(path)
     if not (base == "smollm2" or base.startswith("tiny:") or Path(base).is_dir()):
@@ -80,7 +80,7 @@ def _load_adapter_dir(model_cfg: ModelConfig, path: str, lora: LoRAConfig | None
 def lora_differences(adapter_dir: str | Path, lora: LoRAConfig) -> list[str]:
     """``model.lora.<key>=<value> but the adapter has <saved>`` for each LoRA setting that differs
     from the adapter saved in ``adapter_dir``; empty when they match."""
-    from training import lora as peft_lora
+    from nopad.training import lora as peft_lora
 
     saved = peft_lora.adapter_settings(adapter_dir)
     wanted = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
@@ -95,7 +95,7 @@ def check_resume_lora(checkpoint_dir: str | Path, lora: LoRAConfig | None) -> No
     """Resuming needs the LoRA settings of the run that wrote ``checkpoint_dir``: a changed one is
     an error naming it (before loading, which would fail on shapes, or, for ``alpha`` or
     ``dropout``, go on silently with another model)."""
-    from training import lora as peft_lora
+    from nopad.training import lora as peft_lora
 
     if not Path(checkpoint_dir).is_dir():
         return  # the resume itself says what is missing
@@ -118,7 +118,7 @@ def _saved_tokenizer(path: str):
     """The tokenizer saved in a model or adapter directory, or None if it holds none."""
     from transformers import AutoTokenizer
 
-    from recipes.tasks import AsciiTokenizer
+    from nopad.recipes.tasks import AsciiTokenizer
 
     if (Path(path) / AsciiTokenizer.SAVED_NAME).is_file():  # a checkpoint of a tiny:* model
         return AsciiTokenizer.from_pretrained(path)
@@ -133,12 +133,12 @@ def _load_base(model_cfg: ModelConfig, path: str):
 
     dtype = getattr(torch, model_cfg.dtype)
     if path.startswith("tiny:"):  # smoke runs and multi-process tests: no files, ASCII tokens
-        from recipes.tasks import AsciiTokenizer, tiny_causal_lm
+        from nopad.recipes.tasks import AsciiTokenizer, tiny_causal_lm
 
         model, _ = tiny_causal_lm(path.split(":", 1)[1])
         return model.to(dtype).eval(), AsciiTokenizer()
     if path == "smollm2":
-        from assets.smollm2 import load_smollm2
+        from nopad.assets.smollm2 import load_smollm2
 
         return load_smollm2(dtype=dtype)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -163,7 +163,7 @@ TOKENIZER_FILES = ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "*.ti
 def check_tokenizer_files(path: str | Path) -> None:
     """A model directory must hold its tokenizer: without one, transformers ends in "install
     sentencepiece or tiktoken", which is not the cause."""
-    from recipes.tasks import AsciiTokenizer
+    from nopad.recipes.tasks import AsciiTokenizer
 
     path = Path(path)
     if (path / AsciiTokenizer.SAVED_NAME).is_file():  # a checkpoint of a tiny:* model
@@ -180,11 +180,11 @@ def check_tokenizer_files(path: str | Path) -> None:
 
 def save_model_dir(accelerator, model, tokenizer, path: str | Path) -> None:
     """Write an HF model directory (config, safetensors weights, tokenizer) that
-    ``AutoModelForCausalLM.from_pretrained``, ``recipes.evaluate`` and ``recipes.grpo`` load. The
+    ``AutoModelForCausalLM.from_pretrained``, ``nopad.recipes.evaluate`` and ``nopad.recipes.grpo`` load. The
     weights are consolidated by Accelerate (DDP, DeepSpeed ZeRO, FSDP); every rank must call this.
     A LoRA model writes its adapter alone (``adapter_model.safetensors``, ``adapter_config.json``
     naming the base model), which ``model.path`` loads onto that base."""
-    from training.lora import is_peft_model
+    from nopad.training.lora import is_peft_model
 
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
@@ -210,6 +210,6 @@ def check_model_path(path) -> str:
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model.path={path!r} is not a directory; give a local Hugging Face "
                                 "model directory, a training run's output directory, or model.path=smollm2")
-    from training.checkpoint import resolve_model_dir
+    from nopad.training.checkpoint import resolve_model_dir
 
     return str(resolve_model_dir(path))

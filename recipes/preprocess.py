@@ -1,6 +1,6 @@
 """Tokenize plain-text or chat data, pack it with one global best-fit pass, save it to disk.
 
-    python -m recipes.preprocess [recipes/configs/preprocess.yaml] input=data.jsonl output=packed/
+    python -m nopad.recipes.preprocess [recipes/configs/preprocess.yaml] input=data.jsonl output=packed/
 
 Chat data (a ``messages`` list per row) is rendered with the tokenizer's chat template and only
 assistant turns get labels; prompt tokens are ``IGNORE_INDEX``. Plain text gets ``input_ids`` only (every
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from recipes.cli import run_recipe
-from recipes.config import ConfigError, Section, parse_cli, setup_logging
+from nopad.recipes.cli import run_recipe
+from nopad.recipes.config import ConfigError, Section, parse_cli, setup_logging
 
 if TYPE_CHECKING:  # datasets, dataloaders and packing are imported where they run: --help needs none
     import datasets
@@ -57,10 +57,10 @@ class PreprocessConfig(Section):
 def load_records(path: str | Path, messages_field: str = "messages", text_field: str = "text",
                  split: str | None = None) -> datasets.Dataset:
     """Chat (``messages_field``) or text (``text_field``) records from any input
-    :func:`dataloaders.sources.load_records` reads; a wrong record, or a wrong conversation
-    (:func:`inference.chat.check_conversation`), is an error naming its line and field."""
-    from dataloaders import sources
-    from inference.chat import check_conversation
+    :func:`nopad.dataloaders.sources.load_records` reads; a wrong record, or a wrong conversation
+    (:func:`nopad.inference.chat.check_conversation`), is an error naming its line and field."""
+    from nopad.dataloaders import sources
+    from nopad.inference.chat import check_conversation
 
     def chat_ok(record, where: str) -> None:
         if messages_field in record:
@@ -72,7 +72,7 @@ def load_records(path: str | Path, messages_field: str = "messages", text_field:
 
 def load_tokenizer(name: str):
     if name == "smollm2":
-        from assets.smollm2 import load_smollm2_tokenizer
+        from nopad.assets.smollm2 import load_smollm2_tokenizer
 
         return load_smollm2_tokenizer()
     if not Path(name).is_dir():
@@ -102,7 +102,7 @@ def tokenize_dataset(
 ) -> datasets.Dataset:
     """Chat rows (``messages_field``) -> ``input_ids`` + ``labels``; text rows -> ``input_ids``."""
     if messages_field in ds.column_names:
-        from inference.chat import check_conversation, tokenize_conversation
+        from nopad.inference.chat import check_conversation, tokenize_conversation
 
         def chat(row, index):
             check_conversation(row[messages_field], f"record {index}", messages_field)
@@ -128,7 +128,7 @@ def tokenize_dataset(
 def check_output_dir(output: str | Path) -> None:
     """``output`` must be new, empty or an earlier packed dataset (which is replaced): writing into a
     training run or a model directory would mix a dataset into it."""
-    from training.checkpoint import dir_kind
+    from nopad.training.checkpoint import dir_kind
 
     kind = dir_kind(output) if Path(output).exists() else "empty"
     if Path(output).exists() and not Path(output).is_dir():
@@ -141,8 +141,8 @@ def check_output_dir(output: str | Path) -> None:
 
 
 def run_preprocess(cfg: PreprocessConfig) -> datasets.Dataset:
-    from dataloaders import sources
-    from packing import pack_dataset
+    from nopad.dataloaders import sources
+    from nopad.packing import pack_dataset
 
     if not cfg.input or not cfg.output:
         raise ValueError("set both input=<JSONL file or dataset directory> and output=<directory>")
@@ -174,14 +174,14 @@ def run_preprocess(cfg: PreprocessConfig) -> datasets.Dataset:
 
 
 def main(argv: list[str] | None = None) -> datasets.Dataset:
-    cfg = parse_cli(PreprocessConfig, argv, "recipes.preprocess", __doc__)  # --help: before torch loads
+    cfg = parse_cli(PreprocessConfig, argv, "nopad.recipes.preprocess", __doc__)  # --help: before torch loads
     setup_logging("%(message)s")
     return run_preprocess(cfg)
 
 
 def cli() -> None:
     """The ``nopad-preprocess`` console script: the recipe from any directory once nopad is installed."""
-    run_recipe(main, "recipes.preprocess")
+    run_recipe(main, "nopad.recipes.preprocess")
 
 
 if __name__ == "__main__":

@@ -11,14 +11,14 @@ from pathlib import Path
 def load_examples(path: str | Path, prompt_field: str = "prompt", key: str = "data.path",
                   split: str | None = None, needs: Sequence[str] = (),
                   reader: str = "the reward") -> list[dict]:
-    """Prompt examples from any input :func:`dataloaders.sources.load_records` reads (JSONL,
+    """Prompt examples from any input :func:`nopad.dataloaders.sources.load_records` reads (JSONL,
     parquet, CSV, a saved dataset...). Every example needs a string ``prompt_field``: a null prompt
     is an error naming its line, not the text "None". Null fields besides it are left out.
 
     Checked before anything runs, naming the records (an empty prompt was "raise
     max_prompt_tokens", a missing answer a run of all-zero rewards): no prompt is empty, and each
     example has the fields ``needs`` that ``reader`` (e.g. ``"reward=exact_match"``) compares against."""
-    from dataloaders.sources import load_records
+    from nopad.dataloaders.sources import load_records
 
     empty: list[str] = []
     missing: dict[str, list[str]] = {name: [] for name in needs}

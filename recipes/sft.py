@@ -4,13 +4,13 @@
 Read top to bottom: build the model and the rows, a packed loader that shards itself over the
 ranks (it is NOT passed to ``accelerator.prepare``, which would shard it a second time), then one
 optimizer step per window of ``grad_accum`` micro-batches with the loss normalised by the window's
-global loss-token count (:mod:`training.sft`, :mod:`training.sft_data`). Checkpoints hold model,
+global loss-token count (:mod:`nopad.training.sft`, :mod:`nopad.training.sft_data`). Checkpoints hold model,
 optimizer, scheduler, RNG and loader position, so ``checkpoint.resume_from`` continues with
 exactly the batches the uninterrupted run would see.
 
-    python -m recipes.sft recipes/configs/sft.yaml train.epochs=1 model.path=tiny:llama
-    accelerate launch --config_file recipes/configs/accelerate_ddp.yaml -m recipes.sft
-    accelerate launch --config_file recipes/configs/accelerate_deepspeed.yaml -m recipes.sft
+    python -m nopad.recipes.sft recipes/configs/sft.yaml train.epochs=1 model.path=tiny:llama
+    accelerate launch --config_file recipes/configs/accelerate_ddp.yaml -m nopad.recipes.sft
+    accelerate launch --config_file recipes/configs/accelerate_deepspeed.yaml -m nopad.recipes.sft
 
 Each checkpoint ``step_N`` is a Hugging Face model directory (``model.path=.../step_N`` in
 evaluate, GRPO or ``from_pretrained``) with the resume state in ``step_N/training_state``. With
@@ -27,10 +27,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from recipes.cli import raised_on_purpose, run_recipe
-from recipes.config import ConfigError, parse_cli, setup_logging
-from recipes.models import check_resume_lora, load_model, save_model_dir
-from recipes.sft_config import SFTRecipeConfig
+from nopad.recipes.cli import raised_on_purpose, run_recipe
+from nopad.recipes.config import ConfigError, parse_cli, setup_logging
+from nopad.recipes.models import check_resume_lora, load_model, save_model_dir
+from nopad.recipes.sft_config import SFTRecipeConfig
 
 logger = logging.getLogger(__name__)
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sft.yaml"  # these defaults, with comments
@@ -38,11 +38,11 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sft.yaml"  # these default
 
 # ---------------------------------------------------------------------------------- the run
 def make_accelerator(cfg: SFTRecipeConfig):
-    """The run's Accelerator (:func:`training.accelerator.make_accelerator`) from the config."""
-    from training.accelerator import make_accelerator as build_accelerator
+    """The run's Accelerator (:func:`nopad.training.accelerator.make_accelerator`) from the config."""
+    from nopad.training.accelerator import make_accelerator as build_accelerator
 
     return build_accelerator(cfg.accelerate.deepspeed_config, grad_accum=cfg.train.grad_accum,
-                             max_grad_norm=cfg.train.max_grad_norm, recipe="recipes.sft",
+                             max_grad_norm=cfg.train.max_grad_norm, recipe="nopad.recipes.sft",
                              log_with=cfg.accelerate.log_with, project_dir=cfg.checkpoint.output_dir)
 
 
@@ -50,8 +50,8 @@ def model_to_train(cfg: SFTRecipeConfig, model=None, tokenizer=None):
     """``(model, tokenizer)``: ``model.path`` loaded unless given, set up to train (nopad attention,
     no KV cache, activation checkpointing when asked); a resumed run's changed LoRA setting is
     named before the model loads."""
-    from training import checkpoint
-    from training import sft as sft_loop
+    from nopad.training import checkpoint
+    from nopad.training import sft as sft_loop
 
     ccfg = cfg.checkpoint
     if ccfg.resume_from:
@@ -75,7 +75,7 @@ def model_to_train(cfg: SFTRecipeConfig, model=None, tokenizer=None):
 def training_rows(dcfg, rows, tokenizer, vocab_size: int):
     """The rows to pack: ``data.source``'s unless ``rows`` are given (then tokenized, or made
     per-turn samples of their conversations with ``data.per_turn_samples``)."""
-    from training import sft_data
+    from nopad.training import sft_data
 
     if rows is None:
         return sft_data.load_rows(dcfg, tokenizer, vocab_size)
@@ -89,8 +89,8 @@ def prepare(accelerator, model, optimizer, tcfg):
     Accelerate, the step's owner, and what a LoRA run's resume state saves and loads (the adapter,
     not a copy of the base). The loader is not prepared (it shards itself); neither is the
     scheduler, which Accelerate would step once per process for every optimizer step."""
-    from training.accumulation import OptimizerStepper
-    from training.lora import is_peft_model, keep_resume_state_to_adapter
+    from nopad.training.accumulation import OptimizerStepper
+    from nopad.training.lora import is_peft_model, keep_resume_state_to_adapter
 
     logger.info("setting up %s on %d process(es) (a DeepSpeed ZeRO-3 start partitions the weights here)",
                 accelerator.distributed_type, accelerator.num_processes)
@@ -106,7 +106,7 @@ def prepare(accelerator, model, optimizer, tcfg):
 def claim_and_resume(accelerator, ccfg, progress, loader, load_kwargs: dict) -> Path:
     """Take the run directory (a lock; its metrics are this run's) and, with
     ``checkpoint.resume_from``, load the training state the loop goes on from."""
-    from training import checkpoint
+    from nopad.training import checkpoint
 
     output_dir = Path(ccfg.output_dir)
     checkpoint.claim_run_dir(output_dir, accelerator, resuming=bool(ccfg.resume_from))
@@ -128,10 +128,10 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     """
     import torch  # (imported here, not at the top, so that --help answers without torch)
 
-    from training import checkpoint, sft_data
-    from training import sft as sft_loop
-    from training.accelerator import engine_info
-    from training.curves import tracker_config
+    from nopad.training import checkpoint, sft_data
+    from nopad.training import sft as sft_loop
+    from nopad.training.accelerator import engine_info
+    from nopad.training.curves import tracker_config
 
     tcfg, dcfg, ccfg = cfg.train, cfg.data, cfg.checkpoint
     accelerator = accelerator or make_accelerator(cfg)
@@ -202,9 +202,9 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_cli(SFTRecipeConfig, argv, "recipes.sft", __doc__)  # --help: before torch loads
+    cfg = parse_cli(SFTRecipeConfig, argv, "nopad.recipes.sft", __doc__)  # --help: before torch loads
     setup_logging()
-    from training.host_memory import return_freed_memory
+    from nopad.training.host_memory import return_freed_memory
 
     return_freed_memory()  # freed activations go back to the OS, not into glibc's heap (bench_memory.py)
     return train(cfg)
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def cli() -> None:
     """The ``nopad-sft`` console script: the recipe from any directory once nopad is installed."""
-    run_recipe(main, "recipes.sft")
+    run_recipe(main, "nopad.recipes.sft")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """The SFT recipe's settings (``recipes/sft.py``): a dataclass of sections that checks itself when
 built. Each default and its comment are written here once; ``recipes/configs/sft.yaml`` is generated
-from them (``python -m recipes.config``) and a test keeps it so."""
+from them (``python -m nopad.recipes.config``) and a test keeps it so."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
-from recipes.config import (
+from nopad.recipes.config import (
     AccelerateConfig,
     ConfigError,
     LoRAConfig,
@@ -28,7 +28,7 @@ class SFTModelConfig(ModelConfig):
 @dataclass
 class SFTDataConfig(Section):
     """Where rows come from (``synthetic``, a data file or a saved dataset directory) and how they
-    are packed into micro-batches of ``tokens_per_batch`` tokens. Pre-packed rows (``recipes.preprocess``,
+    are packed into micro-batches of ``tokens_per_batch`` tokens. Pre-packed rows (``nopad.recipes.preprocess``,
     TRL's ``pack_dataset``) keep their documents apart."""
 
     source: str = "synthetic"  # synthetic | a data file (JSONL, parquet, CSV, ...) | a saved dataset dir

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from inference.tools import ChatTemplateTools
-from recipes.prompt_sets import load_examples as load_examples  # where it was
-from recipes.reward_calls import check_reward_signature
-from recipes.tool_tasks import (
+from nopad.inference.tools import ChatTemplateTools
+from nopad.recipes.prompt_sets import load_examples as load_examples  # where it was
+from nopad.recipes.reward_calls import check_reward_signature
+from nopad.recipes.tool_tasks import (
     CALCULATOR_SYSTEM,
     CALL_CLOSE,
     TextToolFormat,
@@ -30,7 +30,7 @@ from recipes.tool_tasks import (
 )
 
 if TYPE_CHECKING:  # the one reward type; training (torch) is not imported to read configs
-    from training.grpo_step import RewardFn
+    from nopad.training.grpo_step import RewardFn
 
 ARITHMETIC_TEMPLATE = "What is {a} {op} {b}? Answer with the number only."
 
@@ -160,7 +160,7 @@ def check_prompts_per_step(num_prompts: int, prompts_per_step: int, world_size: 
 @dataclass(frozen=True)
 class Task:
     """A built-in task: its examples and, for a tool task, its tools, the stop strings that end a
-    model turn at a call, and the call format (``tokenizer -> inference.tools.ToolFormat``)."""
+    model turn at a call, and the call format (``tokenizer -> nopad.inference.tools.ToolFormat``)."""
 
     examples: Callable[..., list[dict]]
     tools: Mapping[str, Callable] = field(default_factory=dict)
@@ -215,7 +215,7 @@ class AsciiTokenizer:
             return {"input_ids": self.encode(text)}
         return {"input_ids": [self.encode(t) for t in text]}
 
-    # A model directory saved with this tokenizer carries this file; recipes.models.load_model reads
+    # A model directory saved with this tokenizer carries this file; nopad.recipes.models.load_model reads
     # it back, so checkpoints of tiny:* models chain like any other model directory.
     SAVED_NAME = "nopad_ascii_tokenizer.json"
 

@@ -4,7 +4,7 @@
 (``<tool_call>{"name": "calculator", ...}</tool_call>``, parsed by :class:`ChatTemplateTools`), for a
 tokenizer with a tool template (``model.tool_template=smollm2``). SmolLM2-135M does not call a
 tool unprompted, so :func:`calculator_demonstrations` writes tool-call conversations for a short
-warm-start SFT before GRPO (``python -m recipes.tool_tasks demos.jsonl``, docs/rl.md).
+warm-start SFT before GRPO (``python -m nopad.recipes.tool_tasks demos.jsonl``, docs/rl.md).
 
 ``calculator``: arithmetic with three operands, and a ``calculator`` tool the model may call in
 any turn. The tool call is text the model writes, ``<calc>17 * 23</calc>``: the closing tag is a
@@ -12,7 +12,7 @@ stop string that ends the model's turn, the result comes back as ``<result>391</
 appended after it (token-in/token-out, :class:`TextToolFormat`), and the model goes on. This
 works with any tokenizer, also for models whose chat template has no tool-call format
 (SmolLM2-135M, the tiny test models); a model whose template has one is better served by
-:class:`inference.tools.ChatTemplateTools`, which ``Generator.run_episodes`` uses by default.
+:class:`nopad.inference.tools.ChatTemplateTools`, which ``Generator.run_episodes`` uses by default.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import operator
 import random
 import re
 
-from inference.tools import ChatTemplateTools, ToolCall
-from recipes.config import ConfigError
+from nopad.inference.tools import ChatTemplateTools, ToolCall
+from nopad.recipes.config import ConfigError
 
 CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
@@ -64,7 +64,7 @@ def calculator(expression: str) -> str:
 
 def calculator_task(num_prompts: int = 64, seed: int = 0, max_operand: int = 99) -> list[dict]:
     """``"What is 17 * 23 + 4? ..."`` with answer ``"395"``: large enough that a small model gains
-    from the tool, checked by :func:`recipes.tasks.last_number_match`."""
+    from the tool, checked by :func:`nopad.recipes.tasks.last_number_match`."""
     tags = {"open": CALL_OPEN, "close": CALL_CLOSE, "ropen": RESULT_OPEN, "rclose": RESULT_CLOSE}
     examples = _expressions(num_prompts, seed, max_operand)
     return [{"prompt": CALCULATOR_TEMPLATE.format(expression=ex["expression"], **tags),
@@ -126,7 +126,7 @@ def chat_tool_prompt(tokenizer, system: str, text: str, task: str) -> list[int]:
 
 class TextToolFormat:
     """Tool calls as text (``<calc>EXPR</calc>`` ends a turn, a stop string) and results as the
-    tokens of ``<result>VALUE</result>``: an :class:`inference.tools.ToolFormat` for one tool."""
+    tokens of ``<result>VALUE</result>``: an :class:`nopad.inference.tools.ToolFormat` for one tool."""
 
     def __init__(self, tokenizer, tool: str = "calculator", argument: str = "expression"):
         self.tokenizer, self.tool, self.argument = tokenizer, tool, argument
@@ -145,7 +145,7 @@ class TextToolFormat:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 def main(argv: list[str] | None = None) -> None:
     """Write :func:`calculator_demonstrations` as JSONL: the warm-start SFT's ``data.source``."""
-    parser = argparse.ArgumentParser(prog="python -m recipes.tool_tasks", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m nopad.recipes.tool_tasks", description=main.__doc__)
     parser.add_argument("output", help="the JSONL file to write, e.g. runs/calculator_demos.jsonl")
     parser.add_argument("--num", type=int, default=64, help="conversations (default 64)")
     parser.add_argument("--seed", type=int, default=1, help="their questions' seed (the GRPO task's is 0)")

@@ -68,7 +68,7 @@ one_thread_module = pytest.fixture(_single_thread, scope="module", name="one_thr
 def nopad_patches():
     """transformers patched for nopad's mixers, for tests that call its kernel functions or read
     its modules directly, with no nopad entry point first (importing nopad patches nothing)."""
-    from packing.mixers import patches
+    from nopad.packing.mixers import patches
 
     patches.install()
 

@@ -3,10 +3,19 @@ on it; training sits on both; recipes (scripts) sit on top and nothing imports t
 may import everything and only tests import them. Imports inside functions count too: a lazy
 import is still a dependency. No cycle either between packages or between modules. Of the
 library, only ``training/trl/`` imports TRL: its private names change between releases, so one
-package holds every use of them."""
+package holds every use of them.
+
+One import name: the folders install as ``nopad.<folder>``, so every import says ``nopad.``, and
+nothing else is installed (``inference``, ``recipes`` and ``dataloaders`` are other distributions'
+names on the package index, and one installed beside nopad would shadow ours or be shadowed)."""
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("packing", "dataloaders", "inference", "training", "assets", "recipes", "benchmarks")
@@ -22,15 +31,25 @@ ALLOWED = {
 }
 
 
-def top_level_imports(path: Path) -> set[str]:
-    """Top-level names of the absolute imports of one module, lazy ones included."""
-    names = set()
+FOLDERS = PACKAGES[:-1]  # what installs, each as nopad.<folder>
+
+
+def imported_names(path: Path) -> list[str]:
+    """The absolute module names one module imports, lazy ones included (``from nopad import x``
+    is ``nopad.x``)."""
+    names = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names |= {a.name.split(".")[0] for a in node.names}
+            names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            names += [f"nopad.{a.name}" for a in node.names] if node.module == "nopad" else [node.module]
     return names
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """Top-level names of the absolute imports of one module (``nopad.packing...``: ``packing``)."""
+    parts = [name.split(".") for name in imported_names(path)]
+    return {p[1] if p[0] == "nopad" and len(p) > 1 else p[0] for p in parts}
 
 
 def imports_of(package: str) -> dict[str, set[str]]:
@@ -79,8 +98,10 @@ def test_the_package_graph_has_no_cycles():
 
 
 def module_name(path: Path) -> str:
+    """The name a module is imported by: ``nopad.<folder>...`` for what installs."""
     parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return ".".join(("nopad", *parts) if parts[0] in FOLDERS else parts)
 
 
 def module_graph() -> dict[str, set[str]]:
@@ -113,7 +134,7 @@ def module_graph() -> dict[str, set[str]]:
 
 def test_the_module_graph_has_no_cycles():
     graph = module_graph()
-    assert "packing.attention.registry" in graph and "benchmarks.bench_generate" in graph
+    assert "nopad.packing.attention.registry" in graph and "benchmarks.bench_generate" in graph
     state = {}  # module -> "visiting" | "done"
 
     def visit(node, path):
@@ -145,3 +166,39 @@ def test_tests_mirror_the_packages():
             if not path.name.startswith(f"test_{folder}_"):
                 misplaced.append(str(path.relative_to(tests)))
     assert not misplaced, f"move these into tests/<package>/ (helpers into tests/support/): {misplaced}"
+
+
+def test_every_import_of_nopad_says_nopad():
+    """A bare ``from nopad import packing`` would load a second copy of a module (its registries split in two)
+    from the repository root, and nothing at all once installed."""
+    scanned = [p for folder in (*PACKAGES, "tests") for p in sorted((ROOT / folder).rglob("*.py"))]
+    wrong = [f"{path.relative_to(ROOT)} imports {name}" for path in scanned for name in imported_names(path)
+             if name.split(".")[0] in FOLDERS]
+    assert not wrong, "import these as nopad.<name>:\n" + "\n".join(wrong)
+
+
+def test_only_nopad_is_installed():
+    """pyproject's packages are every package folder, each under nopad; the compiled extensions
+    and the console scripts are nopad's too."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    setuptools = project["tool"]["setuptools"]
+    folders = sorted("nopad." + ".".join(p.parent.relative_to(ROOT).parts)
+                     for folder in FOLDERS for p in (ROOT / folder).rglob("__init__.py"))
+    assert sorted(setuptools["packages"]) == sorted(["nopad", *folders])
+    assert setuptools["package-dir"] == {"nopad": "nopad", **{f"nopad.{f}": f for f in FOLDERS}}
+    assert all(target.startswith("nopad.") for target in project["project"]["scripts"].values())
+    extensions = [line.split('"')[1] for line in (ROOT / "setup.py").read_text().splitlines()
+                  if line.strip().startswith('"') and line.strip().endswith('",') and "._" in line]
+    assert extensions and all(name.startswith("nopad.packing._") for name in extensions)
+
+
+def test_the_install_answers_to_nopad_alone(tmp_path):
+    """Outside the repository, as a user's script sees the install: ``nopad.*`` imports, and none
+    of the folder names does (they would shadow, or be shadowed by, other distributions)."""
+    script = ("import importlib.util, nopad.packing, nopad.inference, nopad.recipes; "
+              f"print([n for n in {FOLDERS!r} if importlib.util.find_spec(n) is not None])")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", f"installed outside nopad: {out.stdout}"

@@ -17,10 +17,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from recipes.config import load_config, with_overrides
-from recipes.tasks import AsciiTokenizer, tiny_causal_lm
-from training.accumulation import OptimizerStepper
-from training.nonfinite import NonFiniteError, reward_value
+from nopad.recipes.config import load_config, with_overrides
+from nopad.recipes.tasks import AsciiTokenizer, tiny_causal_lm
+from nopad.training.accumulation import OptimizerStepper
+from nopad.training.nonfinite import NonFiniteError, reward_value
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
@@ -68,7 +68,7 @@ def test_numbers_of_any_kind_are_rewards():
 
 # ----------------------------------------------------------------------------- GRPO
 def grpo_config(tmp_path, **overrides):
-    from recipes.grpo_config import GRPORecipeConfig
+    from nopad.recipes.grpo_config import GRPORecipeConfig
 
     base = {"model": {"path": None, "chat_template": False}, "reward": bad_reward,
             "task": {"num_prompts": 4},
@@ -87,7 +87,7 @@ def grpo_config(tmp_path, **overrides):
 ])
 def test_a_bad_reward_stops_grpo_naming_it_the_step_and_the_sample(tmp_path, monkeypatch, one_thread,
                                                                    value, error, message):
-    from recipes.grpo import run_grpo
+    from nopad.recipes.grpo import run_grpo
 
     _reset_accelerate()
     monkeypatch.setitem(BAD, "value", value)
@@ -104,13 +104,13 @@ def test_the_grpo_recipe_exits_non_zero_on_a_nan_reward_and_saves_no_policy(tmp_
     """The reported case: a NaN reward used to be saved as "the policy" with exit code 0."""
     out = tmp_path / "grpo"
     proc = subprocess.run(
-        [sys.executable, "-m", "recipes.grpo", "model.path=tiny:llama", "model.chat_template=false",
+        [sys.executable, "-m", "nopad.recipes.grpo", "model.path=tiny:llama", "model.chat_template=false",
          "reward=tests.test_nonfinite:nan_reward", "task.num_prompts=4", "rollout.prompts_per_step=2",
          "rollout.num_generations=2", "rollout.max_tokens=4", "generator.num_blocks=32",
          f"output_dir={out}"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     # nopad's own error reaches the user as one line, no traceback (#39 B6)
-    expected = ("recipes.grpo: error: reward tests.test_nonfinite:nan_reward returned nan for grpo step 0, "
+    expected = ("nopad.recipes.grpo: error: reward tests.test_nonfinite:nan_reward returned nan for grpo step 0, "
                 "prompt 0")
     assert expected in proc.stderr, proc.stderr[-3000:]
     assert _saved_weights(out) == []
@@ -118,7 +118,7 @@ def test_the_grpo_recipe_exits_non_zero_on_a_nan_reward_and_saves_no_policy(tmp_
 
 def test_a_nan_loss_stops_grpo_before_the_step(tmp_path, monkeypatch, one_thread):
     """Finite rewards, a forward gone non-finite (a float16 overflow, say): the step's guard stops it."""
-    from recipes.grpo import run_grpo
+    from nopad.recipes.grpo import run_grpo
 
     _reset_accelerate()
     monkeypatch.setitem(BAD, "value", 0.0)
@@ -142,7 +142,7 @@ def test_a_nan_loss_stops_grpo_before_the_step(tmp_path, monkeypatch, one_thread
 
 # ----------------------------------------------------------------------------- SFT
 def sft_config(tmp_path, **overrides):
-    from recipes.sft_config import SFTRecipeConfig
+    from nopad.recipes.sft_config import SFTRecipeConfig
 
     base = {"model": {"path": "tiny:llama"}, "data": {"num_rows": 16},
             "train": {"max_steps": 3, "grad_accum": 1, "progress": False},
@@ -152,7 +152,7 @@ def sft_config(tmp_path, **overrides):
 
 def final_norm(model):
     """The module whose output the LM head reads: the loss runs the head on those hidden states
-    (packing.lm_head), so a NaN put there reaches the loss as a forward gone bad would."""
+    (nopad.packing.lm_head), so a NaN put there reaches the loss as a forward gone bad would."""
     return model.get_decoder().norm
 
 
@@ -174,7 +174,7 @@ def nan_from_call(model, first_bad: int):
 
 
 def test_sft_stops_at_the_step_whose_loss_is_nan_and_saves_nothing_from_it_on(tmp_path, one_thread):
-    from recipes.sft import train
+    from nopad.recipes.sft import train
 
     _reset_accelerate()
     model, _ = tiny_causal_lm()
@@ -188,7 +188,7 @@ def test_sft_stops_at_the_step_whose_loss_is_nan_and_saves_nothing_from_it_on(tm
 
 
 def test_sft_with_nonfinite_skip_drops_the_step_and_goes_on(tmp_path, one_thread, caplog):
-    from recipes.sft import train
+    from nopad.recipes.sft import train
 
     _reset_accelerate()
     model, _ = tiny_causal_lm()
@@ -203,7 +203,7 @@ def test_sft_with_nonfinite_skip_drops_the_step_and_goes_on(tmp_path, one_thread
         return output
 
     final_norm(model).register_forward_hook(nan_once)
-    with caplog.at_level(logging.WARNING, logger="training.accumulation"):
+    with caplog.at_level(logging.WARNING, logger="nopad.training.accumulation"):
         result = train(sft_config(tmp_path, **{"train": {"nonfinite": "skip"}}), model=model,
                        tokenizer=AsciiTokenizer())
     assert result["steps"] == 3 and math.isnan(result["losses"][1]) and math.isfinite(result["losses"][2])
@@ -223,11 +223,11 @@ def test_the_sft_recipe_exits_non_zero_when_float16_overflows(tmp_path):
     AsciiTokenizer().save_pretrained(tmp_path / "model")
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "recipes.sft", f"model.path={tmp_path / 'model'}", "model.dtype=float16",
+        [sys.executable, "-m", "nopad.recipes.sft", f"model.path={tmp_path / 'model'}", "model.dtype=float16",
          "data.num_rows=16", "train.max_steps=2", "train.progress=false", "checkpoint.every=1",
          f"checkpoint.output_dir={out}"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
-    assert "recipes.sft: error: step 1: the loss is nan" in proc.stderr, proc.stderr[-3000:]
+    assert "nopad.recipes.sft: error: step 1: the loss is nan" in proc.stderr, proc.stderr[-3000:]
     assert "float16 overflow (use model.dtype=bfloat16 or float32)" in proc.stderr
     assert list(out.glob("step_*")) == [] and _saved_weights(out) == []
 
@@ -338,7 +338,7 @@ def test_every_rank_stops_or_skips_together_when_one_rank_goes_non_finite(nonfin
 ])
 def test_a_bad_scorer_stops_evaluate_naming_it_and_the_sample(tmp_path, monkeypatch, one_thread,
                                                               value, error, message):
-    from recipes.evaluate import EvaluateConfig, run_evaluate
+    from nopad.recipes.evaluate import EvaluateConfig, run_evaluate
 
     monkeypatch.setitem(BAD, "value", value)
     model, _ = tiny_causal_lm()

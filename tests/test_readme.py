@@ -17,7 +17,7 @@ def test_the_readme_has_what_these_tests_run():
     assert len(readme.blocks("python")) >= 2
     commands = readme.pipeline_commands()
     for recipe in ("preprocess", "sft", "evaluate", "grpo"):
-        assert any(f"recipes.{recipe}" in c for c in commands), recipe
+        assert any(f"nopad.recipes.{recipe}" in c for c in commands), recipe
     assert any(readme.is_launch(c) for c in commands)
 
 

@@ -20,7 +20,7 @@ def test_the_launch_line_runs_as_written(tmp_path):
     first; the SFT and GRPO lines between them do not feed it."""
     commands = readme.pipeline_commands()
     launches = [c for c in commands if readme.is_launch(c)]
-    preprocess = [c for c in commands if c.startswith("python -m recipes.preprocess")]
+    preprocess = [c for c in commands if c.startswith("python -m nopad.recipes.preprocess")]
     assert launches and preprocess
     cwd = readme.user_directory(tmp_path)
     for command in preprocess + launches:

@@ -8,35 +8,35 @@ infinite reward, loss or gradient (``nonfinite``), packed batches in transformer
 ``sft_trainer``, ``rollout``).
 
 It sits on ``dataloaders`` and ``inference``, which stand side by side on ``packing``. Names are
-imported lazily, so ``import training`` does not import TRL.
+imported lazily, so ``from nopad import training`` does not import TRL.
 """
 
 import importlib
 
 _EXPORTS = {
-    "causal_lm_loss_sum": "training.loss",
-    "row_loss_sum": "training.loss",
-    "row_nll_sum": "training.loss",
-    "OptimizerStepper": "training.accumulation",
-    "NonFiniteError": "training.nonfinite",
-    "Rollout": "training.grpo",
-    "pack_rollouts": "training.grpo",
-    "packed_logprobs": "training.grpo",
-    "grpo_step": "training.grpo_step",
-    "train_on_rollouts": "training.grpo_step",
-    "sft_step": "training.sft",
-    "NopadTrainer": "training.trainer",
-    "NopadTrainerMixin": "training.trainer",
-    "NopadSFTTrainer": "training.trl.sft_trainer",
-    "NopadGRPOTrainer": "training.trl.grpo_trainer",
-    "nopad_rollout_func": "training.trl.rollout",
+    "causal_lm_loss_sum": "nopad.training.loss",
+    "row_loss_sum": "nopad.training.loss",
+    "row_nll_sum": "nopad.training.loss",
+    "OptimizerStepper": "nopad.training.accumulation",
+    "NonFiniteError": "nopad.training.nonfinite",
+    "Rollout": "nopad.training.grpo",
+    "pack_rollouts": "nopad.training.grpo",
+    "packed_logprobs": "nopad.training.grpo",
+    "grpo_step": "nopad.training.grpo_step",
+    "train_on_rollouts": "nopad.training.grpo_step",
+    "sft_step": "nopad.training.sft",
+    "NopadTrainer": "nopad.training.trainer",
+    "NopadTrainerMixin": "nopad.training.trainer",
+    "NopadSFTTrainer": "nopad.training.trl.sft_trainer",
+    "NopadGRPOTrainer": "nopad.training.trl.grpo_trainer",
+    "nopad_rollout_func": "nopad.training.trl.rollout",
 }
 
 
 def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'training' has no attribute {name!r}")
+    raise AttributeError(f"module 'nopad.training' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

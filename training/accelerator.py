@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from packing.distributed import zero_stage
-from training.accumulation import check_engine_engaged, set_deepspeed_clipping
+from nopad.packing.distributed import zero_stage
+from nopad.training.accumulation import check_engine_engaged, set_deepspeed_clipping
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ def _env_flag(name: str) -> bool:
 
 
 def make_accelerator(deepspeed_config: str | None = None, *, grad_accum: int = 1,
-                     max_grad_norm: float | None = None, recipe: str = "recipes.sft",
+                     max_grad_norm: float | None = None, recipe: str = "nopad.recipes.sft",
                      log_with: str | list[str] | None = None, project_dir: str | None = None):
     """An Accelerator for the launch at hand (DDP, DeepSpeed ZeRO-1/2/3, FSDP from ``accelerate
     launch``), or DeepSpeed from ``deepspeed_config``; gloo on a CPU, with ``DS_ACCELERATOR=cpu``

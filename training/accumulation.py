@@ -16,7 +16,7 @@ exactly the gradient of that global mean. SFT and GRPO, in the recipes and in th
 take their steps through :class:`OptimizerStepper`.
 
 A step whose loss or gradient norm is NaN or infinite on any rank is not taken: every rank stops
-together with a :class:`~training.nonfinite.NonFiniteError` naming the step and what went
+together with a :class:`~nopad.training.nonfinite.NonFiniteError` naming the step and what went
 non-finite (``nonfinite="stop"``, the default), or every rank drops the step's gradient with a
 warning (``nonfinite="skip"``). Taking it would make every weight NaN, and a run saved them.
 """
@@ -30,8 +30,8 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from packing.distributed import any_rank, fsdp2_modules, global_max, global_sum, world_size
-from training.nonfinite import NONFINITE_POLICIES, NonFiniteError
+from nopad.packing.distributed import any_rank, fsdp2_modules, global_max, global_sum, world_size
+from nopad.training.nonfinite import NONFINITE_POLICIES, NonFiniteError
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class OptimizerStepper:
     ends, also by an exception (whose partial gradients are discarded).
 
     ``nonfinite``: what a window whose loss or gradient norm is NaN / infinite on any rank does:
-    ``"stop"`` raises :class:`~training.nonfinite.NonFiniteError` on every rank before the step,
+    ``"stop"`` raises :class:`~nopad.training.nonfinite.NonFiniteError` on every rank before the step,
     ``"skip"`` drops its gradient with a warning (not under DeepSpeed, which steps inside the
     backward, before the window can look at the gradient).
     """

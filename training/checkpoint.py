@@ -128,7 +128,7 @@ def resolve_model_dir(path: str | Path) -> Path:
     what = {
         "training_state": f"{path} is a checkpoint's training state (optimizer and RNG for resuming), not a "
                           f"model: pass the checkpoint itself, model.path={path.parent}",
-        "dataset": f"{path} is a saved dataset (e.g. recipes.preprocess's packed output), not a model: give "
+        "dataset": f"{path} is a saved dataset (e.g. nopad.recipes.preprocess's packed output), not a model: give "
                    "it as the data (data.source= in SFT) and set model.path to a model",
         "empty": f"{path} is an empty directory, not a model",
     }.get(kind, f"{path} holds no config.json, so it is not a Hugging Face model directory (it holds "

@@ -3,7 +3,7 @@
 log-probs (:func:`packed_logprobs`), the group advantages, the clipped token loss and the choice
 of batch-invariant numerics.
 
-The rows are prefix-tree rows (:mod:`packing.bins.tree`): a group's prompt, and the earlier
+The rows are prefix-tree rows (:mod:`nopad.packing.bins.tree`): a group's prompt, and the earlier
 turns that forked episodes share, are computed once.
 
 Why one module: the rollout's log-probs equal the trainer's bitwise only if both sides pack and
@@ -18,20 +18,20 @@ from dataclasses import dataclass
 
 import torch
 
-from packing.bins.tree import TreePath, pack_tree_rows
-from packing.lm_head import token_logprobs
-from packing.row import IGNORE_INDEX, PackedRow, as_row
-from packing.varlen import VarlenMeta
+from nopad.packing.bins.tree import TreePath, pack_tree_rows
+from nopad.packing.lm_head import token_logprobs
+from nopad.packing.row import IGNORE_INDEX, PackedRow, as_row
+from nopad.packing.varlen import VarlenMeta
 
 logger = logging.getLogger(__name__)
 
 def resolve_batch_invariant(setting: bool | str, device: torch.device | str,
                             key: str = "batch_invariant") -> bool:
-    """``True`` / ``False`` / ``"auto"`` (on where :func:`packing.invariance.supported`, else off
+    """``True`` / ``False`` / ``"auto"`` (on where :func:`nopad.packing.invariance.supported`, else off
     with a warning), for the setting called ``key`` (``train.batch_invariant`` in the recipe)."""
     if setting not in ("auto", True, False):
         raise ValueError(f"{key} must be 'auto', True or False, got {setting!r}")
-    from packing.invariance import supported as invariant_mode_supported
+    from nopad.packing.invariance import supported as invariant_mode_supported
 
     supported, why = invariant_mode_supported(device)
     if setting == "auto" and supported and torch.device(device).type != "cpu":
@@ -125,14 +125,14 @@ class Rollout:
 
     @classmethod
     def from_completion(cls, prompt_ids: Sequence[int], completion, logprobs: str = "tempered") -> Rollout:
-        """A plain sample (:class:`inference.outputs.CompletionOutput`): every token the model's.
+        """A plain sample (:class:`nopad.inference.outputs.CompletionOutput`): every token the model's.
         ``logprobs``: which recorded log-probs (:data:`LOGPROBS`), the trained policy's."""
         return cls(list(prompt_ids), list(completion.token_ids), _sampled_logprobs(completion, logprobs),
                    truncated=completion.finish_reason == "length")
 
     @classmethod
     def from_episode(cls, episode, logprobs: str = "tempered") -> Rollout:
-        """A multi-turn episode (:class:`inference.episodes.Episode`): the tools' tokens are context."""
+        """A multi-turn episode (:class:`nopad.inference.episodes.Episode`): the tools' tokens are context."""
         return cls(list(episode.prompt_token_ids), list(episode.completion_ids),
                    _sampled_logprobs(episode, logprobs), loss_mask=list(episode.model_mask),
                    truncated=episode.finish_reason == "length")
@@ -150,7 +150,7 @@ def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = 
     when the rollouts have them); the advantages stay on the rollouts (:func:`pair_advantages`).
 
     ``shared_prefix`` (default): the rollouts are the paths of a prefix tree
-    (:mod:`packing.bins.tree`), so tokens that several rollouts share - a group's prompt, the
+    (:mod:`nopad.packing.bins.tree`), so tokens that several rollouts share - a group's prompt, the
     earlier turns of forked episodes, a common start of completions - are computed once per row,
     and a shared completion token that m rollouts train on counts m times, each with its own
     advantage (the row's loss pairs). Never more tokens than flat packing
@@ -172,7 +172,7 @@ def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = 
 
 
 def _flat_rows(rollouts: list[Rollout], capacity: int) -> list[PackedRow]:
-    from packing.bins.binpack import pack
+    from nopad.packing.bins.binpack import pack
 
     lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
     rows = []
@@ -199,7 +199,7 @@ def _loss_mask(r: Rollout) -> list[int]:
 
 
 def rollout_paths(rollouts: Sequence[Rollout]) -> list[TreePath]:
-    """Each rollout as a path of a prefix tree (``packing.bins.tree.TreePath``): prompt +
+    """Each rollout as a path of a prefix tree (``nopad.packing.bins.tree.TreePath``): prompt +
     completion, the loss on the tokens the model sampled."""
     return [TreePath(list(r.prompt_ids) + list(r.completion_ids),
                      [False] * len(r.prompt_ids) + [bool(x) for x in _loss_mask(r)]) for r in rollouts]
@@ -255,7 +255,7 @@ def packed_logprobs(model, row: Mapping, temperature: float = 1.0, *, compute_en
     differentiable only with ``entropy_grad``). Only the positions that predict a loss token go
     through the LM head (:meth:`PackedRow.loss_tokens`; in a tree row a completion's first token is
     predicted by its prompt's last token), once per token however many pairs read it, in chunks
-    (:func:`packing.lm_head.token_logprobs`: the row's ``T x V`` logits never exist)."""
+    (:func:`nopad.packing.lm_head.token_logprobs`: the row's ``T x V`` logits never exist)."""
     row = as_row(row)
     predict_at, targets = row.loss_tokens()
     logps, entropies = token_logprobs(model, row.model_kwargs(), predict_at, targets, temperature=temperature,

@@ -1,10 +1,10 @@
 """One GRPO step, owned here: prompts -> rollouts on the live weights -> rewards and group
 advantages -> packed rows -> the training forward's log-probs -> the clipped token loss -> one
-optimizer step (:class:`training.accumulation.OptimizerStepper`) -> the step's metrics.
+optimizer step (:class:`nopad.training.accumulation.OptimizerStepper`) -> the step's metrics.
 
 The recipe (``recipes/grpo.py``) calls :func:`grpo_step`; code that already holds its rollouts
 (tests, other samplers) calls :func:`train_on_rollouts`. ``NopadGRPOTrainer`` keeps TRL's loss
-and step but packs and scores with the same :mod:`training.grpo` functions, and a test holds the
+and step but packs and scores with the same :mod:`nopad.training.grpo` functions, and a test holds the
 two steps to the same parameters.
 """
 
@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference.episodes import EpisodeLimits
-from inference.sharded import sharded_generate
-from inference.tools import ToolFormat
-from packing.distributed import any_rank, global_sum, world_size
-from packing.invariance import batch_invariant
-from training.accumulation import OptimizerStepper, pad_rows
-from training.grpo import (
+from nopad.inference.episodes import EpisodeLimits
+from nopad.inference.sharded import sharded_generate
+from nopad.inference.tools import ToolFormat
+from nopad.packing.distributed import any_rank, global_sum, world_size
+from nopad.packing.invariance import batch_invariant
+from nopad.training.accumulation import OptimizerStepper, pad_rows
+from nopad.training.grpo import (
     SCALE_REWARDS,
     Rollout,
     empty_rollout_row,
@@ -35,9 +35,9 @@ from training.grpo import (
     pair_sequences,
     policy_temperature,
 )
-from training.mismatch import logprob_mismatch
-from training.nonfinite import describe_sample, reward_value
-from training.policy_loss import PolicyBatch, PolicyLossConfig, make_policy_loss, objective
+from nopad.training.mismatch import logprob_mismatch
+from nopad.training.nonfinite import describe_sample, reward_value
+from nopad.training.policy_loss import PolicyBatch, PolicyLossConfig, make_policy_loss, objective
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ OLD_LOGPROBS = ("rollout", "recompute")
 @dataclass
 class GRPOLoss:
     """What turns rollouts into a step's optimizer steps: the packing, the policy loss
-    (:mod:`training.policy_loss`, TRL's ``loss_type`` and knobs), the reward scaling, how many
+    (:mod:`nopad.training.policy_loss`, TRL's ``loss_type`` and knobs), the reward scaling, how many
     optimizer steps a rollout batch feeds and where the old log-probs come from.
 
     ``old_logprobs``: ``"rollout"`` (the generator's own: exact in the batch-invariant mode, no
@@ -68,7 +68,7 @@ class GRPOLoss:
     steps_per_generation: int = 1  # mini-batches per pass, one optimizer step each
     old_logprobs: str = "rollout"
     logprobs: str = "tempered"
-    batch_invariant: bool = False  # the forwards run in packing.batch_invariant() (already resolved)
+    batch_invariant: bool = False  # the forwards run in nopad.packing.batch_invariant() (already resolved)
 
     def __post_init__(self) -> None:
         if self.scale_rewards not in SCALE_REWARDS:
@@ -118,7 +118,7 @@ def grpo_step(stepper: OptimizerStepper, generator, examples: Sequence[dict],
 
 @dataclass
 class ToolEpisodes:
-    """Multi-turn rollouts (:meth:`inference.Generator.run_episodes`): the tools the model may call,
+    """Multi-turn rollouts (:meth:`nopad.inference.Generator.run_episodes`): the tools the model may call,
     how calls look in tokens (None: the chat template's) and the episode limits."""
 
     tools: Mapping[str, Callable]
@@ -129,7 +129,7 @@ class ToolEpisodes:
 def _run_episodes(generator, model, prompt_ids, params, episodes: ToolEpisodes, logprobs: str):
     """Per prompt, per sample: (the last model turn: what the reward reads, its :class:`Rollout`),
     and the rollout's tool metrics."""
-    from inference.sharded import sharded_weights
+    from nopad.inference.sharded import sharded_weights
 
     if sharded_weights(model) is not None:
         raise ValueError("tool episodes run on an unsharded policy; FSDP2-sharded GRPO takes single-turn "
@@ -266,7 +266,7 @@ def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: 
 class _MiniBatch:
     """One mini-batch of the rollout batch: its padded rows, each pair's counting mask and
     advantage, and the cached per-row old / reference log-probs (computed once, reused by every
-    pass), all at ``temperature``: the trained policy's (:func:`training.grpo.policy_temperature`)."""
+    pass), all at ``temperature``: the trained policy's (:func:`nopad.training.grpo.policy_temperature`)."""
 
     def __init__(self, rollouts: list[Rollout], chunk: list[int], loss: GRPOLoss, temperature: float):
         self.temperature = temperature

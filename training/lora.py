@@ -8,7 +8,7 @@ base beside every adapter checkpoint, and a resume that loads an adapter-only st
 ``strict`` checks would accept one written for other target modules without a word.
 
 The trained model is peft's ``PeftModel``; the generator and the training forward run it as any
-other model (its LoRA layers are ``nn.Linear``, so :func:`packing.batch_invariant` covers them).
+other model (its LoRA layers are ``nn.Linear``, so :func:`nopad.packing.batch_invariant` covers them).
 """
 
 from __future__ import annotations

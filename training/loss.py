@@ -1,6 +1,6 @@
 """Causal-LM losses of packed rows, as SUMS: the optimizer step divides them by its GLOBAL count of
 loss tokens (or sequences), over all micro-batches of the gradient-accumulation window on all
-data-parallel ranks (:class:`training.accumulation.OptimizerStepper`).
+data-parallel ranks (:class:`nopad.training.accumulation.OptimizerStepper`).
 
 Why sums: packed batches hold different numbers of loss tokens, so averaging per micro-batch (or
 per rank) weights a token in a sparse batch more than one in a dense batch, and the gradient is
@@ -8,7 +8,7 @@ no longer the one of the unpacked run. Dividing every micro-batch's summed loss 
 count - and undoing the averaging that DDP / DeepSpeed / FSDP2 apply to gradients, which the
 stepper does - gives exactly the gradient of ``mean over all loss tokens of the step``.
 
-One optimizer step by hand (``training.sft_step`` is the same, with the row moved to the device)::
+One optimizer step by hand (``nopad.training.sft_step`` is the same, with the row moved to the device)::
 
     stepper = OptimizerStepper(model, optimizer)             # DDP / FSDP2 model, or an Accelerator
     with stepper.window(micro_batches) as w:                 # divides by the global loss-token count
@@ -28,8 +28,8 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from packing.lm_head import nll_sum
-from packing.row import IGNORE_INDEX, PackedRow, as_row
+from nopad.packing.lm_head import nll_sum
+from nopad.packing.row import IGNORE_INDEX, PackedRow, as_row
 
 # what a window's loss is a mean over: the row count each weighting divides by
 COUNT_KEYS = {"token": "num_loss_tokens", "sequence": "num_loss_seqs"}
@@ -71,7 +71,7 @@ def causal_lm_loss_sum(
 def row_loss_sum(logits: torch.Tensor, row: PackedRow | Mapping, *, weighting: str = "token") -> torch.Tensor:
     """Summed next-token cross-entropy of one packed row (fp32), from the logits of every position.
 
-    A plain row is :func:`causal_lm_loss_sum`. A tree row (:mod:`packing.bins.tree`) reads each
+    A plain row is :func:`causal_lm_loss_sum`. A tree row (:mod:`nopad.packing.bins.tree`) reads each
     loss token's logits where its own sequence predicts it (:meth:`PackedRow.loss_tokens`) and
     counts it once per sequence that trains on it (its pairs), as the flat sequences would; with
     ``"sequence"`` each pair is weighted by 1 / (its sequence's pairs). :func:`row_nll_sum` is the
@@ -90,7 +90,7 @@ def row_loss_sum(logits: torch.Tensor, row: PackedRow | Mapping, *, weighting: s
 def row_nll_sum(model: torch.nn.Module, row: PackedRow | Mapping, *,
                 weighting: str = "token") -> torch.Tensor:
     """:func:`row_loss_sum` of ``row`` under ``model``, computed from the model's hidden states at
-    the loss positions only, through the chunked LM head (:func:`packing.lm_head.nll_sum`): the
+    the loss positions only, through the chunked LM head (:func:`nopad.packing.lm_head.nll_sum`): the
     row's ``T x V`` logits never exist, and a tree row's shared token goes through the head once
     (weighted by the pairs that train on it)."""
     _check_weighting(weighting)

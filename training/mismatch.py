@@ -1,6 +1,6 @@
 """How far the rollout's log-probs are from the trainer's, per model token: the report a user reads
 when the batch-invariant mode is off (what TRL#6789 measures by hand). Both the GRPO recipe
-(:func:`training.grpo_step.train_on_rollouts`) and ``NopadGRPOTrainer`` log it with their metrics.
+(:func:`nopad.training.grpo_step.train_on_rollouts`) and ``NopadGRPOTrainer`` log it with their metrics.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def logprob_mismatch(train_logp: torch.Tensor, rollout_logp: torch.Tensor,
     tool and padding tokens excluded), summarised as: ``mismatch/outside_band``, the share of
     tokens whose ratio is outside [0.9, 1.1]; ``mismatch/ratio_dev_p95`` and
     ``mismatch/ratio_dev_max``, the 95th percentile and the maximum of ``|ratio - 1|`` (all 0
-    when the two sides agree bitwise, as in ``packing.batch_invariant()``). No token: all 0."""
+    when the two sides agree bitwise, as in ``nopad.packing.batch_invariant()``). No token: all 0."""
     if train_logp.shape != rollout_logp.shape:
         raise ValueError(f"trainer log-probs {tuple(train_logp.shape)} and rollout log-probs "
                          f"{tuple(rollout_logp.shape)} must have the same shape")

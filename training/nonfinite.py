@@ -5,7 +5,7 @@ Why: one NaN reward makes every GRPO advantage NaN, the next optimizer step make
 NaN, and the run then saved that as "the policy" and exited 0; SFT kept training and checkpointing
 after its loss went NaN. A non-finite number is stopped where it first appears, with the function,
 step and sample that produced it, before anything is saved from that step on. The optimizer-step
-check itself lives with the step's one owner (:class:`training.accumulation.OptimizerStepper`).
+check itself lives with the step's one owner (:class:`nopad.training.accumulation.OptimizerStepper`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from training.lora import trainable_parameters
+from nopad.training.lora import trainable_parameters
 
 logger = logging.getLogger(__name__)
 

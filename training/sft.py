@@ -1,7 +1,7 @@
 """SFT's training step and its bookkeeping, for the recipe (``recipes/sft.py``) and any loop like
 it: one optimizer step per window of packed micro-batches (:func:`sft_step`, through
-:class:`training.accumulation.OptimizerStepper`), the optimizer and its schedule, and the per-step
-and per-run records (the progress a checkpoint keeps: :class:`training.progress.Progress`).
+:class:`nopad.training.accumulation.OptimizerStepper`), the optimizer and its schedule, and the per-step
+and per-run records (the progress a checkpoint keeps: :class:`nopad.training.progress.Progress`).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from pathlib import Path
 
 import torch
 
-from packing.row import as_row
-from training import checkpoint
-from training.accumulation import OptimizerStepper
-from training.curves import finish_trackers, write_curves
-from training.loss import COUNT_KEYS, row_nll_sum
-from training.optimizer import make_adamw
-from training.progress import Progress as Progress  # (one record for SFT and GRPO; its old name)
+from nopad.packing.row import as_row
+from nopad.training import checkpoint
+from nopad.training.accumulation import OptimizerStepper
+from nopad.training.curves import finish_trackers, write_curves
+from nopad.training.loss import COUNT_KEYS, row_nll_sum
+from nopad.training.optimizer import make_adamw
+from nopad.training.progress import Progress as Progress  # (one record for SFT and GRPO; its old name)
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def sft_step(stepper: OptimizerStepper, window: list[dict], weighting: str = "to
 
 def make_optimizer(model, lr: float, weight_decay: float, warmup_steps: int, total_steps: int):
     """AdamW over the trainable parameters (a LoRA adapter's alone; fused where torch can:
-    :func:`training.optimizer.make_adamw`) with a linear warm-up, then a linear decay to 0 at
+    :func:`nopad.training.optimizer.make_adamw`) with a linear warm-up, then a linear decay to 0 at
     ``total_steps``."""
     optimizer = make_adamw(model, lr, weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -65,8 +65,8 @@ def make_optimizer(model, lr: float, weight_decay: float, warmup_steps: int, tot
 def use_attention(model, name: str) -> None:
     """Switch ``model`` to the attention ``name`` (``"nopad"`` is registered first)."""
     if name == "nopad":
-        from packing.hf import register_nopad_attention
-        from packing.mixers import PACKED, check_model
+        from nopad.packing.hf import register_nopad_attention
+        from nopad.packing.mixers import PACKED, check_model
 
         check_model(model, PACKED)  # a layer nopad cannot keep packed sequences apart in
         register_nopad_attention()
@@ -88,7 +88,7 @@ def progress_bar(show: bool, total_steps: int, initial_step: int, grad_accum: in
                  micro_batches: Callable[[int], int] | None = None):
     """A bar over micro-batches (``grad_accum`` per optimizer step), so it moves within a step:
     on a small machine one step of a few micro-batches takes minutes. ``micro_batches(n)``: those
-    of the first ``n`` steps, where an epoch's last step takes fewer (:func:`training.sft_data.windows`)."""
+    of the first ``n`` steps, where an epoch's last step takes fewer (:func:`nopad.training.sft_data.windows`)."""
     if not show:
         return None
     from tqdm.auto import tqdm

@@ -3,7 +3,7 @@ token rows (synthetic, a ``.jsonl`` file or a saved dataset; text rows tokenized
 masked), the token budget checked against them, and the packed loader that shards itself over
 the ranks (it is NOT passed to ``accelerator.prepare``, which would shard it a second time).
 
-``data`` arguments are the SFT recipe's data section (``recipes.sft_config.SFTDataConfig``) or anything
+``data`` arguments are the SFT recipe's data section (``nopad.recipes.sft_config.SFTDataConfig``) or anything
 with the same attributes.
 """
 
@@ -15,15 +15,15 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from dataloaders import sources
-from dataloaders.balance import attention_cost_from_config
-from dataloaders.dataset import BOUNDARY_COLUMNS
-from dataloaders.loader import packed_dataloader
-from dataloaders.streaming import StreamingPackedLoader
-from dataloaders.trees import tree_dataloader
-from inference.chat import assistant_turns, check_conversation
-from packing.bins.tree import TreePath
-from packing.row import IGNORE_INDEX
+from nopad.dataloaders import sources
+from nopad.dataloaders.balance import attention_cost_from_config
+from nopad.dataloaders.dataset import BOUNDARY_COLUMNS
+from nopad.dataloaders.loader import packed_dataloader
+from nopad.dataloaders.streaming import StreamingPackedLoader
+from nopad.dataloaders.trees import tree_dataloader
+from nopad.inference.chat import assistant_turns, check_conversation
+from nopad.packing.bins.tree import TreePath
+from nopad.packing.row import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +65,10 @@ def tokenize_rows(rows, tokenizer, prompt_column: str, completion_column: str) -
 def per_turn_samples(conversations, tokenizer, messages_column: str = "messages") -> list[TreePath]:
     """Every assistant turn of every conversation as a sample of its own: the chat template
     applied to the conversation up to and including that turn, the loss on the turn's tokens
-    (:func:`inference.chat.assistant_turns`, the spans preprocess labels too). Each sample renders
+    (:func:`nopad.inference.chat.assistant_turns`, the spans preprocess labels too). Each sample renders
     the history as the template does at that turn (some templates drop the reasoning of earlier
     turns), so the samples of one conversation repeat its history; packed as prefix trees
-    (:func:`dataloaders.trees.tree_dataloader`), what they share is computed once."""
+    (:func:`nopad.dataloaders.trees.tree_dataloader`), what they share is computed once."""
     samples = []
     for c, row in enumerate(conversations):
         messages = row.get(messages_column) if hasattr(row, "get") else None
@@ -83,7 +83,7 @@ def per_turn_samples(conversations, tokenizer, messages_column: str = "messages"
 
 def load_rows(data, tokenizer, vocab_size: int):
     """The rows of ``data.source``: ``synthetic``, or any file or saved dataset that
-    :func:`dataloaders.sources.load_sft_rows` reads (tokenized or pre-packed datasets are read in
+    :func:`nopad.dataloaders.sources.load_sft_rows` reads (tokenized or pre-packed datasets are read in
     place); with ``data.per_turn_samples``, the per-turn samples of its conversations."""
     source = data.source
     if data.per_turn_samples:
@@ -175,11 +175,11 @@ def build_loader(data, rows, accelerator, grad_accum: int, model_config):
 
     The epoch is NOT rounded up to a multiple of ``grad_accum``: its last optimizer step may take
     fewer micro-batches (:func:`windows`). That step is exact, because each step divides by its own
-    global loss-token count (:class:`training.accumulation.OptimizerStepper`), and rounding up meant
+    global loss-token count (:class:`nopad.training.accumulation.OptimizerStepper`), and rounding up meant
     repeating rows, loss-masked, as padding (3 pre-packed rows at grad_accum=2 were 4 micro-batches,
     a pad fraction of 0.33). Ranks still get equal counts: under ZeRO-3 / FSDP2 every forward is a
     collective, so a rank with no row left gets a repeated, loss-masked one, and only then
-    (:func:`dataloaders.balance.equalize_bin_count` splits bins first)."""
+    (:func:`nopad.dataloaders.balance.equalize_bin_count` splits bins first)."""
     common = dict(num_replicas=accelerator.num_processes, rank=accelerator.process_index,
                   seed=data.seed, max_seqs_per_batch=data.max_seqs_per_batch,
                   steps_multiple_of=1, attention_cost=attention_cost_from_config(model_config))

@@ -1,7 +1,7 @@
-"""nopad packing inside transformers' ``Trainer`` (TRL's ``SFTTrainer`` is one: see training.trl.sft_trainer).
+"""nopad packing inside transformers' ``Trainer`` (TRL's ``SFTTrainer`` is one: see nopad.training.trl.sft_trainer).
 
-    from training.trainer import NopadTrainer
-    from training.trl.sft_trainer import NopadSFTTrainer
+    from nopad.training.trainer import NopadTrainer
+    from nopad.training.trl.sft_trainer import NopadSFTTrainer
     trainer = NopadSFTTrainer(model, args=SFTConfig(max_length=1024, ...), train_dataset=ds,
                               processing_class=tok)         # tokens_per_batch defaults to
     trainer.train()                                          # per_device_train_batch_size * max_length
@@ -10,7 +10,7 @@ What changes against the stock trainer, and nothing else:
 
 - **Batches**: the packed loader (one global best-fit-decreasing plan per epoch, bins balanced over
   the ranks by attention cost, every rank the same number of steps) replaces Trainer's padded
-  loader. Each micro-batch is one flat row of whole sequences (a :class:`~packing.row.PackedRow`:
+  loader. Each micro-batch is one flat row of whole sequences (a :class:`~nopad.packing.row.PackedRow`:
   ``input_ids``, ``labels``, ``position_ids``, ``nopad_meta``) with ``labels = IGNORE_INDEX`` at
   every sequence's first token.
 - **Attention**: the model is switched to nopad's varlen attention (``attention="nopad"``), so no
@@ -42,12 +42,12 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from dataloaders.collator import PackedCollator
-from dataloaders.dataset import MASK_COLUMNS, PackedDataset, PackedItem
-from dataloaders.loader import packed_dataloader
-from dataloaders.sampler import PackedBatchSampler
-from packing.hf import compat
-from packing.row import PackedRow, as_row
+from nopad.dataloaders.collator import PackedCollator
+from nopad.dataloaders.dataset import MASK_COLUMNS, PackedDataset, PackedItem
+from nopad.dataloaders.loader import packed_dataloader
+from nopad.dataloaders.sampler import PackedBatchSampler
+from nopad.packing.hf import compat
+from nopad.packing.row import PackedRow, as_row
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class NopadTrainerMixin:
         self._nopad_resume_state: dict | None = None
         super().__init__(*args, **kwargs)
         if attention is not None:
-            from training.sft import use_attention
+            from nopad.training.sft import use_attention
 
             use_attention(self.accelerator.unwrap_model(self.model), attention)
         self.add_callback(_SaveLoaderState(self))
@@ -185,7 +185,7 @@ class NopadTrainerMixin:
             raise ValueError(f"Trainer: {what} requires a dataset")
         if isinstance(dataset, IterableDataset) or type(dataset).__name__ == "IterableDataset":
             raise ValueError(f"the {what} dataset is a stream; the packed Trainer loader plans whole epochs. "
-                             "Use a map-style dataset, or dataloaders.StreamingPackedLoader in your own loop")
+                             "Use a map-style dataset, or nopad.dataloaders.StreamingPackedLoader in your own loop")
         return PackedDataset(self.nopad_columns(dataset))
 
     def get_train_dataloader(self) -> PackedTrainerLoader:
@@ -249,14 +249,14 @@ class NopadTrainerMixin:
 
 class NopadTrainer(NopadTrainerMixin, Trainer):
     """transformers ``Trainer`` on nopad packed batches; give ``tokens_per_batch``. Its loss runs
-    the chunked LM head (:func:`training.loss.row_nll_sum`) instead of the model's own, which would
+    the chunked LM head (:func:`nopad.training.loss.row_nll_sum`) instead of the model's own, which would
     build the row's ``T x V`` logits: the same value, normalised as Trainer normalises the model's."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         custom = self.label_smoother is not None or self.compute_loss_func is not None
         if return_outputs or custom or "nopad_meta" not in inputs or "labels" not in inputs:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        from training.loss import row_nll_sum
+        from nopad.training.loss import row_nll_sum
 
         total = row_nll_sum(model, as_row(inputs))
         if self.model_accepts_loss_kwargs and num_items_in_batch is not None:

@@ -1,5 +1,5 @@
 """Varlen attention: one entry point (:func:`varlen_attention`) over backends that declare what
-they support (:mod:`packing.attention.registry`), one module per backend:
+they support (:mod:`nopad.packing.attention.registry`), one module per backend:
 
 - ``flash``: flash-attn 2/3 (CUDA, when installed);
 - ``torch_varlen``: PyTorch's own FlashAttention varlen (CUDA, nothing to build);
@@ -10,12 +10,12 @@ they support (:mod:`packing.attention.registry`), one module per backend:
 
 :func:`choose_backend` is the one rule that picks among them; ``NOPAD_ATTN_BACKEND`` or
 ``backend=`` names one instead. A forward makes the choice once, in its
-:class:`~packing.attention.plan.AttentionPlan`, which every layer reads.
+:class:`~nopad.packing.attention.plan.AttentionPlan`, which every layer reads.
 """
 
-from packing.attention.dispatch import gather_kv, store_kv, varlen_attention
-from packing.attention.plan import choose_backend, paged_block_size
-from packing.attention.registry import BACKEND_ENV, names
+from nopad.packing.attention.dispatch import gather_kv, store_kv, varlen_attention
+from nopad.packing.attention.plan import choose_backend, paged_block_size
+from nopad.packing.attention.registry import BACKEND_ENV, names
 
 __all__ = ["BACKEND_ENV", "choose_backend", "gather_kv", "names", "paged_block_size", "store_kv",
            "varlen_attention"]

@@ -1,9 +1,9 @@
-"""The compiled varlen attention forward (``packing._varlen_attention``, csrc/varlen_attention.cpp).
+"""The compiled varlen attention forward (``nopad.packing._varlen_attention``, csrc/varlen_attention.cpp).
 
 One CPU kernel for every shape the core sees: a packed training row, a prefill chunk and a decode
 token, keys read in place from a flat row or a paged cache, in fp32, bf16 or fp16. Each query's
 result depends only on its own keys (fixed key blocks, fixed order), which is what makes the
-generator's log-probs equal the trainer's in :func:`packing.batch_invariant`. For training the
+generator's log-probs equal the trainer's in :func:`nopad.packing.batch_invariant`. For training the
 forward runs here and the backward recomputes attention with PyTorch's SDPA (any correct backward
 will do: only the forward must match the generator's).
 """
@@ -15,9 +15,9 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from packing._native import load_extension
-from packing.attention.registry import Backend
-from packing.varlen import VarlenMeta
+from nopad.packing._native import load_extension
+from nopad.packing.attention.registry import Backend
+from nopad.packing.varlen import VarlenMeta
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_DIM = 256
@@ -25,7 +25,7 @@ MAX_HEAD_DIM = 256
 
 def kernel() -> ModuleType | None:
     """The compiled kernel, or None (warned once) when it was not built."""
-    return load_extension("packing._varlen_attention", "varlen attention kernel", "PyTorch attention")
+    return load_extension("nopad.packing._varlen_attention", "varlen attention kernel", "PyTorch attention")
 
 
 def _host_arrays(meta: VarlenMeta, table: torch.Tensor | None):
@@ -60,7 +60,7 @@ def forward(
     ``(blocks * block_size, kv_heads, dim)``. ``sinks`` ``(heads,)``: attention sinks, added to
     each row's softmax denominator at the end (``exp(sink - max)``: exact, and one fixed order for
     every call, so the batch-invariant mode holds with them). No autograd: the dispatcher gives
-    training rows a backward (:class:`packing.attention.dispatch.RecomputeBackward`)."""
+    training rows a backward (:class:`nopad.packing.attention.dispatch.RecomputeBackward`)."""
     if q.dtype not in DTYPE_CODES:
         raise ValueError(f"the attention kernel takes fp32, bf16 or fp16 tensors, got {q.dtype}; cast q/k/v "
                          "to the model's compute dtype")

@@ -1,5 +1,5 @@
 """Varlen attention: one function for a packed training row, a shared-prefix row and a paged
-generation step, over whichever backend the forward's :class:`~packing.attention.plan.AttentionPlan`
+generation step, over whichever backend the forward's :class:`~nopad.packing.attention.plan.AttentionPlan`
 picks.
 
 Tensors are flat, shaped ``(total_tokens, heads, head_dim)``; ``meta`` says where each sequence
@@ -17,10 +17,10 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from packing.attention.plan import AttentionPlan
-from packing.attention.registry import Opts
-from packing.attention.sdpa import _sdpa
-from packing.varlen import VarlenMeta
+from nopad.packing.attention.plan import AttentionPlan
+from nopad.packing.attention.registry import Opts
+from nopad.packing.attention.sdpa import _sdpa
+from nopad.packing.varlen import VarlenMeta
 
 
 def store_kv(
@@ -112,7 +112,7 @@ def _check(q, k, v, meta: VarlenMeta, kv_cache, table, sliding_window) -> int:
                 f"this layer's K/V are (kv_heads, head_dim) {tuple(k.shape[1:])} / {tuple(v.shape[1:])} "
                 "per token "
                 f"but its paged cache holds {tuple(k_cache.shape[2:])}: the cache was sized for another "
-                "attention layout (inference.kv_cache.kv_layout reads it from the layer's k_proj / v_proj "
+                "attention layout (nopad.inference.kv_cache.kv_layout reads it from the layer's k_proj / v_proj "
                 "and head_dim, else the config; a layer that reshapes its K/V at run time, as JetMoE's "
                 "repeats them top_k times, cannot be laid out ahead: generate with HF generate)")
         kv_heads = k_cache.shape[2]
@@ -159,7 +159,7 @@ def varlen_attention(
     sequence reads its keys through ``meta.key_index``. A static decode step
     (:meth:`VarlenMeta.static_decode`) has its lengths on the device only. ``sliding_window=W``
     lets a query at position ``p`` see keys ``p - W < j <= p``; ``softcap=c`` applies
-    ``c * tanh(score / c)``. ``backend`` names one of :func:`packing.attention.registry.names`.
+    ``c * tanh(score / c)``. ``backend`` names one of :func:`nopad.packing.attention.registry.names`.
     ``plan`` is the forward's :class:`AttentionPlan` (every layer of a forward passes the same one;
     without it this call makes its own). ``sinks`` ``(heads,)`` are attention sinks (gpt-oss's
     ``s_aux``): one logit per query head in every softmax denominator, with no value; only backends

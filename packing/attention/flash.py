@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from packing._native import installed
-from packing.attention.registry import Backend
-from packing.varlen import VarlenMeta
+from nopad.packing._native import installed
+from nopad.packing.attention.registry import Backend
+from nopad.packing.varlen import VarlenMeta
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from packing.attention.registry import Backend
-from packing.varlen import VarlenMeta
+from nopad.packing.attention.registry import Backend
+from nopad.packing.varlen import VarlenMeta
 
 
 def flex(q, k, v, meta: VarlenMeta, *, causal, scale, window, softcap) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """The attention plan: a forward's backend decisions, made once and read by every layer.
 
 What the choice of backend depends on besides the layer - ``NOPAD_ATTN_BACKEND`` and whether
-:func:`packing.batch_invariant` is on (and its kernel set) - is read when the plan is made, at the
+:func:`nopad.packing.batch_invariant` is on (and its kernel set) - is read when the plan is made, at the
 start of a forward: transformers calls nopad's mask hook once per forward (per mask kind) and hands
-its result to every layer as ``attention_mask`` (:mod:`packing.hf.attention`), so a generator
+its result to every layer as ``attention_mask`` (:mod:`nopad.packing.hf.attention`), so a generator
 step and a training forward each make one plan. A layer asks the plan for the backend of its call
 (device, dtype, window, softcap, paged or not, ...); the answer for a call like it is computed at
 first use and reused, so :func:`registry.choose` runs once per kind of layer in a forward, not
@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-from packing import invariance
-from packing.attention.registry import (
+from nopad.packing import invariance
+from nopad.packing.attention.registry import (
     BACKEND_ENV,
     Backend,
     Call,
@@ -29,7 +29,7 @@ from packing.attention.registry import (
     choose_differentiable,
     requested_backend,
 )
-from packing.varlen import VarlenMeta
+from nopad.packing.varlen import VarlenMeta
 
 
 @dataclass
@@ -70,8 +70,8 @@ class AttentionPlan:
         self.invariant = invariance.is_enabled()
         self.kernels = invariance.active_kernels()
         self.decisions = 0  # runs of registry.choose this plan made (the benchmark and tests read it)
-        self.row: PlannedRow | None = None  # set by the first layer (packing.hf.attention)
-        self.checked: set[str] = set()  # contexts the forward's model was checked for (packing.mixers)
+        self.row: PlannedRow | None = None  # set by the first layer (nopad.packing.hf.attention)
+        self.checked: set[str] = set()  # contexts the forward's model was checked for (nopad.packing.mixers)
         self.cache_layers: set[int] = set()  # layers that took their paged K/V in this forward
         self._decided: dict[tuple, Decision] = {}
         self._differentiable: dict[tuple, Backend] = {}
@@ -81,7 +81,7 @@ class AttentionPlan:
         layers (Gemma4's ``_maybe_slice_kv_shared_inputs``). A plan holds no mask - each layer
         resolves its boundaries from ``nopad_meta`` or its own query and key lengths - so a row cut
         that way gets the same plan, and a ``nopad_meta`` that no longer matches the row is refused
-        by the layer (:func:`packing.hf.attention.nopad_attention`)."""
+        by the layer (:func:`nopad.packing.hf.attention.nopad_attention`)."""
         return self
 
     def __getattr__(self, name: str):
@@ -152,7 +152,7 @@ def choose_backend(
       Triton kernel (any block size); else the training rule on gathered keys.
     - CPU: the compiled kernel for paged steps (keys read in place), per-sequence SDPA for training
       rows (faster forward+backward than the kernel, whose backward recomputes with SDPA).
-    - Inside :func:`packing.batch_invariant`: only backends declared ``invariant`` (a fixed
+    - Inside :func:`nopad.packing.batch_invariant`: only backends declared ``invariant`` (a fixed
       per-query order) - the compiled CPU kernel (or its pure-PyTorch twin ``per_token``) on CPU,
       the Triton kernel on CUDA.
 

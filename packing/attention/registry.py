@@ -5,7 +5,7 @@ whether it reads a paged cache (or a shared-prefix key index) in place. :func:`c
 declarations; it knows no backend by its code. Adding a backend is one module and one entry in
 :data:`_MODULES` (and, if ``"auto"`` should pick it, a place in :data:`AUTO_ORDER`).
 
-Nothing here reads global state: the caller (:class:`packing.attention.plan.AttentionPlan`, once
+Nothing here reads global state: the caller (:class:`nopad.packing.attention.plan.AttentionPlan`, once
 per forward) puts ``NOPAD_ATTN_BACKEND`` and the batch-invariant mode into the request and the
 :class:`Call`.
 """
@@ -39,7 +39,7 @@ class Call:
     shared_prefix: bool = False  # keys read through meta.key_index (a shared-prefix training row)
     grad: bool = False  # a training forward that needs a backward
     static: bool = False  # a static-shape decode step (CUDA graphs / torch.compile): lengths on the device
-    invariant: bool = False  # inside packing.batch_invariant(): a fixed per-query order is required
+    invariant: bool = False  # inside nopad.packing.batch_invariant(): a fixed per-query order is required
     kernels: str | None = None  # the mode's forced kernel set ("cpu" / "triton"), None: by device
     sinks: bool = False  # the layer has attention sinks (gpt-oss): a per-head logit in every softmax
 
@@ -58,7 +58,7 @@ class Backend:
     devices: tuple[str, ...]  # where "auto" may pick it ("cpu", "cuda")
     dtypes: tuple[torch.dtype, ...]
     grad: bool = True  # differentiable itself; else the dispatcher recomputes the backward
-    invariant: bool = False  # a fixed per-query order: allowed in packing.batch_invariant()
+    invariant: bool = False  # a fixed per-query order: allowed in nopad.packing.batch_invariant()
     reads_pages: Callable[[int], bool] | None = None  # block sizes it reads in place (None: gathered)
     static_decode: Callable | None = None  # decode with device-only lengths, CUDA-graph safe
     missing: Callable[[Call], str | None] | None = None  # what the installed library lacks for a call
@@ -80,7 +80,7 @@ class Backend:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
             return f"runs {names} only, not {str(call.dtype).removeprefix('torch.')}"
         if call.invariant and not self.invariant:
-            return "has no fixed per-query order (packing.batch_invariant() is on)"
+            return "has no fixed per-query order (nopad.packing.batch_invariant() is on)"
         if call.static and self.static_decode is None:
             return "has no static-shape decode path"
         if call.sinks and not self.sinks:
@@ -111,7 +111,7 @@ AUTO_ORDER = {
     ("cuda", "paged"): ("flash", "torch_varlen", "triton"),
     ("cpu", "train"): ("sdpa_loop",),
     ("cpu", "paged"): ("kernel",),
-    # packing.batch_invariant(): only backends with a fixed per-query order
+    # nopad.packing.batch_invariant(): only backends with a fixed per-query order
     ("cuda", "invariant"): ("triton",),
     ("cpu", "invariant"): ("kernel", "per_token"),
     ("triton", "invariant"): ("triton",),  # the Triton kernel set forced (e.g. on CPU, interpreted)
@@ -128,7 +128,7 @@ def backends() -> dict[str, Backend]:
     """Every registered backend by name."""
     if not _registry:
         for module in _MODULES:
-            for backend in importlib.import_module(f"packing.attention.{module}").BACKENDS:
+            for backend in importlib.import_module(f"nopad.packing.attention.{module}").BACKENDS:
                 _registry[backend.name] = backend
     return _registry
 
@@ -183,7 +183,7 @@ def requested_backend(override: str | None, env: str | None) -> str:
 def choose(call: Call, requested: str = "auto") -> Backend:
     """The one rule for which attention backend runs a call: ``requested`` (a name of
     :func:`names`, already resolved by :func:`requested_backend`) or "auto" (see
-    :func:`packing.attention.plan.choose_backend`)."""
+    :func:`nopad.packing.attention.plan.choose_backend`)."""
     table = backends()
     if requested != "auto":
         backend = table[requested]
@@ -242,7 +242,7 @@ def _auto(call: Call, table: dict[str, Backend]) -> Backend:
 
 
 def choose_differentiable(call: Call) -> Backend:
-    """A backend with its own backward for ``call``, ignoring :func:`packing.batch_invariant`
+    """A backend with its own backward for ``call``, ignoring :func:`nopad.packing.batch_invariant`
     (the mode fixes the forward only): what a forward-only kernel's backward recomputes with."""
     device = call.device.type if call.device.type in ("cpu", "cuda") else "cuda"
     table = backends()

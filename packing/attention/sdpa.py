@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from packing.attention.registry import Backend
-from packing.varlen import VarlenMeta
+from nopad.packing.attention.registry import Backend
+from nopad.packing.varlen import VarlenMeta
 
 
 @dataclass
@@ -137,7 +137,7 @@ def per_sequence(q, src: KeySource, *, causal, scale, window, softcap, seqs=None
 def per_token(q, src: KeySource, *, causal, scale, window, softcap, sinks=None) -> list:
     """One SDPA call per query token over exactly the keys it sees: slow, but each token's result
     depends on nothing else in the call, so it is the pure-PyTorch batch-invariant path (used by
-    :func:`packing.batch_invariant` when the compiled kernel is not built)."""
+    :func:`nopad.packing.batch_invariant` when the compiled kernel is not built)."""
     meta = src.meta
     keys = src.splitter()
     outs = []
@@ -161,7 +161,7 @@ def per_token(q, src: KeySource, *, causal, scale, window, softcap, sinks=None) 
 
 def _padded_mask(meta: VarlenMeta, causal: bool, window: int | None) -> torch.Tensor:
     """The ``(B, max_q, max_k)`` mask of one padded call over every sequence, from the meta's
-    :attr:`~packing.varlen.VarlenMeta.padded_layout` (device ops only: no sync per layer)."""
+    :attr:`~nopad.packing.varlen.VarlenMeta.padded_layout` (device ops only: no sync per layer)."""
     lay = meta.padded_layout
     k_pos = torch.arange(meta.max_seqlen_k, device=lay.key_lens.device)
     keep = (k_pos[None, :] < lay.key_lens[:, None])[:, None, :].expand(-1, meta.max_seqlen_q, -1)

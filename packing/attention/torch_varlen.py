@@ -17,8 +17,8 @@ import inspect
 
 import torch
 
-from packing.attention.registry import Backend
-from packing.varlen import VarlenMeta
+from nopad.packing.attention.registry import Backend
+from nopad.packing.varlen import VarlenMeta
 
 DTYPES = (torch.float16, torch.bfloat16)
 PAGE_MULTIPLE = 256

@@ -5,7 +5,7 @@ One kernel for every shape the core sees: a packed training row (flat keys throu
 block table, with GQA, a sliding window, softcap, causal or not, fp32/bf16/fp16, any block size
 >= 16 and head dims up to 256 (padded to a power of two, masked).
 
-Why one kernel with one order: :func:`packing.batch_invariant` promises that a token's log-probs do
+Why one kernel with one order: :func:`nopad.packing.batch_invariant` promises that a token's log-probs do
 not depend on what else shares the step. So each query visits its keys in blocks of ``BLOCK_N``
 aligned to absolute key 0, in increasing order, with one tile configuration per (head dim, dtype)
 (:func:`tile_config`) whatever the call: the number of sequences, their lengths, the chunking, flat
@@ -23,7 +23,7 @@ the compute dtype as on the GPU, exact products, one summation order for every r
 statistics are fp32 everywhere.
 
 Forward only: training rows recompute the backward through the dispatcher's differentiable
-backend (:class:`packing.attention.dispatch.RecomputeBackward`).
+backend (:class:`nopad.packing.attention.dispatch.RecomputeBackward`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import NamedTuple
 
 import torch
 
-from packing.attention.registry import Backend
-from packing.varlen import VarlenMeta
+from nopad.packing.attention.registry import Backend
+from nopad.packing.varlen import VarlenMeta
 
 try:
     import triton

@@ -6,9 +6,9 @@ does it for streams, ``pack_dataset`` packs a ``datasets.Dataset`` in one global
 per-turn samples of a chat) with every shared token once.
 """
 
-from packing.bins.binpack import pack
-from packing.bins.hf_datasets import pack_dataset
-from packing.bins.stats import Bins, PackStats
-from packing.bins.streaming import StreamingPacker
+from nopad.packing.bins.binpack import pack
+from nopad.packing.bins.hf_datasets import pack_dataset
+from nopad.packing.bins.stats import Bins, PackStats
+from nopad.packing.bins.streaming import StreamingPacker
 
 __all__ = ["Bins", "PackStats", "StreamingPacker", "pack", "pack_dataset"]

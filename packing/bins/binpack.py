@@ -1,7 +1,7 @@
 """``pack``: assign sequences to fixed-capacity bins, the one entry point for offline packing.
 
 Validation and over-long / empty sequence handling live here, once, for every strategy and both
-backends (compiled ``packing._packer`` and the pure-Python reference ``packing.bins.algorithms``).
+backends (compiled ``nopad.packing._packer`` and the pure-Python reference ``nopad.packing.bins.algorithms``).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Literal
 
 import numpy as np
 
-from packing._native import native_packer
-from packing.bins import algorithms
-from packing.bins.stats import Bins
+from nopad.packing._native import native_packer
+from nopad.packing.bins import algorithms
+from nopad.packing.bins.stats import Bins
 
 STRATEGIES = ("bfd", "ffd", "nextfit")
 OVERFLOWS = ("error", "truncate", "split")

@@ -14,10 +14,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from packing._native import native_packer
-from packing.bins import algorithms
-from packing.bins.binpack import pack
-from packing.bins.stats import Bins
+from nopad.packing._native import native_packer
+from nopad.packing.bins import algorithms
+from nopad.packing.bins.binpack import pack
+from nopad.packing.bins.stats import Bins
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def pack_dataset(
     ``seq_lengths`` (the lengths of the sequences in the row, in order) and,
     if ``position_ids=True``, positions restarting at 0 for every sequence. Other columns (e.g.
     raw text) cannot be concatenated and are dropped with a log message. ``strategy``, ``seed``,
-    ``overflow``, ``max_seqs_per_bin`` and ``skip_empty`` mean the same as in :func:`packing.pack`.
+    ``overflow``, ``max_seqs_per_bin`` and ``skip_empty`` mean the same as in :func:`nopad.packing.pack`.
     A ``DatasetDict`` is packed split by split. With ``return_bins=True`` returns
     ``(dataset, bins)`` where ``bins.indices`` are row numbers of ``ds``.
     """

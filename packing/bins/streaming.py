@@ -17,7 +17,7 @@ import bisect
 import random
 from typing import Any, NamedTuple
 
-from packing.bins.binpack import OVERFLOWS, _check_int
+from nopad.packing.bins.binpack import OVERFLOWS, _check_int
 
 
 class StreamItem(NamedTuple):
@@ -38,7 +38,7 @@ class StreamingPacker:
     ``add(length, key)`` returns the bins that closed (usually none or one), each a list of
     :class:`StreamItem`; ``flush()`` packs whatever is left at the end of the stream.
     ``seed`` randomises which of several equally long buffered sequences is taken (None: oldest
-    first). ``overflow`` treats sequences longer than ``capacity`` like :func:`packing.pack`.
+    first). ``overflow`` treats sequences longer than ``capacity`` like :func:`nopad.packing.pack`.
     """
 
     def __init__(

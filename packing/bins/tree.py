@@ -13,17 +13,17 @@ per leaf.
 A tree stays in one row when it fits. A larger one is split at node boundaries: a node keeps as
 many of its child subtrees as fit, and the others go to pieces that repeat its path from the root
 (context, computed again, no loss) - recursively. Pieces are bin-packed across rows with
-:func:`packing.pack`; pieces of one tree that share a row lay their common nodes once. A
+:func:`nopad.packing.pack`; pieces of one tree that share a row lay their common nodes once. A
 sequence longer than the row capacity is an error: a path's keys must lie in one row.
 
 The loss is per (path, token) pair, as in the flat sequences. A row is a
-:class:`packing.row.PackedRow`: labels on the tokens its paths train on, each predicted by the
+:class:`nopad.packing.row.PackedRow`: labels on the tokens its paths train on, each predicted by the
 token before it on its path (``nopad_meta.previous_rows()``: a node's first token by its
 parent's last), and the pairs (``pair_tokens``, ``pair_seqs``) of the paths whose last node the
 row owns, so a token that m paths train on counts m times, each with its own path's per-token
 values (the row's ``token_values``), while the LM head runs on it once. The one-level shared
 prefix of a GRPO group (a prompt and its completions) is the depth-1 case
-(:func:`training.grpo.pack_rollouts`).
+(:func:`nopad.training.grpo.pack_rollouts`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from packing.bins.binpack import pack
-from packing.row import IGNORE_INDEX, PackedRow
-from packing.varlen import VarlenMeta
+from nopad.packing.bins.binpack import pack
+from nopad.packing.row import IGNORE_INDEX, PackedRow
+from nopad.packing.varlen import VarlenMeta
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,7 @@ def tree_row(paths: Sequence[TreePath], pieces: Sequence[Piece]) -> PackedRow:
     """One training row from its pieces: tokens, positions (depths) and ``nopad_meta`` (segments
     reading their ancestors through ``key_index``); labels on every token that a path whose last
     node the row owns trains on, and the loss pairs of those paths (``pair_tokens``,
-    ``pair_seqs``: see :class:`packing.row.PackedRow`), path after path, each in token order,
+    ``pair_seqs``: see :class:`nopad.packing.row.PackedRow`), path after path, each in token order,
     with the paths' extras per pair; ``indices`` are those paths."""
     ids: list[int] = []
     segments: list[list] = []  # [query tokens, context tokens, last node]

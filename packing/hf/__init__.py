@@ -1,8 +1,8 @@
 """nopad inside Hugging Face transformers: the ``"nopad"`` attention implementation
 (``AttentionInterface``), the packed-forward guard and ``verify`` (packed == unpacked on a model)."""
 
-from packing.hf import boundary_probe as _boundary_probe  # noqa: F401  (registers the boundary probe)
-from packing.hf.attention import (
+from nopad.packing.hf import boundary_probe as _boundary_probe  # noqa: F401  (registers the boundary probe)
+from nopad.packing.hf.attention import (
     NOPAD_ATTENTION,
     check_packed_call,
     compute_dtype,

@@ -3,7 +3,7 @@ any HF decoder that routes attention through ``AttentionInterface`` — no model
 
 Setup::
 
-    from packing.hf import register_nopad_attention, use_nopad_attention
+    from nopad.packing.hf import register_nopad_attention, use_nopad_attention
     register_nopad_attention()                       # idempotent
     model.set_attn_implementation("nopad")           # or, for a block: with use_nopad_attention(model):
 
@@ -13,7 +13,7 @@ to every attention call, where ``nopad_attention`` reads them):
 Packed training row — ``model(input_ids, position_ids=..., nopad_meta=meta, labels=...)``
     ``input_ids`` ``(1, T)`` holds the concatenated sequences, ``position_ids`` ``(1, T)`` is
     ``meta.position_ids[None]`` (RoPE needs it; it is checked against ``meta``), ``nopad_meta`` the
-    row's :class:`~packing.varlen.VarlenMeta`. Without ``nopad_meta`` the boundaries are derived
+    row's :class:`~nopad.packing.varlen.VarlenMeta`. Without ``nopad_meta`` the boundaries are derived
     from ``position_ids`` (a sequence starts where the position is 0): attention-only models only,
     since a convolution or recurrent layer gets no boundaries that way. Without either, each batch
     row is one sequence. A 2-D ``attention_mask`` with padding is refused.
@@ -27,13 +27,13 @@ Generation step (paged K/V) — the generator passes::
     ``kv[layer_idx] -> (k_cache, v_cache)`` each ``(num_blocks, block_size, kv_heads, head_dim)``
     (a list, a dict, or a callable ``kv(layer_idx)``). Each layer writes the step's new K/V at
     ``meta.slot_mapping`` and attends through ``meta.block_table``, with the backend the registry
-    picks (:func:`packing.attention.choose_backend`: on CPU the compiled kernel, reading the blocks
+    picks (:func:`nopad.packing.attention.choose_backend`: on CPU the compiled kernel, reading the blocks
     in place; on CUDA flash-attn, torch's varlen kernel or nopad's Triton kernel), or the one named by
     ``nopad_backend=`` (``"sdpa_loop"``...). ``use_cache=False`` keeps transformers' cache out.
 
 Planned once per forward: transformers calls the mask hook (:func:`nopad_mask`) once per forward
 (per mask kind) and passes its result to every layer as ``attention_mask``. nopad's hook returns an
-:class:`~packing.attention.plan.AttentionPlan`, which reads ``NOPAD_ATTN_BACKEND`` and the
+:class:`~nopad.packing.attention.plan.AttentionPlan`, which reads ``NOPAD_ATTN_BACKEND`` and the
 batch-invariant mode then; every layer reads its backend and the forward's resolved meta (derived,
 moved, checked once) from it. A model whose forward builds no mask gets a plan per layer call.
 
@@ -45,9 +45,9 @@ such a layer). Any other attention argument that carries a value is an error nam
 nopad would otherwise compute attention without it.
 
 Layouts: keys and values of different head sizes (MLA: DeepSeek-V3, Kimi) run as one size, the
-values zero-padded (:func:`packing.attention.dispatch.one_head_dim`); a layer that reuses an
+values zero-padded (:func:`nopad.packing.attention.dispatch.one_head_dim`); a layer that reuses an
 earlier layer's K/V (Gemma4's shared layers) gets that layer's keys from transformers and, in the
-generator, that layer's blocks (:func:`inference.kv_cache.kv_layout`).
+generator, that layer's blocks (:func:`nopad.inference.kv_cache.kv_layout`).
 
 Precision and devices: q, k and v are cast to one compute dtype first, as transformers does for
 flash-attn (the autocast dtype under ``torch.autocast``, else the layer's weight dtype: RoPE
@@ -70,14 +70,14 @@ import torch
 import transformers
 from transformers.masking_utils import AttentionMaskInterface
 
-from packing.attention import registry, varlen_attention
-from packing.attention.plan import AttentionPlan, PlannedRow
-from packing.distributed import compute_dtype
-from packing.hf.rope import check_row_lengths, rope_switch_length
-from packing.mixers import GENERATE, PACKED, TREE, UnsupportedMixerError, check_calling_model, check_model
-from packing.mixers.patches import install as install_patches
-from packing.mixers.support import NOPAD_ATTENTION, POSITIONS
-from packing.varlen import VarlenMeta
+from nopad.packing.attention import registry, varlen_attention
+from nopad.packing.attention.plan import AttentionPlan, PlannedRow
+from nopad.packing.distributed import compute_dtype
+from nopad.packing.hf.rope import check_row_lengths, rope_switch_length
+from nopad.packing.mixers import GENERATE, PACKED, TREE, UnsupportedMixerError, check_calling_model, check_model
+from nopad.packing.mixers.patches import install as install_patches
+from nopad.packing.mixers.support import NOPAD_ATTENTION, POSITIONS
+from nopad.packing.varlen import VarlenMeta
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ def _check_positions(meta: VarlenMeta, position_ids: torch.Tensor | None) -> Non
 
 
 def _row_context(meta: VarlenMeta, kv_cache, batch: int) -> str | None:
-    """What the forward asks of every other layer of the model (``packing.mixers``): a paged step,
+    """What the forward asks of every other layer of the model (``nopad.packing.mixers``): a paged step,
     a prefix-tree row, a row holding several sequences; None for one sequence per batch row,
     which any layer computes as it would alone."""
     if kv_cache is not None:
@@ -190,8 +190,8 @@ def _row_context(meta: VarlenMeta, kv_cache, batch: int) -> str | None:
 
 
 def _check_rope_row(module: torch.nn.Module, meta: VarlenMeta, context: str) -> None:
-    """A row whose rotary scaling the longest sequence would switch for all (:mod:`packing.hf.rope`);
-    the generator keeps every sequence under the switch instead (``inference.Generator``)."""
+    """A row whose rotary scaling the longest sequence would switch for all (:mod:`nopad.packing.hf.rope`);
+    the generator keeps every sequence under the switch instead (``nopad.inference.Generator``)."""
     config = getattr(module, "config", None)
     if config is None or context == GENERATE or rope_switch_length(config) is None:
         return
@@ -254,7 +254,7 @@ def nopad_attention(
     """transformers attention function: ``query`` ``(B, heads, T, dim)``, ``key``/``value``
     ``(B, kv_heads, S, dim)``; returns ``((B, T, heads, dim), None)``. ``attention_mask`` is the
     forward's plan (what :func:`nopad_mask` returned)."""
-    if nopad_trace is not None:  # the caller's own record of the calls (packing.verify counts them)
+    if nopad_trace is not None:  # the caller's own record of the calls (nopad.packing.verify counts them)
         nopad_trace.append(getattr(module, "layer_idx", None))
     if dropout:
         raise ValueError("nopad attention does not implement attention dropout; set attention_dropout=0")
@@ -306,14 +306,14 @@ def nopad_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> Atten
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(
             "nopad attention got a padding attention_mask; pack the sequences into one row "
-            "(see packing.pack) or use attn_implementation='sdpa' for padded batches"
+            "(see nopad.packing.pack) or use attn_implementation='sdpa' for padded batches"
         )
     return AttentionPlan()
 
 
 def register_nopad_attention() -> str:
     """Register ``"nopad"`` with transformers' attention and mask interfaces and patch transformers
-    for the hybrid mixers (:mod:`packing.mixers.patches`); idempotent. The attention backends load
+    for the hybrid mixers (:mod:`nopad.packing.mixers.patches`); idempotent. The attention backends load
     here, outside any trace (loaded by a compiled forward's first call, their imports broke its graph)."""
     install_patches()
     registry.backends()
@@ -328,7 +328,7 @@ def use_nopad_attention(model: transformers.PreTrainedModel, *, eval_mode: bool 
     """Switch ``model`` to nopad attention (with :func:`packed_forward_guard`) for the block, and
     with ``eval_mode`` to eval mode (the generator's steps); restore both after, also on error.
     The one way nopad switches a model's attention for a block. A model with a layer nopad does not
-    compute exactly for ``context`` (``packing.mixers``: packed rows, tree rows, generation) is
+    compute exactly for ``context`` (``nopad.packing.mixers``: packed rows, tree rows, generation) is
     refused first, naming the layer."""
     check_model(model, context)  # before anything is switched: a refusal leaves the model as it was
     register_nopad_attention()
@@ -366,7 +366,7 @@ def check_packed_call(model: transformers.PreTrainedModel, kwargs: dict) -> None
         raise ValueError(
             "labels= with a shared-prefix row: the model's loss predicts token t from t - 1, but a "
             "completion's first token is predicted by its prompt's last token. Compute the loss from the "
-            "logits at nopad_meta.previous_rows() (see training.grpo.packed_logprobs)."
+            "logits at nopad_meta.previous_rows() (see nopad.training.grpo.packed_logprobs)."
         )
     if meta is None and not _is_packed(position_ids):
         return
@@ -390,7 +390,7 @@ def check_packed_call(model: transformers.PreTrainedModel, kwargs: dict) -> None
 
 def packed_forward_guard(model: transformers.PreTrainedModel, context: str = PACKED):
     """Install a forward pre-hook that runs :func:`check_packed_call`; returns the hook handle.
-    A model with a layer nopad does not compute exactly for ``context`` (``packing.mixers``) is
+    A model with a layer nopad does not compute exactly for ``context`` (``nopad.packing.mixers``) is
     refused here first, naming the layer."""
     check_model(model, context)
 

@@ -1,6 +1,6 @@
 """The boundary probe: whether a model keeps a packed row's sequences apart, judged by what it does.
 
-The structural scan (:mod:`packing.mixers.support`) knows token mixers by what they are
+The structural scan (:mod:`nopad.packing.mixers.support`) knows token mixers by what they are
 (``Conv1d``, RNN modules, ``A_log``, sinks, declared layer kinds). A mixer written with plain
 tensor ops - a running mean (``cumsum`` over time) inside an MLP, a decoder layer subclass that adds
 a prefix sum - shows none of that, and ran packed rows, tree rows and the generator 0.4-1.0 off each
@@ -12,8 +12,8 @@ naming the first layer where it appears. The scan keeps its messages; the probe 
 Once per model (the verdict is cached; every context shares it), in eval mode, without autograd or
 autocast, on fixed token ids, consuming no random numbers: seeded runs stay bitwise as before, and
 every rank of a sharded model (ZeRO-3, FSDP2) runs the same forward at the same point, so its
-collectives stay matched. Registered with :mod:`packing.mixers.support` on import (``packing.hf``
-imports it), since it needs nopad's attention, which ``packing.mixers`` cannot import.
+collectives stay matched. Registered with :mod:`nopad.packing.mixers.support` on import (``nopad.packing.hf``
+imports it), since it needs nopad's attention, which ``nopad.packing.mixers`` cannot import.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from packing.hf.attention import register_nopad_attention
-from packing.mixers import support
-from packing.mixers.support import NOPAD_ATTENTION, PACKED, UnsupportedMixerError, decoder_layers
-from packing.varlen import VarlenMeta
+from nopad.packing.hf.attention import register_nopad_attention
+from nopad.packing.mixers import support
+from nopad.packing.mixers.support import NOPAD_ATTENTION, PACKED, UnsupportedMixerError, decoder_layers
+from nopad.packing.varlen import VarlenMeta
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 nopad reaches into transformers where no public API serves it: it rebinds the kernel hook
 ``use_kernel_func_from_hub_with_fallback`` and the kernel globals of the hybrid and Mamba2 model
-modules (:mod:`packing.mixers.hf_kernels`, :mod:`packing.mixers.mamba2`), reads and sets the
+modules (:mod:`nopad.packing.mixers.hf_kernels`, :mod:`nopad.packing.mixers.mamba2`), reads and sets the
 config's private ``_attn_implementation``, reads ``_is_stateful``, registers into
 ``AttentionInterface`` / ``AttentionMaskInterface``, reads model source code (which modules call
 the attention interface, pass sinks, hand their ``**kwargs`` to the kernels) and overrides the
@@ -19,7 +19,7 @@ building a trainer). A transformers outside :data:`TESTED_TRANSFORMERS` (the pin
 (a warning instead of the refusal); a mismatch is always an error. Public config fields nopad reads
 (``num_hidden_layers``, ``layer_types``...) are not listed: they are the models' documented API.
 
-Imports nothing of nopad: the mixers below ``packing.hf`` call it too.
+Imports nothing of nopad: the mixers below ``nopad.packing.hf`` call it too.
 """
 
 from __future__ import annotations
@@ -69,10 +69,10 @@ _LLAMA = "transformers.models.llama.modeling_llama"
 _CONV = ("hidden_states", "weight", "bias", "activation", "**kwargs")
 _RULE = ("query", "key", "value", "g", "beta", "initial_state", "output_final_state",
          "use_qk_l2norm_in_kernel", "**kwargs")
-_HK, _M2, _SUP = "packing.mixers.hf_kernels", "packing.mixers.mamba2", "packing.mixers.support"
-_HF = "packing.hf.attention"  # the first user of a name; also verification, boundary_probe, mamba2
+_HK, _M2, _SUP = "nopad.packing.mixers.hf_kernels", "nopad.packing.mixers.mamba2", "nopad.packing.mixers.support"
+_HF = "nopad.packing.hf.attention"  # the first user of a name; also verification, boundary_probe, mamba2
 
-# modeling module -> its Mamba2 mixer class (packing.mixers.mamba2.FAMILIES)
+# modeling module -> its Mamba2 mixer class (nopad.packing.mixers.mamba2.FAMILIES)
 MAMBA2_FAMILIES = {
     "transformers.models.nemotron_h.modeling_nemotron_h": "NemotronHMamba2Mixer",
     "transformers.models.granitemoehybrid.modeling_granitemoehybrid": "GraniteMoeHybridMambaLayer",
@@ -99,13 +99,13 @@ TOUCHED: tuple[Touch, ...] = (
     Touch(_MASK, "AttentionMaskInterface.register", PARAMETERS, ("key", "value"), by=_HF),
     # nopad_mask is the forward's mask hook: picked by the config's implementation, given the 2-D mask
     Touch(_MASK, "create_causal_mask", SOURCE, ("ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]",
-                                                "attention_mask=attention_mask"), by="packing.hf.attention"),
+                                                "attention_mask=attention_mask"), by="nopad.packing.hf.attention"),
     # the contract of a model call: positions and the attention keyword arguments reach every layer
     Touch(_LLAMA, "LlamaForCausalLM.forward", PARAMETERS, ("input_ids", "position_ids", "cache", "use_cache",
-                                                           "labels", "**kwargs"), by="packing.hf.attention"),
+                                                           "labels", "**kwargs"), by="nopad.packing.hf.attention"),
     Touch(_LLAMA, "LlamaAttention.forward", SOURCE, ("ALL_ATTENTION_FUNCTIONS", "**kwargs"), by=_SUP),
     Touch("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssAttention.forward", SOURCE, ("s_aux=",),
-          by="packing.mixers.sinks"),
+          by="nopad.packing.mixers.sinks"),
     # the model scan: stateful classes, and the models among the live objects (gc.get_objects)
     Touch(_MU, "PreTrainedModel._is_stateful", ATTRIBUTE, by=_SUP),
     Touch(_MU, "PreTrainedModel", ATTRIBUTE, by=_SUP),
@@ -130,10 +130,10 @@ TOUCHED: tuple[Touch, ...] = (
         *(Touch(module, name, KERNEL, needs, by=_M2) for name, needs in MAMBA2_GLOBALS.items()),
         Touch(module, "create_recurrent_attention_mask", PARAMETERS, ("config", "**kwargs"), by=_M2),
     )),
-    # the Trainer nopad's packed loader sits in (training.trainer overrides these)
-    Touch("transformers.trainer", "Trainer._prepare_inputs", PARAMETERS, ("inputs",), by="training.trainer"),
+    # the Trainer nopad's packed loader sits in (nopad.training.trainer overrides these)
+    Touch("transformers.trainer", "Trainer._prepare_inputs", PARAMETERS, ("inputs",), by="nopad.training.trainer"),
     Touch("transformers.trainer", "Trainer.compute_loss", PARAMETERS,
-          ("model", "inputs", "return_outputs", "num_items_in_batch"), by="training.trainer"),
+          ("model", "inputs", "return_outputs", "num_items_in_batch"), by="nopad.training.trainer"),
 )
 
 
@@ -205,7 +205,7 @@ def refuse_untested(found: list[str]) -> None:
     where = (f"nopad was written for transformers{TESTED_TRANSFORMERS} (tested; pinned in nopad's "
              "pyproject.toml)")
     if found:
-        more = f" (and {len(found) - SHOWN} more: packing.hf.compat.problems())" if len(found) > SHOWN else ""
+        more = f" (and {len(found) - SHOWN} more: nopad.packing.hf.compat.problems())" if len(found) > SHOWN else ""
         raise UntestedTransformersError(f"{where}, and this transformers {version} differs where nopad "
                                         f"reaches into it: {'; '.join(found[:SHOWN])}{more}. Install "
                                         f"transformers{TESTED_TRANSFORMERS}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from packing.model_config import text_config
+from nopad.packing.model_config import text_config
 
 logger = logging.getLogger(__name__)
 SWITCHING_ROPE_TYPES = ("longrope", "dynamic")

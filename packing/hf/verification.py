@@ -1,16 +1,16 @@
-"""``packing.verify``: check that a model gives the same logits, loss and gradients on a packed
+"""``nopad.packing.verify``: check that a model gives the same logits, loss and gradients on a packed
 row as on each sequence alone — the test a user runs before training a new model family packed.
-(The module is named ``verification`` so importing it never shadows the ``packing.verify``
+(The module is named ``verification`` so importing it never shadows the ``nopad.packing.verify``
 function.)
 
-    from packing import verify
+    from nopad.packing import verify
     report = verify(model, [tok(t).input_ids for t in texts])
     print(report)          # worst logit diff, relative grad diff, which attention path ran
     assert report.ok()     # within the compute dtype's rounding (see VerifyReport.ok)
 
     verify(model, [prompt + a, prompt + b, prompt + a + c], tree=True)   # one prefix-tree row
 
-With ``tree=True`` the sequences are laid as one prefix-tree row (:mod:`packing.bins.tree`:
+With ``tree=True`` the sequences are laid as one prefix-tree row (:mod:`nopad.packing.bins.tree`:
 shared prefixes once, each segment reading its ancestors' keys), the row GRPO and per-turn SFT
 train on.
 """
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from packing.hf import attention as hf
-from packing.mixers import PACKED, TREE, check_model
-from packing.varlen import VarlenMeta
+from nopad.packing.hf import attention as hf
+from nopad.packing.mixers import PACKED, TREE, check_model
+from nopad.packing.varlen import VarlenMeta
 
 # A tensor's gradient is judged against its own norm, but never against less than this fraction of
 # the whole gradient's: a gradient that is mathematically zero (a key bias, which softmax ignores) or
@@ -138,7 +138,7 @@ def _flat_forward(model, seqs, attn_implementation: str, trace: list):
 def _tree_forward(model, seqs, trace: list):
     """Logits of the sequences as one prefix-tree row, the summed loss of every (sequence, token)
     pair, and the rows that predict each sequence's tokens 1, 2, ... (its positions but the last)."""
-    from packing.bins.tree import TreePath, pack_tree_rows
+    from nopad.packing.bins.tree import TreePath, pack_tree_rows
 
     paths = [TreePath(s.tolist(), [False] + [True] * (s.numel() - 1)) for s in seqs]
     (row,) = pack_tree_rows(paths, capacity=sum(s.numel() for s in seqs))
@@ -231,7 +231,7 @@ def verify(
 
     The model is put in eval mode (no dropout) for the check and restored; its ``.grad`` fields
     are left as they were. A model with a layer that mixes tokens in a way nopad does not handle
-    (a recurrent state, a convolution over time, sinks: :mod:`packing.mixers`) is refused before
+    (a recurrent state, a convolution over time, sinks: :mod:`nopad.packing.mixers`) is refused before
     anything runs, naming the layer.
     """
     seqs = _sequences(model, sequences, tree, attn_implementation)
@@ -275,7 +275,7 @@ def verify(
                       for rows, a in zip(rows_of, alone_logits) if rows.numel()), default=0.0)
     worst, worst_name, total_rel = _compare_grads(alone_grads, packed_grads)
     if attn_implementation == hf.NOPAD_ATTENTION:
-        path = f"nopad: packing.attention.varlen_attention, {nopad_calls} attention calls"
+        path = f"nopad: nopad.packing.attention.varlen_attention, {nopad_calls} attention calls"
         path += ", one prefix-tree row" if tree else ""
     else:
         path = f"{attn_implementation}: transformers' packed position_ids path"

@@ -1,19 +1,19 @@
 """Token mixers besides attention (recurrent states, convolutions over time, sinks): which ones
 nopad computes exactly on packed rows, tree rows and in the generator, and a clear refusal for
-every other (:mod:`packing.mixers.support`). A new mixing kind is one module that registers a
-:class:`MixerSupport`: :mod:`packing.mixers.hf_kernels` (Gated DeltaNet, KDA, short convolutions)
-and :mod:`packing.mixers.mamba2` (Mamba2 layers), packed and tree rows; :mod:`packing.mixers.sinks`
+every other (:mod:`nopad.packing.mixers.support`). A new mixing kind is one module that registers a
+:class:`MixerSupport`: :mod:`nopad.packing.mixers.hf_kernels` (Gated DeltaNet, KDA, short convolutions)
+and :mod:`nopad.packing.mixers.mamba2` (Mamba2 layers), packed and tree rows; :mod:`nopad.packing.mixers.sinks`
 (attention sinks) everywhere."""
 
-from packing.mixers import (
+from nopad.packing.mixers import (
     hf_kernels,  # noqa: E402,F401  registers the support of transformers' hybrid kernels
     mamba2,  # noqa: F401  (registers its support on import)
 )
-from packing.mixers import sinks as _sinks  # noqa: F401  (registers the attention-sink support)
-from packing.mixers.conv import varlen_causal_conv1d
-from packing.mixers.delta_rule import varlen_delta_rule
-from packing.mixers.recurrence import RecurrencePlan, recurrence_plan
-from packing.mixers.support import (
+from nopad.packing.mixers import sinks as _sinks  # noqa: F401  (registers the attention-sink support)
+from nopad.packing.mixers.conv import varlen_causal_conv1d
+from nopad.packing.mixers.delta_rule import varlen_delta_rule
+from nopad.packing.mixers.recurrence import RecurrencePlan, recurrence_plan
+from nopad.packing.mixers.support import (
     CONTEXTS,
     GENERATE,
     PACKED,

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from packing.mixers.chunks import (
+from nopad.packing.mixers.chunks import (
     carry_states,
     chunk_layout,
     flushed_exp,

@@ -4,13 +4,13 @@ row at once: nopad's own varlen reference, on CPU and on CUDA without mamba_ssm.
 transformers' ``mamba2_chunk_scan`` (the torch fallback of mamba_ssm's
 ``mamba_chunk_scan_combined``, the same function in every Mamba2 family) takes one batch, so a
 packed row ran it once per piece, one after another. Here the pieces are cut into chunks laid out
-chunk-major (:func:`packing.mixers.chunks.chunk_layout`): the in-chunk terms (the masked
+chunk-major (:func:`nopad.packing.mixers.chunks.chunk_layout`): the in-chunk terms (the masked
 ``C B`` scores, each chunk's own state) run once over every real chunk of the row, and the state
 passes from chunk to chunk in one loop of the longest piece's count of steps, step ``j`` a prefix
 of the state batch. A padded position has ``dt x = 0``, ``B = C = 0`` and ``A dt = 0``: it adds
 nothing and decays nothing. The arithmetic is transformers', with its stable segment sum; the
 inter-chunk pass is its recurrence written as a loop, and every ``exp`` of a decay flushes
-subnormals to 0 (:func:`packing.mixers.chunks.flushed_exp`).
+subnormals to 0 (:func:`nopad.packing.mixers.chunks.flushed_exp`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from packing.mixers.chunks import (
+from nopad.packing.mixers.chunks import (
     carry_states,
     chunk_layout,
     flushed_exp,
@@ -28,7 +28,7 @@ from packing.mixers.chunks import (
     piece_rows,
     probe_inputs,
 )
-from packing.mixers.ssm_steps import discretise_dt
+from nopad.packing.mixers.ssm_steps import discretise_dt
 
 
 def _segment_sum(x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +63,7 @@ def chunked_ssd_scan(
     state)``), each from ``initial_states[i]`` (``(N, heads, head_dim, state)``; None: zero).
     Returns the fp32 outputs ``(rows, heads, head_dim)``, the pieces' rows concatenated in piece
     order, and the fp32 final states ``(N, heads, head_dim, state)``: what
-    :func:`packing.mixers.ssm_steps.token_scan` returns, in chunks instead of token by token."""
+    :func:`nopad.packing.mixers.ssm_steps.token_scan` returns, in chunks instead of token by token."""
     total, heads, head_dim = x.shape
     starts, lengths = [start for start, _ in pieces], [end - start for start, end in pieces]
     index, active, order = chunk_layout(starts, lengths, total, chunk_size)
@@ -99,7 +99,7 @@ def matches(reference: Callable) -> bool:
     """Whether this scan computes what ``reference`` (a family's ``mamba2_chunk_scan``, transformers'
     torch fallback of mamba_ssm's ``mamba_chunk_scan_combined``) does, on a tiny two-piece row with
     initial states, ``D``, ``dt_bias``, softplus and a ``dt_limit``: a release whose scan computes
-    something else leaves its family refused (:func:`packing.mixers.mamba2.install`), not silently
+    something else leaves its family refused (:func:`nopad.packing.mixers.mamba2.install`), not silently
     computed by this one."""
     shapes = [(11, 4, 3), (11, 4), (4,), (11, 2, 5), (11, 2, 5), (4,), (4,), (2, 4, 3, 5)]
     x, dt, A, B, C, D, bias, init = probe_inputs(shapes)

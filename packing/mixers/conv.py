@@ -9,10 +9,10 @@ path (``VarlenMeta.previous_rows``) and sums ``K`` weighted gathers: exact, diff
 the same code for packed and tree rows. On CUDA with ``causal-conv1d`` installed a packed row
 goes to its kernel with ``seq_idx`` (its documented way to keep sequences apart); tree rows and
 initial states stay on the reference (that kernel takes no per-sequence initial state with
-``seq_idx``). ``NOPAD_MIXER_KERNELS`` picks (:mod:`packing.mixers.kernels`). A generator decode step (static
+``seq_idx``). ``NOPAD_MIXER_KERNELS`` picks (:mod:`nopad.packing.mixers.kernels`). A generator decode step (static
 or not) is one ``cat`` of each sequence's state and token and ``K`` products, no host lengths read,
 so it compiles and captures. Inside
-:func:`packing.batch_invariant` every row takes the gathers (elementwise ops in one fixed order:
+:func:`nopad.packing.batch_invariant` every row takes the gathers (elementwise ops in one fixed order:
 oldest input first, then the bias), so a token gets the same bits in a training row, a prefill
 chunk and a decode step; the one-call paths sum in an order of their own.
 
@@ -28,10 +28,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from packing import invariance
-from packing.mixers.kernels import package_function
-from packing.mixers.recurrence import parent_rows
-from packing.varlen import VarlenMeta
+from nopad.packing import invariance
+from nopad.packing.mixers.kernels import package_function
+from nopad.packing.mixers.recurrence import parent_rows
+from nopad.packing.varlen import VarlenMeta
 
 _ACTIVATIONS = {None: None, "silu": F.silu, "swish": F.silu}
 _WINDOWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # meta -> {(K, init): (rows, final rows)}

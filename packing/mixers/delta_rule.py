@@ -1,9 +1,9 @@
 """The chunked delta rules (Gated DeltaNet: Qwen3.5, Qwen3-Next, OLMo-hybrid; Kimi's KDA) on a
 varlen row, each sequence apart, tree segments continuing their parent's state.
 
-The rows run wave by wave (:mod:`packing.mixers.recurrence`). Reference (CPU, and CUDA without
+The rows run wave by wave (:mod:`nopad.packing.mixers.recurrence`). Reference (CPU, and CUDA without
 ``fla``): for the Gated DeltaNet rule, nopad's own chunk-major varlen rule
-(:mod:`packing.mixers.chunked_delta_rule`: every piece of the wave in one call, each from its
+(:mod:`nopad.packing.mixers.chunked_delta_rule`: every piece of the wave in one call, each from its
 initial state, the transformers function's arithmetic chunk for chunk); for Kimi's KDA, the
 layer's own torch function (``chunk_kimi_delta_attention``) on the wave's pieces as a
 right-padded batch, pieces batched by their number of chunks so no piece pays for a longer one.
@@ -12,7 +12,7 @@ leaves the state as it is, just as the function's own padding to a multiple of i
 CUDA with ``fla`` installed: one varlen call per wave, ``cu_seqlens`` and the pieces'
 initial states (fla's documented signature), the way packed training runs there.
 
-Inside :func:`packing.batch_invariant` every row runs the layer's *token-by-token* rule instead
+Inside :func:`nopad.packing.batch_invariant` every row runs the layer's *token-by-token* rule instead
 (transformers' ``torch_recurrent_gated_delta_rule`` / ``recurrent_kimi_delta_attention``, the
 functions its cached decode calls), each wave's pieces as one right-padded batch. The chunked
 rule's sums depend on where a token falls in its chunk, so a token computed in a decode step, a
@@ -30,12 +30,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from packing import invariance
-from packing.mixers import chunked_delta_rule
-from packing.mixers.chunks import piece_rows
-from packing.mixers.kernels import disable, package_function
-from packing.mixers.recurrence import recurrence_plan
-from packing.varlen import VarlenMeta
+from nopad.packing import invariance
+from nopad.packing.mixers import chunked_delta_rule
+from nopad.packing.mixers.chunks import piece_rows
+from nopad.packing.mixers.kernels import disable, package_function
+from nopad.packing.mixers.recurrence import recurrence_plan
+from nopad.packing.varlen import VarlenMeta
 
 # transformers' kernel name -> fla's module and function of the same rule
 FLA_FUNCTIONS = {"chunk_gated_delta_rule": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
@@ -65,7 +65,7 @@ def varlen_delta_rule(
     use_qk_l2norm_in_kernel=)`` is the batched torch rule it runs on (returns ``(out, state)``);
     ``fla_kernel`` names fla's varlen function of the same rule (None: reference only).
     ``initial_state``: ``(N, HV, K, V)`` per sequence of a packed row. ``recurrent``: the same
-    rule token by token (same call, no ``chunk_size``), which :func:`packing.batch_invariant`
+    rule token by token (same call, no ``chunk_size``), which :func:`nopad.packing.batch_invariant`
     runs instead. Returns the output ``(1, T, HV, V)`` and, with ``output_final_state``, each
     sequence's final state."""
     if query.shape[0] != 1 or query.shape[1] != meta.total_q:
@@ -245,9 +245,9 @@ def _group_init(plan, group: list[int], states: dict, initial_state: torch.Tenso
 
 
 def _invariant_rule(recurrent: Callable | None, query: torch.Tensor) -> Callable:
-    """The token-by-token rule :func:`packing.batch_invariant` runs, or a clear refusal."""
+    """The token-by-token rule :func:`nopad.packing.batch_invariant` runs, or a clear refusal."""
     if recurrent is None:
-        raise ValueError("packing.batch_invariant() runs a delta rule token by token (the order the "
+        raise ValueError("nopad.packing.batch_invariant() runs a delta rule token by token (the order the "
                          "generator's decode uses), and this layer's module has no token-by-token rule "
                          "beside its chunked one; run it outside batch_invariant()")
     return _token_by_token(recurrent)

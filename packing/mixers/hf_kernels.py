@@ -15,7 +15,7 @@ and, by wrapping the hook, every one imported later, so any family built on thes
 served; :func:`serves` tells the mixer check whether a layer's every kernel is wrapped.
 
 The generator's steps reach the same functions: its ``nopad_kv_cache`` carries a per-sequence
-state cache as ``.states`` (:mod:`inference.state_cache`), and a call that finds one starts each
+state cache as ``.states`` (:mod:`nopad.inference.state_cache`), and a call that finds one starts each
 sequence of the row from its slot's state and writes its final state back (decode steps and
 prefill chunks alike). :func:`layer_state` sizes that state from a served layer's modules; a layer
 it cannot size is refused for the generator. The cache-only kernels (``causal_conv1d_update``, the
@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from packing.mixers.conv import varlen_causal_conv1d
-from packing.mixers.delta_rule import varlen_delta_rule
-from packing.mixers.support import GENERATE, PACKED, TREE, MixerSupport, register_mixer_support
+from nopad.packing.mixers.conv import varlen_causal_conv1d
+from nopad.packing.mixers.delta_rule import varlen_delta_rule
+from nopad.packing.mixers.support import GENERATE, PACKED, TREE, MixerSupport, register_mixer_support
 
 _MARK = "_nopad_kernel"
 # the names transformers' model modules give their kernel functions -> the kernel name
@@ -53,7 +53,7 @@ MIXING = ("causal_conv1d_fn", "chunk_gated_delta_rule", "chunk_kda")  # what a s
 CACHE_ONLY = ("causal_conv1d_update", "fused_recurrent_gated_delta_rule", "fused_recurrent_kda")
 RECURRENT_KERNELS = ("chunk_gated_delta_rule", "chunk_kda")
 # each chunked rule -> the global name of the same rule token by token in its modeling module (what
-# transformers' cached decode calls; packing.batch_invariant() runs it on every row)
+# transformers' cached decode calls; nopad.packing.batch_invariant() runs it on every row)
 TOKEN_BY_TOKEN = {"chunk_gated_delta_rule": "torch_recurrent_gated_delta_rule",
                   "chunk_kda": "recurrent_kimi_delta_attention"}
 RECURRENT_DTYPE = torch.float32  # the delta rules compute and return their state in fp32
@@ -175,7 +175,7 @@ def install() -> None:
         return
     import transformers.integrations as integrations
 
-    from packing.hf import compat
+    from nopad.packing.hf import compat
 
     compat.check()  # the hook and globals rebound here are listed there
     hook = _wrapping_hook(hub_kernels.use_kernel_func_from_hub_with_fallback)

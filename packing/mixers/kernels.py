@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from packing._native import installed
+from nopad.packing._native import installed
 
 KERNELS_ENV = "NOPAD_MIXER_KERNELS"
 _BROKEN: set[str] = set()  # "module.name" of installed packages that failed to import (reported once)

@@ -12,22 +12,22 @@ unchanged. The alternatives are worse: transformers' own ``seq_idx`` keyword rai
 mamba_ssm and cannot carry a tree's parent states, and wrapping the mixer's ``forward`` would
 mean rebuilding its cache objects to pass state between segments.
 
-**What runs.** The convolution: :func:`packing.mixers.conv.varlen_causal_conv1d` (tree segments
+**What runs.** The convolution: :func:`nopad.packing.mixers.conv.varlen_causal_conv1d` (tree segments
 start from their path's last inputs; plain packed rows go to causal-conv1d with ``seq_idx`` on
-CUDA). The scan: nopad's own chunked scan (:mod:`packing.mixers.chunked_ssd`, transformers'
+CUDA). The scan: nopad's own chunked scan (:mod:`nopad.packing.mixers.chunked_ssd`, transformers'
 ``mamba2_chunk_scan`` arithmetic on every piece of a wave at once) over the waves of the row's
-:func:`packing.mixers.recurrence.recurrence_plan` (a piece is a sequence; in a tree, the stretch
+:func:`nopad.packing.mixers.recurrence.recurrence_plan` (a piece is a sequence; in a tree, the stretch
 between branch points, seeded with the final state of the piece that ends at its parent), or
 mamba_ssm's ``mamba_chunk_scan_combined`` with ``seq_idx`` on CUDA for plain packed rows, where the fused
 training kernel (``mamba_split_conv1d_scan_combined``) also gets ``seq_idx``. Elsewhere the fused
 hook answers None, which makes the layer run the unfused path above. ``NOPAD_MIXER_KERNELS``
-picks between the packages and PyTorch (:mod:`packing.mixers.kernels`).
+picks between the packages and PyTorch (:mod:`nopad.packing.mixers.kernels`).
 
 The same modules' ``create_recurrent_attention_mask`` (called once per forward, before the
 layers) is rebound too, to note a ``"nopad"`` forward's ``position_ids``: a packed row that
 reaches a Mamba2 layer without ``nopad_meta`` is refused, not scanned across its documents.
 
-**In the generator** (:mod:`inference.state_cache`) a step's ``nopad_kv_cache`` carries the
+**In the generator** (:mod:`nopad.inference.state_cache`) a step's ``nopad_kv_cache`` carries the
 per-sequence state cache as ``.states``; the same two hooks then start each sequence of the step
 from its slot (its conv inputs, its ``(heads, head_dim, state)`` SSM state) and write its final
 state back, so a prefill chunk continues the previous chunk and a decode step continues the last
@@ -39,8 +39,8 @@ training forward computes). Anything else with cached context is refused here. A
 generator's ``static_decode`` / ``compile_decode``: one token a row, lengths on the device only)
 runs that recurrent step on every row, so the step compiles and captures.
 
-**Inside** :func:`packing.batch_invariant` the trainer's rows and the generator's steps all scan
-token by token (:mod:`packing.mixers.ssm_steps`; the conv takes its ordered gathers), so rollout
+**Inside** :func:`nopad.packing.batch_invariant` the trainer's rows and the generator's steps all scan
+token by token (:mod:`nopad.packing.mixers.ssm_steps`; the conv takes its ordered gathers), so rollout
 log-probs equal the trainer's bitwise; the chunk scan and the CUDA kernels run outside the mode.
 """
 
@@ -56,15 +56,15 @@ import warnings
 
 import torch
 
-from packing import invariance
-from packing.mixers import chunked_ssd
-from packing.mixers.conv import varlen_causal_conv1d
-from packing.mixers.hf_kernels import LayerState, step_states
-from packing.mixers.kernels import package_function
-from packing.mixers.mamba2_steps import check_row, step_chunk_scan, step_conv
-from packing.mixers.recurrence import recurrence_plan
-from packing.mixers.ssm_steps import row_scan
-from packing.mixers.support import (
+from nopad.packing import invariance
+from nopad.packing.mixers import chunked_ssd
+from nopad.packing.mixers.conv import varlen_causal_conv1d
+from nopad.packing.mixers.hf_kernels import LayerState, step_states
+from nopad.packing.mixers.kernels import package_function
+from nopad.packing.mixers.mamba2_steps import check_row, step_chunk_scan, step_conv
+from nopad.packing.mixers.recurrence import recurrence_plan
+from nopad.packing.mixers.ssm_steps import row_scan
+from nopad.packing.mixers.support import (
     GENERATE,
     NOPAD_ATTENTION,
     PACKED,
@@ -72,7 +72,7 @@ from packing.mixers.support import (
     MixerSupport,
     register_mixer_support,
 )
-from packing.varlen import VarlenMeta
+from nopad.packing.varlen import VarlenMeta
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ MASK_HOOK = "create_recurrent_attention_mask"
 # ----------------------------------------------------------------------------- CUDA kernels
 def _fast(tensor: torch.Tensor, meta: VarlenMeta, which: tuple[str, str]):
     """The kernel ``which`` for a plain packed row, when installed and chosen for ``tensor``
-    (``NOPAD_MIXER_KERNELS``, :mod:`packing.mixers.kernels`); None for a tree row, whose segments
+    (``NOPAD_MIXER_KERNELS``, :mod:`nopad.packing.mixers.kernels`); None for a tree row, whose segments
     start from their parents' states, which these kernels do not take per sequence."""
     if meta.key_rows is not None:
         return None
@@ -257,7 +257,7 @@ def install() -> tuple[type, ...]:
     refused, with a warning naming what changed. Run on first use (:func:`mixers`), never on
     import: it imports model modules and runs the scan's probe (torch ops, whose OpenMP threads
     a process forked afterwards would inherit in a state that can hang it)."""
-    from packing.hf import compat
+    from nopad.packing.hf import compat
 
     compat.check()  # the globals rebound here are listed there
     classes = []

@@ -1,6 +1,6 @@
-"""The generator's steps of a Mamba2 layer (:mod:`packing.mixers.mamba2` hooks them in): each
+"""The generator's steps of a Mamba2 layer (:mod:`nopad.packing.mixers.mamba2` hooks them in): each
 sequence of a step continues its convolution and SSM scan from its state slot
-(:mod:`inference.state_cache`) and leaves its final state there."""
+(:mod:`nopad.inference.state_cache`) and leaves its final state there."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import itertools
 import numpy as np
 import torch
 
-from packing import invariance
-from packing.mixers import chunked_ssd
-from packing.mixers.conv import varlen_causal_conv1d
-from packing.mixers.ssm_steps import discretise_dt, token_scan
-from packing.varlen import VarlenMeta
+from nopad.packing import invariance
+from nopad.packing.mixers import chunked_ssd
+from nopad.packing.mixers.conv import varlen_causal_conv1d
+from nopad.packing.mixers.ssm_steps import discretise_dt, token_scan
+from nopad.packing.varlen import VarlenMeta
 
 
 def check_row(batch: int, length: int, meta: VarlenMeta, what: str) -> None:

@@ -1,8 +1,8 @@
 """nopad's changes to transformers, made on first use and undone on request.
 
 nopad rebinds two things inside transformers: its kernel hook and the kernel functions of the
-hybrid model modules (:mod:`packing.mixers.hf_kernels`), and the Mamba2 families' kernel globals
-(:mod:`packing.mixers.mamba2`, whose install also checks the scan by running it). Importing nopad
+hybrid model modules (:mod:`nopad.packing.mixers.hf_kernels`), and the Mamba2 families' kernel globals
+(:mod:`nopad.packing.mixers.mamba2`, whose install also checks the scan by running it). Importing nopad
 does neither: an import that computes starts OpenMP's threads, and a process forked after it
 (``multiprocessing``'s fork start method, ``datasets.map(num_proc=)``, a forkserver preloading
 nopad) can hang in its first multi-threaded GEMM. So the patches go in when nopad is first used
@@ -20,8 +20,8 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from packing.hf import compat
-    from packing.mixers import hf_kernels, mamba2
+    from nopad.packing.hf import compat
+    from nopad.packing.mixers import hf_kernels, mamba2
 
     compat.check()  # before the first change: an untested transformers is refused, not patched
     hf_kernels.install()
@@ -32,7 +32,7 @@ def install() -> None:
 def uninstall() -> None:
     """Give transformers back what nopad rebound (tests); the next use installs again."""
     global _installed
-    from packing.mixers import hf_kernels, mamba2
+    from nopad.packing.mixers import hf_kernels, mamba2
 
     hf_kernels.uninstall()
     mamba2.uninstall()

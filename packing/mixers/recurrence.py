@@ -1,9 +1,9 @@
 """Where each recurrent state of a row starts: the one plan that the varlen recurrent mixers
-(:mod:`packing.mixers.delta_rule`, and any scan that carries a state from token to token) follow
+(:mod:`nopad.packing.mixers.delta_rule`, and any scan that carries a state from token to token) follow
 on packed rows and prefix-tree rows.
 
 A packed row's sequences each start from a zero state (or the caller's initial state). In a
-prefix-tree row (:mod:`packing.bins.tree`) a segment continues its parent node's path: its state
+prefix-tree row (:mod:`nopad.packing.bins.tree`) a segment continues its parent node's path: its state
 must start from the state *after the parent's last token*, which may lie in the middle of another
 segment (a chain laid as one segment, with a sibling branching off half-way). So the plan cuts
 each segment after every row some other segment branches from: a *piece* is a run of rows that
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from packing.varlen import VarlenMeta
+from nopad.packing.varlen import VarlenMeta
 
 
 @dataclass(frozen=True)

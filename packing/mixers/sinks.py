@@ -1,10 +1,10 @@
 """Attention sinks (gpt-oss): one learned logit per head that joins every softmax denominator and
 adds no value. nopad computes them exactly on every path - packed rows, prefix-tree rows and the
 generator's paged steps - when the layer hands them to the attention interface as ``s_aux`` (what
-transformers' gpt-oss attention does): :func:`packing.hf.attention.nopad_attention` passes them on
-as ``sinks`` and only backends declared to take them run the layer (:mod:`packing.attention`).
+transformers' gpt-oss attention does): :func:`nopad.packing.hf.attention.nopad_attention` passes them on
+as ``sinks`` and only backends declared to take them run the layer (:mod:`nopad.packing.attention`).
 
-A sink parameter used any other way is not claimed here, so :mod:`packing.mixers.support` still
+A sink parameter used any other way is not claimed here, so :mod:`nopad.packing.mixers.support` still
 refuses it.
 """
 
@@ -14,7 +14,7 @@ import inspect
 
 from torch import nn
 
-from packing.mixers.support import ALL_CONTEXTS, MixerSupport, calls_attention, register_mixer_support
+from nopad.packing.mixers.support import ALL_CONTEXTS, MixerSupport, calls_attention, register_mixer_support
 
 _PASSES_SINKS: dict[type, bool] = {}
 SINKS_ARGUMENT = "s_aux="  # how transformers' gpt-oss attention hands its sinks on (read in its source)

@@ -1,4 +1,4 @@
-"""The Mamba2 state-space scan token by token: the one order :func:`packing.batch_invariant`
+"""The Mamba2 state-space scan token by token: the one order :func:`nopad.packing.batch_invariant`
 runs for a Mamba2 layer, in the trainer's packed and tree rows and in the generator's steps.
 
 Why: transformers' chunked SSD scan (``mamba2_chunk_scan``) sums over a chunk's positions and
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from packing.mixers.recurrence import RecurrencePlan
+from nopad.packing.mixers.recurrence import RecurrencePlan
 
 # the chunk scan's keywords this scan takes too (all but chunk_size, which it has no use for)
 OPTIONS = ("D", "dt_bias", "dt_softplus", "dt_limit")
@@ -83,7 +83,7 @@ def row_scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: 
     others as transformers' chunk scan takes them; ``kwargs``: that call's keywords), wave by
     wave of the row's ``plan``, each piece from its parent's final state. ``scan_pieces`` runs a
     wave: :func:`token_scan` (the batch-invariant order) or nopad's chunked scan
-    (:func:`packing.mixers.chunked_ssd.chunked_ssd_scan`), which take the same arguments.
+    (:func:`nopad.packing.mixers.chunked_ssd.chunked_ssd_scan`), which take the same arguments.
     Returns the fp32 output ``(1, T, heads, head_dim)``."""
     scan = {k: kwargs[k] for k in OPTIONS if k in kwargs}
     x, dt, B, C = hidden_states[0], dt[0], B[0], C[0]

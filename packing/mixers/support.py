@@ -40,12 +40,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from packing.model_config import text_config
+from nopad.packing.model_config import text_config
 
 logger = logging.getLogger(__name__)
 
-# the attention implementation transformers knows nopad by (registered by packing.hf, which
-# re-exports it; defined here, below packing.hf, so that the mixers can read it without a cycle)
+# the attention implementation transformers knows nopad by (registered by nopad.packing.hf, which
+# re-exports it; defined here, below nopad.packing.hf, so that the mixers can read it without a cycle)
 NOPAD_ATTENTION = "nopad"
 PACKED, TREE, GENERATE = "packed", "tree", "generate"
 # a row packed by its position_ids alone (no nopad_meta): only the attention layers derive its
@@ -88,7 +88,7 @@ class MixerSupport:
 _SUPPORTS: list[MixerSupport] = []
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> contexts that passed
 _MODULE_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> contexts
-# the boundary probe, which has the last word once the scan passes (packing.hf.boundary_probe registers
+# the boundary probe, which has the last word once the scan passes (nopad.packing.hf.boundary_probe registers
 # it: it runs nopad's attention, which this package cannot import); ids of the models it is running
 BOUNDARY_PROBE: list[Callable[[nn.Module, str, bool], bool]] = []
 PROBING: set[int] = set()
@@ -322,7 +322,7 @@ def check_model(model: nn.Module, context: str = PACKED, *, inside_forward: bool
     passed = _CHECKED.get(model)
     if passed is not None and context in passed:
         return
-    from packing.hf import compat
+    from nopad.packing.hf import compat
 
     compat.check()  # the scan reads transformers' private names and model source
     findings = unsupported(model, context)

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from assets.smollm2 import load_smollm2_tokenizer
 from benchmarks._workloads import chat_workload, static_batch_occupancy
+from nopad.assets.smollm2 import load_smollm2_tokenizer
 
 
 def test_static_batch_occupancy_counts_held_and_useful_slots():

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from dataloaders.balance import balance_bins, bin_cost, default_attention_cost, equalize_bin_count, skew
+from nopad.dataloaders.balance import balance_bins, bin_cost, default_attention_cost, equalize_bin_count, skew
 
 
 def _bins(*groups):
@@ -73,7 +73,7 @@ def test_bad_inputs():
 
 
 def test_attention_cost_from_the_model_config():
-    from dataloaders.balance import attention_cost_from_config
+    from nopad.dataloaders.balance import attention_cost_from_config
     from tests.support.models import tiny_config
 
     # d=64, 2 layers, 4 heads of 16, 2 kv heads, ffn 128, vocab 128: per token 2 * (2*64*8*16 +

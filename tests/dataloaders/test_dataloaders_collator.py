@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from dataloaders.collator import PackedCollator
-from packing.row import IGNORE_INDEX
+from nopad.dataloaders.collator import PackedCollator
+from nopad.packing.row import IGNORE_INDEX
 
 
 def test_flat_row_labels_and_metadata():

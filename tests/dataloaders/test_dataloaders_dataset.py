@@ -2,7 +2,7 @@ import datasets
 import numpy as np
 import pytest
 
-from dataloaders.dataset import PackedDataset, PackedItem
+from nopad.dataloaders.dataset import PackedDataset, PackedItem
 
 
 def test_rows_pieces_and_masks_from_an_hf_dataset():

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from dataloaders.loader import PackedDataLoader, move_batch, packed_dataloader
+from nopad.dataloaders.loader import PackedDataLoader, move_batch, packed_dataloader
 
 rng = np.random.default_rng(0)
 ROWS = [{"input_ids": rng.integers(3, 100, size=n).tolist()} for n in rng.integers(1, 40, size=120)]

@@ -1,4 +1,4 @@
-"""Pre-packed datasets (nopad's ``pack_dataset``/``recipes.preprocess``, TRL's ``pack_dataset``):
+"""Pre-packed datasets (nopad's ``pack_dataset``/``nopad.recipes.preprocess``, TRL's ``pack_dataset``):
 the loaders and the collator read each row's own document boundaries, and the packed loss equals
 the loss of every document run alone."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import packing
-from dataloaders import PackedCollator, StreamingPackedLoader, packed_dataloader
-from dataloaders.dataset import document_lengths, slice_lengths
+from nopad import packing
+from nopad.dataloaders import PackedCollator, StreamingPackedLoader, packed_dataloader
+from nopad.dataloaders.dataset import document_lengths, slice_lengths
 from tests.support.models import tiny_model
 
 DOCS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15, 16], [17, 18]]  # 14 tokens
@@ -102,7 +102,7 @@ def test_a_row_that_looks_packed_without_usable_boundaries_is_an_error(row, matc
 
 
 def test_packed_loss_equals_each_document_run_alone():
-    from packing.hf import register_nopad_attention
+    from nopad.packing.hf import register_nopad_attention
 
     register_nopad_attention()
     torch.manual_seed(0)
@@ -133,11 +133,11 @@ def test_packed_loss_equals_each_document_run_alone():
 def test_epoch_stats_call_prepacked_rows_rows(caplog):
     import logging
 
-    from dataloaders import packed_dataloader
+    from nopad.dataloaders import packed_dataloader
 
     rows = [{"input_ids": list(range(10)), "seq_lengths": [4, 6]},
             {"input_ids": list(range(8)), "seq_lengths": [8]}]
-    with caplog.at_level(logging.INFO, logger="dataloaders"):
+    with caplog.at_level(logging.INFO, logger="nopad.dataloaders"):
         loader = packed_dataloader(rows, 16, num_replicas=1, rank=0)
         list(loader)
     assert loader.packed_sampler.last_stats["unit"] == "pre-packed rows"

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from dataloaders.dataset import PackedItem
-from dataloaders.sampler import PackedBatchSampler
+from nopad.dataloaders.dataset import PackedItem
+from nopad.dataloaders.sampler import PackedBatchSampler
 
 LENGTHS = np.random.default_rng(0).integers(1, 60, size=200)
 
@@ -100,7 +100,7 @@ def test_resume_under_another_plan_names_the_field_and_both_values(field, length
 @pytest.mark.parametrize("garbage", [None, {}, {"epoch": 0}, {"epoch": 0, "fingerprint": "x"},
                                      {"epoch": 0, "fingerprint": {"seed": 1}}])
 def test_garbage_state_is_a_clear_error(garbage):
-    from dataloaders import packed_dataloader
+    from nopad.dataloaders import packed_dataloader
 
     with pytest.raises(ValueError, match="state|fingerprint|checkpoint"):
         PackedBatchSampler(LENGTHS, 128, seed=1).load_state_dict(garbage)

@@ -5,7 +5,7 @@ import datasets
 import numpy as np
 import pytest
 
-from dataloaders.streaming import StreamingPackedLoader
+from nopad.dataloaders.streaming import StreamingPackedLoader
 
 rng = np.random.default_rng(1)
 ROWS = [{"input_ids": rng.integers(3, 100, size=n).tolist()} for n in rng.integers(1, 50, size=150)]

@@ -2,8 +2,8 @@ import logging
 
 import numpy as np
 
-from dataloaders.balance import balance_bins
-from dataloaders.telemetry import epoch_stats, log_epoch_stats
+from nopad.dataloaders.balance import balance_bins
+from nopad.dataloaders.telemetry import epoch_stats, log_epoch_stats
 
 
 class _PackStats:
@@ -35,7 +35,7 @@ def test_epoch_stats_pins_every_field():
 
 
 def test_log_warns_about_repeats_on_rank_zero_only(caplog):
-    with caplog.at_level(logging.INFO, logger="dataloaders"):
+    with caplog.at_level(logging.INFO, logger="nopad.dataloaders"):
         log_epoch_stats(_stats(), rank=1)
         assert caplog.records == []
         log_epoch_stats(_stats(), rank=0)
@@ -47,7 +47,7 @@ def test_log_warns_about_repeats_on_rank_zero_only(caplog):
 
 def test_a_dropped_empty_row_on_one_rank_is_called_empty_not_a_rank_repeat(caplog):
     stats = {**_stats(), "num_ranks": 1, "sequences_dropped": 1, "sequences_duplicated": 0}
-    with caplog.at_level(logging.WARNING, logger="dataloaders"):
+    with caplog.at_level(logging.WARNING, logger="nopad.dataloaders"):
         log_epoch_stats(stats, rank=0)
     (record,) = caplog.records
     assert "1 empty (zero-length) sequences dropped" in record.getMessage()

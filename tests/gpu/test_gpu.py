@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference.generator import Generator
-from inference.model_runner import row_bucket
-from inference.sampling_params import SamplingParams
-from packing.attention import varlen_attention
-from packing.attention.registry import Call, backends
-from packing.varlen import VarlenMeta
+from nopad.inference.generator import Generator
+from nopad.inference.model_runner import row_bucket
+from nopad.inference.sampling_params import SamplingParams
+from nopad.packing.attention import varlen_attention
+from nopad.packing.attention.registry import Call, backends
+from nopad.packing.varlen import VarlenMeta
 from tests.inference.test_inference_step_syncs import GREEDY, PROMPTS, count_steps
 from tests.packing.test_packing_attention import naive
 from tests.support.models import tiny_model
@@ -165,7 +165,7 @@ def test_release_gives_the_kv_memory_back():
 def test_batch_invariant_reductions_keep_autocasts_dtypes(op):
     """The Triton set's routed reductions give the dtype torch gives under CUDA autocast (fp32 for
     sum / softmax / log_softmax of bf16 input), not the input's."""
-    from packing.invariance import batch_invariant
+    from nopad.packing.invariance import batch_invariant
 
     x = torch.randn(6, 40, device=CUDA, dtype=torch.bfloat16)
     with torch.autocast("cuda", dtype=torch.bfloat16):

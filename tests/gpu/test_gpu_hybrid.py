@@ -4,7 +4,7 @@ On CUDA the mixers dispatch to ``fla`` (Gated DeltaNet, KDA) when it is installe
 own varlen reference where it is not (and for the short convolution and Mamba2 scan without
 ``causal-conv1d`` / ``mamba_ssm``). These tests check both the packed rows and the generator there,
 as the CPU suite does on the reference: packed == each sequence alone, greedy == HF ``generate``,
-and bitwise rollout == trainer in ``packing.batch_invariant()``.
+and bitwise rollout == trainer in ``nopad.packing.batch_invariant()``.
 
 With fla installed, transformers' own layer runs fla too (its kernel hook picks the package on any
 device), so "alone" is fla's unpacked call and "packed" fla's varlen one. fla 0.6 refuses its Gated
@@ -23,19 +23,19 @@ import warnings
 import pytest
 import torch
 
-import packing
-from inference import Generator, SamplingParams
-from packing.hf import use_nopad_attention
-from packing.invariance import batch_invariant
-from packing.mixers import delta_rule, kernels
-from packing.mixers.hf_kernels import dispatcher
-from packing.varlen import VarlenMeta
+from nopad import packing
+from nopad.inference import Generator, SamplingParams
+from nopad.packing.hf import use_nopad_attention
+from nopad.packing.invariance import batch_invariant
+from nopad.packing.mixers import delta_rule, kernels
+from nopad.packing.mixers.hf_kernels import dispatcher
+from nopad.packing.varlen import VarlenMeta
+from nopad.training.grpo import Rollout
 from tests.inference.test_inference_generator import prompts_of
 from tests.inference.test_inference_hybrid import hybrid_model
 from tests.packing.test_packing_invariance_hybrid import hybrid_model as invariance_model
 from tests.packing.test_packing_invariance_hybrid import trainer_logprobs
 from tests.support.models import random_sequences, tiny_model
-from training.grpo import Rollout
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

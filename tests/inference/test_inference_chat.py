@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import datasets
 import pytest
 
-from inference.chat import encode_prompt, render, tokenize_conversation
-from packing.row import IGNORE_INDEX
+from nopad.inference.chat import encode_prompt, render, tokenize_conversation
+from nopad.packing.row import IGNORE_INDEX
+from nopad.training import nopad_rollout_func
+from nopad.training.sft_data import load_rows, per_turn_samples
 from tests.training.test_training_trl import make_tokenizer
-from training import nopad_rollout_func
-from training.sft_data import load_rows, per_turn_samples
 
 # the TRL rollout's module, by its public name: #39 A1 moves it (training/trl_rollout.py -> training/trl/)
 tokenize_prompts = sys.modules[nopad_rollout_func.__module__].tokenize_prompts
@@ -35,10 +35,10 @@ def tok():
 
 
 def test_one_conversation_tokenizes_the_same_on_every_path(tok, tmp_path):
-    from recipes.config import from_dict
-    from recipes.grpo import build_prompts
-    from recipes.grpo_config import GRPORecipeConfig
-    from recipes.preprocess import tokenize_dataset
+    from nopad.recipes.config import from_dict
+    from nopad.recipes.grpo import build_prompts
+    from nopad.recipes.grpo_config import GRPORecipeConfig
+    from nopad.recipes.preprocess import tokenize_dataset
 
     ids, labels = tokenize_conversation(tok, CHAT)
     words = tok.convert_ids_to_tokens(ids)

@@ -17,10 +17,10 @@ import time
 import pytest
 import torch
 
-from inference import Generator, SamplingParams
-from inference.environments import reset_environments
-from inference.episodes import EpisodeLimits, EpisodeRunner, _Pending
-from inference.tools import ToolCall
+from nopad.inference import Generator, SamplingParams
+from nopad.inference.environments import reset_environments
+from nopad.inference.episodes import EpisodeLimits, EpisodeRunner, _Pending
+from nopad.inference.tools import ToolCall
 from tests.support.models import tiny_model
 from tests.support.step_clock import StepClock
 
@@ -467,7 +467,7 @@ def add_numbers(a: int, b: int) -> str:
 
 
 def test_chat_template_tool_calls_are_parsed_by_transformers_and_results_appended_token_in_token_out():
-    from inference.tools import ChatTemplateTools
+    from nopad.inference.tools import ChatTemplateTools
 
     tok = char_tokenizer()
     call, newline = tok.convert_tokens_to_ids(CALL_TEXT), tok.convert_tokens_to_ids("\n")
@@ -502,7 +502,7 @@ def test_chat_template_tool_calls_are_parsed_by_transformers_and_results_appende
 
 
 def test_templates_that_cannot_be_used_token_in_token_out_are_refused():
-    from inference.tools import ChatTemplateTools
+    from nopad.inference.tools import ChatTemplateTools
 
     tok = char_tokenizer()
     template = tok.response_template
@@ -567,7 +567,7 @@ class Puzzle(Counter):
 
 def test_environments_are_reset_as_trl_does_and_the_observation_joins_the_prompt():
     """#39 B5: run_episodes never called reset(), so a reset that raised went unnoticed."""
-    from recipes.tasks import AsciiTokenizer
+    from nopad.recipes.tasks import AsciiTokenizer
 
     gen = Generator(tiny_model("llama"), AsciiTokenizer(), block_size=4, num_blocks=128)
     params = SamplingParams(temperature=0.0, n=2, max_tokens=4, stop_token_ids=list(range(3, 128)),
@@ -607,7 +607,7 @@ class Varies(Counter):
     (Varies, {}, ["x"], ValueError, "prompt 0's 2 samples returned different observations"),
 ])
 def test_bad_environments_and_tools_are_named_before_generating(factory, tools, prompts, error, message):
-    from recipes.tasks import AsciiTokenizer
+    from nopad.recipes.tasks import AsciiTokenizer
 
     gen = Generator(tiny_model("llama"), AsciiTokenizer(), block_size=4, num_blocks=64)
     params = SamplingParams(temperature=0.0, n=2, max_tokens=4)
@@ -617,7 +617,7 @@ def test_bad_environments_and_tools_are_named_before_generating(factory, tools, 
 
 
 def test_an_episode_reward_that_raises_is_named_with_its_episode():
-    from recipes.tasks import AsciiTokenizer
+    from nopad.recipes.tasks import AsciiTokenizer
 
     model = tiny_model("llama")
     params = SamplingParams(temperature=0.0, n=1, max_tokens=4, ignore_eos=True)
@@ -670,7 +670,7 @@ class FinishesOnSecondLook:
 
 
 class Clock:
-    """``time`` for inference.episodes: ``monotonic()`` jumps past every deadline after its first read."""
+    """``time`` for nopad.inference.episodes: ``monotonic()`` jumps past every deadline after its first read."""
 
     perf_counter = staticmethod(time.perf_counter)
 
@@ -694,7 +694,7 @@ def test_an_episode_whose_tool_finishes_while_polled_is_resumed_not_lost(monkeyp
     else:
         future, deadline = FinishesOnSecondLook(), 50.0
         future.looks = -100  # never done: only the deadline ends its wait
-        monkeypatch.setattr("inference.episodes.time", Clock())
+        monkeypatch.setattr("nopad.inference.episodes.time", Clock())
     runner.pending = [_Pending("ready", [ToolCall("nope")], [None], deadline),
                       _Pending("late", [ToolCall("add")], [future], deadline)]
     try:
@@ -721,7 +721,7 @@ class BuggyFormat(EveryTurnCalls):
     ("raises", RuntimeError, r"the tool format BuggyFormat's parse\(\) raised KeyError: 'name' \(prompt 0, "
                              r"turn 1\); only a ValueError means a malformed call .* or raise ValueError"),
     ("returns", TypeError, r"the tool format BuggyFormat's parse\(\) returned \[\('count', \{\}\)\]; it must "
-                           r"return a list of inference.tools.ToolCall"),
+                           r"return a list of nopad.inference.tools.ToolCall"),
 ])
 def test_a_bug_in_the_tool_format_is_an_error_not_the_models_malformed_call(bug, error, message):
     """#54 B: any exception from parse() was recorded as the model's malformed call (and trained on)."""

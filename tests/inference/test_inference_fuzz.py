@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inference import Generator, SamplingParams
+from nopad.inference import Generator, SamplingParams
 from tests.support.models import tiny_model
 
 EOS = 2

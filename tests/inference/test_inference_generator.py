@@ -1,4 +1,4 @@
-"""End-to-end tests of inference.Generator on tiny random-weight models: exactness against HF
+"""End-to-end tests of nopad.inference.Generator on tiny random-weight models: exactness against HF
 generate and a plain forward, chunking, preemption, prefix sharing, n > 1, seeds, bad input."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from inference import Generator, SamplingParams
+from nopad.inference import Generator, SamplingParams
 from tests.support.models import tiny_model
 
 FAMILIES = ("llama", "qwen2", "mistral")
@@ -337,7 +337,7 @@ def test_a_prompt_near_the_context_limit_says_why_it_stopped_early(caplog):
 
     model = tiny_model("llama", max_position_embeddings=32)
     prompt = prompts_of([28], seed=3)[0]
-    with caplog.at_level(logging.WARNING, logger="inference.generator"):
+    with caplog.at_level(logging.WARNING, logger="nopad.inference.generator"):
         (out,) = Generator(model, num_blocks=16).generate(
             [prompt], SamplingParams(max_tokens=50, ignore_eos=True, **GREEDY), use_tqdm=False)
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 4
@@ -348,7 +348,7 @@ def test_a_prompt_near_the_context_limit_says_why_it_stopped_early(caplog):
 def test_attention_is_switched_once_per_run_and_restored_also_on_error(llama, monkeypatch):
     """generate() switches the model to nopad attention and eval mode once, not per step (#39 A2),
     and gives it back as it was, also when a step raises; a bare step() switches for itself."""
-    import inference.live_model as live_model
+    import nopad.inference.live_model as live_model
 
     entered = []
     real = live_model.use_nopad_attention

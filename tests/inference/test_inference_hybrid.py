@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference import Generator, SamplingParams
-from packing.mixers import mamba2
+from nopad.inference import Generator, SamplingParams
+from nopad.packing.mixers import mamba2
 from tests.inference.test_inference_episodes import GREEDY as EPISODE
 from tests.inference.test_inference_episodes import LIMITS, TOOLS, TokenFormat, echo, reference_episode
 from tests.inference.test_inference_generator import forward_logprobs, hf_greedy, prompts_of
@@ -182,8 +182,8 @@ def test_tool_episodes_pause_resume_fork_and_preempt_equal_hf(family):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
 def test_state_slots_come_out_of_the_memory_budget(family):
-    from inference.kv_cache import bytes_per_block, kv_layout
-    from inference.state_cache import bytes_per_slot
+    from nopad.inference.kv_cache import bytes_per_block, kv_layout
+    from nopad.inference.state_cache import bytes_per_slot
 
     model = tiny_model(family)
 

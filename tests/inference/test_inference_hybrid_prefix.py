@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference import Generator, SamplingParams
-from inference.state_cache import copy_waves
+from nopad.inference import Generator, SamplingParams
+from nopad.inference.state_cache import copy_waves
 from tests.inference.test_inference_generator import forward_logprobs, hf_greedy, prompts_of
 from tests.inference.test_inference_hybrid import FAMILIES as ALL_FAMILIES
 from tests.inference.test_inference_hybrid import assert_all_freed, hybrid_model
@@ -166,7 +166,7 @@ def test_state_copies_apply_in_order():
 
 @pytest.mark.parametrize("bad", [-1, "4", 2.5, True])
 def test_a_bad_snapshot_count_is_one_clear_line(bad):
-    from inference.state_prefix import state_snapshots
+    from nopad.inference.state_prefix import state_snapshots
 
     with pytest.raises(ValueError, match="num_state_snapshots must be an int >= 0"):
         state_snapshots([object()], True, bad, 4)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference import Generator, SamplingParams
+from nopad.inference import Generator, SamplingParams
 from tests.inference.test_inference_episodes import GREEDY as EPISODE
 from tests.inference.test_inference_episodes import LIMITS, TOOLS, TokenFormat, reference_episode
 from tests.inference.test_inference_generator import forward_logprobs, hf_greedy, prompts_of
@@ -113,8 +113,8 @@ def test_compiled_hybrid_decode_is_one_graph_and_exact(family, monkeypatch):
 
 
 def test_the_scratch_slot_comes_out_of_the_memory_budget():
-    from inference.kv_cache import bytes_per_block, kv_layout
-    from inference.state_cache import bytes_per_slot
+    from nopad.inference.kv_cache import bytes_per_block, kv_layout
+    from nopad.inference.state_cache import bytes_per_slot
     from tests.support.models import tiny_model
 
     model, budget = tiny_model("qwen3_5"), 1 << 20

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import packing
-from inference import Generator, SamplingParams
-from inference.kv_cache import KVCache, LayerKV, bytes_per_block, kv_layout
-from packing.attention import varlen_attention
-from packing.varlen import VarlenMeta
+from nopad import packing
+from nopad.inference import Generator, SamplingParams
+from nopad.inference.kv_cache import KVCache, LayerKV, bytes_per_block, kv_layout
+from nopad.packing.attention import varlen_attention
+from nopad.packing.varlen import VarlenMeta
 from tests.inference.test_inference_generator import hf_greedy, prompts_of
 from tests.packing.test_packing_sinks import strong_sinks
 from tests.support.models import LAYOUT_FAMILIES, SINK_FAMILIES, random_sequences, tiny_config, tiny_model
@@ -117,7 +117,7 @@ def test_a_layer_that_calls_attention_twice_per_step_is_refused_in_the_generator
     keys with two halves of the values. A packed row is exact (each call gets its K/V); in the
     generator the second call overwrote the first's values in the layer's paged K/V and every later
     step read them back for both calls: tokens unlike HF's, with no error (the #36 sweep)."""
-    from packing.mixers import UnsupportedMixerError
+    from nopad.packing.mixers import UnsupportedMixerError
 
     model = tiny_model("diffllama")
     assert packing.verify(model, random_sequences((5, 9, 12))).ok()

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from inference import Generator
-from inference.request import Request, Sequence
-from inference.sampler import processed_logprobs, sample
-from inference.sampling_params import SamplingParams
-from inference.seeding import counter_seed
+from nopad.inference import Generator
+from nopad.inference.request import Request, Sequence
+from nopad.inference.sampler import processed_logprobs, sample
+from nopad.inference.sampling_params import SamplingParams
+from nopad.inference.seeding import counter_seed
 from tests.support.models import tiny_model
 
 
@@ -164,7 +164,7 @@ def _mixed_seqs(rows: int, offset: int = 0):
 def test_reused_sampler_buffers_give_what_fresh_ones_give(dtype):
     """The generator reuses the sampler's rows x vocab buffers across steps (no page faults each
     step); steps of other sizes and parameter mixes must still get exactly what fresh memory gives."""
-    from inference.sampler import SamplerBuffers
+    from nopad.inference.sampler import SamplerBuffers
 
     torch.manual_seed(3)
     buffers = SamplerBuffers()

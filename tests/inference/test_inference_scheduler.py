@@ -8,10 +8,10 @@ from __future__ import annotations
 import itertools
 from types import SimpleNamespace
 
-from inference.request import Request, Sequence, Status
-from inference.sampling_params import SamplingParams
-from inference.scheduler import Scheduler
-from packing.blocks import BlockAllocator
+from nopad.inference.request import Request, Sequence, Status
+from nopad.inference.sampling_params import SamplingParams
+from nopad.inference.scheduler import Scheduler
+from nopad.packing.blocks import BlockAllocator
 
 STOP = 99
 _ids = itertools.count()
@@ -183,11 +183,12 @@ def test_postprocess_ends_a_turn_at_a_stop_token_and_at_max_tokens():
 
 
 def test_the_scheduler_imports_neither_the_sampler_nor_the_model_side():
-    """Seeding lives in inference.seeding; the scheduler plans and does the bookkeeping only."""
+    """Seeding lives in nopad.inference.seeding; the scheduler plans and does the bookkeeping only."""
     import ast
     from pathlib import Path
 
     tree = ast.parse((Path(__file__).resolve().parents[2] / "inference" / "scheduler.py").read_text())
     modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert not modules & {"inference.sampler", "inference.model_runner", "inference.generator", "torch"}
+    assert not modules & {"nopad.inference.sampler", "nopad.inference.model_runner", "nopad.inference.generator",
+                          "torch"}

@@ -22,8 +22,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.bench_decode_host import python_calls
-from inference import Generator, SamplingParams
-from inference.model_runner import ModelRunner, build_step, row_bucket
+from nopad.inference import Generator, SamplingParams
+from nopad.inference.model_runner import ModelRunner, build_step, row_bucket
 from tests.support.models import tiny_model
 
 SYNC_OPS = {"_local_scalar_dense", "equal", "nonzero", "masked_select"}
@@ -162,7 +162,7 @@ def test_static_decode_gives_the_same_greedy_tokens(family):
 
 def test_static_decode_stays_off_in_batch_invariant_mode():
     """Batch-invariant mode needs the fixed-order kernel: its decode steps are not padded."""
-    from packing import batch_invariant
+    from nopad.packing import batch_invariant
 
     gen = Generator(tiny_model("llama"), block_size=4, static_decode=True)
     with batch_invariant():
@@ -207,7 +207,7 @@ def test_static_decode_runs_the_generators_attn_backend(monkeypatch):
     """#39 A7: the padded decode steps ignored ``attn_backend`` (they ran "auto" whatever was asked)."""
     import dataclasses
 
-    from packing.attention.registry import backends
+    from nopad.packing.attention.registry import backends
 
     kernel = backends()["kernel"]
     calls = []
@@ -231,7 +231,7 @@ class LayerCalls:
     def __init__(self, monkeypatch):
         import transformers
 
-        from packing.hf import attention
+        from nopad.packing.hf import attention
 
         self.per_layer: list[int] = []
         inner = attention.nopad_attention
@@ -258,7 +258,7 @@ def triton_host_side(monkeypatch):
     """nopad's Triton path with the launch replaced: everything the host does per layer on CUDA
     (the backend choice, the K/V write, the launcher's argument preparation) runs on CPU for real,
     and the stand-in checks that what reaches the launch needs no cast or copy there."""
-    from packing.attention import triton_kernel
+    from nopad.packing.attention import triton_kernel
 
     launches = []
 
@@ -280,7 +280,7 @@ def test_triton_steps_have_no_per_layer_sync_cast_or_backend_choice(triton_host_
     sync, cast (`.to(int32)` of an int64 tensor: a kernel per layer) or choose a backend per layer.
     Every step's sync/copy counts and runs of ``registry.choose`` are the same with 6 layers as with
     2, and one launch runs per layer."""
-    from packing.attention import registry
+    from nopad.packing.attention import registry
 
     choices = []
     choose = registry.choose
@@ -354,8 +354,8 @@ def test_static_decode_inputs_are_the_per_row_construction():
 
     import numpy as np
 
-    from inference.model_runner import build_static_decode
-    from inference.scheduler import StepPlan
+    from nopad.inference.model_runner import build_static_decode
+    from nopad.inference.scheduler import StepPlan
 
     rng = np.random.default_rng(0)
     block, scratch = 4, 99

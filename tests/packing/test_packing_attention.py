@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from packing.attention import gather_kv, store_kv, varlen_attention
-from packing.varlen import VarlenMeta
+from nopad.packing.attention import gather_kv, store_kv, varlen_attention
+from nopad.packing.varlen import VarlenMeta
 
 H, HKV, D = 4, 2, 8
 CPU_BACKENDS = ("auto", "sdpa_loop", "sdpa_padded", "sdpa_dense")

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from packing import invariance
-from packing.attention import BACKEND_ENV, registry
-from packing.attention import plan as plan_module
-from packing.attention.plan import AttentionPlan
-from packing.hf import use_nopad_attention
-from packing.invariance import batch_invariant
-from packing.varlen import VarlenMeta
+from nopad.packing import invariance
+from nopad.packing.attention import BACKEND_ENV, registry
+from nopad.packing.attention import plan as plan_module
+from nopad.packing.attention.plan import AttentionPlan
+from nopad.packing.hf import use_nopad_attention
+from nopad.packing.invariance import batch_invariant
+from nopad.packing.varlen import VarlenMeta
 from tests.support.models import tiny_model
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""packing.pack / packing.Bins: pinned small cases, invariants on random inputs, clear errors."""
+"""nopad.packing.pack / nopad.packing.Bins: pinned small cases, invariants on random inputs, clear errors."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packing import Bins, pack
+from nopad.packing import Bins, pack
 
 STRATEGIES = ["bfd", "ffd", "nextfit"]
 

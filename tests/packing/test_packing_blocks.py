@@ -1,4 +1,4 @@
-"""Tests of packing.blocks: the allocator's bookkeeping under every operation."""
+"""Tests of nopad.packing.blocks: the allocator's bookkeeping under every operation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from packing.blocks import NO_PARENT, BlockAllocator, OutOfBlocksError, hash_block
+from nopad.packing.blocks import NO_PARENT, BlockAllocator, OutOfBlocksError, hash_block
 
 
 def test_allocate_free_order_and_counts():

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-import packing
-from inference import Generator
-from packing.bins.tree import TreePath, pack_tree_rows
-from packing.hf import boundary_probe, register_nopad_attention, use_nopad_attention
-from packing.mixers import (
+from nopad import packing
+from nopad.inference import Generator
+from nopad.packing.bins.tree import TreePath, pack_tree_rows
+from nopad.packing.hf import boundary_probe, register_nopad_attention, use_nopad_attention
+from nopad.packing.mixers import (
     CONTEXTS,
     MixerSupport,
     UnsupportedMixerError,
@@ -27,9 +27,9 @@ from packing.mixers import (
     scan,
     unregister_mixer_support,
 )
-from packing.varlen import VarlenMeta
+from nopad.packing.varlen import VarlenMeta
+from nopad.training.sft import use_attention
 from tests.support.models import random_sequences, tiny_model
-from training.sft import use_attention
 
 
 class RunningMeanMLP(nn.Module):

@@ -9,13 +9,13 @@ import torch
 import transformers
 from transformers.masking_utils import AttentionMaskInterface
 
-from packing.hf import (
+from nopad.packing.hf import (
     NOPAD_ATTENTION,
     packed_forward_guard,
     register_nopad_attention,
     use_nopad_attention,
 )
-from packing.varlen import VarlenMeta
+from nopad.packing.varlen import VarlenMeta
 from tests.support.models import FAMILIES, SLIDING_WINDOW, random_sequences, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

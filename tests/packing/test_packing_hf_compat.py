@@ -1,4 +1,4 @@
-"""The transformers fence (packing.hf.compat): every transformers name nopad's code reaches into is
+"""The transformers fence (nopad.packing.hf.compat): every transformers name nopad's code reaches into is
 listed there, the installed transformers passes, and an untested or differing one is refused in one
 line, once per process, before nopad rebinds anything.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from packing.hf import compat
+from nopad.packing.hf import compat
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("packing", "inference", "training", "dataloaders", "recipes", "assets")
@@ -135,7 +135,7 @@ def test_the_scan_sees_the_known_uses():
 def test_the_names_held_in_tables_are_listed():
     """Reached by a string, which the scan cannot follow: each table's names must be in the fence,
     with at least the parameters the code relies on."""
-    from packing.mixers import hf_kernels, mamba2, sinks, support
+    from nopad.packing.mixers import hf_kernels, mamba2, sinks, support
 
     assert set(hf_kernels.GLOBAL_NAMES) <= LISTED
     assert mamba2.FAMILIES == compat.MAMBA2_FAMILIES
@@ -215,7 +215,7 @@ def test_a_version_outside_the_tested_range_is_refused_in_one_line(fresh, monkey
 def test_an_untested_version_runs_when_allowed_if_its_names_match(fresh, monkeypatch, caplog):
     monkeypatch.setattr(compat, "installed_transformers", lambda: "5.25.0")
     monkeypatch.setenv(compat.ALLOW_UNTESTED_ENV, "1")
-    with caplog.at_level(logging.WARNING, logger="packing.hf.compat"):
+    with caplog.at_level(logging.WARNING, logger="nopad.packing.hf.compat"):
         compat.check()
     assert "untested transformers 5.25.0" in caplog.text
 
@@ -262,15 +262,15 @@ def test_many_differences_are_named_three_then_counted(fresh, monkeypatch):
     with pytest.raises(compat.UntestedTransformersError) as error:
         compat.check()
     message = str(error.value)
-    assert "name 2 is gone (and 2 more: packing.hf.compat.problems())" in message and "name 3" not in message
+    assert "name 2 is gone (and 2 more: nopad.packing.hf.compat.problems())" in message and "name 3" not in message
 
 
 def test_an_untested_transformers_is_refused_before_nopad_patches_it(fresh, monkeypatch):
     """The first use (registering the attention) refuses, and transformers stays as it was."""
     from transformers.integrations import hub_kernels
 
-    from packing.hf import register_nopad_attention
-    from packing.mixers import patches
+    from nopad.packing.hf import register_nopad_attention
+    from nopad.packing.mixers import patches
 
     patches.uninstall()
     try:

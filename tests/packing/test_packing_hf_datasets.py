@@ -1,4 +1,4 @@
-"""packing.pack_dataset on Hugging Face datasets: exact packed rows, overflow, formats, errors."""
+"""nopad.packing.pack_dataset on Hugging Face datasets: exact packed rows, overflow, formats, errors."""
 
 import datasets
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packing import pack_dataset
+from nopad.packing import pack_dataset
 
 ROWS = {
     "input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10, 11], [12]],
@@ -118,7 +118,7 @@ def test_at_least_as_dense_as_trl_global_bfd():
 def test_python_fallback_gives_the_same_rows(monkeypatch):
     ds = datasets.Dataset.from_dict(ROWS)
     expected = pack_dataset(ds, 4, overflow="split")[:]
-    monkeypatch.setattr("packing.bins.hf_datasets.native_packer", lambda: None)
+    monkeypatch.setattr("nopad.packing.bins.hf_datasets.native_packer", lambda: None)
     assert pack_dataset(ds, 4, overflow="split")[:] == expected
 
 

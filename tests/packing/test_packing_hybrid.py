@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
-import packing
-from packing.mixers import (
+from nopad import packing
+from nopad.packing.mixers import (
     check_model,
     delta_rule,
     kernels,
@@ -30,8 +30,8 @@ from packing.mixers import (
     varlen_causal_conv1d,
     varlen_delta_rule,
 )
-from packing.mixers.kernels import KERNELS_ENV
-from packing.varlen import VarlenMeta
+from nopad.packing.mixers.kernels import KERNELS_ENV
+from nopad.packing.varlen import VarlenMeta
 from tests.support.models import random_sequences, tiny_model
 
 SERVED = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "kimi_linear")
@@ -85,7 +85,7 @@ def test_tree_rows_equal_each_path_flat(family, depth, one_thread):
 def test_a_tree_row_cuts_segments_where_a_branch_leaves_them():
     """Depth 3: the first child of each node continues its parent's segment, its siblings branch
     off half-way; the plan cuts there, and each level of branches is one wave."""
-    from packing.bins.tree import TreePath, pack_tree_rows
+    from nopad.packing.bins.tree import TreePath, pack_tree_rows
 
     (row,) = pack_tree_rows([TreePath(s.tolist()) for s in tree_sequences(3)], capacity=512)
     plan = recurrence_plan(row.nopad_meta)
@@ -107,7 +107,7 @@ def test_the_model_without_a_nopad_row_is_unchanged(one_thread):
         try:
             want = model(ids, use_cache=False).logits
         finally:
-            import packing.mixers.hf_kernels as hf_kernels
+            import nopad.packing.mixers.hf_kernels as hf_kernels
 
             hf_kernels.install()
     assert torch.equal(got, want)
@@ -198,7 +198,7 @@ def test_own_chunked_rule_equals_transformers_per_piece_with_gradients():
     """nopad's chunk-major varlen rule (every piece at once, in any order in the row, each from
     its own state) computes what transformers' function computes on each piece alone, forward
     and backward, with pieces of 1 to 3 chunks and one that fills its chunk exactly."""
-    from packing.mixers.chunked_delta_rule import chunked_gated_delta_rule
+    from nopad.packing.mixers.chunked_delta_rule import chunked_gated_delta_rule
 
     lengths, starts = [40, 1, 16, 33, 7], [60, 0, 2, 18, 51]  # out of row order; rows 1, 58, 59 unused
     tensors = [t.requires_grad_() for t in _rule_inputs([sum(lengths) + 3])]
@@ -226,8 +226,8 @@ def test_own_chunked_rule_flushes_subnormal_decays_without_moving_the_output():
     """A strong decay (log decay -3 a token, as random and trained Qwen3.5 heads reach) puts
     exp(cumulative decay) in the subnormal range within a chunk, which a CPU multiplies tens of
     times slower; nopad's rule flushes those terms to 0 and still equals transformers' function."""
-    from packing.mixers.chunked_delta_rule import chunked_gated_delta_rule
-    from packing.mixers.chunks import flushed_exp
+    from nopad.packing.mixers.chunked_delta_rule import chunked_gated_delta_rule
+    from nopad.packing.mixers.chunks import flushed_exp
 
     q, k, v, g, beta = _rule_inputs([128])
     g = torch.full_like(g, -3.0)
@@ -249,7 +249,7 @@ def test_own_ssd_scan_equals_transformers_per_piece_with_gradients():
 
     from transformers.models.bamba import modeling_bamba
 
-    from packing.mixers.chunked_ssd import chunked_ssd_scan
+    from nopad.packing.mixers.chunked_ssd import chunked_ssd_scan
 
     scan = inspect.unwrap(modeling_bamba.mamba2_chunk_scan)
     torch.manual_seed(0)
@@ -279,7 +279,7 @@ def test_own_ssd_scan_equals_transformers_per_piece_with_gradients():
 
 
 def test_a_chunked_scan_refuses_no_pieces_or_a_negative_length():
-    from packing.mixers.chunks import chunk_layout
+    from nopad.packing.mixers.chunks import chunk_layout
 
     for lengths in ([], [3, -1]):
         with pytest.raises(ValueError, match="at least one piece of length >= 0"):
@@ -290,7 +290,7 @@ def test_a_delta_rule_that_computes_otherwise_runs_itself(caplog):
     """nopad's own chunked rule stands in for functions made under the kernel name
     ``chunk_gated_delta_rule`` only once it is seen to compute what the function does; one that
     computes otherwise (here: its output scaled) runs itself on the row, reported once."""
-    from packing.mixers import chunked_delta_rule
+    from nopad.packing.mixers import chunked_delta_rule
 
     assert chunked_delta_rule.matches(TORCH_RULE)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # a forward under autocast: the probe stays fp32
@@ -303,7 +303,7 @@ def test_a_delta_rule_that_computes_otherwise_runs_itself(caplog):
 
     lengths = [70, 5, 20]
     tensors = _rule_inputs(lengths)
-    with caplog.at_level("WARNING", logger="packing.mixers.chunked_delta_rule"):
+    with caplog.at_level("WARNING", logger="nopad.packing.mixers.chunked_delta_rule"):
         out, _ = varlen_delta_rule(scaled, *tensors, meta=VarlenMeta.from_lengths(lengths),
                                    use_qk_l2norm_in_kernel=True)
     assert "computes other than nopad's chunked gated delta rule" in caplog.text
@@ -409,7 +409,7 @@ def kernel_standins(monkeypatch):
 
 
 def probed(model, standins):
-    """``model`` once its boundary probe ran (packing.hf.boundary_probe: once per model, at the first
+    """``model`` once its boundary probe ran (nopad.packing.hf.boundary_probe: once per model, at the first
     check), with the probe's own kernel calls cleared: they are not the ones a test counts."""
     check_model(model)
     standins.calls.clear()
@@ -496,10 +496,10 @@ def test_a_kernel_package_that_fails_to_import_is_reported_once(monkeypatch, tmp
 
 
 def test_a_grpo_step_on_tree_rows_of_a_hybrid_model_equals_flat_packing(one_thread):
-    from packing.hf import use_nopad_attention
+    from nopad.packing.hf import use_nopad_attention
+    from nopad.training.accumulation import OptimizerStepper
+    from nopad.training.grpo_step import GRPOLoss, train_on_rollouts
     from tests.training.test_training_tree import _grad_recorder, forked_rollouts
-    from training.accumulation import OptimizerStepper
-    from training.grpo_step import GRPOLoss, train_on_rollouts
 
     rollouts = forked_rollouts()
 

@@ -11,17 +11,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from inference import Generator, SamplingParams
-from packing import invariance
-from packing.attention import cpu_kernel as kernel_attention
-from packing.attention import sdpa as attention_cpu
-from packing.attention import varlen_attention
-from packing.attention.sdpa import KeySource
-from packing.hf import use_nopad_attention
-from packing.invariance import TILE_ROWS, batch_invariant, invariant_linear, is_enabled
-from packing.varlen import VarlenMeta
+from nopad.inference import Generator, SamplingParams
+from nopad.packing import invariance
+from nopad.packing.attention import cpu_kernel as kernel_attention
+from nopad.packing.attention import sdpa as attention_cpu
+from nopad.packing.attention import varlen_attention
+from nopad.packing.attention.sdpa import KeySource
+from nopad.packing.hf import use_nopad_attention
+from nopad.packing.invariance import TILE_ROWS, batch_invariant, invariant_linear, is_enabled
+from nopad.packing.varlen import VarlenMeta
+from nopad.training.grpo import Rollout, pack_rollouts, packed_logprobs
 from tests.support.models import FAMILIES, random_sequences, tiny_model
-from training.grpo import Rollout, pack_rollouts, packed_logprobs
 
 DTYPES = (torch.float32, torch.bfloat16)
 HYPOTHESIS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -334,7 +334,7 @@ def test_op_audit_every_gemm_is_a_fixed_tile_and_every_reduction_is_row_local(fa
 def test_op_audit_triton_set_leaves_no_gemm_or_row_reduction_to_torch(family):
     """With the Triton (CUDA) kernel set forced (interpreted on CPU): no GEMM but RoPE's exact
     one-element contraction and no reduction reaches torch's kernels; they all run in Triton."""
-    from packing import invariant_kernels
+    from nopad.packing import invariant_kernels
 
     if not torch.cuda.is_available() and not invariant_kernels._interpreted():
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")

@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference import Generator, SamplingParams
-from packing import invariant_kernels
-from packing.hf import use_nopad_attention
-from packing.invariance import batch_invariant, lane_pointwise
-from packing.mixers import varlen_causal_conv1d, varlen_delta_rule
-from packing.varlen import VarlenMeta
+from nopad.inference import Generator, SamplingParams
+from nopad.packing import invariant_kernels
+from nopad.packing.hf import use_nopad_attention
+from nopad.packing.invariance import batch_invariant, lane_pointwise
+from nopad.packing.mixers import varlen_causal_conv1d, varlen_delta_rule
+from nopad.packing.varlen import VarlenMeta
+from nopad.training.grpo import Rollout, pack_rollouts, packed_logprobs, pair_sequences
 from tests.support.models import MAMBA2_FAMILIES, random_sequences, tiny_model
-from training.grpo import Rollout, pack_rollouts, packed_logprobs, pair_sequences
 
 DTYPES = (torch.float32, torch.bfloat16)
 # the hybrid families the generator serves; MoE experts run eager: transformers' default grouped_mm
@@ -160,7 +160,7 @@ def test_mamba2_steps_equal_the_whole_row_bitwise_and_the_chunk_scan_within_roun
     and equals transformers' chunk scan within rounding (the same scan in another order)."""
     from transformers.models.bamba.modeling_bamba import mamba2_chunk_scan
 
-    from packing.mixers.ssm_steps import token_scan
+    from nopad.packing.mixers.ssm_steps import token_scan
 
     lengths = [5, 70, 1, 33]
     (x, dt, A, B, C), scan = _scan_inputs(lengths)
@@ -187,7 +187,7 @@ def test_mamba2_steps_equal_the_whole_row_bitwise_and_the_chunk_scan_within_roun
 def test_mamba2_steps_equal_the_whole_row_bitwise_in_the_triton_set():
     """The kernel set CUDA runs (here under Triton's interpreter): the scan's sum over the state
     goes to the row kernel, and a sequence's steps still equal its packed row bitwise."""
-    from packing.mixers.ssm_steps import token_scan
+    from nopad.packing.mixers.ssm_steps import token_scan
 
     (x, dt, A, B, C), scan = _scan_inputs([3, 12, 5])
     with batch_invariant(kernels="triton"):

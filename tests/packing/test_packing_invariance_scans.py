@@ -21,10 +21,10 @@ from transformers.models.bamba import modeling_bamba
 from transformers.models.lfm2 import modeling_lfm2
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from inference.state_cache import StateCache, StateSlots
-from packing.invariance import batch_invariant
-from packing.mixers.hf_kernels import LayerState
-from packing.varlen import VarlenMeta
+from nopad.inference.state_cache import StateCache, StateSlots
+from nopad.packing.invariance import batch_invariant
+from nopad.packing.mixers.hf_kernels import LayerState
+from nopad.packing.varlen import VarlenMeta
 
 DTYPES = (torch.float32, torch.bfloat16)
 LENGTHS = [7, 90, 1, 40]  # the longest crosses the delta rule's chunk of 64 and the scan's of 16

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference import SamplingParams
-from packing import invariant_kernels
-from packing.invariance import active_kernels, batch_invariant, kernel_set
+from nopad.inference import SamplingParams
+from nopad.packing import invariant_kernels
+from nopad.packing.invariance import active_kernels, batch_invariant, kernel_set
 from tests.packing.test_packing_invariance import _gaps
 from tests.support.models import random_sequences, tiny_model
 
@@ -116,8 +116,8 @@ def test_the_triton_set_on_cpu_without_the_interpreter_says_what_to_do(monkeypat
     """An fp32 model on CPU under ``kernels="triton"`` without ``TRITON_INTERPRET``: the refusal
     names the mode asked for, the model's own dtype (not the bf16 the generator's block size is
     first decided for) and what to do."""
-    from inference import Generator
-    from packing.attention import triton_kernel
+    from nopad.inference import Generator
+    from nopad.packing.attention import triton_kernel
 
     monkeypatch.setattr(triton_kernel, "interpreted", lambda: False)
     monkeypatch.setattr(invariant_kernels, "_interpreted", lambda: False)

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from packing.attention import cpu_kernel as kernel_attention
-from packing.attention import varlen_attention
-from packing.varlen import VarlenMeta
+from nopad.packing.attention import cpu_kernel as kernel_attention
+from nopad.packing.attention import varlen_attention
+from nopad.packing.varlen import VarlenMeta
 
 pytestmark = pytest.mark.skipif(kernel_attention.kernel() is None, reason="extension not built")
 

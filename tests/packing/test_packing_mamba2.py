@@ -1,5 +1,5 @@
 """Mamba2 layers (Nemotron-H, Granite-4 hybrid, Bamba, Falcon-H1) on packed and prefix-tree rows
-(issue 36 items 2 and 3, :mod:`packing.mixers.mamba2`): every sequence equals itself alone, a
+(issue 36 items 2 and 3, :mod:`nopad.packing.mixers.mamba2`): every sequence equals itself alone, a
 tree path its flat sequence, forward and backward, fp32; the CUDA kernels (causal-conv1d,
 mamba_ssm) get ``seq_idx`` through strict stand-ins; a step with cached context and no generator
 state cache is refused (the generator: tests/inference/test_inference_hybrid.py)."""
@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-import packing
-from packing.bins.tree import TreePath, pack_tree_rows
-from packing.hf import use_nopad_attention
-from packing.mixers import GENERATE, PACKED, TREE, UnsupportedMixerError, check_model, mamba2, recurrence_plan
-from packing.mixers.kernels import KERNELS_ENV
-from packing.varlen import VarlenMeta
+from nopad import packing
+from nopad.packing.bins.tree import TreePath, pack_tree_rows
+from nopad.packing.hf import use_nopad_attention
+from nopad.packing.mixers import GENERATE, PACKED, TREE, UnsupportedMixerError, check_model, mamba2, recurrence_plan
+from nopad.packing.mixers.kernels import KERNELS_ENV
+from nopad.packing.varlen import VarlenMeta
 from tests.support.mamba_standin import MambaKernelsStandIn
 from tests.support.models import MAMBA2_FAMILIES, random_sequences, tiny_model
 
@@ -39,7 +39,7 @@ def mamba_model(family):
 
 
 def probed(model, kernels):
-    """``model`` once its boundary probe ran (packing.hf.boundary_probe: once per model, at the first
+    """``model`` once its boundary probe ran (nopad.packing.hf.boundary_probe: once per model, at the first
     check), with the probe's own kernel calls cleared: they are not the ones a test counts."""
     check_model(model, PACKED)
     kernels.calls.clear()
@@ -230,7 +230,7 @@ def test_a_release_whose_scan_computes_otherwise_leaves_its_family_refused(monke
     import importlib
     import inspect
 
-    from packing.mixers import chunked_ssd
+    from nopad.packing.mixers import chunked_ssd
 
     for module_name, mixer_name in mamba2.FAMILIES.items():
         module = importlib.import_module(module_name)

@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-import packing
-from inference import Generator, SamplingParams
-from inference.state_cache import layer_states
-from packing.bins.tree import TreePath, pack_tree_rows
-from packing.hf import register_nopad_attention, use_nopad_attention
-from packing.mixers import (
+from nopad import packing
+from nopad.inference import Generator, SamplingParams
+from nopad.inference.state_cache import layer_states
+from nopad.packing.bins.tree import TreePath, pack_tree_rows
+from nopad.packing.hf import register_nopad_attention, use_nopad_attention
+from nopad.packing.mixers import (
     CONTEXTS,
     GENERATE,
     PACKED,
@@ -29,7 +29,8 @@ from packing.mixers import (
     scan,
     unregister_mixer_support,
 )
-from packing.varlen import VarlenMeta
+from nopad.packing.varlen import VarlenMeta
+from nopad.training.sft import use_attention
 from tests.support.models import (
     CHUNKED_FAMILIES,
     FAMILIES,
@@ -41,7 +42,6 @@ from tests.support.models import (
     random_sequences,
     tiny_model,
 )
-from training.sft import use_attention
 
 # the class each family's refusal must name (its token mixer)
 MIXER_CLASS = {
@@ -196,7 +196,7 @@ def test_a_bare_packed_or_tree_forward_is_refused_at_its_first_attention_layer(f
 
 @pytest.mark.parametrize("family", SINK_FAMILIES)
 def test_sink_attention_that_passes_s_aux_is_supported_in_every_context(family):
-    """packing.mixers.sinks: gpt-oss hands its sinks to the attention interface as ``s_aux``, which
+    """nopad.packing.mixers.sinks: gpt-oss hands its sinks to the attention interface as ``s_aux``, which
     every nopad path computes exactly (tests/packing/test_packing_sinks.py proves it)."""
     model = tiny_model(family)
     assert {f.cls for f in scan(model)} == {"GptOssAttention"}  # still found by what it holds ...

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packing import _native, pack
-from packing.bins import algorithms
+from nopad.packing import _native, pack
+from nopad.packing.bins import algorithms
 
-native = pytest.importorskip("packing._packer", reason="compiled packer not built")
+native = pytest.importorskip("nopad.packing._packer", reason="compiled packer not built")
 
 
 @settings(max_examples=200, deadline=None)
@@ -59,7 +59,7 @@ def test_splitmix64_matches_reference_values():
 def test_missing_extension_warns_once_and_falls_back(monkeypatch):
     _native.load_extension.cache_clear()
     monkeypatch.setattr(_native, "load_extension", functools.cache(_native.load_extension.__wrapped__))
-    monkeypatch.setitem(sys.modules, "packing._packer", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "nopad.packing._packer", None)  # makes the import fail
     with pytest.warns(RuntimeWarning, match="compiled packer is not available.*pure-Python"):
         bins = pack([4, 8, 3, 5, 2], 10)
     assert [b.tolist() for b in bins] == [[1, 4], [3, 0], [2]]

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PUBLIC = ("packing", "dataloaders", "inference", "training", "recipes", "assets")
+PUBLIC = ("nopad.packing", "nopad.dataloaders", "nopad.inference", "nopad.training", "nopad.recipes",
+          "nopad.assets")
 
 # In a fresh interpreter: import every public module, check transformers is untouched, then fork and
 # run a 512x512 GEMM on two threads in the child; the parent reports the child's fate.
@@ -24,7 +25,7 @@ CHILD = textwrap.dedent(f"""
         for info in pkgutil.walk_packages(package.__path__, top + "."):
             importlib.import_module(info.name)
     from transformers.integrations import hub_kernels
-    from packing.mixers import patches
+    from nopad.packing.mixers import patches
     assert not patches.installed(), "importing nopad patched transformers"
     assert not hasattr(hub_kernels.use_kernel_func_from_hub_with_fallback, "_nopad_kernel")
     pid = os.fork()
@@ -57,8 +58,8 @@ def test_first_use_patches_and_uninstall_gives_transformers_back():
     from transformers.integrations import hub_kernels
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
-    from packing.hf import register_nopad_attention
-    from packing.mixers import mamba2, patches
+    from nopad.packing.hf import register_nopad_attention
+    from nopad.packing.mixers import mamba2, patches
 
     register_nopad_attention()  # first use (or a no-op if another test got there first)
     assert patches.installed()

@@ -21,11 +21,11 @@ import warnings
 import pytest
 import torch
 
-from packing import attention, verify
-from packing.attention import BACKEND_ENV, choose_backend, flash
-from packing.hf import use_nopad_attention
-from packing.hf.attention import nopad_attention
-from packing.varlen import VarlenMeta
+from nopad.packing import attention, verify
+from nopad.packing.attention import BACKEND_ENV, choose_backend, flash
+from nopad.packing.hf import use_nopad_attention
+from nopad.packing.hf.attention import nopad_attention
+from nopad.packing.varlen import VarlenMeta
 from tests.support.flash_standin import FlashStandIn, broken_package
 from tests.support.models import random_sequences, tiny_model
 
@@ -177,7 +177,7 @@ def greedy_margins(model, prompt, completion):
 def test_generator_on_flash_reads_blocks_in_place(monkeypatch, flash_standin, family, precision):
     """Chunked prefill, decode, prefix sharing (a 300-token shared prefix, n=2 forks) and
     preemption, all on flash-attn's paged kernel: default block size 256, no gather."""
-    from inference import Generator, SamplingParams
+    from nopad.inference import Generator, SamplingParams
 
     standin = flash_standin("2.6")
     model = precision_model(family, precision)
@@ -222,12 +222,12 @@ def test_generator_on_flash_reads_blocks_in_place(monkeypatch, flash_standin, fa
 
 # ------------------------------------------------------------------ one GRPO step
 def test_one_grpo_step_on_flash_in_bf16(monkeypatch, forced_flash):
-    from inference import Generator, SamplingParams
-    from packing.row import PackedRow
+    from nopad.inference import Generator, SamplingParams
+    from nopad.packing.row import PackedRow
+    from nopad.training.accumulation import OptimizerStepper
+    from nopad.training.grpo import resolve_batch_invariant
+    from nopad.training.grpo_step import GRPOLoss, grpo_step
     from tests.support.models import IdText, checksum_reward
-    from training.accumulation import OptimizerStepper
-    from training.grpo import resolve_batch_invariant
-    from training.grpo_step import GRPOLoss, grpo_step
 
     policy = precision_model("llama", "bf16")
     prompt_ids = [[5, 6, 7, 8], [9, 10, 11]]
@@ -285,7 +285,7 @@ def test_fp32_on_the_flash_path_never_reaches_flash_attn(forced_flash):
 
 
 def test_generator_honours_attn_backend_and_dtype(monkeypatch, flash_standin):
-    from inference import Generator, SamplingParams
+    from nopad.inference import Generator, SamplingParams
 
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     standin = flash_standin("2.6")
@@ -334,7 +334,7 @@ def test_flash_attn_that_fails_to_import_falls_back_with_a_warning(monkeypatch, 
 
 
 def test_flash_attn_3_is_detected_and_used(monkeypatch, flash_standin):
-    from inference import Generator, SamplingParams
+    from nopad.inference import Generator, SamplingParams
 
     standin = flash_standin("3")
     info = flash.flash_attn_info()
@@ -377,8 +377,8 @@ def test_varlen_meta_to_keeps_int32_and_returns_self_on_the_same_device():
 def test_a_meta_on_another_device_is_moved_once_per_forward():
     """DDP scatters tensors, not a VarlenMeta: the attention layer moves it to the query's device,
     once for all layers of a forward (here "meta" stands for the GPU)."""
-    from packing.attention.plan import AttentionPlan
-    from packing.hf.attention import _forward_meta
+    from nopad.packing.attention.plan import AttentionPlan
+    from nopad.packing.hf.attention import _forward_meta
 
     meta = VarlenMeta.from_lengths([3, 2])
     assert meta.to(torch.device("cpu")) is meta

@@ -1,4 +1,4 @@
-"""The packed row (packing.row) and the distributed helpers (packing.distributed): the row's schema,
+"""The packed row (nopad.packing.row) and the distributed helpers (nopad.packing.distributed): the row's schema,
 the one builder every producer goes through, moving it, reading it as a dict; world size,
 reductions, engine detection and compute dtype in one process (and on two gloo ranks, slow)."""
 
@@ -8,16 +8,16 @@ import pickle
 import pytest
 import torch
 
-import packing
-from dataloaders.collator import PackedCollator
-from dataloaders.loader import move_batch
-from packing import distributed
-from packing.bins.tree import TreePath, pack_tree_rows
-from packing.row import IGNORE_INDEX, PackedRow, as_row
-from packing.varlen import VarlenMeta
+from nopad import packing
+from nopad.dataloaders.collator import PackedCollator
+from nopad.dataloaders.loader import move_batch
+from nopad.packing import distributed
+from nopad.packing.bins.tree import TreePath, pack_tree_rows
+from nopad.packing.row import IGNORE_INDEX, PackedRow, as_row
+from nopad.packing.varlen import VarlenMeta
+from nopad.training.grpo import Rollout, empty_rollout_row, pack_rollouts, pair_advantages
+from nopad.training.loss import row_loss_sum
 from tests.support import launch
-from training.grpo import Rollout, empty_rollout_row, pack_rollouts, pair_advantages
-from training.loss import row_loss_sum
 
 SFT_KEYS = ["input_ids", "labels", "position_ids", "nopad_meta", "seq_lens", "indices", "num_loss_tokens",
             "num_loss_seqs"]
@@ -217,7 +217,7 @@ def test_dict_batches_become_rows():
     assert torch.equal(restored.input_ids, row.input_ids) and list(restored) == SFT_KEYS
 
 
-# ----------------------------------------------------------------------------- packing.distributed
+# ----------------------------------------------------------------------------- nopad.packing.distributed
 def test_distributed_helpers_in_one_process():
     assert (distributed.world_size(), distributed.rank(), distributed.is_distributed()) == (1, 0, False)
     assert distributed.global_sum(2.5) == 2.5 and distributed.global_max(-1) == -1.0

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference import Generator, SamplingParams
-from packing import batch_invariant
-from packing.attention import BACKEND_ENV, varlen_attention
-from packing.hf import use_nopad_attention
-from packing.varlen import VarlenMeta
+from nopad.inference import Generator, SamplingParams
+from nopad.packing import batch_invariant
+from nopad.packing.attention import BACKEND_ENV, varlen_attention
+from nopad.packing.hf import use_nopad_attention
+from nopad.packing.varlen import VarlenMeta
+from nopad.training.grpo import Rollout, pack_rollouts, packed_logprobs, pair_advantages
 from tests.support.models import random_sequences, tiny_model
-from training.grpo import Rollout, pack_rollouts, packed_logprobs, pair_advantages
 
 GROUPS = [(12, [5, 9, 7]), (10, [11, 4])]  # (prompt_len, completion_lens); windows are 8 tokens
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from inference import SamplingParams
-from packing.attention import triton_kernel, varlen_attention
-from packing.attention.registry import Call, backends, choose
-from packing.invariance import batch_invariant
-from packing.mixers import CONTEXTS, check_model
-from packing.varlen import VarlenMeta
+from nopad.inference import SamplingParams
+from nopad.packing.attention import triton_kernel, varlen_attention
+from nopad.packing.attention.registry import Call, backends, choose
+from nopad.packing.invariance import batch_invariant
+from nopad.packing.mixers import CONTEXTS, check_model
+from nopad.packing.varlen import VarlenMeta
 from tests.packing.test_packing_invariance import _gaps
 from tests.support.models import random_sequences, tiny_model
 
@@ -196,7 +196,7 @@ def test_batch_invariant_training_row_with_sinks_has_the_eager_gradient():
 def test_a_kernel_built_before_sinks_is_passed_over_for_sink_layers_only(monkeypatch):
     """An extension built from an older csrc/ has no ``sinks=``: sink layers run the exact PyTorch
     paths instead, every other layer still runs the kernel."""
-    from packing.attention import cpu_kernel
+    from nopad.packing.attention import cpu_kernel
 
     monkeypatch.setattr(cpu_kernel, "takes_sinks", lambda: False)
     paged = dict(paged=True, block_size=16)

@@ -1,4 +1,4 @@
-"""packing.StreamingPacker: pinned bins, invariants, exact resume from state_dict, quality."""
+"""nopad.packing.StreamingPacker: pinned bins, invariants, exact resume from state_dict, quality."""
 
 import copy
 import pickle
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packing import StreamingPacker, pack
-from packing.bins.streaming import StreamItem
+from nopad.packing import StreamingPacker, pack
+from nopad.packing.bins.streaming import StreamItem
 
 
 def keys(bins):

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from packing import attention, verify
-from packing.attention import BACKEND_ENV, choose_backend, paged_block_size, varlen_attention
-from packing.hf import use_nopad_attention
-from packing.varlen import VarlenMeta
+from nopad.packing import attention, verify
+from nopad.packing.attention import BACKEND_ENV, choose_backend, paged_block_size, varlen_attention
+from nopad.packing.hf import use_nopad_attention
+from nopad.packing.varlen import VarlenMeta
 from tests.packing.test_packing_precision import (
     COMPUTE,
     GRAD_TOL,
@@ -35,7 +35,7 @@ def torch_varlen(monkeypatch):
     hides any flash-attn, so the rule's next choice is torch's own kernel."""
     import torch.nn.attention.varlen as varlen_module
 
-    from packing.attention import flash
+    from nopad.packing.attention import flash
 
     def install(version: str = "2.12") -> TorchVarlenStandIn:
         standin = TorchVarlenStandIn(version)
@@ -135,7 +135,7 @@ def test_a_paged_step_with_grad_is_refused_by_the_standin(torch_varlen):
 def test_generator_on_torch_varlen_reads_pages_in_place(monkeypatch, torch_varlen, family, precision):
     """Chunked prefill, decode and a shared prefix on torch's paged kernel: 256-token
     blocks chosen by the generator itself, no gather; greedy tokens agree with the CPU path."""
-    from inference import Generator, SamplingParams
+    from nopad.inference import Generator, SamplingParams
 
     standin = torch_varlen("2.12")
     model = precision_model(family, precision)

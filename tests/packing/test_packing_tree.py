@@ -8,19 +8,19 @@ import numpy as np
 import pytest
 import torch
 
-from packing.attention import BACKEND_ENV, triton_kernel, varlen_attention
-from packing.bins.tree import (
+from nopad.packing.attention import BACKEND_ENV, triton_kernel, varlen_attention
+from nopad.packing.bins.tree import (
     TreePath,
     build_trie,
     pack_tree_rows,
     plan_rows,
     unique_tokens,
 )
-from packing.hf import use_nopad_attention
-from packing.row import IGNORE_INDEX
-from packing.varlen import VarlenMeta
+from nopad.packing.hf import use_nopad_attention
+from nopad.packing.row import IGNORE_INDEX
+from nopad.packing.varlen import VarlenMeta
+from nopad.training.grpo import packed_logprobs
 from tests.support.models import tiny_model
-from training.grpo import packed_logprobs
 
 X = IGNORE_INDEX
 
@@ -188,8 +188,8 @@ def test_flash_attention_gets_the_gathered_keys_of_a_tree_row(monkeypatch):
     """flash-attn's varlen kernel (the strict CPU stand-in, bf16) on a tree row's gathered keys."""
     import sys
 
-    from packing import attention
-    from packing.attention import flash
+    from nopad.packing import attention
+    from nopad.packing.attention import flash
     from tests.support.flash_standin import FlashStandIn
 
     standin = FlashStandIn("2.6")

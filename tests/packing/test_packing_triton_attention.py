@@ -13,10 +13,10 @@ import sys
 import pytest
 import torch
 
-from inference import Generator, SamplingParams
-from packing import attention
-from packing.attention import BACKEND_ENV, choose_backend, paged_block_size, triton_kernel, varlen_attention
-from packing.varlen import VarlenMeta
+from nopad.inference import Generator, SamplingParams
+from nopad.packing import attention
+from nopad.packing.attention import BACKEND_ENV, choose_backend, paged_block_size, triton_kernel, varlen_attention
+from nopad.packing.varlen import VarlenMeta
 from tests.inference.test_inference_generator import hf_greedy, prompts_of
 from tests.packing.test_packing_kernel_attention import _paged_step
 from tests.support.flash_standin import reference_attention
@@ -261,7 +261,7 @@ def no_flash_no_torch_varlen(monkeypatch):
     """A CUDA machine (faked) with neither flash-attn nor torch's varlen kernel."""
     import torch.nn.attention.varlen as varlen_module
 
-    from packing.attention import flash
+    from nopad.packing.attention import flash
 
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     monkeypatch.setattr(flash, "flash_attn_info", lambda: None)
@@ -319,7 +319,7 @@ try:
 except ImportError as error:
     print("SKIP", error)
     sys.exit(0)
-from packing.attention import triton_kernel as tk
+from nopad.packing.attention import triton_kernel as tk
 
 kernel = tk._attention_kernel
 pointer = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}

@@ -1,4 +1,4 @@
-"""packing.verify: packed logits, loss and every parameter gradient equal each sequence alone for
+"""nopad.packing.verify: packed logits, loss and every parameter gradient equal each sequence alone for
 every supported family, and a path that leaks attention across sequences is caught."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from packing.hf.verification import VerifyReport, verify
+from nopad.packing.hf.verification import VerifyReport, verify
 from tests.support.models import FAMILIES, SLIDING_WINDOW, random_sequences, tiny_model
 
 CAPACITY = 32
@@ -30,7 +30,7 @@ def test_nopad_packed_equals_alone(family, lengths):
     assert report.max_grad_rel_diff <= 1e-5 and report.grad_rel_diff <= 1e-5, report
     assert report.loss_diff <= 1e-5, report
     assert report.ok()
-    assert report.attention_path.startswith("nopad: packing.attention.varlen_attention")
+    assert report.attention_path.startswith("nopad: nopad.packing.attention.varlen_attention")
     assert report.num_sequences == len(lengths) and report.num_tokens == sum(lengths)
 
 
@@ -151,8 +151,8 @@ def test_documented_assert_holds_on_smollm2_and_still_catches_leaks():
     README's)."""
     import random
 
-    from assets.corpus import load_corpus
-    from assets.smollm2 import load_smollm2
+    from nopad.assets.corpus import load_corpus
+    from nopad.assets.smollm2 import load_smollm2
 
     model, tok = load_smollm2()
     docs = load_corpus(400)

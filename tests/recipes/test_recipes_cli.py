@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPES = {"recipes.preprocess": "capacity = 2048   (an integer)  tokens per packed row",
-           "recipes.sft": "  train.max_steps = null   (an integer or null)  optimizer steps;",
-           "recipes.grpo": "  rollout.num_generations = 8   (an integer)  completions per prompt (the GRPO "
+RECIPES = {"nopad.recipes.preprocess": "capacity = 2048   (an integer)  tokens per packed row",
+           "nopad.recipes.sft": "  train.max_steps = null   (an integer or null)  optimizer steps;",
+           "nopad.recipes.grpo": "  rollout.num_generations = 8   (an integer)  completions per prompt (the GRPO "
                            "group)",
-           "recipes.evaluate": "  model.chat_template = auto   (true, false or 'auto')"}
+           "nopad.recipes.evaluate": "  model.chat_template = auto   (true, false or 'auto')"}
 
 
 def _scripts() -> dict[str, str]:
@@ -48,24 +48,24 @@ def test_every_console_script_answers_help(script, monkeypatch, capsys):
 def test_help_covers_every_field_of_the_config():
     import dataclasses
 
-    from recipes.config import help_text
-    from recipes.sft_config import SFTRecipeConfig as SFTConfig
+    from nopad.recipes.config import help_text
+    from nopad.recipes.sft_config import SFTRecipeConfig as SFTConfig
 
-    text = help_text(SFTConfig, "recipes.sft")
+    text = help_text(SFTConfig, "nopad.recipes.sft")
     for section in dataclasses.fields(SFTConfig):
         for f in dataclasses.fields(getattr(SFTConfig(), section.name)):
             assert f"  {section.name}.{f.name} = " in text
 
 
 @pytest.mark.parametrize("args, message", [
-    (["train.lr=abc"], "recipes.sft: error: train.lr must be a number, got 'abc' (see recipes.sft --help)"),
-    (["train.max_step=3"], "recipes.sft: error: train.max_step is not a config key here; known keys: "),
-    (["missing.yaml"], "recipes.sft: error: config file 'missing.yaml' does not exist"),
-    (["train.max_steps"], "recipes.sft: error: train.max_steps has no value: write train.max_steps=<value>"),
-    (["model.path=tiny:llama", "train.max_steps"], "recipes.sft: error: train.max_steps has no value: "),
+    (["train.lr=abc"], "nopad.recipes.sft: error: train.lr must be a number, got 'abc' (see nopad.recipes.sft --help)"),
+    (["train.max_step=3"], "nopad.recipes.sft: error: train.max_step is not a config key here; known keys: "),
+    (["missing.yaml"], "nopad.recipes.sft: error: config file 'missing.yaml' does not exist"),
+    (["train.max_steps"], "nopad.recipes.sft: error: train.max_steps has no value: write train.max_steps=<value>"),
+    (["model.path=tiny:llama", "train.max_steps"], "nopad.recipes.sft: error: train.max_steps has no value: "),
 ])
 def test_a_config_error_is_one_line_and_exit_code_2(args, message, capsys):
-    from recipes.sft import main
+    from nopad.recipes.sft import main
 
     with pytest.raises(SystemExit) as exit_:
         main(args)
@@ -76,16 +76,16 @@ def test_a_config_error_is_one_line_and_exit_code_2(args, message, capsys):
 
 def test_a_config_error_from_the_shell_has_no_traceback(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "recipes.evaluate", "data.num_prompts=0"], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "nopad.recipes.evaluate", "data.num_prompts=0"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "recipes.evaluate: error: data.num_prompts must be an integer >= 1 or null, got 0 "
-        "(see recipes.evaluate --help)"]
+        "nopad.recipes.evaluate: error: data.num_prompts must be an integer >= 1 or null, got 0 "
+        "(see nopad.recipes.evaluate --help)"]
 
 
 def test_the_demo_takes_no_arguments(monkeypatch, capsys):
-    from recipes import demo
+    from nopad.recipes import demo
 
     monkeypatch.setattr(sys, "argv", ["nopad-demo", "steps=3"])
     with pytest.raises(SystemExit) as exit_:
@@ -94,17 +94,17 @@ def test_the_demo_takes_no_arguments(monkeypatch, capsys):
 
 
 def test_the_shipped_yamls_are_generated_from_the_dataclasses():
-    """A default is written once, in the dataclass: the YAMLs are `python -m recipes.config`'s
+    """A default is written once, in the dataclass: the YAMLs are `python -m nopad.recipes.config`'s
     output, and they load back to the defaults."""
     import importlib
 
-    from recipes.config import GENERATED_YAMLS, load_config, render_yaml, yaml_header
+    from nopad.recipes.config import GENERATED_YAMLS, load_config, render_yaml, yaml_header
 
     for stem, target in GENERATED_YAMLS.items():
         module, _, name = target.partition(":")
         cls = getattr(importlib.import_module(module), name)
         path = ROOT / "recipes" / "configs" / f"{stem}.yaml"
-        assert path.read_text() == render_yaml(cls, yaml_header(path)), f"python -m recipes.config ({path})"
+        assert path.read_text() == render_yaml(cls, yaml_header(path)), f"python -m nopad.recipes.config ({path})"
         assert load_config(cls, path) == cls()
 
 
@@ -114,7 +114,7 @@ def test_setup_logging_quiets_library_noise_but_not_the_users_warnings(monkeypat
     import logging
     import warnings
 
-    from recipes.config import NOISY_LOGGERS, setup_logging
+    from nopad.recipes.config import NOISY_LOGGERS, setup_logging
 
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     levels = {name: logging.getLogger(name).level for name in NOISY_LOGGERS}
@@ -123,7 +123,7 @@ def test_setup_logging_quiets_library_noise_but_not_the_users_warnings(monkeypat
             warnings.simplefilter("always")
             setup_logging()
             for module, category in [("transformers.modeling_utils", FutureWarning),
-                                     ("training.trainer", FutureWarning), ("torch.nn.modules", UserWarning),
+                                     ("nopad.training.trainer", FutureWarning), ("torch.nn.modules", UserWarning),
                                      ("my_rewards", FutureWarning), ("__main__", FutureWarning)]:
                 warnings.warn_explicit(f"from {module}", category, "x.py", 1, module=module)
         assert [str(w.message) for w in seen] == ["from torch.nn.modules", "from my_rewards", "from __main__"]
@@ -145,7 +145,7 @@ def test_setup_logging_quiets_library_noise_but_not_the_users_warnings(monkeypat
 ])
 def test_a_key_or_section_written_twice_is_an_error_naming_both_lines(tmp_path, text, message, capsys):
     """#39 B4: PyYAML keeps the last one silently (a second train: section dropped the first's keys)."""
-    from recipes.sft import main
+    from nopad.recipes.sft import main
 
     path = tmp_path / "twice.yaml"
     path.write_text(text)
@@ -153,25 +153,25 @@ def test_a_key_or_section_written_twice_is_an_error_naming_both_lines(tmp_path, 
         main([str(path)])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("recipes.sft: error: " + message.format(path=path)) and err.count("\n") == 1
+    assert err.startswith("nopad.recipes.sft: error: " + message.format(path=path)) and err.count("\n") == 1
 
 
 def test_a_key_given_twice_on_the_command_line_is_an_error_naming_both(capsys):
     """#54: the last ``key=value`` used to win silently; a key twice in a YAML file was already refused."""
-    from recipes.sft import main
+    from nopad.recipes.sft import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["train.lr=1e-4", "model.path=tiny:llama", "train.lr=2e-4"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("recipes.sft: error: train.lr is given twice on the command line (train.lr=1e-4 "
+    assert err.startswith("nopad.recipes.sft: error: train.lr is given twice on the command line (train.lr=1e-4 "
                           "and train.lr=2e-4); keep one") and err.count("\n") == 1
 
 
 def test_programmatic_overrides_still_let_a_later_one_win():
     """``load_config(cls, None, base + extra)`` is how scripts and tests build on a base list."""
-    from recipes.config import load_config
-    from recipes.sft_config import SFTRecipeConfig
+    from nopad.recipes.config import load_config
+    from nopad.recipes.sft_config import SFTRecipeConfig
 
     cfg = load_config(SFTRecipeConfig, None, ["train.lr=1e-4", "model.path=tiny:llama", "train.lr=2e-4"])
     assert cfg.train.lr == 2e-4 and cfg.model.path == "tiny:llama"
@@ -186,14 +186,14 @@ def test_programmatic_overrides_still_let_a_later_one_win():
 ])
 def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path, text, message, capsys):
     """#54: PyYAML named the file "<unicode string>"."""
-    from recipes.sft import main
+    from nopad.recipes.sft import main
 
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     with pytest.raises(SystemExit):
         main([str(path)])
     err = capsys.readouterr().err
-    assert err.startswith("recipes.sft: error: " + message.format(path=path)), err
+    assert err.startswith("nopad.recipes.sft: error: " + message.format(path=path)), err
     assert "<unicode string>" not in err and err.count("\n") == 1
 
 
@@ -203,24 +203,24 @@ def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path, text, message, ca
     ("train.lr=[1", "the value of train.lr ('[1'), line 1, column 3: expected ',' or ']'"),
 ])
 def test_an_empty_key_or_a_bad_value_says_what_to_write(arg, message, capsys):
-    from recipes.sft import main
+    from nopad.recipes.sft import main
 
     with pytest.raises(SystemExit):
         main([arg])
     err = capsys.readouterr().err
-    assert err.startswith("recipes.sft: error: " + message), err
+    assert err.startswith("nopad.recipes.sft: error: " + message), err
     assert "<unicode string>" not in err
 
 
 def _one_line_error(fn, capsys) -> str:
-    from recipes.cli import run_recipe
+    from nopad.recipes.cli import run_recipe
 
     with pytest.raises(SystemExit) as exit_:
-        run_recipe(fn, "recipes.sft")
+        run_recipe(fn, "nopad.recipes.sft")
     assert exit_.value.code == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
-    assert err.startswith("recipes.sft: error: ") and err.endswith("(NOPAD_DEBUG=1 shows the traceback)\n")
+    assert err.startswith("nopad.recipes.sft: error: ") and err.endswith("(NOPAD_DEBUG=1 shows the traceback)\n")
     return err
 
 
@@ -229,11 +229,11 @@ def test_errors_nopad_raises_on_purpose_reach_the_user_as_one_line(tmp_path, mon
     adapter that does not match: each message already says what to do; no traceback in front."""
     import json
 
-    from recipes.models import load_model
-    from recipes.sft_config import SFTModelConfig
-    from training.checkpoint import LOCK_FILE, claim_run_dir
-    from training.lora import apply_lora
-    from training.nonfinite import reward_value
+    from nopad.recipes.models import load_model
+    from nopad.recipes.sft_config import SFTModelConfig
+    from nopad.training.checkpoint import LOCK_FILE, claim_run_dir
+    from nopad.training.lora import apply_lora
+    from nopad.training.nonfinite import reward_value
 
     def nan_reward():
         return reward_value(float("nan"), nan_reward, "step 0, sample 3")
@@ -261,36 +261,36 @@ def test_errors_nopad_raises_on_purpose_reach_the_user_as_one_line(tmp_path, mon
 
 
 def test_other_errors_and_nopad_debug_keep_the_traceback(monkeypatch):
-    from recipes.cli import raised_on_purpose, run_recipe
-    from recipes.config import parse_override
-    from training.nonfinite import reward_value
+    from nopad.recipes.cli import raised_on_purpose, run_recipe
+    from nopad.recipes.config import parse_override
+    from nopad.training.nonfinite import reward_value
 
     def not_nopads():
         raise ValueError("a user's reward function failing")
 
     with pytest.raises(ValueError, match="a user's reward"):
-        run_recipe(not_nopads, "recipes.sft")
+        run_recipe(not_nopads, "nopad.recipes.sft")
     with pytest.raises(TypeError):  # nopad's own line, failing by accident, is not "on purpose"
-        run_recipe(lambda: parse_override(5), "recipes.sft")
+        run_recipe(lambda: parse_override(5), "nopad.recipes.sft")
     try:
         int("x")
     except ValueError as err:
         assert not raised_on_purpose(err)
     monkeypatch.setenv("NOPAD_DEBUG", "1")
     with pytest.raises(RuntimeError, match="returned nan"):
-        run_recipe(lambda: reward_value(float("nan"), len, "x"), "recipes.sft")
+        run_recipe(lambda: reward_value(float("nan"), len, "x"), "nopad.recipes.sft")
 
 
 def test_a_deliberate_error_from_the_shell_is_one_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
-    proc = subprocess.run([sys.executable, "-m", "recipes.evaluate", f"model.path={tmp_path / 'model'}"],
+    proc = subprocess.run([sys.executable, "-m", "nopad.recipes.evaluate", f"model.path={tmp_path / 'model'}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     model = tmp_path / "model"
-    assert last.startswith(f"recipes.evaluate: error: model.path={model}: could not load the model")
+    assert last.startswith(f"nopad.recipes.evaluate: error: model.path={model}: could not load the model")
     assert "Traceback" not in proc.stderr
 
 

@@ -6,11 +6,11 @@ import json
 import datasets
 import pytest
 
-from dataloaders import sources
-from recipes.config import load_config
-from recipes.sft_config import SFTRecipeConfig as SFTConfig
-from recipes.tasks import AsciiTokenizer, load_examples
-from training.sft_data import load_rows
+from nopad.dataloaders import sources
+from nopad.recipes.config import load_config
+from nopad.recipes.sft_config import SFTRecipeConfig as SFTConfig
+from nopad.recipes.tasks import AsciiTokenizer, load_examples
+from nopad.training.sft_data import load_rows
 
 
 def _write(path, rows):

@@ -1,4 +1,4 @@
-"""recipes.demo.packing_report and the embedded corpus it reads."""
+"""nopad.recipes.demo.packing_report and the embedded corpus it reads."""
 
 import io
 import re
@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from assets.corpus import load_corpus
-from recipes.demo import packing_report, padded_to_longest
+from nopad.assets.corpus import load_corpus
+from nopad.recipes.demo import packing_report, padded_to_longest
 
 
 class WordCounter:
@@ -59,8 +59,8 @@ def test_packing_report_numbers_and_table():
 def test_grpo_demo_prints_one_row_per_step_with_the_gap():
     import torch
 
-    from recipes.demo import grpo_demo
-    from recipes.tasks import AsciiTokenizer
+    from nopad.recipes.demo import grpo_demo
+    from nopad.recipes.tasks import AsciiTokenizer
     from tests.support.models import tiny_model
 
     torch.set_num_threads(1)
@@ -90,15 +90,15 @@ def _busy(*args, seconds: float = 0.03, **kwargs):
 def test_the_demo_ends_with_each_phase_wall_and_cpu_seconds(monkeypatch, capsys):
     """The last line names every phase with its wall and CPU seconds, so a slow run says where
     its time went (the README's figure once differed 2.7x from a CI run and nobody could tell why)."""
-    import assets.smollm2
-    from recipes import demo
+    import nopad.assets.smollm2
+    from nopad.recipes import demo
 
     def load():
         _busy()
         return "model", "tokenizer"
 
     monkeypatch.setattr(sys, "argv", ["nopad-demo"])
-    monkeypatch.setattr(assets.smollm2, "load_smollm2", load)
+    monkeypatch.setattr(nopad.assets.smollm2, "load_smollm2", load)
     for name in ("packing_report", "sft_demo", "grpo_demo"):
         monkeypatch.setattr(demo, name, _busy)
     demo.main()
@@ -111,7 +111,7 @@ def test_the_demo_ends_with_each_phase_wall_and_cpu_seconds(monkeypatch, capsys)
 
 
 def test_phase_clock_laps_add_up():
-    from recipes.demo import PhaseClock
+    from nopad.recipes.demo import PhaseClock
 
     clock = PhaseClock()
     clock.lap("a")

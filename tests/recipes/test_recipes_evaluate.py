@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from recipes.config import load_config
-from recipes.evaluate import DEFAULT_CONFIG, EvaluateConfig, evaluate, run_evaluate
-from recipes.tasks import AsciiTokenizer, exact_match, load_examples
+from nopad.recipes.config import load_config
+from nopad.recipes.evaluate import DEFAULT_CONFIG, EvaluateConfig, evaluate, run_evaluate
+from nopad.recipes.tasks import AsciiTokenizer, exact_match, load_examples
 from tests.support.models import tiny_model
 
 PROMPTS = ["What is 1 + 2?", "7*6=", "Hello there", "ab", "The quick brown fox jumps"]
@@ -30,13 +30,13 @@ def hf_greedy(model, tok, prompt: str) -> str:
 
 
 def greedy_params():
-    from inference import SamplingParams
+    from nopad.inference import SamplingParams
 
     return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
 
 def make_generator(model):
-    from inference import Generator
+    from nopad.inference import Generator
 
     return Generator(model, block_size=4, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32)
 
@@ -134,15 +134,15 @@ def test_the_shipped_yaml_lists_exactly_the_defaults():
 
 
 def test_evaluate_rejects_several_samples_per_prompt(model):
-    from inference import SamplingParams
+    from nopad.inference import SamplingParams
 
     with pytest.raises(ValueError, match="one completion per prompt; got sampling n=2"):
         evaluate(None, AsciiTokenizer(), [{"prompt": "a"}], exact_match, SamplingParams(n=2), progress=False)
 
 
 def test_chat_template_true_without_a_template_is_refused_not_raw_text():
-    from inference.chat import encode_prompt
-    from recipes.tasks import AsciiTokenizer
+    from nopad.inference.chat import encode_prompt
+    from nopad.recipes.tasks import AsciiTokenizer
 
     tok = AsciiTokenizer()
     with pytest.raises(ValueError, match="model.chat_template=true but the tokenizer has no chat template"):

@@ -9,17 +9,17 @@ import math
 import pytest
 import torch
 
-from recipes.config import ConfigError, load_config, parse_override, with_overrides
-from recipes.grpo import DEFAULT_CONFIG, GRPORecipeConfig, run_grpo
-from recipes.tasks import (
+from nopad.recipes.config import ConfigError, load_config, parse_override, with_overrides
+from nopad.recipes.grpo import DEFAULT_CONFIG, GRPORecipeConfig, run_grpo
+from nopad.recipes.tasks import (
     AsciiTokenizer,
     arithmetic_task,
     exact_match,
     get_reward,
     last_number_match,
 )
+from nopad.training.grpo import Rollout, group_advantages, pack_rollouts, pair_advantages
 from tests.support import launch
-from training.grpo import Rollout, group_advantages, pack_rollouts, pair_advantages
 
 
 def config(**overrides) -> GRPORecipeConfig:
@@ -45,7 +45,7 @@ def test_the_shipped_yaml_lists_exactly_the_defaults():
 
 
 def test_typed_config_checks_values_in_python_too():
-    from recipes.grpo_config import GRPOTrainConfig, RolloutConfig
+    from nopad.recipes.grpo_config import GRPOTrainConfig, RolloutConfig
 
     with pytest.raises(ConfigError, match=r"^num_generations must be an integer >= 2, got 1"):
         RolloutConfig(num_generations=1)
@@ -62,8 +62,8 @@ def test_typed_config_checks_values_in_python_too():
 def test_the_rollout_modes_are_the_ones_inference_runs():
     import typing
 
-    from inference.sharded import ROLLOUT_MODES
-    from recipes.grpo_config import GRPOGeneratorConfig
+    from nopad.inference.sharded import ROLLOUT_MODES
+    from nopad.recipes.grpo_config import GRPOGeneratorConfig
 
     assert typing.get_args(typing.get_type_hints(GRPOGeneratorConfig)["sharded_rollout"]) == ROLLOUT_MODES
 
@@ -216,8 +216,8 @@ def policy():
 
 
 def test_packed_logprobs_match_unpacked_forwards(policy):
-    from packing.hf import use_nopad_attention
-    from training.grpo import packed_logprobs
+    from nopad.packing.hf import use_nopad_attention
+    from nopad.training.grpo import packed_logprobs
 
     g = torch.Generator().manual_seed(0)
     rollouts = [Rollout(torch.randint(3, 128, (p,), generator=g).tolist(),
@@ -245,11 +245,11 @@ def test_packed_logprobs_match_unpacked_forwards(policy):
 def test_one_grpo_step_on_the_live_model(policy):
     from accelerate import Accelerator
 
-    from inference import Generator
-    from packing.hf import use_nopad_attention
-    from recipes.grpo import build_prompts, grpo_loss, sampling_params
-    from training.accumulation import OptimizerStepper
-    from training.grpo_step import grpo_step
+    from nopad.inference import Generator
+    from nopad.packing.hf import use_nopad_attention
+    from nopad.recipes.grpo import build_prompts, grpo_loss, sampling_params
+    from nopad.training.accumulation import OptimizerStepper
+    from nopad.training.grpo_step import grpo_step
 
     cfg = tiny_config()
     tok = AsciiTokenizer()
@@ -293,7 +293,7 @@ def test_one_grpo_step_on_the_live_model(policy):
 
 
 def test_run_grpo_with_tis_and_kl_writes_metrics(policy, tmp_path):
-    from recipes.grpo import run_grpo
+    from nopad.recipes.grpo import run_grpo
 
     cfg = tiny_config(train={"steps": 2, "old_logprobs": "recompute"}, output_dir=str(tmp_path),
                       loss={"is_correction": "token_truncate", "is_clip_max": 2.0, "beta": 0.1})
@@ -307,11 +307,11 @@ def test_run_grpo_with_tis_and_kl_writes_metrics(policy, tmp_path):
     # the trained policy is an HF model directory that transformers and the recipes load
     from transformers import AutoModelForCausalLM
 
-    from recipes.models import load_model
+    from nopad.recipes.models import load_model
 
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path))
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), policy.state_dict().values()))
-    from recipes.config import ChatModelConfig
+    from nopad.recipes.config import ChatModelConfig
 
     _, tok = load_model(ChatModelConfig(path=str(tmp_path)))
     assert isinstance(tok, AsciiTokenizer)
@@ -329,10 +329,10 @@ def test_default_config_is_the_demo_shape():
 
 
 def test_a_step_where_every_group_scores_the_same_warns(policy, caplog):
-    from recipes.grpo import run_grpo
+    from nopad.recipes.grpo import run_grpo
 
     cfg = tiny_config(reward="tests.recipes.test_recipes_grpo:zero_reward")
-    with caplog.at_level(logging.WARNING, logger="training.grpo_step"):
+    with caplog.at_level(logging.WARNING, logger="nopad.training.grpo_step"):
         history = run_grpo(cfg, model=policy, tokenizer=AsciiTokenizer(), progress=False)
     assert history[0]["grad_norm"] == 0.0
     assert any("every group's rewards are equal" in r.getMessage() for r in caplog.records)
@@ -344,9 +344,9 @@ def zero_reward(completion: str, example: dict) -> float:
 
 TWO_RANK_SCRIPT = """
 import json, sys, torch
-from recipes.config import load_config
-from recipes.models import load_model
-from recipes.grpo import GRPORecipeConfig, run_grpo
+from nopad.recipes.config import load_config
+from nopad.recipes.models import load_model
+from nopad.recipes.grpo import GRPORecipeConfig, run_grpo
 cfg = load_config(GRPORecipeConfig, overrides=sys.argv[2:])
 model, tok = load_model(cfg.model)
 before = [p.detach().clone() for p in model.parameters()]
@@ -389,12 +389,12 @@ def test_grpo_step_is_exactly_on_policy_in_bf16_too(dtype, one_thread):
     batch-invariant mode every token's importance ratio is exactly 1. Off, the gap is reported."""
     from accelerate import Accelerator
 
-    from inference import Generator
-    from packing.hf import use_nopad_attention
-    from recipes.grpo import build_prompts, grpo_loss, sampling_params
+    from nopad.inference import Generator
+    from nopad.packing.hf import use_nopad_attention
+    from nopad.recipes.grpo import build_prompts, grpo_loss, sampling_params
+    from nopad.training.accumulation import OptimizerStepper
+    from nopad.training.grpo_step import grpo_step
     from tests.support.models import tiny_model
-    from training.accumulation import OptimizerStepper
-    from training.grpo_step import grpo_step
 
     tok = AsciiTokenizer()
     for invariant in (True, False):
@@ -422,12 +422,12 @@ def test_batch_invariant_setting_is_checked():
 def test_recipe_and_trl_trainer_score_rollouts_through_the_one_shared_function(monkeypatch):
     """The GRPO recipe's training forward (pack_rollouts + packed_logprobs) and NopadGRPOTrainer's
     (TRL's padded batch -> the same two functions) give the same log-probs, bitwise."""
-    import training.grpo
-    from packing.hf import use_nopad_attention
-    from packing.invariance import batch_invariant
+    import nopad.training.grpo
+    from nopad.packing.hf import use_nopad_attention
+    from nopad.packing.invariance import batch_invariant
+    from nopad.training.grpo import packed_logprobs
+    from nopad.training.trl.grpo_trainer import packed_completion_logprobs
     from tests.support.models import tiny_model
-    from training.grpo import packed_logprobs
-    from training.trl.grpo_trainer import packed_completion_logprobs
 
     model = tiny_model("qwen2")
     prompts = [[5, 6, 7], [5, 6, 7], [9, 3]]
@@ -441,8 +441,8 @@ def test_recipe_and_trl_trainer_score_rollouts_through_the_one_shared_function(m
         ids[b, width_p - len(p):width_p], mask[b, width_p - len(p):width_p] = torch.tensor(p), 1
         ids[b, width_p:width_p + len(c)], mask[b, width_p:width_p + len(c)] = torch.tensor(c), 1
     calls = []
-    monkeypatch.setattr(training.trl.grpo_trainer, "packed_logprobs",
-                        lambda *a, **k: calls.append(1) or training.grpo.packed_logprobs(*a, **k))
+    monkeypatch.setattr(nopad.training.trl.grpo_trainer, "packed_logprobs",
+                        lambda *a, **k: calls.append(1) or nopad.training.grpo.packed_logprobs(*a, **k))
     with use_nopad_attention(model), torch.no_grad(), batch_invariant():
         recipe = {}
         for row in pack_rollouts(rollouts, capacity=64):

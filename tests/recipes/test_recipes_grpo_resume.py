@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.config import load_config
-from recipes.grpo import GRPORecipeConfig, run_grpo
-from recipes.tasks import AsciiTokenizer
+from nopad.recipes.config import load_config
+from nopad.recipes.grpo import GRPORecipeConfig, run_grpo
+from nopad.recipes.tasks import AsciiTokenizer
 from tests.support.launch import free_port, run_in_group, signal_deaths
 
 RUN = [
@@ -42,8 +42,8 @@ TIMING = ("rollout_s", "train_s", "rollout_tokens_per_s", "train_tokens_per_s")
 
 
 def recipe(kill_at: str | None) -> list[str]:
-    """``-m recipes.grpo``, or the recipe killed at ``kill_at`` (:mod:`tests.support.grpo_kills`)."""
-    return ["-m", "tests.support.grpo_kills", kill_at] if kill_at else ["-m", "recipes.grpo"]
+    """``-m nopad.recipes.grpo``, or the recipe killed at ``kill_at`` (:mod:`tests.support.grpo_kills`)."""
+    return ["-m", "tests.support.grpo_kills", kill_at] if kill_at else ["-m", "nopad.recipes.grpo"]
 
 
 def grpo(out: Path, *extra: str, kill_at: str | None = None) -> int:
@@ -190,8 +190,8 @@ def test_a_resume_with_another_loss_is_one_clear_line(tmp_path, one_thread):
 
 
 def test_model_path_of_a_grpo_run_is_its_newest_checkpoint(tmp_path, one_thread):
-    from recipes.config import ChatModelConfig
-    from recipes.models import load_model
+    from nopad.recipes.config import ChatModelConfig
+    from nopad.recipes.models import load_model
 
     tiny_run(tmp_path, train={"steps": 2})
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_1", "step_2"]
@@ -209,8 +209,8 @@ def test_checkpoints_need_an_output_dir():
 def test_resuming_from_the_other_recipes_checkpoint_says_which_recipe_wrote_it(tmp_path, one_thread):
     """#54: GRPO resumed from an SFT step (or the reverse) printed Accelerate's words and "the file
     may be damaged"; the checkpoint records its recipe, and one from before that is told by its state."""
-    from recipes.sft import train
-    from recipes.sft_config import SFTRecipeConfig
+    from nopad.recipes.sft import train
+    from nopad.recipes.sft_config import SFTRecipeConfig
     from tests.recipes.test_recipes_sft import _reset_accelerate
 
     sft = ["model.path=tiny:llama", "data.num_rows=8", "data.max_len=20", "data.tokens_per_batch=64",
@@ -218,8 +218,8 @@ def test_resuming_from_the_other_recipes_checkpoint_says_which_recipe_wrote_it(t
     train(load_config(SFTRecipeConfig, None, [*sft, f"checkpoint.output_dir={tmp_path / 'sft'}"]))
     _reset_accelerate()
     step = tmp_path / "sft" / "step_1"
-    refused = (f"checkpoint.resume_from={step} is a checkpoint of recipes.sft, not of recipes.grpo: a "
-               "resume continues the run that wrote it. To start recipes.grpo from that model, set "
+    refused = (f"checkpoint.resume_from={step} is a checkpoint of nopad.recipes.sft, not of nopad.recipes.grpo: a "
+               "resume continues the run that wrote it. To start nopad.recipes.grpo from that model, set "
                f"model.path={step} and leave checkpoint.resume_from unset")
     with pytest.raises(ValueError) as err:
         tiny_run(tmp_path / "grpo", checkpoint={"every": 1, "resume_from": str(step)})
@@ -233,7 +233,7 @@ def test_resuming_from_the_other_recipes_checkpoint_says_which_recipe_wrote_it(t
     _reset_accelerate()
     tiny_run(tmp_path / "grpo2")
     _reset_accelerate()
-    with pytest.raises(ValueError, match=r"is a checkpoint of recipes.grpo, not of recipes.sft: "):
+    with pytest.raises(ValueError, match=r"is a checkpoint of nopad.recipes.grpo, not of nopad.recipes.sft: "):
         train(load_config(SFTRecipeConfig, None, [*sft, f"checkpoint.output_dir={tmp_path / 'sft2'}",
                                                   f"checkpoint.resume_from={tmp_path / 'grpo2' / 'step_1'}"]))
     _reset_accelerate()

@@ -1,6 +1,6 @@
 """LoRA as users run it (#32): ``model.lora`` in the SFT and GRPO recipes, adapter-only checkpoints
 that evaluate and GRPO take as ``model.path``, exact resume, rollouts bitwise equal to the trainer's
-under ``packing.batch_invariant``, and a 2-process DeepSpeed ZeRO-3 run (slow)."""
+under ``nopad.packing.batch_invariant``, and a 2-process DeepSpeed ZeRO-3 run (slow)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from recipes.config import ChatModelConfig, ConfigError, load_config
-from recipes.evaluate import EvaluateConfig, run_evaluate
-from recipes.grpo import run_grpo
-from recipes.grpo_config import GRPORecipeConfig
-from recipes.models import load_model
-from recipes.sft import train
-from recipes.sft_config import SFTRecipeConfig
+from nopad.recipes.config import ChatModelConfig, ConfigError, load_config
+from nopad.recipes.evaluate import EvaluateConfig, run_evaluate
+from nopad.recipes.grpo import run_grpo
+from nopad.recipes.grpo_config import GRPORecipeConfig
+from nopad.recipes.models import load_model
+from nopad.recipes.sft import train
+from nopad.recipes.sft_config import SFTRecipeConfig
+from nopad.training.lora import is_peft_model
 from tests.recipes.test_recipes_sft import SMALL, _reset_accelerate
-from training.lora import is_peft_model
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
 TINY_GRPO = ["task.num_prompts=4", "rollout.prompts_per_step=2", "rollout.num_generations=2",
@@ -145,15 +145,15 @@ def test_lora_rollouts_equal_the_trainers_logprobs_bitwise_under_batch_invariant
     rollout log-prob equals the LoRA training forward's. Off, the gap is there to see."""
     from accelerate import Accelerator
 
-    from inference import Generator
-    from packing.hf import use_nopad_attention
-    from recipes.grpo import build_prompts, grpo_loss, sampling_params
-    from recipes.tasks import AsciiTokenizer, get_reward
+    from nopad.inference import Generator
+    from nopad.packing.hf import use_nopad_attention
+    from nopad.recipes.grpo import build_prompts, grpo_loss, sampling_params
+    from nopad.recipes.tasks import AsciiTokenizer, get_reward
+    from nopad.training.accumulation import OptimizerStepper
+    from nopad.training.grpo_step import grpo_step
+    from nopad.training.lora import apply_lora, trainable_parameters
     from tests.recipes.test_recipes_grpo import tiny_config
     from tests.support.models import tiny_model
-    from training.accumulation import OptimizerStepper
-    from training.grpo_step import grpo_step
-    from training.lora import apply_lora, trainable_parameters
 
     tok = AsciiTokenizer()
     for invariant in (True, False):
@@ -242,8 +242,8 @@ def test_nopad_grpo_trainer_with_a_peft_config_is_exactly_on_policy(tmp_path, on
     pytest.importorskip("trl")
     from peft import LoraConfig
 
+    from nopad.training.trl.rollout import nopad_rollout_func
     from tests.training.test_training_trl import _grpo, logp_recorder, make_tokenizer
-    from training.trl.rollout import nopad_rollout_func
 
     seen = []
 

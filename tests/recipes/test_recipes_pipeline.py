@@ -1,6 +1,6 @@
 """The user's pipeline end to end on a tiny model, as the README writes it: chat JSONL ->
-recipes.preprocess -> recipes.sft (1 process; slow: 2-process DDP and DeepSpeed ZeRO-2 through the
-README's launch lines) -> recipes.evaluate on the checkpoint -> recipes.grpo from it -> evaluate
+nopad.recipes.preprocess -> nopad.recipes.sft (1 process; slow: 2-process DDP and DeepSpeed ZeRO-2 through the
+README's launch lines) -> nopad.recipes.evaluate on the checkpoint -> nopad.recipes.grpo from it -> evaluate
 again. Each stage's outputs are checked, and the packed SFT loss must be the per-document loss."""
 
 import importlib
@@ -45,7 +45,7 @@ def inputs(tmp_path_factory):
     """A tiny model directory, a chat JSONL, a prompt set, and the preprocessed (packed) data."""
     import transformers
 
-    from recipes.preprocess import main as preprocess
+    from nopad.recipes.preprocess import main as preprocess
 
     root = tmp_path_factory.mktemp("pipeline")
     tokenizer = _byte_tokenizer()
@@ -70,7 +70,7 @@ def _per_document_loss(model_dir: Path, chats) -> float:
     """Mean loss over every assistant token, each conversation run alone (no packing)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from inference.chat import tokenize_conversation
+    from nopad.inference.chat import tokenize_conversation
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir)).float().eval()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -101,7 +101,7 @@ def _sft_args(root: Path, out: Path) -> list[str]:
 
 
 def _evaluate(model_dir: Path, root: Path, out: str) -> dict:
-    from recipes.evaluate import main as evaluate
+    from nopad.recipes.evaluate import main as evaluate
 
     result = evaluate([f"model.path={model_dir}", f"data.path={root / 'prompts.jsonl'}",
                        "sampling.max_tokens=6", "generator.num_blocks=64", f"output={root / out}"])
@@ -114,8 +114,8 @@ def _evaluate(model_dir: Path, root: Path, out: str) -> dict:
 def test_preprocess_sft_evaluate_grpo_evaluate(inputs):
     from transformers import AutoModelForCausalLM
 
-    from recipes.grpo import main as grpo
-    from recipes.sft import main as sft
+    from nopad.recipes.grpo import main as grpo
+    from nopad.recipes.sft import main as sft
 
     root, packed, chats = inputs
     # preprocess: rows of several conversations, with their boundaries
@@ -162,7 +162,7 @@ def with_settings(words: list[str], settings: list[str] | tuple[str, ...]) -> li
 def readme_pipeline() -> list[list[str]]:
     """The README's recipe commands, in its order (the bash block that starts with preprocess)."""
     text = (ROOT / "README.md").read_text()
-    block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "recipes.preprocess" in b)
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "nopad.recipes.preprocess" in b)
     return [shlex.split(line) for line in block.splitlines() if line.strip() and not line.startswith("#")]
 
 
@@ -172,15 +172,15 @@ def test_the_readmes_commands_in_order_leave_model_path_at_the_newest_runs_newes
     write runs/sft (the launch line runs here in one process: the directory is what is tested; the
     2-process launch is the slow test below): afterwards model.path=runs/sft must be the launch
     run's newest checkpoint, though the first run's step number is higher."""
-    from recipes.models import check_model_path
+    from nopad.recipes.models import check_model_path
 
     root, _, _ = inputs
     monkeypatch.chdir(tmp_path)
     (tmp_path / "recipes").symlink_to(ROOT / "recipes")  # the README's relative paths
-    tiny = {"recipes.preprocess": [f"tokenizer={root / 'base'}"],
-            "recipes.sft": [f"model.path={root / 'base'}", "train.progress=false", "train.grad_accum=1"],
-            "recipes.evaluate": ["sampling.max_tokens=4", "generator.num_blocks=64"],
-            "recipes.grpo": ["reward=tests.recipes.test_recipes_grpo:ids_checksum_reward",
+    tiny = {"nopad.recipes.preprocess": [f"tokenizer={root / 'base'}"],
+            "nopad.recipes.sft": [f"model.path={root / 'base'}", "train.progress=false", "train.grad_accum=1"],
+            "nopad.recipes.evaluate": ["sampling.max_tokens=4", "generator.num_blocks=64"],
+            "nopad.recipes.grpo": ["reward=tests.recipes.test_recipes_grpo:ids_checksum_reward",
                              "rollout.prompts_per_step=2", "rollout.num_generations=4",
                              "rollout.max_tokens=6", "generator.num_blocks=128"]}  # tool task: 134 tokens
     commands = readme_pipeline()
@@ -192,10 +192,10 @@ def test_the_readmes_commands_in_order_leave_model_path_at_the_newest_runs_newes
         module, args = words[at + 1], words[at + 2:]
         # the first SFT run takes more steps than the launch run (the test's value replaces the README's)
         max_steps = ["train.max_steps=1" if words[0] == "accelerate" else "train.max_steps=2"] \
-            if module == "recipes.sft" else []
+            if module == "nopad.recipes.sft" else []
         result = importlib.import_module(module).main(with_settings(args, [*tiny[module], *max_steps]))
         _reset_accelerate()
-        if module == "recipes.sft":
+        if module == "nopad.recipes.sft":
             sft_checkpoints.append(Path(result["checkpoint"]))
     first, newest = sft_checkpoints
     assert first == Path("runs/sft/step_2") and newest == Path("runs/sft/step_1")  # the older step is higher
@@ -278,5 +278,5 @@ def test_console_scripts_point_at_recipe_entry_points():
         module, _, name = target.partition(":")
         fn = getattr(importlib.import_module(module), name)
         assert not inspect.signature(fn).parameters, target
-    data = project["tool"]["setuptools"]["package-data"]["recipes"]
+    data = project["tool"]["setuptools"]["package-data"]["nopad.recipes"]
     assert "configs/*.yaml" in data and "data/*.jsonl" in data

@@ -1,4 +1,4 @@
-"""recipes.preprocess with a tiny offline word-level tokenizer: chat masking, text, pack, save."""
+"""nopad.recipes.preprocess with a tiny offline word-level tokenizer: chat masking, text, pack, save."""
 
 import json
 import logging
@@ -8,8 +8,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from inference.chat import tokenize_conversation
-from recipes.preprocess import load_records, main, tokenize_dataset, tokenize_text
+from nopad.inference.chat import tokenize_conversation
+from nopad.recipes.preprocess import load_records, main, tokenize_dataset, tokenize_text
 
 WORDS = ["<unk>", "<eos>", "<s>", "</s>", "user", "assistant"] + "hi hello how are you fine ok".split()
 TEMPLATE = (
@@ -121,8 +121,8 @@ def test_bad_jsonl_is_a_clear_error_naming_the_line(tmp_path, content, message):
 
 
 def test_the_shipped_yaml_lists_exactly_the_defaults_and_settings_are_typed(capsys):
-    from recipes.config import load_config
-    from recipes.preprocess import DEFAULT_CONFIG, PreprocessConfig
+    from nopad.recipes.config import load_config
+    from nopad.recipes.preprocess import DEFAULT_CONFIG, PreprocessConfig
 
     assert load_config(PreprocessConfig, DEFAULT_CONFIG) == PreprocessConfig()
     for arg, message in [("strategy=best", "strategy must be 'bfd', 'ffd' or 'nextfit', got 'best'"),

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from recipes.config import load_config, with_overrides
-from recipes.evaluate import EvaluateConfig, run_evaluate
-from recipes.grpo import GRPORecipeConfig, build_prompts, run_grpo
-from recipes.tasks import AsciiTokenizer, contains_answer, example_fields, get_reward, load_examples
+from nopad.recipes.config import load_config, with_overrides
+from nopad.recipes.evaluate import EvaluateConfig, run_evaluate
+from nopad.recipes.grpo import GRPORecipeConfig, build_prompts, run_grpo
+from nopad.recipes.tasks import AsciiTokenizer, contains_answer, example_fields, get_reward, load_examples
 
 
 def _write(path, records) -> str:
@@ -39,7 +39,7 @@ MISSING = [{"prompt": "Symbol of iron?", "answer": "Fe"}, {"prompt": "Symbol of 
 def test_grpo_prompts_without_the_answer_the_reward_reads_are_refused_before_the_model_loads(
         tmp_path, monkeypatch):
     """#54: they trained on all-zero rewards, and the only message advised raising max_tokens."""
-    monkeypatch.setattr("recipes.grpo.load_model", _no_model)
+    monkeypatch.setattr("nopad.recipes.grpo.load_model", _no_model)
     path = _write(tmp_path / "p.jsonl", MISSING)
     cfg = grpo_config(task={"prompts": path}, output_dir=str(tmp_path / "run"))
     with pytest.raises(ValueError) as err:
@@ -52,7 +52,7 @@ def test_grpo_prompts_without_the_answer_the_reward_reads_are_refused_before_the
 
 def test_evaluate_prompts_without_the_answer_the_scorer_reads_are_refused_before_the_model_loads(
         tmp_path, monkeypatch):
-    monkeypatch.setattr("recipes.evaluate.load_model", _no_model)
+    monkeypatch.setattr("nopad.recipes.evaluate.load_model", _no_model)
     path = _write(tmp_path / "p.jsonl", MISSING)
     cfg = load_config(EvaluateConfig,
                       overrides=[f"data.path={path}", "scorer=contains_answer", "output=null"])
@@ -75,7 +75,7 @@ def test_the_built_in_rewards_declare_the_answer_and_an_undeclared_reward_reads_
 # ----------------------------------------------------------------------------- 2: an empty prompt
 def test_an_empty_prompt_is_named_as_empty_not_as_too_long(tmp_path, monkeypatch):
     """#54: an empty prompt was told to "raise max_prompt_tokens"."""
-    monkeypatch.setattr("recipes.grpo.load_model", _no_model)
+    monkeypatch.setattr("nopad.recipes.grpo.load_model", _no_model)
     path = _write(tmp_path / "p.jsonl", [{"prompt": "1 + 1 =", "answer": "2"}, {"prompt": "", "answer": "3"},
                                          {"prompt": "  \n", "answer": "4"}])
     cfg = grpo_config(task={"prompts": path}, output_dir=str(tmp_path / "run"))

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from recipes.config import load_config
-from recipes.grpo_config import GRPORecipeConfig
-from recipes.reward_calls import with_timeout
+from nopad.recipes.config import load_config
+from nopad.recipes.grpo_config import GRPORecipeConfig
+from nopad.recipes.reward_calls import with_timeout
 
 RELEASE = threading.Event()  # set by the tests when they are done: a stuck reward's thread then ends
 
@@ -36,18 +36,18 @@ def release_stuck_rewards():
 
 
 def test_a_reward_with_the_wrong_signature_is_refused_when_the_config_is_read(capsys):
-    from recipes.grpo import main
+    from nopad.recipes.grpo import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["reward=tests.recipes.test_recipes_reward_calls:one_argument_reward"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     reward = "tests.recipes.test_recipes_reward_calls:one_argument_reward"
-    assert err.startswith(f"recipes.grpo: error: reward='{reward}' takes (completion), but the recipe calls "
+    assert err.startswith(f"nopad.recipes.grpo: error: reward='{reward}' takes (completion), but the recipe calls "
                           "it as fn(completion: str, example: dict) -> float: give it those two parameters "
                           "(any others need defaults)"), err
     with pytest.raises(ValueError, match=r"^scorer 'test_a_reward.*<lambda>' takes \(\)"):
-        from recipes.evaluate import EvaluateConfig
+        from nopad.recipes.evaluate import EvaluateConfig
 
         EvaluateConfig(scorer=lambda: 1.0)
     load_config(GRPORecipeConfig, overrides={"reward": lambda text, example, scale=1.0: scale})  # defaults
@@ -77,8 +77,8 @@ def test_a_timed_reward_keeps_its_value_its_errors_and_its_name():
 
 
 def test_grpo_stops_at_the_reward_timeout(tmp_path, one_thread):
-    from recipes.grpo import run_grpo
-    from recipes.tasks import AsciiTokenizer
+    from nopad.recipes.grpo import run_grpo
+    from nopad.recipes.tasks import AsciiTokenizer
     from tests.recipes.test_recipes_grpo import tiny_config
     from tests.recipes.test_recipes_sft import _reset_accelerate
     from tests.support.models import tiny_model

@@ -7,14 +7,14 @@ import logging
 import pytest
 import torch
 
-from inference import SamplingParams
-from recipes.config import ConfigError, ModelConfig, load_config
-from recipes.grpo import run_grpo
-from recipes.grpo_config import GRPORecipeConfig as GRPOConfig
-from recipes.models import load_model
-from recipes.sft import train
-from recipes.sft_config import SFTRecipeConfig as SFTConfig
-from recipes.tasks import check_prompts_per_step
+from nopad.inference import SamplingParams
+from nopad.recipes.config import ConfigError, ModelConfig, load_config
+from nopad.recipes.grpo import run_grpo
+from nopad.recipes.grpo_config import GRPORecipeConfig as GRPOConfig
+from nopad.recipes.models import load_model
+from nopad.recipes.sft import train
+from nopad.recipes.sft_config import SFTRecipeConfig as SFTConfig
+from nopad.recipes.tasks import check_prompts_per_step
 
 
 def _reset_accelerate():
@@ -36,7 +36,7 @@ def test_top_k_minus_one_and_zero_disable_it_other_negatives_are_errors():
 
 
 def test_evaluate_takes_the_first_num_prompts_of_a_file(tmp_path, caplog):
-    from recipes.evaluate import EvaluateConfig, run_evaluate
+    from nopad.recipes.evaluate import EvaluateConfig, run_evaluate
 
     path = tmp_path / "prompts.jsonl"
     _prompts(path, 5)
@@ -96,7 +96,7 @@ def test_more_prompts_per_step_than_prompts_is_an_error_with_the_numbers(tmp_pat
 def test_resuming_with_another_model_says_the_model_differs(tmp_path):
     import transformers
 
-    from recipes.tasks import AsciiTokenizer
+    from nopad.recipes.tasks import AsciiTokenizer
 
     out = tmp_path / "run"
     small = ["data.num_rows=8", "data.max_len=20", "data.tokens_per_batch=64", "train.progress=false",
@@ -116,14 +116,14 @@ def test_resuming_with_another_model_says_the_model_differs(tmp_path):
 
 
 @pytest.mark.parametrize("module, override, message", [
-    ("recipes.grpo", "rollout.temperature=-1",
+    ("nopad.recipes.grpo", "rollout.temperature=-1",
      "rollout.temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
-    ("recipes.grpo", "rollout.top_p=0", "rollout.top_p must be in (0, 1] (1 disables it), got 0.0"),
-    ("recipes.grpo", "rollout.top_p=1.5", "rollout.top_p must be in (0, 1] (1 disables it), got 1.5"),
-    ("recipes.evaluate", "sampling.temperature=-1", "sampling.temperature must be a finite number >= 0"),
-    ("recipes.evaluate", "sampling.top_p=0", "sampling.top_p must be in (0, 1]"),
-    ("recipes.evaluate", "sampling.temperature=.nan", "sampling.temperature must be a finite number >= 0"),
-    ("recipes.evaluate", "sampling.max_tokens=0", "sampling.max_tokens must be >= 1, got 0"),
+    ("nopad.recipes.grpo", "rollout.top_p=0", "rollout.top_p must be in (0, 1] (1 disables it), got 0.0"),
+    ("nopad.recipes.grpo", "rollout.top_p=1.5", "rollout.top_p must be in (0, 1] (1 disables it), got 1.5"),
+    ("nopad.recipes.evaluate", "sampling.temperature=-1", "sampling.temperature must be a finite number >= 0"),
+    ("nopad.recipes.evaluate", "sampling.top_p=0", "sampling.top_p must be in (0, 1]"),
+    ("nopad.recipes.evaluate", "sampling.temperature=.nan", "sampling.temperature must be a finite number >= 0"),
+    ("nopad.recipes.evaluate", "sampling.max_tokens=0", "sampling.max_tokens must be >= 1, got 0"),
 ])
 def test_sampling_settings_are_checked_when_the_config_is_built(module, override, message, capsys):
     """#39 B2: by the generator's own rule (SamplingParams), before any model loads."""
@@ -139,7 +139,7 @@ def test_sampling_settings_are_checked_when_the_config_is_built(module, override
 @pytest.mark.parametrize("files", [[], ["tokenizer_config.json"]])
 def test_a_model_directory_without_tokenizer_files_says_which_were_looked_for(tmp_path, files):
     """#54: transformers ended in "install sentencepiece or tiktoken", which was not the cause."""
-    from recipes.tasks import tiny_causal_lm
+    from nopad.recipes.tasks import tiny_causal_lm
 
     tiny_causal_lm("llama")[0].save_pretrained(tmp_path)
     for name in files:

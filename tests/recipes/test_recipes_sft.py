@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from recipes.config import load_config
-from recipes.sft import DEFAULT_CONFIG, train
-from recipes.sft_config import SFTDataConfig, SFTModelConfig, SFTRecipeConfig
-from recipes.tasks import tiny_causal_lm
+from nopad.recipes.config import load_config
+from nopad.recipes.sft import DEFAULT_CONFIG, train
+from nopad.recipes.sft_config import SFTDataConfig, SFTModelConfig, SFTRecipeConfig
+from nopad.recipes.tasks import tiny_causal_lm
+from nopad.training.sft_data import synthetic_rows, tokenize_rows
 from tests.support import launch
-from training.sft_data import synthetic_rows, tokenize_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.path=tiny:llama", "data.num_rows=24", "data.min_len=4", "data.max_len=40",
@@ -147,12 +147,12 @@ def test_max_steps_counts_optimizer_steps_and_repeats_epochs(tmp_path, caplog):
     one = train(_cfg(tmp_path / "one"))
     _reset_accelerate()
     want = one["steps"] * 2 + 1  # more than one epoch holds
-    with caplog.at_level(logging.WARNING, logger="training.sft_data"):
+    with caplog.at_level(logging.WARNING, logger="nopad.training.sft_data"):
         more = train(_cfg(tmp_path / "more", f"train.max_steps={want}"))
     _reset_accelerate()
     assert more["steps"] == len(more["losses"]) == want and len(more["stats"]) == 3
     assert any("the data repeats for 3 epochs" in r.getMessage() for r in caplog.records)
-    with caplog.at_level(logging.WARNING, logger="recipes.sft"):  # resuming a finished run says so
+    with caplog.at_level(logging.WARNING, logger="nopad.recipes.sft"):  # resuming a finished run says so
         again = train(_cfg(tmp_path / "more", f"train.max_steps={want}", "checkpoint.resume_from=latest"))
     _reset_accelerate()
     assert again["losses"] == [] and any("nothing to train" in r.getMessage() for r in caplog.records)
@@ -178,8 +178,8 @@ def test_resume_under_another_plan_is_refused_naming_the_field(tmp_path, overrid
 def test_checkpoint_is_an_hf_model_dir_with_the_tiny_tokenizer(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from recipes.models import load_model
-    from recipes.tasks import AsciiTokenizer
+    from nopad.recipes.models import load_model
+    from nopad.recipes.tasks import AsciiTokenizer
 
     result = train(_cfg(tmp_path, "train.max_steps=1"))
     _reset_accelerate()
@@ -220,7 +220,7 @@ def _torchrun(*runs: tuple, deepspeed=False) -> list[list[dict]]:
                  *overrides, *extra]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(launch.free_port()), "-m", "tests.support.recipe_runs", *args]
-    launch.run(cmd, what="recipes.sft on 2 processes", timeout=300 * len(runs), env=env, cwd=ROOT)
+    launch.run(cmd, what="nopad.recipes.sft on 2 processes", timeout=300 * len(runs), env=env, cwd=ROOT)
     return [[json.loads((Path(out_dir) / f"result_rank{r}.json").read_text()) for r in range(2)]
             for out_dir, *_ in runs]
 
@@ -298,7 +298,7 @@ def _data_cfg(**overrides) -> SFTDataConfig:
 
 
 def test_prepacked_rows_train_with_the_default_budget_and_too_small_a_budget_names_the_keys():
-    from training.sft_data import plan_budget
+    from nopad.training.sft_data import plan_budget
 
     rows = [{"input_ids": list(range(n)), "seq_lengths": [n - 3, 3]} for n in (2042, 900, 1500)]
     assert plan_budget(_data_cfg(), rows) == 2042  # a pre-packed row is already a bin
@@ -312,7 +312,7 @@ def test_prepacked_rows_train_with_the_default_budget_and_too_small_a_budget_nam
 
 
 def test_truncation_that_drops_a_large_share_is_refused_unless_accepted(caplog):
-    from training.sft_data import plan_budget
+    from nopad.training.sft_data import plan_budget
 
     rows = [{"input_ids": list(range(n)), "seq_lengths": [n]} for n in (2042, 2000, 500)]
     dropped = r"would drop 1,994 of 4,542 tokens \(44%\).*max_dropped_fraction=0.44"

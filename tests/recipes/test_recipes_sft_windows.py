@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from recipes.config import load_config
-from recipes.sft import train
-from recipes.sft_config import SFTRecipeConfig
-from recipes.tasks import tiny_causal_lm
+from nopad.recipes.config import load_config
+from nopad.recipes.sft import train
+from nopad.recipes.sft_config import SFTRecipeConfig
+from nopad.recipes.tasks import tiny_causal_lm
 
-# three pre-packed rows of 16 tokens, two documents each (what recipes.preprocess writes)
+# three pre-packed rows of 16 tokens, two documents each (what nopad.recipes.preprocess writes)
 ROWS = [{"input_ids": [3 + (7 * r + 5 * i) % 120 for i in range(16)], "seq_lengths": [10, 6]}
         for r in range(3)]
 
@@ -47,7 +47,7 @@ def test_three_prepacked_rows_at_grad_accum_2_are_steps_of_2_and_1_micro_batches
         "train.grad_accum=2", "train.epochs=1", "train.lr=1e-3", "train.progress=false",
         "log.record_indices=true", "checkpoint.every=1", f"checkpoint.output_dir={tmp_path}"])
     model, tok = tiny_causal_lm()
-    with caplog.at_level(logging.INFO, logger="dataloaders"):
+    with caplog.at_level(logging.INFO, logger="nopad.dataloaders"):
         result = train(cfg, model=model, tokenizer=tok, rows=ROWS)
     _reset_accelerate()
     assert result["steps"] == 2 and result["micro_batches_per_epoch"] == 3  # 2 + 1, not 2 + 2
@@ -55,7 +55,7 @@ def test_three_prepacked_rows_at_grad_accum_2_are_steps_of_2_and_1_micro_batches
     assert sorted(batches) == [[0], [1], [2]]  # each row once: nothing repeated
     stats = result["stats"][0]
     assert stats["sequences_duplicated"] == 0 and stats["pad_fraction"] == 0.0
-    logged = [r.getMessage() for r in caplog.records if r.name == "dataloaders"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "nopad.dataloaders"]
     assert any("pad fraction 0.000" in m for m in logged) and not any("repeated" in m for m in logged)
     # the short window's loss is the unpacked mean over its row's tokens at the weights it saw
     after_first = AutoModelForCausalLM.from_pretrained(str(tmp_path / "step_1")).eval()
@@ -65,10 +65,10 @@ def test_three_prepacked_rows_at_grad_accum_2_are_steps_of_2_and_1_micro_batches
 
 def test_a_short_window_has_the_gradient_of_the_unpacked_mean():
     """One micro-batch where grad_accum would be 2: the gradient of its own mean loss, not half of it."""
-    from dataloaders import packed_dataloader
-    from packing.hf import register_nopad_attention
-    from training.accumulation import OptimizerStepper
-    from training.sft import sft_step
+    from nopad.dataloaders import packed_dataloader
+    from nopad.packing.hf import register_nopad_attention
+    from nopad.training.accumulation import OptimizerStepper
+    from nopad.training.sft import sft_step
 
     model, _ = tiny_causal_lm()
     model.zero_grad()
@@ -98,7 +98,7 @@ def test_a_short_window_has_the_gradient_of_the_unpacked_mean():
 
 
 def test_the_progress_bar_counts_the_short_steps_micro_batches():
-    from training.sft_data import micro_batches
+    from nopad.training.sft_data import micro_batches
 
     epoch = [None] * 3  # a loader of 3 micro-batches an epoch, at grad_accum=2: steps of 2 and 1
     assert [micro_batches(epoch, 2, n) for n in range(5)] == [0, 2, 3, 5, 6]

@@ -1,5 +1,5 @@
 """Tool episodes on the model nopad ships (#39 B1): SmolLM2's chat template has no tools, so nopad
-ships one (``model.tool_template=smollm2``, :func:`inference.tools.use_tool_template`), and the
+ships one (``model.tool_template=smollm2``, :func:`nopad.inference.tools.use_tool_template`), and the
 ``calculator_chat`` task writes its own warm-start demonstrations for a short SFT before GRPO.
 A tiny random model with SmolLM2's vocabulary stands in for the weights."""
 
@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from assets.smollm2 import load_smollm2_tokenizer
-from inference.tools import ChatTemplateTools, use_tool_template
-from recipes.tool_tasks import CALCULATOR_SYSTEM, calculator, calculator_demonstrations, main
+from nopad.assets.smollm2 import load_smollm2_tokenizer
+from nopad.inference.tools import ChatTemplateTools, use_tool_template
+from nopad.recipes.tool_tasks import CALCULATOR_SYSTEM, calculator, calculator_demonstrations, main
 from tests.support.models import tiny_model
 
 trl_utils = pytest.importorskip("trl.chat_template_utils")
@@ -110,8 +110,8 @@ def test_a_jinja_file_that_writes_no_tool_calls_is_refused_and_leaves_the_tokeni
 
 
 def test_the_warm_start_demonstrations_are_valid(tok, tmp_path):
-    from dataloaders.sources import load_records
-    from training.sft_data import per_turn_samples
+    from nopad.dataloaders.sources import load_records
+    from nopad.training.sft_data import per_turn_samples
 
     out = tmp_path / "demos.jsonl"
     main([str(out), "--num", "8", "--seed", "3"])
@@ -139,7 +139,7 @@ def test_the_warm_start_demonstrations_are_valid(tok, tmp_path):
 
 
 def test_the_docs_episode_example_runs_on_smollm2s_tokenizer(tok, one_thread):
-    from inference import EpisodeLimits, Generator, SamplingParams
+    from nopad.inference import EpisodeLimits, Generator, SamplingParams
 
     model = tiny_model("llama", vocab_size=len(tok), max_position_embeddings=4096)
     episodes = Generator(model, tok, block_size=16, num_blocks=64).run_episodes(
@@ -153,9 +153,9 @@ def test_the_docs_episode_example_runs_on_smollm2s_tokenizer(tok, one_thread):
 
 
 def test_the_recipes_chat_calculator_needs_a_tool_template(plain, tok, tmp_path, one_thread):
-    from recipes.config import ConfigError, load_config
-    from recipes.grpo import run_grpo
-    from recipes.grpo_config import GRPORecipeConfig
+    from nopad.recipes.config import ConfigError, load_config
+    from nopad.recipes.grpo import run_grpo
+    from nopad.recipes.grpo_config import GRPORecipeConfig
 
     cfg = load_config(GRPORecipeConfig, overrides=[
         "task.name=calculator_chat", "task.num_prompts=2", "rollout.prompts_per_step=2",
@@ -171,9 +171,9 @@ def test_the_recipes_chat_calculator_needs_a_tool_template(plain, tok, tmp_path,
 
 
 def test_model_tool_template_is_set_on_load_and_refused_where_it_cannot_be(plain):
-    from recipes.config import ConfigError
-    from recipes.models import _with_tool_template
-    from recipes.tasks import AsciiTokenizer
+    from nopad.recipes.config import ConfigError
+    from nopad.recipes.models import _with_tool_template
+    from nopad.recipes.tasks import AsciiTokenizer
 
     tok = _with_tool_template(load_smollm2_tokenizer(), "smollm2")
     assert trl_utils.supports_tool_calling(tok) and tok.response_template is not None

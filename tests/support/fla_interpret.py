@@ -62,9 +62,9 @@ def main(scratch: Path) -> int:
     fla_module.chunk_gated_delta_rule = counted
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    from packing.mixers import varlen_delta_rule
-    from packing.mixers.kernels import KERNELS_ENV
-    from packing.varlen import VarlenMeta
+    from nopad.packing.mixers import varlen_delta_rule
+    from nopad.packing.mixers.kernels import KERNELS_ENV
+    from nopad.packing.varlen import VarlenMeta
 
     torch_rule = modeling_qwen3_5.torch_chunk_gated_delta_rule
     while hasattr(torch_rule, "__wrapped__"):

@@ -3,7 +3,7 @@
     python -m tests.support.grpo_kills rollout:N|step:N|checkpoint:N ARGS...
     torchrun --nproc_per_node 2 -m tests.support.grpo_kills step:N ARGS...
 
-It is ``python -m recipes.grpo ARGS`` with one of the recipe's functions wrapped from outside, as
+It is ``python -m nopad.recipes.grpo ARGS`` with one of the recipe's functions wrapped from outside, as
 SFT's crash test wraps ``save_model_dir``, so the shipped recipe carries no kill switch:
 
 - ``rollout:N``: after step N's rollout (and rewards), before its training;
@@ -20,9 +20,9 @@ import signal
 import sys
 from pathlib import Path
 
-import recipes.grpo_checkpoint
-import training.grpo_step
-from recipes import grpo
+import nopad.recipes.grpo_checkpoint
+import nopad.training.grpo_step
+from nopad.recipes import grpo
 
 POINTS = ("rollout", "step", "checkpoint")
 
@@ -34,16 +34,16 @@ def die() -> None:
 def kill_at(where: str, step: int) -> None:
     """Wrap the function the point sits in (the recipe looks each one up when it calls it)."""
     if where == "rollout":  # grpo_step calls train_on_rollouts once the step's rollouts are scored
-        train_on_rollouts = training.grpo_step.train_on_rollouts
+        train_on_rollouts = nopad.training.grpo_step.train_on_rollouts
 
         def rollout_then_die(*args, **kwargs):
             if kwargs.get("step") == step:
                 die()
             return train_on_rollouts(*args, **kwargs)
 
-        training.grpo_step.train_on_rollouts = rollout_then_die
+        nopad.training.grpo_step.train_on_rollouts = rollout_then_die
     elif where == "step":  # run_grpo imports grpo_step when it runs, so it gets this one
-        grpo_step = training.grpo_step.grpo_step
+        grpo_step = nopad.training.grpo_step.grpo_step
 
         def step_then_die(*args, **kwargs):
             metrics = grpo_step(*args, **kwargs)
@@ -51,16 +51,16 @@ def kill_at(where: str, step: int) -> None:
                 die()
             return metrics
 
-        training.grpo_step.grpo_step = step_then_die
+        nopad.training.grpo_step.grpo_step = step_then_die
     else:  # the Checkpointer writes the model files after Accelerate's training state
-        save_model_dir = recipes.grpo_checkpoint.save_model_dir
+        save_model_dir = nopad.recipes.grpo_checkpoint.save_model_dir
 
         def save_then_die(accelerator, model, tokenizer, path):
             if Path(path).name == f".step_{step}.incomplete":
                 die()
             save_model_dir(accelerator, model, tokenizer, path)
 
-        recipes.grpo_checkpoint.save_model_dir = save_then_die
+        nopad.recipes.grpo_checkpoint.save_model_dir = save_then_die
 
 
 def main(argv: list[str]) -> None:

@@ -16,7 +16,7 @@ HYBRID_FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "nemotron_h",
                    "falcon_h1", "jamba", "kimi_linear")
 SINK_FAMILIES = ("gpt_oss",)  # attention sinks (s_aux)
 # hybrid families with Mamba2 layers: exact on packed and tree rows and in the generator
-# (packing.mixers.mamba2)
+# (nopad.packing.mixers.mamba2)
 MAMBA2_FAMILIES = ("nemotron_h", "granitemoehybrid", "bamba", "falcon_h1")
 # attention layouts besides one head size: Gemma4 (K/V shared across its last layers, a larger head
 # on full-attention layers, per-layer inputs), DeepSeek-V3 (MLA: keys and values of different sizes),
@@ -167,7 +167,7 @@ def tiny_model(family: str, seed: int = 0, **overrides) -> transformers.PreTrain
     """A tiny fp32 causal LM of ``family`` in eval mode, weights drawn from ``seed``.
 
     ``overrides`` go to the config (e.g. ``num_hidden_layers=4``,
-    ``attn_implementation="nopad"`` after :func:`packing.hf.register_nopad_attention`).
+    ``attn_implementation="nopad"`` after :func:`nopad.packing.hf.register_nopad_attention`).
     """
     config = tiny_config(family, **overrides)
     _, model_cls, _ = _FAMILY[family]

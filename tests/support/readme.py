@@ -28,7 +28,7 @@ def pipeline_commands() -> list[str]:
     for block in blocks("bash"):
         for line in block.splitlines():
             line = line.split("#", 1)[0].strip()
-            if line.startswith(("python -m recipes.", "accelerate launch")):
+            if line.startswith(("python -m nopad.recipes.", "accelerate launch")):
                 commands.append(line)
     return commands
 
@@ -38,7 +38,7 @@ def is_launch(command: str) -> bool:
 
 
 def demo_model_installed() -> bool:
-    from assets.smollm2 import smollm2_gguf_path
+    from nopad.assets.smollm2 import smollm2_gguf_path
 
     try:
         return smollm2_gguf_path().is_file()

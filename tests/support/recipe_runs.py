@@ -14,7 +14,7 @@ import sys
 
 from accelerate.state import AcceleratorState, GradientState
 
-from recipes import grpo, sft
+from nopad.recipes import grpo, sft
 
 RECIPES = {"sft": sft.main, "grpo": grpo.main}
 

@@ -4,12 +4,12 @@
     torchrun --nproc_per_node 2 -m tests.support.sharded_sft_worker OUT_DIR
 
 Each engine takes one optimizer step over this rank's whole epoch of packed rows through the
-recipes' own mechanism (:func:`training.sft.sft_step` on an
-:class:`training.accumulation.OptimizerStepper`: gradient sync on the last row only, the global
+recipes' own mechanism (:func:`nopad.training.sft.sft_step` on an
+:class:`nopad.training.accumulation.OptimizerStepper`: gradient sync on the last row only, the global
 loss-token count, the engine's divisions undone), and writes the full gradient that step applies,
 read just before it: it must equal unpacked single-process training's.
 
-FSDP2 steps the recipes' fused AdamW (:func:`training.optimizer.make_adamw`, over the local shards of
+FSDP2 steps the recipes' fused AdamW (:func:`nopad.training.optimizer.make_adamw`, over the local shards of
 its DTensors) twice over the epoch and writes each step's full gradient and the full weights after:
 one process stepping the same AdamW with those gradients must reach the same weights.
 """
@@ -22,13 +22,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dataloaders.loader import packed_dataloader
-from packing.hf import register_nopad_attention
+from nopad.dataloaders.loader import packed_dataloader
+from nopad.packing.hf import register_nopad_attention
+from nopad.training.accelerator import make_accelerator
+from nopad.training.accumulation import OptimizerStepper
+from nopad.training.sft import sft_step
 from tests.support.models import tiny_model
 from tests.training.test_training_loss import _rows
-from training.accelerator import make_accelerator
-from training.accumulation import OptimizerStepper
-from training.sft import sft_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ADAMW_LR, ADAMW_WEIGHT_DECAY = 1e-2, 0.1
@@ -39,7 +39,7 @@ def fsdp2_train(batches) -> dict:
     after the last step and whether the AdamW was the fused one."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from training.optimizer import make_adamw
+    from nopad.training.optimizer import make_adamw
 
     model = tiny_model("llama", attn_implementation="nopad")
     for layer in model.model.layers:

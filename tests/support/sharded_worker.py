@@ -22,13 +22,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from inference import Generator, SamplingParams
-from inference.sharded import sharded_generate, sharding
+from nopad.inference import Generator, SamplingParams
+from nopad.inference.sharded import sharded_generate, sharding
+from nopad.training.accelerator import make_accelerator
+from nopad.training.accumulation import OptimizerStepper
+from nopad.training.grpo import resolve_batch_invariant
+from nopad.training.grpo_step import GRPOLoss, grpo_step
 from tests.support.models import IdText, checksum_reward, tiny_model
-from training.accelerator import make_accelerator
-from training.accumulation import OptimizerStepper
-from training.grpo import resolve_batch_invariant
-from training.grpo_step import GRPOLoss, grpo_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (rollout regime, does rank 1 get prompts this step)

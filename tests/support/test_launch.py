@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_REPORT = """\
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 =======================================================
-recipes.sft FAILED
+nopad.recipes.sft FAILED
 -------------------------------------------------------
 Failures:
 [1]:

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 
 import torch  # noqa: E402
 
-from packing import invariant_kernels  # noqa: E402
-from packing.attention import triton_kernel  # noqa: E402
+from nopad.packing import invariant_kernels  # noqa: E402
+from nopad.packing.attention import triton_kernel  # noqa: E402
 
 # dtype -> the pointer type Triton's signatures name
 POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}

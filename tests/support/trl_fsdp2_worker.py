@@ -33,9 +33,9 @@ def run(mode: str, out_dir: str) -> None:
     from torch.distributed.tensor import DTensor
     from trl import GRPOTrainer
 
+    from nopad.training.trl.rollout import nopad_rollout_func
     from tests.support.models import tiny_model
     from tests.training.test_training_trl import make_tokenizer
-    from training.trl.rollout import nopad_rollout_func
 
     rank = dist.get_rank()
     reference = tiny_model("llama")

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from recipes.config import load_config
-from recipes.models import check_model_path
-from recipes.sft import SFTRecipeConfig, train
-from training import checkpoint
+from nopad.recipes.config import load_config
+from nopad.recipes.models import check_model_path
+from nopad.recipes.sft import SFTRecipeConfig, train
+from nopad.training import checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.path=tiny:llama", "data.num_rows=24", "data.min_len=4", "data.max_len=40",
@@ -24,7 +24,7 @@ SMALL = ["model.path=tiny:llama", "data.num_rows=24", "data.min_len=4", "data.ma
 # before the model directory is (the moment a kill -9 left a half-written checkpoint before).
 DYING_RUN = """
 import os, signal, sys
-import recipes.sft as sft
+import nopad.recipes.sft as sft
 real = sft.save_model_dir
 def dying(accelerator, model, tokenizer, path):
     if path.name == ".step_2.incomplete":
@@ -191,9 +191,9 @@ def test_a_directory_that_is_not_a_model_says_what_it_is(tmp_path, kind, expecte
 
 
 def test_a_truncated_weights_file_is_named(tmp_path):
-    from recipes.config import ModelConfig
-    from recipes.models import load_model
-    from recipes.tasks import tiny_causal_lm
+    from nopad.recipes.config import ModelConfig
+    from nopad.recipes.models import load_model
+    from nopad.recipes.tasks import tiny_causal_lm
 
     model, _ = tiny_causal_lm("llama")
     model.save_pretrained(tmp_path)
@@ -221,7 +221,7 @@ def test_a_failing_write_is_a_clear_error_and_leaves_no_partial_checkpoint(tmp_p
 def test_only_a_file_readers_own_words_suggest_a_damaged_checkpoint():
     """#54: every load failure used to end in "the file may be damaged", Accelerate's "registered
     objects" mismatch (another recipe's checkpoint) included."""
-    from training.checkpoint import resume_failure
+    from nopad.training.checkpoint import resume_failure
 
     other = resume_failure("runs/x/step_1", RuntimeError("Number of custom checkpoints in folder x does not "
                                                          "match the number of registered objects"))

@@ -105,8 +105,8 @@ def make_trainer(tok, tmp_path, *, tools=None, environment_factory=None, reward=
                  batch_invariant=False, importance_sampling=False, cls=None, **config):
     from trl import GRPOConfig
 
-    from training.trl.grpo_trainer import NopadGRPOTrainer
-    from training.trl.rollout import nopad_rollout_func
+    from nopad.training.trl.grpo_trainer import NopadGRPOTrainer
+    from nopad.training.trl.rollout import nopad_rollout_func
 
     settings = dict(output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=4, num_generations=4,
                     max_completion_length=48, max_steps=1, logging_steps=1, report_to=[], use_cpu=True,
@@ -237,7 +237,7 @@ def test_batch_invariant_importance_ratio_is_exactly_one_on_tool_episodes(tok, t
 
 # ----------------------------------------------------------------------------- the mismatch report
 def test_mismatch_report_counts_model_tokens_outside_the_band():
-    from training.mismatch import logprob_mismatch
+    from nopad.training.mismatch import logprob_mismatch
 
     rollout = torch.zeros(2, 3)
     train = torch.log(torch.tensor([[1.0, 1.05, 1.5], [0.5, 1.0, 9.0]]))
@@ -252,8 +252,8 @@ def test_mismatch_report_counts_model_tokens_outside_the_band():
 # ----------------------------------------------------------------------------- loss mask in packing
 @pytest.mark.parametrize("shared_prefix", [True, False])
 def test_tool_tokens_carry_no_loss_in_packed_rollouts(shared_prefix):
-    from packing.row import IGNORE_INDEX
-    from training.grpo import Rollout, pack_rollouts, pair_advantages
+    from nopad.packing.row import IGNORE_INDEX
+    from nopad.training.grpo import Rollout, pack_rollouts, pair_advantages
 
     rollouts = [Rollout([1, 2], [10, 11, 12, 13], [-1.0, -9.0, -9.0, -2.0], advantage=0.5,
                         loss_mask=[1, 0, 0, 1]),
@@ -272,7 +272,7 @@ def test_a_rollout_is_built_once_from_the_generators_output():
     only, once, at construction; a plain sample's as they are; the advantage one number."""
     from types import SimpleNamespace
 
-    from training.grpo import Rollout, pack_rollouts
+    from nopad.training.grpo import Rollout, pack_rollouts
 
     episode = SimpleNamespace(prompt_token_ids=[1, 2], completion_ids=[10, 11, 12, 13],
                               logprobs=[-1.0, 0.0, 0.0, -2.0], model_mask=[1, 0, 0, 1],
@@ -293,8 +293,8 @@ def test_a_rollout_is_built_once_from_the_generators_output():
 
 # ----------------------------------------------------------------------------- the recipe's tool task
 def test_calculator_tool_and_text_format():
-    from recipes.tasks import AsciiTokenizer, last_number_match
-    from recipes.tool_tasks import TextToolFormat, calculator, calculator_task
+    from nopad.recipes.tasks import AsciiTokenizer, last_number_match
+    from nopad.recipes.tool_tasks import TextToolFormat, calculator, calculator_task
 
     assert calculator("17 * 23 + 4") == "395" and calculator("-(2 - 5)") == "3"
     for bad in ("__import__('os')", "2 ** 99", "1 / 0", "x"):
@@ -315,11 +315,11 @@ def test_calculator_tool_and_text_format():
 def test_recipe_tool_task_runs_a_step_on_episodes(monkeypatch):
     """The calculator task through run_grpo; the random model's turns end at frequent stop
     strings and every other turn is read as a calculator call, so episodes have tool turns."""
-    from recipes import tasks, tool_tasks
-    from recipes.config import from_dict
-    from recipes.grpo import run_grpo
-    from recipes.grpo_config import GRPORecipeConfig
-    from recipes.models import load_model
+    from nopad.recipes import tasks, tool_tasks
+    from nopad.recipes.config import from_dict
+    from nopad.recipes.grpo import run_grpo
+    from nopad.recipes.grpo_config import GRPORecipeConfig
+    from nopad.recipes.models import load_model
 
     class EveryOtherTurnCalls(tool_tasks.TextToolFormat):
         def parse(self, turn_ids, prefix_ids):
@@ -334,7 +334,7 @@ def test_recipe_tool_task_runs_a_step_on_episodes(monkeypatch):
                     "max_turns": 4},
         "train": {"steps": 1, "max_tokens_per_batch": 2048, "lr": 1e-3}})
     model, tokenizer = load_model(cfg.model)
-    from training import grpo_step as step_module
+    from nopad.training import grpo_step as step_module
 
     trained = []
     inner = step_module.train_on_rollouts

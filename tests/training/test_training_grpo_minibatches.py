@@ -6,22 +6,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recipes.tasks import AsciiTokenizer
-from training.grpo_step import GRPOLoss
-from training.policy_loss import PolicyLossConfig
+from nopad.recipes.tasks import AsciiTokenizer
+from nopad.training.grpo_step import GRPOLoss
+from nopad.training.policy_loss import PolicyLossConfig
 
 
 def run_step(loss: GRPOLoss, lr: float = 1e-2, dtype=torch.float32):
     from accelerate import Accelerator
 
-    from inference import Generator
-    from packing.hf import use_nopad_attention
-    from recipes.grpo import build_prompts, sampling_params
-    from recipes.tasks import get_reward
+    from nopad.inference import Generator
+    from nopad.packing.hf import use_nopad_attention
+    from nopad.recipes.grpo import build_prompts, sampling_params
+    from nopad.recipes.tasks import get_reward
+    from nopad.training.accumulation import OptimizerStepper
+    from nopad.training.grpo_step import grpo_step
     from tests.recipes.test_recipes_grpo import tiny_config
     from tests.support.models import tiny_model
-    from training.accumulation import OptimizerStepper
-    from training.grpo_step import grpo_step
 
     torch.manual_seed(0)
     policy = tiny_model("llama").to(dtype)
@@ -74,11 +74,11 @@ def test_old_logprobs_from_the_rollout_cannot_be_is_corrected():
 
 
 def test_masked_truncated_completions_carry_no_loss(one_thread):
-    from packing.hf import use_nopad_attention
+    from nopad.packing.hf import use_nopad_attention
+    from nopad.training.accumulation import OptimizerStepper
+    from nopad.training.grpo import Rollout
+    from nopad.training.grpo_step import train_on_rollouts
     from tests.support.models import tiny_model
-    from training.accumulation import OptimizerStepper
-    from training.grpo import Rollout
-    from training.grpo_step import train_on_rollouts
 
     def step(truncated: list[bool]) -> dict:
         torch.manual_seed(0)
@@ -95,7 +95,7 @@ def test_masked_truncated_completions_carry_no_loss(one_thread):
 
 
 def test_reward_scaling_modes():
-    from training.grpo import group_advantages
+    from nopad.training.grpo import group_advantages
 
     rewards = torch.tensor([[1.0, 0.0], [3.0, 3.0]])
     torch.testing.assert_close(group_advantages(rewards, scale_rewards="none"),

@@ -1,6 +1,6 @@
 """Which policy GRPO trains (``rollout.logprobs``, ``GRPOLoss.logprobs``): by default the one the
 rollouts were sampled from, ``softmax(logits / T)`` (TRL's semantics), on both sides, bitwise in
-``packing.batch_invariant()``; ``raw`` (``softmax(logits)``) only when asked for."""
+``nopad.packing.batch_invariant()``; ``raw`` (``softmax(logits)``) only when asked for."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import copy
 import pytest
 import torch
 
-from recipes.config import ConfigError
-from recipes.tasks import AsciiTokenizer, get_reward
+from nopad.recipes.config import ConfigError
+from nopad.recipes.tasks import AsciiTokenizer, get_reward
+from nopad.training.grpo import LOGPROBS, Rollout, policy_temperature
+from nopad.training.grpo_step import GRPOLoss
 from tests.recipes.test_recipes_grpo import tiny_config
-from training.grpo import LOGPROBS, Rollout, policy_temperature
-from training.grpo_step import GRPOLoss
 
 T = 0.7
 
@@ -24,21 +24,21 @@ def run_recorded_step(monkeypatch, logprobs: str, dtype: torch.dtype, beta: floa
     rollouts, temperature, policy)."""
     from accelerate import Accelerator
 
-    import training.grpo_step
-    from inference import Generator
-    from packing.hf import NOPAD_ATTENTION, register_nopad_attention, use_nopad_attention
-    from recipes.grpo import build_prompts, grpo_loss, sampling_params
+    import nopad.training.grpo_step
+    from nopad.inference import Generator
+    from nopad.packing.hf import NOPAD_ATTENTION, register_nopad_attention, use_nopad_attention
+    from nopad.recipes.grpo import build_prompts, grpo_loss, sampling_params
+    from nopad.training.accumulation import OptimizerStepper
     from tests.support.models import tiny_model
-    from training.accumulation import OptimizerStepper
 
     seen = {}
-    real = training.grpo_step.train_on_rollouts
+    real = nopad.training.grpo_step.train_on_rollouts
 
     def recording(stepper, rollouts, loss, **kw):
         seen.update(rollouts=rollouts, temperature=kw["temperature"], logprobs=loss.logprobs)
         return real(stepper, rollouts, loss, **kw)
 
-    monkeypatch.setattr(training.grpo_step, "train_on_rollouts", recording)
+    monkeypatch.setattr(nopad.training.grpo_step, "train_on_rollouts", recording)
     policy = tiny_model("qwen2").to(dtype)
     cfg = tiny_config(rollout={"temperature": T, "logprobs": logprobs},
                       train={"batch_invariant": True, **train}, loss={"beta": beta})
@@ -52,7 +52,7 @@ def run_recorded_step(monkeypatch, logprobs: str, dtype: torch.dtype, beta: floa
         ref = copy.deepcopy(policy).eval().requires_grad_(False)
         ref.set_attn_implementation(NOPAD_ATTENTION)
     with use_nopad_attention(policy):
-        m = training.grpo_step.grpo_step(stepper, gen, examples[:3], prompt_ids[:3], get_reward(cfg.reward),
+        m = nopad.training.grpo_step.grpo_step(stepper, gen, examples[:3], prompt_ids[:3], get_reward(cfg.reward),
                                          tok, sampling_params(cfg, 0), grpo_loss(cfg, policy.device),
                                          ref_model=ref)
     assert seen["logprobs"] == logprobs and seen["temperature"] == T
@@ -131,9 +131,9 @@ def test_a_rollout_takes_the_trained_policys_logprobs_from_the_generator():
 def test_the_recipe_setting_defaults_to_tempered_and_names_its_values():
     import typing
 
-    from recipes.grpo import grpo_loss
-    from recipes.grpo_checkpoint import resume_settings
-    from recipes.grpo_config import RolloutConfig
+    from nopad.recipes.grpo import grpo_loss
+    from nopad.recipes.grpo_checkpoint import resume_settings
+    from nopad.recipes.grpo_config import RolloutConfig
 
     cfg = tiny_config()
     assert cfg.rollout.logprobs == "tempered" and grpo_loss(cfg, "cpu").logprobs == "tempered"

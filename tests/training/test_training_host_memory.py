@@ -12,7 +12,7 @@ import pytest
 # 4 MiB ones: the RSS they give back. Without the fixed threshold they sit on the heap between live blocks.
 SCRIPT = """
 import ctypes, sys
-from training.host_memory import return_freed_memory
+from nopad.training.host_memory import return_freed_memory
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
 def alloc(n):

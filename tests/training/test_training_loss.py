@@ -11,21 +11,21 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dataloaders.collator import PackedCollator
-from dataloaders.loader import packed_dataloader
+from nopad.dataloaders.collator import PackedCollator
+from nopad.dataloaders.loader import packed_dataloader
+from nopad.training import accumulation
+from nopad.training.accumulation import OptimizerStepper
+from nopad.training.loss import COUNT_KEYS, causal_lm_loss_sum, row_loss_sum
+from nopad.training.sft import sft_step
 from tests.support import launch
 from tests.support.models import tiny_model
-from training import accumulation
-from training.accumulation import OptimizerStepper
-from training.loss import COUNT_KEYS, causal_lm_loss_sum, row_loss_sum
-from training.sft import sft_step
 
 
 def _attn_implementation() -> str:
     """nopad's own varlen attention when the core has registered it, else SDPA (which builds a
     block-diagonal mask from packed position_ids when no attention_mask is given)."""
     try:
-        from packing.hf import register_nopad_attention
+        from nopad.packing.hf import register_nopad_attention
     except ImportError:
         return "sdpa"
     register_nopad_attention()
@@ -166,9 +166,9 @@ def test_the_chunked_head_loss_equals_the_logits_loss(weighting, tree):
     """row_nll_sum (hidden states at the loss positions, chunked head) == row_loss_sum (every
     position's logits), values and gradients, on plain rows and on tree rows whose shared loss
     tokens count once per pair."""
-    from packing.hf import use_nopad_attention
-    from training.grpo import Rollout, pack_rollouts
-    from training.loss import row_loss_sum, row_nll_sum
+    from nopad.packing.hf import use_nopad_attention
+    from nopad.training.grpo import Rollout, pack_rollouts
+    from nopad.training.loss import row_loss_sum, row_nll_sum
 
     if tree:
         prompt = list(range(3, 15))

@@ -1,4 +1,4 @@
-"""The recipes' AdamW (``training.optimizer.make_adamw``): fused where torch has the kernel, the
+"""The recipes' AdamW (``nopad.training.optimizer.make_adamw``): fused where torch has the kernel, the
 adapter's parameters alone under LoRA, torch's default implementation (logged) where fused is
 refused, and a checkpoint of the unfused optimizer still resumes, exactly as it would have run on."""
 
@@ -9,14 +9,14 @@ import logging
 
 import torch
 
-from recipes.grpo import run_grpo
-from recipes.tasks import AsciiTokenizer
+from nopad.recipes.grpo import run_grpo
+from nopad.recipes.tasks import AsciiTokenizer
+from nopad.training import optimizer as optimizer_module
+from nopad.training.lora import apply_lora
+from nopad.training.optimizer import make_adamw
+from nopad.training.sft import make_optimizer
 from tests.recipes.test_recipes_grpo import tiny_config
 from tests.support.models import tiny_model
-from training import optimizer as optimizer_module
-from training.lora import apply_lora
-from training.optimizer import make_adamw
-from training.sft import make_optimizer
 
 
 def _steps(model, optimizer, steps: int, seed: int = 0) -> None:
@@ -72,7 +72,7 @@ def test_lora_steps_the_adapter_alone():
 
 def test_parameters_without_a_fused_kernel_get_the_default_adamw_and_say_so(caplog):
     model = torch.nn.Linear(3, 2, dtype=torch.complex64)  # torch's fused AdamW takes real floats only
-    with caplog.at_level(logging.INFO, logger="training.optimizer"):
+    with caplog.at_level(logging.INFO, logger="nopad.training.optimizer"):
         optimizer = make_adamw(model, lr=1e-3, weight_decay=0.0)
     assert not optimizer.param_groups[0]["fused"]
     model.weight.grad = torch.ones_like(model.weight)

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from training.policy_loss import IS_MODES, LOSSES, PolicyBatch, PolicyLossConfig, make_policy_loss, objective
-from training.policy_loss.importance import importance_weights
+from nopad.training.policy_loss import IS_MODES, LOSSES, PolicyBatch, PolicyLossConfig, make_policy_loss, objective
+from nopad.training.policy_loss.importance import importance_weights
 
 LENGTHS = [4, 2, 3]  # three completions, right-padded to 4 in TRL's layout
 ADV = [1.0, -0.5, 0.3]
@@ -314,8 +314,8 @@ def test_bad_knobs_are_one_clear_line(knobs, message):
 
 
 def test_the_recipe_names_the_section_of_a_bad_knob():
-    from recipes.config import load_config
-    from recipes.grpo_config import GRPORecipeConfig
+    from nopad.recipes.config import load_config
+    from nopad.recipes.grpo_config import GRPORecipeConfig
 
     with pytest.raises(ValueError, match=r"^loss.epsilon_high \(0.1\) is below epsilon"):
         load_config(GRPORecipeConfig, overrides=["loss.epsilon_high=0.1"])

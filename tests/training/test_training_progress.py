@@ -2,7 +2,7 @@
 
 import pytest
 
-from training.progress import Progress
+from nopad.training.progress import Progress
 
 
 def test_a_resume_with_another_setting_names_it_and_an_unrecorded_one_is_not_compared():

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from dataloaders.collator import PackedCollator
-from dataloaders.trees import tree_dataloader
-from packing.hf import use_nopad_attention
-from packing.row import IGNORE_INDEX
+from nopad.dataloaders.collator import PackedCollator
+from nopad.dataloaders.trees import tree_dataloader
+from nopad.packing.hf import use_nopad_attention
+from nopad.packing.row import IGNORE_INDEX
+from nopad.training.loss import row_loss_sum
+from nopad.training.sft_data import per_turn_samples
 from tests.recipes.test_recipes_sft import _cfg, _reset_accelerate
 from tests.support.models import tiny_model
 from tests.training.test_training_trl import make_tokenizer
-from training.loss import row_loss_sum
-from training.sft_data import per_turn_samples
 
 # earlier assistant turns keep only their last word (their "answer"): a template that drops past
 # reasoning, so each turn's sample renders the history differently from the turn before
@@ -117,7 +117,7 @@ def test_the_loader_shards_pads_and_resumes(tok):
 
 
 def test_the_recipe_trains_on_per_turn_samples(tok, tmp_path, one_thread):
-    from recipes.sft import train
+    from nopad.recipes.sft import train
 
     cfg = _cfg(tmp_path, "data.per_turn_samples=true", "data.tokens_per_batch=128", "train.max_steps=2")
     try:
@@ -131,8 +131,8 @@ def test_the_recipe_trains_on_per_turn_samples(tok, tmp_path, one_thread):
 
 
 def test_a_padding_rows_batch_trains_nothing(tok):
-    from dataloaders.dataset import PackedItem
-    from dataloaders.trees import TreeCollator, TreePieces
+    from nopad.dataloaders.dataset import PackedItem
+    from nopad.dataloaders.trees import TreeCollator, TreePieces
 
     samples = per_turn_samples(conversations(2), tok)
     pieces = TreePieces(samples, 256)

@@ -120,8 +120,8 @@ def _check_fsdp2_adamw_equals_one_process(ranks: list[dict]) -> None:
     """FSDP2's two steps of the recipes' fused AdamW (``make_adamw``, on the local shards) reach the
     weights of one process stepping the same AdamW on the unsharded model with the same gradients
     (which equal unpacked single-process training's, checked above)."""
+    from nopad.training.optimizer import make_adamw
     from tests.support.sharded_sft_worker import ADAMW_LR, ADAMW_WEIGHT_DECAY
-    from training.optimizer import make_adamw
 
     model = tiny_model("llama")
     optimizer = make_adamw(model, ADAMW_LR, ADAMW_WEIGHT_DECAY)
@@ -145,7 +145,7 @@ def test_sft_recipe_under_zero3_loss_matches_unpacked(tmp_path):
     from tests.recipes.test_recipes_sft import ONE_STEP_PER_EPOCH, SMALL, _check_two_rank_run
 
     out = tmp_path / "zero3"
-    _run_two_ranks(["-m", "recipes.sft", *SMALL, *ONE_STEP_PER_EPOCH, f"checkpoint.output_dir={out}",
+    _run_two_ranks(["-m", "nopad.recipes.sft", *SMALL, *ONE_STEP_PER_EPOCH, f"checkpoint.output_dir={out}",
                     "log.record_indices=true",
                     f"accelerate.deepspeed_config={ROOT / 'recipes/configs/deepspeed_zero3.json'}"],
                    "SFT recipe under ZeRO-3")
@@ -156,8 +156,8 @@ def test_sft_recipe_under_zero3_loss_matches_unpacked(tmp_path):
 
 # ----------------------------------------------------------------------------- one process
 def test_lockstep_generate_alone_equals_generate(one_thread):
-    from inference import Generator, SamplingParams
-    from inference.sharded import generate_lockstep, sharded_generate
+    from nopad.inference import Generator, SamplingParams
+    from nopad.inference.sharded import generate_lockstep, sharded_generate
 
     model = tiny_model("llama")
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
@@ -172,17 +172,17 @@ def test_lockstep_generate_alone_equals_generate(one_thread):
 
 
 def test_multi_process_without_a_wrapper_is_a_clear_error(monkeypatch):
-    from training.accumulation import OptimizerStepper
+    from nopad.training.accumulation import OptimizerStepper
 
     model = tiny_model("llama")
-    monkeypatch.setattr("training.accumulation.world_size", lambda group=None: 2)
+    monkeypatch.setattr("nopad.training.accumulation.world_size", lambda group=None: 2)
     with pytest.raises(ValueError, match="DistributedDataParallel or fully_shard"):
         OptimizerStepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 def test_empty_row_adds_no_gradient(one_thread):
-    from packing.hf import use_nopad_attention
-    from training.grpo import empty_rollout_row, packed_logprobs
+    from nopad.packing.hf import use_nopad_attention
+    from nopad.training.grpo import empty_rollout_row, packed_logprobs
 
     model = tiny_model("llama")
     row = empty_rollout_row()
@@ -195,7 +195,7 @@ def test_empty_row_adds_no_gradient(one_thread):
 def test_an_engine_asked_for_but_not_engaged_is_an_error(monkeypatch):
     from types import SimpleNamespace
 
-    from training.accumulation import check_engine_engaged
+    from nopad.training.accumulation import check_engine_engaged
 
     ddp = SimpleNamespace(distributed_type=SimpleNamespace(name="MULTI_CPU"))
     check_engine_engaged(ddp)
@@ -207,7 +207,7 @@ def test_an_engine_asked_for_but_not_engaged_is_an_error(monkeypatch):
 def test_one_step_over_a_window_and_double_steps_are_errors(one_thread):
     from accelerate import Accelerator
 
-    from training.accumulation import OptimizerStepper
+    from nopad.training.accumulation import OptimizerStepper
 
     _reset_accelerate()
     accelerator = Accelerator(cpu=True)

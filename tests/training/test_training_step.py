@@ -1,4 +1,4 @@
-"""The one owner of the training step (training.accumulation.OptimizerStepper): SFT's and GRPO's
+"""The one owner of the training step (nopad.training.accumulation.OptimizerStepper): SFT's and GRPO's
 steps give the parameters TRL's trainers give after one step on the same data, and a window that
 fails leaves the Accelerator as it found it."""
 
@@ -54,7 +54,7 @@ def _reward(completion_ids) -> float:
 
 def _fixed_rollout(prompts, trainer):
     """TRL's rollout_func: each prompt repeated GENERATIONS times in a row -> the fixed completions."""
-    from training.trl.rollout import tokenize_prompts
+    from nopad.training.trl.rollout import tokenize_prompts
 
     prompt_ids = tokenize_prompts(prompts, trainer)
     completions = [_completion(ids, i % GENERATIONS) for i, ids in enumerate(prompt_ids)]
@@ -65,11 +65,11 @@ def _fixed_rollout(prompts, trainer):
 def test_grpo_step_equals_nopad_grpo_trainers_step(one_thread, tmp_path, accelerator):
     from trl import GRPOConfig
 
-    from packing.hf import use_nopad_attention
-    from training.accumulation import OptimizerStepper
-    from training.grpo import Rollout, pack_rollouts, packed_logprobs
-    from training.grpo_step import GRPOLoss, set_advantages, train_on_rollouts
-    from training.trl.grpo_trainer import NopadGRPOTrainer
+    from nopad.packing.hf import use_nopad_attention
+    from nopad.training.accumulation import OptimizerStepper
+    from nopad.training.grpo import Rollout, pack_rollouts, packed_logprobs
+    from nopad.training.grpo_step import GRPOLoss, set_advantages, train_on_rollouts
+    from nopad.training.trl.grpo_trainer import NopadGRPOTrainer
 
     tok = make_tokenizer()
     model = tiny_model("llama")
@@ -119,9 +119,9 @@ def test_grpo_step_equals_nopad_grpo_trainers_step(one_thread, tmp_path, acceler
 def test_sft_step_equals_nopad_sft_trainers_step(one_thread, tmp_path):
     from trl import SFTConfig
 
-    from training.accumulation import OptimizerStepper
-    from training.sft import sft_step, use_attention
-    from training.trl.sft_trainer import NopadSFTTrainer
+    from nopad.training.accumulation import OptimizerStepper
+    from nopad.training.sft import sft_step, use_attention
+    from nopad.training.trl.sft_trainer import NopadSFTTrainer
 
     tok = make_tokenizer()
     model = tiny_model("llama")
@@ -159,7 +159,7 @@ def _state(accelerator) -> tuple:
 
 
 def test_an_exception_inside_a_window_leaves_the_accelerator_unchanged(one_thread, accelerator):
-    from training.accumulation import OptimizerStepper
+    from nopad.training.accumulation import OptimizerStepper
 
     model = torch.nn.Linear(4, 2)
     clean = copy.deepcopy(model)
@@ -190,10 +190,10 @@ def test_an_exception_inside_a_window_leaves_the_accelerator_unchanged(one_threa
 
 
 def test_rollouts_without_generator_logprobs_cannot_train_the_grpo_loss(one_thread):
-    from packing.hf import use_nopad_attention
-    from training.accumulation import OptimizerStepper
-    from training.grpo import Rollout
-    from training.grpo_step import GRPOLoss, train_on_rollouts
+    from nopad.packing.hf import use_nopad_attention
+    from nopad.training.accumulation import OptimizerStepper
+    from nopad.training.grpo import Rollout
+    from nopad.training.grpo_step import GRPOLoss, train_on_rollouts
 
     model = tiny_model("llama")
     stepper = OptimizerStepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -206,7 +206,7 @@ def test_rollouts_without_generator_logprobs_cannot_train_the_grpo_loss(one_thre
 def test_an_optimizer_subclass_calling_super_step_is_one_step():
     """torch runs the step hooks at every wrapped ``step`` in a subclass chain; the window counts the
     outermost call only, so a user's SGD subclass is not taken for two steps per window."""
-    from training.accumulation import OptimizerStepper
+    from nopad.training.accumulation import OptimizerStepper
 
     class Recording(torch.optim.SGD):
         def step(self, closure=None):
@@ -228,7 +228,7 @@ def test_an_optimizer_subclass_calling_super_step_is_one_step():
 def test_misused_windows_and_rows_say_the_rule():
     """#54 F: ``w.backward`` outside ``w.row()`` ran (and the window then failed with "ended after
     0 of its 1 rows"); a window inside a window failed as "2 optimizer steps in one window"."""
-    from training.accumulation import OptimizerStepper
+    from nopad.training.accumulation import OptimizerStepper
 
     model = torch.nn.Linear(2, 1)
     stepper = OptimizerStepper(model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -1,7 +1,7 @@
 """GRPO on prefix-tree rows (``pack_rollouts``): rollouts forked after a model turn share that
 turn's tokens, which several rollouts train on, each with its own advantage. One optimizer step
 on tree rows gives the parameters flat packing gives (the shared token weighted by the number of
-rollouts that train on it, the step's normalisation unchanged), and in ``packing.batch_invariant()``
+rollouts that train on it, the step's normalisation unchanged), and in ``nopad.packing.batch_invariant()``
 the trainer's log-probs on forked episodes equal the generator's bitwise."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from inference import Generator, SamplingParams
-from packing import batch_invariant
-from packing.hf import use_nopad_attention
+from nopad.inference import Generator, SamplingParams
+from nopad.packing import batch_invariant
+from nopad.packing.hf import use_nopad_attention
+from nopad.training.accumulation import OptimizerStepper
+from nopad.training.grpo import Rollout, pack_rollouts, packed_logprobs
+from nopad.training.grpo_step import GRPOLoss, train_on_rollouts
 from tests.inference.test_inference_episodes import STOPS, TOOLS, TokenFormat, prompts_of
 from tests.support.models import tiny_model
-from training.accumulation import OptimizerStepper
-from training.grpo import Rollout, pack_rollouts, packed_logprobs
-from training.grpo_step import GRPOLoss, train_on_rollouts
 
 
 def forked_rollouts(seed=0, vocab=128):
@@ -86,13 +86,13 @@ def test_grpo_step_on_forked_rollouts_equals_flat_packing(capacity, one_thread):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tree_row_logprobs_equal_the_rollouts_on_forked_episodes_bitwise(dtype, one_thread):
-    """Episodes forked after their first turn (inference.episodes) -> rollouts (every token
+    """Episodes forked after their first turn (nopad.inference.episodes) -> rollouts (every token
     after the prompt; the generator's log-probs at model tokens) -> tree rows -> the trainer's
     log-probs, at every model token of every branch, in the batch-invariant mode."""
     model = tiny_model("llama").to(dtype)
     params = SamplingParams(temperature=1.0, seed=5, max_tokens=10, stop_token_ids=STOPS, ignore_eos=True,
                             n=2)
-    from inference.episodes import EpisodeLimits
+    from nopad.inference.episodes import EpisodeLimits
 
     with batch_invariant():
         episodes = Generator(model, block_size=4, num_blocks=256).run_episodes(

@@ -15,9 +15,9 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Trainer, TrainerCallback, TrainingArguments
 
-from dataloaders.sampler import PackedBatchSampler
+from nopad.dataloaders.sampler import PackedBatchSampler
+from nopad.training.trainer import NopadTrainer, TrainerEpochSampler
 from tests.support.models import tiny_model
-from training.trainer import NopadTrainer, TrainerEpochSampler
 
 trl = pytest.importorskip("trl")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -80,7 +80,7 @@ def _grpo(tok, tmp_path, rollout, prompts=None, cls=None, batch_invariant=None, 
 
 
 def test_grpo_trains_and_the_log_probs_make_the_importance_ratio(tok, tmp_path, one_thread):
-    from training.trl.rollout import nopad_rollout_func
+    from nopad.training.trl.rollout import nopad_rollout_func
 
     rollout = nopad_rollout_func(importance_sampling=True, max_num_batched_tokens=128)
     trainer = _grpo(tok, tmp_path, rollout)
@@ -103,8 +103,8 @@ def test_grpo_trains_and_the_log_probs_make_the_importance_ratio(tok, tmp_path, 
 def test_rollout_matches_trl_contract_and_settings(tok, tmp_path, one_thread):
     """Default path (no IS flag): one completion per prompt entry, groups prefilled once, the
     trainer's sampling settings honoured, and the log-probs are TRL's sampling_per_token_logps."""
-    from inference.sampler import processed_logprobs
-    from training.trl.rollout import nopad_rollout_func, sampling_params
+    from nopad.inference.sampler import processed_logprobs
+    from nopad.training.trl.rollout import nopad_rollout_func, sampling_params
 
     rollout = nopad_rollout_func(max_num_batched_tokens=128)
     trainer = _grpo(tok, tmp_path, rollout, max_steps=1, temperature=0.7, top_p=0.9, top_k=20, min_p=0.01,
@@ -156,8 +156,8 @@ def _trl_scores(trainer, prompt_ids, completion_ids):
 
 
 def test_rollout_refuses_what_it_cannot_honour(tok, tmp_path, monkeypatch):
-    import packing.invariance
-    from training.trl.rollout import nopad_rollout_func, sampling_params
+    import nopad.packing.invariance
+    from nopad.training.trl.rollout import nopad_rollout_func, sampling_params
 
     trainer = _grpo(tok, tmp_path, nopad_rollout_func(), generation_kwargs={"typical_p": 0.5})
     with pytest.raises(ValueError, match="typical_p"):
@@ -165,7 +165,7 @@ def test_rollout_refuses_what_it_cannot_honour(tok, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="tool_timeout"):
         nopad_rollout_func(tool_timeout=0)
     entered = []
-    real = packing.invariance.batch_invariant
+    real = nopad.packing.invariance.batch_invariant
 
     @contextlib.contextmanager
     def recording_batch_invariant(enabled=True, kernels=None):
@@ -173,7 +173,7 @@ def test_rollout_refuses_what_it_cannot_honour(tok, tmp_path, monkeypatch):
         with real(enabled, kernels):
             yield
 
-    monkeypatch.setattr("training.trl.rollout.batch_invariant", recording_batch_invariant)
+    monkeypatch.setattr("nopad.training.trl.rollout.batch_invariant", recording_batch_invariant)
     rollout = nopad_rollout_func(batch_invariant=True)
     trainer = _grpo(tok, tmp_path, rollout)
     rollout(["w10 w11"] * 4, trainer)
@@ -185,7 +185,7 @@ def test_rollout_refuses_what_it_cannot_honour(tok, tmp_path, monkeypatch):
 def test_sft_trainer_loss_and_gradients_equal_unpacked(tok, tmp_path, loss_type, one_thread):
     from trl import SFTConfig
 
-    from training.trl.sft_trainer import NopadSFTTrainer
+    from nopad.training.trl.sft_trainer import NopadSFTTrainer
 
     grads, seen = [], []
 
@@ -231,7 +231,7 @@ def test_sft_trainer_loss_and_gradients_equal_unpacked(tok, tmp_path, loss_type,
 def test_sft_trainer_refuses_trl_packing(tok, tmp_path):
     from trl import SFTConfig
 
-    from training.trl.sft_trainer import NopadSFTTrainer
+    from nopad.training.trl.sft_trainer import NopadSFTTrainer
 
     with pytest.raises(ValueError, match="packing=False"):
         NopadSFTTrainer(model=tiny_model("llama"), processing_class=tok,
@@ -320,8 +320,8 @@ def test_bf16_autocast_and_bf16_weights(tok, tmp_path, one_thread):
     """What users train in: GRPO under bf16 autocast (fp32 weights), SFT on bf16 weights."""
     from trl import SFTConfig
 
-    from training.trl.rollout import nopad_rollout_func
-    from training.trl.sft_trainer import NopadSFTTrainer
+    from nopad.training.trl.rollout import nopad_rollout_func
+    from nopad.training.trl.sft_trainer import NopadSFTTrainer
 
     trainer = _grpo(tok, tmp_path, nopad_rollout_func(importance_sampling=True), bf16=True, max_steps=1)
     trainer.train()
@@ -388,7 +388,7 @@ def test_nopad_grpo_trainer_logprobs_loss_and_gradients_equal_trls_padded_path(t
                                                                                one_thread):
     from trl import GRPOTrainer
 
-    from training.trl.grpo_trainer import NopadGRPOTrainer
+    from nopad.training.trl.grpo_trainer import NopadGRPOTrainer
 
     reference, ref_grads = _grpo_step_grads(tok, tmp_path, GRPOTrainer)
     nopad, grads = _grpo_step_grads(tok, tmp_path, NopadGRPOTrainer, shared_prefix=shared_prefix)
@@ -432,7 +432,7 @@ def test_nopad_grpo_trainer_equals_trls_padded_path_for_each_loss_type(tok, tmp_
     tests/training/test_training_policy_loss.py)."""
     from trl import GRPOTrainer
 
-    from training.trl.grpo_trainer import NopadGRPOTrainer
+    from nopad.training.trl.grpo_trainer import NopadGRPOTrainer
 
     reference, ref_grads = _grpo_step_grads(tok, tmp_path, GRPOTrainer, loss_config)
     nopad, grads = _grpo_step_grads(tok, tmp_path, NopadGRPOTrainer, loss_config)
@@ -447,7 +447,7 @@ def logp_recorder(seen: list, base=None):
     """A ``NopadGRPOTrainer`` (or ``base``) subclass that appends ``(inputs, the loss forward's
     log-probs)`` of each loss computation to ``seen``: what the bitwise tests hold against the
     rollout's log-probs."""
-    from training.trl.grpo_trainer import NopadGRPOTrainer
+    from nopad.training.trl.grpo_trainer import NopadGRPOTrainer
 
     class Recording(base or NopadGRPOTrainer):
         def _compute_loss(self, model, inputs):
@@ -472,7 +472,7 @@ def test_batch_invariant_rollout_and_trainer_log_probs_are_bitwise_equal(tok, tm
     """On-policy, the importance ratio is exactly 1: the rollout's log-probs (temperature-scaled, with
     top-p on), TRL's old log-probs and the loss forward's are the same bits, fp32 and bf16 autocast.
     (Without the batch-invariant mode both dtypes fail these equalities.)"""
-    from training.trl.rollout import nopad_rollout_func
+    from nopad.training.trl.rollout import nopad_rollout_func
 
     seen = []
 
@@ -523,8 +523,8 @@ def test_rollout_on_an_fsdp2_sharded_policy(fsdp2_rollouts, mode):
 def test_packed_completion_logprobs_equal_one_sequence_at_a_time(shared_prefix, budget, one_thread):
     """TRL's padded layout in, (B, C) log-probs and entropies out, for whole groups, groups split
     over rows (a 16-token budget splits the 20-token group), a row whose completion is masked out entirely."""
-    from packing.hf import register_nopad_attention
-    from training.trl.grpo_trainer import packed_completion_logprobs
+    from nopad.packing.hf import register_nopad_attention
+    from nopad.training.trl.grpo_trainer import packed_completion_logprobs
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (9, 4)]
@@ -563,7 +563,7 @@ def test_packed_completion_logprobs_equal_one_sequence_at_a_time(shared_prefix, 
 
 
 def test_batch_invariant_setting_follows_where_the_model_trains(monkeypatch, caplog):
-    from training.trl.grpo_trainer import resolve_batch_invariant
+    from nopad.training.trl.grpo_trainer import resolve_batch_invariant
 
     assert resolve_batch_invariant("auto", "cpu") is True
     assert resolve_batch_invariant(False, "cpu") is False
@@ -571,7 +571,7 @@ def test_batch_invariant_setting_follows_where_the_model_trains(monkeypatch, cap
         assert resolve_batch_invariant("auto", "cuda") is False
     assert "until the Triton kernel set's cost is measured on a GPU" in caplog.text
     assert resolve_batch_invariant(True, "cuda") is True
-    from packing import invariant_kernels
+    from nopad.packing import invariant_kernels
 
     monkeypatch.setattr(invariant_kernels, "available", lambda: (False, "triton is not installed"))
     with caplog.at_level("WARNING"):
@@ -589,7 +589,7 @@ def test_batch_invariant_setting_follows_where_the_model_trains(monkeypatch, cap
 def test_split_forwards_are_refused_under_zero3_and_fsdp():
     from types import SimpleNamespace
 
-    from training.trl.grpo_trainer import NopadGRPOTrainerMixin
+    from nopad.training.trl.grpo_trainer import NopadGRPOTrainerMixin
 
     policy = torch.nn.Linear(2, 2)
     refuse = NopadGRPOTrainerMixin._refuse_uneven_sharded_forwards
@@ -617,7 +617,7 @@ def test_split_forwards_are_refused_under_zero3_and_fsdp():
                            r"of grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo$"),  # #54
 ])
 def test_grpo_trainer_rejects_bad_generation_settings_at_construction(tok, tmp_path, config, message):
-    from training.trl.grpo_trainer import NopadGRPOTrainer
+    from nopad.training.trl.grpo_trainer import NopadGRPOTrainer
 
     with pytest.raises(ValueError, match=message):
         _grpo(tok, tmp_path, None, cls=NopadGRPOTrainer, **config)
@@ -626,7 +626,7 @@ def test_grpo_trainer_rejects_bad_generation_settings_at_construction(tok, tmp_p
 def test_sft_trainer_with_an_empty_dataset_says_so(tok, tmp_path):
     from trl import SFTConfig
 
-    from training.trl.sft_trainer import NopadSFTTrainer
+    from nopad.training.trl.sft_trainer import NopadSFTTrainer
 
     with pytest.raises(ValueError, match="train_dataset is empty"):
         NopadSFTTrainer(model=tiny_model("llama"), processing_class=tok,

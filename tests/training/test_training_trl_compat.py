@@ -1,4 +1,4 @@
-"""The TRL fence (training.trl.compat, training.trl.vllm_state): the installed TRL passes, an
+"""The TRL fence (nopad.training.trl.compat, nopad.training.trl.vllm_state): the installed TRL passes, an
 untested version or a TRL whose private names, signatures or tuples changed is refused at
 construction with what differs, and every TRL path the fake vLLM flags open is listed."""
 
@@ -12,7 +12,7 @@ trl = pytest.importorskip("trl")
 
 from trl import GRPOTrainer, SFTTrainer  # noqa: E402
 
-from training.trl import compat, vllm_state  # noqa: E402
+from nopad.training.trl import compat, vllm_state  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,14 +53,14 @@ def test_a_version_outside_the_tested_range_is_refused(monkeypatch, version):
 def test_an_untested_version_runs_when_allowed_if_its_names_match(monkeypatch, caplog):
     monkeypatch.setattr(trl, "__version__", "1.17.0")
     monkeypatch.setenv(compat.ALLOW_UNTESTED_ENV, "1")
-    with caplog.at_level(logging.WARNING, logger="training.trl.compat"):
+    with caplog.at_level(logging.WARNING, logger="nopad.training.trl.compat"):
         compat.check_grpo_trainer(GRPOTrainer)
     assert "untested trl 1.17.0" in caplog.text
 
 
 def test_nopad_trainers_refuse_an_untested_trl_at_construction(monkeypatch):
     """Before any model, data or Accelerator work: the first thing the constructors do."""
-    from training import NopadGRPOTrainer, NopadSFTTrainer
+    from nopad.training import NopadGRPOTrainer, NopadSFTTrainer
 
     monkeypatch.setattr(trl, "__version__", "1.17.0")
     monkeypatch.delenv(compat.ALLOW_UNTESTED_ENV, raising=False)
@@ -71,7 +71,7 @@ def test_nopad_trainers_refuse_an_untested_trl_at_construction(monkeypatch):
 
 
 def test_the_rollout_checks_a_plain_trl_trainer_once(monkeypatch):
-    from training import nopad_rollout_func
+    from nopad.training import nopad_rollout_func
 
     class Trainer(GRPOTrainer):  # TRL's own trainer given rollout_func=nopad_rollout_func()
         pass

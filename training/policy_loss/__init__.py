@@ -9,25 +9,25 @@ taking any name from this package registers the losses first.
 import importlib
 
 _EXPORTS = {
-    "IS_MODES": "training.policy_loss.importance",
-    "importance_weights": "training.policy_loss.importance",
-    "LOSSES": "training.policy_loss.base",
-    "PolicyBatch": "training.policy_loss.base",
-    "PolicyLoss": "training.policy_loss.base",
-    "PolicyLossConfig": "training.policy_loss.base",
-    "PolicyLossOutput": "training.policy_loss.base",
-    "make_policy_loss": "training.policy_loss.base",
-    "objective": "training.policy_loss.base",
-    "register": "training.policy_loss.base",
-    "PolicyLossSettings": "training.policy_loss.settings",
+    "IS_MODES": "nopad.training.policy_loss.importance",
+    "importance_weights": "nopad.training.policy_loss.importance",
+    "LOSSES": "nopad.training.policy_loss.base",
+    "PolicyBatch": "nopad.training.policy_loss.base",
+    "PolicyLoss": "nopad.training.policy_loss.base",
+    "PolicyLossConfig": "nopad.training.policy_loss.base",
+    "PolicyLossOutput": "nopad.training.policy_loss.base",
+    "make_policy_loss": "nopad.training.policy_loss.base",
+    "objective": "nopad.training.policy_loss.base",
+    "register": "nopad.training.policy_loss.base",
+    "PolicyLossSettings": "nopad.training.policy_loss.settings",
 }
 
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        importlib.import_module("training.policy_loss.losses")  # registers the losses
+        importlib.import_module("nopad.training.policy_loss.losses")  # registers the losses
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'training.policy_loss' has no attribute {name!r}")
+    raise AttributeError(f"module 'nopad.training.policy_loss' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -1,11 +1,11 @@
 """The policy-loss seam: what every GRPO-family loss takes, what it returns, and the registry that
 picks one by TRL's ``loss_type`` name.
 
-Why a seam: the recipe (:mod:`training.grpo_step`) owns the forwards, the packing and the optimizer
+Why a seam: the recipe (:mod:`nopad.training.grpo_step`) owns the forwards, the packing and the optimizer
 step; a loss only turns per-pair log-probs and advantages into one row's summed loss. Adding a loss
-is one class in :mod:`training.policy_loss.losses` and one :func:`register` line.
+is one class in :mod:`nopad.training.policy_loss.losses` and one :func:`register` line.
 
-Everything is per *pair* (:class:`packing.row.PackedRow`): in a tree row a token that m rollouts
+Everything is per *pair* (:class:`nopad.packing.row.PackedRow`): in a tree row a token that m rollouts
 train on appears m times, each with its own rollout's advantage, so a shared token carries the
 weight of the paths that train on it, as in TRL's padded batch where each path is its own row.
 ``seq`` names the rollout (sequence) of each pair, so sequence-level quantities (GSPO's ratio,
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from training.policy_loss.importance import IS_MODES, importance_weights
-from training.policy_loss.settings import PolicyLossSettings
+from nopad.training.policy_loss.importance import IS_MODES, importance_weights
+from nopad.training.policy_loss.settings import PolicyLossSettings
 
 
 @dataclass

@@ -4,7 +4,7 @@ sequence (the product over its tokens: the sum of the log differences, as TRL), 
 ``[clip_min, clip_max]`` (``*_truncate``) or set to 0 outside it (``*_mask``). The weight multiplies
 each token's policy loss (not the KL) and carries no gradient.
 
-In ``packing.batch_invariant()`` the rollout's log-probs equal the trainer's bitwise, so every
+In ``nopad.packing.batch_invariant()`` the rollout's log-probs equal the trainer's bitwise, so every
 weight is exactly 1 and no token is touched; the report says so.
 """
 

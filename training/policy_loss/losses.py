@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from training.policy_loss.base import PolicyBatch, PolicyLoss, register
+from nopad.training.policy_loss.base import PolicyBatch, PolicyLoss, register
 
 
 class ClippedLoss(PolicyLoss):

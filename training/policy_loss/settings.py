@@ -1,4 +1,4 @@
-"""The policy loss's knobs, declared once: :class:`training.policy_loss.PolicyLossConfig` adds
+"""The policy loss's knobs, declared once: :class:`nopad.training.policy_loss.PolicyLossConfig` adds
 dr_grpo's normaliser and the checks, and the GRPO recipe's ``loss`` section adds the two knobs its
 step reads. No torch here, so a recipe's config and its ``--help`` read these without importing it;
 the comment beside each default is the line ``--help`` and ``recipes/configs/grpo.yaml`` show."""

@@ -1,6 +1,6 @@
 """TRL's ``GRPOTrainer`` with nopad's training forward: packed rows instead of padded batches.
 
-    from training.trl.grpo_trainer import NopadGRPOTrainer
+    from nopad.training.trl.grpo_trainer import NopadGRPOTrainer
     trainer = NopadGRPOTrainer(model, reward_funcs, args=GRPOConfig(...), train_dataset=prompts,
                                processing_class=tok)    # rollouts: nopad_rollout_func() by default
     trainer.train()
@@ -11,7 +11,7 @@ padding is computed too, and on CPU the LM head projects every position. Here th
 (``_get_per_token_logps_and_entropies``, TRL 1.16) packs the batch into varlen rows:
 
 - ``shared_prefix=True`` (default): the batch is packed as prefix-tree rows
-  (:mod:`packing.bins.tree`): completions with the same prompt form a group whose prompt appears
+  (:mod:`nopad.packing.bins.tree`): completions with the same prompt form a group whose prompt appears
   once per row and which every completion attends to (and so does any other shared prefix, such
   as the earlier turns of forked episodes). The share of tokens this spares is logged as
   ``tree/token_saving``.
@@ -28,7 +28,7 @@ included), as TRL's fused head computes them, scattered back to TRL's ``(B, C)``
 the completion mask is 0). Loss, advantages, clipping and logging stay TRL's.
 
 ``batch_invariant=True`` (or ``"auto"``: on where nopad has the mode, i.e. a CPU model) runs this
-forward and the nopad rollout under :func:`packing.batch_invariant`, so the rollout's log-probs
+forward and the nopad rollout under :func:`nopad.packing.batch_invariant`, so the rollout's log-probs
 equal the trainer's bitwise: with ``nopad_rollout_func(importance_sampling=True)`` TRL's
 importance ratio is exactly 1 on-policy. Off by default: it slows the rollout's small decode
 steps (every GEMM on fixed tiles; ``benchmarks/bench_trl.py`` measures the cost).
@@ -42,10 +42,10 @@ from typing import Any
 
 import torch
 
-from training.grpo import Rollout, pack_rollouts, packed_logprobs, packing_metrics, resolve_batch_invariant
-from training.mismatch import logprob_mismatch
-from training.trl import lazy_class
-from training.trl.compat import check_grpo_trainer, check_loss_type
+from nopad.training.grpo import Rollout, pack_rollouts, packed_logprobs, packing_metrics, resolve_batch_invariant
+from nopad.training.mismatch import logprob_mismatch
+from nopad.training.trl import lazy_class
+from nopad.training.trl.compat import check_grpo_trainer, check_loss_type
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +74,10 @@ def packed_completion_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, 
     completions; ``logits_to_keep = C``. Returns ``(logps, entropies)`` shaped ``(B, C)`` (entropies
     None unless asked), 0 where the mask is 0, differentiable w.r.t. the model's parameters
     (the entropies only with ``entropy_grad``: TRL needs their gradient for its entropy bonus alone).
-    The rows are packed and scored by :mod:`training.grpo`, the code the GRPO recipe runs.
+    The rows are packed and scored by :mod:`nopad.training.grpo`, the code the GRPO recipe runs.
     ``model`` must run nopad attention (``model.set_attn_implementation("nopad")``).
     ``forward_context`` is entered around every forward (autocast, batch-invariant mode).
-    ``stats``, when given, receives :func:`training.grpo.packing_metrics` of the rows.
+    ``stats``, when given, receives :func:`nopad.training.grpo.packing_metrics` of the rows.
     """
     device = input_ids.device
     batch, width = input_ids.size(0), logits_to_keep
@@ -131,7 +131,7 @@ class NopadGRPOTrainerMixin:
     tiles (``benchmarks/bench_trl.py`` measures it).
     ``max_tokens_per_forward``: tokens of one packed forward (default: the whole micro-batch, one
     forward per call on every rank, as ZeRO-3 / FSDP2 need: leave it unset there).
-    ``rollout_func`` defaults to :func:`training.trl.rollout.nopad_rollout_func` with the same
+    ``rollout_func`` defaults to :func:`nopad.training.trl.rollout.nopad_rollout_func` with the same
     ``batch_invariant``; ``nopad_rollout=False`` keeps TRL's own generation instead.
     """
 
@@ -153,7 +153,7 @@ class NopadGRPOTrainerMixin:
         device = getattr(train_args, "device", None) or next(model.parameters()).device  # where it will train
         self.nopad_batch_invariant = resolve_batch_invariant(batch_invariant, device)
         if nopad_rollout and kwargs.get("rollout_func") is None:
-            from training.trl.rollout import nopad_rollout_func
+            from nopad.training.trl.rollout import nopad_rollout_func
 
             kwargs["rollout_func"] = nopad_rollout_func(batch_invariant=self.nopad_batch_invariant)
         rollout = kwargs.get("rollout_func")
@@ -163,14 +163,14 @@ class NopadGRPOTrainerMixin:
                            self.nopad_batch_invariant)
         self.nopad_generates = kwargs.get("rollout_func") is not None
         super().__init__(*args, **kwargs)
-        from packing.hf import register_nopad_attention
-        from packing.mixers import TREE, check_model
+        from nopad.packing.hf import register_nopad_attention
+        from nopad.packing.mixers import TREE, check_model
 
         register_nopad_attention()
         policy = self.accelerator.unwrap_model(self.model)
         check_model(policy, TREE)  # its rows are prefix-tree rows (a group's prompt laid once)
         self._refuse_uneven_sharded_forwards(policy)
-        from training.trl.rollout import NopadRollout, sampling_params
+        from nopad.training.trl.rollout import NopadRollout, sampling_params
 
         if isinstance(rollout, NopadRollout):  # bad generation settings fail now, not at the first rollout
             sampling_params(self)
@@ -185,7 +185,7 @@ class NopadGRPOTrainerMixin:
         micro-batch needs, and every forward all-gathers the weights from all ranks."""
         if self.nopad_max_tokens_per_forward is None or self.accelerator.num_processes < 2:
             return
-        from inference.sharded import sharded_weights
+        from nopad.inference.sharded import sharded_weights
 
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         zero3 = plugin is not None and getattr(plugin, "zero_stage", None) == 3
@@ -210,13 +210,13 @@ class NopadGRPOTrainerMixin:
     def training_step(self, *args: Any, **kwargs: Any):
         """The whole step in the batch-invariant mode when on: the rollout, the log-prob forwards and
         the backward, whose gradient-checkpointing recompute must replay the forward's kernels."""
-        from packing.invariance import batch_invariant
+        from nopad.packing.invariance import batch_invariant
 
         with batch_invariant(self.nopad_batch_invariant):
             return super().training_step(*args, **kwargs)
 
     def _forward_context(self):
-        from packing.invariance import batch_invariant
+        from nopad.packing.invariance import batch_invariant
 
         stack = contextlib.ExitStack()
         stack.enter_context(self.accelerator.autocast())  # as TRL's own forward
@@ -225,7 +225,7 @@ class NopadGRPOTrainerMixin:
 
     def _compute_loss(self, model, inputs):
         """TRL's loss; its policy forward also reports how far the rollout's log-probs are
-        (:func:`training.mismatch.logprob_mismatch` over the model tokens, logged as ``mismatch/*``)."""
+        (:func:`nopad.training.mismatch.logprob_mismatch` over the model tokens, logged as ``mismatch/*``)."""
         rollout = inputs.get("sampling_per_token_logps")
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:  # TRL's loss mask: an episode's tool tokens are not the model's

@@ -1,6 +1,6 @@
 """A ready ``rollout_func`` for TRL's ``GRPOTrainer``: nopad's in-flight generator on the live policy.
 
-    from training.trl.rollout import nopad_rollout_func
+    from nopad.training.trl.rollout import nopad_rollout_func
     trainer = GRPOTrainer(model, reward_funcs, args=GRPOConfig(...), train_dataset=ds,
                           processing_class=tok, rollout_func=nopad_rollout_func())
 
@@ -10,7 +10,7 @@ completion per entry: ``prompt_ids``, ``completion_ids`` and ``logprobs`` (lists
 TRL keeps the log-probs as ``sampling_per_token_logps``; its loss uses them for the off-policy mask
 (``off_policy_mask_threshold``) and - only when ``use_vllm=True`` - for the importance-sampling
 correction (``vllm_importance_sampling_*``). ``importance_sampling=True`` here makes TRL apply that
-correction to these log-probs too (see :func:`training.trl.vllm_state.enable_importance_sampling`).
+correction to these log-probs too (see :func:`nopad.training.trl.vllm_state.enable_importance_sampling`).
 
 Which log-probs: TRL scores a completion with ``log_softmax(logits / temperature)``, never
 truncated. vLLM hands TRL *processed* log-probs (after top-p/top-k/min-p renormalisation), which
@@ -34,13 +34,13 @@ from typing import Any
 
 import torch
 
-from inference import chat
-from inference.generator import Generator
-from inference.sampling_params import SamplingParams
-from inference.sharded import ROLLOUT_MODES, sharded_generate
-from packing.invariance import batch_invariant
-from training.trl.compat import ToolLoopResult, check_grpo_trainer, hand_back_tool_loop
-from training.trl.vllm_state import enable_importance_sampling
+from nopad.inference import chat
+from nopad.inference.generator import Generator
+from nopad.inference.sampling_params import SamplingParams
+from nopad.inference.sharded import ROLLOUT_MODES, sharded_generate
+from nopad.packing.invariance import batch_invariant
+from nopad.training.trl.compat import ToolLoopResult, check_grpo_trainer, hand_back_tool_loop
+from nopad.training.trl.vllm_state import enable_importance_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ _GENERATION_KWARGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "
 
 class NopadRollout:
     """``rollout_func(prompts, trainer) -> dict`` for ``GRPOTrainer``; build it with
-    :func:`nopad_rollout_func`. ``generator_kwargs`` go to :class:`~inference.Generator`."""
+    :func:`nopad_rollout_func`. ``generator_kwargs`` go to :class:`~nopad.inference.Generator`."""
 
     def __init__(self, *, importance_sampling: bool = False, batch_invariant: bool = False,
                  autocast: bool = True, sharded_rollout: str = "gather", tool_timeout: float = 30.0,
@@ -93,7 +93,7 @@ class NopadRollout:
             generator = self._generator(model, trainer)
             with self._context(trainer):
                 try:
-                    # FSDP2: full weights once for the rollout, or ranks in lockstep (inference.sharded)
+                    # FSDP2: full weights once for the rollout, or ranks in lockstep (nopad.inference.sharded)
                     outputs = sharded_generate(generator, model, requests, per_request,
                                                mode=self.sharded_rollout)
                 finally:
@@ -117,9 +117,9 @@ class NopadRollout:
         the standalone tools plus the methods of that entry's own, already reset, environment).
         TRL's own ``_tool_call_loop`` would then run the last turn's calls again, so the trainer's
         loop is replaced by one that hands back what the episodes recorded (see
-        :func:`training.trl.compat.hand_back_tool_loop`)."""
-        from inference.episodes import EpisodeLimits
-        from inference.tools import ChatTemplateTools
+        :func:`nopad.training.trl.compat.hand_back_tool_loop`)."""
+        from nopad.inference.episodes import EpisodeLimits
+        from nopad.inference.tools import ChatTemplateTools
 
         if not (isinstance(prompts[0], list) and prompts[0] and isinstance(prompts[0][0], dict)):
             raise ValueError("tool calling needs conversational prompts (lists of chat messages), as in TRL")
@@ -190,12 +190,12 @@ def nopad_rollout_func(*, importance_sampling: bool = False, batch_invariant: bo
     ``generator_kwargs`` size the generator (``max_num_batched_tokens``, ``max_num_seqs``,
     ``kv_memory_bytes``, ``block_size``...). ``importance_sampling=True`` lets TRL apply its
     ``vllm_importance_sampling_correction`` to our log-probs; ``batch_invariant=True`` generates
-    inside ``packing.batch_invariant()``; ``autocast`` generates under the trainer's autocast.
-    ``sharded_rollout`` (FSDP2-sharded policies, :mod:`inference.sharded`): ``"gather"`` the full
+    inside ``nopad.packing.batch_invariant()``; ``autocast`` generates under the trainer's autocast.
+    ``sharded_rollout`` (FSDP2-sharded policies, :mod:`nopad.inference.sharded`): ``"gather"`` the full
     weights once for the rollout (default), or ``"lockstep"`` to keep them sharded.
 
     With the trainer's ``tools`` / ``environment_factory`` every completion is a multi-turn
-    episode (:meth:`inference.Generator.run_episodes`): up to ``max_tool_calling_iterations``
+    episode (:meth:`nopad.inference.Generator.run_episodes`): up to ``max_tool_calling_iterations``
     tool rounds within ``max_completion_length`` tokens, each round of calls given
     ``tool_timeout`` seconds; a tool that raises or times out becomes an error message the model
     reads and is counted in TRL's ``tools/failure_frequency``.
@@ -239,7 +239,7 @@ def unwrapped_policy(trainer):
     """The live policy module, the way TRL's own generation gets it: unwrapped from DDP/DeepSpeed,
     ZeRO-3 parameters gathered for the block (``args.ds3_gather_for_generation``), gradient
     checkpointing off while generating. FSDP2-sharded policies stay sharded here; the rollout
-    gathers them (or steps in lockstep) through :func:`inference.sharded.sharded_generate`."""
+    gathers them (or steps in lockstep) through :func:`nopad.inference.sharded.sharded_generate`."""
     from trl.models import unwrap_model_for_generation
 
     return unwrap_model_for_generation(
@@ -269,7 +269,7 @@ def tokenize_prompts(prompts: list, trainer) -> list[list[int]]:
                          f"{type(prompts[0]).__name__}")
     kwargs = getattr(trainer, "chat_template_kwargs", None) or trainer.args.chat_template_kwargs
 
-    def render(conversations, tools):  # inference.chat.render: the tokens SFT and the recipe give it
+    def render(conversations, tools):  # nopad.inference.chat.render: the tokens SFT and the recipe give it
         template = getattr(trainer, "chat_template", None)
         return [chat.render(tokenizer, c, True, tools=tools, chat_template=template, **(kwargs or {}))
                 for c in conversations]

@@ -1,6 +1,6 @@
-"""TRL's ``SFTTrainer`` on nopad packed batches: :class:`training.trainer.NopadTrainerMixin` in front of it.
+"""TRL's ``SFTTrainer`` on nopad packed batches: :class:`nopad.training.trainer.NopadTrainerMixin` in front of it.
 
-    from training.trl.sft_trainer import NopadSFTTrainer
+    from nopad.training.trl.sft_trainer import NopadSFTTrainer
     trainer = NopadSFTTrainer(model, args=SFTConfig(max_length=1024, packing=False, ...),
                               train_dataset=ds, processing_class=tok)
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from training.trainer import NopadTrainerMixin
-from training.trl import lazy_class
-from training.trl.compat import check_sft_trainer
+from nopad.training.trainer import NopadTrainerMixin
+from nopad.training.trl import lazy_class
+from nopad.training.trl.compat import check_sft_trainer
 
 
 def _sft_trainer_class() -> type:

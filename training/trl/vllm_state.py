@@ -15,7 +15,7 @@ import ast
 import logging
 from collections import Counter
 
-from training.trl.compat import UntestedTRLError, function_tree, trl_methods
+from nopad.training.trl.compat import UntestedTRLError, function_tree, trl_methods
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def enable_importance_sampling(trainer) -> None:
     if new:
         raise UntestedTRLError(f"importance_sampling=True marks the trainer as vLLM-backed, and this TRL "
                                f"branches on that where nopad has not looked: {new}. Install the tested TRL "
-                               "(training.trl.compat.TESTED_TRL) or drop the option")
+                               "(nopad.training.trl.compat.TESTED_TRL) or drop the option")
     if gone:
         logger.debug("this TRL no longer has these vLLM paths: %s", gone)
     if trainer.use_vllm:
