@@ -1,5 +1,4 @@
-"""Which side drifts in bf16 generation on hybrid models: nopad's ``Generator`` or HF ``generate``
-(issue 36).
+"""Which side drifts in bf16 generation on hybrid models: nopad's ``Generator`` or HF ``generate``.
 
 ``bench_hybrid.py`` finds bf16 greedy outputs of the two sides identical on few sequences of the
 random-weight hybrid shapes, while fp32 outputs are identical on all. Two bf16 runs that round at

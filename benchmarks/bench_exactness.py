@@ -1,7 +1,7 @@
 """On-policy exactness: the generator's log-probs vs the packed training forward's, default numerics
 vs ``nopad.packing.batch_invariant()``, and what the invariant mode costs, fp32 and bf16, in one run.
 
-Workload (issue 11's): SmolLM2-135M-Instruct, 8 GRPO maths prompts x 4 samples x 24 new tokens,
+Workload (the default): SmolLM2-135M-Instruct, 8 GRPO maths prompts x 4 samples x 24 new tokens,
 temperature 1, seeded. On CUDA (``--device cuda``, the Triton kernel set) also a random-weight
 Qwen2.5-0.5B of real shape (``--model qwen2.5-0.5b``), and ``--prompts/--samples/--new-tokens``
 size the run (64 x 8 x 24 = 12,288 sampled tokens checked). For each dtype and mode:
@@ -15,7 +15,7 @@ size the run (64 x 8 x 24 = 12,288 sampled tokens checked). For each dtype and m
     python benchmarks/bench_exactness.py           # full run
     python benchmarks/bench_exactness.py --quick   # smoke run: a tiny random Llama, fewer prompts and tokens
     python benchmarks/bench_exactness.py --dtypes bfloat16 --workload chat --prompts 16 --samples 4 \\
-        --new-tokens 48                            # issue 32's bf16 cost workload
+        --new-tokens 48                            # the bf16 cost workload, longer chats
     python benchmarks/bench_exactness.py --device cuda --dtypes bfloat16 --prompts 64 --samples 8
     python benchmarks/bench_exactness.py --device cuda --model qwen2.5-0.5b --dtypes bfloat16 \\
         --prompts 64 --samples 8
@@ -61,7 +61,7 @@ def load(name: str, dtype: torch.dtype, device: str):
 
 
 def workload(tokenizer, vocab_size: int, num_prompts: int, kind: str = "grpo") -> list[list[int]]:
-    if tokenizer is not None and kind == "chat":  # issue 32's: the chat questions, ~35-200 tokens
+    if tokenizer is not None and kind == "chat":  # the chat questions, ~35-200 tokens
         return chat_workload(tokenizer, num_prompts, 1, 1, seed=0)[0]
     if tokenizer is not None:
         return grpo_workload(tokenizer, num_prompts)

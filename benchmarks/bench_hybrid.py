@@ -1,4 +1,4 @@
-"""Hybrid-model training throughput: padded batches vs nopad packed rows (issue 36), same model,
+"""Hybrid-model training throughput: padded batches vs nopad packed rows, same model,
 same data, same token budget per step.
 
 A random-weight Qwen3.5 text model (``Qwen3_5ForCausalLM``: Gated DeltaNet ``linear_attention``

@@ -1,4 +1,4 @@
-"""The LM head's memory and time on large vocabularies (issue 37): one packed row's SFT loss,
+"""The LM head's memory and time on large vocabularies: one packed row's SFT loss,
 forward and backward, by five methods side by side, each in a fresh process.
 
 - ``hf_labels``: the model's own ``model(..., labels=...)`` (every position's logits);

@@ -1,4 +1,4 @@
-"""Host memory of the README's two-process DeepSpeed ZeRO-3 SFT of SmolLM2-135M (issue 32, item 9).
+"""Host memory of the README's two-process DeepSpeed ZeRO-3 SFT of SmolLM2-135M.
 
 Runs the README's commands on 2048-token rows (preprocess the sample chats at capacity 2048, where
 the README's quick run packs 512, then

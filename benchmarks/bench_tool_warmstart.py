@@ -1,5 +1,5 @@
 """Tool episodes on the model nopad ships: the calculator's tool-call rate and reward before and after
-a warm-start SFT on demonstrations the task writes itself, and after a few GRPO steps (#39 B1).
+a warm-start SFT on demonstrations the task writes itself, and after a few GRPO steps.
 
 SmolLM2-135M-Instruct (fp32, CPU) with nopad's tool template (``model.tool_template=smollm2``) on
 ``task.name=calculator_chat``: "What is 17 * 23 + 4?" after a system turn that shows the call

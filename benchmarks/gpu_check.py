@@ -59,7 +59,7 @@ MODELS = {
 }
 # A hybrid of Qwen3.5's layout (3 Gated DeltaNet layers per full-attention layer, its 248,320
 # vocabulary, value heads as many as key heads, 128-wide linear heads, 256-wide attention heads) at
-# about 0.8B parameters: issue 36's training and generation goals (>= 2x), measured where fla runs.
+# about 0.8B parameters: the hybrid training and generation goals (>= 2x), measured where fla runs.
 HYBRID_MODELS = {
     "Qwen3.5-0.8B-like": ("Qwen3_5TextConfig", dict(
         hidden_size=1024, num_hidden_layers=24,
@@ -249,7 +249,7 @@ def _figure(ours: float, peer: float, unit: str, peer_name: str) -> dict:
 
 
 def bench_hybrid(spec, device, dtype, train: dict, gen: dict, count: int, block_size: int) -> dict:
-    """Issue 36's goals on a hybrid model: packed training vs padded batches, and the Generator vs
+    """The hybrid goals (>= 2x) on a hybrid model: packed training vs padded batches, and the Generator vs
     HF ``generate`` (HF's continuous batching keeps no recurrent state: not a peer here). Each half
     is reported on its own, so a failing one does not hide the other."""
     out = {}
@@ -666,7 +666,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--hybrid-models", nargs="*", default=list(HYBRID_MODELS),
                         choices=list(HYBRID_MODELS),
-                        help="hybrid models for issue 36's goals (training and generation only)")
+                        help="hybrid models for the >= 2x goals (training and generation only)")
     parser.add_argument("--decode-counts", nargs="+", type=int, default=[64, 128, 256],
                         help="sequence counts of the decode-floor step (the goal is read at 128)")
     args = parser.parse_args(argv)

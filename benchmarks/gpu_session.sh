@@ -4,7 +4,7 @@
 # then run the parts named, each under its own time limit, each report in its own folder of $OUT.
 #   bash benchmarks/gpu_session.sh tests hybrid        # first call (~10 minutes: timeout_s 600)
 #   bash benchmarks/gpu_session.sh decode hostwork     # second call, with what is left
-# Parts: tests (the GPU test files, each test under a 150 s limit), hybrid (issue 36's goals),
+# Parts: tests (the GPU test files, each test under a 150 s limit), hybrid (the hybrid >= 2x goals),
 # hybridgen (bench_hybrid.py's generation, eager and compile_decode, vs HF generate on CUDA), decode
 # (decode floor, compiles and graph recordings, host overhead, SmolLM2-135M), hostwork
 # (bench_decode_host.py: nopad's decode step's host work beside HF's), graphcode (the compiled

@@ -1,4 +1,4 @@
-"""Never silently wrong (issue 36 item 1), checked on families nopad was not written for: every
+"""Never silently wrong, checked on families nopad was not written for: every
 model_type of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` the installed release ships.
 
     python benchmarks/sweep_families.py                 # every family, each in its own subprocess

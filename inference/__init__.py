@@ -3,7 +3,7 @@
     from nopad.inference import Generator, SamplingParams
     gen = Generator(model, tokenizer, max_num_seqs=64, max_num_batched_tokens=2048)
     outs = gen.generate(prompts, SamplingParams(temperature=1.0, n=8, max_tokens=128, seed=0))
-    outs[0].outputs[3].token_ids, outs[0].outputs[3].logprobs   # raw log-probs, for the trainer
+    outs[0].outputs[3].token_ids, outs[0].outputs[3].logprobs   # raw; GRPO scores .temperature_logprobs
     gen.release()                                                # hand the KV memory back
 
     episodes = gen.run_episodes(chats, tools=[add], sampling_params=params,

@@ -18,7 +18,7 @@ differ visibly (``benchmarks/bench_exactness.py`` measures by how much). Under t
   fp32, in ``tests/packing/test_packing_invariance.py``). No call of another row count runs:
   torch picks its kernel from the row count, and a one-time probe that one call over all rows gave
   the tiles' bits did not prove it for every row (a bf16 row alone got other bits for ~0.15% of
-  rows, issue 54). In the "triton" set the one-tile Triton matmul of
+  rows). In the "triton" set the one-tile Triton matmul of
   :mod:`nopad.packing.invariant_kernels`. Its backward is the ordinary GEMM: only the forward must match.
 - in the "triton" set (CUDA), reductions over one dim (``sum``, ``mean``: any dim, moved last) and
   over the last dim (``softmax``, ``log_softmax``) run Triton kernels with one fixed order per

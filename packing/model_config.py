@@ -2,7 +2,8 @@
 
 A multimodal class (Gemma3 / Gemma4 image-text, Fuyu: what ``AutoModelForCausalLM`` returns for
 Gemma's released 4B+ checkpoints) keeps its vocabulary, layer count and layer kinds on a nested
-``text_config``; reading them off the top-level config crashed the generator (#36 sweep)."""
+``text_config``; reading them off the top-level config crashed the generator (found by
+benchmarks/sweep_families.py)."""
 
 from __future__ import annotations
 

@@ -11,11 +11,11 @@ RECIPES = ("recipes",)
 MODULE_LINES = {"library": 400, "recipes": 300}
 FUNCTION_LINES = 80
 
-# The ratchet: over the limit when the check came in (#39 A5), each at its size then. Lower an entry
+# The ratchet: over the limit when the check came in, each at its size then. Lower an entry
 # when its code shrinks, and delete it when the code fits; a larger size fails the test.
 RATCHET_MODULES: dict[str, int] = {}
 RATCHET_FUNCTIONS = {
-    "packing/attention/triton_kernel.py::_attention_kernel": 97,  # one Triton kernel body (#39 A5)
+    "packing/attention/triton_kernel.py::_attention_kernel": 97,  # one Triton kernel body
 }
 
 
@@ -66,7 +66,7 @@ def test_the_size_check_sees_the_code():
 
 
 def test_the_generator_stays_a_thin_loop():
-    """#39 A2: the step's bookkeeping belongs to the scheduler's postprocess and the sequences'
+    """The step's bookkeeping belongs to the scheduler's postprocess and the sequences'
     owners, so ``inference/generator.py`` (the public loop) stays within 300 lines."""
     lines = len((ROOT / "inference" / "generator.py").read_text().splitlines())
     assert lines <= 300, f"inference/generator.py has {lines} lines (limit 300): move logic to its owner"

@@ -151,7 +151,7 @@ def test_the_module_graph_has_no_cycles():
 
 
 def test_tests_mirror_the_packages():
-    """#39 A6: a test of ``<package>/`` lives in ``tests/<package>/`` and is named ``test_<package>_*``;
+    """A test of ``<package>/`` lives in ``tests/<package>/`` and is named ``test_<package>_*``;
     shared helpers live in ``tests/support/``. Only the whole-project checks sit at ``tests/``."""
     tests = ROOT / "tests"
     folders = {"packing", "dataloaders", "inference", "training", "recipes", "benchmarks", "gpu", "support"}

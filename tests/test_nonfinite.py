@@ -1,4 +1,4 @@
-"""Non-finite numbers stop a run where they appear (#32 item 1): a NaN or infinite reward, scorer
+"""Non-finite numbers stop a run where they appear: a NaN or infinite reward, scorer
 value, loss or gradient norm stops the run naming the function, step and sample, before anything
 is saved from that step on; a reward or scorer that returns something else than a number names
 itself and what it returned. ``train.nonfinite=skip`` drops such a step instead."""
@@ -109,7 +109,7 @@ def test_the_grpo_recipe_exits_non_zero_on_a_nan_reward_and_saves_no_policy(tmp_
          "rollout.num_generations=2", "rollout.max_tokens=4", "generator.num_blocks=32",
          f"output_dir={out}"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
-    # nopad's own error reaches the user as one line, no traceback (#39 B6)
+    # nopad's own error reaches the user as one line, no traceback
     expected = ("nopad.recipes.grpo: error: reward tests.test_nonfinite:nan_reward returned nan for grpo step 0, "
                 "prompt 0")
     assert expected in proc.stderr, proc.stderr[-3000:]

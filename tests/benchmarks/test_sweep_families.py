@@ -1,5 +1,5 @@
-"""benchmarks/sweep_families.py, the sweep of every causal LM family in transformers that found the
-silent errors of #36's round 4, on two families: one nopad serves (llama: exact flat, tree and in
+"""benchmarks/sweep_families.py, the sweep of every causal LM family in transformers that found
+silent errors, on two families: one nopad serves (llama: exact flat, tree and in
 the generator) and one it refuses (BART's decoder: positions it counts itself). Keeps the script
 from rotting; the whole sweep takes about 30 minutes and is run by hand."""
 

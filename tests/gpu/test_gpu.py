@@ -87,7 +87,7 @@ def test_static_decode_in_a_cuda_graph_gives_the_same_tokens():
 
 @pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "bamba"])
 def test_hybrid_decode_in_a_cuda_graph_gives_hf_tokens(family):
-    """#36: compile_decode on hybrid layers (delta rule, short conv, Mamba2): the state slots read
+    """compile_decode on hybrid layers (delta rule, short conv, Mamba2): the state slots read
     and written in place inside the CUDA graph, one compilation, no graph break, no cudagraph skip
     (a skip or break would leave the step host-bound), and the tokens of HF generate, fp32."""
     from torch._dynamo.utils import counters

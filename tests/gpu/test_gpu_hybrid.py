@@ -1,4 +1,4 @@
-"""Hybrid layers and sinks on a real GPU (issue 36): run by ``pytest -m gpu``; skipped without CUDA.
+"""Hybrid layers and sinks on a real GPU: run by ``pytest -m gpu``; skipped without CUDA.
 
 On CUDA the mixers dispatch to ``fla`` (Gated DeltaNet, KDA) when it is installed, and to nopad's
 own varlen reference where it is not (and for the short convolution and Mamba2 scan without

@@ -17,7 +17,7 @@ from nopad.training import nopad_rollout_func
 from nopad.training.sft_data import load_rows, per_turn_samples
 from tests.training.test_training_trl import make_tokenizer
 
-# the TRL rollout's module, by its public name: #39 A1 moves it (training/trl_rollout.py -> training/trl/)
+# the TRL rollout's module, by its public name, so that moving the module does not break this test
 tokenize_prompts = sys.modules[nopad_rollout_func.__module__].tokenize_prompts
 
 # each turn closed by <eos>, as real templates close theirs (the model learns to stop)

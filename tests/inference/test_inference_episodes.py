@@ -1,4 +1,4 @@
-"""Multi-turn tool episodes in the in-flight generator (#31) on tiny random-weight models.
+"""Multi-turn tool episodes in the in-flight generator on tiny random-weight models.
 
 Random weights rarely write a real tool call, so the tests use a token-level tool format: a turn
 ends at any token in ``STOPS``; about two turns in three are calls (decided by the stop token and
@@ -288,13 +288,13 @@ def test_faulty_tools_become_error_messages_and_leave_the_batch_alone():
     async def good_async() -> str:
         return "async ok"
 
-    def exits() -> str:  # #39 B5: it ended the whole rollout
+    def exits() -> str:  # it used to end the whole rollout
         sys.exit(3)
 
     async def exits_async() -> str:  # on the event-loop thread it would stop every later async call
         sys.exit("bye")
 
-    def surrogate() -> str:  # #39 B5: accepted, and the tokenizer failed later
+    def surrogate() -> str:  # it used to be accepted, and the tokenizer failed later
         return "ok \ud800"
 
     tools = {f.__name__: f for f in (good, raises, hangs, not_a_string, huge, good_async, exits, exits_async,
@@ -566,7 +566,7 @@ class Puzzle(Counter):
 
 
 def test_environments_are_reset_as_trl_does_and_the_observation_joins_the_prompt():
-    """#39 B5: run_episodes never called reset(), so a reset that raised went unnoticed."""
+    """run_episodes used to skip reset(), so a reset that raised went unnoticed."""
     from nopad.recipes.tasks import AsciiTokenizer
 
     gen = Generator(tiny_model("llama"), AsciiTokenizer(), block_size=4, num_blocks=128)
@@ -628,7 +628,7 @@ def test_an_episode_reward_that_raises_is_named_with_its_episode():
     message = (r"episode reward .*\.my_reward raised ZeroDivisionError: division by zero, for the episode of "
                r"prompt 1 \(branch \(0,\), finish_reason '\w+', prompt 'AB'\); fix the reward function")
     gen = Generator(model, AsciiTokenizer(), block_size=4, num_blocks=64)
-    with pytest.raises(RuntimeError, match=message) as err:  # #54 D: the error names the episode's prompt
+    with pytest.raises(RuntimeError, match=message) as err:  # the error names the episode's prompt
         gen.run_episodes([[40, 41, 42], [65, 66]], {"count": lambda: "1"}, params,
                          limits=EpisodeLimits(max_turns=1, max_tokens=20),
                          tool_format=EveryTurnCalls({40: "count", 65: "count"}),
@@ -684,7 +684,7 @@ class Clock:
 
 @pytest.mark.parametrize("late", ["tool_finishes", "deadline_passes"])
 def test_an_episode_whose_tool_finishes_while_polled_is_resumed_not_lost(monkeypatch, late):
-    """#54 A3: poll decided each episode twice (ready? then still pending?); one that turned ready
+    """poll used to decide each episode twice (ready? then still pending?); one that turned ready
     in between was in neither list, paused for ever while the generator spun."""
     runner = EpisodeRunner(None, TokenFormat(), EpisodeLimits(), vocab_size=128)
     resumed = []
@@ -724,7 +724,7 @@ class BuggyFormat(EveryTurnCalls):
                            r"return a list of nopad.inference.tools.ToolCall"),
 ])
 def test_a_bug_in_the_tool_format_is_an_error_not_the_models_malformed_call(bug, error, message):
-    """#54 B: any exception from parse() was recorded as the model's malformed call (and trained on)."""
+    """Any exception from parse() used to be recorded as the model's malformed call (and trained on)."""
     gen = Generator(tiny_model("llama"), block_size=4, num_blocks=64)
     with pytest.raises(error, match=message):
         gen.run_episodes([[40, 41, 42]], {"count": lambda: "1"}, ONE_TOKEN_TURNS,

@@ -346,7 +346,7 @@ def test_a_prompt_near_the_context_limit_says_why_it_stopped_early(caplog):
 
 
 def test_attention_is_switched_once_per_run_and_restored_also_on_error(llama, monkeypatch):
-    """generate() switches the model to nopad attention and eval mode once, not per step (#39 A2),
+    """generate() switches the model to nopad attention and eval mode once, not per step,
     and gives it back as it was, also when a step raises; a bare step() switches for itself."""
     import nopad.inference.live_model as live_model
 

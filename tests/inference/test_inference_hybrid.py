@@ -1,4 +1,4 @@
-"""The generator on hybrid models (issue 36 item 4): Gated DeltaNet, short-convolution and Mamba2 layers
+"""The generator on hybrid models: Gated DeltaNet, short-convolution and Mamba2 layers
 keep a per-sequence conv and recurrent state in slots beside the KV blocks. Greedy output equals HF
 ``generate`` (which keeps the same state in its own cache) through chunked prefill, n > 1 samples,
 forks, tool episodes that pause and resume, and preemption; sampled log-probs equal a training

@@ -1,4 +1,4 @@
-"""The prefix cache on hybrid models (issue 36 item 4): a later request reuses cached K/V blocks only
+"""The prefix cache on hybrid models: a later request reuses cached K/V blocks only
 up to the last block boundary with a state snapshot, starts its conv and recurrent state from a copy
 of that snapshot, and prefills the rest; without a snapshot it recomputes from its first token.
 Greedy output with the cache equals HF ``generate`` and the generator without it, on a delta-rule

@@ -1,4 +1,4 @@
-"""Static and compiled decode on hybrid models (issue 36): a padded decode step names each row's
+"""Static and compiled decode on hybrid models: a padded decode step names each row's
 state slot as a device tensor (padding rows: a scratch slot) and the conv, delta-rule and Mamba2
 decode steps read and write the slots in place, so ``static_decode`` / ``compile_decode`` serve
 Gated DeltaNet, KDA, short-convolution and Mamba2 layers: greedy output equals HF ``generate``

@@ -1,4 +1,4 @@
-"""The attention layouts of current families (issue 36 items 5, 6), exact in packed rows, tree rows
+"""The attention layouts of current families, exact in packed rows, tree rows
 and the generator: Gemma4 (K/V shared across its last layers, a larger head on its full-attention
 layers, per-layer inputs), DeepSeek-V3's MLA (keys of 24, values of 8 per head) and gpt-oss's
 attention sinks (tests/packing/test_packing_sinks.py has the backends)."""
@@ -59,7 +59,7 @@ def test_mla_cache_holds_values_at_the_key_size():
 
 
 def test_a_layers_heads_come_from_its_attention_module_where_the_config_does_not_say():
-    """MiMo-V2-Flash's sliding layers compute twice the K/V heads of its config's count (the #36
+    """MiMo-V2-Flash's sliding layers compute twice the K/V heads of its config's count (the family
     sweep: refused at the first step, the cache sized from the config); keys 16, values 8 per head."""
     model = tiny_model("mimo_v2_flash")
     assert kv_layout(model.config) == [LayerKV(i, 2, 16) for i in range(4)]
@@ -92,7 +92,7 @@ def test_a_cache_of_another_layout_is_refused_by_name():
 def test_a_multimodal_model_generates_text_as_hf_does():
     """``AutoModelForCausalLM`` gives Gemma3's (and Gemma4's) image-text class for the released
     4B+ checkpoints; its config keeps the vocabulary and positions in ``text_config``, and the
-    Generator read them off the top config and crashed (found by the #36 sweep of every causal LM
+    Generator read them off the top config and crashed (found by the sweep of every causal LM
     class). Text prompts through it equal HF ``generate``."""
     import transformers
 
@@ -116,7 +116,7 @@ def test_a_layer_that_calls_attention_twice_per_step_is_refused_in_the_generator
     """DiffLlama's differential attention calls the attention interface twice per layer, the same
     keys with two halves of the values. A packed row is exact (each call gets its K/V); in the
     generator the second call overwrote the first's values in the layer's paged K/V and every later
-    step read them back for both calls: tokens unlike HF's, with no error (the #36 sweep)."""
+    step read them back for both calls: tokens unlike HF's, with no error (the family sweep)."""
     from nopad.packing.mixers import UnsupportedMixerError
 
     model = tiny_model("diffllama")
@@ -130,7 +130,7 @@ def test_layers_that_drop_the_attention_kwargs_are_flat_only_and_say_why():
     """StableLM's (and Nemotron's) decoder layer calls its attention without the forward's keyword
     arguments, so ``nopad_meta`` never reaches attention. A flat row is exact (boundaries from
     position_ids); a tree row and a generator step are refused, and the error says what was dropped,
-    not only that the positions are not a flat row (the #36 sweep)."""
+    not only that the positions are not a flat row (the family sweep)."""
     from tests.packing.test_packing_hybrid import tree_sequences
 
     model = tiny_model("stablelm")

@@ -1,4 +1,4 @@
-"""``SamplingParams(prompt_logprobs=k)`` (issue 37 item 3): every prompt token's log-prob and the top-k
+"""``SamplingParams(prompt_logprobs=k)``: every prompt token's log-prob and the top-k
 at its position equal a full forward's log-softmax over the prompt, through chunked prefill, n > 1,
 a prefix the cache would serve, preemption mid-prompt and a hybrid model, and the trainer's chunked
 head bit for bit in batch_invariant(); requests that do not ask get None and keep no extra logits."""

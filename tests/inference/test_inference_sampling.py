@@ -193,7 +193,7 @@ def test_processed_logprobs_leave_their_input_alone():
 
 
 def test_top_logprobs_above_the_generators_cap_are_refused_as_vllm_does():
-    """#54 C: logprobs=10**6 returned whole-vocabulary dicts at every position (a memory trap at
+    """logprobs=10**6 used to return whole-vocabulary dicts at every position (a memory trap at
     150k vocabularies); like vLLM's max_logprobs (default 20) the Generator caps them."""
     model = tiny_model("llama")
     gen = Generator(model, block_size=4, num_blocks=16)

@@ -204,7 +204,7 @@ def test_compiled_decode_compiles_once_across_buckets_and_generators(monkeypatch
 
 
 def test_static_decode_runs_the_generators_attn_backend(monkeypatch):
-    """#39 A7: the padded decode steps ignored ``attn_backend`` (they ran "auto" whatever was asked)."""
+    """The padded decode steps used to ignore ``attn_backend`` (they ran "auto" whatever was asked)."""
     import dataclasses
 
     from nopad.packing.attention.registry import backends

@@ -112,7 +112,7 @@ def test_derived_values_are_cached_properties_of_the_record():
 def test_a_model_that_uses_the_mask_itself_is_told_why_it_cannot_run():
     """Doge reads its mask's ``.dtype`` and GIT adds to it, outside the attention interface: under
     nopad the mask is the plan, and they died on "no attribute 'dtype'" / "unsupported operand"
-    (the #36 sweep). The errors now say what the model did and what to do; a plan still has no
+    (found by benchmarks/sweep_families.py). The errors now say what the model did and what to do; a plan still has no
     attributes it lacks (``hasattr`` is False) and copies as before."""
     import copy
 

@@ -1,4 +1,4 @@
-"""The boundary probe (issue 54, defect 1): a token mixer written with plain tensor ops - a running
+"""The boundary probe: a token mixer written with plain tensor ops - a running
 mean (``cumsum`` over time) inside an MLP, a decoder layer subclass that adds a prefix sum - holds
 nothing the structural scan knows (no convolution, recurrent module, decay parameter, sinks or
 declared kind), and ran packed rows, tree rows and the generator 0.4-1.0 off each sequence alone,

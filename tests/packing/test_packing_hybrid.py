@@ -1,4 +1,4 @@
-"""Hybrid layers on packed and prefix-tree rows (issue 36 items 2 and 3): Gated DeltaNet (Qwen3.5,
+"""Hybrid layers on packed and prefix-tree rows: Gated DeltaNet (Qwen3.5,
 Qwen3-Next, OLMo-hybrid), Kimi's KDA and LFM2's short convolution compute on a packed row what
 each sequence computes alone, and on a tree row what each path computes flat, through
 transformers' own kernel functions (packing/mixers/hf_kernels.py); the varlen convolution and
@@ -40,7 +40,7 @@ TORCH_RULE = qwen.torch_chunk_gated_delta_rule.__wrapped__  # transformers' own 
 
 
 def exact(report) -> bool:
-    """The issue's bar: logits within 1e-5, the whole gradient within 1e-5 relative, and verify's own
+    """The bar: logits within 1e-5, the whole gradient within 1e-5 relative, and verify's own
     per-tensor bound (which floors a tensor's scale at 1e-3 of the whole gradient: in these tiny random
     models some decay parameters, ``dt_bias`` / ``A_log``, get a gradient 1e-8 of the whole one)."""
     return (report.max_logit_diff <= 1e-5 * max(1.0, report.logit_scale) and report.grad_rel_diff <= 1e-5

@@ -43,7 +43,7 @@ def test_linear_rows_do_not_depend_on_their_batch(dtype, width):
     assert torch.allclose(full.float(), ref, atol=0.5 if dtype != torch.float32 else 1e-4, rtol=2e-2)
 
 
-# the shapes an MoE expert sees: 1-3 tokens in a decode step, many in a training row (issue 54: a
+# the shapes an MoE expert sees: 1-3 tokens in a decode step, many in a training row (a
 # bf16 expert's lone token, K = N = 48, took one GEMM call whose sum order differed from a tile's
 # for ~0.15% of rows, after a probe of 22 rows had passed that call). Thousands of rows, so a
 # failure rate of 0.1% fails the test; the weight a slice of a 3-D experts tensor, as transformers'.

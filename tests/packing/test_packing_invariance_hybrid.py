@@ -78,7 +78,7 @@ def test_rollout_logprobs_equal_the_trainers_bitwise(family, dtype):
 
 
 def test_kimi_linear_bf16_experts_fed_one_to_three_tokens_equal_the_trainer_bitwise():
-    """Issue 54: decode steps of at most 3 sequences hand an expert 1-3 tokens, a training row tens.
+    """Decode steps of at most 3 sequences hand an expert 1-3 tokens, a training row tens.
     In bf16 a one-row GEMM call gave some rows other bits than the tiles (13 of 128 log-probs
     differed here, by up to 2e-3, when a probe had passed that call), so every call is a tile."""
     model = hybrid_model("kimi_linear", torch.bfloat16)

@@ -140,12 +140,12 @@ def test_a_row_with_a_single_loss_token_and_one_with_none():
         model.zero_grad(set_to_none=True)
         logps.sum().backward()  # still a graph: a rank with nothing to learn joins the backward
         missing = [n for n, p in model.named_parameters() if p.grad is None]
-        assert not missing  # the head too (trial 4: lm_head got no gradient, which DDP waits for)
+        assert not missing  # the head too (lm_head once got no gradient, which DDP waits for)
 
 
 @pytest.mark.parametrize("temperature", [0.0, -1.0, float("nan"), float("inf")])
 def test_a_temperature_that_is_not_positive_and_finite_is_refused(temperature):
-    """Trial 4: 0 gave NaN log-probs and -1 a reversed distribution, silently."""
+    """A temperature of 0 used to give NaN log-probs and -1 a reversed distribution, silently."""
     model = tiny_model("llama")
     row = _row([9, 5])
     refused = pytest.raises(ValueError, match=r"^temperature must be a finite number > 0")

@@ -1,5 +1,5 @@
 """Mamba2 layers (Nemotron-H, Granite-4 hybrid, Bamba, Falcon-H1) on packed and prefix-tree rows
-(issue 36 items 2 and 3, :mod:`nopad.packing.mixers.mamba2`): every sequence equals itself alone, a
+(:mod:`nopad.packing.mixers.mamba2`): every sequence equals itself alone, a
 tree path its flat sequence, forward and backward, fp32; the CUDA kernels (causal-conv1d,
 mamba_ssm) get ``seq_idx`` through strict stand-ins; a step with cached context and no generator
 state cache is refused (the generator: tests/inference/test_inference_hybrid.py)."""

@@ -1,4 +1,4 @@
-"""Never silent (issue 36 item 1): a model with a layer that mixes tokens in a way nopad does not
+"""Never silent: a model with a layer that mixes tokens in a way nopad does not
 compute exactly - a recurrent state, a convolution over time, sinks, or a mixer nopad cannot see -
 is refused, naming the layer class, on every path: the check itself, ``verify`` (flat and tree),
 ``use_nopad_attention``, the ``Generator``, the SFT/Trainer switch, and a bare packed or tree
@@ -282,7 +282,7 @@ def test_a_made_up_convolution_beside_attention_is_refused():
 def test_a_made_up_convolution_beside_a_served_mixer_is_refused():
     """A served Gated DeltaNet does not vouch for another mixer of its layer: Qwen4-Exp's n-gram
     block (a dilated convolution over time beside its delta rule) ran across the boundaries, 3e-2
-    off with no error, because its layer held a served mixer (the #36 sweep)."""
+    off with no error, because its layer held a served mixer (the family sweep)."""
     model = tiny_model("qwen3_5")
     layer = model.model.layers[0]
     layer.ngram = nn.Sequential(nn.Conv1d(64, 64, kernel_size=3, groups=64, padding=2))
@@ -370,7 +370,7 @@ def test_sinks_do_not_vouch_for_a_layer_declared_as_another_kind_of_attention():
 def test_positions_nopad_cannot_set_are_refused_on_every_path(family):
     """BART's decoder takes no position_ids (it counts positions on from the row's start) and
     Roberta's learned position table starts past its padding index: both ran packed rows with each
-    later sequence at positions that are not its own, logits 0.6 off, with no error (the #36
+    later sequence at positions that are not its own, logits 0.6 off, with no error (the
     sweep of every causal LM in transformers 5.24)."""
     model = tiny_model(family)
     for context in CONTEXTS:
@@ -387,7 +387,7 @@ def test_chunked_attention_and_attention_that_counts_its_own_positions_are_refus
     """Llama4's chunked layers attend within chunks of ``attention_chunk_size`` by a mask that
     transformers builds and nopad's attention replaces; its NoPE layers scale queries by a
     temperature of positions they count from the row's start. Its packed rows were 0.7 off with no
-    error (the #36 sweep); both are refused, each by what it is."""
+    error (the family sweep); both are refused, each by what it is."""
     model = tiny_model(family)
     for context in CONTEXTS:
         with pytest.raises(UnsupportedMixerError, match=r"declared as 'chunked_attention'") as refused:
@@ -398,7 +398,7 @@ def test_chunked_attention_and_attention_that_counts_its_own_positions_are_refus
 def test_bidirectional_attention_with_a_window_or_in_the_generator_is_refused():
     """Gemma3 with ``use_bidirectional_attention``: nopad's window over a bidirectional layer kept
     the whole future (transformers': ``|q - k| < window``), 0.77 off even for one sequence alone, and
-    the generator ran it causally; both with no error (the #36 sweep)."""
+    the generator ran it causally; both with no error (the family sweep)."""
     import transformers
 
     from tests.support.models import _COMMON
@@ -419,7 +419,7 @@ def test_bidirectional_attention_with_a_window_or_in_the_generator_is_refused():
 def test_a_rotary_scaling_switched_by_the_longest_sequence_is_kept_on_one_side(kind, caplog):
     """LongRoPE (Phi-3.5, Phi-4-mini) and dynamic NTK pick their factors from the whole call's
     largest position: a packed row with a sequence on each side of the switch gave the short one the
-    long factors, 0.13 off with no error (the #36 sweep). Such a row is refused; a row under the
+    long factors, 0.13 off with no error (the family sweep). Such a row is refused; a row under the
     switch is exact; the generator keeps every sequence under it."""
     import transformers
 

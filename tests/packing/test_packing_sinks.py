@@ -1,4 +1,4 @@
-"""Attention sinks (gpt-oss's ``s_aux``, issue 36 item 5): every backend that declares them matches
+"""Attention sinks (gpt-oss's ``s_aux``): every backend that declares them matches
 transformers' eager formula (softmax over [scores, sink], the sink column dropped) in packed rows,
 tree rows and paged steps, with the sinks' gradient; the backends that do not are never chosen
 for a sink layer; gpt-oss runs packed, tree and in the generator exactly, and bitwise rollout ==

@@ -148,7 +148,7 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="extra 'advantages' has 1 values for 2 tokens; give one value per "):
         pack_tree_rows([TreePath([1, 2], [False, True], {"advantages": [1.0]})], capacity=8)
     with pytest.raises(ValueError, match=r"extra 'advantages' is 0.5 for 2 tokens; .* \[a\] \* len\(ids\)"):
-        pack_tree_rows([TreePath([1, 2], [False, True], {"advantages": 0.5})], capacity=8)  # #39 B9
+        pack_tree_rows([TreePath([1, 2], [False, True], {"advantages": 0.5})], capacity=8)
     with pytest.raises(ValueError, match="same extras"):
         pack_tree_rows([TreePath([1, 2], [False, True], {"advantages": [0.0, 1.0]}),
                         TreePath([1, 3], [False, True])], capacity=8)

@@ -94,7 +94,7 @@ def _report(grad_rel_diff: float, worst_tensor: float) -> VerifyReport:
 
 
 def test_ok_judges_the_whole_gradient_and_each_tensor_loosely():
-    # issue 32 item 10: a norm weight's gradient, summed over every token with cancellation, moved
+    # a norm weight's gradient, summed over every token with cancellation, moved
     # by fp32 reordering alone while the whole gradient stayed at rounding: that is ok
     assert _report(grad_rel_diff=2e-6, worst_tensor=3.2e-4).ok()
     assert not _report(grad_rel_diff=2e-4, worst_tensor=3.2e-4).ok()  # the whole gradient moved
@@ -112,7 +112,7 @@ def _tiny_opt():
 
 
 def test_a_gradient_zero_in_exact_math_is_not_judged_against_its_own_noise():
-    # session 11's sweep: OPT / BERT-style key biases (softmax ignores them, their true gradient is 0)
+    # the family sweep: OPT / BERT-style key biases (softmax ignores them, their true gradient is 0)
     # failed ok() by "60% of their own norm" with logits and the whole gradient exact to 1e-7
     report = verify(_tiny_opt(), random_sequences([1, 37, 5, 20]))
     assert report.max_logit_diff <= 1e-5 and report.grad_rel_diff <= 1e-5, report
@@ -209,7 +209,7 @@ def test_a_tree_row_needs_nopad_attention():
 @pytest.mark.parametrize("dtype, autocast", [(torch.bfloat16, False), (torch.float16, False),
                                              (torch.bfloat16, True)])
 def test_ok_defaults_follow_the_compute_dtype_and_are_printed(dtype, autocast):
-    """#54 E: in bf16, logits equal to the bit and ok() False, as its defaults were fp32's: the
+    """In bf16, logits equal to the bit and ok() False, as its defaults were fp32's: the
     gradient, summed in another order, moves by about one bf16 rounding (2^-8)."""
     model = tiny_model("llama") if autocast else tiny_model("llama").to(dtype)
     with torch.autocast("cpu", dtype=dtype, enabled=autocast):
@@ -234,7 +234,7 @@ def test_fp32_tolerances_are_unchanged():
 
 @pytest.mark.parametrize("bad", [128, -1])
 def test_a_token_outside_the_vocabulary_is_named(bad):
-    """#54 F: it failed in the embedding with an IndexError naming no sequence."""
+    """It used to fail in the embedding with an IndexError naming no sequence."""
     with pytest.raises(ValueError, match=rf"verify: sequence 1 has token id {bad} at position 2, outside the "
                                          r"model's vocabulary \[0, 128\) .* from this model's own tokenizer"):
         verify(tiny_model("llama"), [[5, 6], [7, 8, bad, 9]])

@@ -1,4 +1,4 @@
-"""The recipes' command line (#32 item 8): ``-h``/``--help`` for every recipe and console script,
+"""The recipes' command line: ``-h``/``--help`` for every recipe and console script,
 generated from the config dataclasses; a config error is one line on stderr and exit code 2."""
 
 import importlib
@@ -109,7 +109,7 @@ def test_the_shipped_yamls_are_generated_from_the_dataclasses():
 
 
 def test_setup_logging_quiets_library_noise_but_not_the_users_warnings(monkeypatch):
-    """#32 item 8: accelerate's per-checkpoint lines and deprecation FutureWarnings from the libraries
+    """Accelerate's per-checkpoint lines and deprecation FutureWarnings from the libraries
     (or nopad's calls of them) are quiet; a user's own FutureWarning and any other warning still show."""
     import logging
     import warnings
@@ -144,7 +144,7 @@ def test_setup_logging_quiets_library_noise_but_not_the_users_warnings(monkeypat
      "train.lr is written twice in {path} (lines 2 and 4); keep one"),
 ])
 def test_a_key_or_section_written_twice_is_an_error_naming_both_lines(tmp_path, text, message, capsys):
-    """#39 B4: PyYAML keeps the last one silently (a second train: section dropped the first's keys)."""
+    """PyYAML keeps the last one silently (a second train: section dropped the first's keys)."""
     from nopad.recipes.sft import main
 
     path = tmp_path / "twice.yaml"
@@ -157,7 +157,7 @@ def test_a_key_or_section_written_twice_is_an_error_naming_both_lines(tmp_path, 
 
 
 def test_a_key_given_twice_on_the_command_line_is_an_error_naming_both(capsys):
-    """#54: the last ``key=value`` used to win silently; a key twice in a YAML file was already refused."""
+    """The last ``key=value`` used to win silently; a key twice in a YAML file was already refused."""
     from nopad.recipes.sft import main
 
     with pytest.raises(SystemExit) as exit_:
@@ -185,7 +185,7 @@ def test_programmatic_overrides_still_let_a_later_one_win():
                              "never tabs"),
 ])
 def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path, text, message, capsys):
-    """#54: PyYAML named the file "<unicode string>"."""
+    """PyYAML used to name the file "<unicode string>"."""
     from nopad.recipes.sft import main
 
     path = tmp_path / "bad.yaml"
@@ -225,7 +225,7 @@ def _one_line_error(fn, capsys) -> str:
 
 
 def test_errors_nopad_raises_on_purpose_reach_the_user_as_one_line(tmp_path, monkeypatch, capsys):
-    """#39 B6: a NaN reward, a run directory in use, a truncated model file, a missing peft, an
+    """A NaN reward, a run directory in use, a truncated model file, a missing peft, an
     adapter that does not match: each message already says what to do; no traceback in front."""
     import json
 
@@ -301,7 +301,7 @@ HEAVY = ("torch", "transformers", "datasets", "accelerate", "trl", "peft", "deep
                                     "nopad-demo"])
 @pytest.mark.parametrize("how", ["python -m", "console script"])
 def test_help_imports_neither_torch_nor_transformers(script, how):
-    """#39 B8: --help took 41-62 s on a loaded 2-core machine, importing torch and transformers to
+    """--help used to take 41-62 s on a loaded 2-core machine, importing torch and transformers to
     print text. Checked by what is imported (python -X importtime), not by a time."""
     module, _, name = _scripts()[script].partition(":")
     if how == "python -m":

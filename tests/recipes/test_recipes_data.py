@@ -1,4 +1,4 @@
-"""Data inputs of SFT, evaluate and GRPO (#32 item 6): one reader for every format, wrong records
+"""Data inputs of SFT, evaluate and GRPO: one reader for every format, wrong records
 named by file, line and field, and a packed dataset that remembers its tokenizer."""
 
 import json

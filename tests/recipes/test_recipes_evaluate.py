@@ -153,7 +153,7 @@ def test_chat_template_true_without_a_template_is_refused_not_raw_text():
 
 
 def test_the_progress_bar_moves_per_finished_sequence(model, monkeypatch):
-    """#39 B8: one batch of 8 prompts showed 0/8 until the whole batch was done."""
+    """One batch of 8 prompts used to show 0/8 until the whole batch was done."""
     from tests.support.progress_recorder import record_bars
 
     bars = record_bars(monkeypatch)

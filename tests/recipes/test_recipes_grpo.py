@@ -83,7 +83,7 @@ def test_missing_model_path_fails_fast(tmp_path):
 
 
 def test_a_run_that_would_save_nothing_or_an_untrained_copy_is_refused(tmp_path):
-    """#32: without output_dir the recipe trained and saved nothing; train.steps=0 saved the
+    """Without output_dir the recipe used to train and saved nothing; train.steps=0 saved the
     untouched model as the policy."""
     with pytest.raises(ConfigError, match=r"output_dir is required: the trained policy is saved there"):
         run_grpo(config(**{"model.path": "tiny:llama"}))

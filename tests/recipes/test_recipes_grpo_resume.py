@@ -166,7 +166,7 @@ def tiny_run(tmp_path, **overrides):
 
 
 def test_a_resume_with_another_learning_rate_is_refused(tmp_path, one_thread):
-    """Trial 4: the checkpoint's AdamW state restored its own lr over the changed train.lr, silently."""
+    """The checkpoint's AdamW state used to restore its own lr over the changed train.lr, silently."""
     tiny_run(tmp_path)
     with pytest.raises(ValueError, match=r"^cannot resume: the checkpoint was made with train.lr=0.001 "
                                          r"but this run has train.lr=0.0001"):
@@ -207,7 +207,7 @@ def test_checkpoints_need_an_output_dir():
 
 
 def test_resuming_from_the_other_recipes_checkpoint_says_which_recipe_wrote_it(tmp_path, one_thread):
-    """#54: GRPO resumed from an SFT step (or the reverse) printed Accelerate's words and "the file
+    """GRPO resumed from an SFT step (or the reverse) used to print Accelerate's words and "the file
     may be damaged"; the checkpoint records its recipe, and one from before that is told by its state."""
     from nopad.recipes.sft import train
     from nopad.recipes.sft_config import SFTRecipeConfig

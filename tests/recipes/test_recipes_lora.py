@@ -1,4 +1,4 @@
-"""LoRA as users run it (#32): ``model.lora`` in the SFT and GRPO recipes, adapter-only checkpoints
+"""LoRA as users run it: ``model.lora`` in the SFT and GRPO recipes, adapter-only checkpoints
 that evaluate and GRPO take as ``model.path``, exact resume, rollouts bitwise equal to the trainer's
 under ``nopad.packing.batch_invariant``, and a 2-process DeepSpeed ZeRO-3 run (slow)."""
 
@@ -117,7 +117,7 @@ def test_lora_settings_are_checked():
     ("model.lora=null", r"model.lora is null, but checkpoint .*step_2 holds a LoRA adapter \(rank=4, "),
 ])
 def test_resuming_with_a_changed_lora_setting_names_it(sft_run, change, message):
-    """#39 B7: the setting that changed, not "written for a different model" and a state-dict dump."""
+    """The setting that changed, not "written for a different model" and a state-dict dump."""
     out, _ = sft_run
     with pytest.raises(ConfigError, match=message):
         _sft(out, "train.max_steps=3", "checkpoint.resume_from=latest", change)

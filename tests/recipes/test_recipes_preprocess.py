@@ -178,7 +178,7 @@ def test_preprocess_refuses_to_drop_most_of_a_long_document(tmp_path, tokenizer)
 
 
 def test_an_empty_text_is_one_line_naming_the_record(tmp_path, tokenizer):
-    """Trial 4: the packer's error named its own skip_empty argument, which the recipe does not have."""
+    """The packer's error used to name its own skip_empty argument, which the recipe does not have."""
     tok_dir = tmp_path / "tok"
     tokenizer.save_pretrained(tok_dir)
     data = tmp_path / "texts.jsonl"

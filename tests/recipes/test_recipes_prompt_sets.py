@@ -1,4 +1,4 @@
-"""A user's own prompts in evaluate and GRPO (#54): a prompt set the reward cannot score, or an
+"""A user's own prompts in evaluate and GRPO: a prompt set the reward cannot score, or an
 empty prompt, is refused at start naming the records; ``contains_answer`` scores an answer given
 in a sentence."""
 
@@ -38,7 +38,7 @@ MISSING = [{"prompt": "Symbol of iron?", "answer": "Fe"}, {"prompt": "Symbol of 
 
 def test_grpo_prompts_without_the_answer_the_reward_reads_are_refused_before_the_model_loads(
         tmp_path, monkeypatch):
-    """#54: they trained on all-zero rewards, and the only message advised raising max_tokens."""
+    """They used to train on all-zero rewards, and the only message advised raising max_tokens."""
     monkeypatch.setattr("nopad.recipes.grpo.load_model", _no_model)
     path = _write(tmp_path / "p.jsonl", MISSING)
     cfg = grpo_config(task={"prompts": path}, output_dir=str(tmp_path / "run"))
@@ -74,7 +74,7 @@ def test_the_built_in_rewards_declare_the_answer_and_an_undeclared_reward_reads_
 
 # ----------------------------------------------------------------------------- 2: an empty prompt
 def test_an_empty_prompt_is_named_as_empty_not_as_too_long(tmp_path, monkeypatch):
-    """#54: an empty prompt was told to "raise max_prompt_tokens"."""
+    """An empty prompt used to be told to "raise max_prompt_tokens"."""
     monkeypatch.setattr("nopad.recipes.grpo.load_model", _no_model)
     path = _write(tmp_path / "p.jsonl", [{"prompt": "1 + 1 =", "answer": "2"}, {"prompt": "", "answer": "3"},
                                          {"prompt": "  \n", "answer": "4"}])

@@ -1,4 +1,4 @@
-"""A user's reward as the recipes call it (#54): a wrong signature is refused when the config is read,
+"""A user's reward as the recipes call it: a wrong signature is refused when the config is read,
 and a reward that does not return stops the run after ``reward_timeout`` seconds, naming the prompt."""
 
 from __future__ import annotations

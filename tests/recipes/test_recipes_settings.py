@@ -1,4 +1,4 @@
-"""Settings that were ignored or unchecked (#32 item 7): each is now used or refused with a
+"""Settings that were ignored or unchecked: each is now used or refused with a
 message naming the key."""
 
 import json
@@ -62,7 +62,7 @@ def test_model_dtype_applies_to_the_tiny_model():
     (GRPOConfig, ["train.lr=1e38"], r"train.lr must be a number in \(0, 1\], got 1e\+38"),
     (SFTConfig, ["train.lr=1e38"], r"train.lr must be a number in \(0, 1\], got 1e\+38"),
     (SFTConfig, ["train.lr=0"], r"train.lr must be a number in \(0, 1\], got 0.0"),
-    # trial 4: a negative norm flipped every gradient without a word; weight decay and the synthetic
+    # a negative norm used to flip every gradient without a word; weight decay and the synthetic
     # lengths failed only after the model loaded; a greedy GRPO rollout learns nothing
     (SFTConfig, ["train.max_grad_norm=-1"], r"train.max_grad_norm must be a number > 0, or null or 0"),
     (GRPOConfig, ["train.max_grad_norm=-0.5"], r"train.max_grad_norm must be a number > 0, or null or 0"),
@@ -126,7 +126,7 @@ def test_resuming_with_another_model_says_the_model_differs(tmp_path):
     ("nopad.recipes.evaluate", "sampling.max_tokens=0", "sampling.max_tokens must be >= 1, got 0"),
 ])
 def test_sampling_settings_are_checked_when_the_config_is_built(module, override, message, capsys):
-    """#39 B2: by the generator's own rule (SamplingParams), before any model loads."""
+    """By the generator's own rule (SamplingParams), before any model loads."""
     import importlib
 
     with pytest.raises(SystemExit) as exit_:
@@ -138,7 +138,7 @@ def test_sampling_settings_are_checked_when_the_config_is_built(module, override
 
 @pytest.mark.parametrize("files", [[], ["tokenizer_config.json"]])
 def test_a_model_directory_without_tokenizer_files_says_which_were_looked_for(tmp_path, files):
-    """#54: transformers ended in "install sentencepiece or tiktoken", which was not the cause."""
+    """Transformers used to end in "install sentencepiece or tiktoken", which was not the cause."""
     from nopad.recipes.tasks import tiny_causal_lm
 
     tiny_causal_lm("llama")[0].save_pretrained(tmp_path)

@@ -58,7 +58,7 @@ def test_stop_and_resume_gives_the_uninterrupted_run(tmp_path):
 
 
 def test_gradient_checkpointing_trains_the_same_model(tmp_path):
-    """train.gradient_checkpointing (issue 32 item 9: activations, not weights, fill a CPU's memory)
+    """train.gradient_checkpointing (activations, not weights, fill a CPU's memory)
     recomputes each layer in backward through the packed-row path: same losses and weights."""
     plain = train(_cfg(tmp_path / "plain", "train.max_steps=2"))
     _reset_accelerate()
@@ -133,7 +133,7 @@ def test_settings_that_would_train_nothing_or_crash_later_fail_first(tmp_path, o
      r"^model.attn_implementation 'flash' cannot be used: .*model.attn_implementation=nopad\)$"),
 ])
 def test_rows_the_model_cannot_train_on_fail_before_the_first_step(tmp_path, rows, override, match):
-    """Trial 4: ids from another tokenizer failed inside the first forward (IndexError: index out of
+    """Ids from another tokenizer used to fail inside the first forward (IndexError: index out of
     range in self), all-masked labels trained at loss 0.0 without a word, and a wrong attention name
     was transformers' traceback."""
     source = tmp_path / "rows.jsonl"
@@ -164,7 +164,7 @@ def test_max_steps_counts_optimizer_steps_and_repeats_epochs(tmp_path, caplog):
     ("data.max_seqs_per_batch=2", "max_seqs_per_batch=None but this loader has max_seqs_per_batch=2"),
     ("data.num_rows=25", "num_sequences=24 but this loader has num_sequences=25"),
     ("data.seed=3", "lengths_digest="),
-    # trial 4: the checkpoint's optimizer state silently kept the old learning rate
+    # the checkpoint's optimizer state used to keep silently the old learning rate
     ("train.lr=1e-4", "train.lr=0.001 but this run has train.lr=0.0001"),
 ])
 def test_resume_under_another_plan_is_refused_naming_the_field(tmp_path, override, field):
@@ -336,7 +336,7 @@ def test_a_wrong_type_is_an_error_naming_the_key(tmp_path, override, message):
 
 
 def test_the_progress_bar_counts_micro_batches(tmp_path, monkeypatch):
-    """#39 B8: the bar moved once per optimizer step, which on a small machine is minutes."""
+    """The bar used to move once per optimizer step, which on a small machine is minutes."""
     from tests.support.progress_recorder import record_bars
 
     bars = record_bars(monkeypatch)

@@ -1,4 +1,4 @@
-"""#54: SFT does not pad an epoch to a multiple of ``train.grad_accum`` with repeated, loss-masked
+"""SFT does not pad an epoch to a multiple of ``train.grad_accum`` with repeated, loss-masked
 rows. The last optimizer step takes the micro-batches that are left, and is exact: the step
 divides by its own global loss-token count."""
 

@@ -1,4 +1,4 @@
-"""Tool episodes on the model nopad ships (#39 B1): SmolLM2's chat template has no tools, so nopad
+"""Tool episodes on the model nopad ships: SmolLM2's chat template has no tools, so nopad
 ships one (``model.tool_template=smollm2``, :func:`nopad.inference.tools.use_tool_template`), and the
 ``calculator_chat`` task writes its own warm-start demonstrations for a short SFT before GRPO.
 A tiny random model with SmolLM2's vocabulary stands in for the weights."""
@@ -100,7 +100,7 @@ def test_an_unknown_tool_template_is_refused(plain):
 ])
 def test_a_jinja_file_that_writes_no_tool_calls_is_refused_and_leaves_the_tokenizer_alone(plain, tmp_path,
                                                                                         text, message):
-    """Trial 4: a broken file failed at the first rollout, one without tool calls was accepted."""
+    """A broken file used to fail at the first rollout, and one without tool calls was accepted."""
     path = tmp_path / "mine.jinja"
     path.write_text(text)
     before = plain.chat_template

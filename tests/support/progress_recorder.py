@@ -1,4 +1,4 @@
-"""A stand-in for ``tqdm.auto.tqdm`` that records how a progress bar moves (#39 B8: a bar that
+"""A stand-in for ``tqdm.auto.tqdm`` that records how a progress bar moves (a bar that
 sat at 0/8 for 20 minutes, then jumped to 8/8)."""
 
 from __future__ import annotations

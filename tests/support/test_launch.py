@@ -15,7 +15,7 @@ from tests.support import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# torchrun 2.x's report when the OOM killer ended rank 1 (from a real run, issue 32 item 9)
+# torchrun 2.x's report when the OOM killer ended rank 1 (from a real run)
 TORCHRUN_REPORT = """\
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 =======================================================

@@ -121,7 +121,7 @@ def test_trackers_receive_the_loss(tmp_path):
     assert list(out.rglob("events.out.tfevents*"))
 
 
-# ------------------------------------------------------------------ several runs in one directory (#32)
+# ----------------------------------------------------------------------- several runs in one directory
 def test_a_newer_run_wins_over_an_older_runs_higher_step_and_keeps_its_own_metrics(tmp_path, caplog):
     out = tmp_path / "run"
     train(load_config(SFTRecipeConfig, None, [*SMALL, f"checkpoint.output_dir={out}", "train.max_steps=3"]))
@@ -219,7 +219,7 @@ def test_a_failing_write_is_a_clear_error_and_leaves_no_partial_checkpoint(tmp_p
 
 
 def test_only_a_file_readers_own_words_suggest_a_damaged_checkpoint():
-    """#54: every load failure used to end in "the file may be damaged", Accelerate's "registered
+    """Every load failure used to end in "the file may be damaged", Accelerate's "registered
     objects" mismatch (another recipe's checkpoint) included."""
     from nopad.training.checkpoint import resume_failure
 

@@ -1,4 +1,4 @@
-"""Multi-turn tool episodes as training data (#31): NopadGRPOTrainer with TRL's ``tools`` and
+"""Multi-turn tool episodes as training data: NopadGRPOTrainer with TRL's ``tools`` and
 ``environment_factory`` on a tiny random model, the loss on the model's tokens only, exact
 log-probs, tool faults counted, and the GRPO recipe's tool task.
 

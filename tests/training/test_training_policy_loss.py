@@ -298,7 +298,7 @@ def test_each_is_mode_equals_trls_compute_loss(mode):
             {"is_correction": "token_mask", "is_clip_min": 2.0, "is_clip_max": 1.0},
             r"^is_clip_min \(2.0\) must be below",
         ),
-        # trial 4: each of these trained silently on a loss that could not learn or divided by 0
+        # each of these used to train silently on a loss that could not learn or divided by 0
         ({"delta": 0.5}, r"^delta must be > 1 .* got 0.5"),
         ({"loss_type": "sapo", "sapo_temperature_neg": -1.0}, r"^sapo_temperature_neg must be > 0"),
         ({"loss_type": "sapo", "sapo_temperature_pos": 0.0}, r"^sapo_temperature_pos must be > 0"),

@@ -226,7 +226,7 @@ def test_an_optimizer_subclass_calling_super_step_is_one_step():
 
 # ----------------------------------------------------------------------------- misuse, named with the rule
 def test_misused_windows_and_rows_say_the_rule():
-    """#54 F: ``w.backward`` outside ``w.row()`` ran (and the window then failed with "ended after
+    """``w.backward`` outside ``w.row()`` used to run (and the window then failed with "ended after
     0 of its 1 rows"); a window inside a window failed as "2 optimizer steps in one window"."""
     from nopad.training.accumulation import OptimizerStepper
 

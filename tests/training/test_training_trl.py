@@ -614,7 +614,7 @@ def test_split_forwards_are_refused_under_zero3_and_fsdp():
     ({"temperature": 0.0}, "temperature=0"),
     ({"generation_kwargs": {"typical_p": 0.5}}, "typical_p"),
     ({"loss_type": "ppo"}, r"^GRPOConfig.loss_type='ppo' is not a loss TRL's GRPOTrainer knows; use one "
-                           r"of grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo$"),  # #54
+                           r"of grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo$"),
 ])
 def test_grpo_trainer_rejects_bad_generation_settings_at_construction(tok, tmp_path, config, message):
     from nopad.training.trl.grpo_trainer import NopadGRPOTrainer

@@ -26,7 +26,7 @@ def test_the_installed_trl_passes_every_check():
 
 
 def test_the_loss_types_nopad_accepts_are_the_installed_trls():
-    """The construction check (#54) lists TRL's loss types; its GRPOConfig says which it has."""
+    """The construction check lists TRL's loss types; its GRPOConfig says which it has."""
     from trl import GRPOConfig
 
     text = GRPOConfig.__dataclass_fields__["loss_type"].metadata["help"]
