@@ -23,6 +23,7 @@ flat packing, and each mode's loss's relative gap from flat packing's (one loss,
 
     python benchmarks/bench_tree_train.py            # a small Llama and SmolLM2-135M, fp32
     python benchmarks/bench_tree_train.py --quick    # a tiny Llama, 2 prompts, seconds
+    python benchmarks/bench_tree_train.py --fork444  # 4 prompts x 4 x 4 paths, a ~20M Llama
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from nopad.training.grpo import packed_logprobs  # noqa: E402
 PROMPT = ((0.4, 200, 500), (0.6, 500, 1200))  # system prompt + tool schemas + task
 RESPONSE = ((0.7, 20, 80), (0.3, 80, 300))  # a tool call, or reasoning then a call
 TOOL = ((0.5, 10, 60), (0.5, 60, 300))  # a short status, or a page of results
+PROMPT_SCALE_444 = 0.4  # --fork444's prompts: with lengths x0.25, 8,559 path tokens over 2,565 (3.34x)
 
 
 def draw(rng, mixture, scale):
@@ -56,12 +58,12 @@ def draw(rng, mixture, scale):
     return max(1, int(rng.integers(lo, hi + 1) * scale))
 
 
-def episodes(prompts, turns, branching, vocab, scale, seed=0):
+def episodes(prompts, turns, branching, vocab, scale, seed=0, prompt_scale=1.0):
     """Paths of branched episodes: ``(prompt_len, TreePath)`` per leaf, with per-token weights."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(prompts):
-        p = draw(rng, PROMPT, scale)
+        p = draw(rng, PROMPT, scale * prompt_scale)
         frontier = [(rng.integers(3, vocab, p).tolist(), [False] * p)]
         for turn in range(turns):
             grown = []
@@ -162,9 +164,15 @@ def best_time(model, rows, repeats):
     return *best, loss
 
 
-def small_llama(quick):
+def small_llama(quick, size="57m"):
     import transformers
 
+    if size == "20m":  # a ~20M Llama-like model: what issue 52 item 7's user trained
+        shape = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=32000)
+        config = transformers.LlamaConfig(**shape, max_position_embeddings=8192)
+        torch.manual_seed(0)
+        return "~20M Llama (256 x 8 layers, 32k vocab)", transformers.LlamaForCausalLM(config).float()
     if quick:
         shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=256)
@@ -187,7 +195,8 @@ def smollm2():
 def run(name, model, args):
     model.train()
     vocab = model.config.vocab_size
-    episode_paths = episodes(args.prompts, args.turns, args.branching, vocab, args.scale)
+    episode_paths = episodes(args.prompts, args.turns, args.branching, vocab, args.scale,
+                             prompt_scale=args.prompt_scale)
     paths = [p for _, p in episode_paths]
     flat_tokens = sum(len(p.ids) for p in paths)
     unique = unique_tokens(paths)
@@ -212,28 +221,47 @@ def run(name, model, args):
         print(f"{mode:>8} {len(rows):5d} {tokens:8d} {tokens / (len(rows) * capacity):6.1%} {wall:8.2f} "
               f"{cpu:8.2f} {flat_tokens / cpu:15.0f} {flat_cpu / cpu:7.2f}x "
               f"{abs(loss - flat_loss) / abs(flat_loss):9.1e}", flush=True)
+    tree_speedup = flat_cpu / results["tree"][2]
+    print(f"tree vs flat {tree_speedup:.2f}x at redundancy {flat_tokens / unique:.2f}x: "
+          f"{tree_speedup / (flat_tokens / unique):.2f} of the redundancy", flush=True)
+    heads = {mode: sum(int(r.loss_tokens()[0].numel()) for r in results[mode][0])
+             for mode in ("tree", "flat")}
+    print(f"LM head positions: tree {heads['tree']}, flat {heads['flat']} "
+          f"({heads['flat'] / heads['tree']:.2f}x fewer): the head's work shrinks only by this, the "
+          "rest of the model's by the redundancy", flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a tiny Llama, 2 prompts, lengths x0.1")
-    parser.add_argument("--models", nargs="+", default=["llama", "smollm2"], choices=["llama", "smollm2"])
+    parser.add_argument("--models", nargs="+", default=["llama", "smollm2"],
+                        choices=["llama", "llama20m", "smollm2"])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--branching", type=int, default=2)
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every drawn length")
+    parser.add_argument("--prompt-scale", type=float, default=1.0, help="multiplies the prompts' lengths")
+    parser.add_argument("--fork444", action="store_true",
+                        help="issue 52's forked workload: 4 prompts x 4 x 4 paths (2 turns, 4 ways), "
+                             "redundancy ~3.3x, a ~20M Llama, 1 thread")
     parser.add_argument("--capacity", type=int, default=8192, help="tokens per row (>= the longest path)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     if args.quick:
         args.models, args.prompts, args.scale, args.capacity = ["llama"], 2, 0.1, 512
+    if args.fork444:
+        args.models, args.prompts, args.turns, args.branching = ["llama20m"], 4, 2, 4
+        args.scale, args.prompt_scale, args.capacity, args.threads = 0.25, PROMPT_SCALE_444, 1024, 1
     torch.set_num_threads(args.threads)
     print(f"fp32 on {args.threads} CPU thread(s); lengths drawn (x{args.scale}) from prompt {PROMPT}, "
           f"response {RESPONSE}, tool result {TOOL} as (share, lo, hi)")
     for model_name in args.models:
-        name, model = small_llama(args.quick) if model_name == "llama" else smollm2()
+        if model_name == "smollm2":
+            name, model = smollm2()
+        else:
+            name, model = small_llama(args.quick, "20m" if model_name == "llama20m" else "57m")
         run(name, model, args)
 
 

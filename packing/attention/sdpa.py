@@ -63,6 +63,22 @@ def _mask(lq: int, lk: int, causal: bool, window: int | None, device) -> torch.T
     return keep
 
 
+_ROW_MASKS: list = [None, {}]  # [the meta whose masks are kept, (lq, lk, causal, window, device) -> mask]
+
+
+def _row_mask(meta: VarlenMeta, lq: int, lk: int, causal: bool, window: int | None, device):
+    """:func:`_mask`, kept for the row being computed: every layer of a forward reads the same meta,
+    and a tree row's segments (queries after their context) each need a mask, so a forward built
+    segments x layers of them (a ~20M Llama's tree step: 480). One row's masks are held at a time."""
+    if _ROW_MASKS[0] is not meta:
+        _ROW_MASKS[:] = [meta, {}]
+    masks = _ROW_MASKS[1]
+    key = (lq, lk, causal, window, device)
+    if key not in masks:
+        masks[key] = _mask(lq, lk, causal, window, device)
+    return masks[key]
+
+
 def _sdpa(q, k, v, mask, *, scale, softcap, is_causal=False, sinks=None):
     """SDPA on (..., Hkv*G, Lq, D) vs (..., Hkv, Lk, D), or explicit maths when soft-capping or
     with attention sinks: ``sinks`` broadcasts to (..., Hkv*G, Lq, 1), one logit per query row
@@ -118,7 +134,7 @@ def per_sequence(q, src: KeySource, *, causal, scale, window, softcap, seqs=None
         window_i = window if window is not None and window < lk else None
         plain_causal = causal and window_i is None and lq == lk and lq > 1
         sees_all = (not causal or lq == 1) and window_i is None
-        mask = None if plain_causal or sees_all else _mask(lq, lk, causal, window_i, q.device)
+        mask = None if plain_causal or sees_all else _row_mask(meta, lq, lk, causal, window_i, q.device)
         q_i = q_parts[i].transpose(0, 1)  # (heads, lq, dim)
         kv_heads = k_i.shape[1]
         if lq == 1 and kv_heads < q_i.shape[0] and sinks is None:
