@@ -167,7 +167,7 @@ def best_time(model, rows, repeats):
 def small_llama(quick, size="57m"):
     import transformers
 
-    if size == "20m":  # a ~20M Llama-like model: what issue 52 item 7's user trained
+    if size == "20m":  # a ~20M Llama-like model: the size a user's forked-rollout check trained
         shape = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=32000)
         config = transformers.LlamaConfig(**shape, max_position_embeddings=8192)
@@ -243,7 +243,7 @@ def main():
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every drawn length")
     parser.add_argument("--prompt-scale", type=float, default=1.0, help="multiplies the prompts' lengths")
     parser.add_argument("--fork444", action="store_true",
-                        help="issue 52's forked workload: 4 prompts x 4 x 4 paths (2 turns, 4 ways), "
+                        help="a forked RL workload: 4 prompts x 4 x 4 paths (2 turns, 4 ways), "
                              "redundancy ~3.3x, a ~20M Llama, 1 thread")
     parser.add_argument("--capacity", type=int, default=8192, help="tokens per row (>= the longest path)")
     parser.add_argument("--repeats", type=int, default=1)
