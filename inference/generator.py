@@ -192,7 +192,8 @@ class Generator:
                      tool_format: ToolFormat | None = None, environment_factory: Callable | None = None,
                      reward_fn: Callable[[Episode], float] | None = None,
                      fork: Callable[[Episode], int] | None = None,
-                     prompt_tools: Seq[Mapping[str, Callable]] | None = None) -> list[Episode]:
+                     prompt_tools: Seq[Mapping[str, Callable]] | None = None,
+                     reset_kwargs: Seq[Mapping] | None = None) -> list[Episode]:
         """Run multi-turn tool episodes for every prompt (``n`` per prompt from the sampling
         parameters); returns them by prompt, then branch.
 
@@ -206,13 +207,15 @@ class Generator:
         run; they share every block so far. ``sampling_params.max_tokens`` caps one model
         turn, ``limits`` the whole episode (:class:`~nopad.inference.episodes.EpisodeLimits`).
         ``prompt_tools``: one ``{name: function}`` per prompt instead of ``tools`` (e.g. bound to
-        that prompt's own environment, as TRL's trainer builds them)."""
+        that prompt's own environment, as TRL's trainer builds them). ``reset_kwargs``: one mapping
+        per prompt, the keywords of its environments' ``reset`` (TRL's: the example's fields;
+        default ``prompt=prompt``)."""
         refuse_plain_generation(self.model)
         if self.has_unfinished():
             raise RuntimeError("run_episodes() while requests are in flight; finish or abort them first")
         setup = episode_setup(prompts, tools, sampling_params, self.tokenizer, limits=limits,
                               tool_format=tool_format, environment_factory=environment_factory,
-                              prompt_tools=prompt_tools)
+                              prompt_tools=prompt_tools, reset_kwargs=reset_kwargs)
         requests = self.make_requests(setup.prompts, sampling_params)
         runner = EpisodeRunner(self.scheduler, setup.tool_format, setup.limits, self.vocab_size,
                                setup.environments, reward_fn, fork, self.scheduler.max_num_seqs)
