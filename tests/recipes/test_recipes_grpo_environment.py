@@ -140,7 +140,7 @@ def test_a_bad_environment_or_episode_reward_is_one_line_at_config_time(settings
         load_config(GRPORecipeConfig, overrides=[f"{k}={v}" for k, v in settings.items()])
 
 
-def test_reward_environment_needs_get_reward():
+def test_reward_environment_is_the_environments_own_get_reward():
     class Plain(Tally):
         get_reward = None
 
@@ -149,6 +149,14 @@ def test_reward_environment_needs_get_reward():
     with pytest.raises(ValueError, match=r"reward=environment reads the environment's get_reward\(\), but "
                                          r".*Plain has none; define get_reward\(self\) -> float"):
         get_episode_reward("environment", Plain)
+
+    class Awaited(Tally):
+        async def get_reward(self) -> float:  # TRL allows an async one (an LLM judge)
+            return 2.5
+
+    episode = type("Ep", (), {"environment": Awaited()})()
+    score = get_episode_reward("environment", Awaited)
+    assert score(episode, {}) == 2.5 and score.__qualname__.endswith("Awaited.get_reward")
 
 
 def test_get_reward_is_not_a_tool_and_reset_takes_the_examples_fields():
