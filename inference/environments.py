@@ -7,18 +7,24 @@ factory returning None, would otherwise leave every tool call an "unknown tool" 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 
-def reset_environments(factory: Callable | None, prompts, sampling_params=None) -> tuple[list | None, list]:
+def reset_environments(factory: Callable | None, prompts, sampling_params=None,
+                       reset_kwargs: Sequence[Mapping] | None = None) -> tuple[list | None, list]:
     """``(environments, prompts)``: one environment per sample of each prompt (``[prompt][sample]``,
     ``n`` from the sampling parameters), each reset as TRL's GRPOTrainer resets it:
-    ``reset(**example)``, here ``reset(prompt=prompt)``; an observation it returns is appended to
-    the prompt as TRL appends it (to the last message's content; a text prompt's end). A prompt's
-    samples share its prefill (and are one GRPO group), so their observations must agree."""
+    ``reset(**example)``: ``reset_kwargs[i]`` (the example's fields, as the recipe passes them) or
+    ``reset(prompt=prompt)``; an observation it returns is appended to the prompt as TRL appends it
+    (to the last message's content; a text prompt's end). A prompt's samples share its prefill
+    (and are one GRPO group), so their observations must agree."""
     prompts = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
     if factory is None:
         return None, prompts
+    if reset_kwargs is not None and (len(reset_kwargs) != len(prompts)
+                                     or not all(isinstance(k, Mapping) for k in reset_kwargs)):
+        raise ValueError(f"reset_kwargs must be one mapping of reset() keywords per prompt ({len(prompts)}), "
+                         f"got {len(reset_kwargs)} entries; pass each prompt's example")
     if not callable(factory):
         raise TypeError(f"environment_factory must be a class or function that returns a new environment "
                         f"(its public methods are the tools), got {factory!r} ({type(factory).__name__})")
@@ -33,7 +39,8 @@ def reset_environments(factory: Callable | None, prompts, sampling_params=None) 
             raise TypeError(f"environment_factory {name!r} returned None (every tool call would be an "
                             "unknown tool); it must return a new environment object whose public methods are "
                             "the tools")
-        observations = [_reset(env, prompt, i, k) for k, env in enumerate(group)]
+        kwargs = dict(reset_kwargs[i]) if reset_kwargs is not None else {"prompt": prompt}
+        observations = [_reset(env, kwargs, i, k) for k, env in enumerate(group)]
         if any(o != observations[0] for o in observations):
             raise ValueError(f"the environments of prompt {i}'s {len(group)} samples returned different "
                              f"observations from reset() ({observations[0]!r} and others); the samples of a "
@@ -47,17 +54,18 @@ def _is_token_ids(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(t, int) for t in prompt)
 
 
-def _reset(env, prompt, i: int, k: int) -> str | None:
+def _reset(env, kwargs: dict, i: int, k: int) -> str | None:
     reset = getattr(env, "reset", None)
     if reset is None:
         return None
     name = f"{type(env).__qualname__}.reset"
+    keys = ", ".join(f"{key}=..." for key in kwargs)
     try:
-        observation = reset(prompt=prompt)
+        observation = reset(**kwargs)
     except Exception as err:
-        raise RuntimeError(f"environment {name}(prompt=...) raised {type(err).__name__}: {err} (prompt {i}, "
+        raise RuntimeError(f"environment {name}({keys}) raised {type(err).__name__}: {err} (prompt {i}, "
                            f"sample {k}); it is called as TRL calls it, with the example's fields as "
-                           "keywords (here: prompt)") from err
+                           f"keywords (here: {', '.join(kwargs)})") from err
     if observation is not None and not isinstance(observation, str):
         raise TypeError(f"environment {name}() returned {type(observation).__name__}; return the observation "
                         "as a string (it is appended to the prompt) or None")

@@ -25,7 +25,8 @@ class EpisodeSetup:
 def episode_setup(prompts, tools: Seq[Callable] | Mapping[str, Callable], sampling_params, tokenizer, *,
                   limits: EpisodeLimits | None, tool_format: ToolFormat | None,
                   environment_factory: Callable | None,
-                  prompt_tools: Seq[Mapping[str, Callable]] | None) -> EpisodeSetup:
+                  prompt_tools: Seq[Mapping[str, Callable]] | None,
+                  reset_kwargs: Seq[Mapping] | None = None) -> EpisodeSetup:
     """Check and resolve ``run_episodes``' arguments (see there); bad ones raise here."""
     if getattr(sampling_params, "prompt_logprobs", None) is not None:
         raise ValueError("prompt_logprobs is for generate()/add_request(); an Episode does not return them")
@@ -33,7 +34,7 @@ def episode_setup(prompts, tools: Seq[Callable] | Mapping[str, Callable], sampli
     if not isinstance(limits, EpisodeLimits):
         raise TypeError(f"limits must be an EpisodeLimits, got {type(limits).__name__}")
     named = named_tools(tools)
-    environments, prompts = reset_environments(environment_factory, prompts, sampling_params)
+    environments, prompts = reset_environments(environment_factory, prompts, sampling_params, reset_kwargs)
     per_prompt = [named] * len(prompts)
     if prompt_tools is not None:
         per_prompt = [named_tools(t) for t in prompt_tools]

@@ -190,29 +190,29 @@ class Generator:
     def run_episodes(self, prompts, tools: Seq[Callable] | Mapping[str, Callable] = (),
                      sampling_params: SamplingParams | None = None, *, limits: EpisodeLimits | None = None,
                      tool_format: ToolFormat | None = None, environment_factory: Callable | None = None,
-                     reward_fn: Callable[[Episode], float] | None = None,
-                     fork: Callable[[Episode], int] | None = None,
-                     prompt_tools: Seq[Mapping[str, Callable]] | None = None) -> list[Episode]:
+                     reward_fn: Callable[[Episode], float] | None = None, fork: Callable[[Episode], int] | None = None,
+                     prompt_tools: Seq[Mapping[str, Callable]] | None = None,
+                     reset_kwargs: Seq[Mapping] | None = None) -> list[Episode]:
         """Run multi-turn tool episodes for every prompt (``n`` per prompt from the sampling
         parameters); returns them by prompt, then branch.
 
         ``prompts``: token ids, strings, or chat messages (rendered with the tools by the chat
         template). ``tools``: functions (sync or ``async def``) the model may call by name.
-        ``tool_format``: how calls are parsed and results rendered; default
-        :class:`~nopad.inference.tools.ChatTemplateTools` on the tokenizer (its ``response_template``).
-        ``environment_factory``: one environment per episode, its public methods added as tools
-        (forks deep-copy it); ``reward_fn(episode)`` sets ``Episode.reward``. ``fork(episode)``
-        is asked at every turn boundary (a tool result appended) how many continuations to
-        run; they share every block so far. ``sampling_params.max_tokens`` caps one model
-        turn, ``limits`` the whole episode (:class:`~nopad.inference.episodes.EpisodeLimits`).
-        ``prompt_tools``: one ``{name: function}`` per prompt instead of ``tools`` (e.g. bound to
-        that prompt's own environment, as TRL's trainer builds them)."""
+        ``tool_format``: how calls are parsed and results rendered; default the tokenizer's
+        :class:`~nopad.inference.tools.ChatTemplateTools`. ``environment_factory``: one environment per
+        episode, its public methods added as tools (forks deep-copy it), reset with ``reset_kwargs``;
+        ``reward_fn(episode)`` sets ``Episode.reward``. ``fork(episode)`` is asked at every turn boundary
+        (a tool result appended) how many continuations to run; they share every block so far.
+        ``sampling_params.max_tokens`` caps one model turn, ``limits`` the whole episode
+        (:class:`~nopad.inference.episodes.EpisodeLimits`). ``prompt_tools``: one ``{name: function}``
+        per prompt instead of ``tools`` (e.g. bound to that prompt's own environment, as TRL's trainer
+        builds them). ``reset_kwargs``: each prompt's ``reset(**example)`` (default ``prompt=``)."""
         refuse_plain_generation(self.model)
         if self.has_unfinished():
             raise RuntimeError("run_episodes() while requests are in flight; finish or abort them first")
         setup = episode_setup(prompts, tools, sampling_params, self.tokenizer, limits=limits,
                               tool_format=tool_format, environment_factory=environment_factory,
-                              prompt_tools=prompt_tools)
+                              prompt_tools=prompt_tools, reset_kwargs=reset_kwargs)
         requests = self.make_requests(setup.prompts, sampling_params)
         runner = EpisodeRunner(self.scheduler, setup.tool_format, setup.limits, self.vocab_size,
                                setup.environments, reward_fn, fork, self.scheduler.max_num_seqs)

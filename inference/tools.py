@@ -273,6 +273,8 @@ def wait_any(futures: list, deadline: float) -> None:
 
 
 def public_methods(environment) -> dict[str, Callable]:
-    """An environment's tools: its public methods other than ``reset`` (TRL's contract)."""
+    """An environment's tools: its public methods other than ``reset`` and ``get_reward`` (TRL's
+    contract: ``get_reward()`` is the environment's own reward, never a tool the model may call)."""
     return {name: getattr(environment, name) for name in dir(environment)
-            if not name.startswith("_") and name != "reset" and callable(getattr(environment, name))}
+            if not name.startswith("_") and name not in ("reset", "get_reward")
+            and callable(getattr(environment, name))}

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 from nopad.inference.chat import encode_prompt
 from nopad.recipes.cli import run_recipe
 from nopad.recipes.config import ConfigError, parse_cli, setup_logging
+from nopad.recipes.env_tasks import environment_format, load_environment, resolve_reward
 from nopad.recipes.grpo_checkpoint import (
     Checkpointer,
     GRPOProgress,
@@ -53,7 +54,6 @@ from nopad.recipes.tasks import (
     TASKS,
     check_prompts_per_step,
     example_fields,
-    get_reward,
     load_examples,
     tool_task,
 )
@@ -101,7 +101,7 @@ def task_examples(cfg: GRPORecipeConfig) -> list[dict]:
         return TASKS[task.name].examples(num_prompts=task.num_prompts, seed=task.seed)
     reader = f"reward={cfg.reward}" if isinstance(cfg.reward, str) else "the reward"
     return load_examples(task.prompts, task.prompt_field, key="task.prompts",
-                         needs=example_fields(get_reward(cfg.reward)), reader=reader)
+                         needs=example_fields(resolve_reward(cfg.reward, task.environment)), reader=reader)
 
 
 def build_prompts(cfg: GRPORecipeConfig, tokenizer,
@@ -112,10 +112,13 @@ def build_prompts(cfg: GRPORecipeConfig, tokenizer,
     examples = task_examples(cfg) if examples is None else examples
     limit = cfg.rollout.max_prompt_tokens
     system = TASKS[task.name].system if task.prompts is None else None
+    env_format = environment_tools(cfg, tokenizer) if tool_task(task.name, task.prompts) is None else None
     ids = []
     for i, ex in enumerate(examples):
         if system is not None:  # a chat-format tool task: its system turn, then the question
             tokens = chat_tool_prompt(tokenizer, system, str(ex[task.prompt_field]), task.name)
+        elif env_format is not None:  # the question, with the environment's tools in the template
+            tokens = env_format.prompt_ids([{"role": "user", "content": str(ex[task.prompt_field])}])
         else:
             tokens = encode_prompt(tokenizer, str(ex[task.prompt_field]), chat=cfg.model.chat_template)
         if not tokens:
@@ -137,17 +140,27 @@ def make_generator(model, cfg: GRPORecipeConfig, tokenizer=None):
                      max_num_seqs=g.max_num_seqs, max_num_batched_tokens=g.max_num_batched_tokens)
 
 
+def environment_tools(cfg: GRPORecipeConfig, tokenizer):
+    """The chat template's tool format with ``task.environment``'s tools; None without one."""
+    spec = cfg.task.environment
+    return None if spec is None else environment_format(tokenizer, load_environment(spec), spec)
+
+
 def tool_episodes(cfg: GRPORecipeConfig, tokenizer) -> ToolEpisodes | None:
-    """The tool task's tools, call format and episode limits; None for a single-turn task."""
+    """The tool task's tools, call format and episode limits, and ``task.environment`` (one per
+    episode, rewarded as a whole); None for a single-turn task."""
     from nopad.inference.episodes import EpisodeLimits
     from nopad.training.grpo_step import ToolEpisodes
 
-    task = tool_task(cfg.task.name, cfg.task.prompts)
-    if task is None:
+    task, spec = tool_task(cfg.task.name, cfg.task.prompts), cfg.task.environment
+    if task is None and spec is None:
         return None
     ro = cfg.rollout
     limits = EpisodeLimits(max_turns=ro.max_turns, max_tokens=ro.max_tokens, tool_timeout=ro.tool_timeout)
-    return ToolEpisodes(task.tools, task.tool_format(tokenizer), limits)
+    tool_format = task.tool_format(tokenizer) if task is not None else environment_tools(cfg, tokenizer)
+    return ToolEpisodes(task.tools if task is not None else {}, tool_format, limits,
+                        environment_factory=load_environment(spec) if spec is not None else None,
+                        episode_reward=spec is not None)
 
 
 def make_accelerator(cfg: GRPORecipeConfig):
@@ -188,8 +201,8 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     from nopad.training.grpo_step import grpo_step
     from nopad.training.optimizer import make_adamw
 
-    reward_fn = with_timeout(get_reward(cfg.reward), cfg.reward_timeout, "reward_timeout",
-                             cfg.task.prompt_field)
+    reward_fn = with_timeout(resolve_reward(cfg.reward, cfg.task.environment), cfg.reward_timeout,
+                             "reward_timeout", cfg.task.prompt_field)
     examples = task_examples(cfg)  # before the model loads: a prompt set the reward cannot score fails now
     model, tokenizer = load_policy(cfg, model, tokenizer)
     examples, prompt_ids = build_prompts(cfg, tokenizer, examples)

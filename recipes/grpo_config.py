@@ -22,7 +22,8 @@ from nopad.recipes.config import (
     check_optimizer,
     check_sampling,
 )
-from nopad.recipes.tasks import TASKS, get_reward
+from nopad.recipes.env_tasks import resolve_reward
+from nopad.recipes.tasks import TASKS
 from nopad.training.policy_loss.settings import PolicyLossSettings
 
 if TYPE_CHECKING:  # (nopad.training.policy_loss imports torch: a config, and --help, load without it)
@@ -44,6 +45,7 @@ class TaskConfig(Section):
     prompt_field: str = "prompt"  # the field of each record that holds the prompt
     num_prompts: int = 64  # the size of the built-in task
     seed: int = 0  # the built-in task's sampling of prompts
+    environment: str | None = None  # "module:Class" (TRL's protocol): tools, and a reward over the episode
 
     def check(self) -> None:
         self.at_least("num_prompts", 1)
@@ -151,7 +153,7 @@ class GRPORecipeConfig(Section):
 
     model: GRPOModelConfig = field(default_factory=GRPOModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
-    reward: str | Callable[..., Any] = "last_number_match"  # nopad.recipes.tasks.REWARDS name or "module:function"
+    reward: str | Callable[..., Any] = "last_number_match"  # REWARDS name or "module:function"; see task.environment
     reward_timeout: float | None = 60.0  # seconds a reward call may take, else the run stops; null: no limit
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     generator: GRPOGeneratorConfig = field(default_factory=GRPOGeneratorConfig)
@@ -162,7 +164,7 @@ class GRPORecipeConfig(Section):
     output_dir: str | None = None  # metrics.jsonl, curves.png, step_N checkpoints and the trained model
 
     def check(self) -> None:
-        get_reward(self.reward, key="reward")
+        resolve_reward(self.reward, self.task.environment)
         if self.reward_timeout is not None and not self.reward_timeout > 0:
             raise ConfigError("reward_timeout", f"must be > 0 seconds or null (no limit), got "
                               f"{self.reward_timeout}")

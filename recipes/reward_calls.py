@@ -14,11 +14,13 @@ import threading
 from collections.abc import Callable, Mapping
 
 SIGNATURE = "(completion: str, example: dict) -> float"  # how GRPO and evaluate call a reward
+# how GRPO calls the reward of a task.environment: the whole episode, its environment included
+EPISODE_SIGNATURE = "(episode: nopad.inference.Episode, example: dict) -> float"
 
 
-def check_reward_signature(fn: Callable, label: str) -> Callable:
-    """``fn`` when it can be called as ``fn(completion, example)``; otherwise an error naming
-    ``label`` (``reward='my_module:score'``), the signature it has and the one expected."""
+def check_reward_signature(fn: Callable, label: str, expected: str = SIGNATURE) -> Callable:
+    """``fn`` when it can be called with two arguments (``expected``: which); otherwise an error
+    naming ``label`` (``reward='my_module:score'``), the signature it has and the one expected."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without a readable signature: the first call will tell
@@ -28,7 +30,7 @@ def check_reward_signature(fn: Callable, label: str) -> Callable:
     except TypeError:
         plain = [p.replace(annotation=p.empty) for p in signature.parameters.values()]
         has = signature.replace(parameters=plain, return_annotation=signature.empty)
-        raise ValueError(f"{label} takes {has}, but the recipe calls it as fn{SIGNATURE}: give it those two "
+        raise ValueError(f"{label} takes {has}, but the recipe calls it as fn{expected}: give it those two "
                          "parameters (any others need defaults)") from None
     return fn
 
@@ -45,7 +47,7 @@ def with_timeout(fn: Callable, seconds: float | None, setting: str, prompt_field
         return fn
 
     @functools.wraps(fn)  # its name, module and declared example fields stay the user's
-    def timed(completion: str, example: Mapping) -> float:
+    def timed(completion, example: Mapping) -> float:  # completion: the text, or an episode reward's Episode
         done: dict = {}
 
         def call() -> None:

@@ -132,11 +132,7 @@ def get_reward(spec: str | RewardFn, key: str = "reward") -> RewardFn:
     if spec in REWARDS:
         return REWARDS[spec]
     if ":" in spec or "." in spec:
-        module_name, _, attr = spec.replace(":", ".").rpartition(".")
-        try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"{key}={spec!r}: cannot import it ({err})") from err
+        fn = import_path(spec, key)
         if not callable(fn):
             raise ValueError(f"{key}={spec!r} is not callable")
         return check_reward_signature(fn, f"{key}={spec!r}")
@@ -144,6 +140,17 @@ def get_reward(spec: str | RewardFn, key: str = "reward") -> RewardFn:
         f"unknown {key} {spec!r}; use one of {sorted(REWARDS)} or an import path 'module:function' "
         "taking (completion: str, example: dict) -> float"
     )
+
+
+def import_path(spec: str, key: str) -> object:
+    """The object ``"module:name"`` (or ``"module.name"``) names; an error naming ``key`` otherwise."""
+    module_name, _, attr = spec.replace(":", ".").rpartition(".")
+    if not module_name:
+        raise ValueError(f"{key}={spec!r} is not an import path; write it as 'module:name'")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"{key}={spec!r}: cannot import it ({err})") from err
 
 
 # ----------------------------------------------------------------------------- prompt sets

@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nopad.inference.episodes import EpisodeLimits
+from nopad.inference.episodes import Episode
 from nopad.inference.sharded import sharded_generate
-from nopad.inference.tools import ToolFormat
 from nopad.packing.distributed import any_rank, global_sum, world_size
 from nopad.packing.invariance import batch_invariant
 from nopad.training.accumulation import OptimizerStepper, pad_rows
@@ -35,6 +34,7 @@ from nopad.training.grpo import (
     pair_sequences,
     policy_temperature,
 )
+from nopad.training.grpo_episodes import ToolEpisodes, run_episodes
 from nopad.training.mismatch import logprob_mismatch
 from nopad.training.nonfinite import describe_sample, reward_value
 from nopad.training.policy_loss import PolicyBatch, PolicyLossConfig, make_policy_loss, objective
@@ -42,6 +42,7 @@ from nopad.training.policy_loss import PolicyBatch, PolicyLossConfig, make_polic
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, Mapping], float]  # (completion, example) -> reward: the one reward type
+EpisodeRewardFn = Callable[[Episode, Mapping], float]  # (episode, example) -> reward: task.environment's
 
 
 OLD_LOGPROBS = ("rollout", "recompute")
@@ -89,7 +90,8 @@ def grpo_step(stepper: OptimizerStepper, generator, examples: Sequence[dict],
     """One GRPO step on ``examples`` (their prompt token ids in ``prompt_ids``; ``params``: the
     generator's ``SamplingParams`` with ``n`` completions per prompt). Every rank calls it each step,
     also with no examples. ``episodes``: multi-turn tool rollouts, trained on the model's tokens
-    only and rewarded on the last model turn. Returns the step's metrics."""
+    only and rewarded on the last model turn, or as whole episodes
+    (:mod:`nopad.training.grpo_episodes`). Returns the step's metrics."""
     t0 = time.perf_counter()
     episode_metrics = {}
     with batch_invariant(loss.batch_invariant):
@@ -99,8 +101,8 @@ def grpo_step(stepper: OptimizerStepper, generator, examples: Sequence[dict],
             samples = [[(c.token_ids, Rollout.from_completion(ids, c, loss.logprobs)) for c in out.outputs]
                        for ids, out in zip(prompt_ids, outputs)]
         else:
-            samples, episode_metrics = _run_episodes(generator, stepper.model, prompt_ids, params, episodes,
-                                                     loss.logprobs)
+            samples, episode_metrics = run_episodes(generator, stepper.model, prompt_ids, params, episodes,
+                                                    loss.logprobs, examples)
     rollout_time = time.perf_counter() - t0
     generator.release()  # the KV cache goes back before any backward pass
     rollouts = [rollout for group in samples for _, rollout in group]
@@ -116,51 +118,23 @@ def grpo_step(stepper: OptimizerStepper, generator, examples: Sequence[dict],
             "rollout_s": rollout_time}
 
 
-@dataclass
-class ToolEpisodes:
-    """Multi-turn rollouts (:meth:`nopad.inference.Generator.run_episodes`): the tools the model may call,
-    how calls look in tokens (None: the chat template's) and the episode limits."""
-
-    tools: Mapping[str, Callable]
-    tool_format: ToolFormat | None = None
-    limits: EpisodeLimits | None = None
-
-
-def _run_episodes(generator, model, prompt_ids, params, episodes: ToolEpisodes, logprobs: str):
-    """Per prompt, per sample: (the last model turn: what the reward reads, its :class:`Rollout`),
-    and the rollout's tool metrics."""
-    from nopad.inference.sharded import sharded_weights
-
-    if sharded_weights(model) is not None:
-        raise ValueError("tool episodes run on an unsharded policy; FSDP2-sharded GRPO takes single-turn "
-                         "tasks only (task.name without tools)")
-    done = generator.run_episodes(list(prompt_ids), episodes.tools, params, limits=episodes.limits,
-                                  tool_format=episodes.tool_format)
-    samples = [[] for _ in prompt_ids]
-    for ep in done:
-        last = ep.turns[-1] if ep.turns else None
-        answer = ep.completion_ids[last.start:last.end] if last is not None else []
-        samples[ep.prompt_index].append((answer, Rollout.from_episode(ep, logprobs)))
-    calls = sum(ep.num_tool_calls for ep in done)
-    return samples, {"tool_calls_per_episode": calls / max(len(done), 1),
-                     "tool_failure_rate": sum(ep.num_tool_errors for ep in done) / max(calls, 1),
-                     "tool_turns_mean": sum(ep.num_turns for ep in done) / max(len(done), 1),
-                     "tool_wait_s": float(generator.last_episode_stats.get("tool_wait_s", 0.0))}
-
-
-def score_rollouts(reward_fn: RewardFn, tokenizer, examples: Sequence[dict],
-                   answers: Sequence[Sequence[Sequence[int]]], step: int) -> list[float]:
+def score_rollouts(reward_fn: RewardFn | EpisodeRewardFn, tokenizer, examples: Sequence[dict],
+                   answers: Sequence[Sequence[Sequence[int] | Episode]], step: int) -> list[float]:
     """Every completion's reward, in rollout order (``answers``: per prompt, per completion, the token
-    ids the reward reads), each checked to be one finite number (an error
+    ids the reward reads as text, or the Episode an episode reward reads whole), each checked to be
+    one finite number (an error
     names the reward, the step and the sample). Every rank joins one all-reduce after scoring, so a
     reward that fails on one rank stops all of them instead of leaving the others in a collective."""
     rewards, failure = [], None
     try:
         for i, (example, group) in enumerate(zip(examples, answers)):
-            for j, token_ids in enumerate(group):
-                text = tokenizer.decode(token_ids, skip_special_tokens=True)
-                where = (f"grpo step {step}, prompt {i} of this rank's step{describe_sample(example)}, "
-                         f"completion {j} {text[:60]!r}")
+            for j, read in enumerate(group):
+                if isinstance(read, Episode):  # an episode reward: the whole episode, as it ran
+                    text, shown = read, f"episode {j} (finish_reason {read.finish_reason!r})"
+                else:
+                    text = tokenizer.decode(read, skip_special_tokens=True)
+                    shown = f"completion {j} {text[:60]!r}"
+                where = f"grpo step {step}, prompt {i} of this rank's step{describe_sample(example)}, {shown}"
                 rewards.append(reward_value(reward_fn(text, example), reward_fn, where))
     except Exception as err:  # raised below, once every rank knows
         failure = err
