@@ -1,6 +1,6 @@
-"""The generator's per-sequence state beside its KV blocks: one conv-state and one recurrent-state
-slot per running sequence for every stateful layer (Gated DeltaNet, KDA, short convolutions,
-Mamba2).
+"""The generator's per-sequence state beside its KV blocks: one slot per running sequence in every
+state tensor a stateful layer declares (Gated DeltaNet, KDA, short convolutions, Mamba2: a conv
+state and a recurrent one; any kind registered with a ``state``).
 
 Why slots, not blocks. An attention layer's context is its K/V, one entry per token, so it pages.
 A hybrid layer's context is a fixed-size state (the last ``K - 1`` conv inputs, a ``(heads, K, V)``
