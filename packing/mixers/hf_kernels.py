@@ -17,10 +17,12 @@ served; :func:`serves` tells the mixer check whether a layer's every kernel is w
 The generator's steps reach the same functions: its ``nopad_kv_cache`` carries a per-sequence
 state cache as ``.states`` (:mod:`nopad.inference.state_cache`), and a call that finds one starts each
 sequence of the row from its slot's state and writes its final state back (decode steps and
-prefill chunks alike). :func:`layer_state` sizes that state from a served layer's modules; a layer
-it cannot size is refused for the generator. The cache-only kernels (``causal_conv1d_update``, the
-fused recurrent rules: transformers' own cached decode) are wrapped to refuse a nopad row: nopad's
-steps run with ``use_cache=False`` and keep the state themselves.
+prefill chunks alike). :func:`layer_state` declares that state (a ``conv`` tensor and, for a delta
+rule, a ``recurrent`` one: :mod:`nopad.packing.mixers.state`) from a served layer's modules, through
+the generator support registered below; a layer it cannot size is refused for the generator.
+The cache-only kernels (``causal_conv1d_update``, the fused recurrent rules: transformers' own
+cached decode) are wrapped to refuse a nopad row: nopad's steps run with ``use_cache=False`` and
+keep the state themselves.
 """
 
 from __future__ import annotations

@@ -17,8 +17,16 @@ from torch import nn
 
 from nopad import packing
 from nopad.inference import Generator, SamplingParams
-from nopad.packing.mixers import GENERATE, PACKED, MixerSupport, register_mixer_support, unregister_mixer_support
-from nopad.packing.mixers.state import LayerState, StateSpec, step_states
+from nopad.packing.mixers import (
+    GENERATE,
+    PACKED,
+    LayerState,
+    MixerSupport,
+    StateSpec,
+    register_mixer_support,
+    step_states,
+    unregister_mixer_support,
+)
 from nopad.packing.mixers.support import UnsupportedMixerError, check_model
 from nopad.packing.varlen import VarlenMeta
 from tests.inference.test_inference_generator import prompts_of
