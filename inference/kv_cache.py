@@ -22,12 +22,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from nopad.packing.mixers.support import calls_attention
 from nopad.packing.model_config import text_config
+
+if TYPE_CHECKING:
+    from nopad.inference.state_cache import StateCache
 
 DEFAULT_KV_MEMORY_BYTES = 1 << 30
 
@@ -150,10 +154,14 @@ def num_kv_blocks(layout: list[LayerKV], block_size: int, dtype: torch.dtype, nu
 
 class KVCache:
     """``cache[layer] -> (k, v)``, each ``(num_blocks, block_size, kv_heads, head_dim)`` of that
-    layer's :class:`LayerKV` (a K/V-shared layer gets its source layer's tensors)."""
+    layer's :class:`LayerKV` (a K/V-shared layer gets its source layer's tensors). ``states``: a
+    hybrid model's per-sequence state slots (:mod:`nopad.inference.state_cache`; None: attention
+    only), carried here because the step's kernel calls get this cache as ``nopad_kv_cache``."""
 
-    def __init__(self, layout: list[LayerKV], num_blocks: int, block_size: int, dtype: torch.dtype, device):
+    def __init__(self, layout: list[LayerKV], num_blocks: int, block_size: int, dtype: torch.dtype, device,
+                 states: StateCache | None = None):
         self.layout = layout
+        self.states = states
         self.num_blocks, self.block_size = num_blocks, block_size
         self.k: list[torch.Tensor] = []  # one per layer that holds K/V
         self.v: list[torch.Tensor] = []

@@ -107,11 +107,11 @@ class LiveModel:
         block, and a scratch state slot on hybrid models) in the compute dtype of now, and the
         runner of steps on it (``runner.kv_cache``)."""
         self.dtype = self.compute_dtype()  # autocast may be on now and not at construction
+        # hybrid layers' state: the kernel calls of a step find it on the cache they are given
+        states = StateCache(self.layer_states, state_slots, self.dtype, self.device,
+                            scratch=self.static_decode) if self.layer_states else None
         kv_cache = KVCache(self.kv_layout, num_blocks + int(self.static_decode), block_size, self.dtype,
-                           self.device)
-        if self.layer_states:  # the kernel calls of a step find it on the cache they are given
-            kv_cache.states = StateCache(self.layer_states, state_slots, self.dtype, self.device,
-                                         scratch=self.static_decode)
+                           self.device, states=states)
         return ModelRunner(
             self.model, kv_cache, backend=self.attn_backend, static_decode=self.static_decode,
             compile_decode=self.compile_decode, max_num_seqs=max_num_seqs,

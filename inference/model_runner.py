@@ -198,8 +198,8 @@ class ModelRunner:
         if compile_decode:
             # the cache is mutated in place: a static address, so CUDA graphs use it, not a copy (a
             # new Generator's cache re-records a bucket's graph once, it does not recompile)
-            states = getattr(kv_cache, "states", None)  # hybrid layers' state slots: mutated in place too
-            for t in kv_cache.k + kv_cache.v + ([] if states is None else states.conv + states.recurrent):
+            states = kv_cache.states  # hybrid layers' state slots: mutated in place too
+            for t in kv_cache.k + kv_cache.v + ([] if states is None else states.tensors):
                 torch._dynamo.mark_static_address(t)
             # One compilation for every bucket, on every device: the step's rows and table width
             # are dynamic (_mark_dynamic). Compiled per bucket, a table crossing a power of two or
@@ -213,7 +213,7 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
         """Logits ``(num_sampling, vocab)`` and, for each, its index into ``plan.seqs``."""
         self.kv_cache.copy_blocks(plan.copies)
-        states = getattr(self.kv_cache, "states", None)  # hybrid models: nopad.inference.state_cache
+        states = self.kv_cache.states  # hybrid models: nopad.inference.state_cache
         fresh = [] if states is None else [s.state_slot for s in plan.seqs if s.num_computed == 0]
         if self.static_decode and is_decode(plan) and not invariance.is_enabled():
             step = build_static_decode(plan, self.kv_cache.block_size, self.device, self.scratch_block,

@@ -1,6 +1,6 @@
-"""The generator's per-sequence state beside its KV blocks: one conv-state and one recurrent-state
-slot per running sequence for every stateful layer (Gated DeltaNet, KDA, short convolutions,
-Mamba2).
+"""The generator's per-sequence state beside its KV blocks: one slot per running sequence in every
+state tensor a stateful layer declares (Gated DeltaNet, KDA, short convolutions, Mamba2: a conv
+state and a recurrent one; any kind registered with a ``state``).
 
 Why slots, not blocks. An attention layer's context is its K/V, one entry per token, so it pages.
 A hybrid layer's context is a fixed-size state (the last ``K - 1`` conv inputs, a ``(heads, K, V)``
@@ -10,16 +10,30 @@ whole and overwrites: it belongs to the sequence, not to its tokens. So a sequen
 tensors (:class:`StateCache`) live beside the K/V, sized from the model's modules and paid for out
 of the same memory budget.
 
-How a step reaches the state. The layers mix tokens in transformers' kernel functions, which
-nopad already wraps (:mod:`nopad.packing.mixers.hf_kernels`, :mod:`nopad.packing.mixers.mamba2`). A generator
-step calls the model with ``nopad_kv_cache`` (the attention layers' paged K/V); that cache carries
-this state cache as ``.states``, and every kernel call of the step reaches it through the same
-keyword - no new argument that the attention function would have to know. Within one forward the
-stateful layers run in model order and each makes one conv call and at most one recurrent
-(delta-rule or SSD-scan) call, so the i-th conv call of a step is the i-th stateful conv; each
-call checks its state's shape, so a model that breaks that order fails loudly. Each call starts
-every sequence of the row from its slot (zero for a sequence's first chunk) and writes back its
-final state: a decode step and a chunked prefill are the same call.
+What a slot holds. Each stateful mixer kind declares its per-sequence tensors (names, shapes,
+dtypes: :mod:`nopad.packing.mixers.state`) through the :class:`~nopad.packing.mixers.MixerSupport` it
+registers; :func:`layer_states` asks the registry, so this module names no mixer, and a new kind
+is one module (its support, its state, its step). The cache zeroes, copies and snapshots a slot
+tensor by tensor, whole.
+
+How a step reaches the state. The layers mix tokens in kernel functions that nopad wraps
+(:mod:`nopad.packing.mixers.hf_kernels`, :mod:`nopad.packing.mixers.mamba2`) or in a mixer's own
+forward. A generator step calls the model with ``nopad_kv_cache`` (the attention layers' paged K/V);
+that cache carries this state cache as ``.states``, and every kernel call of the step reaches it
+through the same keyword - no new argument that the attention function would have to know - and
+calls :meth:`StateCache.run` with the name of the tensor it continues. Within one forward the
+stateful layers run in model order and each makes at most one call per tensor it declares, so the
+i-th call naming ``conv`` is the i-th layer declaring a ``conv``; each call checks its state's
+shape, and :meth:`StateCache.end` the number of calls, so a model that breaks that order fails
+loudly. Why call order and not the layer's identity: the call is made by the model's own code
+(transformers' ``causal_conv1d_fn(hidden_states, weight, ...)``, ``chunk_gated_delta_rule(q, k,
+v, g, beta, ...)``, ``mamba2_chunk_scan(...)``) with the decoder's shared ``**kwargs`` - the same
+dict for every layer - and tensors computed in the forward (``conv1d.weight.squeeze(1)``,
+``-exp(A_log)``), so nothing the kernel receives names its layer; naming it would take a forward
+hook on every stateful module writing the current layer into this cache, a Python side effect
+inside the compiled, CUDA-graphed decode step. Each call starts every sequence of the row from
+its slot (zero for a sequence's first chunk) and writes back its final state: a decode step and a
+chunked prefill are the same call.
 
 Lifetime (the scheduler): a slot is taken at admission and freed with the blocks (finish,
 preemption: the state is then recomputed from the tokens); a paused tool episode keeps it; a
@@ -44,35 +58,25 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nopad.packing.mixers import hf_kernels, mamba2
-from nopad.packing.mixers.hf_kernels import RECURRENT_DTYPE, LayerState
+from nopad.packing.mixers.state import LayerState, bytes_per_slot
+from nopad.packing.mixers.support import GENERATE, registered_supports
 from nopad.packing.varlen import VarlenMeta
 
-CONV, RECURRENT = "conv", "recurrent"
+__all__ = ["LayerState", "StateCache", "StateSlots", "bytes_per_slot", "copy_waves", "layer_states"]
 
 
 def layer_states(model: nn.Module) -> list[LayerState]:
-    """Every served stateful mixer of ``model`` in forward order (an empty list: attention only)."""
-    states = []
+    """Every stateful mixer of ``model`` in forward order, as the registered supports declare them
+    (an empty list: attention only). A module inside one already found is part of it."""
+    declare = [s.state for s in registered_supports() if s.state is not None and GENERATE in s.contexts]
+    states: list[LayerState] = []
     for path, module in model.named_modules():
         if any(path.startswith(s.path + ".") for s in states):
             continue
-        state = hf_kernels.layer_state(module, path) or mamba2.layer_state(module, path)
+        state = next((found for fn in declare if (found := fn(module, path)) is not None), None)
         if state is not None:
             states.append(state)
     return states
-
-
-def bytes_per_slot(states: list[LayerState], dtype: torch.dtype) -> int:
-    """Bytes one sequence's slot takes in every stateful layer (conv state in ``dtype``)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    rec = torch.empty((), dtype=RECURRENT_DTYPE).element_size()
-    total = 0
-    for s in states:
-        total += s.conv[0] * s.conv[1] * size
-        if s.recurrent is not None:
-            total += s.recurrent[0] * s.recurrent[1] * s.recurrent[2] * rec
-    return total
 
 
 class StateSlots:
@@ -136,22 +140,26 @@ class _Step:
 
 
 class StateCache:
-    """``(num_slots, ...)`` state tensors per stateful layer, and the step in flight."""
+    """``(num_rows, *shape)`` tensors for every state tensor a stateful layer declares (``named``:
+    by name, in model order), and the step in flight."""
 
     def __init__(self, states: list[LayerState], slots: StateSlots, dtype: torch.dtype, device, *,
                  scratch: bool = False):
         n = slots.num_rows + int(scratch)
         self.slots = slots
         self.scratch_slot = slots.num_rows if scratch else None  # static decode's padding rows
-        self.conv = [torch.zeros((n, *s.conv), dtype=dtype, device=device) for s in states]
-        self.recurrent = [torch.zeros((n, *s.recurrent), dtype=RECURRENT_DTYPE, device=device)
-                          for s in states if s.recurrent is not None]
+        self.named: dict[str, list[torch.Tensor]] = {}
+        for state in states:
+            for spec in state.tensors:
+                tensor = torch.zeros((n, *spec.shape), dtype=spec.dtype or dtype, device=device)
+                self.named.setdefault(spec.name, []).append(tensor)
+        self.tensors = [t for tensors in self.named.values() for t in tensors]
         self.device = torch.device(device)
         self._step: _Step | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.conv + self.recurrent)
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def begin(self, slots: list[int], fresh: list[int], seqlens: list[int]) -> None:
         """Open a step over sequences holding ``slots`` (row order) that bring ``seqlens`` new
@@ -161,7 +169,7 @@ class StateCache:
         if slots and slots == list(range(slots[0], slots[0] + len(slots))):  # a copy, not a gather/scatter
             index = slice(slots[0], slots[0] + len(slots))
         meta = VarlenMeta.from_lengths(seqlens, device=self.device)
-        self._step = _Step(index, meta, {CONV: 0, RECURRENT: 0})
+        self._step = _Step(index, meta, dict.fromkeys(self.named, 0))
 
     def begin_static(self, index: torch.Tensor, fresh: list[int], meta: VarlenMeta) -> None:
         """Open a static decode step: ``index`` ``(rows,)`` holds each row's slot on the device
@@ -169,14 +177,14 @@ class StateCache:
         if self.scratch_slot is None:
             raise ValueError("a static decode step needs the state cache built with scratch=True")
         self._prepare(fresh)
-        self._step = _Step(index, meta, {CONV: 0, RECURRENT: 0})
+        self._step = _Step(index, meta, dict.fromkeys(self.named, 0))
 
     def _prepare(self, fresh: list[int]) -> None:
         """Fork copies, then zeros for ``fresh`` slots: before the step's forward, outside it."""
         waves = [(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
                  for src, dst in copy_waves(self.slots.take_copies())]
         zero = torch.tensor(fresh, device=self.device) if fresh else None
-        for t in self.conv + self.recurrent:
+        for t in self.tensors:
             for src, dst in waves:
                 t[dst] = t[src]
             if zero is not None:
@@ -187,7 +195,7 @@ class StateCache:
         step, self._step = self._step, None
         if step is None:
             return
-        want = {CONV: len(self.conv), RECURRENT: len(self.recurrent)}
+        want = {name: len(tensors) for name, tensors in self.named.items()}
         if step.calls != want:
             raise RuntimeError(f"a generator step made {step.calls} stateful kernel calls, the model has "
                                f"{want} stateful layers; nopad cannot tell which state each call is")
@@ -198,12 +206,16 @@ class StateCache:
 
     def run(self, kind: str, fn: Callable[[VarlenMeta, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
             ) -> torch.Tensor:
-        """One kernel call of the step: ``fn(meta, initial_states)`` runs the row from each
-        sequence's slot and returns ``(output, final_states)``; the finals go back to the slots."""
+        """One kernel call of the step on the state tensor named ``kind``: ``fn(meta,
+        initial_states)`` runs the row from each sequence's slot and returns ``(output,
+        final_states)``; the finals go back to the slots."""
         step = self._step
         if step is None:
             raise RuntimeError("a stateful kernel ran outside a generator step")
-        tensors = self.conv if kind == CONV else self.recurrent
+        if kind not in self.named:
+            raise RuntimeError(f"a kernel call of the step asks for a {kind!r} state, which no stateful layer "
+                               f"of the model declares (declared: {sorted(self.named)})")
+        tensors = self.named[kind]
         i = step.calls[kind]
         step.calls[kind] += 1
         if i >= len(tensors):

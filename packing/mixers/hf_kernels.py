@@ -17,10 +17,12 @@ served; :func:`serves` tells the mixer check whether a layer's every kernel is w
 The generator's steps reach the same functions: its ``nopad_kv_cache`` carries a per-sequence
 state cache as ``.states`` (:mod:`nopad.inference.state_cache`), and a call that finds one starts each
 sequence of the row from its slot's state and writes its final state back (decode steps and
-prefill chunks alike). :func:`layer_state` sizes that state from a served layer's modules; a layer
-it cannot size is refused for the generator. The cache-only kernels (``causal_conv1d_update``, the
-fused recurrent rules: transformers' own cached decode) are wrapped to refuse a nopad row: nopad's
-steps run with ``use_cache=False`` and keep the state themselves.
+prefill chunks alike). :func:`layer_state` declares that state (a ``conv`` tensor and, for a delta
+rule, a ``recurrent`` one: :mod:`nopad.packing.mixers.state`) from a served layer's modules, through
+the generator support registered below; a layer it cannot size is refused for the generator.
+The cache-only kernels (``causal_conv1d_update``, the fused recurrent rules: transformers' own
+cached decode) are wrapped to refuse a nopad row: nopad's steps run with ``use_cache=False`` and
+keep the state themselves.
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ import inspect
 import sys
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from nopad.packing.mixers.conv import varlen_causal_conv1d
 from nopad.packing.mixers.delta_rule import varlen_delta_rule
+from nopad.packing.mixers.state import LayerState, StateSpec, step_states
 from nopad.packing.mixers.support import GENERATE, PACKED, TREE, MixerSupport, register_mixer_support
 
 _MARK = "_nopad_kernel"
@@ -57,11 +59,7 @@ RECURRENT_KERNELS = ("chunk_gated_delta_rule", "chunk_kda")
 TOKEN_BY_TOKEN = {"chunk_gated_delta_rule": "torch_recurrent_gated_delta_rule",
                   "chunk_kda": "recurrent_kimi_delta_attention"}
 RECURRENT_DTYPE = torch.float32  # the delta rules compute and return their state in fp32
-
-
-def step_states(kwargs: dict):
-    """The generator's per-sequence state cache of this call, if it is a generator step."""
-    return getattr(kwargs.get("nopad_kv_cache"), "states", None)
+CONV, RECURRENT = "conv", "recurrent"  # the state tensors these layers (and Mamba2's) declare
 
 
 def _conv(original: Callable) -> Callable:
@@ -75,7 +73,7 @@ def _conv(original: Callable) -> Callable:
         def step(meta, initial):
             return varlen_causal_conv1d(hidden_states[0], weight, bias, activation, meta=meta,
                                         initial_states=initial, return_final_states=True)
-        return states.run("conv", step)[None]
+        return states.run(CONV, step)[None]
     return causal_conv1d_fn
 
 
@@ -101,7 +99,7 @@ def _delta_rule(kernel: str) -> Callable[[Callable], Callable]:
             def step(meta, initial):
                 return varlen_delta_rule(reference, query, key, value, g, beta, meta=meta,
                                          initial_state=initial, output_final_state=True, **common)
-            return states.run("recurrent", step), None
+            return states.run(RECURRENT, step), None
         return chunk_rule
     return make
 
@@ -229,14 +227,13 @@ def serves(module: nn.Module) -> bool:
     return bool(kernels) and None not in kernels and any(k in MIXING for k in kernels)
 
 
-@dataclass(frozen=True)
-class LayerState:
-    """The state one stateful mixer keeps per sequence: its conv state ``(C, K - 1)`` and, for a
-    delta rule, its recurrent state ``(heads, K, V)`` (None: a convolution only)."""
-
-    path: str
-    conv: tuple[int, int]
-    recurrent: tuple[int, int, int] | None
+def conv_recurrent_state(path: str, conv: tuple[int, int], recurrent: tuple[int, int, int] | None
+                         ) -> LayerState:
+    """A layer's conv state ``(C, K - 1)`` (the model's dtype) and, unless None, its fp32 recurrent
+    state (a delta rule's ``(heads, K, V)``, a Mamba2 scan's ``(heads, head_dim, state)``)."""
+    specs = (StateSpec(CONV, conv),) + (() if recurrent is None else (StateSpec(RECURRENT, recurrent,
+                                                                                 RECURRENT_DTYPE),))
+    return LayerState(path, specs)
 
 
 def layer_state(module: nn.Module, path: str = "") -> LayerState | None:
@@ -250,14 +247,14 @@ def layer_state(module: nn.Module, path: str = "") -> LayerState | None:
     conv = (convs[0].in_channels, convs[0].kernel_size[0] - 1)
     kernels = {getattr(fn, _MARK, None) for fn in kernels_called(type(module)).values()}
     if not kernels & set(RECURRENT_KERNELS):
-        return LayerState(path, conv, None)
+        return conv_recurrent_state(path, conv, None)
     sizes = [getattr(module, n, None) for n in ("num_v_heads", "head_k_dim", "head_v_dim")]
     if None in sizes:  # KDA: one head size for keys and values
         heads, dim = getattr(module, "num_heads", None), getattr(module, "head_dim", None)
         sizes = [heads, dim, dim]
     if not all(isinstance(s, int) and s > 0 for s in sizes):
         return None
-    return LayerState(path, conv, tuple(sizes))
+    return conv_recurrent_state(path, conv, tuple(sizes))
 
 
 def _serves_generate(module: nn.Module) -> bool:
@@ -267,4 +264,4 @@ def _serves_generate(module: nn.Module) -> bool:
 register_mixer_support(MixerSupport("hf-kernel-functions (gated delta rule, KDA, short convolution)", serves,
                                     frozenset({PACKED, TREE})))
 register_mixer_support(MixerSupport("hf-kernel-functions in the generator (per-sequence state slots)",
-                                    _serves_generate, frozenset({GENERATE})))
+                                    _serves_generate, frozenset({GENERATE}), state=layer_state))

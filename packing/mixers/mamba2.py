@@ -59,11 +59,12 @@ import torch
 from nopad.packing import invariance
 from nopad.packing.mixers import chunked_ssd
 from nopad.packing.mixers.conv import varlen_causal_conv1d
-from nopad.packing.mixers.hf_kernels import LayerState, step_states
+from nopad.packing.mixers.hf_kernels import conv_recurrent_state
 from nopad.packing.mixers.kernels import package_function
 from nopad.packing.mixers.mamba2_steps import check_row, step_chunk_scan, step_conv
 from nopad.packing.mixers.recurrence import recurrence_plan
 from nopad.packing.mixers.ssm_steps import row_scan
+from nopad.packing.mixers.state import LayerState, step_states
 from nopad.packing.mixers.support import (
     GENERATE,
     NOPAD_ATTENTION,
@@ -324,10 +325,11 @@ def layer_state(module, path: str = "") -> LayerState | None:
     heads, head_dim, size, inner = sizes
     if heads * head_dim != inner:
         return None
-    return LayerState(path, (conv.in_channels, conv.kernel_size[0] - 1), (heads, head_dim, size))
+    return conv_recurrent_state(path, (conv.in_channels, conv.kernel_size[0] - 1), (heads, head_dim, size))
 
 
 register_mixer_support(MixerSupport("mamba2", lambda module: isinstance(module, mixers()),
                                     frozenset({PACKED, TREE})))
 register_mixer_support(MixerSupport("mamba2 in the generator (per-sequence state slots)",
-                                    lambda module: layer_state(module) is not None, frozenset({GENERATE})))
+                                    lambda module: layer_state(module) is not None, frozenset({GENERATE}),
+                                    state=layer_state))

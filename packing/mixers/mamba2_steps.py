@@ -13,6 +13,7 @@ import torch
 from nopad.packing import invariance
 from nopad.packing.mixers import chunked_ssd
 from nopad.packing.mixers.conv import varlen_causal_conv1d
+from nopad.packing.mixers.hf_kernels import CONV, RECURRENT
 from nopad.packing.mixers.ssm_steps import discretise_dt, token_scan
 from nopad.packing.varlen import VarlenMeta
 
@@ -32,7 +33,7 @@ def step_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         check_row(x.shape[0], x.shape[-1], meta, "causal_conv1d_fn")
         return varlen_causal_conv1d(x[0], weight, bias, activation, meta=meta, initial_states=initial,
                                     return_final_states=True)
-    return states.run("conv", run)[None]
+    return states.run(CONV, run)[None]
 
 
 def step_chunk_scan(update, hidden_states, dt, A, B, C, chunk_size, states, *, D=None, z=None,
@@ -77,7 +78,7 @@ def step_chunk_scan(update, hidden_states, dt, A, B, C, chunk_size, states, *, D
         parts.sort(key=lambda part: part[0])
         dtype = functools.reduce(torch.promote_types, (p.dtype for _, p in parts))
         return torch.cat([p.to(dtype) for _, p in parts])[None], finals
-    return states.run("recurrent", run)
+    return states.run(RECURRENT, run)
 
 
 def recurrent_step(update, x, dt, A, B, C, z, state, *, D, dt_bias, dt_softplus, dt_limit):

@@ -36,12 +36,15 @@ import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from nopad.packing.model_config import text_config
 
+if TYPE_CHECKING:
+    from nopad.packing.mixers.state import LayerState
 logger = logging.getLogger(__name__)
 
 # the attention implementation transformers knows nopad by (registered by nopad.packing.hf, which
@@ -72,7 +75,8 @@ class UnsupportedMixerError(ValueError):
 @dataclass(frozen=True)
 class MixerSupport:
     """A kind of token mixer nopad computes exactly: ``handles(module)`` says whether ``module``
-    (a layer's mixer, e.g. a Gated DeltaNet module) is served, ``contexts`` for which uses.
+    (a layer's mixer, e.g. a Gated DeltaNet module) is served, ``contexts`` for which uses;
+    ``state(module, path)``, what a stateful one keeps per sequence in the generator (None: nothing).
     Registering one is how a new mixing kind becomes supported (one module, like a backend)."""
 
     name: str
@@ -83,6 +87,7 @@ class MixerSupport:
     # none (attention sinks are a property of an attention layer: a layer declared as some other
     # kind of attention, e.g. a compressed one, that also has sinks is not served by them)
     layer_kinds: frozenset[str] | None = None
+    state: Callable[[nn.Module, str], LayerState | None] | None = None
 
 
 _SUPPORTS: list[MixerSupport] = []
@@ -98,11 +103,9 @@ def register_mixer_support(support: MixerSupport) -> None:
     """Declare a mixer kind nopad handles (idempotent by name); clears the cached scans."""
     unknown = set(support.contexts) - set(ALL_CONTEXTS)
     if unknown:
-        raise ValueError(f"MixerSupport {support.name!r}: unknown contexts {sorted(unknown)}; "
-                         f"use {ALL_CONTEXTS}")
-    _SUPPORTS[:] = [s for s in _SUPPORTS if s.name != support.name] + [support]
-    _CHECKED.clear()
-    _MODULE_CHECKED.clear()
+        raise ValueError(f"MixerSupport {support.name!r}: unknown contexts {sorted(unknown)}; use {ALL_CONTEXTS}")
+    unregister_mixer_support(support.name)
+    _SUPPORTS.append(support)
 
 
 def unregister_mixer_support(name: str) -> None:
@@ -268,6 +271,10 @@ def scan(model: nn.Module) -> list[Finding]:
         findings.append(Finding(None, "", type(model).__name__, "a model transformers marks stateful "
                                 "(_is_stateful: it carries a recurrent state between tokens)", model))
     return findings
+
+
+def registered_supports() -> tuple[MixerSupport, ...]:  # in registration order
+    return tuple(_SUPPORTS)
 
 
 def _handled(finding: Finding, context: str, model: nn.Module) -> bool:

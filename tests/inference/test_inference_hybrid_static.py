@@ -47,7 +47,7 @@ def test_static_decode_equals_hf_generate_with_chunked_prefill(family):
     assert runner.static_steps > 0 and {rows for rows, _ in runner.static_shapes} == {2, 3}
     states = gen._kv_cache.states
     assert states.scratch_slot == gen.scheduler.state_slots.num_rows  # one more row, after the snapshots'
-    assert all(t.shape[0] == states.scratch_slot + 1 for t in states.conv + states.recurrent)
+    assert all(t.shape[0] == states.scratch_slot + 1 for t in states.tensors)
     assert_all_freed(gen)
 
 

@@ -23,7 +23,8 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from nopad.inference.state_cache import StateCache, StateSlots
 from nopad.packing.invariance import batch_invariant
-from nopad.packing.mixers.hf_kernels import LayerState
+from nopad.packing.mixers.hf_kernels import conv_recurrent_state
+from nopad.packing.mixers.state import LayerState
 from nopad.packing.varlen import VarlenMeta
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -85,11 +86,11 @@ def test_delta_rule_packed_row_equals_decode_steps_bitwise(dtype):
     with batch_invariant():
         trainer, finals = rule(*tensors, nopad_meta=VarlenMeta.from_lengths(LENGTHS), output_final_state=True,
                                use_qk_l2norm_in_kernel=True)
-        state = LayerState("rule", (1, 1), (v_heads, dim, dim))
+        state = conv_recurrent_state("rule", (1, 1), (v_heads, dim, dim))
         generator, cache, slot_of = decode_steps(state, dtype, step)
     # the fp32 states first: a rule run in another order changes most of their bits, but only a few
     # of the bf16 outputs (5 of 8,832 here, with the trainer on the chunked rule)
-    _assert_equal(finals, cache.recurrent[0][slot_of], "final states")
+    _assert_equal(finals, cache.named["recurrent"][0][slot_of], "final states")
     _assert_equal(trainer[0], generator, "outputs")
 
 
@@ -113,7 +114,7 @@ def test_mamba2_packed_row_equals_decode_steps_bitwise(dtype):
 
     with batch_invariant():
         trainer = hook(x, dt, A, B, C, chunk_size=16, nopad_meta=VarlenMeta.from_lengths(LENGTHS), **scan)
-        state = LayerState("mixer", (1, 1), (heads, head_dim, size))
+        state = conv_recurrent_state("mixer", (1, 1), (heads, head_dim, size))
         generator, _, _ = decode_steps(state, dtype, step)
     _assert_equal(trainer[0], generator, "outputs")
 
@@ -135,5 +136,5 @@ def test_causal_conv_packed_row_equals_decode_steps_bitwise(module, activation, 
 
     with batch_invariant():
         trainer = conv(x, weight, bias, activation=activation, nopad_meta=VarlenMeta.from_lengths(LENGTHS))
-        generator, _, _ = decode_steps(LayerState("conv", (channels, width - 1), None), dtype, step)
+        generator, _, _ = decode_steps(conv_recurrent_state("conv", (channels, width - 1), None), dtype, step)
     _assert_equal(trainer[0].t(), generator, "outputs")

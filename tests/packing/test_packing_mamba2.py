@@ -128,8 +128,8 @@ def test_supported_in_every_context_with_the_generator_state_sized(family):
         check_model(model, context)
     mixer = next(m for m in model.modules() if isinstance(m, mamba2.mixers()))
     state = mamba2.layer_state(mixer)
-    assert state.conv == (mixer.conv_dim, mixer.conv_kernel_size - 1)
-    assert state.recurrent == (mixer.num_heads, mixer.head_dim, mixer.ssm_state_size)
+    assert state.shape("conv") == (mixer.conv_dim, mixer.conv_kernel_size - 1)
+    assert state.shape("recurrent") == (mixer.num_heads, mixer.head_dim, mixer.ssm_state_size)
 
 
 def test_a_mamba2_layer_whose_state_nopad_cannot_size_is_refused_in_the_generator_only():
