@@ -16,7 +16,6 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from nopad import packing
 from nopad.inference import Generator
-from nopad.packing.bins.tree import TreePath, pack_tree_rows
 from nopad.packing.hf import boundary_probe, register_nopad_attention, use_nopad_attention
 from nopad.packing.mixers import (
     CONTEXTS,
@@ -27,8 +26,8 @@ from nopad.packing.mixers import (
     scan,
     unregister_mixer_support,
 )
-from nopad.packing.varlen import VarlenMeta
 from nopad.training.sft import use_attention
+from tests.packing.test_packing_mixers import packed_call, tree_call
 from tests.support.models import random_sequences, tiny_model
 
 
@@ -76,21 +75,6 @@ def prefix_sum_model():
     return model
 
 
-def packed_call(lengths=(5, 7)):
-    seqs = random_sequences(lengths)
-    meta = VarlenMeta.from_lengths([len(s) for s in seqs])
-    return dict(input_ids=torch.cat(seqs)[None], position_ids=meta.position_ids[None], nopad_meta=meta,
-                use_cache=False)
-
-
-def tree_call():
-    prompt, a, b = random_sequences((4, 3, 5))
-    paths = [TreePath(torch.cat([prompt, c]).tolist(), [False] + [True] * (len(prompt) + len(c) - 1))
-             for c in (a, b)]
-    (row,) = pack_tree_rows(paths, capacity=64)
-    return dict(row.model_kwargs(), use_cache=False)
-
-
 RUNNING_MEAN = r"layer 1 \(model.layers.1: LlamaDecoderLayer\), first in the output of model.layers.1.mlp " \
                r"\(RunningMeanMLP\)"
 
@@ -114,14 +98,14 @@ def test_a_running_mean_in_an_mlp_is_refused_on_every_path():
             pass
     assert model.config._attn_implementation == "sdpa"  # refused before anything was switched
     register_nopad_attention()
-    for call in (packed_call(), tree_call()):  # the README's bare loop: refused at its first forward
+    for call in (packed_call(model), tree_call()):  # the README's bare loop: refused at its first forward
         model = running_mean_model(attn_implementation="nopad")
         with pytest.raises(UnsupportedMixerError, match=RUNNING_MEAN):
             model(**call)
     model = running_mean_model(attn_implementation="nopad")  # probed while dynamo traces
     torch._dynamo.reset()
     with torch.no_grad(), pytest.raises(UnsupportedMixerError, match=RUNNING_MEAN):
-        torch.compile(model, backend="eager")(**packed_call())
+        torch.compile(model, backend="eager")(**packed_call(model))
 
 
 def test_a_decoder_layer_subclass_that_adds_a_prefix_sum_is_refused():
