@@ -334,9 +334,9 @@ def resume_training(accelerator, resume_from: str, output_dir: Path,
                                 "written by this recipe; give a step_N directory of an earlier run")
     written_by = checkpoint_recipe(path)
     if recipe and written_by and written_by != recipe:
-        raise ValueError(f"checkpoint.resume_from={path} is a checkpoint of recipes.{written_by}, not of "
-                         f"recipes.{recipe}: a resume continues the run that wrote it. To start "
-                         f"recipes.{recipe} from that model, set model.path={path} and leave "
+        raise ValueError(f"checkpoint.resume_from={path} is a checkpoint of nopad.recipes.{written_by}, not of "
+                         f"nopad.recipes.{recipe}: a resume continues the run that wrote it. To start "
+                         f"nopad.recipes.{recipe} from that model, set model.path={path} and leave "
                          "checkpoint.resume_from unset")
     try:
         accelerator.load_state(str(path / STATE_DIR), **(state_kwargs or {}))

@@ -27,6 +27,12 @@ TINY_GRPO = ["task.num_prompts=4", "rollout.prompts_per_step=2", "rollout.num_ge
              "model.chat_template=false", "reward=tests.recipes.test_recipes_grpo:ids_checksum_reward"]
 
 
+def replaced(settings: list[str], *new: str) -> list[str]:
+    """``settings`` with the keys of ``new`` given the new values (a key is given once on a command line)."""
+    keys = {s.split("=", 1)[0] for s in new}
+    return [s for s in settings if s.split("=", 1)[0] not in keys] + list(new)
+
+
 def _sft(out: Path, *extra) -> dict:
     cfg = load_config(SFTRecipeConfig, None, [*SMALL, *LORA, f"checkpoint.output_dir={out}", *extra])
     result = train(cfg)
@@ -192,8 +198,8 @@ def zero3_runs(tmp_path_factory) -> Path:
     sft = ["sft", *SMALL, *LORA, "train.grad_accum=4", "train.max_steps=2", zero3]  # 1 step/epoch
     runs = [[*sft, f"checkpoint.output_dir={out / 'z3'}", "checkpoint.every=1"],
             [*sft, f"checkpoint.output_dir={out / 'z3r'}", f"checkpoint.resume_from={out / 'z3' / 'step_1'}"],
-            ["grpo", "model.path=tiny:llama", *LORA, *TINY_GRPO, "train.steps=2", "task.num_prompts=4",
-             "rollout.prompts_per_step=1", f"output_dir={out / 'grpo'}", zero3]]
+            ["grpo", "model.path=tiny:llama", *LORA,
+             *replaced(TINY_GRPO, "train.steps=2", "rollout.prompts_per_step=1"), f"output_dir={out / 'grpo'}", zero3]]
     _run_two_ranks(["-m", "tests.support.recipe_runs", *runs[0], "--", *runs[1], "--", *runs[2]],
                    "LoRA SFT, SFT resume and GRPO under ZeRO-3", timeout=3 * TIMEOUT_S)
     return out
