@@ -39,6 +39,7 @@ from nopad.packing.hf.rope import max_model_len
 logger = logging.getLogger(__name__)
 
 Prompt = str | Seq[int]
+STALE_KV = ("keep", "recompute")  # what update_weights() does with the KV cache older weights wrote
 
 
 class Generator:
@@ -107,6 +108,8 @@ class Generator:
         self._plain = PlainRequests(self.scheduler, tokenizer)  # add_request/generate requests in flight
         self._episodes: EpisodeRunner | None = None  # the bookkeeping of a run_episodes() call
         self.last_episode_stats: dict = {}
+        self.policy_version = 0  # optimizer steps reported by update_weights(): stamped on every token
+        self.stale_recomputes = 0  # sequences update_weights(stale_kv="recompute") sent back to re-prefill
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -146,6 +149,36 @@ class Generator:
             raise RuntimeError("the scheduler could not plan a step; this is a bug")
         finished, self._plain.ready = self._plain.ready, []
         return finished
+
+    def update_weights(self, stale_kv: str = "keep", steps: int = 1) -> None:
+        """The trainer changed the weights in place (``steps`` optimizer steps) while sequences may be
+        in flight (streaming RL): tokens sampled from now on are stamped with the new
+        :attr:`policy_version`. Call it between two :meth:`step` calls, never inside one.
+
+        ``stale_kv="keep"``: every sequence continues on the KV cache (and hybrid state) its older
+        weights wrote, as PipelineRL and AReaL do, and new prompts may share cached blocks written by
+        older weights. ``"recompute"``: every running or paused sequence re-prefills its prompt and
+        completion with the new weights before its next token (its tokens and their recorded
+        log-probs stay as they were sampled), and the prefix cache is dropped, so that every token
+        sampled at version v is computed from weights v alone."""
+        if stale_kv not in STALE_KV:
+            raise ValueError(f"stale_kv must be one of {STALE_KV}, got {stale_kv!r}")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1 (the optimizer steps taken), got {steps!r}")
+        self.policy_version += steps
+        if stale_kv == "keep":
+            return
+        scheduler = self.scheduler
+        stats = scheduler.stats.preemptions, scheduler.stats.paused_preemptions
+        for seq in reversed(list(scheduler.running)):  # the newest first: the queue keeps their order
+            scheduler.preempt(seq)
+        for seq in scheduler.paused:  # a paused episode recomputes when its tools return
+            if seq.block_table:
+                scheduler.preempt(seq)
+        self.stale_recomputes += scheduler.stats.preemptions - stats[0]
+        # the scheduler's counters stay those of memory pressure; these are counted apart
+        scheduler.stats.preemptions, scheduler.stats.paused_preemptions = stats
+        self.allocator.reset_prefix_cache()
 
     # ----------------------------------------------------------------- high level
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params=None, use_tqdm: bool = True,
@@ -263,6 +296,7 @@ class Generator:
         return {**dataclasses.asdict(self.scheduler.stats), "prefix_cache_hit_blocks": self.allocator.hits,
                 "max_num_seqs": self.scheduler.max_num_seqs, "num_blocks": self.allocator.num_blocks,
                 "block_size": self.block_size, "evictions": self.allocator.evictions,
+                "policy_version": self.policy_version, "stale_recomputes": self.stale_recomputes,
                 **snapshot_stats(self.scheduler.state_slots)}
 
     def reset_stats(self) -> None:
@@ -289,7 +323,9 @@ class Generator:
     def _sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> SampleResult:
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        return sample(logits, seqs, self._sampler_buffers)
+        result = sample(logits, seqs, self._sampler_buffers)
+        result.policy_version = self.policy_version
+        return result
 
     def _ensure_runner(self) -> ModelRunner:
         if self._runner is None:

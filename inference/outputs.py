@@ -15,6 +15,8 @@ class CompletionOutput:
     raw log-prob at temperature 1 or greedy); ``sampling_logprobs[i]`` under the processed
     distribution it was actually drawn from (after repetition penalty, temperature, top-k, top-p,
     min-p; 0.0 for greedy). ``top_logprobs[i]`` maps the top-k tokens to raw log-probs when requested.
+    ``policy_versions[i]`` is the :attr:`~nopad.inference.Generator.policy_version` whose weights drew
+    ``token_ids[i]`` (streaming RL: optimizer steps may land between two tokens of one sample).
     Times are seconds since the request arrived.
     """
 
@@ -26,6 +28,7 @@ class CompletionOutput:
     temperature_logprobs: list[float] = field(default_factory=list)
     sampling_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] | None = None
+    policy_versions: list[int] = field(default_factory=list)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
 

@@ -160,6 +160,7 @@ class Sequence:
     temperature_logprobs: list[float] = field(default_factory=list)
     sampling_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)  # per sampled token: the weights that drew it
     token_times: list[float] = field(default_factory=list)
     emitted: int = 0  # generated tokens already handed to a stream
     turn_start: int | None = None  # where the current model turn began (default: after the prompt)
@@ -218,6 +219,7 @@ class Sequence:
             temperature_logprobs=list(self.temperature_logprobs),
             sampling_logprobs=list(self.sampling_logprobs),
             top_logprobs=list(self.top_logprobs),
+            policy_versions=list(self.policy_versions),
             token_times=list(self.token_times),
             turn_start=self.turn_start,
             max_generated=self.max_generated,
@@ -225,8 +227,10 @@ class Sequence:
         )
 
     def append(self, result, k: int, now: float) -> None:
-        """Append row ``k`` of a step's sample (:class:`nopad.inference.sampler.SampleResult`)."""
+        """Append row ``k`` of a step's sample (:class:`nopad.inference.sampler.SampleResult`) and the
+        policy version that drew it."""
         self.token_ids.append(result.tokens[k])
+        self.policy_versions.append(result.policy_version)
         self.logprobs.append(result.logprobs[k])
         self.temperature_logprobs.append(result.temperature_logprobs[k])
         self.sampling_logprobs.append(result.sampling_logprobs[k])
@@ -281,6 +285,7 @@ class Sequence:
             temperature_logprobs=list(self.temperature_logprobs),
             sampling_logprobs=list(self.sampling_logprobs),
             top_logprobs=list(self.top_logprobs) if self.request.params.logprobs is not None else None,
+            policy_versions=list(self.policy_versions),
             first_token_time=self.token_times[0] if self.token_times else None,
             token_times=list(self.token_times),
         )

@@ -26,6 +26,7 @@ class SampleResult:
     temperature_logprobs: list[float]  # under softmax(logits / temperature), before any filter
     sampling_logprobs: list[float]  # log-prob under the processed distribution sampled from
     top_logprobs: list[dict[int, float] | None]
+    policy_version: int = 0  # the weights whose logits these were (nopad.inference.Generator.policy_version)
 
 
 class SamplerBuffers:

@@ -140,6 +140,20 @@ def make_generator(model, cfg: GRPORecipeConfig, tokenizer=None):
                      max_num_seqs=g.max_num_seqs, max_num_batched_tokens=g.max_num_batched_tokens)
 
 
+def streaming_rollouts(cfg: GRPORecipeConfig, generator, prompt_ids: list[list[int]], pick):
+    """``rollout.mode=streaming``'s rollouts (None for sync): group ``i`` is ``pick(i)``'s prompt with
+    the sampling seed of step ``i // prompts_per_step``, as the synchronous step would sample it."""
+    from nopad.training.streaming import StreamingRollouts
+
+    ro = cfg.rollout
+    if ro.mode != "streaming":
+        return None
+    return StreamingRollouts(
+        generator, lambda i: (prompt_ids[pick(i)], sampling_params(cfg, i // ro.prompts_per_step)),
+        groups_per_step=ro.prompts_per_step, max_staleness=ro.max_staleness, stale_kv=ro.stale_kv,
+        total_groups=cfg.train.steps * ro.prompts_per_step)
+
+
 def environment_tools(cfg: GRPORecipeConfig, tokenizer):
     """The chat template's tool format with ``task.environment``'s tools; None without one."""
     spec = cfg.task.environment
@@ -200,6 +214,7 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     from nopad.training.curves import finish_trackers, tracker_config, write_curves
     from nopad.training.grpo_step import grpo_step
     from nopad.training.optimizer import make_adamw
+    from nopad.training.streaming import streaming_step
 
     reward_fn = with_timeout(resolve_reward(cfg.reward, cfg.task.environment), cfg.reward_timeout,
                              "reward_timeout", cfg.task.prompt_field)
@@ -236,15 +251,24 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     history, saved_at = [], None
     show = progress and accelerator.is_main_process
     bar = tqdm(range(run.step, tr.steps), desc="grpo", disable=not show)
+    def pick(group: int) -> int:  # the example of this rank's group-th group: step group // per_step's
+        step, j = divmod(group, per_step)
+        return order[((step * world + rank) * per_step + j) % len(order)]
+
+    stream = streaming_rollouts(cfg, generator, prompt_ids, pick)
     with use_nopad_attention(policy):  # packed training rows; the generator switches to paged itself
         for step in bar:
-            start = (step * world + rank) * per_step
-            picks = [order[(start + j) % len(order)] for j in range(per_step)]
-            metrics = grpo_step(stepper, generator, [examples[i] for i in picks],
-                                [prompt_ids[i] for i in picks], reward_fn, tokenizer,
-                                sampling_params(cfg, step), loss, step=step,
-                                rollout_mode=cfg.generator.sharded_rollout, ref_model=ref_model,
-                                use_tqdm=progress, episodes=episodes)
+            picks = [pick(step * per_step + j) for j in range(per_step)]
+            if stream is not None:
+                metrics = streaming_step(stepper, stream, lambda g: (examples[pick(g)], prompt_ids[pick(g)]),
+                                         reward_fn, tokenizer, loss, step=step, temperature=cfg.rollout.temperature,
+                                         ref_model=ref_model)
+            else:
+                metrics = grpo_step(stepper, generator, [examples[i] for i in picks],
+                                    [prompt_ids[i] for i in picks], reward_fn, tokenizer,
+                                    sampling_params(cfg, step), loss, step=step,
+                                    rollout_mode=cfg.generator.sharded_rollout, ref_model=ref_model,
+                                    use_tqdm=progress, episodes=episodes)
             history.append(metrics)
             logger.info("grpo step %d: %s", step, json.dumps({k: round(v, 6) for k, v in metrics.items()}))
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", gap=f"{metrics['logprob_gap_max']:.1e}")
@@ -258,6 +282,8 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     if out is not None and accelerator.is_main_process:
         write_curves(out / checkpoint.METRICS_FILE, CURVES, "nopad GRPO")
     finish_trackers(accelerator)
+    if stream is not None:
+        stream.close()
     generator.release()
     save.finish(run.step, saved_at)
     return history

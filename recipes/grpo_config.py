@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from nopad.recipes.config import (
@@ -23,7 +24,7 @@ from nopad.recipes.config import (
     check_sampling,
 )
 from nopad.recipes.env_tasks import resolve_reward
-from nopad.recipes.tasks import TASKS
+from nopad.recipes.tasks import TASKS, tool_task
 from nopad.training.policy_loss.settings import PolicyLossSettings
 
 if TYPE_CHECKING:  # (nopad.training.policy_loss imports torch: a config, and --help, load without it)
@@ -66,10 +67,13 @@ class RolloutConfig(Section):
     seed: int = 0  # sampling seed (a different one each step)
     max_turns: int = 4  # tool tasks (nopad.recipes.tool_tasks): model turns per episode
     tool_timeout: float = 10.0  # tool tasks: seconds a round of tool calls may take
+    mode: Literal["sync", "streaming"] = "sync"  # streaming: generation runs on across optimizer steps
+    max_staleness: int = 1  # streaming: groups whose oldest token is more optimizer steps old are dropped
+    stale_kv: Literal["keep", "recompute"] = "keep"  # streaming: after an update, keep the KV | recompute it
 
     def check(self) -> None:
         for name, low in [("prompts_per_step", 1), ("num_generations", 2), ("max_prompt_tokens", 1),
-                          ("max_tokens", 1), ("max_turns", 1)]:
+                          ("max_tokens", 1), ("max_turns", 1), ("max_staleness", 0)]:
             self.at_least(name, low)
         if not self.tool_timeout > 0:
             raise ConfigError("tool_timeout", f"must be > 0 seconds, got {self.tool_timeout}")
@@ -184,9 +188,39 @@ class GRPORecipeConfig(Section):
             self.loss.check_old_logprobs(tr.old_logprobs, key="train.old_logprobs")
         except ValueError as err:
             raise knob_error(err).under("loss") from None
+        if ro.mode == "streaming":
+            self._check_streaming()
         if self.checkpoint.every and not self.output_dir:
             raise ConfigError("checkpoint.every", "needs output_dir: the checkpoints are written there")
         if seq_tokens > tr.max_tokens_per_batch:
             raise ValueError(f"train.max_tokens_per_batch={tr.max_tokens_per_batch} is smaller than one "
                              f"rollout sequence ({seq_tokens} tokens = rollout.max_prompt_tokens + "
                              "rollout.max_tokens); raise it")
+
+    def _check_streaming(self) -> None:
+        """What ``rollout.mode=streaming`` cannot serve yet, refused before the model loads."""
+        if self.task.environment is not None or tool_task(self.task.name, self.task.prompts) is not None:
+            raise ConfigError("rollout.mode", "streaming does not run tool episodes yet (their tool latency "
+                              "would make which groups form a step depend on the wall clock); use "
+                              "rollout.mode=sync for this task")
+        if self.checkpoint.resume_from is not None:
+            raise ConfigError("rollout.mode", "streaming does not save its in-flight rollouts yet, so a resumed "
+                              "run would not continue the one that was stopped; resume with rollout.mode=sync, "
+                              "or start fresh without checkpoint.resume_from")
+        if zero3_config(self.accelerate.deepspeed_config):
+            raise ConfigError("rollout.mode", f"streaming does not run on ZeRO-3 sharded weights yet "
+                              f"({self.accelerate.deepspeed_config}): its rollouts gather the weights per "
+                              "step; use rollout.mode=sync, or DDP / ZeRO-1/2")
+
+
+def zero3_config(path: str | None) -> bool:
+    """Whether the DeepSpeed JSON at ``path`` shards the parameters (ZeRO stage 3)."""
+    if path is None:
+        return False
+    import json
+
+    try:
+        stage = json.loads(Path(path).read_text()).get("zero_optimization", {}).get("stage", 0)
+    except (OSError, ValueError):
+        return False  # the accelerator reports an unreadable config where it loads it
+    return stage == 3

@@ -116,19 +116,25 @@ class Rollout:
     # tokens (context only); empty: every completion token is the model's
     loss_mask: Sequence[int] = ()
     truncated: bool = False  # stopped by the token limit, not by the model (mask_truncated_completions)
+    # per loss token, like gen_logprobs: the generator's policy version (optimizer step) that sampled it;
+    # empty when unknown. Streaming RL's staleness is read here (nopad.training.streaming)
+    policy_versions: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         mask = _loss_mask(self)
         kept = sum(mask)
         if len(self.gen_logprobs) == len(mask) != kept:  # one per completion token: keep the sampled ones
             self.gen_logprobs = [lp for lp, keep in zip(self.gen_logprobs, mask) if keep]
+        if len(self.policy_versions) == len(mask) != kept:
+            self.policy_versions = [v for v, keep in zip(self.policy_versions, mask) if keep]
 
     @classmethod
     def from_completion(cls, prompt_ids: Sequence[int], completion, logprobs: str = "tempered") -> Rollout:
         """A plain sample (:class:`nopad.inference.outputs.CompletionOutput`): every token the model's.
         ``logprobs``: which recorded log-probs (:data:`LOGPROBS`), the trained policy's."""
         return cls(list(prompt_ids), list(completion.token_ids), _sampled_logprobs(completion, logprobs),
-                   truncated=completion.finish_reason == "length")
+                   truncated=completion.finish_reason == "length",
+                   policy_versions=list(getattr(completion, "policy_versions", ())))
 
     @classmethod
     def from_episode(cls, episode, logprobs: str = "tempered") -> Rollout:

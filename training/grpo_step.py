@@ -105,17 +105,26 @@ def grpo_step(stepper: OptimizerStepper, generator, examples: Sequence[dict],
                                                     loss.logprobs, examples)
     rollout_time = time.perf_counter() - t0
     generator.release()  # the KV cache goes back before any backward pass
+    metrics = score_and_train(stepper, samples, examples, reward_fn, tokenizer, loss, step=step,
+                              temperature=params.temperature, ref_model=ref_model)
+    return {**metrics, **episode_metrics, "rollout_tokens_per_s": metrics["completion_tokens"] / rollout_time,
+            "rollout_s": rollout_time}
+
+
+def score_and_train(stepper: OptimizerStepper, samples: Sequence[Sequence[tuple]], examples: Sequence[dict],
+                    reward_fn: RewardFn | EpisodeRewardFn, tokenizer, loss: GRPOLoss, *, step: int,
+                    temperature: float, ref_model=None) -> dict:
+    """Everything after the rollouts, one implementation for the synchronous and the streaming step:
+    ``samples`` per group (prompt), per completion ``(what the reward reads, Rollout)``; rewards,
+    group advantages, then :func:`train_on_rollouts`. Returns the step's metrics."""
     rollouts = [rollout for group in samples for _, rollout in group]
     answers = [[answer for answer, _ in group] for group in samples]  # what each reward reads
     rewards = score_rollouts(reward_fn, tokenizer, examples, answers, step)
-    rewards_t = torch.tensor(rewards).view(len(examples), params.n)
+    rewards_t = torch.tensor(rewards).view(len(samples), -1) if samples else torch.zeros(0, 2)
     set_advantages(rollouts, rewards_t, step, loss.scale_rewards)
-    metrics = train_on_rollouts(stepper, rollouts, loss, temperature=params.temperature, ref_model=ref_model,
-                                step=step)
-    completion_tokens = metrics["completion_tokens"]
+    metrics = train_on_rollouts(stepper, rollouts, loss, temperature=temperature, ref_model=ref_model, step=step)
     return {"step": step, "reward_mean": float(rewards_t.mean()), "reward_std": float(rewards_t.std()),
-            **metrics, **episode_metrics, "rollout_tokens_per_s": completion_tokens / rollout_time,
-            "rollout_s": rollout_time}
+            **metrics}
 
 
 def score_rollouts(reward_fn: RewardFn | EpisodeRewardFn, tokenizer, examples: Sequence[dict],

@@ -1,0 +1,229 @@
+"""Streaming GRPO: the generator keeps running across optimizer steps, so a step never waits for
+its slowest rollout.
+
+A synchronous step generates every completion of its prompts, then trains; the long tail decodes a
+nearly empty batch while the trainer waits. Here the generator runs in the trainer's process on
+the trainer's parameters (no weight copy), groups (a prompt and its ``n`` samples) are admitted as
+slots free up, and an optimizer step takes the first ``groups_per_step`` groups to finish. Every
+sampled token carries the policy version (optimizer steps so far) whose weights drew it and its
+behaviour log-prob, recorded as it was sampled; the loss reads both (:mod:`nopad.training.grpo_step`).
+
+What decides a step is the generator's own step count, never the wall clock: groups are ordered
+by the decode step that finished them, then by admission, so a seeded run repeats exactly. Tools
+with real latency would break that, which is why tool episodes are not streamed yet.
+
+``max_staleness`` has TRL ``AsyncGRPOConfig``'s meaning: a group whose oldest token is more than that
+many optimizer steps old when it would be trained is dropped (and counted). The admission window
+is ``(max_staleness + 1) x groups_per_step`` groups ahead of the trainer, so ``max_staleness=0``
+admits exactly one step's groups and finishes them all: the synchronous step, bitwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from nopad.inference.generator import STALE_KV, Generator
+from nopad.inference.outputs import RequestOutput
+from nopad.inference.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+GroupSource = Callable[[int], tuple[list[int], SamplingParams]]  # group index -> (prompt ids, params)
+
+
+@dataclass
+class FinishedGroup:
+    """A group whose completions have all ended: what the trainer takes."""
+
+    index: int  # admission order on this rank: which prompt, and which step's seed, it was
+    output: RequestOutput
+    finished_at: int  # the generator step that ended its last completion
+
+    @property
+    def oldest_version(self) -> int | None:
+        versions = [min(c.policy_versions) for c in self.output.outputs if c.policy_versions]
+        return min(versions) if versions else None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.output.outputs)
+
+
+@dataclass
+class StreamStats:
+    """Counters since construction: what was dropped, how full the generator ran."""
+
+    admitted_groups: int = 0
+    trained_groups: int = 0
+    dropped_groups: int = 0
+    dropped_tokens: int = 0
+    decode_steps: int = 0  # generator steps run
+    decode_rows: int = 0  # sequences in those steps, summed (occupancy = decode_rows / decode_steps)
+    staleness: Counter = field(default_factory=Counter)  # trained tokens by age in optimizer steps
+
+
+class StreamingRollouts:
+    """Groups for streaming GRPO steps from a generator that never drains between them.
+
+    ``source(i)``: the prompt ids and sampling parameters of the ``i``-th group this rank admits
+    (the recipe's prompt order and per-step seed). ``groups_per_step``: the groups an optimizer step
+    takes (``rollout.prompts_per_step``). ``max_staleness``: see the module. ``stale_kv``: what the
+    KV cache written by older weights becomes when the weights change
+    (:meth:`nopad.inference.Generator.update_weights`). ``total_groups``: how many groups the run
+    will train on; none is admitted beyond what that needs (dropped groups are replaced)."""
+
+    def __init__(self, generator: Generator, source: GroupSource, *, groups_per_step: int, max_staleness: int,
+                 stale_kv: str = "keep", total_groups: int | None = None):
+        check_streaming(max_staleness, stale_kv)
+        if groups_per_step < 1:
+            raise ValueError(f"groups_per_step must be >= 1, got {groups_per_step}")
+        self.generator, self.source = generator, source
+        self.groups_per_step, self.max_staleness, self.stale_kv = groups_per_step, max_staleness, stale_kv
+        self.total_groups = total_groups
+        self.stats = StreamStats()
+        self._next = 0  # the next group index to admit
+        self._in_flight: dict[str, int] = {}  # request id -> group index
+        self._ready: list[FinishedGroup] = []  # finished, in (finished_at, index) order
+        self._steps = 0
+
+    @property
+    def policy_version(self) -> int:
+        return self.generator.policy_version
+
+    def next_groups(self) -> list[FinishedGroup]:
+        """Run the generator until ``groups_per_step`` groups young enough to train on have finished;
+        return them in admission order (the order the synchronous step trains its prompts in)."""
+        generator = self.generator
+        with generator.live.attention():  # switched once for the burst of steps, restored for training
+            while True:
+                self._drop_stale()
+                if len(self._ready) >= self.groups_per_step:
+                    break
+                self._admit()
+                if not generator.has_unfinished():
+                    raise RuntimeError(f"streaming rollouts ran out of groups: {len(self._ready)} finished of "
+                                       f"the {self.groups_per_step} a step takes and none in flight "
+                                       f"(total_groups={self.total_groups}); this is a bug")
+                self._step()
+        taken, self._ready = self._ready[: self.groups_per_step], self._ready[self.groups_per_step :]
+        now = self.policy_version
+        for group in taken:
+            for completion in group.output.outputs:
+                self.stats.staleness.update(now - v for v in completion.policy_versions)
+        self.stats.trained_groups += len(taken)
+        return sorted(taken, key=lambda g: g.index)
+
+    def weights_updated(self, steps: int = 1) -> None:
+        """The trainer took ``steps`` optimizer steps on the generator's parameters."""
+        self.generator.update_weights(self.stale_kv, steps)
+
+    def close(self) -> None:
+        """Abort what is still in flight (the run is over, or failed) and free the KV cache."""
+        self.generator.abort_all()
+        self._in_flight.clear()
+        self.generator.release()
+
+    def metrics(self, window: StreamStats | None = None) -> dict:
+        """Occupancy, drops and staleness since construction (or since ``window``, a copy taken earlier)."""
+        s, w = self.stats, window or StreamStats()
+        steps = s.decode_steps - w.decode_steps
+        ages = s.staleness - w.staleness
+        tokens = sum(ages.values())
+        return {"policy_version": self.policy_version,
+                "decode_rows_mean": (s.decode_rows - w.decode_rows) / max(steps, 1),
+                "dropped_groups": s.dropped_groups - w.dropped_groups,
+                "dropped_tokens": s.dropped_tokens - w.dropped_tokens,
+                "staleness_mean": sum(a * n for a, n in ages.items()) / max(tokens, 1),
+                "staleness_max": max(ages, default=0)}
+
+    def snapshot(self) -> StreamStats:
+        s = self.stats
+        return StreamStats(s.admitted_groups, s.trained_groups, s.dropped_groups, s.dropped_tokens,
+                           s.decode_steps, s.decode_rows, Counter(s.staleness))
+
+    # ------------------------------------------------------------------ internals
+    def _admit(self) -> None:
+        """Admit whole groups: always up to this step's own, and beyond it (up to the staleness
+        window) only while the generator has free sequence slots, so it stays full without
+        queueing work that would age in the queue."""
+        generator, scheduler = self.generator, self.generator.scheduler
+        window = (self.max_staleness + 1) * self.groups_per_step
+        while self.total_groups is None or self._next - self.stats.dropped_groups < self.total_groups:
+            ahead = len(self._in_flight) + len(self._ready)
+            if ahead >= window:
+                return
+            prompt, params = self.source(self._next)
+            if ahead >= self.groups_per_step:
+                live = sum(s.fork_count for s in (*scheduler.running, *scheduler.waiting))
+                if live + params.n > scheduler.max_num_seqs:
+                    return
+            request_id = generator.add_request(prompt, params, request_id=f"group-{self._next}")
+            self._in_flight[request_id] = self._next
+            self._next += 1
+            self.stats.admitted_groups += 1
+
+    def _step(self) -> None:
+        before = self.generator.scheduler.stats.steps
+        finished = self.generator.step()
+        self._steps += 1
+        seqs = self.generator.scheduler.stats.seqs_per_step
+        if self.generator.scheduler.stats.steps > before:
+            self.stats.decode_steps += 1
+            self.stats.decode_rows += seqs[-1]
+        done = [FinishedGroup(self._in_flight.pop(out.request_id), out, self._steps)
+                for out in finished if out.request_id in self._in_flight]
+        self._ready.extend(sorted(done, key=lambda g: g.index))
+
+    def _drop_stale(self) -> None:
+        """Drop finished groups too old to train on now (their oldest token > max_staleness steps)."""
+        now, keep = self.policy_version, []
+        for group in self._ready:
+            oldest = group.oldest_version
+            if oldest is not None and now - oldest > self.max_staleness:
+                self.stats.dropped_groups += 1
+                self.stats.dropped_tokens += group.num_tokens
+                logger.debug("dropped group %d: oldest token %d steps old (max_staleness=%d)", group.index,
+                             now - oldest, self.max_staleness)
+            else:
+                keep.append(group)
+        self._ready = keep
+
+
+def check_streaming(max_staleness: int, stale_kv: str) -> None:
+    """The streaming settings' one check (the recipe's config calls it too)."""
+    if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+        raise ValueError(f"max_staleness must be an int >= 0 (0: synchronous GRPO), got {max_staleness!r}")
+    if stale_kv not in STALE_KV:
+        raise ValueError(f"stale_kv must be one of {STALE_KV}, got {stale_kv!r}")
+
+
+def streaming_step(stepper, stream: StreamingRollouts, group_examples: Callable[[int], tuple[dict, list[int]]],
+                   reward_fn, tokenizer, loss, *, step: int, temperature: float, ref_model=None) -> dict:
+    """One streaming GRPO step: the next groups from ``stream`` (``group_examples(i)``: the example and
+    prompt ids of group ``i``), scored and trained as the synchronous step does
+    (:func:`nopad.training.grpo_step.score_and_train`, each token's own recorded behaviour log-prob as
+    its old log-prob), then the generator is told the weights changed. Every rank calls it each step."""
+    import time
+
+    from nopad.packing.invariance import batch_invariant
+    from nopad.training.grpo import Rollout
+    from nopad.training.grpo_step import score_and_train
+
+    window, t0 = stream.snapshot(), time.perf_counter()
+    with batch_invariant(loss.batch_invariant):  # the rollout's log-probs are then the trainer's, bitwise
+        groups = stream.next_groups()
+    rollout_time = time.perf_counter() - t0
+    examples, samples = [], []
+    for group in groups:
+        example, prompt_ids = group_examples(group.index)
+        examples.append(example)
+        samples.append([(c.token_ids, Rollout.from_completion(prompt_ids, c, loss.logprobs))
+                        for c in group.output.outputs])
+    metrics = score_and_train(stepper, samples, examples, reward_fn, tokenizer, loss, step=step,
+                              temperature=temperature, ref_model=ref_model)
+    stream.weights_updated(metrics["optimizer_steps"])
+    return {**metrics, **stream.metrics(window), "rollout_s": rollout_time,
+            "rollout_tokens_per_s": metrics["completion_tokens"] / max(rollout_time, 1e-9)}
