@@ -123,6 +123,10 @@ class Generator:
         """Stop a request; its output (finish_reason "abort") comes from the next step()."""
         return self._plain.abort(request_id)
 
+    def request(self, request_id: str) -> Request | None:
+        """The request in flight under ``request_id`` (its samples' tokens so far), or None."""
+        return self._plain.in_flight.get(request_id)
+
     def abort_all(self) -> None:
         """Stop every request and episode in flight and drop their outputs (after an error)."""
         self._plain.abort_all()

@@ -117,8 +117,22 @@ class StreamingRollouts:
         return sorted(taken, key=lambda g: g.index)
 
     def weights_updated(self, steps: int = 1) -> None:
-        """The trainer took ``steps`` optimizer steps on the generator's parameters."""
+        """The trainer took ``steps`` optimizer steps on the generator's parameters. A group in flight
+        whose oldest token is now too old to be trained on is aborted at once (its tokens counted as
+        dropped): its staleness can only grow, and decoding it on would be wasted work."""
         self.generator.update_weights(self.stale_kv, steps)
+        now = self.policy_version
+        for request_id, index in list(self._in_flight.items()):
+            request = self.generator.request(request_id)
+            versions = [seq.policy_versions[0] for seq in request.samples if seq is not None and seq.policy_versions]
+            if versions and now - min(versions) > self.max_staleness:
+                tokens = sum(len(seq.policy_versions) for seq in request.samples if seq is not None)
+                self.generator.abort(request_id)  # its "abort" output comes from the next step: ignored
+                del self._in_flight[request_id]
+                self.stats.dropped_groups += 1
+                self.stats.dropped_tokens += tokens
+                logger.debug("aborted group %d: its oldest token is %d steps old (max_staleness=%d)", index,
+                             now - min(versions), self.max_staleness)
 
     def close(self) -> None:
         """Abort what is still in flight (the run is over, or failed) and free the KV cache."""

@@ -142,8 +142,9 @@ def test_keep_continues_on_the_kv_older_weights_wrote(one_thread):
 
 
 def test_no_token_older_than_max_staleness_is_trained_and_drops_are_counted(one_thread):
-    """A long group overtaken by short ones ages past ``max_staleness`` and is dropped (counted, in
-    groups and tokens); every token handed to the trainer is at most ``max_staleness`` steps old."""
+    """A long group overtaken by short ones ages past ``max_staleness``: it is aborted as soon as it
+    can no longer be trained on (not decoded to its end) and counted, in groups and tokens; every
+    token handed to the trainer is at most ``max_staleness`` steps old."""
     model = tiny_model("llama")
     gen = Generator(model, block_size=16, num_blocks=128, max_num_seqs=8, max_num_batched_tokens=64)
     prompts = random_sequences([5] * 12, seed=2)
@@ -160,7 +161,7 @@ def test_no_token_older_than_max_staleness_is_trained_and_drops_are_counted(one_
         assert 0 not in [g.index for g in groups]
         stream.weights_updated(1)
     stream.close()
-    assert stream.stats.dropped_groups == 1 and stream.stats.dropped_tokens == 2 * 60
+    assert stream.stats.dropped_groups == 1 and 0 < stream.stats.dropped_tokens < 2 * 60
     assert max(stream.stats.staleness) <= 1 and stream.stats.trained_groups == 5
 
 
