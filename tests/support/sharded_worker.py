@@ -56,7 +56,7 @@ def main(modes: str, out_dir: str) -> None:
     for mode in modes.split(","):
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
-        run(mode, out_dir)
+        (run_streaming if mode == "ddp_streaming" else run)(mode, out_dir)
     dist.destroy_process_group()
 
 
@@ -142,6 +142,34 @@ def run(mode: str, out_dir: str) -> None:
               "global_steps": getattr(engine, "global_steps", None), "bad_prompt_errors": errors,
               "plain_generate_error": plain_error}
     torch.save(result, os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
+    dist.barrier()
+
+
+def run_streaming(mode: str, out_dir: str) -> None:
+    """Streaming GRPO under DDP: each rank streams its own groups, rank 1's 12 times longer than rank
+    0's; the optimizer step stays collective, so both ranks take the same steps on one model."""
+    from nopad.training.streaming import StreamingRollouts, streaming_step
+
+    rank = int(os.environ["RANK"])
+    model = tiny_model("llama")
+    accelerator = make_accelerator(None, max_grad_norm=MAX_GRAD_NORM, recipe="tests.support.sharded_worker")
+    engine, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+    policy = accelerator.unwrap_model(engine)
+    generator = Generator(policy, block_size=16, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=256)
+
+    def source(i):
+        return PROMPTS[(2 * i + rank) % len(PROMPTS)], SamplingParams(n=2, max_tokens=2 if rank == 0 else 24,
+                                                                      seed=i, ignore_eos=True)
+
+    stream = StreamingRollouts(generator, source, groups_per_step=2, max_staleness=1, total_groups=8)
+    stepper = OptimizerStepper(engine, optimizer, accelerator, max_grad_norm=MAX_GRAD_NORM)
+    loss = GRPOLoss(batch_invariant=resolve_batch_invariant("auto", torch.device("cpu")))
+    history = [streaming_step(stepper, stream, lambda g: ({}, source(g)[0]), checksum_reward, IdText(), loss,
+                              step=step, temperature=1.0) for step in range(4)]
+    stream.close()
+    torch.save({"weights": full_weights(engine, "ddp"), "optimizer_steps": stepper.optimizer_steps,
+                "history": history, "policy_version": generator.policy_version},
+               os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
     dist.barrier()
 
 

@@ -34,7 +34,7 @@ def _run_two_ranks(args: list[str], what: str, timeout: float = TIMEOUT_S) -> No
 def grpo_runs(tmp_path_factory):
     """One launch runs the four engines in turn: a launch's start-up is most of its time."""
     out = tmp_path_factory.mktemp("grpo")
-    modes = ("fsdp2", "ddp", "zero2", "zero3")
+    modes = ("fsdp2", "ddp", "zero2", "zero3", "ddp_streaming")
     _run_two_ranks(["-m", "tests.support.sharded_worker", ",".join(modes), str(out)],
                    f"GRPO under {', '.join(modes)}", timeout=len(modes) * TIMEOUT_S)
     return {m: [torch.load(out / f"{m}_rank{r}.pt", weights_only=False) for r in range(2)] for m in modes}
@@ -61,6 +61,21 @@ def test_grpo_sharded_matches_ddp_with_one_optimizer_step_per_grpo_step(grpo_run
     tokens = [[h["completion_tokens"] for h in r["history"]] for r in ranks]
     assert tokens[0] == [8, 8, 8, 8] and tokens[1][:2] == [96, 96] and tokens[1][2:] == [0, 0]
     assert [h["train_rows"] for h in ranks[1]["history"]][2:] == [0, 0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # the fixture's 600 s launch
+def test_streaming_under_ddp_steps_together_when_one_ranks_groups_are_much_longer(grpo_runs):
+    """Each rank streams its own groups (rank 1's completions 12 times longer); every optimizer step
+    is collective, so both ranks end with the same step count and one model, and none hangs."""
+    ranks = grpo_runs["ddp_streaming"]
+    initial = {k: p.detach() for k, p in tiny_model("llama").named_parameters()}
+    for r in ranks:
+        assert r["optimizer_steps"] == r["policy_version"] == 4
+        assert all(torch.equal(r["weights"][k], ranks[0]["weights"][k]) for k in initial)
+    assert max(float((ranks[0]["weights"][k] - initial[k]).abs().max()) for k in initial) > 1e-3
+    tokens = [sum(h["completion_tokens"] for h in r["history"]) for r in ranks]
+    assert tokens[1] >= 6 * tokens[0] > 0
 
 
 @pytest.mark.slow
