@@ -66,6 +66,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo.yaml"  # these defaults, with comments
 CURVES = ("reward_mean", "loss", "logprob_gap_max")  # plotted to curves.png and sent to the trackers
+# streaming adds: staleness per trained token, tokens dropped, generator occupancy, the trainer's wait
+STREAMING_CURVES = ("staleness_mean", "dropped_tokens", "decode_rows_mean", "rollout_s")
 
 
 # ----------------------------------------------------------------------------- config -> objects
@@ -256,6 +258,7 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
         return order[((step * world + rank) * per_step + j) % len(order)]
 
     stream = streaming_rollouts(cfg, generator, prompt_ids, pick)
+    curves = CURVES + (STREAMING_CURVES if stream is not None else ())
     with use_nopad_attention(policy):  # packed training rows; the generator switches to paged itself
         for step in bar:
             picks = [pick(step * per_step + j) for j in range(per_step)]
@@ -272,7 +275,7 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
             history.append(metrics)
             logger.info("grpo step %d: %s", step, json.dumps({k: round(v, 6) for k, v in metrics.items()}))
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", gap=f"{metrics['logprob_gap_max']:.1e}")
-            accelerator.log({k: metrics[k] for k in CURVES}, step=step)  # to the log_with trackers
+            accelerator.log({k: metrics[k] for k in curves}, step=step)  # to the log_with trackers
             if out is not None and accelerator.is_main_process:
                 checkpoint.append_metrics(out, metrics)
             run.step = step + 1
@@ -280,7 +283,7 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
                 save(run.step)
                 saved_at = run.step
     if out is not None and accelerator.is_main_process:
-        write_curves(out / checkpoint.METRICS_FILE, CURVES, "nopad GRPO")
+        write_curves(out / checkpoint.METRICS_FILE, curves, "nopad GRPO")
     finish_trackers(accelerator)
     if stream is not None:
         stream.close()

@@ -52,6 +52,23 @@ def test_max_staleness_0_is_the_synchronous_step_bitwise(dtype, one_thread):
     assert all(torch.equal(p, q) for p, q in zip(sync.parameters(), streamed.parameters()))
 
 
+def test_the_decoupled_objective_streams_through_the_policy_loss_seam(one_thread):
+    """AReaL's decoupled objective: clipped against the current weights before the step (no extra
+    forward), importance-weighted against each token's recorded behaviour log-prob; the step's
+    streaming metrics are reported."""
+    from nopad.recipes.grpo import STREAMING_CURVES, run_grpo
+
+    cfg = tiny_config(rollout={"prompts_per_step": 2, "num_generations": 4, "max_tokens": 8, "mode": "streaming",
+                               "max_staleness": 1},
+                      train={"steps": 2, "lr": 1e-3, "batch_invariant": True, "old_logprobs": "recompute"},
+                      loss={"is_correction": "token_truncate"})
+    decoupled = run_grpo(cfg, model=tiny_model("llama"), tokenizer=AsciiTokenizer(), progress=False)
+    assert all(h["forwards_per_optimizer_step"] == h["train_rows"] for h in decoupled)  # no old-log-prob forward
+    assert any(k.startswith("mismatch/is/") for k in decoupled[-1])
+    assert decoupled[-1]["staleness_max"] <= 1
+    assert {"policy_version", "staleness_max", "dropped_groups", *STREAMING_CURVES} <= set(decoupled[-1])
+
+
 def stream_with_updates(family: str, stale_kv: str, steps: int = 4):
     """Stream groups of long-tailed lengths two per step, perturbing the weights in place after each
     step (an optimizer step's stand-in) and keeping each version's weights. Returns the groups taken,
