@@ -10,6 +10,7 @@ stop means. :class:`RequestBuilder` validates what a request may ask of the gene
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import logging
@@ -204,27 +205,15 @@ class Sequence:
         return len(self.token_ids) - self.num_computed
 
     def fork(self, index: int, stream: int | None = None) -> Sequence:
-        """A sibling sharing this sequence's blocks and history (the caller increfs the blocks)."""
-        return Sequence(
-            request=self.request,
-            index=index,
-            token_ids=list(self.token_ids),
-            stream=stream,
-            status=self.status,
-            num_computed=self.num_computed,
-            block_table=list(self.block_table),
-            num_hashed=self.num_hashed,
-            last_hash=self.last_hash,
-            logprobs=list(self.logprobs),
-            temperature_logprobs=list(self.temperature_logprobs),
-            sampling_logprobs=list(self.sampling_logprobs),
-            top_logprobs=list(self.top_logprobs),
-            policy_versions=list(self.policy_versions),
-            token_times=list(self.token_times),
-            turn_start=self.turn_start,
-            max_generated=self.max_generated,
-            hooks=self.hooks,
-        )
+        """A sibling sharing this sequence's blocks and history (the caller increfs the blocks): every
+        field copied (lists as copies) except the sample's own identity and what its owner and the
+        scheduler give it afresh (:data:`FORK_RESETS`)."""
+        child = dataclasses.replace(self, index=index, stream=stream, seq_id=next(_seq_ids), **FORK_RESETS)
+        for f in dataclasses.fields(child):
+            value = getattr(child, f.name)
+            if isinstance(value, list):
+                setattr(child, f.name, list(value))
+        return child
 
     def append(self, result, k: int, now: float) -> None:
         """Append row ``k`` of a step's sample (:class:`nopad.inference.sampler.SampleResult`) and the
@@ -289,6 +278,11 @@ class Sequence:
             first_token_time=self.token_times[0] if self.token_times else None,
             token_times=list(self.token_times),
         )
+
+
+# what a fork does not inherit: its own group size, stop, stream position, episode and state slot
+FORK_RESETS = {"fork_count": 1, "finish_reason": None, "stop_text": None, "emitted": 0, "out_of_memory": False,
+               "episode": None, "state_slot": None, "snapshot_at": 0}
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:

@@ -6,8 +6,9 @@ Three producers write this schema - the training collator, the prefix-tree rows
 rollouts - and all go through :meth:`PackedRow.build`, the one place that turns token lists into
 the row's tensors, counts its loss tokens and checks that its parts agree. A row is also a
 read-only ``Mapping`` of its set fields (``row["input_ids"]``, ``"indices" in row``,
-``row.keys()``, ``**row``), so code written against the dict rows of earlier versions keeps
-working.
+``row.keys()``, ``**row``): the ecosystem passes batches as mappings (``model(**batch)``, a data
+collator's output, transformers' ``Trainer`` input hooks), and a packed row goes through them as it
+is.
 """
 
 from __future__ import annotations
@@ -124,8 +125,8 @@ class PackedRow(Mapping):
 
     @classmethod
     def from_mapping(cls, batch: Mapping[str, Any]) -> PackedRow:
-        """A row from a dict with the same keys (a batch built by hand, or by an earlier version);
-        the counts are recomputed from its labels."""
+        """A row from a dict with the same keys (a batch built by hand, or a row that code copying
+        mappings turned into a dict); the counts are recomputed from its labels."""
         if isinstance(batch, PackedRow):
             return batch
         missing = [k for k in ("input_ids", "labels", "nopad_meta") if k not in batch]

@@ -6,9 +6,9 @@ owner (SequenceHooks) at each event."""
 from __future__ import annotations
 
 import itertools
-from types import SimpleNamespace
 
 from nopad.inference.request import Request, Sequence, Status
+from nopad.inference.sampler import SampleResult
 from nopad.inference.sampling_params import SamplingParams
 from nopad.inference.scheduler import Scheduler
 from nopad.packing.blocks import BlockAllocator
@@ -67,8 +67,8 @@ def step(scheduler: Scheduler, token: int = 7):
     def draw(index, seqs):
         assert len(index) == len(seqs)
         k = len(seqs)
-        return SimpleNamespace(tokens=[token] * k, logprobs=[-1.0] * k, temperature_logprobs=[-1.0] * k,
-                               sampling_logprobs=[-1.0] * k, top_logprobs=[None] * k)
+        return SampleResult(tokens=[token] * k, logprobs=[-1.0] * k, temperature_logprobs=[-1.0] * k,
+                            sampling_logprobs=[-1.0] * k, top_logprobs=[None] * k)
 
     scheduler.postprocess(plan, rows, draw)
     scheduler.allocator.check(owners=scheduler.owners())
