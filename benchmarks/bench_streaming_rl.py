@@ -93,7 +93,7 @@ def run_nopad(name: str, base, prompts, lengths, args, max_staleness: int, stale
     from nopad.inference import Generator, SamplingParams
     from nopad.packing.hf import use_nopad_attention
     from nopad.training.accumulation import OptimizerStepper
-    from nopad.training.grpo_step import GRPOLoss
+    from nopad.training.grpo_step import GRPOStepConfig
     from nopad.training.streaming import StreamingRollouts, streaming_step
 
     model = copy.deepcopy(base)
@@ -111,7 +111,7 @@ def run_nopad(name: str, base, prompts, lengths, args, max_staleness: int, stale
     stream = StreamingRollouts(generator, source, groups_per_step=args.prompts_per_step,
                                max_staleness=max_staleness, stale_kv=stale_kv,
                                total_groups=args.steps * args.prompts_per_step)
-    loss = GRPOLoss(max_tokens_per_batch=4096, batch_invariant=args.exact)
+    loss = GRPOStepConfig(max_tokens_per_batch=4096, batch_invariant=args.exact)
     trained, rollout_s = 0, 0.0
     wall, cpu = time.perf_counter(), time.process_time()
     with use_nopad_attention(model):

@@ -60,7 +60,7 @@ from nopad.recipes.tasks import (
 from nopad.recipes.tool_tasks import chat_tool_prompt
 
 if TYPE_CHECKING:  # torch and training/ are imported where they run, so --help answers without them
-    from nopad.training.grpo_step import GRPOLoss, ToolEpisodes
+    from nopad.training.grpo_step import GRPOStepConfig, ToolEpisodes
 
 logger = logging.getLogger(__name__)
 
@@ -71,15 +71,15 @@ STREAMING_CURVES = ("staleness_mean", "dropped_tokens", "decode_rows_mean", "rol
 
 
 # ----------------------------------------------------------------------------- config -> objects
-def grpo_loss(cfg: GRPORecipeConfig, device) -> GRPOLoss:
+def grpo_loss(cfg: GRPORecipeConfig, device) -> GRPOStepConfig:
     """The step's loss settings from ``loss`` and ``train``, with ``batch_invariant`` resolved for
     ``device``."""
     from nopad.training.grpo import resolve_batch_invariant
-    from nopad.training.grpo_step import GRPOLoss
+    from nopad.training.grpo_step import GRPOStepConfig
 
     tr, lc = cfg.train, cfg.loss
     invariant = resolve_batch_invariant(tr.batch_invariant, device, "train.batch_invariant")
-    return GRPOLoss(max_tokens_per_batch=tr.max_tokens_per_batch, shared_prefix=tr.shared_prefix,
+    return GRPOStepConfig(max_tokens_per_batch=tr.max_tokens_per_batch, shared_prefix=tr.shared_prefix,
                     policy=lc.policy(cfg.rollout.max_tokens), scale_rewards=lc.scale_rewards,
                     mask_truncated_completions=lc.mask_truncated_completions,
                     num_iterations=tr.num_iterations, steps_per_generation=tr.steps_per_generation,

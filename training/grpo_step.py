@@ -49,7 +49,7 @@ OLD_LOGPROBS = ("rollout", "recompute")
 
 
 @dataclass
-class GRPOLoss:
+class GRPOStepConfig:
     """What turns rollouts into a step's optimizer steps: the packing, the policy loss
     (:mod:`nopad.training.policy_loss`, TRL's ``loss_type`` and knobs), the reward scaling, how many
     optimizer steps a rollout batch feeds and where the old log-probs come from.
@@ -84,7 +84,7 @@ class GRPOLoss:
 
 
 def grpo_step(stepper: OptimizerStepper, generator, examples: Sequence[dict],
-              prompt_ids: Sequence[list[int]], reward_fn: RewardFn, tokenizer, params, loss: GRPOLoss, *,
+              prompt_ids: Sequence[list[int]], reward_fn: RewardFn, tokenizer, params, loss: GRPOStepConfig, *,
               step: int = 0, rollout_mode: str = "gather", ref_model=None, use_tqdm: bool = False,
               episodes: ToolEpisodes | None = None) -> dict:
     """One GRPO step on ``examples`` (their prompt token ids in ``prompt_ids``; ``params``: the
@@ -112,7 +112,7 @@ def grpo_step(stepper: OptimizerStepper, generator, examples: Sequence[dict],
 
 
 def score_and_train(stepper: OptimizerStepper, samples: Sequence[Sequence[tuple]], examples: Sequence[dict],
-                    reward_fn: RewardFn | EpisodeRewardFn, tokenizer, loss: GRPOLoss, *, step: int,
+                    reward_fn: RewardFn | EpisodeRewardFn, tokenizer, loss: GRPOStepConfig, *, step: int,
                     temperature: float, ref_model=None) -> dict:
     """Everything after the rollouts, one implementation for the synchronous and the streaming step:
     ``samples`` per group (prompt), per completion ``(what the reward reads, Rollout)``; rewards,
@@ -181,7 +181,7 @@ def _global_std(rewards: torch.Tensor) -> float:
     return max(squares - total * total / n, 0.0) ** 0.5 / max(n - 1, 1) ** 0.5 if n else 0.0
 
 
-def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: GRPOLoss, *,
+def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: GRPOStepConfig, *,
                       temperature: float = 1.0, ref_model=None, step: int | None = None) -> dict:
     """Packed training forwards and backwards over ``rollouts`` (with their advantages):
     ``loss.num_iterations`` passes of ``loss.steps_per_generation`` mini-batches, one optimizer step
@@ -251,7 +251,7 @@ class _MiniBatch:
     advantage, and the cached per-row old / reference log-probs (computed once, reused by every
     pass), all at ``temperature``: the trained policy's (:func:`nopad.training.grpo.policy_temperature`)."""
 
-    def __init__(self, rollouts: list[Rollout], chunk: list[int], loss: GRPOLoss, temperature: float):
+    def __init__(self, rollouts: list[Rollout], chunk: list[int], loss: GRPOStepConfig, temperature: float):
         self.temperature = temperature
         rows = pack_rollouts([rollouts[i] for i in chunk], loss.max_tokens_per_batch,
                              shared_prefix=loss.shared_prefix)
@@ -315,7 +315,7 @@ def _minibatches(rollouts: list[Rollout], parts: int) -> list[list[int]]:
     return [list(range(bounds[k], bounds[k + 1])) for k in range(parts)]
 
 
-def _train_window(stepper, b: _MiniBatch, policy, loss: GRPOLoss, ref_model, device, acc: _Metrics,
+def _train_window(stepper, b: _MiniBatch, policy, loss: GRPOStepConfig, ref_model, device, acc: _Metrics,
                   label, *, first: bool, measure: bool) -> float:
     """One optimizer step over mini-batch ``b``; returns its gradient norm."""
     counts = b.counts(policy)
@@ -350,7 +350,7 @@ def _train_window(stepper, b: _MiniBatch, policy, loss: GRPOLoss, ref_model, dev
     return window.grad_norm
 
 
-def _row_loss(model, row, r: int, b: _MiniBatch, policy, loss: GRPOLoss, ref_model, acc: _Metrics):
+def _row_loss(model, row, r: int, b: _MiniBatch, policy, loss: GRPOStepConfig, ref_model, acc: _Metrics):
     """The policy loss of one packed row and the pairs it was computed on."""
     entropy = bool(loss.policy.entropy_coef)
     with batch_invariant(loss.batch_invariant):  # the forward only; any correct backward will do

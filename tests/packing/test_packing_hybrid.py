@@ -498,14 +498,14 @@ def test_a_kernel_package_that_fails_to_import_is_reported_once(monkeypatch, tmp
 def test_a_grpo_step_on_tree_rows_of_a_hybrid_model_equals_flat_packing(one_thread):
     from nopad.packing.hf import use_nopad_attention
     from nopad.training.accumulation import OptimizerStepper
-    from nopad.training.grpo_step import GRPOLoss, train_on_rollouts
+    from nopad.training.grpo_step import GRPOStepConfig, train_on_rollouts
     from tests.training.test_training_tree import _grad_recorder, forked_rollouts
 
     rollouts = forked_rollouts()
 
     def step(shared_prefix, capacity):
         model = tiny_model("qwen3_5")
-        loss = GRPOLoss(max_tokens_per_batch=capacity, shared_prefix=shared_prefix)
+        loss = GRPOStepConfig(max_tokens_per_batch=capacity, shared_prefix=shared_prefix)
         optimizer = _grad_recorder(model.parameters())
         with use_nopad_attention(model):
             metrics = train_on_rollouts(OptimizerStepper(model, optimizer), rollouts, loss)

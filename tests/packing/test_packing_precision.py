@@ -226,7 +226,7 @@ def test_one_grpo_step_on_flash_in_bf16(monkeypatch, forced_flash):
     from nopad.packing.row import PackedRow
     from nopad.training.accumulation import OptimizerStepper
     from nopad.training.grpo import resolve_batch_invariant
-    from nopad.training.grpo_step import GRPOLoss, grpo_step
+    from nopad.training.grpo_step import GRPOStepConfig, grpo_step
     from tests.support.models import IdText, checksum_reward
 
     policy = precision_model("llama", "bf16")
@@ -237,7 +237,7 @@ def test_one_grpo_step_on_flash_in_bf16(monkeypatch, forced_flash):
                         lambda row, device, **kw: moved.append(device) or real_move(row, device, **kw))
     gen = Generator(policy, num_blocks=8, max_num_batched_tokens=256)
     stepper = OptimizerStepper(policy, torch.optim.SGD(policy.parameters(), lr=1e-2), max_grad_norm=1.0)
-    loss = GRPOLoss(batch_invariant=resolve_batch_invariant("auto", policy.device))
+    loss = GRPOStepConfig(batch_invariant=resolve_batch_invariant("auto", policy.device))
     before = policy.lm_head.weight.detach().clone()
     with use_nopad_attention(policy):
         metrics = grpo_step(stepper, gen, [{}, {}], prompt_ids, checksum_reward, IdText(),

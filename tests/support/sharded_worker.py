@@ -27,7 +27,7 @@ from nopad.inference.sharded import sharded_generate, sharding
 from nopad.training.accelerator import make_accelerator
 from nopad.training.accumulation import OptimizerStepper
 from nopad.training.grpo import resolve_batch_invariant
-from nopad.training.grpo_step import GRPOLoss, grpo_step
+from nopad.training.grpo_step import GRPOStepConfig, grpo_step
 from tests.support.models import IdText, checksum_reward, tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -128,7 +128,7 @@ def run(mode: str, out_dir: str) -> None:
     generator.release()
 
     stepper = OptimizerStepper(engine, optimizer, accelerator, max_grad_norm=MAX_GRAD_NORM)
-    loss = GRPOLoss(batch_invariant=resolve_batch_invariant("auto", torch.device("cpu")))
+    loss = GRPOStepConfig(batch_invariant=resolve_batch_invariant("auto", torch.device("cpu")))
     history = []
     for step, (regime, rank1_has_prompts) in enumerate(STEPS):
         picks = [(4 * step + 2 * rank + j) % len(PROMPTS) for j in range(2)]
@@ -163,7 +163,7 @@ def run_streaming(mode: str, out_dir: str) -> None:
 
     stream = StreamingRollouts(generator, source, groups_per_step=2, max_staleness=1, total_groups=8)
     stepper = OptimizerStepper(engine, optimizer, accelerator, max_grad_norm=MAX_GRAD_NORM)
-    loss = GRPOLoss(batch_invariant=resolve_batch_invariant("auto", torch.device("cpu")))
+    loss = GRPOStepConfig(batch_invariant=resolve_batch_invariant("auto", torch.device("cpu")))
     history = [streaming_step(stepper, stream, lambda g: ({}, source(g)[0]), checksum_reward, IdText(), loss,
                               step=step, temperature=1.0) for step in range(4)]
     stream.close()

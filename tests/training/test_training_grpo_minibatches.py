@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from nopad.recipes.tasks import AsciiTokenizer
-from nopad.training.grpo_step import GRPOLoss
+from nopad.training.grpo_step import GRPOStepConfig
 from nopad.training.policy_loss import PolicyLossConfig
 
 
-def run_step(loss: GRPOLoss, lr: float = 1e-2, dtype=torch.float32):
+def run_step(loss: GRPOStepConfig, lr: float = 1e-2, dtype=torch.float32):
     from accelerate import Accelerator
 
     from nopad.inference import Generator
@@ -39,7 +39,7 @@ def run_step(loss: GRPOLoss, lr: float = 1e-2, dtype=torch.float32):
 
 
 def test_in_the_mode_the_first_mini_batch_ratio_is_exactly_one_with_no_old_forward(one_thread):
-    loss = GRPOLoss(num_iterations=2, steps_per_generation=2, batch_invariant=True,
+    loss = GRPOStepConfig(num_iterations=2, steps_per_generation=2, batch_invariant=True,
                     policy=PolicyLossConfig(loss_type="grpo"))
     m, taken = run_step(loss)
     assert taken == m["optimizer_steps"] == 4
@@ -52,12 +52,12 @@ def test_in_the_mode_the_first_mini_batch_ratio_is_exactly_one_with_no_old_forwa
 
 def test_without_updates_every_mini_batch_ratio_stays_exactly_one(one_thread):
     """The ratio moves only through the parameter updates: with lr=0 it is 1 on every step."""
-    m, _ = run_step(GRPOLoss(num_iterations=3, steps_per_generation=2, batch_invariant=True), lr=0.0)
+    m, _ = run_step(GRPOStepConfig(num_iterations=3, steps_per_generation=2, batch_invariant=True), lr=0.0)
     assert m["ratio_dev_max"] == 0.0 and m["optimizer_steps"] == 6
 
 
 def test_recompute_scores_the_batch_once_before_the_updates(one_thread):
-    loss = GRPOLoss(num_iterations=2, steps_per_generation=2, batch_invariant=False, old_logprobs="recompute",
+    loss = GRPOStepConfig(num_iterations=2, steps_per_generation=2, batch_invariant=False, old_logprobs="recompute",
                     policy=PolicyLossConfig(is_correction="sequence_mask"))
     m, taken = run_step(loss, dtype=torch.bfloat16)
     assert taken == 4
@@ -70,7 +70,7 @@ def test_recompute_scores_the_batch_once_before_the_updates(one_thread):
 
 def test_old_logprobs_from_the_rollout_cannot_be_is_corrected():
     with pytest.raises(ValueError, match="old_logprobs=rollout makes them the same numbers"):
-        GRPOLoss(policy=PolicyLossConfig(is_correction="token_truncate"))
+        GRPOStepConfig(policy=PolicyLossConfig(is_correction="token_truncate"))
 
 
 def test_masked_truncated_completions_carry_no_loss(one_thread):
@@ -85,7 +85,7 @@ def test_masked_truncated_completions_carry_no_loss(one_thread):
         model = tiny_model("llama")
         rollouts = [Rollout([5, 6, 7], [8 + i, 9, 10], [-1.0] * 3, advantage=a, truncated=t)
                     for i, (a, t) in enumerate(zip([1.0, -1.0, 0.5, -0.5], truncated))]
-        loss = GRPOLoss(mask_truncated_completions=True)
+        loss = GRPOStepConfig(mask_truncated_completions=True)
         with use_nopad_attention(model):
             return train_on_rollouts(OptimizerStepper(model, torch.optim.SGD(model.parameters(), lr=0.1)),
                                      rollouts, loss)

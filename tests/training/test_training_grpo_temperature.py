@@ -1,4 +1,4 @@
-"""Which policy GRPO trains (``rollout.logprobs``, ``GRPOLoss.logprobs``): by default the one the
+"""Which policy GRPO trains (``rollout.logprobs``, ``GRPOStepConfig.logprobs``): by default the one the
 rollouts were sampled from, ``softmax(logits / T)`` (TRL's semantics), on both sides, bitwise in
 ``nopad.packing.batch_invariant()``; ``raw`` (``softmax(logits)``) only when asked for."""
 
@@ -12,7 +12,7 @@ import torch
 from nopad.recipes.config import ConfigError
 from nopad.recipes.tasks import AsciiTokenizer, get_reward
 from nopad.training.grpo import LOGPROBS, Rollout, policy_temperature
-from nopad.training.grpo_step import GRPOLoss
+from nopad.training.grpo_step import GRPOStepConfig
 from tests.recipes.test_recipes_grpo import tiny_config
 
 T = 0.7
@@ -112,7 +112,7 @@ def test_the_trained_policys_temperature():
     assert policy_temperature("raw", T) == 1.0
     assert policy_temperature("tempered", 0.0) == 1.0  # greedy: the recorded log-prob is the raw one
     with pytest.raises(ValueError, match=r"logprobs must be one of \('tempered', 'raw'\), got 'processed'"):
-        GRPOLoss(logprobs="processed")
+        GRPOStepConfig(logprobs="processed")
 
 
 def test_a_rollout_takes_the_trained_policys_logprobs_from_the_generator():

@@ -68,7 +68,7 @@ def test_grpo_step_equals_nopad_grpo_trainers_step(one_thread, tmp_path, acceler
     from nopad.packing.hf import use_nopad_attention
     from nopad.training.accumulation import OptimizerStepper
     from nopad.training.grpo import Rollout, pack_rollouts, packed_logprobs
-    from nopad.training.grpo_step import GRPOLoss, set_advantages, train_on_rollouts
+    from nopad.training.grpo_step import GRPOStepConfig, set_advantages, train_on_rollouts
     from nopad.training.trl.grpo_trainer import NopadGRPOTrainer
 
     tok = make_tokenizer()
@@ -82,7 +82,7 @@ def test_grpo_step_equals_nopad_grpo_trainers_step(one_thread, tmp_path, acceler
     for prompt in PROMPTS:
         ids = tok(prompt)["input_ids"]
         rollouts += [Rollout(ids, _completion(ids, j)) for j in range(GENERATIONS)]
-    loss = GRPOLoss(max_tokens_per_batch=1024, shared_prefix=True)
+    loss = GRPOStepConfig(max_tokens_per_batch=1024, shared_prefix=True)
     model.train()
     with use_nopad_attention(model):
         with torch.no_grad():
@@ -193,13 +193,13 @@ def test_rollouts_without_generator_logprobs_cannot_train_the_grpo_loss(one_thre
     from nopad.packing.hf import use_nopad_attention
     from nopad.training.accumulation import OptimizerStepper
     from nopad.training.grpo import Rollout
-    from nopad.training.grpo_step import GRPOLoss, train_on_rollouts
+    from nopad.training.grpo_step import GRPOStepConfig, train_on_rollouts
 
     model = tiny_model("llama")
     stepper = OptimizerStepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
     refused = pytest.raises(ValueError, match="2 loss tokens but no generator log-probs")
     with use_nopad_attention(model), refused:
-        train_on_rollouts(stepper, [Rollout([5, 6], [7, 8])], GRPOLoss())
+        train_on_rollouts(stepper, [Rollout([5, 6], [7, 8])], GRPOStepConfig())
     assert all(p.grad is None for p in model.parameters()) and stepper.optimizer_steps == 0
 
 

@@ -15,7 +15,7 @@ from nopad.packing import batch_invariant
 from nopad.packing.hf import use_nopad_attention
 from nopad.training.accumulation import OptimizerStepper
 from nopad.training.grpo import Rollout, pack_rollouts, packed_logprobs
-from nopad.training.grpo_step import GRPOLoss, train_on_rollouts
+from nopad.training.grpo_step import GRPOStepConfig, train_on_rollouts
 from tests.inference.test_inference_episodes import STOPS, TOOLS, TokenFormat, prompts_of
 from tests.support.models import tiny_model
 
@@ -57,7 +57,7 @@ def _grad_recorder(params) -> torch.optim.SGD:
 def _step(rollouts, shared_prefix, capacity):
     """One GRPO optimizer step (one window of every row); its metrics and gradients."""
     model = tiny_model("llama")
-    loss = GRPOLoss(max_tokens_per_batch=capacity, shared_prefix=shared_prefix)
+    loss = GRPOStepConfig(max_tokens_per_batch=capacity, shared_prefix=shared_prefix)
     optimizer = _grad_recorder(model.parameters())
     with use_nopad_attention(model):
         metrics = train_on_rollouts(OptimizerStepper(model, optimizer), rollouts, loss)
