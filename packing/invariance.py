@@ -66,35 +66,7 @@ KERNEL_SETS = ("cpu", "triton")
 _state = threading.local()  # per thread: ``depth`` of batch_invariant() blocks, ``kernels`` forced
 
 
-def supported(device: torch.device | str, kernels: str | None = None) -> tuple[bool, str]:
-    """Whether this mode makes the generator's and the training forward's log-probs bitwise equal
-    for a model on ``device`` (with the kernel set ``kernels``, None: chosen by device), and why
-    not: it needs an attention backend declared ``invariant`` (none other forced through
-    ``NOPAD_ATTN_BACKEND``), and on CUDA (or with ``kernels="triton"``) the Triton kernels."""
-    import os
-
-    from nopad.packing.attention.registry import BACKEND_ENV, invariant_names
-
-    device = torch.device(device)
-    forced = os.environ.get(BACKEND_ENV) or "auto"
-    kernels = _check_kernels(kernels) or ("cpu" if device.type == "cpu" else "triton")
-    if device.type not in ("cpu", "cuda"):
-        return False, f"the model runs on {device.type}; the batch-invariant kernels run on CPU and CUDA"
-    if kernels == "cpu" and device.type != "cpu":
-        return False, "kernels='cpu' is nopad's CPU kernel set; the model runs on " + device.type
-    if kernels == "triton":
-        from nopad.packing import invariant_kernels
-
-        ok, why = invariant_kernels.available()
-        if not ok:
-            return False, f"the batch-invariant CUDA kernels are Triton kernels and {why}"
-    allowed = ("auto", *invariant_names("cpu" if kernels == "cpu" else "cuda"))
-    if forced not in allowed:
-        return False, f"{BACKEND_ENV}={forced} forces an attention backend without the batch-invariant path"
-    return True, ""
-
-
-def _check_kernels(kernels: str | None) -> str | None:
+def check_kernels(kernels: str | None) -> str | None:
     if kernels is not None and kernels not in KERNEL_SETS:
         raise ValueError(f"batch_invariant(kernels={kernels!r}): None (by device) or one of {KERNEL_SETS}")
     return kernels
@@ -318,7 +290,7 @@ def batch_invariant(enabled: bool = True, kernels: str | None = None):
     if not enabled:
         yield
         return
-    _check_kernels(kernels)
+    check_kernels(kernels)
     outer = (getattr(_state, "depth", 0), getattr(_state, "kernels", None))
     _state.depth, _state.kernels = outer[0] + 1, kernels
     try:

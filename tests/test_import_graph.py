@@ -132,6 +132,14 @@ def module_graph() -> dict[str, set[str]]:
     return graph
 
 
+def test_the_batch_invariant_mode_sits_below_the_attention_that_reads_it():
+    """``packing/invariance.py`` (the mode's state and GEMM tiles) is read by the attention backends;
+    what needs both (whether the mode is supported) is ``packing/invariance_support.py``."""
+    mode = imported_names(ROOT / "packing" / "invariance.py")
+    assert not [name for name in mode if name.startswith("nopad.packing.attention")]
+    assert "nopad.packing.invariance" in imported_names(ROOT / "packing" / "attention" / "plan.py")
+
+
 def test_the_module_graph_has_no_cycles():
     graph = module_graph()
     assert "nopad.packing.attention.registry" in graph and "benchmarks.bench_generate" in graph

@@ -27,11 +27,11 @@ logger = logging.getLogger(__name__)
 
 def resolve_batch_invariant(setting: bool | str, device: torch.device | str,
                             key: str = "batch_invariant") -> bool:
-    """``True`` / ``False`` / ``"auto"`` (on where :func:`nopad.packing.invariance.supported`, else off
+    """``True`` / ``False`` / ``"auto"`` (on where :func:`nopad.packing.invariance_support.supported`, else off
     with a warning), for the setting called ``key`` (``train.batch_invariant`` in the recipe)."""
     if setting not in ("auto", True, False):
         raise ValueError(f"{key} must be 'auto', True or False, got {setting!r}")
-    from nopad.packing.invariance import supported as invariant_mode_supported
+    from nopad.packing.invariance_support import supported as invariant_mode_supported
 
     supported, why = invariant_mode_supported(device)
     if setting == "auto" and supported and torch.device(device).type != "cpu":

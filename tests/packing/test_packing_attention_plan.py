@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nopad.packing import invariance
+from nopad.packing import invariance_support
 from nopad.packing.attention import BACKEND_ENV, registry
 from nopad.packing.attention import plan as plan_module
 from nopad.packing.attention.plan import AttentionPlan
@@ -72,7 +72,7 @@ def test_a_plan_keeps_the_mode_it_was_made_in(monkeypatch):
 
 def test_the_invariant_set_comes_from_the_declarations(monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "sdpa_loop")
-    assert invariance.supported("cpu") == (False, f"{BACKEND_ENV}=sdpa_loop forces an attention backend "
+    assert invariance_support.supported("cpu") == (False, f"{BACKEND_ENV}=sdpa_loop forces an attention backend "
                                                   "without the batch-invariant path")
     table = dict(registry.backends())
     twin = table["per_token"]
@@ -81,7 +81,7 @@ def test_the_invariant_set_comes_from_the_declarations(monkeypatch):
     monkeypatch.setattr(registry, "_registry", table)
     assert registry.invariant_names("cpu") == ("kernel", "per_token", "twin")
     monkeypatch.setenv(BACKEND_ENV, "twin")
-    assert invariance.supported("cpu") == (True, "")
+    assert invariance_support.supported("cpu") == (True, "")
 
 
 def test_use_nopad_attention_restores_the_model_on_error():
