@@ -5,11 +5,11 @@ forward and backward, by five methods side by side, each in a fresh process.
 - ``nopad_logits``: nopad's path before the chunked head (``row_loss_sum`` on every position's logits);
 - ``trl_chunked_nll``: TRL's SFT loss (``loss_type="chunked_nll"``, now ``"nll"``: ``add_fused_lm_head``);
 - ``torch_lce``: torch's ``F.linear_cross_entropy`` with ``LinearCrossEntropyOptions()``, where present;
-- ``nopad_head``: ``nopad.training.loss.row_nll_sum`` (``nopad.packing.lm_head.nll_sum``: loss positions only,
-  chunked; the plain head's gradients taken in the forward, ``nopad.packing.linear_head``);
+- ``nopad_head``: ``nopad.training.loss.row_nll_sum`` (``nopad.packing.head.chunked.nll_sum``: loss positions only,
+  chunked; the plain head's gradients taken in the forward, ``nopad.packing.head.linear``);
 - ``nopad_head_autograd``: the same chunks through autograd, each checkpointed and recomputed in
-  backward (``nopad.packing.lm_head.head_logprobs`` with the head module's hooks, the path a LoRA head
-  takes; the plain head's path before ``nopad.packing.linear_head``).
+  backward (``nopad.packing.head.chunked.head_logprobs`` with the head module's hooks, the path a LoRA head
+  takes; the plain head's path before ``nopad.packing.head.linear``).
 
 Workload: a random-weight Llama with a real vocabulary (151,936: Qwen3; 248,320: Qwen3.5) and a
 small backbone (hidden 256, 2 layers, tied embeddings) so that the head dominates; one packed row of
@@ -109,7 +109,7 @@ def method_loss(name: str, model, row):
     if name == "nopad_head":
         return lambda: row_nll_sum(model, row) / n
     if name == "nopad_head_autograd":
-        from nopad.packing.lm_head import head_logprobs, head_of
+        from nopad.packing.head.chunked import head_logprobs, head_of
 
         predict_at, targets = row.loss_tokens()
 
@@ -218,7 +218,7 @@ def table_cells(r: dict, ref: dict | None, goal: float) -> str:
 def chunk_gemms(vocab: int, hidden: int = 256, chunk: int = 128, repeats: int = 2) -> None:
     """One head chunk's GEMMs, fp32 beside bf16, each timed alone (wall seconds, best of
     ``repeats``): where a bf16 head's time goes on a CPU without native bf16 GEMMs, and what
-    ``nopad.packing.linear_head`` runs there instead (the fp32 rows with an upcast)."""
+    ``nopad.packing.head.linear`` runs there instead (the fp32 rows with an upcast)."""
     import torch
 
     def best(fn) -> float:

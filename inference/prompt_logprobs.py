@@ -5,8 +5,8 @@ Where they come from: a prefill chunk of a request that asks keeps the hidden st
 prompt positions (:func:`prompt_span` names them; the model runner adds them to ``logits_to_keep``
 and :class:`PromptScorer` takes them from the head's input, so a request that does not ask costs
 nothing) and runs the model's head on them and the one log-softmax of nopad
-(:func:`nopad.packing.log_softmax.tempered_log_softmax`, the trainer's and the sampler's)
-:data:`nopad.packing.lm_head.CHUNK_TOKENS` rows at a time: memory O(chunk x V) whatever the prompt's
+(:func:`nopad.packing.head.log_softmax.tempered_log_softmax`, the trainer's and the sampler's)
+:data:`nopad.packing.head.chunked.CHUNK_TOKENS` rows at a time: memory O(chunk x V) whatever the prompt's
 length, as the trainer's chunked head (vLLM computes a whole prefill chunk's logits).
 
 Entries are stored on the request by position, in order: a chunk scores only the positions past
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nopad.packing.lm_head import CHUNK_TOKENS, head_mismatch, head_of
-from nopad.packing.log_softmax import picked_and_entropy, tempered_log_softmax
+from nopad.packing.head.chunked import CHUNK_TOKENS, head_mismatch, head_of
+from nopad.packing.head.log_softmax import picked_and_entropy, tempered_log_softmax
 
 if TYPE_CHECKING:
     from nopad.inference.request import Request, Sequence
@@ -55,8 +55,8 @@ class PromptScorer:
     head's input is kept and the module computes the sampling rows and the first prompt row only;
     then, while the module runs (its weights gathered, under ZeRO-3 or FSDP2: no collective of
     its own, so ranks in lockstep stay in step), the prompt rows' hidden states go through the
-    model's head (:class:`nopad.packing.lm_head.LMHead`, its final-logit ops included) and the one
-    log-softmax, :data:`~nopad.packing.lm_head.CHUNK_TOKENS` rows at a time: no ``(rows, V)`` tensor
+    model's head (:class:`nopad.packing.head.chunked.LMHead`, its final-logit ops included) and the one
+    log-softmax, :data:`~nopad.packing.head.chunked.CHUNK_TOKENS` rows at a time: no ``(rows, V)`` tensor
     larger than a chunk's. :meth:`commit` checks the head's first prompt row against the model's
     own logits before any entry is stored (a model whose forward changes its logits after the head
     is refused, not scored wrongly). No spans: it does nothing (a step without prompt rows)."""

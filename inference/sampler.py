@@ -16,7 +16,7 @@ import torch
 
 from nopad.inference.request import Sequence
 from nopad.inference.seeding import uniform_draw
-from nopad.packing.log_softmax import tempered_log_softmax
+from nopad.packing.head.log_softmax import tempered_log_softmax
 
 
 @dataclass
@@ -55,7 +55,7 @@ class SamplerBuffers:
 
 def _log_softmax(x: torch.Tensor, buffers: SamplerBuffers, name: str) -> torch.Tensor:
     """``log_softmax(x, -1)`` into a reused buffer, through the trainer's own expression
-    (:func:`nopad.packing.log_softmax.tempered_log_softmax`), so the same kernel gives the same bits."""
+    (:func:`nopad.packing.head.log_softmax.tempered_log_softmax`), so the same kernel gives the same bits."""
     return tempered_log_softmax(x, out=buffers.get(name, x))
 
 
@@ -129,7 +129,7 @@ def _temperature_logprobs(logits: torch.Tensor, tokens: torch.Tensor, raw_picked
                           rand_params: list, rand: list[int], buffers: SamplerBuffers) -> torch.Tensor:
     """Log-prob of each sampled token under ``softmax(logits / temperature)``: no penalty, no
     top-k/top-p/min-p truncation, i.e. what a trainer scoring the completion computes (TRL #6789).
-    Computed by the trainer's own function (:func:`nopad.packing.log_softmax.tempered_log_softmax`), so
+    Computed by the trainer's own function (:func:`nopad.packing.head.log_softmax.tempered_log_softmax`), so
     under :func:`nopad.packing.batch_invariant` the bits match; ``T`` = 1 or greedy: the raw log-prob.
     ``rand_params`` are the parameters of the rows ``rand`` that are not greedy."""
     out = raw_picked.clone()

@@ -36,7 +36,7 @@ _export("nopad.packing.hf.attention", "register_nopad_attention", "NOPAD_ATTENTI
         "packed_forward_guard")
 _export("nopad.packing.hf.verification", "verify", "VerifyReport")
 _export("nopad.packing.invariance", "batch_invariant")
-_export("nopad.packing.lm_head", "token_logprobs", "nll_sum", "LMHead")
+_export("nopad.packing.head.chunked", "token_logprobs", "nll_sum", "LMHead")
 
 __all__ = sorted(_EXPORTS)
 

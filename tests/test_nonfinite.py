@@ -152,7 +152,7 @@ def sft_config(tmp_path, **overrides):
 
 def final_norm(model):
     """The module whose output the LM head reads: the loss runs the head on those hidden states
-    (nopad.packing.lm_head), so a NaN put there reaches the loss as a forward gone bad would."""
+    (nopad.packing.head.chunked), so a NaN put there reaches the loss as a forward gone bad would."""
     return model.get_decoder().norm
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from nopad.packing.bins.tree import TreePath, pack_tree_rows
-from nopad.packing.lm_head import token_logprobs
+from nopad.packing.head.chunked import token_logprobs
 from nopad.packing.row import IGNORE_INDEX, PackedRow, as_row
 from nopad.packing.varlen import VarlenMeta
 
@@ -261,7 +261,7 @@ def packed_logprobs(model, row: Mapping, temperature: float = 1.0, *, compute_en
     differentiable only with ``entropy_grad``). Only the positions that predict a loss token go
     through the LM head (:meth:`PackedRow.loss_tokens`; in a tree row a completion's first token is
     predicted by its prompt's last token), once per token however many pairs read it, in chunks
-    (:func:`nopad.packing.lm_head.token_logprobs`: the row's ``T x V`` logits never exist)."""
+    (:func:`nopad.packing.head.chunked.token_logprobs`: the row's ``T x V`` logits never exist)."""
     row = as_row(row)
     predict_at, targets = row.loss_tokens()
     logps, entropies = token_logprobs(model, row.model_kwargs(), predict_at, targets, temperature=temperature,

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from nopad.packing.lm_head import nll_sum
+from nopad.packing.head.chunked import nll_sum
 from nopad.packing.row import IGNORE_INDEX, PackedRow, as_row
 
 # what a window's loss is a mean over: the row count each weighting divides by
@@ -90,7 +90,7 @@ def row_loss_sum(logits: torch.Tensor, row: PackedRow | Mapping, *, weighting: s
 def row_nll_sum(model: torch.nn.Module, row: PackedRow | Mapping, *,
                 weighting: str = "token") -> torch.Tensor:
     """:func:`row_loss_sum` of ``row`` under ``model``, computed from the model's hidden states at
-    the loss positions only, through the chunked LM head (:func:`nopad.packing.lm_head.nll_sum`): the
+    the loss positions only, through the chunked LM head (:func:`nopad.packing.head.chunked.nll_sum`): the
     row's ``T x V`` logits never exist, and a tree row's shared token goes through the head once
     (weighted by the pairs that train on it)."""
     _check_weighting(weighting)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from nopad.inference import Generator, SamplingParams, prompt_logprobs
+from nopad.packing.head.chunked import token_logprobs
 from nopad.packing.hf import use_nopad_attention
 from nopad.packing.invariance import batch_invariant
-from nopad.packing.lm_head import token_logprobs
 from nopad.packing.row import IGNORE_INDEX, PackedRow
 from nopad.packing.varlen import VarlenMeta
 from tests.inference.test_inference_generator import prompts_of
@@ -180,7 +180,7 @@ def test_hybrid_prompt_logprobs_equal_a_full_forward(family):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prompt_logprobs_equal_the_trainers_chunked_head_bitwise(dtype):
     """In batch_invariant(): the prompt log-probs equal the trainer's chunked head
-    (:func:`nopad.packing.lm_head.token_logprobs`) on the packed prompts bit for bit, whether the generator
+    (:func:`nopad.packing.head.chunked.token_logprobs`) on the packed prompts bit for bit, whether the generator
     ran small or large steps (a softcapped head)."""
     model = tiny_model("gemma2").to(dtype)
     prompts = prompts_of([5, 30, 12], seed=4)

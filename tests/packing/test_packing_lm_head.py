@@ -1,4 +1,4 @@
-"""The chunked LM head (nopad.packing.lm_head) equals the full-logits path in fp32 - log-probs, entropies
+"""The chunked LM head (nopad.packing.head.chunked) equals the full-logits path in fp32 - log-probs, entropies
 and gradients - for every head a model may bring, and never builds the row's T x V logits."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nopad.packing import lm_head
+from nopad.packing.head import chunked as lm_head
+from nopad.packing.head.chunked import LMHead, head_of, nll_sum, token_logprobs
 from nopad.packing.hf import use_nopad_attention
-from nopad.packing.lm_head import LMHead, head_of, nll_sum, token_logprobs
 from nopad.packing.row import IGNORE_INDEX, PackedRow
 from nopad.packing.varlen import VarlenMeta
 from nopad.training.grpo import Rollout, pack_rollouts, packed_logprobs
@@ -177,7 +177,7 @@ def test_a_model_that_changes_its_logits_in_an_unknown_way_falls_back_to_its_log
     monkeypatch.setattr(lm_head, "head_of", lambda m: LMHead(m.get_output_embeddings()))  # softcap forgotten
     monkeypatch.setattr(lm_head, "_warned", set())
     row = _row([20, 9])
-    with use_nopad_attention(model), caplog.at_level("WARNING", logger="nopad.packing.lm_head"):
+    with use_nopad_attention(model), caplog.at_level("WARNING", logger="nopad.packing.head.chunked"):
         ours = _value_and_grads(model, lambda: token_logprobs(model, row.model_kwargs(), *row.loss_tokens(),
                                                               temperature=0.8, entropy=True))
         _assert_same(ours, _value_and_grads(model, lambda: _full_logits(model, row, 0.8)))
@@ -254,7 +254,7 @@ def test_the_log_softmax_written_over_its_logits_has_the_same_bits(dtype, temper
     """The chunked head overwrites each chunk's logits with their log-softmax (one (chunk, V)
     buffer, not two): the same kernel in place, so the same bits as a fresh result; fp32 logits
     are reused, bf16 ones are left alone (their fp32 copy is overwritten)."""
-    from nopad.packing.log_softmax import tempered_log_softmax
+    from nopad.packing.head.log_softmax import tempered_log_softmax
 
     logits = (torch.randn(5, 40_000, generator=torch.Generator().manual_seed(0)) * 6).to(dtype)
     fresh = tempered_log_softmax(logits, temperature)
@@ -328,8 +328,8 @@ def test_a_bf16_heads_gradients_are_summed_in_fp32_on_a_cpu_without_bf16_gemms(n
     gradient GEMMs run in fp32 (torch's fallback bf16 GEMM is 5-30x slower), so the gradients are
     the fp32 sums rounded once to bf16; with native GEMMs, the bf16 ones, within bf16 rounding. The
     log-probs are the module's bf16 logits' either way (the generator's)."""
-    from nopad.packing import linear_head
-    from nopad.packing.lm_head import head_logprobs, head_nll_sum
+    from nopad.packing.head import linear as linear_head
+    from nopad.packing.head.chunked import head_logprobs, head_nll_sum
 
     monkeypatch.setattr(linear_head, "_native_gemm", lambda t: native)
     monkeypatch.setattr(linear_head, "_VOCAB_SLICE_ELEMENTS", 700 * 16)  # slices that do not divide V

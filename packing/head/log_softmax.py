@@ -1,6 +1,6 @@
 """The log-softmax of a token's logits, its value at the chosen token, the entropy, and their
 gradient with respect to the logits: written once, for the chunked LM head's every path
-(:mod:`nopad.packing.lm_head`, :mod:`nopad.packing.linear_head`) and the generator's sampler, so the trainer
+(:mod:`nopad.packing.head.chunked`, :mod:`nopad.packing.head.linear`) and the generator's sampler, so the trainer
 and the generator compute a log-prob with the same kernels (under :func:`nopad.packing.batch_invariant`,
 the same bits)."""
 

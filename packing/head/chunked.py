@@ -10,7 +10,7 @@ so DDP / DeepSpeed / FSDP / peft wrappers and their hooks all see an ordinary ca
 given one row only, and the head then runs on :data:`CHUNK_TOKENS` positions at a time, inside
 that call (where ZeRO-3 and FSDP2 have gathered its weights): peak memory is O(chunk x V), not
 O(T x V) (``benchmarks/bench_lm_head.py`` measures it). A plain ``nn.Linear`` head takes its
-gradients by hand (:mod:`nopad.packing.linear_head`: one fp32 weight-gradient buffer, and for the SFT
+gradients by hand (:mod:`nopad.packing.head.linear`: one fp32 weight-gradient buffer, and for the SFT
 loss, :func:`nll_sum`, in the forward pass, so no recompute); any other head module goes through
 autograd over checkpointed chunks.
 
@@ -39,9 +39,9 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from nopad.packing.head.linear import LinearHeadChunks, LinearHeadNLL
+from nopad.packing.head.log_softmax import logits_grad, picked_and_entropy, tempered_log_softmax
 from nopad.packing.invariance import active_kernels, batch_invariant, is_enabled
-from nopad.packing.linear_head import LinearHeadChunks, LinearHeadNLL
-from nopad.packing.log_softmax import logits_grad, picked_and_entropy, tempered_log_softmax
 from nopad.packing.model_config import text_config
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ def nll_sum(model: torch.nn.Module, model_kwargs: dict[str, Any], positions: tor
     """``-(weights * logps).sum()`` of :func:`token_logprobs`'s ``logps`` (temperature 1): the SFT
     loss of one packed row, with the same values. Why a function of its own: the gradient of a
     scalar loss is known, up to its one scale, in the forward pass, so a plain ``nn.Linear`` head
-    (:class:`~nopad.packing.linear_head.LinearHeadNLL`) takes each chunk's gradients there, while its logits
+    (:class:`~nopad.packing.head.linear.LinearHeadNLL`) takes each chunk's gradients there, while its logits
     exist: three ``T x H x V`` GEMMs, as the full-logits path runs, instead of four with a recompute."""
     weights = weights.to(targets.device)
     if weights.shape != targets.shape:
@@ -254,7 +254,7 @@ def head_mismatch(head: LMHead, ours: torch.Tensor, theirs: torch.Tensor, model)
     return (f"{type(unwrap(model)).__name__}'s logits differ from its head's output by up to {err:.3g} "
             f"(logits up to {scale:.3g}) after the final-logit ops nopad reads ({head.multiplier=}, "
             f"{head.divisor=}, {head.softcap=}): its forward (or a hook on it or its lm_head) transforms the "
-            "logits in a way nopad.packing.lm_head does not know")
+            "logits in a way nopad.packing.head.chunked does not know")
 
 
 _warned: set[str] = set()
@@ -268,7 +268,7 @@ def _from_full_logits(model, model_kwargs, positions, targets, temperature, entr
     if name not in _warned:
         _warned.add(name)
         logger.warning("%s; scoring from its full logits at the loss positions instead (N x V memory). "
-                       "Add the op to nopad.packing.lm_head.LMHead, or change the hidden states (a hook on the "
+                       "Add the op to nopad.packing.head.chunked.LMHead, or change the hidden states (a hook on the "
                        "final norm), to get the chunked head back", why)
     logits = model(**model_kwargs, logits_to_keep=positions, use_cache=False).logits
     logits = logits.reshape(-1, logits.shape[-1])
@@ -372,7 +372,7 @@ def head_nll_sum(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, weig
                  chunk_tokens: int | None = None, hooks: bool = True) -> torch.Tensor:
     """``-(weights * logps).sum()`` of :func:`head_logprobs`'s ``logps`` (temperature 1); for a
     plain ``nn.Linear`` head with grad enabled, its gradients taken in the forward
-    (:class:`nopad.packing.linear_head.LinearHeadNLL`)."""
+    (:class:`nopad.packing.head.linear.LinearHeadNLL`)."""
     chunk_tokens = CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
     if torch.is_grad_enabled() and hidden.shape[0] and chunk_tokens >= 1 and _plain(head, hooks):
         if targets.shape != hidden.shape[:1]:
@@ -385,6 +385,6 @@ def head_nll_sum(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, weig
 
 
 def _plain(head: LMHead, hooks: bool) -> bool:
-    """Whether :mod:`nopad.packing.linear_head` computes this head: an ``nn.Linear`` itself (not a LoRA
+    """Whether :mod:`nopad.packing.head.linear` computes this head: an ``nn.Linear`` itself (not a LoRA
     wrapper or a subclass), run without its module hooks (inside the model's call)."""
     return not hooks and type(head.module) is torch.nn.Linear

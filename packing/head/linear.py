@@ -1,5 +1,5 @@
 """The chunked LM head for a plain ``nn.Linear`` head module (tied or not, with or without a bias,
-with any of :class:`nopad.packing.lm_head.LMHead`'s final-logit ops), with its gradients taken chunk by
+with any of :class:`nopad.packing.head.chunked.LMHead`'s final-logit ops), with its gradients taken chunk by
 chunk by hand instead of by autograd over checkpointed chunks.
 
 Why (``benchmarks/bench_lm_head.py``): autograd's way makes and sums one ``V x H`` weight gradient
@@ -12,10 +12,10 @@ gradients only known in backward) still recompute, with the one buffer. A bf16 h
 without bf16 GEMMs takes both gradient GEMMs in fp32 (:func:`_accumulate_fp32`: torch's fallback
 bf16 GEMM is 5-30x slower); its forward, so every log-prob, stays the module's own.
 
-The forward values are the ops of :mod:`nopad.packing.lm_head`'s chunks, in the same order (the module's
-``forward``, the final-logit ops, :func:`nopad.packing.log_softmax.tempered_log_softmax`, under the
+The forward values are the ops of :mod:`nopad.packing.head.chunked`'s chunks, in the same order (the module's
+``forward``, the final-logit ops, :func:`nopad.packing.head.log_softmax.tempered_log_softmax`, under the
 caller's :func:`nopad.packing.batch_invariant` mode), so they are the same bits. A LoRA adapter or any
-other head module goes through autograd (:mod:`nopad.packing.lm_head`).
+other head module goes through autograd (:mod:`nopad.packing.head.chunked`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import contextlib
 
 import torch
 
+from nopad.packing.head.log_softmax import logits_grad, picked_and_entropy, tempered_log_softmax
 from nopad.packing.invariance import batch_invariant
-from nopad.packing.log_softmax import logits_grad, picked_and_entropy, tempered_log_softmax
 
 
 def _chunk(head, h: torch.Tensor, t: torch.Tensor, temperature: float, want_entropy: bool,
@@ -188,7 +188,7 @@ class LinearHeadNLL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss):
         if ctx.grads is None:
-            raise RuntimeError("nopad.packing.linear_head.LinearHeadNLL's backward ran twice (retain_graph): "
+            raise RuntimeError("nopad.packing.head.linear.LinearHeadNLL's backward ran twice (retain_graph): "
                                "its gradients were taken in the forward and are spent")
         grads, ctx.grads = ctx.grads, None
         return (*_as_params(grads, *ctx.params, scale=g_loss), None, None, None, None, None)
