@@ -417,3 +417,38 @@ def test_compiled_decode_marks_dynamic_dimensions_only_on_a_new_bucket(monkeypat
     assert [n for _, n in per_step] == [9 if new else 0 for new, _ in per_step], per_step
     assert 1 < sum(new for new, _ in per_step) < gen._runner.static_steps  # new buckets, and seen ones
     assert counters["stats"]["unique_graphs"] - graphs == 1
+
+
+# Python calls a compiled decode step adds per layer (dynamo's eager backend: its guards and graph
+# are dynamo's, without inductor's minutes of compiling): the attention op's OpOverload.__call__ and
+# its CPU implementation, and F.silu, a Python function the eager backend calls (inductor fuses it).
+# 18 a layer while the op was a torch.library.custom_op, whose Python wrappers run on every call.
+COMPILED_LAYER_CALL_BUDGET = 3
+
+
+def compiled_step_calls(layers: int, rows: int) -> int:
+    """Python calls of one compiled decode step (attention held, as generate() holds it)."""
+    gen = Generator(tiny_model("llama", num_hidden_layers=layers), block_size=16, max_num_seqs=rows,
+                    compile_decode=True)
+    for i in range(rows):
+        gen.add_request([3 + i % 50, 4, 5, 6, 7], GREEDY)
+    gen.step()  # prefill
+    with gen.live.attention():
+        gen.step()
+        gen.step()
+        return python_calls(gen.step)
+
+
+def test_compiled_decode_step_python_calls_do_not_grow_with_layers(monkeypatch):
+    """A compiled decode step ran 17 Python calls per layer outside its graph (the attention custom
+    op's wrappers), so on a GPU the host still paid per layer for a compiled forward. Counted, not
+    timed; calls per added row stay within ROW_CALL_BUDGET on the compiled path too."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None, **kw: compile_(model, backend="eager", **kw))
+    torch._dynamo.reset()
+    two, eight = compiled_step_calls(2, 8), compiled_step_calls(8, 8)
+    per_layer = (eight - two) / 6
+    assert per_layer <= COMPILED_LAYER_CALL_BUDGET, f"{per_layer:.1f} Python calls per compiled layer ({two}, {eight})"
+    wide = compiled_step_calls(2, 40)
+    per_row = (wide - two) / 32
+    assert per_row <= ROW_CALL_BUDGET, f"{per_row:.1f} Python calls per compiled decode row"
