@@ -95,6 +95,9 @@ TOUCHED: tuple[Touch, ...] = (
     # the attention implementation: registered, switched, read back
     Touch("transformers.configuration_utils", "PreTrainedConfig._attn_implementation", INSTANCE, by=_HF),
     Touch(_MU, "PreTrainedModel.set_attn_implementation", PARAMETERS, ("attn_implementation",), by=_HF),
+    # what set_attn_implementation writes in each config: the generator's later switches write it too
+    Touch("transformers.configuration_utils", "PreTrainedConfig._attn_implementation_internal", INSTANCE,
+          by="nopad.inference.live_model"),
     Touch("transformers", "AttentionInterface.register", PARAMETERS, ("key", "value"), by=_HF),
     Touch(_MASK, "AttentionMaskInterface.register", PARAMETERS, ("key", "value"), by=_HF),
     # nopad_mask is the forward's mask hook: picked by the config's implementation, given the 2-D mask

@@ -13,6 +13,7 @@ copy to CPU is a no-op and invisible): exactly one per step.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections import Counter
 
@@ -452,3 +453,22 @@ def test_compiled_decode_step_python_calls_do_not_grow_with_layers(monkeypatch):
     wide = compiled_step_calls(2, 40)
     per_row = (wide - two) / 32
     assert per_row <= ROW_CALL_BUDGET, f"{per_row:.1f} Python calls per compiled decode row"
+
+
+def test_a_bare_step_switches_attention_in_calls_that_do_not_grow_with_layers():
+    """A bare ``step()`` (``stream()``, a caller's own loop) switches the model to nopad attention and
+    back; transformers' ``set_attn_implementation`` walks every module each way, ~200 Python calls
+    per layer of every step. Only the first switch may walk: a bare step's calls grow with the
+    layers exactly as a step's inside ``generate()`` (attention held across steps) do."""
+    def calls(layers: int, held: bool) -> int:
+        gen = Generator(tiny_model("llama", num_hidden_layers=layers), block_size=16, max_num_seqs=4)
+        for p in PROMPTS:
+            gen.add_request(p, GREEDY)
+        gen.step()  # prefill
+        gen.step()  # the first bare step: transformers' switch, each way, once
+        with gen.live.attention() if held else contextlib.nullcontext():
+            return python_calls(gen.step)
+
+    bare, held = (calls(6, h) - calls(2, h) for h in (False, True))
+    assert bare == held, f"a bare step's Python calls grow by {(bare - held) / 4:.0f} a layer more"
+
