@@ -472,3 +472,33 @@ def test_a_bare_step_switches_attention_in_calls_that_do_not_grow_with_layers():
     bare, held = (calls(6, h) - calls(2, h) for h in (False, True))
     assert bare == held, f"a bare step's Python calls grow by {(bare - held) / 4:.0f} a layer more"
 
+
+def test_decode_forward_launches_without_syncs(triton_host_side, monkeypatch):
+    """The step-loop design (docs/step-loop-design.md): between launching step N and step N+1 the
+    only sync is the completion's read-back of sampled tokens. The static decode forward (what
+    compile_decode compiles and CUDA graphs capture), on the Triton path whose launch is stubbed,
+    forces no sync and reads nothing back (transformers' mask builder looked for packed sequences
+    in the positions with a host read, once a forward); the whole step reads back only its tokens
+    and log-probs."""
+    gen = Generator(tiny_model("llama", num_hidden_layers=4), block_size=16, attn_backend="triton",
+                    static_decode=True)
+    for p in PROMPTS:
+        gen.add_request(p, GREEDY)
+    gen.step()  # prefill
+    inside: list[Counter] = []
+    forward = gen._runner.model.forward
+
+    def counted(*args, **kwargs):
+        mode = StepOps()
+        with mode, ReadBacks(mode.counts):
+            out = forward(*args, **kwargs)
+        inside.append(mode.counts)
+        return out
+
+    monkeypatch.setattr(gen._runner.model, "forward", counted)
+    step = count_steps(gen, 3)
+    assert gen._runner.static_steps == 3 and len(inside) == 3
+    for counts in inside:
+        syncs = {k: n for k, n in counts.items() if k in SYNC_OPS or k.startswith(("Tensor.", "repeat"))}
+        assert not syncs, dict(counts)
+    assert [c["Tensor.tolist"] for c in step] == [2, 2, 2]  # tokens and log-probs, at completion
