@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterator
 
 import torch
+from transformers import PreTrainedModel
 
 from nopad.inference.kv_cache import KVCache, kv_layout
 from nopad.inference.model_runner import ModelRunner, check_static_decode_backend
@@ -22,7 +23,7 @@ from nopad.inference.state_cache import StateCache, StateSlots, bytes_per_slot, 
 from nopad.packing.attention import names as attention_backends
 from nopad.packing.attention import paged_block_size
 from nopad.packing.distributed import compute_dtype as model_compute_dtype
-from nopad.packing.hf import use_nopad_attention
+from nopad.packing.hf import NOPAD_ATTENTION, register_nopad_attention, use_nopad_attention
 from nopad.packing.mixers import GENERATE, check_model
 from nopad.packing.model_config import text_config
 
@@ -73,6 +74,7 @@ class LiveModel:
         self.static_decode, self.compile_decode = static_decode or compile_decode, compile_decode
         self.dtype = self.compute_dtype()
         self._attention_held = False
+        self._switch = AttentionSwitch(model)
 
     def compute_dtype(self) -> torch.dtype:
         """The dtype attention computes in now: ``dtype=``, else the autocast dtype, else the
@@ -122,16 +124,26 @@ class LiveModel:
     def attention(self) -> Iterator[None]:
         """nopad's paged attention, eval mode and the forward guard (``use_nopad_attention``),
         restored on exit, also on error. Re-entered while held (a run's steps), it does nothing:
-        switching costs a model walk, ``eval()``/``train()`` and a hook, too much for every step."""
+        switching costs ``eval()``/``train()`` and a hook, too much for every step. A bare ``step()``
+        switches for itself, so the user's code between steps sees the model as it was; the configs
+        are switched first, through :class:`AttentionSwitch` (``use_nopad_attention`` then finds them
+        switched), since ``set_attn_implementation`` walks every module, twice a step."""
         if self._attention_held:
             yield
             return
-        with use_nopad_attention(self.model, eval_mode=True, context=GENERATE):
-            self._attention_held = True
-            try:
-                yield
-            finally:
-                self._attention_held = False
+        previous = self.model.config._attn_implementation
+        if previous != NOPAD_ATTENTION:
+            self._switch(NOPAD_ATTENTION)
+        try:
+            with use_nopad_attention(self.model, eval_mode=True, context=GENERATE):
+                self._attention_held = True
+                try:
+                    yield
+                finally:
+                    self._attention_held = False
+        finally:
+            if self.model.config._attn_implementation != previous:
+                self._switch(previous)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """``dtype=`` other than the weights' (e.g. bf16 rollouts of an fp32 policy): run the step
@@ -140,3 +152,41 @@ class LiveModel:
         if dtype is None or dtype == self.weight_dtype:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
+
+
+class AttentionSwitch:
+    """``model.set_attn_implementation(name)`` without its module walk after the first time.
+
+    transformers walks every module to find the sub-models' configs (~100 Python calls per layer),
+    and what a switch leaves in them depends only on the name and on the configs the model has. The
+    generator's model keeps its modules while the generator serves it (its KV cache is laid out by
+    them), so the configs a first switch to each name leaves are recorded and later switches set
+    them again: the same state, in a few calls."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self._done: dict[str | None, tuple] = {}
+
+    def __call__(self, name: str | None) -> None:
+        done = self._done.get(name)
+        if done is None:
+            register_nopad_attention()  # transformers refuses "nopad" unregistered; idempotent
+            self.model.set_attn_implementation(name)
+            self._done[name] = tuple((config, config._attn_implementation_internal)
+                                     for config in attention_configs(self.model))
+            return
+        for config, value in done:
+            config._attn_implementation_internal = value
+
+
+def attention_configs(model: torch.nn.Module) -> list:
+    """Every config ``set_attn_implementation`` may switch: the model's, its sub-configs at any
+    depth, and those of the sub-models among its modules."""
+    found: dict[int, object] = {}
+    pending = [model.config, *(m.config for m in model.modules() if isinstance(m, PreTrainedModel))]
+    while pending:
+        config = pending.pop()
+        if id(config) not in found:
+            found[id(config)] = config
+            pending += [sub for key in config.sub_configs if (sub := getattr(config, key, None)) is not None]
+    return list(found.values())

@@ -109,7 +109,9 @@ def takes_sinks() -> bool:
 @torch.compiler.assume_constant_result
 def built() -> bool:
     """The kernel was built (decided once: dynamo cannot trace the extension's import)."""
-    return kernel() is not None
+    global _KERNEL
+    _KERNEL = kernel()
+    return _KERNEL is not None
 
 
 def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -117,28 +119,39 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per row ``q (rows, heads, dim)`` over that row's keys in a paged cache
     ``(blocks, block_size, kv_heads, dim)``: ``context_lens[i]`` keys through ``block_table[i]``.
-    Same kernel, same per-query order as every other CPU generation step."""
+    Same kernel, same per-query order as every other CPU generation step. Calls no other Python
+    function (sinks inline, the extension held in ``_KERNEL``): a compiled decode step runs it once
+    per layer, so each call here is one more host call per layer of every step."""
     rows = q.shape[0]
     out = torch.empty_like(q)
     if rows == 0:
         return out
     block_size = k_cache.shape[1]
-    lens = np.ascontiguousarray(context_lens.numpy(), dtype=np.int32)
-    table = np.ascontiguousarray(block_table.numpy(), dtype=np.int32)
-    dtype_code = DTYPE_CODES[q.dtype]
-    kernel().forward(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), dtype_code,
-        k_cache.shape[0] * block_size, np.arange(rows + 1, dtype=np.int32), lens, None, table, block_size,
-        q.shape[1], k_cache.shape[2], q.shape[2], scale, softcap, window, True, torch.get_num_threads(),
-        **_sink_argument(sinks),
+    extra = {} if sinks is None else {
+        "sinks": np.ascontiguousarray(sinks.detach().to(device="cpu", dtype=torch.float32).numpy())}
+    (_KERNEL or kernel()).forward(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), DTYPE_CODES[q.dtype],
+        k_cache.shape[0] * block_size, np.arange(rows + 1, dtype=np.int32),
+        np.ascontiguousarray(context_lens.numpy(), dtype=np.int32), None,
+        np.ascontiguousarray(block_table.numpy(), dtype=np.int32), block_size,
+        q.shape[1], k_cache.shape[2], q.shape[2], scale, softcap, window, True, torch.get_num_threads(), **extra,
     )
     return out
 
 
-paged_decode = torch.library.custom_op("nopad::paged_decode", mutates_args=())(_paged_decode)
+# Defined with torch.library.Library, not torch.library.custom_op: a compiled step calls the op once
+# per layer, and custom_op's Python wrappers (autograd, backend and aliasing checks: 13 calls) made
+# the compiled decode step's Python grow by 17 calls a layer; this way the dispatcher, in C++, calls
+# _paged_decode directly (2 calls a layer with OpOverload.__call__). No autograd: decode runs without.
+_LIB = torch.library.Library("nopad", "FRAGMENT")
+_LIB.define("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor context_lens, "
+            "float scale, int window, float softcap, Tensor? sinks=None) -> Tensor")
+_LIB.impl("paged_decode", _paged_decode, "CPU")
+paged_decode = torch.ops.nopad.paged_decode.default
+_KERNEL: ModuleType | None = None  # the extension, once built() has loaded it
 
 
-@paged_decode.register_fake
+@torch.library.register_fake("nopad::paged_decode", lib=_LIB)
 def _(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap, sinks=None):
     return torch.empty_like(q)
 

@@ -95,11 +95,19 @@ TOUCHED: tuple[Touch, ...] = (
     # the attention implementation: registered, switched, read back
     Touch("transformers.configuration_utils", "PreTrainedConfig._attn_implementation", INSTANCE, by=_HF),
     Touch(_MU, "PreTrainedModel.set_attn_implementation", PARAMETERS, ("attn_implementation",), by=_HF),
+    # what set_attn_implementation writes in each config: the generator's later switches write it too
+    Touch("transformers.configuration_utils", "PreTrainedConfig._attn_implementation_internal", INSTANCE,
+          by="nopad.inference.live_model"),
     Touch("transformers", "AttentionInterface.register", PARAMETERS, ("key", "value"), by=_HF),
     Touch(_MASK, "AttentionMaskInterface.register", PARAMETERS, ("key", "value"), by=_HF),
     # nopad_mask is the forward's mask hook: picked by the config's implementation, given the 2-D mask
     Touch(_MASK, "create_causal_mask", SOURCE, ("ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]",
                                                 "attention_mask=attention_mask"), by="nopad.packing.hf.attention"),
+    # the mask builder's argument step, wrapped (nopad.packing.hf.mask_args): its packed-sequence search syncs
+    Touch(_MASK, "_preprocess_mask_arguments", PARAMETERS, ("config", "inputs_embeds", "attention_mask", "cache",
+                                                           "position_ids"), by="nopad.packing.hf.mask_args"),
+    Touch(_MASK, "create_causal_mask", SOURCE, ("_preprocess_mask_arguments(config, inputs_embeds, attention_mask, "
+                                                "cache, position_ids",), by="nopad.packing.hf.mask_args"),
     # the contract of a model call: positions and the attention keyword arguments reach every layer
     Touch(_LLAMA, "LlamaForCausalLM.forward", PARAMETERS, ("input_ids", "position_ids", "cache", "use_cache",
                                                            "labels", "**kwargs"), by="nopad.packing.hf.attention"),

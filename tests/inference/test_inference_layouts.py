@@ -89,11 +89,9 @@ def test_a_cache_of_another_layout_is_refused_by_name():
         varlen_attention(q, k, v, meta, kv_cache=cache)
 
 
-def test_a_multimodal_model_generates_text_as_hf_does():
-    """``AutoModelForCausalLM`` gives Gemma3's (and Gemma4's) image-text class for the released
-    4B+ checkpoints; its config keeps the vocabulary and positions in ``text_config``, and the
-    Generator read them off the top config and crashed (found by the sweep of every causal LM
-    class). Text prompts through it equal HF ``generate``."""
+def gemma3_image_text():
+    """A tiny Gemma3 image-text model: a text config and a vision config under the top one, and a
+    vision sub-model among its modules."""
     import transformers
 
     text = tiny_config("gemma2").to_dict()
@@ -105,11 +103,54 @@ def test_a_multimodal_model_generates_text_as_hf_does():
     config = transformers.Gemma3Config(text_config={**text, "head_dim": 16, "sliding_window": 8},
                                        vision_config=vision, mm_tokens_per_image=4)
     torch.manual_seed(0)
-    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    return transformers.Gemma3ForConditionalGeneration(config).eval()
+
+
+def test_a_multimodal_model_generates_text_as_hf_does():
+    """``AutoModelForCausalLM`` gives Gemma3's (and Gemma4's) image-text class for the released
+    4B+ checkpoints; its config keeps the vocabulary and positions in ``text_config``, and the
+    Generator read them off the top config and crashed (found by the sweep of every causal LM
+    class). Text prompts through it equal HF ``generate``."""
+    model = gemma3_image_text()
     prompts = prompts_of([5, 17])
     gen = Generator(model, block_size=4, num_blocks=32)
     outs = gen.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 6) for p in prompts]
+
+
+def test_bare_steps_switch_every_config_and_walk_the_modules_once(monkeypatch):
+    """A bare ``step()`` switches the model to nopad attention and back (the caller's code runs
+    between steps); ``set_attn_implementation`` walks every module, so only the first switch each
+    way runs it, and later steps set what it set: every config (top, text, vision) nopad during
+    the forward and as it was between steps."""
+    import functools
+
+    import transformers
+
+    from nopad.inference.live_model import attention_configs
+
+    model = gemma3_image_text()
+    configs = attention_configs(model)
+    before = [c._attn_implementation for c in configs]
+    assert len(configs) == 3 and "nopad" not in before
+    switches, during = [], []
+    real = transformers.PreTrainedModel.set_attn_implementation
+
+    @functools.wraps(real)  # its signature: nopad's transformers check reads it
+    def counted(self, attn_implementation, **kwargs):
+        switches.append(attn_implementation)
+        return real(self, attn_implementation, **kwargs)
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "set_attn_implementation", counted)
+    model.register_forward_pre_hook(lambda *_: during.append([c._attn_implementation for c in configs]))
+    gen = Generator(model, block_size=4, num_blocks=32)
+    gen.add_request(prompts_of([5])[0], SamplingParams(max_tokens=4, temperature=0.0))
+    del switches[:]  # the construction's own checks (a probe forward) switch too
+    while gen.has_unfinished():
+        gen.step()
+        assert [c._attn_implementation for c in configs] == before
+    assert len(during) > 3 and all(now == ["nopad"] * 3 for now in during)
+    assert switches == ["nopad", before[0]]
 
 
 def test_a_layer_that_calls_attention_twice_per_step_is_refused_in_the_generator_only():

@@ -13,6 +13,7 @@ copy to CPU is a no-op and invisible): exactly one per step.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections import Counter
 
@@ -417,3 +418,87 @@ def test_compiled_decode_marks_dynamic_dimensions_only_on_a_new_bucket(monkeypat
     assert [n for _, n in per_step] == [9 if new else 0 for new, _ in per_step], per_step
     assert 1 < sum(new for new, _ in per_step) < gen._runner.static_steps  # new buckets, and seen ones
     assert counters["stats"]["unique_graphs"] - graphs == 1
+
+
+# Python calls a compiled decode step adds per layer (dynamo's eager backend: its guards and graph
+# are dynamo's, without inductor's minutes of compiling): the attention op's OpOverload.__call__ and
+# its CPU implementation, and F.silu, a Python function the eager backend calls (inductor fuses it).
+# 18 a layer while the op was a torch.library.custom_op, whose Python wrappers run on every call.
+COMPILED_LAYER_CALL_BUDGET = 3
+
+
+def compiled_step_calls(layers: int, rows: int) -> int:
+    """Python calls of one compiled decode step (attention held, as generate() holds it)."""
+    gen = Generator(tiny_model("llama", num_hidden_layers=layers), block_size=16, max_num_seqs=rows,
+                    compile_decode=True)
+    for i in range(rows):
+        gen.add_request([3 + i % 50, 4, 5, 6, 7], GREEDY)
+    gen.step()  # prefill
+    with gen.live.attention():
+        gen.step()
+        gen.step()
+        return python_calls(gen.step)
+
+
+def test_compiled_decode_step_python_calls_do_not_grow_with_layers(monkeypatch):
+    """A compiled decode step ran 17 Python calls per layer outside its graph (the attention custom
+    op's wrappers), so on a GPU the host still paid per layer for a compiled forward. Counted, not
+    timed; calls per added row stay within ROW_CALL_BUDGET on the compiled path too."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None, **kw: compile_(model, backend="eager", **kw))
+    torch._dynamo.reset()
+    two, eight = compiled_step_calls(2, 8), compiled_step_calls(8, 8)
+    per_layer = (eight - two) / 6
+    assert per_layer <= COMPILED_LAYER_CALL_BUDGET, f"{per_layer:.1f} Python calls per compiled layer ({two}, {eight})"
+    wide = compiled_step_calls(2, 40)
+    per_row = (wide - two) / 32
+    assert per_row <= ROW_CALL_BUDGET, f"{per_row:.1f} Python calls per compiled decode row"
+
+
+def test_a_bare_step_switches_attention_in_calls_that_do_not_grow_with_layers():
+    """A bare ``step()`` (``stream()``, a caller's own loop) switches the model to nopad attention and
+    back; transformers' ``set_attn_implementation`` walks every module each way, ~200 Python calls
+    per layer of every step. Only the first switch may walk: a bare step's calls grow with the
+    layers exactly as a step's inside ``generate()`` (attention held across steps) do."""
+    def calls(layers: int, held: bool) -> int:
+        gen = Generator(tiny_model("llama", num_hidden_layers=layers), block_size=16, max_num_seqs=4)
+        for p in PROMPTS:
+            gen.add_request(p, GREEDY)
+        gen.step()  # prefill
+        gen.step()  # the first bare step: transformers' switch, each way, once
+        with gen.live.attention() if held else contextlib.nullcontext():
+            return python_calls(gen.step)
+
+    bare, held = (calls(6, h) - calls(2, h) for h in (False, True))
+    assert bare == held, f"a bare step's Python calls grow by {(bare - held) / 4:.0f} a layer more"
+
+
+def test_decode_forward_launches_without_syncs(triton_host_side, monkeypatch):
+    """The step-loop design (docs/step-loop-design.md): between launching step N and step N+1 the
+    only sync is the completion's read-back of sampled tokens. The static decode forward (what
+    compile_decode compiles and CUDA graphs capture), on the Triton path whose launch is stubbed,
+    forces no sync and reads nothing back (transformers' mask builder looked for packed sequences
+    in the positions with a host read, once a forward); the whole step reads back only its tokens
+    and log-probs."""
+    gen = Generator(tiny_model("llama", num_hidden_layers=4), block_size=16, attn_backend="triton",
+                    static_decode=True)
+    for p in PROMPTS:
+        gen.add_request(p, GREEDY)
+    gen.step()  # prefill
+    inside: list[Counter] = []
+    forward = gen._runner.model.forward
+
+    def counted(*args, **kwargs):
+        mode = StepOps()
+        with mode, ReadBacks(mode.counts):
+            out = forward(*args, **kwargs)
+        inside.append(mode.counts)
+        return out
+
+    monkeypatch.setattr(gen._runner.model, "forward", counted)
+    step = count_steps(gen, 3)
+    assert gen._runner.static_steps == 3 and len(inside) == 3
+    for counts in inside:
+        syncs = {k: n for k, n in counts.items() if k in SYNC_OPS or k.startswith(("Tensor.", "repeat"))}
+        assert not syncs, dict(counts)
+    assert [c["Tensor.tolist"] for c in step] == [2, 2, 2]  # tokens and log-probs, at completion

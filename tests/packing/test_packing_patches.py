@@ -55,6 +55,7 @@ def test_fork_after_importing_every_public_module_runs_a_threaded_gemm():
 
 
 def test_first_use_patches_and_uninstall_gives_transformers_back():
+    from transformers import masking_utils
     from transformers.integrations import hub_kernels
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
@@ -66,14 +67,17 @@ def test_first_use_patches_and_uninstall_gives_transformers_back():
     assert qwen.torch_chunk_gated_delta_rule._nopad_kernel == "chunk_gated_delta_rule"
     families = [sys.modules[m.__module__] for m in mamba2.mixers()]
     assert families and all(hasattr(f.mamba2_chunk_scan, "nopad_original") for f in families)
+    assert masking_utils._preprocess_mask_arguments._nopad_mask_args
     try:
         patches.uninstall()
         assert not patches.installed()
         assert not hasattr(hub_kernels.use_kernel_func_from_hub_with_fallback, "_nopad_kernel")
         assert not hasattr(qwen.torch_chunk_gated_delta_rule, "_nopad_kernel")
         assert not any(hasattr(f.mamba2_chunk_scan, "nopad_original") for f in families)
+        assert not hasattr(masking_utils._preprocess_mask_arguments, "_nopad_mask_args")
     finally:
         register_nopad_attention()
     assert patches.installed()
     assert qwen.torch_chunk_gated_delta_rule._nopad_kernel == "chunk_gated_delta_rule"
     assert all(hasattr(f.mamba2_chunk_scan, "nopad_original") for f in families)
+    assert masking_utils._preprocess_mask_arguments._nopad_mask_args
