@@ -33,13 +33,13 @@ from nopad.inference.scheduler import Scheduler
 from nopad.inference.sharded import refuse_plain_generation
 from nopad.inference.state_prefix import make_state_slots, reset_snapshot_stats, snapshot_stats, state_snapshots
 from nopad.inference.tools import ToolFormat
+from nopad.inference.weight_updates import PolicyVersions
 from nopad.packing.blocks import BlockAllocator
 from nopad.packing.hf.rope import max_model_len
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | Seq[int]
-STALE_KV = ("keep", "recompute")  # what update_weights() does with the KV cache older weights wrote
 
 
 class Generator:
@@ -108,8 +108,7 @@ class Generator:
         self._plain = PlainRequests(self.scheduler, tokenizer)  # add_request/generate requests in flight
         self._episodes: EpisodeRunner | None = None  # the bookkeeping of a run_episodes() call
         self.last_episode_stats: dict = {}
-        self.policy_version = 0  # optimizer steps reported by update_weights(): stamped on every token
-        self.stale_recomputes = 0  # sequences update_weights(stale_kv="recompute") sent back to re-prefill
+        self.versions = PolicyVersions(self.scheduler)  # stamped on every token; see update_weights()
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -155,34 +154,14 @@ class Generator:
         return finished
 
     def update_weights(self, stale_kv: str = "keep", steps: int = 1) -> None:
-        """The trainer changed the weights in place (``steps`` optimizer steps) while sequences may be
-        in flight (streaming RL): tokens sampled from now on are stamped with the new
-        :attr:`policy_version`. Call it between two :meth:`step` calls, never inside one.
+        """The trainer changed the weights in place (``steps`` optimizer steps) between two :meth:`step`
+        calls: later tokens carry the new :attr:`policy_version`; ``stale_kv`` (keep | recompute) says
+        what in-flight sequences do with the KV older weights wrote (:mod:`nopad.inference.weight_updates`)."""
+        self.versions.update(stale_kv, steps)
 
-        ``stale_kv="keep"``: every sequence continues on the KV cache (and hybrid state) its older
-        weights wrote, as PipelineRL and AReaL do, and new prompts may share cached blocks written by
-        older weights. ``"recompute"``: every running or paused sequence re-prefills its prompt and
-        completion with the new weights before its next token (its tokens and their recorded
-        log-probs stay as they were sampled), and the prefix cache is dropped, so that every token
-        sampled at version v is computed from weights v alone."""
-        if stale_kv not in STALE_KV:
-            raise ValueError(f"stale_kv must be one of {STALE_KV}, got {stale_kv!r}")
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be an int >= 1 (the optimizer steps taken), got {steps!r}")
-        self.policy_version += steps
-        if stale_kv == "keep":
-            return
-        scheduler = self.scheduler
-        stats = scheduler.stats.preemptions, scheduler.stats.paused_preemptions
-        for seq in reversed(list(scheduler.running)):  # the newest first: the queue keeps their order
-            scheduler.preempt(seq)
-        for seq in scheduler.paused:  # a paused episode recomputes when its tools return
-            if seq.block_table:
-                scheduler.preempt(seq)
-        self.stale_recomputes += scheduler.stats.preemptions - stats[0]
-        # the scheduler's counters stay those of memory pressure; these are counted apart
-        scheduler.stats.preemptions, scheduler.stats.paused_preemptions = stats
-        self.allocator.reset_prefix_cache()
+    @property
+    def policy_version(self) -> int:
+        return self.versions.version
 
     # ----------------------------------------------------------------- high level
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params=None, use_tqdm: bool = True,
@@ -300,7 +279,7 @@ class Generator:
         return {**dataclasses.asdict(self.scheduler.stats), "prefix_cache_hit_blocks": self.allocator.hits,
                 "max_num_seqs": self.scheduler.max_num_seqs, "num_blocks": self.allocator.num_blocks,
                 "block_size": self.block_size, "evictions": self.allocator.evictions,
-                "policy_version": self.policy_version, "stale_recomputes": self.stale_recomputes,
+                "policy_version": self.versions.version, "stale_recomputes": self.versions.recomputed,
                 **snapshot_stats(self.scheduler.state_slots)}
 
     def reset_stats(self) -> None:
@@ -327,9 +306,7 @@ class Generator:
     def _sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> SampleResult:
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        result = sample(logits, seqs, self._sampler_buffers)
-        result.policy_version = self.policy_version
-        return result
+        return sample(logits, seqs, self._sampler_buffers, policy_version=self.versions.version)
 
     def _ensure_runner(self) -> ModelRunner:
         if self._runner is None:

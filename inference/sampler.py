@@ -59,9 +59,11 @@ def _log_softmax(x: torch.Tensor, buffers: SamplerBuffers, name: str) -> torch.T
     return tempered_log_softmax(x, out=buffers.get(name, x))
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], buffers: SamplerBuffers | None = None) -> SampleResult:
+def sample(logits: torch.Tensor, seqs: list[Sequence], buffers: SamplerBuffers | None = None, *,
+           policy_version: int = 0) -> SampleResult:
     """Draw one token per row of ``logits`` ``(rows, vocab)`` for ``seqs[row]``. ``buffers``
-    (the generator's) lets the full-vocabulary temporaries reuse memory across steps."""
+    (the generator's) lets the full-vocabulary temporaries reuse memory across steps;
+    ``policy_version``: the weights whose logits these are, recorded with the tokens."""
     buffers = buffers if buffers is not None else SamplerBuffers()
     if logits.dtype != torch.float32:
         logits = buffers.get("logits", logits).copy_(logits)  # exact, as logits.float()
@@ -122,6 +124,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], buffers: SamplerBuffers |
                                                    buffers).tolist() if tempered else list(logprobs),
         sampling_logprobs=sampling_lp.tolist() if rand else [0.0] * rows,
         top_logprobs=top,
+        policy_version=policy_version,
     )
 
 

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 from nopad.inference.chat import encode_prompt
 from nopad.recipes.cli import run_recipe
 from nopad.recipes.config import ConfigError, parse_cli, setup_logging
-from nopad.recipes.env_tasks import environment_format, load_environment, resolve_reward
+from nopad.recipes.env_tasks import resolve_reward
 from nopad.recipes.grpo_checkpoint import (
     Checkpointer,
     GRPOProgress,
@@ -48,6 +48,12 @@ from nopad.recipes.grpo_checkpoint import (
     resume_settings,
 )
 from nopad.recipes.grpo_config import GRPORecipeConfig
+from nopad.recipes.grpo_rollouts import (
+    StepRollouts,
+    environment_tools,
+    make_generator,
+    tool_episodes,
+)
 from nopad.recipes.models import load_model
 from nopad.recipes.reward_calls import with_timeout
 from nopad.recipes.tasks import (
@@ -60,7 +66,7 @@ from nopad.recipes.tasks import (
 from nopad.recipes.tool_tasks import chat_tool_prompt
 
 if TYPE_CHECKING:  # torch and training/ are imported where they run, so --help answers without them
-    from nopad.training.grpo_step import GRPOStepConfig, ToolEpisodes
+    from nopad.training.grpo_step import GRPOStepConfig
 
 logger = logging.getLogger(__name__)
 
@@ -84,15 +90,6 @@ def grpo_loss(cfg: GRPORecipeConfig, device) -> GRPOStepConfig:
                     mask_truncated_completions=lc.mask_truncated_completions,
                     num_iterations=tr.num_iterations, steps_per_generation=tr.steps_per_generation,
                     old_logprobs=tr.old_logprobs, logprobs=cfg.rollout.logprobs, batch_invariant=invariant)
-
-
-def sampling_params(cfg: GRPORecipeConfig, step: int):
-    from nopad.inference import SamplingParams
-
-    ro = cfg.rollout
-    task = tool_task(cfg.task.name, cfg.task.prompts)
-    return SamplingParams(n=ro.num_generations, max_tokens=ro.max_tokens, temperature=ro.temperature,
-                          top_p=ro.top_p, seed=ro.seed * 1_000_003 + step, stop=task.stop if task else None)
 
 
 def task_examples(cfg: GRPORecipeConfig) -> list[dict]:
@@ -133,52 +130,6 @@ def build_prompts(cfg: GRPORecipeConfig, tokenizer,
     return examples, ids
 
 
-def make_generator(model, cfg: GRPORecipeConfig, tokenizer=None):
-    """The rollout generator; ``tokenizer`` for tool tasks, whose calls end at a stop string."""
-    from nopad.inference import Generator
-
-    g = cfg.generator
-    return Generator(model, tokenizer, block_size=g.block_size, num_blocks=g.num_blocks,
-                     max_num_seqs=g.max_num_seqs, max_num_batched_tokens=g.max_num_batched_tokens)
-
-
-def streaming_rollouts(cfg: GRPORecipeConfig, generator, prompt_ids: list[list[int]], pick):
-    """``rollout.mode=streaming``'s rollouts (None for sync): group ``i`` is ``pick(i)``'s prompt with
-    the sampling seed of step ``i // prompts_per_step``, as the synchronous step would sample it."""
-    from nopad.training.streaming import StreamingRollouts
-
-    ro = cfg.rollout
-    if ro.mode != "streaming":
-        return None
-    return StreamingRollouts(
-        generator, lambda i: (prompt_ids[pick(i)], sampling_params(cfg, i // ro.prompts_per_step)),
-        groups_per_step=ro.prompts_per_step, max_staleness=ro.max_staleness, stale_kv=ro.stale_kv,
-        total_groups=cfg.train.steps * ro.prompts_per_step)
-
-
-def environment_tools(cfg: GRPORecipeConfig, tokenizer):
-    """The chat template's tool format with ``task.environment``'s tools; None without one."""
-    spec = cfg.task.environment
-    return None if spec is None else environment_format(tokenizer, load_environment(spec), spec)
-
-
-def tool_episodes(cfg: GRPORecipeConfig, tokenizer) -> ToolEpisodes | None:
-    """The tool task's tools, call format and episode limits, and ``task.environment`` (one per
-    episode, rewarded as a whole); None for a single-turn task."""
-    from nopad.inference.episodes import EpisodeLimits
-    from nopad.training.grpo_step import ToolEpisodes
-
-    task, spec = tool_task(cfg.task.name, cfg.task.prompts), cfg.task.environment
-    if task is None and spec is None:
-        return None
-    ro = cfg.rollout
-    limits = EpisodeLimits(max_turns=ro.max_turns, max_tokens=ro.max_tokens, tool_timeout=ro.tool_timeout)
-    tool_format = task.tool_format(tokenizer) if task is not None else environment_tools(cfg, tokenizer)
-    return ToolEpisodes(task.tools if task is not None else {}, tool_format, limits,
-                        environment_factory=load_environment(spec) if spec is not None else None,
-                        episode_reward=spec is not None)
-
-
 def make_accelerator(cfg: GRPORecipeConfig):
     """The run's Accelerator (:func:`nopad.training.accelerator.make_accelerator`)."""
     from nopad.training.accelerator import make_accelerator as build_accelerator
@@ -201,6 +152,16 @@ def load_policy(cfg: GRPORecipeConfig, model=None, tokenizer=None):
     return model, tokenizer
 
 
+def reference_model(model):
+    """The frozen initial policy of the KL term, on nopad's attention (it scores packed rows too)."""
+    from nopad.packing.hf import NOPAD_ATTENTION, register_nopad_attention
+
+    register_nopad_attention()
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    ref_model.set_attn_implementation(NOPAD_ATTENTION)
+    return ref_model
+
+
 # ----------------------------------------------------------------------------- the run
 def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool = True) -> list[dict]:
     """Train for ``train.steps`` GRPO steps; returns (and logs) one metrics dict per step.
@@ -209,14 +170,12 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     import torch
     from tqdm.auto import tqdm
 
-    from nopad.packing.hf import NOPAD_ATTENTION, register_nopad_attention, use_nopad_attention
+    from nopad.packing.hf import use_nopad_attention
     from nopad.training import checkpoint
     from nopad.training.accelerator import engine_info
     from nopad.training.accumulation import OptimizerStepper
     from nopad.training.curves import finish_trackers, tracker_config, write_curves
-    from nopad.training.grpo_step import grpo_step
     from nopad.training.optimizer import make_adamw
-    from nopad.training.streaming import streaming_step
 
     reward_fn = with_timeout(resolve_reward(cfg.reward, cfg.task.environment), cfg.reward_timeout,
                              "reward_timeout", cfg.task.prompt_field)
@@ -224,11 +183,7 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     model, tokenizer = load_policy(cfg, model, tokenizer)
     examples, prompt_ids = build_prompts(cfg, tokenizer, examples)
     tr, per_step = cfg.train, cfg.rollout.prompts_per_step
-    ref_model = None
-    if cfg.loss.beta:  # frozen initial policy for the KL term, also on packed rows
-        register_nopad_attention()
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        ref_model.set_attn_implementation(NOPAD_ATTENTION)
+    ref_model = reference_model(model) if cfg.loss.beta else None
     accelerator = make_accelerator(cfg)
     optimizer = make_adamw(model, tr.lr, tr.weight_decay)  # fused where torch can
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -253,25 +208,11 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     history, saved_at = [], None
     show = progress and accelerator.is_main_process
     bar = tqdm(range(run.step, tr.steps), desc="grpo", disable=not show)
-    def pick(group: int) -> int:  # the example of this rank's group-th group: step group // per_step's
-        step, j = divmod(group, per_step)
-        return order[((step * world + rank) * per_step + j) % len(order)]
-
-    stream = streaming_rollouts(cfg, generator, prompt_ids, pick)
-    curves = CURVES + (STREAMING_CURVES if stream is not None else ())
+    rollouts = StepRollouts(cfg, generator, examples, prompt_ids, order, rank, world, episodes, progress)
+    curves = CURVES + (STREAMING_CURVES if rollouts.stream is not None else ())
     with use_nopad_attention(policy):  # packed training rows; the generator switches to paged itself
         for step in bar:
-            picks = [pick(step * per_step + j) for j in range(per_step)]
-            if stream is not None:
-                metrics = streaming_step(stepper, stream, lambda g: (examples[pick(g)], prompt_ids[pick(g)]),
-                                         reward_fn, tokenizer, loss, step=step, temperature=cfg.rollout.temperature,
-                                         ref_model=ref_model)
-            else:
-                metrics = grpo_step(stepper, generator, [examples[i] for i in picks],
-                                    [prompt_ids[i] for i in picks], reward_fn, tokenizer,
-                                    sampling_params(cfg, step), loss, step=step,
-                                    rollout_mode=cfg.generator.sharded_rollout, ref_model=ref_model,
-                                    use_tqdm=progress, episodes=episodes)
+            metrics = rollouts.train_step(stepper, step, reward_fn, tokenizer, loss, ref_model)
             history.append(metrics)
             logger.info("grpo step %d: %s", step, json.dumps({k: round(v, 6) for k, v in metrics.items()}))
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", gap=f"{metrics['logprob_gap_max']:.1e}")
@@ -285,9 +226,7 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     if out is not None and accelerator.is_main_process:
         write_curves(out / checkpoint.METRICS_FILE, curves, "nopad GRPO")
     finish_trackers(accelerator)
-    if stream is not None:
-        stream.close()
-    generator.release()
+    rollouts.close()
     save.finish(run.step, saved_at)
     return history
 

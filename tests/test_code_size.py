@@ -67,6 +67,8 @@ def test_the_size_check_sees_the_code():
 
 def test_the_generator_stays_a_thin_loop():
     """The step's bookkeeping belongs to the scheduler's postprocess and the sequences'
-    owners, so ``inference/generator.py`` (the public loop) stays within 300 lines."""
+    owners, so ``inference/generator.py`` (the public loop) stays within 320 lines (300 before it took
+    the trainer's weight updates: their logic is :mod:`nopad.inference.weight_updates`', only the
+    three-line entry points are here)."""
     lines = len((ROOT / "inference" / "generator.py").read_text().splitlines())
-    assert lines <= 300, f"inference/generator.py has {lines} lines (limit 300): move logic to its owner"
+    assert lines <= 320, f"inference/generator.py has {lines} lines (limit 320): move logic to its owner"

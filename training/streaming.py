@@ -25,9 +25,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nopad.inference.generator import STALE_KV, Generator
+from nopad.inference.generator import Generator
 from nopad.inference.outputs import RequestOutput
 from nopad.inference.sampling_params import SamplingParams
+from nopad.inference.weight_updates import STALE_KV
 
 logger = logging.getLogger(__name__)
 

@@ -247,7 +247,8 @@ def test_one_grpo_step_on_the_live_model(policy):
 
     from nopad.inference import Generator
     from nopad.packing.hf import use_nopad_attention
-    from nopad.recipes.grpo import build_prompts, grpo_loss, sampling_params
+    from nopad.recipes.grpo import build_prompts, grpo_loss
+    from nopad.recipes.grpo_rollouts import sampling_params
     from nopad.training.accumulation import OptimizerStepper
     from nopad.training.grpo_step import grpo_step
 
@@ -391,7 +392,8 @@ def test_grpo_step_is_exactly_on_policy_in_bf16_too(dtype, one_thread):
 
     from nopad.inference import Generator
     from nopad.packing.hf import use_nopad_attention
-    from nopad.recipes.grpo import build_prompts, grpo_loss, sampling_params
+    from nopad.recipes.grpo import build_prompts, grpo_loss
+    from nopad.recipes.grpo_rollouts import sampling_params
     from nopad.training.accumulation import OptimizerStepper
     from nopad.training.grpo_step import grpo_step
     from tests.support.models import tiny_model

@@ -42,7 +42,7 @@ def kill_at(where: str, step: int) -> None:
             return train_on_rollouts(*args, **kwargs)
 
         nopad.training.grpo_step.train_on_rollouts = rollout_then_die
-    elif where == "step":  # run_grpo imports grpo_step when it runs, so it gets this one
+    elif where == "step":  # the recipe imports grpo_step when a step runs (StepRollouts), so it gets this one
         grpo_step = nopad.training.grpo_step.grpo_step
 
         def step_then_die(*args, **kwargs):

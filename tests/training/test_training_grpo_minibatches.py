@@ -16,7 +16,8 @@ def run_step(loss: GRPOStepConfig, lr: float = 1e-2, dtype=torch.float32):
 
     from nopad.inference import Generator
     from nopad.packing.hf import use_nopad_attention
-    from nopad.recipes.grpo import build_prompts, sampling_params
+    from nopad.recipes.grpo import build_prompts
+    from nopad.recipes.grpo_rollouts import sampling_params
     from nopad.recipes.tasks import get_reward
     from nopad.training.accumulation import OptimizerStepper
     from nopad.training.grpo_step import grpo_step

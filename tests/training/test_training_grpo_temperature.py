@@ -27,7 +27,8 @@ def run_recorded_step(monkeypatch, logprobs: str, dtype: torch.dtype, beta: floa
     import nopad.training.grpo_step
     from nopad.inference import Generator
     from nopad.packing.hf import NOPAD_ATTENTION, register_nopad_attention, use_nopad_attention
-    from nopad.recipes.grpo import build_prompts, grpo_loss, sampling_params
+    from nopad.recipes.grpo import build_prompts, grpo_loss
+    from nopad.recipes.grpo_rollouts import sampling_params
     from nopad.training.accumulation import OptimizerStepper
     from tests.support.models import tiny_model
 
