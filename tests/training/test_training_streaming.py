@@ -130,11 +130,12 @@ def test_recompute_every_token_is_the_trainers_under_its_stamped_version(family,
     assert checked == sum(len(c.token_ids) for g in taken for c in g.output.outputs)
 
 
-def test_keep_continues_on_the_kv_older_weights_wrote(one_thread):
-    """``stale_kv=keep``: a token sampled after an update reads K/V its sequence's older weights wrote.
-    Its recorded log-prob is that mixed computation's (HF's own forward, its cache filled by the
-    weights of each token's version) and not the new weights' alone."""
-    taken, weights, model = stream_with_updates("llama", "keep")
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_keep_continues_on_the_kv_older_weights_wrote(family, one_thread):
+    """``stale_kv=keep``: a token sampled after an update reads K/V (and, on a hybrid, recurrent state)
+    its sequence's older weights wrote. Its recorded log-prob is that mixed computation's (HF's own
+    forward, its cache filled by the weights of each token's version) and not the new weights' alone."""
+    taken, weights, model = stream_with_updates(family, "keep")
     reference = copy.deepcopy(model).eval()
     differs = 0
     for group in taken:
