@@ -30,8 +30,9 @@ trained tokens per wall second against nopad sync and against TRL.
     python benchmarks/bench_streaming_rl.py --learning # the learning check (below)
 
 The learning check (``--learning``): the GRPO recipe on its arithmetic task with the embedded
-SmolLM2-135M-Instruct, 20 optimizer steps, synchronous under three seeds and streaming
-(``max_staleness=1``, keep) under the first of them; prints each run's reward curve and whether
+SmolLM2-135M-Instruct (2 prompts x 8 completions of <= 40 tokens at temperature 0.7 per step, lr
+1e-5), 20 optimizer steps, synchronous under three seeds and streaming (``max_staleness=1``, keep)
+under the first of them; prints each run's reward curve and whether
 streaming's mean reward stays within the sync seeds' spread (their min..max, step by step and over
 the last 10 steps).
 """
@@ -173,7 +174,7 @@ def learning_check(args) -> None:
     steps = 3 if args.quick else 20
     base = {"model": {"path": "tiny:llama" if args.quick else "smollm2"},
             "task": {"name": "arithmetic"}, "train": {"steps": steps, "lr": 1e-5},
-            "rollout": {"prompts_per_step": 4, "num_generations": 4, "max_tokens": 32}}
+            "rollout": {"prompts_per_step": 2, "num_generations": 8, "max_tokens": 40, "temperature": 0.7}}
     runs = [("sync", seed, {}) for seed in (0, 1, 2)] + [("streaming s=1 keep", 0, {"mode": "streaming"})]
     curves = {}
     for name, seed, rollout in runs:
