@@ -203,10 +203,6 @@ class GRPORecipeConfig(Section):
             raise ConfigError("rollout.mode", "streaming does not run tool episodes yet (their tool latency "
                               "would make which groups form a step depend on the wall clock); use "
                               "rollout.mode=sync for this task")
-        if self.checkpoint.resume_from is not None:
-            raise ConfigError("rollout.mode", "streaming does not save its in-flight rollouts yet, so a resumed "
-                              "run would not continue the one that was stopped; resume with rollout.mode=sync, "
-                              "or start fresh without checkpoint.resume_from")
         if zero3_config(self.accelerate.deepspeed_config):
             raise ConfigError("rollout.mode", f"streaming does not run on ZeRO-3 sharded weights yet "
                               f"({self.accelerate.deepspeed_config}): its rollouts gather the weights per "
