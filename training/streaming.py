@@ -242,15 +242,19 @@ def streaming_step(stepper, stream: StreamingRollouts, group_examples: Callable[
     """One streaming GRPO step: the next groups from ``stream`` (``group_examples(i)``: the example and
     prompt ids of group ``i``), scored and trained as the synchronous step does
     (:func:`nopad.training.grpo_step.score_and_train`, each token's own recorded behaviour log-prob as
-    its old log-prob), then the generator is told the weights changed. Every rank calls it each step."""
+    its old log-prob), then the generator is told the weights changed. Every rank calls it each step.
+    Under ZeRO-3 / FSDP2 the step's generator steps run on the full weights, gathered once for them
+    (:func:`nopad.inference.sharded.gathered_weights`, a collective every rank joins once a step), so
+    each rank decodes its own groups with no collective per forward."""
     import time
 
+    from nopad.inference.sharded import gathered_weights
     from nopad.packing.invariance import batch_invariant
     from nopad.training.grpo import Rollout
     from nopad.training.grpo_step import score_and_train
 
     window, t0 = stream.snapshot(), time.perf_counter()
-    with batch_invariant(loss.batch_invariant):  # the rollout's log-probs are then the trainer's, bitwise
+    with gathered_weights(stepper.model), batch_invariant(loss.batch_invariant):  # (bitwise the trainer's)
         groups = stream.next_groups()
     rollout_time = time.perf_counter() - t0
     examples, samples = [], []
