@@ -27,7 +27,8 @@ from nopad.inference.kv_cache import KVCache
 from nopad.inference.prompt_logprobs import PromptScorer, Span, prompt_span
 from nopad.inference.scheduler import StepPlan
 from nopad.packing import invariance
-from nopad.packing.varlen import VarlenMeta, step_layout
+from nopad.packing.layout import step_layout
+from nopad.packing.varlen import VarlenMeta
 
 logger = logging.getLogger(__name__)
 

@@ -17,48 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-
-def _as_lengths(values: Sequence[int] | np.ndarray | torch.Tensor, name: str) -> np.ndarray:
-    """Validate a 1-D array of non-negative integer lengths and return it as int64 numpy."""
-    if isinstance(values, torch.Tensor):
-        values = values.detach().cpu().numpy()
-    arr = np.asarray(values)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D sequence of integers, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.size and arr.min() < 0:
-        i = int(np.argmin(arr))
-        raise ValueError(f"{name}[{i}] = {arr[i]} is negative; lengths must be >= 0")
-    return arr
-
-
-def _cumsum0(lengths: np.ndarray) -> np.ndarray:
-    out = np.zeros(lengths.size + 1, dtype=np.int64)
-    np.cumsum(lengths, out=out[1:])
-    return out
-
-
-def step_layout(query_lens, context_lens) -> dict[str, np.ndarray]:
-    """Host (numpy int64) arrays of a step's boundaries: ``q``/``k`` lengths, ``cu_q``/``cu_k``,
-    each query token's ``positions`` and ``seq_idx``. Shared by :meth:`VarlenMeta.for_step` and
-    the generator's step builder, which copies them to the device in one buffer."""
-    q = _as_lengths(query_lens, "query_lens")
-    ctx = _as_lengths(context_lens, "context_lens")
-    if q.shape != ctx.shape:
-        raise ValueError(
-            f"query_lens and context_lens must have the same length, got {q.size} and {ctx.size}"
-        )
-    k = q + ctx
-    cu_q, cu_k = _cumsum0(q), _cumsum0(k)
-    total_q = int(cu_q[-1])
-    if total_q >= 2**31 or int(cu_k[-1]) >= 2**31:
-        raise ValueError("more than 2**31 tokens in one row; split the batch")
-    seq_idx = np.repeat(np.arange(q.size, dtype=np.int64), q)
-    # position of token t of sequence i = ctx[i] + (t - cu_q[i])
-    positions = np.arange(total_q, dtype=np.int64) - np.repeat(cu_q[:-1] - ctx, q)
-    return dict(q=q, k=k, cu_q=cu_q, cu_k=cu_k, positions=positions, seq_idx=seq_idx)
+from nopad.packing.layout import as_lengths, cumsum0, step_layout
 
 
 class PaddedLayout(NamedTuple):
@@ -104,7 +63,7 @@ class VarlenMeta:
         cls, lengths: Sequence[int] | np.ndarray | torch.Tensor, device: torch.device | str = "cpu"
     ) -> VarlenMeta:
         """A packed training row: each sequence attends to itself only (queries == keys)."""
-        lens = _as_lengths(lengths, "lengths")
+        lens = as_lengths(lengths, "lengths")
         return cls.for_step(lens, np.zeros_like(lens), device=device)
 
     @classmethod
@@ -166,7 +125,7 @@ class VarlenMeta:
             if len(group) != 2:
                 raise ValueError(f"groups[{g}] must be (prompt_len, [completion_len, ...]), got {group!r}")
             prompt_len = int(group[0])
-            completions = _as_lengths(list(group[1]), f"groups[{g}] completions")
+            completions = as_lengths(list(group[1]), f"groups[{g}] completions")
             if prompt_len < 1:
                 raise ValueError(f"groups[{g}] has prompt_len {prompt_len}; a shared prefix needs >= 1 "
                                  "token")
@@ -307,7 +266,7 @@ class VarlenMeta:
         (no ``repeat_interleave`` with a data-dependent size, no host sync)."""
         lens = np.asarray(self.seqlens_k, dtype=np.int64)
         seq = np.repeat(np.arange(lens.size, dtype=np.int64), lens)
-        pos = np.arange(seq.size, dtype=np.int64) - np.repeat(_cumsum0(lens)[:-1], lens)
+        pos = np.arange(seq.size, dtype=np.int64) - np.repeat(cumsum0(lens)[:-1], lens)
         both = torch.from_numpy(np.stack([seq, pos])).to(self.device, non_blocking=True)
         return both[0], both[1]
 
@@ -331,9 +290,9 @@ class VarlenMeta:
         lk = np.asarray(self.seqlens_k, dtype=np.int64)
         k_off = np.arange(self.max_seqlen_k, dtype=np.int64)[None, :]
         q_off = np.arange(self.max_seqlen_q, dtype=np.int64)[None, :]
-        key_rows = _cumsum0(lk)[:-1, None] + np.where(k_off < lk[:, None], k_off, 0)
+        key_rows = cumsum0(lk)[:-1, None] + np.where(k_off < lk[:, None], k_off, 0)
         valid = q_off < lq[:, None]
-        query_rows = _cumsum0(lq)[:-1, None] + np.where(valid, q_off, 0)
+        query_rows = cumsum0(lq)[:-1, None] + np.where(valid, q_off, 0)
         query_pos = (lk - lq)[:, None] + q_off
         dev = self.device
         return PaddedLayout(
@@ -348,9 +307,9 @@ class VarlenMeta:
     def host_boundaries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(cu_seqlens_q int32, seqlens_k int32, key starts int64)`` as host arrays, from the
         host lengths (no device sync): what a CPU kernel loops over."""
-        cu_q = _cumsum0(np.asarray(self.seqlens_q, dtype=np.int64)).astype(np.int32)
+        cu_q = cumsum0(np.asarray(self.seqlens_q, dtype=np.int64)).astype(np.int32)
         lens_k = np.asarray(self.seqlens_k, dtype=np.int64)
-        return cu_q, lens_k.astype(np.int32), _cumsum0(lens_k)[:-1]
+        return cu_q, lens_k.astype(np.int32), cumsum0(lens_k)[:-1]
 
     @cached_property
     def host_block_table(self) -> np.ndarray:
