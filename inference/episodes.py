@@ -16,7 +16,7 @@ import logging
 import math
 import numbers
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nopad.inference.request import Request, Sequence, Status
@@ -323,36 +323,6 @@ class EpisodeRunner:
             sampling_logprobs=lists[2], turns=copy.deepcopy(state.turns), finish_reason=reason,
             num_tool_calls=state.num_tool_calls, num_tool_errors=state.num_tool_errors,
             num_malformed=state.num_malformed, environment=state.environment, error=state.error)
-
-
-def named_tools(tools) -> dict[str, Callable]:
-    """``{name: function}`` from a list of functions (named by ``__name__``) or a mapping."""
-    if isinstance(tools, (str, bytes)) or callable(tools):
-        raise TypeError(f"tools must be a list of functions or a {{name: function}} mapping, got {tools!r}; "
-                        "pass the functions themselves, e.g. tools=[add]")
-    if isinstance(tools, Mapping):
-        named = dict(tools)
-    else:
-        named = {getattr(fn, "__name__", repr(fn)): fn for fn in tools}
-    for name, fn in named.items():
-        if not callable(fn):
-            raise TypeError(f"tool {name!r} is {fn!r}, not a function")
-    return named
-
-
-def render_prompts(prompts, tool_format: ToolFormat) -> list:
-    """Episode prompts as the generator takes them: chat messages rendered (with the tools) by
-    the tool format, token ids and strings as they are."""
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    out = []
-    for i, prompt in enumerate(prompts):
-        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], Mapping):
-            if not hasattr(tool_format, "prompt_ids"):
-                raise ValueError(f"prompt {i} is chat messages but the tool format "
-                                 f"{type(tool_format).__name__} has no prompt_ids(); pass token ids")
-            prompt = tool_format.prompt_ids(list(prompt))
-        out.append(prompt)
-    return out
 
 
 def _finite_reward(reward_fn: Callable, episode: Episode, tokenizer=None) -> float:
