@@ -26,7 +26,8 @@ from nopad.inference.live_model import LiveModel
 from nopad.inference.model_runner import ModelRunner
 from nopad.inference.outputs import RequestOutput, StreamDelta
 from nopad.inference.plain_requests import PlainRequests
-from nopad.inference.request import Request, RequestBuilder, Sequence, eos_token_ids
+from nopad.inference.request import Request, Sequence
+from nopad.inference.request_builder import RequestBuilder, eos_token_ids
 from nopad.inference.sampler import SamplerBuffers, SampleResult, sample
 from nopad.inference.sampling_params import SamplingParams
 from nopad.inference.scheduler import Scheduler
