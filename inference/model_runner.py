@@ -25,7 +25,7 @@ import torch
 
 from nopad.inference.kv_cache import KVCache
 from nopad.inference.prompt_logprobs import PromptScorer, Span, prompt_span
-from nopad.inference.scheduler import StepPlan
+from nopad.inference.step_plan import StepPlan
 from nopad.packing import invariance
 from nopad.packing.layout import step_layout
 from nopad.packing.varlen import VarlenMeta

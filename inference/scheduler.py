@@ -18,44 +18,15 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from nopad.inference.request import Sequence, Status
 from nopad.inference.seeding import fork_stream
 from nopad.inference.state_cache import StateSlots
 from nopad.inference.state_prefix import aligned_chunk, restore_snapshot, take_snapshot, usable_hits
+from nopad.inference.step_plan import SchedulerStats, StepPlan
 from nopad.packing.blocks import NO_PARENT, BlockAllocator, hash_block
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepPlan:
-    """One forward: ``seqs[i]`` runs ``query_lens[i]`` tokens; ``copies`` are (src, dst) blocks
-    to copy before the forward (copy-on-write)."""
-
-    seqs: list[Sequence] = field(default_factory=list)
-    query_lens: list[int] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    num_decodes: int = 0
-    stopped: list[Sequence] = field(default_factory=list)  # finished for lack of memory while planning
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.query_lens)
-
-
-@dataclass
-class SchedulerStats:
-    steps: int = 0
-    preemptions: int = 0
-    paused_preemptions: int = 0  # of which paused episodes (their KV recomputed on resume)
-    forked_shared_blocks: int = 0  # blocks a fork's new members share instead of recomputing
-    prefix_cache_hit_tokens: int = 0
-    prefill_tokens: int = 0  # prompt/recompute tokens actually run through the model
-    decode_tokens: int = 0
-    tokens_per_step: list[int] = field(default_factory=list)
-    seqs_per_step: list[int] = field(default_factory=list)  # batch occupancy per step
 
 
 class Scheduler:

@@ -356,7 +356,7 @@ def test_static_decode_inputs_are_the_per_row_construction():
     import numpy as np
 
     from nopad.inference.model_runner import build_static_decode
-    from nopad.inference.scheduler import StepPlan
+    from nopad.inference.step_plan import StepPlan
 
     rng = np.random.default_rng(0)
     block, scratch = 4, 99
