@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 
 import torch
 from tqdm.auto import tqdm
 
-from nopad.inference.episode_setup import episode_setup
-from nopad.inference.episodes import Episode, EpisodeLimits, EpisodeRunner
-from nopad.inference.kv_cache import KVCache, num_kv_blocks
+from nopad.inference.episodes import EpisodeRunner
+from nopad.inference.generator_episodes import EpisodeGeneration
+from nopad.inference.kv_cache import KVCache
 from nopad.inference.live_model import LiveModel
 from nopad.inference.model_runner import ModelRunner
 from nopad.inference.outputs import RequestOutput, StreamDelta
@@ -33,7 +33,6 @@ from nopad.inference.sampling_params import SamplingParams
 from nopad.inference.scheduler import Scheduler
 from nopad.inference.sharded import refuse_plain_generation
 from nopad.inference.state_prefix import make_state_slots, reset_snapshot_stats, snapshot_stats, state_snapshots
-from nopad.inference.tools import ToolFormat
 from nopad.inference.weight_updates import PolicyVersions
 from nopad.packing.blocks import BlockAllocator
 from nopad.packing.hf.rope import max_model_len
@@ -43,7 +42,7 @@ logger = logging.getLogger(__name__)
 Prompt = str | Seq[int]
 
 
-class Generator:
+class Generator(EpisodeGeneration):
     """In-flight batching on any HF decoder whose attention goes through ``AttentionInterface``.
 
     ``max_num_batched_tokens`` is the token budget of one forward (decodes + prefill chunks),
@@ -91,9 +90,8 @@ class Generator:
         self.max_model_len = max_model_len(config)  # under a LongRoPE switch, if any
         self.vocab_size = int(config.vocab_size)
         snapshots = state_snapshots(states, enable_prefix_caching, num_state_snapshots, max_num_seqs)
-        state_bytes = self.live.state_bytes(max_num_seqs + snapshots)
-        num_blocks = num_kv_blocks(self.live.kv_layout, block_size, self.live.dtype, num_blocks,
-                                   kv_memory_bytes, max_num_seqs, state_bytes, self.max_model_len)
+        num_blocks = self.live.num_kv_blocks(block_size, num_blocks, kv_memory_bytes, max_num_seqs, snapshots,
+                                             self.max_model_len)
         self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.request_builder = RequestBuilder(tokenizer, self.vocab_size, self.max_model_len, num_blocks,
@@ -203,46 +201,6 @@ class Generator:
             self.abort_all()
             raise
         return results
-
-    def run_episodes(self, prompts, tools: Seq[Callable] | Mapping[str, Callable] = (),
-                     sampling_params: SamplingParams | None = None, *, limits: EpisodeLimits | None = None,
-                     tool_format: ToolFormat | None = None, environment_factory: Callable | None = None,
-                     reward_fn: Callable[[Episode], float] | None = None, fork: Callable[[Episode], int] | None = None,
-                     prompt_tools: Seq[Mapping[str, Callable]] | None = None,
-                     reset_kwargs: Seq[Mapping] | None = None) -> list[Episode]:
-        """Run multi-turn tool episodes for every prompt (``n`` per prompt from the sampling
-        parameters); returns them by prompt, then branch.
-
-        ``prompts``: token ids, strings, or chat messages (rendered with the tools by the chat
-        template). ``tools``: functions (sync or ``async def``) the model may call by name.
-        ``tool_format``: how calls are parsed and results rendered; default the tokenizer's
-        :class:`~nopad.inference.tools.ChatTemplateTools`. ``environment_factory``: one environment per
-        episode, its public methods added as tools (forks deep-copy it), reset with ``reset_kwargs``;
-        ``reward_fn(episode)`` sets ``Episode.reward``. ``fork(episode)`` is asked at every turn boundary
-        (a tool result appended) how many continuations to run; they share every block so far.
-        ``sampling_params.max_tokens`` caps one model turn, ``limits`` the whole episode
-        (:class:`~nopad.inference.episodes.EpisodeLimits`). ``prompt_tools``: one ``{name: function}``
-        per prompt instead of ``tools`` (e.g. bound to that prompt's own environment, as TRL's trainer
-        builds them). ``reset_kwargs``: each prompt's ``reset(**example)`` (default ``prompt=``)."""
-        refuse_plain_generation(self.model)
-        if self.has_unfinished():
-            raise RuntimeError("run_episodes() while requests are in flight; finish or abort them first")
-        setup = episode_setup(prompts, tools, sampling_params, self.tokenizer, limits=limits,
-                              tool_format=tool_format, environment_factory=environment_factory,
-                              prompt_tools=prompt_tools, reset_kwargs=reset_kwargs)
-        requests = self.make_requests(setup.prompts, sampling_params)
-        runner = EpisodeRunner(self.scheduler, setup.tool_format, setup.limits, self.vocab_size,
-                               setup.environments, reward_fn, fork, self.scheduler.max_num_seqs)
-        self._episodes = runner
-        try:
-            for i, request in enumerate(requests):
-                self._enqueue(request, lambda r, i=i: runner.start(r, i, setup.tools[i]))
-            self.run([])  # the one generate loop, here over the episodes just queued
-        finally:
-            runner.close()
-            self._episodes = None
-            self.last_episode_stats = {"tool_wait_s": runner.tool_wait_s}
-        return runner.results()
 
     def stream(self, prompts: Prompt | Seq[Prompt], sampling_params=None) -> Iterator[StreamDelta]:
         """Yield the new tokens of every sample as they are produced (one delta per sample per

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 from transformers import PreTrainedModel
 
-from nopad.inference.kv_cache import KVCache, kv_layout
+from nopad.inference.kv_cache import KVCache, kv_layout, num_kv_blocks
 from nopad.inference.model_runner import ModelRunner, check_static_decode_backend
 from nopad.inference.state_cache import StateCache, StateSlots, bytes_per_slot, layer_states
 from nopad.packing.attention import names as attention_backends
@@ -89,6 +89,14 @@ class LiveModel:
         """Bytes of the hybrid layers' state for ``slots`` slots, and static decode's scratch slot
         (its padding rows write it), out of the generator's memory budget."""
         return (slots + int(self.static_decode)) * bytes_per_slot(self.layer_states, self.dtype)
+
+    def num_kv_blocks(self, block_size: int, num_blocks: int | None, kv_memory_bytes: int | None,
+                      max_num_seqs: int, snapshots: int, max_model_len: int) -> int:
+        """The KV cache's blocks for this model (:func:`nopad.inference.kv_cache.num_kv_blocks`), after
+        the state of ``max_num_seqs`` sequences and ``snapshots`` prefix snapshots (hybrid models)."""
+        state_bytes = self.state_bytes(max_num_seqs + snapshots)
+        return num_kv_blocks(self.kv_layout, block_size, self.dtype, num_blocks, kv_memory_bytes, max_num_seqs,
+                             state_bytes, max_model_len)
 
     def default_block_size(self) -> int:
         """The block size the attention backend reads in place. Decided for half precision: fp32
