@@ -30,7 +30,6 @@ The scan decides by structure, not by model names, so next month's family is cau
 
 from __future__ import annotations
 
-import gc
 import inspect
 import logging
 import weakref
@@ -92,7 +91,8 @@ class MixerSupport:
 
 _SUPPORTS: list[MixerSupport] = []
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> contexts that passed
-_MODULE_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> contexts
+# attention module -> contexts its calling model passed (nopad.packing.mixers.calling_model)
+MODULE_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # the boundary probe, which has the last word once the scan passes (nopad.packing.hf.boundary_probe registers
 # it: it runs nopad's attention, which this package cannot import); ids of the models it is running
 BOUNDARY_PROBE: list[Callable[[nn.Module, str, bool], bool]] = []
@@ -112,7 +112,7 @@ def unregister_mixer_support(name: str) -> None:
     """Withdraw a registered support (tests; a backend found broken at run time)."""
     _SUPPORTS[:] = [s for s in _SUPPORTS if s.name != name]
     _CHECKED.clear()
-    _MODULE_CHECKED.clear()
+    MODULE_CHECKED.clear()
 
 
 @dataclass(frozen=True)
@@ -338,63 +338,3 @@ def check_model(model: nn.Module, context: str = PACKED, *, inside_forward: bool
     if BOUNDARY_PROBE and not BOUNDARY_PROBE[0](model, context, inside_forward):
         return  # no verdict yet (a sharded model inside its forward): not cached as passed
     _CHECKED.setdefault(model, set()).add(context)
-
-
-_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> weakref of its model
-
-
-def _owning_model(module: nn.Module) -> nn.Module | None:
-    """The outermost ``PreTrainedModel`` holding ``module``, found among the live objects (one scan
-    per model, then a look-up). Not the call stack: a traced forward has none to walk."""
-    owner = _OWNERS.get(module)
-    if owner is not None and owner() is not None:
-        return owner()
-    from transformers import PreTrainedModel
-
-    holders = [o for o in gc.get_objects()  # type(), not isinstance(): a dead weakref.proxy raises
-               if issubclass(type(o), PreTrainedModel) and any(m is module for m in o.modules())]
-    if not holders:
-        return None
-    model = max(holders, key=lambda o: sum(1 for _ in o.modules()))
-    ref = weakref.ref(model)
-    for m in model.modules():
-        _OWNERS[m] = ref
-    return model
-
-
-@torch._dynamo.assume_constant_result
-def _refusal_while_tracing(module: nn.Module, context: str) -> str:
-    """check_model's refusal of the model holding ``module`` ("" if it passes or nothing holds it).
-    Run by dynamo once, as it traces, and kept in the graph as a constant: no graph break and no
-    work per step. Without it a bare ``torch.compile(model)`` on nopad attention skipped the check
-    and ran an unknown recurrent layer across a packed row's boundaries with no error."""
-    model = _owning_model(module)
-    if model is None:
-        return ""
-    try:
-        check_model(model, context, inside_forward=True)
-    except UnsupportedMixerError as error:
-        return str(error)
-    return ""
-
-
-def check_calling_model(module: nn.Module, context: str) -> None:
-    """The attention function's check, for a forward that no nopad entry point prepared (a bare
-    ``model.set_attn_implementation("nopad")``, compiled or not): it is called with its attention
-    module only, so the model checked is the outermost ``PreTrainedModel`` holding ``module``
-    (:func:`_owning_model`). Runs once per attention module and context (once per trace when
-    compiled); a dictionary look-up after that."""
-    if PROBING:
-        return  # the boundary probe's own forward: its verdict is being decided
-    if torch.compiler.is_compiling():
-        refusal = _refusal_while_tracing(module, context)
-        if refusal:
-            raise UnsupportedMixerError(refusal)
-        return
-    done = _MODULE_CHECKED.get(module)
-    if done is not None and context in done:
-        return
-    model = _owning_model(module)
-    if model is not None:
-        check_model(model, context, inside_forward=True)
-    _MODULE_CHECKED.setdefault(module, set()).add(context)
