@@ -110,7 +110,7 @@ TOUCHED: tuple[Touch, ...] = (
                                                 "cache, position_ids",), by="nopad.packing.hf.mask_args"),
     # the contract of a model call: positions and the attention keyword arguments reach every layer
     Touch(_LLAMA, "LlamaForCausalLM.forward", PARAMETERS, ("input_ids", "position_ids", "cache", "use_cache",
-                                                           "labels", "**kwargs"), by="nopad.packing.hf.attention"),
+                                                           "labels", "**kwargs"), by="nopad.packing.hf.packed_call"),
     Touch(_LLAMA, "LlamaAttention.forward", SOURCE, ("ALL_ATTENTION_FUNCTIONS", "**kwargs"), by=_SUP),
     Touch("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssAttention.forward", SOURCE, ("s_aux=",),
           by="nopad.packing.mixers.sinks"),

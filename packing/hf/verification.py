@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from nopad.packing.hf import attention as hf
+from nopad.packing.hf.packed_call import check_packed_call
 from nopad.packing.mixers import PACKED, TREE, check_model
 from nopad.packing.varlen import VarlenMeta
 
@@ -127,7 +128,7 @@ def _flat_forward(model, seqs, attn_implementation: str, trace: list):
     if attn_implementation == hf.NOPAD_ATTENTION:
         kwargs["nopad_meta"] = meta
         kwargs["nopad_trace"] = trace
-    hf.check_packed_call(model, kwargs)
+    check_packed_call(model, kwargs)
     logits = model(torch.cat(seqs)[None], **kwargs).logits[0]
     bounds = meta.cu_seqlens_q.tolist()
     loss = sum(_token_loss_sum(logits[bounds[i] : bounds[i + 1]], s) for i, s in enumerate(seqs))
@@ -144,7 +145,7 @@ def _tree_forward(model, seqs, trace: list):
     (row,) = pack_tree_rows(paths, capacity=sum(s.numel() for s in seqs))
     row = row.to(seqs[0].device)
     kwargs = dict(row.model_kwargs(), use_cache=False, nopad_trace=trace)
-    hf.check_packed_call(model, kwargs)
+    check_packed_call(model, kwargs)
     logits = model(**kwargs).logits[0]
     predict_at, targets = row.loss_tokens()
     loss = row.per_pair(F.cross_entropy(logits[predict_at].float(), targets, reduction="none")).sum()
