@@ -106,10 +106,10 @@ def prepare(accelerator, model, optimizer, tcfg):
 def claim_and_resume(accelerator, ccfg, progress, loader, load_kwargs: dict) -> Path:
     """Take the run directory (a lock; its metrics are this run's) and, with
     ``checkpoint.resume_from``, load the training state the loop goes on from."""
-    from nopad.training import checkpoint
+    from nopad.training import checkpoint, run_dir
 
     output_dir = Path(ccfg.output_dir)
-    checkpoint.claim_run_dir(output_dir, accelerator, resuming=bool(ccfg.resume_from))
+    run_dir.claim_run_dir(output_dir, accelerator, resuming=bool(ccfg.resume_from))
     if ccfg.resume_from:
         path = checkpoint.resume_training(accelerator, ccfg.resume_from, output_dir, load_kwargs,
                                           recipe="sft")

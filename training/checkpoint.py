@@ -9,23 +9,17 @@ output directory is skipped with a warning that names it.
 Every rank calls :func:`save_checkpoint` with the same path (DeepSpeed and FSDP write per-rank
 shards into it); the main process renames and prunes.
 
-An output directory can hold several runs (the README's SFT line and its ``accelerate launch`` line
-both write ``runs/sft``). :func:`claim_run_dir` gives each run an id, a lock naming its process (two
-runs at once used to delete each other's ``.step_N.incomplete``), and a ``metrics.jsonl`` of its
-own; each checkpoint records its run and write time, and "latest" is the newest written, so the
+An output directory can hold several runs (:func:`nopad.training.run_dir.claim_run_dir` gives each its
+id and lock); each checkpoint records its run and write time, and "latest" is the newest written, so the
 newer run's ``step_3`` wins over an older run's ``step_5``.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
-import os
 import shutil
-import socket
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "nopad_checkpoint.json"  # written last, inside the temporary directory
 INCOMPLETE_SUFFIX = ".incomplete"
-LOCK_FILE = "nopad_run.lock"  # in the output directory while a run writes there: pid, host, run id
+LOCK_FILE = "nopad_run.lock"  # in the output directory while a run writes there: pid, host, run id (run_dir.py)
 METRICS_FILE = "metrics.jsonl"
 STATE_DIR = "training_state"  # inside step_N/: what resuming needs beyond the model directory
 
@@ -162,7 +156,7 @@ def save_checkpoint(path: str | Path, write: Callable[[Path], None], accelerator
                       "checkpoint.resume_from=latest") from err
     _barrier(accelerator)
     if main:
-        info = {"step": step_of(path), "saved_at": time.time(), "run": _lock_owner(path.parent).get("run"),
+        info = {"step": step_of(path), "saved_at": time.time(), "run": lock_owner(path.parent).get("run"),
                 **(meta or {})}
         (tmp / COMPLETE_MARKER).write_text(json.dumps(info))
         if path.exists():  # the same step written again (e.g. a rerun): replace it whole
@@ -231,75 +225,14 @@ def checkpoint_recipe(path: str | Path) -> str | None:
     return None
 
 
-def claim_run_dir(output_dir: str | Path, accelerator=None, *, resuming: bool = False) -> str:
-    """Start a run in ``output_dir`` (main process only; returns the run id everywhere).
-
-    Takes the directory's lock, or stops with the pid of the run that holds it. A fresh run (not a
-    resume) moves an earlier run's ``metrics.jsonl`` aside to ``metrics.<its run id>.jsonl``, so the
-    curves of one run never mix with another's; a resumed run continues the file. The lock is
-    released when the process exits."""
-    output_dir = Path(output_dir)
-    run = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    if accelerator is not None and not accelerator.is_main_process:
-        return run
-    output_dir.mkdir(parents=True, exist_ok=True)
-    previous = _lock_owner(output_dir)
-    if previous and previous.get("pid") != os.getpid() and _alive(previous):
-        raise RuntimeError(
-            f"{output_dir} is in use by another run (pid {previous.get('pid')} on {previous.get('host')}, "
-            f"run {previous.get('run')}, since {previous.get('started')}); two runs writing one directory "
-            "destroy each other's checkpoints: wait for it, stop it, or set another output directory. "
-            f"If that run is gone, delete {output_dir / LOCK_FILE}")
-    if previous and previous.get("pid") != os.getpid():
-        logger.warning("%s: the run %s (pid %s) that locked it is gone; taking it over", output_dir,
-                       previous.get("run"), previous.get("pid"))
-    metrics = output_dir / METRICS_FILE
-    if not resuming and metrics.is_file():
-        old_run = previous.get("run") or time.strftime("%Y%m%d-%H%M%S",
-                                                       time.localtime(metrics.stat().st_mtime))
-        aside = metrics.with_name(f"metrics.{old_run}.jsonl")
-        metrics.rename(aside)
-        logger.info("%s: an earlier run's metrics moved to %s; this run writes its own", output_dir,
-                    aside.name)
-    if not resuming and complete_checkpoints(output_dir):
-        logger.warning("%s already holds checkpoints of an earlier run; this new run's checkpoints count as "
-                       "newer (model.path=%s and resume_from=latest take this run's newest). To continue the "
-                       "earlier run instead, set checkpoint.resume_from=latest", output_dir, output_dir)
-    owner = {"pid": os.getpid(), "host": socket.gethostname(), "run": run,
-             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    (output_dir / LOCK_FILE).write_text(json.dumps(owner))
-    atexit.register(release_run_dir, output_dir)
-    return run
-
-
-def release_run_dir(output_dir: str | Path) -> None:
-    """Drop this process's lock on ``output_dir`` (another run's lock is left alone)."""
-    lock = Path(output_dir) / LOCK_FILE
-    if _lock_owner(Path(output_dir)).get("pid") == os.getpid():
-        lock.unlink(missing_ok=True)
-
-
-def _lock_owner(output_dir: Path) -> dict:
+def lock_owner(output_dir: Path) -> dict:
+    """What the lock of ``output_dir`` names (pid, host, run id; :mod:`nopad.training.run_dir`), or {}."""
     try:
         return json.loads((output_dir / LOCK_FILE).read_text())
     except (OSError, ValueError):
         return {}
 
 
-def _alive(owner: dict) -> bool:
-    """Whether the process that wrote a lock still runs (one on another host counts as running)."""
-    if owner.get("host") != socket.gethostname():
-        return True
-    try:
-        os.kill(int(owner.get("pid", 0)), 0)
-    except (ProcessLookupError, ValueError):
-        return False
-    except PermissionError:
-        return True
-    return int(owner.get("pid", 0)) > 0
-
-
-# ----------------------------------------------------------------------------- the recipes' use
 def save_training_checkpoint(accelerator, path: Path, save_model: Callable[[Path], None],
                              keep_last: int | None = None, state_kwargs: dict | None = None,
                              recipe: str | None = None) -> None:

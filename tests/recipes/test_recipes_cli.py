@@ -231,9 +231,10 @@ def test_errors_nopad_raises_on_purpose_reach_the_user_as_one_line(tmp_path, mon
 
     from nopad.recipes.models import load_model
     from nopad.recipes.sft_config import SFTModelConfig
-    from nopad.training.checkpoint import LOCK_FILE, claim_run_dir
+    from nopad.training.checkpoint import LOCK_FILE
     from nopad.training.lora import apply_lora
     from nopad.training.nonfinite import reward_value
+    from nopad.training.run_dir import claim_run_dir
 
     def nan_reward():
         return reward_value(float("nan"), nan_reward, "step 0, sample 3")

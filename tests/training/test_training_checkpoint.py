@@ -13,7 +13,7 @@ import pytest
 from nopad.recipes.config import load_config
 from nopad.recipes.models import check_model_path
 from nopad.recipes.sft import SFTRecipeConfig, train
-from nopad.training import checkpoint
+from nopad.training import checkpoint, run_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.path=tiny:llama", "data.num_rows=24", "data.min_len=4", "data.max_len=40",
@@ -152,14 +152,14 @@ def test_a_second_run_at_once_stops_naming_the_first_runs_pid(tmp_path):
         (out / checkpoint.LOCK_FILE).write_text(json.dumps(
             {"pid": other.pid, "host": __import__("socket").gethostname(), "run": "r1", "started": "now"}))
         with pytest.raises(RuntimeError, match=f"in use by another run \\(pid {other.pid} "):
-            checkpoint.claim_run_dir(out)
+            run_dir.claim_run_dir(out)
     finally:
         other.kill()
         other.wait()
     # the same lock once its process is gone: taken over with a warning
-    assert checkpoint.claim_run_dir(out)
+    assert run_dir.claim_run_dir(out)
     assert json.loads((out / checkpoint.LOCK_FILE).read_text())["pid"] == os.getpid()
-    checkpoint.release_run_dir(out)
+    run_dir.release_run_dir(out)
     assert not (out / checkpoint.LOCK_FILE).exists()
 
 
