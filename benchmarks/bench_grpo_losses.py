@@ -115,7 +115,7 @@ def run_nopad(spec: dict) -> dict:
 
     from nopad.recipes import grpo as recipe
     from nopad.recipes.config import load_config
-    from nopad.training import checkpoint, grpo_step, optimizer
+    from nopad.training import checkpoint, grpo_minibatch, grpo_step, optimizer
 
     if spec["system"] == "unfused":  # the recipe before its AdamW was fused: torch's default one
         from nopad.training.lora import trainable_parameters
@@ -168,6 +168,7 @@ def run_nopad(spec: dict) -> dict:
 
     checkpoint.save_training_checkpoint = timed_save
     grpo_step.grpo_step, grpo_step.packed_logprobs = timed_step, counted_score
+    grpo_minibatch.packed_logprobs = counted_score  # the training forwards and the reference's
     history = recipe.run_grpo(cfg, model=model, tokenizer=tok, progress=False)
     timed, steps = history[-1], history[-1]["optimizer_steps"]
     result = {
