@@ -109,7 +109,8 @@ def method_loss(name: str, model, row):
     if name == "nopad_head":
         return lambda: row_nll_sum(model, row) / n
     if name == "nopad_head_autograd":
-        from nopad.packing.head.chunked import head_logprobs, head_of
+        from nopad.packing.head.chunked import head_logprobs
+        from nopad.packing.head.model_head import head_of
 
         predict_at, targets = row.loss_tokens()
 

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nopad.packing.head.chunked import CHUNK_TOKENS, head_mismatch, head_of
+from nopad.packing.head.chunked import CHUNK_TOKENS
 from nopad.packing.head.log_softmax import picked_and_entropy, tempered_log_softmax
+from nopad.packing.head.model_head import head_mismatch, head_of
 
 if TYPE_CHECKING:
     from nopad.inference.request import Request, Sequence
@@ -55,7 +56,7 @@ class PromptScorer:
     head's input is kept and the module computes the sampling rows and the first prompt row only;
     then, while the module runs (its weights gathered, under ZeRO-3 or FSDP2: no collective of
     its own, so ranks in lockstep stay in step), the prompt rows' hidden states go through the
-    model's head (:class:`nopad.packing.head.chunked.LMHead`, its final-logit ops included) and the one
+    model's head (:class:`nopad.packing.head.model_head.LMHead`, its final-logit ops included) and the one
     log-softmax, :data:`~nopad.packing.head.chunked.CHUNK_TOKENS` rows at a time: no ``(rows, V)`` tensor
     larger than a chunk's. :meth:`commit` checks the head's first prompt row against the model's
     own logits before any entry is stored (a model whose forward changes its logits after the head

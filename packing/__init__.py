@@ -36,7 +36,8 @@ _export("nopad.packing.hf.attention", "register_nopad_attention", "NOPAD_ATTENTI
 _export("nopad.packing.hf.packed_call", "packed_forward_guard")
 _export("nopad.packing.hf.verification", "verify", "VerifyReport")
 _export("nopad.packing.invariance", "batch_invariant")
-_export("nopad.packing.head.chunked", "token_logprobs", "nll_sum", "LMHead")
+_export("nopad.packing.head.chunked", "token_logprobs", "nll_sum")
+_export("nopad.packing.head.model_head", "LMHead")
 
 __all__ = sorted(_EXPORTS)
 

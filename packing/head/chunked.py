@@ -16,9 +16,9 @@ autograd over checkpointed chunks.
 
 Exact, not fused: each chunk is the model's own head module (tied embeddings, a bias, a peft LoRA
 on ``lm_head`` run as they do in the model), the model's own final-logit ops (:class:`LMHead`:
-Gemma's softcap, Granite's and Cohere's scales, checked at every call against the model's logits
-of one position; a model that fails the check is scored from its own logits, with a warning),
-then :func:`tempered_log_softmax` gathered at the target: the function the generator's sampler
+Gemma's softcap, Granite's and Cohere's scales; :mod:`nopad.packing.head.model_head`), checked at every
+call against the model's logits of one position; a model that fails the check is scored from its own
+logits, with a warning), then :func:`tempered_log_softmax` gathered at the target: the function the generator's sampler
 computes its log-probs with, so under :func:`nopad.packing.batch_invariant` (whose
 linear and log-softmax are row-local) the chunking changes no bit, and the chunks start at token
 0 with a fixed size whatever the number of tokens.
@@ -33,7 +33,6 @@ what drifts (TRL#7063, verl#2656), so nopad has this one.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,76 +40,12 @@ from torch.utils.checkpoint import checkpoint
 
 from nopad.packing.head.linear import LinearHeadChunks, LinearHeadNLL
 from nopad.packing.head.log_softmax import logits_grad, picked_and_entropy, tempered_log_softmax
+from nopad.packing.head.model_head import LMHead, head_mismatch, head_of, unwrap
 from nopad.packing.invariance import active_kernels, batch_invariant, is_enabled
-from nopad.packing.model_config import text_config
 
 logger = logging.getLogger(__name__)
 
 CHUNK_TOKENS = 128  # head rows per chunk; fixed, so chunk bounds never depend on the row's length
-
-
-@dataclass(frozen=True)
-class LMHead:
-    """The model's output embedding module and the final-logit ops its forward applies after it,
-    in the model's order: ``* multiplier`` (Cohere ``logit_scale``, Falcon-H1
-    ``lm_head_multiplier``), ``/ divisor`` (Granite ``logits_scaling``), then the softcap
-    (Gemma2/3/4 ``final_logit_softcapping``: ``tanh(x / cap) * cap``)."""
-
-    module: torch.nn.Module
-    softcap: float | None = None
-    multiplier: float | None = None
-    divisor: float | None = None
-
-    @property
-    def final_ops(self) -> bool:
-        """Whether :meth:`finish` does anything (else the logits are the module's output)."""
-        return (self.softcap, self.multiplier, self.divisor) != (None, None, None)
-
-    def logits(self, hidden: torch.Tensor, *, hooks: bool = True) -> torch.Tensor:
-        """The model's logits of ``hidden``, op for op as its forward computes them. ``hooks``
-        False runs the module's ``forward`` without its own hooks (inside the model's call, where
-        the engines' hooks of this module have already gathered its weights)."""
-        return self.finish(self.module(hidden) if hooks else self.module.forward(hidden))
-
-    def finish(self, x: torch.Tensor) -> torch.Tensor:
-        """The final-logit ops on the module's output ``x``."""
-        if self.multiplier is not None:
-            x = x * self.multiplier
-        if self.divisor is not None:
-            x = x / self.divisor
-        if self.softcap is not None:
-            x = x / self.softcap
-            x = torch.tanh(x)
-            x = x * self.softcap
-        return x
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The causal LM inside a DDP / DeepSpeed engine wrapper (peft models answer for themselves)."""
-    while not hasattr(model, "get_output_embeddings") and isinstance(getattr(model, "module", None),
-                                                                     torch.nn.Module):
-        model = model.module
-    return model
-
-
-def head_of(model: torch.nn.Module) -> LMHead:
-    """The :class:`LMHead` of an HF causal LM (or a wrapper of one), read from its config and
-    modules in one place."""
-    lm = unwrap(model)
-    module = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-    if module is None:
-        raise ValueError(f"{type(lm).__name__} has no output embeddings (get_output_embeddings() is None); "
-                         "the LM head needs a causal LM with a head module")
-    config = text_config(lm.config)
-    softcap = getattr(config, "final_logit_softcapping", None) or getattr(lm, "final_logit_softcapping", None)
-    multiplier = getattr(lm, "logit_scale", None)  # Cohere: set from config.logit_scale on the model
-    inner = getattr(lm, "model", None)
-    if multiplier is None and inner is not None:
-        multiplier = getattr(inner, "lm_head_multiplier", None)  # Falcon-H1
-    divisor = getattr(config, "logits_scaling", None)  # Granite
-    if not isinstance(multiplier, (int, float)):
-        multiplier = None
-    return LMHead(module, softcap=softcap, multiplier=multiplier, divisor=divisor)
 
 
 def token_logprobs(model: torch.nn.Module, model_kwargs: dict[str, Any], positions: torch.Tensor,
@@ -236,27 +171,6 @@ class _Tied(torch.autograd.Function):
         return grads
 
 
-def head_mismatch(head: LMHead, ours: torch.Tensor, theirs: torch.Tensor, model) -> str | None:
-    """Why the model's logits are not :meth:`LMHead.finish` of its head's output, or None. The same
-    ops on the same row give the same bits; a few ulps of the compute dtype are allowed (autocast,
-    kernels that differ by call site), nothing like a missing scale or softcap. Non-finite entries
-    are not compared: a NaN or inf row is nopad's own non-finite error later."""
-    with torch.no_grad():
-        eps = max(torch.finfo(t.dtype).eps if t.is_floating_point() else 0.0 for t in (ours, theirs))
-        ours, theirs = ours.float(), theirs.float()
-        finite = ours.isfinite() & theirs.isfinite()
-        if not bool(finite.any()):
-            return None
-        scale = float(theirs[finite].abs().max())
-        err = float((ours - theirs)[finite].abs().max())
-    if err <= 4 * eps * scale:
-        return None
-    return (f"{type(unwrap(model)).__name__}'s logits differ from its head's output by up to {err:.3g} "
-            f"(logits up to {scale:.3g}) after the final-logit ops nopad reads ({head.multiplier=}, "
-            f"{head.divisor=}, {head.softcap=}): its forward (or a hook on it or its lm_head) transforms the "
-            "logits in a way nopad.packing.head.chunked does not know")
-
-
 _warned: set[str] = set()
 
 
@@ -268,7 +182,7 @@ def _from_full_logits(model, model_kwargs, positions, targets, temperature, entr
     if name not in _warned:
         _warned.add(name)
         logger.warning("%s; scoring from its full logits at the loss positions instead (N x V memory). "
-                       "Add the op to nopad.packing.head.chunked.LMHead, or change the hidden states (a hook on the "
+                       "Add the op to nopad.packing.head.model_head.LMHead, or change the hidden states (a hook on the "
                        "final norm), to get the chunked head back", why)
     logits = model(**model_kwargs, logits_to_keep=positions, use_cache=False).logits
     logits = logits.reshape(-1, logits.shape[-1])

@@ -1,5 +1,5 @@
 """The chunked LM head for a plain ``nn.Linear`` head module (tied or not, with or without a bias,
-with any of :class:`nopad.packing.head.chunked.LMHead`'s final-logit ops), with its gradients taken chunk by
+with any of :class:`nopad.packing.head.model_head.LMHead`'s final-logit ops), with its gradients taken chunk by
 chunk by hand instead of by autograd over checkpointed chunks.
 
 Why (``benchmarks/bench_lm_head.py``): autograd's way makes and sums one ``V x H`` weight gradient

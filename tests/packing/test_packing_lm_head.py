@@ -9,7 +9,8 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nopad.packing.head import chunked as lm_head
-from nopad.packing.head.chunked import LMHead, head_of, nll_sum, token_logprobs
+from nopad.packing.head.chunked import nll_sum, token_logprobs
+from nopad.packing.head.model_head import LMHead, head_of
 from nopad.packing.hf import use_nopad_attention
 from nopad.packing.row import IGNORE_INDEX, PackedRow
 from nopad.packing.varlen import VarlenMeta
