@@ -77,12 +77,12 @@ class Generator(EpisodeGeneration):
         compile_decode: bool = False,
         max_logprobs: int = 20,
     ):
-        self.live = LiveModel(model, dtype=dtype, attn_backend=attn_backend, static_decode=static_decode,
-                              compile_decode=compile_decode)
+        self.live = LiveModel(
+            model, dtype=dtype, attn_backend=attn_backend, static_decode=static_decode, compile_decode=compile_decode
+        )
         states = self.layer_states = self.live.layer_states
         block_size = block_size if block_size is not None else self.live.default_block_size()
-        for name, value in (("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.model, self.tokenizer = model, tokenizer
@@ -90,17 +90,33 @@ class Generator(EpisodeGeneration):
         self.max_model_len = max_model_len(config)  # under a LongRoPE switch, if any
         self.vocab_size = int(config.vocab_size)
         snapshots = state_snapshots(states, enable_prefix_caching, num_state_snapshots, max_num_seqs)
-        num_blocks = self.live.num_kv_blocks(block_size, num_blocks, kv_memory_bytes, max_num_seqs, snapshots,
-                                             self.max_model_len)
+        num_blocks = self.live.num_kv_blocks(
+            block_size, num_blocks, kv_memory_bytes, max_num_seqs, snapshots, self.max_model_len
+        )
         self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.request_builder = RequestBuilder(tokenizer, self.vocab_size, self.max_model_len, num_blocks,
-                                              block_size, max_num_seqs, self.eos_token_ids, max_logprobs)
+        self.request_builder = RequestBuilder(
+            tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            num_blocks,
+            block_size,
+            max_num_seqs,
+            self.eos_token_ids,
+            max_logprobs,
+        )
         self.allocator = BlockAllocator(num_blocks, block_size)
         slots = make_state_slots(states, max_num_seqs, snapshots, self.allocator)
-        self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, watermark,
-                                   enable_prefix_caching, state_slots=slots, max_model_len=self.max_model_len,
-                                   tokenizer=tokenizer)
+        self.scheduler = Scheduler(
+            self.allocator,
+            max_num_seqs,
+            max_num_batched_tokens,
+            watermark,
+            enable_prefix_caching,
+            state_slots=slots,
+            max_model_len=self.max_model_len,
+            tokenizer=tokenizer,
+        )
         self._kv_cache: KVCache | None = None
         self._runner: ModelRunner | None = None
         self._sampler_buffers = SamplerBuffers()  # the sampler's rows x vocab scratch, reused
@@ -110,8 +126,7 @@ class Generator(EpisodeGeneration):
         self.versions = PolicyVersions(self.scheduler)  # stamped on every token; see update_weights()
 
     # ----------------------------------------------------------------- requests
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue one prompt; returns its request id. Bad input raises ValueError here."""
         request = self.request_builder.build(prompt, params, request_id, self._plain.in_flight)
         self._enqueue(request)
@@ -163,22 +178,34 @@ class Generator(EpisodeGeneration):
         return self.versions.version
 
     # ----------------------------------------------------------------- high level
-    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params=None, use_tqdm: bool = True,
-                 on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params=None,
+        use_tqdm: bool = True,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
         """Generate for every prompt; outputs in prompt order. Validates everything first.
         ``on_output(output)`` is called as each request finishes (a caller's own progress bar)."""
         refuse_plain_generation(self.model)
         requests = self.make_requests(prompts, sampling_params)
         with tqdm(total=len(requests), desc="generate", disable=not use_tqdm or len(requests) < 2) as bar:
+
             def finished(out: RequestOutput) -> None:
                 bar.update(1)
                 if on_output is not None:
                     on_output(out)
+
             return self.run(requests, on_output=finished)
 
-    def run(self, requests: list[Request], *, step: Callable[[], list[RequestOutput]] | None = None,
-            more: Callable[[], bool] | None = None,
-            on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+    def run(
+        self,
+        requests: list[Request],
+        *,
+        step: Callable[[], list[RequestOutput]] | None = None,
+        more: Callable[[], bool] | None = None,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
         """The generate loop: queue ``requests`` (from :meth:`make_requests`), step until done,
         return their outputs in order. ``step`` / ``more`` replace :meth:`step` /
         :meth:`has_unfinished` for ranks in lockstep (:mod:`nopad.inference.sharded`). On any error every
@@ -227,19 +254,26 @@ class Generator(EpisodeGeneration):
         if abort:
             self.abort_all()
         if self.has_unfinished():
-            raise RuntimeError("release() with requests in flight; finish or abort them first "
-                               "(release(abort=True) aborts them)")
+            raise RuntimeError(
+                "release() with requests in flight; finish or abort them first (release(abort=True) aborts them)"
+            )
         self._kv_cache = self._runner = None
         self._sampler_buffers.clear()
         self.allocator.reset_prefix_cache()
 
     def stats(self) -> dict:
         """Counters since construction or :meth:`reset_stats`."""
-        return {**dataclasses.asdict(self.scheduler.stats), "prefix_cache_hit_blocks": self.allocator.hits,
-                "max_num_seqs": self.scheduler.max_num_seqs, "num_blocks": self.allocator.num_blocks,
-                "block_size": self.block_size, "evictions": self.allocator.evictions,
-                "policy_version": self.versions.version, "stale_recomputes": self.versions.recomputed,
-                **snapshot_stats(self.scheduler.state_slots)}
+        return {
+            **dataclasses.asdict(self.scheduler.stats),
+            "prefix_cache_hit_blocks": self.allocator.hits,
+            "max_num_seqs": self.scheduler.max_num_seqs,
+            "num_blocks": self.allocator.num_blocks,
+            "block_size": self.block_size,
+            "evictions": self.allocator.evictions,
+            "policy_version": self.versions.version,
+            "stale_recomputes": self.versions.recomputed,
+            **snapshot_stats(self.scheduler.state_slots),
+        }
 
     def reset_stats(self) -> None:
         self.scheduler.stats = type(self.scheduler.stats)()
@@ -251,8 +285,10 @@ class Generator(EpisodeGeneration):
         """Validate prompts and sampling parameters into requests for :meth:`run` (nothing is
         queued; bad input raises ValueError naming the prompt)."""
         if self.has_unfinished():
-            raise RuntimeError("generate()/stream() while add_request() requests are in flight; "
-                               "drive those with step() until has_unfinished() is False")
+            raise RuntimeError(
+                "generate()/stream() while add_request() requests are in flight; "
+                "drive those with step() until has_unfinished() is False"
+            )
         return self.request_builder.build_all(prompts, sampling_params, self._plain.in_flight)
 
     def _enqueue(self, request: Request, start: Callable[[Request], Sequence] | None = None) -> None:
@@ -269,8 +305,12 @@ class Generator(EpisodeGeneration):
 
     def _ensure_runner(self) -> ModelRunner:
         if self._runner is None:
-            self._runner = self.live.build_runner(self.allocator.num_blocks, self.block_size,
-                                                  self.scheduler.state_slots, self.scheduler.max_num_seqs,
-                                                  self.max_model_len)
+            self._runner = self.live.build_runner(
+                self.allocator.num_blocks,
+                self.block_size,
+                self.scheduler.state_slots,
+                self.scheduler.max_num_seqs,
+                self.max_model_len,
+            )
             self._kv_cache = self._runner.kv_cache
         return self._runner

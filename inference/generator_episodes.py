@@ -17,12 +17,20 @@ from nopad.inference.tools import ToolFormat
 class EpisodeGeneration:
     """:meth:`run_episodes` of :class:`nopad.inference.Generator`."""
 
-    def run_episodes(self, prompts, tools: Seq[Callable] | Mapping[str, Callable] = (),
-                     sampling_params: SamplingParams | None = None, *, limits: EpisodeLimits | None = None,
-                     tool_format: ToolFormat | None = None, environment_factory: Callable | None = None,
-                     reward_fn: Callable[[Episode], float] | None = None, fork: Callable[[Episode], int] | None = None,
-                     prompt_tools: Seq[Mapping[str, Callable]] | None = None,
-                     reset_kwargs: Seq[Mapping] | None = None) -> list[Episode]:
+    def run_episodes(
+        self,
+        prompts,
+        tools: Seq[Callable] | Mapping[str, Callable] = (),
+        sampling_params: SamplingParams | None = None,
+        *,
+        limits: EpisodeLimits | None = None,
+        tool_format: ToolFormat | None = None,
+        environment_factory: Callable | None = None,
+        reward_fn: Callable[[Episode], float] | None = None,
+        fork: Callable[[Episode], int] | None = None,
+        prompt_tools: Seq[Mapping[str, Callable]] | None = None,
+        reset_kwargs: Seq[Mapping] | None = None,
+    ) -> list[Episode]:
         """Run multi-turn tool episodes for every prompt (``n`` per prompt from the sampling
         parameters); returns them by prompt, then branch.
 
@@ -40,12 +48,28 @@ class EpisodeGeneration:
         refuse_plain_generation(self.model)
         if self.has_unfinished():
             raise RuntimeError("run_episodes() while requests are in flight; finish or abort them first")
-        setup = episode_setup(prompts, tools, sampling_params, self.tokenizer, limits=limits,
-                              tool_format=tool_format, environment_factory=environment_factory,
-                              prompt_tools=prompt_tools, reset_kwargs=reset_kwargs)
+        setup = episode_setup(
+            prompts,
+            tools,
+            sampling_params,
+            self.tokenizer,
+            limits=limits,
+            tool_format=tool_format,
+            environment_factory=environment_factory,
+            prompt_tools=prompt_tools,
+            reset_kwargs=reset_kwargs,
+        )
         requests = self.make_requests(setup.prompts, sampling_params)
-        runner = EpisodeRunner(self.scheduler, setup.tool_format, setup.limits, self.vocab_size,
-                               setup.environments, reward_fn, fork, self.scheduler.max_num_seqs)
+        runner = EpisodeRunner(
+            self.scheduler,
+            setup.tool_format,
+            setup.limits,
+            self.vocab_size,
+            setup.environments,
+            reward_fn,
+            fork,
+            self.scheduler.max_num_seqs,
+        )
         self._episodes = runner
         try:
             for i, request in enumerate(requests):

@@ -87,14 +87,14 @@ class Request:
             else:
                 outs.append(seq.completion(detokenize))
         prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             prompt_logprobs)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished, prompt_logprobs)
 
     def first_sequence(self, hooks: SequenceHooks) -> Sequence:
         """The request's one sequence, owned by ``hooks``, until its prompt is prefilled and it
         is forked into its ``n`` samples."""
-        seq = Sequence(request=self, index=0, token_ids=list(self.prompt_token_ids), fork_count=self.params.n,
-                       hooks=hooks)
+        seq = Sequence(
+            request=self, index=0, token_ids=list(self.prompt_token_ids), fork_count=self.params.n, hooks=hooks
+        )
         self.samples = [seq] + [None] * (self.params.n - 1)
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # vLLM's shape: the first token has no prediction
@@ -113,14 +113,21 @@ class Request:
                 out.append(StreamDelta(self.request_id, seq.index, new, seq.finish_reason if done else None))
                 seq.emitted = -1 if done else seq.emitted + len(new)
         if self.finished:  # samples aborted before the prompt was forked
-            out += [StreamDelta(self.request_id, i, [], "abort")
-                    for i, seq in enumerate(self.samples) if seq is None]
+            out += [StreamDelta(self.request_id, i, [], "abort") for i, seq in enumerate(self.samples) if seq is None]
         return out
 
 
 # what a fork does not inherit: its own group size, stop, stream position, episode and state slot
-FORK_RESETS = {"fork_count": 1, "finish_reason": None, "stop_text": None, "emitted": 0, "out_of_memory": False,
-               "episode": None, "state_slot": None, "snapshot_at": 0}
+FORK_RESETS = {
+    "fork_count": 1,
+    "finish_reason": None,
+    "stop_text": None,
+    "emitted": 0,
+    "out_of_memory": False,
+    "episode": None,
+    "state_slot": None,
+    "snapshot_at": 0,
+}
 
 
 @dataclass(eq=False)
@@ -223,17 +230,23 @@ class Sequence:
         if self.max_generated is not None and self.num_generated >= self.max_generated:
             return "length"
         if num_tokens >= max_model_len:
-            logger.warning("request %s sample %d stopped after %d of max_tokens=%d new tokens: prompt and "
-                           "completion reached the model's context of %d tokens (max_position_embeddings); "
-                           "shorten the prompt for a longer completion", request.request_id, self.index,
-                           self.num_generated, params.max_tokens, max_model_len)
+            logger.warning(
+                "request %s sample %d stopped after %d of max_tokens=%d new tokens: prompt and "
+                "completion reached the model's context of %d tokens (max_position_embeddings); "
+                "shorten the prompt for a longer completion",
+                request.request_id,
+                self.index,
+                self.num_generated,
+                params.max_tokens,
+                max_model_len,
+            )
             return "length"
         return None
 
     def _hit_stop_string(self, tokenizer) -> bool:
         stops = self.request.params.stop
         window = max(len(s) for s in stops) + 8
-        tail = tokenizer.decode(self.token_ids[self.turn_start:][-window:], skip_special_tokens=False)
+        tail = tokenizer.decode(self.token_ids[self.turn_start :][-window:], skip_special_tokens=False)
         for s in stops:
             if s in tail:
                 self.stop_text = s

@@ -30,9 +30,17 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 watermark: float = 0.01, enable_prefix_caching: bool = True,
-                 state_slots: StateSlots | None = None, max_model_len: int = 1 << 62, tokenizer=None):
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = True,
+        state_slots: StateSlots | None = None,
+        max_model_len: int = 1 << 62,
+        tokenizer=None,
+    ):
         self.allocator = allocator
         self.max_model_len, self.tokenizer = max_model_len, tokenizer  # a turn's stop checks
         self.block_size = allocator.block_size
@@ -272,7 +280,11 @@ class Scheduler:
         logger.warning(
             "sequence of request %s fills the whole KV cache (%d tokens, %d blocks of %d); stopping "
             "it with finish_reason='length'. Give the generator more KV memory for longer outputs.",
-            seq.request.request_id, seq.num_tokens, self.allocator.num_blocks, self.block_size)
+            seq.request.request_id,
+            seq.num_tokens,
+            self.allocator.num_blocks,
+            self.block_size,
+        )
         self.finish(seq, "length")
         seq.out_of_memory = True
         plan.stopped.append(seq)
@@ -288,8 +300,9 @@ class Scheduler:
         seq.last_hash = NO_PARENT
 
     # ----------------------------------------------------------------- after the forward
-    def postprocess(self, plan: StepPlan, sampling_rows: list[int],
-                    draw: Callable[[list[int], list[Sequence]], object]) -> None:
+    def postprocess(
+        self, plan: StepPlan, sampling_rows: list[int], draw: Callable[[list[int], list[Sequence]], object]
+    ) -> None:
         """The one owner of a step's bookkeeping once its forward ran: count the computed tokens,
         register new full blocks in the prefix cache, split groups whose prefill completed into their
         forks (``hooks.forked``), draw a token for every sequence that samples now (``draw(logits rows,
@@ -368,4 +381,3 @@ class Scheduler:
     def owners(self) -> list[list[int]]:
         """Block lists of every live sequence, for ``BlockAllocator.check(owners=...)``."""
         return [s.block_table for s in (*self.running, *self.waiting, *self.paused)]
-

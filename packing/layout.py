@@ -39,9 +39,7 @@ def step_layout(query_lens, context_lens) -> dict[str, np.ndarray]:
     q = as_lengths(query_lens, "query_lens")
     ctx = as_lengths(context_lens, "context_lens")
     if q.shape != ctx.shape:
-        raise ValueError(
-            f"query_lens and context_lens must have the same length, got {q.size} and {ctx.size}"
-        )
+        raise ValueError(f"query_lens and context_lens must have the same length, got {q.size} and {ctx.size}")
     k = q + ctx
     cu_q, cu_k = cumsum0(q), cumsum0(k)
     total_q = int(cu_q[-1])

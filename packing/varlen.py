@@ -85,13 +85,9 @@ class VarlenMeta:
         positions, seq_idx = lay["positions"], lay["seq_idx"]
         total_q = int(cu_q[-1])
         if slot_mapping is not None and slot_mapping.numel() != total_q:
-            raise ValueError(
-                f"slot_mapping has {slot_mapping.numel()} entries but the step has {total_q} tokens"
-            )
+            raise ValueError(f"slot_mapping has {slot_mapping.numel()} entries but the step has {total_q} tokens")
         if block_table is not None and block_table.shape[0] != q.size:
-            raise ValueError(
-                f"block_table has {block_table.shape[0]} rows but the step has {q.size} sequences"
-            )
+            raise ValueError(f"block_table has {block_table.shape[0]} rows but the step has {q.size} sequences")
         dev = torch.device(device)
         return cls(
             cu_seqlens_q=torch.from_numpy(cu_q.astype(np.int32)).to(dev),
@@ -127,8 +123,7 @@ class VarlenMeta:
             prompt_len = int(group[0])
             completions = as_lengths(list(group[1]), f"groups[{g}] completions")
             if prompt_len < 1:
-                raise ValueError(f"groups[{g}] has prompt_len {prompt_len}; a shared prefix needs >= 1 "
-                                 "token")
+                raise ValueError(f"groups[{g}] has prompt_len {prompt_len}; a shared prefix needs >= 1 token")
             prompt_rows = np.arange(start, start + prompt_len, dtype=np.int64)
             q_lens.append(prompt_len)
             ctx_lens.append(0)
@@ -139,8 +134,7 @@ class VarlenMeta:
                 ctx_lens.append(prompt_len)
                 key_lists.append(np.concatenate([prompt_rows, np.arange(start, start + c, dtype=np.int64)]))
                 start += c
-        meta = cls.for_step(np.asarray(q_lens, dtype=np.int64), np.asarray(ctx_lens, dtype=np.int64),
-                            device=device)
+        meta = cls.for_step(np.asarray(q_lens, dtype=np.int64), np.asarray(ctx_lens, dtype=np.int64), device=device)
         return meta.with_key_lists(key_lists)
 
     def with_key_lists(self, key_lists: Sequence[np.ndarray]) -> VarlenMeta:
@@ -154,12 +148,16 @@ class VarlenMeta:
         for i, rows in enumerate(key_lists):
             index[i, : len(rows)] = rows
         flat = np.concatenate(key_lists).astype(np.int64) if key_lists else np.zeros(0, dtype=np.int64)
-        return replace(self, key_index=torch.from_numpy(index).to(self.device),
-                       key_rows=torch.from_numpy(flat).to(self.device))
+        return replace(
+            self, key_index=torch.from_numpy(index).to(self.device), key_rows=torch.from_numpy(flat).to(self.device)
+        )
 
     @classmethod
     def static_decode(
-        cls, block_table: torch.Tensor, context_lens: torch.Tensor, slot_mapping: torch.Tensor,
+        cls,
+        block_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        slot_mapping: torch.Tensor,
         position_ids: torch.Tensor | None = None,
     ) -> VarlenMeta:
         """A decode step with static shapes (one query per row, a block table of fixed width), all
@@ -169,16 +167,25 @@ class VarlenMeta:
         ``position_ids``: ``context_lens - 1`` when the caller has it (no subtraction launched)."""
         rows = block_table.shape[0]
         if context_lens.shape != (rows,) or slot_mapping.shape != (rows,):
-            raise ValueError(f"a static decode step needs context_lens and slot_mapping of shape ({rows},), "
-                             "got "
-                             f"{tuple(context_lens.shape)} and {tuple(slot_mapping.shape)}")
+            raise ValueError(
+                f"a static decode step needs context_lens and slot_mapping of shape ({rows},), "
+                "got "
+                f"{tuple(context_lens.shape)} and {tuple(slot_mapping.shape)}"
+            )
         device = block_table.device
         cu_q = torch.arange(rows + 1, dtype=torch.int32, device=device)
         return cls(
-            cu_seqlens_q=cu_q, cu_seqlens_k=cu_q, max_seqlen_q=1, max_seqlen_k=0,
-            position_ids=context_lens - 1 if position_ids is None else position_ids, seq_idx=cu_q[:-1],
-            seqlens_q=None, seqlens_k=None,
-            block_table=block_table, slot_mapping=slot_mapping, context_lens=context_lens,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_q,
+            max_seqlen_q=1,
+            max_seqlen_k=0,
+            position_ids=context_lens - 1 if position_ids is None else position_ids,
+            seq_idx=cu_q[:-1],
+            seqlens_q=None,
+            seqlens_k=None,
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            context_lens=context_lens,
         )
 
     @classmethod
@@ -246,8 +253,7 @@ class VarlenMeta:
         key_pos = offset + np.repeat(lens_k - lens_q, lens_q)  # each query's position among its keys
         if self.key_rows is None:
             if not self.is_prefill_only:
-                raise ValueError("previous_rows needs every key in the row (a training or shared-prefix "
-                                 "row)")
+                raise ValueError("previous_rows needs every key in the row (a training or shared-prefix row)")
             prev = np.arange(self.total_q, dtype=np.int64) - 1
         else:
             cu_k = np.concatenate(([0], np.cumsum(lens_k)))
@@ -330,14 +336,22 @@ class VarlenMeta:
         table stay int32). The one helper that moves a meta: batches (``move_batch``), DDP inputs
         and the attention layer (once per forward, through its plan) all use it."""
         dev = torch.device(device)
-        if self.device == dev and all(t is None or t.device == dev
-                                      for t in (self.block_table, self.key_index, self.key_rows)):
+        if self.device == dev and all(
+            t is None or t.device == dev for t in (self.block_table, self.key_index, self.key_rows)
+        ):
             return self
         moved = {
             name: getattr(self, name).to(dev, non_blocking=non_blocking)
             for name in (
-                "cu_seqlens_q", "cu_seqlens_k", "position_ids", "seq_idx",
-                "block_table", "slot_mapping", "key_index", "key_rows", "context_lens",
+                "cu_seqlens_q",
+                "cu_seqlens_k",
+                "position_ids",
+                "seq_idx",
+                "block_table",
+                "slot_mapping",
+                "key_index",
+                "key_rows",
+                "context_lens",
             )
             if getattr(self, name) is not None
         }

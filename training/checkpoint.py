@@ -64,8 +64,12 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
         if is_complete(path):
             found.append(path)
         else:
-            logger.warning("skipping %s: it is not a complete checkpoint (no %s; the run that wrote it was "
-                           "probably stopped during the write)", path, COMPLETE_MARKER)
+            logger.warning(
+                "skipping %s: it is not a complete checkpoint (no %s; the run that wrote it was "
+                "probably stopped during the write)",
+                path,
+                COMPLETE_MARKER,
+            )
     return sorted(found, key=lambda p: (checkpoint_info(p).get("saved_at", 0.0), step_of(p)))
 
 
@@ -76,13 +80,21 @@ def latest_checkpoint(output_dir: str | Path) -> Path:
         incomplete = sorted(p.name for p in Path(output_dir).glob("*step_*"))
         raise FileNotFoundError(
             f"{output_dir} holds no complete step_N checkpoint"
-            + (f" (only {', '.join(incomplete)}, written by a run that stopped before finishing them)"
-               if incomplete else "")
-            + "; train first, or give the path of a complete checkpoint directory")
+            + (
+                f" (only {', '.join(incomplete)}, written by a run that stopped before finishing them)"
+                if incomplete
+                else ""
+            )
+            + "; train first, or give the path of a complete checkpoint directory"
+        )
     runs = {checkpoint_info(p).get("run") for p in found}
     if len(runs) > 1:
-        logger.info("%s holds checkpoints of %d runs; using the newest run's newest checkpoint, %s",
-                    output_dir, len(runs), found[-1].name)
+        logger.info(
+            "%s holds checkpoints of %d runs; using the newest run's newest checkpoint, %s",
+            output_dir,
+            len(runs),
+            found[-1].name,
+        )
     return found[-1]
 
 
@@ -101,8 +113,7 @@ def dir_kind(path: str | Path) -> str | None:
         return "run"
     if names & {"dataset_info.json", "state.json", "dataset_dict.json"}:
         return "dataset"
-    if path.name == "training_state" or any(n.startswith(("optimizer", "random_states", "scheduler"))
-                                            for n in names):
+    if path.name == "training_state" or any(n.startswith(("optimizer", "random_states", "scheduler")) for n in names):
         return "training_state"
     return None
 
@@ -121,18 +132,29 @@ def resolve_model_dir(path: str | Path) -> Path:
         return latest
     what = {
         "training_state": f"{path} is a checkpoint's training state (optimizer and RNG for resuming), not a "
-                          f"model: pass the checkpoint itself, model.path={path.parent}",
+        f"model: pass the checkpoint itself, model.path={path.parent}",
         "dataset": f"{path} is a saved dataset (e.g. nopad.recipes.preprocess's packed output), not a model: give "
-                   "it as the data (data.source= in SFT) and set model.path to a model",
+        "it as the data (data.source= in SFT) and set model.path to a model",
         "empty": f"{path} is an empty directory, not a model",
-    }.get(kind, f"{path} holds no config.json, so it is not a Hugging Face model directory (it holds "
-                f"{', '.join(sorted(p.name for p in path.iterdir())[:8])})")
-    raise FileNotFoundError(f"model.path: {what}; give a Hugging Face model directory (with config.json), "
-                            "a training run's output directory, or model.path=smollm2")
+    }.get(
+        kind,
+        f"{path} holds no config.json, so it is not a Hugging Face model directory (it holds "
+        f"{', '.join(sorted(p.name for p in path.iterdir())[:8])})",
+    )
+    raise FileNotFoundError(
+        f"model.path: {what}; give a Hugging Face model directory (with config.json), "
+        "a training run's output directory, or model.path=smollm2"
+    )
 
 
-def save_checkpoint(path: str | Path, write: Callable[[Path], None], accelerator=None, *,
-                    keep_last: int | None = None, meta: dict | None = None) -> Path:
+def save_checkpoint(
+    path: str | Path,
+    write: Callable[[Path], None],
+    accelerator=None,
+    *,
+    keep_last: int | None = None,
+    meta: dict | None = None,
+) -> Path:
     """Write a checkpoint with ``write(tmp_dir)`` (called on every rank) and move it to ``path``
     when complete; then keep only the newest ``keep_last`` complete checkpoints beside it."""
     path = Path(path)
@@ -150,14 +172,20 @@ def save_checkpoint(path: str | Path, write: Callable[[Path], None], accelerator
         free = shutil.disk_usage(tmp.parent).free if tmp.parent.exists() else 0
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise OSError(f"could not write checkpoint {path} ({free / 2**20:.0f} MiB free on its disk; a full "
-                      f"disk is the usual cause): {err}. The partial copy was removed and the earlier "
-                      "checkpoints are intact; free space (or set checkpoint.keep_last) and resume with "
-                      "checkpoint.resume_from=latest") from err
+        raise OSError(
+            f"could not write checkpoint {path} ({free / 2**20:.0f} MiB free on its disk; a full "
+            f"disk is the usual cause): {err}. The partial copy was removed and the earlier "
+            "checkpoints are intact; free space (or set checkpoint.keep_last) and resume with "
+            "checkpoint.resume_from=latest"
+        ) from err
     _barrier(accelerator)
     if main:
-        info = {"step": step_of(path), "saved_at": time.time(), "run": lock_owner(path.parent).get("run"),
-                **(meta or {})}
+        info = {
+            "step": step_of(path),
+            "saved_at": time.time(),
+            "run": lock_owner(path.parent).get("run"),
+            **(meta or {}),
+        }
         (tmp / COMPLETE_MARKER).write_text(json.dumps(info))
         if path.exists():  # the same step written again (e.g. a rerun): replace it whole
             shutil.rmtree(path)
@@ -173,8 +201,9 @@ def save_checkpoint(path: str | Path, write: Callable[[Path], None], accelerator
 def _is_write_failure(err: BaseException) -> bool:
     """An OSError (ENOSPC, EIO...) or torch's zip writer failing mid-file ("unexpected pos")."""
     text = str(err)
-    return isinstance(err, OSError) or any(s in text for s in ("unexpected pos", "PytorchStreamWriter",
-                                                               "No space left"))
+    return isinstance(err, OSError) or any(
+        s in text for s in ("unexpected pos", "PytorchStreamWriter", "No space left")
+    )
 
 
 def _barrier(accelerator) -> None:
@@ -188,21 +217,37 @@ def resume_failure(checkpoint_dir: str | Path, err: BaseException) -> str:
     file reader's own words (a truncated zip or pickle) suggest a damaged file."""
     text = str(err)
     if any(s in text for s in ("size mismatch", "Missing key", "Unexpected key", "shape")):
-        return (f"checkpoint {checkpoint_dir} was written for a different model than model.path "
-                f"({text[:300]}); resume with the model.path of the run that wrote it, or start a fresh "
-                "run in another checkpoint.output_dir")
+        return (
+            f"checkpoint {checkpoint_dir} was written for a different model than model.path "
+            f"({text[:300]}); resume with the model.path of the run that wrote it, or start a fresh "
+            "run in another checkpoint.output_dir"
+        )
     if any(s in text for s in DAMAGE_SIGNS):
-        return (f"could not load the training state of checkpoint {checkpoint_dir}: {text}; the file may be "
-                "damaged: resume from an earlier step_N directory")
-    return (f"could not load the training state of checkpoint {checkpoint_dir}: {text[:300]}; resume with "
-            "the recipe, model and settings of the run that wrote it, or start a new run in another output "
-            "directory")
+        return (
+            f"could not load the training state of checkpoint {checkpoint_dir}: {text}; the file may be "
+            "damaged: resume from an earlier step_N directory"
+        )
+    return (
+        f"could not load the training state of checkpoint {checkpoint_dir}: {text[:300]}; resume with "
+        "the recipe, model and settings of the run that wrote it, or start a new run in another output "
+        "directory"
+    )
 
 
 # what a truncated or corrupt file makes torch, pickle or safetensors say
-DAMAGE_SIGNS = ("PytorchStreamReader", "central directory", "unpickling", "truncated", "Ran out of input",
-                "invalid load key", "EOF", "HeaderTooLarge", "InvalidHeader", "MetadataIncompleteBuffer",
-                "corrupt")
+DAMAGE_SIGNS = (
+    "PytorchStreamReader",
+    "central directory",
+    "unpickling",
+    "truncated",
+    "Ran out of input",
+    "invalid load key",
+    "EOF",
+    "HeaderTooLarge",
+    "InvalidHeader",
+    "MetadataIncompleteBuffer",
+    "corrupt",
+)
 
 
 def checkpoint_recipe(path: str | Path) -> str | None:
@@ -233,9 +278,14 @@ def lock_owner(output_dir: Path) -> dict:
         return {}
 
 
-def save_training_checkpoint(accelerator, path: Path, save_model: Callable[[Path], None],
-                             keep_last: int | None = None, state_kwargs: dict | None = None,
-                             recipe: str | None = None) -> None:
+def save_training_checkpoint(
+    accelerator,
+    path: Path,
+    save_model: Callable[[Path], None],
+    keep_last: int | None = None,
+    state_kwargs: dict | None = None,
+    recipe: str | None = None,
+) -> None:
     """``path`` becomes a model directory (``save_model(dir)`` writes it) holding, in
     ``training_state/``, everything registered with the Accelerator (optimizer, RNG, the recipe's
     progress) to resume from; written whole or not at all (:func:`save_checkpoint`). SFT and GRPO
@@ -256,21 +306,26 @@ def resume_path(resume_from: str, output_dir: Path) -> Path:
     return latest_checkpoint(output_dir) if resume_from == "latest" else Path(resume_from)
 
 
-def resume_training(accelerator, resume_from: str, output_dir: Path,
-                    state_kwargs: dict | None = None, recipe: str | None = None) -> Path:
+def resume_training(
+    accelerator, resume_from: str, output_dir: Path, state_kwargs: dict | None = None, recipe: str | None = None
+) -> Path:
     """Load ``resume_from`` (a step_N directory, or the ``latest`` complete one in ``output_dir``)
     into everything registered for checkpointing (``state_kwargs`` go to ``load_state``); returns
     the checkpoint's path. A checkpoint another ``recipe`` wrote is refused before loading."""
     path = resume_path(resume_from, output_dir)
     if not (path / STATE_DIR).is_dir():
-        raise FileNotFoundError(f"checkpoint.resume_from={str(path)!r} holds no {STATE_DIR}/ "
-                                "written by this recipe; give a step_N directory of an earlier run")
+        raise FileNotFoundError(
+            f"checkpoint.resume_from={str(path)!r} holds no {STATE_DIR}/ "
+            "written by this recipe; give a step_N directory of an earlier run"
+        )
     written_by = checkpoint_recipe(path)
     if recipe and written_by and written_by != recipe:
-        raise ValueError(f"checkpoint.resume_from={path} is a checkpoint of nopad.recipes.{written_by}, not of "
-                         f"nopad.recipes.{recipe}: a resume continues the run that wrote it. To start "
-                         f"nopad.recipes.{recipe} from that model, set model.path={path} and leave "
-                         "checkpoint.resume_from unset")
+        raise ValueError(
+            f"checkpoint.resume_from={path} is a checkpoint of nopad.recipes.{written_by}, not of "
+            f"nopad.recipes.{recipe}: a resume continues the run that wrote it. To start "
+            f"nopad.recipes.{recipe} from that model, set model.path={path} and leave "
+            "checkpoint.resume_from unset"
+        )
     try:
         accelerator.load_state(str(path / STATE_DIR), **(state_kwargs or {}))
     except ValueError:  # our own: a resume under another plan, naming the setting
@@ -298,6 +353,10 @@ def trim_metrics(output_dir: str | Path, first_redone: int) -> None:
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     kept = [line for line in lines if json.loads(line).get("step", -1) < first_redone]
     if len(kept) != len(lines):
-        logger.info("%s: dropping %d record(s) of steps >= %d, logged after the checkpoint resumed from",
-                    path, len(lines) - len(kept), first_redone)
+        logger.info(
+            "%s: dropping %d record(s) of steps >= %d, logged after the checkpoint resumed from",
+            path,
+            len(lines) - len(kept),
+            first_redone,
+        )
         path.write_text("".join(line + "\n" for line in kept))

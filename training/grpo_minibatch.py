@@ -33,8 +33,7 @@ class MiniBatch:
 
     def __init__(self, rollouts: list[Rollout], chunk: list[int], loss: GRPOStepConfig, temperature: float):
         self.temperature = temperature
-        rows = pack_rollouts([rollouts[i] for i in chunk], loss.max_tokens_per_batch,
-                             shared_prefix=loss.shared_prefix)
+        rows = pack_rollouts([rollouts[i] for i in chunk], loss.max_tokens_per_batch, shared_prefix=loss.shared_prefix)
         # every rank the same number of rows (under ZeRO-3 / FSDP2 each forward is a collective), and
         # a row even where this rank has no rollouts: the window steps once on every rank
         self.rows = pad_rows(rows, empty_rollout_row) or [empty_rollout_row()]
@@ -87,8 +86,7 @@ def minibatches(rollouts: list[Rollout], parts: int) -> list[list[int]]:
     the groups divide evenly, so each mini-batch's prompts are shared in its tree rows."""
     if parts == 1:
         return [list(range(len(rollouts)))]
-    starts = [i for i in range(len(rollouts))
-              if i == 0 or rollouts[i].prompt_ids != rollouts[i - 1].prompt_ids]
+    starts = [i for i in range(len(rollouts)) if i == 0 or rollouts[i].prompt_ids != rollouts[i - 1].prompt_ids]
     if starts and len(starts) % parts == 0:
         per = len(starts) // parts
         bounds = [starts[k * per] for k in range(parts)] + [len(rollouts)]
@@ -97,8 +95,19 @@ def minibatches(rollouts: list[Rollout], parts: int) -> list[list[int]]:
     return [list(range(bounds[k], bounds[k + 1])) for k in range(parts)]
 
 
-def train_window(stepper, b: MiniBatch, policy, loss: GRPOStepConfig, ref_model, device, acc: StepMetrics,
-                  label, *, first: bool, measure: bool) -> float:
+def train_window(
+    stepper,
+    b: MiniBatch,
+    policy,
+    loss: GRPOStepConfig,
+    ref_model,
+    device,
+    acc: StepMetrics,
+    label,
+    *,
+    first: bool,
+    measure: bool,
+) -> float:
     """One optimizer step over mini-batch ``b``; returns its gradient norm."""
     counts = b.counts(policy)
     count, tokens = global_sum(sum(counts)), global_sum(sum(float(m.sum()) for m in b.masks))
@@ -119,8 +128,9 @@ def train_window(stepper, b: MiniBatch, policy, loss: GRPOStepConfig, ref_model,
             if row.empty:
                 continue
             # the IS weights depend on the rollout alone: counted once, on the first pass
-            acc.add({k: v for k, v in out.metrics.items() if measure or not k.startswith("is/")},
-                    float(batch.mask.sum()))
+            acc.add(
+                {k: v for k, v in out.metrics.items() if measure or not k.startswith("is/")}, float(batch.mask.sum())
+            )
             dev = float((torch.exp(batch.logp.detach() - batch.old_logp) - 1).abs().max())
             acc.ratio_dev = max(acc.ratio_dev, dev)
             if first:
@@ -142,8 +152,10 @@ def _row_loss(model, row, r: int, b: MiniBatch, policy, loss: GRPOStepConfig, re
     gen_lp = row.token_values.get("gen_logprobs")
     if gen_lp is None or gen_lp.shape != logp.shape:
         have = "no" if gen_lp is None else gen_lp.numel()
-        raise ValueError(f"a row has {logp.numel()} loss tokens but {have} generator log-probs; the GRPO "
-                         "loss needs every Rollout's gen_logprobs (the generator's, per sampled token)")
+        raise ValueError(
+            f"a row has {logp.numel()} loss tokens but {have} generator log-probs; the GRPO "
+            "loss needs every Rollout's gen_logprobs (the generator's, per sampled token)"
+        )
     gen_lp = gen_lp.to(logp.device)
     if loss.old_logprobs == "rollout":
         old = gen_lp  # exact in the batch-invariant mode: the rollout's log-probs are the trainer's
@@ -157,6 +169,15 @@ def _row_loss(model, row, r: int, b: MiniBatch, policy, loss: GRPOStepConfig, re
                 acc.forwards += 1
         ref_lp = b.ref[r]
     seq = b.seqs[r].to(logp.device)
-    batch = PolicyBatch(logp, old, b.advantages[r].to(logp.device), seq, len(row.indices),
-                        mask=b.masks[r].to(logp.device), ref_logp=ref_lp, rollout_logp=gen_lp, entropy=ent)
+    batch = PolicyBatch(
+        logp,
+        old,
+        b.advantages[r].to(logp.device),
+        seq,
+        len(row.indices),
+        mask=b.masks[r].to(logp.device),
+        ref_logp=ref_lp,
+        rollout_logp=gen_lp,
+        entropy=ent,
+    )
     return policy(batch), batch

@@ -75,15 +75,29 @@ class GRPOStepConfig:
             raise ValueError(f"old_logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}")
         policy_temperature(self.logprobs, 1.0)  # a ValueError naming LOGPROBS for any other value
         if self.num_iterations < 1 or self.steps_per_generation < 1:
-            raise ValueError("num_iterations and steps_per_generation must be >= 1, got "
-                             f"{self.num_iterations} and {self.steps_per_generation}")
+            raise ValueError(
+                "num_iterations and steps_per_generation must be >= 1, got "
+                f"{self.num_iterations} and {self.steps_per_generation}"
+            )
         self.policy.check_old_logprobs(self.old_logprobs)
 
 
-def grpo_step(stepper: OptimizerStepper, generator, examples: Sequence[dict],
-              prompt_ids: Sequence[list[int]], reward_fn: RewardFn, tokenizer, params, loss: GRPOStepConfig, *,
-              step: int = 0, rollout_mode: str = "gather", ref_model=None, use_tqdm: bool = False,
-              episodes: ToolEpisodes | None = None) -> dict:
+def grpo_step(
+    stepper: OptimizerStepper,
+    generator,
+    examples: Sequence[dict],
+    prompt_ids: Sequence[list[int]],
+    reward_fn: RewardFn,
+    tokenizer,
+    params,
+    loss: GRPOStepConfig,
+    *,
+    step: int = 0,
+    rollout_mode: str = "gather",
+    ref_model=None,
+    use_tqdm: bool = False,
+    episodes: ToolEpisodes | None = None,
+) -> dict:
     """One GRPO step on ``examples`` (their prompt token ids in ``prompt_ids``; ``params``: the
     generator's ``SamplingParams`` with ``n`` completions per prompt). Every rank calls it each step,
     also with no examples. ``episodes``: multi-turn tool rollouts, trained on the model's tokens
@@ -93,24 +107,50 @@ def grpo_step(stepper: OptimizerStepper, generator, examples: Sequence[dict],
     episode_metrics = {}
     with batch_invariant(loss.batch_invariant):
         if episodes is None:
-            outputs = sharded_generate(generator, stepper.model, list(prompt_ids), params, mode=rollout_mode,
-                                       use_tqdm=use_tqdm)
-            samples = [[(c.token_ids, Rollout.from_completion(ids, c, loss.logprobs)) for c in out.outputs]
-                       for ids, out in zip(prompt_ids, outputs)]
+            outputs = sharded_generate(
+                generator, stepper.model, list(prompt_ids), params, mode=rollout_mode, use_tqdm=use_tqdm
+            )
+            samples = [
+                [(c.token_ids, Rollout.from_completion(ids, c, loss.logprobs)) for c in out.outputs]
+                for ids, out in zip(prompt_ids, outputs)
+            ]
         else:
-            samples, episode_metrics = run_episodes(generator, stepper.model, prompt_ids, params, episodes,
-                                                    loss.logprobs, examples)
+            samples, episode_metrics = run_episodes(
+                generator, stepper.model, prompt_ids, params, episodes, loss.logprobs, examples
+            )
     rollout_time = time.perf_counter() - t0
     generator.release()  # the KV cache goes back before any backward pass
-    metrics = score_and_train(stepper, samples, examples, reward_fn, tokenizer, loss, step=step,
-                              temperature=params.temperature, ref_model=ref_model)
-    return {**metrics, **episode_metrics, "rollout_tokens_per_s": metrics["completion_tokens"] / rollout_time,
-            "rollout_s": rollout_time}
+    metrics = score_and_train(
+        stepper,
+        samples,
+        examples,
+        reward_fn,
+        tokenizer,
+        loss,
+        step=step,
+        temperature=params.temperature,
+        ref_model=ref_model,
+    )
+    return {
+        **metrics,
+        **episode_metrics,
+        "rollout_tokens_per_s": metrics["completion_tokens"] / rollout_time,
+        "rollout_s": rollout_time,
+    }
 
 
-def score_and_train(stepper: OptimizerStepper, samples: Sequence[Sequence[tuple]], examples: Sequence[dict],
-                    reward_fn: RewardFn | EpisodeRewardFn, tokenizer, loss: GRPOStepConfig, *, step: int,
-                    temperature: float, ref_model=None) -> dict:
+def score_and_train(
+    stepper: OptimizerStepper,
+    samples: Sequence[Sequence[tuple]],
+    examples: Sequence[dict],
+    reward_fn: RewardFn | EpisodeRewardFn,
+    tokenizer,
+    loss: GRPOStepConfig,
+    *,
+    step: int,
+    temperature: float,
+    ref_model=None,
+) -> dict:
     """Everything after the rollouts, one implementation for the synchronous and the streaming step:
     ``samples`` per group (prompt), per completion ``(what the reward reads, Rollout)``; rewards,
     group advantages, then :func:`train_on_rollouts`. Returns the step's metrics."""
@@ -120,12 +160,16 @@ def score_and_train(stepper: OptimizerStepper, samples: Sequence[Sequence[tuple]
     rewards_t = torch.tensor(rewards).view(len(samples), -1) if samples else torch.zeros(0, 2)
     set_advantages(rollouts, rewards_t, step, loss.scale_rewards)
     metrics = train_on_rollouts(stepper, rollouts, loss, temperature=temperature, ref_model=ref_model, step=step)
-    return {"step": step, "reward_mean": float(rewards_t.mean()), "reward_std": float(rewards_t.std()),
-            **metrics}
+    return {"step": step, "reward_mean": float(rewards_t.mean()), "reward_std": float(rewards_t.std()), **metrics}
 
 
-def score_rollouts(reward_fn: RewardFn | EpisodeRewardFn, tokenizer, examples: Sequence[dict],
-                   answers: Sequence[Sequence[Sequence[int] | Episode]], step: int) -> list[float]:
+def score_rollouts(
+    reward_fn: RewardFn | EpisodeRewardFn,
+    tokenizer,
+    examples: Sequence[dict],
+    answers: Sequence[Sequence[Sequence[int] | Episode]],
+    step: int,
+) -> list[float]:
     """Every completion's reward, in rollout order (``answers``: per prompt, per completion, the token
     ids the reward reads as text, or the Episode an episode reward reads whole), each checked to be
     one finite number (an error
@@ -147,13 +191,13 @@ def score_rollouts(reward_fn: RewardFn | EpisodeRewardFn, tokenizer, examples: S
     if any_rank(failure is not None):
         if failure is not None:
             raise failure
-        raise RuntimeError(f"grpo step {step}: the reward failed on another rank (its error is in that "
-                           "rank's log); stopping here too")
+        raise RuntimeError(
+            f"grpo step {step}: the reward failed on another rank (its error is in that rank's log); stopping here too"
+        )
     return rewards
 
 
-def set_advantages(rollouts: list[Rollout], rewards: torch.Tensor, step: int = 0,
-                   scale_rewards: str = "group") -> None:
+def set_advantages(rollouts: list[Rollout], rewards: torch.Tensor, step: int = 0, scale_rewards: str = "group") -> None:
     """Each rollout's group advantage from ``rewards`` ``(prompts, completions per prompt)``, in
     rollout order; a step whose groups all have equal rewards is said to train nothing.
     ``scale_rewards="batch"`` divides by the std of every rank's rewards (every rank calls this)."""
@@ -162,8 +206,10 @@ def set_advantages(rollouts: list[Rollout], rewards: torch.Tensor, step: int = 0
         logger.warning(
             "grpo step %d: every group's rewards are equal (all %s), so every advantage is 0 and this step "
             "does not change the model; give the completions room to answer (rollout.max_tokens), use "
-            "larger groups (rollout.num_generations) or a reward that separates them", step,
-            sorted(set(rewards[:, 0].tolist())))
+            "larger groups (rollout.num_generations) or a reward that separates them",
+            step,
+            sorted(set(rewards[:, 0].tolist())),
+        )
     if not rewards.numel():
         return
     advantages = group_advantages(rewards, scale_rewards=scale_rewards, batch_std=batch_std)
@@ -178,8 +224,15 @@ def _global_std(rewards: torch.Tensor) -> float:
     return max(squares - total * total / n, 0.0) ** 0.5 / max(n - 1, 1) ** 0.5 if n else 0.0
 
 
-def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: GRPOStepConfig, *,
-                      temperature: float = 1.0, ref_model=None, step: int | None = None) -> dict:
+def train_on_rollouts(
+    stepper: OptimizerStepper,
+    rollouts: list[Rollout],
+    loss: GRPOStepConfig,
+    *,
+    temperature: float = 1.0,
+    ref_model=None,
+    step: int | None = None,
+) -> dict:
     """Packed training forwards and backwards over ``rollouts`` (with their advantages):
     ``loss.num_iterations`` passes of ``loss.steps_per_generation`` mini-batches, one optimizer step
     each; every rank calls it, also with no rollouts. Returns the step's training metrics.
@@ -208,8 +261,11 @@ def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: 
     for iteration in range(loss.num_iterations):
         for index, b in enumerate(batches):
             first = iteration == 0 and index == 0
-            acc.grad_norms.append(train_window(stepper, b, policy, loss, ref_model, device, acc, label,
-                                                first=first, measure=iteration == 0))
+            acc.grad_norms.append(
+                train_window(
+                    stepper, b, policy, loss, ref_model, device, acc, label, first=first, measure=iteration == 0
+                )
+            )
     train_time = time.perf_counter() - t0
     train_lp, gen_lp = acc.logps()
     gap, ratio = (train_lp - gen_lp).abs(), torch.exp(train_lp - gen_lp)

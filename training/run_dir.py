@@ -21,6 +21,7 @@ from nopad.training.checkpoint import LOCK_FILE, METRICS_FILE, complete_checkpoi
 
 logger = logging.getLogger(__name__)
 
+
 def claim_run_dir(output_dir: str | Path, accelerator=None, *, resuming: bool = False) -> str:
     """Start a run in ``output_dir`` (main process only; returns the run id everywhere).
 
@@ -39,24 +40,35 @@ def claim_run_dir(output_dir: str | Path, accelerator=None, *, resuming: bool = 
             f"{output_dir} is in use by another run (pid {previous.get('pid')} on {previous.get('host')}, "
             f"run {previous.get('run')}, since {previous.get('started')}); two runs writing one directory "
             "destroy each other's checkpoints: wait for it, stop it, or set another output directory. "
-            f"If that run is gone, delete {output_dir / LOCK_FILE}")
+            f"If that run is gone, delete {output_dir / LOCK_FILE}"
+        )
     if previous and previous.get("pid") != os.getpid():
-        logger.warning("%s: the run %s (pid %s) that locked it is gone; taking it over", output_dir,
-                       previous.get("run"), previous.get("pid"))
+        logger.warning(
+            "%s: the run %s (pid %s) that locked it is gone; taking it over",
+            output_dir,
+            previous.get("run"),
+            previous.get("pid"),
+        )
     metrics = output_dir / METRICS_FILE
     if not resuming and metrics.is_file():
-        old_run = previous.get("run") or time.strftime("%Y%m%d-%H%M%S",
-                                                       time.localtime(metrics.stat().st_mtime))
+        old_run = previous.get("run") or time.strftime("%Y%m%d-%H%M%S", time.localtime(metrics.stat().st_mtime))
         aside = metrics.with_name(f"metrics.{old_run}.jsonl")
         metrics.rename(aside)
-        logger.info("%s: an earlier run's metrics moved to %s; this run writes its own", output_dir,
-                    aside.name)
+        logger.info("%s: an earlier run's metrics moved to %s; this run writes its own", output_dir, aside.name)
     if not resuming and complete_checkpoints(output_dir):
-        logger.warning("%s already holds checkpoints of an earlier run; this new run's checkpoints count as "
-                       "newer (model.path=%s and resume_from=latest take this run's newest). To continue the "
-                       "earlier run instead, set checkpoint.resume_from=latest", output_dir, output_dir)
-    owner = {"pid": os.getpid(), "host": socket.gethostname(), "run": run,
-             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        logger.warning(
+            "%s already holds checkpoints of an earlier run; this new run's checkpoints count as "
+            "newer (model.path=%s and resume_from=latest take this run's newest). To continue the "
+            "earlier run instead, set checkpoint.resume_from=latest",
+            output_dir,
+            output_dir,
+        )
+    owner = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "run": run,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     (output_dir / LOCK_FILE).write_text(json.dumps(owner))
     atexit.register(release_run_dir, output_dir)
     return run

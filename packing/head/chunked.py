@@ -48,9 +48,16 @@ logger = logging.getLogger(__name__)
 CHUNK_TOKENS = 128  # head rows per chunk; fixed, so chunk bounds never depend on the row's length
 
 
-def token_logprobs(model: torch.nn.Module, model_kwargs: dict[str, Any], positions: torch.Tensor,
-                   targets: torch.Tensor, *, temperature: float = 1.0, entropy: bool = False,
-                   chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(
+    model: torch.nn.Module,
+    model_kwargs: dict[str, Any],
+    positions: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The log-prob of ``targets[i]`` predicted at row position ``positions[i]`` (and the entropy
     there when asked) under ``model``, fp32, for one packed row (``model_kwargs``: its
     ``input_ids``, ``position_ids``, ``nopad_meta``), from one call of ``model``.
@@ -63,9 +70,11 @@ def token_logprobs(model: torch.nn.Module, model_kwargs: dict[str, Any], positio
     The one row of the model's logits is checked against :meth:`LMHead.finish` of the head's own
     output, so a model whose forward does something after its head that :func:`head_of` does not
     read fails here instead of training on wrong log-probs."""
+
     def score(head: LMHead, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return head_logprobs(head, hidden, targets, temperature=temperature, entropy=entropy,
-                             chunk_tokens=chunk_tokens, hooks=False)
+        return head_logprobs(
+            head, hidden, targets, temperature=temperature, entropy=entropy, chunk_tokens=chunk_tokens, hooks=False
+        )
 
     scores, mismatch = _score_in_model_call(model, model_kwargs, positions, score)
     if mismatch:
@@ -73,8 +82,15 @@ def token_logprobs(model: torch.nn.Module, model_kwargs: dict[str, Any], positio
     return scores[0], scores[1]
 
 
-def nll_sum(model: torch.nn.Module, model_kwargs: dict[str, Any], positions: torch.Tensor,
-            targets: torch.Tensor, weights: torch.Tensor, *, chunk_tokens: int | None = None) -> torch.Tensor:
+def nll_sum(
+    model: torch.nn.Module,
+    model_kwargs: dict[str, Any],
+    positions: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
     """``-(weights * logps).sum()`` of :func:`token_logprobs`'s ``logps`` (temperature 1): the SFT
     loss of one packed row, with the same values. Why a function of its own: the gradient of a
     scalar loss is known, up to its one scale, in the forward pass, so a plain ``nn.Linear`` head
@@ -82,8 +98,9 @@ def nll_sum(model: torch.nn.Module, model_kwargs: dict[str, Any], positions: tor
     exist: three ``T x H x V`` GEMMs, as the full-logits path runs, instead of four with a recompute."""
     weights = weights.to(targets.device)
     if weights.shape != targets.shape:
-        raise ValueError(f"weights of shape {tuple(weights.shape)}, targets of shape {tuple(targets.shape)}: "
-                         "one weight per target")
+        raise ValueError(
+            f"weights of shape {tuple(weights.shape)}, targets of shape {tuple(targets.shape)}: one weight per target"
+        )
 
     def score(head: LMHead, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
         return head_nll_sum(head, hidden, targets, weights, chunk_tokens=chunk_tokens, hooks=False), None
@@ -117,14 +134,18 @@ def _score_in_model_call(model, model_kwargs, positions, score) -> tuple[tuple, 
 
     def score_chunks(module, args, kwargs, output):
         if "scores" in state:
-            raise RuntimeError(f"{type(unwrap(model)).__name__}'s forward called its output embeddings "
-                               "twice; the LM head needs the usual causal-LM forward: backbone, then head")
+            raise RuntimeError(
+                f"{type(unwrap(model)).__name__}'s forward called its output embeddings "
+                "twice; the LM head needs the usual causal-LM forward: backbone, then head"
+            )
         hidden = state.pop("hidden")
         hidden = hidden.reshape(-1, hidden.shape[-1])
         if hidden.shape[0] != positions.numel():
-            raise RuntimeError(f"{type(unwrap(model)).__name__}'s head got {hidden.shape[0]} positions, not "
-                               f"logits_to_keep's {positions.numel()}: the LM head needs a causal LM that "
-                               "takes logits_to_keep as a tensor of positions")
+            raise RuntimeError(
+                f"{type(unwrap(model)).__name__}'s head got {hidden.shape[0]} positions, not "
+                f"logits_to_keep's {positions.numel()}: the LM head needs a causal LM that "
+                "takes logits_to_keep as a tensor of positions"
+            )
         with torch.no_grad():
             state["ours"] = head.finish(output.reshape(-1, output.shape[-1])[:1])
         state["scores"] = scores = score(head, hidden)
@@ -132,16 +153,20 @@ def _score_in_model_call(model, model_kwargs, positions, score) -> tuple[tuple, 
 
     # keep_hidden runs after the engines' pre-hooks (it keeps the input they wrap for backward),
     # score_chunks before their post-hooks (the weights are still gathered; they wrap its output)
-    handles = [head.module.register_forward_pre_hook(keep_hidden, with_kwargs=True),
-               head.module.register_forward_hook(score_chunks, with_kwargs=True, prepend=True)]
+    handles = [
+        head.module.register_forward_pre_hook(keep_hidden, with_kwargs=True),
+        head.module.register_forward_hook(score_chunks, with_kwargs=True, prepend=True),
+    ]
     try:
         out = model(**model_kwargs, logits_to_keep=positions, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
     if "scores" not in state:
-        raise RuntimeError(f"{type(unwrap(model)).__name__}'s forward did not call its output embeddings "
-                           "(get_output_embeddings()); the LM head needs the usual causal-LM forward")
+        raise RuntimeError(
+            f"{type(unwrap(model)).__name__}'s forward did not call its output embeddings "
+            "(get_output_embeddings()); the LM head needs the usual causal-LM forward"
+        )
     first, second = state["scores"]
     if positions.numel():
         theirs = out.logits.reshape(-1, out.logits.shape[-1])[:1]
@@ -181,9 +206,12 @@ def _from_full_logits(model, model_kwargs, positions, targets, temperature, entr
     name = type(unwrap(model)).__name__
     if name not in _warned:
         _warned.add(name)
-        logger.warning("%s; scoring from its full logits at the loss positions instead (N x V memory). "
-                       "Add the op to nopad.packing.head.model_head.LMHead, or change the hidden states (a hook on the "
-                       "final norm), to get the chunked head back", why)
+        logger.warning(
+            "%s; scoring from its full logits at the loss positions instead (N x V memory). "
+            "Add the op to nopad.packing.head.model_head.LMHead, or change the hidden states (a hook on the "
+            "final norm), to get the chunked head back",
+            why,
+        )
     logits = model(**model_kwargs, logits_to_keep=positions, use_cache=False).logits
     logits = logits.reshape(-1, logits.shape[-1])
     logps, ents = _TargetLogprobs.apply(logits, targets.to(logits.device), entropy, temperature)
@@ -211,9 +239,15 @@ class _TargetLogprobs(torch.autograd.Function):
         return grad, None, None, None  # autograd casts the fp32 gradient to z's dtype
 
 
-def _chunk(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-           want_entropy: bool, invariant: tuple[bool, str | None],
-           hooks: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk(
+    head: LMHead,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    want_entropy: bool,
+    invariant: tuple[bool, str | None],
+    hooks: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     # the recompute in backward runs the forward's numerics (batch-invariant or not), whatever mode
     # the backward is called in: the same ops, so the same tensors saved and the same logits
     with batch_invariant(*invariant):
@@ -228,14 +262,23 @@ def check_temperature(temperature: float) -> None:
     except (TypeError, ValueError):
         value = float("nan")
     if not 0 < value < float("inf"):  # NaN fails both comparisons
-        raise ValueError(f"temperature must be a finite number > 0 (the logits are divided by it; 1.0: the "
-                         f"model's own distribution), got {temperature!r}; a greedy rollout (temperature 0) "
-                         "is scored at temperature 1.0")
+        raise ValueError(
+            f"temperature must be a finite number > 0 (the logits are divided by it; 1.0: the "
+            f"model's own distribution), got {temperature!r}; a greedy rollout (temperature 0) "
+            "is scored at temperature 1.0"
+        )
 
 
-def head_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                  entropy: bool = False, chunk_tokens: int | None = None, hooks: bool = True
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def head_logprobs(
+    head: LMHead,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    chunk_tokens: int | None = None,
+    hooks: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 ``(log-probs of targets, entropies or None)`` of ``hidden`` ``(N, H)`` under
     ``softmax(head.logits(hidden) / temperature)``, computed ``chunk_tokens`` rows at a time from
     row 0; with grad enabled each chunk's logits are recomputed in backward (activation
@@ -256,24 +299,42 @@ def head_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, *, 
         return empty, (empty if entropy else None)
     invariant = (is_enabled(), active_kernels())
     if torch.is_grad_enabled() and _plain(head, hooks):
-        logps, ents = LinearHeadChunks.apply(hidden, head.module.weight, head.module.bias, targets, head,
-                                             temperature, entropy, chunk_tokens, invariant)
+        logps, ents = LinearHeadChunks.apply(
+            hidden, head.module.weight, head.module.bias, targets, head, temperature, entropy, chunk_tokens, invariant
+        )
         return logps, (ents if entropy else None)
-    return _chunks(head, hidden, targets, temperature, entropy, chunk_tokens, invariant, hooks,
-                   checkpointed=torch.is_grad_enabled())
+    return _chunks(
+        head,
+        hidden,
+        targets,
+        temperature,
+        entropy,
+        chunk_tokens,
+        invariant,
+        hooks,
+        checkpointed=torch.is_grad_enabled(),
+    )
 
 
-def _chunks(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool,
-            chunk_tokens: int, invariant: tuple[bool, str | None], hooks: bool, *,
-            checkpointed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _chunks(
+    head: LMHead,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    entropy: bool,
+    chunk_tokens: int,
+    invariant: tuple[bool, str | None],
+    hooks: bool,
+    *,
+    checkpointed: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunks' scores in order from row 0, each chunk checkpointed (recomputed in backward by
     autograd) when ``checkpointed``."""
     parts, ents = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
-        h, t = hidden[start: start + chunk_tokens], targets[start: start + chunk_tokens]
+        h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if checkpointed:
-            lp, ent = checkpoint(_chunk, head, h, t, temperature, entropy, invariant, hooks,
-                                 use_reentrant=False)
+            lp, ent = checkpoint(_chunk, head, h, t, temperature, entropy, invariant, hooks, use_reentrant=False)
         else:
             lp, ent = _chunk(head, h, t, temperature, entropy, invariant, hooks)
         parts.append(lp)
@@ -282,8 +343,15 @@ def _chunks(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, temperatu
     return logps, (torch.cat(ents) if entropy else None)
 
 
-def head_nll_sum(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, *,
-                 chunk_tokens: int | None = None, hooks: bool = True) -> torch.Tensor:
+def head_nll_sum(
+    head: LMHead,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    chunk_tokens: int | None = None,
+    hooks: bool = True,
+) -> torch.Tensor:
     """``-(weights * logps).sum()`` of :func:`head_logprobs`'s ``logps`` (temperature 1); for a
     plain ``nn.Linear`` head with grad enabled, its gradients taken in the forward
     (:class:`nopad.packing.head.linear.LinearHeadNLL`)."""
@@ -292,8 +360,16 @@ def head_nll_sum(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, weig
         if targets.shape != hidden.shape[:1]:
             raise ValueError(f"{hidden.shape[0]} hidden states but targets of shape {tuple(targets.shape)}")
         invariant = (is_enabled(), active_kernels())
-        return LinearHeadNLL.apply(hidden, head.module.weight, head.module.bias, targets.to(hidden.device),
-                                   weights.to(hidden.device), head, chunk_tokens, invariant)
+        return LinearHeadNLL.apply(
+            hidden,
+            head.module.weight,
+            head.module.bias,
+            targets.to(hidden.device),
+            weights.to(hidden.device),
+            head,
+            chunk_tokens,
+            invariant,
+        )
     logps, _ = head_logprobs(head, hidden, targets, chunk_tokens=chunk_tokens, hooks=hooks)
     return -(weights.to(logps.device) * logps).sum()
 

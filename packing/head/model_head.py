@@ -50,8 +50,7 @@ class LMHead:
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The causal LM inside a DDP / DeepSpeed engine wrapper (peft models answer for themselves)."""
-    while not hasattr(model, "get_output_embeddings") and isinstance(getattr(model, "module", None),
-                                                                     torch.nn.Module):
+    while not hasattr(model, "get_output_embeddings") and isinstance(getattr(model, "module", None), torch.nn.Module):
         model = model.module
     return model
 
@@ -62,8 +61,10 @@ def head_of(model: torch.nn.Module) -> LMHead:
     lm = unwrap(model)
     module = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     if module is None:
-        raise ValueError(f"{type(lm).__name__} has no output embeddings (get_output_embeddings() is None); "
-                         "the LM head needs a causal LM with a head module")
+        raise ValueError(
+            f"{type(lm).__name__} has no output embeddings (get_output_embeddings() is None); "
+            "the LM head needs a causal LM with a head module"
+        )
     config = text_config(lm.config)
     softcap = getattr(config, "final_logit_softcapping", None) or getattr(lm, "final_logit_softcapping", None)
     multiplier = getattr(lm, "logit_scale", None)  # Cohere: set from config.logit_scale on the model
@@ -91,7 +92,9 @@ def head_mismatch(head: LMHead, ours: torch.Tensor, theirs: torch.Tensor, model)
         err = float((ours - theirs)[finite].abs().max())
     if err <= 4 * eps * scale:
         return None
-    return (f"{type(unwrap(model)).__name__}'s logits differ from its head's output by up to {err:.3g} "
-            f"(logits up to {scale:.3g}) after the final-logit ops nopad reads ({head.multiplier=}, "
-            f"{head.divisor=}, {head.softcap=}): its forward (or a hook on it or its lm_head) transforms the "
-            "logits in a way nopad.packing.head.chunked does not know")
+    return (
+        f"{type(unwrap(model)).__name__}'s logits differ from its head's output by up to {err:.3g} "
+        f"(logits up to {scale:.3g}) after the final-logit ops nopad reads ({head.multiplier=}, "
+        f"{head.divisor=}, {head.softcap=}): its forward (or a hook on it or its lm_head) transforms the "
+        "logits in a way nopad.packing.head.chunked does not know"
+    )

@@ -11,5 +11,12 @@ from nopad.packing.hf.attention import (
 )
 from nopad.packing.hf.packed_call import check_packed_call, packed_forward_guard
 
-__all__ = ["NOPAD_ATTENTION", "check_packed_call", "compute_dtype", "nopad_attention", "packed_forward_guard",
-           "register_nopad_attention", "use_nopad_attention"]
+__all__ = [
+    "NOPAD_ATTENTION",
+    "check_packed_call",
+    "compute_dtype",
+    "nopad_attention",
+    "packed_forward_guard",
+    "register_nopad_attention",
+    "use_nopad_attention",
+]

@@ -86,15 +86,30 @@ logger = logging.getLogger(__name__)
 
 # keyword arguments transformers passes to every attention call that need nothing from us:
 # TransformersKwargs / FlashAttentionKwargs (the boundaries come from nopad_meta/position_ids)
-HARMLESS_KWARGS = frozenset({
-    "use_cache", "cache_position", "past_key_values", "output_attentions", "output_hidden_states",
-    "output_router_logits", "return_dict", "num_items_in_batch", "cu_seq_lens_q", "cu_seq_lens_k",
-    "max_length_q", "max_length_k", "seq_idx", "layer_idx", "nopad_trace",
-})
+HARMLESS_KWARGS = frozenset(
+    {
+        "use_cache",
+        "cache_position",
+        "past_key_values",
+        "output_attentions",
+        "output_hidden_states",
+        "output_router_logits",
+        "return_dict",
+        "num_items_in_batch",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "seq_idx",
+        "layer_idx",
+        "nopad_trace",
+    }
+)
 
 
-def _derive_meta(position_ids: torch.Tensor | None, batch: int, q_len: int, k_len: int,
-                 device: torch.device) -> VarlenMeta:
+def _derive_meta(
+    position_ids: torch.Tensor | None, batch: int, q_len: int, k_len: int, device: torch.device
+) -> VarlenMeta:
     """Boundaries when the caller passed no ``nopad_meta``: transformers' own cache (decode with
     ``generate``), packed ``position_ids``, or one sequence per batch row, on the query's
     ``device``."""
@@ -120,8 +135,13 @@ def _no_meta_error(module: torch.nn.Module, err: ValueError) -> ValueError:
     )
 
 
-def _forward_meta(plan: AttentionPlan, module: torch.nn.Module, nopad_meta: VarlenMeta | None,
-                  position_ids: torch.Tensor | None, shape: tuple) -> VarlenMeta:
+def _forward_meta(
+    plan: AttentionPlan,
+    module: torch.nn.Module,
+    nopad_meta: VarlenMeta | None,
+    position_ids: torch.Tensor | None,
+    shape: tuple,
+) -> VarlenMeta:
     """The forward's meta: resolved by its first layer and kept in the plan for the others."""
     if plan.row is not None and plan.row.matches(nopad_meta, position_ids, shape):
         return plan.row.meta
@@ -154,9 +174,11 @@ def _check_kwargs(module: torch.nn.Module, kwargs: dict) -> None:
         )
 
 
-POSITIONS_MISMATCH = ("position_ids do not match nopad_meta.position_ids; pass "
-                      "position_ids=meta.position_ids[None] so rotary embeddings see each sequence's "
-                      "own positions")
+POSITIONS_MISMATCH = (
+    "position_ids do not match nopad_meta.position_ids; pass "
+    "position_ids=meta.position_ids[None] so rotary embeddings see each sequence's "
+    "own positions"
+)
 
 
 def _check_positions(meta: VarlenMeta, position_ids: torch.Tensor | None) -> None:
@@ -173,8 +195,13 @@ def _check_positions(meta: VarlenMeta, position_ids: torch.Tensor | None) -> Non
             raise ValueError(POSITIONS_MISMATCH)
         torch._assert_async((flat.to(mine.device) == mine).all(), POSITIONS_MISMATCH)
         return
-    if (flat.device == mine.device and flat.data_ptr() == mine.data_ptr() and flat.shape == mine.shape
-            and flat.stride() == mine.stride() and flat.dtype == mine.dtype):
+    if (
+        flat.device == mine.device
+        and flat.data_ptr() == mine.data_ptr()
+        and flat.shape == mine.shape
+        and flat.stride() == mine.stride()
+        and flat.dtype == mine.dtype
+    ):
         return  # the runner passed meta.position_ids[None] itself: nothing to compare, no sync
     if flat.numel() != meta.total_q or not torch.equal(flat.to(meta.position_ids.device), meta.position_ids):
         raise ValueError(POSITIONS_MISMATCH)
@@ -207,13 +234,17 @@ def _refuse_bidirectional(module: torch.nn.Module, sliding_window: int | None, k
     keeps each sequence's tokens apart, but its window over a bidirectional layer reaches the whole
     future (transformers': ``|q - k| < window``), and a paged step sees no future at all. Both
     gave other answers with no error, even for one sequence alone; refused instead."""
-    where = "a paged generator step" if kv_cache is not None else (
-        f"a sliding window of {sliding_window}" if sliding_window else None)
+    where = (
+        "a paged generator step"
+        if kv_cache is not None
+        else (f"a sliding window of {sliding_window}" if sliding_window else None)
+    )
     if where is not None:
         raise UnsupportedMixerError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', None)}) is bidirectional (not "
             f"causal), which nopad's attention does not compute with {where}: keep this model on sdpa, "
-            "unpacked (docs/models.md)")
+            "unpacked (docs/models.md)"
+        )
 
 
 def _layer_cache(kv, module: torch.nn.Module, plan: AttentionPlan):
@@ -230,7 +261,8 @@ def _layer_cache(kv, module: torch.nn.Module, plan: AttentionPlan):
         raise UnsupportedMixerError(
             f"{type(module).__name__} (layer {layer_idx}) calls the attention interface more than once per "
             "step: the generator's paged cache holds one K/V per layer, and the second call's values would "
-            "overwrite the first's. Generate with HF generate for this model; packed training is unaffected.")
+            "overwrite the first's. Generate with HF generate for this model; packed training is unaffected."
+        )
     plan.cache_layers.add(layer_idx)
     return kv(layer_idx) if callable(kv) else kv[layer_idx]
 
@@ -288,7 +320,10 @@ def nopad_attention(
     if not q.dtype == k.dtype == v.dtype == dtype:
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     out = varlen_attention(
-        q, k, v, meta,
+        q,
+        k,
+        v,
+        meta,
         causal=causal,
         softmax_scale=scaling,
         sliding_window=sliding_window,
@@ -325,8 +360,7 @@ def register_nopad_attention() -> str:
 
 
 @contextlib.contextmanager
-def use_nopad_attention(model: transformers.PreTrainedModel, *, eval_mode: bool = False,
-                        context: str = PACKED):
+def use_nopad_attention(model: transformers.PreTrainedModel, *, eval_mode: bool = False, context: str = PACKED):
     """Switch ``model`` to nopad attention (with :func:`packed_forward_guard`) for the block, and
     with ``eval_mode`` to eval mode (the generator's steps); restore both after, also on error.
     The one way nopad switches a model's attention for a block. A model with a layer nopad does not

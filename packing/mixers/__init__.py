@@ -31,7 +31,25 @@ from nopad.packing.mixers.support import (
     unsupported,
 )
 
-__all__ = ["CONTEXTS", "GENERATE", "PACKED", "TREE", "Finding", "MixerSupport", "UnsupportedMixerError",
-           "check_calling_model", "check_model", "register_mixer_support", "scan", "unregister_mixer_support",
-           "unsupported", "varlen_causal_conv1d", "varlen_delta_rule", "RecurrencePlan", "recurrence_plan",
-           "LayerState", "StateSpec", "step_states"]
+__all__ = [
+    "CONTEXTS",
+    "GENERATE",
+    "PACKED",
+    "TREE",
+    "Finding",
+    "MixerSupport",
+    "UnsupportedMixerError",
+    "check_calling_model",
+    "check_model",
+    "register_mixer_support",
+    "scan",
+    "unregister_mixer_support",
+    "unsupported",
+    "varlen_causal_conv1d",
+    "varlen_delta_rule",
+    "RecurrencePlan",
+    "recurrence_plan",
+    "LayerState",
+    "StateSpec",
+    "step_states",
+]

@@ -24,8 +24,11 @@ def _owning_model(module: nn.Module) -> nn.Module | None:
         return owner()
     from transformers import PreTrainedModel
 
-    holders = [o for o in gc.get_objects()  # type(), not isinstance(): a dead weakref.proxy raises
-               if issubclass(type(o), PreTrainedModel) and any(m is module for m in o.modules())]
+    holders = [
+        o
+        for o in gc.get_objects()  # type(), not isinstance(): a dead weakref.proxy raises
+        if issubclass(type(o), PreTrainedModel) and any(m is module for m in o.modules())
+    ]
     if not holders:
         return None
     model = max(holders, key=lambda o: sum(1 for _ in o.modules()))
