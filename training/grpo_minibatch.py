@@ -1,11 +1,10 @@
 """The optimizer steps of one GRPO step (:func:`nopad.training.grpo_step.train_on_rollouts`): the
 rollouts cut into mini-batches (:class:`MiniBatch`: packed rows, counting masks, advantages, cached
 old / reference log-probs), one optimizer step over each (:func:`train_window`), and the metrics they
-add up (:class:`StepMetrics`)."""
+add up (:class:`StepMetrics`). ``loss`` is the step's
+:class:`~nopad.training.grpo_step.GRPOStepConfig` (not imported: grpo_step imports this module)."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,16 +21,13 @@ from nopad.training.grpo import (
 )
 from nopad.training.policy_loss import PolicyBatch, objective
 
-if TYPE_CHECKING:
-    from nopad.training.grpo_step import GRPOStepConfig
-
 
 class MiniBatch:
     """One mini-batch of the rollout batch: its padded rows, each pair's counting mask and
     advantage, and the cached per-row old / reference log-probs (computed once, reused by every
     pass), all at ``temperature``: the trained policy's (:func:`nopad.training.grpo.policy_temperature`)."""
 
-    def __init__(self, rollouts: list[Rollout], chunk: list[int], loss: GRPOStepConfig, temperature: float):
+    def __init__(self, rollouts: list[Rollout], chunk: list[int], loss, temperature: float):
         self.temperature = temperature
         rows = pack_rollouts([rollouts[i] for i in chunk], loss.max_tokens_per_batch, shared_prefix=loss.shared_prefix)
         # every rank the same number of rows (under ZeRO-3 / FSDP2 each forward is a collective), and
@@ -99,7 +95,7 @@ def train_window(
     stepper,
     b: MiniBatch,
     policy,
-    loss: GRPOStepConfig,
+    loss,
     ref_model,
     device,
     acc: StepMetrics,
@@ -142,7 +138,7 @@ def train_window(
     return window.grad_norm
 
 
-def _row_loss(model, row, r: int, b: MiniBatch, policy, loss: GRPOStepConfig, ref_model, acc: StepMetrics):
+def _row_loss(model, row, r: int, b: MiniBatch, policy, loss, ref_model, acc: StepMetrics):
     """The policy loss of one packed row and the pairs it was computed on."""
     entropy = bool(loss.policy.entropy_coef)
     with batch_invariant(loss.batch_invariant):  # the forward only; any correct backward will do
