@@ -43,14 +43,38 @@ def load_smollm2_tokenizer():
     from transformers import AutoTokenizer
 
     cache = _cache_dir()
-    if (cache / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(cache)
-    gguf = smollm2_gguf_path()
-    logger.info("reading the tokenizer from %s (once)", gguf)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+    def convert(out: Path) -> None:
+        gguf = smollm2_gguf_path()
+        logger.info("reading the tokenizer from %s (once)", gguf)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+
+    _cache_once(cache, "tokenizer_config.json", convert)
+    return AutoTokenizer.from_pretrained(cache)
+
+
+def _cache_once(cache: Path, marker: str, write) -> None:
+    """``write(dir)`` into ``cache`` unless ``marker`` is there, once across processes: under a file
+    lock (two test workers, or two ranks, starting at once would each convert, and one could read the
+    other's half-written files), into a scratch directory whose files move in with ``marker`` last."""
+    import fcntl
+    import shutil
+    import tempfile
+
+    if (cache / marker).is_file():
+        return
     cache.mkdir(parents=True, exist_ok=True)
-    tok.save_pretrained(cache)
-    return tok
+    with open(cache.parent / f".{cache.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (cache / marker).is_file():  # another process converted while this one waited
+            return
+        with tempfile.TemporaryDirectory(dir=cache.parent) as scratch:
+            write(Path(scratch))
+            files = sorted(Path(scratch).iterdir(), key=lambda f: f.name == marker)
+            for f in files:
+                if (cache / f.name).is_dir():  # a directory left by an interrupted conversion
+                    shutil.rmtree(cache / f.name)
+                shutil.move(str(f), cache / f.name)
 
 
 def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
@@ -60,15 +84,17 @@ def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = 
 
     tok = load_smollm2_tokenizer()
     cache = _cache_dir()
-    if not (cache / "config.json").is_file():
+
+    def convert(out: Path) -> None:
         gguf = smollm2_gguf_path()
         logger.info("de-quantising %s (once, ~40 s)", gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         model.config.quantization_config = None
         if hasattr(model, "hf_quantizer"):
             model.hf_quantizer = None
-        cache.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(cache)
+        model.save_pretrained(out)
+
+    _cache_once(cache, "config.json", convert)
     # always from the plain cache: a model straight from the GGUF loader stays flagged as
     # quantized, and transformers' Trainer refuses to fine-tune it
     model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, attn_implementation=attn_implementation)

@@ -141,7 +141,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=None)
     parser.add_argument("--samples", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved runs per mode (best kept)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="interleaved runs per mode, best kept (default 2; quick 1: a smoke run's speeds mean nothing)",
+    )
     parser.add_argument(
         "--workload",
         choices=["grpo", "chat"],
@@ -151,6 +156,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.model = args.model or ("tiny" if args.quick else "smollm2")
+    args.rounds = args.rounds or (1 if args.quick else 2)
     num_prompts, n, max_tokens = (2, 2, 8) if args.quick else (8, 4, 24)
     num_prompts, n, max_tokens = args.prompts or num_prompts, args.samples or n, args.new_tokens or max_tokens
     params = SamplingParams(temperature=1.0, n=n, max_tokens=max_tokens, seed=0, ignore_eos=True)

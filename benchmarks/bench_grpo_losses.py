@@ -35,7 +35,8 @@ CPU seconds per optimizer step (one torch thread by default, so it is the work d
 runs on a shared machine) and wall seconds; log-prob forward passes per optimizer step, and those
 of them without gradients (old log-probs; nopad: packed rows, TRL: calls of its scoring forward over
 one micro-batch); the peak resident memory of the process (each system and loss runs in a fresh
-subprocess); the mean completion length and, for the tool task, tool calls per episode. The
+subprocess; ``--quick``: one for all, in turn, so its peak MB accumulate); the mean completion
+length and, for the tool task, tool calls per episode. The
 speed-up is TRL's CPU seconds over nopad's (and the same for wall seconds). Also the cost of a
 nopad GRPO checkpoint (policy or LoRA adapter, optimizer, RNG, progress): seconds per save and
 size on disk (full weights from the first loss's nopad run; LoRA with ``--quick`` and
@@ -168,7 +169,11 @@ def run_nopad(spec: dict) -> dict:
     checkpoint.save_training_checkpoint = timed_save
     grpo_step.grpo_step, grpo_step.packed_logprobs = timed_step, counted_score
     grpo_minibatch.packed_logprobs = counted_score  # the training forwards and the reference's
-    history = recipe.run_grpo(cfg, model=model, tokenizer=tok, progress=False)
+    try:
+        history = recipe.run_grpo(cfg, model=model, tokenizer=tok, progress=False)
+    finally:  # a --quick child runs the next spec in the same process
+        checkpoint.save_training_checkpoint, grpo_step.grpo_step, grpo_step.packed_logprobs = write, step, score
+        grpo_minibatch.packed_logprobs = score
     timed, steps = history[-1], history[-1]["optimizer_steps"]
     result = {
         "cpu_s": clock.cpu[-1] / steps,
@@ -341,25 +346,34 @@ def prompt_tokens(task: str) -> tuple[float, float]:
     return sum(nopad) / len(nopad), sum(trl) / len(trl)
 
 
-def child(spec: dict) -> None:
+def child(specs: list[dict]) -> None:
     import torch
 
-    torch.set_num_threads(spec["threads"])
-    run = {"nopad": run_nopad, "unfused": run_nopad, "TRL": run_trl, "adamw": run_adamw}[spec["system"]]
-    result = run(spec)
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print("RESULT " + json.dumps(result), flush=True)
+    for spec in specs:
+        torch.set_num_threads(spec["threads"])
+        run = {"nopad": run_nopad, "unfused": run_nopad, "TRL": run_trl, "adamw": run_adamw}[spec["system"]]
+        result = run(spec)
+        result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print("RESULT " + json.dumps(result), flush=True)
 
 
-def measure(spec: dict, timeout: float) -> dict:
+MEASURED: dict[str, dict] = {}  # --quick: results of one child that ran every spec in turn
+
+
+def measure(spec: dict, timeout: float, *more: dict) -> dict:
+    """``spec``'s result, from a fresh child process (``more``: specs that child runs after it,
+    results kept in MEASURED for their own ``measure`` call)."""
     from tests.support.launch import run_in_group
 
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
+    if json.dumps(spec, sort_keys=True) in MEASURED:
+        return MEASURED.pop(json.dumps(spec, sort_keys=True))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps([spec, *more])]
     code, out, err = run_in_group(cmd, timeout, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
-    found = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    if code != 0 or not found:
+    found = [json.loads(line[len("RESULT ") :]) for line in out.splitlines() if line.startswith("RESULT ")]
+    if code != 0 or len(found) != 1 + len(more):
         raise RuntimeError(f"{spec['system']} / {spec['loss']} failed ({code}):\n{(out + err)[-3000:]}")
-    return json.loads(found[-1][len("RESULT ") :])
+    MEASURED.update((json.dumps(s, sort_keys=True), r) for s, r in zip(more, found[1:]))
+    return found[0]
 
 
 def print_rows(loss: str, rows: dict) -> None:
@@ -433,6 +447,18 @@ def main() -> None:
         print(
             f"{'loss':<8} {'system':<7} {'CPU s/opt':>9} {'wall s/opt':>9} {'fwd/opt':>9} {'old fwd':>9} "
             f"{'peak MB':>9} {'mean len':>8} {'calls':>6} {'speed-up CPU/wall':>16}"
+        )
+    if args.quick and losses == ["dapo"] and systems == ["nopad", "TRL"]:
+        # one child runs the four in turn (imports were most of a smoke run; its peak MB then
+        # accumulate); each measure below takes its result
+        quick = {**base, "loss": "dapo", "system": "nopad"}
+        first = {**quick, "checkpoint": True}
+        MEASURED[json.dumps(first, sort_keys=True)] = measure(
+            first,
+            timeout,
+            {**quick, "system": "TRL"},
+            {**quick, "system": "adamw"},
+            {**quick, "lora": True, "checkpoint": True},
         )
     # a nopad run's checkpoint: its full-weight save (the first loss's run, or its own run)
     full_weights = None

@@ -6,7 +6,9 @@ lengths (rank 0: 8 new tokens per prompt, rank 1: 8 x longer): peak memory per r
   - HF ``generate(synced_gpus=True)``  (transformers' lockstep, the peer), static left-padded batch
 
 each measured in its own 2-process launch (RSS never shrinks back, so regimes cannot share a
-process). Peak memory is the rank's resident set sampled every millisecond during the rollout,
+process); ``--quick`` runs the three in turn in one launch, whose start-up (torchrun, DeepSpeed's
+imports and process group) is most of a smoke run's time: its memory columns are then not comparable.
+Peak memory is the rank's resident set sampled every millisecond during the rollout,
 minus the resident set just before it: what the rollout regime itself costs. Greedy, ignore_eos:
 every system makes the same tokens.
 
@@ -81,7 +83,18 @@ class LiveParams:
             h.remove()
 
 
-def worker(regime: str, quick: bool, out_dir: str) -> None:
+def worker(regimes: list[str], quick: bool, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    for regime in regimes:
+        run_regime(regime, quick, out_dir)
+    dist.destroy_process_group()
+
+
+def run_regime(regime: str, quick: bool, out_dir: str) -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -90,8 +103,6 @@ def worker(regime: str, quick: bool, out_dir: str) -> None:
     from nopad.inference import Generator, SamplingParams
     from nopad.inference.sharded import sharded_generate
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     hidden, layers = (128, 2) if quick else (768, 8)
     config = transformers.LlamaConfig(
@@ -176,10 +187,9 @@ def worker(regime: str, quick: bool, out_dir: str) -> None:
         "tokens": tokens,
     }
     Path(out_dir, f"{regime}_rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
 
 
-def launch(regime: str, quick: bool, out_dir: str) -> list[dict]:
+def launch(regimes: list[str], quick: bool, out_dir: str) -> dict[str, list[dict]]:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -201,7 +211,7 @@ def launch(regime: str, quick: bool, out_dir: str) -> list[dict]:
         "2",
         __file__,
         "--worker",
-        regime,
+        ",".join(regimes),
         "--out",
         out_dir,
     ] + (["--quick"] if quick else [])
@@ -209,21 +219,28 @@ def launch(regime: str, quick: bool, out_dir: str) -> list[dict]:
     if proc.returncode:
         # a rank's traceback comes before torchrun's failure report: keep enough of the tail for both
         raise RuntimeError(
-            f"the {regime} launch failed (exit {proc.returncode}); the end of its stderr:\n{proc.stderr[-6000:]}"
+            f"the {'/'.join(regimes)} launch failed (exit {proc.returncode}); the end of its "
+            f"stderr:\n{proc.stderr[-6000:]}"
         )
-    return [json.loads(Path(out_dir, f"{regime}_rank{r}.json").read_text()) for r in range(2)]
+    return {
+        regime: [json.loads(Path(out_dir, f"{regime}_rank{r}.json").read_text()) for r in range(2)]
+        for regime in regimes
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--worker", choices=REGIMES)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # comma-separated regimes, run in turn
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.quick, args.out)
+        return worker(args.worker.split(","), args.quick, args.out)
     with tempfile.TemporaryDirectory() as out:
-        runs = {regime: launch(regime, args.quick, out) for regime in REGIMES}
+        if args.quick:
+            runs = launch(list(REGIMES), args.quick, out)
+        else:
+            runs = {regime: launch([regime], args.quick, out)[regime] for regime in REGIMES}
     params = runs["gather"][0]["num_params"]
     print(
         f"ZeRO-3, 2 CPU ranks (gloo), Llama {params / 1e6:.1f} M parameters "

@@ -230,6 +230,7 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     show = progress and accelerator.is_main_process
     bar = tqdm(range(run.step, tr.steps), desc="grpo", disable=not show)
     rollouts = StepRollouts(cfg, generator, examples, prompt_ids, order, rank, world, episodes, progress)
+    save.resume_stream(rollouts.stream)
     curves = CURVES + (STREAMING_CURVES if rollouts.stream is not None else ())
     with use_nopad_attention(policy):  # packed training rows; the generator switches to paged itself
         for step in bar:

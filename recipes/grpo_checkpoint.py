@@ -14,6 +14,7 @@ from nopad.recipes.models import save_model_dir
 from nopad.training.progress import Progress
 
 logger = logging.getLogger(__name__)
+STREAM_FILE = "streaming_rank{rank}.pt"  # streaming rollouts in flight, one file per rank
 
 
 class GRPOProgress(Progress):
@@ -52,7 +53,7 @@ def resume_settings(cfg: GRPORecipeConfig) -> dict:
     keys = {f"loss.{k}": v for k, v in cfg.loss.to_dict().items()}
     for k in ("lr", "weight_decay", "num_iterations", "steps_per_generation", "old_logprobs", "seed"):
         keys[f"train.{k}"] = getattr(cfg.train, k)
-    for k in ("prompts_per_step", "num_generations", "seed", "logprobs"):  # logprobs: the trained policy
+    for k in ("prompts_per_step", "num_generations", "seed", "logprobs", "mode", "max_staleness", "stale_kv"):
         keys[f"rollout.{k}"] = getattr(cfg.rollout, k)
     return keys
 
@@ -79,6 +80,8 @@ class Checkpointer:
         from nopad.training.lora import is_peft_model, keep_resume_state_to_adapter
 
         self.cfg, self.accelerator, self.model, self.tokenizer = cfg, accelerator, model, tokenizer
+        self.stream = None  # streaming rollouts: their in-flight state is saved per rank beside the policy
+        self.resumed: Path | None = None  # the checkpoint start() resumed from
         self.save_kwargs, self.load_kwargs = {}, {}
         if is_peft_model(accelerator.unwrap_model(model)):  # resume state: the adapter, not a base copy
             self.save_kwargs, self.load_kwargs = keep_resume_state_to_adapter(accelerator)
@@ -88,6 +91,10 @@ class Checkpointer:
 
         def save_model(d: Path) -> None:
             save_model_dir(self.accelerator, self.model, self.tokenizer, d)
+            if self.stream is not None:  # every rank its own groups
+                import torch
+
+                torch.save(self.stream.state_dict(), d / STREAM_FILE.format(rank=self.accelerator.process_index))
 
         checkpoint.save_training_checkpoint(
             self.accelerator,
@@ -101,21 +108,38 @@ class Checkpointer:
     def start(self, run: GRPOProgress) -> Path | None:
         """``output_dir`` (None without one), locked against a second run into it, and ``run`` at
         the resumed step with ``checkpoint.resume_from``."""
-        from nopad.training import checkpoint, run_dir
+        from nopad.training import checkpoint
 
         cfg, accelerator = self.cfg, self.accelerator
         out = Path(cfg.output_dir) if cfg.output_dir else None
         if out is not None:  # lock: two runs at once into one directory stop with the other's pid
             refuse_stale_policy(cfg)
-            run_dir.claim_run_dir(out, accelerator, resuming=bool(cfg.checkpoint.resume_from))
+            checkpoint.claim_run_dir(out, accelerator, resuming=bool(cfg.checkpoint.resume_from))
         if cfg.checkpoint.resume_from:
-            path = checkpoint.resume_training(
+            path = self.resumed = checkpoint.resume_training(
                 accelerator, cfg.checkpoint.resume_from, out, self.load_kwargs, recipe="grpo"
             )
             if accelerator.is_main_process:
                 checkpoint.trim_metrics(out, run.step)  # GRPO logs steps 0, 1, ...
             logger.info("resumed from %s at grpo step %d", path, run.step)
         return out
+
+    def resume_stream(self, stream) -> None:
+        """Give streaming rollouts what the resumed checkpoint saved of them (this rank's groups)."""
+        import torch
+
+        self.stream = stream
+        if self.resumed is None or stream is None:
+            return
+        path = self.resumed / STREAM_FILE.format(rank=self.accelerator.process_index)
+        if not path.is_file():
+            raise ConfigError(
+                "rollout.mode",
+                f"is streaming but {self.resumed} holds no {path.name}: it was "
+                "written by a rollout.mode=sync run (or another number of ranks); resume it with "
+                "rollout.mode=sync",
+            )
+        stream.load_state_dict(torch.load(path, weights_only=False))
 
     def finish(self, step: int, saved_at: int | None) -> None:
         """The trained policy: the last checkpoint with ``checkpoint.every`` (then ``model.path=

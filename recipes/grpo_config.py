@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from nopad.recipes.config import (
@@ -218,30 +217,11 @@ class GRPORecipeConfig(Section):
                 "would make which groups form a step depend on the wall clock); use "
                 "rollout.mode=sync for this task",
             )
-        if self.checkpoint.resume_from is not None:
+        if self.generator.sharded_rollout == "lockstep":
             raise ConfigError(
                 "rollout.mode",
-                "streaming does not save its in-flight rollouts yet, so a resumed "
-                "run would not continue the one that was stopped; resume with rollout.mode=sync, "
-                "or start fresh without checkpoint.resume_from",
+                "streaming gathers sharded weights once per step for its rollouts "
+                "(generator.sharded_rollout=gather); lockstep rollouts would make each rank's "
+                "decode steps wait for the others'. Use generator.sharded_rollout=gather, or "
+                "rollout.mode=sync",
             )
-        if zero3_config(self.accelerate.deepspeed_config):
-            raise ConfigError(
-                "rollout.mode",
-                f"streaming does not run on ZeRO-3 sharded weights yet "
-                f"({self.accelerate.deepspeed_config}): its rollouts gather the weights per "
-                "step; use rollout.mode=sync, or DDP / ZeRO-1/2",
-            )
-
-
-def zero3_config(path: str | None) -> bool:
-    """Whether the DeepSpeed JSON at ``path`` shards the parameters (ZeRO stage 3)."""
-    if path is None:
-        return False
-    import json
-
-    try:
-        stage = json.loads(Path(path).read_text()).get("zero_optimization", {}).get("stage", 0)
-    except (OSError, ValueError):
-        return False  # the accelerator reports an unreadable config where it loads it
-    return stage == 3

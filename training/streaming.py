@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nopad.inference.generator import Generator
+from nopad.inference.in_flight import restore_requests, save_requests
 from nopad.inference.outputs import RequestOutput
 from nopad.inference.sampling_params import SamplingParams
 from nopad.inference.weight_updates import STALE_KV
@@ -155,6 +156,35 @@ class StreamingRollouts:
         self._in_flight.clear()
         self.generator.release()
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the stream (picklable): the groups in flight (their tokens,
+        log-probs and versions so far), the finished ones not yet trained, the counters and the
+        policy version. With ``stale_kv=recompute`` a run resumed from it continues bitwise."""
+        return {
+            "next": self._next,
+            "steps": self._steps,
+            "stats": self.snapshot(),
+            "ready": list(self._ready),
+            "in_flight": dict(self._in_flight),
+            "policy_version": self.policy_version,
+            "requests": save_requests(self.generator, list(self._in_flight)),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict` on a fresh generator: every sequence in flight re-prefills
+        its prompt and tokens with the current weights before its next token."""
+        if self.stale_kv == "keep" and state["in_flight"]:
+            logger.warning(
+                "resuming %d streaming groups in flight: their KV cache is recomputed with the "
+                "resumed weights (stale_kv=keep kept the older weights' KV; with "
+                "stale_kv=recompute a resumed run equals the uninterrupted one exactly)",
+                len(state["in_flight"]),
+            )
+        restore_requests(self.generator, state["requests"])
+        self.generator.versions.version = state["policy_version"]
+        self._next, self._steps, self.stats = state["next"], state["steps"], state["stats"]
+        self._ready, self._in_flight = list(state["ready"]), dict(state["in_flight"])
+
     def metrics(self, window: StreamStats | None = None) -> dict:
         """Occupancy, drops and staleness since construction (or since ``window``, a copy taken earlier)."""
         s, w = self.stats, window or StreamStats()
@@ -260,15 +290,19 @@ def streaming_step(
     """One streaming GRPO step: the next groups from ``stream`` (``group_examples(i)``: the example and
     prompt ids of group ``i``), scored and trained as the synchronous step does
     (:func:`nopad.training.grpo_step.score_and_train`, each token's own recorded behaviour log-prob as
-    its old log-prob), then the generator is told the weights changed. Every rank calls it each step."""
+    its old log-prob), then the generator is told the weights changed. Every rank calls it each step.
+    Under ZeRO-3 / FSDP2 the step's generator steps run on the full weights, gathered once for them
+    (:func:`nopad.inference.sharded.gathered_weights`, a collective every rank joins once a step), so
+    each rank decodes its own groups with no collective per forward."""
     import time
 
+    from nopad.inference.sharded import gathered_weights
     from nopad.packing.invariance import batch_invariant
     from nopad.training.grpo import Rollout
     from nopad.training.grpo_step import score_and_train
 
     window, t0 = stream.snapshot(), time.perf_counter()
-    with batch_invariant(loss.batch_invariant):  # the rollout's log-probs are then the trainer's, bitwise
+    with gathered_weights(stepper.model), batch_invariant(loss.batch_invariant):  # (bitwise the trainer's)
         groups = stream.next_groups()
     rollout_time = time.perf_counter() - t0
     examples, samples = [], []

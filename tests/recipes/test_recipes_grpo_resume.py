@@ -269,3 +269,23 @@ def test_resuming_from_the_other_recipes_checkpoint_says_which_recipe_wrote_it(t
             )
         )
     _reset_accelerate()
+
+
+STREAMING = ["rollout.mode=streaming", "rollout.max_staleness=4", "rollout.stale_kv=recompute"]
+
+
+def test_streaming_killed_and_resumed_equals_the_uninterrupted_run_bitwise(tmp_path):
+    """Streaming rollouts (``stale_kv=recompute``): the checkpoint keeps the groups in flight (their
+    tokens, log-probs and policy versions) and the finished ones not yet trained; killed after step 2's
+    optimizer steps and resumed, the run re-prefills them with the resumed weights and ends with the
+    same metrics and bitwise the same parameters as a run never killed."""
+    uninterrupted = tmp_path / "uninterrupted"
+    assert grpo(uninterrupted, *STREAMING) == 0
+    state = torch.load(uninterrupted / "step_2" / "streaming_rank0.pt", weights_only=False)
+    assert state["in_flight"], "no group was in flight at the checkpoint: the test would prove nothing"
+    assert state["policy_version"] == 4  # two GRPO steps of two optimizer steps each
+    killed = tmp_path / "killed"
+    assert grpo(killed, *STREAMING, kill_at="step:2") == -signal.SIGKILL
+    assert grpo(killed, *STREAMING, "checkpoint.resume_from=latest") == 0
+    assert_same_run(killed, uninterrupted)
+    assert any(m["staleness_max"] > 0 for m in metrics(uninterrupted))  # it really streamed

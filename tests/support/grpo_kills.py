@@ -22,6 +22,7 @@ from pathlib import Path
 
 import nopad.recipes.grpo_checkpoint
 import nopad.training.grpo_step
+import nopad.training.streaming
 from nopad.recipes import grpo
 
 POINTS = ("rollout", "step", "checkpoint")
@@ -42,16 +43,17 @@ def kill_at(where: str, step: int) -> None:
             return train_on_rollouts(*args, **kwargs)
 
         nopad.training.grpo_step.train_on_rollouts = rollout_then_die
-    elif where == "step":  # the recipe imports grpo_step when a step runs (StepRollouts), so it gets this one
-        grpo_step = nopad.training.grpo_step.grpo_step
+    elif where == "step":  # the recipe imports its step function when a step runs, so it gets these
+        for module, name in ((nopad.training.grpo_step, "grpo_step"), (nopad.training.streaming, "streaming_step")):
+            run_step = getattr(module, name)
 
-        def step_then_die(*args, **kwargs):
-            metrics = grpo_step(*args, **kwargs)
-            if kwargs.get("step") == step:
-                die()
-            return metrics
+            def step_then_die(*args, _run_step=run_step, **kwargs):
+                metrics = _run_step(*args, **kwargs)
+                if kwargs.get("step") == step:
+                    die()
+                return metrics
 
-        nopad.training.grpo_step.grpo_step = step_then_die
+            setattr(module, name, step_then_die)
     else:  # the Checkpointer writes the model files after Accelerate's training state
         save_model_dir = nopad.recipes.grpo_checkpoint.save_model_dir
 

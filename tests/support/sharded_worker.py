@@ -56,7 +56,7 @@ def main(modes: str, out_dir: str) -> None:
     for mode in modes.split(","):
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
-        (run_streaming if mode == "ddp_streaming" else run)(mode, out_dir)
+        (run_streaming if mode.endswith("_streaming") else run)(mode, out_dir)
     dist.destroy_process_group()
 
 
@@ -166,13 +166,16 @@ def run(mode: str, out_dir: str) -> None:
 
 
 def run_streaming(mode: str, out_dir: str) -> None:
-    """Streaming GRPO under DDP: each rank streams its own groups, rank 1's 12 times longer than rank
-    0's; the optimizer step stays collective, so both ranks take the same steps on one model."""
+    """Streaming GRPO under DDP or ZeRO-3: each rank streams its own groups, rank 1's 12 times longer
+    than rank 0's; the optimizer step stays collective (ZeRO-3: the weights gathered once a step for
+    the rollouts), so both ranks take the same steps on one model, and neither hangs."""
     from nopad.training.streaming import StreamingRollouts, streaming_step
 
     rank = int(os.environ["RANK"])
     model = tiny_model("llama")
-    accelerator = make_accelerator(None, max_grad_norm=MAX_GRAD_NORM, recipe="tests.support.sharded_worker")
+    engine_kind = mode.removesuffix("_streaming")
+    ds_config = os.path.join(ROOT, "recipes/configs/deepspeed_zero3.json") if engine_kind == "zero3" else None
+    accelerator = make_accelerator(ds_config, max_grad_norm=MAX_GRAD_NORM, recipe="tests.support.sharded_worker")
     engine, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
     policy = accelerator.unwrap_model(engine)
     generator = Generator(policy, block_size=16, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=256)
@@ -194,7 +197,7 @@ def run_streaming(mode: str, out_dir: str) -> None:
     stream.close()
     torch.save(
         {
-            "weights": full_weights(engine, "ddp"),
+            "weights": full_weights(engine, engine_kind),
             "optimizer_steps": stepper.optimizer_steps,
             "history": history,
             "policy_version": generator.policy_version,

@@ -42,7 +42,7 @@ def _run_two_ranks(args: list[str], what: str, timeout: float = TIMEOUT_S) -> No
 def grpo_runs(tmp_path_factory):
     """One launch runs the four engines in turn: a launch's start-up is most of its time."""
     out = tmp_path_factory.mktemp("grpo")
-    modes = ("fsdp2", "ddp", "zero2", "zero3", "ddp_streaming")
+    modes = ("fsdp2", "ddp", "zero2", "zero3", "ddp_streaming", "zero3_streaming")
     _run_two_ranks(
         ["-m", "tests.support.sharded_worker", ",".join(modes), str(out)],
         f"GRPO under {', '.join(modes)}",
@@ -76,10 +76,12 @@ def test_grpo_sharded_matches_ddp_with_one_optimizer_step_per_grpo_step(grpo_run
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # the fixture's 600 s launch
-def test_streaming_under_ddp_steps_together_when_one_ranks_groups_are_much_longer(grpo_runs):
+@pytest.mark.parametrize("mode", ["ddp", "zero3"])
+def test_streaming_steps_together_when_one_ranks_groups_are_much_longer(grpo_runs, mode):
     """Each rank streams its own groups (rank 1's completions 12 times longer); every optimizer step
-    is collective, so both ranks end with the same step count and one model, and none hangs."""
-    ranks = grpo_runs["ddp_streaming"]
+    is collective (ZeRO-3: the weights gathered once a step for the rollouts), so both ranks end with
+    the same step count and one model, and none hangs; ZeRO-3's model is DDP's."""
+    ranks = grpo_runs[f"{mode}_streaming"]
     initial = {k: p.detach() for k, p in tiny_model("llama").named_parameters()}
     for r in ranks:
         assert r["optimizer_steps"] == r["policy_version"] == 4
@@ -87,6 +89,10 @@ def test_streaming_under_ddp_steps_together_when_one_ranks_groups_are_much_longe
     assert max(float((ranks[0]["weights"][k] - initial[k]).abs().max()) for k in initial) > 1e-3
     tokens = [sum(h["completion_tokens"] for h in r["history"]) for r in ranks]
     assert tokens[1] >= 6 * tokens[0] > 0
+    if mode == "zero3":
+        ddp = grpo_runs["ddp_streaming"][0]["weights"]
+        for k in initial:
+            torch.testing.assert_close(ranks[0]["weights"][k], ddp[k], atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.slow
