@@ -48,8 +48,6 @@ def pack_dataset(
     ``(dataset, bins)`` where ``bins.indices`` are row numbers of ``ds``.
     """
     import datasets
-    from datasets.fingerprint import Hasher
-    from datasets.table import InMemoryTable
 
     if isinstance(ds, datasets.DatasetDict):
         kwargs = dict(
@@ -86,32 +84,10 @@ def pack_dataset(
         skip_empty=skip_empty,
     )
 
-    row_tokens = np.zeros(len(bins) + 1, dtype=np.int64)
-    np.cumsum(bins.bin_tokens, out=row_tokens[1:])
-    arrays = {name: _packed_column(table.column(name), bins, row_tokens) for name in token_columns}
-    arrays["seq_lengths"] = pa.ListArray.from_arrays(
-        bins.offsets.astype(np.int32), pa.array(bins.lengths.astype(np.int32))
+    fingerprint = _fingerprint(
+        ds, capacity, strategy, seed, overflow, max_seqs_per_bin, skip_empty, token_columns, position_ids
     )
-    if position_ids:
-        arrays["position_ids"] = pa.ListArray.from_arrays(row_tokens.astype(np.int32), _positions(bins))
-    # An explicit fingerprint: otherwise datasets hashes every packed token to make one.
-    fingerprint = Hasher.hash(
-        (
-            ds._fingerprint,
-            "nopad.pack_dataset",
-            capacity,
-            strategy,
-            seed,
-            overflow,
-            max_seqs_per_bin,
-            skip_empty,
-            token_columns,
-            position_ids,
-        )
-    )
-    packed = datasets.Dataset(InMemoryTable(pa.Table.from_pydict(arrays)), fingerprint=fingerprint)
-    if ds.format["type"] is not None:
-        packed = packed.with_format(ds.format["type"])
+    packed = _packed_dataset(ds, table, token_columns, bins, position_ids, fingerprint)
     logger.info(
         "packed %d rows into %d rows of %d tokens: %s",
         len(ds),
@@ -120,6 +96,35 @@ def pack_dataset(
         f"efficiency {bins.stats.efficiency:.2%}",
     )
     return (packed, bins) if return_bins else packed
+
+
+def _fingerprint(ds, *options) -> str:
+    """The packed dataset's fingerprint, from ``ds``'s and the packing options. Given explicitly:
+    otherwise datasets hashes every packed token to make one."""
+    from datasets.fingerprint import Hasher
+
+    return Hasher.hash((ds._fingerprint, "nopad.pack_dataset", *options))
+
+
+def _packed_dataset(ds, table: pa.Table, token_columns: list[str], bins: Bins, position_ids: bool, fingerprint: str):
+    """The packed rows as a ``datasets.Dataset`` in ``ds``'s format: every token column re-cut
+    into one list per bin, ``seq_lengths`` and (if asked) ``position_ids``. The Arrow assembly, on
+    its own so that :func:`pack_dataset` reads as checks, bin choice, result."""
+    import datasets
+    from datasets.table import InMemoryTable
+
+    row_tokens = np.zeros(len(bins) + 1, dtype=np.int64)
+    np.cumsum(bins.bin_tokens, out=row_tokens[1:])
+    arrays = {name: _packed_column(table.column(name), bins, row_tokens) for name in token_columns}
+    arrays["seq_lengths"] = pa.ListArray.from_arrays(
+        bins.offsets.astype(np.int32), pa.array(bins.lengths.astype(np.int32))
+    )
+    if position_ids:
+        arrays["position_ids"] = pa.ListArray.from_arrays(row_tokens.astype(np.int32), _positions(bins))
+    packed = datasets.Dataset(InMemoryTable(pa.Table.from_pydict(arrays)), fingerprint=fingerprint)
+    if ds.format["type"] is not None:
+        packed = packed.with_format(ds.format["type"])
+    return packed
 
 
 # A concatenated all-ones mask over a packed row tells transformers "one sequence": its SDPA/eager
