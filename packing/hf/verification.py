@@ -223,6 +223,22 @@ def _sequences(model, sequences, tree: bool, attn_implementation: str) -> list[t
     return [s.to(device) for s in seqs]
 
 
+def _alone(model, seqs, reference: str, total_predicted: int) -> tuple[list[torch.Tensor], float, dict]:
+    """The reference side of :func:`verify`: each sequence in a row of its own with the
+    ``reference`` attention, forward and backward (from zeroed grads, the loss over the packed
+    run's denominator). Returns its logits, the summed loss and the parameters' grads."""
+    model.zero_grad(set_to_none=True)
+    with _attn_implementation(model, reference):
+        alone_logits, alone_loss = [], 0.0
+        for s in seqs:
+            logits = model(s[None], use_cache=False).logits[0]
+            loss = _token_loss_sum(logits, s) / total_predicted
+            loss.backward()
+            alone_logits.append(logits.detach())
+            alone_loss += float(loss.detach())
+    return alone_logits, alone_loss, _grads(model)
+
+
 def _compute_dtype(model, device: torch.device) -> torch.dtype:
     """The dtype the check computes in: autocast's when it is on, else the weights' (the first
     floating-point parameter's, the embedding's in an HF model)."""
@@ -263,16 +279,7 @@ def verify(
     saved = {n: p.grad for n, p in model.named_parameters()}
     model.eval()
     try:
-        model.zero_grad(set_to_none=True)
-        with _attn_implementation(model, reference):
-            alone_logits, alone_loss = [], 0.0
-            for s in seqs:
-                logits = model(s[None], use_cache=False).logits[0]
-                loss = _token_loss_sum(logits, s) / total_predicted
-                loss.backward()
-                alone_logits.append(logits.detach())
-                alone_loss += float(loss.detach())
-        alone_grads = _grads(model)
+        alone_logits, alone_loss, alone_grads = _alone(model, seqs, reference, total_predicted)
 
         model.zero_grad(set_to_none=True)
         trace: list = []
