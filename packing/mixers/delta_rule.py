@@ -70,13 +70,7 @@ def varlen_delta_rule(
     rule token by token (same call, no ``chunk_size``), which :func:`nopad.packing.batch_invariant`
     runs instead. Returns the output ``(1, T, HV, V)`` and, with ``output_final_state``, each
     sequence's final state."""
-    if query.shape[0] != 1 or query.shape[1] != meta.total_q:
-        raise ValueError(
-            f"a varlen row is (1, {meta.total_q}, ...); got query of shape "
-            f"{tuple(query.shape)}. nopad rows run with use_cache=False"
-        )
-    if initial_state is not None and meta.key_rows is not None:
-        raise ValueError("initial_state applies to packed rows; a prefix-tree segment starts from its parent")
+    _check_row(query, meta, initial_state)
     stepwise = None
     if invariance.is_enabled():
         reference, chunk_size = _invariant_rule(recurrent, query), None
@@ -98,13 +92,7 @@ def varlen_delta_rule(
             **common,
         )
     flat = plan.is_flat and all(p >= 0 for p in plan.last_piece)  # no empty sequence either
-    own = (
-        fla is None
-        and chunk_size is not None
-        and fla_kernel == "chunk_gated_delta_rule"
-        and g.dim() == 3
-        and chunked_delta_rule.matches(reference)
-    )
+    own = _runs_own(fla, chunk_size, fla_kernel, g, reference)
     states: dict[int, torch.Tensor] = {}
     parts, part_rows, flat_finals, flat_seqs = [], [], [], []
     for wave in plan.waves:
@@ -133,6 +121,31 @@ def varlen_delta_rule(
         return out, _in_row_order(flat_finals, flat_seqs, query.device)
     finals = [states[p] if p >= 0 else _initial(initial_state, i, value, key) for i, p in enumerate(plan.last_piece)]
     return out, torch.stack(finals)
+
+
+def _check_row(query: torch.Tensor, meta: VarlenMeta, initial_state: torch.Tensor | None) -> None:
+    """The call errors :func:`varlen_delta_rule` names before any work: a query that is not the
+    one row ``meta`` describes (a KV-cache call), or a start state on a prefix-tree row."""
+    if query.shape[0] != 1 or query.shape[1] != meta.total_q:
+        raise ValueError(
+            f"a varlen row is (1, {meta.total_q}, ...); got query of shape "
+            f"{tuple(query.shape)}. nopad rows run with use_cache=False"
+        )
+    if initial_state is not None and meta.key_rows is not None:
+        raise ValueError("initial_state applies to packed rows; a prefix-tree segment starts from its parent")
+
+
+def _runs_own(fla: Callable | None, chunk_size: int | None, fla_kernel: str | None, g, reference: Callable) -> bool:
+    """Whether nopad's own chunked kernel (:mod:`nopad.packing.mixers.chunked_delta_rule`) runs the
+    groups: no fla, a chunked rule, the gated delta rule with one gate per head, and a
+    ``reference`` it reproduces."""
+    return (
+        fla is None
+        and chunk_size is not None
+        and fla_kernel == "chunk_gated_delta_rule"
+        and g.dim() == 3
+        and chunked_delta_rule.matches(reference)
+    )
 
 
 def _wave_groups(plan, wave, chunk_size: int, stepwise: Callable | None, own: bool) -> list[list[int]]:
