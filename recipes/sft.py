@@ -25,6 +25,7 @@ same loop in-process (the demo uses it). DeepSpeed's fixed micro-batch size is o
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 
 from nopad.recipes.cli import raised_on_purpose, run_recipe
@@ -130,6 +131,53 @@ def claim_and_resume(accelerator, ccfg, progress, loader, load_kwargs: dict) -> 
     return output_dir
 
 
+def save_checkpoint(accelerator, model, tokenizer, ccfg, save_kwargs: dict, path: Path) -> None:
+    """Checkpoint ``path``: the model directory (or LoRA adapter) with the resume state in it,
+    ``checkpoint.keep_last`` applied. Here rather than a closure in :func:`train`, which binds it
+    with ``functools.partial``, to keep that function readable in one screen."""
+    from nopad.training import checkpoint
+
+    checkpoint.save_training_checkpoint(
+        accelerator,
+        path,
+        lambda d: save_model_dir(accelerator, model, tokenizer, d),
+        ccfg.keep_last,
+        save_kwargs,
+        recipe="sft",
+    )
+
+
+def start_progress(accelerator, tcfg, dcfg, loader, step: int, max_steps: int):
+    """Say what the loop is about to do from optimizer step ``step``: a warning when it has nothing
+    left, the micro-batch progress bar (returned; None unless ``train.progress``, and on the local
+    main process only) and a log line of the steps ahead. Kept out of :func:`train`'s loop."""
+    from nopad.training import sft as sft_loop
+    from nopad.training import sft_data
+
+    gas = tcfg.grad_accum
+    if step >= max_steps:
+        logger.warning(
+            "nothing to train: the run is already at optimizer step %d of %d (train.max_steps / "
+            "train.epochs); raise them to train further",
+            step,
+            max_steps,
+        )
+    bar = sft_loop.progress_bar(
+        tcfg.progress and accelerator.is_local_main_process,
+        max_steps,
+        step,
+        gas,
+        micro_batches=lambda n: sft_data.micro_batches(loader, gas, n, dcfg.streaming),
+    )
+    logger.info(
+        "training %d optimizer step(s) of %d micro-batch(es) each (an epoch's last: what is left); "
+        "the progress bar counts micro-batches (the first one is the slowest)",
+        max(max_steps - step, 0),
+        gas,
+    )
+    return bar
+
+
 def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accelerator=None) -> dict:
     """Run SFT as configured; returns ``{"losses": [...], "steps": n, "stats": [...], ...}``.
 
@@ -139,8 +187,8 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     """
     import torch  # (imported here, not at the top, so that --help answers without torch)
 
-    from nopad.training import checkpoint, sft_data
     from nopad.training import sft as sft_loop
+    from nopad.training import sft_data
     from nopad.training.accelerator import engine_info
     from nopad.training.curves import tracker_config
 
@@ -163,41 +211,12 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     for obj in (progress, loader, scheduler):  # progress first: it names train.grad_accum on a mismatch
         accelerator.register_for_checkpointing(obj)
     output_dir = claim_and_resume(accelerator, ccfg, progress, loader, load_kwargs)
-
-    def save(path: Path) -> None:
-        checkpoint.save_training_checkpoint(
-            accelerator,
-            path,
-            lambda d: save_model_dir(accelerator, model, tokenizer, d),
-            ccfg.keep_last,
-            save_kwargs,
-            recipe="sft",
-        )
-
+    save = partial(save_checkpoint, accelerator, model, tokenizer, ccfg, save_kwargs)
     max_steps = tcfg.max_steps or steps
-    if progress.step >= max_steps:
-        logger.warning(
-            "nothing to train: the run is already at optimizer step %d of %d (train.max_steps / "
-            "train.epochs); raise them to train further",
-            progress.step,
-            max_steps,
-        )
+    bar = start_progress(accelerator, tcfg, dcfg, loader, progress.step, max_steps)
+    tick = None if bar is None else lambda: bar.update(1)
     losses, stats, seen = [], [], [] if cfg.log.record_indices else None
     saved_at = None
-    bar = sft_loop.progress_bar(
-        tcfg.progress and accelerator.is_local_main_process,
-        max_steps,
-        progress.step,
-        gas,
-        micro_batches=lambda n: sft_data.micro_batches(loader, gas, n, dcfg.streaming),
-    )
-    tick = None if bar is None else lambda: bar.update(1)
-    logger.info(
-        "training %d optimizer step(s) of %d micro-batch(es) each (an epoch's last: what is left); "
-        "the progress bar counts micro-batches (the first one is the slowest)",
-        max(max_steps - progress.step, 0),
-        gas,
-    )
     while progress.step < max_steps:
         for window in sft_data.windows(loader, gas):
             step_loss = sft_loop.sft_step(
