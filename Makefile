@@ -29,6 +29,7 @@ demo: setup
 
 lint:
 	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
 
 # The whole suite, slow multi-process tests included (CI runs exactly this). --durations=30: every
 # log names the 30 slowest tests, so a test that grows shows up before the suite's time budget goes.

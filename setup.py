@@ -25,16 +25,20 @@ ext_modules = [
     ),
 ]
 
-WHAT = {"nopad.packing._packer": "the bin packer (csrc/packer.cpp)",
-        "nopad.packing._varlen_attention": "the CPU varlen/paged attention kernel (csrc/varlen_attention.cpp)"}
+WHAT = {
+    "nopad.packing._packer": "the bin packer (csrc/packer.cpp)",
+    "nopad.packing._varlen_attention": "the CPU varlen/paged attention kernel (csrc/varlen_attention.cpp)",
+}
 
 
 class BuildNopad(build_ext):
     """Says what it compiles and that it takes a while: a silent minutes-long step reads as a hang."""
 
     def build_extension(self, ext):
-        message = (f"nopad: compiling {WHAT.get(ext.name, ext.name)} -> {ext.name}; a few minutes on a "
-                   "2-core machine (a failure is not fatal: packing/ falls back to Python/PyTorch)")
+        message = (
+            f"nopad: compiling {WHAT.get(ext.name, ext.name)} -> {ext.name}; a few minutes on a "
+            "2-core machine (a failure is not fatal: packing/ falls back to Python/PyTorch)"
+        )
         print(message, file=sys.stderr, flush=True)
         super().build_extension(ext)
 

@@ -20,8 +20,21 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 # Tests, vendored and generated code, and packages that are mostly tables rather than prose.
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings",
-              "lib2to3", "idlelib", "turtledemo", "ensurepip", "pydoc_data", "distutils"}
+_SKIP_DIRS = {
+    "site-packages",
+    "dist-packages",
+    "test",
+    "tests",
+    "idle_test",
+    "__pycache__",
+    "encodings",
+    "lib2to3",
+    "idlelib",
+    "turtledemo",
+    "ensurepip",
+    "pydoc_data",
+    "distutils",
+}
 _CACHE_VERSION = 1
 
 

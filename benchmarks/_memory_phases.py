@@ -15,8 +15,21 @@ import time
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _rss() -> int:
@@ -46,9 +59,15 @@ class PhaseLog:
         """End the current phase (one line), start ``name``."""
         rss, heap = _rss(), self.libc.mallinfo2()
         with self.lock:
-            line = {"phase": self.phase, "t": round(time.time() - self.t0, 1), "rss": rss,
-                    "peak": max(self.peak, rss), "heap_used": heap.uordblks, "heap_free": heap.fordblks,
-                    "mmapped": heap.hblkhd}
+            line = {
+                "phase": self.phase,
+                "t": round(time.time() - self.t0, 1),
+                "rss": rss,
+                "peak": max(self.peak, rss),
+                "heap_used": heap.uordblks,
+                "heap_free": heap.fordblks,
+                "mmapped": heap.hblkhd,
+            }
             self.phase, self.peak = name, rss
         self.out.write(json.dumps(line) + "\n")
         self.out.flush()
@@ -65,6 +84,7 @@ def _wrap(owner, name: str, log: PhaseLog, label, after: str | None = None) -> N
         if after:
             log.mark(after)
         return result
+
     setattr(owner, name, marked)
 
 

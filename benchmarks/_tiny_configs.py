@@ -163,10 +163,17 @@ DERIVED = (
 
 # per-family overrides (applied last, top level)
 _MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1)
-_QWEN4_EXP_TEXT = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
-                       indexer_compress_ratio=2, ple_layer_ids=[1], eos_token_id=2,
-                       ngram_vocab_size_base=1024,
-                       split_ngram_parts=4)
+_QWEN4_EXP_TEXT = dict(
+    indexer_n_heads=2,
+    indexer_kv_heads=1,
+    indexer_head_dim=16,
+    indexer_budget=8,
+    indexer_compress_ratio=2,
+    ple_layer_ids=[1],
+    eos_token_id=2,
+    ngram_vocab_size_base=1024,
+    split_ngram_parts=4,
+)
 FAMILY: dict[str, dict] = {
     "bamba": dict(attn_layer_indices=[1, 3], **_MAMBA2),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"] * 2, **_MAMBA2),
@@ -207,9 +214,7 @@ FAMILY: dict[str, dict] = {
         n_output_layers=1,
     ),
     "hrm_text": dict(num_hidden_layers=1),
-    "cohere_compass_text": dict(
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
-    ),
+    "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
     "xlm": dict(emb_dim=64),
     "dbrx": dict(attn_config={"rope_theta": 10000.0, "kv_n_heads": 2, "clip_qkv": 8.0}),
     "dots3_note_text": dict(head_dim=24),
@@ -293,10 +298,7 @@ def shrink_dict(d: dict, top: bool = True) -> dict:
             elif isinstance(value, int) and not isinstance(value, bool):
                 out[key] = SIZES[key]
             elif (
-                isinstance(value, list)
-                and value
-                and all(isinstance(v, int) for v in value)
-                and len(value) == n_default
+                isinstance(value, list) and value and all(isinstance(v, int) for v in value) and len(value) == n_default
             ):
                 out[key] = [SIZES[key]] * LAYERS
     heads = out.get("num_attention_heads")

@@ -24,8 +24,7 @@ CHAT_QUESTIONS = [
     "What is a prime number? Give five examples.",
     "How does a refrigerator keep food cold?",
     "Suggest a name for a friendly golden retriever puppy.",
-    "What is the boiling point of water at the top of Mount Everest, and why is it different from "
-    "sea level?",
+    "What is the boiling point of water at the top of Mount Everest, and why is it different from sea level?",
     "I am planning a three-day trip to Rome with my parents, who do not like walking long distances. "
     "Which sights should we prioritise, and how should we get around the city?",
     "Explain recursion to a ten-year-old.",
@@ -91,15 +90,12 @@ CHAT_QUESTIONS = [
 GRPO_QUESTIONS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May?",
-    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How "
-    "much did she earn?",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
     "Betty is saving money for a new wallet which costs $100. Betty has only half of the money she "
     "needs. Her parents give her $15, and her grandparents twice as much. How much more money does "
     "Betty need?",
-    "James writes a 3-page letter to 2 different friends twice a week. How many pages does he write "
-    "a year?",
-    "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does "
-    "it take?",
+    "James writes a 3-page letter to 2 different friends twice a week. How many pages does he write a year?",
+    "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it take?",
     "Tom has 5 apples. He buys 3 bags with 4 apples each and eats 2. How many apples are left?",
     "A rectangle is 7 cm wide and 3 times as long. What is its perimeter?",
     "A shop sells pens at 3 for $2. How much do 18 pens cost?",
@@ -119,8 +115,9 @@ def chat_workload(tokenizer, num_prompts: int, min_new: int, max_new: int, seed:
     uniformly from ``[min_new, max_new]`` with ``seed``. Questions are cycled (with a numbered
     suffix so prompts stay distinct) if more prompts than questions are asked for."""
     if num_prompts < 1 or min_new < 1 or max_new < min_new:
-        raise ValueError(f"need num_prompts >= 1 and 1 <= min_new <= max_new, got "
-                         f"{num_prompts}, [{min_new}, {max_new}]")
+        raise ValueError(
+            f"need num_prompts >= 1 and 1 <= min_new <= max_new, got {num_prompts}, [{min_new}, {max_new}]"
+        )
     questions = []
     for i in range(num_prompts):
         q = CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)]
@@ -131,8 +128,9 @@ def chat_workload(tokenizer, num_prompts: int, min_new: int, max_new: int, seed:
     return chat_prompt_ids(tokenizer, questions), max_new_tokens
 
 
-def prefill_workload(tokenizer, num_prompts: int, min_prompt: int, max_prompt: int, min_new: int,
-                     max_new: int, seed: int):
+def prefill_workload(
+    tokenizer, num_prompts: int, min_prompt: int, max_prompt: int, min_new: int, max_new: int, seed: int
+):
     """Prefill-heavy ``(prompt_ids, max_new_tokens)``: "summarise this documentation" chat prompts
     over Python standard-library docstrings (offline, :mod:`nopad.assets.corpus`) whose templated length
     falls in ``[min_prompt, max_prompt]`` tokens, with short outputs drawn from ``[min_new, max_new]``.
@@ -140,8 +138,10 @@ def prefill_workload(tokenizer, num_prompts: int, min_prompt: int, max_prompt: i
     from nopad.assets.corpus import load_corpus
 
     if num_prompts < 1 or not 1 <= min_prompt <= max_prompt or not 1 <= min_new <= max_new:
-        raise ValueError(f"need num_prompts >= 1, 1 <= min_prompt <= max_prompt and 1 <= min_new <= "
-                         f"max_new, got {num_prompts}, [{min_prompt}, {max_prompt}], [{min_new}, {max_new}]")
+        raise ValueError(
+            f"need num_prompts >= 1, 1 <= min_prompt <= max_prompt and 1 <= min_new <= "
+            f"max_new, got {num_prompts}, [{min_prompt}, {max_prompt}], [{min_new}, {max_new}]"
+        )
     rng = random.Random(seed)
     docs = load_corpus(max_documents=None, min_chars=4 * min_prompt)
     rng.shuffle(docs)
@@ -170,7 +170,7 @@ def static_batch_occupancy(max_new_tokens: list[int], batch_size: int) -> tuple[
     still holds its slot until the whole batch finishes; only unfinished requests are useful."""
     held, useful = [], []
     for start in range(0, len(max_new_tokens), batch_size):
-        batch = max_new_tokens[start:start + batch_size]
+        batch = max_new_tokens[start : start + batch_size]
         for step in range(max(batch)):
             held.append(len(batch))
             useful.append(sum(k > step for k in batch))
@@ -189,11 +189,21 @@ def tiny_llama(vocab_size: int = 256, layers: int = 2, seed: int = 0, tokenizer=
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         vocab_size = len(tokenizer)
-        special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                       pad_token_id=tokenizer.pad_token_id)
-    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=4096, **special)
+        special = dict(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        **special,
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).float()

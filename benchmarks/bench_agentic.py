@@ -51,8 +51,16 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import datasets  # noqa: E402
 
 CALL_TEXT = '<tool_call>\n{"name": "lookup", "arguments": {"key": "x"}}\n</tool_call>'
-TOPICS = ["the boiling point of water", "the capital of France", "the speed of light", "the tallest mountain",
-          "the largest ocean", "the author of Hamlet", "the year the Moon landing happened", "pi to 5 digits"]
+TOPICS = [
+    "the boiling point of water",
+    "the capital of France",
+    "the speed of light",
+    "the tallest mountain",
+    "the largest ocean",
+    "the author of Hamlet",
+    "the year the Moon landing happened",
+    "pi to 5 digits",
+]
 
 
 def make_lookup(latency_ms: tuple[float, float], seed: int, spent: list[float]):
@@ -92,10 +100,18 @@ def load_model(tok, quick: bool):
     if quick:
         import transformers
 
-        config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                          max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
-                                          eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+        config = transformers.LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            tie_word_embeddings=True,
+        )
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(config)
     else:
@@ -116,9 +132,13 @@ def steer(model, tok, call_p: float):
     def hook(module, args, kwargs, out):
         ids, keep = kwargs["input_ids"], kwargs.get("logits_to_keep", 0)
         logits = out.logits
-        rows = torch.stack([ids[b][keep] if isinstance(keep, torch.Tensor) else
-                            (ids[b, -keep:] if keep else ids[b]) for b in range(ids.size(0))])
-        rows = rows[:, -logits.size(1):]
+        rows = torch.stack(
+            [
+                ids[b][keep] if isinstance(keep, torch.Tensor) else (ids[b, -keep:] if keep else ids[b])
+                for b in range(ids.size(0))
+            ]
+        )
+        rows = rows[:, -logits.size(1) :]
         others = logits.clone()
         others[..., call] = float("-inf")
         call_logit = torch.logsumexp(others.float(), -1).to(logits.dtype) + odds
@@ -134,10 +154,12 @@ def steer(model, tok, call_p: float):
 
 def count_prefill(model, counter: dict):
     """Positions of every multi-token forward (a ``generate`` prefill), padding included."""
+
     def pre(module, args, kwargs):
         ids = kwargs.get("input_ids")
         if ids is not None and ids.dim() == 2 and ids.size(1) > 1:
             counter["prefill"] += int(ids.numel())
+
     return model.register_forward_pre_hook(pre, with_kwargs=True)
 
 
@@ -145,15 +167,43 @@ def make_trainer(cls, model, tok, tools, args, out_dir: str, **extra):
     from trl import GRPOConfig
 
     n = args.prompts * args.samples
-    config = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=n, num_generations=args.samples,
-                        steps_per_generation=1, max_completion_length=args.max_tokens, temperature=1.0,
-                        top_p=1.0, top_k=0, max_tool_calling_iterations=args.max_tool_rounds, report_to=[],
-                        use_cpu=True, bf16=False, save_strategy="no", seed=args.seed, logging_steps=1)
-    prompts = [[{"role": "user", "content": f"Use the lookup tool to find {TOPICS[i % len(TOPICS)]}, "
-                 f"then answer in one sentence. (question {i})"}] for i in range(args.prompts)]
+    config = GRPOConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=n,
+        num_generations=args.samples,
+        steps_per_generation=1,
+        max_completion_length=args.max_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_tool_calling_iterations=args.max_tool_rounds,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=args.seed,
+        logging_steps=1,
+    )
+    prompts = [
+        [
+            {
+                "role": "user",
+                "content": f"Use the lookup tool to find {TOPICS[i % len(TOPICS)]}, "
+                f"then answer in one sentence. (question {i})",
+            }
+        ]
+        for i in range(args.prompts)
+    ]
     reward = lambda completion_ids, **kw: [float(len(c)) for c in completion_ids]  # noqa: E731
-    trainer = cls(model=model, reward_funcs=reward, args=config, processing_class=tok, tools=tools,
-                  train_dataset=datasets.Dataset.from_dict({"prompt": prompts}), **extra)
+    trainer = cls(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        processing_class=tok,
+        tools=tools,
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+        **extra,
+    )
     batch = [{"prompt": p} for p in prompts for _ in range(args.samples)]
     return trainer, batch
 
@@ -200,13 +250,21 @@ def run_side(name, trainer, batch, model, tok, args, spent: list[float]):
     tool_mask = tool_mask * completion_mask if tool_mask is not None else completion_mask
     tool_tokens = int((completion_mask - tool_mask).sum())
     prompt_tokens = [int(m.sum()) for m in out["prompt_mask"]]
-    unique = sum(prompt_tokens[::args.samples]) + tool_tokens  # each group's prompt once + tool results
+    unique = sum(prompt_tokens[:: args.samples]) + tool_tokens  # each group's prompt once + tool results
     rows = [m[c.bool()].tolist() for m, c in zip(tool_mask, completion_mask)]
     rounds = tool_rounds(rows)
-    return {"side": name, "wall_s": wall, "prefilled": counter["prefill"], "unique_prefill": unique,
-            "tool_rounds_mean": sum(rounds) / len(rounds), "tool_rounds_hist": _hist(rounds),
-            "model_tokens": int(tool_mask.sum()), "tool_tokens": tool_tokens,
-            "tool_s": sum(spent), "rows": len(rounds)}
+    return {
+        "side": name,
+        "wall_s": wall,
+        "prefilled": counter["prefill"],
+        "unique_prefill": unique,
+        "tool_rounds_mean": sum(rounds) / len(rounds),
+        "tool_rounds_hist": _hist(rounds),
+        "model_tokens": int(tool_mask.sum()),
+        "tool_tokens": tool_tokens,
+        "tool_s": sum(spent),
+        "rows": len(rounds),
+    }
 
 
 def _hist(values: list[int]) -> dict[int, int]:
@@ -250,8 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
         del trainer, model
         model = copy.deepcopy(base)
         rollout = nopad_rollout_func(max_num_batched_tokens=1024)
-        trainer, batch = make_trainer(NopadGRPOTrainer, model, tok, [lookup], args, out_dir,
-                                      rollout_func=rollout)
+        trainer, batch = make_trainer(NopadGRPOTrainer, model, tok, [lookup], args, out_dir, rollout_func=rollout)
         results["nopad"] = run_side("nopad episodes", trainer, batch, model, tok, args, spent)
         stats = rollout.last_stats
         results["nopad"]["prefilled"] = int(stats["prefill_tokens"])  # the scheduler's own count
@@ -264,16 +321,22 @@ def main(argv: list[str] | None = None) -> dict:
     speedup = results["trl"]["wall_s"] / results["nopad"]["wall_s"]
     results["speedup"] = speedup
     model_name = "tiny random Llama (2 layers, hidden 64)" if args.quick else "SmolLM2-135M-Instruct fp32"
-    print(f"workload: {model_name}, CPU, {torch.get_num_threads()} threads; {args.prompts} prompts x "
-          f"{args.samples} samples, max_completion_length={args.max_tokens}, <= {args.max_tool_rounds} tool "
-          f"rounds (call p={args.call_p} per line start), tool latency {args.latency_ms[0]:g}-"
-          f"{args.latency_ms[1]:g} ms, temperature 1, top_p 1")
-    print(f"{'side':<16}{'wall s':>9}{'prefilled':>11}{'unique':>9}{'ratio':>7}{'tool wait':>11}"
-          f"{'model tok':>11}{'tool tok':>10}  tool rounds per episode")
+    print(
+        f"workload: {model_name}, CPU, {torch.get_num_threads()} threads; {args.prompts} prompts x "
+        f"{args.samples} samples, max_completion_length={args.max_tokens}, <= {args.max_tool_rounds} tool "
+        f"rounds (call p={args.call_p} per line start), tool latency {args.latency_ms[0]:g}-"
+        f"{args.latency_ms[1]:g} ms, temperature 1, top_p 1"
+    )
+    print(
+        f"{'side':<16}{'wall s':>9}{'prefilled':>11}{'unique':>9}{'ratio':>7}{'tool wait':>11}"
+        f"{'model tok':>11}{'tool tok':>10}  tool rounds per episode"
+    )
     for r in (results["trl"], results["nopad"]):
-        print(f"{r['side']:<16}{r['wall_s']:>9.2f}{r['prefilled']:>11}{r['unique_prefill']:>9}"
-              f"{r['prefill_ratio']:>7.2f}{r['tool_wait_share']:>10.1%} {r['model_tokens']:>10}"
-              f"{r['tool_tokens']:>10}  mean {r['tool_rounds_mean']:.2f} {r['tool_rounds_hist']}")
+        print(
+            f"{r['side']:<16}{r['wall_s']:>9.2f}{r['prefilled']:>11}{r['unique_prefill']:>9}"
+            f"{r['prefill_ratio']:>7.2f}{r['tool_wait_share']:>10.1%} {r['model_tokens']:>10}"
+            f"{r['tool_tokens']:>10}  mean {r['tool_rounds_mean']:.2f} {r['tool_rounds_hist']}"
+        )
     print(f"nopad preemptions: {results['nopad']['preemptions']}")
     print(f"rollout wall time, TRL tool loop / nopad episodes: {speedup:.2f}x")
     return results

@@ -51,11 +51,13 @@ def training_row(total: int, lo: int, hi: int, repeats: int, dense: bool, flex_c
         def run():
             with torch.no_grad():
                 varlen_attention(q, k, v, meta, backend=backend)
+
         return run
 
     def fwd_bwd(backend):
         def run():
             varlen_attention(q, k, v, meta, backend=backend).sum().backward()
+
         return run
 
     rows = []
@@ -105,9 +107,7 @@ def decode_step(num_seqs: int, context: int, repeats: int) -> list:
         table[i, :nb] = perm[start : start + nb]
         start += nb
     cache = (torch.randn(num_blocks, block, 3, 64), torch.randn(num_blocks, block, 3, 64))
-    slots = table[torch.arange(num_seqs), torch.from_numpy(ctx // block)].long() * block + torch.from_numpy(
-        ctx % block
-    )
+    slots = table[torch.arange(num_seqs), torch.from_numpy(ctx // block)].long() * block + torch.from_numpy(ctx % block)
     meta = VarlenMeta.for_step([1] * num_seqs, ctx, block_table=table, slot_mapping=slots)
     q, k, v = torch.randn(num_seqs, 9, 64), torch.randn(num_seqs, 3, 64), torch.randn(num_seqs, 3, 64)
     store_kv(cache, k, v, slots)
@@ -116,6 +116,7 @@ def decode_step(num_seqs: int, context: int, repeats: int) -> list:
         def go():
             with torch.no_grad():
                 varlen_attention(q, None, None, meta, kv_cache=cache, backend=backend)
+
         return go
 
     rows = [(b, best_of(run(b), repeats), None) for b in ("sdpa_loop", "sdpa_padded", "auto")]
@@ -134,9 +135,7 @@ def print_table(label: str, rows: list) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()

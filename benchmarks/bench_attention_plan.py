@@ -38,9 +38,15 @@ BLOCK_SIZE = 16
 
 def tiny_llama(layers: int) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=1024)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
     return transformers.LlamaForCausalLM(config).float()
 
 
@@ -101,8 +107,10 @@ def decode_step(model, seqs: int, context: int):
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
     blocks_per_seq = -(-(context + 1) // BLOCK_SIZE)
-    cache = [tuple(torch.zeros(seqs * blocks_per_seq, BLOCK_SIZE, config.num_key_value_heads, head_dim)
-                   for _ in range(2)) for _ in range(config.num_hidden_layers)]
+    cache = [
+        tuple(torch.zeros(seqs * blocks_per_seq, BLOCK_SIZE, config.num_key_value_heads, head_dim) for _ in range(2))
+        for _ in range(config.num_hidden_layers)
+    ]
     table = torch.arange(seqs * blocks_per_seq, dtype=torch.int32).view(seqs, blocks_per_seq)
     slots = table[:, context // BLOCK_SIZE].long() * BLOCK_SIZE + context % BLOCK_SIZE
     meta = VarlenMeta.for_step([1] * seqs, [context] * seqs, block_table=table, slot_mapping=slots)
@@ -110,8 +118,13 @@ def decode_step(model, seqs: int, context: int):
 
     def step():
         with torch.no_grad():
-            model(input_ids=ids, position_ids=meta.position_ids[None], nopad_meta=meta, nopad_kv_cache=cache,
-                  use_cache=False)
+            model(
+                input_ids=ids,
+                position_ids=meta.position_ids[None],
+                nopad_meta=meta,
+                nopad_kv_cache=cache,
+                use_cache=False,
+            )
 
     return step
 
@@ -148,15 +161,23 @@ def main(argv=None) -> dict:
             decision = per_call_us(partial(choose_backend, "cpu", torch.float32, **call), repeats)
             lookup = lookup_us(repeats, **call)
             cost = runs * decision + (args.layers * lookup if lookup is not None else 0.0)
-            report[name] = dict(rule_runs=runs, python_calls=python_calls, decision_us=decision,
-                                lookup_us=lookup, decisions_us=cost, step_ms=median_ms(step, steps))
+            report[name] = dict(
+                rule_runs=runs,
+                python_calls=python_calls,
+                decision_us=decision,
+                lookup_us=lookup,
+                decisions_us=cost,
+                step_ms=median_ms(step, steps),
+            )
     print(f"{args.layers}-layer Llama (hidden 32) on CPU, {args.threads} thread(s)")
     for name, r in report.items():
         lookup = "-" if r["lookup_us"] is None else f"{r['lookup_us']:.2f} us"
-        print(f"{name}: registry.choose runs per forward {r['rule_runs']}; "
-              f"one decision {r['decision_us']:.1f} us, one plan look-up {lookup}; "
-              f"decisions per forward {r['decisions_us']:.0f} us; Python calls per step {r['python_calls']}; "
-              f"median step {r['step_ms']:.2f} ms")
+        print(
+            f"{name}: registry.choose runs per forward {r['rule_runs']}; "
+            f"one decision {r['decision_us']:.1f} us, one plan look-up {lookup}; "
+            f"decisions per forward {r['decisions_us']:.0f} us; Python calls per step {r['python_calls']}; "
+            f"median step {r['step_ms']:.2f} ms"
+        )
     return report
 
 

@@ -85,18 +85,26 @@ def main() -> None:
         attention = skew(sq[ids])
         rows.append((name, ids.shape[0], dropped, *combined, *attention))
 
-    print(f"{n:,} lognormal lengths (median 350, clip [1, {CAPACITY}]) -> {len(items):,} BFD bins "
-          f"({packed.stats.efficiency:.2%} full), {RANKS} ranks, cost = tokens + sum(l^2)/(12*{args.hidden})")
-    print(f"nopad: {plan.bins_split} bins split, {len(plan.duplicated)} duplicated to equalise steps; "
-          f"balancing took {balance_s:.2f} s")
-    header = (f"{'method':<22}{'steps':>7}{'dropped':>9}{'rank total':>12}{'per step':>10}"
-              f"{'attn total':>12}{'attn step':>11}{'step vs nopad':>15}")
+    print(
+        f"{n:,} lognormal lengths (median 350, clip [1, {CAPACITY}]) -> {len(items):,} BFD bins "
+        f"({packed.stats.efficiency:.2%} full), {RANKS} ranks, cost = tokens + sum(l^2)/(12*{args.hidden})"
+    )
+    print(
+        f"nopad: {plan.bins_split} bins split, {len(plan.duplicated)} duplicated to equalise steps; "
+        f"balancing took {balance_s:.2f} s"
+    )
+    header = (
+        f"{'method':<22}{'steps':>7}{'dropped':>9}{'rank total':>12}{'per step':>10}"
+        f"{'attn total':>12}{'attn step':>11}{'step vs nopad':>15}"
+    )
     print(header)
     print("-" * len(header))
     base = rows[0][4]
     for name, steps, dropped, total, step, attn_total, attn_step in rows:
-        print(f"{name:<22}{steps:>7}{dropped:>9}{total:>12.4f}{step:>10.4f}{attn_total:>12.4f}"
-              f"{attn_step:>11.4f}{step / base:>14.3f}x")
+        print(
+            f"{name:<22}{steps:>7}{dropped:>9}{total:>12.4f}{step:>10.4f}{attn_total:>12.4f}"
+            f"{attn_step:>11.4f}{step / base:>14.3f}x"
+        )
     print("(max/mean; 'step vs nopad' = per-step skew of the method / nopad's: >1 means slower steps)")
 
 

@@ -50,24 +50,36 @@ def drift(reference, prompt: list[int], tokens: list[int], logps: list[float]) -
     at = range(len(prompt) - 1, len(prompt) + len(tokens) - 1)
     gaps = [float(lp[p].max() - lp[p, t]) for p, t in zip(at, tokens) if int(lp[p].argmax()) != t]
     errors = [abs(mine - float(lp[p, t])) for p, t, mine in zip(at, tokens, logps)]
-    return dict(off=len(gaps), n=len(tokens), max_gap=max(gaps, default=0.0),
-                mean_err=float(np.mean(errors)), max_err=max(errors))
+    return dict(
+        off=len(gaps),
+        n=len(tokens),
+        max_gap=max(gaps, default=0.0),
+        mean_err=float(np.mean(errors)),
+        max_err=max(errors),
+    )
 
 
 def hf_greedy(model, prompt: list[int], new: int) -> tuple[list[int], list[float]]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    tokens = out.sequences[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
     return tokens, [float(torch.log_softmax(z[0].float(), -1)[t]) for z, t in zip(out.logits, tokens)]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke run: a tiny Qwen3.5, 2 prompts, 6 tokens")
-    parser.add_argument("--models", default=None,
-                        help="comma-separated: qwen3_5, lfm2, bamba (default all; --quick: qwen3_5)")
+    parser.add_argument(
+        "--models", default=None, help="comma-separated: qwen3_5, lfm2, bamba (default all; --quick: qwen3_5)"
+    )
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -77,10 +89,14 @@ def main() -> None:
     lengths = (9, 30) if args.quick else (27, 60, 120, 197)
     prompts = [rng.integers(3, vocab, n).tolist() for n in lengths]
     builders = {"qwen3_5": qwen3_5, "lfm2": lfm2, "bamba": bamba}
-    print(f"bf16 weights, greedy, {new} new tokens per prompt, each side against an fp32 forward of the same "
-          f"weights over its own sequence; {args.threads} threads")
-    print(f"{'model':8s} {'prompt':>6s} {'side':6s} {'off-argmax':>10s} {'largest gap':>11s} "
-          f"{'mean |logp err|':>15s} {'max':>8s}")
+    print(
+        f"bf16 weights, greedy, {new} new tokens per prompt, each side against an fp32 forward of the same "
+        f"weights over its own sequence; {args.threads} threads"
+    )
+    print(
+        f"{'model':8s} {'prompt':>6s} {'side':6s} {'off-argmax':>10s} {'largest gap':>11s} "
+        f"{'mean |logp err|':>15s} {'max':>8s}"
+    )
     models = args.models if args.models is not None else "qwen3_5" if args.quick else "qwen3_5,lfm2,bamba"
     unknown = set(filter(None, models.split(","))) - set(builders)
     if unknown:
@@ -95,17 +111,23 @@ def main() -> None:
         gen.release()
         totals = {"nopad": [], "HF": []}
         for prompt, out in zip(prompts, outs):
-            sides = {"nopad": (list(out.outputs[0].token_ids), list(out.outputs[0].logprobs)),
-                     "HF": hf_greedy(model, prompt, new)}
+            sides = {
+                "nopad": (list(out.outputs[0].token_ids), list(out.outputs[0].logprobs)),
+                "HF": hf_greedy(model, prompt, new),
+            }
             for side, (tokens, logps) in sides.items():
                 d = drift(reference, prompt, tokens, logps)
                 totals[side].append(d)
-                print(f"{name:8s} {len(prompt):6d} {side:6s} {d['off']:>4d} of {d['n']:<3d} "
-                      f"{d['max_gap']:11.4f} {d['mean_err']:15.5f} {d['max_err']:8.4f}")
+                print(
+                    f"{name:8s} {len(prompt):6d} {side:6s} {d['off']:>4d} of {d['n']:<3d} "
+                    f"{d['max_gap']:11.4f} {d['mean_err']:15.5f} {d['max_err']:8.4f}"
+                )
         mean = {side: float(np.mean([d["mean_err"] for d in ds])) for side, ds in totals.items()}
         off = {side: sum(d["off"] for d in ds) for side, ds in totals.items()}
-        print(f"{name:8s} {'all':>6s} nopad vs HF: mean |logp err| {mean['nopad']:.5f} vs {mean['HF']:.5f} "
-              f"({mean['nopad'] / mean['HF']:.2f}x HF's), off-argmax picks {off['nopad']} vs {off['HF']}")
+        print(
+            f"{name:8s} {'all':>6s} nopad vs HF: mean |logp err| {mean['nopad']:.5f} vs {mean['HF']:.5f} "
+            f"({mean['nopad'] / mean['HF']:.2f}x HF's), off-argmax picks {off['nopad']} vs {off['HF']}"
+        )
 
 
 if __name__ == "__main__":

@@ -53,8 +53,10 @@ def measure(name: str, model, repeats: int) -> None:
     row = sum(boundary_probe.PROBE_LENGTHS)
     plain, packed = forward_ms(model, row, repeats), forward_ms(model, row, repeats, nopad=True)
     long = forward_ms(model, 1024, max(1, repeats // 2))
-    print(f"{name:<28} probe cold {cold.ms:7.1f} ms, warm {warm:7.1f} ms | one forward of {row} tokens: "
-          f"sdpa {plain:6.1f} ms, nopad packed {packed:6.1f} ms | 1024 tokens (sdpa) {long:7.1f} ms")
+    print(
+        f"{name:<28} probe cold {cold.ms:7.1f} ms, warm {warm:7.1f} ms | one forward of {row} tokens: "
+        f"sdpa {plain:6.1f} ms, nopad packed {packed:6.1f} ms | 1024 tokens (sdpa) {long:7.1f} ms"
+    )
 
 
 def main() -> None:
@@ -63,8 +65,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu; probe row "
-          f"{boundary_probe.PROBE_LENGTHS} tokens, run twice")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu; probe row "
+        f"{boundary_probe.PROBE_LENGTHS} tokens, run twice"
+    )
     measure("tiny Qwen3.5 (hybrid, fp32)", build_model("qwen3_5"), args.repeats)
     if not args.quick:
         from nopad.assets.smollm2 import load_smollm2

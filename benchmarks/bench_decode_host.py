@@ -47,8 +47,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 from nopad.inference import Generator, SamplingParams  # noqa: E402
 from nopad.packing.attention import registry  # noqa: E402
 
-VIEW_OPS = {"view", "_unsafe_view", "transpose", "t", "unsqueeze", "squeeze", "slice", "select", "expand",
-            "detach", "reshape", "alias", "as_strided", "permute"}
+VIEW_OPS = {
+    "view",
+    "_unsafe_view",
+    "transpose",
+    "t",
+    "unsqueeze",
+    "squeeze",
+    "slice",
+    "select",
+    "expand",
+    "detach",
+    "reshape",
+    "alias",
+    "as_strided",
+    "permute",
+}
 SHAPES = {  # (hidden, intermediate, heads, kv heads, vocab)
     "tiny": (64, 128, 4, 2, 128),
     "smollm2": (576, 1536, 9, 3, 49152),  # SmolLM2-135M, the model of gpu_check.py's decode figures
@@ -58,9 +72,15 @@ SHAPES = {  # (hidden, intermediate, heads, kv heads, vocab)
 def llama(layers: int, shape: str, device: torch.device, dtype: torch.dtype) -> transformers.PreTrainedModel:
     hidden, intermediate, heads, kv_heads, vocab = SHAPES[shape]
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                                      num_hidden_layers=layers, num_attention_heads=heads,
-                                      num_key_value_heads=kv_heads, max_position_embeddings=4096)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+    )
     return transformers.LlamaForCausalLM(config).to(device, dtype).eval()
 
 
@@ -77,6 +97,7 @@ class Clock:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds += time.thread_time() - start
+
         return timed
 
 
@@ -124,8 +145,9 @@ def python_calls(fn) -> int:
 
 def nopad_side(model, prompts: list[list[int]]):
     """A generator (attention backend: "auto") with every prompt past prefill; returns (step, generator)."""
-    gen = Generator(model, None, block_size=16, max_num_seqs=len(prompts),
-                    max_num_batched_tokens=max(2048, sum(map(len, prompts))))
+    gen = Generator(
+        model, None, block_size=16, max_num_seqs=len(prompts), max_num_batched_tokens=max(2048, sum(map(len, prompts)))
+    )
     endless = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
     for prompt in prompts:
         gen.add_request(prompt, endless)
@@ -176,10 +198,14 @@ def measure(steps: dict, repeats: int, layers: int, device: torch.device, models
         mode = AtenCalls()
         with mode:
             step()
-        r = out[name] = dict(step_ms=median(cpu[name]) * 1e3, wall_ms=median(wall[name]) * 1e3,
-                             attention_ms=median(attn[name]) * 1e3, aten=mode.calls / layers,
-                             outside_ms=median(c - m for c, m in zip(cpu[name], inside[name])) * 1e3,
-                             python=python_calls(step) / layers)
+        r = out[name] = dict(
+            step_ms=median(cpu[name]) * 1e3,
+            wall_ms=median(wall[name]) * 1e3,
+            attention_ms=median(attn[name]) * 1e3,
+            aten=mode.calls / layers,
+            outside_ms=median(c - m for c, m in zip(cpu[name], inside[name])) * 1e3,
+            python=python_calls(step) / layers,
+        )
         r["rest_layer_ms"] = (r["step_ms"] - r["attention_ms"]) / layers
     return out
 
@@ -188,8 +214,9 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="16 rows, 4 timed steps")
     parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--rows", type=int, nargs="+", default=None,
-                        help="sequences decoding, one run per count (default 64; quick 16)")
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=None, help="sequences decoding, one run per count (default 64; quick 16)"
+    )
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
@@ -219,29 +246,39 @@ def run(args, rows: int) -> dict:
         for _ in range(3):
             nopad_step()
             hf_step()
-        report = measure({"nopad": nopad_step, "HF": hf_step}, repeats, args.layers, device,
-                         {"nopad": nopad_model, "HF": hf_model})
-    bare = measure({"nopad, bare gen.step()": nopad_step}, max(2, repeats // 3), args.layers, device,
-                   {"nopad": nopad_model})
+        report = measure(
+            {"nopad": nopad_step, "HF": hf_step}, repeats, args.layers, device, {"nopad": nopad_model, "HF": hf_model}
+        )
+    bare = measure(
+        {"nopad, bare gen.step()": nopad_step}, max(2, repeats // 3), args.layers, device, {"nopad": nopad_model}
+    )
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, 1 thread"
-    print(f"eager decode step, {args.layers}-layer Llama ({args.shape}: hidden {SHAPES[args.shape][0]}), "
-          f"{rows} rows past a {args.prompt_len}-token prompt, {str(dtype).removeprefix('torch.')}, {where}; "
-          f"thread CPU time, median of {repeats}; load average {load:.2f}")
+    print(
+        f"eager decode step, {args.layers}-layer Llama ({args.shape}: hidden {SHAPES[args.shape][0]}), "
+        f"{rows} rows past a {args.prompt_len}-token prompt, {str(dtype).removeprefix('torch.')}, {where}; "
+        f"thread CPU time, median of {repeats}; load average {load:.2f}"
+    )
     wall = "wall ms/step  " if device.type == "cuda" else ""
-    print(f"{'':24s} {wall}{'ms/step':>8s} {'ms/layer':>9s} {'attention ms':>13s} {'rest ms/layer':>14s} "
-          f"{'py calls/layer':>15s} {'py calls/row':>13s} {'aten calls/layer':>17s} "
-          f"{'outside model ms':>17s}")
+    print(
+        f"{'':24s} {wall}{'ms/step':>8s} {'ms/layer':>9s} {'attention ms':>13s} {'rest ms/layer':>14s} "
+        f"{'py calls/layer':>15s} {'py calls/row':>13s} {'aten calls/layer':>17s} "
+        f"{'outside model ms':>17s}"
+    )
     for name, r in {**report, **bare}.items():
         wall = f"{r['wall_ms']:12.2f}  " if device.type == "cuda" else ""
-        print(f"{name:24s} {wall}{r['step_ms']:8.2f} {r['step_ms'] / args.layers:9.3f} "
-              f"{r['attention_ms']:13.2f} {r['rest_layer_ms']:14.3f} {r['python']:15.1f} "
-              f"{r['python'] * args.layers / rows:13.1f} {r['aten']:17.1f} {r['outside_ms']:17.2f}")
+        print(
+            f"{name:24s} {wall}{r['step_ms']:8.2f} {r['step_ms'] / args.layers:9.3f} "
+            f"{r['attention_ms']:13.2f} {r['rest_layer_ms']:14.3f} {r['python']:15.1f} "
+            f"{r['python'] * args.layers / rows:13.1f} {r['aten']:17.1f} {r['outside_ms']:17.2f}"
+        )
     n, h = report["nopad"], report["HF"]
-    print(f"nopad / HF: step {n['step_ms'] / h['step_ms']:.2f}x, host work besides the attention calls "
-          f"{n['rest_layer_ms'] / h['rest_layer_ms']:.2f}x, Python calls {n['python'] / h['python']:.2f}x, "
-          f"aten calls {n['aten'] / h['aten']:.2f}x, CPU time outside the model "
-          f"{n['outside_ms'] / h['outside_ms']:.2f}x")
+    print(
+        f"nopad / HF: step {n['step_ms'] / h['step_ms']:.2f}x, host work besides the attention calls "
+        f"{n['rest_layer_ms'] / h['rest_layer_ms']:.2f}x, Python calls {n['python'] / h['python']:.2f}x, "
+        f"aten calls {n['aten'] / h['aten']:.2f}x, CPU time outside the model "
+        f"{n['outside_ms'] / h['outside_ms']:.2f}x"
+    )
     gen.abort_all()
     return {**report, **bare, "load": load}
 

@@ -40,9 +40,17 @@ from nopad.packing.hf import use_nopad_attention  # noqa: E402
 from nopad.packing.invariance import batch_invariant  # noqa: E402
 from nopad.training.grpo import Rollout, pack_rollouts, packed_logprobs  # noqa: E402
 
-QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                  rope_theta=1e6, tie_word_embeddings=True)
+QWEN25_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+)
 
 
 def load(name: str, dtype: torch.dtype, device: str):
@@ -86,8 +94,9 @@ def measure(model, tokenizer, prompts, params, invariant: bool, capacity: int) -
         _sync(device)
         rollout_s = time.perf_counter() - start
         gen.release()
-        rollouts = [Rollout(list(p), list(c.token_ids), list(c.logprobs)) for p, o in zip(prompts, outs)
-                    for c in o.outputs]
+        rollouts = [
+            Rollout(list(p), list(c.token_ids), list(c.logprobs)) for p, o in zip(prompts, outs) for c in o.outputs
+        ]
         rows = pack_rollouts(rollouts, capacity)
         model.train()
         with use_nopad_attention(model):
@@ -108,31 +117,42 @@ def measure(model, tokenizer, prompts, params, invariant: bool, capacity: int) -
         "tokens": int(gap.numel()),
         # TRL's importance ratio pi_train / pi_rollout per token: exactly 1 where the gap is 0
         "is_ratio_min": float(torch.exp(-gap).min()),
-        "gap_max": float(gap.max()), "gap_mean": float(gap.mean()),
-        "over_1e3": float((gap > 1e-3).float().mean()), "exact": float((gap == 0).float().mean()),
+        "gap_max": float(gap.max()),
+        "gap_mean": float(gap.mean()),
+        "over_1e3": float((gap > 1e-3).float().mean()),
+        "exact": float((gap == 0).float().mean()),
         "rollout_tok_s": new_tokens / rollout_s,
         "train_tok_s": sum(int(r["input_ids"].numel()) for r in rows) / train_s,
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="a tiny random Llama, 2 prompts x 2 samples x 8 tokens")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a tiny random Llama, 2 prompts x 2 samples x 8 tokens")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--model", choices=["smollm2", "qwen2.5-0.5b", "tiny"], default=None,
-                        help="default: smollm2 (tiny with --quick)")
+    parser.add_argument(
+        "--model",
+        choices=["smollm2", "qwen2.5-0.5b", "tiny"],
+        default=None,
+        help="default: smollm2 (tiny with --quick)",
+    )
     parser.add_argument("--prompts", type=int, default=None)
     parser.add_argument("--samples", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="interleaved runs per mode, best kept (default 2; quick 1: a smoke run's "
-                             "speeds mean nothing)")
-    parser.add_argument("--workload", choices=["grpo", "chat"], default="grpo",
-                        help="grpo: the maths prompts (at most 8); chat: the chat questions of varied length")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="interleaved runs per mode, best kept (default 2; quick 1: a smoke run's speeds mean nothing)",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=["grpo", "chat"],
+        default="grpo",
+        help="grpo: the maths prompts (at most 8); chat: the chat questions of varied length",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.model = args.model or ("tiny" if args.quick else "smollm2")
@@ -141,10 +161,15 @@ def main() -> None:
     num_prompts, n, max_tokens = args.prompts or num_prompts, args.samples or n, args.new_tokens or max_tokens
     params = SamplingParams(temperature=1.0, n=n, max_tokens=max_tokens, seed=0, ignore_eos=True)
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {args.threads} threads"
-    print(f"{args.model}, {num_prompts} prompts x {n} samples x {max_tokens} new tokens, T=1, {where}, "
-          f"torch {torch.__version__}", flush=True)
-    header = (f"{'dtype':9} {'mode':16} {'gap max':>9} {'gap mean':>9} {'>1e-3':>7} {'exact':>7} "
-              f"{'rollout tok/s':>13} {'train tok/s':>11}")
+    print(
+        f"{args.model}, {num_prompts} prompts x {n} samples x {max_tokens} new tokens, T=1, {where}, "
+        f"torch {torch.__version__}",
+        flush=True,
+    )
+    header = (
+        f"{'dtype':9} {'mode':16} {'gap max':>9} {'gap mean':>9} {'>1e-3':>7} {'exact':>7} "
+        f"{'rollout tok/s':>13} {'train tok/s':>11}"
+    )
     print(header + "\n" + "-" * len(header))
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
@@ -153,25 +178,32 @@ def main() -> None:
         modes = ["default", "batch-invariant"]
         results = {}
         for r in range(args.rounds):  # interleaved, order rotated each round: all modes see one machine
-            for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+            for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
                 r = measure(model, tokenizer, prompts, params, mode != "default", capacity=2048)
                 best = results.setdefault(mode, r)
                 for key in ("rollout_tok_s", "train_tok_s"):
                     best[key] = max(best[key], r[key])
         for mode, r in results.items():
-            print(f"{name:9} {mode:16} {r['gap_max']:>9.3g} {r['gap_mean']:>9.3g} {r['over_1e3']:>7.1%} "
-                  f"{r['exact']:>7.1%} {r['rollout_tok_s']:>13.1f} {r['train_tok_s']:>11.1f}  "
-                  f"({r['tokens']} tokens, IS ratio min {r['is_ratio_min']:.6g})")
+            print(
+                f"{name:9} {mode:16} {r['gap_max']:>9.3g} {r['gap_mean']:>9.3g} {r['over_1e3']:>7.1%} "
+                f"{r['exact']:>7.1%} {r['rollout_tok_s']:>13.1f} {r['train_tok_s']:>11.1f}  "
+                f"({r['tokens']} tokens, IS ratio min {r['is_ratio_min']:.6g})"
+            )
         d = results["default"]
         for mode in modes[1:]:
             i = results[mode]
-            print(f"{name:9} {mode + '/default':16} {'':>9} {'':>9} {'':>7} {'':>7} "
-                  f"{i['rollout_tok_s'] / d['rollout_tok_s']:>12.2f}x "
-                  f"{i['train_tok_s'] / d['train_tok_s']:>10.2f}x", flush=True)
-    print("(gap: generator raw log-prob vs the training forward's per sampled token; exact = share of "
-          f"tokens with gap 0.0; speeds: best of {args.rounds} interleaved runs per mode; "
-          "on CPU the invariant mode runs every GEMM on 32-row tiles; the GPU goal is an "
-          "invariant/default ratio >= 0.8x, i.e. <= 1.25x the time)")
+            print(
+                f"{name:9} {mode + '/default':16} {'':>9} {'':>9} {'':>7} {'':>7} "
+                f"{i['rollout_tok_s'] / d['rollout_tok_s']:>12.2f}x "
+                f"{i['train_tok_s'] / d['train_tok_s']:>10.2f}x",
+                flush=True,
+            )
+    print(
+        "(gap: generator raw log-prob vs the training forward's per sampled token; exact = share of "
+        f"tokens with gap 0.0; speeds: best of {args.rounds} interleaved runs per mode; "
+        "on CPU the invariant mode runs every GEMM on 32-row tiles; the GPU goal is an "
+        "invariant/default ratio >= 0.8x, i.e. <= 1.25x the time)"
+    )
 
 
 if __name__ == "__main__":

@@ -74,8 +74,8 @@ def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torc
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     return ids, mask
 
 
@@ -85,29 +85,48 @@ def hf_generate(model, prompts, max_new_tokens: int, pad_id: int, **sampling) ->
     EOS stopping criterion without masking the EOS logit, like ``ignore_eos``)."""
     ids, mask = (t.to(model.device) for t in _left_pad(prompts, pad_id))
     out = model.generate(
-        ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=0,
-        eos_token_id=-1, pad_token_id=pad_id, **sampling,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        eos_token_id=-1,
+        pad_token_id=pad_id,
+        **sampling,
     )
-    return out[:, ids.shape[1]:].tolist()
+    return out[:, ids.shape[1] :].tolist()
 
 
 def run_hf_static(model, prompts, max_new, batch_size: int, pad_id: int) -> Run:
     outputs, computed = [], 0
     start = time.perf_counter()
     for b in range(0, len(prompts), batch_size):
-        ks = max_new[b:b + batch_size]
-        rows = hf_generate(model, prompts[b:b + batch_size], max(ks), pad_id, do_sample=False)
+        ks = max_new[b : b + batch_size]
+        rows = hf_generate(model, prompts[b : b + batch_size], max(ks), pad_id, do_sample=False)
         outputs += [row[:k] for row, k in zip(rows, ks)]
         _check_lengths("HF generate", outputs[b:], ks)
         computed += len(ks) * max(ks)
     seconds = time.perf_counter() - start
     useful = sum(max_new)
-    return Run(f"HF generate, static batches of {batch_size}", useful, seconds, outputs,
-               notes=f"computed {computed} tokens, {useful / computed:.0%} useful")
+    return Run(
+        f"HF generate, static batches of {batch_size}",
+        useful,
+        seconds,
+        outputs,
+        notes=f"computed {computed} tokens, {useful / computed:.0%} useful",
+    )
 
 
-def run_hf_cb(model, prompts, max_new, *, gen_config, max_batch_tokens: int, max_seqs: int,
-              num_return_sequences: int = 1, seed: int | None = None) -> Run:
+def run_hf_cb(
+    model,
+    prompts,
+    max_new,
+    *,
+    gen_config,
+    max_batch_tokens: int,
+    max_seqs: int,
+    num_return_sequences: int = 1,
+    seed: int | None = None,
+) -> Run:
     """HF continuous batching, sized to the workload (its default reserves 60% of RAM on CPU)."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -120,8 +139,7 @@ def run_hf_cb(model, prompts, max_new, *, gen_config, max_batch_tokens: int, max
         max_requests_per_batch=max_seqs,
         seed=seed,
     )
-    manager = model.init_continuous_batching(generation_config=gen_config,
-                                             continuous_batching_config=cb_config)
+    manager = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config)
     manager.start()
     try:
         _hf_cb_collect(manager, [prompts[0]], [4], 1 * num_return_sequences)  # warm-up
@@ -133,8 +151,13 @@ def run_hf_cb(model, prompts, max_new, *, gen_config, max_batch_tokens: int, max
         manager.destroy()
     outputs = [results[rid] for rid in sorted(results, key=_cb_order)]
     _check_lengths("HF CB", outputs, [k for k in max_new for _ in range(num_return_sequences)])
-    return Run("HF continuous batching (sdpa)", sum(map(len, outputs)), seconds, outputs,
-               notes=f"page {page}, {cb_config.num_blocks} pages, budget {max_batch_tokens}")
+    return Run(
+        "HF continuous batching (sdpa)",
+        sum(map(len, outputs)),
+        seconds,
+        outputs,
+        notes=f"page {page}, {cb_config.num_blocks} pages, budget {max_batch_tokens}",
+    )
 
 
 def _hf_cb_collect(manager, prompts, max_new, expected: int) -> dict[str, list[int]]:
@@ -169,9 +192,15 @@ def make_generator(model, tok, prompts, max_new, n: int, args):
     from nopad.inference.generator import Generator
 
     blocks = sum(math.ceil((len(p) + k) / args.block_size) for p, k in zip(prompts, max_new)) * n
-    return Generator(model, tok, block_size=args.block_size, max_num_batched_tokens=args.max_batch_tokens,
-                     max_num_seqs=args.max_seqs, num_blocks=blocks + 64,
-                     compile_decode=getattr(args, "compile_decode", False))
+    return Generator(
+        model,
+        tok,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_batch_tokens,
+        max_num_seqs=args.max_seqs,
+        num_blocks=blocks + 64,
+        compile_decode=getattr(args, "compile_decode", False),
+    )
 
 
 def run_nopad(model, tok, prompts, max_new, args, warmed=lambda: None) -> tuple[Run, list[int]]:
@@ -190,8 +219,10 @@ def run_nopad(model, tok, prompts, max_new, args, warmed=lambda: None) -> tuple[
     outputs = [r.outputs[0].token_ids for r in results]
     _check_lengths("nopad", outputs, max_new)
     hits = stats["prefix_cache_hit_tokens"]
-    notes = (f"{stats['steps']} forward steps, block {args.block_size}, budget {args.max_batch_tokens}, "
-             f"{stats['preemptions']} preemptions, prefix-cache hits {hits} tokens")
+    notes = (
+        f"{stats['steps']} forward steps, block {args.block_size}, budget {args.max_batch_tokens}, "
+        f"{stats['preemptions']} preemptions, prefix-cache hits {hits} tokens"
+    )
     return Run("nopad Generator (in-flight)", sum(max_new), seconds, outputs, notes), stats["seqs_per_step"]
 
 
@@ -202,26 +233,37 @@ def run_nopad_grpo(model, tok, prompts, args) -> Run:
     gen = make_generator(model, tok, prompts, [new] * len(prompts), n, args)
     gen.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
     gen.reset_stats()
-    params = [SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True, n=n, seed=args.seed + i)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True, n=n, seed=args.seed + i)
+        for i in range(len(prompts))
+    ]
     start = time.perf_counter()
     results = gen.generate(prompts, params)
     seconds = time.perf_counter() - start
     stats = gen.stats()
     outputs = [o.token_ids for r in results for o in r.outputs]
     _check_lengths("nopad", outputs, [new] * (n * len(prompts)))
-    notes = (f"{stats['steps']} forward steps, {stats['preemptions']} preemptions, "
-             f"prefix-cache hit tokens {stats['prefix_cache_hit_tokens']}")
-    return Run("nopad Generator (n shares the prompt)", len(outputs) * new, seconds, outputs, notes,
-               prefill_tokens=stats["prefill_tokens"])
+    notes = (
+        f"{stats['steps']} forward steps, {stats['preemptions']} preemptions, "
+        f"prefix-cache hit tokens {stats['prefix_cache_hit_tokens']}"
+    )
+    return Run(
+        "nopad Generator (n shares the prompt)",
+        len(outputs) * new,
+        seconds,
+        outputs,
+        notes,
+        prefill_tokens=stats["prefill_tokens"],
+    )
 
 
 def _check_lengths(name: str, outputs: list[list[int]], expected: list[int]) -> None:
     got = [len(o) for o in outputs]
     if got != list(expected):
         first = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
-        raise RuntimeError(f"{name} generated {sum(got)} tokens, expected {sum(expected)} "
-                           f"(first mismatch at request {first})")
+        raise RuntimeError(
+            f"{name} generated {sum(got)} tokens, expected {sum(expected)} (first mismatch at request {first})"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,13 +288,32 @@ def plot_occupancy(static_held, static_useful, inflight, batch_size: int, path: 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 4))
-    ax.plot(range(len(static_held)), static_held, color="0.6", lw=1, ls="--", drawstyle="steps-post",
-            label=f"static batches of {batch_size}: slots held")
-    ax.plot(range(len(static_useful)), static_useful, color="tab:red", lw=1.2, drawstyle="steps-post",
-            label=f"static: sequences doing useful work ({len(static_useful)} steps)")
+    ax.plot(
+        range(len(static_held)),
+        static_held,
+        color="0.6",
+        lw=1,
+        ls="--",
+        drawstyle="steps-post",
+        label=f"static batches of {batch_size}: slots held",
+    )
+    ax.plot(
+        range(len(static_useful)),
+        static_useful,
+        color="tab:red",
+        lw=1.2,
+        drawstyle="steps-post",
+        label=f"static: sequences doing useful work ({len(static_useful)} steps)",
+    )
     if inflight:
-        ax.plot(range(len(inflight)), inflight, color="tab:blue", lw=1.2, drawstyle="steps-post",
-                label=f"nopad in-flight: sequences per step ({len(inflight)} steps)")
+        ax.plot(
+            range(len(inflight)),
+            inflight,
+            color="tab:blue",
+            lw=1.2,
+            drawstyle="steps-post",
+            label=f"nopad in-flight: sequences per step ({len(inflight)} steps)",
+        )
     ax.set_xlabel("forward step")
     ax.set_ylabel("sequences in the step")
     ax.set_title("Batch slot occupancy per forward step, chat workload")
@@ -281,9 +342,11 @@ def print_env(args) -> None:
     import transformers
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, python "
-          f"{platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPUs, "
-          f"torch threads {torch.get_num_threads()}, load average {load[0]:.2f} at start")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, python "
+        f"{platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"torch threads {torch.get_num_threads()}, load average {load[0]:.2f} at start"
+    )
     print(f"model {args.model_name}, CPU, dtypes {', '.join(args.dtypes)}; seed {args.seed}")
 
 
@@ -322,22 +385,31 @@ def parse_args(argv=None):
     p.add_argument("--skip-hf-generate", action="store_true")
     p.add_argument("--skip-hf-cb", action="store_true")
     p.add_argument("--skip-grpo", action="store_true")
-    p.add_argument("--dtypes", type=lambda v: v.split(","), default=["fp32", "bf16"],
-                   help="comma-separated, each a full pass: fp32, bf16, fp16")
+    p.add_argument(
+        "--dtypes",
+        type=lambda v: v.split(","),
+        default=["fp32", "bf16"],
+        help="comma-separated, each a full pass: fp32, bf16, fp16",
+    )
     p.add_argument("--prefill-prompts", type=int, default=48)
     p.add_argument("--prefill-min-prompt", type=int, default=256)
     p.add_argument("--prefill-max-prompt", type=int, default=1024)
     p.add_argument("--prefill-min-new", type=int, default=8)
     p.add_argument("--prefill-max-new", type=int, default=32)
     p.add_argument("--skip-prefill", action="store_true")
-    p.add_argument("--skip-breakdown", action="store_true",
-                   help="skip the second, instrumented nopad run that splits its time")
+    p.add_argument(
+        "--skip-breakdown", action="store_true", help="skip the second, instrumented nopad run that splits its time"
+    )
     p.add_argument("--floor-batch", type=int, default=48, help="sequences in the timed decode step")
     p.add_argument("--floor-context", type=int, default=256, help="prompt tokens of each of them")
     p.add_argument("--floor-steps", type=int, default=10)
     p.add_argument("--skip-floor", action="store_true")
-    p.add_argument("--no-floor-compiled", dest="floor_compiled", action="store_false",
-                   help="skip timing the compiled decode step (its first compilation takes ~1-2 min)")
+    p.add_argument(
+        "--no-floor-compiled",
+        dest="floor_compiled",
+        action="store_false",
+        help="skip timing the compiled decode step (its first compilation takes ~1-2 min)",
+    )
     p.add_argument("--tiny-model", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = p.parse_args(argv)
@@ -362,9 +434,11 @@ def run_workload(label: str, model, tok, prompts, max_new, args, report: dict, p
 
     pad_id = tok.pad_token_id
     lens = [len(p) for p in prompts]
-    print(f"\n{label}: {len(prompts)} prompts of {min(lens)}-{max(lens)} tokens (mean "
-          f"{sum(lens) / len(lens):.0f}, sum {sum(lens)}), max_new_tokens {min(max_new)}-{max(max_new)} "
-          f"(sum {sum(max_new)}), greedy, ignore_eos")
+    print(
+        f"\n{label}: {len(prompts)} prompts of {min(lens)}-{max(lens)} tokens (mean "
+        f"{sum(lens) / len(lens):.0f}, sum {sum(lens)}), max_new_tokens {min(max_new)}-{max(max_new)} "
+        f"(sum {sum(max_new)}), greedy, ignore_eos"
+    )
     runs: list[Run] = []
     hf_static = hf_cb = None
     print("running nopad ...", flush=True)
@@ -378,13 +452,13 @@ def run_workload(label: str, model, tok, prompts, max_new, args, report: dict, p
     if not args.skip_hf_cb:
         print("running HF continuous batching ...", flush=True)
         cfg = transformers.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=pad_id)
-        hf_cb = run_hf_cb(model, prompts, max_new, gen_config=cfg, max_batch_tokens=args.max_batch_tokens,
-                          max_seqs=args.max_seqs)
+        hf_cb = run_hf_cb(
+            model, prompts, max_new, gen_config=cfg, max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs
+        )
         runs.insert(len(runs) - 1, hf_cb)
     peers = [r for r in (hf_static, hf_cb) if r is not None]
     print_table(f"{label}, output tokens/s", runs, peers)
-    report["workloads"][label] = {r.name: {"tokens": r.tokens, "seconds": r.seconds, "tok_s": r.tok_s}
-                                  for r in runs}
+    report["workloads"][label] = {r.name: {"tokens": r.tokens, "seconds": r.seconds, "tok_s": r.tok_s} for r in runs}
 
     print("Greedy agreement of nopad (identical sequences; tokens before first divergence):")
     for ref in peers:
@@ -392,9 +466,10 @@ def run_workload(label: str, model, tok, prompts, max_new, args, report: dict, p
         print(f"  vs {ref.name:<42} {same}/{len(prompts)} sequences, {frac:.1%} of tokens")
     k = min(args.check_prompts, len(prompts))
     if k:
-        alone = [hf_generate(model, [p], min(m, 64), pad_id, do_sample=False)[0]
-                 for p, m in zip(prompts[:k], max_new[:k])]
-        same, frac = agreement(alone, [o[:len(a)] for o, a in zip(nopad.outputs, alone)])
+        alone = [
+            hf_generate(model, [p], min(m, 64), pad_id, do_sample=False)[0] for p, m in zip(prompts[:k], max_new[:k])
+        ]
+        same, frac = agreement(alone, [o[: len(a)] for o, a in zip(nopad.outputs, alone)])
         name = "HF generate, each prompt alone (<=64 tok)"
         print(f"  vs {name:<42} {same}/{k} sequences, {frac:.1%} of tokens")
         report["greedy_match_alone"][label] = {"sequences": f"{same}/{k}", "token_fraction": frac}
@@ -405,9 +480,11 @@ def run_workload(label: str, model, tok, prompts, max_new, args, report: dict, p
         held, useful = static_batch_occupancy(max_new, args.batch_size)
         path = args.out_dir / f"generate_occupancy_{report['dtype']}.png"
         plot_occupancy(held, useful, occupancy, args.batch_size, path)
-        print(f"static batching: {len(useful)} steps, mean {sum(useful) / len(useful):.1f} useful of "
-              f"{sum(held) / len(held):.1f} held slots; nopad: {len(occupancy)} steps, mean "
-              f"{sum(occupancy) / max(len(occupancy), 1):.1f} sequences per step; plot: {path}")
+        print(
+            f"static batching: {len(useful)} steps, mean {sum(useful) / len(useful):.1f} useful of "
+            f"{sum(held) / len(held):.1f} held slots; nopad: {len(occupancy)} steps, mean "
+            f"{sum(occupancy) / max(len(occupancy), 1):.1f} sequences per step; plot: {path}"
+        )
 
 
 def run_grpo(model, tok, args, report: dict) -> None:
@@ -425,23 +502,50 @@ def run_grpo(model, tok, args, report: dict) -> None:
         print("running HF generate (num_return_sequences) ...", flush=True)
         torch.manual_seed(args.seed)
         start = time.perf_counter()
-        rows = hf_generate(model, gp, new, pad_id, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                           num_return_sequences=n)
-        hf_g = Run(f"HF generate, num_return_sequences={n}", len(rows) * new, time.perf_counter() - start,
-                   rows, prefill_tokens=len(rows) * max(len(p) for p in gp))
+        rows = hf_generate(
+            model, gp, new, pad_id, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n
+        )
+        hf_g = Run(
+            f"HF generate, num_return_sequences={n}",
+            len(rows) * new,
+            time.perf_counter() - start,
+            rows,
+            prefill_tokens=len(rows) * max(len(p) for p in gp),
+        )
         g_peers.append(hf_g)
     if not args.skip_hf_cb:
         print("running HF continuous batching (num_return_sequences) ...", flush=True)
-        cfg = transformers.GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                            num_return_sequences=n, eos_token_id=-1, pad_token_id=pad_id)
-        g_peers.append(run_hf_cb(model, gp, [new] * len(gp), gen_config=cfg,
-                                 max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
-                                 num_return_sequences=n, seed=args.seed))
-    extra = {r.name: f"prefill tokens computed {r.prefill_tokens} = {r.prefill_tokens / naive:.3f} of "
-                     f"naive {naive}" for r in g_runs + g_peers if r.prefill_tokens is not None}
+        cfg = transformers.GenerationConfig(
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            num_return_sequences=n,
+            eos_token_id=-1,
+            pad_token_id=pad_id,
+        )
+        g_peers.append(
+            run_hf_cb(
+                model,
+                gp,
+                [new] * len(gp),
+                gen_config=cfg,
+                max_batch_tokens=args.max_batch_tokens,
+                max_seqs=args.max_seqs,
+                num_return_sequences=n,
+                seed=args.seed,
+            )
+        )
+    extra = {
+        r.name: f"prefill tokens computed {r.prefill_tokens} = {r.prefill_tokens / naive:.3f} of naive {naive}"
+        for r in g_runs + g_peers
+        if r.prefill_tokens is not None
+    }
     print_table("GRPO groups, output tokens/s", g_peers + g_runs, g_peers, extra)
-    report["grpo"] = {r.name: {"tokens": r.tokens, "seconds": r.seconds, "tok_s": r.tok_s,
-                               "prefill_tokens": r.prefill_tokens} for r in g_peers + g_runs}
+    report["grpo"] = {
+        r.name: {"tokens": r.tokens, "seconds": r.seconds, "tok_s": r.tok_s, "prefill_tokens": r.prefill_tokens}
+        for r in g_peers + g_runs
+    }
     report["grpo"]["naive_prefill_tokens"] = naive
 
 
@@ -488,22 +592,31 @@ def print_breakdown(model, tok, prompts, max_new, args, hf_static: Run | None) -
     HF generate's time over nopad's linear time is the most this workload's ratio could be if
     everything else took no time."""
     with _LinearTimer() as linears, _attention_timer() as attention, _sampler_timer() as sampler:
+
         def zero_timers():  # the warm-up is not part of the timed run
             linears.seconds = attention.seconds = sampler.seconds = 0.0
 
         run, _ = run_nopad(model, tok, prompts, max_new, args, warmed=zero_timers)
     total = run.seconds
     other = total - linears.seconds - attention.seconds - sampler.seconds
-    print(f"nopad's time, instrumented run: {total:.1f} s = linear layers {linears.seconds:.1f} s "
-          f"({linears.seconds / total:.0%}) + attention {attention.seconds:.1f} s "
-          f"({attention.seconds / total:.0%}) + sampling {sampler.seconds:.1f} s "
-          f"({sampler.seconds / total:.0%}) + everything else {other:.1f} s ({other / total:.0%})")
-    out = {"seconds": total, "linear_s": linears.seconds, "attention_s": attention.seconds,
-           "sampling_s": sampler.seconds}
+    print(
+        f"nopad's time, instrumented run: {total:.1f} s = linear layers {linears.seconds:.1f} s "
+        f"({linears.seconds / total:.0%}) + attention {attention.seconds:.1f} s "
+        f"({attention.seconds / total:.0%}) + sampling {sampler.seconds:.1f} s "
+        f"({sampler.seconds / total:.0%}) + everything else {other:.1f} s ({other / total:.0%})"
+    )
+    out = {
+        "seconds": total,
+        "linear_s": linears.seconds,
+        "attention_s": attention.seconds,
+        "sampling_s": sampler.seconds,
+    }
     if hf_static is not None:
         bound = hf_static.seconds / linears.seconds
-        print(f"  HF generate's time / nopad's linear-layer time: {bound:.2f}x (the ratio's ceiling "
-              f"if attention and everything else were free)")
+        print(
+            f"  HF generate's time / nopad's linear-layer time: {bound:.2f}x (the ratio's ceiling "
+            f"if attention and everything else were free)"
+        )
         out["ceiling_vs_hf_generate"] = bound
     return out
 
@@ -573,13 +686,18 @@ def time_decode_steps(model, tok, prompts: list[list[int]], args, bare, **gen_kw
     from nopad.inference.sampling_params import SamplingParams
 
     steps, batch, context = args.floor_steps, len(prompts), len(prompts[0])
-    gen = Generator(model, tok, block_size=args.block_size,
-                    max_num_batched_tokens=max(args.max_batch_tokens, 2048),
-                    max_num_seqs=max(batch, args.max_seqs),
-                    num_blocks=batch * math.ceil((context + 2 * steps + 8) / args.block_size) + 8,
-                    **gen_kwargs)
-    ids = [gen.add_request(p, SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True))
-           for p in prompts]
+    gen = Generator(
+        model,
+        tok,
+        block_size=args.block_size,
+        max_num_batched_tokens=max(args.max_batch_tokens, 2048),
+        max_num_seqs=max(batch, args.max_seqs),
+        num_blocks=batch * math.ceil((context + 2 * steps + 8) / args.block_size) + 8,
+        **gen_kwargs,
+    )
+    ids = [
+        gen.add_request(p, SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True)) for p in prompts
+    ]
     while gen.stats()["decode_tokens"] < 2 * batch:
         gen.step()  # prefill every prompt, then two decode steps as warm-up
     times, attn, linear = [], [], []
@@ -608,8 +726,7 @@ def decode_floor(model, tok, args, report: dict) -> None:
     bw = read_bandwidth(args.threads)
     bare = bare_linear_pass(model, batch)
     g = torch.Generator().manual_seed(args.seed)
-    prompts = [torch.randint(100, config.vocab_size - 100, (context,), generator=g).tolist()
-               for _ in range(batch)]
+    prompts = [torch.randint(100, config.vocab_size - 100, (context,), generator=g).tolist() for _ in range(batch)]
     times, attn, linear = time_decode_steps(model, tok, prompts, args, bare)
     ctx = context + 3 + steps // 2  # mean keys per sequence during the timed steps
     per_key = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize  # K and V
@@ -618,26 +735,46 @@ def decode_floor(model, tok, args, report: dict) -> None:
     step_s, attn_s, linear_s = median(times), median(attn), median(linear)
     floor = linear_s + kv_s
     ratio = median([t / (lin + kv_s) for t, lin in zip(times, linear)])  # each step against its own floor
-    print(f"\nDecode step, {batch} sequences x ~{ctx} keys, {str(dtype).replace('torch.', '')} "
-          f"(medians of {steps} steps, each right after a timed bare-linear pass):")
-    print(f"  measured read bandwidth {bw / 1e9:.1f} GB/s; K/V read per step {kv_bytes / 1e6:.0f} MB "
-          f"-> {kv_s * 1e3:.1f} ms at that rate")
-    print(f"  bare linear layers at {batch} rows: {linear_s * 1e3:.1f} ms "
-          f"(range {min(linear) * 1e3:.1f}-{max(linear) * 1e3:.1f})")
-    print(f"  floor {floor * 1e3:.1f} ms | nopad step {step_s * 1e3:.1f} ms = {ratio:.2f}x the "
-          f"floor (median of per-step ratios; target <= 1.3x)")
-    print(f"  of the step: attention {attn_s * 1e3:.1f} ms ({kv_bytes / attn_s / 1e9:.1f} GB/s = "
-          f"{kv_bytes / attn_s / bw:.0%} of bandwidth), everything else {(step_s - attn_s) * 1e3:.1f} ms "
-          f"(linear floor {linear_s * 1e3:.1f} ms)")
-    report["decode_floor"] = {"batch": batch, "keys": ctx, "bandwidth_gb_s": bw / 1e9,
-                              "kv_mb": kv_bytes / 1e6, "linear_ms": linear_s * 1e3, "floor_ms": floor * 1e3,
-                              "step_ms": step_s * 1e3, "attention_ms": attn_s * 1e3, "ratio": ratio}
+    print(
+        f"\nDecode step, {batch} sequences x ~{ctx} keys, {str(dtype).replace('torch.', '')} "
+        f"(medians of {steps} steps, each right after a timed bare-linear pass):"
+    )
+    print(
+        f"  measured read bandwidth {bw / 1e9:.1f} GB/s; K/V read per step {kv_bytes / 1e6:.0f} MB "
+        f"-> {kv_s * 1e3:.1f} ms at that rate"
+    )
+    print(
+        f"  bare linear layers at {batch} rows: {linear_s * 1e3:.1f} ms "
+        f"(range {min(linear) * 1e3:.1f}-{max(linear) * 1e3:.1f})"
+    )
+    print(
+        f"  floor {floor * 1e3:.1f} ms | nopad step {step_s * 1e3:.1f} ms = {ratio:.2f}x the "
+        f"floor (median of per-step ratios; target <= 1.3x)"
+    )
+    print(
+        f"  of the step: attention {attn_s * 1e3:.1f} ms ({kv_bytes / attn_s / 1e9:.1f} GB/s = "
+        f"{kv_bytes / attn_s / bw:.0%} of bandwidth), everything else {(step_s - attn_s) * 1e3:.1f} ms "
+        f"(linear floor {linear_s * 1e3:.1f} ms)"
+    )
+    report["decode_floor"] = {
+        "batch": batch,
+        "keys": ctx,
+        "bandwidth_gb_s": bw / 1e9,
+        "kv_mb": kv_bytes / 1e6,
+        "linear_ms": linear_s * 1e3,
+        "floor_ms": floor * 1e3,
+        "step_ms": step_s * 1e3,
+        "attention_ms": attn_s * 1e3,
+        "ratio": ratio,
+    }
     if args.floor_compiled:
         print("  compiling the decode step (compile_decode=True) ...", flush=True)
         times, _, linear = time_decode_steps(model, tok, prompts, args, bare, compile_decode=True)
         compiled_ratio = median([t / (lin + kv_s) for t, lin in zip(times, linear)])
-        print(f"  nopad step with compile_decode=True {median(times) * 1e3:.1f} ms = {compiled_ratio:.2f}x "
-              f"the floor (bare linears {median(linear) * 1e3:.1f} ms alongside)")
+        print(
+            f"  nopad step with compile_decode=True {median(times) * 1e3:.1f} ms = {compiled_ratio:.2f}x "
+            f"the floor (bare linears {median(linear) * 1e3:.1f} ms alongside)"
+        )
         report["decode_floor"].update(compiled_step_ms=median(times) * 1e3, compiled_ratio=compiled_ratio)
 
 
@@ -655,13 +792,18 @@ def main(argv=None) -> dict:
         model = model.to(dtype)
         print(f"\n{'=' * 30} {name}: weights, activations and KV cache in {name} {'=' * 30}")
         section = report[name] = {"dtype": name, "workloads": {}, "greedy_match_alone": {}, "breakdown": {}}
-        prompts, max_new = chat_workload(tok, args.num_prompts, args.min_new_tokens, args.max_new_tokens,
-                                         args.seed)
+        prompts, max_new = chat_workload(tok, args.num_prompts, args.min_new_tokens, args.max_new_tokens, args.seed)
         run_workload("Workload 1: chat", model, tok, prompts, max_new, args, section, plot=True)
         if not args.skip_prefill:
-            prompts, max_new = prefill_workload(tok, args.prefill_prompts, args.prefill_min_prompt,
-                                                args.prefill_max_prompt, args.prefill_min_new,
-                                                args.prefill_max_new, args.seed)
+            prompts, max_new = prefill_workload(
+                tok,
+                args.prefill_prompts,
+                args.prefill_min_prompt,
+                args.prefill_max_prompt,
+                args.prefill_min_new,
+                args.prefill_max_new,
+                args.seed,
+            )
             run_workload("Workload 2: prefill-heavy", model, tok, prompts, max_new, args, section, plot=False)
         if not args.skip_grpo:
             run_grpo(model, tok, args, section)

@@ -116,20 +116,19 @@ def run_nopad(spec: dict) -> dict:
 
     from nopad.recipes import grpo as recipe
     from nopad.recipes.config import load_config
-    from nopad.training import checkpoint, grpo_step, optimizer
+    from nopad.training import checkpoint, grpo_minibatch, grpo_step, optimizer
 
     if spec["system"] == "unfused":  # the recipe before its AdamW was fused: torch's default one
         from nopad.training.lora import trainable_parameters
 
         optimizer.make_adamw = lambda model, lr, weight_decay: torch.optim.AdamW(
-            trainable_parameters(model), lr=lr, weight_decay=weight_decay)
+            trainable_parameters(model), lr=lr, weight_decay=weight_decay
+        )
     model, tok = load(spec["tiny"], spec["task"])
     if spec.get("lora"):
         from nopad.training.lora import apply_lora
 
-        model = apply_lora(
-            model, rank=16, alpha=32.0, dropout=0.0, target_modules="all-linear", base="smollm2"
-        )
+        model = apply_lora(model, rank=16, alpha=32.0, dropout=0.0, target_modules="all-linear", base="smollm2")
     out = Path(tempfile.mkdtemp(prefix="bench_grpo_losses_")) if spec["checkpoint"] else None
     overrides = [
         f"task.name={spec['task']}",
@@ -169,10 +168,12 @@ def run_nopad(spec: dict) -> dict:
 
     checkpoint.save_training_checkpoint = timed_save
     grpo_step.grpo_step, grpo_step.packed_logprobs = timed_step, counted_score
+    grpo_minibatch.packed_logprobs = counted_score  # the training forwards and the reference's
     try:
         history = recipe.run_grpo(cfg, model=model, tokenizer=tok, progress=False)
     finally:  # a --quick child runs the next spec in the same process
         checkpoint.save_training_checkpoint, grpo_step.grpo_step, grpo_step.packed_logprobs = write, step, score
+        grpo_minibatch.packed_logprobs = score
     timed, steps = history[-1], history[-1]["optimizer_steps"]
     result = {
         "cpu_s": clock.cpu[-1] / steps,
@@ -258,8 +259,15 @@ def run_trl(spec: dict) -> dict:
             forwards[-1][1] += not torch.is_grad_enabled()
             return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
-    trainer = Counted(model=model, reward_funcs=reward, args=GRPOConfig(**settings), train_dataset=data,
-                      processing_class=tok, callbacks=[Timer()], **({"tools": tools} if tools else {}))
+    trainer = Counted(
+        model=model,
+        reward_funcs=reward,
+        args=GRPOConfig(**settings),
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[Timer()],
+        **({"tools": tools} if tools else {}),
+    )
     trainer.train()
     shutil.rmtree(out, ignore_errors=True)
     timed = slice(-STEPS_PER_GENERATION, None)  # the last rollout batch's optimizer steps
@@ -293,9 +301,11 @@ def run_adamw(spec: dict) -> dict:
     for p in params:
         p.grad = torch.randn_like(p)
     result = {}
-    builders = {"nopad": lambda: make_adamw(model, 1e-6, 0.0),
-                "default": lambda: torch.optim.AdamW(params, lr=1e-6),
-                "fused": lambda: torch.optim.AdamW(params, lr=1e-6, fused=True)}
+    builders = {
+        "nopad": lambda: make_adamw(model, 1e-6, 0.0),
+        "default": lambda: torch.optim.AdamW(params, lr=1e-6),
+        "fused": lambda: torch.optim.AdamW(params, lr=1e-6, fused=True),
+    }
     for name, build in builders.items():
         optimizer = build()
         optimizer.step()  # makes the state
@@ -314,13 +324,25 @@ def prompt_tokens(task: str) -> tuple[float, float]:
     from nopad.recipes.config import load_config
 
     _, tok = load(True, task)
-    cfg = load_config(recipe.GRPORecipeConfig, overrides=[f"task.name={task}", "model.chat_template=true",
-                                                          "rollout.max_prompt_tokens=256",
-                                                          "rollout.prompts_per_step=1"])
+    cfg = load_config(
+        recipe.GRPORecipeConfig,
+        overrides=[
+            f"task.name={task}",
+            "model.chat_template=true",
+            "rollout.max_prompt_tokens=256",
+            "rollout.prompts_per_step=1",
+        ],
+    )
     nopad = [len(ids) for ids in recipe.build_prompts(cfg, tok)[1]]
     data, tools = trl_dataset(task)
-    trl = [len(tok.apply_chat_template(p, tools=tools or None, add_generation_prompt=True, tokenize=True,
-                                       return_dict=False)) for p in data["prompt"]]
+    trl = [
+        len(
+            tok.apply_chat_template(
+                p, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for p in data["prompt"]
+    ]
     return sum(nopad) / len(nopad), sum(trl) / len(trl)
 
 
@@ -346,9 +368,7 @@ def measure(spec: dict, timeout: float, *more: dict) -> dict:
     if json.dumps(spec, sort_keys=True) in MEASURED:
         return MEASURED.pop(json.dumps(spec, sort_keys=True))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps([spec, *more])]
-    code, out, err = run_in_group(
-        cmd, timeout, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
-    )
+    code, out, err = run_in_group(cmd, timeout, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
     found = [json.loads(line[len("RESULT ") :]) for line in out.splitlines() if line.startswith("RESULT ")]
     if code != 0 or len(found) != 1 + len(more):
         raise RuntimeError(f"{spec['system']} / {spec['loss']} failed ({code}):\n{(out + err)[-3000:]}")
@@ -371,23 +391,25 @@ def print_rows(loss: str, rows: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny random Llama, one loss, one batch")
     parser.add_argument("--task", choices=TASKS, default="arithmetic")
     parser.add_argument("--losses", default=None, help=f"comma-separated (default: {','.join(LOSSES)})")
-    parser.add_argument("--systems", default="nopad,TRL",
-                        help="comma-separated: nopad, TRL, unfused (nopad with torch's default AdamW)")
-    parser.add_argument("--prompts", type=int, default=None,
-                        help="prompts per rollout batch (default 2; quick 1)")
-    parser.add_argument("--generations", type=int, default=None,
-                        help="completions per prompt (default 8, TRL's; quick 4)")
+    parser.add_argument(
+        "--systems", default="nopad,TRL", help="comma-separated: nopad, TRL, unfused (nopad with torch's default AdamW)"
+    )
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per rollout batch (default 2; quick 1)")
+    parser.add_argument(
+        "--generations", type=int, default=None, help="completions per prompt (default 8, TRL's; quick 4)"
+    )
     parser.add_argument("--max-tokens", type=int, default=None, help="per completion (default 32; quick 8)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--checkpoints-only", action="store_true",
-                        help="skip the loss table: one nopad rollout batch with full weights and one with "
-                             "LoRA, for the checkpoint cost")
+    parser.add_argument(
+        "--checkpoints-only",
+        action="store_true",
+        help="skip the loss table: one nopad rollout batch with full weights and one with "
+        "LoRA, for the checkpoint cost",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -432,8 +454,12 @@ def main() -> None:
         quick = {**base, "loss": "dapo", "system": "nopad"}
         first = {**quick, "checkpoint": True}
         MEASURED[json.dumps(first, sort_keys=True)] = measure(
-            first, timeout, {**quick, "system": "TRL"}, {**quick, "system": "adamw"},
-            {**quick, "lora": True, "checkpoint": True})
+            first,
+            timeout,
+            {**quick, "system": "TRL"},
+            {**quick, "system": "adamw"},
+            {**quick, "lora": True, "checkpoint": True},
+        )
     # a nopad run's checkpoint: its full-weight save (the first loss's run, or its own run)
     full_weights = None
     for loss in losses:
@@ -445,17 +471,16 @@ def main() -> None:
         print_rows(loss, rows)
     if losses:
         adamw = measure({**base, "loss": "dapo", "system": "adamw"}, timeout)
-        print(f"one AdamW step over the model: nopad's recipe (make_adamw) {adamw['nopad']:.2f} CPU s, "
-              f"torch's default (nopad before) {adamw['default']:.2f} CPU s, "
-              f"TRL (adamw_torch_fused) {adamw['fused']:.2f} CPU s")
+        print(
+            f"one AdamW step over the model: nopad's recipe (make_adamw) {adamw['nopad']:.2f} CPU s, "
+            f"torch's default (nopad before) {adamw['default']:.2f} CPU s, "
+            f"TRL (adamw_torch_fused) {adamw['fused']:.2f} CPU s"
+        )
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
     if not (args.quick or args.checkpoints_only or full_weights):
         return
-    print(
-        "\nnopad GRPO checkpoint (step_N: policy or adapter, optimizer, RNG, progress), written atomically:"
-    )
-    full_weights = full_weights or measure({**base, "loss": "dapo", "system": "nopad", "checkpoint": True},
-                                           timeout)
+    print("\nnopad GRPO checkpoint (step_N: policy or adapter, optimizer, RNG, progress), written atomically:")
+    full_weights = full_weights or measure({**base, "loss": "dapo", "system": "nopad", "checkpoint": True}, timeout)
     lines = [("full weights", full_weights)]
     if args.quick or args.checkpoints_only:
         lora = {**base, "loss": "dapo", "system": "nopad", "lora": True, "checkpoint": True}

@@ -43,8 +43,9 @@ def make_rollouts(prompt_len, completion_len, n, groups, vocab, seed=0):
         prompt = rng.integers(3, vocab, prompt_len).tolist()
         for _ in range(n):
             c = int(rng.integers(completion_len // 2, completion_len + 1))
-            rollouts.append(Rollout(prompt, rng.integers(3, vocab, c).tolist(), [0.0] * c,
-                                    advantage=float(rng.standard_normal())))
+            rollouts.append(
+                Rollout(prompt, rng.integers(3, vocab, c).tolist(), [0.0] * c, advantage=float(rng.standard_normal()))
+            )
     return rollouts
 
 
@@ -56,8 +57,10 @@ def surrogate(model, hidden, predict_at, targets, advantages):
 
 def packed_rows(rollouts, budget, shared_prefix):
     """The rollouts' rows, each with its pairs' advantages (what the surrogate weighs) on it."""
-    return [row.with_token_values({"advantages": pair_advantages(row, rollouts)})
-            for row in pack_rollouts(rollouts, budget, shared_prefix=shared_prefix)]
+    return [
+        row.with_token_values({"advantages": pair_advantages(row, rollouts)})
+        for row in pack_rollouts(rollouts, budget, shared_prefix=shared_prefix)
+    ]
 
 
 def packed_step(model, rows):
@@ -65,10 +68,10 @@ def packed_step(model, rows):
         meta = row["nopad_meta"]
         labels = row["labels"][0]
         at = torch.nonzero(labels != -100).squeeze(1)
-        hidden = model.model(input_ids=row["input_ids"], position_ids=row["position_ids"], nopad_meta=meta,
-                             use_cache=False).last_hidden_state[0]
-        surrogate(model, hidden, meta.previous_rows()[at], labels[at],
-                  row.token_values["advantages"]).backward()
+        hidden = model.model(
+            input_ids=row["input_ids"], position_ids=row["position_ids"], nopad_meta=meta, use_cache=False
+        ).last_hidden_state[0]
+        surrogate(model, hidden, meta.previous_rows()[at], labels[at], row.token_values["advantages"]).backward()
 
 
 def padded_batches(rollouts, budget):
@@ -76,7 +79,7 @@ def padded_batches(rollouts, budget):
     per_batch = max(1, budget // width)
     batches = []
     for s in range(0, len(rollouts), per_batch):
-        chunk = rollouts[s: s + per_batch]
+        chunk = rollouts[s : s + per_batch]
         w = max(len(r.prompt_ids) + len(r.completion_ids) for r in chunk)
         ids = torch.zeros(len(chunk), w, dtype=torch.long)
         mask = torch.zeros(len(chunk), w, dtype=torch.long)
@@ -110,10 +113,12 @@ def best_time(step, model, data, repeats, warmup):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: a tiny random Llama, 1 prompt per step, shapes / 8, 1 timed run")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: a tiny random Llama, 1 prompt per step, shapes / 8, 1 timed run",
+    )
     parser.add_argument("--budget", type=int, default=4096, help="tokens per training row / padded batch")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
@@ -125,25 +130,34 @@ def main():
         name, (model, _), shapes = "SmolLM2-135M-Instruct", load_smollm2(torch.float32), SHAPES
     model.train()
     vocab = model.config.vocab_size
-    print(f"{name} fp32, {args.threads} threads, {groups} prompt(s) per step, row budget "
-          f"{args.budget} tokens, best of {repeats} after {warmup} warm-up (forward+backward per step)")
-    header = (f"{'P/C, n':>14} {'tokens s/p/pad':>20} {'shared s':>9} {'packed s':>9} {'padded s':>9} "
-              f"{'packed/shared':>14} {'padded/shared':>14}")
+    print(
+        f"{name} fp32, {args.threads} threads, {groups} prompt(s) per step, row budget "
+        f"{args.budget} tokens, best of {repeats} after {warmup} warm-up (forward+backward per step)"
+    )
+    header = (
+        f"{'P/C, n':>14} {'tokens s/p/pad':>20} {'shared s':>9} {'packed s':>9} {'padded s':>9} "
+        f"{'packed/shared':>14} {'padded/shared':>14}"
+    )
     print(header)
     for prompt_len, completion_len, n in shapes:
         rollouts = make_rollouts(prompt_len, completion_len, n, groups, vocab)
         shared = packed_rows(rollouts, args.budget, shared_prefix=True)
         usual = packed_rows(rollouts, args.budget, shared_prefix=False)
         padded = padded_batches(rollouts, args.budget)
-        tokens = (sum(r["input_ids"].numel() for r in shared), sum(r["input_ids"].numel() for r in usual),
-                  sum(b[0].numel() for b in padded))
+        tokens = (
+            sum(r["input_ids"].numel() for r in shared),
+            sum(r["input_ids"].numel() for r in usual),
+            sum(b[0].numel() for b in padded),
+        )
         with use_nopad_attention(model):
             t_shared = best_time(packed_step, model, shared, repeats, warmup)
             t_usual = best_time(packed_step, model, usual, repeats, warmup)
         t_padded = best_time(padded_step, model, padded, repeats, warmup)
-        print(f"{f'{prompt_len}/{completion_len}, {n}':>14} {'/'.join(map(str, tokens)):>20} {t_shared:9.2f} "
-              f"{t_usual:9.2f} {t_padded:9.2f} {t_usual / t_shared:13.2f}x {t_padded / t_shared:13.2f}x",
-              flush=True)
+        print(
+            f"{f'{prompt_len}/{completion_len}, {n}':>14} {'/'.join(map(str, tokens)):>20} {t_shared:9.2f} "
+            f"{t_usual:9.2f} {t_padded:9.2f} {t_usual / t_shared:13.2f}x {t_padded / t_shared:13.2f}x",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -80,11 +80,20 @@ def qwen3_5(vocab: int, quick: bool) -> transformers.PreTrainedModel:
     linear heads of half the hidden size, value heads twice the key heads, a 4-tap conv."""
     hidden, layers = (64, 4) if quick else (256, 8)
     config = transformers.Qwen3_5TextConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
         layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
-        num_attention_heads=4, num_key_value_heads=1, head_dim=hidden // 4,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=hidden // 4,
-        linear_value_head_dim=hidden // 4, linear_conv_kernel_dim=4, max_position_embeddings=4096,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=hidden // 4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=hidden // 4,
+        linear_value_head_dim=hidden // 4,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=4096,
     )
     return _build(transformers.Qwen3_5ForCausalLM, config)
 
@@ -93,9 +102,14 @@ def lfm2(vocab: int, quick: bool) -> transformers.PreTrainedModel:
     """LFM2's layout (short-conv layers, every third layer attention), the same width."""
     hidden, layers = (64, 3) if quick else (256, 6)
     config = transformers.Lfm2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-        layer_types=(["conv", "conv", "full_attention"]) * (layers // 3), num_attention_heads=4,
-        num_key_value_heads=1, max_position_embeddings=4096,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        layer_types=(["conv", "conv", "full_attention"]) * (layers // 3),
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=4096,
     )
     return _build(transformers.Lfm2ForCausalLM, config)
 
@@ -106,10 +120,19 @@ def bamba(vocab: int, quick: bool) -> transformers.PreTrainedModel:
     a 64-wide SSM state, a 4-tap conv."""
     hidden, layers = (64, 4) if quick else (256, 8)
     config = transformers.BambaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-        attn_layer_indices=list(range(3, layers, 4)), num_attention_heads=4, num_key_value_heads=1,
-        mamba_n_heads=2 * hidden // 64, mamba_d_head=64, mamba_d_state=16 if quick else 64, mamba_n_groups=1,
-        mamba_chunk_size=64, max_position_embeddings=4096,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        attn_layer_indices=list(range(3, layers, 4)),
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        mamba_n_heads=2 * hidden // 64,
+        mamba_d_head=64,
+        mamba_d_state=16 if quick else 64,
+        mamba_n_groups=1,
+        mamba_chunk_size=64,
+        max_position_embeddings=4096,
     )
     return _build(transformers.BambaForCausalLM, config)
 
@@ -134,44 +157,63 @@ def run(model, impl: str, batches, real_tokens: int, dtype: torch.dtype, warm_up
             computed += batch["input_ids"].numel()
         elapsed = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
-    return dict(seconds=elapsed, tok_s=real_tokens / elapsed, steps=len(batches),
-                efficiency=real_tokens / computed)
+    return dict(seconds=elapsed, tok_s=real_tokens / elapsed, steps=len(batches), efficiency=real_tokens / computed)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke run: a tiny model, 4 short sequences")
     parser.add_argument("--sequences", type=int, default=None)
     parser.add_argument("--budget", type=int, default=None, help="tokens per step (default 2048)")
-    parser.add_argument("--models", default="qwen3_5,lfm2,bamba",
-                        help="comma-separated: qwen3_5, lfm2, bamba")
-    parser.add_argument("--generation", default="qwen3_5,lfm2,bamba",
-                        help="models for the generation part, comma-separated ('' to skip it)")
+    parser.add_argument("--models", default="qwen3_5,lfm2,bamba", help="comma-separated: qwen3_5, lfm2, bamba")
+    parser.add_argument(
+        "--generation",
+        default="qwen3_5,lfm2,bamba",
+        help="models for the generation part, comma-separated ('' to skip it)",
+    )
     parser.add_argument("--gen-prompts", type=int, default=None, help="prompts of the generation batch")
-    parser.add_argument("--gen-batch", type=int, default=None,
-                        help="sequences at once in the generation part: HF's static batch size and the "
-                             "Generator's max_num_seqs (default: every prompt in one batch)")
-    parser.add_argument("--compile-decode", action="store_true",
-                        help="generation: also time the Generator with compile_decode=True (a third row)")
+    parser.add_argument(
+        "--gen-batch",
+        type=int,
+        default=None,
+        help="sequences at once in the generation part: HF's static batch size and the "
+        "Generator's max_num_seqs (default: every prompt in one batch)",
+    )
+    parser.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="generation: also time the Generator with compile_decode=True (a third row)",
+    )
     parser.add_argument("--device", default="cpu", help="generation: the device (cuda for the GPU check)")
-    parser.add_argument("--step-cost", default=None,
-                        help="models whose decode-step CPU time to compare at 12, 4 and 1 rows, fp32 "
-                             "(comma-separated; default: none, qwen3_5 with --quick)")
-    parser.add_argument("--prefix-cache", default="qwen3_5,lfm2,bamba",
-                        help="models for the shared-system-prompt part, comma-separated ('' to skip it)")
-    parser.add_argument("--dtypes", default="float32,bfloat16",
-                        help="comma-separated; bf16 runs under CPU autocast, fp32 weights")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: torch's; 1 with --quick)")
+    parser.add_argument(
+        "--step-cost",
+        default=None,
+        help="models whose decode-step CPU time to compare at 12, 4 and 1 rows, fp32 "
+        "(comma-separated; default: none, qwen3_5 with --quick)",
+    )
+    parser.add_argument(
+        "--prefix-cache",
+        default="qwen3_5,lfm2,bamba",
+        help="models for the shared-system-prompt part, comma-separated ('' to skip it)",
+    )
+    parser.add_argument(
+        "--dtypes", default="float32,bfloat16", help="comma-separated; bf16 runs under CPU autocast, fp32 weights"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; 1 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--flush-subnormals", action="store_true",
-                        help="torch.set_flush_denormal(True) for the whole run, both sides: what the "
-                             "peer costs when subnormal floats cost nothing (as on a GPU), so the gain of "
-                             "packing alone shows (use with --threads 1: the flag is per thread)")
-    parser.add_argument("--exact-mode", choices=("on", "off", "only"), default="on",
-                        help="also (only) time the packed rows inside nopad.packing.batch_invariant()")
+    parser.add_argument(
+        "--flush-subnormals",
+        action="store_true",
+        help="torch.set_flush_denormal(True) for the whole run, both sides: what the "
+        "peer costs when subnormal floats cost nothing (as on a GPU), so the gain of "
+        "packing alone shows (use with --threads 1: the flag is per thread)",
+    )
+    parser.add_argument(
+        "--exact-mode",
+        choices=("on", "off", "only"),
+        default="on",
+        help="also (only) time the packed rows inside nopad.packing.batch_invariant()",
+    )
     args = parser.parse_args()
     args.threads = args.threads or (1 if args.quick else torch.get_num_threads())
     torch.set_num_threads(args.threads)
@@ -188,14 +230,20 @@ def main() -> None:
     real = int(lengths.sum())
     register_nopad_attention()
     padded, packed = padded_batches(seqs, budget), nopad_batches(seqs, budget)
-    print(f"{n} sequences, {real} tokens (median {int(np.median(lengths))}, max {lengths.max()}), "
-          f"budget {budget} tokens/step, {args.threads} threads"
-          + (", subnormals flushed on both sides" if args.flush_subnormals else ""))
+    print(
+        f"{n} sequences, {real} tokens (median {int(np.median(lengths))}, max {lengths.max()}), "
+        f"budget {budget} tokens/step, {args.threads} threads"
+        + (", subnormals flushed on both sides" if args.flush_subnormals else "")
+    )
     padded_rows = sum(batch["input_ids"].numel() for batch in padded)
-    print(f"padding ceiling: the padded batches run {padded_rows} token rows for {real} real ones, so a "
-          f"model costed per token gains at most {padded_rows / real:.2f}x from packing (attention more)")
-    print(f"{'model':8s} {'dtype':9s} {'system':22s} {'steps':>5s} {'tokens eff':>10s} {'seconds':>8s} "
-          f"{'tok/s':>8s} {'vs padded':>9s}")
+    print(
+        f"padding ceiling: the padded batches run {padded_rows} token rows for {real} real ones, so a "
+        f"model costed per token gains at most {padded_rows / real:.2f}x from packing (attention more)"
+    )
+    print(
+        f"{'model':8s} {'dtype':9s} {'system':22s} {'steps':>5s} {'tokens eff':>10s} {'seconds':>8s} "
+        f"{'tok/s':>8s} {'vs padded':>9s}"
+    )
     builders = {"qwen3_5": qwen3_5, "lfm2": lfm2, "bamba": bamba}
     for name in filter(None, args.models.split(",")) if args.exact_mode != "only" else ():  # '' skips it
         model = builders[name](vocab, args.quick)
@@ -204,8 +252,10 @@ def main() -> None:
             base = run(model, "sdpa", padded, real, dtype, not args.quick)
             nopad = run(model, "nopad", packed, real, dtype, not args.quick)
             for system, r in (("padded, sdpa", base), ("nopad packed (BFD)", nopad)):
-                print(f"{name:8s} {dtype_name:9s} {system:22s} {r['steps']:5d} {r['efficiency']:10.1%} "
-                      f"{r['seconds']:8.2f} {r['tok_s']:8.0f} {r['tok_s'] / base['tok_s']:8.2f}x")
+                print(
+                    f"{name:8s} {dtype_name:9s} {system:22s} {r['steps']:5d} {r['efficiency']:10.1%} "
+                    f"{r['seconds']:8.2f} {r['tok_s']:8.0f} {r['tok_s'] / base['tok_s']:8.2f}x"
+                )
     if args.exact_mode != "off":
         exact_mode_cost(args, builders, vocab, packed, real)
     if args.generation:
@@ -220,8 +270,10 @@ def main() -> None:
 
 def exact_mode_cost(args, builders, vocab: int, packed, real: int) -> None:
     """Packed forward + backward tokens/s outside and inside ``batch_invariant()``, same rows."""
-    print(f"\nexact mode (nopad.packing.batch_invariant), packed rows, forward + backward\n"
-          f"{'model':8s} {'dtype':9s} {'system':22s} {'seconds':>8s} {'tok/s':>8s} {'vs default':>10s}")
+    print(
+        f"\nexact mode (nopad.packing.batch_invariant), packed rows, forward + backward\n"
+        f"{'model':8s} {'dtype':9s} {'system':22s} {'seconds':>8s} {'tok/s':>8s} {'vs default':>10s}"
+    )
     for name in filter(None, args.models.split(",")):
         model = builders[name](vocab, args.quick)
         for dtype_name in args.dtypes.split(","):
@@ -230,8 +282,10 @@ def exact_mode_cost(args, builders, vocab: int, packed, real: int) -> None:
             with batch_invariant():
                 exact = run(model, "nopad", packed, real, dtype, not args.quick)
             for system, r in (("nopad packed", default), ("nopad packed, exact", exact)):
-                print(f"{name:8s} {dtype_name:9s} {system:22s} {r['seconds']:8.2f} {r['tok_s']:8.0f} "
-                      f"{r['tok_s'] / default['tok_s']:9.2f}x")
+                print(
+                    f"{name:8s} {dtype_name:9s} {system:22s} {r['seconds']:8.2f} {r['tok_s']:8.0f} "
+                    f"{r['tok_s'] / default['tok_s']:9.2f}x"
+                )
 
 
 def generation(builders, vocab: int, args) -> None:
@@ -248,12 +302,16 @@ def generation(builders, vocab: int, args) -> None:
     engines = {"": SimpleNamespace(block_size=16, max_batch_tokens=512, max_seqs=batch)}
     if args.compile_decode:
         engines[", compile_decode"] = SimpleNamespace(**vars(engines[""]), compile_decode=True)
-    print(f"\ngeneration: {n} prompts of {int(lengths.min())}-{int(lengths.max())} tokens (median "
-          f"{int(np.median(lengths))}), {min(max_new)}-{max(max_new)} new tokens each "
-          f"({sum(max_new)} in all), {batch} at once, greedy, weights in each dtype, {args.threads} threads")
+    print(
+        f"\ngeneration: {n} prompts of {int(lengths.min())}-{int(lengths.max())} tokens (median "
+        f"{int(np.median(lengths))}), {min(max_new)}-{max(max_new)} new tokens each "
+        f"({sum(max_new)} in all), {batch} at once, greedy, weights in each dtype, {args.threads} threads"
+    )
     print(padding_ceiling(lengths, max_new, batch))
-    print(f"{'model':8s} {'dtype':9s} {'system':44s} {'seconds':>8s} {'tok/s':>8s} {'vs HF':>7s} "
-          f"{'CPU s':>7s} {'vs HF':>7s}  agreement")
+    print(
+        f"{'model':8s} {'dtype':9s} {'system':44s} {'seconds':>8s} {'tok/s':>8s} {'vs HF':>7s} "
+        f"{'CPU s':>7s} {'vs HF':>7s}  agreement"
+    )
     for build in builders:
         for dtype_name in args.dtypes.split(","):
             model = build(vocab, args.quick).eval().to(device=args.device, dtype=getattr(torch, dtype_name))
@@ -268,8 +326,9 @@ def generation(builders, vocab: int, args) -> None:
                 model.set_attn_implementation("sdpa")  # the Generator switches its own copy of the setting
                 warmed: list[float] = []
                 graphs = compiled_graphs()
-                nopad, _ = run_nopad(model, None, prompts, max_new, engine,
-                                     warmed=lambda mark=warmed: mark.append(time.process_time()))
+                nopad, _ = run_nopad(
+                    model, None, prompts, max_new, engine, warmed=lambda mark=warmed: mark.append(time.process_time())
+                )
                 cpu = time.process_time() - warmed[0]
                 same, prefix = agreement(hf.outputs, nopad.outputs)
                 nopad.name += label
@@ -279,9 +338,11 @@ def generation(builders, vocab: int, args) -> None:
                     note += f"; {made} compiled graph(s), {breaks} graph break(s)"
                 rows.append((nopad, cpu, note))
             for run_, cpu, note in rows:
-                print(f"{name:8s} {dtype_name:9s} {run_.name:44s} {run_.seconds:8.2f} "
-                      f"{run_.tokens / run_.seconds:8.1f} {hf.seconds / run_.seconds:6.2f}x "
-                      f"{cpu:7.2f} {hf_cpu / cpu:6.2f}x  {note}")
+                print(
+                    f"{name:8s} {dtype_name:9s} {run_.name:44s} {run_.seconds:8.2f} "
+                    f"{run_.tokens / run_.seconds:8.1f} {hf.seconds / run_.seconds:6.2f}x "
+                    f"{cpu:7.2f} {hf_cpu / cpu:6.2f}x  {note}"
+                )
             print(f"{'':8s} load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
@@ -292,10 +353,14 @@ def padding_ceiling(lengths, max_new: list[int], batch: int) -> str:
     real ones, however little else costs."""
     lengths, new = np.asarray(lengths), np.asarray(max_new)
     real = int(lengths.sum() + new.sum())
-    hf = sum(len(lengths[i:i + batch]) * (int(lengths[i:i + batch].max()) + int(new[i:i + batch].max()))
-             for i in range(0, len(lengths), batch))
-    return (f"padding ceiling: HF runs {hf} token rows for {real} real ones, so a model costed per token "
-            f"gains at most {hf / real:.2f}x from dropping the padding")
+    hf = sum(
+        len(lengths[i : i + batch]) * (int(lengths[i : i + batch].max()) + int(new[i : i + batch].max()))
+        for i in range(0, len(lengths), batch)
+    )
+    return (
+        f"padding ceiling: HF runs {hf} token rows for {real} real ones, so a model costed per token "
+        f"gains at most {hf / real:.2f}x from dropping the padding"
+    )
 
 
 def compiled_graphs() -> tuple[int, int]:
@@ -310,8 +375,10 @@ def step_cost(builders, vocab: int, args) -> None:
     difference of a run of ``1 + new`` tokens and one of 1 token (the same prefill), over ``new``."""
     prompt_len, new, counts = (16, 4, (2, 1)) if args.quick else (64, 40, (12, 4, 1))
     rng = np.random.default_rng(args.seed + 3)
-    print(f"\ndecode step: rows of {prompt_len}-token prompts, {new} steps timed (a run of {new + 1} tokens "
-          f"minus a run of 1), fp32, greedy, {args.threads} threads, best of 2")
+    print(
+        f"\ndecode step: rows of {prompt_len}-token prompts, {new} steps timed (a run of {new + 1} tokens "
+        f"minus a run of 1), fp32, greedy, {args.threads} threads, best of 2"
+    )
     print(f"{'model':8s} {'rows':>4s} {'nopad ms':>9s} {'HF ms':>9s} {'HF / nopad':>10s}")
     for build in builders:
         model = build(vocab, args.quick).eval()
@@ -327,8 +394,17 @@ def _decode_ms(model, prompts: list[list[int]], new: int, nopad: bool) -> float:
 
     ids = torch.tensor(prompts)
     rows, width = ids.shape
-    gen = Generator(model, block_size=16, max_num_batched_tokens=rows * width, max_num_seqs=rows,
-                    num_blocks=rows * -(-(width + new + 1) // 16) + 8) if nopad else None
+    gen = (
+        Generator(
+            model,
+            block_size=16,
+            max_num_batched_tokens=rows * width,
+            max_num_seqs=rows,
+            num_blocks=rows * -(-(width + new + 1) // 16) + 8,
+        )
+        if nopad
+        else None
+    )
 
     def run_(k: int) -> None:
         if nopad:
@@ -337,8 +413,15 @@ def _decode_ms(model, prompts: list[list[int]], new: int, nopad: bool) -> float:
             return
         model.set_attn_implementation("sdpa")
         with torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k, min_new_tokens=0,
-                           eos_token_id=-1, pad_token_id=0, do_sample=False)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=k,
+                min_new_tokens=0,
+                eos_token_id=-1,
+                pad_token_id=0,
+                do_sample=False,
+            )
 
     run_(2)  # warm-up
     tries = []
@@ -364,17 +447,27 @@ def prefix_cache(builders, vocab: int, args) -> None:
     new = 4 if args.quick else 16
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     blocks = n * -(-(system_len + int(tails.max()) + new) // 16) + 8
-    print(f"\nprefix cache: {n} prompts of a {system_len}-token system prompt + {int(tails.min())}-"
-          f"{int(tails.max())} own tokens, {new} new tokens each, one generate() call, budget {budget} "
-          f"tokens/step, block 16, greedy, fp32, {args.threads} threads")
-    print(f"{'model':8s} {'prefix cache':12s} {'seconds':>8s} {'computed':>8s} {'skipped':>8s} "
-          f"{'snapshots':>9s} {'vs off':>7s}  agreement")
+    print(
+        f"\nprefix cache: {n} prompts of a {system_len}-token system prompt + {int(tails.min())}-"
+        f"{int(tails.max())} own tokens, {new} new tokens each, one generate() call, budget {budget} "
+        f"tokens/step, block 16, greedy, fp32, {args.threads} threads"
+    )
+    print(
+        f"{'model':8s} {'prefix cache':12s} {'seconds':>8s} {'computed':>8s} {'skipped':>8s} "
+        f"{'snapshots':>9s} {'vs off':>7s}  agreement"
+    )
     for build in builders:
         model = build(vocab, args.quick).eval()
         runs = {}
         for caching in (False, True):
-            gen = Generator(model, block_size=16, num_blocks=blocks, max_num_batched_tokens=budget,
-                            max_num_seqs=n, enable_prefix_caching=caching)
+            gen = Generator(
+                model,
+                block_size=16,
+                num_blocks=blocks,
+                max_num_batched_tokens=budget,
+                max_num_seqs=n,
+                enable_prefix_caching=caching,
+            )
             gen.generate([prompts[0][:20]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
             gen.reset_stats()
             start = time.perf_counter()
@@ -383,10 +476,12 @@ def prefix_cache(builders, vocab: int, args) -> None:
         off_s, off_out, _ = runs[False]
         for caching, (seconds, outputs, stats) in runs.items():
             same = sum(a == b for a, b in zip(off_out, outputs))
-            print(f"{build.__name__:8s} {'on' if caching else 'off':12s} {seconds:8.2f} "
-                  f"{sum(stats['tokens_per_step']):8d} {stats['prefix_cache_hit_tokens']:8d} "
-                  f"{stats.get('state_snapshot_hits', 0):9d} {off_s / seconds:6.2f}x  "
-                  f"{same}/{n} sequences identical to the cache-off run")
+            print(
+                f"{build.__name__:8s} {'on' if caching else 'off':12s} {seconds:8.2f} "
+                f"{sum(stats['tokens_per_step']):8d} {stats['prefix_cache_hit_tokens']:8d} "
+                f"{stats.get('state_snapshot_hits', 0):9d} {off_s / seconds:6.2f}x  "
+                f"{same}/{n} sequences identical to the cache-off run"
+            )
 
 
 if __name__ == "__main__":

@@ -69,8 +69,15 @@ def read_bandwidth(repeats: int, nbytes: int = BANDWIDTH_BYTES) -> float:
     return buf.numel() * buf.element_size() / seconds / 1e9
 
 
-def paged_step(num_seqs: int, heads: int, kv_heads: int, dim: int, block: int, dtype: torch.dtype,
-               kv_bytes_per_call: int = KV_BYTES_PER_CALL):
+def paged_step(
+    num_seqs: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    block: int,
+    dtype: torch.dtype,
+    kv_bytes_per_call: int = KV_BYTES_PER_CALL,
+):
     """A decode step's meta and queries plus enough per-layer paged caches to exceed the LLC."""
     rng = np.random.default_rng(0)
     ctx = rng.integers(150, 451, num_seqs)
@@ -98,7 +105,7 @@ def paged_step(num_seqs: int, heads: int, kv_heads: int, dim: int, block: int, d
 
 def decode_case(num_seqs, heads, kv_heads, dim, block, dtype, repeats, kv_bytes_per_call=KV_BYTES_PER_CALL):
     meta, q, caches, kv_bytes = paged_step(num_seqs, heads, kv_heads, dim, block, dtype, kv_bytes_per_call)
-    scale = dim ** -0.5
+    scale = dim**-0.5
 
     def kernel_layer(cache):
         flat = [c.view(-1, kv_heads, dim) for c in cache]
@@ -116,8 +123,9 @@ def decode_case(num_seqs, heads, kv_heads, dim, block, dtype, repeats, kv_bytes_
     # same answer first: a fast wrong kernel is no result
     got = kernel_layer(caches[0])
     with torch.no_grad():
-        ref = varlen_attention(q.float(), None, None, meta, kv_cache=tuple(c.float() for c in caches[0]),
-                               backend="sdpa_loop")
+        ref = varlen_attention(
+            q.float(), None, None, meta, kv_cache=tuple(c.float() for c in caches[0]), backend="sdpa_loop"
+        )
     err = (got.float() - ref).abs().max().item()
     layers = len(caches)
     # the same call with one layer's K/V already in cache: the kernel's arithmetic alone, the most
@@ -133,12 +141,14 @@ def print_head(head: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--seqs", type=int, default=48)
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: one shape, fp32/bf16, 8 sequences, small buffers, fewer repeats")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: one shape, fp32/bf16, 8 sequences, small buffers, fewer repeats",
+    )
     args = parser.parse_args()
     shapes, dtypes, chunks = SHAPES, DTYPES, PREFILL_CHUNKS
     kv_per_call, bandwidth_bytes = KV_BYTES_PER_CALL, BANDWIDTH_BYTES
@@ -153,23 +163,31 @@ def main() -> None:
     repeats = 1 if args.quick else 5
     bandwidth = read_bandwidth(repeats, bandwidth_bytes)
     print(f"torch {torch.__version__}, {args.threads} threads, load average {os.getloadavg()[0]:.2f}")
-    print(f"memory read bandwidth (torch.sum over {bandwidth_bytes >> 20} MiB fp32, best of {repeats}): "
-          f"{bandwidth:.1f} GB/s")
+    print(
+        f"memory read bandwidth (torch.sum over {bandwidth_bytes >> 20} MiB fp32, best of {repeats}): "
+        f"{bandwidth:.1f} GB/s"
+    )
     print(f"decode step: {args.seqs} sequences x 150-450 cached tokens + 1 new; per layer, K/V from memory\n")
-    print_head(f"{'shape':27s} {'dtype':9s} {'block':>5s} {'KV MB':>7s} | {'kernel ms':>9s} {'GB/s':>6s}"
-               f" {'% bw':>5s} | {'in cache':>8s} {'% bw':>5s} | {'sdpa ms':>8s} {'GB/s':>6s} {'% bw':>5s} | "
-               f"{'speedup':>7s} {'max err':>8s}")
+    print_head(
+        f"{'shape':27s} {'dtype':9s} {'block':>5s} {'KV MB':>7s} | {'kernel ms':>9s} {'GB/s':>6s}"
+        f" {'% bw':>5s} | {'in cache':>8s} {'% bw':>5s} | {'sdpa ms':>8s} {'GB/s':>6s} {'% bw':>5s} | "
+        f"{'speedup':>7s} {'max err':>8s}"
+    )
     for name, heads, kv_heads, dim in shapes:
         for dtype in dtypes:
             for block in BLOCK_SIZES:
-                kv_bytes, t_kernel, t_hot, t_sdpa, err = decode_case(args.seqs, heads, kv_heads, dim, block,
-                                                                     dtype, repeats, kv_per_call)
+                kv_bytes, t_kernel, t_hot, t_sdpa, err = decode_case(
+                    args.seqs, heads, kv_heads, dim, block, dtype, repeats, kv_per_call
+                )
                 gk, gh, gs = (kv_bytes / t / 1e9 for t in (t_kernel, t_hot, t_sdpa))
-                print(f"{name:27s} {str(dtype)[6:]:9s} {block:5d} {kv_bytes / 1e6:7.2f} | "
-                      f"{t_kernel * 1e3:9.3f} {gk:6.1f} {100 * gk / bandwidth:4.0f}% | "
-                      f"{gh:8.1f} {100 * gh / bandwidth:4.0f}% | "
-                      f"{t_sdpa * 1e3:8.3f} {gs:6.1f} {100 * gs / bandwidth:4.0f}% | "
-                      f"{t_sdpa / t_kernel:6.2f}x {err:8.1e}", flush=True)
+                print(
+                    f"{name:27s} {str(dtype)[6:]:9s} {block:5d} {kv_bytes / 1e6:7.2f} | "
+                    f"{t_kernel * 1e3:9.3f} {gk:6.1f} {100 * gk / bandwidth:4.0f}% | "
+                    f"{gh:8.1f} {100 * gh / bandwidth:4.0f}% | "
+                    f"{t_sdpa * 1e3:8.3f} {gs:6.1f} {100 * gs / bandwidth:4.0f}% | "
+                    f"{t_sdpa / t_kernel:6.2f}x {err:8.1e}",
+                    flush=True,
+                )
     prefill_section(repeats, shapes, dtypes, chunks)
 
 
@@ -177,8 +195,14 @@ def main() -> None:
 PREFILL_CHUNKS = [(512, 0), (512, 512), (256, 700), (256, 200), (128, 900)]
 
 
-def prefill_case(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, repeats: int,
-                 chunks: list[tuple[int, int]] = PREFILL_CHUNKS):
+def prefill_case(
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    dtype: torch.dtype,
+    repeats: int,
+    chunks: list[tuple[int, int]] = PREFILL_CHUNKS,
+):
     """One chunked-prefill step: each sequence's new tokens attend causally to its cached keys
     (paged, blocks of 16) and to each other; the kernel reads the blocks in place, per-sequence
     SDPA gathers them first."""
@@ -197,7 +221,7 @@ def prefill_case(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, repeat
     cache = tuple(torch.randn(sum(need), block, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
     q = torch.randn(sum(query_lens), heads, dim, generator=gen).to(dtype)
     flat = [c.view(-1, kv_heads, dim) for c in cache]
-    scale = dim ** -0.5
+    scale = dim**-0.5
 
     def kernel():
         return cpu_kernel.forward(q, *flat, meta, table=meta.block_table, block_size=block, scale=scale)
@@ -215,16 +239,22 @@ def prefill_case(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, repeat
 
 def prefill_section(repeats: int, shapes, dtypes, chunks) -> None:
     described = ", ".join(f"{qn} new over {c} cached" for qn, c in chunks)
-    print(f"\nprefill chunks (one step: {described}; paged, blocks of 16): kernel reads the cache in place, "
-          "per-sequence SDPA gathers it")
-    print_head(f"{'shape':27s} {'dtype':9s} | {'kernel ms':>9s} {'GFLOP/s':>8s} | {'sdpa ms':>8s} "
-               f"{'GFLOP/s':>8s} | {'speedup':>7s} {'max err':>8s}")
+    print(
+        f"\nprefill chunks (one step: {described}; paged, blocks of 16): kernel reads the cache in place, "
+        "per-sequence SDPA gathers it"
+    )
+    print_head(
+        f"{'shape':27s} {'dtype':9s} | {'kernel ms':>9s} {'GFLOP/s':>8s} | {'sdpa ms':>8s} "
+        f"{'GFLOP/s':>8s} | {'speedup':>7s} {'max err':>8s}"
+    )
     for name, heads, kv_heads, dim in shapes:
         for dtype in dtypes:
             flops, t_kernel, t_sdpa, err = prefill_case(heads, kv_heads, dim, dtype, repeats, chunks)
-            print(f"{name:27s} {str(dtype)[6:]:9s} | {t_kernel * 1e3:9.2f} {flops / t_kernel / 1e9:8.1f} | "
-                  f"{t_sdpa * 1e3:8.2f} {flops / t_sdpa / 1e9:8.1f} | {t_sdpa / t_kernel:6.2f}x {err:8.1e}",
-                  flush=True)
+            print(
+                f"{name:27s} {str(dtype)[6:]:9s} | {t_kernel * 1e3:9.2f} {flops / t_kernel / 1e9:8.1f} | "
+                f"{t_sdpa * 1e3:8.2f} {flops / t_sdpa / 1e9:8.1f} | {t_sdpa / t_kernel:6.2f}x {err:8.1e}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

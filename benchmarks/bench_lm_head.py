@@ -70,9 +70,16 @@ def build(vocab: int, tokens: int, dtype: str):
     from nopad.packing.hf import register_nopad_attention
 
     register_nopad_attention()
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=max(tokens, SEQ_LEN), tie_word_embeddings=True)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max(tokens, SEQ_LEN),
+        tie_word_embeddings=True,
+    )
     config._attn_implementation = "nopad"
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(torch.float32 if dtype == "fp32" else torch.bfloat16)
@@ -109,7 +116,8 @@ def method_loss(name: str, model, row):
     if name == "nopad_head":
         return lambda: row_nll_sum(model, row) / n
     if name == "nopad_head_autograd":
-        from nopad.packing.head.chunked import head_logprobs, head_of
+        from nopad.packing.head.chunked import head_logprobs
+        from nopad.packing.head.model_head import head_of
 
         predict_at, targets = row.loss_tokens()
 
@@ -130,9 +138,16 @@ def method_loss(name: str, model, row):
 
         def lce():
             hidden = model.model(**row.model_kwargs(), use_cache=False).last_hidden_state[0]
-            return torch.nn.functional.linear_cross_entropy(
-                hidden[predict_at], model.lm_head.weight, targets, reduction="sum",
-                options=LinearCrossEntropyOptions()) / n
+            return (
+                torch.nn.functional.linear_cross_entropy(
+                    hidden[predict_at],
+                    model.lm_head.weight,
+                    targets,
+                    reduction="sum",
+                    options=LinearCrossEntropyOptions(),
+                )
+                / n
+            )
 
         return lce
     raise ValueError(f"unknown method {name!r}; choose from {METHODS}")
@@ -166,8 +181,15 @@ def run_one(name: str, vocab: int, tokens: int, dtype: str, grads: str = "held")
     loss.backward()
     seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     grad = model.get_input_embeddings().weight.grad.float().norm()
-    return {"extra_bytes": peak_rss() - base, "seconds": seconds, "cpu_s": cpu_s, "backbone_s": backbone_s,
-            "loss": float(loss), "grad_norm": float(grad), "base_bytes": base}
+    return {
+        "extra_bytes": peak_rss() - base,
+        "seconds": seconds,
+        "cpu_s": cpu_s,
+        "backbone_s": backbone_s,
+        "loss": float(loss),
+        "grad_norm": float(grad),
+        "base_bytes": base,
+    }
 
 
 def child(name: str, vocab: int, tokens: int, dtype: str, grads: str) -> dict:
@@ -205,8 +227,7 @@ def table_cells(r: dict, ref: dict | None, goal: float) -> str:
     cells = []
     for grads in ("held", "none"):
         extra = r.get("extra_bytes_grad_" + grads)
-        cells.append(f"{extra / 2**20:10.0f} {extra / goal:8.2f}" if extra is not None
-                     else f"{'-':>10} {'-':>8}")
+        cells.append(f"{extra / 2**20:10.0f} {extra / goal:8.2f}" if extra is not None else f"{'-':>10} {'-':>8}")
     x_hf, x_cpu, loss_d, grad_d = "    -", "    -", f"{'-':>13}", f"{'-':>13}"
     if ref:
         x_hf, x_cpu = f"{r['seconds'] / ref['seconds']:5.2f}", f"{r['cpu_s'] / ref['cpu_s']:5.2f}"
@@ -229,8 +250,10 @@ def chunk_gemms(vocab: int, hidden: int = 256, chunk: int = 128, repeats: int = 
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    print(f"vocab {vocab}, hidden {hidden}, chunk {chunk}; oneDNN bf16 GEMMs: "
-          f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
+    print(
+        f"vocab {vocab}, hidden {hidden}, chunk {chunk}; oneDNN bf16 GEMMs: "
+        f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}"
+    )
     for dtype in (torch.float32, torch.bfloat16):
         for name, fn in _gemms(dtype, vocab, hidden, chunk).items():
             print(f"{str(dtype):>15} {name:>28} {best(fn):8.2f} s", flush=True)
@@ -242,8 +265,7 @@ def _gemms(dtype, vocab: int, hidden: int, chunk: int) -> dict:
     w = torch.randn(vocab, hidden).to(dtype)
     h, g = torch.randn(chunk, hidden).to(dtype), (torch.randn(chunk, vocab) * 1e-3).to(dtype)
     acc = torch.zeros(vocab, hidden)
-    rows = {"logits h @ W^T": lambda: h @ w.t(), "grad_h g @ W": lambda: g @ w,
-            "grad_W g^T @ h": lambda: g.t() @ h}
+    rows = {"logits h @ W^T": lambda: h @ w.t(), "grad_h g @ W": lambda: g @ w, "grad_W g^T @ h": lambda: g.t() @ h}
     if dtype != torch.float32:
         rows["grad_h fp32 upcast"] = lambda: g.float() @ w.float()
         rows["grad_W fp32 upcast, addmm_"] = lambda: acc.addmm_(g.t().float(), h.float())
@@ -252,19 +274,30 @@ def _gemms(dtype, vocab: int, hidden: int, chunk: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="a 4,096-word vocabulary, 256 tokens, fp32, every method in this one process "
-                        "(a smoke run: its memory columns are not a per-method measure)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a 4,096-word vocabulary, 256 tokens, fp32, every method in this one process "
+        "(a smoke run: its memory columns are not a per-method measure)",
+    )
     p.add_argument("--vocab", type=int, nargs="+", default=[151_936, 248_320])
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--grads", nargs="+", default=["held", "none"], choices=["held", "none"],
-                   help="the .grad modes to measure (time and agreement: the first one's run)")
+    p.add_argument(
+        "--grads",
+        nargs="+",
+        default=["held", "none"],
+        choices=["held", "none"],
+        help="the .grad modes to measure (time and agreement: the first one's run)",
+    )
     p.add_argument("--max-gib", type=float, default=9.0, help="skip a method estimated to need more")
     p.add_argument("--json", type=Path, help="also write the rows here")
-    p.add_argument("--gemms", action="store_true",
-                   help="time one chunk's GEMMs alone, fp32 beside bf16, at the first --vocab (then exit)")
+    p.add_argument(
+        "--gemms",
+        action="store_true",
+        help="time one chunk's GEMMs alone, fp32 beside bf16, at the first --vocab (then exit)",
+    )
     p.add_argument("--one", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.gemms:
@@ -276,9 +309,11 @@ def main() -> None:
     if args.quick:
         args.vocab, args.tokens, args.dtypes = [4096], [256], ["fp32"]
     rows = []
-    print(f"{'vocab':>7} {'T':>6} {'dtype':>5} {'method':>19} {'extra held':>10} {'/(TxV/8)':>8} "
-          f"{'extra none':>10} {'/(TxV/8)':>8} {'time s':>7} {'x hf':>5} {'cpu s':>7} {'x hf':>5} "
-          f"{'loss rel diff':>13} {'grad rel diff':>13}   (extra: MiB)")
+    print(
+        f"{'vocab':>7} {'T':>6} {'dtype':>5} {'method':>19} {'extra held':>10} {'/(TxV/8)':>8} "
+        f"{'extra none':>10} {'/(TxV/8)':>8} {'time s':>7} {'x hf':>5} {'cpu s':>7} {'x hf':>5} "
+        f"{'loss rel diff':>13} {'grad rel diff':>13}   (extra: MiB)"
+    )
     for vocab in args.vocab:
         for tokens in args.tokens:
             for dtype in args.dtypes:

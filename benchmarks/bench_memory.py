@@ -91,8 +91,7 @@ def _status(pid: int) -> dict[str, int]:
             lines = f.read().splitlines()
     except OSError:
         return {}
-    return {k: int(v.split()[0]) * 1024 for k, v in (ln.split(":", 1) for ln in lines)
-            if k in ("VmRSS", "VmHWM")}
+    return {k: int(v.split()[0]) * 1024 for k, v in (ln.split(":", 1) for ln in lines) if k in ("VmRSS", "VmHWM")}
 
 
 def _rank(pid: int) -> str | None:
@@ -135,8 +134,7 @@ class TreeSampler(threading.Thread):
 
 def _run(cmd: list[str], env: dict, timeout: float) -> tuple[int, str, TreeSampler]:
     log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     sampler = TreeSampler(proc.pid)
     sampler.start()
     try:
@@ -156,22 +154,23 @@ def print_phases(work: Path) -> None:
     import json
 
     for path in sorted(work.glob("rank*.jsonl")):
-        print(f"{path.stem}: phase (GB)                                end  highest  heap used  heap "
-              "freed-kept  mmapped")
+        print(
+            f"{path.stem}: phase (GB)                                end  highest  heap used  heap freed-kept  mmapped"
+        )
         for line in path.read_text().splitlines():
             r = {k: v / 1e9 if isinstance(v, int) else v for k, v in json.loads(line).items()}
-            print(f"  {r['phase'][:50]:50s} {r['rss']:5.2f}  {r['peak']:7.2f}  {r['heap_used']:9.2f}  "
-                  f"{r['heap_free']:16.2f}  {r['mmapped']:7.2f}")
+            print(
+                f"  {r['phase'][:50]:50s} {r['rss']:5.2f}  {r['peak']:7.2f}  {r['heap_used']:9.2f}  "
+                f"{r['heap_free']:16.2f}  {r['mmapped']:7.2f}"
+            )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=1, help="optimizer steps (README: the whole epoch)")
     parser.add_argument("--timeout", type=float, default=1500.0)
     parser.add_argument("--workdir", default=None, help="keep the packed data and run here")
-    parser.add_argument("--quick", action="store_true",
-                        help="the same ZeRO-3 launch and report on a tiny random Llama")
+    parser.add_argument("--quick", action="store_true", help="the same ZeRO-3 launch and report on a tiny random Llama")
     parser.add_argument("--phases", action="store_true", help="log and print each rank's RSS per phase")
     parser.add_argument("overrides", nargs="*", help="nopad.recipes.sft overrides added to the README's line")
     args = parser.parse_args()
@@ -181,20 +180,41 @@ def main() -> None:
     if args.quick:  # the harness end to end in seconds: no SmolLM2, no preprocess
         args.overrides = ["model.path=tiny:llama", "data.tokens_per_batch=256", *args.overrides]
     if not args.quick and not packed.is_dir():
-        subprocess.run([sys.executable, "-m", "nopad.recipes.preprocess", "input=recipes/data/chat_sample.jsonl",
-                        f"output={packed}", "capacity=2048"], cwd=ROOT, env=env, check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "nopad.recipes.preprocess",
+                "input=recipes/data/chat_sample.jsonl",
+                f"output={packed}",
+                "capacity=2048",
+            ],
+            cwd=ROOT,
+            env=env,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     if args.phases:
         env["MEMORY_PHASES_DIR"] = str(work)
     recipe = ["benchmarks/_memory_phases.py"] if args.phases else ["-m", "nopad.recipes.sft"]
     with socket.socket() as sock:  # a free rendezvous port: on 29500, another launch held us for minutes
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(port),
-           "--config_file", "recipes/configs/accelerate_zero3.yaml", *recipe,
-           "data.source=synthetic" if args.quick else f"data.source={packed}",
-           f"checkpoint.output_dir={work / 'sft'}", f"train.max_steps={args.steps}", "train.progress=false",
-           *args.overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--main_process_port",
+        str(port),
+        "--config_file",
+        "recipes/configs/accelerate_zero3.yaml",
+        *recipe,
+        "data.source=synthetic" if args.quick else f"data.source={packed}",
+        f"checkpoint.output_dir={work / 'sft'}",
+        f"train.max_steps={args.steps}",
+        "train.progress=false",
+        *args.overrides,
+    ]
     print("$ " + " ".join(cmd[2:]), flush=True)
     start = time.perf_counter()
     rc, out, s = _run(cmd, env, args.timeout)
@@ -205,15 +225,18 @@ def main() -> None:
     name, params = ("tiny:llama", tiny_params()) if args.quick else ("SmolLM2-135M", smollm2_params())
     floor = params * STATE_BYTES_PER_PARAM / WORLD
     gb = 1e9
-    print(f"{name} ({params:,} parameters), ZeRO-3 on {WORLD} CPU processes, "
-          f"{args.steps} optimizer step(s), {took:.0f} s")
+    print(
+        f"{name} ({params:,} parameters), ZeRO-3 on {WORLD} CPU processes, {args.steps} optimizer step(s), {took:.0f} s"
+    )
     print(f"model-state floor per rank (fp32 params + grads + Adam, / {WORLD}): {floor / gb:.2f} GB")
     for rank in sorted(s.rank_hwm):
         hwm = s.rank_hwm[rank]
         print(f"rank {rank}: peak RSS {hwm / gb:.2f} GB = {hwm / floor:.2f}x the floor")
     print(f"launcher: peak RSS {s.launcher_hwm / gb:.2f} GB")
-    print(f"whole launch: peak summed RSS {s.peak_total / gb:.2f} GB = {s.peak_total / (floor * WORLD):.2f}x "
-          f"the floor of both ranks")
+    print(
+        f"whole launch: peak summed RSS {s.peak_total / gb:.2f} GB = {s.peak_total / (floor * WORLD):.2f}x "
+        f"the floor of both ranks"
+    )
     if args.phases:
         print_phases(work)
     if args.workdir is None:  # the packed data and the checkpoint were only the run's

@@ -117,9 +117,7 @@ def run_workload(name: str, sampler, capacity: int, n: int, repeats: int) -> lis
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="10k rows instead of 1M (a smoke run)")
     parser.add_argument("--rows", type=int, default=None, help="override the number of rows")
     args = parser.parse_args()

@@ -28,8 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 from benchmarks._workloads import chat_workload  # noqa: E402
 from benchmarks.bench_generate import DTYPES, _sampler_timer, load_model  # noqa: E402
 
-CASES = {"greedy": dict(temperature=0.0), "T=1": dict(temperature=1.0),
-         "T=0.7 top-p 0.9": dict(temperature=0.7, top_p=0.9)}
+CASES = {
+    "greedy": dict(temperature=0.0),
+    "T=1": dict(temperature=1.0),
+    "T=0.7 top-p 0.9": dict(temperature=0.7, top_p=0.9),
+}
 
 
 def minor_faults() -> int:
@@ -43,15 +46,23 @@ def time_steps(model, tok, prompts, params: dict, steps: int) -> dict[str, dict[
     from nopad.inference.sampler import SamplerBuffers
     from nopad.inference.sampling_params import SamplingParams
 
-    gen = Generator(model, tok, max_num_batched_tokens=4096, max_num_seqs=len(prompts),
-                    num_blocks=len(prompts) * (-(-(max(map(len, prompts)) + 2 * steps + 8) // 16)) + 8)
-    ids = [gen.add_request(p, SamplingParams(max_tokens=2 * steps + 4, ignore_eos=True, seed=i, **params))
-           for i, p in enumerate(prompts)]
+    gen = Generator(
+        model,
+        tok,
+        max_num_batched_tokens=4096,
+        max_num_seqs=len(prompts),
+        num_blocks=len(prompts) * (-(-(max(map(len, prompts)) + 2 * steps + 8) // 16)) + 8,
+    )
+    ids = [
+        gen.add_request(p, SamplingParams(max_tokens=2 * steps + 4, ignore_eos=True, seed=i, **params))
+        for i, p in enumerate(prompts)
+    ]
     while gen.stats()["decode_tokens"] < 2 * len(prompts):
         gen.step()  # prefill, then two decode steps: every sequence decodes from here on
     kept = gen._sampler_buffers
-    got: dict[str, dict[str, list[float]]] = {w: {"step_ms": [], "sampler_ms": [], "faults": []}
-                                               for w in ("reused", "fresh")}
+    got: dict[str, dict[str, list[float]]] = {
+        w: {"step_ms": [], "sampler_ms": [], "faults": []} for w in ("reused", "fresh")
+    }
     for i in range(2 * steps):
         way = "reused" if i % 2 else "fresh"
         gen._sampler_buffers = kept if way == "reused" else SamplerBuffers()
@@ -92,12 +103,16 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     model, tok = load_model(args)
     prompts, _ = chat_workload(tok, args.seqs, 1, 1, seed=0)
-    print(f"{args.model_name}, {args.seqs} sequences decoding ({min(map(len, prompts))}-"
-          f"{max(map(len, prompts))} prompt tokens), vocabulary {model.config.vocab_size}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}; "
-          f"medians of {args.steps} steps each way")
-    head = (f"{'dtype':5s} {'sampling':16s} | {'step ms':>8s} {'sampler ms':>10s} {'faults':>7s} | "
-            f"{'step ms':>8s} {'sampler ms':>10s} {'faults':>7s} | {'step':>6s} {'sampler':>7s}")
+    print(
+        f"{args.model_name}, {args.seqs} sequences decoding ({min(map(len, prompts))}-"
+        f"{max(map(len, prompts))} prompt tokens), vocabulary {model.config.vocab_size}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}; "
+        f"medians of {args.steps} steps each way"
+    )
+    head = (
+        f"{'dtype':5s} {'sampling':16s} | {'step ms':>8s} {'sampler ms':>10s} {'faults':>7s} | "
+        f"{'step ms':>8s} {'sampler ms':>10s} {'faults':>7s} | {'step':>6s} {'sampler':>7s}"
+    )
     print(f"{'':22s}   reused buffers (nopad)          | fresh every step (before)        | fresh / reused")
     print(head + "\n" + "-" * len(head))
     report = {}
@@ -106,10 +121,12 @@ def main(argv=None) -> dict:
         for case, params in CASES.items():
             r = report[f"{name} {case}"] = time_steps(model, tok, prompts, params, args.steps)
             a, b = r["reused"], r["fresh"]
-            print(f"{name:5s} {case:16s} | {a['step_ms']:8.1f} {a['sampler_ms']:10.2f} {a['faults']:7.0f} | "
-                  f"{b['step_ms']:8.1f} {b['sampler_ms']:10.2f} {b['faults']:7.0f} | "
-                  f"{b['step_ms'] / a['step_ms']:5.2f}x {b['sampler_ms'] / a['sampler_ms']:6.2f}x",
-                  flush=True)
+            print(
+                f"{name:5s} {case:16s} | {a['step_ms']:8.1f} {a['sampler_ms']:10.2f} {a['faults']:7.0f} | "
+                f"{b['step_ms']:8.1f} {b['sampler_ms']:10.2f} {b['faults']:7.0f} | "
+                f"{b['step_ms'] / a['step_ms']:5.2f}x {b['sampler_ms'] / a['sampler_ms']:6.2f}x",
+                flush=True,
+            )
     return report
 
 

@@ -105,28 +105,46 @@ def run_regime(regime: str, quick: bool, out_dir: str) -> None:
 
     rank = dist.get_rank()
     hidden, layers = (128, 2) if quick else (768, 8)
-    config = transformers.LlamaConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
-                                      num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
-                                      max_position_embeddings=1024, pad_token_id=0, bos_token_id=1,
-                                      eos_token_id=2)
+    config = transformers.LlamaConfig(
+        vocab_size=4096,
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).float()
     num_params = sum(p.numel() for p in model.parameters())
     layer_params = sum(p.numel() for p in model.model.layers[0].parameters())
     engine, *_ = deepspeed.initialize(
-        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        config={"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
-                # keep ~one layer live and prefetched, as a model too big for one device would be run
-                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                      "stage3_max_live_parameters": layer_params,
-                                      "stage3_prefetch_bucket_size": layer_params,
-                                      "stage3_max_reuse_distance": 0},
-                "steps_per_print": 10**9})
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        config={
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_allow_untested_optimizer": True,
+            # keep ~one layer live and prefetched, as a model too big for one device would be run
+            "zero_optimization": {
+                "stage": 3,
+                "stage3_param_persistence_threshold": 0,
+                "stage3_max_live_parameters": layer_params,
+                "stage3_prefetch_bucket_size": layer_params,
+                "stage3_max_reuse_distance": 0,
+            },
+            "steps_per_print": 10**9,
+        },
+    )
     policy = engine.module
     g = torch.Generator().manual_seed(rank)
     num_prompts = 4 if quick else 8
-    prompts = [torch.randint(3, 4096, (int(n),), generator=g).tolist()
-               for n in torch.randint(16, 48, (num_prompts,), generator=g)]
+    prompts = [
+        torch.randint(3, 4096, (int(n),), generator=g).tolist()
+        for n in torch.randint(16, 48, (num_prompts,), generator=g)
+    ]
     new_tokens = 8 if rank == 0 else (32 if quick else 64)
     live = LiveParams(policy)
     dist.barrier()
@@ -138,9 +156,15 @@ def run_regime(regime: str, quick: bool, out_dir: str) -> None:
             pads = torch.tensor([width - len(p) for p in prompts])
             mask = (torch.arange(width)[None] >= pads[:, None]).long()
             with torch.no_grad():
-                out = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                      min_new_tokens=new_tokens, do_sample=False, synced_gpus=True,
-                                      pad_token_id=0)
+                out = policy.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    do_sample=False,
+                    synced_gpus=True,
+                    pad_token_id=0,
+                )
             tokens = [row[width:].tolist() for row in out]
         else:
             blocks = sum(-(-(len(p) + new_tokens) // 16) for p in prompts)  # the KV cache the rollout needs
@@ -152,33 +176,60 @@ def run_regime(regime: str, quick: bool, out_dir: str) -> None:
         seconds = time.perf_counter() - t0
     dist.barrier()
     live.remove()
-    result = {"regime": regime, "rank": rank, "seconds": seconds, "peak_bytes": mem.peak - mem.base,
-              "peak_live_param_bytes": live.peak,
-              "new_tokens": sum(map(len, tokens)), "num_params": num_params, "tokens": tokens}
+    result = {
+        "regime": regime,
+        "rank": rank,
+        "seconds": seconds,
+        "peak_bytes": mem.peak - mem.base,
+        "peak_live_param_bytes": live.peak,
+        "new_tokens": sum(map(len, tokens)),
+        "num_params": num_params,
+        "tokens": tokens,
+    }
     Path(out_dir, f"{regime}_rank{rank}.json").write_text(json.dumps(result))
 
 
 def launch(regimes: list[str], quick: bool, out_dir: str) -> dict[str, list[dict]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT),
-           # blocks >= 64 KiB are mmapped and unmapped when freed, so RSS follows live memory instead
-           # of glibc's retained heap (which would keep every freed ZeRO-3 gather buffer)
-           "MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": str(ROOT),
+        # blocks >= 64 KiB are mmapped and unmapped when freed, so RSS follows live memory instead
+        # of glibc's retained heap (which would keep every freed ZeRO-3 gather buffer)
+        "MALLOC_ARENA_MAX": "1",
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+    }
     # --standalone: the rendezvous binds a free port itself, per launch (a fixed --master_port can be
     # held by another process, or by the previous regime's launch still in TIME_WAIT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           __file__, "--worker", ",".join(regimes), "--out", out_dir] + (["--quick"] if quick else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        __file__,
+        "--worker",
+        ",".join(regimes),
+        "--out",
+        out_dir,
+    ] + (["--quick"] if quick else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode:
         # a rank's traceback comes before torchrun's failure report: keep enough of the tail for both
-        raise RuntimeError(f"the {'/'.join(regimes)} launch failed (exit {proc.returncode}); the end of its "
-                           f"stderr:\n{proc.stderr[-6000:]}")
-    return {regime: [json.loads(Path(out_dir, f"{regime}_rank{r}.json").read_text()) for r in range(2)]
-            for regime in regimes}
+        raise RuntimeError(
+            f"the {'/'.join(regimes)} launch failed (exit {proc.returncode}); the end of its "
+            f"stderr:\n{proc.stderr[-6000:]}"
+        )
+    return {
+        regime: [json.loads(Path(out_dir, f"{regime}_rank{r}.json").read_text()) for r in range(2)]
+        for regime in regimes
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # comma-separated regimes, run in turn
     parser.add_argument("--out")
@@ -191,26 +242,33 @@ def main() -> None:
         else:
             runs = {regime: launch([regime], args.quick, out)[regime] for regime in REGIMES}
     params = runs["gather"][0]["num_params"]
-    print(f"ZeRO-3, 2 CPU ranks (gloo), Llama {params / 1e6:.1f} M parameters "
-          f"({params * 4 / 2**20:.0f} MiB fp32, {params * 2 / 2**20:.0f} MiB per rank when sharded); "
-          "rank 0 makes 8 new tokens per prompt, rank 1 many more")
-    print(f"{'regime':<16}{'weights held MiB':>17}{'RSS peak MiB r0':>16}{'RSS peak MiB r1':>16}{'wall s':>8}"
-          f"{'tokens':>7}")
+    print(
+        f"ZeRO-3, 2 CPU ranks (gloo), Llama {params / 1e6:.1f} M parameters "
+        f"({params * 4 / 2**20:.0f} MiB fp32, {params * 2 / 2**20:.0f} MiB per rank when sharded); "
+        "rank 0 makes 8 new tokens per prompt, rank 1 many more"
+    )
+    print(
+        f"{'regime':<16}{'weights held MiB':>17}{'RSS peak MiB r0':>16}{'RSS peak MiB r1':>16}{'wall s':>8}"
+        f"{'tokens':>7}"
+    )
     for regime, ranks in runs.items():
         peaks = [r["peak_bytes"] / 2**20 for r in ranks]
         held = max(r["peak_live_param_bytes"] for r in ranks) / 2**20
-        print(f"{regime:<16}{held:>17.1f}{peaks[0]:>16.1f}{peaks[1]:>16.1f}"
-              f"{max(r['seconds'] for r in ranks):>8.2f}{sum(r['new_tokens'] for r in ranks):>7}")
+        print(
+            f"{regime:<16}{held:>17.1f}{peaks[0]:>16.1f}{peaks[1]:>16.1f}"
+            f"{max(r['seconds'] for r in ranks):>8.2f}{sum(r['new_tokens'] for r in ranks):>7}"
+        )
     same = all(runs["gather"][r]["tokens"] == runs[k][r]["tokens"] for k in REGIMES for r in range(2))
     hf, gather, lock = (max(r["seconds"] for r in runs[k]) for k in ("hf_synced_gpus", "gather", "lockstep"))
     peak = {k: max(r["peak_bytes"] for r in runs[k]) for k in REGIMES}
     held = {k: max(r["peak_live_param_bytes"] for r in runs[k]) for k in REGIMES}
     print(f"weights held at once: gather-once / lockstep = {held['gather'] / max(held['lockstep'], 1):.2f}x")
     print(f"greedy tokens identical across the three: {same}")
-    print(f"speed vs HF synced_gpus (its time / ours): gather-once {hf / gather:.2f}x, "
-          f"lockstep {hf / lock:.2f}x")
-    print(f"peak memory: gather-once / lockstep = {peak['gather'] / max(peak['lockstep'], 1):.2f}x; "
-          f"lockstep / HF synced_gpus = {peak['lockstep'] / max(peak['hf_synced_gpus'], 1):.2f}x")
+    print(f"speed vs HF synced_gpus (its time / ours): gather-once {hf / gather:.2f}x, lockstep {hf / lock:.2f}x")
+    print(
+        f"peak memory: gather-once / lockstep = {peak['gather'] / max(peak['lockstep'], 1):.2f}x; "
+        f"lockstep / HF synced_gpus = {peak['lockstep'] / max(peak['hf_synced_gpus'], 1):.2f}x"
+    )
     print("(a shared 2-core machine: times are noisy; memory is the rank's RSS above its pre-rollout level)")
 
 

@@ -54,19 +54,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 
 from benchmarks._workloads import GRPO_QUESTIONS, chat_prompt_ids, tiny_llama  # noqa: E402
 
-SYSTEMS = [("nopad sync", 0, "keep"), ("streaming s=1 keep", 1, "keep"), ("streaming s=1 recompute", 1, "recompute"),
-           ("streaming s=4 keep", 4, "keep"), ("streaming s=4 recompute", 4, "recompute")]
+SYSTEMS = [
+    ("nopad sync", 0, "keep"),
+    ("streaming s=1 keep", 1, "keep"),
+    ("streaming s=1 recompute", 1, "recompute"),
+    ("streaming s=4 keep", 4, "keep"),
+    ("streaming s=4 recompute", 4, "recompute"),
+]
 
 
 def smollm2_shape(tokenizer):
     """A random-weight model of SmolLM2-135M's shape (no download: its config written out)."""
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=576, intermediate_size=1536,
-                                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                                      max_position_embeddings=2048, rope_theta=100000.0, tie_word_embeddings=True,
-                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                      pad_token_id=tokenizer.pad_token_id)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).float()
 
@@ -99,36 +113,60 @@ def run_nopad(name: str, base, prompts, lengths, args, max_staleness: int, stale
 
     model = copy.deepcopy(base)
     stepper = OptimizerStepper(model, torch.optim.AdamW(model.parameters(), lr=1e-6), Accelerator(cpu=True))
-    generator = Generator(model, block_size=16, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512,
-                          kv_memory_bytes=2 << 30)
+    generator = Generator(
+        model, block_size=16, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512, kv_memory_bytes=2 << 30
+    )
     admitted_at: list[int] = []  # decode steps run when each group was admitted
 
     def source(i: int):
         admitted_at.append(len(generator.scheduler.stats.seqs_per_step))
         k = i % len(prompts)
-        return prompts[k], SamplingParams(n=args.num_generations, max_tokens=lengths[k], temperature=1.0,
-                                          seed=i, ignore_eos=True)
+        return prompts[k], SamplingParams(
+            n=args.num_generations, max_tokens=lengths[k], temperature=1.0, seed=i, ignore_eos=True
+        )
 
-    stream = StreamingRollouts(generator, source, groups_per_step=args.prompts_per_step,
-                               max_staleness=max_staleness, stale_kv=stale_kv,
-                               total_groups=args.steps * args.prompts_per_step)
+    stream = StreamingRollouts(
+        generator,
+        source,
+        groups_per_step=args.prompts_per_step,
+        max_staleness=max_staleness,
+        stale_kv=stale_kv,
+        total_groups=args.steps * args.prompts_per_step,
+    )
     loss = GRPOStepConfig(max_tokens_per_batch=4096, batch_invariant=args.exact)
     trained, rollout_s = 0, 0.0
     wall, cpu = time.perf_counter(), time.process_time()
     with use_nopad_attention(model):
         for step in range(args.steps):
-            m = streaming_step(stepper, stream, lambda g: ({}, prompts[g % len(prompts)]), id_reward, IdsText(),
-                               loss, step=step, temperature=1.0)
+            m = streaming_step(
+                stepper,
+                stream,
+                lambda g: ({}, prompts[g % len(prompts)]),
+                id_reward,
+                IdsText(),
+                loss,
+                step=step,
+                temperature=1.0,
+            )
             trained += m["completion_tokens"]
             rollout_s += m["rollout_s"]
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     stream.close()
     rows = generator.scheduler.stats.seqs_per_step
     admitting = rows[: max(admitted_at[-1], 1)]
-    return {"name": name, "trained_tokens": trained, "wall_s": wall, "cpu_s": cpu, "rollout_s": rollout_s,
-            "rows_admitting": sum(admitting) / max(len(admitting), 1), "rows_all": sum(rows) / max(len(rows), 1),
-            "dropped_groups": stream.stats.dropped_groups, "dropped_tokens": stream.stats.dropped_tokens,
-            "staleness": dict(sorted(stream.stats.staleness.items())), "decode_steps": len(rows)}
+    return {
+        "name": name,
+        "trained_tokens": trained,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "rollout_s": rollout_s,
+        "rows_admitting": sum(admitting) / max(len(admitting), 1),
+        "rows_all": sum(rows) / max(len(rows), 1),
+        "dropped_groups": stream.stats.dropped_groups,
+        "dropped_tokens": stream.stats.dropped_tokens,
+        "staleness": dict(sorted(stream.stats.staleness.items())),
+        "decode_steps": len(rows),
+    }
 
 
 def run_trl(base, tokenizer, prompts_text, lengths, args, out_dir: Path) -> dict:
@@ -145,24 +183,50 @@ def run_trl(base, tokenizer, prompts_text, lengths, args, out_dir: Path) -> dict
         trained["tokens"] += sum(len(c) for c in completion_ids)
         return [float(sum(c) % 5) for c in completion_ids]
 
-    settings = dict(output_dir=str(out_dir / "trl"), per_device_train_batch_size=args.prompts_per_step *
-                    args.num_generations, num_generations=args.num_generations, max_completion_length=max(lengths),
-                    max_steps=args.steps, learning_rate=1e-6, logging_steps=1, report_to=[], use_cpu=True,
-                    bf16=False, save_strategy="no", seed=0, beta=0.0, temperature=1.0,
-                    generation_kwargs={"eos_token_id": stops})
+    settings = dict(
+        output_dir=str(out_dir / "trl"),
+        per_device_train_batch_size=args.prompts_per_step * args.num_generations,
+        num_generations=args.num_generations,
+        max_completion_length=max(lengths),
+        max_steps=args.steps,
+        learning_rate=1e-6,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+        beta=0.0,
+        temperature=1.0,
+        generation_kwargs={"eos_token_id": stops},
+    )
     model = copy.deepcopy(base).train()
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(**settings),
-                          train_dataset=datasets.Dataset.from_dict({"prompt": prompts_text}),
-                          processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=GRPOConfig(**settings),
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts_text}),
+        processing_class=tokenizer,
+    )
     wall, cpu = time.perf_counter(), time.process_time()
     trainer.train()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
     mean_len = sum(h["completions/mean_length"] for h in logs) / max(len(logs), 1)
-    return {"name": "TRL GRPOTrainer", "trained_tokens": trained["tokens"], "wall_s": wall, "cpu_s": cpu,
-            "rollout_s": float("nan"), "rows_admitting": float("nan"), "rows_all": float("nan"),
-            "dropped_groups": 0, "dropped_tokens": 0, "staleness": {0: trained["tokens"]},
-            "decode_steps": 0, "mean_len": mean_len}
+    return {
+        "name": "TRL GRPOTrainer",
+        "trained_tokens": trained["tokens"],
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "rollout_s": float("nan"),
+        "rows_admitting": float("nan"),
+        "rows_all": float("nan"),
+        "dropped_groups": 0,
+        "dropped_tokens": 0,
+        "staleness": {0: trained["tokens"]},
+        "decode_steps": 0,
+        "mean_len": mean_len,
+    }
 
 
 def learning_check(args) -> None:
@@ -172,14 +236,19 @@ def learning_check(args) -> None:
     from nopad.recipes.grpo_config import GRPORecipeConfig
 
     steps = 3 if args.quick else 20
-    base = {"model": {"path": "tiny:llama" if args.quick else "smollm2"},
-            "task": {"name": "arithmetic"}, "train": {"steps": steps, "lr": 1e-5},
-            "rollout": {"prompts_per_step": 2, "num_generations": 8, "max_tokens": 40, "temperature": 0.7}}
+    base = {
+        "model": {"path": "tiny:llama" if args.quick else "smollm2"},
+        "task": {"name": "arithmetic"},
+        "train": {"steps": steps, "lr": 1e-5},
+        "rollout": {"prompts_per_step": 2, "num_generations": 8, "max_tokens": 40, "temperature": 0.7},
+    }
     runs = [("sync", seed, {}) for seed in (0, 1, 2)] + [("streaming s=1 keep", 0, {"mode": "streaming"})]
     curves = {}
     for name, seed, rollout in runs:
-        cfg = with_overrides(load_config(GRPORecipeConfig, overrides=base),
-                             {"train": {"seed": seed}, "rollout": {"seed": seed, **rollout}})
+        cfg = with_overrides(
+            load_config(GRPORecipeConfig, overrides=base),
+            {"train": {"seed": seed}, "rollout": {"seed": seed, **rollout}},
+        )
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as out:
             history = run_grpo(with_overrides(cfg, {"output_dir": out}), progress=False)
@@ -196,9 +265,11 @@ def learning_check(args) -> None:
     tail = slice(max(0, steps - 10), steps)
     means = [sum(c[tail]) / len(c[tail]) for c in sync]
     mine = sum(streamed[tail]) / len(streamed[tail])
-    print(f"streaming inside the sync seeds' min..max at {inside} of {steps} steps; mean reward over the last "
-          f"{len(streamed[tail])} steps {mine:.3f}, sync seeds {', '.join(f'{m:.3f}' for m in means)} "
-          f"({'within' if min(means) <= mine <= max(means) else 'outside'} their spread)")
+    print(
+        f"streaming inside the sync seeds' min..max at {inside} of {steps} steps; mean reward over the last "
+        f"{len(streamed[tail])} steps {mine:.3f}, sync seeds {', '.join(f'{m:.3f}' for m in means)} "
+        f"({'within' if min(means) <= mine <= max(means) else 'outside'} their spread)"
+    )
 
 
 def main() -> None:
@@ -230,11 +301,13 @@ def main() -> None:
         base, lengths = smollm2_shape(tokenizer), completion_lengths(len(GRPO_QUESTIONS), (8, 48), 384)
         model_name = "random-weight SmolLM2-135M shape (30 layers, hidden 576, fp32)"
     prompts = chat_prompt_ids(tokenizer, GRPO_QUESTIONS)
-    print(f"model: {model_name}; {len(prompts)} prompts, completion lengths set by the task: "
-          f"{sum(x == max(lengths) for x in lengths)} of {len(lengths)} run to {max(lengths)} tokens, the others "
-          f"{min(lengths)}-{max(x for x in lengths if x != max(lengths))} (mean {sum(lengths) / len(lengths):.1f}); "
-          f"{args.prompts_per_step} groups x {args.num_generations} per step, {args.steps} steps, "
-          f"max_num_seqs={args.max_num_seqs}, {torch.get_num_threads()} threads, batch_invariant={args.exact}")
+    print(
+        f"model: {model_name}; {len(prompts)} prompts, completion lengths set by the task: "
+        f"{sum(x == max(lengths) for x in lengths)} of {len(lengths)} run to {max(lengths)} tokens, the others "
+        f"{min(lengths)}-{max(x for x in lengths if x != max(lengths))} (mean {sum(lengths) / len(lengths):.1f}); "
+        f"{args.prompts_per_step} groups x {args.num_generations} per step, {args.steps} steps, "
+        f"max_num_seqs={args.max_num_seqs}, {torch.get_num_threads()} threads, batch_invariant={args.exact}"
+    )
     results = []
     for name, staleness, kv in systems:
         results.append(run_nopad(name, base, prompts, lengths, args, staleness, kv))
@@ -242,23 +315,33 @@ def main() -> None:
     if not args.skip_trl:
         with tempfile.TemporaryDirectory() as out:
             results.append(run_trl(base, tokenizer, GRPO_QUESTIONS, lengths, args, Path(out)))
-        print(f"  ran TRL GRPOTrainer: {results[-1]['wall_s']:.1f} s (its mean completion "
-              f"{results[-1]['mean_len']:.1f} tokens)", flush=True)
+        print(
+            f"  ran TRL GRPOTrainer: {results[-1]['wall_s']:.1f} s (its mean completion "
+            f"{results[-1]['mean_len']:.1f} tokens)",
+            flush=True,
+        )
     report(results, args.max_num_seqs)
 
 
 def report(results: list[dict], max_num_seqs: int) -> None:
     sync = results[0]["trained_tokens"] / results[0]["wall_s"]
     trl = next((r["trained_tokens"] / r["wall_s"] for r in results if r["name"].startswith("TRL")), None)
-    print(f"\n{'system':26s} {'tok/CPU s':>9s} {'tok/wall s':>10s} {'wall s':>7s} {'x sync':>6s} {'x TRL':>6s} "
-          f"{'rows (admitting / all)':>22s} {'dropped groups/tokens':>21s}")
+    print(
+        f"\n{'system':26s} {'tok/CPU s':>9s} {'tok/wall s':>10s} {'wall s':>7s} {'x sync':>6s} {'x TRL':>6s} "
+        f"{'rows (admitting / all)':>22s} {'dropped groups/tokens':>21s}"
+    )
     for r in results:
         rate = r["trained_tokens"] / r["wall_s"]
-        rows = (f"{r['rows_admitting']:.1f} / {r['rows_all']:.1f} of {max_num_seqs}"
-                if r["rows_all"] == r["rows_all"] else "n/a (padded batch)")
-        print(f"{r['name']:26s} {r['trained_tokens'] / r['cpu_s']:9.1f} {rate:10.1f} {r['wall_s']:7.1f} "
-              f"{rate / sync:6.2f} {(rate / trl) if trl else float('nan'):6.2f} {rows:>22s} "
-              f"{r['dropped_groups']:>10d}/{r['dropped_tokens']:<10d}")
+        rows = (
+            f"{r['rows_admitting']:.1f} / {r['rows_all']:.1f} of {max_num_seqs}"
+            if r["rows_all"] == r["rows_all"]
+            else "n/a (padded batch)"
+        )
+        print(
+            f"{r['name']:26s} {r['trained_tokens'] / r['cpu_s']:9.1f} {rate:10.1f} {r['wall_s']:7.1f} "
+            f"{rate / sync:6.2f} {(rate / trl) if trl else float('nan'):6.2f} {rows:>22s} "
+            f"{r['dropped_groups']:>10d}/{r['dropped_tokens']:<10d}"
+        )
     print("\nstaleness of the trained tokens (optimizer steps old: tokens)")
     for r in results:
         print(f"  {r['name']:26s} {r['staleness']}")

@@ -51,9 +51,18 @@ def tiny_model(vocab_size: int):
     import transformers
 
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True))
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+        )
+    )
 
 
 def measure(model, tok, examples, samples: int, max_tokens: int) -> dict:
@@ -64,20 +73,25 @@ def measure(model, tok, examples, samples: int, max_tokens: int) -> dict:
     start = time.perf_counter()
     params = SamplingParams(n=samples, temperature=1.0, max_tokens=max_tokens, seed=0)
     limits = EpisodeLimits(max_turns=3, max_tokens=3 * max_tokens, tool_timeout=10.0)
-    episodes = gen.run_episodes(prompts, {"calculator": calculator}, params, limits=limits,
-                                tool_format=ChatTemplateTools(tok))
+    episodes = gen.run_episodes(
+        prompts, {"calculator": calculator}, params, limits=limits, tool_format=ChatTemplateTools(tok)
+    )
     seconds = time.perf_counter() - start
     gen.release()
     rewards = []
     for ep in episodes:
         last = ep.turns[-1] if ep.turns else None
-        text = tok.decode(ep.completion_ids[last.start:last.end], skip_special_tokens=True) if last else ""
+        text = tok.decode(ep.completion_ids[last.start : last.end], skip_special_tokens=True) if last else ""
         rewards.append(last_number_match(text, examples[ep.prompt_index]))
     n = len(episodes)
-    out = {"episodes": n, "called": sum(ep.num_tool_calls > 0 for ep in episodes) / n,
-            "calls_per_episode": sum(ep.num_tool_calls for ep in episodes) / n,
-            "malformed": sum(ep.num_malformed for ep in episodes) / n,
-            "reward": sum(rewards) / n, "seconds": seconds}
+    out = {
+        "episodes": n,
+        "called": sum(ep.num_tool_calls > 0 for ep in episodes) / n,
+        "calls_per_episode": sum(ep.num_tool_calls for ep in episodes) / n,
+        "malformed": sum(ep.num_malformed for ep in episodes) / n,
+        "reward": sum(rewards) / n,
+        "seconds": seconds,
+    }
     print("measured: " + json.dumps({k: round(v, 3) for k, v in out.items()}), flush=True)
     return out
 
@@ -86,11 +100,20 @@ def warm_start(model, tok, out: Path, args) -> float:
     """The documented warm start: demonstrations as JSONL, then the SFT recipe on them."""
     demos = out / "calculator_demos.jsonl"
     write_demos([str(demos), "--num", str(args.demos), "--seed", "1"])
-    cfg = load_config(SFTRecipeConfig, overrides=[
-        f"data.source={demos}", "data.per_turn_samples=true", f"train.epochs={args.sft_epochs}",
-        f"train.lr={args.sft_lr}", "train.grad_accum=1", f"data.tokens_per_batch={args.sft_tokens}",
-        "train.progress=false",
-        f"checkpoint.output_dir={out / 'sft'}", "checkpoint.save_final=false"])
+    cfg = load_config(
+        SFTRecipeConfig,
+        overrides=[
+            f"data.source={demos}",
+            "data.per_turn_samples=true",
+            f"train.epochs={args.sft_epochs}",
+            f"train.lr={args.sft_lr}",
+            "train.grad_accum=1",
+            f"data.tokens_per_batch={args.sft_tokens}",
+            "train.progress=false",
+            f"checkpoint.output_dir={out / 'sft'}",
+            "checkpoint.save_final=false",
+        ],
+    )
     start = time.perf_counter()
     result = run_sft(cfg, model=model, tokenizer=tok)
     print(f"sft: {result['steps']} steps, losses {[round(x, 3) for x in result['losses']]}", flush=True)
@@ -99,15 +122,28 @@ def warm_start(model, tok, out: Path, args) -> float:
 
 def grpo(model, tok, args) -> list[dict]:
     """``nopad.recipes.grpo`` on ``calculator_chat`` from the warm-started model; its per-step metrics."""
-    cfg = load_config(GRPORecipeConfig, overrides=[
-        "task.name=calculator_chat", f"train.steps={args.grpo_steps}", f"train.lr={args.grpo_lr}",
-        f"rollout.prompts_per_step={args.grpo_prompts}", f"rollout.num_generations={args.grpo_samples}",
-        f"rollout.max_tokens={3 * args.max_tokens}", "rollout.max_prompt_tokens=256", "rollout.max_turns=3"])
+    cfg = load_config(
+        GRPORecipeConfig,
+        overrides=[
+            "task.name=calculator_chat",
+            f"train.steps={args.grpo_steps}",
+            f"train.lr={args.grpo_lr}",
+            f"rollout.prompts_per_step={args.grpo_prompts}",
+            f"rollout.num_generations={args.grpo_samples}",
+            f"rollout.max_tokens={3 * args.max_tokens}",
+            "rollout.max_prompt_tokens=256",
+            "rollout.max_turns=3",
+        ],
+    )
     history = run_grpo(cfg, model=model, tokenizer=tok, progress=False)
     for h in history:
-        print("grpo step: " + json.dumps({k: round(h[k], 3) for k in
-                                          ("reward_mean", "tool_calls_per_episode", "rollout_s", "train_s")}),
-              flush=True)
+        print(
+            "grpo step: "
+            + json.dumps(
+                {k: round(h[k], 3) for k in ("reward_mean", "tool_calls_per_episode", "rollout_s", "train_s")}
+            ),
+            flush=True,
+        )
     return history
 
 
@@ -138,21 +174,39 @@ def main() -> None:
     rows = [("(a) before", measure(model, tok, examples, args.samples, args.max_tokens), None)]
     with tempfile.TemporaryDirectory() as tmp:
         sft_s = warm_start(model, tok, Path(tmp), args)
-        rows.append(("(b) after warm-start SFT", measure(model, tok, examples, args.samples, args.max_tokens),
-                     f"SFT {args.demos} demos x {args.sft_epochs} epochs: {sft_s:.0f} s"))
+        rows.append(
+            (
+                "(b) after warm-start SFT",
+                measure(model, tok, examples, args.samples, args.max_tokens),
+                f"SFT {args.demos} demos x {args.sft_epochs} epochs: {sft_s:.0f} s",
+            )
+        )
         for h in grpo(model, tok, args) if args.grpo_steps else []:
-            m = {"called": float("nan"), "calls_per_episode": h["tool_calls_per_episode"],
-                 "malformed": float("nan"), "reward": h["reward_mean"],
-                 "seconds": h["rollout_s"] + h["train_s"]}
-            rows.append((f"(c) GRPO step {h['step']} rollouts", m,
-                         f"{args.grpo_prompts} prompts x {args.grpo_samples}, lr {args.grpo_lr:g}"))
-    print(f"\ncalculator_chat, {name}, {args.questions} held-out questions x {args.samples} samples "
-          f"(temperature 1, <= {args.max_tokens} tokens per turn, <= 3 turns), "
-          f"{torch.get_num_threads()} threads")
+            m = {
+                "called": float("nan"),
+                "calls_per_episode": h["tool_calls_per_episode"],
+                "malformed": float("nan"),
+                "reward": h["reward_mean"],
+                "seconds": h["rollout_s"] + h["train_s"],
+            }
+            rows.append(
+                (
+                    f"(c) GRPO step {h['step']} rollouts",
+                    m,
+                    f"{args.grpo_prompts} prompts x {args.grpo_samples}, lr {args.grpo_lr:g}",
+                )
+            )
+    print(
+        f"\ncalculator_chat, {name}, {args.questions} held-out questions x {args.samples} samples "
+        f"(temperature 1, <= {args.max_tokens} tokens per turn, <= 3 turns), "
+        f"{torch.get_num_threads()} threads"
+    )
     print(f"{'':28} {'called the tool':>16} {'calls/episode':>14} {'malformed':>10} {'reward':>7}  cost")
     for label, m, cost in rows:
-        print(f"{label:28} {m['called']:16.2f} {m['calls_per_episode']:14.2f} {m['malformed']:10.2f} "
-              f"{m['reward']:7.3f}  {cost or ''} (measured in {m['seconds']:.0f} s)")
+        print(
+            f"{label:28} {m['called']:16.2f} {m['calls_per_episode']:14.2f} {m['malformed']:10.2f} "
+            f"{m['reward']:7.3f}  {cost or ''} (measured in {m['seconds']:.0f} s)"
+        )
 
 
 if __name__ == "__main__":

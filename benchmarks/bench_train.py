@@ -36,8 +36,13 @@ def make_lengths(n: int, cap: int, seed: int) -> np.ndarray:
 
 def make_model(vocab: int) -> transformers.PreTrainedModel:
     config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -76,8 +81,14 @@ def flattened_batches(seqs, budget):
     out = []
     for b in batches:
         batch = collator([{"input_ids": s.tolist()} for s in b])
-        out.append(dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                        labels=batch["labels"], use_cache=False))
+        out.append(
+            dict(
+                input_ids=batch["input_ids"],
+                position_ids=batch["position_ids"],
+                labels=batch["labels"],
+                use_cache=False,
+            )
+        )
     return out
 
 
@@ -91,8 +102,9 @@ def nopad_batches(seqs, budget):
         ids = torch.cat(members)[None]
         labels = ids.clone()
         labels[0, meta.cu_seqlens_q[:-1].long()] = -100  # no prediction across a boundary
-        out.append(dict(input_ids=ids, position_ids=meta.position_ids[None], labels=labels,
-                        nopad_meta=meta, use_cache=False))
+        out.append(
+            dict(input_ids=ids, position_ids=meta.position_ids[None], labels=labels, nopad_meta=meta, use_cache=False)
+        )
     return out
 
 
@@ -108,14 +120,11 @@ def run(model, impl: str, batches, real_tokens: int) -> dict:
         computed += batch["input_ids"].numel()
     elapsed = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
-    return dict(seconds=elapsed, tok_s=real_tokens / elapsed, steps=len(batches),
-                efficiency=real_tokens / computed)
+    return dict(seconds=elapsed, tok_s=real_tokens / elapsed, steps=len(batches), efficiency=real_tokens / computed)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke run: 6 sequences, 1024 tokens per step")
     parser.add_argument("--sequences", type=int, default=None)
     parser.add_argument("--budget", type=int, default=None, help="tokens per step (default 4096)")
@@ -133,8 +142,10 @@ def main() -> None:
     real = int(lengths.sum())
     register_nopad_attention()
     model = make_model(vocab)
-    print(f"{n} sequences, {real} tokens (median {int(np.median(lengths))}, max {lengths.max()}), "
-          f"budget {budget} tokens/step, {args.threads} threads")
+    print(
+        f"{n} sequences, {real} tokens (median {int(np.median(lengths))}, max {lengths.max()}), "
+        f"budget {budget} tokens/step, {args.threads} threads"
+    )
     systems = [
         ("(a) padded, sdpa", "sdpa", padded_batches(seqs, budget)),
         ("(b) DataCollatorWithFlattening, sdpa", "sdpa", flattened_batches(seqs, budget)),
@@ -144,11 +155,14 @@ def main() -> None:
     for name, impl, batches in systems:
         results[name] = run(model, impl, batches, real)
     base_a, base_b = (results[systems[0][0]]["tok_s"], results[systems[1][0]]["tok_s"])
-    print(f"{'system':42s} {'steps':>5s} {'tokens eff':>10s} {'seconds':>8s} {'tok/s':>8s} "
-          f"{'vs (a)':>7s} {'vs (b)':>7s}")
+    print(
+        f"{'system':42s} {'steps':>5s} {'tokens eff':>10s} {'seconds':>8s} {'tok/s':>8s} {'vs (a)':>7s} {'vs (b)':>7s}"
+    )
     for name, r in results.items():
-        print(f"{name:42s} {r['steps']:5d} {r['efficiency']:10.1%} {r['seconds']:8.2f} {r['tok_s']:8.0f} "
-              f"{r['tok_s'] / base_a:6.2f}x {r['tok_s'] / base_b:6.2f}x")
+        print(
+            f"{name:42s} {r['steps']:5d} {r['efficiency']:10.1%} {r['seconds']:8.2f} {r['tok_s']:8.0f} "
+            f"{r['tok_s'] / base_a:6.2f}x {r['tok_s'] / base_b:6.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -92,11 +92,14 @@ def flat_rows(paths, capacity):
     rows = []
     for bin_ in pack([len(p.ids) for p in paths], capacity):
         order = bin_.tolist()
-        rows.append(PackedRow.build([t for i in order for t in paths[i].ids],
-                                    [t for i in order for t in _labels(paths[i])],
-                                    VarlenMeta.from_lengths([len(paths[i].ids) for i in order]),
-                                    token_values={"advantages": [w for i in order
-                                                                 for w in _weights(paths[i])]}))
+        rows.append(
+            PackedRow.build(
+                [t for i in order for t in paths[i].ids],
+                [t for i in order for t in _labels(paths[i])],
+                VarlenMeta.from_lengths([len(paths[i].ids) for i in order]),
+                token_values={"advantages": [w for i in order for w in _weights(paths[i])]},
+            )
+        )
     return rows
 
 
@@ -135,8 +138,9 @@ def shared_rows(episode_paths, capacity):
                 labels += _labels(path)[p:]
                 weights += _weights(path, p)
             groups.append((p, [len(episode_paths[i][1].ids) - p for i in part]))
-        rows.append(PackedRow.build(ids, labels, VarlenMeta.shared_prefix(groups),
-                                    token_values={"advantages": weights}))
+        rows.append(
+            PackedRow.build(ids, labels, VarlenMeta.shared_prefix(groups), token_values={"advantages": weights})
+        )
     return rows
 
 
@@ -168,17 +172,35 @@ def small_llama(quick, size="57m"):
     import transformers
 
     if size == "20m":  # a ~20M Llama-like model: the size a user's forked-rollout check trained
-        shape = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=32000)
+        shape = dict(
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=32000,
+        )
         config = transformers.LlamaConfig(**shape, max_position_embeddings=8192)
         torch.manual_seed(0)
         return "~20M Llama (256 x 8 layers, 32k vocab)", transformers.LlamaForCausalLM(config).float()
     if quick:
-        shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=256)
+        shape = dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+        )
     else:
-        shape = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                     num_key_value_heads=4, vocab_size=32000)
+        shape = dict(
+            hidden_size=512,
+            intermediate_size=1536,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            vocab_size=32000,
+        )
     config = transformers.LlamaConfig(**shape, max_position_embeddings=8192)
     torch.manual_seed(0)
     name = "tiny Llama" if quick else "small Llama (512 x 8 layers, 32k vocab)"
@@ -195,21 +217,29 @@ def smollm2():
 def run(name, model, args):
     model.train()
     vocab = model.config.vocab_size
-    episode_paths = episodes(args.prompts, args.turns, args.branching, vocab, args.scale,
-                             prompt_scale=args.prompt_scale)
+    episode_paths = episodes(
+        args.prompts, args.turns, args.branching, vocab, args.scale, prompt_scale=args.prompt_scale
+    )
     paths = [p for _, p in episode_paths]
     flat_tokens = sum(len(p.ids) for p in paths)
     unique = unique_tokens(paths)
     longest = max(len(p.ids) for p in paths)
     capacity = max(args.capacity, longest)
-    print(f"\n{name}: {args.prompts} prompts x {args.branching}^{args.turns} leaves = {len(paths)} paths, "
-          f"longest {longest}, flat tokens {flat_tokens}, trie tokens {unique}, redundancy "
-          f"{flat_tokens / unique:.2f}x, loss pairs {sum(int(np.sum(p.loss_mask)) for p in paths)}, row "
-          f"capacity {capacity}, best of {args.repeats} after a one-row warm-up")
-    modes = {"tree": pack_tree_rows(paths, capacity), "shared": shared_rows(episode_paths, capacity),
-             "flat": flat_rows(paths, capacity)}
-    print(f"{'mode':>8} {'rows':>5} {'tokens':>8} {'fill':>6} {'wall s':>8} {'CPU s':>8} "
-          f"{'path tok/CPU s':>15} {'vs flat':>8} {'loss gap':>9}")
+    print(
+        f"\n{name}: {args.prompts} prompts x {args.branching}^{args.turns} leaves = {len(paths)} paths, "
+        f"longest {longest}, flat tokens {flat_tokens}, trie tokens {unique}, redundancy "
+        f"{flat_tokens / unique:.2f}x, loss pairs {sum(int(np.sum(p.loss_mask)) for p in paths)}, row "
+        f"capacity {capacity}, best of {args.repeats} after a one-row warm-up"
+    )
+    modes = {
+        "tree": pack_tree_rows(paths, capacity),
+        "shared": shared_rows(episode_paths, capacity),
+        "flat": flat_rows(paths, capacity),
+    }
+    print(
+        f"{'mode':>8} {'rows':>5} {'tokens':>8} {'fill':>6} {'wall s':>8} {'CPU s':>8} "
+        f"{'path tok/CPU s':>15} {'vs flat':>8} {'loss gap':>9}"
+    )
     results = {}
     with use_nopad_attention(model):
         for mode in ("flat", "shared", "tree"):
@@ -218,33 +248,42 @@ def run(name, model, args):
     for mode in ("tree", "shared", "flat"):
         rows, wall, cpu, loss = results[mode]
         tokens = sum(r.num_tokens for r in rows)
-        print(f"{mode:>8} {len(rows):5d} {tokens:8d} {tokens / (len(rows) * capacity):6.1%} {wall:8.2f} "
-              f"{cpu:8.2f} {flat_tokens / cpu:15.0f} {flat_cpu / cpu:7.2f}x "
-              f"{abs(loss - flat_loss) / abs(flat_loss):9.1e}", flush=True)
+        print(
+            f"{mode:>8} {len(rows):5d} {tokens:8d} {tokens / (len(rows) * capacity):6.1%} {wall:8.2f} "
+            f"{cpu:8.2f} {flat_tokens / cpu:15.0f} {flat_cpu / cpu:7.2f}x "
+            f"{abs(loss - flat_loss) / abs(flat_loss):9.1e}",
+            flush=True,
+        )
     tree_speedup = flat_cpu / results["tree"][2]
-    print(f"tree vs flat {tree_speedup:.2f}x at redundancy {flat_tokens / unique:.2f}x: "
-          f"{tree_speedup / (flat_tokens / unique):.2f} of the redundancy", flush=True)
-    heads = {mode: sum(int(r.loss_tokens()[0].numel()) for r in results[mode][0])
-             for mode in ("tree", "flat")}
-    print(f"LM head positions: tree {heads['tree']}, flat {heads['flat']} "
-          f"({heads['flat'] / heads['tree']:.2f}x fewer): the head's work shrinks only by this, the "
-          "rest of the model's by the redundancy", flush=True)
+    print(
+        f"tree vs flat {tree_speedup:.2f}x at redundancy {flat_tokens / unique:.2f}x: "
+        f"{tree_speedup / (flat_tokens / unique):.2f} of the redundancy",
+        flush=True,
+    )
+    heads = {mode: sum(int(r.loss_tokens()[0].numel()) for r in results[mode][0]) for mode in ("tree", "flat")}
+    print(
+        f"LM head positions: tree {heads['tree']}, flat {heads['flat']} "
+        f"({heads['flat'] / heads['tree']:.2f}x fewer): the head's work shrinks only by this, the "
+        "rest of the model's by the redundancy",
+        flush=True,
+    )
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a tiny Llama, 2 prompts, lengths x0.1")
-    parser.add_argument("--models", nargs="+", default=["llama", "smollm2"],
-                        choices=["llama", "llama20m", "smollm2"])
+    parser.add_argument("--models", nargs="+", default=["llama", "smollm2"], choices=["llama", "llama20m", "smollm2"])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--branching", type=int, default=2)
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every drawn length")
     parser.add_argument("--prompt-scale", type=float, default=1.0, help="multiplies the prompts' lengths")
-    parser.add_argument("--fork444", action="store_true",
-                        help="a forked RL workload: 4 prompts x 4 x 4 paths (2 turns, 4 ways), "
-                             "redundancy ~3.3x, a ~20M Llama, 1 thread")
+    parser.add_argument(
+        "--fork444",
+        action="store_true",
+        help="a forked RL workload: 4 prompts x 4 x 4 paths (2 turns, 4 ways), "
+        "redundancy ~3.3x, a ~20M Llama, 1 thread",
+    )
     parser.add_argument("--capacity", type=int, default=8192, help="tokens per row (>= the longest path)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -255,8 +294,10 @@ def main():
         args.models, args.prompts, args.turns, args.branching = ["llama20m"], 4, 2, 4
         args.scale, args.prompt_scale, args.capacity, args.threads = 0.25, PROMPT_SCALE_444, 1024, 1
     torch.set_num_threads(args.threads)
-    print(f"fp32 on {args.threads} CPU thread(s); lengths drawn (x{args.scale}) from prompt {PROMPT}, "
-          f"response {RESPONSE}, tool result {TOOL} as (share, lo, hi)")
+    print(
+        f"fp32 on {args.threads} CPU thread(s); lengths drawn (x{args.scale}) from prompt {PROMPT}, "
+        f"response {RESPONSE}, tool result {TOOL} as (share, lo, hi)"
+    )
     for model_name in args.models:
         if model_name == "smollm2":
             name, model = smollm2()

@@ -124,8 +124,7 @@ def reward_digits(completions, **kwargs) -> list[float]:
 
 
 def grpo_prompts(n: int) -> list[list[dict]]:
-    return [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}]
-            for q in GRPO_QUESTIONS[:n]]
+    return [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}] for q in GRPO_QUESTIONS[:n]]
 
 
 LORA_SYSTEMS = (GRPO_SYSTEMS[0], GRPO_SYSTEMS[4], GRPO_SYSTEMS[5])  # TRL's default vs nopad's trainer
@@ -135,30 +134,41 @@ def lora_config():
     """The one adapter every system trains under ``--lora``."""
     from peft import LoraConfig
 
-    return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
-                      task_type="CAUSAL_LM")
+    return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
-def run_grpo(name: str, rollout_kind: str, trainer_kind: str, cfg: dict, out_dir: Path,
-             lora: bool = False) -> dict:
+def run_grpo(name: str, rollout_kind: str, trainer_kind: str, cfg: dict, out_dir: Path, lora: bool = False) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from nopad.training.trl.grpo_trainer import NopadGRPOTrainer
     from nopad.training.trl.rollout import nopad_rollout_func
 
     model, tok = load_model(cfg["tiny_model"])
-    settings = dict(output_dir=str(out_dir / name.replace(" ", "_")),
-                    per_device_train_batch_size=cfg["prompts_per_step"] * cfg["G"], num_generations=cfg["G"],
-                    max_completion_length=cfg["new_tokens"], max_steps=cfg["steps"],
-                    learning_rate=1e-6, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
-                    save_strategy="no", seed=0, beta=0.0, temperature=1.0, gradient_checkpointing=False)
+    settings = dict(
+        output_dir=str(out_dir / name.replace(" ", "_")),
+        per_device_train_batch_size=cfg["prompts_per_step"] * cfg["G"],
+        num_generations=cfg["G"],
+        max_completion_length=cfg["new_tokens"],
+        max_steps=cfg["steps"],
+        learning_rate=1e-6,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+        beta=0.0,
+        temperature=1.0,
+        gradient_checkpointing=False,
+    )
     if rollout_kind == "TRL CB":
         settings["use_transformers_continuous_batching"] = True
         # a cache for the step's sequences (1,024 tokens each in 256-token pages), as nopad's
         # generator sizes its own: unsized, transformers fills most of the free memory (OOM on a
         # shared machine)
         settings["transformers_continuous_batching_config"] = dict(
-            num_blocks=cfg["prompts_per_step"] * cfg["G"] * 4 + 4)
+            num_blocks=cfg["prompts_per_step"] * cfg["G"] * 4 + 4
+        )
     kwargs: dict = {"peft_config": lora_config()} if lora else {}
     cls = GRPOTrainer
     if rollout_kind == "nopad":
@@ -205,9 +215,15 @@ def run_grpo(name: str, rollout_kind: str, trainer_kind: str, cfg: dict, out_dir
             return super().training_step(*args, **kw)
 
     clock = StepClock()
-    trainer = Measured(model=model, reward_funcs=reward_digits, args=GRPOConfig(**settings),
-                       train_dataset=datasets.Dataset.from_dict({"prompt": grpo_prompts(cfg["prompts"])}),
-                       processing_class=tok, callbacks=[clock], **kwargs)
+    trainer = Measured(
+        model=model,
+        reward_funcs=reward_digits,
+        args=GRPOConfig(**settings),
+        train_dataset=datasets.Dataset.from_dict({"prompt": grpo_prompts(cfg["prompts"])}),
+        processing_class=tok,
+        callbacks=[clock],
+        **kwargs,
+    )
     gen_times: list[float] = []
     generate = trainer._generate
 
@@ -262,16 +278,31 @@ def run_sft(name: str, cfg: dict, texts: list[str], out_dir: Path) -> dict:
             counts["computed"] += computed
             return super().training_step(model_, inputs, num_items_in_batch)
 
-    settings = dict(output_dir=str(out_dir / name.replace(" ", "_")), max_length=cfg["max_length"],
-                    per_device_train_batch_size=cfg["rows"], max_steps=cfg["sft_steps"], learning_rate=1e-6,
-                    report_to=[], use_cpu=True, bf16=False, save_strategy="no", seed=0, logging_steps=1,
-                    dataset_num_proc=None, gradient_checkpointing=False)
+    settings = dict(
+        output_dir=str(out_dir / name.replace(" ", "_")),
+        max_length=cfg["max_length"],
+        per_device_train_batch_size=cfg["rows"],
+        max_steps=cfg["sft_steps"],
+        learning_rate=1e-6,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+        logging_steps=1,
+        dataset_num_proc=None,
+        gradient_checkpointing=False,
+    )
     if name == "TRL packing+padding_free":
         settings.update(packing=True, packing_strategy="bfd", padding_free=True)
     clock = StepClock()
-    trainer = Counting(model=model, args=SFTConfig(**settings),
-                       train_dataset=datasets.Dataset.from_dict({"text": texts}), processing_class=tok,
-                       callbacks=[clock])
+    trainer = Counting(
+        model=model,
+        args=SFTConfig(**settings),
+        train_dataset=datasets.Dataset.from_dict({"text": texts}),
+        processing_class=tok,
+        callbacks=[clock],
+    )
     trainer.train()
     steps = len(clock.times)
     # steady state: drop the first step's time and (approximately) its tokens
@@ -288,8 +319,7 @@ def run_sft(name: str, cfg: dict, texts: list[str], out_dir: Path) -> dict:
 
 # ----------------------------------------------------------------------------- main
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small smoke run")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--skip", choices=["grpo", "sft"], default=None)
@@ -298,16 +328,41 @@ def main() -> None:
     cli = parser.parse_args()
     torch.set_num_threads(cli.threads)
     if cli.quick:
-        cfg = dict(prompts=8, prompts_per_step=1, G=4, new_tokens=8, steps=2, max_num_batched_tokens=1024,
-                   max_length=128, rows=2, sft_docs=40, sft_steps=3, tiny_model=True)
+        cfg = dict(
+            prompts=8,
+            prompts_per_step=1,
+            G=4,
+            new_tokens=8,
+            steps=2,
+            max_num_batched_tokens=1024,
+            max_length=128,
+            rows=2,
+            sft_docs=40,
+            sft_steps=3,
+            tiny_model=True,
+        )
     else:
-        cfg = dict(prompts=8, prompts_per_step=1, G=8, new_tokens=64, steps=3, max_num_batched_tokens=2048,
-                   max_length=512, rows=4, sft_docs=400, sft_steps=6, tiny_model=False)
+        cfg = dict(
+            prompts=8,
+            prompts_per_step=1,
+            G=8,
+            new_tokens=64,
+            steps=3,
+            max_num_batched_tokens=2048,
+            max_length=512,
+            rows=4,
+            sft_docs=400,
+            sft_steps=6,
+            tiny_model=False,
+        )
     if cli.grpo_steps:
         cfg["steps"] = cli.grpo_steps
     out_dir = Path("/tmp/nopad_bench_trl")
-    print(f"# bench_trl  torch {torch.__version__}  {platform.processor() or platform.machine()}  "
-          f"threads={cli.threads}  {'quick' if cli.quick else 'full'}  {cfg}", flush=True)
+    print(
+        f"# bench_trl  torch {torch.__version__}  {platform.processor() or platform.machine()}  "
+        f"threads={cli.threads}  {'quick' if cli.quick else 'full'}  {cfg}",
+        flush=True,
+    )
 
     if cli.skip != "grpo":
         results = []
@@ -316,19 +371,25 @@ def main() -> None:
             print(f"  done {name}: {results[-1]['s_per_step']:.2f} s/step", flush=True)
         best_peer = min(r["s_per_step"] for r in results if r["name"].startswith("TRL"))
         lora = ", LoRA r=16 all-linear (peft_config)" if cli.lora else ""
-        print(f"\nGRPOTrainer: {cfg['prompts_per_step']} prompts x {cfg['G']} samples, prompts of "
-              f"{results[0]['prompt_len']:.0f} tokens (mean), <= {cfg['new_tokens']} new tokens, "
-              f"{cfg['steps']} steps (first = warm-up), fp32, beta=0, no gradient checkpointing{lora}")
-        print(f"{'system':<42}{'s/step':>8}{'gen s':>8}{'fwd s':>8}{'bwd+ s':>8}{'len':>6}{'vs best TRL':>13}"
-              f"{'max |logp gap| fed':>22}")
+        print(
+            f"\nGRPOTrainer: {cfg['prompts_per_step']} prompts x {cfg['G']} samples, prompts of "
+            f"{results[0]['prompt_len']:.0f} tokens (mean), <= {cfg['new_tokens']} new tokens, "
+            f"{cfg['steps']} steps (first = warm-up), fp32, beta=0, no gradient checkpointing{lora}"
+        )
+        print(
+            f"{'system':<42}{'s/step':>8}{'gen s':>8}{'fwd s':>8}{'bwd+ s':>8}{'len':>6}{'vs best TRL':>13}"
+            f"{'max |logp gap| fed':>22}"
+        )
         for r in results:
             if r["gap_max"] is None:
                 gap = "n/a, no log-probs"
             else:
                 gap = f"{r['gap_max']:.1e}" + (" (batch-inv.)" if r["batch_invariant"] else "")
             ratio = best_peer / r["s_per_step"]
-            print(f"{r['name']:<42}{r['s_per_step']:>8.2f}{r['gen_s_per_step']:>8.2f}{r['fwd_s_per_step']:>8.2f}"
-                  f"{r['rest_s_per_step']:>8.2f}{r['mean_len']:>6.0f}{ratio:>12.2f}x{gap:>22}")
+            print(
+                f"{r['name']:<42}{r['s_per_step']:>8.2f}{r['gen_s_per_step']:>8.2f}{r['fwd_s_per_step']:>8.2f}"
+                f"{r['rest_s_per_step']:>8.2f}{r['mean_len']:>6.0f}{ratio:>12.2f}x{gap:>22}"
+            )
 
     if cli.skip != "sft":
         texts = sft_texts(cfg["sft_docs"], cfg["max_length"] // 2, seed=0)
@@ -337,13 +398,17 @@ def main() -> None:
             results.append(run_sft(name, cfg, texts, out_dir))
             print(f"  done {name}", flush=True)
         trl_packed = next(r for r in results if r["name"] == "TRL packing+padding_free")
-        print(f"\nSFTTrainer: {cfg['sft_docs']} mixed-length docs, max_length {cfg['max_length']}, "
-              f"{cfg['rows']} x {cfg['max_length']} tokens per micro-batch, {cfg['sft_steps']} steps")
+        print(
+            f"\nSFTTrainer: {cfg['sft_docs']} mixed-length docs, max_length {cfg['max_length']}, "
+            f"{cfg['rows']} x {cfg['max_length']} tokens per micro-batch, {cfg['sft_steps']} steps"
+        )
         print(f"{'system':<28}{'tok/s':>9}{'vs TRL packing':>16}{'padding':>9}{'bin fill':>10}")
         for r in results:
             fill = "-" if r["fill"] is None else f"{r['fill']:.1%}"
-            print(f"{r['name']:<28}{r['tok_s']:>9.0f}{r['tok_s'] / trl_packed['tok_s']:>15.2f}x"
-                  f"{r['pad_frac']:>9.1%}{fill:>10}")
+            print(
+                f"{r['name']:<28}{r['tok_s']:>9.0f}{r['tok_s'] / trl_packed['tok_s']:>15.2f}x"
+                f"{r['pad_frac']:>9.1%}{fill:>10}"
+            )
 
 
 if __name__ == "__main__":

@@ -44,40 +44,109 @@ log = logging.getLogger("gpu_check")
 
 # Real shapes (the published configs), random weights.
 MODELS = {
-    "SmolLM2-135M": ("LlamaConfig", dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
-                                         num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
-                                         rope_theta=100000.0, tie_word_embeddings=True,
-                                         max_position_embeddings=8192)),
-    "Qwen2.5-0.5B": ("Qwen2Config", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                                         num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
-                                         rope_theta=1000000.0, tie_word_embeddings=True,
-                                         max_position_embeddings=32768)),
-    "Qwen2.5-1.5B": ("Qwen2Config", dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                                         num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
-                                         rope_theta=1000000.0, tie_word_embeddings=True,
-                                         max_position_embeddings=32768)),
+    "SmolLM2-135M": (
+        "LlamaConfig",
+        dict(
+            hidden_size=576,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            intermediate_size=1536,
+            vocab_size=49152,
+            rope_theta=100000.0,
+            tie_word_embeddings=True,
+            max_position_embeddings=8192,
+        ),
+    ),
+    "Qwen2.5-0.5B": (
+        "Qwen2Config",
+        dict(
+            hidden_size=896,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            intermediate_size=4864,
+            vocab_size=151936,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            max_position_embeddings=32768,
+        ),
+    ),
+    "Qwen2.5-1.5B": (
+        "Qwen2Config",
+        dict(
+            hidden_size=1536,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            intermediate_size=8960,
+            vocab_size=151936,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            max_position_embeddings=32768,
+        ),
+    ),
 }
 # A hybrid of Qwen3.5's layout (3 Gated DeltaNet layers per full-attention layer, its 248,320
 # vocabulary, value heads as many as key heads, 128-wide linear heads, 256-wide attention heads) at
 # about 0.8B parameters: the hybrid training and generation goals (>= 2x), measured where fla runs.
 HYBRID_MODELS = {
-    "Qwen3.5-0.8B-like": ("Qwen3_5TextConfig", dict(
-        hidden_size=1024, num_hidden_layers=24,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=256, intermediate_size=3584,
-        linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4, vocab_size=248320, tie_word_embeddings=True,
-        max_position_embeddings=32768)),
+    "Qwen3.5-0.8B-like": (
+        "Qwen3_5TextConfig",
+        dict(
+            hidden_size=1024,
+            num_hidden_layers=24,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=256,
+            intermediate_size=3584,
+            linear_num_key_heads=16,
+            linear_num_value_heads=16,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            vocab_size=248320,
+            tie_word_embeddings=True,
+            max_position_embeddings=32768,
+        ),
+    ),
 }
-TINY_HYBRID = ("Qwen3_5TextConfig", dict(
-    hidden_size=64, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, linear_num_key_heads=2,
-    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, vocab_size=512,
-    max_position_embeddings=2048))
-MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "Qwen2Config": "Qwen2ForCausalLM",
-                 "Qwen3_5TextConfig": "Qwen3_5ForCausalLM"}
-TINY = ("LlamaConfig", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                            intermediate_size=128, vocab_size=512, max_position_embeddings=2048))
+TINY_HYBRID = (
+    "Qwen3_5TextConfig",
+    dict(
+        hidden_size=64,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        vocab_size=512,
+        max_position_embeddings=2048,
+    ),
+)
+MODEL_CLASSES = {
+    "LlamaConfig": "LlamaForCausalLM",
+    "Qwen2Config": "Qwen2ForCausalLM",
+    "Qwen3_5TextConfig": "Qwen3_5ForCausalLM",
+}
+TINY = (
+    "LlamaConfig",
+    dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=2048,
+    ),
+)
 
 GOALS = {  # figure -> (comparison, threshold): "ge" ratio >= threshold, "le" ratio <= threshold
     "train_vs_padded": ("ge", 2.0),
@@ -98,8 +167,10 @@ def grpo_trainer_class():
             return importlib.import_module(module).NopadGRPOTrainer
         except ImportError:
             continue
-    raise ImportError("NopadGRPOTrainer is in none of nopad.training.trl.grpo_trainer, nopad.training.grpo_trainer, "
-                      "nopad.dataloaders.grpo_trainer")
+    raise ImportError(
+        "NopadGRPOTrainer is in none of nopad.training.trl.grpo_trainer, nopad.training.grpo_trainer, "
+        "nopad.dataloaders.grpo_trainer"
+    )
 
 
 def build_model(spec, device: torch.device, dtype: torch.dtype, attn: str = "sdpa"):
@@ -126,8 +197,14 @@ def ratio(ours: float, peer: float) -> float:
 
 
 def environment(device: torch.device) -> dict:
-    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "device": str(device), "gpu": None, "driver": None}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": str(device),
+        "gpu": None,
+        "driver": None,
+    }
     for pkg in ("triton", "transformers", "trl", "accelerate", "datasets", "flash_attn"):
         try:
             env[pkg] = importlib.import_module(pkg).__version__
@@ -166,8 +243,11 @@ def backends(device: torch.device, dtype: torch.dtype, block_size: int) -> dict:
 
 
 # quickest first; the hybrid file compiles (and autotunes) fla's kernels on first use: minutes
-GPU_TEST_FILES = ("tests/gpu/test_gpu.py", "tests/packing/test_packing_triton_attention.py",
-                  "tests/gpu/test_gpu_hybrid.py")
+GPU_TEST_FILES = (
+    "tests/gpu/test_gpu.py",
+    "tests/packing/test_packing_triton_attention.py",
+    "tests/gpu/test_gpu_hybrid.py",
+)
 
 
 def run_pytest_gpu(quick: bool, log_dir: Path) -> dict:
@@ -180,8 +260,7 @@ def run_pytest_gpu(quick: bool, log_dir: Path) -> dict:
     else:
         # no -x: every test's result is recorded; a per-test limit, so one stuck in fla's first-call
         # autotuning (minutes) does not take the rest of the file with it
-        commands = [["-m", "slow or not slow", "-v", "--tb=short", "--timeout", "150", path]
-                    for path in GPU_TEST_FILES]
+        commands = [["-m", "slow or not slow", "-v", "--tb=short", "--timeout", "150", path] for path in GPU_TEST_FILES]
     runs = []
     for extra in commands:
         cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *extra]  # -v: one line a test
@@ -189,9 +268,15 @@ def run_pytest_gpu(quick: bool, log_dir: Path) -> dict:
         with open(log, "w") as sink:
             proc = subprocess.run(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, timeout=3600)
         lines = log.read_text().strip().splitlines()
-        runs.append({"command": " ".join(cmd[2:]), "returncode": proc.returncode, "log": str(log),
-                     "summary": lines[-1] if lines else "",
-                     "failures": [line for line in lines if " FAILED" in line]})
+        runs.append(
+            {
+                "command": " ".join(cmd[2:]),
+                "returncode": proc.returncode,
+                "log": str(log),
+                "summary": lines[-1] if lines else "",
+                "failures": [line for line in lines if " FAILED" in line],
+            }
+        )
     return {"runs": runs, "returncode": max(r["returncode"] for r in runs)}
 
 
@@ -199,8 +284,7 @@ def run_pytest_gpu(quick: bool, log_dir: Path) -> dict:
 
 
 def _to(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device) if hasattr(v, "to") and not isinstance(v, bool) else v
-            for k, v in batch.items()}
+    return {k: v.to(device) if hasattr(v, "to") and not isinstance(v, bool) else v for k, v in batch.items()}
 
 
 def bench_training(spec, device, dtype, n_seqs: int, budget: int, cap: int) -> dict:
@@ -217,8 +301,7 @@ def bench_training(spec, device, dtype, n_seqs: int, budget: int, cap: int) -> d
     flatten_attn = "flash_attention_2" if _has("flash_attn") and device.type == "cuda" else "sdpa"
     rows = {
         "padded (sdpa)": ("sdpa", bench_train.padded_batches(seqs, budget)),
-        f"DataCollatorWithFlattening ({flatten_attn})": (flatten_attn,
-                                                          bench_train.flattened_batches(seqs, budget)),
+        f"DataCollatorWithFlattening ({flatten_attn})": (flatten_attn, bench_train.flattened_batches(seqs, budget)),
         "nopad packed": ("nopad", bench_train.nopad_batches(seqs, budget)),
     }
     results = {}
@@ -231,9 +314,14 @@ def bench_training(spec, device, dtype, n_seqs: int, budget: int, cap: int) -> d
     padded = results["padded (sdpa)"]["tok_s"]
     flat = next(v["tok_s"] for k, v in results.items() if k.startswith("DataCollator"))
     del model
-    return {"systems": results, "real_tokens": real,
-            "figures": {"train_vs_padded": _figure(ours, padded, "tok/s", "padded (sdpa)"),
-                        "train_vs_flatten": _figure(ours, flat, "tok/s", f"flattening ({flatten_attn})")}}
+    return {
+        "systems": results,
+        "real_tokens": real,
+        "figures": {
+            "train_vs_padded": _figure(ours, padded, "tok/s", "padded (sdpa)"),
+            "train_vs_flatten": _figure(ours, flat, "tok/s", f"flattening ({flatten_attn})"),
+        },
+    }
 
 
 def _has(module: str) -> bool:
@@ -257,17 +345,22 @@ def bench_hybrid(spec, device, dtype, train: dict, gen: dict, count: int, block_
         with _hf_delta_rule_trainable(spec, device) as fla_refusal:
             training = bench_training(spec, device, dtype, *train.values())
         figures = training.pop("figures")
-        training["figures"] = {"hybrid_train_vs_padded": figures["train_vs_padded"],
-                               "hybrid_train_vs_flatten": figures["train_vs_flatten"]}  # reported, no goal
+        training["figures"] = {
+            "hybrid_train_vs_padded": figures["train_vs_padded"],
+            "hybrid_train_vs_flatten": figures["train_vs_flatten"],
+        }  # reported, no goal
         if fla_refusal:
-            training["note"] = ("fla's gated backward refuses this GPU, so both sides trained on the torch "
-                                f"delta rule (nopad's reference, transformers' own): {fla_refusal}")
+            training["note"] = (
+                "fla's gated backward refuses this GPU, so both sides trained on the torch "
+                f"delta rule (nopad's reference, transformers' own): {fla_refusal}"
+            )
         out["training"] = training
     except Exception as exc:  # noqa: BLE001 - reported, and generation still runs
         log.exception("hybrid training failed")
         out["training"] = {"error": f"{type(exc).__name__}: {exc}"}
-    generation = bench_generation(spec, device, dtype, [count], gen["new_range"], gen["prompt_range"],
-                                  block_size, False)
+    generation = bench_generation(
+        spec, device, dtype, [count], gen["new_range"], gen["prompt_range"], block_size, False
+    )
     for entry in generation.values():
         entry["hybrid_generate_vs_hf_generate"] = entry.pop("generate_vs_hf_generate")
     out["generation"] = generation
@@ -316,17 +409,20 @@ def bench_generation(spec, device, dtype, counts, new_range, prompt_range, block
         with torch.no_grad():
             nopad, _ = bench_generate.run_nopad(model, None, prompts, max_new, args)
             hf = bench_generate.run_hf_static(model, prompts, max_new, n, pad_id=0)
-        entry = {"nopad_tok_s": nopad.tok_s, "hf_generate_tok_s": hf.tok_s,
-                 "generate_vs_hf_generate": _figure(nopad.tok_s, hf.tok_s, "out tok/s",
-                                                    "HF generate (padded)")}
+        entry = {
+            "nopad_tok_s": nopad.tok_s,
+            "hf_generate_tok_s": hf.tok_s,
+            "generate_vs_hf_generate": _figure(nopad.tok_s, hf.tok_s, "out tok/s", "HF generate (padded)"),
+        }
         if cb:
             try:
-                gen_config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max(max_new),
-                                                           eos_token_id=-1, pad_token_id=0)
-                hf_cb = bench_generate.run_hf_cb(model, prompts, max_new, gen_config=gen_config,
-                                                 max_batch_tokens=args.max_batch_tokens, max_seqs=n)
-                entry["generate_vs_hf_cb"] = _figure(nopad.tok_s, hf_cb.tok_s, "out tok/s",
-                                                     "HF generate_batch (CB)")
+                gen_config = transformers.GenerationConfig(
+                    do_sample=False, max_new_tokens=max(max_new), eos_token_id=-1, pad_token_id=0
+                )
+                hf_cb = bench_generate.run_hf_cb(
+                    model, prompts, max_new, gen_config=gen_config, max_batch_tokens=args.max_batch_tokens, max_seqs=n
+                )
+                entry["generate_vs_hf_cb"] = _figure(nopad.tok_s, hf_cb.tok_s, "out tok/s", "HF generate_batch (CB)")
             except Exception as exc:
                 entry["generate_vs_hf_cb"] = {"error": f"{type(exc).__name__}: {exc}"}
         out[str(n)] = entry
@@ -361,11 +457,18 @@ def _decoding_generator(model, n: int, prompt_range, block_size: int, new_tokens
     # every context stays inside one power-of-two block-table width for the whole run: a table
     # outgrowing its bucket mid-run times a CUDA-graph recording (the H100's 128 rows did, 32 -> 33)
     width = block_size * 2 ** int(np.log2(max(1, prompt_range[1] // block_size)))
-    prompts = [p[:max(1, width - new_tokens)] for p in prompts]
+    prompts = [p[: max(1, width - new_tokens)] for p in prompts]
     budget = max(2048, sum(map(len, prompts)))
     blocks = sum(-(-(len(p) + new_tokens) // block_size) for p in prompts)
-    gen = Generator(model, None, block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=n,
-                    num_blocks=blocks, **gen_kwargs)
+    gen = Generator(
+        model,
+        None,
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        max_num_seqs=n,
+        num_blocks=blocks,
+        **gen_kwargs,
+    )
     endless = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
     ids = [gen.add_request(p, endless) for p in prompts]
     gen.step()  # one step prefills all of them (the budget holds every prompt)
@@ -393,9 +496,11 @@ def _compile_events() -> dict[str, int]:
     """Dynamo compilations and CUDA-graph recordings so far (torch's own counters)."""
     from torch._dynamo.utils import compilation_time_metrics, counters
 
-    return {"compiles": counters["stats"]["unique_graphs"],
-            "cudagraph_recordings": len(compilation_time_metrics.get("CUDAGraphNode.record", [])),
-            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+    return {
+        "compiles": counters["stats"]["unique_graphs"],
+        "cudagraph_recordings": len(compilation_time_metrics.get("CUDAGraphNode.record", [])),
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+    }
 
 
 def time_decode(gen, device, steps: int) -> tuple[float, dict]:
@@ -425,8 +530,9 @@ def time_decode(gen, device, steps: int) -> tuple[float, dict]:
     return seconds, {"timed_steps": events}
 
 
-def bench_decode_floor(spec, device, dtype, counts, prompt_range, block_size: int, steps: int, bw_bytes: int,
-                       goal_count: int = 128) -> dict:
+def bench_decode_floor(
+    spec, device, dtype, counts, prompt_range, block_size: int, steps: int, bw_bytes: int, goal_count: int = 128
+) -> dict:
     """Decode step time vs its floor, (weight bytes + step K/V bytes) / copy bandwidth, with and
     without CUDA graphs."""
     model = build_model(spec, device, dtype).eval()
@@ -442,22 +548,28 @@ def bench_decode_floor(spec, device, dtype, counts, prompt_range, block_size: in
         for name, kw in variants.items():
             try:
                 with torch.no_grad():
-                    gen, prompts, ids = _decoding_generator(model, n, prompt_range, block_size,
-                                                            WARMUP_STEPS + steps + 2, **kw)
+                    gen, prompts, ids = _decoding_generator(
+                        model, n, prompt_range, block_size, WARMUP_STEPS + steps + 2, **kw
+                    )
                     seconds, events = time_decode(gen, device, steps)
                     close(gen, ids)
                 ctx = [len(p) + 4 + steps // 2 for p in prompts]  # mean context over the timed steps
                 floor = (weight_bytes + step_kv_bytes(model, ctx, dtype)) / bandwidth
-                row[name] = {"step_ms": seconds * 1e3, "floor_ms": floor * 1e3, "ratio": seconds / floor,
-                             **events}
+                row[name] = {"step_ms": seconds * 1e3, "floor_ms": floor * 1e3, "ratio": seconds / floor, **events}
             except Exception as exc:
                 row[name] = {"error": f"{type(exc).__name__}: {exc}"}
         out["counts"][str(n)] = row
     best = [v["ratio"] for v in out["counts"].get(str(goal_count), {}).values() if "ratio" in v]
     if best:
-        out["figures"] = {"decode_vs_floor_128": {"nopad": min(best), "peer": 1.0, "peer_name": "floor",
-                                                  "unit": f"x floor at {goal_count} seqs",
-                                                  "ratio": min(best)}}
+        out["figures"] = {
+            "decode_vs_floor_128": {
+                "nopad": min(best),
+                "peer": 1.0,
+                "peer_name": "floor",
+                "unit": f"x floor at {goal_count} seqs",
+                "ratio": min(best),
+            }
+        }
     del model
     return out
 
@@ -472,8 +584,7 @@ def bench_host_overhead(spec, device, dtype, n: int, prompt_range, block_size: i
     out = {}
     for name, kw in {"eager": {}, "compile_decode (CUDA graphs)": dict(compile_decode=True)}.items():
         with torch.no_grad():
-            gen, _, ids = _decoding_generator(model, n, prompt_range, block_size,
-                                              WARMUP_STEPS + steps + 2, **kw)
+            gen, _, ids = _decoding_generator(model, n, prompt_range, block_size, WARMUP_STEPS + steps + 2, **kw)
             for _ in range(WARMUP_STEPS):  # a new Generator's cache records its bucket's graph again
                 gen.step()
             sync(device)
@@ -486,8 +597,11 @@ def bench_host_overhead(spec, device, dtype, n: int, prompt_range, block_size: i
                 wall_us = (time.perf_counter() - start) * 1e6
             kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             busy_us = _busy_us(kernels)
-            out[name] = {"idle_share": max(0.0, 1 - busy_us / wall_us), "step_ms": wall_us / steps / 1e3,
-                         "top_kernels_us_per_step": _top_kernels(kernels, steps)}
+            out[name] = {
+                "idle_share": max(0.0, 1 - busy_us / wall_us),
+                "step_ms": wall_us / steps / 1e3,
+                "top_kernels_us_per_step": _top_kernels(kernels, steps),
+            }
             close(gen, ids)
     del model
     return out
@@ -532,8 +646,10 @@ def char_tokenizer():
     core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
-    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
     return tok
 
 
@@ -550,22 +666,48 @@ def bench_grpo(spec, device, dtype, cfg: dict, out_dir: Path) -> dict:
     results = {}
     for name, cls in (("TRL GRPOTrainer", GRPOTrainer), ("NopadGRPOTrainer", nopad_cls)):
         model = build_model(spec, device, dtype).train()
-        settings = dict(output_dir=str(out_dir / name), per_device_train_batch_size=cfg["G"],
-                        num_generations=cfg["G"], max_completion_length=cfg["new_tokens"],
-                        max_steps=cfg["steps"], learning_rate=1e-6, logging_steps=1, report_to=[],
-                        use_cpu=device.type != "cuda", bf16=dtype == torch.bfloat16, save_strategy="no",
-                        seed=0, beta=0.0, temperature=1.0, gradient_checkpointing=False)
+        settings = dict(
+            output_dir=str(out_dir / name),
+            per_device_train_batch_size=cfg["G"],
+            num_generations=cfg["G"],
+            max_completion_length=cfg["new_tokens"],
+            max_steps=cfg["steps"],
+            learning_rate=1e-6,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=device.type != "cuda",
+            bf16=dtype == torch.bfloat16,
+            save_strategy="no",
+            seed=0,
+            beta=0.0,
+            temperature=1.0,
+            gradient_checkpointing=False,
+        )
         clock = StepClock()
-        trainer = cls(model=model, reward_funcs=reward_digits, args=GRPOConfig(**settings),
-                      train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
-                      processing_class=tok, callbacks=[clock])
+        trainer = cls(
+            model=model,
+            reward_funcs=reward_digits,
+            args=GRPOConfig(**settings),
+            train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+            processing_class=tok,
+            callbacks=[clock],
+        )
         trainer.train()
         results[name] = {"s_per_step": _steady(clock.times)}
         del trainer, model
     ours, peer = results["NopadGRPOTrainer"]["s_per_step"], results["TRL GRPOTrainer"]["s_per_step"]
-    return {"systems": results,
-            "figures": {"grpo_vs_trl": {"nopad": ours, "peer": peer, "peer_name": "TRL GRPOTrainer",
-                                        "unit": "s/step", "ratio": ratio(peer, ours)}}}
+    return {
+        "systems": results,
+        "figures": {
+            "grpo_vs_trl": {
+                "nopad": ours,
+                "peer": peer,
+                "peer_name": "TRL GRPOTrainer",
+                "unit": "s/step",
+                "ratio": ratio(peer, ours),
+            }
+        },
+    }
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -603,8 +745,13 @@ def collect_goals(report: dict) -> dict:
             continue
         where, worst = (min if op == "ge" else max)(figures, key=lambda t: t[1])
         met = worst >= threshold if op == "ge" else worst <= threshold
-        goals[name] = {"threshold": threshold, "op": op, "worst": worst, "where": where,
-                       "status": "met" if met else "missed"}
+        goals[name] = {
+            "threshold": threshold,
+            "op": op,
+            "worst": worst,
+            "where": where,
+            "status": "met" if met else "missed",
+        }
     return goals
 
 
@@ -617,8 +764,7 @@ def write_reports(report: dict, out: Path) -> None:
 
 def write_markdown(report: dict, path: Path) -> None:
     env = report["environment"]
-    lines = [f"# nopad GPU check ({'quick smoke run' if report['quick'] else 'full run'})", "",
-             "| | |", "|---|---|"]
+    lines = [f"# nopad GPU check ({'quick smoke run' if report['quick'] else 'full run'})", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in env.items()]
     lines += ["", "## Attention backend per path", "", "| path | backend |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in report["backends"].items()]
@@ -626,24 +772,32 @@ def write_markdown(report: dict, path: Path) -> None:
     for r in report.get("pytest", {}).get("runs", []):
         lines.append(f"- `{r['command']}`: rc {r['returncode']}, {r['summary']}")
         lines += [f"  - {failure}" for failure in r.get("failures", [])]
-    lines += ["", "## Goals", "", "| goal | need | worst measured | where | status |",
-              "|---|---|---|---|---|"]
+    lines += ["", "## Goals", "", "| goal | need | worst measured | where | status |", "|---|---|---|---|---|"]
     for name, g in report["goals"].items():
         need = ("≥ " if g["op"] == "ge" else "≤ ") + f"{g['threshold']}x"
         worst = f"{g['worst']:.2f}x" if "worst" in g else "-"
         lines.append(f"| {name} | {need} | {worst} | {g.get('where', '-')} | {g['status']} |")
     lines += ["", "## Figures", "", "| where | nopad | peer | peer value | ratio |", "|---|---|---|---|---|"]
     for where, fig in _figures(report):
-        lines.append(f"| {where} | {fig['nopad']:.4g} {fig['unit']} | {fig['peer_name']} | "
-                     f"{fig['peer']:.4g} | {fig['ratio']:.2f}x |")
+        lines.append(
+            f"| {where} | {fig['nopad']:.4g} {fig['unit']} | {fig['peer_name']} | "
+            f"{fig['peer']:.4g} | {fig['ratio']:.2f}x |"
+        )
     lines += ["", "## Host overhead (share of a decode step's wall time the GPU is idle)", ""]
     for label, res in report.get("models", {}).items():
         for variant, v in res.get("host_overhead", {}).items():
             share = v.get("idle_share") if isinstance(v, dict) else v
             share = f"{share:.1%}" if isinstance(share, float) else share
             lines.append(f"- {label}, {variant}: {share}")
-    lines += ["", "## Raw", "", "```json", json.dumps({k: v for k, v in report.items() if k != "environment"},
-                                                      indent=1, default=str), "```", ""]
+    lines += [
+        "",
+        "## Raw",
+        "",
+        "```json",
+        json.dumps({k: v for k, v in report.items() if k != "environment"}, indent=1, default=str),
+        "```",
+        "",
+    ]
     path.write_text("\n".join(lines))
 
 
@@ -657,18 +811,27 @@ def _figures(node, where=""):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the whole pipeline on CPU with tiny shapes")
     parser.add_argument("--out", type=Path, default=Path("."), help="folder for gpu_report.md / .json")
-    parser.add_argument("--skip", nargs="*", default=[],
-                        choices=["pytest", "train", "generate", "decode", "host", "grpo", "hybrid"])
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=["pytest", "train", "generate", "decode", "host", "grpo", "hybrid"]
+    )
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--hybrid-models", nargs="*", default=list(HYBRID_MODELS),
-                        choices=list(HYBRID_MODELS),
-                        help="hybrid models for the >= 2x goals (training and generation only)")
-    parser.add_argument("--decode-counts", nargs="+", type=int, default=[64, 128, 256],
-                        help="sequence counts of the decode-floor step (the goal is read at 128)")
+    parser.add_argument(
+        "--hybrid-models",
+        nargs="*",
+        default=list(HYBRID_MODELS),
+        choices=list(HYBRID_MODELS),
+        help="hybrid models for the >= 2x goals (training and generation only)",
+    )
+    parser.add_argument(
+        "--decode-counts",
+        nargs="+",
+        type=int,
+        default=[64, 128, 256],
+        help="sequence counts of the decode-floor step (the goal is read at 128)",
+    )
     args = parser.parse_args(argv)
     if min(args.decode_counts) < 1:
         parser.error("--decode-counts: each count is a number of sequences, at least 1")
@@ -695,10 +858,12 @@ def main(argv=None) -> int:
         train = dict(n_seqs=256, budget=4096, cap=2048)  # padded logits stay well inside 80 GB
         gen = dict(new_range=(32, 512), prompt_range=(16, 512))
         steps, bw_bytes, grpo = 20, 1 << 30, dict(prompts=16, G=8, new_tokens=256, steps=4)
-        hybrid = dict(train=dict(n_seqs=128, budget=4096, cap=2048),
-                      gen=dict(new_range=(32, 256), prompt_range=(16, 512)), count=64)
-    report: dict = {"quick": args.quick, "environment": environment(device),
-                    "backends": backends(device, dtype, block)}
+        hybrid = dict(
+            train=dict(n_seqs=128, budget=4096, cap=2048),
+            gen=dict(new_range=(32, 256), prompt_range=(16, 512)),
+            count=64,
+        )
+    report: dict = {"quick": args.quick, "environment": environment(device), "backends": backends(device, dtype, block)}
     args.out.mkdir(parents=True, exist_ok=True)
 
     def step(target: dict, key: str, fn, *fn_args) -> None:
@@ -714,20 +879,63 @@ def main(argv=None) -> int:
         if "train" not in args.skip:
             step(res, "training", bench_training, spec, device, dtype, *train.values())
         if "generate" not in args.skip:
-            step(res, "generation", bench_generation, spec, device, dtype, counts, gen["new_range"],
-                    gen["prompt_range"], block, True)
+            step(
+                res,
+                "generation",
+                bench_generation,
+                spec,
+                device,
+                dtype,
+                counts,
+                gen["new_range"],
+                gen["prompt_range"],
+                block,
+                True,
+            )
         if "decode" not in args.skip:
-            step(res, "decode_floor", bench_decode_floor, spec, device, dtype, floor_counts,
-                    gen["prompt_range"], block, steps, bw_bytes, floor_counts[-1] if args.quick else 128)
+            step(
+                res,
+                "decode_floor",
+                bench_decode_floor,
+                spec,
+                device,
+                dtype,
+                floor_counts,
+                gen["prompt_range"],
+                block,
+                steps,
+                bw_bytes,
+                floor_counts[-1] if args.quick else 128,
+            )
         if "host" not in args.skip:
-            step(res, "host_overhead", bench_host_overhead, spec, device, dtype,
-                    4 if args.quick else 128, gen["prompt_range"], block, steps)
+            step(
+                res,
+                "host_overhead",
+                bench_host_overhead,
+                spec,
+                device,
+                dtype,
+                4 if args.quick else 128,
+                gen["prompt_range"],
+                block,
+                steps,
+            )
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if "hybrid" not in args.skip:
         for label, spec in hybrids.items():
-            step(report.setdefault("hybrid", {}), label, bench_hybrid, spec, device, dtype, hybrid["train"],
-                 hybrid["gen"], hybrid["count"], block)
+            step(
+                report.setdefault("hybrid", {}),
+                label,
+                bench_hybrid,
+                spec,
+                device,
+                dtype,
+                hybrid["train"],
+                hybrid["gen"],
+                hybrid["count"],
+                block,
+            )
     if "grpo" not in args.skip:  # the smallest model: the comparison is about the loop, not the size
         first = next(iter(specs.values()))
         step(report, "grpo", bench_grpo, first, device, dtype, grpo, out_dir)

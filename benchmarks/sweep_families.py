@@ -227,9 +227,7 @@ def _generate(model, family, vocab):
     except Exception as exc:  # noqa: BLE001
         return _emit(family, "generate", stage="construct", **_classify_error(exc))
     try:
-        outs = gen.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
-        )
+        outs = gen.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         got = [o.outputs[0].token_ids for o in outs]
         got_lp = [o.outputs[0].logprobs for o in outs]
     except Exception as exc:  # noqa: BLE001
@@ -362,8 +360,10 @@ def main(argv):
     families = argv or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     unknown = [f for f in families if f not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
     if unknown:
-        sys.exit(f"not a causal LM model_type of this transformers: {unknown}; choose among "
-                 f"{sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)}")
+        sys.exit(
+            f"not a causal LM model_type of this transformers: {unknown}; choose among "
+            f"{sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)}"
+        )
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     with open(RESULTS, "a") as sink:
         for family in families:
@@ -410,8 +410,7 @@ def main(argv):
                     }
                     sink.write(json.dumps(rec) + "\n")
                     print(
-                        f"{family:26s} {check:12s} CRASH        {why} {err[0][:200]} "
-                        f"({time.time() - t:.0f}s)",
+                        f"{family:26s} {check:12s} CRASH        {why} {err[0][:200]} ({time.time() - t:.0f}s)",
                         flush=True,
                     )
             sink.flush()

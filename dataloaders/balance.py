@@ -50,9 +50,11 @@ def attention_cost_from_config(config) -> float:
     ffn = int(getattr(config, "intermediate_size", None) or 4 * d)
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     if min(d, layers, heads, head_dim) < 1:
-        raise ValueError(f"config has hidden_size={d}, num_hidden_layers={layers}, "
-                         f"num_attention_heads={heads}: cannot derive the attention cost; "
-                         "pass attention_cost= explicitly")
+        raise ValueError(
+            f"config has hidden_size={d}, num_hidden_layers={layers}, "
+            f"num_attention_heads={heads}: cannot derive the attention cost; "
+            "pass attention_cost= explicitly"
+        )
     linear = 2 * d * (heads + 2 * kv_heads) * head_dim + 2 * heads * head_dim * d + 6 * d * ffn
     per_token = layers * linear + 2 * d * vocab
     return 2.0 * heads * head_dim * layers / per_token

@@ -47,9 +47,7 @@ class PackedCollator:
                 raise ValueError(f"example {ex.get('index')} has no tokens; drop empty rows before packing")
             lab = np.asarray(ex.get("labels", seq), dtype=np.int64).copy()
             if lab.shape != seq.shape:
-                raise ValueError(
-                    f"example {ex.get('index')}: labels shape {lab.shape} != input_ids {seq.shape}"
-                )
+                raise ValueError(f"example {ex.get('index')}: labels shape {lab.shape} != input_ids {seq.shape}")
             docs = document_lengths(ex, seq.size, f"example {ex.get('index')}")
             docs = [seq.size] if docs is None else docs.tolist()
             lab[np.cumsum([0] + docs[:-1])] = IGNORE_INDEX  # no document learns its neighbour's first token
@@ -67,5 +65,4 @@ class PackedCollator:
                 labels.append(np.full(extra, IGNORE_INDEX, dtype=np.int64))
                 meta_lens.append(extra)
         meta = VarlenMeta.from_lengths(meta_lens)
-        return PackedRow.build(np.concatenate(ids), np.concatenate(labels), meta,
-                               seq_lens=lens, indices=indices)
+        return PackedRow.build(np.concatenate(ids), np.concatenate(labels), meta, seq_lens=lens, indices=indices)

@@ -167,9 +167,7 @@ class PackedDataset(Dataset):
             mask = np.asarray(row[self.mask_column], dtype=bool)
             labels = np.where(mask, labels, IGNORE_INDEX)
         if labels.shape != ids.shape:
-            raise ValueError(
-                f"row {item.index}: labels/mask length {labels.shape[0]} != input_ids {ids.shape[0]}"
-            )
+            raise ValueError(f"row {item.index}: labels/mask length {labels.shape[0]} != input_ids {ids.shape[0]}")
         piece = {"input_ids": ids[sl], "labels": labels[sl], "index": item.index, "train": item.train}
         docs = document_lengths(row, ids.shape[0], f"row {item.index}")
         if docs is not None:
@@ -183,7 +181,6 @@ class PackedDataset(Dataset):
 
     def __getitems__(self, items: list[PackedItem]) -> list[dict]:
         """Fetch a whole packed batch at once (DataLoader calls this with the sampler's batch)."""
-        items = [x if isinstance(x, PackedItem) else PackedItem(int(x), 0, int(self.lengths[int(x)]))
-                 for x in items]
+        items = [x if isinstance(x, PackedItem) else PackedItem(int(x), 0, int(self.lengths[int(x)])) for x in items]
         rows = self._rows([x.index for x in items])
         return [self._piece(row, x) for row, x in zip(rows, items)]

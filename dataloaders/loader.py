@@ -75,8 +75,10 @@ class PackedDataLoader(DataLoader):
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or "sampler" not in state or "step" not in state:
             keys = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"not a PackedDataLoader state (expected 'step' and 'sampler', got {keys}); "
-                             "pass what PackedDataLoader.state_dict() returned")
+            raise ValueError(
+                f"not a PackedDataLoader state (expected 'step' and 'sampler', got {keys}); "
+                "pass what PackedDataLoader.state_dict() returned"
+            )
         self.packed_sampler.load_state_dict(state["sampler"])
         step = state["step"]
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= len(self):

@@ -107,10 +107,7 @@ class PackedBatchSampler(Sampler[list[PackedItem]]):
             seed=self.seed + self.epoch if self.shuffle else None,
         )
         self._batches = [
-            [
-                PackedItem(int(indices[i]), int(starts[i]), int(piece_lengths[i]), train)
-                for i in plan.bins[bin_id]
-            ]
+            [PackedItem(int(indices[i]), int(starts[i]), int(piece_lengths[i]), train) for i in plan.bins[bin_id]]
             for bin_id in plan.rank_bins(self.rank)
             for train in [bin_id not in plan.duplicated]
         ]
@@ -159,8 +156,10 @@ class PackedBatchSampler(Sampler[list[PackedItem]]):
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or "fingerprint" not in state or "epoch" not in state:
             keys = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"not a PackedBatchSampler state (expected 'epoch' and "
-                             f"'fingerprint', got {keys}); pass what state_dict() returned")
+            raise ValueError(
+                f"not a PackedBatchSampler state (expected 'epoch' and "
+                f"'fingerprint', got {keys}); pass what state_dict() returned"
+            )
         check_fingerprint(state["fingerprint"], self.fingerprint())
         self.set_epoch(state["epoch"])
 
@@ -173,12 +172,16 @@ def lengths_digest(lengths: np.ndarray) -> str:
 def check_fingerprint(saved: dict, mine: dict) -> None:
     """Raise naming the first setting that differs between a checkpoint and this loader."""
     if not isinstance(saved, dict):
-        raise ValueError(f"the checkpoint's loader fingerprint is a {type(saved).__name__}, not a dict; "
-                         "it was not written by this loader")
+        raise ValueError(
+            f"the checkpoint's loader fingerprint is a {type(saved).__name__}, not a dict; "
+            "it was not written by this loader"
+        )
     for key, value in mine.items():
         if key not in saved:
-            raise ValueError(f"cannot resume: the checkpoint's loader state has no {key!r} (it was "
-                             "written by another loader or version); start a new run instead")
+            raise ValueError(
+                f"cannot resume: the checkpoint's loader state has no {key!r} (it was "
+                "written by another loader or version); start a new run instead"
+            )
         if saved[key] != value:
             raise ValueError(
                 f"cannot resume: the checkpoint was made with {key}={saved[key]!r} but this loader has "

@@ -31,8 +31,14 @@ ANY: Sequence[Kind] = ({},)  # any JSON object
 FORMATS = ".jsonl, .jsonl.gz, .json, .json.gz, .parquet, .csv, or a save_to_disk directory"
 
 
-def load_records(path: str | Path, kinds: Sequence[Kind] = (), *, split: str | None = None,
-                 key: str = "data", check: Callable[[Mapping, str], None] | None = None) -> datasets.Dataset:
+def load_records(
+    path: str | Path,
+    kinds: Sequence[Kind] = (),
+    *,
+    split: str | None = None,
+    key: str = "data",
+    check: Callable[[Mapping, str], None] | None = None,
+) -> datasets.Dataset:
     """The records of ``path`` as a ``Dataset``, each of one of ``kinds`` (all of the same kind).
 
     ``split`` picks one split of a ``DatasetDict`` (default: ``train``, or its only split); ``key``
@@ -51,8 +57,7 @@ def load_records(path: str | Path, kinds: Sequence[Kind] = (), *, split: str | N
             if name.endswith(".parquet"):
                 ds = datasets.load_dataset("parquet", data_files=str(path), split="train")
             else:  # CSV cells are text: "2" stays "2", not the integer pandas would guess
-                ds = datasets.load_dataset("csv", data_files=str(path), split="train",
-                                           features=_text_columns(path))
+                ds = datasets.load_dataset("csv", data_files=str(path), split="train", features=_text_columns(path))
             rows = ds if check else _first_rows_checked(ds, kinds, path)
         else:
             raise ValueError(f"{key}={path}: unknown file type; give {FORMATS}")
@@ -67,8 +72,10 @@ def load_records(path: str | Path, kinds: Sequence[Kind] = (), *, split: str | N
         if first_kind is None:
             first_kind = kind
         elif kind is not first_kind:
-            raise ValueError(f"{where} is a {_kind_name(kind)} record, but the first record is a "
-                             f"{_kind_name(first_kind)} record; one input holds one kind of record")
+            raise ValueError(
+                f"{where} is a {_kind_name(kind)} record, but the first record is a "
+                f"{_kind_name(first_kind)} record; one input holds one kind of record"
+            )
         if ds is None:
             records.append(record)
     if ds is None:
@@ -80,8 +87,9 @@ def load_records(path: str | Path, kinds: Sequence[Kind] = (), *, split: str | N
     return ds
 
 
-def load_sft_rows(source: str | Path, prompt_column: str, completion_column: str, split: str | None = None,
-                  tokenizer=None) -> datasets.Dataset:
+def load_sft_rows(
+    source: str | Path, prompt_column: str, completion_column: str, split: str | None = None, tokenizer=None
+) -> datasets.Dataset:
     """SFT's ``data.source``: token rows (``input_ids``, e.g. a packed dataset, whose tokenizer must
     be the model's) or text rows (``prompt_column`` and ``completion_column``, strings)."""
     kinds = [{"input_ids": list}, {prompt_column: str, completion_column: str}]
@@ -94,8 +102,9 @@ def load_sft_rows(source: str | Path, prompt_column: str, completion_column: str
 def check_record(record, kinds: Sequence[Kind], where: str) -> Kind:
     """The kind ``record`` is (the first whose fields it has), after checking those fields' types."""
     if not isinstance(record, Mapping):
-        raise ValueError(f"{where} is a JSON {type(record).__name__}, not an object like "
-                         f"{' or '.join(_example(k) for k in kinds)}")
+        raise ValueError(
+            f"{where} is a JSON {type(record).__name__}, not an object like {' or '.join(_example(k) for k in kinds)}"
+        )
     for kind in kinds:
         if all(field in record for field in kind):
             for field, types in kind.items():
@@ -113,8 +122,11 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     digest = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16] if vocab else None
     size = len(tokenizer) if hasattr(tokenizer, "__len__") else getattr(tokenizer, "vocab_size", None)
-    return {"name": str(getattr(tokenizer, "name_or_path", type(tokenizer).__name__)), "vocab_size": size,
-            "vocab_hash": digest}
+    return {
+        "name": str(getattr(tokenizer, "name_or_path", type(tokenizer).__name__)),
+        "vocab_size": size,
+        "vocab_hash": digest,
+    }
 
 
 def save_tokenizer_fingerprint(directory: str | Path, tokenizer) -> None:
@@ -128,17 +140,23 @@ def check_tokenizer(directory: str | Path, tokenizer, key: str = "data.source") 
     if tokenizer is None or not saved_file.is_file():
         return
     saved, ours = json.loads(saved_file.read_text()), tokenizer_fingerprint(tokenizer)
-    same = saved["vocab_hash"] == ours["vocab_hash"] if saved["vocab_hash"] and ours["vocab_hash"] \
+    same = (
+        saved["vocab_hash"] == ours["vocab_hash"]
+        if saved["vocab_hash"] and ours["vocab_hash"]
         else saved["vocab_size"] == ours["vocab_size"]
+    )
     if not same:
-        raise ValueError(f"{key}={directory} was tokenized with {saved['name']} (vocabulary of "
-                         f"{saved['vocab_size']}, hash {saved['vocab_hash']}), but the model's tokenizer is "
-                         f"{ours['name']} (vocabulary of {ours['vocab_size']}, hash {ours['vocab_hash']}); "
-                         "run nopad.recipes.preprocess again with tokenizer=<the model's directory>")
+        raise ValueError(
+            f"{key}={directory} was tokenized with {saved['name']} (vocabulary of "
+            f"{saved['vocab_size']}, hash {saved['vocab_hash']}), but the model's tokenizer is "
+            f"{ours['name']} (vocabulary of {ours['vocab_size']}, hash {ours['vocab_hash']}); "
+            "run nopad.recipes.preprocess again with tokenizer=<the model's directory>"
+        )
 
 
-def check_dropped_tokens(lengths, capacity: int, max_fraction: float, *, key: str, capacity_key: str,
-                         what: str = "sequences") -> int:
+def check_dropped_tokens(
+    lengths, capacity: int, max_fraction: float, *, key: str, capacity_key: str, what: str = "sequences"
+) -> int:
     """The one truncation rule (preprocess and SFT): cutting sequences to ``capacity`` may drop at
     most ``max_fraction`` of all tokens (the setting ``key``), else a ValueError that says how many
     and what to change. Returns the number of tokens dropped (logged when > 0)."""
@@ -153,10 +171,18 @@ def check_dropped_tokens(lengths, capacity: int, max_fraction: float, *, key: st
             f"{section}overflow=truncate would drop {dropped:,} of {total:,} tokens ({share:.0%}) of the "
             f"{int(too_long.sum())} {what} longer than {capacity_key}={capacity}, more than {key}="
             f"{max_fraction:g}; raise {capacity_key} (>= {int(lengths.max())} drops nothing), use "
-            f"{section}overflow=split, or accept the loss with {key}={share:.2f}")
+            f"{section}overflow=split, or accept the loss with {key}={share:.2f}"
+        )
     if dropped:
-        logger.warning("%soverflow=truncate drops %d tokens (%.1f%%) of %d %s longer than %d", section,
-                       dropped, 100 * share, int(too_long.sum()), what, capacity)
+        logger.warning(
+            "%soverflow=truncate drops %d tokens (%.1f%%) of %d %s longer than %d",
+            section,
+            dropped,
+            100 * share,
+            int(too_long.sum()),
+            what,
+            capacity,
+        )
     return dropped
 
 
@@ -172,8 +198,7 @@ def _first_rows_checked(ds: datasets.Dataset, kinds: Sequence[Kind], path: Path)
             import pyarrow.compute as pc
 
             row = pc.index(pc.is_null(column), True).as_py()
-            raise ValueError(f"{path} row {row + 1}: field {field!r} must be {_type_words(kind[field])}, "
-                             "got null")
+            raise ValueError(f"{path} row {row + 1}: field {field!r} must be {_type_words(kind[field])}, got null")
     return []
 
 
@@ -189,14 +214,16 @@ def _load_saved(path: Path, split: str | None, key: str) -> datasets.Dataset:
     try:
         ds = datasets.load_from_disk(str(path))
     except FileNotFoundError as err:
-        raise ValueError(f"{key}={path} is a directory but not one written by datasets' save_to_disk "
-                         f"({err}); give {FORMATS}") from None
+        raise ValueError(
+            f"{key}={path} is a directory but not one written by datasets' save_to_disk ({err}); give {FORMATS}"
+        ) from None
     if isinstance(ds, datasets.DatasetDict):
         names = list(ds)
         chosen = split or ("train" if "train" in ds else names[0] if len(names) == 1 else None)
         if chosen not in ds:
-            raise ValueError(f"{key}={path} holds splits {names}; choose one with its split key "
-                             f"(e.g. split={names[0]})")
+            raise ValueError(
+                f"{key}={path} holds splits {names}; choose one with its split key (e.g. split={names[0]})"
+            )
         logger.info("%s=%s: using split %r of %s", key, path, chosen, names)
         ds = ds[chosen]
     return ds
@@ -209,8 +236,7 @@ def _read_json(path: Path) -> list:
         with opener(path, "rt", encoding="utf-8-sig") as f:
             text = f.read()
     except UnicodeDecodeError as err:
-        raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as "
-                         "UTF-8") from None
+        raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8") from None
     if text.lstrip().startswith("[") and path.name.lower().endswith((".json", ".json.gz")):
         try:
             return json.loads(text)
@@ -223,8 +249,10 @@ def _read_json(path: Path) -> list:
         try:
             records.append((number, json.loads(line)))
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number} is not valid JSON ({err.msg} at column {err.colno}); each "
-                             "line must be one JSON object") from None
+            raise ValueError(
+                f"{path}:{number} is not valid JSON ({err.msg} at column {err.colno}); each "
+                "line must be one JSON object"
+            ) from None
     return records
 
 

@@ -73,8 +73,9 @@ class StreamingPackedLoader(IterableDataset):
         if not 0 <= self.rank < self.num_replicas:
             raise ValueError(f"rank {self.rank} is outside [0, num_replicas={self.num_replicas})")
         if balance_window < 1 or steps_multiple_of < 1:
-            raise ValueError(f"balance_window and steps_multiple_of must be >= 1, got {balance_window}, "
-                             f"{steps_multiple_of}")
+            raise ValueError(
+                f"balance_window and steps_multiple_of must be >= 1, got {balance_window}, {steps_multiple_of}"
+            )
         self.source = source
         self.tokens_per_batch = int(tokens_per_batch)
         self.buffer_size = int(buffer_size)
@@ -98,8 +99,11 @@ class StreamingPackedLoader(IterableDataset):
 
         seed = None if self.seed is None else self.seed + self.epoch
         self.packer = StreamingPacker(
-            self.tokens_per_batch, self.buffer_size, max_seqs_per_bin=self.max_seqs_per_batch,
-            seed=seed, overflow=self.overflow,
+            self.tokens_per_batch,
+            self.buffer_size,
+            max_seqs_per_bin=self.max_seqs_per_batch,
+            seed=seed,
+            overflow=self.overflow,
         )
 
     def _reset_epoch(self) -> None:
@@ -110,34 +114,65 @@ class StreamingPackedLoader(IterableDataset):
         self.pieces_left: dict[int, int] = {}
         self.closed: list[list[tuple]] = []  # closed bins waiting for a full window
         self.steps: list[list[list[tuple]]] = []  # planned steps: per rank one bin of items
-        self.totals = {"steps": 0, "tokens": 0, "bins": 0, "duplicated": 0, "splits": 0, "dropped": 0,
-                       "step_max": 0.0, "step_mean": 0.0, "rank_cost": [0.0] * self.num_replicas}
+        self.totals = {
+            "steps": 0,
+            "tokens": 0,
+            "bins": 0,
+            "duplicated": 0,
+            "splits": 0,
+            "dropped": 0,
+            "step_max": 0.0,
+            "step_mean": 0.0,
+            "rank_cost": [0.0] * self.num_replicas,
+        }
 
     def fingerprint(self) -> dict:
         """The settings that shape the bins and steps; a checkpoint made under others cannot resume."""
         return {
-            "tokens_per_batch": self.tokens_per_batch, "buffer_size": self.buffer_size, "seed": self.seed,
-            "max_seqs_per_batch": self.max_seqs_per_batch, "overflow": self.overflow,
-            "balance_window": self.balance_window, "steps_multiple_of": self.steps_multiple_of,
-            "num_replicas": self.num_replicas, "attention_cost": float(self.attention_cost),
+            "tokens_per_batch": self.tokens_per_batch,
+            "buffer_size": self.buffer_size,
+            "seed": self.seed,
+            "max_seqs_per_batch": self.max_seqs_per_batch,
+            "overflow": self.overflow,
+            "balance_window": self.balance_window,
+            "steps_multiple_of": self.steps_multiple_of,
+            "num_replicas": self.num_replicas,
+            "attention_cost": float(self.attention_cost),
         }
 
     def state_dict(self) -> dict:
         return {
-            "epoch": self.epoch, "rows_read": self.rows_read, "packer": self.packer.state_dict(),
-            "rows": dict(self.rows), "pieces_left": dict(self.pieces_left),
-            "closed": [list(b) for b in self.closed], "steps": [list(s) for s in self.steps],
+            "epoch": self.epoch,
+            "rows_read": self.rows_read,
+            "packer": self.packer.state_dict(),
+            "rows": dict(self.rows),
+            "pieces_left": dict(self.pieces_left),
+            "closed": [list(b) for b in self.closed],
+            "steps": [list(s) for s in self.steps],
             "totals": {**self.totals, "rank_cost": list(self.totals["rank_cost"])},
-            "fingerprint": self.fingerprint(), "lengths_digest": self.digest.hexdigest()[:16],
+            "fingerprint": self.fingerprint(),
+            "lengths_digest": self.digest.hexdigest()[:16],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        expected = ("epoch", "rows_read", "packer", "rows", "pieces_left", "closed", "steps", "totals",
-                    "fingerprint", "lengths_digest")
+        expected = (
+            "epoch",
+            "rows_read",
+            "packer",
+            "rows",
+            "pieces_left",
+            "closed",
+            "steps",
+            "totals",
+            "fingerprint",
+            "lengths_digest",
+        )
         if not isinstance(state, dict) or any(k not in state for k in expected):
             keys = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"not a StreamingPackedLoader state (expected keys "
-                             f"{list(expected)}, got {keys}); pass what state_dict() returned")
+            raise ValueError(
+                f"not a StreamingPackedLoader state (expected keys "
+                f"{list(expected)}, got {keys}); pass what state_dict() returned"
+            )
         check_fingerprint(state["fingerprint"], self.fingerprint())
         self.epoch = state["epoch"]
         self._reset_epoch()
@@ -174,8 +209,10 @@ class StreamingPackedLoader(IterableDataset):
 
     def _add(self, row: dict) -> None:
         if "input_ids" not in row:
-            raise KeyError(f"stream row {self.rows_read} has no 'input_ids' (keys: {sorted(row)}); "
-                           "tokenize the stream first, e.g. ds.map(tokenize)")
+            raise KeyError(
+                f"stream row {self.rows_read} has no 'input_ids' (keys: {sorted(row)}); "
+                "tokenize the stream first, e.g. ds.map(tokenize)"
+            )
         key, length = self.rows_read, len(row["input_ids"])
         self.rows_read += 1
         self.digest.update(np.int64(length).tobytes())
@@ -199,8 +236,14 @@ class StreamingPackedLoader(IterableDataset):
         item_bins = [np.arange(offsets[i], offsets[i + 1]) for i in range(len(bins))]
         flat = [item for b in bins for item in b]
         seed = None if self.seed is None else self.seed + 7919 * self.epoch + self.totals["bins"]
-        plan = balance_bins(item_bins, lengths, self.num_replicas, steps_multiple_of=self.steps_multiple_of,
-                            attention_cost=self.attention_cost, seed=seed)
+        plan = balance_bins(
+            item_bins,
+            lengths,
+            self.num_replicas,
+            steps_multiple_of=self.steps_multiple_of,
+            attention_cost=self.attention_cost,
+            seed=seed,
+        )
         for step in plan.steps:
             costs, per_rank = [], []
             for r, b in enumerate(step):
@@ -249,8 +292,10 @@ class StreamingPackedLoader(IterableDataset):
 
     def __iter__(self) -> Iterator[dict]:
         if get_worker_info() is not None:
-            raise RuntimeError("StreamingPackedLoader packs in the calling process; iterate it directly "
-                               "or with DataLoader(..., batch_size=None, num_workers=0)")
+            raise RuntimeError(
+                "StreamingPackedLoader packs in the calling process; iterate it directly "
+                "or with DataLoader(..., batch_size=None, num_workers=0)"
+            )
         stream = self._open()
         exhausted = False
         while True:
@@ -278,11 +323,17 @@ class StreamingPackedLoader(IterableDataset):
         t = self.totals
         rank_cost = np.array(t["rank_cost"])
         self.last_stats = {
-            "epoch": self.epoch, "num_sequences": self.rows_read, "num_bins": t["bins"],
-            "steps_per_rank": t["steps"], "num_ranks": self.num_replicas, "tokens": t["tokens"],
+            "epoch": self.epoch,
+            "num_sequences": self.rows_read,
+            "num_bins": t["bins"],
+            "steps_per_rank": t["steps"],
+            "num_ranks": self.num_replicas,
+            "tokens": t["tokens"],
             "efficiency": t["tokens"] / (t["bins"] * self.tokens_per_batch),
-            "tokens_truncated": self.packer.tokens_truncated, "sequences_split": self.packer.num_split,
-            "sequences_dropped": t["dropped"], "sequences_duplicated": t["duplicated"],
+            "tokens_truncated": self.packer.tokens_truncated,
+            "sequences_split": self.packer.num_split,
+            "sequences_dropped": t["dropped"],
+            "sequences_duplicated": t["duplicated"],
             "bins_split_for_balance": t["splits"],
             "rank_cost_skew": float(rank_cost.max() / rank_cost.mean()),
             "step_cost_skew": t["step_max"] / t["step_mean"],

@@ -57,17 +57,35 @@ def log_epoch_stats(stats: dict, rank: int = 0) -> None:
         "epoch %d: %d %s -> %d bins, %d steps x %d ranks, efficiency %.2f%%, "
         "truncated %d tokens, split %d, rank cost skew %.3f, step cost skew %.3f "
         "(worst step max/mean %.3f), pad fraction %.3f",
-        stats["epoch"], stats["num_sequences"], stats.get("unit", "sequences"), stats["num_bins"],
+        stats["epoch"],
+        stats["num_sequences"],
+        stats.get("unit", "sequences"),
+        stats["num_bins"],
         stats["steps_per_rank"],
-        stats["num_ranks"], 100 * stats["efficiency"], stats["tokens_truncated"],
-        stats["sequences_split"], stats["rank_cost_skew"], stats["step_cost_skew"],
-        stats.get("worst_step_max_over_mean", 1.0), stats.get("pad_fraction", 0.0),
+        stats["num_ranks"],
+        100 * stats["efficiency"],
+        stats["tokens_truncated"],
+        stats["sequences_split"],
+        stats["rank_cost_skew"],
+        stats["step_cost_skew"],
+        stats.get("worst_step_max_over_mean", 1.0),
+        stats.get("pad_fraction", 0.0),
     )
     if stats["sequences_dropped"]:
-        logger.warning("epoch %d: %d empty (zero-length) sequences dropped: they have no tokens to train on",
-                       stats["epoch"], stats["sequences_dropped"])
+        logger.warning(
+            "epoch %d: %d empty (zero-length) sequences dropped: they have no tokens to train on",
+            stats["epoch"],
+            stats["sequences_dropped"],
+        )
     if stats["sequences_duplicated"]:
-        why = ("every rank runs the same number of steps" if stats["num_ranks"] > 1
-               else "the epoch is a whole number of optimizer steps")
-        logger.warning("epoch %d: %d sequences repeated (loss-masked) so that %s", stats["epoch"],
-                       stats["sequences_duplicated"], why)
+        why = (
+            "every rank runs the same number of steps"
+            if stats["num_ranks"] > 1
+            else "the epoch is a whole number of optimizer steps"
+        )
+        logger.warning(
+            "epoch %d: %d sequences repeated (loss-masked) so that %s",
+            stats["epoch"],
+            stats["sequences_duplicated"],
+            why,
+        )

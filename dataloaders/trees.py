@@ -32,9 +32,11 @@ class TreePieces(Dataset):
             raise ValueError("no sequences to pack: the data gave no samples")
         for i, p in enumerate(paths):
             if len(p.ids) > capacity:
-                raise ValueError(f"sample {i} has {len(p.ids)} tokens > the token budget {capacity}: a tree "
-                                 "row holds each sample's whole history; raise the budget "
-                                 "(data.tokens_per_batch) or shorten the sample")
+                raise ValueError(
+                    f"sample {i} has {len(p.ids)} tokens > the token budget {capacity}: a tree "
+                    "row holds each sample's whole history; raise the budget "
+                    "(data.tokens_per_batch) or shorten the sample"
+                )
         self.paths = list(paths)
         roots = build_trie([p.ids for p in paths])
         self.pieces = [piece for root in roots for piece in split_tree(root, capacity)]
@@ -62,19 +64,37 @@ class TreeCollator:
         return PackedRow.build(row.input_ids, labels, row.nopad_meta, indices=row.indices, pairs=([], []))
 
 
-def tree_dataloader(paths: Sequence[TreePath], tokens_per_batch: int, *, num_replicas: int | None = None,
-                    rank: int | None = None, seed: int = 0, shuffle: bool = True,
-                    max_seqs_per_batch: int | None = None, steps_multiple_of: int = 1,
-                    attention_cost: float | None = None, num_workers: int = 0,
-                    **loader_kwargs: Any) -> PackedDataLoader:
+def tree_dataloader(
+    paths: Sequence[TreePath],
+    tokens_per_batch: int,
+    *,
+    num_replicas: int | None = None,
+    rank: int | None = None,
+    seed: int = 0,
+    shuffle: bool = True,
+    max_seqs_per_batch: int | None = None,
+    steps_multiple_of: int = 1,
+    attention_cost: float | None = None,
+    num_workers: int = 0,
+    **loader_kwargs: Any,
+) -> PackedDataLoader:
     """The tree rows of ``paths`` for this data-parallel rank, ``tokens_per_batch`` tokens each at
     most; what :func:`nopad.dataloaders.loader.packed_dataloader` is for flat sequences (same sampler,
     same resumable state). ``max_seqs_per_batch`` counts pieces."""
     pieces = TreePieces(paths, tokens_per_batch)
-    sampler = PackedBatchSampler(pieces.lengths, tokens_per_batch, num_replicas=num_replicas, rank=rank,
-                                 seed=seed, shuffle=shuffle, max_seqs_per_batch=max_seqs_per_batch,
-                                 overflow="error",
-                                 steps_multiple_of=steps_multiple_of, attention_cost=attention_cost,
-                                 unit="prefix-tree pieces")
-    return PackedDataLoader(pieces, sampler, collate_fn=TreeCollator(pieces.paths), num_workers=num_workers,
-                            **loader_kwargs)
+    sampler = PackedBatchSampler(
+        pieces.lengths,
+        tokens_per_batch,
+        num_replicas=num_replicas,
+        rank=rank,
+        seed=seed,
+        shuffle=shuffle,
+        max_seqs_per_batch=max_seqs_per_batch,
+        overflow="error",
+        steps_multiple_of=steps_multiple_of,
+        attention_cost=attention_cost,
+        unit="prefix-tree pieces",
+    )
+    return PackedDataLoader(
+        pieces, sampler, collate_fn=TreeCollator(pieces.paths), num_workers=num_workers, **loader_kwargs
+    )

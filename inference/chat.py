@@ -18,16 +18,29 @@ ROLES = ("system", "developer", "user", "assistant", "tool")  # what chat templa
 CHAT_SETTINGS = (True, False, "auto")
 
 
-def render(tokenizer, messages: Sequence[Mapping], generation_prompt: bool = False, *, tools=None,
-           chat_template: str | None = None, **template_kwargs) -> list[int]:
+def render(
+    tokenizer,
+    messages: Sequence[Mapping],
+    generation_prompt: bool = False,
+    *,
+    tools=None,
+    chat_template: str | None = None,
+    **template_kwargs,
+) -> list[int]:
     """Token ids of ``messages`` rendered by the chat template (the tokenizer's, or
     ``chat_template``), with the assistant's generation prompt when asked. ``tools`` goes through
     as TRL passes it (``or None``: some templates render tool boilerplate for an empty list)."""
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise ValueError("chat data needs a tokenizer with a chat_template")
-    ids = tokenizer.apply_chat_template(list(messages), tools=tools or None, chat_template=chat_template,
-                                        add_generation_prompt=generation_prompt, tokenize=True,
-                                        return_dict=False, **template_kwargs)
+    ids = tokenizer.apply_chat_template(
+        list(messages),
+        tools=tools or None,
+        chat_template=chat_template,
+        add_generation_prompt=generation_prompt,
+        tokenize=True,
+        return_dict=False,
+        **template_kwargs,
+    )
     if isinstance(ids, Mapping):  # some versions return a BatchEncoding
         ids = ids["input_ids"]
     return [int(i) for i in ids]
@@ -40,9 +53,11 @@ def encode_prompt(tokenizer, text: str, chat: bool | str = "auto") -> list[int]:
         raise ValueError(f"model.chat_template must be true, false or auto, got {chat!r}")
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if chat is True and not has_template:
-        raise ValueError("model.chat_template=true but the tokenizer has no chat template, so prompts would "
-                         "be raw text the model was not tuned on; set model.chat_template=false to use raw "
-                         "text on purpose, or auto to use a template only where there is one")
+        raise ValueError(
+            "model.chat_template=true but the tokenizer has no chat template, so prompts would "
+            "be raw text the model was not tuned on; set model.chat_template=false to use raw "
+            "text on purpose, or auto to use a template only where there is one"
+        )
     if chat and has_template:
         return render(tokenizer, [{"role": "user", "content": text}], True)
     return list(tokenizer.encode(text, add_special_tokens=False))
@@ -62,7 +77,8 @@ def assistant_turns(tokenizer, messages: Sequence[Mapping]) -> list[tuple[list[i
             raise ValueError(
                 f"the chat template does not render the conversation before turn {i} (with the generation "
                 "prompt) as a prefix of the conversation with it, so the turn's tokens cannot be told "
-                "apart; prompt masking needs a prefix-consistent template")
+                "apart; prompt masking needs a prefix-consistent template"
+            )
         turns.append((upto, len(prompt)))
     return turns
 
@@ -76,9 +92,11 @@ def tokenize_conversation(tokenizer, messages: Sequence[Mapping]) -> tuple[list[
     labels = [IGNORE_INDEX] * len(input_ids)
     for i, (upto, start) in enumerate(assistant_turns(tokenizer, messages)):
         if input_ids[: len(upto)] != upto:
-            raise ValueError(f"the chat template renders assistant turn {i} differently inside the whole "
-                             "conversation; prompt masking needs a prefix-consistent template")
-        labels[start: len(upto)] = input_ids[start: len(upto)]
+            raise ValueError(
+                f"the chat template renders assistant turn {i} differently inside the whole "
+                "conversation; prompt masking needs a prefix-consistent template"
+            )
+        labels[start : len(upto)] = input_ids[start : len(upto)]
     return input_ids, labels
 
 
@@ -87,6 +105,7 @@ def check_conversation(messages, where: str, field: str = "messages") -> None:
     content, a user (or system) turn before the first assistant turn, no two assistant turns in
     a row, and at least one assistant turn (else SFT would train on nothing). A wrong one is an
     error naming ``where`` (file:line) and the field, before any template sees it."""
+
     def fail(what: str) -> None:
         raise ValueError(f"{where}: {what}")
 
@@ -100,24 +119,33 @@ def check_conversation(messages, where: str, field: str = "messages") -> None:
             fail(f"{at} must be an object {{'role': ..., 'content': ...}}, got {type(message).__name__}")
         role = message.get("role")
         if "role" not in message or not isinstance(role, str):
-            fail(f"{at}.role is {'missing' if 'role' not in message else repr(role)}; "
-                 f"give one of {', '.join(ROLES)}")
+            fail(f"{at}.role is {'missing' if 'role' not in message else repr(role)}; give one of {', '.join(ROLES)}")
         if role not in ROLES:
             fail(f"{at}.role {role!r} is not a chat role; give one of {', '.join(ROLES)}")
         content = message.get("content")
-        if not isinstance(content, str) and not (role == "assistant" and content is None
-                                                  and message.get("tool_calls")):
-            got = "missing" if "content" not in message else \
-                "null" if content is None else f"{type(content).__name__} {content!r}"[:60]
+        if not isinstance(content, str) and not (role == "assistant" and content is None and message.get("tool_calls")):
+            got = (
+                "missing"
+                if "content" not in message
+                else "null"
+                if content is None
+                else f"{type(content).__name__} {content!r}"[:60]
+            )
             fail(f"{at}.content must be a string, got {got}")
         if role == "assistant" and previous is None:
-            fail(f"{at} is an assistant turn before any user turn; it answers nothing. Start the "
-                 "conversation with a user (or system) message")
+            fail(
+                f"{at} is an assistant turn before any user turn; it answers nothing. Start the "
+                "conversation with a user (or system) message"
+            )
         if role == "assistant" and previous == "assistant":
-            fail(f"{field}[{i - 1}] and {at} are two assistant turns in a row; merge them, or put the "
-                 "user (or tool) turn between them")
+            fail(
+                f"{field}[{i - 1}] and {at} are two assistant turns in a row; merge them, or put the "
+                "user (or tool) turn between them"
+            )
         if role != "system" and role != "developer":
             previous = role
     if not any(m["role"] == "assistant" for m in messages):
-        fail("the conversation has no assistant turn, so none of its tokens would be trained on; drop it "
-             "or add the assistant's reply (only assistant turns are trained on)")
+        fail(
+            "the conversation has no assistant turn, so none of its tokens would be trained on; drop it "
+            "or add the assistant's reply (only assistant turns are trained on)"
+        )

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 
-def reset_environments(factory: Callable | None, prompts, sampling_params=None,
-                       reset_kwargs: Sequence[Mapping] | None = None) -> tuple[list | None, list]:
+def reset_environments(
+    factory: Callable | None, prompts, sampling_params=None, reset_kwargs: Sequence[Mapping] | None = None
+) -> tuple[list | None, list]:
     """``(environments, prompts)``: one environment per sample of each prompt (``[prompt][sample]``,
     ``n`` from the sampling parameters), each reset as TRL's GRPOTrainer resets it:
     ``reset(**example)``: ``reset_kwargs[i]`` (the example's fields, as the recipe passes them) or
@@ -21,30 +22,40 @@ def reset_environments(factory: Callable | None, prompts, sampling_params=None,
     prompts = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
     if factory is None:
         return None, prompts
-    if reset_kwargs is not None and (len(reset_kwargs) != len(prompts)
-                                     or not all(isinstance(k, Mapping) for k in reset_kwargs)):
-        raise ValueError(f"reset_kwargs must be one mapping of reset() keywords per prompt ({len(prompts)}), "
-                         f"got {len(reset_kwargs)} entries; pass each prompt's example")
+    if reset_kwargs is not None and (
+        len(reset_kwargs) != len(prompts) or not all(isinstance(k, Mapping) for k in reset_kwargs)
+    ):
+        raise ValueError(
+            f"reset_kwargs must be one mapping of reset() keywords per prompt ({len(prompts)}), "
+            f"got {len(reset_kwargs)} entries; pass each prompt's example"
+        )
     if not callable(factory):
-        raise TypeError(f"environment_factory must be a class or function that returns a new environment "
-                        f"(its public methods are the tools), got {factory!r} ({type(factory).__name__})")
-    per_prompt = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else \
-        [sampling_params] * len(prompts)
+        raise TypeError(
+            f"environment_factory must be a class or function that returns a new environment "
+            f"(its public methods are the tools), got {factory!r} ({type(factory).__name__})"
+        )
+    per_prompt = (
+        list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+    )
     environments, out = [], []
     for i, prompt in enumerate(prompts):
         n = getattr(per_prompt[i] if i < len(per_prompt) else None, "n", 1)
         group = [factory() for _ in range(n if isinstance(n, int) and n > 0 else 1)]
         if any(env is None for env in group):
             name = getattr(factory, "__qualname__", factory)
-            raise TypeError(f"environment_factory {name!r} returned None (every tool call would be an "
-                            "unknown tool); it must return a new environment object whose public methods are "
-                            "the tools")
+            raise TypeError(
+                f"environment_factory {name!r} returned None (every tool call would be an "
+                "unknown tool); it must return a new environment object whose public methods are "
+                "the tools"
+            )
         kwargs = dict(reset_kwargs[i]) if reset_kwargs is not None else {"prompt": prompt}
         observations = [_reset(env, kwargs, i, k) for k, env in enumerate(group)]
         if any(o != observations[0] for o in observations):
-            raise ValueError(f"the environments of prompt {i}'s {len(group)} samples returned different "
-                             f"observations from reset() ({observations[0]!r} and others); the samples of a "
-                             "prompt share it (one GRPO group), so reset must depend only on the prompt")
+            raise ValueError(
+                f"the environments of prompt {i}'s {len(group)} samples returned different "
+                f"observations from reset() ({observations[0]!r} and others); the samples of a "
+                "prompt share it (one GRPO group), so reset must depend only on the prompt"
+            )
         environments.append(group)
         out.append(_with_observation(prompt, observations[0], i))
     return environments, out
@@ -63,12 +74,16 @@ def _reset(env, kwargs: dict, i: int, k: int) -> str | None:
     try:
         observation = reset(**kwargs)
     except Exception as err:
-        raise RuntimeError(f"environment {name}({keys}) raised {type(err).__name__}: {err} (prompt {i}, "
-                           f"sample {k}); it is called as TRL calls it, with the example's fields as "
-                           f"keywords (here: {', '.join(kwargs)})") from err
+        raise RuntimeError(
+            f"environment {name}({keys}) raised {type(err).__name__}: {err} (prompt {i}, "
+            f"sample {k}); it is called as TRL calls it, with the example's fields as "
+            f"keywords (here: {', '.join(kwargs)})"
+        ) from err
     if observation is not None and not isinstance(observation, str):
-        raise TypeError(f"environment {name}() returned {type(observation).__name__}; return the observation "
-                        "as a string (it is appended to the prompt) or None")
+        raise TypeError(
+            f"environment {name}() returned {type(observation).__name__}; return the observation "
+            "as a string (it is appended to the prompt) or None"
+        )
     return observation
 
 
@@ -77,9 +92,15 @@ def _with_observation(prompt, observation: str | None, i: int):
         return prompt
     if isinstance(prompt, str):
         return prompt + observation
-    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[-1], Mapping) \
-            and isinstance(prompt[-1].get("content"), str):
+    if (
+        isinstance(prompt, (list, tuple))
+        and prompt
+        and isinstance(prompt[-1], Mapping)
+        and isinstance(prompt[-1].get("content"), str)
+    ):
         return [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
-    raise ValueError(f"environment reset() returned an observation for prompt {i}, which is not text or chat "
-                     "messages with text content; pass one of those so the observation can join it (as TRL "
-                     "does), or return None from reset")
+    raise ValueError(
+        f"environment reset() returned an observation for prompt {i}, which is not text or chat "
+        "messages with text content; pass one of those so the observation can join it (as TRL "
+        "does), or return None from reset"
+    )

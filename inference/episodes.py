@@ -16,7 +16,7 @@ import logging
 import math
 import numbers
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nopad.inference.request import Request, Sequence, Status
@@ -46,8 +46,7 @@ class EpisodeLimits:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"EpisodeLimits.{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.tool_timeout, (int, float)) or not self.tool_timeout > 0:
-            raise ValueError(f"EpisodeLimits.tool_timeout must be a number of seconds > 0, "
-                             f"got {self.tool_timeout!r}")
+            raise ValueError(f"EpisodeLimits.tool_timeout must be a number of seconds > 0, got {self.tool_timeout!r}")
 
 
 @dataclass
@@ -125,10 +124,17 @@ class EpisodeRunner:
     its sequences' :class:`~nopad.inference.request.SequenceHooks`: the scheduler's postprocess calls
     it at their events."""
 
-    def __init__(self, scheduler: Scheduler, tool_format: ToolFormat, limits: EpisodeLimits,
-                 vocab_size: int, environments: list[list[object]] | None = None,
-                 reward_fn: Callable[[Episode], float] | None = None,
-                 fork: Callable[[Episode], int] | None = None, max_num_seqs: int = 1):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        tool_format: ToolFormat,
+        limits: EpisodeLimits,
+        vocab_size: int,
+        environments: list[list[object]] | None = None,
+        reward_fn: Callable[[Episode], float] | None = None,
+        fork: Callable[[Episode], int] | None = None,
+        max_num_seqs: int = 1,
+    ):
         self.scheduler, self.format, self.limits = scheduler, tool_format, limits
         self.vocab_size, self.environments = vocab_size, environments  # [prompt][sample], reset
         self.reward_fn, self.fork_fn, self.max_num_seqs = reward_fn, fork, max_num_seqs
@@ -180,7 +186,7 @@ class EpisodeRunner:
         state.turns.append(turn)
         if reason != "stop":
             return self.finish(seq, reason)
-        turn_ids = seq.token_ids[seq.turn_start:]
+        turn_ids = seq.token_ids[seq.turn_start :]
         name = f"the tool format {type(self.format).__name__}"
         try:
             calls = list(self.format.parse(turn_ids, seq.token_ids[: seq.turn_start]) or [])
@@ -193,18 +199,22 @@ class EpisodeRunner:
                 f"{name}'s parse() raised {type(err).__name__}: {err} (prompt {state.prompt_index}, turn "
                 f"{len(state.turns)}); only a ValueError means a malformed call (the model's, kept in "
                 "Turn.malformed), so this is a bug in parse(): fix it, or raise ValueError for a turn it "
-                "cannot read") from err
+                "cannot read"
+            ) from err
         if not all(isinstance(c, ToolCall) and isinstance(c.arguments, dict) for c in calls):
-            raise TypeError(f"{name}'s parse() returned {calls!r}; it must return a list of "
-                            "nopad.inference.tools.ToolCall with dict arguments ([] for a final answer)")
+            raise TypeError(
+                f"{name}'s parse() returned {calls!r}; it must return a list of "
+                "nopad.inference.tools.ToolCall with dict arguments ([] for a final answer)"
+            )
         if not calls:
             return self.finish(seq, "stop")
         turn.tool_calls = calls
         if len(state.turns) >= self.limits.max_turns:
             return self.finish(seq, "max_turns")
         self.scheduler.pause(seq)
-        tools = state.base_tools if state.environment is None else {**state.base_tools,
-                                                                   **public_methods(state.environment)}
+        tools = (
+            state.base_tools if state.environment is None else {**state.base_tools, **public_methods(state.environment)}
+        )
         futures, deadline = self.tools.submit(calls, tools)
         self.pending.append(_Pending(seq, calls, futures, deadline))
 
@@ -213,8 +223,10 @@ class EpisodeRunner:
         """Resume every episode whose tools have all returned (or timed out). ``block``: the
         decode loop has nothing to run, so wait for the first one instead of spinning."""
         if block and not self.pending:  # a paused episode nobody resumes: the loop would spin for ever
-            raise RuntimeError("every live sequence is paused but no episode waits on its tools (a bug): "
-                               "please report it with the episode setup")
+            raise RuntimeError(
+                "every live sequence is paused but no episode waits on its tools (a bug): "
+                "please report it with the episode setup"
+            )
         ready, waiting = self._split()
         if block and not ready:
             start = time.perf_counter()
@@ -241,12 +253,11 @@ class EpisodeRunner:
         state.num_tool_errors += sum(c.error for c in p.calls)
         messages = [{"role": "tool", "name": c.name, "content": c.result} for c in p.calls]
         try:
-            tokens = list(self.format.render(messages, seq.token_ids[seq.turn_start:]))
+            tokens = list(self.format.render(messages, seq.token_ids[seq.turn_start :]))
         except Exception as err:  # noqa: BLE001 - the format is user code; end this episode, not the batch
             state.error = f"rendering the tool results failed: {type(err).__name__}: {err}"
             return self.finish(seq, "abort")
-        bad = [t for t in tokens
-               if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             state.error = f"the tool format rendered {bad[0]!r}, not a token id in [0, {self.vocab_size})"
             return self.finish(seq, "abort")
@@ -260,10 +271,10 @@ class EpisodeRunner:
         seq.turn_start = seq.num_tokens
         if self.fork_fn is not None:  # a turn boundary: the branches share every block so far
             branches = self.fork_fn(self._episode(seq, None))
-            if isinstance(branches, bool) or not isinstance(branches, int) \
-                    or not 1 <= branches <= self.max_num_seqs:
-                raise ValueError(f"fork() returned {branches!r}; it must be an int in [1, max_num_seqs="
-                                 f"{self.max_num_seqs}]")
+            if isinstance(branches, bool) or not isinstance(branches, int) or not 1 <= branches <= self.max_num_seqs:
+                raise ValueError(
+                    f"fork() returned {branches!r}; it must be an int in [1, max_num_seqs={self.max_num_seqs}]"
+                )
             seq.fork_count = branches
 
     # ----------------------------------------------------------------- ending
@@ -276,7 +287,8 @@ class EpisodeRunner:
         seq.episode.error = (
             f"the episode needs {num_tokens} tokens of KV cache but the whole cache holds {blocks * bs} "
             f"({blocks} blocks of {bs}); give the Generator more kv_memory_bytes/num_blocks or lower "
-            "EpisodeLimits.max_tokens")
+            "EpisodeLimits.max_tokens"
+        )
         logger.warning("episode of prompt %d stopped: %s", seq.episode.prompt_index, seq.episode.error)
         self.finish(seq, "cache_full")
 
@@ -312,47 +324,28 @@ class EpisodeRunner:
         ids = seq.token_ids[prompt_len:]
         mask = [1] * len(ids)
         for start, end in state.tool_spans:
-            mask[start - prompt_len: end - prompt_len] = [0] * (end - start)
+            mask[start - prompt_len : end - prompt_len] = [0] * (end - start)
         lists = []
         for sampled in (seq.logprobs, seq.temperature_logprobs, seq.sampling_logprobs):
             it = iter(sampled)
             lists.append([next(it) if m else 0.0 for m in mask])
         return Episode(
-            prompt_index=state.prompt_index, branch=state.branch, prompt_token_ids=seq.token_ids[:prompt_len],
-            completion_ids=ids, model_mask=mask, logprobs=lists[0], temperature_logprobs=lists[1],
-            sampling_logprobs=lists[2], turns=copy.deepcopy(state.turns), finish_reason=reason,
-            num_tool_calls=state.num_tool_calls, num_tool_errors=state.num_tool_errors,
-            num_malformed=state.num_malformed, environment=state.environment, error=state.error)
-
-
-def named_tools(tools) -> dict[str, Callable]:
-    """``{name: function}`` from a list of functions (named by ``__name__``) or a mapping."""
-    if isinstance(tools, (str, bytes)) or callable(tools):
-        raise TypeError(f"tools must be a list of functions or a {{name: function}} mapping, got {tools!r}; "
-                        "pass the functions themselves, e.g. tools=[add]")
-    if isinstance(tools, Mapping):
-        named = dict(tools)
-    else:
-        named = {getattr(fn, "__name__", repr(fn)): fn for fn in tools}
-    for name, fn in named.items():
-        if not callable(fn):
-            raise TypeError(f"tool {name!r} is {fn!r}, not a function")
-    return named
-
-
-def render_prompts(prompts, tool_format: ToolFormat) -> list:
-    """Episode prompts as the generator takes them: chat messages rendered (with the tools) by
-    the tool format, token ids and strings as they are."""
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    out = []
-    for i, prompt in enumerate(prompts):
-        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], Mapping):
-            if not hasattr(tool_format, "prompt_ids"):
-                raise ValueError(f"prompt {i} is chat messages but the tool format "
-                                 f"{type(tool_format).__name__} has no prompt_ids(); pass token ids")
-            prompt = tool_format.prompt_ids(list(prompt))
-        out.append(prompt)
-    return out
+            prompt_index=state.prompt_index,
+            branch=state.branch,
+            prompt_token_ids=seq.token_ids[:prompt_len],
+            completion_ids=ids,
+            model_mask=mask,
+            logprobs=lists[0],
+            temperature_logprobs=lists[1],
+            sampling_logprobs=lists[2],
+            turns=copy.deepcopy(state.turns),
+            finish_reason=reason,
+            num_tool_calls=state.num_tool_calls,
+            num_tool_errors=state.num_tool_errors,
+            num_malformed=state.num_malformed,
+            environment=state.environment,
+            error=state.error,
+        )
 
 
 def _finite_reward(reward_fn: Callable, episode: Episode, tokenizer=None) -> float:
@@ -362,17 +355,23 @@ def _finite_reward(reward_fn: Callable, episode: Episode, tokenizer=None) -> flo
     name = getattr(reward_fn, "__qualname__", repr(reward_fn))
     ids = episode.prompt_token_ids
     text = " ".join(tokenizer.decode(ids).split()) if hasattr(tokenizer, "decode") else str(ids)
-    where = (f"the episode of prompt {episode.prompt_index} (branch {episode.branch}, finish_reason "
-             f"{episode.finish_reason!r}, prompt {text[:80] + ('...' if len(text) > 80 else '')!r})")
+    where = (
+        f"the episode of prompt {episode.prompt_index} (branch {episode.branch}, finish_reason "
+        f"{episode.finish_reason!r}, prompt {text[:80] + ('...' if len(text) > 80 else '')!r})"
+    )
     try:
         value = reward_fn(episode)
     except Exception as err:
-        raise RuntimeError(f"episode reward {name} raised {type(err).__name__}: {err}, for {where}; fix the "
-                           "reward function (its traceback is above), e.g. return 0.0 where it cannot "
-                           "score") from err
+        raise RuntimeError(
+            f"episode reward {name} raised {type(err).__name__}: {err}, for {where}; fix the "
+            "reward function (its traceback is above), e.g. return 0.0 where it cannot "
+            "score"
+        ) from err
     if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:
         value = value.item()
     if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise ValueError(f"episode reward {name} returned {value!r} for {where}; it must return one finite "
-                         "number (e.g. 0.0 where it cannot score)")
+        raise ValueError(
+            f"episode reward {name} returned {value!r} for {where}; it must return one finite "
+            "number (e.g. 0.0 where it cannot score)"
+        )
     return float(value)

@@ -13,26 +13,26 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 
 import torch
 from tqdm.auto import tqdm
 
-from nopad.inference.episode_setup import episode_setup
-from nopad.inference.episodes import Episode, EpisodeLimits, EpisodeRunner
-from nopad.inference.kv_cache import KVCache, num_kv_blocks
+from nopad.inference.episodes import EpisodeRunner
+from nopad.inference.generator_episodes import EpisodeGeneration
+from nopad.inference.kv_cache import KVCache
 from nopad.inference.live_model import LiveModel
 from nopad.inference.model_runner import ModelRunner
 from nopad.inference.outputs import RequestOutput, StreamDelta
 from nopad.inference.plain_requests import PlainRequests
-from nopad.inference.request import Request, RequestBuilder, Sequence, eos_token_ids
+from nopad.inference.request import Request, Sequence
+from nopad.inference.request_builder import RequestBuilder, eos_token_ids
 from nopad.inference.sampler import SamplerBuffers, SampleResult, sample
 from nopad.inference.sampling_params import SamplingParams
 from nopad.inference.scheduler import Scheduler
 from nopad.inference.sharded import refuse_plain_generation
 from nopad.inference.state_prefix import make_state_slots, reset_snapshot_stats, snapshot_stats, state_snapshots
-from nopad.inference.tools import ToolFormat
 from nopad.inference.weight_updates import PolicyVersions
 from nopad.packing.blocks import BlockAllocator
 from nopad.packing.hf.rope import max_model_len
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 Prompt = str | Seq[int]
 
 
-class Generator:
+class Generator(EpisodeGeneration):
     """In-flight batching on any HF decoder whose attention goes through ``AttentionInterface``.
 
     ``max_num_batched_tokens`` is the token budget of one forward (decodes + prefill chunks),
@@ -77,12 +77,12 @@ class Generator:
         compile_decode: bool = False,
         max_logprobs: int = 20,
     ):
-        self.live = LiveModel(model, dtype=dtype, attn_backend=attn_backend, static_decode=static_decode,
-                              compile_decode=compile_decode)
+        self.live = LiveModel(
+            model, dtype=dtype, attn_backend=attn_backend, static_decode=static_decode, compile_decode=compile_decode
+        )
         states = self.layer_states = self.live.layer_states
         block_size = block_size if block_size is not None else self.live.default_block_size()
-        for name, value in (("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.model, self.tokenizer = model, tokenizer
@@ -90,18 +90,33 @@ class Generator:
         self.max_model_len = max_model_len(config)  # under a LongRoPE switch, if any
         self.vocab_size = int(config.vocab_size)
         snapshots = state_snapshots(states, enable_prefix_caching, num_state_snapshots, max_num_seqs)
-        state_bytes = self.live.state_bytes(max_num_seqs + snapshots)
-        num_blocks = num_kv_blocks(self.live.kv_layout, block_size, self.live.dtype, num_blocks,
-                                   kv_memory_bytes, max_num_seqs, state_bytes, self.max_model_len)
+        num_blocks = self.live.num_kv_blocks(
+            block_size, num_blocks, kv_memory_bytes, max_num_seqs, snapshots, self.max_model_len
+        )
         self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.request_builder = RequestBuilder(tokenizer, self.vocab_size, self.max_model_len, num_blocks,
-                                              block_size, max_num_seqs, self.eos_token_ids, max_logprobs)
+        self.request_builder = RequestBuilder(
+            tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            num_blocks,
+            block_size,
+            max_num_seqs,
+            self.eos_token_ids,
+            max_logprobs,
+        )
         self.allocator = BlockAllocator(num_blocks, block_size)
         slots = make_state_slots(states, max_num_seqs, snapshots, self.allocator)
-        self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, watermark,
-                                   enable_prefix_caching, state_slots=slots, max_model_len=self.max_model_len,
-                                   tokenizer=tokenizer)
+        self.scheduler = Scheduler(
+            self.allocator,
+            max_num_seqs,
+            max_num_batched_tokens,
+            watermark,
+            enable_prefix_caching,
+            state_slots=slots,
+            max_model_len=self.max_model_len,
+            tokenizer=tokenizer,
+        )
         self._kv_cache: KVCache | None = None
         self._runner: ModelRunner | None = None
         self._sampler_buffers = SamplerBuffers()  # the sampler's rows x vocab scratch, reused
@@ -111,8 +126,7 @@ class Generator:
         self.versions = PolicyVersions(self.scheduler)  # stamped on every token; see update_weights()
 
     # ----------------------------------------------------------------- requests
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue one prompt; returns its request id. Bad input raises ValueError here."""
         request = self.request_builder.build(prompt, params, request_id, self._plain.in_flight)
         self._enqueue(request)
@@ -164,22 +178,34 @@ class Generator:
         return self.versions.version
 
     # ----------------------------------------------------------------- high level
-    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params=None, use_tqdm: bool = True,
-                 on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params=None,
+        use_tqdm: bool = True,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
         """Generate for every prompt; outputs in prompt order. Validates everything first.
         ``on_output(output)`` is called as each request finishes (a caller's own progress bar)."""
         refuse_plain_generation(self.model)
         requests = self.make_requests(prompts, sampling_params)
         with tqdm(total=len(requests), desc="generate", disable=not use_tqdm or len(requests) < 2) as bar:
+
             def finished(out: RequestOutput) -> None:
                 bar.update(1)
                 if on_output is not None:
                     on_output(out)
+
             return self.run(requests, on_output=finished)
 
-    def run(self, requests: list[Request], *, step: Callable[[], list[RequestOutput]] | None = None,
-            more: Callable[[], bool] | None = None,
-            on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+    def run(
+        self,
+        requests: list[Request],
+        *,
+        step: Callable[[], list[RequestOutput]] | None = None,
+        more: Callable[[], bool] | None = None,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
         """The generate loop: queue ``requests`` (from :meth:`make_requests`), step until done,
         return their outputs in order. ``step`` / ``more`` replace :meth:`step` /
         :meth:`has_unfinished` for ranks in lockstep (:mod:`nopad.inference.sharded`). On any error every
@@ -202,46 +228,6 @@ class Generator:
             self.abort_all()
             raise
         return results
-
-    def run_episodes(self, prompts, tools: Seq[Callable] | Mapping[str, Callable] = (),
-                     sampling_params: SamplingParams | None = None, *, limits: EpisodeLimits | None = None,
-                     tool_format: ToolFormat | None = None, environment_factory: Callable | None = None,
-                     reward_fn: Callable[[Episode], float] | None = None, fork: Callable[[Episode], int] | None = None,
-                     prompt_tools: Seq[Mapping[str, Callable]] | None = None,
-                     reset_kwargs: Seq[Mapping] | None = None) -> list[Episode]:
-        """Run multi-turn tool episodes for every prompt (``n`` per prompt from the sampling
-        parameters); returns them by prompt, then branch.
-
-        ``prompts``: token ids, strings, or chat messages (rendered with the tools by the chat
-        template). ``tools``: functions (sync or ``async def``) the model may call by name.
-        ``tool_format``: how calls are parsed and results rendered; default the tokenizer's
-        :class:`~nopad.inference.tools.ChatTemplateTools`. ``environment_factory``: one environment per
-        episode, its public methods added as tools (forks deep-copy it), reset with ``reset_kwargs``;
-        ``reward_fn(episode)`` sets ``Episode.reward``. ``fork(episode)`` is asked at every turn boundary
-        (a tool result appended) how many continuations to run; they share every block so far.
-        ``sampling_params.max_tokens`` caps one model turn, ``limits`` the whole episode
-        (:class:`~nopad.inference.episodes.EpisodeLimits`). ``prompt_tools``: one ``{name: function}``
-        per prompt instead of ``tools`` (e.g. bound to that prompt's own environment, as TRL's trainer
-        builds them). ``reset_kwargs``: each prompt's ``reset(**example)`` (default ``prompt=``)."""
-        refuse_plain_generation(self.model)
-        if self.has_unfinished():
-            raise RuntimeError("run_episodes() while requests are in flight; finish or abort them first")
-        setup = episode_setup(prompts, tools, sampling_params, self.tokenizer, limits=limits,
-                              tool_format=tool_format, environment_factory=environment_factory,
-                              prompt_tools=prompt_tools, reset_kwargs=reset_kwargs)
-        requests = self.make_requests(setup.prompts, sampling_params)
-        runner = EpisodeRunner(self.scheduler, setup.tool_format, setup.limits, self.vocab_size,
-                               setup.environments, reward_fn, fork, self.scheduler.max_num_seqs)
-        self._episodes = runner
-        try:
-            for i, request in enumerate(requests):
-                self._enqueue(request, lambda r, i=i: runner.start(r, i, setup.tools[i]))
-            self.run([])  # the one generate loop, here over the episodes just queued
-        finally:
-            runner.close()
-            self._episodes = None
-            self.last_episode_stats = {"tool_wait_s": runner.tool_wait_s}
-        return runner.results()
 
     def stream(self, prompts: Prompt | Seq[Prompt], sampling_params=None) -> Iterator[StreamDelta]:
         """Yield the new tokens of every sample as they are produced (one delta per sample per
@@ -268,19 +254,26 @@ class Generator:
         if abort:
             self.abort_all()
         if self.has_unfinished():
-            raise RuntimeError("release() with requests in flight; finish or abort them first "
-                               "(release(abort=True) aborts them)")
+            raise RuntimeError(
+                "release() with requests in flight; finish or abort them first (release(abort=True) aborts them)"
+            )
         self._kv_cache = self._runner = None
         self._sampler_buffers.clear()
         self.allocator.reset_prefix_cache()
 
     def stats(self) -> dict:
         """Counters since construction or :meth:`reset_stats`."""
-        return {**dataclasses.asdict(self.scheduler.stats), "prefix_cache_hit_blocks": self.allocator.hits,
-                "max_num_seqs": self.scheduler.max_num_seqs, "num_blocks": self.allocator.num_blocks,
-                "block_size": self.block_size, "evictions": self.allocator.evictions,
-                "policy_version": self.versions.version, "stale_recomputes": self.versions.recomputed,
-                **snapshot_stats(self.scheduler.state_slots)}
+        return {
+            **dataclasses.asdict(self.scheduler.stats),
+            "prefix_cache_hit_blocks": self.allocator.hits,
+            "max_num_seqs": self.scheduler.max_num_seqs,
+            "num_blocks": self.allocator.num_blocks,
+            "block_size": self.block_size,
+            "evictions": self.allocator.evictions,
+            "policy_version": self.versions.version,
+            "stale_recomputes": self.versions.recomputed,
+            **snapshot_stats(self.scheduler.state_slots),
+        }
 
     def reset_stats(self) -> None:
         self.scheduler.stats = type(self.scheduler.stats)()
@@ -292,8 +285,10 @@ class Generator:
         """Validate prompts and sampling parameters into requests for :meth:`run` (nothing is
         queued; bad input raises ValueError naming the prompt)."""
         if self.has_unfinished():
-            raise RuntimeError("generate()/stream() while add_request() requests are in flight; "
-                               "drive those with step() until has_unfinished() is False")
+            raise RuntimeError(
+                "generate()/stream() while add_request() requests are in flight; "
+                "drive those with step() until has_unfinished() is False"
+            )
         return self.request_builder.build_all(prompts, sampling_params, self._plain.in_flight)
 
     def _enqueue(self, request: Request, start: Callable[[Request], Sequence] | None = None) -> None:
@@ -310,8 +305,12 @@ class Generator:
 
     def _ensure_runner(self) -> ModelRunner:
         if self._runner is None:
-            self._runner = self.live.build_runner(self.allocator.num_blocks, self.block_size,
-                                                  self.scheduler.state_slots, self.scheduler.max_num_seqs,
-                                                  self.max_model_len)
+            self._runner = self.live.build_runner(
+                self.allocator.num_blocks,
+                self.block_size,
+                self.scheduler.state_slots,
+                self.scheduler.max_num_seqs,
+                self.max_model_len,
+            )
             self._kv_cache = self._runner.kv_cache
         return self._runner

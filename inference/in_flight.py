@@ -13,9 +13,23 @@ from __future__ import annotations
 from nopad.inference.request import Sequence, Status
 
 # what a sample keeps across a checkpoint; the rest (blocks, state slot, owner) is rebuilt
-SAMPLE_FIELDS = ("index", "token_ids", "fork_count", "stream", "status", "finish_reason", "stop_text",
-                 "logprobs", "temperature_logprobs", "sampling_logprobs", "top_logprobs", "policy_versions",
-                 "token_times", "turn_start", "max_generated")
+SAMPLE_FIELDS = (
+    "index",
+    "token_ids",
+    "fork_count",
+    "stream",
+    "status",
+    "finish_reason",
+    "stop_text",
+    "logprobs",
+    "temperature_logprobs",
+    "sampling_logprobs",
+    "top_logprobs",
+    "policy_versions",
+    "token_times",
+    "turn_start",
+    "max_generated",
+)
 
 
 def save_requests(generator, request_ids: list[str]) -> dict:
@@ -25,12 +39,22 @@ def save_requests(generator, request_ids: list[str]) -> dict:
     for request_id in request_ids:
         request = generator.request(request_id)
         samples = [None if s is None else {k: _copy(getattr(s, k)) for k in SAMPLE_FIELDS} for s in request.samples]
-        requests.append({"request_id": request_id, "prompt_token_ids": list(request.prompt_token_ids),
-                         "params": request.params, "seed": request.seed, "num_finished": request.num_finished,
-                         "samples": samples})
+        requests.append(
+            {
+                "request_id": request_id,
+                "prompt_token_ids": list(request.prompt_token_ids),
+                "params": request.params,
+                "seed": request.seed,
+                "num_finished": request.num_finished,
+                "samples": samples,
+            }
+        )
     scheduler = generator.scheduler
-    order = [(s.request.request_id, s.index) for s in (*scheduler.running, *scheduler.waiting)
-             if s.request.request_id in set(request_ids)]
+    order = [
+        (s.request.request_id, s.index)
+        for s in (*scheduler.running, *scheduler.waiting)
+        if s.request.request_id in set(request_ids)
+    ]
     return {"requests": requests, "order": order}
 
 
@@ -41,8 +65,9 @@ def restore_requests(generator, saved: dict) -> None:
         raise RuntimeError("restoring requests into a generator with requests in flight")
     plain, live = generator._plain, {}
     for state in saved["requests"]:
-        request = generator.request_builder.build(state["prompt_token_ids"], state["params"], state["request_id"],
-                                                  plain.in_flight)
+        request = generator.request_builder.build(
+            state["prompt_token_ids"], state["params"], state["request_id"], plain.in_flight
+        )
         request.seed, request.num_finished = state["seed"], state["num_finished"]
         request.samples = [None if s is None else _sequence(request, s, plain) for s in state["samples"]]
         if state["params"].prompt_logprobs is not None:
@@ -58,8 +83,10 @@ def restore_requests(generator, saved: dict) -> None:
             generator.scheduler.add(seq)
     for seq in live.values():  # finished samples are kept for their request's output only
         if seq.status is not Status.FINISHED:
-            raise ValueError(f"request {seq.request.request_id} sample {seq.index} is live but was not in "
-                             "the saved scheduler order; the checkpoint is inconsistent")
+            raise ValueError(
+                f"request {seq.request.request_id} sample {seq.index} is live but was not in "
+                "the saved scheduler order; the checkpoint is inconsistent"
+            )
 
 
 def _sequence(request, state: dict, hooks) -> Sequence:

@@ -56,8 +56,7 @@ def _layer_heads(config, layer: int) -> tuple[int, int]:
         return heads, max(key_dim, config.v_head_dim)
     per_layer = getattr(config, "per_layer_config", None)
     own = per_layer[layer] if per_layer is not None else config
-    kv_heads = (getattr(own, "num_key_value_heads", None) or getattr(config, "num_key_value_heads", None)
-                or heads)
+    kv_heads = getattr(own, "num_key_value_heads", None) or getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(own, "head_dim", None) or config.hidden_size // heads
     return kv_heads, head_dim
 
@@ -102,8 +101,10 @@ def _sources(config) -> list[int]:
         elif kinds[i] in store and store[kinds[i]] < i:
             sources.append(store[kinds[i]])
         else:
-            raise ValueError(f"layer {i} reuses K/V of a {kinds[i]!r} layer but no earlier layer stores them "
-                             f"(kv_sharing_modes {list(modes)}); the generator cannot lay out its cache")
+            raise ValueError(
+                f"layer {i} reuses K/V of a {kinds[i]!r} layer but no earlier layer stores them "
+                f"(kv_sharing_modes {list(modes)}); the generator cannot lay out its cache"
+            )
     return sources
 
 
@@ -112,24 +113,36 @@ def kv_layout(config, model: nn.Module | None = None) -> list[LayerKV]:
     attention module says its heads (:func:`_module_heads`) is laid out as the module computes."""
     config = text_config(config)
     if not isinstance(getattr(config, "num_hidden_layers", None), int):
-        raise ValueError(f"{type(config).__name__} gives no num_hidden_layers (nor a text config that does): "
-                         "the generator cannot lay out a paged K/V cache for a model of this shape "
-                         "(docs/models.md)")
+        raise ValueError(
+            f"{type(config).__name__} gives no num_hidden_layers (nor a text config that does): "
+            "the generator cannot lay out a paged K/V cache for a model of this shape "
+            "(docs/models.md)"
+        )
     modules = attention_modules(model) if model is not None else {}
-    return [LayerKV(source, *(_module_heads(modules.get(source)) or _layer_heads(config, source)))
-            for source in _sources(config)]
+    return [
+        LayerKV(source, *(_module_heads(modules.get(source)) or _layer_heads(config, source)))
+        for source in _sources(config)
+    ]
 
 
 def bytes_per_block(layout: list[LayerKV], block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block across every layer that holds K/V (shared layers hold none)."""
     size = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * block_size * layer.kv_heads * layer.head_dim * size
-               for i, layer in enumerate(layout) if layer.source == i)
+    return sum(
+        2 * block_size * layer.kv_heads * layer.head_dim * size for i, layer in enumerate(layout) if layer.source == i
+    )
 
 
-def num_kv_blocks(layout: list[LayerKV], block_size: int, dtype: torch.dtype, num_blocks: int | None,
-                  kv_memory_bytes: int | None, max_num_seqs: int, state_bytes: int,
-                  max_model_len: int) -> int:
+def num_kv_blocks(
+    layout: list[LayerKV],
+    block_size: int,
+    dtype: torch.dtype,
+    num_blocks: int | None,
+    kv_memory_bytes: int | None,
+    max_num_seqs: int,
+    state_bytes: int,
+    max_model_len: int,
+) -> int:
     """``num_blocks`` if given, else how many fit in ``kv_memory_bytes`` (default 1 GiB, then
     capped at what ``max_num_seqs`` sequences of the model's full length need) after
     ``state_bytes`` of per-sequence state (hybrid models)."""
@@ -158,8 +171,15 @@ class KVCache:
     hybrid model's per-sequence state slots (:mod:`nopad.inference.state_cache`; None: attention
     only), carried here because the step's kernel calls get this cache as ``nopad_kv_cache``."""
 
-    def __init__(self, layout: list[LayerKV], num_blocks: int, block_size: int, dtype: torch.dtype, device,
-                 states: StateCache | None = None):
+    def __init__(
+        self,
+        layout: list[LayerKV],
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device,
+        states: StateCache | None = None,
+    ):
         self.layout = layout
         self.states = states
         self.num_blocks, self.block_size = num_blocks, block_size

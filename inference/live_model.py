@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 from transformers import PreTrainedModel
 
-from nopad.inference.kv_cache import KVCache, kv_layout
+from nopad.inference.kv_cache import KVCache, kv_layout, num_kv_blocks
 from nopad.inference.model_runner import ModelRunner, check_static_decode_backend
 from nopad.inference.state_cache import StateCache, StateSlots, bytes_per_slot, layer_states
 from nopad.packing.attention import names as attention_backends
@@ -54,8 +54,15 @@ class LiveModel:
     slots in place (:mod:`nopad.inference.state_cache`), so the same one compilation serves them.
     """
 
-    def __init__(self, model: torch.nn.Module, *, dtype: torch.dtype | None, attn_backend: str | None,
-                 static_decode: bool, compile_decode: bool):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        dtype: torch.dtype | None,
+        attn_backend: str | None,
+        static_decode: bool,
+        compile_decode: bool,
+    ):
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating torch.dtype (torch.bfloat16, ...), got {dtype!r}")
         if attn_backend is not None and attn_backend not in attention_backends():
@@ -68,8 +75,11 @@ class LiveModel:
         self.text_config = text_config(model.config)  # the language model's (multimodal classes)
         self.kv_layout = kv_layout(model.config, model)  # each layer's K/V heads, as its module computes
         # FSDP2: the compute dtype of its mixed-precision policy, not the shard's storage dtype
-        self.device, self.weight_dtype, self.requested_dtype = (next(model.parameters()).device,
-                                                                model_compute_dtype(model), dtype)
+        self.device, self.weight_dtype, self.requested_dtype = (
+            next(model.parameters()).device,
+            model_compute_dtype(model),
+            dtype,
+        )
         self.attn_backend = attn_backend
         self.static_decode, self.compile_decode = static_decode or compile_decode, compile_decode
         self.dtype = self.compute_dtype()
@@ -90,6 +100,29 @@ class LiveModel:
         (its padding rows write it), out of the generator's memory budget."""
         return (slots + int(self.static_decode)) * bytes_per_slot(self.layer_states, self.dtype)
 
+    def num_kv_blocks(
+        self,
+        block_size: int,
+        num_blocks: int | None,
+        kv_memory_bytes: int | None,
+        max_num_seqs: int,
+        snapshots: int,
+        max_model_len: int,
+    ) -> int:
+        """The KV cache's blocks for this model (:func:`nopad.inference.kv_cache.num_kv_blocks`), after
+        the state of ``max_num_seqs`` sequences and ``snapshots`` prefix snapshots (hybrid models)."""
+        state_bytes = self.state_bytes(max_num_seqs + snapshots)
+        return num_kv_blocks(
+            self.kv_layout,
+            block_size,
+            self.dtype,
+            num_blocks,
+            kv_memory_bytes,
+            max_num_seqs,
+            state_bytes,
+            max_model_len,
+        )
+
     def default_block_size(self) -> int:
         """The block size the attention backend reads in place. Decided for half precision: fp32
         weights may run their steps under autocast, which is only known when a step runs."""
@@ -103,22 +136,32 @@ class LiveModel:
             # dtype, so that a refusal names the dtype the user has, not bf16
             return paged_block_size(self.device, self.dtype, self.attn_backend)
 
-    def build_runner(self, num_blocks: int, block_size: int, state_slots: StateSlots | None,
-                     max_num_seqs: int, max_model_len: int) -> ModelRunner:
+    def build_runner(
+        self, num_blocks: int, block_size: int, state_slots: StateSlots | None, max_num_seqs: int, max_model_len: int
+    ) -> ModelRunner:
         """A KV cache of ``num_blocks`` (one more with static decode: the padding rows' scratch
         block, and a scratch state slot on hybrid models) in the compute dtype of now, and the
         runner of steps on it (``runner.kv_cache``)."""
         self.dtype = self.compute_dtype()  # autocast may be on now and not at construction
         # hybrid layers' state: the kernel calls of a step find it on the cache they are given
-        states = StateCache(self.layer_states, state_slots, self.dtype, self.device,
-                            scratch=self.static_decode) if self.layer_states else None
-        kv_cache = KVCache(self.kv_layout, num_blocks + int(self.static_decode), block_size, self.dtype,
-                           self.device, states=states)
+        states = (
+            StateCache(self.layer_states, state_slots, self.dtype, self.device, scratch=self.static_decode)
+            if self.layer_states
+            else None
+        )
+        kv_cache = KVCache(
+            self.kv_layout, num_blocks + int(self.static_decode), block_size, self.dtype, self.device, states=states
+        )
         return ModelRunner(
-            self.model, kv_cache, backend=self.attn_backend, static_decode=self.static_decode,
-            compile_decode=self.compile_decode, max_num_seqs=max_num_seqs,
+            self.model,
+            kv_cache,
+            backend=self.attn_backend,
+            static_decode=self.static_decode,
+            compile_decode=self.compile_decode,
+            max_num_seqs=max_num_seqs,
             max_blocks_per_seq=math.ceil(min(max_model_len, 1 << 40) / block_size),
-            scratch_block=num_blocks if self.static_decode else None)
+            scratch_block=num_blocks if self.static_decode else None,
+        )
 
     @contextlib.contextmanager
     def attention(self) -> Iterator[None]:
@@ -172,8 +215,9 @@ class AttentionSwitch:
         if done is None:
             register_nopad_attention()  # transformers refuses "nopad" unregistered; idempotent
             self.model.set_attn_implementation(name)
-            self._done[name] = tuple((config, config._attn_implementation_internal)
-                                     for config in attention_configs(self.model))
+            self._done[name] = tuple(
+                (config, config._attn_implementation_internal) for config in attention_configs(self.model)
+            )
             return
         for config, value in done:
             config._attn_implementation_internal = value

@@ -25,9 +25,10 @@ import torch
 
 from nopad.inference.kv_cache import KVCache
 from nopad.inference.prompt_logprobs import PromptScorer, Span, prompt_span
-from nopad.inference.scheduler import StepPlan
+from nopad.inference.step_plan import StepPlan
 from nopad.packing import invariance
-from nopad.packing.varlen import VarlenMeta, step_layout
+from nopad.packing.layout import step_layout
+from nopad.packing.varlen import VarlenMeta
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def _to_device(parts: list[np.ndarray], device) -> list[torch.Tensor]:
     buf = host.to(device, non_blocking=True)
     views, at = [], 0
     for a, n in zip(parts, sizes):
-        views.append(buf[at: at + n].view(a.shape))
+        views.append(buf[at : at + n].view(a.shape))
         at += n
     return views
 
@@ -75,16 +76,23 @@ def build_step(plan: StepPlan, block_size: int, device) -> StepInputs:
     num, total = len(plan.seqs), int(lay["cu_q"][-1])
     # one numpy pass over all rows' tokens and blocks, not a numpy assignment per row (and lists,
     # not generators: a generator resumes, a Python call, once a row)
-    ids = np.fromiter(chain.from_iterable([s.token_ids[s.num_computed: s.num_computed + n]
-                                           for s, n in zip(plan.seqs, plan.query_lens)]), np.int64, total)
+    ids = np.fromiter(
+        chain.from_iterable(
+            [s.token_ids[s.num_computed : s.num_computed + n] for s, n in zip(plan.seqs, plan.query_lens)]
+        ),
+        np.int64,
+        total,
+    )
     lens = np.array([len(s.block_table) for s in plan.seqs])
     table = np.zeros((num, int(lens.max())), dtype=np.int64)
     table[np.arange(table.shape[1]) < lens[:, None]] = np.fromiter(
-        chain.from_iterable([s.block_table for s in plan.seqs]), np.int64, int(lens.sum()))
+        chain.from_iterable([s.block_table for s in plan.seqs]), np.int64, int(lens.sum())
+    )
     pos = lay["positions"]
     slots = table[lay["seq_idx"], pos // block_size] * block_size + pos % block_size
-    sampling_rows = [i for i, (seq, n) in enumerate(zip(plan.seqs, plan.query_lens))
-                     if seq.num_computed + n == len(seq.token_ids)]
+    sampling_rows = [
+        i for i, (seq, n) in enumerate(zip(plan.seqs, plan.query_lens)) if seq.num_computed + n == len(seq.token_ids)
+    ]
     keep = lay["cu_q"][1:][sampling_rows] - 1
     spans, prompt_rows = [], []  # prompt positions of requests asking for prompt log-probs
     for seq, n, at in zip(plan.seqs, plan.query_lens, lay["cu_q"][:-1]):
@@ -98,13 +106,20 @@ def build_step(plan: StepPlan, block_size: int, device) -> StepInputs:
     if keep.size == 0:  # only partial prefill chunks: no logits needed, still one forward
         keep = np.zeros(1, dtype=np.int64)
     d_ids, d_pos, d_slots, d_keep, d_table, d_cu, d_seq = _to_device(
-        [ids, pos, slots, keep, table, np.stack([lay["cu_q"], lay["cu_k"]]), lay["seq_idx"]], device)
+        [ids, pos, slots, keep, table, np.stack([lay["cu_q"], lay["cu_k"]]), lay["seq_idx"]], device
+    )
     q, k = lay["q"], lay["k"]
     meta = VarlenMeta(
-        cu_seqlens_q=d_cu[0].to(torch.int32), cu_seqlens_k=d_cu[1].to(torch.int32),
-        max_seqlen_q=int(q.max()), max_seqlen_k=int(k.max()), position_ids=d_pos,
-        seq_idx=d_seq.to(torch.int32), seqlens_q=tuple(q.tolist()), seqlens_k=tuple(k.tolist()),
-        block_table=d_table.to(torch.int32), slot_mapping=d_slots,
+        cu_seqlens_q=d_cu[0].to(torch.int32),
+        cu_seqlens_k=d_cu[1].to(torch.int32),
+        max_seqlen_q=int(q.max()),
+        max_seqlen_k=int(k.max()),
+        position_ids=d_pos,
+        seq_idx=d_seq.to(torch.int32),
+        seqlens_q=tuple(q.tolist()),
+        seqlens_k=tuple(k.tolist()),
+        block_table=d_table.to(torch.int32),
+        slot_mapping=d_slots,
     )
     return StepInputs(d_ids[None], meta, d_keep, sampling_rows, position_ids=d_pos[None], prompt_spans=spans)
 
@@ -117,8 +132,15 @@ def is_decode(plan: StepPlan) -> bool:
     return True
 
 
-def build_static_decode(plan: StepPlan, block_size: int, device, scratch_block: int,
-                        max_num_seqs: int, max_width: int, scratch_state: int | None = None) -> StepInputs:
+def build_static_decode(
+    plan: StepPlan,
+    block_size: int,
+    device,
+    scratch_block: int,
+    max_num_seqs: int,
+    max_width: int,
+    scratch_state: int | None = None,
+) -> StepInputs:
     """A pure decode step padded to ``(bucket(num_seqs), bucket(width))``: padding rows run token
     0 at position 0 with one key, written to and read from ``scratch_block``. A hybrid model's
     step (``scratch_state``, the state cache's scratch slot) also gets each row's state slot, the
@@ -132,7 +154,8 @@ def build_static_decode(plan: StepPlan, block_size: int, device, scratch_block: 
     width = min(max(2, _pow2(width)), max(max_width, width))  # not 1 either (see row_bucket)
     table = np.full((rows, width), scratch_block, dtype=np.int64)
     table[:num][np.arange(width) < lens[:, None]] = np.fromiter(
-        chain.from_iterable([s.block_table for s in seqs]), np.int64, int(lens.sum()))
+        chain.from_iterable([s.block_table for s in seqs]), np.int64, int(lens.sum())
+    )
     pos = np.zeros(rows, dtype=np.int64)
     pos[:num] = [s.num_computed for s in seqs]
     ids = np.zeros(rows, dtype=np.int64)
@@ -145,8 +168,9 @@ def build_static_decode(plan: StepPlan, block_size: int, device, scratch_block: 
         parts.append(state)
     d_ids, d_pos, d_lens, d_slots, d_table, *d_state = _to_device(parts, device)
     meta = VarlenMeta.static_decode(d_table, d_lens, d_slots, position_ids=d_pos)
-    return StepInputs(d_ids[None], meta, None, list(range(num)), position_ids=d_pos[None],
-                      state_index=d_state[0] if d_state else None)
+    return StepInputs(
+        d_ids[None], meta, None, list(range(num)), position_ids=d_pos[None], state_index=d_state[0] if d_state else None
+    )
 
 
 def _mark_dynamic(step: StepInputs) -> None:
@@ -171,17 +195,28 @@ def check_static_decode_backend(name: str) -> None:
 
     if backends()[name].static_decode is None:
         able = sorted(n for n, b in backends().items() if b.static_decode is not None)
-        raise ValueError(f"attn_backend={name!r} has no static-shape decode path, which static_decode=True "
-                         f"(and compile_decode) runs; use one that has ({', '.join(able)}), or static_decode="
-                         "False")
+        raise ValueError(
+            f"attn_backend={name!r} has no static-shape decode path, which static_decode=True "
+            f"(and compile_decode) runs; use one that has ({', '.join(able)}), or static_decode="
+            "False"
+        )
 
 
 class ModelRunner:
     """Owns nothing but references: the live model and the generator's KV cache."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, backend: str | None = None, *,
-                 static_decode: bool = False, compile_decode: bool = False, max_num_seqs: int = 128,
-                 max_blocks_per_seq: int | None = None, scratch_block: int | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        backend: str | None = None,
+        *,
+        static_decode: bool = False,
+        compile_decode: bool = False,
+        max_num_seqs: int = 128,
+        max_blocks_per_seq: int | None = None,
+        scratch_block: int | None = None,
+    ):
         self.model = model
         self.kv_cache = kv_cache
         self.device = next(model.parameters()).device
@@ -216,9 +251,15 @@ class ModelRunner:
         states = self.kv_cache.states  # hybrid models: nopad.inference.state_cache
         fresh = [] if states is None else [s.state_slot for s in plan.seqs if s.num_computed == 0]
         if self.static_decode and is_decode(plan) and not invariance.is_enabled():
-            step = build_static_decode(plan, self.kv_cache.block_size, self.device, self.scratch_block,
-                                       self.max_num_seqs, self.max_width,
-                                       None if states is None else states.scratch_slot)
+            step = build_static_decode(
+                plan,
+                self.kv_cache.block_size,
+                self.device,
+                self.scratch_block,
+                self.max_num_seqs,
+                self.max_width,
+                None if states is None else states.scratch_slot,
+            )
             self.static_steps += 1
             shape = tuple(step.meta.block_table.shape)
             if self.decode_forward is not self.model and shape not in self.static_shapes:
@@ -230,8 +271,12 @@ class ModelRunner:
                 states.begin_static(step.state_index, fresh, step.meta)
             with _state_step(states):
                 out = self.decode_forward(
-                    input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False,
-                    nopad_meta=step.meta, nopad_kv_cache=self.kv_cache, nopad_backend=self.backend,
+                    input_ids=step.input_ids,
+                    position_ids=step.position_ids,
+                    use_cache=False,
+                    nopad_meta=step.meta,
+                    nopad_kv_cache=self.kv_cache,
+                    nopad_backend=self.backend,
                 )
             return out.logits[0, : len(step.sampling_rows)], step.sampling_rows
         step = build_step(plan, self.kv_cache.block_size, self.device)

@@ -62,6 +62,8 @@ class PlainRequests:
         self.in_flight.pop(request.request_id, None)
         detok = None
         if self.tokenizer is not None:
+
             def detok(ids, skip):
                 return self.tokenizer.decode(ids, skip_special_tokens=skip)
+
         return request.output(detok)

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nopad.packing.head.chunked import CHUNK_TOKENS, head_mismatch, head_of
+from nopad.packing.head.chunked import CHUNK_TOKENS
 from nopad.packing.head.log_softmax import picked_and_entropy, tempered_log_softmax
+from nopad.packing.head.model_head import head_mismatch, head_of
 
 if TYPE_CHECKING:
     from nopad.inference.request import Request, Sequence
@@ -43,8 +44,10 @@ def prompt_span(seq: Sequence, num_new: int) -> Span | None:
         return None
     first = len(request.prompt_logprobs)
     if seq.num_computed + 1 > first:
-        raise RuntimeError(f"request {request.request_id}: prompt log-probs stored up to token {first} but "
-                           f"its prefill resumes at {seq.num_computed}; this is a bug")
+        raise RuntimeError(
+            f"request {request.request_id}: prompt log-probs stored up to token {first} but "
+            f"its prefill resumes at {seq.num_computed}; this is a bug"
+        )
     end = min(seq.num_computed + num_new, len(request.prompt_token_ids) - 1)  # last token scored
     return (request, first, end - first + 1) if end >= first else None
 
@@ -55,7 +58,7 @@ class PromptScorer:
     head's input is kept and the module computes the sampling rows and the first prompt row only;
     then, while the module runs (its weights gathered, under ZeRO-3 or FSDP2: no collective of
     its own, so ranks in lockstep stay in step), the prompt rows' hidden states go through the
-    model's head (:class:`nopad.packing.head.chunked.LMHead`, its final-logit ops included) and the one
+    model's head (:class:`nopad.packing.head.model_head.LMHead`, its final-logit ops included) and the one
     log-softmax, :data:`~nopad.packing.head.chunked.CHUNK_TOKENS` rows at a time: no ``(rows, V)`` tensor
     larger than a chunk's. :meth:`commit` checks the head's first prompt row against the model's
     own logits before any entry is stored (a model whose forward changes its logits after the head
@@ -74,8 +77,10 @@ class PromptScorer:
             yield
             return
         module = self.head.module
-        handles = [module.register_forward_pre_hook(self._keep),
-                   module.register_forward_hook(self._score, prepend=True)]
+        handles = [
+            module.register_forward_pre_hook(self._keep),
+            module.register_forward_hook(self._score, prepend=True),
+        ]
         try:
             yield
         finally:
@@ -84,27 +89,29 @@ class PromptScorer:
 
     def _keep(self, module, args):
         hidden = args[0]
-        self.hidden = hidden.reshape(-1, hidden.shape[-1])[self.num_sampling:]
+        self.hidden = hidden.reshape(-1, hidden.shape[-1])[self.num_sampling :]
         return (hidden[..., : self.num_sampling + 1, :], *args[1:])
 
     def _score(self, module, args, output):
         total = sum(count for _, _, count in self.spans)
         if self.entries is not None or self.hidden is None or self.hidden.shape[0] != total:
-            raise RuntimeError(f"{type(self.model).__name__}'s head did not get the {total} prompt rows of "
-                               "logits_to_keep once; prompt_logprobs needs a causal LM that takes "
-                               "logits_to_keep as a tensor of positions and calls its head once")
+            raise RuntimeError(
+                f"{type(self.model).__name__}'s head did not get the {total} prompt rows of "
+                "logits_to_keep once; prompt_logprobs needs a causal LM that takes "
+                "logits_to_keep as a tensor of positions and calls its head once"
+            )
         # a copy: the model's logits may be this very tensor, and what changes them in place counts
-        self.ours = self.head.finish(output.reshape(-1, output.shape[-1])[self.num_sampling:][:1]).clone()
+        self.ours = self.head.finish(output.reshape(-1, output.shape[-1])[self.num_sampling :][:1]).clone()
         self.entries = [self._entries(*span, at) for span, at in zip(self.spans, _starts(self.spans))]
         self.hidden = None
 
     def _entries(self, request: Request, first: int, count: int, at: int) -> list[dict[int, float]]:
         k = request.params.prompt_logprobs
-        targets = torch.tensor(request.prompt_token_ids[first: first + count], device=self.hidden.device)
+        targets = torch.tensor(request.prompt_token_ids[first : first + count], device=self.hidden.device)
         entries = []
         for start in range(0, count, CHUNK_TOKENS):
             stop = min(start + CHUNK_TOKENS, count)
-            logp = tempered_log_softmax(self.head.logits(self.hidden[at + start: at + stop], hooks=False))
+            logp = tempered_log_softmax(self.head.logits(self.hidden[at + start : at + stop], hooks=False))
             picked, _ = picked_and_entropy(logp, targets[start:stop], False)
             top_vals, top_ids = logp.topk(min(k, logp.shape[1]), dim=-1)
             tokens = targets[start:stop].tolist()
@@ -120,9 +127,11 @@ class PromptScorer:
         if not self.spans:
             return
         if self.entries is None:
-            raise RuntimeError(f"{type(self.model).__name__}'s forward did not call its output embeddings "
-                               "(get_output_embeddings()); prompt_logprobs needs the usual causal-LM forward")
-        theirs = logits.reshape(-1, logits.shape[-1])[self.num_sampling:][:1]
+            raise RuntimeError(
+                f"{type(self.model).__name__}'s forward did not call its output embeddings "
+                "(get_output_embeddings()); prompt_logprobs needs the usual causal-LM forward"
+            )
+        theirs = logits.reshape(-1, logits.shape[-1])[self.num_sampling :][:1]
         mismatch = head_mismatch(self.head, self.ours, theirs, self.model)
         if mismatch:
             raise ValueError(f"prompt_logprobs: {mismatch}")

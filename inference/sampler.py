@@ -59,8 +59,9 @@ def _log_softmax(x: torch.Tensor, buffers: SamplerBuffers, name: str) -> torch.T
     return tempered_log_softmax(x, out=buffers.get(name, x))
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], buffers: SamplerBuffers | None = None, *,
-           policy_version: int = 0) -> SampleResult:
+def sample(
+    logits: torch.Tensor, seqs: list[Sequence], buffers: SamplerBuffers | None = None, *, policy_version: int = 0
+) -> SampleResult:
     """Draw one token per row of ``logits`` ``(rows, vocab)`` for ``seqs[row]``. ``buffers``
     (the generator's) lets the full-vocabulary temporaries reuse memory across steps;
     ``policy_version``: the weights whose logits these are, recorded with the tokens."""
@@ -120,16 +121,23 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], buffers: SamplerBuffers |
     return SampleResult(
         tokens=token_list,
         logprobs=logprobs,
-        temperature_logprobs=_temperature_logprobs(logits, tokens, raw_picked, rand_params, rand,
-                                                   buffers).tolist() if tempered else list(logprobs),
+        temperature_logprobs=_temperature_logprobs(logits, tokens, raw_picked, rand_params, rand, buffers).tolist()
+        if tempered
+        else list(logprobs),
         sampling_logprobs=sampling_lp.tolist() if rand else [0.0] * rows,
         top_logprobs=top,
         policy_version=policy_version,
     )
 
 
-def _temperature_logprobs(logits: torch.Tensor, tokens: torch.Tensor, raw_picked: torch.Tensor,
-                          rand_params: list, rand: list[int], buffers: SamplerBuffers) -> torch.Tensor:
+def _temperature_logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    raw_picked: torch.Tensor,
+    rand_params: list,
+    rand: list[int],
+    buffers: SamplerBuffers,
+) -> torch.Tensor:
     """Log-prob of each sampled token under ``softmax(logits / temperature)``: no penalty, no
     top-k/top-p/min-p truncation, i.e. what a trainer scoring the completion computes (TRL #6789).
     Computed by the trainer's own function (:func:`nopad.packing.head.log_softmax.tempered_log_softmax`), so
@@ -140,8 +148,12 @@ def _temperature_logprobs(logits: torch.Tensor, tokens: torch.Tensor, raw_picked
         same = [i for i, p in zip(rand, rand_params) if p.temperature == temperature]
         rows = torch.tensor(same, device=logits.device)
         x = logits if len(same) == logits.shape[0] else logits[rows]
-        lp = tempered_log_softmax(x, temperature, out=buffers.get("temperature_logprobs", x),
-                                  tempered_out=buffers.get("temperature_logits", x))
+        lp = tempered_log_softmax(
+            x,
+            temperature,
+            out=buffers.get("temperature_logprobs", x),
+            tempered_out=buffers.get("temperature_logits", x),
+        )
         out[rows] = lp.gather(1, tokens[rows][:, None])[:, 0]
     return out
 
@@ -188,8 +200,9 @@ def _candidates(top_k: list[int], top_p: list[float], vocab: int) -> int:
     return min(width, vocab)
 
 
-def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float],
-                 width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _top_k_top_p(
+    x: torch.Tensor, top_k: list[int], top_p: list[float], width: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(indices, values)`` of each row's ``width`` most likely tokens, the values at -inf outside
     the row's top-k / top-p set (everything else is dropped); None if those candidates cannot hold
     some row's top-p mass."""

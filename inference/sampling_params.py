@@ -74,9 +74,7 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
-            raise ValueError(
-                f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}"
-            )
+            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
         if self.seed is not None:
             _int("seed", self.seed, None)

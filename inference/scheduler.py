@@ -18,50 +18,29 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from nopad.inference.request import Sequence, Status
 from nopad.inference.seeding import fork_stream
 from nopad.inference.state_cache import StateSlots
 from nopad.inference.state_prefix import aligned_chunk, restore_snapshot, take_snapshot, usable_hits
+from nopad.inference.step_plan import SchedulerStats, StepPlan
 from nopad.packing.blocks import NO_PARENT, BlockAllocator, hash_block
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class StepPlan:
-    """One forward: ``seqs[i]`` runs ``query_lens[i]`` tokens; ``copies`` are (src, dst) blocks
-    to copy before the forward (copy-on-write)."""
-
-    seqs: list[Sequence] = field(default_factory=list)
-    query_lens: list[int] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    num_decodes: int = 0
-    stopped: list[Sequence] = field(default_factory=list)  # finished for lack of memory while planning
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.query_lens)
-
-
-@dataclass
-class SchedulerStats:
-    steps: int = 0
-    preemptions: int = 0
-    paused_preemptions: int = 0  # of which paused episodes (their KV recomputed on resume)
-    forked_shared_blocks: int = 0  # blocks a fork's new members share instead of recomputing
-    prefix_cache_hit_tokens: int = 0
-    prefill_tokens: int = 0  # prompt/recompute tokens actually run through the model
-    decode_tokens: int = 0
-    tokens_per_step: list[int] = field(default_factory=list)
-    seqs_per_step: list[int] = field(default_factory=list)  # batch occupancy per step
-
-
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 watermark: float = 0.01, enable_prefix_caching: bool = True,
-                 state_slots: StateSlots | None = None, max_model_len: int = 1 << 62, tokenizer=None):
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = True,
+        state_slots: StateSlots | None = None,
+        max_model_len: int = 1 << 62,
+        tokenizer=None,
+    ):
         self.allocator = allocator
         self.max_model_len, self.tokenizer = max_model_len, tokenizer  # a turn's stop checks
         self.block_size = allocator.block_size
@@ -301,7 +280,11 @@ class Scheduler:
         logger.warning(
             "sequence of request %s fills the whole KV cache (%d tokens, %d blocks of %d); stopping "
             "it with finish_reason='length'. Give the generator more KV memory for longer outputs.",
-            seq.request.request_id, seq.num_tokens, self.allocator.num_blocks, self.block_size)
+            seq.request.request_id,
+            seq.num_tokens,
+            self.allocator.num_blocks,
+            self.block_size,
+        )
         self.finish(seq, "length")
         seq.out_of_memory = True
         plan.stopped.append(seq)
@@ -317,8 +300,9 @@ class Scheduler:
         seq.last_hash = NO_PARENT
 
     # ----------------------------------------------------------------- after the forward
-    def postprocess(self, plan: StepPlan, sampling_rows: list[int],
-                    draw: Callable[[list[int], list[Sequence]], object]) -> None:
+    def postprocess(
+        self, plan: StepPlan, sampling_rows: list[int], draw: Callable[[list[int], list[Sequence]], object]
+    ) -> None:
         """The one owner of a step's bookkeeping once its forward ran: count the computed tokens,
         register new full blocks in the prefix cache, split groups whose prefill completed into their
         forks (``hooks.forked``), draw a token for every sequence that samples now (``draw(logits rows,
@@ -397,4 +381,3 @@ class Scheduler:
     def owners(self) -> list[list[int]]:
         """Block lists of every live sequence, for ``BlockAllocator.check(owners=...)``."""
         return [s.block_table for s in (*self.running, *self.waiting, *self.paused)]
-

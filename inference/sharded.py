@@ -72,7 +72,8 @@ def refuse_plain_generation(model: torch.nn.Module) -> None:
         "Generator.generate would hang as soon as one rank finishes before another. Write instead: "
         "`outs = nopad.inference.sharded.sharded_generate(generator, engine, prompts, params)` (pass the "
         "DeepSpeed engine or the FSDP2 module; mode='gather' by default, 'lockstep' if the full weights "
-        "do not fit). With TRL, keep GRPOConfig(ds3_gather_for_generation=True).")
+        "do not fit). With TRL, keep GRPOConfig(ds3_gather_for_generation=True)."
+    )
 
 
 # ----------------------------------------------------------------------------- gather once
@@ -98,8 +99,10 @@ def _zero3_gathered(engine) -> Iterator[None]:
 
     offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
     if offload is None or not hasattr(offload, "forward_hooks"):
-        raise ValueError("gather-once rollouts need a ZeRO-3 engine built with an optimizer (its hooks live "
-                         "there); use mode='lockstep' for an engine without one")
+        raise ValueError(
+            "gather-once rollouts need a ZeRO-3 engine built with an optimizer (its hooks live "
+            "there); use mode='lockstep' for an engine without one"
+        )
     module = offload.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
         # with the hooks attached, each submodule's post-forward hook would re-partition the
@@ -124,8 +127,13 @@ def _fsdp2_gathered(model: torch.nn.Module) -> Iterator[None]:
     saved = []
     for m in modules:  # FSDP2 reshards after each forward unless told not to
         state = m._get_fsdp_state()
-        saved.append((state, state._auto_reshard_after_forward,
-                      [(g, g.post_forward_mesh_info) for g in state._fsdp_param_groups]))
+        saved.append(
+            (
+                state,
+                state._auto_reshard_after_forward,
+                [(g, g.post_forward_mesh_info) for g in state._fsdp_param_groups],
+            )
+        )
         m.set_reshard_after_forward(False, recurse=False)
     for m in modules:
         m.unshard()
@@ -183,13 +191,13 @@ def _drive(generator, requests: list, lockstep: bool, group=None) -> list:
         if forwards[0] == before:
             dummy_forward(generator.model)
         elif forwards[0] != before + 1:
-            raise RuntimeError(f"a generator step ran {forwards[0] - before} forwards; lockstep "
-                               "needs exactly one per round")
+            raise RuntimeError(
+                f"a generator step ran {forwards[0] - before} forwards; lockstep needs exactly one per round"
+            )
         return outs
 
     try:
-        results = generator.run(requests, step=one_round,
-                                more=lambda: any_rank(generator.has_unfinished(), group))
+        results = generator.run(requests, step=one_round, more=lambda: any_rank(generator.has_unfinished(), group))
     finally:
         handle.remove()
     logger.debug("lockstep rollout: %d forwards", forwards[0])
@@ -204,8 +212,9 @@ def generate_lockstep(generator, prompts: Sequence, sampling_params=None, group=
     return _drive(generator, agreed_requests(generator, prompts, sampling_params, group), True, group)
 
 
-def sharded_generate(generator, model, prompts: Sequence, sampling_params=None, mode: str = "gather",
-                     use_tqdm: bool = False) -> list:
+def sharded_generate(
+    generator, model, prompts: Sequence, sampling_params=None, mode: str = "gather", use_tqdm: bool = False
+) -> list:
     """Generate on ``model`` (the training engine/module the ``generator`` reads through) in the
     chosen regime; plain ``generator.generate`` when the weights are not sharded."""
     if mode not in ROLLOUT_MODES:

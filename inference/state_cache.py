@@ -143,8 +143,9 @@ class StateCache:
     """``(num_rows, *shape)`` tensors for every state tensor a stateful layer declares (``named``:
     by name, in model order), and the step in flight."""
 
-    def __init__(self, states: list[LayerState], slots: StateSlots, dtype: torch.dtype, device, *,
-                 scratch: bool = False):
+    def __init__(
+        self, states: list[LayerState], slots: StateSlots, dtype: torch.dtype, device, *, scratch: bool = False
+    ):
         n = slots.num_rows + int(scratch)
         self.slots = slots
         self.scratch_slot = slots.num_rows if scratch else None  # static decode's padding rows
@@ -181,8 +182,10 @@ class StateCache:
 
     def _prepare(self, fresh: list[int]) -> None:
         """Fork copies, then zeros for ``fresh`` slots: before the step's forward, outside it."""
-        waves = [(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
-                 for src, dst in copy_waves(self.slots.take_copies())]
+        waves = [
+            (torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
+            for src, dst in copy_waves(self.slots.take_copies())
+        ]
         zero = torch.tensor(fresh, device=self.device) if fresh else None
         for t in self.tensors:
             for src, dst in waves:
@@ -197,15 +200,18 @@ class StateCache:
             return
         want = {name: len(tensors) for name, tensors in self.named.items()}
         if step.calls != want:
-            raise RuntimeError(f"a generator step made {step.calls} stateful kernel calls, the model has "
-                               f"{want} stateful layers; nopad cannot tell which state each call is")
+            raise RuntimeError(
+                f"a generator step made {step.calls} stateful kernel calls, the model has "
+                f"{want} stateful layers; nopad cannot tell which state each call is"
+            )
 
     def abandon(self) -> None:
         """Forget the step in flight (its forward raised)."""
         self._step = None
 
-    def run(self, kind: str, fn: Callable[[VarlenMeta, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-            ) -> torch.Tensor:
+    def run(
+        self, kind: str, fn: Callable[[VarlenMeta, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
         """One kernel call of the step on the state tensor named ``kind``: ``fn(meta,
         initial_states)`` runs the row from each sequence's slot and returns ``(output,
         final_states)``; the finals go back to the slots."""
@@ -213,21 +219,25 @@ class StateCache:
         if step is None:
             raise RuntimeError("a stateful kernel ran outside a generator step")
         if kind not in self.named:
-            raise RuntimeError(f"a kernel call of the step asks for a {kind!r} state, which no stateful layer "
-                               f"of the model declares (declared: {sorted(self.named)})")
+            raise RuntimeError(
+                f"a kernel call of the step asks for a {kind!r} state, which no stateful layer "
+                f"of the model declares (declared: {sorted(self.named)})"
+            )
         tensors = self.named[kind]
         i = step.calls[kind]
         step.calls[kind] += 1
         if i >= len(tensors):
-            raise RuntimeError(f"more {kind} kernel calls in one step than the {len(tensors)} stateful "
-                               "layers nopad sized")
+            raise RuntimeError(
+                f"more {kind} kernel calls in one step than the {len(tensors)} stateful layers nopad sized"
+            )
         store = tensors[i]
         # consecutive slots pass a view, no copy: only this step's sequences own those rows, and
         # their finals overwrite them below
         initial = store[step.index]
         out, final = fn(step.meta, initial)
         if final.shape != initial.shape:
-            raise RuntimeError(f"{kind} call {i} returned a state of shape {tuple(final.shape)}; its slots "
-                               f"hold {tuple(initial.shape)}")
+            raise RuntimeError(
+                f"{kind} call {i} returned a state of shape {tuple(final.shape)}; its slots hold {tuple(initial.shape)}"
+            )
         store[step.index] = final.to(store.dtype)
         return out

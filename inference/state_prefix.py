@@ -86,12 +86,15 @@ class StateSnapshots:
             self._free.append(slot)
 
     def stats(self) -> dict[str, int]:
-        return {"state_snapshots": len(self), "state_snapshots_taken": self.taken,
-                "state_snapshot_hits": self.restored, "state_snapshot_evictions": self.evicted}
+        return {
+            "state_snapshots": len(self),
+            "state_snapshots_taken": self.taken,
+            "state_snapshot_hits": self.restored,
+            "state_snapshot_evictions": self.evicted,
+        }
 
 
-def state_snapshots(layer_states: list, enable_prefix_caching: bool, wanted: int | None,
-                    max_num_seqs: int) -> int:
+def state_snapshots(layer_states: list, enable_prefix_caching: bool, wanted: int | None, max_num_seqs: int) -> int:
     """How many snapshot slots a generator keeps: ``wanted``, by default one per sequence slot;
     none on an attention-only model (its blocks are its whole context) or with the cache off."""
     if wanted is not None and (isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 0):
@@ -101,8 +104,9 @@ def state_snapshots(layer_states: list, enable_prefix_caching: bool, wanted: int
     return max_num_seqs if wanted is None else wanted
 
 
-def make_state_slots(layer_states: list, max_num_seqs: int, num_snapshots: int,
-                     allocator: BlockAllocator) -> StateSlots | None:
+def make_state_slots(
+    layer_states: list, max_num_seqs: int, num_snapshots: int, allocator: BlockAllocator
+) -> StateSlots | None:
     """A generator's state slots: one per sequence (none on an attention-only model), then
     ``num_snapshots`` snapshot slots, each dropped when the allocator forgets its block's hash."""
     if not layer_states:
@@ -124,8 +128,7 @@ def reset_snapshot_stats(slots: StateSlots | None) -> None:
         slots.snapshots.taken = slots.snapshots.restored = slots.snapshots.evicted = 0
 
 
-def usable_hits(slots: StateSlots | None, hits: list[tuple[int, int]],
-                seq: Sequence) -> list[tuple[int, int]]:
+def usable_hits(slots: StateSlots | None, hits: list[tuple[int, int]], seq: Sequence) -> list[tuple[int, int]]:
     """The cached ``(block, hash)`` prefix a new sequence may reuse: all of it on an attention-only
     model, up to the last block with a state snapshot on a hybrid one (none without snapshots).
     Where more blocks matched than that, ``seq.snapshot_at`` asks its prefill to stop there."""

@@ -29,8 +29,13 @@ TOOL_CALL_RESPONSE = {
     "defaults": {"role": "assistant"},
     "start_anchor": "<|im_start|>assistant\n",
     "fields": {
-        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True,
-                       "content": "json", "transform": {"type": "function", "function": "{content}"}},
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close_pattern": r"</tool_call>\s*",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
         "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
     },
 }
@@ -71,7 +76,8 @@ class ChatTemplateTools:
             raise ValueError(
                 "the tokenizer has no response_template, so transformers cannot parse tool calls from its "
                 "output. Set one (trl.chat_template_utils.add_response_schema(tokenizer) knows the common "
-                "templates) or pass Generator.run_episodes(..., tool_format=) your own ToolFormat")
+                "templates) or pass Generator.run_episodes(..., tool_format=) your own ToolFormat"
+            )
         self.tokenizer, self.tools = tokenizer, list(tools or [])
         self.kwargs = chat_template_kwargs
         if not self._prefix_preserving():
@@ -79,7 +85,8 @@ class ChatTemplateTools:
                 "the chat template does not render earlier turns as a token prefix of later ones (checked "
                 "with a tool call and a tool message, as TRL's is_chat_template_prefix_preserving does), so "
                 "appending only the tool result's tokens would not equal the rendered conversation. Use a "
-                "prefix-preserving template (trl.chat_template_utils.get_training_chat_template)")
+                "prefix-preserving template (trl.chat_template_utils.get_training_chat_template)"
+            )
 
     def _ids(self, messages: list[dict], generation_prompt: bool) -> list[int]:
         return render(self.tokenizer, messages, generation_prompt, tools=self.tools, **self.kwargs)
@@ -120,7 +127,7 @@ class ChatTemplateTools:
             before = before[: len(before) - before[::-1].index(turn_ids[-1])]
         if full[: len(before)] != before:
             raise ValueError("the chat template renders the turn before a tool message differently with it")
-        return full[len(before):]
+        return full[len(before) :]
 
 
 def use_tool_template(tokenizer, template: str = "smollm2"):
@@ -131,8 +138,9 @@ def use_tool_template(tokenizer, template: str = "smollm2"):
     ``<tool_call>`` JSON format in ChatML turns. Returns the tokenizer."""
     path = TOOL_TEMPLATES.get(template, Path(template))
     if template not in TOOL_TEMPLATES and not (path.suffix == ".jinja" and path.is_file()):
-        raise ValueError(f"tool template {template!r} is neither one nopad ships ({sorted(TOOL_TEMPLATES)}) "
-                         "nor a .jinja file")
+        raise ValueError(
+            f"tool template {template!r} is neither one nopad ships ({sorted(TOOL_TEMPLATES)}) nor a .jinja file"
+        )
     chat_template = path.read_text()
     _check_writes_tool_calls(tokenizer, chat_template, template)
     tokenizer.chat_template = chat_template
@@ -144,15 +152,19 @@ def _check_writes_tool_calls(tokenizer, chat_template: str, template: str) -> No
     """A ``.jinja`` file that does not parse, or renders no ``<tool_call>``, failed only at the
     first rollout (a jinja traceback) or trained episodes that never call a tool."""
     try:
-        text = tokenizer.apply_chat_template(_one_call_conversation("probe_tool"), tokenize=False,
-                                             chat_template=chat_template)
+        text = tokenizer.apply_chat_template(
+            _one_call_conversation("probe_tool"), tokenize=False, chat_template=chat_template
+        )
     except Exception as err:  # jinja's TemplateSyntaxError / UndefinedError, transformers' errors
-        raise ValueError(f"tool template {template!r} does not render a tool call: {type(err).__name__}: "
-                         f"{err}") from None
+        raise ValueError(
+            f"tool template {template!r} does not render a tool call: {type(err).__name__}: {err}"
+        ) from None
     if "<tool_call>" not in text or "probe_tool" not in text:
-        raise ValueError(f"tool template {template!r} does not write an assistant's tool calls as "
-                         "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> (what nopad parses "
-                         "back); see inference/templates/ for one that does")
+        raise ValueError(
+            f"tool template {template!r} does not write an assistant's tool calls as "
+            '<tool_call>{"name": ..., "arguments": ...}</tool_call> (what nopad parses '
+            "back); see inference/templates/ for one that does"
+        )
 
 
 class ToolRunner:
@@ -203,11 +215,17 @@ class ToolRunner:
             if not isinstance(value, str):
                 _fail(call, f"tool {name!r} returned {type(value).__name__}, not a string")
             elif (bad := _not_encodable(value)) is not None:
-                _fail(call, f"tool {name!r} returned text that is not valid Unicode (a lone surrogate, "
-                            f"{value[bad]!r}, at character {bad}), which no tokenizer can encode")
+                _fail(
+                    call,
+                    f"tool {name!r} returned text that is not valid Unicode (a lone surrogate, "
+                    f"{value[bad]!r}, at character {bad}), which no tokenizer can encode",
+                )
             elif len(value) > self.max_result_chars:
-                _fail(call, f"tool {name!r} returned {len(value)} characters, more than "
-                            f"max_tool_result_chars={self.max_result_chars}")
+                _fail(
+                    call,
+                    f"tool {name!r} returned {len(value)} characters, more than "
+                    f"max_tool_result_chars={self.max_result_chars}",
+                )
             else:
                 call.result = value
 
@@ -238,8 +256,9 @@ class ToolExited(Exception):
     """A tool called ``sys.exit``: that call's error, not the end of the whole rollout."""
 
     def __init__(self, code):
-        super().__init__(f"called sys.exit({code!r}); a tool returns its result (an error message is fine) "
-                         "instead of exiting")
+        super().__init__(
+            f"called sys.exit({code!r}); a tool returns its result (an error message is fine) instead of exiting"
+        )
 
 
 def _call_sync(fn, arguments: dict):
@@ -275,6 +294,8 @@ def wait_any(futures: list, deadline: float) -> None:
 def public_methods(environment) -> dict[str, Callable]:
     """An environment's tools: its public methods other than ``reset`` and ``get_reward`` (TRL's
     contract: ``get_reward()`` is the environment's own reward, never a tool the model may call)."""
-    return {name: getattr(environment, name) for name in dir(environment)
-            if not name.startswith("_") and name not in ("reset", "get_reward")
-            and callable(getattr(environment, name))}
+    return {
+        name: getattr(environment, name)
+        for name in dir(environment)
+        if not name.startswith("_") and name not in ("reset", "get_reward") and callable(getattr(environment, name))
+    }

@@ -32,11 +32,12 @@ _export("nopad.packing.bins.streaming", "StreamingPacker")
 _export("nopad.packing.bins.hf_datasets", "pack_dataset")
 _export("nopad.packing.blocks", "BlockAllocator", "OutOfBlocksError")
 _export("nopad.packing.row", "PackedRow", "IGNORE_INDEX")
-_export("nopad.packing.hf.attention", "register_nopad_attention", "NOPAD_ATTENTION", "use_nopad_attention",
-        "packed_forward_guard")
+_export("nopad.packing.hf.attention", "register_nopad_attention", "NOPAD_ATTENTION", "use_nopad_attention")
+_export("nopad.packing.hf.packed_call", "packed_forward_guard")
 _export("nopad.packing.hf.verification", "verify", "VerifyReport")
 _export("nopad.packing.invariance", "batch_invariant")
-_export("nopad.packing.head.chunked", "token_logprobs", "nll_sum", "LMHead")
+_export("nopad.packing.head.chunked", "token_logprobs", "nll_sum")
+_export("nopad.packing.head.model_head", "LMHead")
 
 __all__ = sorted(_EXPORTS)
 

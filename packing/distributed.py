@@ -104,8 +104,7 @@ def _first_floating_parameter(module: torch.nn.Module) -> torch.Tensor | None:
     return None
 
 
-def compute_dtype(module: torch.nn.Module,
-                  like: torch.Tensor | torch.device | str | None = None) -> torch.dtype:
+def compute_dtype(module: torch.nn.Module, like: torch.Tensor | torch.device | str | None = None) -> torch.dtype:
     """The dtype a forward of ``module`` computes in (what q, k, v and the KV cache are cast to),
     chosen as transformers does for flash-attn: the autocast dtype when autocast is on for the
     device of ``like`` (the query, or a device); else the weights' dtype - for weights FSDP2 holds

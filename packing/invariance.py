@@ -156,21 +156,45 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 _MEANS = {torch.mean, torch.Tensor.mean}
 _SUMS = {torch.sum, torch.Tensor.sum}
-_POINTWISE = {torch.exp, torch.Tensor.exp, torch.expm1, torch.Tensor.expm1, torch.log, torch.Tensor.log,
-              torch.log1p, torch.Tensor.log1p, torch.sigmoid, torch.Tensor.sigmoid, torch.tanh,
-              torch.Tensor.tanh, F.softplus, F.silu, F.gelu, F.logsigmoid}
+_POINTWISE = {
+    torch.exp,
+    torch.Tensor.exp,
+    torch.expm1,
+    torch.Tensor.expm1,
+    torch.log,
+    torch.Tensor.log,
+    torch.log1p,
+    torch.Tensor.log1p,
+    torch.sigmoid,
+    torch.Tensor.sigmoid,
+    torch.tanh,
+    torch.Tensor.tanh,
+    F.softplus,
+    F.silu,
+    F.gelu,
+    F.logsigmoid,
+}
 VECTOR_RUN = 64  # elements: a whole number of torch's unrolled SIMD steps (2 x 16 fp32 lanes, 2 x 32 bf16)
 SERIAL_ELEMENTS = 16384  # a multiple of VECTOR_RUN below torch's parallel grain (32768): one thread, no split
-_SOFTMAXES = {F.softmax: False, torch.softmax: False, torch.Tensor.softmax: False,
-              F.log_softmax: True, torch.log_softmax: True, torch.Tensor.log_softmax: True}
+_SOFTMAXES = {
+    F.softmax: False,
+    torch.softmax: False,
+    torch.Tensor.softmax: False,
+    F.log_softmax: True,
+    torch.log_softmax: True,
+    torch.Tensor.log_softmax: True,
+}
 
 
 def _backward_in_mode(func, args, kwargs) -> None:
     """``loss.backward()`` / ``torch.autograd.backward`` with this mode still on the stack: a
     handler runs with its mode popped, and the autograd engine keeps the stack it is started with,
     so a gradient-checkpointing recompute would otherwise replay the forward on torch's kernels."""
-    names = ("gradient", "retain_graph", "create_graph", "inputs") if func is torch.Tensor.backward else (
-        "grad_tensors", "retain_graph", "create_graph", "grad_variables", "inputs")
+    names = (
+        ("gradient", "retain_graph", "create_graph", "inputs")
+        if func is torch.Tensor.backward
+        else ("grad_tensors", "retain_graph", "create_graph", "grad_variables", "inputs")
+    )
     tensors = args[0]
     bound = dict(zip(names, _bound(func, args[1:], kwargs, names)))
     tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
@@ -179,11 +203,13 @@ def _backward_in_mode(func, args, kwargs) -> None:
     create_graph = bool(bound.get("create_graph"))
     retain_graph = create_graph if bound.get("retain_graph") is None else bound["retain_graph"]
     with _InvariantOps():
-        grads = torch.autograd._tensor_or_tensors_to_tuple(bound.get("gradient", bound.get("grad_tensors")),
-                                                           len(tensors))
+        grads = torch.autograd._tensor_or_tensors_to_tuple(
+            bound.get("gradient", bound.get("grad_tensors")), len(tensors)
+        )
         grads = torch.autograd._make_grads(tensors, grads, is_grads_batched=False)
-        torch.autograd.graph._engine_run_backward(tensors, grads, retain_graph, create_graph, inputs,
-                                                  allow_unreachable=True, accumulate_grad=True)
+        torch.autograd.graph._engine_run_backward(
+            tensors, grads, retain_graph, create_graph, inputs, allow_unreachable=True, accumulate_grad=True
+        )
 
 
 def _one_dim(x: torch.Tensor, dim) -> int | None:
@@ -254,13 +280,21 @@ class _InvariantOps(TorchFunctionMode):
     @staticmethod
     def _reduction(func, args, kwargs):
         x = args[0] if args else kwargs.get("input")
-        if (not isinstance(x, torch.Tensor) or not x.is_floating_point() or kernel_set(x.device) != "triton"
-                or kwargs.get("out") is not None):
+        if (
+            not isinstance(x, torch.Tensor)
+            or not x.is_floating_point()
+            or kernel_set(x.device) != "triton"
+            or kwargs.get("out") is not None
+        ):
             return None
         from nopad.packing import invariant_kernels
 
-        if (func not in _MEANS and x.dtype in (torch.float16, torch.bfloat16) and x.device.type == "cuda"
-                and torch.is_autocast_enabled("cuda")):
+        if (
+            func not in _MEANS
+            and x.dtype in (torch.float16, torch.bfloat16)
+            and x.device.type == "cuda"
+            and torch.is_autocast_enabled("cuda")
+        ):
             x = x.float()  # CUDA autocast runs sum / softmax / log_softmax in fp32: so do these kernels
         if func in _MEANS or func in _SUMS:
             _, dim, keepdim, dtype = _bound(func, args, kwargs, ("input", "dim", "keepdim", "dtype"))
@@ -268,16 +302,17 @@ class _InvariantOps(TorchFunctionMode):
             if dtype is not None or dim is None:
                 return None
             return invariant_kernels.RowSum.apply(x, dim, bool(keepdim), func in _MEANS)
-        names = ("input", "dim", "_stacklevel", "dtype") if func in (F.softmax, F.log_softmax) else (
-            "input", "dim", "dtype")
+        names = (
+            ("input", "dim", "_stacklevel", "dtype")
+            if func in (F.softmax, F.log_softmax)
+            else ("input", "dim", "dtype")
+        )
         bound = dict(zip(names, _bound(func, args, kwargs, names)))
         if _one_dim(x, bound["dim"]) != x.dim() - 1:
             return None
         if bound["dtype"] is not None:
             x = x.to(bound["dtype"])
         return invariant_kernels.Softmax.apply(x, _SOFTMAXES[func])
-
-
 
 
 @contextlib.contextmanager

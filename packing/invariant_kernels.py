@@ -36,9 +36,24 @@ SUM_ROWS, SUM_BLOCK = 16, 128
 if triton is not None:
 
     @triton.jit
-    def _matmul_kernel(X, W, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
-                       HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr, FP32: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def _matmul_kernel(
+        X,
+        W,
+        B,
+        OUT,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_om,
+        HAS_BIAS: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+        FP32: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
@@ -47,10 +62,12 @@ if triton is not None:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):  # one K order for every row
             k_ok = (k0 + ks) < K
-            x = tl.load(X + rows[:, None] * stride_xm + (k0 + ks)[None, :],
-                        mask=(rows[:, None] < M) & k_ok[None, :], other=0.0)
-            w = tl.load(W + cols[None, :] * stride_wn + (k0 + ks)[:, None],
-                        mask=(cols[None, :] < N) & k_ok[:, None], other=0.0)
+            x = tl.load(
+                X + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=(rows[:, None] < M) & k_ok[None, :], other=0.0
+            )
+            w = tl.load(
+                W + cols[None, :] * stride_wn + (k0 + ks)[:, None], mask=(cols[None, :] < N) & k_ok[:, None], other=0.0
+            )
             if INTERPRETED:
                 acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], 1)
             elif FP32:  # IEEE fp32, not TF32
@@ -59,8 +76,11 @@ if triton is not None:
                 acc += tl.dot(x, w)
         if HAS_BIAS:
             acc += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)
-        tl.store(OUT + rows[:, None] * stride_om + cols[None, :], acc.to(OUT.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+        tl.store(
+            OUT + rows[:, None] * stride_om + cols[None, :],
+            acc.to(OUT.dtype.element_ty),
+            mask=(rows[:, None] < M) & (cols[None, :] < N),
+        )
 
     @triton.jit
     def _row_sum_kernel(X, OUT, M, N, stride_x, MEAN: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
@@ -116,9 +136,11 @@ def _check(x: torch.Tensor) -> None:
     if triton is None:
         raise RuntimeError("the batch-invariant Triton kernels need triton (pip install triton)")
     if x.device.type == "cpu" and not _interpreted():
-        raise RuntimeError("batch_invariant(kernels='triton'): the batch-invariant Triton kernels run CPU "
-                           "tensors only under Triton's interpreter: set TRITON_INTERPRET=1 before nopad is "
-                           "imported (for tests), use CUDA, or on CPU leave kernels=None for nopad's CPU set")
+        raise RuntimeError(
+            "batch_invariant(kernels='triton'): the batch-invariant Triton kernels run CPU "
+            "tensors only under Triton's interpreter: set TRITON_INTERPRET=1 before nopad is "
+            "imported (for tests), use CUDA, or on CPU leave kernels=None for nopad's CPU set"
+        )
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,11 +154,24 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if m == 0 or n == 0:
         return out
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _matmul_kernel[grid](x, weight, bias if bias is not None else x, out, m, n, k,
-                         x.stride(0), weight.stride(0), out.stride(0),
-                         HAS_BIAS=bias is not None, INTERPRETED=x.device.type == "cpu",
-                         FP32=x.dtype == torch.float32,
-                         BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+    _matmul_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else x,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        INTERPRETED=x.device.type == "cpu",
+        FP32=x.dtype == torch.float32,
+        BM=BLOCK_M,
+        BN=BLOCK_N,
+        BK=BLOCK_K,
+    )
     return out
 
 
@@ -150,9 +185,9 @@ def row_sum(x: torch.Tensor, mean: bool = False) -> torch.Tensor:
     flat = _rows(x)
     out = x.new_empty(flat.shape[0])
     if flat.shape[0]:
-        _row_sum_kernel[(triton.cdiv(flat.shape[0], SUM_ROWS),)](flat, out, flat.shape[0], flat.shape[1],
-                                                                 flat.stride(0), MEAN=mean, ROWS=SUM_ROWS,
-                                                                 BLOCK=SUM_BLOCK)
+        _row_sum_kernel[(triton.cdiv(flat.shape[0], SUM_ROWS),)](
+            flat, out, flat.shape[0], flat.shape[1], flat.stride(0), MEAN=mean, ROWS=SUM_ROWS, BLOCK=SUM_BLOCK
+        )
     return out.view(x.shape[:-1])
 
 
@@ -168,8 +203,7 @@ def softmax(x: torch.Tensor, log: bool = False) -> torch.Tensor:
     flat = _rows(x)
     out = torch.empty_like(flat)
     if flat.shape[0]:
-        _softmax_kernel[(flat.shape[0],)](flat, out, flat.shape[1], flat.stride(0), out.stride(0),
-                                          LOG=log, BLOCK=BLOCK)
+        _softmax_kernel[(flat.shape[0],)](flat, out, flat.shape[1], flat.stride(0), out.stride(0), LOG=log, BLOCK=BLOCK)
     return out.view(x.shape)
 
 

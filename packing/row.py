@@ -25,8 +25,20 @@ from nopad.packing.varlen import VarlenMeta
 IGNORE_INDEX = -100  # a label that carries no loss (transformers' and torch's cross-entropy default)
 
 # the row's keys when read as a mapping, in order; position_ids is a view of nopad_meta's
-KEYS = ("input_ids", "labels", "position_ids", "nopad_meta", "seq_lens", "indices", "num_loss_tokens",
-        "num_loss_seqs", "token_values", "pair_tokens", "pair_seqs", "empty")
+KEYS = (
+    "input_ids",
+    "labels",
+    "position_ids",
+    "nopad_meta",
+    "seq_lens",
+    "indices",
+    "num_loss_tokens",
+    "num_loss_seqs",
+    "token_values",
+    "pair_tokens",
+    "pair_seqs",
+    "empty",
+)
 
 
 @dataclass(eq=False)
@@ -88,8 +100,10 @@ class PackedRow(Mapping):
         if meta.seqlens_q is None:
             raise ValueError("a packed row needs host-side sequence lengths; a static decode step has none")
         if ids.shape != labs.shape or ids.shape[1] != meta.total_q:
-            raise ValueError(f"input_ids ({ids.shape[1]} tokens), labels ({labs.shape[1]}) and nopad_meta "
-                             f"({meta.total_q} tokens) must describe the same row")
+            raise ValueError(
+                f"input_ids ({ids.shape[1]} tokens), labels ({labs.shape[1]}) and nopad_meta "
+                f"({meta.total_q} tokens) must describe the same row"
+            )
         host = labs[0].cpu().numpy()
         lens = np.asarray(meta.seqlens_q, dtype=np.int64)
         starts = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64)
@@ -97,9 +111,11 @@ class PackedRow(Mapping):
         unpredicted = own_start & (host[np.minimum(starts, max(host.size - 1, 0))] != IGNORE_INDEX)
         if unpredicted.any():
             seq = int(np.flatnonzero(unpredicted)[0])
-            raise ValueError(f"the label of token {int(starts[seq])}, the first of sequence {seq}, carries a "
-                             f"loss, but nothing before it in its sequence predicts it; set it to "
-                             f"IGNORE_INDEX ({IGNORE_INDEX})")
+            raise ValueError(
+                f"the label of token {int(starts[seq])}, the first of sequence {seq}, carries a "
+                f"loss, but nothing before it in its sequence predicts it; set it to "
+                f"IGNORE_INDEX ({IGNORE_INDEX})"
+            )
         loss = host != IGNORE_INDEX
         running = np.concatenate(([0], np.cumsum(loss)))
         per_seq = running[starts + lens] - running[starts]  # loss tokens of each sequence
@@ -131,13 +147,20 @@ class PackedRow(Mapping):
             return batch
         missing = [k for k in ("input_ids", "labels", "nopad_meta") if k not in batch]
         if missing:
-            raise KeyError(f"a packed row needs input_ids, labels and nopad_meta; this batch has no "
-                           f"{missing} (keys: {sorted(batch)})")
-        return cls.build(batch["input_ids"], batch["labels"], batch["nopad_meta"],
-                         seq_lens=batch.get("seq_lens"), indices=batch.get("indices"),
-                         token_values=batch.get("token_values"),
-                         pairs=(batch["pair_tokens"], batch["pair_seqs"]) if "pair_tokens" in batch else None,
-                         empty=bool(batch.get("empty", False)))
+            raise KeyError(
+                f"a packed row needs input_ids, labels and nopad_meta; this batch has no "
+                f"{missing} (keys: {sorted(batch)})"
+            )
+        return cls.build(
+            batch["input_ids"],
+            batch["labels"],
+            batch["nopad_meta"],
+            seq_lens=batch.get("seq_lens"),
+            indices=batch.get("indices"),
+            token_values=batch.get("token_values"),
+            pairs=(batch["pair_tokens"], batch["pair_seqs"]) if "pair_tokens" in batch else None,
+            empty=bool(batch.get("empty", False)),
+        )
 
     # ----------------------------------------------------------------- use
     @property
@@ -170,37 +193,47 @@ class PackedRow(Mapping):
         """The same row with ``values`` added to its ``token_values`` (one value per pair, checked
         as :meth:`build` checks them): for a caller that knows its per-pair data once the rows are
         laid out (the pairs follow ``indices``, each sequence's loss tokens in order)."""
-        pairs = (self.pair_tokens.numel() if self.pair_tokens is not None
-                 else int((self.labels != IGNORE_INDEX).sum()))
+        pairs = self.pair_tokens.numel() if self.pair_tokens is not None else int((self.labels != IGNORE_INDEX).sum())
         return replace(self, token_values={**self.token_values, **_token_values(values, pairs)})
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRow:
         """The same row with its model and loss tensors on ``device`` (the meta through
         :meth:`VarlenMeta.to`); ``seq_lens`` and ``indices`` are bookkeeping read on the host, and
         stay there."""
+
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=non_blocking)
 
-        return replace(self, input_ids=move(self.input_ids), labels=move(self.labels),
-                       nopad_meta=self.nopad_meta.to(device, non_blocking=non_blocking),
-                       token_values={k: move(v) for k, v in self.token_values.items()},
-                       pair_tokens=move(self.pair_tokens), pair_seqs=move(self.pair_seqs))
+        return replace(
+            self,
+            input_ids=move(self.input_ids),
+            labels=move(self.labels),
+            nopad_meta=self.nopad_meta.to(device, non_blocking=non_blocking),
+            token_values={k: move(v) for k, v in self.token_values.items()},
+            pair_tokens=move(self.pair_tokens),
+            pair_seqs=move(self.pair_seqs),
+        )
 
     def pin_memory(self) -> PackedRow:
         """Page-locked copies of the tensors, for ``DataLoader(pin_memory=True)``."""
+
         def pin(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.pin_memory()
 
-        return replace(self, input_ids=pin(self.input_ids), labels=pin(self.labels),
-                       token_values={k: pin(v) for k, v in self.token_values.items()},
-                       pair_tokens=pin(self.pair_tokens), pair_seqs=pin(self.pair_seqs))
+        return replace(
+            self,
+            input_ids=pin(self.input_ids),
+            labels=pin(self.labels),
+            token_values={k: pin(v) for k, v in self.token_values.items()},
+            pair_tokens=pin(self.pair_tokens),
+            pair_seqs=pin(self.pair_seqs),
+        )
 
     def model_kwargs(self, *, labels: bool = False) -> dict[str, Any]:
         """The keyword arguments of the model's forward: ``model(**row.model_kwargs())``. With
         ``labels`` the model computes its own loss (plain rows only: a tree row's predictions are
         not all at ``t - 1``)."""
-        kwargs = {"input_ids": self.input_ids, "position_ids": self.position_ids,
-                  "nopad_meta": self.nopad_meta}
+        kwargs = {"input_ids": self.input_ids, "position_ids": self.position_ids, "nopad_meta": self.nopad_meta}
         if labels:
             kwargs["labels"] = self.labels
         return kwargs
@@ -213,8 +246,10 @@ class PackedRow(Mapping):
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key not in _FIELDS:
-            raise KeyError(f"a PackedRow has no field {key!r} (fields: {', '.join(_FIELDS)}); keep extra "
-                           "data next to the row, or subclass PackedRow")
+            raise KeyError(
+                f"a PackedRow has no field {key!r} (fields: {', '.join(_FIELDS)}); keep extra "
+                "data next to the row, or subclass PackedRow"
+            )
         setattr(self, key, value)
 
     def __iter__(self) -> Iterator[str]:
@@ -235,9 +270,11 @@ class PackedRow(Mapping):
     def __repr__(self) -> str:
         rl = f", values={sorted(self.token_values)}" if self.token_values else ""
         rl += ", tree" if self.pair_tokens is not None else ""
-        return (f"PackedRow(tokens={self.num_tokens}, seqs={self.nopad_meta.num_seqs}, "
-                f"loss_tokens={self.num_loss_tokens}{rl}{', empty' if self.empty else ''}, "
-                f"device={self.input_ids.device})")
+        return (
+            f"PackedRow(tokens={self.num_tokens}, seqs={self.nopad_meta.num_seqs}, "
+            f"loss_tokens={self.num_loss_tokens}{rl}{', empty' if self.empty else ''}, "
+            f"device={self.input_ids.device})"
+        )
 
 
 _FIELDS = tuple(f.name for f in fields(PackedRow))
@@ -267,29 +304,33 @@ def _pairs(pairs, num_loss_tokens: int, indices) -> tuple[torch.Tensor, torch.Te
         raise ValueError("pairs must be (pair_tokens, pair_seqs)")
     tokens, seqs = _int64_host(pairs[0]), _int64_host(pairs[1])
     if tokens.shape != seqs.shape:
-        raise ValueError(f"pair_tokens ({tokens.numel()}) and pair_seqs ({seqs.numel()}) must name the same "
-                         "pairs")
+        raise ValueError(f"pair_tokens ({tokens.numel()}) and pair_seqs ({seqs.numel()}) must name the same pairs")
     read = torch.zeros(num_loss_tokens, dtype=torch.bool)
     if tokens.numel():
         if int(tokens.min()) < 0 or int(tokens.max()) >= num_loss_tokens:
-            raise ValueError(f"pair_tokens must index the row's {num_loss_tokens} loss tokens, got values in "
-                             f"[{int(tokens.min())}, {int(tokens.max())}]")
+            raise ValueError(
+                f"pair_tokens must index the row's {num_loss_tokens} loss tokens, got values in "
+                f"[{int(tokens.min())}, {int(tokens.max())}]"
+            )
         read[tokens] = True
     if not bool(read.all()):
-        raise ValueError(f"loss token {int(torch.nonzero(~read)[0])} (label order) has a label but no pair "
-                         "reads it; set its label to IGNORE_INDEX or give it a pair")
+        raise ValueError(
+            f"loss token {int(torch.nonzero(~read)[0])} (label order) has a label but no pair "
+            "reads it; set its label to IGNORE_INDEX or give it a pair"
+        )
     count = None if indices is None else len(indices)
     if seqs.numel() and (int(seqs.min()) < 0 or (count is not None and int(seqs.max()) >= count)):
-        raise ValueError(f"pair_seqs must index the row's {count} sequences (indices), got values in "
-                         f"[{int(seqs.min())}, {int(seqs.max())}]")
+        raise ValueError(
+            f"pair_seqs must index the row's {count} sequences (indices), got values in "
+            f"[{int(seqs.min())}, {int(seqs.max())}]"
+        )
     return tokens, seqs
 
 
 def _token_values(values: Mapping[str, Any], num_pairs: int) -> dict[str, torch.Tensor]:
     """``values`` as float32 tensors, each checked to hold one value per loss pair."""
     if not isinstance(values, Mapping):
-        raise TypeError(f"token_values must map a name to one value per loss token, got "
-                        f"{type(values).__name__}")
+        raise TypeError(f"token_values must map a name to one value per loss token, got {type(values).__name__}")
     out = {}
     for name, v in values.items():
         if not isinstance(name, str):
@@ -297,10 +338,13 @@ def _token_values(values: Mapping[str, Any], num_pairs: int) -> dict[str, torch.
         try:
             t = v.to(torch.float32) if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float32)
         except (TypeError, ValueError) as e:
-            raise TypeError(f"token_values[{name!r}] must be numbers, one per loss token, got "
-                            f"{type(v).__name__} ({e})") from None
+            raise TypeError(
+                f"token_values[{name!r}] must be numbers, one per loss token, got {type(v).__name__} ({e})"
+            ) from None
         if t.shape != (num_pairs,):
-            raise ValueError(f"{name} has shape {tuple(t.shape)} but the row has {num_pairs} loss tokens: "
-                             "one value per loss token, in label order (per pair in a tree row)")
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} but the row has {num_pairs} loss tokens: "
+                "one value per loss token, in label order (per pair in a tree row)"
+            )
         out[name] = t
     return out

@@ -17,48 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-
-def _as_lengths(values: Sequence[int] | np.ndarray | torch.Tensor, name: str) -> np.ndarray:
-    """Validate a 1-D array of non-negative integer lengths and return it as int64 numpy."""
-    if isinstance(values, torch.Tensor):
-        values = values.detach().cpu().numpy()
-    arr = np.asarray(values)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D sequence of integers, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.size and arr.min() < 0:
-        i = int(np.argmin(arr))
-        raise ValueError(f"{name}[{i}] = {arr[i]} is negative; lengths must be >= 0")
-    return arr
-
-
-def _cumsum0(lengths: np.ndarray) -> np.ndarray:
-    out = np.zeros(lengths.size + 1, dtype=np.int64)
-    np.cumsum(lengths, out=out[1:])
-    return out
-
-
-def step_layout(query_lens, context_lens) -> dict[str, np.ndarray]:
-    """Host (numpy int64) arrays of a step's boundaries: ``q``/``k`` lengths, ``cu_q``/``cu_k``,
-    each query token's ``positions`` and ``seq_idx``. Shared by :meth:`VarlenMeta.for_step` and
-    the generator's step builder, which copies them to the device in one buffer."""
-    q = _as_lengths(query_lens, "query_lens")
-    ctx = _as_lengths(context_lens, "context_lens")
-    if q.shape != ctx.shape:
-        raise ValueError(
-            f"query_lens and context_lens must have the same length, got {q.size} and {ctx.size}"
-        )
-    k = q + ctx
-    cu_q, cu_k = _cumsum0(q), _cumsum0(k)
-    total_q = int(cu_q[-1])
-    if total_q >= 2**31 or int(cu_k[-1]) >= 2**31:
-        raise ValueError("more than 2**31 tokens in one row; split the batch")
-    seq_idx = np.repeat(np.arange(q.size, dtype=np.int64), q)
-    # position of token t of sequence i = ctx[i] + (t - cu_q[i])
-    positions = np.arange(total_q, dtype=np.int64) - np.repeat(cu_q[:-1] - ctx, q)
-    return dict(q=q, k=k, cu_q=cu_q, cu_k=cu_k, positions=positions, seq_idx=seq_idx)
+from nopad.packing.layout import as_lengths, cumsum0, step_layout
 
 
 class PaddedLayout(NamedTuple):
@@ -104,7 +63,7 @@ class VarlenMeta:
         cls, lengths: Sequence[int] | np.ndarray | torch.Tensor, device: torch.device | str = "cpu"
     ) -> VarlenMeta:
         """A packed training row: each sequence attends to itself only (queries == keys)."""
-        lens = _as_lengths(lengths, "lengths")
+        lens = as_lengths(lengths, "lengths")
         return cls.for_step(lens, np.zeros_like(lens), device=device)
 
     @classmethod
@@ -126,13 +85,9 @@ class VarlenMeta:
         positions, seq_idx = lay["positions"], lay["seq_idx"]
         total_q = int(cu_q[-1])
         if slot_mapping is not None and slot_mapping.numel() != total_q:
-            raise ValueError(
-                f"slot_mapping has {slot_mapping.numel()} entries but the step has {total_q} tokens"
-            )
+            raise ValueError(f"slot_mapping has {slot_mapping.numel()} entries but the step has {total_q} tokens")
         if block_table is not None and block_table.shape[0] != q.size:
-            raise ValueError(
-                f"block_table has {block_table.shape[0]} rows but the step has {q.size} sequences"
-            )
+            raise ValueError(f"block_table has {block_table.shape[0]} rows but the step has {q.size} sequences")
         dev = torch.device(device)
         return cls(
             cu_seqlens_q=torch.from_numpy(cu_q.astype(np.int32)).to(dev),
@@ -166,10 +121,9 @@ class VarlenMeta:
             if len(group) != 2:
                 raise ValueError(f"groups[{g}] must be (prompt_len, [completion_len, ...]), got {group!r}")
             prompt_len = int(group[0])
-            completions = _as_lengths(list(group[1]), f"groups[{g}] completions")
+            completions = as_lengths(list(group[1]), f"groups[{g}] completions")
             if prompt_len < 1:
-                raise ValueError(f"groups[{g}] has prompt_len {prompt_len}; a shared prefix needs >= 1 "
-                                 "token")
+                raise ValueError(f"groups[{g}] has prompt_len {prompt_len}; a shared prefix needs >= 1 token")
             prompt_rows = np.arange(start, start + prompt_len, dtype=np.int64)
             q_lens.append(prompt_len)
             ctx_lens.append(0)
@@ -180,8 +134,7 @@ class VarlenMeta:
                 ctx_lens.append(prompt_len)
                 key_lists.append(np.concatenate([prompt_rows, np.arange(start, start + c, dtype=np.int64)]))
                 start += c
-        meta = cls.for_step(np.asarray(q_lens, dtype=np.int64), np.asarray(ctx_lens, dtype=np.int64),
-                            device=device)
+        meta = cls.for_step(np.asarray(q_lens, dtype=np.int64), np.asarray(ctx_lens, dtype=np.int64), device=device)
         return meta.with_key_lists(key_lists)
 
     def with_key_lists(self, key_lists: Sequence[np.ndarray]) -> VarlenMeta:
@@ -195,12 +148,16 @@ class VarlenMeta:
         for i, rows in enumerate(key_lists):
             index[i, : len(rows)] = rows
         flat = np.concatenate(key_lists).astype(np.int64) if key_lists else np.zeros(0, dtype=np.int64)
-        return replace(self, key_index=torch.from_numpy(index).to(self.device),
-                       key_rows=torch.from_numpy(flat).to(self.device))
+        return replace(
+            self, key_index=torch.from_numpy(index).to(self.device), key_rows=torch.from_numpy(flat).to(self.device)
+        )
 
     @classmethod
     def static_decode(
-        cls, block_table: torch.Tensor, context_lens: torch.Tensor, slot_mapping: torch.Tensor,
+        cls,
+        block_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        slot_mapping: torch.Tensor,
         position_ids: torch.Tensor | None = None,
     ) -> VarlenMeta:
         """A decode step with static shapes (one query per row, a block table of fixed width), all
@@ -210,16 +167,25 @@ class VarlenMeta:
         ``position_ids``: ``context_lens - 1`` when the caller has it (no subtraction launched)."""
         rows = block_table.shape[0]
         if context_lens.shape != (rows,) or slot_mapping.shape != (rows,):
-            raise ValueError(f"a static decode step needs context_lens and slot_mapping of shape ({rows},), "
-                             "got "
-                             f"{tuple(context_lens.shape)} and {tuple(slot_mapping.shape)}")
+            raise ValueError(
+                f"a static decode step needs context_lens and slot_mapping of shape ({rows},), "
+                "got "
+                f"{tuple(context_lens.shape)} and {tuple(slot_mapping.shape)}"
+            )
         device = block_table.device
         cu_q = torch.arange(rows + 1, dtype=torch.int32, device=device)
         return cls(
-            cu_seqlens_q=cu_q, cu_seqlens_k=cu_q, max_seqlen_q=1, max_seqlen_k=0,
-            position_ids=context_lens - 1 if position_ids is None else position_ids, seq_idx=cu_q[:-1],
-            seqlens_q=None, seqlens_k=None,
-            block_table=block_table, slot_mapping=slot_mapping, context_lens=context_lens,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_q,
+            max_seqlen_q=1,
+            max_seqlen_k=0,
+            position_ids=context_lens - 1 if position_ids is None else position_ids,
+            seq_idx=cu_q[:-1],
+            seqlens_q=None,
+            seqlens_k=None,
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            context_lens=context_lens,
         )
 
     @classmethod
@@ -287,8 +253,7 @@ class VarlenMeta:
         key_pos = offset + np.repeat(lens_k - lens_q, lens_q)  # each query's position among its keys
         if self.key_rows is None:
             if not self.is_prefill_only:
-                raise ValueError("previous_rows needs every key in the row (a training or shared-prefix "
-                                 "row)")
+                raise ValueError("previous_rows needs every key in the row (a training or shared-prefix row)")
             prev = np.arange(self.total_q, dtype=np.int64) - 1
         else:
             cu_k = np.concatenate(([0], np.cumsum(lens_k)))
@@ -307,7 +272,7 @@ class VarlenMeta:
         (no ``repeat_interleave`` with a data-dependent size, no host sync)."""
         lens = np.asarray(self.seqlens_k, dtype=np.int64)
         seq = np.repeat(np.arange(lens.size, dtype=np.int64), lens)
-        pos = np.arange(seq.size, dtype=np.int64) - np.repeat(_cumsum0(lens)[:-1], lens)
+        pos = np.arange(seq.size, dtype=np.int64) - np.repeat(cumsum0(lens)[:-1], lens)
         both = torch.from_numpy(np.stack([seq, pos])).to(self.device, non_blocking=True)
         return both[0], both[1]
 
@@ -331,9 +296,9 @@ class VarlenMeta:
         lk = np.asarray(self.seqlens_k, dtype=np.int64)
         k_off = np.arange(self.max_seqlen_k, dtype=np.int64)[None, :]
         q_off = np.arange(self.max_seqlen_q, dtype=np.int64)[None, :]
-        key_rows = _cumsum0(lk)[:-1, None] + np.where(k_off < lk[:, None], k_off, 0)
+        key_rows = cumsum0(lk)[:-1, None] + np.where(k_off < lk[:, None], k_off, 0)
         valid = q_off < lq[:, None]
-        query_rows = _cumsum0(lq)[:-1, None] + np.where(valid, q_off, 0)
+        query_rows = cumsum0(lq)[:-1, None] + np.where(valid, q_off, 0)
         query_pos = (lk - lq)[:, None] + q_off
         dev = self.device
         return PaddedLayout(
@@ -348,9 +313,9 @@ class VarlenMeta:
     def host_boundaries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(cu_seqlens_q int32, seqlens_k int32, key starts int64)`` as host arrays, from the
         host lengths (no device sync): what a CPU kernel loops over."""
-        cu_q = _cumsum0(np.asarray(self.seqlens_q, dtype=np.int64)).astype(np.int32)
+        cu_q = cumsum0(np.asarray(self.seqlens_q, dtype=np.int64)).astype(np.int32)
         lens_k = np.asarray(self.seqlens_k, dtype=np.int64)
-        return cu_q, lens_k.astype(np.int32), _cumsum0(lens_k)[:-1]
+        return cu_q, lens_k.astype(np.int32), cumsum0(lens_k)[:-1]
 
     @cached_property
     def host_block_table(self) -> np.ndarray:
@@ -371,14 +336,22 @@ class VarlenMeta:
         table stay int32). The one helper that moves a meta: batches (``move_batch``), DDP inputs
         and the attention layer (once per forward, through its plan) all use it."""
         dev = torch.device(device)
-        if self.device == dev and all(t is None or t.device == dev
-                                      for t in (self.block_table, self.key_index, self.key_rows)):
+        if self.device == dev and all(
+            t is None or t.device == dev for t in (self.block_table, self.key_index, self.key_rows)
+        ):
             return self
         moved = {
             name: getattr(self, name).to(dev, non_blocking=non_blocking)
             for name in (
-                "cu_seqlens_q", "cu_seqlens_k", "position_ids", "seq_idx",
-                "block_table", "slot_mapping", "key_index", "key_rows", "context_lens",
+                "cu_seqlens_q",
+                "cu_seqlens_k",
+                "position_ids",
+                "seq_idx",
+                "block_table",
+                "slot_mapping",
+                "key_index",
+                "key_rows",
+                "context_lens",
             )
             if getattr(self, name) is not None
         }

@@ -39,12 +39,32 @@ from nopad.recipes.config_sections import (
 from nopad.recipes.config_types import ConfigError, Section, from_dict
 from nopad.recipes.logs import NOISY_LOGGERS, setup_logging
 
-__all__ = ["GENERATED_YAMLS", "MAX_LEARNING_RATE", "NOISY_LOGGERS", "AccelerateConfig", "ChatModelConfig",
-           "ConfigError", "GeneratorConfig", "LoRAConfig", "ModelConfig", "Section", "StepCheckpointConfig",
-           "check_learning_rate",
-           "check_optimizer", "check_sampling", "from_dict", "help_text", "load_config", "parse_cli",
-           "parse_override",
-           "render_yaml", "setup_logging", "with_overrides", "write_yamls", "yaml_header"]
+__all__ = [
+    "GENERATED_YAMLS",
+    "MAX_LEARNING_RATE",
+    "NOISY_LOGGERS",
+    "AccelerateConfig",
+    "ChatModelConfig",
+    "ConfigError",
+    "GeneratorConfig",
+    "LoRAConfig",
+    "ModelConfig",
+    "Section",
+    "StepCheckpointConfig",
+    "check_learning_rate",
+    "check_optimizer",
+    "check_sampling",
+    "from_dict",
+    "help_text",
+    "load_config",
+    "parse_cli",
+    "parse_override",
+    "render_yaml",
+    "setup_logging",
+    "with_overrides",
+    "write_yamls",
+    "yaml_header",
+]
 
 C = TypeVar("C")
 
@@ -61,8 +81,11 @@ def _refuse_repeated_keys(node, path: Path, prefix: str = "") -> None:
     for key_node, value_node in node.value:
         key, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
         if key in seen:
-            raise ConfigError(key, f"is written twice in {path} (lines {seen[key]} and {line}); keep one: "
-                              "the second would replace the first")
+            raise ConfigError(
+                key,
+                f"is written twice in {path} (lines {seen[key]} and {line}); keep one: "
+                "the second would replace the first",
+            )
         seen[key] = line
         _refuse_repeated_keys(value_node, path, f"{key}.")
 
@@ -74,8 +97,11 @@ def _yaml_error(err: yaml.YAMLError, where: str) -> ValueError:
     at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
     problem = " ".join(str(getattr(err, "problem", None) or err).split())
     context = getattr(err, "context", None)
-    hint = ("YAML indents with spaces, never tabs: replace the tab with spaces" if "'\\t'" in problem
-            else "fix the YAML there")
+    hint = (
+        "YAML indents with spaces, never tabs: replace the tab with spaces"
+        if "'\\t'" in problem
+        else "fix the YAML there"
+    )
     return ValueError(f"{where}{at}: {problem}{f' ({context})' if context else ''}; {hint}")
 
 
@@ -107,8 +133,10 @@ def _merge(base: dict, update: Mapping) -> dict:
 def parse_override(text: str) -> dict:
     """``"a.b=3"`` -> ``{"a": {"b": 3}}``; the value is parsed as YAML (numbers, null, true)."""
     if "=" not in text:
-        raise ValueError(f"{text} has no value: write {text}=<value> (settings are section.key=value; a "
-                         "config file comes first and ends in .yaml)")
+        raise ValueError(
+            f"{text} has no value: write {text}=<value> (settings are section.key=value; a "
+            "config file comes first and ends in .yaml)"
+        )
     dotted, _, raw = text.partition("=")
     if not all(part.strip() for part in dotted.split(".")):
         what = "an empty part in its key" if dotted.strip() else "an empty key before the ="
@@ -169,8 +197,11 @@ def _refuse_repeated_settings(argv: Sequence[str]) -> None:
     for text in argv:
         key = text.partition("=")[0].strip()
         if key in seen:
-            raise ConfigError(key, f"is given twice on the command line ({seen[key]} and {text}); keep one: "
-                              "the second would replace the first")
+            raise ConfigError(
+                key,
+                f"is given twice on the command line ({seen[key]} and {text}); keep one: "
+                "the second would replace the first",
+            )
         seen[key] = text
 
 

@@ -60,8 +60,11 @@ def _help_lines(cls, prefix: str) -> list[str]:
             sections.append((f.name, hint))
             continue
         value = _field_default(f)
-        shown = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip() \
-            if not callable(value) else getattr(value, "__name__", str(value))
+        shown = (
+            yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+            if not callable(value)
+            else getattr(value, "__name__", str(value))
+        )
         doc = docs.get(f.name, "")
         lines.append(f"  {prefix}{f.name} = {shown}   ({_describe(hint)})" + (f"  {doc}" if doc else ""))
         optional = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
@@ -99,7 +102,7 @@ def _yaml_lines(cls, indent: str) -> list[str]:
         lines.append(f"{entry:<24} # {doc}" if doc else entry)
         optional = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
         if optional and value is None:  # an optional section that is off (model.lora): its keys, commented
-            lines += [f"{indent}#{line[len(indent):]}" for line in _yaml_lines(optional[0], indent + "  ")]
+            lines += [f"{indent}#{line[len(indent) :]}" for line in _yaml_lines(optional[0], indent + "  ")]
     return lines
 
 
@@ -113,10 +116,12 @@ def yaml_header(path: str | Path) -> str:
     return "\n".join(header)
 
 
-GENERATED_YAMLS = {"evaluate": "nopad.recipes.evaluate:EvaluateConfig",  # file stem -> its config class
-                   "grpo": "nopad.recipes.grpo_config:GRPORecipeConfig",
-                   "preprocess": "nopad.recipes.preprocess:PreprocessConfig",
-                   "sft": "nopad.recipes.sft_config:SFTRecipeConfig"}
+GENERATED_YAMLS = {
+    "evaluate": "nopad.recipes.evaluate:EvaluateConfig",  # file stem -> its config class
+    "grpo": "nopad.recipes.grpo_config:GRPORecipeConfig",
+    "preprocess": "nopad.recipes.preprocess:PreprocessConfig",
+    "sft": "nopad.recipes.sft_config:SFTRecipeConfig",
+}
 
 
 def write_yamls(directory: str | Path = Path(__file__).parent / "configs") -> list[Path]:

@@ -106,8 +106,9 @@ def check_learning_rate(lr: float) -> None:
     """``train.lr`` must be in (0, :data:`MAX_LEARNING_RATE`]: ``lr=1e38`` overflowed inside Adam and
     ``lr=0`` trains nothing, both without a word."""
     if not 0 < lr <= MAX_LEARNING_RATE:
-        raise ConfigError("lr", f"must be a number in (0, {MAX_LEARNING_RATE:g}], got {lr!r} (fine-tuning "
-                          "uses about 1e-6 to 1e-3)")
+        raise ConfigError(
+            "lr", f"must be a number in (0, {MAX_LEARNING_RATE:g}], got {lr!r} (fine-tuning uses about 1e-6 to 1e-3)"
+        )
 
 
 def check_optimizer(train: Section) -> None:
@@ -116,8 +117,11 @@ def check_optimizer(train: Section) -> None:
     gradient into ascent; 0 means no clipping, as in transformers), checked before the model loads."""
     train.at_least("weight_decay", 0.0)
     if train.max_grad_norm is not None and train.max_grad_norm < 0:
-        raise ConfigError("max_grad_norm", f"must be a number > 0, or null or 0 (no clipping), got "
-                          f"{train.max_grad_norm!r}: a negative norm would flip every gradient")
+        raise ConfigError(
+            "max_grad_norm",
+            f"must be a number > 0, or null or 0 (no clipping), got "
+            f"{train.max_grad_norm!r}: a negative norm would flip every gradient",
+        )
 
 
 def check_sampling(**settings) -> None:

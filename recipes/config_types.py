@@ -76,8 +76,13 @@ def _describe(hint) -> str:
         elif dataclasses.is_dataclass(option):
             words.append("a section")
         else:
-            words += {bool: ["true", "false"], int: ["an integer"], float: ["a number"], str: ["a string"],
-                      type(None): ["null"]}.get(option, [getattr(option, "__name__", str(option))])
+            words += {
+                bool: ["true", "false"],
+                int: ["an integer"],
+                float: ["a number"],
+                str: ["a string"],
+                type(None): ["null"],
+            }.get(option, [getattr(option, "__name__", str(option))])
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
 
 

@@ -88,8 +88,15 @@ def packing_report(
             ("pad to capacity", len(clipped), len(clipped) * capacity),
         ]
         for method, num_rows, slots in rows:
-            entry = dict(capacity=capacity, method=method, rows=num_rows, slots=slots, tokens=tokens,
-                         efficiency=tokens / slots, truncated=int((lengths > capacity).sum()))
+            entry = dict(
+                capacity=capacity,
+                method=method,
+                rows=num_rows,
+                slots=slots,
+                tokens=tokens,
+                efficiency=tokens / slots,
+                truncated=int((lengths > capacity).sum()),
+            )
             report.append(entry)
             line = f"{capacity:>8}  {method:<34} {num_rows:>7,} {slots:>13,} {entry['efficiency']:>10.1%}"
             print(line, file=out)
@@ -104,8 +111,15 @@ def packing_report(
     return report
 
 
-def sft_demo(model, tokenizer, *, steps: int = 3, tokens_per_batch: int = 512, max_documents: int = 600,
-             out: TextIO | None = None) -> dict:
+def sft_demo(
+    model,
+    tokenizer,
+    *,
+    steps: int = 3,
+    tokens_per_batch: int = 512,
+    max_documents: int = 600,
+    out: TextIO | None = None,
+) -> dict:
     """A few packed SFT steps on corpus documents (one packed row per optimizer step), timed."""
     import tempfile
     import time
@@ -116,10 +130,12 @@ def sft_demo(model, tokenizer, *, steps: int = 3, tokens_per_batch: int = 512, m
     ids = tokenizer(load_corpus(max_documents), add_special_tokens=False)["input_ids"]
     rows = [{"input_ids": row[: tokens_per_batch - 1] + [tokenizer.eos_token_id]} for row in ids]
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = SFTRecipeConfig(data={"tokens_per_batch": tokens_per_batch},
-                        train={"max_steps": steps, "grad_accum": 1, "lr": 1e-5},
-                        checkpoint={"output_dir": tmp, "save_final": False},
-                        log={"record_indices": True})
+        cfg = SFTRecipeConfig(
+            data={"tokens_per_batch": tokens_per_batch},
+            train={"max_steps": steps, "grad_accum": 1, "lr": 1e-5},
+            checkpoint={"output_dir": tmp, "save_final": False},
+            log={"record_indices": True},
+        )
         start = time.perf_counter()
         result = train(cfg, model=model, tokenizer=tokenizer, rows=rows)
         seconds = time.perf_counter() - start
@@ -127,15 +143,25 @@ def sft_demo(model, tokenizer, *, steps: int = 3, tokens_per_batch: int = 512, m
     tokens = sum(len(rows[i]["input_ids"]) for batch in batches for i in batch)
     longest = sum(len(batch) * max(len(rows[i]["input_ids"]) for i in batch) for batch in batches)
     losses = result["losses"]
-    summary = {"steps": result["steps"], "tokens": tokens, "seconds": seconds,
-               "tokens_per_s": tokens / seconds, "row_efficiency": tokens / (len(batches) * tokens_per_batch),
-               "padded_tokens": longest, "loss_first": losses[0], "loss_last": losses[-1]}
-    print(f"\npacked SFT: {summary['steps']} steps, {tokens:,} tokens in {len(batches)} rows of "
-          f"{tokens_per_batch} ({summary['row_efficiency']:.1%} full), "
-          f"{summary['tokens_per_s']:.0f} tokens/s;"
-          f" padding the same sequences to their longest would compute {longest:,} tokens "
-          f"({longest / tokens:.1f}x); loss per step (different rows each step): "
-          + ", ".join(f"{x:.3f}" for x in losses), file=out)
+    summary = {
+        "steps": result["steps"],
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "row_efficiency": tokens / (len(batches) * tokens_per_batch),
+        "padded_tokens": longest,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+    }
+    print(
+        f"\npacked SFT: {summary['steps']} steps, {tokens:,} tokens in {len(batches)} rows of "
+        f"{tokens_per_batch} ({summary['row_efficiency']:.1%} full), "
+        f"{summary['tokens_per_s']:.0f} tokens/s;"
+        f" padding the same sequences to their longest would compute {longest:,} tokens "
+        f"({longest / tokens:.1f}x); loss per step (different rows each step): "
+        + ", ".join(f"{x:.3f}" for x in losses),
+        file=out,
+    )
     return summary
 
 
@@ -147,19 +173,30 @@ def grpo_demo(model, tokenizer, *, steps: int = 2, out: TextIO | None = None) ->
     cfg = GRPORecipeConfig(model={"path": None}, train={"steps": steps})
     history = run_grpo(cfg, model=model, tokenizer=tokenizer)
     ro = cfg.rollout
-    print(f"\nGRPO on the live model ({ro.prompts_per_step} arithmetic prompts x {ro.num_generations} "
-          f"samples per step, up to {ro.max_tokens} new tokens):", file=out)
-    header = (f"{'step':>4} {'reward':>7} {'rollout tok/s':>13} {'train tok/s':>11} {'packed':>7} "
-              f"{'padded':>7} {'logprob gap max':>15} {'mean':>9} {'IS ratio range':>16}")
+    print(
+        f"\nGRPO on the live model ({ro.prompts_per_step} arithmetic prompts x {ro.num_generations} "
+        f"samples per step, up to {ro.max_tokens} new tokens):",
+        file=out,
+    )
+    header = (
+        f"{'step':>4} {'reward':>7} {'rollout tok/s':>13} {'train tok/s':>11} {'packed':>7} "
+        f"{'padded':>7} {'logprob gap max':>15} {'mean':>9} {'IS ratio range':>16}"
+    )
     print(header + "\n" + "-" * len(header), file=out)
     for m in history:
-        print(f"{m['step']:>4} {m['reward_mean']:>7.3f} {m['rollout_tokens_per_s']:>13.1f} "
-              f"{m['train_tokens_per_s']:>11.1f} {m['train_tokens']:>7} {m['padded_train_tokens']:>7} "
-              f"{m['logprob_gap_max']:>15.2e} {m['logprob_gap_mean']:>9.2e} "
-              f"{m['is_ratio_min']:>7.5f}-{m['is_ratio_max']:<8.5f}", file=out)
+        print(
+            f"{m['step']:>4} {m['reward_mean']:>7.3f} {m['rollout_tokens_per_s']:>13.1f} "
+            f"{m['train_tokens_per_s']:>11.1f} {m['train_tokens']:>7} {m['padded_train_tokens']:>7} "
+            f"{m['logprob_gap_max']:>15.2e} {m['logprob_gap_mean']:>9.2e} "
+            f"{m['is_ratio_min']:>7.5f}-{m['is_ratio_max']:<8.5f}",
+            file=out,
+        )
     mode = "batch-invariant mode" if history and history[0]["batch_invariant"] else "default numerics"
-    print(f"(gap: the generator's sampled-token log-probs vs the training forward's, same weights, {mode}; "
-          "IS ratio: pi_train / pi_rollout per token, 1 = exactly on-policy)", file=out)
+    print(
+        f"(gap: the generator's sampled-token log-probs vs the training forward's, same weights, {mode}; "
+        "IS ratio: pi_train / pi_rollout per token, 1 = exactly on-policy)",
+        file=out,
+    )
     return history
 
 
@@ -194,8 +231,9 @@ def main() -> None:
         print(f"usage: nopad-demo  (python -m nopad.recipes.demo)\n\n{__doc__.strip()}\n\nIt takes no settings.")
         raise SystemExit(0)
     if argv:
-        print(f"nopad-demo: error: it takes no arguments, got {' '.join(argv)} (see nopad-demo --help)",
-              file=sys.stderr)
+        print(
+            f"nopad-demo: error: it takes no arguments, got {' '.join(argv)} (see nopad-demo --help)", file=sys.stderr
+        )
         raise SystemExit(2)
     import torch
 
@@ -211,10 +249,13 @@ def main() -> None:
     clock.lap("packed SFT")
     grpo_demo(model, tokenizer)
     clock.lap("GRPO")
-    print("\nmulti-turn tool episodes (a sequence pauses at a tool call with its KV kept, resumes by "
-          "prefilling the result; only the model's tokens are trained on): python -m nopad.recipes.grpo "
-          "output_dir=runs/grpo_calc task.name=calculator (recipes/tool_tasks.py), or NopadGRPOTrainer("
-          "tools=[...]) / environment_factory= in TRL (docs/trl.md)", file=sys.stdout)
+    print(
+        "\nmulti-turn tool episodes (a sequence pauses at a tool call with its KV kept, resumes by "
+        "prefilling the result; only the model's tokens are trained on): python -m nopad.recipes.grpo "
+        "output_dir=runs/grpo_calc task.name=calculator (recipes/tool_tasks.py), or NopadGRPOTrainer("
+        "tools=[...]) / environment_factory= in TRL (docs/trl.md)",
+        file=sys.stdout,
+    )
     print(f"\n{clock.summary(torch.get_num_threads())}", file=sys.stdout)
 
 

@@ -31,23 +31,32 @@ _NOT_TOOLS = ("reset", "get_reward")  # TRL's contract: the other public methods
 def tool_names(environment: type) -> list[str]:
     """The tools of an environment class: its public functions other than ``reset`` and
     ``get_reward`` (read on the class, as TRL reads them, so properties are not evaluated)."""
-    return [name for name, _ in inspect.getmembers(environment, predicate=inspect.isfunction)
-            if not name.startswith("_") and name not in _NOT_TOOLS]
+    return [
+        name
+        for name, _ in inspect.getmembers(environment, predicate=inspect.isfunction)
+        if not name.startswith("_") and name not in _NOT_TOOLS
+    ]
 
 
 def load_environment(spec: str, key: str = "task.environment") -> type:
     """The environment class ``spec`` (``"module:Class"``) names, checked against the protocol."""
     cls = import_path(spec, key) if isinstance(spec, str) and spec else None
     if not inspect.isclass(cls):
-        raise ValueError(f"{key}={spec!r} is not a class; give the environment class as 'module:Class' (its "
-                         "public methods are the tools, reset(**example) starts each episode)")
+        raise ValueError(
+            f"{key}={spec!r} is not a class; give the environment class as 'module:Class' (its "
+            "public methods are the tools, reset(**example) starts each episode)"
+        )
     if not callable(getattr(cls, "reset", None)):
-        raise ValueError(f"{key}={spec!r}: {cls.__qualname__} has no reset method; define reset(self, **example) "
-                         "(called before each episode with the example's fields, as TRL calls it; it may "
-                         "return None)")
+        raise ValueError(
+            f"{key}={spec!r}: {cls.__qualname__} has no reset method; define reset(self, **example) "
+            "(called before each episode with the example's fields, as TRL calls it; it may "
+            "return None)"
+        )
     if not tool_names(cls):
-        raise ValueError(f"{key}={spec!r}: {cls.__qualname__} has no public method for the model to call; "
-                         "its tools are its public methods other than reset and get_reward: define one")
+        raise ValueError(
+            f"{key}={spec!r}: {cls.__qualname__} has no public method for the model to call; "
+            "its tools are its public methods other than reset and get_reward: define one"
+        )
     return cls
 
 
@@ -56,16 +65,20 @@ def get_episode_reward(spec: str | Callable, environment: type, key: str = "rewa
     ``get_reward()`` (``reward=environment``) or a function over the whole episode."""
     if spec == ENVIRONMENT_REWARD:
         if not callable(getattr(environment, "get_reward", None)):
-            raise ValueError(f"{key}=environment reads the environment's get_reward(), but "
-                             f"{environment.__qualname__} has none; define get_reward(self) -> float or set "
-                             f"{key}=module:function taking {EPISODE_SIGNATURE}")
+            raise ValueError(
+                f"{key}=environment reads the environment's get_reward(), but "
+                f"{environment.__qualname__} has none; define get_reward(self) -> float or set "
+                f"{key}=module:function taking {EPISODE_SIGNATURE}"
+            )
         return environment_reward(environment)
     if callable(spec):
         return check_reward_signature(spec, f"{key} {getattr(spec, '__qualname__', spec)!r}", EPISODE_SIGNATURE)
     if not isinstance(spec, str) or spec in REWARDS or not (":" in spec or "." in spec):
-        raise ValueError(f"{key}={spec!r}: with task.environment the reward scores the whole episode, not a "
-                         f"completion's text; set {key}=environment (the environment's get_reward()) or "
-                         f"{key}=module:function taking {EPISODE_SIGNATURE}")
+        raise ValueError(
+            f"{key}={spec!r}: with task.environment the reward scores the whole episode, not a "
+            f"completion's text; set {key}=environment (the environment's get_reward()) or "
+            f"{key}=module:function taking {EPISODE_SIGNATURE}"
+        )
     fn = import_path(spec, key)
     if not callable(fn):
         raise ValueError(f"{key}={spec!r} is not callable")
@@ -75,6 +88,7 @@ def get_episode_reward(spec: str | Callable, environment: type, key: str = "rewa
 def environment_reward(environment: type) -> Callable:
     """``reward=environment``: each episode scored by its own environment's ``get_reward()``
     (awaited when it is ``async``, as TRL allows), named after it in errors."""
+
     def score(episode, example) -> float:
         value = episode.environment.get_reward()
         return asyncio.run(value) if inspect.iscoroutine(value) else value
@@ -95,9 +109,12 @@ def environment_format(tokenizer, environment: type, task: str) -> ChatTemplateT
     """The tool format of an environment task without a built-in tool format: the chat template's
     (``model.tool_template``), rendering the tools of an instance (TRL builds one to read them too)."""
     if getattr(tokenizer, "response_template", None) is None or not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("model.tool_template", f"task.environment={task} calls its tools in the chat template's "
-                          "format, and this tokenizer's template has none; set model.tool_template=smollm2 "
-                          "(SmolLM2 and other ChatML models) or use a built-in tool task's format "
-                          "(task.name=calculator: calls as plain text)")
+        raise ConfigError(
+            "model.tool_template",
+            f"task.environment={task} calls its tools in the chat template's "
+            "format, and this tokenizer's template has none; set model.tool_template=smollm2 "
+            "(SmolLM2 and other ChatML models) or use a built-in tool task's format "
+            "(task.name=calculator: calls as plain text)",
+        )
     probe = environment()
     return ChatTemplateTools(tokenizer, [getattr(probe, name) for name in tool_names(environment)])

@@ -50,11 +50,14 @@ class EvalDataConfig(Section):
     def check(self) -> None:
         self.at_least("num_prompts", 1)
         if self.path is None and self.task not in TASKS:
-            raise ConfigError("task", f"{self.task!r} is not a built-in task; use one of {sorted(TASKS)} "
-                              "or set data.path")
+            raise ConfigError(
+                "task", f"{self.task!r} is not a built-in task; use one of {sorted(TASKS)} or set data.path"
+            )
         if self.path is not None and not Path(self.path).exists():
-            raise ConfigError("path", f"{self.path!r} does not exist; give a JSONL file or a directory "
-                              "written by datasets' save_to_disk")
+            raise ConfigError(
+                "path",
+                f"{self.path!r} does not exist; give a JSONL file or a directory written by datasets' save_to_disk",
+            )
 
 
 @dataclass
@@ -65,8 +68,7 @@ class EvalSamplingConfig(Section):
     seed: int = 0  # sampling seed (used when temperature > 0)
 
     def check(self) -> None:
-        check_sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                       seed=self.seed)
+        check_sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, seed=self.seed)
 
 
 @dataclass
@@ -86,8 +88,7 @@ class EvaluateConfig(Section):
         self.at_least("batch_size", 1)
         get_reward(self.scorer, key="scorer")
         if self.scorer_timeout is not None and not self.scorer_timeout > 0:
-            raise ConfigError("scorer_timeout", f"must be > 0 seconds or null (no limit), got "
-                              f"{self.scorer_timeout}")
+            raise ConfigError("scorer_timeout", f"must be > 0 seconds or null (no limit), got {self.scorer_timeout}")
 
 
 def evaluate(
@@ -131,8 +132,9 @@ def evaluate(
             for lo in range(0, len(examples), batch_size):
                 batch_ids = prompt_ids[lo : lo + batch_size]
                 t0 = time.perf_counter()
-                outputs = generator.generate(batch_ids, sampling_params, use_tqdm=False,
-                                             on_output=lambda _: bar.update(1))  # per finished sequence
+                outputs = generator.generate(
+                    batch_ids, sampling_params, use_tqdm=False, on_output=lambda _: bar.update(1)
+                )  # per finished sequence
                 seconds += time.perf_counter() - t0
                 for i, out in enumerate(outputs, start=lo):
                     sample = out.outputs[0]
@@ -144,10 +146,15 @@ def evaluate(
                     prompt_tokens += len(prompt_ids[i])
                     completion_tokens += len(sample.token_ids)
                     if out_file is not None:
-                        line = {"index": i, "prompt": examples[i][prompt_field], "completion": text,
-                                "score": score, "finish_reason": sample.finish_reason,
-                                "num_prompt_tokens": len(prompt_ids[i]),
-                                "num_completion_tokens": len(sample.token_ids)}
+                        line = {
+                            "index": i,
+                            "prompt": examples[i][prompt_field],
+                            "completion": text,
+                            "score": score,
+                            "finish_reason": sample.finish_reason,
+                            "num_prompt_tokens": len(prompt_ids[i]),
+                            "num_completion_tokens": len(sample.token_ids),
+                        }
                         if "answer" in examples[i]:
                             line["answer"] = examples[i]["answer"]
                         out_file.write(json.dumps(line) + "\n")
@@ -169,36 +176,58 @@ def run_evaluate(cfg: EvaluateConfig, model=None, tokenizer=None, progress: bool
     """Evaluate the configured model (or the given ``model``/``tokenizer``) on the prompt set."""
     from nopad.inference import Generator, SamplingParams
 
-    scorer = with_timeout(get_reward(cfg.scorer, key="scorer"), cfg.scorer_timeout, "scorer_timeout",
-                          cfg.data.prompt_field, kind="scorer")
+    scorer = with_timeout(
+        get_reward(cfg.scorer, key="scorer"), cfg.scorer_timeout, "scorer_timeout", cfg.data.prompt_field, kind="scorer"
+    )
     data = cfg.data
     if data.path is not None:
         reader = f"scorer={cfg.scorer}" if isinstance(cfg.scorer, str) else "the scorer"
         examples = load_examples(data.path, data.prompt_field, needs=example_fields(scorer), reader=reader)
         if data.num_prompts is not None:
             if data.num_prompts > len(examples):
-                logger.warning("data.num_prompts=%d but %s holds %d prompts: evaluating all %d",
-                               data.num_prompts, data.path, len(examples), len(examples))
+                logger.warning(
+                    "data.num_prompts=%d but %s holds %d prompts: evaluating all %d",
+                    data.num_prompts,
+                    data.path,
+                    len(examples),
+                    len(examples),
+                )
             examples = examples[: data.num_prompts]
     else:
-        examples = TASKS[data.task].examples(num_prompts=data.num_prompts or DEFAULT_TASK_PROMPTS,
-                                             seed=data.seed)
+        examples = TASKS[data.task].examples(num_prompts=data.num_prompts or DEFAULT_TASK_PROMPTS, seed=data.seed)
     if model is None:  # after the prompts: a prompt set the scorer cannot score fails before the load
         model, tokenizer = load_model(cfg.model)
     s, g = cfg.sampling, cfg.generator
-    params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                            seed=s.seed)
-    generator = Generator(model, block_size=g.block_size, num_blocks=g.num_blocks,
-                          max_num_seqs=g.max_num_seqs, max_num_batched_tokens=g.max_num_batched_tokens)
+    params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed)
+    generator = Generator(
+        model,
+        block_size=g.block_size,
+        num_blocks=g.num_blocks,
+        max_num_seqs=g.max_num_seqs,
+        max_num_batched_tokens=g.max_num_batched_tokens,
+    )
     try:
-        result = evaluate(generator, tokenizer, examples, scorer, params,
-                          output_path=cfg.output, prompt_field=data.prompt_field,
-                          chat=cfg.model.chat_template, batch_size=cfg.batch_size, progress=progress)
+        result = evaluate(
+            generator,
+            tokenizer,
+            examples,
+            scorer,
+            params,
+            output_path=cfg.output,
+            prompt_field=data.prompt_field,
+            chat=cfg.model.chat_template,
+            batch_size=cfg.batch_size,
+            progress=progress,
+        )
     finally:
         generator.release()
-    logger.info("accuracy %.4f on %d prompts, %.1f completion tokens/s%s", result["accuracy"],
-                result["num_prompts"], result["tokens_per_s"],
-                f", results in {cfg.output}" if cfg.output else "")
+    logger.info(
+        "accuracy %.4f on %d prompts, %.1f completion tokens/s%s",
+        result["accuracy"],
+        result["num_prompts"],
+        result["tokens_per_s"],
+        f", results in {cfg.output}" if cfg.output else "",
+    )
     return result
 
 

@@ -85,11 +85,18 @@ def grpo_loss(cfg: GRPORecipeConfig, device) -> GRPOStepConfig:
 
     tr, lc = cfg.train, cfg.loss
     invariant = resolve_batch_invariant(tr.batch_invariant, device, "train.batch_invariant")
-    return GRPOStepConfig(max_tokens_per_batch=tr.max_tokens_per_batch, shared_prefix=tr.shared_prefix,
-                    policy=lc.policy(cfg.rollout.max_tokens), scale_rewards=lc.scale_rewards,
-                    mask_truncated_completions=lc.mask_truncated_completions,
-                    num_iterations=tr.num_iterations, steps_per_generation=tr.steps_per_generation,
-                    old_logprobs=tr.old_logprobs, logprobs=cfg.rollout.logprobs, batch_invariant=invariant)
+    return GRPOStepConfig(
+        max_tokens_per_batch=tr.max_tokens_per_batch,
+        shared_prefix=tr.shared_prefix,
+        policy=lc.policy(cfg.rollout.max_tokens),
+        scale_rewards=lc.scale_rewards,
+        mask_truncated_completions=lc.mask_truncated_completions,
+        num_iterations=tr.num_iterations,
+        steps_per_generation=tr.steps_per_generation,
+        old_logprobs=tr.old_logprobs,
+        logprobs=cfg.rollout.logprobs,
+        batch_invariant=invariant,
+    )
 
 
 def task_examples(cfg: GRPORecipeConfig) -> list[dict]:
@@ -99,12 +106,18 @@ def task_examples(cfg: GRPORecipeConfig) -> list[dict]:
     if task.prompts is None:
         return TASKS[task.name].examples(num_prompts=task.num_prompts, seed=task.seed)
     reader = f"reward={cfg.reward}" if isinstance(cfg.reward, str) else "the reward"
-    return load_examples(task.prompts, task.prompt_field, key="task.prompts",
-                         needs=example_fields(resolve_reward(cfg.reward, task.environment)), reader=reader)
+    return load_examples(
+        task.prompts,
+        task.prompt_field,
+        key="task.prompts",
+        needs=example_fields(resolve_reward(cfg.reward, task.environment)),
+        reader=reader,
+    )
 
 
-def build_prompts(cfg: GRPORecipeConfig, tokenizer,
-                  examples: list[dict] | None = None) -> tuple[list[dict], list[list[int]]]:
+def build_prompts(
+    cfg: GRPORecipeConfig, tokenizer, examples: list[dict] | None = None
+) -> tuple[list[dict], list[list[int]]]:
     """The task's examples (:func:`task_examples` unless given) and their prompt token ids (chat
     template when configured)."""
     task = cfg.task
@@ -121,11 +134,14 @@ def build_prompts(cfg: GRPORecipeConfig, tokenizer,
         else:
             tokens = encode_prompt(tokenizer, str(ex[task.prompt_field]), chat=cfg.model.chat_template)
         if not tokens:
-            raise ValueError(f"prompt {i} is empty: it encodes to no tokens, so there is nothing to generate "
-                             "from; give it text")
+            raise ValueError(
+                f"prompt {i} is empty: it encodes to no tokens, so there is nothing to generate from; give it text"
+            )
         if len(tokens) > limit:
-            raise ValueError(f"prompt {i} has {len(tokens)} tokens; rollout.max_prompt_tokens={limit} "
-                             "(raise it, or shorten the prompt)")
+            raise ValueError(
+                f"prompt {i} has {len(tokens)} tokens; rollout.max_prompt_tokens={limit} "
+                "(raise it, or shorten the prompt)"
+            )
         ids.append(tokens)
     return examples, ids
 
@@ -134,9 +150,13 @@ def make_accelerator(cfg: GRPORecipeConfig):
     """The run's Accelerator (:func:`nopad.training.accelerator.make_accelerator`)."""
     from nopad.training.accelerator import make_accelerator as build_accelerator
 
-    return build_accelerator(cfg.accelerate.deepspeed_config,
-                             max_grad_norm=cfg.train.max_grad_norm, recipe="nopad.recipes.grpo",
-                             log_with=cfg.accelerate.log_with, project_dir=cfg.output_dir)
+    return build_accelerator(
+        cfg.accelerate.deepspeed_config,
+        max_grad_norm=cfg.train.max_grad_norm,
+        recipe="nopad.recipes.grpo",
+        log_with=cfg.accelerate.log_with,
+        project_dir=cfg.output_dir,
+    )
 
 
 def load_policy(cfg: GRPORecipeConfig, model=None, tokenizer=None):
@@ -144,8 +164,10 @@ def load_policy(cfg: GRPORecipeConfig, model=None, tokenizer=None):
     required: the trained policy is saved there)."""
     if model is None:
         if not cfg.output_dir:
-            raise ConfigError("output_dir", "is required: the trained policy is saved there (and "
-                              "metrics.jsonl); set output_dir=runs/grpo")
+            raise ConfigError(
+                "output_dir",
+                "is required: the trained policy is saved there (and metrics.jsonl); set output_dir=runs/grpo",
+            )
         return load_model(cfg.model)
     if tokenizer is None:
         raise ValueError("pass the tokenizer together with the model")
@@ -177,8 +199,9 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     from nopad.training.curves import finish_trackers, tracker_config, write_curves
     from nopad.training.optimizer import make_adamw
 
-    reward_fn = with_timeout(resolve_reward(cfg.reward, cfg.task.environment), cfg.reward_timeout,
-                             "reward_timeout", cfg.task.prompt_field)
+    reward_fn = with_timeout(
+        resolve_reward(cfg.reward, cfg.task.environment), cfg.reward_timeout, "reward_timeout", cfg.task.prompt_field
+    )
     examples = task_examples(cfg)  # before the model loads: a prompt set the reward cannot score fails now
     model, tokenizer = load_policy(cfg, model, tokenizer)
     examples, prompt_ids = build_prompts(cfg, tokenizer, examples)
@@ -187,10 +210,8 @@ def run_grpo(cfg: GRPORecipeConfig, model=None, tokenizer=None, progress: bool =
     accelerator = make_accelerator(cfg)
     optimizer = make_adamw(model, tr.lr, tr.weight_decay)  # fused where torch can
     model, optimizer = accelerator.prepare(model, optimizer)
-    logger.info("training with %s on %d process(es)", engine_info(model, accelerator),
-                accelerator.num_processes)
-    stepper = OptimizerStepper(model, optimizer, accelerator, max_grad_norm=tr.max_grad_norm,
-                               nonfinite=tr.nonfinite)
+    logger.info("training with %s on %d process(es)", engine_info(model, accelerator), accelerator.num_processes)
+    stepper = OptimizerStepper(model, optimizer, accelerator, max_grad_norm=tr.max_grad_norm, nonfinite=tr.nonfinite)
     loss = grpo_loss(cfg, accelerator.device)
     accelerator.init_trackers("nopad-grpo", config=tracker_config(cfg.to_dict()))
     policy = accelerator.unwrap_model(model)  # the same parameters: the generator reads them live

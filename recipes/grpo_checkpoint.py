@@ -34,12 +34,16 @@ class GRPOProgress(Progress):
             raise ValueError(f"not a GRPO checkpoint's progress state: {state!r}")
         super().check_resume(state)
         if state["order"] != self.order:
-            raise ValueError("cannot resume: this run's prompts differ from the checkpoint's (task, "
-                             "task.seed or train.seed changed); resume with the same ones")
+            raise ValueError(
+                "cannot resume: this run's prompts differ from the checkpoint's (task, "
+                "task.seed or train.seed changed); resume with the same ones"
+            )
         if state["reference"] != self.reference:
-            raise ValueError(f"cannot resume: the KL reference model differs from the checkpoint's "
-                             f"({state['reference']} vs {self.reference}); resume with the model.path of the "
-                             "run that wrote it (the initial policy, not a checkpoint)")
+            raise ValueError(
+                f"cannot resume: the KL reference model differs from the checkpoint's "
+                f"({state['reference']} vs {self.reference}); resume with the model.path of the "
+                "run that wrote it (the initial policy, not a checkpoint)"
+            )
 
 
 def resume_settings(cfg: GRPORecipeConfig) -> dict:
@@ -92,9 +96,14 @@ class Checkpointer:
 
                 torch.save(self.stream.state_dict(), d / STREAM_FILE.format(rank=self.accelerator.process_index))
 
-        checkpoint.save_training_checkpoint(self.accelerator, Path(self.cfg.output_dir) / f"step_{step}",
-                                            save_model, self.cfg.checkpoint.keep_last, self.save_kwargs,
-                                            recipe="grpo")
+        checkpoint.save_training_checkpoint(
+            self.accelerator,
+            Path(self.cfg.output_dir) / f"step_{step}",
+            save_model,
+            self.cfg.checkpoint.keep_last,
+            self.save_kwargs,
+            recipe="grpo",
+        )
 
     def start(self, run: GRPOProgress) -> Path | None:
         """``output_dir`` (None without one), locked against a second run into it, and ``run`` at
@@ -107,8 +116,9 @@ class Checkpointer:
             refuse_stale_policy(cfg)
             checkpoint.claim_run_dir(out, accelerator, resuming=bool(cfg.checkpoint.resume_from))
         if cfg.checkpoint.resume_from:
-            path = self.resumed = checkpoint.resume_training(accelerator, cfg.checkpoint.resume_from, out,
-                                                             self.load_kwargs, recipe="grpo")
+            path = self.resumed = checkpoint.resume_training(
+                accelerator, cfg.checkpoint.resume_from, out, self.load_kwargs, recipe="grpo"
+            )
             if accelerator.is_main_process:
                 checkpoint.trim_metrics(out, run.step)  # GRPO logs steps 0, 1, ...
             logger.info("resumed from %s at grpo step %d", path, run.step)
@@ -123,9 +133,12 @@ class Checkpointer:
             return
         path = self.resumed / STREAM_FILE.format(rank=self.accelerator.process_index)
         if not path.is_file():
-            raise ConfigError("rollout.mode", f"is streaming but {self.resumed} holds no {path.name}: it was "
-                              "written by a rollout.mode=sync run (or another number of ranks); resume it with "
-                              "rollout.mode=sync")
+            raise ConfigError(
+                "rollout.mode",
+                f"is streaming but {self.resumed} holds no {path.name}: it was "
+                "written by a rollout.mode=sync run (or another number of ranks); resume it with "
+                "rollout.mode=sync",
+            )
         stream.load_state_dict(torch.load(path, weights_only=False))
 
     def finish(self, step: int, saved_at: int | None) -> None:
@@ -146,7 +159,9 @@ def refuse_stale_policy(cfg: GRPORecipeConfig) -> None:
     saved at the top of the directory would be picked instead."""
     top = {p.name for p in Path(cfg.output_dir).iterdir()} if Path(cfg.output_dir).is_dir() else set()
     if cfg.checkpoint.every and top & {"config.json", "adapter_config.json"}:
-        raise ConfigError("checkpoint.every", f"> 0 makes {cfg.output_dir}/step_N the policy, but "
-                          f"{cfg.output_dir} already holds a policy saved by an earlier run without "
-                          "checkpoints; use another output_dir")
-
+        raise ConfigError(
+            "checkpoint.every",
+            f"> 0 makes {cfg.output_dir}/step_N the policy, but "
+            f"{cfg.output_dir} already holds a policy saved by an earlier run without "
+            "checkpoints; use another output_dir",
+        )

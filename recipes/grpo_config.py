@@ -50,8 +50,10 @@ class TaskConfig(Section):
     def check(self) -> None:
         self.at_least("num_prompts", 1)
         if self.prompts is None and self.name not in TASKS:
-            raise ConfigError("name", f"{self.name!r} is not a built-in task; use one of {sorted(TASKS)} "
-                              "or set task.prompts to a JSONL file")
+            raise ConfigError(
+                "name",
+                f"{self.name!r} is not a built-in task; use one of {sorted(TASKS)} or set task.prompts to a JSONL file",
+            )
 
 
 @dataclass
@@ -71,16 +73,25 @@ class RolloutConfig(Section):
     stale_kv: Literal["keep", "recompute"] = "keep"  # streaming: after an update, keep the KV | recompute it
 
     def check(self) -> None:
-        for name, low in [("prompts_per_step", 1), ("num_generations", 2), ("max_prompt_tokens", 1),
-                          ("max_tokens", 1), ("max_turns", 1), ("max_staleness", 0)]:
+        for name, low in [
+            ("prompts_per_step", 1),
+            ("num_generations", 2),
+            ("max_prompt_tokens", 1),
+            ("max_tokens", 1),
+            ("max_turns", 1),
+            ("max_staleness", 0),
+        ]:
             self.at_least(name, low)
         if not self.tool_timeout > 0:
             raise ConfigError("tool_timeout", f"must be > 0 seconds, got {self.tool_timeout}")
         check_sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
         if self.temperature == 0:
-            raise ConfigError("temperature", "is 0 (greedy): every completion of a group would be the same, "
-                              "so every advantage is 0 and nothing is learned; sample with temperature > 0 "
-                              "(1.0: the model's own distribution)")
+            raise ConfigError(
+                "temperature",
+                "is 0 (greedy): every completion of a group would be the same, "
+                "so every advantage is 0 and nothing is learned; sample with temperature > 0 "
+                "(1.0: the model's own distribution)",
+            )
 
 
 @dataclass
@@ -169,8 +180,7 @@ class GRPORecipeConfig(Section):
     def check(self) -> None:
         resolve_reward(self.reward, self.task.environment)
         if self.reward_timeout is not None and not self.reward_timeout > 0:
-            raise ConfigError("reward_timeout", f"must be > 0 seconds or null (no limit), got "
-                              f"{self.reward_timeout}")
+            raise ConfigError("reward_timeout", f"must be > 0 seconds or null (no limit), got {self.reward_timeout}")
         ro, gen, tr = self.rollout, self.generator, self.train
         seq_tokens = ro.max_prompt_tokens + ro.max_tokens
         num_seqs = ro.prompts_per_step * ro.num_generations
@@ -192,19 +202,26 @@ class GRPORecipeConfig(Section):
         if self.checkpoint.every and not self.output_dir:
             raise ConfigError("checkpoint.every", "needs output_dir: the checkpoints are written there")
         if seq_tokens > tr.max_tokens_per_batch:
-            raise ValueError(f"train.max_tokens_per_batch={tr.max_tokens_per_batch} is smaller than one "
-                             f"rollout sequence ({seq_tokens} tokens = rollout.max_prompt_tokens + "
-                             "rollout.max_tokens); raise it")
+            raise ValueError(
+                f"train.max_tokens_per_batch={tr.max_tokens_per_batch} is smaller than one "
+                f"rollout sequence ({seq_tokens} tokens = rollout.max_prompt_tokens + "
+                "rollout.max_tokens); raise it"
+            )
 
     def _check_streaming(self) -> None:
         """What ``rollout.mode=streaming`` cannot serve yet, refused before the model loads."""
         if self.task.environment is not None or tool_task(self.task.name, self.task.prompts) is not None:
-            raise ConfigError("rollout.mode", "streaming does not run tool episodes yet (their tool latency "
-                              "would make which groups form a step depend on the wall clock); use "
-                              "rollout.mode=sync for this task")
+            raise ConfigError(
+                "rollout.mode",
+                "streaming does not run tool episodes yet (their tool latency "
+                "would make which groups form a step depend on the wall clock); use "
+                "rollout.mode=sync for this task",
+            )
         if self.generator.sharded_rollout == "lockstep":
-            raise ConfigError("rollout.mode", "streaming gathers sharded weights once per step for its rollouts "
-                              "(generator.sharded_rollout=gather); lockstep rollouts would make each rank's "
-                              "decode steps wait for the others'. Use generator.sharded_rollout=gather, or "
-                              "rollout.mode=sync")
-
+            raise ConfigError(
+                "rollout.mode",
+                "streaming gathers sharded weights once per step for its rollouts "
+                "(generator.sharded_rollout=gather); lockstep rollouts would make each rank's "
+                "decode steps wait for the others'. Use generator.sharded_rollout=gather, or "
+                "rollout.mode=sync",
+            )

@@ -19,8 +19,14 @@ def sampling_params(cfg: GRPORecipeConfig, step: int):
 
     ro = cfg.rollout
     task = tool_task(cfg.task.name, cfg.task.prompts)
-    return SamplingParams(n=ro.num_generations, max_tokens=ro.max_tokens, temperature=ro.temperature,
-                          top_p=ro.top_p, seed=ro.seed * 1_000_003 + step, stop=task.stop if task else None)
+    return SamplingParams(
+        n=ro.num_generations,
+        max_tokens=ro.max_tokens,
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        seed=ro.seed * 1_000_003 + step,
+        stop=task.stop if task else None,
+    )
 
 
 def make_generator(model, cfg: GRPORecipeConfig, tokenizer=None):
@@ -28,8 +34,14 @@ def make_generator(model, cfg: GRPORecipeConfig, tokenizer=None):
     from nopad.inference import Generator
 
     g = cfg.generator
-    return Generator(model, tokenizer, block_size=g.block_size, num_blocks=g.num_blocks,
-                     max_num_seqs=g.max_num_seqs, max_num_batched_tokens=g.max_num_batched_tokens)
+    return Generator(
+        model,
+        tokenizer,
+        block_size=g.block_size,
+        num_blocks=g.num_blocks,
+        max_num_seqs=g.max_num_seqs,
+        max_num_batched_tokens=g.max_num_batched_tokens,
+    )
 
 
 class StepRollouts:
@@ -38,18 +50,36 @@ class StepRollouts:
     Group ``i`` of this rank is the example the synchronous step ``i // prompts_per_step`` would take,
     sampled with that step's seed, so both modes draw the same prompts in the same order."""
 
-    def __init__(self, cfg: GRPORecipeConfig, generator, examples: list[dict], prompt_ids: list[list[int]],
-                 order: list[int], rank: int, world: int, episodes: ToolEpisodes | None, progress: bool):
+    def __init__(
+        self,
+        cfg: GRPORecipeConfig,
+        generator,
+        examples: list[dict],
+        prompt_ids: list[list[int]],
+        order: list[int],
+        rank: int,
+        world: int,
+        episodes: ToolEpisodes | None,
+        progress: bool,
+    ):
         from nopad.training.streaming import StreamingRollouts
 
         self.cfg, self.generator, self.examples, self.prompt_ids = cfg, generator, examples, prompt_ids
         self.order, self.rank, self.world = order, rank, world
         self.episodes, self.progress = episodes, progress
         ro = cfg.rollout
-        self.stream = None if ro.mode != "streaming" else StreamingRollouts(
-            generator, lambda i: (prompt_ids[self.pick(i)], sampling_params(cfg, i // ro.prompts_per_step)),
-            groups_per_step=ro.prompts_per_step, max_staleness=ro.max_staleness, stale_kv=ro.stale_kv,
-            total_groups=cfg.train.steps * ro.prompts_per_step)
+        self.stream = (
+            None
+            if ro.mode != "streaming"
+            else StreamingRollouts(
+                generator,
+                lambda i: (prompt_ids[self.pick(i)], sampling_params(cfg, i // ro.prompts_per_step)),
+                groups_per_step=ro.prompts_per_step,
+                max_staleness=ro.max_staleness,
+                stale_kv=ro.stale_kv,
+                total_groups=cfg.train.steps * ro.prompts_per_step,
+            )
+        )
 
     def pick(self, group: int) -> int:
         """The example index of this rank's ``group``-th group."""
@@ -64,15 +94,33 @@ class StepRollouts:
 
         cfg = self.cfg
         if self.stream is not None:
-            return streaming_step(stepper, self.stream, lambda g: (self.examples[self.pick(g)],
-                                                                   self.prompt_ids[self.pick(g)]),
-                                  reward_fn, tokenizer, loss, step=step, temperature=cfg.rollout.temperature,
-                                  ref_model=ref_model)
+            return streaming_step(
+                stepper,
+                self.stream,
+                lambda g: (self.examples[self.pick(g)], self.prompt_ids[self.pick(g)]),
+                reward_fn,
+                tokenizer,
+                loss,
+                step=step,
+                temperature=cfg.rollout.temperature,
+                ref_model=ref_model,
+            )
         picks = [self.pick(step * cfg.rollout.prompts_per_step + j) for j in range(cfg.rollout.prompts_per_step)]
-        return grpo_step(stepper, self.generator, [self.examples[i] for i in picks],
-                         [self.prompt_ids[i] for i in picks], reward_fn, tokenizer, sampling_params(cfg, step),
-                         loss, step=step, rollout_mode=cfg.generator.sharded_rollout, ref_model=ref_model,
-                         use_tqdm=self.progress, episodes=self.episodes)
+        return grpo_step(
+            stepper,
+            self.generator,
+            [self.examples[i] for i in picks],
+            [self.prompt_ids[i] for i in picks],
+            reward_fn,
+            tokenizer,
+            sampling_params(cfg, step),
+            loss,
+            step=step,
+            rollout_mode=cfg.generator.sharded_rollout,
+            ref_model=ref_model,
+            use_tqdm=self.progress,
+            episodes=self.episodes,
+        )
 
     def close(self) -> None:
         """Abort what streaming left in flight and free the generator's KV cache."""
@@ -99,6 +147,10 @@ def tool_episodes(cfg: GRPORecipeConfig, tokenizer) -> ToolEpisodes | None:
     ro = cfg.rollout
     limits = EpisodeLimits(max_turns=ro.max_turns, max_tokens=ro.max_tokens, tool_timeout=ro.tool_timeout)
     tool_format = task.tool_format(tokenizer) if task is not None else environment_tools(cfg, tokenizer)
-    return ToolEpisodes(task.tools if task is not None else {}, tool_format, limits,
-                        environment_factory=load_environment(spec) if spec is not None else None,
-                        episode_reward=spec is not None)
+    return ToolEpisodes(
+        task.tools if task is not None else {},
+        tool_format,
+        limits,
+        environment_factory=load_environment(spec) if spec is not None else None,
+        episode_reward=spec is not None,
+    )

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import os
 
-NOISY_LOGGERS = ("accelerate.checkpointing",  # 8 "saved ... to ..." lines per checkpoint
-                 "accelerate.accelerator",  # "loading states from ..." per resume
-                 "DeepSpeed", "deepspeed")  # its CPU-accelerator notice in every run, its config dumps
+NOISY_LOGGERS = (
+    "accelerate.checkpointing",  # 8 "saved ... to ..." lines per checkpoint
+    "accelerate.accelerator",  # "loading states from ..." per resume
+    "DeepSpeed",
+    "deepspeed",
+)  # its CPU-accelerator notice in every run, its config dumps
 # where a deprecation FutureWarning is for nopad's developers, not for the user of a recipe: raised in
 # the libraries underneath, or attributed to nopad's own call of them
-QUIET_FUTURE_WARNINGS = (r"(torch|transformers|accelerate|deepspeed|trl|peft|datasets|huggingface_hub|"
-                         r"safetensors|nopad)(\..*)?$")
+QUIET_FUTURE_WARNINGS = (
+    r"(torch|transformers|accelerate|deepspeed|trl|peft|datasets|huggingface_hub|"
+    r"safetensors|nopad)(\..*)?$"
+)
 
 
 def setup_logging(fmt: str = "%(asctime)s %(name)s: %(message)s") -> None:

@@ -31,8 +31,9 @@ def load_model(model_cfg: ModelConfig):
     model, tokenizer = _load_base(model_cfg, path)
     if lora is not None:
         base = path if path == "smollm2" or path.startswith("tiny:") else str(Path(path).resolve())
-        model = peft_lora.apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                                     target_modules=lora.targets, base=base)
+        model = peft_lora.apply_lora(
+            model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.targets, base=base
+        )
     return model, _with_tool_template(tokenizer, model_cfg.tool_template)
 
 
@@ -43,8 +44,11 @@ def _with_tool_template(tokenizer, template: str | None):
     if template is None:
         return tokenizer
     if not hasattr(tokenizer, "apply_chat_template"):
-        raise ConfigError("model.tool_template", f"needs a tokenizer with chat templates; this model's is "
-                          f"{type(tokenizer).__name__} (tiny:* models have a plain ASCII tokenizer)")
+        raise ConfigError(
+            "model.tool_template",
+            f"needs a tokenizer with chat templates; this model's is "
+            f"{type(tokenizer).__name__} (tiny:* models have a plain ASCII tokenizer)",
+        )
     try:
         return use_tool_template(tokenizer, template)
     except ValueError as err:
@@ -61,13 +65,17 @@ def _load_adapter_dir(model_cfg: ModelConfig, path: str, lora: LoRAConfig | None
         raise FileNotFoundError(
             f"model.path={path} is a LoRA adapter for the base model {base!r}, which is not here ({path}/"
             f"{peft_lora.ADAPTER_CONFIG} records it as {peft_lora.BASE_KEY}); put the base model there, or "
-            f"set {peft_lora.BASE_KEY} to the base model's local directory")
+            f"set {peft_lora.BASE_KEY} to the base model's local directory"
+        )
     if lora is not None:
         differ = lora_differences(path, lora)
         if differ:
-            raise ConfigError("model.lora", f"does not match the adapter in model.path={path}: "
-                              f"{'; '.join(differ)}. Training continues that adapter: set model.lora to its "
-                              "settings, or model.lora=null to fine-tune the merged model in full")
+            raise ConfigError(
+                "model.lora",
+                f"does not match the adapter in model.path={path}: "
+                f"{'; '.join(differ)}. Training continues that adapter: set model.lora to its "
+                "settings, or model.lora=null to fine-tune the merged model in full",
+            )
     logger.info("model.path=%s is a LoRA adapter on %s", path, base)
     base_cfg = dataclasses.replace(model_cfg, path=base)
     if hasattr(base_cfg, "lora"):
@@ -83,12 +91,15 @@ def lora_differences(adapter_dir: str | Path, lora: LoRAConfig) -> list[str]:
     from nopad.training import lora as peft_lora
 
     saved = peft_lora.adapter_settings(adapter_dir)
-    wanted = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
-              "target_modules": lora.targets if isinstance(lora.targets, str) else sorted(lora.targets)}
+    wanted = {
+        "rank": lora.rank,
+        "alpha": lora.alpha,
+        "dropout": lora.dropout,
+        "target_modules": lora.targets if isinstance(lora.targets, str) else sorted(lora.targets),
+    }
     if saved["target_modules"] != "all-linear" and wanted["target_modules"] == "all-linear":
         wanted["target_modules"] = saved["target_modules"]  # peft saves all-linear as the names it found
-    return [f"model.lora.{k}={wanted[k]!r} but the adapter has {saved[k]!r}" for k in wanted
-            if saved[k] != wanted[k]]
+    return [f"model.lora.{k}={wanted[k]!r} but the adapter has {saved[k]!r}" for k in wanted if saved[k] != wanted[k]]
 
 
 def check_resume_lora(checkpoint_dir: str | Path, lora: LoRAConfig | None) -> None:
@@ -102,16 +113,24 @@ def check_resume_lora(checkpoint_dir: str | Path, lora: LoRAConfig | None) -> No
     adapter = peft_lora.is_adapter_dir(checkpoint_dir)
     if lora is None and adapter:
         settings = ", ".join(f"{k}={v}" for k, v in peft_lora.adapter_settings(checkpoint_dir).items())
-        raise ConfigError("model.lora", f"is null, but checkpoint {checkpoint_dir} holds a LoRA adapter "
-                          f"({settings}); resume with that run's model.lora settings")
+        raise ConfigError(
+            "model.lora",
+            f"is null, but checkpoint {checkpoint_dir} holds a LoRA adapter "
+            f"({settings}); resume with that run's model.lora settings",
+        )
     if lora is not None and not adapter:
-        raise ConfigError("model.lora", f"is set, but checkpoint {checkpoint_dir} holds a full fine-tune; "
-                          "resume it with model.lora=null")
+        raise ConfigError(
+            "model.lora",
+            f"is set, but checkpoint {checkpoint_dir} holds a full fine-tune; resume it with model.lora=null",
+        )
     differ = lora_differences(checkpoint_dir, lora) if lora is not None else []
     if differ:
-        raise ConfigError("model.lora", f"changed since checkpoint {checkpoint_dir} was written: "
-                          f"{'; '.join(differ)}. Resume with the settings of the run that wrote it, or "
-                          "start a fresh run in another checkpoint.output_dir")
+        raise ConfigError(
+            "model.lora",
+            f"changed since checkpoint {checkpoint_dir} was written: "
+            f"{'; '.join(differ)}. Resume with the settings of the run that wrote it, or "
+            "start a fresh run in another checkpoint.output_dir",
+        )
 
 
 def _saved_tokenizer(path: str):
@@ -148,9 +167,11 @@ def _load_base(model_cfg: ModelConfig, path: str):
     except Exception as err:  # a truncated or damaged weights file, mostly (safetensors has its own type)
         files = sorted(p.name for p in Path(path).iterdir())
         weights = ", ".join(n for n in files if n.endswith((".safetensors", ".bin")))
-        raise RuntimeError(f"model.path={path}: could not load the model from {weights or 'its files'}"
-                           f" ({type(err).__name__}: {err}); the file may be truncated (a run stopped while "
-                           "writing it, or a copy that did not finish): use another checkpoint") from err
+        raise RuntimeError(
+            f"model.path={path}: could not load the model from {weights or 'its files'}"
+            f" ({type(err).__name__}: {err}); the file may be truncated (a run stopped while "
+            "writing it, or a copy that did not finish): use another checkpoint"
+        ) from err
     check_tokenizer_files(path)
     return model.eval(), _saved_tokenizer(path) or AutoTokenizer.from_pretrained(path)
 
@@ -175,7 +196,8 @@ def check_tokenizer_files(path: str | Path) -> None:
         f"model.path={path} holds no tokenizer files"
         f"{' (tokenizer_config.json alone holds no vocabulary)' if alone else ''}: looked for "
         f"{', '.join(TOKENIZER_FILES)}; copy the tokenizer files of the model it came from into it (or "
-        "write them there with tokenizer.save_pretrained)")
+        "write them there with tokenizer.save_pretrained)"
+    )
 
 
 def save_model_dir(accelerator, model, tokenizer, path: str | Path) -> None:
@@ -202,14 +224,18 @@ def save_model_dir(accelerator, model, tokenizer, path: str | Path) -> None:
 def check_model_path(path) -> str:
     """``model.path`` must be ``"smollm2"``, ``"tiny:<family>"`` or an existing model directory."""
     if not path:
-        raise ValueError("model.path is missing: set model.path=smollm2 (the embedded demo model) "
-                         "or a local Hugging Face model directory")
+        raise ValueError(
+            "model.path is missing: set model.path=smollm2 (the embedded demo model) "
+            "or a local Hugging Face model directory"
+        )
     path = str(path)
     if path == "smollm2" or path.startswith("tiny:"):
         return path
     if not Path(path).is_dir():
-        raise FileNotFoundError(f"model.path={path!r} is not a directory; give a local Hugging Face "
-                                "model directory, a training run's output directory, or model.path=smollm2")
+        raise FileNotFoundError(
+            f"model.path={path!r} is not a directory; give a local Hugging Face "
+            "model directory, a training run's output directory, or model.path=smollm2"
+        )
     from nopad.training.checkpoint import resolve_model_dir
 
     return str(resolve_model_dir(path))

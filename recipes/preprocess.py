@@ -50,12 +50,12 @@ class PreprocessConfig(Section):
         self.at_least("max_seqs_per_bin", 1)
         self.at_least("num_proc", 1)
         if not 0 <= self.max_dropped_fraction <= 1:
-            raise ConfigError("max_dropped_fraction",
-                              f"must be a number in [0, 1], got {self.max_dropped_fraction!r}")
+            raise ConfigError("max_dropped_fraction", f"must be a number in [0, 1], got {self.max_dropped_fraction!r}")
 
 
-def load_records(path: str | Path, messages_field: str = "messages", text_field: str = "text",
-                 split: str | None = None) -> datasets.Dataset:
+def load_records(
+    path: str | Path, messages_field: str = "messages", text_field: str = "text", split: str | None = None
+) -> datasets.Dataset:
     """Chat (``messages_field``) or text (``text_field``) records from any input
     :func:`nopad.dataloaders.sources.load_records` reads; a wrong record, or a wrong conversation
     (:func:`nopad.inference.chat.check_conversation`), is an error naming its line and field."""
@@ -66,8 +66,9 @@ def load_records(path: str | Path, messages_field: str = "messages", text_field:
         if messages_field in record:
             check_conversation(record[messages_field], where, messages_field)
 
-    return sources.load_records(path, [{messages_field: list}, {text_field: str}], split=split, key="input",
-                                check=chat_ok)
+    return sources.load_records(
+        path, [{messages_field: list}, {text_field: str}], split=split, key="input", check=chat_ok
+    )
 
 
 def load_tokenizer(name: str):
@@ -109,8 +110,9 @@ def tokenize_dataset(
             input_ids, labels = tokenize_conversation(tokenizer, row[messages_field])
             return {"input_ids": input_ids, "labels": labels}
 
-        return ds.map(chat, with_indices=True, remove_columns=ds.column_names, num_proc=num_proc,
-                      desc="tokenizing chats")
+        return ds.map(
+            chat, with_indices=True, remove_columns=ds.column_names, num_proc=num_proc, desc="tokenizing chats"
+        )
     if text_field in ds.column_names:
         return ds.map(
             lambda batch: {"input_ids": tokenize_text(batch[text_field], tokenizer, add_eos)},
@@ -134,10 +136,15 @@ def check_output_dir(output: str | Path) -> None:
     if Path(output).exists() and not Path(output).is_dir():
         raise FileExistsError(f"output={output} is a file; give a directory for the packed dataset")
     if kind not in ("empty", "dataset"):
-        what = {"run": "a training run's output directory", "model": "a model directory",
-                "training_state": "a checkpoint's training state"}.get(kind, "a directory but not a dataset")
-        raise FileExistsError(f"output={output} is {what}; writing the packed dataset there would mix "
-                              "the two. Give a new directory, e.g. output=runs/packed")
+        what = {
+            "run": "a training run's output directory",
+            "model": "a model directory",
+            "training_state": "a checkpoint's training state",
+        }.get(kind, "a directory but not a dataset")
+        raise FileExistsError(
+            f"output={output} is {what}; writing the packed dataset there would mix "
+            "the two. Give a new directory, e.g. output=runs/packed"
+        )
 
 
 def run_preprocess(cfg: PreprocessConfig) -> datasets.Dataset:
@@ -150,21 +157,34 @@ def run_preprocess(cfg: PreprocessConfig) -> datasets.Dataset:
     tokenizer = load_tokenizer(cfg.tokenizer)
     ds = load_records(cfg.input, cfg.messages_field, cfg.text_field, cfg.split)
     tokenized = tokenize_dataset(
-        ds, tokenizer, text_field=cfg.text_field, messages_field=cfg.messages_field,
-        add_eos=cfg.add_eos, num_proc=cfg.num_proc,
+        ds,
+        tokenizer,
+        text_field=cfg.text_field,
+        messages_field=cfg.messages_field,
+        add_eos=cfg.add_eos,
+        num_proc=cfg.num_proc,
     )
     lengths = [len(ids) for ids in tokenized["input_ids"]]
     empty = [i for i, n in enumerate(lengths) if n == 0]
     if empty:  # else the packer's own error, which names a library argument the recipe does not have
-        raise ValueError(f"{len(empty)} of {cfg.input}'s records tokenize to no tokens (the first: record "
-                         f"{empty[0]}, an empty {cfg.text_field!r}); remove them from the input, or set "
-                         "add_eos=true so every document has at least its EOS token")
+        raise ValueError(
+            f"{len(empty)} of {cfg.input}'s records tokenize to no tokens (the first: record "
+            f"{empty[0]}, an empty {cfg.text_field!r}); remove them from the input, or set "
+            "add_eos=true so every document has at least its EOS token"
+        )
     if cfg.overflow == "truncate":  # the same rule, and key, as SFT's data.max_dropped_fraction
-        sources.check_dropped_tokens(lengths, cfg.capacity, cfg.max_dropped_fraction,
-                                     key="max_dropped_fraction", capacity_key="capacity")
+        sources.check_dropped_tokens(
+            lengths, cfg.capacity, cfg.max_dropped_fraction, key="max_dropped_fraction", capacity_key="capacity"
+        )
     packed, bins = pack_dataset(
-        tokenized, cfg.capacity, strategy=cfg.strategy, overflow=cfg.overflow, seed=cfg.seed,
-        max_seqs_per_bin=cfg.max_seqs_per_bin, position_ids=cfg.position_ids, return_bins=True,
+        tokenized,
+        cfg.capacity,
+        strategy=cfg.strategy,
+        overflow=cfg.overflow,
+        seed=cfg.seed,
+        max_seqs_per_bin=cfg.max_seqs_per_bin,
+        position_ids=cfg.position_ids,
+        return_bins=True,
     )
     packed.save_to_disk(cfg.output)
     sources.save_tokenizer_fingerprint(cfg.output, tokenizer)  # SFT compares it with the model's

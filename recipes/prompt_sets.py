@@ -8,9 +8,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 
-def load_examples(path: str | Path, prompt_field: str = "prompt", key: str = "data.path",
-                  split: str | None = None, needs: Sequence[str] = (),
-                  reader: str = "the reward") -> list[dict]:
+def load_examples(
+    path: str | Path,
+    prompt_field: str = "prompt",
+    key: str = "data.path",
+    split: str | None = None,
+    needs: Sequence[str] = (),
+    reader: str = "the reward",
+) -> list[dict]:
     """Prompt examples from any input :func:`nopad.dataloaders.sources.load_records` reads (JSONL,
     parquet, CSV, a saved dataset...). Every example needs a string ``prompt_field``: a null prompt
     is an error naming its line, not the text "None". Null fields besides it are left out.
@@ -32,15 +37,19 @@ def load_examples(path: str | Path, prompt_field: str = "prompt", key: str = "da
 
     ds = load_records(path, [{prompt_field: str}], split=split, key=key, check=note)
     if empty:
-        raise ValueError(f"{key}={path}: {len(empty)} prompt(s) are empty ({prompt_field!r} holds no "
-                         f"text), so there is nothing to generate from: {_some(empty)}; write the question "
-                         "there, or remove the record")
+        raise ValueError(
+            f"{key}={path}: {len(empty)} prompt(s) are empty ({prompt_field!r} holds no "
+            f"text), so there is nothing to generate from: {_some(empty)}; write the question "
+            "there, or remove the record"
+        )
     for name, where in missing.items():
         if where:
-            raise ValueError(f"{key}={path}: {len(where)} of {len(ds)} prompts have no {name!r} field, "
-                             f"which {reader} compares each completion against, so their reward would "
-                             f"always be 0: {_some(where)}; add {name!r} to every record (rename your "
-                             "answer field to it), or choose a reward that does not read it")
+            raise ValueError(
+                f"{key}={path}: {len(where)} of {len(ds)} prompts have no {name!r} field, "
+                f"which {reader} compares each completion against, so their reward would "
+                f"always be 0: {_some(where)}; add {name!r} to every record (rename your "
+                "answer field to it), or choose a reward that does not read it"
+            )
     return [{k: v for k, v in row.items() if v is not None} for row in ds]
 
 

@@ -30,13 +30,16 @@ def check_reward_signature(fn: Callable, label: str, expected: str = SIGNATURE) 
     except TypeError:
         plain = [p.replace(annotation=p.empty) for p in signature.parameters.values()]
         has = signature.replace(parameters=plain, return_annotation=signature.empty)
-        raise ValueError(f"{label} takes {has}, but the recipe calls it as fn{expected}: give it those two "
-                         "parameters (any others need defaults)") from None
+        raise ValueError(
+            f"{label} takes {has}, but the recipe calls it as fn{expected}: give it those two "
+            "parameters (any others need defaults)"
+        ) from None
     return fn
 
 
-def with_timeout(fn: Callable, seconds: float | None, setting: str, prompt_field: str = "prompt",
-                 kind: str = "reward") -> Callable:
+def with_timeout(
+    fn: Callable, seconds: float | None, setting: str, prompt_field: str = "prompt", kind: str = "reward"
+) -> Callable:
     """``fn`` run in a worker thread that gets ``seconds`` per call; past that, a ``TimeoutError``
     naming the prompt and ``setting`` (the config key that raises the limit). ``None`` calls ``fn``
     directly, in this thread (a reward that uses ``signal.alarm`` needs the main thread).
@@ -61,9 +64,11 @@ def with_timeout(fn: Callable, seconds: float | None, setting: str, prompt_field
         worker.join(seconds)
         if worker.is_alive():
             prompt = " ".join(str(example.get(prompt_field, "")).split()) if hasattr(example, "get") else ""
-            raise TimeoutError(f"the {kind} {_name(fn)} did not return within {seconds:g} s for the prompt "
-                               f"{prompt[:80]!r}; make it faster or set {setting} higher (seconds; null: no "
-                               "limit)")
+            raise TimeoutError(
+                f"the {kind} {_name(fn)} did not return within {seconds:g} s for the prompt "
+                f"{prompt[:80]!r}; make it faster or set {setting} higher (seconds; null: no "
+                "limit)"
+            )
         if "error" in done:
             raise done["error"]
         return done["value"]

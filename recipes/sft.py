@@ -25,6 +25,7 @@ same loop in-process (the demo uses it). DeepSpeed's fixed micro-batch size is o
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 
 from nopad.recipes.cli import raised_on_purpose, run_recipe
@@ -41,9 +42,14 @@ def make_accelerator(cfg: SFTRecipeConfig):
     """The run's Accelerator (:func:`nopad.training.accelerator.make_accelerator`) from the config."""
     from nopad.training.accelerator import make_accelerator as build_accelerator
 
-    return build_accelerator(cfg.accelerate.deepspeed_config, grad_accum=cfg.train.grad_accum,
-                             max_grad_norm=cfg.train.max_grad_norm, recipe="nopad.recipes.sft",
-                             log_with=cfg.accelerate.log_with, project_dir=cfg.checkpoint.output_dir)
+    return build_accelerator(
+        cfg.accelerate.deepspeed_config,
+        grad_accum=cfg.train.grad_accum,
+        max_grad_norm=cfg.train.max_grad_norm,
+        recipe="nopad.recipes.sft",
+        log_with=cfg.accelerate.log_with,
+        project_dir=cfg.checkpoint.output_dir,
+    )
 
 
 def model_to_train(cfg: SFTRecipeConfig, model=None, tokenizer=None):
@@ -63,8 +69,11 @@ def model_to_train(cfg: SFTRecipeConfig, model=None, tokenizer=None):
     except (ValueError, ImportError) as err:  # transformers': an unknown name, flash-attn not installed
         if raised_on_purpose(err):  # nopad's own (a layer it cannot pack): already says what to do
             raise
-        raise ConfigError("model.attn_implementation", f"{cfg.model.attn_implementation!r} cannot be used: "
-                          f"{err} (nopad's packed attention: model.attn_implementation=nopad)") from None
+        raise ConfigError(
+            "model.attn_implementation",
+            f"{cfg.model.attn_implementation!r} cannot be used: "
+            f"{err} (nopad's packed attention: model.attn_implementation=nopad)",
+        ) from None
     model.config.use_cache = False
     if cfg.train.gradient_checkpointing:  # non-reentrant: row kwargs pass, ZeRO-3 re-gathers
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -92,31 +101,81 @@ def prepare(accelerator, model, optimizer, tcfg):
     from nopad.training.accumulation import OptimizerStepper
     from nopad.training.lora import is_peft_model, keep_resume_state_to_adapter
 
-    logger.info("setting up %s on %d process(es) (a DeepSpeed ZeRO-3 start partitions the weights here)",
-                accelerator.distributed_type, accelerator.num_processes)
+    logger.info(
+        "setting up %s on %d process(es) (a DeepSpeed ZeRO-3 start partitions the weights here)",
+        accelerator.distributed_type,
+        accelerator.num_processes,
+    )
     model, optimizer = accelerator.prepare(model, optimizer)
     save_kwargs, load_kwargs = {}, {}
     if is_peft_model(accelerator.unwrap_model(model)):
         save_kwargs, load_kwargs = keep_resume_state_to_adapter(accelerator)
-    stepper = OptimizerStepper(model, optimizer, accelerator, max_grad_norm=tcfg.max_grad_norm,
-                               nonfinite=tcfg.nonfinite)
+    stepper = OptimizerStepper(
+        model, optimizer, accelerator, max_grad_norm=tcfg.max_grad_norm, nonfinite=tcfg.nonfinite
+    )
     return model, stepper, save_kwargs, load_kwargs
 
 
 def claim_and_resume(accelerator, ccfg, progress, loader, load_kwargs: dict) -> Path:
     """Take the run directory (a lock; its metrics are this run's) and, with
     ``checkpoint.resume_from``, load the training state the loop goes on from."""
-    from nopad.training import checkpoint
+    from nopad.training import checkpoint, run_dir
 
     output_dir = Path(ccfg.output_dir)
-    checkpoint.claim_run_dir(output_dir, accelerator, resuming=bool(ccfg.resume_from))
+    run_dir.claim_run_dir(output_dir, accelerator, resuming=bool(ccfg.resume_from))
     if ccfg.resume_from:
-        path = checkpoint.resume_training(accelerator, ccfg.resume_from, output_dir, load_kwargs,
-                                          recipe="sft")
+        path = checkpoint.resume_training(accelerator, ccfg.resume_from, output_dir, load_kwargs, recipe="sft")
         if accelerator.is_main_process:
             checkpoint.trim_metrics(output_dir, progress.step + 1)  # SFT logs steps 1, 2, ...
         logger.info("resumed from %s at step %d (epoch %d)", path, progress.step, loader.epoch)
     return output_dir
+
+
+def save_checkpoint(accelerator, model, tokenizer, ccfg, save_kwargs: dict, path: Path) -> None:
+    """Checkpoint ``path``: the model directory (or LoRA adapter) with the resume state in it,
+    ``checkpoint.keep_last`` applied. Here rather than a closure in :func:`train`, which binds it
+    with ``functools.partial``, to keep that function readable in one screen."""
+    from nopad.training import checkpoint
+
+    checkpoint.save_training_checkpoint(
+        accelerator,
+        path,
+        lambda d: save_model_dir(accelerator, model, tokenizer, d),
+        ccfg.keep_last,
+        save_kwargs,
+        recipe="sft",
+    )
+
+
+def start_progress(accelerator, tcfg, dcfg, loader, step: int, max_steps: int):
+    """Say what the loop is about to do from optimizer step ``step``: a warning when it has nothing
+    left, the micro-batch progress bar (returned; None unless ``train.progress``, and on the local
+    main process only) and a log line of the steps ahead. Kept out of :func:`train`'s loop."""
+    from nopad.training import sft as sft_loop
+    from nopad.training import sft_data
+
+    gas = tcfg.grad_accum
+    if step >= max_steps:
+        logger.warning(
+            "nothing to train: the run is already at optimizer step %d of %d (train.max_steps / "
+            "train.epochs); raise them to train further",
+            step,
+            max_steps,
+        )
+    bar = sft_loop.progress_bar(
+        tcfg.progress and accelerator.is_local_main_process,
+        max_steps,
+        step,
+        gas,
+        micro_batches=lambda n: sft_data.micro_batches(loader, gas, n, dcfg.streaming),
+    )
+    logger.info(
+        "training %d optimizer step(s) of %d micro-batch(es) each (an epoch's last: what is left); "
+        "the progress bar counts micro-batches (the first one is the slowest)",
+        max(max_steps - step, 0),
+        gas,
+    )
+    return bar
 
 
 def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accelerator=None) -> dict:
@@ -128,8 +187,8 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     """
     import torch  # (imported here, not at the top, so that --help answers without torch)
 
-    from nopad.training import checkpoint, sft_data
     from nopad.training import sft as sft_loop
+    from nopad.training import sft_data
     from nopad.training.accelerator import engine_info
     from nopad.training.curves import tracker_config
 
@@ -141,40 +200,28 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     gas = tcfg.grad_accum
     loader = sft_data.build_loader(dcfg, rows, accelerator, gas, model.config)
     steps = sft_data.total_steps(tcfg.max_steps, tcfg.epochs, dcfg, loader, gas)
-    optimizer, scheduler = sft_loop.make_optimizer(model, tcfg.lr, tcfg.weight_decay, tcfg.warmup_steps,
-                                                   steps)
+    optimizer, scheduler = sft_loop.make_optimizer(model, tcfg.lr, tcfg.weight_decay, tcfg.warmup_steps, steps)
     model, stepper, save_kwargs, load_kwargs = prepare(accelerator, model, optimizer, tcfg)
-    progress = sft_loop.Progress({f"train.{k}": getattr(tcfg, k) for k in ("grad_accum", "lr", "weight_decay",
-                                                                           "warmup_steps")})
+    progress = sft_loop.Progress(
+        {f"train.{k}": getattr(tcfg, k) for k in ("grad_accum", "lr", "weight_decay", "warmup_steps")}
+    )
     info = engine_info(model, accelerator)
     logger.info("training with %s on %d process(es)", info, accelerator.num_processes)
     accelerator.init_trackers("nopad-sft", config=tracker_config(cfg.to_dict()))
     for obj in (progress, loader, scheduler):  # progress first: it names train.grad_accum on a mismatch
         accelerator.register_for_checkpointing(obj)
     output_dir = claim_and_resume(accelerator, ccfg, progress, loader, load_kwargs)
-
-    def save(path: Path) -> None:
-        checkpoint.save_training_checkpoint(accelerator, path,
-                                            lambda d: save_model_dir(accelerator, model, tokenizer, d),
-                                            ccfg.keep_last, save_kwargs, recipe="sft")
-
+    save = partial(save_checkpoint, accelerator, model, tokenizer, ccfg, save_kwargs)
     max_steps = tcfg.max_steps or steps
-    if progress.step >= max_steps:
-        logger.warning("nothing to train: the run is already at optimizer step %d of %d (train.max_steps / "
-                       "train.epochs); raise them to train further", progress.step, max_steps)
+    bar = start_progress(accelerator, tcfg, dcfg, loader, progress.step, max_steps)
+    tick = None if bar is None else lambda: bar.update(1)
     losses, stats, seen = [], [], [] if cfg.log.record_indices else None
     saved_at = None
-    bar = sft_loop.progress_bar(tcfg.progress and accelerator.is_local_main_process, max_steps, progress.step,
-                                gas, micro_batches=lambda n: sft_data.micro_batches(loader, gas, n,
-                                                                                     dcfg.streaming))
-    tick = None if bar is None else lambda: bar.update(1)
-    logger.info("training %d optimizer step(s) of %d micro-batch(es) each (an epoch's last: what is left); "
-                "the progress bar counts micro-batches (the first one is the slowest)",
-                max(max_steps - progress.step, 0), gas)
     while progress.step < max_steps:
         for window in sft_data.windows(loader, gas):
-            step_loss = sft_loop.sft_step(stepper, window, tcfg.weighting, seen, step=progress.step + 1,
-                                          on_micro_batch=tick)
+            step_loss = sft_loop.sft_step(
+                stepper, window, tcfg.weighting, seen, step=progress.step + 1, on_micro_batch=tick
+            )
             scheduler.step()
             progress.step += 1
             losses.append(sft_loop.record_step(accelerator, output_dir, progress.step, step_loss, bar))
@@ -191,10 +238,16 @@ def train(cfg: SFTRecipeConfig, *, model=None, tokenizer=None, rows=None, accele
     if ccfg.save_final and saved_at != progress.step:  # (decided the same way on every rank)
         save(final)
     accelerator.wait_for_everyone()
-    result = {"losses": losses, "steps": progress.step, "stats": stats, "rank": accelerator.process_index,
-              "world_size": accelerator.num_processes, **info,
-              "checkpoint": str(final) if ccfg.save_final else None,
-              "micro_batches_per_epoch": None if dcfg.streaming else len(loader)}
+    result = {
+        "losses": losses,
+        "steps": progress.step,
+        "stats": stats,
+        "rank": accelerator.process_index,
+        "world_size": accelerator.num_processes,
+        **info,
+        "checkpoint": str(final) if ccfg.save_final else None,
+        "micro_batches_per_epoch": None if dcfg.streaming else len(loader),
+    }
     if seen is not None:
         result["indices_per_step"] = seen  # dataset rows of each micro-batch, in order
     sft_loop.write_result(accelerator, output_dir, result)

@@ -50,18 +50,27 @@ class SFTDataConfig(Section):
     buffer_size: int = 1000  # streaming look-ahead buffer (sequences)
 
     def check(self) -> None:
-        for name, low in [("tokens_per_batch", 1), ("max_seqs_per_batch", 1), ("num_workers", 0),
-                          ("buffer_size", 1), ("num_rows", 1), ("min_len", 1)]:
+        for name, low in [
+            ("tokens_per_batch", 1),
+            ("max_seqs_per_batch", 1),
+            ("num_workers", 0),
+            ("buffer_size", 1),
+            ("num_rows", 1),
+            ("min_len", 1),
+        ]:
             self.at_least(name, low)
         if self.min_len > self.max_len:
-            raise ConfigError("min_len", f"({self.min_len}) is above data.max_len ({self.max_len}): "
-                              "the synthetic rows' lengths are drawn between them; change one")
+            raise ConfigError(
+                "min_len",
+                f"({self.min_len}) is above data.max_len ({self.max_len}): "
+                "the synthetic rows' lengths are drawn between them; change one",
+            )
         if not 0 <= self.max_dropped_fraction <= 1:
-            raise ConfigError("max_dropped_fraction",
-                              f"must be a number in [0, 1], got {self.max_dropped_fraction!r}")
+            raise ConfigError("max_dropped_fraction", f"must be a number in [0, 1], got {self.max_dropped_fraction!r}")
         if self.per_turn_samples and self.streaming:
-            raise ConfigError("per_turn_samples", "packs whole prefix trees, which a stream cannot; set "
-                              "data.streaming=false")
+            raise ConfigError(
+                "per_turn_samples", "packs whole prefix trees, which a stream cannot; set data.streaming=false"
+            )
 
 
 @dataclass
@@ -80,8 +89,7 @@ class SFTTrainConfig(Section):
     gradient_checkpointing: bool = False  # recompute layers in backward: less memory (bench_memory.py)
 
     def check(self) -> None:
-        for name, low in [("epochs", 1), ("max_steps", 1), ("grad_accum", 1), ("warmup_steps", 0),
-                          ("seed", 0)]:
+        for name, low in [("epochs", 1), ("max_steps", 1), ("grad_accum", 1), ("warmup_steps", 0), ("seed", 0)]:
             self.at_least(name, low)
         check_learning_rate(self.lr)
         check_optimizer(self)

@@ -60,9 +60,11 @@ def arithmetic_task(num_prompts: int = 64, seed: int = 0, max_operand: int = 12)
 def reads(*fields: str) -> Callable[[RewardFn], RewardFn]:
     """Declare the example fields a reward compares against (``@reads("answer")``): a prompt set
     lacking one is refused at start, naming the field, instead of training on all-zero rewards."""
+
     def mark(fn: RewardFn) -> RewardFn:
         fn.example_fields = fields
         return fn
+
     return mark
 
 
@@ -158,10 +160,12 @@ def check_prompts_per_step(num_prompts: int, prompts_per_step: int, world_size: 
     """One GRPO step takes ``prompts_per_step`` distinct prompts on each of ``world_size`` ranks;
     with fewer prompts it used to repeat them inside the step, silently."""
     if prompts_per_step * world_size > num_prompts:
-        raise ValueError(f"rollout.prompts_per_step={prompts_per_step} x {world_size} process(es) needs "
-                         f"{prompts_per_step * world_size} distinct prompts per step, but the prompt set has "
-                         f"{num_prompts}; lower rollout.prompts_per_step or give more prompts "
-                         "(task.num_prompts / task.prompts)")
+        raise ValueError(
+            f"rollout.prompts_per_step={prompts_per_step} x {world_size} process(es) needs "
+            f"{prompts_per_step * world_size} distinct prompts per step, but the prompt set has "
+            f"{num_prompts}; lower rollout.prompts_per_step or give more prompts "
+            "(task.num_prompts / task.prompts)"
+        )
 
 
 @dataclass(frozen=True)
@@ -184,8 +188,9 @@ class Task:
 TASKS: dict[str, Task] = {
     "arithmetic": Task(arithmetic_task),
     "calculator": Task(calculator_task, {"calculator": calculator}, (CALL_CLOSE,), TextToolFormat),
-    "calculator_chat": Task(calculator_chat_task, {"calculator": calculator}, tool_format=ChatTemplateTools,
-                            system=CALCULATOR_SYSTEM),
+    "calculator_chat": Task(
+        calculator_chat_task, {"calculator": calculator}, tool_format=ChatTemplateTools, system=CALCULATOR_SYSTEM
+    ),
 }
 
 
@@ -228,8 +233,9 @@ class AsciiTokenizer:
 
     def save_pretrained(self, path: str | Path) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
-        (Path(path) / self.SAVED_NAME).write_text(json.dumps(
-            {"eos_token_id": self.eos_token_id, "vocab_size": self.vocab_size}))
+        (Path(path) / self.SAVED_NAME).write_text(
+            json.dumps({"eos_token_id": self.eos_token_id, "vocab_size": self.vocab_size})
+        )
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> AsciiTokenizer:
@@ -244,9 +250,16 @@ def tiny_causal_lm(family: str = "llama", seed: int = 0):
     if family != "llama":
         raise ValueError(f"model.path=tiny:{family}: only tiny:llama is built in")
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -29,8 +29,9 @@ from nopad.recipes.config import ConfigError
 
 CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
-CALCULATOR_TEMPLATE = ("What is {expression}? A calculator answers {open}EXPR{close} with "
-                       "{ropen}N{rclose}. End with the number.")
+CALCULATOR_TEMPLATE = (
+    "What is {expression}? A calculator answers {open}EXPR{close} with {ropen}N{rclose}. End with the number."
+)
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE) + r"\s*$", re.DOTALL)
@@ -42,6 +43,7 @@ def calculator(expression: str) -> str:
     Args:
         expression: The expression, e.g. "17 * 23 + 4".
     """
+
     def value(node):
         if isinstance(node, ast.Expression):
             return value(node.body)
@@ -67,8 +69,10 @@ def calculator_task(num_prompts: int = 64, seed: int = 0, max_operand: int = 99)
     from the tool, checked by :func:`nopad.recipes.tasks.last_number_match`."""
     tags = {"open": CALL_OPEN, "close": CALL_CLOSE, "ropen": RESULT_OPEN, "rclose": RESULT_CLOSE}
     examples = _expressions(num_prompts, seed, max_operand)
-    return [{"prompt": CALCULATOR_TEMPLATE.format(expression=ex["expression"], **tags),
-             "answer": ex["answer"]} for ex in examples]
+    return [
+        {"prompt": CALCULATOR_TEMPLATE.format(expression=ex["expression"], **tags), "answer": ex["answer"]}
+        for ex in examples
+    ]
 
 
 def _expressions(num_prompts: int, seed: int, max_operand: int) -> list[dict]:
@@ -83,9 +87,11 @@ def _expressions(num_prompts: int, seed: int, max_operand: int) -> list[dict]:
     return examples
 
 
-CALCULATOR_SYSTEM = ("You have a calculator. Call it like this:\n<tool_call>\n"
-                     '{"name": "calculator", "arguments": {"expression": "2 * 3 + 4"}}\n</tool_call>\n'
-                     "It answers with the value. Then reply with the number alone.")
+CALCULATOR_SYSTEM = (
+    "You have a calculator. Call it like this:\n<tool_call>\n"
+    '{"name": "calculator", "arguments": {"expression": "2 * 3 + 4"}}\n</tool_call>\n'
+    "It answers with the value. Then reply with the number alone."
+)
 
 
 def calculator_chat_task(num_prompts: int = 64, seed: int = 0, max_operand: int = 99) -> list[dict]:
@@ -101,15 +107,18 @@ def calculator_demonstrations(num: int = 64, seed: int = 1) -> list[dict]:
     samples) teaches the format; the seed differs from the task's (0), so GRPO's prompts are new."""
     rows = []
     for ex in calculator_chat_task(num, seed):
-        call = {"type": "function", "function": {"name": "calculator",
-                                                 "arguments": {"expression": ex["expression"]}}}
-        rows.append({"messages": [
-            {"role": "system", "content": CALCULATOR_SYSTEM},
-            {"role": "user", "content": ex["prompt"]},
-            {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": "calculator", "content": calculator(ex["expression"])},
-            {"role": "assistant", "content": ex["answer"]},
-        ]})
+        call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": ex["expression"]}}}
+        rows.append(
+            {
+                "messages": [
+                    {"role": "system", "content": CALCULATOR_SYSTEM},
+                    {"role": "user", "content": ex["prompt"]},
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "name": "calculator", "content": calculator(ex["expression"])},
+                    {"role": "assistant", "content": ex["answer"]},
+                ]
+            }
+        )
     return rows
 
 
@@ -117,11 +126,15 @@ def chat_tool_prompt(tokenizer, system: str, text: str, task: str) -> list[int]:
     """A chat-format tool task's prompt: the system turn and the question, rendered by a chat
     template that writes tool calls (``model.tool_template``)."""
     if getattr(tokenizer, "response_template", None) is None or not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("model.tool_template", f"task.name={task} calls its tool in the chat template's "
-                          "format, and this tokenizer's template has none; set model.tool_template=smollm2 "
-                          "(SmolLM2 and other ChatML models) or task.name=calculator (calls as plain text)")
-    return ChatTemplateTools(tokenizer).prompt_ids([{"role": "system", "content": system},
-                                                   {"role": "user", "content": text}])
+        raise ConfigError(
+            "model.tool_template",
+            f"task.name={task} calls its tool in the chat template's "
+            "format, and this tokenizer's template has none; set model.tool_template=smollm2 "
+            "(SmolLM2 and other ChatML models) or task.name=calculator (calls as plain text)",
+        )
+    return ChatTemplateTools(tokenizer).prompt_ids(
+        [{"role": "system", "content": system}, {"role": "user", "content": text}]
+    )
 
 
 class TextToolFormat:
@@ -143,6 +156,8 @@ class TextToolFormat:
     def render(self, messages: list[dict], turn_ids: list[int]) -> list[int]:
         text = "".join(f"{RESULT_OPEN}{m['content']}{RESULT_CLOSE}\n" for m in messages)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Write :func:`calculator_demonstrations` as JSONL: the warm-start SFT's ``data.source``."""
     parser = argparse.ArgumentParser(prog="python -m nopad.recipes.tool_tasks", description=main.__doc__)

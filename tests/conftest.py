@@ -96,8 +96,12 @@ def pytest_sessionstart(session):
         return
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     session.config.stash[_DS_BUILD] = subprocess.Popen(
-        ["nice", "-n", "10", sys.executable, "-c", _DS_SHM_BUILD], env=env, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True)
+        ["nice", "-n", "10", sys.executable, "-c", _DS_SHM_BUILD],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def pytest_sessionfinish(session):

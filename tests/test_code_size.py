@@ -15,7 +15,7 @@ FUNCTION_LINES = 80
 # when its code shrinks, and delete it when the code fits; a larger size fails the test.
 RATCHET_MODULES: dict[str, int] = {}
 RATCHET_FUNCTIONS = {
-    "packing/attention/triton_kernel.py::_attention_kernel": 97,  # one Triton kernel body
+    "packing/attention/triton_jit.py::_attention_kernel": 97,  # one Triton kernel body
 }
 
 
@@ -53,8 +53,10 @@ def test_modules_and_functions_stay_within_their_size():
         if name not in ratchet:
             wrong.append(f"{name} has {lines} lines, over the limit of {limit}: split it")
         elif lines > ratchet[name]:
-            wrong.append(f"{name} grew to {lines} lines; it was {ratchet[name]}, over the limit of {limit} "
-                         "already: shrink it, do not raise the entry")
+            wrong.append(
+                f"{name} grew to {lines} lines; it was {ratchet[name]}, over the limit of {limit} "
+                "already: shrink it, do not raise the entry"
+            )
     assert not wrong, "\n".join(wrong)
 
 

@@ -72,9 +72,13 @@ def test_each_package_imports_only_the_layers_below_it():
 def test_only_training_trl_imports_trl():
     """benchmarks/ import TRL too: it is the peer they measure against."""
     fence = ROOT / "training" / "trl"
-    wrong = [str(path.relative_to(ROOT)) for package in PACKAGES if package != "benchmarks"
-             for path in sorted((ROOT / package).rglob("*.py"))
-             if fence not in path.parents and "trl" in top_level_imports(path)]
+    wrong = [
+        str(path.relative_to(ROOT))
+        for package in PACKAGES
+        if package != "benchmarks"
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if fence not in path.parents and "trl" in top_level_imports(path)
+    ]
     assert not wrong, f"these modules import trl outside training/trl/ (move that code there): {wrong}"
     assert "trl" in top_level_imports(fence / "grpo_trainer.py")  # the scan sees lazy imports
 
@@ -163,8 +167,14 @@ def test_tests_mirror_the_packages():
     shared helpers live in ``tests/support/``. Only the whole-project checks sit at ``tests/``."""
     tests = ROOT / "tests"
     folders = {"packing", "dataloaders", "inference", "training", "recipes", "benchmarks", "gpu", "support"}
-    whole_project = {"conftest.py", "test_code_size.py", "test_import_graph.py", "test_nonfinite.py",
-                     "test_readme.py", "test_readme_launch.py"}
+    whole_project = {
+        "conftest.py",
+        "test_code_size.py",
+        "test_import_graph.py",
+        "test_nonfinite.py",
+        "test_readme.py",
+        "test_readme_launch.py",
+    }
     misplaced = [p.name for p in tests.glob("*.py") if p.name not in whole_project]
     for path in tests.glob("*/*.py"):
         folder = path.parent.name
@@ -180,8 +190,12 @@ def test_every_import_of_nopad_says_nopad():
     """A bare ``from nopad import packing`` would load a second copy of a module (its registries split in two)
     from the repository root, and nothing at all once installed."""
     scanned = [p for folder in (*PACKAGES, "tests") for p in sorted((ROOT / folder).rglob("*.py"))]
-    wrong = [f"{path.relative_to(ROOT)} imports {name}" for path in scanned for name in imported_names(path)
-             if name.split(".")[0] in FOLDERS]
+    wrong = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in scanned
+        for name in imported_names(path)
+        if name.split(".")[0] in FOLDERS
+    ]
     assert not wrong, "import these as nopad.<name>:\n" + "\n".join(wrong)
 
 
@@ -190,23 +204,32 @@ def test_only_nopad_is_installed():
     and the console scripts are nopad's too."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     setuptools = project["tool"]["setuptools"]
-    folders = sorted("nopad." + ".".join(p.parent.relative_to(ROOT).parts)
-                     for folder in FOLDERS for p in (ROOT / folder).rglob("__init__.py"))
+    folders = sorted(
+        "nopad." + ".".join(p.parent.relative_to(ROOT).parts)
+        for folder in FOLDERS
+        for p in (ROOT / folder).rglob("__init__.py")
+    )
     assert sorted(setuptools["packages"]) == sorted(["nopad", *folders])
     assert setuptools["package-dir"] == {"nopad": "nopad", **{f"nopad.{f}": f for f in FOLDERS}}
     assert all(target.startswith("nopad.") for target in project["project"]["scripts"].values())
-    extensions = [line.split('"')[1] for line in (ROOT / "setup.py").read_text().splitlines()
-                  if line.strip().startswith('"') and line.strip().endswith('",') and "._" in line]
+    extensions = [
+        line.split('"')[1]
+        for line in (ROOT / "setup.py").read_text().splitlines()
+        if line.strip().startswith('"') and line.strip().endswith('",') and "._" in line
+    ]
     assert extensions and all(name.startswith("nopad.packing._") for name in extensions)
 
 
 def test_the_install_answers_to_nopad_alone(tmp_path):
     """Outside the repository, as a user's script sees the install: ``nopad.*`` imports, and none
     of the folder names does (they would shadow, or be shadowed by, other distributions)."""
-    script = ("import importlib.util, nopad.packing, nopad.inference, nopad.recipes; "
-              f"print([n for n in {FOLDERS!r} if importlib.util.find_spec(n) is not None])")
+    script = (
+        "import importlib.util, nopad.packing, nopad.inference, nopad.recipes; "
+        f"print([n for n in {FOLDERS!r} if importlib.util.find_spec(n) is not None])"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", f"installed outside nopad: {out.stdout}"

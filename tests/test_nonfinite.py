@@ -52,16 +52,24 @@ def _saved_weights(directory: Path) -> list[Path]:
 @pytest.mark.parametrize("value, kind", [("1.0", "str"), ([1.0], "list"), (None, "NoneType")])
 def test_a_reward_that_is_not_a_number_names_the_function_and_what_it_returned(value, kind):
     where = "grpo step 3, prompt 1, completion 2"
-    with pytest.raises(TypeError, match=rf"^reward {NAME} returned .* \(a {kind}\) "
-                                        r"for grpo step 3, prompt 1, completion 2; a reward must return one"):
+    with pytest.raises(
+        TypeError,
+        match=rf"^reward {NAME} returned .* \(a {kind}\) "
+        r"for grpo step 3, prompt 1, completion 2; a reward must return one",
+    ):
         reward_value(value, bad_reward, where)
 
 
 def test_numbers_of_any_kind_are_rewards():
     import numpy as np
 
-    assert [reward_value(v, bad_reward, "x") for v in (True, 2, 0.5, np.float32(0.25), torch.tensor(3.0))] \
-        == [1.0, 2.0, 0.5, 0.25, 3.0]
+    assert [reward_value(v, bad_reward, "x") for v in (True, 2, 0.5, np.float32(0.25), torch.tensor(3.0))] == [
+        1.0,
+        2.0,
+        0.5,
+        0.25,
+        3.0,
+    ]
     with pytest.raises(NonFiniteError, match=rf"^scorer {NAME} returned -inf for x"):
         reward_value(-math.inf, bad_reward, "x", kind="scorer")
 
@@ -70,31 +78,42 @@ def test_numbers_of_any_kind_are_rewards():
 def grpo_config(tmp_path, **overrides):
     from nopad.recipes.grpo_config import GRPORecipeConfig
 
-    base = {"model": {"path": None, "chat_template": False}, "reward": bad_reward,
-            "task": {"num_prompts": 4},
-            "rollout": {"prompts_per_step": 2, "num_generations": 2, "max_tokens": 4},
-            "generator": {"num_blocks": 32, "max_num_batched_tokens": 128},
-            "train": {"steps": 2, "lr": 1e-3}, "output_dir": str(tmp_path)}
+    base = {
+        "model": {"path": None, "chat_template": False},
+        "reward": bad_reward,
+        "task": {"num_prompts": 4},
+        "rollout": {"prompts_per_step": 2, "num_generations": 2, "max_tokens": 4},
+        "generator": {"num_blocks": 32, "max_num_batched_tokens": 128},
+        "train": {"steps": 2, "lr": 1e-3},
+        "output_dir": str(tmp_path),
+    }
     return with_overrides(load_config(GRPORecipeConfig, overrides=base), overrides)
 
 
-@pytest.mark.parametrize("value, error, message", [
-    (float("nan"), NonFiniteError, "returned nan"),
-    (float("inf"), NonFiniteError, "returned inf"),
-    ("1", TypeError, r"returned '1' \(a str\)"),
-    ([1.0, 0.0], TypeError, r"returned \[1.0, 0.0\] \(a list\)"),
-    (None, TypeError, r"returned None \(a NoneType\)"),
-])
-def test_a_bad_reward_stops_grpo_naming_it_the_step_and_the_sample(tmp_path, monkeypatch, one_thread,
-                                                                   value, error, message):
+@pytest.mark.parametrize(
+    "value, error, message",
+    [
+        (float("nan"), NonFiniteError, "returned nan"),
+        (float("inf"), NonFiniteError, "returned inf"),
+        ("1", TypeError, r"returned '1' \(a str\)"),
+        ([1.0, 0.0], TypeError, r"returned \[1.0, 0.0\] \(a list\)"),
+        (None, TypeError, r"returned None \(a NoneType\)"),
+    ],
+)
+def test_a_bad_reward_stops_grpo_naming_it_the_step_and_the_sample(
+    tmp_path, monkeypatch, one_thread, value, error, message
+):
     from nopad.recipes.grpo import run_grpo
 
     _reset_accelerate()
     monkeypatch.setitem(BAD, "value", value)
     model, _ = tiny_causal_lm()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(error, match=rf"^reward {NAME} {message} for grpo step 0, "
-                                    r"prompt 0 of this rank's step \(prompt '.*'\), completion 0 '.*'"):
+    with pytest.raises(
+        error,
+        match=rf"^reward {NAME} {message} for grpo step 0, "
+        r"prompt 0 of this rank's step \(prompt '.*'\), completion 0 '.*'",
+    ):
         run_grpo(grpo_config(tmp_path), model=model, tokenizer=AsciiTokenizer(), progress=False)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # no step was taken
     assert _saved_weights(tmp_path) == []
@@ -104,14 +123,31 @@ def test_the_grpo_recipe_exits_non_zero_on_a_nan_reward_and_saves_no_policy(tmp_
     """The reported case: a NaN reward used to be saved as "the policy" with exit code 0."""
     out = tmp_path / "grpo"
     proc = subprocess.run(
-        [sys.executable, "-m", "nopad.recipes.grpo", "model.path=tiny:llama", "model.chat_template=false",
-         "reward=tests.test_nonfinite:nan_reward", "task.num_prompts=4", "rollout.prompts_per_step=2",
-         "rollout.num_generations=2", "rollout.max_tokens=4", "generator.num_blocks=32",
-         f"output_dir={out}"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "nopad.recipes.grpo",
+            "model.path=tiny:llama",
+            "model.chat_template=false",
+            "reward=tests.test_nonfinite:nan_reward",
+            "task.num_prompts=4",
+            "rollout.prompts_per_step=2",
+            "rollout.num_generations=2",
+            "rollout.max_tokens=4",
+            "generator.num_blocks=32",
+            f"output_dir={out}",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode != 0
     # nopad's own error reaches the user as one line, no traceback
-    expected = ("nopad.recipes.grpo: error: reward tests.test_nonfinite:nan_reward returned nan for grpo step 0, "
-                "prompt 0")
+    expected = (
+        "nopad.recipes.grpo: error: reward tests.test_nonfinite:nan_reward returned nan for grpo step 0, prompt 0"
+    )
     assert expected in proc.stderr, proc.stderr[-3000:]
     assert _saved_weights(out) == []
 
@@ -133,8 +169,11 @@ def test_a_nan_loss_stops_grpo_before_the_step(tmp_path, monkeypatch, one_thread
 
     final_norm(model).register_forward_hook(nan_logits)  # the head's input: the loss reads no logits
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(NonFiniteError, match=r"^grpo step 0: the loss is nan and the gradient norm is nan; "
-                                             "stopped before this step changed the weights"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"^grpo step 0: the loss is nan and the gradient norm is nan; "
+        "stopped before this step changed the weights",
+    ):
         run_grpo(grpo_config(tmp_path), model=model, tokenizer=AsciiTokenizer(), progress=False)
     assert calls and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert _saved_weights(tmp_path) == []
@@ -144,9 +183,12 @@ def test_a_nan_loss_stops_grpo_before_the_step(tmp_path, monkeypatch, one_thread
 def sft_config(tmp_path, **overrides):
     from nopad.recipes.sft_config import SFTRecipeConfig
 
-    base = {"model": {"path": "tiny:llama"}, "data": {"num_rows": 16},
-            "train": {"max_steps": 3, "grad_accum": 1, "progress": False},
-            "checkpoint": {"output_dir": str(tmp_path), "every": 1}}
+    base = {
+        "model": {"path": "tiny:llama"},
+        "data": {"num_rows": 16},
+        "train": {"max_steps": 3, "grad_accum": 1, "progress": False},
+        "checkpoint": {"output_dir": str(tmp_path), "every": 1},
+    }
     return with_overrides(load_config(SFTRecipeConfig, overrides=base), overrides)
 
 
@@ -179,8 +221,11 @@ def test_sft_stops_at_the_step_whose_loss_is_nan_and_saves_nothing_from_it_on(tm
     _reset_accelerate()
     model, _ = tiny_causal_lm()
     nan_from_call(model, first_bad=2)  # grad_accum=1: the second forward is step 2's
-    with pytest.raises(NonFiniteError, match=r"^step 2: the loss is nan and the gradient norm is nan; "
-                                             "stopped before this step changed the weights, and nothing"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"^step 2: the loss is nan and the gradient norm is nan; "
+        "stopped before this step changed the weights, and nothing",
+    ):
         train(sft_config(tmp_path), model=model, tokenizer=AsciiTokenizer())
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_1"]
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
@@ -204,8 +249,9 @@ def test_sft_with_nonfinite_skip_drops_the_step_and_goes_on(tmp_path, one_thread
 
     final_norm(model).register_forward_hook(nan_once)
     with caplog.at_level(logging.WARNING, logger="nopad.training.accumulation"):
-        result = train(sft_config(tmp_path, **{"train": {"nonfinite": "skip"}}), model=model,
-                       tokenizer=AsciiTokenizer())
+        result = train(
+            sft_config(tmp_path, **{"train": {"nonfinite": "skip"}}), model=model, tokenizer=AsciiTokenizer()
+        )
     assert result["steps"] == 3 and math.isnan(result["losses"][1]) and math.isfinite(result["losses"][2])
     assert "step 2: the loss is nan and the gradient norm is nan; skipping the step" in caplog.text
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -217,15 +263,31 @@ def test_the_sft_recipe_exits_non_zero_when_float16_overflows(tmp_path):
     tiny model whose logits are finite in float32 but overflow float16, from the command line."""
     model, _ = tiny_causal_lm()
     with torch.no_grad():  # logits of about 1e5: float16 tops out at 65504
-        model.lm_head.weight.copy_(torch.randn(model.lm_head.weight.shape,
-                                               generator=torch.Generator().manual_seed(0)) * 1e4)
+        model.lm_head.weight.copy_(
+            torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)) * 1e4
+        )
     model.save_pretrained(tmp_path / "model")
     AsciiTokenizer().save_pretrained(tmp_path / "model")
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "nopad.recipes.sft", f"model.path={tmp_path / 'model'}", "model.dtype=float16",
-         "data.num_rows=16", "train.max_steps=2", "train.progress=false", "checkpoint.every=1",
-         f"checkpoint.output_dir={out}"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "nopad.recipes.sft",
+            f"model.path={tmp_path / 'model'}",
+            "model.dtype=float16",
+            "data.num_rows=16",
+            "train.max_steps=2",
+            "train.progress=false",
+            "checkpoint.every=1",
+            f"checkpoint.output_dir={out}",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode != 0
     assert "nopad.recipes.sft: error: step 1: the loss is nan" in proc.stderr, proc.stderr[-3000:]
     assert "float16 overflow (use model.dtype=bfloat16 or float32)" in proc.stderr
@@ -332,21 +394,33 @@ def test_every_rank_stops_or_skips_together_when_one_rank_goes_non_finite(nonfin
 
 
 # ----------------------------------------------------------------------------- evaluate
-@pytest.mark.parametrize("value, error, message", [
-    (float("nan"), NonFiniteError, "returned nan"),
-    ("yes", TypeError, r"returned 'yes' \(a str\)"),
-])
-def test_a_bad_scorer_stops_evaluate_naming_it_and_the_sample(tmp_path, monkeypatch, one_thread,
-                                                              value, error, message):
+@pytest.mark.parametrize(
+    "value, error, message",
+    [
+        (float("nan"), NonFiniteError, "returned nan"),
+        ("yes", TypeError, r"returned 'yes' \(a str\)"),
+    ],
+)
+def test_a_bad_scorer_stops_evaluate_naming_it_and_the_sample(tmp_path, monkeypatch, one_thread, value, error, message):
     from nopad.recipes.evaluate import EvaluateConfig, run_evaluate
 
     monkeypatch.setitem(BAD, "value", value)
     model, _ = tiny_causal_lm()
     out = tmp_path / "results.jsonl"
-    cfg = load_config(EvaluateConfig, overrides={"scorer": bad_reward,
-                                                 "data": {"num_prompts": 2}, "sampling": {"max_tokens": 4},
-                                                 "model": {"chat_template": False}, "output": str(out)})
-    with pytest.raises(error, match=rf"^scorer {NAME} {message} for prompt 0 "
-                                    r"\(prompt '.*'\), completion '.*'"):
+    cfg = load_config(
+        EvaluateConfig,
+        overrides={
+            "scorer": bad_reward,
+            "data": {"num_prompts": 2},
+            "sampling": {"max_tokens": 4},
+            "model": {"chat_template": False},
+            "output": str(out),
+        },
+    )
+    with pytest.raises(
+        error,
+        match=rf"^scorer {NAME} {message} for prompt 0 "
+        r"\(prompt '.*'\), completion '.*'",
+    ):
         run_evaluate(cfg, model=model, tokenizer=AsciiTokenizer(), progress=False)
     assert "NaN" not in out.read_text()

@@ -22,9 +22,15 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
 
 
-def make_accelerator(deepspeed_config: str | None = None, *, grad_accum: int = 1,
-                     max_grad_norm: float | None = None, recipe: str = "nopad.recipes.sft",
-                     log_with: str | list[str] | None = None, project_dir: str | None = None):
+def make_accelerator(
+    deepspeed_config: str | None = None,
+    *,
+    grad_accum: int = 1,
+    max_grad_norm: float | None = None,
+    recipe: str = "nopad.recipes.sft",
+    log_with: str | list[str] | None = None,
+    project_dir: str | None = None,
+):
     """An Accelerator for the launch at hand (DDP, DeepSpeed ZeRO-1/2/3, FSDP from ``accelerate
     launch``), or DeepSpeed from ``deepspeed_config``; gloo on a CPU, with ``DS_ACCELERATOR=cpu``
     for DeepSpeed. Asking for DeepSpeed and getting something else is an error, never a silent
@@ -49,8 +55,9 @@ def make_accelerator(deepspeed_config: str | None = None, *, grad_accum: int = 1
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     kwargs = {}
     if deepspeed_config:
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=str(deepspeed_config),
-                                                     gradient_accumulation_steps=grad_accum)
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
+            hf_ds_config=str(deepspeed_config), gradient_accumulation_steps=grad_accum
+        )
     accelerator = Accelerator(
         cpu=cpu and not use_deepspeed,  # cpu=True would silently drop DeepSpeed
         gradient_accumulation_steps=grad_accum,
@@ -60,8 +67,10 @@ def make_accelerator(deepspeed_config: str | None = None, *, grad_accum: int = 1
         **kwargs,
     )
     if use_deepspeed and accelerator.distributed_type != DistributedType.DEEPSPEED:
-        raise RuntimeError(f"DeepSpeed was asked for but Accelerate runs {accelerator.distributed_type}; "
-                           "check the launcher's environment (ACCELERATE_USE_CPU, the config file)")
+        raise RuntimeError(
+            f"DeepSpeed was asked for but Accelerate runs {accelerator.distributed_type}; "
+            "check the launcher's environment (ACCELERATE_USE_CPU, the config file)"
+        )
     check_engine_engaged(accelerator)
     set_deepspeed_clipping(accelerator, max_grad_norm)
     return accelerator
@@ -70,5 +79,8 @@ def make_accelerator(deepspeed_config: str | None = None, *, grad_accum: int = 1
 def engine_info(model, accelerator) -> dict:
     """What actually trains the model, for the log and the result file (DeepSpeed engaged or not)."""
     stage = zero_stage(model)
-    return {"distributed_type": str(accelerator.distributed_type), "deepspeed_engine": stage is not None,
-            "zero_stage": stage}
+    return {
+        "distributed_type": str(accelerator.distributed_type),
+        "deepspeed_engine": stage is not None,
+        "zero_stage": stage,
+    }

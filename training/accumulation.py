@@ -44,9 +44,11 @@ def check_engine_engaged(accelerator) -> None:
     engaged = accelerator.distributed_type.name
     for env, wanted in (("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED"), ("ACCELERATE_USE_FSDP", "FSDP")):
         if os.environ.get(env, "false").lower() == "true" and engaged != wanted:
-            raise RuntimeError(f"{env}=true but Accelerate runs {engaged}: {wanted} did not engage "
-                               "(on CPU Accelerate cannot run FSDP; use torch.distributed.fsdp.fully_shard "
-                               "under torchrun, and DS_ACCELERATOR=cpu for DeepSpeed)")
+            raise RuntimeError(
+                f"{env}=true but Accelerate runs {engaged}: {wanted} did not engage "
+                "(on CPU Accelerate cannot run FSDP; use torch.distributed.fsdp.fully_shard "
+                "under torchrun, and DS_ACCELERATOR=cpu for DeepSpeed)"
+            )
 
 
 def set_deepspeed_clipping(accelerator, max_grad_norm: float | None) -> None:
@@ -102,8 +104,7 @@ class OptimizerStepper:
     backward, before the window can look at the gradient).
     """
 
-    def __init__(self, model, optimizer, accelerator=None, max_grad_norm: float | None = None,
-                 nonfinite: str = "stop"):
+    def __init__(self, model, optimizer, accelerator=None, max_grad_norm: float | None = None, nonfinite: str = "stop"):
         self.model, self.optimizer, self.accelerator = model, optimizer, accelerator
         self.max_grad_norm = max_grad_norm
         if nonfinite not in NONFINITE_POLICIES:
@@ -114,19 +115,28 @@ class OptimizerStepper:
         if accelerator is not None and accelerator.distributed_type.name == "DEEPSPEED":
             self.engine = model
         self.fsdp2 = accelerator is None and bool(fsdp2_modules(model))
-        if accelerator is None and self.world > 1 and not self.fsdp2 and not isinstance(
-                model, torch.nn.parallel.DistributedDataParallel):
-            raise ValueError("a multi-process run without an Accelerator needs a model wrapped in "
-                             "DistributedDataParallel or fully_shard (FSDP2); the gradients would "
-                             "not be reduced otherwise")
+        if (
+            accelerator is None
+            and self.world > 1
+            and not self.fsdp2
+            and not isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        ):
+            raise ValueError(
+                "a multi-process run without an Accelerator needs a model wrapped in "
+                "DistributedDataParallel or fully_shard (FSDP2); the gradients would "
+                "not be reduced otherwise"
+            )
         if nonfinite == "skip" and self.engine is not None:
-            raise ValueError("train.nonfinite=skip cannot skip a step under DeepSpeed, which takes the "
-                             "optimizer step inside the last backward, before the loss and gradient can be "
-                             "checked; use train.nonfinite=stop")
+            raise ValueError(
+                "train.nonfinite=skip cannot skip a step under DeepSpeed, which takes the "
+                "optimizer step inside the last backward, before the loss and gradient can be "
+                "checked; use train.nonfinite=stop"
+            )
         # a loss scaler (fp16 mixed precision) skips overflowing gradients itself and lowers its scale:
         # only the loss says the run went wrong there
         self.loss_scaled = (accelerator is not None and getattr(accelerator, "scaler", None) is not None) or (
-            self.engine is not None and bool(getattr(model, "fp16_enabled", lambda: False)()))
+            self.engine is not None and bool(getattr(model, "fp16_enabled", lambda: False)())
+        )
         self.torch_optimizer = _torch_optimizer(optimizer)
         self.optimizer_steps = 0  # counted by a hook on the real torch optimizer, inside windows
         self.skipped_steps = 0  # windows dropped by nonfinite="skip"
@@ -134,32 +144,39 @@ class OptimizerStepper:
         self._open: Window | None = None  # the window whose block is running (windows do not nest)
 
     @contextlib.contextmanager
-    def window(self, rows: Sequence[Mapping], count_key: str = "num_loss_tokens",
-               step: int | str | None = None) -> Iterator[Window]:
+    def window(
+        self, rows: Sequence[Mapping], count_key: str = "num_loss_tokens", step: int | str | None = None
+    ) -> Iterator[Window]:
         """One accumulation window over ``rows`` (this rank's), ending in one optimizer step;
         ``step`` names it in messages: the run's step number, or a label (``"grpo step 3"``)."""
         if not rows:
             raise ValueError("an optimizer step needs at least one row on every rank (pad with pad_rows)")
         if self._open is not None:
-            raise RuntimeError("stepper.window() inside another window of the same stepper: windows do not "
-                               "nest, each is one optimizer step over its rows. End the first window's "
-                               "`with` block before opening the next, or open one window with every row "
-                               "of the step")
+            raise RuntimeError(
+                "stepper.window() inside another window of the same stepper: windows do not "
+                "nest, each is one optimizer step over its rows. End the first window's "
+                "`with` block before opening the next, or open one window with every row "
+                "of the step"
+            )
         count = global_sum(sum(int(r[count_key]) for r in rows))
         window = self._open = Window(self, len(rows), count, step)
         saved = self._accelerator_state()
         steps_before = self.optimizer_steps
-        hooks = (self.torch_optimizer.register_step_pre_hook(self._enter_step),
-                 self.torch_optimizer.register_step_post_hook(self._count))
+        hooks = (
+            self.torch_optimizer.register_step_pre_hook(self._enter_step),
+            self.torch_optimizer.register_step_post_hook(self._count),
+        )
         try:
             if self.accelerator is not None:  # one Accelerate accumulation window of exactly these rows
                 self.accelerator.gradient_accumulation_steps = len(rows)
                 self.accelerator.step = 0
             yield window
             if window.done != window.num_rows:
-                raise RuntimeError(f"the window ended after {window.done} of its {window.num_rows} rows: "
-                                   "run each row of stepper.window(rows) in its own `with w.row():` block, "
-                                   "or open the window with only the rows this step trains on")
+                raise RuntimeError(
+                    f"the window ended after {window.done} of its {window.num_rows} rows: "
+                    "run each row of stepper.window(rows) in its own `with w.row():` block, "
+                    "or open the window with only the rows this step trains on"
+                )
             window.grad_norm = self._clip_and_step(window)
         except BaseException:
             self._discard_gradients()
@@ -214,9 +231,11 @@ class OptimizerStepper:
             # gradient_clipping: it must be the one asked for, or clipping would silently differ
             configured = float(self.engine.gradient_clipping() or 0.0)
             if configured != (limit if max_norm else 0.0):
-                raise ValueError(f"DeepSpeed's gradient_clipping is {configured} but train.max_grad_norm="
-                                 f"{max_norm}; set \"gradient_clipping\": \"auto\" in the DeepSpeed "
-                                 "config (the recipe fills it in) or make them equal")
+                raise ValueError(
+                    f"DeepSpeed's gradient_clipping is {configured} but train.max_grad_norm="
+                    f'{max_norm}; set "gradient_clipping": "auto" in the DeepSpeed '
+                    "config (the recipe fills it in) or make them equal"
+                )
         if self.accelerator is not None:
             norm = self.accelerator.clip_grad_norm_(self.model.parameters(), limit)
         else:
@@ -237,22 +256,28 @@ class OptimizerStepper:
             what.append(f"the gradient norm is {grad_norm}")
         if not any_rank(bool(what)):
             return True
-        step = window.step if isinstance(window.step, str) else (
-            "an optimizer step" if window.step is None else f"step {window.step}")
+        step = (
+            window.step
+            if isinstance(window.step, str)
+            else ("an optimizer step" if window.step is None else f"step {window.step}")
+        )
         found = " and ".join(what) if what else "the loss or the gradient norm is not finite on another rank"
         if self.nonfinite == "skip":
             self.skipped_steps += 1
             window.skipped = True
-            logger.warning("%s: %s; skipping the step (train.nonfinite=skip): the weights stay as they were",
-                           step, found)
+            logger.warning(
+                "%s: %s; skipping the step (train.nonfinite=skip): the weights stay as they were", step, found
+            )
             return False
-        damaged = (" (DeepSpeed already took the step: the weights in memory are damaged)"
-                   if self.engine is not None else "")
+        damaged = (
+            " (DeepSpeed already took the step: the weights in memory are damaged)" if self.engine is not None else ""
+        )
         raise NonFiniteError(
             f"{step}: {found}; stopped before this step changed the weights{damaged}, and nothing from this "
             "step on is saved. Usual causes: a learning rate too high (train.lr), float16 overflow (use "
             "model.dtype=bfloat16 or float32), a broken reward or data row. Set train.nonfinite=skip to skip "
-            "such steps instead")
+            "such steps instead"
+        )
 
 
 class Window:
@@ -271,14 +296,20 @@ class Window:
         """One row's forward and backward: gradient sync only on the window's last row."""
         s = self.stepper
         if self.in_row:
-            raise RuntimeError("w.row() inside another w.row(): each row is one block, one after the other "
-                               "(`for row in rows: with w.row(): w.backward(loss_sum(row))`)")
+            raise RuntimeError(
+                "w.row() inside another w.row(): each row is one block, one after the other "
+                "(`for row in rows: with w.row(): w.backward(loss_sum(row))`)"
+            )
         if s._open is not self:
-            raise RuntimeError("w.row() after its window ended: rows belong inside the `with "
-                               "stepper.window(rows) as w:` block that opened w")
+            raise RuntimeError(
+                "w.row() after its window ended: rows belong inside the `with "
+                "stepper.window(rows) as w:` block that opened w"
+            )
         if self.done >= self.num_rows:
-            raise RuntimeError(f"more rows than the {self.num_rows} this window was opened for: open it with "
-                               "every row this step trains on, stepper.window(rows), one `w.row()` per row")
+            raise RuntimeError(
+                f"more rows than the {self.num_rows} this window was opened for: open it with "
+                "every row this step trains on, stepper.window(rows), one `w.row()` per row"
+            )
         self.in_row = True
         try:
             yield from self._synced_row(s)
@@ -292,8 +323,7 @@ class Window:
         if s.accelerator is not None:
             with s.accelerator.accumulate(s.model):
                 if s.accelerator.sync_gradients != last:
-                    raise RuntimeError(f"internal: Accelerate would sync after row {self.done + 1} of "
-                                       f"{self.num_rows}")
+                    raise RuntimeError(f"internal: Accelerate would sync after row {self.done + 1} of {self.num_rows}")
                 yield
         elif s.fsdp2:
             s.model.set_requires_gradient_sync(last)
@@ -309,9 +339,11 @@ class Window:
         averaging is undone. Returns the row's share of the step's loss (detached)."""
         s = self.stepper
         if not self.in_row:
-            raise RuntimeError("w.backward() outside `with w.row():`: a row's forward and backward go inside "
-                               "its own row block, which decides the gradient sync and counts the row; write "
-                               "`with w.row(): w.backward(loss_sum(row))`")
+            raise RuntimeError(
+                "w.backward() outside `with w.row():`: a row's forward and backward go inside "
+                "its own row block, which decides the gradient sync and counts the row; write "
+                "`with w.row(): w.backward(loss_sum(row))`"
+            )
         loss = loss_sum / max(self.count, 1.0)  # a window with no loss token anywhere: 0 gradient
         scale = s.world  # DDP, DeepSpeed and FSDP2 all average the gradient over ranks
         if s.engine is not None:

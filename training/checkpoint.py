@@ -9,23 +9,17 @@ output directory is skipped with a warning that names it.
 Every rank calls :func:`save_checkpoint` with the same path (DeepSpeed and FSDP write per-rank
 shards into it); the main process renames and prunes.
 
-An output directory can hold several runs (the README's SFT line and its ``accelerate launch`` line
-both write ``runs/sft``). :func:`claim_run_dir` gives each run an id, a lock naming its process (two
-runs at once used to delete each other's ``.step_N.incomplete``), and a ``metrics.jsonl`` of its
-own; each checkpoint records its run and write time, and "latest" is the newest written, so the
+An output directory can hold several runs (:func:`nopad.training.run_dir.claim_run_dir` gives each its
+id and lock); each checkpoint records its run and write time, and "latest" is the newest written, so the
 newer run's ``step_3`` wins over an older run's ``step_5``.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
-import os
 import shutil
-import socket
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "nopad_checkpoint.json"  # written last, inside the temporary directory
 INCOMPLETE_SUFFIX = ".incomplete"
-LOCK_FILE = "nopad_run.lock"  # in the output directory while a run writes there: pid, host, run id
+LOCK_FILE = "nopad_run.lock"  # in the output directory while a run writes there: pid, host, run id (run_dir.py)
 METRICS_FILE = "metrics.jsonl"
 STATE_DIR = "training_state"  # inside step_N/: what resuming needs beyond the model directory
 
@@ -70,8 +64,12 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
         if is_complete(path):
             found.append(path)
         else:
-            logger.warning("skipping %s: it is not a complete checkpoint (no %s; the run that wrote it was "
-                           "probably stopped during the write)", path, COMPLETE_MARKER)
+            logger.warning(
+                "skipping %s: it is not a complete checkpoint (no %s; the run that wrote it was "
+                "probably stopped during the write)",
+                path,
+                COMPLETE_MARKER,
+            )
     return sorted(found, key=lambda p: (checkpoint_info(p).get("saved_at", 0.0), step_of(p)))
 
 
@@ -82,13 +80,21 @@ def latest_checkpoint(output_dir: str | Path) -> Path:
         incomplete = sorted(p.name for p in Path(output_dir).glob("*step_*"))
         raise FileNotFoundError(
             f"{output_dir} holds no complete step_N checkpoint"
-            + (f" (only {', '.join(incomplete)}, written by a run that stopped before finishing them)"
-               if incomplete else "")
-            + "; train first, or give the path of a complete checkpoint directory")
+            + (
+                f" (only {', '.join(incomplete)}, written by a run that stopped before finishing them)"
+                if incomplete
+                else ""
+            )
+            + "; train first, or give the path of a complete checkpoint directory"
+        )
     runs = {checkpoint_info(p).get("run") for p in found}
     if len(runs) > 1:
-        logger.info("%s holds checkpoints of %d runs; using the newest run's newest checkpoint, %s",
-                    output_dir, len(runs), found[-1].name)
+        logger.info(
+            "%s holds checkpoints of %d runs; using the newest run's newest checkpoint, %s",
+            output_dir,
+            len(runs),
+            found[-1].name,
+        )
     return found[-1]
 
 
@@ -107,8 +113,7 @@ def dir_kind(path: str | Path) -> str | None:
         return "run"
     if names & {"dataset_info.json", "state.json", "dataset_dict.json"}:
         return "dataset"
-    if path.name == "training_state" or any(n.startswith(("optimizer", "random_states", "scheduler"))
-                                            for n in names):
+    if path.name == "training_state" or any(n.startswith(("optimizer", "random_states", "scheduler")) for n in names):
         return "training_state"
     return None
 
@@ -127,18 +132,29 @@ def resolve_model_dir(path: str | Path) -> Path:
         return latest
     what = {
         "training_state": f"{path} is a checkpoint's training state (optimizer and RNG for resuming), not a "
-                          f"model: pass the checkpoint itself, model.path={path.parent}",
+        f"model: pass the checkpoint itself, model.path={path.parent}",
         "dataset": f"{path} is a saved dataset (e.g. nopad.recipes.preprocess's packed output), not a model: give "
-                   "it as the data (data.source= in SFT) and set model.path to a model",
+        "it as the data (data.source= in SFT) and set model.path to a model",
         "empty": f"{path} is an empty directory, not a model",
-    }.get(kind, f"{path} holds no config.json, so it is not a Hugging Face model directory (it holds "
-                f"{', '.join(sorted(p.name for p in path.iterdir())[:8])})")
-    raise FileNotFoundError(f"model.path: {what}; give a Hugging Face model directory (with config.json), "
-                            "a training run's output directory, or model.path=smollm2")
+    }.get(
+        kind,
+        f"{path} holds no config.json, so it is not a Hugging Face model directory (it holds "
+        f"{', '.join(sorted(p.name for p in path.iterdir())[:8])})",
+    )
+    raise FileNotFoundError(
+        f"model.path: {what}; give a Hugging Face model directory (with config.json), "
+        "a training run's output directory, or model.path=smollm2"
+    )
 
 
-def save_checkpoint(path: str | Path, write: Callable[[Path], None], accelerator=None, *,
-                    keep_last: int | None = None, meta: dict | None = None) -> Path:
+def save_checkpoint(
+    path: str | Path,
+    write: Callable[[Path], None],
+    accelerator=None,
+    *,
+    keep_last: int | None = None,
+    meta: dict | None = None,
+) -> Path:
     """Write a checkpoint with ``write(tmp_dir)`` (called on every rank) and move it to ``path``
     when complete; then keep only the newest ``keep_last`` complete checkpoints beside it."""
     path = Path(path)
@@ -156,14 +172,20 @@ def save_checkpoint(path: str | Path, write: Callable[[Path], None], accelerator
         free = shutil.disk_usage(tmp.parent).free if tmp.parent.exists() else 0
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise OSError(f"could not write checkpoint {path} ({free / 2**20:.0f} MiB free on its disk; a full "
-                      f"disk is the usual cause): {err}. The partial copy was removed and the earlier "
-                      "checkpoints are intact; free space (or set checkpoint.keep_last) and resume with "
-                      "checkpoint.resume_from=latest") from err
+        raise OSError(
+            f"could not write checkpoint {path} ({free / 2**20:.0f} MiB free on its disk; a full "
+            f"disk is the usual cause): {err}. The partial copy was removed and the earlier "
+            "checkpoints are intact; free space (or set checkpoint.keep_last) and resume with "
+            "checkpoint.resume_from=latest"
+        ) from err
     _barrier(accelerator)
     if main:
-        info = {"step": step_of(path), "saved_at": time.time(), "run": _lock_owner(path.parent).get("run"),
-                **(meta or {})}
+        info = {
+            "step": step_of(path),
+            "saved_at": time.time(),
+            "run": lock_owner(path.parent).get("run"),
+            **(meta or {}),
+        }
         (tmp / COMPLETE_MARKER).write_text(json.dumps(info))
         if path.exists():  # the same step written again (e.g. a rerun): replace it whole
             shutil.rmtree(path)
@@ -179,8 +201,9 @@ def save_checkpoint(path: str | Path, write: Callable[[Path], None], accelerator
 def _is_write_failure(err: BaseException) -> bool:
     """An OSError (ENOSPC, EIO...) or torch's zip writer failing mid-file ("unexpected pos")."""
     text = str(err)
-    return isinstance(err, OSError) or any(s in text for s in ("unexpected pos", "PytorchStreamWriter",
-                                                               "No space left"))
+    return isinstance(err, OSError) or any(
+        s in text for s in ("unexpected pos", "PytorchStreamWriter", "No space left")
+    )
 
 
 def _barrier(accelerator) -> None:
@@ -194,21 +217,37 @@ def resume_failure(checkpoint_dir: str | Path, err: BaseException) -> str:
     file reader's own words (a truncated zip or pickle) suggest a damaged file."""
     text = str(err)
     if any(s in text for s in ("size mismatch", "Missing key", "Unexpected key", "shape")):
-        return (f"checkpoint {checkpoint_dir} was written for a different model than model.path "
-                f"({text[:300]}); resume with the model.path of the run that wrote it, or start a fresh "
-                "run in another checkpoint.output_dir")
+        return (
+            f"checkpoint {checkpoint_dir} was written for a different model than model.path "
+            f"({text[:300]}); resume with the model.path of the run that wrote it, or start a fresh "
+            "run in another checkpoint.output_dir"
+        )
     if any(s in text for s in DAMAGE_SIGNS):
-        return (f"could not load the training state of checkpoint {checkpoint_dir}: {text}; the file may be "
-                "damaged: resume from an earlier step_N directory")
-    return (f"could not load the training state of checkpoint {checkpoint_dir}: {text[:300]}; resume with "
-            "the recipe, model and settings of the run that wrote it, or start a new run in another output "
-            "directory")
+        return (
+            f"could not load the training state of checkpoint {checkpoint_dir}: {text}; the file may be "
+            "damaged: resume from an earlier step_N directory"
+        )
+    return (
+        f"could not load the training state of checkpoint {checkpoint_dir}: {text[:300]}; resume with "
+        "the recipe, model and settings of the run that wrote it, or start a new run in another output "
+        "directory"
+    )
 
 
 # what a truncated or corrupt file makes torch, pickle or safetensors say
-DAMAGE_SIGNS = ("PytorchStreamReader", "central directory", "unpickling", "truncated", "Ran out of input",
-                "invalid load key", "EOF", "HeaderTooLarge", "InvalidHeader", "MetadataIncompleteBuffer",
-                "corrupt")
+DAMAGE_SIGNS = (
+    "PytorchStreamReader",
+    "central directory",
+    "unpickling",
+    "truncated",
+    "Ran out of input",
+    "invalid load key",
+    "EOF",
+    "HeaderTooLarge",
+    "InvalidHeader",
+    "MetadataIncompleteBuffer",
+    "corrupt",
+)
 
 
 def checkpoint_recipe(path: str | Path) -> str | None:
@@ -231,78 +270,22 @@ def checkpoint_recipe(path: str | Path) -> str | None:
     return None
 
 
-def claim_run_dir(output_dir: str | Path, accelerator=None, *, resuming: bool = False) -> str:
-    """Start a run in ``output_dir`` (main process only; returns the run id everywhere).
-
-    Takes the directory's lock, or stops with the pid of the run that holds it. A fresh run (not a
-    resume) moves an earlier run's ``metrics.jsonl`` aside to ``metrics.<its run id>.jsonl``, so the
-    curves of one run never mix with another's; a resumed run continues the file. The lock is
-    released when the process exits."""
-    output_dir = Path(output_dir)
-    run = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    if accelerator is not None and not accelerator.is_main_process:
-        return run
-    output_dir.mkdir(parents=True, exist_ok=True)
-    previous = _lock_owner(output_dir)
-    if previous and previous.get("pid") != os.getpid() and _alive(previous):
-        raise RuntimeError(
-            f"{output_dir} is in use by another run (pid {previous.get('pid')} on {previous.get('host')}, "
-            f"run {previous.get('run')}, since {previous.get('started')}); two runs writing one directory "
-            "destroy each other's checkpoints: wait for it, stop it, or set another output directory. "
-            f"If that run is gone, delete {output_dir / LOCK_FILE}")
-    if previous and previous.get("pid") != os.getpid():
-        logger.warning("%s: the run %s (pid %s) that locked it is gone; taking it over", output_dir,
-                       previous.get("run"), previous.get("pid"))
-    metrics = output_dir / METRICS_FILE
-    if not resuming and metrics.is_file():
-        old_run = previous.get("run") or time.strftime("%Y%m%d-%H%M%S",
-                                                       time.localtime(metrics.stat().st_mtime))
-        aside = metrics.with_name(f"metrics.{old_run}.jsonl")
-        metrics.rename(aside)
-        logger.info("%s: an earlier run's metrics moved to %s; this run writes its own", output_dir,
-                    aside.name)
-    if not resuming and complete_checkpoints(output_dir):
-        logger.warning("%s already holds checkpoints of an earlier run; this new run's checkpoints count as "
-                       "newer (model.path=%s and resume_from=latest take this run's newest). To continue the "
-                       "earlier run instead, set checkpoint.resume_from=latest", output_dir, output_dir)
-    owner = {"pid": os.getpid(), "host": socket.gethostname(), "run": run,
-             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    (output_dir / LOCK_FILE).write_text(json.dumps(owner))
-    atexit.register(release_run_dir, output_dir)
-    return run
-
-
-def release_run_dir(output_dir: str | Path) -> None:
-    """Drop this process's lock on ``output_dir`` (another run's lock is left alone)."""
-    lock = Path(output_dir) / LOCK_FILE
-    if _lock_owner(Path(output_dir)).get("pid") == os.getpid():
-        lock.unlink(missing_ok=True)
-
-
-def _lock_owner(output_dir: Path) -> dict:
+def lock_owner(output_dir: Path) -> dict:
+    """What the lock of ``output_dir`` names (pid, host, run id; :mod:`nopad.training.run_dir`), or {}."""
     try:
         return json.loads((output_dir / LOCK_FILE).read_text())
     except (OSError, ValueError):
         return {}
 
 
-def _alive(owner: dict) -> bool:
-    """Whether the process that wrote a lock still runs (one on another host counts as running)."""
-    if owner.get("host") != socket.gethostname():
-        return True
-    try:
-        os.kill(int(owner.get("pid", 0)), 0)
-    except (ProcessLookupError, ValueError):
-        return False
-    except PermissionError:
-        return True
-    return int(owner.get("pid", 0)) > 0
-
-
-# ----------------------------------------------------------------------------- the recipes' use
-def save_training_checkpoint(accelerator, path: Path, save_model: Callable[[Path], None],
-                             keep_last: int | None = None, state_kwargs: dict | None = None,
-                             recipe: str | None = None) -> None:
+def save_training_checkpoint(
+    accelerator,
+    path: Path,
+    save_model: Callable[[Path], None],
+    keep_last: int | None = None,
+    state_kwargs: dict | None = None,
+    recipe: str | None = None,
+) -> None:
     """``path`` becomes a model directory (``save_model(dir)`` writes it) holding, in
     ``training_state/``, everything registered with the Accelerator (optimizer, RNG, the recipe's
     progress) to resume from; written whole or not at all (:func:`save_checkpoint`). SFT and GRPO
@@ -323,21 +306,26 @@ def resume_path(resume_from: str, output_dir: Path) -> Path:
     return latest_checkpoint(output_dir) if resume_from == "latest" else Path(resume_from)
 
 
-def resume_training(accelerator, resume_from: str, output_dir: Path,
-                    state_kwargs: dict | None = None, recipe: str | None = None) -> Path:
+def resume_training(
+    accelerator, resume_from: str, output_dir: Path, state_kwargs: dict | None = None, recipe: str | None = None
+) -> Path:
     """Load ``resume_from`` (a step_N directory, or the ``latest`` complete one in ``output_dir``)
     into everything registered for checkpointing (``state_kwargs`` go to ``load_state``); returns
     the checkpoint's path. A checkpoint another ``recipe`` wrote is refused before loading."""
     path = resume_path(resume_from, output_dir)
     if not (path / STATE_DIR).is_dir():
-        raise FileNotFoundError(f"checkpoint.resume_from={str(path)!r} holds no {STATE_DIR}/ "
-                                "written by this recipe; give a step_N directory of an earlier run")
+        raise FileNotFoundError(
+            f"checkpoint.resume_from={str(path)!r} holds no {STATE_DIR}/ "
+            "written by this recipe; give a step_N directory of an earlier run"
+        )
     written_by = checkpoint_recipe(path)
     if recipe and written_by and written_by != recipe:
-        raise ValueError(f"checkpoint.resume_from={path} is a checkpoint of nopad.recipes.{written_by}, not of "
-                         f"nopad.recipes.{recipe}: a resume continues the run that wrote it. To start "
-                         f"nopad.recipes.{recipe} from that model, set model.path={path} and leave "
-                         "checkpoint.resume_from unset")
+        raise ValueError(
+            f"checkpoint.resume_from={path} is a checkpoint of nopad.recipes.{written_by}, not of "
+            f"nopad.recipes.{recipe}: a resume continues the run that wrote it. To start "
+            f"nopad.recipes.{recipe} from that model, set model.path={path} and leave "
+            "checkpoint.resume_from unset"
+        )
     try:
         accelerator.load_state(str(path / STATE_DIR), **(state_kwargs or {}))
     except ValueError:  # our own: a resume under another plan, naming the setting
@@ -365,6 +353,10 @@ def trim_metrics(output_dir: str | Path, first_redone: int) -> None:
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     kept = [line for line in lines if json.loads(line).get("step", -1) < first_redone]
     if len(kept) != len(lines):
-        logger.info("%s: dropping %d record(s) of steps >= %d, logged after the checkpoint resumed from",
-                    path, len(lines) - len(kept), first_redone)
+        logger.info(
+            "%s: dropping %d record(s) of steps >= %d, logged after the checkpoint resumed from",
+            path,
+            len(lines) - len(kept),
+            first_redone,
+        )
         path.write_text("".join(line + "\n" for line in kept))

@@ -25,8 +25,8 @@ from nopad.packing.varlen import VarlenMeta
 
 logger = logging.getLogger(__name__)
 
-def resolve_batch_invariant(setting: bool | str, device: torch.device | str,
-                            key: str = "batch_invariant") -> bool:
+
+def resolve_batch_invariant(setting: bool | str, device: torch.device | str, key: str = "batch_invariant") -> bool:
     """``True`` / ``False`` / ``"auto"`` (on where :func:`nopad.packing.invariance_support.supported`, else off
     with a warning), for the setting called ``key`` (``train.batch_invariant`` in the recipe)."""
     if setting not in ("auto", True, False):
@@ -36,22 +36,26 @@ def resolve_batch_invariant(setting: bool | str, device: torch.device | str,
     supported, why = invariant_mode_supported(device)
     if setting == "auto" and supported and torch.device(device).type != "cpu":
         # the Triton kernel set is proven under the interpreter, not yet timed on a GPU
-        logger.warning("%s='auto': off on %s until the Triton kernel set's cost is measured on a GPU "
-                       "(make gpu-check); set %s=True for bitwise-equal rollout and trainer log-probs",
-                       key, torch.device(device).type, key)
+        logger.warning(
+            "%s='auto': off on %s until the Triton kernel set's cost is measured on a GPU "
+            "(make gpu-check); set %s=True for bitwise-equal rollout and trainer log-probs",
+            key,
+            torch.device(device).type,
+            key,
+        )
         return False
     if setting == "auto":
         if not supported:
-            logger.warning("%s='auto': off (%s); rollout and trainer log-probs will differ slightly",
-                           key, why)
+            logger.warning("%s='auto': off (%s); rollout and trainer log-probs will differ slightly", key, why)
         return supported
     if setting and not supported:
         raise ValueError(f"{key}=True is not available: {why}. Use {key}='auto' or False")
     return bool(setting)
 
 
-def group_advantages(rewards: torch.Tensor, eps: float = 1e-4, scale_rewards: str = "group",
-                     batch_std: float | None = None) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, eps: float = 1e-4, scale_rewards: str = "group", batch_std: float | None = None
+) -> torch.Tensor:
     """GRPO advantages: each reward minus its group's mean, over a std (TRL's ``scale_rewards``):
     the group's (``"group"``), the whole batch's (``"batch"``: ``batch_std``, or these rewards') or
     none (``"none"``, Dr. GRPO). ``rewards`` is ``(num_prompts, num_generations)``; a group with
@@ -132,16 +136,24 @@ class Rollout:
     def from_completion(cls, prompt_ids: Sequence[int], completion, logprobs: str = "tempered") -> Rollout:
         """A plain sample (:class:`nopad.inference.outputs.CompletionOutput`): every token the model's.
         ``logprobs``: which recorded log-probs (:data:`LOGPROBS`), the trained policy's."""
-        return cls(list(prompt_ids), list(completion.token_ids), _sampled_logprobs(completion, logprobs),
-                   truncated=completion.finish_reason == "length",
-                   policy_versions=list(getattr(completion, "policy_versions", ())))
+        return cls(
+            list(prompt_ids),
+            list(completion.token_ids),
+            _sampled_logprobs(completion, logprobs),
+            truncated=completion.finish_reason == "length",
+            policy_versions=list(getattr(completion, "policy_versions", ())),
+        )
 
     @classmethod
     def from_episode(cls, episode, logprobs: str = "tempered") -> Rollout:
         """A multi-turn episode (:class:`nopad.inference.episodes.Episode`): the tools' tokens are context."""
-        return cls(list(episode.prompt_token_ids), list(episode.completion_ids),
-                   _sampled_logprobs(episode, logprobs), loss_mask=list(episode.model_mask),
-                   truncated=episode.finish_reason == "length")
+        return cls(
+            list(episode.prompt_token_ids),
+            list(episode.completion_ids),
+            _sampled_logprobs(episode, logprobs),
+            loss_mask=list(episode.model_mask),
+            truncated=episode.finish_reason == "length",
+        )
 
     @property
     def num_loss_tokens(self) -> int:
@@ -172,9 +184,10 @@ def pack_rollouts(rollouts: list[Rollout], capacity: int, shared_prefix: bool = 
     if not scored:
         return rows
     # pairs are laid completion after completion (indices), each in token order: the sampled log-probs
-    return [row.with_token_values({"gen_logprobs": [lp for i in row.indices.tolist()
-                                                    for lp in rollouts[i].gen_logprobs]})
-            for row in rows]
+    return [
+        row.with_token_values({"gen_logprobs": [lp for i in row.indices.tolist() for lp in rollouts[i].gen_logprobs]})
+        for row in rows
+    ]
 
 
 def _flat_rows(rollouts: list[Rollout], capacity: int) -> list[PackedRow]:
@@ -188,8 +201,9 @@ def _flat_rows(rollouts: list[Rollout], capacity: int) -> list[PackedRow]:
         for i in order:  # an episode's tool tokens are context: no label (Rollout.loss_mask)
             prompt, completion = list(rollouts[i].prompt_ids), list(rollouts[i].completion_ids)
             ids += prompt + completion
-            labels += [IGNORE_INDEX] * len(prompt) + [t if keep else IGNORE_INDEX
-                                                      for t, keep in zip(completion, _loss_mask(rollouts[i]))]
+            labels += [IGNORE_INDEX] * len(prompt) + [
+                t if keep else IGNORE_INDEX for t, keep in zip(completion, _loss_mask(rollouts[i]))
+            ]
         meta = VarlenMeta.from_lengths([lengths[i] for i in order])
         rows.append(PackedRow.build(ids, labels, meta, indices=order))
     return rows
@@ -199,16 +213,22 @@ def _loss_mask(r: Rollout) -> list[int]:
     """One 0/1 per completion token: 1 where the model sampled it (``Rollout.loss_mask``, empty: all)."""
     mask = list(r.loss_mask) if r.loss_mask else [1] * len(r.completion_ids)
     if len(mask) != len(r.completion_ids) or any(m not in (0, 1) for m in mask):
-        raise ValueError(f"a rollout's loss_mask must hold one 0/1 per completion token "
-                         f"({len(r.completion_ids)}), got {len(mask)} values")
+        raise ValueError(
+            f"a rollout's loss_mask must hold one 0/1 per completion token "
+            f"({len(r.completion_ids)}), got {len(mask)} values"
+        )
     return mask
 
 
 def rollout_paths(rollouts: Sequence[Rollout]) -> list[TreePath]:
     """Each rollout as a path of a prefix tree (``nopad.packing.bins.tree.TreePath``): prompt +
     completion, the loss on the tokens the model sampled."""
-    return [TreePath(list(r.prompt_ids) + list(r.completion_ids),
-                     [False] * len(r.prompt_ids) + [bool(x) for x in _loss_mask(r)]) for r in rollouts]
+    return [
+        TreePath(
+            list(r.prompt_ids) + list(r.completion_ids), [False] * len(r.prompt_ids) + [bool(x) for x in _loss_mask(r)]
+        )
+        for r in rollouts
+    ]
 
 
 def pair_advantages(row: PackedRow, rollouts: Sequence[Rollout]) -> torch.Tensor:
@@ -227,15 +247,20 @@ def packing_metrics(rows: Sequence[PackedRow], rollouts: Sequence[Rollout]) -> d
     share of those that shared prefixes spared (0 when nothing is shared)."""
     train = sum(r.num_tokens for r in rows if not r.empty)
     flat = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
-    return {"train_tokens": train, "flat_train_tokens": flat,
-            "tree_token_saving": 1.0 - train / flat if flat else 0.0}
+    return {"train_tokens": train, "flat_train_tokens": flat, "tree_token_saving": 1.0 - train / flat if flat else 0.0}
 
 
 def empty_rollout_row() -> PackedRow:
     """A two-token row with one (zero-weight) loss token and no loss count: what a rank with fewer
     rows runs so that every rank joins the same forward/backward collectives."""
-    return PackedRow.build([0, 0], [IGNORE_INDEX, 0], VarlenMeta.from_lengths([2]), indices=[-1],
-                           token_values={"gen_logprobs": [0.0]}, empty=True)
+    return PackedRow.build(
+        [0, 0],
+        [IGNORE_INDEX, 0],
+        VarlenMeta.from_lengths([2]),
+        indices=[-1],
+        token_values={"gen_logprobs": [0.0]},
+        empty=True,
+    )
 
 
 def _scored(rollouts: Sequence[Rollout]) -> bool:
@@ -247,14 +272,17 @@ def _scored(rollouts: Sequence[Rollout]) -> bool:
         raise ValueError("some rollouts carry generator log-probs and some do not; give all or none")
     for r in rollouts if all(scored) else ():
         if len(r.gen_logprobs) != r.num_loss_tokens:
-            raise ValueError(f"a rollout has {len(r.gen_logprobs)} gen_logprobs for {r.num_loss_tokens} "
-                             f"sampled tokens ({len(r.completion_ids)} completion tokens); give one per "
-                             "sampled token, or one per completion token with its loss_mask")
+            raise ValueError(
+                f"a rollout has {len(r.gen_logprobs)} gen_logprobs for {r.num_loss_tokens} "
+                f"sampled tokens ({len(r.completion_ids)} completion tokens); give one per "
+                "sampled token, or one per completion token with its loss_mask"
+            )
     return all(scored)
 
 
-def packed_logprobs(model, row: Mapping, temperature: float = 1.0, *, compute_entropy: bool = False,
-                    entropy_grad: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+def packed_logprobs(
+    model, row: Mapping, temperature: float = 1.0, *, compute_entropy: bool = False, entropy_grad: bool = True
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the loss pairs of one packed row under ``model`` (the training forward), in
     pair order (label order outside tree rows): ``log_softmax(logits / temperature)`` at each
     sampled token. With ``compute_entropy`` returns ``(logps, entropies)`` (the entropies
@@ -264,15 +292,15 @@ def packed_logprobs(model, row: Mapping, temperature: float = 1.0, *, compute_en
     (:func:`nopad.packing.head.chunked.token_logprobs`: the row's ``T x V`` logits never exist)."""
     row = as_row(row)
     predict_at, targets = row.loss_tokens()
-    logps, entropies = token_logprobs(model, row.model_kwargs(), predict_at, targets, temperature=temperature,
-                                      entropy=compute_entropy)
+    logps, entropies = token_logprobs(
+        model, row.model_kwargs(), predict_at, targets, temperature=temperature, entropy=compute_entropy
+    )
     logps = row.per_pair(logps)
     if not compute_entropy:
         return logps
     if not (entropy_grad and torch.is_grad_enabled()):
         entropies = entropies.detach()
     return logps, row.per_pair(entropies)
-
 
 
 def pair_sequences(row: PackedRow) -> torch.Tensor:

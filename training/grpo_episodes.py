@@ -29,32 +29,49 @@ class ToolEpisodes:
     episode_reward: bool = False
 
 
-def run_episodes(generator, model, prompt_ids: Sequence[list[int]], params, episodes: ToolEpisodes,
-                 logprobs: str, examples: Sequence[Mapping] = ()) -> tuple[list[list[tuple]], dict]:
+def run_episodes(
+    generator,
+    model,
+    prompt_ids: Sequence[list[int]],
+    params,
+    episodes: ToolEpisodes,
+    logprobs: str,
+    examples: Sequence[Mapping] = (),
+) -> tuple[list[list[tuple]], dict]:
     """Per prompt, per sample: (what the reward reads: the last model turn's token ids, or the
     Episode itself for an episode reward; its :class:`Rollout`), and the rollout's tool metrics.
     ``examples`` (one per prompt) are the keywords of each environment's ``reset``."""
     from nopad.inference.sharded import sharded_weights
 
     if sharded_weights(model) is not None:
-        raise ValueError("tool episodes run on an unsharded policy; FSDP2-sharded GRPO takes single-turn "
-                         "tasks only (task.name without tools, no task.environment)")
+        raise ValueError(
+            "tool episodes run on an unsharded policy; FSDP2-sharded GRPO takes single-turn "
+            "tasks only (task.name without tools, no task.environment)"
+        )
     factory = episodes.environment_factory
-    done = generator.run_episodes(list(prompt_ids), episodes.tools, params, limits=episodes.limits,
-                                  tool_format=episodes.tool_format, environment_factory=factory,
-                                  reset_kwargs=list(examples) if factory is not None else None)
+    done = generator.run_episodes(
+        list(prompt_ids),
+        episodes.tools,
+        params,
+        limits=episodes.limits,
+        tool_format=episodes.tool_format,
+        environment_factory=factory,
+        reset_kwargs=list(examples) if factory is not None else None,
+    )
     samples: list[list[tuple]] = [[] for _ in prompt_ids]
     for ep in done:
         read = ep if episodes.episode_reward else last_turn(ep)
         samples[ep.prompt_index].append((read, Rollout.from_episode(ep, logprobs)))
     calls = sum(ep.num_tool_calls for ep in done)
-    return samples, {"tool_calls_per_episode": calls / max(len(done), 1),
-                     "tool_failure_rate": sum(ep.num_tool_errors for ep in done) / max(calls, 1),
-                     "tool_turns_mean": sum(ep.num_turns for ep in done) / max(len(done), 1),
-                     "tool_wait_s": float(generator.last_episode_stats.get("tool_wait_s", 0.0))}
+    return samples, {
+        "tool_calls_per_episode": calls / max(len(done), 1),
+        "tool_failure_rate": sum(ep.num_tool_errors for ep in done) / max(calls, 1),
+        "tool_turns_mean": sum(ep.num_turns for ep in done) / max(len(done), 1),
+        "tool_wait_s": float(generator.last_episode_stats.get("tool_wait_s", 0.0)),
+    }
 
 
 def last_turn(episode: Episode) -> list[int]:
     """The token ids of the episode's last model turn: the answer a text reward reads."""
     last = episode.turns[-1] if episode.turns else None
-    return episode.completion_ids[last.start:last.end] if last is not None else []
+    return episode.completion_ids[last.start : last.end] if last is not None else []

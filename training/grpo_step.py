@@ -19,25 +19,22 @@ import torch
 
 from nopad.inference.episodes import Episode
 from nopad.inference.sharded import sharded_generate
-from nopad.packing.distributed import any_rank, global_sum, world_size
+from nopad.packing.distributed import any_rank, global_sum
 from nopad.packing.invariance import batch_invariant
-from nopad.training.accumulation import OptimizerStepper, pad_rows
+from nopad.training.accumulation import OptimizerStepper
 from nopad.training.grpo import (
     SCALE_REWARDS,
     Rollout,
-    empty_rollout_row,
     group_advantages,
-    pack_rollouts,
     packed_logprobs,
     packing_metrics,
-    pair_advantages,
-    pair_sequences,
     policy_temperature,
 )
 from nopad.training.grpo_episodes import ToolEpisodes, run_episodes
+from nopad.training.grpo_minibatch import MiniBatch, StepMetrics, minibatches, train_window
 from nopad.training.mismatch import logprob_mismatch
 from nopad.training.nonfinite import describe_sample, reward_value
-from nopad.training.policy_loss import PolicyBatch, PolicyLossConfig, make_policy_loss, objective
+from nopad.training.policy_loss import PolicyLossConfig, make_policy_loss
 
 logger = logging.getLogger(__name__)
 
@@ -78,15 +75,29 @@ class GRPOStepConfig:
             raise ValueError(f"old_logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}")
         policy_temperature(self.logprobs, 1.0)  # a ValueError naming LOGPROBS for any other value
         if self.num_iterations < 1 or self.steps_per_generation < 1:
-            raise ValueError("num_iterations and steps_per_generation must be >= 1, got "
-                             f"{self.num_iterations} and {self.steps_per_generation}")
+            raise ValueError(
+                "num_iterations and steps_per_generation must be >= 1, got "
+                f"{self.num_iterations} and {self.steps_per_generation}"
+            )
         self.policy.check_old_logprobs(self.old_logprobs)
 
 
-def grpo_step(stepper: OptimizerStepper, generator, examples: Sequence[dict],
-              prompt_ids: Sequence[list[int]], reward_fn: RewardFn, tokenizer, params, loss: GRPOStepConfig, *,
-              step: int = 0, rollout_mode: str = "gather", ref_model=None, use_tqdm: bool = False,
-              episodes: ToolEpisodes | None = None) -> dict:
+def grpo_step(
+    stepper: OptimizerStepper,
+    generator,
+    examples: Sequence[dict],
+    prompt_ids: Sequence[list[int]],
+    reward_fn: RewardFn,
+    tokenizer,
+    params,
+    loss: GRPOStepConfig,
+    *,
+    step: int = 0,
+    rollout_mode: str = "gather",
+    ref_model=None,
+    use_tqdm: bool = False,
+    episodes: ToolEpisodes | None = None,
+) -> dict:
     """One GRPO step on ``examples`` (their prompt token ids in ``prompt_ids``; ``params``: the
     generator's ``SamplingParams`` with ``n`` completions per prompt). Every rank calls it each step,
     also with no examples. ``episodes``: multi-turn tool rollouts, trained on the model's tokens
@@ -96,24 +107,50 @@ def grpo_step(stepper: OptimizerStepper, generator, examples: Sequence[dict],
     episode_metrics = {}
     with batch_invariant(loss.batch_invariant):
         if episodes is None:
-            outputs = sharded_generate(generator, stepper.model, list(prompt_ids), params, mode=rollout_mode,
-                                       use_tqdm=use_tqdm)
-            samples = [[(c.token_ids, Rollout.from_completion(ids, c, loss.logprobs)) for c in out.outputs]
-                       for ids, out in zip(prompt_ids, outputs)]
+            outputs = sharded_generate(
+                generator, stepper.model, list(prompt_ids), params, mode=rollout_mode, use_tqdm=use_tqdm
+            )
+            samples = [
+                [(c.token_ids, Rollout.from_completion(ids, c, loss.logprobs)) for c in out.outputs]
+                for ids, out in zip(prompt_ids, outputs)
+            ]
         else:
-            samples, episode_metrics = run_episodes(generator, stepper.model, prompt_ids, params, episodes,
-                                                    loss.logprobs, examples)
+            samples, episode_metrics = run_episodes(
+                generator, stepper.model, prompt_ids, params, episodes, loss.logprobs, examples
+            )
     rollout_time = time.perf_counter() - t0
     generator.release()  # the KV cache goes back before any backward pass
-    metrics = score_and_train(stepper, samples, examples, reward_fn, tokenizer, loss, step=step,
-                              temperature=params.temperature, ref_model=ref_model)
-    return {**metrics, **episode_metrics, "rollout_tokens_per_s": metrics["completion_tokens"] / rollout_time,
-            "rollout_s": rollout_time}
+    metrics = score_and_train(
+        stepper,
+        samples,
+        examples,
+        reward_fn,
+        tokenizer,
+        loss,
+        step=step,
+        temperature=params.temperature,
+        ref_model=ref_model,
+    )
+    return {
+        **metrics,
+        **episode_metrics,
+        "rollout_tokens_per_s": metrics["completion_tokens"] / rollout_time,
+        "rollout_s": rollout_time,
+    }
 
 
-def score_and_train(stepper: OptimizerStepper, samples: Sequence[Sequence[tuple]], examples: Sequence[dict],
-                    reward_fn: RewardFn | EpisodeRewardFn, tokenizer, loss: GRPOStepConfig, *, step: int,
-                    temperature: float, ref_model=None) -> dict:
+def score_and_train(
+    stepper: OptimizerStepper,
+    samples: Sequence[Sequence[tuple]],
+    examples: Sequence[dict],
+    reward_fn: RewardFn | EpisodeRewardFn,
+    tokenizer,
+    loss: GRPOStepConfig,
+    *,
+    step: int,
+    temperature: float,
+    ref_model=None,
+) -> dict:
     """Everything after the rollouts, one implementation for the synchronous and the streaming step:
     ``samples`` per group (prompt), per completion ``(what the reward reads, Rollout)``; rewards,
     group advantages, then :func:`train_on_rollouts`. Returns the step's metrics."""
@@ -123,12 +160,16 @@ def score_and_train(stepper: OptimizerStepper, samples: Sequence[Sequence[tuple]
     rewards_t = torch.tensor(rewards).view(len(samples), -1) if samples else torch.zeros(0, 2)
     set_advantages(rollouts, rewards_t, step, loss.scale_rewards)
     metrics = train_on_rollouts(stepper, rollouts, loss, temperature=temperature, ref_model=ref_model, step=step)
-    return {"step": step, "reward_mean": float(rewards_t.mean()), "reward_std": float(rewards_t.std()),
-            **metrics}
+    return {"step": step, "reward_mean": float(rewards_t.mean()), "reward_std": float(rewards_t.std()), **metrics}
 
 
-def score_rollouts(reward_fn: RewardFn | EpisodeRewardFn, tokenizer, examples: Sequence[dict],
-                   answers: Sequence[Sequence[Sequence[int] | Episode]], step: int) -> list[float]:
+def score_rollouts(
+    reward_fn: RewardFn | EpisodeRewardFn,
+    tokenizer,
+    examples: Sequence[dict],
+    answers: Sequence[Sequence[Sequence[int] | Episode]],
+    step: int,
+) -> list[float]:
     """Every completion's reward, in rollout order (``answers``: per prompt, per completion, the token
     ids the reward reads as text, or the Episode an episode reward reads whole), each checked to be
     one finite number (an error
@@ -150,13 +191,13 @@ def score_rollouts(reward_fn: RewardFn | EpisodeRewardFn, tokenizer, examples: S
     if any_rank(failure is not None):
         if failure is not None:
             raise failure
-        raise RuntimeError(f"grpo step {step}: the reward failed on another rank (its error is in that "
-                           "rank's log); stopping here too")
+        raise RuntimeError(
+            f"grpo step {step}: the reward failed on another rank (its error is in that rank's log); stopping here too"
+        )
     return rewards
 
 
-def set_advantages(rollouts: list[Rollout], rewards: torch.Tensor, step: int = 0,
-                   scale_rewards: str = "group") -> None:
+def set_advantages(rollouts: list[Rollout], rewards: torch.Tensor, step: int = 0, scale_rewards: str = "group") -> None:
     """Each rollout's group advantage from ``rewards`` ``(prompts, completions per prompt)``, in
     rollout order; a step whose groups all have equal rewards is said to train nothing.
     ``scale_rewards="batch"`` divides by the std of every rank's rewards (every rank calls this)."""
@@ -165,8 +206,10 @@ def set_advantages(rollouts: list[Rollout], rewards: torch.Tensor, step: int = 0
         logger.warning(
             "grpo step %d: every group's rewards are equal (all %s), so every advantage is 0 and this step "
             "does not change the model; give the completions room to answer (rollout.max_tokens), use "
-            "larger groups (rollout.num_generations) or a reward that separates them", step,
-            sorted(set(rewards[:, 0].tolist())))
+            "larger groups (rollout.num_generations) or a reward that separates them",
+            step,
+            sorted(set(rewards[:, 0].tolist())),
+        )
     if not rewards.numel():
         return
     advantages = group_advantages(rewards, scale_rewards=scale_rewards, batch_std=batch_std)
@@ -181,8 +224,15 @@ def _global_std(rewards: torch.Tensor) -> float:
     return max(squares - total * total / n, 0.0) ** 0.5 / max(n - 1, 1) ** 0.5 if n else 0.0
 
 
-def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: GRPOStepConfig, *,
-                      temperature: float = 1.0, ref_model=None, step: int | None = None) -> dict:
+def train_on_rollouts(
+    stepper: OptimizerStepper,
+    rollouts: list[Rollout],
+    loss: GRPOStepConfig,
+    *,
+    temperature: float = 1.0,
+    ref_model=None,
+    step: int | None = None,
+) -> dict:
     """Packed training forwards and backwards over ``rollouts`` (with their advantages):
     ``loss.num_iterations`` passes of ``loss.steps_per_generation`` mini-batches, one optimizer step
     each; every rank calls it, also with no rollouts. Returns the step's training metrics.
@@ -193,9 +243,9 @@ def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: 
     model.train()
     t0 = time.perf_counter()
     device = next(model.parameters()).device
-    chunks = _minibatches(rollouts, loss.steps_per_generation)
+    chunks = minibatches(rollouts, loss.steps_per_generation)
     scored_at = policy_temperature(loss.logprobs, temperature)
-    batches = [_MiniBatch(rollouts, chunk, loss, scored_at) for chunk in chunks]
+    batches = [MiniBatch(rollouts, chunk, loss, scored_at) for chunk in chunks]
     real = [row for b in batches for row in b.rows if not row.empty]
     packed = packing_metrics(real, rollouts)
     passes = loss.num_iterations * loss.steps_per_generation
@@ -206,13 +256,16 @@ def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: 
             for b in batches:
                 b.old = [packed_logprobs(model, row.to(device), b.temperature) for row in b.rows]
     policy = make_policy_loss(loss.policy)
-    acc = _Metrics()
+    acc = StepMetrics()
     label = None if step is None else f"grpo step {step}"
     for iteration in range(loss.num_iterations):
         for index, b in enumerate(batches):
             first = iteration == 0 and index == 0
-            acc.grad_norms.append(_train_window(stepper, b, policy, loss, ref_model, device, acc, label,
-                                                first=first, measure=iteration == 0))
+            acc.grad_norms.append(
+                train_window(
+                    stepper, b, policy, loss, ref_model, device, acc, label, first=first, measure=iteration == 0
+                )
+            )
     train_time = time.perf_counter() - t0
     train_lp, gen_lp = acc.logps()
     gap, ratio = (train_lp - gen_lp).abs(), torch.exp(train_lp - gen_lp)
@@ -244,137 +297,3 @@ def train_on_rollouts(stepper: OptimizerStepper, rollouts: list[Rollout], loss: 
         "batch_invariant": float(loss.batch_invariant),
         "train_s": train_time,
     }
-
-
-class _MiniBatch:
-    """One mini-batch of the rollout batch: its padded rows, each pair's counting mask and
-    advantage, and the cached per-row old / reference log-probs (computed once, reused by every
-    pass), all at ``temperature``: the trained policy's (:func:`nopad.training.grpo.policy_temperature`)."""
-
-    def __init__(self, rollouts: list[Rollout], chunk: list[int], loss: GRPOStepConfig, temperature: float):
-        self.temperature = temperature
-        rows = pack_rollouts([rollouts[i] for i in chunk], loss.max_tokens_per_batch,
-                             shared_prefix=loss.shared_prefix)
-        # every rank the same number of rows (under ZeRO-3 / FSDP2 each forward is a collective), and
-        # a row even where this rank has no rollouts: the window steps once on every rank
-        self.rows = pad_rows(rows, empty_rollout_row) or [empty_rollout_row()]
-        self.seqs = [pair_sequences(row) for row in self.rows]
-        mine = [rollouts[i] for i in chunk]
-        self.advantages = [pair_advantages(row, mine) for row in self.rows]
-        self.masks = []
-        for row, seq in zip(self.rows, self.seqs):
-            keep = torch.ones(seq.numel())
-            if row.empty:
-                keep.zero_()
-            elif loss.mask_truncated_completions:  # TRL: a truncated completion carries no loss
-                cut = torch.tensor([rollouts[chunk[i]].truncated for i in row.indices.tolist()])
-                keep = (~cut[seq.cpu()]).float()
-            self.masks.append(keep)
-        self.old: list[torch.Tensor] | None = None
-        self.ref: dict[int, torch.Tensor] = {}
-
-    def counts(self, policy) -> list[float]:
-        """Per row, what the loss is normalised by: counted tokens, or sequences with a pair."""
-        if policy.normalizer == "tokens":
-            return [float(m.sum()) for m in self.masks]
-        return [0.0 if row.empty else float(torch.unique(s).numel()) for row, s in zip(self.rows, self.seqs)]
-
-
-class _Metrics:
-    def __init__(self):
-        self.losses, self.grad_norms, self.sums = [], [], {}
-        self.tokens = 0.0
-        self.forwards = 0
-        self.first_ratio_dev = 0.0
-        self.ratio_dev = 0.0
-        self.train_lps, self.gen_lps = [], []
-
-    def add(self, metrics: dict, tokens: float) -> None:
-        for k, v in metrics.items():
-            self.sums[k] = self.sums.get(k, 0.0) + v
-        self.tokens += tokens
-
-    def logps(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.train_lps:
-            return torch.zeros(1), torch.zeros(1)
-        return torch.cat(self.train_lps), torch.cat(self.gen_lps)
-
-
-def _minibatches(rollouts: list[Rollout], parts: int) -> list[list[int]]:
-    """``parts`` contiguous slices of the rollouts, cut between groups (rollouts of one prompt) where
-    the groups divide evenly, so each mini-batch's prompts are shared in its tree rows."""
-    if parts == 1:
-        return [list(range(len(rollouts)))]
-    starts = [i for i in range(len(rollouts))
-              if i == 0 or rollouts[i].prompt_ids != rollouts[i - 1].prompt_ids]
-    if starts and len(starts) % parts == 0:
-        per = len(starts) // parts
-        bounds = [starts[k * per] for k in range(parts)] + [len(rollouts)]
-    else:
-        bounds = [round(k * len(rollouts) / parts) for k in range(parts + 1)]
-    return [list(range(bounds[k], bounds[k + 1])) for k in range(parts)]
-
-
-def _train_window(stepper, b: _MiniBatch, policy, loss: GRPOStepConfig, ref_model, device, acc: _Metrics,
-                  label, *, first: bool, measure: bool) -> float:
-    """One optimizer step over mini-batch ``b``; returns its gradient norm."""
-    counts = b.counts(policy)
-    count, tokens = global_sum(sum(counts)), global_sum(sum(float(m.sum()) for m in b.masks))
-    local = [1.0] * len(b.rows)
-    if policy.rank_local:  # bnpo: this rank's token mean, the ranks' means averaged
-        mine = sum(counts)
-        local = [count / (world_size() * mine) if mine else 0.0] * len(b.rows)
-    step_loss = 0.0
-    with stepper.window([{"n": c} for c in counts], "n", step=label) as window:
-        for r, row in enumerate(b.rows):
-            row = row.to(device)  # CPU rows (and their VarlenMeta) to the model
-            with window.row():
-                out, batch = _row_loss(stepper.model, row, r, b, policy, loss, ref_model, acc)
-                total = objective(out, loss.policy, count, tokens) * local[r]
-                if row.empty:
-                    total = total * 0.0
-                step_loss += float(window.backward(total))
-            if row.empty:
-                continue
-            # the IS weights depend on the rollout alone: counted once, on the first pass
-            acc.add({k: v for k, v in out.metrics.items() if measure or not k.startswith("is/")},
-                    float(batch.mask.sum()))
-            dev = float((torch.exp(batch.logp.detach() - batch.old_logp) - 1).abs().max())
-            acc.ratio_dev = max(acc.ratio_dev, dev)
-            if first:
-                acc.first_ratio_dev = max(acc.first_ratio_dev, dev)
-            if measure and (first or b.old is not None):  # before any update: the mismatch report
-                acc.train_lps.append(batch.old_logp if b.old is not None else batch.logp.detach())
-                acc.gen_lps.append(batch.rollout_logp)
-    acc.losses.append(step_loss)
-    return window.grad_norm
-
-
-def _row_loss(model, row, r: int, b: _MiniBatch, policy, loss: GRPOStepConfig, ref_model, acc: _Metrics):
-    """The policy loss of one packed row and the pairs it was computed on."""
-    entropy = bool(loss.policy.entropy_coef)
-    with batch_invariant(loss.batch_invariant):  # the forward only; any correct backward will do
-        scored = packed_logprobs(model, row, b.temperature, compute_entropy=entropy)
-        acc.forwards += 1
-    logp, ent = scored if entropy else (scored, None)
-    gen_lp = row.token_values.get("gen_logprobs")
-    if gen_lp is None or gen_lp.shape != logp.shape:
-        have = "no" if gen_lp is None else gen_lp.numel()
-        raise ValueError(f"a row has {logp.numel()} loss tokens but {have} generator log-probs; the GRPO "
-                         "loss needs every Rollout's gen_logprobs (the generator's, per sampled token)")
-    gen_lp = gen_lp.to(logp.device)
-    if loss.old_logprobs == "rollout":
-        old = gen_lp  # exact in the batch-invariant mode: the rollout's log-probs are the trainer's
-    else:
-        old = b.old[r].to(logp.device) if b.old is not None else logp.detach()
-    ref_lp = None
-    if ref_model is not None and loss.policy.beta:
-        if r not in b.ref:
-            with torch.no_grad(), batch_invariant(loss.batch_invariant):
-                b.ref[r] = packed_logprobs(ref_model, row, b.temperature)
-                acc.forwards += 1
-        ref_lp = b.ref[r]
-    seq = b.seqs[r].to(logp.device)
-    batch = PolicyBatch(logp, old, b.advantages[r].to(logp.device), seq, len(row.indices),
-                        mask=b.masks[r].to(logp.device), ref_logp=ref_lp, rollout_logp=gen_lp, entropy=ent)
-    return policy(batch), batch

@@ -26,8 +26,10 @@ def return_freed_memory(threshold: int = DEFAULT_THRESHOLD) -> bool:
     free (glibc's ``mallopt(M_MMAP_THRESHOLD)``, the same as ``MALLOC_MMAP_THRESHOLD_`` in the
     environment). Returns False, changing nothing, where the C library is not glibc."""
     if isinstance(threshold, bool) or not isinstance(threshold, int) or not 0 < threshold <= MAX_THRESHOLD:
-        raise ValueError(f"threshold must be an int of bytes in (0, {MAX_THRESHOLD}] (glibc's largest mmap "
-                         f"threshold, 32 MiB), got {threshold!r}")
+        raise ValueError(
+            f"threshold must be an int of bytes in (0, {MAX_THRESHOLD}] (glibc's largest mmap "
+            f"threshold, 32 MiB), got {threshold!r}"
+        )
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)

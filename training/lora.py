@@ -40,33 +40,45 @@ def _peft():
     try:
         import peft
     except ImportError as err:
-        raise ImportError("LoRA (model.lora, or a LoRA adapter as model.path) runs through peft, which is "
-                          "not installed: pip install 'peft>=0.13'") from err
+        raise ImportError(
+            "LoRA (model.lora, or a LoRA adapter as model.path) runs through peft, which is "
+            "not installed: pip install 'peft>=0.13'"
+        ) from err
     return peft
 
 
-def apply_lora(model, *, rank: int, alpha: float, dropout: float, target_modules: str | list[str],
-               base: str):
+def apply_lora(model, *, rank: int, alpha: float, dropout: float, target_modules: str | list[str], base: str):
     """``model`` wrapped in a fresh LoRA adapter (only the adapter trains); ``base`` is how to load
     the base model again (a model directory, ``smollm2``, ``tiny:llama``), recorded in the adapter's
     config so that an adapter directory alone names what it applies to."""
     peft = _peft()
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                     if isinstance(m, torch.nn.Linear)})
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
     modules = [n for n, _ in model.named_modules()]
     # peft adapts the names it finds and skips the rest: a typo would train fewer layers unsaid
-    missing = [] if isinstance(target_modules, str) else [
-        t for t in target_modules if not any(n == t or n.endswith(f".{t}") for n in modules)]
+    missing = (
+        []
+        if isinstance(target_modules, str)
+        else [t for t in target_modules if not any(n == t or n.endswith(f".{t}") for n in modules)]
+    )
     if missing:
-        raise ValueError(f"model.lora.target_modules: {', '.join(missing)} not found in the model; its "
-                         f"linear layers are {', '.join(linear)} (or use all-linear)")
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
-                             task_type="CAUSAL_LM")
+        raise ValueError(
+            f"model.lora.target_modules: {', '.join(missing)} not found in the model; its "
+            f"linear layers are {', '.join(linear)} (or use all-linear)"
+        )
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM"
+    )
     peft_model = peft.get_peft_model(model, config)
     peft_model.peft_config["default"].base_model_name_or_path = base
     trained, total = peft_model.get_nb_trainable_parameters()
-    logger.info("LoRA rank %d on %s: %d of %d parameters train (%.2f%%)", rank, target_modules, trained,
-                total, 100 * trained / total)
+    logger.info(
+        "LoRA rank %d on %s: %d of %d parameters train (%.2f%%)",
+        rank,
+        target_modules,
+        trained,
+        total,
+        100 * trained / total,
+    )
     return peft_model
 
 
@@ -75,8 +87,10 @@ def adapter_base(path: str | Path) -> str:
     config = json.loads((Path(path) / ADAPTER_CONFIG).read_text())
     base = config.get(BASE_KEY)
     if not base:
-        raise ValueError(f"model.path={path} is a LoRA adapter whose {ADAPTER_CONFIG} names no base model "
-                         f"({BASE_KEY}); set it there to the base model's directory")
+        raise ValueError(
+            f"model.path={path} is a LoRA adapter whose {ADAPTER_CONFIG} names no base model "
+            f"({BASE_KEY}); set it there to the base model's directory"
+        )
     return str(base)
 
 
@@ -84,8 +98,12 @@ def adapter_settings(path: str | Path) -> dict:
     """An adapter directory's rank, alpha, dropout and target modules, as ``model.lora`` names them."""
     config = json.loads((Path(path) / ADAPTER_CONFIG).read_text())
     targets = config.get("target_modules")
-    return {"rank": config.get("r"), "alpha": config.get("lora_alpha"), "dropout": config.get("lora_dropout"),
-            "target_modules": sorted(targets) if isinstance(targets, list) else targets}
+    return {
+        "rank": config.get("r"),
+        "alpha": config.get("lora_alpha"),
+        "dropout": config.get("lora_dropout"),
+        "target_modules": sorted(targets) if isinstance(targets, list) else targets,
+    }
 
 
 def load_adapter(base_model, path: str | Path, *, trainable: bool):
@@ -138,13 +156,16 @@ def _load_trainable_only(models, input_dir) -> None:
     for i, model in enumerate(list(models)):
         name = "model" if i == 0 else f"model_{i}"
         file = Path(input_dir) / f"{name}.safetensors"
-        state = load_file(str(file)) if file.is_file() else torch.load(Path(input_dir) / f"{name}.bin",
-                                                                       weights_only=True)
+        state = (
+            load_file(str(file)) if file.is_file() else torch.load(Path(input_dir) / f"{name}.bin", weights_only=True)
+        )
         keep = _trainable_names(model)
         missing, unexpected = sorted(keep - set(state)), sorted(set(state) - keep)
         if missing or unexpected:
-            raise RuntimeError(f"Missing key(s) {missing[:4]} / Unexpected key(s) {unexpected[:4]}: the "
-                               "checkpoint's trained parameters are not this model's (another model.path, or "
-                               "other model.lora settings)")
+            raise RuntimeError(
+                f"Missing key(s) {missing[:4]} / Unexpected key(s) {unexpected[:4]}: the "
+                "checkpoint's trained parameters are not this model's (another model.path, or "
+                "other model.lora settings)"
+            )
         model.load_state_dict(state, strict=False)
     models.clear()

@@ -87,8 +87,7 @@ def row_loss_sum(logits: torch.Tensor, row: PackedRow | Mapping, *, weighting: s
     return _weighted_sum(losses, row, predict_at, weighting)
 
 
-def row_nll_sum(model: torch.nn.Module, row: PackedRow | Mapping, *,
-                weighting: str = "token") -> torch.Tensor:
+def row_nll_sum(model: torch.nn.Module, row: PackedRow | Mapping, *, weighting: str = "token") -> torch.Tensor:
     """:func:`row_loss_sum` of ``row`` under ``model``, computed from the model's hidden states at
     the loss positions only, through the chunked LM head (:func:`nopad.packing.head.chunked.nll_sum`): the
     row's ``T x V`` logits never exist, and a tree row's shared token goes through the head once
@@ -106,8 +105,9 @@ def row_nll_sum(model: torch.nn.Module, row: PackedRow | Mapping, *,
     return nll_sum(model, row.model_kwargs(), predict_at, targets, weights)
 
 
-def _weighted_sum(losses: torch.Tensor, row: PackedRow, predict_at: torch.Tensor,
-                  weighting: str, *, reduce: bool = True) -> torch.Tensor:
+def _weighted_sum(
+    losses: torch.Tensor, row: PackedRow, predict_at: torch.Tensor, weighting: str, *, reduce: bool = True
+) -> torch.Tensor:
     """The row's per-pair ``losses`` summed (``"token"``) or each weighted by 1 / (its sequence's
     pairs) (``"sequence"``); ``reduce`` False: the weighted losses, not summed."""
     if weighting == "token":

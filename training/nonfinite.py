@@ -37,14 +37,18 @@ def reward_value(value, fn, where: str, kind: str = "reward") -> float:
     if not isinstance(value, numbers.Real):
         shown = repr(value)
         shown = shown if len(shown) <= 80 else shown[:77] + "..."
-        raise TypeError(f"{kind} {function_name(fn)} returned {shown} (a {type(value).__name__}) for "
-                        f"{where}; a {kind} must return one number, e.g. 1.0 for a correct completion and "
-                        "0.0 otherwise")
+        raise TypeError(
+            f"{kind} {function_name(fn)} returned {shown} (a {type(value).__name__}) for "
+            f"{where}; a {kind} must return one number, e.g. 1.0 for a correct completion and "
+            "0.0 otherwise"
+        )
     value = float(value)
     if not math.isfinite(value):
-        raise NonFiniteError(f"{kind} {function_name(fn)} returned {value} for {where}; a {kind} must be "
-                             f"a finite number (a NaN or infinite {kind} makes the step's loss and then "
-                             "every weight NaN): fix the function, e.g. return 0.0 where it cannot score")
+        raise NonFiniteError(
+            f"{kind} {function_name(fn)} returned {value} for {where}; a {kind} must be "
+            f"a finite number (a NaN or infinite {kind} makes the step's loss and then "
+            "every weight NaN): fix the function, e.g. return 0.0 where it cannot score"
+        )
     return value
 
 

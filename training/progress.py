@@ -33,6 +33,8 @@ class Progress:
         changed = sorted(k for k in self.settings if k in saved and saved[k] != self.settings[k])
         if changed:
             key = changed[0]
-            raise ValueError(f"cannot resume: the checkpoint was made with {key}={saved[key]!r} but this run "
-                             f"has {key}={self.settings[key]!r}; resume with the same value, or start a new "
-                             "run in another output directory")
+            raise ValueError(
+                f"cannot resume: the checkpoint was made with {key}={saved[key]!r} but this run "
+                f"has {key}={self.settings[key]!r}; resume with the same value, or start a new "
+                "run in another output directory"
+            )

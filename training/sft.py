@@ -24,9 +24,14 @@ from nopad.training.progress import Progress as Progress  # (one record for SFT 
 logger = logging.getLogger(__name__)
 
 
-def sft_step(stepper: OptimizerStepper, window: list[dict], weighting: str = "token",
-             seen: list | None = None, step: int | None = None,
-             on_micro_batch: Callable[[], None] | None = None) -> float:
+def sft_step(
+    stepper: OptimizerStepper,
+    window: list[dict],
+    weighting: str = "token",
+    seen: list | None = None,
+    step: int | None = None,
+    on_micro_batch: Callable[[], None] | None = None,
+) -> float:
     """Forward and backward every micro-batch of ``window``, then one optimizer step; the loss is
     the mean over the window's loss tokens (or sequences) on all ranks. Returns this rank's share
     of the step's loss; appends each micro-batch's dataset indices to ``seen`` when given.
@@ -84,8 +89,14 @@ def record_step(accelerator, output_dir: Path, step: int, step_loss: float, bar=
     return loss
 
 
-def progress_bar(show: bool, total_steps: int, initial_step: int, grad_accum: int, desc: str = "sft",
-                 micro_batches: Callable[[int], int] | None = None):
+def progress_bar(
+    show: bool,
+    total_steps: int,
+    initial_step: int,
+    grad_accum: int,
+    desc: str = "sft",
+    micro_batches: Callable[[int], int] | None = None,
+):
     """A bar over micro-batches (``grad_accum`` per optimizer step), so it moves within a step:
     on a small machine one step of a few micro-batches takes minutes. ``micro_batches(n)``: those
     of the first ``n`` steps, where an epoch's last step takes fewer (:func:`nopad.training.sft_data.windows`)."""

@@ -50,8 +50,9 @@ def tokenize_rows(rows, tokenizer, prompt_column: str, completion_column: str) -
             out.append(row)
             continue
         if prompt_column not in row or completion_column not in row:
-            raise KeyError(f"rows need 'input_ids' or text columns {prompt_column!r} and "
-                           f"{completion_column!r}; got {sorted(row)}")
+            raise KeyError(
+                f"rows need 'input_ids' or text columns {prompt_column!r} and {completion_column!r}; got {sorted(row)}"
+            )
         if tokenizer is None:
             raise ValueError("text rows need a tokenizer; this model has none")
         prompt = tokenizer(row[prompt_column], add_special_tokens=False)["input_ids"]
@@ -73,8 +74,10 @@ def per_turn_samples(conversations, tokenizer, messages_column: str = "messages"
     for c, row in enumerate(conversations):
         messages = row.get(messages_column) if hasattr(row, "get") else None
         if not isinstance(messages, list):
-            raise ValueError(f"row {c} has no conversation in {messages_column!r} (a list of {{'role', "
-                             f"'content'}} messages); data.per_turn_samples needs chat rows")
+            raise ValueError(
+                f"row {c} has no conversation in {messages_column!r} (a list of {{'role', "
+                f"'content'}} messages); data.per_turn_samples needs chat rows"
+            )
         check_conversation(messages, f"conversation {c}", messages_column)
         for ids, start in assistant_turns(tokenizer, messages):
             samples.append(TreePath(ids, [False] * start + [True] * (len(ids) - start)))
@@ -88,15 +91,16 @@ def load_rows(data, tokenizer, vocab_size: int):
     source = data.source
     if data.per_turn_samples:
         if source == "synthetic":
-            raise ValueError("data.per_turn_samples needs chat rows; set data.source to a file or dataset of "
-                             f"{{{data.messages_column!r}: [{{'role': ..., 'content': ...}}, ...]}} records")
+            raise ValueError(
+                "data.per_turn_samples needs chat rows; set data.source to a file or dataset of "
+                f"{{{data.messages_column!r}: [{{'role': ..., 'content': ...}}, ...]}} records"
+            )
         column = data.messages_column
 
         def chat_ok(record, where: str) -> None:  # each conversation checked where it was read
             check_conversation(record[column], where, column)
 
-        rows = sources.load_records(source, [{column: list}], split=data.split, key="data.source",
-                                    check=chat_ok)
+        rows = sources.load_records(source, [{column: list}], split=data.split, key="data.source", check=chat_ok)
         return per_turn_samples(rows, tokenizer, data.messages_column)
     if source == "synthetic":
         return synthetic_rows(data.num_rows, data.min_len, data.max_len, vocab_size, data.seed)
@@ -116,16 +120,19 @@ def check_token_rows(rows, vocab_size: int, where: str) -> None:
 
     ids = pc.list_flatten(rows.data.column("input_ids"))
     if len(ids) and (pc.min(ids).as_py() < 0 or pc.max(ids).as_py() >= vocab_size):
-        row, token = next((i, t) for i, r in enumerate(rows["input_ids"]) for t in r
-                          if not 0 <= t < vocab_size)
-        raise ValueError(f"{where}: row {row} holds token id {token}, outside the model's vocabulary "
-                         f"(ids 0..{vocab_size - 1}); the rows were tokenized for another model: tokenize "
-                         "them with this model's tokenizer (or give text rows, prompt and completion)")
+        row, token = next((i, t) for i, r in enumerate(rows["input_ids"]) for t in r if not 0 <= t < vocab_size)
+        raise ValueError(
+            f"{where}: row {row} holds token id {token}, outside the model's vocabulary "
+            f"(ids 0..{vocab_size - 1}); the rows were tokenized for another model: tokenize "
+            "them with this model's tokenizer (or give text rows, prompt and completion)"
+        )
     if "labels" in rows.column_names:
         labels = pc.list_flatten(rows.data.column("labels"))
         if not pc.any(pc.not_equal(labels, IGNORE_INDEX)).as_py():
-            raise ValueError(f"{where}: every label is {IGNORE_INDEX}, so no token has a loss and nothing "
-                             "would be trained; give labels (or drop the column to train on every token)")
+            raise ValueError(
+                f"{where}: every label is {IGNORE_INDEX}, so no token has a loss and nothing "
+                "would be trained; give labels (or drop the column to train on every token)"
+            )
 
 
 def is_prepacked(rows) -> bool:
@@ -154,11 +161,21 @@ def plan_budget(data, rows) -> int:
         raise ValueError(
             f"data.tokens_per_batch={budget} is smaller than {int(too_long.sum())} of the {what} of "
             f"data.source={data.source!r} (the longest has {longest} tokens); "
-            + ("leave data.tokens_per_batch unset (it then takes the longest pre-packed row) or set it "
-               f">= {longest}" if prepacked else f"set data.tokens_per_batch >= {longest}, or "
-               "data.overflow=split (pieces train as separate sequences) or data.overflow=truncate"))
-    sources.check_dropped_tokens(lengths, budget, data.max_dropped_fraction, key="data.max_dropped_fraction",
-                                 capacity_key="data.tokens_per_batch", what=what)
+            + (
+                f"leave data.tokens_per_batch unset (it then takes the longest pre-packed row) or set it >= {longest}"
+                if prepacked
+                else f"set data.tokens_per_batch >= {longest}, or "
+                "data.overflow=split (pieces train as separate sequences) or data.overflow=truncate"
+            )
+        )
+    sources.check_dropped_tokens(
+        lengths,
+        budget,
+        data.max_dropped_fraction,
+        key="data.max_dropped_fraction",
+        capacity_key="data.tokens_per_batch",
+        what=what,
+    )
     return budget
 
 
@@ -180,16 +197,23 @@ def build_loader(data, rows, accelerator, grad_accum: int, model_config):
     a pad fraction of 0.33). Ranks still get equal counts: under ZeRO-3 / FSDP2 every forward is a
     collective, so a rank with no row left gets a repeated, loss-masked one, and only then
     (:func:`nopad.dataloaders.balance.equalize_bin_count` splits bins first)."""
-    common = dict(num_replicas=accelerator.num_processes, rank=accelerator.process_index,
-                  seed=data.seed, max_seqs_per_batch=data.max_seqs_per_batch,
-                  steps_multiple_of=1, attention_cost=attention_cost_from_config(model_config))
+    common = dict(
+        num_replicas=accelerator.num_processes,
+        rank=accelerator.process_index,
+        seed=data.seed,
+        max_seqs_per_batch=data.max_seqs_per_batch,
+        steps_multiple_of=1,
+        attention_cost=attention_cost_from_config(model_config),
+    )
     if data.per_turn_samples:
-        return tree_dataloader(rows, data.tokens_per_batch or DEFAULT_TOKENS_PER_BATCH,
-                               num_workers=data.num_workers, **common)
+        return tree_dataloader(
+            rows, data.tokens_per_batch or DEFAULT_TOKENS_PER_BATCH, num_workers=data.num_workers, **common
+        )
     common["overflow"] = data.overflow
     if data.streaming:
-        return StreamingPackedLoader(rows, data.tokens_per_batch or DEFAULT_TOKENS_PER_BATCH,
-                                     buffer_size=data.buffer_size, **common)
+        return StreamingPackedLoader(
+            rows, data.tokens_per_batch or DEFAULT_TOKENS_PER_BATCH, buffer_size=data.buffer_size, **common
+        )
     budget = plan_budget(data, rows)
     return packed_dataloader(rows, budget, num_workers=data.num_workers, **common)
 
@@ -203,9 +227,13 @@ def total_steps(max_steps: int | None, epochs: int, data, loader, grad_accum: in
         return max_steps
     steps_per_epoch = -(-len(loader) // grad_accum)  # the last one may be short (build_loader)
     if max_steps and max_steps > steps_per_epoch * epochs:
-        logger.warning("train.max_steps=%d is more than train.epochs=%d x %d steps per epoch: the data "
-                       "repeats for %d epochs", max_steps, epochs, steps_per_epoch,
-                       -(-max_steps // steps_per_epoch))
+        logger.warning(
+            "train.max_steps=%d is more than train.epochs=%d x %d steps per epoch: the data repeats for %d epochs",
+            max_steps,
+            epochs,
+            steps_per_epoch,
+            -(-max_steps // steps_per_epoch),
+        )
     return max(steps_per_epoch * epochs, max_steps or 0)
 
 

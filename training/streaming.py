@@ -77,8 +77,16 @@ class StreamingRollouts:
     (:meth:`nopad.inference.Generator.update_weights`). ``total_groups``: how many groups the run
     will train on; none is admitted beyond what that needs (dropped groups are replaced)."""
 
-    def __init__(self, generator: Generator, source: GroupSource, *, groups_per_step: int, max_staleness: int,
-                 stale_kv: str = "keep", total_groups: int | None = None):
+    def __init__(
+        self,
+        generator: Generator,
+        source: GroupSource,
+        *,
+        groups_per_step: int,
+        max_staleness: int,
+        stale_kv: str = "keep",
+        total_groups: int | None = None,
+    ):
         check_streaming(max_staleness, stale_kv)
         if groups_per_step < 1:
             raise ValueError(f"groups_per_step must be >= 1, got {groups_per_step}")
@@ -106,9 +114,11 @@ class StreamingRollouts:
                     break
                 self._admit()
                 if not generator.has_unfinished():
-                    raise RuntimeError(f"streaming rollouts ran out of groups: {len(self._ready)} finished of "
-                                       f"the {self.groups_per_step} a step takes and none in flight "
-                                       f"(total_groups={self.total_groups}); this is a bug")
+                    raise RuntimeError(
+                        f"streaming rollouts ran out of groups: {len(self._ready)} finished of "
+                        f"the {self.groups_per_step} a step takes and none in flight "
+                        f"(total_groups={self.total_groups}); this is a bug"
+                    )
                 self._step()
         taken, self._ready = self._ready[: self.groups_per_step], self._ready[self.groups_per_step :]
         now = self.policy_version
@@ -133,8 +143,12 @@ class StreamingRollouts:
                 del self._in_flight[request_id]
                 self.stats.dropped_groups += 1
                 self.stats.dropped_tokens += tokens
-                logger.debug("aborted group %d: its oldest token is %d steps old (max_staleness=%d)", index,
-                             now - min(versions), self.max_staleness)
+                logger.debug(
+                    "aborted group %d: its oldest token is %d steps old (max_staleness=%d)",
+                    index,
+                    now - min(versions),
+                    self.max_staleness,
+                )
 
     def close(self) -> None:
         """Abort what is still in flight (the run is over, or failed) and free the KV cache."""
@@ -146,18 +160,26 @@ class StreamingRollouts:
         """What a checkpoint keeps of the stream (picklable): the groups in flight (their tokens,
         log-probs and versions so far), the finished ones not yet trained, the counters and the
         policy version. With ``stale_kv=recompute`` a run resumed from it continues bitwise."""
-        return {"next": self._next, "steps": self._steps, "stats": self.snapshot(), "ready": list(self._ready),
-                "in_flight": dict(self._in_flight), "policy_version": self.policy_version,
-                "requests": save_requests(self.generator, list(self._in_flight))}
+        return {
+            "next": self._next,
+            "steps": self._steps,
+            "stats": self.snapshot(),
+            "ready": list(self._ready),
+            "in_flight": dict(self._in_flight),
+            "policy_version": self.policy_version,
+            "requests": save_requests(self.generator, list(self._in_flight)),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict` on a fresh generator: every sequence in flight re-prefills
         its prompt and tokens with the current weights before its next token."""
         if self.stale_kv == "keep" and state["in_flight"]:
-            logger.warning("resuming %d streaming groups in flight: their KV cache is recomputed with the "
-                           "resumed weights (stale_kv=keep kept the older weights' KV; with "
-                           "stale_kv=recompute a resumed run equals the uninterrupted one exactly)",
-                           len(state["in_flight"]))
+            logger.warning(
+                "resuming %d streaming groups in flight: their KV cache is recomputed with the "
+                "resumed weights (stale_kv=keep kept the older weights' KV; with "
+                "stale_kv=recompute a resumed run equals the uninterrupted one exactly)",
+                len(state["in_flight"]),
+            )
         restore_requests(self.generator, state["requests"])
         self.generator.versions.version = state["policy_version"]
         self._next, self._steps, self.stats = state["next"], state["steps"], state["stats"]
@@ -169,17 +191,26 @@ class StreamingRollouts:
         steps = s.decode_steps - w.decode_steps
         ages = s.staleness - w.staleness
         tokens = sum(ages.values())
-        return {"policy_version": self.policy_version,
-                "decode_rows_mean": (s.decode_rows - w.decode_rows) / max(steps, 1),
-                "dropped_groups": s.dropped_groups - w.dropped_groups,
-                "dropped_tokens": s.dropped_tokens - w.dropped_tokens,
-                "staleness_mean": sum(a * n for a, n in ages.items()) / max(tokens, 1),
-                "staleness_max": max(ages, default=0)}
+        return {
+            "policy_version": self.policy_version,
+            "decode_rows_mean": (s.decode_rows - w.decode_rows) / max(steps, 1),
+            "dropped_groups": s.dropped_groups - w.dropped_groups,
+            "dropped_tokens": s.dropped_tokens - w.dropped_tokens,
+            "staleness_mean": sum(a * n for a, n in ages.items()) / max(tokens, 1),
+            "staleness_max": max(ages, default=0),
+        }
 
     def snapshot(self) -> StreamStats:
         s = self.stats
-        return StreamStats(s.admitted_groups, s.trained_groups, s.dropped_groups, s.dropped_tokens,
-                           s.decode_steps, s.decode_rows, Counter(s.staleness))
+        return StreamStats(
+            s.admitted_groups,
+            s.trained_groups,
+            s.dropped_groups,
+            s.dropped_tokens,
+            s.decode_steps,
+            s.decode_rows,
+            Counter(s.staleness),
+        )
 
     # ------------------------------------------------------------------ internals
     def _admit(self) -> None:
@@ -210,8 +241,11 @@ class StreamingRollouts:
         if self.generator.scheduler.stats.steps > before:
             self.stats.decode_steps += 1
             self.stats.decode_rows += seqs[-1]
-        done = [FinishedGroup(self._in_flight.pop(out.request_id), out, self._steps)
-                for out in finished if out.request_id in self._in_flight]
+        done = [
+            FinishedGroup(self._in_flight.pop(out.request_id), out, self._steps)
+            for out in finished
+            if out.request_id in self._in_flight
+        ]
         self._ready.extend(sorted(done, key=lambda g: g.index))
 
     def _drop_stale(self) -> None:
@@ -222,8 +256,12 @@ class StreamingRollouts:
             if oldest is not None and now - oldest > self.max_staleness:
                 self.stats.dropped_groups += 1
                 self.stats.dropped_tokens += group.num_tokens
-                logger.debug("dropped group %d: oldest token %d steps old (max_staleness=%d)", group.index,
-                             now - oldest, self.max_staleness)
+                logger.debug(
+                    "dropped group %d: oldest token %d steps old (max_staleness=%d)",
+                    group.index,
+                    now - oldest,
+                    self.max_staleness,
+                )
             else:
                 keep.append(group)
         self._ready = keep
@@ -237,8 +275,18 @@ def check_streaming(max_staleness: int, stale_kv: str) -> None:
         raise ValueError(f"stale_kv must be one of {STALE_KV}, got {stale_kv!r}")
 
 
-def streaming_step(stepper, stream: StreamingRollouts, group_examples: Callable[[int], tuple[dict, list[int]]],
-                   reward_fn, tokenizer, loss, *, step: int, temperature: float, ref_model=None) -> dict:
+def streaming_step(
+    stepper,
+    stream: StreamingRollouts,
+    group_examples: Callable[[int], tuple[dict, list[int]]],
+    reward_fn,
+    tokenizer,
+    loss,
+    *,
+    step: int,
+    temperature: float,
+    ref_model=None,
+) -> dict:
     """One streaming GRPO step: the next groups from ``stream`` (``group_examples(i)``: the example and
     prompt ids of group ``i``), scored and trained as the synchronous step does
     (:func:`nopad.training.grpo_step.score_and_train`, each token's own recorded behaviour log-prob as
@@ -261,10 +309,16 @@ def streaming_step(stepper, stream: StreamingRollouts, group_examples: Callable[
     for group in groups:
         example, prompt_ids = group_examples(group.index)
         examples.append(example)
-        samples.append([(c.token_ids, Rollout.from_completion(prompt_ids, c, loss.logprobs))
-                        for c in group.output.outputs])
-    metrics = score_and_train(stepper, samples, examples, reward_fn, tokenizer, loss, step=step,
-                              temperature=temperature, ref_model=ref_model)
+        samples.append(
+            [(c.token_ids, Rollout.from_completion(prompt_ids, c, loss.logprobs)) for c in group.output.outputs]
+        )
+    metrics = score_and_train(
+        stepper, samples, examples, reward_fn, tokenizer, loss, step=step, temperature=temperature, ref_model=ref_model
+    )
     stream.weights_updated(metrics["optimizer_steps"])
-    return {**metrics, **stream.metrics(window), "rollout_s": rollout_time,
-            "rollout_tokens_per_s": metrics["completion_tokens"] / max(rollout_time, 1e-9)}
+    return {
+        **metrics,
+        **stream.metrics(window),
+        "rollout_s": rollout_time,
+        "rollout_tokens_per_s": metrics["completion_tokens"] / max(rollout_time, 1e-9),
+    }

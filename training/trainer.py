@@ -94,8 +94,7 @@ class TrainerEpochSampler(Sampler[list[PackedItem]]):
             packed_epoch, start = packed_epoch + 1, 0
 
     def state_dict(self) -> dict:
-        return {"packed": self.packed.state_dict(), "steps_per_epoch": self.steps_per_epoch,
-                "epoch": self.epoch}
+        return {"packed": self.packed.state_dict(), "steps_per_epoch": self.steps_per_epoch, "epoch": self.epoch}
 
     def load_state_dict(self, state: dict) -> None:
         """Check the checkpoint was made with the same data, budget, seed and world size (the
@@ -104,9 +103,11 @@ class TrainerEpochSampler(Sampler[list[PackedItem]]):
         self.packed.load_state_dict(state["packed"])  # raises on a different fingerprint
         self.packed.set_epoch(epoch)
         if int(state["steps_per_epoch"]) != self.steps_per_epoch:
-            raise ValueError(f"cannot resume: the checkpoint's loader had {state['steps_per_epoch']} batches "
-                             f"per epoch, this one {self.steps_per_epoch}; resume with the same data and "
-                             "settings")
+            raise ValueError(
+                f"cannot resume: the checkpoint's loader had {state['steps_per_epoch']} batches "
+                f"per epoch, this one {self.steps_per_epoch}; resume with the same data and "
+                "settings"
+            )
         self.epoch = int(state["epoch"])
 
 
@@ -144,15 +145,16 @@ class NopadTrainerMixin:
     model's; transformers' sdpa/flash paths also honour packed ``position_ids``).
     """
 
-    def __init__(self, *args: Any, tokens_per_batch: int | None = None, attention: str | None = "nopad",
-                 **kwargs: Any):
+    def __init__(self, *args: Any, tokens_per_batch: int | None = None, attention: str | None = "nopad", **kwargs: Any):
         compat.check()  # the Trainer's private names nopad overrides, before any other work
         if tokens_per_batch is not None and tokens_per_batch < 1:
             raise ValueError(f"tokens_per_batch must be >= 1, got {tokens_per_batch}")
         dataset = kwargs.get("train_dataset")
         if dataset is not None and hasattr(dataset, "__len__") and len(dataset) == 0:
-            raise ValueError("train_dataset is empty: there is nothing to pack or train on; check the "
-                             "dataset's filtering and split before building the trainer")
+            raise ValueError(
+                "train_dataset is empty: there is nothing to pack or train on; check the "
+                "dataset's filtering and split before building the trainer"
+            )
         self.nopad_tokens_per_batch = tokens_per_batch
         self.nopad_loader: PackedTrainerLoader | None = None
         self._nopad_resume_state: dict | None = None
@@ -170,8 +172,10 @@ class NopadTrainerMixin:
         max_length = getattr(self.args, "max_length", None)
         if max_length:
             return int(max_length) * int(self.args.per_device_train_batch_size)
-        raise ValueError("pass tokens_per_batch=... (tokens in one packed micro-batch per device); these "
-                         "training arguments have no max_length to derive it from")
+        raise ValueError(
+            "pass tokens_per_batch=... (tokens in one packed micro-batch per device); these "
+            "training arguments have no max_length to derive it from"
+        )
 
     def nopad_columns(self, dataset: Any) -> Any:
         """The columns the packed loader reads (ids, labels, loss masks): rows are fetched whole."""
@@ -184,8 +188,10 @@ class NopadTrainerMixin:
         if dataset is None:
             raise ValueError(f"Trainer: {what} requires a dataset")
         if isinstance(dataset, IterableDataset) or type(dataset).__name__ == "IterableDataset":
-            raise ValueError(f"the {what} dataset is a stream; the packed Trainer loader plans whole epochs. "
-                             "Use a map-style dataset, or nopad.dataloaders.StreamingPackedLoader in your own loop")
+            raise ValueError(
+                f"the {what} dataset is a stream; the packed Trainer loader plans whole epochs. "
+                "Use a map-style dataset, or nopad.dataloaders.StreamingPackedLoader in your own loop"
+            )
         return PackedDataset(self.nopad_columns(dataset))
 
     def get_train_dataloader(self) -> PackedTrainerLoader:
@@ -218,8 +224,9 @@ class NopadTrainerMixin:
         if eval_dataset is None:
             eval_dataset = self.eval_dataset
         dataset = self._nopad_dataset(eval_dataset, "evaluation")
-        return packed_dataloader(dataset, self.nopad_tokens(), num_replicas=self.args.world_size,
-                                 rank=self.args.process_index, shuffle=False)
+        return packed_dataloader(
+            dataset, self.nopad_tokens(), num_replicas=self.args.world_size, rank=self.args.process_index, shuffle=False
+        )
 
     # ----------------------------------------------------------------- steps
     def _prepare_inputs(self, inputs: PackedRow | dict) -> dict:
@@ -241,9 +248,12 @@ class NopadTrainerMixin:
                 with open(path) as f:
                     self._nopad_resume_state = json.load(f)
             else:
-                logger.warning("%s has no %s (saved without the nopad loader?): resuming by Trainer's step "
-                               "count without checking that data, budget, seed and world size are unchanged",
-                               checkpoint, STATE_FILE)
+                logger.warning(
+                    "%s has no %s (saved without the nopad loader?): resuming by Trainer's step "
+                    "count without checking that data, budget, seed and world size are unchanged",
+                    checkpoint,
+                    STATE_FILE,
+                )
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
 
@@ -265,4 +275,3 @@ class NopadTrainer(NopadTrainerMixin, Trainer):
                 loss = loss * (self.accelerator.num_processes // self.get_tp_size())
             return loss
         return total / max(as_row(inputs).num_loss_tokens, 1)  # the model's own mean over this batch
-

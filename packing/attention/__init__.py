@@ -17,5 +17,4 @@ from nopad.packing.attention.dispatch import gather_kv, store_kv, varlen_attenti
 from nopad.packing.attention.plan import choose_backend, paged_block_size
 from nopad.packing.attention.registry import BACKEND_ENV, names
 
-__all__ = ["BACKEND_ENV", "choose_backend", "gather_kv", "names", "paged_block_size", "store_kv",
-           "varlen_attention"]
+__all__ = ["BACKEND_ENV", "choose_backend", "gather_kv", "names", "paged_block_size", "store_kv", "varlen_attention"]

@@ -62,13 +62,17 @@ def forward(
     every call, so the batch-invariant mode holds with them). No autograd: the dispatcher gives
     training rows a backward (:class:`nopad.packing.attention.dispatch.RecomputeBackward`)."""
     if q.dtype not in DTYPE_CODES:
-        raise ValueError(f"the attention kernel takes fp32, bf16 or fp16 tensors, got {q.dtype}; cast q/k/v "
-                         "to the model's compute dtype")
+        raise ValueError(
+            f"the attention kernel takes fp32, bf16 or fp16 tensors, got {q.dtype}; cast q/k/v "
+            "to the model's compute dtype"
+        )
     if q.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"the attention kernel takes head_dim <= {MAX_HEAD_DIM}, got {q.shape[-1]}")
     if not (q.dtype == k.dtype == v.dtype) or k.shape != v.shape or q.shape[2] != k.shape[2]:
-        raise ValueError(f"q, k, v must share dtype and head dim: {q.dtype} {tuple(q.shape)}, "
-                         f"{k.dtype} {tuple(k.shape)}, {v.dtype} {tuple(v.shape)}")
+        raise ValueError(
+            f"q, k, v must share dtype and head dim: {q.dtype} {tuple(q.shape)}, "
+            f"{k.dtype} {tuple(k.shape)}, {v.dtype} {tuple(v.shape)}"
+        )
     q = q.detach().contiguous()
     k, v = k.detach().contiguous(), v.detach().contiguous()
     out = torch.empty_like(q)
@@ -76,9 +80,25 @@ def forward(
         return out
     cu_q, lens_k, starts, tab = _host_arrays(meta, table)
     kernel().forward(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), DTYPE_CODES[q.dtype], k.shape[0],
-        cu_q, lens_k, starts, tab, int(block_size), q.shape[1], k.shape[1], q.shape[2],
-        float(scale), float(softcap or 0.0), int(window or 0), bool(causal), torch.get_num_threads(),
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        out.data_ptr(),
+        DTYPE_CODES[q.dtype],
+        k.shape[0],
+        cu_q,
+        lens_k,
+        starts,
+        tab,
+        int(block_size),
+        q.shape[1],
+        k.shape[1],
+        q.shape[2],
+        float(scale),
+        float(softcap or 0.0),
+        int(window or 0),
+        bool(causal),
+        torch.get_num_threads(),
         **_sink_argument(sinks),
     )
     return out
@@ -106,6 +126,7 @@ def takes_sinks() -> bool:
 # block table and context lengths) and has a fake implementation, so the whole decode forward
 # compiles to one graph, with dynamic batch and table width.
 
+
 @torch.compiler.assume_constant_result
 def built() -> bool:
     """The kernel was built (decided once: dynamo cannot trace the extension's import)."""
@@ -114,9 +135,17 @@ def built() -> bool:
     return _KERNEL is not None
 
 
-def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                  context_lens: torch.Tensor, scale: float, window: int, softcap: float,
-                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+def _paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int,
+    softcap: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One query per row ``q (rows, heads, dim)`` over that row's keys in a paged cache
     ``(blocks, block_size, kv_heads, dim)``: ``context_lens[i]`` keys through ``block_table[i]``.
     Same kernel, same per-query order as every other CPU generation step. Calls no other Python
@@ -127,14 +156,32 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if rows == 0:
         return out
     block_size = k_cache.shape[1]
-    extra = {} if sinks is None else {
-        "sinks": np.ascontiguousarray(sinks.detach().to(device="cpu", dtype=torch.float32).numpy())}
+    extra = (
+        {}
+        if sinks is None
+        else {"sinks": np.ascontiguousarray(sinks.detach().to(device="cpu", dtype=torch.float32).numpy())}
+    )
     (_KERNEL or kernel()).forward(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), DTYPE_CODES[q.dtype],
-        k_cache.shape[0] * block_size, np.arange(rows + 1, dtype=np.int32),
-        np.ascontiguousarray(context_lens.numpy(), dtype=np.int32), None,
-        np.ascontiguousarray(block_table.numpy(), dtype=np.int32), block_size,
-        q.shape[1], k_cache.shape[2], q.shape[2], scale, softcap, window, True, torch.get_num_threads(), **extra,
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        DTYPE_CODES[q.dtype],
+        k_cache.shape[0] * block_size,
+        np.arange(rows + 1, dtype=np.int32),
+        np.ascontiguousarray(context_lens.numpy(), dtype=np.int32),
+        None,
+        np.ascontiguousarray(block_table.numpy(), dtype=np.int32),
+        block_size,
+        q.shape[1],
+        k_cache.shape[2],
+        q.shape[2],
+        scale,
+        softcap,
+        window,
+        True,
+        torch.get_num_threads(),
+        **extra,
     )
     return out
 
@@ -144,8 +191,10 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 # the compiled decode step's Python grow by 17 calls a layer; this way the dispatcher, in C++, calls
 # _paged_decode directly (2 calls a layer with OpOverload.__call__). No autograd: decode runs without.
 _LIB = torch.library.Library("nopad", "FRAGMENT")
-_LIB.define("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor context_lens, "
-            "float scale, int window, float softcap, Tensor? sinks=None) -> Tensor")
+_LIB.define(
+    "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor context_lens, "
+    "float scale, int window, float softcap, Tensor? sinks=None) -> Tensor"
+)
 _LIB.impl("paged_decode", _paged_decode, "CPU")
 paged_decode = torch.ops.nopad.paged_decode.default
 _KERNEL: ModuleType | None = None  # the extension, once built() has loaded it
@@ -157,8 +206,19 @@ def _(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap, si
 
 
 def _forward(q, k, v, meta, opts, table=None, block_size=1):
-    return forward(q, k, v, meta, table=table, block_size=block_size, causal=opts.causal, scale=opts.scale,
-                   window=opts.window, softcap=opts.softcap, sinks=opts.sinks)
+    return forward(
+        q,
+        k,
+        v,
+        meta,
+        table=table,
+        block_size=block_size,
+        causal=opts.causal,
+        scale=opts.scale,
+        window=opts.window,
+        softcap=opts.softcap,
+        sinks=opts.sinks,
+    )
 
 
 def _static_decode(q, k_cache, v_cache, block_table, context_lens, scale, window, softcap, sinks=None):
@@ -177,6 +237,16 @@ def _missing(call) -> str | None:
 
 
 BACKENDS = (
-    Backend("kernel", _forward, devices=("cpu",), dtypes=tuple(DTYPE_CODES), grad=False, invariant=True,
-            reads_pages=lambda block_size: True, static_decode=_static_decode, missing=_missing, sinks=True),
+    Backend(
+        "kernel",
+        _forward,
+        devices=("cpu",),
+        dtypes=tuple(DTYPE_CODES),
+        grad=False,
+        invariant=True,
+        reads_pages=lambda block_size: True,
+        static_decode=_static_decode,
+        missing=_missing,
+        sinks=True,
+    ),
 )

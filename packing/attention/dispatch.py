@@ -72,13 +72,15 @@ class RecomputeBackward(torch.autograd.Function):
         with torch.enable_grad():
             q_, k_, v_ = (t.detach().requires_grad_(t.requires_grad) for t in (q, k, v))
             s_ = sinks.detach().requires_grad_(sinks.requires_grad) if sinks is not None else None
-            keys = (k_, v_) if ctx.table is None else (k_.index_select(0, meta.key_rows),
-                                                       v_.index_select(0, meta.key_rows))
+            keys = (
+                (k_, v_)
+                if ctx.table is None
+                else (k_.index_select(0, meta.key_rows), v_.index_select(0, meta.key_rows))
+            )
             out = ctx.differentiable.forward(q_, *keys, _flat(meta), replace(opts, sinks=s_))
             inputs = [t for t in (q_, k_, v_, s_) if t is not None and t.requires_grad]
             grads = iter(torch.autograd.grad(out, inputs, grad_out) if inputs else ())
-        return tuple(next(grads) if t is not None and t.requires_grad else None
-                     for t in (q, k, v, sinks)) + (None,) * 5
+        return tuple(next(grads) if t is not None and t.requires_grad else None for t in (q, k, v, sinks)) + (None,) * 5
 
 
 def _flat(meta: VarlenMeta) -> VarlenMeta:
@@ -114,20 +116,25 @@ def _check(q, k, v, meta: VarlenMeta, kv_cache, table, sliding_window) -> int:
                 f"but its paged cache holds {tuple(k_cache.shape[2:])}: the cache was sized for another "
                 "attention layout (nopad.inference.kv_cache.kv_layout reads it from the layer's k_proj / v_proj "
                 "and head_dim, else the config; a layer that reshapes its K/V at run time, as JetMoE's "
-                "repeats them top_k times, cannot be laid out ahead: generate with HF generate)")
+                "repeats them top_k times, cannot be laid out ahead: generate with HF generate)"
+            )
         kv_heads = k_cache.shape[2]
     else:
         if k is None or v is None:
             raise ValueError("k and v are required when no kv_cache is given")
         if meta.key_index is not None:  # a shared-prefix row: keys are rows of this row's own K/V
             if k.shape[0] != meta.total_q or v.shape[0] != meta.total_q:
-                raise ValueError(f"k/v have {k.shape[0]}/{v.shape[0]} tokens but this shared-prefix row has "
-                                 f"{meta.total_q}; pass the row's own keys (one per token)")
+                raise ValueError(
+                    f"k/v have {k.shape[0]}/{v.shape[0]} tokens but this shared-prefix row has "
+                    f"{meta.total_q}; pass the row's own keys (one per token)"
+                )
         elif k.shape[0] != meta.total_k or v.shape[0] != meta.total_k:
-            raise ValueError(f"k/v have {k.shape[0]}/{v.shape[0]} tokens but meta describes "
-                             f"{meta.total_k}: the keys must be the row's own, one per token; a layer that "
-                             "adds keys of its own (pooled, compressed or memory K/V) cannot run on a packed "
-                             "row (docs/models.md)")
+            raise ValueError(
+                f"k/v have {k.shape[0]}/{v.shape[0]} tokens but meta describes "
+                f"{meta.total_k}: the keys must be the row's own, one per token; a layer that "
+                "adds keys of its own (pooled, compressed or memory K/V) cannot run on a packed "
+                "row (docs/models.md)"
+            )
         kv_heads = k.shape[1]
     if q.shape[1] % kv_heads:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({kv_heads})")
@@ -171,8 +178,7 @@ def varlen_attention(
     softcap = softcap or None  # 0.0 means off, as in flash-attn and HF configs
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != q.shape[1]):
-        raise ValueError(f"sinks must hold one logit per query head ({q.shape[1]}), "
-                         f"got shape {tuple(sinks.shape)}")
+        raise ValueError(f"sinks must hold one logit per query head ({q.shape[1]}), got shape {tuple(sinks.shape)}")
     opts = Opts(causal=causal, scale=scale, window=sliding_window, softcap=softcap, sinks=sinks)
     value_dim = v.shape[-1] if v is not None else None
     if k is not None and v is not None and not q.shape[-1] == k.shape[-1] == v.shape[-1]:
@@ -191,8 +197,9 @@ def one_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tor
     return tuple(t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
 
 
-def _attend(q, k, v, meta: VarlenMeta, kv_cache, block_table, opts: Opts, backend: str,
-            plan: AttentionPlan) -> torch.Tensor:
+def _attend(
+    q, k, v, meta: VarlenMeta, kv_cache, block_table, opts: Opts, backend: str, plan: AttentionPlan
+) -> torch.Tensor:
     """:func:`varlen_attention` once the options are spelled and the head sizes are one."""
     softcap, sliding_window, sinks = opts.softcap, opts.window, opts.sinks
     if meta.is_static:
@@ -209,9 +216,18 @@ def _attend(q, k, v, meta: VarlenMeta, kv_cache, block_table, opts: Opts, backen
     shared = meta.key_index is not None and kv_cache is None
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
     block_size = kv_cache[0].shape[1] if kv_cache is not None else 1
-    call, chosen = plan.decide(q.device, q.dtype, softcap, sliding_window, paged=kv_cache is not None,
-                               block_size=block_size, shared_prefix=shared, grad=grad, override=backend,
-                               sinks=sinks is not None)
+    call, chosen = plan.decide(
+        q.device,
+        q.dtype,
+        softcap,
+        sliding_window,
+        paged=kv_cache is not None,
+        block_size=block_size,
+        shared_prefix=shared,
+        grad=grad,
+        override=backend,
+        sinks=sinks is not None,
+    )
     differentiable = None  # what a forward-only kernel's backward recomputes with
     if grad and not chosen.grad:
         differentiable = plan.differentiable(q.device, q.dtype, softcap, sliding_window, sinks is not None)
@@ -234,25 +250,42 @@ def _attend(q, k, v, meta: VarlenMeta, kv_cache, block_table, opts: Opts, backen
     return chosen.forward(q, k, v, flat_meta, opts)
 
 
-def _static_decode(q, k, v, meta: VarlenMeta, kv_cache, opts: Opts, backend: str,
-                   plan: AttentionPlan) -> torch.Tensor:
+def _static_decode(q, k, v, meta: VarlenMeta, kv_cache, opts: Opts, backend: str, plan: AttentionPlan) -> torch.Tensor:
     """One query per row, keys read through the meta's fixed-width block table and device-side
     context lengths: nothing here is a Python number, so a compiled or CUDA-graph forward does not
     depend on the context lengths. Padding rows point at a scratch block and have length 1."""
     if kv_cache is None:
         raise ValueError("a static decode step needs nopad_kv_cache")
     if q.shape[0] != meta.slot_mapping.shape[0]:
-        raise ValueError(f"the static decode step describes {meta.slot_mapping.shape[0]} rows but the batch "
-                         f"has {q.shape[0]} tokens; a static decode step runs one token per row")
+        raise ValueError(
+            f"the static decode step describes {meta.slot_mapping.shape[0]} rows but the batch "
+            f"has {q.shape[0]} tokens; a static decode step runs one token per row"
+        )
     store_kv(kv_cache, k, v, meta.slot_mapping)
     k_cache, v_cache = kv_cache
-    chosen = plan.decide(q.device, k_cache.dtype, opts.softcap, opts.window, paged=True,
-                         block_size=k_cache.shape[1], static=True, override=backend,
-                         sinks=opts.sinks is not None).backend
+    chosen = plan.decide(
+        q.device,
+        k_cache.dtype,
+        opts.softcap,
+        opts.window,
+        paged=True,
+        block_size=k_cache.shape[1],
+        static=True,
+        override=backend,
+        sinks=opts.sinks is not None,
+    ).backend
     if chosen.static_decode is not None:  # keys read in place, one opaque op
-        out = chosen.static_decode(q.to(k_cache.dtype).contiguous(), k_cache, v_cache, meta.block_table,
-                                   meta.context_lens, opts.scale, opts.window or 0, opts.softcap or 0.0,
-                                   opts.sinks)
+        out = chosen.static_decode(
+            q.to(k_cache.dtype).contiguous(),
+            k_cache,
+            v_cache,
+            meta.block_table,
+            meta.context_lens,
+            opts.scale,
+            opts.window or 0,
+            opts.softcap or 0.0,
+            opts.sinks,
+        )
         return out.to(q.dtype)
     rows, width = meta.block_table.shape  # else: gather `width` whole blocks per row, mask the rest
     keys = width * k_cache.shape[1]
@@ -265,6 +298,7 @@ def _static_decode(q, k, v, meta: VarlenMeta, kv_cache, opts: Opts, backend: str
     if opts.window is not None:
         keep = keep & (pos > lens - 1 - opts.window)
     sinks = None if opts.sinks is None else opts.sinks.view(-1, 1, 1)
-    out = _sdpa(q[:, :, None].to(kk.dtype), kk, vv, keep[:, None, None, :], scale=opts.scale,
-                softcap=opts.softcap, sinks=sinks)
+    out = _sdpa(
+        q[:, :, None].to(kk.dtype), kk, vv, keep[:, None, None, :], scale=opts.scale, softcap=opts.softcap, sinks=sinks
+    )
     return out[:, :, 0].to(q.dtype)

@@ -133,8 +133,7 @@ def flash_varlen(
         raise ValueError(f"flash-attn runs fp16/bf16 only, got {q.dtype}; choose_backend routes fp32 to SDPA")
     missing = info.missing(softcap=softcap, window=window)
     if missing is not None:
-        raise ValueError(f"the installed {info} has no {missing}; upgrade flash-attn or use "
-                         "backend='sdpa_loop'")
+        raise ValueError(f"the installed {info} has no {missing}; upgrade flash-attn or use backend='sdpa_loop'")
     device = q.device
     k, v = k.to(q.dtype), v.to(q.dtype)
     kwargs = dict(
@@ -168,8 +167,9 @@ INSTALL = "pip install flash-attn --no-build-isolation"
 def _forward(q, k, v, meta, opts, table=None, block_size=1):
     if table is not None:  # the dispatcher hands a paged cache flattened to (blocks * size, kv_heads, dim)
         k, v = (t.view(-1, block_size, *t.shape[1:]) for t in (k, v))
-    return flash_varlen(q, k, v, meta, causal=opts.causal, scale=opts.scale, window=opts.window,
-                        softcap=opts.softcap, block_table=table)
+    return flash_varlen(
+        q, k, v, meta, causal=opts.causal, scale=opts.scale, window=opts.window, softcap=opts.softcap, block_table=table
+    )
 
 
 def _missing(call) -> str | None:
@@ -181,6 +181,13 @@ def _missing(call) -> str | None:
 
 
 BACKENDS = (
-    Backend("flash", _forward, devices=("cuda",), dtypes=FLASH_DTYPES, missing=_missing, install=INSTALL,
-            reads_pages=lambda block_size: can_read_pages(flash_attn_info(), block_size)),
+    Backend(
+        "flash",
+        _forward,
+        devices=("cuda",),
+        dtypes=FLASH_DTYPES,
+        missing=_missing,
+        install=INSTALL,
+        reads_pages=lambda block_size: can_read_pages(flash_attn_info(), block_size),
+    ),
 )

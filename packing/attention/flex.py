@@ -33,13 +33,19 @@ def flex(q, k, v, meta: VarlenMeta, *, causal, scale, window, softcap) -> torch.
 
     score_mod = None
     if softcap is not None:
+
         def score_mod(score, b, h, qi, ki):
             return softcap * torch.tanh(score / softcap)
 
     block_mask = create_block_mask(mask_mod, None, None, q.shape[0], k.shape[0], device=device)
     out = flex_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
     )
     return out[0].transpose(0, 1)
 
@@ -55,6 +61,7 @@ def _missing(call) -> str | None:
 
 
 BACKENDS = (
-    Backend("flex", _forward, devices=("cuda",), dtypes=(torch.float32, torch.bfloat16, torch.float16),
-            missing=_missing),
+    Backend(
+        "flex", _forward, devices=("cuda",), dtypes=(torch.float32, torch.bfloat16, torch.float16), missing=_missing
+    ),
 )

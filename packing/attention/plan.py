@@ -54,10 +54,12 @@ class Decision(NamedTuple):
     backend: Backend
 
 
-_MASK_READ = ("the model uses its attention mask itself, besides handing it to the attention interface: "
-              "under nopad attention the mask is nopad's plan (no dense mask: a packed row's boundaries are "
-              "in nopad_meta), so this model's own masking cannot run on nopad; keep it unpacked (sdpa), or "
-              "see docs/models.md")
+_MASK_READ = (
+    "the model uses its attention mask itself, besides handing it to the attention interface: "
+    "under nopad attention the mask is nopad's plan (no dense mask: a packed row's boundaries are "
+    "in nopad_meta), so this model's own masking cannot run on nopad; keep it unpacked (sdpa), or "
+    "see docs/models.md"
+)
 
 
 class AttentionPlan:
@@ -97,32 +99,57 @@ class AttentionPlan:
 
     __radd__ = __add__
 
-    def decide(self, device: torch.device, dtype: torch.dtype, softcap: float | None = None,
-               window: int | None = None, *, paged: bool = False, block_size: int = 1,
-               shared_prefix: bool = False, grad: bool = False, static: bool = False,
-               override: str | None = None, sinks: bool = False) -> Decision:
+    def decide(
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        softcap: float | None = None,
+        window: int | None = None,
+        *,
+        paged: bool = False,
+        block_size: int = 1,
+        shared_prefix: bool = False,
+        grad: bool = False,
+        static: bool = False,
+        override: str | None = None,
+        sinks: bool = False,
+    ) -> Decision:
         """The backend for a layer's call (``override``: the layer's ``backend=``, else the
         plan's). A layer like one seen before in this forward is a dictionary look-up."""
-        key = (device, dtype, softcap, window, paged, block_size, shared_prefix, grad, static, override,
-               sinks)
+        key = (device, dtype, softcap, window, paged, block_size, shared_prefix, grad, static, override, sinks)
         decision = self._decided.get(key)
         if decision is None:
-            call = Call(device, dtype, softcap, window, paged, block_size, shared_prefix, grad, static,
-                        invariant=self.invariant, kernels=self.kernels, sinks=sinks)
-            requested = requested_backend(override if override not in (None, "auto") else self.default,
-                                          self.env_backend)
+            call = Call(
+                device,
+                dtype,
+                softcap,
+                window,
+                paged,
+                block_size,
+                shared_prefix,
+                grad,
+                static,
+                invariant=self.invariant,
+                kernels=self.kernels,
+                sinks=sinks,
+            )
+            requested = requested_backend(
+                override if override not in (None, "auto") else self.default, self.env_backend
+            )
             decision = self._decided[key] = Decision(call, choose(call, requested))
             self.decisions += 1
         return decision
 
-    def differentiable(self, device: torch.device, dtype: torch.dtype, softcap: float | None,
-                       window: int | None, sinks: bool = False) -> Backend:
+    def differentiable(
+        self, device: torch.device, dtype: torch.dtype, softcap: float | None, window: int | None, sinks: bool = False
+    ) -> Backend:
         """The backend a forward-only kernel's backward recomputes such a layer with."""
         key = (device, dtype, softcap, window, sinks)
         backend = self._differentiable.get(key)
         if backend is None:
-            backend = self._differentiable[key] = choose_differentiable(Call(device, dtype, softcap, window,
-                                                                             grad=True, sinks=sinks))
+            backend = self._differentiable[key] = choose_differentiable(
+                Call(device, dtype, softcap, window, grad=True, sinks=sinks)
+            )
         return backend
 
 
@@ -159,9 +186,16 @@ def choose_backend(
     A named backend runs wherever it is asked to (for debugging and the tests' stand-ins); one that
     cannot serve the call is an error, except flash-attn on fp32, which runs exact SDPA with advice.
     """
-    decision = AttentionPlan(override).decide(torch.device(device), dtype, softcap or None, sliding_window,
-                                              paged=paged, block_size=block_size, shared_prefix=shared_prefix,
-                                              grad=grad)
+    decision = AttentionPlan(override).decide(
+        torch.device(device),
+        dtype,
+        softcap or None,
+        sliding_window,
+        paged=paged,
+        block_size=block_size,
+        shared_prefix=shared_prefix,
+        grad=grad,
+    )
     return decision.backend.name
 
 

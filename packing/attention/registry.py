@@ -197,10 +197,12 @@ def choose(call: Call, requested: str = "auto") -> Backend:
     return _decided(call, requested, _auto(call, table))
 
 
-_DTYPE_ADVICE = ("nopad: the FlashAttention kernels (flash-attn, torch varlen) run fp16/bf16 only, so %s "
-                 "attention runs per-sequence SDPA (exact, slower). To use them, train under "
-                 "torch.autocast('cuda', dtype=torch.bfloat16) (Accelerate mixed_precision='bf16') or load "
-                 "the model with dtype=torch.bfloat16.")
+_DTYPE_ADVICE = (
+    "nopad: the FlashAttention kernels (flash-attn, torch varlen) run fp16/bf16 only, so %s "
+    "attention runs per-sequence SDPA (exact, slower). To use them, train under "
+    "torch.autocast('cuda', dtype=torch.bfloat16) (Accelerate mixed_precision='bf16') or load "
+    "the model with dtype=torch.bfloat16."
+)
 
 
 def _auto(call: Call, table: dict[str, Backend]) -> Backend:
@@ -212,12 +214,16 @@ def _auto(call: Call, table: dict[str, Backend]) -> Backend:
             if table[name].gap(call, forced=key == "triton") is None:
                 return table[name]
         asked = "batch_invariant(kernels='triton')" if key == "triton" else "batch_invariant()"
-        advice = ("; use CUDA, or on CPU leave kernels=None for nopad's CPU set"
-                  if key == "triton" and call.device.type == "cpu" else "")
+        advice = (
+            "; use CUDA, or on CPU leave kernels=None for nopad's CPU set"
+            if key == "triton" and call.device.type == "cpu"
+            else ""
+        )
         raise ValueError(
             f"{asked} needs an attention backend with a fixed per-query order, and none of "
             f"{candidates} can serve {call.dtype} on {call.device}: "
-            + "; ".join(f"{n} {table[n].gap(call, forced=True)}" for n in candidates) + advice
+            + "; ".join(f"{n} {table[n].gap(call, forced=True)}" for n in candidates)
+            + advice
         )
     if call.paged or call.static:  # a shared-prefix row takes the training rule (gathered keys)
         for name in AUTO_ORDER.get((device, "paged"), ()):
@@ -250,9 +256,13 @@ def choose_differentiable(call: Call) -> Backend:
         backend = table[name]
         if name in AUTO_ONLY_FOR and not AUTO_ONLY_FOR[name](call):
             continue
-        if (backend.grad and call.device.type in backend.devices and call.dtype in backend.dtypes
-                and (backend.sinks or not call.sinks)
-                and (backend.missing is None or backend.missing(call) is None)):
+        if (
+            backend.grad
+            and call.device.type in backend.devices
+            and call.dtype in backend.dtypes
+            and (backend.sinks or not call.sinks)
+            and (backend.missing is None or backend.missing(call) is None)
+        ):
             return backend
     return table[_FALLBACK]
 
@@ -268,23 +278,39 @@ def _explain(call: Call, gaps: list[tuple[str, str]], chosen: Backend) -> None:
     fallback = chosen.name == _FALLBACK and call.device.type == "cuda"
     hints = {name: f" ({b.install})" if b.install else "" for name, b in backends().items()}
     reasons = "; ".join(f"{name} {gap}{hints[name] if gap != NO_SINKS else ''}" for name, gap in gaps)
-    say_once(("gaps", tuple(gaps), chosen.name), "nopad: attention runs %s%s: %s", chosen.name,
-             " (a Python loop over sequences, slow on a GPU)" if fallback else "", reasons, warn=fallback)
+    say_once(
+        ("gaps", tuple(gaps), chosen.name),
+        "nopad: attention runs %s%s: %s",
+        chosen.name,
+        " (a Python loop over sequences, slow on a GPU)" if fallback else "",
+        reasons,
+        warn=fallback,
+    )
 
 
 def _refusal(requested: str, backend: Backend, gap: str, call: Call) -> Exception:
     hint = f" ({backend.install})" if backend.install and "not installed" in gap else ""
     if call.invariant and not backend.invariant:
-        return ValueError(f"batch_invariant() needs an attention path with a fixed per-query order, but "
-                          f"backend {requested!r} was requested; use backend='auto' in the mode")
+        return ValueError(
+            f"batch_invariant() needs an attention path with a fixed per-query order, but "
+            f"backend {requested!r} was requested; use backend='auto' in the mode"
+        )
     error = RuntimeError if "not installed" in gap or "does not import" in gap else ValueError
-    return error(f"attention backend {requested!r} was requested ({BACKEND_ENV} or backend=) but it {gap}"
-                 f"{hint}; use backend='auto'")
+    return error(
+        f"attention backend {requested!r} was requested ({BACKEND_ENV} or backend=) but it {gap}"
+        f"{hint}; use backend='auto'"
+    )
 
 
 def _decided(call: Call, requested: str, backend: Backend) -> Backend:
     key = ("choice", str(call.device), call.dtype, requested, backend.name, call.paged, call.shared_prefix)
-    say_once(key,
-             "nopad attention on %s %s%s: %s (requested %s)", call.device, call.dtype,
-             " (paged)" if call.paged else "", backend.name, requested)
+    say_once(
+        key,
+        "nopad attention on %s %s%s: %s (requested %s)",
+        call.device,
+        call.dtype,
+        " (paged)" if call.paged else "",
+        backend.name,
+        requested,
+    )
     return backend

@@ -143,8 +143,14 @@ def per_sequence(q, src: KeySource, *, causal, scale, window, softcap, seqs=None
             # benchmarks/bench_attention.py)
             q_i = q_i.reshape(kv_heads, -1, q_i.shape[-1])
         out = _sdpa(
-            q_i, k_i.transpose(0, 1), v_i.transpose(0, 1), mask,
-            scale=scale, softcap=softcap, is_causal=plain_causal, sinks=_head_sinks(sinks, 2),
+            q_i,
+            k_i.transpose(0, 1),
+            v_i.transpose(0, 1),
+            mask,
+            scale=scale,
+            softcap=softcap,
+            is_causal=plain_causal,
+            sinks=_head_sinks(sinks, 2),
         )
         outs.append(out.reshape(-1, lq, out.shape[-1]).transpose(0, 1))
     return outs
@@ -168,8 +174,15 @@ def per_token(q, src: KeySource, *, causal, scale, window, softcap, sinks=None) 
             pos = lk - lq + t
             top = pos + 1 if causal else lk
             bottom = max(0, pos - window + 1) if window is not None else 0
-            out = _sdpa(q_i[t][:, None], k_i[:, bottom:top], v_i[:, bottom:top], None, scale=scale,
-                        softcap=softcap, sinks=_head_sinks(sinks, 2))
+            out = _sdpa(
+                q_i[t][:, None],
+                k_i[:, bottom:top],
+                v_i[:, bottom:top],
+                None,
+                scale=scale,
+                softcap=softcap,
+                sinks=_head_sinks(sinks, 2),
+            )
             rows.append(out[:, 0])
         outs.append(torch.stack(rows))
     return outs
@@ -229,8 +242,15 @@ def dense(q, k, v, meta: VarlenMeta, *, causal, scale, window, softcap, sinks=No
         keep = keep & (k_pos[None, :] <= q_pos[:, None])
     if window is not None:
         keep = keep & (k_pos[None, :] > q_pos[:, None] - window)
-    out = _sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), keep, scale=scale, softcap=softcap,
-                sinks=_head_sinks(sinks, 2))
+    out = _sdpa(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        keep,
+        scale=scale,
+        softcap=softcap,
+        sinks=_head_sinks(sinks, 2),
+    )
     return out.transpose(0, 1)
 
 
@@ -241,8 +261,7 @@ def _cat(pieces: list, q: torch.Tensor) -> torch.Tensor:
 
 
 def _options(opts) -> dict:
-    return dict(causal=opts.causal, scale=opts.scale, window=opts.window, softcap=opts.softcap,
-                sinks=opts.sinks)
+    return dict(causal=opts.causal, scale=opts.scale, window=opts.window, softcap=opts.softcap, sinks=opts.sinks)
 
 
 def _loop(q, k, v, meta, opts, table=None, block_size=1):
@@ -262,8 +281,14 @@ def _dense(q, k, v, meta, opts, table=None, block_size=1):
 
 
 def _backend(name, forward, **kwargs):
-    return Backend(name, forward, devices=("cpu", "cuda"),
-                   dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64), sinks=True, **kwargs)
+    return Backend(
+        name,
+        forward,
+        devices=("cpu", "cuda"),
+        dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64),
+        sinks=True,
+        **kwargs,
+    )
 
 
 BACKENDS = (

@@ -90,8 +90,7 @@ def torch_varlen(
     func = varlen_attn()
     names = params()
     if q.dtype not in DTYPES:
-        raise ValueError(f"torch varlen_attn runs fp16/bf16 only, got {q.dtype}; choose_backend routes fp32 "
-                         "elsewhere")
+        raise ValueError(f"torch varlen_attn runs fp16/bf16 only, got {q.dtype}; choose_backend routes fp32 elsewhere")
     if q.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"torch varlen_attn takes head_dim <= {MAX_HEAD_DIM}, got {q.shape[-1]}")
     device = q.device
@@ -111,16 +110,21 @@ def torch_varlen(
         kwargs["enable_gqa"] = q.shape[1] != kv_heads
     if block_table is not None:
         if not reads_pages(k.shape[1]):
-            raise ValueError(f"torch varlen_attn reads paged K/V only in pages of a multiple of "
-                             f"{PAGE_MULTIPLE} "
-                             f"tokens (got {k.shape[1]}) and from torch 2.12; gather the K/V first")
+            raise ValueError(
+                f"torch varlen_attn reads paged K/V only in pages of a multiple of "
+                f"{PAGE_MULTIPLE} "
+                f"tokens (got {k.shape[1]}) and from torch 2.12; gather the K/V first"
+            )
         kwargs["block_table"] = block_table.to(device, torch.int32).contiguous()
         kwargs["seqused_k"] = torch.tensor(meta.seqlens_k, dtype=torch.int32).to(device, non_blocking=True)
     return func(
-        q, k, v,
+        q,
+        k,
+        v,
         meta.cu_seqlens_q.to(device, torch.int32).contiguous(),
         meta.cu_seqlens_k.to(device, torch.int32).contiguous(),
-        int(meta.max_seqlen_q), int(meta.max_seqlen_k),
+        int(meta.max_seqlen_q),
+        int(meta.max_seqlen_k),
         **kwargs,
     )
 
@@ -128,12 +132,17 @@ def torch_varlen(
 def _forward(q, k, v, meta, opts, table=None, block_size=1):
     if table is not None:  # the dispatcher hands a paged cache flattened to (pages * size, kv_heads, dim)
         k, v = (t.view(-1, block_size, *t.shape[1:]) for t in (k, v))
-    return torch_varlen(q, k, v, meta, causal=opts.causal, scale=opts.scale, window=opts.window,
-                        block_table=table)
+    return torch_varlen(q, k, v, meta, causal=opts.causal, scale=opts.scale, window=opts.window, block_table=table)
 
 
 BACKENDS = (
-    Backend("torch_varlen", _forward, devices=("cuda",), dtypes=DTYPES, missing=missing,
-            reads_pages=reads_pages,
-            install="PyTorch >= 2.10 with CUDA; paged K/V from 2.12"),
+    Backend(
+        "torch_varlen",
+        _forward,
+        devices=("cuda",),
+        dtypes=DTYPES,
+        missing=missing,
+        reads_pages=reads_pages,
+        install="PyTorch >= 2.10 with CUDA; paged K/V from 2.12",
+    ),
 )

@@ -18,7 +18,7 @@ On the GPU fp16/bf16 dots run natively on tensor cores (an MMA sums each output 
 same order whatever its row) and fp32 dots in IEEE fp32 (no TF32). Under Triton's interpreter (CPU
 tensors, ``TRITON_INTERPRET=1``, how the tests run it) ``tl.dot`` is numpy's BLAS matmul, whose sums
 depend on a row's place in the tile (and which is wrong for bf16), so there the two products are
-an fp32 multiply and ``tl.sum`` over the reduced axis instead (:func:`_dot`): operands rounded to
+an fp32 multiply and ``tl.sum`` over the reduced axis instead (``triton_jit._dot``): operands rounded to
 the compute dtype as on the GPU, exact products, one summation order for every row. Softmax
 statistics are fp32 everywhere.
 
@@ -37,7 +37,6 @@ from nopad.packing.varlen import VarlenMeta
 
 try:
     import triton
-    import triton.language as tl
 except ImportError:  # optional: the backend then says what to install
     triton = None
 
@@ -69,119 +68,7 @@ def _padded(head_dim: int) -> int:
 
 
 if triton is not None:
-
-    @triton.jit
-    def _dot(a, b, INTERPRETED: tl.constexpr, FP32: tl.constexpr):
-        """``a @ b`` with fp32 results: tl.dot on a GPU (IEEE for fp32 operands, not TF32), a
-        row-invariant fp32 sum interpreted."""
-        if INTERPRETED:
-            return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
-        elif FP32:
-            return tl.dot(a, b, input_precision="ieee")
-        else:
-            return tl.dot(a, b)
-
-    # Triton compiles a kernel per integer argument equal to 1 or divisible by 16: window=1 must not
-    # compile one of its own, nor the block table's width (stride_table) each time a growing table
-    # crosses a multiple of 16 mid-generation (~1 s on the H100, inside a decode step)
-    @triton.jit(do_not_specialize=["window", "stride_table"])
-    def _attention_kernel(
-        Q, K, V, OUT, CU_Q, KEYS, TABLE, SINK,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_table,
-        scale, softcap, window,
-        G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-        PAGED: tl.constexpr, DECODE: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
-        INTERPRETED: tl.constexpr, FP32: tl.constexpr, SINKS: tl.constexpr,
-    ):
-        """Program (sequence, row tile, KV head). Rows r of a tile are (query token r // G, query
-        head kv_head * G + r % G). ``KEYS`` is ``cu_seqlens_k`` (flat or paged keys, lengths from
-        its differences), or with DECODE the per-row key counts (one query per row, no CU_Q)."""
-        seq = tl.program_id(0)
-        tile = tl.program_id(1)
-        kv_head = tl.program_id(2)
-        if DECODE:
-            q_start = seq
-            q_len = 1
-            k_len = tl.load(KEYS + seq).to(tl.int32)
-            k_start = 0
-        else:
-            q_start = tl.load(CU_Q + seq)
-            q_len = tl.load(CU_Q + seq + 1) - q_start
-            k_start = tl.load(KEYS + seq)
-            k_len = tl.load(KEYS + seq + 1) - k_start
-        row0 = tile * BLOCK_M
-        n_rows = q_len * G  # tiles past a sequence's rows store nothing and visit no key block
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < n_rows
-        token = rows // G
-        head = kv_head * G + rows % G
-        pos = k_len - q_len + token  # each query's position among its keys (bottom-right aligned)
-        if CAUSAL:
-            hi = pos
-        else:
-            hi = tl.zeros_like(pos) + (k_len - 1)
-        lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
-        # the tile's key blocks: from the first row's lowest key to the last row's highest (all
-        # operands of // kept >= 0: Triton's integer division truncates, the interpreter's floors)
-        last = tl.maximum(tl.minimum(row0 + BLOCK_M, n_rows) - 1, row0)
-        pos_first = k_len - q_len + row0 // G
-        pos_last = k_len - q_len + last // G
-        key_lo = tl.where(window > 0, tl.maximum(pos_first - window + 1, 0), 0)
-        if CAUSAL:
-            key_hi = pos_last
-        else:
-            key_hi = k_len - 1
-        first_block = key_lo // BLOCK_N
-        any_rows = (row0 < n_rows) & (key_hi >= 0)
-        end_block = tl.where(any_rows, tl.maximum(key_hi, 0) // BLOCK_N + 1, first_block)
-
-        d = tl.arange(0, D_PAD)
-        d_ok = d < HEAD_DIM
-        q_rows = (q_start + token).to(tl.int64)
-        q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_sum = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        for block in range(first_block, end_block):
-            keys = block * BLOCK_N + tl.arange(0, BLOCK_N)
-            key_ok = keys < k_len
-            if PAGED:
-                page = tl.load(TABLE + seq.to(tl.int64) * stride_table + keys // PAGE, mask=key_ok, other=0)
-                k_rows = page.to(tl.int64) * PAGE + keys % PAGE
-            else:
-                k_rows = (k_start + keys).to(tl.int64)
-            kv_mask = key_ok[:, None] & d_ok[None, :]
-            k = tl.load(K + k_rows[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask,
-                        other=0.0)
-            v = tl.load(V + k_rows[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask,
-                        other=0.0)
-            s = _dot(q, tl.trans(k), INTERPRETED, FP32) * scale
-            if SOFTCAP:  # softcap * tanh(s / softcap), tanh from exp (odd, exact at 0)
-                a = s / softcap
-                e = tl.exp(-2.0 * tl.abs(a))
-                t = (1.0 - e) / (1.0 + e)
-                s = softcap * tl.where(a < 0, -t, t)
-            visible = (keys[None, :] >= lo[:, None]) & (keys[None, :] <= hi[:, None]) & row_ok[:, None]
-            s = tl.where(visible, s, float("-inf"))
-            active = tl.max(visible.to(tl.int32), 1) > 0  # rows that see a key of this block
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf)
-            alpha = tl.exp(m - m_use)
-            p = tl.exp(s - m_use[:, None])
-            pv = _dot(p.to(V.dtype.element_ty), v, INTERPRETED, FP32)  # p rounded to the dtype, as flash does
-            # a block that shows a row nothing leaves the row's bits untouched
-            acc = tl.where(active[:, None], acc * alpha[:, None] + pv, acc)
-            l_sum = tl.where(active, l_sum * alpha + tl.sum(p, 1), l_sum)
-            m = tl.where(active, m_new, m)
-        if SINKS:  # the head's sink logit joins the denominator and adds no value (gpt-oss)
-            sink = tl.load(SINK + head, mask=row_ok, other=0.0).to(tl.float32)
-            l_sum = l_sum + tl.exp(sink - tl.where(m == float("-inf"), sink, m))
-        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # a query with no keys gives zeros
-        tl.store(OUT + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    from nopad.packing.attention.triton_jit import _attention_kernel
 
 
 def interpreted() -> bool:
@@ -196,30 +83,51 @@ def interpreted() -> bool:
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if triton is None:
-        raise RuntimeError("the Triton attention kernel needs triton: triton is not installed "
-                           "(pip install triton)")
+        raise RuntimeError("the Triton attention kernel needs triton: triton is not installed (pip install triton)")
     if q.dtype not in DTYPES:
-        raise ValueError(f"the Triton attention kernel takes fp32, bf16 or fp16 tensors, got {q.dtype}; cast "
-                         "q/k/v to the model's compute dtype")
+        raise ValueError(
+            f"the Triton attention kernel takes fp32, bf16 or fp16 tensors, got {q.dtype}; cast "
+            "q/k/v to the model's compute dtype"
+        )
     if q.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"the Triton attention kernel takes head_dim <= {MAX_HEAD_DIM}, got {q.shape[-1]}")
     if not (q.dtype == k.dtype == v.dtype) or k.shape != v.shape or q.shape[2] != k.shape[2]:
-        raise ValueError(f"q, k, v must share dtype and head dim: {q.dtype} {tuple(q.shape)}, "
-                         f"{k.dtype} {tuple(k.shape)}, {v.dtype} {tuple(v.shape)}")
+        raise ValueError(
+            f"q, k, v must share dtype and head dim: {q.dtype} {tuple(q.shape)}, "
+            f"{k.dtype} {tuple(k.shape)}, {v.dtype} {tuple(v.shape)}"
+        )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
     if q.device.type == "cpu" and not interpreted():
-        raise RuntimeError("the Triton attention kernel runs CPU tensors only under Triton's interpreter: "
-                           "set TRITON_INTERPRET=1 before nopad is imported, or use a CUDA device")
+        raise RuntimeError(
+            "the Triton attention kernel runs CPU tensors only under Triton's interpreter: "
+            "set TRITON_INTERPRET=1 before nopad is imported, or use a CUDA device"
+        )
 
 
 def _inner_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch(q, k, v, out, cu_q, keys, table, page: int, rows: int, max_q: int, *, decode: bool, causal: bool,
-            scale: float, window: int | None, softcap: float | None, sinks: torch.Tensor | None = None
-            ) -> torch.Tensor:
+def _launch(
+    q,
+    k,
+    v,
+    out,
+    cu_q,
+    keys,
+    table,
+    page: int,
+    rows: int,
+    max_q: int,
+    *,
+    decode: bool,
+    causal: bool,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     groups = heads // kv_heads
     tile = tile_config(dim, q.dtype)
@@ -228,15 +136,39 @@ def _launch(q, k, v, out, cu_q, keys, table, page: int, rows: int, max_q: int, *
     if sinks is not None:
         sinks = sinks.detach().to(q.device, torch.float32).contiguous()
     _attention_kernel[grid](
-        q, k, v, out, cu_q, keys, table if paged else keys, sinks if sinks is not None else keys,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1),
+        q,
+        k,
+        v,
+        out,
+        cu_q,
+        keys,
+        table if paged else keys,
+        sinks if sinks is not None else keys,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
         table.stride(0) if paged else 0,
-        float(scale), float(softcap or 0.0), int(window or 0),
-        G=groups, HEAD_DIM=dim, D_PAD=_padded(dim), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        float(scale),
+        float(softcap or 0.0),
+        int(window or 0),
+        G=groups,
+        HEAD_DIM=dim,
+        D_PAD=_padded(dim),
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
         PAGE=int(page),
-        PAGED=paged, DECODE=decode, CAUSAL=bool(causal), SOFTCAP=bool(softcap),
-        INTERPRETED=q.device.type == "cpu", FP32=q.dtype == torch.float32, SINKS=sinks is not None,
+        PAGED=paged,
+        DECODE=decode,
+        CAUSAL=bool(causal),
+        SOFTCAP=bool(softcap),
+        INTERPRETED=q.device.type == "cpu",
+        FP32=q.dtype == torch.float32,
+        SINKS=sinks is not None,
         num_warps=tile.warps,
         num_stages=tile.stages,
     )
@@ -263,8 +195,10 @@ def forward(
     row's denominator at the end. No autograd (the dispatcher recomputes the backward)."""
     _check(q, k, v)
     if table is not None and block_size < MIN_BLOCK_SIZE:
-        raise ValueError(f"the Triton attention kernel reads paged K/V in blocks of >= {MIN_BLOCK_SIZE} "
-                         f"tokens, got {block_size}; gather the keys first")
+        raise ValueError(
+            f"the Triton attention kernel reads paged K/V in blocks of >= {MIN_BLOCK_SIZE} "
+            f"tokens, got {block_size}; gather the keys first"
+        )
     q, k, v = (_inner_contiguous(t.detach()) for t in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0 or meta.num_seqs == 0:
@@ -274,13 +208,37 @@ def forward(
     cu_k = meta.cu_seqlens_k.to(device, torch.int32)
     if table is not None:
         table = table.to(device, torch.int32).contiguous()
-    return _launch(q, k, v, out, cu_q, cu_k, table, block_size, meta.num_seqs, meta.max_seqlen_q,
-                   decode=False, causal=causal, scale=scale, window=window, softcap=softcap, sinks=sinks)
+    return _launch(
+        q,
+        k,
+        v,
+        out,
+        cu_q,
+        cu_k,
+        table,
+        block_size,
+        meta.num_seqs,
+        meta.max_seqlen_q,
+        decode=False,
+        causal=causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
+    )
 
 
-def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                  context_lens: torch.Tensor, scale: float, window: int, softcap: float,
-                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+def _paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int,
+    softcap: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One query per row ``q (rows, heads, dim)`` over that row's keys in a paged cache
     ``(blocks, block_size, kv_heads, dim)``: ``context_lens[i]`` keys through ``block_table[i]``
     (int32 or int64, read as they are). Lengths stay on the device and the grid depends only on
@@ -292,9 +250,24 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:
         return out
-    return _launch(_inner_contiguous(q), k, v, out, context_lens, context_lens, block_table.contiguous(),
-                   k_cache.shape[1], q.shape[0], 1, decode=True, causal=True, scale=scale,
-                   window=window or None, softcap=softcap or None, sinks=sinks)
+    return _launch(
+        _inner_contiguous(q),
+        k,
+        v,
+        out,
+        context_lens,
+        context_lens,
+        block_table.contiguous(),
+        k_cache.shape[1],
+        q.shape[0],
+        1,
+        decode=True,
+        causal=True,
+        scale=scale,
+        window=window or None,
+        softcap=softcap or None,
+        sinks=sinks,
+    )
 
 
 # The static decode step as a custom op, so torch.compile (``Generator(compile_decode=True)``) sees
@@ -314,21 +287,40 @@ def _static_decode(*args):
 
 
 def _forward(q, k, v, meta, opts, table=None, block_size=1):
-    return forward(q, k, v, meta, table=table, block_size=block_size, causal=opts.causal, scale=opts.scale,
-                   window=opts.window, softcap=opts.softcap, sinks=opts.sinks)
+    return forward(
+        q,
+        k,
+        v,
+        meta,
+        table=table,
+        block_size=block_size,
+        causal=opts.causal,
+        scale=opts.scale,
+        window=opts.window,
+        softcap=opts.softcap,
+        sinks=opts.sinks,
+    )
 
 
 def _missing(call) -> str | None:
     if triton is None:
         return "is not usable: triton is not installed (pip install triton)"
     if call.device.type == "cpu" and not interpreted():
-        return ("runs CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1 before nopad is "
-                "imported)")
+        return "runs CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1 before nopad is imported)"
     return None
 
 
 BACKENDS = (
-    Backend("triton", _forward, devices=("cuda",), dtypes=DTYPES, grad=False, invariant=True,
-            reads_pages=lambda block_size: block_size >= MIN_BLOCK_SIZE, static_decode=_static_decode,
-            missing=_missing, sinks=True),
+    Backend(
+        "triton",
+        _forward,
+        devices=("cuda",),
+        dtypes=DTYPES,
+        grad=False,
+        invariant=True,
+        reads_pages=lambda block_size: block_size >= MIN_BLOCK_SIZE,
+        static_decode=_static_decode,
+        missing=_missing,
+        sinks=True,
+    ),
 )

@@ -125,9 +125,7 @@ class _Items:
         if lengths.min() == 0:
             if not skip_empty:
                 i = int(np.argmax(lengths == 0))
-                raise ValueError(
-                    f"lengths[{i}] is 0 (an empty sequence); drop empty sequences or pass skip_empty=True"
-                )
+                raise ValueError(f"lengths[{i}] is 0 (an empty sequence); drop empty sequences or pass skip_empty=True")
             index = np.flatnonzero(lengths)
             num_skipped = len(lengths) - len(index)
             lengths = lengths[index]
@@ -172,9 +170,7 @@ def _backend_module(backend: str):
     module = native_packer()
     if module is None:
         if backend == "native":
-            raise RuntimeError(
-                "backend='native' but the compiled packer is not built; run `pip install -e .`"
-            )
+            raise RuntimeError("backend='native' but the compiled packer is not built; run `pip install -e .`")
         return algorithms
     return module
 

@@ -48,12 +48,17 @@ def pack_dataset(
     ``(dataset, bins)`` where ``bins.indices`` are row numbers of ``ds``.
     """
     import datasets
-    from datasets.fingerprint import Hasher
-    from datasets.table import InMemoryTable
 
     if isinstance(ds, datasets.DatasetDict):
-        kwargs = dict(strategy=strategy, seed=seed, overflow=overflow, max_seqs_per_bin=max_seqs_per_bin,
-                      skip_empty=skip_empty, columns=columns, position_ids=position_ids)
+        kwargs = dict(
+            strategy=strategy,
+            seed=seed,
+            overflow=overflow,
+            max_seqs_per_bin=max_seqs_per_bin,
+            skip_empty=skip_empty,
+            columns=columns,
+            position_ids=position_ids,
+        )
         return datasets.DatasetDict({name: pack_dataset(d, capacity, **kwargs) for name, d in ds.items()})
     if not isinstance(ds, datasets.Dataset):
         raise TypeError(f"pack_dataset needs a datasets.Dataset or DatasetDict; got {type(ds).__name__}")
@@ -69,8 +74,44 @@ def pack_dataset(
         row = pc.index(pc.is_null(lengths), True).as_py()
         raise ValueError(f"row {row} has no input_ids (null); drop or fix such rows before packing")
     lengths = lengths.to_numpy(zero_copy_only=False)
-    bins = pack(lengths.astype(np.int64, copy=False), capacity, strategy=strategy, seed=seed,
-                overflow=overflow, max_seqs_per_bin=max_seqs_per_bin, skip_empty=skip_empty)
+    bins = pack(
+        lengths.astype(np.int64, copy=False),
+        capacity,
+        strategy=strategy,
+        seed=seed,
+        overflow=overflow,
+        max_seqs_per_bin=max_seqs_per_bin,
+        skip_empty=skip_empty,
+    )
+
+    fingerprint = _fingerprint(
+        ds, capacity, strategy, seed, overflow, max_seqs_per_bin, skip_empty, token_columns, position_ids
+    )
+    packed = _packed_dataset(ds, table, token_columns, bins, position_ids, fingerprint)
+    logger.info(
+        "packed %d rows into %d rows of %d tokens: %s",
+        len(ds),
+        len(bins),
+        capacity,
+        f"efficiency {bins.stats.efficiency:.2%}",
+    )
+    return (packed, bins) if return_bins else packed
+
+
+def _fingerprint(ds, *options) -> str:
+    """The packed dataset's fingerprint, from ``ds``'s and the packing options. Given explicitly:
+    otherwise datasets hashes every packed token to make one."""
+    from datasets.fingerprint import Hasher
+
+    return Hasher.hash((ds._fingerprint, "nopad.pack_dataset", *options))
+
+
+def _packed_dataset(ds, table: pa.Table, token_columns: list[str], bins: Bins, position_ids: bool, fingerprint: str):
+    """The packed rows as a ``datasets.Dataset`` in ``ds``'s format: every token column re-cut
+    into one list per bin, ``seq_lengths`` and (if asked) ``position_ids``. The Arrow assembly, on
+    its own so that :func:`pack_dataset` reads as checks, bin choice, result."""
+    import datasets
+    from datasets.table import InMemoryTable
 
     row_tokens = np.zeros(len(bins) + 1, dtype=np.int64)
     np.cumsum(bins.bin_tokens, out=row_tokens[1:])
@@ -80,21 +121,18 @@ def pack_dataset(
     )
     if position_ids:
         arrays["position_ids"] = pa.ListArray.from_arrays(row_tokens.astype(np.int32), _positions(bins))
-    # An explicit fingerprint: otherwise datasets hashes every packed token to make one.
-    fingerprint = Hasher.hash((ds._fingerprint, "nopad.pack_dataset", capacity, strategy, seed, overflow,
-                               max_seqs_per_bin, skip_empty, token_columns, position_ids))
     packed = datasets.Dataset(InMemoryTable(pa.Table.from_pydict(arrays)), fingerprint=fingerprint)
     if ds.format["type"] is not None:
         packed = packed.with_format(ds.format["type"])
-    logger.info("packed %d rows into %d rows of %d tokens: %s", len(ds), len(bins), capacity,
-                f"efficiency {bins.stats.efficiency:.2%}")
-    return (packed, bins) if return_bins else packed
+    return packed
 
 
 # A concatenated all-ones mask over a packed row tells transformers "one sequence": its SDPA/eager
 # paths then attend across the documents. The boundaries live in seq_lengths (and position_ids).
-DROPPED_MASK = ("a packed row cannot carry a concatenated attention_mask (transformers would read the row "
-                "as one sequence and attend across documents; boundaries are in seq_lengths)")
+DROPPED_MASK = (
+    "a packed row cannot carry a concatenated attention_mask (transformers would read the row "
+    "as one sequence and attend across documents; boundaries are in seq_lengths)"
+)
 
 
 def _token_columns(table: pa.Table, columns: list[str] | None) -> list[str]:
@@ -117,12 +155,16 @@ def _token_columns(table: pa.Table, columns: list[str] | None) -> list[str]:
             logger.info(DROPPED_MASK + "; it is dropped")
     for name in names:
         if not _is_list(table.schema.field(name).type):
-            raise ValueError(f"column {name!r} is not a list column ({table.schema.field(name).type}); "
-                             "only per-token list columns can be packed")
+            raise ValueError(
+                f"column {name!r} is not a list column ({table.schema.field(name).type}); "
+                "only per-token list columns can be packed"
+            )
         aligned = pc.all(pc.equal(pc.list_value_length(table.column(name)), lengths)).as_py()
         if name != "input_ids" and not aligned:
-            raise ValueError(f"column {name!r} does not have one entry per token of 'input_ids' in every "
-                             "row; fix the tokenization or leave it out with columns=[...]")
+            raise ValueError(
+                f"column {name!r} does not have one entry per token of 'input_ids' in every "
+                "row; fix the tokenization or leave it out with columns=[...]"
+            )
     return names
 
 

@@ -36,8 +36,7 @@ class PackStats:
         lines = [
             f"{self.num_sequences} sequences ({self.total_tokens} tokens) in {self.num_bins} bins of "
             f"{self.capacity} (lower bound {self.lower_bound}): efficiency {self.efficiency:.2%}",
-            f"attention cost sum(l^2) per bin: max {self.attention_cost_max}, "
-            f"mean {self.attention_cost_mean:.0f}",
+            f"attention cost sum(l^2) per bin: max {self.attention_cost_max}, mean {self.attention_cost_mean:.0f}",
         ]
         if self.num_truncated:
             lines.append(f"truncated {self.num_truncated} sequences ({self.tokens_truncated} tokens dropped)")

@@ -28,8 +28,15 @@ class StreamItem(NamedTuple):
     start: int = 0
 
 
-_COUNTERS = ("num_added", "num_bins", "num_items_emitted", "num_tokens_emitted", "num_truncated",
-             "tokens_truncated", "num_split")
+_COUNTERS = (
+    "num_added",
+    "num_bins",
+    "num_items_emitted",
+    "num_tokens_emitted",
+    "num_truncated",
+    "tokens_truncated",
+    "num_split",
+)
 
 
 class StreamingPacker:
@@ -162,9 +169,7 @@ class StreamingPacker:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["capacity"] != self.capacity:
-            raise ValueError(
-                f"state was saved with capacity {state['capacity']}, this packer has {self.capacity}"
-            )
+            raise ValueError(f"state was saved with capacity {state['capacity']}, this packer has {self.capacity}")
         if (state["rng_state"] is None) != (self._rng is None):
             raise ValueError("state and packer disagree on whether a seed is used; create the packer alike")
         self._by_length.clear()

@@ -182,8 +182,10 @@ def plan_rows(paths: Sequence[TreePath], capacity: int, *, strategy: str = "bfd"
     """The pieces of each row: the trie of ``paths`` split to ``capacity`` and bin-packed."""
     for i, p in enumerate(paths):
         if len(p.ids) > capacity:
-            raise ValueError(f"path {i} has {len(p.ids)} tokens > the row capacity {capacity}: a tree row "
-                             "holds each path's whole context; raise the capacity or truncate the path")
+            raise ValueError(
+                f"path {i} has {len(p.ids)} tokens > the row capacity {capacity}: a tree row "
+                "holds each path's whole context; raise the capacity or truncate the path"
+            )
     pieces = [piece for root in build_trie([p.ids for p in paths]) for piece in split_tree(root, capacity)]
     if not pieces:
         return []
@@ -206,7 +208,7 @@ def tree_row(paths: Sequence[TreePath], pieces: Sequence[Piece]) -> PackedRow:
             if id(node) in path_rows:  # another piece of the same tree laid it in this row already
                 continue
             start = len(ids)
-            ids += list(paths[node.path].ids[node.start:node.end])
+            ids += list(paths[node.path].ids[node.start : node.end])
             above = path_rows[id(node.parent)] if node.parent is not None else np.zeros(0, np.int64)
             path_rows[id(node)] = np.concatenate([above, np.arange(start, start + len(node))])
             if previous is not None and node.parent is previous:
@@ -232,21 +234,29 @@ def tree_row(paths: Sequence[TreePath], pieces: Sequence[Piece]) -> PackedRow:
         for name in names:
             values = paths[p].extras.get(name)
             if values is None:
-                raise ValueError(f"path {p} has no extra {name!r} but other paths in its row do; give every "
-                                 "path the same extras")
+                raise ValueError(
+                    f"path {p} has no extra {name!r} but other paths in its row do; give every path the same extras"
+                )
             if np.ndim(values) != 1 or len(values) != len(paths[p].ids):
                 got = f"is {values!r}" if np.ndim(values) == 0 else f"has {np.size(values)} values"
-                raise ValueError(f"path {p}: extra {name!r} {got} for {len(paths[p].ids)} tokens; give one "
-                                 "value per token, as long as ids (a sequence's advantage a: [a] * len(ids))")
+                raise ValueError(
+                    f"path {p}: extra {name!r} {got} for {len(paths[p].ids)} tokens; give one "
+                    "value per token, as long as ids (a sequence's advantage a: [a] * len(ids))"
+                )
             extras[name].append(np.asarray(values, dtype=np.float32)[at])
     targets = _cat(at_rows, np.int64)
     token_ids = np.asarray(ids, dtype=np.int64)
     labels = np.full(token_ids.size, IGNORE_INDEX, dtype=np.int64)
     labels[targets] = token_ids[targets]
     label_order = np.cumsum(labels != IGNORE_INDEX) - 1  # row position -> index among the loss tokens
-    return PackedRow.build(token_ids, labels, meta, indices=owned,
-                           pairs=(label_order[targets], _cat(which, np.int64)),
-                           token_values={name: _cat(values, np.float32) for name, values in extras.items()})
+    return PackedRow.build(
+        token_ids,
+        labels,
+        meta,
+        indices=owned,
+        pairs=(label_order[targets], _cat(which, np.int64)),
+        token_values={name: _cat(values, np.float32) for name, values in extras.items()},
+    )
 
 
 def _loss_positions(path: TreePath, index: int) -> np.ndarray:

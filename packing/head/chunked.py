@@ -16,9 +16,9 @@ autograd over checkpointed chunks.
 
 Exact, not fused: each chunk is the model's own head module (tied embeddings, a bias, a peft LoRA
 on ``lm_head`` run as they do in the model), the model's own final-logit ops (:class:`LMHead`:
-Gemma's softcap, Granite's and Cohere's scales, checked at every call against the model's logits
-of one position; a model that fails the check is scored from its own logits, with a warning),
-then :func:`tempered_log_softmax` gathered at the target: the function the generator's sampler
+Gemma's softcap, Granite's and Cohere's scales; :mod:`nopad.packing.head.model_head`), checked at every
+call against the model's logits of one position; a model that fails the check is scored from its own
+logits, with a warning), then :func:`tempered_log_softmax` gathered at the target: the function the generator's sampler
 computes its log-probs with, so under :func:`nopad.packing.batch_invariant` (whose
 linear and log-softmax are row-local) the chunking changes no bit, and the chunks start at token
 0 with a fixed size whatever the number of tokens.
@@ -33,7 +33,6 @@ what drifts (TRL#7063, verl#2656), so nopad has this one.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,81 +40,24 @@ from torch.utils.checkpoint import checkpoint
 
 from nopad.packing.head.linear import LinearHeadChunks, LinearHeadNLL
 from nopad.packing.head.log_softmax import logits_grad, picked_and_entropy, tempered_log_softmax
+from nopad.packing.head.model_head import LMHead, head_mismatch, head_of, unwrap
 from nopad.packing.invariance import active_kernels, batch_invariant, is_enabled
-from nopad.packing.model_config import text_config
 
 logger = logging.getLogger(__name__)
 
 CHUNK_TOKENS = 128  # head rows per chunk; fixed, so chunk bounds never depend on the row's length
 
 
-@dataclass(frozen=True)
-class LMHead:
-    """The model's output embedding module and the final-logit ops its forward applies after it,
-    in the model's order: ``* multiplier`` (Cohere ``logit_scale``, Falcon-H1
-    ``lm_head_multiplier``), ``/ divisor`` (Granite ``logits_scaling``), then the softcap
-    (Gemma2/3/4 ``final_logit_softcapping``: ``tanh(x / cap) * cap``)."""
-
-    module: torch.nn.Module
-    softcap: float | None = None
-    multiplier: float | None = None
-    divisor: float | None = None
-
-    @property
-    def final_ops(self) -> bool:
-        """Whether :meth:`finish` does anything (else the logits are the module's output)."""
-        return (self.softcap, self.multiplier, self.divisor) != (None, None, None)
-
-    def logits(self, hidden: torch.Tensor, *, hooks: bool = True) -> torch.Tensor:
-        """The model's logits of ``hidden``, op for op as its forward computes them. ``hooks``
-        False runs the module's ``forward`` without its own hooks (inside the model's call, where
-        the engines' hooks of this module have already gathered its weights)."""
-        return self.finish(self.module(hidden) if hooks else self.module.forward(hidden))
-
-    def finish(self, x: torch.Tensor) -> torch.Tensor:
-        """The final-logit ops on the module's output ``x``."""
-        if self.multiplier is not None:
-            x = x * self.multiplier
-        if self.divisor is not None:
-            x = x / self.divisor
-        if self.softcap is not None:
-            x = x / self.softcap
-            x = torch.tanh(x)
-            x = x * self.softcap
-        return x
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The causal LM inside a DDP / DeepSpeed engine wrapper (peft models answer for themselves)."""
-    while not hasattr(model, "get_output_embeddings") and isinstance(getattr(model, "module", None),
-                                                                     torch.nn.Module):
-        model = model.module
-    return model
-
-
-def head_of(model: torch.nn.Module) -> LMHead:
-    """The :class:`LMHead` of an HF causal LM (or a wrapper of one), read from its config and
-    modules in one place."""
-    lm = unwrap(model)
-    module = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-    if module is None:
-        raise ValueError(f"{type(lm).__name__} has no output embeddings (get_output_embeddings() is None); "
-                         "the LM head needs a causal LM with a head module")
-    config = text_config(lm.config)
-    softcap = getattr(config, "final_logit_softcapping", None) or getattr(lm, "final_logit_softcapping", None)
-    multiplier = getattr(lm, "logit_scale", None)  # Cohere: set from config.logit_scale on the model
-    inner = getattr(lm, "model", None)
-    if multiplier is None and inner is not None:
-        multiplier = getattr(inner, "lm_head_multiplier", None)  # Falcon-H1
-    divisor = getattr(config, "logits_scaling", None)  # Granite
-    if not isinstance(multiplier, (int, float)):
-        multiplier = None
-    return LMHead(module, softcap=softcap, multiplier=multiplier, divisor=divisor)
-
-
-def token_logprobs(model: torch.nn.Module, model_kwargs: dict[str, Any], positions: torch.Tensor,
-                   targets: torch.Tensor, *, temperature: float = 1.0, entropy: bool = False,
-                   chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(
+    model: torch.nn.Module,
+    model_kwargs: dict[str, Any],
+    positions: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The log-prob of ``targets[i]`` predicted at row position ``positions[i]`` (and the entropy
     there when asked) under ``model``, fp32, for one packed row (``model_kwargs``: its
     ``input_ids``, ``position_ids``, ``nopad_meta``), from one call of ``model``.
@@ -128,9 +70,11 @@ def token_logprobs(model: torch.nn.Module, model_kwargs: dict[str, Any], positio
     The one row of the model's logits is checked against :meth:`LMHead.finish` of the head's own
     output, so a model whose forward does something after its head that :func:`head_of` does not
     read fails here instead of training on wrong log-probs."""
+
     def score(head: LMHead, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return head_logprobs(head, hidden, targets, temperature=temperature, entropy=entropy,
-                             chunk_tokens=chunk_tokens, hooks=False)
+        return head_logprobs(
+            head, hidden, targets, temperature=temperature, entropy=entropy, chunk_tokens=chunk_tokens, hooks=False
+        )
 
     scores, mismatch = _score_in_model_call(model, model_kwargs, positions, score)
     if mismatch:
@@ -138,8 +82,15 @@ def token_logprobs(model: torch.nn.Module, model_kwargs: dict[str, Any], positio
     return scores[0], scores[1]
 
 
-def nll_sum(model: torch.nn.Module, model_kwargs: dict[str, Any], positions: torch.Tensor,
-            targets: torch.Tensor, weights: torch.Tensor, *, chunk_tokens: int | None = None) -> torch.Tensor:
+def nll_sum(
+    model: torch.nn.Module,
+    model_kwargs: dict[str, Any],
+    positions: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
     """``-(weights * logps).sum()`` of :func:`token_logprobs`'s ``logps`` (temperature 1): the SFT
     loss of one packed row, with the same values. Why a function of its own: the gradient of a
     scalar loss is known, up to its one scale, in the forward pass, so a plain ``nn.Linear`` head
@@ -147,8 +98,9 @@ def nll_sum(model: torch.nn.Module, model_kwargs: dict[str, Any], positions: tor
     exist: three ``T x H x V`` GEMMs, as the full-logits path runs, instead of four with a recompute."""
     weights = weights.to(targets.device)
     if weights.shape != targets.shape:
-        raise ValueError(f"weights of shape {tuple(weights.shape)}, targets of shape {tuple(targets.shape)}: "
-                         "one weight per target")
+        raise ValueError(
+            f"weights of shape {tuple(weights.shape)}, targets of shape {tuple(targets.shape)}: one weight per target"
+        )
 
     def score(head: LMHead, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
         return head_nll_sum(head, hidden, targets, weights, chunk_tokens=chunk_tokens, hooks=False), None
@@ -182,14 +134,18 @@ def _score_in_model_call(model, model_kwargs, positions, score) -> tuple[tuple, 
 
     def score_chunks(module, args, kwargs, output):
         if "scores" in state:
-            raise RuntimeError(f"{type(unwrap(model)).__name__}'s forward called its output embeddings "
-                               "twice; the LM head needs the usual causal-LM forward: backbone, then head")
+            raise RuntimeError(
+                f"{type(unwrap(model)).__name__}'s forward called its output embeddings "
+                "twice; the LM head needs the usual causal-LM forward: backbone, then head"
+            )
         hidden = state.pop("hidden")
         hidden = hidden.reshape(-1, hidden.shape[-1])
         if hidden.shape[0] != positions.numel():
-            raise RuntimeError(f"{type(unwrap(model)).__name__}'s head got {hidden.shape[0]} positions, not "
-                               f"logits_to_keep's {positions.numel()}: the LM head needs a causal LM that "
-                               "takes logits_to_keep as a tensor of positions")
+            raise RuntimeError(
+                f"{type(unwrap(model)).__name__}'s head got {hidden.shape[0]} positions, not "
+                f"logits_to_keep's {positions.numel()}: the LM head needs a causal LM that "
+                "takes logits_to_keep as a tensor of positions"
+            )
         with torch.no_grad():
             state["ours"] = head.finish(output.reshape(-1, output.shape[-1])[:1])
         state["scores"] = scores = score(head, hidden)
@@ -197,16 +153,20 @@ def _score_in_model_call(model, model_kwargs, positions, score) -> tuple[tuple, 
 
     # keep_hidden runs after the engines' pre-hooks (it keeps the input they wrap for backward),
     # score_chunks before their post-hooks (the weights are still gathered; they wrap its output)
-    handles = [head.module.register_forward_pre_hook(keep_hidden, with_kwargs=True),
-               head.module.register_forward_hook(score_chunks, with_kwargs=True, prepend=True)]
+    handles = [
+        head.module.register_forward_pre_hook(keep_hidden, with_kwargs=True),
+        head.module.register_forward_hook(score_chunks, with_kwargs=True, prepend=True),
+    ]
     try:
         out = model(**model_kwargs, logits_to_keep=positions, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
     if "scores" not in state:
-        raise RuntimeError(f"{type(unwrap(model)).__name__}'s forward did not call its output embeddings "
-                           "(get_output_embeddings()); the LM head needs the usual causal-LM forward")
+        raise RuntimeError(
+            f"{type(unwrap(model)).__name__}'s forward did not call its output embeddings "
+            "(get_output_embeddings()); the LM head needs the usual causal-LM forward"
+        )
     first, second = state["scores"]
     if positions.numel():
         theirs = out.logits.reshape(-1, out.logits.shape[-1])[:1]
@@ -236,27 +196,6 @@ class _Tied(torch.autograd.Function):
         return grads
 
 
-def head_mismatch(head: LMHead, ours: torch.Tensor, theirs: torch.Tensor, model) -> str | None:
-    """Why the model's logits are not :meth:`LMHead.finish` of its head's output, or None. The same
-    ops on the same row give the same bits; a few ulps of the compute dtype are allowed (autocast,
-    kernels that differ by call site), nothing like a missing scale or softcap. Non-finite entries
-    are not compared: a NaN or inf row is nopad's own non-finite error later."""
-    with torch.no_grad():
-        eps = max(torch.finfo(t.dtype).eps if t.is_floating_point() else 0.0 for t in (ours, theirs))
-        ours, theirs = ours.float(), theirs.float()
-        finite = ours.isfinite() & theirs.isfinite()
-        if not bool(finite.any()):
-            return None
-        scale = float(theirs[finite].abs().max())
-        err = float((ours - theirs)[finite].abs().max())
-    if err <= 4 * eps * scale:
-        return None
-    return (f"{type(unwrap(model)).__name__}'s logits differ from its head's output by up to {err:.3g} "
-            f"(logits up to {scale:.3g}) after the final-logit ops nopad reads ({head.multiplier=}, "
-            f"{head.divisor=}, {head.softcap=}): its forward (or a hook on it or its lm_head) transforms the "
-            "logits in a way nopad.packing.head.chunked does not know")
-
-
 _warned: set[str] = set()
 
 
@@ -267,9 +206,12 @@ def _from_full_logits(model, model_kwargs, positions, targets, temperature, entr
     name = type(unwrap(model)).__name__
     if name not in _warned:
         _warned.add(name)
-        logger.warning("%s; scoring from its full logits at the loss positions instead (N x V memory). "
-                       "Add the op to nopad.packing.head.chunked.LMHead, or change the hidden states (a hook on the "
-                       "final norm), to get the chunked head back", why)
+        logger.warning(
+            "%s; scoring from its full logits at the loss positions instead (N x V memory). "
+            "Add the op to nopad.packing.head.model_head.LMHead, or change the hidden states (a hook on the "
+            "final norm), to get the chunked head back",
+            why,
+        )
     logits = model(**model_kwargs, logits_to_keep=positions, use_cache=False).logits
     logits = logits.reshape(-1, logits.shape[-1])
     logps, ents = _TargetLogprobs.apply(logits, targets.to(logits.device), entropy, temperature)
@@ -297,9 +239,15 @@ class _TargetLogprobs(torch.autograd.Function):
         return grad, None, None, None  # autograd casts the fp32 gradient to z's dtype
 
 
-def _chunk(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-           want_entropy: bool, invariant: tuple[bool, str | None],
-           hooks: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk(
+    head: LMHead,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    want_entropy: bool,
+    invariant: tuple[bool, str | None],
+    hooks: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     # the recompute in backward runs the forward's numerics (batch-invariant or not), whatever mode
     # the backward is called in: the same ops, so the same tensors saved and the same logits
     with batch_invariant(*invariant):
@@ -314,14 +262,23 @@ def check_temperature(temperature: float) -> None:
     except (TypeError, ValueError):
         value = float("nan")
     if not 0 < value < float("inf"):  # NaN fails both comparisons
-        raise ValueError(f"temperature must be a finite number > 0 (the logits are divided by it; 1.0: the "
-                         f"model's own distribution), got {temperature!r}; a greedy rollout (temperature 0) "
-                         "is scored at temperature 1.0")
+        raise ValueError(
+            f"temperature must be a finite number > 0 (the logits are divided by it; 1.0: the "
+            f"model's own distribution), got {temperature!r}; a greedy rollout (temperature 0) "
+            "is scored at temperature 1.0"
+        )
 
 
-def head_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                  entropy: bool = False, chunk_tokens: int | None = None, hooks: bool = True
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def head_logprobs(
+    head: LMHead,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    chunk_tokens: int | None = None,
+    hooks: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 ``(log-probs of targets, entropies or None)`` of ``hidden`` ``(N, H)`` under
     ``softmax(head.logits(hidden) / temperature)``, computed ``chunk_tokens`` rows at a time from
     row 0; with grad enabled each chunk's logits are recomputed in backward (activation
@@ -342,24 +299,42 @@ def head_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, *, 
         return empty, (empty if entropy else None)
     invariant = (is_enabled(), active_kernels())
     if torch.is_grad_enabled() and _plain(head, hooks):
-        logps, ents = LinearHeadChunks.apply(hidden, head.module.weight, head.module.bias, targets, head,
-                                             temperature, entropy, chunk_tokens, invariant)
+        logps, ents = LinearHeadChunks.apply(
+            hidden, head.module.weight, head.module.bias, targets, head, temperature, entropy, chunk_tokens, invariant
+        )
         return logps, (ents if entropy else None)
-    return _chunks(head, hidden, targets, temperature, entropy, chunk_tokens, invariant, hooks,
-                   checkpointed=torch.is_grad_enabled())
+    return _chunks(
+        head,
+        hidden,
+        targets,
+        temperature,
+        entropy,
+        chunk_tokens,
+        invariant,
+        hooks,
+        checkpointed=torch.is_grad_enabled(),
+    )
 
 
-def _chunks(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool,
-            chunk_tokens: int, invariant: tuple[bool, str | None], hooks: bool, *,
-            checkpointed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _chunks(
+    head: LMHead,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    entropy: bool,
+    chunk_tokens: int,
+    invariant: tuple[bool, str | None],
+    hooks: bool,
+    *,
+    checkpointed: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunks' scores in order from row 0, each chunk checkpointed (recomputed in backward by
     autograd) when ``checkpointed``."""
     parts, ents = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
-        h, t = hidden[start: start + chunk_tokens], targets[start: start + chunk_tokens]
+        h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if checkpointed:
-            lp, ent = checkpoint(_chunk, head, h, t, temperature, entropy, invariant, hooks,
-                                 use_reentrant=False)
+            lp, ent = checkpoint(_chunk, head, h, t, temperature, entropy, invariant, hooks, use_reentrant=False)
         else:
             lp, ent = _chunk(head, h, t, temperature, entropy, invariant, hooks)
         parts.append(lp)
@@ -368,8 +343,15 @@ def _chunks(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, temperatu
     return logps, (torch.cat(ents) if entropy else None)
 
 
-def head_nll_sum(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, *,
-                 chunk_tokens: int | None = None, hooks: bool = True) -> torch.Tensor:
+def head_nll_sum(
+    head: LMHead,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    chunk_tokens: int | None = None,
+    hooks: bool = True,
+) -> torch.Tensor:
     """``-(weights * logps).sum()`` of :func:`head_logprobs`'s ``logps`` (temperature 1); for a
     plain ``nn.Linear`` head with grad enabled, its gradients taken in the forward
     (:class:`nopad.packing.head.linear.LinearHeadNLL`)."""
@@ -378,8 +360,16 @@ def head_nll_sum(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, weig
         if targets.shape != hidden.shape[:1]:
             raise ValueError(f"{hidden.shape[0]} hidden states but targets of shape {tuple(targets.shape)}")
         invariant = (is_enabled(), active_kernels())
-        return LinearHeadNLL.apply(hidden, head.module.weight, head.module.bias, targets.to(hidden.device),
-                                   weights.to(hidden.device), head, chunk_tokens, invariant)
+        return LinearHeadNLL.apply(
+            hidden,
+            head.module.weight,
+            head.module.bias,
+            targets.to(hidden.device),
+            weights.to(hidden.device),
+            head,
+            chunk_tokens,
+            invariant,
+        )
     logps, _ = head_logprobs(head, hidden, targets, chunk_tokens=chunk_tokens, hooks=hooks)
     return -(weights.to(logps.device) * logps).sum()
 

@@ -1,5 +1,5 @@
 """The chunked LM head for a plain ``nn.Linear`` head module (tied or not, with or without a bias,
-with any of :class:`nopad.packing.head.chunked.LMHead`'s final-logit ops), with its gradients taken chunk by
+with any of :class:`nopad.packing.head.model_head.LMHead`'s final-logit ops), with its gradients taken chunk by
 chunk by hand instead of by autograd over checkpointed chunks.
 
 Why (``benchmarks/bench_lm_head.py``): autograd's way makes and sums one ``V x H`` weight gradient
@@ -28,9 +28,16 @@ from nopad.packing.head.log_softmax import logits_grad, picked_and_entropy, temp
 from nopad.packing.invariance import batch_invariant
 
 
-def _chunk(head, h: torch.Tensor, t: torch.Tensor, temperature: float, want_entropy: bool,
-           invariant: tuple[bool, str | None], g_picked: torch.Tensor | None = None,
-           g_ent: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _chunk(
+    head,
+    h: torch.Tensor,
+    t: torch.Tensor,
+    temperature: float,
+    want_entropy: bool,
+    invariant: tuple[bool, str | None],
+    g_picked: torch.Tensor | None = None,
+    g_ent: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One chunk: the log-probs of ``t`` and the entropies (empty when not wanted); given their
     gradients ``g_picked`` (and ``g_ent``), also the gradient with respect to the module's output."""
     with_grad = g_picked is not None and head.final_ops  # autograd through the final-logit ops only
@@ -57,9 +64,11 @@ def _chunk(head, h: torch.Tensor, t: torch.Tensor, temperature: float, want_entr
 
 def _gradient_buffers(hidden, weight, bias, needs) -> list[torch.Tensor | None]:
     """The hidden states' gradient, and the weight's and bias's as one fp32 buffer each."""
-    return [torch.empty_like(hidden) if needs[0] else None,
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None,
-            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs[2] else None]
+    return [
+        torch.empty_like(hidden) if needs[0] else None,
+        torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None,
+        torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs[2] else None,
+    ]
 
 
 def _accumulate(grads: list, g_out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, rows: slice) -> None:
@@ -96,8 +105,7 @@ def _native_gemm(t: torch.Tensor) -> bool:
 _VOCAB_SLICE_ELEMENTS = 1 << 22  # weight elements converted to fp32 at a time (16 MiB)
 
 
-def _accumulate_fp32(grads: list, g_out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
-                     rows: slice) -> None:
+def _accumulate_fp32(grads: list, g_out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, rows: slice) -> None:
     """:func:`_accumulate` in fp32, for a reduced-precision head on a CPU without native GEMMs for
     it (:func:`_native_gemm`): ``g_out`` stays the fp32 gradient it was computed as (not rounded to
     bf16 first), and the weight goes to fp32 one vocabulary slice at a time, so no ``V x H`` copy of
@@ -118,8 +126,7 @@ def _accumulate_fp32(grads: list, g_out: torch.Tensor, h: torch.Tensor, weight: 
         grad_b += g_out.sum(0)
 
 
-def _as_params(grads: list, weight: torch.Tensor, bias: torch.Tensor | None,
-               scale: torch.Tensor | None = None) -> list:
+def _as_params(grads: list, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None = None) -> list:
     """The gradients in their parameters' dtypes, each multiplied by ``scale`` in fp32 first."""
     grad_h, grad_w, grad_b = grads
     if scale is not None:
@@ -127,8 +134,11 @@ def _as_params(grads: list, weight: torch.Tensor, bias: torch.Tensor | None,
         grad_h = None if grad_h is None else (grad_h.float() * scale).to(grad_h.dtype)
         grad_w = None if grad_w is None else grad_w.mul_(scale)
         grad_b = None if grad_b is None else grad_b.mul_(scale)
-    return [grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-            None if grad_b is None else grad_b.to(bias.dtype)]
+    return [
+        grad_h,
+        None if grad_w is None else grad_w.to(weight.dtype),
+        None if grad_b is None else grad_b.to(bias.dtype),
+    ]
 
 
 def _rows(n: int, chunk_tokens: int):
@@ -145,8 +155,10 @@ class LinearHeadChunks(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, head, temperature, entropy, chunk_tokens, invariant):
         ctx.save_for_backward(hidden, targets)
         ctx.args = (head, temperature, entropy, chunk_tokens, invariant)
-        scores = [_chunk(head, hidden[rows], targets[rows], temperature, entropy, invariant)
-                  for rows in _rows(hidden.shape[0], chunk_tokens)]
+        scores = [
+            _chunk(head, hidden[rows], targets[rows], temperature, entropy, invariant)
+            for rows in _rows(hidden.shape[0], chunk_tokens)
+        ]
         return torch.cat([s[0] for s in scores]), torch.cat([s[1] for s in scores])
 
     @staticmethod
@@ -158,8 +170,16 @@ class LinearHeadChunks(torch.autograd.Function):
         weight, bias = head.module.weight, head.module.bias
         grads = _gradient_buffers(hidden, weight, bias, ctx.needs_input_grad)
         for rows in _rows(hidden.shape[0], chunk_tokens):
-            _, _, g_out = _chunk(head, hidden[rows], targets[rows], temperature, entropy, invariant,
-                                 g_logps[rows], g_ents[rows] if entropy else None)
+            _, _, g_out = _chunk(
+                head,
+                hidden[rows],
+                targets[rows],
+                temperature,
+                entropy,
+                invariant,
+                g_logps[rows],
+                g_ents[rows] if entropy else None,
+            )
             _accumulate(grads, g_out, hidden[rows], weight, rows)
             del g_out  # not held while the next chunk computes its logits: one (chunk, V) buffer
         return (*_as_params(grads, weight, bias), None, None, None, None, None, None)
@@ -177,8 +197,7 @@ class LinearHeadNLL(torch.autograd.Function):
         grads = _gradient_buffers(hidden, weight, bias, ctx.needs_input_grad)
         picked = []
         for rows in _rows(hidden.shape[0], chunk_tokens):
-            lp, _, g_out = _chunk(head, hidden[rows], targets[rows], 1.0, False, invariant,
-                                  -weights[rows].float())
+            lp, _, g_out = _chunk(head, hidden[rows], targets[rows], 1.0, False, invariant, -weights[rows].float())
             _accumulate(grads, g_out, hidden[rows], weight, rows)
             del g_out  # not held while the next chunk computes its logits: one (chunk, V) buffer
             picked.append(lp)
@@ -188,7 +207,9 @@ class LinearHeadNLL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss):
         if ctx.grads is None:
-            raise RuntimeError("nopad.packing.head.linear.LinearHeadNLL's backward ran twice (retain_graph): "
-                               "its gradients were taken in the forward and are spent")
+            raise RuntimeError(
+                "nopad.packing.head.linear.LinearHeadNLL's backward ran twice (retain_graph): "
+                "its gradients were taken in the forward and are spent"
+            )
         grads, ctx.grads = ctx.grads, None
         return (*_as_params(grads, *ctx.params, scale=g_loss), None, None, None, None, None)

@@ -9,8 +9,14 @@ from __future__ import annotations
 import torch
 
 
-def tempered_log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, out: torch.Tensor | None = None,
-                         tempered_out: torch.Tensor | None = None, overwrite: bool = False) -> torch.Tensor:
+def tempered_log_softmax(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    out: torch.Tensor | None = None,
+    tempered_out: torch.Tensor | None = None,
+    overwrite: bool = False,
+) -> torch.Tensor:
     """``log_softmax(logits.float() / temperature)`` over the vocabulary: the one expression of a
     token's log-prob in nopad, for the trainer's chunks and the generator's sampler alike (so under
     :func:`nopad.packing.batch_invariant` their bits agree). ``out`` / ``tempered_out``: buffers to reuse
@@ -28,17 +34,25 @@ def tempered_log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, out:
     return torch._log_softmax(z, -1, False, out=out)  # the same kernel as log_softmax, into ``out``
 
 
-def picked_and_entropy(logp: torch.Tensor, targets: torch.Tensor,
-                       want_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def picked_and_entropy(
+    logp: torch.Tensor, targets: torch.Tensor, want_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``logp`` ``(rows, V)`` at ``targets``, and each row's entropy (an empty tensor when not wanted)."""
     picked = logp.gather(1, targets[:, None]).squeeze(1)
     ent = -(logp.exp() * logp).sum(-1) if want_entropy else logp.new_empty(0)
     return picked, ent
 
 
-def logits_grad(logp: torch.Tensor, targets: torch.Tensor, ent: torch.Tensor | None,
-                 g_picked: torch.Tensor | None, g_ent: torch.Tensor | None, temperature: float, *,
-                 reuse: bool = False) -> torch.Tensor:
+def logits_grad(
+    logp: torch.Tensor,
+    targets: torch.Tensor,
+    ent: torch.Tensor | None,
+    g_picked: torch.Tensor | None,
+    g_ent: torch.Tensor | None,
+    temperature: float,
+    *,
+    reuse: bool = False,
+) -> torch.Tensor:
     """The fp32 gradient, with respect to the logits, of ``logp`` (the tempered log-softmax)
     gathered at ``targets`` and of the entropy ``ent`` (None: not asked), given theirs. ``reuse``:
     ``logp`` is the caller's to overwrite (one ``(rows, V)`` buffer fewer)."""

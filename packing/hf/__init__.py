@@ -4,13 +4,19 @@
 from nopad.packing.hf import boundary_probe as _boundary_probe  # noqa: F401  (registers the boundary probe)
 from nopad.packing.hf.attention import (
     NOPAD_ATTENTION,
-    check_packed_call,
     compute_dtype,
     nopad_attention,
-    packed_forward_guard,
     register_nopad_attention,
     use_nopad_attention,
 )
+from nopad.packing.hf.packed_call import check_packed_call, packed_forward_guard
 
-__all__ = ["NOPAD_ATTENTION", "check_packed_call", "compute_dtype", "nopad_attention", "packed_forward_guard",
-           "register_nopad_attention", "use_nopad_attention"]
+__all__ = [
+    "NOPAD_ATTENTION",
+    "check_packed_call",
+    "compute_dtype",
+    "nopad_attention",
+    "packed_forward_guard",
+    "register_nopad_attention",
+    "use_nopad_attention",
+]

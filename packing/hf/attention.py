@@ -58,7 +58,8 @@ with :meth:`VarlenMeta.to` once per forward (by the first layer, kept in the pla
 Keeping ``attn_implementation="sdpa"``/``"eager"``/``"flash_attention_2"`` instead: transformers'
 own packed path runs (it derives a block-diagonal mask, or FA2 varlen, from packed
 ``position_ids``) — but only with ``attention_mask=None`` and ``use_cache=False``; otherwise it
-silently attends across sequences. :func:`packed_forward_guard` turns those cases into errors.
+silently attends across sequences. :func:`~nopad.packing.hf.packed_call.packed_forward_guard` turns those
+cases into errors.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from nopad.packing.attention import registry, varlen_attention
 from nopad.packing.attention.plan import AttentionPlan, PlannedRow
 from nopad.packing.distributed import compute_dtype
+from nopad.packing.hf.packed_call import packed_forward_guard
 from nopad.packing.hf.rope import check_row_lengths, rope_switch_length
 from nopad.packing.mixers import GENERATE, PACKED, TREE, UnsupportedMixerError, check_calling_model, check_model
 from nopad.packing.mixers.patches import install as install_patches
@@ -84,15 +86,30 @@ logger = logging.getLogger(__name__)
 
 # keyword arguments transformers passes to every attention call that need nothing from us:
 # TransformersKwargs / FlashAttentionKwargs (the boundaries come from nopad_meta/position_ids)
-HARMLESS_KWARGS = frozenset({
-    "use_cache", "cache_position", "past_key_values", "output_attentions", "output_hidden_states",
-    "output_router_logits", "return_dict", "num_items_in_batch", "cu_seq_lens_q", "cu_seq_lens_k",
-    "max_length_q", "max_length_k", "seq_idx", "layer_idx", "nopad_trace",
-})
+HARMLESS_KWARGS = frozenset(
+    {
+        "use_cache",
+        "cache_position",
+        "past_key_values",
+        "output_attentions",
+        "output_hidden_states",
+        "output_router_logits",
+        "return_dict",
+        "num_items_in_batch",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "seq_idx",
+        "layer_idx",
+        "nopad_trace",
+    }
+)
 
 
-def _derive_meta(position_ids: torch.Tensor | None, batch: int, q_len: int, k_len: int,
-                 device: torch.device) -> VarlenMeta:
+def _derive_meta(
+    position_ids: torch.Tensor | None, batch: int, q_len: int, k_len: int, device: torch.device
+) -> VarlenMeta:
     """Boundaries when the caller passed no ``nopad_meta``: transformers' own cache (decode with
     ``generate``), packed ``position_ids``, or one sequence per batch row, on the query's
     ``device``."""
@@ -118,8 +135,13 @@ def _no_meta_error(module: torch.nn.Module, err: ValueError) -> ValueError:
     )
 
 
-def _forward_meta(plan: AttentionPlan, module: torch.nn.Module, nopad_meta: VarlenMeta | None,
-                  position_ids: torch.Tensor | None, shape: tuple) -> VarlenMeta:
+def _forward_meta(
+    plan: AttentionPlan,
+    module: torch.nn.Module,
+    nopad_meta: VarlenMeta | None,
+    position_ids: torch.Tensor | None,
+    shape: tuple,
+) -> VarlenMeta:
     """The forward's meta: resolved by its first layer and kept in the plan for the others."""
     if plan.row is not None and plan.row.matches(nopad_meta, position_ids, shape):
         return plan.row.meta
@@ -152,9 +174,11 @@ def _check_kwargs(module: torch.nn.Module, kwargs: dict) -> None:
         )
 
 
-POSITIONS_MISMATCH = ("position_ids do not match nopad_meta.position_ids; pass "
-                      "position_ids=meta.position_ids[None] so rotary embeddings see each sequence's "
-                      "own positions")
+POSITIONS_MISMATCH = (
+    "position_ids do not match nopad_meta.position_ids; pass "
+    "position_ids=meta.position_ids[None] so rotary embeddings see each sequence's "
+    "own positions"
+)
 
 
 def _check_positions(meta: VarlenMeta, position_ids: torch.Tensor | None) -> None:
@@ -171,8 +195,13 @@ def _check_positions(meta: VarlenMeta, position_ids: torch.Tensor | None) -> Non
             raise ValueError(POSITIONS_MISMATCH)
         torch._assert_async((flat.to(mine.device) == mine).all(), POSITIONS_MISMATCH)
         return
-    if (flat.device == mine.device and flat.data_ptr() == mine.data_ptr() and flat.shape == mine.shape
-            and flat.stride() == mine.stride() and flat.dtype == mine.dtype):
+    if (
+        flat.device == mine.device
+        and flat.data_ptr() == mine.data_ptr()
+        and flat.shape == mine.shape
+        and flat.stride() == mine.stride()
+        and flat.dtype == mine.dtype
+    ):
         return  # the runner passed meta.position_ids[None] itself: nothing to compare, no sync
     if flat.numel() != meta.total_q or not torch.equal(flat.to(meta.position_ids.device), meta.position_ids):
         raise ValueError(POSITIONS_MISMATCH)
@@ -205,13 +234,17 @@ def _refuse_bidirectional(module: torch.nn.Module, sliding_window: int | None, k
     keeps each sequence's tokens apart, but its window over a bidirectional layer reaches the whole
     future (transformers': ``|q - k| < window``), and a paged step sees no future at all. Both
     gave other answers with no error, even for one sequence alone; refused instead."""
-    where = "a paged generator step" if kv_cache is not None else (
-        f"a sliding window of {sliding_window}" if sliding_window else None)
+    where = (
+        "a paged generator step"
+        if kv_cache is not None
+        else (f"a sliding window of {sliding_window}" if sliding_window else None)
+    )
     if where is not None:
         raise UnsupportedMixerError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', None)}) is bidirectional (not "
             f"causal), which nopad's attention does not compute with {where}: keep this model on sdpa, "
-            "unpacked (docs/models.md)")
+            "unpacked (docs/models.md)"
+        )
 
 
 def _layer_cache(kv, module: torch.nn.Module, plan: AttentionPlan):
@@ -228,7 +261,8 @@ def _layer_cache(kv, module: torch.nn.Module, plan: AttentionPlan):
         raise UnsupportedMixerError(
             f"{type(module).__name__} (layer {layer_idx}) calls the attention interface more than once per "
             "step: the generator's paged cache holds one K/V per layer, and the second call's values would "
-            "overwrite the first's. Generate with HF generate for this model; packed training is unaffected.")
+            "overwrite the first's. Generate with HF generate for this model; packed training is unaffected."
+        )
     plan.cache_layers.add(layer_idx)
     return kv(layer_idx) if callable(kv) else kv[layer_idx]
 
@@ -286,7 +320,10 @@ def nopad_attention(
     if not q.dtype == k.dtype == v.dtype == dtype:
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     out = varlen_attention(
-        q, k, v, meta,
+        q,
+        k,
+        v,
+        meta,
         causal=causal,
         softmax_scale=scaling,
         sliding_window=sliding_window,
@@ -323,8 +360,7 @@ def register_nopad_attention() -> str:
 
 
 @contextlib.contextmanager
-def use_nopad_attention(model: transformers.PreTrainedModel, *, eval_mode: bool = False,
-                        context: str = PACKED):
+def use_nopad_attention(model: transformers.PreTrainedModel, *, eval_mode: bool = False, context: str = PACKED):
     """Switch ``model`` to nopad attention (with :func:`packed_forward_guard`) for the block, and
     with ``eval_mode`` to eval mode (the generator's steps); restore both after, also on error.
     The one way nopad switches a model's attention for a block. A model with a layer nopad does not
@@ -346,55 +382,3 @@ def use_nopad_attention(model: transformers.PreTrainedModel, *, eval_mode: bool 
             model.train()
         if model.config._attn_implementation != previous:
             model.set_attn_implementation(previous)
-
-
-def _is_packed(position_ids: torch.Tensor | None) -> bool:
-    """True when a row of ``position_ids`` restarts (several sequences in one row)."""
-    if position_ids is None or position_ids.shape[-1] < 2:
-        return False
-    return bool((position_ids[..., 1:] != position_ids[..., :-1] + 1).any())
-
-
-def check_packed_call(model: transformers.PreTrainedModel, kwargs: dict) -> None:
-    """Raise instead of letting a packed forward return wrong logits (see module docstring)."""
-    position_ids = kwargs.get("position_ids")
-    meta = kwargs.get("nopad_meta")
-    impl = model.config._attn_implementation
-    if meta is not None and position_ids is None:
-        raise ValueError("nopad_meta given without position_ids; pass position_ids=meta.position_ids[None]")
-    if meta is not None and meta.key_index is not None and kwargs.get("labels") is not None:
-        raise ValueError(
-            "labels= with a shared-prefix row: the model's loss predicts token t from t - 1, but a "
-            "completion's first token is predicted by its prompt's last token. Compute the loss from the "
-            "logits at nopad_meta.previous_rows() (see nopad.training.grpo.packed_logprobs)."
-        )
-    if meta is None and not _is_packed(position_ids):
-        return
-    if impl == NOPAD_ATTENTION:
-        return  # the nopad path reads the boundaries itself; padding masks are refused there
-    mask = kwargs.get("attention_mask")
-    if mask is not None:
-        raise ValueError(
-            f"packed row with attention_mask under attn_implementation={impl!r}: transformers then "
-            "ignores the packing and attends across sequences. Pass attention_mask=None (or use 'nopad')."
-        )
-    use_cache = kwargs.get("use_cache")
-    if use_cache is None:
-        use_cache = getattr(model.config, "use_cache", False)
-    if use_cache and kwargs.get("cache", kwargs.get("past_key_values")) is None:  # the old name until 5.40
-        raise ValueError(
-            f"packed row with use_cache=True under attn_implementation={impl!r}: transformers 5 only "
-            "honours packed position_ids without a cache. Pass use_cache=False (or use 'nopad')."
-        )
-
-
-def packed_forward_guard(model: transformers.PreTrainedModel, context: str = PACKED):
-    """Install a forward pre-hook that runs :func:`check_packed_call`; returns the hook handle.
-    A model with a layer nopad does not compute exactly for ``context`` (``nopad.packing.mixers``) is
-    refused here first, naming the layer."""
-    check_model(model, context)
-
-    def hook(module, args, kwargs):
-        check_packed_call(module, kwargs)
-
-    return model.register_forward_pre_hook(hook, with_kwargs=True)

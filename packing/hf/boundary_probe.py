@@ -148,8 +148,14 @@ def _crossing(model: nn.Module, runs: list[list]) -> Crossing | None:
             continue
         layer_path = name if id(module) in index else name.rpartition(".")[0] if name else ""
         layer = model.get_submodule(layer_path) if layer_path else model
-        return Crossing(index.get(id(layer)), layer_path, type(layer).__name__, name or type(model).__name__,
-                        type(module).__name__, change)
+        return Crossing(
+            index.get(id(layer)),
+            layer_path,
+            type(layer).__name__,
+            name or type(model).__name__,
+            type(module).__name__,
+            change,
+        )
     return None
 
 
@@ -188,8 +194,7 @@ def probe(model: nn.Module) -> ProbeResult:
         model.eval()
         device, _ = _input_device_and_vocab(model)
         cuda = [device] if device.type == "cuda" else []
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda), \
-                torch.autocast(device.type, enabled=False):
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda), torch.autocast(device.type, enabled=False):
             result = ProbeResult(torch.compiler.disable(_run)(model), 0.0)  # eager inside a trace too
     except Exception as error:  # noqa: BLE001  the model's own forward refuses it with its own words
         result = ProbeResult(None, 0.0, f"{type(error).__name__}: {error}")
@@ -213,8 +218,11 @@ def _sharded(model: nn.Module) -> bool:
 
 def refusal(model: nn.Module, context: str, crossing: Crossing) -> str:
     """The refusal for ``context``, in the words of the structural scan's."""
-    at = f"layer {crossing.layer} ({crossing.path}: {crossing.cls})" if crossing.layer is not None \
+    at = (
+        f"layer {crossing.layer} ({crossing.path}: {crossing.cls})"
+        if crossing.layer is not None
         else f"the model's output ({crossing.cls})"
+    )
     return (
         f"nopad cannot run {type(model).__name__} on {support._WHERE[context]} exactly: it would give a "
         f"different answer with no error. A boundary probe (one row of two short sequences, run again with "
@@ -235,18 +243,24 @@ def check_boundaries(model: nn.Module, context: str, inside_forward: bool = Fals
     result = _VERDICTS.get(model)
     if result is None:
         if inside_forward and _sharded(model):
-            logger.info("boundary probe of %s deferred: sharded parameters, inside its forward",
-                        type(model).__name__)
+            logger.info("boundary probe of %s deferred: sharded parameters, inside its forward", type(model).__name__)
             return False
         if context != PACKED and support.unsupported(model, PACKED):
             return True  # mixers served in this context only: a packed row cannot judge them
         result = _VERDICTS[model] = probe(model)
         if result.skipped:
-            logger.warning("boundary probe of %s could not run (%s): judged by its layers' structure only",
-                           type(model).__name__, result.skipped)
+            logger.warning(
+                "boundary probe of %s could not run (%s): judged by its layers' structure only",
+                type(model).__name__,
+                result.skipped,
+            )
         else:
-            logger.info("boundary probe of %s: %s in %.1f ms", type(model).__name__,
-                        "crossing" if result.crossing else "passed", result.ms)
+            logger.info(
+                "boundary probe of %s: %s in %.1f ms",
+                type(model).__name__,
+                "crossing" if result.crossing else "passed",
+                result.ms,
+            )
     if result.crossing is not None:
         raise UnsupportedMixerError(refusal(model, context, result.crossing))
     return True

@@ -67,8 +67,17 @@ _GDN = "transformers.models.qwen3_next.modeling_qwen3_next"
 _KDA = "transformers.models.kimi_linear.modeling_kimi_linear"
 _LLAMA = "transformers.models.llama.modeling_llama"
 _CONV = ("hidden_states", "weight", "bias", "activation", "**kwargs")
-_RULE = ("query", "key", "value", "g", "beta", "initial_state", "output_final_state",
-         "use_qk_l2norm_in_kernel", "**kwargs")
+_RULE = (
+    "query",
+    "key",
+    "value",
+    "g",
+    "beta",
+    "initial_state",
+    "output_final_state",
+    "use_qk_l2norm_in_kernel",
+    "**kwargs",
+)
 _HK, _M2, _SUP = "nopad.packing.mixers.hf_kernels", "nopad.packing.mixers.mamba2", "nopad.packing.mixers.support"
 _HF = "nopad.packing.hf.attention"  # the first user of a name; also verification, boundary_probe, mamba2
 
@@ -82,12 +91,30 @@ MAMBA2_FAMILIES = {
 # each Mamba2 kernel global nopad rebinds or calls -> the parameters it relies on
 MAMBA2_GLOBALS = {
     "causal_conv1d_fn": _CONV,
-    "mamba2_chunk_scan": ("hidden_states", "dt", "A", "B", "C", "chunk_size", "initial_states",
-                          "return_final_states", "**kwargs"),
-    "mamba2_split_conv1d_scan_combined": ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A",
-                                          "**kwargs"),
-    "mamba2_selective_state_update": ("state", "hidden_states", "dt", "A", "B", "C", "D", "dt_bias",
-                                      "dt_softplus", "z"),
+    "mamba2_chunk_scan": (
+        "hidden_states",
+        "dt",
+        "A",
+        "B",
+        "C",
+        "chunk_size",
+        "initial_states",
+        "return_final_states",
+        "**kwargs",
+    ),
+    "mamba2_split_conv1d_scan_combined": ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "**kwargs"),
+    "mamba2_selective_state_update": (
+        "state",
+        "hidden_states",
+        "dt",
+        "A",
+        "B",
+        "C",
+        "D",
+        "dt_bias",
+        "dt_softplus",
+        "z",
+    ),
 }
 _MAMBA2_CALLS = ("causal_conv1d_fn(", "mamba2_chunk_scan(", "mamba2_split_conv1d_scan_combined(", "**kwargs")
 
@@ -96,52 +123,99 @@ TOUCHED: tuple[Touch, ...] = (
     Touch("transformers.configuration_utils", "PreTrainedConfig._attn_implementation", INSTANCE, by=_HF),
     Touch(_MU, "PreTrainedModel.set_attn_implementation", PARAMETERS, ("attn_implementation",), by=_HF),
     # what set_attn_implementation writes in each config: the generator's later switches write it too
-    Touch("transformers.configuration_utils", "PreTrainedConfig._attn_implementation_internal", INSTANCE,
-          by="nopad.inference.live_model"),
+    Touch(
+        "transformers.configuration_utils",
+        "PreTrainedConfig._attn_implementation_internal",
+        INSTANCE,
+        by="nopad.inference.live_model",
+    ),
     Touch("transformers", "AttentionInterface.register", PARAMETERS, ("key", "value"), by=_HF),
     Touch(_MASK, "AttentionMaskInterface.register", PARAMETERS, ("key", "value"), by=_HF),
     # nopad_mask is the forward's mask hook: picked by the config's implementation, given the 2-D mask
-    Touch(_MASK, "create_causal_mask", SOURCE, ("ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]",
-                                                "attention_mask=attention_mask"), by="nopad.packing.hf.attention"),
+    Touch(
+        _MASK,
+        "create_causal_mask",
+        SOURCE,
+        ("ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]", "attention_mask=attention_mask"),
+        by="nopad.packing.hf.attention",
+    ),
     # the mask builder's argument step, wrapped (nopad.packing.hf.mask_args): its packed-sequence search syncs
-    Touch(_MASK, "_preprocess_mask_arguments", PARAMETERS, ("config", "inputs_embeds", "attention_mask", "cache",
-                                                           "position_ids"), by="nopad.packing.hf.mask_args"),
-    Touch(_MASK, "create_causal_mask", SOURCE, ("_preprocess_mask_arguments(config, inputs_embeds, attention_mask, "
-                                                "cache, position_ids",), by="nopad.packing.hf.mask_args"),
+    Touch(
+        _MASK,
+        "_preprocess_mask_arguments",
+        PARAMETERS,
+        ("config", "inputs_embeds", "attention_mask", "cache", "position_ids"),
+        by="nopad.packing.hf.mask_args",
+    ),
+    Touch(
+        _MASK,
+        "create_causal_mask",
+        SOURCE,
+        ("_preprocess_mask_arguments(config, inputs_embeds, attention_mask, cache, position_ids",),
+        by="nopad.packing.hf.mask_args",
+    ),
     # the contract of a model call: positions and the attention keyword arguments reach every layer
-    Touch(_LLAMA, "LlamaForCausalLM.forward", PARAMETERS, ("input_ids", "position_ids", "cache", "use_cache",
-                                                           "labels", "**kwargs"), by="nopad.packing.hf.attention"),
+    Touch(
+        _LLAMA,
+        "LlamaForCausalLM.forward",
+        PARAMETERS,
+        ("input_ids", "position_ids", "cache", "use_cache", "labels", "**kwargs"),
+        by="nopad.packing.hf.packed_call",
+    ),
     Touch(_LLAMA, "LlamaAttention.forward", SOURCE, ("ALL_ATTENTION_FUNCTIONS", "**kwargs"), by=_SUP),
-    Touch("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssAttention.forward", SOURCE, ("s_aux=",),
-          by="nopad.packing.mixers.sinks"),
+    Touch(
+        "transformers.models.gpt_oss.modeling_gpt_oss",
+        "GptOssAttention.forward",
+        SOURCE,
+        ("s_aux=",),
+        by="nopad.packing.mixers.sinks",
+    ),
     # the model scan: stateful classes, and the models among the live objects (gc.get_objects)
     Touch(_MU, "PreTrainedModel._is_stateful", ATTRIBUTE, by=_SUP),
     Touch(_MU, "PreTrainedModel", ATTRIBUTE, by=_SUP),
     # the kernel hook nopad wraps, and the kernel globals it wraps in the hybrid model modules
-    Touch(f"{_HUB}.hub_kernels", "use_kernel_func_from_hub_with_fallback", PARAMETERS,
-          ("func_name", "package", "internal_path"), by=_HK),
+    Touch(
+        f"{_HUB}.hub_kernels",
+        "use_kernel_func_from_hub_with_fallback",
+        PARAMETERS,
+        ("func_name", "package", "internal_path"),
+        by=_HK,
+    ),
     Touch(_HUB, "use_kernel_func_from_hub_with_fallback", ATTRIBUTE, by=_HK),
     Touch(_GDN, "causal_conv1d_fn", KERNEL, _CONV, by=_HK),
     Touch(_GDN, "causal_conv1d_update", KERNEL, ("hidden_states", "conv_state", "weight"), by=_HK),
     Touch(_GDN, "torch_chunk_gated_delta_rule", KERNEL, (*_RULE, "chunk_size"), by=_HK),
     Touch(_GDN, "torch_recurrent_gated_delta_rule", KERNEL, _RULE, by=_HK),
-    Touch(_GDN, "Qwen3NextGatedDeltaNet.forward", SOURCE,
-          ("causal_conv1d_fn(", "torch_chunk_gated_delta_rule(", "**kwargs"), by=_HK),
+    Touch(
+        _GDN,
+        "Qwen3NextGatedDeltaNet.forward",
+        SOURCE,
+        ("causal_conv1d_fn(", "torch_chunk_gated_delta_rule(", "**kwargs"),
+        by=_HK,
+    ),
     Touch(_KDA, "chunk_kimi_delta_attention", KERNEL, (*_RULE, "chunk_size"), by=_HK),
     Touch(_KDA, "recurrent_kimi_delta_attention", KERNEL, _RULE, by=_HK),
-    Touch(_KDA, "KimiLinearDeltaAttention.forward", SOURCE, ("chunk_kimi_delta_attention(", "**kwargs"),
-          by=_HK),
+    Touch(_KDA, "KimiLinearDeltaAttention.forward", SOURCE, ("chunk_kimi_delta_attention(", "**kwargs"), by=_HK),
     # the Mamba2 families: the mixer, the kernel globals rebound or called, the mask hook
-    *(touch for module, mixer in MAMBA2_FAMILIES.items() for touch in (
-        Touch(module, mixer, ATTRIBUTE, by=_M2),
-        Touch(module, f"{mixer}.forward", SOURCE, _MAMBA2_CALLS, by=_M2),
-        *(Touch(module, name, KERNEL, needs, by=_M2) for name, needs in MAMBA2_GLOBALS.items()),
-        Touch(module, "create_recurrent_attention_mask", PARAMETERS, ("config", "**kwargs"), by=_M2),
-    )),
+    *(
+        touch
+        for module, mixer in MAMBA2_FAMILIES.items()
+        for touch in (
+            Touch(module, mixer, ATTRIBUTE, by=_M2),
+            Touch(module, f"{mixer}.forward", SOURCE, _MAMBA2_CALLS, by=_M2),
+            *(Touch(module, name, KERNEL, needs, by=_M2) for name, needs in MAMBA2_GLOBALS.items()),
+            Touch(module, "create_recurrent_attention_mask", PARAMETERS, ("config", "**kwargs"), by=_M2),
+        )
+    ),
     # the Trainer nopad's packed loader sits in (nopad.training.trainer overrides these)
     Touch("transformers.trainer", "Trainer._prepare_inputs", PARAMETERS, ("inputs",), by="nopad.training.trainer"),
-    Touch("transformers.trainer", "Trainer.compute_loss", PARAMETERS,
-          ("model", "inputs", "return_outputs", "num_items_in_batch"), by="nopad.training.trainer"),
+    Touch(
+        "transformers.trainer",
+        "Trainer.compute_loss",
+        PARAMETERS,
+        ("model", "inputs", "return_outputs", "num_items_in_batch"),
+        by="nopad.training.trainer",
+    ),
 )
 
 
@@ -210,21 +284,28 @@ def refuse_untested(found: list[str]) -> None:
     version = installed_transformers()
     if Version(version) in SpecifierSet(TESTED_TRANSFORMERS) and not found:
         return
-    where = (f"nopad was written for transformers{TESTED_TRANSFORMERS} (tested; pinned in nopad's "
-             "pyproject.toml)")
+    where = f"nopad was written for transformers{TESTED_TRANSFORMERS} (tested; pinned in nopad's pyproject.toml)"
     if found:
         more = f" (and {len(found) - SHOWN} more: nopad.packing.hf.compat.problems())" if len(found) > SHOWN else ""
-        raise UntestedTransformersError(f"{where}, and this transformers {version} differs where nopad "
-                                        f"reaches into it: {'; '.join(found[:SHOWN])}{more}. Install "
-                                        f"transformers{TESTED_TRANSFORMERS}")
+        raise UntestedTransformersError(
+            f"{where}, and this transformers {version} differs where nopad "
+            f"reaches into it: {'; '.join(found[:SHOWN])}{more}. Install "
+            f"transformers{TESTED_TRANSFORMERS}"
+        )
     if os.environ.get(ALLOW_UNTESTED_ENV, "") not in ("", "0"):
-        logger.warning("%s; running on untested transformers %s because %s is set (the names nopad uses "
-                       "match)", where, version, ALLOW_UNTESTED_ENV)
+        logger.warning(
+            "%s; running on untested transformers %s because %s is set (the names nopad uses match)",
+            where,
+            version,
+            ALLOW_UNTESTED_ENV,
+        )
         return
-    raise UntestedTransformersError(f"{where}; this is transformers {version}. The private names nopad uses "
-                                    f"match, but other behaviour may have changed. Install "
-                                    f"transformers{TESTED_TRANSFORMERS}, or set {ALLOW_UNTESTED_ENV}=1 to "
-                                    "run on it anyway")
+    raise UntestedTransformersError(
+        f"{where}; this is transformers {version}. The private names nopad uses "
+        f"match, but other behaviour may have changed. Install "
+        f"transformers{TESTED_TRANSFORMERS}, or set {ALLOW_UNTESTED_ENV}=1 to "
+        "run on it anyway"
+    )
 
 
 _checked: set[Touch] = set()
@@ -236,8 +317,7 @@ def check() -> None:
     a lazy module's names once its user imported it) and refuse an untested or differing transformers."""
     if _refusal:
         raise UntestedTransformersError(_refusal[0])
-    pending = [t for t in TOUCHED if t not in _checked
-               and (t.module not in LAZY_MODULES or t.module in sys.modules)]
+    pending = [t for t in TOUCHED if t not in _checked and (t.module not in LAZY_MODULES or t.module in sys.modules)]
     if not pending:
         return
     try:

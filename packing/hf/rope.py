@@ -24,9 +24,11 @@ def rope_switch_length(config) -> int | None:
     kinds = params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
     for p in kinds:
         if isinstance(p, dict) and p.get("rope_type", p.get("type")) in SWITCHING_ROPE_TYPES:
-            return int(p.get("original_max_position_embeddings")
-                       or getattr(text, "original_max_position_embeddings", None)
-                       or text.max_position_embeddings)
+            return int(
+                p.get("original_max_position_embeddings")
+                or getattr(text, "original_max_position_embeddings", None)
+                or text.max_position_embeddings
+            )
     return None
 
 
@@ -38,12 +40,17 @@ def check_row_lengths(config, lengths: tuple[int, ...] | None, tree: bool) -> st
         return None
     if not tree and min(lengths) > switch:
         return None
-    kind = ("a prefix-tree row with a path longer than that" if tree
-            else f"a row of sequences of {min(lengths)} to {max(lengths)} tokens")
-    return (f"this model's rotary scaling switches its factors at {switch} tokens, judged over the whole "
-            f"call (transformers: from the call's largest position), and {kind} would give its shorter "
-            f"sequences the long factors. Pack rows whose sequences are all at most {switch} tokens (or all "
-            "longer), or keep this model unpacked (docs/models.md)")
+    kind = (
+        "a prefix-tree row with a path longer than that"
+        if tree
+        else f"a row of sequences of {min(lengths)} to {max(lengths)} tokens"
+    )
+    return (
+        f"this model's rotary scaling switches its factors at {switch} tokens, judged over the whole "
+        f"call (transformers: from the call's largest position), and {kind} would give its shorter "
+        f"sequences the long factors. Pack rows whose sequences are all at most {switch} tokens (or all "
+        "longer), or keep this model unpacked (docs/models.md)"
+    )
 
 
 def max_model_len(config) -> int:
@@ -54,7 +61,12 @@ def max_model_len(config) -> int:
     switch = rope_switch_length(config)
     if switch is None or switch >= own:
         return own
-    logger.warning("this model's rotary scaling (LongRoPE / dynamic NTK) switches its factors at %d tokens "
-                   "by the longest sequence of a call; the Generator keeps every sequence under it "
-                   "(max_model_len %d, not %d) so each is computed as it is alone", switch, switch, own)
+    logger.warning(
+        "this model's rotary scaling (LongRoPE / dynamic NTK) switches its factors at %d tokens "
+        "by the longest sequence of a call; the Generator keeps every sequence under it "
+        "(max_model_len %d, not %d) so each is computed as it is alone",
+        switch,
+        switch,
+        own,
+    )
     return switch

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from nopad.packing.hf import attention as hf
+from nopad.packing.hf.packed_call import check_packed_call
 from nopad.packing.mixers import PACKED, TREE, check_model
 from nopad.packing.varlen import VarlenMeta
 
@@ -39,8 +40,12 @@ TENSOR_FLOOR = 1e-3
 # fp32's bounds are ~100x its rounding; bf16 / fp16 gradients summed in another order (each sequence's
 # backward alone vs one packed backward) move by ~1 unit of their rounding (2^-8, 2^-11): 3e-3 / 4e-4
 # on the tiny test models, with logits equal. A packing bug moves the gradient by ~0.5 in either.
-TOLERANCES = {"float32": (1e-5, 1e-4, 100.0), "float64": (1e-5, 1e-4, 100.0),
-              "bfloat16": (2e-2, 3e-2, 10.0), "float16": (2.5e-3, 5e-3, 10.0)}
+TOLERANCES = {
+    "float32": (1e-5, 1e-4, 100.0),
+    "float64": (1e-5, 1e-4, 100.0),
+    "bfloat16": (2e-2, 3e-2, 10.0),
+    "float16": (2.5e-3, 5e-3, 10.0),
+}
 
 
 @dataclass(frozen=True)
@@ -60,17 +65,22 @@ class VerifyReport:
     grad_rel_diff: float = 0.0  # ||dg|| / ||g_alone|| over all parameters together
     dtype: str = "float32"  # the compute dtype (autocast's, else the weights'): it picks ok()'s defaults
 
-    def tolerances(self, logit_rtol: float | None = None, grad_rtol: float | None = None,
-                   tensor_rtol: float | None = None) -> tuple[float, float, float]:
+    def tolerances(
+        self, logit_rtol: float | None = None, grad_rtol: float | None = None, tensor_rtol: float | None = None
+    ) -> tuple[float, float, float]:
         """The ``(logit_rtol, grad_rtol, tensor_rtol)`` :meth:`ok` uses: those given, the rest the
         compute dtype's (:data:`TOLERANCES`; a dtype not listed gets fp32's)."""
         logit, grad, factor = TOLERANCES.get(self.dtype, TOLERANCES["float32"])
         grad = grad if grad_rtol is None else grad_rtol
-        return (logit if logit_rtol is None else logit_rtol, grad,
-                factor * grad if tensor_rtol is None else tensor_rtol)
+        return (
+            logit if logit_rtol is None else logit_rtol,
+            grad,
+            factor * grad if tensor_rtol is None else tensor_rtol,
+        )
 
-    def ok(self, logit_rtol: float | None = None, grad_rtol: float | None = None,
-           tensor_rtol: float | None = None) -> bool:
+    def ok(
+        self, logit_rtol: float | None = None, grad_rtol: float | None = None, tensor_rtol: float | None = None
+    ) -> bool:
         """Within the compute dtype's rounding? Logits within ``logit_rtol * max(1, logit_scale)``;
         the whole gradient within ``grad_rtol`` of its norm; and no parameter's gradient off by more
         than ``tensor_rtol`` of its own norm, floored at ``TENSOR_FLOOR`` of the whole gradient's (a
@@ -85,8 +95,11 @@ class VerifyReport:
         positions, a wrong backward) moves the whole gradient by orders of magnitude more.
         ``tests/packing/test_packing_verification.py`` checks both sides on SmolLM2-135M."""
         logit_rtol, grad_rtol, tensor_rtol = self.tolerances(logit_rtol, grad_rtol, tensor_rtol)
-        return (self.max_logit_diff <= logit_rtol * max(1.0, self.logit_scale)
-                and self.grad_rel_diff <= grad_rtol and self.max_grad_rel_diff <= tensor_rtol)
+        return (
+            self.max_logit_diff <= logit_rtol * max(1.0, self.logit_scale)
+            and self.grad_rel_diff <= grad_rtol
+            and self.max_grad_rel_diff <= tensor_rtol
+        )
 
     def __str__(self) -> str:
         return (
@@ -95,8 +108,9 @@ class VerifyReport:
             f"(logits up to {self.logit_scale:.1f}), "
             f"loss diff {self.loss_diff:.2e}, relative grad diff {self.grad_rel_diff:.2e} "
             f"(worst tensor {self.max_grad_rel_diff:.2e}: {self.worst_param}); ok() = {self.ok()} at "
-            "{} tolerances: logit_rtol {:.1e}, grad_rtol {:.1e}, tensor_rtol {:.1e}".format(self.dtype,
-                                                                                         *self.tolerances())
+            "{} tolerances: logit_rtol {:.1e}, grad_rtol {:.1e}, tensor_rtol {:.1e}".format(
+                self.dtype, *self.tolerances()
+            )
         )
 
 
@@ -127,7 +141,7 @@ def _flat_forward(model, seqs, attn_implementation: str, trace: list):
     if attn_implementation == hf.NOPAD_ATTENTION:
         kwargs["nopad_meta"] = meta
         kwargs["nopad_trace"] = trace
-    hf.check_packed_call(model, kwargs)
+    check_packed_call(model, kwargs)
     logits = model(torch.cat(seqs)[None], **kwargs).logits[0]
     bounds = meta.cu_seqlens_q.tolist()
     loss = sum(_token_loss_sum(logits[bounds[i] : bounds[i + 1]], s) for i, s in enumerate(seqs))
@@ -144,7 +158,7 @@ def _tree_forward(model, seqs, trace: list):
     (row,) = pack_tree_rows(paths, capacity=sum(s.numel() for s in seqs))
     row = row.to(seqs[0].device)
     kwargs = dict(row.model_kwargs(), use_cache=False, nopad_trace=trace)
-    hf.check_packed_call(model, kwargs)
+    check_packed_call(model, kwargs)
     logits = model(**kwargs).logits[0]
     predict_at, targets = row.loss_tokens()
     loss = row.per_pair(F.cross_entropy(logits[predict_at].float(), targets, reduction="none")).sum()
@@ -159,12 +173,13 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _compare_grads(alone: dict[str, torch.Tensor],
-                   packed: dict[str, torch.Tensor]) -> tuple[float, str, float]:
+def _compare_grads(alone: dict[str, torch.Tensor], packed: dict[str, torch.Tensor]) -> tuple[float, str, float]:
     """(worst tensor's relative difference, its name, the whole gradient's relative difference)."""
     worst, worst_name, diff_sq, ref_sq = 0.0, "", 0.0, 0.0
-    diffs = {name: float((packed.get(name, torch.zeros_like(g_ref)).double() - g_ref.double()).norm())
-             for name, g_ref in alone.items()}
+    diffs = {
+        name: float((packed.get(name, torch.zeros_like(g_ref)).double() - g_ref.double()).norm())
+        for name, g_ref in alone.items()
+    }
     norms = {name: float(g_ref.double().norm()) for name, g_ref in alone.items()}
     floor = TENSOR_FLOOR * sum(n**2 for n in norms.values()) ** 0.5
     for name, diff in diffs.items():
@@ -193,15 +208,35 @@ def _sequences(model, sequences, tree: bool, attn_implementation: str) -> list[t
         bad = ((s < 0) | (s >= vocab)).nonzero()
         if bad.numel():
             j = int(bad[0, 0])
-            raise ValueError(f"verify: sequence {i} has token id {int(s[j])} at position {j}, outside the "
-                             f"model's vocabulary [0, {vocab}) (its input embedding's rows); pass token ids "
-                             "from this model's own tokenizer")
+            raise ValueError(
+                f"verify: sequence {i} has token id {int(s[j])} at position {j}, outside the "
+                f"model's vocabulary [0, {vocab}) (its input embedding's rows); pass token ids "
+                "from this model's own tokenizer"
+            )
     if tree and attn_implementation != hf.NOPAD_ATTENTION:
-        raise ValueError(f"tree=True needs attn_implementation={hf.NOPAD_ATTENTION!r}: a tree row's segments "
-                         f"read their ancestors' keys through nopad_meta.key_index, which "
-                         f"{attn_implementation!r} does not take")
+        raise ValueError(
+            f"tree=True needs attn_implementation={hf.NOPAD_ATTENTION!r}: a tree row's segments "
+            f"read their ancestors' keys through nopad_meta.key_index, which "
+            f"{attn_implementation!r} does not take"
+        )
     device = next(model.parameters()).device
     return [s.to(device) for s in seqs]
+
+
+def _alone(model, seqs, reference: str, total_predicted: int) -> tuple[list[torch.Tensor], float, dict]:
+    """The reference side of :func:`verify`: each sequence in a row of its own with the
+    ``reference`` attention, forward and backward (from zeroed grads, the loss over the packed
+    run's denominator). Returns its logits, the summed loss and the parameters' grads."""
+    model.zero_grad(set_to_none=True)
+    with _attn_implementation(model, reference):
+        alone_logits, alone_loss = [], 0.0
+        for s in seqs:
+            logits = model(s[None], use_cache=False).logits[0]
+            loss = _token_loss_sum(logits, s) / total_predicted
+            loss.backward()
+            alone_logits.append(logits.detach())
+            alone_loss += float(loss.detach())
+    return alone_logits, alone_loss, _grads(model)
 
 
 def _compute_dtype(model, device: torch.device) -> torch.dtype:
@@ -244,16 +279,7 @@ def verify(
     saved = {n: p.grad for n, p in model.named_parameters()}
     model.eval()
     try:
-        model.zero_grad(set_to_none=True)
-        with _attn_implementation(model, reference):
-            alone_logits, alone_loss = [], 0.0
-            for s in seqs:
-                logits = model(s[None], use_cache=False).logits[0]
-                loss = _token_loss_sum(logits, s) / total_predicted
-                loss.backward()
-                alone_logits.append(logits.detach())
-                alone_loss += float(loss.detach())
-        alone_grads = _grads(model)
+        alone_logits, alone_loss, alone_grads = _alone(model, seqs, reference, total_predicted)
 
         model.zero_grad(set_to_none=True)
         trace: list = []
@@ -271,8 +297,14 @@ def verify(
         model.train(was_training)
 
     packed_logits = logits.detach()
-    logit_diff = max((float((packed_logits[rows] - a[: rows.numel()]).abs().max())
-                      for rows, a in zip(rows_of, alone_logits) if rows.numel()), default=0.0)
+    logit_diff = max(
+        (
+            float((packed_logits[rows] - a[: rows.numel()]).abs().max())
+            for rows, a in zip(rows_of, alone_logits)
+            if rows.numel()
+        ),
+        default=0.0,
+    )
     worst, worst_name, total_rel = _compare_grads(alone_grads, packed_grads)
     if attn_implementation == hf.NOPAD_ATTENTION:
         path = f"nopad: nopad.packing.attention.varlen_attention, {nopad_calls} attention calls"

@@ -11,6 +11,7 @@ from nopad.packing.mixers import (
     mamba2,  # noqa: F401  (registers its support on import)
 )
 from nopad.packing.mixers import sinks as _sinks  # noqa: F401  (registers the attention-sink support)
+from nopad.packing.mixers.calling_model import check_calling_model
 from nopad.packing.mixers.conv import varlen_causal_conv1d
 from nopad.packing.mixers.delta_rule import varlen_delta_rule
 from nopad.packing.mixers.recurrence import RecurrencePlan, recurrence_plan
@@ -23,7 +24,6 @@ from nopad.packing.mixers.support import (
     Finding,
     MixerSupport,
     UnsupportedMixerError,
-    check_calling_model,
     check_model,
     register_mixer_support,
     scan,
@@ -31,7 +31,25 @@ from nopad.packing.mixers.support import (
     unsupported,
 )
 
-__all__ = ["CONTEXTS", "GENERATE", "PACKED", "TREE", "Finding", "MixerSupport", "UnsupportedMixerError",
-           "check_calling_model", "check_model", "register_mixer_support", "scan", "unregister_mixer_support",
-           "unsupported", "varlen_causal_conv1d", "varlen_delta_rule", "RecurrencePlan", "recurrence_plan",
-           "LayerState", "StateSpec", "step_states"]
+__all__ = [
+    "CONTEXTS",
+    "GENERATE",
+    "PACKED",
+    "TREE",
+    "Finding",
+    "MixerSupport",
+    "UnsupportedMixerError",
+    "check_calling_model",
+    "check_model",
+    "register_mixer_support",
+    "scan",
+    "unregister_mixer_support",
+    "unsupported",
+    "varlen_causal_conv1d",
+    "varlen_delta_rule",
+    "RecurrencePlan",
+    "recurrence_plan",
+    "LayerState",
+    "StateSpec",
+    "step_states",
+]

@@ -79,8 +79,7 @@ def chunked_gated_delta_rule(
     intra = (q @ k.transpose(-1, -2)) * pairwise
     from_start = flushed_exp(cum)[..., None]
     new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(ut_system, k_beta * from_start, upper=False,
-                                               unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut_system, k_beta * from_start, upper=False, unitriangular=True)
     q = q * from_start
     k = k * flushed_exp(cum[..., -1:] - cum)[..., None]
     chunk_decay = flushed_exp(cum[..., -1])[..., None, None]
@@ -113,21 +112,34 @@ def matches(reference: Callable) -> bool:
         except Exception:  # noqa: BLE001 - a function that cannot run the probe is not this rule either
             _MATCHES[reference] = False
         if not _MATCHES[reference]:
-            logger.warning("nopad: %s.%s computes other than nopad's chunked gated delta rule; it runs "
-                           "itself on packed rows (per group of pieces)", reference.__module__,
-                           reference.__qualname__)
+            logger.warning(
+                "nopad: %s.%s computes other than nopad's chunked gated delta rule; it runs "
+                "itself on packed rows (per group of pieces)",
+                reference.__module__,
+                reference.__qualname__,
+            )
     return _MATCHES[reference]
 
 
 def _agrees(reference: Callable) -> bool:
-    q, k, v, g, beta, init = probe_inputs([(1, 11, 2, 4), (1, 11, 2, 4), (1, 11, 4, 3), (1, 11, 4),
-                                           (1, 11, 4), (2, 4, 4, 3)])
+    q, k, v, g, beta, init = probe_inputs(
+        [(1, 11, 2, 4), (1, 11, 2, 4), (1, 11, 4, 3), (1, 11, 4), (1, 11, 4), (2, 4, 4, 3)]
+    )
     g, beta = -g.abs(), beta.abs().clamp(max=1)
     pieces = [(0, 7), (7, 11)]
-    ours, our_final = chunked_gated_delta_rule(q, k, v, g, beta, [0, 7], [7, 4], initial_state=init,
-                                               chunk_size=4, use_qk_l2norm_in_kernel=True)
-    theirs = [reference(*(t[:, a:b] for t in (q, k, v, g, beta)), chunk_size=4, output_final_state=True,
-                        initial_state=init[i:i + 1], use_qk_l2norm_in_kernel=True)
-              for i, (a, b) in enumerate(pieces)]
-    return (torch.allclose(ours, torch.cat([o[0] for o, _ in theirs]), rtol=1e-4, atol=1e-5)
-            and torch.allclose(our_final, torch.cat([f for _, f in theirs]), rtol=1e-4, atol=1e-5))
+    ours, our_final = chunked_gated_delta_rule(
+        q, k, v, g, beta, [0, 7], [7, 4], initial_state=init, chunk_size=4, use_qk_l2norm_in_kernel=True
+    )
+    theirs = [
+        reference(
+            *(t[:, a:b] for t in (q, k, v, g, beta)),
+            chunk_size=4,
+            output_final_state=True,
+            initial_state=init[i : i + 1],
+            use_qk_l2norm_in_kernel=True,
+        )
+        for i, (a, b) in enumerate(pieces)
+    ]
+    return torch.allclose(ours, torch.cat([o[0] for o, _ in theirs]), rtol=1e-4, atol=1e-5) and torch.allclose(
+        our_final, torch.cat([f for _, f in theirs]), rtol=1e-4, atol=1e-5
+    )

@@ -107,12 +107,23 @@ def matches(reference: Callable) -> bool:
     A = -A.abs() - 0.5
     try:
         with torch.no_grad(), torch.autocast("cpu", enabled=False):  # fp32, whatever the caller runs under
-            ours, our_final = chunked_ssd_scan(x, dt, A, B, C, [(0, 7), (7, 11)], init, chunk_size=4,
-                                               **options)
-            theirs = [reference(x[None, a:b], dt[None, a:b], A, B[None, a:b], C[None, a:b], 4,
-                                initial_states=init[i:i + 1], return_final_states=True, **options)
-                      for i, (a, b) in enumerate([(0, 7), (7, 11)])]
+            ours, our_final = chunked_ssd_scan(x, dt, A, B, C, [(0, 7), (7, 11)], init, chunk_size=4, **options)
+            theirs = [
+                reference(
+                    x[None, a:b],
+                    dt[None, a:b],
+                    A,
+                    B[None, a:b],
+                    C[None, a:b],
+                    4,
+                    initial_states=init[i : i + 1],
+                    return_final_states=True,
+                    **options,
+                )
+                for i, (a, b) in enumerate([(0, 7), (7, 11)])
+            ]
     except Exception:  # noqa: BLE001 - a scan that cannot run the probe is not this scan either
         return False
-    return (torch.allclose(ours, torch.cat([o[0] for o, _ in theirs]).float(), rtol=1e-4, atol=1e-5)
-            and torch.allclose(our_final, torch.cat([f for _, f in theirs]).float(), rtol=1e-4, atol=1e-5))
+    return torch.allclose(ours, torch.cat([o[0] for o, _ in theirs]).float(), rtol=1e-4, atol=1e-5) and torch.allclose(
+        our_final, torch.cat([f for _, f in theirs]).float(), rtol=1e-4, atol=1e-5
+    )

@@ -16,8 +16,10 @@ def chunk_layout(starts: Sequence[int], lengths: Sequence[int], total: int, chun
     that order."""
     starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
     if lengths.size == 0 or (lengths < 0).any() or chunk_size < 1:
-        raise ValueError(f"a chunked scan needs at least one piece of length >= 0 and a chunk size >= 1; got "
-                         f"lengths {lengths.tolist()} and chunk_size {chunk_size}")
+        raise ValueError(
+            f"a chunked scan needs at least one piece of length >= 0 and a chunk size >= 1; got "
+            f"lengths {lengths.tolist()} and chunk_size {chunk_size}"
+        )
     chunks = -(-lengths // chunk_size)
     order = np.argsort(-chunks, kind="stable")
     starts, lengths, chunks = starts[order], lengths[order], chunks[order]
@@ -61,8 +63,9 @@ def piece_positions(index: np.ndarray, starts: Sequence[int], lengths: Sequence[
     return where[piece_rows(starts, lengths)]
 
 
-def carry_states(active: np.ndarray, order: np.ndarray, initial: torch.Tensor,
-                 step: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+def carry_states(
+    active: np.ndarray, order: np.ndarray, initial: torch.Tensor, step: Callable
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Carry each piece's state from chunk to chunk, as :func:`chunk_layout` lays the chunks out:
     ``initial`` ``(pieces, ...)`` in piece order; ``step(block, state)`` gets the slice of chunk
     ``j`` of the pieces still running (a prefix of the state batch) and returns that block's
@@ -85,5 +88,7 @@ def carry_states(active: np.ndarray, order: np.ndarray, initial: torch.Tensor,
 def probe_inputs(shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
     """Deterministic fp32 CPU tensors of these shapes (no RNG: a probe must not move the user's
     seed), for checking once that a chunked scan computes what transformers' function does."""
-    return [torch.arange(int(np.prod(shape)), dtype=torch.float32).add(i).mul(0.7).sin().reshape(shape)
-            for i, shape in enumerate(shapes)]
+    return [
+        torch.arange(int(np.prod(shape)), dtype=torch.float32).add(i).mul(0.7).sin().reshape(shape)
+        for i, shape in enumerate(shapes)
+    ]

@@ -74,11 +74,9 @@ def varlen_causal_conv1d(
     if initial_states is not None:
         expected = (meta.num_seqs, channels, kernel - 1)
         if tuple(initial_states.shape) != expected:
-            raise ValueError(f"initial_states must be (N, C, K - 1) = {expected}; "
-                             f"got {tuple(initial_states.shape)}")
+            raise ValueError(f"initial_states must be (N, C, K - 1) = {expected}; got {tuple(initial_states.shape)}")
         if meta.key_rows is not None:
-            raise ValueError("initial_states apply to packed rows; a prefix-tree segment starts from its "
-                             "parent")
+            raise ValueError("initial_states apply to packed rows; a prefix-tree segment starts from its parent")
     if meta.is_static and initial_states is None:
         raise ValueError("a static decode step continues each row from its conv state: pass initial_states")
     out = None
@@ -114,8 +112,13 @@ def varlen_causal_conv1d(
     return out, source[final_rows].transpose(1, 2)
 
 
-def _decode_conv(tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 activation: str | None, initial_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_conv(
+    tokens: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    initial_states: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per sequence after its state (a decode step): each window is the sequence's
     state and its token, ``(N, C, K)`` by one ``cat``, summed in the gathers' order (oldest input
     first, then the bias), so the bits are the reference's; the final state is the window's
@@ -130,8 +133,9 @@ def _decode_conv(tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return (act(out) if act is not None else out), window[:, :, 1:]
 
 
-def _flat_conv(tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
-               meta: VarlenMeta) -> torch.Tensor:
+def _flat_conv(
+    tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None, meta: VarlenMeta
+) -> torch.Tensor:
     """A packed row from zero states: one depthwise ``F.conv1d`` over the row laid with ``K - 1``
     zero rows before each sequence, so no window crosses a boundary (the layer's own convolution,
     one call; the gather reference costs ``K`` gathers and their scatter-add backward)."""
@@ -145,8 +149,10 @@ def _flat_conv(tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         laid = np.arange(meta.total_q) + gap * (seq + 1)  # each token's place in the laid-out row
         gather = np.full(meta.total_q + gap * lens.size, meta.total_q, dtype=np.int64)  # the zero row
         gather[laid] = np.arange(meta.total_q)
-        cache[(kernel, "flat")] = (torch.from_numpy(gather).to(meta.device),
-                                   torch.from_numpy(laid - gap).to(meta.device))
+        cache[(kernel, "flat")] = (
+            torch.from_numpy(gather).to(meta.device),
+            torch.from_numpy(laid - gap).to(meta.device),
+        )
     gather, place = cache[(kernel, "flat")]
     laid_out = torch.cat([tokens, tokens.new_zeros(1, tokens.shape[1])])[gather]
     out = F.conv1d(laid_out.t()[None], weight[:, None, :], bias, groups=weight.shape[0])[0]
@@ -165,9 +171,11 @@ def _boundaries(x: torch.Tensor, meta: VarlenMeta | None, cu_seqlens: torch.Tens
     if meta.is_static and meta.total_q == length:  # a static decode step: one token a row, on the device
         return meta
     if meta.seqlens_q is None or meta.total_q != length:
-        raise ValueError(f"the row has {length} tokens but its boundaries describe "
-                         f"{None if meta.seqlens_q is None else meta.total_q}; a nopad row runs with "
-                         "use_cache=False")
+        raise ValueError(
+            f"the row has {length} tokens but its boundaries describe "
+            f"{None if meta.seqlens_q is None else meta.total_q}; a nopad row runs with "
+            "use_cache=False"
+        )
     return meta
 
 
@@ -218,8 +226,9 @@ def _build_windows(meta: VarlenMeta, kernel: int, with_initial: bool) -> tuple[t
     return torch.from_numpy(rows).to(meta.device), torch.from_numpy(final).to(meta.device)
 
 
-def _resolve(rows: np.ndarray, seq: np.ndarray, total: int, kernel: int, with_initial: bool,
-             zero_row: int) -> np.ndarray:
+def _resolve(
+    rows: np.ndarray, seq: np.ndarray, total: int, kernel: int, with_initial: bool, zero_row: int
+) -> np.ndarray:
     """Map ``-m`` (m steps before the start of the row's sequence ``seq``) to that sequence's
     initial-state row, or to the zero row."""
     before = rows < 0

@@ -38,8 +38,10 @@ from nopad.packing.mixers.recurrence import recurrence_plan
 from nopad.packing.varlen import VarlenMeta
 
 # transformers' kernel name -> fla's module and function of the same rule
-FLA_FUNCTIONS = {"chunk_gated_delta_rule": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
-                 "chunk_kda": ("fla.ops.kda", "chunk_kda")}
+FLA_FUNCTIONS = {
+    "chunk_gated_delta_rule": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
+    "chunk_kda": ("fla.ops.kda", "chunk_kda"),
+}
 
 
 def varlen_delta_rule(
@@ -68,11 +70,7 @@ def varlen_delta_rule(
     rule token by token (same call, no ``chunk_size``), which :func:`nopad.packing.batch_invariant`
     runs instead. Returns the output ``(1, T, HV, V)`` and, with ``output_final_state``, each
     sequence's final state."""
-    if query.shape[0] != 1 or query.shape[1] != meta.total_q:
-        raise ValueError(f"a varlen row is (1, {meta.total_q}, ...); got query of shape "
-                         f"{tuple(query.shape)}. nopad rows run with use_cache=False")
-    if initial_state is not None and meta.key_rows is not None:
-        raise ValueError("initial_state applies to packed rows; a prefix-tree segment starts from its parent")
+    _check_row(query, meta, initial_state)
     stepwise = None
     if invariance.is_enabled():
         reference, chunk_size = _invariant_rule(recurrent, query), None
@@ -86,11 +84,15 @@ def varlen_delta_rule(
         return step[0], step[1] if output_final_state else None
     plan = recurrence_plan(meta)  # after the decode step, which needs none
     if fla is not None and plan.is_flat and initial_state is None:  # a packed row: one call as it is
-        return fla(*tensors, initial_state=None, output_final_state=output_final_state,
-                   cu_seqlens=meta.cu_seqlens_q.to(torch.long), **common)
+        return fla(
+            *tensors,
+            initial_state=None,
+            output_final_state=output_final_state,
+            cu_seqlens=meta.cu_seqlens_q.to(torch.long),
+            **common,
+        )
     flat = plan.is_flat and all(p >= 0 for p in plan.last_piece)  # no empty sequence either
-    own = (fla is None and chunk_size is not None and fla_kernel == "chunk_gated_delta_rule" and g.dim() == 3
-           and chunked_delta_rule.matches(reference))
+    own = _runs_own(fla, chunk_size, fla_kernel, g, reference)
     states: dict[int, torch.Tensor] = {}
     parts, part_rows, flat_finals, flat_seqs = [], [], [], []
     for wave in plan.waves:
@@ -117,9 +119,33 @@ def varlen_delta_rule(
         return out, None
     if flat:  # every sequence is one piece, its index in the row's piece order
         return out, _in_row_order(flat_finals, flat_seqs, query.device)
-    finals = [states[p] if p >= 0 else _initial(initial_state, i, value, key)
-              for i, p in enumerate(plan.last_piece)]
+    finals = [states[p] if p >= 0 else _initial(initial_state, i, value, key) for i, p in enumerate(plan.last_piece)]
     return out, torch.stack(finals)
+
+
+def _check_row(query: torch.Tensor, meta: VarlenMeta, initial_state: torch.Tensor | None) -> None:
+    """The call errors :func:`varlen_delta_rule` names before any work: a query that is not the
+    one row ``meta`` describes (a KV-cache call), or a start state on a prefix-tree row."""
+    if query.shape[0] != 1 or query.shape[1] != meta.total_q:
+        raise ValueError(
+            f"a varlen row is (1, {meta.total_q}, ...); got query of shape "
+            f"{tuple(query.shape)}. nopad rows run with use_cache=False"
+        )
+    if initial_state is not None and meta.key_rows is not None:
+        raise ValueError("initial_state applies to packed rows; a prefix-tree segment starts from its parent")
+
+
+def _runs_own(fla: Callable | None, chunk_size: int | None, fla_kernel: str | None, g, reference: Callable) -> bool:
+    """Whether nopad's own chunked kernel (:mod:`nopad.packing.mixers.chunked_delta_rule`) runs the
+    groups: no fla, a chunked rule, the gated delta rule with one gate per head, and a
+    ``reference`` it reproduces."""
+    return (
+        fla is None
+        and chunk_size is not None
+        and fla_kernel == "chunk_gated_delta_rule"
+        and g.dim() == 3
+        and chunked_delta_rule.matches(reference)
+    )
 
 
 def _wave_groups(plan, wave, chunk_size: int, stepwise: Callable | None, own: bool) -> list[list[int]]:
@@ -200,16 +226,19 @@ def _backward_error(fla: Callable, shapes, device: torch.device, common: dict) -
     return None
 
 
-def _decode_step(rule: Callable | None, fla, tensors, meta: VarlenMeta, initial_state: torch.Tensor | None,
-                 common: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _decode_step(
+    rule: Callable | None, fla, tensors, meta: VarlenMeta, initial_state: torch.Tensor | None, common: dict
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A decode step (one token per sequence, each from its slot): the one batched call of the
     token-by-token ``rule`` that the row's plan would make, without building the plan (six
     layers' worth of Python per step). Returns the output ``(1, N, HV, V)`` and the finals;
     None when the row is not such a step (or no token-by-token rule runs it, or fla does)."""
     one_each = meta.is_static or (meta.max_seqlen_q == 1 and meta.total_q == meta.num_seqs)
     if meta.is_static and (rule is None or initial_state is None):
-        raise ValueError("a static decode step of a delta rule runs its token-by-token rule from each row's "
-                         "state; this layer's module has no token-by-token rule (or no state was given)")
+        raise ValueError(
+            "a static decode step of a delta rule runs its token-by-token rule from each row's "
+            "state; this layer's module has no token-by-token rule (or no state was given)"
+        )
     if rule is None or fla is not None or initial_state is None or meta.key_rows is not None or not one_each:
         return None
     rows = (t.transpose(0, 1) for t in tensors)  # (N, 1, ...): each sequence a batch row of one step
@@ -227,8 +256,9 @@ def _in_row_order(parts: list[torch.Tensor], part_rows: list, device) -> torch.T
     return cat[torch.from_numpy(np.argsort(rows)).to(device)]
 
 
-def _group_init(plan, group: list[int], states: dict, initial_state: torch.Tensor | None,
-                tensors) -> torch.Tensor | None:
+def _group_init(
+    plan, group: list[int], states: dict, initial_state: torch.Tensor | None, tensors
+) -> torch.Tensor | None:
     """The pieces' start states ``(len(group), HV, K, V)`` in fp32 (None: all zero); one gather
     when every piece starts from the caller's initial state (a packed row, a generator step)."""
     pieces = [plan.pieces[p] for p in group]
@@ -247,9 +277,11 @@ def _group_init(plan, group: list[int], states: dict, initial_state: torch.Tenso
 def _invariant_rule(recurrent: Callable | None, query: torch.Tensor) -> Callable:
     """The token-by-token rule :func:`nopad.packing.batch_invariant` runs, or a clear refusal."""
     if recurrent is None:
-        raise ValueError("nopad.packing.batch_invariant() runs a delta rule token by token (the order the "
-                         "generator's decode uses), and this layer's module has no token-by-token rule "
-                         "beside its chunked one; run it outside batch_invariant()")
+        raise ValueError(
+            "nopad.packing.batch_invariant() runs a delta rule token by token (the order the "
+            "generator's decode uses), and this layer's module has no token-by-token rule "
+            "beside its chunked one; run it outside batch_invariant()"
+        )
     return _token_by_token(recurrent)
 
 
@@ -284,8 +316,7 @@ def _run_group(reference, fla, tensors, plan, group, init, chunk_size, common):
         else:
             index = torch.from_numpy(rows).to(value.device)
             batch = [t[0, index][:, None] for t in tensors]
-        out, final = reference(*batch, chunk_size=chunk_size, initial_state=init, output_final_state=True,
-                               **common)
+        out, final = reference(*batch, chunk_size=chunk_size, initial_state=init, output_final_state=True, **common)
         return out[:, 0], final, rows
     if fla is not None:
         index = torch.from_numpy(rows).to(value.device)
@@ -300,8 +331,7 @@ def _run_group(reference, fla, tensors, plan, group, init, chunk_size, common):
         padded[i, : len(piece)] = np.arange(piece.start, piece.end)
     index = torch.from_numpy(padded).to(value.device)
     batch = [torch.cat([t[0], t.new_zeros((1,) + t.shape[2:])])[index] for t in tensors]
-    out, final = reference(*batch, chunk_size=chunk_size, initial_state=init, output_final_state=True,
-                           **common)
+    out, final = reference(*batch, chunk_size=chunk_size, initial_state=init, output_final_state=True, **common)
     valid = torch.from_numpy(np.arange(width)[None, :] < np.asarray(lengths)[:, None]).to(value.device)
     return out[valid], final, rows
 
@@ -311,8 +341,9 @@ def _run_own(tensors, plan, group, init, chunk_size, common):
     what :func:`_run_group` does."""
     pieces = [plan.pieces[p] for p in group]
     starts, lengths = [piece.start for piece in pieces], [len(piece) for piece in pieces]
-    out, final = chunked_delta_rule.chunked_gated_delta_rule(*tensors, starts, lengths, initial_state=init,
-                                          chunk_size=chunk_size, **common)
+    out, final = chunked_delta_rule.chunked_gated_delta_rule(
+        *tensors, starts, lengths, initial_state=init, chunk_size=chunk_size, **common
+    )
     return out, final, piece_rows(starts, lengths)
 
 

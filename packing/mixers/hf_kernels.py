@@ -56,8 +56,10 @@ CACHE_ONLY = ("causal_conv1d_update", "fused_recurrent_gated_delta_rule", "fused
 RECURRENT_KERNELS = ("chunk_gated_delta_rule", "chunk_kda")
 # each chunked rule -> the global name of the same rule token by token in its modeling module (what
 # transformers' cached decode calls; nopad.packing.batch_invariant() runs it on every row)
-TOKEN_BY_TOKEN = {"chunk_gated_delta_rule": "torch_recurrent_gated_delta_rule",
-                  "chunk_kda": "recurrent_kimi_delta_attention"}
+TOKEN_BY_TOKEN = {
+    "chunk_gated_delta_rule": "torch_recurrent_gated_delta_rule",
+    "chunk_kda": "recurrent_kimi_delta_attention",
+}
 RECURRENT_DTYPE = torch.float32  # the delta rules compute and return their state in fp32
 CONV, RECURRENT = "conv", "recurrent"  # the state tensors these layers (and Mamba2's) declare
 
@@ -71,9 +73,12 @@ def _conv(original: Callable) -> Callable:
             return varlen_causal_conv1d(hidden_states[0], weight, bias, activation, meta=nopad_meta)[None]
 
         def step(meta, initial):
-            return varlen_causal_conv1d(hidden_states[0], weight, bias, activation, meta=meta,
-                                        initial_states=initial, return_final_states=True)
+            return varlen_causal_conv1d(
+                hidden_states[0], weight, bias, activation, meta=meta, initial_states=initial, return_final_states=True
+            )
+
         return states.run(CONV, step)[None]
+
     return causal_conv1d_fn
 
 
@@ -81,35 +86,76 @@ def _delta_rule(kernel: str) -> Callable[[Callable], Callable]:
     def make(original: Callable) -> Callable:
         reference = inspect.unwrap(original)  # transformers' own torch function
 
-        def chunk_rule(query, key, value, g, beta, *args, nopad_meta, initial_state=None,
-                       output_final_state=False, use_qk_l2norm_in_kernel=False, chunk_size=64, **kwargs):
+        def chunk_rule(
+            query,
+            key,
+            value,
+            g,
+            beta,
+            *args,
+            nopad_meta,
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=False,
+            chunk_size=64,
+            **kwargs,
+        ):
             if args:
                 raise TypeError(f"{kernel}: unexpected positional arguments after beta")
             if initial_state is not None:
-                raise ValueError("a nopad row carries no recurrent cache; call the model with "
-                                 "use_cache=False")
+                raise ValueError("a nopad row carries no recurrent cache; call the model with use_cache=False")
             recurrent = reference.__globals__.get(TOKEN_BY_TOKEN[kernel])
-            common = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, fla_kernel=kernel,
-                          chunk_size=chunk_size, recurrent=recurrent and inspect.unwrap(recurrent))
+            common = dict(
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                fla_kernel=kernel,
+                chunk_size=chunk_size,
+                recurrent=recurrent and inspect.unwrap(recurrent),
+            )
             states = step_states(kwargs)
             if states is None:
-                return varlen_delta_rule(reference, query, key, value, g, beta, meta=nopad_meta,
-                                         output_final_state=output_final_state, **common)
+                return varlen_delta_rule(
+                    reference,
+                    query,
+                    key,
+                    value,
+                    g,
+                    beta,
+                    meta=nopad_meta,
+                    output_final_state=output_final_state,
+                    **common,
+                )
 
             def step(meta, initial):
-                return varlen_delta_rule(reference, query, key, value, g, beta, meta=meta,
-                                         initial_state=initial, output_final_state=True, **common)
+                return varlen_delta_rule(
+                    reference,
+                    query,
+                    key,
+                    value,
+                    g,
+                    beta,
+                    meta=meta,
+                    initial_state=initial,
+                    output_final_state=True,
+                    **common,
+                )
+
             return states.run(RECURRENT, step), None
+
         return chunk_rule
+
     return make
 
 
 def _refuse(kernel: str) -> Callable[[Callable], Callable]:
     def make(original: Callable) -> Callable:
         def cache_step(*args, nopad_meta, **kwargs):
-            raise ValueError(f"{kernel} is transformers' cached decode step; nopad rows of hybrid layers run "
-                             "with use_cache=False (nopad's Generator keeps the per-sequence state itself)")
+            raise ValueError(
+                f"{kernel} is transformers' cached decode step; nopad rows of hybrid layers run "
+                "with use_cache=False (nopad's Generator keeps the per-sequence state itself)"
+            )
+
         return cache_step
+
     return make
 
 
@@ -227,12 +273,12 @@ def serves(module: nn.Module) -> bool:
     return bool(kernels) and None not in kernels and any(k in MIXING for k in kernels)
 
 
-def conv_recurrent_state(path: str, conv: tuple[int, int], recurrent: tuple[int, int, int] | None
-                         ) -> LayerState:
+def conv_recurrent_state(path: str, conv: tuple[int, int], recurrent: tuple[int, int, int] | None) -> LayerState:
     """A layer's conv state ``(C, K - 1)`` (the model's dtype) and, unless None, its fp32 recurrent
     state (a delta rule's ``(heads, K, V)``, a Mamba2 scan's ``(heads, head_dim, state)``)."""
-    specs = (StateSpec(CONV, conv),) + (() if recurrent is None else (StateSpec(RECURRENT, recurrent,
-                                                                                 RECURRENT_DTYPE),))
+    specs = (StateSpec(CONV, conv),) + (
+        () if recurrent is None else (StateSpec(RECURRENT, recurrent, RECURRENT_DTYPE),)
+    )
     return LayerState(path, specs)
 
 
@@ -261,7 +307,14 @@ def _serves_generate(module: nn.Module) -> bool:
     return layer_state(module) is not None
 
 
-register_mixer_support(MixerSupport("hf-kernel-functions (gated delta rule, KDA, short convolution)", serves,
-                                    frozenset({PACKED, TREE})))
-register_mixer_support(MixerSupport("hf-kernel-functions in the generator (per-sequence state slots)",
-                                    _serves_generate, frozenset({GENERATE}), state=layer_state))
+register_mixer_support(
+    MixerSupport("hf-kernel-functions (gated delta rule, KDA, short convolution)", serves, frozenset({PACKED, TREE}))
+)
+register_mixer_support(
+    MixerSupport(
+        "hf-kernel-functions in the generator (per-sequence state slots)",
+        _serves_generate,
+        frozenset({GENERATE}),
+        state=layer_state,
+    )
+)

@@ -53,6 +53,8 @@ def disable(module: str, name: str, why: str) -> None:
     if f"{module}.{name}" in _BROKEN:
         return
     _BROKEN.add(f"{module}.{name}")
-    warnings.warn(f"{module}.{name} is installed but {why}; nopad's hybrid layers use their PyTorch "
-                  "reference instead", RuntimeWarning, stacklevel=3)
-
+    warnings.warn(
+        f"{module}.{name} is installed but {why}; nopad's hybrid layers use their PyTorch reference instead",
+        RuntimeWarning,
+        stacklevel=3,
+    )

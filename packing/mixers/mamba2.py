@@ -87,8 +87,7 @@ FAMILIES = {
 # each hook we rebind, and the parameters of transformers' function we rely on
 HOOK_PARAMETERS = {
     "causal_conv1d_fn": ("hidden_states", "weight", "bias", "activation"),
-    "mamba2_chunk_scan": ("hidden_states", "dt", "A", "B", "C", "chunk_size", "initial_states",
-                          "return_final_states"),
+    "mamba2_chunk_scan": ("hidden_states", "dt", "A", "B", "C", "chunk_size", "initial_states", "return_final_states"),
     "mamba2_split_conv1d_scan_combined": ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A"),
 }
 # the CUDA kernels, at the paths and signatures causal-conv1d >= 1.4 and mamba_ssm >= 2 document
@@ -117,8 +116,9 @@ def _parameters(function) -> frozenset[str]:
 
 
 # ----------------------------------------------------------------------------- the hooks
-def packed_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
-                meta: VarlenMeta) -> torch.Tensor:
+def packed_conv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None, meta: VarlenMeta
+) -> torch.Tensor:
     """The layer's causal conv (``x``: ``(1, dim, T)``) with each sequence on its own, a tree
     segment continuing its path."""
     check_row(x.shape[0], x.shape[-1], meta, "causal_conv1d_fn")
@@ -130,18 +130,28 @@ def packed_chunk_scan(hidden_states, dt, A, B, C, chunk_size, meta: VarlenMeta, 
     the row's plan (once for a packed row), each piece seeded with its parent's final state."""
     check_row(hidden_states.shape[0], hidden_states.shape[1], meta, "mamba2_chunk_scan")
     if kwargs.pop("initial_states", None) is not None or kwargs.pop("return_final_states", False):
-        raise ValueError("a Mamba2 layer got nopad_meta and a cache; nopad's packed and tree rows run with "
-                         "use_cache=False")
+        raise ValueError(
+            "a Mamba2 layer got nopad_meta and a cache; nopad's packed and tree rows run with use_cache=False"
+        )
     plan = recurrence_plan(meta)
     if invariance.is_enabled():
         return row_scan(hidden_states, dt, A, B, C, plan, kwargs)
     fast = _fast(hidden_states, meta, SCAN_KERNEL)
     if fast is not None:
         params = _parameters(fast)
-        return fast(hidden_states, dt, A, B, C, chunk_size, seq_idx=meta.seq_idx[None],
-                    **{k: v for k, v in kwargs.items() if k in params})
-    return row_scan(hidden_states, dt, A, B, C, plan, kwargs,
-                    functools.partial(chunked_ssd.chunked_ssd_scan, chunk_size=chunk_size))
+        return fast(
+            hidden_states,
+            dt,
+            A,
+            B,
+            C,
+            chunk_size,
+            seq_idx=meta.seq_idx[None],
+            **{k: v for k, v in kwargs.items() if k in params},
+        )
+    return row_scan(
+        hidden_states, dt, A, B, C, plan, kwargs, functools.partial(chunked_ssd.chunked_ssd_scan, chunk_size=chunk_size)
+    )
 
 
 def packed_fused(args: tuple, kwargs: dict, meta: VarlenMeta):
@@ -169,9 +179,11 @@ def _take_meta(kwargs: dict, length: int) -> VarlenMeta | None:
     meta = kwargs.pop("nopad_meta", None)
     positions = _NOPAD_POSITIONS.get() if meta is None else None
     if positions is not None and positions.shape == (1, length) and bool((positions[0, 1:] == 0).any()):
-        raise ValueError("a Mamba2 layer got a packed row (position_ids restart at 0) without nopad_meta: it "
-                         "reads the boundaries from nopad_meta only. Pass nopad_meta=meta (as "
-                         "row.model_kwargs() does) with position_ids=meta.position_ids[None]")
+        raise ValueError(
+            "a Mamba2 layer got a packed row (position_ids restart at 0) without nopad_meta: it "
+            "reads the boundaries from nopad_meta only. Pass nopad_meta=meta (as "
+            "row.model_kwargs() does) with position_ids=meta.position_ids[None]"
+        )
     return meta
 
 
@@ -179,6 +191,7 @@ def _hook(name: str, original, module):
     """transformers' hook ``original`` with a ``nopad_meta`` branch (a generator step's when the
     call carries the step's state cache); the same call without one."""
     if name == "causal_conv1d_fn":
+
         def hooked(hidden_states, weight, bias=None, activation=None, **kwargs):
             meta = _take_meta(kwargs, hidden_states.shape[-1])
             if meta is None:
@@ -188,6 +201,7 @@ def _hook(name: str, original, module):
                 return step_conv(hidden_states, weight, bias, activation, states)
             return packed_conv(hidden_states, weight, bias, activation, meta)
     elif name == "mamba2_chunk_scan":
+
         def hooked(hidden_states, dt, A, B, C, chunk_size, **kwargs):
             meta = _take_meta(kwargs, hidden_states.shape[1])
             if meta is None:
@@ -197,16 +211,17 @@ def _hook(name: str, original, module):
                 if kwargs.get("initial_states") is not None or kwargs.get("return_final_states"):
                     raise ValueError("a generator step of a Mamba2 layer runs with use_cache=False")
                 update = getattr(module, STEP_FUNCTION)
-                return step_chunk_scan(update, hidden_states, dt, A, B, C, chunk_size, states,
-                                       **kwargs)
+                return step_chunk_scan(update, hidden_states, dt, A, B, C, chunk_size, states, **kwargs)
             return packed_chunk_scan(hidden_states, dt, A, B, C, chunk_size, meta, **kwargs)
     elif name == "mamba2_split_conv1d_scan_combined":
+
         def hooked(*args, **kwargs):
             meta = _take_meta(kwargs, args[0].shape[1])
             if meta is None:
                 return original(*args, **kwargs)
             return packed_fused(args, kwargs, meta)
     else:  # create_recurrent_attention_mask: once per forward, before the layers
+
         def hooked(*args, **kwargs):
             # dynamo cannot trace ContextVar.set (a graph break, which would split the generator's
             # compiled decode step): the check is an eager one; a compiled forward passes nopad_meta
@@ -216,6 +231,7 @@ def _hook(name: str, original, module):
                 # no sync here: the positions are only read when a layer gets no nopad_meta
                 _NOPAD_POSITIONS.set(kwargs.get("position_ids") if nopad else None)
             return original(*args, **kwargs)
+
     functools.update_wrapper(hooked, original)
     hooked.nopad_original = original
     return hooked
@@ -270,8 +286,12 @@ def install() -> tuple[type, ...]:
             continue
         problem = _fence(module, mixer_name)
         if problem is not None:
-            warnings.warn(f"nopad: {module_name} changed ({problem}); its {mixer_name} layers stay refused "
-                          "on packed and tree rows", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"nopad: {module_name} changed ({problem}); its {mixer_name} layers stay refused "
+                "on packed and tree rows",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             continue
         for name in (*HOOK_PARAMETERS, MASK_HOOK):
             current = getattr(module, name)
@@ -328,8 +348,12 @@ def layer_state(module, path: str = "") -> LayerState | None:
     return conv_recurrent_state(path, (conv.in_channels, conv.kernel_size[0] - 1), (heads, head_dim, size))
 
 
-register_mixer_support(MixerSupport("mamba2", lambda module: isinstance(module, mixers()),
-                                    frozenset({PACKED, TREE})))
-register_mixer_support(MixerSupport("mamba2 in the generator (per-sequence state slots)",
-                                    lambda module: layer_state(module) is not None, frozenset({GENERATE}),
-                                    state=layer_state))
+register_mixer_support(MixerSupport("mamba2", lambda module: isinstance(module, mixers()), frozenset({PACKED, TREE})))
+register_mixer_support(
+    MixerSupport(
+        "mamba2 in the generator (per-sequence state slots)",
+        lambda module: layer_state(module) is not None,
+        frozenset({GENERATE}),
+        state=layer_state,
+    )
+)

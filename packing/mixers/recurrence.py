@@ -76,9 +76,11 @@ def parent_rows(meta: VarlenMeta) -> np.ndarray:
     if not ctx.any():
         return parents
     if meta.key_rows is None:
-        raise ValueError("this row continues sequences whose earlier tokens are in a cache (a generation "
-                         "step); "
-                         "nopad's recurrent mixers run packed and prefix-tree rows only (use_cache=False)")
+        raise ValueError(
+            "this row continues sequences whose earlier tokens are in a cache (a generation "
+            "step); "
+            "nopad's recurrent mixers run packed and prefix-tree rows only (use_cache=False)"
+        )
     key_rows = meta.key_rows.detach().cpu().numpy()
     cu_k = np.concatenate(([0], np.cumsum(meta.seqlens_k)))
     has = ctx > 0
@@ -104,9 +106,11 @@ def _build_plan(meta: VarlenMeta) -> RecurrencePlan:
         parent = -1
         if parents[i] >= 0:
             if parents[i] >= start or int(parents[i]) not in ending_at:
-                raise ValueError(f"sequence {i} of this row continues row {int(parents[i])}, which is not "
-                                 "laid "
-                                 "before it; tree rows lay every node after its parent")
+                raise ValueError(
+                    f"sequence {i} of this row continues row {int(parents[i])}, which is not "
+                    "laid "
+                    "before it; tree rows lay every node after its parent"
+                )
             parent = ending_at[int(parents[i])]
         for a, b in zip(bounds[:-1], bounds[1:]):
             pieces.append(Piece(a, b, i, parent))

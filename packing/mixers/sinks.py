@@ -40,6 +40,5 @@ def handles_sinks(module: nn.Module) -> bool:
 # computed inside the attention call, so exact wherever the attention has the row's boundaries,
 # including those it derives from position_ids alone
 # (and they stand for no layer kind: a layer declared as another kind of attention is not theirs)
-SINKS = MixerSupport("attention sinks (s_aux)", handles_sinks, frozenset(ALL_CONTEXTS),
-                     layer_kinds=frozenset())
+SINKS = MixerSupport("attention sinks (s_aux)", handles_sinks, frozenset(ALL_CONTEXTS), layer_kinds=frozenset())
 register_mixer_support(SINKS)

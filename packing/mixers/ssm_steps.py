@@ -28,8 +28,9 @@ from nopad.packing.mixers.recurrence import RecurrencePlan
 OPTIONS = ("D", "dt_bias", "dt_softplus", "dt_limit")
 
 
-def discretise_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool,
-                  dt_limit: tuple[float, float]) -> torch.Tensor:
+def discretise_dt(
+    dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float]
+) -> torch.Tensor:
     """``dt`` as transformers' chunk scan discretises it (bias, softplus, clamp to ``dt_limit``)."""
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
@@ -38,10 +39,20 @@ def discretise_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: b
     return torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
 
 
-def token_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-               pieces: list[tuple[int, int]], starts: torch.Tensor | None, *, D: torch.Tensor | None = None,
-               dt_bias: torch.Tensor | None = None, dt_softplus: bool = False,
-               dt_limit: tuple[float, float] = (0.0, float("inf"))) -> tuple[torch.Tensor, torch.Tensor]:
+def token_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    pieces: list[tuple[int, int]],
+    starts: torch.Tensor | None,
+    *,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The scan of the row's ``pieces`` (``[start, end)`` rows each), each from its start state.
 
     ``x``: ``(T, heads, head_dim)``; ``dt``: ``(T, heads)``; ``A``: ``(heads,)``; ``B``, ``C``:
@@ -55,30 +66,42 @@ def token_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     B = B.float().repeat_interleave(heads // B.shape[1], dim=1)  # (T, heads, state)
     C = C.float().repeat_interleave(heads // C.shape[1], dim=1)
     # row `total`: the padding row (no decay, no input)
-    decay, dx, B, C = (torch.cat([t, t.new_full((1, *t.shape[1:]), 1.0 if i == 0 else 0.0)])
-                       for i, t in enumerate((decay, dx, B, C)))
+    decay, dx, B, C = (
+        torch.cat([t, t.new_full((1, *t.shape[1:]), 1.0 if i == 0 else 0.0)]) for i, t in enumerate((decay, dx, B, C))
+    )
     lengths = np.asarray([end - start for start, end in pieces], dtype=np.int64)
     width = int(lengths.max(initial=0))
     index = np.full((width, len(pieces)), total, dtype=np.int64)  # step t: each piece's row
     for i, (start, end) in enumerate(pieces):
         index[: end - start, i] = np.arange(start, end)
     index_t = torch.from_numpy(index).to(x.device)
-    state = (x.new_zeros((len(pieces), heads, head_dim, B.shape[-1]), dtype=torch.float32) if starts is None
-             else starts.to(torch.float32).clone())
+    state = (
+        x.new_zeros((len(pieces), heads, head_dim, B.shape[-1]), dtype=torch.float32)
+        if starts is None
+        else starts.to(torch.float32).clone()
+    )
     outs = []
     # gathered once, step by step (one gather and one backward for the whole row, not one per step)
     for decay_t, dx_t, B_t, C_t in zip(*(t[index_t].unbind(0) for t in (decay, dx, B, C))):
         state = state * decay_t[..., None, None] + dx_t[..., None] * B_t[:, :, None, :]
         outs.append((state * C_t[:, :, None, :]).sum(-1))
     valid = torch.from_numpy(np.arange(width)[None, :] < lengths[:, None]).to(x.device)
-    out = (torch.stack(outs, 1)[valid] if width else x.new_zeros((0, heads, head_dim), dtype=torch.float32))
+    out = torch.stack(outs, 1)[valid] if width else x.new_zeros((0, heads, head_dim), dtype=torch.float32)
     if D is not None:
         out = out + D[:, None] * x.float()[index_t.t()[valid]]
     return out, state
 
 
-def row_scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-             plan: RecurrencePlan, kwargs: dict, scan_pieces: Callable = token_scan) -> torch.Tensor:
+def row_scan(
+    hidden_states: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    plan: RecurrencePlan,
+    kwargs: dict,
+    scan_pieces: Callable = token_scan,
+) -> torch.Tensor:
     """The scan of a packed or tree row (``hidden_states``: ``(1, T, heads, head_dim)``, the
     others as transformers' chunk scan takes them; ``kwargs``: that call's keywords), wave by
     wave of the row's ``plan``, each piece from its parent's final state. ``scan_pieces`` runs a

@@ -30,7 +30,6 @@ The scan decides by structure, not by model names, so next month's family is cau
 
 from __future__ import annotations
 
-import gc
 import inspect
 import logging
 import weakref
@@ -56,8 +55,12 @@ PACKED, TREE, GENERATE = "packed", "tree", "generate"
 POSITIONS = "positions"
 CONTEXTS = (PACKED, TREE, GENERATE)  # what nopad's entry points ask of a model
 ALL_CONTEXTS = (*CONTEXTS, POSITIONS)
-_WHERE = {PACKED: "packed rows", TREE: "prefix-tree rows", GENERATE: "the generator (paged steps)",
-          POSITIONS: "rows packed by position_ids without nopad_meta"}
+_WHERE = {
+    PACKED: "packed rows",
+    TREE: "prefix-tree rows",
+    GENERATE: "the generator (paged steps)",
+    POSITIONS: "rows packed by position_ids without nopad_meta",
+}
 
 # (not "chunked_attention": Llama4's chunk-local mask is built by transformers' mask functions,
 # which nopad's attention replaces, so a sequence longer than a chunk would attend past its chunk)
@@ -92,7 +95,8 @@ class MixerSupport:
 
 _SUPPORTS: list[MixerSupport] = []
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> contexts that passed
-_MODULE_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> contexts
+# attention module -> contexts its calling model passed (nopad.packing.mixers.calling_model)
+MODULE_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # the boundary probe, which has the last word once the scan passes (nopad.packing.hf.boundary_probe registers
 # it: it runs nopad's attention, which this package cannot import); ids of the models it is running
 BOUNDARY_PROBE: list[Callable[[nn.Module, str, bool], bool]] = []
@@ -112,7 +116,7 @@ def unregister_mixer_support(name: str) -> None:
     """Withdraw a registered support (tests; a backend found broken at run time)."""
     _SUPPORTS[:] = [s for s in _SUPPORTS if s.name != name]
     _CHECKED.clear()
-    _MODULE_CHECKED.clear()
+    MODULE_CHECKED.clear()
 
 
 @dataclass(frozen=True)
@@ -201,7 +205,7 @@ def declared_kinds(model: nn.Module) -> list[str] | None:
 
 def _mixer_of(layer_path: str, path: str) -> str:
     """The layer's direct child that contains ``path`` (the layer's mixer, e.g. ``linear_attn``)."""
-    rest = path[len(layer_path) + 1:] if layer_path and path.startswith(layer_path + ".") else path
+    rest = path[len(layer_path) + 1 :] if layer_path and path.startswith(layer_path + ".") else path
     head = rest.split(".", 1)[0]
     return f"{layer_path}.{head}" if layer_path and head else path
 
@@ -214,15 +218,25 @@ def _position_findings(model: nn.Module) -> list[Finding]:
     top = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
     findings = []
     if top is not None and "position_ids" not in inspect.signature(type(top).forward).parameters:
-        findings.append(Finding(None, "", type(top).__name__, "positions counted by the model itself (its "
-                                "forward takes no position_ids): each packed sequence would start where the "
-                                "last one ended"))
+        findings.append(
+            Finding(
+                None,
+                "",
+                type(top).__name__,
+                "positions counted by the model itself (its "
+                "forward takes no position_ids): each packed sequence would start where the "
+                "last one ended",
+            )
+        )
     for path, module in model.named_modules():
         if _counts_positions(module):
             what = "positions of its own (torch.arange in its forward), counted from the row's start"
             findings.append(Finding(None, path, type(module).__name__, what + ", not each sequence's"))
-        if isinstance(module, nn.Embedding) and "position" in path.rsplit(".", 1)[-1] \
-                and module.padding_idx is not None:
+        if (
+            isinstance(module, nn.Embedding)
+            and "position" in path.rsplit(".", 1)[-1]
+            and module.padding_idx is not None
+        ):
             what = f"a learned position table with a padding index ({module.padding_idx})"
             what += ": its positions start past it, not at 0"
             findings.append(Finding(None, path, type(module).__name__, what))
@@ -268,8 +282,15 @@ def scan(model: nn.Module) -> list[Finding]:
                 findings.append(Finding(i, prefix, type(layer).__name__, what, layer))
     findings += _position_findings(model)
     if not findings and getattr(type(model), "_is_stateful", False):
-        findings.append(Finding(None, "", type(model).__name__, "a model transformers marks stateful "
-                                "(_is_stateful: it carries a recurrent state between tokens)", model))
+        findings.append(
+            Finding(
+                None,
+                "",
+                type(model).__name__,
+                "a model transformers marks stateful (_is_stateful: it carries a recurrent state between tokens)",
+                model,
+            )
+        )
     return findings
 
 
@@ -283,8 +304,12 @@ def _handled(finding: Finding, context: str, model: nn.Module) -> bool:
     (``linear_attention``), a module of that layer. Not another mixer of the same layer: Qwen4-Exp's
     n-gram block (a dilated convolution over time) sits beside a supported Gated DeltaNet and ran
     across the row's boundaries, let through because its layer held one."""
-    supports = [s for s in _SUPPORTS if context in s.contexts
-                and (finding.declared is None or s.layer_kinds is None or finding.declared in s.layer_kinds)]
+    supports = [
+        s
+        for s in _SUPPORTS
+        if context in s.contexts
+        and (finding.declared is None or s.layer_kinds is None or finding.declared in s.layer_kinds)
+    ]
     if not supports or finding.module is None:
         return False
     return any(s.handles(m) for m in finding.module.modules() for s in supports)
@@ -313,10 +338,13 @@ def _message(model: nn.Module, context: str, findings: list[Finding]) -> str:
         f"convolution state, or keys pooled or picked over the whole row, would run across the boundaries "
         f"between sequences):\n"
         + "\n".join(lines)
-        + ("\nPass the row's boundaries to every layer: model(..., position_ids=meta.position_ids[None], "
-           "nopad_meta=meta) (row.model_kwargs() does), not position_ids alone." if context == POSITIONS else
-           "\nKeep this model unpacked (attn_implementation='sdpa' with one sequence per row or padded "
-           "batches, and HF generate), or see docs/models.md for the families nopad supports and how.")
+        + (
+            "\nPass the row's boundaries to every layer: model(..., position_ids=meta.position_ids[None], "
+            "nopad_meta=meta) (row.model_kwargs() does), not position_ids alone."
+            if context == POSITIONS
+            else "\nKeep this model unpacked (attn_implementation='sdpa' with one sequence per row or padded "
+            "batches, and HF generate), or see docs/models.md for the families nopad supports and how."
+        )
     )
 
 
@@ -338,63 +366,3 @@ def check_model(model: nn.Module, context: str = PACKED, *, inside_forward: bool
     if BOUNDARY_PROBE and not BOUNDARY_PROBE[0](model, context, inside_forward):
         return  # no verdict yet (a sharded model inside its forward): not cached as passed
     _CHECKED.setdefault(model, set()).add(context)
-
-
-_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> weakref of its model
-
-
-def _owning_model(module: nn.Module) -> nn.Module | None:
-    """The outermost ``PreTrainedModel`` holding ``module``, found among the live objects (one scan
-    per model, then a look-up). Not the call stack: a traced forward has none to walk."""
-    owner = _OWNERS.get(module)
-    if owner is not None and owner() is not None:
-        return owner()
-    from transformers import PreTrainedModel
-
-    holders = [o for o in gc.get_objects()  # type(), not isinstance(): a dead weakref.proxy raises
-               if issubclass(type(o), PreTrainedModel) and any(m is module for m in o.modules())]
-    if not holders:
-        return None
-    model = max(holders, key=lambda o: sum(1 for _ in o.modules()))
-    ref = weakref.ref(model)
-    for m in model.modules():
-        _OWNERS[m] = ref
-    return model
-
-
-@torch._dynamo.assume_constant_result
-def _refusal_while_tracing(module: nn.Module, context: str) -> str:
-    """check_model's refusal of the model holding ``module`` ("" if it passes or nothing holds it).
-    Run by dynamo once, as it traces, and kept in the graph as a constant: no graph break and no
-    work per step. Without it a bare ``torch.compile(model)`` on nopad attention skipped the check
-    and ran an unknown recurrent layer across a packed row's boundaries with no error."""
-    model = _owning_model(module)
-    if model is None:
-        return ""
-    try:
-        check_model(model, context, inside_forward=True)
-    except UnsupportedMixerError as error:
-        return str(error)
-    return ""
-
-
-def check_calling_model(module: nn.Module, context: str) -> None:
-    """The attention function's check, for a forward that no nopad entry point prepared (a bare
-    ``model.set_attn_implementation("nopad")``, compiled or not): it is called with its attention
-    module only, so the model checked is the outermost ``PreTrainedModel`` holding ``module``
-    (:func:`_owning_model`). Runs once per attention module and context (once per trace when
-    compiled); a dictionary look-up after that."""
-    if PROBING:
-        return  # the boundary probe's own forward: its verdict is being decided
-    if torch.compiler.is_compiling():
-        refusal = _refusal_while_tracing(module, context)
-        if refusal:
-            raise UnsupportedMixerError(refusal)
-        return
-    done = _MODULE_CHECKED.get(module)
-    if done is not None and context in done:
-        return
-    model = _owning_model(module)
-    if model is not None:
-        check_model(model, context, inside_forward=True)
-    _MODULE_CHECKED.setdefault(module, set()).add(context)

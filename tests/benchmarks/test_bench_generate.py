@@ -40,8 +40,7 @@ def test_prefill_workload_is_deterministic_and_in_range():
 def test_quick_run_on_tiny_model(tmp_path, capsys):
     from benchmarks.bench_generate import main
 
-    report = main(["--quick", "--tiny-model", "--threads", "1", "--out-dir", str(tmp_path),
-                   "--dtypes", "fp32,bf16"])
+    report = main(["--quick", "--tiny-model", "--threads", "1", "--out-dir", str(tmp_path), "--dtypes", "fp32,bf16"])
     out = capsys.readouterr().out
     saved = json.loads((tmp_path / "bench_generate.json").read_text())
     for dtype in ("fp32", "bf16"):

@@ -22,11 +22,18 @@ BENCHMARKS = sorted((ROOT / "benchmarks").glob("bench_*.py"))
 TIMEOUT_S = 600  # a --quick run takes seconds to a minute on two idle cores; this is the hang guard
 # benchmarks whose --quick run a test of their own drives in-process, checking what it reports
 # (running them again here would only repeat that work)
-DRIVEN_BY = {"bench_generate.py": "test_bench_generate.py", "bench_sampler.py": "test_bench_sampler.py",
-             "bench_agentic.py": "test_bench_agentic.py"}
+DRIVEN_BY = {
+    "bench_generate.py": "test_bench_generate.py",
+    "bench_sampler.py": "test_bench_sampler.py",
+    "bench_agentic.py": "test_bench_agentic.py",
+}
 # what a quick run must print, beyond exiting 0
-PRINTS = {"bench_attention_plan.py": ["training step: registry.choose runs per forward 1;",
-                                      "decode step: registry.choose runs per forward 1;"]}
+PRINTS = {
+    "bench_attention_plan.py": [
+        "training step: registry.choose runs per forward 1;",
+        "decode step: registry.choose runs per forward 1;",
+    ]
+}
 
 
 def run_quick(path: Path) -> subprocess.CompletedProcess:
@@ -37,8 +44,10 @@ def run_quick(path: Path) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(path), "--quick"]
     returncode, out, err = run_in_group(cmd, TIMEOUT_S, cwd=ROOT, env=env)
     if returncode is None:
-        pytest.fail(f"{path.name} --quick ran over {TIMEOUT_S} s; a quick run must take seconds "
-                    f"(benchmarks/README.md). Last output:\n{out[-2000:]}\n{err[-2000:]}")
+        pytest.fail(
+            f"{path.name} --quick ran over {TIMEOUT_S} s; a quick run must take seconds "
+            f"(benchmarks/README.md). Last output:\n{out[-2000:]}\n{err[-2000:]}"
+        )
     return subprocess.CompletedProcess(cmd, returncode, out, err)
 
 

@@ -44,7 +44,10 @@ def test_steps_pair_bins_of_similar_cost():
     bins = [np.array([i]) for i in range(8)]
     plan = balance_bins(bins, lengths, 2, seed=None, attention_cost=0.0)
     assert [sorted(lengths[[plan.bins[b][0] for b in s]].tolist()) for s in plan.steps] == [
-        [100, 100], [50, 50], [10, 10], [1, 1]
+        [100, 100],
+        [50, 50],
+        [10, 10],
+        [1, 1],
     ]
     assert plan.step_cost_skew == 1.0 and plan.rank_cost_skew == 1.0
 

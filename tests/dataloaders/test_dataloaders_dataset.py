@@ -6,9 +6,7 @@ from nopad.dataloaders.dataset import PackedDataset, PackedItem
 
 
 def test_rows_pieces_and_masks_from_an_hf_dataset():
-    ds = datasets.Dataset.from_dict(
-        {"input_ids": [[1, 2, 3, 4], [5, 6]], "completion_mask": [[0, 0, 1, 1], [1, 1]]}
-    )
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3, 4], [5, 6]], "completion_mask": [[0, 0, 1, 1], [1, 1]]})
     packed = PackedDataset(ds)
     assert packed.lengths.tolist() == [4, 2] and packed.mask_column == "completion_mask"
     rows = packed.__getitems__([PackedItem(0, 1, 3), PackedItem(1, 0, 2, train=False)])

@@ -83,13 +83,16 @@ def test_split_and_truncated_packed_rows_cut_their_documents():
     assert sum(int(b["seq_lens"].sum()) for b in batches) == sum(map(len, DOCS))
 
 
-@pytest.mark.parametrize("row, match", [
-    ({"input_ids": [1, 2, 3], "seq_lengths": [2, 2]}, "do not add up to its 3 tokens"),
-    ({"input_ids": [1, 2, 3], "position_ids": [0, 1]}, "one entry per token"),
-    ({"input_ids": [1, 2, 3], "position_ids": [1, 2, 3]}, "start at 0"),
-    ({"input_ids": [1, 2, 3], "position_ids": [0, 2, 3]}, "count up by 1"),
-    ({"input_ids": [1, 2, 3, 4], "attention_mask": [1, 1, 2, 2]}, "document ids of a packed row"),
-])
+@pytest.mark.parametrize(
+    "row, match",
+    [
+        ({"input_ids": [1, 2, 3], "seq_lengths": [2, 2]}, "do not add up to its 3 tokens"),
+        ({"input_ids": [1, 2, 3], "position_ids": [0, 1]}, "one entry per token"),
+        ({"input_ids": [1, 2, 3], "position_ids": [1, 2, 3]}, "start at 0"),
+        ({"input_ids": [1, 2, 3], "position_ids": [0, 2, 3]}, "count up by 1"),
+        ({"input_ids": [1, 2, 3, 4], "attention_mask": [1, 1, 2, 2]}, "document ids of a packed row"),
+    ],
+)
 def test_a_row_that_looks_packed_without_usable_boundaries_is_an_error(row, match):
     with pytest.raises(ValueError, match=match):
         document_lengths(row, len(row["input_ids"]), "row 0")
@@ -114,15 +117,20 @@ def test_packed_loss_equals_each_document_run_alone():
     model = tiny_model("llama")
     with torch.no_grad():
         alone = sum(
-            F.cross_entropy(model(input_ids=torch.tensor([d])).logits[0, :-1], torch.tensor(lab[1:]),
-                            ignore_index=-100, reduction="sum").item()
+            F.cross_entropy(
+                model(input_ids=torch.tensor([d])).logits[0, :-1],
+                torch.tensor(lab[1:]),
+                ignore_index=-100,
+                reduction="sum",
+            ).item()
             for d, lab in zip(docs, labels)
         )
         model.set_attn_implementation("nopad")
         total, tokens = 0.0, 0
         for batch in packed_dataloader(packed, 24, num_replicas=1, rank=0):
-            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                           nopad_meta=batch["nopad_meta"]).logits[0, :-1]
+            logits = model(
+                input_ids=batch["input_ids"], position_ids=batch["position_ids"], nopad_meta=batch["nopad_meta"]
+            ).logits[0, :-1]
             target = batch["labels"][0, 1:]
             total += F.cross_entropy(logits, target, ignore_index=-100, reduction="sum").item()
             tokens += batch["num_loss_tokens"]
@@ -135,8 +143,7 @@ def test_epoch_stats_call_prepacked_rows_rows(caplog):
 
     from nopad.dataloaders import packed_dataloader
 
-    rows = [{"input_ids": list(range(10)), "seq_lengths": [4, 6]},
-            {"input_ids": list(range(8)), "seq_lengths": [8]}]
+    rows = [{"input_ids": list(range(10)), "seq_lengths": [4, 6]}, {"input_ids": list(range(8)), "seq_lengths": [8]}]
     with caplog.at_level(logging.INFO, logger="nopad.dataloaders"):
         loader = packed_dataloader(rows, 16, num_replicas=1, rank=0)
         list(loader)

@@ -45,8 +45,13 @@ def test_overflow_error_truncate_split():
     assert sorted(truncated) == [PackedItem(0, 0, 10), PackedItem(1, 0, 128), PackedItem(2, 0, 20)]
     s = PackedBatchSampler(lengths, 128, overflow="split")
     pieces = sorted(i for b in s for i in b)
-    assert pieces == [PackedItem(0, 0, 10), PackedItem(1, 0, 128), PackedItem(1, 128, 128),
-                      PackedItem(1, 256, 44), PackedItem(2, 0, 20)]
+    assert pieces == [
+        PackedItem(0, 0, 10),
+        PackedItem(1, 0, 128),
+        PackedItem(1, 128, 128),
+        PackedItem(1, 256, 44),
+        PackedItem(2, 0, 20),
+    ]
     assert s.last_stats["sequences_split"] == 1 and s.last_stats["sequences_dropped"] == 0
 
 
@@ -70,22 +75,33 @@ def test_bad_inputs():
 
 
 # --------------------------------------------------------------------------- resume fingerprint
-BASE = dict(num_replicas=2, rank=0, seed=1, shuffle=True, max_seqs_per_batch=None, overflow="error",
-            steps_multiple_of=1, attention_cost=None)
+BASE = dict(
+    num_replicas=2,
+    rank=0,
+    seed=1,
+    shuffle=True,
+    max_seqs_per_batch=None,
+    overflow="error",
+    steps_multiple_of=1,
+    attention_cost=None,
+)
 
 
-@pytest.mark.parametrize("field, lengths, budget, change", [
-    ("lengths_digest", LENGTHS[::-1].copy(), 128, {}),  # other data, same row count
-    ("num_sequences", LENGTHS[:-1], 128, {}),
-    ("tokens_per_batch", LENGTHS, 64, {}),
-    ("max_seqs_per_batch", LENGTHS, 128, {"max_seqs_per_batch": 3}),
-    ("overflow", LENGTHS, 128, {"overflow": "truncate"}),
-    ("shuffle", LENGTHS, 128, {"shuffle": False}),
-    ("seed", LENGTHS, 128, {"seed": 2}),
-    ("num_replicas", LENGTHS, 128, {"num_replicas": 3}),
-    ("steps_multiple_of", LENGTHS, 128, {"steps_multiple_of": 2}),
-    ("attention_cost", LENGTHS, 128, {"attention_cost": 0.5}),
-])
+@pytest.mark.parametrize(
+    "field, lengths, budget, change",
+    [
+        ("lengths_digest", LENGTHS[::-1].copy(), 128, {}),  # other data, same row count
+        ("num_sequences", LENGTHS[:-1], 128, {}),
+        ("tokens_per_batch", LENGTHS, 64, {}),
+        ("max_seqs_per_batch", LENGTHS, 128, {"max_seqs_per_batch": 3}),
+        ("overflow", LENGTHS, 128, {"overflow": "truncate"}),
+        ("shuffle", LENGTHS, 128, {"shuffle": False}),
+        ("seed", LENGTHS, 128, {"seed": 2}),
+        ("num_replicas", LENGTHS, 128, {"num_replicas": 3}),
+        ("steps_multiple_of", LENGTHS, 128, {"steps_multiple_of": 2}),
+        ("attention_cost", LENGTHS, 128, {"attention_cost": 0.5}),
+    ],
+)
 def test_resume_under_another_plan_names_the_field_and_both_values(field, lengths, budget, change):
     saved = PackedBatchSampler(LENGTHS, 128, **BASE).state_dict()
     other = PackedBatchSampler(lengths, budget, **{**BASE, **change})
@@ -97,8 +113,9 @@ def test_resume_under_another_plan_names_the_field_and_both_values(field, length
     assert same.epoch == 3
 
 
-@pytest.mark.parametrize("garbage", [None, {}, {"epoch": 0}, {"epoch": 0, "fingerprint": "x"},
-                                     {"epoch": 0, "fingerprint": {"seed": 1}}])
+@pytest.mark.parametrize(
+    "garbage", [None, {}, {"epoch": 0}, {"epoch": 0, "fingerprint": "x"}, {"epoch": 0, "fingerprint": {"seed": 1}}]
+)
 def test_garbage_state_is_a_clear_error(garbage):
     from nopad.dataloaders import packed_dataloader
 

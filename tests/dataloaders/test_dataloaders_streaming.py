@@ -113,13 +113,20 @@ def test_bad_inputs():
         _loader().load_state_dict(StreamingPackedLoader(_gen, 64, num_replicas=2, rank=0).state_dict())
 
 
-@pytest.mark.parametrize("field, change", [
-    ("tokens_per_batch", {"tokens_per_batch": 64}), ("buffer_size", {"buffer_size": 8}),
-    ("seed", {"seed": 5}),
-    ("max_seqs_per_batch", {"max_seqs_per_batch": 2}), ("overflow", {"overflow": "truncate"}),
-    ("balance_window", {"balance_window": 3}), ("steps_multiple_of", {"steps_multiple_of": 2}),
-    ("num_replicas", {"num_replicas": 1}), ("attention_cost", {"attention_cost": 0.5}),
-])
+@pytest.mark.parametrize(
+    "field, change",
+    [
+        ("tokens_per_batch", {"tokens_per_batch": 64}),
+        ("buffer_size", {"buffer_size": 8}),
+        ("seed", {"seed": 5}),
+        ("max_seqs_per_batch", {"max_seqs_per_batch": 2}),
+        ("overflow", {"overflow": "truncate"}),
+        ("balance_window", {"balance_window": 3}),
+        ("steps_multiple_of", {"steps_multiple_of": 2}),
+        ("num_replicas", {"num_replicas": 1}),
+        ("attention_cost", {"attention_cost": 0.5}),
+    ],
+)
 def test_streaming_resume_fingerprint_names_the_field(field, change):
     first = _loader()
     next(iter(first))

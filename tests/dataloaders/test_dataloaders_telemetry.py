@@ -14,21 +14,40 @@ class _PackStats:
 def _stats():
     lengths = np.array([5, 4, 3])
     plan = balance_bins([np.array([0, 1]), np.array([2])], lengths, 4, seed=None, attention_cost=0.0)
-    return epoch_stats(epoch=2, num_sequences=3, capacity=10, pack_stats=_PackStats(), plan=plan,
-                       item_lengths=lengths, item_indices=np.array([0, 1, 2]))
+    return epoch_stats(
+        epoch=2,
+        num_sequences=3,
+        capacity=10,
+        pack_stats=_PackStats(),
+        plan=plan,
+        item_lengths=lengths,
+        item_indices=np.array([0, 1, 2]),
+    )
 
 
 def test_epoch_stats_pins_every_field():
     # 3 bins ([0], [1], [2] after one split) + 1 loss-masked repeat for 4 ranks
     stats = _stats()
     assert stats == {
-        "epoch": 2, "unit": "sequences", "num_sequences": 3, "num_bins": 4, "steps_per_rank": 1,
+        "epoch": 2,
+        "unit": "sequences",
+        "num_sequences": 3,
+        "num_bins": 4,
+        "steps_per_rank": 1,
         "num_ranks": 4,
-        "tokens": 12, "efficiency": 12 / 40, "tokens_truncated": 7, "sequences_split": 0,
-        "sequences_dropped": 0, "sequences_duplicated": 1, "bins_split_for_balance": 1,
-        "rank_cost_skew": stats["rank_cost_skew"], "step_cost_skew": stats["step_cost_skew"],
-        "worst_step_max_over_mean": 5 / 4.25, "mean_step_max_over_mean": 5 / 4.25,
-        "pad_fraction": 1 - 12 / 40, "idle_fraction": stats["idle_fraction"],
+        "tokens": 12,
+        "efficiency": 12 / 40,
+        "tokens_truncated": 7,
+        "sequences_split": 0,
+        "sequences_dropped": 0,
+        "sequences_duplicated": 1,
+        "bins_split_for_balance": 1,
+        "rank_cost_skew": stats["rank_cost_skew"],
+        "step_cost_skew": stats["step_cost_skew"],
+        "worst_step_max_over_mean": 5 / 4.25,
+        "mean_step_max_over_mean": 5 / 4.25,
+        "pad_fraction": 1 - 12 / 40,
+        "idle_fraction": stats["idle_fraction"],
     }
     assert stats["step_cost_skew"] == stats["rank_cost_skew"] == 5 / np.mean([5, 4, 3, 5])
     assert abs(stats["idle_fraction"] - (1 - 4.25 / 5)) < 1e-12  # the repeat costs time, trains nothing

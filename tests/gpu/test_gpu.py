@@ -20,8 +20,7 @@ from tests.inference.test_inference_step_syncs import GREEDY, PROMPTS, count_ste
 from tests.packing.test_packing_attention import naive
 from tests.support.models import tiny_model
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 CUDA = torch.device("cuda")
 GPU_BACKENDS = ("sdpa_loop", "torch_varlen", "flex", "triton", "flash")
 
@@ -65,7 +64,7 @@ def _hf_greedy(model) -> list[list[int]]:
     for p in PROMPTS:  # one prompt at a time: no padding, the plain reference
         ids = torch.tensor([p], device=CUDA)
         gen = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=-1, pad_token_id=0)
-        out.append(gen[0, len(p):].tolist())
+        out.append(gen[0, len(p) :].tolist())
     return out
 
 
@@ -96,15 +95,21 @@ def test_hybrid_decode_in_a_cuda_graph_gives_hf_tokens(family):
 
     model = hybrid_model(family).to(CUDA).eval()
     torch._dynamo.reset()
-    before = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()),
-              counters["inductor"]["cudagraph_skips"])
+    before = (
+        counters["stats"]["unique_graphs"],
+        sum(counters["graph_break"].values()),
+        counters["inductor"]["cudagraph_skips"],
+    )
     with torch.no_grad():
         reference = _hf_greedy(model)
         assert _greedy(model) == reference
         assert _greedy(model, static_decode=True) == reference
         assert _greedy(model, compile_decode=True) == reference
-    after = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()),
-             counters["inductor"]["cudagraph_skips"])
+    after = (
+        counters["stats"]["unique_graphs"],
+        sum(counters["graph_break"].values()),
+        counters["inductor"]["cudagraph_skips"],
+    )
     assert [b - a for a, b in zip(before, after)] == [1, 0, 0]
 
 
@@ -119,8 +124,12 @@ def test_compiled_decode_compiles_once_and_records_each_bucket_once():
 
     model = tiny_model("llama").to(CUDA).eval()
     torch._dynamo.reset()
-    graphs, recorded, skips, buckets = (counters["stats"]["unique_graphs"], recordings(),
-                                        counters["inductor"]["cudagraph_skips"], 0)
+    graphs, recorded, skips, buckets = (
+        counters["stats"]["unique_graphs"],
+        recordings(),
+        counters["inductor"]["cudagraph_skips"],
+        0,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     with torch.no_grad():
         for num in (3, 9):  # 4 then 16 rows; blocks of 16: the table widens 2 -> 4 within each run

@@ -37,8 +37,7 @@ from tests.packing.test_packing_invariance_hybrid import hybrid_model as invaria
 from tests.packing.test_packing_invariance_hybrid import trainer_logprobs
 from tests.support.models import random_sequences, tiny_model
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 CUDA = torch.device("cuda")
 
 
@@ -61,8 +60,7 @@ def hf_rule_on_torch(monkeypatch, model) -> None:
     fla); nopad's packed calls still reach nopad through the same dispatcher."""
     module = sys.modules[type(model).__module__]
     torch_rule = inspect.unwrap(module.torch_chunk_gated_delta_rule)
-    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule",
-                        dispatcher("chunk_gated_delta_rule", torch_rule))
+    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", dispatcher("chunk_gated_delta_rule", torch_rule))
 
 
 def fresh_kernel_choice(monkeypatch) -> None:
@@ -91,8 +89,10 @@ def test_packed_rows_equal_each_sequence_alone_on_cuda(family, monkeypatch):
         warnings.simplefilter("always")
         report = packing.verify(model, random_sequences((1, 70, 5, 13, 64)))
     scale = max(1.0, report.logit_scale)
-    numbers = (f"{report}; bars: logits {LOGIT_BAR * scale:.1e}, gradient {GRAD_BAR:.0e}"
-               f"{'; fla refuses its backward here: ' + refusal if refusal else ''}")
+    numbers = (
+        f"{report}; bars: logits {LOGIT_BAR * scale:.1e}, gradient {GRAD_BAR:.0e}"
+        f"{'; fla refuses its backward here: ' + refusal if refusal else ''}"
+    )
     assert report.max_logit_diff <= LOGIT_BAR * scale, numbers
     assert report.grad_rel_diff <= GRAD_BAR, numbers
     if refusal:  # nopad said so once and trained on its reference
@@ -119,8 +119,9 @@ def test_fla_runs_the_packed_delta_rule_when_installed(monkeypatch):
     with torch.no_grad():  # forward only: fla's backward may refuse this GPU (see the module docstring)
         alone = torch.cat([model(s[None], use_cache=False).logits[0] for s in seqs])
         with use_nopad_attention(model):
-            packed = model(torch.cat(seqs)[None], position_ids=meta.position_ids[None], nopad_meta=meta,
-                           use_cache=False).logits[0]
+            packed = model(
+                torch.cat(seqs)[None], position_ids=meta.position_ids[None], nopad_meta=meta, use_cache=False
+            ).logits[0]
     assert any(cu is not None for cu in calls), "the packed row did not reach fla with cu_seqlens"
     gap, bar = float((packed - alone).abs().max()), LOGIT_BAR * max(1.0, float(alone.abs().max()))
     assert gap <= bar, f"fla packed vs alone: max logit diff {gap:.2e}, bar {bar:.1e}"
@@ -128,9 +129,10 @@ def test_fla_runs_the_packed_delta_rule_when_installed(monkeypatch):
 
 def _hf_greedy(model, prompt, new_tokens):
     ids = torch.tensor([prompt], device=CUDA)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                         do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "bamba"])
@@ -150,8 +152,12 @@ def _rollouts_in_exact_mode(model):
     params = SamplingParams(temperature=1.0, n=2, max_tokens=6, seed=1)
     gen = Generator(model, max_num_batched_tokens=7, max_num_seqs=3, num_blocks=48, block_size=16)
     outs = gen.generate(prompts, params, use_tqdm=False)
-    return [Rollout(list(p), list(c.token_ids), list(c.logprobs)) for p, o in zip(prompts, outs)
-            for c in o.outputs if c.token_ids]
+    return [
+        Rollout(list(p), list(c.token_ids), list(c.logprobs))
+        for p, o in zip(prompts, outs)
+        for c in o.outputs
+        if c.token_ids
+    ]
 
 
 @pytest.mark.parametrize("family", ["lfm2", "qwen3_5", "bamba"])

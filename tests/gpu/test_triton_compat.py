@@ -20,11 +20,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TRITON36 = Path(os.environ.get("NOPAD_TRITON36", "/tmp/triton36"))
-INTERPRETER_TESTS = ["tests/packing/test_packing_triton_attention.py",
-                     "tests/packing/test_packing_invariance_triton.py"]
+INTERPRETER_TESTS = [
+    "tests/packing/test_packing_triton_attention.py",
+    "tests/packing/test_packing_invariance_triton.py",
+]
 HAS_36 = any(TRITON36.glob("triton-3.6.*.dist-info"))
-needs_36 = pytest.mark.skipif(not HAS_36,
-                              reason=f"no Triton 3.6 in {TRITON36} (make triton-compat installs it)")
+needs_36 = pytest.mark.skipif(not HAS_36, reason=f"no Triton 3.6 in {TRITON36} (make triton-compat installs it)")
 pytestmark = pytest.mark.slow
 
 
@@ -37,8 +38,7 @@ def environment(path: Path | None, **extra: str) -> dict[str, str]:
 
 
 def run(args: list[str], env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def triton_version(env: dict[str, str]) -> str:

@@ -21,10 +21,16 @@ from tests.training.test_training_trl import make_tokenizer
 tokenize_prompts = sys.modules[nopad_rollout_func.__module__].tokenize_prompts
 
 # each turn closed by <eos>, as real templates close theirs (the model learns to stop)
-TEMPLATE = ("{% for m in messages %}<bos> {{ m['role'] }} {{ m['content'] }} <eos> {% endfor %}"
-            "{% if add_generation_prompt %}<bos> assistant {% endif %}")
-CHAT = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4"},
-        {"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6 w7 w8"}]
+TEMPLATE = (
+    "{% for m in messages %}<bos> {{ m['role'] }} {{ m['content'] }} <eos> {% endfor %}"
+    "{% if add_generation_prompt %}<bos> assistant {% endif %}"
+)
+CHAT = [
+    {"role": "user", "content": "w1 w2"},
+    {"role": "assistant", "content": "w3 w4"},
+    {"role": "user", "content": "w5"},
+    {"role": "assistant", "content": "w6 w7 w8"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +48,12 @@ def test_one_conversation_tokenizes_the_same_on_every_path(tok, tmp_path):
 
     ids, labels = tokenize_conversation(tok, CHAT)
     words = tok.convert_ids_to_tokens(ids)
-    assert words == ("<bos> user w1 w2 <eos> <bos> assistant w3 w4 <eos> "
-                     "<bos> user w5 <eos> <bos> assistant w6 w7 w8 <eos>").split()
+    assert (
+        words
+        == (
+            "<bos> user w1 w2 <eos> <bos> assistant w3 w4 <eos> <bos> user w5 <eos> <bos> assistant w6 w7 w8 <eos>"
+        ).split()
+    )
     trained = [w for w, label in zip(words, labels) if label != IGNORE_INDEX]
     assert trained == ["w3", "w4", "<eos>", "w6", "w7", "w8", "<eos>"]
 
@@ -66,15 +76,17 @@ def test_one_conversation_tokenizes_the_same_on_every_path(tok, tmp_path):
     # GRPO: the recipe's prompt of the first user turn is the conversation up to the first answer
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "w1 w2", "answer": "w3"}) + "\n")  # what the reward reads
-    cfg = from_dict(GRPORecipeConfig, {"model": {"path": "tiny:llama", "chat_template": True},
-                                       "task": {"prompts": str(prompts)}})
+    cfg = from_dict(
+        GRPORecipeConfig, {"model": {"path": "tiny:llama", "chat_template": True}, "task": {"prompts": str(prompts)}}
+    )
     _, (recipe_prompt,) = build_prompts(cfg, tok)
     first_answer = labels.index(next(label for label in labels if label != IGNORE_INDEX))
     assert recipe_prompt == ids[:first_answer] == encode_prompt(tok, "w1 w2", chat=True)
 
     # the TRL rollout: the same prompt, and a multi-turn prompt up to the second answer
-    trainer = SimpleNamespace(processing_class=tok, args=SimpleNamespace(chat_template_kwargs=None),
-                              environment_factories=None, tools=None)
+    trainer = SimpleNamespace(
+        processing_class=tok, args=SimpleNamespace(chat_template_kwargs=None), environment_factories=None, tools=None
+    )
     second_answer = len(ids) - 4
     assert tokenize_prompts([CHAT[:1], CHAT[:3]], trainer) == [ids[:first_answer], ids[:second_answer]]
 
@@ -91,18 +103,29 @@ def test_render_needs_a_template_and_refuses_a_template_that_is_not_a_prefix(tok
         tokenize_conversation(reverse, CHAT)
 
 
-@pytest.mark.parametrize("messages,message", [
-    ([{"role": "wizard", "content": "w1"}, {"role": "assistant", "content": "w2"}],
-     r"chats.jsonl:2: messages\[0\].role 'wizard' is not a chat role"),
-    ([{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"},
-      {"role": "assistant", "content": "w3"}],
-     r"chats.jsonl:2: messages\[1\] and messages\[2\] are two assistant turns in a row"),
-    ([{"role": "assistant", "content": "w2"}], r"chats.jsonl:2: messages\[0\] is an assistant turn before"),
-    ([{"role": "user", "content": None}, {"role": "assistant", "content": "w2"}],
-     r"chats.jsonl:2: messages\[0\].content must be a string, got null"),
-    ([{"content": "w1"}, {"role": "assistant", "content": "w2"}],
-     r"chats.jsonl:2: messages\[0\].role is missing"),
-])
+@pytest.mark.parametrize(
+    "messages,message",
+    [
+        (
+            [{"role": "wizard", "content": "w1"}, {"role": "assistant", "content": "w2"}],
+            r"chats.jsonl:2: messages\[0\].role 'wizard' is not a chat role",
+        ),
+        (
+            [
+                {"role": "user", "content": "w1"},
+                {"role": "assistant", "content": "w2"},
+                {"role": "assistant", "content": "w3"},
+            ],
+            r"chats.jsonl:2: messages\[1\] and messages\[2\] are two assistant turns in a row",
+        ),
+        ([{"role": "assistant", "content": "w2"}], r"chats.jsonl:2: messages\[0\] is an assistant turn before"),
+        (
+            [{"role": "user", "content": None}, {"role": "assistant", "content": "w2"}],
+            r"chats.jsonl:2: messages\[0\].content must be a string, got null",
+        ),
+        ([{"content": "w1"}, {"role": "assistant", "content": "w2"}], r"chats.jsonl:2: messages\[0\].role is missing"),
+    ],
+)
 def test_per_turn_sft_names_the_line_and_field_of_a_wrong_conversation(tok, tmp_path, messages, message):
     path = tmp_path / "chats.jsonl"
     path.write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"messages": messages}) + "\n")

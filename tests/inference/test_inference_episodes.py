@@ -72,8 +72,14 @@ def reference_episode(model, prompt, turn_tokens, limits, tools=TOOLS):
     while True:
         budget = limits.max_tokens - (len(ids) - len(prompt))
         x = torch.tensor([ids])
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=min(turn_tokens, budget),
-                             do_sample=False, eos_token_id=STOPS, pad_token_id=0)[0, len(ids):].tolist()
+        out = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=min(turn_tokens, budget),
+            do_sample=False,
+            eos_token_id=STOPS,
+            pad_token_id=0,
+        )[0, len(ids) :].tolist()
         ids += out
         mask += [1] * len(out)
         turns += 1
@@ -93,7 +99,7 @@ def reference_episode(model, prompt, turn_tokens, limits, tools=TOOLS):
             break
         ids += rendered
         mask += [0] * len(rendered)
-    return ids[len(prompt):], mask, reason
+    return ids[len(prompt) :], mask, reason
 
 
 def forward_logprobs(model, ids):
@@ -135,10 +141,11 @@ def test_episode_logprobs_are_the_training_forward_at_model_tokens():
     prompts = prompts_of([5, 8])
     params = SamplingParams(temperature=0.9, seed=3, max_tokens=12, stop_token_ids=STOPS, ignore_eos=True)
     episodes = Generator(model, block_size=4, num_blocks=128).run_episodes(
-        prompts, TOOLS, params, limits=LIMITS, tool_format=TokenFormat())
+        prompts, TOOLS, params, limits=LIMITS, tool_format=TokenFormat()
+    )
     for ep in episodes:
         ids = ep.prompt_token_ids + ep.completion_ids
-        ref = forward_logprobs(model, ids)[len(ep.prompt_token_ids) - 1:]
+        ref = forward_logprobs(model, ids)[len(ep.prompt_token_ids) - 1 :]
         sampled = torch.tensor(ep.model_mask, dtype=torch.bool)
         torch.testing.assert_close(torch.tensor(ep.logprobs)[sampled], ref[sampled], atol=1e-5, rtol=0)
         assert all(lp == 0.0 for lp, m in zip(ep.logprobs, ep.model_mask) if not m)
@@ -147,8 +154,7 @@ def test_episode_logprobs_are_the_training_forward_at_model_tokens():
 
 def sampled_run(model, **generator_kwargs):
     latency = generator_kwargs.pop("latency", None)
-    params = SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=10, stop_token_ids=STOPS,
-                            ignore_eos=True)
+    params = SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=10, stop_token_ids=STOPS, ignore_eos=True)
     gen = Generator(model, block_size=2, **generator_kwargs)
     clock = StepClock(gen)
     tools = TOOLS
@@ -161,8 +167,13 @@ def sampled_run(model, **generator_kwargs):
 
         tools = {"add": add, "echo": echo}
     with clock.running():
-        episodes = gen.run_episodes(prompts_of([3, 7, 12]), tools, params, limits=EpisodeLimits(max_turns=4,
-                                    max_tokens=40), tool_format=TokenFormat())
+        episodes = gen.run_episodes(
+            prompts_of([3, 7, 12]),
+            tools,
+            params,
+            limits=EpisodeLimits(max_turns=4, max_tokens=40),
+            tool_format=TokenFormat(),
+        )
     return [(e.branch, e.completion_ids, e.model_mask, e.finish_reason) for e in episodes], episodes, gen
 
 
@@ -192,8 +203,9 @@ def test_decoding_goes_on_while_a_tool_runs():
         return str(a + b)
 
     with clock.running():
-        gen.run_episodes(prompts_of(LENGTHS), {"add": add, "echo": echo}, GREEDY, limits=LIMITS,
-                         tool_format=TokenFormat())
+        gen.run_episodes(
+            prompts_of(LENGTHS), {"add": add, "echo": echo}, GREEDY, limits=LIMITS, tool_format=TokenFormat()
+        )
     assert progress and max(progress) > 0, "other episodes should decode while a tool runs"
 
 
@@ -201,7 +213,8 @@ def test_fork_shares_blocks_and_equals_unforked_runs():
     model = tiny_model("llama")
     prompts = prompts_of(LENGTHS)
     plain = Generator(model, block_size=4, num_blocks=256).run_episodes(
-        prompts, TOOLS, GREEDY, limits=LIMITS, tool_format=TokenFormat())
+        prompts, TOOLS, GREEDY, limits=LIMITS, tool_format=TokenFormat()
+    )
     asked = []
 
     def fork(ep):
@@ -219,7 +232,10 @@ def test_fork_shares_blocks_and_equals_unforked_runs():
         assert len(branches) == (2 if ref.num_tool_calls else 1)
         for ep in branches:  # greedy: every branch is the unforked episode
             assert (ep.completion_ids, ep.model_mask, ep.finish_reason) == (
-                ref.completion_ids, ref.model_mask, ref.finish_reason)
+                ref.completion_ids,
+                ref.model_mask,
+                ref.finish_reason,
+            )
     # the shared prefix was computed once: fewer tokens through the model than two plain runs
     stats = gen.stats()
     unforked = sum(len(e.prompt_token_ids) + len(e.completion_ids) - 1 for e in forked)
@@ -234,10 +250,10 @@ def test_sampled_fork_branch_zero_keeps_the_parents_stream():
     kwargs = dict(limits=LIMITS, tool_format=TokenFormat())
     plain = Generator(model, block_size=4, num_blocks=256).run_episodes(prompts, TOOLS, params, **kwargs)
     forked = Generator(model, block_size=4, num_blocks=256).run_episodes(
-        prompts, TOOLS, params, fork=lambda ep: 3 if ep.num_turns == 1 else 1, **kwargs)
+        prompts, TOOLS, params, fork=lambda ep: 3 if ep.num_turns == 1 else 1, **kwargs
+    )
     again = Generator(model, block_size=4, num_blocks=256, max_num_seqs=3, max_num_batched_tokens=5)
-    again = again.run_episodes(
-        prompts, TOOLS, params, fork=lambda ep: 3 if ep.num_turns == 1 else 1, **kwargs)
+    again = again.run_episodes(prompts, TOOLS, params, fork=lambda ep: 3 if ep.num_turns == 1 else 1, **kwargs)
     zero = {e.prompt_index: e for e in forked if set(e.branch[1:]) <= {0}}
     for ref in plain:
         assert zero[ref.prompt_index].completion_ids == ref.completion_ids
@@ -246,8 +262,10 @@ def test_sampled_fork_branch_zero_keeps_the_parents_stream():
 
 
 # ----------------------------------------------------------------------------- faults
-ONE_TOKEN_TURNS = SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=list(range(3, 128)),
-                                 ignore_eos=True)  # a turn ends at its first token (unless 0-2)
+ONE_TOKEN_TURNS = SamplingParams(
+    temperature=0.0, max_tokens=4, stop_token_ids=list(range(3, 128)), ignore_eos=True
+)  # a turn ends at its first token (unless 0-2)
+
 
 class EveryTurnCalls:
     """Every one-token turn calls the tool named for its prompt (by the prompt's first token)."""
@@ -297,10 +315,22 @@ def test_faulty_tools_become_error_messages_and_leave_the_batch_alone():
     def surrogate() -> str:  # it used to be accepted, and the tokenizer failed later
         return "ok \ud800"
 
-    tools = {f.__name__: f for f in (good, raises, hangs, not_a_string, huge, good_async, exits, exits_async,
-                                     surrogate)}
-    names = ["good", "raises", "hangs", "not_a_string", "huge", "nope", "malformed", "good_async", "exits",
-             "exits_async", "surrogate"]
+    tools = {
+        f.__name__: f for f in (good, raises, hangs, not_a_string, huge, good_async, exits, exits_async, surrogate)
+    }
+    names = [
+        "good",
+        "raises",
+        "hangs",
+        "not_a_string",
+        "huge",
+        "nope",
+        "malformed",
+        "good_async",
+        "exits",
+        "exits_async",
+        "surrogate",
+    ]
     prompts = [[10 + i, 40, 41, 42] for i in range(len(names))]
     fmt = EveryTurnCalls({10 + i: n for i, n in enumerate(names)})
     params = ONE_TOKEN_TURNS
@@ -315,26 +345,33 @@ def test_faulty_tools_become_error_messages_and_leave_the_batch_alone():
         ep = by_name[name]
         assert (ep.finish_reason, ep.num_tool_calls, ep.num_tool_errors) == ("max_turns", 1, 0)
         assert ep.turns[0].tool_calls[0].result in ("fine", "async ok")
-    expected = {"raises": "raised RuntimeError: boom", "hangs": "did not return within 1.0 s",
-                "not_a_string": "returned int, not a string", "huge": "returned 5000 characters",
-                "nope": "unknown tool 'nope'", "exits": "tool 'exits' called sys.exit(3); a tool returns",
-                "exits_async": "tool 'exits_async' called sys.exit('bye')",
-                "surrogate": "not valid Unicode (a lone surrogate, '\\ud800', at character 3)"}
+    expected = {
+        "raises": "raised RuntimeError: boom",
+        "hangs": "did not return within 1.0 s",
+        "not_a_string": "returned int, not a string",
+        "huge": "returned 5000 characters",
+        "nope": "unknown tool 'nope'",
+        "exits": "tool 'exits' called sys.exit(3); a tool returns",
+        "exits_async": "tool 'exits_async' called sys.exit('bye')",
+        "surrogate": "not valid Unicode (a lone surrogate, '\\ud800', at character 3)",
+    }
     for name, text in expected.items():
         ep = by_name[name]
         call = ep.turns[0].tool_calls[0]
         assert call.error and call.result.startswith("error: ") and text in call.result, (name, call)
         assert (ep.finish_reason, ep.num_tool_calls, ep.num_tool_errors) == ("max_turns", 1, 1)
         first, second = ep.turns
-        assert ep.model_mask == ([1] * (first.end - first.start) + [0] * (first.tool_end - first.end)
-                                 + [1] * (second.end - second.start))
-        assert ep.completion_ids[first.end:first.tool_end] == render_text(call.result[:12])
+        assert ep.model_mask == (
+            [1] * (first.end - first.start) + [0] * (first.tool_end - first.end) + [1] * (second.end - second.start)
+        )
+        assert ep.completion_ids[first.end : first.tool_end] == render_text(call.result[:12])
     bad = by_name["malformed"]
     assert (bad.finish_reason, bad.num_malformed, bad.num_tool_calls) == ("stop", 1, 0)
     assert "unbalanced" in bad.turns[0].malformed
     # the good episode is what it is alone
     alone = Generator(model, block_size=4, num_blocks=256).run_episodes(
-        prompts[:1], tools, params, limits=limits, tool_format=fmt)[0]
+        prompts[:1], tools, params, limits=limits, tool_format=fmt
+    )[0]
     assert alone.completion_ids == by_name["good"].completion_ids
     assert gen.allocator.num_free == gen.allocator.num_blocks
 
@@ -353,18 +390,25 @@ def test_an_episode_outgrowing_the_cache_stops_with_an_error_naming_the_limit():
     params = ONE_TOKEN_TURNS
     limits = EpisodeLimits(max_turns=3, max_tokens=200)
     gen = Generator(model, block_size=4, num_blocks=8)
-    big_ep, small_ep = gen.run_episodes(prompts, {"big": big, "small": small}, params, limits=limits,
-                                        tool_format=EveryTurnCalls({20: "big", 21: "small"}))
+    big_ep, small_ep = gen.run_episodes(
+        prompts,
+        {"big": big, "small": small},
+        params,
+        limits=limits,
+        tool_format=EveryTurnCalls({20: "big", 21: "small"}),
+    )
     assert big_ep.finish_reason == "cache_full"
     assert "32" in big_ep.error and "num_blocks" in big_ep.error
     assert small_ep.finish_reason == "max_turns"
     alone = Generator(model, block_size=4, num_blocks=64).run_episodes(
-        prompts[1:], {"small": small}, params, limits=limits, tool_format=fmt)[0]
+        prompts[1:], {"small": small}, params, limits=limits, tool_format=fmt
+    )[0]
     assert alone.completion_ids == small_ep.completion_ids
     # growing by its own tokens past the cache: the same result, from the scheduler
     long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     (ep,) = Generator(model, block_size=4, num_blocks=8).run_episodes(
-        [[30, 31]], {}, long, limits=limits, tool_format=fmt)
+        [[30, 31]], {}, long, limits=limits, tool_format=fmt
+    )
     assert ep.finish_reason == "cache_full" and "whole cache holds 32" in ep.error
 
 
@@ -409,8 +453,9 @@ def test_bad_episode_arguments_are_named():
     with pytest.raises(ValueError, match="tokenizer"):
         gen.run_episodes([[3, 4]], TOOLS, GREEDY)
     with pytest.raises(ValueError, match="fork\\(\\) returned 0"):
-        gen.run_episodes(prompts_of(LENGTHS), TOOLS, GREEDY, limits=LIMITS, tool_format=TokenFormat(),
-                         fork=lambda ep: 0)
+        gen.run_episodes(
+            prompts_of(LENGTHS), TOOLS, GREEDY, limits=LIMITS, tool_format=TokenFormat(), fork=lambda ep: 0
+        )
     assert not gen.has_unfinished()
 
 
@@ -426,14 +471,23 @@ def char_tokenizer():
     from transformers import PreTrainedTokenizerFast
     from trl.chat_template_utils import add_response_schema, qwen2_5_chat_template
 
-    specials = ["<pad>", "<s>", "<|im_end|>", "<|im_start|>", "<tool_call>", "</tool_call>",
-                "<tool_response>", "</tool_response>"]
+    specials = [
+        "<pad>",
+        "<s>",
+        "<|im_end|>",
+        "<|im_start|>",
+        "<tool_call>",
+        "</tool_call>",
+        "<tool_response>",
+        "</tool_response>",
+    ]
     vocab = {t: i for i, t in enumerate(specials + ["\n"] + [chr(c) for c in range(32, 127)] + ["[UNK]"])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="<|im_end|>",
-                                  pad_token="<pad>", unk_token="[UNK]")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>", unk_token="[UNK]"
+    )
     tok.add_special_tokens({"additional_special_tokens": specials[3:]})
     tok.add_tokens([AddedToken(CALL_TEXT, special=False, normalized=False)])
     tok.chat_template = qwen2_5_chat_template
@@ -475,8 +529,10 @@ def test_chat_template_tool_calls_are_parsed_by_transformers_and_results_appende
     model = tiny_model("llama", max_position_embeddings=4096)
     handle = script(model, {newline: call, call: eos})  # every assistant turn: the call, then <|im_end|>
     try:
+
         def add(a: int, b: int) -> str:
             return add_numbers(a, b)
+
         add.__doc__ = add_numbers.__doc__
         messages = [[{"role": "user", "content": "2+3?"}], [{"role": "user", "content": "again"}]]
         gen = Generator(model, tok, block_size=16, num_blocks=256, max_num_batched_tokens=512)
@@ -498,7 +554,7 @@ def test_chat_template_tool_calls_are_parsed_by_transformers_and_results_appende
         # (the template writes "\n" after the last <|im_end|>, where the model stopped)
         assert ep.prompt_token_ids + ep.completion_ids == whole[:-1]
         assert ep.prompt_token_ids == fmt.prompt_ids(conversation)
-        assert [ep.completion_ids[t.start:t.end] for t in ep.turns] == [[call, eos]] * 3
+        assert [ep.completion_ids[t.start : t.end] for t in ep.turns] == [[call, eos]] * 3
 
 
 def test_templates_that_cannot_be_used_token_in_token_out_are_refused():
@@ -510,9 +566,11 @@ def test_templates_that_cannot_be_used_token_in_token_out_are_refused():
     with pytest.raises(ValueError, match="response_template"):
         ChatTemplateTools(tok)
     tok.response_template = template
-    tok.chat_template = ("{% for m in messages %}{{ m.role }}:{{ m.content }}"
-                         "{% if loop.last %}<|im_end|>{% endif %}\n{% endfor %}"
-                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% if loop.last %}<|im_end|>{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
     with pytest.raises(ValueError, match="prefix"):
         ChatTemplateTools(tok)
 
@@ -534,12 +592,17 @@ class Counter:
 
 def test_each_episode_and_fork_has_its_own_environment_and_reward():
     model = tiny_model("llama")
-    params = SamplingParams(temperature=0.0, n=2, max_tokens=4, stop_token_ids=list(range(3, 128)),
-                            ignore_eos=True)
+    params = SamplingParams(temperature=0.0, n=2, max_tokens=4, stop_token_ids=list(range(3, 128)), ignore_eos=True)
     episodes = Generator(model, block_size=4, num_blocks=128).run_episodes(
-        [[40, 41, 42]], {}, params, limits=EpisodeLimits(max_turns=3, max_tokens=60),
-        tool_format=EveryTurnCalls({40: "count"}), environment_factory=Counter,
-        reward_fn=lambda ep: float(ep.environment.n), fork=lambda ep: 2 if ep.num_turns == 1 else 1)
+        [[40, 41, 42]],
+        {},
+        params,
+        limits=EpisodeLimits(max_turns=3, max_tokens=60),
+        tool_format=EveryTurnCalls({40: "count"}),
+        environment_factory=Counter,
+        reward_fn=lambda ep: float(ep.environment.n),
+        fork=lambda ep: 2 if ep.num_turns == 1 else 1,
+    )
     assert [e.branch for e in episodes] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert len({id(e.environment) for e in episodes}) == 4
     assert [e.reward for e in episodes] == [2.0] * 4  # two calls each: the forks copied n=1
@@ -570,11 +633,11 @@ def test_environments_are_reset_as_trl_does_and_the_observation_joins_the_prompt
     from nopad.recipes.tasks import AsciiTokenizer
 
     gen = Generator(tiny_model("llama"), AsciiTokenizer(), block_size=4, num_blocks=128)
-    params = SamplingParams(temperature=0.0, n=2, max_tokens=4, stop_token_ids=list(range(3, 128)),
-                            ignore_eos=True)
+    params = SamplingParams(temperature=0.0, n=2, max_tokens=4, stop_token_ids=list(range(3, 128)), ignore_eos=True)
     limits = EpisodeLimits(max_turns=2, max_tokens=40)
-    episodes = gen.run_episodes(["count:"], {}, params, limits=limits, tool_format=CallsCount(),
-                                environment_factory=Puzzle)
+    episodes = gen.run_episodes(
+        ["count:"], {}, params, limits=limits, tool_format=CallsCount(), environment_factory=Puzzle
+    )
     expected = gen.make_requests(["count: (puzzle 7)"])[0].prompt_token_ids
     assert [e.prompt_token_ids for e in episodes] == [expected, expected]
     assert [(e.environment.resets, e.environment.n) for e in episodes] == [(1, 1), (1, 1)]
@@ -596,16 +659,31 @@ class Varies(Counter):
         return f" seed {Varies.made}"
 
 
-@pytest.mark.parametrize("factory, tools, prompts, error, message", [
-    (Broken, {}, ["x"], RuntimeError, r"environment Broken.reset\(prompt=...\) raised KeyError: 'no puzzle "
-                                      r"for this prompt' \(prompt 0, sample 0\)"),
-    (lambda: None, {}, ["x"], TypeError, "returned None \\(every tool call would be an unknown tool\\)"),
-    (5, {}, ["x"], TypeError, r"environment_factory must be a class or function .*got 5 \(int\)"),
-    (None, "count", ["x"], TypeError, r"tools must be a list of functions or a \{name: function\} mapping, "
-                                      "got 'count'"),
-    (Puzzle, {}, [[40, 41]], ValueError, r"reset\(\) returned an observation for prompt 0, which is not "),
-    (Varies, {}, ["x"], ValueError, "prompt 0's 2 samples returned different observations"),
-])
+@pytest.mark.parametrize(
+    "factory, tools, prompts, error, message",
+    [
+        (
+            Broken,
+            {},
+            ["x"],
+            RuntimeError,
+            r"environment Broken.reset\(prompt=...\) raised KeyError: 'no puzzle "
+            r"for this prompt' \(prompt 0, sample 0\)",
+        ),
+        (lambda: None, {}, ["x"], TypeError, "returned None \\(every tool call would be an unknown tool\\)"),
+        (5, {}, ["x"], TypeError, r"environment_factory must be a class or function .*got 5 \(int\)"),
+        (
+            None,
+            "count",
+            ["x"],
+            TypeError,
+            r"tools must be a list of functions or a \{name: function\} mapping, "
+            "got 'count'",
+        ),
+        (Puzzle, {}, [[40, 41]], ValueError, r"reset\(\) returned an observation for prompt 0, which is not "),
+        (Varies, {}, ["x"], ValueError, "prompt 0's 2 samples returned different observations"),
+    ],
+)
 def test_bad_environments_and_tools_are_named_before_generating(factory, tools, prompts, error, message):
     from nopad.recipes.tasks import AsciiTokenizer
 
@@ -625,14 +703,20 @@ def test_an_episode_reward_that_raises_is_named_with_its_episode():
     def my_reward(ep):
         return 1 / (ep.prompt_index - 1)
 
-    message = (r"episode reward .*\.my_reward raised ZeroDivisionError: division by zero, for the episode of "
-               r"prompt 1 \(branch \(0,\), finish_reason '\w+', prompt 'AB'\); fix the reward function")
+    message = (
+        r"episode reward .*\.my_reward raised ZeroDivisionError: division by zero, for the episode of "
+        r"prompt 1 \(branch \(0,\), finish_reason '\w+', prompt 'AB'\); fix the reward function"
+    )
     gen = Generator(model, AsciiTokenizer(), block_size=4, num_blocks=64)
     with pytest.raises(RuntimeError, match=message) as err:  # the error names the episode's prompt
-        gen.run_episodes([[40, 41, 42], [65, 66]], {"count": lambda: "1"}, params,
-                         limits=EpisodeLimits(max_turns=1, max_tokens=20),
-                         tool_format=EveryTurnCalls({40: "count", 65: "count"}),
-                         reward_fn=my_reward)
+        gen.run_episodes(
+            [[40, 41, 42], [65, 66]],
+            {"count": lambda: "1"},
+            params,
+            limits=EpisodeLimits(max_turns=1, max_tokens=20),
+            tool_format=EveryTurnCalls({40: "count", 65: "count"}),
+            reward_fn=my_reward,
+        )
     assert isinstance(err.value.__cause__, ZeroDivisionError)  # the original, with its traceback
     assert not gen.has_unfinished() and gen.allocator.num_free == gen.allocator.num_blocks
 
@@ -647,8 +731,13 @@ def test_an_episode_reward_that_is_not_one_finite_number_is_named(bad):
 
     with pytest.raises(ValueError, match=r"episode reward .*my_reward returned .* finite number"):
         Generator(model, block_size=4, num_blocks=64).run_episodes(
-            [[40, 41, 42]], {"count": lambda: "1"}, params, limits=EpisodeLimits(max_turns=1, max_tokens=20),
-            tool_format=EveryTurnCalls({40: "count"}), reward_fn=my_reward)
+            [[40, 41, 42]],
+            {"count": lambda: "1"},
+            params,
+            limits=EpisodeLimits(max_turns=1, max_tokens=20),
+            tool_format=EveryTurnCalls({40: "count"}),
+            reward_fn=my_reward,
+        )
 
 
 class FinishesOnSecondLook:
@@ -695,8 +784,10 @@ def test_an_episode_whose_tool_finishes_while_polled_is_resumed_not_lost(monkeyp
         future, deadline = FinishesOnSecondLook(), 50.0
         future.looks = -100  # never done: only the deadline ends its wait
         monkeypatch.setattr("nopad.inference.episodes.time", Clock())
-    runner.pending = [_Pending("ready", [ToolCall("nope")], [None], deadline),
-                      _Pending("late", [ToolCall("add")], [future], deadline)]
+    runner.pending = [
+        _Pending("ready", [ToolCall("nope")], [None], deadline),
+        _Pending("late", [ToolCall("add")], [future], deadline),
+    ]
     try:
         runner.poll(block=False)
         assert resumed == ["ready"] and [p.seq for p in runner.pending] == ["late"]
@@ -717,16 +808,32 @@ class BuggyFormat(EveryTurnCalls):
         return [("count", {})]  # not ToolCalls
 
 
-@pytest.mark.parametrize("bug, error, message", [
-    ("raises", RuntimeError, r"the tool format BuggyFormat's parse\(\) raised KeyError: 'name' \(prompt 0, "
-                             r"turn 1\); only a ValueError means a malformed call .* or raise ValueError"),
-    ("returns", TypeError, r"the tool format BuggyFormat's parse\(\) returned \[\('count', \{\}\)\]; it must "
-                           r"return a list of nopad.inference.tools.ToolCall"),
-])
+@pytest.mark.parametrize(
+    "bug, error, message",
+    [
+        (
+            "raises",
+            RuntimeError,
+            r"the tool format BuggyFormat's parse\(\) raised KeyError: 'name' \(prompt 0, "
+            r"turn 1\); only a ValueError means a malformed call .* or raise ValueError",
+        ),
+        (
+            "returns",
+            TypeError,
+            r"the tool format BuggyFormat's parse\(\) returned \[\('count', \{\}\)\]; it must "
+            r"return a list of nopad.inference.tools.ToolCall",
+        ),
+    ],
+)
 def test_a_bug_in_the_tool_format_is_an_error_not_the_models_malformed_call(bug, error, message):
     """Any exception from parse() used to be recorded as the model's malformed call (and trained on)."""
     gen = Generator(tiny_model("llama"), block_size=4, num_blocks=64)
     with pytest.raises(error, match=message):
-        gen.run_episodes([[40, 41, 42]], {"count": lambda: "1"}, ONE_TOKEN_TURNS,
-                         limits=EpisodeLimits(max_turns=2, max_tokens=20), tool_format=BuggyFormat(bug))
+        gen.run_episodes(
+            [[40, 41, 42]],
+            {"count": lambda: "1"},
+            ONE_TOKEN_TURNS,
+            limits=EpisodeLimits(max_turns=2, max_tokens=20),
+            tool_format=BuggyFormat(bug),
+        )
     assert not gen.has_unfinished() and gen.allocator.num_free == gen.allocator.num_blocks

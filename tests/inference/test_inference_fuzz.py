@@ -24,16 +24,18 @@ def model():
     torch.set_num_threads(threads)
 
 
-request_strategy = st.fixed_dictionaries({
-    "length": st.integers(1, 24),
-    "max_tokens": st.integers(1, 12),
-    "n": st.integers(1, 3),
-    "arrive": st.integers(0, 6),
-    "abort": st.one_of(st.none(), st.integers(0, 12)),
-    "greedy": st.booleans(),
-    "ignore_eos": st.booleans(),
-    "shared_prefix": st.booleans(),
-})
+request_strategy = st.fixed_dictionaries(
+    {
+        "length": st.integers(1, 24),
+        "max_tokens": st.integers(1, 12),
+        "n": st.integers(1, 3),
+        "arrive": st.integers(0, 6),
+        "abort": st.one_of(st.none(), st.integers(0, 12)),
+        "greedy": st.booleans(),
+        "ignore_eos": st.booleans(),
+        "shared_prefix": st.booleans(),
+    }
+)
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -48,8 +50,13 @@ request_strategy = st.fixed_dictionaries({
 def test_every_request_finishes_once_and_blocks_come_back(
     model, requests, block_size, cache_tokens, max_tokens_per_step, max_seqs, seed
 ):
-    gen = Generator(model, block_size=block_size, num_blocks=max(cache_tokens // block_size, 2),
-                    max_num_batched_tokens=max_tokens_per_step, max_num_seqs=max_seqs)
+    gen = Generator(
+        model,
+        block_size=block_size,
+        num_blocks=max(cache_tokens // block_size, 2),
+        max_num_batched_tokens=max_tokens_per_step,
+        max_num_seqs=max_seqs,
+    )
     capacity = gen.allocator.num_blocks * block_size
     g = torch.Generator().manual_seed(seed)
     prefix = torch.randint(3, 128, (16,), generator=g).tolist()  # exercises prefix-cache hits
@@ -61,9 +68,13 @@ def test_every_request_finishes_once_and_blocks_come_back(
                 prompt = torch.randint(3, 128, (r["length"],), generator=g).tolist()
                 if r["shared_prefix"]:
                     prompt = (prefix + prompt)[: r["length"]]
-                params = SamplingParams(n=min(r["n"], max_seqs), max_tokens=r["max_tokens"],
-                                        temperature=0.0 if r["greedy"] else 1.0, seed=k,
-                                        ignore_eos=r["ignore_eos"])
+                params = SamplingParams(
+                    n=min(r["n"], max_seqs),
+                    max_tokens=r["max_tokens"],
+                    temperature=0.0 if r["greedy"] else 1.0,
+                    seed=k,
+                    ignore_eos=r["ignore_eos"],
+                )
                 if len(prompt) >= capacity:
                     with pytest.raises(ValueError, match="whole KV cache"):
                         gen.add_request(prompt, params)

@@ -36,9 +36,10 @@ def prompts_of(lengths, seed=0, vocab=128):
 def hf_greedy(model, prompt, max_new_tokens):
     """HF generate on one prompt alone (stops at EOS like ours)."""
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def forward_logprobs(model, prompt, completion):
@@ -97,8 +98,14 @@ def test_preemption_keeps_greedy_output(llama):
     assert gen.stats()["preemptions"] > 0
     for prompt, out in zip(prompts, outs):
         ids = torch.tensor([prompt])
-        ref = llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
-                             do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        ref = llama.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=16,
+            min_new_tokens=16,
+            do_sample=False,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
         assert out.outputs[0].token_ids == ref
     gen.allocator.check(owners=[])
     assert gen.allocator.num_free == 24
@@ -137,8 +144,9 @@ def test_n_samples_share_prompt_prefilled_once(llama):
     (out,) = gen.generate([prompt], params, use_tqdm=False)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     for c in out.outputs:
-        torch.testing.assert_close(torch.tensor(c.logprobs), forward_logprobs(llama, prompt, c.token_ids),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(c.logprobs), forward_logprobs(llama, prompt, c.token_ids), atol=1e-5, rtol=0
+        )
     assert gen.stats()["prefill_tokens"] == len(prompt)
 
 
@@ -250,8 +258,9 @@ def test_string_prompts_text_and_stop_strings(llama):
     assert free_run.prompt == "hello" and free_run.prompt_token_ids == tok("hello")["input_ids"]
     assert c.text == tok.decode(c.token_ids)
     stop = c.text[3:5]
-    (stopped,) = gen.generate("hello", SamplingParams(max_tokens=10, ignore_eos=True, stop=stop, **GREEDY),
-                              use_tqdm=False)
+    (stopped,) = gen.generate(
+        "hello", SamplingParams(max_tokens=10, ignore_eos=True, stop=stop, **GREEDY), use_tqdm=False
+    )
     s = stopped.outputs[0]
     cut = c.text.find(stop)
     assert s.finish_reason == "stop" and s.text == c.text[:cut]
@@ -299,8 +308,9 @@ def test_sequence_filling_the_whole_cache_stops_with_length(llama):
     c = out.outputs[0]
     assert c.finish_reason == "length" and len(c.token_ids) == 16 + 1 - 9
     ids = torch.tensor([prompt])
-    ref = llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
-                         do_sample=False, pad_token_id=0)[0, 9:].tolist()
+    ref = llama.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0
+    )[0, 9:].tolist()
     assert c.token_ids == ref
     assert gen.allocator.num_free == 4
 
@@ -316,17 +326,20 @@ def test_uses_the_live_weights():
         model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)  # cached K/V is now stale
     after = gen.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     ids = torch.tensor([prompt])
-    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
-                         do_sample=False, pad_token_id=0)[0, 12:].tolist()
+    ref = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0
+    )[0, 12:].tolist()
     assert after == ref and after != before
     assert gen.stats()["prefix_cache_hit_blocks"] == 0  # stale K/V from the old weights is not reused
 
 
 def test_a_dict_of_sampling_settings_is_named_as_a_dict(llama):
     gen = Generator(llama, block_size=4, num_blocks=16)
-    for call in (lambda: gen.generate(["hi"], {"temperature": 0}, use_tqdm=False),
-                 lambda: gen.generate([[5]], [{"temperature": 0}], use_tqdm=False),
-                 lambda: gen.add_request([5], {"temperature": 0})):
+    for call in (
+        lambda: gen.generate(["hi"], {"temperature": 0}, use_tqdm=False),
+        lambda: gen.generate([[5]], [{"temperature": 0}], use_tqdm=False),
+        lambda: gen.add_request([5], {"temperature": 0}),
+    ):
         with pytest.raises(TypeError, match=r"dict/mapping .*SamplingParams\(\*\*\{'temperature': 0\}\)"):
             call()
     assert not gen.has_unfinished()
@@ -339,7 +352,8 @@ def test_a_prompt_near_the_context_limit_says_why_it_stopped_early(caplog):
     prompt = prompts_of([28], seed=3)[0]
     with caplog.at_level(logging.WARNING, logger="nopad.inference.generator"):
         (out,) = Generator(model, num_blocks=16).generate(
-            [prompt], SamplingParams(max_tokens=50, ignore_eos=True, **GREEDY), use_tqdm=False)
+            [prompt], SamplingParams(max_tokens=50, ignore_eos=True, **GREEDY), use_tqdm=False
+        )
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 4
     assert "stopped after 4 of max_tokens=50 new tokens" in caplog.text
     assert "context of 32 tokens" in caplog.text

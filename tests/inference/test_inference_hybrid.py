@@ -86,10 +86,16 @@ def test_samples_of_a_prompt_copy_its_state_and_ignore_the_batch(family):
         torch.testing.assert_close(torch.tensor(o.logprobs), ref, atol=1e-4, rtol=0)
     others = prompts_of([6, 14, 2], seed=4)
     crowd = Generator(model, block_size=4, num_blocks=64, max_num_batched_tokens=16)
-    mixed = crowd.generate([others[0], prompt, others[1], others[2]],
-                           [SamplingParams(temperature=1.0, seed=9, max_tokens=6), params,
-                            SamplingParams(temperature=0.7, seed=1, n=2, max_tokens=5), GREEDY],
-                           use_tqdm=False)
+    mixed = crowd.generate(
+        [others[0], prompt, others[1], others[2]],
+        [
+            SamplingParams(temperature=1.0, seed=9, max_tokens=6),
+            params,
+            SamplingParams(temperature=0.7, seed=1, n=2, max_tokens=5),
+            GREEDY,
+        ],
+        use_tqdm=False,
+    )
     assert [o.token_ids for o in mixed[1].outputs] == samples
     assert_all_freed(crowd)
 
@@ -156,25 +162,29 @@ def test_tool_episodes_pause_resume_fork_and_preempt_equal_hf(family):
     assert_all_freed(gen)
     # fork at the first tool result: each branch copies the state and equals the unforked run
     forked = Generator(model, block_size=4, num_blocks=256).run_episodes(
-        prompts, TOOLS, EPISODE, limits=LIMITS, tool_format=TokenFormat(),
-        fork=lambda ep: 2 if ep.num_turns == 1 else 1)
+        prompts, TOOLS, EPISODE, limits=LIMITS, tool_format=TokenFormat(), fork=lambda ep: 2 if ep.num_turns == 1 else 1
+    )
     assert len(forked) > len(prompts)
     assert_equals_reference(model, forked, refs)
     # more branches than state slots: a member with no slot is preempted and recomputes its state
     few = Generator(model, block_size=4, num_blocks=256, max_num_seqs=2)
     with StepClock(few).running() as clock:  # tools return 2 steps later
-        crowded = few.run_episodes(prompts, slow_tools(clock, 2), EPISODE, limits=LIMITS,
-                                   tool_format=TokenFormat(), fork=lambda ep: 2 if ep.num_turns == 1 else 1)
-    assert sorted((e.prompt_index, e.branch) for e in crowded) == sorted((e.prompt_index, e.branch)
-                                                                          for e in forked)
+        crowded = few.run_episodes(
+            prompts,
+            slow_tools(clock, 2),
+            EPISODE,
+            limits=LIMITS,
+            tool_format=TokenFormat(),
+            fork=lambda ep: 2 if ep.num_turns == 1 else 1,
+        )
+    assert sorted((e.prompt_index, e.branch) for e in crowded) == sorted((e.prompt_index, e.branch) for e in forked)
     assert few.stats()["preemptions"] > 0, "two slots should not hold every branch"
     assert_equals_reference(model, crowded, refs)
     assert_all_freed(few)
     # a cache too small for all: paused episodes lose their blocks and state, and recompute them
     tight = Generator(model, block_size=2, num_blocks=30, max_num_seqs=8)
     with StepClock(tight).running() as clock:  # tools return 10 steps later: paused, others decode
-        squeezed = tight.run_episodes(prompts, slow_tools(clock, 10), EPISODE, limits=LIMITS,
-                                      tool_format=TokenFormat())
+        squeezed = tight.run_episodes(prompts, slow_tools(clock, 10), EPISODE, limits=LIMITS, tool_format=TokenFormat())
     assert tight.stats()["paused_preemptions"] > 0, "the small cache should preempt paused episodes"
     assert_equals_reference(model, squeezed, refs)
     assert_all_freed(tight)
@@ -189,8 +199,7 @@ def test_state_slots_come_out_of_the_memory_budget(family):
 
     budget = 1 << 20
     for snapshots, rows in ((None, 8 + 8), (3, 8 + 3), (0, 8)):  # a slot per sequence, then the snapshots'
-        gen = Generator(model, block_size=4, kv_memory_bytes=budget, max_num_seqs=8,
-                        num_state_snapshots=snapshots)
+        gen = Generator(model, block_size=4, kv_memory_bytes=budget, max_num_seqs=8, num_state_snapshots=snapshots)
         state = rows * bytes_per_slot(gen.layer_states, torch.float32)
         assert state > 0
         per_block = bytes_per_block(kv_layout(model.config), 4, torch.float32)

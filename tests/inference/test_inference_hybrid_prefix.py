@@ -31,7 +31,7 @@ def run_staggered(gen: Generator, prompts, params=GREEDY, groups: list[int] | No
         outs.update((o.request_id, [c.token_ids for c in o.outputs]) for o in gen.step())
 
     for size in groups or [1] * len(prompts):
-        ids += [gen.add_request(p, params) for p in prompts[start: start + size]]
+        ids += [gen.add_request(p, params) for p in prompts[start : start + size]]
         start += size
         while gen.scheduler.waiting or any(s.num_pending > 1 for s in gen.scheduler.running):
             step()
@@ -76,8 +76,7 @@ def check_shared_prefix(model):
     system, tails = prompts_of([19], seed=1)[0], prompts_of([3, 6, 1, 4], seed=2)
     prompts = shared(system, *tails)
     on = Generator(model, block_size=4, num_blocks=64, max_num_batched_tokens=64)
-    off = Generator(model, block_size=4, num_blocks=64, max_num_batched_tokens=64,
-                    enable_prefix_caching=False)
+    off = Generator(model, block_size=4, num_blocks=64, max_num_batched_tokens=64, enable_prefix_caching=False)
     got = run_one_by_one(on, prompts)
     assert got == run_one_by_one(off, prompts)
     check_greedy(model, prompts, got)
@@ -146,8 +145,7 @@ def test_concurrent_requests_and_seeded_samples_are_unchanged_by_the_cache(model
     params = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=6, ignore_eos=True)
     outs = {}
     for caching in (True, False):
-        gen = Generator(model, block_size=4, num_blocks=128, max_num_batched_tokens=32,
-                        enable_prefix_caching=caching)
+        gen = Generator(model, block_size=4, num_blocks=128, max_num_batched_tokens=32, enable_prefix_caching=caching)
         # the first leaves the system prompt's snapshot; the other three come at once, all hitting it
         outs[caching] = run_staggered(gen, prompts, params, groups=[1, 3])
         if caching:
@@ -161,7 +159,10 @@ def test_state_copies_apply_in_order():
     copies reads every source before it writes, so a copy that reads a row the batch writes, or
     writes it again, starts the next batch."""
     assert copy_waves([(0, 5), (1, 6), (5, 2), (3, 5), (4, 7), (2, 1)]) == [
-        ([0, 1], [5, 6]), ([5, 3, 4], [2, 5, 7]), ([2], [1])]
+        ([0, 1], [5, 6]),
+        ([5, 3, 4], [2, 5, 7]),
+        ([2], [1]),
+    ]
 
 
 @pytest.mark.parametrize("bad", [-1, "4", 2.5, True])

@@ -40,8 +40,7 @@ def test_static_decode_equals_hf_generate_with_chunked_prefill(family):
     first step is a decode step from a fresh slot), chunks of 6 tokens, padded rows (5 -> 8)."""
     model = hybrid_model(family)
     prompts = prompts_of(LENGTHS)
-    gen = Generator(model, block_size=4, num_blocks=64, max_num_batched_tokens=6, max_num_seqs=3,
-                    static_decode=True)
+    gen = Generator(model, block_size=4, num_blocks=64, max_num_batched_tokens=6, max_num_seqs=3, static_decode=True)
     assert_greedy_equals_hf(model, prompts, gen.generate(prompts, GREEDY, use_tqdm=False), 8)
     runner = gen._runner
     assert runner.static_steps > 0 and {rows for rows, _ in runner.static_shapes} == {2, 3}
@@ -65,8 +64,7 @@ def test_static_decode_samples_and_preemption(family):
         assert (gen._runner.static_steps > 0) == static
     assert samples[True] == samples[False] and len(set(map(tuple, samples[True]))) > 1
     prompts = prompts_of([7, 11, 5, 9], seed=6)
-    gen = Generator(model, block_size=2, num_blocks=24, max_num_batched_tokens=16, max_num_seqs=4,
-                    static_decode=True)
+    gen = Generator(model, block_size=2, num_blocks=24, max_num_batched_tokens=16, max_num_seqs=4, static_decode=True)
     outs = gen.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
     assert gen.stats()["preemptions"] > 0, "the small cache should preempt"
     assert_greedy_equals_hf(model, prompts, outs, 10)
@@ -80,8 +78,9 @@ def test_static_decode_tool_episodes_fork_equal_hf():
     prompts = prompts_of([4, 9, 2, 15], seed=0)
     refs = [reference_episode(model, p, 12, LIMITS) for p in prompts]
     gen = Generator(model, block_size=4, num_blocks=256, static_decode=True)
-    forked = gen.run_episodes(prompts, TOOLS, EPISODE, limits=LIMITS, tool_format=TokenFormat(),
-                              fork=lambda ep: 2 if ep.num_turns == 1 else 1)
+    forked = gen.run_episodes(
+        prompts, TOOLS, EPISODE, limits=LIMITS, tool_format=TokenFormat(), fork=lambda ep: 2 if ep.num_turns == 1 else 1
+    )
     assert len(forked) > len(prompts) and gen._runner.static_steps > 0
     assert_equals_reference(model, forked, refs)
     assert_all_freed(gen)
@@ -97,14 +96,12 @@ def test_compiled_hybrid_decode_is_one_graph_and_exact(family, monkeypatch):
     from torch._dynamo.utils import counters
 
     compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile",
-                        lambda model, mode=None, **kw: compile_(model, backend="eager", **kw))
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None, **kw: compile_(model, backend="eager", **kw))
     torch._dynamo.reset()
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     model = hybrid_model(family)
     prompts = prompts_of(LENGTHS)
-    gen = Generator(model, block_size=4, num_blocks=64, max_num_batched_tokens=6, max_num_seqs=3,
-                    compile_decode=True)
+    gen = Generator(model, block_size=4, num_blocks=64, max_num_batched_tokens=6, max_num_seqs=3, compile_decode=True)
     assert_greedy_equals_hf(model, prompts, gen.generate(prompts, GREEDY, use_tqdm=False), 8)
     assert len(gen._runner.static_shapes) > 1
     assert counters["stats"]["unique_graphs"] - graphs == 1
@@ -119,8 +116,9 @@ def test_the_scratch_slot_comes_out_of_the_memory_budget():
 
     model, budget = tiny_model("qwen3_5"), 1 << 20
     for static in (False, True):
-        gen = Generator(model, block_size=4, kv_memory_bytes=budget, max_num_seqs=8, num_state_snapshots=0,
-                        static_decode=static)
+        gen = Generator(
+            model, block_size=4, kv_memory_bytes=budget, max_num_seqs=8, num_state_snapshots=0, static_decode=static
+        )
         state = (8 + static) * bytes_per_slot(gen.layer_states, torch.float32)
         per_block = bytes_per_block(kv_layout(model.config), 4, torch.float32)
         assert gen.allocator.num_blocks == (budget - state) // per_block

@@ -63,8 +63,12 @@ def test_a_layers_heads_come_from_its_attention_module_where_the_config_does_not
     sweep: refused at the first step, the cache sized from the config); keys 16, values 8 per head."""
     model = tiny_model("mimo_v2_flash")
     assert kv_layout(model.config) == [LayerKV(i, 2, 16) for i in range(4)]
-    assert kv_layout(model.config, model) == [LayerKV(0, 4, 16), LayerKV(1, 2, 16), LayerKV(2, 4, 16),
-                                              LayerKV(3, 2, 16)]
+    assert kv_layout(model.config, model) == [
+        LayerKV(0, 4, 16),
+        LayerKV(1, 2, 16),
+        LayerKV(2, 4, 16),
+        LayerKV(3, 2, 16),
+    ]
 
 
 def test_keys_and_values_of_different_sizes_are_exact_on_every_cpu_backend():
@@ -72,17 +76,21 @@ def test_keys_and_values_of_different_sizes_are_exact_on_every_cpu_backend():
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(14, 4, 24, generator=g), torch.randn(14, 2, 24, generator=g)
     v = torch.randn(14, 2, 8, generator=g)
-    ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-        q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1), is_causal=True,
-        enable_gqa=True).transpose(0, 1) for s in (slice(0, 3), slice(3, 14))])
+    ref = torch.cat(
+        [
+            torch.nn.functional.scaled_dot_product_attention(
+                q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1), is_causal=True, enable_gqa=True
+            ).transpose(0, 1)
+            for s in (slice(0, 3), slice(3, 14))
+        ]
+    )
     for backend in ("sdpa_loop", "sdpa_padded", "per_token", "kernel"):
         out = varlen_attention(q, k, v, meta, backend=backend)
         assert out.shape == (14, 4, 8) and (out - ref).abs().max() < 2e-6, backend
 
 
 def test_a_cache_of_another_layout_is_refused_by_name():
-    meta = VarlenMeta.for_step([2], [0], block_table=torch.zeros(1, 1, dtype=torch.int32),
-                               slot_mapping=torch.arange(2))
+    meta = VarlenMeta.for_step([2], [0], block_table=torch.zeros(1, 1, dtype=torch.int32), slot_mapping=torch.arange(2))
     cache = (torch.zeros(1, 4, 2, 16), torch.zeros(1, 4, 2, 16))
     q, k, v = torch.randn(2, 4, 32), torch.randn(2, 2, 32), torch.randn(2, 2, 32)
     with pytest.raises(ValueError, match=r"paged cache holds \(2, 16\).*kv_layout"):
@@ -95,13 +103,27 @@ def gemma3_image_text():
     import transformers
 
     text = tiny_config("gemma2").to_dict()
-    text = {k: text[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
-                                 "pad_token_id", "bos_token_id", "eos_token_id")}
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                  image_size=32, patch_size=16)
-    config = transformers.Gemma3Config(text_config={**text, "head_dim": 16, "sliding_window": 8},
-                                       vision_config=vision, mm_tokens_per_image=4)
+    text = {
+        k: text[k]
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+            "pad_token_id",
+            "bos_token_id",
+            "eos_token_id",
+        )
+    }
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=16
+    )
+    config = transformers.Gemma3Config(
+        text_config={**text, "head_dim": 16, "sliding_window": 8}, vision_config=vision, mm_tokens_per_image=4
+    )
     torch.manual_seed(0)
     return transformers.Gemma3ForConditionalGeneration(config).eval()
 

@@ -36,8 +36,9 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")
 STATE = "ema"
 
 
-def ema_scan(x: torch.Tensor, decay: torch.Tensor, lengths: list[int], initial: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def ema_scan(
+    x: torch.Tensor, decay: torch.Tensor, lengths: list[int], initial: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``(T, H)``, sequences of ``lengths`` one after another, each from its ``initial`` row
     ``(N, H)``: every token's average and each sequence's final one (fp32)."""
     outs, finals, start = [], [], 0
@@ -66,8 +67,10 @@ class EMAMixer(nn.Module):
         states = step_states(kwargs)
         x = hidden_states[0]
         if states is not None:  # a generator step: each sequence continues from its slot
+
             def step(step_meta: VarlenMeta, initial: torch.Tensor):
                 return ema_scan(x, decay, list(step_meta.seqlens_q), initial)
+
             out = states.run(STATE, step)
         elif meta is not None:  # a packed row: each sequence from zeros
             if meta.key_rows is not None or meta.seqlens_q is None:
@@ -98,8 +101,12 @@ def ema_state(module: nn.Module, path: str) -> LayerState | None:
     return LayerState(path, (StateSpec(STATE, (module.A_log.shape[0],), torch.float32),))
 
 
-EMA_SUPPORT = MixerSupport("test: exponential moving average", lambda m: isinstance(m, EMAMixer),
-                           frozenset({PACKED, GENERATE}), state=ema_state)
+EMA_SUPPORT = MixerSupport(
+    "test: exponential moving average",
+    lambda m: isinstance(m, EMAMixer),
+    frozenset({PACKED, GENERATE}),
+    state=ema_state,
+)
 
 
 @pytest.fixture
@@ -123,7 +130,7 @@ def plain_greedy(model: nn.Module, prompt: list[int], steps: int) -> tuple[list[
             lp = torch.log_softmax(model(torch.tensor([ids]), use_cache=False).logits[0, -1].float(), -1)
             ids.append(int(lp.argmax()))
             logprobs.append(float(lp[ids[-1]]))
-    return ids[len(prompt):], logprobs
+    return ids[len(prompt) :], logprobs
 
 
 def test_refused_until_its_one_module_registers_it(ema_model):
@@ -149,5 +156,4 @@ def test_generator_equals_each_sequence_alone(ema_model):
     for prompt, out in zip(prompts, outs):
         tokens, logprobs = plain_greedy(ema_model, prompt, 6)
         assert out.outputs[0].token_ids == tokens
-        torch.testing.assert_close(torch.tensor(out.outputs[0].logprobs), torch.tensor(logprobs),
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(out.outputs[0].logprobs), torch.tensor(logprobs), atol=1e-4, rtol=0)

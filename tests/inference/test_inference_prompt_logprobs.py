@@ -62,7 +62,8 @@ def test_prompt_logprobs_equal_a_full_forward(llama, k, chunk, monkeypatch):
         else:
             assert_prompt_logprobs(out.prompt_logprobs, reference(llama, prompt, k))
     plain = Generator(llama, block_size=4, num_blocks=64, max_num_batched_tokens=chunk).generate(
-        prompts, SamplingParams(**GREEDY), use_tqdm=False)
+        prompts, SamplingParams(**GREEDY), use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     if chunk == 3:
         assert max(gen.stats()["tokens_per_step"]) <= 3
@@ -72,7 +73,8 @@ def test_n_samples_share_one_scored_prompt(llama):
     prompt = prompts_of([11])[0]
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=4, prompt_logprobs=2)
     (out,) = Generator(llama, block_size=4, num_blocks=64, max_num_batched_tokens=4).generate(
-        [prompt], params, use_tqdm=False)
+        [prompt], params, use_tqdm=False
+    )
     assert len(out.outputs) == 3
     assert_prompt_logprobs(out.prompt_logprobs, reference(llama, prompt, 2))
 
@@ -157,8 +159,9 @@ def test_bad_prompt_logprobs_are_a_clear_error(value):
 
 def test_episodes_refuse_prompt_logprobs(llama):
     with pytest.raises(ValueError, match="prompt_logprobs is for generate"):
-        Generator(llama, block_size=4, num_blocks=16).run_episodes([[5, 6]],
-                                                                   sampling_params=SamplingParams(prompt_logprobs=1))
+        Generator(llama, block_size=4, num_blocks=16).run_episodes(
+            [[5, 6]], sampling_params=SamplingParams(prompt_logprobs=1)
+        )
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
@@ -195,7 +198,9 @@ def test_prompt_logprobs_equal_the_trainers_chunked_head_bitwise(dtype):
             trainer, _ = token_logprobs(model, row.model_kwargs(), *row.loss_tokens())
         for budget in (7, 200):
             outs = Generator(model, block_size=16, num_blocks=64, max_num_batched_tokens=budget).generate(
-                prompts, SamplingParams(prompt_logprobs=1, **GREEDY), use_tqdm=False)
-            generator = torch.tensor([entry[token] for p, o in zip(prompts, outs)
-                                      for token, entry in zip(p[1:], o.prompt_logprobs[1:])])
+                prompts, SamplingParams(prompt_logprobs=1, **GREEDY), use_tqdm=False
+            )
+            generator = torch.tensor(
+                [entry[token] for p, o in zip(prompts, outs) for token, entry in zip(p[1:], o.prompt_logprobs[1:])]
+            )
             assert torch.equal(generator, trainer), budget

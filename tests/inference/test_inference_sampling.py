@@ -26,26 +26,29 @@ def test_defaults_and_normalisation():
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"temperature": -0.1}, "temperature must be a finite number >= 0"),
-    ({"temperature": math.nan}, "temperature must be a finite number >= 0"),
-    ({"temperature": math.inf}, "temperature must be a finite number >= 0"),
-    ({"top_p": 0}, "top_p must be in (0, 1]"),
-    ({"top_p": 1.01}, "top_p must be in (0, 1]"),
-    ({"min_p": -0.5}, "min_p must be in [0, 1]"),
-    ({"top_k": 2.5}, "top_k must be an int"),
-    ({"n": 0}, "n must be >= 1, got 0"),
-    ({"n": True}, "n must be an int"),
-    ({"repetition_penalty": 0}, "repetition_penalty must be a finite number > 0"),
-    ({"max_tokens": 0}, "max_tokens must be >= 1"),
-    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens (5) must be <= max_tokens (4)"),
-    ({"stop": 3}, "stop must be a string or a list of strings, got int"),
-    ({"stop": ["a", 3]}, "stop must be a string or a list of strings"),
-    ({"stop": [""]}, "stop strings must be non-empty"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids must be a list of non-negative ints"),
-    ({"logprobs": -1}, "logprobs must be >= 0"),
-    ({"seed": "7"}, "seed must be an int"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": -0.1}, "temperature must be a finite number >= 0"),
+        ({"temperature": math.nan}, "temperature must be a finite number >= 0"),
+        ({"temperature": math.inf}, "temperature must be a finite number >= 0"),
+        ({"top_p": 0}, "top_p must be in (0, 1]"),
+        ({"top_p": 1.01}, "top_p must be in (0, 1]"),
+        ({"min_p": -0.5}, "min_p must be in [0, 1]"),
+        ({"top_k": 2.5}, "top_k must be an int"),
+        ({"n": 0}, "n must be >= 1, got 0"),
+        ({"n": True}, "n must be an int"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be a finite number > 0"),
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens (5) must be <= max_tokens (4)"),
+        ({"stop": 3}, "stop must be a string or a list of strings, got int"),
+        ({"stop": ["a", 3]}, "stop must be a string or a list of strings"),
+        ({"stop": [""]}, "stop strings must be non-empty"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids must be a list of non-negative ints"),
+        ({"logprobs": -1}, "logprobs must be >= 0"),
+        ({"seed": "7"}, "seed must be an int"),
+    ],
+)
 def test_invalid_params(kwargs, message):
     with pytest.raises(ValueError) as err:
         SamplingParams(**kwargs)
@@ -61,8 +64,10 @@ def test_counter_seed_depends_on_every_key():
 
 def test_processed_logprobs_filters():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+
     def keep(**kw):
         return torch.isfinite(processed_logprobs(logits, [SamplingParams(**kw)]))[0].tolist()
+
     assert keep(top_k=2) == [True, True, False, False]
     assert keep(top_p=0.79) == [True, True, False, False]  # 0.5 + 0.3 covers 0.79
     assert keep(top_p=0.81) == [True, True, True, False]
@@ -137,10 +142,12 @@ def test_temperature_logprobs_are_untruncated_and_the_trainers_expression():
     min-p truncation and penalties; the sampler returns exactly that (bitwise: the same expression)."""
     torch.manual_seed(0)
     logits = torch.randn(4, 64) * 3
-    params = [SamplingParams(temperature=0.7, top_p=0.8),
-              SamplingParams(temperature=0.7, top_k=5, min_p=0.05),
-              SamplingParams(temperature=1.3, repetition_penalty=1.2),
-              SamplingParams(temperature=1.0, top_p=0.5)]
+    params = [
+        SamplingParams(temperature=0.7, top_p=0.8),
+        SamplingParams(temperature=0.7, top_k=5, min_p=0.05),
+        SamplingParams(temperature=1.3, repetition_penalty=1.2),
+        SamplingParams(temperature=1.0, top_p=0.5),
+    ]
     out = sample(logits, [seq_with(p, seed=i) for i, p in enumerate(params)])
     tokens = torch.tensor(out.tokens)
     for i, p in enumerate(params):
@@ -153,11 +160,14 @@ def test_temperature_logprobs_are_untruncated_and_the_trainers_expression():
 
 
 def _mixed_seqs(rows: int, offset: int = 0):
-    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=1.0),
-             SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.3, top_k=20),
-             SamplingParams(temperature=0.8, min_p=0.05, repetition_penalty=1.1, logprobs=3)]
-    return [seq_with(kinds[(i + offset) % len(kinds)], tokens=(5, 6, 7 + i), seed=i + offset)
-            for i in range(rows)]
+    kinds = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.3, top_k=20),
+        SamplingParams(temperature=0.8, min_p=0.05, repetition_penalty=1.1, logprobs=3),
+    ]
+    return [seq_with(kinds[(i + offset) % len(kinds)], tokens=(5, 6, 7 + i), seed=i + offset) for i in range(rows)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -168,8 +178,13 @@ def test_reused_sampler_buffers_give_what_fresh_ones_give(dtype):
 
     torch.manual_seed(3)
     buffers = SamplerBuffers()
-    steps = [(9, 0, None), (4, 2, None), (13, 1, None), (6, 0, SamplingParams(temperature=0.9, top_p=0.8)),
-             (5, 0, SamplingParams(temperature=1.0))]
+    steps = [
+        (9, 0, None),
+        (4, 2, None),
+        (13, 1, None),
+        (6, 0, SamplingParams(temperature=0.9, top_p=0.8)),
+        (5, 0, SamplingParams(temperature=1.0)),
+    ]
     for rows, offset, same in steps:  # mixed params, then all rows filtered, then all rows unfiltered
         logits = (torch.randn(rows, 3000) * 4).to(dtype)
         seqs = _mixed_seqs(rows, offset) if same is None else [seq_with(same, seed=i) for i in range(rows)]
@@ -198,9 +213,11 @@ def test_top_logprobs_above_the_generators_cap_are_refused_as_vllm_does():
     model = tiny_model("llama")
     gen = Generator(model, block_size=4, num_blocks=16)
     for name, k in (("logprobs", 10**6), ("prompt_logprobs", 21)):
-        message = (rf"{name}={k} is more than the Generator's max_logprobs=20 \(each position would hold a "
-                   rf"dict of {k} tokens\); ask for at most 20, or raise the cap: Generator\(\.\.\., "
-                   rf"max_logprobs={k}\)")
+        message = (
+            rf"{name}={k} is more than the Generator's max_logprobs=20 \(each position would hold a "
+            rf"dict of {k} tokens\); ask for at most 20, or raise the cap: Generator\(\.\.\., "
+            rf"max_logprobs={k}\)"
+        )
         with pytest.raises(ValueError, match="prompt 0: " + message):
             gen.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **{name: k}), use_tqdm=False)
         with pytest.raises(ValueError, match=message):

@@ -41,18 +41,19 @@ class Owner:
 
 
 def scheduler_of(num_blocks: int, block_size: int = 2, **kwargs) -> Scheduler:
-    return Scheduler(BlockAllocator(num_blocks, block_size), enable_prefix_caching=False, **kwargs,
-                     max_num_seqs=kwargs.pop("max_num_seqs", 8),
-                     max_num_batched_tokens=kwargs.pop("max_num_batched_tokens", 64))
+    return Scheduler(
+        BlockAllocator(num_blocks, block_size),
+        enable_prefix_caching=False,
+        **kwargs,
+        max_num_seqs=kwargs.pop("max_num_seqs", 8),
+        max_num_batched_tokens=kwargs.pop("max_num_batched_tokens", 64),
+    )
 
 
 def add(scheduler: Scheduler, owner, prompt_len: int, n: int = 1, max_tokens: int = 16) -> Sequence:
-    params = SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, stop_token_ids=[STOP],
-                            ignore_eos=True)
-    request = Request(str(next(_ids)), None, list(range(1, prompt_len + 1)), params, 0, 0.0,
-                      frozenset({STOP}))
-    seq = Sequence(request=request, index=0, token_ids=list(request.prompt_token_ids), fork_count=n,
-                   hooks=owner)
+    params = SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, stop_token_ids=[STOP], ignore_eos=True)
+    request = Request(str(next(_ids)), None, list(range(1, prompt_len + 1)), params, 0, 0.0, frozenset({STOP}))
+    seq = Sequence(request=request, index=0, token_ids=list(request.prompt_token_ids), fork_count=n, hooks=owner)
     request.samples = [seq] + [None] * (n - 1)
     scheduler.add(seq)
     return seq
@@ -61,14 +62,20 @@ def add(scheduler: Scheduler, owner, prompt_len: int, n: int = 1, max_tokens: in
 def step(scheduler: Scheduler, token: int = 7):
     """One step on a fake runner: every sequence that completes its tokens samples ``token``."""
     plan = scheduler.schedule()
-    rows = [i for i, (seq, n) in enumerate(zip(plan.seqs, plan.query_lens))
-            if seq.num_computed + n == seq.num_tokens]  # what the model runner keeps logits for
+    rows = [
+        i for i, (seq, n) in enumerate(zip(plan.seqs, plan.query_lens)) if seq.num_computed + n == seq.num_tokens
+    ]  # what the model runner keeps logits for
 
     def draw(index, seqs):
         assert len(index) == len(seqs)
         k = len(seqs)
-        return SampleResult(tokens=[token] * k, logprobs=[-1.0] * k, temperature_logprobs=[-1.0] * k,
-                            sampling_logprobs=[-1.0] * k, top_logprobs=[None] * k)
+        return SampleResult(
+            tokens=[token] * k,
+            logprobs=[-1.0] * k,
+            temperature_logprobs=[-1.0] * k,
+            sampling_logprobs=[-1.0] * k,
+            top_logprobs=[None] * k,
+        )
 
     scheduler.postprocess(plan, rows, draw)
     scheduler.allocator.check(owners=scheduler.owners())
@@ -160,7 +167,7 @@ def test_pause_keeps_the_blocks_and_resume_prefills_only_the_new_tokens():
     scheduler.poll_paused(block=True)
     assert owner.events[-1] == ("poll", True)
     scheduler.resume(seq, [11, 12, 13])
-    assert seq.status is Status.RUNNING and seq.block_table[:len(blocks)] == blocks
+    assert seq.status is Status.RUNNING and seq.block_table[: len(blocks)] == blocks
     plan = step(scheduler)
     assert plan.seqs == [seq] and plan.query_lens == [4]  # its stop token and the three new ones
     assert seq.num_computed == 10 and seq.token_ids[-1] == 7
@@ -190,5 +197,9 @@ def test_the_scheduler_imports_neither_the_sampler_nor_the_model_side():
     tree = ast.parse((Path(__file__).resolve().parents[2] / "inference" / "scheduler.py").read_text())
     modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert not modules & {"nopad.inference.sampler", "nopad.inference.model_runner", "nopad.inference.generator",
-                          "torch"}
+    assert not modules & {
+        "nopad.inference.sampler",
+        "nopad.inference.model_runner",
+        "nopad.inference.generator",
+        "torch",
+    }

@@ -190,8 +190,7 @@ def test_compiled_decode_compiles_once_across_buckets_and_generators(monkeypatch
     from torch._dynamo.utils import counters
 
     compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda model, mode=None, **kw: compile_(model, backend="eager",
-                                                                                  **kw))
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None, **kw: compile_(model, backend="eager", **kw))
     torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]
     model, shapes = tiny_model("llama"), set()
@@ -221,8 +220,11 @@ def test_static_decode_runs_the_generators_attn_backend(monkeypatch):
     monkeypatch.setitem(backends(), "kernel_spy", spy_backend)
     spied = generate_tokens("llama", static_decode=True, attn_backend="kernel_spy")
     assert calls and spied == generate_tokens("llama", static_decode=True)
-    with pytest.raises(ValueError, match="attn_backend='sdpa_loop' has no static-shape decode path, "
-                                         r"which static_decode=True \(and compile_decode\) runs; use one "):
+    with pytest.raises(
+        ValueError,
+        match="attn_backend='sdpa_loop' has no static-shape decode path, "
+        r"which static_decode=True \(and compile_decode\) runs; use one ",
+    ):
         Generator(tiny_model("llama"), block_size=4, static_decode=True, attn_backend="sdpa_loop")
 
 
@@ -290,8 +292,7 @@ def test_triton_steps_have_no_per_layer_sync_cast_or_backend_choice(triton_host_
     for layers in (2, 6):
         choices.clear()
         del triton_host_side[:]
-        counts[layers] = run_counts(layers, PROMPTS, GREEDY, 5, budget=64, attn_backend="triton",
-                                    static_decode=static)
+        counts[layers] = run_counts(layers, PROMPTS, GREEDY, 5, budget=64, attn_backend="triton", static_decode=static)
         runs[layers] = len(choices)
         assert len(triton_host_side) == 5 * layers  # one launch per layer and step
     assert counts[2] == counts[6]
@@ -306,8 +307,9 @@ def test_decode_attention_python_calls_per_layer_stay_few(triton_host_side, monk
     an eager static step through the custom op's dispatch (17 calls, ~40 us) coming back would raise
     it (``benchmarks/bench_decode_host.py`` times the same path)."""
     calls = LayerCalls(monkeypatch)
-    gen = Generator(tiny_model("llama", num_hidden_layers=4), block_size=16, attn_backend="triton",
-                    static_decode=static)
+    gen = Generator(
+        tiny_model("llama", num_hidden_layers=4), block_size=16, attn_backend="triton", static_decode=static
+    )
     for p in PROMPTS:
         gen.add_request(p, GREEDY)
     gen.step()  # prefill
@@ -356,14 +358,20 @@ def test_static_decode_inputs_are_the_per_row_construction():
     import numpy as np
 
     from nopad.inference.model_runner import build_static_decode
-    from nopad.inference.scheduler import StepPlan
+    from nopad.inference.step_plan import StepPlan
 
     rng = np.random.default_rng(0)
     block, scratch = 4, 99
     for num in (1, 3, 8, 9, 20):
         computed = rng.integers(0, 40, num)
-        seqs = [SimpleNamespace(num_computed=int(n), token_ids=rng.integers(3, 500, n + 1).tolist(),
-                                block_table=rng.permutation(90)[: n // block + 1].tolist()) for n in computed]
+        seqs = [
+            SimpleNamespace(
+                num_computed=int(n),
+                token_ids=rng.integers(3, 500, n + 1).tolist(),
+                block_table=rng.permutation(90)[: n // block + 1].tolist(),
+            )
+            for n in computed
+        ]
         step = build_static_decode(StepPlan(seqs=seqs, query_lens=[1] * num), block, "cpu", scratch, 64, 64)
         rows, width = step.meta.block_table.shape
         assert rows == row_bucket(num) and width == max(2, 1 << int(computed.max() // block).bit_length())
@@ -399,8 +407,7 @@ def test_compiled_decode_marks_dynamic_dimensions_only_on_a_new_bucket(monkeypat
     from torch._dynamo.utils import counters
 
     compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda model, mode=None, **kw: compile_(model, backend="eager",
-                                                                                  **kw))
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None, **kw: compile_(model, backend="eager", **kw))
     marks = []
     mark = torch._dynamo.maybe_mark_dynamic
     monkeypatch.setattr(torch._dynamo, "maybe_mark_dynamic", lambda t, dim: marks.append(dim) or mark(t, dim))
@@ -429,8 +436,9 @@ COMPILED_LAYER_CALL_BUDGET = 3
 
 def compiled_step_calls(layers: int, rows: int) -> int:
     """Python calls of one compiled decode step (attention held, as generate() holds it)."""
-    gen = Generator(tiny_model("llama", num_hidden_layers=layers), block_size=16, max_num_seqs=rows,
-                    compile_decode=True)
+    gen = Generator(
+        tiny_model("llama", num_hidden_layers=layers), block_size=16, max_num_seqs=rows, compile_decode=True
+    )
     for i in range(rows):
         gen.add_request([3 + i % 50, 4, 5, 6, 7], GREEDY)
     gen.step()  # prefill
@@ -460,6 +468,7 @@ def test_a_bare_step_switches_attention_in_calls_that_do_not_grow_with_layers():
     back; transformers' ``set_attn_implementation`` walks every module each way, ~200 Python calls
     per layer of every step. Only the first switch may walk: a bare step's calls grow with the
     layers exactly as a step's inside ``generate()`` (attention held across steps) do."""
+
     def calls(layers: int, held: bool) -> int:
         gen = Generator(tiny_model("llama", num_hidden_layers=layers), block_size=16, max_num_seqs=4)
         for p in PROMPTS:
@@ -480,8 +489,7 @@ def test_decode_forward_launches_without_syncs(triton_host_side, monkeypatch):
     forces no sync and reads nothing back (transformers' mask builder looked for packed sequences
     in the positions with a host read, once a forward); the whole step reads back only its tokens
     and log-probs."""
-    gen = Generator(tiny_model("llama", num_hidden_layers=4), block_size=16, attn_backend="triton",
-                    static_decode=True)
+    gen = Generator(tiny_model("llama", num_hidden_layers=4), block_size=16, attn_backend="triton", static_decode=True)
     for p in PROMPTS:
         gen.add_request(p, GREEDY)
     gen.step()  # prefill

@@ -110,8 +110,17 @@ def test_paged_kv_equals_contiguous(block_size, backend):
     gk, gv = gather_kv(cache, table, meta)
     assert torch.equal(gk, k) and torch.equal(gv, v)
     for window, softcap in ((None, None), (4, 2.0)):
-        out = varlen_attention(q, None, None, meta, kv_cache=cache, block_table=table, sliding_window=window,
-                               softcap=softcap, backend=backend)
+        out = varlen_attention(
+            q,
+            None,
+            None,
+            meta,
+            kv_cache=cache,
+            block_table=table,
+            sliding_window=window,
+            softcap=softcap,
+            backend=backend,
+        )
         ref = varlen_attention(q, k, v, meta, sliding_window=window, softcap=softcap, backend="sdpa_loop")
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -138,8 +147,11 @@ def test_new_kv_is_stored_at_slot_mapping_then_attended(backend):
 @pytest.mark.parametrize("backend", ["sdpa_loop", "sdpa_padded"])
 def test_decode_batch_is_exact_and_differentiable(backend):
     meta = VarlenMeta.for_step([1] * 6, [3, 40, 1, 0, 12, 7])
-    q, k, v = (rand(meta.total_q, H, 13).requires_grad_(), rand(meta.total_k, HKV, 14).requires_grad_(),
-               rand(meta.total_k, HKV, 15).requires_grad_())
+    q, k, v = (
+        rand(meta.total_q, H, 13).requires_grad_(),
+        rand(meta.total_k, HKV, 14).requires_grad_(),
+        rand(meta.total_k, HKV, 15).requires_grad_(),
+    )
     out = varlen_attention(q, k, v, meta, backend=backend)
     torch.testing.assert_close(out, naive(q, k, v, meta), atol=1e-5, rtol=1e-5)
     out.sum().backward()

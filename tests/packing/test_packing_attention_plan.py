@@ -72,12 +72,13 @@ def test_a_plan_keeps_the_mode_it_was_made_in(monkeypatch):
 
 def test_the_invariant_set_comes_from_the_declarations(monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "sdpa_loop")
-    assert invariance_support.supported("cpu") == (False, f"{BACKEND_ENV}=sdpa_loop forces an attention backend "
-                                                  "without the batch-invariant path")
+    assert invariance_support.supported("cpu") == (
+        False,
+        f"{BACKEND_ENV}=sdpa_loop forces an attention backend without the batch-invariant path",
+    )
     table = dict(registry.backends())
     twin = table["per_token"]
-    table["twin"] = registry.Backend("twin", twin.forward, devices=("cpu",), dtypes=twin.dtypes,
-                                     invariant=True)
+    table["twin"] = registry.Backend("twin", twin.forward, devices=("cpu",), dtypes=twin.dtypes, invariant=True)
     monkeypatch.setattr(registry, "_registry", table)
     assert registry.invariant_names("cpu") == ("kernel", "per_token", "twin")
     monkeypatch.setenv(BACKEND_ENV, "twin")

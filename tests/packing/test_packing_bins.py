@@ -18,6 +18,7 @@ def as_lists(bins: Bins) -> list[list[int]]:
 
 # ---- pinned cases --------------------------------------------------------------------------------
 
+
 def test_bfd_pinned():
     # longest first: 8 -> new bin (room 2); 5 -> new bin (room 5); 4 -> room 5 (best fit);
     # 3 -> nothing fits (rooms 2, 1) -> new bin; 2 -> room 2 exactly.
@@ -92,6 +93,7 @@ def test_accepts_lists_int32_and_torch():
 
 # ---- errors ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "lengths, capacity, kwargs, error, message",
     [
@@ -122,6 +124,7 @@ def test_bad_input_raises_clear_error(lengths, capacity, kwargs, error, message)
 
 
 # ---- invariants on random inputs --------------------------------------------------------------------
+
 
 def check_invariants(bins: Bins, lengths: list[int], capacity: int, max_seqs: int | None, overflow: str):
     n = len(lengths)

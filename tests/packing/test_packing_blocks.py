@@ -165,8 +165,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         blocks[k] = new
 
     @precondition(lambda self: self.owners)
-    @rule(i=st.integers(0, 100), tokens=st.tuples(st.integers(0, 3), st.integers(0, 3)),
-          parent=st.sampled_from([NO_PARENT, 1, 2]))
+    @rule(
+        i=st.integers(0, 100),
+        tokens=st.tuples(st.integers(0, 3), st.integers(0, 3)),
+        parent=st.sampled_from([NO_PARENT, 1, 2]),
+    )
     def register(self, i, tokens, parent):
         block = self.owners[i % len(self.owners)][0]
         h = hash_block(parent, tokens)

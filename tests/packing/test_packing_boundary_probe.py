@@ -75,8 +75,10 @@ def prefix_sum_model():
     return model
 
 
-RUNNING_MEAN = r"layer 1 \(model.layers.1: LlamaDecoderLayer\), first in the output of model.layers.1.mlp " \
-               r"\(RunningMeanMLP\)"
+RUNNING_MEAN = (
+    r"layer 1 \(model.layers.1: LlamaDecoderLayer\), first in the output of model.layers.1.mlp "
+    r"\(RunningMeanMLP\)"
+)
 
 
 def test_a_running_mean_in_an_mlp_is_refused_on_every_path():

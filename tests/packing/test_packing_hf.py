@@ -21,7 +21,6 @@ from tests.support.models import FAMILIES, SLIDING_WINDOW, random_sequences, tin
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-
 def alone_logits(model, seqs):
     with torch.no_grad():
         return [model(s[None], use_cache=False).logits[0] for s in seqs]
@@ -77,8 +76,9 @@ class PagedCache:
         self.table = torch.from_numpy(perm.reshape(num_seqs, blocks_per_seq).astype(np.int32))
         self.block_size = block_size
         shape = (num_blocks, block_size, cfg.num_key_value_heads, head_dim)
-        self.layers = [(torch.full(shape, float("nan")), torch.full(shape, float("nan")))
-                       for _ in range(cfg.num_hidden_layers)]
+        self.layers = [
+            (torch.full(shape, float("nan")), torch.full(shape, float("nan"))) for _ in range(cfg.num_hidden_layers)
+        ]
 
     def slots(self, seq, start, n):
         pos = torch.arange(start, start + n)
@@ -105,8 +105,9 @@ def test_paged_generation_steps_match_full_forward(family, block_size):
             slots = torch.cat([cache.slots(i, done[i], step[i]) for i in active])
             meta = VarlenMeta.for_step(q_lens, ctx, block_table=cache.table[active], slot_mapping=slots)
             ids = torch.cat([seqs[i][done[i] : done[i] + step[i]] for i in active])[None]
-            logits = model(ids, position_ids=meta.position_ids[None], use_cache=False,
-                           nopad_meta=meta, nopad_kv_cache=cache.layers).logits[0]
+            logits = model(
+                ids, position_ids=meta.position_ids[None], use_cache=False, nopad_meta=meta, nopad_kv_cache=cache.layers
+            ).logits[0]
             bounds = meta.cu_seqlens_q.tolist()
             for j, i in enumerate(active):
                 exp = expected[i][done[i] : done[i] + step[i]]
@@ -121,8 +122,13 @@ def test_kv_cache_as_callable():
     cache = PagedCache(model, 1, 6, 4)
     meta = VarlenMeta.for_step([6], [0], block_table=cache.table, slot_mapping=cache.slots(0, 0, 6))
     with use_nopad_attention(model), torch.no_grad():
-        logits = model(seq[None], position_ids=meta.position_ids[None], use_cache=False, nopad_meta=meta,
-                       nopad_kv_cache=lambda layer: cache.layers[layer]).logits[0]
+        logits = model(
+            seq[None],
+            position_ids=meta.position_ids[None],
+            use_cache=False,
+            nopad_meta=meta,
+            nopad_kv_cache=lambda layer: cache.layers[layer],
+        ).logits[0]
     torch.testing.assert_close(logits, alone_logits(model, [seq])[0], atol=1e-5, rtol=0)
 
 

@@ -48,8 +48,7 @@ def _imported(tree: ast.AST) -> set[str]:
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names |= {a.asname or a.name.split(".")[0] for a in node.names
-                      if a.name.startswith("transformers")}
+            names |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("transformers")}
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("transformers"):
             names |= {a.asname or a.name for a in node.names}
     return names
@@ -61,8 +60,11 @@ def _transformers_module(node: ast.AST, imported: set[str]) -> bool:
         node = node.value
     if isinstance(node, ast.Subscript):
         key = node.slice
-        return (ast.unparse(node.value) == "sys.modules" and isinstance(key, ast.Constant)
-                and str(key.value).startswith("transformers"))
+        return (
+            ast.unparse(node.value) == "sys.modules"
+            and isinstance(key, ast.Constant)
+            and str(key.value).startswith("transformers")
+        )
     return isinstance(node, ast.Name) and node.id in imported
 
 
@@ -91,10 +93,16 @@ def reached(source: str) -> set[str]:
                 found.add(node.attr)
             elif isinstance(node.ctx, ast.Store) and _transformers_module(node.value, imported):
                 found.add(node.attr)
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in CHECKERS
-              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
-              and isinstance(node.args[1].value, str) and _private(node.args[1].value)
-              and _holds_transformers(node.args[0], imported)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in CHECKERS
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+            and _holds_transformers(node.args[0], imported)
+        ):
             found.add(node.args[1].value)
     return found
 
@@ -111,14 +119,21 @@ LISTED = {touch.name.rsplit(".", 1)[-1] for touch in compat.TOUCHED}
 
 
 def test_every_transformers_name_the_code_reaches_into_is_listed():
-    unlisted = {f"{path.relative_to(ROOT)}: {name}" for path in library_modules()
-                for name in reached(path.read_text()) if name not in LISTED}
-    assert not unlisted, ("these modules reach into transformers by names packing/hf/compat.py does not list "
-                          f"(add each to TOUCHED, with how to check it): {sorted(unlisted)}")
+    unlisted = {
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in library_modules()
+        for name in reached(path.read_text())
+        if name not in LISTED
+    }
+    assert not unlisted, (
+        "these modules reach into transformers by names packing/hf/compat.py does not list "
+        f"(add each to TOUCHED, with how to check it): {sorted(unlisted)}"
+    )
 
 
 def test_the_scan_sees_the_known_uses():
     """Not vacuous: the uses the fence was written for are found, each where it is."""
+
     def at(module: str) -> set[str]:
         return reached((ROOT / module).read_text())
 
@@ -126,9 +141,11 @@ def test_the_scan_sees_the_known_uses():
     assert "_is_stateful" in at("packing/mixers/support.py")
     assert "_prepare_inputs" in at("training/trainer.py")
     assert "use_kernel_func_from_hub_with_fallback" in at("packing/mixers/hf_kernels.py")
-    sample = ("from transformers.utils import _private, logging\nimport transformers as t\n"
-              "t.modeling_utils.hook = 1\nself._mine = model._theirs\nmodule._parameters\n"
-              "getattr(type(model), '_flag')\nsuper()._step()\nlogging._level\nfn._nopad_mark = 1\n")
+    sample = (
+        "from transformers.utils import _private, logging\nimport transformers as t\n"
+        "t.modeling_utils.hook = 1\nself._mine = model._theirs\nmodule._parameters\n"
+        "getattr(type(model), '_flag')\nsuper()._step()\nlogging._level\nfn._nopad_mark = 1\n"
+    )
     assert reached(sample) == {"_private", "hook", "_theirs", "_flag", "_step", "_level"}
 
 
@@ -239,8 +256,9 @@ def test_a_missing_name_or_changed_signature_is_refused_naming_it(fresh, monkeyp
     message = str(error.value)
     assert "\n" not in message and "differs where nopad reaches into it" in message
     assert "transformers.modeling_utils.PreTrainedModel._is_stateful is gone" in message
-    assert ("transformers.integrations.hub_kernels.use_kernel_func_from_hub_with_fallback takes no "
-            "internal_path") in message
+    assert (
+        "transformers.integrations.hub_kernels.use_kernel_func_from_hub_with_fallback takes no internal_path"
+    ) in message
 
 
 def test_changed_source_and_kernel_globals_are_named(monkeypatch):
@@ -257,7 +275,8 @@ def test_changed_source_and_kernel_globals_are_named(monkeypatch):
     monkeypatch.setattr(modeling_bamba, "mamba2_chunk_scan", mamba2_chunk_scan)
     assert compat.problems() == [
         "transformers.models.llama.modeling_llama.LlamaAttention.forward no longer has '**kwargs'",
-        "transformers.models.bamba.modeling_bamba.mamba2_chunk_scan is no longer made by the kernel hook"]
+        "transformers.models.bamba.modeling_bamba.mamba2_chunk_scan is no longer made by the kernel hook",
+    ]
 
 
 def test_many_differences_are_named_three_then_counted(fresh, monkeypatch):

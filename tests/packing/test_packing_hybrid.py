@@ -43,8 +43,7 @@ def exact(report) -> bool:
     """The bar: logits within 1e-5, the whole gradient within 1e-5 relative, and verify's own
     per-tensor bound (which floors a tensor's scale at 1e-3 of the whole gradient: in these tiny random
     models some decay parameters, ``dt_bias`` / ``A_log``, get a gradient 1e-8 of the whole one)."""
-    return (report.max_logit_diff <= 1e-5 * max(1.0, report.logit_scale) and report.grad_rel_diff <= 1e-5
-            and report.ok())
+    return report.max_logit_diff <= 1e-5 * max(1.0, report.logit_scale) and report.grad_rel_diff <= 1e-5 and report.ok()
 
 
 def tree_sequences(depth: int, seed: int = 0) -> list[torch.Tensor]:
@@ -119,7 +118,7 @@ def _conv_alone(x, weight, bias, activation, state):
     full = torch.cat([state, x], dim=1)
     out = F.conv1d(full[None], weight[:, None], bias, groups=x.shape[0])[0]
     out = F.silu(out) if activation else out
-    return out, full[:, -(weight.shape[1] - 1):]
+    return out, full[:, -(weight.shape[1] - 1) :]
 
 
 @pytest.mark.parametrize("layout", ["(1, T, C)", "(C, T)"])
@@ -131,8 +130,9 @@ def test_varlen_conv_with_initial_and_final_states(layout):
     init = torch.randn(len(lengths), channels, kernel - 1)
     cu = torch.tensor(np.concatenate(([0], np.cumsum(lengths))), dtype=torch.int32)
     arg = x.t()[None] if layout == "(1, T, C)" else x
-    out, final = varlen_causal_conv1d(arg, weight, bias, "silu", cu_seqlens=cu, initial_states=init,
-                                      return_final_states=True)
+    out, final = varlen_causal_conv1d(
+        arg, weight, bias, "silu", cu_seqlens=cu, initial_states=init, return_final_states=True
+    )
     out = out[0].t() if layout == "(1, T, C)" else out
     for i in range(len(lengths)):
         a, b = int(cu[i]), int(cu[i + 1])
@@ -143,10 +143,14 @@ def test_varlen_conv_with_initial_and_final_states(layout):
         torch.testing.assert_close(out[:, a:b], want, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(final[i], want_state, rtol=0, atol=0)
     zero = varlen_causal_conv1d(x, weight, None, None, meta=VarlenMeta.from_lengths(lengths))
-    want = torch.cat([_conv_alone(x[:, int(cu[i]):int(cu[i + 1])], weight, None, False,
-                                  torch.zeros(channels, kernel - 1))[0]
-                      for i in range(len(lengths)) if lengths[i]],
-                     dim=1)
+    want = torch.cat(
+        [
+            _conv_alone(x[:, int(cu[i]) : int(cu[i + 1])], weight, None, False, torch.zeros(channels, kernel - 1))[0]
+            for i in range(len(lengths))
+            if lengths[i]
+        ],
+        dim=1,
+    )
     torch.testing.assert_close(zero, want, rtol=1e-6, atol=1e-6)
 
 
@@ -180,16 +184,26 @@ def test_varlen_delta_rule_with_initial_and_final_states():
     lengths = [70, 1, 0, 64, 3]
     q, k, v, g, beta = tensors = _rule_inputs(lengths)
     init = torch.randn(len(lengths), 4, 8, 8)
-    out, final = varlen_delta_rule(TORCH_RULE, *tensors, meta=VarlenMeta.from_lengths(lengths),
-                                   initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    out, final = varlen_delta_rule(
+        TORCH_RULE,
+        *tensors,
+        meta=VarlenMeta.from_lengths(lengths),
+        initial_state=init,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
     cu = np.concatenate(([0], np.cumsum(lengths)))
     for i in range(len(lengths)):
         a, b = cu[i], cu[i + 1]
         if a == b:
             assert torch.equal(final[i], init[i])
             continue
-        want, want_state = TORCH_RULE(*(t[:, a:b] for t in tensors), initial_state=init[i:i + 1],
-                                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+        want, want_state = TORCH_RULE(
+            *(t[:, a:b] for t in tensors),
+            initial_state=init[i : i + 1],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
         torch.testing.assert_close(out[:, a:b], want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(final[i], want_state[0], rtol=1e-5, atol=1e-5)
 
@@ -203,21 +217,26 @@ def test_own_chunked_rule_equals_transformers_per_piece_with_gradients():
     lengths, starts = [40, 1, 16, 33, 7], [60, 0, 2, 18, 51]  # out of row order; rows 1, 58, 59 unused
     tensors = [t.requires_grad_() for t in _rule_inputs([sum(lengths) + 3])]
     init = torch.randn(len(lengths), 4, 8, 8, requires_grad=True)
-    out, final = chunked_gated_delta_rule(*tensors, starts, lengths, initial_state=init, chunk_size=16,
-                                          use_qk_l2norm_in_kernel=True)
+    out, final = chunked_gated_delta_rule(
+        *tensors, starts, lengths, initial_state=init, chunk_size=16, use_qk_l2norm_in_kernel=True
+    )
     weights = torch.randn_like(out), torch.randn_like(final)
     grads = torch.autograd.grad((out * weights[0]).sum() + (final * weights[1]).sum(), [*tensors, init])
     want_out, want_final = [], []
     for i, (start, n) in enumerate(zip(starts, lengths)):
-        o, f = TORCH_RULE(*(t[:, start:start + n] for t in tensors), chunk_size=16,
-                          initial_state=init[i:i + 1], output_final_state=True, use_qk_l2norm_in_kernel=True)
+        o, f = TORCH_RULE(
+            *(t[:, start : start + n] for t in tensors),
+            chunk_size=16,
+            initial_state=init[i : i + 1],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
         want_out.append(o[0])
         want_final.append(f[0])
     want_out, want_final = torch.cat(want_out), torch.stack(want_final)
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(final, want_final, rtol=1e-5, atol=1e-5)
-    want_grads = torch.autograd.grad((want_out * weights[0]).sum() + (want_final * weights[1]).sum(),
-                                     [*tensors, init])
+    want_grads = torch.autograd.grad((want_out * weights[0]).sum() + (want_final * weights[1]).sum(), [*tensors, init])
     for got, want in zip(grads, want_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -235,8 +254,9 @@ def test_own_chunked_rule_flushes_subnormal_decays_without_moving_the_output():
     tiny = torch.finfo(torch.float32).tiny
     assert not ((decays > 0) & (decays < tiny)).any() and decays[-1] == 0
     out, final = chunked_gated_delta_rule(q, k, v, g, beta, [0], [128], use_qk_l2norm_in_kernel=True)
-    want, want_final = TORCH_RULE(q, k, v, g, beta, initial_state=None, output_final_state=True,
-                                  use_qk_l2norm_in_kernel=True)
+    want, want_final = TORCH_RULE(
+        q, k, v, g, beta, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
     torch.testing.assert_close(out, want[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(final, want_final, rtol=1e-5, atol=1e-6)
 
@@ -258,13 +278,22 @@ def test_own_ssd_scan_equals_transformers_per_piece_with_gradients():
     B, C = torch.randn(100, 2, 6, requires_grad=True), torch.randn(100, 2, 6, requires_grad=True)
     init = torch.randn(len(pieces), 4, 8, 6, requires_grad=True)
     options = dict(A=-3 * torch.rand(4), D=torch.randn(4), dt_bias=torch.randn(4), dt_softplus=True)
-    out, final = chunked_ssd_scan(x, dt, options["A"], B, C, pieces, init, chunk_size=16,
-                                  **{k: v for k, v in options.items() if k != "A"})
+    out, final = chunked_ssd_scan(
+        x, dt, options["A"], B, C, pieces, init, chunk_size=16, **{k: v for k, v in options.items() if k != "A"}
+    )
     want_out, want_final = [], []
     for i, (a, b) in enumerate(pieces):
-        o, f = scan(x[None, a:b], dt[None, a:b], options["A"], B[None, a:b], C[None, a:b], 16,
-                    initial_states=init[i:i + 1], return_final_states=True,
-                    **{k: v for k, v in options.items() if k != "A"})
+        o, f = scan(
+            x[None, a:b],
+            dt[None, a:b],
+            options["A"],
+            B[None, a:b],
+            C[None, a:b],
+            16,
+            initial_states=init[i : i + 1],
+            return_final_states=True,
+            **{k: v for k, v in options.items() if k != "A"},
+        )
         want_out.append(o[0])
         want_final.append(f[0])
     want_out, want_final = torch.cat(want_out), torch.stack(want_final)
@@ -304,8 +333,9 @@ def test_a_delta_rule_that_computes_otherwise_runs_itself(caplog):
     lengths = [70, 5, 20]
     tensors = _rule_inputs(lengths)
     with caplog.at_level("WARNING", logger="nopad.packing.mixers.chunked_delta_rule"):
-        out, _ = varlen_delta_rule(scaled, *tensors, meta=VarlenMeta.from_lengths(lengths),
-                                   use_qk_l2norm_in_kernel=True)
+        out, _ = varlen_delta_rule(
+            scaled, *tensors, meta=VarlenMeta.from_lengths(lengths), use_qk_l2norm_in_kernel=True
+        )
     assert "computes other than nopad's chunked gated delta rule" in caplog.text
     cu = np.concatenate(([0], np.cumsum(lengths)))
     for a, b in zip(cu[:-1], cu[1:]):
@@ -339,11 +369,26 @@ class KernelStandIns:
         for name, module in self.modules.items():
             module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None)
 
-    def chunk_gated_delta_rule(self, q, k, v, g, beta, scale=None, initial_state=None,
-                               output_final_state=False, use_qk_l2norm_in_kernel=False,
-                               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
-                               cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, cp_context=None,
-                               **kwargs):
+    def chunk_gated_delta_rule(
+        self,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=None,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        use_beta_sigmoid_in_kernel=False,
+        allow_neg_eigval=False,
+        state_v_first=False,
+        cu_seqlens=None,
+        cu_seqlens_cpu=None,
+        chunk_indices=None,
+        cp_context=None,
+        **kwargs,
+    ):
         assert q.shape[0] == 1 and cu_seqlens is not None, "fla varlen: batch 1 and cu_seqlens"
         assert cu_seqlens.dtype == torch.long and cu_seqlens.dim() == 1 and int(cu_seqlens[-1]) == q.shape[1]
         heads, v_heads = q.shape[2], v.shape[2]
@@ -360,9 +405,13 @@ class KernelStandIns:
         outs, finals = [], []
         for i in range(n):
             a, b = int(cu_seqlens[i]), int(cu_seqlens[i + 1])
-            init = None if initial_state is None else initial_state[i:i + 1]
-            out, final = TORCH_RULE(*(t[:, a:b] for t in (q, k, v, g, beta)), initial_state=init,
-                                    output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            init = None if initial_state is None else initial_state[i : i + 1]
+            out, final = TORCH_RULE(
+                *(t[:, a:b] for t in (q, k, v, g, beta)),
+                initial_state=init,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            )
             outs.append(out)
             finals.append(final)
         out = torch.cat(outs, dim=1)
@@ -370,8 +419,17 @@ class KernelStandIns:
             out = _RefusingBackward.apply(out, self.backward_error)
         return out, torch.cat(finals) if output_final_state else None
 
-    def causal_conv1d_fn(self, x, weight, bias=None, seq_idx=None, initial_states=None,
-                         return_final_states=False, final_states_out=None, activation=None):
+    def causal_conv1d_fn(
+        self,
+        x,
+        weight,
+        bias=None,
+        seq_idx=None,
+        initial_states=None,
+        return_final_states=False,
+        final_states_out=None,
+        activation=None,
+    ):
         if activation not in (None, "silu", "swish"):
             raise NotImplementedError("activation must be None, silu, or swish")
         if seq_idx is not None:
@@ -382,8 +440,13 @@ class KernelStandIns:
         bounds = torch.nonzero(torch.diff(seq_idx[0]), as_tuple=False).flatten() + 1
         cuts = [0, *bounds.tolist(), x.shape[2]]
         zero = x.new_zeros(x.shape[1], weight.shape[1] - 1)
-        return torch.cat([_conv_alone(x[0, :, a:b], weight, bias, activation is not None, zero)[0]
-                          for a, b in zip(cuts[:-1], cuts[1:])], dim=1)[None]
+        return torch.cat(
+            [
+                _conv_alone(x[0, :, a:b], weight, bias, activation is not None, zero)[0]
+                for a, b in zip(cuts[:-1], cuts[1:])
+            ],
+            dim=1,
+        )[None]
 
 
 class _RefusingBackward(torch.autograd.Function):
@@ -426,8 +489,10 @@ def test_packed_rows_go_to_fla_and_causal_conv1d_with_their_boundaries(kernel_st
     assert all(c == dict(seqs=3, initial=False) for c in fla[1:])
 
 
-HOPPER_REFUSAL = ("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated "
-                  "chunk_bwd_dqkwg (see #640). Please upgrade Triton to >= 3.7.1 or install tilelang")
+HOPPER_REFUSAL = (
+    "Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated "
+    "chunk_bwd_dqkwg (see #640). Please upgrade Triton to >= 3.7.1 or install tilelang"
+)
 
 
 def test_a_fla_whose_backward_refuses_here_leaves_training_to_the_reference(kernel_standins, one_thread):
@@ -435,15 +500,18 @@ def test_a_fla_whose_backward_refuses_here_leaves_training_to_the_reference(kern
     the forward has run. nopad tries the backward first, reports fla's message once, and trains
     on the reference (exact); a call with no gradient (the generator) is refused fla too."""
     kernel_standins.backward_error = HOPPER_REFUSAL
-    with pytest.warns(RuntimeWarning, match="chunk_gated_delta_rule is installed but its backward fails on "
-                                            "this device .*Hopper.*upgrade Triton"):
+    with pytest.warns(
+        RuntimeWarning,
+        match="chunk_gated_delta_rule is installed but its backward fails on this device .*Hopper.*upgrade Triton",
+    ):
         report = packing.verify(probed(tiny_model("qwen3_5"), kernel_standins), random_sequences((1, 70, 5)))
     assert exact(report), str(report)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("error")  # reported once
         q, k, v = torch.randn(1, 7, 2, 8), torch.randn(1, 7, 2, 8), torch.randn(1, 7, 2, 8)
-        varlen_delta_rule(TORCH_RULE, q, k, v, -torch.rand(1, 7, 2), torch.rand(1, 7, 2),
-                          meta=VarlenMeta.from_lengths([3, 4]))
+        varlen_delta_rule(
+            TORCH_RULE, q, k, v, -torch.rand(1, 7, 2), torch.rand(1, 7, 2), meta=VarlenMeta.from_lengths([3, 4])
+        )
     assert [c for name, c in kernel_standins.calls if name == "fla"] == [dict(seqs=2, initial=False)]
 
 
@@ -470,8 +538,7 @@ def test_real_fla_under_the_triton_interpreter_equals_the_torch_rule(tmp_path):
     heads, on the CPU under the Triton interpreter, and nopad's dispatch to it, against
     transformers' torch function per sequence (tests/support/fla_interpret.py; about a minute)."""
     script = Path(__file__).resolve().parents[1] / "support" / "fla_interpret.py"
-    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
-                          timeout=900)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
 
 
@@ -487,8 +554,9 @@ def test_a_kernel_package_that_fails_to_import_is_reported_once(monkeypatch, tmp
     monkeypatch.setenv(KERNELS_ENV, "reference")
     want = varlen_causal_conv1d(x, weight, cu_seqlens=cu)
     monkeypatch.setenv(KERNELS_ENV, "package")
-    with pytest.warns(RuntimeWarning, match="causal_conv1d.causal_conv1d_fn is installed but does not import"
-                                            ".*libcudart"):
+    with pytest.warns(
+        RuntimeWarning, match="causal_conv1d.causal_conv1d_fn is installed but does not import.*libcudart"
+    ):
         assert torch.equal(varlen_causal_conv1d(x, weight, cu_seqlens=cu), want)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # reported once: no second warning, no second import

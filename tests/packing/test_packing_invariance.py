@@ -38,7 +38,7 @@ def test_linear_rows_do_not_depend_on_their_batch(dtype, width):
     w, b = torch.randn(width, 96, generator=g).to(dtype), torch.randn(width, generator=g).to(dtype)
     full = invariant_linear(x, w, b)
     for start, count in [(0, 1), (5, 1), (17, 3), (63, 2), (1, 64), (40, 130), (0, 300)]:
-        assert torch.equal(invariant_linear(x[start:start + count], w, b), full[start:start + count])
+        assert torch.equal(invariant_linear(x[start : start + count], w, b), full[start : start + count])
     ref = F.linear(x.float(), w.float(), b.float())
     assert torch.allclose(full.float(), ref, atol=0.5 if dtype != torch.float32 else 1e-4, rtol=2e-2)
 
@@ -59,8 +59,7 @@ def test_moe_sized_gemms_are_bitwise_at_one_to_three_rows(dtype, k, n, rows, one
     with batch_invariant(), torch.no_grad():
         full = F.linear(x, w)
         for m in (1, 2, 3):
-            wrong = sum(not torch.equal(F.linear(x[s : s + m], w), full[s : s + m])
-                        for s in range(0, rows - m + 1, m))
+            wrong = sum(not torch.equal(F.linear(x[s : s + m], w), full[s : s + m]) for s in range(0, rows - m + 1, m))
             assert wrong == 0, f"{wrong} of {rows // m} calls of {m} rows differ from those rows among {rows}"
         assert torch.equal(F.linear(x[5:], w), full[5:])  # every row at another place in its tile
 
@@ -146,8 +145,11 @@ def _gemm_rows(fn) -> list[int]:
     log = _OpLog()
     with log:
         fn()
-    return [(args[1] if func is torch.ops.aten.addmm.default else args[0]).shape[-2]
-            for func, args, _ in log.calls if func in GEMMS]
+    return [
+        (args[1] if func is torch.ops.aten.addmm.default else args[0]).shape[-2]
+        for func, args, _ in log.calls
+        if func in GEMMS
+    ]
 
 
 def test_mode_belongs_to_its_thread():
@@ -180,8 +182,7 @@ def test_mode_belongs_to_its_thread():
     assert outside == {"rows": [5, 5], "enabled": False}
     # and the other way round: this thread in the mode, a plain thread outside it
     with batch_invariant():
-        plain = threading.Thread(target=lambda: outside.update(rows=_gemm_rows(lambda: lin(x)),
-                                                                enabled=is_enabled()))
+        plain = threading.Thread(target=lambda: outside.update(rows=_gemm_rows(lambda: lin(x)), enabled=is_enabled()))
         plain.start()
         plain.join(30)
         assert _gemm_rows(lambda: lin(x)) == [TILE_ROWS]
@@ -191,9 +192,11 @@ def test_mode_belongs_to_its_thread():
 # ----------------------------------------------------------------------------- attention kernel
 def _qkv(total_q, total_k, heads, kv_heads, dim, dtype, seed):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(total_q, heads, dim, generator=g).to(dtype),
-            torch.randn(total_k, kv_heads, dim, generator=g).to(dtype),
-            torch.randn(total_k, kv_heads, dim, generator=g).to(dtype))
+    return (
+        torch.randn(total_q, heads, dim, generator=g).to(dtype),
+        torch.randn(total_k, kv_heads, dim, generator=g).to(dtype),
+        torch.randn(total_k, kv_heads, dim, generator=g).to(dtype),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -228,8 +231,7 @@ def test_each_query_is_the_same_alone_packed_chunked_and_paged(lengths, block_si
     start = 0
     for n in lengths:
         sl = slice(start, start + n)
-        alone = kernel_attention.forward(q[sl], k[sl], v[sl], VarlenMeta.from_lengths([n]),
-                                         **opts)
+        alone = kernel_attention.forward(q[sl], k[sl], v[sl], VarlenMeta.from_lengths([n]), **opts)
         assert torch.equal(alone, packed[sl])
         # the sequence's K/V in a paged cache with scattered blocks, queried chunk by chunk
         blocks = -(-n // block_size)
@@ -245,8 +247,14 @@ def test_each_query_is_the_same_alone_packed_chunked_and_paged(lengths, block_si
             c1 = min(n, c0 + chunk)
             step = VarlenMeta.for_step([c1 - c0], [c0], block_table=table)
             out = kernel_attention.forward(
-                q[sl][c0:c1], cache_k.view(-1, 2, 16), cache_v.view(-1, 2, 16), step,
-                table=table, block_size=block_size, **opts)
+                q[sl][c0:c1],
+                cache_k.view(-1, 2, 16),
+                cache_v.view(-1, 2, 16),
+                step,
+                table=table,
+                block_size=block_size,
+                **opts,
+            )
             assert torch.equal(out, packed[sl][c0:c1])
         start += n
 
@@ -296,12 +304,24 @@ class _OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
-         torch.ops.aten.matmul.default, torch.ops.aten.baddbmm.default, torch.ops.aten.mm.out,
-         torch.ops.aten.bmm.out}
-REDUCTIONS = {torch.ops.aten.mean.dim, torch.ops.aten.sum.dim_IntList, torch.ops.aten.amax.default,
-              torch.ops.aten._log_softmax.default, torch.ops.aten._softmax.default,
-              torch.ops.aten.var_mean.correction, torch.ops.aten.norm.ScalarOpt_dim}
+GEMMS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.matmul.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten.mm.out,
+    torch.ops.aten.bmm.out,
+}
+REDUCTIONS = {
+    torch.ops.aten.mean.dim,
+    torch.ops.aten.sum.dim_IntList,
+    torch.ops.aten.amax.default,
+    torch.ops.aten._log_softmax.default,
+    torch.ops.aten._softmax.default,
+    torch.ops.aten.var_mean.correction,
+    torch.ops.aten.norm.ScalarOpt_dim,
+}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -344,8 +364,7 @@ def test_op_audit_triton_set_leaves_no_gemm_or_row_reduction_to_torch(family):
     meta = VarlenMeta.from_lengths([7, 20])
     log = _OpLog()
     with use_nopad_attention(model), batch_invariant(kernels="triton"), torch.no_grad(), log:
-        logits = model(input_ids=row, position_ids=meta.position_ids[None], nopad_meta=meta,
-                       use_cache=False).logits
+        logits = model(input_ids=row, position_ids=meta.position_ids[None], nopad_meta=meta, use_cache=False).logits
         torch.log_softmax(logits, dim=-1)
     for func, args, _ in log.calls:
         if func in GEMMS:
@@ -360,8 +379,12 @@ def _gaps(model, prompts, params, gen_kwargs, capacity=512, kernels=None):
     with batch_invariant(kernels=kernels):
         gen = Generator(model, **gen_kwargs)
         outs = gen.generate(prompts, params, use_tqdm=False)
-        rollouts = [Rollout(list(p), list(c.token_ids), list(c.logprobs)) for p, o in zip(prompts, outs)
-                    for c in o.outputs if c.token_ids]
+        rollouts = [
+            Rollout(list(p), list(c.token_ids), list(c.logprobs))
+            for p, o in zip(prompts, outs)
+            for c in o.outputs
+            if c.token_ids
+        ]
         with use_nopad_attention(model), torch.no_grad():
             rows = pack_rollouts(rollouts, capacity)
             trainer = torch.cat([packed_logprobs(model, row) for row in rows])
@@ -378,8 +401,13 @@ def test_generator_logprobs_equal_training_forward_bitwise(family, dtype, one_th
     prompts += [shared + [5], shared + [9, 9]]  # prefix-cache hits
     params = SamplingParams(temperature=1.0, n=3, max_tokens=10, seed=1)
     # small token budget (chunked prefill), few blocks (preemption), 16-token blocks
-    trainer, generator, stats = _gaps(model, prompts, params, dict(
-        max_num_batched_tokens=19, max_num_seqs=6, num_blocks=9, block_size=16), capacity=128)
+    trainer, generator, stats = _gaps(
+        model,
+        prompts,
+        params,
+        dict(max_num_batched_tokens=19, max_num_seqs=6, num_blocks=9, block_size=16),
+        capacity=128,
+    )
     assert stats["preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
     assert trainer.numel() == generator.numel() > 0
     assert torch.equal(trainer, generator), f"max gap {(trainer - generator).abs().max():.3g}"
@@ -396,15 +424,18 @@ def test_generator_logprobs_equal_training_forward_bitwise(family, dtype, one_th
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 99),
 )
-def test_bitwise_whatever_the_batch(lengths, n, budget, cache_blocks, block_size, capacity, dtype, seed,
-                                    one_thread):
+def test_bitwise_whatever_the_batch(lengths, n, budget, cache_blocks, block_size, capacity, dtype, seed, one_thread):
     model = tiny_model("llama").to(dtype)
     prompts = [p.tolist() for p in random_sequences(lengths, seed=seed)]
     params = SamplingParams(temperature=1.0, n=n, max_tokens=8, seed=seed)
     blocks = max(cache_blocks, -(-(max(lengths) + 8) // block_size) + 1)
-    trainer, generator, _ = _gaps(model, prompts, params, dict(
-        max_num_batched_tokens=budget, max_num_seqs=4, num_blocks=blocks, block_size=block_size),
-        capacity=capacity)
+    trainer, generator, _ = _gaps(
+        model,
+        prompts,
+        params,
+        dict(max_num_batched_tokens=budget, max_num_seqs=4, num_blocks=blocks, block_size=block_size),
+        capacity=capacity,
+    )
     assert torch.equal(trainer, generator)
 
 
@@ -415,7 +446,12 @@ def test_bitwise_with_fp32_weights_under_bf16_autocast(family, one_thread):
     prompts = [p.tolist() for p in random_sequences([3, 41, 17, 60], seed=8)]
     params = SamplingParams(temperature=1.0, n=3, max_tokens=10, seed=1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        trainer, generator, stats = _gaps(model, prompts, params, dict(
-            max_num_batched_tokens=19, max_num_seqs=6, num_blocks=12, block_size=16), capacity=128)
+        trainer, generator, stats = _gaps(
+            model,
+            prompts,
+            params,
+            dict(max_num_batched_tokens=19, max_num_seqs=6, num_blocks=12, block_size=16),
+            capacity=128,
+        )
     assert stats["preemptions"] > 0
     assert torch.equal(trainer, generator), f"max gap {(trainer - generator).abs().max():.3g}"

@@ -29,7 +29,8 @@ pytestmark = pytest.mark.usefixtures("one_thread", "nopad_patches")
 # the Triton kernel set (what the mode runs on CUDA) on CPU tensors: under Triton's interpreter
 needs_triton_set = pytest.mark.skipif(
     torch.cuda.is_available() or not invariant_kernels.available()[0] or not invariant_kernels._interpreted(),
-    reason="the Triton kernel set on CPU needs triton and TRITON_INTERPRET=1 (tests/gpu covers CUDA)")
+    reason="the Triton kernel set on CPU needs triton and TRITON_INTERPRET=1 (tests/gpu covers CUDA)",
+)
 
 
 def hybrid_model(family: str, dtype: torch.dtype, **overrides):
@@ -44,8 +45,7 @@ def hybrid_model(family: str, dtype: torch.dtype, **overrides):
     return model
 
 
-def trainer_logprobs(model, rollouts, capacity: int, shared_prefix: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def trainer_logprobs(model, rollouts, capacity: int, shared_prefix: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The trainer's packed log-probs of ``rollouts`` and the generator's, in the same order."""
     with use_nopad_attention(model), torch.no_grad():
         rows = pack_rollouts(rollouts, capacity, shared_prefix=shared_prefix)
@@ -63,18 +63,24 @@ def test_rollout_logprobs_equal_the_trainers_bitwise(family, dtype):
     with batch_invariant():
         # a small token budget (prefill in chunks of 7, mixed prefill/decode steps) and a large one
         for budget, seqs in ((7, 3), (256, 10)):
-            gen = Generator(model, max_num_batched_tokens=budget, max_num_seqs=seqs, num_blocks=48,
-                            block_size=16)
+            gen = Generator(model, max_num_batched_tokens=budget, max_num_seqs=seqs, num_blocks=48, block_size=16)
             outs = gen.generate(prompts, params, use_tqdm=False)
-            runs.append([Rollout(list(p), list(c.token_ids), list(c.logprobs)) for p, o in zip(prompts, outs)
-                         for c in o.outputs if c.token_ids])
+            runs.append(
+                [
+                    Rollout(list(p), list(c.token_ids), list(c.logprobs))
+                    for p, o in zip(prompts, outs)
+                    for c in o.outputs
+                    if c.token_ids
+                ]
+            )
         assert [r.completion_ids for r in runs[0]] == [r.completion_ids for r in runs[1]]
         for rollouts in runs:
             for shared_prefix, capacity in ((False, 64), (True, 128)):  # flat rows, tree rows
                 trainer, generator = trainer_logprobs(model, rollouts, capacity, shared_prefix)
                 assert trainer.numel() == generator.numel() > 0
                 assert torch.equal(trainer, generator), (
-                    f"shared_prefix={shared_prefix}: max gap {(trainer - generator).abs().max():.3g}")
+                    f"shared_prefix={shared_prefix}: max gap {(trainer - generator).abs().max():.3g}"
+                )
 
 
 def test_kimi_linear_bf16_experts_fed_one_to_three_tokens_equal_the_trainer_bitwise():
@@ -86,9 +92,12 @@ def test_kimi_linear_bf16_experts_fed_one_to_three_tokens_equal_the_trainer_bitw
     params = SamplingParams(temperature=1.0, n=2, max_tokens=16, seed=5)
     with batch_invariant():
         gen = Generator(model, max_num_batched_tokens=7, max_num_seqs=3, num_blocks=48, block_size=16)
-        rollouts = [Rollout(list(p), list(c.token_ids), list(c.logprobs))
-                    for p, o in zip(prompts, gen.generate(prompts, params, use_tqdm=False))
-                    for c in o.outputs if c.token_ids]
+        rollouts = [
+            Rollout(list(p), list(c.token_ids), list(c.logprobs))
+            for p, o in zip(prompts, gen.generate(prompts, params, use_tqdm=False))
+            for c in o.outputs
+            if c.token_ids
+        ]
         trainer, generator = trainer_logprobs(model, rollouts, 64, shared_prefix=False)
     assert trainer.numel() == generator.numel() > 100
     gap = (trainer - generator).abs()
@@ -96,8 +105,10 @@ def test_kimi_linear_bf16_experts_fed_one_to_three_tokens_equal_the_trainer_bitw
 
 
 # one layer of each kind (the interpreter runs every Triton program in Python)
-TWO_LAYERS = {"qwen3_5": dict(layer_types=["linear_attention", "full_attention"]),
-              "bamba": dict(attn_layer_indices=[1])}
+TWO_LAYERS = {
+    "qwen3_5": dict(layer_types=["linear_attention", "full_attention"]),
+    "bamba": dict(attn_layer_indices=[1]),
+}
 
 
 @needs_triton_set
@@ -112,14 +123,18 @@ def test_rollout_logprobs_equal_the_trainers_bitwise_in_the_triton_set(family, d
     params = SamplingParams(temperature=1.0, n=2, max_tokens=3, seed=1)
     with batch_invariant(kernels="triton"):
         gen = Generator(model, max_num_batched_tokens=5, max_num_seqs=3, num_blocks=24, block_size=16)
-        rollouts = [Rollout(list(p), list(c.token_ids), list(c.logprobs))
-                    for p, o in zip(prompts, gen.generate(prompts, params, use_tqdm=False))
-                    for c in o.outputs if c.token_ids]
+        rollouts = [
+            Rollout(list(p), list(c.token_ids), list(c.logprobs))
+            for p, o in zip(prompts, gen.generate(prompts, params, use_tqdm=False))
+            for c in o.outputs
+            if c.token_ids
+        ]
         for shared_prefix, capacity in ((False, 64), (True, 128)):
             trainer, generator = trainer_logprobs(model, rollouts, capacity, shared_prefix)
             assert trainer.numel() == generator.numel() > 0
             assert torch.equal(trainer, generator), (
-                f"shared_prefix={shared_prefix}: max gap {(trainer - generator).abs().max():.3g}")
+                f"shared_prefix={shared_prefix}: max gap {(trainer - generator).abs().max():.3g}"
+            )
 
 
 @pytest.mark.parametrize("family", ["bamba", "nemotron_h"])
@@ -149,8 +164,7 @@ def _scan_inputs(lengths, seed=0):
     x = torch.randn(total, 4, 8, generator=g)
     dt = torch.randn(total, 4, generator=g)
     B, C = (torch.randn(total, 2, 16, generator=g) for _ in range(2))
-    scan = dict(D=torch.rand(4, generator=g), dt_bias=torch.rand(4, generator=g), dt_softplus=True,
-                dt_limit=(0.0, 2.0))
+    scan = dict(D=torch.rand(4, generator=g), dt_bias=torch.rand(4, generator=g), dt_softplus=True, dt_limit=(0.0, 2.0))
     return (x, dt, -torch.rand(4, generator=g) * 4, B, C), scan
 
 
@@ -177,8 +191,16 @@ def test_mamba2_steps_equal_the_whole_row_bitwise_and_the_chunk_scan_within_roun
     chunked = inspect.unwrap(mamba2_chunk_scan)
     for i, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
         rows = slice(start, end)
-        ref, final = chunked(x[None, rows], dt[None, rows], A, B[None, rows], C[None, rows], chunk_size=16,
-                             return_final_states=True, **scan)
+        ref, final = chunked(
+            x[None, rows],
+            dt[None, rows],
+            A,
+            B[None, rows],
+            C[None, rows],
+            chunk_size=16,
+            return_final_states=True,
+            **scan,
+        )
         torch.testing.assert_close(row[rows], ref[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(finals[i], final[0], atol=1e-5, rtol=1e-5)
 
@@ -233,8 +255,9 @@ def test_delta_rule_steps_equal_the_whole_row_bitwise_in_the_triton_set():
     )
 
     chunk = inspect.unwrap(torch_chunk_gated_delta_rule)
-    kwargs = dict(use_qk_l2norm_in_kernel=True, chunk_size=16,
-                  recurrent=inspect.unwrap(torch_recurrent_gated_delta_rule))
+    kwargs = dict(
+        use_qk_l2norm_in_kernel=True, chunk_size=16, recurrent=inspect.unwrap(torch_recurrent_gated_delta_rule)
+    )
     lengths = [2, 9, 4]
     tensors = _rule_inputs(lengths)
     with batch_invariant(kernels="triton"):
@@ -242,8 +265,14 @@ def test_delta_rule_steps_equal_the_whole_row_bitwise_in_the_triton_set():
         state, outs = torch.zeros(1, 4, 8, 8), []
         for start, end in ((2, 3), (3, 7), (7, 11)):
             piece = [t[:, start:end] for t in tensors]
-            out, state = varlen_delta_rule(chunk, *piece, meta=VarlenMeta.from_lengths([end - start]),
-                                           initial_state=state, output_final_state=True, **kwargs)
+            out, state = varlen_delta_rule(
+                chunk,
+                *piece,
+                meta=VarlenMeta.from_lengths([end - start]),
+                initial_state=state,
+                output_final_state=True,
+                **kwargs,
+            )
             outs.append(out)
     assert torch.equal(torch.cat(outs, 1), row[:, 2:11])
     with batch_invariant():
@@ -269,9 +298,15 @@ def test_delta_rule_steps_equal_the_whole_row_bitwise_in_the_mode():
     def stepped(step_sizes):
         state, outs, start = torch.zeros(1, 4, 8, 8), [], sum(lengths[:1])
         for size in step_sizes:
-            piece = [t[:, start:start + size] for t in tensors]
-            out, state = varlen_delta_rule(chunk, *piece, meta=VarlenMeta.from_lengths([size]),
-                                           initial_state=state, output_final_state=True, **kwargs)
+            piece = [t[:, start : start + size] for t in tensors]
+            out, state = varlen_delta_rule(
+                chunk,
+                *piece,
+                meta=VarlenMeta.from_lengths([size]),
+                initial_state=state,
+                output_final_state=True,
+                **kwargs,
+            )
             outs.append(out)
             start += size
         return torch.cat(outs, 1)
@@ -307,8 +342,7 @@ def test_one_token_pieces_take_the_token_by_token_rule_outside_the_mode():
     lengths = [1, 9, 1, 1]
     tensors, meta = _rule_inputs(lengths), VarlenMeta.from_lengths(lengths)
     state = torch.randn(len(lengths), 4, 8, 8, generator=torch.Generator().manual_seed(2))
-    kwargs = dict(meta=meta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                  chunk_size=16)
+    kwargs = dict(meta=meta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=16)
     ours, ours_state = varlen_delta_rule(chunk, *tensors, recurrent=counted, **kwargs)
     assert calls == [(3, 1)]  # the three one-token pieces, one batch of one step
     ref, ref_state = varlen_delta_rule(chunk, *tensors, **kwargs)
@@ -336,8 +370,15 @@ def test_conv_decode_steps_equal_the_packed_row_bitwise_in_the_mode(dtype):
         row = varlen_causal_conv1d(x, weight, bias, "silu", meta=VarlenMeta.from_lengths(lengths))[:, 5:22]
         state, steps = torch.zeros(1, channels, width - 1, dtype=dtype), []
         for t in range(5, 22):
-            out, state = varlen_causal_conv1d(x[:, t:t + 1], weight, bias, "silu", initial_states=state,
-                                              meta=VarlenMeta.from_lengths([1]), return_final_states=True)
+            out, state = varlen_causal_conv1d(
+                x[:, t : t + 1],
+                weight,
+                bias,
+                "silu",
+                initial_states=state,
+                meta=VarlenMeta.from_lengths([1]),
+                return_final_states=True,
+            )
             steps.append(out)
     assert torch.equal(row, torch.cat(steps, 1))
 
@@ -348,7 +389,7 @@ def test_pointwise_rows_do_not_depend_on_their_batch(func, dtype):
     """A gate of 4 values per token: outside the lanes, torch rounds the buffer's tail its own way."""
     x = (torch.rand(37, 4, generator=torch.Generator().manual_seed(1)) * 6 - 0.9).to(dtype)  # log1p: > -1
     batch = lane_pointwise(func, x)
-    assert all(torch.equal(lane_pointwise(func, x[i:i + 1]), batch[i:i + 1]) for i in range(len(x)))
+    assert all(torch.equal(lane_pointwise(func, x[i : i + 1]), batch[i : i + 1]) for i in range(len(x)))
     assert torch.allclose(batch.float(), func(x).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
     with batch_invariant():
         assert torch.equal(func(x), batch)

@@ -63,8 +63,9 @@ def decode_steps(state: LayerState, dtype: torch.dtype, call) -> tuple[torch.Ten
 def _assert_equal(trainer: torch.Tensor, generator: torch.Tensor, what: str) -> None:
     assert trainer.dtype == generator.dtype and trainer.shape == generator.shape
     differ = int((trainer != generator).sum())
-    assert differ == 0, (f"{what}: {differ} of {trainer.numel()} values differ, "
-                         f"max gap {(trainer - generator).abs().max():.3g}")
+    assert differ == 0, (
+        f"{what}: {differ} of {trainer.numel()} values differ, max gap {(trainer - generator).abs().max():.3g}"
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -79,13 +80,15 @@ def test_delta_rule_packed_row_equals_decode_steps_bitwise(dtype):
     rule = modeling_qwen3_5.torch_chunk_gated_delta_rule  # nopad's dispatcher around transformers' rule
 
     def step(rows, meta, kv_cache):
-        out, _ = rule(*(t[:, rows] for t in tensors), nopad_meta=meta, nopad_kv_cache=kv_cache,
-                      use_qk_l2norm_in_kernel=True)
+        out, _ = rule(
+            *(t[:, rows] for t in tensors), nopad_meta=meta, nopad_kv_cache=kv_cache, use_qk_l2norm_in_kernel=True
+        )
         return out[0]
 
     with batch_invariant():
-        trainer, finals = rule(*tensors, nopad_meta=VarlenMeta.from_lengths(LENGTHS), output_final_state=True,
-                               use_qk_l2norm_in_kernel=True)
+        trainer, finals = rule(
+            *tensors, nopad_meta=VarlenMeta.from_lengths(LENGTHS), output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
         state = conv_recurrent_state("rule", (1, 1), (v_heads, dim, dim))
         generator, cache, slot_of = decode_steps(state, dtype, step)
     # the fp32 states first: a rule run in another order changes most of their bits, but only a few
@@ -103,13 +106,23 @@ def test_mamba2_packed_row_equals_decode_steps_bitwise(dtype):
     B, C = (torch.randn(1, total, groups, size, generator=g).to(dtype) for _ in range(2))
     A = -torch.rand(heads, generator=g) * 0.3  # slow decay; fp32, as the layer computes it
     skip = (torch.rand(heads, generator=g) * 0.01).to(dtype)  # D x small beside C state
-    scan = dict(D=skip, dt_bias=torch.rand(heads, generator=g).to(dtype), dt_softplus=True,
-                dt_limit=(0.0, float("inf")), z=None)
+    scan = dict(
+        D=skip, dt_bias=torch.rand(heads, generator=g).to(dtype), dt_softplus=True, dt_limit=(0.0, float("inf")), z=None
+    )
     hook = modeling_bamba.mamba2_chunk_scan  # nopad's hook around transformers' chunk scan
 
     def step(rows, meta, kv_cache):
-        out = hook(x[:, rows], dt[:, rows], A, B[:, rows], C[:, rows], chunk_size=16, nopad_meta=meta,
-                   nopad_kv_cache=kv_cache, **scan)
+        out = hook(
+            x[:, rows],
+            dt[:, rows],
+            A,
+            B[:, rows],
+            C[:, rows],
+            chunk_size=16,
+            nopad_meta=meta,
+            nopad_kv_cache=kv_cache,
+            **scan,
+        )
         return out[0]
 
     with batch_invariant():
@@ -119,8 +132,7 @@ def test_mamba2_packed_row_equals_decode_steps_bitwise(dtype):
     _assert_equal(trainer[0], generator, "outputs")
 
 
-@pytest.mark.parametrize("module, activation", [(modeling_lfm2, None), (modeling_bamba, "silu")],
-                         ids=["lfm2", "bamba"])
+@pytest.mark.parametrize("module, activation", [(modeling_lfm2, None), (modeling_bamba, "silu")], ids=["lfm2", "bamba"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_causal_conv_packed_row_equals_decode_steps_bitwise(module, activation, dtype):
     g = torch.Generator().manual_seed(2)
@@ -131,8 +143,7 @@ def test_causal_conv_packed_row_equals_decode_steps_bitwise(module, activation, 
     conv = module.causal_conv1d_fn  # nopad's hook around transformers' conv
 
     def step(rows, meta, kv_cache):
-        return conv(x[:, :, rows], weight, bias, activation=activation, nopad_meta=meta,
-                    nopad_kv_cache=kv_cache)[0].t()
+        return conv(x[:, :, rows], weight, bias, activation=activation, nopad_meta=meta, nopad_kv_cache=kv_cache)[0].t()
 
     with batch_invariant():
         trainer = conv(x, weight, bias, activation=activation, nopad_meta=VarlenMeta.from_lengths(LENGTHS))

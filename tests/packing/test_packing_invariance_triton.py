@@ -16,9 +16,12 @@ from tests.packing.test_packing_invariance import _gaps
 from tests.support.models import random_sequences, tiny_model
 
 pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() and not invariant_kernels.available()[0]
-    or not torch.cuda.is_available() and not invariant_kernels._interpreted(),
-    reason="needs triton, and TRITON_INTERPRET=1 without CUDA")
+    not torch.cuda.is_available()
+    and not invariant_kernels.available()[0]
+    or not torch.cuda.is_available()
+    and not invariant_kernels._interpreted(),
+    reason="needs triton, and TRITON_INTERPRET=1 without CUDA",
+)
 DTYPES = (torch.float32, torch.float16)
 
 
@@ -29,15 +32,17 @@ def test_triton_ops_rows_do_not_depend_on_their_batch(dtype):
     w, b = torch.randn(40, 72, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)
     full = invariant_kernels.matmul(x, w, b)
     for start, count in [(0, 1), (3, 5), (63, 2), (10, 90)]:
-        assert torch.equal(invariant_kernels.matmul(x[start:start + count], w, b), full[start:start + count])
+        assert torch.equal(invariant_kernels.matmul(x[start : start + count], w, b), full[start : start + count])
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.2, rtol=2e-2)
     assert torch.allclose(full.float(), F.linear(x.float(), w.float(), b.float()), **tol)
     y = torch.randn(9, 300, generator=g).to(dtype) * 4
-    for fn, ref in [(invariant_kernels.row_mean, lambda t: t.mean(-1)),
-                    (invariant_kernels.softmax, lambda t: t.softmax(-1)),
-                    (lambda t: invariant_kernels.softmax(t, log=True), lambda t: t.log_softmax(-1))]:
+    for fn, ref in [
+        (invariant_kernels.row_mean, lambda t: t.mean(-1)),
+        (invariant_kernels.softmax, lambda t: t.softmax(-1)),
+        (lambda t: invariant_kernels.softmax(t, log=True), lambda t: t.log_softmax(-1)),
+    ]:
         out = fn(y)
-        assert all(torch.equal(fn(y[i:i + 2]), out[i:i + 2]) for i in range(0, 8, 3))
+        assert all(torch.equal(fn(y[i : i + 2]), out[i : i + 2]) for i in range(0, 8, 3))
         assert torch.allclose(out.float(), ref(y.float()), **tol)
 
 
@@ -75,8 +80,9 @@ def test_mode_routes_to_the_triton_set_and_keeps_the_ordinary_gradients():
     assert torch.equal(h, invariant_kernels.matmul(x.detach().reshape(-1, 16), w.detach()).view(3, 7, 12))
     got = torch.autograd.grad(out, (x, w))
     h = F.linear(x, w)
-    want = torch.autograd.grad((h.mean(-1, keepdim=True) + torch.log_softmax(h, dim=-1)
-                                + h.softmax(-1)).square().sum(), (x, w))
+    want = torch.autograd.grad(
+        (h.mean(-1, keepdim=True) + torch.log_softmax(h, dim=-1) + h.softmax(-1)).square().sum(), (x, w)
+    )
     for a, b in zip(got, want):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
     assert active_kernels() is None and kernel_set(x.device) == "cpu"
@@ -92,9 +98,14 @@ def test_generator_logprobs_equal_training_forward_bitwise_triton(family, dtype,
     prompts += [shared + [5], shared + [9, 9]]  # prefix-cache hits
     params = SamplingParams(temperature=1.0, n=2, max_tokens=6, seed=1)
     # small token budget (chunked prefill), few blocks (preemption), 4-token blocks
-    trainer, generator, stats = _gaps(model, prompts, params, dict(
-        max_num_batched_tokens=19, max_num_seqs=6, num_blocks=12, block_size=4), capacity=128,
-        kernels="triton")
+    trainer, generator, stats = _gaps(
+        model,
+        prompts,
+        params,
+        dict(max_num_batched_tokens=19, max_num_seqs=6, num_blocks=12, block_size=4),
+        capacity=128,
+        kernels="triton",
+    )
     assert stats["preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
     assert trainer.numel() == generator.numel() > 0
     assert torch.equal(trainer, generator), f"max gap {(trainer - generator).abs().max():.3g}"
@@ -106,9 +117,14 @@ def test_bitwise_whatever_the_batch_triton(budget, blocks, capacity, block_size,
     model = tiny_model("mistral").to(torch.float16)
     prompts = [p.tolist() for p in random_sequences([5, 30, 12], seed=budget)]
     params = SamplingParams(temperature=1.0, n=2, max_tokens=5, seed=budget)
-    trainer, generator, _ = _gaps(model, prompts, params, dict(
-        max_num_batched_tokens=budget, max_num_seqs=3, num_blocks=blocks, block_size=block_size),
-        capacity=capacity, kernels="triton")
+    trainer, generator, _ = _gaps(
+        model,
+        prompts,
+        params,
+        dict(max_num_batched_tokens=budget, max_num_seqs=3, num_blocks=blocks, block_size=block_size),
+        capacity=capacity,
+        kernels="triton",
+    )
     assert torch.equal(trainer, generator)
 
 

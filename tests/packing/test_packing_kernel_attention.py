@@ -12,8 +12,7 @@ from nopad.packing.varlen import VarlenMeta
 pytestmark = pytest.mark.skipif(kernel_attention.kernel() is None, reason="extension not built")
 
 
-def _paged_step(query_lens, context_lens, block_size, kv_heads, heads, dim=16, seed=0,
-                dtype=torch.float32):
+def _paged_step(query_lens, context_lens, block_size, kv_heads, heads, dim=16, seed=0, dtype=torch.float32):
     """A random paged cache holding every sequence's context + new tokens, in shuffled blocks."""
     gen = torch.Generator().manual_seed(seed)
     key_lens = [q + c for q, c in zip(query_lens, context_lens)]
@@ -29,12 +28,9 @@ def _paged_step(query_lens, context_lens, block_size, kv_heads, heads, dim=16, s
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
     pos = [np.arange(c, c + q) for q, c in zip(query_lens, context_lens)]
     slots = np.concatenate(
-        [table[i, p // block_size].numpy().astype(np.int64) * block_size + p % block_size
-         for i, p in enumerate(pos)]
+        [table[i, p // block_size].numpy().astype(np.int64) * block_size + p % block_size for i, p in enumerate(pos)]
     )
-    meta = VarlenMeta.for_step(
-        query_lens, context_lens, block_table=table, slot_mapping=torch.from_numpy(slots)
-    )
+    meta = VarlenMeta.for_step(query_lens, context_lens, block_table=table, slot_mapping=torch.from_numpy(slots))
     total = sum(query_lens)
     q = torch.randn(total, heads, dim, generator=gen)
     k = torch.randn(total, kv_heads, dim, generator=gen)
@@ -46,9 +42,17 @@ def _paged_step(query_lens, context_lens, block_size, kv_heads, heads, dim=16, s
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-@pytest.mark.parametrize("block_size,dtype", [(1, torch.float32), (16, torch.float32), (256, torch.float32),
-                                              (16, torch.bfloat16), (256, torch.bfloat16),
-                                              (16, torch.float16)])
+@pytest.mark.parametrize(
+    "block_size,dtype",
+    [
+        (1, torch.float32),
+        (16, torch.float32),
+        (256, torch.float32),
+        (16, torch.bfloat16),
+        (256, torch.bfloat16),
+        (16, torch.float16),
+    ],
+)
 @pytest.mark.parametrize("kv_heads,heads", [(1, 1), (2, 6), (4, 4)])
 @pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (None, 30.0), (5, 20.0)])
 def test_decode_step_matches_reference(block_size, kv_heads, heads, window, softcap, dtype):
@@ -57,8 +61,7 @@ def test_decode_step_matches_reference(block_size, kv_heads, heads, window, soft
     q, k, v, meta, cache = _paged_step(query_lens, context_lens, block_size, kv_heads, heads, dtype=dtype)
     opts = dict(sliding_window=window, softcap=softcap, softmax_scale=0.3)
     ref_cache = tuple(c.float() for c in cache)
-    ref = varlen_attention(q.float(), k.float(), v.float(), meta, kv_cache=ref_cache, backend="sdpa_loop",
-                           **opts)
+    ref = varlen_attention(q.float(), k.float(), v.float(), meta, kv_cache=ref_cache, backend="sdpa_loop", **opts)
     with torch.no_grad():
         got = varlen_attention(q, k, v, meta, kv_cache=cache, **opts)
     assert got.dtype == dtype
@@ -71,8 +74,9 @@ def test_mixed_step_decode_and_prefill_chunks(dtype):
     query_lens = [1, 9, 1, 4, 1, 40]
     context_lens = [20, 0, 3, 11, 0, 33]
     q, k, v, meta, cache = _paged_step(query_lens, context_lens, 4, 2, 4, dtype=dtype)
-    ref = varlen_attention(q.float(), k.float(), v.float(), meta, kv_cache=tuple(c.float() for c in cache),
-                           backend="sdpa_loop")
+    ref = varlen_attention(
+        q.float(), k.float(), v.float(), meta, kv_cache=tuple(c.float() for c in cache), backend="sdpa_loop"
+    )
     with torch.no_grad():
         got = varlen_attention(q, k, v, meta, kv_cache=cache)
     torch.testing.assert_close(got.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
@@ -94,8 +98,9 @@ def test_bad_block_table_is_an_error_not_a_crash():
     table = torch.tensor([[0, 1, 10**6]], dtype=torch.int32)
     flat = [c.view(-1, *c.shape[2:]) for c in cache]
     with pytest.raises(ValueError, match="block id out of range"):
-        kernel_attention.forward(q, *flat, VarlenMeta.for_step([1], [5], block_table=table), table=table,
-                                 block_size=2, scale=1.0)
+        kernel_attention.forward(
+            q, *flat, VarlenMeta.for_step([1], [5], block_table=table), table=table, block_size=2, scale=1.0
+        )
     with pytest.raises(ValueError, match="out of range"):
         kernel_attention.forward(q, k, v, VarlenMeta.for_step([1], [5]), scale=1.0)
 
@@ -113,10 +118,12 @@ def test_decode_matches_sdpa_for_head_shapes(group, dim, block_size, dtype):
     """GQA group sizes of real models (1, SmolLM2's 3, 8) and head dims of a whole number of the
     kernel's 16 lanes and not (72), with keys read in place from small and large KV blocks."""
     context_lens = [0, 31, 32, 33, 290]
-    q, k, v, meta, cache = _paged_step([1] * len(context_lens), context_lens, block_size, 2, 2 * group,
-                                       dim=dim, dtype=dtype)
-    ref = varlen_attention(q.float(), k.float(), v.float(), meta, kv_cache=tuple(c.float() for c in cache),
-                           backend="sdpa_loop")
+    q, k, v, meta, cache = _paged_step(
+        [1] * len(context_lens), context_lens, block_size, 2, 2 * group, dim=dim, dtype=dtype
+    )
+    ref = varlen_attention(
+        q.float(), k.float(), v.float(), meta, kv_cache=tuple(c.float() for c in cache), backend="sdpa_loop"
+    )
     with torch.no_grad():
         got = varlen_attention(q, k, v, meta, kv_cache=cache, backend="kernel")
     torch.testing.assert_close(got.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
@@ -131,16 +138,21 @@ def test_decode_path_and_block_path_give_the_same_bits(dtype, dim):
     n, heads, kv_heads = 70, 16, 2  # 8 tokens x 8 heads of a group: the transposed path
     q, k, v = (torch.randn(n, h, dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
     whole = kernel_attention.forward(q, k, v, VarlenMeta.from_lengths([n]), scale=0.2, softcap=30.0)
-    one_by_one = torch.cat([
-        kernel_attention.forward(q[t : t + 1], k[: t + 1], v[: t + 1], VarlenMeta.for_step([1], [t]),
-                                 scale=0.2, softcap=30.0)
-        for t in range(n)
-    ])
+    one_by_one = torch.cat(
+        [
+            kernel_attention.forward(
+                q[t : t + 1], k[: t + 1], v[: t + 1], VarlenMeta.for_step([1], [t]), scale=0.2, softcap=30.0
+            )
+            for t in range(n)
+        ]
+    )
     assert torch.equal(whole, one_by_one)
 
 
-@pytest.mark.skipif(kernel_attention.kernel() is None or kernel_attention.kernel().isa() != "avx512",
-                    reason="needs a CPU with AVX-512 to compare its path with the portable one")
+@pytest.mark.skipif(
+    kernel_attention.kernel() is None or kernel_attention.kernel().isa() != "avx512",
+    reason="needs a CPU with AVX-512 to compare its path with the portable one",
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim", [64, 72])
 @pytest.mark.parametrize("kv_heads,heads", [(2, 6), (1, 8)])
@@ -148,17 +160,26 @@ def test_decode_path_and_block_path_give_the_same_bits(dtype, dim):
 def test_portable_and_avx512_paths_give_the_same_bits(dtype, dim, kv_heads, heads, window, softcap, sinks):
     """Decode tokens (the per-key path), short chunks and 70-token chunks over cached keys (the
     rows path: 16 query rows per vector), with a window, a softcap or attention sinks."""
-    q, k, v, meta, cache = _paged_step([1, 9, 1, 20, 70], [40, 0, 3, 33, 50], 4, kv_heads, heads, dim=dim,
-                                       dtype=dtype)
+    q, k, v, meta, cache = _paged_step([1, 9, 1, 20, 70], [40, 0, 3, 33, 50], 4, kv_heads, heads, dim=dim, dtype=dtype)
     flat = [c.view(-1, *c.shape[2:]) for c in cache]
     ext = kernel_attention.kernel()
     runs = []
     try:
         for portable in (False, True):
             ext.set_portable(portable)
-            runs.append(kernel_attention.forward(q, *flat, meta, table=meta.block_table, block_size=4,
-                                                 scale=0.3, window=window, softcap=softcap,
-                                                 sinks=torch.linspace(-2, 3, heads) if sinks else None))
+            runs.append(
+                kernel_attention.forward(
+                    q,
+                    *flat,
+                    meta,
+                    table=meta.block_table,
+                    block_size=4,
+                    scale=0.3,
+                    window=window,
+                    softcap=softcap,
+                    sinks=torch.linspace(-2, 3, heads) if sinks else None,
+                )
+            )
     finally:
         ext.set_portable(False)
     assert torch.equal(runs[0], runs[1])

@@ -9,7 +9,8 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nopad.packing.head import chunked as lm_head
-from nopad.packing.head.chunked import LMHead, head_of, nll_sum, token_logprobs
+from nopad.packing.head.chunked import nll_sum, token_logprobs
+from nopad.packing.head.model_head import LMHead, head_of
 from nopad.packing.hf import use_nopad_attention
 from nopad.packing.row import IGNORE_INDEX, PackedRow
 from nopad.packing.varlen import VarlenMeta
@@ -21,7 +22,7 @@ def _row(lengths, prompt=3, seed=0) -> PackedRow:
     ids = torch.cat(random_sequences(lengths, seed=seed))
     labels, start = ids.clone(), 0
     for n in lengths:
-        labels[start: start + min(prompt, n)] = IGNORE_INDEX  # each sequence's first token has no loss
+        labels[start : start + min(prompt, n)] = IGNORE_INDEX  # each sequence's first token has no loss
         start += n
     return PackedRow.build(ids, labels, VarlenMeta.from_lengths(lengths))
 
@@ -100,9 +101,18 @@ def test_equals_the_full_logits_path(name, chunk):
     temperature = 0.7 if chunk == 5 else 1.0
     with use_nopad_attention(model):
         predict_at, targets = row.loss_tokens()
-        ours = _value_and_grads(model, lambda: token_logprobs(
-            model, row.model_kwargs(), predict_at, targets, temperature=temperature, entropy=True,
-            chunk_tokens=chunk))
+        ours = _value_and_grads(
+            model,
+            lambda: token_logprobs(
+                model,
+                row.model_kwargs(),
+                predict_at,
+                targets,
+                temperature=temperature,
+                entropy=True,
+                chunk_tokens=chunk,
+            ),
+        )
         ref = _value_and_grads(model, lambda: _full_logits(model, row, temperature))
     _assert_same(ours, ref)
 
@@ -117,11 +127,16 @@ def test_the_weighted_nll_equals_the_full_logits_path(name):
     predict_at, targets = row.loss_tokens()
     weights = torch.rand(targets.shape, generator=torch.Generator().manual_seed(2))
     with use_nopad_attention(model):
-        ours = _value_and_grads(model, lambda: (
-            nll_sum(model, row.model_kwargs(), predict_at, targets, weights, chunk_tokens=5)[None],
-            torch.zeros(1)))
-        ref = _value_and_grads(model, lambda: (-(weights * _full_logits(model, row, 1.0)[0]).sum()[None],
-                                               torch.zeros(1)))
+        ours = _value_and_grads(
+            model,
+            lambda: (
+                nll_sum(model, row.model_kwargs(), predict_at, targets, weights, chunk_tokens=5)[None],
+                torch.zeros(1),
+            ),
+        )
+        ref = _value_and_grads(
+            model, lambda: (-(weights * _full_logits(model, row, 1.0)[0]).sum()[None], torch.zeros(1))
+        )
     _assert_same(ours, ref)
 
 
@@ -131,8 +146,9 @@ def test_a_row_with_a_single_loss_token_and_one_with_none():
     with use_nopad_attention(model):
         predict_at, targets = row.loss_tokens()
         assert targets.numel() == 1
-        ours = _value_and_grads(model, lambda: token_logprobs(model, row.model_kwargs(), predict_at, targets,
-                                                              entropy=True))
+        ours = _value_and_grads(
+            model, lambda: token_logprobs(model, row.model_kwargs(), predict_at, targets, entropy=True)
+        )
         _assert_same(ours, _value_and_grads(model, lambda: _full_logits(model, row, 1.0)))
         none = _row([5], prompt=5)
         logps, ents = token_logprobs(model, none.model_kwargs(), *none.loss_tokens(), entropy=True)
@@ -178,8 +194,9 @@ def test_a_model_that_changes_its_logits_in_an_unknown_way_falls_back_to_its_log
     monkeypatch.setattr(lm_head, "_warned", set())
     row = _row([20, 9])
     with use_nopad_attention(model), caplog.at_level("WARNING", logger="nopad.packing.head.chunked"):
-        ours = _value_and_grads(model, lambda: token_logprobs(model, row.model_kwargs(), *row.loss_tokens(),
-                                                              temperature=0.8, entropy=True))
+        ours = _value_and_grads(
+            model, lambda: token_logprobs(model, row.model_kwargs(), *row.loss_tokens(), temperature=0.8, entropy=True)
+        )
         _assert_same(ours, _value_and_grads(model, lambda: _full_logits(model, row, 0.8)))
     assert "transforms the logits" in caplog.text and "full logits" in caplog.text
 
@@ -222,8 +239,15 @@ def test_the_row_logits_never_exist_with_a_151936_vocabulary():
     """Tracked allocation, not a timing: the full-logits path makes a T x V tensor, the chunked head
     nothing larger than one chunk's logits, and it saves no V-wide tensor for backward."""
     vocab, tokens, chunk = 151_936, 256, 32
-    model = tiny_model("llama", vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=1)
+    model = tiny_model(
+        "llama",
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     ids = torch.randint(3, vocab, (tokens,), generator=torch.Generator().manual_seed(0))
     labels = ids.clone()
     labels[0] = IGNORE_INDEX
@@ -267,8 +291,7 @@ def test_the_log_softmax_written_over_its_logits_has_the_same_bits(dtype, temper
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_generator_logprobs_equal_the_chunked_heads_bitwise_whatever_the_token_count(dtype, monkeypatch,
-                                                                                      one_thread):
+def test_generator_logprobs_equal_the_chunked_heads_bitwise_whatever_the_token_count(dtype, monkeypatch, one_thread):
     """In batch_invariant(): the generator's raw and tempered log-probs equal the trainer's through the
     chunked head bit for bit, whether the generator ran big or small steps and whatever the rows'
     token counts and the chunk size (a softcapped head)."""
@@ -281,9 +304,14 @@ def test_generator_logprobs_equal_the_chunked_heads_bitwise_whatever_the_token_c
         params = SamplingParams(temperature=temperature, n=2, max_tokens=8, seed=3)
         with batch_invariant():
             outs = Generator(model, max_num_batched_tokens=budget, num_blocks=64, block_size=16).generate(
-                prompts, params, use_tqdm=False)
-            rollouts = [Rollout(p, list(c.token_ids), list(c.temperature_logprobs))
-                        for p, o in zip(prompts, outs) for c in o.outputs if c.token_ids]
+                prompts, params, use_tqdm=False
+            )
+            rollouts = [
+                Rollout(p, list(c.token_ids), list(c.temperature_logprobs))
+                for p, o in zip(prompts, outs)
+                for c in o.outputs
+                if c.token_ids
+            ]
             for capacity, chunk in ((64, 1), (150, 7), (1000, 128)):
                 monkeypatch.setattr(lm_head, "CHUNK_TOKENS", chunk)
                 with use_nopad_attention(model), torch.no_grad():
@@ -305,7 +333,6 @@ def test_a_forward_in_batch_invariant_mode_backpropagates_outside_it():
             logps, _ = token_logprobs(model, row.model_kwargs(), *row.loss_tokens(), chunk_tokens=4)
         logps.sum().backward()
     assert all(p.grad is not None and bool(p.grad.isfinite().all()) for p in model.parameters())
-
 
 
 def _fp32_gradients(lm: LMHead, hidden, targets, weights):
@@ -353,13 +380,13 @@ def test_a_bf16_heads_gradients_are_summed_in_fp32_on_a_cpu_without_bf16_gemms(n
         return loss.detach(), (h.grad, lm.module.weight.grad, lm.module.bias.grad)
 
     for loss, grads in (
-            loss_and_grads(lambda h: head_nll_sum(lm, h, targets, weights, chunk_tokens=5, hooks=False)),
-            loss_and_grads(lambda h: -(weights * head_logprobs(lm, h, targets, chunk_tokens=5,
-                                                               hooks=False)[0]).sum())):
+        loss_and_grads(lambda h: head_nll_sum(lm, h, targets, weights, chunk_tokens=5, hooks=False)),
+        loss_and_grads(lambda h: -(weights * head_logprobs(lm, h, targets, chunk_tokens=5, hooks=False)[0]).sum()),
+    ):
         assert torch.equal(loss, -(weights * logps).sum())
         for ours, theirs in zip(grads, ref):
             assert ours.dtype == torch.bfloat16
             err, scale = (ours.float() - theirs).abs(), float(theirs.abs().max())
-            assert float(err.max()) <= 2 ** -7 * scale  # bf16 rounding, either way
+            assert float(err.max()) <= 2**-7 * scale  # bf16 rounding, either way
             if not native:  # fp32 sums rounded once to bf16: within one step
-                assert bool((err <= 2 ** -8 * theirs.abs() + 1e-6 * scale).all())
+                assert bool((err <= 2**-8 * theirs.abs() + 1e-6 * scale).all())

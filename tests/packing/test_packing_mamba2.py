@@ -180,8 +180,9 @@ def test_the_fused_training_kernel_gets_seq_idx(mamba_kernels):
     meta = VarlenMeta.from_lengths([len(s) for s in seqs])
     model.train()
     with use_nopad_attention(model):
-        packed = model(torch.cat(seqs)[None], position_ids=meta.position_ids[None], nopad_meta=meta,
-                       use_cache=False).logits[0]
+        packed = model(
+            torch.cat(seqs)[None], position_ids=meta.position_ids[None], nopad_meta=meta, use_cache=False
+        ).logits[0]
     assert mamba_kernels.names() == ["mamba_split_conv1d_scan_combined"] * mamba_layers(model)
     assert torch.allclose(packed, torch.cat(alone), atol=1e-5)
 
@@ -217,8 +218,9 @@ def test_a_nopad_packed_row_without_nopad_meta_is_refused():
     with use_nopad_attention(model):
         with pytest.raises(ValueError, match="without nopad_meta"):
             model(torch.cat(seqs)[None], position_ids=meta.position_ids[None], use_cache=False)
-        packed = model(torch.cat(seqs)[None], position_ids=meta.position_ids[None], nopad_meta=meta,
-                       use_cache=False).logits[0]
+        packed = model(
+            torch.cat(seqs)[None], position_ids=meta.position_ids[None], nopad_meta=meta, use_cache=False
+        ).logits[0]
         alone = model(seqs[0][None], use_cache=False).logits[0]  # one sequence: nothing to refuse
     assert torch.allclose(packed[:4], alone, atol=1e-5)
 
@@ -238,10 +240,20 @@ def test_a_release_whose_scan_computes_otherwise_leaves_its_family_refused(monke
     module = importlib.import_module("transformers.models.bamba.modeling_bamba")
     scan = inspect.unwrap(module.mamba2_chunk_scan.nopad_original)
 
-    def without_dt_limit(hidden_states, dt, A, B, C, chunk_size, initial_states=None,
-                         return_final_states=False, dt_limit=None, **kwargs):
-        return scan(hidden_states, dt, A, B, C, chunk_size, initial_states=initial_states,
-                    return_final_states=return_final_states, **kwargs)
+    def without_dt_limit(
+        hidden_states, dt, A, B, C, chunk_size, initial_states=None, return_final_states=False, dt_limit=None, **kwargs
+    ):
+        return scan(
+            hidden_states,
+            dt,
+            A,
+            B,
+            C,
+            chunk_size,
+            initial_states=initial_states,
+            return_final_states=return_final_states,
+            **kwargs,
+        )
 
     assert not chunked_ssd.matches(without_dt_limit)
     monkeypatch.setattr(module, "mamba2_chunk_scan", without_dt_limit)

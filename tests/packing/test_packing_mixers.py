@@ -45,10 +45,16 @@ from tests.support.models import (
 
 # the class each family's refusal must name (its token mixer)
 MIXER_CLASS = {
-    "qwen3_5": "Qwen3_5GatedDeltaNet", "qwen3_next": "Qwen3NextGatedDeltaNet",
-    "olmo_hybrid": "OlmoHybridGatedDeltaNet", "lfm2": "Lfm2ShortConv", "nemotron_h": "NemotronHMamba2Mixer",
-    "granitemoehybrid": "GraniteMoeHybridMambaLayer", "bamba": "BambaMixer", "falcon_h1": "FalconH1Mixer",
-    "jamba": "JambaMambaMixer", "kimi_linear": "KimiLinearDeltaAttention",
+    "qwen3_5": "Qwen3_5GatedDeltaNet",
+    "qwen3_next": "Qwen3NextGatedDeltaNet",
+    "olmo_hybrid": "OlmoHybridGatedDeltaNet",
+    "lfm2": "Lfm2ShortConv",
+    "nemotron_h": "NemotronHMamba2Mixer",
+    "granitemoehybrid": "GraniteMoeHybridMambaLayer",
+    "bamba": "BambaMixer",
+    "falcon_h1": "FalconH1Mixer",
+    "jamba": "JambaMambaMixer",
+    "kimi_linear": "KimiLinearDeltaAttention",
 }
 
 
@@ -90,14 +96,12 @@ def toy_model(mixer=ToyRecurrence):
 def packed_call(model, lengths=(5, 7)):
     seqs = random_sequences(lengths)
     meta = VarlenMeta.from_lengths([len(s) for s in seqs])
-    return dict(input_ids=torch.cat(seqs)[None], position_ids=meta.position_ids[None], nopad_meta=meta,
-                use_cache=False)
+    return dict(input_ids=torch.cat(seqs)[None], position_ids=meta.position_ids[None], nopad_meta=meta, use_cache=False)
 
 
 def tree_call():
     prompt, a, b = random_sequences((4, 3, 5))
-    paths = [TreePath(torch.cat([prompt, c]).tolist(), [False] + [True] * (len(prompt) + len(c) - 1))
-             for c in (a, b)]
+    paths = [TreePath(torch.cat([prompt, c]).tolist(), [False] + [True] * (len(prompt) + len(c) - 1)) for c in (a, b)]
     (row,) = pack_tree_rows(paths, capacity=64)
     return dict(row.model_kwargs(), use_cache=False)
 
@@ -264,8 +268,9 @@ def test_the_compiled_check_costs_no_graph_break():
     torch._dynamo.reset()
     with torch.no_grad():
         explained = torch._dynamo.explain(model)(**call)
-        breaks = [f"{frame.filename}:{frame.lineno}" for reason in explained.break_reasons
-                  for frame in reason.user_stack]
+        breaks = [
+            f"{frame.filename}:{frame.lineno}" for reason in explained.break_reasons for frame in reason.user_stack
+        ]
         assert explained.graph_break_count == 0, breaks
         compiled = torch.compile(model, backend="eager")(**call).logits
         torch.testing.assert_close(compiled, model(**call).logits, rtol=0, atol=0)
@@ -403,9 +408,13 @@ def test_bidirectional_attention_with_a_window_or_in_the_generator_is_refused():
 
     from tests.support.models import _COMMON
 
-    config = transformers.Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=8,
-                                           layer_types=["sliding_attention", "full_attention"],
-                                           use_bidirectional_attention=True)
+    config = transformers.Gemma3TextConfig(
+        **_COMMON,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        use_bidirectional_attention=True,
+    )
     torch.manual_seed(0)
     model = transformers.Gemma3ForCausalLM(config).eval()
     with pytest.raises(UnsupportedMixerError, match=r"Gemma3Attention \(layer 0\) is bidirectional"):
@@ -426,15 +435,20 @@ def test_a_rotary_scaling_switched_by_the_longest_sequence_is_kept_on_one_side(k
     from tests.support.models import _COMMON
 
     if kind == "longrope":
-        rope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
-                "long_factor": [4.0] * 8, "original_max_position_embeddings": 16}
-        config = transformers.Phi3Config(**{**_COMMON, "max_position_embeddings": 64},
-                                         original_max_position_embeddings=16, rope_parameters=rope)
+        rope = {
+            "rope_type": "longrope",
+            "rope_theta": 1e4,
+            "short_factor": [1.0] * 8,
+            "long_factor": [4.0] * 8,
+            "original_max_position_embeddings": 16,
+        }
+        config = transformers.Phi3Config(
+            **{**_COMMON, "max_position_embeddings": 64}, original_max_position_embeddings=16, rope_parameters=rope
+        )
         model_cls = transformers.Phi3ForCausalLM
     else:
         dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
-        config = transformers.LlamaConfig(**{**_COMMON, "max_position_embeddings": 16},
-                                          rope_parameters=dynamic)
+        config = transformers.LlamaConfig(**{**_COMMON, "max_position_embeddings": 16}, rope_parameters=dynamic)
         model_cls = transformers.LlamaForCausalLM
     torch.manual_seed(0)
     model = model_cls(config).eval()

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PUBLIC = ("nopad.packing", "nopad.dataloaders", "nopad.inference", "nopad.training", "nopad.recipes",
-          "nopad.assets")
+PUBLIC = ("nopad.packing", "nopad.dataloaders", "nopad.inference", "nopad.training", "nopad.recipes", "nopad.assets")
 
 # In a fresh interpreter: import every public module, check transformers is untouched, then fork and
 # run a 512x512 GEMM on two threads in the child; the parent reports the child's fate.
@@ -48,8 +47,9 @@ CHILD = textwrap.dedent(f"""
 @pytest.mark.timeout(240)
 def test_fork_after_importing_every_public_module_runs_a_threaded_gemm():
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    result = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=200)
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=200
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("child exit 0"), result.stdout
 

@@ -172,8 +172,9 @@ def greedy_margins(model, prompt, completion):
     return (top[:, 0] - top[:, 1]).tolist()
 
 
-@pytest.mark.parametrize("family,precision", [("llama", "bf16"), ("mistral", "fp16"), ("gemma2", "autocast"),
-                                              ("qwen2", "autocast")])
+@pytest.mark.parametrize(
+    "family,precision", [("llama", "bf16"), ("mistral", "fp16"), ("gemma2", "autocast"), ("qwen2", "autocast")]
+)
 def test_generator_on_flash_reads_blocks_in_place(monkeypatch, flash_standin, family, precision):
     """Chunked prefill, decode, prefix sharing (a 300-token shared prefix, n=2 forks) and
     preemption, all on flash-attn's paged kernel: default block size 256, no gather."""
@@ -195,8 +196,7 @@ def test_generator_on_flash_reads_blocks_in_place(monkeypatch, flash_standin, fa
         return gen, outs, forks, kv_dtype
 
     _, cpu_outs, cpu_forks, cpu_kv = run("sdpa_loop", num_blocks=64)
-    monkeypatch.setattr(attention.dispatch, "gather_kv",
-                        lambda *a, **k: pytest.fail("gathered K/V on the flash path"))
+    monkeypatch.setattr(attention.dispatch, "gather_kv", lambda *a, **k: pytest.fail("gathered K/V on the flash path"))
     with poisoned_default_device(monkeypatch):
         # 4 blocks of 256 for 4 sequences needing 5 (prefix shared): preemption
         gen, outs, forks, kv_dtype = run("flash", num_blocks=4)
@@ -233,15 +233,15 @@ def test_one_grpo_step_on_flash_in_bf16(monkeypatch, forced_flash):
     prompt_ids = [[5, 6, 7, 8], [9, 10, 11]]
     moved = []
     real_move = PackedRow.to
-    monkeypatch.setattr(PackedRow, "to",
-                        lambda row, device, **kw: moved.append(device) or real_move(row, device, **kw))
+    monkeypatch.setattr(PackedRow, "to", lambda row, device, **kw: moved.append(device) or real_move(row, device, **kw))
     gen = Generator(policy, num_blocks=8, max_num_batched_tokens=256)
     stepper = OptimizerStepper(policy, torch.optim.SGD(policy.parameters(), lr=1e-2), max_grad_norm=1.0)
     loss = GRPOStepConfig(batch_invariant=resolve_batch_invariant("auto", policy.device))
     before = policy.lm_head.weight.detach().clone()
     with use_nopad_attention(policy):
-        metrics = grpo_step(stepper, gen, [{}, {}], prompt_ids, checksum_reward, IdText(),
-                            SamplingParams(n=4, max_tokens=8), loss)
+        metrics = grpo_step(
+            stepper, gen, [{}, {}], prompt_ids, checksum_reward, IdText(), SamplingParams(n=4, max_tokens=8), loss
+        )
     assert gen.block_size == 256
     assert moved and all(d == policy.device for d in moved)  # every packed row moved to the model
     assert any(c["grad"] for c in forced_flash.calls) and any(c["paged"] for c in forced_flash.calls)
@@ -366,8 +366,9 @@ def test_an_attention_argument_nopad_does_not_implement_fails_clearly():
 
 
 def test_varlen_meta_to_keeps_int32_and_returns_self_on_the_same_device():
-    meta = VarlenMeta.for_step([1, 2], [3, 0], block_table=torch.zeros(2, 1, dtype=torch.int64),
-                               slot_mapping=torch.arange(3))
+    meta = VarlenMeta.for_step(
+        [1, 2], [3, 0], block_table=torch.zeros(2, 1, dtype=torch.int64), slot_mapping=torch.arange(3)
+    )
     assert meta.to("cpu") is meta and meta.device == torch.device("cpu")
     moved = meta.to("meta")
     assert moved.device == torch.device("meta") and moved.block_table.device == torch.device("meta")

@@ -19,13 +19,25 @@ from nopad.training.grpo import Rollout, empty_rollout_row, pack_rollouts, pair_
 from nopad.training.loss import row_loss_sum
 from tests.support import launch
 
-SFT_KEYS = ["input_ids", "labels", "position_ids", "nopad_meta", "seq_lens", "indices", "num_loss_tokens",
-            "num_loss_seqs"]
+SFT_KEYS = [
+    "input_ids",
+    "labels",
+    "position_ids",
+    "nopad_meta",
+    "seq_lens",
+    "indices",
+    "num_loss_tokens",
+    "num_loss_seqs",
+]
 
 
 def _row() -> PackedRow:
-    return PackedRow.build([5, 6, 7, 8, 9], [IGNORE_INDEX, 6, 7, IGNORE_INDEX, IGNORE_INDEX],
-                           VarlenMeta.from_lengths([3, 2]), indices=[4, 1])
+    return PackedRow.build(
+        [5, 6, 7, 8, 9],
+        [IGNORE_INDEX, 6, 7, IGNORE_INDEX, IGNORE_INDEX],
+        VarlenMeta.from_lengths([3, 2]),
+        indices=[4, 1],
+    )
 
 
 # ----------------------------------------------------------------------------- schema and builder
@@ -48,10 +60,12 @@ def test_build_refuses_parts_that_disagree():
     with pytest.raises(ValueError, match="token 2, the first of sequence 1"):
         PackedRow.build([1, 2, 3, 4], [IGNORE_INDEX, 2, 3, 4], meta)
     with pytest.raises(ValueError, match=r"gen_logprobs has shape \(3,\) but the row has 2 loss tokens"):
-        PackedRow.build([1, 2, 3, 4], [IGNORE_INDEX, 2, IGNORE_INDEX, 4], meta,
-                        token_values={"gen_logprobs": [0.0] * 3})
-    static = VarlenMeta.static_decode(torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.long),
-                                      torch.zeros(1, dtype=torch.long))
+        PackedRow.build(
+            [1, 2, 3, 4], [IGNORE_INDEX, 2, IGNORE_INDEX, 4], meta, token_values={"gen_logprobs": [0.0] * 3}
+        )
+    static = VarlenMeta.static_decode(
+        torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    )
     with pytest.raises(ValueError, match="static decode"):
         PackedRow.build([1], [IGNORE_INDEX], static)
 
@@ -59,8 +73,7 @@ def test_build_refuses_parts_that_disagree():
 def test_token_values_are_any_named_per_token_data():
     """The row carries per-token values by name without knowing them: checked, moved, kept by pair."""
     meta = VarlenMeta.from_lengths([2, 2])
-    row = PackedRow.build([1, 2, 3, 4], [IGNORE_INDEX, 2, IGNORE_INDEX, 4], meta,
-                          token_values={"weight": [0.5, 2]})
+    row = PackedRow.build([1, 2, 3, 4], [IGNORE_INDEX, 2, IGNORE_INDEX, 4], meta, token_values={"weight": [0.5, 2]})
     assert row.token_values["weight"].dtype == torch.float32 and list(row)[-1] == "token_values"
     both = row.with_token_values({"score": torch.tensor([1.0, -1.0], dtype=torch.float64)})
     assert sorted(both.token_values) == ["score", "weight"] and row.token_values.keys() == {"weight"}
@@ -76,9 +89,12 @@ def test_token_values_are_any_named_per_token_data():
 
 
 def test_collator_builds_through_the_builder():
-    row = PackedCollator(pad_to_multiple_of=4)([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "index": 4},
-                                                {"input_ids": [1, 2, 3, 4, 5, 6], "seq_lengths": [2, 4],
-                                                 "index": 7}])
+    row = PackedCollator(pad_to_multiple_of=4)(
+        [
+            {"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "index": 4},
+            {"input_ids": [1, 2, 3, 4, 5, 6], "seq_lengths": [2, 4], "index": 7},
+        ]
+    )
     assert isinstance(row, PackedRow)
     assert row.input_ids.tolist() == [[5, 6, 7, 1, 2, 3, 4, 5, 6, 0, 0, 0]]
     assert row.labels.tolist() == [[-100, 6, 7, -100, 2, -100, 4, 5, 6, -100, -100, -100]]
@@ -92,9 +108,11 @@ def test_collator_builds_through_the_builder():
 def test_tree_row_builds_through_the_builder():
     """Two paths sharing [1, 2, 3] and training on its last token (a model token before a fork):
     labelled once, read by two pairs, each with its own advantage."""
-    paths = [TreePath([1, 2, 3, 4, 5], [False, False, True, True, True], {"advantages": [0.0, 0, 1, 2, 3]}),
-             TreePath([1, 2, 3, 6], [False, False, True, True], {"advantages": [0.0, 0, 7, 8]}),
-             TreePath([7, 8, 9], [False, True, True], {"advantages": [0.0, 5, 6]})]
+    paths = [
+        TreePath([1, 2, 3, 4, 5], [False, False, True, True, True], {"advantages": [0.0, 0, 1, 2, 3]}),
+        TreePath([1, 2, 3, 6], [False, False, True, True], {"advantages": [0.0, 0, 7, 8]}),
+        TreePath([7, 8, 9], [False, True, True], {"advantages": [0.0, 5, 6]}),
+    ]
     (row,) = pack_tree_rows(paths, capacity=16)
     assert row.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
     assert row.labels.tolist() == [[-100, -100, 3, 4, 5, 6, -100, 8, 9]]
@@ -110,14 +128,17 @@ def test_tree_row_builds_through_the_builder():
     with pytest.raises(ValueError, match="no pair reads it"):
         PackedRow.build(row.input_ids, row.labels, row.nopad_meta, indices=[0, 1, 2], pairs=([0, 1], [0, 0]))
     with pytest.raises(ValueError, match="must index the row's 3 sequences"):
-        PackedRow.build(row.input_ids, row.labels, row.nopad_meta, indices=[0, 1, 2],
-                        pairs=(list(range(6)), [0, 0, 0, 0, 0, 3]))
+        PackedRow.build(
+            row.input_ids, row.labels, row.nopad_meta, indices=[0, 1, 2], pairs=(list(range(6)), [0, 0, 0, 0, 0, 3])
+        )
 
 
 def _rollouts() -> list[Rollout]:
-    return [Rollout([1, 2], [3, 4], [-0.5, -0.25], advantage=1.0),
-            Rollout([5], [6, 7, 8], [-1.0, -2.0, -3.0], advantage=-1.0),
-            Rollout([1, 2], [9], [-0.125], advantage=0.5)]
+    return [
+        Rollout([1, 2], [3, 4], [-0.5, -0.25], advantage=1.0),
+        Rollout([5], [6, 7, 8], [-1.0, -2.0, -3.0], advantage=-1.0),
+        Rollout([1, 2], [9], [-0.125], advantage=0.5),
+    ]
 
 
 def test_rollouts_pack_through_the_builder(monkeypatch):
@@ -160,8 +181,14 @@ def test_to_moves_the_model_and_loss_tensors_and_keeps_bookkeeping_on_the_host()
     row = pack_rollouts(_rollouts(), capacity=16)[0]
     moved = row.to("meta", non_blocking=True)
     assert moved is not row and row.input_ids.device.type == "cpu"
-    for t in (moved.input_ids, moved.labels, moved.position_ids, moved.token_values["gen_logprobs"],
-              moved.nopad_meta.cu_seqlens_q, moved.nopad_meta.key_index):
+    for t in (
+        moved.input_ids,
+        moved.labels,
+        moved.position_ids,
+        moved.token_values["gen_logprobs"],
+        moved.nopad_meta.cu_seqlens_q,
+        moved.nopad_meta.key_index,
+    ):
         assert t.device.type == "meta"
     assert moved.seq_lens.device.type == moved.indices.device.type == "cpu"
     assert (moved.num_loss_tokens, moved.num_loss_seqs) == (row.num_loss_tokens, row.num_loss_seqs)
@@ -249,10 +276,14 @@ def _two_rank_worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        result = {"world": distributed.world_size(), "rank": distributed.rank(),
-                  "sum": distributed.global_sum(2**24 + 1),  # exact only in float64
-                  "max": distributed.global_max(rank * 10),
-                  "any": distributed.any_rank(rank == 1), "none": distributed.any_rank(False)}
+        result = {
+            "world": distributed.world_size(),
+            "rank": distributed.rank(),
+            "sum": distributed.global_sum(2**24 + 1),  # exact only in float64
+            "max": distributed.global_max(rank * 10),
+            "any": distributed.any_rank(rank == 1),
+            "none": distributed.any_rank(False),
+        }
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -264,5 +295,4 @@ def test_distributed_helpers_on_two_gloo_ranks(tmp_path):
     launch.spawn(_two_rank_worker, args=(launch.free_port(), str(tmp_path)), nprocs=2, timeout=120)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for rank, got in enumerate(results):
-        assert got == {"world": 2, "rank": rank, "sum": 2.0 * (2**24 + 1), "max": 10.0, "any": True,
-                       "none": False}
+        assert got == {"world": 2, "rank": rank, "sum": 2.0 * (2**24 + 1), "max": 10.0, "any": True, "none": False}

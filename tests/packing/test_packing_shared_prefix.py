@@ -38,10 +38,15 @@ def test_attention_reads_the_prompt_in_place_forward_and_backward(backend, windo
     rows = meta.key_rows
     # reference: every sequence copied out (prompt repeated), keeping the outputs of its own tokens
     opts = dict(sliding_window=window, softcap=softcap)
-    ref_full = varlen_attention(q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows),
-                                flat, backend="sdpa_loop", **opts)
-    keep = torch.cat([torch.arange(flat.cu_seqlens_q[i + 1] - meta.seqlens_q[i], flat.cu_seqlens_q[i + 1])
-                      for i in range(meta.num_seqs)])
+    ref_full = varlen_attention(
+        q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows), flat, backend="sdpa_loop", **opts
+    )
+    keep = torch.cat(
+        [
+            torch.arange(flat.cu_seqlens_q[i + 1] - meta.seqlens_q[i], flat.cu_seqlens_q[i + 1])
+            for i in range(meta.num_seqs)
+        ]
+    )
     ref = ref_full[keep]
     out = varlen_attention(q, k, v, meta, backend=backend, **opts)
     _close(out, ref, what="forward")
@@ -79,8 +84,11 @@ def _rollouts(seed=0):
     (as its advantage: the loss below is -sum(advantage * logp), one weight per token)."""
     seqs = iter(random_sequences([p for p, _ in GROUPS] + [c for _, cs in GROUPS for c in cs], seed=seed))
     prompts = [next(seqs).tolist() for _ in GROUPS]
-    return [Rollout(prompts[g], next(seqs).tolist(), advantage=float(g - j))
-            for g, (_, cs) in enumerate(GROUPS) for j in range(len(cs))]
+    return [
+        Rollout(prompts[g], next(seqs).tolist(), advantage=float(g - j))
+        for g, (_, cs) in enumerate(GROUPS)
+        for j in range(len(cs))
+    ]
 
 
 def _run(model, rows, rollouts):
@@ -122,23 +130,28 @@ def test_logprobs_loss_and_gradients_equal_usual_packing(family, capacity, backe
 
 
 # ----------------------------------------------------------------------------- generator == trainer
-@pytest.mark.parametrize("family,dtype", [("llama", torch.float32), ("mistral", torch.float32),
-                                          ("gemma2", torch.float32), ("qwen2", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "family,dtype",
+    [("llama", torch.float32), ("mistral", torch.float32), ("gemma2", torch.float32), ("qwen2", torch.bfloat16)],
+)
 def test_shared_prefix_logprobs_equal_the_generators_bitwise(family, dtype, one_thread):
     model = tiny_model(family).to(dtype)
     prompts = [p.tolist() for p in random_sequences([14, 30, 5], seed=3)]
     params = SamplingParams(temperature=1.0, n=4, max_tokens=9, seed=2)
     with batch_invariant():
         outs = Generator(model, block_size=16, num_blocks=32).generate(prompts, params, use_tqdm=False)
-        rollouts = [Rollout(list(p), list(c.token_ids), list(c.logprobs)) for p, o in zip(prompts, outs)
-                    for c in o.outputs if c.token_ids]
+        rollouts = [
+            Rollout(list(p), list(c.token_ids), list(c.logprobs))
+            for p, o in zip(prompts, outs)
+            for c in o.outputs
+            if c.token_ids
+        ]
         with use_nopad_attention(model), torch.no_grad():
             rows = pack_rollouts(rollouts, capacity=40)  # the 30-token prompt's group is split
             trainer = torch.cat([packed_logprobs(model, row) for row in rows])
     generator = torch.cat([row.token_values["gen_logprobs"] for row in rows])
     assert any(r["nopad_meta"].key_index is not None for r in rows)
-    assert sum(r["input_ids"].numel() for r in rows) < sum(len(r.prompt_ids) + len(r.completion_ids)
-                                                           for r in rollouts)
+    assert sum(r["input_ids"].numel() for r in rows) < sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
     prompt_rows = [tuple(r["input_ids"][0, :30].tolist()) for r in rows]
     assert prompt_rows.count(tuple(prompts[1])) >= 2  # split: its prompt repeated in each row
     assert trainer.numel() == generator.numel() > 0

@@ -22,9 +22,10 @@ from tests.support.models import random_sequences, tiny_model
 HEADS, KV_HEADS, DIM = 4, 2, 16
 SINK_BACKENDS = ("sdpa_loop", "sdpa_padded", "sdpa_dense", "per_token", "kernel")
 # nopad's Triton kernel, on CPU under the interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
-TRITON = pytest.mark.skipif(triton_kernel.triton is None or not (torch.cuda.is_available()
-                                                                  or triton_kernel.interpreted()),
-                            reason="triton is not installed (or neither CUDA nor its interpreter)")
+TRITON = pytest.mark.skipif(
+    triton_kernel.triton is None or not (torch.cuda.is_available() or triton_kernel.interpreted()),
+    reason="triton is not installed (or neither CUDA nor its interpreter)",
+)
 
 
 def eager_reference(q, k, v, meta, sinks, *, scale, window=None):
@@ -52,8 +53,12 @@ def eager_reference(q, k, v, meta, sinks, *, scale, window=None):
 
 def _qkv(total_q, total_k, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(total_q, HEADS, DIM, generator=g), torch.randn(total_k, KV_HEADS, DIM, generator=g),
-            torch.randn(total_k, KV_HEADS, DIM, generator=g), torch.randn(HEADS, generator=g) * 2)
+    return (
+        torch.randn(total_q, HEADS, DIM, generator=g),
+        torch.randn(total_k, KV_HEADS, DIM, generator=g),
+        torch.randn(total_k, KV_HEADS, DIM, generator=g),
+        torch.randn(HEADS, generator=g) * 2,
+    )
 
 
 @pytest.mark.parametrize("backend", SINK_BACKENDS + (pytest.param("triton", marks=TRITON),))
@@ -63,8 +68,7 @@ def test_every_sink_backend_matches_the_eager_formula_with_its_gradients(backend
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     q, k, v, sinks = (t.to(device).requires_grad_() for t in _qkv(meta.total_q, meta.total_k))
     meta = meta.to(device)
-    out = varlen_attention(q, k, v, meta, softmax_scale=0.25, sliding_window=window, sinks=sinks,
-                           backend=backend)
+    out = varlen_attention(q, k, v, meta, softmax_scale=0.25, sliding_window=window, sinks=sinks, backend=backend)
     ref = eager_reference(q, k, v, meta, sinks, scale=0.25, window=window)
     plain = varlen_attention(q, k, v, meta, softmax_scale=0.25, sliding_window=window, backend=backend)
     assert (plain - ref).abs().max() > 1e-2  # the sinks change the answer: the test can fail
@@ -87,22 +91,24 @@ def test_paged_steps_with_sinks_match_the_eager_formula(backend):
     need = [-(-(n + c) // block) for n, c in zip(lengths, context)]
     order = torch.randperm(sum(need) + 2, generator=torch.Generator().manual_seed(0)).to(torch.int32)
     table = torch.zeros(len(need), max(need), dtype=torch.int32)
-    table[0, :need[0]], table[1, :need[1]] = order[:need[0]], order[need[0]:sum(need)]
+    table[0, : need[0]], table[1, : need[1]] = order[: need[0]], order[need[0] : sum(need)]
     cache = (torch.zeros(len(order), block, KV_HEADS, DIM), torch.zeros(len(order), block, KV_HEADS, DIM))
     slots, start = [], 0
     for i, (n, c) in enumerate(zip(lengths, context)):
         positions = torch.arange(n + c)
         rows = table[i, positions // block].long() * block + positions % block
-        cache[0].view(-1, KV_HEADS, DIM)[rows[:c]] = k[start:start + c]
-        cache[1].view(-1, KV_HEADS, DIM)[rows[:c]] = v[start:start + c]
+        cache[0].view(-1, KV_HEADS, DIM)[rows[:c]] = k[start : start + c]
+        cache[1].view(-1, KV_HEADS, DIM)[rows[:c]] = v[start : start + c]
         slots.append(rows[c:])
         start += n + c
     step = VarlenMeta.for_step(lengths, context, block_table=table, slot_mapping=torch.cat(slots))
-    new = torch.cat([torch.arange(int(full.cu_seqlens_k[i]) + c, int(full.cu_seqlens_k[i + 1]))
-                     for i, c in enumerate(context)])
+    new = torch.cat(
+        [torch.arange(int(full.cu_seqlens_k[i]) + c, int(full.cu_seqlens_k[i + 1])) for i, c in enumerate(context)]
+    )
     with torch.no_grad():
-        out = varlen_attention(q, k[new], v[new], step, softmax_scale=0.25, kv_cache=cache, sinks=sinks,
-                               backend=backend)
+        out = varlen_attention(
+            q, k[new], v[new], step, softmax_scale=0.25, kv_cache=cache, sinks=sinks, backend=backend
+        )
     assert (out - ref).abs().max() < 2e-6
 
 
@@ -172,8 +178,13 @@ def test_sink_attention_rollout_equals_trainer_bitwise(gpt_oss, dtype, one_threa
     model = model.to(dtype)
     prompts = [p.tolist() for p in random_sequences([3, 21, 9], seed=8)]
     params = SamplingParams(temperature=1.0, n=2, max_tokens=8, seed=1)
-    trainer, generator, _ = _gaps(model, prompts, params, dict(
-        max_num_batched_tokens=11, max_num_seqs=4, num_blocks=16, block_size=16), capacity=64)
+    trainer, generator, _ = _gaps(
+        model,
+        prompts,
+        params,
+        dict(max_num_batched_tokens=11, max_num_seqs=4, num_blocks=16, block_size=16),
+        capacity=64,
+    )
     assert trainer.numel() == generator.numel() > 0
     assert torch.equal(trainer, generator), f"max gap {(trainer - generator).abs().max():.3g}"
 
@@ -188,8 +199,9 @@ def test_batch_invariant_training_row_with_sinks_has_the_eager_gradient():
     ref = eager_reference(q, k, v, meta, sinks, scale=0.25)
     assert (out - ref).abs().max() < 2e-6
     w = torch.randn_like(out)
-    for got, want in zip(torch.autograd.grad((out * w).sum(), (q, k, v, sinks)),
-                         torch.autograd.grad((ref * w).sum(), (q, k, v, sinks))):
+    for got, want in zip(
+        torch.autograd.grad((out * w).sum(), (q, k, v, sinks)), torch.autograd.grad((ref * w).sum(), (q, k, v, sinks))
+    ):
         assert (got - want).abs().max() < 2e-5
 
 

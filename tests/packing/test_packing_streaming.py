@@ -41,7 +41,9 @@ def test_overflow_modes():
     sp = StreamingPacker(4, 100, overflow="split")
     sp.add(10, "x")
     assert sorted(item for b in sp.flush() for item in b) == [
-        StreamItem("x", 2, 8), StreamItem("x", 4, 0), StreamItem("x", 4, 4)
+        StreamItem("x", 2, 8),
+        StreamItem("x", 4, 0),
+        StreamItem("x", 4, 4),
     ]
     assert sp.num_split == 1
     sp = StreamingPacker(4, 100, overflow="truncate")
@@ -100,9 +102,7 @@ def test_invariants(lengths, capacity, buffer_size, max_seqs, seed):
         assert all(len(b) <= max_seqs for b in bins)
     pieces = sorted((item.key, item.start, item.length) for b in bins for item in b)
     expected = sorted(
-        (i, s, min(capacity, length - s))
-        for i, length in enumerate(lengths)
-        for s in range(0, length, capacity)
+        (i, s, min(capacity, length - s)) for i, length in enumerate(lengths) for s in range(0, length, capacity)
     )
     assert pieces == expected
     assert sp.num_tokens_emitted == sum(lengths) and len(sp) == 0

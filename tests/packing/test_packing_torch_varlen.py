@@ -70,8 +70,7 @@ def test_backend_rule_by_torch_version(monkeypatch, torch_varlen):
 
 @pytest.mark.parametrize("family,precision", [("llama", "bf16"), ("qwen2", "fp16"), ("mistral", "autocast")])
 @pytest.mark.parametrize("version", ["2.10", "2.12"])
-def test_packed_training_on_torch_varlen_equals_cpu_path(monkeypatch, torch_varlen, family, precision,
-                                                         version):
+def test_packed_training_on_torch_varlen_equals_cpu_path(monkeypatch, torch_varlen, family, precision, version):
     standin = torch_varlen(version)
     model = precision_model(family, precision)
     seqs = random_sequences([5, 19, 1, 12])  # longer than the sliding window (8), and length 1
@@ -85,8 +84,9 @@ def test_packed_training_on_torch_varlen_equals_cpu_path(monkeypatch, torch_varl
     assert all(c["grad"] and not c["paged"] for c in standin.calls)
     gqa = model.config.num_key_value_heads != model.config.num_attention_heads
     # torch 2.12 reads GQA K/V as they are; 2.10 has no enable_gqa, so nopad repeats the KV heads
-    assert {c["kv_heads"] for c in standin.calls} == {model.config.num_key_value_heads if version == "2.12"
-                                                      else model.config.num_attention_heads}
+    assert {c["kv_heads"] for c in standin.calls} == {
+        model.config.num_key_value_heads if version == "2.12" else model.config.num_attention_heads
+    }
     assert {c["gqa"] for c in standin.calls} == {gqa and version == "2.12"}
     if family == "mistral":
         assert {c["window"] for c in standin.calls} == {(7, 0)}
@@ -127,8 +127,17 @@ def test_a_paged_step_with_grad_is_refused_by_the_standin(torch_varlen):
     q = torch.zeros(1, 1, 8, dtype=torch.bfloat16, requires_grad=True)
     cu = torch.tensor([0, 1], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="inference-only"):
-        standin.varlen_attn(q, k, k, cu, cu, 1, 1, block_table=torch.zeros(1, 1, dtype=torch.int32),
-                            seqused_k=torch.ones(1, dtype=torch.int32))
+        standin.varlen_attn(
+            q,
+            k,
+            k,
+            cu,
+            cu,
+            1,
+            1,
+            block_table=torch.zeros(1, 1, dtype=torch.int32),
+            seqused_k=torch.ones(1, dtype=torch.int32),
+        )
 
 
 @pytest.mark.parametrize("family,precision", [("llama", "bf16"), ("mistral", "fp16")])

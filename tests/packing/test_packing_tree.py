@@ -50,8 +50,14 @@ def test_depth_one_is_the_shared_prefix_layout():
 
 
 # depth 5, a path that ends inside another (a), a duplicate (c, e), single-token nodes ([9], [8], [7])
-DEEP = {"a": [1, 2, 3, 4, 5, 6], "b": [1, 2, 3, 4, 5, 6, 7], "c": [1, 2, 3, 4, 9], "d": [1, 2, 8],
-        "e": [1, 2, 3, 4, 9], "f": [1, 2, 3, 4, 5, 6, 7, 11, 12]}
+DEEP = {
+    "a": [1, 2, 3, 4, 5, 6],
+    "b": [1, 2, 3, 4, 5, 6, 7],
+    "c": [1, 2, 3, 4, 9],
+    "d": [1, 2, 8],
+    "e": [1, 2, 3, 4, 9],
+    "f": [1, 2, 3, 4, 5, 6, 7, 11, 12],
+}
 
 
 def _deep_paths(extras=False):
@@ -63,7 +69,7 @@ def _deep_paths(extras=False):
 
 
 def _nodes(node, depth=0):
-    ids = list(DEEP.values())[node.path][node.start:node.end]
+    ids = list(DEEP.values())[node.path][node.start : node.end]
     yield depth, ids, node.ends
     for child in node.children:
         yield from _nodes(child, depth + 1)
@@ -150,8 +156,9 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match=r"extra 'advantages' is 0.5 for 2 tokens; .* \[a\] \* len\(ids\)"):
         pack_tree_rows([TreePath([1, 2], [False, True], {"advantages": 0.5})], capacity=8)
     with pytest.raises(ValueError, match="same extras"):
-        pack_tree_rows([TreePath([1, 2], [False, True], {"advantages": [0.0, 1.0]}),
-                        TreePath([1, 3], [False, True])], capacity=8)
+        pack_tree_rows(
+            [TreePath([1, 2], [False, True], {"advantages": [0.0, 1.0]}), TreePath([1, 3], [False, True])], capacity=8
+        )
     with pytest.raises(ValueError, match="sequence 1 is empty"):
         pack_tree_rows([TreePath([1, 2]), TreePath([])], capacity=8)
 
@@ -165,10 +172,11 @@ def _attention_vs_paths(meta, backend, window, softcap, dtype=torch.float32):
     rows = meta.key_rows
     flat = VarlenMeta.from_lengths(meta.seqlens_k)
     opts = dict(sliding_window=window, softcap=softcap)
-    ref_full = varlen_attention(*(t.float().index_select(0, rows) for t in (q, k, v)), flat,
-                                backend="sdpa_loop", **opts)
+    ref_full = varlen_attention(
+        *(t.float().index_select(0, rows) for t in (q, k, v)), flat, backend="sdpa_loop", **opts
+    )
     ends = flat.cu_seqlens_q[1:].tolist()
-    ref = torch.cat([ref_full[end - lq: end] for end, lq in zip(ends, meta.seqlens_q)])
+    ref = torch.cat([ref_full[end - lq : end] for end, lq in zip(ends, meta.seqlens_q)])
     out = varlen_attention(q, k, v, meta, backend=backend, **opts)
     w = torch.randn(out.shape, generator=g)
     grads = torch.autograd.grad((out.float() * w).sum(), (q, k, v))
@@ -226,8 +234,7 @@ def branched_paths(seed, root_len, levels, vocab=128):
                 grown.append((ids + rng.integers(3, vocab, n).tolist(), mask + [depth % 2 == 1] * n))
         frontier = grown
     paths += frontier + frontier[:1]
-    return [TreePath(ids, mask, {"advantages": rng.standard_normal(len(ids)).tolist()})
-            for ids, mask in paths]
+    return [TreePath(ids, mask, {"advantages": rng.standard_normal(len(ids)).tolist()}) for ids, mask in paths]
 
 
 TREES = {  # windows are 8 tokens: nodes shorter and longer than a window
@@ -308,8 +315,10 @@ def test_split_trees_equal_each_path_alone(family, backend, tree, monkeypatch, o
     assert len(rows) > 1
 
 
-@pytest.mark.skipif(triton_kernel.triton is None or not triton_kernel.interpreted(),
-                    reason="the Triton kernel runs here only under TRITON_INTERPRET=1")
+@pytest.mark.skipif(
+    triton_kernel.triton is None or not triton_kernel.interpreted(),
+    reason="the Triton kernel runs here only under TRITON_INTERPRET=1",
+)
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 @pytest.mark.parametrize("tree,capacity", [("deep", 1024), ("wide", 30)])
 def test_tree_rows_through_the_triton_kernel(family, tree, capacity, monkeypatch, one_thread):

@@ -25,8 +25,10 @@ from tests.support.models import tiny_model
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = [
     pytest.mark.skipif(triton_kernel.triton is None, reason="triton is not installed"),
-    pytest.mark.skipif(DEVICE.type == "cpu" and not triton_kernel.interpreted(),
-                       reason="no CUDA and the Triton interpreter is off (TRITON_INTERPRET=0)"),
+    pytest.mark.skipif(
+        DEVICE.type == "cpu" and not triton_kernel.interpreted(),
+        reason="no CUDA and the Triton interpreter is off (TRITON_INTERPRET=0)",
+    ),
 ]
 CUDA = torch.device("cuda")
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -50,11 +52,14 @@ def _window(window, causal):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,dim,causal,window,softcap", [
-    (4, 2, 24, True, None, None),  # GQA, a head dim padded to 32
-    (2, 2, 16, True, 7, 20.0),  # sliding window and softcap
-    (3, 1, 80, False, None, 30.0),  # bidirectional, padded to 128
-])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,causal,window,softcap",
+    [
+        (4, 2, 24, True, None, None),  # GQA, a head dim padded to 32
+        (2, 2, 16, True, 7, 20.0),  # sliding window and softcap
+        (3, 1, 80, False, None, 30.0),  # bidirectional, padded to 128
+    ],
+)
 def test_flat_rows_equal_the_reference(dtype, heads, kv_heads, dim, causal, window, softcap):
     lengths = [5, 70, 1, 33]  # 70 tokens span several query tiles and key blocks
     q, k, v = _flat(lengths, heads, kv_heads, dim, dtype)
@@ -80,17 +85,18 @@ def test_paged_steps_read_blocks_in_place_and_equal_the_reference(monkeypatch, d
     GQA, with and without window and softcap."""
     query_lens, context_lens = [1, 1, 12, 1, 40], [0, 47, 20, 16, 5]
     for window, softcap in ((None, None), (9, 30.0)):
-        q, k, v, meta, cache = _paged_step(query_lens, context_lens, block_size, kv_heads=2, heads=4, dim=24,
-                                           dtype=dtype)
+        q, k, v, meta, cache = _paged_step(
+            query_lens, context_lens, block_size, kv_heads=2, heads=4, dim=24, dtype=dtype
+        )
         ref_cache = tuple(c.float() for c in cache)
         opts = dict(sliding_window=window, softcap=softcap, softmax_scale=0.3)
-        ref = varlen_attention(q.float(), k.float(), v.float(), meta, kv_cache=ref_cache, backend="sdpa_loop",
-                               **opts)
+        ref = varlen_attention(q.float(), k.float(), v.float(), meta, kv_cache=ref_cache, backend="sdpa_loop", **opts)
         cache = tuple(c.to(DEVICE) for c in cache)
         with torch.no_grad(), monkeypatch.context() as patch:
             patch.setattr(attention.dispatch, "gather_kv", lambda *a, **k: pytest.fail("gathered K/V"))
-            got = varlen_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), meta.to(DEVICE), kv_cache=cache,
-                                   backend="triton", **opts)
+            got = varlen_attention(
+                q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), meta.to(DEVICE), kv_cache=cache, backend="triton", **opts
+            )
         torch.testing.assert_close(got.float().cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -109,8 +115,10 @@ def _pages(k, v, block_size, seed=0):
     for t in (k, v):
         cache = torch.full((blocks, block_size, *t.shape[1:]), float("nan"), dtype=t.dtype, device=t.device)
         flat = cache.view(-1, *t.shape[1:])
-        slots = (order.to(t.device)[torch.arange(n, device=t.device) // block_size] * block_size
-                 + torch.arange(n, device=t.device) % block_size)
+        slots = (
+            order.to(t.device)[torch.arange(n, device=t.device) // block_size] * block_size
+            + torch.arange(n, device=t.device) % block_size
+        )
         flat[slots] = t
         caches.append(cache)
     return tuple(caches), order.to(torch.int32)[None, :].to(k.device)
@@ -122,8 +130,7 @@ def _paged_rows(q, k, v, start, stop, block_size, opts):
     (k_cache, v_cache), table = _pages(k[:stop], v[:stop], block_size)
     meta = VarlenMeta.for_step([stop - start], [start], block_table=table, device=q.device)
     k_flat, v_flat = (c.view(-1, *k.shape[1:]) for c in (k_cache, v_cache))
-    return triton_kernel.forward(q[start:stop], k_flat, v_flat, meta, table=table, block_size=block_size,
-                                 **opts)
+    return triton_kernel.forward(q[start:stop], k_flat, v_flat, meta, table=table, block_size=block_size, **opts)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -135,8 +142,12 @@ def test_a_query_gives_the_same_bits_alone_packed_chunked_paged_and_decoded(dtyp
     opts = dict(causal=True, scale=0.25, window=window, softcap=softcap)
     packed = triton_kernel.forward(q, k, v, VarlenMeta.from_lengths(lengths, device=DEVICE), **opts)
     reversed_order = triton_kernel.forward(
-        torch.cat([q[79:], q[70:79], q[:70]]), torch.cat([k[79:], k[70:79], k[:70]]),
-        torch.cat([v[79:], v[70:79], v[:70]]), VarlenMeta.from_lengths(lengths[::-1], device=DEVICE), **opts)
+        torch.cat([q[79:], q[70:79], q[:70]]),
+        torch.cat([k[79:], k[70:79], k[:70]]),
+        torch.cat([v[79:], v[70:79], v[:70]]),
+        VarlenMeta.from_lengths(lengths[::-1], device=DEVICE),
+        **opts,
+    )
     assert torch.equal(torch.cat([reversed_order[50:], reversed_order[41:50], reversed_order[:41]]), packed)
     q0, k0, v0, ref = q[:70], k[:70], v[:70], packed[:70]  # the 70-token sequence, in every other layout
     alone = triton_kernel.forward(q0, k0, v0, VarlenMeta.from_lengths([70], device=DEVICE), **opts)
@@ -156,13 +167,21 @@ def test_a_query_gives_the_same_bits_alone_packed_chunked_paged_and_decoded(dtyp
     table = torch.zeros(2, table0.shape[1], dtype=torch.int32, device=DEVICE)
     table[0], table[1, : table1.shape[1]] = table0[0], table1[0] + offset
     meta = VarlenMeta.for_step([30, 1], [40, 8], block_table=table, device=DEVICE)
-    mixed = triton_kernel.forward(torch.cat([q0[40:70], q[78:79]]), k_cache.view(-1, kv_heads, dim),
-                                  v_cache.view(-1, kv_heads, dim), meta, table=table, block_size=16, **opts)
+    mixed = triton_kernel.forward(
+        torch.cat([q0[40:70], q[78:79]]),
+        k_cache.view(-1, kv_heads, dim),
+        v_cache.view(-1, kv_heads, dim),
+        meta,
+        table=table,
+        block_size=16,
+        **opts,
+    )
     assert torch.equal(mixed, torch.cat([ref[40:70], packed[78:79]]))
     # the static decode step (lengths on the device, one query per row) gives the same bits
     lens = torch.tensor([46, 9], device=DEVICE)
-    static = triton_kernel.paged_decode(torch.cat([q0[45:46], q[78:79]]), k_cache, v_cache, table, lens, 0.25,
-                                        window or 0, softcap or 0.0)
+    static = triton_kernel.paged_decode(
+        torch.cat([q0[45:46], q[78:79]]), k_cache, v_cache, table, lens, 0.25, window or 0, softcap or 0.0
+    )
     assert torch.equal(static, torch.cat([ref[45:46], packed[78:79]]))
 
 
@@ -252,8 +271,7 @@ def test_training_rows_run_the_kernel_forward_and_a_recomputed_backward():
     shared = VarlenMeta.shared_prefix([(6, [3, 4])], device=DEVICE)
     qs, ks, vs = _flat([13], 4, 2, 16, torch.float32, seed=8)
     got = varlen_attention(qs, ks, vs, shared, backend="triton")
-    torch.testing.assert_close(got, varlen_attention(qs, ks, vs, shared, backend="sdpa_loop"), atol=1e-5,
-                               rtol=1e-5)
+    torch.testing.assert_close(got, varlen_attention(qs, ks, vs, shared, backend="sdpa_loop"), atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture
@@ -274,8 +292,7 @@ def no_flash_no_torch_varlen(monkeypatch):
 def test_the_rule_picks_triton_for_paged_cuda_steps(no_flash_no_torch_varlen):
     for dtype in DTYPES:
         assert choose_backend(CUDA, dtype, paged=True, block_size=16) == "triton"
-        assert choose_backend(CUDA, dtype, paged=True, block_size=32, softcap=50.0,
-                              sliding_window=8) == "triton"
+        assert choose_backend(CUDA, dtype, paged=True, block_size=32, softcap=50.0, sliding_window=8) == "triton"
     assert paged_block_size(CUDA, torch.bfloat16) == 16  # the generator allocates what triton reads
     with pytest.warns(RuntimeWarning, match="sdpa_loop"):  # 8-token blocks: gathered, per-sequence SDPA
         assert choose_backend(CUDA, torch.bfloat16, paged=True, block_size=8) == "sdpa_loop"
@@ -357,8 +374,9 @@ def test_the_gpu_kernel_compiles_without_a_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    run = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, timeout=240,
-                         env=env, cwd=root)
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE], capture_output=True, text=True, timeout=240, env=env, cwd=root
+    )
     if run.stdout.startswith("SKIP"):
         pytest.skip(run.stdout)
     assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stdout + run.stderr[-3000:]

@@ -17,7 +17,6 @@ CAPACITY = 32
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(
     "lengths",
@@ -88,9 +87,18 @@ def test_verify_catches_a_wrong_backward_with_exact_logits():
 
 
 def _report(grad_rel_diff: float, worst_tensor: float) -> VerifyReport:
-    return VerifyReport(max_logit_diff=1e-6, max_grad_rel_diff=worst_tensor, loss_diff=0.0, worst_param="w",
-                        attention_path="nopad", reference_path="eager", num_sequences=2, num_tokens=9,
-                        logit_scale=30.0, grad_rel_diff=grad_rel_diff)
+    return VerifyReport(
+        max_logit_diff=1e-6,
+        max_grad_rel_diff=worst_tensor,
+        loss_diff=0.0,
+        worst_param="w",
+        attention_path="nopad",
+        reference_path="eager",
+        num_sequences=2,
+        num_tokens=9,
+        logit_scale=30.0,
+        grad_rel_diff=grad_rel_diff,
+    )
 
 
 def test_ok_judges_the_whole_gradient_and_each_tensor_loosely():
@@ -104,9 +112,15 @@ def test_ok_judges_the_whole_gradient_and_each_tensor_loosely():
 
 
 def _tiny_opt():
-    config = transformers.OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
-                                    num_attention_heads=4, word_embed_proj_dim=32,
-                                    max_position_embeddings=128)
+    config = transformers.OPTConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        ffn_dim=64,
+        num_attention_heads=4,
+        word_embed_proj_dim=32,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     return transformers.OPTForCausalLM(config).float().eval()
 
@@ -130,8 +144,9 @@ def _perturb_packed_grad(param: torch.nn.Parameter, factor: float):
     return param.register_hook(hook)
 
 
-@pytest.mark.parametrize("name, factor", [("model.layers.0.self_attn.q_proj.weight", 1.02),
-                                          ("model.layers.1.self_attn.k_proj.bias", 1.5)])
+@pytest.mark.parametrize(
+    "name, factor", [("model.layers.0.self_attn.q_proj.weight", 1.02), ("model.layers.1.self_attn.k_proj.bias", 1.5)]
+)
 def test_a_small_tensor_wrong_by_packing_is_still_caught(name, factor):
     # q_proj holds ~0.3% of the gradient, k_proj.bias ~1e-4: wrong by 2% / 50%, the whole gradient
     # stays inside its bound and only the per-tensor bound (floored at 1e-3 of the whole) sees it
@@ -206,8 +221,7 @@ def test_a_tree_row_needs_nopad_attention():
         verify(tiny_model("llama"), _branched(), attn_implementation="sdpa", tree=True)
 
 
-@pytest.mark.parametrize("dtype, autocast", [(torch.bfloat16, False), (torch.float16, False),
-                                             (torch.bfloat16, True)])
+@pytest.mark.parametrize("dtype, autocast", [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)])
 def test_ok_defaults_follow_the_compute_dtype_and_are_printed(dtype, autocast):
     """In bf16, logits equal to the bit and ok() False, as its defaults were fp32's: the
     gradient, summed in another order, moves by about one bf16 rounding (2^-8)."""
@@ -228,13 +242,17 @@ def test_ok_defaults_follow_the_compute_dtype_and_are_printed(dtype, autocast):
 
 def test_fp32_tolerances_are_unchanged():
     assert _report(2e-6, 3.2e-4).tolerances() == (1e-5, 1e-4, 1e-2)
-    assert "ok() = True at float32 tolerances: logit_rtol 1.0e-05, grad_rtol 1.0e-04, tensor_rtol 1.0e-02" \
-        in str(_report(2e-6, 3.2e-4))
+    assert "ok() = True at float32 tolerances: logit_rtol 1.0e-05, grad_rtol 1.0e-04, tensor_rtol 1.0e-02" in str(
+        _report(2e-6, 3.2e-4)
+    )
 
 
 @pytest.mark.parametrize("bad", [128, -1])
 def test_a_token_outside_the_vocabulary_is_named(bad):
     """It used to fail in the embedding with an IndexError naming no sequence."""
-    with pytest.raises(ValueError, match=rf"verify: sequence 1 has token id {bad} at position 2, outside the "
-                                         r"model's vocabulary \[0, 128\) .* from this model's own tokenizer"):
+    with pytest.raises(
+        ValueError,
+        match=rf"verify: sequence 1 has token id {bad} at position 2, outside the "
+        r"model's vocabulary \[0, 128\) .* from this model's own tokenizer",
+    ):
         verify(tiny_model("llama"), [[5, 6], [7, 8, bad, 9]])

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPES = {"nopad.recipes.preprocess": "capacity = 2048   (an integer)  tokens per packed row",
-           "nopad.recipes.sft": "  train.max_steps = null   (an integer or null)  optimizer steps;",
-           "nopad.recipes.grpo": "  rollout.num_generations = 8   (an integer)  completions per prompt (the GRPO "
-                           "group)",
-           "nopad.recipes.evaluate": "  model.chat_template = auto   (true, false or 'auto')"}
+RECIPES = {
+    "nopad.recipes.preprocess": "capacity = 2048   (an integer)  tokens per packed row",
+    "nopad.recipes.sft": "  train.max_steps = null   (an integer or null)  optimizer steps;",
+    "nopad.recipes.grpo": "  rollout.num_generations = 8   (an integer)  completions per prompt (the GRPO group)",
+    "nopad.recipes.evaluate": "  model.chat_template = auto   (true, false or 'auto')",
+}
 
 
 def _scripts() -> dict[str, str]:
@@ -34,8 +35,7 @@ def test_help_lists_every_key_with_default_type_and_doc(module, flag, capsys):
     assert RECIPES[module] in out
 
 
-@pytest.mark.parametrize("script", ["nopad-preprocess", "nopad-sft", "nopad-grpo", "nopad-evaluate",
-                                    "nopad-demo"])
+@pytest.mark.parametrize("script", ["nopad-preprocess", "nopad-sft", "nopad-grpo", "nopad-evaluate", "nopad-demo"])
 def test_every_console_script_answers_help(script, monkeypatch, capsys):
     module, _, name = _scripts()[script].partition(":")
     monkeypatch.setattr(sys, "argv", [script, "--help"])
@@ -57,13 +57,19 @@ def test_help_covers_every_field_of_the_config():
             assert f"  {section.name}.{f.name} = " in text
 
 
-@pytest.mark.parametrize("args, message", [
-    (["train.lr=abc"], "nopad.recipes.sft: error: train.lr must be a number, got 'abc' (see nopad.recipes.sft --help)"),
-    (["train.max_step=3"], "nopad.recipes.sft: error: train.max_step is not a config key here; known keys: "),
-    (["missing.yaml"], "nopad.recipes.sft: error: config file 'missing.yaml' does not exist"),
-    (["train.max_steps"], "nopad.recipes.sft: error: train.max_steps has no value: write train.max_steps=<value>"),
-    (["model.path=tiny:llama", "train.max_steps"], "nopad.recipes.sft: error: train.max_steps has no value: "),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["train.lr=abc"],
+            "nopad.recipes.sft: error: train.lr must be a number, got 'abc' (see nopad.recipes.sft --help)",
+        ),
+        (["train.max_step=3"], "nopad.recipes.sft: error: train.max_step is not a config key here; known keys: "),
+        (["missing.yaml"], "nopad.recipes.sft: error: config file 'missing.yaml' does not exist"),
+        (["train.max_steps"], "nopad.recipes.sft: error: train.max_steps has no value: write train.max_steps=<value>"),
+        (["model.path=tiny:llama", "train.max_steps"], "nopad.recipes.sft: error: train.max_steps has no value: "),
+    ],
+)
 def test_a_config_error_is_one_line_and_exit_code_2(args, message, capsys):
     from nopad.recipes.sft import main
 
@@ -76,12 +82,19 @@ def test_a_config_error_is_one_line_and_exit_code_2(args, message, capsys):
 
 def test_a_config_error_from_the_shell_has_no_traceback(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "nopad.recipes.evaluate", "data.num_prompts=0"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nopad.recipes.evaluate", "data.num_prompts=0"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "nopad.recipes.evaluate: error: data.num_prompts must be an integer >= 1 or null, got 0 "
-        "(see nopad.recipes.evaluate --help)"]
+        "(see nopad.recipes.evaluate --help)"
+    ]
 
 
 def test_the_demo_takes_no_arguments(monkeypatch, capsys):
@@ -122,9 +135,13 @@ def test_setup_logging_quiets_library_noise_but_not_the_users_warnings(monkeypat
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             setup_logging()
-            for module, category in [("transformers.modeling_utils", FutureWarning),
-                                     ("nopad.training.trainer", FutureWarning), ("torch.nn.modules", UserWarning),
-                                     ("my_rewards", FutureWarning), ("__main__", FutureWarning)]:
+            for module, category in [
+                ("transformers.modeling_utils", FutureWarning),
+                ("nopad.training.trainer", FutureWarning),
+                ("torch.nn.modules", UserWarning),
+                ("my_rewards", FutureWarning),
+                ("__main__", FutureWarning),
+            ]:
                 warnings.warn_explicit(f"from {module}", category, "x.py", 1, module=module)
         assert [str(w.message) for w in seen] == ["from torch.nn.modules", "from my_rewards", "from __main__"]
         assert all(not logging.getLogger(n).isEnabledFor(logging.INFO) for n in NOISY_LOGGERS)
@@ -137,12 +154,19 @@ def test_setup_logging_quiets_library_noise_but_not_the_users_warnings(monkeypat
             logging.getLogger(name).setLevel(level)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("train:\n  lr: 1.0e-4\nmodel:\n  path: tiny:llama\ntrain:\n  max_steps: 3\n",
-     "train is written twice in {path} (lines 1 and 5); keep one"),
-    ("train:\n  lr: 1.0e-4\n  max_steps: 3\n  lr: 2.0e-4\n",
-     "train.lr is written twice in {path} (lines 2 and 4); keep one"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "train:\n  lr: 1.0e-4\nmodel:\n  path: tiny:llama\ntrain:\n  max_steps: 3\n",
+            "train is written twice in {path} (lines 1 and 5); keep one",
+        ),
+        (
+            "train:\n  lr: 1.0e-4\n  max_steps: 3\n  lr: 2.0e-4\n",
+            "train.lr is written twice in {path} (lines 2 and 4); keep one",
+        ),
+    ],
+)
 def test_a_key_or_section_written_twice_is_an_error_naming_both_lines(tmp_path, text, message, capsys):
     """PyYAML keeps the last one silently (a second train: section dropped the first's keys)."""
     from nopad.recipes.sft import main
@@ -164,8 +188,13 @@ def test_a_key_given_twice_on_the_command_line_is_an_error_naming_both(capsys):
         main(["train.lr=1e-4", "model.path=tiny:llama", "train.lr=2e-4"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("nopad.recipes.sft: error: train.lr is given twice on the command line (train.lr=1e-4 "
-                          "and train.lr=2e-4); keep one") and err.count("\n") == 1
+    assert (
+        err.startswith(
+            "nopad.recipes.sft: error: train.lr is given twice on the command line (train.lr=1e-4 "
+            "and train.lr=2e-4); keep one"
+        )
+        and err.count("\n") == 1
+    )
 
 
 def test_programmatic_overrides_still_let_a_later_one_win():
@@ -177,13 +206,18 @@ def test_programmatic_overrides_still_let_a_later_one_win():
     assert cfg.train.lr == 2e-4 and cfg.model.path == "tiny:llama"
 
 
-@pytest.mark.parametrize("text, message", [
-    ("train:\n  lr: [1\n", "config file {path}, line 3, column 1: expected ',' or ']', but got "
-                           "'<stream end>'"),
-    ("train:\n\tlr: 1.0\n", "config file {path}, line 2, column 1: found character '\\t' that cannot start "
-                             "any token (while scanning for the next token); YAML indents with spaces, "
-                             "never tabs"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("train:\n  lr: [1\n", "config file {path}, line 3, column 1: expected ',' or ']', but got '<stream end>'"),
+        (
+            "train:\n\tlr: 1.0\n",
+            "config file {path}, line 2, column 1: found character '\\t' that cannot start "
+            "any token (while scanning for the next token); YAML indents with spaces, "
+            "never tabs",
+        ),
+    ],
+)
 def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path, text, message, capsys):
     """PyYAML used to name the file "<unicode string>"."""
     from nopad.recipes.sft import main
@@ -197,11 +231,14 @@ def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path, text, message, ca
     assert "<unicode string>" not in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("arg, message", [
-    ("=5", "'=5' has an empty key before the =: write settings as section.key=value; --help lists the keys"),
-    ("train.=5", "'train.=5' has an empty part in its key: write settings as section.key=value"),
-    ("train.lr=[1", "the value of train.lr ('[1'), line 1, column 3: expected ',' or ']'"),
-])
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("=5", "'=5' has an empty key before the =: write settings as section.key=value; --help lists the keys"),
+        ("train.=5", "'train.=5' has an empty part in its key: write settings as section.key=value"),
+        ("train.lr=[1", "the value of train.lr ('[1'), line 1, column 3: expected ',' or ']'"),
+    ],
+)
 def test_an_empty_key_or_a_bad_value_says_what_to_write(arg, message, capsys):
     from nopad.recipes.sft import main
 
@@ -231,9 +268,10 @@ def test_errors_nopad_raises_on_purpose_reach_the_user_as_one_line(tmp_path, mon
 
     from nopad.recipes.models import load_model
     from nopad.recipes.sft_config import SFTModelConfig
-    from nopad.training.checkpoint import LOCK_FILE, claim_run_dir
+    from nopad.training.checkpoint import LOCK_FILE
     from nopad.training.lora import apply_lora
     from nopad.training.nonfinite import reward_value
+    from nopad.training.run_dir import claim_run_dir
 
     def nan_reward():
         return reward_value(float("nan"), nan_reward, "step 0, sample 3")
@@ -251,12 +289,14 @@ def test_errors_nopad_raises_on_purpose_reach_the_user_as_one_line(tmp_path, mon
     assert "could not load the model from model.safetensors" in message and "truncated" in message
     with pytest.raises(ValueError):  # (a test of the case below: the adapter's target is not in the model)
         apply_lora(model, rank=2, alpha=4, dropout=0.0, target_modules=["qkv"], base="tiny:llama")
-    message = _one_line_error(lambda: apply_lora(model, rank=2, alpha=4, dropout=0.0,
-                                                 target_modules=["qkv"], base="tiny:llama"), capsys)
+    message = _one_line_error(
+        lambda: apply_lora(model, rank=2, alpha=4, dropout=0.0, target_modules=["qkv"], base="tiny:llama"), capsys
+    )
     assert "model.lora.target_modules: qkv not found in the model" in message
     monkeypatch.setitem(sys.modules, "peft", None)
-    message = _one_line_error(lambda: apply_lora(model, rank=2, alpha=4, dropout=0.0,
-                                                 target_modules="all-linear", base="tiny:llama"), capsys)
+    message = _one_line_error(
+        lambda: apply_lora(model, rank=2, alpha=4, dropout=0.0, target_modules="all-linear", base="tiny:llama"), capsys
+    )
     assert "runs through peft, which is not installed: pip install" in message
 
 
@@ -285,8 +325,14 @@ def test_a_deliberate_error_from_the_shell_is_one_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
-    proc = subprocess.run([sys.executable, "-m", "nopad.recipes.evaluate", f"model.path={tmp_path / 'model'}"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nopad.recipes.evaluate", f"model.path={tmp_path / 'model'}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     model = tmp_path / "model"
@@ -297,8 +343,7 @@ def test_a_deliberate_error_from_the_shell_is_one_line(tmp_path):
 HEAVY = ("torch", "transformers", "datasets", "accelerate", "trl", "peft", "deepspeed")
 
 
-@pytest.mark.parametrize("script", ["nopad-preprocess", "nopad-sft", "nopad-grpo", "nopad-evaluate",
-                                    "nopad-demo"])
+@pytest.mark.parametrize("script", ["nopad-preprocess", "nopad-sft", "nopad-grpo", "nopad-evaluate", "nopad-demo"])
 @pytest.mark.parametrize("how", ["python -m", "console script"])
 def test_help_imports_neither_torch_nor_transformers(script, how):
     """--help used to take 41-62 s on a loaded 2-core machine, importing torch and transformers to
@@ -309,8 +354,9 @@ def test_help_imports_neither_torch_nor_transformers(script, how):
     else:
         args = ["-c", f"import sys; sys.argv = [{script!r}, '--help']; from {module} import {name}; {name}()"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-X", "importtime", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("usage: "), proc.stderr[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
     assert not imported & set(HEAVY), f"{script} --help imported {sorted(imported & set(HEAVY))}"

@@ -42,13 +42,18 @@ def test_sft_and_evaluate_read_every_format(tmp_path, fmt):
     assert [e["prompt"] for e in load_examples(path)] == ["1 + 1 =", "2 + 2 ="]
 
 
-@pytest.mark.parametrize("lines, message", [
-    ([{"prompt": "a", "completion": 3}], r"d.jsonl:1: field 'completion' must be a string, got int 3"),
-    ([{"prompt": None, "completion": "b"}], r"d.jsonl:1: field 'prompt' must be a string, got null"),
-    ([{"prompt": "a", "completion": "b"}, ["a", "b"]], r"d.jsonl:2 is a JSON list, not an object"),
-    ([{"prompt": "a", "completion": "b"}, {"input_ids": [1, 2]}],
-     r"d.jsonl:2 is a input_ids record, but the first record is a prompt/completion record"),
-])
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        ([{"prompt": "a", "completion": 3}], r"d.jsonl:1: field 'completion' must be a string, got int 3"),
+        ([{"prompt": None, "completion": "b"}], r"d.jsonl:1: field 'prompt' must be a string, got null"),
+        ([{"prompt": "a", "completion": "b"}, ["a", "b"]], r"d.jsonl:2 is a JSON list, not an object"),
+        (
+            [{"prompt": "a", "completion": "b"}, {"input_ids": [1, 2]}],
+            r"d.jsonl:2 is a input_ids record, but the first record is a prompt/completion record",
+        ),
+    ],
+)
 def test_a_wrong_sft_record_is_named_by_line_and_field(tmp_path, lines, message):
     path = _write(tmp_path / "d.jsonl", lines)
     data = load_config(SFTConfig, None, [f"data.source={path}"]).data
@@ -67,13 +72,17 @@ def test_a_packed_dataset_trained_with_another_tokenizer_is_refused(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1, "<unk>": 2},
-                                                                              unk_token="<unk>")))
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1, "<unk>": 2}, unk_token="<unk>"))
+    )
     packed = tmp_path / "packed"
     datasets.Dataset.from_dict({"input_ids": [[0, 1]], "seq_lengths": [[2]]}).save_to_disk(str(packed))
     sources.save_tokenizer_fingerprint(packed, tok)
     sources.check_tokenizer(packed, tok)  # the same tokenizer passes
     data = load_config(SFTConfig, None, [f"data.source={packed}"]).data
-    with pytest.raises(ValueError, match=r"was tokenized with .*vocabulary of 3.*but the model's tokenizer "
-                                         r"is AsciiTokenizer \(vocabulary of 128.*preprocess again"):
+    with pytest.raises(
+        ValueError,
+        match=r"was tokenized with .*vocabulary of 3.*but the model's tokenizer "
+        r"is AsciiTokenizer \(vocabulary of 128.*preprocess again",
+    ):
         load_rows(data, AsciiTokenizer(), 128)

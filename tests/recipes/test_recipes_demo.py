@@ -40,7 +40,8 @@ def test_packing_report_numbers_and_table():
     report = packing_report(WordCounter(), capacities=(256, 512), max_documents=300, out=out)
     lengths = np.array([len(d.split()) + 1 for d in load_corpus(300)])
     assert [(r["capacity"], r["method"]) for r in report] == [
-        (c, m) for c in (256, 512)
+        (c, m)
+        for c in (256, 512)
         for m in ("nopad best-fit packing", "pad to longest (micro-batch 8)", "pad to capacity")
     ]
     for r in report:
@@ -70,14 +71,28 @@ def test_grpo_demo_prints_one_row_per_step_with_the_gap():
     assert history[0]["logprob_gap_max"] == 0.0  # batch-invariant mode: exactly on-policy
     lines = out.getvalue().splitlines()
     assert lines[1].startswith("GRPO on the live model (8 arithmetic prompts x 8 samples per step")
-    assert lines[2].split() == ["step", "reward", "rollout", "tok/s", "train", "tok/s", "packed", "padded",
-                                "logprob", "gap", "max", "mean", "IS", "ratio", "range"]
+    assert lines[2].split() == [
+        "step",
+        "reward",
+        "rollout",
+        "tok/s",
+        "train",
+        "tok/s",
+        "packed",
+        "padded",
+        "logprob",
+        "gap",
+        "max",
+        "mean",
+        "IS",
+        "ratio",
+        "range",
+    ]
     row = lines[4].split()
     assert row[6:] == ["0.00e+00", "0.00e+00", "1.00000-1.00000"]
     assert "batch-invariant mode" in lines[5]
     assert row[0] == "0" and int(row[4]) == history[0]["train_tokens"]
     assert int(row[5]) == history[0]["padded_train_tokens"]
-
 
 
 def _busy(*args, seconds: float = 0.03, **kwargs):

@@ -26,7 +26,7 @@ def model():
 def hf_greedy(model, tok, prompt: str) -> str:
     ids = torch.tensor([tok.encode(prompt)])
     out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=2, pad_token_id=0)
-    return tok.decode(out[0, ids.shape[1]:].tolist())
+    return tok.decode(out[0, ids.shape[1] :].tolist())
 
 
 def greedy_params():
@@ -45,20 +45,30 @@ def test_evaluate_writes_one_correct_line_per_prompt(model, tmp_path):
     tok = AsciiTokenizer()
     expected = [hf_greedy(model, tok, p) for p in PROMPTS]
     # the first three answers are the model's own greedy completions, the last two cannot match
-    examples = [{"prompt": p, "answer": e if i < 3 else "\x7f never"} for i, (p, e) in
-                enumerate(zip(PROMPTS, expected))]
+    examples = [
+        {"prompt": p, "answer": e if i < 3 else "\x7f never"} for i, (p, e) in enumerate(zip(PROMPTS, expected))
+    ]
     out = tmp_path / "results.jsonl"
     gen = make_generator(model)
-    result = evaluate(gen, tok, examples, exact_match, greedy_params(), output_path=out, batch_size=2,
-                      chat=False, progress=False)
+    result = evaluate(
+        gen, tok, examples, exact_match, greedy_params(), output_path=out, batch_size=2, chat=False, progress=False
+    )
     gen.release()
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == len(PROMPTS)
     completion_tokens = 0
     for i, line in enumerate(lines):
         n = len(tok.encode(PROMPTS[i]))
-        assert set(line) == {"index", "prompt", "completion", "score", "finish_reason", "num_prompt_tokens",
-                             "num_completion_tokens", "answer"}
+        assert set(line) == {
+            "index",
+            "prompt",
+            "completion",
+            "score",
+            "finish_reason",
+            "num_prompt_tokens",
+            "num_completion_tokens",
+            "answer",
+        }
         assert line["index"] == i
         assert line["prompt"] == PROMPTS[i]
         assert line["completion"] == expected[i]
@@ -80,14 +90,17 @@ def test_run_evaluate_from_config_on_a_saved_hf_dataset(model, tmp_path):
     from datasets import Dataset
 
     Dataset.from_dict({"question": PROMPTS[:3], "answer": ["a", "b", "c"]}).save_to_disk(tmp_path / "ds")
-    cfg = load_config(EvaluateConfig, overrides={
-        "model": {"path": None, "chat_template": False},
-        "data": {"path": str(tmp_path / "ds"), "prompt_field": "question"},
-        "scorer": "tests.recipes.test_recipes_evaluate:completion_length",
-        "sampling": {"max_tokens": MAX_TOKENS},
-        "generator": {"num_blocks": 64, "max_num_seqs": 4, "max_num_batched_tokens": 32},
-        "output": str(tmp_path / "out.jsonl"),
-    })
+    cfg = load_config(
+        EvaluateConfig,
+        overrides={
+            "model": {"path": None, "chat_template": False},
+            "data": {"path": str(tmp_path / "ds"), "prompt_field": "question"},
+            "scorer": "tests.recipes.test_recipes_evaluate:completion_length",
+            "sampling": {"max_tokens": MAX_TOKENS},
+            "generator": {"num_blocks": 64, "max_num_seqs": 4, "max_num_batched_tokens": 32},
+            "output": str(tmp_path / "out.jsonl"),
+        },
+    )
     result = run_evaluate(cfg, model=model, tokenizer=AsciiTokenizer(), progress=False)
     lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [line["prompt"] for line in lines] == PROMPTS[:3]
@@ -108,7 +121,7 @@ def test_load_examples_from_jsonl_and_errors(tmp_path):
         ('{"prompt": "a"}\nnot json\n', r"p.jsonl:2 is not valid JSON"),
         ('{"prompt": null}\n', r"p.jsonl:1: field 'prompt' must be a string, got null"),
         ('{"prompt": 7}\n', r"p.jsonl:1: field 'prompt' must be a string, got int 7"),
-        ('[1, 2]\n', r"p.jsonl:1 is a JSON list, not an object"),
+        ("[1, 2]\n", r"p.jsonl:1 is a JSON list, not an object"),
         ("", "holds no records"),
     ]:
         path.write_text(content)
@@ -159,8 +172,16 @@ def test_the_progress_bar_moves_per_finished_sequence(model, monkeypatch):
     bars = record_bars(monkeypatch)
     examples = [{"prompt": p, "answer": "x"} for p in PROMPTS]
     gen = make_generator(model)
-    evaluate(gen, AsciiTokenizer(), examples, exact_match, greedy_params(), batch_size=len(PROMPTS),
-             chat=False, progress=True)
+    evaluate(
+        gen,
+        AsciiTokenizer(),
+        examples,
+        exact_match,
+        greedy_params(),
+        batch_size=len(PROMPTS),
+        chat=False,
+        progress=True,
+    )
     gen.release()
     assert [bar.total for bar in bars] == [len(PROMPTS)]
     assert bars[0].updates == [1] * len(PROMPTS)

@@ -30,8 +30,9 @@ def config(**overrides) -> GRPORecipeConfig:
 def test_overrides_parse_yaml_values_and_nest():
     assert parse_override("train.lr=1e-5") == {"train": {"lr": 1e-5}}
     assert parse_override("task.prompts=null") == {"task": {"prompts": None}}
-    cfg = config(**{"rollout.num_generations": 8, "loss.is_correction": "token_truncate",
-                    "train.old_logprobs": "recompute"})
+    cfg = config(
+        **{"rollout.num_generations": 8, "loss.is_correction": "token_truncate", "train.old_logprobs": "recompute"}
+    )
     assert cfg.rollout.num_generations == 8
     assert cfg.loss.is_correction == "token_truncate"
     assert cfg.rollout.max_tokens == 48  # untouched defaults survive
@@ -94,8 +95,14 @@ def test_a_run_that_would_save_nothing_or_an_untrained_copy_is_refused(tmp_path)
 def test_batch_larger_than_cache_fails_fast():
     # 64 sequences of up to 64 + 16 tokens = 5 blocks each = 320 blocks > 64
     with pytest.raises(ValueError) as err:
-        config(**{"rollout.prompts_per_step": 8, "rollout.num_generations": 8, "rollout.max_tokens": 16,
-                  "generator.num_blocks": 64})
+        config(
+            **{
+                "rollout.prompts_per_step": 8,
+                "rollout.num_generations": 8,
+                "rollout.max_tokens": 16,
+                "generator.num_blocks": 64,
+            }
+        )
     msg = str(err.value)
     assert "larger than the KV cache" in msg
     assert "need 320 blocks of 16, but generator.num_blocks=64" in msg
@@ -178,8 +185,14 @@ def test_pack_rollouts_masks_prompts_and_aligns_per_token_data():
         assert len(loss_at) == len(gen_logprobs) == len(advantages)
         for t, lp, a in zip(loss_at, gen_logprobs.tolist(), advantages.tolist()):
             seen[ids[t]] = (round(lp, 4), a)
-    assert seen == {20: (-0.1, 1.0), 21: (-0.2, 1.0), 22: (-0.3, -2.0), 23: (-0.4, -2.0),
-                    24: (-0.5, -2.0), 25: (-0.6, 0.5)}
+    assert seen == {
+        20: (-0.1, 1.0),
+        21: (-0.2, 1.0),
+        22: (-0.3, -2.0),
+        23: (-0.4, -2.0),
+        24: (-0.5, -2.0),
+        25: (-0.6, 0.5),
+    }
 
 
 def test_ascii_tokenizer_round_trips():
@@ -191,7 +204,6 @@ def test_ascii_tokenizer_round_trips():
         tok.encode("é")
 
 
-
 # ----------------------------------------------------------------------------- live steps
 def ids_checksum_reward(completion: str, example: dict) -> float:
     """A reward that varies between random completions, so advantages are non-zero."""
@@ -199,11 +211,14 @@ def ids_checksum_reward(completion: str, example: dict) -> float:
 
 
 def tiny_config(**overrides):
-    base = {"model": {"path": None, "chat_template": False},
-            "reward": "tests.recipes.test_recipes_grpo:ids_checksum_reward",
-            "task": {"num_prompts": 8},
-            "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_tokens": 8},
-            "generator": {"num_blocks": 64, "max_num_batched_tokens": 256}, "train": {"steps": 1, "lr": 1e-3}}
+    base = {
+        "model": {"path": None, "chat_template": False},
+        "reward": "tests.recipes.test_recipes_grpo:ids_checksum_reward",
+        "task": {"num_prompts": 8},
+        "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_tokens": 8},
+        "generator": {"num_blocks": 64, "max_num_batched_tokens": 256},
+        "train": {"steps": 1, "lr": 1e-3},
+    }
     return with_overrides(load_config(GRPORecipeConfig, overrides=base), overrides)
 
 
@@ -220,9 +235,10 @@ def test_packed_logprobs_match_unpacked_forwards(policy):
     from nopad.training.grpo import packed_logprobs
 
     g = torch.Generator().manual_seed(0)
-    rollouts = [Rollout(torch.randint(3, 128, (p,), generator=g).tolist(),
-                        torch.randint(3, 128, (c,), generator=g).tolist())
-                for p, c in [(5, 3), (2, 6), (7, 1), (3, 4)]]
+    rollouts = [
+        Rollout(torch.randint(3, 128, (p,), generator=g).tolist(), torch.randint(3, 128, (c,), generator=g).tolist())
+        for p, c in [(5, 3), (2, 6), (7, 1), (3, 4)]
+    ]
     rows = pack_rollouts(rollouts, capacity=16)
     assert len(rows) == 2
     expected = {}
@@ -236,10 +252,13 @@ def test_packed_logprobs_match_unpacked_forwards(policy):
         with use_nopad_attention(policy):
             for row in rows:
                 got += packed_logprobs(policy, row).tolist()
-    order = [(tuple(rollouts[i].prompt_ids), k) for row in rows for i in row["indices"].tolist()
-             for k in range(len(rollouts[i].completion_ids))]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor([expected[o] for o in order]),
-                               atol=1e-5, rtol=0)
+    order = [
+        (tuple(rollouts[i].prompt_ids), k)
+        for row in rows
+        for i in row["indices"].tolist()
+        for k in range(len(rollouts[i].completion_ids))
+    ]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor([expected[o] for o in order]), atol=1e-5, rtol=0)
 
 
 def test_one_grpo_step_on_the_live_model(policy):
@@ -262,8 +281,16 @@ def test_one_grpo_step_on_the_live_model(policy):
     policy.lm_head.weight.register_hook(lambda grad: kv_alive_at_backward.append(gen._kv_cache is not None))
     stepper = OptimizerStepper(policy, optimizer, Accelerator(cpu=True), cfg.train.max_grad_norm)
     with use_nopad_attention(policy):
-        metrics = grpo_step(stepper, gen, examples[:2], prompt_ids[:2], get_reward(cfg.reward), tok,
-                            sampling_params(cfg, 0), grpo_loss(cfg, policy.device))
+        metrics = grpo_step(
+            stepper,
+            gen,
+            examples[:2],
+            prompt_ids[:2],
+            get_reward(cfg.reward),
+            tok,
+            sampling_params(cfg, 0),
+            grpo_loss(cfg, policy.device),
+        )
     assert kv_alive_at_backward == [False]  # one packed row, KV cache already handed back
     assert gen._kv_cache is None and gen.stats()["steps"] > 0
     assert metrics["completion_tokens"] > 0 and metrics["train_rows"] == 1
@@ -280,15 +307,39 @@ def test_one_grpo_step_on_the_live_model(policy):
     assert metrics["reward_std"] > 0 and metrics["grad_norm"] > 0
     changed = [name for name, p in policy.named_parameters() if not torch.equal(p, before[name])]
     assert len(changed) == len(before)
-    assert set(metrics) == {"step", "reward_mean", "reward_std", "loss", "grad_norm", "clip_fraction",
-                            "completion_tokens", "rollout_tokens_per_s", "train_tokens", "train_rows",
-                            "padded_train_tokens", "flat_train_tokens", "tree_token_saving",
-                            "train_tokens_per_s", "logprob_gap_max", "logprob_gap_mean", "rollout_s",
-                            "train_s", "is_ratio_min", "is_ratio_max", "batch_invariant",
-                            "mismatch/outside_band", "mismatch/ratio_dev_p95", "mismatch/ratio_dev_max",
-                            "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                            "optimizer_steps", "forwards_per_optimizer_step", "ratio_dev_max_first_step",
-                            "ratio_dev_max"}
+    assert set(metrics) == {
+        "step",
+        "reward_mean",
+        "reward_std",
+        "loss",
+        "grad_norm",
+        "clip_fraction",
+        "completion_tokens",
+        "rollout_tokens_per_s",
+        "train_tokens",
+        "train_rows",
+        "padded_train_tokens",
+        "flat_train_tokens",
+        "tree_token_saving",
+        "train_tokens_per_s",
+        "logprob_gap_max",
+        "logprob_gap_mean",
+        "rollout_s",
+        "train_s",
+        "is_ratio_min",
+        "is_ratio_max",
+        "batch_invariant",
+        "mismatch/outside_band",
+        "mismatch/ratio_dev_p95",
+        "mismatch/ratio_dev_max",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+        "optimizer_steps",
+        "forwards_per_optimizer_step",
+        "ratio_dev_max_first_step",
+        "ratio_dev_max",
+    }
     assert metrics["optimizer_steps"] == 1 and metrics["forwards_per_optimizer_step"] == 1
     assert metrics["mismatch/ratio_dev_max"] == 0.0
 
@@ -296,8 +347,11 @@ def test_one_grpo_step_on_the_live_model(policy):
 def test_run_grpo_with_tis_and_kl_writes_metrics(policy, tmp_path):
     from nopad.recipes.grpo import run_grpo
 
-    cfg = tiny_config(train={"steps": 2, "old_logprobs": "recompute"}, output_dir=str(tmp_path),
-                      loss={"is_correction": "token_truncate", "is_clip_max": 2.0, "beta": 0.1})
+    cfg = tiny_config(
+        train={"steps": 2, "old_logprobs": "recompute"},
+        output_dir=str(tmp_path),
+        loss={"is_correction": "token_truncate", "is_clip_max": 2.0, "beta": 0.1},
+    )
     history = run_grpo(cfg, model=policy, tokenizer=AsciiTokenizer(), progress=False)
     assert [h["step"] for h in history] == [0, 1]
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -369,13 +423,34 @@ def test_two_processes_keep_identical_weights(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(TWO_RANK_SCRIPT)
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
-    overrides = ["model.path=tiny:llama", "model.chat_template=false",
-                 "reward=tests.recipes.test_recipes_grpo:ids_checksum_reward", "rollout.prompts_per_step=2",
-                 "rollout.num_generations=4", "rollout.max_tokens=8", "generator.num_blocks=64",
-                 "train.steps=2", "train.lr=1e-3"]
-    launch.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                str(launch.free_port()), str(script),
-                str(tmp_path), *overrides], what="GRPO on 2 processes", env=env, timeout=600)
+    overrides = [
+        "model.path=tiny:llama",
+        "model.chat_template=false",
+        "reward=tests.recipes.test_recipes_grpo:ids_checksum_reward",
+        "rollout.prompts_per_step=2",
+        "rollout.num_generations=4",
+        "rollout.max_tokens=8",
+        "generator.num_blocks=64",
+        "train.steps=2",
+        "train.lr=1e-3",
+    ]
+    launch.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(launch.free_port()),
+            str(script),
+            str(tmp_path),
+            *overrides,
+        ],
+        what="GRPO on 2 processes",
+        env=env,
+        timeout=600,
+    )
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["params"] == ranks[1]["params"]  # gradients all-reduced: one model on both ranks
     assert ranks[0]["changed"] == ranks[1]["changed"] > 0
@@ -407,8 +482,16 @@ def test_grpo_step_is_exactly_on_policy_in_bf16_too(dtype, one_thread):
         optimizer = torch.optim.SGD(policy.parameters(), lr=1e-3)
         stepper = OptimizerStepper(policy, optimizer, Accelerator(cpu=True), cfg.train.max_grad_norm)
         with use_nopad_attention(policy):
-            m = grpo_step(stepper, gen, examples[:3], prompt_ids[:3], get_reward(cfg.reward), tok,
-                          sampling_params(cfg, 0), grpo_loss(cfg, policy.device))
+            m = grpo_step(
+                stepper,
+                gen,
+                examples[:3],
+                prompt_ids[:3],
+                get_reward(cfg.reward),
+                tok,
+                sampling_params(cfg, 0),
+                grpo_loss(cfg, policy.device),
+            )
         assert m["batch_invariant"] == float(invariant)
         if invariant:
             assert m["logprob_gap_max"] == 0.0 and m["is_ratio_min"] == m["is_ratio_max"] == 1.0
@@ -440,11 +523,14 @@ def test_recipe_and_trl_trainer_score_rollouts_through_the_one_shared_function(m
     ids = torch.zeros(3, width_p + width_c, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for b, (p, c) in enumerate(zip(prompts, completions)):
-        ids[b, width_p - len(p):width_p], mask[b, width_p - len(p):width_p] = torch.tensor(p), 1
-        ids[b, width_p:width_p + len(c)], mask[b, width_p:width_p + len(c)] = torch.tensor(c), 1
+        ids[b, width_p - len(p) : width_p], mask[b, width_p - len(p) : width_p] = torch.tensor(p), 1
+        ids[b, width_p : width_p + len(c)], mask[b, width_p : width_p + len(c)] = torch.tensor(c), 1
     calls = []
-    monkeypatch.setattr(nopad.training.trl.grpo_trainer, "packed_logprobs",
-                        lambda *a, **k: calls.append(1) or nopad.training.grpo.packed_logprobs(*a, **k))
+    monkeypatch.setattr(
+        nopad.training.trl.grpo_trainer,
+        "packed_logprobs",
+        lambda *a, **k: calls.append(1) or nopad.training.grpo.packed_logprobs(*a, **k),
+    )
     with use_nopad_attention(model), torch.no_grad(), batch_invariant():
         recipe = {}
         for row in pack_rollouts(rollouts, capacity=64):
@@ -453,7 +539,7 @@ def test_recipe_and_trl_trainer_score_rollouts_through_the_one_shared_function(m
         trainer, _ = packed_completion_logprobs(model, ids, mask, width_c)
     assert calls  # the trainer went through the shared function
     for b, c in enumerate(completions):
-        assert torch.equal(trainer[b, :len(c)], recipe[b])
+        assert torch.equal(trainer[b, : len(c)], recipe[b])
 
 
 def test_a_yaml_file_with_exponent_numbers_and_nested_sections(tmp_path):

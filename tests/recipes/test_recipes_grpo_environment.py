@@ -63,11 +63,22 @@ def one_argument(episode) -> float:
 
 
 def recipe_config(**settings):
-    return from_dict(GRPORecipeConfig, {
-        "model": {"path": "tiny:llama"}, "task": {"name": "calculator", "num_prompts": 4},
-        "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_tokens": 48, "max_prompt_tokens": 200,
-                    "max_turns": 4},
-        "train": {"steps": 1, "max_tokens_per_batch": 2048, "lr": 1e-3}, **settings})
+    return from_dict(
+        GRPORecipeConfig,
+        {
+            "model": {"path": "tiny:llama"},
+            "task": {"name": "calculator", "num_prompts": 4},
+            "rollout": {
+                "prompts_per_step": 2,
+                "num_generations": 4,
+                "max_tokens": 48,
+                "max_prompt_tokens": 200,
+                "max_turns": 4,
+            },
+            "train": {"steps": 1, "max_tokens_per_batch": 2048, "lr": 1e-3},
+            **settings,
+        },
+    )
 
 
 @pytest.mark.parametrize("reward", ["environment", f"{HERE}:calls_and_turns"])
@@ -84,8 +95,12 @@ def test_the_recipe_trains_on_the_reward_of_the_whole_episode(monkeypatch, rewar
         def parse(self, turn_ids, prefix_ids):
             return [] if len(turn_ids) % 2 else [tool_tasks.ToolCall("calculator", {"expression": "6 * 7"})]
 
-    task = tasks.Task(tool_tasks.calculator_task, {"calculator": tool_tasks.calculator},
-                      stop=tuple(chr(c) for c in range(48, 80)), tool_format=EveryOtherTurnCalls)
+    task = tasks.Task(
+        tool_tasks.calculator_task,
+        {"calculator": tool_tasks.calculator},
+        stop=tuple(chr(c) for c in range(48, 80)),
+        tool_format=EveryOtherTurnCalls,
+    )
     monkeypatch.setitem(tasks.TASKS, "calculator", task)
     episodes, seen = [], []
     run = Generator.run_episodes
@@ -103,8 +118,7 @@ def test_the_recipe_trains_on_the_reward_of_the_whole_episode(monkeypatch, rewar
 
     monkeypatch.setattr(Generator, "run_episodes", recording_run)
     monkeypatch.setattr(step_module, "set_advantages", recording_advantages)
-    cfg = recipe_config(task={"name": "calculator", "num_prompts": 4, "environment": f"{HERE}:Tally"},
-                        reward=reward)
+    cfg = recipe_config(task={"name": "calculator", "num_prompts": 4, "environment": f"{HERE}:Tally"}, reward=reward)
     model, tokenizer = load_model(cfg.model)
     (metrics,) = run_grpo(cfg, model=model, tokenizer=tokenizer, progress=False)
 
@@ -113,28 +127,37 @@ def test_the_recipe_trains_on_the_reward_of_the_whole_episode(monkeypatch, rewar
     assert all(set(e.example) == {"prompt", "answer"} for e in envs)  # reset(**example), as TRL's
     assert [e.calls for e in envs] == [ep.num_tool_calls for ep in episodes]  # its methods were the tools
     assert metrics["tool_calls_per_episode"] > 0
-    expected = [calls_and_turns(ep, ep.environment.example) if reward != "environment"
-                else float(ep.environment.calls) for ep in episodes]
+    expected = [
+        calls_and_turns(ep, ep.environment.example) if reward != "environment" else float(ep.environment.calls)
+        for ep in episodes
+    ]
     assert seen == pytest.approx(expected)
     # the calls are in earlier turns (a call is followed by its result and another turn): a reward
     # of the last turn alone could not see them; the episode reward tells these episodes apart
     assert len(set(seen)) > 1 and metrics["reward_mean"] == pytest.approx(sum(expected) / len(expected))
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"task.environment": "no_such_module:Env"}, r"task.environment='no_such_module:Env': cannot import it"),
-    ({"task.environment": "Env"}, r"task.environment='Env' is not an import path; write it as 'module:name'"),
-    ({"task.environment": f"{HERE}:not_a_class"}, r"not_a_class' is not a class; give the environment class"),
-    ({"task.environment": f"{HERE}:NoReset"}, r"NoReset has no reset method; define reset\(self, \*\*example\)"),
-    ({"task.environment": f"{HERE}:NoTools"}, r"NoTools has no public method for the model to call"),
-    ({"task.environment": f"{HERE}:Tally"},  # the default reward scores text, not an episode
-     r"reward='last_number_match': with task.environment the reward scores the whole episode.*"
-     r"reward=environment .* or reward=module:function taking \(episode: nopad.inference.Episode, example"),
-    ({"task.environment": f"{HERE}:Tally", "reward": f"{HERE}:one_argument"},
-     r"one_argument' takes \(episode\), but the recipe calls it as fn\(episode: nopad.inference.Episode"),
-    ({"task.environment": f"{HERE}:NoTools", "reward": "environment"}, r"NoTools has no public method"),
-    ({"reward": "environment"}, r"unknown reward 'environment'"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"task.environment": "no_such_module:Env"}, r"task.environment='no_such_module:Env': cannot import it"),
+        ({"task.environment": "Env"}, r"task.environment='Env' is not an import path; write it as 'module:name'"),
+        ({"task.environment": f"{HERE}:not_a_class"}, r"not_a_class' is not a class; give the environment class"),
+        ({"task.environment": f"{HERE}:NoReset"}, r"NoReset has no reset method; define reset\(self, \*\*example\)"),
+        ({"task.environment": f"{HERE}:NoTools"}, r"NoTools has no public method for the model to call"),
+        (
+            {"task.environment": f"{HERE}:Tally"},  # the default reward scores text, not an episode
+            r"reward='last_number_match': with task.environment the reward scores the whole episode.*"
+            r"reward=environment .* or reward=module:function taking \(episode: nopad.inference.Episode, example",
+        ),
+        (
+            {"task.environment": f"{HERE}:Tally", "reward": f"{HERE}:one_argument"},
+            r"one_argument' takes \(episode\), but the recipe calls it as fn\(episode: nopad.inference.Episode",
+        ),
+        ({"task.environment": f"{HERE}:NoTools", "reward": "environment"}, r"NoTools has no public method"),
+        ({"reward": "environment"}, r"unknown reward 'environment'"),
+    ],
+)
 def test_a_bad_environment_or_episode_reward_is_one_line_at_config_time(settings, message):
     with pytest.raises(ValueError, match=message):
         load_config(GRPORecipeConfig, overrides=[f"{k}={v}" for k, v in settings.items()])
@@ -146,8 +169,11 @@ def test_reward_environment_is_the_environments_own_get_reward():
 
     from nopad.recipes.env_tasks import get_episode_reward
 
-    with pytest.raises(ValueError, match=r"reward=environment reads the environment's get_reward\(\), but "
-                                         r".*Plain has none; define get_reward\(self\) -> float"):
+    with pytest.raises(
+        ValueError,
+        match=r"reward=environment reads the environment's get_reward\(\), but "
+        r".*Plain has none; define get_reward\(self\) -> float",
+    ):
         get_episode_reward("environment", Plain)
 
     class Awaited(Tally):

@@ -119,8 +119,19 @@ TWO_RANK_TIMEOUT_S = 420  # one 2-process GRPO run of 4 steps on 2 shared cores;
 def grpo_two_ranks(out: Path, *extra: str, kill_at: str | None = None) -> tuple[int | None, str]:
     """The recipe on two ranks (torchrun, gloo on the CPU), killed at ``kill_at`` on both ranks."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), "ACCELERATE_USE_CPU": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), *recipe(kill_at), *RUN, f"output_dir={out}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        *recipe(kill_at),
+        *RUN,
+        f"output_dir={out}",
+        *extra,
+    ]
     code, output, _ = run_in_group(cmd, TWO_RANK_TIMEOUT_S, env=env, stderr=subprocess.STDOUT)
     assert code is not None, f"the 2-rank GRPO run did not end in {TWO_RANK_TIMEOUT_S} s:\n{output[-3000:]}"
     return code, output
@@ -168,8 +179,11 @@ def tiny_run(tmp_path, **overrides):
 def test_a_resume_with_another_learning_rate_is_refused(tmp_path, one_thread):
     """The checkpoint's AdamW state used to restore its own lr over the changed train.lr, silently."""
     tiny_run(tmp_path)
-    with pytest.raises(ValueError, match=r"^cannot resume: the checkpoint was made with train.lr=0.001 "
-                                         r"but this run has train.lr=0.0001"):
+    with pytest.raises(
+        ValueError,
+        match=r"^cannot resume: the checkpoint was made with train.lr=0.001 "
+        r"but this run has train.lr=0.0001",
+    ):
         tiny_run(tmp_path, train={"steps": 2, "lr": 1e-4}, checkpoint={"every": 1, "resume_from": "latest"})
 
 
@@ -213,14 +227,23 @@ def test_resuming_from_the_other_recipes_checkpoint_says_which_recipe_wrote_it(t
     from nopad.recipes.sft_config import SFTRecipeConfig
     from tests.recipes.test_recipes_sft import _reset_accelerate
 
-    sft = ["model.path=tiny:llama", "data.num_rows=8", "data.max_len=20", "data.tokens_per_batch=64",
-           "train.progress=false", "train.max_steps=1", "train.grad_accum=1"]
+    sft = [
+        "model.path=tiny:llama",
+        "data.num_rows=8",
+        "data.max_len=20",
+        "data.tokens_per_batch=64",
+        "train.progress=false",
+        "train.max_steps=1",
+        "train.grad_accum=1",
+    ]
     train(load_config(SFTRecipeConfig, None, [*sft, f"checkpoint.output_dir={tmp_path / 'sft'}"]))
     _reset_accelerate()
     step = tmp_path / "sft" / "step_1"
-    refused = (f"checkpoint.resume_from={step} is a checkpoint of nopad.recipes.sft, not of nopad.recipes.grpo: a "
-               "resume continues the run that wrote it. To start nopad.recipes.grpo from that model, set "
-               f"model.path={step} and leave checkpoint.resume_from unset")
+    refused = (
+        f"checkpoint.resume_from={step} is a checkpoint of nopad.recipes.sft, not of nopad.recipes.grpo: a "
+        "resume continues the run that wrote it. To start nopad.recipes.grpo from that model, set "
+        f"model.path={step} and leave checkpoint.resume_from unset"
+    )
     with pytest.raises(ValueError) as err:
         tiny_run(tmp_path / "grpo", checkpoint={"every": 1, "resume_from": str(step)})
     assert str(err.value) == refused
@@ -234,8 +257,17 @@ def test_resuming_from_the_other_recipes_checkpoint_says_which_recipe_wrote_it(t
     tiny_run(tmp_path / "grpo2")
     _reset_accelerate()
     with pytest.raises(ValueError, match=r"is a checkpoint of nopad.recipes.grpo, not of nopad.recipes.sft: "):
-        train(load_config(SFTRecipeConfig, None, [*sft, f"checkpoint.output_dir={tmp_path / 'sft2'}",
-                                                  f"checkpoint.resume_from={tmp_path / 'grpo2' / 'step_1'}"]))
+        train(
+            load_config(
+                SFTRecipeConfig,
+                None,
+                [
+                    *sft,
+                    f"checkpoint.output_dir={tmp_path / 'sft2'}",
+                    f"checkpoint.resume_from={tmp_path / 'grpo2' / 'step_1'}",
+                ],
+            )
+        )
     _reset_accelerate()
 
 

@@ -22,9 +22,17 @@ from nopad.training.lora import is_peft_model
 from tests.recipes.test_recipes_sft import SMALL, _reset_accelerate
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
-TINY_GRPO = ["task.num_prompts=4", "rollout.prompts_per_step=2", "rollout.num_generations=2",
-             "rollout.max_tokens=4", "generator.num_blocks=64", "train.steps=1", "train.lr=1e-3",
-             "model.chat_template=false", "reward=tests.recipes.test_recipes_grpo:ids_checksum_reward"]
+TINY_GRPO = [
+    "task.num_prompts=4",
+    "rollout.prompts_per_step=2",
+    "rollout.num_generations=2",
+    "rollout.max_tokens=4",
+    "generator.num_blocks=64",
+    "train.steps=1",
+    "train.lr=1e-3",
+    "model.chat_template=false",
+    "reward=tests.recipes.test_recipes_grpo:ids_checksum_reward",
+]
 
 
 def replaced(settings: list[str], *new: str) -> list[str]:
@@ -69,19 +77,36 @@ def test_sft_with_lora_writes_the_adapter_alone_and_what_loads_it(sft_run):
 
 def test_evaluate_and_grpo_take_the_adapter_as_model_path(sft_run, tmp_path):
     out, _ = sft_run
-    result = run_evaluate(load_config(EvaluateConfig, None, [f"model.path={out}", "data.num_prompts=2",
-                                                             "sampling.max_tokens=4", "output=null",
-                                                             "model.chat_template=false"]), progress=False)
+    result = run_evaluate(
+        load_config(
+            EvaluateConfig,
+            None,
+            [
+                f"model.path={out}",
+                "data.num_prompts=2",
+                "sampling.max_tokens=4",
+                "output=null",
+                "model.chat_template=false",
+            ],
+        ),
+        progress=False,
+    )
     assert result["num_prompts"] == 2 and result["completion_tokens"] > 0
     # with model.lora: the adapter trains further and the output is an adapter on the same base
-    run_grpo(load_config(GRPORecipeConfig, None, [f"model.path={out}", *LORA, *TINY_GRPO,
-                                                  f"output_dir={tmp_path / 'adapter'}"]), progress=False)
+    run_grpo(
+        load_config(
+            GRPORecipeConfig, None, [f"model.path={out}", *LORA, *TINY_GRPO, f"output_dir={tmp_path / 'adapter'}"]
+        ),
+        progress=False,
+    )
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "tiny:llama"
     assert not (tmp_path / "adapter" / "config.json").exists()
     # without: the merged model is fine-tuned in full and saved whole
-    run_grpo(load_config(GRPORecipeConfig, None, [f"model.path={out}", *TINY_GRPO,
-                                                  f"output_dir={tmp_path / 'full'}"]), progress=False)
+    run_grpo(
+        load_config(GRPORecipeConfig, None, [f"model.path={out}", *TINY_GRPO, f"output_dir={tmp_path / 'full'}"]),
+        progress=False,
+    )
     assert (tmp_path / "full" / "config.json").is_file()
     # other LoRA settings than the adapter's are an error naming them, not a silent choice
     with pytest.raises(ConfigError, match=r"model.lora.rank=8 but the adapter has 4"):
@@ -97,8 +122,11 @@ def test_an_adapter_whose_base_is_not_there_says_so(sft_run, tmp_path):
     config["base_model_name_or_path"] = "/gone/base"
     (adapter / "adapter_config.json").write_text(json.dumps(config))
     (adapter / "adapter_model.safetensors").write_bytes((step / "adapter_model.safetensors").read_bytes())
-    with pytest.raises(FileNotFoundError, match=r"LoRA adapter for the base model '/gone/base', which is not "
-                                                r"here .*base_model_name_or_path"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"LoRA adapter for the base model '/gone/base', which is not "
+        r"here .*base_model_name_or_path",
+    ):
         load_model(ChatModelConfig(path=str(adapter)))
 
 
@@ -107,21 +135,26 @@ def test_lora_settings_are_checked():
         load_config(SFTRecipeConfig, None, ["model.lora.rank=0"])
     with pytest.raises(ConfigError, match=r"^model.lora.dropout must be a number in \[0, 1\)"):
         load_config(GRPORecipeConfig, None, ["model.lora.dropout=1"])
-    cfg = load_config(SFTRecipeConfig, None, ["model.path=tiny:llama",
-                                               "model.lora.target_modules=q_proj,qkv"])
+    cfg = load_config(SFTRecipeConfig, None, ["model.path=tiny:llama", "model.lora.target_modules=q_proj,qkv"])
     assert cfg.model.lora.targets == ["q_proj", "qkv"]
-    with pytest.raises(ValueError, match=r"target_modules: qkv not found in the model; its linear layers are "
-                                         r".*q_proj"):
+    with pytest.raises(
+        ValueError,
+        match=r"target_modules: qkv not found in the model; its linear layers are "
+        r".*q_proj",
+    ):
         load_model(cfg.model)
     assert load_config(SFTRecipeConfig).model.lora is None  # off unless asked for
 
 
-@pytest.mark.parametrize("change, message", [
-    ("model.lora.target_modules=q_proj", r"model.lora.target_modules=\['q_proj'\] but the adapter has \["),
-    ("model.lora.alpha=3", "model.lora.alpha=3.0 but the adapter has 8"),  # would load, as another model
-    ("model.lora.rank=2", "model.lora.rank=2 but the adapter has 4"),
-    ("model.lora=null", r"model.lora is null, but checkpoint .*step_2 holds a LoRA adapter \(rank=4, "),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("model.lora.target_modules=q_proj", r"model.lora.target_modules=\['q_proj'\] but the adapter has \["),
+        ("model.lora.alpha=3", "model.lora.alpha=3.0 but the adapter has 8"),  # would load, as another model
+        ("model.lora.rank=2", "model.lora.rank=2 but the adapter has 4"),
+        ("model.lora=null", r"model.lora is null, but checkpoint .*step_2 holds a LoRA adapter \(rank=4, "),
+    ],
+)
 def test_resuming_with_a_changed_lora_setting_names_it(sft_run, change, message):
     """The setting that changed, not "written for a different model" and a state-dict dump."""
     out, _ = sft_run
@@ -144,7 +177,6 @@ def test_resume_with_lora_gives_the_uninterrupted_run(tmp_path):
     assert len(optimizer["state"]) == len(a)
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lora_rollouts_equal_the_trainers_logprobs_bitwise_under_batch_invariant(dtype, one_thread):
     """The adapter's layers are nn.Linear, so the exact mode covers them: every sampled token's
@@ -165,8 +197,7 @@ def test_lora_rollouts_equal_the_trainers_logprobs_bitwise_under_batch_invariant
     tok = AsciiTokenizer()
     for invariant in (True, False):
         base = tiny_model("llama").to(dtype)
-        policy = apply_lora(base, rank=4, alpha=8, dropout=0.0, target_modules="all-linear",
-                            base="tiny:llama")
+        policy = apply_lora(base, rank=4, alpha=8, dropout=0.0, target_modules="all-linear", base="tiny:llama")
         with torch.no_grad():  # a trained adapter: lora_B away from its zero start
             for name, p in policy.named_parameters():
                 if "lora_B" in name:
@@ -177,8 +208,16 @@ def test_lora_rollouts_equal_the_trainers_logprobs_bitwise_under_batch_invariant
         optimizer = torch.optim.SGD(trainable_parameters(policy), lr=1e-3)
         stepper = OptimizerStepper(policy, optimizer, Accelerator(cpu=True), cfg.train.max_grad_norm)
         with use_nopad_attention(policy):
-            m = grpo_step(stepper, gen, examples[:3], prompt_ids[:3], get_reward(cfg.reward), tok,
-                          sampling_params(cfg, 0), grpo_loss(cfg, policy.device))
+            m = grpo_step(
+                stepper,
+                gen,
+                examples[:3],
+                prompt_ids[:3],
+                get_reward(cfg.reward),
+                tok,
+                sampling_params(cfg, 0),
+                grpo_loss(cfg, policy.device),
+            )
         if invariant:
             assert m["logprob_gap_max"] == 0.0 and m["is_ratio_min"] == m["is_ratio_max"] == 1.0
             assert m["grad_norm"] > 0  # the adapter trained on those rows
@@ -197,12 +236,23 @@ def zero3_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("lora_zero3")
     zero3 = f"accelerate.deepspeed_config={ROOT / 'recipes/configs/deepspeed_zero3.json'}"
     sft = ["sft", *SMALL, *LORA, "train.grad_accum=4", "train.max_steps=2", zero3]  # 1 step/epoch
-    runs = [[*sft, f"checkpoint.output_dir={out / 'z3'}", "checkpoint.every=1"],
-            [*sft, f"checkpoint.output_dir={out / 'z3r'}", f"checkpoint.resume_from={out / 'z3' / 'step_1'}"],
-            ["grpo", "model.path=tiny:llama", *LORA,
-             *replaced(TINY_GRPO, "train.steps=2", "rollout.prompts_per_step=1"), f"output_dir={out / 'grpo'}", zero3]]
-    _run_two_ranks(["-m", "tests.support.recipe_runs", *runs[0], "--", *runs[1], "--", *runs[2]],
-                   "LoRA SFT, SFT resume and GRPO under ZeRO-3", timeout=3 * TIMEOUT_S)
+    runs = [
+        [*sft, f"checkpoint.output_dir={out / 'z3'}", "checkpoint.every=1"],
+        [*sft, f"checkpoint.output_dir={out / 'z3r'}", f"checkpoint.resume_from={out / 'z3' / 'step_1'}"],
+        [
+            "grpo",
+            "model.path=tiny:llama",
+            *LORA,
+            *replaced(TINY_GRPO, "train.steps=2", "rollout.prompts_per_step=1"),
+            f"output_dir={out / 'grpo'}",
+            zero3,
+        ],
+    ]
+    _run_two_ranks(
+        ["-m", "tests.support.recipe_runs", *runs[0], "--", *runs[1], "--", *runs[2]],
+        "LoRA SFT, SFT resume and GRPO under ZeRO-3",
+        timeout=3 * TIMEOUT_S,
+    )
     return out
 
 
@@ -256,12 +306,16 @@ def test_nopad_grpo_trainer_with_a_peft_config_is_exactly_on_policy(tmp_path, on
 
     class Recording(logp_recorder(seen)):
         def __init__(self, *args, **kwargs):
-            super().__init__(*args, peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                           task_type="CAUSAL_LM"), **kwargs)
+            super().__init__(
+                *args,
+                peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"),
+                **kwargs,
+            )
 
     rollout = nopad_rollout_func(importance_sampling=True, batch_invariant=True, max_num_batched_tokens=64)
-    trainer = _grpo(make_tokenizer(), tmp_path, rollout, cls=Recording, batch_invariant=True, max_steps=1,
-                    max_completion_length=8)
+    trainer = _grpo(
+        make_tokenizer(), tmp_path, rollout, cls=Recording, batch_invariant=True, max_steps=1, max_completion_length=8
+    )
     assert is_peft_model(trainer.model)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()

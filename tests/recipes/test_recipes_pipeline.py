@@ -19,8 +19,10 @@ import torch.nn.functional as F
 from tests.support import launch
 
 ROOT = Path(__file__).resolve().parents[2]
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 PROBLEMS = [(a, b) for a in range(2, 8) for b in range(1, 4)]  # 18 conversations
 
 
@@ -34,8 +36,9 @@ def _byte_tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                   pad_token="<pad>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<pad>"
+    )
     fast.chat_template = TEMPLATE
     return fast
 
@@ -49,20 +52,31 @@ def inputs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("pipeline")
     tokenizer = _byte_tokenizer()
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
-                                      eos_token_id=2)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(root / "base")
     tokenizer.save_pretrained(root / "base")
-    chats = [{"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
-                           {"role": "assistant", "content": str(a + b)}]} for a, b in PROBLEMS]
+    chats = [
+        {"messages": [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": str(a + b)}]}
+        for a, b in PROBLEMS
+    ]
     (root / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
     prompts = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in PROBLEMS[:4]]
     (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    packed = preprocess([f"input={root / 'chat.jsonl'}", f"output={root / 'packed_chat'}", "capacity=256",
-                         f"tokenizer={root / 'base'}"])
+    packed = preprocess(
+        [f"input={root / 'chat.jsonl'}", f"output={root / 'packed_chat'}", "capacity=256", f"tokenizer={root / 'base'}"]
+    )
     return root, packed, chats
 
 
@@ -95,16 +109,30 @@ def _reset_accelerate():
 def _sft_args(root: Path, out: Path) -> list[str]:
     # one micro-batch holds the whole epoch, one optimizer step per epoch: the first step's loss is
     # the mean over every assistant token at the initial weights
-    return [f"model.path={root / 'base'}", f"data.source={root / 'packed_chat'}",
-            "data.tokens_per_batch=2048", "train.grad_accum=1", "train.epochs=3", "train.lr=3.0e-3",
-            "train.progress=false", f"checkpoint.output_dir={out}"]
+    return [
+        f"model.path={root / 'base'}",
+        f"data.source={root / 'packed_chat'}",
+        "data.tokens_per_batch=2048",
+        "train.grad_accum=1",
+        "train.epochs=3",
+        "train.lr=3.0e-3",
+        "train.progress=false",
+        f"checkpoint.output_dir={out}",
+    ]
 
 
 def _evaluate(model_dir: Path, root: Path, out: str) -> dict:
     from nopad.recipes.evaluate import main as evaluate
 
-    result = evaluate([f"model.path={model_dir}", f"data.path={root / 'prompts.jsonl'}",
-                       "sampling.max_tokens=6", "generator.num_blocks=64", f"output={root / out}"])
+    result = evaluate(
+        [
+            f"model.path={model_dir}",
+            f"data.path={root / 'prompts.jsonl'}",
+            "sampling.max_tokens=6",
+            "generator.num_blocks=64",
+            f"output={root / out}",
+        ]
+    )
     lines = [json.loads(x) for x in (root / out).read_text().splitlines()]
     assert result["num_prompts"] == len(lines) == 4 and result["completion_tokens"] > 0
     assert [x["answer"] for x in lines] == [str(a + b) for a, b in PROBLEMS[:4]]
@@ -139,11 +167,20 @@ def test_preprocess_sft_evaluate_grpo_evaluate(inputs):
 
     # evaluate the checkpoint, GRPO from it, evaluate GRPO's output
     _evaluate(checkpoint, root, "eval_sft.jsonl")
-    history = grpo([f"model.path={checkpoint}", f"task.prompts={root / 'prompts.jsonl'}",
-                    "reward=tests.recipes.test_recipes_grpo:ids_checksum_reward",
-                    "rollout.prompts_per_step=2",
-                    "rollout.num_generations=4", "rollout.max_tokens=6", "generator.num_blocks=64",
-                    "train.steps=2", "train.lr=1.0e-3", f"output_dir={root / 'grpo'}"])
+    history = grpo(
+        [
+            f"model.path={checkpoint}",
+            f"task.prompts={root / 'prompts.jsonl'}",
+            "reward=tests.recipes.test_recipes_grpo:ids_checksum_reward",
+            "rollout.prompts_per_step=2",
+            "rollout.num_generations=4",
+            "rollout.max_tokens=6",
+            "generator.num_blocks=64",
+            "train.steps=2",
+            "train.lr=1.0e-3",
+            f"output_dir={root / 'grpo'}",
+        ]
+    )
     _reset_accelerate()
     assert [h["step"] for h in history] == [0, 1] and any(h["grad_norm"] > 0 for h in history)
     assert len((root / "grpo" / "metrics.jsonl").read_text().splitlines()) == 2
@@ -167,7 +204,8 @@ def readme_pipeline() -> list[list[str]]:
 
 
 def test_the_readmes_commands_in_order_leave_model_path_at_the_newest_runs_newest_checkpoint(
-        inputs, tmp_path, monkeypatch):
+    inputs, tmp_path, monkeypatch
+):
     """Each README line in turn, with a tiny model swapped in. Its SFT line and its launch line both
     write runs/sft (the launch line runs here in one process: the directory is what is tested; the
     2-process launch is the slow test below): afterwards model.path=runs/sft must be the launch
@@ -177,22 +215,31 @@ def test_the_readmes_commands_in_order_leave_model_path_at_the_newest_runs_newes
     root, _, _ = inputs
     monkeypatch.chdir(tmp_path)
     (tmp_path / "recipes").symlink_to(ROOT / "recipes")  # the README's relative paths
-    tiny = {"nopad.recipes.preprocess": [f"tokenizer={root / 'base'}"],
-            "nopad.recipes.sft": [f"model.path={root / 'base'}", "train.progress=false", "train.grad_accum=1"],
-            "nopad.recipes.evaluate": ["sampling.max_tokens=4", "generator.num_blocks=64"],
-            "nopad.recipes.grpo": ["reward=tests.recipes.test_recipes_grpo:ids_checksum_reward",
-                             "rollout.prompts_per_step=2", "rollout.num_generations=4",
-                             "rollout.max_tokens=6", "generator.num_blocks=128"]}  # tool task: 134 tokens
+    tiny = {
+        "nopad.recipes.preprocess": [f"tokenizer={root / 'base'}"],
+        "nopad.recipes.sft": [f"model.path={root / 'base'}", "train.progress=false", "train.grad_accum=1"],
+        "nopad.recipes.evaluate": ["sampling.max_tokens=4", "generator.num_blocks=64"],
+        "nopad.recipes.grpo": [
+            "reward=tests.recipes.test_recipes_grpo:ids_checksum_reward",
+            "rollout.prompts_per_step=2",
+            "rollout.num_generations=4",
+            "rollout.max_tokens=6",
+            "generator.num_blocks=128",
+        ],
+    }  # tool task: 134 tokens
     commands = readme_pipeline()
     assert [w[:2] for w in commands[:-1]] == [["python", "-m"]] * (len(commands) - 1)
     assert commands[-1][:2] == ["accelerate", "launch"]
     sft_checkpoints = []
     for words in commands:
         at = words.index("-m")
-        module, args = words[at + 1], words[at + 2:]
+        module, args = words[at + 1], words[at + 2 :]
         # the first SFT run takes more steps than the launch run (the test's value replaces the README's)
-        max_steps = ["train.max_steps=1" if words[0] == "accelerate" else "train.max_steps=2"] \
-            if module == "nopad.recipes.sft" else []
+        max_steps = (
+            ["train.max_steps=1" if words[0] == "accelerate" else "train.max_steps=2"]
+            if module == "nopad.recipes.sft"
+            else []
+        )
         result = importlib.import_module(module).main(with_settings(args, [*tiny[module], *max_steps]))
         _reset_accelerate()
         if module == "nopad.recipes.sft":
@@ -219,8 +266,14 @@ def _launch(words: list[str], *overrides: str) -> None:
     """Run a README line (plus a free port, and the test's own settings in place of its)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "DS_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(launch.free_port()),
-           *with_settings(words[2:], overrides)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--main_process_port",
+        str(launch.free_port()),
+        *with_settings(words[2:], overrides),
+    ]
     # its own process group: a timeout kills the ranks too, not only the launcher
     returncode, _, err = launch.run_in_group(cmd, 300, cwd=ROOT, env=env)
     if returncode is None:
@@ -236,8 +289,10 @@ def test_readme_launch_lines_run_ddp_and_deepspeed_zero2(inputs):
     assert {"recipes/configs/accelerate_ddp.yaml", "recipes/configs/accelerate_deepspeed.yaml"} <= set(lines)
     expected = _per_document_loss(root / "base", chats)
     runs = {}
-    for name, config in [("ddp", "recipes/configs/accelerate_ddp.yaml"),
-                         ("deepspeed", "recipes/configs/accelerate_deepspeed.yaml")]:
+    for name, config in [
+        ("ddp", "recipes/configs/accelerate_ddp.yaml"),
+        ("deepspeed", "recipes/configs/accelerate_deepspeed.yaml"),
+    ]:
         out = root / f"sft_{name}"
         _launch(lines[config], *_sft_args(root, out))
         runs[name] = [json.loads((out / f"result_rank{r}.json").read_text()) for r in range(2)]

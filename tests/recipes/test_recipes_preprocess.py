@@ -91,28 +91,38 @@ def test_cli_end_to_end(tmp_path, tokenizer, capsys):
     assert "saved 2 packed rows of <= 32 tokens" in capsys.readouterr().out
     # text input from a save_to_disk directory, with overflow split
     datasets.Dataset.from_dict({"text": ["hi " * 10, "ok"]}).save_to_disk(str(tmp_path / "text"))
-    packed = main([f"input={tmp_path / 'text'}", f"output={tmp_path / 'p2'}", f"tokenizer={tok_dir}",
-                   "capacity=4", "overflow=split"])
+    packed = main(
+        [
+            f"input={tmp_path / 'text'}",
+            f"output={tmp_path / 'p2'}",
+            f"tokenizer={tok_dir}",
+            "capacity=4",
+            "overflow=split",
+        ]
+    )
     assert packed["seq_lengths"] == [[4], [4], [3], [2]]  # 11 tokens -> 4 + 4 + 3; then "ok <eos>"
     with pytest.raises(ValueError, match="set both input="):
         main([f"tokenizer={tok_dir}"])
 
 
-@pytest.mark.parametrize("content,message", [
-    ("", "holds no records"),
-    ('{"text": "ok"}\n{"text": "broken\n', r"bad.jsonl:2 is not valid JSON"),
-    ('["a list"]\n', r"bad.jsonl:1 is a JSON list, not an object"),
-    ('{"messages": "hello"}\n', r"bad.jsonl:1: field 'messages' must be a list, got str 'hello'"),
-    ('{"messages": []}\n', r"bad.jsonl:1: messages must be a non-empty list"),
-    ('{"text": 5}\n', r"bad.jsonl:1: field 'text' must be a string, got int 5"),
-    ('{"text": null}\n', r"bad.jsonl:1: field 'text' must be a string, got null"),
-    ('{"text": "a"}\n{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", '
-     '"content": "b"}]}\n',
-     r"bad.jsonl:2 is a messages record, but the first record is a text record"),
-    ('{"body": "a"}\n', r"bad.jsonl:1 has fields \['body'\]; expected \{\"messages\": <list>\} or"),
-    ('{"messages": [{"role": "user", "content": "hi"}]}\n',
-     r"bad.jsonl:1: the conversation has no assistant turn"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("", "holds no records"),
+        ('{"text": "ok"}\n{"text": "broken\n', r"bad.jsonl:2 is not valid JSON"),
+        ('["a list"]\n', r"bad.jsonl:1 is a JSON list, not an object"),
+        ('{"messages": "hello"}\n', r"bad.jsonl:1: field 'messages' must be a list, got str 'hello'"),
+        ('{"messages": []}\n', r"bad.jsonl:1: messages must be a non-empty list"),
+        ('{"text": 5}\n', r"bad.jsonl:1: field 'text' must be a string, got int 5"),
+        ('{"text": null}\n', r"bad.jsonl:1: field 'text' must be a string, got null"),
+        (
+            '{"text": "a"}\n{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n',
+            r"bad.jsonl:2 is a messages record, but the first record is a text record",
+        ),
+        ('{"body": "a"}\n', r"bad.jsonl:1 has fields \['body'\]; expected \{\"messages\": <list>\} or"),
+        ('{"messages": [{"role": "user", "content": "hi"}]}\n', r"bad.jsonl:1: the conversation has no assistant turn"),
+    ],
+)
 def test_bad_jsonl_is_a_clear_error_naming_the_line(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
@@ -125,8 +135,10 @@ def test_the_shipped_yaml_lists_exactly_the_defaults_and_settings_are_typed(caps
     from nopad.recipes.preprocess import DEFAULT_CONFIG, PreprocessConfig
 
     assert load_config(PreprocessConfig, DEFAULT_CONFIG) == PreprocessConfig()
-    for arg, message in [("strategy=best", "strategy must be 'bfd', 'ffd' or 'nextfit', got 'best'"),
-                         ("capacity=0", "capacity must be an integer >= 1, got 0")]:
+    for arg, message in [
+        ("strategy=best", "strategy must be 'bfd', 'ffd' or 'nextfit', got 'best'"),
+        ("capacity=0", "capacity must be an integer >= 1, got 0"),
+    ]:
         with pytest.raises(SystemExit) as exit_:
             main(["input=x.jsonl", "output=out", arg])
         assert exit_.value.code == 2 and message in capsys.readouterr().err
@@ -138,9 +150,16 @@ def _write_formats(tmp_path) -> dict:
 
     rows = [{"text": "hi there"}, {"text": "ok"}]
     lines = "".join(json.dumps(r) + "\n" for r in rows)
-    paths = {"jsonl": tmp_path / "d.jsonl", "gz": tmp_path / "d.jsonl.gz", "json": tmp_path / "d.json",
-             "bom": tmp_path / "bom.jsonl", "parquet": tmp_path / "d.parquet", "csv": tmp_path / "d.csv",
-             "saved": tmp_path / "saved", "dict": tmp_path / "dict"}
+    paths = {
+        "jsonl": tmp_path / "d.jsonl",
+        "gz": tmp_path / "d.jsonl.gz",
+        "json": tmp_path / "d.json",
+        "bom": tmp_path / "bom.jsonl",
+        "parquet": tmp_path / "d.parquet",
+        "csv": tmp_path / "d.csv",
+        "saved": tmp_path / "saved",
+        "dict": tmp_path / "dict",
+    }
     paths["jsonl"].write_text(lines)
     paths["gz"].write_bytes(gzip.compress(lines.encode()))
     paths["json"].write_text(json.dumps(rows))
@@ -169,8 +188,10 @@ def test_preprocess_refuses_to_drop_most_of_a_long_document(tmp_path, tokenizer)
     data = tmp_path / "long.jsonl"
     data.write_text(json.dumps({"text": "hi " * 100}) + "\n")
     args = [f"input={data}", f"tokenizer={tok_dir}", "capacity=8"]
-    dropped = (r"^overflow=truncate would drop 93 of 101 tokens \(92%\) of the 1 sequences longer than "
-               r"capacity=8, more than max_dropped_fraction=0.05")
+    dropped = (
+        r"^overflow=truncate would drop 93 of 101 tokens \(92%\) of the 1 sequences longer than "
+        r"capacity=8, more than max_dropped_fraction=0.05"
+    )
     with pytest.raises(ValueError, match=dropped):
         main([*args, f"output={tmp_path / 'p'}"])
     packed = main([*args, f"output={tmp_path / 'p'}", "max_dropped_fraction=1"])
@@ -183,8 +204,11 @@ def test_an_empty_text_is_one_line_naming_the_record(tmp_path, tokenizer):
     tokenizer.save_pretrained(tok_dir)
     data = tmp_path / "texts.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["hi", "", "hello", ""]))
-    with pytest.raises(ValueError, match=r"^2 of .*texts.jsonl's records tokenize to no tokens \(the first: "
-                                         r"record 1, an empty 'text'\); remove them .* or set add_eos=true"):
+    with pytest.raises(
+        ValueError,
+        match=r"^2 of .*texts.jsonl's records tokenize to no tokens \(the first: "
+        r"record 1, an empty 'text'\); remove them .* or set add_eos=true",
+    ):
         main([f"input={data}", f"tokenizer={tok_dir}", f"output={tmp_path / 'p'}", "add_eos=false"])
     assert main([f"input={data}", f"tokenizer={tok_dir}", f"output={tmp_path / 'p'}"])["seq_lengths"]
 
@@ -201,23 +225,39 @@ def test_preprocess_refuses_an_sft_run_directory(tmp_path, tokenizer):
 
 # each wrong conversation, as preprocess and per-turn SFT both read it: file:line, then the field
 BAD_CHATS = [
-    ([{"content": "hi"}, {"role": "assistant", "content": "b"}],
-     r"bad.jsonl:1: messages\[0\].role is missing; give one of system"),
-    ([{"role": "user", "content": None}, {"role": "assistant", "content": "b"}],
-     r"bad.jsonl:1: messages\[0\].content must be a string, got null"),
-    ([{"role": "user", "content": 7}, {"role": "assistant", "content": "b"}],
-     r"bad.jsonl:1: messages\[0\].content must be a string, got int 7"),
-    ([{"role": "user"}, {"role": "assistant", "content": "b"}],
-     r"bad.jsonl:1: messages\[0\].content must be a string, got missing"),
-    ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "b"}],
-     r"bad.jsonl:1: messages\[1\] is an assistant turn before any user turn"),
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-      {"role": "assistant", "content": "c"}],
-     r"bad.jsonl:1: messages\[1\] and messages\[2\] are two assistant turns in a row"),
-    ([{"role": "wizard", "content": "a"}, {"role": "assistant", "content": "b"}],
-     r"bad.jsonl:1: messages\[0\].role 'wizard' is not a chat role; give one of system"),
-    ([{"role": "user", "content": "a"}, "hello"],
-     r"bad.jsonl:1: messages\[1\] must be an object"),
+    (
+        [{"content": "hi"}, {"role": "assistant", "content": "b"}],
+        r"bad.jsonl:1: messages\[0\].role is missing; give one of system",
+    ),
+    (
+        [{"role": "user", "content": None}, {"role": "assistant", "content": "b"}],
+        r"bad.jsonl:1: messages\[0\].content must be a string, got null",
+    ),
+    (
+        [{"role": "user", "content": 7}, {"role": "assistant", "content": "b"}],
+        r"bad.jsonl:1: messages\[0\].content must be a string, got int 7",
+    ),
+    (
+        [{"role": "user"}, {"role": "assistant", "content": "b"}],
+        r"bad.jsonl:1: messages\[0\].content must be a string, got missing",
+    ),
+    (
+        [{"role": "system", "content": "s"}, {"role": "assistant", "content": "b"}],
+        r"bad.jsonl:1: messages\[1\] is an assistant turn before any user turn",
+    ),
+    (
+        [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "assistant", "content": "c"},
+        ],
+        r"bad.jsonl:1: messages\[1\] and messages\[2\] are two assistant turns in a row",
+    ),
+    (
+        [{"role": "wizard", "content": "a"}, {"role": "assistant", "content": "b"}],
+        r"bad.jsonl:1: messages\[0\].role 'wizard' is not a chat role; give one of system",
+    ),
+    ([{"role": "user", "content": "a"}, "hello"], r"bad.jsonl:1: messages\[1\] must be an object"),
 ]
 
 
@@ -226,8 +266,11 @@ def test_a_wrong_conversation_is_one_line_naming_its_line_and_field(tmp_path, me
     """Checked before any template or Arrow sees it: a jinja UndefinedError or an ArrowInvalid quoting
     another row used to be what the user saw, and an unknown role was rendered as a prompt turn."""
     path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps({"messages": [{"role": "user", "content": "fine"},
-                                             {"role": "assistant", "content": "ok"}]}) + "\n"
-                    + json.dumps({"messages": messages}) + "\n")
+    path.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "fine"}, {"role": "assistant", "content": "ok"}]})
+        + "\n"
+        + json.dumps({"messages": messages})
+        + "\n"
+    )
     with pytest.raises(ValueError, match=message.replace("jsonl:1", "jsonl:2")):
         load_records(path)

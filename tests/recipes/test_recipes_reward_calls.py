@@ -43,9 +43,11 @@ def test_a_reward_with_the_wrong_signature_is_refused_when_the_config_is_read(ca
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     reward = "tests.recipes.test_recipes_reward_calls:one_argument_reward"
-    assert err.startswith(f"nopad.recipes.grpo: error: reward='{reward}' takes (completion), but the recipe calls "
-                          "it as fn(completion: str, example: dict) -> float: give it those two parameters "
-                          "(any others need defaults)"), err
+    assert err.startswith(
+        f"nopad.recipes.grpo: error: reward='{reward}' takes (completion), but the recipe calls "
+        "it as fn(completion: str, example: dict) -> float: give it those two parameters "
+        "(any others need defaults)"
+    ), err
     with pytest.raises(ValueError, match=r"^scorer 'test_a_reward.*<lambda>' takes \(\)"):
         from nopad.recipes.evaluate import EvaluateConfig
 
@@ -59,9 +61,11 @@ def test_a_reward_that_does_not_return_stops_at_the_timeout_naming_the_prompt():
     with pytest.raises(TimeoutError) as err:
         timed("12", {"prompt": "What is 7 +\n 5?", "answer": "12"})
     assert time.perf_counter() - start < 5
-    assert str(err.value).endswith("test_recipes_reward_calls:stuck_reward did not return within 0.2 s for "
-                                   "the prompt 'What is 7 + 5?'; make it faster or set reward_timeout higher "
-                                   "(seconds; null: no limit)")
+    assert str(err.value).endswith(
+        "test_recipes_reward_calls:stuck_reward did not return within 0.2 s for "
+        "the prompt 'What is 7 + 5?'; make it faster or set reward_timeout higher "
+        "(seconds; null: no limit)"
+    )
 
 
 def test_a_timed_reward_keeps_its_value_its_errors_and_its_name():
@@ -85,8 +89,11 @@ def test_grpo_stops_at_the_reward_timeout(tmp_path, one_thread):
 
     cfg = tiny_config(reward=stuck_reward, reward_timeout=0.5)
     try:
-        with pytest.raises(TimeoutError, match=r"^the reward .*:stuck_reward did not return within 0.5 s for "
-                                               r"the prompt 'What is "):
+        with pytest.raises(
+            TimeoutError,
+            match=r"^the reward .*:stuck_reward did not return within 0.5 s for "
+            r"the prompt 'What is ",
+        ):
             run_grpo(cfg, model=tiny_model("llama"), tokenizer=AsciiTokenizer(), progress=False)
     finally:
         _reset_accelerate()

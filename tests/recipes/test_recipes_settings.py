@@ -40,8 +40,12 @@ def test_evaluate_takes_the_first_num_prompts_of_a_file(tmp_path, caplog):
 
     path = tmp_path / "prompts.jsonl"
     _prompts(path, 5)
-    common = {"model": {"path": "tiny:llama", "chat_template": False}, "sampling": {"max_tokens": 2},
-              "generator": {"num_blocks": 64}, "output": None}
+    common = {
+        "model": {"path": "tiny:llama", "chat_template": False},
+        "sampling": {"max_tokens": 2},
+        "generator": {"num_blocks": 64},
+        "output": None,
+    }
     cfg = EvaluateConfig(data={"path": str(path), "num_prompts": 2}, **common)
     assert run_evaluate(cfg, progress=False)["num_prompts"] == 2
     every = run_evaluate(EvaluateConfig(data={"path": str(path)}, **common), progress=False)
@@ -57,21 +61,24 @@ def test_model_dtype_applies_to_the_tiny_model():
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
-@pytest.mark.parametrize("cls, overrides, message", [
-    (GRPOConfig, ["loss.beta=-0.1"], "loss.beta must be a number >= 0.0, got -0.1"),
-    (GRPOConfig, ["train.lr=1e38"], r"train.lr must be a number in \(0, 1\], got 1e\+38"),
-    (SFTConfig, ["train.lr=1e38"], r"train.lr must be a number in \(0, 1\], got 1e\+38"),
-    (SFTConfig, ["train.lr=0"], r"train.lr must be a number in \(0, 1\], got 0.0"),
-    # a negative norm used to flip every gradient without a word; weight decay and the synthetic
-    # lengths failed only after the model loaded; a greedy GRPO rollout learns nothing
-    (SFTConfig, ["train.max_grad_norm=-1"], r"train.max_grad_norm must be a number > 0, or null or 0"),
-    (GRPOConfig, ["train.max_grad_norm=-0.5"], r"train.max_grad_norm must be a number > 0, or null or 0"),
-    (SFTConfig, ["train.weight_decay=-0.1"], r"train.weight_decay must be a number >= 0.0, got -0.1"),
-    (GRPOConfig, ["train.weight_decay=-1"], r"train.weight_decay must be a number >= 0.0, got -1.0"),
-    (SFTConfig, ["data.min_len=50", "data.max_len=10"], r"data.min_len \(50\) is above data.max_len \(10\)"),
-    (GRPOConfig, ["rollout.temperature=0"], r"rollout.temperature is 0 \(greedy\): every completion"),
-    (GRPOConfig, ["loss.delta=1.0"], r"loss.delta must be > 1"),
-])
+@pytest.mark.parametrize(
+    "cls, overrides, message",
+    [
+        (GRPOConfig, ["loss.beta=-0.1"], "loss.beta must be a number >= 0.0, got -0.1"),
+        (GRPOConfig, ["train.lr=1e38"], r"train.lr must be a number in \(0, 1\], got 1e\+38"),
+        (SFTConfig, ["train.lr=1e38"], r"train.lr must be a number in \(0, 1\], got 1e\+38"),
+        (SFTConfig, ["train.lr=0"], r"train.lr must be a number in \(0, 1\], got 0.0"),
+        # a negative norm used to flip every gradient without a word; weight decay and the synthetic
+        # lengths failed only after the model loaded; a greedy GRPO rollout learns nothing
+        (SFTConfig, ["train.max_grad_norm=-1"], r"train.max_grad_norm must be a number > 0, or null or 0"),
+        (GRPOConfig, ["train.max_grad_norm=-0.5"], r"train.max_grad_norm must be a number > 0, or null or 0"),
+        (SFTConfig, ["train.weight_decay=-0.1"], r"train.weight_decay must be a number >= 0.0, got -0.1"),
+        (GRPOConfig, ["train.weight_decay=-1"], r"train.weight_decay must be a number >= 0.0, got -1.0"),
+        (SFTConfig, ["data.min_len=50", "data.max_len=10"], r"data.min_len \(50\) is above data.max_len \(10\)"),
+        (GRPOConfig, ["rollout.temperature=0"], r"rollout.temperature is 0 \(greedy\): every completion"),
+        (GRPOConfig, ["loss.delta=1.0"], r"loss.delta must be > 1"),
+    ],
+)
 def test_out_of_range_training_settings_are_refused(cls, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(cls, None, overrides)
@@ -79,15 +86,27 @@ def test_out_of_range_training_settings_are_refused(cls, overrides, message):
 
 def test_more_prompts_per_step_than_prompts_is_an_error_with_the_numbers(tmp_path):
     check_prompts_per_step(8, 4, world_size=2)
-    with pytest.raises(ValueError, match=r"rollout.prompts_per_step=4 x 2 process\(es\) needs 8 distinct "
-                                         "prompts per step, but the prompt set has 6"):
+    with pytest.raises(
+        ValueError,
+        match=r"rollout.prompts_per_step=4 x 2 process\(es\) needs 8 distinct "
+        "prompts per step, but the prompt set has 6",
+    ):
         check_prompts_per_step(6, 4, world_size=2)
     path = tmp_path / "prompts.jsonl"
     _prompts(path, 3)
-    cfg = load_config(GRPOConfig, None, ["model.path=tiny:llama", "model.chat_template=false",
-                                         f"task.prompts={path}", "rollout.prompts_per_step=4",
-                                         "rollout.num_generations=2", "rollout.max_tokens=4",
-                                         f"output_dir={tmp_path / 'grpo'}"])
+    cfg = load_config(
+        GRPOConfig,
+        None,
+        [
+            "model.path=tiny:llama",
+            "model.chat_template=false",
+            f"task.prompts={path}",
+            "rollout.prompts_per_step=4",
+            "rollout.num_generations=2",
+            "rollout.max_tokens=4",
+            f"output_dir={tmp_path / 'grpo'}",
+        ],
+    )
     with pytest.raises(ValueError, match="needs 4 distinct prompts per step, but the prompt set has 3"):
         run_grpo(cfg, progress=False)
     _reset_accelerate()
@@ -99,32 +118,54 @@ def test_resuming_with_another_model_says_the_model_differs(tmp_path):
     from nopad.recipes.tasks import AsciiTokenizer
 
     out = tmp_path / "run"
-    small = ["data.num_rows=8", "data.max_len=20", "data.tokens_per_batch=64", "train.progress=false",
-             "train.max_steps=1", "train.grad_accum=1", f"checkpoint.output_dir={out}"]
+    small = [
+        "data.num_rows=8",
+        "data.max_len=20",
+        "data.tokens_per_batch=64",
+        "train.progress=false",
+        "train.max_steps=1",
+        "train.grad_accum=1",
+        f"checkpoint.output_dir={out}",
+    ]
     train(load_config(SFTConfig, None, ["model.path=tiny:llama", *small]))
     _reset_accelerate()
     other = tmp_path / "other"
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=256)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(other)
     AsciiTokenizer().save_pretrained(other)
     with pytest.raises(RuntimeError, match="was written for a different model than model.path"):
-        train(load_config(SFTConfig, None, [f"model.path={other}", *small, "train.max_steps=2",
-                                            "checkpoint.resume_from=latest"]))
+        train(
+            load_config(
+                SFTConfig, None, [f"model.path={other}", *small, "train.max_steps=2", "checkpoint.resume_from=latest"]
+            )
+        )
     _reset_accelerate()
 
 
-@pytest.mark.parametrize("module, override, message", [
-    ("nopad.recipes.grpo", "rollout.temperature=-1",
-     "rollout.temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
-    ("nopad.recipes.grpo", "rollout.top_p=0", "rollout.top_p must be in (0, 1] (1 disables it), got 0.0"),
-    ("nopad.recipes.grpo", "rollout.top_p=1.5", "rollout.top_p must be in (0, 1] (1 disables it), got 1.5"),
-    ("nopad.recipes.evaluate", "sampling.temperature=-1", "sampling.temperature must be a finite number >= 0"),
-    ("nopad.recipes.evaluate", "sampling.top_p=0", "sampling.top_p must be in (0, 1]"),
-    ("nopad.recipes.evaluate", "sampling.temperature=.nan", "sampling.temperature must be a finite number >= 0"),
-    ("nopad.recipes.evaluate", "sampling.max_tokens=0", "sampling.max_tokens must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "module, override, message",
+    [
+        (
+            "nopad.recipes.grpo",
+            "rollout.temperature=-1",
+            "rollout.temperature must be a finite number >= 0 (0 = greedy), got -1.0",
+        ),
+        ("nopad.recipes.grpo", "rollout.top_p=0", "rollout.top_p must be in (0, 1] (1 disables it), got 0.0"),
+        ("nopad.recipes.grpo", "rollout.top_p=1.5", "rollout.top_p must be in (0, 1] (1 disables it), got 1.5"),
+        ("nopad.recipes.evaluate", "sampling.temperature=-1", "sampling.temperature must be a finite number >= 0"),
+        ("nopad.recipes.evaluate", "sampling.top_p=0", "sampling.top_p must be in (0, 1]"),
+        ("nopad.recipes.evaluate", "sampling.temperature=.nan", "sampling.temperature must be a finite number >= 0"),
+        ("nopad.recipes.evaluate", "sampling.max_tokens=0", "sampling.max_tokens must be >= 1, got 0"),
+    ],
+)
 def test_sampling_settings_are_checked_when_the_config_is_built(module, override, message, capsys):
     """By the generator's own rule (SamplingParams), before any model loads."""
     import importlib
@@ -147,7 +188,9 @@ def test_a_model_directory_without_tokenizer_files_says_which_were_looked_for(tm
     alone = " (tokenizer_config.json alone holds no vocabulary)" if files else ""
     with pytest.raises(FileNotFoundError) as err:
         load_model(ModelConfig(path=str(tmp_path)))
-    assert str(err.value) == (f"model.path={tmp_path} holds no tokenizer files{alone}: looked for "
-                              "tokenizer.json, *.model, vocab.json, vocab.txt, *.tiktoken; copy the "
-                              "tokenizer files of the model it came from into it (or write them there with "
-                              "tokenizer.save_pretrained)")
+    assert str(err.value) == (
+        f"model.path={tmp_path} holds no tokenizer files{alone}: looked for "
+        "tokenizer.json, *.model, vocab.json, vocab.txt, *.tiktoken; copy the "
+        "tokenizer files of the model it came from into it (or write them there with "
+        "tokenizer.save_pretrained)"
+    )

@@ -20,8 +20,15 @@ from nopad.training.sft_data import synthetic_rows, tokenize_rows
 from tests.support import launch
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = ["model.path=tiny:llama", "data.num_rows=24", "data.min_len=4", "data.max_len=40",
-         "data.tokens_per_batch=96", "train.lr=1.0e-3", "train.progress=false"]
+SMALL = [
+    "model.path=tiny:llama",
+    "data.num_rows=24",
+    "data.min_len=4",
+    "data.max_len=40",
+    "data.tokens_per_batch=96",
+    "train.lr=1.0e-3",
+    "train.progress=false",
+]
 
 
 def _cfg(tmp_path, *extra):
@@ -109,29 +116,44 @@ def test_bad_config_is_a_clear_error(tmp_path):
     _reset_accelerate()
 
 
-@pytest.mark.parametrize("override, match", [
-    ("train.max_steps=abc", "train.max_steps must be an integer or null, got 'abc'"),
-    ("train.max_steps=0", "train.max_steps must be an integer >= 1 or null, got 0"),
-    ("train.epochs=0", "train.epochs must be an integer >= 1, got 0"),
-    ("train.grad_accum=1.5", "train.grad_accum must be an integer, got 1.5"),
-    ("data.tokens_per_batch=big", "data.tokens_per_batch must be an integer or null, got 'big'"),
-    ("data.overflow=drop", "data.overflow must be 'error', 'truncate' or 'split', got 'drop'"),
-    ("data.max_dropped_fraction=2", "data.max_dropped_fraction must be a number in [0, 1], got 2.0"),
-])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("train.max_steps=abc", "train.max_steps must be an integer or null, got 'abc'"),
+        ("train.max_steps=0", "train.max_steps must be an integer >= 1 or null, got 0"),
+        ("train.epochs=0", "train.epochs must be an integer >= 1, got 0"),
+        ("train.grad_accum=1.5", "train.grad_accum must be an integer, got 1.5"),
+        ("data.tokens_per_batch=big", "data.tokens_per_batch must be an integer or null, got 'big'"),
+        ("data.overflow=drop", "data.overflow must be 'error', 'truncate' or 'split', got 'drop'"),
+        ("data.max_dropped_fraction=2", "data.max_dropped_fraction must be a number in [0, 1], got 2.0"),
+    ],
+)
 def test_settings_that_would_train_nothing_or_crash_later_fail_first(tmp_path, override, match):
     with pytest.raises(ValueError, match=re.escape(match)):
         train(_cfg(tmp_path, override))
 
 
-@pytest.mark.parametrize("rows, override, match", [
-    ([{"input_ids": [3, 4, 500, 6]}], None,
-     r"row 0 holds token id 500, outside the model's vocabulary \(ids 0..127\); the rows were tokenized"),
-    ([{"input_ids": [3, 4]}, {"input_ids": [5, -1]}], None, r"row 1 holds token id -1, outside"),
-    ([{"input_ids": [3, 4, 5], "labels": [-100, -100, -100]}], None,
-     r"every label is -100, so no token has a loss and nothing would be trained"),
-    ([{"input_ids": [3, 4, 5]}], "model.attn_implementation=flash",
-     r"^model.attn_implementation 'flash' cannot be used: .*model.attn_implementation=nopad\)$"),
-])
+@pytest.mark.parametrize(
+    "rows, override, match",
+    [
+        (
+            [{"input_ids": [3, 4, 500, 6]}],
+            None,
+            r"row 0 holds token id 500, outside the model's vocabulary \(ids 0..127\); the rows were tokenized",
+        ),
+        ([{"input_ids": [3, 4]}, {"input_ids": [5, -1]}], None, r"row 1 holds token id -1, outside"),
+        (
+            [{"input_ids": [3, 4, 5], "labels": [-100, -100, -100]}],
+            None,
+            r"every label is -100, so no token has a loss and nothing would be trained",
+        ),
+        (
+            [{"input_ids": [3, 4, 5]}],
+            "model.attn_implementation=flash",
+            r"^model.attn_implementation 'flash' cannot be used: .*model.attn_implementation=nopad\)$",
+        ),
+    ],
+)
 def test_rows_the_model_cannot_train_on_fail_before_the_first_step(tmp_path, rows, override, match):
     """Ids from another tokenizer used to fail inside the first forward (IndexError: index out of
     range in self), all-masked labels trained at loss 0.0 without a word, and a wrong attention name
@@ -158,15 +180,18 @@ def test_max_steps_counts_optimizer_steps_and_repeats_epochs(tmp_path, caplog):
     assert again["losses"] == [] and any("nothing to train" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("override, field", [
-    ("train.grad_accum=4", "train.grad_accum=2 but this run has train.grad_accum=4"),
-    ("data.tokens_per_batch=128", "tokens_per_batch=96 but this loader has tokens_per_batch=128"),
-    ("data.max_seqs_per_batch=2", "max_seqs_per_batch=None but this loader has max_seqs_per_batch=2"),
-    ("data.num_rows=25", "num_sequences=24 but this loader has num_sequences=25"),
-    ("data.seed=3", "lengths_digest="),
-    # the checkpoint's optimizer state used to keep silently the old learning rate
-    ("train.lr=1e-4", "train.lr=0.001 but this run has train.lr=0.0001"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("train.grad_accum=4", "train.grad_accum=2 but this run has train.grad_accum=4"),
+        ("data.tokens_per_batch=128", "tokens_per_batch=96 but this loader has tokens_per_batch=128"),
+        ("data.max_seqs_per_batch=2", "max_seqs_per_batch=None but this loader has max_seqs_per_batch=2"),
+        ("data.num_rows=25", "num_sequences=24 but this loader has num_sequences=25"),
+        ("data.seed=3", "lengths_digest="),
+        # the checkpoint's optimizer state used to keep silently the old learning rate
+        ("train.lr=1e-4", "train.lr=0.001 but this run has train.lr=0.0001"),
+    ],
+)
 def test_resume_under_another_plan_is_refused_naming_the_field(tmp_path, override, field):
     train(_cfg(tmp_path, "train.max_steps=1"))
     _reset_accelerate()
@@ -216,13 +241,31 @@ def _torchrun(*runs: tuple, deepspeed=False) -> list[list[dict]]:
     for out_dir, *overrides in runs:
         given = any(o.startswith("log.record_indices=") for o in overrides)  # a key is given once
         indices = () if given else ("log.record_indices=true",)
-        args += [*(["--"] if args else []), "sft", *SMALL, f"checkpoint.output_dir={out_dir}", *indices,
-                 *overrides, *extra]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(launch.free_port()), "-m", "tests.support.recipe_runs", *args]
+        args += [
+            *(["--"] if args else []),
+            "sft",
+            *SMALL,
+            f"checkpoint.output_dir={out_dir}",
+            *indices,
+            *overrides,
+            *extra,
+        ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(launch.free_port()),
+        "-m",
+        "tests.support.recipe_runs",
+        *args,
+    ]
     launch.run(cmd, what="nopad.recipes.sft on 2 processes", timeout=300 * len(runs), env=env, cwd=ROOT)
-    return [[json.loads((Path(out_dir) / f"result_rank{r}.json").read_text()) for r in range(2)]
-            for out_dir, *_ in runs]
+    return [
+        [json.loads((Path(out_dir) / f"result_rank{r}.json").read_text()) for r in range(2)] for out_dir, *_ in runs
+    ]
 
 
 def _unpacked_mean_loss():
@@ -302,8 +345,11 @@ def test_prepacked_rows_train_with_the_default_budget_and_too_small_a_budget_nam
 
     rows = [{"input_ids": list(range(n)), "seq_lengths": [n - 3, 3]} for n in (2042, 900, 1500)]
     assert plan_budget(_data_cfg(), rows) == 2042  # a pre-packed row is already a bin
-    with pytest.raises(ValueError, match=r"data.tokens_per_batch=1024 is smaller than 2 of the pre-packed "
-                                         r"rows.*leave data.tokens_per_batch unset"):
+    with pytest.raises(
+        ValueError,
+        match=r"data.tokens_per_batch=1024 is smaller than 2 of the pre-packed "
+        r"rows.*leave data.tokens_per_batch unset",
+    ):
         plan_budget(_data_cfg(tokens_per_batch=1024), rows)
     plain = [{"input_ids": list(range(n))} for n in (10, 2000)]
     assert plan_budget(_data_cfg(overflow="split"), plain) == 1024
@@ -319,17 +365,21 @@ def test_truncation_that_drops_a_large_share_is_refused_unless_accepted(caplog):
     with pytest.raises(ValueError, match=dropped):
         plan_budget(_data_cfg(tokens_per_batch=1024, overflow="truncate"), rows)
     with caplog.at_level(logging.WARNING):
-        assert plan_budget(_data_cfg(tokens_per_batch=1024, overflow="truncate", max_dropped_fraction=0.5),
-                           rows) == 1024
+        assert (
+            plan_budget(_data_cfg(tokens_per_batch=1024, overflow="truncate", max_dropped_fraction=0.5), rows) == 1024
+        )
     assert "drops 1994 tokens" in caplog.text
 
 
-@pytest.mark.parametrize("override,message", [
-    ("train.lr=abc", "train.lr must be a number, got 'abc'"),
-    ("train.progress=maybe", "train.progress must be true or false, got 'maybe'"),
-    ("model.dtype=int8", "model.dtype must be 'float32', 'bfloat16' or 'float16', got 'int8'"),
-    ("model=smollm2", "model is a section; set its fields as model.<field>=..."),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.lr=abc", "train.lr must be a number, got 'abc'"),
+        ("train.progress=maybe", "train.progress must be true or false, got 'maybe'"),
+        ("model.dtype=int8", "model.dtype must be 'float32', 'bfloat16' or 'float16', got 'int8'"),
+        ("model=smollm2", "model is a section; set its fields as model.<field>=..."),
+    ],
+)
 def test_a_wrong_type_is_an_error_naming_the_key(tmp_path, override, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         train(_cfg(tmp_path, override))
@@ -340,8 +390,9 @@ def test_the_progress_bar_counts_micro_batches(tmp_path, monkeypatch):
     from tests.support.progress_recorder import record_bars
 
     bars = record_bars(monkeypatch)
-    train(_cfg(tmp_path, "train.progress=true", "train.max_steps=2", "train.grad_accum=3",
-               "checkpoint.save_final=false"))
+    train(
+        _cfg(tmp_path, "train.progress=true", "train.max_steps=2", "train.grad_accum=3", "checkpoint.save_final=false")
+    )
     _reset_accelerate()
     sft_bars = [bar for bar in bars if bar.unit == "micro-batch"]
     assert len(sft_bars) == 1 and sft_bars[0].total == 2 * 3

@@ -16,8 +16,7 @@ from nopad.recipes.sft_config import SFTRecipeConfig
 from nopad.recipes.tasks import tiny_causal_lm
 
 # three pre-packed rows of 16 tokens, two documents each (what nopad.recipes.preprocess writes)
-ROWS = [{"input_ids": [3 + (7 * r + 5 * i) % 120 for i in range(16)], "seq_lengths": [10, 6]}
-        for r in range(3)]
+ROWS = [{"input_ids": [3 + (7 * r + 5 * i) % 120 for i in range(16)], "seq_lengths": [10, 6]} for r in range(3)]
 
 
 def _reset_accelerate():
@@ -43,9 +42,19 @@ def _unpacked_mean_loss(model, row: dict) -> float:
 def test_three_prepacked_rows_at_grad_accum_2_are_steps_of_2_and_1_micro_batches_not_4(tmp_path, caplog):
     from transformers import AutoModelForCausalLM
 
-    cfg = load_config(SFTRecipeConfig, None, [
-        "train.grad_accum=2", "train.epochs=1", "train.lr=1e-3", "train.progress=false",
-        "log.record_indices=true", "checkpoint.every=1", f"checkpoint.output_dir={tmp_path}"])
+    cfg = load_config(
+        SFTRecipeConfig,
+        None,
+        [
+            "train.grad_accum=2",
+            "train.epochs=1",
+            "train.lr=1e-3",
+            "train.progress=false",
+            "log.record_indices=true",
+            "checkpoint.every=1",
+            f"checkpoint.output_dir={tmp_path}",
+        ],
+    )
     model, tok = tiny_causal_lm()
     with caplog.at_level(logging.INFO, logger="nopad.dataloaders"):
         result = train(cfg, model=model, tokenizer=tok, rows=ROWS)
@@ -86,8 +95,10 @@ def test_a_short_window_has_the_gradient_of_the_unpacked_mean():
     model.set_attn_implementation("nopad")
     [batch] = list(packed_dataloader([row], 16, num_replicas=1, rank=0, shuffle=False))
     grads = {}
-    hooks = [p.register_post_accumulate_grad_hook(lambda p, n=name: grads.__setitem__(n, p.grad.clone()))
-             for name, p in model.named_parameters()]
+    hooks = [
+        p.register_post_accumulate_grad_hook(lambda p, n=name: grads.__setitem__(n, p.grad.clone()))
+        for name, p in model.named_parameters()
+    ]
     stepper = OptimizerStepper(model, torch.optim.SGD(model.parameters(), lr=0.0))
     step_loss = sft_step(stepper, [batch])
     for hook in hooks:

@@ -43,24 +43,29 @@ def call(name: str, **arguments) -> dict:
 
 
 def test_a_chat_without_tools_renders_as_smollm2s_own_template(plain, tok):
-    for chat in ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
-                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"}]):
+    for chat in (
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"}],
+    ):
         for prompt in (True, False):
-            assert (tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt)
-                    == plain.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt))
+            assert tok.apply_chat_template(
+                chat, tokenize=False, add_generation_prompt=prompt
+            ) == plain.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt)
 
 
 def test_the_template_renders_tools_calls_and_results(tok):
-    chat = [{"role": "user", "content": "What is 17 + 25?"},
-            {"role": "assistant", "content": "", "tool_calls": [call("add", a=17, b=25)]},
-            {"role": "tool", "name": "add", "content": "42"},
-            {"role": "assistant", "content": "42"}]
+    chat = [
+        {"role": "user", "content": "What is 17 + 25?"},
+        {"role": "assistant", "content": "", "tool_calls": [call("add", a=17, b=25)]},
+        {"role": "tool", "name": "add", "content": "42"},
+        {"role": "assistant", "content": "42"},
+    ]
     text = tok.apply_chat_template(chat, tools=[add], tokenize=False)
     assert '"name": "add", "description": "Add two integers."' in text  # the schema, in the system turn
-    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n'
-            '</tool_call><|im_end|>\n') in text
-    assert ("<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
-            "<|im_start|>assistant\n42") in text
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call><|im_end|>\n'
+    ) in text
+    assert ("<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n42") in text
     # TRL's own checks, which its GRPOTrainer(tools=...) and our error message rely on
     assert trl_utils.supports_tool_calling(tok)
     assert trl_utils.is_chat_template_prefix_preserving(tok)
@@ -71,19 +76,25 @@ def test_tool_calls_round_trip_through_the_parser(tok):
     fmt = ChatTemplateTools(tok, [add])  # refuses a template without tools or prefix preservation
     prompt = fmt.prompt_ids([{"role": "user", "content": "What is 2 + 3 and 4 + 5?"}])
     calls = [call("add", a=2, b=3), call("add", a=4, b=5)]
-    full = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3 and 4 + 5?"},
-                                    {"role": "assistant", "content": "Let me add.", "tool_calls": calls}],
-                                   tools=[add], tokenize=True, return_dict=False)
+    full = tok.apply_chat_template(
+        [
+            {"role": "user", "content": "What is 2 + 3 and 4 + 5?"},
+            {"role": "assistant", "content": "Let me add.", "tool_calls": calls},
+        ],
+        tools=[add],
+        tokenize=True,
+        return_dict=False,
+    )
     assert full[: len(prompt)] == prompt
-    turn = full[len(prompt):]
+    turn = full[len(prompt) :]
     parsed = fmt.parse(turn, prompt)
-    assert [(c.name, c.arguments) for c in parsed] == [("add", {"a": 2, "b": 3}),
-                                                       ("add", {"a": 4, "b": 5})]
-    results = [{"role": "tool", "name": "add", "content": "5"},
-               {"role": "tool", "name": "add", "content": "9"}]
+    assert [(c.name, c.arguments) for c in parsed] == [("add", {"a": 2, "b": 3}), ("add", {"a": 4, "b": 5})]
+    results = [{"role": "tool", "name": "add", "content": "5"}, {"role": "tool", "name": "add", "content": "9"}]
     appended = fmt.render(results, turn)
-    assert tok.decode(appended) == ("<|im_start|>user\n<tool_response>\n5\n</tool_response>\n"
-                                    "<tool_response>\n9\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(appended) == (
+        "<|im_start|>user\n<tool_response>\n5\n</tool_response>\n"
+        "<tool_response>\n9\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     # a final answer has no calls
     answer = tok.encode("The sums are 5 and 9.<|im_end|>")
     assert fmt.parse(answer, prompt) == []
@@ -94,12 +105,16 @@ def test_an_unknown_tool_template_is_refused(plain):
         use_tool_template(plain, "qwen9")
 
 
-@pytest.mark.parametrize("text, message", [
-    ("{% for m in messages %}{{ m.content }{% endfor %}", r"does not render a tool call: Template"),
-    ("{% for m in messages %}{{ m.content }}{% endfor %}", r"does not write an assistant's tool calls as "),
-])
-def test_a_jinja_file_that_writes_no_tool_calls_is_refused_and_leaves_the_tokenizer_alone(plain, tmp_path,
-                                                                                        text, message):
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{% for m in messages %}{{ m.content }{% endfor %}", r"does not render a tool call: Template"),
+        ("{% for m in messages %}{{ m.content }}{% endfor %}", r"does not write an assistant's tool calls as "),
+    ],
+)
+def test_a_jinja_file_that_writes_no_tool_calls_is_refused_and_leaves_the_tokenizer_alone(
+    plain, tmp_path, text, message
+):
     """A broken file used to fail at the first rollout, and one without tool calls was accepted."""
     path = tmp_path / "mine.jinja"
     path.write_text(text)
@@ -127,15 +142,18 @@ def test_the_warm_start_demonstrations_are_valid(tok, tmp_path):
         # the call the model is taught parses back, as an episode's parser reads it
         prompt = fmt.prompt_ids(row["messages"][:2])
         full = tok.apply_chat_template(row["messages"][:3], tokenize=True, return_dict=False)
-        parsed = fmt.parse(full[len(prompt):], prompt)
+        parsed = fmt.parse(full[len(prompt) :], prompt)
         assert [(c.name, c.arguments) for c in parsed] == [("calculator", {"expression": expression})]
     # the SFT recipe's data path (data.source=demos.jsonl data.per_turn_samples=true): two turns each
     samples = per_turn_samples(load_records(str(out), [{"messages": list}], key="data.source"), tok)
     assert len(samples) == 16
     trained = [tok.decode([t for t, m in zip(s.ids, s.loss_mask) if m]) for s in samples[:2]]
-    expression = rows[0]["messages"][1]["content"][len("What is "):-1]
-    assert trained == [f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}'
-                       '\n</tool_call><|im_end|>\n', f"{calculator(expression)}<|im_end|>\n"]
+    expression = rows[0]["messages"][1]["content"][len("What is ") : -1]
+    assert trained == [
+        f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}'
+        "\n</tool_call><|im_end|>\n",
+        f"{calculator(expression)}<|im_end|>\n",
+    ]
 
 
 def test_the_docs_episode_example_runs_on_smollm2s_tokenizer(tok, one_thread):
@@ -143,10 +161,12 @@ def test_the_docs_episode_example_runs_on_smollm2s_tokenizer(tok, one_thread):
 
     model = tiny_model("llama", vocab_size=len(tok), max_position_embeddings=4096)
     episodes = Generator(model, tok, block_size=16, num_blocks=64).run_episodes(
-        [[{"role": "user", "content": "What is 17 + 25? Use the add tool."}]], tools=[add],
+        [[{"role": "user", "content": "What is 17 + 25? Use the add tool."}]],
+        tools=[add],
         sampling_params=SamplingParams(temperature=1.0, n=2, max_tokens=16, seed=0),
         limits=EpisodeLimits(max_turns=2, max_tokens=64, tool_timeout=10.0),
-        reward_fn=lambda ep: float("42" in tok.decode(ep.completion_ids)))
+        reward_fn=lambda ep: float("42" in tok.decode(ep.completion_ids)),
+    )
     assert len(episodes) == 2
     for ep in episodes:
         assert len(ep.completion_ids) == len(ep.model_mask) and ep.reward in (0.0, 1.0)
@@ -157,11 +177,21 @@ def test_the_recipes_chat_calculator_needs_a_tool_template(plain, tok, tmp_path,
     from nopad.recipes.grpo import run_grpo
     from nopad.recipes.grpo_config import GRPORecipeConfig
 
-    cfg = load_config(GRPORecipeConfig, overrides=[
-        "task.name=calculator_chat", "task.num_prompts=2", "rollout.prompts_per_step=2",
-        "rollout.num_generations=2", "rollout.max_tokens=24", "rollout.max_prompt_tokens=128",
-        "rollout.max_turns=2", "train.steps=1", "generator.num_blocks=64",
-        "generator.max_num_batched_tokens=256"])
+    cfg = load_config(
+        GRPORecipeConfig,
+        overrides=[
+            "task.name=calculator_chat",
+            "task.num_prompts=2",
+            "rollout.prompts_per_step=2",
+            "rollout.num_generations=2",
+            "rollout.max_tokens=24",
+            "rollout.max_prompt_tokens=128",
+            "rollout.max_turns=2",
+            "train.steps=1",
+            "generator.num_blocks=64",
+            "generator.max_num_batched_tokens=256",
+        ],
+    )
     model = tiny_model("llama", vocab_size=len(tok), max_position_embeddings=4096)
     with pytest.raises(ConfigError, match="model.tool_template=smollm2"):
         run_grpo(cfg, model=model, tokenizer=plain, progress=False)

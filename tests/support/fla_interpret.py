@@ -72,10 +72,14 @@ def main(scratch: Path) -> int:
     g = torch.Generator().manual_seed(0)
     lengths, heads, v_heads, dim = [5, 70, 1], 2, 4, 16
     total, n = sum(lengths), len(lengths)
-    inputs = [torch.randn(1, total, heads, dim, generator=g), torch.randn(1, total, heads, dim, generator=g),
-              torch.randn(1, total, v_heads, dim, generator=g),
-              F.logsigmoid(torch.randn(1, total, v_heads, generator=g)),  # decay in log space
-              torch.rand(1, total, v_heads, generator=g), torch.randn(n, v_heads, dim, dim, generator=g)]
+    inputs = [
+        torch.randn(1, total, heads, dim, generator=g),
+        torch.randn(1, total, heads, dim, generator=g),
+        torch.randn(1, total, v_heads, dim, generator=g),
+        F.logsigmoid(torch.randn(1, total, v_heads, generator=g)),  # decay in log space
+        torch.rand(1, total, v_heads, generator=g),
+        torch.randn(n, v_heads, dim, dim, generator=g),
+    ]
     weights = torch.randn(1, total, v_heads, dim, generator=g), torch.randn(n, v_heads, dim, dim, generator=g)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
 
@@ -86,18 +90,35 @@ def main(scratch: Path) -> int:
         return [out.detach(), final.detach(), *(t.grad for t in leaves)]
 
     def fla(q, k, v, decay, beta, h0):
-        return chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=h0, output_final_state=True,
-                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+        return chunk_gated_delta_rule(
+            q, k, v, decay, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu
+        )
 
     def alone(q, k, v, decay, beta, h0):
-        parts = [torch_rule(*(t[:, a:b] for t in (q, k, v, decay, beta)), initial_state=h0[i:i + 1],
-                            output_final_state=True, use_qk_l2norm_in_kernel=True)
-                 for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))]
+        parts = [
+            torch_rule(
+                *(t[:, a:b] for t in (q, k, v, decay, beta)),
+                initial_state=h0[i : i + 1],
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+            )
+            for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))
+        ]
         return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts])
 
     def nopad(q, k, v, decay, beta, h0):
-        return varlen_delta_rule(torch_rule, q, k, v, decay, beta, meta=VarlenMeta.from_lengths(lengths),
-                                 initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return varlen_delta_rule(
+            torch_rule,
+            q,
+            k,
+            v,
+            decay,
+            beta,
+            meta=VarlenMeta.from_lengths(lengths),
+            initial_state=h0,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
 
     names = ["output", "final state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
     want = run(alone)
@@ -105,11 +126,14 @@ def main(scratch: Path) -> int:
     results = {"fla": run(fla), "nopad -> fla": run(nopad)}
     worst = 0.0
     for label, got in results.items():
-        gaps = {name: float((a - b).abs().max() / max(1.0, float(b.abs().max())))
-                for name, a, b in zip(names, got, want)}
+        gaps = {
+            name: float((a - b).abs().max() / max(1.0, float(b.abs().max()))) for name, a, b in zip(names, got, want)
+        }
         worst = max(worst, *gaps.values())
-        print(f"{label} vs transformers' torch rule per sequence: "
-              + ", ".join(f"{name} {gap:.1e}" for name, gap in gaps.items()))
+        print(
+            f"{label} vs transformers' torch rule per sequence: "
+            + ", ".join(f"{name} {gap:.1e}" for name, gap in gaps.items())
+        )
     print(f"nopad called fla {len(reached)} times (one of them its backward's trial on a tiny row)")
     return 0 if worst <= 1e-5 and len(reached) >= 2 else 1
 

@@ -50,30 +50,119 @@ class FlashStandIn:
     def _make_varlen_func(self):
         run = self._run
         if self.version == "2.5":
-            def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                       dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                                       alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                                       block_table=None):
-                return run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                           softmax_scale, causal, window_size, 0.0, block_table)
+
+            def flash_attn_varlen_func(
+                q,
+                k,
+                v,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                max_seqlen_q,
+                max_seqlen_k,
+                dropout_p=0.0,
+                softmax_scale=None,
+                causal=False,
+                window_size=(-1, -1),
+                alibi_slopes=None,
+                deterministic=False,
+                return_attn_probs=False,
+                block_table=None,
+            ):
+                return run(
+                    q,
+                    k,
+                    v,
+                    cu_seqlens_q,
+                    cu_seqlens_k,
+                    max_seqlen_q,
+                    max_seqlen_k,
+                    dropout_p,
+                    softmax_scale,
+                    causal,
+                    window_size,
+                    0.0,
+                    block_table,
+                )
         elif self.version == "2.6":
-            def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                       dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                                       softcap=0.0, alibi_slopes=None, deterministic=False,
-                                       return_attn_probs=False, block_table=None):
-                return run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                           softmax_scale, causal, window_size, softcap, block_table)
+
+            def flash_attn_varlen_func(
+                q,
+                k,
+                v,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                max_seqlen_q,
+                max_seqlen_k,
+                dropout_p=0.0,
+                softmax_scale=None,
+                causal=False,
+                window_size=(-1, -1),
+                softcap=0.0,
+                alibi_slopes=None,
+                deterministic=False,
+                return_attn_probs=False,
+                block_table=None,
+            ):
+                return run(
+                    q,
+                    k,
+                    v,
+                    cu_seqlens_q,
+                    cu_seqlens_k,
+                    max_seqlen_q,
+                    max_seqlen_k,
+                    dropout_p,
+                    softmax_scale,
+                    causal,
+                    window_size,
+                    softcap,
+                    block_table,
+                )
         else:
-            def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                       seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
-                                       qv=None,
-                                       q_descale=None, k_descale=None, v_descale=None, window_size=(-1, -1),
-                                       attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None,
-                                       deterministic=False, sm_margin=0, return_attn_probs=False):
-                out = run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
-                          softmax_scale, causal, window_size, softcap, None)
+
+            def flash_attn_varlen_func(
+                q,
+                k,
+                v,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                max_seqlen_q,
+                max_seqlen_k,
+                seqused_q=None,
+                seqused_k=None,
+                softmax_scale=None,
+                causal=False,
+                qv=None,
+                q_descale=None,
+                k_descale=None,
+                v_descale=None,
+                window_size=(-1, -1),
+                attention_chunk=0,
+                softcap=0.0,
+                num_splits=1,
+                pack_gqa=None,
+                deterministic=False,
+                sm_margin=0,
+                return_attn_probs=False,
+            ):
+                out = run(
+                    q,
+                    k,
+                    v,
+                    cu_seqlens_q,
+                    cu_seqlens_k,
+                    max_seqlen_q,
+                    max_seqlen_k,
+                    0.0,
+                    softmax_scale,
+                    causal,
+                    window_size,
+                    softcap,
+                    None,
+                )
                 lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
                 return out, lse
+
         return flash_attn_varlen_func
 
     # ------------------------------------------------------------------ checks (flash_api.cpp)
@@ -102,8 +191,7 @@ class FlashStandIn:
         require(cu_k.is_contiguous(), "cu_seqlens_k must be contiguous")
         for name, value in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
             if type(value) is not int:
-                raise TypeError(f"{name} must be a Python int (the op's schema is int), "
-                                f"got {type(value).__name__}")
+                raise TypeError(f"{name} must be a Python int (the op's schema is int), got {type(value).__name__}")
         batch = cu_q.numel() - 1
         require(batch > 0, "batch size must be positive")
         require(q.dim() == 3, "q must be (total_q, num_heads, head_size)")
@@ -117,11 +205,11 @@ class FlashStandIn:
         require(cu_q.shape == (batch + 1,), "cu_seqlens_q must have shape (batch_size + 1)")
         require(cu_k.shape == (batch + 1,), "cu_seqlens_k must have shape (batch_size + 1)")
         if paged:
-            require(k.dim() == 4 and k.shape == v.shape,
-                    "k/v must be (num_blocks, page_block_size, heads_k, d)")
+            require(k.dim() == 4 and k.shape == v.shape, "k/v must be (num_blocks, page_block_size, heads_k, d)")
             require(k.shape[1] % 256 == 0, "Paged KV cache block size must be divisible by 256")
-            require(table.dim() == 2 and table.shape[0] == batch,
-                    "block_table must have shape (batch_size, max_blocks)")
+            require(
+                table.dim() == 2 and table.shape[0] == batch, "block_table must have shape (batch_size, max_blocks)"
+            )
         else:
             require(k.dim() == 3 and k.shape == v.shape[:2] + k.shape[2:], "k must be (total_k, heads_k, d)")
             require(k.shape[0] >= int(cu_k[-1]), "k has fewer tokens than cu_seqlens_k describes")
@@ -129,18 +217,32 @@ class FlashStandIn:
         require(max(lens_q) <= max_q and max(lens_k) <= max_k, "max_seqlen_q/k smaller than a sequence")
         require(dropout_p == 0.0, "the tests never train with attention dropout")
         require(type(scale) is float and type(causal) is bool, "softmax_scale float, causal bool")
-        require(isinstance(window, tuple) and len(window) == 2 and all(type(w) is int for w in window),
-                "window_size must be a (left, right) tuple of ints")
+        require(
+            isinstance(window, tuple) and len(window) == 2 and all(type(w) is int for w in window),
+            "window_size must be a (left, right) tuple of ints",
+        )
         require(type(softcap) is float, "softcap must be a float")
         return lens_q, lens_k
 
     # ------------------------------------------------------------------ the maths (fp32)
     def _run(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window, softcap, table):
-        lens_q, lens_k = self._check(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window,
-                                     softcap, table)
-        self.calls.append(dict(dtype=q.dtype, paged=table is not None, k_dim=k.dim(), window=window,
-                               softcap=softcap, causal=causal, num_seqs=len(lens_q), total_q=q.shape[0],
-                               block_size=k.shape[1] if table is not None else None, grad=q.requires_grad))
+        lens_q, lens_k = self._check(
+            q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window, softcap, table
+        )
+        self.calls.append(
+            dict(
+                dtype=q.dtype,
+                paged=table is not None,
+                k_dim=k.dim(),
+                window=window,
+                softcap=softcap,
+                causal=causal,
+                num_seqs=len(lens_q),
+                total_q=q.shape[0],
+                block_size=k.shape[1] if table is not None else None,
+                grad=q.requires_grad,
+            )
+        )
         return reference_attention(q, k, v, lens_q, lens_k, scale, causal, window, softcap, table)
 
 

@@ -68,8 +68,7 @@ def run(cmd: list[str], *, what: str, timeout: float, env: dict | None = None, c
     the whole group, so no rank outlives the test)."""
     returncode, out, _ = run_in_group(cmd, timeout, cwd=cwd, env=env, stderr=subprocess.STDOUT)
     if returncode is None:
-        pytest.fail(f"{what}: no result after {timeout:.0f} s - a rank is stuck (a deadlock or a hang)\n"
-                    f"{out[-3000:]}")
+        pytest.fail(f"{what}: no result after {timeout:.0f} s - a rank is stuck (a deadlock or a hang)\n{out[-3000:]}")
     if returncode != 0:
         pytest.fail(failure_message(what, out, returncode))
     return out
@@ -78,8 +77,14 @@ def run(cmd: list[str], *, what: str, timeout: float, env: dict | None = None, c
 def run_in_group(cmd: list[str], timeout: float, **popen_kwargs) -> tuple[int | None, str, str]:
     """``(returncode, stdout, stderr)`` of ``cmd`` (text), run in its own process group: on timeout
     the whole group (torchrun's ranks, a benchmark's workers) is killed and ``returncode`` is None."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=popen_kwargs.pop("stderr", subprocess.PIPE),
-                            text=True, start_new_session=True, **popen_kwargs)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=popen_kwargs.pop("stderr", subprocess.PIPE),
+        text=True,
+        start_new_session=True,
+        **popen_kwargs,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -41,17 +41,29 @@ class MambaKernelsStandIn:
         combined = _module("mamba_ssm.ops.triton.ssd_combined")
         combined.mamba_chunk_scan_combined = self.mamba_chunk_scan_combined
         combined.mamba_split_conv1d_scan_combined = self.mamba_split_conv1d_scan_combined
-        self.modules = {"causal_conv1d": conv, "mamba_ssm": _module("mamba_ssm"),
-                        "mamba_ssm.ops": _module("mamba_ssm.ops"),
-                        "mamba_ssm.ops.triton": _module("mamba_ssm.ops.triton"),
-                        "mamba_ssm.ops.triton.ssd_combined": combined}
+        self.modules = {
+            "causal_conv1d": conv,
+            "mamba_ssm": _module("mamba_ssm"),
+            "mamba_ssm.ops": _module("mamba_ssm.ops"),
+            "mamba_ssm.ops.triton": _module("mamba_ssm.ops.triton"),
+            "mamba_ssm.ops.triton.ssd_combined": combined,
+        }
 
     def names(self) -> list[str]:
         return [name for name, _ in self.calls]
 
     # ------------------------------------------------------------------ causal-conv1d
-    def causal_conv1d_fn(self, x, weight, bias=None, seq_idx=None, initial_states=None,
-                         return_final_states=False, final_states_out=None, activation=None):
+    def causal_conv1d_fn(
+        self,
+        x,
+        weight,
+        bias=None,
+        seq_idx=None,
+        initial_states=None,
+        return_final_states=False,
+        final_states_out=None,
+        activation=None,
+    ):
         self.calls.append(("causal_conv1d_fn", {"seq_idx": seq_idx}))
         if activation not in (None, "silu", "swish"):
             raise NotImplementedError("activation must be None, silu, or swish")
@@ -81,13 +93,29 @@ class MambaKernelsStandIn:
         return (F.silu(out) if activation else out).to(x.dtype)
 
     # ------------------------------------------------------------------ mamba_ssm
-    def mamba_chunk_scan_combined(self, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
-                                  initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
-                                  dt_limit=(0.0, float("inf")), return_final_states=False,
-                                  return_varlen_states=False):
+    def mamba_chunk_scan_combined(
+        self,
+        x,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        D=None,
+        z=None,
+        dt_bias=None,
+        initial_states=None,
+        seq_idx=None,
+        cu_seqlens=None,
+        dt_softplus=False,
+        dt_limit=(0.0, float("inf")),
+        return_final_states=False,
+        return_varlen_states=False,
+    ):
         self.calls.append(("mamba_chunk_scan_combined", {"seq_idx": seq_idx, "z": z}))
-        return self._scan(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
-                          return_final_states)
+        return self._scan(
+            x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit, return_final_states
+        )
 
     def _scan(self, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit, final):
         batch, seqlen, nheads, headdim = x.shape
@@ -111,8 +139,11 @@ class MambaKernelsStandIn:
         Bh, Ch = B.float().repeat_interleave(rep, 2), C.float().repeat_interleave(rep, 2)
         outs, finals = [], []
         for b in range(batch):
-            h = (initial_states[b].float() if initial_states is not None
-                 else x.new_zeros(nheads, headdim, dstate, dtype=torch.float32))
+            h = (
+                initial_states[b].float()
+                if initial_states is not None
+                else x.new_zeros(nheads, headdim, dstate, dtype=torch.float32)
+            )
             ys = []
             for t in range(seqlen):
                 if t and seq_idx is not None and seq_idx[b, t] != seq_idx[b, t - 1]:
@@ -130,11 +161,28 @@ class MambaKernelsStandIn:
         out = out.to(x.dtype)
         return (out, torch.stack(finals)) if final else out
 
-    def mamba_split_conv1d_scan_combined(self, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
-                                         initial_states=None, seq_idx=None, dt_limit=(0.0, float("inf")),
-                                         return_final_states=False, activation="silu", rmsnorm_weight=None,
-                                         rmsnorm_eps=1e-6, outproj_weight=None, outproj_bias=None,
-                                         headdim=None, ngroups=1, norm_before_gate=True):
+    def mamba_split_conv1d_scan_combined(
+        self,
+        zxbcdt,
+        conv1d_weight,
+        conv1d_bias,
+        dt_bias,
+        A,
+        D,
+        chunk_size,
+        initial_states=None,
+        seq_idx=None,
+        dt_limit=(0.0, float("inf")),
+        return_final_states=False,
+        activation="silu",
+        rmsnorm_weight=None,
+        rmsnorm_eps=1e-6,
+        outproj_weight=None,
+        outproj_bias=None,
+        headdim=None,
+        ngroups=1,
+        norm_before_gate=True,
+    ):
         self.calls.append(("mamba_split_conv1d_scan_combined", {"seq_idx": seq_idx}))
         assert activation in (None, "silu", "swish")
         if D.dim() == 1:
@@ -150,14 +198,28 @@ class MambaKernelsStandIn:
         assert dt_bias.shape == (nheads,) and A.shape == (nheads,)
         z, xBC, dt = torch.split(zxbcdt, [dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
         calls = len(self.calls)
-        xBC = self.causal_conv1d_fn(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, seq_idx=seq_idx,
-                                    activation=activation).transpose(1, 2)
+        xBC = self.causal_conv1d_fn(
+            xBC.transpose(1, 2), conv1d_weight, conv1d_bias, seq_idx=seq_idx, activation=activation
+        ).transpose(1, 2)
         x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
         x = x.reshape(batch, seqlen, nheads, headdim)
         B, C = B.reshape(batch, seqlen, ngroups, dstate), C.reshape(batch, seqlen, ngroups, dstate)
         gate = z.reshape(batch, seqlen, nheads, headdim)
-        out = self._scan(x, dt, A, B, C, D, gate if rmsnorm_weight is None else None, dt_bias, initial_states,
-                         seq_idx, True, dt_limit, False).reshape(batch, seqlen, dim)
+        out = self._scan(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            D,
+            gate if rmsnorm_weight is None else None,
+            dt_bias,
+            initial_states,
+            seq_idx,
+            True,
+            dt_limit,
+            False,
+        ).reshape(batch, seqlen, dim)
         del self.calls[calls:]  # the inner calls are the fused kernel's own
         if rmsnorm_weight is not None:
             assert not norm_before_gate, "the stand-in models transformers' norm_before_gate=False only"

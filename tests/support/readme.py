@@ -46,8 +46,9 @@ def demo_model_installed() -> bool:
         return False
 
 
-needs_demo_model = pytest.mark.skipif(not demo_model_installed(),
-                                      reason="the README uses the demo model: `make setup-test` installs it")
+needs_demo_model = pytest.mark.skipif(
+    not demo_model_installed(), reason="the README uses the demo model: `make setup-test` installs it"
+)
 
 
 def user_directory(tmp_path: Path) -> Path:
@@ -65,8 +66,14 @@ def run_as_written(command: str, cwd: Path, timeout: float = 600) -> None:
     argv = shlex.split(command)
     argv[0] = sys.executable if argv[0] == "python" else argv[0]
     if is_launch(command):
-        argv = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port",
-                str(launch.free_port()), *argv[2:]]
+        argv = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--main_process_port",
+            str(launch.free_port()),
+            *argv[2:],
+        ]
         env["OMP_NUM_THREADS"] = "1"
     returncode, out, err = launch.run_in_group(argv, timeout, cwd=cwd, env=env)
     if returncode is None:

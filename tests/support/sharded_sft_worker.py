@@ -49,22 +49,28 @@ def fsdp2_train(batches) -> dict:
     optimizer = make_adamw(model, ADAMW_LR, ADAMW_WEIGHT_DECAY)
     steps = []
     optimizer.register_step_pre_hook(  # every rank steps, so every rank joins full_tensor's all-gather
-        lambda *_: steps.append({k: p.grad.full_tensor() for k, p in model.named_parameters()}))
+        lambda *_: steps.append({k: p.grad.full_tensor() for k, p in model.named_parameters()})
+    )
     stepper = OptimizerStepper(model, optimizer)
     assert stepper.fsdp2
     for _ in range(2):
         sft_step(stepper, batches)
     assert stepper.optimizer_steps == 2
     weights = {k: p.full_tensor().detach().clone() for k, p in model.named_parameters()}
-    return {"grads": steps[0], "step_grads": steps, "weights": weights,
-            "fused": all(g["fused"] for g in optimizer.param_groups)}
+    return {
+        "grads": steps[0],
+        "step_grads": steps,
+        "weights": weights,
+        "fused": all(g["fused"] for g in optimizer.param_groups),
+    }
 
 
 def zero3_grads(batches) -> dict:
     from deepspeed.utils import safe_get_full_grad
 
-    accelerator = make_accelerator(os.path.join(ROOT, "recipes/configs/deepspeed_zero3.json"),
-                                   recipe="tests.support.sharded_sft_worker")
+    accelerator = make_accelerator(
+        os.path.join(ROOT, "recipes/configs/deepspeed_zero3.json"), recipe="tests.support.sharded_sft_worker"
+    )
     model = tiny_model("llama", attn_implementation="nopad")
     engine, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert engine.zero_optimization_stage() == 3

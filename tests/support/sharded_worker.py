@@ -84,8 +84,7 @@ def run(mode: str, out_dir: str) -> None:
         ds_config = None
         if mode in ("zero2", "zero3"):
             ds_config = os.path.join(ROOT, f"recipes/configs/deepspeed_{mode}.json")
-        accelerator = make_accelerator(ds_config, max_grad_norm=MAX_GRAD_NORM,
-                                       recipe="tests.support.sharded_worker")
+        accelerator = make_accelerator(ds_config, max_grad_norm=MAX_GRAD_NORM, recipe="tests.support.sharded_worker")
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         engine, optimizer = accelerator.prepare(model, optimizer)
         policy = accelerator.unwrap_model(engine)
@@ -101,9 +100,11 @@ def run(mode: str, out_dir: str) -> None:
 
     # greedy rollouts of the sharded model, both regimes, against the unsharded model's
     greedy = SamplingParams(temperature=0.0, max_tokens=4 if rank == 0 else 10)
-    mine = prompt_ids[4 * rank: 4 * rank + 3]
-    reference = [o.outputs[0].token_ids for o in Generator(tiny_model("llama"), num_blocks=64).generate(
-        mine, greedy, use_tqdm=False)]
+    mine = prompt_ids[4 * rank : 4 * rank + 3]
+    reference = [
+        o.outputs[0].token_ids
+        for o in Generator(tiny_model("llama"), num_blocks=64).generate(mine, greedy, use_tqdm=False)
+    ]
     rollouts = {}
     for regime in ("gather", "lockstep"):
         outs = sharded_generate(generator, engine, mine, greedy, mode=regime)
@@ -135,12 +136,31 @@ def run(mode: str, out_dir: str) -> None:
         if rank == 1 and not rank1_has_prompts:
             picks = []
         params = SamplingParams(n=4, max_tokens=1 if rank == 0 else 12, seed=step)
-        history.append(grpo_step(stepper, generator, [{} for _ in picks], [PROMPTS[i] for i in picks],
-                                 checksum_reward, IdText(), params, loss, step=step, rollout_mode=regime))
-    result = {"weights": full_weights(engine, mode), "optimizer_steps": stepper.optimizer_steps,
-              "grpo_steps": len(STEPS), "history": history, "greedy": rollouts, "reference": reference,
-              "global_steps": getattr(engine, "global_steps", None), "bad_prompt_errors": errors,
-              "plain_generate_error": plain_error}
+        history.append(
+            grpo_step(
+                stepper,
+                generator,
+                [{} for _ in picks],
+                [PROMPTS[i] for i in picks],
+                checksum_reward,
+                IdText(),
+                params,
+                loss,
+                step=step,
+                rollout_mode=regime,
+            )
+        )
+    result = {
+        "weights": full_weights(engine, mode),
+        "optimizer_steps": stepper.optimizer_steps,
+        "grpo_steps": len(STEPS),
+        "history": history,
+        "greedy": rollouts,
+        "reference": reference,
+        "global_steps": getattr(engine, "global_steps", None),
+        "bad_prompt_errors": errors,
+        "plain_generate_error": plain_error,
+    }
     torch.save(result, os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
     dist.barrier()
 
@@ -161,18 +181,29 @@ def run_streaming(mode: str, out_dir: str) -> None:
     generator = Generator(policy, block_size=16, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=256)
 
     def source(i):
-        return PROMPTS[(2 * i + rank) % len(PROMPTS)], SamplingParams(n=2, max_tokens=2 if rank == 0 else 24,
-                                                                      seed=i, ignore_eos=True)
+        return PROMPTS[(2 * i + rank) % len(PROMPTS)], SamplingParams(
+            n=2, max_tokens=2 if rank == 0 else 24, seed=i, ignore_eos=True
+        )
 
     stream = StreamingRollouts(generator, source, groups_per_step=2, max_staleness=1, total_groups=8)
     stepper = OptimizerStepper(engine, optimizer, accelerator, max_grad_norm=MAX_GRAD_NORM)
     loss = GRPOStepConfig(batch_invariant=resolve_batch_invariant("auto", torch.device("cpu")))
-    history = [streaming_step(stepper, stream, lambda g: ({}, source(g)[0]), checksum_reward, IdText(), loss,
-                              step=step, temperature=1.0) for step in range(4)]
+    history = [
+        streaming_step(
+            stepper, stream, lambda g: ({}, source(g)[0]), checksum_reward, IdText(), loss, step=step, temperature=1.0
+        )
+        for step in range(4)
+    ]
     stream.close()
-    torch.save({"weights": full_weights(engine, engine_kind), "optimizer_steps": stepper.optimizer_steps,
-                "history": history, "policy_version": generator.policy_version},
-               os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
+    torch.save(
+        {
+            "weights": full_weights(engine, engine_kind),
+            "optimizer_steps": stepper.optimizer_steps,
+            "history": history,
+            "policy_version": generator.policy_version,
+        },
+        os.path.join(out_dir, f"{mode}_rank{rank}.pt"),
+    )
     dist.barrier()
 
 

@@ -59,6 +59,7 @@ class StepClock:
 
     def slow(self, tool, steps: int):
         """``tool`` returning ``steps`` generator steps after it is called."""
+
         @functools.wraps(tool)
         def slow_tool(*args, **kwargs):
             self.wait(steps)

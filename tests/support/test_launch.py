@@ -54,8 +54,7 @@ def test_torchrun_report_names_the_killed_rank_first():
     assert deaths[0] == "rank 1 was killed by the OS (out of memory?): SIGKILL"
     assert deaths[1].startswith("rank 0 was stopped by SIGTERM")
     message = launch.failure_message("SFT under ZeRO-3", TORCHRUN_REPORT, 1)
-    assert message.startswith("SFT under ZeRO-3 failed (exit 1)\n"
-                              "  rank 1 was killed by the OS (out of memory?)")
+    assert message.startswith("SFT under ZeRO-3 failed (exit 1)\n  rank 1 was killed by the OS (out of memory?)")
     assert launch.signal_deaths("Traceback ...\nValueError: bad", returncode=1) == []
     killed = "the launcher was killed by the OS (out of memory?): SIGKILL"
     assert launch.signal_deaths("", returncode=-9) == [killed]
@@ -65,8 +64,7 @@ def test_torchrun_report_names_the_killed_rank_first():
 def test_a_rank_killed_by_sigkill_under_torchrun_is_named(tmp_path):
     script = tmp_path / "die.py"
     script.write_text(KILL_RANK_1)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
-           str(script)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0", str(script)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with pytest.raises(pytest.fail.Exception, match=r"rank 1 was killed by the OS \(out of memory\?\)"):
         launch.run(cmd, what="a rank that kills itself", timeout=120, env=env, cwd=ROOT)

@@ -30,24 +30,61 @@ from nopad.packing.attention import triton_kernel  # noqa: E402
 
 # dtype -> the pointer type Triton's signatures name
 POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
-ATTENTION_INTS = ["stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot",
-                  "stride_oh", "stride_table"]
+ATTENTION_INTS = [
+    "stride_qt",
+    "stride_qh",
+    "stride_kt",
+    "stride_kh",
+    "stride_vt",
+    "stride_vh",
+    "stride_ot",
+    "stride_oh",
+    "stride_table",
+]
 
 
-def attention_variant(dtype: torch.dtype, head_dim: int, *, paged: bool, decode: bool, softcap: bool,
-                      groups: int = 2, page: int = 16, sinks: bool = False) -> tuple[dict, dict]:
+def attention_variant(
+    dtype: torch.dtype,
+    head_dim: int,
+    *,
+    paged: bool,
+    decode: bool,
+    softcap: bool,
+    groups: int = 2,
+    page: int = 16,
+    sinks: bool = False,
+) -> tuple[dict, dict]:
     """The (signature, constexprs) of one ``_attention_kernel`` specialization, with the tile
     configuration :func:`triton_kernel.tile_config` gives every call of that head dim and dtype."""
     tile = triton_kernel.tile_config(head_dim, dtype)
     ptr = POINTER[dtype]
-    signature = {"Q": ptr, "K": ptr, "V": ptr, "OUT": ptr, "CU_Q": "*i32", "KEYS": "*i32", "TABLE": "*i32",
-                 "SINK": "*fp32"}
+    signature = {
+        "Q": ptr,
+        "K": ptr,
+        "V": ptr,
+        "OUT": ptr,
+        "CU_Q": "*i32",
+        "KEYS": "*i32",
+        "TABLE": "*i32",
+        "SINK": "*fp32",
+    }
     signature.update({name: "i32" for name in ATTENTION_INTS})
     signature.update(scale="fp32", softcap="fp32", window="i32")
-    constexprs = dict(G=groups, HEAD_DIM=head_dim, D_PAD=triton_kernel._padded(head_dim),
-                      BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, PAGE=page if paged else 1, PAGED=paged,
-                      DECODE=decode, CAUSAL=True, SOFTCAP=softcap, INTERPRETED=False,
-                      FP32=dtype == torch.float32, SINKS=sinks)
+    constexprs = dict(
+        G=groups,
+        HEAD_DIM=head_dim,
+        D_PAD=triton_kernel._padded(head_dim),
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        PAGE=page if paged else 1,
+        PAGED=paged,
+        DECODE=decode,
+        CAUSAL=True,
+        SOFTCAP=softcap,
+        INTERPRETED=False,
+        FP32=dtype == torch.float32,
+        SINKS=sinks,
+    )
     signature.update({name: "constexpr" for name in constexprs})
     return signature, constexprs
 
@@ -57,39 +94,66 @@ def variants():
     configurations the launchers use (each distinct ``tile_config`` at least once)."""
     tk = triton_kernel
     for dtype, head_dim, paged, decode, softcap in [
-        (torch.bfloat16, 64, False, False, False),   # a packed training row
-        (torch.bfloat16, 128, True, False, False),   # a prefill chunk over a paged cache
-        (torch.float16, 128, True, True, True),      # a decode step, softcap
-        (torch.float32, 64, False, False, False),    # fp32: IEEE dots
-        (torch.float32, 128, True, True, False),     # fp32's smaller tile
-        (torch.float32, 256, False, False, False),   # fp32's single-stage tile
-        (torch.bfloat16, 256, True, True, False),    # the largest head dim
+        (torch.bfloat16, 64, False, False, False),  # a packed training row
+        (torch.bfloat16, 128, True, False, False),  # a prefill chunk over a paged cache
+        (torch.float16, 128, True, True, True),  # a decode step, softcap
+        (torch.float32, 64, False, False, False),  # fp32: IEEE dots
+        (torch.float32, 128, True, True, False),  # fp32's smaller tile
+        (torch.float32, 256, False, False, False),  # fp32's single-stage tile
+        (torch.bfloat16, 256, True, True, False),  # the largest head dim
     ]:
         tile = tk.tile_config(head_dim, dtype)
-        signature, constexprs = attention_variant(dtype, head_dim, paged=paged, decode=decode,
-                                                  softcap=softcap)
-        name = (f"_attention_kernel {str(dtype)[6:]} d{head_dim} {'paged' if paged else 'flat'}"
-                f"{' decode' if decode else ''}{' softcap' if softcap else ''}")
-        yield name, tk._attention_kernel, signature, constexprs, dict(num_warps=tile.warps,
-                                                                       num_stages=tile.stages)
+        signature, constexprs = attention_variant(dtype, head_dim, paged=paged, decode=decode, softcap=softcap)
+        name = (
+            f"_attention_kernel {str(dtype)[6:]} d{head_dim} {'paged' if paged else 'flat'}"
+            f"{' decode' if decode else ''}{' softcap' if softcap else ''}"
+        )
+        yield name, tk._attention_kernel, signature, constexprs, dict(num_warps=tile.warps, num_stages=tile.stages)
     ik = invariant_kernels
     for dtype in (torch.float32, torch.bfloat16):
         ptr = POINTER[dtype]
-        signature = {"X": ptr, "W": ptr, "B": ptr, "OUT": ptr, "M": "i32", "N": "i32", "K": "i32",
-                     "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
-        constexprs = dict(HAS_BIAS=True, INTERPRETED=False, FP32=dtype == torch.float32, BM=ik.BLOCK_M,
-                          BN=ik.BLOCK_N, BK=ik.BLOCK_K)
+        signature = {
+            "X": ptr,
+            "W": ptr,
+            "B": ptr,
+            "OUT": ptr,
+            "M": "i32",
+            "N": "i32",
+            "K": "i32",
+            "stride_xm": "i32",
+            "stride_wn": "i32",
+            "stride_om": "i32",
+        }
+        constexprs = dict(
+            HAS_BIAS=True, INTERPRETED=False, FP32=dtype == torch.float32, BM=ik.BLOCK_M, BN=ik.BLOCK_N, BK=ik.BLOCK_K
+        )
         signature.update({name: "constexpr" for name in constexprs})
         yield f"_matmul_kernel {str(dtype)[6:]}", ik._matmul_kernel, signature, constexprs, {}
     row = {"X": "*bf16", "OUT": "*bf16", "N": "i32", "stride_x": "i32"}
     for mean in (False, True):
-        yield (f"_row_sum_kernel bf16{' mean' if mean else ''}", ik._row_sum_kernel,
-               {"X": "*bf16", "OUT": "*bf16", "M": "i32", "N": "i32", "stride_x": "i32", "MEAN": "constexpr",
-                "ROWS": "constexpr", "BLOCK": "constexpr"},
-               dict(MEAN=mean, ROWS=ik.SUM_ROWS, BLOCK=ik.SUM_BLOCK), {})
-    yield ("_softmax_kernel bf16 log", ik._softmax_kernel,
-           {**row, "stride_o": "i32", "LOG": "constexpr", "BLOCK": "constexpr"},
-           dict(LOG=True, BLOCK=ik.BLOCK), {})
+        yield (
+            f"_row_sum_kernel bf16{' mean' if mean else ''}",
+            ik._row_sum_kernel,
+            {
+                "X": "*bf16",
+                "OUT": "*bf16",
+                "M": "i32",
+                "N": "i32",
+                "stride_x": "i32",
+                "MEAN": "constexpr",
+                "ROWS": "constexpr",
+                "BLOCK": "constexpr",
+            },
+            dict(MEAN=mean, ROWS=ik.SUM_ROWS, BLOCK=ik.SUM_BLOCK),
+            {},
+        )
+    yield (
+        "_softmax_kernel bf16 log",
+        ik._softmax_kernel,
+        {**row, "stride_o": "i32", "LOG": "constexpr", "BLOCK": "constexpr"},
+        dict(LOG=True, BLOCK=ik.BLOCK),
+        {},
+    )
 
 
 def jit_kernels() -> set[str]:

@@ -44,15 +44,30 @@ def run(mode: str, out_dir: str) -> None:
         fully_shard(layer)
     fully_shard(model)
     tok = make_tokenizer()
-    args = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
-                           max_completion_length=1 if rank == 0 else 12, generation_kwargs=None,
-                           generation_batch_size=8, ds3_gather_for_generation=True,
-                           gradient_checkpointing_kwargs=None, chat_template_kwargs=None)
+    args = SimpleNamespace(
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        max_completion_length=1 if rank == 0 else 12,
+        generation_kwargs=None,
+        generation_batch_size=8,
+        ds3_gather_for_generation=True,
+        gradient_checkpointing_kwargs=None,
+        chat_template_kwargs=None,
+    )
     # a GRPOTrainer (the rollout checks TRL's class it runs in) with only what the rollout reads
     trainer = GRPOTrainer.__new__(GRPOTrainer)
-    vars(trainer).update(args=args, processing_class=tok, accelerator=Accelerator(cpu=True), model=model,
-                         model_wrapped=model, eos_token_ids=[tok.eos_token_id],
-                         state=SimpleNamespace(global_step=0))
+    vars(trainer).update(
+        args=args,
+        processing_class=tok,
+        accelerator=Accelerator(cpu=True),
+        model=model,
+        model_wrapped=model,
+        eos_token_ids=[tok.eos_token_id],
+        state=SimpleNamespace(global_step=0),
+    )
     prompts = ["w10 w11 w12"] * 4 + [f"w{20 + rank} w3{rank}"] * 4
     out = nopad_rollout_func(sharded_rollout=mode, max_num_batched_tokens=64)(prompts, trainer)
     weight = model.model.layers[0].self_attn.q_proj.weight
@@ -61,8 +76,9 @@ def run(mode: str, out_dir: str) -> None:
     with torch.no_grad():
         for prompt, completion in zip(out["prompt_ids"], out["completion_ids"]):
             logits = reference(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
-            expected.append(torch.log_softmax(logits.float(), -1)[torch.arange(len(completion)),
-                                                                 torch.tensor(completion)].tolist())
+            expected.append(
+                torch.log_softmax(logits.float(), -1)[torch.arange(len(completion)), torch.tensor(completion)].tolist()
+            )
     torch.save({"out": out, "expected": expected}, os.path.join(out_dir, f"trl_{mode}_rank{rank}.pt"))
 
 

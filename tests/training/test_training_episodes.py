@@ -42,7 +42,7 @@ def steer(model, tok, call_bias: float = 6.0):
         bias = torch.zeros_like(out.logits)
         for b in range(ids.size(0)):
             rows = ids[b][keep] if isinstance(keep, torch.Tensor) else (ids[b, -keep:] if keep else ids[b])
-            rows = rows[-out.logits.size(1):]
+            rows = rows[-out.logits.size(1) :]
             bias[b, :, call] = (rows == newline).to(bias.dtype) * call_bias
             bias[b, :, eos] = (rows == call).to(bias.dtype) * 1000.0
         out.logits = out.logits + bias  # not in place: the logits may be a custom Function's output
@@ -101,26 +101,59 @@ def length_reward(completion_ids, **kwargs):
     return [float(len(c)) for c in completion_ids]
 
 
-def make_trainer(tok, tmp_path, *, tools=None, environment_factory=None, reward=length_reward,
-                 batch_invariant=False, importance_sampling=False, cls=None, **config):
+def make_trainer(
+    tok,
+    tmp_path,
+    *,
+    tools=None,
+    environment_factory=None,
+    reward=length_reward,
+    batch_invariant=False,
+    importance_sampling=False,
+    cls=None,
+    **config,
+):
     from trl import GRPOConfig
 
     from nopad.training.trl.grpo_trainer import NopadGRPOTrainer
     from nopad.training.trl.rollout import nopad_rollout_func
 
-    settings = dict(output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=4, num_generations=4,
-                    max_completion_length=48, max_steps=1, logging_steps=1, report_to=[], use_cpu=True,
-                    bf16=False, save_strategy="no", learning_rate=1e-2, seed=0, max_tool_calling_iterations=2)
+    settings = dict(
+        output_dir=str(tmp_path / "grpo"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=48,
+        max_steps=1,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        learning_rate=1e-2,
+        seed=0,
+        max_tool_calling_iterations=2,
+    )
     settings.update(config)
     model = tiny_model("llama", max_position_embeddings=4096)
     model.train()
-    rollout = nopad_rollout_func(importance_sampling=importance_sampling, batch_invariant=batch_invariant,
-                                 max_num_batched_tokens=512, block_size=16, num_blocks=256)
+    rollout = nopad_rollout_func(
+        importance_sampling=importance_sampling,
+        batch_invariant=batch_invariant,
+        max_num_batched_tokens=512,
+        block_size=16,
+        num_blocks=256,
+    )
     trainer = (cls or NopadGRPOTrainer)(
-        model=model, reward_funcs=reward, args=GRPOConfig(**settings),
-        train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok,
-        rollout_func=rollout, tools=tools, environment_factory=environment_factory,
-        batch_invariant=batch_invariant)
+        model=model,
+        reward_funcs=reward,
+        args=GRPOConfig(**settings),
+        train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=tok,
+        rollout_func=rollout,
+        tools=tools,
+        environment_factory=environment_factory,
+        batch_invariant=batch_invariant,
+    )
     return trainer, rollout
 
 
@@ -182,8 +215,7 @@ def test_a_tool_that_raises_is_counted_and_the_step_goes_on(tok, tmp_path):
         trainer.train()
     finally:
         handle.remove()
-    calls = [c for ep in rollout.last_episodes for t in ep.turns for c in t.tool_calls
-             if c.result is not None]
+    calls = [c for ep in rollout.last_episodes for t in ep.turns for c in t.tool_calls if c.result is not None]
     assert calls and all(c.error and "the adder is broken" in c.result for c in calls)
     assert logged(trainer, "tools/failure_frequency") == [1.0]
 
@@ -218,9 +250,17 @@ def test_batch_invariant_importance_ratio_is_exactly_one_on_tool_episodes(tok, t
 
     Recording = logp_recorder(seen)
 
-    trainer, rollout = make_trainer(tok, tmp_path, tools=[add], batch_invariant=True,
-                                    importance_sampling=True, cls=Recording, bf16=bf16, temperature=0.7,
-                                    top_p=0.9)
+    trainer, rollout = make_trainer(
+        tok,
+        tmp_path,
+        tools=[add],
+        batch_invariant=True,
+        importance_sampling=True,
+        cls=Recording,
+        bf16=bf16,
+        temperature=0.7,
+        top_p=0.9,
+    )
     handle = steer(trainer.model, tok)
     try:
         trainer.train()
@@ -255,9 +295,10 @@ def test_tool_tokens_carry_no_loss_in_packed_rollouts(shared_prefix):
     from nopad.packing.row import IGNORE_INDEX
     from nopad.training.grpo import Rollout, pack_rollouts, pair_advantages
 
-    rollouts = [Rollout([1, 2], [10, 11, 12, 13], [-1.0, -9.0, -9.0, -2.0], advantage=0.5,
-                        loss_mask=[1, 0, 0, 1]),
-                Rollout([1, 2], [20, 21], [-3.0, -4.0], advantage=-0.5)]
+    rollouts = [
+        Rollout([1, 2], [10, 11, 12, 13], [-1.0, -9.0, -9.0, -2.0], advantage=0.5, loss_mask=[1, 0, 0, 1]),
+        Rollout([1, 2], [20, 21], [-3.0, -4.0], advantage=-0.5),
+    ]
     (row,) = pack_rollouts(rollouts, 64, shared_prefix=shared_prefix)
     labels = row.labels[0].tolist()
     assert [t for t in labels if t != IGNORE_INDEX] == [10, 13, 20, 21]
@@ -274,16 +315,19 @@ def test_a_rollout_is_built_once_from_the_generators_output():
 
     from nopad.training.grpo import Rollout, pack_rollouts
 
-    episode = SimpleNamespace(prompt_token_ids=[1, 2], completion_ids=[10, 11, 12, 13],
-                              logprobs=[-1.0, 0.0, 0.0, -2.0], model_mask=[1, 0, 0, 1],
-                              finish_reason="length")
+    episode = SimpleNamespace(
+        prompt_token_ids=[1, 2],
+        completion_ids=[10, 11, 12, 13],
+        logprobs=[-1.0, 0.0, 0.0, -2.0],
+        model_mask=[1, 0, 0, 1],
+        finish_reason="length",
+    )
     r = Rollout.from_episode(episode, "raw")  # which log-probs: test_training_grpo_temperature.py
     assert (r.prompt_ids, r.completion_ids, r.loss_mask) == ([1, 2], [10, 11, 12, 13], [1, 0, 0, 1])
     assert (r.gen_logprobs, r.num_loss_tokens, r.truncated) == ([-1.0, -2.0], 2, True)
     sample = SimpleNamespace(token_ids=[20, 21], logprobs=[-3.0, -4.0], finish_reason="stop")
     plain = Rollout.from_completion([1, 2], sample, "raw")
-    assert (plain.gen_logprobs, plain.loss_mask, plain.num_loss_tokens, plain.truncated) == (
-        [-3.0, -4.0], (), 2, False)
+    assert (plain.gen_logprobs, plain.loss_mask, plain.num_loss_tokens, plain.truncated) == ([-3.0, -4.0], (), 2, False)
     (row,) = pack_rollouts([r, plain], 64)
     assert row.token_values["gen_logprobs"].tolist() == [-1.0, -2.0, -3.0, -4.0]
     assert "advantages" not in row.token_values  # one per rollout, expanded by the loss
@@ -325,14 +369,28 @@ def test_recipe_tool_task_runs_a_step_on_episodes(monkeypatch):
         def parse(self, turn_ids, prefix_ids):
             return [] if len(turn_ids) % 2 else [tool_tasks.ToolCall("calculator", {"expression": "6 * 7"})]
 
-    task = tasks.Task(tool_tasks.calculator_task, {"calculator": tool_tasks.calculator},
-                      stop=tuple(chr(c) for c in range(48, 80)), tool_format=EveryOtherTurnCalls)
+    task = tasks.Task(
+        tool_tasks.calculator_task,
+        {"calculator": tool_tasks.calculator},
+        stop=tuple(chr(c) for c in range(48, 80)),
+        tool_format=EveryOtherTurnCalls,
+    )
     monkeypatch.setitem(tasks.TASKS, "calculator", task)
-    cfg = from_dict(GRPORecipeConfig, {
-        "model": {"path": "tiny:llama"}, "task": {"name": "calculator", "num_prompts": 4},
-        "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_tokens": 48, "max_prompt_tokens": 200,
-                    "max_turns": 4},
-        "train": {"steps": 1, "max_tokens_per_batch": 2048, "lr": 1e-3}})
+    cfg = from_dict(
+        GRPORecipeConfig,
+        {
+            "model": {"path": "tiny:llama"},
+            "task": {"name": "calculator", "num_prompts": 4},
+            "rollout": {
+                "prompts_per_step": 2,
+                "num_generations": 4,
+                "max_tokens": 48,
+                "max_prompt_tokens": 200,
+                "max_turns": 4,
+            },
+            "train": {"steps": 1, "max_tokens_per_batch": 2048, "lr": 1e-3},
+        },
+    )
     model, tokenizer = load_model(cfg.model)
     from nopad.training import grpo_step as step_module
 

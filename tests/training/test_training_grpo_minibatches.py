@@ -34,14 +34,16 @@ def run_step(loss: GRPOStepConfig, lr: float = 1e-2, dtype=torch.float32):
     steps = []
     stepper.torch_optimizer.register_step_post_hook(lambda *_: steps.append(1))
     with use_nopad_attention(policy):
-        metrics = grpo_step(stepper, gen, examples[:4], prompt_ids[:4], get_reward(cfg.reward), tok,
-                            sampling_params(cfg, 0), loss)
+        metrics = grpo_step(
+            stepper, gen, examples[:4], prompt_ids[:4], get_reward(cfg.reward), tok, sampling_params(cfg, 0), loss
+        )
     return metrics, len(steps)
 
 
 def test_in_the_mode_the_first_mini_batch_ratio_is_exactly_one_with_no_old_forward(one_thread):
-    loss = GRPOStepConfig(num_iterations=2, steps_per_generation=2, batch_invariant=True,
-                    policy=PolicyLossConfig(loss_type="grpo"))
+    loss = GRPOStepConfig(
+        num_iterations=2, steps_per_generation=2, batch_invariant=True, policy=PolicyLossConfig(loss_type="grpo")
+    )
     m, taken = run_step(loss)
     assert taken == m["optimizer_steps"] == 4
     assert m["ratio_dev_max_first_step"] == 0.0  # old = the rollout's, and they are the trainer's bitwise
@@ -58,8 +60,13 @@ def test_without_updates_every_mini_batch_ratio_stays_exactly_one(one_thread):
 
 
 def test_recompute_scores_the_batch_once_before_the_updates(one_thread):
-    loss = GRPOStepConfig(num_iterations=2, steps_per_generation=2, batch_invariant=False, old_logprobs="recompute",
-                    policy=PolicyLossConfig(is_correction="sequence_mask"))
+    loss = GRPOStepConfig(
+        num_iterations=2,
+        steps_per_generation=2,
+        batch_invariant=False,
+        old_logprobs="recompute",
+        policy=PolicyLossConfig(is_correction="sequence_mask"),
+    )
     m, taken = run_step(loss, dtype=torch.bfloat16)
     assert taken == 4
     # each row's training forward once per pass, and one old-log-prob forward per row before the updates
@@ -84,12 +91,15 @@ def test_masked_truncated_completions_carry_no_loss(one_thread):
     def step(truncated: list[bool]) -> dict:
         torch.manual_seed(0)
         model = tiny_model("llama")
-        rollouts = [Rollout([5, 6, 7], [8 + i, 9, 10], [-1.0] * 3, advantage=a, truncated=t)
-                    for i, (a, t) in enumerate(zip([1.0, -1.0, 0.5, -0.5], truncated))]
+        rollouts = [
+            Rollout([5, 6, 7], [8 + i, 9, 10], [-1.0] * 3, advantage=a, truncated=t)
+            for i, (a, t) in enumerate(zip([1.0, -1.0, 0.5, -0.5], truncated))
+        ]
         loss = GRPOStepConfig(mask_truncated_completions=True)
         with use_nopad_attention(model):
-            return train_on_rollouts(OptimizerStepper(model, torch.optim.SGD(model.parameters(), lr=0.1)),
-                                     rollouts, loss)
+            return train_on_rollouts(
+                OptimizerStepper(model, torch.optim.SGD(model.parameters(), lr=0.1)), rollouts, loss
+            )
 
     assert step([True] * 4)["grad_norm"] == 0.0
     assert step([False, True, True, True])["grad_norm"] > 0.0  # (A > 0: its ratio far below 1 is not clipped)
@@ -99,8 +109,7 @@ def test_reward_scaling_modes():
     from nopad.training.grpo import group_advantages
 
     rewards = torch.tensor([[1.0, 0.0], [3.0, 3.0]])
-    torch.testing.assert_close(group_advantages(rewards, scale_rewards="none"),
-                               torch.tensor([[0.5, -0.5], [0.0, 0.0]]))
+    torch.testing.assert_close(group_advantages(rewards, scale_rewards="none"), torch.tensor([[0.5, -0.5], [0.0, 0.0]]))
     batch = group_advantages(rewards, scale_rewards="batch")
     torch.testing.assert_close(batch, torch.tensor([[0.5, -0.5], [0.0, 0.0]]) / (rewards.std() + 1e-4))
     with pytest.raises(ValueError, match="scale_rewards must be one of"):

@@ -41,8 +41,9 @@ def run_recorded_step(monkeypatch, logprobs: str, dtype: torch.dtype, beta: floa
 
     monkeypatch.setattr(nopad.training.grpo_step, "train_on_rollouts", recording)
     policy = tiny_model("qwen2").to(dtype)
-    cfg = tiny_config(rollout={"temperature": T, "logprobs": logprobs},
-                      train={"batch_invariant": True, **train}, loss={"beta": beta})
+    cfg = tiny_config(
+        rollout={"temperature": T, "logprobs": logprobs}, train={"batch_invariant": True, **train}, loss={"beta": beta}
+    )
     tok = AsciiTokenizer()
     examples, prompt_ids = build_prompts(cfg, tok)
     gen = Generator(policy, block_size=16, num_blocks=64, max_num_batched_tokens=40)
@@ -53,9 +54,17 @@ def run_recorded_step(monkeypatch, logprobs: str, dtype: torch.dtype, beta: floa
         ref = copy.deepcopy(policy).eval().requires_grad_(False)
         ref.set_attn_implementation(NOPAD_ATTENTION)
     with use_nopad_attention(policy):
-        m = nopad.training.grpo_step.grpo_step(stepper, gen, examples[:3], prompt_ids[:3], get_reward(cfg.reward),
-                                         tok, sampling_params(cfg, 0), grpo_loss(cfg, policy.device),
-                                         ref_model=ref)
+        m = nopad.training.grpo_step.grpo_step(
+            stepper,
+            gen,
+            examples[:3],
+            prompt_ids[:3],
+            get_reward(cfg.reward),
+            tok,
+            sampling_params(cfg, 0),
+            grpo_loss(cfg, policy.device),
+            ref_model=ref,
+        )
     assert seen["logprobs"] == logprobs and seen["temperature"] == T
     return m, seen["rollouts"], policy
 
@@ -67,7 +76,7 @@ def unpacked_logprobs(policy, rollouts: list[Rollout], temperature: float) -> li
     with torch.no_grad():
         for r in rollouts:
             ids = torch.tensor([r.prompt_ids + r.completion_ids])
-            logits = policy(ids).logits[0, len(r.prompt_ids) - 1:-1].float()
+            logits = policy(ids).logits[0, len(r.prompt_ids) - 1 : -1].float()
             lp = torch.log_softmax(logits / temperature, -1)
             out.append(lp.gather(1, torch.tensor(r.completion_ids)[:, None])[:, 0])
     return out
@@ -103,8 +112,7 @@ def test_raw_is_an_explicit_choice_and_also_bitwise(monkeypatch, one_thread):
 def test_recomputed_old_logprobs_score_the_tempered_policy_too(monkeypatch, one_thread):
     """``train.old_logprobs=recompute`` over two passes: the trainer's no-grad forward before the
     updates scores ``softmax(logits / T)`` as well, so it equals the rollout's, bitwise."""
-    m, _, _ = run_recorded_step(monkeypatch, "tempered", torch.float32, old_logprobs="recompute",
-                                num_iterations=2)
+    m, _, _ = run_recorded_step(monkeypatch, "tempered", torch.float32, old_logprobs="recompute", num_iterations=2)
     assert m["optimizer_steps"] == 2 and m["logprob_gap_max"] == 0.0 and m["ratio_dev_max"] == 0.0
 
 
@@ -119,12 +127,19 @@ def test_the_trained_policys_temperature():
 def test_a_rollout_takes_the_trained_policys_logprobs_from_the_generator():
     from types import SimpleNamespace
 
-    sample = SimpleNamespace(token_ids=[20, 21], logprobs=[-3.0, -4.0], temperature_logprobs=[-2.5, -5.0],
-                             finish_reason="stop")
+    sample = SimpleNamespace(
+        token_ids=[20, 21], logprobs=[-3.0, -4.0], temperature_logprobs=[-2.5, -5.0], finish_reason="stop"
+    )
     assert Rollout.from_completion([1], sample).gen_logprobs == [-2.5, -5.0]  # tempered: the default
     assert Rollout.from_completion([1], sample, "raw").gen_logprobs == [-3.0, -4.0]
-    episode = SimpleNamespace(prompt_token_ids=[1], completion_ids=[10, 11], logprobs=[-1.0, 0.0],
-                              temperature_logprobs=[-0.5, 0.0], model_mask=[1, 0], finish_reason="stop")
+    episode = SimpleNamespace(
+        prompt_token_ids=[1],
+        completion_ids=[10, 11],
+        logprobs=[-1.0, 0.0],
+        temperature_logprobs=[-0.5, 0.0],
+        model_mask=[1, 0],
+        finish_reason="stop",
+    )
     assert Rollout.from_episode(episode).gen_logprobs == [-0.5]
     assert Rollout.from_episode(episode, "raw").gen_logprobs == [-1.0]
 

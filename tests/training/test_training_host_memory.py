@@ -36,13 +36,15 @@ print(before - rss())
 
 
 def _returned(fixed: bool) -> int:
-    out = subprocess.run([sys.executable, "-c", SCRIPT, "1" if fixed else "0"], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, "1" if fixed else "0"], capture_output=True, text=True, check=True
+    )
     return int(out.stdout.split()[-1])
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or "libc" not in str(ctypes.util.find_library("c")),
-                    reason="glibc's mallopt")
+@pytest.mark.skipif(
+    platform.system() != "Linux" or "libc" not in str(ctypes.util.find_library("c")), reason="glibc's mallopt"
+)
 def test_freed_tensors_go_back_to_the_os():
     assert _returned(fixed=False) < 40 << 20  # glibc keeps them (the test would prove nothing otherwise)
     assert _returned(fixed=True) >= 150 << 20  # 40 x 4 MiB, all of it

@@ -102,8 +102,7 @@ def _step_grads(model, batches, weighting, world=None) -> dict:
         stepper.world = world  # DDP would average the gradients over that many ranks
     inner = getattr(model, "module", model)
     grads = {}
-    optimizer.register_step_pre_hook(
-        lambda *_: grads.update({k: p.grad.clone() for k, p in inner.named_parameters()}))
+    optimizer.register_step_pre_hook(lambda *_: grads.update({k: p.grad.clone() for k, p in inner.named_parameters()}))
     sft_step(stepper, batches, weighting)
     assert stepper.optimizer_steps == 1 and grads
     return grads
@@ -137,8 +136,9 @@ def test_simulated_two_ranks_in_process_match_unpacked(weighting, monkeypatch):
     per_rank = [list(packed_dataloader(_rows(), 64, seed=1, num_replicas=2, rank=r)) for r in range(2)]
     total = sum(int(b[COUNT_KEYS[weighting]]) for b in per_rank[0] + per_rank[1])
     monkeypatch.setattr(accumulation, "global_sum", lambda local: float(total))  # the all-reduce's answer
-    grads = [_step_grads(tiny_model("llama", attn_implementation=attn), batches, weighting, world=2)
-             for batches in per_rank]
+    grads = [
+        _step_grads(tiny_model("llama", attn_implementation=attn), batches, weighting, world=2) for batches in per_rank
+    ]
     for name, ref in _reference_grads(_rows(), weighting).items():
         got = (grads[0][name] + grads[1][name]) / 2
         assert torch.linalg.norm(got - ref) <= 1e-5 * torch.linalg.norm(ref), name
@@ -172,16 +172,19 @@ def test_the_chunked_head_loss_equals_the_logits_loss(weighting, tree):
 
     if tree:
         prompt = list(range(3, 15))
-        (row,) = pack_rollouts([Rollout(prompt, [5, 6, 7, 8]), Rollout(prompt, [5, 6, 9]),
-                                Rollout(prompt[:4], [10])], 64)
+        (row,) = pack_rollouts(
+            [Rollout(prompt, [5, 6, 7, 8]), Rollout(prompt, [5, 6, 9]), Rollout(prompt[:4], [10])], 64
+        )
         assert row.pair_tokens is not None
     else:
         row = PackedCollator()(_rows(n=5))
     model = tiny_model("gemma2")  # a softcapped head
     results = []
     with use_nopad_attention(model):
-        for loss in (lambda: row_nll_sum(model, row, weighting=weighting),
-                     lambda: row_loss_sum(model(**row.model_kwargs()).logits, row, weighting=weighting)):
+        for loss in (
+            lambda: row_nll_sum(model, row, weighting=weighting),
+            lambda: row_loss_sum(model(**row.model_kwargs()).logits, row, weighting=weighting),
+        ):
             model.zero_grad()
             value = loss()
             value.backward()

@@ -31,8 +31,7 @@ def _steps(model, optimizer, steps: int, seed: int = 0) -> None:
 
 
 def test_both_recipes_build_the_fused_adamw_on_cpu(tmp_path, monkeypatch):
-    sft_optimizer, _ = make_optimizer(tiny_model("llama"), lr=1e-3, weight_decay=0.1, warmup_steps=0,
-                                      total_steps=4)
+    sft_optimizer, _ = make_optimizer(tiny_model("llama"), lr=1e-3, weight_decay=0.1, warmup_steps=0, total_steps=4)
     assert sft_optimizer.param_groups[0]["fused"] is True
     built = []
 
@@ -62,8 +61,9 @@ def test_fused_steps_agree_with_the_default_implementation_to_rounding():
 
 
 def test_lora_steps_the_adapter_alone():
-    model = apply_lora(tiny_model("llama"), rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear",
-                       base="tiny:llama")
+    model = apply_lora(
+        tiny_model("llama"), rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", base="tiny:llama"
+    )
     optimizer = make_adamw(model, lr=1e-3, weight_decay=0.0)
     params = optimizer.param_groups[0]["params"]
     assert optimizer.param_groups[0]["fused"] is True
@@ -90,7 +90,8 @@ def test_fused_and_unfused_state_dicts_have_one_format():
     assert ours["state"].keys() == theirs["state"].keys()
     for i, state in ours["state"].items():
         assert {k: (v.dtype, v.shape) for k, v in state.items()} == {
-            k: (v.dtype, v.shape) for k, v in theirs["state"][i].items()}
+            k: (v.dtype, v.shape) for k, v in theirs["state"][i].items()
+        }
     assert ours["param_groups"][0]["fused"] is True and theirs["param_groups"][0]["fused"] is None
 
 

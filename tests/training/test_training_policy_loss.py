@@ -121,9 +121,7 @@ def test_kl_entropy_and_a_masked_truncated_completion(loss_type):
     knobs = KNOBS[loss_type]
     cfg = PolicyLossConfig(loss_type=loss_type, beta=0.04, entropy_coef=0.01, **knobs)
     got = nopad_loss(cfg, p)
-    torch.testing.assert_close(
-        got, reference(loss_type, p, knobs, beta=0.04, entropy_coef=0.01), rtol=1e-6, atol=1e-7
-    )
+    torch.testing.assert_close(got, reference(loss_type, p, knobs, beta=0.04, entropy_coef=0.01), rtol=1e-6, atol=1e-7)
 
 
 def test_clipping_by_hand():
@@ -257,9 +255,7 @@ def test_each_loss_equals_trls_compute_loss(loss_type):
     if loss_type in ("grpo", "dapo", "bnpo", "dr_grpo"):  # TRL's clip metrics: token means
         out = make_policy_loss(cfg)(pairs(p))
         tokens = float(p["mask"].sum())
-        assert out.metrics["clip_ratio/region_mean"] / tokens == pytest.approx(
-            trl_metrics["clip_ratio/region_mean"][0]
-        )
+        assert out.metrics["clip_ratio/region_mean"] / tokens == pytest.approx(trl_metrics["clip_ratio/region_mean"][0])
 
 
 @pytest.mark.parametrize("mode", IS_MODES)
@@ -321,9 +317,7 @@ def test_the_recipe_names_the_section_of_a_bad_knob():
         load_config(GRPORecipeConfig, overrides=["loss.epsilon_high=0.1"])
     with pytest.raises(ValueError, match=r"^loss.delta has no effect with loss_type=sapo"):
         load_config(GRPORecipeConfig, overrides=["loss.loss_type=sapo", "loss.delta=2.0"])
-    with pytest.raises(
-        ValueError, match=r"^loss.is_correction token_mask weighs .* train.old_logprobs=recompute"
-    ):
+    with pytest.raises(ValueError, match=r"^loss.is_correction token_mask weighs .* train.old_logprobs=recompute"):
         load_config(GRPORecipeConfig, overrides=["loss.is_correction=token_mask"])
     cfg = load_config(GRPORecipeConfig, overrides=["loss.loss_type=dr_grpo", "rollout.max_tokens=16"])
     assert cfg.loss.policy(cfg.rollout.max_tokens).max_completion_length == 16

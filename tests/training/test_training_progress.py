@@ -9,8 +9,11 @@ def test_a_resume_with_another_setting_names_it_and_an_unrecorded_one_is_not_com
     saved = Progress({"train.lr": 1e-3, "train.grad_accum": 2})
     saved.step = 3
     state = saved.state_dict()
-    with pytest.raises(ValueError, match=r"^cannot resume: the checkpoint was made with train.lr=0.001 but "
-                                         r"this run has train.lr=0.0001; resume with the same value"):
+    with pytest.raises(
+        ValueError,
+        match=r"^cannot resume: the checkpoint was made with train.lr=0.001 but "
+        r"this run has train.lr=0.0001; resume with the same value",
+    ):
         Progress({"train.lr": 1e-4, "train.grad_accum": 2}).load_state_dict(state)
     resumed = Progress({"train.lr": 1e-3, "train.grad_accum": 2, "train.warmup_steps": 5})
     resumed.load_state_dict(state)  # warmup_steps: not recorded by this checkpoint

@@ -21,10 +21,12 @@ from tests.training.test_training_trl import make_tokenizer
 
 # earlier assistant turns keep only their last word (their "answer"): a template that drops past
 # reasoning, so each turn's sample renders the history differently from the turn before
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }} "
-            "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split(' ')[-1] }}"
-            "{% else %}{{ m['content'] }}{% endif %} {% endfor %}"
-            "{% if add_generation_prompt %}assistant {% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} "
+    "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split(' ')[-1] }}"
+    "{% else %}{{ m['content'] }}{% endif %} {% endfor %}"
+    "{% if add_generation_prompt %}assistant {% endif %}"
+)
 
 
 def _words(rng, lo, hi):
@@ -39,8 +41,10 @@ def conversations(n=6, seed=0):
     for _ in range(n):
         messages = [system]
         for _ in range(int(rng.integers(2, 4))):
-            messages += [{"role": "user", "content": _words(rng, 2, 8)},
-                         {"role": "assistant", "content": _words(rng, 2, 9)}]
+            messages += [
+                {"role": "user", "content": _words(rng, 2, 8)},
+                {"role": "assistant", "content": _words(rng, 2, 9)},
+            ]
         out.append({"messages": messages})
     return out
 
@@ -53,8 +57,12 @@ def tok():
 
 
 def test_each_turn_is_a_sample_with_its_own_rendering_of_the_history(tok):
-    chat = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4 w5"},
-            {"role": "user", "content": "w6"}, {"role": "assistant", "content": "w7 w8"}]
+    chat = [
+        {"role": "user", "content": "w1 w2"},
+        {"role": "assistant", "content": "w3 w4 w5"},
+        {"role": "user", "content": "w6"},
+        {"role": "assistant", "content": "w7 w8"},
+    ]
     first, second = per_turn_samples([{"messages": chat}], tok)
     words = lambda ids: tok.convert_ids_to_tokens(list(ids))  # noqa: E731
     assert words(first.ids) == ["user", "w1", "w2", "assistant", "w3", "w4", "w5"]
@@ -68,9 +76,12 @@ def test_each_turn_is_a_sample_with_its_own_rendering_of_the_history(tok):
 
 
 def _flat_loss(model, samples, weighting):
-    row = PackedCollator()([{"input_ids": list(s.ids), "labels": [t if m else IGNORE_INDEX
-                                                                  for t, m in zip(s.ids, s.loss_mask)]}
-                            for s in samples])
+    row = PackedCollator()(
+        [
+            {"input_ids": list(s.ids), "labels": [t if m else IGNORE_INDEX for t, m in zip(s.ids, s.loss_mask)]}
+            for s in samples
+        ]
+    )
     return row, row_loss_sum(model(**row.model_kwargs()).logits, row, weighting=weighting), row.num_loss_seqs
 
 
@@ -99,8 +110,7 @@ def test_tree_rows_give_the_flat_per_turn_samples_loss_and_gradients(tok, weight
 
 def test_the_loader_shards_pads_and_resumes(tok):
     samples = per_turn_samples(conversations(9, seed=1), tok)
-    ranks = [tree_dataloader(samples, 64, num_replicas=2, rank=r, steps_multiple_of=2, seed=3)
-             for r in (0, 1)]
+    ranks = [tree_dataloader(samples, 64, num_replicas=2, rank=r, steps_multiple_of=2, seed=3) for r in (0, 1)]
     assert len(ranks[0]) == len(ranks[1]) and len(ranks[0]) % 2 == 0
     owned = [i for loader in ranks for row in loader for i in row.indices.tolist() if row.num_loss_tokens]
     assert sorted(owned) == list(range(len(samples)))  # every sample trained once per epoch

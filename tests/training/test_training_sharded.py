@@ -24,8 +24,16 @@ TIMEOUT_S = 150  # each 2-process run; a deadlock fails here with the ranks' out
 def _run_two_ranks(args: list[str], what: str, timeout: float = TIMEOUT_S) -> None:
     """``torchrun --nproc_per_node 2 args``; kills the whole process group on timeout."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(launch.free_port()), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(launch.free_port()),
+        *args,
+    ]
     launch.run(cmd, what=what, timeout=timeout, env=env, cwd=ROOT)
 
 
@@ -35,8 +43,11 @@ def grpo_runs(tmp_path_factory):
     """One launch runs the four engines in turn: a launch's start-up is most of its time."""
     out = tmp_path_factory.mktemp("grpo")
     modes = ("fsdp2", "ddp", "zero2", "zero3", "ddp_streaming", "zero3_streaming")
-    _run_two_ranks(["-m", "tests.support.sharded_worker", ",".join(modes), str(out)],
-                   f"GRPO under {', '.join(modes)}", timeout=len(modes) * TIMEOUT_S)
+    _run_two_ranks(
+        ["-m", "tests.support.sharded_worker", ",".join(modes), str(out)],
+        f"GRPO under {', '.join(modes)}",
+        timeout=len(modes) * TIMEOUT_S,
+    )
     return {m: [torch.load(out / f"{m}_rank{r}.pt", weights_only=False) for r in range(2)] for m in modes}
 
 
@@ -123,8 +134,7 @@ def test_the_plain_generator_on_sharded_weights_refuses_instead_of_hanging(grpo_
 def test_packed_sft_gradients_under_zero3_and_fsdp2_match_unpacked(tmp_path):
     from tests.training.test_training_loss import _reference_grads, _rows
 
-    _run_two_ranks(["-m", "tests.support.sharded_sft_worker", str(tmp_path)],
-                   "packed SFT under ZeRO-3 / FSDP2")
+    _run_two_ranks(["-m", "tests.support.sharded_sft_worker", str(tmp_path)], "packed SFT under ZeRO-3 / FSDP2")
     reference = _reference_grads(_rows(), "token")
     for engine in ("zero3", "fsdp2"):
         ranks = [torch.load(tmp_path / f"{engine}_rank{r}.pt") for r in range(2)]
@@ -166,10 +176,18 @@ def test_sft_recipe_under_zero3_loss_matches_unpacked(tmp_path):
     from tests.recipes.test_recipes_sft import ONE_STEP_PER_EPOCH, SMALL, _check_two_rank_run
 
     out = tmp_path / "zero3"
-    _run_two_ranks(["-m", "nopad.recipes.sft", *SMALL, *ONE_STEP_PER_EPOCH, f"checkpoint.output_dir={out}",
-                    "log.record_indices=true",
-                    f"accelerate.deepspeed_config={ROOT / 'recipes/configs/deepspeed_zero3.json'}"],
-                   "SFT recipe under ZeRO-3")
+    _run_two_ranks(
+        [
+            "-m",
+            "nopad.recipes.sft",
+            *SMALL,
+            *ONE_STEP_PER_EPOCH,
+            f"checkpoint.output_dir={out}",
+            "log.record_indices=true",
+            f"accelerate.deepspeed_config={ROOT / 'recipes/configs/deepspeed_zero3.json'}",
+        ],
+        "SFT recipe under ZeRO-3",
+    )
     import json
 
     _check_two_rank_run([json.loads((out / f"result_rank{r}.json").read_text()) for r in range(2)])

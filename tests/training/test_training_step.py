@@ -58,8 +58,11 @@ def _fixed_rollout(prompts, trainer):
 
     prompt_ids = tokenize_prompts(prompts, trainer)
     completions = [_completion(ids, i % GENERATIONS) for i, ids in enumerate(prompt_ids)]
-    return {"prompt_ids": prompt_ids, "completion_ids": completions,
-            "logprobs": [[0.0] * len(c) for c in completions]}  # unused: no IS correction, one iteration
+    return {
+        "prompt_ids": prompt_ids,
+        "completion_ids": completions,
+        "logprobs": [[0.0] * len(c) for c in completions],
+    }  # unused: no IS correction, one iteration
 
 
 def test_grpo_step_equals_nopad_grpo_trainers_step(one_thread, tmp_path, accelerator):
@@ -88,7 +91,8 @@ def test_grpo_step_equals_nopad_grpo_trainers_step(one_thread, tmp_path, acceler
         with torch.no_grad():
             for row in pack_rollouts(rollouts, loss.max_tokens_per_batch):
                 scored = packed_logprobs(model, row).split(
-                    [len(rollouts[i].completion_ids) for i in row["indices"].tolist()])
+                    [len(rollouts[i].completion_ids) for i in row["indices"].tolist()]
+                )
                 for i, lp in zip(row["indices"].tolist(), scored):
                     rollouts[i].gen_logprobs = lp.tolist()
         rewards = torch.tensor([_reward(r.completion_ids) for r in rollouts]).view(len(PROMPTS), GENERATIONS)
@@ -103,14 +107,36 @@ def test_grpo_step_equals_nopad_grpo_trainers_step(one_thread, tmp_path, acceler
     _reset_accelerate()
 
     # TRL's GRPOTrainer with nopad's packed forward, the same rollouts, rewards and loss (token mean)
-    args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(rollouts),
-                      num_generations=GENERATIONS, steps_per_generation=1, gradient_accumulation_steps=1,
-                      max_completion_length=8, max_steps=1, loss_type="dapo", beta=0.0, epsilon=0.2,
-                      scale_rewards="group", learning_rate=LR, optim="sgd", lr_scheduler_type="constant",
-                      max_grad_norm=0.0, report_to=[], use_cpu=True, bf16=False, save_strategy="no", seed=0)
-    trainer = NopadGRPOTrainer(model=trl_model, args=args, processing_class=tok, rollout_func=_fixed_rollout,
-                               reward_funcs=lambda completion_ids, **kw: [_reward(c) for c in completion_ids],
-                               train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}))
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        per_device_train_batch_size=len(rollouts),
+        num_generations=GENERATIONS,
+        steps_per_generation=1,
+        gradient_accumulation_steps=1,
+        max_completion_length=8,
+        max_steps=1,
+        loss_type="dapo",
+        beta=0.0,
+        epsilon=0.2,
+        scale_rewards="group",
+        learning_rate=LR,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+    )
+    trainer = NopadGRPOTrainer(
+        model=trl_model,
+        args=args,
+        processing_class=tok,
+        rollout_func=_fixed_rollout,
+        reward_funcs=lambda completion_ids, **kw: [_reward(c) for c in completion_ids],
+        train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
+    )
     trainer.train()
     _assert_same_parameters(model, trl_model, initial)
 
@@ -128,12 +154,27 @@ def test_sft_step_equals_nopad_sft_trainers_step(one_thread, tmp_path):
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     trl_model = copy.deepcopy(model)
     _reset_accelerate()
-    args = SFTConfig(output_dir=str(tmp_path / "sft"), max_length=64, per_device_train_batch_size=2,
-                     gradient_accumulation_steps=2, max_steps=1, learning_rate=LR, optim="sgd",
-                     lr_scheduler_type="constant", max_grad_norm=0.0, report_to=[], use_cpu=True, bf16=False,
-                     save_strategy="no")
-    trainer = NopadSFTTrainer(model=trl_model, args=args, processing_class=tok,
-                              train_dataset=datasets.Dataset.from_dict({"text": _texts(24, 0)}))
+    args = SFTConfig(
+        output_dir=str(tmp_path / "sft"),
+        max_length=64,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=1,
+        learning_rate=LR,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+    )
+    trainer = NopadSFTTrainer(
+        model=trl_model,
+        args=args,
+        processing_class=tok,
+        train_dataset=datasets.Dataset.from_dict({"text": _texts(24, 0)}),
+    )
     window = list(trainer.get_train_dataloader())[:2]  # the micro-batches of the trainer's first step
     trainer.train()
     _reset_accelerate()
@@ -154,8 +195,12 @@ def test_sft_step_equals_nopad_sft_trainers_step(one_thread, tmp_path):
 # ----------------------------------------------------------------------------- a failing window
 def _state(accelerator) -> tuple:
     g = accelerator.gradient_state
-    return (accelerator.gradient_accumulation_steps, accelerator.step, accelerator.sync_gradients,
-            dict(g.plugin_kwargs))
+    return (
+        accelerator.gradient_accumulation_steps,
+        accelerator.step,
+        accelerator.sync_gradients,
+        dict(g.plugin_kwargs),
+    )
 
 
 def test_an_exception_inside_a_window_leaves_the_accelerator_unchanged(one_thread, accelerator):
@@ -234,12 +279,18 @@ def test_misused_windows_and_rows_say_the_rule():
     stepper = OptimizerStepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
     rows = [{"num_loss_tokens": 1}]
     x = torch.ones(1, 2)
-    with pytest.raises(RuntimeError, match=r"w.backward\(\) outside `with w.row\(\):`: .* write "
-                                           r"`with w.row\(\): w.backward\(loss_sum\(row\)\)`"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"w.backward\(\) outside `with w.row\(\):`: .* write "
+        r"`with w.row\(\): w.backward\(loss_sum\(row\)\)`",
+    ):
         with stepper.window(rows) as w:
             w.backward(model(x).sum())
-    with pytest.raises(RuntimeError, match=r"stepper.window\(\) inside another window of the same stepper: "
-                                           r"windows do not nest.* End the first window's `with` block"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"stepper.window\(\) inside another window of the same stepper: "
+        r"windows do not nest.* End the first window's `with` block",
+    ):
         with stepper.window(rows) as w:
             with w.row():
                 with stepper.window(rows):

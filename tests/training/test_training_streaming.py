@@ -32,8 +32,10 @@ LENGTHS = [24, 5, 12, 30, 7, 16, 9, 20]  # completion lengths, long-tailed: grou
 def run_recipe(policy, dtype, **rollout):
     from nopad.recipes.grpo import run_grpo
 
-    cfg = tiny_config(rollout={"prompts_per_step": 2, "num_generations": 4, "max_tokens": 8, **rollout},
-                      train={"steps": 2, "lr": 1e-3, "batch_invariant": True})
+    cfg = tiny_config(
+        rollout={"prompts_per_step": 2, "num_generations": 4, "max_tokens": 8, **rollout},
+        train={"steps": 2, "lr": 1e-3, "batch_invariant": True},
+    )
     return run_grpo(cfg, model=policy.to(dtype), tokenizer=AsciiTokenizer(), progress=False)
 
 
@@ -58,10 +60,11 @@ def test_the_decoupled_objective_streams_through_the_policy_loss_seam(one_thread
     streaming metrics are reported."""
     from nopad.recipes.grpo import STREAMING_CURVES, run_grpo
 
-    cfg = tiny_config(rollout={"prompts_per_step": 2, "num_generations": 4, "max_tokens": 8, "mode": "streaming",
-                               "max_staleness": 1},
-                      train={"steps": 2, "lr": 1e-3, "batch_invariant": True, "old_logprobs": "recompute"},
-                      loss={"is_correction": "token_truncate"})
+    cfg = tiny_config(
+        rollout={"prompts_per_step": 2, "num_generations": 4, "max_tokens": 8, "mode": "streaming", "max_staleness": 1},
+        train={"steps": 2, "lr": 1e-3, "batch_invariant": True, "old_logprobs": "recompute"},
+        loss={"is_correction": "token_truncate"},
+    )
     decoupled = run_grpo(cfg, model=tiny_model("llama"), tokenizer=AsciiTokenizer(), progress=False)
     assert all(h["forwards_per_optimizer_step"] == h["train_rows"] for h in decoupled)  # no old-log-prob forward
     assert any(k.startswith("mismatch/is/") for k in decoupled[-1])
@@ -78,11 +81,13 @@ def stream_with_updates(family: str, stale_kv: str, steps: int = 4):
     prompts = random_sequences([5, 9, 7, 4, 6, 8, 5, 7], seed=1)
 
     def source(i):
-        return prompts[i % 8].tolist(), SamplingParams(n=2, max_tokens=LENGTHS[i % 8], temperature=T, seed=i,
-                                                       ignore_eos=True)
+        return prompts[i % 8].tolist(), SamplingParams(
+            n=2, max_tokens=LENGTHS[i % 8], temperature=T, seed=i, ignore_eos=True
+        )
 
-    stream = StreamingRollouts(gen, source, groups_per_step=2, max_staleness=3, stale_kv=stale_kv,
-                               total_groups=2 * steps)
+    stream = StreamingRollouts(
+        gen, source, groups_per_step=2, max_staleness=3, stale_kv=stale_kv, total_groups=2 * steps
+    )
     weights = {0: copy.deepcopy(model.state_dict())}
     noise = torch.Generator().manual_seed(0)
     taken = []
@@ -151,8 +156,7 @@ def test_keep_continues_on_the_kv_older_weights_wrote(family, one_thread):
                     out = reference(inputs, past_key_values=cache, use_cache=True)
                 cache, inputs = out.past_key_values, torch.tensor([[token]])
                 mixed.append(torch.log_softmax(out.logits[0, -1].float() / T, -1)[token])
-            torch.testing.assert_close(torch.tensor(c.temperature_logprobs), torch.stack(mixed),
-                                       rtol=0, atol=2e-5)
+            torch.testing.assert_close(torch.tensor(c.temperature_logprobs), torch.stack(mixed), rtol=0, atol=2e-5)
             last = c.policy_versions[-1]
             pure = trainer_logprobs(model, weights[last], prompt, c.token_ids)
             differs += int((pure[-1] - c.temperature_logprobs[-1]).abs() > 1e-4)
@@ -168,8 +172,9 @@ def test_no_token_older_than_max_staleness_is_trained_and_drops_are_counted(one_
     prompts = random_sequences([5] * 12, seed=2)
 
     def source(i):  # group 0 runs 60 tokens, the others 3
-        return prompts[i].tolist(), SamplingParams(n=2, max_tokens=60 if i == 0 else 3, temperature=T, seed=i,
-                                                   ignore_eos=True)
+        return prompts[i].tolist(), SamplingParams(
+            n=2, max_tokens=60 if i == 0 else 3, temperature=T, seed=i, ignore_eos=True
+        )
 
     stream = StreamingRollouts(gen, source, groups_per_step=1, max_staleness=1, stale_kv="keep", total_groups=5)
     for _ in range(5):
@@ -187,18 +192,22 @@ def test_the_versions_reach_the_rollout_record():
     """A completion's policy versions travel with its loss tokens (an episode's tool tokens dropped)."""
     from nopad.inference.outputs import CompletionOutput
 
-    c = CompletionOutput(0, [5, 6, 7], None, "stop", logprobs=[-1.0] * 3, temperature_logprobs=[-1.0] * 3,
-                         policy_versions=[3, 3, 4])
+    c = CompletionOutput(
+        0, [5, 6, 7], None, "stop", logprobs=[-1.0] * 3, temperature_logprobs=[-1.0] * 3, policy_versions=[3, 3, 4]
+    )
     assert Rollout.from_completion([1, 2], c).policy_versions == [3, 3, 4]
     r = Rollout([1], [5, 6, 7], gen_logprobs=[-1.0, 0.0, -2.0], loss_mask=[1, 0, 1], policy_versions=[2, 2, 3])
     assert r.policy_versions == [2, 3]
 
 
-@pytest.mark.parametrize(("rollout", "says"), [
-    ({"mode": "streaming", "max_staleness": -1}, "rollout.max_staleness"),
-    ({"mode": "streaming", "stale_kv": "flush"}, "rollout.stale_kv"),
-    ({"mode": "stream"}, "rollout.mode"),
-])
+@pytest.mark.parametrize(
+    ("rollout", "says"),
+    [
+        ({"mode": "streaming", "max_staleness": -1}, "rollout.max_staleness"),
+        ({"mode": "streaming", "stale_kv": "flush"}, "rollout.stale_kv"),
+        ({"mode": "stream"}, "rollout.mode"),
+    ],
+)
 def test_bad_streaming_settings_are_one_line_at_the_config(rollout, says):
     with pytest.raises(ConfigError, match=says.replace(".", r"\.")):
         tiny_config(rollout=rollout)

@@ -90,14 +90,18 @@ def test_tree_row_logprobs_equal_the_rollouts_on_forked_episodes_bitwise(dtype, 
     after the prompt; the generator's log-probs at model tokens) -> tree rows -> the trainer's
     log-probs, at every model token of every branch, in the batch-invariant mode."""
     model = tiny_model("llama").to(dtype)
-    params = SamplingParams(temperature=1.0, seed=5, max_tokens=10, stop_token_ids=STOPS, ignore_eos=True,
-                            n=2)
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=10, stop_token_ids=STOPS, ignore_eos=True, n=2)
     from nopad.inference.episodes import EpisodeLimits
 
     with batch_invariant():
         episodes = Generator(model, block_size=4, num_blocks=256).run_episodes(
-            prompts_of([3, 7, 12, 5]), TOOLS, params, limits=EpisodeLimits(max_turns=3, max_tokens=40),
-            tool_format=TokenFormat(), fork=lambda ep: 2 if ep.num_turns == 1 else 1)
+            prompts_of([3, 7, 12, 5]),
+            TOOLS,
+            params,
+            limits=EpisodeLimits(max_turns=3, max_tokens=40),
+            tool_format=TokenFormat(),
+            fork=lambda ep: 2 if ep.num_turns == 1 else 1,
+        )
         rollouts = [Rollout(e.prompt_token_ids, e.completion_ids, e.logprobs) for e in episodes]
         with use_nopad_attention(model), torch.no_grad():
             rows = pack_rollouts(rollouts, capacity=64)

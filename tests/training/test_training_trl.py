@@ -34,8 +34,9 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {w: i for i, w in enumerate(words)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>",
-                                  eos_token="<eos>", unk_token="<unk>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -56,9 +57,20 @@ def _grpo(tok, tmp_path, rollout, prompts=None, cls=None, batch_invariant=None, 
     from trl import GRPOConfig, GRPOTrainer
 
     prompts = prompts if prompts is not None else _texts(8, seed=3, low=2, high=7)
-    settings = dict(output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=4, num_generations=4,
-                    max_completion_length=6, max_steps=2, logging_steps=1, report_to=[], use_cpu=True,
-                    bf16=False, save_strategy="no", learning_rate=1e-2, seed=0)
+    settings = dict(
+        output_dir=str(tmp_path / "grpo"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        learning_rate=1e-2,
+        seed=0,
+    )
     settings.update(config)
     model = tiny_model("llama")
     model.train()
@@ -107,11 +119,27 @@ def test_rollout_matches_trl_contract_and_settings(tok, tmp_path, one_thread):
     from nopad.training.trl.rollout import nopad_rollout_func, sampling_params
 
     rollout = nopad_rollout_func(max_num_batched_tokens=128)
-    trainer = _grpo(tok, tmp_path, rollout, max_steps=1, temperature=0.7, top_p=0.9, top_k=20, min_p=0.01,
-                    repetition_penalty=1.1, max_completion_length=5)
+    trainer = _grpo(
+        tok,
+        tmp_path,
+        rollout,
+        max_steps=1,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        min_p=0.01,
+        repetition_penalty=1.1,
+        max_completion_length=5,
+    )
     params = sampling_params(trainer)
-    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty,
-            params.max_tokens) == (0.7, 0.9, 20, 0.01, 1.1, 5)
+    assert (
+        params.temperature,
+        params.top_p,
+        params.top_k,
+        params.min_p,
+        params.repetition_penalty,
+        params.max_tokens,
+    ) == (0.7, 0.9, 20, 0.01, 1.1, 5)
     assert params.stop_token_ids == [tok.eos_token_id]
     prompts = ["w10 w11 w12"] * 4 + ["w20 w21"] * 4
     out = rollout(prompts, trainer)
@@ -125,8 +153,12 @@ def test_rollout_matches_trl_contract_and_settings(tok, tmp_path, one_thread):
     trl_logps, logits = _trl_scores(trainer, out["prompt_ids"], out["completion_ids"])
     ours = np.concatenate(out["logprobs"])
     assert np.allclose(ours, trl_logps, atol=1e-5)
-    truncated = torch.cat([processed_logprobs(lg, [params] * len(lg))[torch.arange(len(c)), torch.tensor(c)]
-                           for lg, c in zip(logits, out["completion_ids"])])
+    truncated = torch.cat(
+        [
+            processed_logprobs(lg, [params] * len(lg))[torch.arange(len(c)), torch.tensor(c)]
+            for lg, c in zip(logits, out["completion_ids"])
+        ]
+    )
     assert float((truncated - torch.tensor(ours)).abs().max()) > 1e-2
     # conversational prompts go through the chat template
     chat = rollout([[{"role": "user", "content": "w30 w31"}]] * 2, trainer)
@@ -149,9 +181,12 @@ def _trl_scores(trainer, prompt_ids, completion_ids):
     (p, pm), (c, cm) = padded(prompt_ids, "left"), padded(completion_ids, "right")
     with torch.no_grad():
         logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
-            trainer, trainer.model, torch.cat([p, c], 1), torch.cat([pm, cm], 1), c.size(1))
-        logits = [trainer.model(input_ids=torch.tensor([list(pi) + list(ci)])).logits[0, len(pi) - 1 : -1]
-                  for pi, ci in zip(prompt_ids, completion_ids)]
+            trainer, trainer.model, torch.cat([p, c], 1), torch.cat([pm, cm], 1), c.size(1)
+        )
+        logits = [
+            trainer.model(input_ids=torch.tensor([list(pi) + list(ci)])).logits[0, len(pi) - 1 : -1]
+            for pi, ci in zip(prompt_ids, completion_ids)
+        ]
     return logps[cm.bool()].numpy(), logits
 
 
@@ -203,9 +238,20 @@ def test_sft_trainer_loss_and_gradients_equal_unpacked(tok, tmp_path, loss_type,
     model = tiny_model("llama")
     model.train()
     reference = copy.deepcopy(model)
-    args = SFTConfig(output_dir=str(tmp_path / "sft"), max_length=64, per_device_train_batch_size=2,
-                     gradient_accumulation_steps=2, max_steps=1, learning_rate=1e-3, report_to=[],
-                     use_cpu=True, bf16=False, save_strategy="no", max_grad_norm=0.0, loss_type=loss_type)
+    args = SFTConfig(
+        output_dir=str(tmp_path / "sft"),
+        max_length=64,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=1,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        max_grad_norm=0.0,
+        loss_type=loss_type,
+    )
     data = datasets.Dataset.from_dict({"text": _texts(24, 0)})
     trainer = Recording(model=model, args=args, train_dataset=data, processing_class=tok, callbacks=[Grab()])
     assert model.config._attn_implementation == "nopad" and trainer.nopad_tokens() == 128
@@ -219,8 +265,9 @@ def test_sft_trainer_loss_and_gradients_equal_unpacked(tok, tmp_path, loss_type,
     loss = 0.0
     for i in ids:
         logits = reference(input_ids=torch.tensor([rows[i]["input_ids"]])).logits[0, :-1]
-        loss = loss + torch.nn.functional.cross_entropy(logits, torch.tensor(rows[i]["labels"][1:]),
-                                                        ignore_index=-100, reduction="sum")
+        loss = loss + torch.nn.functional.cross_entropy(
+            logits, torch.tensor(rows[i]["labels"][1:]), ignore_index=-100, reduction="sum"
+        )
     loss = loss / total
     loss.backward()
     assert sum(mb_loss for _, mb_loss in seen) == pytest.approx(loss.item(), abs=1e-5)
@@ -234,9 +281,12 @@ def test_sft_trainer_refuses_trl_packing(tok, tmp_path):
     from nopad.training.trl.sft_trainer import NopadSFTTrainer
 
     with pytest.raises(ValueError, match="packing=False"):
-        NopadSFTTrainer(model=tiny_model("llama"), processing_class=tok,
-                        args=SFTConfig(output_dir=str(tmp_path), packing=True, report_to=[], use_cpu=True),
-                        train_dataset=datasets.Dataset.from_dict({"text": _texts(4, 0)}))
+        NopadSFTTrainer(
+            model=tiny_model("llama"),
+            processing_class=tok,
+            args=SFTConfig(output_dir=str(tmp_path), packing=True, report_to=[], use_cpu=True),
+            train_dataset=datasets.Dataset.from_dict({"text": _texts(4, 0)}),
+        )
 
 
 class _Recording(NopadTrainer):
@@ -248,9 +298,17 @@ class _Recording(NopadTrainer):
 def _resume_run(ds, out, resume=None, tokens_per_batch=96):
     model = tiny_model("llama")
     model.train()
-    args = TrainingArguments(output_dir=out, per_device_train_batch_size=1, gradient_accumulation_steps=2,
-                             max_steps=7, save_steps=2, report_to=[], use_cpu=True, learning_rate=1e-3,
-                             seed=0)
+    args = TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=2,
+        max_steps=7,
+        save_steps=2,
+        report_to=[],
+        use_cpu=True,
+        learning_rate=1e-3,
+        seed=0,
+    )
     trainer = _Recording(model=model, args=args, train_dataset=ds, tokens_per_batch=tokens_per_batch)
     trainer.seen = []
     trainer.train(resume_from_checkpoint=resume)
@@ -259,11 +317,15 @@ def _resume_run(ds, out, resume=None, tokens_per_batch=96):
 
 def test_trainer_loss_runs_the_chunked_head_and_equals_the_models_own(tmp_path, one_thread):
     g = torch.Generator().manual_seed(2)
-    ds = datasets.Dataset.from_dict({"input_ids": [torch.randint(3, 128, (int(n),), generator=g).tolist()
-                                                   for n in torch.randint(3, 40, (8,), generator=g)]})
+    ds = datasets.Dataset.from_dict(
+        {
+            "input_ids": [
+                torch.randint(3, 128, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (8,), generator=g)
+            ]
+        }
+    )
     model = tiny_model("gemma2")  # a softcapped head
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1, report_to=[],
-                             use_cpu=True)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1, report_to=[], use_cpu=True)
     trainer = NopadTrainer(model=model, args=args, train_dataset=ds, tokens_per_batch=96)
     inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     results = []
@@ -281,8 +343,9 @@ def test_trainer_loss_runs_the_chunked_head_and_equals_the_models_own(tmp_path, 
 def test_trainer_resume_continues_with_the_same_batches(tmp_path, one_thread):
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(3, 40, (30,), generator=g)
-    ds = datasets.Dataset.from_dict({"input_ids": [torch.randint(4, 120, (int(n),), generator=g).tolist()
-                                                   for n in lengths]})
+    ds = datasets.Dataset.from_dict(
+        {"input_ids": [torch.randint(4, 120, (int(n),), generator=g).tolist() for n in lengths]}
+    )
     out = str(tmp_path / "run")
     full = _resume_run(ds, out)
     per_epoch = len(full.nopad_loader)
@@ -292,10 +355,9 @@ def test_trainer_resume_continues_with_the_same_batches(tmp_path, one_thread):
         checkpoint = os.path.join(out, f"checkpoint-{step}")
         assert os.path.isfile(os.path.join(checkpoint, "nopad_loader.json"))
         resumed = _resume_run(ds, str(tmp_path / f"resumed{step}"), resume=checkpoint)
-        assert resumed.seen == full.seen[2 * step:]
+        assert resumed.seen == full.seen[2 * step :]
     with pytest.raises(ValueError, match="tokens_per_batch"):
-        _resume_run(ds, str(tmp_path / "other"), resume=os.path.join(out, "checkpoint-2"),
-                    tokens_per_batch=80)
+        _resume_run(ds, str(tmp_path / "other"), resume=os.path.join(out, "checkpoint-2"), tokens_per_batch=80)
 
 
 def test_trainer_epochs_are_a_gapless_stream_of_packed_epochs():
@@ -329,10 +391,19 @@ def test_bf16_autocast_and_bf16_weights(tok, tmp_path, one_thread):
     assert abs(ratio - 1) < 0.05  # bf16 numerics: close to, not exactly, 1
     model = tiny_model("llama").to(torch.bfloat16)
     model.train()
-    args = SFTConfig(output_dir=str(tmp_path / "sft16"), max_length=64, per_device_train_batch_size=2,
-                     max_steps=2, report_to=[], use_cpu=True, bf16=False, save_strategy="no")
-    sft = NopadSFTTrainer(model=model, args=args, processing_class=tok,
-                          train_dataset=datasets.Dataset.from_dict({"text": _texts(12, 1)}))
+    args = SFTConfig(
+        output_dir=str(tmp_path / "sft16"),
+        max_length=64,
+        per_device_train_batch_size=2,
+        max_steps=2,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+    )
+    sft = NopadSFTTrainer(
+        model=model, args=args, processing_class=tok, train_dataset=datasets.Dataset.from_dict({"text": _texts(12, 1)})
+    )
     sft.train()
     assert np.isfinite(sft.state.log_history[-1]["train_loss"])
 
@@ -350,8 +421,7 @@ def _fixed_rollout(prompts, trainer):
         if i % 3 == 0:
             completion[-1] = tokenizer.eos_token_id
         completions.append(completion)
-    return {"prompt_ids": prompt_ids, "completion_ids": completions,
-            "logprobs": [[-1.0] * len(c) for c in completions]}
+    return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": [[-1.0] * len(c) for c in completions]}
 
 
 class _GradRecorder(TrainerCallback):
@@ -370,22 +440,45 @@ def _grpo_step_grads(tok, tmp_path, cls, loss_config=None, **kwargs):
     recorder = _GradRecorder()
     # steps_per_generation=2: TRL shuffles the generation batch across two micro-batches, so each
     # holds parts of groups; temperature 0.7 and the entropy bonus reach the loss too
-    args = GRPOConfig(output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=8,
-                      num_generations=4, steps_per_generation=2, gradient_accumulation_steps=2,
-                      max_completion_length=7, max_steps=1, report_to=[], use_cpu=True, bf16=False,
-                      save_strategy="no", seed=0, temperature=0.7, entropy_coef=0.01, learning_rate=1e-3,
-                      logging_steps=1, **(loss_config or {}))
+    args = GRPOConfig(
+        output_dir=str(tmp_path / cls.__name__),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        steps_per_generation=2,
+        gradient_accumulation_steps=2,
+        max_completion_length=7,
+        max_steps=1,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+        temperature=0.7,
+        entropy_coef=0.01,
+        learning_rate=1e-3,
+        logging_steps=1,
+        **(loss_config or {}),
+    )
     prompts = datasets.Dataset.from_dict({"prompt": _texts(4, seed=5, low=2, high=9)})
     reward = lambda completion_ids, **kw: [float(len(c)) for c in completion_ids]  # noqa: E731
-    trainer = cls(model=model, reward_funcs=reward, args=args, train_dataset=prompts,
-                  processing_class=tok, rollout_func=_fixed_rollout, callbacks=[recorder], **kwargs)
+    trainer = cls(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=prompts,
+        processing_class=tok,
+        rollout_func=_fixed_rollout,
+        callbacks=[recorder],
+        **kwargs,
+    )
     trainer.train()
     return trainer, recorder.grads[0]
 
 
 @pytest.mark.parametrize("shared_prefix", [True, False])
-def test_nopad_grpo_trainer_logprobs_loss_and_gradients_equal_trls_padded_path(tok, tmp_path, shared_prefix,
-                                                                               one_thread):
+def test_nopad_grpo_trainer_logprobs_loss_and_gradients_equal_trls_padded_path(
+    tok, tmp_path, shared_prefix, one_thread
+):
     from trl import GRPOTrainer
 
     from nopad.training.trl.grpo_trainer import NopadGRPOTrainer
@@ -411,22 +504,29 @@ def test_nopad_grpo_trainer_logprobs_loss_and_gradients_equal_trls_padded_path(t
     with torch.no_grad():
         ours = nopad._get_per_token_logps_and_entropies(nopad.model, ids, mask, keep, compute_entropy=True)
         nopad.model.set_attn_implementation(reference.model.config._attn_implementation)
-        theirs = GRPOTrainer._get_per_token_logps_and_entropies(nopad, nopad.model, ids, mask, keep,
-                                                                compute_entropy=True)
+        theirs = GRPOTrainer._get_per_token_logps_and_entropies(
+            nopad, nopad.model, ids, mask, keep, compute_entropy=True
+        )
     completion_mask = batch["completion_mask"].bool()
     torch.testing.assert_close(ours[0], theirs[0] * completion_mask, atol=1e-5, rtol=0)
     torch.testing.assert_close(ours[1], theirs[1] * completion_mask, atol=1e-5, rtol=0)
     assert bool((ours[0][completion_mask] < 0).all())
 
 
-@pytest.mark.parametrize("loss_config", [
-    {"loss_type": "grpo"}, {"loss_type": "dr_grpo"}, {"loss_type": "bnpo"},
-    {"loss_type": "cispo", "epsilon_high": 5.0}, {"loss_type": "sapo"},
-    {"loss_type": "grpo", "importance_sampling_level": "sequence"},  # GSPO
-    {"loss_type": "dapo", "epsilon_high": 0.28, "mask_truncated_completions": True},
-], ids=["grpo", "dr_grpo", "bnpo", "cispo", "sapo", "gspo", "dapo_clip_higher_masked"])
-def test_nopad_grpo_trainer_equals_trls_padded_path_for_each_loss_type(tok, tmp_path, loss_config,
-                                                                       one_thread):
+@pytest.mark.parametrize(
+    "loss_config",
+    [
+        {"loss_type": "grpo"},
+        {"loss_type": "dr_grpo"},
+        {"loss_type": "bnpo"},
+        {"loss_type": "cispo", "epsilon_high": 5.0},
+        {"loss_type": "sapo"},
+        {"loss_type": "grpo", "importance_sampling_level": "sequence"},  # GSPO
+        {"loss_type": "dapo", "epsilon_high": 0.28, "mask_truncated_completions": True},
+    ],
+    ids=["grpo", "dr_grpo", "bnpo", "cispo", "sapo", "gspo", "dapo_clip_higher_masked"],
+)
+def test_nopad_grpo_trainer_equals_trls_padded_path_for_each_loss_type(tok, tmp_path, loss_config, one_thread):
     """TRL's loss code runs unchanged on nopad's tree-row log-probs: each loss_type gives the
     padded path's loss and gradients (the recipe's own losses:
     tests/training/test_training_policy_loss.py)."""
@@ -479,8 +579,18 @@ def test_batch_invariant_rollout_and_trainer_log_probs_are_bitwise_equal(tok, tm
     Recording = logp_recorder(seen)
 
     rollout = nopad_rollout_func(importance_sampling=True, batch_invariant=True, max_num_batched_tokens=64)
-    trainer = _grpo(tok, tmp_path, rollout, cls=Recording, batch_invariant=True, max_steps=1, bf16=bf16,
-                    temperature=0.7, top_p=0.9, max_completion_length=8)
+    trainer = _grpo(
+        tok,
+        tmp_path,
+        rollout,
+        cls=Recording,
+        batch_invariant=True,
+        max_steps=1,
+        bf16=bf16,
+        temperature=0.7,
+        top_p=0.9,
+        max_completion_length=8,
+    )
     trainer.train()
     assert len(seen) == 1
     inputs, current = seen[0]
@@ -497,9 +607,11 @@ def fsdp2_rollouts(tmp_path_factory):
     from tests.training.test_training_sharded import TIMEOUT_S, _run_two_ranks
 
     out = tmp_path_factory.mktemp("trl_fsdp2")
-    _run_two_ranks(["-m", "tests.support.trl_fsdp2_worker", "gather,lockstep", str(out)],
-                   "TRL rollout under FSDP2",
-                   timeout=2 * TIMEOUT_S)  # the two launches' budget
+    _run_two_ranks(
+        ["-m", "tests.support.trl_fsdp2_worker", "gather,lockstep", str(out)],
+        "TRL rollout under FSDP2",
+        timeout=2 * TIMEOUT_S,
+    )  # the two launches' budget
     return out
 
 
@@ -515,8 +627,7 @@ def test_rollout_on_an_fsdp2_sharded_policy(fsdp2_rollouts, mode):
         assert len(out["completion_ids"]) == 8
         longest = max(len(c) for c in out["completion_ids"])
         assert longest == 1 if rank == 0 else longest > 1  # rank 1 keeps stepping alone
-        np.testing.assert_allclose(np.concatenate(out["logprobs"]), np.concatenate(result["expected"]),
-                                   atol=1e-5)
+        np.testing.assert_allclose(np.concatenate(out["logprobs"]), np.concatenate(result["expected"]), atol=1e-5)
 
 
 @pytest.mark.parametrize("shared_prefix, budget", [(True, None), (True, 16), (False, 16)])
@@ -542,9 +653,17 @@ def test_packed_completion_logprobs_equal_one_sequence_at_a_time(shared_prefix, 
     reference = copy.deepcopy(model)
     model.set_attn_implementation("nopad")
     stats = {}
-    logps, entropies = packed_completion_logprobs(model, ids, mask, width_c, 0.7, shared_prefix=shared_prefix,
-                                                  compute_entropy=True, max_tokens_per_forward=budget,
-                                                  stats=stats)
+    logps, entropies = packed_completion_logprobs(
+        model,
+        ids,
+        mask,
+        width_c,
+        0.7,
+        shared_prefix=shared_prefix,
+        compute_entropy=True,
+        max_tokens_per_forward=budget,
+        stats=stats,
+    )
     flat = sum(len(p) + len(c) for b, (p, c) in enumerate(rows) if b != 4)
     assert stats["flat_train_tokens"] == flat
     assert (stats["tree_token_saving"] > 0) == shared_prefix  # the prompts, once per row
@@ -593,6 +712,7 @@ def test_split_forwards_are_refused_under_zero3_and_fsdp():
 
     policy = torch.nn.Linear(2, 2)
     refuse = NopadGRPOTrainerMixin._refuse_uneven_sharded_forwards
+
     def accelerator(stage):
         plugin = None if stage is None else SimpleNamespace(zero_stage=stage)
         return SimpleNamespace(num_processes=2, state=SimpleNamespace(deepspeed_plugin=plugin))
@@ -601,8 +721,7 @@ def test_split_forwards_are_refused_under_zero3_and_fsdp():
     trainer = SimpleNamespace(nopad_max_tokens_per_forward=512, accelerator=zero3)
     with pytest.raises(ValueError, match="deadlocks under ZeRO-3 / FSDP.*leave max_tokens_per_forward=None"):
         refuse(trainer, policy)
-    fsdp = SimpleNamespace(nopad_max_tokens_per_forward=512, accelerator=accelerator(None),
-                           is_fsdp_enabled=True)
+    fsdp = SimpleNamespace(nopad_max_tokens_per_forward=512, accelerator=accelerator(None), is_fsdp_enabled=True)
     with pytest.raises(ValueError, match="deadlocks"):
         refuse(fsdp, policy)
     refuse(SimpleNamespace(nopad_max_tokens_per_forward=None, accelerator=zero3), policy)  # one forward: fine
@@ -610,12 +729,18 @@ def test_split_forwards_are_refused_under_zero3_and_fsdp():
     refuse(zero2, policy)  # replicated weights: split forwards are fine
 
 
-@pytest.mark.parametrize("config,message", [
-    ({"temperature": 0.0}, "temperature=0"),
-    ({"generation_kwargs": {"typical_p": 0.5}}, "typical_p"),
-    ({"loss_type": "ppo"}, r"^GRPOConfig.loss_type='ppo' is not a loss TRL's GRPOTrainer knows; use one "
-                           r"of grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo$"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"temperature": 0.0}, "temperature=0"),
+        ({"generation_kwargs": {"typical_p": 0.5}}, "typical_p"),
+        (
+            {"loss_type": "ppo"},
+            r"^GRPOConfig.loss_type='ppo' is not a loss TRL's GRPOTrainer knows; use one "
+            r"of grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo$",
+        ),
+    ],
+)
 def test_grpo_trainer_rejects_bad_generation_settings_at_construction(tok, tmp_path, config, message):
     from nopad.training.trl.grpo_trainer import NopadGRPOTrainer
 
@@ -629,6 +754,9 @@ def test_sft_trainer_with_an_empty_dataset_says_so(tok, tmp_path):
     from nopad.training.trl.sft_trainer import NopadSFTTrainer
 
     with pytest.raises(ValueError, match="train_dataset is empty"):
-        NopadSFTTrainer(model=tiny_model("llama"), processing_class=tok,
-                        args=SFTConfig(output_dir=str(tmp_path), packing=False, report_to=[], use_cpu=True),
-                        train_dataset=datasets.Dataset.from_dict({"text": []}))
+        NopadSFTTrainer(
+            model=tiny_model("llama"),
+            processing_class=tok,
+            args=SFTConfig(output_dir=str(tmp_path), packing=False, report_to=[], use_cpu=True),
+            train_dataset=datasets.Dataset.from_dict({"text": []}),
+        )

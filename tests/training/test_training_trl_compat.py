@@ -84,31 +84,39 @@ def test_the_rollout_checks_a_plain_trl_trainer_once(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- private names
-def _reordered_tool_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images,
-                         multimodal_fields):
+def _reordered_tool_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
     tool_mask = tool_images = []
     tool_call_count = tool_failure_count = 0
     return completions, tool_mask, completion_ids, logprobs, tool_call_count, tool_failure_count, tool_images
 
 
-def _extended_tool_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images,
-                        multimodal_fields):
+def _extended_tool_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
     tool_mask = tool_images = tool_rewards = []
     tool_call_count = tool_failure_count = 0
-    return (tool_mask, completions, completion_ids, logprobs, tool_call_count, tool_failure_count,
-            tool_images, tool_rewards)
+    return (
+        tool_mask,
+        completions,
+        completion_ids,
+        logprobs,
+        tool_call_count,
+        tool_failure_count,
+        tool_images,
+        tool_rewards,
+    )
 
 
-def _record_tool_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images,
-                      multimodal_fields):
+def _record_tool_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
     return {"tool_mask": []}
 
 
-@pytest.mark.parametrize("fake, said", [
-    (_reordered_tool_loop, "('completions', 'tool_mask',"),
-    (_extended_tool_loop, "'tool_images', 'tool_rewards')"),
-    (_record_tool_loop, "something other than a tuple of names"),
-])
+@pytest.mark.parametrize(
+    "fake, said",
+    [
+        (_reordered_tool_loop, "('completions', 'tool_mask',"),
+        (_extended_tool_loop, "'tool_images', 'tool_rewards')"),
+        (_record_tool_loop, "something other than a tuple of names"),
+    ],
+)
 def test_a_trl_whose_tool_loop_tuple_changed_is_refused(monkeypatch, fake, said):
     """The tuple's positions are what the masks train on: a change must never pass silently."""
     monkeypatch.setattr(GRPOTrainer, "_tool_call_loop", fake)
@@ -120,13 +128,17 @@ def test_a_trl_whose_tool_loop_tuple_changed_is_refused(monkeypatch, fake, said)
 
 def test_a_trl_whose_caller_unpacks_the_tool_loop_differently_is_refused(monkeypatch):
     def _generate(self, prompts):
-        (completions, tool_mask, completion_ids, logprobs, tool_call_count, tool_failure_count,
-         tool_images) = self._tool_call_loop(prompts)
+        (completions, tool_mask, completion_ids, logprobs, tool_call_count, tool_failure_count, tool_images) = (
+            self._tool_call_loop(prompts)
+        )
         return completions
 
     monkeypatch.setattr(GRPOTrainer, "_generate", _generate)
-    with pytest.raises(compat.UntestedTRLError, match=r"_generate unpacks _tool_call_loop's result into "
-                                                      r"\('completions', 'tool_mask'"):
+    with pytest.raises(
+        compat.UntestedTRLError,
+        match=r"_generate unpacks _tool_call_loop's result into "
+        r"\('completions', 'tool_mask'",
+    ):
         compat.check_grpo_trainer(GRPOTrainer)
 
 
@@ -138,7 +150,8 @@ def test_a_trl_whose_overridden_signature_or_attributes_changed_is_refused(monke
     expected = compat.GRPO_METHODS["_get_per_token_logps_and_entropies"]
     assert compat.grpo_problems(GRPOTrainer) == [
         "GRPOTrainer._get_per_token_logps_and_entropies takes ('model', 'input_ids', 'attention_mask', "
-        f"'logits_to_keep', 'compute_entropy'), not {expected}"]
+        f"'logits_to_keep', 'compute_entropy'), not {expected}"
+    ]
     monkeypatch.undo()
     monkeypatch.setattr(compat, "GRPO_ATTRIBUTES", (*compat.GRPO_ATTRIBUTES, "_tool_dicts"))
     assert compat.grpo_problems(GRPOTrainer) == ["GRPOTrainer no longer sets self._tool_dicts"]
@@ -147,14 +160,26 @@ def test_a_trl_whose_overridden_signature_or_attributes_changed_is_refused(monke
 # ----------------------------------------------------------------------------- the record
 def test_the_tool_loop_record_lands_on_trls_positions():
     """Read back by the names TRL's own _generate unpacks into, each value is the right field."""
-    record = compat.ToolLoopResult(model_mask=[[1, 0]], messages=[[{"role": "assistant"}]],
-                                   completion_ids=[[5, 6]], logprobs=[[-0.5, 0.0]], tool_calls=3,
-                                   tool_failures=1, tool_images=[[]])
+    record = compat.ToolLoopResult(
+        model_mask=[[1, 0]],
+        messages=[[{"role": "assistant"}]],
+        completion_ids=[[5, 6]],
+        logprobs=[[-0.5, 0.0]],
+        tool_calls=3,
+        tool_failures=1,
+        tool_images=[[]],
+    )
     names = compat._unpacked_names(GRPOTrainer._generate, "_tool_call_loop")
     got = dict(zip(names, compat.as_tool_loop_return(record), strict=True))
-    assert got == {"tool_mask": [[1, 0]], "completions": [[{"role": "assistant"}]],
-                   "completion_ids": [[5, 6]], "logprobs": [[-0.5, 0.0]], "tool_call_count": 3,
-                   "tool_failure_count": 1, "tool_images": [[]]}
+    assert got == {
+        "tool_mask": [[1, 0]],
+        "completions": [[{"role": "assistant"}]],
+        "completion_ids": [[5, 6]],
+        "logprobs": [[-0.5, 0.0]],
+        "tool_call_count": 3,
+        "tool_failure_count": 1,
+        "tool_images": [[]],
+    }
 
 
 def test_the_tool_loop_record_refuses_ragged_entries():
@@ -179,8 +204,10 @@ def test_the_handed_back_tool_loop_answers_once():
 # ----------------------------------------------------------------------------- the vLLM flags
 def test_every_trl_path_the_vllm_flags_open_is_listed():
     new, gone = vllm_state.unlisted_vllm_paths(GRPOTrainer)
-    assert not new, f"this TRL branches on {vllm_state.VLLM_FLAGS} where VLLM_PATHS does not say what " \
-                    f"happens with nopad's fake vLLM state; read each and list it: {new}"
+    assert not new, (
+        f"this TRL branches on {vllm_state.VLLM_FLAGS} where VLLM_PATHS does not say what "
+        f"happens with nopad's fake vLLM state; read each and list it: {new}"
+    )
     assert not gone, f"VLLM_PATHS lists paths this TRL no longer has: {gone}"
 
 
@@ -191,8 +218,10 @@ def test_a_new_vllm_branch_is_named_and_refused(monkeypatch):
 
     monkeypatch.setattr(GRPOTrainer, "_sync_lora", _sync_lora, raising=False)
     new, _ = vllm_state.unlisted_vllm_paths(GRPOTrainer)
-    assert new == [("GRPOTrainer._sync_lora", "self.use_vllm and self.vllm_mode == 'colocate'"),
-                   ("GRPOTrainer._sync_lora", "self.vllm_generation.load_lora")]
+    assert new == [
+        ("GRPOTrainer._sync_lora", "self.use_vllm and self.vllm_mode == 'colocate'"),
+        ("GRPOTrainer._sync_lora", "self.vllm_generation.load_lora"),
+    ]
     trainer = object.__new__(GRPOTrainer)
     with pytest.raises(compat.UntestedTRLError, match="GRPOTrainer._sync_lora"):
         vllm_state.enable_importance_sampling(trainer)
@@ -203,8 +232,13 @@ def _unflagged_trainer(**settings):
     from types import SimpleNamespace
 
     trainer = object.__new__(GRPOTrainer)
-    values = {"use_vllm": False, "vllm_importance_sampling_correction": True, "loss_type": "grpo",
-              "vllm_importance_sampling_mode": "sequence_mask", "state": SimpleNamespace(global_step=3)}
+    values = {
+        "use_vllm": False,
+        "vllm_importance_sampling_correction": True,
+        "loss_type": "grpo",
+        "vllm_importance_sampling_mode": "sequence_mask",
+        "state": SimpleNamespace(global_step=3),
+    }
     for name, value in {**values, **settings}.items():
         setattr(trainer, name, value)
     return trainer

@@ -50,8 +50,7 @@ class PolicyLossConfig(PolicyLossSettings):
             )
         if self.importance_sampling_level not in ("token", "sequence"):
             raise ValueError(
-                f"importance_sampling_level must be 'token' or 'sequence', got "
-                f"{self.importance_sampling_level!r}"
+                f"importance_sampling_level must be 'token' or 'sequence', got {self.importance_sampling_level!r}"
             )
         for knob in ("beta", "entropy_coef"):
             if getattr(self, knob) < 0:
@@ -61,31 +60,33 @@ class PolicyLossConfig(PolicyLossSettings):
                 f"is_correction {self.is_correction!r} is unknown; use none or one of {', '.join(IS_MODES)}"
             )
         if self.delta is not None and not self.delta > 1:
-            raise ValueError(f"delta must be > 1 (the ratio's cap; TRL recommends > 1 + epsilon_high), got "
-                             f"{self.delta}: a cap at or below 1 holds each on-policy ratio constant, "
-                             "so positive advantages train nothing")
+            raise ValueError(
+                f"delta must be > 1 (the ratio's cap; TRL recommends > 1 + epsilon_high), got "
+                f"{self.delta}: a cap at or below 1 holds each on-policy ratio constant, "
+                "so positive advantages train nothing"
+            )
         for knob in ("sapo_temperature_pos", "sapo_temperature_neg"):
             if not getattr(self, knob) > 0:
                 raise ValueError(f"{knob} must be > 0 (sapo divides by it), got {getattr(self, knob)}")
         if self.is_correction == "none":
             idle = sorted({"is_clip_min", "is_clip_max"} & self.changed())
             if idle:
-                raise ValueError(f"{idle[0]} has no effect with is_correction=none; remove it or choose an "
-                                 f"is_correction mode ({', '.join(IS_MODES)})")
+                raise ValueError(
+                    f"{idle[0]} has no effect with is_correction=none; remove it or choose an "
+                    f"is_correction mode ({', '.join(IS_MODES)})"
+                )
         else:
             for knob in ("is_clip_min", "is_clip_max"):
                 if getattr(self, knob) is not None and not getattr(self, knob) > 0:
-                    raise ValueError(f"{knob} must be > 0 or null (an importance ratio is positive), got "
-                                     f"{getattr(self, knob)}")
+                    raise ValueError(
+                        f"{knob} must be > 0 or null (an importance ratio is positive), got {getattr(self, knob)}"
+                    )
             if self.is_clip_min is None and self.is_clip_max is None:
                 raise ValueError(
-                    f"is_clip_max is null and so is is_clip_min: is_correction="
-                    f"{self.is_correction} needs a bound"
+                    f"is_clip_max is null and so is is_clip_min: is_correction={self.is_correction} needs a bound"
                 )
             if None not in (self.is_clip_min, self.is_clip_max) and self.is_clip_min >= self.is_clip_max:
-                raise ValueError(
-                    f"is_clip_min ({self.is_clip_min}) must be below is_clip_max ({self.is_clip_max})"
-                )
+                raise ValueError(f"is_clip_min ({self.is_clip_min}) must be below is_clip_max ({self.is_clip_max})")
         LOSSES[self.loss_type].check_config(self)
 
     def changed(self) -> set[str]:
@@ -155,8 +156,7 @@ class PolicyLoss:
         idle = sorted((config.changed() & knobs) - cls.uses)
         if idle:
             raise ValueError(
-                f"{idle[0]} has no effect with loss_type={cls.name}; remove it "
-                f"(it is read by {_readers(idle[0])})"
+                f"{idle[0]} has no effect with loss_type={cls.name}; remove it (it is read by {_readers(idle[0])})"
             )
 
     def log_ratio(self, b: PolicyBatch) -> torch.Tensor:

@@ -96,9 +96,7 @@ class CISPO(PolicyLoss):
     def check_config(cls, config) -> None:
         super().check_config(config)
         if config.epsilon_high is None:
-            raise ValueError(
-                "epsilon_high must be set for loss_type=cispo: it caps the ratio (ScaleRL recommends 5.0)"
-            )
+            raise ValueError("epsilon_high must be set for loss_type=cispo: it caps the ratio (ScaleRL recommends 5.0)")
 
     def per_token(self, b: PolicyBatch, ratio: torch.Tensor, metrics: dict) -> torch.Tensor:
         cap = self.config.epsilon_high

@@ -33,6 +33,8 @@ class PolicyLossSettings:
         recompute them (``old_logprobs``, named ``key`` where it is set): with the rollout's own every
         weight is 1 and the correction corrects nothing."""
         if self.is_correction != "none" and old_logprobs == "rollout":
-            raise ValueError(f"is_correction {self.is_correction} weighs the trainer's old log-probs against "
-                             f"the rollout's, but {key}=rollout makes them the same numbers; set "
-                             f"{key}=recompute (or is_correction=none)")
+            raise ValueError(
+                f"is_correction {self.is_correction} weighs the trainer's old log-probs against "
+                f"the rollout's, but {key}=rollout makes them the same numbers; set "
+                f"{key}=recompute (or is_correction=none)"
+            )

@@ -13,6 +13,7 @@ from collections.abc import Callable
 def lazy_class(namespace: dict, name: str, build: Callable[[], type]) -> Callable[[str], type]:
     """A module ``__getattr__`` that builds the class ``name`` (a subclass of a TRL trainer) on
     first use and keeps it, so importing the module does not import TRL."""
+
     def __getattr__(attr: str) -> type:
         if attr != name:
             raise AttributeError(f"module {namespace['__name__']!r} has no attribute {attr!r}")

@@ -63,11 +63,20 @@ def _sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_
     return out
 
 
-def packed_completion_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                               logits_to_keep: int, temperature: float = 1.0, *, shared_prefix: bool = True,
-                               compute_entropy: bool = False, entropy_grad: bool = True,
-                               max_tokens_per_forward: int | None = None,
-                               forward_context=contextlib.nullcontext, stats: dict | None = None):
+def packed_completion_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    temperature: float = 1.0,
+    *,
+    shared_prefix: bool = True,
+    compute_entropy: bool = False,
+    entropy_grad: bool = True,
+    max_tokens_per_forward: int | None = None,
+    forward_context=contextlib.nullcontext,
+    stats: dict | None = None,
+):
     """Log-probs (and entropies) of the completion tokens of TRL's padded batch, from packed rows.
 
     ``input_ids``/``attention_mask``: ``(B, P + C)``, left-padded prompts then right-padded
@@ -85,8 +94,7 @@ def packed_completion_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, 
     order = [b for b in range(batch) if seqs[b][1]]  # rows with no completion token score nothing
     empty_rows = [b for b in order if not seqs[b][0]]
     if empty_rows:
-        raise ValueError(f"batch rows {empty_rows} have no prompt token: nothing predicts their first "
-                         "completion token")
+        raise ValueError(f"batch rows {empty_rows} have no prompt token: nothing predicts their first completion token")
     logps = torch.zeros(batch, width, device=device)
     entropies = torch.zeros(batch, width, device=device) if compute_entropy else None
     if not order:
@@ -103,8 +111,9 @@ def packed_completion_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, 
     for row in rows:
         row = row.to(device)
         with forward_context():
-            scored = packed_logprobs(model, row, temperature, compute_entropy=compute_entropy,
-                                     entropy_grad=entropy_grad)
+            scored = packed_logprobs(
+                model, row, temperature, compute_entropy=compute_entropy, entropy_grad=entropy_grad
+            )
         row_logps, row_entropies = scored if compute_entropy else (scored, None)
         picked.append(row_logps)
         if compute_entropy:
@@ -135,8 +144,15 @@ class NopadGRPOTrainerMixin:
     ``batch_invariant``; ``nopad_rollout=False`` keeps TRL's own generation instead.
     """
 
-    def __init__(self, *args: Any, shared_prefix: bool = True, batch_invariant: bool | str = False,
-                 max_tokens_per_forward: int | None = None, nopad_rollout: bool = True, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        shared_prefix: bool = True,
+        batch_invariant: bool | str = False,
+        max_tokens_per_forward: int | None = None,
+        nopad_rollout: bool = True,
+        **kwargs: Any,
+    ):
         if shared_prefix not in (True, False):
             raise ValueError(f"shared_prefix must be True or False, got {shared_prefix!r}")
         if max_tokens_per_forward is not None and max_tokens_per_forward < 2:
@@ -144,8 +160,10 @@ class NopadGRPOTrainerMixin:
         check_grpo_trainer(type(self))  # every private TRL name this mixin and the rollout touch
         model = kwargs.get("model", args[0] if args else None)
         if isinstance(model, str):
-            raise ValueError("NopadGRPOTrainer needs the model object (the rollout and the attention switch "
-                             "use it); load it first, e.g. AutoModelForCausalLM.from_pretrained(...)")
+            raise ValueError(
+                "NopadGRPOTrainer needs the model object (the rollout and the attention switch "
+                "use it); load it first, e.g. AutoModelForCausalLM.from_pretrained(...)"
+            )
         self.nopad_shared_prefix = shared_prefix
         self.nopad_max_tokens_per_forward = max_tokens_per_forward
         train_args = kwargs.get("args", args[2] if len(args) > 2 else None)
@@ -158,9 +176,12 @@ class NopadGRPOTrainerMixin:
             kwargs["rollout_func"] = nopad_rollout_func(batch_invariant=self.nopad_batch_invariant)
         rollout = kwargs.get("rollout_func")
         if getattr(rollout, "batch_invariant", self.nopad_batch_invariant) != self.nopad_batch_invariant:
-            logger.warning("the nopad rollout_func has batch_invariant=%s but the trainer %s: rollout and "
-                           "trainer log-probs will not be bitwise equal", rollout.batch_invariant,
-                           self.nopad_batch_invariant)
+            logger.warning(
+                "the nopad rollout_func has batch_invariant=%s but the trainer %s: rollout and "
+                "trainer log-probs will not be bitwise equal",
+                rollout.batch_invariant,
+                self.nopad_batch_invariant,
+            )
         self.nopad_generates = kwargs.get("rollout_func") is not None
         super().__init__(*args, **kwargs)
         from nopad.packing.hf import register_nopad_attention
@@ -194,7 +215,8 @@ class NopadGRPOTrainerMixin:
                 "max_tokens_per_forward splits a micro-batch into a number of forwards that differs between "
                 "ranks, which deadlocks under ZeRO-3 / FSDP (every forward all-gathers the weights from all "
                 "ranks); leave max_tokens_per_forward=None (one packed forward per micro-batch) or lower "
-                "per_device_train_batch_size instead")
+                "per_device_train_batch_size instead"
+            )
 
     def _generate(self, prompts):
         """TRL's own in-process generation runs padded batches: give it its attention back."""
@@ -245,25 +267,43 @@ class NopadGRPOTrainerMixin:
         for key, value in logprob_mismatch(logps, *pending).items():
             self._metrics[mode][key].append(value)
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
-                                           batch_size=None, compute_entropy=False, compute_aux_loss=False,
-                                           **multimodal):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
         """TRL's per-token log-probs and entropies, from packed rows (see module docstring)."""
         given = sorted(k for k, v in multimodal.items() if v is not None)
         if given or compute_aux_loss:
             what = given or "an MoE aux loss"
-            raise ValueError(f"NopadGRPOTrainer packs text-only batches; this one has {what}. Use "
-                             "GRPOTrainer for multimodal / MoE-aux-loss training")
+            raise ValueError(
+                f"NopadGRPOTrainer packs text-only batches; this one has {what}. Use "
+                "GRPOTrainer for multimodal / MoE-aux-loss training"
+            )
         stats = {}
         logps, entropies = packed_completion_logprobs(
-            model, input_ids, attention_mask, logits_to_keep, float(self.temperature),
-            shared_prefix=self.nopad_shared_prefix, compute_entropy=compute_entropy,
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            float(self.temperature),
+            shared_prefix=self.nopad_shared_prefix,
+            compute_entropy=compute_entropy,
             entropy_grad=bool(getattr(self, "_entropy_bonus_enabled", True)),
             max_tokens_per_forward=self.nopad_max_tokens_per_forward,
-            forward_context=self._forward_context, stats=stats)
+            forward_context=self._forward_context,
+            stats=stats,
+        )
         if stats and hasattr(self, "_metrics"):
             self._metrics["train" if self.model.training else "eval"]["tree/token_saving"].append(
-                stats["tree_token_saving"])
+                stats["tree_token_saving"]
+            )
         self._report_mismatch(logps)
         return logps, entropies, None
 

@@ -45,22 +45,41 @@ from nopad.training.trl.vllm_state import enable_importance_sampling
 logger = logging.getLogger(__name__)
 
 # GRPOConfig.generation_kwargs keys we can honour, mapped to SamplingParams fields
-_GENERATION_KWARGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
-                      "max_tokens": "max_tokens", "min_new_tokens": "min_tokens", "min_tokens": "min_tokens",
-                      "stop": "stop", "stop_strings": "stop", "do_sample": None}
+_GENERATION_KWARGS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+    "max_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "min_tokens": "min_tokens",
+    "stop": "stop",
+    "stop_strings": "stop",
+    "do_sample": None,
+}
 
 
 class NopadRollout:
     """``rollout_func(prompts, trainer) -> dict`` for ``GRPOTrainer``; build it with
     :func:`nopad_rollout_func`. ``generator_kwargs`` go to :class:`~nopad.inference.Generator`."""
 
-    def __init__(self, *, importance_sampling: bool = False, batch_invariant: bool = False,
-                 autocast: bool = True, sharded_rollout: str = "gather", tool_timeout: float = 30.0,
-                 **generator_kwargs: Any):
+    def __init__(
+        self,
+        *,
+        importance_sampling: bool = False,
+        batch_invariant: bool = False,
+        autocast: bool = True,
+        sharded_rollout: str = "gather",
+        tool_timeout: float = 30.0,
+        **generator_kwargs: Any,
+    ):
         if sharded_rollout not in ROLLOUT_MODES:
-            raise ValueError(f"sharded_rollout must be one of {ROLLOUT_MODES} (gather: full weights once per "
-                             f"rollout; lockstep: memory-lean), got {sharded_rollout!r}")
+            raise ValueError(
+                f"sharded_rollout must be one of {ROLLOUT_MODES} (gather: full weights once per "
+                f"rollout; lockstep: memory-lean), got {sharded_rollout!r}"
+            )
         self.sharded_rollout = sharded_rollout
         if not isinstance(tool_timeout, (int, float)) or not tool_timeout > 0:
             raise ValueError(f"tool_timeout must be a number of seconds > 0, got {tool_timeout!r}")
@@ -94,8 +113,7 @@ class NopadRollout:
             with self._context(trainer):
                 try:
                     # FSDP2: full weights once for the rollout, or ranks in lockstep (nopad.inference.sharded)
-                    outputs = sharded_generate(generator, model, requests, per_request,
-                                               mode=self.sharded_rollout)
+                    outputs = sharded_generate(generator, model, requests, per_request, mode=self.sharded_rollout)
                 finally:
                     self.last_stats = generator.stats()
                     if not generator.has_unfinished():
@@ -104,10 +122,8 @@ class NopadRollout:
             completion_ids = [list(c.token_ids) for c in completions]
             logprobs = [list(c.temperature_logprobs) for c in completions]  # what TRL's trainer scores
         if len(completion_ids) != len(prompts):
-            raise RuntimeError(f"generated {len(completion_ids)} completions for {len(prompts)} prompts; "
-                               "this is a bug")
-        return {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": completion_ids,
-                "logprobs": logprobs}
+            raise RuntimeError(f"generated {len(completion_ids)} completions for {len(prompts)} prompts; this is a bug")
+        return {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": completion_ids, "logprobs": logprobs}
 
     # ----------------------------------------------------------------- tools and environments
     def _episodes(self, prompts: list, trainer) -> dict[str, list]:
@@ -127,25 +143,27 @@ class NopadRollout:
         tools = [{**trainer._sync_tool_dicts[i], **trainer._async_tool_dicts[i]} for i in range(len(prompts))]
         # entries with the same prompt and the same tools (no environment, or the same instance)
         # are one request with n samples: its prompt prefilled once, its blocks shared
-        keys = [(tuple(ids), tuple(sorted(t.items(), key=lambda kv: kv[0])))
-                for ids, t in zip(prompt_ids, tools)]
+        keys = [(tuple(ids), tuple(sorted(t.items(), key=lambda kv: kv[0]))) for ids, t in zip(prompt_ids, tools)]
         groups = _runs(keys)
         params = sampling_params(trainer)
         rounds = min(int(trainer.max_tool_calling_iterations), 2**31)  # TRL: sys.maxsize when unset
-        limits = EpisodeLimits(max_turns=rounds + 1, max_tokens=params.max_tokens,
-                               tool_timeout=self.tool_timeout)
+        limits = EpisodeLimits(max_turns=rounds + 1, max_tokens=params.max_tokens, tool_timeout=self.tool_timeout)
         tokenizer = _tokenizer(trainer)
         template = {"chat_template": trainer.chat_template} if getattr(trainer, "chat_template", None) else {}
-        tool_format = ChatTemplateTools(tokenizer, list(trainer.tools),
-                                        **template, **(getattr(trainer, "chat_template_kwargs", None) or {}))
+        tool_format = ChatTemplateTools(
+            tokenizer, list(trainer.tools), **template, **(getattr(trainer, "chat_template_kwargs", None) or {})
+        )
         with unwrapped_policy(trainer) as model:
             generator = self._generator(model, trainer)
             with self._context(trainer):
                 try:
                     episodes = generator.run_episodes(
                         [prompt_ids[i] for i, _ in groups],
-                        sampling_params=[_with_n(params, n) for _, n in groups], limits=limits,
-                        tool_format=tool_format, prompt_tools=[_trl_tools(tools[i]) for i, _ in groups])
+                        sampling_params=[_with_n(params, n) for _, n in groups],
+                        limits=limits,
+                        tool_format=tool_format,
+                        prompt_tools=[_trl_tools(tools[i]) for i, _ in groups],
+                    )
                 finally:
                     self.last_stats = {**generator.stats(), **generator.last_episode_stats}
                     if not generator.has_unfinished():
@@ -154,15 +172,23 @@ class NopadRollout:
             raise RuntimeError(f"ran {len(episodes)} episodes for {len(prompts)} prompts; this is a bug")
         self.last_episodes = episodes
         completions = [episode_messages(ep, tokenizer, list(trainer.tools)) for ep in episodes]
-        hand_back_tool_loop(trainer, ToolLoopResult(
-            model_mask=[list(ep.model_mask) for ep in episodes], messages=completions,
-            completion_ids=[list(ep.completion_ids) for ep in episodes],
-            logprobs=[list(ep.temperature_logprobs) for ep in episodes],
-            tool_calls=sum(ep.num_tool_calls for ep in episodes),
-            tool_failures=sum(ep.num_tool_errors for ep in episodes), tool_images=[[] for _ in episodes]))
-        return {"prompt_ids": [list(p) for p in prompt_ids],
-                "completion_ids": [list(ep.completion_ids) for ep in episodes],
-                "logprobs": [list(ep.temperature_logprobs) for ep in episodes]}
+        hand_back_tool_loop(
+            trainer,
+            ToolLoopResult(
+                model_mask=[list(ep.model_mask) for ep in episodes],
+                messages=completions,
+                completion_ids=[list(ep.completion_ids) for ep in episodes],
+                logprobs=[list(ep.temperature_logprobs) for ep in episodes],
+                tool_calls=sum(ep.num_tool_calls for ep in episodes),
+                tool_failures=sum(ep.num_tool_errors for ep in episodes),
+                tool_images=[[] for _ in episodes],
+            ),
+        )
+        return {
+            "prompt_ids": [list(p) for p in prompt_ids],
+            "completion_ids": [list(ep.completion_ids) for ep in episodes],
+            "logprobs": [list(ep.temperature_logprobs) for ep in episodes],
+        }
 
     # ----------------------------------------------------------------- pieces
     def _generator(self, model: torch.nn.Module, trainer) -> Generator:
@@ -182,9 +208,15 @@ class NopadRollout:
         return stack
 
 
-def nopad_rollout_func(*, importance_sampling: bool = False, batch_invariant: bool = False,
-                       autocast: bool = True, sharded_rollout: str = "gather", tool_timeout: float = 30.0,
-                       **generator_kwargs: Any) -> NopadRollout:
+def nopad_rollout_func(
+    *,
+    importance_sampling: bool = False,
+    batch_invariant: bool = False,
+    autocast: bool = True,
+    sharded_rollout: str = "gather",
+    tool_timeout: float = 30.0,
+    **generator_kwargs: Any,
+) -> NopadRollout:
     """A ``rollout_func`` for ``GRPOTrainer`` that generates with nopad in-process on the policy.
 
     ``generator_kwargs`` size the generator (``max_num_batched_tokens``, ``max_num_seqs``,
@@ -200,18 +232,26 @@ def nopad_rollout_func(*, importance_sampling: bool = False, batch_invariant: bo
     ``tool_timeout`` seconds; a tool that raises or times out becomes an error message the model
     reads and is counted in TRL's ``tools/failure_frequency``.
     """
-    return NopadRollout(importance_sampling=importance_sampling, batch_invariant=batch_invariant,
-                        autocast=autocast, sharded_rollout=sharded_rollout, tool_timeout=tool_timeout,
-                        **generator_kwargs)
+    return NopadRollout(
+        importance_sampling=importance_sampling,
+        batch_invariant=batch_invariant,
+        autocast=autocast,
+        sharded_rollout=sharded_rollout,
+        tool_timeout=tool_timeout,
+        **generator_kwargs,
+    )
 
 
 # ----------------------------------------------------------------------------- episodes for TRL
 def _trl_tools(tools: dict[str, Callable]) -> dict[str, Callable]:
     """TRL's tool contract: a tool may return any value, the model reads ``str(value)``."""
+
     def as_text(fn):
         if inspect.iscoroutinefunction(fn):
+
             async def call_async(**kwargs):
                 return str(await fn(**kwargs))
+
             return call_async
         return lambda **kwargs: str(fn(**kwargs))
 
@@ -226,9 +266,12 @@ def episode_messages(episode, tokenizer, tools: list) -> list[dict]:
     ids = list(episode.prompt_token_ids) + list(episode.completion_ids)
     offset, messages = len(episode.prompt_token_ids), []
     for turn in episode.turns:
-        turn_ids = ids[offset + turn.start: offset + turn.end]
-        messages.append(parse_response(tokenizer, turn_ids, prefix=ids[: offset + turn.start], tools=tools)
-                        if turn_ids else {"role": "assistant", "content": ""})
+        turn_ids = ids[offset + turn.start : offset + turn.end]
+        messages.append(
+            parse_response(tokenizer, turn_ids, prefix=ids[: offset + turn.start], tools=tools)
+            if turn_ids
+            else {"role": "assistant", "content": ""}
+        )
         if turn.tool_end > turn.end:
             messages += [{"role": "tool", "name": c.name, "content": c.result} for c in turn.tool_calls]
     return messages
@@ -265,14 +308,15 @@ def tokenize_prompts(prompts: list, trainer) -> list[list[int]]:
             raise ValueError("mixed prompt types: give all prompts as strings or all as message lists")
         return [list(ids) for ids in tokenizer(text=list(prompts))["input_ids"]]
     if not (isinstance(prompts[0], list) and prompts[0] and isinstance(prompts[0][0], dict)):
-        raise ValueError(f"a prompt must be a string or a list of chat messages, got "
-                         f"{type(prompts[0]).__name__}")
+        raise ValueError(f"a prompt must be a string or a list of chat messages, got {type(prompts[0]).__name__}")
     kwargs = getattr(trainer, "chat_template_kwargs", None) or trainer.args.chat_template_kwargs
 
     def render(conversations, tools):  # nopad.inference.chat.render: the tokens SFT and the recipe give it
         template = getattr(trainer, "chat_template", None)
-        return [chat.render(tokenizer, c, True, tools=tools, chat_template=template, **(kwargs or {}))
-                for c in conversations]
+        return [
+            chat.render(tokenizer, c, True, tools=tools, chat_template=template, **(kwargs or {}))
+            for c in conversations
+        ]
 
     if getattr(trainer, "environment_factories", None) is not None:  # each with its environment's tools
         names = trainer._batch_environments
@@ -294,8 +338,10 @@ def sampling_params(trainer) -> SamplingParams:
     extra = getattr(args, "generation_kwargs", None) or {}
     unknown = sorted(k for k in extra if k not in _GENERATION_KWARGS)
     if unknown:
-        raise ValueError(f"GRPOConfig.generation_kwargs has keys the nopad rollout cannot honour: {unknown}; "
-                         f"supported: {sorted(_GENERATION_KWARGS)}")
+        raise ValueError(
+            f"GRPOConfig.generation_kwargs has keys the nopad rollout cannot honour: {unknown}; "
+            f"supported: {sorted(_GENERATION_KWARGS)}"
+        )
     if extra.get("do_sample") is False:
         values["temperature"] = 0.0
     values.update({_GENERATION_KWARGS[k]: v for k, v in extra.items() if _GENERATION_KWARGS[k]})
@@ -303,8 +349,7 @@ def sampling_params(trainer) -> SamplingParams:
     if eos is not None:
         values["stop_token_ids"] = sorted({int(t) for t in eos})
     if values["temperature"] == 0:
-        raise ValueError("temperature=0 (greedy) makes every completion of a group the same; "
-                         "GRPO needs sampling")
+        raise ValueError("temperature=0 (greedy) makes every completion of a group the same; GRPO needs sampling")
     return SamplingParams(**values)
 
 

@@ -1,8 +1,8 @@
 """TRL's ``SFTTrainer`` on nopad packed batches: :class:`nopad.training.trainer.NopadTrainerMixin` in front of it.
 
-    from nopad.training.trl.sft_trainer import NopadSFTTrainer
-    trainer = NopadSFTTrainer(model, args=SFTConfig(max_length=1024, packing=False, ...),
-                              train_dataset=ds, processing_class=tok)
+from nopad.training.trl.sft_trainer import NopadSFTTrainer
+trainer = NopadSFTTrainer(model, args=SFTConfig(max_length=1024, packing=False, ...),
+                          train_dataset=ds, processing_class=tok)
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ def _sft_trainer_class() -> type:
         def __init__(self, *args: Any, **kwargs: Any):
             sft_args = kwargs.get("args")
             if sft_args is not None and getattr(sft_args, "packing", False):
-                raise ValueError("NopadSFTTrainer packs by itself: set SFTConfig(packing=False) "
-                                 "(TRL's packing would pack twice)")
+                raise ValueError(
+                    "NopadSFTTrainer packs by itself: set SFTConfig(packing=False) (TRL's packing would pack twice)"
+                )
             check_sft_trainer(type(self))
             super().__init__(*args, **kwargs)
 

@@ -26,34 +26,62 @@ _SCORE = "GRPOTrainer._generate_and_score_completions"
 _IS_ON = "self.use_vllm and self.vllm_importance_sampling_correction"
 # (TRL method, the condition or call on a flag) -> what it does once the flags are set; one entry per place
 VLLM_PATHS: tuple[tuple[str, str, str], ...] = (
-    ("GRPOTrainer.__init__", "self.loss_type == 'vespo' and self.use_vllm and "
-     "self.vllm_importance_sampling_correction", _INIT + " (enable_importance_sampling repeats its check)"),
+    (
+        "GRPOTrainer.__init__",
+        "self.loss_type == 'vespo' and self.use_vllm and self.vllm_importance_sampling_correction",
+        _INIT + " (enable_importance_sampling repeats its check)",
+    ),
     ("GRPOTrainer.__init__", "self.use_vllm", _INIT),
-    ("GRPOTrainer.__init__", "self.vllm_mode == 'server' and self.vllm_importance_sampling_correction and "
-     "self.accelerator.is_main_process", _INIT),
+    (
+        "GRPOTrainer.__init__",
+        "self.vllm_mode == 'server' and self.vllm_importance_sampling_correction and self.accelerator.is_main_process",
+        _INIT,
+    ),
     ("GRPOTrainer.__init__", "self.vllm_generation.vllm_client.get_server_info", _INIT),
-    ("GRPOTrainer._generate_single_turn", "self.use_vllm", "TRL's own generation, not run: the rollout_func "
-     "generates (and _LiveWeights.generate refuses)"),
+    (
+        "GRPOTrainer._generate_single_turn",
+        "self.use_vllm",
+        "TRL's own generation, not run: the rollout_func generates (and _LiveWeights.generate refuses)",
+    ),
     ("GRPOTrainer._generate_single_turn", "self.vllm_generation.generate", "refused: _LiveWeights.generate"),
     ("GRPOTrainer._generate_single_turn", "self.vllm_generation.sync_weights", "not run (as above)"),
-    ("GRPOTrainer._tool_call_loop", "self.use_vllm and self.vllm_mode == 'colocate'", "not run: the tool "
-     "episodes replace the loop, and vllm_mode='server' keeps it off the vLLM engine"),
-    ("GRPOTrainer._generate", "self.use_vllm and self.state.global_step != self._last_loaded_step",
-     "the weight sync before a rollout_func: _LiveWeights.sync_weights does nothing"),
+    (
+        "GRPOTrainer._tool_call_loop",
+        "self.use_vllm and self.vllm_mode == 'colocate'",
+        "not run: the tool episodes replace the loop, and vllm_mode='server' keeps it off the vLLM engine",
+    ),
+    (
+        "GRPOTrainer._generate",
+        "self.use_vllm and self.state.global_step != self._last_loaded_step",
+        "the weight sync before a rollout_func: _LiveWeights.sync_weights does nothing",
+    ),
     ("GRPOTrainer._generate", "self.vllm_generation.sync_weights", "as above"),
-    (_SCORE, "self.args.gradient_accumulation_steps % generate_every "
-     "!= 0 or (self.use_vllm and self.vllm_importance_sampling_correction)", _IS + " (old log-probs)"),
+    (
+        _SCORE,
+        "self.args.gradient_accumulation_steps % generate_every "
+        "!= 0 or (self.use_vllm and self.vllm_importance_sampling_correction)",
+        _IS + " (old log-probs)",
+    ),
     (_SCORE, _IS_ON, _IS + " (the ratio)"),
     (_SCORE, _IS_ON, _IS + " (its sampling/* metrics)"),
     (_SCORE, _IS_ON, _IS + " (the ratio in the batch)"),
-    ("GRPOTrainer._compute_loss", "self.use_vllm and self.vllm_importance_sampling_correction and "
-     "(self.loss_type != 'vespo')", _IS + " (the ratio in the loss)"),
+    (
+        "GRPOTrainer._compute_loss",
+        "self.use_vllm and self.vllm_importance_sampling_correction and (self.loss_type != 'vespo')",
+        _IS + " (the ratio in the loss)",
+    ),
 )
 
 
 def _reads_flag(node: ast.AST) -> bool:
-    return any(isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
-               and n.attr in VLLM_FLAGS and isinstance(n.ctx, ast.Load) for n in ast.walk(node))
+    return any(
+        isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "self"
+        and n.attr in VLLM_FLAGS
+        and isinstance(n.ctx, ast.Load)
+        for n in ast.walk(node)
+    )
 
 
 def _vllm_call(node: ast.AST) -> bool:
@@ -62,8 +90,12 @@ def _vllm_call(node: ast.AST) -> bool:
         return False
     func = node.func
     while isinstance(func, ast.Attribute):
-        if (isinstance(func.value, ast.Attribute) and func.value.attr == "vllm_generation"
-                and isinstance(func.value.value, ast.Name) and func.value.value.id == "self"):
+        if (
+            isinstance(func.value, ast.Attribute)
+            and func.value.attr == "vllm_generation"
+            and isinstance(func.value.value, ast.Name)
+            and func.value.value.id == "self"
+        ):
             return True
         func = func.value
     return False
@@ -97,8 +129,9 @@ class _LiveWeights:
         return None
 
     def generate(self, *args, **kwargs):
-        raise RuntimeError("the nopad rollout_func generates (tool rounds included); TRL's vLLM generation "
-                           "path is not available")
+        raise RuntimeError(
+            "the nopad rollout_func generates (tool rounds included); TRL's vLLM generation path is not available"
+        )
 
 
 def enable_importance_sampling(trainer) -> None:
@@ -112,22 +145,26 @@ def enable_importance_sampling(trainer) -> None:
         return
     new, gone = unlisted_vllm_paths(type(trainer))
     if new:
-        raise UntestedTRLError(f"importance_sampling=True marks the trainer as vLLM-backed, and this TRL "
-                               f"branches on that where nopad has not looked: {new}. Install the tested TRL "
-                               "(nopad.training.trl.compat.TESTED_TRL) or drop the option")
+        raise UntestedTRLError(
+            f"importance_sampling=True marks the trainer as vLLM-backed, and this TRL "
+            f"branches on that where nopad has not looked: {new}. Install the tested TRL "
+            "(nopad.training.trl.compat.TESTED_TRL) or drop the option"
+        )
     if gone:
         logger.debug("this TRL no longer has these vLLM paths: %s", gone)
     if trainer.use_vllm:
-        raise ValueError("importance_sampling=True is for rollouts without vLLM, but the trainer has "
-                         "use_vllm=True")
+        raise ValueError("importance_sampling=True is for rollouts without vLLM, but the trainer has use_vllm=True")
     if not trainer.vllm_importance_sampling_correction:
-        logger.warning("importance_sampling=True but GRPOConfig.vllm_importance_sampling_correction=False: "
-                       "TRL will not apply the correction")
-    elif trainer.loss_type == "vespo" and trainer.vllm_importance_sampling_mode not in ("token_truncate",
-                                                                                       "token_mask"):
+        logger.warning(
+            "importance_sampling=True but GRPOConfig.vllm_importance_sampling_correction=False: "
+            "TRL will not apply the correction"
+        )
+    elif trainer.loss_type == "vespo" and trainer.vllm_importance_sampling_mode not in ("token_truncate", "token_mask"):
         # TRL's own check, which ran at construction while use_vllm was still False
-        raise ValueError(f"VESPO loss with importance_sampling=True needs vllm_importance_sampling_mode "
-                         f"'token_truncate' or 'token_mask', got {trainer.vllm_importance_sampling_mode!r}")
+        raise ValueError(
+            f"VESPO loss with importance_sampling=True needs vllm_importance_sampling_mode "
+            f"'token_truncate' or 'token_mask', got {trainer.vllm_importance_sampling_mode!r}"
+        )
     trainer.vllm_generation = _LiveWeights()
     trainer._last_loaded_step = getattr(trainer.state, "global_step", 0)
     trainer.vllm_mode = "server"  # keeps TRL's tool loop off a colocated engine (the loop is replaced anyway)
