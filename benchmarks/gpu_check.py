@@ -86,7 +86,24 @@ MODELS = {
             max_position_embeddings=32768,
         ),
     ),
+    # the shape of the larger models people train with RL: for the decode-floor and generation goals
+    # (``gpu_session.sh realshapes``), not in a default run (its memory and time)
+    "Llama-3.1-8B": (
+        "LlamaConfig",
+        dict(
+            hidden_size=4096,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=14336,
+            vocab_size=128256,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+            max_position_embeddings=8192,
+        ),
+    ),
 }
+DEFAULT_MODELS = ["SmolLM2-135M", "Qwen2.5-0.5B", "Qwen2.5-1.5B"]
 # A hybrid of Qwen3.5's layout (3 Gated DeltaNet layers per full-attention layer, its 248,320
 # vocabulary, value heads as many as key heads, 128-wide linear heads, 256-wide attention heads) at
 # about 0.8B parameters: the hybrid training and generation goals (>= 2x), measured where fla runs.
@@ -109,6 +126,26 @@ HYBRID_MODELS = {
             vocab_size=248320,
             tie_word_embeddings=True,
             max_position_embeddings=32768,
+        ),
+    ),
+    # the same layout at about 2B parameters (Qwen3.5-2B-like): the real-shape decode and generation part
+    "Qwen3.5-2B-like": (
+        "Qwen3_5TextConfig",
+        dict(
+            hidden_size=2048,
+            num_hidden_layers=24,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=256,
+            intermediate_size=6144,
+            linear_num_key_heads=16,
+            linear_num_value_heads=16,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            vocab_size=248320,
+            tie_word_embeddings=True,
         ),
     ),
 }
@@ -817,11 +854,11 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--skip", nargs="*", default=[], choices=["pytest", "train", "generate", "decode", "host", "grpo", "hybrid"]
     )
-    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="*", default=DEFAULT_MODELS, choices=list(MODELS))
     parser.add_argument(
         "--hybrid-models",
         nargs="*",
-        default=list(HYBRID_MODELS),
+        default=["Qwen3.5-0.8B-like"],
         choices=list(HYBRID_MODELS),
         help="hybrid models for the >= 2x goals (training and generation only)",
     )
