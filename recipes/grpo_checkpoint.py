@@ -108,13 +108,13 @@ class Checkpointer:
     def start(self, run: GRPOProgress) -> Path | None:
         """``output_dir`` (None without one), locked against a second run into it, and ``run`` at
         the resumed step with ``checkpoint.resume_from``."""
-        from nopad.training import checkpoint
+        from nopad.training import checkpoint, run_dir
 
         cfg, accelerator = self.cfg, self.accelerator
         out = Path(cfg.output_dir) if cfg.output_dir else None
         if out is not None:  # lock: two runs at once into one directory stop with the other's pid
             refuse_stale_policy(cfg)
-            checkpoint.claim_run_dir(out, accelerator, resuming=bool(cfg.checkpoint.resume_from))
+            run_dir.claim_run_dir(out, accelerator, resuming=bool(cfg.checkpoint.resume_from))
         if cfg.checkpoint.resume_from:
             path = self.resumed = checkpoint.resume_training(
                 accelerator, cfg.checkpoint.resume_from, out, self.load_kwargs, recipe="grpo"
