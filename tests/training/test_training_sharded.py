@@ -42,7 +42,8 @@ def _run_two_ranks(args: list[str], what: str, timeout: float = TIMEOUT_S) -> No
 def grpo_runs(tmp_path_factory):
     """One launch runs the four engines in turn: a launch's start-up is most of its time."""
     out = tmp_path_factory.mktemp("grpo")
-    modes = ("fsdp2", "ddp", "zero2", "zero3", "ddp_streaming", "zero3_streaming")
+    # DDP before the DeepSpeed modes: those leave ACCELERATE_USE_DEEPSPEED set in the environment
+    modes = ("fsdp2", "ddp", "ddp_streaming", "zero2", "zero3", "zero3_streaming")
     _run_two_ranks(
         ["-m", "tests.support.sharded_worker", ",".join(modes), str(out)],
         f"GRPO under {', '.join(modes)}",
