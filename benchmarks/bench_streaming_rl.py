@@ -294,7 +294,8 @@ def main() -> None:
         tokenizer.pad_token = tokenizer.eos_token
     systems = SYSTEMS
     if args.quick:  # every code path once: sync, keep, recompute, TRL
-        args.steps, args.max_num_seqs, systems = 2, 16, SYSTEMS[:3]
+        args.steps, args.max_num_seqs, systems = 2, 8, SYSTEMS[:3]
+        args.prompts_per_step, args.num_generations = 2, 2
         base, lengths = tiny_llama(tokenizer=tokenizer), completion_lengths(len(GRPO_QUESTIONS), (2, 6), 24)
         model_name = "tiny random Llama (2 layers, hidden 64)"
     else:
