@@ -58,7 +58,7 @@ def smollm2_params() -> int:
 
 def tiny_params() -> int:
     """The parameter count of the recipes' ``tiny:llama`` (``--quick``)."""
-    from nopad.recipes.tasks import tiny_causal_lm
+    from nopad.recipes.tiny_model import tiny_causal_lm
 
     model, _ = tiny_causal_lm("llama")
     return sum(p.numel() for p in model.parameters())

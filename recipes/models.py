@@ -137,7 +137,7 @@ def _saved_tokenizer(path: str):
     """The tokenizer saved in a model or adapter directory, or None if it holds none."""
     from transformers import AutoTokenizer
 
-    from nopad.recipes.tasks import AsciiTokenizer
+    from nopad.recipes.tiny_model import AsciiTokenizer
 
     if (Path(path) / AsciiTokenizer.SAVED_NAME).is_file():  # a checkpoint of a tiny:* model
         return AsciiTokenizer.from_pretrained(path)
@@ -152,7 +152,7 @@ def _load_base(model_cfg: ModelConfig, path: str):
 
     dtype = getattr(torch, model_cfg.dtype)
     if path.startswith("tiny:"):  # smoke runs and multi-process tests: no files, ASCII tokens
-        from nopad.recipes.tasks import AsciiTokenizer, tiny_causal_lm
+        from nopad.recipes.tiny_model import AsciiTokenizer, tiny_causal_lm
 
         model, _ = tiny_causal_lm(path.split(":", 1)[1])
         return model.to(dtype).eval(), AsciiTokenizer()
@@ -184,7 +184,7 @@ TOKENIZER_FILES = ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "*.ti
 def check_tokenizer_files(path: str | Path) -> None:
     """A model directory must hold its tokenizer: without one, transformers ends in "install
     sentencepiece or tiktoken", which is not the cause."""
-    from nopad.recipes.tasks import AsciiTokenizer
+    from nopad.recipes.tiny_model import AsciiTokenizer
 
     path = Path(path)
     if (path / AsciiTokenizer.SAVED_NAME).is_file():  # a checkpoint of a tiny:* model

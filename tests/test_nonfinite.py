@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from nopad.recipes.config import load_config, with_overrides
-from nopad.recipes.tasks import AsciiTokenizer, tiny_causal_lm
+from nopad.recipes.tiny_model import AsciiTokenizer, tiny_causal_lm
 from nopad.training.accumulation import OptimizerStepper
 from nopad.training.nonfinite import NonFiniteError, reward_value
 

@@ -630,7 +630,7 @@ class Puzzle(Counter):
 
 def test_environments_are_reset_as_trl_does_and_the_observation_joins_the_prompt():
     """run_episodes used to skip reset(), so a reset that raised went unnoticed."""
-    from nopad.recipes.tasks import AsciiTokenizer
+    from nopad.recipes.tiny_model import AsciiTokenizer
 
     gen = Generator(tiny_model("llama"), AsciiTokenizer(), block_size=4, num_blocks=128)
     params = SamplingParams(temperature=0.0, n=2, max_tokens=4, stop_token_ids=list(range(3, 128)), ignore_eos=True)
@@ -685,7 +685,7 @@ class Varies(Counter):
     ],
 )
 def test_bad_environments_and_tools_are_named_before_generating(factory, tools, prompts, error, message):
-    from nopad.recipes.tasks import AsciiTokenizer
+    from nopad.recipes.tiny_model import AsciiTokenizer
 
     gen = Generator(tiny_model("llama"), AsciiTokenizer(), block_size=4, num_blocks=64)
     params = SamplingParams(temperature=0.0, n=2, max_tokens=4)
@@ -695,7 +695,7 @@ def test_bad_environments_and_tools_are_named_before_generating(factory, tools, 
 
 
 def test_an_episode_reward_that_raises_is_named_with_its_episode():
-    from nopad.recipes.tasks import AsciiTokenizer
+    from nopad.recipes.tiny_model import AsciiTokenizer
 
     model = tiny_model("llama")
     params = SamplingParams(temperature=0.0, n=1, max_tokens=4, ignore_eos=True)

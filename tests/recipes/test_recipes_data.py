@@ -9,7 +9,8 @@ import pytest
 from nopad.dataloaders import sources
 from nopad.recipes.config import load_config
 from nopad.recipes.sft_config import SFTRecipeConfig as SFTConfig
-from nopad.recipes.tasks import AsciiTokenizer, load_examples
+from nopad.recipes.tasks import load_examples
+from nopad.recipes.tiny_model import AsciiTokenizer
 from nopad.training.sft_data import load_rows
 
 

@@ -61,7 +61,7 @@ def test_grpo_demo_prints_one_row_per_step_with_the_gap():
     import torch
 
     from nopad.recipes.demo import grpo_demo
-    from nopad.recipes.tasks import AsciiTokenizer
+    from nopad.recipes.tiny_model import AsciiTokenizer
     from tests.support.models import tiny_model
 
     torch.set_num_threads(1)

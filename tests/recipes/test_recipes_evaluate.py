@@ -10,7 +10,8 @@ import torch
 
 from nopad.recipes.config import load_config
 from nopad.recipes.evaluate import DEFAULT_CONFIG, EvaluateConfig, evaluate, run_evaluate
-from nopad.recipes.tasks import AsciiTokenizer, exact_match, load_examples
+from nopad.recipes.tasks import exact_match, load_examples
+from nopad.recipes.tiny_model import AsciiTokenizer
 from tests.support.models import tiny_model
 
 PROMPTS = ["What is 1 + 2?", "7*6=", "Hello there", "ab", "The quick brown fox jumps"]
@@ -155,7 +156,7 @@ def test_evaluate_rejects_several_samples_per_prompt(model):
 
 def test_chat_template_true_without_a_template_is_refused_not_raw_text():
     from nopad.inference.chat import encode_prompt
-    from nopad.recipes.tasks import AsciiTokenizer
+    from nopad.recipes.tiny_model import AsciiTokenizer
 
     tok = AsciiTokenizer()
     with pytest.raises(ValueError, match="model.chat_template=true but the tokenizer has no chat template"):

@@ -12,12 +12,12 @@ import torch
 from nopad.recipes.config import ConfigError, load_config, parse_override, with_overrides
 from nopad.recipes.grpo import DEFAULT_CONFIG, GRPORecipeConfig, run_grpo
 from nopad.recipes.tasks import (
-    AsciiTokenizer,
     arithmetic_task,
     exact_match,
     get_reward,
     last_number_match,
 )
+from nopad.recipes.tiny_model import AsciiTokenizer
 from nopad.training.grpo import Rollout, group_advantages, pack_rollouts, pair_advantages
 from tests.support import launch
 

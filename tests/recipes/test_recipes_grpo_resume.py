@@ -18,7 +18,7 @@ import torch
 
 from nopad.recipes.config import load_config
 from nopad.recipes.grpo import GRPORecipeConfig, run_grpo
-from nopad.recipes.tasks import AsciiTokenizer
+from nopad.recipes.tiny_model import AsciiTokenizer
 from tests.support.launch import free_port, run_in_group, signal_deaths
 
 RUN = [

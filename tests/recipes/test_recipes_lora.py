@@ -187,7 +187,8 @@ def test_lora_rollouts_equal_the_trainers_logprobs_bitwise_under_batch_invariant
     from nopad.packing.hf import use_nopad_attention
     from nopad.recipes.grpo import build_prompts, grpo_loss
     from nopad.recipes.grpo_rollouts import sampling_params
-    from nopad.recipes.tasks import AsciiTokenizer, get_reward
+    from nopad.recipes.tasks import get_reward
+    from nopad.recipes.tiny_model import AsciiTokenizer
     from nopad.training.accumulation import OptimizerStepper
     from nopad.training.grpo_step import grpo_step
     from nopad.training.lora import apply_lora, trainable_parameters

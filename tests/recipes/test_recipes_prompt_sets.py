@@ -12,7 +12,8 @@ import torch
 from nopad.recipes.config import load_config, with_overrides
 from nopad.recipes.evaluate import EvaluateConfig, run_evaluate
 from nopad.recipes.grpo import GRPORecipeConfig, build_prompts, run_grpo
-from nopad.recipes.tasks import AsciiTokenizer, contains_answer, example_fields, get_reward, load_examples
+from nopad.recipes.tasks import contains_answer, example_fields, get_reward, load_examples
+from nopad.recipes.tiny_model import AsciiTokenizer
 
 
 def _write(path, records) -> str:

@@ -82,7 +82,7 @@ def test_a_timed_reward_keeps_its_value_its_errors_and_its_name():
 
 def test_grpo_stops_at_the_reward_timeout(tmp_path, one_thread):
     from nopad.recipes.grpo import run_grpo
-    from nopad.recipes.tasks import AsciiTokenizer
+    from nopad.recipes.tiny_model import AsciiTokenizer
     from tests.recipes.test_recipes_grpo import tiny_config
     from tests.recipes.test_recipes_sft import _reset_accelerate
     from tests.support.models import tiny_model

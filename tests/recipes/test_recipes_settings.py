@@ -115,7 +115,7 @@ def test_more_prompts_per_step_than_prompts_is_an_error_with_the_numbers(tmp_pat
 def test_resuming_with_another_model_says_the_model_differs(tmp_path):
     import transformers
 
-    from nopad.recipes.tasks import AsciiTokenizer
+    from nopad.recipes.tiny_model import AsciiTokenizer
 
     out = tmp_path / "run"
     small = [
@@ -180,7 +180,7 @@ def test_sampling_settings_are_checked_when_the_config_is_built(module, override
 @pytest.mark.parametrize("files", [[], ["tokenizer_config.json"]])
 def test_a_model_directory_without_tokenizer_files_says_which_were_looked_for(tmp_path, files):
     """Transformers used to end in "install sentencepiece or tiktoken", which was not the cause."""
-    from nopad.recipes.tasks import tiny_causal_lm
+    from nopad.recipes.tiny_model import tiny_causal_lm
 
     tiny_causal_lm("llama")[0].save_pretrained(tmp_path)
     for name in files:

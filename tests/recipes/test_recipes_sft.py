@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from nopad.recipes.config import load_config
 from nopad.recipes.sft import DEFAULT_CONFIG, train
 from nopad.recipes.sft_config import SFTDataConfig, SFTModelConfig, SFTRecipeConfig
-from nopad.recipes.tasks import tiny_causal_lm
+from nopad.recipes.tiny_model import tiny_causal_lm
 from nopad.training.sft_data import synthetic_rows, tokenize_rows
 from tests.support import launch
 
@@ -204,7 +204,7 @@ def test_checkpoint_is_an_hf_model_dir_with_the_tiny_tokenizer(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from nopad.recipes.models import load_model
-    from nopad.recipes.tasks import AsciiTokenizer
+    from nopad.recipes.tiny_model import AsciiTokenizer
 
     result = train(_cfg(tmp_path, "train.max_steps=1"))
     _reset_accelerate()

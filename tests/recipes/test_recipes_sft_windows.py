@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from nopad.recipes.config import load_config
 from nopad.recipes.sft import train
 from nopad.recipes.sft_config import SFTRecipeConfig
-from nopad.recipes.tasks import tiny_causal_lm
+from nopad.recipes.tiny_model import tiny_causal_lm
 
 # three pre-packed rows of 16 tokens, two documents each (what nopad.recipes.preprocess writes)
 ROWS = [{"input_ids": [3 + (7 * r + 5 * i) % 120 for i in range(16)], "seq_lengths": [10, 6]} for r in range(3)]

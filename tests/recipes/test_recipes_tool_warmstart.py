@@ -203,7 +203,7 @@ def test_the_recipes_chat_calculator_needs_a_tool_template(plain, tok, tmp_path,
 def test_model_tool_template_is_set_on_load_and_refused_where_it_cannot_be(plain):
     from nopad.recipes.config import ConfigError
     from nopad.recipes.models import _with_tool_template
-    from nopad.recipes.tasks import AsciiTokenizer
+    from nopad.recipes.tiny_model import AsciiTokenizer
 
     tok = _with_tool_template(load_smollm2_tokenizer(), "smollm2")
     assert trl_utils.supports_tool_calling(tok) and tok.response_template is not None

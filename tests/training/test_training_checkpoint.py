@@ -218,7 +218,7 @@ def test_a_directory_that_is_not_a_model_says_what_it_is(tmp_path, kind, expecte
 def test_a_truncated_weights_file_is_named(tmp_path):
     from nopad.recipes.config import ModelConfig
     from nopad.recipes.models import load_model
-    from nopad.recipes.tasks import tiny_causal_lm
+    from nopad.recipes.tiny_model import tiny_causal_lm
 
     model, _ = tiny_causal_lm("llama")
     model.save_pretrained(tmp_path)

@@ -337,7 +337,8 @@ def test_a_rollout_is_built_once_from_the_generators_output():
 
 # ----------------------------------------------------------------------------- the recipe's tool task
 def test_calculator_tool_and_text_format():
-    from nopad.recipes.tasks import AsciiTokenizer, last_number_match
+    from nopad.recipes.tasks import last_number_match
+    from nopad.recipes.tiny_model import AsciiTokenizer
     from nopad.recipes.tool_tasks import TextToolFormat, calculator, calculator_task
 
     assert calculator("17 * 23 + 4") == "395" and calculator("-(2 - 5)") == "3"

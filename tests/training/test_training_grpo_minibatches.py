@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nopad.recipes.tasks import AsciiTokenizer
+from nopad.recipes.tiny_model import AsciiTokenizer
 from nopad.training.grpo_step import GRPOStepConfig
 from nopad.training.policy_loss import PolicyLossConfig
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from nopad.recipes.config import ConfigError
-from nopad.recipes.tasks import AsciiTokenizer, get_reward
+from nopad.recipes.tasks import get_reward
+from nopad.recipes.tiny_model import AsciiTokenizer
 from nopad.training.grpo import LOGPROBS, Rollout, policy_temperature
 from nopad.training.grpo_step import GRPOStepConfig
 from tests.recipes.test_recipes_grpo import tiny_config

@@ -10,7 +10,7 @@ import logging
 import torch
 
 from nopad.recipes.grpo import run_grpo
-from nopad.recipes.tasks import AsciiTokenizer
+from nopad.recipes.tiny_model import AsciiTokenizer
 from nopad.training import optimizer as optimizer_module
 from nopad.training.lora import apply_lora
 from nopad.training.optimizer import make_adamw

@@ -19,7 +19,7 @@ from nopad.inference import Generator, SamplingParams
 from nopad.packing.hf import use_nopad_attention
 from nopad.packing.invariance import batch_invariant
 from nopad.recipes.config import ConfigError
-from nopad.recipes.tasks import AsciiTokenizer
+from nopad.recipes.tiny_model import AsciiTokenizer
 from nopad.training.grpo import Rollout, pack_rollouts, packed_logprobs
 from nopad.training.streaming import StreamingRollouts
 from tests.recipes.test_recipes_grpo import tiny_config
