@@ -50,10 +50,11 @@ def save_requests(generator, request_ids: list[str]) -> dict:
             }
         )
     scheduler = generator.scheduler
+    wanted = set(request_ids)
     order = [
         (s.request.request_id, s.index)
         for s in (*scheduler.running, *scheduler.waiting)
-        if s.request.request_id in set(request_ids)
+        if s.request.request_id in wanted
     ]
     return {"requests": requests, "order": order}
 
@@ -65,13 +66,13 @@ def restore_requests(generator, saved: dict) -> None:
         raise RuntimeError("restoring requests into a generator with requests in flight")
     plain, live = generator._plain, {}
     for state in saved["requests"]:
+        if state["params"].prompt_logprobs is not None:
+            raise ValueError("a checkpoint of requests with prompt_logprobs is not supported")
         request = generator.request_builder.build(
             state["prompt_token_ids"], state["params"], state["request_id"], plain.in_flight
         )
         request.seed, request.num_finished = state["seed"], state["num_finished"]
         request.samples = [None if s is None else _sequence(request, s, plain) for s in state["samples"]]
-        if state["params"].prompt_logprobs is not None:
-            raise ValueError("a checkpoint of requests with prompt_logprobs is not supported")
         plain.in_flight[request.request_id] = request
         for seq in request.samples:
             if seq is not None:

@@ -83,8 +83,8 @@ class StepRollouts:
 
     def pick(self, group: int) -> int:
         """The example index of this rank's ``group``-th group."""
-        step, j = divmod(group, self.cfg.rollout.prompts_per_step)
         per_step = self.cfg.rollout.prompts_per_step
+        step, j = divmod(group, per_step)
         return self.order[((step * self.world + self.rank) * per_step + j) % len(self.order)]
 
     def train_step(self, stepper, step: int, reward_fn, tokenizer, loss, ref_model=None) -> dict:

@@ -107,11 +107,11 @@ class StreamingRollouts:
         """Run the generator until ``groups_per_step`` groups young enough to train on have finished;
         return them in admission order (the order the synchronous step trains its prompts in)."""
         generator = self.generator
+        # staleness only grows at a weight update, and weights_updated() aborts in-flight groups it made
+        # too old: a group finishing below is young enough, so the finished ones are checked once, here
+        self._drop_stale()
         with generator.live.attention():  # switched once for the burst of steps, restored for training
-            while True:
-                self._drop_stale()
-                if len(self._ready) >= self.groups_per_step:
-                    break
+            while len(self._ready) < self.groups_per_step:
                 self._admit()
                 if not generator.has_unfinished():
                     raise RuntimeError(
