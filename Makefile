@@ -3,7 +3,7 @@
 PYTHON ?= python
 PIP := $(PYTHON) -m pip
 
-.PHONY: setup setup-test demo test lint bench gpu-check triton-compat
+.PHONY: setup setup-test demo test test-overlap lint bench gpu-check triton-compat
 
 # torch first, pinned to the local CPU build: an unpinned torch pulled in by another package
 # would start a multi-GB CUDA download. Nothing is installed over an existing torch.
@@ -37,6 +37,12 @@ lint:
 # order (tests/conftest.py puts the longest first, so none runs alone at the end).
 test: setup-test lint
 	$(PYTHON) -m pytest -m "slow or not slow" -q --durations=30 -n 2 --dist loadfile --no-loadscope-reorder
+	$(MAKE) test-overlap
+
+# The generator's tests again with overlap scheduling on (Generator(overlap=None) reads NOPAD_OVERLAP):
+# every one must hold with it on and off (nopad/inference/overlap.py).
+test-overlap:
+	NOPAD_OVERLAP=1 $(PYTHON) -m pytest -q -n 2 --dist loadfile tests/inference tests/training/test_training_streaming.py
 
 bench: setup
 	$(PIP) install -e ".[bench]"

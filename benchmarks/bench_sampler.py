@@ -59,13 +59,13 @@ def time_steps(model, tok, prompts, params: dict, steps: int) -> dict[str, dict[
     ]
     while gen.stats()["decode_tokens"] < 2 * len(prompts):
         gen.step()  # prefill, then two decode steps: every sequence decodes from here on
-    kept = gen._sampler_buffers
+    kept = gen.sampler.buffers
     got: dict[str, dict[str, list[float]]] = {
         w: {"step_ms": [], "sampler_ms": [], "faults": []} for w in ("reused", "fresh")
     }
     for i in range(2 * steps):
         way = "reused" if i % 2 else "fresh"
-        gen._sampler_buffers = kept if way == "reused" else SamplerBuffers()
+        gen.sampler.buffers = kept if way == "reused" else SamplerBuffers()
         with _sampler_timer() as sampler:
             faults, start = minor_faults(), time.perf_counter()
             gen.step()

@@ -11,7 +11,6 @@ episodes) at its events.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
@@ -21,18 +20,21 @@ from tqdm.auto import tqdm
 
 from nopad.inference.episodes import EpisodeRunner
 from nopad.inference.generator_episodes import EpisodeGeneration
+from nopad.inference.generator_stats import generator_stats, reset_generator_stats
 from nopad.inference.kv_cache import KVCache
 from nopad.inference.live_model import LiveModel
-from nopad.inference.model_runner import ModelRunner
+from nopad.inference.model_runner import DeviceIds, ModelRunner
 from nopad.inference.outputs import RequestOutput, StreamDelta
+from nopad.inference.overlap import Pipeline, overlap_default, pipelinable
 from nopad.inference.plain_requests import PlainRequests
 from nopad.inference.request import Request, Sequence
 from nopad.inference.request_builder import RequestBuilder, eos_token_ids
-from nopad.inference.sampler import SamplerBuffers, SampleResult, sample
+from nopad.inference.sampler import Sampler
 from nopad.inference.sampling_params import SamplingParams
 from nopad.inference.scheduler import Scheduler
 from nopad.inference.sharded import refuse_plain_generation
-from nopad.inference.state_prefix import make_state_slots, reset_snapshot_stats, snapshot_stats, state_snapshots
+from nopad.inference.state_prefix import make_state_slots, state_snapshots
+from nopad.inference.step_plan import StepPlan
 from nopad.inference.weight_updates import PolicyVersions
 from nopad.packing.blocks import BlockAllocator
 from nopad.packing.hf.rope import max_model_len
@@ -56,7 +58,8 @@ class Generator(EpisodeGeneration):
     steps): see :class:`nopad.inference.live_model.LiveModel`. ``num_state_snapshots``: the states a
     hybrid model's prefix cache keeps (:mod:`nopad.inference.state_prefix`). ``max_logprobs``: the most
     top log-probs a request may ask for per position (vLLM's cap and default; no vocabulary dicts).
-    """
+    ``overlap``: launch each decode step before the last one is read back (default ``NOPAD_OVERLAP``,
+    else off; :mod:`nopad.inference.overlap`)."""
 
     def __init__(
         self,
@@ -76,6 +79,7 @@ class Generator(EpisodeGeneration):
         static_decode: bool = False,
         compile_decode: bool = False,
         max_logprobs: int = 20,
+        overlap: bool | None = None,
     ):
         self.live = LiveModel(
             model, dtype=dtype, attn_backend=attn_backend, static_decode=static_decode, compile_decode=compile_decode
@@ -119,11 +123,13 @@ class Generator(EpisodeGeneration):
         )
         self._kv_cache: KVCache | None = None
         self._runner: ModelRunner | None = None
-        self._sampler_buffers = SamplerBuffers()  # the sampler's rows x vocab scratch, reused
         self._plain = PlainRequests(self.scheduler, tokenizer)  # add_request/generate requests in flight
         self._episodes: EpisodeRunner | None = None  # the bookkeeping of a run_episodes() call
         self.last_episode_stats: dict = {}
         self.versions = PolicyVersions(self.scheduler)  # stamped on every token; see update_weights()
+        self.sampler = Sampler(lambda: self.versions.version)  # its rows x vocab scratch reused
+        self.overlap = overlap_default() if overlap is None else overlap  # nopad.inference.overlap
+        self.pipeline = Pipeline(self.scheduler, self._forward, self.sampler.draw)
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -145,25 +151,35 @@ class Generator(EpisodeGeneration):
         self._plain.abort_all()
         if self._episodes is not None:
             self._episodes.abort_all()
+        self.pipeline.in_flight = None  # every row it ran was aborted: nothing of it is kept
 
     def has_unfinished(self) -> bool:
-        return bool(self._plain.in_flight) or (self._episodes is not None and self._episodes.live > 0)
+        live = self._plain.in_flight or self.pipeline.in_flight is not None
+        return bool(live) or (self._episodes is not None and self._episodes.live > 0)
 
     def step(self) -> list[RequestOutput]:
-        """Plan and run one forward, sample, and return the requests that finished. Episodes whose
-        tools returned resume first; when nothing can run, wait for a tool (never spin). The
-        scheduler's postprocess does the bookkeeping; the sequences' owners act through hooks."""
+        """Plan and run one forward, sample, and return the requests that finished (overlapped: a
+        decode step completes in the next call). Episodes whose tools returned resume first; when
+        nothing can run, wait for a tool (never spin). The sequences' owners act through hooks."""
         scheduler = self.scheduler
         scheduler.poll_paused(block=False)
+        if self.pipeline.advance():  # step N+1 launched on N's draws, then N completed
+            return self.take_finished()
         plan = scheduler.schedule()
-        if plan.seqs:
-            with self.live.attention(), self.live.autocast():
-                logits, rows = self._ensure_runner().run(plan)
-            scheduler.postprocess(plan, rows, lambda index, seqs: self._sample(logits, index, seqs))
+        if plan.seqs and self.overlap and pipelinable(plan):
+            self.pipeline.launch(plan)  # completed by the next call, once it has launched the next step
+        elif plan.seqs:
+            logits, rows = self._forward(plan)
+            scheduler.postprocess(plan, rows, lambda index, seqs: self.sampler.sample(logits, index, seqs))
         elif scheduler.paused:
             scheduler.poll_paused(block=True)  # every live sequence waits on a tool: wait, don't spin
         elif (scheduler.has_work() or self.has_unfinished()) and not self._plain.ready:
             raise RuntimeError("the scheduler could not plan a step; this is a bug")
+        return self.take_finished()
+
+    def take_finished(self) -> list[RequestOutput]:
+        """Outputs finished since :meth:`step` last returned (by :meth:`update_weights` completing
+        an overlapped step): the next step would return them."""
         finished, self._plain.ready = self._plain.ready, []
         return finished
 
@@ -171,6 +187,7 @@ class Generator(EpisodeGeneration):
         """The trainer changed the weights in place (``steps`` optimizer steps) between two :meth:`step`
         calls: later tokens carry the new :attr:`policy_version`; ``stale_kv`` (keep | recompute) says
         what in-flight sequences do with the KV older weights wrote (:mod:`nopad.inference.weight_updates`)."""
+        self.pipeline.drain()  # the step in flight ran on the old weights: its tokens carry the old version
         self.versions.update(stale_kv, steps)
 
     @property
@@ -258,27 +275,15 @@ class Generator(EpisodeGeneration):
                 "release() with requests in flight; finish or abort them first (release(abort=True) aborts them)"
             )
         self._kv_cache = self._runner = None
-        self._sampler_buffers.clear()
+        self.sampler.buffers.clear()
         self.allocator.reset_prefix_cache()
 
     def stats(self) -> dict:
         """Counters since construction or :meth:`reset_stats`."""
-        return {
-            **dataclasses.asdict(self.scheduler.stats),
-            "prefix_cache_hit_blocks": self.allocator.hits,
-            "max_num_seqs": self.scheduler.max_num_seqs,
-            "num_blocks": self.allocator.num_blocks,
-            "block_size": self.block_size,
-            "evictions": self.allocator.evictions,
-            "policy_version": self.versions.version,
-            "stale_recomputes": self.versions.recomputed,
-            **snapshot_stats(self.scheduler.state_slots),
-        }
+        return generator_stats(self)
 
     def reset_stats(self) -> None:
-        self.scheduler.stats = type(self.scheduler.stats)()
-        self.allocator.hits = self.allocator.evictions = 0
-        reset_snapshot_stats(self.scheduler.state_slots)
+        reset_generator_stats(self)
 
     # ----------------------------------------------------------------- internals
     def make_requests(self, prompts, sampling_params=None) -> list[Request]:
@@ -298,10 +303,9 @@ class Generator(EpisodeGeneration):
             self.allocator.reset_prefix_cache()
         self.scheduler.add((start or self._plain.start)(request))
 
-    def _sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> SampleResult:
-        if rows != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        return sample(logits, seqs, self._sampler_buffers, policy_version=self.versions.version)
+    def _forward(self, plan: StepPlan, ids_from: DeviceIds | None = None) -> tuple[torch.Tensor, list[int]]:
+        with self.live.attention(), self.live.autocast():
+            return self._ensure_runner().run(plan, ids_from)
 
     def _ensure_runner(self) -> ModelRunner:
         if self._runner is None:

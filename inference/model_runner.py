@@ -59,6 +59,26 @@ def _to_device(parts: list[np.ndarray], device) -> list[torch.Tensor]:
     return views
 
 
+@dataclass
+class DeviceIds:
+    """A decode step's input ids that are still on the device: row ``rows[i]`` of ``tokens`` (the
+    draws of the step before, in flight: :mod:`nopad.inference.overlap`) is row ``i``'s input."""
+
+    tokens: torch.Tensor
+    rows: list[int]
+
+
+def _rows_part(ids_from: DeviceIds | None) -> list[np.ndarray]:
+    return [] if ids_from is None else [np.asarray(ids_from.rows, dtype=np.int64)]
+
+
+def _fill_ids(d_ids: torch.Tensor, ids_from: DeviceIds | None, d_rows: list[torch.Tensor]) -> None:
+    """Write the in-flight draws into the step's input ids, on the device (no read-back)."""
+    if ids_from is not None:
+        rows = len(ids_from.rows)
+        torch.index_select(ids_from.tokens, 0, d_rows[0], out=d_ids[:rows])
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -70,19 +90,23 @@ def row_bucket(n: int) -> int:
     return max(2, _pow2(n)) if n <= 8 else -(-n // 8) * 8
 
 
-def build_step(plan: StepPlan, block_size: int, device) -> StepInputs:
-    """The step's inputs, all device tensors from one host buffer and one copy."""
+def build_step(plan: StepPlan, block_size: int, device, ids_from: DeviceIds | None = None) -> StepInputs:
+    """The step's inputs, all device tensors from one host buffer and one copy. ``ids_from``: a decode
+    step whose input ids are still on the device (an overlapped step's, :func:`device_ids`)."""
     lay = step_layout(plan.query_lens, [s.num_computed for s in plan.seqs])
     num, total = len(plan.seqs), int(lay["cu_q"][-1])
     # one numpy pass over all rows' tokens and blocks, not a numpy assignment per row (and lists,
     # not generators: a generator resumes, a Python call, once a row)
-    ids = np.fromiter(
-        chain.from_iterable(
-            [s.token_ids[s.num_computed : s.num_computed + n] for s, n in zip(plan.seqs, plan.query_lens)]
-        ),
-        np.int64,
-        total,
-    )
+    if ids_from is not None:
+        ids = np.zeros(total, dtype=np.int64)  # written on the device below
+    else:
+        ids = np.fromiter(
+            chain.from_iterable(
+                [s.token_ids[s.num_computed : s.num_computed + n] for s, n in zip(plan.seqs, plan.query_lens)]
+            ),
+            np.int64,
+            total,
+        )
     lens = np.array([len(s.block_table) for s in plan.seqs])
     table = np.zeros((num, int(lens.max())), dtype=np.int64)
     table[np.arange(table.shape[1]) < lens[:, None]] = np.fromiter(
@@ -90,9 +114,14 @@ def build_step(plan: StepPlan, block_size: int, device) -> StepInputs:
     )
     pos = lay["positions"]
     slots = table[lay["seq_idx"], pos // block_size] * block_size + pos % block_size
-    sampling_rows = [
-        i for i, (seq, n) in enumerate(zip(plan.seqs, plan.query_lens)) if seq.num_computed + n == len(seq.token_ids)
-    ]
+    if ids_from is not None:  # every row decodes its token on the device and samples
+        sampling_rows = list(range(num))
+    else:
+        sampling_rows = [
+            i
+            for i, (seq, n) in enumerate(zip(plan.seqs, plan.query_lens))
+            if seq.num_computed + n == len(seq.token_ids)
+        ]
     keep = lay["cu_q"][1:][sampling_rows] - 1
     spans, prompt_rows = [], []  # prompt positions of requests asking for prompt log-probs
     for seq, n, at in zip(plan.seqs, plan.query_lens, lay["cu_q"][:-1]):
@@ -105,9 +134,9 @@ def build_step(plan: StepPlan, block_size: int, device) -> StepInputs:
     keep = np.concatenate([keep, *prompt_rows])
     if keep.size == 0:  # only partial prefill chunks: no logits needed, still one forward
         keep = np.zeros(1, dtype=np.int64)
-    d_ids, d_pos, d_slots, d_keep, d_table, d_cu, d_seq = _to_device(
-        [ids, pos, slots, keep, table, np.stack([lay["cu_q"], lay["cu_k"]]), lay["seq_idx"]], device
-    )
+    parts = [ids, pos, slots, keep, table, np.stack([lay["cu_q"], lay["cu_k"]]), lay["seq_idx"]]
+    d_ids, d_pos, d_slots, d_keep, d_table, d_cu, d_seq, *d_rows = _to_device(parts + _rows_part(ids_from), device)
+    _fill_ids(d_ids, ids_from, d_rows)
     q, k = lay["q"], lay["k"]
     meta = VarlenMeta(
         cu_seqlens_q=d_cu[0].to(torch.int32),
@@ -140,6 +169,7 @@ def build_static_decode(
     max_num_seqs: int,
     max_width: int,
     scratch_state: int | None = None,
+    ids_from: DeviceIds | None = None,
 ) -> StepInputs:
     """A pure decode step padded to ``(bucket(num_seqs), bucket(width))``: padding rows run token
     0 at position 0 with one key, written to and read from ``scratch_block``. A hybrid model's
@@ -159,14 +189,17 @@ def build_static_decode(
     pos = np.zeros(rows, dtype=np.int64)
     pos[:num] = [s.num_computed for s in seqs]
     ids = np.zeros(rows, dtype=np.int64)
-    ids[:num] = [s.token_ids[s.num_computed] for s in seqs]
+    if ids_from is None:  # else written on the device below
+        ids[:num] = [s.token_ids[s.num_computed] for s in seqs]
     slots = table[np.arange(rows), pos // block_size] * block_size + pos % block_size
     parts = [ids, pos, pos + 1, slots, table]
     if scratch_state is not None:
         state = np.full(rows, scratch_state, dtype=np.int64)
         state[:num] = [seq.state_slot for seq in seqs]
         parts.append(state)
-    d_ids, d_pos, d_lens, d_slots, d_table, *d_state = _to_device(parts, device)
+    d_ids, d_pos, d_lens, d_slots, d_table, *rest = _to_device(parts + _rows_part(ids_from), device)
+    d_state = rest[:1] if scratch_state is not None else []
+    _fill_ids(d_ids, ids_from, rest[len(d_state) :])
     meta = VarlenMeta.static_decode(d_table, d_lens, d_slots, position_ids=d_pos)
     return StepInputs(
         d_ids[None], meta, None, list(range(num)), position_ids=d_pos[None], state_index=d_state[0] if d_state else None
@@ -245,12 +278,14 @@ class ModelRunner:
             self.decode_forward = torch.compile(model, mode="reduce-overhead" if cuda else None)
 
     @torch.no_grad()
-    def run(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
-        """Logits ``(num_sampling, vocab)`` and, for each, its index into ``plan.seqs``."""
+    def run(self, plan: StepPlan, ids_from: DeviceIds | None = None) -> tuple[torch.Tensor, list[int]]:
+        """Logits ``(num_sampling, vocab)`` and, for each, its index into ``plan.seqs``. ``ids_from``: a
+        decode step whose input ids are the draws of the step still in flight (overlap scheduling)."""
         self.kv_cache.copy_blocks(plan.copies)
         states = self.kv_cache.states  # hybrid models: nopad.inference.state_cache
         fresh = [] if states is None else [s.state_slot for s in plan.seqs if s.num_computed == 0]
-        if self.static_decode and is_decode(plan) and not invariance.is_enabled():
+        decode = ids_from is not None or is_decode(plan)
+        if self.static_decode and decode and not invariance.is_enabled():
             step = build_static_decode(
                 plan,
                 self.kv_cache.block_size,
@@ -259,6 +294,7 @@ class ModelRunner:
                 self.max_num_seqs,
                 self.max_width,
                 None if states is None else states.scratch_slot,
+                ids_from,
             )
             self.static_steps += 1
             shape = tuple(step.meta.block_table.shape)
@@ -279,7 +315,7 @@ class ModelRunner:
                     nopad_backend=self.backend,
                 )
             return out.logits[0, : len(step.sampling_rows)], step.sampling_rows
-        step = build_step(plan, self.kv_cache.block_size, self.device)
+        step = build_step(plan, self.kv_cache.block_size, self.device, ids_from)
         if states is not None:  # a first chunk starts from zero
             states.begin([s.state_slot for s in plan.seqs], fresh, list(plan.query_lens))
         scorer = PromptScorer(self.model, len(step.sampling_rows), step.prompt_spans)  # none: does nothing

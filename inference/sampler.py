@@ -10,6 +10,7 @@ is exact and much cheaper than sorting the vocabulary every step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,24 @@ class SamplerBuffers:
         self._buffers.clear()
 
 
+class Sampler:
+    """A generator's sampler: its reused buffers, and the policy version stamped on every draw
+    (``version()``: the weights' current one, :class:`nopad.inference.weight_updates.PolicyVersions`)."""
+
+    def __init__(self, version: Callable[[], int]):
+        self.buffers, self.version = SamplerBuffers(), version
+
+    def draw(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> PendingSample:
+        """:func:`sample_on_device` of every row of ``logits`` (overlap scheduling reads it back later)."""
+        return sample_on_device(logits, seqs, self.buffers, policy_version=self.version(), ahead=ahead)
+
+    def sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> SampleResult:
+        """Draw from the logits rows ``rows`` for ``seqs``, read back."""
+        if rows != list(range(logits.shape[0])):
+            logits = logits[host_tensor(rows, torch.long, logits.device)]
+        return self.draw(logits, seqs).result()
+
+
 def _log_softmax(x: torch.Tensor, buffers: SamplerBuffers, name: str) -> torch.Tensor:
     """``log_softmax(x, -1)`` into a reused buffer, through the trainer's own expression
     (:func:`nopad.packing.head.log_softmax.tempered_log_softmax`), so the same kernel gives the same bits."""
@@ -65,22 +84,99 @@ def sample(
     """Draw one token per row of ``logits`` ``(rows, vocab)`` for ``seqs[row]``. ``buffers``
     (the generator's) lets the full-vocabulary temporaries reuse memory across steps;
     ``policy_version``: the weights whose logits these are, recorded with the tokens."""
+    return sample_on_device(logits, seqs, buffers, policy_version=policy_version).result()
+
+
+@dataclass
+class PendingSample:
+    """A step's draws still on the device: :meth:`result` reads them back (the step's one sync).
+
+    Why: an overlapped step (:mod:`nopad.inference.overlap`) launches the next forward on these
+    device tokens before the host needs them. On CUDA the results are copied into pinned host memory
+    behind an event as soon as they are drawn, so reading them back waits for this step's sampler
+    only, never for a forward queued after it."""
+
+    tokens: torch.Tensor  # (rows,) int64, on the logits' device
+    raw_picked: torch.Tensor  # raw log-prob of each sampled token
+    temperature: torch.Tensor | None  # tempered log-probs; None: the raw ones
+    sampling: torch.Tensor | None  # processed-distribution log-probs; None: greedy/untouched rows, 0
+    top: list[tuple[torch.Tensor, torch.Tensor] | None]  # (values, ids) of the rows that asked
+    policy_version: int = 0
+    _event: object = None
+
+    def __post_init__(self) -> None:
+        if self.tokens.device.type == "cuda":
+            for name in ("tokens", "raw_picked", "temperature", "sampling"):
+                t = getattr(self, name)
+                if t is not None:
+                    setattr(self, name, _to_pinned_host(t))
+            self.top = [None if t is None else (_to_pinned_host(t[0]), _to_pinned_host(t[1])) for t in self.top]
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> SampleResult:
+        if self._event is not None:
+            self._event.synchronize()
+        token_list = self.tokens.tolist()
+        logprobs = self.raw_picked.tolist()
+        top: list[dict[int, float] | None] = [None] * len(token_list)
+        for i, t in enumerate(self.top):
+            if t is not None:
+                d = dict(zip(t[1].tolist(), t[0].tolist()))
+                d.setdefault(token_list[i], logprobs[i])
+                top[i] = d
+        return SampleResult(
+            tokens=token_list,
+            logprobs=logprobs,
+            temperature_logprobs=list(logprobs) if self.temperature is None else self.temperature.tolist(),
+            sampling_logprobs=[0.0] * len(token_list) if self.sampling is None else self.sampling.tolist(),
+            top_logprobs=top,
+            policy_version=self.policy_version,
+        )
+
+
+def _to_pinned_host(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+
+def host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``device`` without a sync: through pinned memory, non-blocking, on
+    CUDA (a pageable copy waits for the work already queued, e.g. an overlapped forward)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
+def sample_on_device(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    buffers: SamplerBuffers | None = None,
+    *,
+    policy_version: int = 0,
+    ahead: int = 0,
+) -> PendingSample:
+    """:func:`sample` up to the read-back. ``ahead``: tokens each sequence has drawn that are not in
+    its ``token_ids`` yet (an overlapped step's, :mod:`nopad.inference.overlap`); its draw and
+    ``min_tokens`` count them. Rows needing their full history on the host (repetition penalty)
+    must have none ahead."""
     buffers = buffers if buffers is not None else SamplerBuffers()
     if logits.dtype != torch.float32:
         logits = buffers.get("logits", logits).copy_(logits)  # exact, as logits.float()
     raw_lp = _log_softmax(logits, buffers, "raw_logprobs")
     params = [s.request.params for s in seqs]
     rows, vocab = logits.shape
+    device = logits.device
     x = logits
     # repetition penalty (over prompt and output, as in vLLM/HF) and min_tokens stop bans; the
     # per-row walk reads plain attributes only (no property calls: it runs for every row, every step)
     for i, (seq, p) in enumerate(zip(seqs, params)):
         if p.repetition_penalty != 1.0:
+            assert not ahead, "a repetition penalty reads every token on the host"
             x = x.clone() if x is logits else x
-            idx = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=x.device)
+            idx = host_tensor(sorted(set(seq.token_ids)), torch.long, device)
             v = x[i, idx]
             x[i, idx] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-        if p.min_tokens > 0 and seq.num_turn_tokens < p.min_tokens and seq.request.stop_ids:
+        if p.min_tokens > 0 and seq.num_turn_tokens + ahead < p.min_tokens and seq.request.stop_ids:
             x = x.clone() if x is logits else x
             x[i, list(seq.request.stop_ids)] = float("-inf")
 
@@ -91,41 +187,35 @@ def sample(
     if len(greedy) == rows:  # no row copy of the (rows, vocab) logits
         tokens = x.argmax(dim=-1)
     else:
-        tokens = torch.empty(rows, dtype=torch.long, device=x.device)
+        tokens = torch.empty(rows, dtype=torch.long, device=device)
     if greedy and rand:
-        g = torch.tensor(greedy, device=x.device)
+        g = host_tensor(greedy, torch.long, device)
         tokens[g] = x[g].argmax(dim=-1)
+    sampling_lp = None
     if rand:
-        sampling_lp = torch.zeros(rows, dtype=torch.float32, device=x.device)
-        r = torch.tensor(rand, device=x.device)
+        sampling_lp = torch.zeros(rows, dtype=torch.float32, device=device)
+        r = host_tensor(rand, torch.long, device)
         if x is logits and len(rand) == rows and not any(_reshapes(p, vocab) for p in rand_params):
             lp = raw_lp  # temperature 1, nothing truncated: log_softmax(x / 1) is log_softmax(x)
         else:
             lp = processed_logprobs(x if len(rand) == rows else x[r], rand_params, buffers)
-        picked = _inverse_cdf(lp, [uniform_draw(seqs[i]) for i in rand], buffers)
+        picked = _inverse_cdf(lp, [uniform_draw(seqs[i], ahead) for i in rand], buffers)
         tokens[r] = picked
         sampling_lp[r] = lp.gather(1, picked[:, None])[:, 0]
-    token_list = tokens.tolist()
-    top: list[dict[int, float] | None] = [None] * rows
+    top: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * rows
     for i, p in enumerate(params):
         if p.logprobs is not None:
-            vals, ids = raw_lp[i].topk(min(p.logprobs, vocab)) if p.logprobs else (raw_lp[i, :0], tokens[:0])
-            d = dict(zip(ids.tolist(), vals.tolist()))
-            d.setdefault(token_list[i], raw_lp[i, token_list[i]].item())
-            top[i] = d
+            top[i] = raw_lp[i].topk(min(p.logprobs, vocab)) if p.logprobs else (raw_lp[i, :0], tokens[:0])
     raw_picked = raw_lp.gather(1, tokens[:, None])[:, 0]
-    logprobs = raw_picked.tolist()
     # greedy rows and rows at temperature 1 have their raw log-prob there and a sampling log-prob of
     # 0: said on the host, not by a tensor of copies or zeros read back (a sync each on CUDA)
     tempered = bool({p.temperature for p in rand_params} - {1.0})  # a set, not a call per row
-    return SampleResult(
-        tokens=token_list,
-        logprobs=logprobs,
-        temperature_logprobs=_temperature_logprobs(logits, tokens, raw_picked, rand_params, rand, buffers).tolist()
-        if tempered
-        else list(logprobs),
-        sampling_logprobs=sampling_lp.tolist() if rand else [0.0] * rows,
-        top_logprobs=top,
+    return PendingSample(
+        tokens=tokens,
+        raw_picked=raw_picked,
+        temperature=_temperature_logprobs(logits, tokens, raw_picked, rand_params, rand, buffers) if tempered else None,
+        sampling=sampling_lp,
+        top=top,
         policy_version=policy_version,
     )
 
@@ -146,7 +236,7 @@ def _temperature_logprobs(
     out = raw_picked.clone()
     for temperature in {p.temperature for p in rand_params if p.temperature != 1.0}:
         same = [i for i, p in zip(rand, rand_params) if p.temperature == temperature]
-        rows = torch.tensor(same, device=logits.device)
+        rows = host_tensor(same, torch.long, logits.device)
         x = logits if len(same) == logits.shape[0] else logits[rows]
         lp = tempered_log_softmax(
             x,
@@ -168,7 +258,7 @@ def processed_logprobs(x: torch.Tensor, params: list, buffers: SamplerBuffers | 
     is not modified)."""
     buffers = buffers if buffers is not None else SamplerBuffers()
     rows, vocab = x.shape
-    temp = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
+    temp = host_tensor([p.temperature for p in params], x.dtype, x.device)
     x = torch.div(x, temp[:, None], out=buffers.get("tempered", x))
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p = [float(p.top_p) for p in params]
@@ -182,10 +272,10 @@ def processed_logprobs(x: torch.Tensor, params: list, buffers: SamplerBuffers | 
             x.fill_(float("-inf")).scatter_(1, idx, vals)
         else:
             full = buffers.get("kept", x).fill_(float("-inf")).scatter_(1, idx, vals)
-            x = torch.where(torch.tensor(filtered, device=x.device)[:, None], full, x, out=x)
+            x = torch.where(host_tensor(filtered, torch.bool, x.device)[:, None], full, x, out=x)
     if any(p.min_p > 0 for p in params):
         probs = torch.softmax(x, dim=-1)
-        mp = torch.tensor([float(p.min_p) for p in params], dtype=x.dtype, device=x.device)
+        mp = host_tensor([float(p.min_p) for p in params], x.dtype, x.device)
         x = x.masked_fill_(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return _log_softmax(x, buffers, "logprobs")
 
@@ -208,14 +298,14 @@ def _top_k_top_p(
     some row's top-p mass."""
     vocab = x.shape[1]
     vals, idx = x.topk(width, dim=-1) if width < vocab else x.sort(dim=-1, descending=True)
-    k = torch.tensor(top_k, device=x.device)
+    k = host_tensor(top_k, torch.long, x.device)
     vals = vals.masked_fill(torch.arange(width, device=x.device)[None, :] >= k[:, None], float("-inf"))
     if any(p < 1.0 for p in top_p):
         # probabilities under the top-k-filtered FULL distribution (rows without top-k keep the
         # mass of the tokens beyond the candidates in their normaliser)
         norm = torch.where(k < vocab, torch.logsumexp(vals, dim=-1), torch.logsumexp(x, dim=-1))
         probs = torch.exp(vals - norm[:, None])
-        tp = torch.tensor(top_p, dtype=x.dtype, device=x.device)
+        tp = host_tensor(top_p, x.dtype, x.device)
         if width < vocab and bool((probs.sum(dim=-1) < tp).any()):
             return None
         before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
@@ -230,6 +320,6 @@ def _inverse_cdf(logprobs: torch.Tensor, uniforms: list[float], buffers: Sampler
     # float64 so the CDF over the whole vocabulary keeps the tail's mass
     probs = torch.exp(logprobs, out=buffers.get("probs", logprobs))
     cdf = buffers.get("cdf", logprobs, torch.float64).copy_(probs).cumsum_(dim=-1)
-    u = torch.tensor(uniforms, dtype=torch.float64, device=logprobs.device) * cdf[:, -1]
+    u = host_tensor(uniforms, torch.float64, logprobs.device) * cdf[:, -1]
     picked = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
     return picked.clamp_(max=logprobs.shape[1] - 1)

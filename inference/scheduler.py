@@ -84,12 +84,15 @@ class Scheduler:
         for seq in plan.stopped:
             seq.hooks.stopped(seq)
         if plan.seqs:
-            self.stats.steps += 1
-            self.stats.tokens_per_step.append(plan.num_tokens)
-            self.stats.seqs_per_step.append(len(plan.seqs))
-            self.stats.decode_tokens += plan.num_decodes
-            self.stats.prefill_tokens += plan.num_tokens - plan.num_decodes
+            self.count(plan)
         return plan
+
+    def count(self, plan: StepPlan) -> None:
+        self.stats.steps += 1
+        self.stats.tokens_per_step.append(plan.num_tokens)
+        self.stats.seqs_per_step.append(len(plan.seqs))
+        self.stats.decode_tokens += plan.num_decodes
+        self.stats.prefill_tokens += plan.num_tokens - plan.num_decodes
 
     def _plan(self, plan: StepPlan) -> None:
         budget = self.max_num_batched_tokens
@@ -101,7 +104,7 @@ class Scheduler:
                 prefilling += 1
                 i += 1
                 continue
-            while not self._reserve(seq, 1, plan):
+            while not self.reserve(seq, 1, plan):
                 victim = self._victim(seq)
                 if victim is None:
                     self._finish_out_of_memory(seq, plan)
@@ -189,7 +192,7 @@ class Scheduler:
             restore_snapshot(self.state_slots, seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
-        ok = self._reserve(seq, chunk, plan)
+        ok = self.reserve(seq, chunk, plan)
         assert ok, "admission reserved blocks it had checked were free"
         plan.seqs.append(seq)
         plan.query_lens.append(chunk)
@@ -203,13 +206,13 @@ class Scheduler:
         chunk = aligned_chunk(self.state_slots, seq, seq.num_computed, min(seq.num_pending, budget, room))
         if chunk <= 0 and self._preempt_a_paused():  # a resumed episode's tool tokens come first
             return self._schedule_prefill(seq, budget, plan)
-        if chunk <= 0 or not self._reserve(seq, chunk, plan):
+        if chunk <= 0 or not self.reserve(seq, chunk, plan):
             return 0
         plan.seqs.append(seq)
         plan.query_lens.append(chunk)
         return chunk
 
-    def _reserve(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
+    def reserve(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
         """Give ``seq`` writable slots for its next ``num_new`` tokens, or return False."""
         alloc, bs, table = self.allocator, self.block_size, seq.block_table
         first = seq.num_computed // bs
@@ -308,13 +311,8 @@ class Scheduler:
         forks (``hooks.forked``), draw a token for every sequence that samples now (``draw(logits rows,
         sequences)`` returns the sampler's ``SampleResult``; forks share their parent's row), append
         it, and end the turns it ends (``hooks.turn_ended``: finish, or pause for tools)."""
-        now, bs, slots = time.perf_counter(), self.block_size, self.state_slots
-        for seq, n in zip(plan.seqs, plan.query_lens):
-            seq.num_computed += n
-            if self.enable_prefix_caching and seq.num_computed // bs > seq.num_hashed:  # a block filled
-                self.register_full_blocks(seq)
-            if self.enable_prefix_caching and slots is not None:  # (no call per row when not)
-                take_snapshot(slots, seq, n)
+        now = time.perf_counter()
+        self.computed(plan)
         to_sample: list[tuple[Sequence, int]] = []
         for row, i in enumerate(sampling_rows):
             seq = plan.seqs[i]
@@ -329,16 +327,33 @@ class Scheduler:
             return
         seqs = [seq for seq, _ in to_sample]
         result = draw([row for _, row in to_sample], seqs)
-        for k, seq in enumerate(seqs):
+        self.append_sampled(list(enumerate(seqs)), result, now)
+
+    def computed(self, plan: StepPlan) -> None:
+        """The step's forward ran: count its tokens as computed, register the blocks they filled in
+        the prefix cache, and snapshot hybrid states at block boundaries."""
+        bs, slots = self.block_size, self.state_slots
+        for seq, n in zip(plan.seqs, plan.query_lens):
+            seq.num_computed += n
+            if self.enable_prefix_caching and seq.num_computed // bs > seq.num_hashed:  # a block filled
+                self.register_full_blocks(seq)
+            if self.enable_prefix_caching and slots is not None:  # (no call per row when not)
+                take_snapshot(slots, seq, n)
+
+    def append_sampled(self, rows: list[tuple[int, Sequence]], result, now: float) -> None:
+        """Append row ``k`` of the step's draws (a ``SampleResult``) to each ``(k, seq)`` and end the
+        turns those tokens end (``hooks.turn_ended``: finish, or pause for tools)."""
+        for k, seq in rows:
             seq.append(result, k, now)
             reason = seq.stop_reason(self.tokenizer, self.max_model_len)
             if reason is not None:
                 seq.hooks.turn_ended(seq, reason)
 
     def register_full_blocks(self, seq: Sequence) -> None:
-        """Put the sequence's newly computed full blocks in the prefix cache."""
+        """Put the sequence's newly computed full blocks in the prefix cache (only blocks whose tokens
+        are all on the host: an overlapped step computes a token before it is appended)."""
         bs = self.block_size
-        for b in range(seq.num_hashed, seq.num_computed // bs):
+        for b in range(seq.num_hashed, min(seq.num_computed, len(seq.token_ids)) // bs):
             tokens = seq.token_ids[b * bs : (b + 1) * bs]
             h = hash_block(seq.last_hash, tokens)
             self.allocator.register(seq.block_table[b], h, tokens)

@@ -39,7 +39,8 @@ def fork_stream(stream: int, branch: int, position: int) -> int:
     return counter_seed(stream, branch, position)
 
 
-def uniform_draw(seq) -> float:
+def uniform_draw(seq, ahead: int = 0) -> float:
     """The uniform number in [0, 1) of the next token of ``seq`` (an :class:`nopad.inference.request.
-    Sequence`: its request's seed, its stream, its length)."""
-    return min(counter_seed(seq.request.seed, seq.stream, seq.num_tokens) / 2.0**63, 1.0 - 2.0**-40)
+    Sequence`: its request's seed, its stream, its length, plus ``ahead`` tokens drawn on the device
+    and not yet appended: an overlapped step's)."""
+    return min(counter_seed(seq.request.seed, seq.stream, seq.num_tokens + ahead) / 2.0**63, 1.0 - 2.0**-40)

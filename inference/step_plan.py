@@ -35,3 +35,6 @@ class SchedulerStats:
     decode_tokens: int = 0
     tokens_per_step: list[int] = field(default_factory=list)
     seqs_per_step: list[int] = field(default_factory=list)  # batch occupancy per step
+    overlap_steps: int = 0  # decode steps launched before the step before them was completed
+    overlap_breaks: int = 0  # times the pipeline broke: a step completed before the next was planned
+    overlap_wasted_tokens: int = 0  # tokens computed for sequences that had ended (in decode_tokens)

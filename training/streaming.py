@@ -133,6 +133,7 @@ class StreamingRollouts:
         whose oldest token is now too old to be trained on is aborted at once (its tokens counted as
         dropped): its staleness can only grow, and decoding it on would be wasted work."""
         self.generator.update_weights(self.stale_kv, steps)
+        self._collect(self.generator.take_finished())  # groups the overlapped step in flight finished
         now = self.policy_version
         for request_id, index in list(self._in_flight.items()):
             request = self.generator.request(request_id)
@@ -241,6 +242,11 @@ class StreamingRollouts:
         if self.generator.scheduler.stats.steps > before:
             self.stats.decode_steps += 1
             self.stats.decode_rows += seqs[-1]
+        self._collect(finished)
+
+    def _collect(self, finished: list[RequestOutput]) -> None:
+        """Queue the groups among ``finished`` for the trainer, stamped with the generator step that
+        ended them (then ordered by admission): never the wall clock."""
         done = [
             FinishedGroup(self._in_flight.pop(out.request_id), out, self._steps)
             for out in finished

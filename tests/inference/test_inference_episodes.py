@@ -131,7 +131,8 @@ def test_greedy_episodes_equal_hf_generate_run_alone(family):
     stats = gen.stats()
     assert stats["preemptions"] == 0
     computed = sum(len(e.prompt_token_ids) + len(e.completion_ids) - 1 for e in episodes)
-    assert stats["prefill_tokens"] + stats["decode_tokens"] == computed
+    # (an overlapped step also computes a token for each sequence that stopped at the step before)
+    assert stats["prefill_tokens"] + stats["decode_tokens"] - stats["overlap_wasted_tokens"] == computed
     assert gen.allocator.num_free == gen.allocator.num_blocks
     gen.allocator.check(owners=[])
 

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.bench_decode_host import python_calls
 from nopad.inference import Generator, SamplingParams
-from nopad.inference.model_runner import ModelRunner, build_step, row_bucket
+from nopad.inference.model_runner import DeviceIds, ModelRunner, build_step, row_bucket
 from tests.support.models import tiny_model
 
 SYNC_OPS = {"_local_scalar_dense", "equal", "nonzero", "masked_select"}
@@ -114,13 +114,14 @@ def test_step_tensors_take_one_host_to_device_copy(monkeypatch):
     seen = []
     run = ModelRunner.run
 
-    def checked_run(self, plan):
+    def checked_run(self, plan, ids_from=None):
+        meta_ids = None if ids_from is None else DeviceIds(ids_from.tokens.to("meta"), ids_from.rows)  # (overlap)
         mode = StepOps()
         with mode:
-            step = build_step(plan, self.kv_cache.block_size, torch.device("meta"))
+            step = build_step(plan, self.kv_cache.block_size, torch.device("meta"), meta_ids)
         assert step.input_ids.device.type == "meta" and step.meta.block_table.device.type == "meta"
         seen.append(mode.counts)
-        return run(self, plan)
+        return run(self, plan, ids_from)
 
     monkeypatch.setattr(ModelRunner, "run", checked_run)
     gen = Generator(tiny_model("llama"), block_size=4, max_num_batched_tokens=8)
@@ -509,4 +510,5 @@ def test_decode_forward_launches_without_syncs(triton_host_side, monkeypatch):
     for counts in inside:
         syncs = {k: n for k, n in counts.items() if k in SYNC_OPS or k.startswith(("Tensor.", "repeat"))}
         assert not syncs, dict(counts)
-    assert [c["Tensor.tolist"] for c in step] == [2, 2, 2]  # tokens and log-probs, at completion
+    # tokens and log-probs, at completion: overlapped, a step completes the one before it
+    assert [c["Tensor.tolist"] for c in step] == ([0, 2, 2] if gen.overlap else [2, 2, 2])
