@@ -29,7 +29,9 @@ from nopad.inference.generator import Generator
 from nopad.inference.in_flight import restore_requests, save_requests
 from nopad.inference.outputs import RequestOutput
 from nopad.inference.sampling_params import SamplingParams
+from nopad.inference.sharded import gathered_weights, sharded_weights
 from nopad.inference.weight_updates import STALE_KV
+from nopad.packing.distributed import world_size
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +107,11 @@ class StreamingRollouts:
 
     def next_groups(self) -> list[FinishedGroup]:
         """Run the generator until ``groups_per_step`` groups young enough to train on have finished;
-        return them in admission order (the order the synchronous step trains its prompts in)."""
+        return them in admission order (the order the synchronous step trains its prompts in).
+        On weights sharded over several ranks (ZeRO-3, FSDP2) it runs inside
+        :func:`nopad.inference.sharded.gathered_weights`, as :func:`streaming_step` calls it."""
         generator = self.generator
+        _check_gathered(generator.model)
         # staleness only grows at a weight update, and weights_updated() aborts in-flight groups it made
         # too old: a group finishing below is young enough, so the finished ones are checked once, here
         self._drop_stale()
@@ -273,6 +278,19 @@ class StreamingRollouts:
         self._ready = keep
 
 
+def _check_gathered(model) -> None:
+    """The fence between decoding and training: decode steps run only on gathered weights. On weights
+    still sharded over several ranks each forward would join per-layer collectives that the other
+    ranks (decoding a different number of steps, or in their training step) never join: a hang."""
+    kind = sharded_weights(model)
+    if kind is not None and world_size() > 1:
+        raise RuntimeError(
+            f"streaming rollouts on weights sharded ({kind}) over {world_size()} ranks would hang: each "
+            "rank decodes its own number of steps. Call stream.next_groups() inside "
+            "`with nopad.inference.sharded.gathered_weights(model):` on every rank (streaming_step does)"
+        )
+
+
 def check_streaming(max_staleness: int, stale_kv: str) -> None:
     """The streaming settings' one check (the recipe's config calls it too)."""
     if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
@@ -299,10 +317,11 @@ def streaming_step(
     its old log-prob), then the generator is told the weights changed. Every rank calls it each step.
     Under ZeRO-3 / FSDP2 the step's generator steps run on the full weights, gathered once for them
     (:func:`nopad.inference.sharded.gathered_weights`, a collective every rank joins once a step), so
-    each rank decodes its own groups with no collective per forward."""
+    each rank decodes its own groups with no collective per forward. The fence: every decode step runs
+    inside that block, the weights sharded again before the training forwards and the optimizer step
+    begin, and the generator is told of the update only after the step has ended on this rank."""
     import time
 
-    from nopad.inference.sharded import gathered_weights
     from nopad.packing.invariance import batch_invariant
     from nopad.training.grpo import Rollout
     from nopad.training.grpo_step import score_and_train

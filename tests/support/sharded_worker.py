@@ -1,11 +1,11 @@
 """One rank of the 2-process GRPO runs in tests/training/test_training_sharded.py
-(DDP, DeepSpeed ZeRO-2/3, FSDP2):
+(DDP, DeepSpeed ZeRO-2/3, FSDP2; ``*_streaming``: streaming GRPO under ddp, zero3 or fsdp2):
 
-    torchrun --nproc_per_node 2 -m tests.support.sharded_worker fsdp2,ddp,zero2,zero3 OUT_DIR
+    torchrun --nproc_per_node 2 -m tests.support.sharded_worker fsdp2,fsdp2_streaming,ddp,zero2,zero3 OUT_DIR
 
 The modes of the comma-separated list run in turn in one launch (one start-up for all), each on a
-fresh model and a fresh Accelerate state; FSDP2 first, before Accelerate and DeepSpeed set any
-global state.
+fresh model and a fresh Accelerate state; the FSDP2 modes first, before Accelerate and DeepSpeed set
+any global state.
 
 Both ranks train the same tiny model on different prompts whose completions have very different
 lengths (rank 0 stops after 1 token, rank 1 runs 12); steps alternate the gather-once and the
@@ -49,6 +49,18 @@ def full_weights(model, mode: str) -> dict[str, torch.Tensor]:
     return {k: p.detach().clone() for k, p in model.module.named_parameters()}
 
 
+def shard(model) -> None:
+    """FSDP2 with ``fully_shard`` used directly (each decoder layer, then the root), over gloo."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    assert all(isinstance(m, FSDPModule) for m in [model, *model.model.layers])
+
+
 def main(modes: str, out_dir: str) -> None:
     from accelerate.state import AcceleratorState, GradientState
 
@@ -63,17 +75,10 @@ def main(modes: str, out_dir: str) -> None:
 def run(mode: str, out_dir: str) -> None:
     model = tiny_model("llama")
     if mode == "fsdp2":
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        assert all(isinstance(m, FSDPModule) for m in [model, *model.model.layers])
+        shard(model)
         # the KV cache follows FSDP2's compute dtype, not the fp32 storage of the shards
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
         bf16 = fully_shard(tiny_model("llama"), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         assert Generator(bf16, num_blocks=4).live.dtype == torch.bfloat16
         accelerator, rank = None, dist.get_rank()
@@ -166,18 +171,25 @@ def run(mode: str, out_dir: str) -> None:
 
 
 def run_streaming(mode: str, out_dir: str) -> None:
-    """Streaming GRPO under DDP or ZeRO-3: each rank streams its own groups, rank 1's 12 times longer
-    than rank 0's; the optimizer step stays collective (ZeRO-3: the weights gathered once a step for
-    the rollouts), so both ranks take the same steps on one model, and neither hangs."""
+    """Streaming GRPO under DDP, ZeRO-3 or FSDP2: each rank streams its own groups, rank 1's 12 times
+    longer than rank 0's; the optimizer step stays collective (ZeRO-3 / FSDP2: the weights gathered
+    once a step for the rollouts), so both ranks take the same steps on one model, and neither hangs."""
+    from nopad.inference.sharded import sharding
     from nopad.training.streaming import StreamingRollouts, streaming_step
 
     rank = int(os.environ["RANK"])
     model = tiny_model("llama")
     engine_kind = mode.removesuffix("_streaming")
-    ds_config = os.path.join(ROOT, "recipes/configs/deepspeed_zero3.json") if engine_kind == "zero3" else None
-    accelerator = make_accelerator(ds_config, max_grad_norm=MAX_GRAD_NORM, recipe="tests.support.sharded_worker")
-    engine, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
-    policy = accelerator.unwrap_model(engine)
+    if engine_kind == "fsdp2":
+        shard(model)
+        accelerator, engine = None, model
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    else:
+        ds_config = os.path.join(ROOT, "recipes/configs/deepspeed_zero3.json") if engine_kind == "zero3" else None
+        accelerator = make_accelerator(ds_config, max_grad_norm=MAX_GRAD_NORM, recipe="tests.support.sharded_worker")
+        engine, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+    assert sharding(engine) == {"ddp": None, "zero3": "zero3", "fsdp2": "fsdp2"}[engine_kind]
+    policy = engine if accelerator is None else accelerator.unwrap_model(engine)
     generator = Generator(policy, block_size=16, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=256)
 
     def source(i):
@@ -194,6 +206,12 @@ def run_streaming(mode: str, out_dir: str) -> None:
         )
         for step in range(4)
     ]
+    fence_error = None
+    if engine_kind != "ddp":  # decoding outside the step's gather: an error on every rank, no collective
+        try:
+            stream.next_groups()
+        except RuntimeError as err:
+            fence_error = str(err)
     stream.close()
     torch.save(
         {
@@ -201,6 +219,7 @@ def run_streaming(mode: str, out_dir: str) -> None:
             "optimizer_steps": stepper.optimizer_steps,
             "history": history,
             "policy_version": generator.policy_version,
+            "fence_error": fence_error,
         },
         os.path.join(out_dir, f"{mode}_rank{rank}.pt"),
     )
