@@ -19,7 +19,9 @@ the positions that predict those tokens, the best of ``--repeats``:
 
 Reported: rows, tokens computed, fill (tokens / rows x capacity), fwd+bwd wall and CPU seconds,
 path tokens per CPU second (the flat sequences' tokens trained per second of work), its ratio to
-flat packing, and each mode's loss's relative gap from flat packing's (one loss, three ways).
+flat packing, and each mode's loss's relative gap from flat packing's (one loss, three ways). Then
+tree vs flat as a share of the redundancy, and of the work's ratio (estimated FLOPs, :func:`work`):
+the LM head and attention shrink less than the tokens, so the redundancy is not reachable.
 
     python benchmarks/bench_tree_train.py            # a small Llama and SmolLM2-135M, fp32
     python benchmarks/bench_tree_train.py --quick    # a tiny Llama, 2 prompts, seconds
@@ -154,6 +156,28 @@ def step(model, rows):
     return total
 
 
+def work(model, rows):
+    """Estimated fwd+bwd FLOPs of a step over ``rows`` and the three counts they grow with. Why:
+    a tree shrinks only the backbone's matmuls by the redundancy (tokens computed). The LM head (4
+    ``H x V`` GEMMs per position: forward, recompute, two gradients) shrinks by its positions, and
+    attention by the (query, key) pairs, which a tree keeps: a shared prefix is every path's keys."""
+    config = model.config
+    hidden, vocab = config.hidden_size, config.vocab_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    embeddings = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) for p in m.parameters()}
+    body = sum(p.numel() for p in model.parameters() if p.dim() > 1 and id(p) not in embeddings)
+    tokens = sum(r.num_tokens for r in rows)
+    positions = sum(int(r.loss_tokens()[0].numel()) for r in rows)
+    pairs = sum(
+        lq * (lk - lq) + lq * (lq + 1) // 2
+        for r in rows
+        for lq, lk in zip(r.nopad_meta.seqlens_q, r.nopad_meta.seqlens_k)
+    )
+    attention = 12 * config.num_attention_heads * head_dim * config.num_hidden_layers  # QK, PV: x3 fwd+bwd
+    flops = 6 * body * tokens + 8 * hidden * vocab * positions + attention * pairs
+    return flops, tokens, positions, pairs
+
+
 def best_time(model, rows, repeats):
     """``(wall s, CPU s, loss)`` of the best of ``repeats`` steps, after an untimed step on the
     first row (warm-up). CPU seconds (this process's, all threads) are the work done, what a
@@ -260,11 +284,14 @@ def run(name, model, args):
         f"{tree_speedup / (flat_tokens / unique):.2f} of the redundancy",
         flush=True,
     )
-    heads = {mode: sum(int(r.loss_tokens()[0].numel()) for r in results[mode][0]) for mode in ("tree", "flat")}
+    (tree_work, *tree_n), (flat_work, *flat_n) = (work(model, results[mode][0]) for mode in ("tree", "flat"))
     print(
-        f"LM head positions: tree {heads['tree']}, flat {heads['flat']} "
-        f"({heads['flat'] / heads['tree']:.2f}x fewer): the head's work shrinks only by this, the "
-        "rest of the model's by the redundancy",
+        f"work (fwd+bwd FLOPs, estimated): tree {tree_work / 1e9:.3g} G, flat {flat_work / 1e9:.3g} G, "
+        f"{flat_work / tree_work:.2f}x, what tree rows can gain here: only the backbone's "
+        f"matmuls shrink by the tokens ({flat_n[0] / tree_n[0]:.2f}x); the LM head's by its positions "
+        f"(tree {tree_n[1]}, flat {flat_n[1]}: {flat_n[1] / tree_n[1]:.2f}x) and attention's by the "
+        f"(query, key) pairs ({flat_n[2] / tree_n[2]:.2f}x). Measured {tree_speedup:.2f}x: "
+        f"{tree_speedup * tree_work / flat_work:.2f} of it",
         flush=True,
     )
 

@@ -32,7 +32,9 @@ PRINTS = {
     "bench_attention_plan.py": [
         "training step: registry.choose runs per forward 1;",
         "decode step: registry.choose runs per forward 1;",
-    ]
+    ],
+    # the share of the work's ratio, not only of the redundancy, that tree rows reach
+    "bench_tree_train.py": ["work (fwd+bwd FLOPs, estimated): tree "],
 }
 
 
