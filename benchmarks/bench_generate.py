@@ -200,6 +200,7 @@ def make_generator(model, tok, prompts, max_new, n: int, args):
         max_num_seqs=args.max_seqs,
         num_blocks=blocks + 64,
         compile_decode=getattr(args, "compile_decode", False),
+        overlap=getattr(args, "overlap", None),
     )
 
 

@@ -445,11 +445,16 @@ def bench_generation(spec, device, dtype, counts, new_range, prompt_range, block
         args = SimpleNamespace(block_size=block_size, max_batch_tokens=max(2048, 16 * n), max_seqs=n)
         with torch.no_grad():
             nopad, _ = bench_generate.run_nopad(model, None, prompts, max_new, args)
+            overlapped, _ = bench_generate.run_nopad(
+                model, None, prompts, max_new, SimpleNamespace(**vars(args), overlap=True)
+            )
             hf = bench_generate.run_hf_static(model, prompts, max_new, n, pad_id=0)
         entry = {
             "nopad_tok_s": nopad.tok_s,
+            "nopad_overlap_tok_s": overlapped.tok_s,
             "hf_generate_tok_s": hf.tok_s,
             "generate_vs_hf_generate": _figure(nopad.tok_s, hf.tok_s, "out tok/s", "HF generate (padded)"),
+            "overlap_vs_hf_generate": _figure(overlapped.tok_s, hf.tok_s, "out tok/s", "HF generate (padded)"),
         }
         if cb:
             try:
@@ -555,7 +560,8 @@ def time_decode(gen, device, steps: int) -> tuple[float, dict]:
         for _ in range(steps):  # a step ends on the host reading its sampled tokens: timed one by one
             start = time.perf_counter()
             gen.step()
-            sync(device)
+            if not gen.overlap:  # overlapped, a step returns with the next one launched: each call
+                sync(device)  # waits for the step before it, so its time is the pipeline's per step
             times.append(time.perf_counter() - start)
     # the median: a step that records a CUDA graph for a bucket first reached here (the block table
     # outgrowing its width mid-run) or meets a slow first call is one step, not the figure
@@ -575,10 +581,11 @@ def bench_decode_floor(
     model = build_model(spec, device, dtype).eval()
     bandwidth = copy_bandwidth(device, bw_bytes)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    variants = {"eager": {}}
+    variants = {"eager": {}, "eager + overlap": dict(overlap=True)}
     if device.type == "cuda":
         variants["static_decode"] = dict(static_decode=True)
         variants["compile_decode (CUDA graphs)"] = dict(compile_decode=True)
+        variants["compile_decode + overlap"] = dict(compile_decode=True, overlap=True)
     out = {"bandwidth_GBps": bandwidth / 1e9, "weight_bytes": weight_bytes, "counts": {}}
     for n in counts:
         row = {}
@@ -619,7 +626,12 @@ def bench_host_overhead(spec, device, dtype, n: int, prompt_range, block_size: i
 
     model = build_model(spec, device, dtype).eval()
     out = {}
-    for name, kw in {"eager": {}, "compile_decode (CUDA graphs)": dict(compile_decode=True)}.items():
+    variants = {
+        "eager": {},
+        "compile_decode (CUDA graphs)": dict(compile_decode=True),
+        "compile_decode + overlap": dict(compile_decode=True, overlap=True),
+    }
+    for name, kw in variants.items():
         with torch.no_grad():
             gen, _, ids = _decoding_generator(model, n, prompt_range, block_size, WARMUP_STEPS + steps + 2, **kw)
             for _ in range(WARMUP_STEPS):  # a new Generator's cache records its bucket's graph again

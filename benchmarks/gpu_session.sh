@@ -9,16 +9,17 @@
 # (decode floor, compiles and graph recordings, host overhead, SmolLM2-135M), hostwork
 # (bench_decode_host.py: nopad's decode step's host work beside HF's), graphcode (the compiled
 # decode step's generated copy kernels), attention (training and generation, SmolLM2-135M), grpo,
-# realshapes (the decode floor at 64/128/256 sequences and generation against HF generate and HF
-# continuous batching on Qwen2.5-1.5B and Llama-3.1-8B shapes, bf16, random weights: one call of
-# ~9 minutes), realhybrid (the hybrid goals on a Qwen3.5-2B-like shape).
+# realshapes (the decode floor at 64/128/256 sequences, serial and overlapped, the GPU's idle share of
+# a compiled step, and generation against HF generate and HF continuous batching, on a Qwen2.5-1.5B
+# shape, bf16, random weights: one call of ~9 minutes), realshapes8b (the same on Llama-3.1-8B,
+# without the idle share), realhybrid (the hybrid goals on a Qwen3.5-2B-like shape).
 set -u
 for part in "$@"; do  # before the install: a typo costs no device time
-  case $part in tests|hybrid|hybridgen|decode|hostwork|graphcode|attention|grpo|realshapes|realhybrid) ;;
-    *) echo "unknown part $part (tests hybrid hybridgen decode hostwork graphcode attention grpo realshapes realhybrid)"; exit 2 ;;
+  case $part in tests|hybrid|hybridgen|decode|hostwork|graphcode|attention|grpo|realshapes|realshapes8b|realhybrid) ;;
+    *) echo "unknown part $part (tests hybrid hybridgen decode hostwork graphcode attention grpo realshapes realshapes8b realhybrid)"; exit 2 ;;
   esac
 done
-[ $# -gt 0 ] || { echo "name the parts to run: tests hybrid hybridgen decode hostwork graphcode attention grpo realshapes realhybrid"; exit 2; }
+[ $# -gt 0 ] || { echo "name the parts to run: tests hybrid hybridgen decode hostwork graphcode attention grpo realshapes realshapes8b realhybrid"; exit 2; }
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -61,7 +62,8 @@ for part in "$@"; do
     decode) run decode 200 "decode host" --models SmolLM2-135M ;;
     attention) run attention 330 "train generate" --models SmolLM2-135M ;;
     grpo) run grpo 300 "grpo" --models SmolLM2-135M ;;
-    realshapes) run realshapes 560 "decode generate" --models Qwen2.5-1.5B Llama-3.1-8B --decode-counts 64 128 256 ;;
+    realshapes) run realshapes 560 "decode host generate" --models Qwen2.5-1.5B --decode-counts 64 128 256 ;;
+    realshapes8b) run realshapes8b 560 "decode generate" --models Llama-3.1-8B --decode-counts 64 128 256 ;;
     realhybrid) run realhybrid 300 "hybrid" --hybrid-models Qwen3.5-2B-like ;;
     *) echo "unknown part $part (tests hybrid decode hostwork attention grpo)"; exit 2 ;;
   esac

@@ -168,14 +168,10 @@ def complete(scheduler: Scheduler, step: InFlight) -> None:
             rows.append((k, seq))
         elif seq.status is Status.FINISHED:  # (a paused one's token is not lost: its K/V is kept)
             scheduler.stats.overlap_wasted_tokens += 1
-    register(scheduler, rows)  # blocks the launch computed whose tokens were all on the host
     scheduler.append_sampled(rows, result, now)
-    register(scheduler, [(k, seq) for k, seq in rows if seq.status is Status.RUNNING])  # and those just appended
-
-
-def register(scheduler: Scheduler, rows: list[tuple[int, Sequence]]) -> None:
-    if scheduler.enable_prefix_caching:
+    if scheduler.enable_prefix_caching:  # blocks the step after computed, whose last token is now here
         bs = scheduler.block_size
         for _, seq in rows:
-            if min(seq.num_computed, len(seq.token_ids)) // bs > seq.num_hashed:
+            computed, known = seq.num_computed, len(seq.token_ids)
+            if seq.status is Status.RUNNING and (computed if computed < known else known) // bs > seq.num_hashed:
                 scheduler.register_full_blocks(seq)
