@@ -121,7 +121,7 @@ class Generator(EpisodeGeneration):
         self._runner: ModelRunner | None = None
         self._sampler_buffers = SamplerBuffers()  # the sampler's rows x vocab scratch, reused
         self._plain = PlainRequests(self.scheduler, tokenizer)  # add_request/generate requests in flight
-        self._episodes: EpisodeRunner | None = None  # the bookkeeping of a run_episodes() call
+        self._episodes: EpisodeRunner | None = None  # the episodes of the open EpisodeSession, if any
         self.last_episode_stats: dict = {}
         self.versions = PolicyVersions(self.scheduler)  # stamped on every token; see update_weights()
 
@@ -144,7 +144,7 @@ class Generator(EpisodeGeneration):
         """Stop every request and episode in flight and drop their outputs (after an error)."""
         self._plain.abort_all()
         if self._episodes is not None:
-            self._episodes.abort_all()
+            self._episodes.abort()
 
     def has_unfinished(self) -> bool:
         return bool(self._plain.in_flight) or (self._episodes is not None and self._episodes.live > 0)
