@@ -276,7 +276,9 @@ def test_a_group_too_old_to_train_is_aborted_with_its_paused_episodes(one_thread
 
 
 # ----------------------------------------------------------------------------- the recipe
-def tool_task_recipe(monkeypatch, **rollout):
+def tool_task_recipe(
+    monkeypatch, task_settings=None, reward="tests.recipes.test_recipes_grpo:ids_checksum_reward", **rollout
+):
     """The recipe's calculator task on the tiny llama, every other turn read as a call (as in
     tests/training/test_training_episodes.py), with a reward that tells random completions apart."""
     from nopad.recipes import tasks, tool_tasks
@@ -298,8 +300,8 @@ def tool_task_recipe(monkeypatch, **rollout):
         GRPORecipeConfig,
         {
             "model": {"path": "tiny:llama"},
-            "task": {"name": "calculator", "num_prompts": 8},
-            "reward": "tests.recipes.test_recipes_grpo:ids_checksum_reward",
+            "task": {"name": "calculator", "num_prompts": 8, **(task_settings or {})},
+            "reward": reward,
             "rollout": {
                 "prompts_per_step": 2,
                 "num_generations": 4,
@@ -335,12 +337,20 @@ def run_tool_recipe(cfg, monkeypatch):
 KEYS = ("loss", "grad_norm", "reward_mean", "completion_tokens", "logprob_gap_max", "tool_calls_per_episode")
 
 
-def test_max_staleness_0_is_the_synchronous_episode_step_bitwise(monkeypatch, one_thread):
-    """The tool task, same seeds, exact mode: streaming at ``max_staleness=0`` trains exactly what the
+ENVIRONMENT = {
+    "task_settings": {"environment": "tests.recipes.test_recipes_grpo_environment:Tally"},
+    "reward": "tests.recipes.test_recipes_grpo_environment:calls_and_turns",
+}
+
+
+@pytest.mark.parametrize("setting", [{}, ENVIRONMENT], ids=["tools", "environment"])
+def test_max_staleness_0_is_the_synchronous_episode_step_bitwise(monkeypatch, setting, one_thread):
+    """The tool task (and an environment task, each group's environments reset with its example and
+    rewarded whole), same seeds, exact mode: streaming at ``max_staleness=0`` trains exactly what the
     synchronous recipe's episode step trains, to the last bit of every parameter and metric."""
-    h_sync, p_sync, r_sync = run_tool_recipe(tool_task_recipe(monkeypatch), monkeypatch)
+    h_sync, p_sync, r_sync = run_tool_recipe(tool_task_recipe(monkeypatch, **setting), monkeypatch)
     h_stream, p_stream, r_stream = run_tool_recipe(
-        tool_task_recipe(monkeypatch, mode="streaming", max_staleness=0), monkeypatch
+        tool_task_recipe(monkeypatch, mode="streaming", max_staleness=0, **setting), monkeypatch
     )
     assert any(h["loss"] != 0.0 for h in h_sync) and all(h["tool_calls_per_episode"] > 0 for h in h_sync)
     for a, b in zip(h_sync, h_stream, strict=True):
