@@ -28,6 +28,7 @@ from tests.training.test_training_streaming import T, trainer_logprobs
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread is fastest
 
 RARE_STOPS = [t for t in range(3, 128) if t % 8 == 0]  # turns of several tokens
+SEEDS = {"llama": 1, "qwen3_5": 3}  # a first turn that ends at a stop (a call), with turns after it
 
 
 class FirstTurnCalls:
@@ -69,12 +70,12 @@ def versions_by_token(episode) -> list[int | None]:
     return [next(it) if m else None for m in episode.model_mask]
 
 
-def paused_across_an_update(stale_kv: str):
-    """One episode on a tiny llama: its first turn calls a tool that returns only once the weights
+def paused_across_an_update(stale_kv: str, family: str):
+    """One episode on a tiny ``family`` model: its first turn calls a tool that returns only once the weights
     changed (``update_weights`` while the episode is paused, its blocks pinned). Returns the episode,
     the weights by version, the model, the prompt, the pinned blocks before and after the update, and
     the generator."""
-    model = tiny_model("llama")
+    model = tiny_model(family)
     gen = Generator(model, block_size=4, num_blocks=64, max_num_batched_tokens=64)
     prompt = prompts_of([6])[0]
     released = threading.Event()
@@ -83,14 +84,17 @@ def paused_across_an_update(stale_kv: str):
         released.wait(30)
         return f"r{a}"
 
-    params = SamplingParams(temperature=T, seed=1, max_tokens=12, stop_token_ids=RARE_STOPS, ignore_eos=True)
+    params = SamplingParams(
+        temperature=T, seed=SEEDS[family], max_tokens=12, stop_token_ids=RARE_STOPS, ignore_eos=True
+    )
     limits = EpisodeLimits(max_turns=3, max_tokens=40)
     session = gen.open_episodes({"lookup": lookup}, limits=limits, tool_format=FirstTurnCalls(len(prompt)))
     session.add(prompt, params)
     weights = {0: copy.deepcopy(model.state_dict())}
     with batch_invariant(True):
-        while not gen.scheduler.paused:
+        while session.live and not gen.scheduler.paused:
             gen.step()
+        assert gen.scheduler.paused, "the episode ended before its tool call: the test would prove nothing"
         (seq,) = gen.scheduler.paused
         assert not gen.scheduler.running and not gen.scheduler.waiting
         before = list(seq.block_table)
@@ -122,13 +126,14 @@ def check_versions_and_mask(episode) -> int:
     return end
 
 
-def test_recompute_a_paused_episode_resumes_as_if_the_new_weights_had_computed_everything(one_thread):
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_recompute_a_paused_episode_resumes_as_if_the_new_weights_had_computed_everything(family, one_thread):
     """``stale_kv=recompute``: the paused episode's pinned blocks are freed at the update and its whole
     context (the tool's result included) is re-prefilled by the new weights when it resumes. Every
     recorded log-prob is the trainer's under the version stamped on its token, bitwise, and the
     tokens after the tool are those a fresh episode on the new weights, given the same context and
-    seed, samples."""
-    episode, weights, model, prompt, (before, after), gen = paused_across_an_update("recompute")
+    seed, samples; on an attention model and a Gated DeltaNet hybrid (its state slot recomputed too)."""
+    episode, weights, model, prompt, (before, after), gen = paused_across_an_update("recompute", family)
     assert before and not after and gen.stats()["stale_recomputes"] == 1
     end = check_versions_and_mask(episode)
     recorded, versions = torch.tensor(episode.temperature_logprobs), versions_by_token(episode)
@@ -137,10 +142,12 @@ def test_recompute_a_paused_episode_resumes_as_if_the_new_weights_had_computed_e
         want = trainer_logprobs(model, weights[version], prompt, episode.completion_ids).to(recorded.dtype)
         assert torch.equal(recorded[at], want[at]), version
 
-    fresh = tiny_model("llama")
+    fresh = tiny_model(family)
     fresh.load_state_dict(weights[1])
     context = prompt + episode.completion_ids[:end]
-    params = SamplingParams(temperature=T, seed=1, max_tokens=12, stop_token_ids=RARE_STOPS, ignore_eos=True)
+    params = SamplingParams(
+        temperature=T, seed=SEEDS[family], max_tokens=12, stop_token_ids=RARE_STOPS, ignore_eos=True
+    )
     with batch_invariant(True):
         (reference,) = Generator(fresh, block_size=4, num_blocks=64, max_num_batched_tokens=64).run_episodes(
             [context],
@@ -153,12 +160,13 @@ def test_recompute_a_paused_episode_resumes_as_if_the_new_weights_had_computed_e
     assert reference.temperature_logprobs == episode.temperature_logprobs[end:]
 
 
-def test_keep_a_paused_episode_resumes_on_the_kv_its_older_weights_wrote(one_thread):
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_keep_a_paused_episode_resumes_on_the_kv_its_older_weights_wrote(family, one_thread):
     """``stale_kv=keep``: the paused episode keeps its blocks across the update; its tool's tokens and
     later tokens are computed by the new weights over the K/V the old weights wrote. Its recorded
     log-probs are that mixed computation's (HF's forward, the cache filled token by token by the
-    weights of each step) and not the new weights' alone."""
-    episode, weights, model, prompt, (before, after), gen = paused_across_an_update("keep")
+    weights of each step) and not the new weights' alone; a hybrid keeps its recurrent state too."""
+    episode, weights, model, prompt, (before, after), gen = paused_across_an_update("keep", family)
     assert before and after == before and gen.stats()["stale_recomputes"] == 0
     end = check_versions_and_mask(episode)
     reference = copy.deepcopy(model).eval()
