@@ -25,9 +25,10 @@ writes tool calls in the chat template's format and runs them off the decode loo
 import importlib
 
 _EXPORTS = {
-    "Episode": "nopad.inference.episodes",
-    "EpisodeLimits": "nopad.inference.episodes",
-    "Turn": "nopad.inference.episodes",
+    "Episode": "nopad.inference.episode_types",
+    "EpisodeLimits": "nopad.inference.episode_types",
+    "Turn": "nopad.inference.episode_types",
+    "EpisodeSession": "nopad.inference.generator_episodes",
     "Generator": "nopad.inference.generator",
     "CompletionOutput": "nopad.inference.outputs",
     "RequestOutput": "nopad.inference.outputs",

@@ -3,96 +3,29 @@ limit; at a tool call the sequence pauses with its KV blocks pinned, its tools r
 loop while the other sequences decode, and it resumes by prefilling only the tool result's tokens
 (token-in/token-out: earlier turns are never re-tokenized).
 
-:class:`Episode` is the record a trainer reads: the completion (every token after the prompt,
-the model's and the tools'), a mask of the model-sampled tokens, their log-probs, the turns with
-their tool calls, and the reward. :class:`EpisodeRunner` is the generator's bookkeeping for one
-:meth:`nopad.inference.Generator.run_episodes` call.
+:class:`Episode` (:mod:`nopad.inference.episode_types`) is the record a trainer reads.
+:class:`EpisodeRunner` is the generator's bookkeeping for an open set of episode groups (a prompt
+and its samples): groups are added while others run, and a group is finished when every one of
+its episodes has ended (:meth:`nopad.inference.Generator.open_episodes`; ``run_episodes`` is one
+such set, run to its end).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import math
-import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from nopad.inference.episode_types import Episode, EpisodeLimits, Turn, finite_reward
 from nopad.inference.request import Request, Sequence, Status
 from nopad.inference.scheduler import Scheduler
-from nopad.inference.tools import ToolCall, ToolFormat, ToolRunner, public_methods, wait_any
+from nopad.inference.tools import ToolCall, ToolFormat, ToolRunner, public_methods, wait_all, wait_any
+
+__all__ = ["Episode", "EpisodeLimits", "EpisodeRunner", "Turn"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EpisodeLimits:
-    """``max_turns``: model turns per episode (a tool call in the last one is not run);
-    ``max_tokens``: tokens after the prompt, the model's and the tools' (TRL's
-    ``max_completion_length``); ``tool_timeout`` in seconds per round of calls;
-    ``max_tool_result_chars``: a longer result is replaced by an error message;
-    ``tool_workers``: threads running synchronous tools."""
-
-    max_turns: int = 8
-    max_tokens: int = 1024
-    tool_timeout: float = 30.0
-    max_tool_result_chars: int = 16384
-    tool_workers: int = 8
-
-    def __post_init__(self) -> None:
-        for name in ("max_turns", "max_tokens", "max_tool_result_chars", "tool_workers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"EpisodeLimits.{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.tool_timeout, (int, float)) or not self.tool_timeout > 0:
-            raise ValueError(f"EpisodeLimits.tool_timeout must be a number of seconds > 0, got {self.tool_timeout!r}")
-
-
-@dataclass
-class Turn:
-    """One model turn: its tokens are ``completion_ids[start:end]``; the results of its
-    ``tool_calls`` follow as ``completion_ids[end:tool_end]`` (``tool_end == end``: none). Calls
-    of a turn that ended the episode (``max_turns``, no room for the result) keep ``result``
-    None: they were not run."""
-
-    start: int
-    end: int
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    tool_end: int | None = None
-    malformed: str | None = None  # the parser's error when the turn held a malformed call
-
-    def __post_init__(self) -> None:
-        if self.tool_end is None:
-            self.tool_end = self.end
-
-
-@dataclass
-class Episode:
-    """A finished episode. ``finish_reason``: "stop" (a final answer, or a malformed tool call),
-    "length" (a token limit), "max_turns", "cache_full" (alone it outgrew the KV cache; see
-    ``error``) or "abort". ``branch`` orders the samples and forks of one prompt."""
-
-    prompt_index: int
-    branch: tuple[int, ...]
-    prompt_token_ids: list[int]
-    completion_ids: list[int]
-    model_mask: list[int]  # 1: sampled by the model (trained on), 0: a tool's tokens
-    logprobs: list[float]  # raw model log-prob of each token (0.0 at tool tokens)
-    temperature_logprobs: list[float]  # under softmax(logits / temperature): what GRPO scores
-    sampling_logprobs: list[float]  # under the processed distribution it was drawn from
-    turns: list[Turn]
-    finish_reason: str
-    num_tool_calls: int = 0
-    num_tool_errors: int = 0  # raised, timed out, unknown tool, garbage output
-    num_malformed: int = 0
-    reward: float | None = None
-    environment: object | None = None
-    error: str | None = None
-
-    @property
-    def num_turns(self) -> int:
-        return len(self.turns)
 
 
 @dataclass
@@ -117,12 +50,22 @@ class _Pending:
     calls: list[ToolCall]
     futures: list
     deadline: float
+    grace_until: float = 0.0  # the next step waits for the calls until then (EpisodeLimits.tool_grace)
+
+
+@dataclass
+class _Group:
+    """A prompt's episodes: its samples' environments, how many still run, those that ended."""
+
+    environments: list[object] | None
+    live: int = 0
+    episodes: list[Episode] = field(default_factory=list)
 
 
 class EpisodeRunner:
-    """The episodes of one ``run_episodes`` call: turn ends, pauses, tools, resumes, forks. It is
-    its sequences' :class:`~nopad.inference.request.SequenceHooks`: the scheduler's postprocess calls
-    it at their events."""
+    """Episode groups in flight: turn ends, pauses, tools, resumes, forks, and the groups whose
+    episodes have all ended, in the order they ended. It is its sequences'
+    :class:`~nopad.inference.request.SequenceHooks`: the scheduler's postprocess calls it at their events."""
 
     def __init__(
         self,
@@ -130,26 +73,30 @@ class EpisodeRunner:
         tool_format: ToolFormat,
         limits: EpisodeLimits,
         vocab_size: int,
-        environments: list[list[object]] | None = None,
         reward_fn: Callable[[Episode], float] | None = None,
         fork: Callable[[Episode], int] | None = None,
         max_num_seqs: int = 1,
     ):
         self.scheduler, self.format, self.limits = scheduler, tool_format, limits
-        self.vocab_size, self.environments = vocab_size, environments  # [prompt][sample], reset
-        self.reward_fn, self.fork_fn, self.max_num_seqs = reward_fn, fork, max_num_seqs
+        self.vocab_size, self.reward_fn, self.fork_fn, self.max_num_seqs = vocab_size, reward_fn, fork, max_num_seqs
         self.tools = ToolRunner(limits.tool_timeout, limits.max_tool_result_chars, limits.tool_workers)
         self.pending: list[_Pending] = []
-        self.done: list[Episode] = []
+        self.groups: dict[int, _Group] = {}  # in flight, by group (the episodes' prompt_index)
+        self.finished: list[tuple[int, list[Episode]]] = []  # groups ended, not yet taken, in order
         self.live = 0
         self.tool_wait_s = 0.0  # time the decode loop sat idle because every episode waited on tools
 
     # ----------------------------------------------------------------- lifecycle
-    def start(self, request: Request, prompt_index: int, tools: dict[str, Callable]) -> Sequence:
-        """The first sequence of the episodes of prompt ``prompt_index``, with their tools."""
+    def start(
+        self, request: Request, group: int, tools: dict[str, Callable], environments: list[object] | None = None
+    ) -> Sequence:
+        """The first sequence of group ``group`` (its ``Episode.prompt_index``), with its tools and its
+        samples' environments (reset)."""
+        if group in self.groups:
+            raise ValueError(f"episode group {group} is already in flight")
         seq = request.first_sequence(self)  # the scheduler's postprocess calls turn_ended, forked, ...
-        env = self.environments[prompt_index][0] if self.environments is not None else None
-        seq.episode = _State(prompt_index, (0,), tools, env)
+        self.groups[group] = _Group(environments, live=1)
+        seq.episode = _State(group, (0,), tools, environments[0] if environments is not None else None)
         seq.max_generated = self.limits.max_tokens
         self.live += 1
         return seq
@@ -168,13 +115,14 @@ class EpisodeRunner:
             new.tool_spans = list(state.tool_spans)
             if first:
                 new.branch = (child.index,)
-                envs = self.environments
-                new.environment = envs[state.prompt_index][child.index] if envs is not None else None
+                envs = self.groups[state.prompt_index].environments
+                new.environment = envs[child.index] if envs is not None else None
             else:
                 new.branch = state.branch[:-1] + (child.index,)
                 new.environment = copy.deepcopy(state.environment)
             child.episode = new
             self.live += 1
+            self.groups[state.prompt_index].live += 1
 
     # ----------------------------------------------------------------- a turn ends
     def turn_ended(self, seq: Sequence, reason: str) -> None:
@@ -216,7 +164,8 @@ class EpisodeRunner:
             state.base_tools if state.environment is None else {**state.base_tools, **public_methods(state.environment)}
         )
         futures, deadline = self.tools.submit(calls, tools)
-        self.pending.append(_Pending(seq, calls, futures, deadline))
+        grace = time.monotonic() + self.limits.tool_grace if self.limits.tool_grace else 0.0
+        self.pending.append(_Pending(seq, calls, futures, deadline, grace))
 
     # ----------------------------------------------------------------- tools return
     def poll(self, block: bool) -> None:
@@ -227,6 +176,11 @@ class EpisodeRunner:
                 "every live sequence is paused but no episode waits on its tools (a bug): "
                 "please report it with the episode setup"
             )
+        if self.limits.tool_grace:  # calls that return within the grace resume at the next step, always
+            now = time.monotonic()
+            recent = [p for p in self.pending if now < p.grace_until]
+            if recent:
+                wait_all([f for p in recent for f in p.futures], max(p.grace_until for p in recent))
         ready, waiting = self._split()
         if block and not ready:
             start = time.perf_counter()
@@ -297,26 +251,44 @@ class EpisodeRunner:
             self.scheduler.finish(seq, reason)
         episode = self._episode(seq, reason)
         if self.reward_fn is not None and reason != "abort":
-            episode.reward = _finite_reward(self.reward_fn, episode, self.scheduler.tokenizer)
-        self.done.append(episode)
+            episode.reward = finite_reward(self.reward_fn, episode, self.scheduler.tokenizer)
+        group = self.groups[episode.prompt_index]
+        group.episodes.append(episode)
+        group.live -= 1
         self.live -= 1
+        if not group.live:  # its last episode ended: the group is finished
+            del self.groups[episode.prompt_index]
+            self.finished.append((episode.prompt_index, sorted(group.episodes, key=lambda e: e.branch)))
 
-    def abort_all(self) -> None:
-        """Stop every live episode (after an error): free their blocks, drop their tools."""
-        for p in self.pending:
+    def take_finished(self) -> list[tuple[int, list[Episode]]]:
+        """``(group, its episodes by branch)`` of every group finished since the last call, in the
+        order they finished."""
+        finished, self.finished = self.finished, []
+        return finished
+
+    def sequences(self, group: int | None = None) -> list[Sequence]:
+        """The live sequences of ``group`` (default: of every group), in the scheduler's order."""
+        return [
+            seq
+            for seq in (*self.scheduler.running, *self.scheduler.waiting, *self.scheduler.paused)
+            if seq.hooks is self and (group is None or seq.episode.prompt_index == group)
+        ]
+
+    def abort(self, group: int | None = None) -> None:
+        """Stop the live episodes of ``group`` (default: every one, after an error): free their
+        blocks, drop their tools. Their group is finished with them (``finish_reason`` "abort")."""
+        seqs = self.sequences(group)
+        stopped = [p for p in self.pending if p.seq in seqs]
+        for p in stopped:
             for f in p.futures:
                 if f is not None:
                     f.cancel()
-        self.pending = []
-        for seq in [*self.scheduler.running, *self.scheduler.waiting, *self.scheduler.paused]:
-            if seq.hooks is self:
-                self.finish(seq, "abort")
+        self.pending = [p for p in self.pending if p not in stopped]
+        for seq in seqs:
+            self.finish(seq, "abort")
 
     def close(self) -> None:
         self.tools.close()
-
-    def results(self) -> list[Episode]:
-        return sorted(self.done, key=lambda e: (e.prompt_index, e.branch))
 
     def _episode(self, seq: Sequence, reason: str | None) -> Episode:
         state: _State = seq.episode
@@ -338,6 +310,7 @@ class EpisodeRunner:
             logprobs=lists[0],
             temperature_logprobs=lists[1],
             sampling_logprobs=lists[2],
+            policy_versions=list(seq.policy_versions),
             turns=copy.deepcopy(state.turns),
             finish_reason=reason,
             num_tool_calls=state.num_tool_calls,
@@ -346,32 +319,3 @@ class EpisodeRunner:
             environment=state.environment,
             error=state.error,
         )
-
-
-def _finite_reward(reward_fn: Callable, episode: Episode, tokenizer=None) -> float:
-    """The episode's reward as one finite float: a NaN would make every advantage of its group NaN,
-    and a string or list would fail later with an error that names no function. A reward that
-    raises is wrapped in an error naming the episode and its prompt (the traceback names neither)."""
-    name = getattr(reward_fn, "__qualname__", repr(reward_fn))
-    ids = episode.prompt_token_ids
-    text = " ".join(tokenizer.decode(ids).split()) if hasattr(tokenizer, "decode") else str(ids)
-    where = (
-        f"the episode of prompt {episode.prompt_index} (branch {episode.branch}, finish_reason "
-        f"{episode.finish_reason!r}, prompt {text[:80] + ('...' if len(text) > 80 else '')!r})"
-    )
-    try:
-        value = reward_fn(episode)
-    except Exception as err:
-        raise RuntimeError(
-            f"episode reward {name} raised {type(err).__name__}: {err}, for {where}; fix the "
-            "reward function (its traceback is above), e.g. return 0.0 where it cannot "
-            "score"
-        ) from err
-    if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:
-        value = value.item()
-    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise ValueError(
-            f"episode reward {name} returned {value!r} for {where}; it must return one finite "
-            "number (e.g. 0.0 where it cannot score)"
-        )
-    return float(value)

@@ -124,7 +124,7 @@ class Generator(EpisodeGeneration):
         self._kv_cache: KVCache | None = None
         self._runner: ModelRunner | None = None
         self._plain = PlainRequests(self.scheduler, tokenizer)  # add_request/generate requests in flight
-        self._episodes: EpisodeRunner | None = None  # the bookkeeping of a run_episodes() call
+        self._episodes: EpisodeRunner | None = None  # the episodes of the open EpisodeSession, if any
         self.last_episode_stats: dict = {}
         self.versions = PolicyVersions(self.scheduler)  # stamped on every token; see update_weights()
         self.sampler = Sampler(lambda: self.versions.version)  # its rows x vocab scratch reused
@@ -150,7 +150,7 @@ class Generator(EpisodeGeneration):
         """Stop every request and episode in flight and drop their outputs (after an error)."""
         self._plain.abort_all()
         if self._episodes is not None:
-            self._episodes.abort_all()
+            self._episodes.abort()
         self.pipeline.in_flight = None  # every row it ran was aborted: nothing of it is kept
 
     def has_unfinished(self) -> bool:

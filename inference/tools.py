@@ -291,6 +291,13 @@ def wait_any(futures: list, deadline: float) -> None:
         cf.wait(live, timeout=max(0.0, deadline - time.monotonic()), return_when=cf.FIRST_COMPLETED)
 
 
+def wait_all(futures: list, deadline: float) -> None:
+    """Block until every one of ``futures`` finished or ``deadline`` (time.monotonic) passes."""
+    live = [f for f in futures if f is not None and not f.done()]
+    if live:
+        cf.wait(live, timeout=max(0.0, deadline - time.monotonic()), return_when=cf.ALL_COMPLETED)
+
+
 def public_methods(environment) -> dict[str, Callable]:
     """An environment's tools: its public methods other than ``reset`` and ``get_reward`` (TRL's
     contract: ``get_reward()`` is the environment's own reward, never a tool the model may call)."""

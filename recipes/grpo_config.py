@@ -68,6 +68,7 @@ class RolloutConfig(Section):
     seed: int = 0  # sampling seed (a different one each step)
     max_turns: int = 4  # tool tasks (nopad.recipes.tool_tasks): model turns per episode
     tool_timeout: float = 10.0  # tool tasks: seconds a round of tool calls may take
+    tool_grace: float = 0.1  # streaming tool tasks: seconds a step waits for tools (faster ones: repeatable runs)
     mode: Literal["sync", "streaming"] = "sync"  # streaming: generation runs on across optimizer steps
     max_staleness: int = 1  # streaming: groups whose oldest token is more optimizer steps old are dropped
     stale_kv: Literal["keep", "recompute"] = "keep"  # streaming: after an update, keep the KV | recompute it
@@ -84,6 +85,8 @@ class RolloutConfig(Section):
             self.at_least(name, low)
         if not self.tool_timeout > 0:
             raise ConfigError("tool_timeout", f"must be > 0 seconds, got {self.tool_timeout}")
+        if not self.tool_grace >= 0:
+            raise ConfigError("tool_grace", f"must be >= 0 seconds, got {self.tool_grace}")
         check_sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
         if self.temperature == 0:
             raise ConfigError(
@@ -210,12 +213,13 @@ class GRPORecipeConfig(Section):
 
     def _check_streaming(self) -> None:
         """What ``rollout.mode=streaming`` cannot serve yet, refused before the model loads."""
-        if self.task.environment is not None or tool_task(self.task.name, self.task.prompts) is not None:
+        episodes = self.task.environment is not None or tool_task(self.task.name, self.task.prompts) is not None
+        ck = self.checkpoint
+        if episodes and (ck.every or ck.resume_from):
             raise ConfigError(
-                "rollout.mode",
-                "streaming does not run tool episodes yet (their tool latency "
-                "would make which groups form a step depend on the wall clock); use "
-                "rollout.mode=sync for this task",
+                "checkpoint.every" if ck.every else "checkpoint.resume_from",
+                "cannot checkpoint streaming tool episodes yet (an episode in flight holds running "
+                "tools and environments); set checkpoint.every=0 and no resume_from, or use rollout.mode=sync",
             )
         if self.generator.sharded_rollout == "lockstep":
             raise ConfigError(

@@ -68,18 +68,26 @@ class StepRollouts:
         self.order, self.rank, self.world = order, rank, world
         self.episodes, self.progress = episodes, progress
         ro = cfg.rollout
-        self.stream = (
-            None
-            if ro.mode != "streaming"
-            else StreamingRollouts(
+        self.stream = None
+        if ro.mode == "streaming":
+            self.stream = StreamingRollouts(
                 generator,
-                lambda i: (prompt_ids[self.pick(i)], sampling_params(cfg, i // ro.prompts_per_step)),
+                self.group,
                 groups_per_step=ro.prompts_per_step,
                 max_staleness=ro.max_staleness,
                 stale_kv=ro.stale_kv,
                 total_groups=cfg.train.steps * ro.prompts_per_step,
+                episodes=None if episodes is None else open_episodes(generator, episodes),
             )
-        )
+
+    def group(self, i: int) -> tuple:
+        """Streaming's ``source``: group ``i``'s prompt ids and sampling parameters (and, for an
+        environment, its example as the keywords of its ``reset``)."""
+        index, ro = self.pick(i), self.cfg.rollout
+        params = sampling_params(self.cfg, i // ro.prompts_per_step)
+        if self.episodes is not None and self.episodes.environment_factory is not None:
+            return self.prompt_ids[index], params, {"reset_kwargs": self.examples[index]}
+        return self.prompt_ids[index], params
 
     def pick(self, group: int) -> int:
         """The example index of this rank's ``group``-th group."""
@@ -104,6 +112,7 @@ class StepRollouts:
                 step=step,
                 temperature=cfg.rollout.temperature,
                 ref_model=ref_model,
+                episode_reward=self.episodes is not None and self.episodes.episode_reward,
             )
         picks = [self.pick(step * cfg.rollout.prompts_per_step + j) for j in range(cfg.rollout.prompts_per_step)]
         return grpo_step(
@@ -129,6 +138,19 @@ class StepRollouts:
         self.generator.release()
 
 
+def open_episodes(generator, episodes: ToolEpisodes):
+    """Streaming's episode session on ``generator``: the task's tools, format, limits and environments."""
+    from nopad.training.grpo_episodes import check_unsharded
+
+    check_unsharded(generator.model)
+    return generator.open_episodes(
+        episodes.tools,
+        limits=episodes.limits,
+        tool_format=episodes.tool_format,
+        environment_factory=episodes.environment_factory,
+    )
+
+
 def environment_tools(cfg: GRPORecipeConfig, tokenizer):
     """The chat template's tool format with ``task.environment``'s tools; None without one."""
     spec = cfg.task.environment
@@ -145,7 +167,10 @@ def tool_episodes(cfg: GRPORecipeConfig, tokenizer) -> ToolEpisodes | None:
     if task is None and spec is None:
         return None
     ro = cfg.rollout
-    limits = EpisodeLimits(max_turns=ro.max_turns, max_tokens=ro.max_tokens, tool_timeout=ro.tool_timeout)
+    grace = ro.tool_grace if ro.mode == "streaming" else 0.0  # only streaming's steps depend on when tools return
+    limits = EpisodeLimits(
+        max_turns=ro.max_turns, max_tokens=ro.max_tokens, tool_timeout=ro.tool_timeout, tool_grace=grace
+    )
     tool_format = task.tool_format(tokenizer) if task is not None else environment_tools(cfg, tokenizer)
     return ToolEpisodes(
         task.tools if task is not None else {},

@@ -153,6 +153,7 @@ class Rollout:
             _sampled_logprobs(episode, logprobs),
             loss_mask=list(episode.model_mask),
             truncated=episode.finish_reason == "length",
+            policy_versions=list(getattr(episode, "policy_versions", ())),
         )
 
     @property

@@ -41,13 +41,7 @@ def run_episodes(
     """Per prompt, per sample: (what the reward reads: the last model turn's token ids, or the
     Episode itself for an episode reward; its :class:`Rollout`), and the rollout's tool metrics.
     ``examples`` (one per prompt) are the keywords of each environment's ``reset``."""
-    from nopad.inference.sharded import sharded_weights
-
-    if sharded_weights(model) is not None:
-        raise ValueError(
-            "tool episodes run on an unsharded policy; FSDP2-sharded GRPO takes single-turn "
-            "tasks only (task.name without tools, no task.environment)"
-        )
+    check_unsharded(model)
     factory = episodes.environment_factory
     done = generator.run_episodes(
         list(prompt_ids),
@@ -60,14 +54,35 @@ def run_episodes(
     )
     samples: list[list[tuple]] = [[] for _ in prompt_ids]
     for ep in done:
-        read = ep if episodes.episode_reward else last_turn(ep)
-        samples[ep.prompt_index].append((read, Rollout.from_episode(ep, logprobs)))
+        samples[ep.prompt_index].append(episode_sample(ep, episodes.episode_reward, logprobs))
+    return samples, {**tool_metrics(done), "tool_wait_s": float(generator.last_episode_stats.get("tool_wait_s", 0.0))}
+
+
+def check_unsharded(model) -> None:
+    """Tool episodes run on the whole policy: refuse sharded weights with one clear line."""
+    from nopad.inference.sharded import sharded_weights
+
+    if sharded_weights(model) is not None:
+        raise ValueError(
+            "tool episodes run on an unsharded policy; FSDP2-sharded GRPO takes single-turn "
+            "tasks only (task.name without tools, no task.environment)"
+        )
+
+
+def episode_sample(episode: Episode, episode_reward: bool, logprobs: str) -> tuple:
+    """(what the reward reads: the Episode itself for an episode reward, else the last model turn's
+    token ids; the episode's :class:`Rollout`, tool tokens masked from the loss)."""
+    read = episode if episode_reward else last_turn(episode)
+    return read, Rollout.from_episode(episode, logprobs)
+
+
+def tool_metrics(done: Sequence[Episode]) -> dict:
+    """Tool calls per episode, the share of calls that failed, model turns per episode."""
     calls = sum(ep.num_tool_calls for ep in done)
-    return samples, {
+    return {
         "tool_calls_per_episode": calls / max(len(done), 1),
         "tool_failure_rate": sum(ep.num_tool_errors for ep in done) / max(calls, 1),
         "tool_turns_mean": sum(ep.num_turns for ep in done) / max(len(done), 1),
-        "tool_wait_s": float(generator.last_episode_stats.get("tool_wait_s", 0.0)),
     }
 
 

@@ -9,8 +9,15 @@ sampled token carries the policy version (optimizer steps so far) whose weights 
 behaviour log-prob, recorded as it was sampled; the loss reads both (:mod:`nopad.training.grpo_step`).
 
 What decides a step is the generator's own step count, never the wall clock: groups are ordered
-by the decode step that finished them, then by admission, so a seeded run repeats exactly. Tools
-with real latency would break that, which is why tool episodes are not streamed yet.
+by the decode step that finished them, then by admission, so a seeded run repeats exactly.
+
+Tool episodes stream too (``episodes``: an :class:`~nopad.inference.generator_episodes.EpisodeSession`):
+a group is a prompt's episodes, finished when all of them have ended; an episode paused on its tools
+keeps its KV blocks across optimizer steps (its tool runs while the trainer trains) and resumes under
+the new weights, on its old KV (``stale_kv=keep``) or re-prefilled (``recompute``). Which step an
+episode resumes at is the decode steps' alone when its tools return within
+``EpisodeLimits.tool_grace``; a tool slower than that resumes when it returns, so with tools of real
+latency which groups form a step depends on timing.
 
 ``max_staleness`` has TRL ``AsyncGRPOConfig``'s meaning: a group whose oldest token is more than that
 many optimizer steps old when it would be trained is dropped (and counted). The admission window
@@ -23,50 +30,21 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from nopad.inference.generator import Generator
+from nopad.inference.generator_episodes import EpisodeSession
 from nopad.inference.in_flight import restore_requests, save_requests
 from nopad.inference.outputs import RequestOutput
 from nopad.inference.sampling_params import SamplingParams
 from nopad.inference.sharded import gathered_weights, sharded_weights
 from nopad.inference.weight_updates import STALE_KV
 from nopad.packing.distributed import world_size
+from nopad.training.streaming_records import FinishedGroup, StreamStats
 
 logger = logging.getLogger(__name__)
 
-GroupSource = Callable[[int], tuple[list[int], SamplingParams]]  # group index -> (prompt ids, params)
-
-
-@dataclass
-class FinishedGroup:
-    """A group whose completions have all ended: what the trainer takes."""
-
-    index: int  # admission order on this rank: which prompt, and which step's seed, it was
-    output: RequestOutput
-    finished_at: int  # the generator step that ended its last completion
-
-    @property
-    def oldest_version(self) -> int | None:
-        versions = [min(c.policy_versions) for c in self.output.outputs if c.policy_versions]
-        return min(versions) if versions else None
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.output.outputs)
-
-
-@dataclass
-class StreamStats:
-    """Counters since construction: what was dropped, how full the generator ran."""
-
-    admitted_groups: int = 0
-    trained_groups: int = 0
-    dropped_groups: int = 0
-    dropped_tokens: int = 0
-    decode_steps: int = 0  # generator steps run
-    decode_rows: int = 0  # sequences in those steps, summed (occupancy = decode_rows / decode_steps)
-    staleness: Counter = field(default_factory=Counter)  # trained tokens by age in optimizer steps
+# group index -> (prompt ids, params), or (prompt ids, params, keywords of EpisodeSession.add) for episodes
+GroupSource = Callable[[int], tuple]
 
 
 class StreamingRollouts:
@@ -77,7 +55,9 @@ class StreamingRollouts:
     takes (``rollout.prompts_per_step``). ``max_staleness``: see the module. ``stale_kv``: what the
     KV cache written by older weights becomes when the weights change
     (:meth:`nopad.inference.Generator.update_weights`). ``total_groups``: how many groups the run
-    will train on; none is admitted beyond what that needs (dropped groups are replaced)."""
+    will train on; none is admitted beyond what that needs (dropped groups are replaced).
+    ``episodes``: groups are tool episodes run in this session (``generator.open_episodes(...)``),
+    ``source(i)`` may add the keywords of its ``add`` (e.g. ``reset_kwargs``); closed with the stream."""
 
     def __init__(
         self,
@@ -88,16 +68,17 @@ class StreamingRollouts:
         max_staleness: int,
         stale_kv: str = "keep",
         total_groups: int | None = None,
+        episodes: EpisodeSession | None = None,
     ):
         check_streaming(max_staleness, stale_kv)
         if groups_per_step < 1:
             raise ValueError(f"groups_per_step must be >= 1, got {groups_per_step}")
         self.generator, self.source = generator, source
         self.groups_per_step, self.max_staleness, self.stale_kv = groups_per_step, max_staleness, stale_kv
-        self.total_groups = total_groups
+        self.total_groups, self.episodes = total_groups, episodes
         self.stats = StreamStats()
         self._next = 0  # the next group index to admit
-        self._in_flight: dict[str, int] = {}  # request id -> group index
+        self._in_flight: dict[str | int, int] = {}  # request id (episodes: session group) -> group index
         self._ready: list[FinishedGroup] = []  # finished, in (finished_at, index) order
         self._steps = 0
 
@@ -128,7 +109,7 @@ class StreamingRollouts:
         taken, self._ready = self._ready[: self.groups_per_step], self._ready[self.groups_per_step :]
         now = self.policy_version
         for group in taken:
-            for completion in group.output.outputs:
+            for completion in group.samples:
                 self.stats.staleness.update(now - v for v in completion.policy_versions)
         self.stats.trained_groups += len(taken)
         return sorted(taken, key=lambda g: g.index)
@@ -140,13 +121,13 @@ class StreamingRollouts:
         self.generator.update_weights(self.stale_kv, steps)
         self._collect(self.generator.take_finished())  # groups the overlapped step in flight finished
         now = self.policy_version
-        for request_id, index in list(self._in_flight.items()):
-            request = self.generator.request(request_id)
-            versions = [seq.policy_versions[0] for seq in request.samples if seq is not None and seq.policy_versions]
+        for key, index in list(self._in_flight.items()):
+            seqs = self._sequences(key)
+            versions = [seq.policy_versions[0] for seq in seqs if seq.policy_versions]
             if versions and now - min(versions) > self.max_staleness:
-                tokens = sum(len(seq.policy_versions) for seq in request.samples if seq is not None)
-                self.generator.abort(request_id)  # its "abort" output comes from the next step: ignored
-                del self._in_flight[request_id]
+                tokens = sum(len(seq.policy_versions) for seq in seqs)
+                self._abort(key)  # its "abort" output comes from the next step: ignored
+                del self._in_flight[key]
                 self.stats.dropped_groups += 1
                 self.stats.dropped_tokens += tokens
                 logger.debug(
@@ -158,6 +139,8 @@ class StreamingRollouts:
 
     def close(self) -> None:
         """Abort what is still in flight (the run is over, or failed) and free the KV cache."""
+        if self.episodes is not None:
+            self.episodes.close()
         self.generator.abort_all()
         self._in_flight.clear()
         self.generator.release()
@@ -166,6 +149,7 @@ class StreamingRollouts:
         """What a checkpoint keeps of the stream (picklable): the groups in flight (their tokens,
         log-probs and versions so far), the finished ones not yet trained, the counters and the
         policy version. With ``stale_kv=recompute`` a run resumed from it continues bitwise."""
+        self._refuse_episode_checkpoint()
         return {
             "next": self._next,
             "steps": self._steps,
@@ -179,6 +163,7 @@ class StreamingRollouts:
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict` on a fresh generator: every sequence in flight re-prefills
         its prompt and tokens with the current weights before its next token."""
+        self._refuse_episode_checkpoint()
         if self.stale_kv == "keep" and state["in_flight"]:
             logger.warning(
                 "resuming %d streaming groups in flight: their KV cache is recomputed with the "
@@ -229,13 +214,16 @@ class StreamingRollouts:
             ahead = len(self._in_flight) + len(self._ready)
             if ahead >= window:
                 return
-            prompt, params = self.source(self._next)
+            prompt, params, *more = self.source(self._next)
             if ahead >= self.groups_per_step:
                 live = sum(s.fork_count for s in (*scheduler.running, *scheduler.waiting))
                 if live + params.n > scheduler.max_num_seqs:
                     return
-            request_id = generator.add_request(prompt, params, request_id=f"group-{self._next}")
-            self._in_flight[request_id] = self._next
+            if self.episodes is not None:
+                key = self.episodes.add(prompt, params, **(more[0] if more else {}))
+            else:
+                key = generator.add_request(prompt, params, request_id=f"group-{self._next}")
+            self._in_flight[key] = self._next
             self._next += 1
             self.stats.admitted_groups += 1
 
@@ -257,7 +245,33 @@ class StreamingRollouts:
             for out in finished
             if out.request_id in self._in_flight
         ]
+        if self.episodes is not None:  # (an aborted group is no longer in flight: ignored)
+            done += [
+                FinishedGroup(self._in_flight.pop(group), None, self._steps, episodes)
+                for group, episodes in self.episodes.take_finished()
+                if group in self._in_flight
+            ]
         self._ready.extend(sorted(done, key=lambda g: g.index))
+
+    def _sequences(self, key) -> list:
+        """The live samples of an in-flight group (their policy versions so far)."""
+        if self.episodes is not None:
+            return self.episodes.sequences(key)
+        return [seq for seq in self.generator.request(key).samples if seq is not None]
+
+    def _abort(self, key) -> None:
+        if self.episodes is not None:
+            self.episodes.abort(key)
+        else:
+            self.generator.abort(key)
+
+    def _refuse_episode_checkpoint(self) -> None:
+        if self.episodes is not None:
+            raise NotImplementedError(
+                "a checkpoint of streaming tool episodes is not supported: an episode in flight holds "
+                "running tools and environments that cannot be saved; checkpoint a synchronous run "
+                "(rollout.mode=sync) or a single-turn streaming one"
+            )
 
     def _drop_stale(self) -> None:
         """Drop finished groups too old to train on now (their oldest token > max_staleness steps)."""
@@ -310,9 +324,11 @@ def streaming_step(
     step: int,
     temperature: float,
     ref_model=None,
+    episode_reward: bool = False,
 ) -> dict:
     """One streaming GRPO step: the next groups from ``stream`` (``group_examples(i)``: the example and
-    prompt ids of group ``i``), scored and trained as the synchronous step does
+    prompt ids of group ``i``; ``episode_reward``: tool episodes are rewarded whole, as
+    ``ToolEpisodes.episode_reward``), scored and trained as the synchronous step does
     (:func:`nopad.training.grpo_step.score_and_train`, each token's own recorded behaviour log-prob as
     its old log-prob), then the generator is told the weights changed. Every rank calls it each step.
     Under ZeRO-3 / FSDP2 the step's generator steps run on the full weights, gathered once for them
@@ -324,6 +340,7 @@ def streaming_step(
 
     from nopad.packing.invariance import batch_invariant
     from nopad.training.grpo import Rollout
+    from nopad.training.grpo_episodes import episode_sample, tool_metrics
     from nopad.training.grpo_step import score_and_train
 
     window, t0 = stream.snapshot(), time.perf_counter()
@@ -334,15 +351,20 @@ def streaming_step(
     for group in groups:
         example, prompt_ids = group_examples(group.index)
         examples.append(example)
-        samples.append(
-            [(c.token_ids, Rollout.from_completion(prompt_ids, c, loss.logprobs)) for c in group.output.outputs]
-        )
+        if group.episodes is not None:  # tool episodes: the tools' tokens are context, not trained on
+            samples.append([episode_sample(ep, episode_reward, loss.logprobs) for ep in group.episodes])
+        else:
+            samples.append(
+                [(c.token_ids, Rollout.from_completion(prompt_ids, c, loss.logprobs)) for c in group.output.outputs]
+            )
     metrics = score_and_train(
         stepper, samples, examples, reward_fn, tokenizer, loss, step=step, temperature=temperature, ref_model=ref_model
     )
     stream.weights_updated(metrics["optimizer_steps"])
+    episodes = [ep for group in groups for ep in group.episodes or ()]
     return {
         **metrics,
+        **(tool_metrics(episodes) if stream.episodes is not None else {}),
         **stream.metrics(window),
         "rollout_s": rollout_time,
         "rollout_tokens_per_s": metrics["completion_tokens"] / max(rollout_time, 1e-9),

@@ -451,6 +451,8 @@ def test_bad_episode_arguments_are_named():
     gen = Generator(tiny_model("llama"), block_size=4, num_blocks=64)
     with pytest.raises(ValueError, match="max_turns"):
         EpisodeLimits(max_turns=0)
+    with pytest.raises(ValueError, match=r"EpisodeLimits.tool_grace must be a number of seconds >= 0, got -1"):
+        EpisodeLimits(tool_grace=-1)
     with pytest.raises(ValueError, match="tokenizer"):
         gen.run_episodes([[3, 4]], TOOLS, GREEDY)
     with pytest.raises(ValueError, match="fork\\(\\) returned 0"):
@@ -458,6 +460,42 @@ def test_bad_episode_arguments_are_named():
             prompts_of(LENGTHS), TOOLS, GREEDY, limits=LIMITS, tool_format=TokenFormat(), fork=lambda ep: 0
         )
     assert not gen.has_unfinished()
+
+
+def test_an_open_session_runs_groups_added_while_others_run():
+    """``open_episodes``: groups added one at a time, some while others decode or wait on tools, end as
+    ``run_episodes`` ends them (greedy: the same tokens), each handed back once, when its last
+    episode ends; the session holds the generator until it is closed."""
+    model = tiny_model("llama")
+    prompts = prompts_of(LENGTHS)
+    batch = Generator(model, block_size=4, num_blocks=256).run_episodes(
+        prompts, TOOLS, GREEDY, limits=LIMITS, tool_format=TokenFormat()
+    )
+    gen = Generator(model, block_size=4, num_blocks=256)
+    session = gen.open_episodes(TOOLS, limits=LIMITS, tool_format=TokenFormat())
+    assert session.add(prompts[0], GREEDY) == 0
+    with pytest.raises(RuntimeError, match="open_episodes\\(\\) while requests are in flight"):
+        gen.open_episodes(TOOLS, limits=LIMITS, tool_format=TokenFormat())
+    finished, step = [], 0
+    while session.live or len(finished) < len(prompts):
+        if step % 3 == 0 and step // 3 + 1 < len(prompts):
+            assert session.add(prompts[step // 3 + 1], GREEDY) == step // 3 + 1
+        gen.step()
+        finished += [(group, step, episodes) for group, episodes in session.take_finished()]
+        step += 1
+    assert sorted(group for group, _, _ in finished) == list(range(len(prompts)))
+    assert [s for _, s, _ in finished] == sorted(s for _, s, _ in finished)
+    for group, _, (episode,) in finished:
+        ref = batch[group]
+        assert (episode.prompt_index, episode.completion_ids, episode.model_mask) == (
+            group,
+            ref.completion_ids,
+            ref.model_mask,
+        )
+        assert len(episode.policy_versions) == sum(episode.model_mask) and set(episode.policy_versions) == {0}
+    session.close()
+    assert not gen.has_unfinished() and gen.allocator.num_free == gen.allocator.num_blocks
+    gen.run_episodes(prompts[:1], TOOLS, GREEDY, limits=LIMITS, tool_format=TokenFormat())  # free again
 
 
 # ----------------------------------------------------------------------------- the chat template's format

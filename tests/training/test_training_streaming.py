@@ -214,8 +214,11 @@ def test_bad_streaming_settings_are_one_line_at_the_config(rollout, says):
 
 
 def test_streaming_refuses_what_it_cannot_serve_before_the_model_loads():
-    with pytest.raises(ConfigError, match="tool episodes"):
-        tiny_config(rollout={"mode": "streaming"}, task={"name": "calculator"})
+    assert tiny_config(rollout={"mode": "streaming"}, task={"name": "calculator"}).rollout.mode == "streaming"
+    with pytest.raises(ConfigError, match=r"checkpoint\.every.*streaming tool episodes"):
+        tiny_config(rollout={"mode": "streaming"}, task={"name": "calculator"}, checkpoint={"every": 1}, output_dir="x")
+    with pytest.raises(ConfigError, match=r"checkpoint\.resume_from.*streaming tool episodes"):
+        tiny_config(rollout={"mode": "streaming"}, task={"name": "calculator"}, checkpoint={"resume_from": "latest"})
     with pytest.raises(ConfigError, match="sharded_rollout=gather"):
         tiny_config(rollout={"mode": "streaming"}, generator={"sharded_rollout": "lockstep"})
 
