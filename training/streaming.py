@@ -35,7 +35,6 @@ from nopad.inference.generator import Generator
 from nopad.inference.generator_episodes import EpisodeSession
 from nopad.inference.in_flight import restore_requests, save_requests
 from nopad.inference.outputs import RequestOutput
-from nopad.inference.sampling_params import SamplingParams
 from nopad.inference.sharded import gathered_weights, sharded_weights
 from nopad.inference.weight_updates import STALE_KV
 from nopad.packing.distributed import world_size
