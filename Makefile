@@ -42,7 +42,8 @@ test: setup-test lint
 # The generator's tests again with overlap scheduling on (Generator(overlap=None) reads NOPAD_OVERLAP):
 # every one must hold with it on and off (nopad/inference/overlap.py).
 test-overlap:
-	NOPAD_OVERLAP=1 $(PYTHON) -m pytest -q -n 2 --dist loadfile tests/inference tests/training/test_training_streaming.py
+	NOPAD_OVERLAP=1 $(PYTHON) -m pytest -q -n 2 --dist loadfile tests/inference tests/training/test_training_streaming.py \
+		tests/training/test_training_streaming_episodes.py
 
 bench: setup
 	$(PIP) install -e ".[bench]"

@@ -163,6 +163,7 @@ class Generator(EpisodeGeneration):
         nothing can run, wait for a tool (never spin). The sequences' owners act through hooks."""
         scheduler = self.scheduler
         scheduler.poll_paused(block=False)
+        completing = self.pipeline.in_flight is not None
         if self.pipeline.advance():  # step N+1 launched on N's draws, then N completed
             return self.take_finished()
         plan = scheduler.schedule()
@@ -171,15 +172,14 @@ class Generator(EpisodeGeneration):
         elif plan.seqs:
             logits, rows = self._forward(plan)
             scheduler.postprocess(plan, rows, lambda index, seqs: self.sampler.sample(logits, index, seqs))
-        elif scheduler.paused:
-            scheduler.poll_paused(block=True)  # every live sequence waits on a tool: wait, don't spin
+        elif scheduler.paused:  # all wait on tools: wait, don't spin (a completed step's outputs first)
+            scheduler.poll_paused(block=not completing)
         elif (scheduler.has_work() or self.has_unfinished()) and not self._plain.ready:
             raise RuntimeError("the scheduler could not plan a step; this is a bug")
         return self.take_finished()
 
     def take_finished(self) -> list[RequestOutput]:
-        """Outputs finished since :meth:`step` last returned (by :meth:`update_weights` completing
-        an overlapped step): the next step would return them."""
+        """Outputs finished since :meth:`step` last returned (an :meth:`update_weights` can finish some)."""
         finished, self._plain.ready = self._plain.ready, []
         return finished
 
