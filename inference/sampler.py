@@ -102,37 +102,51 @@ class PendingSample:
     sampling: torch.Tensor | None  # processed-distribution log-probs; None: greedy/untouched rows, 0
     top: list[tuple[torch.Tensor, torch.Tensor] | None]  # (values, ids) of the rows that asked
     policy_version: int = 0
+    _host: tuple | None = None  # CUDA: the fields above, copied to pinned host memory behind _event
     _event: object = None
 
     def __post_init__(self) -> None:
-        if self.tokens.device.type == "cuda":
-            for name in ("tokens", "raw_picked", "temperature", "sampling"):
-                t = getattr(self, name)
-                if t is not None:
-                    setattr(self, name, _to_pinned_host(t))
-            self.top = [None if t is None else (_to_pinned_host(t[0]), _to_pinned_host(t[1])) for t in self.top]
+        if _reads_back_async(self.tokens.device):  # (the device tokens stay: the next step's input ids)
+            self._host = (
+                _to_pinned_host(self.tokens),
+                _to_pinned_host(self.raw_picked),
+                None if self.temperature is None else _to_pinned_host(self.temperature),
+                None if self.sampling is None else _to_pinned_host(self.sampling),
+                [None if t is None else (_to_pinned_host(t[0]), _to_pinned_host(t[1])) for t in self.top],
+            )
             self._event = torch.cuda.Event()
             self._event.record()
 
     def result(self) -> SampleResult:
-        if self._event is not None:
-            self._event.synchronize()
-        token_list = self.tokens.tolist()
-        logprobs = self.raw_picked.tolist()
-        top: list[dict[int, float] | None] = [None] * len(token_list)
-        for i, t in enumerate(self.top):
-            if t is not None:
-                d = dict(zip(t[1].tolist(), t[0].tolist()))
-                d.setdefault(token_list[i], logprobs[i])
-                top[i] = d
-        return SampleResult(
-            tokens=token_list,
-            logprobs=logprobs,
-            temperature_logprobs=list(logprobs) if self.temperature is None else self.temperature.tolist(),
-            sampling_logprobs=[0.0] * len(token_list) if self.sampling is None else self.sampling.tolist(),
-            top_logprobs=top,
-            policy_version=self.policy_version,
-        )
+        if self._host is None:
+            return _read_back(
+                self.tokens, self.raw_picked, self.temperature, self.sampling, self.top, self.policy_version
+            )
+        self._event.synchronize()
+        return _read_back(*self._host, self.policy_version)
+
+
+def _read_back(tokens, raw_picked, temperature, sampling, top_rows, policy_version: int) -> SampleResult:
+    token_list = tokens.tolist()
+    logprobs = raw_picked.tolist()
+    top: list[dict[int, float] | None] = [None] * len(token_list)
+    for i, t in enumerate(top_rows):
+        if t is not None:
+            d = dict(zip(t[1].tolist(), t[0].tolist()))
+            d.setdefault(token_list[i], logprobs[i])
+            top[i] = d
+    return SampleResult(
+        tokens=token_list,
+        logprobs=logprobs,
+        temperature_logprobs=list(logprobs) if temperature is None else temperature.tolist(),
+        sampling_logprobs=[0.0] * len(token_list) if sampling is None else sampling.tolist(),
+        top_logprobs=top,
+        policy_version=policy_version,
+    )
+
+
+def _reads_back_async(device: torch.device) -> bool:
+    return device.type == "cuda"
 
 
 def _to_pinned_host(t: torch.Tensor) -> torch.Tensor:

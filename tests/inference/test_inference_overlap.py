@@ -216,3 +216,39 @@ def test_static_and_compiled_decode_overlapped_equal_serial():
     assert gen._runner.static_steps > 0 and gen.stats()["overlap_steps"] > 0
     assert [c[2] for c in got] == [c[2] for c in ref]
     torch.testing.assert_close([c[5] for c in got], [c[5] for c in ref])
+
+
+def test_on_cuda_the_draws_are_read_back_from_pinned_copies_and_stay_on_the_device(monkeypatch):
+    """The CUDA read-back path, run on CPU with its copies and event stood in for: the result comes
+    from the host copies made behind the event, and the device tokens stay where the next step's
+    input ids are gathered from (a host copy there would be a cross-device index on a GPU)."""
+    from nopad.inference import sampler
+
+    copies, events = [], []
+
+    class Event:
+        def record(self):
+            events.append("record")
+
+        def synchronize(self):
+            events.append("sync")
+
+    def pinned(t):
+        copies.append(t)
+        return t.clone()
+
+    monkeypatch.setattr(sampler, "_reads_back_async", lambda device: True)
+    monkeypatch.setattr(sampler, "_to_pinned_host", pinned)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    model = tiny_model("llama")
+    prompts = prompts_of([5, 7, 4])
+    params = SamplingParams(max_tokens=8, temperature=0.9, seed=2, logprobs=2, n=2)
+    monkeypatch.setenv("NOPAD_OVERLAP", "0")
+    serial = completions(Generator(model, block_size=4, num_blocks=64).generate(prompts, params, use_tqdm=False))
+    gen = Generator(model, block_size=4, num_blocks=64, overlap=True)
+    launched = []
+    launch = gen.pipeline.launch
+    gen.pipeline.launch = lambda plan, prev=None: (launch(plan, prev), launched.append(gen.pipeline.in_flight))[0]
+    assert completions(gen.generate(prompts, params, use_tqdm=False)) == serial
+    assert launched and all(f.sample.tokens is not f.sample._host[0] for f in launched)
+    assert copies and events.count("record") >= len(launched) and "sync" in events
