@@ -224,7 +224,15 @@ def run_nopad(model, tok, prompts, max_new, args, warmed=lambda: None) -> tuple[
         f"{stats['steps']} forward steps, block {args.block_size}, budget {args.max_batch_tokens}, "
         f"{stats['preemptions']} preemptions, prefix-cache hits {hits} tokens"
     )
-    return Run("nopad Generator (in-flight)", sum(max_new), seconds, outputs, notes), stats["seqs_per_step"]
+    name = "nopad Generator (in-flight)"
+    if gen.overlap:
+        name = "nopad Generator (in-flight, overlap)"
+        notes += (
+            f"; overlap: {stats['overlap_steps']} steps launched before the one before was read back, "
+            f"{100 * stats['overlap_breaks'] / max(stats['steps'], 1):.1f} breaks per 100 steps, "
+            f"{stats['overlap_wasted_tokens']} tokens computed past a stop"
+        )
+    return Run(name, sum(max_new), seconds, outputs, notes), stats["seqs_per_step"]
 
 
 def run_nopad_grpo(model, tok, prompts, args) -> Run:
@@ -383,6 +391,9 @@ def parse_args(argv=None):
     p.add_argument("--grpo-n", type=int, default=8)
     p.add_argument("--grpo-new-tokens", type=int, default=128)
     p.add_argument("--check-prompts", type=int, default=4, help="prompts re-run alone with HF for agreement")
+    p.add_argument(
+        "--overlap", action="store_true", help="nopad with Generator(overlap=True); its notes count the pipeline breaks"
+    )
     p.add_argument("--skip-hf-generate", action="store_true")
     p.add_argument("--skip-hf-cb", action="store_true")
     p.add_argument("--skip-grpo", action="store_true")

@@ -116,7 +116,12 @@ def run_nopad(name: str, base, prompts, lengths, args, max_staleness: int, stale
     model = copy.deepcopy(base)
     stepper = OptimizerStepper(model, torch.optim.AdamW(model.parameters(), lr=1e-6), Accelerator(cpu=True))
     generator = Generator(
-        model, block_size=16, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512, kv_memory_bytes=2 << 30
+        model,
+        block_size=16,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=512,
+        kv_memory_bytes=2 << 30,
+        overlap=args.overlap,
     )
     admitted_at: list[int] = []  # decode steps run when each group was admitted
 
@@ -168,6 +173,7 @@ def run_nopad(name: str, base, prompts, lengths, args, max_staleness: int, stale
         "dropped_tokens": stream.stats.dropped_tokens,
         "staleness": dict(sorted(stream.stats.staleness.items())),
         "decode_steps": len(rows),
+        "overlap_breaks_per_100": 100 * generator.stats()["overlap_breaks"] / max(len(rows), 1),
     }
 
 
@@ -283,6 +289,9 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32, help="the generator's sequence slots")
     parser.add_argument("--exact", action="store_true", help="in nopad.packing.batch_invariant() (bitwise log-probs)")
     parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument(
+        "--overlap", action="store_true", help="nopad's generator with overlap scheduling (prints its pipeline breaks)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--learning", action="store_true", help="the learning check: reward curves, sync vs streaming")
     args = parser.parse_args()
@@ -360,6 +369,13 @@ def report(results: list[dict], max_num_seqs: int) -> None:
         f"nothing would give streaming at most {1 / max(1 - share, 1e-9):.2f}x sync's trained tokens per wall "
         "second (the training per token is the same in both)"
     )
+    if any(r.get("overlap_breaks_per_100") for r in results):
+        print(
+            "overlap scheduling, pipeline breaks per 100 generator steps: "
+            + ", ".join(
+                f"{r['name']} {r['overlap_breaks_per_100']:.1f}" for r in results if "overlap_breaks_per_100" in r
+            )
+        )
     print("\nstaleness of the trained tokens (optimizer steps old: tokens)")
     for r in results:
         print(f"  {r['name']:26s} {r['staleness']}")
