@@ -41,12 +41,13 @@ def gated_delta_step(
     token (as HF's decode calls it): the tensors are laid out and normalised as that function lays
     them, and ``state * decay``, ``state + k delta`` become ``mul_`` and ``add_``."""
     dtype, heads = query.dtype, value.shape[2]
-    query, key, value, g, beta = (t.transpose(0, 1) for t in (query, key, value, g, beta))  # (N, 1, ...)
+    # lists, not generators: a generator is a Python call per item, and this runs per layer and step
+    query, key, value, g, beta = [t.transpose(0, 1) for t in (query, key, value, g, beta)]  # (N, 1, ...)
     if key.shape[2] != heads:  # grouped value heads: each q/k head serves several
-        query, key = (t.repeat_interleave(heads // key.shape[2], dim=2) for t in (query, key))
-    query, key, value, beta, g = (
+        query, key = [t.repeat_interleave(heads // key.shape[2], dim=2) for t in (query, key)]
+    query, key, value, beta, g = [
         t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for t in (query, key, value, beta, g)
-    )
+    ]
     if use_qk_l2norm_in_kernel:
         query, key = _l2norm(query), _l2norm(key)
     query = query / (query.shape[-1] ** 0.5)

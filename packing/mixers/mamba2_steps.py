@@ -150,7 +150,7 @@ def torch_step(x, dt, A, B, C, D, z, state: torch.Tensor) -> torch.Tensor:
     them where that function made 8 (and the generator copied them twice more). Returns the output."""
     heads, head_dim, size = x.shape[1], x.shape[2], B.shape[-1]
     state.mul_(torch.exp(dt.float() * A.float())[..., None, None])
-    B, C = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (B, C))  # each head its group's
+    B, C = [t.repeat_interleave(heads // t.shape[1], dim=1) for t in (B, C)]  # each head its group's
     state.add_((dt[..., None] * B)[:, :, None, :] * x[..., None])
     out = torch.bmm(state.to(C.dtype).view(-1, head_dim, size), C.reshape(-1, size, 1)).view(x.shape)
     if D is not None:
