@@ -214,7 +214,9 @@ class StateCache:
     ) -> torch.Tensor:
         """One kernel call of the step on the state tensor named ``kind``: ``fn(meta,
         initial_states)`` runs the row from each sequence's slot and returns ``(output,
-        final_states)``; the finals go back to the slots."""
+        final_states)``; the finals go back to the slots. ``fn`` may update ``initial_states`` in
+        place and return it as the finals: on consecutive slots it is a view of the slots, so
+        nothing is copied back (a decode step's states are most of its memory traffic)."""
         step = self._step
         if step is None:
             raise RuntimeError("a stateful kernel ran outside a generator step")
@@ -231,13 +233,14 @@ class StateCache:
                 f"more {kind} kernel calls in one step than the {len(tensors)} stateful layers nopad sized"
             )
         store = tensors[i]
-        # consecutive slots pass a view, no copy: only this step's sequences own those rows, and
-        # their finals overwrite them below
-        initial = store[step.index]
+        # consecutive slots pass a view, no copy: only this step's sequences own those rows
+        view = isinstance(step.index, slice)
+        initial = store[step.index] if view else store.index_select(0, step.index)
         out, final = fn(step.meta, initial)
         if final.shape != initial.shape:
             raise RuntimeError(
                 f"{kind} call {i} returned a state of shape {tuple(final.shape)}; its slots hold {tuple(initial.shape)}"
             )
-        store[step.index] = final.to(store.dtype)
+        if final is not initial or not view:  # else updated in place, in the slots already
+            store[step.index] = final.to(store.dtype)
         return out

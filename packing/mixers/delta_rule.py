@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from nopad.packing import invariance
-from nopad.packing.mixers import chunked_delta_rule
+from nopad.packing.mixers import chunked_delta_rule, delta_step
 from nopad.packing.mixers.chunks import piece_rows
 from nopad.packing.mixers.kernels import disable, package_function
 from nopad.packing.mixers.recurrence import recurrence_plan
@@ -59,6 +59,7 @@ def varlen_delta_rule(
     fla_kernel: str | None = "chunk_gated_delta_rule",
     chunk_size: int = 64,
     recurrent: Callable | None = None,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A chunked delta rule over ``meta``'s row (``query``/``key`` ``(1, T, H, K)``, ``value``
     ``(1, T, HV, V)``, ``g`` ``(1, T, HV)`` or ``(1, T, HV, K)``, ``beta`` ``(1, T, HV)``).
@@ -68,8 +69,9 @@ def varlen_delta_rule(
     ``fla_kernel`` names fla's varlen function of the same rule (None: reference only).
     ``initial_state``: ``(N, HV, K, V)`` per sequence of a packed row. ``recurrent``: the same
     rule token by token (same call, no ``chunk_size``), which :func:`nopad.packing.batch_invariant`
-    runs instead. Returns the output ``(1, T, HV, V)`` and, with ``output_final_state``, each
-    sequence's final state."""
+    runs instead. ``in_place``: a decode step of the gated delta rule may update ``initial_state``
+    (the generator's slots) in place and return it (:mod:`nopad.packing.mixers.delta_step`).
+    Returns the output ``(1, T, HV, V)`` and, with ``output_final_state``, the final states."""
     _check_row(query, meta, initial_state)
     stepwise = None
     if invariance.is_enabled():
@@ -79,7 +81,8 @@ def varlen_delta_rule(
     tensors, common = (query, key, value, g, beta), dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     fla = _fla_rule(fla_kernel, tensors, common, meta.is_static)
     decode = stepwise or (None if chunk_size else reference)  # the token-by-token rule, if one runs
-    step = _decode_step(decode, fla, tensors, meta, initial_state, common)
+    in_place = in_place and fla_kernel == "chunk_gated_delta_rule" and g.dim() == 3 and delta_step.matches(recurrent)
+    step = _decode_step(decode, fla, tensors, meta, initial_state, common, in_place)
     if step is not None:
         return step[0], step[1] if output_final_state else None
     plan = recurrence_plan(meta)  # after the decode step, which needs none
@@ -227,12 +230,19 @@ def _backward_error(fla: Callable, shapes, device: torch.device, common: dict) -
 
 
 def _decode_step(
-    rule: Callable | None, fla, tensors, meta: VarlenMeta, initial_state: torch.Tensor | None, common: dict
+    rule: Callable | None,
+    fla,
+    tensors,
+    meta: VarlenMeta,
+    initial_state: torch.Tensor | None,
+    common: dict,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A decode step (one token per sequence, each from its slot): the one batched call of the
     token-by-token ``rule`` that the row's plan would make, without building the plan (six
-    layers' worth of Python per step). Returns the output ``(1, N, HV, V)`` and the finals;
-    None when the row is not such a step (or no token-by-token rule runs it, or fla does)."""
+    layers' worth of Python per step), or with ``in_place`` its ops on ``initial_state`` itself.
+    Returns the output ``(1, N, HV, V)`` and the finals; None when the row is not such a step
+    (or no token-by-token rule runs it, or fla does)."""
     one_each = meta.is_static or (meta.max_seqlen_q == 1 and meta.total_q == meta.num_seqs)
     if meta.is_static and (rule is None or initial_state is None):
         raise ValueError(
@@ -241,6 +251,8 @@ def _decode_step(
         )
     if rule is None or fla is not None or initial_state is None or meta.key_rows is not None or not one_each:
         return None
+    if in_place and initial_state.dtype == torch.float32:
+        return delta_step.gated_delta_step(*tensors, initial_state, **common), initial_state
     rows = (t.transpose(0, 1) for t in tensors)  # (N, 1, ...): each sequence a batch row of one step
     out, final = rule(*rows, initial_state=initial_state.to(torch.float32), output_final_state=True, **common)
     return out.transpose(0, 1), final

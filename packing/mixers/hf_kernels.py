@@ -136,6 +136,7 @@ def _delta_rule(kernel: str) -> Callable[[Callable], Callable]:
                     meta=meta,
                     initial_state=initial,
                     output_final_state=True,
+                    in_place=True,
                     **common,
                 )
 

@@ -33,11 +33,12 @@ from its slot (its conv inputs, its ``(heads, head_dim, state)`` SSM state) and 
 state back, so a prefill chunk continues the previous chunk and a decode step continues the last
 token. The sequences of several tokens run that chunked scan together, each from its slot (HF's
 own prefill runs ``mamba2_chunk_scan`` from ``initial_states``); the one-token sequences of the
-step (decode) run together through the module's ``mamba2_selective_state_update``, as HF's own
-decode does, with ``dt_limit`` applied as the chunk scan applies it (so decode computes what a
-training forward computes). Anything else with cached context is refused here. A static decode step (the
-generator's ``static_decode`` / ``compile_decode``: one token a row, lengths on the device only)
-runs that recurrent step on every row, so the step compiles and captures.
+step (decode) run together through the arithmetic of the module's ``mamba2_selective_state_update``
+(HF's own decode step; mamba_ssm's kernel where chosen), in place in their slots, with ``dt_limit``
+applied as the chunk scan applies it (so decode computes what a training forward computes).
+Anything else with cached context is refused here. A static decode step (the generator's
+``static_decode`` / ``compile_decode``: one token a row, lengths on the device only) runs that
+recurrent step on every row, so the step compiles and captures.
 
 **Inside** :func:`nopad.packing.batch_invariant` the trainer's rows and the generator's steps all scan
 token by token (:mod:`nopad.packing.mixers.ssm_steps`; the conv takes its ordered gathers), so rollout
@@ -62,6 +63,7 @@ from nopad.packing.mixers.conv import varlen_causal_conv1d
 from nopad.packing.mixers.hf_kernels import conv_recurrent_state
 from nopad.packing.mixers.kernels import package_function
 from nopad.packing.mixers.mamba2_steps import check_row, step_chunk_scan, step_conv
+from nopad.packing.mixers.mamba2_steps import matches as step_matches
 from nopad.packing.mixers.recurrence import recurrence_plan
 from nopad.packing.mixers.ssm_steps import row_scan
 from nopad.packing.mixers.state import LayerState, step_states
@@ -323,12 +325,13 @@ def mixers(generate: bool = False) -> tuple[type, ...]:
 
 
 def _steps(mixer: type) -> bool:
-    """Whether ``mixer``'s module has the recurrent step the generator's decode calls."""
+    """Whether ``mixer``'s module has the recurrent step its own decode calls, and nopad's decode
+    step computes what it does (:func:`nopad.packing.mixers.mamba2_steps.matches`)."""
     function = getattr(inspect.getmodule(mixer), STEP_FUNCTION, None)
     if function is None:
         return False
     params = inspect.signature(inspect.unwrap(function)).parameters
-    return all(p in params for p in STEP_PARAMETERS)
+    return all(p in params for p in STEP_PARAMETERS) and step_matches(function)
 
 
 def layer_state(module, path: str = "") -> LayerState | None:

@@ -5,17 +5,26 @@ sequence of a step continues its convolution and SSM scan from its state slot
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from nopad.packing import invariance
 from nopad.packing.mixers import chunked_ssd
+from nopad.packing.mixers.chunks import probe_inputs
 from nopad.packing.mixers.conv import varlen_causal_conv1d
 from nopad.packing.mixers.hf_kernels import CONV, RECURRENT
+from nopad.packing.mixers.kernels import package_function
 from nopad.packing.mixers.ssm_steps import discretise_dt, token_scan
 from nopad.packing.varlen import VarlenMeta
+
+_MATCHES: dict[Callable, bool] = {}
+# mamba_ssm's one-token step, which each Mamba2 mixer's module calls where it is installed
+STEP_KERNEL = ("mamba_ssm.ops.triton.selective_state_update", "selective_state_update")
 
 
 def check_row(batch: int, length: int, meta: VarlenMeta, what: str) -> None:
@@ -61,15 +70,16 @@ def step_chunk_scan(
 ):
     """The SSD scan of a generator step: each sequence continues from the SSM state in its slot.
     Sequences of several tokens: nopad's own chunked scan, all at once, each from its slot;
-    one-token sequences: ``update`` (the module's recurrent step) all at once. The
+    one-token sequences: :func:`recurrent_step` all at once, in place in their slots (``update``:
+    the module's own recurrent step, which runs mamba_ssm's kernel where chosen). The
     forward's other keyword arguments (``**_``: the model's, nopad's) are not the scan's."""
     scan = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
 
     def run(meta: VarlenMeta, initial: torch.Tensor):
         check_row(hidden_states.shape[0], hidden_states.shape[1], meta, "mamba2_chunk_scan")
-        if meta.is_static:  # a static decode step: one token a row, no host lengths (capturable)
+        if meta.is_static:  # a static decode step: one token a row, no host lengths or package look-up (capturable)
             out, finals = recurrent_step(
-                update, hidden_states[0], dt[0], A, B[0], C[0], None if z is None else z[0], initial, **scan
+                None, hidden_states[0], dt[0], A, B[0], C[0], None if z is None else z[0], initial, **scan
             )
             return out[None], finals
         cu = [0, *itertools.accumulate(meta.seqlens_q)]  # host-side: no device sync
@@ -117,22 +127,67 @@ def step_chunk_scan(
 
 def recurrent_step(update, x, dt, A, B, C, z, state, *, D, dt_bias, dt_softplus, dt_limit):
     """One token of each sequence (``x``: ``(N, heads, head_dim)``, ``dt``: ``(N, heads)``, ``B``,
-    ``C``: ``(N, groups, state)``) from ``state`` ``(N, heads, head_dim, state)``: the module's
-    recurrent step, called as its mixer's decode calls it; ``dt`` is discretised here first, as
-    the chunk scan does it, so that ``dt_limit`` applies too. Returns the output and new state."""
-    head_dim, size = x.shape[-1], B.shape[-1]
+    ``C``: ``(N, groups, state)``) from ``state`` ``(N, heads, head_dim, state)`` fp32, which it
+    updates in place; returns the output and ``state``. ``dt`` is discretised first, as the chunk
+    scan does it, so that ``dt_limit`` applies too. Where mamba_ssm's step kernel is chosen
+    (:func:`~nopad.packing.mixers.kernels.package_function`), ``update`` (the module's step, which
+    calls it) runs, as the mixer's own decode calls it; else (and with no ``update``: a static
+    step) :func:`torch_step`."""
     dt = discretise_dt(dt, dt_bias, dt_softplus, dt_limit)
-    state = state.clone()
-    out = update(
-        state,
-        x,
-        dt[..., None].expand(-1, -1, head_dim),
-        A[:, None, None].expand(-1, head_dim, size),
-        B,
-        C,
-        None if D is None else D[:, None].expand(-1, head_dim),
-        z=z,
-        dt_bias=None,
-        dt_softplus=False,
-    )
-    return out, state
+    if update is None or package_function(*STEP_KERNEL, x) is None:
+        return torch_step(x, dt, A, B, C, D, z, state), state
+    head_dim, size = x.shape[-1], B.shape[-1]
+    expand = dict(D=None if D is None else D[:, None].expand(-1, head_dim), z=z, dt_bias=None, dt_softplus=False)
+    dt, A = dt[..., None].expand(-1, -1, head_dim), A[:, None, None].expand(-1, head_dim, size)
+    return update(state, x, dt, A, B, C, **expand), state
+
+
+def torch_step(x, dt, A, B, C, D, z, state: torch.Tensor) -> torch.Tensor:
+    """The arithmetic of transformers' ``mamba2_selective_state_update`` (``dt`` discretised;
+    :func:`matches` checks it), op for op, except that the decay ``exp(A dt)`` and ``dt B`` are
+    computed once per head, not broadcast over the state first, and ``state`` is updated in
+    place: a decode step's states are most of its memory traffic, and this makes 3 passes over
+    them where that function made 8 (and the generator copied them twice more). Returns the output."""
+    heads, head_dim, size = x.shape[1], x.shape[2], B.shape[-1]
+    state.mul_(torch.exp(dt.float() * A.float())[..., None, None])
+    B, C = [t.repeat_interleave(heads // t.shape[1], dim=1) for t in (B, C)]  # each head its group's
+    state.add_((dt[..., None] * B)[:, :, None, :] * x[..., None])
+    out = torch.bmm(state.to(C.dtype).view(-1, head_dim, size), C.reshape(-1, size, 1)).view(x.shape)
+    if D is not None:
+        out = (out + x * D[:, None]).to(out.dtype)
+    if z is not None:
+        out = out * F.silu(z)
+    return out.to(x.dtype)
+
+
+@torch.compiler.disable
+def matches(update: Callable) -> bool:
+    """Whether :func:`torch_step` computes what ``update`` (a family's
+    ``mamba2_selective_state_update``; its torch function is tried) does, called as its mixer's
+    decode calls it: once per function, on a tiny step, so that a release whose step computes
+    something else leaves its family refused in the generator, not computed by this one."""
+    if update not in _MATCHES:
+        shapes = [(2, 4, 3), (2, 4), (4,), (2, 2, 5), (2, 2, 5), (4,), (2, 4, 3), (2, 4, 3, 5)]
+        x, dt, A, B, C, D, z, state = probe_inputs(shapes)
+        dt, A, theirs = dt.abs(), -A.abs() - 0.5, state.clone()
+        try:
+            with torch.no_grad(), torch.autocast("cpu", enabled=False):  # fp32, whatever the caller's mode
+                their_out = inspect.unwrap(update)(
+                    theirs,
+                    x,
+                    dt[..., None].expand(-1, -1, 3),
+                    A[:, None, None].expand(-1, 3, 5),
+                    B,
+                    C,
+                    D[:, None].expand(-1, 3),
+                    z=z,
+                    dt_bias=None,
+                    dt_softplus=False,
+                )
+                out, ours = torch_step(x, dt, A, B, C, D, z, state), state
+            _MATCHES[update] = torch.allclose(out, their_out, rtol=1e-5, atol=1e-6) and torch.allclose(
+                ours, theirs, rtol=1e-5, atol=1e-6
+            )
+        except Exception:  # noqa: BLE001 - a step that cannot run the probe is not this step either
+            _MATCHES[update] = False
+    return _MATCHES[update]

@@ -343,6 +343,44 @@ def test_a_delta_rule_that_computes_otherwise_runs_itself(caplog):
         torch.testing.assert_close(out[:, a:b], want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_decode_step_updates_the_slots_in_place_with_the_token_by_token_rules_bits():
+    """A generator decode step of the gated delta rule (one token per sequence, ``in_place``) runs
+    the ops of transformers' token-by-token rule on the slots themselves: the same bits as that
+    function called as HF's decode calls it, the state updated where it lies. A token-by-token
+    rule that computes otherwise (here: its output scaled) runs itself, out of place."""
+    recurrent = qwen.torch_recurrent_gated_delta_rule.__wrapped__
+    tensors = _rule_inputs([1, 1, 1])
+    meta = VarlenMeta.from_lengths([1, 1, 1])
+    state = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(3))  # (seqs, value heads, K, V)
+    rows = [t.transpose(0, 1) for t in tensors]  # each sequence a batch row of one token
+    want, want_state = recurrent(*rows, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    def step(rule, slots):
+        return varlen_delta_rule(
+            TORCH_RULE,
+            *tensors,
+            meta=meta,
+            initial_state=slots,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            recurrent=rule,
+            in_place=True,
+        )
+
+    slots = state.clone()
+    out, final = step(recurrent, slots)
+    assert final is slots and torch.equal(slots, want_state) and torch.equal(out, want.transpose(0, 1))
+
+    def scaled(*args, **kwargs):
+        out, state = recurrent(*args, **kwargs)
+        return 1.5 * out, state
+
+    slots = state.clone()
+    out, final = step(scaled, slots)
+    assert torch.equal(slots, state) and torch.equal(final, want_state)
+    assert torch.equal(out, 1.5 * want.transpose(0, 1))
+
+
 # ----------------------------------------------------------------------------- fla / causal-conv1d stand-ins
 class KernelStandIns:
     """Strict CPU stand-ins for fla's ``chunk_gated_delta_rule`` and causal-conv1d's

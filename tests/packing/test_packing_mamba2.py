@@ -258,3 +258,22 @@ def test_a_release_whose_scan_computes_otherwise_leaves_its_family_refused(monke
     assert not chunked_ssd.matches(without_dt_limit)
     monkeypatch.setattr(module, "mamba2_chunk_scan", without_dt_limit)
     assert "computes other than nopad's chunked scan" in mamba2._fence(module, "BambaMixer")
+
+
+def test_a_release_whose_decode_step_computes_otherwise_leaves_generation_refused():
+    """nopad's decode step runs the arithmetic of transformers' ``mamba2_selective_state_update``
+    in place in the state slots; every family's step is checked to compute the same once, and one
+    that does not (here: no skip term) leaves the family refused in the generator."""
+    import importlib
+
+    from nopad.packing.mixers import mamba2_steps
+
+    for module_name in mamba2.FAMILIES:
+        assert mamba2_steps.matches(importlib.import_module(module_name).mamba2_selective_state_update)
+    step = importlib.import_module("transformers.models.bamba.modeling_bamba").mamba2_selective_state_update
+
+    def without_skip(state, hidden_states, dt, A, B, C, D=None, **kwargs):
+        return step(state, hidden_states, dt, A, B, C, None, **kwargs)
+
+    assert not mamba2_steps.matches(without_skip)
+    assert not mamba2_steps.matches(lambda *args: None)  # one that cannot run the probe
