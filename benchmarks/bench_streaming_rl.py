@@ -19,6 +19,11 @@ Systems (each trains ``--steps`` optimizer steps from the same initial weights):
     whose rate gives a mean near the workload's, capped at 384; its measured mean is printed, and
     its rates are per its own trained tokens.
 
+The prompt source is endless, as in an RL run that cycles its data: streaming keeps its generator
+full up to the N-th step, and the generation still in flight then is paid for in the wall time but
+never trained (``--finite`` admits only the groups the N steps take: the last steps then decode a
+draining batch, the end of a run rather than its steady state).
+
 Reported per system: trained tokens (completion tokens that entered a loss) per CPU second of the
 process and per wall second, wall time to the N optimizer steps, mean rows per decode step (over
 the steps while prompts were still being admitted, and overall, against ``max_num_seqs``), groups
@@ -138,7 +143,10 @@ def run_nopad(name: str, base, prompts, lengths, args, max_staleness: int, stale
         groups_per_step=args.prompts_per_step,
         max_staleness=max_staleness,
         stale_kv=stale_kv,
-        total_groups=args.steps * args.prompts_per_step,
+        # the prompts never run out (an RL run cycles its data): the generator stays full up to the N-th
+        # step, and what is still in flight then is paid for in the wall time but never trained.
+        # --finite: admit only the groups N steps take, so the last steps decode a draining batch
+        total_groups=args.steps * args.prompts_per_step if args.finite else None,
     )
     loss = GRPOStepConfig(max_tokens_per_batch=4096, batch_invariant=args.exact)
     trained, rollout_s = 0, 0.0
@@ -289,6 +297,9 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32, help="the generator's sequence slots")
     parser.add_argument("--exact", action="store_true", help="in nopad.packing.batch_invariant() (bitwise log-probs)")
     parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument(
+        "--finite", action="store_true", help="streaming admits only the groups the N steps take (a run's last steps)"
+    )
     parser.add_argument(
         "--overlap", action="store_true", help="nopad's generator with overlap scheduling (prints its pipeline breaks)"
     )
