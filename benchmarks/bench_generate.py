@@ -685,8 +685,9 @@ def _attention_timer() -> _CallTimer:
 
 
 def _sampler_timer() -> _CallTimer:
-    """The sampler (where the generator calls it)."""
-    return _CallTimer("nopad.inference.generator", "sample")
+    """The sampler's work (``sample_on_device``, where ``Sampler.draw`` calls it; the read-back after
+    it is a few ``tolist`` calls)."""
+    return _CallTimer("nopad.inference.sampler", "sample_on_device")
 
 
 def time_decode_steps(model, tok, prompts: list[list[int]], args, bare, **gen_kwargs):
