@@ -25,7 +25,7 @@ from nopad.inference.kv_cache import KVCache
 from nopad.inference.live_model import LiveModel
 from nopad.inference.model_runner import DeviceIds, ModelRunner
 from nopad.inference.outputs import RequestOutput, StreamDelta
-from nopad.inference.overlap import Pipeline, overlap_default, pipelinable
+from nopad.inference.overlap import Pipeline, pipelinable, resolve_overlap
 from nopad.inference.plain_requests import PlainRequests
 from nopad.inference.request import Request, Sequence
 from nopad.inference.request_builder import RequestBuilder, eos_token_ids
@@ -128,7 +128,7 @@ class Generator(EpisodeGeneration):
         self.last_episode_stats: dict = {}
         self.versions = PolicyVersions(self.scheduler)  # stamped on every token; see update_weights()
         self.sampler = Sampler(lambda: self.versions.version)  # its rows x vocab scratch reused
-        self.overlap = overlap_default() if overlap is None else overlap  # nopad.inference.overlap
+        self.overlap = resolve_overlap(overlap)  # nopad.inference.overlap
         self.pipeline = Pipeline(self.scheduler, self._forward, self.sampler.draw)
 
     # ----------------------------------------------------------------- requests

@@ -55,8 +55,13 @@ def pipelinable(plan: StepPlan) -> bool:
     return True
 
 
-def overlap_default() -> bool:
-    """``Generator(overlap=None)``: the ``NOPAD_OVERLAP`` environment variable (1 or 0), else off."""
+def resolve_overlap(overlap: bool | None) -> bool:
+    """``Generator(overlap=...)``: a bool, or None for the ``NOPAD_OVERLAP`` environment variable (1 or
+    0), else off."""
+    if overlap is not None:
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be True, False or None (NOPAD_OVERLAP decides), got {overlap!r}")
+        return overlap
     value = os.environ.get("NOPAD_OVERLAP", "0")
     if value not in ("0", "1"):
         raise ValueError(f"NOPAD_OVERLAP must be 0 or 1, got {value!r}")

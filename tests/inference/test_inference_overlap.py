@@ -204,6 +204,8 @@ def test_overlap_breaks_are_counted_and_a_bad_env_value_is_refused(monkeypatch):
         Generator(model, block_size=4, num_blocks=16)
     monkeypatch.setenv("NOPAD_OVERLAP", "1")
     assert Generator(model, block_size=4, num_blocks=16).overlap
+    with pytest.raises(TypeError, match="overlap must be True, False or None"):
+        Generator(model, block_size=4, num_blocks=16, overlap="yes")
 
 
 def test_static_and_compiled_decode_overlapped_equal_serial():
