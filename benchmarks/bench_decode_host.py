@@ -15,8 +15,10 @@ fp32, one thread) on the same prompts, their steps interleaved; each side's figu
   call that is not a view launches a kernel and each costs the host several microseconds;
 - Python calls per row and the CPU ms outside the model's forward: the step's bookkeeping
   (scheduling, step inputs, sampling, appending), the part that grows with the rows (``--rows 64 256``);
-- the same for an overlapped generator (``Generator(overlap=True)``: each step launches the next
-  before reading its own tokens back), whose host work a GPU hides behind the forward.
+- the same for the general step (``nopad, general step``: every row walked in Python, as before the
+  decode batch kept its arrays, :mod:`nopad.inference.decode_batch`), and for an overlapped generator
+  (``Generator(overlap=True)``: each step launches the next before reading its own tokens back, on the
+  general step), whose host work a GPU hides behind the forward.
 
 nopad's step runs inside ``gen.live.attention()`` as ``generate()``/``run()`` hold it; a last line
 times a bare ``gen.step()`` (``stream()``), which also switches the model's attention to nopad and
@@ -145,12 +147,16 @@ def python_calls(fn) -> int:
     return calls[0]
 
 
-def nopad_side(model, prompts: list[list[int]], overlap: bool = False):
-    """A generator (attention backend: "auto") with every prompt past prefill; returns (step, generator)."""
+def nopad_side(model, prompts: list[list[int]], overlap: bool = False, kept: bool = True):
+    """A generator (attention backend: "auto") with every prompt past prefill; returns (step, generator).
+    ``kept=False``: every step is the general one (the batch's arrays are not kept from step to step,
+    :mod:`nopad.inference.decode_batch`), the step before persistent step state."""
     budget = max(2048, sum(map(len, prompts)))
     gen = Generator(
         model, None, block_size=16, max_num_seqs=len(prompts), max_num_batched_tokens=budget, overlap=overlap
     )
+    if not kept:
+        gen.decode_batch.serve = lambda: False
     endless = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
     for prompt in prompts:
         gen.add_request(prompt, endless)
@@ -242,21 +248,31 @@ def run(args, rows: int) -> dict:
     repeats = 4 if args.quick else 30
     seed = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, SHAPES[args.shape][-1], (rows, args.prompt_len), generator=seed).tolist()
-    hf_model, nopad_model, overlap_model = (llama(args.layers, args.shape, device, dtype) for _ in range(3))
+    hf_model, nopad_model, general_model, overlap_model = (
+        llama(args.layers, args.shape, device, dtype) for _ in range(4)
+    )
     hf_step = hf_side(hf_model, prompts)  # a twin, kept on SDPA
     nopad_step, gen = nopad_side(nopad_model, prompts)
+    general_step, general_gen = nopad_side(general_model, prompts, kept=False)
     overlap_step, overlap_gen = nopad_side(overlap_model, prompts, overlap=True)
-    with gen.live.attention(), overlap_gen.live.attention():  # held across steps, as generate() and run() hold it
+    # held across steps, as generate() and run() hold it
+    with gen.live.attention(), general_gen.live.attention(), overlap_gen.live.attention():
         for _ in range(3):
             nopad_step()
+            general_step()
             overlap_step()
             hf_step()
         report = measure(
-            {"nopad": nopad_step, "nopad, overlap": overlap_step, "HF": hf_step},
+            {"nopad": nopad_step, "nopad, general step": general_step, "nopad, overlap": overlap_step, "HF": hf_step},
             repeats,
             args.layers,
             device,
-            {"nopad": nopad_model, "nopad, overlap": overlap_model, "HF": hf_model},
+            {
+                "nopad": nopad_model,
+                "nopad, general step": general_model,
+                "nopad, overlap": overlap_model,
+                "HF": hf_model,
+            },
         )
     bare = measure(
         {"nopad, bare gen.step()": nopad_step}, max(2, repeats // 3), args.layers, device, {"nopad": nopad_model}
@@ -288,6 +304,11 @@ def run(args, rows: int) -> dict:
         f"aten calls {n['aten'] / h['aten']:.2f}x, CPU time outside the model "
         f"{n['outside_ms'] / h['outside_ms']:.2f}x"
     )
+    g = report["nopad, general step"]
+    print(
+        f"nopad's kept arrays / its general step: CPU time outside the model {n['outside_ms'] / g['outside_ms']:.2f}x, "
+        f"Python calls per row {n['python'] * args.layers / rows:.1f} vs {g['python'] * args.layers / rows:.1f}"
+    )
     o = report["nopad, overlap"]
     print(
         f"nopad overlapped / HF: step {o['step_ms'] / h['step_ms']:.2f}x, "
@@ -295,8 +316,8 @@ def run(args, rows: int) -> dict:
         f"CPU time outside the model {o['outside_ms'] / h['outside_ms']:.2f}x (one CPU does not overlap with "
         "itself: on a GPU this host work runs while the device computes the step launched before it)"
     )
-    gen.abort_all()
-    overlap_gen.abort_all()
+    for generator in (gen, general_gen, overlap_gen):
+        generator.abort_all()
     return {**report, **bare, "load": load}
 
 

@@ -18,12 +18,13 @@ from collections.abc import Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
+from nopad.inference.decode_batch import DecodeBatch
 from nopad.inference.episodes import EpisodeRunner
 from nopad.inference.generator_episodes import EpisodeGeneration
 from nopad.inference.generator_stats import generator_stats, reset_generator_stats
 from nopad.inference.kv_cache import KVCache
 from nopad.inference.live_model import LiveModel
-from nopad.inference.model_runner import DeviceIds, ModelRunner
+from nopad.inference.model_runner import ModelRunner
 from nopad.inference.outputs import RequestOutput, StreamDelta
 from nopad.inference.overlap import Pipeline, pipelinable, resolve_overlap
 from nopad.inference.plain_requests import PlainRequests
@@ -130,6 +131,7 @@ class Generator(EpisodeGeneration):
         self.sampler = Sampler(lambda: self.versions.version)  # its rows x vocab scratch reused
         self.overlap = resolve_overlap(overlap)  # nopad.inference.overlap
         self.pipeline = Pipeline(self.scheduler, self._forward, self.sampler.draw)
+        self.decode_batch = DecodeBatch(self.scheduler, self._plain, self._forward, self.sampler)
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -165,6 +167,8 @@ class Generator(EpisodeGeneration):
         scheduler.poll_paused(block=False)
         completing = self.pipeline.in_flight is not None
         if self.pipeline.advance():  # step N+1 launched on N's draws, then N completed
+            return self.take_finished()
+        if not self.overlap and self.decode_batch.serve():  # the same rows decoding: their arrays kept
             return self.take_finished()
         plan = scheduler.schedule()
         if plan.seqs and self.overlap and pipelinable(plan):
@@ -303,18 +307,14 @@ class Generator(EpisodeGeneration):
             self.allocator.reset_prefix_cache()
         self.scheduler.add((start or self._plain.start)(request))
 
-    def _forward(self, plan: StepPlan, ids_from: DeviceIds | None = None) -> tuple[torch.Tensor, list[int]]:
+    def _forward(self, plan: StepPlan, ids_from=None, rows=None) -> tuple[torch.Tensor, list[int]]:
         with self.live.attention(), self.live.autocast():
-            return self._ensure_runner().run(plan, ids_from)
+            return self._ensure_runner().run(plan, ids_from, rows)
 
     def _ensure_runner(self) -> ModelRunner:
         if self._runner is None:
-            self._runner = self.live.build_runner(
-                self.allocator.num_blocks,
-                self.block_size,
-                self.scheduler.state_slots,
-                self.scheduler.max_num_seqs,
-                self.max_model_len,
-            )
+            s = self.scheduler
+            shape = (self.allocator.num_blocks, self.block_size, s.state_slots, s.max_num_seqs, self.max_model_len)
+            self._runner = self.live.build_runner(*shape)
             self._kv_cache = self._runner.kv_cache
         return self._runner

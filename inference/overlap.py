@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from nopad.inference.model_runner import DeviceIds
 from nopad.inference.request import Sequence, Status
 from nopad.inference.sampler import PendingSample
 from nopad.inference.scheduler import Scheduler
+from nopad.inference.step_inputs import DeviceIds
 from nopad.inference.step_plan import StepPlan
 
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nopad.inference.request import Sequence
+from nopad.inference.sampling_rows import RowsPlan, plan_rows
 from nopad.inference.seeding import uniform_draw
 from nopad.packing.head.log_softmax import tempered_log_softmax
 
@@ -61,9 +63,24 @@ class Sampler:
     def __init__(self, version: Callable[[], int]):
         self.buffers, self.version = SamplerBuffers(), version
 
-    def draw(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> PendingSample:
+    def draw(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        ahead: int = 0,
+        rows_plan: RowsPlan | None = None,
+        uniforms: list[float] | None = None,
+    ) -> PendingSample:
         """:func:`sample_on_device` of every row of ``logits`` (overlap scheduling reads it back later)."""
-        return sample_on_device(logits, seqs, self.buffers, policy_version=self.version(), ahead=ahead)
+        return sample_on_device(
+            logits,
+            seqs,
+            self.buffers,
+            policy_version=self.version(),
+            ahead=ahead,
+            rows_plan=rows_plan,
+            uniforms=uniforms,
+        )
 
     def sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> SampleResult:
         """Draw from the logits rows ``rows`` for ``seqs``, read back."""
@@ -130,7 +147,7 @@ def _read_back(tokens, raw_picked, temperature, sampling, top_rows, policy_versi
     token_list = tokens.tolist()
     logprobs = raw_picked.tolist()
     top: list[dict[int, float] | None] = [None] * len(token_list)
-    for i, t in enumerate(top_rows):
+    for i, t in enumerate(top_rows if any(top_rows) else ()):  # (no walk over rows that asked none)
         if t is not None:
             d = dict(zip(t[1].tolist(), t[0].tolist()))
             d.setdefault(token_list[i], logprobs[i])
@@ -168,22 +185,26 @@ def sample_on_device(
     *,
     policy_version: int = 0,
     ahead: int = 0,
+    rows_plan: RowsPlan | None = None,
+    uniforms: list[float] | None = None,
 ) -> PendingSample:
     """:func:`sample` up to the read-back. ``ahead``: tokens each sequence has drawn that are not in
     its ``token_ids`` yet (an overlapped step's, :mod:`nopad.inference.overlap`); its draw and
     ``min_tokens`` count them. Rows needing their full history on the host (repetition penalty)
-    must have none ahead."""
+    must have none ahead. ``rows_plan`` (:func:`plan_rows` of ``seqs``) and ``uniforms`` (each random
+    row's :func:`uniform_draw`) may come from a batch that keeps them across steps."""
     buffers = buffers if buffers is not None else SamplerBuffers()
     if logits.dtype != torch.float32:
         logits = buffers.get("logits", logits).copy_(logits)  # exact, as logits.float()
     raw_lp = _log_softmax(logits, buffers, "raw_logprobs")
-    params = [s.request.params for s in seqs]
     rows, vocab = logits.shape
+    rp = rows_plan if rows_plan is not None and rows_plan.vocab == vocab else plan_rows(seqs, vocab)
+    params, greedy, rand, rand_params = rp.params, rp.greedy, rp.rand, rp.rand_params
     device = logits.device
     x = logits
     # repetition penalty (over prompt and output, as in vLLM/HF) and min_tokens stop bans; the
     # per-row walk reads plain attributes only (no property calls: it runs for every row, every step)
-    for i, (seq, p) in enumerate(zip(seqs, params)):
+    for i, (seq, p) in enumerate(zip(seqs, params) if rp.adjusts else ()):
         if p.repetition_penalty != 1.0:
             assert not ahead, "a repetition penalty reads every token on the host"
             x = x.clone() if x is logits else x
@@ -194,36 +215,34 @@ def sample_on_device(
             x = x.clone() if x is logits else x
             x[i, list(seq.request.stop_ids)] = float("-inf")
 
-    is_greedy = [p.temperature == 0 for p in params]  # SamplingParams.greedy, read once per row
-    greedy = [i for i, g in enumerate(is_greedy) if g]
-    rand = [i for i, g in enumerate(is_greedy) if not g]
-    rand_params = [params[i] for i in rand]
     if len(greedy) == rows:  # no row copy of the (rows, vocab) logits
-        tokens = x.argmax(dim=-1)
+        tokens = argmax_rows(x)
     else:
         tokens = torch.empty(rows, dtype=torch.long, device=device)
     if greedy and rand:
         g = host_tensor(greedy, torch.long, device)
-        tokens[g] = x[g].argmax(dim=-1)
+        tokens[g] = argmax_rows(x[g])
     sampling_lp = None
     if rand:
         sampling_lp = torch.zeros(rows, dtype=torch.float32, device=device)
         r = host_tensor(rand, torch.long, device)
-        if x is logits and len(rand) == rows and not any(_reshapes(p, vocab) for p in rand_params):
+        if x is logits and len(rand) == rows and not rp.reshapes:
             lp = raw_lp  # temperature 1, nothing truncated: log_softmax(x / 1) is log_softmax(x)
         else:
             lp = processed_logprobs(x if len(rand) == rows else x[r], rand_params, buffers)
-        picked = _inverse_cdf(lp, [uniform_draw(seqs[i], ahead) for i in rand], buffers)
+        if uniforms is None:
+            uniforms = [uniform_draw(seqs[i], ahead) for i in rand]
+        picked = _inverse_cdf(lp, uniforms, buffers)
         tokens[r] = picked
         sampling_lp[r] = lp.gather(1, picked[:, None])[:, 0]
     top: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * rows
-    for i, p in enumerate(params):
-        if p.logprobs is not None:
-            top[i] = raw_lp[i].topk(min(p.logprobs, vocab)) if p.logprobs else (raw_lp[i, :0], tokens[:0])
+    for i in rp.top_rows:
+        p = params[i]
+        top[i] = raw_lp[i].topk(min(p.logprobs, vocab)) if p.logprobs else (raw_lp[i, :0], tokens[:0])
     raw_picked = raw_lp.gather(1, tokens[:, None])[:, 0]
     # greedy rows and rows at temperature 1 have their raw log-prob there and a sampling log-prob of
     # 0: said on the host, not by a tensor of copies or zeros read back (a sync each on CUDA)
-    tempered = bool({p.temperature for p in rand_params} - {1.0})  # a set, not a call per row
+    tempered = rp.tempered
     return PendingSample(
         tokens=tokens,
         raw_picked=raw_picked,
@@ -232,6 +251,16 @@ def sample_on_device(
         top=top,
         policy_version=policy_version,
     )
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of fp32 logits: the same indices (the first maximum; a NaN counts as the
+    maximum), by numpy on CPU. Why: torch's CPU argmax over a vocabulary row is several times slower
+    than numpy's (4.4 ms vs 0.57 ms for 64 x 49152 on one thread, ``benchmarks/bench_sampler.py``),
+    and a greedy step pays it every step."""
+    if x.device.type != "cpu" or x.requires_grad:
+        return x.argmax(dim=-1)
+    return torch.from_numpy(np.argmax(x.numpy(), axis=-1).astype(np.int64, copy=False))
 
 
 def _temperature_logprobs(
@@ -260,11 +289,6 @@ def _temperature_logprobs(
         )
         out[rows] = lp.gather(1, tokens[rows][:, None])[:, 0]
     return out
-
-
-def _reshapes(p, vocab: int) -> bool:
-    """``p`` changes the distribution before sampling (temperature, top-k, top-p, min-p)."""
-    return p.temperature != 1.0 or 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0
 
 
 def processed_logprobs(x: torch.Tensor, params: list, buffers: SamplerBuffers | None = None) -> torch.Tensor:

@@ -9,6 +9,7 @@ sampler (draws) both read these keys; neither imports the other.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -19,6 +20,14 @@ def _splitmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:
+    """:func:`_splitmix64` of every element of a uint64 array (its arithmetic wraps modulo 2**64)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 def counter_seed(seed: int, index: int, position: int) -> int:
@@ -44,3 +53,18 @@ def uniform_draw(seq, ahead: int = 0) -> float:
     Sequence`: its request's seed, its stream, its length, plus ``ahead`` tokens drawn on the device
     and not yet appended: an overlapped step's)."""
     return min(counter_seed(seq.request.seed, seq.stream, seq.num_tokens + ahead) / 2.0**63, 1.0 - 2.0**-40)
+
+
+def stream_keys(seqs) -> np.ndarray:
+    """Each sequence's key before its position is mixed in (uint64): the part of
+    :func:`counter_seed` that is fixed for a sequence, worked out once for a batch that keeps decoding
+    (:mod:`nopad.inference.decode_batch`)."""
+    return np.array([_splitmix64(_splitmix64(s.request.seed & _MASK64) ^ s.stream) for s in seqs], dtype=np.uint64)
+
+
+def uniform_draws(keys: np.ndarray, num_tokens: np.ndarray) -> list[float]:
+    """:func:`uniform_draw` of every row at once: ``keys`` from :func:`stream_keys`, ``num_tokens`` each
+    sequence's length (int64). The same floats: the 63-bit integers are below 2**63, so int64 -> float64
+    rounds as Python's int -> float does, and the division by a power of two is exact."""
+    x = _splitmix64_array(keys ^ num_tokens.astype(np.uint64)) >> np.uint64(1)
+    return np.minimum(x.astype(np.int64).astype(np.float64) / 2.0**63, 1.0 - 2.0**-40).tolist()

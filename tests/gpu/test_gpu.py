@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from nopad.inference.generator import Generator
-from nopad.inference.model_runner import row_bucket
 from nopad.inference.sampling_params import SamplingParams
+from nopad.inference.step_inputs import row_bucket
 from nopad.packing.attention import varlen_attention
 from nopad.packing.attention.registry import Call, backends
 from nopad.packing.varlen import VarlenMeta

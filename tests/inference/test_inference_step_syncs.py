@@ -24,7 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.bench_decode_host import python_calls
 from nopad.inference import Generator, SamplingParams
-from nopad.inference.model_runner import DeviceIds, ModelRunner, build_step, row_bucket
+from nopad.inference.model_runner import ModelRunner
+from nopad.inference.step_inputs import DeviceIds, build_step, decode_step, row_bucket
 from tests.support.models import tiny_model
 
 SYNC_OPS = {"_local_scalar_dense", "equal", "nonzero", "masked_select"}
@@ -108,25 +109,30 @@ def test_syncs_and_copies_do_not_grow_with_layers(budget):
 
 
 def test_step_tensors_take_one_host_to_device_copy(monkeypatch):
-    """``build_step`` packs ids, positions, boundaries, slots, block table and kept rows into one
-    host buffer and moves it with one copy (seen on the ``meta`` device, where copies are real
-    ops); nothing is built from Python lists on the device."""
-    seen = []
+    """``build_step`` (and ``decode_step``, from a steady batch's kept arrays) packs ids, positions,
+    boundaries, slots, block table and kept rows into one host buffer and moves it with one copy
+    (seen on the ``meta`` device, where copies are real ops); nothing is built from Python lists on
+    the device."""
+    seen, kept = [], []
     run = ModelRunner.run
 
-    def checked_run(self, plan, ids_from=None):
+    def checked_run(self, plan, ids_from=None, rows=None):
         meta_ids = None if ids_from is None else DeviceIds(ids_from.tokens.to("meta"), ids_from.rows)  # (overlap)
         mode = StepOps()
         with mode:
-            step = build_step(plan, self.kv_cache.block_size, torch.device("meta"), meta_ids)
+            if rows is None:
+                step = build_step(plan, self.kv_cache.block_size, torch.device("meta"), meta_ids)
+            else:
+                step = decode_step(rows, self.kv_cache.block_size, torch.device("meta"))
+                kept.append(step)
         assert step.input_ids.device.type == "meta" and step.meta.block_table.device.type == "meta"
         seen.append(mode.counts)
-        return run(self, plan, ids_from)
+        return run(self, plan, ids_from, rows)
 
     monkeypatch.setattr(ModelRunner, "run", checked_run)
     gen = Generator(tiny_model("llama"), block_size=4, max_num_batched_tokens=8)
     gen.generate(PROMPTS, GREEDY)
-    assert len(seen) > 5
+    assert len(seen) > 5 and kept  # the batch kept its arrays for some decode steps
     for counts in seen:
         assert counts["host_to_device"] == 1, dict(counts)
         assert counts["lift_fresh"] == 0, dict(counts)
@@ -358,7 +364,7 @@ def test_static_decode_inputs_are_the_per_row_construction():
 
     import numpy as np
 
-    from nopad.inference.model_runner import build_static_decode
+    from nopad.inference.step_inputs import DecodeRows, build_static_decode
     from nopad.inference.step_plan import StepPlan
 
     rng = np.random.default_rng(0)
@@ -373,7 +379,8 @@ def test_static_decode_inputs_are_the_per_row_construction():
             )
             for n in computed
         ]
-        step = build_static_decode(StepPlan(seqs=seqs, query_lens=[1] * num), block, "cpu", scratch, 64, 64)
+        plan = StepPlan(seqs=seqs, query_lens=[1] * num)
+        step = build_static_decode(DecodeRows.of(plan), block, "cpu", scratch, 64, 64)
         rows, width = step.meta.block_table.shape
         assert rows == row_bucket(num) and width == max(2, 1 << int(computed.max() // block).bit_length())
         table = torch.full((rows, width), scratch)
