@@ -33,6 +33,7 @@ back (transformers' ``set_attn_implementation`` walks every module, twice).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -134,16 +135,23 @@ class AtenCalls(TorchDispatchMode):
 
 
 def python_calls(fn) -> int:
+    """Python function calls made by ``fn()``, with the garbage collector held off (a collection
+    in the middle runs other objects' finalizers, Python calls that are not ``fn``'s)."""
     calls = [0]
 
     def profile(frame, event, arg):
         calls[0] += event == "call"
 
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
     sys.setprofile(profile)
     try:
         fn()
     finally:
         sys.setprofile(None)
+        if enabled:
+            gc.enable()
     return calls[0]
 
 

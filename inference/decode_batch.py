@@ -14,6 +14,11 @@ blocks for every row that needs one). Everything else takes the general step, af
 built again from the running sequences: admissions, prefill chunks, preemption, forks, tool episodes,
 hybrid models' state slots, repetition penalties, prompt log-probs and unmet ``min_tokens``.
 
+With overlap scheduling (:mod:`nopad.inference.overlap`) it keeps one step in flight: step N+1 is
+launched on N's draws, still on the device, before N is read back and completed. A row whose draw at N
+ends its turn by length is left out of N+1 (the arrays know its length); one that N's token stops
+(a stop id or string) computes one token at N+1, which is dropped (``overlap_wasted_tokens``).
+
 Its outputs are the general step's, bit for bit: the same plan and input arrays, the same sampler
 (:func:`nopad.inference.sampler.sample_on_device` given the rows' plan and their uniforms, both kept),
 and the same stop rules (:meth:`nopad.inference.request.Sequence.stop_reason` decides for every row the
@@ -24,26 +29,45 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import repeat
 
 import numpy as np
 import torch
 
-from nopad.inference.request import Sequence
-from nopad.inference.sampler import Sampler
+from nopad.inference.request import Sequence, Status
+from nopad.inference.sampler import PendingSample, Sampler
 from nopad.inference.sampling_rows import RowsPlan, plan_rows
 from nopad.inference.scheduler import Scheduler
 from nopad.inference.seeding import stream_keys, uniform_draws
-from nopad.inference.step_inputs import DecodeRows
+from nopad.inference.step_inputs import DecodeRows, DeviceIds
 from nopad.inference.step_plan import StepPlan
 
 NO_LIMIT = 1 << 62
 
 
+@dataclass
+class Launched:
+    """A step the batch launched, until its draws are appended: what completing it reads, kept apart
+    from the batch's arrays (an overlapped step completes after the batch may have lost rows)."""
+
+    seqs: list[Sequence]
+    lists: list[list[list]]  # per field, each row's own list (see DecodeBatch._per_row)
+    arrival: np.ndarray
+    limit: np.ndarray
+    stop_ids: np.ndarray | None
+    string_rows: list[int]
+    lengths: np.ndarray  # each row's token count once this step's draw is appended
+    top_rows: list[int]
+    sample: PendingSample
+    clean: bool = True  # no row left the batch since the launch: every row appends
+
+
 class DecodeBatch:
     """The running sequences of a steady decode, as arrays (see the module's docstring). ``owner``: the
     hooks of the sequences it may serve (plain requests, whose turn end is their finish); ``forward(plan,
-    rows=)``: the generator's forward (:meth:`nopad.inference.model_runner.ModelRunner.run`)."""
+    ids_from=, rows=)``: the generator's forward (:meth:`nopad.inference.model_runner.ModelRunner.run`);
+    ``overlap``: keep a step in flight."""
 
     def __init__(
         self,
@@ -51,18 +75,49 @@ class DecodeBatch:
         owner: object,
         forward: Callable[..., tuple[torch.Tensor, list[int]]],
         sampler: Sampler,
+        overlap: bool = False,
     ):
         self.scheduler, self.owner, self.forward, self.sampler = scheduler, owner, forward, sampler
+        self.overlap = overlap
         self.seqs: list[Sequence] | None = None
+        self.in_flight: Launched | None = None
         self.steps = 0  # steps it served (Generator.stats()["decode_batch_steps"])
 
     def serve(self) -> bool:
-        """Run the next step if it is a steady decode of the batch (True), else leave it to the general
+        """Run the next step if it is a steady decode of the batch (True: with overlap, launch it and
+        complete the one before); else complete any step in flight and leave the next to the general
         step (False)."""
         if not self.ready():
+            self.drain()
             return False
-        self.step()
+        prev = self.in_flight
+        if prev is None:
+            launched = self._launch(None)
+            if self.overlap:
+                self.in_flight = launched
+            else:
+                self._complete(launched)
+            return True
+        # rows whose draw at prev ends their turn by length run no further (Sequence.stop_reason's rule)
+        ended = np.flatnonzero(self.rows.positions + 1 >= self.limit)
+        if ended.size:
+            self._drop(ended.tolist(), in_flight_ran=False)  # (prev appends them: they ran in it)
+        if not self.seqs:  # every row ended at prev: nothing to launch before completing it
+            self.drain()
+            return True
+        self.in_flight = self._launch(prev)
+        self._complete(prev)  # prev's bookkeeping while the step after it computes
+        if self.seqs is None:  # every row of the step just launched ended at prev: none of it is wanted
+            launched, self.in_flight = self.in_flight, None
+            self._complete(launched)
         return True
+
+    def drain(self) -> None:
+        """Complete the step in flight, if any (a pipeline break when the generator has work left)."""
+        prev, self.in_flight = self.in_flight, None
+        if prev is not None:
+            self._complete(prev)
+            self.scheduler.stats.overlap_breaks += int(self.scheduler.has_work())
 
     def ready(self) -> bool:
         """Whether it can serve the next step (it is built here when the batch changed)."""
@@ -70,29 +125,33 @@ class DecodeBatch:
         if s.waiting and len(s.running) + s.waiting[0].fork_count <= s.max_num_seqs:
             return False  # an admission to try: the general step plans it
         if self.seqs is None or s.stats.steps != self.seen_steps or s.running != self.seqs:
-            if not self._build():
+            if self.in_flight is not None:  # its rows changed between two steps (an abort): check each
+                self.in_flight.clean = False
+            if self.in_flight is not None or not self._build():
                 self.seqs = None
                 return False
         rows = self.rows
         self.need = np.flatnonzero(rows.positions >= rows.lens * s.block_size)  # rows out of room
         return self.need.size <= s.allocator.num_free  # else the general step preempts
 
-    def step(self) -> None:
-        """One decode step of every row (after :meth:`ready` said yes): reserve, forward, sample, append,
-        stop checks; turns that end go to their owner (``hooks.turn_ended``)."""
+    # ----------------------------------------------------------------- a step
+    def _launch(self, prev: Launched | None) -> Launched:
+        """Reserve, forward, count the tokens computed, draw (on the device). ``prev``: the step in flight
+        whose draws are this step's input ids."""
         s, rows, seqs = self.scheduler, self.rows, self.seqs
         bs, num = s.block_size, len(seqs)
-        if self.need.size:
-            self._grow(self.need)
+        need = np.flatnonzero(rows.positions >= rows.lens * bs)
+        if need.size:
+            self._grow(need)
         plan = StepPlan(seqs=seqs, query_lens=[1] * num, num_decodes=num)
         s.count(plan)
         self.seen_steps, self.steps = s.stats.steps, self.steps + 1
-        logits, _ = self.forward(plan, rows=rows)
-        now = time.perf_counter()
+        ids_from = None if prev is None else DeviceIds(prev.sample.tokens, self.prev_rows)
+        logits, _ = self.forward(plan, ids_from=ids_from, rows=rows)
         pos = rows.positions
         pos += 1  # computed: the token each row ran
         any(map(setattr, seqs, repeat("num_computed"), pos.tolist()))
-        if s.enable_prefix_caching:  # rows whose token filled a block
+        if s.enable_prefix_caching and prev is None:  # rows whose token filled a block (all on the host)
             for r in np.flatnonzero(pos // bs > self.hashed).tolist():
                 s.register_full_blocks(seqs[r])
                 self.hashed[r] = seqs[r].num_hashed
@@ -101,12 +160,75 @@ class DecodeBatch:
             plan_ = self.rows_plan = plan_rows(seqs, logits.shape[1])
             self.rand = np.asarray(plan_.rand, dtype=np.int64)
         uniforms = uniform_draws(self.keys[self.rand], pos[self.rand]) if plan_.rand else None  # pos: their lengths
-        result = self.sampler.draw(logits, seqs, rows_plan=plan_, uniforms=uniforms).result()
-        self._append(result, now)
-        rows.ids = np.array(result.tokens, dtype=np.int64)  # the next step's input ids
-        self._end_turns(rows.ids, pos + 1)
+        sample = self.sampler.draw(logits, seqs, ahead=int(prev is not None), rows_plan=plan_, uniforms=uniforms)
+        if prev is not None or self.overlap:
+            s.stats.overlap_steps += 1
+        self.prev_rows = np.arange(num, dtype=np.int64)  # the next step's input ids: these rows' draws
+        return Launched(
+            seqs, self.lists, self.arrival, self.limit, self.stop_ids, self.string_rows, pos + 1, plan_.top_rows, sample
+        )
 
-    # ----------------------------------------------------------------- internals
+    def _complete(self, step: Launched) -> None:
+        """Read ``step``'s draws back, append them (rows that ended since its launch drop theirs), end the
+        turns they end, and register the blocks their tokens complete (an overlapped step's)."""
+        result = step.sample.result()
+        now = time.perf_counter()
+        if self.in_flight is None and self.seqs is not None:  # the last step launched: the next one's ids
+            self.rows.ids = np.asarray(result.tokens, dtype=np.int64)[self.prev_rows]
+        keep = None if step.clean else np.array([seq.status is Status.RUNNING for seq in step.seqs])
+        if keep is not None:
+            self.scheduler.stats.overlap_wasted_tokens += int((~keep).sum())
+        columns = [result.tokens, result.logprobs, result.temperature_logprobs, result.sampling_logprobs]
+        if keep is not None and not keep.all():
+            columns = [np.asarray(c)[keep].tolist() for c in columns]
+            seqs, lists = [q for q, k in zip(step.seqs, keep.tolist()) if k], _rows_of(step.lists, keep)
+            arrival, limit, lengths = step.arrival[keep], step.limit[keep], step.lengths[keep]
+            stop_ids = None if step.stop_ids is None else step.stop_ids[keep]
+            strings = bool(step.string_rows)
+            tops = [result.top_logprobs[i] for i in np.flatnonzero(keep).tolist()]
+        else:
+            seqs, lists, arrival, limit, lengths, stop_ids = (
+                step.seqs,
+                step.lists,
+                step.arrival,
+                step.limit,
+                step.lengths,
+                step.stop_ids,
+            )
+            strings, tops = bool(step.string_rows), result.top_logprobs
+        tokens, versions, logprobs, tempered, sampling, times, top_lists = lists
+        any(map(list.append, tokens, columns[0]))
+        any(map(list.append, versions, repeat(result.policy_version, len(tokens))))
+        any(map(list.append, logprobs, columns[1]))
+        any(map(list.append, tempered, columns[2]))
+        any(map(list.append, sampling, columns[3]))
+        any(map(list.append, times, (now - arrival).tolist()))
+        for i, seq in enumerate(seqs if step.top_rows else ()):
+            if seq.request.params.logprobs is not None:
+                top_lists[i].append(tops[i])
+        flagged = lengths >= limit
+        if stop_ids is not None:
+            flagged |= (np.asarray(columns[0], dtype=np.int64)[:, None] == stop_ids).any(axis=1)
+        self._end_turns(seqs, np.flatnonzero(flagged).tolist(), strings)
+        if self.overlap and self.scheduler.enable_prefix_caching:  # blocks the step after computed
+            s, bs = self.scheduler, self.scheduler.block_size
+            for r in np.flatnonzero(lengths % bs == 0).tolist():
+                if seqs[r].status is Status.RUNNING:
+                    s.register_full_blocks(seqs[r])
+
+    def _end_turns(self, seqs: list[Sequence], flagged: list[int], strings: bool) -> None:
+        """Ask :meth:`Sequence.stop_reason` of every flagged row (a stop id, a length limit) and, with
+        stop strings, of every row; hand the turns that end to their owner and drop those rows."""
+        s, ended = self.scheduler, set()
+        for seq in seqs if strings else [seqs[r] for r in flagged]:
+            reason = seq.stop_reason(s.tokenizer, s.max_model_len)
+            if reason is not None:
+                seq.hooks.turn_ended(seq, reason)
+                ended.add(id(seq))
+        if ended and self.seqs is not None:
+            self._drop([r for r, seq in enumerate(self.seqs) if id(seq) in ended])
+
+    # ----------------------------------------------------------------- the arrays
     def _build(self) -> bool:
         """The running sequences as arrays, if every one is a plain decode this batch may serve."""
         s = self.scheduler
@@ -125,6 +247,10 @@ class DecodeBatch:
             first = seq.num_computed // bs  # the block its next token goes to must be its own
             if first < len(seq.block_table) and ref_count[seq.block_table[first]] > 1:
                 return False
+        if s.enable_prefix_caching:  # blocks an overlapped general step left unregistered
+            for seq in seqs:
+                if seq.num_computed // bs > seq.num_hashed:
+                    s.register_full_blocks(seq)
         self.seqs, self.seen_steps = seqs, s.stats.steps
         self.rows = DecodeRows.of(StepPlan(seqs=seqs, query_lens=[1] * len(seqs)))
         self.hashed = np.array([seq.num_hashed for seq in seqs], dtype=np.int64)
@@ -178,54 +304,26 @@ class DecodeBatch:
             rows.table[r, rows.lens[r]] = block
         rows.lens[need] += 1
 
-    def _append(self, result, now: float) -> None:
-        """Append every row's draw, C-level (``list.append`` mapped over the rows' own lists)."""
-        tokens, versions, logprobs, tempered, sampling, times, tops = self.lists
-        any(map(list.append, tokens, result.tokens))
-        any(map(list.append, versions, repeat(result.policy_version, len(tokens))))
-        any(map(list.append, logprobs, result.logprobs))
-        any(map(list.append, tempered, result.temperature_logprobs))
-        any(map(list.append, sampling, result.sampling_logprobs))
-        any(map(list.append, times, (now - self.arrival).tolist()))
-        for i in self.rows_plan.top_rows:
-            tops[i].append(result.top_logprobs[i])
-
-    def _end_turns(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Ask :meth:`Sequence.stop_reason` of every row the arrays flag (a stop token, a length limit)
-        and every row with stop strings; hand the turns that end to their owner, drop those rows."""
-        flagged = lengths >= self.limit
-        if self.stop_ids is not None:
-            flagged |= (tokens[:, None] == self.stop_ids).any(axis=1)
-        candidates = np.flatnonzero(flagged).tolist()
-        if self.string_rows:
-            candidates = sorted(set(candidates).union(self.string_rows))
-        s, ended = self.scheduler, []
-        for r in candidates:
-            seq = self.seqs[r]
-            reason = seq.stop_reason(s.tokenizer, s.max_model_len)
-            if reason is not None:
-                seq.hooks.turn_ended(seq, reason)
-                ended.append(r)
-        if ended:
-            self._drop(ended)
-
-    def _drop(self, ended: list[int]) -> None:
-        """Rows whose turn ended leave the arrays (the batch is built afresh if the running list is not
-        what is left)."""
+    def _drop(self, ended: list[int], in_flight_ran: bool = True) -> None:
+        """Rows ``ended`` leave the arrays; ``in_flight_ran``: they ran in the step in flight, which must
+        not append to them (it appends only its rows still running)."""
         keep = np.ones(len(self.seqs), dtype=bool)
         keep[ended] = False
+        if self.in_flight is not None and in_flight_ran:
+            self.in_flight.clean = False
         seqs = [q for q, k in zip(self.seqs, keep.tolist()) if k]
-        if not seqs or self.scheduler.running != seqs:
+        if not seqs:
             self.seqs = None
             return
         rows, kept = self.rows, keep.tolist()
-        rows.ids, rows.positions, rows.lens = rows.ids[keep], rows.positions[keep], rows.lens[keep]
-        rows.table, self.hashed, self.limit, self.arrival = (
+        rows.ids, rows.positions, rows.lens, rows.table = (
+            rows.ids[keep],
+            rows.positions[keep],
+            rows.lens[keep],
             rows.table[keep],
-            self.hashed[keep],
-            self.limit[keep],
-            self.arrival[keep],
         )
+        self.hashed, self.limit, self.arrival = self.hashed[keep], self.limit[keep], self.arrival[keep]
+        self.prev_rows = self.prev_rows[keep]
         if self.stop_ids is not None:
             self.stop_ids = self.stop_ids[keep]
         if self.keys is not None:
@@ -233,5 +331,10 @@ class DecodeBatch:
         if self.string_rows:
             at = np.cumsum(keep) - 1
             self.string_rows = [int(at[i]) for i in self.string_rows if kept[i]]
-        self.lists = [[x for x, k in zip(column, kept) if k] for column in self.lists]
+        self.lists = _rows_of(self.lists, keep)
         self.seqs, self.rows_plan = seqs, None
+
+
+def _rows_of(lists: list[list], keep: np.ndarray) -> list[list]:
+    kept = keep.tolist()
+    return [[x for x, k in zip(column, kept) if k] for column in lists]

@@ -130,8 +130,8 @@ class Generator(EpisodeGeneration):
         self.versions = PolicyVersions(self.scheduler)  # stamped on every token; see update_weights()
         self.sampler = Sampler(lambda: self.versions.version)  # its rows x vocab scratch reused
         self.overlap = resolve_overlap(overlap)  # nopad.inference.overlap
-        self.pipeline = Pipeline(self.scheduler, self._forward, self.sampler.draw)
-        self.decode_batch = DecodeBatch(self.scheduler, self._plain, self._forward, self.sampler)
+        self.decode_batch = DecodeBatch(self.scheduler, self._plain, self._forward, self.sampler, self.overlap)
+        self.pipeline = Pipeline(self.scheduler, self._forward, self.sampler.draw, self.decode_batch)
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -153,10 +153,10 @@ class Generator(EpisodeGeneration):
         self._plain.abort_all()
         if self._episodes is not None:
             self._episodes.abort()
-        self.pipeline.in_flight = None  # every row it ran was aborted: nothing of it is kept
+        self.pipeline.forget()  # every row in flight was aborted: nothing of it is kept
 
     def has_unfinished(self) -> bool:
-        live = self._plain.in_flight or self.pipeline.in_flight is not None
+        live = self._plain.in_flight or self.pipeline.busy
         return bool(live) or (self._episodes is not None and self._episodes.live > 0)
 
     def step(self) -> list[RequestOutput]:
@@ -165,10 +165,10 @@ class Generator(EpisodeGeneration):
         nothing can run, wait for a tool (never spin). The sequences' owners act through hooks."""
         scheduler = self.scheduler
         scheduler.poll_paused(block=False)
-        completing = self.pipeline.in_flight is not None
+        completing = self.pipeline.busy
         if self.pipeline.advance():  # step N+1 launched on N's draws, then N completed
             return self.take_finished()
-        if not self.overlap and self.decode_batch.serve():  # the same rows decoding: their arrays kept
+        if self.decode_batch.serve():  # the same rows decoding: their arrays kept
             return self.take_finished()
         plan = scheduler.schedule()
         if plan.seqs and self.overlap and pipelinable(plan):

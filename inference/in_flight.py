@@ -36,7 +36,7 @@ def save_requests(generator, request_ids: list[str]) -> dict:
     """The requests ``request_ids`` (plain requests in flight) and the scheduler's order of their
     live samples, as picklable data. An overlapped step in flight must be completed first
     (``generator.pipeline.drain()``): its draws are not in the sequences yet."""
-    if generator.pipeline.in_flight is not None:
+    if generator.pipeline.busy:
         raise RuntimeError("save_requests() with an overlapped step in flight; call generator.pipeline.drain() first")
     requests = []
     for request_id in request_ids:

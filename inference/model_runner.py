@@ -150,7 +150,7 @@ class ModelRunner:
                 )
             return out.logits[0, : len(step.sampling_rows)], step.sampling_rows
         if rows is not None:
-            step = decode_step(rows, self.kv_cache.block_size, self.device)
+            step = decode_step(rows, self.kv_cache.block_size, self.device, ids_from)
         else:
             step = build_step(plan, self.kv_cache.block_size, self.device, ids_from)
         if states is not None:  # a first chunk starts from zero

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nopad.inference.decode_batch import DecodeBatch
 from nopad.inference.request import Sequence, Status
 from nopad.inference.sampler import PendingSample
 from nopad.inference.scheduler import Scheduler
@@ -72,16 +73,30 @@ class Pipeline:
     """A generator's one overlapped decode step in flight, and how the next step follows it.
 
     ``forward(plan, ids_from)`` runs a step's forward (logits, sampling rows); ``draw(logits, seqs,
-    ahead)`` samples on the device (:func:`nopad.inference.sampler.sample_on_device`)."""
+    ahead)`` samples on the device (:func:`nopad.inference.sampler.sample_on_device`). ``batch``: the
+    generator's decode batch, whose own step in flight (:mod:`nopad.inference.decode_batch`) is drained
+    and forgotten with this one's."""
 
     def __init__(
         self,
         scheduler: Scheduler,
         forward: Callable[[StepPlan, DeviceIds | None], tuple[torch.Tensor, list[int]]],
         draw: Callable[[torch.Tensor, list[Sequence], int], PendingSample],
+        batch: DecodeBatch | None = None,
     ):
-        self.scheduler, self.forward, self.draw = scheduler, forward, draw
+        self.scheduler, self.forward, self.draw, self.batch = scheduler, forward, draw, batch
         self.in_flight: InFlight | None = None
+
+    @property
+    def busy(self) -> bool:
+        """A step is in flight (this pipeline's or the decode batch's)."""
+        return self.in_flight is not None or (self.batch is not None and self.batch.in_flight is not None)
+
+    def forget(self) -> None:
+        """Drop the steps in flight unread (every row they ran was aborted)."""
+        self.in_flight = None
+        if self.batch is not None:
+            self.batch.in_flight = None
 
     def launch(self, plan: StepPlan, prev: InFlight | None = None) -> None:
         """Run a pure decode step and draw its tokens, leaving them on the device; ``prev``: the step
@@ -114,6 +129,8 @@ class Pipeline:
 
     def drain(self, count: bool = True) -> None:
         """Complete the step in flight, if any (a break, when the generator still has work)."""
+        if self.batch is not None:
+            self.batch.drain()
         prev, self.in_flight = self.in_flight, None
         if prev is not None:
             complete(self.scheduler, prev)

@@ -148,14 +148,14 @@ def build_step(plan: StepPlan, block_size: int, device, ids_from: DeviceIds | No
     return _assemble(lay, ids, table, keep, sampling_rows, spans, block_size, device, ids_from)
 
 
-def decode_step(rows: DecodeRows, block_size: int, device) -> StepInputs:
+def decode_step(rows: DecodeRows, block_size: int, device, ids_from: DeviceIds | None = None) -> StepInputs:
     """:func:`build_step` of a pure decode step from its kept host arrays (no walk over the rows)."""
     num, pos = rows.ids.size, rows.positions
     rows_ = np.arange(num + 1, dtype=np.int64)  # a decode step's cu_q; its first num: seq_idx and kept rows
     lay = dict(q=np.ones(num, dtype=np.int64), k=pos + 1, cu_q=rows_, cu_k=cumsum0(pos + 1), positions=pos)
     lay["seq_idx"] = rows_[:num]  # step_layout's arrays, without its checks (a plan's rows passed them)
     table = rows.table[:, : int(rows.lens.max())]
-    return _assemble(lay, rows.ids, table, rows_[:num], list(range(num)), [], block_size, device)
+    return _assemble(lay, rows.ids, table, rows_[:num], list(range(num)), [], block_size, device, ids_from)
 
 
 def _assemble(

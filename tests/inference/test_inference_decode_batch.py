@@ -5,10 +5,13 @@ the same), whatever ends the rows' turns, and its Python work must not grow with
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from benchmarks.bench_decode_host import python_calls
 from nopad.inference import Generator, SamplingParams
+from nopad.packing import batch_invariant
 from tests.inference.test_inference_episodes import STOPS, prompts_of
 from tests.inference.test_inference_overlap import MIXED, completions
 from tests.support.models import tiny_model
@@ -23,75 +26,92 @@ class Chars:  # a tokenizer whose text is one letter per token id
         return "".join(chr(97 + t % 26) for t in ids)
 
 
-def with_and_without(model, prompts, params, tokenizer=None, stream=False, **kwargs):
-    """The completions (and streamed deltas) of a generator whose decode batch keeps its arrays, and of
-    one whose every step is the general one; and the first generator."""
+def with_and_without(model, prompts, params, tokenizer=None, stream=False, overlap=False, **kwargs):
+    """The completions (and streamed deltas) of a generator whose decode batch keeps its arrays (its
+    steps overlapped with ``overlap``), and of one whose every step is the general, serial one; and the
+    first generator. Overlapped runs are compared in ``batch_invariant()``: a row that ends at step N
+    leaves N+1's batch later than a serial step's, and without the mode a log-prob's last bits depend on
+    which rows share its step (the tokens do not)."""
     runs, gens = {}, {}
     for kept in (True, False):
-        gen = gens[kept] = Generator(model, tokenizer, **kwargs)
+        gen = gens[kept] = Generator(model, tokenizer, overlap=overlap and kept, **kwargs)
         if not kept:
             gen.decode_batch.serve = lambda: False
-        deltas = None
-        if stream:
-            deltas = [(d.request_id, d.index, d.token_ids, d.finish_reason) for d in gen.stream(prompts, params)]
-        runs[kept] = (deltas, completions(gen.generate(prompts, params, use_tqdm=False)))
+        with batch_invariant() if overlap else contextlib.nullcontext():
+            deltas = None
+            if stream:
+                deltas = [(d.request_id, d.index, d.token_ids, d.finish_reason) for d in gen.stream(prompts, params)]
+            runs[kept] = (deltas, completions(gen.generate(prompts, params, use_tqdm=False)))
         gen.allocator.check(owners=[])
     assert gens[True].decode_batch.steps > 0, "the kept arrays served no step"
-    assert gens[True].stats()["decode_tokens"] == gens[False].stats()["decode_tokens"]
+    stats = gens[True].stats()
+    assert (stats["overlap_steps"] > 0) == overlap
+    if not overlap:  # the same steps, row for row (overlapped, a preemption can come a step apart)
+        assert stats["decode_tokens"] == gens[False].stats()["decode_tokens"]
     return runs[True], runs[False], gens[True]
 
 
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+
+
+@OVERLAP
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_mixed_sampling_equals_the_general_step(family):
+def test_mixed_sampling_equals_the_general_step(family, overlap):
     """Greedy, seeded temperature, n > 1, top-k / top-p / min-p, top log-probs, min_tokens, stop ids
     and prompt log-probs, with turns ending at different steps (each end changes the batch)."""
     prompts = prompts_of([5, 9, 3, 12, 7, 4])
-    kept, general, _ = with_and_without(tiny_model(family), prompts, MIXED, block_size=4, num_blocks=256)
+    kept, general, _ = with_and_without(
+        tiny_model(family), prompts, MIXED, overlap=overlap, block_size=4, num_blocks=256
+    )
     assert kept == general
 
 
-def test_stop_strings_eos_and_streamed_deltas_equal_the_general_step():
+@OVERLAP
+def test_stop_strings_eos_and_streamed_deltas_equal_the_general_step(overlap):
     prompts = prompts_of([4, 8, 5, 6])
     model = tiny_model("llama")
     for params in (
         SamplingParams(max_tokens=40, temperature=1.0, seed=3, stop=["e", "xy"], n=3),
         SamplingParams(max_tokens=40, temperature=1.0, seed=3, stop_token_ids=STOPS, n=3),
     ):
-        kept, general, _ = with_and_without(model, prompts, params, Chars(), stream=True, block_size=4)
+        kept, general, _ = with_and_without(model, prompts, params, Chars(), stream=True, overlap=overlap, block_size=4)
         assert sum(c[4] == "stop" for c in kept[1]) > 3 and kept == general
 
 
-def test_blocks_grow_register_and_preempt_as_in_the_general_step():
+@OVERLAP
+def test_blocks_grow_register_and_preempt_as_in_the_general_step(overlap):
     """Block size 2: a row needs a new block every other step (the kept table grows), fills one for the
     prefix cache every other step, and a small cache runs out: the general step preempts, the batch is
     built again afterwards."""
     prompts = prompts_of([6, 6, 9, 3]) * 2  # shared prompts: prefix-cache hits
     params = SamplingParams(max_tokens=24, temperature=0.9, seed=5, n=2)
     kept, general, gen = with_and_without(
-        tiny_model("llama"), prompts, params, block_size=2, num_blocks=48, max_num_seqs=6
+        tiny_model("llama"), prompts, params, overlap=overlap, block_size=2, num_blocks=48, max_num_seqs=6
     )
     assert gen.stats()["preemptions"] > 0 and gen.stats()["prefix_cache_hit_tokens"] > 0
     assert kept == general
 
 
-def test_weight_updates_between_steps_stamp_each_token():
+@OVERLAP
+def test_weight_updates_between_steps_stamp_each_token(overlap):
     """An update between two steps (stale_kv="keep" keeps the batch; "recompute" preempts every row
     and the batch is built again): the same tokens and versions as the general step's."""
     model = tiny_model("llama")
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=7)
     runs = {}
     for kept in (True, False):
-        gen = Generator(model, block_size=4)
+        gen = Generator(model, block_size=4, overlap=overlap and kept)
         if not kept:
             gen.decode_batch.serve = lambda: False
         for prompt in prompts_of([5, 8, 3]):
             gen.add_request(prompt, params)
         outs, step = [], 0
-        while gen.has_unfinished():
-            outs += gen.step()
-            step += 1
-            if step in (4, 7):
-                gen.update_weights(stale_kv="keep" if step == 4 else "recompute")
+        with batch_invariant() if overlap else contextlib.nullcontext():  # (see with_and_without)
+            while gen.has_unfinished():
+                outs += gen.step()
+                step += 1
+                if step in (4, 7):
+                    gen.update_weights(stale_kv="keep" if step == 4 else "recompute")
         runs[kept] = sorted(completions(outs))
     assert runs[True] == runs[False]
     assert {v for c in runs[True] for v in c[9]} == {0, 1, 2}
@@ -103,20 +123,21 @@ def test_hybrid_models_take_the_general_step():
     assert gen.decode_batch.steps == 0
 
 
-def test_python_calls_per_step_do_not_grow_with_rows():
+@OVERLAP
+def test_python_calls_per_step_do_not_grow_with_rows(overlap):
     """The bookkeeping contract of #53: once a batch decodes steadily, a step's Python calls do not
-    grow with its rows (the general step made ~3 a row). Counted (noise-free) over greedy steps of 8
-    and 40 rows, none of which needs a new block or ends."""
+    grow with its rows (the general step made ~3 a row, ~6 overlapped). Counted (noise-free) over
+    greedy steps of 8 and 40 rows, none of which needs a new block or ends."""
     model = tiny_model("llama", num_hidden_layers=2)
     counts = {}
     for rows in (8, 40):
-        gen = Generator(model, block_size=64, max_num_seqs=rows, num_blocks=rows + 2)
+        gen = Generator(model, block_size=64, max_num_seqs=rows, num_blocks=rows + 2, overlap=overlap)
         for prompt in prompts_of([3] * rows):
             gen.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
         with gen.live.attention():
             for _ in range(3):  # prefill, then the batch is built
                 gen.step()
             counts[rows] = python_calls(gen.step)
-        assert gen.decode_batch.steps >= 2
+        assert gen.decode_batch.steps >= 2 and (gen.stats()["overlap_steps"] >= 2) == overlap
     per_row = (counts[40] - counts[8]) / 32
     assert per_row <= 0.25, f"{per_row:.2f} Python calls per added row ({counts})"

@@ -149,10 +149,10 @@ def test_a_weight_update_completes_the_step_in_flight_and_stamps_its_old_version
     gen.add_request(prompts_of([5])[0], SamplingParams(max_tokens=12, ignore_eos=True), request_id="r")
     for _ in range(4):
         gen.step()
-    assert gen.pipeline.in_flight is not None
+    assert gen.pipeline.busy
     drawn = len(gen.request("r").samples[0].policy_versions)
     gen.update_weights("keep")
-    assert gen.pipeline.in_flight is None
+    assert not gen.pipeline.busy
     versions = gen.request("r").samples[0].policy_versions
     assert len(versions) == drawn + 1 and set(versions) == {0}  # the in-flight draw ran on version 0
     while gen.has_unfinished():
@@ -248,9 +248,9 @@ def test_on_cuda_the_draws_are_read_back_from_pinned_copies_and_stay_on_the_devi
     monkeypatch.setenv("NOPAD_OVERLAP", "0")
     serial = completions(Generator(model, block_size=4, num_blocks=64).generate(prompts, params, use_tqdm=False))
     gen = Generator(model, block_size=4, num_blocks=64, overlap=True)
-    launched = []
-    launch = gen.pipeline.launch
-    gen.pipeline.launch = lambda plan, prev=None: (launch(plan, prev), launched.append(gen.pipeline.in_flight))[0]
+    launched = []  # every draw, the overlapped steps' (the pipeline's and the decode batch's) among them
+    draw = gen.sampler.draw
+    gen.sampler.draw = lambda *args, **kwargs: launched.append(draw(*args, **kwargs)) or launched[-1]
     assert completions(gen.generate(prompts, params, use_tqdm=False)) == serial
-    assert launched and all(f.sample.tokens is not f.sample._host[0] for f in launched)
+    assert launched and all(sample.tokens is not sample._host[0] for sample in launched)
     assert copies and events.count("record") >= len(launched) and "sync" in events
