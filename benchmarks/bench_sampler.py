@@ -6,6 +6,8 @@ faults it in again), measured in ONE run with the two ways interleaved step by s
 SmolLM2-135M-Instruct, ``--seqs`` chat prompts decoding together; greedy, temperature 1, and
 temperature 0.7 with top-p 0.9; fp32 and bf16. Printed per case: median step time, median time in
 the sampler and page faults per step (minor faults from ``getrusage``) of each way, and the ratio.
+Then a greedy step's argmax over the same rows x vocab logits: torch's against the sampler's (numpy's
+on CPU), the same indices.
 
     python benchmarks/bench_sampler.py            # 48 sequences, 10 steps each way (~2 min)
     python benchmarks/bench_sampler.py --quick    # a tiny random Llama, 8 sequences, 3 steps each way
@@ -127,7 +129,30 @@ def main(argv=None) -> dict:
                 f"{b['step_ms'] / a['step_ms']:5.2f}x {b['sampler_ms'] / a['sampler_ms']:6.2f}x",
                 flush=True,
             )
+    report["argmax"] = time_argmax(args.seqs, model.config.vocab_size, args.steps)
     return report
+
+
+def time_argmax(rows: int, vocab: int, repeats: int) -> dict[str, float]:
+    """A greedy step's argmax over ``rows x vocab`` fp32 logits: torch's (``Tensor.argmax``) against the
+    sampler's (``argmax_rows``: numpy's on CPU), interleaved; both must give the same indices."""
+    from nopad.inference.sampler import argmax_rows
+
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    times = {"torch": [], "nopad": []}
+    for _ in range(max(repeats, 5)):
+        for name, fn in (("torch", lambda: x.argmax(dim=-1)), ("nopad", lambda: argmax_rows(x))):
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    out = {name: median(t) * 1e3 for name, t in times.items()}
+    print(
+        f"greedy argmax over {rows} x {vocab} fp32 logits, {torch.get_num_threads()} threads: torch "
+        f"{out['torch']:.3f} ms, nopad (numpy on CPU) {out['nopad']:.3f} ms: {out['torch'] / out['nopad']:.2f}x, "
+        "the same indices"
+    )
+    return out
 
 
 if __name__ == "__main__":

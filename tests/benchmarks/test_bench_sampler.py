@@ -5,6 +5,8 @@ from benchmarks.bench_sampler import CASES, main
 
 def test_quick_run_on_tiny_model(capsys):
     report = main(["--quick", "--tiny-model", "--threads", "1", "--dtypes", "fp32,bf16"])
+    argmax = report.pop("argmax")
+    assert argmax["torch"] > 0 and argmax["nopad"] > 0
     assert set(report) == {f"{d} {c}" for d in ("fp32", "bf16") for c in CASES}
     for case in report.values():
         for way in ("reused", "fresh"):
