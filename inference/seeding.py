@@ -59,7 +59,9 @@ def stream_keys(seqs) -> np.ndarray:
     """Each sequence's key before its position is mixed in (uint64): the part of
     :func:`counter_seed` that is fixed for a sequence, worked out once for a batch that keeps decoding
     (:mod:`nopad.inference.decode_batch`)."""
-    return np.array([_splitmix64(_splitmix64(s.request.seed & _MASK64) ^ s.stream) for s in seqs], dtype=np.uint64)
+    seeds = np.array([s.request.seed & _MASK64 for s in seqs], dtype=np.uint64)
+    streams = np.array([s.stream for s in seqs], dtype=np.uint64)
+    return _splitmix64_array(_splitmix64_array(seeds) ^ streams)
 
 
 def uniform_draws(keys: np.ndarray, num_tokens: np.ndarray) -> list[float]:

@@ -141,3 +141,26 @@ def test_python_calls_per_step_do_not_grow_with_rows(overlap):
         assert gen.decode_batch.steps >= 2 and (gen.stats()["overlap_steps"] >= 2) == overlap
     per_row = (counts[40] - counts[8]) / 32
     assert per_row <= 0.25, f"{per_row:.2f} Python calls per added row ({counts})"
+
+
+def test_vectorised_draws_equal_the_per_sequence_ones():
+    """``uniform_draws`` (numpy's uint64 splitmix over a batch's kept keys) gives each row the float
+    ``uniform_draw`` gives it: negative and 64-bit seeds, forked 63-bit streams, long positions."""
+    import random
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from nopad.inference.seeding import stream_keys, uniform_draw, uniform_draws
+
+    rng = random.Random(0)
+    seqs = [
+        SimpleNamespace(
+            request=SimpleNamespace(seed=rng.choice([rng.getrandbits(64) - (1 << 63), rng.getrandbits(62), 0, -1])),
+            stream=rng.choice([i % 8, rng.getrandbits(63)]),
+            num_tokens=rng.randrange(1, 1 << 20),
+        )
+        for i in range(2000)
+    ]
+    lengths = np.array([s.num_tokens for s in seqs], dtype=np.int64)
+    assert uniform_draws(stream_keys(seqs), lengths) == [uniform_draw(s) for s in seqs]
