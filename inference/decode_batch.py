@@ -12,7 +12,8 @@ It serves a step only when that step is a plain decode of exactly the scheduler'
 checked each step (the same list, no step planned elsewhere since its last, no admission possible,
 blocks for every row that needs one). Everything else takes the general step, after which the batch is
 built again from the running sequences: admissions, prefill chunks, preemption, forks, tool episodes,
-hybrid models' state slots, repetition penalties, prompt log-probs and unmet ``min_tokens``.
+repetition penalties, prompt log-probs and unmet ``min_tokens``. A hybrid model's rows keep their
+state slots (a running sequence's slot changes only where the general step runs: preemption, forks).
 
 With overlap scheduling (:mod:`nopad.inference.overlap`) it keeps one step in flight: step N+1 is
 launched on N's draws, still on the device, before N is read back and completed. A row whose draw at N
@@ -233,12 +234,14 @@ class DecodeBatch:
         """The running sequences as arrays, if every one is a plain decode this batch may serve."""
         s = self.scheduler
         seqs = list(s.running)
-        if not seqs or len(seqs) > s.max_num_batched_tokens or s.state_slots is not None:
+        if not seqs or len(seqs) > s.max_num_batched_tokens:
             return False
         owner, bs, ref_count = self.owner, s.block_size, s.allocator.ref_count
         for seq in seqs:  # a loop, not all(generator): no call per row
             request, p = seq.request, seq.request.params
             if seq.hooks is not owner or seq.fork_count != 1 or len(seq.token_ids) - seq.num_computed != 1:
+                return False
+            if seq.num_computed == 0:  # a one-token prompt's first step (a hybrid's state starts from zero)
                 return False
             if p.repetition_penalty != 1.0 or request.prompt_logprobs is not None:
                 return False
@@ -322,6 +325,8 @@ class DecodeBatch:
             rows.lens[keep],
             rows.table[keep],
         )
+        if rows.state_slots is not None:
+            rows.state_slots = [slot for slot, k in zip(rows.state_slots, kept) if k]
         self.hashed, self.limit, self.arrival = self.hashed[keep], self.limit[keep], self.arrival[keep]
         self.prev_rows = self.prev_rows[keep]
         if self.stop_ids is not None:

@@ -116,7 +116,8 @@ class ModelRunner:
         ``rows``: a pure decode step's host arrays, kept by its batch (attention-only models)."""
         self.kv_cache.copy_blocks(plan.copies)
         states = self.kv_cache.states  # hybrid models: nopad.inference.state_cache
-        fresh = [] if states is None else [s.state_slot for s in plan.seqs if s.num_computed == 0]
+        # a first chunk's state starts from zero (a decode batch's rows are past theirs)
+        fresh = [] if states is None or rows is not None else [s.state_slot for s in plan.seqs if s.num_computed == 0]
         decode = rows is not None or ids_from is not None or is_decode(plan)
         if self.static_decode and decode and not invariance.is_enabled():
             step = build_static_decode(
@@ -126,7 +127,7 @@ class ModelRunner:
                 self.scratch_block,
                 self.max_num_seqs,
                 self.max_width,
-                None if states is None else [s.state_slot for s in plan.seqs],
+                None if states is None else rows.state_slots if rows is not None else [s.state_slot for s in plan.seqs],
                 None if states is None else states.scratch_slot,
                 ids_from,
             )
@@ -154,7 +155,8 @@ class ModelRunner:
         else:
             step = build_step(plan, self.kv_cache.block_size, self.device, ids_from)
         if states is not None:  # a first chunk starts from zero
-            states.begin([s.state_slot for s in plan.seqs], fresh, list(plan.query_lens))
+            slots = rows.state_slots if rows is not None else [s.state_slot for s in plan.seqs]
+            states.begin(slots, fresh, list(plan.query_lens))
         scorer = PromptScorer(self.model, len(step.sampling_rows), step.prompt_spans)  # none: does nothing
         with _state_step(states), scorer.hooked():
             out = self.model(

@@ -69,6 +69,7 @@ class DecodeRows:
     positions: np.ndarray  # (n,) int64: its position (tokens already in the cache)
     table: np.ndarray  # (n, width) int64: its blocks, the first lens[i] of row i (0 after them)
     lens: np.ndarray  # (n,) int64
+    state_slots: list[int] | None = None  # hybrid models: each row's state slot
 
     @classmethod
     def of(cls, plan: StepPlan, with_ids: bool = True) -> DecodeRows:
@@ -80,7 +81,8 @@ class DecodeRows:
         )
         pos = np.array([s.num_computed for s in seqs], dtype=np.int64)
         ids = np.array([s.token_ids[s.num_computed] for s in seqs] if with_ids else np.zeros(len(seqs)), np.int64)
-        return cls(ids, pos, table, lens)
+        slots = None if seqs[0].state_slot is None else [s.state_slot for s in seqs]
+        return cls(ids, pos, table, lens, slots)
 
 
 def _rows_part(ids_from: DeviceIds | None) -> list[np.ndarray]:

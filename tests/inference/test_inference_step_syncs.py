@@ -376,6 +376,7 @@ def test_static_decode_inputs_are_the_per_row_construction():
                 num_computed=int(n),
                 token_ids=rng.integers(3, 500, n + 1).tolist(),
                 block_table=rng.permutation(90)[: n // block + 1].tolist(),
+                state_slot=None,
             )
             for n in computed
         ]
