@@ -171,3 +171,33 @@ def test_vectorised_draws_equal_the_per_sequence_ones():
     ]
     lengths = np.array([s.num_tokens for s in seqs], dtype=np.int64)
     assert uniform_draws(stream_keys(seqs), lengths) == [uniform_draw(s) for s in seqs]
+
+
+@OVERLAP
+def test_an_abort_between_steps_drops_the_row_from_the_batch_and_its_step_in_flight(overlap):
+    """An abort between two steps (with overlap, while the batch's step is in flight): the aborted
+    request's output says so and gains no token after it; the other requests' outputs are the
+    general step's."""
+    model = tiny_model("llama")
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=9)
+    runs = {}
+    for kept in (True, False):
+        gen = Generator(model, block_size=4, overlap=overlap and kept)
+        if not kept:
+            gen.decode_batch.serve = lambda: False
+        for i, prompt in enumerate(prompts_of([5, 8, 3, 6])):
+            gen.add_request(prompt, params, request_id=f"r{i}")
+        outs = []
+        with batch_invariant() if overlap else contextlib.nullcontext():  # (see with_and_without)
+            for _ in range(5):
+                outs += gen.step()
+            assert gen.abort("r1")
+            while gen.has_unfinished():
+                outs += gen.step()
+        gen.allocator.check(owners=[])
+        runs[kept] = {o.request_id: o for o in outs}
+    for rid in ("r0", "r2", "r3"):
+        assert completions([runs[True][rid]]) == completions([runs[False][rid]])
+    aborted = runs[True]["r1"].outputs[0]
+    assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < 12
+    assert len(aborted.token_ids) == len(aborted.logprobs) == len(aborted.policy_versions)
