@@ -12,13 +12,16 @@
 
 The pipeline, one module per concept: ``sampling_params`` (what to sample) -> ``request``
 (validated requests, sequence state, the owners' ``SequenceHooks``) -> ``scheduler`` (plan a step
-on the core ``BlockAllocator``) -> ``model_runner`` (the step's ``VarlenMeta``, one forward
-through ``nopad.packing.hf``'s attention, ``kv_cache`` holding the paged K/V; ``live_model`` switches the
-model for it) -> ``sampler`` (draws keyed by ``seeding``) -> the scheduler's postprocess (append,
-stop, call the owner) -> ``outputs``; ``generator`` ties them. The owners: ``plain_requests``, and
-``episodes`` for multi-turn tool episodes (pause at a tool call with the KV pinned, resume by
-prefilling the tool's tokens; ``episode_setup`` checks their arguments); ``tools`` reads and
-writes tool calls in the chat template's format and runs them off the decode loop.
+on the core ``BlockAllocator``) -> ``model_runner`` (the step's inputs and ``VarlenMeta`` from
+``step_inputs``, one forward through ``nopad.packing.hf``'s attention, ``kv_cache`` holding the paged
+K/V; ``live_model`` switches the model for it) -> ``sampler`` (draws keyed by ``seeding``, the rows'
+parameters read by ``sampling_rows``) -> the scheduler's postprocess (append, stop, call the owner)
+-> ``outputs``; ``generator`` ties them. A steady decode skips the per-row walk: ``decode_batch`` keeps
+its rows' step state in arrays; ``overlap`` launches a step before the one before is read back.
+The owners: ``plain_requests``, and ``episodes`` for multi-turn tool episodes (pause at a tool
+call with the KV pinned, resume by prefilling the tool's tokens; ``episode_setup`` checks their
+arguments); ``tools`` reads and writes tool calls in the chat template's format and runs them off
+the decode loop.
 ``sharded`` runs the generator on DeepSpeed ZeRO-3 / FSDP2 models (gather-once or lockstep).
 """
 

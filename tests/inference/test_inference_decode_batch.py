@@ -43,7 +43,8 @@ def with_and_without(model, prompts, params, tokenizer=None, stream=False, overl
                 deltas = [(d.request_id, d.index, d.token_ids, d.finish_reason) for d in gen.stream(prompts, params)]
             runs[kept] = (deltas, completions(gen.generate(prompts, params, use_tqdm=False)))
         gen.allocator.check(owners=[])
-    assert gens[True].decode_batch.steps > 0, "the kept arrays served no step"
+    assert gens[True].stats()["decode_batch_steps"] > 0, "the kept arrays served no step"
+    assert gens[False].stats()["decode_batch_steps"] == 0
     stats = gens[True].stats()
     assert (stats["overlap_steps"] > 0) == overlap
     if not overlap:  # the same steps, row for row (overlapped, a preemption can come a step apart)
