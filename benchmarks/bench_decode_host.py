@@ -246,7 +246,22 @@ def main(argv=None) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: this machine has no CUDA device (torch.cuda.is_available() is False)")
     torch.set_num_threads(1)
-    return {rows: run(args, rows) for rows in args.rows or [16 if args.quick else 64]}
+    counts = sorted(set(args.rows or [16 if args.quick else 64]))
+    report = {rows: run(args, rows) for rows in counts}
+    if len(counts) > 1:  # what each row added costs: the part of a step that grows with the batch
+        low, high = report[counts[0]], report[counts[-1]]
+        added = counts[-1] - counts[0]
+        per_row = {
+            name: (high[name]["python"] - low[name]["python"]) * args.layers / added
+            for name in low
+            if isinstance(low[name], dict)
+        }
+        print(
+            f"Python calls per added row ({counts[0]} -> {counts[-1]} rows): "
+            + ", ".join(f"{name} {calls:.2f}" for name, calls in per_row.items())
+        )
+        report["python_calls_per_added_row"] = per_row
+    return report
 
 
 def run(args, rows: int) -> dict:
