@@ -23,11 +23,12 @@ ends its turn by length is left out of N+1 (the arrays know its length); one tha
 Its outputs are the general step's, bit for bit: the same plan and input arrays, the same sampler
 (:func:`nopad.inference.sampler.sample_on_device` given the rows' plan and their uniforms, both kept),
 and the same stop rules (:meth:`nopad.inference.request.Sequence.stop_reason` decides for every row the
-arrays flag, and for every row with stop strings).
+arrays flag: a length limit, a stop id, or stop strings of its own).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,11 +58,25 @@ class Launched:
     arrival: np.ndarray
     limit: np.ndarray
     stop_ids: np.ndarray | None
-    string_rows: list[int]
+    strings: np.ndarray | None  # rows with stop strings (None: no row has any)
+    tops: np.ndarray | None  # rows asking for top log-probs (None: no row asks)
     lengths: np.ndarray  # each row's token count once this step's draw is appended
-    top_rows: list[int]
     sample: PendingSample
     clean: bool = True  # no row left the batch since the launch: every row appends
+
+    def only(self, keep: np.ndarray) -> Launched:
+        """The rows ``keep`` (a boolean mask) of this step."""
+        return dataclasses.replace(
+            self,
+            seqs=[q for q, k in zip(self.seqs, keep.tolist()) if k],
+            lists=_rows_of(self.lists, keep),
+            arrival=self.arrival[keep],
+            limit=self.limit[keep],
+            stop_ids=_masked(self.stop_ids, keep),
+            strings=_masked(self.strings, keep),
+            tops=_masked(self.tops, keep),
+            lengths=self.lengths[keep],
+        )
 
 
 class DecodeBatch:
@@ -132,8 +147,8 @@ class DecodeBatch:
                 self.seqs = None
                 return False
         rows = self.rows
-        self.need = np.flatnonzero(rows.positions >= rows.lens * s.block_size)  # rows out of room
-        return self.need.size <= s.allocator.num_free  # else the general step preempts
+        out_of_room = int(np.count_nonzero(rows.positions >= rows.lens * s.block_size))
+        return out_of_room <= s.allocator.num_free  # else the general step preempts
 
     # ----------------------------------------------------------------- a step
     def _launch(self, prev: Launched | None) -> Launched:
@@ -166,7 +181,7 @@ class DecodeBatch:
             s.stats.overlap_steps += 1
         self.prev_rows = np.arange(num, dtype=np.int64)  # the next step's input ids: these rows' draws
         return Launched(
-            seqs, self.lists, self.arrival, self.limit, self.stop_ids, self.string_rows, pos + 1, plan_.top_rows, sample
+            seqs, self.lists, self.arrival, self.limit, self.stop_ids, self.strings, self.tops, pos + 1, sample
         )
 
     def _complete(self, step: Launched) -> None:
@@ -180,48 +195,37 @@ class DecodeBatch:
         if keep is not None:
             self.scheduler.stats.overlap_wasted_tokens += int((~keep).sum())
         columns = [result.tokens, result.logprobs, result.temperature_logprobs, result.sampling_logprobs]
+        tops = result.top_logprobs
         if keep is not None and not keep.all():
-            columns = [np.asarray(c)[keep].tolist() for c in columns]
-            seqs, lists = [q for q, k in zip(step.seqs, keep.tolist()) if k], _rows_of(step.lists, keep)
-            arrival, limit, lengths = step.arrival[keep], step.limit[keep], step.lengths[keep]
-            stop_ids = None if step.stop_ids is None else step.stop_ids[keep]
-            strings = bool(step.string_rows)
-            tops = [result.top_logprobs[i] for i in np.flatnonzero(keep).tolist()]
-        else:
-            seqs, lists, arrival, limit, lengths, stop_ids = (
-                step.seqs,
-                step.lists,
-                step.arrival,
-                step.limit,
-                step.lengths,
-                step.stop_ids,
-            )
-            strings, tops = bool(step.string_rows), result.top_logprobs
-        tokens, versions, logprobs, tempered, sampling, times, top_lists = lists
+            step, columns = step.only(keep), [np.asarray(c)[keep].tolist() for c in columns]
+            tops = [tops[i] for i in np.flatnonzero(keep).tolist()]
+        tokens, versions, logprobs, tempered, sampling, times, top_lists = step.lists
         any(map(list.append, tokens, columns[0]))
         any(map(list.append, versions, repeat(result.policy_version, len(tokens))))
         any(map(list.append, logprobs, columns[1]))
         any(map(list.append, tempered, columns[2]))
         any(map(list.append, sampling, columns[3]))
-        any(map(list.append, times, (now - arrival).tolist()))
-        for i, seq in enumerate(seqs if step.top_rows else ()):
-            if seq.request.params.logprobs is not None:
-                top_lists[i].append(tops[i])
-        flagged = lengths >= limit
-        if stop_ids is not None:
-            flagged |= (np.asarray(columns[0], dtype=np.int64)[:, None] == stop_ids).any(axis=1)
-        self._end_turns(seqs, np.flatnonzero(flagged).tolist(), strings)
+        any(map(list.append, times, (now - step.arrival).tolist()))
+        for i in () if step.tops is None else np.flatnonzero(step.tops).tolist():
+            top_lists[i].append(tops[i])
+        # rows whose turn may have ended: Sequence.stop_reason decides (a length limit, a stop id, a string)
+        flagged = step.lengths >= step.limit
+        if step.stop_ids is not None:
+            flagged |= (np.asarray(columns[0], dtype=np.int64)[:, None] == step.stop_ids).any(axis=1)
+        if step.strings is not None:
+            flagged |= step.strings
+        self._end_turns([step.seqs[r] for r in np.flatnonzero(flagged).tolist()])
         if self.overlap and self.scheduler.enable_prefix_caching:  # blocks the step after computed
             s, bs = self.scheduler, self.scheduler.block_size
-            for r in np.flatnonzero(lengths % bs == 0).tolist():
-                if seqs[r].status is Status.RUNNING:
-                    s.register_full_blocks(seqs[r])
+            for r in np.flatnonzero(step.lengths % bs == 0).tolist():
+                if step.seqs[r].status is Status.RUNNING:
+                    s.register_full_blocks(step.seqs[r])
 
-    def _end_turns(self, seqs: list[Sequence], flagged: list[int], strings: bool) -> None:
-        """Ask :meth:`Sequence.stop_reason` of every flagged row (a stop id, a length limit) and, with
-        stop strings, of every row; hand the turns that end to their owner and drop those rows."""
+    def _end_turns(self, flagged: list[Sequence]) -> None:
+        """Ask :meth:`Sequence.stop_reason` of every flagged row, in row order; hand the turns that end
+        to their owner and drop those rows."""
         s, ended = self.scheduler, set()
-        for seq in seqs if strings else [seqs[r] for r in flagged]:
+        for seq in flagged:
             reason = seq.stop_reason(s.tokenizer, s.max_model_len)
             if reason is not None:
                 seq.hooks.turn_ended(seq, reason)
@@ -281,7 +285,8 @@ class DecodeBatch:
             self.stop_ids[np.arange(width) < np.array(list(map(len, stops)))[:, None]] = np.fromiter(
                 (t for row in stops for t in row), np.int64
             )
-        self.string_rows = [i for i, q in enumerate(seqs) if q.request.params.stop]
+        self.strings = _mask([bool(q.request.params.stop) for q in seqs])
+        self.tops = _mask([q.request.params.logprobs is not None for q in seqs])
         self.keys = stream_keys(seqs) if any([q.request.params.temperature != 0 for q in seqs]) else None
         self.rows_plan: RowsPlan | None = None
         self.arrival = np.array([q.request.arrival_time for q in seqs], dtype=np.float64)
@@ -318,7 +323,7 @@ class DecodeBatch:
         if not seqs:
             self.seqs = None
             return
-        rows, kept = self.rows, keep.tolist()
+        rows = self.rows
         rows.ids, rows.positions, rows.lens, rows.table = (
             rows.ids[keep],
             rows.positions[keep],
@@ -326,16 +331,14 @@ class DecodeBatch:
             rows.table[keep],
         )
         if rows.state_slots is not None:
-            rows.state_slots = [slot for slot, k in zip(rows.state_slots, kept) if k]
+            rows.state_slots = [slot for slot, k in zip(rows.state_slots, keep.tolist()) if k]
         self.hashed, self.limit, self.arrival = self.hashed[keep], self.limit[keep], self.arrival[keep]
-        self.prev_rows = self.prev_rows[keep]
-        if self.stop_ids is not None:
-            self.stop_ids = self.stop_ids[keep]
-        if self.keys is not None:
-            self.keys = self.keys[keep]
-        if self.string_rows:
-            at = np.cumsum(keep) - 1
-            self.string_rows = [int(at[i]) for i in self.string_rows if kept[i]]
+        self.prev_rows, self.stop_ids, self.keys = (
+            self.prev_rows[keep],
+            _masked(self.stop_ids, keep),
+            _masked(self.keys, keep),
+        )
+        self.strings, self.tops = _masked(self.strings, keep), _masked(self.tops, keep)
         self.lists = _rows_of(self.lists, keep)
         self.seqs, self.rows_plan = seqs, None
 
@@ -343,3 +346,13 @@ class DecodeBatch:
 def _rows_of(lists: list[list], keep: np.ndarray) -> list[list]:
     kept = keep.tolist()
     return [[x for x, k in zip(column, kept) if k] for column in lists]
+
+
+def _mask(flags: list[bool]) -> np.ndarray | None:
+    """A boolean row mask, or None when no row is set (the common case: nothing to check per step)."""
+    return np.array(flags, dtype=bool) if any(flags) else None
+
+
+def _masked(rows: np.ndarray | None, keep: np.ndarray) -> np.ndarray | None:
+    """The rows ``keep`` of a per-row array that may be absent."""
+    return None if rows is None else rows[keep]

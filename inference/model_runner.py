@@ -116,7 +116,9 @@ class ModelRunner:
         ``rows``: a pure decode step's host arrays, kept by its batch (attention-only models)."""
         self.kv_cache.copy_blocks(plan.copies)
         states = self.kv_cache.states  # hybrid models: nopad.inference.state_cache
-        # a first chunk's state starts from zero (a decode batch's rows are past theirs)
+        # each row's state slot (hybrid models); a first chunk's state starts from zero (a decode batch's
+        # rows are past theirs)
+        slots = None if states is None else rows.state_slots if rows is not None else [s.state_slot for s in plan.seqs]
         fresh = [] if states is None or rows is not None else [s.state_slot for s in plan.seqs if s.num_computed == 0]
         decode = rows is not None or ids_from is not None or is_decode(plan)
         if self.static_decode and decode and not invariance.is_enabled():
@@ -127,7 +129,7 @@ class ModelRunner:
                 self.scratch_block,
                 self.max_num_seqs,
                 self.max_width,
-                None if states is None else rows.state_slots if rows is not None else [s.state_slot for s in plan.seqs],
+                slots,
                 None if states is None else states.scratch_slot,
                 ids_from,
             )
@@ -155,7 +157,6 @@ class ModelRunner:
         else:
             step = build_step(plan, self.kv_cache.block_size, self.device, ids_from)
         if states is not None:  # a first chunk starts from zero
-            slots = rows.state_slots if rows is not None else [s.state_slot for s in plan.seqs]
             states.begin(slots, fresh, list(plan.query_lens))
         scorer = PromptScorer(self.model, len(step.sampling_rows), step.prompt_spans)  # none: does nothing
         with _state_step(states), scorer.hooked():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+import torch
 
 from benchmarks.bench_decode_host import python_calls
 from nopad.inference import Generator, SamplingParams
@@ -93,27 +94,42 @@ def test_blocks_grow_register_and_preempt_as_in_the_general_step(overlap):
     assert kept == general
 
 
+def stepped(prompts, params, overlap: bool, between) -> dict[bool, list]:
+    """Each request's output, by a caller's own ``step()`` loop, with the kept arrays (True, overlapped
+    with ``overlap``) and with the general step only (False); ``between(gen, steps)`` runs after every
+    step (an update, an abort)."""
+    runs = {}
+    for kept in (True, False):
+        gen = Generator(tiny_model("llama"), block_size=4, overlap=overlap and kept)
+        if not kept:
+            gen.decode_batch.serve = lambda: False
+        for i, prompt in enumerate(prompts):
+            gen.add_request(prompt, params, request_id=f"r{i}")
+        outs, steps = [], 0
+        with batch_invariant() if overlap else contextlib.nullcontext():  # (see with_and_without)
+            while gen.has_unfinished():
+                outs += gen.step()
+                steps += 1
+                between(gen, steps)
+        gen.allocator.check(owners=[])
+        runs[kept] = {o.request_id: o for o in outs}
+    return runs
+
+
 @OVERLAP
 def test_weight_updates_between_steps_stamp_each_token(overlap):
     """An update between two steps (stale_kv="keep" keeps the batch; "recompute" preempts every row
     and the batch is built again): the same tokens and versions as the general step's."""
-    model = tiny_model("llama")
+
+    def update(gen, steps):
+        if steps in (4, 7):
+            gen.update_weights(stale_kv="keep" if steps == 4 else "recompute")
+
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=7)
-    runs = {}
-    for kept in (True, False):
-        gen = Generator(model, block_size=4, overlap=overlap and kept)
-        if not kept:
-            gen.decode_batch.serve = lambda: False
-        for prompt in prompts_of([5, 8, 3]):
-            gen.add_request(prompt, params)
-        outs, step = [], 0
-        with batch_invariant() if overlap else contextlib.nullcontext():  # (see with_and_without)
-            while gen.has_unfinished():
-                outs += gen.step()
-                step += 1
-                if step in (4, 7):
-                    gen.update_weights(stale_kv="keep" if step == 4 else "recompute")
-        runs[kept] = sorted(completions(outs))
+    runs = {
+        kept: sorted(completions(outs.values()))
+        for kept, outs in stepped(prompts_of([5, 8, 3]), params, overlap, update).items()
+    }
     assert runs[True] == runs[False]
     assert {v for c in runs[True] for v in c[9]} == {0, 1, 2}
 
@@ -179,24 +195,13 @@ def test_an_abort_between_steps_drops_the_row_from_the_batch_and_its_step_in_fli
     """An abort between two steps (with overlap, while the batch's step is in flight): the aborted
     request's output says so and gains no token after it; the other requests' outputs are the
     general step's."""
-    model = tiny_model("llama")
-    params = SamplingParams(max_tokens=12, temperature=1.0, seed=9)
-    runs = {}
-    for kept in (True, False):
-        gen = Generator(model, block_size=4, overlap=overlap and kept)
-        if not kept:
-            gen.decode_batch.serve = lambda: False
-        for i, prompt in enumerate(prompts_of([5, 8, 3, 6])):
-            gen.add_request(prompt, params, request_id=f"r{i}")
-        outs = []
-        with batch_invariant() if overlap else contextlib.nullcontext():  # (see with_and_without)
-            for _ in range(5):
-                outs += gen.step()
+
+    def abort(gen, steps):
+        if steps == 5:
             assert gen.abort("r1")
-            while gen.has_unfinished():
-                outs += gen.step()
-        gen.allocator.check(owners=[])
-        runs[kept] = {o.request_id: o for o in outs}
+
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=9)
+    runs = stepped(prompts_of([5, 8, 3, 6]), params, overlap, abort)
     for rid in ("r0", "r2", "r3"):
         assert completions([runs[True][rid]]) == completions([runs[False][rid]])
     aborted = runs[True]["r1"].outputs[0]
@@ -246,4 +251,24 @@ def test_random_workloads_equal_the_general_step(seed):
     outputs with the kept arrays, serial or overlapped, are the general step's."""
     family, overlap, prompts, params, sizes = random_workload(seed)
     kept, general, _ = with_and_without(tiny_model(family), prompts, params, Chars(), overlap=overlap, **sizes)
+    assert kept == general
+
+
+@pytest.mark.parametrize(
+    "case", ["sinks", "vocab_152k", "bf16_weights", "fp32_under_bf16_autocast"], ids=lambda case: case
+)
+def test_sinks_a_large_vocabulary_and_bf16_equal_the_general_step(case):
+    """An attention-sink model (gpt-oss), a Qwen-sized vocabulary (151,936: numpy's argmax and the kept
+    arrays over it), bf16 weights, and fp32 weights under bf16 autocast (the logits the sampler gets
+    are bf16)."""
+    model = {
+        "sinks": lambda: tiny_model("gpt_oss"),
+        "vocab_152k": lambda: tiny_model("qwen2", vocab_size=151_936),
+        "bf16_weights": lambda: tiny_model("llama").to(torch.bfloat16),
+        "fp32_under_bf16_autocast": lambda: tiny_model("llama"),
+    }[case]()
+    params = [SamplingParams(max_tokens=10, temperature=0), SamplingParams(max_tokens=14, temperature=1.0, seed=3, n=2)]
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if case.endswith("autocast") else contextlib.nullcontext()
+    with autocast:
+        kept, general, _ = with_and_without(model, prompts_of([5, 9]), params, block_size=4)
     assert kept == general
