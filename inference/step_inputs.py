@@ -60,6 +60,17 @@ class DeviceIds:
     rows: list[int]
 
 
+def block_tables(seqs) -> tuple[np.ndarray, np.ndarray]:
+    """The sequences' block tables as one ``(rows, longest)`` int64 array (0 after each row's blocks)
+    and their lengths, in one numpy pass (no assignment per row)."""
+    lens = np.array([len(s.block_table) for s in seqs], dtype=np.int64)
+    table = np.zeros((len(seqs), int(lens.max())), dtype=np.int64)
+    table[np.arange(table.shape[1]) < lens[:, None]] = np.fromiter(
+        chain.from_iterable([s.block_table for s in seqs]), np.int64, int(lens.sum())
+    )
+    return table, lens
+
+
 @dataclass
 class DecodeRows:
     """A pure decode step's host arrays, one entry per row: kept and updated in place from step to step
@@ -74,11 +85,7 @@ class DecodeRows:
     @classmethod
     def of(cls, plan: StepPlan, with_ids: bool = True) -> DecodeRows:
         seqs = plan.seqs
-        lens = np.array([len(s.block_table) for s in seqs], dtype=np.int64)
-        table = np.zeros((len(seqs), int(lens.max())), dtype=np.int64)
-        table[np.arange(table.shape[1]) < lens[:, None]] = np.fromiter(
-            chain.from_iterable([s.block_table for s in seqs]), np.int64, int(lens.sum())
-        )
+        table, lens = block_tables(seqs)
         pos = np.array([s.num_computed for s in seqs], dtype=np.int64)
         ids = np.array([s.token_ids[s.num_computed] for s in seqs] if with_ids else np.zeros(len(seqs)), np.int64)
         slots = None if seqs[0].state_slot is None else [s.state_slot for s in seqs]
@@ -124,11 +131,7 @@ def build_step(plan: StepPlan, block_size: int, device, ids_from: DeviceIds | No
             np.int64,
             total,
         )
-    lens = np.array([len(s.block_table) for s in plan.seqs])
-    table = np.zeros((num, int(lens.max())), dtype=np.int64)
-    table[np.arange(table.shape[1]) < lens[:, None]] = np.fromiter(
-        chain.from_iterable([s.block_table for s in plan.seqs]), np.int64, int(lens.sum())
-    )
+    table, _ = block_tables(plan.seqs)
     if ids_from is not None:  # every row decodes its token on the device and samples
         sampling_rows = list(range(num))
     else:
