@@ -43,17 +43,25 @@ class SamplerBuffers:
 
     def __init__(self):
         self._buffers: dict[str, torch.Tensor] = {}
+        # each buffer's last view, by the shape it was asked for: a steady decode asks the same every step
+        self._views: dict[str, tuple[tuple, torch.Tensor]] = {}
 
     def get(self, name: str, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Uninitialised memory of ``like``'s shape and device in ``dtype``, reused across calls."""
+        key = (name, like.shape, like.device, dtype)
+        view = self._views.get(name)
+        if view is not None and view[0] == key:
+            return view[1]
         numel = like.numel()
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < numel or buf.device != like.device or buf.dtype != dtype:
             buf = self._buffers[name] = torch.empty(numel, dtype=dtype, device=like.device)
-        return buf[:numel].view(like.shape)
+        self._views[name] = (key, buf[:numel].view(like.shape))
+        return self._views[name][1]
 
     def clear(self) -> None:
         self._buffers.clear()
+        self._views.clear()
 
 
 class Sampler:

@@ -8,6 +8,7 @@ arrays a steady decode batch keeps (:mod:`nopad.inference.decode_batch`), and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from itertools import chain
 
 import numpy as np
@@ -33,20 +34,21 @@ class StepInputs:
 
 
 def _to_device(parts: list[np.ndarray], device) -> list[torch.Tensor]:
-    """Concatenate int64 host arrays into one buffer, copy it once, return device views (on CPU the
-    buffer itself, viewed by numpy: a torch view is a Python call and an op, eight a step)."""
-    sizes = [a.size for a in parts]
+    """Device tensors of integer host arrays (int64, or int32 for the varlen record's boundaries and
+    block table), in ONE host-to-device copy: the int64 buffer of them all, pinned and non-blocking
+    on CUDA, viewed there (an int32 part cast on the device). On CPU a copy of each array (the step
+    keeps its inputs while a decode batch updates its arrays in place), its own dtype, no torch op."""
     device = torch.device(device)
     if device.type == "cpu":
-        buf = np.concatenate([a.reshape(-1) for a in parts])
-        at = np.cumsum([0, *sizes]).tolist()
-        return [torch.from_numpy(buf[at[i] : at[i + 1]].reshape(a.shape)) for i, a in enumerate(parts)]
+        return [torch.from_numpy(a.copy()) for a in parts]
+    sizes = [a.size for a in parts]
     host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
-    np.concatenate([a.reshape(-1) for a in parts], out=host.numpy())
+    np.concatenate([a.reshape(-1) for a in parts], out=host.numpy(), casting="safe")
     buf = host.to(device, non_blocking=True)
     views, at = [], 0
     for a, n in zip(parts, sizes):
-        views.append(buf[at : at + n].view(a.shape))
+        view = buf[at : at + n].view(a.shape)
+        views.append(view.to(torch.int32) if a.dtype == np.int32 else view)
         at += n
     return views
 
@@ -156,11 +158,20 @@ def build_step(plan: StepPlan, block_size: int, device, ids_from: DeviceIds | No
 def decode_step(rows: DecodeRows, block_size: int, device, ids_from: DeviceIds | None = None) -> StepInputs:
     """:func:`build_step` of a pure decode step from its kept host arrays (no walk over the rows)."""
     num, pos = rows.ids.size, rows.positions
-    rows_ = np.arange(num + 1, dtype=np.int64)  # a decode step's cu_q; its first num: seq_idx and kept rows
-    lay = dict(q=np.ones(num, dtype=np.int64), k=pos + 1, cu_q=rows_, cu_k=cumsum0(pos + 1), positions=pos)
-    lay["seq_idx"] = rows_[:num]  # step_layout's arrays, without its checks (a plan's rows passed them)
+    ones, rows_ = _decode_layout(num)
+    k = pos + 1
+    lay = dict(q=ones, k=k, cu_q=rows_, cu_k=cumsum0(k), positions=pos, seq_idx=rows_[:num])
     table = rows.table[:, : int(rows.lens.max())]
     return _assemble(lay, rows.ids, table, rows_[:num], list(range(num)), [], block_size, device, ids_from)
+
+
+@lru_cache(maxsize=8)
+def _decode_layout(num: int) -> tuple[np.ndarray, np.ndarray]:
+    """A decode step's query lengths (ones) and ``arange(num + 1)`` (its cu_q; the first ``num``: its
+    seq_idx and kept rows), the same for every step of ``num`` rows; read-only, as they are shared."""
+    ones, rows_ = np.ones(num, dtype=np.int64), np.arange(num + 1, dtype=np.int64)
+    ones.flags.writeable = rows_.flags.writeable = False
+    return ones, rows_
 
 
 def _assemble(
@@ -179,20 +190,22 @@ def _assemble(
     slots = table[lay["seq_idx"], pos // block_size] * block_size + pos % block_size
     if keep.size == 0:  # only partial prefill chunks: no logits needed, still one forward
         keep = np.zeros(1, dtype=np.int64)
-    parts = [ids, pos, slots, keep, table, np.stack([lay["cu_q"], lay["cu_k"]]), lay["seq_idx"]]
+    i32 = np.int32
+    parts = [ids, pos, slots, keep, table.astype(i32), np.stack([lay["cu_q"], lay["cu_k"]]).astype(i32)]
+    parts.append(lay["seq_idx"].astype(i32))
     d_ids, d_pos, d_slots, d_keep, d_table, d_cu, d_seq, *d_rows = _to_device(parts + _rows_part(ids_from), device)
     _fill_ids(d_ids, ids_from, d_rows)
     q, k = lay["q"], lay["k"]
     meta = VarlenMeta(
-        cu_seqlens_q=d_cu[0].to(torch.int32),
-        cu_seqlens_k=d_cu[1].to(torch.int32),
+        cu_seqlens_q=d_cu[0],
+        cu_seqlens_k=d_cu[1],
         max_seqlen_q=int(q.max()),
         max_seqlen_k=int(k.max()),
         position_ids=d_pos,
-        seq_idx=d_seq.to(torch.int32),
+        seq_idx=d_seq,
         seqlens_q=tuple(q.tolist()),
         seqlens_k=tuple(k.tolist()),
-        block_table=d_table.to(torch.int32),
+        block_table=d_table,
         slot_mapping=d_slots,
     )
     return StepInputs(d_ids[None], meta, d_keep, sampling_rows, position_ids=d_pos[None], prompt_spans=spans)
