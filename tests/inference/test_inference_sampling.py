@@ -184,6 +184,8 @@ def test_reused_sampler_buffers_give_what_fresh_ones_give(dtype):
         (13, 1, None),
         (6, 0, SamplingParams(temperature=0.9, top_p=0.8)),
         (5, 0, SamplingParams(temperature=1.0)),
+        (9, 0, None),  # a shape seen before the buffers grew: its kept view must be of the new memory
+        (9, 3, None),  # the same shape twice in a row: the kept views (a steady decode's case)
     ]
     for rows, offset, same in steps:  # mixed params, then all rows filtered, then all rows unfiltered
         logits = (torch.randn(rows, 3000) * 4).to(dtype)
