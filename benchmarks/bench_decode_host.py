@@ -90,7 +90,7 @@ def llama(layers: int, shape: str, device: torch.device, dtype: torch.dtype) -> 
 
 
 class Clock:
-    """Thread CPU seconds spent inside the attention calls, added up across a step."""
+    """Thread CPU seconds spent inside the calls it wraps (the attention calls, a step's parts), added up."""
 
     def __init__(self):
         self.seconds = 0.0
@@ -227,6 +227,39 @@ def measure(steps: dict, repeats: int, layers: int, device: torch.device, models
     return out
 
 
+def bookkeeping(step, gen, model, repeats: int) -> dict[str, float]:
+    """Where the kept-array step's time outside the model goes, median ms over ``repeats`` steps of
+    its own (a pass after the interleaved one, so its wrappers add nothing to the figures above):
+    the step inputs (the forward call besides the model: the runner's input build and its record),
+    the sampler's draw, the completion (read back, appends, stop checks) and the rest (the serving
+    checks, blocks, counters, prefix-cache registration)."""
+    batch = gen.decode_batch
+    clocks = {name: Clock() for name in ("step", "forward", "model", "draw", "complete")}
+    saved = batch.forward, batch.sampler.draw, batch._complete
+    batch.forward = clocks["forward"].wrap(batch.forward)
+    model.forward = clocks["model"].wrap(model.forward)
+    batch.sampler.draw = clocks["draw"].wrap(batch.sampler.draw)
+    batch._complete = clocks["complete"].wrap(batch._complete)
+    timed = clocks["step"].wrap(step)
+    samples = []
+    try:
+        for _ in range(repeats):
+            for clock in clocks.values():
+                clock.seconds = 0.0
+            timed()
+            samples.append({name: clock.seconds for name, clock in clocks.items()})
+    finally:
+        batch.forward, batch.sampler.draw, batch._complete = saved
+        del model.forward
+    parts = {
+        "step inputs": [s["forward"] - s["model"] for s in samples],
+        "sampler": [s["draw"] for s in samples],
+        "completion": [s["complete"] for s in samples],
+        "the rest": [s["step"] - s["forward"] - s["draw"] - s["complete"] for s in samples],
+    }
+    return {name: median(values) * 1e3 for name, values in parts.items()}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="16 rows, 4 timed steps")
@@ -254,7 +287,7 @@ def main(argv=None) -> dict:
         per_row = {
             name: (high[name]["python"] - low[name]["python"]) * args.layers / added
             for name in low
-            if isinstance(low[name], dict)
+            if isinstance(low[name], dict) and "python" in low[name]
         }
         print(
             f"Python calls per added row ({counts[0]} -> {counts[-1]} rows): "
@@ -297,6 +330,7 @@ def run(args, rows: int) -> dict:
                 "HF": hf_model,
             },
         )
+        parts = bookkeeping(nopad_step, gen, nopad_model, repeats)
     bare = measure(
         {"nopad, bare gen.step()": nopad_step}, max(2, repeats // 3), args.layers, device, {"nopad": nopad_model}
     )
@@ -332,6 +366,10 @@ def run(args, rows: int) -> dict:
         f"nopad's kept arrays / its general step: CPU time outside the model {n['outside_ms'] / g['outside_ms']:.2f}x, "
         f"Python calls per row {n['python'] * args.layers / rows:.1f} vs {g['python'] * args.layers / rows:.1f}"
     )
+    print(
+        "nopad's step outside the model, by part (CPU ms, a pass of its own): "
+        + ", ".join(f"{name} {ms:.2f}" for name, ms in parts.items())
+    )
     o = report["nopad, overlap"]
     print(
         f"nopad overlapped / HF: step {o['step_ms'] / h['step_ms']:.2f}x, "
@@ -341,7 +379,7 @@ def run(args, rows: int) -> dict:
     )
     for generator in (gen, general_gen, overlap_gen):
         generator.abort_all()
-    return {**report, **bare, "load": load}
+    return {**report, **bare, "load": load, "nopad_parts_ms": parts}
 
 
 if __name__ == "__main__":
