@@ -34,6 +34,12 @@ trained tokens per wall second against nopad sync and against TRL.
     python benchmarks/bench_streaming_rl.py --quick    # tiny model, short lengths, 2 steps: a smoke run
     python benchmarks/bench_streaming_rl.py --skip-trl --exact   # in the batch-invariant mode
     python benchmarks/bench_streaming_rl.py --learning # the learning check (below)
+    python benchmarks/bench_streaming_rl.py --device cuda --systems sync,s=1,s=2   # a GPU (gpu_session.sh streaming)
+
+On a GPU (``--device cuda``) the same run, fp32 on both sides: a decode step there costs nearly the same
+at 4 rows as at 32, so the thinning tail that streaming removes is where sync loses most (on this CPU
+a step's cost grows with its rows). ``--systems`` runs a subset of the nopad systems (by the names'
+words: ``sync``, ``s=1``, ``s=2 keep``...), to fit one device call.
 
 The learning check (``--learning``): the GRPO recipe on its arithmetic task with the embedded
 SmolLM2-135M-Instruct (2 prompts x 8 completions of <= 40 tokens at temperature 0.7 per step, lr
@@ -119,7 +125,8 @@ def run_nopad(name: str, base, prompts, lengths, args, max_staleness: int, stale
     from nopad.training.streaming import StreamingRollouts, streaming_step
 
     model = copy.deepcopy(base)
-    stepper = OptimizerStepper(model, torch.optim.AdamW(model.parameters(), lr=1e-6), Accelerator(cpu=True))
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    stepper = OptimizerStepper(model, torch.optim.AdamW(model.parameters(), lr=1e-6), Accelerator(cpu=on_cpu))
     generator = Generator(
         model,
         block_size=16,
@@ -165,6 +172,7 @@ def run_nopad(name: str, base, prompts, lengths, args, max_staleness: int, stale
             )
             trained += m["completion_tokens"]
             rollout_s += m["rollout_s"]
+    _sync(model)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     stream.close()
     rows = generator.scheduler.stats.seqs_per_step
@@ -208,7 +216,7 @@ def run_trl(base, tokenizer, prompts_text, lengths, args, out_dir: Path) -> dict
         learning_rate=1e-6,
         logging_steps=1,
         report_to=[],
-        use_cpu=True,
+        use_cpu=next(base.parameters()).device.type == "cpu",
         bf16=False,
         save_strategy="no",
         seed=0,
@@ -226,6 +234,7 @@ def run_trl(base, tokenizer, prompts_text, lengths, args, out_dir: Path) -> dict
     )
     wall, cpu = time.perf_counter(), time.process_time()
     trainer.train()
+    _sync(model)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
     mean_len = sum(h["completions/mean_length"] for h in logs) / max(len(logs), 1)
@@ -243,6 +252,26 @@ def run_trl(base, tokenizer, prompts_text, lengths, args, out_dir: Path) -> dict
         "decode_steps": 0,
         "mean_len": mean_len,
     }
+
+
+def _sync(model) -> None:
+    """Wait for the device's queued work, so a wall time ends when the work does (nothing on CPU)."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def chosen_systems(spec: str | None) -> list[tuple[str, int, str]]:
+    """The nopad systems whose names contain every word of one of ``spec``'s comma-separated
+    entries (``sync``, ``s=1``, ``s=4 recompute``); all of them when ``spec`` is None."""
+    if spec is None:
+        return SYSTEMS
+    wanted = [entry.split() for entry in spec.split(",") if entry.strip()]
+    chosen = [system for system in SYSTEMS if any(all(w in system[0] for w in words) for words in wanted)]
+    if not chosen or chosen[0] != SYSTEMS[0]:
+        names = ", ".join(name for name, _, _ in SYSTEMS)
+        raise SystemExit(f"--systems {spec!r} must name nopad sync and match at least one of: {names}")
+    return chosen
 
 
 def learning_check(args) -> None:
@@ -304,8 +333,14 @@ def main() -> None:
         "--overlap", action="store_true", help="nopad's generator with overlap scheduling (prints its pipeline breaks)"
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides run (fp32)")
+    parser.add_argument(
+        "--systems", default=None, help="nopad systems to run, comma-separated words of their names (sync first)"
+    )
     parser.add_argument("--learning", action="store_true", help="the learning check: reward curves, sync vs streaming")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this machine has no CUDA device (torch.cuda.is_available() is False)")
     torch.set_num_threads(args.threads)
     if args.learning:
         return learning_check(args)
@@ -314,22 +349,24 @@ def main() -> None:
     tokenizer = load_smollm2_tokenizer()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    systems = SYSTEMS
+    systems = chosen_systems(args.systems)
     if args.quick:  # every code path once: sync, keep, recompute, TRL
-        args.steps, args.max_num_seqs, systems = 2, 8, SYSTEMS[:3]
+        args.steps, args.max_num_seqs, systems = 2, 8, systems[:3]
         args.prompts_per_step, args.num_generations = 2, 2
         base, lengths = tiny_llama(tokenizer=tokenizer), completion_lengths(len(GRPO_QUESTIONS), (2, 6), 24)
         model_name = "tiny random Llama (2 layers, hidden 64)"
     else:
         base, lengths = smollm2_shape(tokenizer), completion_lengths(len(GRPO_QUESTIONS), (8, 48), 384)
         model_name = "random-weight SmolLM2-135M shape (30 layers, hidden 576, fp32)"
+    base = base.to(args.device)
     prompts = chat_prompt_ids(tokenizer, GRPO_QUESTIONS)
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(
         f"model: {model_name}; {len(prompts)} prompts, completion lengths set by the task: "
         f"{sum(x == max(lengths) for x in lengths)} of {len(lengths)} run to {max(lengths)} tokens, the others "
         f"{min(lengths)}-{max(x for x in lengths if x != max(lengths))} (mean {sum(lengths) / len(lengths):.1f}); "
         f"{args.prompts_per_step} groups x {args.num_generations} per step, {args.steps} steps, "
-        f"max_num_seqs={args.max_num_seqs}, {torch.get_num_threads()} threads, batch_invariant={args.exact}"
+        f"max_num_seqs={args.max_num_seqs}, {where}, batch_invariant={args.exact}"
     )
     results = []
     for name, staleness, kv in systems:

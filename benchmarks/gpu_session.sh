@@ -12,14 +12,15 @@
 # realshapes (the decode floor at 64/128/256 sequences, serial and overlapped, the GPU's idle share of
 # a compiled step, and generation against HF generate and HF continuous batching, on a Qwen2.5-1.5B
 # shape, bf16, random weights: one call of ~9 minutes), realshapes8b (the same on Llama-3.1-8B,
-# without the idle share), realhybrid (the hybrid goals on a Qwen3.5-2B-like shape).
+# without the idle share), realhybrid (the hybrid goals on a Qwen3.5-2B-like shape), streaming
+# (bench_streaming_rl.py: nopad sync, streaming at max_staleness 1 and 2, TRL GRPOTrainer; #52's goals).
 set -u
 for part in "$@"; do  # before the install: a typo costs no device time
-  case $part in tests|hybrid|hybridgen|decode|hostwork|graphcode|attention|grpo|realshapes|realshapes8b|realhybrid) ;;
-    *) echo "unknown part $part (tests hybrid hybridgen decode hostwork graphcode attention grpo realshapes realshapes8b realhybrid)"; exit 2 ;;
+  case $part in tests|hybrid|hybridgen|decode|hostwork|graphcode|attention|grpo|realshapes|realshapes8b|realhybrid|streaming) ;;
+    *) echo "unknown part $part (tests hybrid hybridgen decode hostwork graphcode attention grpo realshapes realshapes8b realhybrid streaming)"; exit 2 ;;
   esac
 done
-[ $# -gt 0 ] || { echo "name the parts to run: tests hybrid hybridgen decode hostwork graphcode attention grpo realshapes realshapes8b realhybrid"; exit 2; }
+[ $# -gt 0 ] || { echo "name the parts to run: tests hybrid hybridgen decode hostwork graphcode attention grpo realshapes realshapes8b realhybrid streaming"; exit 2; }
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -65,6 +66,10 @@ for part in "$@"; do
     realshapes) run realshapes 560 "decode host generate" --models Qwen2.5-1.5B --decode-counts 64 128 256 ;;
     realshapes8b) run realshapes8b 560 "decode generate" --models Llama-3.1-8B --decode-counts 64 128 256 ;;
     realhybrid) run realhybrid 300 "hybrid" --hybrid-models Qwen3.5-2B-like ;;
-    *) echo "unknown part $part (tests hybrid decode hostwork attention grpo)"; exit 2 ;;
+    streaming)  # streaming GRPO vs sync and TRL on the GPU, where a step of 4 rows costs what one of 32 does
+      timeout 540 python3 benchmarks/bench_streaming_rl.py --device cuda --systems "sync,s=1 keep,s=2 keep" \
+        > "$out/streaming.log" 2>&1
+      echo "streaming: rc $? after $SECONDS s" | tee -a "$out/streaming.log" ;;
+    *) echo "unknown part $part (tests hybrid hybridgen decode hostwork graphcode attention grpo realshapes realshapes8b realhybrid streaming)"; exit 2 ;;
   esac
 done
