@@ -7,7 +7,9 @@ SmolLM2-135M-Instruct, ``--seqs`` chat prompts decoding together; greedy, temper
 temperature 0.7 with top-p 0.9; fp32 and bf16. Printed per case: median step time, median time in
 the sampler and page faults per step (minor faults from ``getrusage``) of each way, and the ratio.
 Then a greedy step's argmax over the same rows x vocab logits: torch's against the sampler's (numpy's
-on CPU), the same indices.
+on CPU), the same indices. ``--compiled-pick``: the greedy pick (argmax and the token's log-prob)
+as one ``torch.compile``d function, against the sampler's eager ops on the same logits: whether the
+sampler belongs inside a compiled decode step on this device (#53 item 3).
 
     python benchmarks/bench_sampler.py            # 48 sequences, 10 steps each way (~2 min)
     python benchmarks/bench_sampler.py --quick    # a tiny random Llama, 8 sequences, 3 steps each way
@@ -89,6 +91,9 @@ def parse_args(argv=None):
     p.add_argument("--dtypes", type=lambda v: v.split(","), default=["fp32", "bf16"])
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--tiny-model", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--compiled-pick", action="store_true", help="also time a torch.compile'd greedy pick against the eager ops"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.seqs, args.steps, args.tiny_model = 8, 3, True
@@ -130,6 +135,10 @@ def main(argv=None) -> dict:
                 flush=True,
             )
     report["argmax"] = time_argmax(args.seqs, model.config.vocab_size, args.steps)
+    if args.compiled_pick:
+        report["compiled_pick"] = {
+            rows: time_compiled_pick(rows, model.config.vocab_size, args.steps) for rows in (args.seqs, 256)
+        }
     return report
 
 
@@ -151,6 +160,47 @@ def time_argmax(rows: int, vocab: int, repeats: int) -> dict[str, float]:
         f"greedy argmax over {rows} x {vocab} fp32 logits, {torch.get_num_threads()} threads: torch "
         f"{out['torch']:.3f} ms, nopad (numpy on CPU) {out['nopad']:.3f} ms: {out['torch'] / out['nopad']:.2f}x, "
         "the same indices"
+    )
+    return out
+
+
+def _greedy_pick(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax and its log-prob, ``log_softmax``'s expression at that token only."""
+    tokens = x.argmax(dim=-1)
+    top = x.amax(dim=-1, keepdim=True)
+    picked = (x.gather(1, tokens[:, None]) - top)[:, 0] - torch.log(torch.exp(x - top).sum(dim=-1))
+    return tokens, picked
+
+
+def time_compiled_pick(rows: int, vocab: int, repeats: int) -> dict[str, float]:
+    """The sampler's greedy ops (log-softmax into its kept buffer, numpy's argmax, a gather) against
+    :func:`_greedy_pick` compiled (one fused kernel: no ``(rows, vocab)`` log-prob tensor written),
+    interleaved, on the same fp32 logits; the same tokens, the log-probs' largest gap printed."""
+    from nopad.inference.sampler import SamplerBuffers, _log_softmax, argmax_rows
+
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    buffers = SamplerBuffers()
+
+    def eager():
+        logprobs = _log_softmax(x, buffers, "raw_logprobs")
+        tokens = argmax_rows(x)
+        return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+
+    compiled = torch.compile(_greedy_pick, dynamic=True)
+    (t_eager, lp_eager), (t_compiled, lp_compiled) = eager(), compiled(x)  # (compiles here, untimed)
+    assert torch.equal(t_eager, t_compiled), "the compiled pick chose other tokens"
+    times = {"eager": [], "compiled": []}
+    for _ in range(max(repeats, 5)):
+        for name, fn in (("eager", eager), ("compiled", lambda: compiled(x))):
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    out = {name: median(t) * 1e3 for name, t in times.items()}
+    gap = (lp_eager - lp_compiled).abs().max().item()
+    print(
+        f"greedy pick over {rows} x {vocab} fp32 logits, {torch.get_num_threads()} threads: the sampler's eager ops "
+        f"{out['eager']:.3f} ms, compiled {out['compiled']:.3f} ms: {out['eager'] / out['compiled']:.2f}x; the same "
+        f"tokens, log-probs within {gap:.1e}"
     )
     return out
 
