@@ -127,6 +127,13 @@ def test_step_tensors_take_one_host_to_device_copy(monkeypatch):
                 kept.append(step)
         assert step.input_ids.device.type == "meta" and step.meta.block_table.device.type == "meta"
         seen.append(mode.counts)
+        if ids_from is None:  # the device path's tensors have the CPU path's dtypes and shapes (int32 boundaries)
+            bs = self.kv_cache.block_size
+            on_cpu = build_step(plan, bs, "cpu") if rows is None else decode_step(rows, bs, "cpu")
+            for name, t in vars(on_cpu.meta).items():
+                if isinstance(t, torch.Tensor):
+                    other = getattr(step.meta, name)
+                    assert (other.dtype, other.shape) == (t.dtype, t.shape), name
         return run(self, plan, ids_from, rows)
 
     monkeypatch.setattr(ModelRunner, "run", checked_run)
