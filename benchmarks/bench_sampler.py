@@ -47,7 +47,7 @@ def time_steps(model, tok, prompts, params: dict, steps: int) -> dict[str, dict[
     """Decode steps of all ``prompts`` (after their prefill), alternating reused and fresh sampler
     buffers; medians per way."""
     from nopad.inference.generator import Generator
-    from nopad.inference.sampler import SamplerBuffers
+    from nopad.inference.sampler_memory import SamplerBuffers
     from nopad.inference.sampling_params import SamplingParams
 
     gen = Generator(
@@ -176,13 +176,14 @@ def time_compiled_pick(rows: int, vocab: int, repeats: int) -> dict[str, float]:
     """The sampler's greedy ops (log-softmax into its kept buffer, numpy's argmax, a gather) against
     :func:`_greedy_pick` compiled (one fused kernel: no ``(rows, vocab)`` log-prob tensor written),
     interleaved, on the same fp32 logits; the same tokens, the log-probs' largest gap printed."""
-    from nopad.inference.sampler import SamplerBuffers, _log_softmax, argmax_rows
+    from nopad.inference.sampler import argmax_rows
+    from nopad.inference.sampler_memory import SamplerBuffers, log_softmax_into
 
     x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
     buffers = SamplerBuffers()
 
     def eager():
-        logprobs = _log_softmax(x, buffers, "raw_logprobs")
+        logprobs = log_softmax_into(x, buffers, "raw_logprobs")
         tokens = argmax_rows(x)
         return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 

@@ -3,9 +3,8 @@
 Randomness: each row is drawn by inverse-CDF sampling with ONE uniform number from
 :func:`nopad.inference.seeding.uniform_draw` (a function of the request's seed, the sample's stream and
 the position only), so the draw depends on nothing else in the batch, and a preempted sequence
-redraws the same tokens when it is recomputed. Top-k/top-p filter on a candidate set from
-``topk`` (falling back to a full sort only when the candidates cannot hold the top-p mass), which
-is exact and much cheaper than sorting the vocabulary every step.
+redraws the same tokens when it is recomputed. The filters (temperature, top-k, top-p, min-p) are
+:mod:`nopad.inference.sampling_filters`; the scratch memory, :mod:`nopad.inference.sampler_memory`.
 """
 
 from __future__ import annotations
@@ -17,6 +16,8 @@ import numpy as np
 import torch
 
 from nopad.inference.request import Sequence
+from nopad.inference.sampler_memory import SamplerBuffers, host_tensor, log_softmax_into
+from nopad.inference.sampling_filters import filtered_logprobs
 from nopad.inference.sampling_rows import RowsPlan, plan_rows
 from nopad.inference.seeding import uniform_draw
 from nopad.packing.head.log_softmax import tempered_log_softmax
@@ -30,38 +31,6 @@ class SampleResult:
     sampling_logprobs: list[float]  # log-prob under the processed distribution sampled from
     top_logprobs: list[dict[int, float] | None]
     policy_version: int = 0  # the weights whose logits these were (nopad.inference.Generator.policy_version)
-
-
-class SamplerBuffers:
-    """The ``(rows, vocab)`` scratch tensors of a step's sampling, kept from step to step.
-
-    Why: a step needs several rows x vocab tensors (fp32 logits, log-probs, tempered logits, a
-    float64 CDF). Made fresh each step and freed at its end, the CPU allocator can hand them back
-    to the OS and the next step faults them in again page by page (``benchmarks/bench_sampler.py``
-    counts the faults and times both). The buffers hold the same values, computed by the same
-    kernels (``out=`` and in-place variants)."""
-
-    def __init__(self):
-        self._buffers: dict[str, torch.Tensor] = {}
-        # each buffer's last view, by the shape it was asked for: a steady decode asks the same every step
-        self._views: dict[str, tuple[tuple, torch.Tensor]] = {}
-
-    def get(self, name: str, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Uninitialised memory of ``like``'s shape and device in ``dtype``, reused across calls."""
-        key = (name, like.shape, like.device, dtype)
-        view = self._views.get(name)
-        if view is not None and view[0] == key:
-            return view[1]
-        numel = like.numel()
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() < numel or buf.device != like.device or buf.dtype != dtype:
-            buf = self._buffers[name] = torch.empty(numel, dtype=dtype, device=like.device)
-        self._views[name] = (key, buf[:numel].view(like.shape))
-        return self._views[name][1]
-
-    def clear(self) -> None:
-        self._buffers.clear()
-        self._views.clear()
 
 
 class Sampler:
@@ -95,12 +64,6 @@ class Sampler:
         if rows != list(range(logits.shape[0])):
             logits = logits[host_tensor(rows, torch.long, logits.device)]
         return self.draw(logits, seqs).result()
-
-
-def _log_softmax(x: torch.Tensor, buffers: SamplerBuffers, name: str) -> torch.Tensor:
-    """``log_softmax(x, -1)`` into a reused buffer, through the trainer's own expression
-    (:func:`nopad.packing.head.log_softmax.tempered_log_softmax`), so the same kernel gives the same bits."""
-    return tempered_log_softmax(x, out=buffers.get(name, x))
 
 
 def sample(
@@ -178,14 +141,6 @@ def _to_pinned_host(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
-def host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.tensor(values)`` on ``device`` without a sync: through pinned memory, non-blocking, on
-    CUDA (a pageable copy waits for the work already queued, e.g. an overlapped forward)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
-
-
 def sample_on_device(
     logits: torch.Tensor,
     seqs: list[Sequence],
@@ -204,7 +159,7 @@ def sample_on_device(
     buffers = buffers if buffers is not None else SamplerBuffers()
     if logits.dtype != torch.float32:
         logits = buffers.get("logits", logits).copy_(logits)  # exact, as logits.float()
-    raw_lp = _log_softmax(logits, buffers, "raw_logprobs")
+    raw_lp = log_softmax_into(logits, buffers, "raw_logprobs")
     rows, vocab = logits.shape
     rp = rows_plan if rows_plan is not None and rows_plan.vocab == vocab else plan_rows(seqs, vocab)
     params, greedy, rand, rand_params = rp.params, rp.greedy, rp.rand, rp.rand_params
@@ -234,13 +189,14 @@ def sample_on_device(
     if rand:
         sampling_lp = torch.zeros(rows, dtype=torch.float32, device=device)
         r = host_tensor(rand, torch.long, device)
+        support = None  # every row's possible tokens, when filtering left each a few candidates
         if x is logits and len(rand) == rows and not rp.reshapes:
             lp = raw_lp  # temperature 1, nothing truncated: log_softmax(x / 1) is log_softmax(x)
         else:
-            lp = processed_logprobs(x if len(rand) == rows else x[r], rand_params, buffers)
+            lp, support = filtered_logprobs(x if len(rand) == rows else x[r], rand_params, buffers)
         if uniforms is None:
             uniforms = [uniform_draw(seqs[i], ahead) for i in rand]
-        picked = _inverse_cdf(lp, uniforms, buffers)
+        picked = _inverse_cdf(lp, uniforms, buffers, support)
         tokens[r] = picked
         sampling_lp[r] = lp.gather(1, picked[:, None])[:, 0]
     top: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * rows
@@ -299,69 +255,14 @@ def _temperature_logprobs(
     return out
 
 
-def processed_logprobs(x: torch.Tensor, params: list, buffers: SamplerBuffers | None = None) -> torch.Tensor:
-    """Log-probs after temperature, top-k, top-p and min-p (rows of ``x`` are logits; ``x`` itself
-    is not modified)."""
-    buffers = buffers if buffers is not None else SamplerBuffers()
-    rows, vocab = x.shape
-    temp = host_tensor([p.temperature for p in params], x.dtype, x.device)
-    x = torch.div(x, temp[:, None], out=buffers.get("tempered", x))
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    top_p = [float(p.top_p) for p in params]
-    filtered = [k < vocab or tp < 1.0 for k, tp in zip(top_k, top_p)]
-    if any(filtered):
-        kept = _top_k_top_p(x, top_k, top_p, _candidates(top_k, top_p, vocab))
-        if kept is None:  # the candidates hold less than top_p of the mass: sort everything
-            kept = _top_k_top_p(x, top_k, top_p, vocab)
-        idx, vals = kept
-        if all(filtered):  # every row keeps only its candidates: write them over x in place
-            x.fill_(float("-inf")).scatter_(1, idx, vals)
-        else:
-            full = buffers.get("kept", x).fill_(float("-inf")).scatter_(1, idx, vals)
-            x = torch.where(host_tensor(filtered, torch.bool, x.device)[:, None], full, x, out=x)
-    if any(p.min_p > 0 for p in params):
-        probs = torch.softmax(x, dim=-1)
-        mp = host_tensor([float(p.min_p) for p in params], x.dtype, x.device)
-        x = x.masked_fill_(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
-    return _log_softmax(x, buffers, "logprobs")
-
-
-TOP_P_CANDIDATES = 1024
-
-
-def _candidates(top_k: list[int], top_p: list[float], vocab: int) -> int:
-    width = max([k for k in top_k if k < vocab], default=0)
-    if any(p < 1.0 for p in top_p):
-        width = max(width, TOP_P_CANDIDATES)
-    return min(width, vocab)
-
-
-def _top_k_top_p(
-    x: torch.Tensor, top_k: list[int], top_p: list[float], width: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(indices, values)`` of each row's ``width`` most likely tokens, the values at -inf outside
-    the row's top-k / top-p set (everything else is dropped); None if those candidates cannot hold
-    some row's top-p mass."""
-    vocab = x.shape[1]
-    vals, idx = x.topk(width, dim=-1) if width < vocab else x.sort(dim=-1, descending=True)
-    k = host_tensor(top_k, torch.long, x.device)
-    vals = vals.masked_fill(torch.arange(width, device=x.device)[None, :] >= k[:, None], float("-inf"))
-    if any(p < 1.0 for p in top_p):
-        # probabilities under the top-k-filtered FULL distribution (rows without top-k keep the
-        # mass of the tokens beyond the candidates in their normaliser)
-        norm = torch.where(k < vocab, torch.logsumexp(vals, dim=-1), torch.logsumexp(x, dim=-1))
-        probs = torch.exp(vals - norm[:, None])
-        tp = host_tensor(top_p, x.dtype, x.device)
-        if width < vocab and bool((probs.sum(dim=-1) < tp).any()):
-            return None
-        before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
-        vals = vals.masked_fill(before >= tp[:, None], float("-inf"))
-    return idx, vals
-
-
-def _inverse_cdf(logprobs: torch.Tensor, uniforms: list[float], buffers: SamplerBuffers) -> torch.Tensor:
+def _inverse_cdf(
+    logprobs: torch.Tensor, uniforms: list[float], buffers: SamplerBuffers, support: torch.Tensor | None = None
+) -> torch.Tensor:
     """Token ``t`` with ``cdf[t-1] <= u * total < cdf[t]``: a draw from each row's distribution
-    (zero-probability tokens are never picked)."""
+    (zero-probability tokens are never picked). ``support``: each row's candidates (every other token
+    has probability 0), whose CDF alone is walked (:func:`_inverse_cdf_over`): the same token."""
+    if support is not None:
+        return _inverse_cdf_over(logprobs, uniforms, support)
     # exp in fp32 (vectorised; float64's is slower, see benchmarks/bench_sampler.py), summed in
     # float64 so the CDF over the whole vocabulary keeps the tail's mass
     probs = torch.exp(logprobs, out=buffers.get("probs", logprobs))
@@ -369,3 +270,18 @@ def _inverse_cdf(logprobs: torch.Tensor, uniforms: list[float], buffers: Sampler
     u = host_tensor(uniforms, torch.float64, logprobs.device) * cdf[:, -1]
     picked = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
     return picked.clamp_(max=logprobs.shape[1] - 1)
+
+
+def _inverse_cdf_over(logprobs: torch.Tensor, uniforms: list[float], support: torch.Tensor) -> torch.Tensor:
+    """:func:`_inverse_cdf` walking only each row's candidates ``support`` ``(rows, width)``, in vocabulary
+    order. Why the same token, bit for bit: every other token's probability is exactly 0, and adding 0
+    to a float64 running sum (the CDF is summed one token after another) changes nothing, so the
+    candidates' CDF values are the whole vocabulary's at those tokens, and the first CDF value above
+    ``u`` is a candidate's. A top-p step keeps a few of 49k tokens: this walks ``width`` (1,024) of them."""
+    cols = support.sort(dim=-1).values
+    cdf = torch.exp(logprobs.gather(1, cols)).double().cumsum_(dim=-1)
+    total = cdf[:, -1]
+    u = host_tensor(uniforms, torch.float64, logprobs.device) * total
+    picked = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
+    last = (cdf < total[:, None]).sum(dim=-1)  # the last candidate with mass (u rounded up to the total)
+    return cols.gather(1, torch.minimum(picked, last)[:, None])[:, 0]

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
 
 from nopad.inference import Generator
 from nopad.inference.request import Request, Sequence
-from nopad.inference.sampler import processed_logprobs, sample
+from nopad.inference.sampler import sample
+from nopad.inference.sampling_filters import processed_logprobs
 from nopad.inference.sampling_params import SamplingParams
 from nopad.inference.seeding import counter_seed
 from tests.support.models import tiny_model
@@ -174,7 +176,7 @@ def _mixed_seqs(rows: int, offset: int = 0):
 def test_reused_sampler_buffers_give_what_fresh_ones_give(dtype):
     """The generator reuses the sampler's rows x vocab buffers across steps (no page faults each
     step); steps of other sizes and parameter mixes must still get exactly what fresh memory gives."""
-    from nopad.inference.sampler import SamplerBuffers
+    from nopad.inference.sampler_memory import SamplerBuffers
 
     torch.manual_seed(3)
     buffers = SamplerBuffers()
@@ -232,3 +234,44 @@ def test_top_logprobs_above_the_generators_cap_are_refused_as_vllm_does():
     assert len(out.prompt_logprobs[1]) in (50, 51)  # the prompt token, if not among the top 50
     with pytest.raises(ValueError, match="max_logprobs must be an int >= 0"):
         Generator(model, block_size=4, num_blocks=16, max_logprobs=-1)
+
+
+@pytest.mark.parametrize("kind", ["top_p", "top_k", "top_k_top_p", "top_p_min_p"])
+def test_the_draw_over_the_candidates_is_the_draw_over_the_vocabulary(kind):
+    """When every row was filtered, the inverse CDF walks only the candidates (in vocabulary order):
+    the same token as walking the whole vocabulary, for random uniforms and for uniforms placed at
+    the CDF's own steps (the exact boundaries, where a different running sum would show)."""
+    from nopad.inference.sampler import _inverse_cdf
+    from nopad.inference.sampler_memory import SamplerBuffers
+    from nopad.inference.sampling_filters import filtered_logprobs
+
+    rng = random.Random(kind)
+    gen = torch.Generator().manual_seed(len(kind))
+    walked = 0
+    for vocab in (2053, 4099, 6000):
+        rows = 5
+        x = torch.randn(rows, vocab, generator=gen) * rng.choice([4.0, 8.0])
+        params = [
+            SamplingParams(
+                temperature=rng.choice([0.5, 1.0, 1.3]),
+                top_p=rng.choice([0.6, 0.95]) if "top_p" in kind else 1.0,
+                top_k=rng.choice([3, 40]) if "top_k" in kind else 0,
+                min_p=0.05 if "min_p" in kind else 0.0,
+            )
+            for _ in range(rows)
+        ]
+        buffers = SamplerBuffers()
+        lp, support = filtered_logprobs(x, params, buffers)
+        if support is None:  # the candidates could not hold a row's top-p mass: the whole vocabulary was sorted
+            continue
+        walked += 1
+        cdf = torch.exp(lp).double().cumsum(dim=-1)
+        draws = [[rng.random() for _ in range(rows)] for _ in range(30)]
+        for _ in range(30):  # at the steps of each row's CDF (below its total)
+            steps = [torch.nonzero((c > 0) & (c < c[-1]))[:, 0] for c in cdf]
+            draws.append([(c[s[rng.randrange(len(s))]] / c[-1]).item() if len(s) else 0.5 for c, s in zip(cdf, steps)])
+        for u in draws:
+            whole = _inverse_cdf(lp, u, buffers)
+            assert torch.equal(_inverse_cdf(lp, u, buffers, support), whole), (vocab, u)
+            assert torch.isfinite(lp.gather(1, whole[:, None])).all()  # never a zero-probability token
+    assert walked >= 2

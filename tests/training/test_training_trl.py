@@ -115,7 +115,7 @@ def test_grpo_trains_and_the_log_probs_make_the_importance_ratio(tok, tmp_path, 
 def test_rollout_matches_trl_contract_and_settings(tok, tmp_path, one_thread):
     """Default path (no IS flag): one completion per prompt entry, groups prefilled once, the
     trainer's sampling settings honoured, and the log-probs are TRL's sampling_per_token_logps."""
-    from nopad.inference.sampler import processed_logprobs
+    from nopad.inference.sampling_filters import processed_logprobs
     from nopad.training.trl.rollout import nopad_rollout_func, sampling_params
 
     rollout = nopad_rollout_func(max_num_batched_tokens=128)
