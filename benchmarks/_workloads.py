@@ -207,3 +207,11 @@ def tiny_llama(vocab_size: int = 256, layers: int = 2, seed: int = 0, tokenizer=
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).float()
+
+
+def sync_device(device) -> None:
+    """Wait for the device's queued work, so a timing ends when the work does (nothing on a CPU)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
-from benchmarks._workloads import chat_workload, grpo_workload, tiny_llama  # noqa: E402
+from benchmarks._workloads import chat_workload, grpo_workload, sync_device, tiny_llama  # noqa: E402
 from nopad.assets.smollm2 import load_smollm2  # noqa: E402
 from nopad.dataloaders.loader import move_batch  # noqa: E402
 from nopad.inference import Generator, SamplingParams  # noqa: E402
@@ -78,20 +78,15 @@ def workload(tokenizer, vocab_size: int, num_prompts: int, kind: str = "grpo") -
     return [torch.randint(100, vocab_size - 100, (k,), generator=g).tolist() for k in lengths]
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def measure(model, tokenizer, prompts, params, invariant: bool, capacity: int) -> dict:
     """One rollout + one training forward/backward of its packed rows in the given mode."""
     device = next(model.parameters()).device
     with batch_invariant(invariant):
         gen = Generator(model, tokenizer, max_num_batched_tokens=2048, max_num_seqs=512)
-        _sync(device)
+        sync_device(device)
         start = time.perf_counter()
         outs = gen.generate(prompts, params, use_tqdm=False)
-        _sync(device)
+        sync_device(device)
         rollout_s = time.perf_counter() - start
         gen.release()
         rollouts = [
@@ -107,7 +102,7 @@ def measure(model, tokenizer, prompts, params, invariant: bool, capacity: int) -
                 logp = packed_logprobs(model, row)
                 logp.sum().backward()  # the backward a training step would run (gradient unused)
                 gaps.append((logp.detach() - row.token_values["gen_logprobs"]).abs())
-            _sync(device)
+            sync_device(device)
             train_s = time.perf_counter() - start
         model.zero_grad(set_to_none=True)
         model.eval()

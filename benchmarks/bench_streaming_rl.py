@@ -64,7 +64,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
-from benchmarks._workloads import GRPO_QUESTIONS, chat_prompt_ids, tiny_llama  # noqa: E402
+from benchmarks._workloads import GRPO_QUESTIONS, chat_prompt_ids, sync_device, tiny_llama  # noqa: E402
 
 SYSTEMS = [
     ("nopad sync", 0, "keep"),
@@ -172,7 +172,7 @@ def run_nopad(name: str, base, prompts, lengths, args, max_staleness: int, stale
             )
             trained += m["completion_tokens"]
             rollout_s += m["rollout_s"]
-    _sync(model)
+    sync_device(next(model.parameters()).device)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     stream.close()
     rows = generator.scheduler.stats.seqs_per_step
@@ -234,7 +234,7 @@ def run_trl(base, tokenizer, prompts_text, lengths, args, out_dir: Path) -> dict
     )
     wall, cpu = time.perf_counter(), time.process_time()
     trainer.train()
-    _sync(model)
+    sync_device(next(model.parameters()).device)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
     mean_len = sum(h["completions/mean_length"] for h in logs) / max(len(logs), 1)
@@ -252,13 +252,6 @@ def run_trl(base, tokenizer, prompts_text, lengths, args, out_dir: Path) -> dict
         "decode_steps": 0,
         "mean_len": mean_len,
     }
-
-
-def _sync(model) -> None:
-    """Wait for the device's queued work, so a wall time ends when the work does (nothing on CPU)."""
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def chosen_systems(spec: str | None) -> list[tuple[str, int, str]]:

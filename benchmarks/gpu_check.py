@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))  # run from anywhere
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from benchmarks import bench_generate, bench_train  # noqa: E402
+from benchmarks._workloads import sync_device  # noqa: E402
 
 log = logging.getLogger("gpu_check")
 
@@ -221,11 +222,6 @@ def build_model(spec, device: torch.device, dtype: torch.dtype, attn: str = "sdp
     return model.to(dtype)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def ratio(ours: float, peer: float) -> float:
     return ours / peer if peer and peer > 0 else float("nan")
 
@@ -344,9 +340,9 @@ def bench_training(spec, device, dtype, n_seqs: int, budget: int, cap: int) -> d
     results = {}
     for name, (impl, batches) in rows.items():
         batches = [_to(b, device) for b in batches]
-        sync(device)
+        sync_device(device)
         results[name] = bench_train.run(model, impl, batches, real)
-        sync(device)
+        sync_device(device)
     ours = results["nopad packed"]["tok_s"]
     padded = results["padded (sdpa)"]["tok_s"]
     flat = next(v["tok_s"] for k, v in results.items() if k.startswith("DataCollator"))
@@ -480,11 +476,11 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> float
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    sync(device)
+    sync_device(device)
     start = time.perf_counter()
     for _ in range(repeats):
         dst.copy_(src)
-    sync(device)
+    sync_device(device)
     return 2 * nbytes * repeats / (time.perf_counter() - start)
 
 
@@ -554,14 +550,14 @@ def time_decode(gen, device, steps: int) -> tuple[float, dict]:
     with gen.live.attention():
         for _ in range(WARMUP_STEPS):  # warm-up (compilation and graph capture when static)
             gen.step()
-        sync(device)
+        sync_device(device)
         before, static_before = _compile_events(), gen._runner.static_steps
         times = []
         for _ in range(steps):  # a step ends on the host reading its sampled tokens: timed one by one
             start = time.perf_counter()
             gen.step()
             if not gen.overlap:  # overlapped, a step returns with the next one launched: each call
-                sync(device)  # waits for the step before it, so its time is the pipeline's per step
+                sync_device(device)  # waits for the step before it, so its time is the pipeline's per step
             times.append(time.perf_counter() - start)
     # the median: a step that records a CUDA graph for a bucket first reached here (the block table
     # outgrowing its width mid-run) or meets a slow first call is one step, not the figure
@@ -636,13 +632,13 @@ def bench_host_overhead(spec, device, dtype, n: int, prompt_range, block_size: i
             gen, _, ids = _decoding_generator(model, n, prompt_range, block_size, WARMUP_STEPS + steps + 2, **kw)
             for _ in range(WARMUP_STEPS):  # a new Generator's cache records its bucket's graph again
                 gen.step()
-            sync(device)
+            sync_device(device)
             activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
             with gen.live.attention(), profile(activities=activities) as prof:  # held, as in time_decode
                 start = time.perf_counter()
                 for _ in range(steps):
                     gen.step()
-                sync(device)
+                sync_device(device)
                 wall_us = (time.perf_counter() - start) * 1e6
             kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             busy_us = _busy_us(kernels)

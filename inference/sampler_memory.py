@@ -25,7 +25,7 @@ class SamplerBuffers:
 
     def get(self, name: str, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Uninitialised memory of ``like``'s shape and device in ``dtype``, reused across calls."""
-        key = (name, like.shape, like.device, dtype)
+        key = (like.shape, like.device, dtype)
         view = self._views.get(name)
         if view is not None and view[0] == key:
             return view[1]
