@@ -51,7 +51,7 @@ forward serves every step of a bucket. Fork copies and fresh zeros run before th
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -87,7 +87,11 @@ class StateSlots:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
-        self._free: deque[int] = deque(range(num_slots))
+        # a min-heap: the lowest free slot first, so sequences admitted together hold consecutive slots and
+        # a step reads and writes their states as one slice, not a gather and a scatter of every layer's
+        # state (a slot released at the back of a FIFO had made nearly every step gather: 11-15% of an
+        # eager hybrid decode step at 12 rows, measured on Qwen3.5 and Bamba)
+        self._free: list[int] = list(range(num_slots))
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) rows, applied in this order
         self.snapshots = None  # nopad.inference.state_prefix.StateSnapshots: the prefix cache's states
 
@@ -103,13 +107,13 @@ class StateSlots:
     def acquire(self) -> int:
         if not self._free:
             raise RuntimeError(f"all {self.num_slots} state slots are taken")
-        return self._free.popleft()
+        return heapq.heappop(self._free)
 
     def release(self, slot: int) -> None:
         if slot in self._free or not 0 <= slot < self.num_slots:
             raise ValueError(f"state slot {slot} is not held")
         self.pending_copies = [(s, d) for s, d in self.pending_copies if d != slot]
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     def copy(self, src: int, dst: int) -> None:
         """``dst`` starts from ``src``'s state as it is after this step (a fork, a snapshot)."""
