@@ -115,7 +115,7 @@ class DecodeBatch:
                 self._complete(launched)
             return True
         # rows whose draw at prev ends their turn by length run no further (Sequence.stop_reason's rule)
-        ended = np.flatnonzero(self.rows.positions + 1 >= self.limit)
+        ended = (self.rows.positions + 1 >= self.limit).nonzero()[0]  # (not np.flatnonzero: 3 Python calls)
         if ended.size:
             self._drop(ended.tolist(), in_flight_ran=False)  # (prev appends them: they ran in it)
         if not self.seqs:  # every row ended at prev: nothing to launch before completing it
@@ -156,7 +156,7 @@ class DecodeBatch:
         whose draws are this step's input ids."""
         s, rows, seqs = self.scheduler, self.rows, self.seqs
         bs, num = s.block_size, len(seqs)
-        need = np.flatnonzero(rows.positions >= rows.lens * bs)
+        need = (rows.positions >= rows.lens * bs).nonzero()[0]
         if need.size:
             self._grow(need)
         plan = StepPlan(seqs=seqs, query_lens=[1] * num, num_decodes=num)
@@ -168,9 +168,10 @@ class DecodeBatch:
         pos += 1  # computed: the token each row ran
         any(map(setattr, seqs, repeat("num_computed"), pos.tolist()))
         if s.enable_prefix_caching and prev is None:  # rows whose token filled a block (all on the host)
-            for r in np.flatnonzero(pos // bs > self.hashed).tolist():
-                s.register_full_blocks(seqs[r])
-                self.hashed[r] = seqs[r].num_hashed
+            filled = (pos // bs > self.hashed).nonzero()[0]
+            if filled.size:
+                s.register_full_blocks(*[seqs[r] for r in filled.tolist()])
+                self.hashed[filled] = pos[filled] // bs
         plan_ = self.rows_plan
         if plan_ is None or plan_.vocab != logits.shape[1]:
             plan_ = self.rows_plan = plan_rows(seqs, logits.shape[1])
@@ -214,12 +215,11 @@ class DecodeBatch:
             flagged |= (np.asarray(columns[0], dtype=np.int64)[:, None] == step.stop_ids).any(axis=1)
         if step.strings is not None:
             flagged |= step.strings
-        self._end_turns([step.seqs[r] for r in np.flatnonzero(flagged).tolist()])
+        self._end_turns([step.seqs[r] for r in flagged.nonzero()[0].tolist()])
         if self.overlap and self.scheduler.enable_prefix_caching:  # blocks the step after computed
             s, bs = self.scheduler, self.scheduler.block_size
-            for r in np.flatnonzero(step.lengths % bs == 0).tolist():
-                if step.seqs[r].status is Status.RUNNING:
-                    s.register_full_blocks(step.seqs[r])
+            full = [step.seqs[r] for r in (step.lengths % bs == 0).nonzero()[0].tolist()]
+            s.register_full_blocks(*[seq for seq in full if seq.status is Status.RUNNING])
 
     def _end_turns(self, flagged: list[Sequence]) -> None:
         """Ask :meth:`Sequence.stop_reason` of every flagged row, in row order; hand the turns that end
@@ -234,30 +234,38 @@ class DecodeBatch:
             self._drop([r for r, seq in enumerate(self.seqs) if id(seq) in ended])
 
     # ----------------------------------------------------------------- the arrays
-    def _build(self) -> bool:
-        """The running sequences as arrays, if every one is a plain decode this batch may serve."""
+    def servable(self, seqs: list[Sequence], ahead: int = 0) -> bool:
+        """Whether every one of ``seqs`` is a plain decode this batch may serve. ``ahead``: each has drawn a
+        token not appended yet (an overlapped general step in flight, :mod:`nopad.inference.overlap`,
+        which asks before handing its rows over)."""
         s = self.scheduler
-        seqs = list(s.running)
         if not seqs or len(seqs) > s.max_num_batched_tokens:
             return False
         owner, bs, ref_count = self.owner, s.block_size, s.allocator.ref_count
         for seq in seqs:  # a loop, not all(generator): no call per row
             request, p = seq.request, seq.request.params
-            if seq.hooks is not owner or seq.fork_count != 1 or len(seq.token_ids) - seq.num_computed != 1:
+            n = len(seq.token_ids) + ahead
+            if seq.hooks is not owner or seq.fork_count != 1 or n - seq.num_computed != 1:
                 return False
             if seq.num_computed == 0:  # a one-token prompt's first step (a hybrid's state starts from zero)
                 return False
             if p.repetition_penalty != 1.0 or request.prompt_logprobs is not None:
                 return False
-            if p.min_tokens > 0 and len(seq.token_ids) - seq.turn_start < p.min_tokens and request.stop_ids:
+            if p.min_tokens > 0 and n - seq.turn_start < p.min_tokens and request.stop_ids:
                 return False
             first = seq.num_computed // bs  # the block its next token goes to must be its own
             if first < len(seq.block_table) and ref_count[seq.block_table[first]] > 1:
                 return False
+        return True
+
+    def _build(self) -> bool:
+        """The running sequences as arrays, if every one is a plain decode this batch may serve."""
+        s = self.scheduler
+        seqs = list(s.running)
+        if not self.servable(seqs):
+            return False
         if s.enable_prefix_caching:  # blocks an overlapped general step left unregistered
-            for seq in seqs:
-                if seq.num_computed // bs > seq.num_hashed:
-                    s.register_full_blocks(seq)
+            s.register_full_blocks(*seqs)
         self.seqs, self.seen_steps = seqs, s.stats.steps
         self.rows = DecodeRows.of(StepPlan(seqs=seqs, query_lens=[1] * len(seqs)))
         self.hashed = np.array([seq.num_hashed for seq in seqs], dtype=np.int64)
@@ -285,9 +293,10 @@ class DecodeBatch:
             self.stop_ids[np.arange(width) < np.array(list(map(len, stops)))[:, None]] = np.fromiter(
                 (t for row in stops for t in row), np.int64
             )
-        self.strings = _mask([bool(q.request.params.stop) for q in seqs])
-        self.tops = _mask([q.request.params.logprobs is not None for q in seqs])
-        self.keys = stream_keys(seqs) if any([q.request.params.temperature != 0 for q in seqs]) else None
+        params = [q.request.params for q in seqs]
+        self.strings = _mask([bool(p.stop) for p in params])
+        self.tops = _mask([p.logprobs is not None for p in params])
+        self.keys = stream_keys(seqs) if any([p.temperature != 0 for p in params]) else None
         self.rows_plan: RowsPlan | None = None
         self.arrival = np.array([q.request.arrival_time for q in seqs], dtype=np.float64)
         self.lists = [
@@ -306,10 +315,10 @@ class DecodeBatch:
         width = int(rows.lens[need].max()) + 1
         if width > rows.table.shape[1]:  # room for a few more blocks: not a copy every block
             rows.table = np.pad(rows.table, ((0, 0), (0, max(width, 2 * rows.table.shape[1]) - rows.table.shape[1])))
-        for r in need.tolist():
-            block = s.allocator.allocate()
-            self.seqs[r].block_table.append(block)
-            rows.table[r, rows.lens[r]] = block
+        blocks = s.allocator.allocate_many(need.size)
+        seqs = self.seqs
+        any(map(list.append, [seqs[r].block_table for r in need.tolist()], blocks))
+        rows.table[need, rows.lens[need]] = blocks
         rows.lens[need] += 1
 
     def _drop(self, ended: list[int], in_flight_ran: bool = True) -> None:

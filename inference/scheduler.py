@@ -349,16 +349,18 @@ class Scheduler:
             if reason is not None:
                 seq.hooks.turn_ended(seq, reason)
 
-    def register_full_blocks(self, seq: Sequence) -> None:
-        """Put the sequence's newly computed full blocks in the prefix cache (only blocks whose tokens
-        are all on the host: an overlapped step computes a token before it is appended)."""
-        bs = self.block_size
-        for b in range(seq.num_hashed, min(seq.num_computed, len(seq.token_ids)) // bs):
-            tokens = seq.token_ids[b * bs : (b + 1) * bs]
-            h = hash_block(seq.last_hash, tokens)
-            self.allocator.register(seq.block_table[b], h, tokens)
-            seq.last_hash = h
-            seq.num_hashed = b + 1
+    def register_full_blocks(self, *seqs: Sequence) -> None:
+        """Put each sequence's newly computed full blocks in the prefix cache (only blocks whose tokens are
+        all on the host: an overlapped step computes a token before it is appended); one call for many."""
+        bs, register = self.block_size, self.allocator.register
+        for seq in seqs:
+            ids, computed = seq.token_ids, seq.num_computed
+            for b in range(seq.num_hashed, (computed if computed < len(ids) else len(ids)) // bs):
+                tokens = ids[b * bs : (b + 1) * bs]
+                h = hash_block(seq.last_hash, tokens)
+                register(seq.block_table[b], h, tokens)
+                seq.last_hash = h
+                seq.num_hashed = b + 1
 
     def fork(self, seq: Sequence) -> list[Sequence]:
         """Split a group into its ``fork_count`` members, sharing every block (and each taking a

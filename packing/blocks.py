@@ -95,7 +95,14 @@ class BlockAllocator:
         """``n`` blocks, all or nothing."""
         if n > self.num_free:
             raise OutOfBlocksError(n, self.num_free, self.num_blocks, self.block_size)
-        return [self.allocate() for _ in range(n)]
+        free = self._free_uncached
+        if len(free) < n:  # some come from the cached free blocks (evictions): one at a time
+            return [self.allocate() for _ in range(n)]
+        blocks = [free.popleft() for _ in range(n)]  # (no call per block: a decode batch's rows grow together)
+        ref_count = self.ref_count
+        for block in blocks:
+            ref_count[block] = 1
+        return blocks
 
     def share(self, block: int) -> int:
         """Add an owner to ``block`` (it may be a free block still holding cached content)."""
