@@ -86,6 +86,7 @@ class Pipeline:
     ):
         self.scheduler, self.forward, self.draw, self.batch = scheduler, forward, draw, batch
         self.in_flight: InFlight | None = None
+        self._handed_at: int | None = None  # the batch's step count when it was last handed the rows
 
     @property
     def busy(self) -> bool:
@@ -116,6 +117,10 @@ class Pipeline:
         prev, self.in_flight = self.in_flight, None
         if prev is None:
             return False
+        if self._hand_over(prev):  # the decode batch serves the next step, and keeps its own in flight
+            complete(self.scheduler, prev)
+            self.scheduler.stats.overlap_breaks += 1
+            return False
         plan = continue_decodes(self.scheduler, prev)
         if plan is None or not plan.seqs:
             complete(self.scheduler, prev)
@@ -125,6 +130,21 @@ class Pipeline:
         complete(self.scheduler, prev)  # N's bookkeeping while N+1 computes
         if not any(seq.status is Status.RUNNING for seq in plan.seqs):
             self.drain(count=False)  # every row ended at N: nothing of N+1 is wanted
+        return True
+
+    def _hand_over(self, prev: InFlight) -> bool:
+        """Whether the decode batch would serve the step after ``prev`` (its rows, each one token ahead):
+        then the rows go to it, whose step keeps their arrays (:mod:`nopad.inference.decode_batch`), rather
+        than this general step, which walks every row each step. Why: after an admission or a fork (a
+        GRPO group's n samples) this pipeline took every later step, and the batch never served again.
+        Asked again only once the batch has served since its last hand-over (no break every step when
+        it refuses)."""
+        batch, s = self.batch, self.scheduler
+        if batch is None or batch.steps == self._handed_at or s.waiting or len(s.running) != len(prev.plan.seqs):
+            return False
+        if not batch.servable(s.running, ahead=1):
+            return False
+        self._handed_at = batch.steps
         return True
 
     def drain(self, count: bool = True) -> None:

@@ -68,6 +68,20 @@ def test_mixed_sampling_equals_the_general_step(family, overlap):
     assert kept == general
 
 
+def test_an_overlapped_general_step_hands_forked_groups_to_the_batch():
+    """GRPO's shape (groups of n = 4 samples, forked after their prompt's prefill) with overlap on: the
+    overlapped general step took every later step, and the batch served none. It now hands the rows over
+    once they are plain decodes (one counted break), and the outputs are the general step's."""
+    params = SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=18, ignore_eos=True)
+    kept, general, gen = with_and_without(
+        tiny_model("llama"), prompts_of([5, 3, 8]), params, overlap=True, block_size=4, num_blocks=256
+    )
+    assert kept == general
+    stats = gen.stats()
+    assert stats["decode_batch_steps"] >= stats["steps"] - 4
+    assert 1 <= stats["overlap_breaks"] <= 2  # the hand-over (per generate() call)
+
+
 @OVERLAP
 def test_stop_strings_eos_and_streamed_deltas_equal_the_general_step(overlap):
     prompts = prompts_of([4, 8, 5, 6])
