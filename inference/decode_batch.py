@@ -37,11 +37,12 @@ from itertools import repeat
 import numpy as np
 import torch
 
+from nopad.inference.graph_sampler import GraphDraw, served
 from nopad.inference.request import Sequence, Status
 from nopad.inference.sampler import PendingSample, Sampler
 from nopad.inference.sampling_rows import RowsPlan, plan_rows
 from nopad.inference.scheduler import Scheduler
-from nopad.inference.seeding import stream_keys, uniform_draws
+from nopad.inference.seeding import stream_keys, uniform_array, uniform_draws
 from nopad.inference.step_inputs import DecodeRows, DeviceIds
 from nopad.inference.step_plan import StepPlan
 
@@ -82,8 +83,10 @@ class Launched:
 class DecodeBatch:
     """The running sequences of a steady decode, as arrays (see the module's docstring). ``owner``: the
     hooks of the sequences it may serve (plain requests, whose turn end is their finish); ``forward(plan,
-    ids_from=, rows=)``: the generator's forward (:meth:`nopad.inference.model_runner.ModelRunner.run`);
-    ``overlap``: keep a step in flight."""
+    ids_from=, rows=, draw=)``: the generator's forward (:meth:`nopad.inference.model_runner.ModelRunner.run`);
+    ``overlap``: keep a step in flight. :attr:`draws_in_graph` (set by the generator): whether a step whose
+    rows are all greedy or sampled at a temperature alone is drawn inside the compiled graph
+    (:mod:`nopad.inference.graph_sampler`)."""
 
     def __init__(
         self,
@@ -95,9 +98,11 @@ class DecodeBatch:
     ):
         self.scheduler, self.owner, self.forward, self.sampler = scheduler, owner, forward, sampler
         self.overlap = overlap
+        self.draws_in_graph: Callable[[], bool] = lambda: False  # the generator's runner says (draw=)
         self.seqs: list[Sequence] | None = None
         self.in_flight: Launched | None = None
         self.steps = 0  # steps it served (Generator.stats()["decode_batch_steps"])
+        self.graph_steps = 0  # of which the compiled graph drew the rows (["graph_draw_steps"])
 
     def serve(self) -> bool:
         """Run the next step if it is a steady decode of the batch (True: with overlap, launch it and
@@ -163,7 +168,8 @@ class DecodeBatch:
         s.count(plan)
         self.seen_steps, self.steps = s.stats.steps, self.steps + 1
         ids_from = None if prev is None else DeviceIds(prev.sample.tokens, self.prev_rows)
-        logits, _ = self.forward(plan, ids_from=ids_from, rows=rows)
+        draw = self._graph_draw() if self.temperature is not None and self.draws_in_graph() else None
+        out, _ = self.forward(plan, ids_from=ids_from, rows=rows, draw=draw)
         pos = rows.positions
         pos += 1  # computed: the token each row ran
         any(map(setattr, seqs, repeat("num_computed"), pos.tolist()))
@@ -172,18 +178,32 @@ class DecodeBatch:
             if filled.size:
                 s.register_full_blocks(*[seqs[r] for r in filled.tolist()])
                 self.hashed[filled] = pos[filled] // bs
-        plan_ = self.rows_plan
-        if plan_ is None or plan_.vocab != logits.shape[1]:
-            plan_ = self.rows_plan = plan_rows(seqs, logits.shape[1])
-            self.rand = np.asarray(plan_.rand, dtype=np.int64)
-        uniforms = uniform_draws(self.keys[self.rand], pos[self.rand]) if plan_.rand else None  # pos: their lengths
-        sample = self.sampler.draw(logits, seqs, ahead=int(prev is not None), rows_plan=plan_, uniforms=uniforms)
+        if draw is not None:  # the graph drew the rows
+            sample, self.graph_steps = out, self.graph_steps + 1
+        else:
+            plan_ = self.rows_plan
+            if plan_ is None or plan_.vocab != out.shape[1]:
+                plan_ = self.rows_plan = plan_rows(seqs, out.shape[1])
+                self.rand = np.asarray(plan_.rand, dtype=np.int64)
+            uniforms = uniform_draws(self.keys[self.rand], pos[self.rand]) if plan_.rand else None  # pos: lengths
+            sample = self.sampler.draw(out, seqs, ahead=int(prev is not None), rows_plan=plan_, uniforms=uniforms)
         if prev is not None or self.overlap:
             s.stats.overlap_steps += 1
         self.prev_rows = np.arange(num, dtype=np.int64)  # the next step's input ids: these rows' draws
         return Launched(
             seqs, self.lists, self.arrival, self.limit, self.stop_ids, self.strings, self.tops, pos + 1, sample
         )
+
+    def _graph_draw(self) -> GraphDraw:
+        """The rows' sampling inputs for a step the compiled graph draws (:mod:`nopad.inference.graph_sampler`):
+        each row's temperature and the uniform of the token it draws (at its length after this step's
+        token, as the eager draw's)."""
+        t, rand = self.temperature, self.temperature_rows
+        uniforms = None
+        if rand.size:
+            uniforms = np.zeros(t.size)
+            uniforms[rand] = uniform_array(self.keys[rand], self.rows.positions[rand] + 1)
+        return GraphDraw(t, uniforms, self.tempered, self.sampler.version())
 
     def _complete(self, step: Launched) -> None:
         """Read ``step``'s draws back, append them (rows that ended since its launch drop theirs), end the
@@ -297,6 +317,9 @@ class DecodeBatch:
         self.strings = _mask([bool(p.stop) for p in params])
         self.tops = _mask([p.logprobs is not None for p in params])
         self.keys = stream_keys(seqs) if any([p.temperature != 0 for p in params]) else None
+        # rows a compiled step may draw itself (greedy or a temperature alone): their temperatures
+        self.temperature = np.array([p.temperature for p in params], dtype=np.float64) if served(params) else None
+        self._temperature_rows()
         self.rows_plan: RowsPlan | None = None
         self.arrival = np.array([q.request.arrival_time for q in seqs], dtype=np.float64)
         self.lists = [
@@ -308,6 +331,11 @@ class DecodeBatch:
             [q.token_times for q in seqs],
             [q.top_logprobs for q in seqs],
         ]
+
+    def _temperature_rows(self) -> None:
+        t = self.temperature
+        self.temperature_rows = None if t is None else (t != 0).nonzero()[0]
+        self.tempered = t is not None and bool(((t != 0) & (t != 1)).any())
 
     def _grow(self, need: np.ndarray) -> None:
         """A new block for each row in ``need`` (its last is full), in the table kept here too."""
@@ -348,6 +376,8 @@ class DecodeBatch:
             _masked(self.keys, keep),
         )
         self.strings, self.tops = _masked(self.strings, keep), _masked(self.tops, keep)
+        self.temperature = _masked(self.temperature, keep)
+        self._temperature_rows()
         self.lists = _rows_of(self.lists, keep)
         self.seqs, self.rows_plan = seqs, None
 

@@ -4,9 +4,8 @@
 training step's weights are used at once), switches its attention to nopad's paged varlen
 implementation only while it generates (:mod:`nopad.inference.live_model`), and owns a paged KV cache
 it allocates lazily and frees on :meth:`Generator.release`. Each :meth:`step` plans one varlen
-forward (scheduler), runs it (model runner), and hands the logits to the scheduler's
-postprocess, which samples, appends and calls each sequence's owner (plain requests or tool
-episodes) at its events.
+forward (scheduler), runs it (model runner), and hands the logits to the scheduler's postprocess,
+which samples, appends and calls each sequence's owner (plain requests or tool episodes) at its events.
 """
 
 from __future__ import annotations
@@ -131,6 +130,7 @@ class Generator(EpisodeGeneration):
         self.sampler = Sampler(lambda: self.versions.version)  # its rows x vocab scratch reused
         self.overlap = resolve_overlap(overlap)  # nopad.inference.overlap
         self.decode_batch = DecodeBatch(self.scheduler, self._plain, self._forward, self.sampler, self.overlap)
+        self.decode_batch.draws_in_graph = lambda: self._ensure_runner().draws_in_graph  # (the runner is lazy)
         self.pipeline = Pipeline(self.scheduler, self._forward, self.sampler.draw, self.decode_batch)
 
     # ----------------------------------------------------------------- requests
@@ -307,9 +307,9 @@ class Generator(EpisodeGeneration):
             self.allocator.reset_prefix_cache()
         self.scheduler.add((start or self._plain.start)(request))
 
-    def _forward(self, plan: StepPlan, ids_from=None, rows=None) -> tuple[torch.Tensor, list[int]]:
+    def _forward(self, plan: StepPlan, ids_from=None, rows=None, draw=None) -> tuple:
         with self.live.attention(), self.live.autocast():
-            return self._ensure_runner().run(plan, ids_from, rows)
+            return self._ensure_runner().run(plan, ids_from, rows, draw)
 
     def _ensure_runner(self) -> ModelRunner:
         if self._runner is None:

@@ -22,6 +22,7 @@ def generator_stats(generator) -> dict:
         "policy_version": generator.versions.version,
         "stale_recomputes": generator.versions.recomputed,
         "decode_batch_steps": generator.decode_batch.steps,  # steps served from the kept arrays
+        "graph_draw_steps": generator.decode_batch.graph_steps,  # of which the compiled graph drew the rows
         **snapshot_stats(scheduler.state_slots),
     }
 
@@ -29,5 +30,5 @@ def generator_stats(generator) -> dict:
 def reset_generator_stats(generator) -> None:
     generator.scheduler.stats = type(generator.scheduler.stats)()
     generator.allocator.hits = generator.allocator.evictions = 0
-    generator.decode_batch.steps = 0
+    generator.decode_batch.steps = generator.decode_batch.graph_steps = 0
     reset_snapshot_stats(generator.scheduler.state_slots)

@@ -14,13 +14,16 @@ bucket). Padding rows write their K/V to a reserved scratch block and their logi
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 
 import torch
 
+from nopad.inference.graph_sampler import GraphDraw, forward_and_draw
 from nopad.inference.kv_cache import KVCache
 from nopad.inference.prompt_logprobs import PromptScorer
+from nopad.inference.sampler import PendingSample
 from nopad.inference.step_inputs import (
     DecodeRows,
     DeviceIds,
@@ -49,6 +52,8 @@ def _mark_dynamic(step: StepInputs) -> None:
     mark(meta.cu_seqlens_q, 0)
     if step.state_index is not None:
         mark(step.state_index, 0)
+    for t in step.draw or ():
+        mark(t, 0)
 
 
 def check_static_decode_backend(name: str) -> None:
@@ -90,9 +95,16 @@ class ModelRunner:
         self.scratch_block = scratch_block
         self.max_num_seqs = max_num_seqs
         self.max_width = max_blocks_per_seq or kv_cache.num_blocks
-        self.decode_forward = model
+        # the static decode forward, which may draw the rows too (nopad.inference.graph_sampler)
+        self.decode_forward = functools.partial(forward_and_draw, model)
+        self.compiled = compile_decode
+        # a steady decode batch's draws inside the compiled graph: on CUDA, where the sampler's kernels
+        # after the graph were launches on the step's critical path; on CPU they are the same arithmetic,
+        # which the eager ops do faster (benchmarks/bench_sampler.py --compiled-pick), so tests turn it on
+        self.graph_draws = compile_decode and self.device.type == "cuda"
         self.static_steps = 0  # decode steps that ran padded to a bucket (for tests and stats)
         self.static_shapes: set[tuple[int, int]] = set()  # (rows, block-table width) buckets seen
+        self._variants: set[tuple] = set()  # (bucket, draws, sampled) the compiled step has been called with
         if compile_decode:
             # the cache is mutated in place: a static address, so CUDA graphs use it, not a copy (a
             # new Generator's cache re-records a bucket's graph once, it does not recompile)
@@ -105,15 +117,27 @@ class ModelRunner:
             # CUDA, tens of seconds on CPU; dynamo gives up after 8). On CUDA, reduce-overhead then
             # records one CUDA graph per bucket shape from that one compilation.
             cuda = self.device.type == "cuda"
-            self.decode_forward = torch.compile(model, mode="reduce-overhead" if cuda else None)
+            self.decode_forward = torch.compile(self.decode_forward, mode="reduce-overhead" if cuda else None)
+
+    @property
+    def draws_in_graph(self) -> bool:
+        """Whether a steady decode step's rows are drawn inside the compiled graph (:meth:`run` with
+        ``draw``); not in :func:`nopad.packing.batch_invariant`, whose steps take the eager path."""
+        return self.graph_draws and not invariance.is_enabled()
 
     @torch.no_grad()
     def run(
-        self, plan: StepPlan, ids_from: DeviceIds | None = None, rows: DecodeRows | None = None
-    ) -> tuple[torch.Tensor, list[int]]:
+        self,
+        plan: StepPlan,
+        ids_from: DeviceIds | None = None,
+        rows: DecodeRows | None = None,
+        draw: GraphDraw | None = None,
+    ) -> tuple[torch.Tensor | PendingSample, list[int]]:
         """Logits ``(num_sampling, vocab)`` and, for each, its index into ``plan.seqs``. ``ids_from``: a
         decode step whose input ids are the draws of the step still in flight (overlap scheduling);
-        ``rows``: a pure decode step's host arrays, kept by its batch (attention-only models)."""
+        ``rows``: a pure decode step's host arrays, kept by its batch. ``draw`` (only when
+        :attr:`draws_in_graph`): the rows' sampling inputs; the compiled step draws them and returns its
+        draws in place of the logits."""
         self.kv_cache.copy_blocks(plan.copies)
         states = self.kv_cache.states  # hybrid models: nopad.inference.state_cache
         # each row's state slot (hybrid models); a first chunk's state starts from zero (a decode batch's
@@ -121,6 +145,8 @@ class ModelRunner:
         slots = None if states is None else rows.state_slots if rows is not None else [s.state_slot for s in plan.seqs]
         fresh = [] if states is None or rows is not None else [s.state_slot for s in plan.seqs if s.num_computed == 0]
         decode = rows is not None or ids_from is not None or is_decode(plan)
+        if draw is not None and not (rows is not None and self.draws_in_graph):
+            raise RuntimeError("a step drawn inside the graph needs a decode batch's rows and draws_in_graph")
         if self.static_decode and decode and not invariance.is_enabled():
             step = build_static_decode(
                 rows if rows is not None else DecodeRows.of(plan, with_ids=ids_from is None),
@@ -132,18 +158,25 @@ class ModelRunner:
                 slots,
                 None if states is None else states.scratch_slot,
                 ids_from,
+                draw,
             )
             self.static_steps += 1
             shape = tuple(step.meta.block_table.shape)
-            if self.decode_forward is not self.model and shape not in self.static_shapes:
+            variant = (shape, draw is not None, step.draw is not None)  # logits, greedy or sampled draws
+            if self.compiled and variant not in self._variants:
                 # marks matter only to a call that compiles, and a bucket seen before compiles nothing
                 # (its guards accept unmarked tensors): 9 marks a step were ~40 Python calls
                 _mark_dynamic(step)
+                self._variants.add(variant)
             self.static_shapes.add(shape)
             if states is not None:  # a first token (a one-token prompt) starts from zero
                 states.begin_static(step.state_index, fresh, step.meta)
+            temperature, uniforms = step.draw or (None, None)
             with _state_step(states):
                 out = self.decode_forward(
+                    temperature,
+                    uniforms,
+                    draw is not None,
                     input_ids=step.input_ids,
                     position_ids=step.position_ids,
                     use_cache=False,
@@ -151,7 +184,8 @@ class ModelRunner:
                     nopad_kv_cache=self.kv_cache,
                     nopad_backend=self.backend,
                 )
-            return out.logits[0, : len(step.sampling_rows)], step.sampling_rows
+            num = len(step.sampling_rows)
+            return (out[:num] if draw is None else draw.pending(out, num)), step.sampling_rows
         if rows is not None:
             step = decode_step(rows, self.kv_cache.block_size, self.device, ids_from)
         else:

@@ -64,9 +64,14 @@ def stream_keys(seqs) -> np.ndarray:
     return _splitmix64_array(_splitmix64_array(seeds) ^ streams)
 
 
-def uniform_draws(keys: np.ndarray, num_tokens: np.ndarray) -> list[float]:
-    """:func:`uniform_draw` of every row at once: ``keys`` from :func:`stream_keys`, ``num_tokens`` each
-    sequence's length (int64). The same floats: the 63-bit integers are below 2**63, so int64 -> float64
-    rounds as Python's int -> float does, and the division by a power of two is exact."""
+def uniform_array(keys: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
+    """:func:`uniform_draw` of every row at once (float64): ``keys`` from :func:`stream_keys`,
+    ``num_tokens`` each sequence's length (int64). The same floats: the 63-bit integers are below 2**63,
+    so int64 -> float64 rounds as Python's int -> float does, and the division by a power of two is exact."""
     x = _splitmix64_array(keys ^ num_tokens.astype(np.uint64)) >> np.uint64(1)
-    return np.minimum(x.astype(np.int64).astype(np.float64) / 2.0**63, 1.0 - 2.0**-40).tolist()
+    return np.minimum(x.astype(np.int64).astype(np.float64) / 2.0**63, 1.0 - 2.0**-40)
+
+
+def uniform_draws(keys: np.ndarray, num_tokens: np.ndarray) -> list[float]:
+    """:func:`uniform_array` as a list (the eager sampler's input)."""
+    return uniform_array(keys, num_tokens).tolist()

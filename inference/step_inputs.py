@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +19,9 @@ from nopad.inference.prompt_logprobs import Span, prompt_span
 from nopad.inference.step_plan import StepPlan
 from nopad.packing.layout import cumsum0, step_layout
 from nopad.packing.varlen import VarlenMeta
+
+if TYPE_CHECKING:
+    from nopad.inference.graph_sampler import GraphDraw
 
 
 @dataclass
@@ -31,24 +35,29 @@ class StepInputs:
     position_ids: torch.Tensor | None = None  # (1, T)
     prompt_spans: list[Span] = field(default_factory=list)  # prompt rows kept after the sampling rows
     state_index: torch.Tensor | None = None  # static decode on hybrid models: each row's state slot
+    draw: tuple[torch.Tensor, torch.Tensor] | None = None  # static decode drawn in the graph: temperatures, uniforms
 
 
 def _to_device(parts: list[np.ndarray], device) -> list[torch.Tensor]:
-    """Device tensors of integer host arrays (int64, or int32 for the varlen record's boundaries and
-    block table), in ONE host-to-device copy: the int64 buffer of them all, pinned and non-blocking
-    on CUDA, viewed there (an int32 part cast on the device). On CPU a copy of each array (the step
-    keeps its inputs while a decode batch updates its arrays in place), its own dtype, no torch op."""
+    """Device tensors of host arrays (int64; int32 for the varlen record's boundaries and block table;
+    float64 for a drawn step's temperatures and uniforms), in ONE host-to-device copy: the int64 buffer
+    of them all (a float64 part as its bits), pinned and non-blocking on CUDA, viewed there (an int32
+    part cast on the device). On CPU a copy of each array (the step keeps its inputs while a decode
+    batch updates its arrays in place), its own dtype, no torch op."""
     device = torch.device(device)
     if device.type == "cpu":
         return [torch.from_numpy(a.copy()) for a in parts]
     sizes = [a.size for a in parts]
     host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
-    np.concatenate([a.reshape(-1) for a in parts], out=host.numpy(), casting="safe")
+    flat = [a.reshape(-1).view(np.int64) if a.dtype == np.float64 else a.reshape(-1) for a in parts]
+    np.concatenate(flat, out=host.numpy(), casting="safe")
     buf = host.to(device, non_blocking=True)
     views, at = [], 0
     for a, n in zip(parts, sizes):
         view = buf[at : at + n].view(a.shape)
-        views.append(view.to(torch.int32) if a.dtype == np.int32 else view)
+        if a.dtype != np.int64:
+            view = view.to(torch.int32) if a.dtype == np.int32 else view.view(torch.float64)
+        views.append(view)
         at += n
     return views
 
@@ -229,11 +238,14 @@ def build_static_decode(
     state_slots: list[int] | None = None,
     scratch_state: int | None = None,
     ids_from: DeviceIds | None = None,
+    draw: GraphDraw | None = None,
 ) -> StepInputs:
     """A pure decode step padded to ``(bucket(num_seqs), bucket(width))``: padding rows run token
     0 at position 0 with one key, written to and read from ``scratch_block``. A hybrid model's
     step (``state_slots`` of the rows, ``scratch_state`` the state cache's scratch slot) also gets each
-    row's state slot, the padding rows' pointing at the scratch slot. Ids, positions, context lengths,
+    row's state slot, the padding rows' pointing at the scratch slot. A step drawn inside the graph
+    (``draw``, :mod:`nopad.inference.graph_sampler`) gets each row's temperature and uniform (padding
+    rows: greedy). Ids, positions, context lengths,
     slots, block table (and state slots) come from one numpy pass and one copy (no numpy assignment per
     row, no device arithmetic outside the compiled forward: each is a launch the graph does not hold)."""
     num = rows.ids.size
@@ -255,10 +267,29 @@ def build_static_decode(
         state = np.full(padded, scratch_state, dtype=np.int64)
         state[:num] = state_slots
         parts.append(state)
-    d_ids, d_pos, d_lens, d_slots, d_table, *rest = _to_device(parts + _rows_part(ids_from), device)
+    drawn = (
+        []
+        if draw is None or draw.uniforms is None
+        else [_padded(draw.temperature, padded), _padded(draw.uniforms, padded)]
+    )
+    d_ids, d_pos, d_lens, d_slots, d_table, *rest = _to_device(parts + drawn + _rows_part(ids_from), device)
     d_state = rest[:1] if scratch_state is not None else []
-    _fill_ids(d_ids, ids_from, rest[len(d_state) :])
+    d_draw = rest[len(d_state) : len(d_state) + len(drawn)]
+    _fill_ids(d_ids, ids_from, rest[len(d_state) + len(drawn) :])
     meta = VarlenMeta.static_decode(d_table, d_lens, d_slots, position_ids=d_pos)
     return StepInputs(
-        d_ids[None], meta, None, list(range(num)), position_ids=d_pos[None], state_index=d_state[0] if d_state else None
+        d_ids[None],
+        meta,
+        None,
+        list(range(num)),
+        position_ids=d_pos[None],
+        state_index=d_state[0] if d_state else None,
+        draw=tuple(d_draw) if d_draw else None,
     )
+
+
+def _padded(values: np.ndarray, rows: int) -> np.ndarray:
+    """``values`` (float64) followed by zeros up to ``rows``: padding rows draw greedily."""
+    out = np.zeros(rows, dtype=np.float64)
+    out[: values.size] = values
+    return out

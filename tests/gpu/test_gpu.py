@@ -84,6 +84,39 @@ def test_static_decode_in_a_cuda_graph_gives_the_same_tokens():
         assert _greedy(model, compile_decode=True) == eager
 
 
+def test_the_cuda_graph_draws_a_steady_decode_steps_rows():
+    """compile_decode on CUDA draws greedy and tempered rows inside the step's graph (graph_draws is on
+    by default there): one graph per variant, no graph break, no cudagraph skip; the eager sampler's
+    greedy tokens on the same compiled logits, and the sampled rows' log-probs within float rounding
+    where they drew the same token (the fused kernels round differently from ATen's)."""
+    from torch._dynamo.utils import counters
+
+    from tests.inference.test_inference_graph_sampler import PROMPTS as MIXED_PROMPTS
+    from tests.inference.test_inference_graph_sampler import mixed_params, records
+
+    model = tiny_model("llama").to(CUDA).eval()
+    runs = {}
+    for draws in (True, False):
+        torch._dynamo.reset()
+        before = (sum(counters["graph_break"].values()), counters["inductor"]["cudagraph_skips"])
+        gen = Generator(model, block_size=16, max_num_batched_tokens=64, compile_decode=True)
+        assert gen._ensure_runner().graph_draws  # the default on CUDA
+        gen._runner.graph_draws = draws
+        with torch.no_grad():
+            outs = gen.generate(MIXED_PROMPTS, mixed_params(), use_tqdm=False)
+        after = (sum(counters["graph_break"].values()), counters["inductor"]["cudagraph_skips"])
+        assert after == before
+        assert (gen.stats()["graph_draw_steps"] > 0) == draws
+        runs[draws] = records(outs)
+    params = [p for p in mixed_params() for _ in range(p.n)]
+    for p, a, b in zip(params, runs[True], runs[False]):
+        if p.temperature == 0:
+            assert a[0] == b[0]
+        same = next((i for i, (x, y) in enumerate(zip(a[0], b[0])) if x != y), len(a[0]))  # up to a first flip
+        for x, y in zip(a[1:4], b[1:4]):
+            torch.testing.assert_close(torch.tensor(x[:same]), torch.tensor(y[:same]), atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "bamba"])
 def test_hybrid_decode_in_a_cuda_graph_gives_hf_tokens(family):
     """compile_decode on hybrid layers (delta rule, short conv, Mamba2): the state slots read

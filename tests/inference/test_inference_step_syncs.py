@@ -116,7 +116,7 @@ def test_step_tensors_take_one_host_to_device_copy(monkeypatch):
     seen, kept = [], []
     run = ModelRunner.run
 
-    def checked_run(self, plan, ids_from=None, rows=None):
+    def checked_run(self, plan, ids_from=None, rows=None, draw=None):
         meta_ids = None if ids_from is None else DeviceIds(ids_from.tokens.to("meta"), ids_from.rows)  # (overlap)
         mode = StepOps()
         with mode:
@@ -134,7 +134,7 @@ def test_step_tensors_take_one_host_to_device_copy(monkeypatch):
                 if isinstance(t, torch.Tensor):
                     other = getattr(step.meta, name)
                     assert (other.dtype, other.shape) == (t.dtype, t.shape), name
-        return run(self, plan, ids_from, rows)
+        return run(self, plan, ids_from, rows, draw)
 
     monkeypatch.setattr(ModelRunner, "run", checked_run)
     gen = Generator(tiny_model("llama"), block_size=4, max_num_batched_tokens=8)

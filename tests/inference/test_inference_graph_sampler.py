@@ -1,0 +1,139 @@
+"""A steady decode step drawn inside its compiled graph (:mod:`nopad.inference.graph_sampler`): the same
+tokens and log-probs as the eager sampler after the graph, bit for bit under dynamo's eager backend
+(the graph's ops are then the eager kernels), one graph per variant (no graph break), and the rows it
+does not serve (top-p, top log-probs) left to the eager sampler. On CPU the draw stays outside the
+graph by default (``ModelRunner.graph_draws``, on for CUDA); these tests turn it on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nopad.inference import Generator, SamplingParams
+from nopad.packing import batch_invariant
+from tests.inference.test_inference_hybrid import hybrid_model
+from tests.support.models import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")
+
+PROMPTS = [[5 + i, 9, 2 + 3 * i, 7][: 2 + i % 3] for i in range(7)]
+
+
+def mixed_params(**extra) -> list[SamplingParams]:
+    """Greedy rows, rows at temperatures 0.7, 1 and 1.3 (seeded, one with n = 2), a stop id, lengths that
+    drop rows out of the batch one by one."""
+    return [
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=3, max_tokens=12, ignore_eos=True, **extra),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=1.3, seed=5, n=2, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=11, stop_token_ids=[7], ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=6, max_tokens=13, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+    ]
+
+
+@pytest.fixture
+def eager_dynamo(monkeypatch):
+    """torch.compile with dynamo's eager backend: dynamo's graphs and guards, the eager kernels (bitwise
+    comparable; an inductor compile takes minutes on a shared CPU)."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: compile_(fn, backend="eager", **kw))
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def generate(model, params, draws: bool, **kwargs):
+    gen = Generator(model, block_size=4, max_num_batched_tokens=64, compile_decode=True, **kwargs)
+    gen._ensure_runner().graph_draws = draws
+    return gen.generate(PROMPTS[: len(params)], params, use_tqdm=False), gen
+
+
+def records(outs) -> list[tuple]:
+    """Every completion's tokens, log-probs (raw, tempered, sampling), versions and finish reason."""
+    return [
+        (c.token_ids, c.logprobs, c.temperature_logprobs, c.sampling_logprobs, c.policy_versions, c.finish_reason)
+        for out in outs
+        for c in out.outputs
+    ]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_graph_draws_equal_the_eager_sampler(eager_dynamo, overlap):
+    """Greedy and tempered rows (n > 1, a stop id, rows ending one by one): the graph's draws are the eager
+    sampler's, tokens and all three log-probs bit for bit, serial and overlapped; and they were drawn
+    there (the decode batch's steps counted)."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama")
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    drawn, gen = generate(model, mixed_params(), True, overlap=overlap)
+    stats = gen.stats()
+    assert 0 < stats["graph_draw_steps"] == stats["decode_batch_steps"]
+    # one graph per variant the step ran (logits for the general step's decodes, sampled draws), no break
+    variants = {(draws, sampled) for _, draws, sampled in gen._runner._variants}
+    assert (True, True) in variants
+    assert counters["stats"]["unique_graphs"] - graphs == len(variants)
+    assert sum(counters["graph_break"].values()) == breaks
+    eager, gen = generate(model, mixed_params(), False, overlap=overlap)
+    assert gen.stats()["graph_draw_steps"] == 0 < gen.stats()["decode_batch_steps"]
+    assert records(drawn) == records(eager)
+    tempered = [c.temperature_logprobs != c.logprobs for out in drawn for c in out.outputs]
+    assert any(tempered)  # the 0.7 / 1.3 rows' tempered log-probs are their own
+
+
+def test_all_greedy_steps_draw_argmax_in_the_graph(eager_dynamo):
+    """Every row greedy: the graph's argmax variant (no CDF), the eager sampler's tokens and log-probs."""
+    model = tiny_model("qwen3")
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + i, ignore_eos=True) for i in range(5)]
+    drawn, gen = generate(model, params, True)
+    assert gen.stats()["graph_draw_steps"] > 0
+    assert {(draws, sampled) for _, draws, sampled in gen._runner._variants} >= {(True, False)}
+    eager, _ = generate(model, params, False)
+    assert records(drawn) == records(eager)
+    assert all(c.sampling_logprobs == [0.0] * len(c.token_ids) for out in drawn for c in out.outputs)
+
+
+@pytest.mark.parametrize("extra", [dict(top_p=0.8), dict(top_k=3), dict(min_p=0.1), dict(logprobs=2)])
+def test_rows_the_graph_does_not_serve_are_drawn_after_it(eager_dynamo, extra):
+    """A batch with a top-p, top-k, min-p or top-log-probs row samples after the graph, as before."""
+    model = tiny_model("llama")
+    drawn, gen = generate(model, mixed_params(**extra), True)
+    assert gen.stats()["graph_draw_steps"] == 0 < gen.stats()["decode_batch_steps"]
+    eager, _ = generate(model, mixed_params(**extra), False)
+    assert records(drawn) == records(eager)
+
+
+def test_hybrid_state_slots_with_graph_draws(eager_dynamo):
+    """A Mamba2 hybrid's rows keep their state slots when the graph draws them."""
+    model = hybrid_model("bamba")
+    params = mixed_params()[:4]
+    drawn, gen = generate(model, params, True, max_num_seqs=3)
+    assert gen.stats()["graph_draw_steps"] > 0
+    eager, _ = generate(model, params, False, max_num_seqs=3)
+    assert records(drawn) == records(eager)
+
+
+def test_batch_invariant_mode_draws_after_the_graph(eager_dynamo):
+    """batch_invariant() steps take the eager path (its kernels are the trainer's), the draw included."""
+    model = tiny_model("llama")
+    with batch_invariant():
+        _, gen = generate(model, mixed_params()[:3], True)
+    assert gen.stats()["graph_draw_steps"] == 0
+
+
+@pytest.mark.slow
+def test_inductor_graph_draws_give_the_eager_samplers_tokens():
+    """Compiled by inductor (fused kernels): the same tokens as the eager sampler on the same compiled
+    logits, and log-probs within float rounding."""
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    drawn, gen = generate(model, mixed_params(), True)
+    assert gen.stats()["graph_draw_steps"] > 0
+    eager, _ = generate(model, mixed_params(), False)
+    torch._dynamo.reset()
+    for a, b in zip(records(drawn), records(eager)):
+        assert a[0] == b[0] and a[4:] == b[4:]
+        for x, y in zip(a[1:4], b[1:4]):
+            torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=0, atol=1e-5)
