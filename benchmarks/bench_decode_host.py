@@ -27,6 +27,7 @@ back (transformers' ``set_attn_implementation`` walks every module, twice).
     python benchmarks/bench_decode_host.py            # 30 layers, 64 rows, 30 timed steps
     python benchmarks/bench_decode_host.py --quick    # 30 layers, 16 rows, 4 timed steps (seconds)
     python benchmarks/bench_decode_host.py --layers 2 --rows 64 256   # the per-row host work
+    python benchmarks/bench_decode_host.py --layers 2 --rows 64 256 --samples 4   # GRPO's groups of 4
     python benchmarks/bench_decode_host.py --device cuda --shape smollm2   # the GPU check (bf16)
 """
 
@@ -155,10 +156,12 @@ def python_calls(fn) -> int:
     return calls[0]
 
 
-def nopad_side(model, prompts: list[list[int]], overlap: bool = False, kept: bool = True):
+def nopad_side(model, prompts: list[list[int]], overlap: bool = False, kept: bool = True, samples: int = 1):
     """A generator (attention backend: "auto") with every prompt past prefill; returns (step, generator).
     ``kept=False``: every step is the general one (the batch's arrays are not kept from step to step,
-    :mod:`nopad.inference.decode_batch`), the step before persistent step state."""
+    :mod:`nopad.inference.decode_batch`), the step before persistent step state. ``samples`` > 1: GRPO's
+    shape, groups of that many seeded samples at temperature 1 (forked after their prompt's prefill),
+    the rows ``len(prompts)`` in all."""
     budget = max(2048, sum(map(len, prompts)))
     gen = Generator(
         model, None, block_size=16, max_num_seqs=len(prompts), max_num_batched_tokens=budget, overlap=overlap
@@ -166,7 +169,9 @@ def nopad_side(model, prompts: list[list[int]], overlap: bool = False, kept: boo
     if not kept:
         gen.decode_batch.serve = lambda: False
     endless = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
-    for prompt in prompts:
+    if samples > 1:
+        endless = SamplingParams(temperature=1.0, seed=0, n=samples, max_tokens=100_000, ignore_eos=True)
+    for prompt in prompts[: len(prompts) // samples]:
         gen.add_request(prompt, endless)
     gen.step()  # prefill
     return gen.step, gen
@@ -270,12 +275,21 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="nopad's rows as groups of this many samples of a prompt at temperature 1 (GRPO's shape; "
+        "HF's side stays one greedy row per prompt)",
+    )
     args = parser.parse_args(argv)
     for name in ("layers", "prompt_len"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.rows is not None and min(args.rows) < 1:
         parser.error(f"--rows counts must be at least 1, got {args.rows}")
+    if args.samples < 1 or any(r % args.samples for r in args.rows or [16 if args.quick else 64]):
+        parser.error(f"--samples must be at least 1 and divide every --rows count, got {args.samples}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: this machine has no CUDA device (torch.cuda.is_available() is False)")
     torch.set_num_threads(1)
@@ -308,9 +322,9 @@ def run(args, rows: int) -> dict:
         llama(args.layers, args.shape, device, dtype) for _ in range(4)
     )
     hf_step = hf_side(hf_model, prompts)  # a twin, kept on SDPA
-    nopad_step, gen = nopad_side(nopad_model, prompts)
-    general_step, general_gen = nopad_side(general_model, prompts, kept=False)
-    overlap_step, overlap_gen = nopad_side(overlap_model, prompts, overlap=True)
+    nopad_step, gen = nopad_side(nopad_model, prompts, samples=args.samples)
+    general_step, general_gen = nopad_side(general_model, prompts, kept=False, samples=args.samples)
+    overlap_step, overlap_gen = nopad_side(overlap_model, prompts, overlap=True, samples=args.samples)
     # held across steps, as generate() and run() hold it
     with gen.live.attention(), general_gen.live.attention(), overlap_gen.live.attention():
         for _ in range(3):
@@ -338,7 +352,9 @@ def run(args, rows: int) -> dict:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, 1 thread"
     print(
         f"eager decode step, {args.layers}-layer Llama ({args.shape}: hidden {SHAPES[args.shape][0]}), "
-        f"{rows} rows past a {args.prompt_len}-token prompt, {str(dtype).removeprefix('torch.')}, {where}; "
+        f"{rows} rows past a {args.prompt_len}-token prompt"
+        + (f" (nopad: groups of {args.samples} samples at temperature 1)" if args.samples > 1 else "")
+        + f", {str(dtype).removeprefix('torch.')}, {where}; "
         f"thread CPU time, median of {repeats}; load average {load:.2f}"
     )
     wall = "wall ms/step  " if device.type == "cuda" else ""
