@@ -105,13 +105,14 @@ def test_rows_the_graph_does_not_serve_are_drawn_after_it(eager_dynamo, extra):
     assert records(drawn) == records(eager)
 
 
-def test_hybrid_state_slots_with_graph_draws(eager_dynamo):
-    """A Mamba2 hybrid's rows keep their state slots when the graph draws them."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_hybrid_state_slots_with_graph_draws(eager_dynamo, overlap):
+    """A Mamba2 hybrid's rows keep their state slots when the graph draws them, serial and overlapped."""
     model = hybrid_model("bamba")
     params = mixed_params()[:4]
-    drawn, gen = generate(model, params, True, max_num_seqs=3)
+    drawn, gen = generate(model, params, True, max_num_seqs=3, overlap=overlap)
     assert gen.stats()["graph_draw_steps"] > 0
-    eager, _ = generate(model, params, False, max_num_seqs=3)
+    eager, _ = generate(model, params, False, max_num_seqs=3, overlap=overlap)
     assert records(drawn) == records(eager)
 
 
