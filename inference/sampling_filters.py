@@ -74,7 +74,11 @@ def _top_k_top_p(
         norm = torch.where(k < vocab, torch.logsumexp(vals, dim=-1), torch.logsumexp(x, dim=-1))
         probs = torch.exp(vals - norm[:, None])
         tp = host_tensor(top_p, x.dtype, x.device)
-        if width < vocab and bool((probs.sum(dim=-1) < tp).any()):
+        # only a row without its own top-k within the candidates can lack top_p of the mass among them
+        # (a row's top-k set is all in them, and its top-p is cut inside it): asked only then, since the
+        # question reads the device back, a sync on CUDA every step (top_k=50 with top_p=0.9 asks none)
+        unbounded = any(row_p < 1.0 and row_k > width for row_k, row_p in zip(top_k, top_p))
+        if width < vocab and unbounded and bool((probs.sum(dim=-1) < tp).any()):
             return None
         before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
         vals = vals.masked_fill(before >= tp[:, None], float("-inf"))

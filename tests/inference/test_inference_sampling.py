@@ -103,6 +103,37 @@ def test_top_p_on_a_large_vocabulary_matches_a_full_sort(scale):
     torch.testing.assert_close(lp[0][kept], torch.log_softmax(logits[0][kept], dim=0))
 
 
+class DeviceQuestions(torch.overrides.TorchFunctionMode):
+    """Counts the host's questions to a tensor (``bool(t)``, ``t.item()``): each a sync on CUDA."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.asked += getattr(func, "__name__", "") in ("__bool__", "item")
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_top_p_row_with_its_own_top_k_asks_the_device_nothing():
+    """Whether the top-p candidates hold a row's mass was asked of the device every step (a sync on CUDA,
+    which stalled an overlapped step's launch); a row whose top-k is among the candidates cuts its top-p
+    inside them, so only a top-p row without top-k asks. Flat logits: the fallback's own case."""
+    torch.manual_seed(2)
+    logits = torch.randn(3, 5000) * 0.01
+    bounded = [SamplingParams(top_p=0.9, top_k=50), SamplingParams(top_p=0.5, top_k=2000), SamplingParams()]
+    with DeviceQuestions() as mode:
+        lp = processed_logprobs(logits, bounded)
+    assert mode.asked == 0
+    for row, (p, k) in enumerate([(0.9, 50), (0.5, 2000)]):
+        top = logits[row].masked_fill(logits[row] < logits[row].topk(k).values[-1], float("-inf"))
+        assert torch.equal(torch.isfinite(lp[row]), reference_top_p(top, p))
+    with DeviceQuestions() as mode:
+        lp = processed_logprobs(logits, [SamplingParams(top_p=0.9), *bounded[1:]])
+    assert mode.asked == 1
+    assert torch.equal(torch.isfinite(lp[0]), reference_top_p(logits[0], 0.9))
+
+
 def test_sample_greedy_penalty_and_min_tokens():
     logits = torch.tensor([[0.0, 1.0, 3.0, 2.0], [0.0, 1.0, 3.0, 2.0], [0.0, 1.0, 3.0, 2.0]])
     seqs = [
