@@ -11,14 +11,17 @@ array arithmetic, and appends made by ``map`` in C.
 It serves a step only when that step is a plain decode of exactly the scheduler's running sequences,
 checked each step (the same list, no step planned elsewhere since its last, no admission possible,
 blocks for every row that needs one). Everything else takes the general step, after which the batch is
-built again from the running sequences: admissions, prefill chunks, preemption, forks, tool episodes,
-repetition penalties, prompt log-probs and unmet ``min_tokens``. A hybrid model's rows keep their
+built again from the running sequences: admissions, prefill chunks, preemption, forks, a tool episode's
+resume, repetition penalties, prompt log-probs and unmet ``min_tokens``. A hybrid model's rows keep their
 state slots (a running sequence's slot changes only where the general step runs: preemption, forks).
+Tool episodes' turns decode here too: a turn's end goes to the sequence's owner as in the general step
+(``hooks.turn_ended``: finish, or pause for its tools).
 
 With overlap scheduling (:mod:`nopad.inference.overlap`) it keeps one step in flight: step N+1 is
 launched on N's draws, still on the device, before N is read back and completed. A row whose draw at N
 ends its turn by length is left out of N+1 (the arrays know its length); one that N's token stops
-(a stop id or string) computes one token at N+1, which is dropped (``overlap_wasted_tokens``).
+(a stop id or string) computes one token at N+1, which is dropped (``overlap_wasted_tokens``), as is the
+N+1 token of an episode that paused at N and resumed before N+1 was read back.
 
 Its outputs are the general step's, bit for bit: the same plan and input arrays, the same sampler
 (:func:`nopad.inference.sampler.sample_on_device` given the rows' plan and their uniforms, both kept),
@@ -81,8 +84,7 @@ class Launched:
 
 
 class DecodeBatch:
-    """The running sequences of a steady decode, as arrays (see the module's docstring). ``owner``: the
-    hooks of the sequences it may serve (plain requests, whose turn end is their finish); ``forward(plan,
+    """The running sequences of a steady decode, as arrays (see the module's docstring). ``forward(plan,
     ids_from=, rows=, draw=)``: the generator's forward (:meth:`nopad.inference.model_runner.ModelRunner.run`);
     ``overlap``: keep a step in flight. :attr:`draws_in_graph` (set by the generator): whether a step whose
     rows are all greedy or sampled at a temperature alone is drawn inside the compiled graph
@@ -91,12 +93,11 @@ class DecodeBatch:
     def __init__(
         self,
         scheduler: Scheduler,
-        owner: object,
         forward: Callable[..., tuple[torch.Tensor, list[int]]],
         sampler: Sampler,
         overlap: bool = False,
     ):
-        self.scheduler, self.owner, self.forward, self.sampler = scheduler, owner, forward, sampler
+        self.scheduler, self.forward, self.sampler = scheduler, forward, sampler
         self.overlap = overlap
         self.draws_in_graph: Callable[[], bool] = lambda: False  # the generator's runner says (draw=)
         self.seqs: list[Sequence] | None = None
@@ -195,9 +196,8 @@ class DecodeBatch:
         )
 
     def _graph_draw(self) -> GraphDraw:
-        """The rows' sampling inputs for a step the compiled graph draws (:mod:`nopad.inference.graph_sampler`):
-        each row's temperature and the uniform of the token it draws (at its length after this step's
-        token, as the eager draw's)."""
+        """A step the compiled graph draws: each row's temperature and the uniform of the token it draws (at
+        its length after this step's token, as the eager draw's; :mod:`nopad.inference.graph_sampler`)."""
         t, rand = self.temperature, self.temperature_rows
         uniforms = None
         if rand.size:
@@ -212,9 +212,12 @@ class DecodeBatch:
         now = time.perf_counter()
         if self.in_flight is None and self.seqs is not None:  # the last step launched: the next one's ids
             self.rows.ids = np.asarray(result.tokens, dtype=np.int64)[self.prev_rows]
-        keep = None if step.clean else np.array([seq.status is Status.RUNNING for seq in step.seqs])
-        if keep is not None:
-            self.scheduler.stats.overlap_wasted_tokens += int((~keep).sum())
+        keep = None  # rows that ended since the launch drop their draws, as do episodes paused and resumed since
+        if not step.clean:
+            due = (step.lengths - 1).tolist()  # (a resumed episode's tokens grew past its draw's place)
+            keep = np.array([q.status is Status.RUNNING and len(q.token_ids) == n for q, n in zip(step.seqs, due)])
+            # (wasted: a finished row's; a paused one's token wrote the K/V its turn's last token needs)
+            self.scheduler.stats.overlap_wasted_tokens += sum([q.status is Status.FINISHED for q in step.seqs])
         columns = [result.tokens, result.logprobs, result.temperature_logprobs, result.sampling_logprobs]
         tops = result.top_logprobs
         if keep is not None and not keep.all():
@@ -261,11 +264,11 @@ class DecodeBatch:
         s = self.scheduler
         if not seqs or len(seqs) > s.max_num_batched_tokens:
             return False
-        owner, bs, ref_count = self.owner, s.block_size, s.allocator.ref_count
+        bs, ref_count = s.block_size, s.allocator.ref_count
         for seq in seqs:  # a loop, not all(generator): no call per row
             request, p = seq.request, seq.request.params
             n = len(seq.token_ids) + ahead
-            if seq.hooks is not owner or seq.fork_count != 1 or n - seq.num_computed != 1:
+            if seq.fork_count != 1 or n - seq.num_computed != 1:
                 return False
             if seq.num_computed == 0:  # a one-token prompt's first step (a hybrid's state starts from zero)
                 return False

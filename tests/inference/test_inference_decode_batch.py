@@ -13,7 +13,7 @@ import torch
 from benchmarks.bench_decode_host import python_calls
 from nopad.inference import Generator, SamplingParams
 from nopad.packing import batch_invariant
-from tests.inference.test_inference_episodes import STOPS, prompts_of
+from tests.inference.test_inference_episodes import STOPS, TOOLS, TokenFormat, prompts_of
 from tests.inference.test_inference_overlap import MIXED, completions
 from tests.support.models import tiny_model
 
@@ -80,6 +80,46 @@ def test_an_overlapped_general_step_hands_forked_groups_to_the_batch():
     stats = gen.stats()
     assert stats["decode_batch_steps"] >= stats["steps"] - 4
     assert 1 <= stats["overlap_breaks"] <= 2  # the hand-over (per generate() call)
+
+
+@OVERLAP
+def test_tool_episodes_decode_in_the_batch_as_in_the_general_step(overlap, monkeypatch):
+    """Tool episodes' turns (forked after their first tool call) are served from the kept arrays too: every
+    step of theirs took the general step. Overlapped, an episode that pauses at step N and resumes (its
+    tool returned at once) before N+1 is read back must drop N+1's draw, which its tokens have outgrown:
+    every tool call here is done before the decode loop goes on, so each resumes at the next poll."""
+    import concurrent.futures as cf
+
+    from nopad.inference.tools import ToolRunner
+
+    submit = ToolRunner.submit
+
+    def finished(self, calls, tools):
+        futures, deadline = submit(self, calls, tools)
+        cf.wait([f for f in futures if f is not None])
+        return futures, deadline
+
+    monkeypatch.setattr(ToolRunner, "submit", finished)
+    params = SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=10, stop_token_ids=STOPS, ignore_eos=True)
+    runs, stats = {}, {}
+    for kept in (True, False):
+        gen = Generator(tiny_model("qwen2"), block_size=2, num_blocks=512, overlap=overlap and kept)
+        if not kept:
+            gen.decode_batch.serve = lambda: False
+        with batch_invariant():
+            episodes = gen.run_episodes(
+                prompts_of([3, 7, 12]),
+                TOOLS,
+                params,
+                tool_format=TokenFormat(),
+                fork=lambda ep: 2 if ep.num_turns == 1 else 1,
+            )
+        runs[kept] = [(e.branch, e.completion_ids, e.model_mask, e.logprobs, e.finish_reason) for e in episodes]
+        stats[kept] = gen.stats()
+        gen.allocator.check(owners=[])
+    assert sum(e.num_tool_calls for e in episodes) >= 2
+    assert runs[True] == runs[False]
+    assert stats[True]["decode_batch_steps"] > 0 == stats[False]["decode_batch_steps"]
 
 
 @OVERLAP
