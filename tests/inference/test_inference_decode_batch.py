@@ -13,8 +13,8 @@ import torch
 from benchmarks.bench_decode_host import python_calls
 from nopad.inference import Generator, SamplingParams
 from nopad.packing import batch_invariant
-from tests.inference.test_inference_episodes import STOPS, TOOLS, TokenFormat, prompts_of
-from tests.inference.test_inference_overlap import MIXED, completions
+from tests.inference.test_inference_episodes import STOPS, prompts_of
+from tests.inference.test_inference_overlap import MIXED, completions, forked_tool_episodes
 from tests.support.models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread is fastest
@@ -100,24 +100,14 @@ def test_tool_episodes_decode_in_the_batch_as_in_the_general_step(overlap, monke
         return futures, deadline
 
     monkeypatch.setattr(ToolRunner, "submit", finished)
-    params = SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=10, stop_token_ids=STOPS, ignore_eos=True)
     runs, stats = {}, {}
     for kept in (True, False):
         gen = Generator(tiny_model("qwen2"), block_size=2, num_blocks=512, overlap=overlap and kept)
         if not kept:
             gen.decode_batch.serve = lambda: False
-        with batch_invariant():
-            episodes = gen.run_episodes(
-                prompts_of([3, 7, 12]),
-                TOOLS,
-                params,
-                tool_format=TokenFormat(),
-                fork=lambda ep: 2 if ep.num_turns == 1 else 1,
-            )
-        runs[kept] = [(e.branch, e.completion_ids, e.model_mask, e.logprobs, e.finish_reason) for e in episodes]
+        runs[kept], calls = forked_tool_episodes(gen)
         stats[kept] = gen.stats()
-        gen.allocator.check(owners=[])
-    assert sum(e.num_tool_calls for e in episodes) >= 2
+    assert calls >= 2
     assert runs[True] == runs[False]
     assert stats[True]["decode_batch_steps"] > 0 == stats[False]["decode_batch_steps"]
 

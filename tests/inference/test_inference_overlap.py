@@ -122,23 +122,31 @@ def test_stop_strings_and_streamed_deltas_equal_serial():
     assert runs[True] == runs[False]
 
 
+def forked_tool_episodes(gen: Generator) -> tuple[list[tuple], int]:
+    """Sampled tool episodes of three prompts, n = 2, each forked in two after its first tool call, in
+    ``batch_invariant()``: each episode's branch, tokens, mask, log-probs and finish reason, and the
+    tool calls made; the generator's blocks are all back after."""
+    params = SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=10, stop_token_ids=STOPS, ignore_eos=True)
+    with batch_invariant():
+        episodes = gen.run_episodes(
+            prompts_of([3, 7, 12]),
+            TOOLS,
+            params,
+            tool_format=TokenFormat(),
+            fork=lambda ep: 2 if ep.num_turns == 1 else 1,
+        )
+    gen.allocator.check(owners=[])
+    records = [(e.branch, e.completion_ids, e.model_mask, e.logprobs, e.finish_reason) for e in episodes]
+    return records, sum(e.num_tool_calls for e in episodes)
+
+
 def test_tool_episodes_with_forks_and_pauses_equal_serial():
     model = tiny_model("qwen2")
-    params = SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=10, stop_token_ids=STOPS, ignore_eos=True)
     runs = {}
     for overlap in (False, True):
         gen = Generator(model, block_size=2, num_blocks=512, overlap=overlap)
-        with batch_invariant():
-            episodes = gen.run_episodes(
-                prompts_of([3, 7, 12]),
-                TOOLS,
-                params,
-                tool_format=TokenFormat(),
-                fork=lambda ep: 2 if ep.num_turns == 1 else 1,
-            )
-        runs[overlap] = [(e.branch, e.completion_ids, e.model_mask, e.logprobs, e.finish_reason) for e in episodes]
-        gen.allocator.check(owners=[])
-    assert sum(e.num_tool_calls for e in episodes) >= 2 and len(runs[True]) > 6  # tools ran, forks forked
+        runs[overlap], calls = forked_tool_episodes(gen)
+    assert calls >= 2 and len(runs[True]) > 6  # tools ran, forks forked
     assert runs[True] == runs[False]
     assert gen.stats()["overlap_steps"] > 0
 
