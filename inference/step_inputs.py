@@ -47,6 +47,12 @@ def _to_device(parts: list[np.ndarray], device) -> list[torch.Tensor]:
     device = torch.device(device)
     if device.type == "cpu":
         return [torch.from_numpy(a.copy()) for a in parts]
+    return one_copy(parts, device)
+
+
+def one_copy(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """:func:`_to_device`'s path for an accelerator: the parts packed in one int64 host buffer, one copy,
+    viewed and cast on ``device`` (on CPU too, so a test holds the packing to the parts' values)."""
     sizes = [a.size for a in parts]
     host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
     flat = [a.reshape(-1).view(np.int64) if a.dtype == np.float64 else a.reshape(-1) for a in parts]

@@ -108,6 +108,26 @@ def test_syncs_and_copies_do_not_grow_with_layers(budget):
     assert sum(two[-1].values()) > 0
 
 
+def test_the_one_copy_gives_back_every_parts_values_and_dtype():
+    """The accelerator's path packs int64, int32 and float64 parts (a drawn step's temperatures and
+    uniforms, as their bits) into one int64 buffer: run on CPU, each view must be its part exactly."""
+    import numpy as np
+
+    from nopad.inference.step_inputs import one_copy
+
+    rng = np.random.default_rng(0)
+    parts = [
+        rng.integers(-(2**40), 2**40, size=7),
+        rng.integers(-(2**31), 2**31 - 1, size=(2, 5)).astype(np.int32),
+        np.array([0.0, 0.7, 1.0 - 2.0**-40, 1.3, 5e-324]),
+        rng.integers(0, 9, size=(3, 4)),
+    ]
+    views = one_copy(parts, torch.device("cpu"))
+    for part, view in zip(parts, views):
+        assert view.dtype == torch.from_numpy(part).dtype and view.shape == part.shape
+        assert np.array_equal(view.numpy(), part)
+
+
 def test_step_tensors_take_one_host_to_device_copy(monkeypatch):
     """``build_step`` (and ``decode_step``, from a steady batch's kept arrays) packs ids, positions,
     boundaries, slots, block table and kept rows into one host buffer and moves it with one copy
