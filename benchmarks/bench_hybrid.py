@@ -333,9 +333,9 @@ def generation(builders, vocab: int, args) -> None:
                 same, prefix = agreement(hf.outputs, nopad.outputs)
                 nopad.name += label
                 note = f"{same}/{n} sequences identical to HF, {prefix:.0%} tokens"
-                if label:  # a graph break splits the step (and its CUDA graph): one graph, no break
+                if label:  # a graph break splits the step (its CUDA graph): one graph a kind of step, no break
                     made, breaks = (b - a for a, b in zip(graphs, compiled_graphs()))
-                    note += f"; {made} compiled graph(s), {breaks} graph break(s)"
+                    note += f"; {made} compiled graph(s) (logits; on CUDA also the draws), {breaks} graph break(s)"
                 rows.append((nopad, cpu, note))
             for run_, cpu, note in rows:
                 print(
