@@ -116,6 +116,29 @@ def test_hybrid_state_slots_with_graph_draws(eager_dynamo, overlap):
     assert records(drawn) == records(eager)
 
 
+@pytest.mark.parametrize(
+    "case", ["sinks", "vocab_152k", "bf16_weights", "fp32_under_bf16_autocast"], ids=lambda case: case
+)
+def test_sinks_a_large_vocabulary_and_bf16_draw_in_the_graph(eager_dynamo, case):
+    """An attention-sink model (gpt-oss), a 151,936-token vocabulary, bf16 weights and fp32 weights under
+    bf16 autocast (the graph's logits are bf16; the draw runs in fp32, as the eager sampler's)."""
+    import contextlib
+
+    model = {
+        "sinks": lambda: tiny_model("gpt_oss"),
+        "vocab_152k": lambda: tiny_model("qwen2", vocab_size=151_936),
+        "bf16_weights": lambda: tiny_model("llama").to(torch.bfloat16),
+        "fp32_under_bf16_autocast": lambda: tiny_model("llama"),
+    }[case]()
+    params = mixed_params()[:4]
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if case.endswith("autocast") else contextlib.nullcontext()
+    with autocast:
+        drawn, gen = generate(model, params, True)
+        assert gen.stats()["graph_draw_steps"] > 0
+        eager, _ = generate(model, params, False)
+    assert records(drawn) == records(eager)
+
+
 def test_batch_invariant_mode_draws_after_the_graph(eager_dynamo):
     """batch_invariant() steps take the eager path (its kernels are the trainer's), the draw included."""
     model = tiny_model("llama")
