@@ -485,12 +485,20 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> float
 
 
 def _decoding_generator(
-    model, n: int, prompt_range, block_size: int, new_tokens: int, graph_draws: bool | None = None, **gen_kwargs
+    model,
+    n: int,
+    prompt_range,
+    block_size: int,
+    new_tokens: int,
+    graph_draws: bool | None = None,
+    sampling: dict | None = None,
+    **gen_kwargs,
 ):
     """A Generator with ``n`` sequences all past prefill (every step from here is a pure decode step
     of ``n`` rows). Its KV cache holds all of them for ``new_tokens`` more tokens: the default 1 GiB
     held 168 of SmolLM2's 256, so "256 rows" ran 168, then 160 after a preemption. ``graph_draws``:
-    whether a compiled step draws its rows inside its graph (:mod:`nopad.inference.graph_sampler`)."""
+    whether a compiled step draws its rows inside its graph (:mod:`nopad.inference.graph_sampler`);
+    ``sampling``: the rows' sampling parameters (default greedy)."""
     from nopad.inference.generator import Generator
     from nopad.inference.sampling_params import SamplingParams
 
@@ -512,7 +520,7 @@ def _decoding_generator(
     )
     if graph_draws is not None:  # the draw inside the compiled graph (on by default on CUDA) or after it
         gen._ensure_runner().graph_draws = graph_draws
-    endless = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    endless = SamplingParams(**{"temperature": 0.0, **(sampling or {})}, max_tokens=10_000, ignore_eos=True)
     ids = [gen.add_request(p, endless) for p in prompts]
     gen.step()  # one step prefills all of them (the budget holds every prompt)
     return gen, prompts, ids
@@ -593,10 +601,15 @@ def bench_decode_floor(
     for n in counts:
         row, at_goal = {}, {}
         if device.type == "cuda" and n == goal_count:  # item 3's gain: the same step, drawn after the graph
+            top_p = dict(temperature=0.7, top_p=0.95, seed=0)  # a sampled, filtered step (the eager draw syncs)
             at_goal = {
                 "compile_decode + overlap, draw after the graph": dict(
                     compile_decode=True, overlap=True, graph_draws=False
-                )
+                ),
+                "compile_decode + overlap, T=0.7 top-p 0.95": dict(compile_decode=True, overlap=True, sampling=top_p),
+                "compile_decode + overlap, T=0.7 top-p 0.95, draw after the graph": dict(
+                    compile_decode=True, overlap=True, graph_draws=False, sampling=top_p
+                ),
             }
         for name, kw in {**variants, **at_goal}.items():
             try:

@@ -40,7 +40,7 @@ from itertools import repeat
 import numpy as np
 import torch
 
-from nopad.inference.graph_sampler import GraphDraw, served
+from nopad.inference.graph_sampler import DrawRows, GraphDraw
 from nopad.inference.request import Sequence, Status
 from nopad.inference.sampler import PendingSample, Sampler
 from nopad.inference.sampling_rows import RowsPlan, plan_rows
@@ -86,9 +86,8 @@ class Launched:
 class DecodeBatch:
     """The running sequences of a steady decode, as arrays (see the module's docstring). ``forward(plan,
     ids_from=, rows=, draw=)``: the generator's forward (:meth:`nopad.inference.model_runner.ModelRunner.run`);
-    ``overlap``: keep a step in flight. :attr:`draws_in_graph` (set by the generator): whether a step whose
-    rows are all greedy or sampled at a temperature alone is drawn inside the compiled graph
-    (:mod:`nopad.inference.graph_sampler`)."""
+    ``overlap``: keep a step in flight. :attr:`draws_in_graph` (set by the generator): whether a step's rows
+    are drawn inside the compiled graph (:mod:`nopad.inference.graph_sampler`)."""
 
     def __init__(
         self,
@@ -169,7 +168,7 @@ class DecodeBatch:
         s.count(plan)
         self.seen_steps, self.steps = s.stats.steps, self.steps + 1
         ids_from = None if prev is None else DeviceIds(prev.sample.tokens, self.prev_rows)
-        draw = self._graph_draw() if self.temperature is not None and self.draws_in_graph() else None
+        draw = self._graph_draw() if self.draws_in_graph() else None
         out, _ = self.forward(plan, ids_from=ids_from, rows=rows, draw=draw)
         pos = rows.positions
         pos += 1  # computed: the token each row ran
@@ -196,14 +195,15 @@ class DecodeBatch:
         )
 
     def _graph_draw(self) -> GraphDraw:
-        """A step the compiled graph draws: each row's temperature and the uniform of the token it draws (at
-        its length after this step's token, as the eager draw's; :mod:`nopad.inference.graph_sampler`)."""
-        t, rand = self.temperature, self.temperature_rows
-        uniforms = None
+        """A step the compiled graph draws: each row's uniform for the token it draws (at its length after
+        this step's token, as the eager draw's), with its kept parameters (:mod:`nopad.inference.graph_sampler`)."""
+        if self.draws is None:
+            self.draws = DrawRows.of([q.request.params for q in self.seqs])
+        rand = self.draws.sampled
+        uniforms = np.zeros(len(self.seqs))
         if rand.size:
-            uniforms = np.zeros(t.size)
             uniforms[rand] = uniform_array(self.keys[rand], self.rows.positions[rand] + 1)
-        return GraphDraw(t, uniforms, self.tempered, self.sampler.version())
+        return GraphDraw(self.draws, uniforms, self.sampler.version())
 
     def _complete(self, step: Launched) -> None:
         """Read ``step``'s draws back, append them (rows that ended since its launch drop theirs), end the
@@ -320,9 +320,7 @@ class DecodeBatch:
         self.strings = _mask([bool(p.stop) for p in params])
         self.tops = _mask([p.logprobs is not None for p in params])
         self.keys = stream_keys(seqs) if any([p.temperature != 0 for p in params]) else None
-        # rows a compiled step may draw itself (greedy or a temperature alone): their temperatures
-        self.temperature = np.array([p.temperature for p in params], dtype=np.float64) if served(params) else None
-        self._temperature_rows()
+        self.draws: DrawRows | None = None  # what a compiled step drawing the rows reads (when one does)
         self.rows_plan: RowsPlan | None = None
         self.arrival = np.array([q.request.arrival_time for q in seqs], dtype=np.float64)
         self.lists = [
@@ -334,11 +332,6 @@ class DecodeBatch:
             [q.token_times for q in seqs],
             [q.top_logprobs for q in seqs],
         ]
-
-    def _temperature_rows(self) -> None:
-        t = self.temperature
-        self.temperature_rows = None if t is None else (t != 0).nonzero()[0]
-        self.tempered = t is not None and bool(((t != 0) & (t != 1)).any())
 
     def _grow(self, need: np.ndarray) -> None:
         """A new block for each row in ``need`` (its last is full), in the table kept here too."""
@@ -379,8 +372,7 @@ class DecodeBatch:
             _masked(self.keys, keep),
         )
         self.strings, self.tops = _masked(self.strings, keep), _masked(self.tops, keep)
-        self.temperature = _masked(self.temperature, keep)
-        self._temperature_rows()
+        self.draws = None
         self.lists = _rows_of(self.lists, keep)
         self.seqs, self.rows_plan = seqs, None
 

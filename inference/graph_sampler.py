@@ -5,99 +5,224 @@ Why: with ``compile_decode`` on CUDA the forward is one graph replay, and the ea
 (log-softmax, argmax, gather, and for sampled rows the tempered log-softmax, the CDF and its search) was
 a dozen more launches on the step's critical path. Inside the graph they are fused and replayed.
 
-What it serves: rows that are greedy or sampled at a temperature alone (no top-k, top-p or min-p, no
-top log-probs) -- what evaluation and RL rollouts run. A decode batch with any other row samples after
-the graph, as before (:func:`nopad.inference.sampler.sample_on_device`). The draw is the eager sampler's,
-op for op (:func:`draw_rows`): the same counter-based uniforms (computed on the host from each row's key
-and length, :mod:`nopad.inference.seeding`, and sent with the step's inputs), the same inverse CDF and the
-same log-prob expressions; under dynamo's eager backend the tokens and log-probs are the eager sampler's
-bit for bit (the tests hold it), and compiled they are the compiled kernels' values of the same functions.
+What it serves: every row of a steady decode batch -- greedy, a temperature, top-k, top-p and min-p in
+any mix, and top log-probs. The draw is the eager sampler's, op for op (:func:`draw_rows`): the same
+counter-based uniforms (computed on the host from each row's key and length, :mod:`nopad.inference.seeding`,
+and sent with the step's inputs), the same filters (:mod:`nopad.inference.sampling_filters`' device
+functions), the same inverse CDF and log-prob expressions. Under dynamo's eager backend the tokens and
+log-probs are the eager sampler's bit for bit (the tests hold it); compiled, they are the compiled kernels'
+values of the same functions.
+
+No host decision: the eager sampler asks the device one question, whether 1,024 top-p candidates hold
+each row's top-p mass (else it sorts the whole vocabulary). The graph computes both answers and picks one
+on the device (:func:`_kept`), and only where a row could lack the mass (top-p without a top-k of its own).
+What the graph's shape depends on (the candidates' width, which filters any row uses, the top log-probs'
+count) is a :class:`DrawSpec`: one graph per spec, as per bucket.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from nopad.inference.sampler import PendingSample
+from nopad.inference.sampling_filters import TOP_P_CANDIDATES, mask_min_p, mask_top_k_top_p
 from nopad.packing.head.log_softmax import tempered_log_softmax
 
 
-def served(params: list) -> bool:
-    """Whether every row's parameters are drawn inside the graph: greedy, or a temperature alone."""
-    return all(
-        [
-            p.logprobs is None and (p.temperature == 0 or (p.top_k in (0, -1) and p.top_p == 1.0 and p.min_p == 0.0))
-            for p in params
-        ]
+class DrawSpec(NamedTuple):
+    """What a drawn step's graph is traced for (a different spec is a different graph): whether any row
+    samples, the top-k / top-p candidates' width (0: no row filters by either; capped at the vocabulary in
+    the graph), whether any row uses top-p, whether one may lack its mass among the candidates (then the
+    whole vocabulary is sorted too), whether any uses min-p, and the most top log-probs a row asks for."""
+
+    sampled: bool = False
+    width: int = 0
+    top_p: bool = False
+    full_sort: bool = False
+    min_p: bool = False
+    top_n: int = 0
+
+
+def draw_spec(params: list) -> DrawSpec:
+    """The :class:`DrawSpec` of rows with these sampling parameters: the eager sampler's decisions
+    (:func:`nopad.inference.sampling_filters.filtered_logprobs`, on the sampled rows)."""
+    sampled = [p for p in params if p.temperature != 0]
+    max_k = max([p.top_k for p in sampled if p.top_k > 0], default=0)
+    top_p = any([p.top_p < 1.0 for p in sampled])
+    width = max(max_k, TOP_P_CANDIDATES) if top_p else max_k
+    # a top-p row lacks its mass among the candidates only if its own top-k does not bound it
+    full_sort = any([p.top_p < 1.0 and not 0 < p.top_k <= width for p in sampled])
+    asked = [p.logprobs for p in params if p.logprobs is not None]
+    return DrawSpec(
+        sampled=bool(sampled),
+        width=width,
+        top_p=top_p,
+        full_sort=full_sort,
+        min_p=any([p.min_p > 0 for p in sampled]),
+        top_n=max(asked, default=0),
     )
 
 
 @dataclass
-class GraphDraw:
-    """A steady decode step's sampling inputs, for the graph: each row's temperature (0: greedy) and its
-    uniform number (0 for greedy rows), host arrays sent with the step's other inputs."""
+class DrawRows:
+    """What the graph reads from a decode batch's rows, kept with the batch until a row leaves it: each
+    row's parameters, their :class:`DrawSpec`, temperatures, filters and top log-prob counts."""
 
-    temperature: np.ndarray  # (rows,) float64
-    uniforms: np.ndarray | None  # (rows,) float64; None: every row is greedy
+    params: list
+    spec: DrawSpec
+    temperature: np.ndarray  # (rows,) float64, 0: greedy
+    filters: tuple[np.ndarray, ...] | None  # top_k int64, top_p and min_p float64; greedy rows 0, 1, 0
+    tops: list[int | None]  # top log-probs each row asks for (None: none)
+    sampled: np.ndarray  # the rows not greedy
     tempered: bool  # some row's temperature is neither 0 nor 1: its tempered log-prob is its own
+
+    @classmethod
+    def of(cls, params: list) -> DrawRows:
+        spec = draw_spec(params)
+        temperature = np.array([p.temperature for p in params], dtype=np.float64)
+        greedy = temperature == 0
+        filters = None
+        if spec.width or spec.min_p:
+            filters = (
+                np.where(greedy, 0, [p.top_k for p in params]).astype(np.int64),
+                np.where(greedy, 1.0, [p.top_p for p in params]),
+                np.where(greedy, 0.0, [p.min_p for p in params]),
+            )
+        tempered = bool((~greedy & (temperature != 1)).any())
+        tops = [p.logprobs for p in params]
+        return cls(params, spec, temperature, filters, tops, (~greedy).nonzero()[0], tempered)
+
+
+@dataclass
+class GraphDraw:
+    """A steady decode step's sampling inputs, for the graph: host arrays sent with the step's other inputs
+    (:func:`nopad.inference.step_inputs.build_static_decode`), and what the host needs to read its draws."""
+
+    rows: DrawRows
+    uniforms: np.ndarray  # (rows,) float64, 0 for greedy rows
     policy_version: int
+
+    @property
+    def spec(self) -> DrawSpec:
+        return self.rows.spec
+
+    def columns(self, padded: int) -> list[np.ndarray]:
+        """The per-row inputs the graph reads (:func:`draw_rows`' ``inputs``), up to ``padded`` rows: the
+        padding rows greedy (temperature 0, uniform 0) and unfiltered (top-k 0, top-p 1, min-p 0)."""
+        if not self.spec.sampled:
+            return []
+        neutral = (0.0, 0.0, 0, 1.0, 0.0)
+        columns = [self.rows.temperature, self.uniforms, *(self.rows.filters or ())]
+        return [_padded(column, padded, value) for column, value in zip(columns, neutral)]
 
     def pending(self, outputs: tuple[torch.Tensor, ...], num: int) -> PendingSample:
         """The graph's outputs for the first ``num`` rows (the rest are padding), as the eager sampler
         returns them: no tempered log-probs when no row's temperature changes them, no sampling
-        log-probs when every row is greedy."""
-        tokens, raw, tempered, sampling = (t[:num] for t in outputs)
-        greedy = self.uniforms is None
+        log-probs when every row is greedy, the top log-probs of the rows that ask."""
+        tokens, raw, tempered, sampling = (t[:num] for t in outputs[:4])
+        top: list = [None] * num
+        if self.spec.top_n:
+            values, ids = outputs[4:]
+            top = [None if n is None else (values[i, :n], ids[i, :n]) for i, n in enumerate(self.rows.tops)]
+        greedy = not self.spec.sampled
         return PendingSample(
             tokens=tokens,
             raw_picked=raw,
-            temperature=tempered if self.tempered and not greedy else None,
+            temperature=tempered if self.rows.tempered and not greedy else None,
             sampling=None if greedy else sampling,
-            top=[None] * num,
+            top=top,
             policy_version=self.policy_version,
         )
 
 
-def draw_rows(
-    logits: torch.Tensor, temperature: torch.Tensor | None, uniforms: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's token, its raw log-prob, its log-prob at the row's temperature, and its log-prob under
-    the distribution it was drawn from (0 for greedy rows): the eager sampler's expressions
-    (:func:`nopad.inference.sampler.sample_on_device` for rows without filters), with no host decision.
-    ``temperature`` ``None``: every row is greedy (argmax and the raw log-prob only)."""
+def _padded(values: np.ndarray, rows: int, value) -> np.ndarray:
+    out = np.full(rows, value, dtype=values.dtype)
+    out[: values.size] = values
+    return out
+
+
+def draw_rows(logits: torch.Tensor, spec: DrawSpec, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each row's token, its raw log-prob, its log-prob at the row's temperature, its log-prob under the
+    distribution it was drawn from (0 for greedy rows), and with ``spec.top_n`` the top raw log-probs'
+    values and ids: the eager sampler's expressions (:func:`nopad.inference.sampler.sample_on_device`),
+    with no host decision. ``inputs`` (when ``spec.sampled``): each row's temperature and uniform, then
+    with filters its top-k, top-p and min-p."""
     z = logits.float()
     raw_lp = tempered_log_softmax(z)
     greedy_tokens = z.argmax(dim=-1)
-    if temperature is None:
+    top = raw_lp.topk(min(spec.top_n, z.shape[1]), dim=-1) if spec.top_n else None
+    if not spec.sampled:
         raw = raw_lp.gather(1, greedy_tokens[:, None])[:, 0]
-        return greedy_tokens, raw, raw, torch.zeros_like(raw)
+        return (greedy_tokens, raw, raw, torch.zeros_like(raw), *(top or ()))
+    temperature, uniforms, *filters = inputs
     greedy = temperature == 0
     t = torch.where(greedy, 1.0, temperature).to(torch.float32)
-    lp = torch.log_softmax(z / t[:, None], dim=-1)
+    x = z / t[:, None]
+    lt = torch.log_softmax(x, dim=-1)  # tempered, before any filter (what a trainer scores)
+    lp = _filtered_logprobs(x, greedy, spec, *filters) if filters else lt
     # inverse CDF, as sampler._inverse_cdf: exp in fp32, the running sum in float64
     cdf = torch.exp(lp).double().cumsum(dim=-1)
     picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]
     picked = picked.clamp(max=z.shape[1] - 1)
     tokens = torch.where(greedy, greedy_tokens, picked)
     raw = raw_lp.gather(1, tokens[:, None])[:, 0]
-    at_t = lp.gather(1, tokens[:, None])[:, 0]
+    at_t = lt.gather(1, tokens[:, None])[:, 0]
     tempered = torch.where(t == 1.0, raw, at_t)  # temperature 1 (and greedy rows): the raw log-prob
-    sampling = torch.where(greedy, torch.zeros_like(at_t), at_t)
-    return tokens, raw, tempered, sampling
+    sampling = torch.where(greedy, torch.zeros_like(at_t), lp.gather(1, tokens[:, None])[:, 0])
+    return (tokens, raw, tempered, sampling, *(top or ()))
 
 
-def forward_and_draw(
-    model: torch.nn.Module,
-    temperature: torch.Tensor | None = None,
-    uniforms: torch.Tensor | None = None,
-    draw: bool = False,
-    **kwargs,
-):
+def _filtered_logprobs(
+    x: torch.Tensor,
+    greedy: torch.Tensor,
+    spec: DrawSpec,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """Log-probs of the tempered logits ``x`` after each row's top-k, top-p and min-p, as
+    :func:`nopad.inference.sampling_filters.filtered_logprobs` computes them for the sampled rows (greedy
+    rows come out unfiltered: their token is the argmax)."""
+    vocab = x.shape[1]
+    if spec.width:
+        k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+        tp = top_p.to(x.dtype) if spec.top_p else None
+        kept = _kept(x, k, tp, min(spec.width, vocab), greedy, spec.full_sort)
+        filtered = k < vocab if tp is None else (k < vocab) | (tp < 1.0)
+        x = torch.where(filtered[:, None], kept, x)
+    if spec.min_p:
+        x = mask_min_p(x, min_p.to(x.dtype))
+    return torch.log_softmax(x, dim=-1)
+
+
+def _kept(
+    x: torch.Tensor, k: torch.Tensor, tp: torch.Tensor | None, width: int, greedy: torch.Tensor, full_sort: bool
+) -> torch.Tensor:
+    """``x`` at -inf outside each row's top-k / top-p set, from ``width`` candidates; where the eager sampler
+    would find some sampled row's top-p mass beyond them (its one host decision), from the whole sorted
+    vocabulary instead, chosen on the device."""
+    vocab = x.shape[1]
+    vals, idx = x.topk(width, dim=-1) if width < vocab else x.sort(dim=-1, descending=True)
+    vals, probs = mask_top_k_top_p(x, vals, k, tp)
+    kept = torch.full_like(x, float("-inf")).scatter(1, idx, vals)
+    if not (full_sort and tp is not None and width < vocab):
+        return kept
+    all_vals, all_idx = x.sort(dim=-1, descending=True)
+    all_vals, _ = mask_top_k_top_p(x, all_vals, k, tp)
+    everything = torch.full_like(x, float("-inf")).scatter(1, all_idx, all_vals)
+    sampled = ~greedy
+    unbounded = (sampled & (tp < 1.0) & (k > width)).any()
+    lacking = unbounded & (sampled & (probs.sum(dim=-1) < tp)).any()
+    return torch.where(lacking, everything, kept)
+
+
+def forward_and_draw(model: torch.nn.Module, spec: DrawSpec | None = None, inputs: tuple = (), **kwargs):
     """The compiled decode step: the model's forward on a static decode step's inputs (``kwargs``), then
-    the logits of its rows, or with ``draw`` the rows' draws (:func:`draw_rows`). One function, so a step
-    that draws inside the graph and one that returns logits share one ``torch.compile``."""
+    the logits of its rows, or given a ``spec`` the rows' draws (:func:`draw_rows` of ``inputs``). One
+    function, so a step that draws inside the graph and one that returns logits share one ``torch.compile``."""
     logits = model(**kwargs).logits[0]
-    return draw_rows(logits, temperature, uniforms) if draw else logits
+    return logits if spec is None else draw_rows(logits, spec, *inputs)

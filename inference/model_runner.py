@@ -52,7 +52,7 @@ def _mark_dynamic(step: StepInputs) -> None:
     mark(meta.cu_seqlens_q, 0)
     if step.state_index is not None:
         mark(step.state_index, 0)
-    for t in step.draw or ():
+    for t in step.draw:
         mark(t, 0)
 
 
@@ -104,7 +104,7 @@ class ModelRunner:
         self.graph_draws = compile_decode and self.device.type == "cuda"
         self.static_steps = 0  # decode steps that ran padded to a bucket (for tests and stats)
         self.static_shapes: set[tuple[int, int]] = set()  # (rows, block-table width) buckets seen
-        self._variants: set[tuple] = set()  # (bucket, draws, sampled) the compiled step has been called with
+        self._variants: set[tuple] = set()  # (bucket, DrawSpec or None) the compiled step has been called with
         if compile_decode:
             # the cache is mutated in place: a static address, so CUDA graphs use it, not a copy (a
             # new Generator's cache re-records a bucket's graph once, it does not recompile)
@@ -162,7 +162,7 @@ class ModelRunner:
             )
             self.static_steps += 1
             shape = tuple(step.meta.block_table.shape)
-            variant = (shape, draw is not None, step.draw is not None)  # logits, greedy or sampled draws
+            variant = (shape, None if draw is None else draw.spec)  # logits, or the draws of a DrawSpec
             if self.compiled and variant not in self._variants:
                 # marks matter only to a call that compiles, and a bucket seen before compiles nothing
                 # (its guards accept unmarked tensors): 9 marks a step were ~40 Python calls
@@ -171,12 +171,10 @@ class ModelRunner:
             self.static_shapes.add(shape)
             if states is not None:  # a first token (a one-token prompt) starts from zero
                 states.begin_static(step.state_index, fresh, step.meta)
-            temperature, uniforms = step.draw or (None, None)
             with _state_step(states):
                 out = self.decode_forward(
-                    temperature,
-                    uniforms,
-                    draw is not None,
+                    None if draw is None else draw.spec,
+                    step.draw,
                     input_ids=step.input_ids,
                     position_ids=step.position_ids,
                     use_cache=False,

@@ -42,9 +42,7 @@ def filtered_logprobs(
             full = buffers.get("kept", x).fill_(float("-inf")).scatter_(1, idx, vals)
             x = torch.where(host_tensor(filtered, torch.bool, x.device)[:, None], full, x, out=x)
     if any(p.min_p > 0 for p in params):
-        probs = torch.softmax(x, dim=-1)
-        mp = host_tensor([float(p.min_p) for p in params], x.dtype, x.device)
-        x = x.masked_fill_(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+        x = mask_min_p(x, host_tensor([float(p.min_p) for p in params], x.dtype, x.device))
     return log_softmax_into(x, buffers, "logprobs"), support
 
 
@@ -67,19 +65,37 @@ def _top_k_top_p(
     vocab = x.shape[1]
     vals, idx = x.topk(width, dim=-1) if width < vocab else x.sort(dim=-1, descending=True)
     k = host_tensor(top_k, torch.long, x.device)
-    vals = vals.masked_fill(torch.arange(width, device=x.device)[None, :] >= k[:, None], float("-inf"))
-    if any(p < 1.0 for p in top_p):
-        # probabilities under the top-k-filtered FULL distribution (rows without top-k keep the
-        # mass of the tokens beyond the candidates in their normaliser)
-        norm = torch.where(k < vocab, torch.logsumexp(vals, dim=-1), torch.logsumexp(x, dim=-1))
-        probs = torch.exp(vals - norm[:, None])
-        tp = host_tensor(top_p, x.dtype, x.device)
-        # only a row without its own top-k within the candidates can lack top_p of the mass among them
-        # (a row's top-k set is all in them, and its top-p is cut inside it): asked only then, since the
-        # question reads the device back, a sync on CUDA every step (top_k=50 with top_p=0.9 asks none)
-        unbounded = any(row_p < 1.0 and row_k > width for row_k, row_p in zip(top_k, top_p))
-        if width < vocab and unbounded and bool((probs.sum(dim=-1) < tp).any()):
-            return None
-        before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
-        vals = vals.masked_fill(before >= tp[:, None], float("-inf"))
+    tp = host_tensor(top_p, x.dtype, x.device) if any(p < 1.0 for p in top_p) else None
+    vals, probs = mask_top_k_top_p(x, vals, k, tp)
+    # only a row without its own top-k within the candidates can lack top_p of the mass among them
+    # (a row's top-k set is all in them, and its top-p is cut inside it): asked only then, since the
+    # question reads the device back, a sync on CUDA every step (top_k=50 with top_p=0.9 asks none)
+    unbounded = any(row_p < 1.0 and row_k > width for row_k, row_p in zip(top_k, top_p))
+    if width < vocab and unbounded and bool((probs.sum(dim=-1) < tp).any()):
+        return None
     return idx, vals
+
+
+def mask_top_k_top_p(
+    x: torch.Tensor, vals: torch.Tensor, k: torch.Tensor, tp: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``vals``, each row's most likely values of ``x`` in descending order, at -inf outside the row's
+    top ``k`` and, given ``tp``, its top-p set; and the candidates' probabilities the top-p cut read (None
+    without ``tp``). Device ops only: the eager sampler and the compiled step's draw
+    (:mod:`nopad.inference.graph_sampler`) share it, so their bits agree."""
+    width, vocab = vals.shape[1], x.shape[1]
+    vals = vals.masked_fill(torch.arange(width, device=x.device)[None, :] >= k[:, None], float("-inf"))
+    if tp is None:
+        return vals, None
+    # probabilities under the top-k-filtered FULL distribution (rows without top-k keep the mass of the
+    # tokens beyond the candidates in their normaliser)
+    norm = torch.where(k < vocab, torch.logsumexp(vals, dim=-1), torch.logsumexp(x, dim=-1))
+    probs = torch.exp(vals - norm[:, None])
+    before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
+    return vals.masked_fill(before >= tp[:, None], float("-inf")), probs
+
+
+def mask_min_p(x: torch.Tensor, mp: torch.Tensor) -> torch.Tensor:
+    """``x`` (in place) at -inf where a token's probability is under ``mp`` times its row's largest."""
+    probs = torch.softmax(x, dim=-1)
+    return x.masked_fill_(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))

@@ -35,12 +35,12 @@ class StepInputs:
     position_ids: torch.Tensor | None = None  # (1, T)
     prompt_spans: list[Span] = field(default_factory=list)  # prompt rows kept after the sampling rows
     state_index: torch.Tensor | None = None  # static decode on hybrid models: each row's state slot
-    draw: tuple[torch.Tensor, torch.Tensor] | None = None  # static decode drawn in the graph: temperatures, uniforms
+    draw: tuple[torch.Tensor, ...] = ()  # static decode drawn in the graph: its rows' inputs (GraphDraw.columns)
 
 
 def _to_device(parts: list[np.ndarray], device) -> list[torch.Tensor]:
     """Device tensors of host arrays (int64; int32 for the varlen record's boundaries and block table;
-    float64 for a drawn step's temperatures and uniforms), in ONE host-to-device copy: the int64 buffer
+    float64 for a drawn step's temperatures, uniforms, top-p and min-p), in ONE host-to-device copy: the int64 buffer
     of them all (a float64 part as its bits), pinned and non-blocking on CUDA, viewed there (an int32
     part cast on the device). On CPU a copy of each array (the step keeps its inputs while a decode
     batch updates its arrays in place), its own dtype, no torch op."""
@@ -250,8 +250,8 @@ def build_static_decode(
     0 at position 0 with one key, written to and read from ``scratch_block``. A hybrid model's
     step (``state_slots`` of the rows, ``scratch_state`` the state cache's scratch slot) also gets each
     row's state slot, the padding rows' pointing at the scratch slot. A step drawn inside the graph
-    (``draw``, :mod:`nopad.inference.graph_sampler`) gets each row's temperature and uniform (padding
-    rows: greedy). Ids, positions, context lengths,
+    (``draw``, :mod:`nopad.inference.graph_sampler`) gets its rows' sampling inputs (padding rows greedy).
+    Ids, positions, context lengths,
     slots, block table (and state slots) come from one numpy pass and one copy (no numpy assignment per
     row, no device arithmetic outside the compiled forward: each is a launch the graph does not hold)."""
     num = rows.ids.size
@@ -273,11 +273,7 @@ def build_static_decode(
         state = np.full(padded, scratch_state, dtype=np.int64)
         state[:num] = state_slots
         parts.append(state)
-    drawn = (
-        []
-        if draw is None or draw.uniforms is None
-        else [_padded(draw.temperature, padded), _padded(draw.uniforms, padded)]
-    )
+    drawn = [] if draw is None else draw.columns(padded)
     d_ids, d_pos, d_lens, d_slots, d_table, *rest = _to_device(parts + drawn + _rows_part(ids_from), device)
     d_state = rest[:1] if scratch_state is not None else []
     d_draw = rest[len(d_state) : len(d_state) + len(drawn)]
@@ -290,12 +286,5 @@ def build_static_decode(
         list(range(num)),
         position_ids=d_pos[None],
         state_index=d_state[0] if d_state else None,
-        draw=tuple(d_draw) if d_draw else None,
+        draw=tuple(d_draw),
     )
-
-
-def _padded(values: np.ndarray, rows: int) -> np.ndarray:
-    """``values`` (float64) followed by zeros up to ``rows``: padding rows draw greedily."""
-    out = np.zeros(rows, dtype=np.float64)
-    out[: values.size] = values
-    return out

@@ -1,15 +1,18 @@
 """A steady decode step drawn inside its compiled graph (:mod:`nopad.inference.graph_sampler`): the same
 tokens and log-probs as the eager sampler after the graph, bit for bit under dynamo's eager backend
 (the graph's ops are then the eager kernels), one graph per variant (no graph break), and the rows it
-does not serve (top-p, top log-probs) left to the eager sampler. On CPU the draw stays outside the
+filters (top-k, top-p, min-p) and top log-probs drawn there too. On CPU the draw stays outside the
 graph by default (``ModelRunner.graph_draws``, on for CUDA); these tests turn it on."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from nopad.inference import Generator, SamplingParams
+from nopad.inference.graph_sampler import DrawSpec
 from nopad.packing import batch_invariant
 from tests.inference.test_inference_hybrid import hybrid_model
 from tests.support.models import tiny_model
@@ -72,8 +75,8 @@ def test_graph_draws_equal_the_eager_sampler(eager_dynamo, overlap):
     stats = gen.stats()
     assert 0 < stats["graph_draw_steps"] == stats["decode_batch_steps"]
     # one graph per variant the step ran (logits for the general step's decodes, sampled draws), no break
-    variants = {(draws, sampled) for _, draws, sampled in gen._runner._variants}
-    assert (True, True) in variants
+    variants = {spec for _, spec in gen._runner._variants}
+    assert any(spec is not None and spec.sampled for spec in variants)
     assert counters["stats"]["unique_graphs"] - graphs == len(variants)
     assert sum(counters["graph_break"].values()) == breaks
     eager, gen = generate(model, mixed_params(), False, overlap=overlap)
@@ -89,19 +92,60 @@ def test_all_greedy_steps_draw_argmax_in_the_graph(eager_dynamo):
     params = [SamplingParams(temperature=0.0, max_tokens=6 + i, ignore_eos=True) for i in range(5)]
     drawn, gen = generate(model, params, True)
     assert gen.stats()["graph_draw_steps"] > 0
-    assert {(draws, sampled) for _, draws, sampled in gen._runner._variants} >= {(True, False)}
+    assert DrawSpec() in {spec for _, spec in gen._runner._variants}
     eager, _ = generate(model, params, False)
     assert records(drawn) == records(eager)
     assert all(c.sampling_logprobs == [0.0] * len(c.token_ids) for out in drawn for c in out.outputs)
 
 
-@pytest.mark.parametrize("extra", [dict(top_p=0.8), dict(top_k=3), dict(min_p=0.1), dict(logprobs=2)])
-def test_rows_the_graph_does_not_serve_are_drawn_after_it(eager_dynamo, extra):
-    """A batch with a top-p, top-k, min-p or top-log-probs row samples after the graph, as before."""
+FILTERS = {
+    "top_p": dict(top_p=0.8),
+    "top_k": dict(top_k=3),
+    "min_p": dict(min_p=0.5),
+    "top_logprobs": dict(logprobs=2),
+    "top_k_and_top_p": dict(top_k=5, top_p=0.7),
+    "everything": dict(top_k=40, top_p=0.9, min_p=0.02, logprobs=3),
+}
+
+
+@pytest.mark.parametrize("extra", FILTERS.values(), ids=FILTERS.keys())
+@pytest.mark.parametrize("overlap", [False, True])
+def test_filtered_rows_are_drawn_in_the_graph(eager_dynamo, extra, overlap):
+    """A batch with top-p, top-k, min-p or top-log-probs rows (beside greedy and tempered ones) is drawn
+    inside the graph too: the eager sampler's tokens, log-probs and top log-probs, bit for bit."""
     model = tiny_model("llama")
-    drawn, gen = generate(model, mixed_params(**extra), True)
-    assert gen.stats()["graph_draw_steps"] == 0 < gen.stats()["decode_batch_steps"]
-    eager, _ = generate(model, mixed_params(**extra), False)
+    params = mixed_params(**extra)
+    if "logprobs" in extra:  # rows asking for different counts, a greedy one for none but its token's
+        params[0] = dataclasses.replace(params[0], logprobs=0)
+        params[3] = dataclasses.replace(params[3], logprobs=extra["logprobs"] + 2)
+    drawn, gen = generate(model, params, True, overlap=overlap)
+    assert 0 < gen.stats()["graph_draw_steps"] == gen.stats()["decode_batch_steps"]
+    eager, _ = generate(model, params, False, overlap=overlap)
+    assert records(drawn) == records(eager)
+    assert tops(drawn) == tops(eager)
+    if "logprobs" in extra:
+        assert any(top is not None for out in drawn for c in out.outputs for top in c.top_logprobs or ())
+
+
+def tops(outs) -> list:
+    return [c.top_logprobs for out in outs for c in out.outputs]
+
+
+@pytest.mark.parametrize("top_p", [0.97, 0.05], ids=["beyond_the_candidates", "within_them"])
+def test_top_p_over_a_vocabulary_larger_than_its_candidates(eager_dynamo, top_p):
+    """A 4,096-token vocabulary, more than the 1,024 top-p candidates: at top-p 0.97 on a random model's flat
+    distribution the candidates lack the mass and the eager sampler sorts the vocabulary (the graph picks
+    that branch on the device); at 0.05 they hold it. A top-k row rides along (its top-p is bounded)."""
+    model = tiny_model("llama", vocab_size=4096)
+    params = [
+        SamplingParams(temperature=0.9, top_p=top_p, seed=1, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=top_p, top_k=50, seed=2, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+    ]
+    drawn, gen = generate(model, params, True)
+    assert gen.stats()["graph_draw_steps"] > 0
+    assert {spec.full_sort for _, spec in gen._runner._variants if spec is not None} == {True}
+    eager, _ = generate(model, params, False)
     assert records(drawn) == records(eager)
 
 
