@@ -18,7 +18,12 @@ fp32, one thread) on the same prompts, their steps interleaved; each side's figu
 - the same for the general step (``nopad, general step``: every row walked in Python, as before the
   decode batch kept its arrays, :mod:`nopad.inference.decode_batch`), and for an overlapped generator
   (``Generator(overlap=True)``: each step launches the next before reading its own tokens back, on the
-  general step), whose host work a GPU hides behind the forward.
+  general step), whose host work a GPU hides behind the forward;
+- and transformers' own ``generate()`` loop per decode step (a long minus a short greedy generation
+  of the same prompts): the bookkeeping a user of HF pays per step outside the forward (input
+  preparation, logits processors, stopping criteria, mask and cache-position updates). The ``HF``
+  rows' step is a bare greedy loop (an argmax and a read-back, no stop check, nothing recorded): the
+  lower bound of any generator's bookkeeping, not one a user runs.
 
 nopad's step runs inside ``gen.live.attention()`` as ``generate()``/``run()`` hold it; a last line
 times a bare ``gen.step()`` (``stream()``), which also switches the model's attention to nopad and
@@ -69,6 +74,7 @@ VIEW_OPS = {
     "as_strided",
     "permute",
 }
+GENERATE_STEPS = 24  # decode steps of HF generate()'s long run beyond its short one
 SHAPES = {  # (hidden, intermediate, heads, kv heads, vocab)
     "tiny": (64, 128, 4, 2, 128),
     "smollm2": (576, 1536, 9, 3, 49152),  # SmolLM2-135M, the model of gpu_check.py's decode figures
@@ -191,6 +197,43 @@ def hf_side(model, prompts: list[list[int]]):
 
     step()  # prefill
     return step
+
+
+def hf_generate_bookkeeping(model, prompts: list[list[int]], device: torch.device, repeats: int) -> dict:
+    """transformers' ``generate()`` loop per decode step, the bookkeeping a user of HF pays: CPU ms outside
+    the model's forward (input preparation, logits processors, stopping criteria, the attention-mask and
+    cache-position updates) and Python calls, as the difference between a long and a short greedy
+    ``generate()`` of the same prompts (prefill and setup cancel). No EOS ends a row (``eos_token_id=-1``):
+    every step decodes every row, as the steps above."""
+    ids = torch.tensor(prompts, device=device)
+    clock = Clock()
+    model.forward = clock.wrap(model.forward)
+    short, long = 4, 4 + GENERATE_STEPS
+
+    def run(new_tokens: int) -> None:
+        with torch.no_grad():
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=-1,
+                pad_token_id=0,
+            )
+
+    def outside(new_tokens: int) -> float:
+        clock.seconds = 0.0
+        start = time.thread_time()
+        run(new_tokens)
+        return time.thread_time() - start - clock.seconds
+
+    try:
+        run(short)  # warm-up
+        per_step = [(outside(long) - outside(short)) / (long - short) for _ in range(repeats)]
+        calls = (python_calls(lambda: run(long)) - python_calls(lambda: run(short))) / (long - short)
+    finally:
+        del model.forward  # the class's forward again
+    return dict(outside_ms=median(per_step) * 1e3, python_per_step=calls)
 
 
 def measure(steps: dict, repeats: int, layers: int, device: torch.device, models: dict) -> dict:
@@ -348,6 +391,7 @@ def run(args, rows: int) -> dict:
     bare = measure(
         {"nopad, bare gen.step()": nopad_step}, max(2, repeats // 3), args.layers, device, {"nopad": nopad_model}
     )
+    generate = hf_generate_bookkeeping(hf_model, prompts, device, max(2, repeats // 6))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, 1 thread"
     print(
@@ -377,6 +421,13 @@ def run(args, rows: int) -> dict:
         f"aten calls {n['aten'] / h['aten']:.2f}x, CPU time outside the model "
         f"{n['outside_ms'] / h['outside_ms']:.2f}x"
     )
+    print(
+        f"HF generate() per decode step (its whole loop; a long minus a short generation): CPU ms outside the "
+        f"model {generate['outside_ms']:.2f}, Python calls {generate['python_per_step']:.0f}; nopad / HF "
+        f"generate(): CPU time outside the model {n['outside_ms'] / generate['outside_ms']:.2f}x, Python calls "
+        f"{n['python'] * args.layers / generate['python_per_step']:.2f}x (HF's row above is a bare greedy loop's "
+        "lower bound: an argmax and a read-back, no stop check, nothing recorded)"
+    )
     g = report["nopad, general step"]
     print(
         f"nopad's kept arrays / its general step: CPU time outside the model {n['outside_ms'] / g['outside_ms']:.2f}x, "
@@ -395,7 +446,7 @@ def run(args, rows: int) -> dict:
     )
     for generator in (gen, general_gen, overlap_gen):
         generator.abort_all()
-    return {**report, **bare, "load": load, "nopad_parts_ms": parts}
+    return {**report, **bare, "HF generate()": generate, "load": load, "nopad_parts_ms": parts}
 
 
 if __name__ == "__main__":

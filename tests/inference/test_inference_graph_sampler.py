@@ -192,14 +192,15 @@ def test_batch_invariant_mode_draws_after_the_graph(eager_dynamo):
 
 
 @pytest.mark.slow
-def test_inductor_graph_draws_give_the_eager_samplers_tokens():
+@pytest.mark.parametrize("extra", [{}, FILTERS["everything"]], ids=["temperatures", "filters"])
+def test_inductor_graph_draws_give_the_eager_samplers_tokens(extra):
     """Compiled by inductor (fused kernels): the same tokens as the eager sampler on the same compiled
-    logits, and log-probs within float rounding."""
+    logits, and log-probs within float rounding; with top-k, top-p, min-p and top log-probs rows too."""
     torch._dynamo.reset()
     model = tiny_model("llama")
-    drawn, gen = generate(model, mixed_params(), True)
+    drawn, gen = generate(model, mixed_params(**extra), True)
     assert gen.stats()["graph_draw_steps"] > 0
-    eager, _ = generate(model, mixed_params(), False)
+    eager, _ = generate(model, mixed_params(**extra), False)
     torch._dynamo.reset()
     for a, b in zip(records(drawn), records(eager)):
         assert a[0] == b[0] and a[4:] == b[4:]
