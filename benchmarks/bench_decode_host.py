@@ -203,8 +203,8 @@ def hf_generate_bookkeeping(model, prompts: list[list[int]], device: torch.devic
     """transformers' ``generate()`` loop per decode step, the bookkeeping a user of HF pays: CPU ms outside
     the model's forward (input preparation, logits processors, stopping criteria, the attention-mask and
     cache-position updates) and Python calls, as the difference between a long and a short greedy
-    ``generate()`` of the same prompts (prefill and setup cancel). No EOS ends a row (``eos_token_id=-1``):
-    every step decodes every row, as the steps above."""
+    ``generate()`` of the same prompts (prefill and setup cancel). No EOS ends a row (its id is past the
+    vocabulary, though the stop check runs): every step decodes every row, as the steps above."""
     ids = torch.tensor(prompts, device=device)
     clock = Clock()
     model.forward = clock.wrap(model.forward)
@@ -217,7 +217,7 @@ def hf_generate_bookkeeping(model, prompts: list[list[int]], device: torch.devic
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=new_tokens,
                 do_sample=False,
-                eos_token_id=-1,
+                eos_token_id=model.config.vocab_size,  # past the vocabulary: never drawn
                 pad_token_id=0,
             )
 
