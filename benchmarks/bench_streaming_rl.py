@@ -4,9 +4,11 @@ long-tailed rollout workload.
 Workload: the GRPO maths prompts (chat template, SmolLM2's tokenizer) with each prompt's completion
 length set by the task: nine in ten prompts end after 8-48 tokens, one in ten runs to 384 (drawn
 once with a fixed seed; ``ignore_eos``, so a random-weight model writes exactly that many). The
-model is a random-weight SmolLM2-135M shape (30 layers, hidden 576, fp32; ``--quick``: a tiny
-random Llama and short lengths). ``num_generations`` samples per prompt, ``prompts_per_step`` groups
-per optimizer step, AdamW, the same seeds for every system.
+model is a random-weight SmolLM2-135M shape (30 layers, hidden 576; ``--quick``: a tiny random Llama
+and short lengths), its weights and training in ``--dtype`` on both sides (float32 by default;
+bfloat16 as RL runs train). ``num_generations`` samples per prompt, ``prompts_per_step`` groups
+per optimizer step, fused AdamW on both sides (the recipe's ``make_adamw``; TRL's default), the same
+seeds for every system.
 
 Systems (each trains ``--steps`` optimizer steps from the same initial weights):
   - nopad sync: ``rollout.mode=sync``, i.e. streaming at ``max_staleness=0`` (a test holds the two
@@ -34,12 +36,15 @@ trained tokens per wall second against nopad sync and against TRL.
     python benchmarks/bench_streaming_rl.py --quick    # tiny model, short lengths, 2 steps: a smoke run
     python benchmarks/bench_streaming_rl.py --skip-trl --exact   # in the batch-invariant mode
     python benchmarks/bench_streaming_rl.py --learning # the learning check (below)
+    python benchmarks/bench_streaming_rl.py --dtype bfloat16   # bf16 weights and training on both sides
     python benchmarks/bench_streaming_rl.py --device cuda --systems sync,s=1,s=2   # a GPU (gpu_session.sh streaming)
 
-On a GPU (``--device cuda``) the same run, fp32 on both sides: a decode step there costs nearly the same
-at 4 rows as at 32, so the thinning tail that streaming removes is where sync loses most (on this CPU
-a step's cost grows with its rows). ``--systems`` runs a subset of the nopad systems (by the names'
-words: ``sync``, ``s=1``, ``s=2 keep``...), to fit one device call.
+On a GPU (``--device cuda``) the same run: a decode step there costs nearly the same at 4 rows as at
+32, so the thinning tail that streaming removes is where sync loses most. On a CPU an fp32 step's cost
+grows with its rows (its GEMMs are compute-bound); in bf16 on a CPU with AMX the GEMMs are several
+times faster while the weights' reads are not, which brings the CPU closer to the GPU's economics.
+``--systems`` runs a subset of the nopad systems (by the names' words: ``sync``, ``s=1``, ``s=2 keep``...),
+to fit one device call.
 
 The learning check (``--learning``): the GRPO recipe on its arithmetic task with the embedded
 SmolLM2-135M-Instruct (2 prompts x 8 completions of <= 40 tokens at temperature 0.7 per step, lr
@@ -122,11 +127,13 @@ def run_nopad(name: str, base, prompts, lengths, args, max_staleness: int, stale
     from nopad.packing.hf import use_nopad_attention
     from nopad.training.accumulation import OptimizerStepper
     from nopad.training.grpo_step import GRPOStepConfig
+    from nopad.training.optimizer import make_adamw
     from nopad.training.streaming import StreamingRollouts, streaming_step
 
     model = copy.deepcopy(base)
     on_cpu = next(model.parameters()).device.type == "cpu"
-    stepper = OptimizerStepper(model, torch.optim.AdamW(model.parameters(), lr=1e-6), Accelerator(cpu=on_cpu))
+    # the recipe's optimizer (fused AdamW where torch has it; torch.optim.AdamW's default weight decay)
+    stepper = OptimizerStepper(model, make_adamw(model, 1e-6, 0.01), Accelerator(cpu=on_cpu))
     generator = Generator(
         model,
         block_size=16,
@@ -326,7 +333,14 @@ def main() -> None:
         "--overlap", action="store_true", help="nopad's generator with overlap scheduling (prints its pipeline breaks)"
     )
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides run (fp32)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides run")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="both sides' weights, trained in that dtype (bfloat16: as RL runs train; on a CPU with AMX its "
+        "GEMMs are several times fp32's, so compute is cheap beside the weights' reads, as on a GPU)",
+    )
     parser.add_argument(
         "--systems", default=None, help="nopad systems to run, comma-separated words of their names (sync first)"
     )
@@ -350,8 +364,8 @@ def main() -> None:
         model_name = "tiny random Llama (2 layers, hidden 64)"
     else:
         base, lengths = smollm2_shape(tokenizer), completion_lengths(len(GRPO_QUESTIONS), (8, 48), 384)
-        model_name = "random-weight SmolLM2-135M shape (30 layers, hidden 576, fp32)"
-    base = base.to(args.device)
+        model_name = "random-weight SmolLM2-135M shape (30 layers, hidden 576)"
+    base = base.to(args.device, getattr(torch, args.dtype))
     prompts = chat_prompt_ids(tokenizer, GRPO_QUESTIONS)
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(
@@ -359,7 +373,7 @@ def main() -> None:
         f"{sum(x == max(lengths) for x in lengths)} of {len(lengths)} run to {max(lengths)} tokens, the others "
         f"{min(lengths)}-{max(x for x in lengths if x != max(lengths))} (mean {sum(lengths) / len(lengths):.1f}); "
         f"{args.prompts_per_step} groups x {args.num_generations} per step, {args.steps} steps, "
-        f"max_num_seqs={args.max_num_seqs}, {where}, batch_invariant={args.exact}"
+        f"max_num_seqs={args.max_num_seqs}, {where}, {args.dtype}, batch_invariant={args.exact}"
     )
     results = []
     for name, staleness, kv in systems:

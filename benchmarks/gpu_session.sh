@@ -67,7 +67,7 @@ for part in "$@"; do
     realshapes8b) run realshapes8b 560 "decode generate" --models Llama-3.1-8B --decode-counts 64 128 256 ;;
     realhybrid) run realhybrid 300 "hybrid" --hybrid-models Qwen3.5-2B-like ;;
     streaming)  # streaming GRPO vs sync and TRL on the GPU, where a step of 4 rows costs what one of 32 does
-      timeout 540 python3 benchmarks/bench_streaming_rl.py --device cuda --systems "sync,s=1 keep,s=2 keep" \
+      timeout 540 python3 benchmarks/bench_streaming_rl.py --device cuda --dtype bfloat16 --systems "sync,s=1 keep,s=2 keep" \
         > "$out/streaming.log" 2>&1
       echo "streaming: rc $? after $SECONDS s" | tee -a "$out/streaming.log" ;;
     *) echo "unknown part $part (tests hybrid hybridgen decode hostwork graphcode attention grpo realshapes realshapes8b realhybrid streaming)"; exit 2 ;;
