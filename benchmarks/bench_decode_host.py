@@ -141,24 +141,34 @@ class AtenCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextmanager
+def gc_held():
+    """The garbage collector run first, then held off: a collection in the middle of a counted call
+    runs other objects' finalizers, Python calls that are not the call's (a test's count flaked so,
+    after earlier tests' generators)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def python_calls(fn) -> int:
-    """Python function calls made by ``fn()``, with the garbage collector held off (a collection
-    in the middle runs other objects' finalizers, Python calls that are not ``fn``'s)."""
+    """Python function calls made by ``fn()``, with the garbage collector held off (:func:`gc_held`)."""
     calls = [0]
 
     def profile(frame, event, arg):
         calls[0] += event == "call"
 
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-        if enabled:
-            gc.enable()
+    with gc_held():
+        sys.setprofile(profile)
+        try:
+            fn()
+        finally:
+            sys.setprofile(None)
     return calls[0]
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.bench_decode_host import VIEW_OPS
+from benchmarks.bench_decode_host import VIEW_OPS, gc_held
 from nopad.inference import Generator, SamplingParams
 from tests.inference.test_inference_hybrid import hybrid_model
 
@@ -115,7 +115,7 @@ def test_hybrid_kernel_calls_of_a_decode_step_make_few_python_calls(family, monk
     for name in CALL_BUDGET:
         if hasattr(module, name):
             monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
-    with gen.live.attention():
+    with gen.live.attention(), gc_held():
         gen.step()
     assert per_call
     for name, calls in per_call.items():

@@ -22,7 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.bench_decode_host import python_calls
+from benchmarks.bench_decode_host import gc_held, python_calls
 from nopad.inference import Generator, SamplingParams
 from nopad.inference.model_runner import ModelRunner
 from nopad.inference.step_inputs import DeviceIds, build_step, decode_step, row_bucket
@@ -348,7 +348,8 @@ def test_decode_attention_python_calls_per_layer_stay_few(triton_host_side, monk
         gen.add_request(p, GREEDY)
     gen.step()  # prefill
     calls.per_layer.clear()
-    gen.step()
+    with gc_held():
+        gen.step()
     first, rest = calls.per_layer[0], calls.per_layer[1:]
     assert len(rest) == 3 and len(set(rest)) == 1, calls.per_layer
     budget = LAYER_CALL_BUDGET[static]
