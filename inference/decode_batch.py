@@ -199,7 +199,7 @@ class DecodeBatch:
         this step's token, as the eager draw's), with its kept parameters (:mod:`nopad.inference.graph_sampler`)."""
         if self.draws is None:
             self.draws = DrawRows.of([q.request.params for q in self.seqs])
-        rand = self.draws.sampled
+        rand = self.draws.sampled_rows
         uniforms = np.zeros(len(self.seqs))
         if rand.size:
             uniforms[rand] = uniform_array(self.keys[rand], self.rows.positions[rand] + 1)

@@ -69,15 +69,14 @@ def draw_spec(params: list) -> DrawSpec:
 
 @dataclass
 class DrawRows:
-    """What the graph reads from a decode batch's rows, kept with the batch until a row leaves it: each
-    row's parameters, their :class:`DrawSpec`, temperatures, filters and top log-prob counts."""
+    """What the graph reads from a decode batch's rows, kept with the batch until a row leaves it: the
+    rows' :class:`DrawSpec`, temperatures, filters and top log-prob counts."""
 
-    params: list
     spec: DrawSpec
     temperature: np.ndarray  # (rows,) float64, 0: greedy
     filters: tuple[np.ndarray, ...] | None  # top_k int64, top_p and min_p float64; greedy rows 0, 1, 0
     tops: list[int | None]  # top log-probs each row asks for (None: none)
-    sampled: np.ndarray  # the rows not greedy
+    sampled_rows: np.ndarray  # the rows not greedy
     tempered: bool  # some row's temperature is neither 0 nor 1: its tempered log-prob is its own
 
     @classmethod
@@ -94,7 +93,7 @@ class DrawRows:
             )
         tempered = bool((~greedy & (temperature != 1)).any())
         tops = [p.logprobs for p in params]
-        return cls(params, spec, temperature, filters, tops, (~greedy).nonzero()[0], tempered)
+        return cls(spec, temperature, filters, tops, (~greedy).nonzero()[0], tempered)
 
 
 @dataclass
