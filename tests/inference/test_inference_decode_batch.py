@@ -8,14 +8,13 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-import torch
 
 from benchmarks.bench_decode_host import python_calls
 from nopad.inference import Generator, SamplingParams
 from nopad.packing import batch_invariant
 from tests.inference.test_inference_episodes import STOPS, prompts_of
 from tests.inference.test_inference_overlap import MIXED, completions, forked_tool_episodes
-from tests.support.models import tiny_model
+from tests.support.models import SERVING_CASES, serving_case, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread is fastest
 
@@ -298,21 +297,13 @@ def test_random_workloads_equal_the_general_step(seed):
     assert kept == general
 
 
-@pytest.mark.parametrize(
-    "case", ["sinks", "vocab_152k", "bf16_weights", "fp32_under_bf16_autocast"], ids=lambda case: case
-)
+@pytest.mark.parametrize("case", SERVING_CASES)
 def test_sinks_a_large_vocabulary_and_bf16_equal_the_general_step(case):
     """An attention-sink model (gpt-oss), a Qwen-sized vocabulary (151,936: numpy's argmax and the kept
     arrays over it), bf16 weights, and fp32 weights under bf16 autocast (the logits the sampler gets
     are bf16)."""
-    model = {
-        "sinks": lambda: tiny_model("gpt_oss"),
-        "vocab_152k": lambda: tiny_model("qwen2", vocab_size=151_936),
-        "bf16_weights": lambda: tiny_model("llama").to(torch.bfloat16),
-        "fp32_under_bf16_autocast": lambda: tiny_model("llama"),
-    }[case]()
+    model, autocast = serving_case(case)
     params = [SamplingParams(max_tokens=10, temperature=0), SamplingParams(max_tokens=14, temperature=1.0, seed=3, n=2)]
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if case.endswith("autocast") else contextlib.nullcontext()
     with autocast:
         kept, general, _ = with_and_without(model, prompts_of([5, 9]), params, block_size=4)
     assert kept == general

@@ -15,7 +15,7 @@ from nopad.inference import Generator, SamplingParams
 from nopad.inference.graph_sampler import DrawSpec
 from nopad.packing import batch_invariant
 from tests.inference.test_inference_hybrid import hybrid_model
-from tests.support.models import tiny_model
+from tests.support.models import SERVING_CASES, serving_case, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 
@@ -149,38 +149,34 @@ def test_top_p_over_a_vocabulary_larger_than_its_candidates(eager_dynamo, top_p)
     assert records(drawn) == records(eager)
 
 
+@pytest.mark.parametrize("extra", [{}, FILTERS["everything"]], ids=["temperatures", "filters"])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_hybrid_state_slots_with_graph_draws(eager_dynamo, overlap):
-    """A Mamba2 hybrid's rows keep their state slots when the graph draws them, serial and overlapped."""
+def test_hybrid_state_slots_with_graph_draws(eager_dynamo, overlap, extra):
+    """A Mamba2 hybrid's rows keep their state slots when the graph draws them, serial and overlapped,
+    filtered rows too."""
     model = hybrid_model("bamba")
-    params = mixed_params()[:4]
+    params = mixed_params(**extra)[:4]
     drawn, gen = generate(model, params, True, max_num_seqs=3, overlap=overlap)
     assert gen.stats()["graph_draw_steps"] > 0
     eager, _ = generate(model, params, False, max_num_seqs=3, overlap=overlap)
     assert records(drawn) == records(eager)
+    assert tops(drawn) == tops(eager)
 
 
-@pytest.mark.parametrize(
-    "case", ["sinks", "vocab_152k", "bf16_weights", "fp32_under_bf16_autocast"], ids=lambda case: case
-)
-def test_sinks_a_large_vocabulary_and_bf16_draw_in_the_graph(eager_dynamo, case):
-    """An attention-sink model (gpt-oss), a 151,936-token vocabulary, bf16 weights and fp32 weights under
-    bf16 autocast (the graph's logits are bf16; the draw runs in fp32, as the eager sampler's)."""
-    import contextlib
-
-    model = {
-        "sinks": lambda: tiny_model("gpt_oss"),
-        "vocab_152k": lambda: tiny_model("qwen2", vocab_size=151_936),
-        "bf16_weights": lambda: tiny_model("llama").to(torch.bfloat16),
-        "fp32_under_bf16_autocast": lambda: tiny_model("llama"),
-    }[case]()
-    params = mixed_params()[:4]
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if case.endswith("autocast") else contextlib.nullcontext()
+@pytest.mark.parametrize("extra", [{}, FILTERS["everything"]], ids=["temperatures", "filters"])
+@pytest.mark.parametrize("case", SERVING_CASES)
+def test_sinks_a_large_vocabulary_and_bf16_draw_in_the_graph(eager_dynamo, case, extra):
+    """An attention-sink model (gpt-oss), a 151,936-token vocabulary (the filters' 1,024 candidates and the
+    whole-vocabulary sort beside them), bf16 weights and fp32 weights under bf16 autocast (the graph's
+    logits are bf16; the draw runs in fp32, as the eager sampler's)."""
+    model, autocast = serving_case(case)
+    params = mixed_params(**extra)[:4]
     with autocast:
         drawn, gen = generate(model, params, True)
         assert gen.stats()["graph_draw_steps"] > 0
         eager, _ = generate(model, params, False)
     assert records(drawn) == records(eager)
+    assert tops(drawn) == tops(eager)
 
 
 def test_batch_invariant_mode_draws_after_the_graph(eager_dynamo):

@@ -7,6 +7,8 @@ dozen tokens exercise them; Gemma2 alternates sliding and full layers and soft-c
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import transformers
 
@@ -332,6 +334,23 @@ def tiny_model(family: str, seed: int = 0, **overrides) -> transformers.PreTrain
         torch.manual_seed(seed)
         model = model_cls(config)
     return model.float().eval()
+
+
+SERVING_CASES = ("sinks", "vocab_152k", "bf16_weights", "fp32_under_bf16_autocast")
+
+
+def serving_case(case: str) -> tuple[transformers.PreTrainedModel, contextlib.AbstractContextManager]:
+    """A model for one of :data:`SERVING_CASES`, and the context to generate in: an attention-sink model
+    (gpt-oss), a Qwen-sized 151,936-token vocabulary, bf16 weights, or fp32 weights under bf16 autocast
+    (the logits a sampler gets are then bf16)."""
+    model = {
+        "sinks": lambda: tiny_model("gpt_oss"),
+        "vocab_152k": lambda: tiny_model("qwen2", vocab_size=151_936),
+        "bf16_weights": lambda: tiny_model("llama").to(torch.bfloat16),
+        "fp32_under_bf16_autocast": lambda: tiny_model("llama"),
+    }[case]()
+    autocast = case.endswith("autocast")
+    return model, torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
 
 
 def random_sequences(lengths, seed=0):
