@@ -12,7 +12,8 @@ It serves a step only when that step is a plain decode of exactly the scheduler'
 checked each step (the same list, no step planned elsewhere since its last, no admission possible,
 blocks for every row that needs one). Everything else takes the general step, after which the batch is
 built again from the running sequences: admissions, prefill chunks, preemption, forks, a tool episode's
-resume, repetition penalties, prompt log-probs and unmet ``min_tokens``. A hybrid model's rows keep their
+resume, prompt log-probs and unmet ``min_tokens``. Repetition penalties decode here, from a device mask of
+each row's tokens that the step's own draws update (:mod:`nopad.inference.penalties`). A hybrid model's rows keep their
 state slots (a running sequence's slot changes only where the general step runs: preemption, forks).
 Tool episodes' turns decode here too: a turn's end goes to the sequence's owner as in the general step
 (``hooks.turn_ended``: finish, or pause for its tools).
@@ -31,63 +32,38 @@ arrays flag: a length limit, a stop id, or stop strings of its own).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from itertools import repeat
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from nopad.inference.graph_sampler import DrawRows, GraphDraw
+from nopad.inference.launched_step import Launched, masked, row_mask, rows_of
+from nopad.inference.penalties import SeenTokens
 from nopad.inference.request import Sequence, Status
-from nopad.inference.sampler import PendingSample, Sampler
+from nopad.inference.sampler import Sampler
 from nopad.inference.sampling_rows import RowsPlan, plan_rows
 from nopad.inference.scheduler import Scheduler
 from nopad.inference.seeding import stream_keys, uniform_array, uniform_draws
 from nopad.inference.step_inputs import DecodeRows, DeviceIds
 from nopad.inference.step_plan import StepPlan
 
+if TYPE_CHECKING:
+    from nopad.inference.live_model import LiveModel
+
 NO_LIMIT = 1 << 62
-
-
-@dataclass
-class Launched:
-    """A step the batch launched, until its draws are appended: what completing it reads, kept apart
-    from the batch's arrays (an overlapped step completes after the batch may have lost rows)."""
-
-    seqs: list[Sequence]
-    lists: list[list[list]]  # per field, each row's own list (see DecodeBatch._per_row)
-    arrival: np.ndarray
-    limit: np.ndarray
-    stop_ids: np.ndarray | None
-    strings: np.ndarray | None  # rows with stop strings (None: no row has any)
-    tops: np.ndarray | None  # rows asking for top log-probs (None: no row asks)
-    lengths: np.ndarray  # each row's token count once this step's draw is appended
-    sample: PendingSample
-    clean: bool = True  # no row left the batch since the launch: every row appends
-
-    def only(self, keep: np.ndarray) -> Launched:
-        """The rows ``keep`` (a boolean mask) of this step."""
-        return dataclasses.replace(
-            self,
-            seqs=[q for q, k in zip(self.seqs, keep.tolist()) if k],
-            lists=_rows_of(self.lists, keep),
-            arrival=self.arrival[keep],
-            limit=self.limit[keep],
-            stop_ids=_masked(self.stop_ids, keep),
-            strings=_masked(self.strings, keep),
-            tops=_masked(self.tops, keep),
-            lengths=self.lengths[keep],
-        )
 
 
 class DecodeBatch:
     """The running sequences of a steady decode, as arrays (see the module's docstring). ``forward(plan,
     ids_from=, rows=, draw=)``: the generator's forward (:meth:`nopad.inference.model_runner.ModelRunner.run`);
-    ``overlap``: keep a step in flight. :attr:`draws_in_graph` (set by the generator): whether a step's rows
-    are drawn inside the compiled graph (:mod:`nopad.inference.graph_sampler`)."""
+    ``overlap``: keep a step in flight; ``live``: the model's device and vocabulary (a repetition penalty's
+    mask is kept there, that wide; None: CPU, taken from the logits).
+    :attr:`draws_in_graph` (set by the generator): whether a step's rows are drawn inside the compiled
+    graph (:mod:`nopad.inference.graph_sampler`)."""
 
     def __init__(
         self,
@@ -95,9 +71,13 @@ class DecodeBatch:
         forward: Callable[..., tuple[torch.Tensor, list[int]]],
         sampler: Sampler,
         overlap: bool = False,
+        live: LiveModel | None = None,
     ):
         self.scheduler, self.forward, self.sampler = scheduler, forward, sampler
         self.overlap = overlap
+        self.device = torch.device("cpu") if live is None else live.device
+        self.vocab_size = 0 if live is None else int(live.text_config.vocab_size)
+        self.seen_tokens: SeenTokens | None = None  # allocated once, when a batch first has a penalty
         self.draws_in_graph: Callable[[], bool] = lambda: False  # the generator's runner says (draw=)
         self.seqs: list[Sequence] | None = None
         self.in_flight: Launched | None = None
@@ -186,7 +166,11 @@ class DecodeBatch:
                 plan_ = self.rows_plan = plan_rows(seqs, out.shape[1])
                 self.rand = np.asarray(plan_.rand, dtype=np.int64)
             uniforms = uniform_draws(self.keys[self.rand], pos[self.rand]) if plan_.rand else None  # pos: lengths
-            sample = self.sampler.draw(out, seqs, ahead=int(prev is not None), rows_plan=plan_, uniforms=uniforms)
+            penalties = None if self.penalties is None else self._penalties(out.shape[1]).rows()
+            ahead = int(prev is not None)
+            sample = self.sampler.draw(out, seqs, ahead, plan_, uniforms, penalties)
+        if self.penalties is not None:  # each row's draw joins its history, on the device
+            self.penalties.saw(sample.tokens)
         if prev is not None or self.overlap:
             s.stats.overlap_steps += 1
         self.prev_rows = np.arange(num, dtype=np.int64)  # the next step's input ids: these rows' draws
@@ -203,7 +187,16 @@ class DecodeBatch:
         uniforms = np.zeros(len(self.seqs))
         if rand.size:
             uniforms[rand] = uniform_array(self.keys[rand], self.rows.positions[rand] + 1)
-        return GraphDraw(self.draws, uniforms, self.sampler.version())
+        seen = None if self.penalties is None else self._penalties(self.vocab_size)
+        return GraphDraw(self.draws, uniforms, self.sampler.version(), seen)
+
+    def _penalties(self, vocab: int) -> SeenTokens:
+        """The batch's seen-token mask, for logits of ``vocab`` columns (made again from the rows' tokens
+        in the rare model whose logits are not its configured vocabulary's width)."""
+        if self.penalties.vocab != vocab:
+            self.seen_tokens = self.penalties = SeenTokens(self.scheduler.max_num_seqs, vocab, self.device)
+            self.penalties.fill(self.seqs)
+        return self.penalties
 
     def _complete(self, step: Launched) -> None:
         """Read ``step``'s draws back, append them (rows that ended since its launch drop theirs), end the
@@ -272,7 +265,7 @@ class DecodeBatch:
                 return False
             if seq.num_computed == 0:  # a one-token prompt's first step (a hybrid's state starts from zero)
                 return False
-            if p.repetition_penalty != 1.0 or request.prompt_logprobs is not None:
+            if request.prompt_logprobs is not None:
                 return False
             if p.min_tokens > 0 and n - seq.turn_start < p.min_tokens and request.stop_ids:
                 return False
@@ -317,8 +310,15 @@ class DecodeBatch:
                 (t for row in stops for t in row), np.int64
             )
         params = [q.request.params for q in seqs]
-        self.strings = _mask([bool(p.stop) for p in params])
-        self.tops = _mask([p.logprobs is not None for p in params])
+        self.strings = row_mask([bool(p.stop) for p in params])
+        self.penalties = None  # rows with a repetition penalty: every row's tokens as a device mask
+        if any([p.repetition_penalty != 1.0 for p in params]):
+            if self.seen_tokens is None:
+                s = self.scheduler
+                self.seen_tokens = SeenTokens(s.max_num_seqs, self.vocab_size, self.device)
+            self.penalties = self.seen_tokens
+            self.penalties.fill(seqs)
+        self.tops = row_mask([p.logprobs is not None for p in params])
         self.keys = stream_keys(seqs) if any([p.temperature != 0 for p in params]) else None
         self.draws: DrawRows | None = None  # what a compiled step drawing the rows reads (when one does)
         self.rows_plan: RowsPlan | None = None
@@ -368,25 +368,12 @@ class DecodeBatch:
         self.hashed, self.limit, self.arrival = self.hashed[keep], self.limit[keep], self.arrival[keep]
         self.prev_rows, self.stop_ids, self.keys = (
             self.prev_rows[keep],
-            _masked(self.stop_ids, keep),
-            _masked(self.keys, keep),
+            masked(self.stop_ids, keep),
+            masked(self.keys, keep),
         )
-        self.strings, self.tops = _masked(self.strings, keep), _masked(self.tops, keep)
+        self.strings, self.tops = masked(self.strings, keep), masked(self.tops, keep)
+        if self.penalties is not None:
+            self.penalties.keep(keep)
         self.draws = None
-        self.lists = _rows_of(self.lists, keep)
+        self.lists = rows_of(self.lists, keep)
         self.seqs, self.rows_plan = seqs, None
-
-
-def _rows_of(lists: list[list], keep: np.ndarray) -> list[list]:
-    kept = keep.tolist()
-    return [[x for x, k in zip(column, kept) if k] for column in lists]
-
-
-def _mask(flags: list[bool]) -> np.ndarray | None:
-    """A boolean row mask, or None when no row is set (the common case: nothing to check per step)."""
-    return np.array(flags, dtype=bool) if any(flags) else None
-
-
-def _masked(rows: np.ndarray | None, keep: np.ndarray) -> np.ndarray | None:
-    """The rows ``keep`` of a per-row array that may be absent."""
-    return None if rows is None else rows[keep]

@@ -129,7 +129,7 @@ class Generator(EpisodeGeneration):
         self.versions = PolicyVersions(self.scheduler)  # stamped on every token; see update_weights()
         self.sampler = Sampler(lambda: self.versions.version)  # its rows x vocab scratch reused
         self.overlap = resolve_overlap(overlap)  # nopad.inference.overlap
-        self.decode_batch = DecodeBatch(self.scheduler, self._forward, self.sampler, self.overlap)
+        self.decode_batch = DecodeBatch(self.scheduler, self._forward, self.sampler, self.overlap, self.live)
         self.decode_batch.draws_in_graph = lambda: self._ensure_runner().draws_in_graph  # (the runner is lazy)
         self.pipeline = Pipeline(self.scheduler, self._forward, self.sampler.draw, self.decode_batch)
 

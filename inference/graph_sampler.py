@@ -6,12 +6,13 @@ Why: with ``compile_decode`` on CUDA the forward is one graph replay, and the ea
 a dozen more launches on the step's critical path. Inside the graph they are fused and replayed.
 
 What it serves: every row of a steady decode batch -- greedy, a temperature, top-k, top-p and min-p in
-any mix, and top log-probs. The draw is the eager sampler's, op for op (:func:`draw_rows`): the same
-counter-based uniforms (computed on the host from each row's key and length, :mod:`nopad.inference.seeding`,
-and sent with the step's inputs), the same filters (:mod:`nopad.inference.sampling_filters`' device
-functions), the same inverse CDF and log-prob expressions. Under dynamo's eager backend the tokens and
-log-probs are the eager sampler's bit for bit (the tests hold it); compiled, they are the compiled kernels'
-values of the same functions.
+any mix, top log-probs, and repetition penalties (from the batch's device mask of each row's tokens,
+:mod:`nopad.inference.penalties`, read by the graph as it is). The draw is the eager sampler's, op for
+op (:func:`draw_rows`): the same counter-based uniforms (computed on the host from each row's key and
+length, :mod:`nopad.inference.seeding`, and sent with the step's inputs), the same filters
+(:mod:`nopad.inference.sampling_filters`' device functions), the same inverse CDF and log-prob
+expressions. Under dynamo's eager backend the tokens and log-probs are the eager sampler's bit for bit
+(the tests hold it); compiled, they are the compiled kernels' values of the same functions.
 
 No host decision: the eager sampler asks the device one question, whether 1,024 top-p candidates hold
 each row's top-p mass (else it sorts the whole vocabulary). The graph computes both answers and picks one
@@ -28,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from nopad.inference.penalties import SeenTokens, penalize
 from nopad.inference.sampler import PendingSample
 from nopad.inference.sampling_filters import TOP_P_CANDIDATES, mask_min_p, mask_top_k_top_p
 from nopad.packing.head.log_softmax import tempered_log_softmax
@@ -37,7 +39,8 @@ class DrawSpec(NamedTuple):
     """What a drawn step's graph is traced for (a different spec is a different graph): whether any row
     samples, the top-k / top-p candidates' width (0: no row filters by either; capped at the vocabulary in
     the graph), whether any row uses top-p, whether one may lack its mass among the candidates (then the
-    whole vocabulary is sorted too), whether any uses min-p, and the most top log-probs a row asks for."""
+    whole vocabulary is sorted too), whether any uses min-p, the most top log-probs a row asks for, and
+    whether any row has a repetition penalty."""
 
     sampled: bool = False
     width: int = 0
@@ -45,6 +48,7 @@ class DrawSpec(NamedTuple):
     full_sort: bool = False
     min_p: bool = False
     top_n: int = 0
+    penalty: bool = False
 
 
 def draw_spec(params: list) -> DrawSpec:
@@ -64,6 +68,7 @@ def draw_spec(params: list) -> DrawSpec:
         full_sort=full_sort,
         min_p=any([p.min_p > 0 for p in sampled]),
         top_n=max(asked, default=0),
+        penalty=any([p.repetition_penalty != 1.0 for p in params]),
     )
 
 
@@ -104,6 +109,7 @@ class GraphDraw:
     rows: DrawRows
     uniforms: np.ndarray  # (rows,) float64, 0 for greedy rows
     policy_version: int
+    seen: SeenTokens | None = None  # the rows' seen-token mask and penalties (with spec.penalty)
 
     @property
     def spec(self) -> DrawSpec:
@@ -117,6 +123,12 @@ class GraphDraw:
         neutral = (0.0, 0.0, 0, 1.0, 0.0)
         columns = [self.rows.temperature, self.uniforms, *(self.rows.filters or ())]
         return [_padded(column, padded, value) for column, value in zip(columns, neutral)]
+
+    def device_inputs(self, padded: int) -> tuple[torch.Tensor, ...]:
+        """The inputs already on the device, after :meth:`columns`' (:func:`draw_rows`' last two): with a
+        repetition penalty, the mask and penalties of ``padded`` rows (the padding rows' are never read
+        back)."""
+        return self.seen.rows(padded) if self.spec.penalty else ()
 
     def pending(self, outputs: tuple[torch.Tensor, ...], num: int) -> PendingSample:
         """The graph's outputs for the first ``num`` rows (the rest are padding), as the eager sampler
@@ -149,10 +161,15 @@ def draw_rows(logits: torch.Tensor, spec: DrawSpec, *inputs: torch.Tensor) -> tu
     distribution it was drawn from (0 for greedy rows), and with ``spec.top_n`` the top raw log-probs'
     values and ids: the eager sampler's expressions (:func:`nopad.inference.sampler.sample_on_device`),
     with no host decision. ``inputs`` (when ``spec.sampled``): each row's temperature and uniform, then
-    with filters its top-k, top-p and min-p."""
+    with filters its top-k, top-p and min-p; last (with ``spec.penalty``) each row's seen-token mask and
+    repetition penalty, which change what is drawn, not the raw or tempered log-probs (as there)."""
     z = logits.float()
     raw_lp = tempered_log_softmax(z)
-    greedy_tokens = z.argmax(dim=-1)
+    zp = z
+    if spec.penalty:
+        *inputs, seen, penalty = inputs
+        zp = penalize(z, seen, penalty)
+    greedy_tokens = zp.argmax(dim=-1)
     top = raw_lp.topk(min(spec.top_n, z.shape[1]), dim=-1) if spec.top_n else None
     if not spec.sampled:
         raw = raw_lp.gather(1, greedy_tokens[:, None])[:, 0]
@@ -162,7 +179,12 @@ def draw_rows(logits: torch.Tensor, spec: DrawSpec, *inputs: torch.Tensor) -> tu
     t = torch.where(greedy, 1.0, temperature).to(torch.float32)
     x = z / t[:, None]
     lt = torch.log_softmax(x, dim=-1)  # tempered, before any filter (what a trainer scores)
-    lp = _filtered_logprobs(x, greedy, spec, *filters) if filters else lt
+    if spec.penalty:  # what is drawn from: the penalised logits over the temperature
+        x = zp / t[:, None]
+    if filters:
+        lp = _filtered_logprobs(x, greedy, spec, *filters)
+    else:
+        lp = torch.log_softmax(x, dim=-1) if spec.penalty else lt
     # inverse CDF, as sampler._inverse_cdf: exp in fp32, the running sum in float64
     cdf = torch.exp(lp).double().cumsum(dim=-1)
     picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nopad.inference.penalties import penalize, penalties_of, seen_mask
 from nopad.inference.request import Sequence
 from nopad.inference.sampler_memory import SamplerBuffers, host_tensor, log_softmax_into
 from nopad.inference.sampling_filters import filtered_logprobs
@@ -47,6 +48,7 @@ class Sampler:
         ahead: int = 0,
         rows_plan: RowsPlan | None = None,
         uniforms: list[float] | None = None,
+        penalties: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> PendingSample:
         """:func:`sample_on_device` of every row of ``logits`` (overlap scheduling reads it back later)."""
         return sample_on_device(
@@ -57,6 +59,7 @@ class Sampler:
             ahead=ahead,
             rows_plan=rows_plan,
             uniforms=uniforms,
+            penalties=penalties,
         )
 
     def sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> SampleResult:
@@ -150,12 +153,14 @@ def sample_on_device(
     ahead: int = 0,
     rows_plan: RowsPlan | None = None,
     uniforms: list[float] | None = None,
+    penalties: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PendingSample:
     """:func:`sample` up to the read-back. ``ahead``: tokens each sequence has drawn that are not in
     its ``token_ids`` yet (an overlapped step's, :mod:`nopad.inference.overlap`); its draw and
     ``min_tokens`` count them. Rows needing their full history on the host (repetition penalty)
     must have none ahead. ``rows_plan`` (:func:`plan_rows` of ``seqs``) and ``uniforms`` (each random
-    row's :func:`uniform_draw`) may come from a batch that keeps them across steps."""
+    row's :func:`uniform_draw`) may come from a batch that keeps them across steps, as may ``penalties``:
+    every row's seen-token mask and repetition penalty (:class:`nopad.inference.penalties.SeenTokens`)."""
     buffers = buffers if buffers is not None else SamplerBuffers()
     if logits.dtype != torch.float32:
         logits = buffers.get("logits", logits).copy_(logits)  # exact, as logits.float()
@@ -164,20 +169,7 @@ def sample_on_device(
     rp = rows_plan if rows_plan is not None and rows_plan.vocab == vocab else plan_rows(seqs, vocab)
     params, greedy, rand, rand_params = rp.params, rp.greedy, rp.rand, rp.rand_params
     device = logits.device
-    x = logits
-    # repetition penalty (over prompt and output, as in vLLM/HF) and min_tokens stop bans; the
-    # per-row walk reads plain attributes only (no property calls: it runs for every row, every step)
-    for i, (seq, p) in enumerate(zip(seqs, params) if rp.adjusts else ()):
-        if p.repetition_penalty != 1.0:
-            assert not ahead, "a repetition penalty reads every token on the host"
-            x = x.clone() if x is logits else x
-            idx = host_tensor(sorted(set(seq.token_ids)), torch.long, device)
-            v = x[i, idx]
-            x[i, idx] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-        if p.min_tokens > 0 and seq.num_turn_tokens + ahead < p.min_tokens and seq.request.stop_ids:
-            x = x.clone() if x is logits else x
-            x[i, list(seq.request.stop_ids)] = float("-inf")
-
+    x = _adjusted(logits, seqs, rp, ahead, penalties)
     if len(greedy) == rows:  # no row copy of the (rows, vocab) logits
         tokens = argmax_rows(x)
     else:
@@ -215,6 +207,35 @@ def sample_on_device(
         top=top,
         policy_version=policy_version,
     )
+
+
+def _adjusted(
+    logits: torch.Tensor, seqs: list[Sequence], rp: RowsPlan, ahead: int, penalties: tuple | None
+) -> torch.Tensor:
+    """The logits rows draw from: repetition penalties (over prompt and output, as in vLLM/HF: a decode
+    batch's kept mask, else one built from the penalised rows' tokens on the host,
+    :mod:`nopad.inference.penalties`) and ``min_tokens`` stop bans; ``logits`` itself when neither applies."""
+    x, params = logits, rp.params
+    rows, vocab = logits.shape
+    if penalties is not None:
+        x = penalize(x, *penalties)
+    elif rp.penalized:
+        assert not ahead, "a repetition penalty without a kept mask reads every token on the host"
+        r = rp.penalized
+        seen = seen_mask([seqs[i] for i in r], vocab, logits.device)
+        p_rows = penalties_of([params[i] for i in r], logits.device)
+        if len(r) == rows:
+            x = penalize(x, seen, p_rows)
+        else:
+            x = x.clone()
+            idx = host_tensor(r, torch.long, logits.device)
+            x[idx] = penalize(x[idx], seen, p_rows)
+    for i in rp.bans:  # plain attributes only (no property calls)
+        seq, p = seqs[i], params[i]
+        if seq.num_turn_tokens + ahead < p.min_tokens and seq.request.stop_ids:
+            x = x.clone() if x is logits else x
+            x[i, list(seq.request.stop_ids)] = float("-inf")
+    return x
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

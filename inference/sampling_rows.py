@@ -21,7 +21,8 @@ class RowsPlan:
     rand_params: list
     reshapes: bool  # a random row's temperature, top-k, top-p or min-p changes its distribution
     tempered: bool  # a random row's temperature is not 1
-    adjusts: bool  # a repetition penalty or min_tokens: the per-row walk runs
+    penalized: list[int]  # rows with a repetition penalty
+    bans: list[int]  # rows with min_tokens: the per-row walk bans their stop ids until they have them
     top_rows: list[int]  # rows asking for top log-probs
 
 
@@ -40,7 +41,8 @@ def plan_rows(seqs: list[Sequence], vocab: int) -> RowsPlan:
         rand_params=rand_params,
         reshapes=any([changes_distribution(p, vocab) for p in rand_params]),
         tempered=bool({p.temperature for p in rand_params} - {1.0}),
-        adjusts=any([p.repetition_penalty != 1.0 or p.min_tokens > 0 for p in params]),
+        penalized=[i for i, p in enumerate(params) if p.repetition_penalty != 1.0],
+        bans=[i for i, p in enumerate(params) if p.min_tokens > 0],
         top_rows=[i for i, p in enumerate(params) if p.logprobs is not None],
     )
 

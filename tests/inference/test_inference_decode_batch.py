@@ -6,8 +6,10 @@ the same), whatever ends the rows' turns, and its Python work must not grow with
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from benchmarks.bench_decode_host import python_calls
 from nopad.inference import Generator, SamplingParams
@@ -307,3 +309,79 @@ def test_sinks_a_large_vocabulary_and_bf16_equal_the_general_step(case):
     with autocast:
         kept, general, _ = with_and_without(model, prompts_of([5, 9]), params, block_size=4)
     assert kept == general
+
+
+PENALISED = [
+    SamplingParams(max_tokens=16, temperature=0, repetition_penalty=1.8, ignore_eos=True),
+    SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=14, temperature=0.8, seed=2, repetition_penalty=0.7, n=2, ignore_eos=True),
+    SamplingParams(max_tokens=18, temperature=1.0, seed=5, top_k=6, repetition_penalty=1.3, logprobs=2),
+    SamplingParams(max_tokens=9, temperature=1.2, seed=8, ignore_eos=True),
+]
+
+
+@OVERLAP
+@pytest.mark.parametrize("family", ["llama", "bamba"])
+def test_repetition_penalties_decode_in_the_batch(family, overlap):
+    """Rows with a repetition penalty (greedy and sampled, above and below 1, beside rows without one) are
+    served by the kept arrays, from a device mask their own draws update, overlapped too: before, one such
+    row sent every step of the batch to the general step. The outputs are the general step's, and the
+    batch serves every decode step once the prompts are in."""
+    prompts = prompts_of([5, 9, 3, 12, 7])
+    kept, general, gen = with_and_without(
+        tiny_model(family), prompts, PENALISED, overlap=overlap, block_size=4, num_blocks=256
+    )
+    assert kept == general
+    stats = gen.stats()
+    assert stats["decode_batch_steps"] >= stats["steps"] - 6, stats  # prefill steps and the rebuilds after them
+
+
+def test_repetition_penalty_greedy_equals_hf_generate():
+    """Greedy with a repetition penalty over prompt and output, decoded by the kept arrays: HF ``generate``'s
+    tokens (its ``RepetitionPenaltyLogitsProcessor``), each prompt alone; and the penalty changes them."""
+    model = tiny_model("llama")
+    prompts = prompts_of([6, 11, 4])
+    gen = Generator(model, block_size=4, num_blocks=128)
+    for penalty in (1.6, 0.6):
+        params = SamplingParams(max_tokens=16, temperature=0, repetition_penalty=penalty, ignore_eos=True)
+        outs = gen.generate(prompts, params, use_tqdm=False)
+        plain = gen.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            ids = torch.tensor([prompt])
+            ref = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=16,
+                do_sample=False,
+                repetition_penalty=penalty,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+            assert out.outputs[0].token_ids == ref
+        assert [o.outputs[0].token_ids for o in outs] != [o.outputs[0].token_ids for o in plain]
+    assert gen.stats()["decode_batch_steps"] > 0
+
+
+def test_seen_tokens_follow_the_rows_kept():
+    """The mask's rows move with the batch's rows when some leave (compacted at the front, in order), and
+    a row's draw is marked in its own row."""
+    import numpy as np
+
+    from nopad.inference.penalties import SeenTokens, penalize
+
+    seqs = [
+        SimpleNamespace(token_ids=[1, 2], request=SimpleNamespace(params=SamplingParams(repetition_penalty=2.0))),
+        SimpleNamespace(token_ids=[3], request=SimpleNamespace(params=SamplingParams())),
+        SimpleNamespace(token_ids=[0, 4, 4], request=SimpleNamespace(params=SamplingParams(repetition_penalty=0.5))),
+    ]
+    seen = SeenTokens(4, 6, torch.device("cpu"))
+    seen.fill(seqs)
+    seen.saw(torch.tensor([5, 0, 1]))
+    mask, penalty = seen.rows()
+    assert mask.nonzero().tolist() == [[0, 1], [0, 2], [0, 5], [1, 0], [1, 3], [2, 0], [2, 1], [2, 4]]
+    seen.keep(np.array([True, False, True]))
+    mask, penalty = seen.rows()
+    assert mask.nonzero().tolist() == [[0, 1], [0, 2], [0, 5], [1, 0], [1, 1], [1, 4]]
+    assert penalty.tolist() == [2.0, 0.5]
+    x = torch.tensor([[-1.0, 2.0, 3.0, 1.0, 0.0, -2.0], [-1.0, 2.0, 3.0, 1.0, 0.0, -2.0]])
+    assert penalize(x, mask, penalty).tolist() == [[-1.0, 1.0, 1.5, 1.0, 0.0, -4.0], [-0.5, 4.0, 3.0, 1.0, 0.0, -2.0]]

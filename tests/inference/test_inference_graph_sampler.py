@@ -98,28 +98,49 @@ def test_all_greedy_steps_draw_argmax_in_the_graph(eager_dynamo):
     assert all(c.sampling_logprobs == [0.0] * len(c.token_ids) for out in drawn for c in out.outputs)
 
 
+def test_greedy_rows_with_repetition_penalties_draw_in_the_graph(eager_dynamo):
+    """Every row greedy, some penalised: the argmax variant over the penalised logits (the mask and the
+    penalties are the graph's inputs), the eager sampler's tokens; the penalty changed them."""
+    model = tiny_model("qwen3")
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + i, ignore_eos=True) for i in range(4)]
+    params[1:3] = [dataclasses.replace(p, repetition_penalty=1.7) for p in params[1:3]]
+    drawn, gen = generate(model, params, True)
+    assert DrawSpec(penalty=True) in {spec for _, spec in gen._runner._variants}
+    assert 0 < gen.stats()["graph_draw_steps"] == gen.stats()["decode_batch_steps"]
+    eager, _ = generate(model, params, False)
+    assert records(drawn) == records(eager)
+    plain, _ = generate(model, [dataclasses.replace(p, repetition_penalty=1.0) for p in params], True)
+    assert [r[0] for r in records(plain)][1:3] != [r[0] for r in records(drawn)][1:3]
+
+
 FILTERS = {
     "top_p": dict(top_p=0.8),
     "top_k": dict(top_k=3),
     "min_p": dict(min_p=0.5),
     "top_logprobs": dict(logprobs=2),
     "top_k_and_top_p": dict(top_k=5, top_p=0.7),
-    "everything": dict(top_k=40, top_p=0.9, min_p=0.02, logprobs=3),
+    "repetition_penalty": dict(repetition_penalty=1.4),
+    "everything": dict(top_k=40, top_p=0.9, min_p=0.02, logprobs=3, repetition_penalty=1.2),
 }
 
 
 @pytest.mark.parametrize("extra", FILTERS.values(), ids=FILTERS.keys())
 @pytest.mark.parametrize("overlap", [False, True])
 def test_filtered_rows_are_drawn_in_the_graph(eager_dynamo, extra, overlap):
-    """A batch with top-p, top-k, min-p or top-log-probs rows (beside greedy and tempered ones) is drawn
-    inside the graph too: the eager sampler's tokens, log-probs and top log-probs, bit for bit."""
+    """A batch with top-p, top-k, min-p, top-log-probs or repetition-penalty rows (beside greedy and
+    tempered ones) is drawn inside the graph too: the eager sampler's tokens, log-probs and top log-probs,
+    bit for bit."""
     model = tiny_model("llama")
     params = mixed_params(**extra)
     if "logprobs" in extra:  # rows asking for different counts, a greedy one for none but its token's
         params[0] = dataclasses.replace(params[0], logprobs=0)
         params[3] = dataclasses.replace(params[3], logprobs=extra["logprobs"] + 2)
+    if "repetition_penalty" in extra:  # a greedy row's penalty below 1 (its seen tokens favoured)
+        params[0] = dataclasses.replace(params[0], repetition_penalty=0.6)
     drawn, gen = generate(model, params, True, overlap=overlap)
     assert 0 < gen.stats()["graph_draw_steps"] == gen.stats()["decode_batch_steps"]
+    penalised = [spec.penalty for _, spec in gen._runner._variants if spec is not None]
+    assert any(penalised) == ("repetition_penalty" in extra)
     eager, _ = generate(model, params, False, overlap=overlap)
     assert records(drawn) == records(eager)
     assert tops(drawn) == tops(eager)
