@@ -33,6 +33,7 @@ back (transformers' ``set_attn_implementation`` walks every module, twice).
     python benchmarks/bench_decode_host.py --quick    # 30 layers, 16 rows, 4 timed steps (seconds)
     python benchmarks/bench_decode_host.py --layers 2 --rows 64 256   # the per-row host work
     python benchmarks/bench_decode_host.py --layers 2 --rows 64 256 --samples 4   # GRPO's groups of 4
+    python benchmarks/bench_decode_host.py --layers 2 --rows 64 256 --repetition-penalty 1.1   # penalised rows
     python benchmarks/bench_decode_host.py --device cuda --shape smollm2   # the GPU check (bf16)
 """
 
@@ -172,21 +173,23 @@ def python_calls(fn) -> int:
     return calls[0]
 
 
-def nopad_side(model, prompts: list[list[int]], overlap: bool = False, kept: bool = True, samples: int = 1):
+def nopad_side(
+    model, prompts: list[list[int]], overlap: bool = False, kept: bool = True, samples: int = 1, penalty: float = 1.0
+):
     """A generator (attention backend: "auto") with every prompt past prefill; returns (step, generator).
     ``kept=False``: every step is the general one (the batch's arrays are not kept from step to step,
     :mod:`nopad.inference.decode_batch`), the step before persistent step state. ``samples`` > 1: GRPO's
     shape, groups of that many seeded samples at temperature 1 (forked after their prompt's prefill),
-    the rows ``len(prompts)`` in all."""
+    the rows ``len(prompts)`` in all. ``penalty``: every row's repetition penalty."""
     budget = max(2048, sum(map(len, prompts)))
     gen = Generator(
         model, None, block_size=16, max_num_seqs=len(prompts), max_num_batched_tokens=budget, overlap=overlap
     )
     if not kept:
         gen.decode_batch.serve = lambda: False
-    endless = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+    endless = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True, repetition_penalty=penalty)
     if samples > 1:
-        endless = SamplingParams(temperature=1.0, seed=0, n=samples, max_tokens=100_000, ignore_eos=True)
+        endless = replace(endless, temperature=1.0, seed=0, n=samples)
     for prompt in prompts[: len(prompts) // samples]:
         gen.add_request(prompt, endless)
     gen.step()  # prefill
@@ -209,12 +212,15 @@ def hf_side(model, prompts: list[list[int]]):
     return step
 
 
-def hf_generate_bookkeeping(model, prompts: list[list[int]], device: torch.device, repeats: int) -> dict:
+def hf_generate_bookkeeping(
+    model, prompts: list[list[int]], device: torch.device, repeats: int, penalty: float = 1.0
+) -> dict:
     """transformers' ``generate()`` loop per decode step, the bookkeeping a user of HF pays: CPU ms outside
     the model's forward (input preparation, logits processors, stopping criteria, the attention-mask and
     cache-position updates) and Python calls, as the difference between a long and a short greedy
     ``generate()`` of the same prompts (prefill and setup cancel). No EOS ends a row (its id is past the
-    vocabulary, though the stop check runs): every step decodes every row, as the steps above."""
+    vocabulary, though the stop check runs): every step decodes every row, as the steps above.
+    ``penalty``: its repetition penalty (its ``RepetitionPenaltyLogitsProcessor`` runs, 1: none)."""
     ids = torch.tensor(prompts, device=device)
     clock = Clock()
     model.forward = clock.wrap(model.forward)
@@ -229,6 +235,7 @@ def hf_generate_bookkeeping(model, prompts: list[list[int]], device: torch.devic
                 do_sample=False,
                 eos_token_id=model.config.vocab_size,  # past the vocabulary: never drawn
                 pad_token_id=0,
+                repetition_penalty=penalty,
             )
 
     def outside(new_tokens: int) -> float:
@@ -335,7 +342,15 @@ def main(argv=None) -> dict:
         help="nopad's rows as groups of this many samples of a prompt at temperature 1 (GRPO's shape; "
         "HF's side stays one greedy row per prompt)",
     )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="every row's repetition penalty, nopad's and HF generate()'s (the bare HF loop applies none)",
+    )
     args = parser.parse_args(argv)
+    if not args.repetition_penalty > 0:
+        parser.error(f"--repetition-penalty must be > 0 (1: none), got {args.repetition_penalty}")
     for name in ("layers", "prompt_len"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -375,9 +390,10 @@ def run(args, rows: int) -> dict:
         llama(args.layers, args.shape, device, dtype) for _ in range(4)
     )
     hf_step = hf_side(hf_model, prompts)  # a twin, kept on SDPA
-    nopad_step, gen = nopad_side(nopad_model, prompts, samples=args.samples)
-    general_step, general_gen = nopad_side(general_model, prompts, kept=False, samples=args.samples)
-    overlap_step, overlap_gen = nopad_side(overlap_model, prompts, overlap=True, samples=args.samples)
+    same = dict(samples=args.samples, penalty=args.repetition_penalty)
+    nopad_step, gen = nopad_side(nopad_model, prompts, **same)
+    general_step, general_gen = nopad_side(general_model, prompts, kept=False, **same)
+    overlap_step, overlap_gen = nopad_side(overlap_model, prompts, overlap=True, **same)
     # held across steps, as generate() and run() hold it
     with gen.live.attention(), general_gen.live.attention(), overlap_gen.live.attention():
         for _ in range(3):
@@ -401,13 +417,14 @@ def run(args, rows: int) -> dict:
     bare = measure(
         {"nopad, bare gen.step()": nopad_step}, max(2, repeats // 3), args.layers, device, {"nopad": nopad_model}
     )
-    generate = hf_generate_bookkeeping(hf_model, prompts, device, max(2, repeats // 6))
+    generate = hf_generate_bookkeeping(hf_model, prompts, device, max(2, repeats // 6), args.repetition_penalty)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, 1 thread"
     print(
         f"eager decode step, {args.layers}-layer Llama ({args.shape}: hidden {SHAPES[args.shape][0]}), "
         f"{rows} rows past a {args.prompt_len}-token prompt"
         + (f" (nopad: groups of {args.samples} samples at temperature 1)" if args.samples > 1 else "")
+        + (f", repetition penalty {args.repetition_penalty}" if args.repetition_penalty != 1.0 else "")
         + f", {str(dtype).removeprefix('torch.')}, {where}; "
         f"thread CPU time, median of {repeats}; load average {load:.2f}"
     )
