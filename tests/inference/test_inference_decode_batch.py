@@ -15,6 +15,7 @@ from benchmarks.bench_decode_host import python_calls
 from nopad.inference import Generator, SamplingParams
 from nopad.packing import batch_invariant
 from tests.inference.test_inference_episodes import STOPS, prompts_of
+from tests.inference.test_inference_generator import hf_greedy
 from tests.inference.test_inference_overlap import MIXED, completions, forked_tool_episodes
 from tests.support.models import SERVING_CASES, serving_case, tiny_model
 
@@ -347,16 +348,7 @@ def test_repetition_penalty_greedy_equals_hf_generate():
         outs = gen.generate(prompts, params, use_tqdm=False)
         plain = gen.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
         for prompt, out in zip(prompts, outs):
-            ids = torch.tensor([prompt])
-            ref = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=16,
-                do_sample=False,
-                repetition_penalty=penalty,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
+            ref = hf_greedy(model, prompt, 16, repetition_penalty=penalty, eos_token_id=None)
             assert out.outputs[0].token_ids == ref
         assert [o.outputs[0].token_ids for o in outs] != [o.outputs[0].token_ids for o in plain]
     assert gen.stats()["decode_batch_steps"] > 0

@@ -33,11 +33,16 @@ def prompts_of(lengths, seed=0, vocab=128):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def hf_greedy(model, prompt, max_new_tokens):
-    """HF generate on one prompt alone (stops at EOS like ours)."""
+def hf_greedy(model, prompt, max_new_tokens, **kwargs):
+    """HF generate on one prompt alone (stops at EOS like ours); ``kwargs``: more of its options."""
     ids = torch.tensor([prompt])
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        **kwargs,
     )
     return out[0, len(prompt) :].tolist()
 
@@ -97,16 +102,7 @@ def test_preemption_keeps_greedy_output(llama):
     outs = gen.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True, **GREEDY), use_tqdm=False)
     assert gen.stats()["preemptions"] > 0
     for prompt, out in zip(prompts, outs):
-        ids = torch.tensor([prompt])
-        ref = llama.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=16,
-            min_new_tokens=16,
-            do_sample=False,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
-        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].token_ids == hf_greedy(llama, prompt, 16, min_new_tokens=16)
     gen.allocator.check(owners=[])
     assert gen.allocator.num_free == 24
 
