@@ -12,11 +12,11 @@ It serves a step only when that step is a plain decode of exactly the scheduler'
 checked each step (the same list, no step planned elsewhere since its last, no admission possible,
 blocks for every row that needs one). Everything else takes the general step, after which the batch is
 built again from the running sequences: admissions, prefill chunks, preemption, forks, a tool episode's
-resume, prompt log-probs and unmet ``min_tokens``. Repetition penalties decode here, from a device mask of
-each row's tokens that the step's own draws update (:mod:`nopad.inference.penalties`). A hybrid model's rows keep their
-state slots (a running sequence's slot changes only where the general step runs: preemption, forks).
-Tool episodes' turns decode here too: a turn's end goes to the sequence's owner as in the general step
-(``hooks.turn_ended``: finish, or pause for its tools).
+resume, prompt log-probs still to score and unmet ``min_tokens``. Repetition penalties decode here, from
+a device mask of each row's tokens that the step's own draws update (:mod:`nopad.inference.penalties`).
+A hybrid model's rows keep their state slots (a running sequence's slot changes only where the general
+step runs: preemption, forks). Tool episodes' turns decode here too: a turn's end goes to the sequence's
+owner as in the general step (``hooks.turn_ended``: finish, or pause for its tools).
 
 With overlap scheduling (:mod:`nopad.inference.overlap`) it keeps one step in flight: step N+1 is
 launched on N's draws, still on the device, before N is read back and completed. A row whose draw at N
@@ -265,7 +265,8 @@ class DecodeBatch:
                 return False
             if seq.num_computed == 0:  # a one-token prompt's first step (a hybrid's state starts from zero)
                 return False
-            if request.prompt_logprobs is not None:
+            scored = request.prompt_logprobs  # prompt log-probs still to score (Request.scoring_prompt, inline)
+            if scored is not None and len(scored) < len(request.prompt_token_ids):
                 return False
             if p.min_tokens > 0 and n - seq.turn_start < p.min_tokens and request.stop_ids:
                 return False

@@ -8,10 +8,10 @@ step N read back and completed, while N+1 computes. Each sequence of N is assume
 that stopped at N computes one more token at N+1, which is dropped there (its text, ids, log-probs
 and stop reason all come from N); one whose draw at N ends it by length is not run at N+1.
 
-The pipeline breaks (N is completed before the next step is planned) wherever the next plan needs
-N's results or changes the batch: a queued or resumed sequence to admit, a preemption (a block
-must be freed first), a fork, a prefill chunk, prompt log-probs, a repetition penalty (it reads
-every token), a weight update (:meth:`nopad.inference.Generator.update_weights` completes the step
+The pipeline breaks (N is completed before the next step is planned) wherever the next plan needs N's
+results or changes the batch: a queued or resumed sequence to admit, a preemption (a block must be freed
+first), a fork, a prefill chunk, prompt log-probs still to score, a repetition penalty (the general step
+reads every token), a weight update (:meth:`nopad.inference.Generator.update_weights` completes the step
 first). ``SchedulerStats.overlap_breaks`` counts them against ``overlap_steps``.
 
 Everything exact is kept: draws are keyed by sequence and position (:mod:`nopad.inference.seeding`),
@@ -51,7 +51,10 @@ def pipelinable(plan: StepPlan) -> bool:
         request = seq.request
         if n != 1 or seq.num_computed != len(seq.token_ids) - 1 or seq.fork_count != 1:
             return False
-        if request.params.repetition_penalty != 1.0 or request.prompt_logprobs is not None:
+        if request.params.repetition_penalty != 1.0:
+            return False
+        scored = request.prompt_logprobs  # prompt log-probs still to score (Request.scoring_prompt, inline)
+        if scored is not None and len(scored) < len(request.prompt_token_ids):
             return False
     return True
 

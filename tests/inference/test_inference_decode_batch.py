@@ -377,3 +377,21 @@ def test_seen_tokens_follow_the_rows_kept():
     assert penalty.tolist() == [2.0, 0.5]
     x = torch.tensor([[-1.0, 2.0, 3.0, 1.0, 0.0, -2.0], [-1.0, 2.0, 3.0, 1.0, 0.0, -2.0]])
     assert penalize(x, mask, penalty).tolist() == [[-1.0, 1.0, 1.5, 1.0, 0.0, -4.0], [-0.5, 4.0, 3.0, 1.0, 0.0, -2.0]]
+
+
+@OVERLAP
+def test_requests_with_prompt_logprobs_decode_in_the_batch_once_scored(overlap):
+    """A request's prompt log-probs are all scored by its prefill, and its decode steps read none of them:
+    the batch serves those steps (any such request sent every step of its batch to the general step)."""
+    params = [
+        SamplingParams(max_tokens=14, temperature=0, prompt_logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True, prompt_logprobs=0),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=4, ignore_eos=True),
+    ]
+    kept, general, gen = with_and_without(
+        tiny_model("llama"), prompts_of([5, 9, 7]), params, overlap=overlap, block_size=4, num_blocks=256
+    )
+    assert kept == general
+    assert all(c[-1] is not None for c in kept[1][:2])  # (the prompt log-probs are in the records compared)
+    stats = gen.stats()
+    assert stats["decode_batch_steps"] >= stats["steps"] - 4, stats
