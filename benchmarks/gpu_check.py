@@ -610,6 +610,10 @@ def bench_decode_floor(
                 "compile_decode + overlap, T=0.7 top-p 0.95, draw after the graph": dict(
                     compile_decode=True, overlap=True, graph_draws=False, sampling=top_p
                 ),
+                # greedy rows with a repetition penalty: the kept device mask, read inside the graph
+                "compile_decode + overlap, repetition penalty 1.1": dict(
+                    compile_decode=True, overlap=True, sampling=dict(temperature=0.0, repetition_penalty=1.1)
+                ),
             }
         for name, kw in {**variants, **at_goal}.items():
             try:
