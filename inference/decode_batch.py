@@ -47,7 +47,7 @@ from nopad.inference.request import Sequence, Status
 from nopad.inference.sampler import Sampler
 from nopad.inference.sampling_rows import RowsPlan, plan_rows
 from nopad.inference.scheduler import Scheduler
-from nopad.inference.seeding import stream_keys, uniform_array, uniform_draws
+from nopad.inference.seeding import stream_keys, uniform_draws
 from nopad.inference.step_inputs import DecodeRows, DeviceIds
 from nopad.inference.step_plan import StepPlan
 
@@ -179,16 +179,12 @@ class DecodeBatch:
         )
 
     def _graph_draw(self) -> GraphDraw:
-        """A step the compiled graph draws: each row's uniform for the token it draws (at its length after
-        this step's token, as the eager draw's), with its kept parameters (:mod:`nopad.inference.graph_sampler`)."""
+        """A step the compiled graph draws, from the rows' kept parameters and random keys (the graph draws
+        each row's uniform from its key and position, :mod:`nopad.inference.graph_sampler`)."""
         if self.draws is None:
-            self.draws = DrawRows.of([q.request.params for q in self.seqs])
-        rand = self.draws.sampled_rows
-        uniforms = np.zeros(len(self.seqs))
-        if rand.size:
-            uniforms[rand] = uniform_array(self.keys[rand], self.rows.positions[rand] + 1)
+            self.draws = DrawRows.of([q.request.params for q in self.seqs], self.keys)
         seen = None if self.penalties is None else self._penalties(self.vocab_size)
-        return GraphDraw(self.draws, uniforms, self.sampler.version(), seen)
+        return GraphDraw(self.draws, self.sampler.version(), seen)
 
     def _penalties(self, vocab: int) -> SeenTokens:
         """The batch's seen-token mask, for logits of ``vocab`` columns (made again from the rows' tokens

@@ -8,8 +8,8 @@ a dozen more launches on the step's critical path. Inside the graph they are fus
 What it serves: every row of a steady decode batch -- greedy, a temperature, top-k, top-p and min-p in
 any mix, top log-probs, and repetition penalties (from the batch's device mask of each row's tokens,
 :mod:`nopad.inference.penalties`, read by the graph as it is). The draw is the eager sampler's, op for
-op (:func:`draw_rows`): the same counter-based uniforms (computed on the host from each row's key and
-length, :mod:`nopad.inference.seeding`, and sent with the step's inputs), the same filters
+op (:func:`draw_rows`): the same counter-based uniforms (drawn in the graph from each row's key, sent with
+the step's inputs and the same every step, and its length, :mod:`nopad.inference.seeding`), the same filters
 (:mod:`nopad.inference.sampling_filters`' device functions), the same inverse CDF and log-prob
 expressions. Under dynamo's eager backend the tokens and log-probs are the eager sampler's bit for bit
 (the tests hold it); compiled, they are the compiled kernels' values of the same functions.
@@ -32,6 +32,7 @@ import torch
 from nopad.inference.penalties import SeenTokens, penalize
 from nopad.inference.sampler import PendingSample
 from nopad.inference.sampling_filters import TOP_P_CANDIDATES, mask_min_p, mask_top_k_top_p
+from nopad.inference.seeding import uniform_tensor
 from nopad.packing.head.log_softmax import tempered_log_softmax
 
 
@@ -75,17 +76,19 @@ def draw_spec(params: list) -> DrawSpec:
 @dataclass
 class DrawRows:
     """What the graph reads from a decode batch's rows, kept with the batch until a row leaves it: the
-    rows' :class:`DrawSpec`, temperatures, filters and top log-prob counts."""
+    rows' :class:`DrawSpec`, temperatures, random keys, filters and top log-prob counts."""
 
     spec: DrawSpec
     temperature: np.ndarray  # (rows,) float64, 0: greedy
+    keys: np.ndarray | None  # (rows,) int64: each row's stream key's bits (seeding.stream_keys; None: all greedy)
     filters: tuple[np.ndarray, ...] | None  # top_k int64, top_p and min_p float64; greedy rows 0, 1, 0
     tops: list[int | None]  # top log-probs each row asks for (None: none)
-    sampled_rows: np.ndarray  # the rows not greedy
     tempered: bool  # some row's temperature is neither 0 nor 1: its tempered log-prob is its own
 
     @classmethod
-    def of(cls, params: list) -> DrawRows:
+    def of(cls, params: list, keys: np.ndarray | None) -> DrawRows:
+        """The rows' parameters, and their :func:`nopad.inference.seeding.stream_keys` (uint64; None when
+        every row is greedy)."""
         spec = draw_spec(params)
         temperature = np.array([p.temperature for p in params], dtype=np.float64)
         greedy = temperature == 0
@@ -98,16 +101,17 @@ class DrawRows:
             )
         tempered = bool((~greedy & (temperature != 1)).any())
         tops = [p.logprobs for p in params]
-        return cls(spec, temperature, filters, tops, (~greedy).nonzero()[0], tempered)
+        return cls(spec, temperature, None if keys is None else keys.view(np.int64), filters, tops, tempered)
 
 
 @dataclass
 class GraphDraw:
     """A steady decode step's sampling inputs, for the graph: host arrays sent with the step's other inputs
-    (:func:`nopad.inference.step_inputs.build_static_decode`), and what the host needs to read its draws."""
+    (:func:`nopad.inference.step_inputs.build_static_decode`), and what the host needs to read its draws.
+    Nothing in it changes from step to step but the policy version: each row's uniform is drawn inside the
+    graph, from its key and its position."""
 
     rows: DrawRows
-    uniforms: np.ndarray  # (rows,) float64, 0 for greedy rows
     policy_version: int
     seen: SeenTokens | None = None  # the rows' seen-token mask and penalties (with spec.penalty)
 
@@ -117,11 +121,11 @@ class GraphDraw:
 
     def columns(self, padded: int) -> list[np.ndarray]:
         """The per-row inputs the graph reads (:func:`draw_rows`' ``inputs``), up to ``padded`` rows: the
-        padding rows greedy (temperature 0, uniform 0) and unfiltered (top-k 0, top-p 1, min-p 0)."""
+        padding rows greedy (temperature 0, key 0) and unfiltered (top-k 0, top-p 1, min-p 0)."""
         if not self.spec.sampled:
             return []
-        neutral = (0.0, 0.0, 0, 1.0, 0.0)
-        columns = [self.rows.temperature, self.uniforms, *(self.rows.filters or ())]
+        neutral = (0.0, 0, 0, 1.0, 0.0)
+        columns = [self.rows.temperature, self.rows.keys, *(self.rows.filters or ())]
         return [_padded(column, padded, value) for column, value in zip(columns, neutral)]
 
     def device_inputs(self, padded: int) -> tuple[torch.Tensor, ...]:
@@ -156,11 +160,15 @@ def _padded(values: np.ndarray, rows: int, value) -> np.ndarray:
     return out
 
 
-def draw_rows(logits: torch.Tensor, spec: DrawSpec, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def draw_rows(
+    logits: torch.Tensor, spec: DrawSpec, positions: torch.Tensor, *inputs: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     """Each row's token, its raw log-prob, its log-prob at the row's temperature, its log-prob under the
     distribution it was drawn from (0 for greedy rows), and with ``spec.top_n`` the top raw log-probs'
     values and ids: the eager sampler's expressions (:func:`nopad.inference.sampler.sample_on_device`),
-    with no host decision. ``inputs`` (when ``spec.sampled``): each row's temperature and uniform, then
+    with no host decision. ``positions``: each row's position (the token it ran). ``inputs`` (when
+    ``spec.sampled``): each row's temperature and random key (its uniform is drawn here, from the key and
+    the row's length after this token, as :func:`nopad.inference.seeding.uniform_array` draws it), then
     with filters its top-k, top-p and min-p; last (with ``spec.penalty``) each row's seen-token mask and
     repetition penalty, which change what is drawn, not the raw or tempered log-probs (as there)."""
     z = logits.float()
@@ -174,7 +182,8 @@ def draw_rows(logits: torch.Tensor, spec: DrawSpec, *inputs: torch.Tensor) -> tu
     if not spec.sampled:
         raw = raw_lp.gather(1, greedy_tokens[:, None])[:, 0]
         return (greedy_tokens, raw, raw, torch.zeros_like(raw), *(top or ()))
-    temperature, uniforms, *filters = inputs
+    temperature, keys, *filters = inputs
+    uniforms = uniform_tensor(keys, positions + 1)
     greedy = temperature == 0
     t = torch.where(greedy, 1.0, temperature).to(torch.float32)
     x = z / t[:, None]
@@ -246,4 +255,4 @@ def forward_and_draw(model: torch.nn.Module, spec: DrawSpec | None = None, input
     the logits of its rows, or given a ``spec`` the rows' draws (:func:`draw_rows` of ``inputs``). One
     function, so a step that draws inside the graph and one that returns logits share one ``torch.compile``."""
     logits = model(**kwargs).logits[0]
-    return logits if spec is None else draw_rows(logits, spec, *inputs)
+    return logits if spec is None else draw_rows(logits, spec, kwargs["position_ids"][0], *inputs)

@@ -72,6 +72,33 @@ def uniform_array(keys: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
     return np.minimum(x.astype(np.int64).astype(np.float64) / 2.0**63, 1.0 - 2.0**-40)
 
 
+def _int64_bits(c: int) -> int:
+    """The int64 whose bits are the uint64 ``c``."""
+    return c - (1 << 64) if c >> 63 else c
+
+
+def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
+    """A logical right shift of int64 bits (torch's ``>>`` on int64 copies the sign bit in)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
+    """:func:`_splitmix64` of every element of an int64 tensor holding uint64 bits: int64 addition and
+    multiplication wrap modulo 2**64 as uint64's do, and the shifts are logical."""
+    x = x + _int64_bits(0x9E3779B97F4A7C15)
+    x = (x ^ _shift_right(x, 30)) * _int64_bits(0xBF58476D1CE4E5B9)
+    x = (x ^ _shift_right(x, 27)) * _int64_bits(0x94D049BB133111EB)
+    return x ^ _shift_right(x, 31)
+
+
+def uniform_tensor(keys: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+    """:func:`uniform_array` in torch ops, so a compiled decode step draws its uniforms itself
+    (:mod:`nopad.inference.graph_sampler`): ``keys`` the rows' :func:`stream_keys` as int64 bits,
+    ``num_tokens`` their lengths (int64). The same float64s, bit for bit (the tests hold it)."""
+    x = _shift_right(_splitmix64_tensor(keys ^ num_tokens), 1)
+    return torch.clamp(x.to(torch.float64) / 2.0**63, max=1.0 - 2.0**-40)
+
+
 def uniform_draws(keys: np.ndarray, num_tokens: np.ndarray) -> list[float]:
     """:func:`uniform_array` as a list (the eager sampler's input)."""
     return uniform_array(keys, num_tokens).tolist()

@@ -127,6 +127,21 @@ def test_the_cuda_graph_draws_a_steady_decode_steps_rows():
             torch.testing.assert_close(torch.tensor(x[:same]), torch.tensor(y[:same]), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_the_cuda_uniforms_are_the_hosts_bit_for_bit(compiled):
+    """The compiled step's counter RNG on CUDA (eager kernels, and inductor's Triton: int64 arithmetic
+    must wrap as uint64's) gives every row the host's float64, so a graph-drawn row draws the token an
+    eager-drawn one would."""
+    from nopad.inference.seeding import uniform_array, uniform_tensor
+    from tests.inference.test_inference_sampling import random_keys
+
+    keys, lengths = random_keys()
+    torch._dynamo.reset()
+    fn = torch.compile(uniform_tensor) if compiled else uniform_tensor
+    got = fn(torch.from_numpy(keys.view("int64")).to(CUDA), torch.from_numpy(lengths).to(CUDA))
+    assert got.cpu().tolist() == uniform_array(keys, lengths).tolist()
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "bamba"])
 def test_hybrid_decode_in_a_cuda_graph_gives_hf_tokens(family):
     """compile_decode on hybrid layers (delta rule, short conv, Mamba2): the state slots read

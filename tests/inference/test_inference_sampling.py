@@ -57,6 +57,43 @@ def test_invalid_params(kwargs, message):
     assert message in str(err.value)
 
 
+def random_keys(count: int = 20_000):
+    """uint64 stream keys (the extremes among them) and lengths up to 2**40 (some 0, some past 2**62)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    keys = rng.integers(0, 2**64, size=count, dtype=np.uint64)
+    keys[:5] = [0, 2**64 - 1, 2**63, 2**63 - 1, 1]
+    lengths = rng.integers(0, 2**40, size=count, dtype=np.int64)
+    lengths[:5] = [0, 1, 2**62, 7, 2**63 - 1]
+    return keys, lengths
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "dynamo"])
+def test_the_device_uniforms_are_the_hosts_bit_for_bit(compiled):
+    """``uniform_tensor`` (the compiled step's draw, int64 ops standing in for uint64's) gives every row the
+    float64 ``uniform_array`` (numpy's uint64 splitmix) gives it: a graph-drawn row and an eager-drawn one
+    draw the same token at the same position, whichever path a step takes."""
+    from nopad.inference.seeding import uniform_array, uniform_tensor
+
+    keys, lengths = random_keys()
+    fn = torch.compile(uniform_tensor, backend="eager", dynamic=True) if compiled else uniform_tensor
+    got = fn(torch.from_numpy(keys.view("int64")), torch.from_numpy(lengths))
+    assert got.dtype == torch.float64 and got.tolist() == uniform_array(keys, lengths).tolist()
+
+
+@pytest.mark.slow
+def test_inductor_compiled_device_uniforms_are_the_hosts_bit_for_bit():
+    """The same through inductor's generated C++ (int64 arithmetic wrapping as uint64's must)."""
+    from nopad.inference.seeding import uniform_array, uniform_tensor
+
+    keys, lengths = random_keys()
+    torch._dynamo.reset()
+    got = torch.compile(uniform_tensor)(torch.from_numpy(keys.view("int64")), torch.from_numpy(lengths))
+    torch._dynamo.reset()
+    assert got.tolist() == uniform_array(keys, lengths).tolist()
+
+
 def test_counter_seed_depends_on_every_key():
     base = counter_seed(1, 0, 10)
     assert base == counter_seed(1, 0, 10)
