@@ -119,7 +119,6 @@ FILTERS = {
     "min_p": dict(min_p=0.5),
     "top_logprobs": dict(logprobs=2),
     "top_k_and_top_p": dict(top_k=5, top_p=0.7),
-    "repetition_penalty": dict(repetition_penalty=1.4),
     "everything": dict(top_k=40, top_p=0.9, min_p=0.02, logprobs=3, repetition_penalty=1.2),
 }
 
