@@ -166,7 +166,7 @@ class DecodeBatch:
                 plan_ = self.rows_plan = plan_rows(seqs, out.shape[1])
                 self.rand = np.asarray(plan_.rand, dtype=np.int64)
             uniforms = uniform_draws(self.keys[self.rand], pos[self.rand]) if plan_.rand else None  # pos: lengths
-            penalties = None if self.penalties is None else self._penalties(out.shape[1]).rows()
+            penalties = None if self.penalties is None else self._penalties(out.shape[1])
             ahead = int(prev is not None)
             sample = self.sampler.draw(out, seqs, ahead, plan_, uniforms, penalties)
         if self.penalties is not None:  # each row's draw joins its history, on the device

@@ -113,7 +113,7 @@ class GraphDraw:
 
     rows: DrawRows
     policy_version: int
-    seen: SeenTokens | None = None  # the rows' seen-token mask and penalties (with spec.penalty)
+    seen: SeenTokens | None = None  # the rows' tokens so far and penalties (with spec.penalty)
 
     @property
     def spec(self) -> DrawSpec:
@@ -132,7 +132,7 @@ class GraphDraw:
         """The inputs already on the device, after :meth:`columns`' (:func:`draw_rows`' last two): with a
         repetition penalty, the mask and penalties of ``padded`` rows (the padding rows' are never read
         back)."""
-        return self.seen.rows(padded) if self.spec.penalty else ()
+        return self.seen.mask_rows(padded) if self.spec.penalty else ()
 
     def pending(self, outputs: tuple[torch.Tensor, ...], num: int) -> PendingSample:
         """The graph's outputs for the first ``num`` rows (the rest are padding), as the eager sampler

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nopad.inference.penalties import penalize, penalties_of, seen_mask
+from nopad.inference.penalties import SeenTokens, penalize_pairs, penalties_of, token_pairs
 from nopad.inference.request import Sequence
 from nopad.inference.sampler_memory import SamplerBuffers, host_tensor, log_softmax_into
 from nopad.inference.sampling_filters import filtered_logprobs
@@ -48,7 +48,7 @@ class Sampler:
         ahead: int = 0,
         rows_plan: RowsPlan | None = None,
         uniforms: list[float] | None = None,
-        penalties: tuple[torch.Tensor, torch.Tensor] | None = None,
+        penalties: SeenTokens | None = None,
     ) -> PendingSample:
         """:func:`sample_on_device` of every row of ``logits`` (overlap scheduling reads it back later)."""
         return sample_on_device(
@@ -153,14 +153,14 @@ def sample_on_device(
     ahead: int = 0,
     rows_plan: RowsPlan | None = None,
     uniforms: list[float] | None = None,
-    penalties: tuple[torch.Tensor, torch.Tensor] | None = None,
+    penalties: SeenTokens | None = None,
 ) -> PendingSample:
     """:func:`sample` up to the read-back. ``ahead``: tokens each sequence has drawn that are not in
     its ``token_ids`` yet (an overlapped step's, :mod:`nopad.inference.overlap`); its draw and
     ``min_tokens`` count them. Rows needing their full history on the host (repetition penalty)
     must have none ahead. ``rows_plan`` (:func:`plan_rows` of ``seqs``) and ``uniforms`` (each random
     row's :func:`uniform_draw`) may come from a batch that keeps them across steps, as may ``penalties``:
-    every row's seen-token mask and repetition penalty (:class:`nopad.inference.penalties.SeenTokens`)."""
+    every row's tokens so far and repetition penalty (:class:`nopad.inference.penalties.SeenTokens`)."""
     buffers = buffers if buffers is not None else SamplerBuffers()
     if logits.dtype != torch.float32:
         logits = buffers.get("logits", logits).copy_(logits)  # exact, as logits.float()
@@ -210,26 +210,25 @@ def sample_on_device(
 
 
 def _adjusted(
-    logits: torch.Tensor, seqs: list[Sequence], rp: RowsPlan, ahead: int, penalties: tuple | None
+    logits: torch.Tensor, seqs: list[Sequence], rp: RowsPlan, ahead: int, penalties: SeenTokens | None
 ) -> torch.Tensor:
     """The logits rows draw from: repetition penalties (over prompt and output, as in vLLM/HF: a decode
-    batch's kept mask, else one built from the penalised rows' tokens on the host,
-    :mod:`nopad.inference.penalties`) and ``min_tokens`` stop bans; ``logits`` itself when neither applies."""
+    batch's kept tokens, else the penalised rows' tokens read on the host, :mod:`nopad.inference.penalties`)
+    and ``min_tokens`` stop bans; ``logits`` itself when neither applies."""
     x, params = logits, rp.params
-    rows, vocab = logits.shape
     if penalties is not None:
-        x = penalize(x, *penalties)
+        x = penalties.apply(x)
     elif rp.penalized:
-        assert not ahead, "a repetition penalty without a kept mask reads every token on the host"
+        assert not ahead, "a repetition penalty without kept tokens reads every token on the host"
         r = rp.penalized
-        seen = seen_mask([seqs[i] for i in r], vocab, logits.device)
+        pairs = token_pairs([seqs[i] for i in r], logits.device)
         p_rows = penalties_of([params[i] for i in r], logits.device)
-        if len(r) == rows:
-            x = penalize(x, seen, p_rows)
+        if len(r) == logits.shape[0]:
+            x = penalize_pairs(x, pairs, p_rows)
         else:
             x = x.clone()
             idx = host_tensor(r, torch.long, logits.device)
-            x[idx] = penalize(x[idx], seen, p_rows)
+            x[idx] = penalize_pairs(x[idx], pairs, p_rows)
     for i in rp.bans:  # plain attributes only (no property calls)
         seq, p = seqs[i], params[i]
         if seq.num_turn_tokens + ahead < p.min_tokens and seq.request.stop_ids:

@@ -355,28 +355,33 @@ def test_repetition_penalty_greedy_equals_hf_generate():
 
 
 def test_seen_tokens_follow_the_rows_kept():
-    """The mask's rows move with the batch's rows when some leave (compacted at the front, in order), and
-    a row's draw is marked in its own row."""
+    """The kept tokens move with the batch's rows when some leave (compacted at the front, in order), a
+    row's draw joins its own row, and the pairs (CPU) and the mask (a compiled step's) penalise alike."""
     import numpy as np
 
-    from nopad.inference.penalties import SeenTokens, penalize
+    from nopad.inference.penalties import SeenTokens
 
-    seqs = [
-        SimpleNamespace(token_ids=[1, 2], request=SimpleNamespace(params=SamplingParams(repetition_penalty=2.0))),
-        SimpleNamespace(token_ids=[3], request=SimpleNamespace(params=SamplingParams())),
-        SimpleNamespace(token_ids=[0, 4, 4], request=SimpleNamespace(params=SamplingParams(repetition_penalty=0.5))),
-    ]
+    def seq(tokens, penalty=1.0):
+        return SimpleNamespace(
+            token_ids=tokens, request=SimpleNamespace(params=SamplingParams(repetition_penalty=penalty))
+        )
+
     seen = SeenTokens(4, 6, torch.device("cpu"))
-    seen.fill(seqs)
+    seen.fill([seq([1, 2], 2.0), seq([3]), seq([0, 4, 4], 0.5)])
     seen.saw(torch.tensor([5, 0, 1]))
-    mask, penalty = seen.rows()
+    x = torch.tensor([[-1.0, 2.0, 3.0, 1.0, 0.0, -2.0]] * 3)
+    by_pairs = seen.apply(x)
+    mask, penalty = seen.mask_rows(3)
     assert mask.nonzero().tolist() == [[0, 1], [0, 2], [0, 5], [1, 0], [1, 3], [2, 0], [2, 1], [2, 4]]
+    assert torch.equal(seen.apply(x), by_pairs)  # (the pairs still apply on CPU)
     seen.keep(np.array([True, False, True]))
-    mask, penalty = seen.rows()
+    mask, penalty = seen.mask_rows(2)
     assert mask.nonzero().tolist() == [[0, 1], [0, 2], [0, 5], [1, 0], [1, 1], [1, 4]]
     assert penalty.tolist() == [2.0, 0.5]
-    x = torch.tensor([[-1.0, 2.0, 3.0, 1.0, 0.0, -2.0], [-1.0, 2.0, 3.0, 1.0, 0.0, -2.0]])
-    assert penalize(x, mask, penalty).tolist() == [[-1.0, 1.0, 1.5, 1.0, 0.0, -4.0], [-0.5, 4.0, 3.0, 1.0, 0.0, -2.0]]
+    expected = [[-1.0, 1.0, 1.5, 1.0, 0.0, -4.0], [-0.5, 4.0, 3.0, 1.0, 0.0, -2.0]]
+    assert seen.apply(x[:2]).tolist() == expected
+    seen.pairs = None  # the mask alone (an accelerator's form)
+    assert seen.apply(x[:2]).tolist() == expected
 
 
 @OVERLAP
