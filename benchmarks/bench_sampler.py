@@ -7,7 +7,8 @@ SmolLM2-135M-Instruct, ``--seqs`` chat prompts decoding together; greedy, temper
 temperature 0.7 with top-p 0.9; fp32 and bf16. Printed per case: median step time, median time in
 the sampler and page faults per step (minor faults from ``getrusage``) of each way, and the ratio.
 Then a greedy step's argmax over the same rows x vocab logits: torch's against the sampler's (numpy's
-on CPU), the same indices. ``--compiled-pick``: the greedy pick (argmax and the token's log-prob)
+on CPU), the same indices; a repetition penalty from a dense mask against (row, token) pairs, the same
+bits. ``--compiled-pick``: the greedy pick (argmax and the token's log-prob)
 as one ``torch.compile``d function, against the sampler's eager ops on the same logits: whether the
 sampler belongs inside a compiled decode step on this device (#53 item 3).
 
@@ -135,6 +136,9 @@ def main(argv=None) -> dict:
                 flush=True,
             )
     report["argmax"] = time_argmax(args.seqs, model.config.vocab_size, args.steps)
+    report["penalties"] = {
+        rows: time_penalties(rows, model.config.vocab_size, args.steps) for rows in sorted({args.seqs, 256})
+    }
     if args.compiled_pick:
         report["compiled_pick"] = {
             rows: time_compiled_pick(rows, model.config.vocab_size, args.steps) for rows in (args.seqs, 256)
@@ -160,6 +164,39 @@ def time_argmax(rows: int, vocab: int, repeats: int) -> dict[str, float]:
         f"greedy argmax over {rows} x {vocab} fp32 logits, {torch.get_num_threads()} threads: torch "
         f"{out['torch']:.3f} ms, nopad (numpy on CPU) {out['nopad']:.3f} ms: {out['torch'] / out['nopad']:.2f}x, "
         "the same indices"
+    )
+    return out
+
+
+def time_penalties(rows: int, vocab: int, repeats: int, seen_per_row: int = 200) -> dict[str, float]:
+    """A repetition penalty over ``rows x vocab`` fp32 logits, each row having seen ``seen_per_row`` tokens:
+    from a dense ``(rows, vocab)`` mask (:func:`nopad.inference.penalties.penalize`, the form on an
+    accelerator and in a compiled step) against the rows' (row, token) pairs (``penalize_pairs``, the form
+    on CPU), interleaved; both must give the same bits."""
+    from nopad.inference.penalties import penalize, penalize_pairs
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, vocab, generator=g)
+    tokens = torch.randint(0, vocab, (rows, seen_per_row), generator=g)
+    mask = torch.zeros(rows, vocab, dtype=torch.bool)
+    mask[torch.arange(rows)[:, None], tokens] = True
+    pairs = torch.stack([torch.arange(rows).repeat_interleave(seen_per_row), tokens.reshape(-1)])
+    penalty = torch.full((rows,), 1.1)
+    assert torch.equal(penalize(x, mask, penalty), penalize_pairs(x, pairs, penalty))
+    times = {"mask": [], "pairs": []}
+    for _ in range(max(repeats, 5)):
+        for name, fn in (
+            ("mask", lambda: penalize(x, mask, penalty)),
+            ("pairs", lambda: penalize_pairs(x, pairs, penalty)),
+        ):
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    out = {name: median(t) * 1e3 for name, t in times.items()}
+    print(
+        f"repetition penalty over {rows} x {vocab} fp32 logits, {seen_per_row} seen tokens a row, "
+        f"{torch.get_num_threads()} threads: dense mask {out['mask']:.3f} ms, (row, token) pairs "
+        f"{out['pairs']:.3f} ms: {out['mask'] / out['pairs']:.2f}x, the same bits"
     )
     return out
 
