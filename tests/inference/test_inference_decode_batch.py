@@ -85,11 +85,13 @@ def test_an_overlapped_general_step_hands_forked_groups_to_the_batch():
 
 
 @OVERLAP
-def test_tool_episodes_decode_in_the_batch_as_in_the_general_step(overlap, monkeypatch):
+@pytest.mark.parametrize("penalty", [1.0, 1.3], ids=["plain", "penalised"])
+def test_tool_episodes_decode_in_the_batch_as_in_the_general_step(overlap, penalty, monkeypatch):
     """Tool episodes' turns (forked after their first tool call) are served from the kept arrays too: every
     step of theirs took the general step. Overlapped, an episode that pauses at step N and resumes (its
     tool returned at once) before N+1 is read back must drop N+1's draw, which its tokens have outgrown:
-    every tool call here is done before the decode loop goes on, so each resumes at the next poll."""
+    every tool call here is done before the decode loop goes on, so each resumes at the next poll. With a
+    repetition penalty, each resumed turn's kept tokens hold the tool's output too."""
     import concurrent.futures as cf
 
     from nopad.inference.tools import ToolRunner
@@ -107,7 +109,7 @@ def test_tool_episodes_decode_in_the_batch_as_in_the_general_step(overlap, monke
         gen = Generator(tiny_model("qwen2"), block_size=2, num_blocks=512, overlap=overlap and kept)
         if not kept:
             gen.decode_batch.serve = lambda: False
-        runs[kept], calls = forked_tool_episodes(gen)
+        runs[kept], calls = forked_tool_episodes(gen, repetition_penalty=penalty)
         stats[kept] = gen.stats()
     assert calls >= 2
     assert runs[True] == runs[False]

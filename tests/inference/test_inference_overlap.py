@@ -122,11 +122,13 @@ def test_stop_strings_and_streamed_deltas_equal_serial():
     assert runs[True] == runs[False]
 
 
-def forked_tool_episodes(gen: Generator) -> tuple[list[tuple], int]:
+def forked_tool_episodes(gen: Generator, **extra) -> tuple[list[tuple], int]:
     """Sampled tool episodes of three prompts, n = 2, each forked in two after its first tool call, in
     ``batch_invariant()``: each episode's branch, tokens, mask, log-probs and finish reason, and the
-    tool calls made; the generator's blocks are all back after."""
-    params = SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=10, stop_token_ids=STOPS, ignore_eos=True)
+    tool calls made; the generator's blocks are all back after. ``extra``: more sampling parameters."""
+    params = SamplingParams(
+        temperature=1.0, seed=11, n=2, max_tokens=10, stop_token_ids=STOPS, ignore_eos=True, **extra
+    )
     with batch_invariant():
         episodes = gen.run_episodes(
             prompts_of([3, 7, 12]),
