@@ -146,6 +146,17 @@ def main(argv=None) -> dict:
     return report
 
 
+def interleaved(fns: dict, repeats: int) -> dict[str, float]:
+    """Each of ``fns``' median wall ms over at least 5 calls, the calls interleaved (so load hits all alike)."""
+    times = {name: [] for name in fns}
+    for _ in range(max(repeats, 5)):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: median(t) * 1e3 for name, t in times.items()}
+
+
 def time_argmax(rows: int, vocab: int, repeats: int) -> dict[str, float]:
     """A greedy step's argmax over ``rows x vocab`` fp32 logits: torch's (``Tensor.argmax``) against the
     sampler's (``argmax_rows``: numpy's on CPU), interleaved; both must give the same indices."""
@@ -153,13 +164,7 @@ def time_argmax(rows: int, vocab: int, repeats: int) -> dict[str, float]:
 
     x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
-    times = {"torch": [], "nopad": []}
-    for _ in range(max(repeats, 5)):
-        for name, fn in (("torch", lambda: x.argmax(dim=-1)), ("nopad", lambda: argmax_rows(x))):
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    out = {name: median(t) * 1e3 for name, t in times.items()}
+    out = interleaved({"torch": lambda: x.argmax(dim=-1), "nopad": lambda: argmax_rows(x)}, repeats)
     print(
         f"greedy argmax over {rows} x {vocab} fp32 logits, {torch.get_num_threads()} threads: torch "
         f"{out['torch']:.3f} ms, nopad (numpy on CPU) {out['nopad']:.3f} ms: {out['torch'] / out['nopad']:.2f}x, "
@@ -183,16 +188,9 @@ def time_penalties(rows: int, vocab: int, repeats: int, seen_per_row: int = 200)
     pairs = torch.stack([torch.arange(rows).repeat_interleave(seen_per_row), tokens.reshape(-1)])
     penalty = torch.full((rows,), 1.1)
     assert torch.equal(penalize(x, mask, penalty), penalize_pairs(x, pairs, penalty))
-    times = {"mask": [], "pairs": []}
-    for _ in range(max(repeats, 5)):
-        for name, fn in (
-            ("mask", lambda: penalize(x, mask, penalty)),
-            ("pairs", lambda: penalize_pairs(x, pairs, penalty)),
-        ):
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    out = {name: median(t) * 1e3 for name, t in times.items()}
+    out = interleaved(
+        {"mask": lambda: penalize(x, mask, penalty), "pairs": lambda: penalize_pairs(x, pairs, penalty)}, repeats
+    )
     print(
         f"repetition penalty over {rows} x {vocab} fp32 logits, {seen_per_row} seen tokens a row, "
         f"{torch.get_num_threads()} threads: dense mask {out['mask']:.3f} ms, (row, token) pairs "
