@@ -32,6 +32,7 @@ arrays flag: a length limit, a stop id, or stop strings of its own).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from itertools import repeat
@@ -163,7 +164,9 @@ class DecodeBatch:
         else:
             plan_ = self.rows_plan
             if plan_ is None or plan_.vocab != out.shape[1]:
-                plan_ = self.rows_plan = plan_rows(seqs, out.shape[1])
+                # no min_tokens ban: a row still short of its min_tokens is not served here (servable), and
+                # a row's tokens only grow (the sampler's per-row walk would be Python per row)
+                plan_ = self.rows_plan = dataclasses.replace(plan_rows(seqs, out.shape[1]), bans=[])
                 self.rand = np.asarray(plan_.rand, dtype=np.int64)
             uniforms = uniform_draws(self.keys[self.rand], pos[self.rand]) if plan_.rand else None  # pos: lengths
             penalties = None if self.penalties is None else self._penalties(out.shape[1])

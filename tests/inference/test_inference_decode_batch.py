@@ -196,16 +196,19 @@ def test_hybrid_models_keep_their_state_slots(family, overlap):
 
 
 @OVERLAP
-def test_python_calls_per_step_do_not_grow_with_rows(overlap):
+@pytest.mark.parametrize("min_tokens", [0, 2], ids=["plain", "min_tokens"])
+def test_python_calls_per_step_do_not_grow_with_rows(overlap, min_tokens):
     """The bookkeeping contract of #53: once a batch decodes steadily, a step's Python calls do not
     grow with its rows (the general step made ~3 a row, ~6 overlapped). Counted (noise-free) over
-    greedy steps of 8 and 40 rows, none of which needs a new block or ends."""
+    greedy steps of 8 and 40 rows, none of which needs a new block or ends; with ``min_tokens`` met
+    too (the sampler's ban walk visited every such row, every step)."""
     model = tiny_model("llama", num_hidden_layers=2)
     counts = {}
     for rows in (8, 40):
         gen = Generator(model, block_size=64, max_num_seqs=rows, num_blocks=rows + 2, overlap=overlap)
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, min_tokens=min_tokens)
         for prompt in prompts_of([3] * rows):
-            gen.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+            gen.add_request(prompt, params)
         with gen.live.attention():
             for _ in range(3):  # prefill, then the batch is built
                 gen.step()
