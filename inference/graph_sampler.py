@@ -128,11 +128,10 @@ class GraphDraw:
         columns = [self.rows.temperature, self.rows.keys, *(self.rows.filters or ())]
         return [_padded(column, padded, value) for column, value in zip(columns, neutral)]
 
-    def device_inputs(self, padded: int) -> tuple[torch.Tensor, ...]:
+    def device_inputs(self) -> tuple[torch.Tensor, ...]:
         """The inputs already on the device, after :meth:`columns`' (:func:`draw_rows`' last two): with a
-        repetition penalty, the mask and penalties of ``padded`` rows (the padding rows' are never read
-        back)."""
-        return self.seen.mask_rows(padded) if self.spec.penalty else ()
+        repetition penalty, the batch's whole mask and penalties (static buffers; the graph reads its rows)."""
+        return self.seen.graph_inputs() if self.spec.penalty else ()
 
     def pending(self, outputs: tuple[torch.Tensor, ...], num: int) -> PendingSample:
         """The graph's outputs for the first ``num`` rows (the rest are padding), as the eager sampler
@@ -174,9 +173,9 @@ def draw_rows(
     z = logits.float()
     raw_lp = tempered_log_softmax(z)
     zp = z
-    if spec.penalty:
+    if spec.penalty:  # (the buffers hold at least the step's rows, padding included)
         *inputs, seen, penalty = inputs
-        zp = penalize(z, seen, penalty)
+        zp = penalize(z, seen[: z.shape[0]], penalty[: z.shape[0]])
     greedy_tokens = zp.argmax(dim=-1)
     top = raw_lp.topk(min(spec.top_n, z.shape[1]), dim=-1) if spec.top_n else None
     if not spec.sampled:

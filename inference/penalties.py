@@ -66,13 +66,15 @@ class SeenTokens:
     """A decode batch's rows' tokens and penalties, kept from step to step (see the module's docstring).
 
     Its buffers are allocated once, for ``capacity`` rows (the most a batch holds, at least the rows a
-    compiled step is padded to), so a compiled step always reads the same tensors; a batch uses the
-    first rows, and what lies past them is never read for a row that is kept. The mask is made the first
-    time a step asks for it (:meth:`mask_rows`), on CPU only for a compiled step."""
+    compiled step is padded to), and marked as static addresses: a compiled step reads the same tensors
+    every step, in place (a CUDA graph copies no input of tens of MB per replay). A batch uses the first
+    rows; what lies past them is never read for a row that is kept. The mask is made the first time a
+    step asks for it (:meth:`graph_inputs`), on CPU only for a compiled step."""
 
     def __init__(self, capacity: int, vocab: int, device: torch.device):
         self.capacity, self.vocab, self.device = capacity, vocab, device
         self.penalty = torch.ones(capacity, dtype=torch.float32, device=device)
+        torch._dynamo.mark_static_address(self.penalty)
         self.pairs: torch.Tensor | None = None  # (2, P) on CPU
         self.mask: torch.Tensor | None = None  # (capacity, vocab) bool
         self.num = 0
@@ -89,6 +91,7 @@ class SeenTokens:
     def _fill_mask(self, pairs: torch.Tensor) -> None:
         if self.mask is None:
             self.mask = torch.zeros(self.capacity, self.vocab, dtype=torch.bool, device=self.device)
+            torch._dynamo.mark_static_address(self.mask)
         self.mask[: self.num] = False
         self.mask[pairs[0], pairs[1]] = True
 
@@ -98,12 +101,12 @@ class SeenTokens:
             return penalize_pairs(x, self.pairs, self.penalty)
         return penalize(x, self.mask[: self.num], self.penalty[: self.num])
 
-    def mask_rows(self, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The mask and penalties of ``padded`` rows, for a compiled step (the rows past the batch's are
-        its padding, whose draws are dropped)."""
+    def graph_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole mask and penalties, for a compiled step, which reads its rows' (its padding rows'
+        draws are dropped): the buffers themselves, not views, so their static addresses hold."""
         if self.mask is None:
             self._fill_mask(self.pairs)
-        return self.mask[:padded], self.penalty[:padded]
+        return self.mask, self.penalty
 
     def saw(self, tokens: torch.Tensor) -> None:
         """Each row drew ``tokens[row]`` (on the device, not read back): it is in the row's history now."""

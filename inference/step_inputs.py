@@ -286,5 +286,5 @@ def build_static_decode(
         list(range(num)),
         position_ids=d_pos[None],
         state_index=d_state[0] if d_state else None,
-        draw=tuple(d_draw) + (() if draw is None else draw.device_inputs(padded)),
+        draw=tuple(d_draw) + (() if draw is None else draw.device_inputs()),
     )

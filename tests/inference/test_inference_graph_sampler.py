@@ -100,12 +100,19 @@ def test_all_greedy_steps_draw_argmax_in_the_graph(eager_dynamo):
 
 def test_greedy_rows_with_repetition_penalties_draw_in_the_graph(eager_dynamo):
     """Every row greedy, some penalised: the argmax variant over the penalised logits (the mask and the
-    penalties are the graph's inputs), the eager sampler's tokens; the penalty changed them."""
+    penalties are the graph's inputs), the eager sampler's tokens, one graph per spec whatever the rows;
+    the penalty changed them."""
+    from torch._dynamo.utils import counters
+
     model = tiny_model("qwen3")
     params = [SamplingParams(temperature=0.0, max_tokens=8 + i, ignore_eos=True) for i in range(4)]
     params[1:3] = [dataclasses.replace(p, repetition_penalty=1.7) for p in params[1:3]]
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     drawn, gen = generate(model, params, True)
     assert DrawSpec(penalty=True) in {spec for _, spec in gen._runner._variants}
+    # one graph per spec, whatever the rows (the mask is read whole, from its static buffer), no break
+    assert counters["stats"]["unique_graphs"] - graphs == len({spec for _, spec in gen._runner._variants})
+    assert sum(counters["graph_break"].values()) == breaks
     assert 0 < gen.stats()["graph_draw_steps"] == gen.stats()["decode_batch_steps"]
     eager, _ = generate(model, params, False)
     assert records(drawn) == records(eager)
