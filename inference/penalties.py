@@ -46,13 +46,14 @@ def penalize_pairs(x: torch.Tensor, pairs: torch.Tensor, penalty: torch.Tensor) 
     return out
 
 
-def token_pairs(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+def token_pairs(seqs: list[Sequence], device: torch.device, rows: list[int] | None = None) -> torch.Tensor:
     """``(2, P)`` int64 on ``device``: a (row, token) pair for every token of every sequence (prompt and
-    output), in one host-to-device copy."""
+    output), sequence ``i`` being row ``rows[i]`` (default ``i``), in one host-to-device copy."""
     lens = [len(s.token_ids) for s in seqs]
     tokens = np.fromiter(chain.from_iterable([s.token_ids for s in seqs]), np.int64, sum(lens))
-    pairs = torch.from_numpy(np.stack([np.repeat(np.arange(len(seqs), dtype=np.int64), lens), tokens]))
-    if device.type == "cuda":
+    index = np.arange(len(seqs), dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
+    pairs = torch.from_numpy(np.stack([np.repeat(index, lens), tokens]))
+    if device.type == "cuda":  # (pinned and non-blocking, as the step's inputs go)
         return pairs.pin_memory().to(device, non_blocking=True)
     return pairs.to(device)
 

@@ -220,15 +220,9 @@ def _adjusted(
         x = penalties.apply(x)
     elif rp.penalized:
         assert not ahead, "a repetition penalty without kept tokens reads every token on the host"
-        r = rp.penalized
-        pairs = token_pairs([seqs[i] for i in r], logits.device)
-        p_rows = penalties_of([params[i] for i in r], logits.device)
-        if len(r) == logits.shape[0]:
-            x = penalize_pairs(x, pairs, p_rows)
-        else:
-            x = x.clone()
-            idx = host_tensor(r, torch.long, logits.device)
-            x[idx] = penalize_pairs(x[idx], pairs, p_rows)
+        r = rp.penalized  # (the other rows' penalty is 1: their logits come out as they were)
+        pairs = token_pairs([seqs[i] for i in r], logits.device, rows=r)
+        x = penalize_pairs(x, pairs, penalties_of(params, logits.device))
     for i in rp.bans:  # plain attributes only (no property calls)
         seq, p = seqs[i], params[i]
         if seq.num_turn_tokens + ahead < p.min_tokens and seq.request.stop_ids:
